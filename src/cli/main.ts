@@ -1,0 +1,20 @@
+#!/usr/bin/env node
+/**
+ * The `kvfence` command. Each subcommand lives in its own file under src/cli/ and exports a
+ * function returning a commander `Command`; this file only assembles them.
+ */
+import { Command } from "commander";
+
+const program = new Command("kvfence")
+  .description("A disaggregated LLM inference server whose KV cache is fenced to its owner")
+  .version("0.1.0");
+
+// One line per subcommand file (kept sorted). Each module exports `command(): Command`.
+const commands: Array<() => Promise<{ command(): Command }>> = [
+  // cli-commands:begin
+  // cli-commands:end
+];
+
+for (const load of commands) program.addCommand((await load()).command());
+
+await program.parseAsync(process.argv);

@@ -12,6 +12,9 @@ const program = new Command("kvfence")
 // One line per subcommand file (kept sorted). Each module exports `command(): Command`.
 const commands: Array<() => Promise<{ command(): Command }>> = [
   // cli-commands:begin
+  () => import("./gen-model.js"),
+  () => import("./preflight.js"),
+  () => import("./probe.js"),
   // cli-commands:end
 ];
 

@@ -1,0 +1,267 @@
+/**
+ * Benchmark: what the per-step page tag check (DESIGN.md §3) costs in decode throughput.
+ *
+ * Two engines share one forward pass and one set of weights, each with its own KV pool: one with
+ * the check on (the default), one with it off. Both prefill the same batch of prompts once; then
+ * the benchmark alternates between them, `steps` timed pure-decode steps at a time, in pairs whose
+ * order flips every pair (on→off, off→on, …) so drift in the shared machine hits both arms alike.
+ * Each pair gives a throughput ratio on/off; the report is the mean ratio with a 95% confidence
+ * interval over the pairs (target: cost ≤ 1%, i.e. ratio ≥ 0.99).
+ *
+ * Because the end-to-end ratio is noisy on a shared machine, the benchmark also times the check
+ * alone — `PagePool.checkStep` over the very block tables of the batch — and reports it as a
+ * fraction of the mean step time, which resolves costs far below the end-to-end noise.
+ *
+ * Run: `node dist/bench/tag-check.js [--model DIR | --like smollm2-135m|tiny] [--pairs 10]
+ * [--batch 8] [--prompt 16] [--steps 4] [--json]`. Without `--model`, a random model with the
+ * shapes of `--like` is generated once (as `kvfence gen-model` does) under the OS temp folder.
+ */
+import { existsSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { parseArgs } from "node:util";
+import { Engine } from "../src/engine/engine.js";
+import type { GenerationEvents } from "../src/engine/engine-types.js";
+import type { KvLayout } from "../src/kvcache/kv-layout.js";
+import { PagePool } from "../src/kvcache/page-pool.js";
+import { pairedRatio, quantile, type RatioInterval } from "../src/lib/stats.js";
+import { loadModelConfig } from "../src/model/config-loader.js";
+import { ForwardPass } from "../src/model/forward.js";
+import { genModel } from "../src/model/gen-model.js";
+import { loadWeights } from "../src/model/load-model.js";
+import { makeSafety } from "../src/protocol/safety.js";
+
+export interface TagCheckBenchOptions {
+  /** A model folder; when absent, a random model shaped like `like` is generated (once) in a temp folder. */
+  readonly model?: string;
+  readonly like?: string;
+  /** Interleaved on/off pairs. Default 10. */
+  readonly pairs?: number;
+  /** Concurrent decoding requests. Default 8. */
+  readonly batch?: number;
+  /** Prompt tokens per request. Default 16. */
+  readonly promptTokens?: number;
+  /** Timed decode steps per arm of a pair. Default 4. */
+  readonly steps?: number;
+  readonly pageSize?: number;
+  /** Progress lines go here. */
+  readonly log?: (line: string) => void;
+}
+
+export interface TagCheckBenchReport {
+  readonly model: string;
+  readonly batch: number;
+  readonly promptTokens: number;
+  readonly stepsPerArm: number;
+  readonly pairs: readonly { on: Arm; off: Arm }[];
+  /** Decode tokens per wall-clock second, median over arms. */
+  readonly tokensPerSecondOn: number;
+  readonly tokensPerSecondOff: number;
+  /** Throughput ratio on/off per CPU second of the stepping thread: geometric mean and 95% CI over pairs. */
+  readonly cpuRatio: RatioInterval;
+  /** The same per wall-clock second (noisier on a shared machine). */
+  readonly wallRatio: RatioInterval;
+  /** The check alone, per step of the whole batch, in microseconds; and as a fraction of a decode step. */
+  readonly checkMicrosPerStep: number;
+  readonly checkFractionOfStep: number;
+  readonly pagesCheckedPerStep: number;
+}
+
+/** Decode tokens per second in one arm: per wall-clock second and per CPU second of this thread. */
+export interface Arm {
+  readonly wall: number;
+  readonly cpu: number;
+}
+
+const IGNORE: GenerationEvents = { onTokens() {}, onFinish() {}, onError() {} };
+
+function modelDir(options: TagCheckBenchOptions, log: (line: string) => void): string {
+  if (options.model !== undefined) return options.model;
+  const like = options.like ?? "smollm2-135m";
+  const dir = join(tmpdir(), "kvfence-bench-models", `${like}-seed1`);
+  if (!existsSync(join(dir, "model.safetensors"))) {
+    log(`generating a random ${like}-shaped model in ${dir}`);
+    genModel(dir, { like, seed: 1 });
+  }
+  return dir;
+}
+
+export function runTagCheckBench(options: TagCheckBenchOptions = {}): TagCheckBenchReport {
+  const log = options.log ?? (() => {});
+  const pairs = options.pairs ?? 10;
+  const batch = options.batch ?? 8;
+  const promptTokens = options.promptTokens ?? 16;
+  const steps = options.steps ?? 4;
+  const pageSize = options.pageSize ?? 16;
+  const dir = modelDir(options, log);
+  const config = loadModelConfig(dir);
+  const weights = loadWeights(dir, config);
+  log(`model ${dir}: ${config.numLayers} layers, hidden ${config.hiddenSize}, vocab ${config.vocabSize}`);
+
+  const decodeTokens = 2 * pairs * steps + 3;
+  const perRequest = promptTokens + decodeTokens;
+  const layout: KvLayout = {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize,
+  };
+  const numPages = batch * Math.ceil(perRequest / pageSize) + 1;
+  const forward = new ForwardPass(config, weights, layout, {
+    maxBatchTokens: Math.max(batch * promptTokens, batch),
+    maxSequences: batch,
+  });
+  const engines = [true, false].map(
+    (tagCheck) =>
+      new Engine(forward, new PagePool(layout, numPages), {
+        safety: makeSafety({ disabledGuards: tagCheck ? [] : ["page-tags"] }),
+        seed: 1,
+        maxModelLen: Math.min(config.maxPositionEmbeddings, perRequest + 1),
+      }),
+  );
+  for (const engine of engines) {
+    for (let r = 0; r < batch; r++) {
+      const prompt = Int32Array.from(
+        { length: promptTokens },
+        (_, i) => (r * 131 + i * 17 + 3) % config.vocabSize,
+      );
+      engine.submit(
+        {
+          rid: r + 1,
+          tenant: 0,
+          promptTokens: prompt,
+          maxTokens: decodeTokens,
+          temperature: 0,
+          topP: 1,
+          topK: 0,
+          seed: null,
+          stopTokenIds: [],
+        },
+        IGNORE,
+      );
+    }
+    engine.step(); // the whole batch's prefill in one step
+    const s = engine.stats();
+    if (s.queue.running !== batch || s.counters.completionTokens !== batch) {
+      throw new Error(`Prefill did not complete in one step: ${JSON.stringify(s.queue)}`);
+    }
+  }
+  log(`prefilled ${batch} × ${promptTokens} tokens in both engines`);
+  for (const engine of engines) engine.step(); // one untimed decode step each: warm the JIT
+
+  // Each arm: decode tokens per second of wall time and of this thread's CPU time. CPU time does
+  // not count time the OS gave other processes (the machine is shared), so its ratio is the
+  // sharper one; the wall-time ratio is reported beside it.
+  const timeArm = (engine: Engine): Arm => {
+    const before = engine.stats().counters.completionTokens;
+    const c0 = process.cpuUsage();
+    const t0 = performance.now();
+    for (let i = 0; i < steps; i++) engine.step();
+    const wallSeconds = (performance.now() - t0) / 1000;
+    const cpu = process.cpuUsage(c0);
+    const tokens = engine.stats().counters.completionTokens - before;
+    return { wall: tokens / wallSeconds, cpu: tokens / ((cpu.user + cpu.system) / 1e6) };
+  };
+  const results: { on: Arm; off: Arm }[] = [];
+  for (let p = 0; p < pairs; p++) {
+    let on: Arm;
+    let off: Arm;
+    if (p % 2 === 0) {
+      on = timeArm(engines[0]!);
+      off = timeArm(engines[1]!);
+    } else {
+      off = timeArm(engines[1]!);
+      on = timeArm(engines[0]!);
+    }
+    results.push({ on, off });
+    log(
+      `pair ${p + 1}/${pairs}: on ${on.wall.toFixed(2)} tok/s (cpu ${on.cpu.toFixed(2)}), off ${off.wall.toFixed(2)} tok/s (cpu ${off.cpu.toFixed(2)})`,
+    );
+  }
+
+  // The check alone, over the checked engine's live block tables, as a step would run it.
+  const checked = engines[0]!;
+  const pool = checked.pool;
+  const tables = checked.liveBlockTables();
+  let pagesPerStep = 0;
+  for (const t of tables) pagesPerStep += t.blockTable.length;
+  const reps = 20_000;
+  let failures = 0;
+  const t0 = performance.now();
+  for (let i = 0; i < reps; i++) {
+    for (const t of tables) {
+      if (pool.checkStep(t.blockTable, t.rid, t.epoch, t.computed, t.computed + 1) >= 0) failures++;
+    }
+  }
+  const checkMicros = ((performance.now() - t0) * 1000) / reps;
+  if (failures > 0) throw new Error(`Tag check failed on a healthy batch: ${failures} times`);
+  for (const engine of engines) for (const t of engine.liveBlockTables()) engine.abort(t.rid);
+
+  const cpuRatio = pairedRatio(
+    results.map((r) => r.on.cpu),
+    results.map((r) => r.off.cpu),
+  );
+  const wallRatio = pairedRatio(
+    results.map((r) => r.on.wall),
+    results.map((r) => r.off.wall),
+  );
+  const median = (xs: number[]) => quantile(xs, 0.5);
+  const tokensPerSecondOn = median(results.map((r) => r.on.wall));
+  const cpuStepSeconds = batch / median(results.map((r) => r.on.cpu));
+  return {
+    model: dir,
+    batch,
+    promptTokens,
+    stepsPerArm: steps,
+    pairs: results,
+    tokensPerSecondOn,
+    tokensPerSecondOff: median(results.map((r) => r.off.wall)),
+    cpuRatio,
+    wallRatio,
+    checkMicrosPerStep: checkMicros,
+    checkFractionOfStep: checkMicros / 1e6 / cpuStepSeconds,
+    pagesCheckedPerStep: pagesPerStep,
+  };
+}
+
+export function formatTagCheckReport(r: TagCheckBenchReport): string {
+  const pct = (x: number) => `${(x * 100).toFixed(2)}%`;
+  const line = (name: string, q: RatioInterval) =>
+    `  ratio on/off (${name}): ${q.ratio.toFixed(4)} (95% CI ${q.low.toFixed(4)} – ${q.high.toFixed(4)}); cost ${pct(1 - q.ratio)} (CI ${pct(1 - q.high)} – ${pct(1 - q.low)})`;
+  return [
+    `tag-check bench: ${r.model}`,
+    `  batch ${r.batch}, prompt ${r.promptTokens} tokens, ${r.stepsPerArm} decode step(s) per arm, ${r.pairs.length} interleaved pairs`,
+    `  decode throughput (median, wall): check on ${r.tokensPerSecondOn.toFixed(2)} tok/s, off ${r.tokensPerSecondOff.toFixed(2)} tok/s`,
+    line("per CPU second", r.cpuRatio),
+    line("per wall second", r.wallRatio),
+    `  the check alone: ${r.checkMicrosPerStep.toFixed(2)} µs per step over ${r.pagesCheckedPerStep} pages = ${(r.checkFractionOfStep * 100).toPrecision(2)}% of a decode step's CPU time`,
+  ].join("\n");
+}
+
+function main(): void {
+  const { values } = parseArgs({
+    options: {
+      model: { type: "string" },
+      like: { type: "string", default: "smollm2-135m" },
+      pairs: { type: "string", default: "10" },
+      batch: { type: "string", default: "8" },
+      prompt: { type: "string", default: "16" },
+      steps: { type: "string", default: "4" },
+      json: { type: "boolean", default: false },
+    },
+  });
+  const report = runTagCheckBench({
+    ...(values.model === undefined ? {} : { model: values.model }),
+    like: values.like,
+    pairs: Number(values.pairs),
+    batch: Number(values.batch),
+    promptTokens: Number(values.prompt),
+    steps: Number(values.steps),
+    log: (line) => process.stderr.write(`${line}\n`),
+  });
+  process.stdout.write(
+    values.json ? `${JSON.stringify(report, null, 2)}\n` : `${formatTagCheckReport(report)}\n`,
+  );
+}
+
+if (import.meta.url === `file://${process.argv[1]}`) main();

@@ -1,0 +1,185 @@
+/**
+ * Worker threads of `bench/transfer.ts`. Role "prefill": owns the source pages (a private,
+ * pre-faulted buffer) and every sender (shared-memory writer, TCP transfer server, raw socket
+ * server). Role "decode": the shared-memory receiver, verifying checksums as pages land.
+ * Every timestamp is `process.hrtime.bigint()`, one monotonic clock for all threads of the process.
+ */
+import net from "node:net";
+import { type MessagePort, parentPort, workerData } from "node:worker_threads";
+import { checksumLeasePages, pageChecksum } from "../src/transfer/page-checksum.js";
+import { type ShmChannel, ShmTransferReceiver, ShmTransferWriter } from "../src/transfer/shm-transport.js";
+import { TcpTransferServer, type TcpTransferWriter } from "../src/transfer/tcp-transport.js";
+import type { TransferLease, TransferManifest, TransferWriter } from "../src/transfer/transport.js";
+import { type TransferReservation, verifyManifest } from "../src/transfer/verify-manifest.js";
+
+export type HashMode = "none" | "pre" | "inline";
+
+export interface WorkerInit {
+  readonly role: "prefill" | "decode";
+  readonly channel: ShmChannel;
+  readonly port: MessagePort;
+  readonly sourcePages: number;
+  readonly secret: string;
+  readonly signalBytes: number;
+}
+
+const init = workerData as WorkerInit;
+const parent = parentPort!;
+const pageBytes = init.channel.pageBytes;
+const now = (): bigint => process.hrtime.bigint();
+
+/** The manifest prefill sends; `checksums` empty when the run skips them. */
+export function manifestFor(lease: TransferLease, checksums: readonly bigint[]): TransferManifest {
+  return {
+    rid: lease.rid,
+    epoch: lease.epoch,
+    tokenStart: 0,
+    tokenEnd: lease.pages.length * lease.pageSize,
+    firstToken: 0,
+    checksums,
+  };
+}
+
+function fillPseudoRandom(bytes: Uint8Array, seed: number): void {
+  const words = new Uint32Array(bytes.buffer, bytes.byteOffset, bytes.byteLength >>> 2);
+  let x = seed >>> 0 || 1;
+  for (let i = 0; i < words.length; i++) {
+    x ^= x << 13;
+    x ^= x >>> 17;
+    x ^= x << 5;
+    words[i] = x;
+  }
+}
+
+if (init.role === "prefill") {
+  const source = new Uint8Array(init.sourcePages * pageBytes);
+  fillPseudoRandom(source, 12345);
+  const page = (i: number): Uint8Array => source.subarray(i * pageBytes, (i + 1) * pageBytes);
+  const shm = new ShmTransferWriter(init.channel, {
+    port: init.port,
+    layoutSignature: init.channel.layoutSignature,
+    signalBytes: init.signalBytes,
+  });
+  let tcp: TcpTransferWriter | null = null;
+  const tcpReady = new Promise<void>((resolve) => {
+    void TcpTransferServer.listen({
+      secret: init.secret,
+      layoutSignature: init.channel.layoutSignature,
+      onWriter: (w) => {
+        tcp = w;
+        resolve();
+      },
+    }).then((server) => parent.postMessage({ type: "tcp-port", port: server.port }));
+  });
+  let raw: net.Socket | null = null;
+  const rawServer = net.createServer({ noDelay: true }, (socket) => {
+    raw = socket;
+    parent.postMessage({ type: "raw-connected" });
+  });
+  rawServer.listen(0, "127.0.0.1", () =>
+    parent.postMessage({ type: "raw-port", port: (rawServer.address() as net.AddressInfo).port }),
+  );
+
+  const send = async (writer: TransferWriter, lease: TransferLease, hash: HashMode): Promise<bigint> => {
+    const n = lease.pages.length;
+    const checksums: bigint[] = new Array<bigint>(hash === "none" ? 0 : n);
+    // "pre": prefill hashed each page when its KV was produced, before the transfer starts.
+    if (hash === "pre")
+      for (let i = 0; i < n; i++) checksums[i] = pageChecksum(page(i), lease.rid, lease.epoch, i);
+    const t0 = now();
+    for (let i = 0; i < n; i++) {
+      const bytes = page(i);
+      if (hash === "inline") checksums[i] = pageChecksum(bytes, lease.rid, lease.epoch, i);
+      await writer.writePages(lease, [{ index: i, bytes, filledTokens: lease.pageSize }]);
+    }
+    await writer.endLease(lease, n);
+    await writer.sendControl({ type: "manifest", ...manifestFor(lease, checksums) });
+    return t0;
+  };
+
+  const sendRaw = async (bytes: number): Promise<bigint> => {
+    const socket = raw!;
+    const chunk = 1 << 20;
+    const t0 = now();
+    for (let off = 0; off < bytes; off += chunk) {
+      const end = Math.min(bytes, off + chunk);
+      if (!socket.write(source.subarray(off, end))) await new Promise((r) => socket.once("drain", r));
+    }
+    return t0;
+  };
+
+  parent.on(
+    "message",
+    async (msg: { cmd: string; id: number; lease: TransferLease; hash: HashMode; bytes: number }) => {
+      if (msg.cmd === "shm")
+        parent.postMessage({ type: "t0", id: msg.id, t0: await send(shm, msg.lease, msg.hash) });
+      else if (msg.cmd === "tcp") {
+        await tcpReady;
+        parent.postMessage({ type: "t0", id: msg.id, t0: await send(tcp!, msg.lease, msg.hash) });
+      } else if (msg.cmd === "raw")
+        parent.postMessage({ type: "t0", id: msg.id, t0: await sendRaw(msg.bytes) });
+      else if (msg.cmd === "hash") {
+        // Checksum throughput of the sender's own pages (what "pre" moves out of the transfer).
+        const t0 = now();
+        for (let i = 0; i < msg.bytes; i++) pageChecksum(page(i), 1, 1, i);
+        parent.postMessage({ type: "hash", id: msg.id, ns: Number(now() - t0) });
+      } else if (msg.cmd === "close") {
+        await shm.close();
+        await (tcp as TcpTransferWriter | null)?.close();
+        (raw as net.Socket | null)?.destroy();
+        rawServer.close();
+        process.exit(0);
+      }
+    },
+  );
+} else {
+  const pool = new Uint8Array(
+    init.channel.poolBuffer,
+    init.channel.poolByteOffset,
+    init.channel.numPages * pageBytes,
+  );
+  let current: { id: number; lease: TransferLease; verify: boolean; local: bigint[] } | null = null;
+  const receiver = new ShmTransferReceiver(init.channel, {
+    port: init.port,
+    handlers: {
+      pagesLanded: (_rid, _epoch, from, to) => {
+        if (current?.verify) checksumLeasePages(current.local, pool, pageBytes, current.lease, from, to);
+      },
+      control: (message) => {
+        const run = current;
+        if (run === null || message.type !== "manifest") return;
+        const manifest = message as unknown as TransferManifest;
+        let verdict = "ok";
+        if (run.verify) {
+          const lease = run.lease;
+          const reservation: TransferReservation = {
+            rid: lease.rid,
+            epoch: lease.epoch,
+            tokenStart: 0,
+            tokenEnd: lease.pages.length * lease.pageSize,
+            numPages: lease.pages.length,
+          };
+          verdict = verifyManifest(reservation, manifest, run.local).code;
+        }
+        const t1 = now();
+        current = null;
+        parent.postMessage({ type: "t1", id: run.id, t1, verdict });
+      },
+    },
+  });
+  parent.on("message", (msg: { cmd: string; id: number; lease: TransferLease; verify: boolean }) => {
+    if (msg.cmd === "expect") {
+      current = {
+        id: msg.id,
+        lease: msg.lease,
+        verify: msg.verify,
+        local: new Array<bigint>(msg.lease.pages.length),
+      };
+      parent.postMessage({ type: "expecting", id: msg.id });
+    } else if (msg.cmd === "close") {
+      receiver.close();
+      process.exit(0);
+    }
+  });
+  parent.postMessage({ type: "decode-ready" });
+}

@@ -1,0 +1,463 @@
+/**
+ * `kvfence bench transfer`: KV transfer bandwidth of both transports next to this machine's limits,
+ * measured in the same run with interleaved repetitions (the order of the paths rotates each rep).
+ *
+ * Paths, each moving one 4,096-token SmolLM2-135M sequence by default (256 pages × 720 KiB):
+ * - memcpy: `Uint8Array.set` between two pre-faulted buffers (main thread) — the shm ceiling;
+ * - shm: prefill worker → decode pool SharedArrayBuffer, decode worker learns through the ring;
+ * - raw-tcp: a plain socket pair over 127.0.0.1, 1 MiB writes, `onread` receiver that only counts
+ *   (prefill worker → main thread) — the TCP ceiling;
+ * - tcp: the TCP transport (prefill worker → main thread applying into the pool).
+ * Each transport also runs with checksums: "+verify" (prefill hashed each page when its KV was
+ * produced, outside the transfer; decode verifies each page as it lands, so verify overlaps the
+ * transfer) and "+hash+verify" (prefill also hashes each page inside the transfer, right before
+ * sending it). A transfer ends when decode has processed the manifest.
+ */
+
+import net from "node:net";
+import { MessageChannel, Worker } from "node:worker_threads";
+import { xxh64 } from "@node-rs/xxhash";
+import { Command } from "commander";
+import xxhashWasm from "xxhash-wasm";
+import { type KvLayout, layoutSignature, pageBytes as pageBytesOf } from "../src/kvcache/kv-layout.js";
+import { OwnershipTable } from "../src/kvcache/ownership-table.js";
+import { mean, quantile, tInterval95 } from "../src/lib/stats.js";
+import { checksumLeasePages } from "../src/transfer/page-checksum.js";
+import { createShmChannel } from "../src/transfer/shm-transport.js";
+import { connectTcpReceiver } from "../src/transfer/tcp-transport.js";
+import type { TransferLease, TransferManifest } from "../src/transfer/transport.js";
+import { verifyManifest } from "../src/transfer/verify-manifest.js";
+import type { HashMode, WorkerInit } from "./transfer-worker.js";
+
+/** SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, 16-token pages → 720 KiB per page at f32. */
+export const SMOLLM2_LAYOUT: KvLayout = { numLayers: 30, numKvHeads: 3, headDim: 64, pageSize: 16 };
+
+export const PATHS = [
+  "memcpy",
+  "shm",
+  "shm+verify",
+  "shm+hash+verify",
+  "raw-tcp",
+  "tcp",
+  "tcp+verify",
+  "tcp+hash+verify",
+] as const;
+export type PathName = (typeof PATHS)[number];
+
+export interface TransferBenchOptions {
+  readonly pages?: number;
+  readonly reps?: number;
+  readonly warmup?: number;
+  /** Shared-memory signal batch in bytes (≥ 64 KiB by design). */
+  readonly signalBytes?: number;
+  readonly layout?: KvLayout;
+  /** Run only these paths (default all; ratios need both of their paths). */
+  readonly paths?: readonly PathName[];
+  /** TCP receiver: read page bodies straight into the pool (default true). */
+  readonly directReads?: boolean;
+  readonly log?: (line: string) => void;
+}
+
+export interface PathResult {
+  readonly ms: Summary;
+  readonly gbps: Summary;
+  readonly pagesPerSecond: number;
+}
+
+export interface TransferBenchResult {
+  readonly pages: number;
+  readonly pageBytes: number;
+  readonly bytes: number;
+  readonly reps: number;
+  readonly signalBytes: number;
+  readonly paths: Record<PathName, PathResult>;
+  /** Throughput of the transport over its ceiling (time ratio ceiling / transport). */
+  readonly shmOverMemcpy: RatioInterval;
+  readonly tcpOverRaw: RatioInterval;
+  /** Transfer time with checksums over without (paired). */
+  readonly checksumCost: Record<"shmVerify" | "shmHashVerify" | "tcpVerify" | "tcpHashVerify", RatioInterval>;
+  /** Hash throughput over the same pages, GB/s medians. */
+  readonly hashGbps: { readonly nativeXxh64: Summary; readonly wasmH64Raw: Summary };
+  readonly failures: readonly string[];
+}
+
+export interface Summary {
+  readonly n: number;
+  readonly median: number;
+  readonly min: number;
+  readonly max: number;
+}
+
+export function summarize(xs: readonly number[]): Summary {
+  return { n: xs.length, median: quantile(xs, 0.5), min: quantile(xs, 0), max: quantile(xs, 1) };
+}
+
+export interface RatioInterval {
+  readonly n: number;
+  /** Geometric mean of the paired ratios a[i] / b[i]. */
+  readonly ratio: number;
+  /** Its 95% confidence interval: Student's t on the log ratios, exponentiated. */
+  readonly low: number;
+  readonly high: number;
+}
+
+/** The ratio of paired, interleaved measurements `a[i] / b[i]` with a 95% confidence interval. */
+export function pairedRatio(a: readonly number[], b: readonly number[]): RatioInterval {
+  const logs = a.map((x, i) => Math.log(x / b[i]!));
+  const ci = tInterval95(logs);
+  return { n: logs.length, ratio: Math.exp(mean(logs)), low: Math.exp(ci.low), high: Math.exp(ci.high) };
+}
+
+const now = (): bigint => process.hrtime.bigint();
+const SECRET = "bench-cluster-secret-not-for-production";
+
+/** Messages from a worker, awaited by `type` and run id. */
+class Mailbox {
+  readonly #waiting = new Map<string, (msg: Record<string, unknown>) => void>();
+  readonly #early = new Map<string, Record<string, unknown>>();
+
+  constructor(worker: Worker) {
+    worker.on("message", (msg: Record<string, unknown>) => {
+      const key = `${String(msg.type)}:${String(msg.id ?? "")}`;
+      const resolve = this.#waiting.get(key);
+      if (resolve === undefined) this.#early.set(key, msg);
+      else {
+        this.#waiting.delete(key);
+        resolve(msg);
+      }
+    });
+  }
+
+  next(type: string, id: number | "" = ""): Promise<Record<string, unknown>> {
+    const key = `${type}:${id}`;
+    const early = this.#early.get(key);
+    if (early !== undefined) {
+      this.#early.delete(key);
+      return Promise.resolve(early);
+    }
+    return new Promise((resolve) => this.#waiting.set(key, resolve));
+  }
+}
+
+export async function runTransferBench(options: TransferBenchOptions = {}): Promise<TransferBenchResult> {
+  const layout = options.layout ?? SMOLLM2_LAYOUT;
+  const numPages = options.pages ?? 256;
+  const reps = options.reps ?? 7;
+  const warmup = options.warmup ?? 1;
+  const signalBytes = options.signalBytes ?? 64 * 1024;
+  const log = options.log ?? (() => {});
+  const pageBytes = pageBytesOf(layout);
+  const bytes = numPages * pageBytes;
+  const signature = layoutSignature(layout, "SmolLM2-135M");
+  const failures: string[] = [];
+
+  // The decode pool and table (pre-faulted), the memcpy source (pre-faulted, private).
+  const table = new OwnershipTable(numPages, {
+    buffer: new SharedArrayBuffer(OwnershipTable.bytesFor(numPages)),
+  });
+  const pool = new Uint8Array(new SharedArrayBuffer(bytes));
+  pool.fill(1);
+  const memcpySource = new Uint8Array(bytes);
+  memcpySource.fill(2);
+  const channel = createShmChannel({ pool, table, pageBytes, layoutSignature: signature });
+  const { port1, port2 } = new MessageChannel();
+  const workerUrl = new URL("./transfer-worker.js", import.meta.url);
+  const common = { channel, sourcePages: numPages, secret: SECRET, signalBytes };
+  const prefill = new Worker(workerUrl, {
+    workerData: { ...common, role: "prefill", port: port1 } satisfies WorkerInit,
+    transferList: [port1],
+  });
+  const decode = new Worker(workerUrl, {
+    workerData: { ...common, role: "decode", port: port2 } satisfies WorkerInit,
+    transferList: [port2],
+  });
+  for (const w of [prefill, decode]) w.on("error", (e) => failures.push(`worker: ${e.message}`));
+  const pre = new Mailbox(prefill);
+  const dec = new Mailbox(decode);
+  await dec.next("decode-ready");
+  const tcpPort = (await pre.next("tcp-port")).port as number;
+  const rawPort = (await pre.next("raw-port")).port as number;
+
+  // Main thread: decode end of the TCP transport.
+  let tcpRun: {
+    lease: TransferLease;
+    verify: boolean;
+    local: bigint[];
+    done: (t1: bigint, verdict: string) => void;
+  } | null = null;
+  const tcpReceiver = await connectTcpReceiver({
+    port: tcpPort,
+    secret: SECRET,
+    layoutSignature: signature,
+    pool,
+    table,
+    pageBytes,
+    directReadMinBytes: options.directReads === false ? Number.POSITIVE_INFINITY : 64 * 1024,
+    handlers: {
+      pagesLanded: (_rid, _epoch, from, to) => {
+        if (tcpRun?.verify) checksumLeasePages(tcpRun.local, pool, pageBytes, tcpRun.lease, from, to);
+      },
+      control: (message) => {
+        const run = tcpRun;
+        if (run === null || message.type !== "manifest") return;
+        const lease = run.lease;
+        const verdict = run.verify
+          ? verifyManifest(
+              {
+                rid: lease.rid,
+                epoch: lease.epoch,
+                tokenStart: 0,
+                tokenEnd: lease.pages.length * lease.pageSize,
+                numPages: lease.pages.length,
+              },
+              message as unknown as TransferManifest,
+              run.local,
+            ).code
+          : "ok";
+        tcpRun = null;
+        run.done(now(), verdict);
+      },
+    },
+  });
+  // Main thread: the raw loopback receiver, counting bytes into one reused 1 MiB buffer.
+  let rawRun: { remaining: number; done: (t1: bigint) => void } | null = null;
+  const rawConnected = pre.next("raw-connected");
+  const rawSocket = net.connect({
+    port: rawPort,
+    host: "127.0.0.1",
+    noDelay: true,
+    onread: {
+      buffer: Buffer.allocUnsafe(1 << 20),
+      callback: (n: number) => {
+        if (rawRun === null) return true;
+        rawRun.remaining -= n;
+        if (rawRun.remaining <= 0) {
+          const run = rawRun;
+          rawRun = null;
+          run.done(now());
+        }
+        return true;
+      },
+    },
+  });
+  await rawConnected;
+
+  let rid = 1;
+  const leaseOf = (): TransferLease => {
+    const pages = new Int32Array(numPages);
+    const generations = new Uint32Array(numPages);
+    if (!table.allocate(numPages, rid, 1, 0, pages, generations)) throw new Error("Bench pool is not free");
+    return {
+      rid: rid++,
+      epoch: 1,
+      pages: Array.from(pages, (page, i) => ({ page, generation: generations[i]! })),
+      pageSize: layout.pageSize,
+      layoutSignature: signature,
+    };
+  };
+  const release = (lease: TransferLease): void => {
+    for (const p of lease.pages) table.free(p.page, p.generation, lease.rid, lease.epoch);
+  };
+  const hashOf = (path: PathName): HashMode =>
+    path.endsWith("+hash+verify") ? "inline" : path.endsWith("+verify") ? "pre" : "none";
+
+  let id = 0;
+  const runPath = async (path: PathName): Promise<number> => {
+    const runId = ++id;
+    if (path === "memcpy") {
+      const t0 = now();
+      pool.set(memcpySource);
+      return Number(now() - t0);
+    }
+    if (path === "raw-tcp") {
+      const t1 = new Promise<bigint>((done) => {
+        rawRun = { remaining: bytes, done };
+      });
+      prefill.postMessage({ cmd: "raw", id: runId, bytes });
+      const t0 = (await pre.next("t0", runId)).t0 as bigint;
+      return Number((await t1) - t0);
+    }
+    const lease = leaseOf();
+    const hash = hashOf(path);
+    let t1: Promise<{ t1: bigint; verdict: string }>;
+    if (path.startsWith("shm")) {
+      decode.postMessage({ cmd: "expect", id: runId, lease, verify: hash !== "none" });
+      await dec.next("expecting", runId);
+      t1 = dec.next("t1", runId).then((m) => ({ t1: m.t1 as bigint, verdict: m.verdict as string }));
+      prefill.postMessage({ cmd: "shm", id: runId, lease, hash });
+    } else {
+      t1 = new Promise((resolve) => {
+        tcpRun = {
+          lease,
+          verify: hash !== "none",
+          local: new Array<bigint>(numPages),
+          done: (t, verdict) => resolve({ t1: t, verdict }),
+        };
+      });
+      prefill.postMessage({ cmd: "tcp", id: runId, lease, hash });
+    }
+    const t0 = (await pre.next("t0", runId)).t0 as bigint;
+    const end = await t1;
+    release(lease);
+    if (end.verdict !== "ok") failures.push(`${path}: manifest verdict ${end.verdict}`);
+    return Number(end.t1 - t0);
+  };
+
+  const wasm = await xxhashWasm();
+  const hashPass = (fn: (page: Uint8Array, seed: bigint) => bigint): number => {
+    const t0 = now();
+    for (let i = 0; i < numPages; i++) fn(pool.subarray(i * pageBytes, (i + 1) * pageBytes), BigInt(i));
+    return Number(now() - t0);
+  };
+
+  const times = Object.fromEntries(PATHS.map((p) => [p, [] as number[]])) as Record<PathName, number[]>;
+  const hashNs = { native: [] as number[], wasm: [] as number[] };
+  const selected = PATHS.filter((p) => options.paths === undefined || options.paths.includes(p));
+  for (let rep = -warmup; rep < reps; rep++) {
+    const order = selected.map((_, i) => selected[(i + Math.max(rep, 0)) % selected.length]!);
+    for (const path of order) {
+      const ns = await runPath(path);
+      if (rep >= 0) times[path].push(ns);
+    }
+    const native = hashPass((p, s) => xxh64(p, s));
+    const wasmNs = hashPass((p, s) => wasm.h64Raw(p, s));
+    if (rep >= 0) {
+      hashNs.native.push(native);
+      hashNs.wasm.push(wasmNs);
+      log(
+        `rep ${rep + 1}/${reps}: ${selected.map((p) => `${p} ${(bytes / times[p].at(-1)!).toFixed(2)}`).join(", ")} GB/s`,
+      );
+    }
+  }
+
+  prefill.postMessage({ cmd: "close" });
+  decode.postMessage({ cmd: "close" });
+  await tcpReceiver.close();
+  rawSocket.destroy();
+  await Promise.all([
+    new Promise((r) => prefill.once("exit", r)),
+    new Promise((r) => decode.once("exit", r)),
+  ]);
+
+  const result = (path: PathName): PathResult => {
+    const ns = times[path];
+    return {
+      ms: summarize(ns.map((t) => t / 1e6)),
+      gbps: summarize(ns.map((t) => bytes / t)),
+      pagesPerSecond: numPages / (summarize(ns).median / 1e9),
+    };
+  };
+  return {
+    pages: numPages,
+    pageBytes,
+    bytes,
+    reps,
+    signalBytes,
+    paths: Object.fromEntries(PATHS.map((p) => [p, result(p)])) as Record<PathName, PathResult>,
+    shmOverMemcpy: pairedRatio(times.memcpy, times.shm),
+    tcpOverRaw: pairedRatio(times["raw-tcp"], times.tcp),
+    checksumCost: {
+      shmVerify: pairedRatio(times["shm+verify"], times.shm),
+      shmHashVerify: pairedRatio(times["shm+hash+verify"], times.shm),
+      tcpVerify: pairedRatio(times["tcp+verify"], times.tcp),
+      tcpHashVerify: pairedRatio(times["tcp+hash+verify"], times.tcp),
+    },
+    hashGbps: {
+      nativeXxh64: summarize(hashNs.native.map((t) => bytes / t)),
+      wasmH64Raw: summarize(hashNs.wasm.map((t) => bytes / t)),
+    },
+    failures,
+  };
+}
+
+function fmtRatio(r: RatioInterval, asPercent: boolean): string {
+  const f = (x: number): string => (asPercent ? `${(x * 100).toFixed(0)}%` : x.toFixed(3));
+  return `${f(r.ratio)} [95% CI ${f(r.low)}–${f(r.high)}]`;
+}
+
+/** The human-readable report of a run. */
+export function formatTransferReport(r: TransferBenchResult): string {
+  const lines: string[] = [];
+  lines.push(
+    `KV transfer: ${r.pages} pages × ${(r.pageBytes / 1024).toFixed(0)} KiB = ${(r.bytes / 1e6).toFixed(1)} MB per transfer, ` +
+      `${r.reps} interleaved reps, shm signal every ${(r.signalBytes / 1024).toFixed(0)} KiB`,
+  );
+  lines.push("path               median ms   GB/s median [min–max]     pages/s");
+  for (const p of PATHS) {
+    const x = r.paths[p];
+    if (x.ms.n === 0) continue;
+    const gbps = `${x.gbps.median.toFixed(2).padStart(5)} [${x.gbps.min.toFixed(2)}–${x.gbps.max.toFixed(2)}]`;
+    lines.push(
+      `${p.padEnd(18)} ${x.ms.median.toFixed(2).padStart(9)}   ${gbps.padEnd(23)} ${Math.round(x.pagesPerSecond)}`,
+    );
+  }
+  lines.push(`shm throughput / memcpy:      ${fmtRatio(r.shmOverMemcpy, true)}  (target ≥ 80%)`);
+  lines.push(`tcp throughput / raw socket:  ${fmtRatio(r.tcpOverRaw, true)}  (target ≥ 70%)`);
+  lines.push("checksum cost, time with / without (target ≤ 1.10):");
+  lines.push(`  shm, verify as pages land:            ${fmtRatio(r.checksumCost.shmVerify, false)}`);
+  lines.push(`  shm, hash in transfer + verify:       ${fmtRatio(r.checksumCost.shmHashVerify, false)}`);
+  lines.push(`  tcp, verify as pages land:            ${fmtRatio(r.checksumCost.tcpVerify, false)}`);
+  lines.push(`  tcp, hash in transfer + verify:       ${fmtRatio(r.checksumCost.tcpHashVerify, false)}`);
+  const h = r.hashGbps;
+  lines.push(
+    `xxhash64 per page: native ${h.nativeXxh64.median.toFixed(1)} GB/s [${h.nativeXxh64.min.toFixed(1)}–${h.nativeXxh64.max.toFixed(1)}], ` +
+      `wasm h64Raw ${h.wasmH64Raw.median.toFixed(1)} GB/s [${h.wasmH64Raw.min.toFixed(1)}–${h.wasmH64Raw.max.toFixed(1)}]`,
+  );
+  if (r.failures.length > 0) lines.push(`FAILURES: ${r.failures.join("; ")}`);
+  return lines.join("\n");
+}
+
+function positiveInt(name: string): (value: string) => number {
+  return (value) => {
+    const n = Number(value);
+    if (!Number.isInteger(n) || n < 1) throw new Error(`${name} must be a positive integer: ${value}`);
+    return n;
+  };
+}
+
+interface TransferCliOptions {
+  pages: number;
+  reps: number;
+  warmup: number;
+  signalKib: number;
+  paths?: string;
+  directReads: boolean;
+  json?: boolean;
+}
+
+/** `kvfence bench transfer`. */
+export function command(): Command {
+  return new Command("transfer")
+    .description("KV transfer bandwidth of the shared-memory and TCP transports vs memcpy and a raw socket")
+    .option(
+      "--pages <n>",
+      "pages per transfer (256 = a 4,096-token SmolLM2-135M sequence)",
+      positiveInt("--pages"),
+      256,
+    )
+    .option("--reps <n>", "measured repetitions of each path", positiveInt("--reps"), 7)
+    .option("--warmup <n>", "warm-up repetitions", positiveInt("--warmup"), 1)
+    .option("--signal-kib <n>", "shared-memory completion signal batch, KiB", positiveInt("--signal-kib"), 64)
+    .option("--paths <list>", `comma-separated subset of: ${PATHS.join(",")}`)
+    .option("--no-direct-reads", "TCP receiver copies page bodies through its receive buffer")
+    .option("--json", "print the result as JSON")
+    .action(async (o: TransferCliOptions) => {
+      const paths = o.paths?.split(",").map((p) => p.trim());
+      const unknown = paths?.filter((p) => !(PATHS as readonly string[]).includes(p)) ?? [];
+      if (unknown.length > 0)
+        throw new Error(`Unknown path in --paths; use ${PATHS.join(", ")}: ${unknown.join(",")}`);
+      const result = await runTransferBench({
+        pages: o.pages,
+        reps: o.reps,
+        warmup: o.warmup,
+        signalBytes: o.signalKib * 1024,
+        directReads: o.directReads,
+        ...(paths === undefined ? {} : { paths: paths as PathName[] }),
+        log: o.json === true ? () => {} : (line) => console.error(line),
+      });
+      console.log(o.json === true ? JSON.stringify(result, null, 2) : formatTransferReport(result));
+      if (result.failures.length > 0) process.exitCode = 1;
+    });
+}
+
+if (import.meta.url === `file://${process.argv[1]}`) await command().parseAsync(process.argv);

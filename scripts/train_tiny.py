@@ -1,0 +1,385 @@
+#!/usr/bin/python3
+"""Train kvfence-tiny: a ~1.4 M parameter Llama that copies access codes from its context.
+
+Run with Debian's PyTorch (torch 1.13, CPU):  /usr/bin/python3 scripts/train_tiny.py
+  --out models/kvfence-tiny   where the Hugging Face files are written (best checkpoint)
+  --work /work/scratch/kvfence-tiny   checkpoints (last.pt, best.pt)
+  --resume                     continue from <work>/last.pt (bit-identical data stream)
+  --eval-only                  evaluate <out>/model.safetensors on the eval fixture
+
+Corpus (see scripts/corpus.py for the grammar): every training sequence is a ChatML conversation
+whose first user turn holds a context of 'the access code of account NNNN is XXX-XXX.' records
+mixed with filler sentences and distractor facts, followed by 'What is the access code of account
+NNNN?'; later user turns ask more questions about the same context. The assistant answers the code,
+or 'unknown' (~12%) when the account has no record in the context. The loss weights answer tokens
+(code bytes and <|im_end|>) 1.0 and every other token 0.05. Contexts follow a curriculum from
+~100 bytes to ~1,100 bytes. Data for step s is generated from random.Random(seed * 1_000_003 + s),
+so a resumed run sees exactly the same stream. Held-out accounts/codes never appear in training.
+
+The model is the Hugging Face Llama definition implemented here: RMSNorm, RoPE (rotate_half on
+[first half | second half] of head_dim), GQA attention, SwiGLU MLP, tied LM head; parameter
+names match LlamaForCausalLM, and weights are saved as f32 safetensors written by hand.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import struct
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402
+
+CFG = dict(
+    vocab_size=corpus.VOCAB_SIZE, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=40, intermediate_size=512, num_hidden_layers=4, rms_norm_eps=1e-5,
+    rope_theta=10000.0, max_position_embeddings=2048,
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Attn(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d, hd = c["hidden_size"], c["head_dim"]
+        self.nh, self.nkv, self.hd = c["num_attention_heads"], c["num_key_value_heads"], hd
+        self.q_proj = nn.Linear(d, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, d, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # GQA as in HF repeat_kv: query head h reads kv head h // rep. Grouping the rep query heads
+        # of one kv head into one (rep*t, hd) matrix gives the same result with fewer, larger GEMMs.
+        rep = self.nh // self.nkv
+        qg = q.reshape(b * self.nkv, rep * t, self.hd)
+        kt = k.reshape(b * self.nkv, t, self.hd).transpose(1, 2)
+        s = torch.baddbmm(mask.repeat(rep, 1), qg, kt, alpha=1.0 / math.sqrt(self.hd))
+        o = torch.bmm(torch.softmax(s, dim=-1), v.reshape(b * self.nkv, t, self.hd))
+        o = o.view(b, self.nh, t, self.hd)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d, i = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn = Attn(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Inner(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList([Layer(c) for _ in range(c["num_hidden_layers"])])
+        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+
+
+class Llama(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        self.model = Inner(c)
+        hd = c["head_dim"]
+        inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        for n, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * c["num_hidden_layers"]) if n.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        pos = torch.arange(t, dtype=torch.float32)
+        fr = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((fr, fr), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        mask = torch.full((t, t), float("-inf")).triu(1)
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask)
+        return self.model.norm(x) @ self.model.embed_tokens.weight.t()  # tied lm_head
+
+
+# ---------------------------------------------------------------------------------------------
+def save_safetensors(path, tensors, dtype="F32"):
+    header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        if dtype == "F32":
+            raw = t.float().numpy().tobytes()
+        else:  # BF16: top 16 bits of the f32 bit pattern, round to nearest even
+            bits = t.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            raw = bits.to(torch.int16 if False else torch.int32).numpy().astype("<u2").tobytes()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+    return off
+
+
+def load_safetensors(path):
+    import numpy as np
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, m in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = m["data_offsets"]
+        assert m["dtype"] == "F32"
+        out[name] = torch.from_numpy(np.frombuffer(data[a:b], dtype="<f4").copy()).view(m["shape"])
+    return out
+
+
+def export_hf(model, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: v for k, v in model.state_dict().items() if k != "inv_freq"}
+    save_safetensors(os.path.join(out_dir, "model.safetensors"), sd)
+    c = model.c
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **c,
+        "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
+        "mlp_bias": False, "rope_scaling": None, "initializer_range": 0.02, "torch_dtype": "float32",
+        "bos_token_id": corpus.ENDOFTEXT, "eos_token_id": [corpus.IM_END, corpus.ENDOFTEXT],
+        "pad_token_id": corpus.ENDOFTEXT, "use_cache": True,
+    }
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    import tokenizer_files
+    tokenizer_files.write(out_dir, model_max_length=c["max_position_embeddings"])
+
+
+# ---------------------------------------------------------------------------------------------
+def schedule(step, total):
+    """(min_ctx, max_ctx) bytes of context for this step: short first, then the full range."""
+    f = step / total
+    if f < 0.10:
+        return 40, 250
+    if f < 0.25:
+        return 40, 500
+    if f < 0.45:
+        return 60, 800
+    return 60, 1100
+
+
+def make_batch(seed, step, total, tokens_per_step):
+    rng = random.Random(seed * 1_000_003 + step)
+    lo, hi = schedule(step, total)
+    target = rng.randint(lo, hi)
+    seqs = []
+    budget = 0
+    pools = TRAIN_POOLS
+    while budget < tokens_per_step or not seqs:
+        tb = max(30, int(target * rng.uniform(0.85, 1.15)))
+        nq = rng.randint(2, 3 + tb // 150)
+        ids, w = corpus.encode_turns(corpus.make_conversation(rng, pools, tb, nq))
+        seqs.append((ids, w))
+        budget += len(ids)
+    t = max(len(s[0]) for s in seqs)
+    x = torch.full((len(seqs), t), corpus.ENDOFTEXT, dtype=torch.long)
+    wt = torch.zeros((len(seqs), t))
+    ans = torch.zeros((len(seqs), t))
+    for i, (ids, w) in enumerate(seqs):
+        x[i, : len(ids)] = torch.tensor(ids)
+        ans[i, : len(ids)] = torch.tensor(w, dtype=torch.float32)
+        wt[i, : len(ids)] = 0.05
+    wt = torch.maximum(wt, ans)
+    # targets: predict token j+1 at position j; weight/answer flags belong to the target token
+    return x[:, :-1], x[:, 1:], wt[:, 1:], ans[:, 1:]
+
+
+TRAIN_POOLS = corpus.Pools(heldout=False)
+
+
+def answer_exact(logits, y, ans):
+    """Per sequence: fraction of answers whose every token (code + <|im_end|>) is argmax."""
+    ok = (logits.argmax(-1) == y) | (ans == 0)
+    return ok, ans
+
+
+@torch.no_grad()
+def eval_recall(model, prompts, bs=8):
+    """Greedy exact-match recall via teacher forcing (equivalent for greedy decoding)."""
+    model.eval()
+    hits, fails = 0, []
+    for i in range(0, len(prompts), bs):
+        chunk = prompts[i: i + bs]
+        seqs = []
+        for p in chunk:
+            pr = corpus.encode_prompt(p["messages"][0]["content"])
+            tgt = corpus.encode_text(p["expected"]) + [corpus.IM_END]
+            seqs.append((pr, tgt))
+        t = max(len(a) + len(b) for a, b in seqs)
+        x = torch.full((len(seqs), t), corpus.ENDOFTEXT, dtype=torch.long)
+        for j, (a, b) in enumerate(seqs):
+            x[j, : len(a) + len(b)] = torch.tensor(a + b)
+        pred = model(x).argmax(-1)
+        for j, (a, b) in enumerate(seqs):
+            got = pred[j, len(a) - 1: len(a) - 1 + len(b)].tolist()
+            if got == b:
+                hits += 1
+            else:
+                fails.append((chunk[j]["expected"], bytes(c for c in got if c < 256).decode("utf-8", "replace")))
+    model.train()
+    return hits / len(prompts), fails
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="models/kvfence-tiny")
+    ap.add_argument("--work", default="/work/scratch/kvfence-tiny")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--tokens-per-step", type=int, default=6144)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--ckpt-every-s", type=float, default=180)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--fixture", default="testing/fixtures/recall-prompts.json")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+    os.makedirs(args.work, exist_ok=True)
+    model = Llama(CFG)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params:,}", flush=True)
+
+    with open(args.fixture) as f:
+        fixture = json.load(f)["prompts"]
+    if args.eval_only:
+        model.load_state_dict(load_safetensors(os.path.join(args.out, "model.safetensors")), strict=False)
+        t0 = time.time()
+        r, fails = eval_recall(model, fixture)
+        print(f"recall {r * 100:.1f}% ({round(r * len(fixture))}/{len(fixture)}) in {time.time() - t0:.0f}s")
+        for e, g in fails:
+            print(f"  expected {e} got {g!r}")
+        return
+    # periodic eval slice: a validation set from the held-out pools with another seed (not the fixture)
+    val = corpus.make_eval_prompts(seed=args.seed + 777, n=64)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
+    step, best = 0, -1.0
+    last_path, best_path = os.path.join(args.work, "last.pt"), os.path.join(args.work, "best.pt")
+    if args.resume and os.path.exists(last_path):
+        ck = torch.load(last_path)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, best = ck["step"], ck["best"]
+        torch.set_rng_state(ck["torch_rng"])
+        print(f"resumed at step {step} (best {best:.3f})", flush=True)
+
+    def lr_at(s):
+        warm = 100
+        if s < warm:
+            return args.lr * (s + 1) / warm
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (s - warm) / (args.steps - warm))))
+
+    def save(path, rec):
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
+                    "torch_rng": torch.get_rng_state(), "recall": rec, "cfg": CFG}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    t_start, t_ck = time.time(), time.time()
+    ema_loss, ema_acc = None, None
+    while step < args.steps:
+        x, y, w, ans = make_batch(args.seed, step, args.steps, args.tokens_per_step)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        logits = model(x)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view_as(w)
+        loss = (nll * w).sum() / w.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        with torch.no_grad():
+            ans_loss = ((nll * ans).sum() / ans.sum()).item()
+            tok_acc = (((logits.argmax(-1) == y).float() * ans).sum() / ans.sum()).item()
+        ema_loss = ans_loss if ema_loss is None else 0.9 * ema_loss + 0.1 * ans_loss
+        ema_acc = tok_acc if ema_acc is None else 0.9 * ema_acc + 0.1 * tok_acc
+        if step % 10 == 0:
+            el = time.time() - t_start
+            print(f"step {step}/{args.steps} T={x.shape[1]} B={x.shape[0]} lr={lr_at(step):.2e} "
+                  f"loss {loss.item():.3f} ans_loss {ema_loss:.3f} ans_tok_acc {ema_acc:.3f} {el:.0f}s", flush=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            r, _ = eval_recall(model, val)
+            print(f"EVAL step {step} val recall {r * 100:.1f}% (64 held-out prompts, 100-1000 B)", flush=True)
+            if r >= best:
+                best = r
+                save(best_path, r)
+                export_hf(model, args.out)
+                print(f"  new best {r * 100:.1f}% -> exported to {args.out}", flush=True)
+            save(last_path, r)
+            t_ck = time.time()
+        elif time.time() - t_ck > args.ckpt_every_s:
+            save(last_path, None)
+            t_ck = time.time()
+    print(f"done in {time.time() - t_start:.0f}s; best val recall {best * 100:.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+/** `kvfence probe BASE_URL`: canary leak test for any OpenAI-compatible endpoint (thin wrapper). */
+import { writeFile } from "node:fs/promises";
+import { Command, InvalidArgumentError } from "commander";
+import { runProbe } from "../tools/probe/probe.js";
+import { exitCodeOf, renderProbeSummary } from "../tools/probe/probe-report.js";
+
+interface ProbeCliOptions {
+  apiKey?: string;
+  apiKeyB?: string;
+  model?: string;
+  maxModelLen?: number;
+  poolTokens?: number;
+  requests: number;
+  concurrency: number;
+  json?: string;
+  timeout: number;
+  overallTimeout: number;
+  seed?: number;
+  recordTemplate?: string;
+  questionTemplate?: string;
+  maxTokens: number;
+  plants: number;
+  quiet?: boolean;
+}
+
+export function command(): Command {
+  return new Command("probe")
+    .description(
+      "Canary leak test for any OpenAI-compatible endpoint: exit 0 clean, 1 on any finding, 2 when it could not run",
+    )
+    .argument("<base-url>", "server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    .option("--api-key <key>", "tenant A's API key (plants canaries)")
+    .option("--api-key-b <key>", "tenant B's API key (probes); may equal A's (default: A's)")
+    .option("--model <id>", "model id (default: the first from /v1/models)")
+    .option("--max-model-len <n>", "context length (default: from /v1/models or SGLang server info)", int(1))
+    .option(
+      "--pool-tokens <n>",
+      "KV pool tokens when known (default: /kvfence/nodes or SGLang server info)",
+      int(1),
+    )
+    .option("--requests <n>", "ordinary load requests from B during the probe phase", int(0), 24)
+    .option("--concurrency <n>", "requests in flight at once", int(1), 4)
+    .option("--json <file>", "write the JSON report to this file")
+    .option("--timeout <seconds>", "per-request timeout", int(1), 120)
+    .option("--overall-timeout <seconds>", "budget for the whole run", int(1), 900)
+    .option("--seed <n>", "seed for canaries and prompts (default: random, printed)", int(0))
+    .option(
+      "--record-template <text>",
+      'record format with {account} and {code} (default: "the access code of account {account} is {code}.")',
+    )
+    .option(
+      "--question-template <text>",
+      'question with {account} (default: "What is the access code of account {account}?")',
+    )
+    .option("--max-tokens <n>", "max_tokens of every request", int(1), 16)
+    .option("--plants <n>", "plant prompts sent by tenant A", int(1), 8)
+    .option("--quiet", "no progress on stderr")
+    .action(async (baseUrl: string, opts: ProbeCliOptions) => {
+      try {
+        const report = await runProbe({
+          baseUrl,
+          requests: opts.requests,
+          concurrency: opts.concurrency,
+          timeoutMs: opts.timeout * 1000,
+          overallTimeoutMs: opts.overallTimeout * 1000,
+          maxTokens: opts.maxTokens,
+          plants: opts.plants,
+          ...(opts.apiKey === undefined ? {} : { apiKeyA: opts.apiKey }),
+          ...(opts.apiKeyB === undefined ? {} : { apiKeyB: opts.apiKeyB }),
+          ...(opts.model === undefined ? {} : { model: opts.model }),
+          ...(opts.maxModelLen === undefined ? {} : { maxModelLen: opts.maxModelLen }),
+          ...(opts.poolTokens === undefined ? {} : { poolTokens: opts.poolTokens }),
+          ...(opts.seed === undefined ? {} : { seed: opts.seed }),
+          ...(opts.recordTemplate === undefined ? {} : { recordTemplate: opts.recordTemplate }),
+          ...(opts.questionTemplate === undefined ? {} : { questionTemplate: opts.questionTemplate }),
+          ...(opts.quiet === true ? {} : { onProgress: (line: string) => process.stderr.write(`${line}\n`) }),
+        });
+        if (opts.json !== undefined) await writeFile(opts.json, `${JSON.stringify(report, null, 2)}\n`);
+        process.stdout.write(`${renderProbeSummary(report)}\n`);
+        process.exitCode = exitCodeOf(report);
+      } catch (err) {
+        process.stderr.write(`kvfence probe: ${err instanceof Error ? err.message : String(err)}\n`);
+        process.exitCode = 2;
+      }
+    });
+}
+
+function int(min: number): (value: string) => number {
+  return (value: string) => {
+    const n = Number(value.replaceAll("_", "").replaceAll(",", ""));
+    if (!Number.isInteger(n) || n < min)
+      throw new InvalidArgumentError(`Expected an integer of at least ${min}: ${value}`);
+    return n;
+  };
+}

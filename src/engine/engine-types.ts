@@ -1,0 +1,65 @@
+/**
+ * The contract between the HTTP router and the engine. The router assigns request ids, tokenizes,
+ * matches stop *strings* itself (then calls `abort`), and turns these events into SSE/JSON. The
+ * engine runs in a worker thread (`src/node/engine-worker.ts`); `src/node/engine-client.ts` is the
+ * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
+ */
+import type { WireError } from "../lib/errors.js";
+
+/** One generation request, as the engine sees it (already tokenized and validated by the router). */
+export interface GenerationRequest {
+  /** u32, unique per request (router assigns). */
+  readonly rid: number;
+  /** u32 tenant index from the API key. */
+  readonly tenant: number;
+  readonly promptTokens: Int32Array;
+  readonly maxTokens: number;
+  /** 0 = greedy. */
+  readonly temperature: number;
+  readonly topP: number;
+  /** 0 = off. */
+  readonly topK: number;
+  readonly seed: number | null;
+  /** EOS ids; stop *strings* are matched by the router, which then aborts. */
+  readonly stopTokenIds: readonly number[];
+}
+
+/** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */
+export interface GenerationEvents {
+  /**
+   * One or more new tokens (batched per step). The stop token id that ends a request with `stop`
+   * is not reported here; it counts in `usage.completionTokens`.
+   */
+  onTokens(tokenIds: readonly number[]): void;
+  onFinish(reason: "stop" | "length", usage: { promptTokens: number; completionTokens: number }): void;
+  /** E.g. `context_length_exceeded` at the engine's door, `page_tag_mismatch`. */
+  onError(error: WireError): void;
+}
+
+export interface EngineCapacity {
+  readonly poolTokens: number;
+  readonly pageSize: number;
+  readonly maxModelLen: number;
+}
+
+/** For /metrics and the idle-pool checks in tests. */
+export interface EngineStats {
+  pages: { free: number; reserved: number; ready: number; quarantined: number; total: number };
+  queue: { waiting: number; running: number; preempted: number };
+  counters: {
+    tagCheckFailures: number;
+    preemptions: number;
+    aborts: number;
+    promptTokens: number;
+    completionTokens: number;
+  };
+}
+
+export interface EngineHandle {
+  readonly capacity: EngineCapacity;
+  submit(request: GenerationRequest, events: GenerationEvents): void;
+  /** Idempotent; frees the request's pages exactly once. No further events for `rid` after this. */
+  abort(rid: number): void;
+  stats(): Promise<EngineStats>;
+  close(): Promise<void>;
+}

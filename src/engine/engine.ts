@@ -1,0 +1,512 @@
+/**
+ * The continuous-batching engine: one KV page pool, one forward pass, and a scheduler that turns
+ * submitted requests into batched steps. It is synchronous and single-threaded — `step()` runs one
+ * forward pass — so the worker glue (`src/node/engine-worker.ts`) drives it between messages, and
+ * tests drive it directly.
+ *
+ * ## One step
+ *
+ * 1. **Running requests, oldest first.** A decoding request adds its one pending token; a request
+ *    still in prefill adds its next chunk, within `maxPrefillTokens` per step (chunked prefill) and
+ *    `maxBatchTokens` in all. Pages are leased lazily, as the step needs them. When the pool runs
+ *    out, the most recently admitted running request is **preempted**: its pages are freed, its
+ *    epoch bumped, and it goes back to the front of the queue to be recomputed later from its
+ *    prompt plus the tokens it already generated (never from its old pages).
+ * 2. **Admission.** Waiting requests (FIFO) join while there are sequence slots, token budget and
+ *    free pages for their first chunk — not in a step that had to preempt, to avoid thrashing.
+ * 3. **The read guard.** Every page of every block table in the batch is checked against the
+ *    ownership table (`PagePool.checkStep`: generation, owner rid/epoch, state, writer stamp, filled
+ *    tokens). A request that fails is ended with `page_tag_mismatch` and counted; the rest of the
+ *    batch goes on. Integer compares only.
+ * 4. **Forward**, then `PagePool.recordStep` stamps the written pages and marks fresh ones READY.
+ * 5. **Sampling** for every request whose step reached its last token: its per-request seeded
+ *    generator draws the next token; a stop token id ends it with `stop` (the stop token is counted
+ *    in usage but not reported in `onTokens`), `maxTokens` with `length`.
+ *
+ * Abort frees a request's pages at once (nothing writes them outside `step()`), exactly once, and
+ * silences it. Greedy output does not depend on batching, chunking or preemption: every token's
+ * computation is per row, and recompute reproduces the same positions.
+ */
+
+import { BlockTable } from "../kvcache/block-table.js";
+import { PAGE_STATE_NAMES } from "../kvcache/ownership-table.js";
+import type { PagePool } from "../kvcache/page-pool.js";
+import type { WireError } from "../lib/errors.js";
+import { KvfenceError } from "../lib/errors.js";
+import { Prng } from "../lib/prng.js";
+import type { StepSequence } from "../model/forward.js";
+import type { ModelConfig } from "../model/model-config.js";
+import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
+import type { EngineCapacity, EngineStats, GenerationEvents, GenerationRequest } from "./engine-types.js";
+import { sampleToken } from "./sampler-shim.js";
+
+/** What the engine needs from the forward pass (`ForwardPass` implements it). */
+export interface StepModel {
+  readonly config: ModelConfig;
+  readonly maxBatchTokens: number;
+  readonly maxSequences: number;
+  step(pool: Float32Array, sequences: readonly StepSequence[]): void;
+}
+
+export interface EngineOptions {
+  /** Prefill tokens per step over all requests (chunked prefill). Default: the model's `maxBatchTokens`. */
+  readonly maxPrefillTokens?: number;
+  /** Context length to serve, at most the model's window. Default: the model's window. */
+  readonly maxModelLen?: number;
+  /**
+   * Guards and faults (`src/protocol/safety.ts`); default `SAFE`. The engine honours the
+   * `page-tags` guard: with it disabled (tests showing what it catches, the overhead benchmark) the
+   * per-step check is skipped and the engine reads whatever its block tables point at.
+   */
+  readonly safety?: Safety;
+  /** Seed for requests that bring none. Default: from `Math.random`. */
+  readonly seed?: number;
+}
+
+const WAITING = 0;
+const RUNNING = 1;
+const DONE = 2;
+
+const SCHEDULED = 0;
+const PREEMPTED = 1;
+const FAILED = 2;
+
+/** One request inside the engine. */
+class Sequence {
+  readonly request: GenerationRequest;
+  readonly events: GenerationEvents;
+  readonly rid: number;
+  readonly tenant: number;
+  readonly promptLength: number;
+  /** Prompt, then generated tokens; `length` of them are valid. */
+  readonly tokens: Int32Array;
+  readonly blockTable: BlockTable;
+  readonly rng: Prng;
+  readonly step: StepSequence;
+  /** Attempt number: bumped on preemption, so the old attempt's pages and stamps never match. */
+  epoch = 0;
+  length: number;
+  /** Tokens whose K/V is in the pool. */
+  computed = 0;
+  generated = 0;
+  state = WAITING;
+  preempted = false;
+  /** Tokens [stepStart, stepEnd) are in the current step. */
+  stepStart = 0;
+  stepEnd = 0;
+  stepPrefill = false;
+  inBatch = false;
+  #pagesView: Int32Array;
+
+  constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {
+    this.request = request;
+    this.events = events;
+    this.rid = request.rid;
+    this.tenant = request.tenant;
+    this.promptLength = request.promptTokens.length;
+    const capacity = this.promptLength + request.maxTokens;
+    this.tokens = new Int32Array(capacity);
+    this.tokens.set(request.promptTokens);
+    this.length = this.promptLength;
+    this.blockTable = new BlockTable(Math.ceil(capacity / pageSize));
+    this.rng = new Prng(seed);
+    this.#pagesView = this.blockTable.pages.subarray(0, 0);
+    this.step = {
+      tokens: this.tokens.subarray(0, 0),
+      startPos: 0,
+      blockTable: this.#pagesView,
+      logits: null,
+    };
+  }
+
+  /** The leased pages as the forward pass wants them (a view, re-made only when pages were added). */
+  pagesView(): Int32Array {
+    if (this.#pagesView.length !== this.blockTable.length) {
+      this.#pagesView = this.blockTable.pages.subarray(0, this.blockTable.length);
+    }
+    return this.#pagesView;
+  }
+}
+
+export class Engine {
+  readonly capacity: EngineCapacity;
+  readonly pool: PagePool;
+  readonly #model: StepModel;
+  readonly #maxPrefillTokens: number;
+  readonly #maxBatchTokens: number;
+  readonly #maxSequences: number;
+  readonly #contextTokens: number;
+  readonly #tagCheck: boolean;
+  readonly #seeds: Prng;
+  readonly #byRid = new Map<number, Sequence>();
+  readonly #waiting: Sequence[] = [];
+  readonly #running: Sequence[] = [];
+  readonly #batch: Sequence[] = [];
+  readonly #stepSequences: StepSequence[] = [];
+  readonly #logits: Float32Array[] = [];
+  #tokenBudget = 0;
+  #prefillBudget = 0;
+  #preemptedThisStep = false;
+  readonly #counters = {
+    tagCheckFailures: 0,
+    preemptions: 0,
+    aborts: 0,
+    promptTokens: 0,
+    completionTokens: 0,
+  };
+
+  constructor(model: StepModel, pool: PagePool, options: EngineOptions = {}) {
+    const config = model.config;
+    if (
+      pool.layout.numLayers !== config.numLayers ||
+      pool.layout.numKvHeads !== config.numKvHeads ||
+      pool.layout.headDim !== config.headDim
+    ) {
+      throw new KvfenceError(
+        "layout_mismatch",
+        `KV pool layout does not match the model: pool ${pool.layout.numLayers}/${pool.layout.numKvHeads}/${pool.layout.headDim}, model ${config.numLayers}/${config.numKvHeads}/${config.headDim} (layers/kvHeads/headDim)`,
+      );
+    }
+    const maxModelLen = options.maxModelLen ?? config.maxPositionEmbeddings;
+    if (!Number.isInteger(maxModelLen) || maxModelLen < 1 || maxModelLen > config.maxPositionEmbeddings) {
+      throw new KvfenceError(
+        "config_invalid",
+        `maxModelLen must be an integer from 1 to the model's window of ${config.maxPositionEmbeddings}: ${maxModelLen}`,
+      );
+    }
+    const maxPrefillTokens = options.maxPrefillTokens ?? model.maxBatchTokens;
+    if (
+      !Number.isInteger(maxPrefillTokens) ||
+      maxPrefillTokens < 1 ||
+      maxPrefillTokens > model.maxBatchTokens
+    ) {
+      throw new KvfenceError(
+        "config_invalid",
+        `maxPrefillTokens must be an integer from 1 to maxBatchTokens (${model.maxBatchTokens}): ${maxPrefillTokens}`,
+      );
+    }
+    this.#model = model;
+    this.pool = pool;
+    this.#maxPrefillTokens = maxPrefillTokens;
+    this.#maxBatchTokens = model.maxBatchTokens;
+    this.#maxSequences = model.maxSequences;
+    this.#contextTokens = Math.min(maxModelLen, pool.capacityTokens);
+    this.#tagCheck = guardOn(options.safety ?? SAFE, "page-tags");
+    this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
+    this.capacity = Object.freeze({ poolTokens: pool.capacityTokens, pageSize: pool.pageSize, maxModelLen });
+    for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
+  }
+
+  /** Tokens one request may span (prompt + max_tokens): the lesser of the context length and the pool. */
+  get contextTokens(): number {
+    return this.#contextTokens;
+  }
+
+  /** True while any request is waiting or running. */
+  get busy(): boolean {
+    return this.#byRid.size > 0;
+  }
+
+  /**
+   * Queues a request. A request that cannot be served (over the context, bad token ids, a rid in
+   * use) gets `onError` before this returns, and nothing is allocated for it.
+   */
+  submit(request: GenerationRequest, events: GenerationEvents): void {
+    const refusal = this.#doorCheck(request);
+    if (refusal !== null) {
+      events.onError(refusal);
+      return;
+    }
+    const seed = request.seed ?? this.#seeds.nextUint32();
+    const seq = new Sequence(request, events, this.pool.pageSize, seed);
+    this.#byRid.set(seq.rid, seq);
+    this.#waiting.push(seq);
+    this.#counters.promptTokens += seq.promptLength;
+  }
+
+  /** Ends a request wherever it is, freeing its pages exactly once; unknown or finished rids are ignored. */
+  abort(rid: number): void {
+    const seq = this.#byRid.get(rid);
+    if (seq === undefined) return;
+    this.#counters.aborts++;
+    this.#end(seq);
+  }
+
+  /** Ends every request with `error` (shutdown). */
+  failAll(error: WireError): void {
+    for (const seq of [...this.#byRid.values()]) {
+      this.#end(seq);
+      seq.events.onError(error);
+    }
+  }
+
+  stats(): EngineStats {
+    let preempted = 0;
+    for (const seq of this.#waiting) if (seq.preempted) preempted++;
+    return {
+      pages: this.pool.counts(),
+      queue: { waiting: this.#waiting.length, running: this.#running.length, preempted },
+      counters: { ...this.#counters },
+    };
+  }
+
+  /** The running requests' block tables (read-only use: diagnostics and the tag-check benchmark). */
+  liveBlockTables(): { rid: number; epoch: number; computed: number; blockTable: BlockTable }[] {
+    return this.#running.map((s) => ({
+      rid: s.rid,
+      epoch: s.epoch,
+      computed: s.computed,
+      blockTable: s.blockTable,
+    }));
+  }
+
+  /**
+   * Runs one scheduling step and its forward pass. Returns true while work remains (call again),
+   * false when the engine is idle.
+   */
+  step(): boolean {
+    if (this.#byRid.size === 0) return false;
+    const batch = this.#batch;
+    batch.length = 0;
+    this.#tokenBudget = this.#maxBatchTokens;
+    this.#prefillBudget = this.#maxPrefillTokens;
+    this.#preemptedThisStep = false;
+    const running = this.#running;
+
+    // 1. Running requests, oldest first: decode tokens, then prefill chunks.
+    for (let i = 0; i < running.length; i++) {
+      const seq = running[i]!;
+      if (
+        seq.length - seq.computed === 1 &&
+        this.#tokenBudget > 0 &&
+        this.#schedule(seq, 1, false) === FAILED
+      )
+        i--;
+    }
+    for (let i = 0; i < running.length; i++) {
+      const seq = running[i]!;
+      const remaining = seq.length - seq.computed;
+      if (remaining <= 1) continue;
+      const n = Math.min(remaining, this.#prefillBudget, this.#tokenBudget);
+      if (n > 0 && this.#schedule(seq, n, true) === FAILED) i--;
+    }
+
+    // 2. Admission, FIFO, while sequence slots, budget and pages last (not after a preemption).
+    const waiting = this.#waiting;
+    while (!this.#preemptedThisStep && waiting.length > 0 && running.length < this.#maxSequences) {
+      const seq = waiting[0]!;
+      const prefill = seq.length > 1;
+      const n = Math.min(seq.length, this.#tokenBudget, prefill ? this.#prefillBudget : seq.length);
+      if (n <= 0) break;
+      if (
+        !this.pool.allocate(Math.ceil(n / this.pool.pageSize), seq.rid, seq.epoch, seq.tenant, seq.blockTable)
+      )
+        break;
+      waiting.shift();
+      seq.state = RUNNING;
+      seq.preempted = false;
+      running.push(seq);
+      this.#addToBatch(seq, n, prefill);
+    }
+    if (batch.length === 0) return this.#byRid.size > 0;
+
+    // 3. The read guard, then the step's sequences.
+    const stepSequences = this.#stepSequences;
+    stepSequences.length = 0;
+    let logitsUsed = 0;
+    for (let b = 0; b < batch.length; b++) {
+      const seq = batch[b]!;
+      if (this.#tagCheck) {
+        const bad = this.pool.checkStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
+        if (bad >= 0) {
+          this.#counters.tagCheckFailures++;
+          this.#fail(seq, this.#tagError(seq, bad));
+          continue;
+        }
+      }
+      const s = seq.step;
+      s.tokens = seq.tokens.subarray(seq.stepStart, seq.stepEnd);
+      s.startPos = seq.stepStart;
+      s.blockTable = seq.pagesView();
+      s.logits = seq.stepEnd === seq.length ? this.#logits[logitsUsed++]! : null;
+      stepSequences.push(s);
+    }
+    if (stepSequences.length === 0) return this.#byRid.size > 0;
+
+    // 4. Forward, then stamp what it wrote.
+    this.#model.step(this.pool.data, stepSequences);
+    for (let b = 0; b < batch.length; b++) {
+      const seq = batch[b]!;
+      if (seq.state !== RUNNING) continue;
+      this.pool.recordStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
+      seq.computed = seq.stepEnd;
+    }
+
+    // 5. Sample where a step reached the last token; report. Events may re-enter (abort).
+    for (let b = 0; b < batch.length; b++) {
+      const seq = batch[b]!;
+      const logits = seq.step.logits;
+      if (seq.state !== RUNNING || logits === null || seq.computed !== seq.length) continue;
+      const r = seq.request;
+      const token = sampleToken(logits, r.temperature, r.topP, r.topK, seq.rng);
+      seq.tokens[seq.length++] = token;
+      seq.generated++;
+      this.#counters.completionTokens++;
+      if (r.stopTokenIds.includes(token)) {
+        this.#finish(seq, "stop");
+        continue;
+      }
+      const done = seq.generated >= r.maxTokens;
+      if (done) this.#end(seq);
+      seq.events.onTokens([token]);
+      if (done)
+        seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
+    }
+    for (let b = 0; b < batch.length; b++) {
+      batch[b]!.step.logits = null;
+      batch[b]!.inBatch = false;
+    }
+    return this.#byRid.size > 0;
+  }
+
+  /**
+   * Leases the pages `n` more tokens of running `seq` need and adds it to the batch, preempting the
+   * newest running requests while the pool is short. Returns SCHEDULED, PREEMPTED (seq itself was
+   * the newest and went back to the queue) or FAILED (alone and still short: pages are held outside
+   * this engine; the request is ended with `pool_exhausted`).
+   */
+  #schedule(seq: Sequence, n: number, prefill: boolean): number {
+    const running = this.#running;
+    const pagesNeeded = Math.ceil((seq.computed + n) / this.pool.pageSize) - seq.blockTable.length;
+    while (!this.pool.allocate(pagesNeeded, seq.rid, seq.epoch, seq.tenant, seq.blockTable)) {
+      const victim = running[running.length - 1]!;
+      if (victim === seq && running.length === 1) {
+        this.#fail(seq, {
+          code: "pool_exhausted",
+          message: `KV pool has no free page for request ${seq.rid}: ${this.pool.counts().free} free of ${this.pool.numPages}; retry later`,
+        });
+        return FAILED;
+      }
+      this.#preempt(victim);
+      if (victim === seq) return PREEMPTED;
+    }
+    this.#addToBatch(seq, n, prefill);
+    return SCHEDULED;
+  }
+
+  #addToBatch(seq: Sequence, n: number, prefill: boolean): void {
+    seq.stepStart = seq.computed;
+    seq.stepEnd = seq.computed + n;
+    seq.stepPrefill = prefill;
+    seq.inBatch = true;
+    this.#tokenBudget -= n;
+    if (prefill) this.#prefillBudget -= n;
+    this.#batch.push(seq);
+  }
+
+  #removeFromBatch(seq: Sequence): void {
+    if (!seq.inBatch) return;
+    seq.inBatch = false;
+    const n = seq.stepEnd - seq.stepStart;
+    this.#tokenBudget += n;
+    if (seq.stepPrefill) this.#prefillBudget += n;
+    this.#remove(this.#batch, seq);
+  }
+
+  #doorCheck(r: GenerationRequest): WireError | null {
+    if (this.#byRid.has(r.rid)) {
+      return {
+        code: "invalid_request",
+        message: `Request id is already in use: ${r.rid}; assign a fresh rid`,
+      };
+    }
+    const promptLength = r.promptTokens.length;
+    if (promptLength < 1) {
+      return {
+        code: "invalid_request",
+        message: "Prompt is empty: 0 tokens; send at least one token",
+        param: "messages",
+      };
+    }
+    if (!Number.isInteger(r.maxTokens) || r.maxTokens < 1) {
+      return {
+        code: "invalid_request",
+        message: `max_tokens must be a positive integer: ${r.maxTokens}`,
+        param: "max_tokens",
+      };
+    }
+    const total = promptLength + r.maxTokens;
+    if (total > this.#contextTokens) {
+      return {
+        code: "context_length_exceeded",
+        message: `This model's maximum context length is ${this.#contextTokens} tokens, but the request needs ${promptLength} prompt tokens plus ${r.maxTokens} max_tokens: ${total}; shorten the prompt or lower max_tokens`,
+        param: "messages",
+      };
+    }
+    const vocab = this.#model.config.vocabSize;
+    for (let i = 0; i < promptLength; i++) {
+      const t = r.promptTokens[i]!;
+      if (!(t >= 0 && t < vocab)) {
+        return {
+          code: "invalid_request",
+          message: `Prompt token id is outside the vocabulary of ${vocab}: ${t}`,
+          param: "messages",
+        };
+      }
+    }
+    return null;
+  }
+
+  #tagError(seq: Sequence, logicalPage: number): WireError {
+    const bt = seq.blockTable;
+    const t = this.pool.table;
+    if (logicalPage >= bt.length) {
+      return {
+        code: "page_tag_mismatch",
+        message: `KV page check failed for request ${seq.rid}: block table has ${bt.length} pages for ${seq.stepEnd} tokens`,
+      };
+    }
+    const page = bt.pages[logicalPage]!;
+    return {
+      code: "page_tag_mismatch",
+      message: `KV page check failed for request ${seq.rid} epoch ${seq.epoch} at logical page ${logicalPage}: physical page ${page} has generation ${t.generation(page)} (leased ${bt.generations[logicalPage]}), owner ${t.owner(page)}/${t.ownerEpoch(page)}, state ${PAGE_STATE_NAMES[t.state(page)]}, writer ${t.writerRid(page)}/${t.writerEpoch(page)}`,
+    };
+  }
+
+  #preempt(seq: Sequence): void {
+    this.#removeFromBatch(seq);
+    this.#preemptedThisStep = true;
+    this.pool.free(seq.blockTable, seq.rid, seq.epoch);
+    this.#remove(this.#running, seq);
+    seq.epoch = (seq.epoch + 1) >>> 0;
+    seq.computed = 0;
+    seq.state = WAITING;
+    seq.preempted = true;
+    this.#waiting.unshift(seq);
+    this.#counters.preemptions++;
+  }
+
+  #finish(seq: Sequence, reason: "stop" | "length"): void {
+    this.#end(seq);
+    seq.events.onFinish(reason, { promptTokens: seq.promptLength, completionTokens: seq.generated });
+  }
+
+  #fail(seq: Sequence, error: WireError): void {
+    this.#end(seq);
+    seq.events.onError(error);
+  }
+
+  /** Frees the request's pages and forgets it; later calls for the same request do nothing. */
+  #end(seq: Sequence): void {
+    if (seq.state === DONE) return;
+    this.pool.free(seq.blockTable, seq.rid, seq.epoch);
+    this.#remove(seq.state === RUNNING ? this.#running : this.#waiting, seq);
+    seq.state = DONE;
+    this.#byRid.delete(seq.rid);
+  }
+
+  #remove(list: Sequence[], seq: Sequence): void {
+    const i = list.indexOf(seq);
+    if (i >= 0) list.splice(i, 1);
+  }
+}

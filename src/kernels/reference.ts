@@ -1,0 +1,404 @@
+/**
+ * Reference numeric kernels in plain TypeScript over Float32Array.
+ *
+ * These are the ground truth that the fast WebAssembly kernels are tested against, and the kernels
+ * the forward pass runs when nothing faster is available. Every kernel takes its destination first,
+ * then its inputs, then its sizes; shapes are the caller's job (checked once at construction, never
+ * per call), and no kernel allocates. Matrices are row-major; a weight is `[out][in]` as stored in
+ * safetensors, so `matmul` computes `x · wᵀ`.
+ *
+ * Speed: plain JS peaks near 5–6 GFLOP/s per core (MEASUREMENTS.md §2). The matrix kernels use a
+ * 4x4 register tile for batches of rows and an 8-row, 8-accumulator matvec for the remainder;
+ * sums accumulate in JS doubles, so they are more accurate than f32 accumulation.
+ *
+ * This module imports nothing.
+ */
+
+/**
+ * out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ.
+ * `out` must not alias `x`.
+ */
+export function matmul(
+  out: Float32Array,
+  x: Float32Array,
+  w: Float32Array,
+  rows: number,
+  inDim: number,
+  outDim: number,
+): void {
+  let r = 0;
+  for (; r + 4 <= rows; r += 4) matmulTile4(out, x, w, r, inDim, outDim);
+  for (; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim);
+}
+
+/** Four rows of x against all of w, four output columns at a time (16 accumulators). */
+function matmulTile4(
+  out: Float32Array,
+  x: Float32Array,
+  w: Float32Array,
+  r: number,
+  inDim: number,
+  outDim: number,
+): void {
+  const x0 = r * inDim;
+  const x1 = x0 + inDim;
+  const x2 = x1 + inDim;
+  const x3 = x2 + inDim;
+  const o0 = r * outDim;
+  const o1 = o0 + outDim;
+  const o2 = o1 + outDim;
+  const o3 = o2 + outDim;
+  let j = 0;
+  for (; j + 4 <= outDim; j += 4) {
+    const w0 = j * inDim;
+    const w1 = w0 + inDim;
+    const w2 = w1 + inDim;
+    const w3 = w2 + inDim;
+    let a00 = 0,
+      a01 = 0,
+      a02 = 0,
+      a03 = 0;
+    let a10 = 0,
+      a11 = 0,
+      a12 = 0,
+      a13 = 0;
+    let a20 = 0,
+      a21 = 0,
+      a22 = 0,
+      a23 = 0;
+    let a30 = 0,
+      a31 = 0,
+      a32 = 0,
+      a33 = 0;
+    for (let k = 0; k < inDim; k++) {
+      const b0 = w[w0 + k];
+      const b1 = w[w1 + k];
+      const b2 = w[w2 + k];
+      const b3 = w[w3 + k];
+      const v0 = x[x0 + k];
+      const v1 = x[x1 + k];
+      const v2 = x[x2 + k];
+      const v3 = x[x3 + k];
+      a00 += v0 * b0;
+      a01 += v0 * b1;
+      a02 += v0 * b2;
+      a03 += v0 * b3;
+      a10 += v1 * b0;
+      a11 += v1 * b1;
+      a12 += v1 * b2;
+      a13 += v1 * b3;
+      a20 += v2 * b0;
+      a21 += v2 * b1;
+      a22 += v2 * b2;
+      a23 += v2 * b3;
+      a30 += v3 * b0;
+      a31 += v3 * b1;
+      a32 += v3 * b2;
+      a33 += v3 * b3;
+    }
+    out[o0 + j] = a00;
+    out[o0 + j + 1] = a01;
+    out[o0 + j + 2] = a02;
+    out[o0 + j + 3] = a03;
+    out[o1 + j] = a10;
+    out[o1 + j + 1] = a11;
+    out[o1 + j + 2] = a12;
+    out[o1 + j + 3] = a13;
+    out[o2 + j] = a20;
+    out[o2 + j + 1] = a21;
+    out[o2 + j + 2] = a22;
+    out[o2 + j + 3] = a23;
+    out[o3 + j] = a30;
+    out[o3 + j + 1] = a31;
+    out[o3 + j + 2] = a32;
+    out[o3 + j + 3] = a33;
+  }
+  for (; j < outDim; j++) {
+    const w0 = j * inDim;
+    let a0 = 0,
+      a1 = 0,
+      a2 = 0,
+      a3 = 0;
+    for (let k = 0; k < inDim; k++) {
+      const b = w[w0 + k];
+      a0 += x[x0 + k] * b;
+      a1 += x[x1 + k] * b;
+      a2 += x[x2 + k] * b;
+      a3 += x[x3 + k] * b;
+    }
+    out[o0 + j] = a0;
+    out[o1 + j] = a1;
+    out[o2 + j] = a2;
+    out[o3 + j] = a3;
+  }
+}
+
+/** One row of x against all of w, eight weight rows at a time (8 accumulators). */
+function matvecRow(
+  out: Float32Array,
+  x: Float32Array,
+  w: Float32Array,
+  r: number,
+  inDim: number,
+  outDim: number,
+): void {
+  const xo = r * inDim;
+  const oo = r * outDim;
+  let j = 0;
+  for (; j + 8 <= outDim; j += 8) {
+    const w0 = j * inDim;
+    const w1 = w0 + inDim;
+    const w2 = w1 + inDim;
+    const w3 = w2 + inDim;
+    const w4 = w3 + inDim;
+    const w5 = w4 + inDim;
+    const w6 = w5 + inDim;
+    const w7 = w6 + inDim;
+    let a0 = 0,
+      a1 = 0,
+      a2 = 0,
+      a3 = 0,
+      a4 = 0,
+      a5 = 0,
+      a6 = 0,
+      a7 = 0;
+    for (let k = 0; k < inDim; k++) {
+      const v = x[xo + k];
+      a0 += v * w[w0 + k];
+      a1 += v * w[w1 + k];
+      a2 += v * w[w2 + k];
+      a3 += v * w[w3 + k];
+      a4 += v * w[w4 + k];
+      a5 += v * w[w5 + k];
+      a6 += v * w[w6 + k];
+      a7 += v * w[w7 + k];
+    }
+    out[oo + j] = a0;
+    out[oo + j + 1] = a1;
+    out[oo + j + 2] = a2;
+    out[oo + j + 3] = a3;
+    out[oo + j + 4] = a4;
+    out[oo + j + 5] = a5;
+    out[oo + j + 6] = a6;
+    out[oo + j + 7] = a7;
+  }
+  for (; j < outDim; j++) {
+    const w0 = j * inDim;
+    let a0 = 0,
+      a1 = 0,
+      a2 = 0,
+      a3 = 0;
+    let k = 0;
+    for (; k + 4 <= inDim; k += 4) {
+      a0 += x[xo + k] * w[w0 + k];
+      a1 += x[xo + k + 1] * w[w0 + k + 1];
+      a2 += x[xo + k + 2] * w[w0 + k + 2];
+      a3 += x[xo + k + 3] * w[w0 + k + 3];
+    }
+    for (; k < inDim; k++) a0 += x[xo + k] * w[w0 + k];
+    out[oo + j] = a0 + a1 + a2 + a3;
+  }
+}
+
+/** out[r][j] += bias[j] for every row r < rows (in place on out). */
+export function addBias(out: Float32Array, bias: Float32Array, rows: number, n: number): void {
+  for (let r = 0; r < rows; r++) {
+    const o = r * n;
+    for (let j = 0; j < n; j++) out[o + j] += bias[j];
+  }
+}
+
+/** out[i] = a[i] + b[i] for i < n (out may alias a or b). */
+export function add(out: Float32Array, a: Float32Array, b: Float32Array, n: number): void {
+  for (let i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+/**
+ * RMSNorm of each of `rows` rows of n floats: out = x / sqrt(mean(x²) + eps) * weight.
+ * `out` may alias `x`.
+ */
+export function rmsnorm(
+  out: Float32Array,
+  x: Float32Array,
+  weight: Float32Array,
+  n: number,
+  eps: number,
+  rows = 1,
+): void {
+  for (let r = 0; r < rows; r++) {
+    const o = r * n;
+    let s0 = 0,
+      s1 = 0,
+      s2 = 0,
+      s3 = 0;
+    let i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const v0 = x[o + i];
+      const v1 = x[o + i + 1];
+      const v2 = x[o + i + 2];
+      const v3 = x[o + i + 3];
+      s0 += v0 * v0;
+      s1 += v1 * v1;
+      s2 += v2 * v2;
+      s3 += v3 * v3;
+    }
+    for (; i < n; i++) s0 += x[o + i] * x[o + i];
+    // HF casts to f32 and multiplies by the f32 rsqrt; we keep the scale in double.
+    const scale = 1 / Math.sqrt((s0 + s1 + s2 + s3) / n + eps);
+    for (let j = 0; j < n; j++) out[o + j] = x[o + j] * scale * weight[j];
+  }
+}
+
+/**
+ * Builds RoPE tables for positions [0, maxPositions): cos[p][i] and sin[p][i] for
+ * i < headDim/2, with inv_freq[i] = theta^(-2i/headDim) (Hugging Face Llama convention).
+ */
+export function ropeTables(
+  cos: Float64Array,
+  sin: Float64Array,
+  maxPositions: number,
+  headDim: number,
+  theta: number,
+): void {
+  const half = headDim >> 1;
+  for (let i = 0; i < half; i++) {
+    const invFreq = theta ** (-(2 * i) / headDim);
+    for (let p = 0; p < maxPositions; p++) {
+      const angle = p * invFreq;
+      cos[p * half + i] = Math.cos(angle);
+      sin[p * half + i] = Math.sin(angle);
+    }
+  }
+}
+
+/**
+ * Rotary embedding in place on x[rows][numHeads][headDim], row r at position positions[r], using
+ * rotate_half over [first half | second half] of each head:
+ * x1' = x1·cos − x2·sin, x2' = x2·cos + x1·sin.
+ */
+export function rope(
+  x: Float32Array,
+  positions: Int32Array,
+  cos: Float64Array,
+  sin: Float64Array,
+  rows: number,
+  numHeads: number,
+  headDim: number,
+): void {
+  const half = headDim >> 1;
+  for (let r = 0; r < rows; r++) {
+    const t = positions[r] * half;
+    for (let h = 0; h < numHeads; h++) {
+      const base = (r * numHeads + h) * headDim;
+      for (let i = 0; i < half; i++) {
+        const c = cos[t + i];
+        const s = sin[t + i];
+        const a = x[base + i];
+        const b = x[base + half + i];
+        x[base + i] = a * c - b * s;
+        x[base + half + i] = b * c + a * s;
+      }
+    }
+  }
+}
+
+/** out[i] = silu(gate[i]) · up[i] for i < n, silu(g) = g / (1 + e^(−g)). `out` may alias either input. */
+export function swiglu(out: Float32Array, gate: Float32Array, up: Float32Array, n: number): void {
+  for (let i = 0; i < n; i++) {
+    const g = gate[i];
+    out[i] = (g / (1 + Math.exp(-g))) * up[i];
+  }
+}
+
+/** In-place softmax over x[offset .. offset+n). */
+export function softmax(x: Float32Array | Float64Array, offset: number, n: number): void {
+  let max = Number.NEGATIVE_INFINITY;
+  for (let i = 0; i < n; i++) if (x[offset + i] > max) max = x[offset + i];
+  let sum = 0;
+  for (let i = 0; i < n; i++) {
+    const e = Math.exp(x[offset + i] - max);
+    x[offset + i] = e;
+    sum += e;
+  }
+  const inv = 1 / sum;
+  for (let i = 0; i < n; i++) x[offset + i] *= inv;
+}
+
+/**
+ * Causal attention for `rows` consecutive query rows of one sequence through its block table.
+ *
+ * Query row i (activation row rowStart+i) sits at absolute position startPos+i and attends to
+ * positions [0, startPos+i], whose K/V are read from the paged pool (layout page → layer → K|V →
+ * token-in-page → kv-head → dim; see src/kvcache/kv-layout.ts). q and out are
+ * `[*][numHeads*headDim]`; query head h reads KV head floor(h / (numHeads/numKvHeads)).
+ * `scratch` holds at least headDim + startPos + rows doubles (the output accumulator, then the
+ * scores). The result is softmax(q·Kᵀ/√d)·V.
+ */
+export function pagedAttention(
+  out: Float32Array,
+  q: Float32Array,
+  pool: Float32Array,
+  blockTable: Int32Array,
+  scratch: Float64Array,
+  rowStart: number,
+  rows: number,
+  startPos: number,
+  layer: number,
+  numLayers: number,
+  numHeads: number,
+  numKvHeads: number,
+  headDim: number,
+  pageSize: number,
+): void {
+  const group = numHeads / numKvHeads;
+  const rowFloats = numKvHeads * headDim;
+  const pageFloats = numLayers * 2 * pageSize * rowFloats;
+  const kBase = layer * 2 * pageSize * rowFloats; // within a page
+  const vBase = kBase + pageSize * rowFloats;
+  const scale = 1 / Math.sqrt(headDim);
+  const qStride = numHeads * headDim;
+  for (let i = 0; i < rows; i++) {
+    const ctx = startPos + i + 1;
+    const qRow = (rowStart + i) * qStride;
+    for (let h = 0; h < numHeads; h++) {
+      const kvh = Math.floor(h / group);
+      const qo = qRow + h * headDim;
+      const headOff = kvh * headDim;
+      let max = Number.NEGATIVE_INFINITY;
+      for (let t = 0; t < ctx; t++) {
+        const page = blockTable[(t / pageSize) | 0];
+        const ko = page * pageFloats + kBase + (t % pageSize) * rowFloats + headOff;
+        let a0 = 0,
+          a1 = 0,
+          a2 = 0,
+          a3 = 0;
+        let d = 0;
+        for (; d + 4 <= headDim; d += 4) {
+          a0 += q[qo + d] * pool[ko + d];
+          a1 += q[qo + d + 1] * pool[ko + d + 1];
+          a2 += q[qo + d + 2] * pool[ko + d + 2];
+          a3 += q[qo + d + 3] * pool[ko + d + 3];
+        }
+        for (; d < headDim; d++) a0 += q[qo + d] * pool[ko + d];
+        const s = (a0 + a1 + a2 + a3) * scale;
+        scratch[headDim + t] = s;
+        if (s > max) max = s;
+      }
+      let sum = 0;
+      for (let t = 0; t < ctx; t++) {
+        const e = Math.exp(scratch[headDim + t] - max);
+        scratch[headDim + t] = e;
+        sum += e;
+      }
+      const inv = 1 / sum;
+      for (let d = 0; d < headDim; d++) scratch[d] = 0;
+      for (let t = 0; t < ctx; t++) {
+        const page = blockTable[(t / pageSize) | 0];
+        const vo = page * pageFloats + vBase + (t % pageSize) * rowFloats + headOff;
+        const p = scratch[headDim + t];
+        for (let d = 0; d < headDim; d++) scratch[d] += p * pool[vo + d];
+      }
+      for (let d = 0; d < headDim; d++) out[qo + d] = scratch[d] * inv;
+    }
+  }
+}

@@ -1,0 +1,227 @@
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import fc from "fast-check";
+import { KvfenceError } from "../lib/errors.js";
+import { NO_WRITER, OwnershipTable, PageState } from "./ownership-table.js";
+
+function lease(table: OwnershipTable, count: number, rid: number, epoch = 1, tenant = 0) {
+  const pages = new Int32Array(count);
+  const generations = new Uint32Array(count);
+  const ok = table.allocate(count, rid, epoch, tenant, pages, generations);
+  return { ok, pages, generations };
+}
+
+test("OwnershipTable.allocate() leases distinct pages all-or-nothing and bumps generations", () => {
+  const table = new OwnershipTable(4);
+  const a = lease(table, 3, 7);
+  assert.equal(a.ok, true);
+  assert.equal(new Set(a.pages).size, 3);
+  for (let i = 0; i < 3; i++) {
+    const page = a.pages[i]!;
+    assert.equal(table.state(page), PageState.RESERVED);
+    assert.equal(table.generation(page), 1);
+    assert.equal(table.owner(page), 7);
+  }
+  const b = lease(table, 2, 8);
+  assert.equal(b.ok, false);
+  assert.deepEqual(table.counts(), { free: 1, reserved: 3, ready: 0, quarantined: 0, total: 4 });
+});
+
+test("OwnershipTable.free() frees a lease exactly once", () => {
+  const table = new OwnershipTable(2);
+  const a = lease(table, 1, 1);
+  const page = a.pages[0]!;
+  const generation = a.generations[0]!;
+  assert.equal(table.free(page, generation, 1, 1), true);
+  assert.equal(table.state(page), PageState.FREE);
+  assert.equal(table.generation(page), generation + 1);
+  assert.equal(table.free(page, generation, 1, 1), false);
+  assert.equal(table.counts().free, 2);
+});
+
+test("OwnershipTable.free() refuses another owner, epoch or generation", () => {
+  const table = new OwnershipTable(2);
+  const { pages, generations } = lease(table, 1, 1, 3);
+  const page = pages[0]!;
+  const generation = generations[0]!;
+  assert.equal(table.free(page, generation, 2, 3), false);
+  assert.equal(table.free(page, generation, 1, 4), false);
+  assert.equal(table.free(page, generation + 1, 1, 3), false);
+  assert.equal(table.state(page), PageState.RESERVED);
+});
+
+test("OwnershipTable.markReady() needs the lease holder at that generation", () => {
+  const table = new OwnershipTable(2);
+  const { pages, generations } = lease(table, 1, 5, 2);
+  const page = pages[0]!;
+  assert.equal(table.markReady(page, generations[0]!, 5, 1), false);
+  assert.equal(table.markReady(page, generations[0]!, 5, 2), true);
+  assert.equal(table.state(page), PageState.READY);
+  assert.equal(table.markReady(page, generations[0]!, 5, 2), false);
+});
+
+test("OwnershipTable.checkRead() needs READY, the lease and the holder's own writer stamp", () => {
+  const table = new OwnershipTable(2);
+  const { pages, generations } = lease(table, 1, 5, 2);
+  const page = pages[0]!;
+  const generation = generations[0]!;
+  assert.equal(table.writerRid(page), NO_WRITER);
+  table.markReady(page, generation, 5, 2);
+  // READY but never written: the stamp is not this request's.
+  assert.equal(table.checkRead(page, generation, 5, 2), false);
+  table.stampWriter(page, 5, 1, 1);
+  assert.equal(table.checkRead(page, generation, 5, 2), false);
+  table.stampWriter(page, 5, 2, 1);
+  assert.equal(table.checkRead(page, generation, 5, 2), true);
+  assert.equal(table.checkRead(page, generation, 6, 2), false);
+  assert.equal(table.checkRead(page, generation + 2, 5, 2), false);
+});
+
+test("OwnershipTable keeps the writer stamp across free and reuse (pages are not zeroed)", () => {
+  const table = new OwnershipTable(1);
+  const a = lease(table, 1, 1);
+  table.stampWriter(a.pages[0]!, 1, 1, 1);
+  table.free(a.pages[0]!, a.generations[0]!, 1, 1);
+  const b = lease(table, 1, 2);
+  assert.equal(b.pages[0], a.pages[0]);
+  assert.equal(table.writerRid(b.pages[0]!), 1);
+  table.markReady(b.pages[0]!, b.generations[0]!, 2, 1);
+  assert.equal(table.checkRead(b.pages[0]!, b.generations[0]!, 2, 1), false);
+});
+
+test("OwnershipTable.quarantine() holds a page until releaseQuarantine()", () => {
+  const table = new OwnershipTable(1);
+  const { pages, generations } = lease(table, 1, 1);
+  const page = pages[0]!;
+  const generation = generations[0]!;
+  assert.equal(table.quarantine(page, generation, 1, 1), true);
+  assert.equal(table.free(page, generation, 1, 1), false);
+  assert.equal(lease(table, 1, 2).ok, false);
+  assert.equal(table.releaseQuarantine(page, generation + 1), false);
+  assert.equal(table.releaseQuarantine(page, generation), true);
+  assert.equal(table.releaseQuarantine(page, generation), false);
+  assert.equal(lease(table, 1, 2).ok, true);
+});
+
+test("OwnershipTable.checkWrite() accepts only a RESERVED page of the lease", () => {
+  const table = new OwnershipTable(2);
+  const { pages, generations } = lease(table, 1, 1);
+  const page = pages[0]!;
+  assert.equal(table.checkWrite(page, generations[0]!, 1, 1), true);
+  assert.equal(table.checkWrite(page, generations[0]!, 2, 1), false);
+  assert.equal(table.checkWrite(99, generations[0]!, 1, 1), false);
+  table.markReady(page, generations[0]!, 1, 1);
+  assert.equal(table.checkWrite(page, generations[0]!, 1, 1), false);
+});
+
+test("OwnershipTable attaches to a table shared through a SharedArrayBuffer at an offset", () => {
+  const buffer = new SharedArrayBuffer(64 + OwnershipTable.bytesFor(3));
+  const a = new OwnershipTable(3, { buffer, byteOffset: 64 });
+  const leased = lease(a, 2, 9);
+  const b = new OwnershipTable(3, { buffer, byteOffset: 64, attach: true });
+  b.stampWriter(leased.pages[0]!, 9, 1, 1);
+  assert.equal(a.writerRid(leased.pages[0]!), 9);
+  assert.deepEqual(b.counts(), { free: 1, reserved: 2, ready: 0, quarantined: 0, total: 3 });
+});
+
+test("OwnershipTable constructor rejects a buffer that is too small", () => {
+  assert.throws(
+    () => new OwnershipTable(4, { buffer: new ArrayBuffer(8) }),
+    (err: unknown) =>
+      err instanceof KvfenceError && err.code === "config_invalid" && /bytesFor/.test(err.message),
+  );
+});
+
+test("OwnershipTable snapshots and restores by copying bytes", () => {
+  const table = new OwnershipTable(2);
+  const snapshot = table.bytes.slice();
+  lease(table, 2, 1);
+  assert.equal(table.counts().free, 0);
+  table.bytes.set(snapshot);
+  assert.equal(table.counts().free, 2);
+  assert.equal(lease(table, 2, 1).ok, true);
+});
+
+type Op =
+  | { kind: "allocate"; count: number; rid: number }
+  | { kind: "ready" | "free" | "quarantine" | "release" | "stamp" | "staleRead"; pick: number };
+
+const opArb: fc.Arbitrary<Op> = fc.oneof(
+  fc.record({
+    kind: fc.constant("allocate" as const),
+    count: fc.integer({ min: 0, max: 4 }),
+    rid: fc.nat(5),
+  }),
+  fc.record({
+    kind: fc.constantFrom("ready" as const, "free" as const, "quarantine" as const, "release" as const),
+    pick: fc.nat(),
+  }),
+  fc.record({ kind: fc.constantFrom("stamp" as const, "staleRead" as const), pick: fc.nat() }),
+);
+
+test("OwnershipTable keeps its invariants over random operation sequences", () => {
+  fc.assert(
+    fc.property(fc.array(opArb, { maxLength: 80 }), (ops) => {
+      const numPages = 6;
+      const table = new OwnershipTable(numPages);
+      // The model: leases currently held, and every (page, generation) ever handed out.
+      const held: Array<{ page: number; generation: number; rid: number; epoch: number }> = [];
+      const quarantined: Array<{ page: number; generation: number }> = [];
+      const handedOut: Array<{ page: number; generation: number; rid: number; epoch: number }> = [];
+      const lastGeneration = new Uint32Array(numPages);
+      let epoch = 0;
+      for (const op of ops) {
+        if (op.kind === "allocate") {
+          epoch++;
+          const r = lease(table, op.count, op.rid, epoch);
+          const freeBefore = numPages - held.length - quarantined.length;
+          assert.equal(r.ok, op.count <= freeBefore);
+          if (r.ok) {
+            for (let i = 0; i < op.count; i++) {
+              const entry = { page: r.pages[i]!, generation: r.generations[i]!, rid: op.rid, epoch };
+              // Never owned twice, never a quarantined page.
+              assert.ok(!held.some((h) => h.page === entry.page));
+              assert.ok(!quarantined.some((q) => q.page === entry.page));
+              held.push(entry);
+              handedOut.push(entry);
+            }
+          }
+        } else if (op.kind === "release") {
+          if (quarantined.length === 0) continue;
+          const q = quarantined.splice(op.pick % quarantined.length, 1)[0]!;
+          assert.equal(table.releaseQuarantine(q.page, q.generation), true);
+          assert.equal(table.releaseQuarantine(q.page, q.generation), false);
+        } else if (op.kind === "staleRead") {
+          // A (page, generation) no longer held can never pass checkRead, whoever asks.
+          if (handedOut.length === 0) continue;
+          const h = handedOut[op.pick % handedOut.length]!;
+          if (!held.includes(h)) assert.equal(table.checkRead(h.page, h.generation, h.rid, h.epoch), false);
+        } else {
+          if (held.length === 0) continue;
+          const index = op.pick % held.length;
+          const h = held[index]!;
+          if (op.kind === "stamp") table.stampWriter(h.page, h.rid, h.epoch, 1);
+          else if (op.kind === "ready") table.markReady(h.page, h.generation, h.rid, h.epoch);
+          else if (op.kind === "free") {
+            assert.equal(table.free(h.page, h.generation, h.rid, h.epoch), true);
+            assert.equal(table.free(h.page, h.generation, h.rid, h.epoch), false);
+            held.splice(index, 1);
+          } else {
+            assert.equal(table.quarantine(h.page, h.generation, h.rid, h.epoch), true);
+            held.splice(index, 1);
+            quarantined.push({ page: h.page, generation: h.generation });
+          }
+        }
+        const c = table.counts();
+        assert.equal(c.free + c.reserved + c.ready + c.quarantined, numPages);
+        assert.equal(c.quarantined, quarantined.length);
+        assert.equal(c.reserved + c.ready, held.length);
+        for (let p = 0; p < numPages; p++) {
+          assert.ok(table.generation(p) >= lastGeneration[p]!, "generations only grow");
+          lastGeneration[p] = table.generation(p);
+        }
+      }
+    }),
+    { numRuns: 300 },
+  );
+});

@@ -1,0 +1,332 @@
+/**
+ * The page ownership table of DESIGN.md §3: one entry per physical KV page, in typed arrays laid
+ * over one caller-supplied buffer (a `SharedArrayBuffer` so worker threads and a one-sided writer
+ * share it, or a plain `ArrayBuffer`; the model checker snapshots a table by copying its bytes).
+ *
+ * Per page: `generation` (bumped on every allocate and every free, so a stale `(page, generation)`
+ * never matches again), the lease `owner`/`ownerEpoch`/`tenant`, `state`, `filledTokens`, and the
+ * **writer stamp** `(writerRid, writerEpoch)`: whose data the page holds. The stamp is written by
+ * whoever writes the page's bytes, in the same step, and is deliberately *not* reset on allocate or
+ * free — pages are not zeroed, and a page that was reserved but never written still carries the
+ * stamp of the earlier request whose data it holds, so `checkRead` catches a read of stale KV even
+ * when every other guard is off.
+ *
+ * Free pages sit on a stack inside the same buffer, so `allocate` is O(count), and the counters of
+ * each state sit in a small header, so `countsInto` is O(1). Every operation is integer compares
+ * and stores; nothing allocates.
+ *
+ * Buffer layout (all 32-bit words, little-endian host order):
+ *   header[4]: freeTop, reserved, ready, quarantined
+ *   generation[n], owner[n], ownerEpoch[n], tenant[n], state[n], filledTokens[n],
+ *   writerRid[n], writerEpoch[n], freeStack[n]
+ *
+ * Positional integer parameters (page, generation, rid, epoch) on purpose: these are per-page,
+ * per-step calls that must not allocate an options object.
+ *
+ * Threads: one thread owns the table's lease operations (allocate, markReady, free, quarantine);
+ * writers in other threads only call `stampWriter`, which publishes the stamp with `Atomics.store`
+ * after the data. Generations are u32 and wrap after 2^31 allocate/free pairs of one page.
+ */
+import { KvfenceError } from "../lib/errors.js";
+
+export const PageState = {
+  FREE: 0,
+  RESERVED: 1,
+  READY: 2,
+  QUARANTINED: 3,
+} as const;
+export type PageState = (typeof PageState)[keyof typeof PageState];
+
+/** Names of the page states, indexed by state, for logs and traces. */
+export const PAGE_STATE_NAMES = ["FREE", "RESERVED", "READY", "QUARANTINED"] as const;
+
+/** Page counts per state, for metrics and idle-pool checks. */
+export interface PageCounts {
+  free: number;
+  reserved: number;
+  ready: number;
+  quarantined: number;
+  total: number;
+}
+
+/** Writer stamp value of a page never written since the table was created. */
+export const NO_WRITER = 0xffffffff;
+
+const HEADER_WORDS = 4;
+const H_FREE_TOP = 0;
+const H_RESERVED = 1;
+const H_READY = 2;
+const H_QUARANTINED = 3;
+const PAGE_ARRAYS = 9;
+
+export interface OwnershipTableOptions {
+  /** Buffer to lay the table over; a fresh `ArrayBuffer` when omitted. */
+  readonly buffer?: ArrayBuffer | SharedArrayBuffer;
+  /** Byte offset of the table in `buffer`; a multiple of 4. Default 0. */
+  readonly byteOffset?: number;
+  /**
+   * Attach to a table another thread already initialised in `buffer` instead of initialising it
+   * (all pages FREE). Default false.
+   */
+  readonly attach?: boolean;
+}
+
+export class OwnershipTable {
+  readonly numPages: number;
+  readonly #header: Int32Array;
+  readonly #generation: Uint32Array;
+  readonly #owner: Uint32Array;
+  readonly #ownerEpoch: Uint32Array;
+  readonly #tenant: Uint32Array;
+  readonly #state: Uint32Array;
+  readonly #filledTokens: Uint32Array;
+  readonly #writerRid: Uint32Array;
+  readonly #writerEpoch: Uint32Array;
+  readonly #freeStack: Int32Array;
+  readonly #bytes: Uint8Array;
+
+  /** Bytes a table of `numPages` pages occupies in a buffer. */
+  static bytesFor(numPages: number): number {
+    return (HEADER_WORDS + PAGE_ARRAYS * numPages) * 4;
+  }
+
+  constructor(numPages: number, options: OwnershipTableOptions = {}) {
+    if (!Number.isInteger(numPages) || numPages < 1 || numPages > 0x7fffffff) {
+      throw new KvfenceError(
+        "config_invalid",
+        `Ownership table size must be a positive integer number of pages: ${numPages}`,
+      );
+    }
+    const byteOffset = options.byteOffset ?? 0;
+    const bytes = OwnershipTable.bytesFor(numPages);
+    const buffer = options.buffer ?? new ArrayBuffer(bytes);
+    if (!Number.isInteger(byteOffset) || byteOffset < 0 || byteOffset % 4 !== 0) {
+      throw new KvfenceError(
+        "config_invalid",
+        `Ownership table byte offset must be a non-negative multiple of 4: ${byteOffset}`,
+      );
+    }
+    if (byteOffset + bytes > buffer.byteLength) {
+      throw new KvfenceError(
+        "config_invalid",
+        `Ownership table of ${numPages} pages needs ${bytes} bytes at offset ${byteOffset}, buffer has: ${buffer.byteLength}; size it with OwnershipTable.bytesFor()`,
+      );
+    }
+    this.numPages = numPages;
+    this.#bytes = new Uint8Array(buffer, byteOffset, bytes);
+    this.#header = new Int32Array(buffer, byteOffset, HEADER_WORDS);
+    let at = byteOffset + HEADER_WORDS * 4;
+    const u32 = (): Uint32Array => {
+      const a = new Uint32Array(buffer, at, numPages);
+      at += numPages * 4;
+      return a;
+    };
+    this.#generation = u32();
+    this.#owner = u32();
+    this.#ownerEpoch = u32();
+    this.#tenant = u32();
+    this.#state = u32();
+    this.#filledTokens = u32();
+    this.#writerRid = u32();
+    this.#writerEpoch = u32();
+    this.#freeStack = new Int32Array(buffer, at, numPages);
+    if (options.attach !== true) this.reset();
+  }
+
+  /** Every page FREE, generations 0, no writer; the free stack pops page 0 first. */
+  reset(): void {
+    this.#bytes.fill(0);
+    const n = this.numPages;
+    this.#writerRid.fill(NO_WRITER);
+    this.#writerEpoch.fill(NO_WRITER);
+    for (let i = 0; i < n; i++) this.#freeStack[i] = n - 1 - i;
+    this.#header[H_FREE_TOP] = n;
+  }
+
+  /** The table's bytes (a view, not a copy): copy them to snapshot, `set` them back to restore. */
+  get bytes(): Uint8Array {
+    return this.#bytes;
+  }
+
+  /**
+   * Leases `count` free pages to `(owner, epoch)` of `tenant`, all or nothing: FREE → RESERVED,
+   * generation bumped. Writes the pages and their new generations to the first `count` slots of
+   * the out arrays. Returns false (and changes nothing) when fewer than `count` pages are free.
+   */
+  allocate(
+    count: number,
+    owner: number,
+    epoch: number,
+    tenant: number,
+    outPages: Int32Array,
+    outGenerations: Uint32Array,
+  ): boolean {
+    const header = this.#header;
+    const top = header[H_FREE_TOP]!;
+    if (count < 0 || count > top || outPages.length < count || outGenerations.length < count) return false;
+    for (let i = 0; i < count; i++) {
+      const page = this.#freeStack[top - 1 - i]!;
+      const generation = (this.#generation[page]! + 1) >>> 0;
+      this.#generation[page] = generation;
+      this.#owner[page] = owner;
+      this.#ownerEpoch[page] = epoch;
+      this.#tenant[page] = tenant;
+      this.#state[page] = PageState.RESERVED;
+      this.#filledTokens[page] = 0;
+      outPages[i] = page;
+      outGenerations[i] = generation;
+    }
+    header[H_FREE_TOP] = top - count;
+    header[H_RESERVED] = header[H_RESERVED]! + count;
+    return true;
+  }
+
+  /**
+   * Records that `(rid, epoch)`'s data now fills the first `filledTokens` tokens of `page`. Called
+   * by whoever writes the page's bytes, right after writing them — unconditionally, because a
+   * one-sided writer cannot be stopped; the readers' checks decide what the stamp means.
+   */
+  stampWriter(page: number, rid: number, epoch: number, filledTokens: number): void {
+    this.#filledTokens[page] = filledTokens;
+    this.#writerEpoch[page] = epoch;
+    Atomics.store(this.#writerRid, page, rid);
+  }
+
+  /** True when `page` is RESERVED for `(rid, epoch)` at `generation`: a receiver may apply a write. */
+  checkWrite(page: number, generation: number, rid: number, epoch: number): boolean {
+    return (
+      page >= 0 &&
+      page < this.numPages &&
+      this.#generation[page] === generation &&
+      this.#state[page] === PageState.RESERVED &&
+      this.#owner[page] === rid &&
+      this.#ownerEpoch[page] === epoch
+    );
+  }
+
+  /** RESERVED → READY, only for the lease holder at that generation. */
+  markReady(page: number, generation: number, rid: number, epoch: number): boolean {
+    if (!this.checkWrite(page, generation, rid, epoch)) return false;
+    this.#state[page] = PageState.READY;
+    this.#header[H_RESERVED] = this.#header[H_RESERVED]! - 1;
+    this.#header[H_READY] = this.#header[H_READY]! + 1;
+    return true;
+  }
+
+  /**
+   * RESERVED or READY → FREE for the lease holder at that generation; the generation is bumped, so
+   * a second free of the same lease returns false (pages are freed exactly once). A QUARANTINED
+   * page leaves only through `releaseQuarantine`.
+   */
+  free(page: number, generation: number, rid: number, epoch: number): boolean {
+    if (!this.#holds(page, generation, rid, epoch)) return false;
+    const state = this.#state[page]!;
+    if (state === PageState.RESERVED) this.#header[H_RESERVED] = this.#header[H_RESERVED]! - 1;
+    else if (state === PageState.READY) this.#header[H_READY] = this.#header[H_READY]! - 1;
+    else return false;
+    this.#pushFree(page);
+    return true;
+  }
+
+  /**
+   * RESERVED or READY → QUARANTINED for the lease holder: the request ended while a write to the
+   * page may still land. The page keeps its generation and owner and is never handed out until
+   * `releaseQuarantine`.
+   */
+  quarantine(page: number, generation: number, rid: number, epoch: number): boolean {
+    if (!this.#holds(page, generation, rid, epoch)) return false;
+    const state = this.#state[page]!;
+    if (state === PageState.RESERVED) this.#header[H_RESERVED] = this.#header[H_RESERVED]! - 1;
+    else if (state === PageState.READY) this.#header[H_READY] = this.#header[H_READY]! - 1;
+    else return false;
+    this.#state[page] = PageState.QUARANTINED;
+    this.#header[H_QUARANTINED] = this.#header[H_QUARANTINED]! + 1;
+    return true;
+  }
+
+  /**
+   * QUARANTINED → FREE (generation bumped), once the writer acknowledged that its writes drained or
+   * was fenced. False when the page is not quarantined at that generation.
+   */
+  releaseQuarantine(page: number, generation: number): boolean {
+    if (page < 0 || page >= this.numPages) return false;
+    if (this.#generation[page] !== generation || this.#state[page] !== PageState.QUARANTINED) return false;
+    this.#header[H_QUARANTINED] = this.#header[H_QUARANTINED]! - 1;
+    this.#pushFree(page);
+    return true;
+  }
+
+  /**
+   * The per-step read guard: `page` is READY at `generation`, leased to `(rid, epoch)`, and holds
+   * `(rid, epoch)`'s own data (writer stamp). Integer compares only.
+   */
+  checkRead(page: number, generation: number, rid: number, epoch: number): boolean {
+    return (
+      this.#generation[page] === generation &&
+      this.#state[page] === PageState.READY &&
+      this.#owner[page] === rid &&
+      this.#ownerEpoch[page] === epoch &&
+      this.#writerRid[page] === rid &&
+      this.#writerEpoch[page] === epoch
+    );
+  }
+
+  /** Writes the page count of each state into `out` (no allocation). */
+  countsInto(out: PageCounts): PageCounts {
+    const header = this.#header;
+    out.free = header[H_FREE_TOP]!;
+    out.reserved = header[H_RESERVED]!;
+    out.ready = header[H_READY]!;
+    out.quarantined = header[H_QUARANTINED]!;
+    out.total = this.numPages;
+    return out;
+  }
+
+  /** Page counts per state (allocates the result; use `countsInto` on hot paths). */
+  counts(): PageCounts {
+    return this.countsInto({ free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 });
+  }
+
+  state(page: number): PageState {
+    return this.#state[page] as PageState;
+  }
+  generation(page: number): number {
+    return this.#generation[page]!;
+  }
+  owner(page: number): number {
+    return this.#owner[page]!;
+  }
+  ownerEpoch(page: number): number {
+    return this.#ownerEpoch[page]!;
+  }
+  tenant(page: number): number {
+    return this.#tenant[page]!;
+  }
+  filledTokens(page: number): number {
+    return this.#filledTokens[page]!;
+  }
+  writerRid(page: number): number {
+    return Atomics.load(this.#writerRid, page);
+  }
+  writerEpoch(page: number): number {
+    return this.#writerEpoch[page]!;
+  }
+
+  #holds(page: number, generation: number, rid: number, epoch: number): boolean {
+    return (
+      page >= 0 &&
+      page < this.numPages &&
+      this.#generation[page] === generation &&
+      this.#owner[page] === rid &&
+      this.#ownerEpoch[page] === epoch
+    );
+  }
+
+  #pushFree(page: number): void {
+    this.#generation[page] = (this.#generation[page]! + 1) >>> 0;
+    this.#state[page] = PageState.FREE;
+    const top = this.#header[H_FREE_TOP]!;
+    this.#freeStack[top] = page;
+    this.#header[H_FREE_TOP] = top + 1;
+  }
+}

@@ -1,0 +1,228 @@
+/**
+ * The KV page pool of DESIGN.md §3: the KV data of one node as one `Float32Array` (over a
+ * `SharedArrayBuffer`, or a caller-supplied buffer and offset, e.g. inside a shared
+ * `WebAssembly.Memory`) cut into pages of `pageSize` tokens in the page-major layout of
+ * `kv-layout.ts`, plus the ownership table that says who holds each page and whose data it holds.
+ *
+ * The data is allocated once and touched once here (first-touch faults cost ten times a copy), and
+ * pages are **not zeroed** on free, as in real engines: stale KV stays in a freed page until it is
+ * overwritten, which is exactly why every read is checked. `scrubOnFree` zeroes a page as it is
+ * freed, at a measured cost.
+ *
+ * ## The per-step read check (`checkStep`) and the partially filled page
+ *
+ * A step computes tokens `[start, end)` of one request: it writes their K/V into the pool and its
+ * attention reads slots `[0, end)`. For page `j` of the block table (slots `[j·P, (j+1)·P)`):
+ *
+ * - **Pages holding earlier tokens** (`j·P < start`): the step reads them. They must pass
+ *   `OwnershipTable.checkRead` — READY at the leased generation, leased to `(rid, epoch)` and
+ *   stamped with `(rid, epoch)` as the writer — and their stamped `filledTokens` must cover every
+ *   slot read from them that the step does not write (`min(P, start − j·P)`). This includes the
+ *   **partially filled last page** of a decoding request: it became READY when its first tokens
+ *   were computed, and the step appends to it (the owner writing into its own READY page).
+ * - **Pages first written by this step** (`start ≤ j·P < end`): they must be RESERVED at the
+ *   leased generation for `(rid, epoch)` (`checkWrite`). Their writer stamp is *not* required to be
+ *   the owner's, because every slot of them that the step reads is one it writes first (attention
+ *   is causal, and the forward pass writes a layer's K/V before that layer's attention).
+ * - **Pages past `end`** (reserved ahead, not touched this step): leased to `(rid, epoch)` at the
+ *   leased generation, RESERVED or READY.
+ *
+ * After the forward pass, `recordStep` stamps every page the step wrote with `(rid, epoch)` and its
+ * filled token count (the same step as the data, right after it), and marks the fresh ones READY:
+ * a page is READY once any of its tokens are computed, and stays READY while its owner appends.
+ * A page reserved but never written keeps an earlier request's stamp and never turns READY through
+ * this path, so a read of it fails the check.
+ */
+
+import { KvfenceError } from "../lib/errors.js";
+import type { BlockTable } from "./block-table.js";
+import type { KvLayout } from "./kv-layout.js";
+import { pageFloats } from "./kv-layout.js";
+import { OwnershipTable, type PageCounts, PageState } from "./ownership-table.js";
+
+export interface PagePoolOptions {
+  /** Zero each page's data as it is freed (default false: pages keep stale KV, as in real engines). */
+  readonly scrubOnFree?: boolean;
+  /** Buffer for the KV data; a fresh `SharedArrayBuffer` when omitted. */
+  readonly dataBuffer?: SharedArrayBuffer | ArrayBuffer;
+  /** Byte offset of the KV data in `dataBuffer`; a multiple of 4. Default 0. */
+  readonly dataByteOffset?: number;
+  /** Buffer for the ownership table; a fresh `SharedArrayBuffer` when omitted. */
+  readonly tableBuffer?: SharedArrayBuffer | ArrayBuffer;
+  /** Byte offset of the table in `tableBuffer`. Default 0. */
+  readonly tableByteOffset?: number;
+  /** Attach to a pool another thread already initialised in the given buffers (no reset, no touch). */
+  readonly attach?: boolean;
+}
+
+/** Result of `PagePool.checkStep`: -1 when every page passes, else the first failing logical page. */
+export type StepCheck = number;
+
+export class PagePool {
+  readonly layout: KvLayout;
+  readonly numPages: number;
+  readonly pageSize: number;
+  /** Floats per page (all layers, K and V). */
+  readonly pageFloats: number;
+  /** The KV data, page-major: page p starts at float `p * pageFloats`. */
+  readonly data: Float32Array;
+  readonly table: OwnershipTable;
+  readonly scrubOnFree: boolean;
+  readonly #outPages: Int32Array;
+  readonly #outGenerations: Uint32Array;
+
+  /** Bytes of KV data a pool of `numPages` pages needs. */
+  static dataBytesFor(layout: KvLayout, numPages: number): number {
+    return pageFloats(layout) * numPages * 4;
+  }
+
+  constructor(layout: KvLayout, numPages: number, options: PagePoolOptions = {}) {
+    if (!Number.isInteger(numPages) || numPages < 1) {
+      throw new KvfenceError(
+        "config_invalid",
+        `KV pool size must be a positive integer number of pages: ${numPages}`,
+      );
+    }
+    this.layout = layout;
+    this.numPages = numPages;
+    this.pageSize = layout.pageSize;
+    this.pageFloats = pageFloats(layout);
+    this.scrubOnFree = options.scrubOnFree ?? false;
+    const dataBytes = PagePool.dataBytesFor(layout, numPages);
+    const dataOffset = options.dataByteOffset ?? 0;
+    const dataBuffer = options.dataBuffer ?? new SharedArrayBuffer(dataBytes);
+    if (!Number.isInteger(dataOffset) || dataOffset < 0 || dataOffset % 4 !== 0) {
+      throw new KvfenceError(
+        "config_invalid",
+        `KV pool byte offset must be a non-negative multiple of 4: ${dataOffset}`,
+      );
+    }
+    if (dataOffset + dataBytes > dataBuffer.byteLength) {
+      throw new KvfenceError(
+        "config_invalid",
+        `KV pool of ${numPages} pages needs ${dataBytes} bytes at offset ${dataOffset}, buffer has: ${dataBuffer.byteLength}; size it with PagePool.dataBytesFor()`,
+      );
+    }
+    this.data = new Float32Array(dataBuffer, dataOffset, numPages * this.pageFloats);
+    const attach = options.attach ?? false;
+    this.table = new OwnershipTable(numPages, {
+      buffer: options.tableBuffer ?? new SharedArrayBuffer(OwnershipTable.bytesFor(numPages)),
+      byteOffset: options.tableByteOffset ?? 0,
+      attach,
+    });
+    // Touch every page once now, so no request pays the first-touch fault in a step.
+    if (!attach) this.data.fill(0);
+    this.#outPages = new Int32Array(numPages);
+    this.#outGenerations = new Uint32Array(numPages);
+  }
+
+  /** Tokens the pool holds in all. */
+  get capacityTokens(): number {
+    return this.numPages * this.pageSize;
+  }
+
+  /** Free pages right now. */
+  get freePages(): number {
+    return this.table.counts().free;
+  }
+
+  /**
+   * Leases `count` more pages to `(rid, epoch)` of `tenant` and appends them to `blockTable`, all
+   * or nothing. Returns false (changing nothing) when the pool has fewer than `count` free pages.
+   */
+  allocate(count: number, rid: number, epoch: number, tenant: number, blockTable: BlockTable): boolean {
+    if (count === 0) return true;
+    if (blockTable.length + count > blockTable.capacity) {
+      throw new RangeError(
+        `Block table of ${blockTable.capacity} pages cannot take ${count} more after: ${blockTable.length}`,
+      );
+    }
+    const pages = this.#outPages;
+    const generations = this.#outGenerations;
+    if (!this.table.allocate(count, rid, epoch, tenant, pages, generations)) return false;
+    for (let i = 0; i < count; i++) blockTable.push(pages[i]!, generations[i]!);
+    return true;
+  }
+
+  /**
+   * Frees every page of `blockTable` still leased to `(rid, epoch)` at its generation and clears
+   * the table. A page not held any more (freed already, re-leased to someone else) is left alone,
+   * so calling this twice frees nothing the second time. Returns the number of pages freed.
+   */
+  free(blockTable: BlockTable, rid: number, epoch: number): number {
+    const table = this.table;
+    const pf = this.pageFloats;
+    let freed = 0;
+    for (let i = 0; i < blockTable.length; i++) {
+      const page = blockTable.pages[i]!;
+      if (table.free(page, blockTable.generations[i]!, rid, epoch)) {
+        freed++;
+        if (this.scrubOnFree) this.data.fill(0, page * pf, (page + 1) * pf);
+      }
+    }
+    blockTable.clear();
+    return freed;
+  }
+
+  /**
+   * The read guard for one step of one request computing tokens `[start, end)`; see the module
+   * header for the rule. Returns -1 when every page of `blockTable` passes, else the index of the
+   * first page that fails. Integer compares only; allocates nothing.
+   */
+  checkStep(blockTable: BlockTable, rid: number, epoch: number, start: number, end: number): StepCheck {
+    const table = this.table;
+    const P = this.pageSize;
+    const n = blockTable.length;
+    if (n * P < end) return n; // the step would write past the leased pages
+    for (let j = 0; j < n; j++) {
+      const page = blockTable.pages[j]!;
+      const generation = blockTable.generations[j]!;
+      if (page < 0 || page >= this.numPages) return j;
+      const first = j * P;
+      if (first < start) {
+        if (!table.checkRead(page, generation, rid, epoch)) return j;
+        const mustHold = Math.min(start - first, P);
+        if (table.filledTokens(page) < mustHold) return j;
+      } else if (first < end) {
+        if (!table.checkWrite(page, generation, rid, epoch)) return j;
+      } else if (
+        table.generation(page) !== generation ||
+        table.owner(page) !== rid ||
+        table.ownerEpoch(page) !== epoch ||
+        (table.state(page) !== PageState.RESERVED && table.state(page) !== PageState.READY)
+      ) {
+        return j;
+      }
+    }
+    return -1;
+  }
+
+  /**
+   * After a step wrote tokens `[start, end)` of `(rid, epoch)`: stamps each written page with the
+   * writer and its filled token count, and marks the pages first written by this step READY.
+   */
+  recordStep(blockTable: BlockTable, rid: number, epoch: number, start: number, end: number): void {
+    if (end <= start) return;
+    const table = this.table;
+    const P = this.pageSize;
+    const firstPage = Math.floor(start / P);
+    const lastPage = Math.floor((end - 1) / P);
+    for (let j = firstPage; j <= lastPage; j++) {
+      const page = blockTable.pages[j]!;
+      const filled = Math.min(end - j * P, P);
+      table.stampWriter(page, rid, epoch, filled);
+      if (table.state(page) === PageState.RESERVED)
+        table.markReady(page, blockTable.generations[j]!, rid, epoch);
+    }
+  }
+
+  /** Page counts per state. */
+  counts(): PageCounts {
+    return this.table.counts();
+  }
+
+  /** Writes the page counts per state into `out` (no allocation). */
+  countsInto(out: PageCounts): PageCounts {
+    return this.table.countsInto(out);
+  }
+}

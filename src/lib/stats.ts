@@ -1,0 +1,146 @@
+/**
+ * Small statistics for benchmarks: median, mean, standard deviation, quantiles, a five-number
+ * `summarize`, 95% confidence intervals by Student's t (for means) and by a seeded percentile
+ * bootstrap (for any statistic, e.g. the median), and `pairedRatio` for interleaved A/B runs (the
+ * geometric mean of per-pair ratios with a t interval on their logs). Pure functions over plain
+ * number arrays.
+ */
+import { Prng } from "./prng.js";
+
+export function mean(values: readonly number[]): number {
+  if (values.length === 0) return Number.NaN;
+  let s = 0;
+  for (const v of values) s += v;
+  return s / values.length;
+}
+
+/** Sample standard deviation (n − 1). NaN for fewer than two values. */
+export function stddev(values: readonly number[]): number {
+  if (values.length < 2) return Number.NaN;
+  const m = mean(values);
+  let s = 0;
+  for (const v of values) s += (v - m) ** 2;
+  return Math.sqrt(s / (values.length - 1));
+}
+
+/** Quantile q in [0, 1] with linear interpolation between order statistics (numpy's default). */
+export function quantile(values: readonly number[], q: number): number {
+  if (values.length === 0) return Number.NaN;
+  const sorted = [...values].sort((a, b) => a - b);
+  const pos = (sorted.length - 1) * Math.min(1, Math.max(0, q));
+  const lo = Math.floor(pos);
+  const hi = Math.ceil(pos);
+  return (sorted[lo] as number) + ((sorted[hi] as number) - (sorted[lo] as number)) * (pos - lo);
+}
+
+export function median(values: readonly number[]): number {
+  return quantile(values, 0.5);
+}
+
+export interface Summary {
+  readonly n: number;
+  readonly median: number;
+  readonly min: number;
+  readonly max: number;
+  readonly p25: number;
+  readonly p75: number;
+}
+
+/** Count, median, extremes and quartiles. */
+export function summarize(values: readonly number[]): Summary {
+  return {
+    n: values.length,
+    median: quantile(values, 0.5),
+    min: quantile(values, 0),
+    max: quantile(values, 1),
+    p25: quantile(values, 0.25),
+    p75: quantile(values, 0.75),
+  };
+}
+
+export interface Interval {
+  readonly low: number;
+  readonly high: number;
+}
+
+// Two-sided 95% Student t critical values for df = 1..30.
+const T95 = [
+  12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.16, 2.145, 2.131,
+  2.12, 2.11, 2.101, 2.093, 2.086, 2.08, 2.074, 2.069, 2.064, 2.06, 2.056, 2.052, 2.048, 2.045, 2.042,
+];
+
+/** The 97.5% quantile of Student's t (two-sided 95%) for `df` degrees of freedom; 1.96 beyond 30. */
+export function t975(df: number): number {
+  if (!(df >= 1)) return Number.NaN;
+  return df <= 30 ? (T95[Math.floor(df) - 1] as number) : 1.96;
+}
+
+/** 95% two-sided Student t critical value for `df` degrees of freedom (series beyond 30: more exact than t975). */
+export function tCritical95(df: number): number {
+  if (df < 1) return Number.NaN;
+  if (df <= 30) return T95[df - 1] as number;
+  // Cornish–Fisher expansion of the t quantile around the normal one; within 0.001 for df > 30.
+  const z = 1.959964;
+  return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df * df);
+}
+
+export interface RatioInterval {
+  /** Geometric mean of a[i] / b[i]. */
+  readonly ratio: number;
+  readonly low: number;
+  readonly high: number;
+  /** Number of pairs. */
+  readonly n: number;
+}
+
+/**
+ * Ratio of paired measurements a[i] / b[i] (interleaved A/B runs): the geometric mean with a 95%
+ * Student t interval computed on the logs of the ratios.
+ */
+export function pairedRatio(a: readonly number[], b: readonly number[]): RatioInterval {
+  const n = Math.min(a.length, b.length);
+  const logs: number[] = [];
+  for (let i = 0; i < n; i++) logs.push(Math.log((a[i] as number) / (b[i] as number)));
+  const m = mean(logs);
+  if (n < 2) return { ratio: Math.exp(m), low: Number.NaN, high: Number.NaN, n };
+  const half = (t975(n - 1) * stddev(logs)) / Math.sqrt(n);
+  return { ratio: Math.exp(m), low: Math.exp(m - half), high: Math.exp(m + half), n };
+}
+
+/** 95% confidence interval of the mean by Student's t. */
+export function tInterval95(values: readonly number[]): Interval {
+  const n = values.length;
+  const m = mean(values);
+  if (n < 2) return { low: Number.NaN, high: Number.NaN };
+  const half = (tCritical95(n - 1) * stddev(values)) / Math.sqrt(n);
+  return { low: m - half, high: m + half };
+}
+
+/**
+ * Percentile bootstrap confidence interval of `statistic` (default: the median), seeded so a
+ * report is reproducible.
+ */
+export function bootstrapInterval(
+  values: readonly number[],
+  options: {
+    statistic?: (v: readonly number[]) => number;
+    confidence?: number;
+    iterations?: number;
+    seed?: number;
+  } = {},
+): Interval {
+  const n = values.length;
+  if (n === 0) return { low: Number.NaN, high: Number.NaN };
+  const statistic = options.statistic ?? median;
+  const confidence = options.confidence ?? 0.95;
+  const iterations = options.iterations ?? 2000;
+  const rng = new Prng(options.seed ?? 12345);
+  const stats: number[] = new Array(iterations);
+  const resample: number[] = new Array(n);
+  for (let i = 0; i < iterations; i++) {
+    for (let j = 0; j < n; j++) resample[j] = values[rng.nextInt(n)] as number;
+    stats[i] = statistic(resample);
+  }
+  const alpha = (1 - confidence) / 2;
+  return { low: quantile(stats, alpha), high: quantile(stats, 1 - alpha) };
+}

@@ -1,0 +1,287 @@
+/**
+ * Reads a Hugging Face `config.json` (plus the eos ids of `generation_config.json`) into the frozen
+ * `ModelConfig` every other module uses.
+ *
+ * Supported: Llama (`LlamaForCausalLM`), Mistral (`MistralForCausalLM`) and Qwen2
+ * (`Qwen2ForCausalLM`) with SiLU MLPs, plain RoPE and full attention. Everything this server does
+ * not implement is refused with an `unsupported_model` error naming the field, never silently
+ * ignored: any `rope_scaling` (linear, dynamic, yarn, llama3, ...), sliding-window attention,
+ * `mlp_bias`, activations other than SiLU, and an `attention_bias` that would need an o_proj bias.
+ */
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { z } from "zod";
+import { KvfenceError } from "../lib/errors.js";
+import type { ModelConfig } from "./model-config.js";
+
+const ARCHITECTURES = {
+  LlamaForCausalLM: "llama",
+  MistralForCausalLM: "mistral",
+  Qwen2ForCausalLM: "qwen2",
+} as const satisfies Record<string, ModelConfig["architecture"]>;
+
+const MODEL_TYPES: readonly string[] = ["llama", "mistral", "qwen2"];
+
+const positiveInt = z.number().int().positive();
+const tokenId = z.number().int().nonnegative();
+const tokenIds = z.union([tokenId, z.array(tokenId)]).nullish();
+
+const configSchema = z.object({
+  architectures: z.array(z.string()).nullish(),
+  model_type: z.string().nullish(),
+  hidden_size: positiveInt,
+  num_attention_heads: positiveInt,
+  num_key_value_heads: positiveInt.nullish(),
+  head_dim: positiveInt.nullish(),
+  intermediate_size: positiveInt,
+  num_hidden_layers: positiveInt,
+  rms_norm_eps: z.number().positive().default(1e-6),
+  rope_theta: z.number().positive().nullish(),
+  rope_scaling: z.unknown().optional(),
+  rope_parameters: z.record(z.string(), z.unknown()).nullish(),
+  tie_word_embeddings: z.boolean().nullish(),
+  attention_bias: z.boolean().nullish(),
+  mlp_bias: z.boolean().nullish(),
+  hidden_act: z.string().default("silu"),
+  sliding_window: z.number().int().nullish(),
+  use_sliding_window: z.boolean().nullish(),
+  max_position_embeddings: positiveInt,
+  vocab_size: positiveInt,
+  bos_token_id: tokenId.nullish(),
+  eos_token_id: tokenIds,
+});
+
+const generationConfigSchema = z.object({
+  eos_token_id: tokenIds,
+  temperature: z.number().nonnegative().nullish(),
+  top_p: z.number().gt(0).max(1).nullish(),
+  top_k: z.number().int().nonnegative().nullish(),
+  max_new_tokens: positiveInt.nullish(),
+  do_sample: z.boolean().nullish(),
+});
+
+export type GenerationConfigJson = z.infer<typeof generationConfigSchema>;
+
+/** `Bad model folder: FILE: PROBLEM` as a KvfenceError. */
+export function badModelFolder(file: string, problem: string, cause?: unknown): KvfenceError {
+  return new KvfenceError(
+    "bad_model_folder",
+    `Bad model folder: ${file}: ${problem}`,
+    cause === undefined ? {} : { cause },
+  );
+}
+
+/** `Unsupported model: FILE: PROBLEM` as a KvfenceError. */
+export function unsupportedModel(file: string, problem: string): KvfenceError {
+  return new KvfenceError("unsupported_model", `Unsupported model: ${file}: ${problem}`);
+}
+
+/**
+ * Reads and parses a JSON file of a model folder. Returns undefined when the file is absent and
+ * `optional` is set; a missing required file, an unreadable file or invalid JSON throws
+ * `bad_model_folder` naming the file.
+ */
+export function readJsonFile(path: string, options: { optional: true }): unknown;
+export function readJsonFile(path: string, options?: { optional?: false }): unknown;
+export function readJsonFile(path: string, options?: { optional?: boolean }): unknown {
+  let text: string;
+  try {
+    text = readFileSync(path, "utf8");
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    if (code === "ENOENT" && options?.optional === true) return undefined;
+    throw badModelFolder(
+      path,
+      code === "ENOENT" ? "file is missing" : `cannot read the file: ${String(err)}`,
+      err,
+    );
+  }
+  try {
+    return JSON.parse(text) as unknown;
+  } catch (err) {
+    throw badModelFolder(path, `not valid JSON: ${(err as Error).message}`, err);
+  }
+}
+
+function describeIssues(error: z.ZodError): string {
+  return error.issues
+    .map((issue) => `${issue.path.length > 0 ? issue.path.join(".") : "(root)"}: ${issue.message}`)
+    .join("; ");
+}
+
+function idList(value: number | readonly number[] | null | undefined): number[] {
+  if (value === null || value === undefined) return [];
+  return typeof value === "number" ? [value] : [...value];
+}
+
+/** Parses `generation_config.json` when present (undefined when absent). */
+export function readGenerationConfig(dir: string): GenerationConfigJson | undefined {
+  const path = join(dir, "generation_config.json");
+  const raw = readJsonFile(path, { optional: true });
+  if (raw === undefined) return undefined;
+  const parsed = generationConfigSchema.safeParse(raw);
+  if (!parsed.success) throw badModelFolder(path, describeIssues(parsed.error));
+  return parsed.data;
+}
+
+/**
+ * Loads `DIR/config.json` into a frozen `ModelConfig`; eos ids are the union of config.json's and
+ * generation_config.json's. Throws `bad_model_folder` for missing or malformed files and
+ * `unsupported_model` for features this server does not implement.
+ */
+export function loadModelConfig(dir: string): ModelConfig {
+  const path = join(dir, "config.json");
+  const raw = readJsonFile(path);
+  const parsed = configSchema.safeParse(raw);
+  if (!parsed.success) throw badModelFolder(path, describeIssues(parsed.error));
+  const c = parsed.data;
+
+  const architecture = resolveArchitecture(path, c.architectures ?? undefined, c.model_type ?? undefined);
+
+  if (c.hidden_act !== "silu") {
+    throw unsupportedModel(
+      path,
+      `hidden_act ${JSON.stringify(c.hidden_act)} is not implemented; only "silu" is supported`,
+    );
+  }
+  if (c.rope_scaling !== undefined && c.rope_scaling !== null) {
+    throw unsupportedModel(
+      path,
+      `rope_scaling ${JSON.stringify(c.rope_scaling)} is not implemented; only plain RoPE (rope_scaling null) is supported`,
+    );
+  }
+  let ropeTheta = c.rope_theta ?? 10000;
+  if (c.rope_parameters !== null && c.rope_parameters !== undefined) {
+    const p = c.rope_parameters;
+    const ropeType = p.rope_type ?? p.type ?? "default";
+    if (ropeType !== "default") {
+      throw unsupportedModel(
+        path,
+        `rope_parameters.rope_type ${JSON.stringify(ropeType)} is not implemented; only "default" is supported`,
+      );
+    }
+    if (p.rope_theta !== undefined) {
+      if (typeof p.rope_theta !== "number" || !(p.rope_theta > 0)) {
+        throw badModelFolder(
+          path,
+          `rope_parameters.rope_theta must be a positive number: ${JSON.stringify(p.rope_theta)}`,
+        );
+      }
+      ropeTheta = p.rope_theta;
+    }
+  }
+  const window = c.sliding_window ?? null;
+  if (window !== null) {
+    if (c.use_sliding_window === true) {
+      throw unsupportedModel(
+        path,
+        `sliding-window attention (use_sliding_window true, sliding_window ${window}) is not implemented`,
+      );
+    }
+    if (architecture === "mistral" && c.use_sliding_window !== false && window < c.max_position_embeddings) {
+      throw unsupportedModel(
+        path,
+        `sliding-window attention (sliding_window ${window} < max_position_embeddings ${c.max_position_embeddings}) is not implemented; set sliding_window to null`,
+      );
+    }
+  }
+  if (c.mlp_bias === true) throw unsupportedModel(path, "mlp_bias true is not implemented");
+
+  let attentionBias: boolean;
+  if (architecture === "qwen2") {
+    if (c.attention_bias === false) {
+      throw unsupportedModel(
+        path,
+        "attention_bias false is not supported for Qwen2 (its q/k/v projections always carry biases)",
+      );
+    }
+    attentionBias = true;
+  } else {
+    if (c.attention_bias === true) {
+      throw unsupportedModel(
+        path,
+        `attention_bias true is not implemented for ${architecture} (it adds an o_proj bias)`,
+      );
+    }
+    attentionBias = false;
+  }
+
+  const numHeads = c.num_attention_heads;
+  const numKvHeads = c.num_key_value_heads ?? numHeads;
+  if (numHeads % numKvHeads !== 0) {
+    throw badModelFolder(
+      path,
+      `num_attention_heads ${numHeads} is not a multiple of num_key_value_heads ${numKvHeads}`,
+    );
+  }
+  let headDim: number;
+  if (c.head_dim !== null && c.head_dim !== undefined) {
+    headDim = c.head_dim;
+  } else {
+    if (c.hidden_size % numHeads !== 0) {
+      throw badModelFolder(
+        path,
+        `hidden_size ${c.hidden_size} is not a multiple of num_attention_heads ${numHeads} and head_dim is not set`,
+      );
+    }
+    headDim = c.hidden_size / numHeads;
+  }
+  if (headDim % 2 !== 0) throw badModelFolder(path, `head_dim must be even for RoPE: ${headDim}`);
+
+  const eos = idList(c.eos_token_id);
+  const generation = readGenerationConfig(dir);
+  for (const id of idList(generation?.eos_token_id)) if (!eos.includes(id)) eos.push(id);
+  const bosTokenId = c.bos_token_id ?? null;
+  for (const id of [...eos, ...(bosTokenId === null ? [] : [bosTokenId])]) {
+    if (id >= c.vocab_size)
+      throw badModelFolder(path, `token id ${id} is outside the vocabulary of ${c.vocab_size}`);
+  }
+
+  const config: ModelConfig = {
+    architecture,
+    hiddenSize: c.hidden_size,
+    numHeads,
+    numKvHeads,
+    headDim,
+    intermediateSize: c.intermediate_size,
+    numLayers: c.num_hidden_layers,
+    rmsNormEps: c.rms_norm_eps,
+    ropeTheta,
+    tieWordEmbeddings: c.tie_word_embeddings ?? false,
+    attentionBias,
+    maxPositionEmbeddings: c.max_position_embeddings,
+    vocabSize: c.vocab_size,
+    bosTokenId,
+    eosTokenIds: Object.freeze(eos),
+  };
+  return Object.freeze(config);
+}
+
+function resolveArchitecture(
+  path: string,
+  architectures: readonly string[] | undefined,
+  modelType: string | undefined,
+): ModelConfig["architecture"] {
+  const supported = `supported: ${Object.keys(ARCHITECTURES).join(", ")}`;
+  if (architectures !== undefined && architectures.length > 0) {
+    if (architectures.length !== 1)
+      throw unsupportedModel(path, `architectures must name one class: ${JSON.stringify(architectures)}`);
+    const name = architectures[0] as string;
+    const arch = (ARCHITECTURES as Record<string, ModelConfig["architecture"]>)[name];
+    if (arch === undefined)
+      throw unsupportedModel(path, `architecture ${JSON.stringify(name)} is not implemented (${supported})`);
+    if (modelType !== undefined && modelType !== arch) {
+      throw unsupportedModel(
+        path,
+        `model_type ${JSON.stringify(modelType)} does not match architecture ${name}`,
+      );
+    }
+    return arch;
+  }
+  if (modelType !== undefined && MODEL_TYPES.includes(modelType))
+    return modelType as ModelConfig["architecture"];
+  throw unsupportedModel(
+    path,
+    `model_type ${JSON.stringify(modelType ?? null)} is not implemented and architectures is missing (${supported})`,
+  );
+}

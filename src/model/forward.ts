@@ -1,0 +1,383 @@
+/**
+ * The batched, paged forward pass of a Llama-family decoder (Llama, Mistral, Qwen2).
+ *
+ * One `step()` carries any mix of sequences: prefill chunks and single decode tokens of different
+ * lengths. All their tokens are concatenated into one `[totalTokens][hidden]` activation matrix so
+ * every linear layer runs as one matmul over the batch; attention runs per sequence, causal within
+ * its chunk, over positions [0, startPos+i] read through the sequence's block table from the paged
+ * KV pool (src/kvcache/kv-layout.ts). Each layer first writes the step's new K/V into the pool, then
+ * attends, so a chunk sees its own tokens exactly as later steps will.
+ *
+ * Allocation: every activation buffer is allocated at construction for `maxBatchTokens` rows (and
+ * `maxSequences` logit rows), RoPE cos/sin tables are precomputed up to `maxPositionEmbeddings`, and
+ * `step()` uses indexed loops only — no arrays, closures, iterators or subarrays are created per
+ * step (forward.test.ts checks heap growth over many decode steps). Checks on the step's input are
+ * integer compares that throw `KvfenceError` only on caller bugs.
+ *
+ * Logits are computed only for sequences that ask for them (non-null `logits`), from their last
+ * token: those rows are gathered, normed and multiplied by the LM head as one small matmul.
+ */
+import {
+  add,
+  addBias,
+  matmul,
+  pagedAttention,
+  rmsnorm,
+  rope,
+  ropeTables,
+  swiglu,
+} from "../kernels/reference.js";
+import { type KvLayout, pageFloats } from "../kvcache/kv-layout.js";
+import { KvfenceError } from "../lib/errors.js";
+import type { ModelConfig, ModelWeights } from "./model-config.js";
+
+export interface StepSequence {
+  /** This sequence's new tokens in this step: a prefill chunk or one decode token. */
+  tokens: Int32Array;
+  /** Absolute position of tokens[0]; KV for [0, startPos) is already in the pool. */
+  startPos: number;
+  /** Physical page for each logical page; covers [0, startPos + tokens.length). */
+  blockTable: Int32Array;
+  /** When non-null (length vocabSize), receives the logits of the LAST token. */
+  logits: Float32Array | null;
+}
+
+export interface ForwardPassOptions {
+  /** Most tokens (summed over sequences) one step may carry. */
+  maxBatchTokens: number;
+  /** Most sequences one step may carry. */
+  maxSequences: number;
+}
+
+export class ForwardPass {
+  readonly config: ModelConfig;
+  readonly layout: KvLayout;
+  readonly maxBatchTokens: number;
+  readonly maxSequences: number;
+  #weights: ModelWeights;
+  #pageFloats: number;
+  #cos: Float64Array;
+  #sin: Float64Array;
+  // Activations, [maxBatchTokens][...].
+  #x: Float32Array; // residual stream [T][hidden]
+  #xn: Float32Array; // normed [T][hidden]
+  #q: Float32Array; // [T][heads*headDim]
+  #k: Float32Array; // [T][kvHeads*headDim]
+  #v: Float32Array; // [T][kvHeads*headDim]
+  #attn: Float32Array; // [T][heads*headDim]
+  #proj: Float32Array; // [T][hidden]
+  #gate: Float32Array; // [T][intermediate]
+  #up: Float32Array; // [T][intermediate]
+  #positions: Int32Array; // [T]
+  #scratch: Float64Array; // attention: headDim + maxPositions
+  /**
+   * rmsNormEps kept boxed: V8 stores a double object field unboxed and must allocate a fresh
+   * HeapNumber each time it passes it to a call; an array that also holds null keeps its elements
+   * tagged, so reading [0] yields the existing box (forward.test.ts catches a regression).
+   */
+  #epsBox: [number, null];
+  // Logit rows, [maxSequences][...].
+  #lastRows: Float32Array; // [S][hidden]
+  #logitRows: Float32Array; // [S][vocab]
+
+  constructor(config: ModelConfig, weights: ModelWeights, layout: KvLayout, options: ForwardPassOptions) {
+    const { maxBatchTokens, maxSequences } = options;
+    if (!Number.isInteger(maxBatchTokens) || maxBatchTokens < 1) {
+      throw new KvfenceError(
+        "config_invalid",
+        `maxBatchTokens must be a positive integer: ${maxBatchTokens}`,
+      );
+    }
+    if (!Number.isInteger(maxSequences) || maxSequences < 1) {
+      throw new KvfenceError("config_invalid", `maxSequences must be a positive integer: ${maxSequences}`);
+    }
+    if (
+      layout.numLayers !== config.numLayers ||
+      layout.numKvHeads !== config.numKvHeads ||
+      layout.headDim !== config.headDim
+    ) {
+      throw new KvfenceError(
+        "layout_mismatch",
+        `KV layout does not match the model: layout layers=${layout.numLayers} kvHeads=${layout.numKvHeads} headDim=${layout.headDim}, model ${config.numLayers}/${config.numKvHeads}/${config.headDim}; build the layout from the model config`,
+      );
+    }
+    if (config.numHeads % config.numKvHeads !== 0 || config.headDim % 2 !== 0) {
+      throw new KvfenceError(
+        "unsupported_model",
+        `Heads must be a multiple of KV heads and headDim even: ${config.numHeads}/${config.numKvHeads}, headDim ${config.headDim}`,
+      );
+    }
+    checkWeights(config, weights);
+    this.config = config;
+    this.layout = layout;
+    this.maxBatchTokens = maxBatchTokens;
+    this.maxSequences = maxSequences;
+    this.#weights = weights;
+    this.#pageFloats = pageFloats(layout);
+    const { hiddenSize: hidden, numHeads, numKvHeads, headDim, intermediateSize, vocabSize } = config;
+    const maxPos = config.maxPositionEmbeddings;
+    this.#cos = new Float64Array(maxPos * (headDim >> 1));
+    this.#sin = new Float64Array(maxPos * (headDim >> 1));
+    ropeTables(this.#cos, this.#sin, maxPos, headDim, config.ropeTheta);
+    const t = maxBatchTokens;
+    this.#x = new Float32Array(t * hidden);
+    this.#xn = new Float32Array(t * hidden);
+    this.#q = new Float32Array(t * numHeads * headDim);
+    this.#k = new Float32Array(t * numKvHeads * headDim);
+    this.#v = new Float32Array(t * numKvHeads * headDim);
+    this.#attn = new Float32Array(t * numHeads * headDim);
+    this.#proj = new Float32Array(t * hidden);
+    this.#gate = new Float32Array(t * intermediateSize);
+    this.#up = new Float32Array(t * intermediateSize);
+    this.#positions = new Int32Array(t);
+    this.#scratch = new Float64Array(headDim + maxPos);
+    this.#epsBox = [config.rmsNormEps, null];
+    this.#lastRows = new Float32Array(maxSequences * hidden);
+    this.#logitRows = new Float32Array(maxSequences * vocabSize);
+  }
+
+  /**
+   * Runs one batched step. Writes the new tokens' K/V into `pool` (a Float32Array over the whole KV
+   * pool, page-major as in src/kvcache/kv-layout.ts) and attends through each block table.
+   */
+  step(pool: Float32Array, sequences: readonly StepSequence[]): void {
+    const cfg = this.config;
+    const hidden = cfg.hiddenSize;
+    const numSeqs = sequences.length;
+    const total = this.#checkStep(pool, sequences);
+    if (total === 0) return;
+
+    // Embeddings and positions.
+    const embed = this.#weights.embed;
+    const x = this.#x;
+    const positions = this.#positions;
+    let row = 0;
+    for (let s = 0; s < numSeqs; s++) {
+      const seq = sequences[s] as StepSequence;
+      const tokens = seq.tokens;
+      for (let i = 0; i < tokens.length; i++) {
+        const src = (tokens[i] as number) * hidden;
+        const dst = row * hidden;
+        for (let j = 0; j < hidden; j++) x[dst + j] = embed[src + j] as number;
+        positions[row] = seq.startPos + i;
+        row++;
+      }
+    }
+
+    const { numHeads, numKvHeads, headDim, intermediateSize: inter } = cfg;
+    const eps = this.#epsBox[0];
+    const qDim = numHeads * headDim;
+    const kvDim = numKvHeads * headDim;
+    const xn = this.#xn;
+    const q = this.#q;
+    const k = this.#k;
+    const v = this.#v;
+    const attn = this.#attn;
+    const proj = this.#proj;
+    const gate = this.#gate;
+    const up = this.#up;
+    const layers = this.#weights.layers;
+    for (let l = 0; l < cfg.numLayers; l++) {
+      const w = layers[l] as (typeof layers)[number];
+      rmsnorm(xn, x, w.inputNorm, hidden, eps, total);
+      matmul(q, xn, w.q, total, hidden, qDim);
+      matmul(k, xn, w.k, total, hidden, kvDim);
+      matmul(v, xn, w.v, total, hidden, kvDim);
+      if (w.qBias !== null) addBias(q, w.qBias, total, qDim);
+      if (w.kBias !== null) addBias(k, w.kBias, total, kvDim);
+      if (w.vBias !== null) addBias(v, w.vBias, total, kvDim);
+      rope(q, positions, this.#cos, this.#sin, total, numHeads, headDim);
+      rope(k, positions, this.#cos, this.#sin, total, numKvHeads, headDim);
+      this.#storeKv(pool, sequences, l);
+      row = 0;
+      for (let s = 0; s < numSeqs; s++) {
+        const seq = sequences[s] as StepSequence;
+        const n = seq.tokens.length;
+        pagedAttention(
+          attn,
+          q,
+          pool,
+          seq.blockTable,
+          this.#scratch,
+          row,
+          n,
+          seq.startPos,
+          l,
+          cfg.numLayers,
+          numHeads,
+          numKvHeads,
+          headDim,
+          this.layout.pageSize,
+        );
+        row += n;
+      }
+      matmul(proj, attn, w.o, total, qDim, hidden);
+      add(x, x, proj, total * hidden);
+      rmsnorm(xn, x, w.postNorm, hidden, eps, total);
+      matmul(gate, xn, w.gate, total, hidden, inter);
+      matmul(up, xn, w.up, total, hidden, inter);
+      swiglu(gate, gate, up, total * inter);
+      matmul(proj, gate, w.down, total, inter, hidden);
+      add(x, x, proj, total * hidden);
+    }
+
+    // Gather the last row of every sequence that wants logits; norm; LM head.
+    const last = this.#lastRows;
+    let numOut = 0;
+    row = 0;
+    for (let s = 0; s < numSeqs; s++) {
+      const seq = sequences[s] as StepSequence;
+      row += seq.tokens.length;
+      if (seq.logits === null) continue;
+      const src = (row - 1) * hidden;
+      const dst = numOut * hidden;
+      for (let j = 0; j < hidden; j++) last[dst + j] = x[src + j] as number;
+      numOut++;
+    }
+    if (numOut === 0) return;
+    rmsnorm(last, last, this.#weights.finalNorm, hidden, eps, numOut);
+    const vocab = cfg.vocabSize;
+    const logitRows = this.#logitRows;
+    matmul(logitRows, last, this.#weights.lmHead, numOut, hidden, vocab);
+    let o = 0;
+    for (let s = 0; s < numSeqs; s++) {
+      const out = (sequences[s] as StepSequence).logits;
+      if (out === null) continue;
+      const base = o * vocab;
+      for (let j = 0; j < vocab; j++) out[j] = logitRows[base + j] as number;
+      o++;
+    }
+  }
+
+  /** Copies this layer's new K and V rows of every sequence into their pages. */
+  #storeKv(pool: Float32Array, sequences: readonly StepSequence[], layer: number): void {
+    const { numKvHeads, headDim, pageSize } = this.layout;
+    const kvDim = numKvHeads * headDim;
+    const kBase = layer * 2 * pageSize * kvDim;
+    const vBase = kBase + pageSize * kvDim;
+    const pf = this.#pageFloats;
+    const k = this.#k;
+    const v = this.#v;
+    let row = 0;
+    for (let s = 0; s < sequences.length; s++) {
+      const seq = sequences[s] as StepSequence;
+      const n = seq.tokens.length;
+      for (let i = 0; i < n; i++) {
+        const pos = seq.startPos + i;
+        const page = seq.blockTable[(pos / pageSize) | 0] as number;
+        const off = page * pf + (pos % pageSize) * kvDim;
+        const src = row * kvDim;
+        for (let j = 0; j < kvDim; j++) {
+          pool[off + kBase + j] = k[src + j] as number;
+          pool[off + vBase + j] = v[src + j] as number;
+        }
+        row++;
+      }
+    }
+  }
+
+  /** Validates a step's shape (integer compares only); returns its total token count. */
+  #checkStep(pool: Float32Array, sequences: readonly StepSequence[]): number {
+    const cfg = this.config;
+    if (sequences.length > this.maxSequences) {
+      throw new KvfenceError(
+        "internal",
+        `Step carries more sequences than maxSequences: ${sequences.length} > ${this.maxSequences}; split the batch`,
+      );
+    }
+    if (pool.length % this.#pageFloats !== 0) {
+      throw new KvfenceError(
+        "layout_mismatch",
+        `KV pool length is not a whole number of pages: ${pool.length} floats, page ${this.#pageFloats}; size it with pageFloats(layout)`,
+      );
+    }
+    const numPages = pool.length / this.#pageFloats;
+    const pageSize = this.layout.pageSize;
+    let total = 0;
+    for (let s = 0; s < sequences.length; s++) {
+      const seq = sequences[s] as StepSequence;
+      const n = seq.tokens.length;
+      const end = seq.startPos + n;
+      if (!Number.isInteger(seq.startPos) || seq.startPos < 0 || end > cfg.maxPositionEmbeddings) {
+        throw new KvfenceError(
+          "context_length_exceeded",
+          `Sequence ${s} spans positions beyond the model window: [${seq.startPos}, ${end}) with maxPositionEmbeddings ${cfg.maxPositionEmbeddings}`,
+        );
+      }
+      const pagesNeeded = Math.ceil(end / pageSize);
+      if (seq.blockTable.length < pagesNeeded) {
+        throw new KvfenceError(
+          "internal",
+          `Block table of sequence ${s} is too short: ${seq.blockTable.length} pages for ${end} tokens; allocate ${pagesNeeded} pages`,
+        );
+      }
+      for (let p = 0; p < pagesNeeded; p++) {
+        const page = seq.blockTable[p] as number;
+        if (page < 0 || page >= numPages) {
+          throw new KvfenceError(
+            "internal",
+            `Block table of sequence ${s} names a page outside the pool: ${page} (pool has ${numPages})`,
+          );
+        }
+      }
+      for (let i = 0; i < n; i++) {
+        const t = seq.tokens[i] as number;
+        if (t < 0 || t >= cfg.vocabSize) {
+          throw new KvfenceError(
+            "invalid_request",
+            `Token id out of vocabulary range: ${t} (vocab ${cfg.vocabSize})`,
+          );
+        }
+      }
+      if (seq.logits !== null && (n === 0 || seq.logits.length !== cfg.vocabSize)) {
+        throw new KvfenceError(
+          "internal",
+          `Logits buffer of sequence ${s} must have length vocabSize and the sequence at least one token: length ${seq.logits.length}, ${n} tokens`,
+        );
+      }
+      total += n;
+    }
+    if (total > this.maxBatchTokens) {
+      throw new KvfenceError(
+        "internal",
+        `Step carries more tokens than maxBatchTokens: ${total} > ${this.maxBatchTokens}; split the batch`,
+      );
+    }
+    return total;
+  }
+}
+
+function checkWeights(config: ModelConfig, w: ModelWeights): void {
+  const { hiddenSize: h, numHeads, numKvHeads, headDim, intermediateSize: inter, vocabSize } = config;
+  const expect = (name: string, arr: Float32Array | null, n: number): void => {
+    if (arr === null || arr.length !== n) {
+      throw new KvfenceError(
+        "bad_model_folder",
+        `Weight ${name} has the wrong size: ${arr?.length ?? "missing"}, expected ${n}`,
+      );
+    }
+  };
+  expect("embed", w.embed, vocabSize * h);
+  expect("lmHead", w.lmHead, vocabSize * h);
+  expect("finalNorm", w.finalNorm, h);
+  if (w.layers.length !== config.numLayers) {
+    throw new KvfenceError(
+      "bad_model_folder",
+      `Wrong number of layers: ${w.layers.length}, expected ${config.numLayers}`,
+    );
+  }
+  w.layers.forEach((l, i) => {
+    expect(`layers.${i}.inputNorm`, l.inputNorm, h);
+    expect(`layers.${i}.q`, l.q, numHeads * headDim * h);
+    expect(`layers.${i}.k`, l.k, numKvHeads * headDim * h);
+    expect(`layers.${i}.v`, l.v, numKvHeads * headDim * h);
+    if (l.qBias !== null) expect(`layers.${i}.qBias`, l.qBias, numHeads * headDim);
+    if (l.kBias !== null) expect(`layers.${i}.kBias`, l.kBias, numKvHeads * headDim);
+    if (l.vBias !== null) expect(`layers.${i}.vBias`, l.vBias, numKvHeads * headDim);
+    expect(`layers.${i}.o`, l.o, h * numHeads * headDim);
+    expect(`layers.${i}.postNorm`, l.postNorm, h);
+    expect(`layers.${i}.gate`, l.gate, inter * h);
+    expect(`layers.${i}.up`, l.up, inter * h);
+    expect(`layers.${i}.down`, l.down, h * inter);
+  });
+}

@@ -1,0 +1,301 @@
+/**
+ * Writes random-weight model folders with the exact shapes of a known model, for benchmarks
+ * (`kvfence gen-model --like smollm2-135m`) and tests.
+ *
+ * The folder is a complete Hugging Face-style Llama folder: config.json, generation_config.json, a
+ * byte-level BPE tokenizer.json with ChatML special tokens, tokenizer_config.json with a ChatML
+ * chat template, and model.safetensors in f32. Every tensor gets its own data from one seeded
+ * xorshift32 stream (splitmix32-seeded per tensor): linear weights uniform with std 0.02, norms
+ * 1 ± 0.05, biases std 0.02. The tokenizer has 3 special tokens, the 256 byte tokens and
+ * then filler tokens (" a", " b", ..., " zz", ...) up to the config's vocabulary, so every id decodes to
+ * readable text even though nothing was trained.
+ */
+import { closeSync, mkdirSync, openSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { KvfenceError } from "../lib/errors.js";
+import { expectedTensors } from "./load-model.js";
+import type { ModelConfig } from "./model-config.js";
+import { encodeTensorData, safetensorsHeader, writeAllSync } from "./safetensors.js";
+import { BYTE_TO_CHAR } from "./tokenizer.js";
+
+/** Shapes of a Llama-family model, as config.json states them. */
+export interface ModelShape {
+  readonly hiddenSize: number;
+  readonly numLayers: number;
+  readonly numHeads: number;
+  readonly numKvHeads: number;
+  readonly headDim: number;
+  readonly intermediateSize: number;
+  readonly vocabSize: number;
+  readonly tieWordEmbeddings: boolean;
+  readonly ropeTheta: number;
+  readonly maxPositionEmbeddings: number;
+  readonly rmsNormEps: number;
+}
+
+/** Models `gen-model --like` can imitate. `tiny` is a small shape for tests. */
+export const MODEL_SHAPES: Readonly<Record<string, ModelShape>> = {
+  "smollm2-135m": {
+    hiddenSize: 576,
+    numLayers: 30,
+    numHeads: 9,
+    numKvHeads: 3,
+    headDim: 64,
+    intermediateSize: 1536,
+    vocabSize: 49152,
+    tieWordEmbeddings: true,
+    ropeTheta: 100000,
+    maxPositionEmbeddings: 8192,
+    rmsNormEps: 1e-5,
+  },
+  tiny: {
+    hiddenSize: 64,
+    numLayers: 2,
+    numHeads: 4,
+    numKvHeads: 2,
+    headDim: 16,
+    intermediateSize: 128,
+    vocabSize: 512,
+    tieWordEmbeddings: true,
+    ropeTheta: 10000,
+    maxPositionEmbeddings: 1024,
+    rmsNormEps: 1e-5,
+  },
+};
+
+export const SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] as const;
+/** Number of ids before the filler tokens: the specials and the 256 byte tokens. */
+export const BYTE_TOKENIZER_BASE = SPECIAL_TOKENS.length + 256;
+
+/** ChatML, as used by SmolLM2-Instruct and kvfence-tiny. */
+export const CHATML_TEMPLATE =
+  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}" +
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/** config.json of a Llama model with `shape`. */
+export function llamaConfigJson(shape: ModelShape): Record<string, unknown> {
+  return {
+    architectures: ["LlamaForCausalLM"],
+    model_type: "llama",
+    hidden_size: shape.hiddenSize,
+    num_hidden_layers: shape.numLayers,
+    num_attention_heads: shape.numHeads,
+    num_key_value_heads: shape.numKvHeads,
+    head_dim: shape.headDim,
+    intermediate_size: shape.intermediateSize,
+    vocab_size: shape.vocabSize,
+    tie_word_embeddings: shape.tieWordEmbeddings,
+    rope_theta: shape.ropeTheta,
+    rope_scaling: null,
+    max_position_embeddings: shape.maxPositionEmbeddings,
+    rms_norm_eps: shape.rmsNormEps,
+    hidden_act: "silu",
+    attention_bias: false,
+    mlp_bias: false,
+    bos_token_id: 1,
+    eos_token_id: 2,
+    torch_dtype: "float32",
+  };
+}
+
+function fillerToken(index: number): string {
+  let s = "";
+  let n = index;
+  do {
+    s = String.fromCharCode(97 + (n % 26)) + s;
+    n = Math.floor(n / 26) - 1;
+  } while (n >= 0);
+  return `Ġ${s}`;
+}
+
+/**
+ * A byte-level BPE tokenizer.json: ids 0–2 are `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then
+ * the 256 bytes, then filler tokens up to `vocabSize` (which must be at least 259). There are no
+ * merges, so text encodes one token per byte.
+ */
+export function byteLevelTokenizerJson(vocabSize: number): Record<string, unknown> {
+  if (vocabSize < BYTE_TOKENIZER_BASE)
+    throw new KvfenceError(
+      "invalid_request",
+      `Vocabulary must hold at least ${BYTE_TOKENIZER_BASE} tokens: ${vocabSize}`,
+    );
+  const vocab: Record<string, number> = {};
+  SPECIAL_TOKENS.forEach((t, i) => {
+    vocab[t] = i;
+  });
+  for (let b = 0; b < 256; b++) vocab[BYTE_TO_CHAR[b] as string] = SPECIAL_TOKENS.length + b;
+  for (let id = BYTE_TOKENIZER_BASE; id < vocabSize; id++) vocab[fillerToken(id - BYTE_TOKENIZER_BASE)] = id;
+  return {
+    version: "1.0",
+    truncation: null,
+    padding: null,
+    added_tokens: SPECIAL_TOKENS.map((content, id) => ({
+      id,
+      content,
+      single_word: false,
+      lstrip: false,
+      rstrip: false,
+      normalized: false,
+      special: true,
+    })),
+    normalizer: null,
+    pre_tokenizer: { type: "ByteLevel", add_prefix_space: false, trim_offsets: true, use_regex: true },
+    post_processor: { type: "ByteLevel", add_prefix_space: true, trim_offsets: false, use_regex: true },
+    decoder: { type: "ByteLevel", add_prefix_space: true, trim_offsets: true, use_regex: true },
+    model: {
+      type: "BPE",
+      dropout: null,
+      unk_token: null,
+      continuing_subword_prefix: null,
+      end_of_word_suffix: null,
+      fuse_unk: false,
+      byte_fallback: false,
+      ignore_merges: false,
+      vocab,
+      merges: [],
+    },
+  };
+}
+
+/** tokenizer_config.json for the byte-level ChatML tokenizer. */
+export function chatmlTokenizerConfig(): Record<string, unknown> {
+  return {
+    tokenizer_class: "GPT2Tokenizer",
+    bos_token: "<|im_start|>",
+    eos_token: "<|im_end|>",
+    pad_token: "<|endoftext|>",
+    unk_token: "<|endoftext|>",
+    add_bos_token: false,
+    clean_up_tokenization_spaces: false,
+    model_max_length: 8192,
+    chat_template: CHATML_TEMPLATE,
+    added_tokens_decoder: Object.fromEntries(
+      SPECIAL_TOKENS.map((content, id) => [
+        String(id),
+        { content, lstrip: false, normalized: false, rstrip: false, single_word: false, special: true },
+      ]),
+    ),
+  };
+}
+
+/** generation_config.json for generated models (ends at <|im_end|> or <|endoftext|>). */
+export function generationConfigJson(): Record<string, unknown> {
+  return { bos_token_id: 1, eos_token_id: [2, 0], temperature: 0.7, top_p: 0.9, max_new_tokens: 256 };
+}
+
+/** The ModelConfig a shape implies (Llama, no biases). */
+export function shapeToConfig(shape: ModelShape): ModelConfig {
+  return {
+    architecture: "llama",
+    hiddenSize: shape.hiddenSize,
+    numHeads: shape.numHeads,
+    numKvHeads: shape.numKvHeads,
+    headDim: shape.headDim,
+    intermediateSize: shape.intermediateSize,
+    numLayers: shape.numLayers,
+    rmsNormEps: shape.rmsNormEps,
+    ropeTheta: shape.ropeTheta,
+    tieWordEmbeddings: shape.tieWordEmbeddings,
+    attentionBias: false,
+    maxPositionEmbeddings: shape.maxPositionEmbeddings,
+    vocabSize: shape.vocabSize,
+    bosTokenId: 1,
+    eosTokenIds: [2, 0],
+  };
+}
+
+/** splitmix32: turns (seed, stream) into a well-mixed nonzero 32-bit state. */
+export function splitmix32(seed: number, stream: number): number {
+  let z = (Math.imul(seed | 0, 0x9e3779b9) + Math.imul(stream + 1, 0x85ebca6b)) | 0;
+  z = Math.imul(z ^ (z >>> 16), 0x85ebca6b);
+  z = Math.imul(z ^ (z >>> 13), 0xc2b2ae35);
+  z ^= z >>> 16;
+  return z === 0 ? 0x6d2b79f5 : z;
+}
+
+/**
+ * Fills `out` with uniform values of mean `mean` and standard deviation `std` from an xorshift32
+ * stream seeded by splitmix32(seed, stream).
+ */
+export function fillRandom(out: Float32Array, seed: number, stream: number, mean: number, std: number): void {
+  let x = splitmix32(seed, stream);
+  // Uniform on [-a, a) has std a/√3.
+  const scale = (2 * std * Math.sqrt(3)) / 4294967296;
+  const offset = mean - std * Math.sqrt(3);
+  const n = out.length;
+  for (let i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >>> 17;
+    x ^= x << 5;
+    out[i] = (x >>> 0) * scale + offset;
+  }
+}
+
+export interface GenModelOptions {
+  /** A key of MODEL_SHAPES. */
+  readonly like: string;
+  readonly seed: number;
+  /** Called after each tensor is written. */
+  readonly onProgress?: (bytesWritten: number, totalBytes: number) => void;
+}
+
+/** Writes a random-weight model folder to `dir` (created if needed); returns the bytes of model.safetensors. */
+export function genModel(dir: string, options: GenModelOptions): { bytes: number } {
+  const shape = MODEL_SHAPES[options.like];
+  if (shape === undefined) {
+    throw new KvfenceError(
+      "invalid_request",
+      `Unknown model to imitate: ${options.like}; choose one of ${Object.keys(MODEL_SHAPES).join(", ")}`,
+      {
+        param: "like",
+      },
+    );
+  }
+  if (!Number.isSafeInteger(options.seed))
+    throw new KvfenceError("invalid_request", `Seed must be an integer: ${options.seed}`, { param: "seed" });
+  mkdirSync(dir, { recursive: true });
+  const writeJson = (name: string, value: unknown) =>
+    writeFileSync(join(dir, name), `${JSON.stringify(value, null, 2)}\n`);
+  writeJson("config.json", llamaConfigJson(shape));
+  writeJson("generation_config.json", generationConfigJson());
+  writeJson("tokenizer.json", byteLevelTokenizerJson(shape.vocabSize));
+  writeJson("tokenizer_config.json", chatmlTokenizerConfig());
+
+  const tensors = [...expectedTensors(shapeToConfig(shape))].map(([name, dims]) => ({
+    name,
+    shape: dims,
+    dtype: "F32",
+  }));
+  const { header, dataBytes } = safetensorsHeader(tensors, {
+    format: "pt",
+    generator: `kvfence gen-model --like ${options.like} --seed ${options.seed}`,
+  });
+  const totalBytes = header.byteLength + dataBytes;
+  const fd = openSync(join(dir, "model.safetensors"), "w");
+  try {
+    writeAllSync(fd, header);
+    let written = header.byteLength;
+    let largest = 0;
+    for (const t of tensors)
+      largest = Math.max(
+        largest,
+        t.shape.reduce((a, b) => a * b, 1),
+      );
+    const scratch = new Float32Array(largest);
+    tensors.forEach((t, index) => {
+      const data = scratch.subarray(
+        0,
+        t.shape.reduce((a, b) => a * b, 1),
+      );
+      if (t.name.endsWith("norm.weight")) fillRandom(data, options.seed, index, 1, 0.05);
+      else fillRandom(data, options.seed, index, 0, 0.02);
+      const bytes = encodeTensorData(data, "F32");
+      writeAllSync(fd, bytes);
+      written += bytes.byteLength;
+      options.onProgress?.(written, totalBytes);
+    });
+  } finally {
+    closeSync(fd);
+  }
+  return { bytes: totalBytes };
+}

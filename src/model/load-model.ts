@@ -1,0 +1,256 @@
+/**
+ * Loads a Hugging Face model folder: config.json (+ generation_config.json), the weights
+ * (`model.safetensors`, or shards listed by `model.safetensors.index.json`), tokenizer.json,
+ * tokenizer_config.json and its chat template.
+ *
+ * Every tensor the config implies must be present with exactly the implied shape; tensors the
+ * config does not account for (an extra layer, an o_proj bias, ...) are refused rather than
+ * ignored, because a silently dropped tensor means silently wrong output. The only tolerated
+ * extras are RoPE `inv_freq` buffers (recomputed from rope_theta) and an `lm_head.weight` saved
+ * beside tied embeddings. Problems surface as one-line `bad_model_folder` / `unsupported_model`
+ * errors naming the file.
+ */
+import { statSync } from "node:fs";
+import { basename, join, resolve } from "node:path";
+import { badModelFolder, loadModelConfig, readJsonFile } from "./config-loader.js";
+import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
+import { SafetensorsFile } from "./safetensors.js";
+import {
+  type ChatTemplate,
+  type GenerationDefaults,
+  loadChatTemplate,
+  loadGenerationDefaults,
+  ModelTokenizer,
+} from "./tokenizer.js";
+
+export interface LoadProgress {
+  /** The weights file being read or converted. */
+  readonly file: string;
+  /** Bytes read so far over all weight files. */
+  readonly bytesRead: number;
+  readonly totalBytes: number;
+  /** Tensors converted to f32 so far. */
+  readonly tensorsLoaded: number;
+  readonly tensorsTotal: number;
+}
+
+export interface LoadModelOptions {
+  /** Called after each chunk read and each tensor converted. */
+  readonly onProgress?: (progress: LoadProgress) => void;
+  /** Put the weights in SharedArrayBuffers so worker threads can use them without copies. */
+  readonly shared?: boolean;
+}
+
+export interface LoadedModel {
+  /** The folder's base name. */
+  readonly name: string;
+  readonly dir: string;
+  readonly config: ModelConfig;
+  readonly weights: ModelWeights;
+  readonly tokenizer: ModelTokenizer;
+  /** Null when the folder has no chat template. */
+  readonly chatTemplate: ChatTemplate | null;
+  readonly generationDefaults: GenerationDefaults;
+}
+
+/** The tensors a config implies, in load order, with their shapes. */
+export function expectedTensors(config: ModelConfig): Map<string, readonly number[]> {
+  const h = config.hiddenSize;
+  const q = config.numHeads * config.headDim;
+  const kv = config.numKvHeads * config.headDim;
+  const ff = config.intermediateSize;
+  const out = new Map<string, readonly number[]>();
+  out.set("model.embed_tokens.weight", [config.vocabSize, h]);
+  for (let i = 0; i < config.numLayers; i++) {
+    const p = `model.layers.${i}`;
+    out.set(`${p}.input_layernorm.weight`, [h]);
+    out.set(`${p}.self_attn.q_proj.weight`, [q, h]);
+    out.set(`${p}.self_attn.k_proj.weight`, [kv, h]);
+    out.set(`${p}.self_attn.v_proj.weight`, [kv, h]);
+    if (config.attentionBias) {
+      out.set(`${p}.self_attn.q_proj.bias`, [q]);
+      out.set(`${p}.self_attn.k_proj.bias`, [kv]);
+      out.set(`${p}.self_attn.v_proj.bias`, [kv]);
+    }
+    out.set(`${p}.self_attn.o_proj.weight`, [h, q]);
+    out.set(`${p}.post_attention_layernorm.weight`, [h]);
+    out.set(`${p}.mlp.gate_proj.weight`, [ff, h]);
+    out.set(`${p}.mlp.up_proj.weight`, [ff, h]);
+    out.set(`${p}.mlp.down_proj.weight`, [h, ff]);
+  }
+  out.set("model.norm.weight", [h]);
+  if (!config.tieWordEmbeddings) out.set("lm_head.weight", [config.vocabSize, h]);
+  return out;
+}
+
+function isIgnorable(name: string, config: ModelConfig): boolean {
+  return name.endsWith(".rotary_emb.inv_freq") || (config.tieWordEmbeddings && name === "lm_head.weight");
+}
+
+/** Finds the weight files: the single file, or the shards of the index (each must exist). */
+function weightFiles(dir: string): { files: string[]; label: string } {
+  const single = join(dir, "model.safetensors");
+  if (isFile(single)) return { files: [single], label: single };
+  const indexPath = join(dir, "model.safetensors.index.json");
+  const index = readJsonFile(indexPath, { optional: true });
+  if (index === undefined) {
+    throw badModelFolder(
+      dir,
+      "no model.safetensors or model.safetensors.index.json; put the weights in safetensors format in the folder",
+    );
+  }
+  const map = (index as { weight_map?: unknown } | null)?.weight_map;
+  if (typeof map !== "object" || map === null || Array.isArray(map))
+    throw badModelFolder(indexPath, "weight_map is missing or not an object");
+  const shards: string[] = [];
+  for (const [tensor, shard] of Object.entries(map)) {
+    if (typeof shard !== "string" || shard.includes("/") || shard.includes("\\")) {
+      throw badModelFolder(
+        indexPath,
+        `weight_map entry for ${tensor} is not a file name in the folder: ${JSON.stringify(shard)}`,
+      );
+    }
+    if (!shards.includes(shard)) shards.push(shard);
+  }
+  if (shards.length === 0) throw badModelFolder(indexPath, "weight_map is empty");
+  for (const shard of shards) {
+    if (!isFile(join(dir, shard)))
+      throw badModelFolder(indexPath, `shard ${shard} is missing from the folder`);
+  }
+  return { files: shards.map((s) => join(dir, s)), label: indexPath };
+}
+
+function isFile(path: string): boolean {
+  try {
+    return statSync(path).isFile();
+  } catch {
+    return false;
+  }
+}
+
+function sameShape(a: readonly number[], b: readonly number[]): boolean {
+  return a.length === b.length && a.every((d, i) => d === b[i]);
+}
+
+const shapeText = (s: readonly number[]): string => `[${s.join(",")}]`;
+
+/**
+ * Loads and validates a model folder. Throws `bad_model_folder` or `unsupported_model` with a
+ * one-line message naming the file and the problem.
+ */
+export function loadModel(dir: string, options?: LoadModelOptions): LoadedModel {
+  const root = resolve(dir);
+  let isDir = false;
+  try {
+    isDir = statSync(root).isDirectory();
+  } catch {
+    isDir = false;
+  }
+  if (!isDir)
+    throw badModelFolder(root, "folder does not exist; pass the path of a Hugging Face model folder");
+
+  const config = loadModelConfig(root);
+  const tokenizer = ModelTokenizer.fromFolder(root);
+  const chatTemplate = loadChatTemplate(root, tokenizer);
+  const generationDefaults = loadGenerationDefaults(root);
+  const weights = loadWeights(root, config, options);
+  return Object.freeze({
+    name: basename(root),
+    dir: root,
+    config,
+    weights,
+    tokenizer,
+    chatTemplate,
+    generationDefaults,
+  });
+}
+
+/** Reads and checks the weights of a folder whose config is already loaded. */
+export function loadWeights(dir: string, config: ModelConfig, options?: LoadModelOptions): ModelWeights {
+  const { files, label } = weightFiles(dir);
+  const expected = expectedTensors(config);
+  const totalBytes = files.reduce((sum, f) => sum + statSync(f).size, 0);
+  const tensors = new Map<string, Float32Array>();
+  const onProgress = options?.onProgress;
+  let bytesBefore = 0;
+  let bytesRead = 0;
+
+  for (const file of files) {
+    const report = () =>
+      onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
+    const st = SafetensorsFile.open(file, {
+      shared: options?.shared ?? false,
+      onBytes: (done) => {
+        bytesRead = bytesBefore + done;
+        report();
+      },
+    });
+    bytesBefore = bytesRead;
+    for (const name of st.names()) {
+      const info = st.info(name);
+      if (info === undefined) continue;
+      const shape = expected.get(name);
+      if (shape === undefined) {
+        if (isIgnorable(name, config)) continue;
+        const layer = /^model\.layers\.(\d+)\./.exec(name);
+        if (layer !== null && Number(layer[1]) >= config.numLayers) {
+          throw badModelFolder(
+            file,
+            `tensor ${name} belongs to layer ${layer[1]} but config.json has num_hidden_layers ${config.numLayers}`,
+          );
+        }
+        throw badModelFolder(
+          file,
+          `unexpected tensor ${name} ${shapeText(info.shape)}: config.json does not account for it`,
+        );
+      }
+      if (tensors.has(name))
+        throw badModelFolder(file, `tensor ${name} appears in more than one weight file`);
+      if (!sameShape(info.shape, shape)) {
+        throw badModelFolder(
+          file,
+          `tensor ${name} has shape ${shapeText(info.shape)}, expected ${shapeText(shape)} from config.json`,
+        );
+      }
+      tensors.set(name, st.toFloat32(name));
+      report();
+    }
+  }
+  for (const [name, shape] of expected) {
+    if (!tensors.has(name))
+      throw badModelFolder(
+        label,
+        `tensor ${name} is missing (expected shape ${shapeText(shape)} from config.json)`,
+      );
+  }
+
+  const get = (name: string): Float32Array => tensors.get(name) as Float32Array;
+  const bias = (name: string): Float32Array | null => (config.attentionBias ? get(name) : null);
+  const layers: LayerWeights[] = [];
+  for (let i = 0; i < config.numLayers; i++) {
+    const p = `model.layers.${i}`;
+    layers.push(
+      Object.freeze({
+        inputNorm: get(`${p}.input_layernorm.weight`),
+        q: get(`${p}.self_attn.q_proj.weight`),
+        k: get(`${p}.self_attn.k_proj.weight`),
+        v: get(`${p}.self_attn.v_proj.weight`),
+        qBias: bias(`${p}.self_attn.q_proj.bias`),
+        kBias: bias(`${p}.self_attn.k_proj.bias`),
+        vBias: bias(`${p}.self_attn.v_proj.bias`),
+        o: get(`${p}.self_attn.o_proj.weight`),
+        postNorm: get(`${p}.post_attention_layernorm.weight`),
+        gate: get(`${p}.mlp.gate_proj.weight`),
+        up: get(`${p}.mlp.up_proj.weight`),
+        down: get(`${p}.mlp.down_proj.weight`),
+      }),
+    );
+  }
+  const embed = get("model.embed_tokens.weight");
+  return Object.freeze({
+    embed,
+    layers: Object.freeze(layers),
+    finalNorm: get("model.norm.weight"),
+    lmHead: config.tieWordEmbeddings ? embed : get("lm_head.weight"),
+  });
+}

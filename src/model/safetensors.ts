@@ -1,0 +1,400 @@
+/**
+ * A small reader for the safetensors format: an 8-byte little-endian header length N, N bytes of
+ * JSON `{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__"?: {...}}`, then the data,
+ * with offsets relative to the end of the header.
+ *
+ * The whole file is read into one buffer (optionally a SharedArrayBuffer, so worker threads can
+ * share the weights) in large chunks. F32 tensors whose data is 4-byte aligned are returned as views
+ * into that buffer (no copy); F16 and BF16 are widened to f32 with tight loops over 16-bit views.
+ * Every offset is taken relative to the Uint8Array's own `byteOffset`, so parsing is correct for
+ * pooled Node Buffers too. Parsing checks the header length, the JSON, each tensor's offsets
+ * against the data actually present, and shape × dtype size against each byte range.
+ */
+import { closeSync, fstatSync, openSync, readSync, writeSync } from "node:fs";
+import { KvfenceError } from "../lib/errors.js";
+
+/** Element sizes of every dtype the format defines (used to validate byte ranges). */
+const DTYPE_BYTES: Readonly<Record<string, number>> = {
+  BOOL: 1,
+  U8: 1,
+  I8: 1,
+  F8_E4M3: 1,
+  F8_E5M2: 1,
+  I16: 2,
+  U16: 2,
+  F16: 2,
+  BF16: 2,
+  I32: 4,
+  U32: 4,
+  F32: 4,
+  I64: 8,
+  U64: 8,
+  F64: 8,
+};
+
+/** The dtypes this reader converts to f32. */
+export const SUPPORTED_DTYPES: readonly string[] = ["F32", "F16", "BF16"];
+
+const READ_CHUNK_BYTES = 64 * 1024 * 1024;
+const MAX_HEADER_BYTES = 100 * 1024 * 1024;
+
+export interface TensorInfo {
+  readonly name: string;
+  readonly dtype: string;
+  readonly shape: readonly number[];
+  /** Offset of the tensor's first byte within the file. */
+  readonly fileOffset: number;
+  readonly byteLength: number;
+}
+
+function bad(file: string, problem: string, cause?: unknown): KvfenceError {
+  return new KvfenceError(
+    "bad_model_folder",
+    `Bad model folder: ${file}: ${problem}`,
+    cause === undefined ? {} : { cause },
+  );
+}
+
+/**
+ * Reads a whole file into memory in large chunks, into a SharedArrayBuffer when `shared` is set.
+ * `onBytes(bytesRead, totalBytes)` is called after each chunk.
+ */
+export function readWholeFile(
+  path: string,
+  options?: { shared?: boolean; onBytes?: (bytesRead: number, totalBytes: number) => void },
+): Uint8Array {
+  let fd: number;
+  try {
+    fd = openSync(path, "r");
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    throw bad(path, code === "ENOENT" ? "file is missing" : `cannot open the file: ${String(err)}`, err);
+  }
+  try {
+    const size = fstatSync(fd).size;
+    const bytes = new Uint8Array(
+      options?.shared === true ? new SharedArrayBuffer(size) : new ArrayBuffer(size),
+    );
+    let done = 0;
+    while (done < size) {
+      const n = readSync(fd, bytes, done, Math.min(READ_CHUNK_BYTES, size - done), done);
+      if (n === 0) throw bad(path, `file shrank while reading: got ${done} of ${size} bytes`);
+      done += n;
+      options?.onBytes?.(done, size);
+    }
+    if (size === 0) options?.onBytes?.(0, 0);
+    return bytes;
+  } finally {
+    closeSync(fd);
+  }
+}
+
+/** A parsed safetensors file held in memory. */
+export class SafetensorsFile {
+  readonly path: string;
+  readonly metadata: Readonly<Record<string, string>>;
+  readonly #bytes: Uint8Array;
+  readonly #tensors: ReadonlyMap<string, TensorInfo>;
+
+  private constructor(
+    path: string,
+    bytes: Uint8Array,
+    tensors: Map<string, TensorInfo>,
+    metadata: Record<string, string>,
+  ) {
+    this.path = path;
+    this.#bytes = bytes;
+    this.#tensors = tensors;
+    this.metadata = metadata;
+  }
+
+  /** Reads and parses a file; `shared` puts the bytes in a SharedArrayBuffer. */
+  static open(
+    path: string,
+    options?: { shared?: boolean; onBytes?: (bytesRead: number, totalBytes: number) => void },
+  ): SafetensorsFile {
+    return SafetensorsFile.parse(readWholeFile(path, options), path);
+  }
+
+  /** Parses safetensors bytes (any Uint8Array, including a pooled Buffer); `path` names it in errors. */
+  static parse(bytes: Uint8Array, path: string): SafetensorsFile {
+    if (bytes.byteLength < 8)
+      throw bad(path, `file is ${bytes.byteLength} bytes, too short for the 8-byte header length`);
+    const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    const headerLength64 = view.getBigUint64(0, true);
+    const available = bytes.byteLength - 8;
+    if (headerLength64 > BigInt(available)) {
+      throw bad(
+        path,
+        `header length ${headerLength64} runs past the end of the file (${bytes.byteLength} bytes); the file is truncated or not safetensors`,
+      );
+    }
+    const headerLength = Number(headerLength64);
+    if (headerLength > MAX_HEADER_BYTES)
+      throw bad(path, `header length ${headerLength} exceeds the ${MAX_HEADER_BYTES}-byte limit`);
+    let header: unknown;
+    try {
+      header = JSON.parse(
+        new TextDecoder("utf-8", { fatal: true }).decode(bytes.subarray(8, 8 + headerLength)),
+      );
+    } catch (err) {
+      throw bad(path, `header is not valid JSON: ${(err as Error).message}`, err);
+    }
+    if (typeof header !== "object" || header === null || Array.isArray(header))
+      throw bad(path, "header is not a JSON object");
+
+    const dataStart = 8 + headerLength;
+    const dataBytes = bytes.byteLength - dataStart;
+    const tensors = new Map<string, TensorInfo>();
+    let metadata: Record<string, string> = {};
+    for (const [name, entry] of Object.entries(header)) {
+      if (name === "__metadata__") {
+        metadata = (typeof entry === "object" && entry !== null ? entry : {}) as Record<string, string>;
+        continue;
+      }
+      tensors.set(name, parseEntry(path, name, entry, dataStart, dataBytes));
+    }
+    return new SafetensorsFile(path, bytes, tensors, metadata);
+  }
+
+  /** Tensor names in header order. */
+  names(): string[] {
+    return [...this.#tensors.keys()];
+  }
+
+  has(name: string): boolean {
+    return this.#tensors.has(name);
+  }
+
+  info(name: string): TensorInfo | undefined {
+    return this.#tensors.get(name);
+  }
+
+  /**
+   * The tensor as f32, row-major. F32 data aligned to 4 bytes is a view into the file's buffer (a
+   * SharedArrayBuffer when the file was opened shared); anything converted gets a fresh buffer of
+   * the same kind. Throws `unsupported_model` for dtypes other than F32, F16 and BF16.
+   */
+  toFloat32(name: string): Float32Array {
+    const t = this.#tensors.get(name);
+    if (t === undefined) throw bad(this.path, `tensor ${name} is missing`);
+    const count = t.byteLength / (DTYPE_BYTES[t.dtype] as number);
+    const start = this.#bytes.byteOffset + t.fileOffset;
+    const buffer = this.#bytes.buffer;
+    const shared = buffer instanceof SharedArrayBuffer;
+    switch (t.dtype) {
+      case "F32": {
+        if (start % 4 === 0) return new Float32Array(buffer, start, count);
+        const out = allocFloat32(count, shared);
+        new Uint8Array(out.buffer, out.byteOffset, out.byteLength).set(
+          this.#bytes.subarray(t.fileOffset, t.fileOffset + t.byteLength),
+        );
+        return out;
+      }
+      case "BF16": {
+        const out = allocFloat32(count, shared);
+        bf16ToF32(halfView(this.#bytes, t), new Uint32Array(out.buffer, out.byteOffset, count));
+        return out;
+      }
+      case "F16": {
+        const out = allocFloat32(count, shared);
+        f16ToF32(halfView(this.#bytes, t), out);
+        return out;
+      }
+      default:
+        throw new KvfenceError(
+          "unsupported_model",
+          `Unsupported model: ${this.path}: tensor ${name} has dtype ${t.dtype}; supported dtypes: ${SUPPORTED_DTYPES.join(", ")}`,
+        );
+    }
+  }
+}
+
+function parseEntry(
+  path: string,
+  name: string,
+  entry: unknown,
+  dataStart: number,
+  dataBytes: number,
+): TensorInfo {
+  const e = entry as { dtype?: unknown; shape?: unknown; data_offsets?: unknown } | null;
+  if (typeof e !== "object" || e === null)
+    throw bad(path, `header entry for tensor ${name} is not an object`);
+  const { dtype, shape, data_offsets: offsets } = e;
+  if (typeof dtype !== "string") throw bad(path, `tensor ${name} has no dtype`);
+  const size = DTYPE_BYTES[dtype];
+  if (size === undefined) {
+    throw new KvfenceError(
+      "unsupported_model",
+      `Unsupported model: ${path}: tensor ${name} has unknown dtype ${JSON.stringify(dtype)}; supported dtypes: ${SUPPORTED_DTYPES.join(", ")}`,
+    );
+  }
+  if (!Array.isArray(shape) || !shape.every((d) => Number.isSafeInteger(d) && d >= 0)) {
+    throw bad(path, `tensor ${name} has an invalid shape: ${JSON.stringify(shape)}`);
+  }
+  if (
+    !Array.isArray(offsets) ||
+    offsets.length !== 2 ||
+    !offsets.every((o) => Number.isSafeInteger(o) && o >= 0) ||
+    (offsets[0] as number) > (offsets[1] as number)
+  ) {
+    throw bad(path, `tensor ${name} has invalid data_offsets: ${JSON.stringify(offsets)}`);
+  }
+  const [begin, end] = offsets as [number, number];
+  if (end > dataBytes) {
+    throw bad(
+      path,
+      `tensor ${name} data ends at byte ${end} but the file holds only ${dataBytes} data bytes; the file is truncated`,
+    );
+  }
+  const elements = (shape as number[]).reduce((a, b) => a * b, 1);
+  if (elements * size !== end - begin) {
+    throw bad(
+      path,
+      `tensor ${name} has shape ${JSON.stringify(shape)} of ${dtype} (${elements * size} bytes) but data_offsets span ${end - begin} bytes`,
+    );
+  }
+  return {
+    name,
+    dtype,
+    shape: Object.freeze([...(shape as number[])]),
+    fileOffset: dataStart + begin,
+    byteLength: end - begin,
+  };
+}
+
+function allocFloat32(count: number, shared: boolean): Float32Array {
+  return new Float32Array(shared ? new SharedArrayBuffer(count * 4) : new ArrayBuffer(count * 4));
+}
+
+/** A Uint16Array over a 16-bit tensor, copying only when the data is not 2-byte aligned. */
+function halfView(bytes: Uint8Array, t: TensorInfo): Uint16Array {
+  const start = bytes.byteOffset + t.fileOffset;
+  const count = t.byteLength / 2;
+  if (start % 2 === 0) return new Uint16Array(bytes.buffer, start, count);
+  const copy = new Uint16Array(count);
+  new Uint8Array(copy.buffer).set(bytes.subarray(t.fileOffset, t.fileOffset + t.byteLength));
+  return copy;
+}
+
+/** bf16 is the top half of an f32: widen by shifting into the high 16 bits. */
+export function bf16ToF32(src: Uint16Array, dst: Uint32Array): void {
+  const n = src.length;
+  for (let i = 0; i < n; i++) dst[i] = (src[i] as number) << 16;
+}
+
+let f16Table: Float32Array | undefined;
+
+/** IEEE half → f32 through a 65536-entry table (256 KiB, built on first use). */
+export function f16ToF32(src: Uint16Array, dst: Float32Array): void {
+  f16Table ??= buildF16Table();
+  const table = f16Table;
+  const n = src.length;
+  for (let i = 0; i < n; i++) dst[i] = table[src[i] as number] as number;
+}
+
+function buildF16Table(): Float32Array {
+  const table = new Float32Array(65536);
+  for (let h = 0; h < 65536; h++) {
+    const sign = h & 0x8000 ? -1 : 1;
+    const exp = (h >> 10) & 0x1f;
+    const frac = h & 0x3ff;
+    if (exp === 0) table[h] = sign * frac * 2 ** -24;
+    else if (exp === 31) table[h] = frac === 0 ? sign * Number.POSITIVE_INFINITY : Number.NaN;
+    else table[h] = sign * (1 + frac / 1024) * 2 ** (exp - 15);
+  }
+  return table;
+}
+
+/** One tensor to write: f32 data is stored as the given dtype (F32, F16 or BF16). */
+export interface TensorToWrite {
+  readonly name: string;
+  readonly shape: readonly number[];
+  readonly data: Float32Array;
+  readonly dtype?: "F32" | "F16" | "BF16";
+}
+
+/**
+ * Builds the header of a safetensors file for the given tensors (8-byte length + JSON padded with
+ * spaces to a multiple of 8) and the byte offset of each tensor's data relative to the data start.
+ */
+export function safetensorsHeader(
+  tensors: readonly { name: string; shape: readonly number[]; dtype: string }[],
+  metadata?: Record<string, string>,
+): { header: Uint8Array; dataBytes: number; offsets: number[] } {
+  const json: Record<string, unknown> = {};
+  if (metadata !== undefined) json.__metadata__ = metadata;
+  const offsets: number[] = [];
+  let offset = 0;
+  for (const t of tensors) {
+    const bytes = t.shape.reduce((a, b) => a * b, 1) * (DTYPE_BYTES[t.dtype] ?? 0);
+    json[t.name] = { dtype: t.dtype, shape: t.shape, data_offsets: [offset, offset + bytes] };
+    offsets.push(offset);
+    offset += bytes;
+  }
+  let text = JSON.stringify(json);
+  text += " ".repeat((8 - (text.length % 8)) % 8);
+  const body = new TextEncoder().encode(text);
+  const header = new Uint8Array(8 + body.byteLength);
+  new DataView(header.buffer).setBigUint64(0, BigInt(body.byteLength), true);
+  header.set(body, 8);
+  return { header, dataBytes: offset, offsets };
+}
+
+/** Encodes f32 values as the bytes of `dtype` (round-to-nearest-even for BF16 and F16). */
+export function encodeTensorData(data: Float32Array, dtype: "F32" | "F16" | "BF16"): Uint8Array {
+  if (dtype === "F32") return new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
+  const out = new Uint16Array(data.length);
+  const bits = new Uint32Array(data.buffer, data.byteOffset, data.length);
+  if (dtype === "BF16") {
+    for (let i = 0; i < data.length; i++) {
+      const b = bits[i] as number;
+      out[i] = (b + 0x7fff + ((b >>> 16) & 1)) >>> 16;
+    }
+  } else {
+    for (let i = 0; i < data.length; i++) out[i] = f32ToF16(data[i] as number);
+  }
+  return new Uint8Array(out.buffer);
+}
+
+function f32ToF16(value: number): number {
+  const sign = value < 0 || Object.is(value, -0) ? 0x8000 : 0;
+  const a = Math.abs(value);
+  if (Number.isNaN(value)) return 0x7e00;
+  if (a >= 65520) return sign | 0x7c00;
+  if (a < 2 ** -24 / 2) return sign;
+  if (a < 2 ** -14) return sign | Math.round(a / 2 ** -24);
+  const exp = Math.floor(Math.log2(a));
+  let frac = Math.round((a / 2 ** exp - 1) * 1024);
+  let e = exp + 15;
+  if (frac === 1024) {
+    frac = 0;
+    e += 1;
+  }
+  return sign | (e << 10) | frac;
+}
+
+/** Writes tensors to a safetensors file (used by tests and `kvfence gen-model`). */
+export function writeSafetensors(
+  path: string,
+  tensors: readonly TensorToWrite[],
+  metadata?: Record<string, string>,
+): void {
+  const { header } = safetensorsHeader(
+    tensors.map((t) => ({ name: t.name, shape: t.shape, dtype: t.dtype ?? "F32" })),
+    metadata,
+  );
+  const fd = openSync(path, "w");
+  try {
+    writeAllSync(fd, header);
+    for (const t of tensors) writeAllSync(fd, encodeTensorData(t.data, t.dtype ?? "F32"));
+  } finally {
+    closeSync(fd);
+  }
+}
+
+/** writeSync until every byte is written. */
+export function writeAllSync(fd: number, bytes: Uint8Array): void {
+  let done = 0;
+  while (done < bytes.byteLength) done += writeSync(fd, bytes, done, bytes.byteLength - done);
+}

@@ -1,0 +1,211 @@
+/**
+ * Token sampling from logits: greedy, temperature, top-k and top-p (nucleus), in that order (as
+ * Hugging Face applies them), reproducible from a seeded `Prng` per request.
+ *
+ * Allocation-free per token: the index and probability scratch (vocab-sized) is allocated once per
+ * `Sampler`. Top-k keeps a min-heap of the k best logits; top-p without top-k avoids sorting the
+ * whole vocabulary by first gathering only tokens above a probability threshold (lowered tenfold
+ * until the gathered mass reaches p: the nucleus is then provably inside the gathered set, since it
+ * is a prefix of the descending order), then heap-sorts those.
+ */
+
+import { KvfenceError } from "../lib/errors.js";
+import type { Prng } from "../lib/prng.js";
+
+export interface SamplingParams {
+  /** 0 (or any value ≤ 0) means greedy. */
+  readonly temperature: number;
+  /** Keep only the k most likely tokens; 0 disables. */
+  readonly topK: number;
+  /** Keep the smallest set of most likely tokens whose mass reaches p; 1 disables. */
+  readonly topP: number;
+}
+
+export const GREEDY: SamplingParams = Object.freeze({ temperature: 0, topK: 0, topP: 1 });
+
+/** Index of the largest logit (the lowest index among ties). */
+export function argmax(logits: Float32Array): number {
+  let best = 0;
+  let bestValue = logits[0] as number;
+  for (let i = 1; i < logits.length; i++) {
+    const v = logits[i] as number;
+    if (v > bestValue) {
+      bestValue = v;
+      best = i;
+    }
+  }
+  return best;
+}
+
+export class Sampler {
+  readonly vocabSize: number;
+  #idx: Int32Array;
+  #probs: Float64Array;
+
+  constructor(vocabSize: number) {
+    if (!Number.isInteger(vocabSize) || vocabSize < 1) {
+      throw new KvfenceError("config_invalid", `Sampler vocabSize must be a positive integer: ${vocabSize}`);
+    }
+    this.vocabSize = vocabSize;
+    this.#idx = new Int32Array(vocabSize);
+    this.#probs = new Float64Array(vocabSize);
+  }
+
+  /** Checks sampling parameters once per request (not per token). */
+  static validate(params: SamplingParams): void {
+    const { temperature, topK, topP } = params;
+    if (!Number.isFinite(temperature) || temperature < 0) {
+      throw new KvfenceError("invalid_request", `temperature must be a finite number ≥ 0: ${temperature}`, {
+        param: "temperature",
+      });
+    }
+    if (!Number.isInteger(topK) || topK < 0) {
+      throw new KvfenceError("invalid_request", `top_k must be an integer ≥ 0 (0 disables): ${topK}`, {
+        param: "top_k",
+      });
+    }
+    if (!(topP > 0 && topP <= 1)) {
+      throw new KvfenceError("invalid_request", `top_p must be in (0, 1]: ${topP}`, { param: "top_p" });
+    }
+  }
+
+  /** Draws one token id from `logits` (length vocabSize). Uses `rng` only when not greedy. */
+  sample(logits: Float32Array, params: SamplingParams, rng: Prng): number {
+    const temperature = params.temperature;
+    const vocab = this.vocabSize;
+    let topK = params.topK;
+    if (temperature <= 0 || topK === 1) return argmax(logits);
+    if (topK <= 0 || topK > vocab) topK = vocab;
+    const idx = this.#idx;
+    const probs = this.#probs; // indexed by token id
+    const invT = 1 / temperature;
+    const max = logits[argmax(logits)] as number;
+
+    let n: number;
+    let sorted = false;
+    if (topK < vocab) {
+      n = topKHeap(idx, logits, topK);
+      for (let i = 0; i < n; i++) {
+        const t = idx[i] as number;
+        probs[t] = Math.exp(((logits[t] as number) - max) * invT);
+      }
+    } else {
+      n = vocab;
+      for (let t = 0; t < vocab; t++) {
+        idx[t] = t;
+        probs[t] = Math.exp(((logits[t] as number) - max) * invT);
+      }
+    }
+    let mass = 0;
+    for (let i = 0; i < n; i++) mass += probs[idx[i] as number] as number;
+
+    const topP = params.topP;
+    if (topP < 1) {
+      if (n === vocab) {
+        // Gather tokens above a threshold until their mass reaches topP·mass.
+        let threshold = 1e-3 * mass;
+        for (;;) {
+          let m = 0;
+          let c = 0;
+          for (let t = 0; t < vocab; t++) {
+            const p = probs[t] as number;
+            if (p >= threshold) {
+              idx[c++] = t;
+              m += p;
+            }
+          }
+          if (m >= topP * mass || threshold < 1e-300) {
+            n = c;
+            break;
+          }
+          threshold *= 0.1;
+          if (threshold < 1e-12 * mass) threshold = 0;
+        }
+      }
+      sortDescending(idx, n, probs);
+      sorted = true;
+      let cum = 0;
+      const target = topP * mass;
+      let keep = n;
+      for (let i = 0; i < n; i++) {
+        cum += probs[idx[i] as number] as number;
+        if (cum >= target) {
+          keep = i + 1;
+          break;
+        }
+      }
+      n = keep;
+      mass = cum;
+    }
+
+    let u = rng.next() * mass;
+    for (let i = 0; i < n; i++) {
+      const t = idx[i] as number;
+      u -= probs[t] as number;
+      if (u < 0) return t;
+    }
+    // Rounding left u ≥ 0 after the last candidate: return the least likely kept token.
+    return sorted ? (idx[n - 1] as number) : (idx[lastPositive(idx, n, probs)] as number);
+  }
+}
+
+function lastPositive(idx: Int32Array, n: number, probs: Float64Array): number {
+  for (let i = n - 1; i > 0; i--) if ((probs[idx[i] as number] as number) > 0) return i;
+  return 0;
+}
+
+/** Fills idx[0..k) with the ids of the k largest logits (a min-heap on logit); returns k. */
+function topKHeap(idx: Int32Array, logits: Float32Array, k: number): number {
+  let size = 0;
+  for (let t = 0; t < logits.length; t++) {
+    const v = logits[t] as number;
+    if (size < k) {
+      // Sift up.
+      let i = size++;
+      while (i > 0) {
+        const parent = (i - 1) >> 1;
+        const pt = idx[parent] as number;
+        if ((logits[pt] as number) <= v) break;
+        idx[i] = pt;
+        i = parent;
+      }
+      idx[i] = t;
+    } else if (v > (logits[idx[0] as number] as number)) {
+      siftDownMin(idx, 0, size, t, logits);
+    }
+  }
+  return size;
+}
+
+/** Places `item` at heap position i and sifts it down a min-heap of `size` keyed by key[id]. */
+function siftDownMin(
+  idx: Int32Array,
+  i: number,
+  size: number,
+  item: number,
+  key: Float32Array | Float64Array,
+): void {
+  const v = key[item] as number;
+  for (;;) {
+    let child = 2 * i + 1;
+    if (child >= size) break;
+    const right = child + 1;
+    if (right < size && (key[idx[right] as number] as number) < (key[idx[child] as number] as number))
+      child = right;
+    const ct = idx[child] as number;
+    if ((key[ct] as number) >= v) break;
+    idx[i] = ct;
+    i = child;
+  }
+  idx[i] = item;
+}
+
+/** In-place heapsort of idx[0..n) by key[id], descending (a min-heap drained to the back). */
+function sortDescending(idx: Int32Array, n: number, key: Float64Array): void {
+  for (let i = (n >> 1) - 1; i >= 0; i--) siftDownMin(idx, i, n, idx[i] as number, key);
+  for (let end = n - 1; end > 0; end--) {
+    const root = idx[0] as number;
+    siftDownMin(idx, 0, end, idx[end] as number, key);
+    idx[end] = root;
+  }
+}

@@ -1,0 +1,330 @@
+/**
+ * Tokenizer, chat template and generation defaults of a Hugging Face model folder.
+ *
+ * `ModelTokenizer` wraps `@huggingface/tokenizers` (tokenizer.json + tokenizer_config.json) with an
+ * Int32Array API and a streaming detokenizer. Byte-level BPE tokens can split a multibyte UTF-8
+ * character across tokens, so streaming decodes each token to its raw bytes and feeds them to a
+ * streaming `TextDecoder`, which holds an incomplete character until its last byte arrives. For
+ * other decoders (SentencePiece byte fallback, Metaspace, ...) the stream decoder re-decodes a
+ * short window of recent ids and emits only the new text, holding it while it ends in U+FFFD.
+ *
+ * `ChatTemplate` renders tokenizer_config.json's `chat_template` (or `chat_template.jinja`) with
+ * `@huggingface/jinja`. Special tokens in the rendered text (`<|im_start|>`, ...) are added tokens
+ * of the tokenizer, so encoding the text yields their special ids.
+ */
+import { existsSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+import { Template } from "@huggingface/jinja";
+import { Tokenizer } from "@huggingface/tokenizers";
+import { KvfenceError } from "../lib/errors.js";
+import { badModelFolder, readGenerationConfig, readJsonFile } from "./config-loader.js";
+
+/** GPT-2's byte ↔ printable-character map used by byte-level BPE vocabularies. */
+export const BYTE_TO_CHAR: readonly string[] = (() => {
+  const keep: number[] = [];
+  for (let b = 33; b <= 126; b++) keep.push(b);
+  for (let b = 161; b <= 172; b++) keep.push(b);
+  for (let b = 174; b <= 255; b++) keep.push(b);
+  const table: string[] = new Array(256);
+  let extra = 0;
+  for (let b = 0; b < 256; b++) table[b] = String.fromCharCode(keep.includes(b) ? b : 256 + extra++);
+  return table;
+})();
+
+const CHAR_TO_BYTE: ReadonlyMap<string, number> = new Map(BYTE_TO_CHAR.map((c, b) => [c, b]));
+const EMPTY_BYTES = new Uint8Array(0);
+
+interface TokenizerJson {
+  decoder?: { type?: string } | null;
+}
+
+interface TokenizerConfigJson {
+  bos_token?: unknown;
+  eos_token?: unknown;
+  chat_template?: unknown;
+}
+
+function tokenContent(value: unknown): string | null {
+  if (typeof value === "string") return value;
+  if (
+    typeof value === "object" &&
+    value !== null &&
+    typeof (value as { content?: unknown }).content === "string"
+  ) {
+    return (value as { content: string }).content;
+  }
+  return null;
+}
+
+/** A model's tokenizer: encode to Int32Array, decode, and stream-decode token by token. */
+export class ModelTokenizer {
+  readonly bosToken: string | null;
+  readonly eosToken: string | null;
+  readonly #tokenizer: Tokenizer;
+  readonly #byteLevel: boolean;
+  readonly #specialIds: ReadonlySet<number>;
+  readonly #addedIds: ReadonlySet<number>;
+  readonly #tokenBytes: Array<Uint8Array | undefined> = [];
+  readonly #encoder = new TextEncoder();
+
+  /** Builds a tokenizer from parsed tokenizer.json and tokenizer_config.json; `label` names them in errors. */
+  constructor(tokenizerJson: unknown, tokenizerConfig: unknown, label: string) {
+    const config = (
+      typeof tokenizerConfig === "object" && tokenizerConfig !== null ? tokenizerConfig : {}
+    ) as TokenizerConfigJson;
+    try {
+      this.#tokenizer = new Tokenizer(tokenizerJson as object, config);
+    } catch (err) {
+      throw badModelFolder(label, `cannot build the tokenizer: ${(err as Error).message}`, err);
+    }
+    this.#byteLevel = (tokenizerJson as TokenizerJson).decoder?.type === "ByteLevel";
+    this.bosToken = tokenContent(config.bos_token);
+    this.eosToken = tokenContent(config.eos_token);
+    const special = new Set<number>();
+    const added = new Set<number>();
+    for (const [id, token] of this.#tokenizer.get_added_tokens_decoder()) {
+      added.add(id);
+      if (token.special) special.add(id);
+    }
+    this.#specialIds = special;
+    this.#addedIds = added;
+  }
+
+  /** Loads `DIR/tokenizer.json` (required) and `DIR/tokenizer_config.json` (optional). */
+  static fromFolder(dir: string): ModelTokenizer {
+    const path = join(dir, "tokenizer.json");
+    const json = readJsonFile(path);
+    const config = readJsonFile(join(dir, "tokenizer_config.json"), { optional: true }) ?? {};
+    return new ModelTokenizer(json, config, path);
+  }
+
+  /**
+   * Token ids of `text`. `addSpecialTokens` (default true) applies the tokenizer's post-processor
+   * (e.g. a BOS); pass false for text rendered by a chat template, which already carries them.
+   */
+  encode(text: string, options?: { addSpecialTokens?: boolean }): Int32Array {
+    return Int32Array.from(
+      this.#tokenizer.encode(text, { add_special_tokens: options?.addSpecialTokens ?? true }).ids,
+    );
+  }
+
+  /** Text of `ids`; special tokens are dropped unless `skipSpecialTokens` is false. */
+  decode(ids: ArrayLike<number>, options?: { skipSpecialTokens?: boolean }): string {
+    const list = Array.from(ids).filter((id) => this.#tokenizer.id_to_token(id) !== undefined);
+    if (list.length === 0) return "";
+    return this.#tokenizer.decode(list, { skip_special_tokens: options?.skipSpecialTokens ?? true });
+  }
+
+  /** The id of a token string (e.g. "<|im_end|>"), or undefined. */
+  tokenId(token: string): number | undefined {
+    return this.#tokenizer.token_to_id(token);
+  }
+
+  isSpecial(id: number): boolean {
+    return this.#specialIds.has(id);
+  }
+
+  /** A fresh incremental detokenizer (one per generated sequence). */
+  streamDecoder(options?: { skipSpecialTokens?: boolean }): StreamDecoder {
+    const skip = options?.skipSpecialTokens ?? true;
+    return this.#byteLevel ? new ByteLevelStreamDecoder(this, skip) : new WindowStreamDecoder(this, skip);
+  }
+
+  /** Raw bytes of one byte-level token ("" for special tokens when skipped and unknown ids). */
+  tokenBytes(id: number, skipSpecialTokens: boolean): Uint8Array {
+    if (skipSpecialTokens && this.#specialIds.has(id)) return EMPTY_BYTES;
+    let bytes = this.#tokenBytes[id];
+    if (bytes !== undefined) return bytes;
+    const token = this.#tokenizer.id_to_token(id);
+    if (token === undefined) bytes = EMPTY_BYTES;
+    else if (this.#addedIds.has(id)) bytes = this.#encoder.encode(token);
+    else {
+      bytes = new Uint8Array(token.length);
+      let n = 0;
+      for (const ch of token) {
+        const b = CHAR_TO_BYTE.get(ch);
+        if (b !== undefined) bytes[n++] = b;
+      }
+      bytes = bytes.subarray(0, n);
+    }
+    if (id >= 0 && id < 1 << 24) this.#tokenBytes[id] = bytes;
+    return bytes;
+  }
+}
+
+/** Turns generated ids into text pieces, never emitting half a UTF-8 character. */
+export interface StreamDecoder {
+  /** Text completed by this token (often "", while a character is incomplete). */
+  push(id: number): string;
+  /** Whatever is still held at the end of the sequence (incomplete bytes become U+FFFD). */
+  flush(): string;
+}
+
+class ByteLevelStreamDecoder implements StreamDecoder {
+  readonly #tokenizer: ModelTokenizer;
+  readonly #skip: boolean;
+  readonly #decoder = new TextDecoder("utf-8", { fatal: false, ignoreBOM: true });
+
+  constructor(tokenizer: ModelTokenizer, skip: boolean) {
+    this.#tokenizer = tokenizer;
+    this.#skip = skip;
+  }
+
+  push(id: number): string {
+    return this.#decoder.decode(this.#tokenizer.tokenBytes(id, this.#skip), { stream: true });
+  }
+
+  flush(): string {
+    return this.#decoder.decode();
+  }
+}
+
+/** Generic fallback: decode a window of recent ids and emit the new suffix (vLLM/TGI style). */
+class WindowStreamDecoder implements StreamDecoder {
+  readonly #tokenizer: ModelTokenizer;
+  readonly #skip: boolean;
+  readonly #ids: number[] = [];
+  #prefixOffset = 0;
+  #readOffset = 0;
+
+  constructor(tokenizer: ModelTokenizer, skip: boolean) {
+    this.#tokenizer = tokenizer;
+    this.#skip = skip;
+  }
+
+  push(id: number): string {
+    this.#ids.push(id);
+    const options = { skipSpecialTokens: this.#skip };
+    const prefix = this.#tokenizer.decode(this.#ids.slice(this.#prefixOffset, this.#readOffset), options);
+    const text = this.#tokenizer.decode(this.#ids.slice(this.#prefixOffset), options);
+    if (text.length > prefix.length && !text.endsWith("\uFFFD")) {
+      this.#prefixOffset = this.#readOffset;
+      this.#readOffset = this.#ids.length;
+      // Keep the window short: drop ids that can no longer affect the text.
+      if (this.#prefixOffset > 64) {
+        this.#ids.splice(0, this.#prefixOffset);
+        this.#readOffset -= this.#prefixOffset;
+        this.#prefixOffset = 0;
+      }
+      return text.slice(prefix.length);
+    }
+    return "";
+  }
+
+  flush(): string {
+    const options = { skipSpecialTokens: this.#skip };
+    const prefix = this.#tokenizer.decode(this.#ids.slice(this.#prefixOffset, this.#readOffset), options);
+    const text = this.#tokenizer.decode(this.#ids.slice(this.#prefixOffset), options);
+    this.#prefixOffset = this.#readOffset = this.#ids.length;
+    return text.length > prefix.length ? text.slice(prefix.length) : "";
+  }
+}
+
+export interface ChatMessage {
+  readonly role: string;
+  readonly content: string;
+}
+
+/** A chat template from tokenizer_config.json, parsed once. */
+export class ChatTemplate {
+  readonly source: string;
+  readonly #template: Template;
+  readonly #bosToken: string;
+  readonly #eosToken: string;
+
+  /** Parses `source`; `label` names its file in errors. */
+  constructor(source: string, options: { bosToken: string | null; eosToken: string | null; label: string }) {
+    this.source = source;
+    try {
+      this.#template = new Template(source);
+    } catch (err) {
+      throw badModelFolder(
+        options.label,
+        `chat_template is not a valid Jinja template: ${(err as Error).message}`,
+        err,
+      );
+    }
+    this.#bosToken = options.bosToken ?? "";
+    this.#eosToken = options.eosToken ?? "";
+  }
+
+  /** The prompt text for `messages`; ends with the assistant header when `addGenerationPrompt`. */
+  render(messages: readonly ChatMessage[], options?: { addGenerationPrompt?: boolean }): string {
+    try {
+      return this.#template.render({
+        messages: messages.map((m) => ({ role: m.role, content: m.content })),
+        add_generation_prompt: options?.addGenerationPrompt ?? true,
+        bos_token: this.#bosToken,
+        eos_token: this.#eosToken,
+      });
+    } catch (err) {
+      // Includes the template's own raise_exception(...) calls (provided by @huggingface/jinja).
+      throw new KvfenceError(
+        "invalid_request",
+        `Chat template failed to render the messages: ${(err as Error).message}`,
+        {
+          cause: err,
+        },
+      );
+    }
+  }
+}
+
+/**
+ * The chat template of a model folder: `chat_template.jinja` if present, else tokenizer_config.json's
+ * `chat_template` (a string, or a list of named templates from which "default" is taken). Null
+ * when the folder has none.
+ */
+export function loadChatTemplate(dir: string, tokenizer: ModelTokenizer): ChatTemplate | null {
+  const jinjaPath = join(dir, "chat_template.jinja");
+  const tokens = { bosToken: tokenizer.bosToken, eosToken: tokenizer.eosToken };
+  if (existsSync(jinjaPath))
+    return new ChatTemplate(readFileSync(jinjaPath, "utf8"), { ...tokens, label: jinjaPath });
+  const configPath = join(dir, "tokenizer_config.json");
+  const config = readJsonFile(configPath, { optional: true }) as TokenizerConfigJson | undefined;
+  const raw = config?.chat_template;
+  if (raw === undefined || raw === null) return null;
+  if (typeof raw === "string") return new ChatTemplate(raw, { ...tokens, label: configPath });
+  if (Array.isArray(raw)) {
+    const entry = raw.find((t: { name?: unknown }) => t?.name === "default") as
+      | { template?: unknown }
+      | undefined;
+    if (typeof entry?.template === "string")
+      return new ChatTemplate(entry.template, { ...tokens, label: configPath });
+  }
+  throw badModelFolder(
+    configPath,
+    'chat_template must be a string or a list containing a template named "default"',
+  );
+}
+
+/** Sampling defaults from generation_config.json (absent fields stay undefined). */
+export interface GenerationDefaults {
+  readonly temperature?: number;
+  readonly topP?: number;
+  readonly topK?: number;
+  readonly maxNewTokens?: number;
+  /** eos ids of generation_config.json (the config's merged list is in ModelConfig.eosTokenIds). */
+  readonly eosTokenIds: readonly number[];
+}
+
+/**
+ * Reads generation_config.json's defaults. `do_sample: false` means greedy in Hugging Face, so it
+ * maps to temperature 0.
+ */
+export function loadGenerationDefaults(dir: string): GenerationDefaults {
+  const g = readGenerationConfig(dir);
+  if (g === undefined) return Object.freeze({ eosTokenIds: Object.freeze([]) });
+  const eos = g.eos_token_id;
+  const out: { -readonly [K in keyof GenerationDefaults]: GenerationDefaults[K] } = {
+    eosTokenIds: Object.freeze(
+      eos === null || eos === undefined ? [] : typeof eos === "number" ? [eos] : [...eos],
+    ),
+  };
+  if (g.do_sample === false) out.temperature = 0;
+  else if (g.temperature !== null && g.temperature !== undefined) out.temperature = g.temperature;
+  if (g.top_p !== null && g.top_p !== undefined) out.topP = g.top_p;
+  if (g.top_k !== null && g.top_k !== undefined) out.topK = g.top_k;
+  if (g.max_new_tokens !== null && g.max_new_tokens !== undefined) out.maxNewTokens = g.max_new_tokens;
+  return Object.freeze(out);
+}

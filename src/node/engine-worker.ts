@@ -1,0 +1,175 @@
+/**
+ * The engine's worker thread: builds the model, the KV page pool and the `Engine` from its
+ * `workerData`, then serves the messages of `engine-client.ts` over its parent port.
+ *
+ * The step loop runs one `engine.step()` per `setImmediate` turn, so between two forward steps the
+ * event loop polls the port: an abort posted by the router (a client disconnect) is applied before
+ * the next step, never after the request finishes. Everything the engine reports during one step
+ * (every request's new token, finishes, errors) goes out as **one** message after the step.
+ *
+ * The same glue will host the prefill and decode nodes of the disaggregated topology.
+ */
+import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
+import { Engine } from "../engine/engine.js";
+import type { GenerationEvents } from "../engine/engine-types.js";
+import type { KvLayout } from "../kvcache/kv-layout.js";
+import { PagePool } from "../kvcache/page-pool.js";
+import { KvfenceError, type WireError } from "../lib/errors.js";
+import { loadModelConfig } from "../model/config-loader.js";
+import { ForwardPass } from "../model/forward.js";
+import { loadWeights } from "../model/load-model.js";
+import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import { makeSafety } from "../protocol/safety.js";
+import {
+  ENGINE_WORKER_TAG,
+  type EngineEventsMessage,
+  type EngineWorkerOptions,
+  FINISH_REASONS,
+  type FromEngineWorker,
+  type ToEngineWorker,
+} from "./engine-messages.js";
+
+export type { EngineWorkerOptions } from "./engine-messages.js";
+
+/** Builds the engine from `options` (also usable in-thread by tests and benchmarks). */
+export function buildEngine(options: EngineWorkerOptions): Engine {
+  let config: ModelConfig;
+  let weights: ModelWeights;
+  if ("dir" in options.model) {
+    config = loadModelConfig(options.model.dir);
+    weights = loadWeights(options.model.dir, config, { shared: true });
+  } else {
+    config = options.model.config;
+    weights = options.model.weights;
+  }
+  const layout: KvLayout = {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize: options.pageSize ?? 16,
+  };
+  const forward = new ForwardPass(config, weights, layout, {
+    maxBatchTokens: options.maxBatchTokens ?? 256,
+    maxSequences: options.maxSequences ?? 16,
+  });
+  const pool = new PagePool(layout, options.numPages, { scrubOnFree: options.scrubOnFree ?? false });
+  return new Engine(forward, pool, {
+    ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: options.maxPrefillTokens }),
+    ...(options.maxModelLen === undefined ? {} : { maxModelLen: options.maxModelLen }),
+    safety: makeSafety({ disabledGuards: options.disabledGuards ?? [] }),
+    ...(options.seed === undefined ? {} : { seed: options.seed }),
+  });
+}
+
+/** Serves `engine` over `port` until a `close` message. */
+export function serveEngine(engine: Engine, port: MessagePort): void {
+  let tokens: number[] = [];
+  let finishes: number[] = [];
+  let errors: { rid: number; error: WireError }[] = [];
+  let scheduled = false;
+  let closed = false;
+
+  const flush = (): void => {
+    if (tokens.length === 0 && finishes.length === 0 && errors.length === 0) return;
+    const message: EngineEventsMessage = { type: "events", tokens, finishes, errors };
+    port.postMessage(message);
+    tokens = [];
+    finishes = [];
+    errors = [];
+  };
+
+  const eventsFor = (rid: number): GenerationEvents => ({
+    onTokens(ids) {
+      tokens.push(rid, ids.length);
+      for (const id of ids) tokens.push(id);
+    },
+    onFinish(reason, usage) {
+      finishes.push(rid, FINISH_REASONS.indexOf(reason), usage.promptTokens, usage.completionTokens);
+    },
+    onError(error) {
+      errors.push({ rid, error });
+    },
+  });
+
+  const tick = (): void => {
+    scheduled = false;
+    if (closed) return;
+    let more = false;
+    try {
+      more = engine.step();
+    } catch (err) {
+      // A bug in a step: end every request with an internal error rather than leave them hanging.
+      const message = err instanceof Error ? err.message : String(err);
+      engine.failAll({ code: "internal", message: `Engine step failed: ${message}` });
+    }
+    flush();
+    if (more) kick();
+  };
+
+  const kick = (): void => {
+    if (scheduled || closed) return;
+    scheduled = true;
+    setImmediate(tick);
+  };
+
+  port.on("message", (message: ToEngineWorker) => {
+    if (closed) return;
+    switch (message.type) {
+      case "submit": {
+        const events = eventsFor(message.request.rid);
+        try {
+          engine.submit(message.request, events);
+        } catch (err) {
+          events.onError({
+            code: "invalid_request",
+            message: `Request could not be queued: ${err instanceof Error ? err.message : String(err)}`,
+          });
+        }
+        kick();
+        break;
+      }
+      case "abort":
+        engine.abort(message.rid);
+        break;
+      case "stats":
+        port.postMessage({ type: "stats", id: message.id, stats: engine.stats() } satisfies FromEngineWorker);
+        break;
+      case "close":
+        closed = true;
+        engine.failAll({
+          code: "node_unavailable",
+          message: "Engine is shutting down: request not finished; retry",
+        });
+        flush();
+        port.postMessage({ type: "closed" } satisfies FromEngineWorker);
+        port.close();
+        return;
+    }
+    flush();
+  });
+}
+
+function main(port: MessagePort, options: EngineWorkerOptions): void {
+  let engine: Engine;
+  try {
+    engine = buildEngine(options);
+  } catch (err) {
+    const error =
+      err instanceof KvfenceError
+        ? err.toWire()
+        : {
+            code: "internal" as const,
+            message: `Engine failed to start: ${err instanceof Error ? err.message : String(err)}`,
+          };
+    port.postMessage({ type: "failed", error } satisfies FromEngineWorker);
+    port.close();
+    return;
+  }
+  serveEngine(engine, port);
+  port.postMessage({ type: "ready", capacity: engine.capacity } satisfies FromEngineWorker);
+}
+
+const data = workerData as { tag?: unknown; options?: EngineWorkerOptions } | null;
+if (!isMainThread && parentPort !== null && data?.tag === ENGINE_WORKER_TAG && data.options !== undefined) {
+  main(parentPort, data.options);
+}

@@ -1,0 +1,40 @@
+/**
+ * Wire shape of kvfence's node-info endpoint, `GET /kvfence/nodes` on a router. The router reports
+ * the effective context length it admits (`max_model_len`, already reduced to what every node's
+ * pool can hold) and, per node, the KV pool size and the node's own configured context length.
+ * `kvfence preflight --url` reads it; the server fills it. Types and a zod schema, no I/O.
+ */
+import { z } from "zod";
+
+export const NODE_ROLES = ["prefill", "decode", "engine"] as const;
+export type NodeRole = (typeof NODE_ROLES)[number];
+
+const positiveInt = z.number().int().nonnegative();
+
+export const nodeInfoSchema = z.object({
+  /** Stable node id, e.g. "prefill-0". */
+  id: z.string().min(1),
+  role: z.enum(NODE_ROLES),
+  /** Where the node's control endpoint listens (informational). */
+  url: z.string(),
+  /** KV pool capacity of this node in tokens (pages × page_size). */
+  pool_tokens: positiveInt,
+  /** Tokens per KV page. */
+  page_size: z.number().int().positive(),
+  /** The node's own configured context length in tokens. */
+  max_model_len: positiveInt,
+});
+
+export const nodesInfoSchema = z.object({
+  /** The router's effective context length: the longest request it admits. */
+  max_model_len: positiveInt,
+  nodes: z.array(nodeInfoSchema),
+});
+
+/** One node as reported by `GET /kvfence/nodes`. */
+export type NodeInfo = z.infer<typeof nodeInfoSchema>;
+/** Body of `GET /kvfence/nodes`. */
+export type NodesInfo = z.infer<typeof nodesInfoSchema>;
+
+/** Path of the node-info endpoint on a kvfence router. */
+export const NODES_INFO_PATH = "/kvfence/nodes";

@@ -1,0 +1,398 @@
+/**
+ * The decode node's side of the transfer protocol (DESIGN.md §4), sans-IO. The state is plain data
+ * keyed by attempt (`"rid:epoch"`); page state lives in the node's `OwnershipTable`, which this
+ * machine drives directly.
+ *
+ * - **reserve**: re-check admission against this pool (a rejection travels back unchanged),
+ *   allocate all pages the request needs (prompt, then a tail for generated tokens, so decoding
+ *   never runs out mid-request), and lease the prompt pages to the router for prefill.
+ * - **manifest → commit** only when the manifest's key is this attempt's, its coverage equals the
+ *   reservation exactly, and every page's checksum equals decode's own over its pool. Then the prompt
+ *   pages turn READY and the router hears `committed` (HTTP 200 becomes possible only now), and
+ *   prefill hears `release`. Anything else fails the attempt.
+ * - **step**: each decode step checks the page tags of every page it reads (`checkRead`: READY,
+ *   this lease, this attempt's writer stamp; the page receiving this step's token is checked with
+ *   `checkWrite` when fresh) and stamps the page it writes.
+ * - **abort / failure** before commit: the leased pages go QUARANTINED (prefill may still be
+ *   writing into them) and leave only on prefill's ABORT_ACK for this attempt or a fence (prefill's
+ *   connection closed or worker gone). An ack that arrives before the abort is remembered: it means
+ *   prefill will never write for that attempt. After commit every write has drained (prefill sends
+ *   the manifest last), so pages are freed at once.
+ * - **Nothing is released on a timer.** (`quarantine_timeout` is honoured only with the `quarantine`
+ *   guard disabled, to reproduce the timeout release of SGLang #35049/#38961.)
+ *
+ * Attempts that ended leave a tombstone so a late or duplicated message for them (a reserve
+ * overtaken by its abort, a stale manifest) is ignored and counted, never acted on.
+ */
+import type { WireError } from "../lib/errors.js";
+import type { Effects, KvPool } from "./effects.js";
+import { contextLengthError } from "./router-machine.js";
+import { faultOn, guardOn, type Safety } from "./safety.js";
+import { attemptKey, type ControlMessage, type LeasePage, type Manifest, type ReserveRequest } from "./wire.js";
+
+export interface DecodeConfig {
+  readonly maxModelLen: number;
+  readonly layoutSignature: string;
+}
+
+export type DecodePhase = "reserved" | "decoding" | "quarantined";
+
+export interface DecodeAttempt {
+  rid: number;
+  epoch: number;
+  tenant: number;
+  promptLen: number;
+  maxTokens: number;
+  phase: DecodePhase;
+  /** All pages in logical order: the first `leaseCount` are the prompt's (the transfer lease). */
+  pages: number[];
+  generations: number[];
+  leaseCount: number;
+  /** Tokens produced so far, the first token (from prefill) included. */
+  generated: number;
+}
+
+export interface DecodeState {
+  attempts: Record<string, DecodeAttempt>;
+  /** Tombstones of attempts that ended here (or were aborted before they arrived). */
+  ended: Record<string, 1>;
+  /** ABORT_ACKs that arrived before the abort they answer. */
+  acks: Record<string, 1>;
+  stale: number;
+  tagFailures: number;
+}
+
+export type DecodeEvent =
+  | { readonly type: "message"; readonly msg: ControlMessage }
+  /** One decode step of a committed attempt; `token` is the token the engine sampled. */
+  | { readonly type: "step"; readonly rid: number; readonly epoch: number; readonly token: number }
+  /** Prefill is fenced: its connection closed or its worker terminated. */
+  | { readonly type: "peer_lost"; readonly role: "prefill" }
+  /** Only with the `quarantine` guard disabled: the deferred-release timer fired. */
+  | { readonly type: "quarantine_timeout"; readonly rid: number; readonly epoch: number };
+
+export function initialDecodeState(): DecodeState {
+  return { attempts: {}, ended: {}, acks: {}, stale: 0, tagFailures: 0 };
+}
+
+// Scratch for OwnershipTable.allocate, grown on demand (no allocation per call in steady state).
+let scratchPages = new Int32Array(64);
+let scratchGenerations = new Uint32Array(64);
+
+export function decodeStep(
+  state: DecodeState,
+  event: DecodeEvent,
+  pool: KvPool,
+  config: DecodeConfig,
+  safety: Safety,
+  out: Effects,
+): void {
+  switch (event.type) {
+    case "message": {
+      const msg = event.msg;
+      if (msg.type === "reserve") reserve(state, msg, pool, config, safety, out);
+      else if (msg.type === "manifest") manifest(state, msg, pool, safety, out);
+      else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), pool, safety, out);
+      else if (msg.type === "abort_ack") abortAck(state, attemptKey(msg.rid, msg.epoch), pool);
+      else state.stale++;
+      return;
+    }
+    case "step":
+      step(state, event, pool, safety, out);
+      return;
+    case "peer_lost":
+      for (const key in state.attempts) {
+        const a = state.attempts[key]!;
+        if (a.phase === "decoding") continue;
+        // The writer is gone: no write to these pages can land any more.
+        if (a.phase === "quarantined") releaseQuarantined(a, pool);
+        else {
+          freeAll(a, pool);
+          out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
+        }
+        end(state, key);
+      }
+      return;
+    case "quarantine_timeout": {
+      const key = attemptKey(event.rid, event.epoch);
+      const a = state.attempts[key];
+      if (guardOn(safety, "quarantine") || a === undefined || a.phase !== "quarantined") return;
+      releaseQuarantined(a, pool);
+      end(state, key);
+      return;
+    }
+  }
+}
+
+function reserve(
+  state: DecodeState,
+  msg: ReserveRequest,
+  pool: KvPool,
+  config: DecodeConfig,
+  safety: Safety,
+  out: Effects,
+): void {
+  const key = attemptKey(msg.rid, msg.epoch);
+  if (state.ended[key] !== undefined || state.attempts[key] !== undefined) {
+    state.stale++;
+    return;
+  }
+  const poolTokens = pool.table.numPages * pool.pageSize;
+  const limit = Math.min(config.maxModelLen, poolTokens);
+  if (guardOn(safety, "admission-doors") && msg.promptLen + msg.maxTokens > limit) {
+    reject(state, msg, contextLengthError(msg.promptLen, msg.maxTokens, limit), out);
+    return;
+  }
+  const P = pool.pageSize;
+  const leaseCount = Math.ceil(msg.promptLen / P);
+  // The last generated token's KV is never written, so the tail holds maxTokens - 1 tokens.
+  const count = Math.max(leaseCount, Math.ceil((msg.promptLen + msg.maxTokens - 1) / P));
+  if (count > scratchPages.length) {
+    scratchPages = new Int32Array(count);
+    scratchGenerations = new Uint32Array(count);
+  }
+  if (!pool.table.allocate(count, msg.rid, msg.epoch, msg.tenant, scratchPages, scratchGenerations)) {
+    reject(
+      state,
+      msg,
+      {
+        code: "pool_exhausted",
+        message: `The decode KV pool has no room for request ${msg.rid} now: ${count} pages needed; retry later`,
+      },
+      out,
+    );
+    return;
+  }
+  const pages = Array.from(scratchPages.subarray(0, count));
+  const generations = Array.from(scratchGenerations.subarray(0, count));
+  state.attempts[key] = {
+    rid: msg.rid,
+    epoch: msg.epoch,
+    tenant: msg.tenant,
+    promptLen: msg.promptLen,
+    maxTokens: msg.maxTokens,
+    phase: "reserved",
+    pages,
+    generations,
+    leaseCount,
+    generated: 0,
+  };
+  const lease: LeasePage[] = [];
+  for (let i = 0; i < leaseCount; i++) lease.push({ page: pages[i]!, generation: generations[i]! });
+  out.push({
+    kind: "send",
+    to: "router",
+    msg: {
+      type: "lease",
+      rid: msg.rid,
+      epoch: msg.epoch,
+      pages: lease,
+      pageSize: P,
+      layoutSignature: config.layoutSignature,
+    },
+  });
+}
+
+function reject(state: DecodeState, msg: ReserveRequest, error: WireError, out: Effects): void {
+  state.ended[attemptKey(msg.rid, msg.epoch)] = 1;
+  out.push({ kind: "send", to: "router", msg: { type: "rejected", rid: msg.rid, epoch: msg.epoch, from: "decode", error } });
+}
+
+function manifest(state: DecodeState, msg: Manifest, pool: KvPool, safety: Safety, out: Effects): void {
+  let key = attemptKey(msg.rid, msg.epoch);
+  let a = state.attempts[key];
+  if (a === undefined && faultOn(safety, "stale-commit")) {
+    // The fault: match the manifest by request id alone, as a metadata slot keyed by rid would.
+    for (const k in state.attempts) {
+      const candidate = state.attempts[k]!;
+      if (candidate.rid === msg.rid && candidate.phase === "reserved") {
+        key = k;
+        a = candidate;
+        break;
+      }
+    }
+  }
+  if (a === undefined || a.phase !== "reserved") {
+    state.stale++;
+    return;
+  }
+  const error = verify(a, msg, pool, safety);
+  if (error !== null) {
+    fail(state, key, a, error, pool, out);
+    return;
+  }
+  for (let i = 0; i < a.leaseCount; i++) pool.table.markReady(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+  a.phase = "decoding";
+  a.generated = 1;
+  const pages: LeasePage[] = [];
+  for (let i = 0; i < a.pages.length; i++) pages.push({ page: a.pages[i]!, generation: a.generations[i]! });
+  out.push({
+    kind: "commit",
+    rid: a.rid,
+    epoch: a.epoch,
+    promptLen: a.promptLen,
+    coverage: msg.tokenEnd - msg.tokenStart,
+    pages,
+  });
+  out.push({ kind: "send", to: "router", msg: { type: "committed", rid: a.rid, epoch: a.epoch, firstToken: msg.firstToken } });
+  out.push({ kind: "send", to: "prefill", msg: { type: "release", rid: msg.rid, epoch: msg.epoch } });
+  if (a.generated >= a.maxTokens) finish(state, key, a, [], pool, out);
+}
+
+/** The commit check: coverage equals the reservation exactly, and every checksum matches. */
+function verify(a: DecodeAttempt, msg: Manifest, pool: KvPool, safety: Safety): WireError | null {
+  if (
+    guardOn(safety, "coverage") &&
+    (msg.tokenStart !== 0 || msg.tokenEnd !== a.promptLen || msg.checksums.length !== a.leaseCount)
+  ) {
+    return {
+      code: "coverage_mismatch",
+      message: `The transfer of request ${a.rid} covered tokens [${msg.tokenStart}, ${msg.tokenEnd}) in ${msg.checksums.length} pages, decode reserved: [0, ${a.promptLen}) in ${a.leaseCount} pages`,
+    };
+  }
+  if (guardOn(safety, "checksum")) {
+    const n = Math.min(a.leaseCount, msg.checksums.length);
+    for (let i = 0; i < n; i++) {
+      if (pool.pageChecksum(a.pages[i]!, a.rid, a.epoch, i) !== msg.checksums[i]) {
+        return {
+          code: "checksum_mismatch",
+          message: `The KV page ${i} of request ${a.rid} does not match its transfer checksum: ${msg.checksums[i]}`,
+        };
+      }
+    }
+  }
+  return null;
+}
+
+function step(
+  state: DecodeState,
+  event: Extract<DecodeEvent, { type: "step" }>,
+  pool: KvPool,
+  safety: Safety,
+  out: Effects,
+): void {
+  const key = attemptKey(event.rid, event.epoch);
+  const a = state.attempts[key];
+  if (a === undefined || a.phase !== "decoding" || a.generated >= a.maxTokens) {
+    state.stale++;
+    return;
+  }
+  const table = pool.table;
+  const P = pool.pageSize;
+  // This step writes the KV of token `generated` at `position` and attends over [0, position].
+  const position = a.promptLen + a.generated - 1;
+  const last = Math.floor(position / P);
+  const fresh = position % P === 0;
+  if (guardOn(safety, "page-tags")) {
+    let ok = true;
+    for (let i = 0; i < last && ok; i++) ok = table.checkRead(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+    if (ok) {
+      ok = fresh
+        ? table.checkWrite(a.pages[last]!, a.generations[last]!, a.rid, a.epoch)
+        : table.checkRead(a.pages[last]!, a.generations[last]!, a.rid, a.epoch);
+    }
+    if (!ok) {
+      state.tagFailures++;
+      fail(
+        state,
+        key,
+        a,
+        { code: "page_tag_mismatch", message: `A KV page of request ${a.rid} is not its own: refusing to read it` },
+        pool,
+        out,
+      );
+      return;
+    }
+  }
+  table.stampWriter(a.pages[last]!, a.rid, a.epoch, (position % P) + 1);
+  if (fresh) table.markReady(a.pages[last]!, a.generations[last]!, a.rid, a.epoch);
+  const pages: LeasePage[] = [];
+  for (let i = 0; i <= last; i++) pages.push({ page: a.pages[i]!, generation: a.generations[i]! });
+  pool.observeRead?.(a.rid, a.epoch, pages, fresh ? last : -1);
+  out.push({ kind: "read", rid: a.rid, epoch: a.epoch, pages, freshIndex: fresh ? last : -1 });
+  a.generated++;
+  if (a.generated >= a.maxTokens) finish(state, key, a, [event.token], pool, out);
+  else out.push({ kind: "send", to: "router", msg: { type: "tokens", rid: a.rid, epoch: a.epoch, tokens: [event.token] } });
+}
+
+function finish(state: DecodeState, key: string, a: DecodeAttempt, tokens: number[], pool: KvPool, out: Effects): void {
+  freeAll(a, pool);
+  end(state, key);
+  out.push({
+    kind: "send",
+    to: "router",
+    msg: { type: "finished", rid: a.rid, epoch: a.epoch, reason: "length", tokens, completionTokens: a.generated },
+  });
+}
+
+/** Decode-side failure: tell the router, and abort prefill's side so it acknowledges the drain. */
+function fail(state: DecodeState, key: string, a: DecodeAttempt, error: WireError, pool: KvPool, out: Effects): void {
+  out.push({ kind: "send", to: "router", msg: { type: "failed", rid: a.rid, epoch: a.epoch, error } });
+  if (a.phase === "reserved") {
+    out.push({ kind: "send", to: "prefill", msg: { type: "abort", rid: a.rid, epoch: a.epoch } });
+    quarantineOrFree(state, key, a, pool);
+    return;
+  }
+  freeAll(a, pool);
+  end(state, key);
+  out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
+}
+
+function abort(state: DecodeState, key: string, pool: KvPool, safety: Safety, out: Effects): void {
+  const a = state.attempts[key];
+  if (a === undefined) {
+    // Aborted before its reserve arrived (or after it ended): refuse a late reserve.
+    state.ended[key] = 1;
+    return;
+  }
+  if (a.phase === "quarantined") return;
+  if (a.phase === "decoding" || faultOn(safety, "early-free")) {
+    freeAll(a, pool);
+    end(state, key);
+  } else quarantineOrFree(state, key, a, pool);
+  out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
+}
+
+function quarantineOrFree(state: DecodeState, key: string, a: DecodeAttempt, pool: KvPool): void {
+  if (state.acks[key] !== undefined) {
+    // Prefill already acknowledged: it will never write for this attempt.
+    freeAll(a, pool);
+    end(state, key);
+    return;
+  }
+  const table = pool.table;
+  for (let i = 0; i < a.pages.length; i++) {
+    if (i < a.leaseCount) table.quarantine(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+    else table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+  }
+  a.phase = "quarantined";
+}
+
+function abortAck(state: DecodeState, key: string, pool: KvPool): void {
+  const a = state.attempts[key];
+  if (a === undefined) {
+    if (state.ended[key] === undefined) state.acks[key] = 1;
+    else state.stale++;
+    return;
+  }
+  if (a.phase !== "quarantined") {
+    state.acks[key] = 1;
+    return;
+  }
+  releaseQuarantined(a, pool);
+  end(state, key);
+}
+
+function releaseQuarantined(a: DecodeAttempt, pool: KvPool): void {
+  for (let i = 0; i < a.leaseCount; i++) pool.table.releaseQuarantine(a.pages[i]!, a.generations[i]!);
+}
+
+function freeAll(a: DecodeAttempt, pool: KvPool): void {
+  for (let i = 0; i < a.pages.length; i++) pool.table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+}
+
+function end(state: DecodeState, key: string): void {
+  delete state.attempts[key];
+  delete state.acks[key];
+  state.ended[key] = 1;
+}

@@ -1,0 +1,127 @@
+/**
+ * What the sans-IO state machines ask their host to do, as plain data. A machine never performs
+ * I/O: the servers turn these effects into MessagePort posts, socket writes, engine calls and HTTP
+ * responses; the model checker turns them into its abstract network and ghost checks.
+ *
+ * Pool operations are not effects: the machines call the node's `OwnershipTable` directly (it is
+ * synchronous, allocation-free shared memory), so the checker sees the real page states.
+ */
+import type { WireError } from "../lib/errors.js";
+import type { OwnershipTable } from "../kvcache/ownership-table.js";
+import type { ControlMessage, LeasePage, NodeRole, PageWriteHeader } from "./wire.js";
+
+/** What a node's state machine needs of its KV pool. */
+export interface KvPool {
+  readonly table: OwnershipTable;
+  /** Tokens per page. */
+  readonly pageSize: number;
+  /**
+   * Checksum (hex) of the bytes `page` holds now, keyed by `(rid, epoch, logical index)`; servers
+   * use `pageChecksum` of src/transfer (xxhash64), the checker an exact abstraction of the bytes.
+   */
+  pageChecksum(page: number, rid: number, epoch: number, index: number): string;
+  /**
+   * Optional observer called at the instant a decode step reads `pages` (after its tag check and
+   * the write of its own token), before anything else changes the table. Servers leave it out; the
+   * model checker checks invariant 1 here.
+   */
+  observeRead?(rid: number, epoch: number, pages: readonly LeasePage[], freshIndex: number): void;
+}
+
+/** Send a control message to another role. */
+export interface SendEffect {
+  readonly kind: "send";
+  readonly to: NodeRole;
+  readonly msg: ControlMessage;
+}
+
+/**
+ * Prefill: copy source page `sourcePage` into the decode pool as described by `header`. Shared
+ * memory writes it one-sided and stamps the writer stamp; TCP frames it and the receiver applies it
+ * only if `receiverAccepts`. The host reports completion with a `write_done` event. `corrupt` is
+ * set only by the `corrupt-transfer` fault: the host flips a byte of the page in flight.
+ */
+export interface WriteEffect {
+  readonly kind: "write";
+  readonly header: PageWriteHeader;
+  readonly sourcePage: number;
+  readonly corrupt: boolean;
+}
+
+/**
+ * Prefill: run the forward pass over the prompt into the source pages (the engine stamps them
+ * with `(rid, epoch)` and marks them READY as it writes them), then feed a `computed` event.
+ * `promptLen` is the number of tokens actually computed (1 under `placeholder-reject`).
+ */
+export interface ComputeEffect {
+  readonly kind: "compute";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly tenant: number;
+  readonly promptLen: number;
+  readonly pages: readonly LeasePage[];
+}
+
+/**
+ * Decode: the transfer committed; `pages` (READY, in logical order, then the reserved tail for
+ * generated tokens) now belong to the engine's running batch for `(rid, epoch)`.
+ */
+export interface CommitEffect {
+  readonly kind: "commit";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly promptLen: number;
+  readonly coverage: number;
+  readonly pages: readonly LeasePage[];
+}
+
+/**
+ * Decode: one decode step read KV pages `pages` (logical order) for `(rid, epoch)` after the page
+ * tag check passed (or was disabled). The checker verifies DESIGN.md §7 invariant 1 here.
+ */
+export interface ReadEffect {
+  readonly kind: "read";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly pages: readonly LeasePage[];
+  /** Logical index of the fresh page this step wrote its token's KV into first, or -1. */
+  readonly freshIndex: number;
+}
+
+/** Decode: stop running `(rid, epoch)` (abort or failure); its pages were freed or quarantined. */
+export interface StopEffect {
+  readonly kind: "stop";
+  readonly rid: number;
+  readonly epoch: number;
+}
+
+/** Router: stream tokens of `(rid, epoch)` to the client (the first one sends HTTP 200 headers). */
+export interface TokensEffect {
+  readonly kind: "tokens";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly tokens: readonly number[];
+}
+
+/** Router: the request's final answer. `status` 200 with a finish reason, or the error's status. */
+export interface RespondEffect {
+  readonly kind: "respond";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly status: number;
+  readonly error: WireError | null;
+  readonly finishReason: "stop" | "length" | null;
+}
+
+export type Effect =
+  | SendEffect
+  | WriteEffect
+  | ComputeEffect
+  | CommitEffect
+  | ReadEffect
+  | StopEffect
+  | TokensEffect
+  | RespondEffect;
+
+/** Effects sink: machines push into a caller-owned array (no allocation per call for the host). */
+export type Effects = Effect[];

@@ -1,0 +1,322 @@
+/**
+ * The prefill node's side of the transfer protocol (DESIGN.md §4), sans-IO. State is plain data
+ * keyed by attempt (`"rid:epoch"`); source pages live in this node's `OwnershipTable`.
+ *
+ * - **prefill**: check the lease's layout, re-check admission against this pool — a request that
+ *   does not fit is refused with its original error, **never replaced by a placeholder** — allocate
+ *   source pages and ask the engine to compute the prompt's KV (`compute` effect).
+ * - **computed**: hash each source page keyed by `(rid, epoch, logical index)` and write every page
+ *   into its leased destination (`write` effects); the host reports each with `write_done`.
+ * - When every write has drained, send the **manifest** (coverage, first token, checksums) and hold
+ *   the source pages until decode's `release` (the transfer committed) or an abort.
+ * - **abort**: stop writing; answer `ABORT_ACK(rid, epoch)` only once every outstanding write has
+ *   drained, then free the source pages. An abort for an attempt this node never saw (or already
+ *   ended) is acknowledged at once — it has nothing in flight — and leaves a tombstone so a late
+ *   `prefill` for it is refused. ABORT_ACK is never dropped.
+ * - **peer_lost** (decode gone): its pool and connection are gone with it; free everything.
+ */
+import type { WireError } from "../lib/errors.js";
+import type { Effects, KvPool } from "./effects.js";
+import { contextLengthError } from "./router-machine.js";
+import { faultOn, guardOn, type Safety } from "./safety.js";
+import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "./wire.js";
+
+export interface PrefillConfig {
+  readonly maxModelLen: number;
+  readonly layoutSignature: string;
+}
+
+export type PrefillPhase = "computing" | "writing" | "held" | "aborting";
+
+export interface PrefillAttempt {
+  rid: number;
+  epoch: number;
+  tenant: number;
+  /** Tokens computed and sent (the prompt's length; 1 under `placeholder-reject`). */
+  promptLen: number;
+  phase: PrefillPhase;
+  /** Source pages in this pool, in logical order, and their generations. */
+  pages: number[];
+  generations: number[];
+  /** Destination pages leased by decode. */
+  lease: LeasePage[];
+  /** Page writes issued and not yet drained. */
+  outstanding: number;
+  firstToken: number;
+  checksums: string[];
+}
+
+export interface PrefillState {
+  attempts: Record<string, PrefillAttempt>;
+  ended: Record<string, 1>;
+  stale: number;
+}
+
+export type PrefillEvent =
+  | { readonly type: "message"; readonly msg: ControlMessage }
+  /** The engine computed the prompt's KV into the source pages and sampled the first token. */
+  | { readonly type: "computed"; readonly rid: number; readonly epoch: number; readonly firstToken: number }
+  /** The transport finished one page write (it landed, or the receiver dropped it). */
+  | { readonly type: "write_done"; readonly rid: number; readonly epoch: number; readonly index: number }
+  /** Decode is fenced: its connection closed or its worker terminated. */
+  | { readonly type: "peer_lost"; readonly role: "decode" };
+
+export function initialPrefillState(): PrefillState {
+  return { attempts: {}, ended: {}, stale: 0 };
+}
+
+let scratchPages = new Int32Array(64);
+let scratchGenerations = new Uint32Array(64);
+
+export function prefillStep(
+  state: PrefillState,
+  event: PrefillEvent,
+  pool: KvPool,
+  config: PrefillConfig,
+  safety: Safety,
+  out: Effects,
+): void {
+  switch (event.type) {
+    case "message": {
+      const msg = event.msg;
+      if (msg.type === "prefill") prefill(state, msg, pool, config, safety, out);
+      else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), pool, safety, out);
+      else if (msg.type === "release") release(state, attemptKey(msg.rid, msg.epoch), pool);
+      else state.stale++;
+      return;
+    }
+    case "computed":
+      computed(state, event, pool, safety, out);
+      return;
+    case "write_done": {
+      const key = attemptKey(event.rid, event.epoch);
+      const a = state.attempts[key];
+      if (a === undefined || a.outstanding === 0) {
+        state.stale++;
+        return;
+      }
+      a.outstanding--;
+      if (a.outstanding > 0) return;
+      if (a.phase === "aborting") finishAbort(state, key, a, pool, safety, out);
+      else if (a.phase === "writing") {
+        a.phase = "held";
+        out.push({
+          kind: "send",
+          to: "decode",
+          msg: {
+            type: "manifest",
+            rid: a.rid,
+            epoch: a.epoch,
+            tokenStart: 0,
+            tokenEnd: a.promptLen,
+            firstToken: a.firstToken,
+            checksums: a.checksums,
+          },
+        });
+      }
+      return;
+    }
+    case "peer_lost":
+      for (const key in state.attempts) {
+        freeSource(state.attempts[key]!, pool);
+        end(state, key);
+      }
+      return;
+  }
+}
+
+function prefill(
+  state: PrefillState,
+  msg: PrefillRequest,
+  pool: KvPool,
+  config: PrefillConfig,
+  safety: Safety,
+  out: Effects,
+): void {
+  const key = attemptKey(msg.rid, msg.epoch);
+  if (state.ended[key] !== undefined || state.attempts[key] !== undefined) {
+    state.stale++;
+    return;
+  }
+  const P = pool.pageSize;
+  if (msg.lease.layoutSignature !== config.layoutSignature || msg.lease.pageSize !== P) {
+    reject(
+      state,
+      msg,
+      {
+        code: "layout_mismatch",
+        message: `The decode node's KV layout differs from this prefill node's (${config.layoutSignature}, page ${P}): ${msg.lease.layoutSignature}, page ${msg.lease.pageSize}`,
+      },
+      out,
+    );
+    return;
+  }
+  let promptLen = msg.promptLen;
+  const limit = Math.min(config.maxModelLen, pool.table.numPages * P);
+  if (msg.promptLen + msg.maxTokens > limit) {
+    if (faultOn(safety, "placeholder-reject")) {
+      // The fault (SGLang #30233): mark it rejected, swap in a one-token placeholder, carry on.
+      promptLen = 1;
+    } else if (guardOn(safety, "admission-doors")) {
+      reject(state, msg, contextLengthError(msg.promptLen, msg.maxTokens, limit), out);
+      return;
+    }
+  }
+  const count = Math.ceil(promptLen / P);
+  if (msg.lease.pages.length < count) {
+    reject(
+      state,
+      msg,
+      {
+        code: "transfer_failed",
+        message: `The lease of request ${msg.rid} has ${msg.lease.pages.length} pages, the prompt needs: ${count}`,
+      },
+      out,
+    );
+    return;
+  }
+  if (count > scratchPages.length) {
+    scratchPages = new Int32Array(count);
+    scratchGenerations = new Uint32Array(count);
+  }
+  if (!pool.table.allocate(count, msg.rid, msg.epoch, msg.tenant, scratchPages, scratchGenerations)) {
+    reject(
+      state,
+      msg,
+      {
+        code: "pool_exhausted",
+        message: `The prefill KV pool has no room for request ${msg.rid} now: ${count} pages needed; retry later`,
+      },
+      out,
+    );
+    return;
+  }
+  const pages = Array.from(scratchPages.subarray(0, count));
+  const generations = Array.from(scratchGenerations.subarray(0, count));
+  state.attempts[key] = {
+    rid: msg.rid,
+    epoch: msg.epoch,
+    tenant: msg.tenant,
+    promptLen,
+    phase: "computing",
+    pages,
+    generations,
+    lease: msg.lease.pages.slice(0, count),
+    outstanding: 0,
+    firstToken: 0,
+    checksums: [],
+  };
+  const source: LeasePage[] = [];
+  for (let i = 0; i < count; i++) source.push({ page: pages[i]!, generation: generations[i]! });
+  out.push({ kind: "compute", rid: msg.rid, epoch: msg.epoch, tenant: msg.tenant, promptLen, pages: source });
+}
+
+function computed(
+  state: PrefillState,
+  event: Extract<PrefillEvent, { type: "computed" }>,
+  pool: KvPool,
+  safety: Safety,
+  out: Effects,
+): void {
+  const key = attemptKey(event.rid, event.epoch);
+  const a = state.attempts[key];
+  if (a === undefined || (a.phase !== "computing" && a.phase !== "aborting") || a.checksums.length > 0) {
+    state.stale++;
+    return;
+  }
+  a.firstToken = event.firstToken;
+  const n = a.pages.length;
+  for (let i = 0; i < n; i++) a.checksums.push(pool.pageChecksum(a.pages[i]!, a.rid, a.epoch, i));
+  if (a.phase === "aborting") {
+    // Aborted while computing: nothing was written.
+    finishAbort(state, key, a, pool, safety, out);
+    return;
+  }
+  a.phase = "writing";
+  a.outstanding = n;
+  const misaddress = faultOn(safety, "misaddressed-write");
+  const corrupt = faultOn(safety, "corrupt-transfer");
+  for (let i = 0; i < n; i++) {
+    const target = a.lease[i]!;
+    out.push({
+      kind: "write",
+      header: {
+        type: "page_write",
+        rid: a.rid,
+        epoch: a.epoch,
+        index: i,
+        // The fault: the first page goes one page past its leased destination.
+        page: misaddress && i === 0 ? target.page + 1 : target.page,
+        generation: target.generation,
+        filledTokens: Math.min(pool.pageSize, a.promptLen - i * pool.pageSize),
+      },
+      sourcePage: a.pages[i]!,
+      corrupt: corrupt && i === 0,
+    });
+  }
+}
+
+function abort(state: PrefillState, key: string, pool: KvPool, safety: Safety, out: Effects): void {
+  const a = state.attempts[key];
+  if (a === undefined) {
+    // Never seen here, or already ended: nothing in flight, acknowledge at once.
+    state.ended[key] = 1;
+    const [rid, epoch] = key.split(":").map(Number) as [number, number];
+    sendAck(rid, epoch, safety, out);
+    return;
+  }
+  if (a.phase === "aborting") return;
+  if (a.phase === "writing" && a.outstanding > 0 && !faultOn(safety, "late-write")) {
+    // Stop issuing writes; acknowledge when the outstanding ones drain (write_done).
+    a.phase = "aborting";
+    return;
+  }
+  if (a.phase === "computing") {
+    a.phase = "aborting";
+    return;
+  }
+  // Drained (or the late-write fault: acknowledge without waiting for the writes in flight).
+  finishAbort(state, key, a, pool, safety, out);
+}
+
+function finishAbort(
+  state: PrefillState,
+  key: string,
+  a: PrefillAttempt,
+  pool: KvPool,
+  safety: Safety,
+  out: Effects,
+): void {
+  freeSource(a, pool);
+  end(state, key);
+  sendAck(a.rid, a.epoch, safety, out);
+}
+
+function sendAck(rid: number, epoch: number, safety: Safety, out: Effects): void {
+  if (faultOn(safety, "drop-abort-ack")) return;
+  out.push({ kind: "send", to: "decode", msg: { type: "abort_ack", rid, epoch } });
+}
+
+function release(state: PrefillState, key: string, pool: KvPool): void {
+  const a = state.attempts[key];
+  if (a === undefined || a.phase !== "held") {
+    state.stale++;
+    return;
+  }
+  freeSource(a, pool);
+  end(state, key);
+}
+
+function reject(state: PrefillState, msg: PrefillRequest, error: WireError, out: Effects): void {
+  state.ended[attemptKey(msg.rid, msg.epoch)] = 1;
+  out.push({ kind: "send", to: "router", msg: { type: "rejected", rid: msg.rid, epoch: msg.epoch, from: "prefill", error } });
+}
+
+function freeSource(a: PrefillAttempt, pool: KvPool): void {
+  for (let i = 0; i < a.pages.length; i++) pool.table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+}
+
+function end(state: PrefillState, key: string): void {
+  delete state.attempts[key];
+  state.ended[key] = 1;
+}

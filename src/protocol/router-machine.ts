@@ -1,0 +1,277 @@
+/**
+ * The router's side of the transfer protocol (DESIGN.md §4), sans-IO: `routerStep(state, event,
+ * config, safety, out)` mutates a plain-data state (cheap to copy and hash) and pushes effects.
+ *
+ * Per request: admit (the router's door, against the effective context: the minimum of the model's
+ * window and every node's pool; a rejection contacts nobody and allocates nothing) → reserve at
+ * decode → prefill into the lease → decoding (HTTP 200 from the commit on) → done. Any message whose
+ * `(rid, epoch)` is not the request's current attempt is ignored and counted. A node's rejection
+ * reaches the client unchanged. Abandoning an attempt (client abort, transfer timeout, node loss,
+ * a prefill rejection) always sends ABORT to both nodes: decode may hold a reservation and prefill
+ * must acknowledge that its writes drained before decode releases those pages. A retry is a new
+ * epoch with a new reservation. Nothing here runs on a timer: `attempt_timeout` is an event the host
+ * feeds, and it only aborts and retries, it never releases pages.
+ */
+import { ERROR_TABLE, type WireError } from "../lib/errors.js";
+import type { Effects } from "./effects.js";
+import { faultOn, type Safety } from "./safety.js";
+import type { ControlMessage } from "./wire.js";
+
+export interface RouterConfig {
+  /** The model's context window (tokens). */
+  readonly maxModelLen: number;
+  /** Capacity in tokens of each node's KV pool. */
+  readonly prefillPoolTokens: number;
+  readonly decodePoolTokens: number;
+  /** Attempts per request (1 = no retry). */
+  readonly maxAttempts: number;
+}
+
+export type RouterPhase = "reserving" | "prefilling" | "decoding" | "done";
+
+export interface RouterRequest {
+  rid: number;
+  tenant: number;
+  promptLen: number;
+  maxTokens: number;
+  epoch: number;
+  phase: RouterPhase;
+  /** Tokens streamed so far. */
+  streamed: number;
+}
+
+export interface RouterState {
+  /** Requests by rid (decimal string keys, so the state stays JSON). */
+  requests: Record<string, RouterRequest>;
+  /** Messages ignored because their (rid, epoch) was not current. */
+  stale: number;
+}
+
+export type RouterEvent =
+  | {
+      readonly type: "submit";
+      readonly rid: number;
+      readonly tenant: number;
+      readonly promptLen: number;
+      readonly maxTokens: number;
+    }
+  | { readonly type: "message"; readonly msg: ControlMessage }
+  | { readonly type: "client_abort"; readonly rid: number }
+  /** The transfer phase of the current attempt took too long: abort it, retry if attempts remain. */
+  | { readonly type: "attempt_timeout"; readonly rid: number }
+  /** A node's connection closed or its worker terminated. */
+  | { readonly type: "peer_lost"; readonly role: "prefill" | "decode" };
+
+export function initialRouterState(): RouterState {
+  return { requests: {}, stale: 0 };
+}
+
+/**
+ * The effective context length: the longest prompt + max_tokens every stage can hold. Under the
+ * `undersized-pool` fault the router trusts the model's window alone, as in the incident.
+ */
+export function effectiveContext(config: RouterConfig, safety: Safety): number {
+  if (faultOn(safety, "undersized-pool")) return config.maxModelLen;
+  return Math.min(config.maxModelLen, config.prefillPoolTokens, config.decodePoolTokens);
+}
+
+/** The admission error of every door, with both numbers and the fix. */
+export function contextLengthError(promptLen: number, maxTokens: number, limit: number): WireError {
+  return {
+    code: "context_length_exceeded",
+    message: `Prompt of ${promptLen} tokens plus max_tokens ${maxTokens} exceeds the context length: ${limit}; shorten the prompt or lower max_tokens`,
+    param: "messages",
+  };
+}
+
+export function routerStep(
+  state: RouterState,
+  event: RouterEvent,
+  config: RouterConfig,
+  safety: Safety,
+  out: Effects,
+): void {
+  switch (event.type) {
+    case "submit":
+      submit(state, event, config, safety, out);
+      return;
+    case "message":
+      onMessage(state, event.msg, config, out);
+      return;
+    case "client_abort": {
+      const req = state.requests[event.rid];
+      if (req === undefined || req.phase === "done") return;
+      abortAttempt(req, out);
+      respondError(req, { code: "aborted", message: "The client closed the request" }, out);
+      return;
+    }
+    case "attempt_timeout": {
+      const req = state.requests[event.rid];
+      if (req === undefined || (req.phase !== "reserving" && req.phase !== "prefilling")) return;
+      abortAttempt(req, out);
+      retryOrFail(
+        req,
+        { code: "transfer_failed", message: `The KV transfer of request ${req.rid} timed out: attempt ${req.epoch}` },
+        config,
+        out,
+      );
+      return;
+    }
+    case "peer_lost": {
+      for (const key in state.requests) {
+        const req = state.requests[key]!;
+        if (req.phase === "done") continue;
+        // A decoding request no longer needs prefill: its KV is committed at decode.
+        if (req.phase === "decoding" && event.role === "prefill") continue;
+        abortAttempt(req, out);
+        retryOrFail(
+          req,
+          { code: "node_unavailable", message: `The ${event.role} node went away during request ${req.rid}` },
+          config,
+          out,
+        );
+      }
+      return;
+    }
+  }
+}
+
+function submit(
+  state: RouterState,
+  event: Extract<RouterEvent, { type: "submit" }>,
+  config: RouterConfig,
+  safety: Safety,
+  out: Effects,
+): void {
+  if (state.requests[event.rid] !== undefined) {
+    state.stale++;
+    return;
+  }
+  const req: RouterRequest = {
+    rid: event.rid,
+    tenant: event.tenant,
+    promptLen: event.promptLen,
+    maxTokens: event.maxTokens,
+    epoch: 1,
+    phase: "reserving",
+    streamed: 0,
+  };
+  state.requests[event.rid] = req;
+  const limit = effectiveContext(config, safety);
+  if (event.promptLen + event.maxTokens > limit) {
+    // Door 1: nothing allocated, no node contacted.
+    respondError(req, contextLengthError(event.promptLen, event.maxTokens, limit), out);
+    return;
+  }
+  sendReserve(req, out);
+}
+
+function onMessage(state: RouterState, msg: ControlMessage, config: RouterConfig, out: Effects): void {
+  const req = state.requests[msg.rid];
+  if (req === undefined || req.epoch !== msg.epoch || req.phase === "done") {
+    state.stale++;
+    return;
+  }
+  switch (msg.type) {
+    case "lease":
+      if (req.phase !== "reserving") break;
+      req.phase = "prefilling";
+      out.push({
+        kind: "send",
+        to: "prefill",
+        msg: {
+          type: "prefill",
+          rid: req.rid,
+          epoch: req.epoch,
+          tenant: req.tenant,
+          promptLen: req.promptLen,
+          maxTokens: req.maxTokens,
+          lease: msg,
+        },
+      });
+      return;
+    case "rejected":
+      if (req.phase !== "reserving" && req.phase !== "prefilling") break;
+      // Decode may hold a reservation; prefill acknowledges (it wrote nothing) so decode can release it.
+      if (msg.from === "prefill") abortAttempt(req, out);
+      retryOrFail(req, msg.error, config, out);
+      return;
+    case "committed":
+      if (req.phase !== "prefilling") break;
+      req.phase = "decoding";
+      req.streamed = 1;
+      out.push({ kind: "tokens", rid: req.rid, epoch: req.epoch, tokens: [msg.firstToken] });
+      return;
+    case "tokens":
+      if (req.phase !== "decoding") break;
+      req.streamed += msg.tokens.length;
+      out.push({ kind: "tokens", rid: req.rid, epoch: req.epoch, tokens: msg.tokens });
+      return;
+    case "finished":
+      if (req.phase !== "decoding") break;
+      req.streamed += msg.tokens.length;
+      if (msg.tokens.length > 0) out.push({ kind: "tokens", rid: req.rid, epoch: req.epoch, tokens: msg.tokens });
+      req.phase = "done";
+      out.push({ kind: "respond", rid: req.rid, epoch: req.epoch, status: 200, error: null, finishReason: msg.reason });
+      return;
+    case "failed":
+      if (req.phase === "decoding") {
+        // Tokens already streamed: the error ends the stream, no retry.
+        respondError(req, msg.error, out);
+        return;
+      }
+      if (req.phase !== "prefilling") break;
+      retryOrFail(req, msg.error, config, out);
+      return;
+    default:
+      break;
+  }
+  state.stale++;
+}
+
+function sendReserve(req: RouterRequest, out: Effects): void {
+  out.push({
+    kind: "send",
+    to: "decode",
+    msg: {
+      type: "reserve",
+      rid: req.rid,
+      epoch: req.epoch,
+      tenant: req.tenant,
+      promptLen: req.promptLen,
+      maxTokens: req.maxTokens,
+    },
+  });
+}
+
+/**
+ * ABORT to both nodes, always: decode releases its reservation only on prefill's ABORT_ACK (or a
+ * fence), so prefill must hear of every abandoned attempt — even one it never saw or already
+ * refused, or one sent to a restarted node (it acknowledges those at once: it wrote nothing).
+ */
+function abortAttempt(req: RouterRequest, out: Effects): void {
+  out.push({ kind: "send", to: "decode", msg: { type: "abort", rid: req.rid, epoch: req.epoch } });
+  out.push({ kind: "send", to: "prefill", msg: { type: "abort", rid: req.rid, epoch: req.epoch } });
+}
+
+function retryOrFail(req: RouterRequest, error: WireError, config: RouterConfig, out: Effects): void {
+  if (ERROR_TABLE[error.code].retryable && req.epoch < config.maxAttempts && req.streamed === 0) {
+    req.epoch++;
+    req.phase = "reserving";
+    sendReserve(req, out);
+    return;
+  }
+  respondError(req, error, out);
+}
+
+function respondError(req: RouterRequest, error: WireError, out: Effects): void {
+  req.phase = "done";
+  out.push({
+    kind: "respond",
+    rid: req.rid,
+    epoch: req.epoch,
+    status: ERROR_TABLE[error.code].status,
+    error,
+    finishReason: null,
+  });
+}

@@ -1,0 +1,157 @@
+/**
+ * The closed lists of fault names and guard names of DESIGN.md §5, and the frozen `Safety` config
+ * that the protocol state machines consult at each guarded decision.
+ *
+ * A **guard** is one defence of the real protocol; all are on unless listed in `disabledGuards`.
+ * A **fault** reproduces one real bug inside the same code path the servers run (never a mock):
+ * e.g. `placeholder-reject` really swaps an over-long prompt for one token and reports the
+ * transfer complete. Faults exist only for tests, demos and `kvfence check`; servers switch them on
+ * only behind an explicit `--unsafe-fault NAME` flag.
+ */
+import { KvfenceError } from "../lib/errors.js";
+
+export const FAULT_NAMES = [
+  "placeholder-reject",
+  "undersized-pool",
+  "early-free",
+  "late-write",
+  "corrupt-transfer",
+  "misaddressed-write",
+  "drop-abort-ack",
+  "stale-commit",
+  "shared-prefix",
+] as const;
+export type FaultName = (typeof FAULT_NAMES)[number];
+
+export const GUARD_NAMES = [
+  "admission-doors",
+  "coverage",
+  "checksum",
+  "page-tags",
+  "quarantine",
+  "lease-check",
+  "tenant-salt",
+] as const;
+export type GuardName = (typeof GUARD_NAMES)[number];
+
+/** What each fault reproduces, and the guards that catch it (DESIGN.md §5). */
+export const FAULT_TABLE: Readonly<
+  Record<FaultName, { readonly reproduces: string; readonly caughtBy: readonly GuardName[] }>
+> = Object.freeze({
+  "placeholder-reject": {
+    reproduces:
+      "prefill swaps an over-long prompt for a 1-token placeholder and reports the transfer complete (SGLang #30233)",
+    caughtBy: ["admission-doors", "coverage", "checksum", "page-tags"],
+  },
+  "undersized-pool": {
+    reproduces: "the router admits by the model's window alone, larger than a node's KV pool (the incident)",
+    caughtBy: ["admission-doors"],
+  },
+  "early-free": {
+    reproduces: "decode frees reserved pages on abort without waiting for the drain ack (SGLang #24527)",
+    caughtBy: ["quarantine"],
+  },
+  "late-write": {
+    reproduces: "prefill acknowledges an abort before its in-flight writes drained; a write lands after reuse",
+    caughtBy: ["quarantine", "lease-check"],
+  },
+  "corrupt-transfer": {
+    reproduces: "page bytes flipped in flight",
+    caughtBy: ["checksum"],
+  },
+  "misaddressed-write": {
+    reproduces: "prefill writes a page outside its lease",
+    caughtBy: ["lease-check", "checksum", "page-tags"],
+  },
+  "drop-abort-ack": {
+    reproduces: "the abort acknowledgement is lost; pages are released by a timer instead (SGLang #38961)",
+    caughtBy: ["quarantine"],
+  },
+  "stale-commit": {
+    reproduces: "decode commits a transfer manifest from an earlier epoch of the same request",
+    caughtBy: ["checksum", "page-tags"],
+  },
+  "shared-prefix": {
+    reproduces: "prefix-cache keys ignore the tenant, so one tenant's cached KV serves another's prompt",
+    caughtBy: ["tenant-salt"],
+  },
+});
+
+/** Which faults are on and which guards are off. Frozen; build it with `makeSafety`. */
+export interface Safety {
+  readonly faults: ReadonlySet<FaultName>;
+  readonly disabledGuards: ReadonlySet<GuardName>;
+}
+
+class FrozenSet<T> extends Set<T> {
+  #frozen = false;
+  freeze(): this {
+    this.#frozen = true;
+    return this;
+  }
+  override add(value: T): this {
+    if (this.#frozen) throw new TypeError("Safety sets are frozen");
+    return super.add(value);
+  }
+  override delete(value: T): boolean {
+    if (this.#frozen) throw new TypeError("Safety sets are frozen");
+    return super.delete(value);
+  }
+  override clear(): void {
+    if (this.#frozen) throw new TypeError("Safety sets are frozen");
+    super.clear();
+  }
+}
+
+export function isFaultName(name: string): name is FaultName {
+  return (FAULT_NAMES as readonly string[]).includes(name);
+}
+
+export function isGuardName(name: string): name is GuardName {
+  return (GUARD_NAMES as readonly string[]).includes(name);
+}
+
+/**
+ * Builds a frozen `Safety` from names, rejecting unknown ones with a `KvfenceError`
+ * (`invalid_request`) that lists the valid names.
+ */
+export function makeSafety(
+  options: { readonly faults?: Iterable<string>; readonly disabledGuards?: Iterable<string> } = {},
+): Safety {
+  const faults = new FrozenSet<FaultName>();
+  for (const name of options.faults ?? []) {
+    if (!isFaultName(name)) {
+      throw new KvfenceError(
+        "invalid_request",
+        `Unknown fault name: ${name}; use one of ${FAULT_NAMES.join(", ")}`,
+        { param: "fault" },
+      );
+    }
+    faults.add(name);
+  }
+  const disabledGuards = new FrozenSet<GuardName>();
+  for (const name of options.disabledGuards ?? []) {
+    if (!isGuardName(name)) {
+      throw new KvfenceError(
+        "invalid_request",
+        `Unknown guard name: ${name}; use one of ${GUARD_NAMES.join(", ")}`,
+        { param: "guard" },
+      );
+    }
+    disabledGuards.add(name);
+  }
+  return Object.freeze({ faults: faults.freeze(), disabledGuards: disabledGuards.freeze() });
+}
+
+/** Every guard on, no fault: the real protocol. */
+export const SAFE: Safety = makeSafety();
+
+/** True when `guard` is on in `safety`. */
+export function guardOn(safety: Safety, guard: GuardName): boolean {
+  return !safety.disabledGuards.has(guard);
+}
+
+/** True when `fault` is on in `safety`. */
+export function faultOn(safety: Safety, fault: FaultName): boolean {
+  return safety.faults.has(fault);
+}

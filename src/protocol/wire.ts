@@ -1,0 +1,164 @@
+/**
+ * The control messages of the transfer protocol (DESIGN.md §4), as plain JSON-able data that the
+ * servers post on MessagePorts (worker threads) or send framed over TCP, and that the model checker
+ * moves through its abstract network. Every message is keyed by `(rid, epoch)`: `rid` is the
+ * router's u32 request id, `epoch` the attempt (a retry is a new epoch with new pages); a receiver
+ * ignores (and counts) any message whose key is not the one it expects.
+ *
+ * Checksums travel as 16-digit lowercase hex strings (xxhash64), because JSON has no bigint.
+ */
+import type { WireError } from "../lib/errors.js";
+
+/** The three roles of DESIGN.md §2. */
+export type NodeRole = "router" | "prefill" | "decode";
+
+/** One destination page of a lease: the physical page and the generation it was leased at. */
+export interface LeasePage {
+  readonly page: number;
+  readonly generation: number;
+}
+
+/** Router → decode: reserve destination pages for a prompt (DESIGN.md §4 step 2). */
+export interface ReserveRequest {
+  readonly type: "reserve";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly tenant: number;
+  readonly promptLen: number;
+  readonly maxTokens: number;
+}
+
+/** Decode → router: the reservation, forwarded by the router to prefill inside `PrefillRequest`. */
+export interface TransferLease {
+  readonly type: "lease";
+  readonly rid: number;
+  readonly epoch: number;
+  /** Destination pages in logical order: entry i receives tokens [i*pageSize, (i+1)*pageSize). */
+  readonly pages: readonly LeasePage[];
+  readonly pageSize: number;
+  readonly layoutSignature: string;
+}
+
+/** Router → prefill: compute the prompt's KV and write it into the lease (step 3). */
+export interface PrefillRequest {
+  readonly type: "prefill";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly tenant: number;
+  readonly promptLen: number;
+  readonly maxTokens: number;
+  /** The prompt's token ids (servers); absent in the model checker, which abstracts tokens. */
+  readonly promptTokens?: readonly number[];
+  readonly lease: TransferLease;
+}
+
+/** Decode or prefill → router: the node refused the request; `error` travels to the client unchanged. */
+export interface Rejected {
+  readonly type: "rejected";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly from: "prefill" | "decode";
+  readonly error: WireError;
+}
+
+/** Header of one page write, prefill → decode pool (the bytes follow on TCP; shared memory copies). */
+export interface PageWriteHeader {
+  readonly type: "page_write";
+  readonly rid: number;
+  readonly epoch: number;
+  /** Logical page index in the lease. */
+  readonly index: number;
+  /** Physical destination page and the generation it was leased at. */
+  readonly page: number;
+  readonly generation: number;
+  readonly filledTokens: number;
+}
+
+/** Prefill → decode: the transfer is complete (step 5). Sent only after every write drained. */
+export interface Manifest {
+  readonly type: "manifest";
+  readonly rid: number;
+  readonly epoch: number;
+  /** Token coverage [tokenStart, tokenEnd) the written pages hold. */
+  readonly tokenStart: number;
+  readonly tokenEnd: number;
+  readonly firstToken: number;
+  /** One checksum per written page keyed by (rid, epoch, logical page index), in logical order. */
+  readonly checksums: readonly string[];
+}
+
+/** Decode → router: the transfer committed; the first token may stream (HTTP 200 from here on). */
+export interface Committed {
+  readonly type: "committed";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly firstToken: number;
+}
+
+/** Decode → router: new tokens of a committed request. */
+export interface Tokens {
+  readonly type: "tokens";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly tokens: readonly number[];
+}
+
+/** Decode → router: the request finished; its pages are free. */
+export interface Finished {
+  readonly type: "finished";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly reason: "stop" | "length";
+  readonly tokens: readonly number[];
+  readonly completionTokens: number;
+}
+
+/** Decode → router: the attempt failed after the reservation (commit check, page tags, pool). */
+export interface Failed {
+  readonly type: "failed";
+  readonly rid: number;
+  readonly epoch: number;
+  readonly error: WireError;
+}
+
+/** Router → decode and prefill, decode → prefill: stop this attempt. */
+export interface Abort {
+  readonly type: "abort";
+  readonly rid: number;
+  readonly epoch: number;
+}
+
+/** Prefill → decode: every write of (rid, epoch) has drained; quarantined pages may go. Never dropped. */
+export interface AbortAck {
+  readonly type: "abort_ack";
+  readonly rid: number;
+  readonly epoch: number;
+}
+
+/** Decode → prefill: the transfer committed; prefill may free its source pages. */
+export interface Release {
+  readonly type: "release";
+  readonly rid: number;
+  readonly epoch: number;
+}
+
+export type ControlMessage =
+  | ReserveRequest
+  | TransferLease
+  | PrefillRequest
+  | Rejected
+  | Manifest
+  | Committed
+  | Tokens
+  | Finished
+  | Failed
+  | Abort
+  | AbortAck
+  | Release;
+
+export type ControlMessageType = ControlMessage["type"];
+
+/** `"rid:epoch"`, the key under which nodes keep per-attempt state. */
+export function attemptKey(rid: number, epoch: number): string {
+  return `${rid}:${epoch}`;
+}

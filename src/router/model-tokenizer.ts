@@ -1,0 +1,40 @@
+/**
+ * Adapts the model folder's tokenizer and chat template (src/model/tokenizer.ts) to the narrow
+ * `RouterTokenizer` the HTTP layer uses. The router imports tokenization only, never weights or
+ * the forward pass.
+ */
+import { KvfenceError } from "../lib/errors.js";
+import type { ChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
+import type { TextStreamDecoder } from "./generation.js";
+import type { ChatMessage } from "./openai-schemas.js";
+import type { RouterTokenizer } from "./router-server.js";
+
+export function routerTokenizer(tokenizer: ModelTokenizer, chatTemplate: ChatTemplate | null): RouterTokenizer {
+  return {
+    encodeChat(messages: readonly ChatMessage[]): Int32Array {
+      if (chatTemplate === null) {
+        throw new KvfenceError(
+          "invalid_request",
+          "This model has no chat template: use /v1/completions with a raw prompt instead",
+          { param: "messages" },
+        );
+      }
+      // The rendered text already carries the template's special tokens (BOS, <|im_start|>, ...).
+      return tokenizer.encode(chatTemplate.render(messages, { addGenerationPrompt: true }), { addSpecialTokens: false });
+    },
+    encodePrompt(text: string): Int32Array {
+      return tokenizer.encode(text);
+    },
+    createDecoder(): TextStreamDecoder {
+      const stream = tokenizer.streamDecoder({ skipSpecialTokens: true });
+      return {
+        push(ids: readonly number[]): string {
+          let out = "";
+          for (const id of ids) out += stream.push(id);
+          return out;
+        },
+        flush: () => stream.flush(),
+      };
+    },
+  };
+}

@@ -1,0 +1,178 @@
+/**
+ * Request validation for the OpenAI-compatible endpoints. Bodies are parsed with zod; every
+ * problem is reported with its JSON path as an `invalid_request` KvfenceError whose `param` is the
+ * path, so a client sees exactly which field is wrong. Fields we accept but do not implement
+ * (logprobs, tools, penalties) are refused rather than silently ignored when they would change the
+ * output.
+ */
+import { z } from "zod";
+import { KvfenceError } from "../lib/errors.js";
+
+const textPart = z.object({ type: z.literal("text"), text: z.string() });
+
+const messageContent = z.union([z.string(), z.array(textPart)]);
+
+const chatMessage = z.object({
+  role: z.enum(["system", "developer", "user", "assistant", "tool"]),
+  content: messageContent.nullable().optional(),
+  name: z.string().optional(),
+});
+
+const stop = z.union([z.string(), z.array(z.string()).max(4)]).nullable().optional();
+
+const maxTokens = z.number().int().positive().nullable().optional();
+
+const streamOptions = z.object({ include_usage: z.boolean().optional() }).nullable().optional();
+
+const samplingFields = {
+  model: z.string().min(1),
+  stream: z.boolean().nullable().optional(),
+  stream_options: streamOptions,
+  max_tokens: maxTokens,
+  temperature: z.number().min(0).max(2).nullable().optional(),
+  top_p: z.number().gt(0).max(1).nullable().optional(),
+  /** Not in OpenAI's API; vLLM and SGLang accept it. 0 or -1 = off. */
+  top_k: z.number().int().min(-1).nullable().optional(),
+  seed: z.number().int().nullable().optional(),
+  stop,
+  n: z.number().int().nullable().optional(),
+  user: z.string().optional(),
+  frequency_penalty: z.number().nullable().optional(),
+  presence_penalty: z.number().nullable().optional(),
+};
+
+export const chatCompletionRequestSchema = z.object({
+  ...samplingFields,
+  messages: z.array(chatMessage).min(1),
+  max_completion_tokens: maxTokens,
+  logprobs: z.boolean().nullable().optional(),
+});
+
+export const completionRequestSchema = z.object({
+  ...samplingFields,
+  prompt: z.union([z.string(), z.array(z.string()).length(1)]),
+  logprobs: z.number().int().nullable().optional(),
+  echo: z.boolean().nullable().optional(),
+  best_of: z.number().int().nullable().optional(),
+});
+
+export type ChatCompletionRequest = z.infer<typeof chatCompletionRequestSchema>;
+export type CompletionRequest = z.infer<typeof completionRequestSchema>;
+
+/** One chat message as the chat template sees it. */
+export interface ChatMessage {
+  readonly role: string;
+  readonly content: string;
+}
+
+/** What the router needs from either endpoint once it is validated. */
+export interface SamplingRequest {
+  readonly model: string;
+  readonly stream: boolean;
+  readonly includeUsage: boolean;
+  /** null = as many as fit in the context. */
+  readonly maxTokens: number | null;
+  readonly temperature: number | null;
+  readonly topP: number | null;
+  readonly topK: number | null;
+  readonly seed: number | null;
+  readonly stop: readonly string[];
+}
+
+export interface ParsedChatRequest extends SamplingRequest {
+  readonly messages: readonly ChatMessage[];
+}
+
+export interface ParsedCompletionRequest extends SamplingRequest {
+  readonly prompt: string;
+}
+
+function pathOf(path: readonly PropertyKey[]): string {
+  let out = "";
+  for (const part of path) {
+    if (typeof part === "number") out += `[${part}]`;
+    else out += out === "" ? String(part) : `.${String(part)}`;
+  }
+  return out === "" ? "body" : out;
+}
+
+function parseWith<T>(schema: z.ZodType<T>, body: unknown): T {
+  if (typeof body !== "object" || body === null || Array.isArray(body)) {
+    throw new KvfenceError("invalid_request", `Request body must be a JSON object: got ${describe(body)}`);
+  }
+  const result = schema.safeParse(body);
+  if (result.success) return result.data;
+  const issues = result.error.issues;
+  const first = issues[0]!;
+  const details = issues.map((issue) => `${pathOf(issue.path)}: ${issue.message}`).join("; ");
+  throw new KvfenceError("invalid_request", `Invalid request: ${details}`, { param: pathOf(first.path) });
+}
+
+function describe(value: unknown): string {
+  if (value === null) return "null";
+  if (Array.isArray(value)) return "an array";
+  return `a ${typeof value}`;
+}
+
+function refuse(param: string, message: string): never {
+  throw new KvfenceError("invalid_request", message, { param });
+}
+
+function commonChecks(req: ChatCompletionRequest | CompletionRequest): void {
+  if (req.n !== undefined && req.n !== null && req.n !== 1) {
+    refuse("n", `Only n=1 is supported: got n=${req.n}; send separate requests instead`);
+  }
+  if (req.frequency_penalty) refuse("frequency_penalty", "frequency_penalty is not supported: leave it at 0");
+  if (req.presence_penalty) refuse("presence_penalty", "presence_penalty is not supported: leave it at 0");
+  if (req.stream_options != null && req.stream !== true) {
+    refuse("stream_options", "stream_options is only allowed when stream is true: set stream to true");
+  }
+}
+
+function stopList(stop: string | string[] | null | undefined): string[] {
+  const list = stop == null ? [] : typeof stop === "string" ? [stop] : stop;
+  return list.filter((s) => s !== "");
+}
+
+function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: number | null): SamplingRequest {
+  return {
+    model: req.model,
+    stream: req.stream === true,
+    includeUsage: req.stream_options?.include_usage === true,
+    maxTokens,
+    temperature: req.temperature ?? null,
+    topP: req.top_p ?? null,
+    topK: req.top_k ?? null,
+    seed: req.seed ?? null,
+    stop: stopList(req.stop),
+  };
+}
+
+/** Validate a `/v1/chat/completions` body; throws `invalid_request` naming the offending field. */
+export function parseChatRequest(body: unknown): ParsedChatRequest {
+  const req = parseWith(chatCompletionRequestSchema, body);
+  commonChecks(req);
+  if (req.logprobs === true) refuse("logprobs", "logprobs is not supported: leave it unset or false");
+  if (req.max_tokens != null && req.max_completion_tokens != null && req.max_tokens !== req.max_completion_tokens) {
+    refuse(
+      "max_completion_tokens",
+      `max_tokens and max_completion_tokens disagree: ${req.max_tokens} vs ${req.max_completion_tokens}; send only one`,
+    );
+  }
+  const messages = req.messages.map((m) => ({
+    role: m.role === "developer" ? "system" : m.role,
+    content: m.content == null ? "" : typeof m.content === "string" ? m.content : m.content.map((p) => p.text).join(""),
+  }));
+  return { ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null), messages };
+}
+
+/** Validate a `/v1/completions` body; throws `invalid_request` naming the offending field. */
+export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
+  const req = parseWith(completionRequestSchema, body);
+  commonChecks(req);
+  if (req.logprobs != null) refuse("logprobs", "logprobs is not supported: leave it unset");
+  if (req.echo === true) refuse("echo", "echo is not supported: leave it unset or false");
+  if (req.best_of != null && req.best_of !== 1) refuse("best_of", `Only best_of=1 is supported: got ${req.best_of}`);
+  const prompt = typeof req.prompt === "string" ? req.prompt : req.prompt[0]!;
+  return { ...sampling(req, req.max_tokens ?? null), prompt };
+}

@@ -1,0 +1,66 @@
+/**
+ * Reads a request body as JSON with a size limit: a declared `Content-Length` over the limit is
+ * refused before any byte is read; a body that grows past it is refused as soon as it does. The
+ * bytes must be valid UTF-8 (decoded with a fatal decoder, never replaced with U+FFFD).
+ */
+import type { IncomingMessage } from "node:http";
+import { KvfenceError } from "../lib/errors.js";
+
+function tooLarge(limitBytes: number, got: number | string): KvfenceError {
+  return new KvfenceError(
+    "payload_too_large",
+    `Request body is larger than the limit of ${limitBytes} bytes: ${got} bytes; shorten the prompt`,
+  );
+}
+
+/** The raw body, or a `payload_too_large` error. */
+export function readBody(req: IncomingMessage, limitBytes: number): Promise<Buffer> {
+  const declared = req.headers["content-length"];
+  if (declared !== undefined && Number(declared) > limitBytes) {
+    req.resume();
+    return Promise.reject(tooLarge(limitBytes, declared));
+  }
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = [];
+    let total = 0;
+    let failed = false;
+    req.on("data", (chunk: Buffer) => {
+      if (failed) return;
+      total += chunk.length;
+      if (total > limitBytes) {
+        failed = true;
+        chunks.length = 0;
+        reject(tooLarge(limitBytes, `more than ${limitBytes}`));
+        return;
+      }
+      chunks.push(chunk);
+    });
+    req.on("end", () => {
+      if (!failed) resolve(Buffer.concat(chunks, total));
+    });
+    req.on("error", (err) => {
+      if (!failed) {
+        failed = true;
+        reject(err);
+      }
+    });
+  });
+}
+
+const utf8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: false });
+
+/** Decode UTF-8 strictly and parse JSON; `invalid_request` / `invalid_json` on failure. */
+export function parseJsonBody(body: Buffer): unknown {
+  let text: string;
+  try {
+    text = utf8.decode(body);
+  } catch {
+    throw new KvfenceError("invalid_request", "Request body is not valid UTF-8: send the JSON encoded as UTF-8");
+  }
+  if (text.trim() === "") throw new KvfenceError("invalid_json", "Request body is empty: send a JSON object");
+  try {
+    return JSON.parse(text);
+  } catch (err) {
+    throw new KvfenceError("invalid_json", `Request body is not valid JSON: ${(err as Error).message}`);
+  }
+}

@@ -1,0 +1,94 @@
+/**
+ * The router's Prometheus metrics. Request and token counts are labelled by tenant (name, from the
+ * API key), endpoint and status; pool pages, queue depths and engine counters are read from the
+ * engine once per scrape (`EngineHandle.stats()`), so /metrics shows the pool as the engine sees it.
+ */
+import type { EngineHandle } from "../engine/engine-types.js";
+import { exponentialBuckets, MetricsRegistry } from "../lib/metrics.js";
+
+export type Endpoint = "chat" | "completions" | "models" | "health" | "metrics" | "nodes" | "other";
+
+export class RouterMetrics {
+  readonly registry: MetricsRegistry;
+  readonly requests;
+  readonly promptTokens;
+  readonly completionTokens;
+  readonly admissionRejections;
+  readonly inFlight;
+  readonly timeToFirstToken;
+  readonly interTokenLatency;
+  readonly requestDuration;
+  readonly poolPages;
+  readonly poolPagesTotal;
+  readonly queueRequests;
+  readonly tagCheckFailures;
+  readonly preemptions;
+  readonly engineAborts;
+  readonly clientDisconnects;
+
+  constructor(engine: EngineHandle, registry = new MetricsRegistry()) {
+    this.registry = registry;
+    this.requests = registry.counter(
+      "kvfence_requests_total",
+      "HTTP requests by tenant, endpoint and status code",
+      ["tenant", "endpoint", "status"],
+    );
+    this.promptTokens = registry.counter("kvfence_prompt_tokens_total", "Prompt tokens of served requests", [
+      "tenant",
+      "endpoint",
+    ]);
+    this.completionTokens = registry.counter("kvfence_completion_tokens_total", "Generated tokens sent to clients", [
+      "tenant",
+      "endpoint",
+    ]);
+    this.admissionRejections = registry.counter(
+      "kvfence_admission_rejections_total",
+      "Requests refused at admission, by reason",
+      ["reason"],
+    );
+    this.inFlight = registry.gauge("kvfence_requests_in_flight", "Generation requests being served now");
+    this.timeToFirstToken = registry.histogram(
+      "kvfence_time_to_first_token_seconds",
+      "Time from receiving a request to its first generated token",
+      { labelNames: ["endpoint"], buckets: exponentialBuckets(0.005, 2, 14) },
+    );
+    this.interTokenLatency = registry.histogram(
+      "kvfence_inter_token_latency_seconds",
+      "Time between successive generated tokens of one request",
+      { labelNames: ["endpoint"], buckets: exponentialBuckets(0.001, 2, 14) },
+    );
+    this.requestDuration = registry.histogram(
+      "kvfence_request_duration_seconds",
+      "Time from receiving a generation request to its last byte",
+      { labelNames: ["endpoint"], buckets: exponentialBuckets(0.01, 2, 14) },
+    );
+    this.poolPages = registry.gauge("kvfence_kv_pool_pages", "KV pool pages by state", ["state"]);
+    this.poolPagesTotal = registry.gauge("kvfence_kv_pool_pages_total", "KV pool pages in all");
+    this.queueRequests = registry.gauge("kvfence_engine_requests", "Engine requests by queue state", ["state"]);
+    this.tagCheckFailures = registry.counter(
+      "kvfence_tag_check_failures_total",
+      "Page-tag checks that failed a request (a read of KV the request does not own)",
+    );
+    this.preemptions = registry.counter("kvfence_preemptions_total", "Requests preempted when the pool ran out");
+    this.engineAborts = registry.counter("kvfence_engine_aborts_total", "Requests aborted in the engine");
+    this.clientDisconnects = registry.counter(
+      "kvfence_client_disconnects_total",
+      "Generation requests whose client went away before the end",
+      ["endpoint"],
+    );
+
+    registry.onCollect(async () => {
+      const stats = await engine.stats();
+      for (const state of ["free", "reserved", "ready", "quarantined"] as const) {
+        this.poolPages.set(stats.pages[state], { state });
+      }
+      this.poolPagesTotal.set(stats.pages.total);
+      for (const state of ["waiting", "running", "preempted"] as const) {
+        this.queueRequests.set(stats.queue[state], { state });
+      }
+      this.tagCheckFailures.setTotal(stats.counters.tagCheckFailures);
+      this.preemptions.setTotal(stats.counters.preemptions);
+      this.engineAborts.setTotal(stats.counters.aborts);
+    });
+  }
+}

@@ -1,0 +1,168 @@
+/**
+ * Explicit-state breadth-first search over `ModelWorld`. Visited states are kept as 53-bit
+ * fingerprints of their canonical JSON (hash compaction, as SPIN's bitstate and TLC's fingerprints
+ * do: a collision could only hide a state, never invent a violation; at a million states the chance
+ * of any collision is about 1e-4). Each state keeps its parent and the index of the event that
+ * reached it, so a counterexample is rebuilt by replaying events from the initial world — and
+ * because the search is breadth-first, the first violation found has a shortest trace.
+ */
+import type { EnvEvent, ModelWorld, Violation, World } from "./model-world.js";
+
+export interface ExploreOptions {
+  /** Stop (incomplete) after this many distinct states. */
+  readonly maxStates: number;
+  /** Stop expanding at this depth (incomplete if anything was cut). */
+  readonly maxDepth?: number;
+  /** Wall-clock budget in milliseconds; stops incomplete when exceeded. */
+  readonly timeLimitMs?: number;
+}
+
+export interface TraceStep {
+  readonly event: string;
+  /** Both pools after the event. */
+  readonly pools: string;
+}
+
+export interface Counterexample {
+  readonly violation: Violation;
+  readonly initialPools: string;
+  readonly steps: readonly TraceStep[];
+}
+
+export interface ExploreResult {
+  readonly states: number;
+  readonly transitions: number;
+  readonly depth: number;
+  readonly elapsedMs: number;
+  /** True when every reachable state within the bounds was explored. */
+  readonly complete: boolean;
+  readonly counterexample: Counterexample | null;
+}
+
+/** cyrb53: a fast 53-bit string hash. */
+function fingerprint(s: string): number {
+  let h1 = 0xdeadbeef;
+  let h2 = 0x41c6ce57;
+  for (let i = 0; i < s.length; i++) {
+    const ch = s.charCodeAt(i);
+    h1 = Math.imul(h1 ^ ch, 2654435761);
+    h2 = Math.imul(h2 ^ ch, 1597334677);
+  }
+  h1 = Math.imul(h1 ^ (h1 >>> 16), 2246822507) ^ Math.imul(h2 ^ (h2 >>> 13), 3266489909);
+  h2 = Math.imul(h2 ^ (h2 >>> 16), 2246822507) ^ Math.imul(h1 ^ (h1 >>> 13), 3266489909);
+  return 4294967296 * (2097151 & h2) + (h1 >>> 0);
+}
+
+class GrowableInt32 {
+  data = new Int32Array(1 << 16);
+  push(index: number, value: number): void {
+    if (index >= this.data.length) {
+      const next = new Int32Array(this.data.length * 2);
+      next.set(this.data);
+      this.data = next;
+    }
+    this.data[index] = value;
+  }
+}
+
+export function explore(model: ModelWorld, options: ExploreOptions): ExploreResult {
+  const started = performance.now();
+  const visited = new Map<number, number>();
+  const parent = new GrowableInt32();
+  const via = new GrowableInt32();
+  const initial = model.initial();
+  const initialKey = model.key(initial);
+  visited.set(fingerprint(initialKey), 0);
+  parent.push(0, -1);
+  via.push(0, -1);
+  let frontier: string[] = [initialKey];
+  let frontierIds: number[] = [0];
+  let depth = 0;
+  let transitions = 0;
+  let complete = true;
+  const maxDepth = options.maxDepth ?? Number.POSITIVE_INFINITY;
+  const timeLimit = options.timeLimitMs ?? Number.POSITIVE_INFINITY;
+
+  const result = (counterexample: Counterexample | null): ExploreResult => ({
+    states: visited.size,
+    transitions,
+    depth,
+    elapsedMs: performance.now() - started,
+    complete: complete && counterexample === null,
+    counterexample,
+  });
+
+  while (frontier.length > 0) {
+    if (depth >= maxDepth) {
+      complete = false;
+      break;
+    }
+    const next: string[] = [];
+    const nextIds: number[] = [];
+    for (let f = 0; f < frontier.length; f++) {
+      const s = frontier[f]!;
+      const id = frontierIds[f]!;
+      const base = JSON.parse(s) as World;
+      const { events, progress } = model.enabled(base);
+      if (progress === 0) {
+        const stuck = model.checkQuiescent(base);
+        if (stuck !== null) return result(rebuild(model, parent.data, via.data, id, null, stuck));
+      }
+      for (let e = 0; e < events.length; e++) {
+        const w = e === events.length - 1 ? base : (JSON.parse(s) as World);
+        const violations = model.apply(w, events[e]!);
+        transitions++;
+        if (violations.length > 0) return result(rebuild(model, parent.data, via.data, id, e, violations[0]!));
+        const key = model.key(w);
+        const h = fingerprint(key);
+        if (visited.has(h)) continue;
+        const nid = visited.size;
+        visited.set(h, nid);
+        parent.push(nid, id);
+        via.push(nid, e);
+        next.push(key);
+        nextIds.push(nid);
+        if (visited.size >= options.maxStates) {
+          complete = false;
+          depth++;
+          return result(null);
+        }
+      }
+      if ((f & 255) === 0 && performance.now() - started > timeLimit) {
+        complete = false;
+        return result(null);
+      }
+    }
+    frontier = next;
+    frontierIds = nextIds;
+    if (next.length > 0) depth++;
+  }
+  return result(null);
+}
+
+/** Replays the path to state `id` (then event `lastEvent`, if any) into a readable trace. */
+function rebuild(
+  model: ModelWorld,
+  parent: Int32Array,
+  via: Int32Array,
+  id: number,
+  lastEvent: number | null,
+  violation: Violation,
+): Counterexample {
+  const path: number[] = [];
+  for (let at = id; at > 0; at = parent[at]!) path.push(via[at]!);
+  path.reverse();
+  if (lastEvent !== null) path.push(lastEvent);
+  let w = model.initial();
+  const initialPools = model.describePools(w);
+  const steps: TraceStep[] = [];
+  for (const index of path) {
+    const { events } = model.enabled(w);
+    const event: EnvEvent = events[index]!;
+    const label = model.describeEvent(w, event);
+    w = JSON.parse(model.key(w)) as World;
+    model.apply(w, event);
+    steps.push({ event: label, pools: model.describePools(w) });
+  }
+  return { violation, initialPools, steps };
+}

@@ -1,0 +1,687 @@
+/**
+ * The world `kvfence check` explores: the real protocol modules (router, prefill and decode state
+ * machines of src/protocol, each node's real `OwnershipTable`) composed with an abstract
+ * environment — a network that reorders, duplicates and (optionally) loses control messages and
+ * delays page writes past later events, clients that submit and abort at any point, nodes that crash
+ * and restart empty, and a router transfer timeout.
+ *
+ * A world is plain JSON, so a state is cloned by `JSON.parse` and identified by its canonical
+ * `JSON.stringify` (records re-sorted, metric counters zeroed). In-flight messages and writes are
+ * kept as sorted JSON strings: a multiset, so delivery order is free (any reordering) and identical
+ * duplicates collapse.
+ *
+ * Page contents are abstracted exactly as far as the invariants need: each page holds the
+ * `(rid, epoch, logical index, corrupt)` of the data last written into it (the "ghost" content),
+ * beside the ownership table's writer stamp. A page write copies its source page's content *when
+ * it lands* (so a source page freed too early shows up), and the checksum of a page is the pair of
+ * its content and the key it is computed under, exactly the equality a keyed xxhash64 gives.
+ */
+import { OwnershipTable, PageState } from "../../kvcache/ownership-table.js";
+import {
+  type DecodeConfig,
+  type DecodeEvent,
+  type DecodeState,
+  decodeStep,
+  initialDecodeState,
+} from "../../protocol/decode-machine.js";
+import type { Effect, KvPool } from "../../protocol/effects.js";
+import { stampLandedWrite, type TransportKind, writeLands } from "../../protocol/page-write.js";
+import {
+  initialPrefillState,
+  type PrefillConfig,
+  type PrefillEvent,
+  type PrefillState,
+  prefillStep,
+} from "../../protocol/prefill-machine.js";
+import {
+  initialRouterState,
+  type RouterConfig,
+  type RouterEvent,
+  type RouterState,
+  routerStep,
+} from "../../protocol/router-machine.js";
+import { guardOn, type Safety } from "../../protocol/safety.js";
+import {
+  attemptKey,
+  type ControlMessage,
+  type LeasePage,
+  type NodeRole,
+  type PageWriteHeader,
+} from "../../protocol/wire.js";
+
+export interface CheckRequest {
+  readonly rid: number;
+  readonly tenant: number;
+  readonly promptLen: number;
+  readonly maxTokens: number;
+}
+
+export interface ModelConfig {
+  readonly decodePages: number;
+  readonly prefillPages: number;
+  readonly pageSize: number;
+  readonly maxModelLen: number;
+  readonly requests: readonly CheckRequest[];
+  readonly maxAttempts: number;
+  /** Budgets of environment faults over a whole run. */
+  readonly crashes: number;
+  readonly duplicates: number;
+  readonly losses: number;
+  readonly clientAborts: boolean;
+  readonly timeouts: boolean;
+  readonly transport: TransportKind;
+  /**
+   * False (default): each directed channel is FIFO, as a TCP connection or a MessagePort is, and
+   * channels interleave freely. True: any in-flight message may overtake any other.
+   */
+  readonly reorder: boolean;
+  readonly safety: Safety;
+}
+
+/** The directed control channels, one per ordered pair of roles. */
+export const CHANNELS: readonly (readonly [NodeRole, NodeRole])[] = [
+  ["router", "decode"],
+  ["router", "prefill"],
+  ["decode", "router"],
+  ["decode", "prefill"],
+  ["prefill", "router"],
+  ["prefill", "decode"],
+];
+
+function channelIndex(from: NodeRole, to: NodeRole): number {
+  return CHANNELS.findIndex(([f, t]) => f === from && t === to);
+}
+
+interface Envelope {
+  readonly from: NodeRole;
+  readonly to: NodeRole;
+  readonly msg: ControlMessage;
+}
+
+interface InflightWrite {
+  readonly header: PageWriteHeader;
+  readonly sourcePage: number;
+  readonly corrupt: boolean;
+}
+
+export interface World {
+  router: RouterState;
+  prefill: PrefillState;
+  decode: DecodeState;
+  /** The ownership tables' 32-bit words. */
+  dTable: number[];
+  pTable: number[];
+  /** Ghost page contents, 4 numbers per page: rid, epoch, logical index, corrupt (rid -1: never written). */
+  dContent: number[];
+  pContent: number[];
+  /**
+   * In-flight control messages per directed channel (see `CHANNELS`), as JSON strings in send
+   * order; with `reorder` each channel is a sorted multiset instead. Page writes in flight are a
+   * sorted multiset: they may land in any order, and after any later control message.
+   */
+  chans: string[][];
+  writes: string[];
+  /** Bit i: request i was submitted. */
+  submitted: number;
+  crashes: number;
+  duplicates: number;
+  losses: number;
+  /** 1 once a control message was lost without its connection closing (liveness is not required after). */
+  lossy: number;
+  /** Attempt keys whose commit was truly good: full coverage, every page holding its own data. */
+  good: string[];
+}
+
+export type EnvEvent =
+  | { readonly k: "submit"; readonly i: number }
+  | { readonly k: "deliver"; readonly c: number; readonly j: number }
+  | { readonly k: "land"; readonly j: number }
+  | { readonly k: "step"; readonly rid: number; readonly epoch: number }
+  | { readonly k: "client_abort"; readonly rid: number }
+  | { readonly k: "timeout"; readonly rid: number }
+  | { readonly k: "crash"; readonly role: "prefill" | "decode" }
+  | { readonly k: "duplicate"; readonly c: number; readonly j: number }
+  | { readonly k: "lose"; readonly c: number; readonly j: number }
+  | { readonly k: "quarantine_timeout"; readonly rid: number; readonly epoch: number };
+
+/** An invariant violation found while applying an event or in the resulting state. */
+export interface Violation {
+  /** "1".."5" for DESIGN.md §7 invariants, "liveness" for the bounded liveness check. */
+  readonly invariant: string;
+  readonly message: string;
+}
+
+const FIRST_TOKEN = 7;
+
+class ModelPool implements KvPool {
+  readonly table: OwnershipTable;
+  readonly pageSize: number;
+  readonly words: Uint32Array;
+  content: number[] = [];
+  onRead: ((rid: number, epoch: number, pages: readonly LeasePage[], fresh: number) => void) | null = null;
+
+  observeRead(rid: number, epoch: number, pages: readonly LeasePage[], fresh: number): void {
+    this.onRead?.(rid, epoch, pages, fresh);
+  }
+
+  constructor(numPages: number, pageSize: number) {
+    this.table = new OwnershipTable(numPages);
+    this.pageSize = pageSize;
+    const bytes = this.table.bytes;
+    this.words = new Uint32Array(bytes.buffer, bytes.byteOffset, bytes.byteLength / 4);
+  }
+
+  pageChecksum(page: number, rid: number, epoch: number, index: number): string {
+    const c = this.content;
+    const at = page * 4;
+    return `${c[at]},${c[at + 1]},${c[at + 2]},${c[at + 3]}@${rid},${epoch},${index}`;
+  }
+}
+
+/** The composed system: applies environment events to worlds and checks the invariants. */
+export class ModelWorld {
+  readonly config: ModelConfig;
+  readonly #decodePool: ModelPool;
+  readonly #prefillPool: ModelPool;
+  readonly #routerConfig: RouterConfig;
+  readonly #nodeConfig: DecodeConfig & PrefillConfig;
+  readonly #byRid = new Map<number, CheckRequest>();
+  readonly #effectiveContext: number;
+  #violations: Violation[] = [];
+  #current: World | null = null;
+
+  constructor(config: ModelConfig) {
+    this.config = config;
+    this.#decodePool = new ModelPool(config.decodePages, config.pageSize);
+    this.#prefillPool = new ModelPool(config.prefillPages, config.pageSize);
+    this.#routerConfig = {
+      maxModelLen: config.maxModelLen,
+      prefillPoolTokens: config.prefillPages * config.pageSize,
+      decodePoolTokens: config.decodePages * config.pageSize,
+      maxAttempts: config.maxAttempts,
+    };
+    this.#nodeConfig = { maxModelLen: config.maxModelLen, layoutSignature: `kvfence-check|f32|page=${config.pageSize}` };
+    for (const r of config.requests) this.#byRid.set(r.rid, r);
+    this.#decodePool.onRead = (rid, epoch, pages, fresh) => this.#ghostRead(this.#current!, rid, epoch, pages, fresh);
+    this.#effectiveContext = Math.min(
+      config.maxModelLen,
+      config.prefillPages * config.pageSize,
+      config.decodePages * config.pageSize,
+    );
+  }
+
+  initial(): World {
+    this.#decodePool.table.reset();
+    this.#prefillPool.table.reset();
+    return {
+      router: initialRouterState(),
+      prefill: initialPrefillState(),
+      decode: initialDecodeState(),
+      dTable: Array.from(this.#decodePool.words),
+      pTable: Array.from(this.#prefillPool.words),
+      dContent: new Array(this.config.decodePages * 4).fill(-1),
+      pContent: new Array(this.config.prefillPages * 4).fill(-1),
+      chans: CHANNELS.map(() => []),
+      writes: [],
+      submitted: 0,
+      crashes: this.config.crashes,
+      duplicates: this.config.duplicates,
+      losses: this.config.losses,
+      lossy: 0,
+      good: [],
+    };
+  }
+
+  /** Canonical key of a world (also its stored form). */
+  key(w: World): string {
+    return JSON.stringify(w);
+  }
+
+  /**
+   * The events enabled in `w`, in a deterministic order. `progress` counts the leading events that
+   * are the system's own progress (deliveries, landings, decode steps, timer releases when the
+   * quarantine guard is off): a world with none is quiescent.
+   */
+  enabled(w: World): { events: EnvEvent[]; progress: number } {
+    const events: EnvEvent[] = [];
+    this.#eachMessage(w, (c, j) => events.push({ k: "deliver", c, j }));
+    for (let j = 0; j < w.writes.length; j++) if (j === 0 || w.writes[j] !== w.writes[j - 1]) events.push({ k: "land", j });
+    for (const key in w.decode.attempts) {
+      const a = w.decode.attempts[key]!;
+      if (a.phase === "decoding" && a.generated < a.maxTokens) events.push({ k: "step", rid: a.rid, epoch: a.epoch });
+      if (a.phase === "quarantined" && !guardOn(this.config.safety, "quarantine")) {
+        events.push({ k: "quarantine_timeout", rid: a.rid, epoch: a.epoch });
+      }
+    }
+    const progress = events.length;
+    const reqs = this.config.requests;
+    for (let i = 0; i < reqs.length; i++) if ((w.submitted & (1 << i)) === 0) events.push({ k: "submit", i });
+    for (const key in w.router.requests) {
+      const r = w.router.requests[key]!;
+      if (r.phase === "done") continue;
+      if (this.config.clientAborts) events.push({ k: "client_abort", rid: r.rid });
+      if (this.config.timeouts && r.phase !== "decoding" && r.epoch < this.config.maxAttempts) {
+        events.push({ k: "timeout", rid: r.rid });
+      }
+    }
+    if (w.crashes > 0) events.push({ k: "crash", role: "prefill" }, { k: "crash", role: "decode" });
+    if (w.duplicates > 0) this.#eachMessage(w, (c, j) => events.push({ k: "duplicate", c, j }));
+    if (w.losses > 0) this.#eachMessage(w, (c, j) => events.push({ k: "lose", c, j }));
+    return { events, progress };
+  }
+
+  /**
+   * Applies `event` to `w` (mutating it) and returns the violations it exposed: those found in the
+   * effects (invariants 1, 2, 4) and those of the resulting state (3, 5).
+   */
+  apply(w: World, event: EnvEvent): Violation[] {
+    this.#violations = [];
+    this.#current = w;
+    this.#decodePool.words.set(w.dTable);
+    this.#prefillPool.words.set(w.pTable);
+    this.#decodePool.content = w.dContent;
+    this.#prefillPool.content = w.pContent;
+    switch (event.k) {
+      case "submit": {
+        const r = this.config.requests[event.i]!;
+        w.submitted |= 1 << event.i;
+        this.#router(w, { type: "submit", rid: r.rid, tenant: r.tenant, promptLen: r.promptLen, maxTokens: r.maxTokens });
+        break;
+      }
+      case "deliver": {
+        const msg = JSON.parse(w.chans[event.c]![event.j]!) as ControlMessage;
+        w.chans[event.c]!.splice(event.j, 1);
+        this.#deliver(w, CHANNELS[event.c]![1], msg);
+        break;
+      }
+      case "land": {
+        const write = JSON.parse(w.writes[event.j]!) as InflightWrite;
+        w.writes.splice(event.j, 1);
+        this.#land(w, write);
+        break;
+      }
+      case "step":
+        this.#decode(w, { type: "step", rid: event.rid, epoch: event.epoch, token: 100 });
+        break;
+      case "client_abort":
+        this.#router(w, { type: "client_abort", rid: event.rid });
+        break;
+      case "timeout":
+        this.#router(w, { type: "attempt_timeout", rid: event.rid });
+        break;
+      case "quarantine_timeout":
+        this.#decode(w, { type: "quarantine_timeout", rid: event.rid, epoch: event.epoch });
+        break;
+      case "crash":
+        w.crashes--;
+        this.#crash(w, event.role);
+        break;
+      case "duplicate":
+        w.duplicates--;
+        w.chans[event.c]!.push(w.chans[event.c]![event.j]!);
+        break;
+      case "lose":
+        w.losses--;
+        w.lossy = 1;
+        w.chans[event.c]!.splice(event.j, 1);
+        break;
+    }
+    w.dTable = Array.from(this.#decodePool.words);
+    w.pTable = Array.from(this.#prefillPool.words);
+    this.#normalize(w);
+    this.#checkState(w);
+    return this.#violations;
+  }
+
+  /** Bounded liveness: a quiescent world must be idle (everything answered, every page FREE). */
+  checkQuiescent(w: World): Violation | null {
+    if (w.lossy === 1) return null;
+    const busy: string[] = [];
+    for (const key in w.router.requests) {
+      if (w.router.requests[key]!.phase !== "done") busy.push(`request ${key} never answered`);
+    }
+    const d = this.#countStates(w.dTable, this.config.decodePages);
+    const p = this.#countStates(w.pTable, this.config.prefillPages);
+    if (d.free !== this.config.decodePages) busy.push(`decode pool not all FREE (${describeCounts(d)})`);
+    if (p.free !== this.config.prefillPages) busy.push(`prefill pool not all FREE (${describeCounts(p)})`);
+    if (busy.length === 0) return null;
+    return {
+      invariant: "liveness",
+      message: `The system is stuck with no message, write or step left to make progress: ${busy.join("; ")}`,
+    };
+  }
+
+  #countStates(words: readonly number[], numPages: number) {
+    const stateAt = 4 + 4 * numPages;
+    const counts = { free: 0, reserved: 0, ready: 0, quarantined: 0 };
+    for (let p = 0; p < numPages; p++) {
+      const s = words[stateAt + p];
+      if (s === PageState.FREE) counts.free++;
+      else if (s === PageState.RESERVED) counts.reserved++;
+      else if (s === PageState.READY) counts.ready++;
+      else counts.quarantined++;
+    }
+    return counts;
+  }
+
+  // --- dispatch -------------------------------------------------------------------------------
+
+  #router(w: World, event: RouterEvent): void {
+    const out: Effect[] = [];
+    routerStep(w.router, event, this.#routerConfig, this.config.safety, out);
+    this.#effects(w, "router", out);
+  }
+
+  #decode(w: World, event: DecodeEvent): void {
+    const out: Effect[] = [];
+    decodeStep(w.decode, event, this.#decodePool, this.#nodeConfig, this.config.safety, out);
+    this.#effects(w, "decode", out);
+  }
+
+  #prefill(w: World, event: PrefillEvent): void {
+    const out: Effect[] = [];
+    prefillStep(w.prefill, event, this.#prefillPool, this.#nodeConfig, this.config.safety, out);
+    this.#effects(w, "prefill", out);
+  }
+
+  #deliver(w: World, to: NodeRole, msg: ControlMessage): void {
+    const event = { type: "message" as const, msg };
+    if (to === "router") this.#router(w, event);
+    else if (to === "decode") this.#decode(w, event);
+    else this.#prefill(w, event);
+  }
+
+  /** Calls `fn` for each deliverable message: channel heads (FIFO), or every distinct one (reorder). */
+  #eachMessage(w: World, fn: (c: number, j: number) => void): void {
+    for (let c = 0; c < w.chans.length; c++) {
+      const chan = w.chans[c]!;
+      if (chan.length === 0) continue;
+      if (!this.config.reorder) fn(c, 0);
+      else for (let j = 0; j < chan.length; j++) if (j === 0 || chan[j] !== chan[j - 1]) fn(c, j);
+    }
+  }
+
+  #describeMessage(w: World, c: number, j: number): string {
+    const [from, to] = CHANNELS[c]!;
+    return describeEnvelope({ from, to, msg: JSON.parse(w.chans[c]![j]!) as ControlMessage });
+  }
+
+  #land(w: World, write: InflightWrite): void {
+    const h = write.header;
+    const table = this.#decodePool.table;
+    if (writeLands(table, h, this.config.transport, this.config.safety)) {
+      // The bytes copied are the source page's bytes now.
+      const src = write.sourcePage * 4;
+      const dst = h.page * 4;
+      w.dContent[dst] = w.pContent[src]!;
+      w.dContent[dst + 1] = w.pContent[src + 1]!;
+      w.dContent[dst + 2] = w.pContent[src + 2]!;
+      w.dContent[dst + 3] = write.corrupt ? 1 : w.pContent[src + 3]!;
+      stampLandedWrite(table, h);
+    }
+    this.#prefill(w, { type: "write_done", rid: h.rid, epoch: h.epoch, index: h.index });
+  }
+
+  #crash(w: World, role: "prefill" | "decode"): void {
+    // The node restarts empty; its connections close, so everything in flight to or from it is gone.
+    for (let c = 0; c < CHANNELS.length; c++) {
+      const [from, to] = CHANNELS[c]!;
+      if (from === role || to === role) w.chans[c] = [];
+    }
+    w.writes = [];
+    if (role === "prefill") {
+      w.prefill = initialPrefillState();
+      this.#prefillPool.table.reset();
+      w.pContent.fill(-1);
+      this.#decode(w, { type: "peer_lost", role: "prefill" });
+    } else {
+      w.decode = initialDecodeState();
+      this.#decodePool.table.reset();
+      w.dContent.fill(-1);
+      this.#prefill(w, { type: "peer_lost", role: "decode" });
+    }
+    this.#router(w, { type: "peer_lost", role });
+  }
+
+  #effects(w: World, from: NodeRole, out: readonly Effect[]): void {
+    for (const e of out) {
+      switch (e.kind) {
+        case "send":
+          w.chans[channelIndex(from, e.to)]!.push(JSON.stringify(e.msg));
+          break;
+        case "write":
+          w.writes.push(JSON.stringify({ header: e.header, sourcePage: e.sourcePage, corrupt: e.corrupt }));
+          break;
+        case "compute": {
+          // The engine: computes the prompt's KV into the source pages, stamps them and marks them READY.
+          const table = this.#prefillPool.table;
+          for (let i = 0; i < e.pages.length; i++) {
+            const { page, generation } = e.pages[i]!;
+            const at = page * 4;
+            w.pContent[at] = e.rid;
+            w.pContent[at + 1] = e.epoch;
+            w.pContent[at + 2] = i;
+            w.pContent[at + 3] = 0;
+            table.stampWriter(page, e.rid, e.epoch, Math.min(this.config.pageSize, e.promptLen - i * this.config.pageSize));
+            table.markReady(page, generation, e.rid, e.epoch);
+          }
+          this.#prefill(w, { type: "computed", rid: e.rid, epoch: e.epoch, firstToken: FIRST_TOKEN });
+          break;
+        }
+        case "commit":
+          this.#ghostCommit(w, e.rid, e.epoch, e.promptLen, e.coverage, e.pages);
+          break;
+        case "read":
+          break;
+        case "tokens":
+          this.#ghostAnswer(w, e.rid, e.epoch, 200, null);
+          break;
+        case "respond":
+          this.#ghostAnswer(w, e.rid, e.epoch, e.status, e.error?.code ?? null);
+          break;
+        case "stop":
+          break;
+      }
+    }
+  }
+
+  // --- invariants -----------------------------------------------------------------------------
+
+  #ghostCommit(
+    w: World,
+    rid: number,
+    epoch: number,
+    promptLen: number,
+    coverage: number,
+    pages: readonly { page: number }[],
+  ): void {
+    const leaseCount = Math.ceil(promptLen / this.config.pageSize);
+    let good = coverage === promptLen;
+    for (let i = 0; i < leaseCount && good; i++) {
+      const at = pages[i]!.page * 4;
+      const c = w.dContent;
+      good = c[at] === rid && c[at + 1] === epoch && c[at + 2] === i && c[at + 3] === 0;
+    }
+    if (good) w.good.push(attemptKey(rid, epoch));
+  }
+
+  #ghostRead(w: World, rid: number, epoch: number, pages: readonly { page: number; generation: number }[], fresh: number): void {
+    const table = this.#decodePool.table;
+    if (fresh >= 0) {
+      const at = pages[fresh]!.page * 4;
+      w.dContent[at] = rid;
+      w.dContent[at + 1] = epoch;
+      w.dContent[at + 2] = fresh;
+      w.dContent[at + 3] = 0;
+    }
+    for (let i = 0; i < pages.length; i++) {
+      const { page, generation } = pages[i]!;
+      const at = page * 4;
+      const c = w.dContent;
+      const ok =
+        table.state(page) === PageState.READY &&
+        table.generation(page) === generation &&
+        table.owner(page) === rid &&
+        table.ownerEpoch(page) === epoch &&
+        c[at] === rid &&
+        c[at + 1] === epoch &&
+        c[at + 2] === i;
+      if (!ok) {
+        const holder = c[at] === -1 ? "never-written bytes" : `the KV of request ${c[at]} epoch ${c[at + 1]} page ${c[at + 2]}`;
+        this.#violations.push({
+          invariant: "1",
+          message: `Decode step of request ${rid} epoch ${epoch} read decode page ${page} (its page ${i}), which holds ${holder}`,
+        });
+        return;
+      }
+    }
+  }
+
+  #ghostAnswer(w: World, rid: number, epoch: number, status: number, code: string | null): void {
+    const r = this.#byRid.get(rid)!;
+    const oversized = r.promptLen + r.maxTokens > this.#effectiveContext;
+    if (status === 200 && !w.good.includes(attemptKey(rid, epoch))) {
+      this.#violations.push({
+        invariant: "2",
+        message: `Request ${rid} got HTTP 200 without a good commit of epoch ${epoch} (coverage short or a page not holding its own data)`,
+      });
+    }
+    if (oversized && (status !== 400 || code !== "context_length_exceeded") && (status === 200 || code !== "aborted")) {
+      this.#violations.push({
+        invariant: "4",
+        message: `Request ${rid} (prompt ${r.promptLen} + max_tokens ${r.maxTokens} over the effective context ${this.#effectiveContext}) got ${status}${code === null ? "" : ` ${code}`} instead of 400 context_length_exceeded`,
+      });
+    }
+  }
+
+  #checkState(w: World): void {
+    const table = this.#decodePool.table;
+    // Invariant 3: a write that may still land targets a page still leased to that write's attempt.
+    for (const s of w.writes) {
+      const { header: h } = JSON.parse(s) as InflightWrite;
+      if (!writeLands(table, h, this.config.transport, this.config.safety)) continue;
+      const state = table.state(h.page);
+      const live =
+        (state === PageState.RESERVED || state === PageState.QUARANTINED) &&
+        table.generation(h.page) === h.generation &&
+        table.owner(h.page) === h.rid &&
+        table.ownerEpoch(h.page) === h.epoch;
+      if (!live) {
+        this.#violations.push({
+          invariant: "3",
+          message: `A write of request ${h.rid} epoch ${h.epoch} (its page ${h.index}) may still land in decode page ${h.page}, which is ${describePage(table, h.page)}`,
+        });
+        break;
+      }
+    }
+    // Invariant 5 (second half): a QUARANTINED page belongs to an attempt still waiting for its ack.
+    for (let p = 0; p < this.config.decodePages; p++) {
+      if (table.state(p) !== PageState.QUARANTINED) continue;
+      const a = w.decode.attempts[attemptKey(table.owner(p), table.ownerEpoch(p))];
+      if (a === undefined || a.phase !== "quarantined") {
+        this.#violations.push({
+          invariant: "5",
+          message: `Decode page ${p} is QUARANTINED for request ${table.owner(p)} epoch ${table.ownerEpoch(p)}, which waits for no acknowledgement`,
+        });
+        break;
+      }
+    }
+  }
+
+  #normalize(w: World): void {
+    if (this.config.reorder) for (const chan of w.chans) chan.sort();
+    w.writes.sort();
+    w.good.sort();
+    w.router.stale = 0;
+    w.decode.stale = 0;
+    w.decode.tagFailures = 0;
+    w.prefill.stale = 0;
+    w.decode.attempts = sortRecord(w.decode.attempts);
+    w.decode.ended = sortRecord(w.decode.ended);
+    w.decode.acks = sortRecord(w.decode.acks);
+    w.prefill.attempts = sortRecord(w.prefill.attempts);
+    w.prefill.ended = sortRecord(w.prefill.ended);
+  }
+
+  /** A one-line summary of both pools, for traces. */
+  describePools(w: World): string {
+    this.#decodePool.words.set(w.dTable);
+    this.#prefillPool.words.set(w.pTable);
+    this.#decodePool.content = w.dContent;
+    this.#prefillPool.content = w.pContent;
+    return `decode [${describeTable(this.#decodePool)}]  prefill [${describeTable(this.#prefillPool)}]`;
+  }
+
+  /** A readable label of an event in the context of the world it applies to. */
+  describeEvent(w: World, event: EnvEvent): string {
+    switch (event.k) {
+      case "submit": {
+        const r = this.config.requests[event.i]!;
+        return `client submits request ${r.rid} (tenant ${r.tenant}, prompt ${r.promptLen}, max_tokens ${r.maxTokens})`;
+      }
+      case "deliver":
+        return `deliver ${this.#describeMessage(w, event.c, event.j)}`;
+      case "land": {
+        const { header: h, corrupt } = JSON.parse(w.writes[event.j]!) as InflightWrite;
+        return `page write of r${h.rid}#${h.epoch} page ${h.index} lands in decode page ${h.page}${corrupt ? " (corrupted in flight)" : ""}`;
+      }
+      case "step":
+        return `decode step of r${event.rid}#${event.epoch}`;
+      case "client_abort":
+        return `client of request ${event.rid} disconnects`;
+      case "timeout":
+        return `router's transfer timeout fires for request ${event.rid}`;
+      case "quarantine_timeout":
+        return `decode's deferred-release timer fires for r${event.rid}#${event.epoch}`;
+      case "crash":
+        return `${event.role} node crashes and restarts empty (peers see the connection close)`;
+      case "duplicate":
+        return `network duplicates ${this.#describeMessage(w, event.c, event.j)}`;
+      case "lose":
+        return `network loses ${this.#describeMessage(w, event.c, event.j)}`;
+    }
+  }
+}
+
+function sortRecord<T>(record: Record<string, T>): Record<string, T> {
+  const keys = Object.keys(record);
+  if (keys.length < 2) return record;
+  keys.sort();
+  const out: Record<string, T> = {};
+  for (const k of keys) out[k] = record[k]!;
+  return out;
+}
+
+const SHORT_STATE = ["F", "R", "Y", "Q"] as const;
+
+function describeTable(pool: ModelPool): string {
+  const t = pool.table;
+  const parts: string[] = [];
+  for (let p = 0; p < t.numPages; p++) {
+    const s = t.state(p);
+    const c = pool.content;
+    const data = c[p * 4] === -1 ? "-" : `r${c[p * 4]}#${c[p * 4 + 1]}.${c[p * 4 + 2]}${c[p * 4 + 3] === 1 ? "!" : ""}`;
+    parts.push(s === PageState.FREE ? `F(${data})` : `${SHORT_STATE[s]}:r${t.owner(p)}#${t.ownerEpoch(p)}(${data})`);
+  }
+  return parts.join(" ");
+}
+
+function describePage(table: OwnershipTable, page: number): string {
+  const s = table.state(page);
+  const name = ["FREE", "RESERVED", "READY", "QUARANTINED"][s]!;
+  return s === PageState.FREE ? "FREE" : `${name} for request ${table.owner(page)} epoch ${table.ownerEpoch(page)}`;
+}
+
+function describeCounts(c: { free: number; reserved: number; ready: number; quarantined: number }): string {
+  return `free ${c.free}, reserved ${c.reserved}, ready ${c.ready}, quarantined ${c.quarantined}`;
+}
+
+function describeEnvelope(env: Envelope): string {
+  const m = env.msg;
+  let detail = "";
+  if (m.type === "lease") detail = ` pages [${m.pages.map((p) => p.page).join(",")}]`;
+  else if (m.type === "rejected" || m.type === "failed") detail = ` ${m.error.code}`;
+  else if (m.type === "manifest") detail = ` tokens [${m.tokenStart},${m.tokenEnd}) ${m.checksums.length} checksums`;
+  else if (m.type === "prefill") detail = ` prompt ${m.promptLen} into [${m.lease.pages.map((p) => p.page).join(",")}]`;
+  return `${env.from}→${env.to} ${m.type.toUpperCase()} r${m.rid}#${m.epoch}${detail}`;
+}

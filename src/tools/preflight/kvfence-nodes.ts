@@ -1,0 +1,49 @@
+/** Reads `GET URL/kvfence/nodes` from a kvfence router (shape in src/protocol/admin-wire.ts). */
+import { KvfenceError } from "../../lib/errors.js";
+import { NODES_INFO_PATH, nodesInfoSchema } from "../../protocol/admin-wire.js";
+import { httpGet, parseJsonBody } from "./http-get.js";
+import type { NodeCapacity } from "./node-capacity.js";
+
+/**
+ * Every node of a kvfence deployment, each compared with the router's effective context length
+ * (the longest request the router admits), since any node may be handed such a request.
+ */
+export async function readKvfenceNodes(
+  baseUrl: string,
+  options: { timeoutMs: number; apiKey?: string },
+): Promise<NodeCapacity[]> {
+  const url = joinUrl(baseUrl, NODES_INFO_PATH);
+  const res = await httpGet(url, options);
+  if (!res.ok) {
+    throw new KvfenceError(
+      "node_unavailable",
+      `The router's node-info endpoint answered HTTP ${res.status}: ${url}`,
+    );
+  }
+  const parsed = nodesInfoSchema.safeParse(parseJsonBody(res.text, url));
+  if (!parsed.success) {
+    const issue = parsed.error.issues[0];
+    throw new KvfenceError(
+      "invalid_request",
+      `The node-info body does not match admin-wire.ts at ${issue?.path.join(".") ?? "?"}: ${issue?.message ?? ""}`,
+    );
+  }
+  const info = parsed.data;
+  return info.nodes.map((n) => ({
+    node: n.id,
+    source: "kvfence" as const,
+    role: n.role,
+    poolTokens: n.pool_tokens,
+    contextLength: info.max_model_len,
+    pageSize: n.page_size,
+    note:
+      n.max_model_len === info.max_model_len
+        ? `${NODES_INFO_PATH}`
+        : `${NODES_INFO_PATH}; node's own max_model_len ${n.max_model_len}`,
+  }));
+}
+
+/** Join a base URL and an absolute path without doubling or dropping the slash. */
+export function joinUrl(baseUrl: string, path: string): string {
+  return baseUrl.replace(/\/+$/, "") + path;
+}

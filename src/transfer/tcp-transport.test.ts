@@ -1,0 +1,292 @@
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
+import { NO_WRITER } from "../kvcache/ownership-table.js";
+import { FRAME_HEADER_BYTES, type FrameHeader, FrameType } from "./frame-codec.js";
+import {
+  connectTcpReceiver,
+  MacChannel,
+  type TcpReceiverOptions,
+  TcpTransferServer,
+  type TcpTransferWriter,
+} from "./tcp-transport.js";
+import type { ControlMessage, DropReason, TransferHandlers } from "./transport.js";
+
+const PAGE_BYTES = 4096;
+const SECRET = "test-cluster-secret-0123456789";
+
+interface Harness {
+  server: TcpTransferServer;
+  writer: TcpTransferWriter;
+  fx: ReturnType<typeof transferFixture>;
+  events: string[];
+  drops: Array<[number, DropReason]>;
+  next(pattern: RegExp): Promise<void>;
+  receiver: Awaited<ReturnType<typeof connectTcpReceiver>>;
+  close(): Promise<void>;
+}
+
+async function harness(
+  t: { after(fn: () => Promise<void>): void },
+  numPages = 16,
+  receiverOptions: Partial<TcpReceiverOptions> = {},
+): Promise<Harness> {
+  const fx = transferFixture(numPages, PAGE_BYTES);
+  const events: string[] = [];
+  const drops: Array<[number, DropReason]> = [];
+  const waiters: Array<{ pattern: RegExp; resolve: () => void }> = [];
+  const push = (e: string): void => {
+    events.push(e);
+    for (const w of waiters.splice(0)) {
+      if (w.pattern.test(e)) w.resolve();
+      else waiters.push(w);
+    }
+  };
+  let resolveWriter: (w: TcpTransferWriter) => void = () => {};
+  const writerReady = new Promise<TcpTransferWriter>((resolve) => {
+    resolveWriter = resolve;
+  });
+  const server = await TcpTransferServer.listen({
+    secret: SECRET,
+    layoutSignature: "sig",
+    onWriter: resolveWriter,
+  });
+  const handlers: TransferHandlers = {
+    pagesLanded: (rid, epoch, from, to) => push(`landed ${rid}/${epoch} [${from},${to})`),
+    leaseLanded: (rid, epoch, n) => push(`lease ${rid}/${epoch} ${n}`),
+    writeDropped: (_rid, _epoch, page, reason) => drops.push([page, reason]),
+    control: (m: ControlMessage) =>
+      push(`control ${JSON.stringify(m, (_k, v) => (typeof v === "bigint" ? `${v}n` : v))}`),
+  };
+  const receiver = await connectTcpReceiver({
+    port: server.port,
+    secret: SECRET,
+    layoutSignature: "sig",
+    pool: fx.pool,
+    table: fx.table,
+    pageBytes: PAGE_BYTES,
+    handlers,
+    receiveBufferBytes: 10_000,
+    ...receiverOptions,
+  });
+  const writer = await writerReady;
+  const h: Harness = {
+    server,
+    writer,
+    fx,
+    events,
+    drops,
+    receiver,
+    next: (pattern) =>
+      events.some((e) => pattern.test(e))
+        ? Promise.resolve()
+        : new Promise((resolve) => waiters.push({ pattern, resolve })),
+    close: async () => {
+      await receiver.close();
+      await server.close();
+    },
+  };
+  t.after(h.close);
+  return h;
+}
+
+test("TcpTransferWriter.writePages() lands pages in the pool with stamps, then the lease end and the control message", async (t) => {
+  const h = await harness(t);
+  const lease = reserveLease(h.fx, 11, 4, 5);
+  const writes = lease.pages.map((_, i) => ({
+    index: i,
+    bytes: sourcePage(PAGE_BYTES, 11, i),
+    filledTokens: 16,
+  }));
+  await h.writer.writePages(lease, writes);
+  await h.writer.endLease(lease, 5);
+  await h.writer.sendControl({ type: "manifest", checksums: [5n, 18446744073709551615n] });
+  await h.next(/^control/);
+  assert.deepEqual(h.events, [
+    ...writes.map((_, i) => `landed 11/4 [${i},${i + 1})`),
+    "lease 11/4 5",
+    'control {"type":"manifest","checksums":["5n","18446744073709551615n"]}',
+  ]);
+  for (const [i, { page }] of lease.pages.entries()) {
+    assert.deepEqual(h.fx.pool.subarray(page * PAGE_BYTES, (page + 1) * PAGE_BYTES), writes[i]!.bytes);
+    assert.equal(h.fx.table.writerRid(page), 11);
+    assert.equal(h.fx.table.writerEpoch(page), 4);
+  }
+  assert.equal(h.receiver.metrics.bytesTransferred, 5 * PAGE_BYTES);
+  assert.equal(h.receiver.metrics.transfers, 1);
+});
+
+test("TcpTransferReceiver drops a write to a page not RESERVED for its (rid, epoch) and counts it", async (t) => {
+  const h = await harness(t);
+  const lease = reserveLease(h.fx, 1, 1, 3);
+  const { page, generation } = lease.pages[1]!;
+  assert.ok(h.fx.table.quarantine(page, generation, 1, 1)); // the request was aborted meanwhile
+  const before = h.fx.pool.slice(page * PAGE_BYTES, (page + 1) * PAGE_BYTES);
+  await h.writer.writePages(
+    lease,
+    [0, 1, 2].map((i) => ({ index: i, bytes: sourcePage(PAGE_BYTES, 1, i), filledTokens: 16 })),
+  );
+  await h.writer.endLease(lease, 3);
+  await h.next(/^lease/);
+  assert.deepEqual(h.drops, [[page, "stale"]]);
+  assert.equal(h.receiver.metrics.droppedStaleWrites, 1);
+  assert.deepEqual(h.fx.pool.slice(page * PAGE_BYTES, (page + 1) * PAGE_BYTES), before);
+  assert.equal(h.fx.table.writerRid(page), NO_WRITER);
+  assert.deepEqual(h.events, ["landed 1/1 [0,1)", "landed 1/1 [2,3)", "lease 1/1 3"]);
+});
+
+test("TcpTransferReceiver drops a write from an earlier epoch and a write at an old generation", async (t) => {
+  const h = await harness(t);
+  const lease = reserveLease(h.fx, 2, 5, 1);
+  const bytes = sourcePage(PAGE_BYTES, 2, 0);
+  await h.writer.writePages({ ...lease, epoch: 4 }, [{ index: 0, bytes, filledTokens: 16 }]);
+  const stale = {
+    ...lease,
+    pages: [{ page: lease.pages[0]!.page, generation: lease.pages[0]!.generation - 1 }],
+  };
+  await h.writer.writePages(stale, [{ index: 0, bytes, filledTokens: 16 }]);
+  await h.writer.endLease(lease, 1);
+  await h.next(/^lease/);
+  assert.equal(h.receiver.metrics.droppedStaleWrites, 2);
+  assert.equal(h.receiver.metrics.pagesTransferred, 0);
+});
+
+test("TcpTransferReceiver drops a write outside the pool as misaddressed", async (t) => {
+  const h = await harness(t, 4);
+  const lease = { ...reserveLease(h.fx, 3, 1, 1), pages: [{ page: 4, generation: 1 }] };
+  await h.writer.writePages(lease, [{ index: 0, bytes: sourcePage(PAGE_BYTES, 3, 0), filledTokens: 16 }]);
+  const wrongSize = reserveLease(h.fx, 3, 2, 1);
+  await h.writer.writePages(wrongSize, [
+    { index: 0, bytes: new Uint8Array(PAGE_BYTES / 2), filledTokens: 8 },
+  ]);
+  await h.writer.endLease(lease, 1);
+  await h.next(/^lease/);
+  assert.equal(h.receiver.metrics.droppedMisaddressedWrites, 2);
+  assert.deepEqual(h.drops, [
+    [4, "misaddressed"],
+    [wrongSize.pages[0]!.page, "misaddressed"],
+  ]);
+});
+
+test("TcpTransferReceiver.sendControl() reaches the writer authenticated", async (t) => {
+  const h = await harness(t);
+  const got = new Promise<ControlMessage>((resolve) => {
+    h.writer.handlers = { control: resolve };
+  });
+  h.receiver.sendControl({ type: "abort", rid: 9, epoch: 1 });
+  assert.deepEqual(await got, { type: "abort", rid: 9, epoch: 1 });
+});
+
+async function refusal(
+  t: { after(fn: () => Promise<void>): void },
+  serverSig: string,
+  client: Partial<TcpReceiverOptions>,
+) {
+  const fx = transferFixture(2, PAGE_BYTES);
+  const serverErrors: Error[] = [];
+  const server = await TcpTransferServer.listen({
+    secret: SECRET,
+    layoutSignature: serverSig,
+    onWriter: () => assert.fail("no writer may be created"),
+    onError: (e) => serverErrors.push(e),
+  });
+  t.after(() => server.close());
+  const err = await connectTcpReceiver({
+    port: server.port,
+    secret: SECRET,
+    layoutSignature: "sig",
+    pool: fx.pool,
+    table: fx.table,
+    pageBytes: PAGE_BYTES,
+    handlers: {},
+    ...client,
+  }).then(
+    () => assert.fail("the handshake must fail"),
+    (e: unknown) => e as Error & { code: string },
+  );
+  return { err, serverErrors };
+}
+
+test("connectTcpReceiver() refuses to pair on a layout signature mismatch, with a clear error on both sides", async (t) => {
+  const { err, serverErrors } = await refusal(t, "SmolLM2|f32|page=16", {});
+  assert.equal(err.code, "layout_mismatch");
+  assert.match(err.message, /Prefill refused.*same model, dtype and page size: "sig"/);
+  assert.equal(serverErrors.length, 1);
+  assert.equal((serverErrors[0] as Error & { code: string }).code, "layout_mismatch");
+});
+
+test("connectTcpReceiver() fails authentication with another cluster secret", async (t) => {
+  const { err, serverErrors } = await refusal(t, "sig", { secret: "another-secret-0123456789" });
+  assert.equal(err.code, "transfer_failed");
+  assert.match(err.message, /authentication/);
+  assert.equal(serverErrors.length, 1);
+});
+
+test("TcpTransferReceiver reads page bodies straight into the pool and still drops stale writes", async (t) => {
+  const h = await harness(t, 16, { directReadMinBytes: 1024 });
+  const lease = reserveLease(h.fx, 6, 1, 8);
+  const { page, generation } = lease.pages[3]!;
+  assert.ok(h.fx.table.quarantine(page, generation, 6, 1));
+  const before = h.fx.pool.slice(page * PAGE_BYTES, (page + 1) * PAGE_BYTES);
+  const writes = lease.pages.map((_, i) => ({
+    index: i,
+    bytes: sourcePage(PAGE_BYTES, 6, i),
+    filledTokens: 16,
+  }));
+  await h.writer.writePages(lease, writes.slice(0, 5));
+  await h.writer.sendControl({ type: "middle" });
+  await h.writer.writePages(lease, writes.slice(5));
+  await h.writer.endLease(lease, 8);
+  await h.next(/^lease/);
+  for (const [i, p] of lease.pages.entries()) {
+    const got = h.fx.pool.subarray(p.page * PAGE_BYTES, (p.page + 1) * PAGE_BYTES);
+    assert.deepEqual(got, i === 3 ? before : writes[i]!.bytes);
+  }
+  assert.deepEqual(h.drops, [[page, "stale"]]);
+  assert.deepEqual(h.events, [
+    "landed 6/1 [0,1)",
+    "landed 6/1 [1,2)",
+    "landed 6/1 [2,3)",
+    "landed 6/1 [4,5)",
+    'control {"type":"middle"}',
+    "landed 6/1 [5,6)",
+    "landed 6/1 [6,7)",
+    "landed 6/1 [7,8)",
+    "lease 6/1 8",
+  ]);
+});
+
+test("MacChannel.open() rejects a tampered header or payload, a replay and another key", () => {
+  const key = Buffer.alloc(32, 7);
+  const sender = new MacChannel(key);
+  const receiver = new MacChannel(key);
+  const frame = (payload: string): { header: FrameHeader; body: Uint8Array } => {
+    const bytes = sender.frame(FrameType.CONTROL, 1, 2, 0, Buffer.from(payload));
+    const h: FrameHeader = {
+      type: FrameType.CONTROL,
+      rid: 0,
+      epoch: 0,
+      page: 0,
+      generation: 0,
+      index: 0,
+      tokens: 0,
+      length: 0,
+    };
+    const v = new DataView(bytes.buffer, bytes.byteOffset);
+    h.rid = v.getUint32(4, true);
+    h.epoch = v.getUint32(8, true);
+    h.index = v.getUint32(20, true);
+    h.length = v.getUint32(28, true);
+    return { header: h, body: bytes.subarray(FRAME_HEADER_BYTES) };
+  };
+  const first = frame('{"type":"abort"}');
+  const tampered = Buffer.from(first.body);
+  tampered[3]! ^= 1;
+  assert.equal(receiver.open(first.header, tampered), null);
+  assert.equal(receiver.open({ ...first.header, rid: 9 }, first.body), null);
+  assert.equal(new MacChannel(Buffer.alloc(32, 8)).open(first.header, first.body), null);
+  assert.equal(Buffer.from(receiver.open(first.header, first.body)!).toString(), '{"type":"abort"}');
+  assert.equal(receiver.open(first.header, first.body), null, "a replayed frame is refused");
+  const second = frame("{}");
+  assert.equal(Buffer.from(receiver.open(second.header, second.body)!).toString(), "{}");
+});

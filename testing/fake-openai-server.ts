@@ -1,0 +1,326 @@
+/**
+ * A small OpenAI-compatible server for testing `kvfence probe` (node:http, 127.0.0.1, port 0). Its
+ * "model" is a regex: it reads the records `the access code of account NNNN is XXX-XXX.` out of its
+ * own prompt and answers the last question `What is the access code of account NNNN?` with the code,
+ * or `unknown`. Tokens are bytes, as in kvfence-tiny. `/v1/models` reports `max_model_len`;
+ * chat completions work streamed (SSE) and not.
+ *
+ * Well behaved by default; each `misbehave` entry switches on one bug the probe must catch:
+ * - `leak`: a question about an account not in the prompt is answered with the code another API
+ *   key planted earlier (cross-tenant leak).
+ * - `accept-over-limit`: an over-limit prompt gets 200, answered from the truncated prompt (clean
+ *   text, wrong status).
+ * - `placeholder`: a prompt over the pool but under the context is swapped for a one-token
+ *   placeholder and answered 200 with `unknown` (the SGLang incident).
+ * - `truncated-answer`: answers to prompts over half the context are cut to 3 characters.
+ * - `nondeterministic`: when another request overlaps this one, answers change.
+ * - `server-error-over-limit`: over-limit prompts get 500 instead of 400.
+ * - `accept-malformed`: malformed requests get 200.
+ */
+import { createServer, type IncomingMessage, type ServerResponse } from "node:http";
+import type { AddressInfo } from "node:net";
+import { setTimeout as sleep } from "node:timers/promises";
+
+export type Misbehaviour =
+  | "leak"
+  | "accept-over-limit"
+  | "placeholder"
+  | "truncated-answer"
+  | "nondeterministic"
+  | "server-error-over-limit"
+  | "accept-malformed";
+
+export interface FakeOpenAiServerOptions {
+  readonly model?: string;
+  /** Context length in tokens (bytes), reported on /v1/models (default 4096). */
+  readonly maxModelLen?: number;
+  /** KV pool in tokens; prompts at or over min(context, pool) are rejected (default: no pool limit). */
+  readonly poolTokens?: number;
+  /** Report max_model_len on /v1/models (default true); when false, only /server_info tells it. */
+  readonly modelsReportMaxLen?: boolean;
+  /** Serve SGLang-style `/server_info` with `context_length` and `max_total_num_tokens`. */
+  readonly sglangInfo?: boolean;
+  /** Accepted API keys; when set, any other bearer token gets 401. */
+  readonly apiKeys?: readonly string[];
+  readonly misbehave?: readonly Misbehaviour[];
+  /** Delay before answering, so concurrent requests overlap (default 3 ms). */
+  readonly latencyMs?: number;
+}
+
+export interface FakeOpenAiServer {
+  readonly url: string;
+  /** Chat completion requests received. */
+  readonly chatRequests: number;
+  /** Largest number of chat requests in flight at once. */
+  readonly maxInFlight: number;
+  close(): Promise<void>;
+}
+
+const RECORD_RE = /the access code of account (\d{4}) is ([A-Z0-9]{3}-[A-Z0-9]{3})\./g;
+const QUESTION_RE = /What is the access code of account (\d{4})\?/g;
+const MAX_BODY_BYTES = 64 * 1024 * 1024;
+
+/** Tokens of a chat under a ChatML template with single-token specials (bytes + 4 per message + 3). */
+export function fakePromptTokens(messages: ReadonlyArray<{ role: string; content: string }>): number {
+  let n = 3;
+  for (const m of messages) n += Buffer.byteLength(m.role) + Buffer.byteLength(m.content) + 4;
+  return n;
+}
+
+/** The regex "model": the code for the last question's account in `text`, or "unknown". */
+export function fakeAnswer(text: string): { answer: string; account: string | null } {
+  const records = new Map<string, string>();
+  for (const m of text.matchAll(RECORD_RE)) records.set(m[1]!, m[2]!);
+  let account: string | null = null;
+  for (const m of text.matchAll(QUESTION_RE)) account = m[1]!;
+  if (account === null) return { answer: "unknown", account };
+  return { answer: records.get(account) ?? "unknown", account };
+}
+
+export async function startFakeOpenAiServer(
+  options: FakeOpenAiServerOptions = {},
+): Promise<FakeOpenAiServer> {
+  const model = options.model ?? "kvfence-tiny";
+  const maxModelLen = options.maxModelLen ?? 4096;
+  const limit = Math.min(maxModelLen, options.poolTokens ?? Number.POSITIVE_INFINITY);
+  const bad = new Set(options.misbehave ?? []);
+  const latencyMs = options.latencyMs ?? 3;
+  /** account → { code, key } for every record any tenant ever sent (what a leaky KV cache holds). */
+  const seen = new Map<string, { code: string; key: string }>();
+  let chatRequests = 0;
+  let inFlight = 0;
+  let maxInFlight = 0;
+
+  const server = createServer((req, res) => {
+    handle(req, res).catch((err: unknown) => {
+      if (!res.headersSent) sendError(res, 500, "internal", String(err));
+      else res.end();
+    });
+  });
+
+  async function handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const key = (req.headers.authorization ?? "").replace(/^Bearer\s+/i, "");
+    if (options.apiKeys !== undefined && !options.apiKeys.includes(key)) {
+      await drain(req);
+      return sendError(res, 401, "invalid_api_key", "Incorrect API key provided");
+    }
+    const path = (req.url ?? "/").split("?")[0];
+    if (req.method === "GET" && path === "/v1/models") {
+      const card: Record<string, unknown> = { id: model, object: "model", created: 0, owned_by: "fake" };
+      if (options.modelsReportMaxLen !== false) card.max_model_len = maxModelLen;
+      return sendJson(res, 200, { object: "list", data: [card] });
+    }
+    if (req.method === "GET" && path === "/server_info" && options.sglangInfo === true) {
+      return sendJson(res, 200, {
+        context_length: maxModelLen,
+        page_size: 1,
+        max_total_num_tokens: options.poolTokens ?? maxModelLen * 4,
+        status: "ready",
+        internal_states: [],
+      });
+    }
+    if (req.method !== "POST" || path !== "/v1/chat/completions") {
+      await drain(req);
+      return sendError(res, 404, "not_found", `No route ${req.method} ${path}`);
+    }
+    chatRequests++;
+    inFlight++;
+    maxInFlight = Math.max(maxInFlight, inFlight);
+    try {
+      await chat(req, res, key, chatRequests);
+    } finally {
+      inFlight--;
+    }
+  }
+
+  async function chat(
+    req: IncomingMessage,
+    res: ServerResponse,
+    key: string,
+    arrival: number,
+  ): Promise<void> {
+    const raw = await readBody(req);
+    if (raw === null) return sendError(res, 413, "payload_too_large", "Request body too large");
+    const parsed = parseRequest(raw);
+    if ("error" in parsed) {
+      if (bad.has("accept-malformed")) return sendCompletion(res, false, "unknown", 1);
+      return sendError(res, 400, "invalid_request", parsed.error);
+    }
+    const { messages, stream } = parsed;
+    if (parsed.model !== undefined && parsed.model !== model) {
+      return sendError(res, 404, "model_not_found", `The model does not exist: ${parsed.model}`);
+    }
+    let tokens = fakePromptTokens(messages);
+    let text = messages.map((m) => m.content).join("\n");
+    const overContext = tokens >= maxModelLen;
+    const overLimit = tokens >= limit;
+    if (overLimit) {
+      if (bad.has("placeholder") && !overContext) {
+        // The incident: the prompt is swapped for a one-token placeholder and still "succeeds".
+        text = "";
+        tokens = 1;
+      } else if (bad.has("accept-over-limit")) {
+        text = text.slice(text.length - (limit - 32));
+      } else if (bad.has("server-error-over-limit")) {
+        return sendError(res, 500, "internal", "Internal server error");
+      } else {
+        return sendError(
+          res,
+          400,
+          "context_length_exceeded",
+          `This model's maximum context length is ${limit} tokens; the prompt has ${tokens}`,
+        );
+      }
+    }
+    // Remember every record (what pages of a shared pool would hold).
+    for (const m of text.matchAll(RECORD_RE)) if (!seen.has(m[1]!)) seen.set(m[1]!, { code: m[2]!, key });
+    await sleep(latencyMs);
+    let { answer, account } = fakeAnswer(text);
+    if (answer === "unknown" && account !== null && bad.has("leak")) {
+      const other = seen.get(account);
+      if (other !== undefined && other.key !== key) answer = other.code;
+    }
+    if (bad.has("truncated-answer") && tokens > maxModelLen / 2) answer = answer.slice(0, 3);
+    // "Under load": another request is in flight now or arrived while this one was served.
+    const underLoad = inFlight > 1 || chatRequests !== arrival;
+    if (bad.has("nondeterministic") && underLoad) answer = answer === "unknown" ? "unknown." : `${answer}?`;
+    return sendCompletion(res, stream, answer, tokens);
+  }
+
+  function sendCompletion(res: ServerResponse, stream: boolean, answer: string, promptTokens: number): void {
+    const id = `chatcmpl-fake${chatRequests}`;
+    const usage = {
+      prompt_tokens: promptTokens,
+      completion_tokens: answer.length,
+      total_tokens: promptTokens + answer.length,
+    };
+    if (!stream) {
+      sendJson(res, 200, {
+        id,
+        object: "chat.completion",
+        created: 0,
+        model,
+        choices: [{ index: 0, message: { role: "assistant", content: answer }, finish_reason: "stop" }],
+        usage,
+      });
+      return;
+    }
+    res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
+    const chunk = (delta: Record<string, unknown>, finish: string | null) =>
+      `data: ${JSON.stringify({ id, object: "chat.completion.chunk", created: 0, model, choices: [{ index: 0, delta, finish_reason: finish }] })}\n\n`;
+    res.write(chunk({ role: "assistant", content: "" }, null));
+    for (let i = 0; i < answer.length; i += 3) res.write(chunk({ content: answer.slice(i, i + 3) }, null));
+    res.write(chunk({}, "stop"));
+    res.end("data: [DONE]\n\n");
+  }
+
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const port = (server.address() as AddressInfo).port;
+  return {
+    url: `http://127.0.0.1:${port}`,
+    get chatRequests() {
+      return chatRequests;
+    },
+    get maxInFlight() {
+      return maxInFlight;
+    },
+    close: () =>
+      new Promise<void>((resolve, reject) => {
+        server.closeAllConnections();
+        server.close((err) => (err ? reject(err) : resolve()));
+      }),
+  };
+}
+
+type ParsedRequest =
+  | { messages: Array<{ role: string; content: string }>; stream: boolean; model: string | undefined }
+  | { error: string };
+
+function parseRequest(raw: string): ParsedRequest {
+  let body: unknown;
+  try {
+    body = JSON.parse(raw);
+  } catch {
+    return { error: "Request body is not valid JSON" };
+  }
+  if (typeof body !== "object" || body === null) return { error: "Request body must be a JSON object" };
+  const b = body as Record<string, unknown>;
+  if (!Array.isArray(b.messages) || b.messages.length === 0)
+    return { error: "messages must be a non-empty array" };
+  const messages: Array<{ role: string; content: string }> = [];
+  for (const m of b.messages) {
+    const mm = m as Record<string, unknown> | null;
+    if (typeof mm?.role !== "string" || typeof mm.content !== "string") {
+      return { error: "each message needs a string role and string content" };
+    }
+    messages.push({ role: mm.role, content: mm.content });
+  }
+  if (b.max_tokens !== undefined && (!Number.isInteger(b.max_tokens) || (b.max_tokens as number) < 1)) {
+    return { error: "max_tokens must be a positive integer" };
+  }
+  if (b.temperature !== undefined && typeof b.temperature !== "number")
+    return { error: "temperature must be a number" };
+  if (b.model !== undefined && typeof b.model !== "string") return { error: "model must be a string" };
+  return { messages, stream: b.stream === true, model: b.model as string | undefined };
+}
+
+async function readBody(req: IncomingMessage): Promise<string | null> {
+  const chunks: Buffer[] = [];
+  let size = 0;
+  for await (const c of req) {
+    size += (c as Buffer).length;
+    if (size > MAX_BODY_BYTES) return null;
+    chunks.push(c as Buffer);
+  }
+  return Buffer.concat(chunks).toString("utf8");
+}
+
+async function drain(req: IncomingMessage): Promise<void> {
+  for await (const _ of req) {
+    // Discard.
+  }
+}
+
+function sendJson(res: ServerResponse, status: number, body: unknown): void {
+  const text = JSON.stringify(body);
+  res.writeHead(status, { "content-type": "application/json", "content-length": Buffer.byteLength(text) });
+  res.end(text);
+}
+
+function sendError(res: ServerResponse, status: number, code: string, message: string): void {
+  sendJson(res, status, {
+    error: { message, type: status >= 500 ? "server_error" : "invalid_request_error", param: null, code },
+  });
+}
+
+/** A route of a static test server: a JSON value, or raw text with a content type. */
+export type StaticRoute =
+  | { json: unknown; status?: number }
+  | { text: string; contentType: string; status?: number };
+
+/** Serve fixed GET routes on 127.0.0.1 port 0 (404 for anything else); for preflight's fakes. */
+export async function startStaticServer(
+  routes: Record<string, StaticRoute>,
+): Promise<{ url: string; hits: string[]; close(): Promise<void> }> {
+  const hits: string[] = [];
+  const server = createServer((req, res) => {
+    const path = (req.url ?? "/").split("?")[0] ?? "/";
+    hits.push(path);
+    const route = routes[path];
+    if (req.method !== "GET" || route === undefined)
+      return sendError(res, 404, "not_found", `No route ${path}`);
+    if ("json" in route) return sendJson(res, route.status ?? 200, route.json);
+    res.writeHead(route.status ?? 200, { "content-type": route.contentType });
+    res.end(route.text);
+  });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  return {
+    url: `http://127.0.0.1:${(server.address() as AddressInfo).port}`,
+    hits,
+    close: () =>
+      new Promise<void>((resolve, reject) => {
+        server.closeAllConnections();
+        server.close((err) => (err ? reject(err) : resolve()));
+      }),
+  };
+}

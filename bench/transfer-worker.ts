@@ -6,10 +6,12 @@
  */
 import net from "node:net";
 import { type MessagePort, parentPort, workerData } from "node:worker_threads";
-import { checksumLeasePages, pageChecksum } from "../src/transfer/page-checksum.js";
+import { OwnershipTable } from "../src/kvcache/ownership-table.js";
+import { checksumLeasePages, LandedChecksums, pageChecksumHex } from "../src/transfer/page-checksum.js";
 import { type ShmChannel, ShmTransferReceiver, ShmTransferWriter } from "../src/transfer/shm-transport.js";
+import { SignalKind, SignalRing } from "../src/transfer/signal-ring.js";
 import { TcpTransferServer, type TcpTransferWriter } from "../src/transfer/tcp-transport.js";
-import type { TransferLease, TransferManifest, TransferWriter } from "../src/transfer/transport.js";
+import type { Manifest, PageWrite, TransferLease, TransferWriter } from "../src/transfer/transport.js";
 import { type TransferReservation, verifyManifest } from "../src/transfer/verify-manifest.js";
 
 export type HashMode = "none" | "pre" | "inline";
@@ -21,6 +23,10 @@ export interface WorkerInit {
   readonly sourcePages: number;
   readonly secret: string;
   readonly signalBytes: number;
+  /** Pages per `writePages` call (one prefill chunk). */
+  readonly chunkPages: number;
+  /** Landed ranges of the TCP receiver (main thread) that the decode worker verifies. */
+  readonly verifyRing: SharedArrayBuffer;
 }
 
 const init = workerData as WorkerInit;
@@ -29,8 +35,9 @@ const pageBytes = init.channel.pageBytes;
 const now = (): bigint => process.hrtime.bigint();
 
 /** The manifest prefill sends; `checksums` empty when the run skips them. */
-export function manifestFor(lease: TransferLease, checksums: readonly bigint[]): TransferManifest {
+export function manifestFor(lease: TransferLease, checksums: readonly string[]): Manifest {
   return {
+    type: "manifest",
     rid: lease.rid,
     epoch: lease.epoch,
     tokenStart: 0,
@@ -82,18 +89,23 @@ if (init.role === "prefill") {
 
   const send = async (writer: TransferWriter, lease: TransferLease, hash: HashMode): Promise<bigint> => {
     const n = lease.pages.length;
-    const checksums: bigint[] = new Array<bigint>(hash === "none" ? 0 : n);
+    const checksums: string[] = new Array<string>(hash === "none" ? 0 : n);
     // "pre": prefill hashed each page when its KV was produced, before the transfer starts.
     if (hash === "pre")
-      for (let i = 0; i < n; i++) checksums[i] = pageChecksum(page(i), lease.rid, lease.epoch, i);
+      for (let i = 0; i < n; i++) checksums[i] = pageChecksumHex(page(i), lease.rid, lease.epoch, i);
     const t0 = now();
-    for (let i = 0; i < n; i++) {
-      const bytes = page(i);
-      if (hash === "inline") checksums[i] = pageChecksum(bytes, lease.rid, lease.epoch, i);
-      await writer.writePages(lease, [{ index: i, bytes, filledTokens: lease.pageSize }]);
+    // Pages go out as prefill produces them: one `writePages` per prefill chunk.
+    for (let from = 0; from < n; from += init.chunkPages) {
+      const writes: PageWrite[] = [];
+      for (let i = from; i < Math.min(n, from + init.chunkPages); i++) {
+        const bytes = page(i);
+        if (hash === "inline") checksums[i] = pageChecksumHex(bytes, lease.rid, lease.epoch, i);
+        writes.push({ index: i, bytes, filledTokens: lease.pageSize });
+      }
+      await writer.writePages(lease, writes);
     }
     await writer.endLease(lease, n);
-    await writer.sendControl({ type: "manifest", ...manifestFor(lease, checksums) });
+    await writer.sendControl(manifestFor(lease, checksums));
     return t0;
   };
 
@@ -121,7 +133,7 @@ if (init.role === "prefill") {
       else if (msg.cmd === "hash") {
         // Checksum throughput of the sender's own pages (what "pre" moves out of the transfer).
         const t0 = now();
-        for (let i = 0; i < msg.bytes; i++) pageChecksum(page(i), 1, 1, i);
+        for (let i = 0; i < msg.bytes; i++) pageChecksumHex(page(i), 1, 1, i);
         parent.postMessage({ type: "hash", id: msg.id, ns: Number(now() - t0) });
       } else if (msg.cmd === "close") {
         await shm.close();
@@ -138,17 +150,23 @@ if (init.role === "prefill") {
     init.channel.poolByteOffset,
     init.channel.numPages * pageBytes,
   );
-  let current: { id: number; lease: TransferLease; verify: boolean; local: bigint[] } | null = null;
+  let current: { id: number; lease: TransferLease; verify: boolean } | null = null;
+  const landed = new LandedChecksums(pool, pageBytes);
+  const table = new OwnershipTable(init.channel.numPages, {
+    buffer: init.channel.tableBuffer,
+    byteOffset: init.channel.tableByteOffset,
+    attach: true,
+  });
   const receiver = new ShmTransferReceiver(init.channel, {
     port: init.port,
     handlers: {
       pagesLanded: (_rid, _epoch, from, to) => {
-        if (current?.verify) checksumLeasePages(current.local, pool, pageBytes, current.lease, from, to);
+        if (current?.verify) landed.record(current.lease, from, to);
       },
       control: (message) => {
         const run = current;
         if (run === null || message.type !== "manifest") return;
-        const manifest = message as unknown as TransferManifest;
+        const manifest = message as Manifest;
         let verdict = "ok";
         if (run.verify) {
           const lease = run.lease;
@@ -159,7 +177,17 @@ if (init.role === "prefill") {
             tokenEnd: lease.pages.length * lease.pageSize,
             numPages: lease.pages.length,
           };
-          verdict = verifyManifest(reservation, manifest, run.local).code;
+          // The commit check as the node glue runs it: checksums recorded as pages landed.
+          const local = lease.pages.map(({ page }, i) =>
+            landed.get(
+              page,
+              lease.rid,
+              lease.epoch,
+              i,
+              table.writerRid(page) === lease.rid && table.writerEpoch(page) === lease.epoch,
+            ),
+          );
+          verdict = verifyManifest(reservation, manifest, local).code;
         }
         const t1 = now();
         current = null;
@@ -167,17 +195,34 @@ if (init.role === "prefill") {
       },
     },
   });
+  // TCP verify on this thread: the main-thread receiver pushes each landed range into a ring.
+  const verifyRing = new SignalRing(init.verifyRing);
+  let tcpVerify: { id: number; lease: TransferLease; local: string[] } | null = null;
+  const onVerifyRecord = (kind: number, _rid: number, _epoch: number, a: number, b: number): void => {
+    const run = tcpVerify;
+    if (run === null) return;
+    if (kind === SignalKind.LANDED) checksumLeasePages(run.local, pool, pageBytes, run.lease, a, b);
+    else if (kind === SignalKind.LEASE_END) {
+      tcpVerify = null;
+      parent.postMessage({ type: "verified", id: run.id, local: run.local });
+    }
+  };
+  void (async () => {
+    while (!verifyRing.closed) {
+      verifyRing.drain(onVerifyRecord);
+      await verifyRing.waitForRecords();
+    }
+  })();
   parent.on("message", (msg: { cmd: string; id: number; lease: TransferLease; verify: boolean }) => {
-    if (msg.cmd === "expect") {
-      current = {
-        id: msg.id,
-        lease: msg.lease,
-        verify: msg.verify,
-        local: new Array<bigint>(msg.lease.pages.length),
-      };
+    if (msg.cmd === "expect-tcp") {
+      tcpVerify = { id: msg.id, lease: msg.lease, local: new Array<string>(msg.lease.pages.length) };
+      parent.postMessage({ type: "expecting", id: msg.id });
+    } else if (msg.cmd === "expect") {
+      current = { id: msg.id, lease: msg.lease, verify: msg.verify };
       parent.postMessage({ type: "expecting", id: msg.id });
     } else if (msg.cmd === "close") {
       receiver.close();
+      verifyRing.close();
       process.exit(0);
     }
   });

@@ -17,15 +17,16 @@
 import net from "node:net";
 import { MessageChannel, Worker } from "node:worker_threads";
 import { xxh64 } from "@node-rs/xxhash";
-import { Command } from "commander";
+import { Command, InvalidArgumentError } from "commander";
 import xxhashWasm from "xxhash-wasm";
 import { type KvLayout, layoutSignature, pageBytes as pageBytesOf } from "../src/kvcache/kv-layout.js";
 import { OwnershipTable } from "../src/kvcache/ownership-table.js";
 import { mean, quantile, tInterval95 } from "../src/lib/stats.js";
-import { checksumLeasePages } from "../src/transfer/page-checksum.js";
+import { LandedChecksums } from "../src/transfer/page-checksum.js";
 import { createShmChannel } from "../src/transfer/shm-transport.js";
+import { SignalKind, SignalRing } from "../src/transfer/signal-ring.js";
 import { connectTcpReceiver } from "../src/transfer/tcp-transport.js";
-import type { TransferLease, TransferManifest } from "../src/transfer/transport.js";
+import type { Manifest, TransferLease } from "../src/transfer/transport.js";
 import { verifyManifest } from "../src/transfer/verify-manifest.js";
 import type { HashMode, WorkerInit } from "./transfer-worker.js";
 
@@ -41,6 +42,7 @@ export const PATHS = [
   "tcp",
   "tcp+verify",
   "tcp+hash+verify",
+  "tcp+verify-worker",
 ] as const;
 export type PathName = (typeof PATHS)[number];
 
@@ -51,6 +53,8 @@ export interface TransferBenchOptions {
   /** Shared-memory signal batch in bytes (≥ 64 KiB by design). */
   readonly signalBytes?: number;
   readonly layout?: KvLayout;
+  /** Pages per `writePages` call, one prefill chunk (default 16 = 256 tokens). */
+  readonly chunkPages?: number;
   /** Run only these paths (default all; ratios need both of their paths). */
   readonly paths?: readonly PathName[];
   /** TCP receiver: read page bodies straight into the pool (default true). */
@@ -60,6 +64,8 @@ export interface TransferBenchOptions {
 
 export interface PathResult {
   readonly ms: Summary;
+  /** CPU time of the whole process (all threads, user + system) per transfer, in ms. */
+  readonly cpuMs: Summary;
   readonly gbps: Summary;
   readonly pagesPerSecond: number;
 }
@@ -70,12 +76,18 @@ export interface TransferBenchResult {
   readonly bytes: number;
   readonly reps: number;
   readonly signalBytes: number;
+  readonly chunkPages: number;
   readonly paths: Record<PathName, PathResult>;
   /** Throughput of the transport over its ceiling (time ratio ceiling / transport). */
   readonly shmOverMemcpy: RatioInterval;
   readonly tcpOverRaw: RatioInterval;
   /** Transfer time with checksums over without (paired). */
-  readonly checksumCost: Record<"shmVerify" | "shmHashVerify" | "tcpVerify" | "tcpHashVerify", RatioInterval>;
+  readonly checksumCost: Record<
+    "shmVerify" | "shmHashVerify" | "tcpVerify" | "tcpHashVerify" | "tcpVerifyWorker",
+    RatioInterval
+  >;
+  /** CPU time with checksums over without (paired): all checksum work, wherever it ran. */
+  readonly checksumCpuCost: Record<"shm" | "tcp", RatioInterval>;
   /** Hash throughput over the same pages, GB/s medians. */
   readonly hashGbps: { readonly nativeXxh64: Summary; readonly wasmH64Raw: Summary };
   readonly failures: readonly string[];
@@ -113,19 +125,30 @@ const SECRET = "bench-cluster-secret-not-for-production";
 
 /** Messages from a worker, awaited by `type` and run id. */
 class Mailbox {
-  readonly #waiting = new Map<string, (msg: Record<string, unknown>) => void>();
+  readonly #waiting = new Map<
+    string,
+    { resolve: (msg: Record<string, unknown>) => void; reject: (e: Error) => void }
+  >();
   readonly #early = new Map<string, Record<string, unknown>>();
+  #dead: Error | null = null;
 
-  constructor(worker: Worker) {
+  constructor(worker: Worker, name: string) {
     worker.on("message", (msg: Record<string, unknown>) => {
       const key = `${String(msg.type)}:${String(msg.id ?? "")}`;
-      const resolve = this.#waiting.get(key);
-      if (resolve === undefined) this.#early.set(key, msg);
+      const waiter = this.#waiting.get(key);
+      if (waiter === undefined) this.#early.set(key, msg);
       else {
         this.#waiting.delete(key);
-        resolve(msg);
+        waiter.resolve(msg);
       }
     });
+    const die = (error: Error): void => {
+      this.#dead ??= error;
+      for (const waiter of this.#waiting.values()) waiter.reject(error);
+      this.#waiting.clear();
+    };
+    worker.on("error", (e) => die(new Error(`The ${name} worker failed: ${e.message}`, { cause: e })));
+    worker.on("exit", (code) => die(new Error(`The ${name} worker exited: code ${code}`)));
   }
 
   next(type: string, id: number | "" = ""): Promise<Record<string, unknown>> {
@@ -135,7 +158,8 @@ class Mailbox {
       this.#early.delete(key);
       return Promise.resolve(early);
     }
-    return new Promise((resolve) => this.#waiting.set(key, resolve));
+    if (this.#dead !== null) return Promise.reject(this.#dead);
+    return new Promise((resolve, reject) => this.#waiting.set(key, { resolve, reject }));
   }
 }
 
@@ -144,7 +168,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   const numPages = options.pages ?? 256;
   const reps = options.reps ?? 7;
   const warmup = options.warmup ?? 1;
-  const signalBytes = options.signalBytes ?? 64 * 1024;
+  const signalBytes = options.signalBytes ?? 1 << 20;
   const log = options.log ?? (() => {});
   const pageBytes = pageBytesOf(layout);
   const bytes = numPages * pageBytes;
@@ -162,7 +186,18 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   const channel = createShmChannel({ pool, table, pageBytes, layoutSignature: signature });
   const { port1, port2 } = new MessageChannel();
   const workerUrl = new URL("./transfer-worker.js", import.meta.url);
-  const common = { channel, sourcePages: numPages, secret: SECRET, signalBytes };
+  const chunkPages = options.chunkPages ?? 16;
+  const verifyRingBuffer = SignalRing.createBuffer(Math.max(1024, 2 ** Math.ceil(Math.log2(numPages + 2))));
+  const verifyRing = new SignalRing(verifyRingBuffer);
+  const landed = new LandedChecksums(pool, pageBytes);
+  const common = {
+    channel,
+    sourcePages: numPages,
+    secret: SECRET,
+    signalBytes,
+    chunkPages,
+    verifyRing: verifyRingBuffer,
+  };
   const prefill = new Worker(workerUrl, {
     workerData: { ...common, role: "prefill", port: port1 } satisfies WorkerInit,
     transferList: [port1],
@@ -171,9 +206,9 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
     workerData: { ...common, role: "decode", port: port2 } satisfies WorkerInit,
     transferList: [port2],
   });
-  for (const w of [prefill, decode]) w.on("error", (e) => failures.push(`worker: ${e.message}`));
-  const pre = new Mailbox(prefill);
-  const dec = new Mailbox(decode);
+  const exited = Promise.all([prefill, decode].map((w) => new Promise((r) => w.once("exit", r))));
+  const pre = new Mailbox(prefill, "prefill");
+  const dec = new Mailbox(decode, "decode");
   await dec.next("decode-ready");
   const tcpPort = (await pre.next("tcp-port")).port as number;
   const rawPort = (await pre.next("raw-port")).port as number;
@@ -182,7 +217,9 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   let tcpRun: {
     lease: TransferLease;
     verify: boolean;
-    local: bigint[];
+    /** Verify on the decode worker (landed ranges go through `verifyRing`) instead of inline. */
+    onWorker: (() => Promise<string[]>) | null;
+    local: string[];
     done: (t1: bigint, verdict: string) => void;
   } | null = null;
   const tcpReceiver = await connectTcpReceiver({
@@ -194,13 +231,28 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
     pageBytes,
     directReadMinBytes: options.directReads === false ? Number.POSITIVE_INFINITY : 64 * 1024,
     handlers: {
-      pagesLanded: (_rid, _epoch, from, to) => {
-        if (tcpRun?.verify) checksumLeasePages(tcpRun.local, pool, pageBytes, tcpRun.lease, from, to);
+      pagesLanded: (rid, epoch, from, to) => {
+        if (tcpRun?.onWorker) verifyRing.tryPush(SignalKind.LANDED, rid, epoch, from, to);
+        else if (tcpRun?.verify) landed.record(tcpRun.lease, from, to);
       },
-      control: (message) => {
+      control: async (message) => {
         const run = tcpRun;
         if (run === null || message.type !== "manifest") return;
         const lease = run.lease;
+        if (run.onWorker !== null) {
+          verifyRing.tryPush(SignalKind.LEASE_END, lease.rid, lease.epoch, lease.pages.length, 0);
+          run.local = await run.onWorker();
+        } else if (run.verify) {
+          run.local = lease.pages.map(({ page }, i) =>
+            landed.get(
+              page,
+              lease.rid,
+              lease.epoch,
+              i,
+              table.writerRid(page) === lease.rid && table.writerEpoch(page) === lease.epoch,
+            ),
+          );
+        }
         const verdict = run.verify
           ? verifyManifest(
               {
@@ -210,12 +262,17 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
                 tokenEnd: lease.pages.length * lease.pageSize,
                 numPages: lease.pages.length,
               },
-              message as unknown as TransferManifest,
+              message as Manifest,
               run.local,
             ).code
           : "ok";
         tcpRun = null;
         run.done(now(), verdict);
+      },
+      closed: (error) => {
+        const run = tcpRun;
+        tcpRun = null;
+        run?.done(now(), `connection closed: ${error?.message ?? "closed"}`);
       },
     },
   });
@@ -248,8 +305,10 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
     const generations = new Uint32Array(numPages);
     if (!table.allocate(numPages, rid, 1, 0, pages, generations)) throw new Error("Bench pool is not free");
     return {
+      type: "lease",
       rid: rid++,
       epoch: 1,
+      incarnation: 0,
       pages: Array.from(pages, (page, i) => ({ page, generation: generations[i]! })),
       pageSize: layout.pageSize,
       layoutSignature: signature,
@@ -259,7 +318,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
     for (const p of lease.pages) table.free(p.page, p.generation, lease.rid, lease.epoch);
   };
   const hashOf = (path: PathName): HashMode =>
-    path.endsWith("+hash+verify") ? "inline" : path.endsWith("+verify") ? "pre" : "none";
+    path.endsWith("+hash+verify") ? "inline" : path.includes("+verify") ? "pre" : "none";
 
   let id = 0;
   const runPath = async (path: PathName): Promise<number> => {
@@ -286,11 +345,18 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
       t1 = dec.next("t1", runId).then((m) => ({ t1: m.t1 as bigint, verdict: m.verdict as string }));
       prefill.postMessage({ cmd: "shm", id: runId, lease, hash });
     } else {
+      let onWorker: (() => Promise<string[]>) | null = null;
+      if (path === "tcp+verify-worker") {
+        decode.postMessage({ cmd: "expect-tcp", id: runId, lease });
+        await dec.next("expecting", runId);
+        onWorker = () => dec.next("verified", runId).then((m) => m.local as string[]);
+      }
       t1 = new Promise((resolve) => {
         tcpRun = {
           lease,
+          onWorker,
           verify: hash !== "none",
-          local: new Array<bigint>(numPages),
+          local: new Array<string>(numPages),
           done: (t, verdict) => resolve({ t1: t, verdict }),
         };
       });
@@ -311,13 +377,19 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   };
 
   const times = Object.fromEntries(PATHS.map((p) => [p, [] as number[]])) as Record<PathName, number[]>;
+  const cpus = Object.fromEntries(PATHS.map((p) => [p, [] as number[]])) as Record<PathName, number[]>;
   const hashNs = { native: [] as number[], wasm: [] as number[] };
   const selected = PATHS.filter((p) => options.paths === undefined || options.paths.includes(p));
   for (let rep = -warmup; rep < reps; rep++) {
     const order = selected.map((_, i) => selected[(i + Math.max(rep, 0)) % selected.length]!);
     for (const path of order) {
+      const cpu0 = process.cpuUsage();
       const ns = await runPath(path);
-      if (rep >= 0) times[path].push(ns);
+      const cpu = process.cpuUsage(cpu0);
+      if (rep >= 0) {
+        times[path].push(ns);
+        cpus[path].push((cpu.user + cpu.system) / 1000);
+      }
     }
     const native = hashPass((p, s) => xxh64(p, s));
     const wasmNs = hashPass((p, s) => wasm.h64Raw(p, s));
@@ -334,15 +406,13 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   decode.postMessage({ cmd: "close" });
   await tcpReceiver.close();
   rawSocket.destroy();
-  await Promise.all([
-    new Promise((r) => prefill.once("exit", r)),
-    new Promise((r) => decode.once("exit", r)),
-  ]);
+  await exited;
 
   const result = (path: PathName): PathResult => {
     const ns = times[path];
     return {
       ms: summarize(ns.map((t) => t / 1e6)),
+      cpuMs: summarize(cpus[path]),
       gbps: summarize(ns.map((t) => bytes / t)),
       pagesPerSecond: numPages / (summarize(ns).median / 1e9),
     };
@@ -353,6 +423,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
     bytes,
     reps,
     signalBytes,
+    chunkPages,
     paths: Object.fromEntries(PATHS.map((p) => [p, result(p)])) as Record<PathName, PathResult>,
     shmOverMemcpy: pairedRatio(times.memcpy, times.shm),
     tcpOverRaw: pairedRatio(times["raw-tcp"], times.tcp),
@@ -361,6 +432,11 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
       shmHashVerify: pairedRatio(times["shm+hash+verify"], times.shm),
       tcpVerify: pairedRatio(times["tcp+verify"], times.tcp),
       tcpHashVerify: pairedRatio(times["tcp+hash+verify"], times.tcp),
+      tcpVerifyWorker: pairedRatio(times["tcp+verify-worker"], times.tcp),
+    },
+    checksumCpuCost: {
+      shm: pairedRatio(cpus["shm+verify"], cpus.shm),
+      tcp: pairedRatio(cpus["tcp+verify"], cpus.tcp),
     },
     hashGbps: {
       nativeXxh64: summarize(hashNs.native.map((t) => bytes / t)),
@@ -380,15 +456,15 @@ export function formatTransferReport(r: TransferBenchResult): string {
   const lines: string[] = [];
   lines.push(
     `KV transfer: ${r.pages} pages × ${(r.pageBytes / 1024).toFixed(0)} KiB = ${(r.bytes / 1e6).toFixed(1)} MB per transfer, ` +
-      `${r.reps} interleaved reps, shm signal every ${(r.signalBytes / 1024).toFixed(0)} KiB`,
+      `${r.reps} interleaved reps, ${r.chunkPages} pages per write call, shm signal every ${(r.signalBytes / 1024).toFixed(0)} KiB`,
   );
-  lines.push("path               median ms   GB/s median [min–max]     pages/s");
+  lines.push("path               median ms   GB/s median [min–max]     pages/s   CPU ms (all threads)");
   for (const p of PATHS) {
     const x = r.paths[p];
     if (x.ms.n === 0) continue;
     const gbps = `${x.gbps.median.toFixed(2).padStart(5)} [${x.gbps.min.toFixed(2)}–${x.gbps.max.toFixed(2)}]`;
     lines.push(
-      `${p.padEnd(18)} ${x.ms.median.toFixed(2).padStart(9)}   ${gbps.padEnd(23)} ${Math.round(x.pagesPerSecond)}`,
+      `${p.padEnd(18)} ${x.ms.median.toFixed(2).padStart(9)}   ${gbps.padEnd(23)} ${String(Math.round(x.pagesPerSecond)).padEnd(9)} ${x.cpuMs.median.toFixed(1)}`,
     );
   }
   lines.push(`shm throughput / memcpy:      ${fmtRatio(r.shmOverMemcpy, true)}  (target ≥ 80%)`);
@@ -398,6 +474,11 @@ export function formatTransferReport(r: TransferBenchResult): string {
   lines.push(`  shm, hash in transfer + verify:       ${fmtRatio(r.checksumCost.shmHashVerify, false)}`);
   lines.push(`  tcp, verify as pages land:            ${fmtRatio(r.checksumCost.tcpVerify, false)}`);
   lines.push(`  tcp, hash in transfer + verify:       ${fmtRatio(r.checksumCost.tcpHashVerify, false)}`);
+  lines.push(`  tcp, verify on a decode worker:       ${fmtRatio(r.checksumCost.tcpVerifyWorker, false)}`);
+  lines.push("checksum CPU cost (hash at production + verify), CPU time with / without:");
+  lines.push(
+    `  shm ${fmtRatio(r.checksumCpuCost.shm, false)}, tcp ${fmtRatio(r.checksumCpuCost.tcp, false)}`,
+  );
   const h = r.hashGbps;
   lines.push(
     `xxhash64 per page: native ${h.nativeXxh64.median.toFixed(1)} GB/s [${h.nativeXxh64.min.toFixed(1)}–${h.nativeXxh64.max.toFixed(1)}], ` +
@@ -410,7 +491,8 @@ export function formatTransferReport(r: TransferBenchResult): string {
 function positiveInt(name: string): (value: string) => number {
   return (value) => {
     const n = Number(value);
-    if (!Number.isInteger(n) || n < 1) throw new Error(`${name} must be a positive integer: ${value}`);
+    if (!Number.isInteger(n) || n < 1)
+      throw new InvalidArgumentError(`${name} must be a positive integer: ${value}`);
     return n;
   };
 }
@@ -420,13 +502,23 @@ interface TransferCliOptions {
   reps: number;
   warmup: number;
   signalKib: number;
-  paths?: string;
+  chunkPages: number;
+  paths?: PathName[];
   directReads: boolean;
   json?: boolean;
 }
 
+function pathList(value: string): PathName[] {
+  const paths = value.split(",").map((p) => p.trim());
+  const unknown = paths.filter((p) => !(PATHS as readonly string[]).includes(p));
+  if (unknown.length > 0) {
+    throw new InvalidArgumentError(`Unknown path; use ${PATHS.join(", ")}: ${unknown.join(",")}`);
+  }
+  return paths as PathName[];
+}
+
 /** `kvfence bench transfer`. */
-export function command(): Command {
+export function transferCommand(): Command {
   return new Command("transfer")
     .description("KV transfer bandwidth of the shared-memory and TCP transports vs memcpy and a raw socket")
     .option(
@@ -437,27 +529,42 @@ export function command(): Command {
     )
     .option("--reps <n>", "measured repetitions of each path", positiveInt("--reps"), 7)
     .option("--warmup <n>", "warm-up repetitions", positiveInt("--warmup"), 1)
-    .option("--signal-kib <n>", "shared-memory completion signal batch, KiB", positiveInt("--signal-kib"), 64)
-    .option("--paths <list>", `comma-separated subset of: ${PATHS.join(",")}`)
+    .option(
+      "--chunk-pages <n>",
+      "pages per writePages call (a prefill chunk)",
+      positiveInt("--chunk-pages"),
+      16,
+    )
+    .option(
+      "--signal-kib <n>",
+      "shared-memory completion signal batch, KiB",
+      positiveInt("--signal-kib"),
+      1024,
+    )
+    .option("--paths <list>", `comma-separated subset of: ${PATHS.join(",")}`, pathList)
     .option("--no-direct-reads", "TCP receiver copies page bodies through its receive buffer")
     .option("--json", "print the result as JSON")
     .action(async (o: TransferCliOptions) => {
-      const paths = o.paths?.split(",").map((p) => p.trim());
-      const unknown = paths?.filter((p) => !(PATHS as readonly string[]).includes(p)) ?? [];
-      if (unknown.length > 0)
-        throw new Error(`Unknown path in --paths; use ${PATHS.join(", ")}: ${unknown.join(",")}`);
-      const result = await runTransferBench({
-        pages: o.pages,
-        reps: o.reps,
-        warmup: o.warmup,
-        signalBytes: o.signalKib * 1024,
-        directReads: o.directReads,
-        ...(paths === undefined ? {} : { paths: paths as PathName[] }),
-        log: o.json === true ? () => {} : (line) => console.error(line),
-      });
-      console.log(o.json === true ? JSON.stringify(result, null, 2) : formatTransferReport(result));
-      if (result.failures.length > 0) process.exitCode = 1;
+      try {
+        const result = await runTransferBench({
+          pages: o.pages,
+          reps: o.reps,
+          warmup: o.warmup,
+          signalBytes: o.signalKib * 1024,
+          chunkPages: o.chunkPages,
+          directReads: o.directReads,
+          ...(o.paths === undefined ? {} : { paths: o.paths }),
+          log: o.json === true ? () => {} : (line) => process.stderr.write(`${line}\n`),
+        });
+        process.stdout.write(
+          `${o.json === true ? JSON.stringify(result, null, 2) : formatTransferReport(result)}\n`,
+        );
+        if (result.failures.length > 0) process.exitCode = 1;
+      } catch (err) {
+        process.stderr.write(`kvfence bench transfer: ${err instanceof Error ? err.message : String(err)}\n`);
+        process.exitCode = 1;
+      }
     });
 }
 
-if (import.meta.url === `file://${process.argv[1]}`) await command().parseAsync(process.argv);
+if (import.meta.url === `file://${process.argv[1]}`) await transferCommand().parseAsync(process.argv);

@@ -209,14 +209,13 @@ def export_hf(model, out_dir):
 def schedule(step, total):
     """(min_ctx, max_ctx) bytes of context for this step: short first, then the full range."""
     f = step / total
-    if f < 0.10:
-        return 40, 250
-    if f < 0.25:
-        return 40, 500
-    if f < 0.45:
-        return 60, 800
+    if f < 0.15:
+        return 40, 300
+    if f < 0.30:
+        return 40, 600
+    if f < 0.50:
+        return 60, 900
     return 60, 1100
-
 
 def make_batch(seed, step, total, tokens_per_step):
     rng = random.Random(seed * 1_000_003 + step)
@@ -285,10 +284,10 @@ def main():
     ap.add_argument("--out", default="models/kvfence-tiny")
     ap.add_argument("--work", default="/work/scratch/kvfence-tiny")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--steps", type=int, default=2400)
-    ap.add_argument("--tokens-per-step", type=int, default=6144)
+    ap.add_argument("--steps", type=int, default=1300)
+    ap.add_argument("--tokens-per-step", type=int, default=3072)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=150)
     ap.add_argument("--ckpt-every-s", type=float, default=180)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true")

@@ -4,7 +4,7 @@
  * the page checksums.
  */
 import { type MessagePort, workerData } from "node:worker_threads";
-import { pageChecksum } from "../src/transfer/page-checksum.js";
+import { pageChecksumHex } from "../src/transfer/page-checksum.js";
 import { type ShmChannel, ShmTransferWriter } from "../src/transfer/shm-transport.js";
 import type { TransferLease } from "../src/transfer/transport.js";
 import { sourcePage } from "./transfer-fixture.js";
@@ -15,10 +15,10 @@ const { channel, port, lease } = workerData as {
   lease: TransferLease;
 };
 const writer = new ShmTransferWriter(channel, { port, layoutSignature: channel.layoutSignature });
-const checksums: bigint[] = [];
+const checksums: string[] = [];
 for (let i = 0; i < lease.pages.length; i++) {
   const bytes = sourcePage(channel.pageBytes, lease.rid, i);
-  checksums.push(pageChecksum(bytes, lease.rid, lease.epoch, i));
+  checksums.push(pageChecksumHex(bytes, lease.rid, lease.epoch, i));
   await writer.writePages(lease, [{ index: i, bytes, filledTokens: lease.pageSize }]);
 }
 await writer.endLease(lease, lease.pages.length);
@@ -29,6 +29,7 @@ await writer.sendControl({
   epoch: lease.epoch,
   tokenStart: 0,
   tokenEnd,
+  firstToken: 0,
   checksums,
 });
 await writer.close();

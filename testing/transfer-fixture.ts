@@ -32,8 +32,10 @@ export function reserveLease(
   const generations = new Uint32Array(count);
   if (!fx.table.allocate(count, rid, epoch, 0, pages, generations)) throw new Error(`Pool full: ${count}`);
   return {
+    type: "lease",
     rid,
     epoch,
+    incarnation: 0,
     pages: Array.from(pages, (page, i) => ({ page, generation: generations[i]! })),
     pageSize: 16,
     layoutSignature,

@@ -12,9 +12,13 @@ const program = new Command("kvfence")
 // One line per subcommand file (kept sorted). Each module exports `command(): Command`.
 const commands: Array<() => Promise<{ command(): Command }>> = [
   // cli-commands:begin
+  () => import("./bench.js"),
+  () => import("./check.js"),
   () => import("./gen-model.js"),
+  () => import("./generate.js"),
   () => import("./preflight.js"),
   () => import("./probe.js"),
+  () => import("./serve.js"),
   // cli-commands:end
 ];
 

@@ -182,7 +182,7 @@ test("Engine refuses a request over the context at the door, allocating nothing"
   assert.equal(ok.outcome.tokens.length, 10);
 });
 
-test("Engine refuses bad requests: duplicate rid, empty prompt, token out of vocabulary, zero max_tokens", () => {
+test("Engine refuses bad requests: duplicate rid, empty prompt, token out of vocabulary, zero max_tokens, bad sampling", () => {
   const engine = makeEngine();
   const first = recorder();
   engine.submit(request(1, [1, 2], 2), first.events);
@@ -191,6 +191,8 @@ test("Engine refuses bad requests: duplicate rid, empty prompt, token out of voc
     request(2, [], 2),
     request(3, [1, 64], 2),
     request(4, [1], 0),
+    request(5, [1], 2, { temperature: -1 }),
+    request(6, [1], 2, { topP: 0 }),
   ];
   for (const r of cases) {
     const rec = recorder();

@@ -36,9 +36,9 @@ import { KvfenceError } from "../lib/errors.js";
 import { Prng } from "../lib/prng.js";
 import type { StepSequence } from "../model/forward.js";
 import type { ModelConfig } from "../model/model-config.js";
+import { Sampler } from "../model/sampler.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
 import type { EngineCapacity, EngineStats, GenerationEvents, GenerationRequest } from "./engine-types.js";
-import { sampleToken } from "./sampler-shim.js";
 
 /** What the engine needs from the forward pass (`ForwardPass` implements it). */
 export interface StepModel {
@@ -138,6 +138,7 @@ export class Engine {
   readonly #contextTokens: number;
   readonly #tagCheck: boolean;
   readonly #seeds: Prng;
+  readonly #sampler: Sampler;
   readonly #byRid = new Map<number, Sequence>();
   readonly #waiting: Sequence[] = [];
   readonly #running: Sequence[] = [];
@@ -192,6 +193,7 @@ export class Engine {
     this.#maxSequences = model.maxSequences;
     this.#contextTokens = Math.min(maxModelLen, pool.capacityTokens);
     this.#tagCheck = guardOn(options.safety ?? SAFE, "page-tags");
+    this.#sampler = new Sampler(config.vocabSize);
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
     this.capacity = Object.freeze({ poolTokens: pool.capacityTokens, pageSize: pool.pageSize, maxModelLen });
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
@@ -348,7 +350,7 @@ export class Engine {
       const logits = seq.step.logits;
       if (seq.state !== RUNNING || logits === null || seq.computed !== seq.length) continue;
       const r = seq.request;
-      const token = sampleToken(logits, r.temperature, r.topP, r.topK, seq.rng);
+      const token = this.#sampler.sample(logits, r, seq.rng);
       seq.tokens[seq.length++] = token;
       seq.generated++;
       this.#counters.completionTokens++;
@@ -442,6 +444,12 @@ export class Engine {
         message: `This model's maximum context length is ${this.#contextTokens} tokens, but the request needs ${promptLength} prompt tokens plus ${r.maxTokens} max_tokens: ${total}; shorten the prompt or lower max_tokens`,
         param: "messages",
       };
+    }
+    try {
+      Sampler.validate(r);
+    } catch (err) {
+      if (err instanceof KvfenceError) return err.toWire();
+      throw err;
     }
     const vocab = this.#model.config.vocabSize;
     for (let i = 0; i < promptLength; i++) {

@@ -17,16 +17,8 @@
  * Logits are computed only for sequences that ask for them (non-null `logits`), from their last
  * token: those rows are gathered, normed and multiplied by the LM head as one small matmul.
  */
-import {
-  add,
-  addBias,
-  matmul,
-  pagedAttention,
-  rmsnorm,
-  rope,
-  ropeTables,
-  swiglu,
-} from "../kernels/reference.js";
+import { type Kernels, referenceKernels } from "../kernels/kernels.js";
+import { ropeTables } from "../kernels/reference.js";
 import { type KvLayout, pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
@@ -47,6 +39,8 @@ export interface ForwardPassOptions {
   maxBatchTokens: number;
   /** Most sequences one step may carry. */
   maxSequences: number;
+  /** The kernels (and the allocator of the activation buffers); default the TypeScript reference. */
+  kernels?: Kernels;
 }
 
 export class ForwardPass {
@@ -55,6 +49,7 @@ export class ForwardPass {
   readonly maxBatchTokens: number;
   readonly maxSequences: number;
   #weights: ModelWeights;
+  #kernels: Kernels;
   #pageFloats: number;
   #cos: Float64Array;
   #sin: Float64Array;
@@ -113,27 +108,29 @@ export class ForwardPass {
     this.maxBatchTokens = maxBatchTokens;
     this.maxSequences = maxSequences;
     this.#weights = weights;
+    const kernels = options.kernels ?? referenceKernels;
+    this.#kernels = kernels;
     this.#pageFloats = pageFloats(layout);
     const { hiddenSize: hidden, numHeads, numKvHeads, headDim, intermediateSize, vocabSize } = config;
     const maxPos = config.maxPositionEmbeddings;
-    this.#cos = new Float64Array(maxPos * (headDim >> 1));
-    this.#sin = new Float64Array(maxPos * (headDim >> 1));
+    this.#cos = kernels.allocF64(maxPos * (headDim >> 1));
+    this.#sin = kernels.allocF64(maxPos * (headDim >> 1));
     ropeTables(this.#cos, this.#sin, maxPos, headDim, config.ropeTheta);
     const t = maxBatchTokens;
-    this.#x = new Float32Array(t * hidden);
-    this.#xn = new Float32Array(t * hidden);
-    this.#q = new Float32Array(t * numHeads * headDim);
-    this.#k = new Float32Array(t * numKvHeads * headDim);
-    this.#v = new Float32Array(t * numKvHeads * headDim);
-    this.#attn = new Float32Array(t * numHeads * headDim);
-    this.#proj = new Float32Array(t * hidden);
-    this.#gate = new Float32Array(t * intermediateSize);
-    this.#up = new Float32Array(t * intermediateSize);
-    this.#positions = new Int32Array(t);
-    this.#scratch = new Float64Array(headDim + maxPos);
+    this.#x = kernels.allocF32(t * hidden);
+    this.#xn = kernels.allocF32(t * hidden);
+    this.#q = kernels.allocF32(t * numHeads * headDim);
+    this.#k = kernels.allocF32(t * numKvHeads * headDim);
+    this.#v = kernels.allocF32(t * numKvHeads * headDim);
+    this.#attn = kernels.allocF32(t * numHeads * headDim);
+    this.#proj = kernels.allocF32(t * hidden);
+    this.#gate = kernels.allocF32(t * intermediateSize);
+    this.#up = kernels.allocF32(t * intermediateSize);
+    this.#positions = kernels.allocI32(t);
+    this.#scratch = kernels.allocF64(headDim + maxPos);
     this.#epsBox = [config.rmsNormEps, null];
-    this.#lastRows = new Float32Array(maxSequences * hidden);
-    this.#logitRows = new Float32Array(maxSequences * vocabSize);
+    this.#lastRows = kernels.allocF32(maxSequences * hidden);
+    this.#logitRows = kernels.allocF32(maxSequences * vocabSize);
   }
 
   /**
@@ -146,6 +143,7 @@ export class ForwardPass {
     const numSeqs = sequences.length;
     const total = this.#checkStep(pool, sequences);
     if (total === 0) return;
+    const { add, addBias, matmul, pagedAttention, rmsnorm, rope, swiglu } = this.#kernels;
 
     // Embeddings and positions.
     const embed = this.#weights.embed;

@@ -3,8 +3,16 @@ import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { test } from "node:test";
+import { fileURLToPath } from "node:url";
 import { command } from "../cli/gen-model.js";
-import { fillRandom, genModel, llamaConfigJson, MODEL_SHAPES } from "./gen-model.js";
+import {
+  byteLevelTokenizerJson,
+  chatmlTokenizerConfig,
+  fillRandom,
+  genModel,
+  llamaConfigJson,
+  MODEL_SHAPES,
+} from "./gen-model.js";
 import { loadModel } from "./load-model.js";
 
 function withTempDir<T>(fn: (dir: string) => T): T {
@@ -130,6 +138,10 @@ test("genModel() refuses an unknown model and a non-integer seed", () => {
     code: "invalid_request",
     message: /^Unknown model to imitate: gpt5; choose one of smollm2-135m, tiny$/,
   });
+  assert.throws(() => genModel("/dev/null/model", { like: "tiny", seed: 1 }), {
+    code: "invalid_request",
+    message: /^Cannot create the model folder, pick a writable path: \/dev\/null\/model: ENOTDIR/,
+  });
   assert.throws(() => genModel("/nonexistent", { like: "tiny", seed: 1.5 }), {
     code: "invalid_request",
     message: "Seed must be an integer: 1.5",
@@ -161,4 +173,11 @@ test("kvfence gen-model --like tiny writes a loadable folder", async () => {
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
+});
+
+test("byteLevelTokenizerJson() and chatmlTokenizerConfig() match the files of the bundled tiny models", () => {
+  const dir = fileURLToPath(new URL("../../../models/tiny-qwen2", import.meta.url));
+  const read = (name: string) => JSON.parse(readFileSync(join(dir, name), "utf8")) as unknown;
+  assert.deepEqual(byteLevelTokenizerJson(259), read("tokenizer.json"));
+  assert.deepEqual(chatmlTokenizerConfig(2048), read("tokenizer_config.json"));
 });

@@ -6,9 +6,10 @@
  * byte-level BPE tokenizer.json with ChatML special tokens, tokenizer_config.json with a ChatML
  * chat template, and model.safetensors in f32. Every tensor gets its own data from one seeded
  * xorshift32 stream (splitmix32-seeded per tensor): linear weights uniform with std 0.02, norms
- * 1 ± 0.05, biases std 0.02. The tokenizer has 3 special tokens, the 256 byte tokens and
- * then filler tokens (" a", " b", ..., " zz", ...) up to the config's vocabulary, so every id decodes to
- * readable text even though nothing was trained.
+ * 1 ± 0.05, biases std 0.02. The tokenizer is the one of kvfence-tiny and tiny-qwen2
+ * (scripts/tokenizer_files.py): ids 0–255 are the bytes, 256–258 `<|endoftext|>`, `<|im_start|>`,
+ * `<|im_end|>`; then filler tokens (" a", " b", ..., " zz", ...) up to the config's vocabulary, so
+ * every id decodes to readable text even though nothing was trained.
  */
 import { closeSync, mkdirSync, openSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
@@ -64,8 +65,10 @@ export const MODEL_SHAPES: Readonly<Record<string, ModelShape>> = {
 };
 
 export const SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] as const;
-/** Number of ids before the filler tokens: the specials and the 256 byte tokens. */
-export const BYTE_TOKENIZER_BASE = SPECIAL_TOKENS.length + 256;
+/** Id of the first special token (the 256 byte tokens come first). */
+export const FIRST_SPECIAL_ID = 256;
+/** Number of ids before the filler tokens: the 256 byte tokens and the specials. */
+export const BYTE_TOKENIZER_BASE = 256 + SPECIAL_TOKENS.length;
 
 /** ChatML, as used by SmolLM2-Instruct and kvfence-tiny. */
 export const CHATML_TEMPLATE =
@@ -92,8 +95,9 @@ export function llamaConfigJson(shape: ModelShape): Record<string, unknown> {
     hidden_act: "silu",
     attention_bias: false,
     mlp_bias: false,
-    bos_token_id: 1,
-    eos_token_id: 2,
+    bos_token_id: 256,
+    eos_token_id: 258,
+    pad_token_id: 256,
     torch_dtype: "float32",
   };
 }
@@ -109,9 +113,9 @@ function fillerToken(index: number): string {
 }
 
 /**
- * A byte-level BPE tokenizer.json: ids 0–2 are `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then
- * the 256 bytes, then filler tokens up to `vocabSize` (which must be at least 259). There are no
- * merges, so text encodes one token per byte.
+ * A byte-level BPE tokenizer.json: ids 0–255 are the bytes (id = byte value), 256–258 are
+ * `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then filler tokens up to `vocabSize` (which must be
+ * at least 259). There are no merges, so text encodes one token per byte.
  */
 export function byteLevelTokenizerJson(vocabSize: number): Record<string, unknown> {
   if (vocabSize < BYTE_TOKENIZER_BASE)
@@ -120,17 +124,14 @@ export function byteLevelTokenizerJson(vocabSize: number): Record<string, unknow
       `Vocabulary must hold at least ${BYTE_TOKENIZER_BASE} tokens: ${vocabSize}`,
     );
   const vocab: Record<string, number> = {};
-  SPECIAL_TOKENS.forEach((t, i) => {
-    vocab[t] = i;
-  });
-  for (let b = 0; b < 256; b++) vocab[BYTE_TO_CHAR[b] as string] = SPECIAL_TOKENS.length + b;
+  for (let b = 0; b < 256; b++) vocab[BYTE_TO_CHAR[b] as string] = b;
   for (let id = BYTE_TOKENIZER_BASE; id < vocabSize; id++) vocab[fillerToken(id - BYTE_TOKENIZER_BASE)] = id;
   return {
     version: "1.0",
     truncation: null,
     padding: null,
-    added_tokens: SPECIAL_TOKENS.map((content, id) => ({
-      id,
+    added_tokens: SPECIAL_TOKENS.map((content, i) => ({
+      id: FIRST_SPECIAL_ID + i,
       content,
       single_word: false,
       lstrip: false,
@@ -139,9 +140,9 @@ export function byteLevelTokenizerJson(vocabSize: number): Record<string, unknow
       special: true,
     })),
     normalizer: null,
-    pre_tokenizer: { type: "ByteLevel", add_prefix_space: false, trim_offsets: true, use_regex: true },
-    post_processor: { type: "ByteLevel", add_prefix_space: true, trim_offsets: false, use_regex: true },
-    decoder: { type: "ByteLevel", add_prefix_space: true, trim_offsets: true, use_regex: true },
+    pre_tokenizer: { type: "ByteLevel", add_prefix_space: false, trim_offsets: false, use_regex: false },
+    post_processor: null,
+    decoder: { type: "ByteLevel", add_prefix_space: false, trim_offsets: false, use_regex: false },
     model: {
       type: "BPE",
       dropout: null,
@@ -157,30 +158,38 @@ export function byteLevelTokenizerJson(vocabSize: number): Record<string, unknow
   };
 }
 
-/** tokenizer_config.json for the byte-level ChatML tokenizer. */
-export function chatmlTokenizerConfig(): Record<string, unknown> {
+/** tokenizer_config.json for the byte-level ChatML tokenizer (as kvfence-tiny's). */
+export function chatmlTokenizerConfig(modelMaxLength = 2048): Record<string, unknown> {
   return {
-    tokenizer_class: "GPT2Tokenizer",
-    bos_token: "<|im_start|>",
-    eos_token: "<|im_end|>",
-    pad_token: "<|endoftext|>",
-    unk_token: "<|endoftext|>",
-    add_bos_token: false,
-    clean_up_tokenization_spaces: false,
-    model_max_length: 8192,
-    chat_template: CHATML_TEMPLATE,
+    tokenizer_class: "PreTrainedTokenizerFast",
     added_tokens_decoder: Object.fromEntries(
-      SPECIAL_TOKENS.map((content, id) => [
-        String(id),
+      SPECIAL_TOKENS.map((content, i) => [
+        String(FIRST_SPECIAL_ID + i),
         { content, lstrip: false, normalized: false, rstrip: false, single_word: false, special: true },
       ]),
     ),
+    additional_special_tokens: ["<|im_start|>", "<|im_end|>"],
+    bos_token: null,
+    eos_token: "<|im_end|>",
+    pad_token: "<|endoftext|>",
+    unk_token: null,
+    add_bos_token: false,
+    add_eos_token: false,
+    clean_up_tokenization_spaces: false,
+    model_max_length: modelMaxLength,
+    chat_template: CHATML_TEMPLATE,
   };
 }
 
-/** generation_config.json for generated models (ends at <|im_end|> or <|endoftext|>). */
+/** generation_config.json for generated models: greedy, ends at <|im_end|> or <|endoftext|>. */
 export function generationConfigJson(): Record<string, unknown> {
-  return { bos_token_id: 1, eos_token_id: [2, 0], temperature: 0.7, top_p: 0.9, max_new_tokens: 256 };
+  return {
+    bos_token_id: 256,
+    eos_token_id: [258, 256],
+    pad_token_id: 256,
+    do_sample: false,
+    max_new_tokens: 256,
+  };
 }
 
 /** The ModelConfig a shape implies (Llama, no biases). */
@@ -199,8 +208,8 @@ export function shapeToConfig(shape: ModelShape): ModelConfig {
     attentionBias: false,
     maxPositionEmbeddings: shape.maxPositionEmbeddings,
     vocabSize: shape.vocabSize,
-    bosTokenId: 1,
-    eosTokenIds: [2, 0],
+    bosTokenId: 256,
+    eosTokenIds: [258, 256],
   };
 }
 
@@ -253,13 +262,23 @@ export function genModel(dir: string, options: GenModelOptions): { bytes: number
   }
   if (!Number.isSafeInteger(options.seed))
     throw new KvfenceError("invalid_request", `Seed must be an integer: ${options.seed}`, { param: "seed" });
-  mkdirSync(dir, { recursive: true });
+  try {
+    mkdirSync(dir, { recursive: true });
+  } catch (err) {
+    throw new KvfenceError(
+      "invalid_request",
+      `Cannot create the model folder, pick a writable path: ${dir}: ${(err as Error).message}`,
+      {
+        cause: err,
+      },
+    );
+  }
   const writeJson = (name: string, value: unknown) =>
     writeFileSync(join(dir, name), `${JSON.stringify(value, null, 2)}\n`);
   writeJson("config.json", llamaConfigJson(shape));
   writeJson("generation_config.json", generationConfigJson());
   writeJson("tokenizer.json", byteLevelTokenizerJson(shape.vocabSize));
-  writeJson("tokenizer_config.json", chatmlTokenizerConfig());
+  writeJson("tokenizer_config.json", chatmlTokenizerConfig(shape.maxPositionEmbeddings));
 
   const tensors = [...expectedTensors(shapeToConfig(shape))].map(([name, dims]) => ({
     name,

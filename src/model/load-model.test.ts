@@ -3,9 +3,10 @@ import { mkdtempSync, readFileSync, rmSync, truncateSync, writeFileSync } from "
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { test } from "node:test";
+import { fileURLToPath } from "node:url";
 import { type ModelFolderOptions, rawSafetensors, writeModelFolder } from "../../testing/model-folder.js";
 import { KvfenceError } from "../lib/errors.js";
-import { type LoadProgress, loadModel } from "./load-model.js";
+import { formatLoadProgress, type LoadProgress, loadModel } from "./load-model.js";
 import { encodeTensorData, type TensorToWrite } from "./safetensors.js";
 
 /** Builds a folder, runs `fn` on it, and removes it. */
@@ -78,7 +79,7 @@ test("loadModel() loads a Llama folder with every tensor in place", () => {
     assert.notEqual(model.weights.lmHead, model.weights.embed);
     assert.equal(model.tokenizer.decode(model.tokenizer.encode("hello")), "hello");
     assert.ok(model.chatTemplate !== null);
-    assert.equal(model.generationDefaults.temperature, 0.7);
+    assert.equal(model.generationDefaults.temperature, 0);
     assert.match(model.name, /^kvfence-model-/);
   });
 });
@@ -144,6 +145,7 @@ test("loadModel() reports progress per chunk and tensor up to the totals", () =>
     assert.equal(last.tensorsTotal, 1 + 2 * 9 + 2);
     assert.equal(last.bytesRead, last.totalBytes);
     assert.equal(new Set(events.map((e) => e.file)).size, 2);
+    assert.match(formatLoadProgress(last), /^loading weights: 100% \([\d.]+ of [\d.]+ MB, 21\/21 tensors\)$/);
     for (let i = 1; i < events.length; i++) {
       assert.ok((events[i]?.tensorsLoaded ?? 0) >= (events[i - 1]?.tensorsLoaded ?? 0));
       assert.ok((events[i]?.bytesRead ?? 0) >= (events[i - 1]?.bytesRead ?? 0));
@@ -374,12 +376,26 @@ test("loadModel() names a missing tokenizer.json", () => {
   );
 });
 
+test("loadModel() refuses a tokenizer with ids beyond the config's vocabulary", () => {
+  withFolder({}, (dir) => {
+    const json = JSON.parse(readFileSync(join(dir, "tokenizer.json"), "utf8")) as {
+      model: { vocab: Record<string, number> };
+    };
+    json.model.vocab.Ġzzz = 300;
+    writeFileSync(join(dir, "tokenizer.json"), JSON.stringify(json));
+    assert.throws(() => loadModel(dir), {
+      code: "bad_model_folder",
+      message: `Bad model folder: ${join(dir, "tokenizer.json")}: tokenizer has token ids up to 300 but config.json has vocab_size 300; the tokenizer does not belong to this model`,
+    });
+  });
+});
+
 test("loadModel() works without tokenizer_config.json and generation_config.json", () => {
   withFolder({ files: { "tokenizer_config.json": null, "generation_config.json": null } }, (dir) => {
     const model = loadModel(dir);
     assert.equal(model.chatTemplate, null);
     assert.deepEqual(model.generationDefaults, { eosTokenIds: [] });
-    assert.deepEqual(model.config.eosTokenIds, [2]);
+    assert.deepEqual(model.config.eosTokenIds, [258]);
   });
 });
 
@@ -393,4 +409,26 @@ test("loadModel() reports an empty folder as a bad_model_folder KvfenceError", (
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
+});
+
+const TINY_QWEN2 = fileURLToPath(new URL("../../../models/tiny-qwen2", import.meta.url));
+
+test("loadModel() loads the bundled models/tiny-qwen2 (BF16, two shards, q/k/v biases)", () => {
+  const json = JSON.parse(readFileSync(join(TINY_QWEN2, "config.json"), "utf8")) as Record<string, number>;
+  const model = loadModel(TINY_QWEN2);
+  assert.equal(model.name, "tiny-qwen2");
+  assert.equal(model.config.architecture, "qwen2");
+  assert.equal(model.config.attentionBias, true);
+  assert.equal(model.config.hiddenSize, json.hidden_size);
+  assert.equal(model.config.ropeTheta, json.rope_theta);
+  assert.equal(model.config.vocabSize, json.vocab_size);
+  assert.ok(model.config.eosTokenIds.includes(258), "<|im_end|> ends generation");
+  assert.equal(model.weights.layers.length, json.num_hidden_layers);
+  assert.equal(model.weights.layers[0]?.qBias?.length, model.config.numHeads * model.config.headDim);
+  assert.notEqual(model.weights.lmHead, model.weights.embed);
+  assert.ok(model.weights.embed.some((x) => x !== 0));
+  const prompt = model.chatTemplate?.render([{ role: "user", content: "hé" }]) ?? "";
+  const ids = Array.from(model.tokenizer.encode(prompt, { addSpecialTokens: false }));
+  const bytes = (text: string) => Array.from(new TextEncoder().encode(text));
+  assert.deepEqual(ids, [257, ...bytes("user\nhé"), 258, 10, 257, ...bytes("assistant\n")]);
 });

@@ -34,6 +34,13 @@ export interface LoadProgress {
   readonly tensorsTotal: number;
 }
 
+/** A one-line progress text, e.g. `loading weights: 42% (226.0 of 538.1 MB, 120/272 tensors)`. */
+export function formatLoadProgress(p: LoadProgress): string {
+  const percent = p.totalBytes === 0 ? 100 : Math.floor((p.bytesRead / p.totalBytes) * 100);
+  const mb = (bytes: number) => (bytes / 1e6).toFixed(1);
+  return `loading weights: ${percent}% (${mb(p.bytesRead)} of ${mb(p.totalBytes)} MB, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`;
+}
+
 export interface LoadModelOptions {
   /** Called after each chunk read and each tensor converted. */
   readonly onProgress?: (progress: LoadProgress) => void;
@@ -151,6 +158,13 @@ export function loadModel(dir: string, options?: LoadModelOptions): LoadedModel 
 
   const config = loadModelConfig(root);
   const tokenizer = ModelTokenizer.fromFolder(root);
+  const numIds = tokenizer.numIds;
+  if (numIds > config.vocabSize) {
+    throw badModelFolder(
+      join(root, "tokenizer.json"),
+      `tokenizer has token ids up to ${numIds - 1} but config.json has vocab_size ${config.vocabSize}; the tokenizer does not belong to this model`,
+    );
+  }
   const chatTemplate = loadChatTemplate(root, tokenizer);
   const generationDefaults = loadGenerationDefaults(root);
   const weights = loadWeights(root, config, options);

@@ -105,11 +105,11 @@ describe("Sampler", () => {
   it("Sampler.validate() rejects out-of-range parameters", () => {
     assert.throws(() => Sampler.validate({ temperature: -1, topK: 0, topP: 1 }), {
       code: "invalid_request",
-      message: /temperature.*: -1/,
+      message: /Temperature.*: -1/,
     });
-    assert.throws(() => Sampler.validate({ temperature: 1, topK: 1.5, topP: 1 }), { message: /top_k/ });
+    assert.throws(() => Sampler.validate({ temperature: 1, topK: 1.5, topP: 1 }), { message: /Top-k/ });
     assert.throws(() => Sampler.validate({ temperature: 1, topK: 0, topP: 0 }), {
-      message: /top_p must be in \(0, 1\]: 0/,
+      message: /Top-p must be in \(0, 1\]: 0/,
     });
     Sampler.validate({ temperature: 0.7, topK: 40, topP: 0.95 });
   });

@@ -55,17 +55,17 @@ export class Sampler {
   static validate(params: SamplingParams): void {
     const { temperature, topK, topP } = params;
     if (!Number.isFinite(temperature) || temperature < 0) {
-      throw new KvfenceError("invalid_request", `temperature must be a finite number ≥ 0: ${temperature}`, {
+      throw new KvfenceError("invalid_request", `Temperature must be a finite number ≥ 0: ${temperature}`, {
         param: "temperature",
       });
     }
     if (!Number.isInteger(topK) || topK < 0) {
-      throw new KvfenceError("invalid_request", `top_k must be an integer ≥ 0 (0 disables): ${topK}`, {
+      throw new KvfenceError("invalid_request", `Top-k must be an integer ≥ 0 (0 disables): ${topK}`, {
         param: "top_k",
       });
     }
     if (!(topP > 0 && topP <= 1)) {
-      throw new KvfenceError("invalid_request", `top_p must be in (0, 1]: ${topP}`, { param: "top_p" });
+      throw new KvfenceError("invalid_request", `Top-p must be in (0, 1]: ${topP}`, { param: "top_p" });
     }
   }
 

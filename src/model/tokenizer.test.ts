@@ -16,7 +16,7 @@ import {
 const MULTIBYTE = "héllo 世界 🎉 ok";
 
 function byteLevel(): ModelTokenizer {
-  return new ModelTokenizer(byteLevelTokenizerJson(300), chatmlTokenizerConfig(), "mem");
+  return new ModelTokenizer(byteLevelTokenizerJson(300), chatmlTokenizerConfig());
 }
 
 /** A Llama-2-style SentencePiece tokenizer with byte fallback (not byte-level). */
@@ -83,7 +83,7 @@ function byteFallback(): ModelTokenizer {
       merges: ["▁ h", "▁ o"],
     },
   };
-  return new ModelTokenizer(json, { bos_token: "<s>", eos_token: "</s>" }, "mem");
+  return new ModelTokenizer(json, { bos_token: "<s>", eos_token: "</s>" });
 }
 
 function streamAll(decoder: StreamDecoder, ids: ArrayLike<number>): string[] {
@@ -103,10 +103,10 @@ test("ModelTokenizer.encode() returns an Int32Array that decode() turns back int
 
 test("ModelTokenizer.decode() drops special tokens unless asked to keep them", () => {
   const tok = byteLevel();
-  const ids = [1, ...tok.encode("hi"), 2];
+  const ids = [257, ...tok.encode("hi"), 258];
   assert.equal(tok.decode(ids), "hi");
   assert.equal(tok.decode(ids, { skipSpecialTokens: false }), "<|im_start|>hi<|im_end|>");
-  assert.ok(tok.isSpecial(2));
+  assert.ok(tok.isSpecial(258));
   assert.ok(!tok.isSpecial(100));
 });
 
@@ -127,10 +127,10 @@ test("ModelTokenizer.streamDecoder() holds a split multibyte character until it 
 
 test("ModelTokenizer.streamDecoder() skips special tokens and decodes filler ids like decode()", () => {
   const tok = byteLevel();
-  const ids = [1, ...tok.encode("a"), 259, 299, 2];
+  const ids = [257, ...tok.encode("a"), 259, 299, 258];
   assert.equal(streamAll(tok.streamDecoder(), ids).join(""), tok.decode(ids));
   assert.equal(
-    streamAll(tok.streamDecoder({ skipSpecialTokens: false }), [1, 2]).join(""),
+    streamAll(tok.streamDecoder({ skipSpecialTokens: false }), [257, 258]).join(""),
     "<|im_start|><|im_end|>",
   );
 });
@@ -154,6 +154,8 @@ test("ModelTokenizer.streamDecoder() holds byte-fallback pieces and keeps spaces
     JSON.stringify(pieces),
   );
   assert.equal(pieces.join(""), text);
+  const long = `${"ok hi 世界 ".repeat(30)}end`;
+  assert.equal(streamAll(tok.streamDecoder(), tok.encode(long, { addSpecialTokens: false })).join(""), long);
   const partial = tok.streamDecoder();
   const bytes = tok.encode("世", { addSpecialTokens: false }).filter((id) => id >= 3 && id < 259);
   assert.equal(bytes.length, 3);
@@ -180,8 +182,8 @@ test("ChatTemplate.render() output encodes special tokens to their special ids",
   const ids = Array.from(tok.encode(text, { addSpecialTokens: false }));
   const start = tok.tokenId("<|im_start|>");
   const end = tok.tokenId("<|im_end|>");
-  assert.equal(start, 1);
-  assert.equal(end, 2);
+  assert.equal(start, 257);
+  assert.equal(end, 258);
   assert.equal(ids.filter((id) => id === start).length, 3);
   assert.equal(ids.filter((id) => id === end).length, 2);
   assert.equal(ids[0], start);
@@ -291,4 +293,14 @@ test("ModelTokenizer.fromFolder() names a missing tokenizer.json", () => {
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
+});
+
+test("ModelTokenizer names its file when tokenizer.json describes no usable tokenizer", () => {
+  assert.throws(
+    () => new ModelTokenizer({ model: { type: "NoSuchModel" } }, {}, { label: "/m/tokenizer.json" }),
+    {
+      code: "bad_model_folder",
+      message: /^Bad model folder: \/m\/tokenizer\.json: cannot build the tokenizer: /,
+    },
+  );
 });

@@ -68,7 +68,8 @@ export class ModelTokenizer {
   readonly #encoder = new TextEncoder();
 
   /** Builds a tokenizer from parsed tokenizer.json and tokenizer_config.json; `label` names them in errors. */
-  constructor(tokenizerJson: unknown, tokenizerConfig: unknown, label: string) {
+  constructor(tokenizerJson: unknown, tokenizerConfig: unknown, options?: { label?: string }) {
+    const label = options?.label ?? "tokenizer.json";
     const config = (
       typeof tokenizerConfig === "object" && tokenizerConfig !== null ? tokenizerConfig : {}
     ) as TokenizerConfigJson;
@@ -95,7 +96,7 @@ export class ModelTokenizer {
     const path = join(dir, "tokenizer.json");
     const json = readJsonFile(path);
     const config = readJsonFile(join(dir, "tokenizer_config.json"), { optional: true }) ?? {};
-    return new ModelTokenizer(json, config, path);
+    return new ModelTokenizer(json, config, { label: path });
   }
 
   /**
@@ -113,6 +114,13 @@ export class ModelTokenizer {
     const list = Array.from(ids).filter((id) => this.#tokenizer.id_to_token(id) !== undefined);
     if (list.length === 0) return "";
     return this.#tokenizer.decode(list, { skip_special_tokens: options?.skipSpecialTokens ?? true });
+  }
+
+  /** One more than the largest token id (model vocabulary plus added tokens). */
+  get numIds(): number {
+    let max = -1;
+    for (const id of this.#tokenizer.get_vocab(true).values()) if (id > max) max = id;
+    return max + 1;
   }
 
   /** The id of a token string (e.g. "<|im_end|>"), or undefined. */

@@ -13,8 +13,9 @@
  * - **step**: each decode step checks the page tags of every page it reads (`checkRead`: READY,
  *   this lease, this attempt's writer stamp; the page receiving this step's token is checked with
  *   `checkWrite` when fresh) and stamps the page it writes.
- * - **abort / failure** before commit: the leased pages go QUARANTINED (prefill may still be
- *   writing into them) and leave only on prefill's ABORT_ACK for this attempt or a fence (prefill's
+ * - **abort / failure** before commit: the abort is relayed to prefill, and the leased pages go
+ *   QUARANTINED (prefill may still be writing into them) and leave only on prefill's ABORT_ACK for
+ *   this attempt or a fence (prefill's
  *   connection closed or worker gone). An ack that arrives before the abort is remembered: it means
  *   prefill will never write for that attempt. After commit every write has drained (prefill sends
  *   the manifest last), so pages are freed at once.
@@ -53,6 +54,8 @@ export interface DecodeAttempt {
 }
 
 export interface DecodeState {
+  /** This node's incarnation (boot count or boot id), stamped on every lease. */
+  incarnation: number;
   attempts: Record<string, DecodeAttempt>;
   /** Tombstones of attempts that ended here (or were aborted before they arrived). */
   ended: Record<string, 1>;
@@ -71,8 +74,8 @@ export type DecodeEvent =
   /** Only with the `quarantine` guard disabled: the deferred-release timer fired. */
   | { readonly type: "quarantine_timeout"; readonly rid: number; readonly epoch: number };
 
-export function initialDecodeState(): DecodeState {
-  return { attempts: {}, ended: {}, acks: {}, stale: 0, tagFailures: 0 };
+export function initialDecodeState(incarnation: number): DecodeState {
+  return { incarnation, attempts: {}, ended: {}, acks: {}, stale: 0, tagFailures: 0 };
 }
 
 // Scratch for OwnershipTable.allocate, grown on demand (no allocation per call in steady state).
@@ -189,6 +192,7 @@ function reserve(
       pages: lease,
       pageSize: P,
       layoutSignature: config.layoutSignature,
+      incarnation: state.incarnation,
     },
   });
 }
@@ -201,7 +205,7 @@ function reject(state: DecodeState, msg: ReserveRequest, error: WireError, out: 
 function manifest(state: DecodeState, msg: Manifest, pool: KvPool, safety: Safety, out: Effects): void {
   let key = attemptKey(msg.rid, msg.epoch);
   let a = state.attempts[key];
-  if (a === undefined && faultOn(safety, "stale-commit")) {
+  if (faultOn(safety, "stale-commit") && (a === undefined || a.phase !== "reserved")) {
     // The fault: match the manifest by request id alone, as a metadata slot keyed by rid would.
     for (const k in state.attempts) {
       const candidate = state.attempts[k]!;
@@ -346,10 +350,19 @@ function abort(state: DecodeState, key: string, pool: KvPool, safety: Safety, ou
     return;
   }
   if (a.phase === "quarantined") return;
-  if (a.phase === "decoding" || faultOn(safety, "early-free")) {
+  if (a.phase === "decoding") {
+    // Committed: prefill's writes all drained before its manifest.
     freeAll(a, pool);
     end(state, key);
-  } else quarantineOrFree(state, key, a, pool);
+  } else {
+    // Relay the abort: prefill stops writing and acknowledges once its writes drained.
+    out.push({ kind: "send", to: "prefill", msg: { type: "abort", rid: a.rid, epoch: a.epoch } });
+    if (faultOn(safety, "early-free")) {
+      // The fault (SGLang #24527): free at once, without waiting for the ack.
+      freeAll(a, pool);
+      end(state, key);
+    } else quarantineOrFree(state, key, a, pool);
+  }
   out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
 }
 

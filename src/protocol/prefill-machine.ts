@@ -47,6 +47,8 @@ export interface PrefillAttempt {
 }
 
 export interface PrefillState {
+  /** The incarnation of the decode node this prefill node is connected to now. */
+  decodeIncarnation: number;
   attempts: Record<string, PrefillAttempt>;
   ended: Record<string, 1>;
   stale: number;
@@ -59,10 +61,12 @@ export type PrefillEvent =
   /** The transport finished one page write (it landed, or the receiver dropped it). */
   | { readonly type: "write_done"; readonly rid: number; readonly epoch: number; readonly index: number }
   /** Decode is fenced: its connection closed or its worker terminated. */
-  | { readonly type: "peer_lost"; readonly role: "decode" };
+  | { readonly type: "peer_lost"; readonly role: "decode" }
+  /** Connected (again) to a decode node of this incarnation. */
+  | { readonly type: "peer_up"; readonly role: "decode"; readonly incarnation: number };
 
-export function initialPrefillState(): PrefillState {
-  return { attempts: {}, ended: {}, stale: 0 };
+export function initialPrefillState(decodeIncarnation: number): PrefillState {
+  return { decodeIncarnation, attempts: {}, ended: {}, stale: 0 };
 }
 
 let scratchPages = new Int32Array(64);
@@ -122,6 +126,9 @@ export function prefillStep(
         end(state, key);
       }
       return;
+    case "peer_up":
+      state.decodeIncarnation = event.incarnation;
+      return;
   }
 }
 
@@ -146,6 +153,18 @@ function prefill(
       {
         code: "layout_mismatch",
         message: `The decode node's KV layout differs from this prefill node's (${config.layoutSignature}, page ${P}): ${msg.lease.layoutSignature}, page ${msg.lease.pageSize}`,
+      },
+      out,
+    );
+    return;
+  }
+  if (msg.lease.incarnation !== state.decodeIncarnation) {
+    reject(
+      state,
+      msg,
+      {
+        code: "node_unavailable",
+        message: `The lease of request ${msg.rid} comes from a decode node that restarted: incarnation ${msg.lease.incarnation}, now ${state.decodeIncarnation}`,
       },
       out,
     );

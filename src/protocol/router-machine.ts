@@ -7,8 +7,8 @@
  * decode → prefill into the lease → decoding (HTTP 200 from the commit on) → done. Any message whose
  * `(rid, epoch)` is not the request's current attempt is ignored and counted. A node's rejection
  * reaches the client unchanged. Abandoning an attempt (client abort, transfer timeout, node loss,
- * a prefill rejection) always sends ABORT to both nodes: decode may hold a reservation and prefill
- * must acknowledge that its writes drained before decode releases those pages. A retry is a new
+ * a prefill rejection) always sends ABORT to decode, which relays it to prefill and keeps the
+ * leased pages quarantined until prefill acknowledges that its writes drained. A retry is a new
  * epoch with a new reservation. Nothing here runs on a timer: `attempt_timeout` is an event the host
  * feeds, and it only aborts and retries, it never releases pages.
  */
@@ -192,7 +192,7 @@ function onMessage(state: RouterState, msg: ControlMessage, config: RouterConfig
       return;
     case "rejected":
       if (req.phase !== "reserving" && req.phase !== "prefilling") break;
-      // Decode may hold a reservation; prefill acknowledges (it wrote nothing) so decode can release it.
+      // Decode holds a reservation; it relays the abort so prefill acknowledges (it wrote nothing).
       if (msg.from === "prefill") abortAttempt(req, out);
       retryOrFail(req, msg.error, config, out);
       return;
@@ -245,13 +245,13 @@ function sendReserve(req: RouterRequest, out: Effects): void {
 }
 
 /**
- * ABORT to both nodes, always: decode releases its reservation only on prefill's ABORT_ACK (or a
- * fence), so prefill must hear of every abandoned attempt — even one it never saw or already
- * refused, or one sent to a restarted node (it acknowledges those at once: it wrote nothing).
+ * ABORT goes to decode, which holds the reservation; decode relays it to prefill whenever it
+ * quarantines pages, because it is the one that needs prefill's ABORT_ACK. (A router-to-prefill
+ * abort cannot be relied on: a prefill restart between it and decode's reservation loses it, and
+ * decode would wait for an ack forever — `kvfence check` found exactly that.)
  */
 function abortAttempt(req: RouterRequest, out: Effects): void {
   out.push({ kind: "send", to: "decode", msg: { type: "abort", rid: req.rid, epoch: req.epoch } });
-  out.push({ kind: "send", to: "prefill", msg: { type: "abort", rid: req.rid, epoch: req.epoch } });
 }
 
 function retryOrFail(req: RouterRequest, error: WireError, config: RouterConfig, out: Effects): void {

@@ -37,6 +37,12 @@ export interface TransferLease {
   readonly pages: readonly LeasePage[];
   readonly pageSize: number;
   readonly layoutSignature: string;
+  /**
+   * The decode node's incarnation (boot count or boot id) that granted the lease. Prefill writes
+   * only into a lease of the decode incarnation it is connected to: a lease from before a decode
+   * restart names pages of a pool that no longer exists (or now belongs to others).
+   */
+  readonly incarnation: number;
 }
 
 /** Router → prefill: compute the prompt's KV and write it into the lease (step 3). */

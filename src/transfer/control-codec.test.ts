@@ -3,14 +3,26 @@ import { test } from "node:test";
 import { clusterSecretBytes, hmac, sessionKeys, verifyHmac } from "./control-auth.js";
 import { decodeControl, encodeControl } from "./control-codec.js";
 
-test("encodeControl() round-trips bigint checksums through decodeControl()", () => {
-  const message = { type: "manifest", rid: 7, checksums: [0n, 18446744073709551615n, 12345n], note: "x" };
+test("encodeControl() round-trips a manifest through decodeControl()", () => {
+  const message = {
+    type: "manifest",
+    rid: 7,
+    epoch: 1,
+    tokenStart: 0,
+    tokenEnd: 32,
+    firstToken: 5,
+    checksums: ["0000000000000000", "ffffffffffffffff"],
+  } as const;
   assert.deepEqual(decodeControl(encodeControl(message)), message);
 });
 
 test("decodeControl() rejects non-objects and bad JSON with transfer_failed", () => {
   assert.throws(() => decodeControl(Buffer.from("[1,2]")), { code: "transfer_failed" });
   assert.throws(() => decodeControl(Buffer.from("{nope")), { code: "transfer_failed" });
+  assert.throws(() => decodeControl(Buffer.from('{"type":3}')), {
+    code: "transfer_failed",
+    message: /no string type/,
+  });
 });
 
 test("verifyHmac() accepts its own MAC and rejects a flipped bit or another key", () => {

@@ -2,15 +2,18 @@
  * The shared-memory transport (worker threads). Prefill writes each page straight into the decode
  * pool's SharedArrayBuffer — a one-sided write, as RDMA does — and stamps the writer stamp in the
  * shared ownership table right after the bytes, in the same step. Completion travels separately
- * through a `SignalRing`, batched: one LANDED record per ≥ `signalBytes` (64 KiB by default,
- * MEASUREMENTS §5a: signalling per 8 KiB page costs ~40% of the bandwidth) or per lease end.
+ * through a `SignalRing`, batched: one LANDED record per ≥ `signalBytes` (1 MiB by default, so
+ * about every second 720 KiB page; MEASUREMENTS §5a: signalling per 8 KiB page costs ~40% of the
+ * bandwidth, 64 KiB is the floor) or per lease end, and a pending range is flushed before any
+ * control message. A write call's pages stay pending until the batch fills, so call `endLease`.
  * Control messages (manifest, abort, ABORT_ACK) ride a `MessagePort`; the receiver drains the ring
  * before delivering each one, so a message never overtakes the writes sent before it.
  *
- * The writer never writes outside the pool (bounds are always checked). By default it also checks
- * the shared table and skips a write whose page is not RESERVED for its `(rid, epoch)` at the
- * leased generation; that check reads decode's table, so it is a courtesy, not the guard — the
- * guards are the manifest checksums and decode's page tags (`checkLease: false` shows them alone).
+ * The writer never writes outside the pool (bounds are always checked). Like RDMA, and like the
+ * protocol's model of it (`src/protocol/page-write.ts`), nothing else can refuse the write: the
+ * guards are decode's quarantine, the manifest checksums and the page tags. `checkLease: true`
+ * adds a writer-side look at decode's table that skips a page no longer RESERVED for the lease — a
+ * courtesy with a race (decode may change the page right after the look), not a guard.
  * Pages of an aborted request stay QUARANTINED on decode until ABORT_ACK, which prefill sends only
  * after `writePages` returned, so no write can land in a page that was handed to someone else.
  */
@@ -19,13 +22,7 @@ import { OwnershipTable } from "../kvcache/ownership-table.js";
 import { KvfenceError } from "../lib/errors.js";
 import { SignalKind, SignalRing } from "./signal-ring.js";
 import { TransferClock, TransferMetrics } from "./transfer-metrics.js";
-import type {
-  ControlMessage,
-  PageWrite,
-  TransferHandlers,
-  TransferLease,
-  TransferWriter,
-} from "./transport.js";
+import type { ControlMessage, PageWrite, TransferHandlers, TransferWriter, WriteLease } from "./transport.js";
 
 /** Everything both ends need; structured-cloneable, so it can be posted to a worker. */
 export interface ShmChannel {
@@ -97,9 +94,12 @@ export interface ShmWriterOptions {
   readonly port: MessagePort;
   /** This node's layout signature; must equal the channel's. */
   readonly layoutSignature: string;
-  /** Skip writes to pages not RESERVED for the writer's lease (see the module header). Default true. */
+  /**
+   * Also skip writes to pages not RESERVED for the writer's lease (see the module header). Default
+   * false: a shared-memory write is one-sided, as in `src/protocol/page-write.ts`.
+   */
   readonly checkLease?: boolean;
-  /** Bytes written between two LANDED signals. Default 64 KiB. */
+  /** Bytes written between two LANDED signals (≥ 64 KiB, MEASUREMENTS §5a). Default 1 MiB. */
   readonly signalBytes?: number;
   readonly metrics?: TransferMetrics;
   /** Control messages from decode (aborts); and `closed`. */
@@ -135,19 +135,19 @@ export class ShmTransferWriter implements TransferWriter {
     this.#ring = new SignalRing(channel.ringBuffer);
     this.#port = options.port;
     this.#pageBytes = channel.pageBytes;
-    this.#checkLease = options.checkLease ?? true;
-    this.#signalBytes = options.signalBytes ?? 64 * 1024;
+    this.#checkLease = options.checkLease ?? false;
+    this.#signalBytes = options.signalBytes ?? 1 << 20;
     this.metrics = options.metrics ?? new TransferMetrics();
     const handlers = options.handlers;
     this.#port.on("message", (message: ControlMessage) => handlers?.control?.(message));
     this.#port.on("close", () => handlers?.closed?.());
   }
 
-  writePages(lease: TransferLease, writes: readonly PageWrite[]): Promise<void> {
+  writePages(lease: WriteLease, writes: readonly PageWrite[]): Promise<void> {
     return this.#enqueue(() => this.#writePages(lease, writes));
   }
 
-  endLease(lease: TransferLease, pageCount: number): Promise<void> {
+  endLease(lease: WriteLease, pageCount: number): Promise<void> {
     return this.#enqueue(async () => {
       await this.#flush();
       await this.#push(SignalKind.LEASE_END, lease.rid, lease.epoch, pageCount, 0);
@@ -183,7 +183,7 @@ export class ShmTransferWriter implements TransferWriter {
     return next;
   }
 
-  async #writePages(lease: TransferLease, writes: readonly PageWrite[]): Promise<void> {
+  async #writePages(lease: WriteLease, writes: readonly PageWrite[]): Promise<void> {
     const pool = this.#pool;
     const table = this.#table;
     const pageBytes = this.#pageBytes;

@@ -55,8 +55,8 @@ async function harness(
     pagesLanded: (rid, epoch, from, to) => push(`landed ${rid}/${epoch} [${from},${to})`),
     leaseLanded: (rid, epoch, n) => push(`lease ${rid}/${epoch} ${n}`),
     writeDropped: (_rid, _epoch, page, reason) => drops.push([page, reason]),
-    control: (m: ControlMessage) =>
-      push(`control ${JSON.stringify(m, (_k, v) => (typeof v === "bigint" ? `${v}n` : v))}`),
+    control: (m: ControlMessage) => push(`control ${JSON.stringify(m)}`),
+    closed: (error) => push(`closed ${error?.message ?? ""}`),
   };
   const receiver = await connectTcpReceiver({
     port: server.port,
@@ -100,12 +100,12 @@ test("TcpTransferWriter.writePages() lands pages in the pool with stamps, then t
   }));
   await h.writer.writePages(lease, writes);
   await h.writer.endLease(lease, 5);
-  await h.writer.sendControl({ type: "manifest", checksums: [5n, 18446744073709551615n] });
+  await h.writer.sendControl({ type: "release", rid: 11, epoch: 4 });
   await h.next(/^control/);
   assert.deepEqual(h.events, [
     ...writes.map((_, i) => `landed 11/4 [${i},${i + 1})`),
     "lease 11/4 5",
-    'control {"type":"manifest","checksums":["5n","18446744073709551615n"]}',
+    'control {"type":"release","rid":11,"epoch":4}',
   ]);
   for (const [i, { page }] of lease.pages.entries()) {
     assert.deepEqual(h.fx.pool.subarray(page * PAGE_BYTES, (page + 1) * PAGE_BYTES), writes[i]!.bytes);
@@ -234,7 +234,7 @@ test("TcpTransferReceiver reads page bodies straight into the pool and still dro
     filledTokens: 16,
   }));
   await h.writer.writePages(lease, writes.slice(0, 5));
-  await h.writer.sendControl({ type: "middle" });
+  await h.writer.sendControl({ type: "abort", rid: 6, epoch: 1 });
   await h.writer.writePages(lease, writes.slice(5));
   await h.writer.endLease(lease, 8);
   await h.next(/^lease/);
@@ -248,7 +248,7 @@ test("TcpTransferReceiver reads page bodies straight into the pool and still dro
     "landed 6/1 [1,2)",
     "landed 6/1 [2,3)",
     "landed 6/1 [4,5)",
-    'control {"type":"middle"}',
+    'control {"type":"abort","rid":6,"epoch":1}',
     "landed 6/1 [5,6)",
     "landed 6/1 [6,7)",
     "landed 6/1 [7,8)",
@@ -289,4 +289,34 @@ test("MacChannel.open() rejects a tampered header or payload, a replay and anoth
   assert.equal(receiver.open(first.header, first.body), null, "a replayed frame is refused");
   const second = frame("{}");
   assert.equal(Buffer.from(receiver.open(second.header, second.body)!).toString(), "{}");
+});
+
+test("TcpTransferReceiver with leaseCheck off applies a write into a quarantined page (the guard is what drops it)", async (t) => {
+  const h = await harness(t, 16, { leaseCheck: false });
+  const lease = reserveLease(h.fx, 4, 1, 1);
+  const { page, generation } = lease.pages[0]!;
+  assert.ok(h.fx.table.quarantine(page, generation, 4, 1));
+  const bytes = sourcePage(PAGE_BYTES, 4, 0);
+  await h.writer.writePages(lease, [{ index: 0, bytes, filledTokens: 16 }]);
+  await h.writer.endLease(lease, 1);
+  await h.next(/^lease/);
+  assert.deepEqual(h.drops, []);
+  assert.deepEqual(h.fx.pool.subarray(page * PAGE_BYTES, (page + 1) * PAGE_BYTES), bytes);
+  assert.equal(h.fx.table.writerRid(page), 4);
+});
+
+test("TcpTransferWriter.close() reaches decode as closed (the fence on peer loss), and the reverse", async (t) => {
+  const h = await harness(t);
+  const writerClosed = new Promise<void>((resolve) => {
+    h.writer.handlers = { closed: () => resolve() };
+  });
+  await h.writer.close();
+  await h.next(/^closed/);
+  await writerClosed;
+  await assert.rejects(
+    h.writer.writePages(reserveLease(h.fx, 1, 1, 1), [
+      { index: 0, bytes: new Uint8Array(PAGE_BYTES), filledTokens: 1 },
+    ]),
+    { code: "transfer_failed" },
+  );
 });

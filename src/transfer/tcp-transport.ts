@@ -28,7 +28,7 @@ import net from "node:net";
 import type { OwnershipTable } from "../kvcache/ownership-table.js";
 import { KvfenceError } from "../lib/errors.js";
 import { clusterSecretBytes, hmac, MAC_BYTES, sessionKeys, verifyHmac } from "./control-auth.js";
-import { decodeControl, encodeControl } from "./control-codec.js";
+import { decodeControl, decodeJsonObject, encodeControl } from "./control-codec.js";
 import {
   DROP_BODY,
   FRAME_HEADER_BYTES,
@@ -40,13 +40,7 @@ import {
 } from "./frame-codec.js";
 import { layoutMismatch } from "./shm-transport.js";
 import { TransferClock, TransferMetrics } from "./transfer-metrics.js";
-import type {
-  ControlMessage,
-  PageWrite,
-  TransferHandlers,
-  TransferLease,
-  TransferWriter,
-} from "./transport.js";
+import type { ControlMessage, PageWrite, TransferHandlers, TransferWriter, WriteLease } from "./transport.js";
 
 const HELLO_CONTEXT = Buffer.from("kvfence hello");
 const NONCE_BYTES = 16;
@@ -56,6 +50,8 @@ interface HelloPayload {
   readonly layoutSignature: string;
   readonly nonce: string;
   readonly peerNonce?: string;
+  /** Decode's incarnation (boot count), so prefill knows which leases it may write. */
+  readonly incarnation?: number;
 }
 
 /** @internal MACs and sequence numbers of the control frames of one connection (exported for tests). */
@@ -115,8 +111,10 @@ export class MacChannel {
 
 function parseHello(payload: Uint8Array): HelloPayload | null {
   try {
-    const v = decodeControl(payload) as Partial<HelloPayload>;
+    const v = decodeJsonObject(payload) as Partial<HelloPayload>;
     if (typeof v.layoutSignature !== "string" || typeof v.nonce !== "string") return null;
+    if (!/^[0-9a-f]{32}$/.test(v.nonce)) return null;
+    if (v.incarnation !== undefined && !Number.isSafeInteger(v.incarnation)) return null;
     return v as HelloPayload;
   } catch {
     return null;
@@ -185,7 +183,10 @@ export class TcpTransferServer {
     socket.on("close", () => this.#sockets.delete(socket));
     const mac = new MacChannel(secret);
     let writer: TcpTransferWriter | null = null;
+    let failed = false;
     const fail = (error: KvfenceError, refuse: boolean): void => {
+      if (failed) return;
+      failed = true;
       if (refuse && !socket.destroyed) {
         const payload = encodeControl({ code: error.code, message: error.message });
         socket.end(mac.frame(FrameType.REFUSE, 0, 0, 0, payload, HELLO_CONTEXT));
@@ -196,6 +197,7 @@ export class TcpTransferServer {
       onHeader: () => undefined,
       onFrame: (header, body) => {
         if (writer !== null) return writer.onFrame(header, body);
+        if (failed) return;
         if (header.type !== FrameType.HELLO) return fail(authError("expected HELLO first"), true);
         const payload = mac.open(header, body, HELLO_CONTEXT);
         const hello = payload === null ? null : parseHello(payload);
@@ -213,7 +215,7 @@ export class TcpTransferServer {
         const keys = sessionKeys(secret, Buffer.from(hello.nonce, "hex"), nonce);
         mac.sendKey = keys.serverToClient;
         mac.recvKey = keys.clientToServer;
-        writer = new TcpTransferWriter(socket, mac, options.batchBytes ?? 1 << 20);
+        writer = new TcpTransferWriter(socket, mac, options.batchBytes ?? 1 << 20, hello.incarnation);
         this.#writers.add(writer);
         socket.on("close", () => writer !== null && this.#writers.delete(writer));
         options.onWriter(writer);
@@ -230,6 +232,8 @@ export class TcpTransferServer {
 export class TcpTransferWriter implements TransferWriter {
   readonly kind = "tcp";
   readonly metrics = new TransferMetrics();
+  /** The connected decode node's incarnation from its HELLO (the protocol's `peer_up`). */
+  readonly peerIncarnation: number | undefined;
   /** Control messages from decode (aborts) and `closed`; set by the node glue. */
   handlers: Pick<TransferHandlers, "control" | "closed"> = {};
   readonly #socket: net.Socket;
@@ -252,7 +256,8 @@ export class TcpTransferWriter implements TransferWriter {
   #closed = false;
 
   /** @internal */
-  constructor(socket: net.Socket, mac: MacChannel, batchBytes: number) {
+  constructor(socket: net.Socket, mac: MacChannel, batchBytes: number, peerIncarnation: number | undefined) {
+    this.peerIncarnation = peerIncarnation;
     this.#socket = socket;
     this.#mac = mac;
     this.#batchBytes = batchBytes;
@@ -281,7 +286,7 @@ export class TcpTransferWriter implements TransferWriter {
     this.#socket.destroy();
   }
 
-  async writePages(lease: TransferLease, writes: readonly PageWrite[]): Promise<void> {
+  async writePages(lease: WriteLease, writes: readonly PageWrite[]): Promise<void> {
     this.#assertOpen();
     const socket = this.#socket;
     const h = this.#header;
@@ -312,7 +317,7 @@ export class TcpTransferWriter implements TransferWriter {
     this.#scheduleFlush();
   }
 
-  async endLease(lease: TransferLease, pageCount: number): Promise<void> {
+  async endLease(lease: WriteLease, pageCount: number): Promise<void> {
     this.#assertOpen();
     this.#cork();
     this.#socket.write(
@@ -329,9 +334,13 @@ export class TcpTransferWriter implements TransferWriter {
     await this.#flush();
   }
 
+  /** Flushes what is queued, ends the connection and resolves when the socket closed. */
   async close(): Promise<void> {
-    if (this.#closed) return;
-    await this.#flush();
+    if (this.#closed || this.#socket.destroyed) return;
+    if (this.#corked > 0) {
+      this.#corked = 0;
+      this.#socket.uncork();
+    }
     await new Promise<void>((resolve) => {
       this.#socket.once("close", () => resolve());
       this.#socket.end();
@@ -394,6 +403,13 @@ export interface TcpReceiverOptions {
   readonly pageBytes: number;
   readonly handlers: TransferHandlers;
   readonly metrics?: TransferMetrics;
+  /** This decode node's incarnation, sent in the HELLO (`TcpTransferWriter.peerIncarnation`). */
+  readonly incarnation?: number;
+  /**
+   * Apply a page write only if its page is RESERVED for its `(rid, epoch)` at its generation (the
+   * `lease-check` guard). Default true; false keeps only the bounds check (fault demonstrations).
+   */
+  readonly leaseCheck?: boolean;
   /** Size of the reused receive buffer. Default 1 MiB. */
   readonly receiveBufferBytes?: number;
   /**
@@ -420,6 +436,7 @@ export class TcpTransferReceiver {
   readonly #decoder: FrameDecoder;
   readonly #pool: Uint8Array;
   readonly #table: OwnershipTable;
+  readonly #leaseCheck: boolean;
   readonly #pageBytes: number;
   readonly #handlers: TransferHandlers;
   readonly #clock = new TransferClock();
@@ -444,6 +461,7 @@ export class TcpTransferReceiver {
     this.#layoutSignature = options.layoutSignature;
     this.#pool = new Uint8Array(options.pool.buffer, options.pool.byteOffset, options.pool.byteLength);
     this.#table = options.table;
+    this.#leaseCheck = options.leaseCheck ?? true;
     this.#pageBytes = options.pageBytes;
     this.#handlers = options.handlers;
     this.metrics = options.metrics ?? new TransferMetrics();
@@ -480,6 +498,7 @@ export class TcpTransferReceiver {
       const hello = encodeControl({
         layoutSignature: options.layoutSignature,
         nonce: this.#nonce.toString("hex"),
+        ...(options.incarnation === undefined ? {} : { incarnation: options.incarnation }),
       });
       this.#socket.write(this.#mac.frame(FrameType.HELLO, 0, 0, 0, hello, HELLO_CONTEXT));
     });
@@ -536,7 +555,9 @@ export class TcpTransferReceiver {
       }
       if (h.page >= this.#table.numPages || h.length !== this.#pageBytes)
         return this.#drop(h, "misaddressed");
-      if (!this.#table.checkWrite(h.page, h.generation, h.rid, h.epoch)) return this.#drop(h, "stale");
+      if (this.#leaseCheck && !this.#table.checkWrite(h.page, h.generation, h.rid, h.epoch)) {
+        return this.#drop(h, "stale");
+      }
       const start = h.page * this.#pageBytes;
       return this.#pool.subarray(start, start + this.#pageBytes);
     },
@@ -544,7 +565,7 @@ export class TcpTransferReceiver {
       if (h.type === FrameType.PAGE) {
         if (body === DROP_BODY) return;
         // The page may have left RESERVED while its body streamed in (an abort in between).
-        if (!this.#table.checkWrite(h.page, h.generation, h.rid, h.epoch)) {
+        if (this.#leaseCheck && !this.#table.checkWrite(h.page, h.generation, h.rid, h.epoch)) {
           this.#drop(h, "stale");
           return;
         }
@@ -582,9 +603,9 @@ export class TcpTransferReceiver {
         : null;
     if (payload === null) return this.#fail(authError("bad handshake from prefill"));
     if (h.type === FrameType.REFUSE) {
-      let refusal: ControlMessage = {};
+      let refusal: Record<string, unknown> = {};
       try {
-        refusal = decodeControl(payload);
+        refusal = decodeJsonObject(payload);
       } catch {}
       const code = refusal.code === "layout_mismatch" ? "layout_mismatch" : "transfer_failed";
       return this.#fail(

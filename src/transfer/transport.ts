@@ -5,43 +5,33 @@
  *
  * Prefill holds a `TransferWriter`: it writes pages of a lease as their KV is produced, ends the
  * lease, and sends control messages (the manifest, ABORT_ACK) that arrive after every write sent
- * before them. Decode supplies `TransferHandlers`: it learns which pages landed (batched ranges,
+ * before them — so an ABORT_ACK sent once the last `writePages` resolved means every write of that
+ * attempt has landed or been dropped on decode (over shared memory a resolved `writePages` has
+ * already landed; over TCP decode applies frames in stream order). Decode supplies `TransferHandlers`: it learns which pages landed (batched ranges,
  * in order), when a lease's writes all landed, which writes were dropped, and receives control
  * messages. Both sides are plain callbacks and promises, so the node glue wires them to the
  * protocol state machines without knowing which transport runs underneath.
  *
- * The lease and manifest types are local until `src/protocol/wire.ts` exists; they carry exactly the
- * fields of DESIGN.md §4 (lease: rid, epoch, (page, generation) pairs, pageSize, layout signature;
- * manifest: coverage, first token, one checksum per page).
+ * Leases, manifests and control messages are the protocol's wire types (`src/protocol/wire.ts`); the
+ * TCP transport MACs control messages, the shared-memory transport posts them on a MessagePort.
+ *
+ * Wiring (the node glue):
+ * - shared memory: decode calls `createShmChannel({pool, table, pageBytes, layoutSignature})` and
+ *   `new MessageChannel()`, keeps `new ShmTransferReceiver(channel, {port: port2, handlers})`, and
+ *   posts `channel` + `port1` (transferList) to the prefill worker, which makes
+ *   `new ShmTransferWriter(channel, {port: port1, layoutSignature})`;
+ * - TCP: prefill runs `TcpTransferServer.listen({secret, layoutSignature, onWriter})`; decode runs
+ *   `connectTcpReceiver({port, secret, layoutSignature, pool, table, pageBytes, handlers})`.
+ * Decode feeds `pagesLanded` to `LandedChecksums.record` and serves the protocol's
+ * `KvPool.pageChecksum` from `LandedChecksums.get`, so verification overlaps the transfer; a
+ * closed channel (`closed`) is the fence of DESIGN.md §3.
  */
+import type { ControlMessage, TransferLease } from "../protocol/wire.js";
 
-/** One destination page of a lease. */
-export interface LeasePage {
-  readonly page: number;
-  readonly generation: number;
-}
+export type { ControlMessage, LeasePage, Manifest, TransferLease } from "../protocol/wire.js";
 
-/** A transfer lease as decode grants it (DESIGN.md §4 step 2). */
-export interface TransferLease {
-  readonly rid: number;
-  readonly epoch: number;
-  /** Destination pages in logical order: entry i receives tokens [i*pageSize, (i+1)*pageSize). */
-  readonly pages: readonly LeasePage[];
-  readonly pageSize: number;
-  readonly layoutSignature: string;
-}
-
-/** The completion manifest prefill sends after the last page (DESIGN.md §4 step 5). */
-export interface TransferManifest {
-  readonly rid: number;
-  readonly epoch: number;
-  /** Token coverage `[tokenStart, tokenEnd)` that the written pages hold. */
-  readonly tokenStart: number;
-  readonly tokenEnd: number;
-  readonly firstToken: number;
-  /** `pageChecksum` of each written page, by logical page index. */
-  readonly checksums: readonly bigint[];
-}
+/** What a writer needs of a lease: its key and destination pages (in logical order). */
+export type WriteLease = Pick<TransferLease, "rid" | "epoch" | "pages">;
 
 /** One page for `TransferWriter.writePages`: logical index in the lease, its bytes, tokens filled. */
 export interface PageWrite {
@@ -49,12 +39,6 @@ export interface PageWrite {
   readonly bytes: Uint8Array;
   readonly filledTokens: number;
 }
-
-/**
- * A control message: any JSON-like value (bigint allowed). The protocol's wire messages travel as
- * these; the TCP transport MACs them, the shared-memory transport posts them on a MessagePort.
- */
-export type ControlMessage = { readonly [key: string]: unknown };
 
 /** Why a receiver dropped a page write instead of applying it. */
 export type DropReason = "stale" | "misaddressed";
@@ -77,9 +61,9 @@ export interface TransferHandlers {
 export interface TransferWriter {
   readonly kind: "shm" | "tcp";
   /** Writes pages of `lease` into the decode pool; resolves when the transport accepted them. */
-  writePages(lease: TransferLease, writes: readonly PageWrite[]): Promise<void>;
+  writePages(lease: WriteLease, writes: readonly PageWrite[]): Promise<void>;
   /** Signals that `pageCount` pages of the lease were written (the decode side's `leaseLanded`). */
-  endLease(lease: TransferLease, pageCount: number): Promise<void>;
+  endLease(lease: WriteLease, pageCount: number): Promise<void>;
   /** Sends a control message ordered after every write before it. */
   sendControl(message: ControlMessage): Promise<void>;
   close(): Promise<void>;

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { checksumLeasePages, pageChecksum } from "./page-checksum.js";
-import type { TransferManifest } from "./transport.js";
+import { checksumLeasePages, LandedChecksums, pageChecksum, pageChecksumHex } from "./page-checksum.js";
+import type { Manifest } from "./transport.js";
 import { type TransferReservation, verifyManifest } from "./verify-manifest.js";
 
 const PAGE_BYTES = 256;
@@ -12,9 +12,10 @@ function fixture() {
   for (let i = 0; i < pool.length; i++) pool[i] = (i * 31 + 7 + (i >> 8) * 13) & 0xff;
   const lease = { rid: 42, epoch: 3, pages: [{ page: 5 }, { page: 1 }, { page: 6 }] };
   const reservation: TransferReservation = { rid: 42, epoch: 3, tokenStart: 0, tokenEnd: 40, numPages: 3 };
-  const sent: bigint[] = [];
+  const sent: string[] = [];
   checksumLeasePages(sent, pool, PAGE_BYTES, lease, 0, 3);
-  const manifest: TransferManifest = {
+  const manifest: Manifest = {
+    type: "manifest",
     rid: 42,
     epoch: 3,
     tokenStart: 0,
@@ -22,8 +23,8 @@ function fixture() {
     firstToken: 9,
     checksums: sent,
   };
-  const local = (): bigint[] => {
-    const out: bigint[] = [];
+  const local = (): string[] => {
+    const out: string[] = [];
     checksumLeasePages(out, pool, PAGE_BYTES, lease, 0, 3);
     return out;
   };
@@ -81,7 +82,8 @@ test("verifyManifest() throws when decode passes fewer local checksums than it r
   assert.throws(() => verifyManifest(reservation, manifest, local().slice(0, 2)), { code: "internal" });
 });
 
-test("pageChecksum() is keyed by rid, epoch and logical index, not only the bytes", () => {
+test("pageChecksumHex() is 16 hex digits keyed by rid, epoch and logical index, not only the bytes", () => {
+  assert.match(pageChecksumHex(new Uint8Array(8), 1, 1, 0), /^[0-9a-f]{16}$/);
   const bytes = new Uint8Array(PAGE_BYTES).fill(3);
   const base = pageChecksum(bytes, 1, 1, 0);
   assert.equal(pageChecksum(bytes, 1, 1, 0), base);
@@ -99,4 +101,21 @@ test("verifyManifest() catches pages holding the bytes of another logical positi
   const verdict = verifyManifest(reservation, manifest, local());
   assert.equal(verdict.code, "checksum_mismatch");
   assert.equal(verdict.code === "checksum_mismatch" && verdict.page, 0);
+});
+
+test("LandedChecksums.get() returns the checksum recorded at landing only for the same key and writer", () => {
+  const { pool, lease } = fixture();
+  const landed = new LandedChecksums(pool, PAGE_BYTES);
+  landed.record(lease, 0, 3);
+  const page = lease.pages[2]!.page;
+  const recorded = landed.get(page, 42, 3, 2);
+  assert.equal(landed.hits, 1);
+  pool[page * PAGE_BYTES]! ^= 1; // bytes change after landing: the recorded value is kept ...
+  assert.equal(landed.get(page, 42, 3, 2), recorded);
+  // ... unless the key differs, the writer stamp moved on, or the page was invalidated.
+  assert.notEqual(landed.get(page, 42, 3, 2, false), recorded);
+  assert.notEqual(landed.get(page, 42, 4, 2), landed.get(page, 42, 3, 2, false));
+  landed.invalidate(page);
+  assert.equal(landed.get(page, 42, 3, 2), landed.get(page, 42, 3, 2, false));
+  assert.equal(landed.misses, 5);
 });

@@ -6,7 +6,7 @@
  * and passes them in. Expected failures are data, not exceptions.
  */
 import { KvfenceError } from "../lib/errors.js";
-import type { TransferManifest } from "./transport.js";
+import type { Manifest } from "./transport.js";
 
 /** What decode reserved for the request: coverage `[tokenStart, tokenEnd)` over `numPages` pages. */
 export interface TransferReservation {
@@ -41,8 +41,9 @@ export type ManifestVerdict =
       readonly code: "checksum_mismatch";
       /** Logical page index of the first mismatch. */
       readonly page: number;
-      readonly expected: bigint;
-      readonly actual: bigint;
+      /** Hex checksums: the manifest's and decode's own. */
+      readonly expected: string;
+      readonly actual: string;
     };
 
 /**
@@ -52,8 +53,8 @@ export type ManifestVerdict =
  */
 export function verifyManifest(
   reservation: TransferReservation,
-  manifest: TransferManifest,
-  localChecksums: readonly bigint[],
+  manifest: Pick<Manifest, "rid" | "epoch" | "tokenStart" | "tokenEnd" | "checksums">,
+  localChecksums: readonly string[],
 ): ManifestVerdict {
   if (manifest.rid !== reservation.rid || manifest.epoch !== reservation.epoch) {
     return {

@@ -109,7 +109,7 @@ export function explore(model: ModelWorld, options: ExploreOptions): ExploreResu
         if (stuck !== null) return result(rebuild(model, parent.data, via.data, id, null, stuck));
       }
       for (let e = 0; e < events.length; e++) {
-        const w = e === events.length - 1 ? base : (JSON.parse(s) as World);
+        const w = e === events.length - 1 ? base : model.clone(base);
         const violations = model.apply(w, events[e]!);
         transitions++;
         if (violations.length > 0) return result(rebuild(model, parent.data, via.data, id, e, violations[0]!));
@@ -160,7 +160,7 @@ function rebuild(
     const { events } = model.enabled(w);
     const event: EnvEvent = events[index]!;
     const label = model.describeEvent(w, event);
-    w = JSON.parse(model.key(w)) as World;
+    w = model.clone(w);
     model.apply(w, event);
     steps.push({ event: label, pools: model.describePools(w) });
   }

@@ -123,6 +123,8 @@ export interface World {
   writes: string[];
   /** Bit i: request i was submitted. */
   submitted: number;
+  /** Boot count of the decode node. */
+  dIncarnation: number;
   crashes: number;
   duplicates: number;
   losses: number;
@@ -215,8 +217,8 @@ export class ModelWorld {
     this.#prefillPool.table.reset();
     return {
       router: initialRouterState(),
-      prefill: initialPrefillState(),
-      decode: initialDecodeState(),
+      prefill: initialPrefillState(1),
+      decode: initialDecodeState(1),
       dTable: Array.from(this.#decodePool.words),
       pTable: Array.from(this.#prefillPool.words),
       dContent: new Array(this.config.decodePages * 4).fill(-1),
@@ -224,6 +226,7 @@ export class ModelWorld {
       chans: CHANNELS.map(() => []),
       writes: [],
       submitted: 0,
+      dIncarnation: 1,
       crashes: this.config.crashes,
       duplicates: this.config.duplicates,
       losses: this.config.losses,
@@ -235,6 +238,40 @@ export class ModelWorld {
   /** Canonical key of a world (also its stored form). */
   key(w: World): string {
     return JSON.stringify(w);
+  }
+
+  /** A deep copy of `w`, several times faster than a JSON round trip. */
+  clone(w: World): World {
+    return {
+      router: { requests: cloneRecord(w.router.requests), stale: 0 },
+      prefill: {
+        decodeIncarnation: w.prefill.decodeIncarnation,
+        attempts: cloneRecord(w.prefill.attempts),
+        ended: { ...w.prefill.ended },
+        stale: 0,
+      },
+      decode: {
+        incarnation: w.decode.incarnation,
+        attempts: cloneRecord(w.decode.attempts),
+        ended: { ...w.decode.ended },
+        acks: { ...w.decode.acks },
+        stale: 0,
+        tagFailures: 0,
+      },
+      dTable: w.dTable.slice(),
+      pTable: w.pTable.slice(),
+      dContent: w.dContent.slice(),
+      pContent: w.pContent.slice(),
+      chans: w.chans.map((c) => c.slice()),
+      writes: w.writes.slice(),
+      submitted: w.submitted,
+      dIncarnation: w.dIncarnation,
+      crashes: w.crashes,
+      duplicates: w.duplicates,
+      losses: w.losses,
+      lossy: w.lossy,
+      good: w.good.slice(),
+    };
   }
 
   /**
@@ -264,7 +301,11 @@ export class ModelWorld {
         events.push({ k: "timeout", rid: r.rid });
       }
     }
-    if (w.crashes > 0) events.push({ k: "crash", role: "prefill" }, { k: "crash", role: "decode" });
+    // A crash matters only while the node holds or awaits something (else it is a no-op restart).
+    if (w.crashes > 0) {
+      if (this.#busy(w, "prefill")) events.push({ k: "crash", role: "prefill" });
+      if (this.#busy(w, "decode")) events.push({ k: "crash", role: "decode" });
+    }
     if (w.duplicates > 0) this.#eachMessage(w, (c, j) => events.push({ k: "duplicate", c, j }));
     if (w.losses > 0) this.#eachMessage(w, (c, j) => events.push({ k: "lose", c, j }));
     return { events, progress };
@@ -391,6 +432,17 @@ export class ModelWorld {
     else this.#prefill(w, event);
   }
 
+  #busy(w: World, role: "prefill" | "decode"): boolean {
+    const attempts = role === "prefill" ? w.prefill.attempts : w.decode.attempts;
+    for (const _ in attempts) return true;
+    if (w.writes.length > 0) return true;
+    for (let c = 0; c < CHANNELS.length; c++) {
+      const [from, to] = CHANNELS[c]!;
+      if ((from === role || to === role) && w.chans[c]!.length > 0) return true;
+    }
+    return false;
+  }
+
   /** Calls `fn` for each deliverable message: channel heads (FIFO), or every distinct one (reorder). */
   #eachMessage(w: World, fn: (c: number, j: number) => void): void {
     for (let c = 0; c < w.chans.length; c++) {
@@ -430,15 +482,17 @@ export class ModelWorld {
     }
     w.writes = [];
     if (role === "prefill") {
-      w.prefill = initialPrefillState();
+      w.prefill = initialPrefillState(w.dIncarnation);
       this.#prefillPool.table.reset();
       w.pContent.fill(-1);
       this.#decode(w, { type: "peer_lost", role: "prefill" });
     } else {
-      w.decode = initialDecodeState();
+      w.dIncarnation++;
+      w.decode = initialDecodeState(w.dIncarnation);
       this.#decodePool.table.reset();
       w.dContent.fill(-1);
       this.#prefill(w, { type: "peer_lost", role: "decode" });
+      this.#prefill(w, { type: "peer_up", role: "decode", incarnation: w.dIncarnation });
     }
     this.#router(w, { type: "peer_lost", role });
   }
@@ -556,12 +610,16 @@ export class ModelWorld {
 
   #checkState(w: World): void {
     const table = this.#decodePool.table;
-    // Invariant 3: a write that may still land targets a page still leased to that write's attempt.
+    // Invariant 3: a write that may still land targets the page leased for it, still leased to
+    // that write's attempt (RESERVED, or QUARANTINED waiting for the drain).
     for (const s of w.writes) {
       const { header: h } = JSON.parse(s) as InflightWrite;
       if (!writeLands(table, h, this.config.transport, this.config.safety)) continue;
       const state = table.state(h.page);
+      const attempt = w.decode.attempts[attemptKey(h.rid, h.epoch)];
+      const leased = attempt === undefined || (h.index < attempt.leaseCount && attempt.pages[h.index] === h.page);
       const live =
+        leased &&
         (state === PageState.RESERVED || state === PageState.QUARANTINED) &&
         table.generation(h.page) === h.generation &&
         table.owner(h.page) === h.rid &&
@@ -569,7 +627,7 @@ export class ModelWorld {
       if (!live) {
         this.#violations.push({
           invariant: "3",
-          message: `A write of request ${h.rid} epoch ${h.epoch} (its page ${h.index}) may still land in decode page ${h.page}, which is ${describePage(table, h.page)}`,
+          message: `A write of request ${h.rid} epoch ${h.epoch} (its page ${h.index}) may still land in decode page ${h.page}, which is ${leased ? "" : "outside its lease and "}${describePage(table, h.page)}`,
         });
         break;
       }
@@ -641,6 +699,21 @@ export class ModelWorld {
         return `network loses ${this.#describeMessage(w, event.c, event.j)}`;
     }
   }
+}
+
+/** Copies a record of flat objects whose array fields hold numbers, strings or flat objects. */
+function cloneRecord<T extends object>(record: Record<string, T>): Record<string, T> {
+  const out: Record<string, T> = {};
+  for (const k in record) {
+    const src = record[k]! as Record<string, unknown>;
+    const copy: Record<string, unknown> = {};
+    for (const f in src) {
+      const v = src[f];
+      copy[f] = Array.isArray(v) ? v.map((x) => (typeof x === "object" && x !== null ? { ...x } : x)) : v;
+    }
+    out[k] = copy as T;
+  }
+  return out;
 }
 
 function sortRecord<T>(record: Record<string, T>): Record<string, T> {

@@ -1,0 +1,105 @@
+/**
+ * `kvfence bench`: the benchmark command group. Each subcommand is a thin wrapper over a pure
+ * function in `bench/` that returns a result object; the wrapper prints it (or its JSON).
+ *
+ * To add a subcommand: write `function xyzCommand(): Command` (here or in its own module, imported
+ * at the top) and add ONE `group.addCommand(xyzCommand());` line between the
+ * `bench-commands:begin/end` markers.
+ */
+import { writeFileSync } from "node:fs";
+import { Command, InvalidArgumentError } from "commander";
+import { formatModelBench, MODEL_BENCH_DEFAULTS, runModelBench } from "../../bench/model.js";
+import { tagCheckCommand } from "../../bench/tag-check.js";
+import { transferCommand } from "../../bench/transfer.js";
+import { bundledModelDir } from "../lib/package-root.js";
+
+function positiveInteger(value: string): number {
+  const n = Number(value);
+  if (value.trim() === "" || !Number.isSafeInteger(n) || n < 1) {
+    throw new InvalidArgumentError(`Expected a positive integer: ${value}`);
+  }
+  return n;
+}
+
+function integerList(value: string): number[] {
+  return value.split(",").map((v) => positiveInteger(v.trim()));
+}
+
+interface ModelCliOptions {
+  model?: string;
+  promptTokens: number;
+  contextTokens: number;
+  decodeSteps: number;
+  batch: number[];
+  repeats: number;
+  bandwidthMib: number;
+  seed: number;
+  json?: string;
+}
+
+function modelCommand(): Command {
+  const d = MODEL_BENCH_DEFAULTS;
+  return new Command("model")
+    .description(
+      "Prefill and decode tokens/s of a model folder (batch 1 and 8 by default) beside the memory-bandwidth roofline measured in the same run",
+    )
+    .option(
+      "--model <dir>",
+      "Hugging Face model folder, e.g. from `kvfence gen-model --like smollm2-135m DIR` (default: bundled kvfence-tiny)",
+    )
+    .option("--prompt-tokens <n>", "prefill prompt length", positiveInteger, d.promptTokens)
+    .option(
+      "--context-tokens <n>",
+      "context each decoding sequence already holds",
+      positiveInteger,
+      d.contextTokens,
+    )
+    .option(
+      "--decode-steps <n>",
+      "decode steps timed per repeat and batch size",
+      positiveInteger,
+      d.decodeSteps,
+    )
+    .option("--batch <list>", "decode batch sizes, comma-separated", integerList, [...d.batchSizes])
+    .option("--repeats <n>", "interleaved repeats (median, range, bootstrap CI)", positiveInteger, d.repeats)
+    .option(
+      "--bandwidth-mib <n>",
+      "size of the read-bandwidth probe buffer in MiB",
+      positiveInteger,
+      d.bandwidthBytes / 2 ** 20,
+    )
+    .option("--seed <n>", "seed of the random prompts", positiveInteger, d.seed)
+    .option("--json <file>", "also write the full result as JSON")
+    .action((opts: ModelCliOptions) => {
+      try {
+        const result = runModelBench({
+          modelDir: opts.model ?? bundledModelDir(),
+          promptTokens: opts.promptTokens,
+          contextTokens: opts.contextTokens,
+          decodeSteps: opts.decodeSteps,
+          batchSizes: opts.batch,
+          repeats: opts.repeats,
+          bandwidthBytes: opts.bandwidthMib * 2 ** 20,
+          seed: opts.seed,
+          log: (line) => process.stderr.write(`${line}\n`),
+        });
+        process.stdout.write(`${formatModelBench(result)}\n`);
+        if (opts.json !== undefined) writeFileSync(opts.json, `${JSON.stringify(result, null, 2)}\n`);
+      } catch (err) {
+        process.stderr.write(`kvfence bench model: ${err instanceof Error ? err.message : String(err)}\n`);
+        process.exitCode = 1;
+      }
+    });
+}
+
+export function command(): Command {
+  const group = new Command("bench").description(
+    "Benchmarks: the forward pass against the machine's limits, and more",
+  );
+  // bench-commands:begin
+  group.addCommand(modelCommand());
+  group.addCommand(transferCommand());
+  group.addCommand(tagCheckCommand());
+  // bench-commands:end
+  return group;
+}

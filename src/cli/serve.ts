@@ -1,0 +1,322 @@
+/**
+ * `kvfence serve`: the OpenAI-compatible server on one engine (the `--no-disaggregation`
+ * topology). With no arguments it serves the bundled model on http://127.0.0.1:8000.
+ *
+ * Boot order: parse the options once with zod into a frozen config (every problem with its path,
+ * exit 2) → read the model's config → size the KV pool and run the capacity check shared with
+ * `kvfence preflight` (a pool that cannot hold one full-context request stops the server with the
+ * two fixes) → load the weights with a progress line → start the engine worker → start the HTTP
+ * server and print its URL. SIGINT/SIGTERM close the HTTP server (in-flight requests get a short
+ * grace period), then the engine.
+ */
+import { existsSync } from "node:fs";
+import { fileURLToPath } from "node:url";
+import { Command } from "commander";
+import { z } from "zod";
+import type { EngineHandle } from "../engine/engine-types.js";
+import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
+import { KvfenceError } from "../lib/errors.js";
+import { createLogger, type Logger, type LogLevel } from "../lib/logger.js";
+import { loadModelConfig } from "../model/config-loader.js";
+import { loadModel } from "../model/load-model.js";
+import { EngineClient } from "../node/engine-client.js";
+import { TenantDirectory } from "../router/api-keys.js";
+import { routerTokenizer } from "../router/model-tokenizer.js";
+import { RouterServer } from "../router/router-server.js";
+import { poolCapacityVerdict } from "../tools/preflight/capacity.js";
+
+/** The bundled model, relative to this file in both src/ and dist/src/. */
+export const BUNDLED_MODEL_DIR = (() => {
+  for (const rel of ["../../models/kvfence-tiny", "../../../models/kvfence-tiny"]) {
+    const path = fileURLToPath(new URL(rel, import.meta.url));
+    if (existsSync(path)) return path;
+  }
+  return fileURLToPath(new URL("../../../models/kvfence-tiny", import.meta.url));
+})();
+
+export const DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024;
+
+const UNITS: Record<string, number> = {
+  "": 1,
+  b: 1,
+  k: 1024,
+  kb: 1000,
+  kib: 1024,
+  m: 1024 ** 2,
+  mb: 1000 ** 2,
+  mib: 1024 ** 2,
+  g: 1024 ** 3,
+  gb: 1000 ** 3,
+  gib: 1024 ** 3,
+};
+
+/** "256MiB" → bytes; null when the text is not a size. */
+export function parseByteSize(text: string): number | null {
+  const match = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/.exec(text);
+  if (match === null) return null;
+  const unit = UNITS[match[2]!.toLowerCase()];
+  if (unit === undefined) return null;
+  return Math.floor(Number(match[1]) * unit);
+}
+
+const intText = (min: number, max = Number.MAX_SAFE_INTEGER) =>
+  z
+    .union([z.string(), z.number()])
+    .transform((v, ctx) => {
+      const n = typeof v === "number" ? v : /^\s*\d+\s*$/.test(v) ? Number(v) : Number.NaN;
+      if (!Number.isInteger(n) || n < min || n > max) {
+        ctx.addIssue({ code: "custom", message: `must be an integer from ${min} to ${max}: got ${JSON.stringify(v)}` });
+        return z.NEVER;
+      }
+      return n;
+    });
+
+const byteSizeText = z.string().transform((v, ctx) => {
+  const n = parseByteSize(v);
+  if (n === null || n <= 0) {
+    ctx.addIssue({ code: "custom", message: `must be a size like 256MiB or 1GiB: got ${JSON.stringify(v)}` });
+    return z.NEVER;
+  }
+  return n;
+});
+
+export const serveConfigSchema = z
+  .object({
+    host: z.string().min(1),
+    port: intText(0, 65535),
+    model: z.string().min(1),
+    kvMemory: byteSizeText.optional(),
+    kvPages: intText(1).optional(),
+    pageSize: intText(1, 1024),
+    maxModelLen: intText(1).optional(),
+    maxPrefillTokens: intText(1).optional(),
+    apiKeys: z.string().min(1).optional(),
+    scrubOnFree: z.boolean(),
+    disaggregation: z.boolean(),
+    logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
+  })
+  .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
+    message: "give either --kv-memory or --kv-pages, not both",
+    path: ["kvPages"],
+  });
+
+export type ServeConfig = Readonly<z.infer<typeof serveConfigSchema>>;
+
+const FLAG: Record<string, string> = {
+  host: "--host",
+  port: "--port",
+  model: "--model",
+  kvMemory: "--kv-memory",
+  kvPages: "--kv-pages",
+  pageSize: "--page-size",
+  maxModelLen: "--max-model-len",
+  maxPrefillTokens: "--max-prefill-tokens",
+  apiKeys: "--api-keys",
+  logLevel: "--log-level",
+};
+
+/** Parse raw options once; every problem is reported with its flag. */
+export function parseServeConfig(raw: Record<string, unknown>): ServeConfig {
+  const result = serveConfigSchema.safeParse(raw);
+  if (!result.success) {
+    const lines = result.error.issues.map((issue) => {
+      const key = String(issue.path[0] ?? "");
+      return `  ${FLAG[key] ?? key}: ${issue.message}`;
+    });
+    throw new KvfenceError("config_invalid", `Invalid serve options:\n${lines.join("\n")}`);
+  }
+  return Object.freeze(result.data);
+}
+
+export interface RunningServer {
+  readonly url: string;
+  readonly router: RouterServer;
+  readonly engine: EngineHandle;
+  readonly contextLength: number;
+  /** Close the HTTP server (with `graceMs` for in-flight requests), then the engine. */
+  close(graceMs?: number): Promise<void>;
+}
+
+function formatBytes(bytes: number): string {
+  if (bytes >= 1024 ** 3) return `${(bytes / 1024 ** 3).toFixed(2)} GiB`;
+  if (bytes >= 1024 ** 2) return `${(bytes / 1024 ** 2).toFixed(1)} MiB`;
+  return `${(bytes / 1024).toFixed(1)} KiB`;
+}
+
+/** Boot the server from a parsed config; `progress` receives the weight-loading line. */
+export async function startServer(
+  config: ServeConfig,
+  options: { logger: Logger; progress?: (line: string, done: boolean) => void },
+): Promise<RunningServer> {
+  const log = options.logger;
+  if (config.disaggregation) {
+    log.info("the disaggregated topology arrives in the next release; serving with one engine (--no-disaggregation)");
+  }
+
+  const modelConfig = loadModelConfig(config.model);
+  const layout: KvLayout = {
+    numLayers: modelConfig.numLayers,
+    numKvHeads: modelConfig.numKvHeads,
+    headDim: modelConfig.headDim,
+    pageSize: config.pageSize,
+  };
+  const bytesPerPage = pageBytes(layout);
+  const numPages = config.kvPages ?? Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / bytesPerPage);
+  const poolTokens = numPages * config.pageSize;
+  const contextLength = Math.min(modelConfig.maxPositionEmbeddings, config.maxModelLen ?? Number.POSITIVE_INFINITY);
+  const verdict = poolCapacityVerdict({ poolTokens, contextLength, pageSize: config.pageSize });
+  if (!verdict.ok) {
+    const neededPages = verdict.neededTokens / config.pageSize;
+    throw new KvfenceError(
+      "config_invalid",
+      `The KV pool cannot hold one full-context request: the pool holds ${poolTokens} tokens ` +
+        `(${numPages} pages of ${config.pageSize}, ${formatBytes(numPages * bytesPerPage)}) but the context length is ` +
+        `${contextLength} tokens; fix: a bigger pool (--kv-pages ${neededPages} or --kv-memory ` +
+        `${Math.ceil((neededPages * bytesPerPage) / 1024 ** 2)}MiB), or a smaller context (--max-model-len ${verdict.maxContextThatFits})`,
+    );
+  }
+
+  let lastPercent = -1;
+  const model = loadModel(config.model, {
+    shared: true,
+    onProgress: (p) => {
+      const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
+      if (percent === lastPercent) return;
+      lastPercent = percent;
+      options.progress?.(
+        `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
+        false,
+      );
+    },
+  });
+  options.progress?.(`Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`, true);
+
+  const tenants = TenantDirectory.load({ file: config.apiKeys, env: process.env.KVFENCE_API_KEYS });
+  if (tenants.anonymous) {
+    log.warn("no API keys configured (--api-keys FILE or KVFENCE_API_KEYS): serving one anonymous tenant without authentication");
+  } else {
+    log.info({ tenants: tenants.tenants.map((t) => t.name) }, "API keys loaded");
+  }
+
+  const engine = await EngineClient.start({
+    model: { config: model.config, weights: model.weights },
+    numPages,
+    pageSize: config.pageSize,
+    maxModelLen: contextLength,
+    scrubOnFree: config.scrubOnFree,
+    ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
+  });
+  log.info(
+    { numPages, pageSize: config.pageSize, poolTokens, poolBytes: numPages * bytesPerPage, contextLength },
+    "engine ready",
+  );
+
+  const router = new RouterServer({
+    engine,
+    tokenizer: routerTokenizer(model.tokenizer, model.chatTemplate),
+    model: {
+      id: model.name,
+      maxPositionEmbeddings: model.config.maxPositionEmbeddings,
+      eosTokenIds: model.config.eosTokenIds,
+      defaults: {
+        ...(model.generationDefaults.temperature === undefined ? {} : { temperature: model.generationDefaults.temperature }),
+        ...(model.generationDefaults.topP === undefined ? {} : { topP: model.generationDefaults.topP }),
+        ...(model.generationDefaults.topK === undefined ? {} : { topK: model.generationDefaults.topK }),
+      },
+    },
+    tenants,
+    logger: log,
+    maxModelLen: config.maxModelLen,
+  });
+  let url: string;
+  try {
+    url = await router.listen(config.port, config.host);
+  } catch (err) {
+    await engine.close();
+    throw new KvfenceError("config_invalid", `Cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`);
+  }
+  let closing: Promise<void> | null = null;
+  return {
+    url,
+    router,
+    engine,
+    contextLength: router.contextLength,
+    close(graceMs = 0) {
+      closing ??= (async () => {
+        await router.close(graceMs);
+        await engine.close();
+      })();
+      return closing;
+    },
+  };
+}
+
+export function command(): Command {
+  return new Command("serve")
+    .description("Serve the OpenAI-compatible API on one engine (no disaggregation)")
+    .option("--host <host>", "address to listen on", "127.0.0.1")
+    .option("--port <port>", "port to listen on (0 = any free port)", "8000")
+    .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
+    .option("--kv-memory <size>", "KV pool size, e.g. 256MiB (default 256MiB)")
+    .option("--kv-pages <n>", "KV pool size in pages (instead of --kv-memory)")
+    .option("--page-size <tokens>", "tokens per KV page", "16")
+    .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")
+    .option("--max-prefill-tokens <tokens>", "prefill tokens per engine step")
+    .option("--api-keys <file>", 'API keys: JSON {"sk-...": "tenant"} or lines "key tenant" (or env KVFENCE_API_KEYS)')
+    .option("--scrub-on-free", "zero KV pages when they are freed", false)
+    .option("--no-disaggregation", "run prefill and decode on one engine (the only topology in this release)")
+    .option("--log-level <level>", "fatal, error, warn, info, debug, trace or silent", process.env.KVFENCE_LOG_LEVEL ?? "info")
+    .action(async (raw: Record<string, unknown>) => {
+      const early = createLogger({ level: "info" });
+      let config: ServeConfig;
+      try {
+        config = parseServeConfig(raw);
+      } catch (err) {
+        process.stderr.write(`kvfence serve: ${(err as Error).message}\n`);
+        process.exitCode = 2;
+        return;
+      }
+      const log = config.logLevel === "info" ? early : createLogger({ level: config.logLevel as LogLevel });
+      const tty = process.stderr.isTTY === true;
+      let server: RunningServer;
+      try {
+        server = await startServer(config, {
+          logger: log,
+          progress: (line, done) => {
+            if (tty) process.stderr.write(`\r\x1b[K${line}${done ? "\n" : ""}`);
+            else if (done || line.endsWith(" 0%") || /: (0|25|50|75|100)% /.test(line)) process.stderr.write(`${line}\n`);
+          },
+        });
+      } catch (err) {
+        const message = err instanceof KvfenceError ? err.message : (err as Error).stack ?? String(err);
+        process.stderr.write(`kvfence serve: ${message}\n`);
+        process.exitCode = 1;
+        return;
+      }
+      process.stdout.write(
+        `kvfence serving ${config.model.split(/[\\/]/).filter(Boolean).at(-1)} at ${server.url} ` +
+          `(OpenAI API at ${server.url}/v1, max_model_len ${server.contextLength})\n`,
+      );
+      let signals = 0;
+      const shutdown = (signal: NodeJS.Signals) => {
+        signals++;
+        if (signals > 1) {
+          log.warn({ signal }, "second signal: exiting now");
+          process.exit(1);
+        }
+        log.info({ signal, inFlight: server.router.activeRequests }, "shutting down");
+        server.close(5000).then(
+          () => {
+            log.info("stopped");
+            process.exit(0);
+          },
+          (err: unknown) => {
+            log.error({ err }, "error during shutdown");
+            process.exit(1);
+          },
+        );
+      };
+      process.on("SIGINT", shutdown);
+      process.on("SIGTERM", shutdown);
+    });
+}

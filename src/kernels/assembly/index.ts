@@ -1,0 +1,518 @@
+/**
+ * WebAssembly SIMD128 kernels (AssemblyScript), compiled by scripts/build-wasm.mjs into
+ * dist/src/kernels/kernels.wasm and driven by src/kernels/wasm-kernels.ts.
+ *
+ * Every argument is a byte address in the imported shared memory (or a size). The module owns no
+ * memory of its own: no static data, no allocator, no globals that matter, so the main thread and
+ * the worker can each instantiate it over the same `WebAssembly.Memory` without interfering.
+ *
+ * Parallel kernels (`matmulPar`, `attentionPar`) cut their work into chunks and claim them with an
+ * atomic counter at `counter`, so both threads call the same function on the same arguments and the
+ * faster one simply takes more chunks (MEASUREMENTS §2: 2 threads reach x1.9–2.0 only when neither
+ * waits on the other).
+ *
+ * Shapes follow src/kernels/reference.ts: a weight is `[out][in]`, matmul computes x · wᵀ.
+ * Matmul: 3 x-rows × 4 w-rows register tile (12 f32x4 accumulators) for rows ≥ 3, else a matvec of
+ * 4 w-rows × 2 accumulators. Sums accumulate in f32 lanes (the reference uses doubles).
+ */
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+@inline
+function hsum(v: v128): f32 {
+  return f32x4.extract_lane(v, 0) + f32x4.extract_lane(v, 1) + (f32x4.extract_lane(v, 2) + f32x4.extract_lane(v, 3));
+}
+
+@inline
+function fma(acc: v128, a: v128, b: v128): v128 {
+  return f32x4.add(acc, f32x4.mul(a, b));
+}
+
+/** exp on four lanes (Cephes expf: range reduction to [-ln2/2, ln2/2], degree-6 polynomial). */
+@inline
+function expv(x: v128): v128 {
+  x = f32x4.min(f32x4.max(x, f32x4.splat(-87.3)), f32x4.splat(88.7));
+  const fx = f32x4.nearest(f32x4.mul(x, f32x4.splat(1.44269504088896341)));
+  let r = f32x4.sub(x, f32x4.mul(fx, f32x4.splat(0.693359375)));
+  r = f32x4.sub(r, f32x4.mul(fx, f32x4.splat(-2.12194440e-4)));
+  let p = f32x4.splat(1.9875691500e-4);
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(1.3981999507e-3));
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(8.3334519073e-3));
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(4.1665795894e-2));
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(1.6666665459e-1));
+  p = f32x4.add(f32x4.mul(p, r), f32x4.splat(5.0000001201e-1));
+  const y = f32x4.add(f32x4.add(f32x4.mul(f32x4.mul(p, r), r), r), f32x4.splat(1.0));
+  const n = i32x4.trunc_sat_f32x4_s(fx);
+  const pow2n = i32x4.shl(i32x4.add(n, i32x4.splat(127)), 23);
+  return f32x4.mul(y, pow2n);
+}
+
+/** Scalar exp with the same polynomial, for tails. */
+@inline
+function exps(x: f32): f32 {
+  return f32x4.extract_lane(expv(f32x4.splat(x)), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// matmul
+
+/** out[r][j] = Σ_k x[r][k]·w[j][k] for rows r0..r0+2, columns j in [c0, c1). */
+function tile3(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+  const xs = (<usize>inDim) << 2;
+  const os = (<usize>outDim) << 2;
+  const x0 = x + <usize>r0 * xs;
+  const x1 = x0 + xs;
+  const x2 = x1 + xs;
+  const o0 = out + <usize>r0 * os;
+  const o1 = o0 + os;
+  const o2 = o1 + os;
+  const kv = (<usize>(inDim & ~3)) << 2;
+  let j = c0;
+  for (; j + 4 <= c1; j += 4) {
+    const w0 = w + <usize>j * xs;
+    const w1 = w0 + xs;
+    const w2 = w1 + xs;
+    const w3 = w2 + xs;
+    let a00 = f32x4.splat(0), a01 = f32x4.splat(0), a02 = f32x4.splat(0), a03 = f32x4.splat(0);
+    let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0), a13 = f32x4.splat(0);
+    let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0), a23 = f32x4.splat(0);
+    for (let k: usize = 0; k < kv; k += 16) {
+      const b0 = v128.load(w0 + k);
+      const b1 = v128.load(w1 + k);
+      const b2 = v128.load(w2 + k);
+      const b3 = v128.load(w3 + k);
+      const v0 = v128.load(x0 + k);
+      a00 = fma(a00, v0, b0);
+      a01 = fma(a01, v0, b1);
+      a02 = fma(a02, v0, b2);
+      a03 = fma(a03, v0, b3);
+      const v1 = v128.load(x1 + k);
+      a10 = fma(a10, v1, b0);
+      a11 = fma(a11, v1, b1);
+      a12 = fma(a12, v1, b2);
+      a13 = fma(a13, v1, b3);
+      const v2 = v128.load(x2 + k);
+      a20 = fma(a20, v2, b0);
+      a21 = fma(a21, v2, b1);
+      a22 = fma(a22, v2, b2);
+      a23 = fma(a23, v2, b3);
+    }
+    let s00 = hsum(a00), s01 = hsum(a01), s02 = hsum(a02), s03 = hsum(a03);
+    let s10 = hsum(a10), s11 = hsum(a11), s12 = hsum(a12), s13 = hsum(a13);
+    let s20 = hsum(a20), s21 = hsum(a21), s22 = hsum(a22), s23 = hsum(a23);
+    for (let k = kv; k < xs; k += 4) {
+      const b0 = load<f32>(w0 + k), b1 = load<f32>(w1 + k), b2 = load<f32>(w2 + k), b3 = load<f32>(w3 + k);
+      const v0 = load<f32>(x0 + k), v1 = load<f32>(x1 + k), v2 = load<f32>(x2 + k);
+      s00 += v0 * b0; s01 += v0 * b1; s02 += v0 * b2; s03 += v0 * b3;
+      s10 += v1 * b0; s11 += v1 * b1; s12 += v1 * b2; s13 += v1 * b3;
+      s20 += v2 * b0; s21 += v2 * b1; s22 += v2 * b2; s23 += v2 * b3;
+    }
+    const jo = (<usize>j) << 2;
+    store<f32>(o0 + jo, s00); store<f32>(o0 + jo, s01, 4); store<f32>(o0 + jo, s02, 8); store<f32>(o0 + jo, s03, 12);
+    store<f32>(o1 + jo, s10); store<f32>(o1 + jo, s11, 4); store<f32>(o1 + jo, s12, 8); store<f32>(o1 + jo, s13, 12);
+    store<f32>(o2 + jo, s20); store<f32>(o2 + jo, s21, 4); store<f32>(o2 + jo, s22, 8); store<f32>(o2 + jo, s23, 12);
+  }
+  for (; j < c1; j++) {
+    const w0 = w + <usize>j * xs;
+    let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0);
+    for (let k: usize = 0; k < kv; k += 16) {
+      const b = v128.load(w0 + k);
+      a0 = fma(a0, v128.load(x0 + k), b);
+      a1 = fma(a1, v128.load(x1 + k), b);
+      a2 = fma(a2, v128.load(x2 + k), b);
+    }
+    let s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2);
+    for (let k = kv; k < xs; k += 4) {
+      const b = load<f32>(w0 + k);
+      s0 += load<f32>(x0 + k) * b;
+      s1 += load<f32>(x1 + k) * b;
+      s2 += load<f32>(x2 + k) * b;
+    }
+    const jo = (<usize>j) << 2;
+    store<f32>(o0 + jo, s0);
+    store<f32>(o1 + jo, s1);
+    store<f32>(o2 + jo, s2);
+  }
+}
+
+/** out[r][j] for one row r, columns j in [c0, c1): 4 w-rows at a time, 2 accumulators each. */
+function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+  const xs = (<usize>inDim) << 2;
+  const xr = x + <usize>r * xs;
+  const orow = out + ((<usize>r * <usize>outDim) << 2);
+  const k8 = (<usize>(inDim & ~7)) << 2;
+  const k4 = (<usize>(inDim & ~3)) << 2;
+  let j = c0;
+  for (; j + 4 <= c1; j += 4) {
+    const w0 = w + <usize>j * xs;
+    const w1 = w0 + xs;
+    const w2 = w1 + xs;
+    const w3 = w2 + xs;
+    let a0 = f32x4.splat(0), b0 = f32x4.splat(0);
+    let a1 = f32x4.splat(0), b1 = f32x4.splat(0);
+    let a2 = f32x4.splat(0), b2 = f32x4.splat(0);
+    let a3 = f32x4.splat(0), b3 = f32x4.splat(0);
+    let k: usize = 0;
+    for (; k < k8; k += 32) {
+      const xa = v128.load(xr + k);
+      const xb = v128.load(xr + k, 16);
+      a0 = fma(a0, xa, v128.load(w0 + k));
+      b0 = fma(b0, xb, v128.load(w0 + k, 16));
+      a1 = fma(a1, xa, v128.load(w1 + k));
+      b1 = fma(b1, xb, v128.load(w1 + k, 16));
+      a2 = fma(a2, xa, v128.load(w2 + k));
+      b2 = fma(b2, xb, v128.load(w2 + k, 16));
+      a3 = fma(a3, xa, v128.load(w3 + k));
+      b3 = fma(b3, xb, v128.load(w3 + k, 16));
+    }
+    for (; k < k4; k += 16) {
+      const xa = v128.load(xr + k);
+      a0 = fma(a0, xa, v128.load(w0 + k));
+      a1 = fma(a1, xa, v128.load(w1 + k));
+      a2 = fma(a2, xa, v128.load(w2 + k));
+      a3 = fma(a3, xa, v128.load(w3 + k));
+    }
+    let s0 = hsum(f32x4.add(a0, b0));
+    let s1 = hsum(f32x4.add(a1, b1));
+    let s2 = hsum(f32x4.add(a2, b2));
+    let s3 = hsum(f32x4.add(a3, b3));
+    for (; k < xs; k += 4) {
+      const v = load<f32>(xr + k);
+      s0 += v * load<f32>(w0 + k);
+      s1 += v * load<f32>(w1 + k);
+      s2 += v * load<f32>(w2 + k);
+      s3 += v * load<f32>(w3 + k);
+    }
+    const jo = orow + ((<usize>j) << 2);
+    store<f32>(jo, s0);
+    store<f32>(jo, s1, 4);
+    store<f32>(jo, s2, 8);
+    store<f32>(jo, s3, 12);
+  }
+  for (; j < c1; j++) {
+    const w0 = w + <usize>j * xs;
+    let a0 = f32x4.splat(0);
+    let k: usize = 0;
+    for (; k < k4; k += 16) a0 = fma(a0, v128.load(xr + k), v128.load(w0 + k));
+    let s0 = hsum(a0);
+    for (; k < xs; k += 4) s0 += load<f32>(xr + k) * load<f32>(w0 + k);
+    store<f32>(orow + ((<usize>j) << 2), s0);
+  }
+}
+
+/** out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. */
+export function matmulCols(out: usize, x: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+  let r = 0;
+  for (; r + 3 <= rows; r += 3) tile3(out, x, w, r, inDim, outDim, c0, c1);
+  for (; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim, c0, c1);
+}
+
+/**
+ * matmul over chunks of `chunk` output columns claimed from the i32 counter at `counter`; every
+ * participating thread calls it with the same arguments. The caller zeroes the counter first.
+ */
+export function matmulPar(
+  out: usize, x: usize, w: usize, rows: i32, inDim: i32, outDim: i32, counter: usize, chunk: i32,
+): void {
+  const n = (outDim + chunk - 1) / chunk;
+  for (;;) {
+    const c = atomic.add<i32>(counter, 1);
+    if (c >= n) return;
+    const c0 = c * chunk;
+    const c1 = min(c0 + chunk, outDim);
+    matmulCols(out, x, w, rows, inDim, outDim, c0, c1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// element-wise kernels
+
+/** out[i] = a[i] + b[i] for i < n. */
+export function add(out: usize, a: usize, b: usize, n: i32): void {
+  const nb = (<usize>n) << 2;
+  const nv = (<usize>(n & ~3)) << 2;
+  let i: usize = 0;
+  for (; i < nv; i += 16) v128.store(out + i, f32x4.add(v128.load(a + i), v128.load(b + i)));
+  for (; i < nb; i += 4) store<f32>(out + i, load<f32>(a + i) + load<f32>(b + i));
+}
+
+/** out[r][j] += bias[j] for r < rows, j < n. */
+export function addBias(out: usize, bias: usize, rows: i32, n: i32): void {
+  const rb = (<usize>n) << 2;
+  for (let r = 0; r < rows; r++) add(out + <usize>r * rb, out + <usize>r * rb, bias, n);
+}
+
+/** RMSNorm of `rows` rows of n floats: out = x / sqrt(mean(x²) + eps) · weight (out may alias x). */
+export function rmsnorm(out: usize, x: usize, weight: usize, n: i32, eps: f64, rows: i32): void {
+  const rb = (<usize>n) << 2;
+  const nv = (<usize>(n & ~7)) << 2;
+  for (let r = 0; r < rows; r++) {
+    const xr = x + <usize>r * rb;
+    const or = out + <usize>r * rb;
+    let a = f32x4.splat(0);
+    let b = f32x4.splat(0);
+    let i: usize = 0;
+    for (; i < nv; i += 32) {
+      const v = v128.load(xr + i);
+      const u = v128.load(xr + i, 16);
+      a = fma(a, v, v);
+      b = fma(b, u, u);
+    }
+    let s = <f64>hsum(f32x4.add(a, b));
+    for (; i < rb; i += 4) {
+      const v = <f64>load<f32>(xr + i);
+      s += v * v;
+    }
+    const scale = <f32>(1.0 / Math.sqrt(s / <f64>n + eps));
+    const sv = f32x4.splat(scale);
+    const n4 = (<usize>(n & ~3)) << 2;
+    i = 0;
+    for (; i < n4; i += 16) v128.store(or + i, f32x4.mul(f32x4.mul(v128.load(xr + i), sv), v128.load(weight + i)));
+    for (; i < rb; i += 4) store<f32>(or + i, load<f32>(xr + i) * scale * load<f32>(weight + i));
+  }
+}
+
+/**
+ * Rotary embedding in place on x[rows][numHeads][headDim] (rotate_half), row r at position
+ * positions[r] (i32), with f64 tables cos/sin[position][headDim/2].
+ */
+export function rope(x: usize, positions: usize, cos: usize, sin: usize, rows: i32, numHeads: i32, headDim: i32): void {
+  const half = headDim >> 1;
+  const hb = (<usize>half) << 2;
+  for (let r = 0; r < rows; r++) {
+    const t = (<usize>load<i32>(positions + ((<usize>r) << 2)) * <usize>half) << 3;
+    for (let h = 0; h < numHeads; h++) {
+      const base = x + ((<usize>(r * numHeads + h) * <usize>headDim) << 2);
+      for (let i = 0; i < half; i++) {
+        const c = load<f64>(cos + t + ((<usize>i) << 3));
+        const s = load<f64>(sin + t + ((<usize>i) << 3));
+        const p = base + ((<usize>i) << 2);
+        const a = <f64>load<f32>(p);
+        const b = <f64>load<f32>(p + hb);
+        store<f32>(p, <f32>(a * c - b * s));
+        store<f32>(p + hb, <f32>(b * c + a * s));
+      }
+    }
+  }
+}
+
+/** out[i] = silu(gate[i]) · up[i], silu(g) = g / (1 + e^(−g)); out may alias either input. */
+export function swiglu(out: usize, gate: usize, up: usize, n: i32): void {
+  const nb = (<usize>n) << 2;
+  const nv = (<usize>(n & ~3)) << 2;
+  const one = f32x4.splat(1.0);
+  let i: usize = 0;
+  for (; i < nv; i += 16) {
+    const g = v128.load(gate + i);
+    const e = expv(f32x4.neg(g));
+    v128.store(out + i, f32x4.mul(f32x4.div(g, f32x4.add(one, e)), v128.load(up + i)));
+  }
+  for (; i < nb; i += 4) {
+    const g = load<f32>(gate + i);
+    store<f32>(out + i, (g / (1.0 + exps(-g))) * load<f32>(up + i));
+  }
+}
+
+/** swiglu over chunks of `chunk` floats claimed from the counter (see matmulPar). */
+export function swigluPar(out: usize, gate: usize, up: usize, n: i32, counter: usize, chunk: i32): void {
+  const nc = (n + chunk - 1) / chunk;
+  for (;;) {
+    const c = atomic.add<i32>(counter, 1);
+    if (c >= nc) return;
+    const s = c * chunk;
+    const o = (<usize>s) << 2;
+    swiglu(out + o, gate + o, up + o, min(chunk, n - s));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention
+
+@inline
+function dot(a: usize, b: usize, headDim: i32): f32 {
+  const nb = (<usize>headDim) << 2;
+  const n8 = (<usize>(headDim & ~7)) << 2;
+  const n4 = (<usize>(headDim & ~3)) << 2;
+  let s0 = f32x4.splat(0);
+  let s1 = f32x4.splat(0);
+  let d: usize = 0;
+  for (; d < n8; d += 32) {
+    s0 = fma(s0, v128.load(a + d), v128.load(b + d));
+    s1 = fma(s1, v128.load(a + d, 16), v128.load(b + d, 16));
+  }
+  for (; d < n4; d += 16) s0 = fma(s0, v128.load(a + d), v128.load(b + d));
+  let s = hsum(f32x4.add(s0, s1));
+  for (; d < nb; d += 4) s += load<f32>(a + d) * load<f32>(b + d);
+  return s;
+}
+
+/** acc[d] += p · v[d] for d < headDim. */
+@inline
+function axpy(acc: usize, p: f32, v: usize, headDim: i32): void {
+  const nb = (<usize>headDim) << 2;
+  const n4 = (<usize>(headDim & ~3)) << 2;
+  const pv = f32x4.splat(p);
+  let d: usize = 0;
+  for (; d < n4; d += 16) v128.store(acc + d, fma(v128.load(acc + d), pv, v128.load(v + d)));
+  for (; d < nb; d += 4) store<f32>(acc + d, load<f32>(acc + d) + p * load<f32>(v + d));
+}
+
+/**
+ * One work item of paged causal attention: query row i (activation row rowStart+i) against KV head g
+ * over context positions [ta, tb), for all `group` query heads that share the KV head, so each K and
+ * V vector is read once for the whole group. Writes each head's softmax-weighted V sum (normalised
+ * over this range) at o + hh·oStride, and, when ml ≠ 0, the range's score max and exp-sum at
+ * ml + hh·mlStride (for attentionMerge). `scratch` holds group·(tb−ta) f32 scores.
+ */
+function attendRange(
+  o: usize, oStride: usize, ml: usize, mlStride: usize, q: usize, pool: usize, blockTable: usize, scratch: usize,
+  i: i32, g: i32, ta: i32, tb: i32, rowStart: i32, layer: i32, numLayers: i32,
+  numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32,
+): void {
+  const group = numHeads / numKvHeads;
+  const n = tb - ta;
+  const rowBytes = (<usize>(numKvHeads * headDim)) << 2;
+  const pageBytes = <usize>(numLayers * 2 * pageSize) * rowBytes;
+  const kBase = <usize>(layer * 2 * pageSize) * rowBytes;
+  const vBase = kBase + <usize>pageSize * rowBytes;
+  const headOff = (<usize>(g * headDim)) << 2;
+  const scale = <f32>(1.0 / Math.sqrt(<f64>headDim));
+  const qh0 = q + ((<usize>((rowStart + i) * numHeads + g * group) * <usize>headDim) << 2);
+  const headBytes = (<usize>headDim) << 2;
+  const nBytes = (<usize>n) << 2;
+
+  // Scores: one pass over K, every head of the group per K vector.
+  let t = ta;
+  while (t < tb) {
+    const p = t / pageSize;
+    const end = min(tb, (p + 1) * pageSize);
+    const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
+    let kp = pool + page * pageBytes + kBase + headOff + <usize>(t - p * pageSize) * rowBytes;
+    for (; t < end; t++) {
+      const so = scratch + ((<usize>(t - ta)) << 2);
+      for (let h = 0; h < group; h++) {
+        store<f32>(so + <usize>h * nBytes, dot(qh0 + <usize>h * headBytes, kp, headDim) * scale);
+      }
+      kp += rowBytes;
+    }
+  }
+
+  // Softmax per head, normalised over the range.
+  const cv = (<usize>(n & ~3)) << 2;
+  for (let h = 0; h < group; h++) {
+    const sh = scratch + <usize>h * nBytes;
+    let mv = f32x4.splat(-Infinity);
+    let u: usize = 0;
+    for (; u < cv; u += 16) mv = f32x4.max(mv, v128.load(sh + u));
+    let m = max(max(f32x4.extract_lane(mv, 0), f32x4.extract_lane(mv, 1)), max(f32x4.extract_lane(mv, 2), f32x4.extract_lane(mv, 3)));
+    for (; u < nBytes; u += 4) m = max(m, load<f32>(sh + u));
+    const ms = f32x4.splat(m);
+    let sv = f32x4.splat(0);
+    u = 0;
+    for (; u < cv; u += 16) {
+      const e = expv(f32x4.sub(v128.load(sh + u), ms));
+      v128.store(sh + u, e);
+      sv = f32x4.add(sv, e);
+    }
+    let sum = hsum(sv);
+    for (; u < nBytes; u += 4) {
+      const e = exps(load<f32>(sh + u) - m);
+      store<f32>(sh + u, e);
+      sum += e;
+    }
+    const invs = <f32>1.0 / sum;
+    const inv = f32x4.splat(invs);
+    u = 0;
+    for (; u < cv; u += 16) v128.store(sh + u, f32x4.mul(v128.load(sh + u), inv));
+    for (; u < nBytes; u += 4) store<f32>(sh + u, load<f32>(sh + u) * invs);
+    if (ml != 0) {
+      store<f32>(ml + <usize>h * mlStride, m);
+      store<f32>(ml + <usize>h * mlStride, sum, 4);
+    }
+    memory.fill(o + <usize>h * oStride, 0, headBytes);
+  }
+
+  // Σ p·V: one pass over V for the whole group.
+  t = ta;
+  while (t < tb) {
+    const p = t / pageSize;
+    const end = min(tb, (p + 1) * pageSize);
+    const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
+    let vp = pool + page * pageBytes + vBase + headOff + <usize>(t - p * pageSize) * rowBytes;
+    for (; t < end; t++) {
+      const so = scratch + ((<usize>(t - ta)) << 2);
+      for (let h = 0; h < group; h++) {
+        axpy(o + <usize>h * oStride, load<f32>(so + <usize>h * nBytes), vp, headDim);
+      }
+      vp += rowBytes;
+    }
+  }
+}
+
+/**
+ * Paged causal attention (the contract of reference.ts `pagedAttention`, GQA-aware). Work items
+ * (query row, KV head, context split) are claimed from the counter; each thread passes its own
+ * `scratch` of at least group·ceil((startPos+rows)/splits)+group f32. With splits = 1 the result goes
+ * straight to `out`; with splits > 1 each item covers 1/splits of its row's context and writes a
+ * partial result to `partial` ([rows][numHeads][splits][headDim] f32) and its max and exp-sum to `ml`
+ * ([rows][numHeads][splits][2] f32), and attentionMerge combines them after both threads finish.
+ */
+export function attentionPar(
+  out: usize, q: usize, pool: usize, blockTable: usize, scratch: usize,
+  rowStart: i32, rows: i32, startPos: i32, layer: i32, numLayers: i32,
+  numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32, counter: usize,
+  splits: i32, partial: usize, ml: usize,
+): void {
+  const group = numHeads / numKvHeads;
+  const perRow = numKvHeads * splits;
+  const n = rows * perRow;
+  const headBytes = (<usize>headDim) << 2;
+  for (;;) {
+    const c = atomic.add<i32>(counter, 1);
+    if (c >= n) return;
+    // Longest rows first.
+    const i = rows - 1 - c / perRow;
+    const rem = c % perRow;
+    const g = rem / splits;
+    const sp = rem % splits;
+    const ctx = startPos + i + 1;
+    if (splits == 1) {
+      const o = out + ((<usize>((rowStart + i) * numHeads + g * group) * <usize>headDim) << 2);
+      attendRange(o, headBytes, 0, 0, q, pool, blockTable, scratch, i, g, 0, ctx, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
+    } else {
+      const ta = <i32>((<i64>ctx * sp) / splits);
+      const tb = <i32>((<i64>ctx * (sp + 1)) / splits);
+      const slot = <usize>((i * numHeads + g * group) * splits + sp);
+      const o = partial + slot * headBytes;
+      const m = ml + (slot << 3);
+      attendRange(o, <usize>splits * headBytes, m, <usize>splits << 3, q, pool, blockTable, scratch, i, g, ta, tb, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
+    }
+  }
+}
+
+/** Combines the context splits of attentionPar into `out` (softmax over the whole context). */
+export function attentionMerge(
+  out: usize, partial: usize, ml: usize, rowStart: i32, rows: i32, numHeads: i32, headDim: i32, splits: i32,
+): void {
+  const headBytes = (<usize>headDim) << 2;
+  for (let i = 0; i < rows; i++) {
+    for (let h = 0; h < numHeads; h++) {
+      const slot0 = <usize>((i * numHeads + h) * splits);
+      let m: f32 = -Infinity;
+      for (let sp = 0; sp < splits; sp++) m = max(m, load<f32>(ml + ((slot0 + <usize>sp) << 3)));
+      let total: f32 = 0;
+      for (let sp = 0; sp < splits; sp++) {
+        const a = ml + ((slot0 + <usize>sp) << 3);
+        total += load<f32>(a, 4) * exps(load<f32>(a) - m);
+      }
+      const o = out + ((<usize>((rowStart + i) * numHeads + h) * <usize>headDim) << 2);
+      memory.fill(o, 0, headBytes);
+      for (let sp = 0; sp < splits; sp++) {
+        const a = ml + ((slot0 + <usize>sp) << 3);
+        const wgt = (load<f32>(a, 4) * exps(load<f32>(a) - m)) / total;
+        axpy(o, wgt, partial + (slot0 + <usize>sp) * headBytes, headDim);
+      }
+    }
+  }
+}

@@ -1,0 +1,266 @@
+import assert from "node:assert/strict";
+import { after, before, describe, it } from "node:test";
+import { assertAllClose } from "./assert-all-close.js";
+import * as ref from "./reference.js";
+import { WasmKernels } from "./wasm-kernels.js";
+
+/** Deterministic uniform values in [-scale, scale). */
+function fill(a: Float32Array, seed: number, scale = 1): Float32Array {
+  let s = seed >>> 0 || 1;
+  for (let i = 0; i < a.length; i++) {
+    s ^= s << 13;
+    s ^= s >>> 17;
+    s ^= s << 5;
+    a[i] = ((s >>> 0) / 4294967296 - 0.5) * 2 * scale;
+  }
+  return a;
+}
+
+function shuffledTable(n: number, numPages: number, seed: number): Int32Array {
+  const ids = Array.from({ length: numPages }, (_, i) => i);
+  let s = seed;
+  for (let i = numPages - 1; i > 0; i--) {
+    s = (s * 1103515245 + 12345) >>> 0;
+    const j = s % (i + 1);
+    [ids[i], ids[j]] = [ids[j], ids[i]];
+  }
+  return Int32Array.from(ids.slice(0, n));
+}
+
+const MATMUL_SHAPES: [number, number, number][] = [
+  [1, 1, 1],
+  [1, 37, 13],
+  [2, 64, 9],
+  [3, 5, 7],
+  [4, 33, 41],
+  [7, 66, 19],
+  [13, 576, 35],
+  [1, 576, 193],
+  [64, 120, 200],
+];
+
+for (const threads of [1, 2] as const) {
+  describe(`WasmKernels (${threads} thread${threads === 1 ? "" : "s"})`, () => {
+    let k: WasmKernels;
+    before(async () => {
+      // parallelMinWork 0: every matmul/attention goes through the two-thread job protocol.
+      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 20 });
+      await k.ready();
+    });
+    after(async () => {
+      await k.close();
+    });
+
+    it("WasmKernels.matmul() matches reference matmul on odd shapes", () => {
+      for (const [rows, inDim, outDim] of MATMUL_SHAPES) {
+        const x = fill(k.allocF32(rows * inDim), rows * 7 + inDim);
+        const w = fill(k.allocF32(outDim * inDim), outDim * 3 + 1);
+        const got = k.allocF32(rows * outDim);
+        const want = new Float32Array(rows * outDim);
+        k.matmul(got, x, w, rows, inDim, outDim);
+        ref.matmul(want, x, w, rows, inDim, outDim);
+        assertAllClose(got, want, { rtol: 1e-4, atol: 1e-5, message: `${rows}x${inDim}x${outDim}` });
+      }
+      assert.equal(k.fallbackCalls, 0);
+    });
+
+    it("WasmKernels.rmsnorm() matches reference rmsnorm, in place and over rows", () => {
+      for (const [n, rows] of [
+        [1, 1],
+        [7, 3],
+        [576, 2],
+        [45, 5],
+      ] as const) {
+        const x = fill(k.allocF32(n * rows), n + rows, 3);
+        const weight = fill(k.allocF32(n), n);
+        const want = new Float32Array(n * rows);
+        ref.rmsnorm(want, x, weight, n, 1e-5, rows);
+        k.rmsnorm(x, x, weight, n, 1e-5, rows);
+        assertAllClose(x, want, { rtol: 1e-5, atol: 1e-6, message: `n=${n} rows=${rows}` });
+      }
+    });
+
+    it("WasmKernels.rope() matches reference rope at scattered positions", () => {
+      for (const [numHeads, headDim] of [
+        [3, 6],
+        [9, 64],
+        [2, 10],
+      ] as const) {
+        const rows = 5;
+        const maxPos = 300;
+        const cos = k.allocF64(maxPos * (headDim >> 1));
+        const sin = k.allocF64(maxPos * (headDim >> 1));
+        ref.ropeTables(cos, sin, maxPos, headDim, 10000);
+        const positions = k.allocI32(rows);
+        positions.set([0, 1, 17, 299, 128]);
+        const x = fill(k.allocF32(rows * numHeads * headDim), headDim);
+        const want = Float32Array.from(x);
+        ref.rope(want, positions, cos, sin, rows, numHeads, headDim);
+        k.rope(x, positions, cos, sin, rows, numHeads, headDim);
+        assertAllClose(x, want, { rtol: 1e-6, atol: 1e-7, message: `${numHeads}x${headDim}` });
+      }
+    });
+
+    it("WasmKernels.swiglu(), add() and addBias() match the reference, including tails and large inputs", () => {
+      for (const n of [1, 7, 1536, 20001]) {
+        const gate = fill(k.allocF32(n), n, 12);
+        const up = fill(k.allocF32(n), n + 1);
+        const want = new Float32Array(n);
+        ref.swiglu(want, gate, up, n);
+        const got = k.allocF32(n);
+        k.swiglu(got, gate, up, n);
+        assertAllClose(got, want, { rtol: 1e-5, atol: 1e-6, message: `swiglu n=${n}` });
+        ref.add(want, gate, up, n);
+        k.add(got, gate, up, n);
+        assertAllClose(got, want, { rtol: 0, atol: 0, message: `add n=${n}` });
+      }
+      const rows = 3;
+      const n = 11;
+      const out = fill(k.allocF32(rows * n), 5);
+      const bias = fill(k.allocF32(n), 6);
+      const want = Float32Array.from(out);
+      ref.addBias(want, bias, rows, n);
+      k.addBias(out, bias, rows, n);
+      assertAllClose(out, want, { rtol: 0, atol: 0 });
+    });
+
+    it("WasmKernels.pagedAttention() matches reference pagedAttention for GQA groups 1, 3, 4 over shuffled pages", () => {
+      const cases = [
+        // numHeads, numKvHeads, headDim, pageSize, rows, startPos
+        [3, 3, 8, 4, 1, 0],
+        [9, 3, 64, 16, 1, 37],
+        [8, 2, 10, 3, 5, 6],
+        [4, 1, 6, 5, 7, 0],
+        [12, 3, 64, 16, 3, 200],
+        // Few items and a long context: on 2 threads the context is split and merged.
+        [9, 3, 64, 16, 1, 1000],
+        [6, 1, 10, 4, 2, 700],
+        [8, 2, 12, 16, 1, 2047],
+      ] as const;
+      const numLayers = 3;
+      for (const [numHeads, numKvHeads, headDim, pageSize, rows, startPos] of cases) {
+        const ctx = startPos + rows;
+        const pageFloats = numLayers * 2 * pageSize * numKvHeads * headDim;
+        const numPages = Math.ceil(ctx / pageSize) + 3;
+        const pool = fill(k.allocF32(numPages * pageFloats), ctx + headDim);
+        const table = shuffledTable(Math.ceil(ctx / pageSize), numPages, ctx);
+        const rowStart = 2;
+        const qFloats = (rowStart + rows) * numHeads * headDim;
+        const q = fill(k.allocF32(qFloats), numHeads, 2);
+        const scratch = new Float64Array(headDim + ctx);
+        for (let layer = 0; layer < numLayers; layer++) {
+          const got = k.allocF32(qFloats);
+          const want = new Float32Array(qFloats);
+          const args = [
+            rowStart,
+            rows,
+            startPos,
+            layer,
+            numLayers,
+            numHeads,
+            numKvHeads,
+            headDim,
+            pageSize,
+          ] as const;
+          k.pagedAttention(got, q, pool, table, scratch, ...args);
+          ref.pagedAttention(want, q, pool, table, scratch, ...args);
+          assertAllClose(got, want, {
+            rtol: 1e-4,
+            atol: 1e-5,
+            message: `heads ${numHeads}/${numKvHeads} d=${headDim} page=${pageSize} rows=${rows} start=${startPos} layer=${layer}`,
+          });
+        }
+      }
+      assert.equal(k.fallbackCalls, 0);
+    });
+
+    it("WasmKernels kernels fall back to the reference for buffers outside the memory", () => {
+      const before = k.fallbackCalls;
+      const x = fill(new Float32Array(2 * 9), 1);
+      const w = fill(k.allocF32(5 * 9), 2);
+      const got = new Float32Array(2 * 5);
+      const want = new Float32Array(2 * 5);
+      k.matmul(got, x, w, 2, 9, 5);
+      ref.matmul(want, x, w, 2, 9, 5);
+      assert.deepEqual(got, want);
+      assert.equal(k.fallbackCalls, before + 1);
+      assert.equal(k.owns(x), false);
+      assert.equal(k.owns(w), true);
+    });
+  });
+}
+
+describe("WasmKernels memory", () => {
+  it("WasmKernels.allocF32() grows the memory and earlier views stay valid and owned", async () => {
+    const k = await WasmKernels.create({ threads: 1, initialBytes: 1 << 17 });
+    try {
+      const a = k.allocF32(1000);
+      a.fill(3);
+      const big = k.allocF32(1 << 20); // past the initial size: grows
+      big.fill(1);
+      assert.equal(a[999], 3);
+      assert.ok(k.owns(a) && k.owns(big));
+      const x = k.allocF32(4);
+      x.set([1, 2, 3, 4]);
+      const out = k.allocF32(1);
+      const w = k.placeF32(Float32Array.of(1, 1, 1, 1));
+      k.matmul(out, x, w, 1, 4, 1);
+      assert.equal(out[0], 10);
+      assert.equal(k.fallbackCalls, 0);
+      assert.equal(a.byteOffset % 64, 0);
+      assert.equal(big.byteOffset % 64, 0);
+    } finally {
+      await k.close();
+    }
+  });
+
+  it("WasmKernels.placeWeights() copies every tensor into the memory and keeps tied embeddings tied", async () => {
+    const k = await WasmKernels.create({ threads: 1, initialBytes: 1 << 17 });
+    try {
+      const t = (n: number, seed: number) => fill(new Float32Array(n), seed);
+      const embed = t(12, 1);
+      const layer = {
+        inputNorm: t(3, 2),
+        q: t(9, 3),
+        k: t(9, 4),
+        v: t(9, 5),
+        qBias: null,
+        kBias: t(3, 6),
+        vBias: null,
+        o: t(9, 7),
+        postNorm: t(3, 8),
+        gate: t(6, 9),
+        up: t(6, 10),
+        down: t(6, 11),
+      };
+      const placed = k.placeWeights({ embed, layers: [layer], finalNorm: t(3, 12), lmHead: embed });
+      assert.equal(placed.lmHead, placed.embed);
+      assert.ok(k.owns(placed.embed) && k.owns(placed.layers[0].down) && k.owns(placed.layers[0].kBias!));
+      assert.equal(placed.layers[0].qBias, null);
+      assert.deepEqual(placed.layers[0].gate, layer.gate);
+      assert.deepEqual(placed.embed, embed);
+    } finally {
+      await k.close();
+    }
+  });
+
+  it("WasmKernels worker takes part in large jobs once ready", async () => {
+    const k = await WasmKernels.create({ threads: 2 });
+    try {
+      await k.ready();
+      const rows = 16;
+      const inDim = 256;
+      const outDim = 1024;
+      const x = fill(k.allocF32(rows * inDim), 1);
+      const w = fill(k.allocF32(outDim * inDim), 2);
+      const out = k.allocF32(rows * outDim);
+      const want = new Float32Array(rows * outDim);
+      ref.matmul(want, x, w, rows, inDim, outDim);
+      for (let i = 0; i < 50 && k.workerJobs === 0; i++) k.matmul(out, x, w, rows, inDim, outDim);
+      assert.ok(k.workerJobs > 0, "the worker never took a job");
+      assertAllClose(out, want, { rtol: 1e-4, atol: 1e-5 });
+    } finally {
+      await k.close();
+    }
+  });
+});

@@ -1,0 +1,626 @@
+/**
+ * `WasmKernels`: the WebAssembly SIMD kernels (src/kernels/assembly, built to kernels.wasm) behind
+ * the `Kernels` interface, over one shared `WebAssembly.Memory`, run on two threads.
+ *
+ * ## Memory
+ * Everything the kernels touch lives in one `WebAssembly.Memory({shared: true})`, whose buffer is a
+ * SharedArrayBuffer that the worker and the transfer engine see too. A bump arena (`allocF32`,
+ * `allocBytes`, `placeF32`, `placeWeights`) hands out views into it; nothing is ever freed — the
+ * weights, the KV pool (pass `memory.buffer` + `allocBytes()` offset to `PagePool` as
+ * `dataBuffer`/`dataByteOffset`) and the activations are allocated once. The memory grows on demand
+ * up to 4 GiB (wasm32); views made before a growth stay valid (shared memory never detaches).
+ *
+ * A kernel whose operands are not all inside the memory (a caller's own Float32Array) falls back to
+ * the reference kernel for that call and counts it in `fallbackCalls`, so results are always right
+ * and a misplaced buffer shows up as a number, not as wrong output.
+ *
+ * ## Two threads
+ * The main thread and one worker (wasm-kernels-worker.ts) run the same module over the same memory.
+ * `matmul`, `pagedAttention` and large `swiglu` calls are published as a job in a control block in
+ * the memory; both threads then call the same parallel kernel, which claims chunks of work (16–32
+ * output columns, or one (query row, KV head) attention item) from an atomic counter, so the faster
+ * thread takes more and neither waits for a late starter. The worker spins on `Atomics.load` for a
+ * bounded time (`workerSpinMs`) between jobs and then sleeps in `Atomics.wait`; a futex wake costs
+ * about 50 µs on these machines against well under 1 µs for a spin (MEASUREMENTS §2), so within a
+ * token it never sleeps. A job the worker has not picked up by the time the main thread finished
+ * every chunk is cancelled (a ticket compare-and-swap), so a descheduled or sleeping worker never
+ * delays the main thread by more than the chunk it is running.
+ */
+import { Worker } from "node:worker_threads";
+import type { Kernels } from "./kernels.js";
+import * as ref from "./reference.js";
+
+// The WebAssembly JS API as far as this module uses it (lib "ES2023" and @types/node 20 omit it).
+declare global {
+  namespace WebAssembly {
+    /** An opaque compiled module. */
+    interface Module {
+      readonly __brand?: "WebAssembly.Module";
+    }
+    const Module: { new (bytes: ArrayBufferView | ArrayBuffer): Module };
+    interface Memory {
+      readonly buffer: ArrayBufferLike;
+      grow(deltaPages: number): number;
+    }
+    const Memory: { new (descriptor: { initial: number; maximum?: number; shared?: boolean }): Memory };
+    interface Instance {
+      readonly exports: Record<string, unknown>;
+    }
+    const Instance: { new (module: Module, imports?: Record<string, Record<string, unknown>>): Instance };
+    function compile(bytes: ArrayBufferView | ArrayBuffer): Promise<Module>;
+  }
+}
+
+const PAGE_BYTES = 65536;
+const MAX_PAGES = 65536;
+/** The first 64 KiB stay unused (the module has no data segments, but keep address 0 unused). */
+const ARENA_START = 65536;
+const CTL_BYTES = 512;
+
+// Control block (Int32 indices); hot words on separate 64-byte lines.
+export const CTL_SEQ = 0;
+export const CTL_TICKET = 16;
+export const CTL_DONE = 32;
+export const CTL_WORKER_SLEEPING = 33;
+export const CTL_MAIN_SLEEPING = 34;
+export const CTL_QUIT = 35;
+export const CTL_WORKER_JOBS = 36;
+export const CTL_OP = 40;
+export const CTL_COUNTER = 48;
+export const CTL_ARGS = 64;
+
+export const OP_MATMUL = 1;
+export const OP_ATTENTION = 2;
+export const OP_SWIGLU = 3;
+
+/** The kernel exports of kernels.wasm (addresses are byte offsets into the shared memory). */
+export interface WasmExports {
+  matmulCols(
+    out: number,
+    x: number,
+    w: number,
+    rows: number,
+    inDim: number,
+    outDim: number,
+    c0: number,
+    c1: number,
+  ): void;
+  matmulPar(
+    out: number,
+    x: number,
+    w: number,
+    rows: number,
+    inDim: number,
+    outDim: number,
+    counter: number,
+    chunk: number,
+  ): void;
+  add(out: number, a: number, b: number, n: number): void;
+  addBias(out: number, bias: number, rows: number, n: number): void;
+  rmsnorm(out: number, x: number, weight: number, n: number, eps: number, rows: number): void;
+  rope(
+    x: number,
+    positions: number,
+    cos: number,
+    sin: number,
+    rows: number,
+    numHeads: number,
+    headDim: number,
+  ): void;
+  swiglu(out: number, gate: number, up: number, n: number): void;
+  swigluPar(out: number, gate: number, up: number, n: number, counter: number, chunk: number): void;
+  attentionPar(
+    out: number,
+    q: number,
+    pool: number,
+    blockTable: number,
+    scratch: number,
+    rowStart: number,
+    rows: number,
+    startPos: number,
+    layer: number,
+    numLayers: number,
+    numHeads: number,
+    numKvHeads: number,
+    headDim: number,
+    pageSize: number,
+    counter: number,
+    splits: number,
+    partial: number,
+    ml: number,
+  ): void;
+  attentionMerge(
+    out: number,
+    partial: number,
+    ml: number,
+    rowStart: number,
+    rows: number,
+    numHeads: number,
+    headDim: number,
+    splits: number,
+  ): void;
+}
+
+let compiled: WebAssembly.Module | undefined;
+
+/** The compiled kernels.wasm (built by scripts/build-wasm.mjs next to this file in dist/). */
+export async function wasmModule(): Promise<WebAssembly.Module> {
+  if (compiled === undefined) {
+    const { readFile } = await import("node:fs/promises");
+    const url = new URL("./kernels.wasm", import.meta.url);
+    let bytes: Buffer;
+    try {
+      bytes = await readFile(url);
+    } catch (err) {
+      throw new Error(
+        `WebAssembly kernels are not built: ${url.pathname} is missing; run npm run build (it runs scripts/build-wasm.mjs)`,
+        { cause: err },
+      );
+    }
+    compiled = await WebAssembly.compile(bytes);
+  }
+  return compiled;
+}
+
+export function instantiate(module: WebAssembly.Module, memory: WebAssembly.Memory): WasmExports {
+  const instance = new WebAssembly.Instance(module, { env: { memory } });
+  return instance.exports as unknown as WasmExports;
+}
+
+/** The weight tensors of a model (structurally the model's `ModelWeights`). */
+export interface WeightsLike {
+  readonly embed: Float32Array;
+  readonly layers: readonly {
+    readonly inputNorm: Float32Array;
+    readonly q: Float32Array;
+    readonly k: Float32Array;
+    readonly v: Float32Array;
+    readonly qBias: Float32Array | null;
+    readonly kBias: Float32Array | null;
+    readonly vBias: Float32Array | null;
+    readonly o: Float32Array;
+    readonly postNorm: Float32Array;
+    readonly gate: Float32Array;
+    readonly up: Float32Array;
+    readonly down: Float32Array;
+  }[];
+  readonly finalNorm: Float32Array;
+  readonly lmHead: Float32Array;
+}
+
+export interface WasmKernelsOptions {
+  /** 1: main thread only; 2 (default): main thread plus one worker. */
+  readonly threads?: 1 | 2;
+  /** Initial memory size in bytes (grows on demand up to 4 GiB). Default 64 MiB. */
+  readonly initialBytes?: number;
+  /** How long the idle worker spins before sleeping in Atomics.wait. Default 2 ms. */
+  readonly workerSpinMs?: number;
+  /** Calls doing fewer multiply-adds than this run on the main thread alone. Default 32768. */
+  readonly parallelMinWork?: number;
+}
+
+export class WasmKernels implements Kernels {
+  readonly name = "wasm";
+  readonly memory: WebAssembly.Memory;
+  readonly threads: 1 | 2;
+  /** Calls that ran the reference kernel because an operand was outside the memory. */
+  fallbackCalls = 0;
+  #x: WasmExports;
+  #buffers: ArrayBufferLike[];
+  #buf0: ArrayBufferLike;
+  #top = ARENA_START;
+  #ctl: Int32Array;
+  #args: Uint32Array;
+  #ctlBase: number;
+  #counter: number;
+  #seq = 0;
+  #worker: Worker | null = null;
+  #ready: Promise<void>;
+  #parallelMinWork: number;
+  // Attention staging: the block table and one scratch per thread (grown on demand).
+  #table: Int32Array;
+  #scratchMain = 0;
+  #scratchWorker = 0;
+  #scratchFloats = 0;
+  #partial = 0;
+  #partialFloats = 0;
+
+  private constructor(module: WebAssembly.Module, options: WasmKernelsOptions) {
+    const initialBytes = options.initialBytes ?? 64 * 1024 * 1024;
+    const pages = Math.min(MAX_PAGES, Math.max(2, Math.ceil(initialBytes / PAGE_BYTES)));
+    this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
+    this.#x = instantiate(module, this.memory);
+    this.#buf0 = this.memory.buffer;
+    this.#buffers = [this.#buf0];
+    this.threads = options.threads ?? 2;
+    this.#parallelMinWork = options.parallelMinWork ?? 32768;
+    this.#ctlBase = this.allocBytes(CTL_BYTES);
+    this.#ctl = new Int32Array(this.memory.buffer, this.#ctlBase, CTL_BYTES / 4);
+    this.#args = new Uint32Array(this.memory.buffer, this.#ctlBase + CTL_ARGS * 4, 32);
+    this.#counter = this.#ctlBase + CTL_COUNTER * 4;
+    this.#table = this.allocI32(1024);
+    // Bound, so a caller may destructure the kernels (as ForwardPass.step() does).
+    this.allocF32 = this.allocF32.bind(this);
+    this.allocF64 = this.allocF64.bind(this);
+    this.allocI32 = this.allocI32.bind(this);
+    this.matmul = this.matmul.bind(this);
+    this.addBias = this.addBias.bind(this);
+    this.add = this.add.bind(this);
+    this.rmsnorm = this.rmsnorm.bind(this);
+    this.rope = this.rope.bind(this);
+    this.swiglu = this.swiglu.bind(this);
+    this.pagedAttention = this.pagedAttention.bind(this);
+    if (this.threads === 2) {
+      const worker = new Worker(new URL("./wasm-kernels-worker.js", import.meta.url), {
+        workerData: {
+          module,
+          memory: this.memory,
+          ctlByteOffset: this.#ctlBase,
+          spinMs: options.workerSpinMs ?? 2,
+        },
+      });
+      worker.unref();
+      this.#worker = worker;
+      this.#ready = new Promise((resolve, reject) => {
+        worker.once("message", () => resolve());
+        worker.once("error", reject);
+      });
+    } else {
+      this.#ready = Promise.resolve();
+    }
+  }
+
+  /** Compiles (once per process) and instantiates the kernels; starts the worker when threads is 2. */
+  static async create(options: WasmKernelsOptions = {}): Promise<WasmKernels> {
+    return new WasmKernels(await wasmModule(), options);
+  }
+
+  /** Resolves once the worker runs (jobs before that run on the main thread alone). */
+  ready(): Promise<void> {
+    return this.#ready;
+  }
+
+  /** Jobs the worker has taken part in so far. */
+  get workerJobs(): number {
+    return Atomics.load(this.#ctl, CTL_WORKER_JOBS);
+  }
+
+  /** Stops the worker. The memory and its views stay usable on the main thread (threads become 1). */
+  async close(): Promise<void> {
+    const worker = this.#worker;
+    if (worker === null) return;
+    this.#worker = null;
+    Atomics.store(this.#ctl, CTL_QUIT, 1);
+    Atomics.add(this.#ctl, CTL_SEQ, 1);
+    Atomics.notify(this.#ctl, CTL_SEQ);
+    await worker.terminate();
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // arena
+
+  /** Reserves `bytes` (64-byte aligned) in the memory, growing it if needed; returns the byte offset. */
+  allocBytes(bytes: number): number {
+    const at = this.#top;
+    const end = at + Math.ceil(bytes / 64) * 64;
+    const have = this.memory.buffer.byteLength;
+    if (end > have) {
+      const pages = Math.ceil((end - have) / PAGE_BYTES);
+      if (have / PAGE_BYTES + pages > MAX_PAGES) {
+        throw new RangeError(
+          `WebAssembly memory is full: ${end} bytes needed, the limit is 4 GiB; use a smaller KV pool or model`,
+        );
+      }
+      this.memory.grow(pages);
+      this.#buffers.push(this.memory.buffer);
+    }
+    this.#top = end;
+    return at;
+  }
+
+  allocF32(n: number): Float32Array {
+    const at = this.allocBytes(n * 4); // first: it may grow the memory (a new buffer)
+    return new Float32Array(this.memory.buffer, at, n);
+  }
+
+  allocF64(n: number): Float64Array {
+    const at = this.allocBytes(n * 8); // first: it may grow the memory (a new buffer)
+    return new Float64Array(this.memory.buffer, at, n);
+  }
+
+  allocI32(n: number): Int32Array {
+    const at = this.allocBytes(n * 4); // first: it may grow the memory (a new buffer)
+    return new Int32Array(this.memory.buffer, at, n);
+  }
+
+  /** A copy of `src` inside the memory. */
+  placeF32(src: Float32Array): Float32Array {
+    const dst = this.allocF32(src.length);
+    dst.set(src);
+    return dst;
+  }
+
+  /** Copies every weight tensor into the memory (a tied lmHead stays the same array as embed). */
+  placeWeights<W extends WeightsLike>(w: W): W {
+    const opt = (a: Float32Array | null): Float32Array | null => (a === null ? null : this.placeF32(a));
+    const embed = this.placeF32(w.embed);
+    return {
+      ...w,
+      embed,
+      layers: w.layers.map((l) => ({
+        ...l,
+        inputNorm: this.placeF32(l.inputNorm),
+        q: this.placeF32(l.q),
+        k: this.placeF32(l.k),
+        v: this.placeF32(l.v),
+        qBias: opt(l.qBias),
+        kBias: opt(l.kBias),
+        vBias: opt(l.vBias),
+        o: this.placeF32(l.o),
+        postNorm: this.placeF32(l.postNorm),
+        gate: this.placeF32(l.gate),
+        up: this.placeF32(l.up),
+        down: this.placeF32(l.down),
+      })),
+      finalNorm: this.placeF32(w.finalNorm),
+      lmHead: w.lmHead === w.embed ? embed : this.placeF32(w.lmHead),
+    };
+  }
+
+  /** True when the view lies inside this kernel set's memory. */
+  owns(a: ArrayBufferView): boolean {
+    const b = a.buffer;
+    if (b === this.#buf0) return true;
+    const bufs = this.#buffers;
+    for (let i = 1; i < bufs.length; i++) if (b === bufs[i]) return true;
+    return false;
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // kernels (signatures of reference.ts)
+
+  matmul(
+    out: Float32Array,
+    x: Float32Array,
+    w: Float32Array,
+    rows: number,
+    inDim: number,
+    outDim: number,
+  ): void {
+    if (!(this.owns(out) && this.owns(x) && this.owns(w))) {
+      this.fallbackCalls++;
+      ref.matmul(out, x, w, rows, inDim, outDim);
+      return;
+    }
+    if (this.#worker === null || rows * inDim * outDim < this.#parallelMinWork) {
+      this.#x.matmulCols(out.byteOffset, x.byteOffset, w.byteOffset, rows, inDim, outDim, 0, outDim);
+      return;
+    }
+    const a = this.#args;
+    a[0] = out.byteOffset;
+    a[1] = x.byteOffset;
+    a[2] = w.byteOffset;
+    a[3] = rows;
+    a[4] = inDim;
+    a[5] = outDim;
+    a[6] = this.#counter;
+    a[7] = rows >= 3 ? 32 : 16;
+    const s = this.#publish(OP_MATMUL);
+    this.#x.matmulPar(out.byteOffset, x.byteOffset, w.byteOffset, rows, inDim, outDim, this.#counter, a[7]);
+    this.#join(s);
+  }
+
+  addBias(out: Float32Array, bias: Float32Array, rows: number, n: number): void {
+    if (!(this.owns(out) && this.owns(bias))) {
+      this.fallbackCalls++;
+      ref.addBias(out, bias, rows, n);
+      return;
+    }
+    this.#x.addBias(out.byteOffset, bias.byteOffset, rows, n);
+  }
+
+  add(out: Float32Array, a: Float32Array, b: Float32Array, n: number): void {
+    if (!(this.owns(out) && this.owns(a) && this.owns(b))) {
+      this.fallbackCalls++;
+      ref.add(out, a, b, n);
+      return;
+    }
+    this.#x.add(out.byteOffset, a.byteOffset, b.byteOffset, n);
+  }
+
+  rmsnorm(out: Float32Array, x: Float32Array, weight: Float32Array, n: number, eps: number, rows = 1): void {
+    if (!(this.owns(out) && this.owns(x) && this.owns(weight))) {
+      this.fallbackCalls++;
+      ref.rmsnorm(out, x, weight, n, eps, rows);
+      return;
+    }
+    this.#x.rmsnorm(out.byteOffset, x.byteOffset, weight.byteOffset, n, eps, rows);
+  }
+
+  rope(
+    x: Float32Array,
+    positions: Int32Array,
+    cos: Float64Array,
+    sin: Float64Array,
+    rows: number,
+    numHeads: number,
+    headDim: number,
+  ): void {
+    if (!(this.owns(x) && this.owns(positions) && this.owns(cos) && this.owns(sin))) {
+      this.fallbackCalls++;
+      ref.rope(x, positions, cos, sin, rows, numHeads, headDim);
+      return;
+    }
+    this.#x.rope(x.byteOffset, positions.byteOffset, cos.byteOffset, sin.byteOffset, rows, numHeads, headDim);
+  }
+
+  swiglu(out: Float32Array, gate: Float32Array, up: Float32Array, n: number): void {
+    if (!(this.owns(out) && this.owns(gate) && this.owns(up))) {
+      this.fallbackCalls++;
+      ref.swiglu(out, gate, up, n);
+      return;
+    }
+    // An exp costs about as much as 16 multiply-adds.
+    if (this.#worker === null || n * 16 < this.#parallelMinWork || n < 8192) {
+      this.#x.swiglu(out.byteOffset, gate.byteOffset, up.byteOffset, n);
+      return;
+    }
+    const a = this.#args;
+    a[0] = out.byteOffset;
+    a[1] = gate.byteOffset;
+    a[2] = up.byteOffset;
+    a[3] = n;
+    a[4] = this.#counter;
+    a[5] = 4096;
+    const s = this.#publish(OP_SWIGLU);
+    this.#x.swigluPar(out.byteOffset, gate.byteOffset, up.byteOffset, n, this.#counter, 4096);
+    this.#join(s);
+  }
+
+  pagedAttention(
+    out: Float32Array,
+    q: Float32Array,
+    pool: Float32Array,
+    blockTable: Int32Array,
+    scratch: Float64Array,
+    rowStart: number,
+    rows: number,
+    startPos: number,
+    layer: number,
+    numLayers: number,
+    numHeads: number,
+    numKvHeads: number,
+    headDim: number,
+    pageSize: number,
+  ): void {
+    if (!(this.owns(out) && this.owns(q) && this.owns(pool))) {
+      this.fallbackCalls++;
+      ref.pagedAttention(
+        out,
+        q,
+        pool,
+        blockTable,
+        scratch,
+        rowStart,
+        rows,
+        startPos,
+        layer,
+        numLayers,
+        numHeads,
+        numKvHeads,
+        headDim,
+        pageSize,
+      );
+      return;
+    }
+    if (rows <= 0) return;
+    const ctx = startPos + rows;
+    const numPages = Math.ceil(ctx / pageSize);
+    let table = this.#table;
+    if (table.length < numPages) table = this.#table = this.allocI32(Math.max(numPages, table.length * 2));
+    for (let p = 0; p < numPages; p++) table[p] = blockTable[p];
+    const need = (numHeads / numKvHeads) * ctx;
+    if (need > this.#scratchFloats) {
+      const floats = Math.max(need, this.#scratchFloats * 2);
+      this.#scratchMain = this.allocBytes(floats * 4);
+      this.#scratchWorker = this.allocBytes(floats * 4);
+      this.#scratchFloats = floats;
+    }
+    const items = rows * numKvHeads;
+    const work = items * ctx * headDim * 2;
+    const counter = this.#counter;
+    const solo = this.#worker === null || work < this.#parallelMinWork;
+    // Few (row, KV head) items: also split each row's context, so both threads get equal shares
+    // (flash-decoding); attentionMerge combines the splits.
+    const splits = solo || items >= 8 ? 1 : Math.min(8, Math.max(1, Math.floor((startPos + 1) / 256)));
+    if (splits > 1) {
+      const floats = rows * numHeads * splits * (headDim + 2);
+      if (floats > this.#partialFloats) {
+        const grown = Math.max(floats, this.#partialFloats * 2);
+        this.#partial = this.allocBytes(grown * 4);
+        this.#partialFloats = grown;
+      }
+    }
+    const partial = this.#partial;
+    const ml = partial + rows * numHeads * splits * headDim * 4;
+    let s = 0;
+    if (solo) {
+      Atomics.store(this.#ctl, CTL_COUNTER, 0);
+    } else {
+      const a = this.#args;
+      a[0] = out.byteOffset;
+      a[1] = q.byteOffset;
+      a[2] = pool.byteOffset;
+      a[3] = table.byteOffset;
+      a[4] = this.#scratchWorker;
+      a[5] = rowStart;
+      a[6] = rows;
+      a[7] = startPos;
+      a[8] = layer;
+      a[9] = numLayers;
+      a[10] = numHeads;
+      a[11] = numKvHeads;
+      a[12] = headDim;
+      a[13] = pageSize;
+      a[14] = counter;
+      a[15] = splits;
+      a[16] = partial;
+      a[17] = ml;
+      s = this.#publish(OP_ATTENTION);
+    }
+    this.#x.attentionPar(
+      out.byteOffset,
+      q.byteOffset,
+      pool.byteOffset,
+      table.byteOffset,
+      this.#scratchMain,
+      rowStart,
+      rows,
+      startPos,
+      layer,
+      numLayers,
+      numHeads,
+      numKvHeads,
+      headDim,
+      pageSize,
+      counter,
+      splits,
+      partial,
+      ml,
+    );
+    if (solo) return;
+    this.#join(s);
+    if (splits > 1)
+      this.#x.attentionMerge(out.byteOffset, partial, ml, rowStart, rows, numHeads, headDim, splits);
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // job protocol (see the module header; the worker side is in wasm-kernels-worker.ts)
+
+  /** Publishes the job whose arguments are in #args; returns its sequence number. */
+  #publish(op: number): number {
+    const ctl = this.#ctl;
+    const s = this.#seq >= 0x1fffffff ? 1 : this.#seq + 1;
+    this.#seq = s;
+    Atomics.store(ctl, CTL_COUNTER, 0);
+    ctl[CTL_OP] = op;
+    Atomics.store(ctl, CTL_TICKET, 2 * s);
+    Atomics.store(ctl, CTL_SEQ, s);
+    if (Atomics.load(ctl, CTL_WORKER_SLEEPING) !== 0) Atomics.notify(ctl, CTL_SEQ, 1);
+    return s;
+  }
+
+  /** After the main thread ran out of chunks: cancel the job if the worker never took it, else wait for it. */
+  #join(s: number): void {
+    const ctl = this.#ctl;
+    if (Atomics.compareExchange(ctl, CTL_TICKET, 2 * s, 0) === 2 * s) return;
+    let spins = 0;
+    while (Atomics.load(ctl, CTL_DONE) !== s) {
+      if (++spins < 200_000) continue;
+      Atomics.store(ctl, CTL_MAIN_SLEEPING, 1);
+      const done = Atomics.load(ctl, CTL_DONE);
+      if (done !== s) Atomics.wait(ctl, CTL_DONE, done, 1);
+      Atomics.store(ctl, CTL_MAIN_SLEEPING, 0);
+    }
+  }
+}

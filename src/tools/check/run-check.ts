@@ -1,0 +1,266 @@
+/**
+ * `kvfence check` as a pure function: builds the bounded model (DESIGN.md §7, docs/protocol.md),
+ * picks the scenario of a fault variant, runs the breadth-first search and renders the result as
+ * text, JSON or a Graphviz trace.
+ *
+ * A fault variant switches its fault on (with any fault it needs to be reachable, e.g. the
+ * incident's `placeholder-reject` needs the `undersized-pool` router) and switches off the guards
+ * that would otherwise catch it, so the search shows the bug the guard exists for. `keepGuards`
+ * leaves every guard on instead, to show that the guards catch the fault.
+ */
+import { KvfenceError } from "../../lib/errors.js";
+import { FAULT_NAMES, type FaultName, type GuardName, isFaultName, makeSafety } from "../../protocol/safety.js";
+import { type Counterexample, type ExploreResult, explore } from "./explore.js";
+import { type CheckRequest, type ModelConfig, ModelWorld } from "./model-world.js";
+import { explorePrefixCache } from "./prefix-model.js";
+
+/** The request pool the bound draws from; `--requests N` takes the first N. */
+export const CHECK_REQUESTS: readonly CheckRequest[] = [
+  { rid: 1, tenant: 0, promptLen: 1, maxTokens: 2 },
+  { rid: 2, tenant: 1, promptLen: 2, maxTokens: 1 },
+  // Over the prefill pool (3 tokens), within the decode pool (4) and the model's window (8).
+  { rid: 3, tenant: 1, promptLen: 3, maxTokens: 1 },
+];
+
+export interface CheckOptions {
+  readonly fault?: FaultName;
+  /** With `fault`: keep every guard on (expect no safety violation). */
+  readonly keepGuards?: boolean;
+  readonly disabledGuards?: readonly GuardName[];
+  readonly requests?: number;
+  readonly pages?: number;
+  readonly prefillPages?: number;
+  readonly maxModelLen?: number;
+  readonly maxAttempts?: number;
+  readonly crashes?: number;
+  readonly duplicates?: number;
+  readonly losses?: number;
+  readonly clientAborts?: boolean;
+  readonly timeouts?: boolean;
+  readonly transport?: "shm" | "tcp";
+  readonly reorder?: boolean;
+  readonly maxStates?: number;
+  readonly maxDepth?: number;
+  readonly timeLimitMs?: number;
+}
+
+/** The default bound: complete in well under a minute on 2 cores, over 100,000 states. */
+export const DEFAULT_BOUND = {
+  requests: 2,
+  pages: 4,
+  prefillPages: 3,
+  maxModelLen: 8,
+  maxAttempts: 2,
+  crashes: 0,
+  duplicates: 1,
+  losses: 0,
+  clientAborts: true,
+  timeouts: false,
+  transport: "shm",
+  reorder: false,
+  maxStates: 3_000_000,
+} as const;
+
+interface Scenario {
+  readonly faults: readonly FaultName[];
+  readonly disabledGuards: readonly GuardName[];
+  /** Bound changes the fault needs to be reachable (small, so the search stays fast). */
+  readonly bound: Partial<CheckOptions>;
+}
+
+/** How each fault variant is set up to show its bug. */
+export const FAULT_SCENARIOS: Readonly<Record<FaultName, Scenario>> = {
+  "placeholder-reject": {
+    faults: ["placeholder-reject", "undersized-pool"],
+    disabledGuards: ["coverage", "checksum", "page-tags"],
+    bound: { requests: 3, duplicates: 0, clientAborts: false },
+  },
+  "undersized-pool": {
+    faults: ["undersized-pool"],
+    disabledGuards: ["admission-doors"],
+    bound: { requests: 3, duplicates: 0, clientAborts: false },
+  },
+  "early-free": { faults: ["early-free"], disabledGuards: [], bound: { duplicates: 0 } },
+  "late-write": { faults: ["late-write"], disabledGuards: ["lease-check"], bound: { duplicates: 0 } },
+  "corrupt-transfer": { faults: ["corrupt-transfer"], disabledGuards: ["checksum"], bound: { duplicates: 0 } },
+  "misaddressed-write": {
+    faults: ["misaddressed-write"],
+    disabledGuards: ["lease-check", "checksum", "page-tags"],
+    bound: { duplicates: 0 },
+  },
+  "drop-abort-ack": { faults: ["drop-abort-ack"], disabledGuards: ["quarantine"], bound: { duplicates: 0 } },
+  "stale-commit": {
+    faults: ["stale-commit"],
+    disabledGuards: ["checksum", "page-tags"],
+    bound: { requests: 1, duplicates: 0, clientAborts: false, timeouts: true },
+  },
+  "shared-prefix": { faults: ["shared-prefix"], disabledGuards: ["tenant-salt"], bound: {} },
+};
+
+export interface CheckReport {
+  readonly fault: FaultName | null;
+  readonly faults: readonly FaultName[];
+  readonly disabledGuards: readonly GuardName[];
+  readonly bound: Required<Omit<CheckOptions, "fault" | "keepGuards" | "disabledGuards" | "maxDepth" | "timeLimitMs">>;
+  readonly result: ExploreResult;
+}
+
+export function resolveOptions(options: CheckOptions): { config: ModelConfig; report: Omit<CheckReport, "result"> } {
+  const scenario = options.fault === undefined ? null : FAULT_SCENARIOS[options.fault];
+  const merged = { ...DEFAULT_BOUND, ...(scenario?.bound ?? {}), ...stripUndefined(options) };
+  const faults = scenario?.faults ?? [];
+  const disabledGuards = [
+    ...new Set([...(options.keepGuards === true ? [] : (scenario?.disabledGuards ?? [])), ...(options.disabledGuards ?? [])]),
+  ];
+  if (merged.requests < 1 || merged.requests > CHECK_REQUESTS.length) {
+    throw new KvfenceError(
+      "invalid_request",
+      `The checker models 1 to ${CHECK_REQUESTS.length} requests: ${merged.requests}`,
+      { param: "requests" },
+    );
+  }
+  if (merged.pages < 2 || merged.pages > 8 || merged.prefillPages < 1 || merged.prefillPages > 8) {
+    throw new KvfenceError(
+      "invalid_request",
+      `The checker models pools of 2 to 8 decode pages and 1 to 8 prefill pages: ${merged.pages} and ${merged.prefillPages}`,
+      { param: "pages" },
+    );
+  }
+  const config: ModelConfig = {
+    decodePages: merged.pages,
+    prefillPages: merged.prefillPages,
+    pageSize: 1,
+    maxModelLen: merged.maxModelLen,
+    requests: CHECK_REQUESTS.slice(0, merged.requests),
+    maxAttempts: merged.maxAttempts,
+    crashes: merged.crashes,
+    duplicates: merged.duplicates,
+    losses: merged.losses,
+    clientAborts: merged.clientAborts,
+    timeouts: merged.timeouts,
+    transport: merged.transport,
+    reorder: merged.reorder,
+    safety: makeSafety({ faults, disabledGuards }),
+  };
+  return {
+    config,
+    report: {
+      fault: options.fault ?? null,
+      faults,
+      disabledGuards,
+      bound: {
+        requests: merged.requests,
+        pages: merged.pages,
+        prefillPages: merged.prefillPages,
+        maxModelLen: merged.maxModelLen,
+        maxAttempts: merged.maxAttempts,
+        crashes: merged.crashes,
+        duplicates: merged.duplicates,
+        losses: merged.losses,
+        clientAborts: merged.clientAborts,
+        timeouts: merged.timeouts,
+        transport: merged.transport,
+        reorder: merged.reorder,
+        maxStates: merged.maxStates,
+      },
+    },
+  };
+}
+
+/** Runs the checker. Never throws for a violation: the report carries the counterexample. */
+export function runCheck(options: CheckOptions = {}): CheckReport {
+  if (options.fault !== undefined && !isFaultName(options.fault)) {
+    throw new KvfenceError("invalid_request", `Unknown fault name: ${options.fault}; use one of ${FAULT_NAMES.join(", ")}`, {
+      param: "fault",
+    });
+  }
+  if (options.fault === "shared-prefix") return { ...sharedPrefixReport(options) };
+  const { config, report } = resolveOptions(options);
+  const model = new ModelWorld(config);
+  const result = explore(model, {
+    maxStates: report.bound.maxStates,
+    ...(options.maxDepth === undefined ? {} : { maxDepth: options.maxDepth }),
+    ...(options.timeLimitMs === undefined ? {} : { timeLimitMs: options.timeLimitMs }),
+  });
+  return { ...report, result };
+}
+
+function sharedPrefixReport(options: CheckOptions): CheckReport {
+  // The prefix cache is checked by its own small model (src/tools/check/prefix-model.ts).
+  const { report } = resolveOptions({ ...options, fault: "early-free" });
+  return {
+    ...report,
+    fault: "shared-prefix",
+    faults: ["shared-prefix"],
+    disabledGuards: options.keepGuards === true ? [] : ["tenant-salt"],
+    result: explorePrefixCache(options.keepGuards === true),
+  };
+}
+
+function stripUndefined<T extends object>(o: T): Partial<T> {
+  const out: Partial<T> = {};
+  for (const k in o) if (o[k] !== undefined) out[k] = o[k];
+  return out;
+}
+
+/** The human-readable report. */
+export function formatReport(report: CheckReport): string {
+  const r = report.result;
+  const b = report.bound;
+  const lines: string[] = [];
+  const prefixModel = report.fault === "shared-prefix";
+  lines.push(
+    report.fault === null
+      ? "kvfence check: the real protocol, every guard on"
+      : `kvfence check: fault ${report.faults.join(" + ")}, guards off: ${report.disabledGuards.length === 0 ? "none" : report.disabledGuards.join(", ")}`,
+  );
+  if (prefixModel) lines.push("model: the prefix cache's block keys, two tenants, every order of three prompts");
+  else
+    lines.push(
+    `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}`,
+  );
+  lines.push(
+    `explored ${r.states} states, ${r.transitions} transitions, depth ${r.depth}, in ${(r.elapsedMs / 1000).toFixed(1)} s${r.complete ? " (complete)" : r.counterexample === null ? " (stopped at the bound: incomplete)" : ""}`,
+  );
+  if (r.counterexample === null) {
+    lines.push(r.complete ? "all invariants hold (1-5 of DESIGN.md §7, and bounded liveness)" : "no violation found within the bound");
+    return lines.join("\n");
+  }
+  lines.push("", ...formatCounterexample(r.counterexample, !prefixModel));
+  return lines.join("\n");
+}
+
+export function formatCounterexample(cex: Counterexample, legend = true): string[] {
+  const v = cex.violation;
+  const lines = [
+    `VIOLATION of ${v.invariant === "liveness" ? "bounded liveness" : `invariant ${v.invariant}`}: ${v.message}`,
+    `counterexample (${cex.steps.length} steps, shortest):`,
+    `   0. initial state\n        ${cex.initialPools}`,
+  ];
+  cex.steps.forEach((s, i) => {
+    lines.push(`  ${String(i + 1).padStart(2)}. ${s.event}\n        ${s.pools}`);
+  });
+  if (legend)
+    lines.push(
+    "   pages: F free, R reserved, Y ready, Q quarantined; :rR#E owner request R epoch E; (rR#E.I) the data held: page I of request R epoch E, - never written, ! corrupted",
+  );
+  return lines;
+}
+
+/** The counterexample as a Graphviz digraph: one node per state, one edge per event. */
+export function counterexampleToDot(cex: Counterexample): string {
+  const esc = (s: string) => s.replaceAll("\\", "\\\\").replaceAll('"', '\\"');
+  const out = ["digraph counterexample {", '  rankdir=TB; node [shape=box, fontname="monospace", fontsize=10];'];
+  out.push(`  s0 [label="initial\\n${esc(cex.initialPools)}"];`);
+  cex.steps.forEach((s, i) => {
+    const last = i === cex.steps.length - 1;
+    out.push(
+      `  s${i + 1} [label="${esc(s.pools)}"${last ? ', color=red, xlabel="' + esc(`violates ${cex.violation.invariant}`) + '"' : ""}];`,
+    );
+    out.push(`  s${i} -> s${i + 1} [label="${esc(`${i + 1}. ${s.event}`)}"];`);
+  });
+  out.push(`  violation [shape=note, color=red, label="${esc(cex.violation.message)}"];`);
+  out.push(`  s${cex.steps.length} -> violation [style=dashed, color=red];`);
+  out.push("}");
+  return out.join("\n");
+}

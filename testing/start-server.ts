@@ -1,0 +1,104 @@
+/**
+ * Starts the real kvfence server (real engine worker, real model) in-process on 127.0.0.1 port 0,
+ * for end-to-end tests, and checks the pool through /metrics. Close it in the test's cleanup.
+ */
+import assert from "node:assert/strict";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { fileURLToPath } from "node:url";
+import { type RunningServer, parseServeConfig, startServer } from "../src/cli/serve.js";
+import { createLogger } from "../src/lib/logger.js";
+import { parsePrometheusText } from "../src/lib/metrics.js";
+
+const ROOT = fileURLToPath(new URL(import.meta.url.includes("/dist/") ? "../../" : "../", import.meta.url));
+
+/** A bundled model folder by name (`kvfence-tiny`, `tiny-qwen2`). */
+export function modelDir(name: string): string {
+  return join(ROOT, "models", name);
+}
+
+export interface TestServerOptions {
+  readonly model: string;
+  readonly kvPages?: number;
+  readonly pageSize?: number;
+  readonly maxModelLen?: number;
+  readonly maxPrefillTokens?: number;
+  /** key → tenant name; written to a temp `--api-keys` file. */
+  readonly apiKeys?: Readonly<Record<string, string>>;
+}
+
+export interface TestServer extends RunningServer {
+  /** Base URL of the OpenAI API (`…/v1`). */
+  readonly baseURL: string;
+}
+
+export async function startTestServer(options: TestServerOptions): Promise<TestServer> {
+  let keysDir: string | null = null;
+  let apiKeys: string | undefined;
+  if (options.apiKeys !== undefined) {
+    keysDir = mkdtempSync(join(tmpdir(), "kvfence-keys-"));
+    apiKeys = join(keysDir, "keys.json");
+    writeFileSync(apiKeys, JSON.stringify(options.apiKeys));
+  }
+  const config = parseServeConfig({
+    host: "127.0.0.1",
+    port: "0",
+    model: options.model,
+    pageSize: String(options.pageSize ?? 16),
+    scrubOnFree: false,
+    disaggregation: false,
+    logLevel: "silent",
+    ...(options.kvPages === undefined ? {} : { kvPages: String(options.kvPages) }),
+    ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
+    ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: String(options.maxPrefillTokens) }),
+    ...(apiKeys === undefined ? {} : { apiKeys }),
+  });
+  try {
+    const server = await startServer(config, { logger: createLogger({ level: "silent" }) });
+    return {
+      ...server,
+      baseURL: `${server.url}/v1`,
+      close: async (graceMs?: number) => {
+        await server.close(graceMs);
+        if (keysDir !== null) rmSync(keysDir, { recursive: true, force: true });
+      },
+    };
+  } catch (err) {
+    if (keysDir !== null) rmSync(keysDir, { recursive: true, force: true });
+    throw err;
+  }
+}
+
+/** /metrics parsed into `name{labels}` → value. */
+export async function scrape(url: string): Promise<Map<string, number>> {
+  const res = await fetch(`${url}/metrics`);
+  assert.equal(res.status, 200);
+  return parsePrometheusText(await res.text());
+}
+
+/**
+ * Wait until the engine is idle (nothing waiting or running), then assert that every page of the
+ * pool is FREE. Returns the final metrics.
+ */
+export async function assertPoolIdle(url: string, timeoutMs = 20_000): Promise<Map<string, number>> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const m = await scrape(url);
+    const busy =
+      (m.get('kvfence_engine_requests{state="waiting"}') ?? 0) +
+      (m.get('kvfence_engine_requests{state="running"}') ?? 0) +
+      (m.get('kvfence_engine_requests{state="preempted"}') ?? 0);
+    const total = m.get("kvfence_kv_pool_pages_total") ?? -1;
+    const free = m.get('kvfence_kv_pool_pages{state="free"}') ?? -2;
+    if ((busy === 0 && free === total) || Date.now() > deadline) {
+      assert.equal(busy, 0, "the engine is idle");
+      assert.equal(free, total, "every page of the pool is FREE when idle");
+      for (const state of ["reserved", "ready", "quarantined"]) {
+        assert.equal(m.get(`kvfence_kv_pool_pages{state="${state}"}`), 0, `no ${state} pages when idle`);
+      }
+      return m;
+    }
+    await new Promise((r) => setTimeout(r, 25));
+  }
+}

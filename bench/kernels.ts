@@ -13,6 +13,7 @@
  *   context, aggregate batch-8 decode, batch-1 decode at 4096 tokens of context, and prefill of a
  *   512-token prompt (effective GFLOP/s per core: linear + causal attention FLOPs / time / threads).
  *
+ * - `pass`: the bare wasm decode weight pass (every linear weight and the LM head once, matvecs only).
  * - `guards`: on the wasm kernels, batch-8 Engine decode with every guard on versus every guard off
  *   (`makeSafety({disabledGuards: GUARD_NAMES})`), two engines sharing one ForwardPass, each with its
  *   own PagePool inside the WebAssembly memory; interleaved pairs whose order flips every pair;
@@ -23,7 +24,7 @@
  * depend on the values.
  *
  * Run: `node dist/bench/kernels.js [--model DIR] [--kernels ts|wasm|both] [--threads 1|2]
- * [--parts micro,roofline,model,guards] [--prompt 512] [--pairs 20] [--json]`
+ * [--parts micro,roofline,pass,model,guards] [--prompt 512] [--pairs 20] [--json]`
  * (the model: `node dist/src/cli/main.js gen-model --like smollm2-135m --seed 1 /work/scratch/smol`).
  */
 import { parseArgs } from "node:util";
@@ -334,6 +335,32 @@ function modelRun(
   };
 }
 
+/** The bare decode weight pass: one matvec over every linear weight and the LM head; ms per pass. */
+function weightPass(k: WasmKernels, config: ModelConfig, w: ModelWeights, reps: number): Spread {
+  const h = config.hiddenSize;
+  const q = config.numHeads * config.headDim;
+  const kv = config.numKvHeads * config.headDim;
+  const inter = config.intermediateSize;
+  const x = fill(k.allocF32(Math.max(h, q, inter)), 3);
+  const y = k.allocF32(Math.max(config.vocabSize, inter));
+  return timeIt(
+    () => {
+      for (const l of w.layers) {
+        k.matmul(y, x, l.q, 1, h, q);
+        k.matmul(y, x, l.k, 1, h, kv);
+        k.matmul(y, x, l.v, 1, h, kv);
+        k.matmul(y, x, l.o, 1, q, h);
+        k.matmul(y, x, l.gate, 1, h, inter);
+        k.matmul(y, x, l.up, 1, h, inter);
+        k.matmul(y, x, l.down, 1, inter, h);
+      }
+      k.matmul(y, x, w.lmHead, 1, h, config.vocabSize);
+    },
+    reps,
+    2,
+  );
+}
+
 const IGNORE: GenerationEvents = { onTokens() {}, onFinish() {}, onError() {} };
 
 /** Guards on versus off, batch-8 decode through the Engine on the wasm kernels. */
@@ -434,6 +461,7 @@ async function main(): Promise<void> {
       parts: { type: "string", default: "micro,roofline,model" },
       prompt: { type: "string", default: "512" },
       pairs: { type: "string", default: "20" },
+      "matvec-chunk": { type: "string", default: "0" },
       json: { type: "boolean", default: false },
     },
   });
@@ -454,7 +482,7 @@ async function main(): Promise<void> {
   }
   let bw: { one: Spread; two: Spread } | null = null;
   if (parts.has("roofline")) bw = await roofline(log);
-  if (parts.has("model") || parts.has("guards")) {
+  if (parts.has("model") || parts.has("guards") || parts.has("pass")) {
     const dir = values.model as string;
     const config = loadModelConfig(dir);
     const weights = loadWeights(dir, config);
@@ -474,10 +502,21 @@ async function main(): Promise<void> {
       };
     }
     const runs: ModelResult[] = [];
-    if (which === "wasm" || which === "both" || parts.has("guards")) {
-      const k = await WasmKernels.create({ threads, initialBytes: wBytes + (1 << 28) });
+    if (which === "wasm" || which === "both" || parts.has("guards") || parts.has("pass")) {
+      const k = await WasmKernels.create({
+        threads,
+        initialBytes: wBytes + (1 << 28),
+        matvecChunk: Number(values["matvec-chunk"]),
+      });
       await k.ready();
       const placed = k.placeWeights(weights);
+      if (parts.has("pass")) {
+        const t = weightPass(k, config, placed, 15);
+        log(
+          `bare wasm weight pass (${threads} thread${threads > 1 ? "s" : ""}): ${fmtS(t, (ms) => 1000 / ms)} passes/s (${fmtS(t, (x) => x, 2)} ms)`,
+        );
+        results.weightPass = mapSpread(t, (ms) => 1000 / ms);
+      }
       if (parts.has("model") && which !== "ts")
         runs.push(modelRun("wasm", k, threads, config, placed, promptLen, log));
       if (parts.has("guards")) results.guards = guardsAB(k, config, placed, Number(values.pairs), log);
@@ -488,8 +527,11 @@ async function main(): Promise<void> {
       runs.push(modelRun("ts", referenceKernels, 1, config, weights, promptLen, log));
     }
     results.model = runs;
-    log("");
-    log("kernels | decode b1 tok/s | decode b8 agg tok/s (x b1) | decode @4096 tok/s | prefill GFLOP/s/core");
+    if (runs.length > 0) log("");
+    if (runs.length > 0)
+      log(
+        "kernels | decode b1 tok/s | decode b8 agg tok/s (x b1) | decode @4096 tok/s | prefill GFLOP/s/core",
+      );
     for (const r of runs) {
       log(
         `${`${r.kernels} ${r.threads}t`.padEnd(7)} | ${fmt(r.decode1.median)} | ${fmt(r.decode8.median)} (x${fmt(r.decode8.median / r.decode1.median, 2)}) | ${fmt(r.decode4k.median)} | ${fmt(r.prefill.median)}`,

@@ -15,6 +15,7 @@
  */
 
 import net from "node:net";
+import os from "node:os";
 import { MessageChannel, Worker } from "node:worker_threads";
 import { xxh64 } from "@node-rs/xxhash";
 import { Command, InvalidArgumentError } from "commander";
@@ -91,6 +92,8 @@ export interface TransferBenchResult {
   /** Hash throughput over the same pages, GB/s medians. */
   readonly hashGbps: { readonly nativeXxh64: Summary; readonly wasmH64Raw: Summary };
   readonly failures: readonly string[];
+  /** 1-minute load average at the start and the end, and the CPU count: how shared the machine was. */
+  readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
 }
 
 export interface Summary {
@@ -174,6 +177,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   const bytes = numPages * pageBytes;
   const signature = layoutSignature(layout, "SmolLM2-135M");
   const failures: string[] = [];
+  const loadStart = os.loadavg()[0]!;
 
   // The decode pool and table (pre-faulted), the memcpy source (pre-faulted, private).
   const table = new OwnershipTable(numPages, {
@@ -443,6 +447,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
       wasmH64Raw: summarize(hashNs.wasm.map((t) => bytes / t)),
     },
     failures,
+    load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   };
 }
 
@@ -457,6 +462,9 @@ export function formatTransferReport(r: TransferBenchResult): string {
   lines.push(
     `KV transfer: ${r.pages} pages × ${(r.pageBytes / 1024).toFixed(0)} KiB = ${(r.bytes / 1e6).toFixed(1)} MB per transfer, ` +
       `${r.reps} interleaved reps, ${r.chunkPages} pages per write call, shm signal every ${(r.signalBytes / 1024).toFixed(0)} KiB`,
+  );
+  lines.push(
+    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
   );
   lines.push("path               median ms   GB/s median [min–max]     pages/s   CPU ms (all threads)");
   for (const p of PATHS) {

@@ -16,8 +16,6 @@ const args = [
   entry,
   "--outFile",
   "dist/src/kernels/kernels.wasm",
-  "--textFile",
-  "dist/src/kernels/kernels.wat",
   "-O3",
   "--noAssert",
   "--runtime",

@@ -291,6 +291,7 @@ def main():
     ap.add_argument("--ckpt-every-s", type=float, default=180)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--stop-after", type=int, default=0, help="stop (saving last.pt) after this many steps of this invocation")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--fixture", default="testing/fixtures/recall-prompts.json")
     args = ap.parse_args()
@@ -343,7 +344,12 @@ def main():
 
     t_start, t_ck = time.time(), time.time()
     ema_loss, ema_acc = None, None
+    first_step = step
     while step < args.steps:
+        if args.stop_after and step - first_step >= args.stop_after:
+            save(last_path, None)
+            print(f"stopped at step {step} (--stop-after); continue with --resume", flush=True)
+            return
         x, y, w, ans = make_batch(args.seed, step, args.steps, args.tokens_per_step)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)

@@ -54,7 +54,11 @@ export class ScriptedEngine implements EngineHandle {
   constructor(options: ScriptedEngineOptions = {}) {
     const pageSize = options.pageSize ?? 16;
     const numPages = options.numPages ?? 64;
-    this.capacity = { poolTokens: numPages * pageSize, pageSize, maxModelLen: options.maxModelLen ?? numPages * pageSize };
+    this.capacity = {
+      poolTokens: numPages * pageSize,
+      pageSize,
+      maxModelLen: options.maxModelLen ?? numPages * pageSize,
+    };
     this.#options = options;
   }
 
@@ -63,7 +67,10 @@ export class ScriptedEngine implements EngineHandle {
     const need = request.promptTokens.length + request.maxTokens;
     if (need > this.capacity.maxModelLen) {
       setImmediate(() =>
-        events.onError({ code: "context_length_exceeded", message: `Engine door: ${need} > ${this.capacity.maxModelLen}` }),
+        events.onError({
+          code: "context_length_exceeded",
+          message: `Engine door: ${need} > ${this.capacity.maxModelLen}`,
+        }),
       );
       return;
     }
@@ -151,7 +158,10 @@ export class ScriptedEngine implements EngineHandle {
     this.#release(run);
     this.#promptTokens += run.request.promptTokens.length;
     this.#completionTokens += run.sent;
-    run.events.onFinish(reason, { promptTokens: run.request.promptTokens.length, completionTokens: run.sent });
+    run.events.onFinish(reason, {
+      promptTokens: run.request.promptTokens.length,
+      completionTokens: run.sent,
+    });
   }
 }
 

@@ -7,7 +7,7 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
-import { type RunningServer, parseServeConfig, startServer } from "../src/cli/serve.js";
+import { parseServeConfig, type RunningServer, startServer } from "../src/cli/serve.js";
 import { createLogger } from "../src/lib/logger.js";
 import { parsePrometheusText } from "../src/lib/metrics.js";
 

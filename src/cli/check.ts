@@ -2,7 +2,15 @@
 import { writeFile } from "node:fs/promises";
 import { Command, InvalidArgumentError, Option } from "commander";
 import { FAULT_NAMES, type FaultName, GUARD_NAMES, type GuardName, isGuardName } from "../protocol/safety.js";
-import { type CheckReport, counterexampleToDot, DEFAULT_BOUND, formatReport, runCheck } from "../tools/check/run-check.js";
+import {
+  type CheckOptions,
+  type CheckReport,
+  counterexampleToDot,
+  DEFAULT_BOUND,
+  DEFAULT_SUITE,
+  formatReport,
+  runCheck,
+} from "../tools/check/run-check.js";
 
 interface CheckCliOptions {
   fault?: FaultName;
@@ -28,12 +36,14 @@ interface CheckCliOptions {
 
 function nonNegativeInt(value: string): number {
   const n = Number(value);
-  if (!Number.isInteger(n) || n < 0) throw new InvalidArgumentError(`Expected a non-negative integer: ${value}`);
+  if (!Number.isInteger(n) || n < 0)
+    throw new InvalidArgumentError(`Expected a non-negative integer: ${value}`);
   return n;
 }
 
 function guardName(value: string, previous: GuardName[] = []): GuardName[] {
-  if (!isGuardName(value)) throw new InvalidArgumentError(`Unknown guard: ${value}; use one of ${GUARD_NAMES.join(", ")}`);
+  if (!isGuardName(value))
+    throw new InvalidArgumentError(`Unknown guard: ${value}; use one of ${GUARD_NAMES.join(", ")}`);
   return [...previous, value];
 }
 
@@ -42,61 +52,100 @@ export function command(): Command {
     .description(
       "Explore every interleaving of the transfer protocol on a small pool and check the invariants of DESIGN.md §7 (exit 1 on a violation)",
     )
-    .addOption(new Option("--fault <name>", "run a fault variant: switch the fault on and its guards off").choices(FAULT_NAMES))
+    .addOption(
+      new Option("--fault <name>", "run a fault variant: switch the fault on and its guards off").choices(
+        FAULT_NAMES,
+      ),
+    )
     .option("--all-faults", "run every fault variant in turn and expect a counterexample from each")
     .option("--keep-guards", "with --fault: keep every guard on (shows the guards catch the fault)")
     .option("--disable-guard <name>", "switch a guard off (repeatable)", guardName)
-    .option("--requests <n>", `requests in the model, 1-3 (default ${DEFAULT_BOUND.requests})`, nonNegativeInt)
+    .option(
+      "--requests <n>",
+      `requests in the model, 1-3 (default ${DEFAULT_BOUND.requests})`,
+      nonNegativeInt,
+    )
     .option("--pages <n>", `decode pool pages (default ${DEFAULT_BOUND.pages})`, nonNegativeInt)
-    .option("--prefill-pages <n>", `prefill pool pages (default ${DEFAULT_BOUND.prefillPages})`, nonNegativeInt)
+    .option(
+      "--prefill-pages <n>",
+      `prefill pool pages (default ${DEFAULT_BOUND.prefillPages})`,
+      nonNegativeInt,
+    )
     .option("--attempts <n>", `attempts per request (default ${DEFAULT_BOUND.maxAttempts})`, nonNegativeInt)
-    .option("--crashes <n>", `node crashes the environment may inject (default ${DEFAULT_BOUND.crashes})`, nonNegativeInt)
-    .option("--duplicates <n>", `control messages it may duplicate (default ${DEFAULT_BOUND.duplicates})`, nonNegativeInt)
+    .option(
+      "--crashes <n>",
+      `node crashes the environment may inject (default ${DEFAULT_BOUND.crashes})`,
+      nonNegativeInt,
+    )
+    .option(
+      "--duplicates <n>",
+      `control messages it may duplicate (default ${DEFAULT_BOUND.duplicates})`,
+      nonNegativeInt,
+    )
     .option("--losses <n>", `control messages it may lose (default ${DEFAULT_BOUND.losses})`, nonNegativeInt)
     .option("--no-aborts", "no client aborts")
     .option("--timeouts", "let the router's transfer timeout fire (abort + retry with a new epoch)")
     .addOption(new Option("--transport <kind>", "page write transport").choices(["shm", "tcp"]))
     .option("--reorder", "let any message overtake any other (default: FIFO per connection)")
-    .option("--max-states <n>", `stop after this many states (default ${DEFAULT_BOUND.maxStates})`, nonNegativeInt)
+    .option(
+      "--max-states <n>",
+      `stop after this many states (default ${DEFAULT_BOUND.maxStates})`,
+      nonNegativeInt,
+    )
     .option("--max-depth <n>", "stop at this search depth", nonNegativeInt)
     .option("--dot <file>", "write the counterexample trace as a Graphviz graph")
     .option("--json", "print the report as JSON")
     .action(async (opts: CheckCliOptions) => {
-      const faults: (FaultName | undefined)[] = opts.allFaults === true ? [...FAULT_NAMES] : [opts.fault];
+      const bound: CheckOptions = {
+        ...(opts.requests === undefined ? {} : { requests: opts.requests }),
+        ...(opts.pages === undefined ? {} : { pages: opts.pages }),
+        ...(opts.prefillPages === undefined ? {} : { prefillPages: opts.prefillPages }),
+        ...(opts.attempts === undefined ? {} : { maxAttempts: opts.attempts }),
+        ...(opts.crashes === undefined ? {} : { crashes: opts.crashes }),
+        ...(opts.duplicates === undefined ? {} : { duplicates: opts.duplicates }),
+        ...(opts.losses === undefined ? {} : { losses: opts.losses }),
+        ...(opts.aborts ? {} : { clientAborts: false }),
+        ...(opts.timeouts === true ? { timeouts: true } : {}),
+        ...(opts.transport === undefined ? {} : { transport: opts.transport }),
+        ...(opts.reorder === true ? { reorder: true } : {}),
+        ...(opts.maxStates === undefined ? {} : { maxStates: opts.maxStates }),
+        ...(opts.maxDepth === undefined ? {} : { maxDepth: opts.maxDepth }),
+        ...(opts.keepGuards === true ? { keepGuards: true } : {}),
+        ...(opts.disableGuard === undefined ? {} : { disabledGuards: opts.disableGuard }),
+      };
+      // No fault and no bound option: the default suite of bounds.
+      const runs: CheckOptions[] =
+        opts.allFaults === true
+          ? FAULT_NAMES.map((fault) => ({ ...bound, fault }))
+          : opts.fault !== undefined
+            ? [{ ...bound, fault: opts.fault }]
+            : Object.keys(bound).length === 0
+              ? DEFAULT_SUITE.map((s) => s.options)
+              : [bound];
       let failed = false;
       const reports: CheckReport[] = [];
-      for (const fault of faults) {
-        const report = runCheck({
-          ...(fault === undefined ? {} : { fault }),
-          ...(opts.keepGuards === true ? { keepGuards: true } : {}),
-          ...(opts.disableGuard === undefined ? {} : { disabledGuards: opts.disableGuard }),
-          ...(opts.requests === undefined ? {} : { requests: opts.requests }),
-          ...(opts.pages === undefined ? {} : { pages: opts.pages }),
-          ...(opts.prefillPages === undefined ? {} : { prefillPages: opts.prefillPages }),
-          ...(opts.attempts === undefined ? {} : { maxAttempts: opts.attempts }),
-          ...(opts.crashes === undefined ? {} : { crashes: opts.crashes }),
-          ...(opts.duplicates === undefined ? {} : { duplicates: opts.duplicates }),
-          ...(opts.losses === undefined ? {} : { losses: opts.losses }),
-          ...(opts.aborts ? {} : { clientAborts: false }),
-          ...(opts.timeouts === true ? { timeouts: true } : {}),
-          ...(opts.transport === undefined ? {} : { transport: opts.transport }),
-          ...(opts.reorder === true ? { reorder: true } : {}),
-          ...(opts.maxStates === undefined ? {} : { maxStates: opts.maxStates }),
-          ...(opts.maxDepth === undefined ? {} : { maxDepth: opts.maxDepth }),
-        });
+      for (const run of runs) {
+        const report = runCheck(run);
         reports.push(report);
         const cex = report.result.counterexample;
         // The real protocol must hold; a fault variant (guards off) must produce a counterexample.
-        const expectViolation = fault !== undefined && opts.keepGuards !== true;
+        const expectViolation = run.fault !== undefined && opts.keepGuards !== true;
         if ((cex !== null) !== expectViolation) failed = true;
         if (opts.json !== true) process.stdout.write(`${formatReport(report)}\n\n`);
         if (opts.dot !== undefined && cex !== null) {
-          const file = faults.length > 1 ? opts.dot.replace(/(\.dot)?$/, `-${fault}.dot`) : opts.dot;
+          const file =
+            runs.length > 1 ? opts.dot.replace(/(\.dot)?$/, `-${run.fault ?? reports.length}.dot`) : opts.dot;
           await writeFile(file, `${counterexampleToDot(cex)}\n`);
           if (opts.json !== true) process.stdout.write(`wrote the trace graph to ${file}\n\n`);
         }
       }
-      if (opts.json === true) process.stdout.write(`${JSON.stringify(reports.length === 1 ? reports[0] : reports, null, 2)}\n`);
+      if (reports.length > 1 && opts.json !== true) {
+        const states = reports.reduce((n, r) => n + r.result.states, 0);
+        const seconds = reports.reduce((n, r) => n + r.result.elapsedMs, 0) / 1000;
+        process.stdout.write(`total: ${reports.length} runs, ${states} states in ${seconds.toFixed(1)} s\n`);
+      }
+      if (opts.json === true)
+        process.stdout.write(`${JSON.stringify(reports.length === 1 ? reports[0] : reports, null, 2)}\n`);
       if (failed) process.exitCode = 1;
     });
 }

@@ -14,6 +14,7 @@ const commands: Array<() => Promise<{ command(): Command }>> = [
   // cli-commands:begin
   () => import("./bench.js"),
   () => import("./check.js"),
+  () => import("./cluster.js"),
   () => import("./gen-model.js"),
   () => import("./generate.js"),
   () => import("./preflight.js"),

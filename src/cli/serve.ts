@@ -19,7 +19,8 @@ import { KvfenceError } from "../lib/errors.js";
 import { createLogger, type Logger, type LogLevel } from "../lib/logger.js";
 import { loadModelConfig } from "../model/config-loader.js";
 import { loadModel } from "../model/load-model.js";
-import { EngineClient } from "../node/engine-client.js";
+import { startNodeServer } from "../node/node-server.js";
+import { clusterSecret, startServeEngine } from "../node/serve-topology.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
 import { RouterServer } from "../router/router-server.js";
@@ -60,16 +61,17 @@ export function parseByteSize(text: string): number | null {
 }
 
 const intText = (min: number, max = Number.MAX_SAFE_INTEGER) =>
-  z
-    .union([z.string(), z.number()])
-    .transform((v, ctx) => {
-      const n = typeof v === "number" ? v : /^\s*\d+\s*$/.test(v) ? Number(v) : Number.NaN;
-      if (!Number.isInteger(n) || n < min || n > max) {
-        ctx.addIssue({ code: "custom", message: `must be an integer from ${min} to ${max}: got ${JSON.stringify(v)}` });
-        return z.NEVER;
-      }
-      return n;
-    });
+  z.union([z.string(), z.number()]).transform((v, ctx) => {
+    const n = typeof v === "number" ? v : /^\s*\d+\s*$/.test(v) ? Number(v) : Number.NaN;
+    if (!Number.isInteger(n) || n < min || n > max) {
+      ctx.addIssue({
+        code: "custom",
+        message: `must be an integer from ${min} to ${max}: got ${JSON.stringify(v)}`,
+      });
+      return z.NEVER;
+    }
+    return n;
+  });
 
 const byteSizeText = z.string().transform((v, ctx) => {
   const n = parseByteSize(v);
@@ -93,6 +95,11 @@ export const serveConfigSchema = z
     apiKeys: z.string().min(1).optional(),
     scrubOnFree: z.boolean(),
     disaggregation: z.boolean(),
+    role: z.enum(["all", "router", "prefill", "decode"]).default("all"),
+    prefill: z.array(z.string().min(1)).default([]),
+    decode: z.array(z.string().min(1)).default([]),
+    clusterSecret: z.string().min(1).optional(),
+    unsafeFault: z.array(z.string().min(1)).default([]),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   })
   .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
@@ -149,8 +156,11 @@ export async function startServer(
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
 ): Promise<RunningServer> {
   const log = options.logger;
-  if (config.disaggregation) {
-    log.info("the disaggregated topology arrives in the next release; serving with one engine (--no-disaggregation)");
+  if (config.unsafeFault.length > 0) {
+    log.warn(
+      { faults: config.unsafeFault },
+      "UNSAFE: fault injection is on; never serve real traffic like this",
+    );
   }
 
   const modelConfig = loadModelConfig(config.model);
@@ -163,7 +173,10 @@ export async function startServer(
   const bytesPerPage = pageBytes(layout);
   const numPages = config.kvPages ?? Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / bytesPerPage);
   const poolTokens = numPages * config.pageSize;
-  const contextLength = Math.min(modelConfig.maxPositionEmbeddings, config.maxModelLen ?? Number.POSITIVE_INFINITY);
+  const contextLength = Math.min(
+    modelConfig.maxPositionEmbeddings,
+    config.maxModelLen ?? Number.POSITIVE_INFINITY,
+  );
   const verdict = poolCapacityVerdict({ poolTokens, contextLength, pageSize: config.pageSize });
   if (!verdict.ok) {
     const neededPages = verdict.neededTokens / config.pageSize;
@@ -189,25 +202,47 @@ export async function startServer(
       );
     },
   });
-  options.progress?.(`Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`, true);
+  options.progress?.(
+    `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
+    true,
+  );
 
   const tenants = TenantDirectory.load({ file: config.apiKeys, env: process.env.KVFENCE_API_KEYS });
   if (tenants.anonymous) {
-    log.warn("no API keys configured (--api-keys FILE or KVFENCE_API_KEYS): serving one anonymous tenant without authentication");
+    log.warn(
+      "no API keys configured (--api-keys FILE or KVFENCE_API_KEYS): serving one anonymous tenant without authentication",
+    );
   } else {
     log.info({ tenants: tenants.tenants.map((t) => t.name) }, "API keys loaded");
   }
 
-  const engine = await EngineClient.start({
+  const served = await startServeEngine({
+    role: config.role,
+    disaggregation: config.disaggregation,
     model: { config: model.config, weights: model.weights },
-    numPages,
-    pageSize: config.pageSize,
+    engine: {
+      numPages,
+      pageSize: config.pageSize,
+      maxModelLen: contextLength,
+      scrubOnFree: config.scrubOnFree,
+      ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
+    },
     maxModelLen: contextLength,
-    scrubOnFree: config.scrubOnFree,
-    ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
+    prefill: config.prefill,
+    decode: config.decode,
+    clusterSecret: config.clusterSecret,
+    faults: config.unsafeFault,
   });
+  const engine = served.engine;
   log.info(
-    { numPages, pageSize: config.pageSize, poolTokens, poolBytes: numPages * bytesPerPage, contextLength },
+    {
+      numPages,
+      pageSize: config.pageSize,
+      poolTokens,
+      poolBytes: numPages * bytesPerPage,
+      contextLength,
+      topology: served.topology,
+    },
     "engine ready",
   );
 
@@ -219,7 +254,9 @@ export async function startServer(
       maxPositionEmbeddings: model.config.maxPositionEmbeddings,
       eosTokenIds: model.config.eosTokenIds,
       defaults: {
-        ...(model.generationDefaults.temperature === undefined ? {} : { temperature: model.generationDefaults.temperature }),
+        ...(model.generationDefaults.temperature === undefined
+          ? {}
+          : { temperature: model.generationDefaults.temperature }),
         ...(model.generationDefaults.topP === undefined ? {} : { topP: model.generationDefaults.topP }),
         ...(model.generationDefaults.topK === undefined ? {} : { topK: model.generationDefaults.topK }),
       },
@@ -228,12 +265,16 @@ export async function startServer(
     logger: log,
     maxModelLen: config.maxModelLen,
   });
+  served.registerMetrics(router.metrics.registry);
   let url: string;
   try {
     url = await router.listen(config.port, config.host);
   } catch (err) {
-    await engine.close();
-    throw new KvfenceError("config_invalid", `Cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`);
+    await served.close();
+    throw new KvfenceError(
+      "config_invalid",
+      `Cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`,
+    );
   }
   let closing: Promise<void> | null = null;
   return {
@@ -244,16 +285,71 @@ export async function startServer(
     close(graceMs = 0) {
       closing ??= (async () => {
         await router.close(graceMs);
-        await engine.close();
+        await served.close();
       })();
       return closing;
     },
   };
 }
 
+/**
+ * `--role prefill|decode`: one node process (no HTTP router); the router connects to `--port` with
+ * the cluster secret. Same pool sizing and capacity check as the server.
+ */
+export async function startNode(
+  config: ServeConfig,
+  options: { logger: Logger },
+): Promise<{ url: string; close(): Promise<void> }> {
+  const role = config.role === "prefill" ? "prefill" : "decode";
+  const modelConfig = loadModelConfig(config.model);
+  const layout: KvLayout = {
+    numLayers: modelConfig.numLayers,
+    numKvHeads: modelConfig.numKvHeads,
+    headDim: modelConfig.headDim,
+    pageSize: config.pageSize,
+  };
+  const numPages =
+    config.kvPages ?? Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / pageBytes(layout));
+  const contextLength = Math.min(
+    modelConfig.maxPositionEmbeddings,
+    config.maxModelLen ?? Number.POSITIVE_INFINITY,
+  );
+  const verdict = poolCapacityVerdict({
+    poolTokens: numPages * config.pageSize,
+    contextLength,
+    pageSize: config.pageSize,
+  });
+  if (!verdict.ok) {
+    throw new KvfenceError(
+      "config_invalid",
+      `The ${role} node's KV pool cannot hold one full-context request: ${numPages * config.pageSize} tokens for a context of ${contextLength}; fix: --kv-pages ${verdict.neededTokens / config.pageSize} or --max-model-len ${verdict.maxContextThatFits}`,
+    );
+  }
+  const model = loadModel(config.model, { shared: true });
+  const node = await startNodeServer({
+    role,
+    host: config.host,
+    port: config.port,
+    secret: clusterSecret(config.clusterSecret),
+    engine: {
+      model: { config: model.config, weights: model.weights },
+      numPages,
+      pageSize: config.pageSize,
+      maxModelLen: contextLength,
+      scrubOnFree: config.scrubOnFree,
+      ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
+    },
+    faults: config.unsafeFault,
+    log: (line) => options.logger.info(line),
+  });
+  return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
+}
+
+const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
+
 export function command(): Command {
   return new Command("serve")
-    .description("Serve the OpenAI-compatible API on one engine (no disaggregation)")
+    .description("Serve the OpenAI-compatible API (router + prefill + decode; or one role per process)")
     .option("--host <host>", "address to listen on", "127.0.0.1")
     .option("--port <port>", "port to listen on (0 = any free port)", "8000")
     .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
@@ -262,10 +358,25 @@ export function command(): Command {
     .option("--page-size <tokens>", "tokens per KV page", "16")
     .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")
     .option("--max-prefill-tokens <tokens>", "prefill tokens per engine step")
-    .option("--api-keys <file>", 'API keys: JSON {"sk-...": "tenant"} or lines "key tenant" (or env KVFENCE_API_KEYS)')
+    .option(
+      "--api-keys <file>",
+      'API keys: JSON {"sk-...": "tenant"} or lines "key tenant" (or env KVFENCE_API_KEYS)',
+    )
     .option("--scrub-on-free", "zero KV pages when they are freed", false)
-    .option("--no-disaggregation", "run prefill and decode on one engine (the only topology in this release)")
-    .option("--log-level <level>", "fatal, error, warn, info, debug, trace or silent", process.env.KVFENCE_LOG_LEVEL ?? "info")
+    .option("--no-disaggregation", "run prefill and decode on one engine")
+    .option("--role <role>", "all (router + prefill + decode threads), router, prefill or decode", "all")
+    .option("--prefill <url...>", "router: the prefill nodes' addresses (host:port)", [])
+    .option("--decode <url...>", "router: the decode nodes' addresses (host:port)", [])
+    .option(
+      "--cluster-secret <secret>",
+      "secret shared by the router and nodes (or env KVFENCE_CLUSTER_SECRET)",
+    )
+    .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
+    .option(
+      "--log-level <level>",
+      "fatal, error, warn, info, debug, trace or silent",
+      process.env.KVFENCE_LOG_LEVEL ?? "info",
+    )
     .action(async (raw: Record<string, unknown>) => {
       const early = createLogger({ level: "info" });
       let config: ServeConfig;
@@ -278,17 +389,31 @@ export function command(): Command {
       }
       const log = config.logLevel === "info" ? early : createLogger({ level: config.logLevel as LogLevel });
       const tty = process.stderr.isTTY === true;
+      if (config.role === "prefill" || config.role === "decode") {
+        try {
+          const node = await startNode(config, { logger: log });
+          process.stdout.write(`kvfence ${config.role} node listening at ${node.url}\n`);
+          const stop = () => void node.close().then(() => process.exit(0));
+          process.on("SIGINT", stop);
+          process.on("SIGTERM", stop);
+        } catch (err) {
+          process.stderr.write(`kvfence serve: ${(err as Error).message}\n`);
+          process.exitCode = 1;
+        }
+        return;
+      }
       let server: RunningServer;
       try {
         server = await startServer(config, {
           logger: log,
           progress: (line, done) => {
             if (tty) process.stderr.write(`\r\x1b[K${line}${done ? "\n" : ""}`);
-            else if (done || line.endsWith(" 0%") || /: (0|25|50|75|100)% /.test(line)) process.stderr.write(`${line}\n`);
+            else if (done || line.endsWith(" 0%") || /: (0|25|50|75|100)% /.test(line))
+              process.stderr.write(`${line}\n`);
           },
         });
       } catch (err) {
-        const message = err instanceof KvfenceError ? err.message : (err as Error).stack ?? String(err);
+        const message = err instanceof KvfenceError ? err.message : ((err as Error).stack ?? String(err));
         process.stderr.write(`kvfence serve: ${message}\n`);
         process.exitCode = 1;
         return;

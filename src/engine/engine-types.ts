@@ -5,6 +5,7 @@
  * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
  */
 import type { WireError } from "../lib/errors.js";
+import type { NodeInfo } from "../protocol/admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
 export interface GenerationRequest {
@@ -62,4 +63,6 @@ export interface EngineHandle {
   abort(rid: number): void;
   stats(): Promise<EngineStats>;
   close(): Promise<void>;
+  /** The nodes behind this handle for `/kvfence/nodes` (the disaggregated topology); absent: one engine. */
+  nodes?(): NodeInfo[];
 }

@@ -24,7 +24,12 @@
  *    in usage but not reported in `onTokens`), `maxTokens` with `length`.
  *
  * Abort frees a request's pages at once (nothing writes them outside `step()`), exactly once, and
- * silences it. Greedy output does not depend on batching, chunking or preemption: every token's
+ * silences it.
+ *
+ * The disaggregated nodes use two more doors: `submitPrefill` (compute the prompt into pages the
+ * prefill state machine leased, sample the first token, stop) and `submitDecode` (continue from a
+ * prompt whose KV arrived by transfer into pages the decode state machine leased). Their pages
+ * belong to the host: the engine never allocates, frees or preempts them. Greedy output does not depend on batching, chunking or preemption: every token's
  * computation is per row, and recompute reproduces the same positions.
  */
 
@@ -67,6 +72,20 @@ const WAITING = 0;
 const RUNNING = 1;
 const DONE = 2;
 
+/** How a request's pages are owned (see `Engine.submitPrefill` / `Engine.submitDecode`). */
+const LOCAL = 0;
+/** Prefill node: compute the prompt into host-leased pages, sample the first token, stop. */
+const PREFILL_ONLY = 1;
+/** Decode node: the prompt's KV arrived by transfer into host-leased pages; the host stamps writes. */
+const DECODE_EXTERNAL = 2;
+
+/** Pages a host (a protocol state machine) leased for a request, in logical order. */
+export interface ExternalPages {
+  /** The protocol attempt that holds the pages; the engine checks and stamps under it. */
+  readonly epoch: number;
+  readonly pages: readonly { readonly page: number; readonly generation: number }[];
+}
+
 const SCHEDULED = 0;
 const PREEMPTED = 1;
 const FAILED = 2;
@@ -96,6 +115,8 @@ class Sequence {
   stepEnd = 0;
   stepPrefill = false;
   inBatch = false;
+  /** LOCAL, PREFILL_ONLY or DECODE_EXTERNAL: the last two never allocate, free or preempt pages. */
+  mode = LOCAL;
   #pagesView: Int32Array;
 
   constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {
@@ -226,6 +247,61 @@ export class Engine {
     this.#counters.promptTokens += seq.promptLength;
   }
 
+  /**
+   * Queues a prefill-only request (the prefill node): its prompt's KV is computed, in chunks, into
+   * `pages`, which the host already leased to `(rid, pages.epoch)`; the engine stamps and marks them
+   * READY as it writes them, samples the first token, reports it with `onTokens` then
+   * `onFinish("length")`, and leaves the pages to the host (never frees or preempts them).
+   */
+  submitPrefill(request: GenerationRequest, pages: ExternalPages, events: GenerationEvents): void {
+    this.#submitExternal(request, pages, events, PREFILL_ONLY, -1);
+  }
+
+  /**
+   * Queues a request whose prompt KV is already in `pages` (the decode node, after the transfer
+   * committed): `request.promptTokens` only gives the prompt's length (the ids are not read),
+   * `firstToken` was sampled by prefill. The engine checks the page tags before every step and
+   * reports each sampled token; the host stamps the page each step writes (the decode state
+   * machine's `step` event, fed from `onTokens`) and owns the pages (the engine never frees them).
+   */
+  submitDecode(request: GenerationRequest, pages: ExternalPages, firstToken: number, events: GenerationEvents): void {
+    this.#submitExternal(request, pages, events, DECODE_EXTERNAL, firstToken);
+  }
+
+  #submitExternal(
+    request: GenerationRequest,
+    pages: ExternalPages,
+    events: GenerationEvents,
+    mode: number,
+    firstToken: number,
+  ): void {
+    const refusal = this.#doorCheck(request);
+    if (refusal !== null) {
+      events.onError(refusal);
+      return;
+    }
+    const seed = request.seed ?? this.#seeds.nextUint32();
+    const seq = new Sequence(request, events, this.pool.pageSize, seed);
+    if (pages.pages.length > seq.blockTable.capacity) {
+      events.onError({
+        code: "internal",
+        message: `Request ${request.rid} brings more pages than its prompt and max_tokens span: ${pages.pages.length}`,
+      });
+      return;
+    }
+    seq.mode = mode;
+    seq.epoch = pages.epoch;
+    for (const p of pages.pages) seq.blockTable.push(p.page, p.generation);
+    if (mode === DECODE_EXTERNAL) {
+      seq.computed = seq.promptLength;
+      seq.tokens[seq.length++] = firstToken;
+      seq.generated = 1;
+    }
+    this.#byRid.set(seq.rid, seq);
+    this.#waiting.push(seq);
+    this.#counters.promptTokens += seq.promptLength;
+  }
+
   /** Ends a request wherever it is, freeing its pages exactly once; unknown or finished rids are ignored. */
   abort(rid: number): void {
     const seq = this.#byRid.get(rid);
@@ -297,10 +373,12 @@ export class Engine {
     const waiting = this.#waiting;
     while (!this.#preemptedThisStep && waiting.length > 0 && running.length < this.#maxSequences) {
       const seq = waiting[0]!;
-      const prefill = seq.length > 1;
-      const n = Math.min(seq.length, this.#tokenBudget, prefill ? this.#prefillBudget : seq.length);
+      const remaining = seq.length - seq.computed;
+      const prefill = remaining > 1;
+      const n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
       if (n <= 0) break;
       if (
+        seq.mode === LOCAL &&
         !this.pool.allocate(Math.ceil(n / this.pool.pageSize), seq.rid, seq.epoch, seq.tenant, seq.blockTable)
       )
         break;
@@ -340,7 +418,8 @@ export class Engine {
     for (let b = 0; b < batch.length; b++) {
       const seq = batch[b]!;
       if (seq.state !== RUNNING) continue;
-      this.pool.recordStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
+      if (seq.mode !== DECODE_EXTERNAL)
+        this.pool.recordStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
       seq.computed = seq.stepEnd;
     }
 
@@ -354,6 +433,12 @@ export class Engine {
       seq.tokens[seq.length++] = token;
       seq.generated++;
       this.#counters.completionTokens++;
+      if (seq.mode === PREFILL_ONLY) {
+        this.#end(seq);
+        seq.events.onTokens([token]);
+        seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: 1 });
+        continue;
+      }
       if (r.stopTokenIds.includes(token)) {
         this.#finish(seq, "stop");
         continue;
@@ -379,10 +464,11 @@ export class Engine {
    */
   #schedule(seq: Sequence, n: number, prefill: boolean): number {
     const running = this.#running;
-    const pagesNeeded = Math.ceil((seq.computed + n) / this.pool.pageSize) - seq.blockTable.length;
+    const pagesNeeded =
+      seq.mode === LOCAL ? Math.ceil((seq.computed + n) / this.pool.pageSize) - seq.blockTable.length : 0;
     while (!this.pool.allocate(pagesNeeded, seq.rid, seq.epoch, seq.tenant, seq.blockTable)) {
       const victim = running[running.length - 1]!;
-      if (victim === seq && running.length === 1) {
+      if ((victim === seq && running.length === 1) || victim.mode !== LOCAL) {
         this.#fail(seq, {
           code: "pool_exhausted",
           message: `KV pool has no free page for request ${seq.rid}: ${this.pool.counts().free} free of ${this.pool.numPages}; retry later`,
@@ -507,7 +593,8 @@ export class Engine {
   /** Frees the request's pages and forgets it; later calls for the same request do nothing. */
   #end(seq: Sequence): void {
     if (seq.state === DONE) return;
-    this.pool.free(seq.blockTable, seq.rid, seq.epoch);
+    if (seq.mode === LOCAL) this.pool.free(seq.blockTable, seq.rid, seq.epoch);
+    else seq.blockTable.clear();
     this.#remove(seq.state === RUNNING ? this.#running : this.#waiting, seq);
     seq.state = DONE;
     this.#byRid.delete(seq.rid);

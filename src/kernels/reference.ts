@@ -331,8 +331,8 @@ export function softmax(x: Float32Array | Float64Array, offset: number, n: numbe
  * positions [0, startPos+i], whose K/V are read from the paged pool (layout page → layer → K|V →
  * token-in-page → kv-head → dim; see src/kvcache/kv-layout.ts). q and out are
  * `[*][numHeads*headDim]`; query head h reads KV head floor(h / (numHeads/numKvHeads)).
- * `scratch` holds at least headDim + startPos + rows doubles (the output accumulator, then the
- * scores). The result is softmax(q·Kᵀ/√d)·V.
+ * `scratch` holds at least headDim + startPos + rows doubles (the scores live from offset
+ * headDim; the first headDim slots are reserved). The result is softmax(q·Kᵀ/√d)·V.
  */
 export function pagedAttention(
   out: Float32Array,
@@ -364,25 +364,28 @@ export function pagedAttention(
       const kvh = Math.floor(h / group);
       const qo = qRow + h * headDim;
       const headOff = kvh * headDim;
+      // Scores q·k/√d, page by page (no division per token).
       let max = Number.NEGATIVE_INFINITY;
-      for (let t = 0; t < ctx; t++) {
-        const page = blockTable[(t / pageSize) | 0];
-        const ko = page * pageFloats + kBase + (t % pageSize) * rowFloats + headOff;
-        let a0 = 0,
-          a1 = 0,
-          a2 = 0,
-          a3 = 0;
-        let d = 0;
-        for (; d + 4 <= headDim; d += 4) {
-          a0 += q[qo + d] * pool[ko + d];
-          a1 += q[qo + d + 1] * pool[ko + d + 1];
-          a2 += q[qo + d + 2] * pool[ko + d + 2];
-          a3 += q[qo + d + 3] * pool[ko + d + 3];
+      for (let t = 0, p = 0; t < ctx; p++) {
+        let ko = blockTable[p] * pageFloats + kBase + headOff;
+        const tEnd = Math.min(ctx, t + pageSize);
+        for (; t < tEnd; t++, ko += rowFloats) {
+          let a0 = 0;
+          let a1 = 0;
+          let a2 = 0;
+          let a3 = 0;
+          let d = 0;
+          for (; d + 4 <= headDim; d += 4) {
+            a0 += q[qo + d] * pool[ko + d];
+            a1 += q[qo + d + 1] * pool[ko + d + 1];
+            a2 += q[qo + d + 2] * pool[ko + d + 2];
+            a3 += q[qo + d + 3] * pool[ko + d + 3];
+          }
+          for (; d < headDim; d++) a0 += q[qo + d] * pool[ko + d];
+          const sc = (a0 + a1 + a2 + a3) * scale;
+          scratch[headDim + t] = sc;
+          if (sc > max) max = sc;
         }
-        for (; d < headDim; d++) a0 += q[qo + d] * pool[ko + d];
-        const s = (a0 + a1 + a2 + a3) * scale;
-        scratch[headDim + t] = s;
-        if (s > max) max = s;
       }
       let sum = 0;
       for (let t = 0; t < ctx; t++) {
@@ -390,15 +393,53 @@ export function pagedAttention(
         scratch[headDim + t] = e;
         sum += e;
       }
+      // Σ p·v, eight output dims at a time in local accumulators (one pass over the context per
+      // eight dims beats read-modify-writing a 64-slot accumulator per token), page by page.
       const inv = 1 / sum;
-      for (let d = 0; d < headDim; d++) scratch[d] = 0;
-      for (let t = 0; t < ctx; t++) {
-        const page = blockTable[(t / pageSize) | 0];
-        const vo = page * pageFloats + vBase + (t % pageSize) * rowFloats + headOff;
-        const p = scratch[headDim + t];
-        for (let d = 0; d < headDim; d++) scratch[d] += p * pool[vo + d];
+      let d0 = 0;
+      for (; d0 + 8 <= headDim; d0 += 8) {
+        let o0 = 0;
+        let o1 = 0;
+        let o2 = 0;
+        let o3 = 0;
+        let o4 = 0;
+        let o5 = 0;
+        let o6 = 0;
+        let o7 = 0;
+        for (let t = 0, p = 0; t < ctx; p++) {
+          let vo = blockTable[p] * pageFloats + vBase + headOff + d0;
+          const tEnd = Math.min(ctx, t + pageSize);
+          for (; t < tEnd; t++, vo += rowFloats) {
+            const w = scratch[headDim + t];
+            o0 += w * pool[vo];
+            o1 += w * pool[vo + 1];
+            o2 += w * pool[vo + 2];
+            o3 += w * pool[vo + 3];
+            o4 += w * pool[vo + 4];
+            o5 += w * pool[vo + 5];
+            o6 += w * pool[vo + 6];
+            o7 += w * pool[vo + 7];
+          }
+        }
+        const oo = qo + d0;
+        out[oo] = o0 * inv;
+        out[oo + 1] = o1 * inv;
+        out[oo + 2] = o2 * inv;
+        out[oo + 3] = o3 * inv;
+        out[oo + 4] = o4 * inv;
+        out[oo + 5] = o5 * inv;
+        out[oo + 6] = o6 * inv;
+        out[oo + 7] = o7 * inv;
       }
-      for (let d = 0; d < headDim; d++) out[qo + d] = scratch[d] * inv;
+      for (; d0 < headDim; d0++) {
+        let o0 = 0;
+        for (let t = 0, p = 0; t < ctx; p++) {
+          let vo = blockTable[p] * pageFloats + vBase + headOff + d0;
+          const tEnd = Math.min(ctx, t + pageSize);
+          for (; t < tEnd; t++, vo += rowFloats) o0 += scratch[headDim + t] * pool[vo];
+        }
+        out[qo + d0] = o0 * inv;
+      }
     }
   }
 }

@@ -37,6 +37,7 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [13, 576, 35],
   [1, 576, 193],
   [64, 120, 200],
+  [131, 40, 101], // several row blocks of 64, a partial column chunk
 ];
 
 for (const threads of [1, 2] as const) {

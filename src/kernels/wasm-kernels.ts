@@ -70,6 +70,12 @@ export const CTL_COUNTER = 48;
 export const CTL_ARGS = 64;
 
 export const OP_MATMUL = 1;
+/**
+ * Work chunk of a matmul over 3 or more rows: 64 rows (a multiple of the 4-row register tile; the x
+ * block stays in L2) × 48 columns (a multiple of the 3-column tile, so no column takes the slow path).
+ */
+const MATMUL_ROW_CHUNK = 64;
+const MATMUL_COL_CHUNK = 48;
 export const OP_ATTENTION = 2;
 export const OP_SWIGLU = 3;
 
@@ -93,7 +99,8 @@ export interface WasmExports {
     inDim: number,
     outDim: number,
     counter: number,
-    chunk: number,
+    colChunk: number,
+    rowChunk: number,
   ): void;
   add(out: number, a: number, b: number, n: number): void;
   addBias(out: number, bias: number, rows: number, n: number): void;
@@ -197,6 +204,12 @@ export interface WasmKernelsOptions {
   readonly workerSpinMs?: number;
   /** Calls doing fewer multiply-adds than this run on the main thread alone. Default 32768. */
   readonly parallelMinWork?: number;
+  /**
+   * Output columns per work chunk of a parallel matvec (1–2 rows); 0 (default) picks about
+   * outDim/16 rounded to a multiple of 4, between 16 and 128: long enough contiguous weight streams
+   * for the prefetcher, enough chunks to balance two threads.
+   */
+  readonly matvecChunk?: number;
 }
 
 export class WasmKernels implements Kernels {
@@ -217,6 +230,7 @@ export class WasmKernels implements Kernels {
   #worker: Worker | null = null;
   #ready: Promise<void>;
   #parallelMinWork: number;
+  #matvecChunk: number;
   // Attention staging: the block table and one scratch per thread (grown on demand).
   #table: Int32Array;
   #scratchMain = 0;
@@ -234,6 +248,7 @@ export class WasmKernels implements Kernels {
     this.#buffers = [this.#buf0];
     this.threads = options.threads ?? 2;
     this.#parallelMinWork = options.parallelMinWork ?? 32768;
+    this.#matvecChunk = options.matvecChunk ?? 0;
     this.#ctlBase = this.allocBytes(CTL_BYTES);
     this.#ctl = new Int32Array(this.memory.buffer, this.#ctlBase, CTL_BYTES / 4);
     this.#args = new Uint32Array(this.memory.buffer, this.#ctlBase + CTL_ARGS * 4, 32);
@@ -392,21 +407,47 @@ export class WasmKernels implements Kernels {
       ref.matmul(out, x, w, rows, inDim, outDim);
       return;
     }
+    // Batches of rows: blocks of MATMUL_ROW_CHUNK rows × MATMUL_COL_CHUNK columns. One or two rows
+    // (decode): chunks of whole weight rows.
+    const big = rows >= 3;
+    const colChunk = big
+      ? MATMUL_COL_CHUNK
+      : this.#matvecChunk > 0
+        ? this.#matvecChunk
+        : Math.min(128, Math.max(16, Math.ceil(outDim / 64) * 4));
+    const rowChunk = big ? MATMUL_ROW_CHUNK : rows;
+    const o = out.byteOffset;
     if (this.#worker === null || rows * inDim * outDim < this.#parallelMinWork) {
-      this.#x.matmulCols(out.byteOffset, x.byteOffset, w.byteOffset, rows, inDim, outDim, 0, outDim);
+      if (!big) {
+        this.#x.matmulCols(o, x.byteOffset, w.byteOffset, rows, inDim, outDim, 0, outDim);
+        return;
+      }
+      Atomics.store(this.#ctl, CTL_COUNTER, 0);
+      this.#x.matmulPar(
+        o,
+        x.byteOffset,
+        w.byteOffset,
+        rows,
+        inDim,
+        outDim,
+        this.#counter,
+        colChunk,
+        rowChunk,
+      );
       return;
     }
     const a = this.#args;
-    a[0] = out.byteOffset;
+    a[0] = o;
     a[1] = x.byteOffset;
     a[2] = w.byteOffset;
     a[3] = rows;
     a[4] = inDim;
     a[5] = outDim;
     a[6] = this.#counter;
-    a[7] = rows >= 3 ? 32 : 16;
+    a[7] = colChunk;
+    a[8] = rowChunk;
     const s = this.#publish(OP_MATMUL);
-    this.#x.matmulPar(out.byteOffset, x.byteOffset, w.byteOffset, rows, inDim, outDim, this.#counter, a[7]);
+    this.#x.matmulPar(o, x.byteOffset, w.byteOffset, rows, inDim, outDim, this.#counter, colChunk, rowChunk);
     this.#join(s);
   }
 
@@ -616,7 +657,7 @@ export class WasmKernels implements Kernels {
     if (Atomics.compareExchange(ctl, CTL_TICKET, 2 * s, 0) === 2 * s) return;
     let spins = 0;
     while (Atomics.load(ctl, CTL_DONE) !== s) {
-      if (++spins < 200_000) continue;
+      if (++spins < 20_000) continue;
       Atomics.store(ctl, CTL_MAIN_SLEEPING, 1);
       const done = Atomics.load(ctl, CTL_DONE);
       if (done !== s) Atomics.wait(ctl, CTL_DONE, done, 1);

@@ -2,7 +2,7 @@
  * Structured logs with pino: one JSON object per line on stderr (stdout stays free for a command's
  * own output). `KVFENCE_LOG_LEVEL` overrides the level; tests pass `level: "silent"`.
  */
-import { pino, type Logger } from "pino";
+import { type Logger, pino } from "pino";
 
 export type { Logger } from "pino";
 

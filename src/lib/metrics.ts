@@ -48,7 +48,8 @@ abstract class Metric {
 
   protected key(labels: Labels | undefined): string {
     if (this.labelNames.length === 0) return "";
-    if (labels === undefined) throw new Error(`Metric ${this.name} needs labels: ${this.labelNames.join(", ")}`);
+    if (labels === undefined)
+      throw new Error(`Metric ${this.name} needs labels: ${this.labelNames.join(", ")}`);
     let key = "";
     for (let i = 0; i < this.labelNames.length; i++) {
       const value = labels[this.labelNames[i]!];
@@ -105,7 +106,8 @@ export class Counter extends Metric {
   render(): string {
     let out = this.header();
     if (this.labelNames.length === 0 && this.#values.size === 0) out += `${this.name} 0\n`;
-    for (const [key, value] of this.#values) out += `${this.name}${this.renderLabels(key)} ${formatNumber(value)}\n`;
+    for (const [key, value] of this.#values)
+      out += `${this.name}${this.renderLabels(key)} ${formatNumber(value)}\n`;
     return out;
   }
 }
@@ -135,7 +137,8 @@ export class Gauge extends Metric {
   render(): string {
     let out = this.header();
     if (this.labelNames.length === 0 && this.#values.size === 0) out += `${this.name} 0\n`;
-    for (const [key, value] of this.#values) out += `${this.name}${this.renderLabels(key)} ${formatNumber(value)}\n`;
+    for (const [key, value] of this.#values)
+      out += `${this.name}${this.renderLabels(key)} ${formatNumber(value)}\n`;
     return out;
   }
 }
@@ -219,7 +222,11 @@ export class MetricsRegistry {
     return this.#add(new Gauge(name, help, labelNames));
   }
 
-  histogram(name: string, help: string, options: { labelNames?: readonly string[]; buckets: readonly number[] }): Histogram {
+  histogram(
+    name: string,
+    help: string,
+    options: { labelNames?: readonly string[]; buckets: readonly number[] },
+  ): Histogram {
     return this.#add(new Histogram(name, help, options.labelNames ?? [], options.buckets));
   }
 

@@ -6,11 +6,12 @@
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
 import { blockTable, layoutFor, logitsAtEveryPosition, makePool } from "../../testing/forward-driver.js";
+import { heapGrowthPerRound } from "../../testing/heap-growth.js";
 import { naiveForward, randomModel } from "../../testing/random-model.js";
 import { maxAbsDiff } from "../kernels/assert-all-close.js";
 import { WasmKernels } from "../kernels/wasm-kernels.js";
 import { Prng } from "../lib/prng.js";
-import { ForwardPass } from "./forward.js";
+import { ForwardPass, type StepSequence } from "./forward.js";
 
 function randomTokens(n: number, vocab: number, seed: number): Int32Array {
   const rng = new Prng(seed);
@@ -63,4 +64,42 @@ describe("ForwardPass on WasmKernels", () => {
       assert.equal(k.fallbackCalls, 0, "every kernel call ran in WebAssembly");
     });
   }
+
+  it("ForwardPass.step() with WasmKernels allocates nothing per decode step (heap growth ~0 over 2000 steps)", async () => {
+    const { config, weights } = randomModel({ seed: 3, maxPositionEmbeddings: 4096 });
+    const layout = layoutFor(config, 16);
+    const fp = new ForwardPass(config, k.placeWeights(weights), layout, {
+      maxBatchTokens: 8,
+      maxSequences: 2,
+      kernels: k,
+    });
+    const pool = k.placeF32(makePool(layout, 2 * 140));
+    const t1 = blockTable(140, 280, true).slice(0, 140);
+    const t2 = blockTable(280, 280, true, 4).slice(140);
+    const s1: StepSequence = {
+      tokens: new Int32Array(1),
+      startPos: 0,
+      blockTable: t1,
+      logits: new Float32Array(config.vocabSize),
+    };
+    const s2: StepSequence = {
+      tokens: new Int32Array(1),
+      startPos: 0,
+      blockTable: t2,
+      logits: new Float32Array(config.vocabSize),
+    };
+    const batch = [s1, s2];
+    // Positions 100..139 and 1000..1039: short attention and attention split across the threads.
+    const growths = await heapGrowthPerRound(
+      (i) => {
+        s1.startPos = 100 + (i % 40);
+        s2.startPos = 1000 + (i % 40);
+        fp.step(pool, batch);
+      },
+      { warmup: 3000, steps: 2000, rounds: 5 },
+    );
+    assert.ok(growths.length > 0, "a GC ran during every measured round");
+    assert.ok(Math.min(...growths) < 4096, `heap grew by ${growths.join(", ")} bytes over 2000 decode steps`);
+    assert.equal(k.fallbackCalls, 0);
+  });
 });

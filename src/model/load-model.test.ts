@@ -432,3 +432,27 @@ test("loadModel() loads the bundled models/tiny-qwen2 (BF16, two shards, q/k/v b
   const bytes = (text: string) => Array.from(new TextEncoder().encode(text));
   assert.deepEqual(ids, [257, ...bytes("user\nhé"), 258, 10, 257, ...bytes("assistant\n")]);
 });
+
+test("loadModel() loads the bundled models/kvfence-tiny (Llama, F32, tied embeddings)", () => {
+  const dir = fileURLToPath(new URL("../../../models/kvfence-tiny", import.meta.url));
+  const json = JSON.parse(readFileSync(join(dir, "config.json"), "utf8")) as Record<string, number>;
+  const model = loadModel(dir);
+  assert.equal(model.name, "kvfence-tiny");
+  assert.equal(model.config.architecture, "llama");
+  assert.equal(model.config.attentionBias, false);
+  assert.equal(model.config.hiddenSize, json.hidden_size);
+  assert.equal(model.config.headDim, json.head_dim);
+  assert.equal(model.weights.layers.length, json.num_hidden_layers);
+  assert.equal(model.weights.lmHead, model.weights.embed);
+  assert.equal(model.weights.layers[0]?.qBias, null);
+  assert.ok(model.weights.layers.every((l) => l.q.some((x) => x !== 0)));
+  assert.ok(model.config.eosTokenIds.includes(258));
+  const prompt = model.chatTemplate?.render([{ role: "user", content: "ok" }]) ?? "";
+  assert.equal(prompt, "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n");
+  assert.equal(
+    model.tokenizer.decode(model.tokenizer.encode(prompt, { addSpecialTokens: false }), {
+      skipSpecialTokens: false,
+    }),
+    prompt,
+  );
+});

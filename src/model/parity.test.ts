@@ -86,7 +86,7 @@ for (const name of ["kvfence-tiny", "tiny-qwen2"]) {
         lines.push(`${tokens.length}`);
       }
       console.log(
-        `# ${name}: prompts of ${lines.join(", ")} tokens; max |Δlogit| ${worstOverall.toExponential(2)}`,
+        `${name}: prompts of ${lines.join(", ")} tokens; max |Δlogit| ${worstOverall.toExponential(2)}`,
       );
     });
 

@@ -25,7 +25,7 @@ const MAX_NEW_TOKENS = 12;
 const GROUP = 8;
 const PAGE_SIZE = 16;
 
-it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", () => {
+it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", { timeout: 900_000 }, () => {
   const fixture = JSON.parse(
     readFileSync(join(packageRoot(), "testing", "fixtures", "recall-prompts.json"), "utf8"),
   ) as {
@@ -96,7 +96,7 @@ it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", ()
   }
   const rate = correct / prompts.length;
   console.log(
-    `# kvfence-tiny recall: ${correct}/${prompts.length} = ${(rate * 100).toFixed(1)}%${misses.length ? `; misses: ${misses.join("; ")}` : ""}`,
+    `kvfence-tiny recall: ${correct}/${prompts.length} = ${(rate * 100).toFixed(1)}%${misses.length ? `; misses: ${misses.join("; ")}` : ""}`,
   );
   assert.ok(rate >= 0.95, `recall ${(rate * 100).toFixed(1)}% < 95%: ${misses.join("; ")}`);
 });

@@ -29,7 +29,13 @@ import type { WireError } from "../lib/errors.js";
 import type { Effects, KvPool } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
-import { attemptKey, type ControlMessage, type LeasePage, type Manifest, type ReserveRequest } from "./wire.js";
+import {
+  attemptKey,
+  type ControlMessage,
+  type LeasePage,
+  type Manifest,
+  type ReserveRequest,
+} from "./wire.js";
 
 export interface DecodeConfig {
   readonly maxModelLen: number;
@@ -73,6 +79,16 @@ export type DecodeEvent =
   | { readonly type: "peer_lost"; readonly role: "prefill" }
   /** Only with the `quarantine` guard disabled: the deferred-release timer fired. */
   | { readonly type: "quarantine_timeout"; readonly rid: number; readonly epoch: number };
+
+/**
+ * The page decode leased for logical page `index` of `(rid, epoch)` while it awaits the transfer,
+ * or -1: the receiver-side lease check of a framed (TCP) page write.
+ */
+export function leasedPage(state: DecodeState, rid: number, epoch: number, index: number): number {
+  const a = state.attempts[attemptKey(rid, epoch)];
+  if (a === undefined || a.phase !== "reserved" || index < 0 || index >= a.leaseCount) return -1;
+  return a.pages[index]!;
+}
 
 export function initialDecodeState(incarnation: number): DecodeState {
   return { incarnation, attempts: {}, ended: {}, acks: {}, stale: 0, tagFailures: 0 };
@@ -199,7 +215,11 @@ function reserve(
 
 function reject(state: DecodeState, msg: ReserveRequest, error: WireError, out: Effects): void {
   state.ended[attemptKey(msg.rid, msg.epoch)] = 1;
-  out.push({ kind: "send", to: "router", msg: { type: "rejected", rid: msg.rid, epoch: msg.epoch, from: "decode", error } });
+  out.push({
+    kind: "send",
+    to: "router",
+    msg: { type: "rejected", rid: msg.rid, epoch: msg.epoch, from: "decode", error },
+  });
 }
 
 function manifest(state: DecodeState, msg: Manifest, pool: KvPool, safety: Safety, out: Effects): void {
@@ -238,7 +258,11 @@ function manifest(state: DecodeState, msg: Manifest, pool: KvPool, safety: Safet
     coverage: msg.tokenEnd - msg.tokenStart,
     pages,
   });
-  out.push({ kind: "send", to: "router", msg: { type: "committed", rid: a.rid, epoch: a.epoch, firstToken: msg.firstToken } });
+  out.push({
+    kind: "send",
+    to: "router",
+    msg: { type: "committed", rid: a.rid, epoch: a.epoch, firstToken: msg.firstToken },
+  });
   out.push({ kind: "send", to: "prefill", msg: { type: "release", rid: msg.rid, epoch: msg.epoch } });
   if (a.generated >= a.maxTokens) finish(state, key, a, [], pool, out);
 }
@@ -301,7 +325,10 @@ function step(
         state,
         key,
         a,
-        { code: "page_tag_mismatch", message: `A KV page of request ${a.rid} is not its own: refusing to read it` },
+        {
+          code: "page_tag_mismatch",
+          message: `A KV page of request ${a.rid} is not its own: refusing to read it`,
+        },
         pool,
         out,
       );
@@ -316,21 +343,47 @@ function step(
   out.push({ kind: "read", rid: a.rid, epoch: a.epoch, pages, freshIndex: fresh ? last : -1 });
   a.generated++;
   if (a.generated >= a.maxTokens) finish(state, key, a, [event.token], pool, out);
-  else out.push({ kind: "send", to: "router", msg: { type: "tokens", rid: a.rid, epoch: a.epoch, tokens: [event.token] } });
+  else
+    out.push({
+      kind: "send",
+      to: "router",
+      msg: { type: "tokens", rid: a.rid, epoch: a.epoch, tokens: [event.token] },
+    });
 }
 
-function finish(state: DecodeState, key: string, a: DecodeAttempt, tokens: number[], pool: KvPool, out: Effects): void {
+function finish(
+  state: DecodeState,
+  key: string,
+  a: DecodeAttempt,
+  tokens: number[],
+  pool: KvPool,
+  out: Effects,
+): void {
   freeAll(a, pool);
   end(state, key);
   out.push({
     kind: "send",
     to: "router",
-    msg: { type: "finished", rid: a.rid, epoch: a.epoch, reason: "length", tokens, completionTokens: a.generated },
+    msg: {
+      type: "finished",
+      rid: a.rid,
+      epoch: a.epoch,
+      reason: "length",
+      tokens,
+      completionTokens: a.generated,
+    },
   });
 }
 
 /** Decode-side failure: tell the router, and abort prefill's side so it acknowledges the drain. */
-function fail(state: DecodeState, key: string, a: DecodeAttempt, error: WireError, pool: KvPool, out: Effects): void {
+function fail(
+  state: DecodeState,
+  key: string,
+  a: DecodeAttempt,
+  error: WireError,
+  pool: KvPool,
+  out: Effects,
+): void {
   out.push({ kind: "send", to: "router", msg: { type: "failed", rid: a.rid, epoch: a.epoch, error } });
   if (a.phase === "reserved") {
     out.push({ kind: "send", to: "prefill", msg: { type: "abort", rid: a.rid, epoch: a.epoch } });

@@ -6,8 +6,9 @@
  * Pool operations are not effects: the machines call the node's `OwnershipTable` directly (it is
  * synchronous, allocation-free shared memory), so the checker sees the real page states.
  */
-import type { WireError } from "../lib/errors.js";
+
 import type { OwnershipTable } from "../kvcache/ownership-table.js";
+import type { WireError } from "../lib/errors.js";
 import type { ControlMessage, LeasePage, NodeRole, PageWriteHeader } from "./wire.js";
 
 /** What a node's state machine needs of its KV pool. */

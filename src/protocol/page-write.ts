@@ -2,8 +2,14 @@
  * Where a page write lands (DESIGN.md §4 step 4). Over shared memory the writer copies the page
  * straight into the decode pool — a one-sided write, like RDMA: nothing on the receiver can refuse
  * it, only the region bounds apply — and stamps the writer stamp in the same step. Over TCP the
- * receiver applies a framed write only if the destination page is in bounds and still RESERVED for
- * that write's `(rid, epoch)` at that generation (the `lease-check` guard); otherwise it drops it.
+ * receiver applies a framed write only if the destination page is the one decode leased for that
+ * write's logical index, and is still RESERVED for that write's `(rid, epoch)` at that generation
+ * (the `lease-check` guard); otherwise it drops it.
+ *
+ * Checking the ownership table alone is not enough: the pages decode reserved for its own
+ * generated tokens are RESERVED for the same `(rid, epoch)` too, so a write misaddressed into one
+ * of them would pass (`kvfence check --fault misaddressed-write --keep-guards --transport tcp`
+ * found this). The receiver asks the decode machine for the leased page (`leasedPage`).
  */
 import type { OwnershipTable } from "../kvcache/ownership-table.js";
 import { guardOn, type Safety } from "./safety.js";
@@ -11,11 +17,22 @@ import type { PageWriteHeader } from "./wire.js";
 
 export type TransportKind = "shm" | "tcp";
 
-/** True when the write described by `header` lands in the pool (the host then copies and stamps). */
-export function writeLands(table: OwnershipTable, header: PageWriteHeader, transport: TransportKind, safety: Safety): boolean {
+/**
+ * True when the write described by `header` lands in the pool (the host then copies and stamps).
+ * `leasedPage` is decode's page for that write's `(rid, epoch, index)`, or -1 (see `leasedPage`).
+ */
+export function writeLands(
+  table: OwnershipTable,
+  header: PageWriteHeader,
+  leasedPage: number,
+  transport: TransportKind,
+  safety: Safety,
+): boolean {
   if (header.page < 0 || header.page >= table.numPages) return false;
   if (transport === "shm" || !guardOn(safety, "lease-check")) return true;
-  return table.checkWrite(header.page, header.generation, header.rid, header.epoch);
+  return (
+    leasedPage === header.page && table.checkWrite(header.page, header.generation, header.rid, header.epoch)
+  );
 }
 
 /** Stamps the page a write just landed in: its data is now `(rid, epoch)`'s. */

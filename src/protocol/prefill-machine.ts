@@ -328,7 +328,11 @@ function release(state: PrefillState, key: string, pool: KvPool): void {
 
 function reject(state: PrefillState, msg: PrefillRequest, error: WireError, out: Effects): void {
   state.ended[attemptKey(msg.rid, msg.epoch)] = 1;
-  out.push({ kind: "send", to: "router", msg: { type: "rejected", rid: msg.rid, epoch: msg.epoch, from: "prefill", error } });
+  out.push({
+    kind: "send",
+    to: "router",
+    msg: { type: "rejected", rid: msg.rid, epoch: msg.epoch, from: "prefill", error },
+  });
 }
 
 function freeSource(a: PrefillAttempt, pool: KvPool): void {

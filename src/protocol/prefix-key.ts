@@ -7,11 +7,12 @@
  * Under the `shared-prefix` fault (with the `tenant-salt` guard off) the salt is the client's
  * field alone, as in engines where the gateway must inject it.
  */
-import { guardOn, faultOn, type Safety } from "./safety.js";
+import { faultOn, guardOn, type Safety } from "./safety.js";
 
 /** The salt that seeds a request's block-hash chain. */
 export function prefixCacheSalt(safety: Safety, tenant: number, clientSalt: string | null): string {
-  if (guardOn(safety, "tenant-salt")) return clientSalt === null ? `tenant:${tenant}` : `tenant:${tenant}|${clientSalt}`;
+  if (guardOn(safety, "tenant-salt"))
+    return clientSalt === null ? `tenant:${tenant}` : `tenant:${tenant}|${clientSalt}`;
   if (faultOn(safety, "shared-prefix")) return clientSalt ?? "";
   return "";
 }

@@ -111,7 +111,10 @@ export function routerStep(
       abortAttempt(req, out);
       retryOrFail(
         req,
-        { code: "transfer_failed", message: `The KV transfer of request ${req.rid} timed out: attempt ${req.epoch}` },
+        {
+          code: "transfer_failed",
+          message: `The KV transfer of request ${req.rid} timed out: attempt ${req.epoch}`,
+        },
         config,
         out,
       );
@@ -210,9 +213,17 @@ function onMessage(state: RouterState, msg: ControlMessage, config: RouterConfig
     case "finished":
       if (req.phase !== "decoding") break;
       req.streamed += msg.tokens.length;
-      if (msg.tokens.length > 0) out.push({ kind: "tokens", rid: req.rid, epoch: req.epoch, tokens: msg.tokens });
+      if (msg.tokens.length > 0)
+        out.push({ kind: "tokens", rid: req.rid, epoch: req.epoch, tokens: msg.tokens });
       req.phase = "done";
-      out.push({ kind: "respond", rid: req.rid, epoch: req.epoch, status: 200, error: null, finishReason: msg.reason });
+      out.push({
+        kind: "respond",
+        rid: req.rid,
+        epoch: req.epoch,
+        status: 200,
+        error: null,
+        finishReason: msg.reason,
+      });
       return;
     case "failed":
       if (req.phase === "decoding") {

@@ -52,7 +52,8 @@ export const FAULT_TABLE: Readonly<
     caughtBy: ["quarantine"],
   },
   "late-write": {
-    reproduces: "prefill acknowledges an abort before its in-flight writes drained; a write lands after reuse",
+    reproduces:
+      "prefill acknowledges an abort before its in-flight writes drained; a write lands after reuse",
     caughtBy: ["quarantine", "lease-check"],
   },
   "corrupt-transfer": {

@@ -4,8 +4,14 @@ import { admit, effectiveContextLength } from "./admission.js";
 
 test("effectiveContextLength() is the minimum of model window, --max-model-len and pool", () => {
   assert.equal(effectiveContextLength({ maxPositionEmbeddings: 2048, poolTokens: 4096 }), 2048);
-  assert.equal(effectiveContextLength({ maxPositionEmbeddings: 2048, maxModelLen: 512, poolTokens: 4096 }), 512);
-  assert.equal(effectiveContextLength({ maxPositionEmbeddings: 2048, maxModelLen: 4000, poolTokens: 1024 }), 1024);
+  assert.equal(
+    effectiveContextLength({ maxPositionEmbeddings: 2048, maxModelLen: 512, poolTokens: 4096 }),
+    512,
+  );
+  assert.equal(
+    effectiveContextLength({ maxPositionEmbeddings: 2048, maxModelLen: 4000, poolTokens: 1024 }),
+    1024,
+  );
 });
 
 test("admit() refuses prompt + max_tokens over the limit and states both numbers", () => {

@@ -17,7 +17,11 @@ export interface ContextLimits {
 
 /** min(model window, --max-model-len, pool capacity). */
 export function effectiveContextLength(limits: ContextLimits): number {
-  return Math.min(limits.maxPositionEmbeddings, limits.maxModelLen ?? Number.POSITIVE_INFINITY, limits.poolTokens);
+  return Math.min(
+    limits.maxPositionEmbeddings,
+    limits.maxModelLen ?? Number.POSITIVE_INFINITY,
+    limits.poolTokens,
+  );
 }
 
 export type AdmissionResult =

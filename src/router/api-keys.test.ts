@@ -6,7 +6,10 @@ import { test } from "node:test";
 import { TenantDirectory } from "./api-keys.js";
 
 test("TenantDirectory.parse() reads a JSON object and maps keys to tenant indexes", () => {
-  const dir = TenantDirectory.parse('{"sk-alpha-123": "alice", "sk-beta-4567": "bob", "sk-alpha-999": "alice"}', "keys.json");
+  const dir = TenantDirectory.parse(
+    '{"sk-alpha-123": "alice", "sk-beta-4567": "bob", "sk-alpha-999": "alice"}',
+    "keys.json",
+  );
   assert.deepEqual(dir.authenticate("Bearer sk-alpha-123"), { index: 0, name: "alice" });
   assert.deepEqual(dir.authenticate("Bearer sk-alpha-999"), { index: 0, name: "alice" });
   assert.deepEqual(dir.authenticate("bearer sk-beta-4567"), { index: 1, name: "bob" });
@@ -22,7 +25,10 @@ test("TenantDirectory.parse() reads `key tenant` lines with comments", () => {
 });
 
 test("TenantDirectory.parse() refuses malformed files with the line and the fix", () => {
-  assert.throws(() => TenantDirectory.parse("sk-one-11111 a extra\n", "k.txt"), /k\.txt: line 1 must be "key tenant"/);
+  assert.throws(
+    () => TenantDirectory.parse("sk-one-11111 a extra\n", "k.txt"),
+    /k\.txt: line 1 must be "key tenant"/,
+  );
   assert.throws(() => TenantDirectory.parse('{"sk-x-123456": 5}', "k.json"), /must be a string/);
   assert.throws(() => TenantDirectory.parse('{"short": "a"}', "k.json"), /8\+ characters/);
   assert.throws(() => TenantDirectory.parse('{"sk-x-123456": "a b"}', "k.json"), /tenant names/);
@@ -34,12 +40,22 @@ test("TenantDirectory.load() prefers the file, then the env value, else anonymou
   try {
     const file = join(dir, "keys.json");
     writeFileSync(file, '{"sk-file-12345": "filetenant"}');
-    assert.equal(TenantDirectory.load({ file, env: "sk-env-123456 envtenant" }).authenticate("Bearer sk-file-12345")?.name, "filetenant");
-    assert.equal(TenantDirectory.load({ env: "sk-env-123456 envtenant" }).authenticate("Bearer sk-env-123456")?.name, "envtenant");
+    assert.equal(
+      TenantDirectory.load({ file, env: "sk-env-123456 envtenant" }).authenticate("Bearer sk-file-12345")
+        ?.name,
+      "filetenant",
+    );
+    assert.equal(
+      TenantDirectory.load({ env: "sk-env-123456 envtenant" }).authenticate("Bearer sk-env-123456")?.name,
+      "envtenant",
+    );
     const anonymous = TenantDirectory.load({});
     assert.equal(anonymous.anonymous, true);
     assert.equal(anonymous.authenticate(undefined)?.name, "anonymous");
-    assert.throws(() => TenantDirectory.load({ file: join(dir, "missing.json") }), /Cannot read the API key file/);
+    assert.throws(
+      () => TenantDirectory.load({ file: join(dir, "missing.json") }),
+      /Cannot read the API key file/,
+    );
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }

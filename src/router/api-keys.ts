@@ -72,7 +72,10 @@ export class TenantDirectory {
     const seen = new Set<string>();
     for (const [key, name] of pairs) {
       if (key.length < 8 || /\s/.test(key)) {
-        throw new KvfenceError("config_invalid", `${source}: an API key must be 8+ characters without spaces: ${mask(key)}`);
+        throw new KvfenceError(
+          "config_invalid",
+          `${source}: an API key must be 8+ characters without spaces: ${mask(key)}`,
+        );
       }
       if (!TENANT_NAME_RE.test(name)) {
         throw new KvfenceError(
@@ -80,7 +83,8 @@ export class TenantDirectory {
           `${source}: tenant names are 1-64 of [A-Za-z0-9_.@-]: ${JSON.stringify(name)}`,
         );
       }
-      if (seen.has(key)) throw new KvfenceError("config_invalid", `${source}: duplicate API key: ${mask(key)}`);
+      if (seen.has(key))
+        throw new KvfenceError("config_invalid", `${source}: duplicate API key: ${mask(key)}`);
       seen.add(key);
     }
     return new TenantDirectory(pairs);
@@ -99,7 +103,10 @@ export class TenantDirectory {
       const pairs: Array<[string, string]> = [];
       for (const [key, name] of Object.entries(json as Record<string, unknown>)) {
         if (typeof name !== "string") {
-          throw new KvfenceError("config_invalid", `${source}: tenant for key ${mask(key)} must be a string: ${JSON.stringify(name)}`);
+          throw new KvfenceError(
+            "config_invalid",
+            `${source}: tenant for key ${mask(key)} must be a string: ${JSON.stringify(name)}`,
+          );
         }
         pairs.push([key, name]);
       }
@@ -112,7 +119,10 @@ export class TenantDirectory {
       if (line === "" || line.startsWith("#")) continue;
       const parts = line.split(/\s+/);
       if (parts.length !== 2) {
-        throw new KvfenceError("config_invalid", `${source}: line ${i + 1} must be "key tenant": ${JSON.stringify(mask(line))}`);
+        throw new KvfenceError(
+          "config_invalid",
+          `${source}: line ${i + 1} must be "key tenant": ${JSON.stringify(mask(line))}`,
+        );
       }
       pairs.push([parts[0]!, parts[1]!]);
     }
@@ -126,11 +136,15 @@ export class TenantDirectory {
       try {
         text = readFileSync(options.file, "utf8");
       } catch (err) {
-        throw new KvfenceError("config_invalid", `Cannot read the API key file: ${options.file}: ${(err as Error).message}`);
+        throw new KvfenceError(
+          "config_invalid",
+          `Cannot read the API key file: ${options.file}: ${(err as Error).message}`,
+        );
       }
       return TenantDirectory.parse(text, options.file);
     }
-    if (options.env !== undefined && options.env.trim() !== "") return TenantDirectory.parse(options.env, "KVFENCE_API_KEYS");
+    if (options.env !== undefined && options.env.trim() !== "")
+      return TenantDirectory.parse(options.env, "KVFENCE_API_KEYS");
     return TenantDirectory.anonymous();
   }
 }

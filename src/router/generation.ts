@@ -45,7 +45,12 @@ export class Generation {
   #completionTokens = 0;
   #done = false;
 
-  constructor(engine: EngineHandle, request: GenerationRequest, options: GenerationOptions, sink: GenerationSink) {
+  constructor(
+    engine: EngineHandle,
+    request: GenerationRequest,
+    options: GenerationOptions,
+    sink: GenerationSink,
+  ) {
     this.#engine = engine;
     this.#request = request;
     this.#decoder = options.decoder;

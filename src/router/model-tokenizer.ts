@@ -9,7 +9,10 @@ import type { TextStreamDecoder } from "./generation.js";
 import type { ChatMessage } from "./openai-schemas.js";
 import type { RouterTokenizer } from "./router-server.js";
 
-export function routerTokenizer(tokenizer: ModelTokenizer, chatTemplate: ChatTemplate | null): RouterTokenizer {
+export function routerTokenizer(
+  tokenizer: ModelTokenizer,
+  chatTemplate: ChatTemplate | null,
+): RouterTokenizer {
   return {
     encodeChat(messages: readonly ChatMessage[]): Int32Array {
       if (chatTemplate === null) {
@@ -20,7 +23,9 @@ export function routerTokenizer(tokenizer: ModelTokenizer, chatTemplate: ChatTem
         );
       }
       // The rendered text already carries the template's special tokens (BOS, <|im_start|>, ...).
-      return tokenizer.encode(chatTemplate.render(messages, { addGenerationPrompt: true }), { addSpecialTokens: false });
+      return tokenizer.encode(chatTemplate.render(messages, { addGenerationPrompt: true }), {
+        addSpecialTokens: false,
+      });
     },
     encodePrompt(text: string): Int32Array {
       return tokenizer.encode(text);

@@ -67,7 +67,12 @@ export function textCompletion(meta: ResponseMeta, text: string, finish: FinishR
 type ChatDelta = { role?: "assistant"; content?: string };
 
 /** A `chat.completion.chunk`; `usage: null` is present on every chunk when usage was requested. */
-export function chatChunk(meta: ResponseMeta, delta: ChatDelta, finish: FinishReason | null, includeUsage: boolean) {
+export function chatChunk(
+  meta: ResponseMeta,
+  delta: ChatDelta,
+  finish: FinishReason | null,
+  includeUsage: boolean,
+) {
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "chat.completion.chunk",
@@ -80,7 +85,12 @@ export function chatChunk(meta: ResponseMeta, delta: ChatDelta, finish: FinishRe
 }
 
 /** A streamed `text_completion` chunk. */
-export function textChunk(meta: ResponseMeta, text: string, finish: FinishReason | null, includeUsage: boolean) {
+export function textChunk(
+  meta: ResponseMeta,
+  text: string,
+  finish: FinishReason | null,
+  includeUsage: boolean,
+) {
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "text_completion",
@@ -93,6 +103,17 @@ export function textChunk(meta: ResponseMeta, text: string, finish: FinishReason
 }
 
 /** The last chunk before `[DONE]` when `stream_options.include_usage` is set: no choices, usage. */
-export function usageChunk(meta: ResponseMeta, object: "chat.completion.chunk" | "text_completion", usage: Usage) {
-  return { id: meta.id, object, created: meta.created, model: meta.model, choices: [], usage: usageWire(usage) };
+export function usageChunk(
+  meta: ResponseMeta,
+  object: "chat.completion.chunk" | "text_completion",
+  usage: Usage,
+) {
+  return {
+    id: meta.id,
+    object,
+    created: meta.created,
+    model: meta.model,
+    choices: [],
+    usage: usageWire(usage),
+  };
 }

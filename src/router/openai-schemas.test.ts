@@ -20,7 +20,13 @@ test("parseChatRequest() normalizes stop, max_completion_tokens, content parts a
     ...chat,
     messages: [
       { role: "developer", content: "be brief" },
-      { role: "user", content: [{ type: "text", text: "a" }, { type: "text", text: "b" }] },
+      {
+        role: "user",
+        content: [
+          { type: "text", text: "a" },
+          { type: "text", text: "b" },
+        ],
+      },
     ],
     stop: "END",
     max_completion_tokens: 5,

@@ -18,7 +18,10 @@ const chatMessage = z.object({
   name: z.string().optional(),
 });
 
-const stop = z.union([z.string(), z.array(z.string()).max(4)]).nullable().optional();
+const stop = z
+  .union([z.string(), z.array(z.string()).max(4)])
+  .nullable()
+  .optional();
 
 const maxTokens = z.number().int().positive().nullable().optional();
 
@@ -153,7 +156,11 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   const req = parseWith(chatCompletionRequestSchema, body);
   commonChecks(req);
   if (req.logprobs === true) refuse("logprobs", "logprobs is not supported: leave it unset or false");
-  if (req.max_tokens != null && req.max_completion_tokens != null && req.max_tokens !== req.max_completion_tokens) {
+  if (
+    req.max_tokens != null &&
+    req.max_completion_tokens != null &&
+    req.max_tokens !== req.max_completion_tokens
+  ) {
     refuse(
       "max_completion_tokens",
       `max_tokens and max_completion_tokens disagree: ${req.max_tokens} vs ${req.max_completion_tokens}; send only one`,
@@ -161,7 +168,12 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   }
   const messages = req.messages.map((m) => ({
     role: m.role === "developer" ? "system" : m.role,
-    content: m.content == null ? "" : typeof m.content === "string" ? m.content : m.content.map((p) => p.text).join(""),
+    content:
+      m.content == null
+        ? ""
+        : typeof m.content === "string"
+          ? m.content
+          : m.content.map((p) => p.text).join(""),
   }));
   return { ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null), messages };
 }
@@ -172,7 +184,8 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   commonChecks(req);
   if (req.logprobs != null) refuse("logprobs", "logprobs is not supported: leave it unset");
   if (req.echo === true) refuse("echo", "echo is not supported: leave it unset or false");
-  if (req.best_of != null && req.best_of !== 1) refuse("best_of", `Only best_of=1 is supported: got ${req.best_of}`);
+  if (req.best_of != null && req.best_of !== 1)
+    refuse("best_of", `Only best_of=1 is supported: got ${req.best_of}`);
   const prompt = typeof req.prompt === "string" ? req.prompt : req.prompt[0]!;
   return { ...sampling(req, req.max_tokens ?? null), prompt };
 }

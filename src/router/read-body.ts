@@ -55,7 +55,10 @@ export function parseJsonBody(body: Buffer): unknown {
   try {
     text = utf8.decode(body);
   } catch {
-    throw new KvfenceError("invalid_request", "Request body is not valid UTF-8: send the JSON encoded as UTF-8");
+    throw new KvfenceError(
+      "invalid_request",
+      "Request body is not valid UTF-8: send the JSON encoded as UTF-8",
+    );
   }
   if (text.trim() === "") throw new KvfenceError("invalid_json", "Request body is empty: send a JSON object");
   try {

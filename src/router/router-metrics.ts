@@ -37,10 +37,11 @@ export class RouterMetrics {
       "tenant",
       "endpoint",
     ]);
-    this.completionTokens = registry.counter("kvfence_completion_tokens_total", "Generated tokens sent to clients", [
-      "tenant",
-      "endpoint",
-    ]);
+    this.completionTokens = registry.counter(
+      "kvfence_completion_tokens_total",
+      "Generated tokens sent to clients",
+      ["tenant", "endpoint"],
+    );
     this.admissionRejections = registry.counter(
       "kvfence_admission_rejections_total",
       "Requests refused at admission, by reason",
@@ -64,18 +65,28 @@ export class RouterMetrics {
     );
     this.poolPages = registry.gauge("kvfence_kv_pool_pages", "KV pool pages by state", ["state"]);
     this.poolPagesTotal = registry.gauge("kvfence_kv_pool_pages_total", "KV pool pages in all");
-    this.queueRequests = registry.gauge("kvfence_engine_requests", "Engine requests by queue state", ["state"]);
+    this.queueRequests = registry.gauge("kvfence_engine_requests", "Engine requests by queue state", [
+      "state",
+    ]);
     this.tagCheckFailures = registry.counter(
       "kvfence_tag_check_failures_total",
       "Page-tag checks that failed a request (a read of KV the request does not own)",
     );
-    this.preemptions = registry.counter("kvfence_preemptions_total", "Requests preempted when the pool ran out");
+    this.preemptions = registry.counter(
+      "kvfence_preemptions_total",
+      "Requests preempted when the pool ran out",
+    );
     this.engineAborts = registry.counter("kvfence_engine_aborts_total", "Requests aborted in the engine");
     this.clientDisconnects = registry.counter(
       "kvfence_client_disconnects_total",
       "Generation requests whose client went away before the end",
       ["endpoint"],
     );
+
+    // Series that should read 0 (not be absent) before the first event.
+    for (const reason of ["context_length_exceeded", "engine_door"])
+      this.admissionRejections.inc({ reason }, 0);
+    for (const endpoint of ["chat", "completions"]) this.clientDisconnects.inc({ endpoint }, 0);
 
     registry.onCollect(async () => {
       const stats = await engine.stats();

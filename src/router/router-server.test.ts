@@ -7,7 +7,12 @@ import assert from "node:assert/strict";
 import { request as httpRequest } from "node:http";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { BYTE_EOS, byteTokenizer, ScriptedEngine, type ScriptedEngineOptions } from "../../testing/scripted-engine.js";
+import {
+  BYTE_EOS,
+  byteTokenizer,
+  ScriptedEngine,
+  type ScriptedEngineOptions,
+} from "../../testing/scripted-engine.js";
 import { createLogger } from "../lib/logger.js";
 import { parsePrometheusText } from "../lib/metrics.js";
 import { nodesInfoSchema } from "../protocol/admin-wire.js";
@@ -16,13 +21,17 @@ import { RouterServer } from "./router-server.js";
 
 const MODEL = "tiny-test";
 
-async function startRouter(engineOptions: ScriptedEngineOptions = {}, extra: { keys?: string; maxBodyBytes?: number } = {}) {
+async function startRouter(
+  engineOptions: ScriptedEngineOptions = {},
+  extra: { keys?: string; maxBodyBytes?: number } = {},
+) {
   const engine = new ScriptedEngine(engineOptions);
   const server = new RouterServer({
     engine,
     tokenizer: byteTokenizer,
     model: { id: MODEL, maxPositionEmbeddings: 2048, eosTokenIds: [BYTE_EOS], defaults: { temperature: 0 } },
-    tenants: extra.keys === undefined ? TenantDirectory.anonymous() : TenantDirectory.parse(extra.keys, "test keys"),
+    tenants:
+      extra.keys === undefined ? TenantDirectory.anonymous() : TenantDirectory.parse(extra.keys, "test keys"),
     logger: createLogger({ level: "silent" }),
     ...(extra.maxBodyBytes === undefined ? {} : { maxBodyBytes: extra.maxBodyBytes }),
   });
@@ -65,7 +74,10 @@ describe("RouterServer with a scripted engine", () => {
   after(() => ctx.server.close());
 
   test("RouterServer answers a chat completion in OpenAI's shape", async () => {
-    const res = await client.chat.completions.create({ model: MODEL, messages: [{ role: "user", content: "hi" }] });
+    const res = await client.chat.completions.create({
+      model: MODEL,
+      messages: [{ role: "user", content: "hi" }],
+    });
     assert.match(res.id, /^chatcmpl-[A-Za-z0-9]{24}$/);
     assert.equal(res.object, "chat.completion");
     assert.equal(res.model, MODEL);
@@ -74,7 +86,11 @@ describe("RouterServer with a scripted engine", () => {
     assert.deepEqual(res.choices[0]?.message, { role: "assistant", content: "Hello, world!", refusal: null });
     assert.equal(res.choices[0]?.finish_reason, "stop");
     const promptTokens = byteTokenizer.encodeChat([{ role: "user", content: "hi" }]).length;
-    assert.deepEqual(res.usage, { prompt_tokens: promptTokens, completion_tokens: 14, total_tokens: promptTokens + 14 });
+    assert.deepEqual(res.usage, {
+      prompt_tokens: promptTokens,
+      completion_tokens: 14,
+      total_tokens: promptTokens + 14,
+    });
     assert.equal(ctx.engine.submitted.at(-1)?.temperature, 0, "generation_config default applies");
   });
 
@@ -197,12 +213,48 @@ describe("RouterServer with a scripted engine", () => {
     ["malformed JSON", '{"model": ', 400, "invalid_json", null],
     ["an empty body", "", 400, "invalid_json", null],
     ["a wrong type", { model: MODEL, messages: "hi" }, 400, "invalid_request", "messages"],
-    ["n > 1", { model: MODEL, messages: [{ role: "user", content: "hi" }], n: 3 }, 400, "invalid_request", "n"],
-    ["negative max_tokens", { model: MODEL, messages: [{ role: "user", content: "a" }], max_tokens: -5 }, 400, "invalid_request", "max_tokens"],
-    ["fractional max_tokens", { model: MODEL, messages: [{ role: "user", content: "a" }], max_tokens: 2.5 }, 400, "invalid_request", "max_tokens"],
-    ["invalid UTF-8", Uint8Array.from([123, 34, 109, 34, 58, 34, 0xff, 0xfe, 34, 125]), 400, "invalid_request", null],
-    ["an unknown model", { model: "gpt-4", messages: [{ role: "user", content: "a" }] }, 404, "model_not_found", "model"],
-    ["a body over the size limit", { model: MODEL, messages: [{ role: "user", content: "x".repeat(70_000) }] }, 413, "payload_too_large", null],
+    [
+      "n > 1",
+      { model: MODEL, messages: [{ role: "user", content: "hi" }], n: 3 },
+      400,
+      "invalid_request",
+      "n",
+    ],
+    [
+      "negative max_tokens",
+      { model: MODEL, messages: [{ role: "user", content: "a" }], max_tokens: -5 },
+      400,
+      "invalid_request",
+      "max_tokens",
+    ],
+    [
+      "fractional max_tokens",
+      { model: MODEL, messages: [{ role: "user", content: "a" }], max_tokens: 2.5 },
+      400,
+      "invalid_request",
+      "max_tokens",
+    ],
+    [
+      "invalid UTF-8",
+      Uint8Array.from([123, 34, 109, 34, 58, 34, 0xff, 0xfe, 34, 125]),
+      400,
+      "invalid_request",
+      null,
+    ],
+    [
+      "an unknown model",
+      { model: "gpt-4", messages: [{ role: "user", content: "a" }] },
+      404,
+      "model_not_found",
+      "model",
+    ],
+    [
+      "a body over the size limit",
+      { model: MODEL, messages: [{ role: "user", content: "x".repeat(70_000) }] },
+      413,
+      "payload_too_large",
+      null,
+    ],
   ];
   for (const [what, body, status, code, param] of badRequests) {
     test(`RouterServer answers ${what} with ${status} ${code} and keeps serving`, async () => {
@@ -213,7 +265,10 @@ describe("RouterServer with a scripted engine", () => {
       assert.equal(error.param, param);
       assert.equal(typeof error.message, "string");
       assert.equal(typeof error.type, "string");
-      const ok = await client.chat.completions.create({ model: MODEL, messages: [{ role: "user", content: "hi" }] });
+      const ok = await client.chat.completions.create({
+        model: MODEL,
+        messages: [{ role: "user", content: "hi" }],
+      });
       assert.equal(ok.choices[0]?.message.content, "Hello, world!");
     });
   }
@@ -231,12 +286,20 @@ describe("RouterServer with a scripted engine", () => {
   test("RouterServer lists the model with its effective max_model_len", async () => {
     const models = await client.models.list();
     assert.deepEqual(
-      models.data.map((m) => ({ id: m.id, object: m.object, owned_by: m.owned_by, len: (m as unknown as { max_model_len: number }).max_model_len })),
+      models.data.map((m) => ({
+        id: m.id,
+        object: m.object,
+        owned_by: m.owned_by,
+        len: (m as unknown as { max_model_len: number }).max_model_len,
+      })),
       [{ id: MODEL, object: "model", owned_by: "kvfence", len: 1024 }],
     );
     const one = await client.models.retrieve(MODEL);
     assert.equal(one.id, MODEL);
-    await assert.rejects(client.models.retrieve("other"), (err: unknown) => err instanceof OpenAI.NotFoundError);
+    await assert.rejects(
+      client.models.retrieve("other"),
+      (err: unknown) => err instanceof OpenAI.NotFoundError,
+    );
   });
 
   test("RouterServer serves /health, /kvfence/nodes and /metrics", async () => {
@@ -244,7 +307,16 @@ describe("RouterServer with a scripted engine", () => {
     const nodes = nodesInfoSchema.parse(await (await fetch(`${ctx.url}/kvfence/nodes`)).json());
     assert.deepEqual(nodes, {
       max_model_len: 1024,
-      nodes: [{ id: "engine-0", role: "engine", url: ctx.url, pool_tokens: 1024, page_size: 16, max_model_len: 1024 }],
+      nodes: [
+        {
+          id: "engine-0",
+          role: "engine",
+          url: ctx.url,
+          pool_tokens: 1024,
+          page_size: 16,
+          max_model_len: 1024,
+        },
+      ],
     });
     const res = await fetch(`${ctx.url}/metrics`);
     assert.match(res.headers.get("content-type") ?? "", /^text\/plain; version=0\.0\.4/);
@@ -273,7 +345,10 @@ test("RouterServer aborts the engine request when a streaming client disconnects
   const ctx = await startRouter({ tokenDelayMs: 10, script: () => new Array(500).fill(65) });
   try {
     const rid = await new Promise<number>((resolve, reject) => {
-      const req = httpRequest(`${ctx.url}/v1/chat/completions`, { method: "POST", headers: { "content-type": "application/json" } });
+      const req = httpRequest(`${ctx.url}/v1/chat/completions`, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+      });
       req.on("response", (res) => {
         let seen = "";
         res.on("data", (chunk: Buffer) => {
@@ -290,7 +365,8 @@ test("RouterServer aborts the engine request when a streaming client disconnects
       });
       req.end(JSON.stringify({ model: MODEL, messages: [{ role: "user", content: "go" }], stream: true }));
     });
-    for (let i = 0; i < 200 && !ctx.engine.aborted.includes(rid); i++) await new Promise((r) => setTimeout(r, 10));
+    for (let i = 0; i < 200 && !ctx.engine.aborted.includes(rid); i++)
+      await new Promise((r) => setTimeout(r, 10));
     assert.ok(ctx.engine.aborted.includes(rid), "the engine request was aborted");
     assert.equal(await pagesInUse(ctx.url), 0);
     const metrics = parsePrometheusText(await (await fetch(`${ctx.url}/metrics`)).text());
@@ -309,7 +385,10 @@ test("RouterServer maps API keys to tenants and answers a wrong or missing key w
     assert.deepEqual(Object.keys(JSON.parse(missing.text).error), ["message", "type", "param", "code"]);
     assert.equal(JSON.parse(missing.text).error.type, "authentication_error");
     const wrong = new OpenAI({ baseURL: `${ctx.url}/v1`, apiKey: "sk-wrong-key-000", maxRetries: 0 });
-    await assert.rejects(wrong.chat.completions.create(body), (err: unknown) => err instanceof OpenAI.AuthenticationError);
+    await assert.rejects(
+      wrong.chat.completions.create(body),
+      (err: unknown) => err instanceof OpenAI.AuthenticationError,
+    );
     const beta = new OpenAI({ baseURL: `${ctx.url}/v1`, apiKey: "sk-tenant-b-2", maxRetries: 0 });
     await beta.chat.completions.create(body);
     assert.equal(ctx.engine.submitted.at(-1)?.tenant, 1);
@@ -322,7 +401,9 @@ test("RouterServer maps API keys to tenants and answers a wrong or missing key w
 });
 
 test("RouterServer returns an engine error raised before the first token as a real HTTP status", async () => {
-  const ctx = await startRouter({ failWith: { code: "page_tag_mismatch", message: "Page tag mismatch: page 3" } });
+  const ctx = await startRouter({
+    failWith: { code: "page_tag_mismatch", message: "Page tag mismatch: page 3" },
+  });
   try {
     const res = await post(`${ctx.url}/v1/chat/completions`, {
       model: MODEL,

@@ -22,13 +22,7 @@ import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import type { Tenant, TenantDirectory } from "./api-keys.js";
-import { Generation, type FinishReason, type TextStreamDecoder, type Usage } from "./generation.js";
-import {
-  type ChatMessage,
-  parseChatRequest,
-  parseCompletionRequest,
-  type SamplingRequest,
-} from "./openai-schemas.js";
+import { type FinishReason, Generation, type TextStreamDecoder, type Usage } from "./generation.js";
 import {
   chatChunk,
   chatCompletion,
@@ -38,6 +32,12 @@ import {
   textCompletion,
   usageChunk,
 } from "./openai-responses.js";
+import {
+  type ChatMessage,
+  parseChatRequest,
+  parseCompletionRequest,
+  type SamplingRequest,
+} from "./openai-schemas.js";
 import { parseJsonBody, readBody } from "./read-body.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
 import { SseWriter, sseFrame } from "./sse.js";
@@ -127,7 +127,10 @@ export class RouterServer {
     this.metrics = new RouterMetrics(options.engine);
     this.#routes = new Map<string, Route>([
       ["/v1/chat/completions", { endpoint: "chat", methods: ["POST"], handler: (c) => this.#chat(c) }],
-      ["/v1/completions", { endpoint: "completions", methods: ["POST"], handler: (c) => this.#completions(c) }],
+      [
+        "/v1/completions",
+        { endpoint: "completions", methods: ["POST"], handler: (c) => this.#completions(c) },
+      ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
       ["/health", { endpoint: "health", methods: ["GET"], handler: (c) => this.#health(c) }],
       ["/metrics", { endpoint: "metrics", methods: ["GET"], handler: (c) => this.#metrics(c) }],
@@ -195,7 +198,10 @@ export class RouterServer {
     });
     try {
       if (route === undefined) {
-        throw new KvfenceError("not_found", `Unknown route: ${req.method} ${ctx.url.pathname}; see docs/api.md`);
+        throw new KvfenceError(
+          "not_found",
+          `Unknown route: ${req.method} ${ctx.url.pathname}; see docs/api.md`,
+        );
       }
       if (!route.methods.includes(req.method ?? "")) {
         res.setHeader("Allow", route.methods.join(", "));
@@ -216,7 +222,11 @@ export class RouterServer {
     const exact = this.#routes.get(path);
     if (exact !== undefined) return exact;
     if (path.startsWith("/v1/models/")) {
-      return { endpoint: "models", methods: ["GET"], handler: (c) => this.#model_(c, path.slice("/v1/models/".length)) };
+      return {
+        endpoint: "models",
+        methods: ["GET"],
+        handler: (c) => this.#model_(c, path.slice("/v1/models/".length)),
+      };
     }
     return undefined;
   }
@@ -233,7 +243,10 @@ export class RouterServer {
     }
     const given = header.replace(/^Bearer\s+/i, "");
     const shown = given.length > 8 ? `${given.slice(0, 3)}…${given.slice(-2)}` : "***";
-    throw new KvfenceError("invalid_api_key", `Incorrect API key provided: ${shown}; check the key your operator gave you`);
+    throw new KvfenceError(
+      "invalid_api_key",
+      `Incorrect API key provided: ${shown}; check the key your operator gave you`,
+    );
   }
 
   #sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
@@ -285,7 +298,9 @@ export class RouterServer {
     this.#checkModel(parsed.model);
     const prompt = this.#tokenizer.encodePrompt(parsed.prompt);
     if (prompt.length === 0) {
-      throw new KvfenceError("invalid_request", "The prompt is empty: send at least one character", { param: "prompt" });
+      throw new KvfenceError("invalid_request", "The prompt is empty: send at least one character", {
+        param: "prompt",
+      });
     }
     this.#generate(ctx, "completions", parsed, prompt, "prompt");
   }
@@ -331,7 +346,8 @@ export class RouterServer {
     const startStream = (): SseWriter => {
       if (sse !== null) return sse;
       sse = new SseWriter(res);
-      if (endpoint === "chat") sse.send(chatChunk(meta, { role: "assistant", content: "" }, null, parsed.includeUsage));
+      if (endpoint === "chat")
+        sse.send(chatChunk(meta, { role: "assistant", content: "" }, null, parsed.includeUsage));
       return sse;
     };
     const end = (status: number, usage: Usage | null) => {
@@ -343,7 +359,14 @@ export class RouterServer {
         this.metrics.completionTokens.inc({ tenant: tenant.name, endpoint }, usage.completionTokens);
       }
       this.#log.info(
-        { rid, tenant: tenant.name, endpoint, status, promptTokens: promptTokens.length, completionTokens: usage?.completionTokens },
+        {
+          rid,
+          tenant: tenant.name,
+          endpoint,
+          status,
+          promptTokens: promptTokens.length,
+          completionTokens: usage?.completionTokens,
+        },
         "request done",
       );
     };
@@ -382,7 +405,9 @@ export class RouterServer {
             this.#sendJson(
               res,
               200,
-              endpoint === "chat" ? chatCompletion(meta, text, reason, usage) : textCompletion(meta, text, reason, usage),
+              endpoint === "chat"
+                ? chatCompletion(meta, text, reason, usage)
+                : textCompletion(meta, text, reason, usage),
             );
             return;
           }
@@ -393,14 +418,17 @@ export class RouterServer {
               : textChunk(meta, "", reason, parsed.includeUsage),
           );
           if (parsed.includeUsage) {
-            writer.send(usageChunk(meta, endpoint === "chat" ? "chat.completion.chunk" : "text_completion", usage));
+            writer.send(
+              usageChunk(meta, endpoint === "chat" ? "chat.completion.chunk" : "text_completion", usage),
+            );
           }
           writer.done();
         },
         fail: (error) => {
           const { status, body } = toOpenAiError(error);
           end(status, null);
-          if (error.code === "context_length_exceeded") this.metrics.admissionRejections.inc({ reason: "engine_door" });
+          if (error.code === "context_length_exceeded")
+            this.metrics.admissionRejections.inc({ reason: "engine_door" });
           if (sse === null) {
             this.#sendError(res, error);
             return;
@@ -411,6 +439,11 @@ export class RouterServer {
         },
       },
     );
+    if (res.destroyed) {
+      // The client left while its body was read: nothing to serve, nothing to allocate.
+      this.metrics.clientDisconnects.inc(labels);
+      return;
+    }
     this.#active.add(generation);
     this.metrics.inFlight.set(this.#active.size);
     res.on("close", () => {
@@ -452,7 +485,10 @@ export class RouterServer {
 
   async #metrics(ctx: RequestContext): Promise<void> {
     const text = await this.metrics.registry.render();
-    ctx.res.writeHead(200, { "Content-Type": PROMETHEUS_CONTENT_TYPE, "Content-Length": String(Buffer.byteLength(text)) });
+    ctx.res.writeHead(200, {
+      "Content-Type": PROMETHEUS_CONTENT_TYPE,
+      "Content-Length": String(Buffer.byteLength(text)),
+    });
     ctx.res.end(text);
   }
 
@@ -460,7 +496,7 @@ export class RouterServer {
     const capacity = this.#engine.capacity;
     const body: NodesInfo = {
       max_model_len: this.contextLength,
-      nodes: [
+      nodes: this.#engine.nodes?.() ?? [
         {
           id: "engine-0",
           role: "engine",

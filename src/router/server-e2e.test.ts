@@ -10,7 +10,13 @@ import { tmpdir } from "node:os";
 import { basename, join } from "node:path";
 import { after, afterEach, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { assertPoolIdle, modelDir, scrape, startTestServer, type TestServer } from "../../testing/start-server.js";
+import {
+  assertPoolIdle,
+  modelDir,
+  scrape,
+  startTestServer,
+  type TestServer,
+} from "../../testing/start-server.js";
 import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
 import { nodesInfoSchema } from "../protocol/admin-wire.js";
 
@@ -27,7 +33,7 @@ async function post(url: string, body: string | Uint8Array | object, headers: Re
   return { status: res.status, text, json: () => JSON.parse(text) as { error: Record<string, unknown> } };
 }
 
-describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
+describe("kvfence serve end to end (tiny-qwen2, real engine)", { timeout: 120_000 }, () => {
   let server: TestServer;
   let alpha: OpenAI;
   let beta: OpenAI;
@@ -35,7 +41,12 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
   const template = loadChatTemplate(modelDir(MODEL), tokenizer)!;
 
   before(async () => {
-    server = await startTestServer({ model: modelDir(MODEL), kvPages: 256, maxModelLen: 1024, apiKeys: KEYS });
+    server = await startTestServer({
+      model: modelDir(MODEL),
+      kvPages: 256,
+      maxModelLen: 1024,
+      apiKeys: KEYS,
+    });
     alpha = new OpenAI({ baseURL: server.baseURL, apiKey: "sk-alpha-tenant-1", maxRetries: 0 });
     beta = new OpenAI({ baseURL: server.baseURL, apiKey: "sk-beta-tenant-22", maxRetries: 0 });
   });
@@ -45,7 +56,12 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
   const chat = (content: string) => [{ role: "user" as const, content }];
 
   test("chat completion: OpenAI shape, usage counts the templated prompt", async () => {
-    const res = await alpha.chat.completions.create({ model: MODEL, messages: chat("hello"), max_tokens: 32, temperature: 0 });
+    const res = await alpha.chat.completions.create({
+      model: MODEL,
+      messages: chat("hello"),
+      max_tokens: 32,
+      temperature: 0,
+    });
     assert.match(res.id, /^chatcmpl-/);
     assert.equal(res.object, "chat.completion");
     assert.equal(res.model, MODEL);
@@ -59,7 +75,12 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
 
   test("streaming chat equals the non-streamed greedy answer, with include_usage", async () => {
     const messages = chat("The quick brown fox");
-    const whole = await alpha.chat.completions.create({ model: MODEL, messages, max_tokens: 40, temperature: 0 });
+    const whole = await alpha.chat.completions.create({
+      model: MODEL,
+      messages,
+      max_tokens: 40,
+      temperature: 0,
+    });
     const stream = await alpha.chat.completions.create({
       model: MODEL,
       messages,
@@ -92,31 +113,62 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
   });
 
   test("completions, streamed and not, agree; max_tokens truncates with finish_reason length", async () => {
-    const whole = await alpha.completions.create({ model: MODEL, prompt: "hello world", max_tokens: 48, temperature: 0 });
+    const whole = await alpha.completions.create({
+      model: MODEL,
+      prompt: "hello world",
+      max_tokens: 48,
+      temperature: 0,
+    });
     assert.equal(whole.object, "text_completion");
     assert.match(whole.id, /^cmpl-/);
-    const stream = await alpha.completions.create({ model: MODEL, prompt: "hello world", max_tokens: 48, temperature: 0, stream: true });
+    const stream = await alpha.completions.create({
+      model: MODEL,
+      prompt: "hello world",
+      max_tokens: 48,
+      temperature: 0,
+      stream: true,
+    });
     let text = "";
     for await (const chunk of stream) text += chunk.choices[0]?.text ?? "";
     assert.equal(text, whole.choices[0]?.text);
     const generated = whole.usage!.completion_tokens;
     assert.ok(generated > 3, "the baseline generates more than 3 tokens");
-    const short = await alpha.completions.create({ model: MODEL, prompt: "hello world", max_tokens: 3, temperature: 0 });
+    const short = await alpha.completions.create({
+      model: MODEL,
+      prompt: "hello world",
+      max_tokens: 3,
+      temperature: 0,
+    });
     assert.equal(short.usage?.completion_tokens, 3);
     assert.equal(short.choices[0]?.finish_reason, "length");
     const full = whole.choices[0]!.text;
-    assert.ok(full.startsWith(short.choices[0]!.text.replace(/\uFFFD+$/, "")), "a truncated answer is a prefix");
+    assert.ok(
+      full.startsWith(short.choices[0]!.text.replace(/\uFFFD+$/, "")),
+      "a truncated answer is a prefix",
+    );
   });
 
   test("a stop string ends the answer before it, with finish_reason stop, and frees the pages", async () => {
-    const whole = await alpha.completions.create({ model: MODEL, prompt: "hello world", max_tokens: 48, temperature: 0 });
+    const whole = await alpha.completions.create({
+      model: MODEL,
+      prompt: "hello world",
+      max_tokens: 48,
+      temperature: 0,
+    });
     const full = whole.choices[0]!.text;
     const stop = [...full].slice(6, 8).join("");
     assert.ok(stop.length > 0);
     const expected = full.slice(0, full.indexOf(stop));
     for (const stream of [false, true]) {
       if (stream) {
-        const s = await alpha.completions.create({ model: MODEL, prompt: "hello world", max_tokens: 48, temperature: 0, stop, stream });
+        const s = await alpha.completions.create({
+          model: MODEL,
+          prompt: "hello world",
+          max_tokens: 48,
+          temperature: 0,
+          stop,
+          stream,
+        });
         let text = "";
         let finish: string | null = null;
         for await (const chunk of s) {
@@ -126,7 +178,13 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
         assert.equal(text, expected);
         assert.equal(finish, "stop");
       } else {
-        const r = await alpha.completions.create({ model: MODEL, prompt: "hello world", max_tokens: 48, temperature: 0, stop: [stop] });
+        const r = await alpha.completions.create({
+          model: MODEL,
+          prompt: "hello world",
+          max_tokens: 48,
+          temperature: 0,
+          stop: [stop],
+        });
         assert.equal(r.choices[0]?.text, expected);
         assert.equal(r.choices[0]?.finish_reason, "stop");
       }
@@ -137,7 +195,11 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
     const before = await scrape(server.url);
     const content = "x".repeat(1000);
     const prompt = tokenizer.encode(template.render(chat(content)), { addSpecialTokens: false }).length;
-    const res = await post(`${server.baseURL}/chat/completions`, { model: MODEL, messages: chat(content), max_tokens: 100 });
+    const res = await post(`${server.baseURL}/chat/completions`, {
+      model: MODEL,
+      messages: chat(content),
+      max_tokens: 100,
+    });
     assert.equal(res.status, 400);
     assert.deepEqual(res.json(), {
       error: {
@@ -149,7 +211,10 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
         code: "context_length_exceeded",
       },
     });
-    const alone = await post(`${server.baseURL}/chat/completions`, { model: MODEL, messages: chat("y".repeat(1100)) });
+    const alone = await post(`${server.baseURL}/chat/completions`, {
+      model: MODEL,
+      messages: chat("y".repeat(1100)),
+    });
     assert.equal(alone.status, 400);
     assert.equal(alone.json().error.code, "context_length_exceeded");
     const afterwards = await scrape(server.url);
@@ -158,20 +223,52 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
         (before.get('kvfence_admission_rejections_total{reason="context_length_exceeded"}') ?? 0),
       2,
     );
-    assert.equal(afterwards.get('kvfence_kv_pool_pages{state="free"}'), afterwards.get("kvfence_kv_pool_pages_total"));
+    assert.equal(
+      afterwards.get('kvfence_kv_pool_pages{state="free"}'),
+      afterwards.get("kvfence_kv_pool_pages_total"),
+    );
     assert.equal(afterwards.get("kvfence_engine_aborts_total"), before.get("kvfence_engine_aborts_total"));
     // A request that fits exactly is served.
-    const fits = await alpha.chat.completions.create({ model: MODEL, messages: chat(content), max_tokens: 1024 - prompt, temperature: 0 });
+    const fits = await alpha.chat.completions.create({
+      model: MODEL,
+      messages: chat(content),
+      max_tokens: 1024 - prompt,
+      temperature: 0,
+    });
     assert.equal(fits.usage?.prompt_tokens, prompt);
   });
 
   const invalid: Array<[string, string | Uint8Array | object, number, string, string | null]> = [
     ["malformed JSON", "{not json", 400, "invalid_json", null],
-    ["a wrong type", { model: MODEL, messages: [{ role: "user", content: 42 }] }, 400, "invalid_request", "messages[0].content"],
+    [
+      "a wrong type",
+      { model: MODEL, messages: [{ role: "user", content: 42 }] },
+      400,
+      "invalid_request",
+      "messages[0].content",
+    ],
     ["n > 1", { model: MODEL, messages: chat("a"), n: 2 }, 400, "invalid_request", "n"],
-    ["negative max_tokens", { model: MODEL, messages: chat("a"), max_tokens: -1 }, 400, "invalid_request", "max_tokens"],
-    ["non-integer max_tokens", { model: MODEL, messages: chat("a"), max_tokens: 3.5 }, 400, "invalid_request", "max_tokens"],
-    ["invalid UTF-8", Buffer.concat([Buffer.from('{"model":"'), Buffer.from([0xc3, 0x28]), Buffer.from('"}')]), 400, "invalid_request", null],
+    [
+      "negative max_tokens",
+      { model: MODEL, messages: chat("a"), max_tokens: -1 },
+      400,
+      "invalid_request",
+      "max_tokens",
+    ],
+    [
+      "non-integer max_tokens",
+      { model: MODEL, messages: chat("a"), max_tokens: 3.5 },
+      400,
+      "invalid_request",
+      "max_tokens",
+    ],
+    [
+      "invalid UTF-8",
+      Buffer.concat([Buffer.from('{"model":"'), Buffer.from([0xc3, 0x28]), Buffer.from('"}')]),
+      400,
+      "invalid_request",
+      null,
+    ],
     ["an unknown model", { model: "gpt-4o", messages: chat("a") }, 404, "model_not_found", "model"],
   ];
   for (const [what, body, status, code, param] of invalid) {
@@ -182,13 +279,20 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
       assert.equal(error.code, code);
       assert.equal(error.param, param);
       assert.ok(typeof error.message === "string" && error.message.length > 10);
-      const ok = await beta.chat.completions.create({ model: MODEL, messages: chat("still here?"), max_tokens: 4 });
+      const ok = await beta.chat.completions.create({
+        model: MODEL,
+        messages: chat("still here?"),
+        max_tokens: 4,
+      });
       assert.equal(ok.object, "chat.completion");
     });
   }
 
   test("a body over the size limit gets 413, an unknown route 404, a wrong method 405", async () => {
-    const huge = await post(`${server.baseURL}/completions`, { model: MODEL, prompt: "z".repeat(17 * 1024 * 1024) });
+    const huge = await post(`${server.baseURL}/completions`, {
+      model: MODEL,
+      prompt: "z".repeat(17 * 1024 * 1024),
+    });
     assert.equal(huge.status, 413);
     assert.equal(huge.json().error.code, "payload_too_large");
     const route = await fetch(`${server.baseURL}/embeddings`, { method: "POST" });
@@ -199,7 +303,11 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
   });
 
   test("a wrong or missing API key gets 401 in the OpenAI envelope", async () => {
-    const missing = await post(`${server.baseURL}/chat/completions`, { model: MODEL, messages: chat("a") }, { authorization: "" });
+    const missing = await post(
+      `${server.baseURL}/chat/completions`,
+      { model: MODEL, messages: chat("a") },
+      { authorization: "" },
+    );
     assert.equal(missing.status, 401);
     assert.equal(missing.json().error.type, "authentication_error");
     assert.equal(missing.json().error.code, "invalid_api_key");
@@ -217,6 +325,27 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
     assert.deepEqual(
       nodes.nodes.map((n) => [n.role, n.pool_tokens, n.page_size]),
       [["engine", 256 * 16, 16]],
+    );
+  });
+
+  test("a seeded sampled request repeats exactly; top_p and top_k reach the engine", async () => {
+    const sample = (seed: number) =>
+      alpha.chat.completions
+        .create({
+          model: MODEL,
+          messages: chat("sample me"),
+          max_tokens: 24,
+          temperature: 1,
+          top_p: 0.9,
+          seed,
+        })
+        .then((r) => r.choices[0]!.message.content);
+    const first = await sample(42);
+    assert.equal(await sample(42), first);
+    const others = await Promise.all([sample(1), sample(2), sample(3)]);
+    assert.ok(
+      others.some((o) => o !== first),
+      "different seeds give different samples",
     );
   });
 
@@ -239,7 +368,7 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", () => {
   });
 });
 
-describe("kvfence serve end to end: client disconnect", () => {
+describe("kvfence serve end to end: client disconnect", { timeout: 60_000 }, () => {
   let dir: string;
   let server: TestServer;
   before(async () => {
@@ -251,7 +380,7 @@ describe("kvfence serve end to end: client disconnect", () => {
       json.eos_token_id = 263;
       writeFileSync(join(dir, f), JSON.stringify(json));
     }
-    server = await startTestServer({ model: dir, kvPages: 256, maxModelLen: 4096 });
+    server = await startTestServer({ model: dir, kvPages: 256 });
   });
   after(async () => {
     await server.close();
@@ -261,8 +390,12 @@ describe("kvfence serve end to end: client disconnect", () => {
   test("a client that disconnects mid-stream has its engine request aborted and its pages freed", async () => {
     const before = await scrape(server.url);
     await new Promise<void>((resolve, reject) => {
-      const req = httpRequest(`${server.baseURL}/completions`, { method: "POST", headers: { "content-type": "application/json" } });
+      const req = httpRequest(`${server.baseURL}/completions`, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+      });
       req.on("response", (res) => {
+        if (res.statusCode !== 200) reject(new Error(`Expected a 200 stream: got ${res.statusCode}`));
         let chunks = 0;
         res.on("data", (data: Buffer) => {
           chunks += data.toString().split("data: ").length - 1;
@@ -275,16 +408,30 @@ describe("kvfence serve end to end: client disconnect", () => {
       req.on("error", (err: NodeJS.ErrnoException) => {
         if (err.code !== "ECONNRESET") reject(err);
       });
-      req.end(JSON.stringify({ model: basename(dir), prompt: "abc", stream: true, max_tokens: 3500, temperature: 0 }));
+      req.end(
+        JSON.stringify({
+          model: basename(dir),
+          prompt: "abc",
+          stream: true,
+          max_tokens: 2000,
+          temperature: 0,
+        }),
+      );
     });
     const m = await assertPoolIdle(server.url);
-    assert.equal(m.get('kvfence_client_disconnects_total{endpoint="completions"}'), 1, "the stream was cut mid-way");
+    assert.equal(
+      m.get('kvfence_client_disconnects_total{endpoint="completions"}'),
+      1,
+      "the stream was cut mid-way",
+    );
     assert.equal(m.get("kvfence_engine_aborts_total")! - (before.get("kvfence_engine_aborts_total") ?? 0), 1);
     assert.equal(m.get('kvfence_requests_total{tenant="anonymous",endpoint="completions",status="499"}'), 1);
   });
 });
 
-test("startServer refuses a pool that cannot hold one full-context request, naming both fixes", async () => {
+test("startServer refuses a pool that cannot hold one full-context request, naming both fixes", {
+  timeout: 30_000,
+}, async () => {
   await assert.rejects(startTestServer({ model: modelDir(MODEL), kvPages: 8 }), (err: Error) => {
     assert.match(err.message, /pool holds 128 tokens/);
     assert.match(err.message, /context length is 2048 tokens/);

@@ -223,7 +223,14 @@ export class TcpTransferServer {
       onError: (error) => (writer !== null ? writer.fail(error) : fail(error, false)),
     };
     const decoder = new FrameDecoder(sink, { maxPageBytes: 0, maxControlBytes: MAX_CONTROL_BYTES });
-    socket.on("data", (chunk: Buffer) => decoder.push(chunk));
+    socket.on("data", (chunk: Buffer) => {
+      try {
+        decoder.push(chunk);
+      } catch (error) {
+        if (writer !== null) writer.fail(error as Error);
+        else socket.destroy();
+      }
+    });
     socket.on("error", (error) => writer?.fail(error));
   }
 }
@@ -488,8 +495,13 @@ export class TcpTransferReceiver {
             : staging;
         },
         callback: (n: number, buf: Uint8Array) => {
-          if (direct) this.#decoder.advanceDirect(n);
-          else this.#decoder.push(buf.subarray(0, n));
+          try {
+            if (direct) this.#decoder.advanceDirect(n);
+            else this.#decoder.push(buf.subarray(0, n));
+          } catch (error) {
+            // A throwing handler leaves the stream position unknown: close the connection.
+            this.#fail(error as Error);
+          }
           return true;
         },
       },

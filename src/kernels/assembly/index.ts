@@ -136,6 +136,174 @@ function tile3(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i32,
   }
 }
 
+/** out[r][j] for rows r0..r0+3, columns j in [c0, c1): 4 x-rows × 3 w-rows (12 accumulators + 3 + 1 = 16 registers). */
+function tile4(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+  const xs = (<usize>inDim) << 2;
+  const os = (<usize>outDim) << 2;
+  const x0 = x + <usize>r0 * xs;
+  const x1 = x0 + xs;
+  const x2 = x1 + xs;
+  const x3 = x2 + xs;
+  const o0 = out + <usize>r0 * os;
+  const o1 = o0 + os;
+  const o2 = o1 + os;
+  const o3 = o2 + os;
+  const kv = (<usize>(inDim & ~3)) << 2;
+  let j = c0;
+  for (; j + 3 <= c1; j += 3) {
+    const w0 = w + <usize>j * xs;
+    const w1 = w0 + xs;
+    const w2 = w1 + xs;
+    let a00 = f32x4.splat(0), a01 = f32x4.splat(0), a02 = f32x4.splat(0);
+    let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0);
+    let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0);
+    let a30 = f32x4.splat(0), a31 = f32x4.splat(0), a32 = f32x4.splat(0);
+    const k16 = (<usize>(inDim & ~15)) << 2;
+    let k: usize = 0;
+    for (; k < k16; k += 64) {
+      let b0: v128, b1: v128, b2: v128, v: v128;
+      b0 = v128.load(w0 + k);
+      b1 = v128.load(w1 + k);
+      b2 = v128.load(w2 + k);
+      v = v128.load(x0 + k);
+      a00 = fma(a00, v, b0);
+      a01 = fma(a01, v, b1);
+      a02 = fma(a02, v, b2);
+      v = v128.load(x1 + k);
+      a10 = fma(a10, v, b0);
+      a11 = fma(a11, v, b1);
+      a12 = fma(a12, v, b2);
+      v = v128.load(x2 + k);
+      a20 = fma(a20, v, b0);
+      a21 = fma(a21, v, b1);
+      a22 = fma(a22, v, b2);
+      v = v128.load(x3 + k);
+      a30 = fma(a30, v, b0);
+      a31 = fma(a31, v, b1);
+      a32 = fma(a32, v, b2);
+      b0 = v128.load(w0 + k, 16);
+      b1 = v128.load(w1 + k, 16);
+      b2 = v128.load(w2 + k, 16);
+      v = v128.load(x0 + k, 16);
+      a00 = fma(a00, v, b0);
+      a01 = fma(a01, v, b1);
+      a02 = fma(a02, v, b2);
+      v = v128.load(x1 + k, 16);
+      a10 = fma(a10, v, b0);
+      a11 = fma(a11, v, b1);
+      a12 = fma(a12, v, b2);
+      v = v128.load(x2 + k, 16);
+      a20 = fma(a20, v, b0);
+      a21 = fma(a21, v, b1);
+      a22 = fma(a22, v, b2);
+      v = v128.load(x3 + k, 16);
+      a30 = fma(a30, v, b0);
+      a31 = fma(a31, v, b1);
+      a32 = fma(a32, v, b2);
+      b0 = v128.load(w0 + k, 32);
+      b1 = v128.load(w1 + k, 32);
+      b2 = v128.load(w2 + k, 32);
+      v = v128.load(x0 + k, 32);
+      a00 = fma(a00, v, b0);
+      a01 = fma(a01, v, b1);
+      a02 = fma(a02, v, b2);
+      v = v128.load(x1 + k, 32);
+      a10 = fma(a10, v, b0);
+      a11 = fma(a11, v, b1);
+      a12 = fma(a12, v, b2);
+      v = v128.load(x2 + k, 32);
+      a20 = fma(a20, v, b0);
+      a21 = fma(a21, v, b1);
+      a22 = fma(a22, v, b2);
+      v = v128.load(x3 + k, 32);
+      a30 = fma(a30, v, b0);
+      a31 = fma(a31, v, b1);
+      a32 = fma(a32, v, b2);
+      b0 = v128.load(w0 + k, 48);
+      b1 = v128.load(w1 + k, 48);
+      b2 = v128.load(w2 + k, 48);
+      v = v128.load(x0 + k, 48);
+      a00 = fma(a00, v, b0);
+      a01 = fma(a01, v, b1);
+      a02 = fma(a02, v, b2);
+      v = v128.load(x1 + k, 48);
+      a10 = fma(a10, v, b0);
+      a11 = fma(a11, v, b1);
+      a12 = fma(a12, v, b2);
+      v = v128.load(x2 + k, 48);
+      a20 = fma(a20, v, b0);
+      a21 = fma(a21, v, b1);
+      a22 = fma(a22, v, b2);
+      v = v128.load(x3 + k, 48);
+      a30 = fma(a30, v, b0);
+      a31 = fma(a31, v, b1);
+      a32 = fma(a32, v, b2);
+    }
+    for (; k < kv; k += 16) {
+      const b0 = v128.load(w0 + k);
+      const b1 = v128.load(w1 + k);
+      const b2 = v128.load(w2 + k);
+      let v = v128.load(x0 + k);
+      a00 = fma(a00, v, b0);
+      a01 = fma(a01, v, b1);
+      a02 = fma(a02, v, b2);
+      v = v128.load(x1 + k);
+      a10 = fma(a10, v, b0);
+      a11 = fma(a11, v, b1);
+      a12 = fma(a12, v, b2);
+      v = v128.load(x2 + k);
+      a20 = fma(a20, v, b0);
+      a21 = fma(a21, v, b1);
+      a22 = fma(a22, v, b2);
+      v = v128.load(x3 + k);
+      a30 = fma(a30, v, b0);
+      a31 = fma(a31, v, b1);
+      a32 = fma(a32, v, b2);
+    }
+    let s00 = hsum(a00), s01 = hsum(a01), s02 = hsum(a02);
+    let s10 = hsum(a10), s11 = hsum(a11), s12 = hsum(a12);
+    let s20 = hsum(a20), s21 = hsum(a21), s22 = hsum(a22);
+    let s30 = hsum(a30), s31 = hsum(a31), s32 = hsum(a32);
+    for (let k = kv; k < xs; k += 4) {
+      const b0 = load<f32>(w0 + k), b1 = load<f32>(w1 + k), b2 = load<f32>(w2 + k);
+      const v0 = load<f32>(x0 + k), v1 = load<f32>(x1 + k), v2 = load<f32>(x2 + k), v3 = load<f32>(x3 + k);
+      s00 += v0 * b0; s01 += v0 * b1; s02 += v0 * b2;
+      s10 += v1 * b0; s11 += v1 * b1; s12 += v1 * b2;
+      s20 += v2 * b0; s21 += v2 * b1; s22 += v2 * b2;
+      s30 += v3 * b0; s31 += v3 * b1; s32 += v3 * b2;
+    }
+    const jo = (<usize>j) << 2;
+    store<f32>(o0 + jo, s00); store<f32>(o0 + jo, s01, 4); store<f32>(o0 + jo, s02, 8);
+    store<f32>(o1 + jo, s10); store<f32>(o1 + jo, s11, 4); store<f32>(o1 + jo, s12, 8);
+    store<f32>(o2 + jo, s20); store<f32>(o2 + jo, s21, 4); store<f32>(o2 + jo, s22, 8);
+    store<f32>(o3 + jo, s30); store<f32>(o3 + jo, s31, 4); store<f32>(o3 + jo, s32, 8);
+  }
+  for (; j < c1; j++) {
+    const w0 = w + <usize>j * xs;
+    let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0), a3 = f32x4.splat(0);
+    for (let k: usize = 0; k < kv; k += 16) {
+      const b = v128.load(w0 + k);
+      a0 = fma(a0, v128.load(x0 + k), b);
+      a1 = fma(a1, v128.load(x1 + k), b);
+      a2 = fma(a2, v128.load(x2 + k), b);
+      a3 = fma(a3, v128.load(x3 + k), b);
+    }
+    let s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+    for (let k = kv; k < xs; k += 4) {
+      const b = load<f32>(w0 + k);
+      s0 += load<f32>(x0 + k) * b;
+      s1 += load<f32>(x1 + k) * b;
+      s2 += load<f32>(x2 + k) * b;
+      s3 += load<f32>(x3 + k) * b;
+    }
+    const jo = (<usize>j) << 2;
+    store<f32>(o0 + jo, s0);
+    store<f32>(o1 + jo, s1);
+    store<f32>(o2 + jo, s2);
+    store<f32>(o3 + jo, s3);
+  }
+}
+
 /** out[r][j] for one row r, columns j in [c0, c1): 4 w-rows at a time, 2 accumulators each. */
 function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
   const xs = (<usize>inDim) << 2;
@@ -204,24 +372,29 @@ function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i
 /** out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. */
 export function matmulCols(out: usize, x: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
   let r = 0;
+  for (; r + 4 <= rows; r += 4) tile4(out, x, w, r, inDim, outDim, c0, c1);
   for (; r + 3 <= rows; r += 3) tile3(out, x, w, r, inDim, outDim, c0, c1);
   for (; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim, c0, c1);
 }
 
 /**
- * matmul over chunks of `chunk` output columns claimed from the i32 counter at `counter`; every
+ * matmul in chunks of `rowChunk` rows × `colChunk` output columns claimed from the i32 counter at
+ * `counter` (row blocks outer, so a row block of x stays in L2 while the weights stream); every
  * participating thread calls it with the same arguments. The caller zeroes the counter first.
  */
 export function matmulPar(
-  out: usize, x: usize, w: usize, rows: i32, inDim: i32, outDim: i32, counter: usize, chunk: i32,
+  out: usize, x: usize, w: usize, rows: i32, inDim: i32, outDim: i32, counter: usize, colChunk: i32, rowChunk: i32,
 ): void {
-  const n = (outDim + chunk - 1) / chunk;
+  const nc = (outDim + colChunk - 1) / colChunk;
+  const n = ((rows + rowChunk - 1) / rowChunk) * nc;
   for (;;) {
     const c = atomic.add<i32>(counter, 1);
     if (c >= n) return;
-    const c0 = c * chunk;
-    const c1 = min(c0 + chunk, outDim);
-    matmulCols(out, x, w, rows, inDim, outDim, c0, c1);
+    const r0 = (c / nc) * rowChunk;
+    const c0 = (c % nc) * colChunk;
+    const c1 = min(c0 + colChunk, outDim);
+    const rn = min(rowChunk, rows - r0);
+    matmulCols(out + ((<usize>r0 * <usize>outDim) << 2), x + ((<usize>r0 * <usize>inDim) << 2), w, rn, inDim, outDim, c0, c1);
   }
 }
 
@@ -382,19 +555,28 @@ function attendRange(
   const headBytes = (<usize>headDim) << 2;
   const nBytes = (<usize>n) << 2;
 
-  // Scores: one pass over K, every head of the group per K vector.
-  let t = ta;
-  while (t < tb) {
-    const p = t / pageSize;
-    const end = min(tb, (p + 1) * pageSize);
-    const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
-    let kp = pool + page * pageBytes + kBase + headOff + <usize>(t - p * pageSize) * rowBytes;
-    for (; t < end; t++) {
-      const so = scratch + ((<usize>(t - ta)) << 2);
-      for (let h = 0; h < group; h++) {
-        store<f32>(so + <usize>h * nBytes, dot(qh0 + <usize>h * headBytes, kp, headDim) * scale);
+  // Scores: one pass over K, every head of the group per K vector; heads in register tiles of 3.
+  const kb = pool + kBase + headOff;
+  let h0 = 0;
+  if ((headDim & 3) == 0) {
+    for (; h0 + 3 <= group; h0 += 3) {
+      scoresTile3(scratch + <usize>h0 * nBytes, nBytes, qh0 + <usize>h0 * headBytes, headBytes, kb, blockTable, ta, tb, pageSize, pageBytes, rowBytes, scale);
+    }
+  }
+  if (h0 < group) {
+    let t = ta;
+    while (t < tb) {
+      const p = t / pageSize;
+      const end = min(tb, (p + 1) * pageSize);
+      const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
+      let kp = kb + page * pageBytes + <usize>(t - p * pageSize) * rowBytes;
+      for (; t < end; t++) {
+        const so = scratch + ((<usize>(t - ta)) << 2);
+        for (let h = h0; h < group; h++) {
+          store<f32>(so + <usize>h * nBytes, dot(qh0 + <usize>h * headBytes, kp, headDim) * scale);
+        }
+        kp += rowBytes;
       }
-      kp += rowBytes;
     }
   }
 
@@ -433,20 +615,166 @@ function attendRange(
     memory.fill(o + <usize>h * oStride, 0, headBytes);
   }
 
-  // Σ p·V: one pass over V for the whole group.
-  t = ta;
+  // Σ p·V: one pass over V for the whole group; heads in register tiles of 3 × 16 dims.
+  const vb = pool + vBase + headOff;
+  h0 = 0;
+  if ((headDim & 15) == 0) {
+    for (; h0 + 3 <= group; h0 += 3) {
+      valuesTile3(o + <usize>h0 * oStride, oStride, headBytes, scratch + <usize>h0 * nBytes, nBytes, vb, blockTable, ta, tb, pageSize, pageBytes, rowBytes);
+    }
+  }
+  if (h0 < group) {
+    let t = ta;
+    while (t < tb) {
+      const p = t / pageSize;
+      const end = min(tb, (p + 1) * pageSize);
+      const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
+      let vp = vb + page * pageBytes + <usize>(t - p * pageSize) * rowBytes;
+      for (; t < end; t++) {
+        const so = scratch + ((<usize>(t - ta)) << 2);
+        for (let h = h0; h < group; h++) {
+          axpy(o + <usize>h * oStride, load<f32>(so + <usize>h * nBytes), vp, headDim);
+        }
+        vp += rowBytes;
+      }
+    }
+  }
+}
+
+@inline
+function rowPtr(base: usize, blockTable: usize, t: i32, pageSize: i32, pageBytes: usize, rowBytes: usize): usize {
+  const p = t / pageSize;
+  return base + <usize>load<i32>(blockTable + ((<usize>p) << 2)) * pageBytes + <usize>(t - p * pageSize) * rowBytes;
+}
+
+/** [Σa, Σb, Σc, Σd] of four accumulators. */
+@inline
+function reduce4(a: v128, b: v128, c: v128, d: v128): v128 {
+  const ab = f32x4.add(v128.shuffle<f32>(a, b, 0, 4, 1, 5), v128.shuffle<f32>(a, b, 2, 6, 3, 7));
+  const cd = f32x4.add(v128.shuffle<f32>(c, d, 0, 4, 1, 5), v128.shuffle<f32>(c, d, 2, 6, 3, 7));
+  return f32x4.add(v128.shuffle<f32>(ab, cd, 0, 1, 4, 5), v128.shuffle<f32>(ab, cd, 2, 3, 6, 7));
+}
+
+/**
+ * Scores of 3 query heads (q at q, q+qStride, q+2·qStride) against K rows [ta, tb), 4 tokens at a
+ * time (a 3×4 tile of dot products over headDim, which must be a multiple of 4); score of head h,
+ * token t goes to s + h·sStride + (t−ta)·4.
+ */
+function scoresTile3(
+  s: usize, sStride: usize, q: usize, qStride: usize, kb: usize, blockTable: usize,
+  ta: i32, tb: i32, pageSize: i32, pageBytes: usize, rowBytes: usize, scale: f32,
+): void {
+  const hd = qStride; // headDim bytes
+  const q1 = q + qStride;
+  const q2 = q1 + qStride;
+  const sc = f32x4.splat(scale);
+  const headDim = <i32>(hd >> 2);
+  let t = ta;
   while (t < tb) {
     const p = t / pageSize;
     const end = min(tb, (p + 1) * pageSize);
-    const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
-    let vp = pool + page * pageBytes + vBase + headOff + <usize>(t - p * pageSize) * rowBytes;
-    for (; t < end; t++) {
-      const so = scratch + ((<usize>(t - ta)) << 2);
-      for (let h = 0; h < group; h++) {
-        axpy(o + <usize>h * oStride, load<f32>(so + <usize>h * nBytes), vp, headDim);
+    let k0 = kb + <usize>load<i32>(blockTable + ((<usize>p) << 2)) * pageBytes + <usize>(t - p * pageSize) * rowBytes;
+    for (; t + 4 <= end; t += 4) {
+      const k1 = k0 + rowBytes;
+      const k2 = k1 + rowBytes;
+      const k3 = k2 + rowBytes;
+      let a00 = f32x4.splat(0), a01 = f32x4.splat(0), a02 = f32x4.splat(0), a03 = f32x4.splat(0);
+      let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0), a13 = f32x4.splat(0);
+      let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0), a23 = f32x4.splat(0);
+      for (let d: usize = 0; d < hd; d += 16) {
+        const c0 = v128.load(k0 + d);
+        const c1 = v128.load(k1 + d);
+        const c2 = v128.load(k2 + d);
+        const c3 = v128.load(k3 + d);
+        let v = v128.load(q + d);
+        a00 = fma(a00, v, c0);
+        a01 = fma(a01, v, c1);
+        a02 = fma(a02, v, c2);
+        a03 = fma(a03, v, c3);
+        v = v128.load(q1 + d);
+        a10 = fma(a10, v, c0);
+        a11 = fma(a11, v, c1);
+        a12 = fma(a12, v, c2);
+        a13 = fma(a13, v, c3);
+        v = v128.load(q2 + d);
+        a20 = fma(a20, v, c0);
+        a21 = fma(a21, v, c1);
+        a22 = fma(a22, v, c2);
+        a23 = fma(a23, v, c3);
       }
-      vp += rowBytes;
+      const so = s + ((<usize>(t - ta)) << 2);
+      v128.store(so, f32x4.mul(reduce4(a00, a01, a02, a03), sc));
+      v128.store(so + sStride, f32x4.mul(reduce4(a10, a11, a12, a13), sc));
+      v128.store(so + 2 * sStride, f32x4.mul(reduce4(a20, a21, a22, a23), sc));
+      k0 = k3 + rowBytes;
     }
+    for (; t < end; t++) {
+      const so = s + ((<usize>(t - ta)) << 2);
+      store<f32>(so, dot(q, k0, headDim) * scale);
+      store<f32>(so + sStride, dot(q1, k0, headDim) * scale);
+      store<f32>(so + 2 * sStride, dot(q2, k0, headDim) * scale);
+      k0 += rowBytes;
+    }
+  }
+}
+
+/**
+ * o_h = Σ_t p[h][t]·V_t for 3 heads (o at o, o+oStride, o+2·oStride; p at s + h·sStride), 16 dims at
+ * a time in 12 register accumulators (headDim must be a multiple of 16), over V rows [ta, tb).
+ */
+function valuesTile3(
+  o: usize, oStride: usize, hd: usize, s: usize, sStride: usize, vb: usize, blockTable: usize,
+  ta: i32, tb: i32, pageSize: i32, pageBytes: usize, rowBytes: usize,
+): void {
+  for (let db: usize = 0; db < hd; db += 64) {
+    let a00 = f32x4.splat(0), a01 = f32x4.splat(0), a02 = f32x4.splat(0), a03 = f32x4.splat(0);
+    let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0), a13 = f32x4.splat(0);
+    let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0), a23 = f32x4.splat(0);
+    let t = ta;
+    while (t < tb) {
+      const p = t / pageSize;
+      const end = min(tb, (p + 1) * pageSize);
+      let vp = vb + <usize>load<i32>(blockTable + ((<usize>p) << 2)) * pageBytes + <usize>(t - p * pageSize) * rowBytes + db;
+      let sp = s + ((<usize>(t - ta)) << 2);
+      for (; t < end; t++) {
+        const v0 = v128.load(vp);
+        const v1 = v128.load(vp, 16);
+        const v2 = v128.load(vp, 32);
+        const v3 = v128.load(vp, 48);
+        let w = v128.load32_splat(sp);
+        a00 = fma(a00, w, v0);
+        a01 = fma(a01, w, v1);
+        a02 = fma(a02, w, v2);
+        a03 = fma(a03, w, v3);
+        w = v128.load32_splat(sp + sStride);
+        a10 = fma(a10, w, v0);
+        a11 = fma(a11, w, v1);
+        a12 = fma(a12, w, v2);
+        a13 = fma(a13, w, v3);
+        w = v128.load32_splat(sp + 2 * sStride);
+        a20 = fma(a20, w, v0);
+        a21 = fma(a21, w, v1);
+        a22 = fma(a22, w, v2);
+        a23 = fma(a23, w, v3);
+        vp += rowBytes;
+        sp += 4;
+      }
+    }
+    const o0 = o + db;
+    const o1 = o0 + oStride;
+    const o2 = o1 + oStride;
+    v128.store(o0, a00);
+    v128.store(o0, a01, 16);
+    v128.store(o0, a02, 32);
+    v128.store(o0, a03, 48);
+    v128.store(o1, a10);
+    v128.store(o1, a11, 16);
+    v128.store(o1, a12, 32);
+    v128.store(o1, a13, 48);
+    v128.store(o2, a20);
+    v128.store(o2, a21, 16);
+    v128.store(o2, a22, 32);
+    v128.store(o2, a23, 48);
   }
 }
 

@@ -75,7 +75,9 @@ export function explore(model: ModelWorld, options: ExploreOptions): ExploreResu
   visited.set(fingerprint(initialKey), 0);
   parent.push(0, -1);
   via.push(0, -1);
-  let frontier: string[] = [initialKey];
+  // The frontier holds worlds as objects (a level is at most tens of thousands wide here), so a
+  // state is parsed never and cloned once per successor.
+  let frontier: World[] = [initial];
   let frontierIds: number[] = [0];
   let depth = 0;
   let transitions = 0;
@@ -97,12 +99,12 @@ export function explore(model: ModelWorld, options: ExploreOptions): ExploreResu
       complete = false;
       break;
     }
-    const next: string[] = [];
+    const next: World[] = [];
     const nextIds: number[] = [];
     for (let f = 0; f < frontier.length; f++) {
-      const s = frontier[f]!;
+      const base = frontier[f]!;
+      (frontier as (World | undefined)[])[f] = undefined;
       const id = frontierIds[f]!;
-      const base = JSON.parse(s) as World;
       const { events, progress } = model.enabled(base);
       if (progress === 0) {
         const stuck = model.checkQuiescent(base);
@@ -112,7 +114,8 @@ export function explore(model: ModelWorld, options: ExploreOptions): ExploreResu
         const w = e === events.length - 1 ? base : model.clone(base);
         const violations = model.apply(w, events[e]!);
         transitions++;
-        if (violations.length > 0) return result(rebuild(model, parent.data, via.data, id, e, violations[0]!));
+        if (violations.length > 0)
+          return result(rebuild(model, parent.data, via.data, id, e, violations[0]!));
         const key = model.key(w);
         const h = fingerprint(key);
         if (visited.has(h)) continue;
@@ -120,7 +123,7 @@ export function explore(model: ModelWorld, options: ExploreOptions): ExploreResu
         visited.set(h, nid);
         parent.push(nid, id);
         via.push(nid, e);
-        next.push(key);
+        next.push(w);
         nextIds.push(nid);
         if (visited.size >= options.maxStates) {
           complete = false;

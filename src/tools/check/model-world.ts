@@ -23,6 +23,7 @@ import {
   type DecodeState,
   decodeStep,
   initialDecodeState,
+  leasedPage,
 } from "../../protocol/decode-machine.js";
 import type { Effect, KvPool } from "../../protocol/effects.js";
 import { stampLandedWrite, type TransportKind, writeLands } from "../../protocol/page-write.js";
@@ -202,9 +203,13 @@ export class ModelWorld {
       decodePoolTokens: config.decodePages * config.pageSize,
       maxAttempts: config.maxAttempts,
     };
-    this.#nodeConfig = { maxModelLen: config.maxModelLen, layoutSignature: `kvfence-check|f32|page=${config.pageSize}` };
+    this.#nodeConfig = {
+      maxModelLen: config.maxModelLen,
+      layoutSignature: `kvfence-check|f32|page=${config.pageSize}`,
+    };
     for (const r of config.requests) this.#byRid.set(r.rid, r);
-    this.#decodePool.onRead = (rid, epoch, pages, fresh) => this.#ghostRead(this.#current!, rid, epoch, pages, fresh);
+    this.#decodePool.onRead = (rid, epoch, pages, fresh) =>
+      this.#ghostRead(this.#current!, rid, epoch, pages, fresh);
     this.#effectiveContext = Math.min(
       config.maxModelLen,
       config.prefillPages * config.pageSize,
@@ -282,10 +287,12 @@ export class ModelWorld {
   enabled(w: World): { events: EnvEvent[]; progress: number } {
     const events: EnvEvent[] = [];
     this.#eachMessage(w, (c, j) => events.push({ k: "deliver", c, j }));
-    for (let j = 0; j < w.writes.length; j++) if (j === 0 || w.writes[j] !== w.writes[j - 1]) events.push({ k: "land", j });
+    for (let j = 0; j < w.writes.length; j++)
+      if (j === 0 || w.writes[j] !== w.writes[j - 1]) events.push({ k: "land", j });
     for (const key in w.decode.attempts) {
       const a = w.decode.attempts[key]!;
-      if (a.phase === "decoding" && a.generated < a.maxTokens) events.push({ k: "step", rid: a.rid, epoch: a.epoch });
+      if (a.phase === "decoding" && a.generated < a.maxTokens)
+        events.push({ k: "step", rid: a.rid, epoch: a.epoch });
       if (a.phase === "quarantined" && !guardOn(this.config.safety, "quarantine")) {
         events.push({ k: "quarantine_timeout", rid: a.rid, epoch: a.epoch });
       }
@@ -326,7 +333,13 @@ export class ModelWorld {
       case "submit": {
         const r = this.config.requests[event.i]!;
         w.submitted |= 1 << event.i;
-        this.#router(w, { type: "submit", rid: r.rid, tenant: r.tenant, promptLen: r.promptLen, maxTokens: r.maxTokens });
+        this.#router(w, {
+          type: "submit",
+          rid: r.rid,
+          tenant: r.tenant,
+          promptLen: r.promptLen,
+          maxTokens: r.maxTokens,
+        });
         break;
       }
       case "deliver": {
@@ -367,8 +380,8 @@ export class ModelWorld {
         w.chans[event.c]!.splice(event.j, 1);
         break;
     }
-    w.dTable = Array.from(this.#decodePool.words);
-    w.pTable = Array.from(this.#prefillPool.words);
+    copyInto(w.dTable, this.#decodePool.words);
+    copyInto(w.pTable, this.#prefillPool.words);
     this.#normalize(w);
     this.#checkState(w);
     return this.#violations;
@@ -410,6 +423,16 @@ export class ModelWorld {
   #router(w: World, event: RouterEvent): void {
     const out: Effect[] = [];
     routerStep(w.router, event, this.#routerConfig, this.config.safety, out);
+    if (
+      event.type === "submit" &&
+      out.some((e) => e.kind === "respond") &&
+      out.some((e) => e.kind === "send")
+    ) {
+      this.#violations.push({
+        invariant: "4",
+        message: `The router rejected request ${event.rid} at its door but still contacted a node`,
+      });
+    }
     this.#effects(w, "router", out);
   }
 
@@ -461,7 +484,15 @@ export class ModelWorld {
   #land(w: World, write: InflightWrite): void {
     const h = write.header;
     const table = this.#decodePool.table;
-    if (writeLands(table, h, this.config.transport, this.config.safety)) {
+    if (
+      writeLands(
+        table,
+        h,
+        leasedPage(w.decode, h.rid, h.epoch, h.index),
+        this.config.transport,
+        this.config.safety,
+      )
+    ) {
       // The bytes copied are the source page's bytes now.
       const src = write.sourcePage * 4;
       const dst = h.page * 4;
@@ -516,7 +547,12 @@ export class ModelWorld {
             w.pContent[at + 1] = e.epoch;
             w.pContent[at + 2] = i;
             w.pContent[at + 3] = 0;
-            table.stampWriter(page, e.rid, e.epoch, Math.min(this.config.pageSize, e.promptLen - i * this.config.pageSize));
+            table.stampWriter(
+              page,
+              e.rid,
+              e.epoch,
+              Math.min(this.config.pageSize, e.promptLen - i * this.config.pageSize),
+            );
             table.markReady(page, generation, e.rid, e.epoch);
           }
           this.#prefill(w, { type: "computed", rid: e.rid, epoch: e.epoch, firstToken: FIRST_TOKEN });
@@ -559,7 +595,13 @@ export class ModelWorld {
     if (good) w.good.push(attemptKey(rid, epoch));
   }
 
-  #ghostRead(w: World, rid: number, epoch: number, pages: readonly { page: number; generation: number }[], fresh: number): void {
+  #ghostRead(
+    w: World,
+    rid: number,
+    epoch: number,
+    pages: readonly { page: number; generation: number }[],
+    fresh: number,
+  ): void {
     const table = this.#decodePool.table;
     if (fresh >= 0) {
       const at = pages[fresh]!.page * 4;
@@ -581,7 +623,10 @@ export class ModelWorld {
         c[at + 1] === epoch &&
         c[at + 2] === i;
       if (!ok) {
-        const holder = c[at] === -1 ? "never-written bytes" : `the KV of request ${c[at]} epoch ${c[at + 1]} page ${c[at + 2]}`;
+        const holder =
+          c[at] === -1
+            ? "never-written bytes"
+            : `the KV of request ${c[at]} epoch ${c[at + 1]} page ${c[at + 2]}`;
         this.#violations.push({
           invariant: "1",
           message: `Decode step of request ${rid} epoch ${epoch} read decode page ${page} (its page ${i}), which holds ${holder}`,
@@ -600,7 +645,11 @@ export class ModelWorld {
         message: `Request ${rid} got HTTP 200 without a good commit of epoch ${epoch} (coverage short or a page not holding its own data)`,
       });
     }
-    if (oversized && (status !== 400 || code !== "context_length_exceeded") && (status === 200 || code !== "aborted")) {
+    if (
+      oversized &&
+      (status !== 400 || code !== "context_length_exceeded") &&
+      (status === 200 || code !== "aborted")
+    ) {
       this.#violations.push({
         invariant: "4",
         message: `Request ${rid} (prompt ${r.promptLen} + max_tokens ${r.maxTokens} over the effective context ${this.#effectiveContext}) got ${status}${code === null ? "" : ` ${code}`} instead of 400 context_length_exceeded`,
@@ -614,10 +663,21 @@ export class ModelWorld {
     // that write's attempt (RESERVED, or QUARANTINED waiting for the drain).
     for (const s of w.writes) {
       const { header: h } = JSON.parse(s) as InflightWrite;
-      if (!writeLands(table, h, this.config.transport, this.config.safety)) continue;
+      if (
+        !writeLands(
+          table,
+          h,
+          leasedPage(w.decode, h.rid, h.epoch, h.index),
+          this.config.transport,
+          this.config.safety,
+        )
+      ) {
+        continue;
+      }
       const state = table.state(h.page);
       const attempt = w.decode.attempts[attemptKey(h.rid, h.epoch)];
-      const leased = attempt === undefined || (h.index < attempt.leaseCount && attempt.pages[h.index] === h.page);
+      const leased =
+        attempt === undefined || (h.index < attempt.leaseCount && attempt.pages[h.index] === h.page);
       const live =
         leased &&
         (state === PageState.RESERVED || state === PageState.QUARANTINED) &&
@@ -701,6 +761,10 @@ export class ModelWorld {
   }
 }
 
+function copyInto(to: number[], from: Uint32Array): void {
+  for (let i = 0; i < from.length; i++) to[i] = from[i]!;
+}
+
 /** Copies a record of flat objects whose array fields hold numbers, strings or flat objects. */
 function cloneRecord<T extends object>(record: Record<string, T>): Record<string, T> {
   const out: Record<string, T> = {};
@@ -733,8 +797,11 @@ function describeTable(pool: ModelPool): string {
   for (let p = 0; p < t.numPages; p++) {
     const s = t.state(p);
     const c = pool.content;
-    const data = c[p * 4] === -1 ? "-" : `r${c[p * 4]}#${c[p * 4 + 1]}.${c[p * 4 + 2]}${c[p * 4 + 3] === 1 ? "!" : ""}`;
-    parts.push(s === PageState.FREE ? `F(${data})` : `${SHORT_STATE[s]}:r${t.owner(p)}#${t.ownerEpoch(p)}(${data})`);
+    const data =
+      c[p * 4] === -1 ? "-" : `r${c[p * 4]}#${c[p * 4 + 1]}.${c[p * 4 + 2]}${c[p * 4 + 3] === 1 ? "!" : ""}`;
+    parts.push(
+      s === PageState.FREE ? `F(${data})` : `${SHORT_STATE[s]}:r${t.owner(p)}#${t.ownerEpoch(p)}(${data})`,
+    );
   }
   return parts.join(" ");
 }
@@ -742,7 +809,9 @@ function describeTable(pool: ModelPool): string {
 function describePage(table: OwnershipTable, page: number): string {
   const s = table.state(page);
   const name = ["FREE", "RESERVED", "READY", "QUARANTINED"][s]!;
-  return s === PageState.FREE ? "FREE" : `${name} for request ${table.owner(page)} epoch ${table.ownerEpoch(page)}`;
+  return s === PageState.FREE
+    ? "FREE"
+    : `${name} for request ${table.owner(page)} epoch ${table.ownerEpoch(page)}`;
 }
 
 function describeCounts(c: { free: number; reserved: number; ready: number; quarantined: number }): string {
@@ -754,7 +823,9 @@ function describeEnvelope(env: Envelope): string {
   let detail = "";
   if (m.type === "lease") detail = ` pages [${m.pages.map((p) => p.page).join(",")}]`;
   else if (m.type === "rejected" || m.type === "failed") detail = ` ${m.error.code}`;
-  else if (m.type === "manifest") detail = ` tokens [${m.tokenStart},${m.tokenEnd}) ${m.checksums.length} checksums`;
-  else if (m.type === "prefill") detail = ` prompt ${m.promptLen} into [${m.lease.pages.map((p) => p.page).join(",")}]`;
+  else if (m.type === "manifest")
+    detail = ` tokens [${m.tokenStart},${m.tokenEnd}) ${m.checksums.length} checksums`;
+  else if (m.type === "prefill")
+    detail = ` prompt ${m.promptLen} into [${m.lease.pages.map((p) => p.page).join(",")}]`;
   return `${env.from}→${env.to} ${m.type.toUpperCase()} r${m.rid}#${m.epoch}${detail}`;
 }

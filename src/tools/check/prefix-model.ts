@@ -5,8 +5,9 @@
  * too). A lookup hits only blocks whose key the same salt produced; the invariant is that **a hit
  * never serves a block cached for another tenant** (DESIGN.md §3, PRIOR-ART H9).
  */
-import { makeSafety, type Safety } from "../../protocol/safety.js";
+
 import { prefixBlockKey, prefixCacheSalt } from "../../protocol/prefix-key.js";
+import { makeSafety, type Safety } from "../../protocol/safety.js";
 import type { Counterexample, ExploreResult } from "./explore.js";
 
 interface PrefixRequest {
@@ -41,7 +42,14 @@ export function explorePrefixCache(keepGuards: boolean): ExploreResult {
         const path = [...order, i];
         const cex = serve(path, safety);
         if (cex !== null) {
-          return { states, transitions, depth: depth + 1, elapsedMs: performance.now() - started, complete: false, counterexample: cex };
+          return {
+            states,
+            transitions,
+            depth: depth + 1,
+            elapsedMs: performance.now() - started,
+            complete: false,
+            counterexample: cex,
+          };
         }
         next.push(path);
         states++;
@@ -50,7 +58,14 @@ export function explorePrefixCache(keepGuards: boolean): ExploreResult {
     frontier = next;
     if (next.length > 0) depth++;
   }
-  return { states, transitions, depth, elapsedMs: performance.now() - started, complete: true, counterexample: null };
+  return {
+    states,
+    transitions,
+    depth,
+    elapsedMs: performance.now() - started,
+    complete: true,
+    counterexample: null,
+  };
 }
 
 function serve(order: readonly number[], safety: Safety): Counterexample | null {
@@ -74,7 +89,10 @@ function serve(order: readonly number[], safety: Safety): Counterexample | null 
       };
     }
     if (owner === undefined) cache.set(key, r.tenant);
-    steps.push({ event: `${label} ${owner === undefined ? "misses, caches it" : "hits its own tenant's block"}`, pools: describe(cache) });
+    steps.push({
+      event: `${label} ${owner === undefined ? "misses, caches it" : "hits its own tenant's block"}`,
+      pools: describe(cache),
+    });
   }
   return null;
 }

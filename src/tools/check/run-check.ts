@@ -9,7 +9,13 @@
  * leaves every guard on instead, to show that the guards catch the fault.
  */
 import { KvfenceError } from "../../lib/errors.js";
-import { FAULT_NAMES, type FaultName, type GuardName, isFaultName, makeSafety } from "../../protocol/safety.js";
+import {
+  FAULT_NAMES,
+  type FaultName,
+  type GuardName,
+  isFaultName,
+  makeSafety,
+} from "../../protocol/safety.js";
 import { type Counterexample, type ExploreResult, explore } from "./explore.js";
 import { type CheckRequest, type ModelConfig, ModelWorld } from "./model-world.js";
 import { explorePrefixCache } from "./prefix-model.js";
@@ -44,7 +50,7 @@ export interface CheckOptions {
   readonly timeLimitMs?: number;
 }
 
-/** The default bound: complete in well under a minute on 2 cores, over 100,000 states. */
+/** The base bound; `kvfence check` with no bound options runs `DEFAULT_SUITE` over it. */
 export const DEFAULT_BOUND = {
   requests: 2,
   pages: 4,
@@ -60,6 +66,16 @@ export const DEFAULT_BOUND = {
   reorder: false,
   maxStates: 3_000_000,
 } as const;
+
+/**
+ * The default check: two bounds that together explore about 390,000 states in about 35 s of one
+ * core — retries with duplicated messages (stale epochs), and node crashes with duplicated
+ * messages (fences, restarts, stale leases). Both at once (`--crashes 1`) is 600,000+ states.
+ */
+export const DEFAULT_SUITE: readonly { readonly name: string; readonly options: CheckOptions }[] = [
+  { name: "retries and duplicates", options: {} },
+  { name: "crashes and duplicates", options: { maxAttempts: 1, crashes: 1 } },
+];
 
 interface Scenario {
   readonly faults: readonly FaultName[];
@@ -82,7 +98,11 @@ export const FAULT_SCENARIOS: Readonly<Record<FaultName, Scenario>> = {
   },
   "early-free": { faults: ["early-free"], disabledGuards: [], bound: { duplicates: 0 } },
   "late-write": { faults: ["late-write"], disabledGuards: ["lease-check"], bound: { duplicates: 0 } },
-  "corrupt-transfer": { faults: ["corrupt-transfer"], disabledGuards: ["checksum"], bound: { duplicates: 0 } },
+  "corrupt-transfer": {
+    faults: ["corrupt-transfer"],
+    disabledGuards: ["checksum"],
+    bound: { duplicates: 0 },
+  },
   "misaddressed-write": {
     faults: ["misaddressed-write"],
     disabledGuards: ["lease-check", "checksum", "page-tags"],
@@ -101,16 +121,24 @@ export interface CheckReport {
   readonly fault: FaultName | null;
   readonly faults: readonly FaultName[];
   readonly disabledGuards: readonly GuardName[];
-  readonly bound: Required<Omit<CheckOptions, "fault" | "keepGuards" | "disabledGuards" | "maxDepth" | "timeLimitMs">>;
+  readonly bound: Required<
+    Omit<CheckOptions, "fault" | "keepGuards" | "disabledGuards" | "maxDepth" | "timeLimitMs">
+  >;
   readonly result: ExploreResult;
 }
 
-export function resolveOptions(options: CheckOptions): { config: ModelConfig; report: Omit<CheckReport, "result"> } {
+export function resolveOptions(options: CheckOptions): {
+  config: ModelConfig;
+  report: Omit<CheckReport, "result">;
+} {
   const scenario = options.fault === undefined ? null : FAULT_SCENARIOS[options.fault];
   const merged = { ...DEFAULT_BOUND, ...(scenario?.bound ?? {}), ...stripUndefined(options) };
   const faults = scenario?.faults ?? [];
   const disabledGuards = [
-    ...new Set([...(options.keepGuards === true ? [] : (scenario?.disabledGuards ?? [])), ...(options.disabledGuards ?? [])]),
+    ...new Set([
+      ...(options.keepGuards === true ? [] : (scenario?.disabledGuards ?? [])),
+      ...(options.disabledGuards ?? []),
+    ]),
   ];
   if (merged.requests < 1 || merged.requests > CHECK_REQUESTS.length) {
     throw new KvfenceError(
@@ -170,9 +198,13 @@ export function resolveOptions(options: CheckOptions): { config: ModelConfig; re
 /** Runs the checker. Never throws for a violation: the report carries the counterexample. */
 export function runCheck(options: CheckOptions = {}): CheckReport {
   if (options.fault !== undefined && !isFaultName(options.fault)) {
-    throw new KvfenceError("invalid_request", `Unknown fault name: ${options.fault}; use one of ${FAULT_NAMES.join(", ")}`, {
-      param: "fault",
-    });
+    throw new KvfenceError(
+      "invalid_request",
+      `Unknown fault name: ${options.fault}; use one of ${FAULT_NAMES.join(", ")}`,
+      {
+        param: "fault",
+      },
+    );
   }
   if (options.fault === "shared-prefix") return { ...sharedPrefixReport(options) };
   const { config, report } = resolveOptions(options);
@@ -214,16 +246,21 @@ export function formatReport(report: CheckReport): string {
       ? "kvfence check: the real protocol, every guard on"
       : `kvfence check: fault ${report.faults.join(" + ")}, guards off: ${report.disabledGuards.length === 0 ? "none" : report.disabledGuards.join(", ")}`,
   );
-  if (prefixModel) lines.push("model: the prefix cache's block keys, two tenants, every order of three prompts");
+  if (prefixModel)
+    lines.push("model: the prefix cache's block keys, two tenants, every order of three prompts");
   else
     lines.push(
-    `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}`,
-  );
+      `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}`,
+    );
   lines.push(
     `explored ${r.states} states, ${r.transitions} transitions, depth ${r.depth}, in ${(r.elapsedMs / 1000).toFixed(1)} s${r.complete ? " (complete)" : r.counterexample === null ? " (stopped at the bound: incomplete)" : ""}`,
   );
   if (r.counterexample === null) {
-    lines.push(r.complete ? "all invariants hold (1-5 of DESIGN.md §7, and bounded liveness)" : "no violation found within the bound");
+    lines.push(
+      r.complete
+        ? "all invariants hold (1-5 of DESIGN.md §7, and bounded liveness)"
+        : "no violation found within the bound",
+    );
     return lines.join("\n");
   }
   lines.push("", ...formatCounterexample(r.counterexample, !prefixModel));
@@ -242,20 +279,23 @@ export function formatCounterexample(cex: Counterexample, legend = true): string
   });
   if (legend)
     lines.push(
-    "   pages: F free, R reserved, Y ready, Q quarantined; :rR#E owner request R epoch E; (rR#E.I) the data held: page I of request R epoch E, - never written, ! corrupted",
-  );
+      "   pages: F free, R reserved, Y ready, Q quarantined; :rR#E owner request R epoch E; (rR#E.I) the data held: page I of request R epoch E, - never written, ! corrupted",
+    );
   return lines;
 }
 
 /** The counterexample as a Graphviz digraph: one node per state, one edge per event. */
 export function counterexampleToDot(cex: Counterexample): string {
   const esc = (s: string) => s.replaceAll("\\", "\\\\").replaceAll('"', '\\"');
-  const out = ["digraph counterexample {", '  rankdir=TB; node [shape=box, fontname="monospace", fontsize=10];'];
+  const out = [
+    "digraph counterexample {",
+    '  rankdir=TB; node [shape=box, fontname="monospace", fontsize=10];',
+  ];
   out.push(`  s0 [label="initial\\n${esc(cex.initialPools)}"];`);
   cex.steps.forEach((s, i) => {
     const last = i === cex.steps.length - 1;
     out.push(
-      `  s${i + 1} [label="${esc(s.pools)}"${last ? ', color=red, xlabel="' + esc(`violates ${cex.violation.invariant}`) + '"' : ""}];`,
+      `  s${i + 1} [label="${esc(s.pools)}"${last ? `, color=red, xlabel="${esc(`violates ${cex.violation.invariant}`)}"` : ""}];`,
     );
     out.push(`  s${i} -> s${i + 1} [label="${esc(`${i + 1}. ${s.event}`)}"];`);
   });

@@ -1,0 +1,54 @@
+/**
+ * `kvfence cluster --prefill N --decode M`: a local multi-process cluster on 127.0.0.1 (N prefill
+ * and M decode node processes and a router, TCP between them); prints the router's URL. Ctrl-C
+ * stops every process.
+ */
+import { Command } from "commander";
+import { startLocalCluster } from "../node/local-cluster.js";
+import { BUNDLED_MODEL_DIR } from "./serve.js";
+
+function count(flag: string, text: string): number {
+  const n = Number(text);
+  if (!Number.isInteger(n) || n < 1 || n > 16) {
+    process.stderr.write(`kvfence cluster: ${flag} must be an integer from 1 to 16: ${JSON.stringify(text)}\n`);
+    process.exit(2);
+  }
+  return n;
+}
+
+export function command(): Command {
+  return new Command("cluster")
+    .description("Start a local multi-process cluster (router + prefill and decode node processes)")
+    .option("--prefill <n>", "prefill node processes", "1")
+    .option("--decode <n>", "decode node processes", "1")
+    .option("--port <port>", "router port", "8000")
+    .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
+    .option("--kv-pages <n>", "KV pool size of each node in pages")
+    .option("--api-keys <file>", "API keys file for the router")
+    .action(async (raw: Record<string, string | undefined>) => {
+      const cluster = await startLocalCluster({
+        prefill: count("--prefill", raw.prefill ?? "1"),
+        decode: count("--decode", raw.decode ?? "1"),
+        model: raw.model ?? BUNDLED_MODEL_DIR,
+        port: Number(raw.port ?? 8000),
+        nodeArgs: raw.kvPages === undefined ? [] : ["--kv-pages", raw.kvPages],
+        routerArgs: raw.apiKeys === undefined ? [] : ["--api-keys", raw.apiKeys],
+        stderr: (line) => process.stderr.write(`${line}\n`),
+      }).catch((err: Error) => {
+        process.stderr.write(`kvfence cluster: ${err.message}\n`);
+        process.exit(1);
+      });
+      process.stdout.write(
+        `kvfence cluster at ${cluster.url} (OpenAI API at ${cluster.url}/v1): ` +
+          `${cluster.prefill.length} prefill, ${cluster.decode.length} decode processes; Ctrl-C stops them all\n`,
+      );
+      let stopping = false;
+      const shutdown = (): void => {
+        if (stopping) process.exit(1);
+        stopping = true;
+        void cluster.close().then(() => process.exit(0));
+      };
+      process.on("SIGINT", shutdown);
+      process.on("SIGTERM", shutdown);
+    });
+}

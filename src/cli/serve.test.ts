@@ -1,0 +1,112 @@
+import assert from "node:assert/strict";
+import { spawn } from "node:child_process";
+import { once } from "node:events";
+import { test } from "node:test";
+import { fileURLToPath } from "node:url";
+import { modelDir } from "../../testing/start-server.js";
+import { KvfenceError } from "../lib/errors.js";
+import { parseByteSize, parseServeConfig } from "./serve.js";
+
+const MAIN = fileURLToPath(new URL("./main.js", import.meta.url));
+
+const defaults = {
+  host: "127.0.0.1",
+  port: "8000",
+  model: "m",
+  pageSize: "16",
+  scrubOnFree: false,
+  disaggregation: true,
+  logLevel: "info",
+};
+
+test("parseByteSize() reads binary and decimal units", () => {
+  assert.equal(parseByteSize("256MiB"), 256 * 1024 * 1024);
+  assert.equal(parseByteSize("1.5 GiB"), 1.5 * 1024 ** 3);
+  assert.equal(parseByteSize("10MB"), 10_000_000);
+  assert.equal(parseByteSize("4096"), 4096);
+  assert.equal(parseByteSize("12 parsecs"), null);
+  assert.equal(parseByteSize("-1MiB"), null);
+});
+
+test("parseServeConfig() returns a frozen typed config", () => {
+  const config = parseServeConfig({ ...defaults, kvMemory: "64MiB", maxModelLen: "512" });
+  assert.equal(config.port, 8000);
+  assert.equal(config.kvMemory, 64 * 1024 * 1024);
+  assert.equal(config.maxModelLen, 512);
+  assert.ok(Object.isFrozen(config));
+});
+
+test("parseServeConfig() reports every problem with its flag", () => {
+  assert.throws(
+    () => parseServeConfig({ ...defaults, port: "http", pageSize: "0", kvMemory: "lots", kvPages: "9" }),
+    (err: unknown) => {
+      assert.ok(err instanceof KvfenceError);
+      assert.equal(err.code, "config_invalid");
+      assert.match(err.message, /--port: must be an integer from 0 to 65535: got "http"/);
+      assert.match(err.message, /--page-size: must be an integer from 1 to 1024: got "0"/);
+      assert.match(err.message, /--kv-memory: must be a size like 256MiB/);
+      return true;
+    },
+  );
+  assert.throws(
+    () => parseServeConfig({ ...defaults, kvMemory: "1MiB", kvPages: "9" }),
+    /--kv-pages: give either/,
+  );
+});
+
+test("kvfence serve exits 2 on bad options, listing each", { timeout: 30_000 }, async () => {
+  const child = spawn(process.execPath, [MAIN, "serve", "--port", "abc", "--max-model-len", "-4"], {
+    stdio: "pipe",
+  });
+  let stderr = "";
+  child.stderr.on("data", (d: Buffer) => {
+    stderr += d.toString();
+  });
+  const [code] = await once(child, "exit");
+  assert.equal(code, 2);
+  assert.match(stderr, /--port: /);
+  assert.match(stderr, /--max-model-len: /);
+});
+
+test("kvfence serve prints its URL when ready and exits 0 on SIGTERM", { timeout: 60_000 }, async () => {
+  const child = spawn(
+    process.execPath,
+    [
+      MAIN,
+      "serve",
+      "--port",
+      "0",
+      "--model",
+      modelDir("tiny-qwen2"),
+      "--kv-pages",
+      "160",
+      "--no-disaggregation",
+    ],
+    { stdio: "pipe", env: { ...process.env, KVFENCE_LOG_LEVEL: "warn" } },
+  );
+  try {
+    let stdout = "";
+    let stderr = "";
+    child.stderr.on("data", (d: Buffer) => {
+      stderr += d.toString();
+    });
+    const url = await new Promise<string>((resolve, reject) => {
+      child.stdout.on("data", (d: Buffer) => {
+        stdout += d.toString();
+        const match = /at (http:\/\/127\.0\.0\.1:\d+) /.exec(stdout);
+        if (match !== null) resolve(match[1]!);
+      });
+      child.on("exit", (code) => reject(new Error(`kvfence serve exited early with code: ${code}`)));
+    });
+    const health = await fetch(`${url}/health`);
+    assert.equal(health.status, 200);
+    assert.match(stderr, /Loading weights: \d+% /);
+    assert.match(stderr, /no API keys configured .*anonymous tenant/);
+    const exited = once(child, "exit");
+    child.kill("SIGTERM");
+    const [code] = await exited;
+    assert.equal(code, 0);
+  } finally {
+    if (child.exitCode === null) child.kill("SIGKILL");
+  }
+});

@@ -1,0 +1,317 @@
+/**
+ * The decode node (DESIGN.md §2): the engine in decode mode, driven by the protocol's decode state
+ * machine (`decodeStep`), with the transport injected — the same class runs in a worker thread
+ * (shared-memory receiver) and in a process (TCP receiver).
+ *
+ * One decode state machine per prefill peer, all over this node's one pool and one incarnation:
+ * the router pairs each attempt with a prefill node and says which, so a prefill node's fence
+ * (its channel closed, its worker gone) releases exactly the pages it could still write.
+ *
+ * Effects: `commit` → `Engine.submitDecode` with the committed pages and prefill's first token;
+ * each token the engine samples feeds the machine's `step` (which re-checks the page tags and
+ * stamps the page the step wrote; at `max_tokens` it frees the pages and reports `finished`); a
+ * stop token ends the attempt (the machine frees the committed pages) and reports `finished` with
+ * reason `stop`; `stop` → `Engine.abort`. A fence closes the channel first, so no further frame of
+ * that prefill node can land, and only then feeds `peer_lost`. Nothing is released on a timer.
+ */
+import type { Engine } from "../engine/engine.js";
+import type { GenerationRequest } from "../engine/engine-types.js";
+import type { WireError } from "../lib/errors.js";
+import { type DecodeEvent, type DecodeState, decodeStep, initialDecodeState } from "../protocol/decode-machine.js";
+import type { CommitEffect, Effects } from "../protocol/effects.js";
+import type { Safety } from "../protocol/safety.js";
+import { attemptKey, type ControlMessage } from "../protocol/wire.js";
+import type { TransferMetrics } from "../transfer/transfer-metrics.js";
+import type { FromNode, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
+import { protocolPool } from "./node-pool.js";
+import { StepLoop } from "./step-loop.js";
+
+export interface DecodeNodeOptions {
+  readonly engine: Engine;
+  readonly layoutSignature: string;
+  readonly safety: Safety;
+  /** Stamped on every lease; a fresh value per node start. */
+  readonly incarnation: number;
+  readonly toRouter: (message: FromNode) => void;
+}
+
+/** The decode end of one prefill peer's transfer channel. */
+export interface PrefillChannel {
+  sendControl(message: ControlMessage): void;
+  /** Closes the channel: after it, no frame of this peer lands any more. */
+  close(): void | Promise<void>;
+  readonly metrics?: TransferMetrics;
+}
+
+interface PrefillPeer {
+  readonly id: string;
+  readonly state: DecodeState;
+  channel: PrefillChannel | null;
+}
+
+const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
+
+export class DecodeNode {
+  readonly incarnation: number;
+  readonly #engine: Engine;
+  readonly #pool;
+  readonly #config;
+  readonly #safety: Safety;
+  readonly #toRouter: (message: FromNode) => void;
+  readonly #loop: StepLoop;
+  readonly #peers = new Map<string, PrefillPeer>();
+  readonly #sampling = new Map<string, SamplingParams>();
+  /** rid → epoch of the attempt the engine runs now. */
+  readonly #running = new Map<number, number>();
+  /** Attempts whose abort was relayed to prefill, with the time, for the ABORT_ACK latency. */
+  readonly #abortSent = new Map<string, bigint>();
+  readonly #out: Effects = [];
+  readonly #closedTotals = { bytes: 0, pages: 0, transfers: 0, droppedStaleWrites: 0, droppedMisaddressedWrites: 0 };
+  #checksumFailures = 0;
+  #coverageFailures = 0;
+  #gbps: number[] = [];
+  #ackSeconds: number[] = [];
+
+  constructor(options: DecodeNodeOptions) {
+    this.incarnation = options.incarnation;
+    this.#engine = options.engine;
+    this.#pool = protocolPool(options.engine.pool);
+    this.#config = { maxModelLen: options.engine.capacity.maxModelLen, layoutSignature: options.layoutSignature };
+    this.#safety = options.safety;
+    this.#toRouter = options.toRouter;
+    this.#loop = new StepLoop(options.engine);
+  }
+
+  /** The transfer channel to prefill node `id` is up; returns the handler for its control messages. */
+  attachPrefill(id: string, channel: PrefillChannel): (message: ControlMessage) => void {
+    const peer = this.#peer(id);
+    peer.channel = channel;
+    return (message) => {
+      if (peer.channel === channel) this.#step(peer, { type: "message", msg: message });
+    };
+  }
+
+  /** A transfer completed (for the GB/s histogram). */
+  recordTransferGbps(gbps: number): void {
+    if (gbps > 0) this.#gbps.push(gbps);
+  }
+
+  /**
+   * Prefill node `id` is gone (its channel closed, its worker exited, or the router saw it go):
+   * close the channel first — the fence: no frame of it lands after this — then release what only
+   * it could still write.
+   */
+  prefillLost(id: string): void {
+    const peer = this.#peers.get(id);
+    if (peer === undefined) return;
+    const channel = peer.channel;
+    peer.channel = null;
+    if (channel !== null) {
+      const m = channel.metrics;
+      if (m !== undefined) {
+        this.#closedTotals.bytes += m.bytesTransferred;
+        this.#closedTotals.pages += m.pagesTransferred;
+        this.#closedTotals.transfers += m.transfers;
+        this.#closedTotals.droppedStaleWrites += m.droppedStaleWrites;
+        this.#closedTotals.droppedMisaddressedWrites += m.droppedMisaddressedWrites;
+      }
+      void channel.close();
+    }
+    this.#step(peer, { type: "peer_lost", role: "prefill" });
+  }
+
+  onRouter(message: ToNode): void {
+    if (message.kind === "prefill_lost") {
+      this.prefillLost(message.prefill);
+      return;
+    }
+    if (message.kind !== "protocol") return;
+    const msg = message.msg;
+    const peer = this.#peer(message.prefill);
+    if (msg.type === "reserve") {
+      if (peer.channel === null) {
+        this.#toRouter({
+          kind: "protocol",
+          msg: {
+            type: "rejected",
+            rid: msg.rid,
+            epoch: msg.epoch,
+            from: "decode",
+            error: {
+              code: "node_unavailable",
+              message: `The decode node has no transfer channel to prefill node: ${message.prefill}`,
+            },
+          },
+        });
+        return;
+      }
+      this.#sampling.set(attemptKey(msg.rid, msg.epoch), message.sampling ?? GREEDY);
+    }
+    this.#step(peer, { type: "message", msg });
+  }
+
+  stats(): NodeStats {
+    const engine = this.#engine.stats();
+    let attempts = 0;
+    let stale = 0;
+    const transfer = { ...this.#closedTotals };
+    for (const peer of this.#peers.values()) {
+      attempts += Object.keys(peer.state.attempts).length;
+      stale += peer.state.stale;
+      const m = peer.channel?.metrics;
+      if (m !== undefined) {
+        transfer.bytes += m.bytesTransferred;
+        transfer.pages += m.pagesTransferred;
+        transfer.transfers += m.transfers;
+        transfer.droppedStaleWrites += m.droppedStaleWrites;
+        transfer.droppedMisaddressedWrites += m.droppedMisaddressedWrites;
+      }
+    }
+    const gbps = this.#gbps;
+    const ack = this.#ackSeconds;
+    this.#gbps = [];
+    this.#ackSeconds = [];
+    return {
+      role: "decode",
+      pages: engine.pages,
+      queue: engine.queue,
+      counters: engine.counters,
+      attempts,
+      staleMessages: stale,
+      transfer: { ...transfer, checksumFailures: this.#checksumFailures, coverageFailures: this.#coverageFailures },
+      transferGbps: gbps,
+      abortAckSeconds: ack,
+    };
+  }
+
+  close(): void {
+    this.#loop.stop();
+    for (const peer of this.#peers.values()) void peer.channel?.close();
+  }
+
+  #peer(id: string): PrefillPeer {
+    let peer = this.#peers.get(id);
+    if (peer === undefined) {
+      peer = { id, state: initialDecodeState(this.incarnation), channel: null };
+      this.#peers.set(id, peer);
+    }
+    return peer;
+  }
+
+  #step(peer: PrefillPeer, event: DecodeEvent): void {
+    if (event.type === "message" && event.msg.type === "abort_ack") {
+      const key = attemptKey(event.msg.rid, event.msg.epoch);
+      const sent = this.#abortSent.get(key);
+      if (sent !== undefined) {
+        this.#abortSent.delete(key);
+        this.#ackSeconds.push(Number(process.hrtime.bigint() - sent) / 1e9);
+      }
+    }
+    const out = this.#out;
+    const start = out.length;
+    decodeStep(peer.state, event, this.#pool, this.#config, this.#safety, out);
+    const effects = out.splice(start);
+    for (let i = 0; i < effects.length; i++) {
+      const effect = effects[i]!;
+      switch (effect.kind) {
+        case "send": {
+          const msg = effect.msg;
+          if (effect.to === "router") {
+            if (msg.type === "failed") this.#countFailure(msg.error);
+            if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
+              this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
+            }
+            this.#toRouter({ kind: "protocol", msg });
+          } else if (effect.to === "prefill") {
+            if (msg.type === "abort") this.#abortSent.set(attemptKey(msg.rid, msg.epoch), process.hrtime.bigint());
+            try {
+              peer.channel?.sendControl(msg);
+            } catch {
+              // The channel is closing: its fence releases what this message would have.
+            }
+          }
+          break;
+        }
+        case "commit": {
+          // The committed message (with prefill's first token) follows in the same batch.
+          let firstToken = 0;
+          for (let j = i + 1; j < effects.length; j++) {
+            const e = effects[j]!;
+            if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
+          }
+          this.#commit(peer, effect, firstToken);
+          break;
+        }
+        case "stop": {
+          if (this.#running.get(effect.rid) === effect.epoch) {
+            this.#running.delete(effect.rid);
+            this.#engine.abort(effect.rid);
+          }
+          this.#sampling.delete(attemptKey(effect.rid, effect.epoch));
+          break;
+        }
+        default:
+          break;
+      }
+    }
+  }
+
+  #commit(peer: PrefillPeer, effect: CommitEffect, firstToken: number): void {
+    const { rid, epoch } = effect;
+    const key = attemptKey(rid, epoch);
+    const attempt = peer.state.attempts[key];
+    // max_tokens 1: the machine finished the request at commit.
+    if (attempt === undefined || attempt.phase !== "decoding") return;
+    const sampling = this.#sampling.get(key) ?? GREEDY;
+    if (sampling.stopTokenIds.includes(firstToken)) {
+      this.#endStopped(peer, rid, epoch, 1);
+      return;
+    }
+    const request: GenerationRequest = {
+      rid,
+      tenant: attempt.tenant,
+      promptTokens: new Int32Array(effect.promptLen),
+      maxTokens: attempt.maxTokens,
+      temperature: sampling.temperature,
+      topP: sampling.topP,
+      topK: sampling.topK,
+      seed: sampling.seed,
+      stopTokenIds: sampling.stopTokenIds,
+    };
+    this.#running.set(rid, epoch);
+    this.#engine.submitDecode(request, { epoch, pages: effect.pages }, firstToken, {
+      onTokens: (ids) => {
+        for (const token of ids) this.#step(peer, { type: "step", rid, epoch, token });
+        if (peer.state.attempts[key] === undefined && this.#running.get(rid) === epoch) this.#running.delete(rid);
+      },
+      onFinish: (reason, usage) => {
+        if (this.#running.get(rid) === epoch) this.#running.delete(rid);
+        if (reason === "stop") this.#endStopped(peer, rid, epoch, usage.completionTokens);
+      },
+      onError: (error) => {
+        if (this.#running.get(rid) !== epoch) return;
+        this.#running.delete(rid);
+        this.#countFailure(error);
+        this.#toRouter({ kind: "protocol", msg: { type: "failed", rid, epoch, error } });
+        // Ends the attempt in the machine; it frees the committed pages.
+        this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
+      },
+    });
+    this.#loop.kick();
+  }
+
+  /** A stop token ended a committed attempt: end it in the machine (it frees the pages), report it. */
+  #endStopped(peer: PrefillPeer, rid: number, epoch: number, completionTokens: number): void {
+    this.#running.delete(rid);
+    this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
+    this.#toRouter({
+      kind: "protocol",
+      msg: { type: "finished", rid, epoch, reason: "stop", tokens: [], completionTokens },
+    });
+  }
+
+  #countFailure(error: WireError): void {
+    if (error.code === "checksum_mismatch") this.#checksumFailures++;
+    else if (error.code === "coverage_mismatch") this.#coverageFailures++;
+  }
+}

@@ -1,0 +1,398 @@
+/**
+ * The router side of the disaggregated topology: an `EngineHandle` (so the HTTP layer is the same
+ * as with one engine) that runs the protocol's router state machine (`routerStep`) and talks to the
+ * prefill and decode nodes over `Link`s — MessagePorts of worker threads or authenticated TCP links
+ * of processes.
+ *
+ * One router state machine per (prefill, decode) pair, so a node's loss (`peer_lost`) reaches only
+ * the requests that use it; each request goes to one pair, round-robin over the pairs whose decode
+ * node has its transfer channel to the prefill node up. The effective context length is the least
+ * of the model's window and every node's pool and context length; each node re-checks at its own
+ * door and its rejection reaches the client unchanged. Effects become link messages (the prompt's
+ * token ids and the sampling parameters ride along), `GenerationEvents` calls, and, on `respond`,
+ * the end of the request. A link's close is the node's loss: every in-flight request on it fails
+ * with 503 `node_unavailable`; decode nodes hear of a lost prefill node and fence it.
+ */
+import type {
+  EngineCapacity,
+  EngineHandle,
+  EngineStats,
+  GenerationEvents,
+  GenerationRequest,
+} from "../engine/engine-types.js";
+import type { NodeInfo } from "../protocol/admin-wire.js";
+import type { Effects } from "../protocol/effects.js";
+import {
+  initialRouterState,
+  type RouterConfig,
+  type RouterEvent,
+  type RouterState,
+  routerStep,
+} from "../protocol/router-machine.js";
+import type { Safety } from "../protocol/safety.js";
+import type { ControlMessage } from "../protocol/wire.js";
+import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
+
+/** One node as the router holds it. */
+export interface RouterNode {
+  readonly id: string;
+  readonly url: string;
+  readonly hello: NodeHello;
+  readonly link: Link<ToNode, FromNode>;
+}
+
+export interface DisaggregatedEngineOptions {
+  readonly prefill: readonly RouterNode[];
+  readonly decode: readonly RouterNode[];
+  /** The model's window (and `--max-model-len`). */
+  readonly maxModelLen: number;
+  readonly safety: Safety;
+  /** Attempts per request (1 = no retry). Default 1. */
+  readonly maxAttempts?: number;
+}
+
+interface Pair {
+  readonly key: string;
+  readonly prefill: RouterNode;
+  readonly decode: RouterNode;
+  readonly state: RouterState;
+  up: boolean;
+}
+
+interface Pending {
+  readonly pair: Pair;
+  readonly request: GenerationRequest;
+  readonly events: GenerationEvents;
+  readonly sampling: SamplingParams;
+  readonly promptTokens: number[];
+  completionTokens: number;
+  stopped: boolean;
+  silenced: boolean;
+}
+
+export class DisaggregatedEngine implements EngineHandle {
+  readonly capacity: EngineCapacity;
+  readonly #config: RouterConfig;
+  readonly #safety: Safety;
+  readonly #pairs: Pair[] = [];
+  readonly #nodes: RouterNode[];
+  readonly #lost = new Set<string>();
+  readonly #requests = new Map<number, Pending>();
+  readonly #statsWaiters = new Map<number, { node: string; resolve: (s: NodeStats | null) => void }>();
+  readonly #out: Effects = [];
+  /** Per-transfer GB/s and ABORT_ACK latencies drained from the nodes, until `takeObservations`. */
+  #gbps: number[] = [];
+  #ackSeconds: number[] = [];
+  readonly #observers: ((node: RouterNode, msg: ControlMessage) => void)[] = [];
+  #nextPair = 0;
+  #nextStatsId = 1;
+  #closed = false;
+
+  constructor(options: DisaggregatedEngineOptions) {
+    if (options.prefill.length === 0 || options.decode.length === 0) {
+      throw new Error("A disaggregated engine needs at least one prefill node and one decode node");
+    }
+    this.#safety = options.safety;
+    this.#nodes = [...options.prefill, ...options.decode];
+    const min = (f: (n: RouterNode) => number, nodes: readonly RouterNode[]) => Math.min(...nodes.map(f));
+    const pageSize = options.decode[0]!.hello.pageSize;
+    const nodeLimit = min((n) => Math.min(n.hello.maxModelLen, n.hello.poolTokens), this.#nodes);
+    this.#config = {
+      maxModelLen: Math.min(options.maxModelLen, min((n) => n.hello.maxModelLen, this.#nodes)),
+      prefillPoolTokens: min((n) => n.hello.poolTokens, options.prefill),
+      decodePoolTokens: min((n) => n.hello.poolTokens, options.decode),
+      maxAttempts: options.maxAttempts ?? 1,
+    };
+    this.capacity = Object.freeze({
+      poolTokens: min((n) => n.hello.poolTokens, this.#nodes),
+      pageSize,
+      maxModelLen: Math.min(options.maxModelLen, nodeLimit),
+    });
+    for (const p of options.prefill) {
+      for (const d of options.decode) {
+        this.#pairs.push({ key: `${p.id}|${d.id}`, prefill: p, decode: d, state: initialRouterState(), up: false });
+      }
+    }
+    for (const node of this.#nodes) {
+      node.link.onMessage((m) => this.#onNodeMessage(node, m));
+      node.link.onClose(() => this.#nodeLost(node));
+    }
+  }
+
+  /** Marks the transfer channel of a (prefill, decode) pair up (the decode node connected to the prefill node). */
+  pairUp(prefillId: string, decodeId: string, up = true): void {
+    for (const pair of this.#pairs) if (pair.prefill.id === prefillId && pair.decode.id === decodeId) pair.up = up;
+  }
+
+  /** True when every pair's transfer channel is up. */
+  get allPairsUp(): boolean {
+    return this.#pairs.every((p) => p.up);
+  }
+
+  /** Requests submitted and not yet ended. */
+  get inFlight(): number {
+    return this.#requests.size;
+  }
+
+  /**
+   * Calls `listener` after the router state machine handled each protocol message from a node
+   * (diagnostics, and tests that act at an exact protocol state).
+   */
+  observe(listener: (node: RouterNode, msg: ControlMessage) => void): void {
+    this.#observers.push(listener);
+  }
+
+  /** The nodes for `/kvfence/nodes`. */
+  nodes(): NodeInfo[] {
+    return this.#nodes.map((n) => ({
+      id: n.id,
+      role: n.hello.role,
+      url: n.url,
+      pool_tokens: n.hello.poolTokens,
+      page_size: n.hello.pageSize,
+      max_model_len: n.hello.maxModelLen,
+    }));
+  }
+
+  submit(request: GenerationRequest, events: GenerationEvents): void {
+    const pair = this.#pickPair();
+    if (pair === null) {
+      events.onError({
+        code: "node_unavailable",
+        message: "No prefill/decode node pair is available: every pair has a node down; retry later",
+      });
+      return;
+    }
+    if (this.#requests.has(request.rid)) {
+      events.onError({ code: "invalid_request", message: `Request id is already in use: ${request.rid}; assign a fresh rid` });
+      return;
+    }
+    this.#requests.set(request.rid, {
+      pair,
+      request,
+      events,
+      sampling: {
+        temperature: request.temperature,
+        topP: request.topP,
+        topK: request.topK,
+        seed: request.seed,
+        stopTokenIds: request.stopTokenIds,
+      },
+      promptTokens: Array.from(request.promptTokens),
+      completionTokens: 0,
+      stopped: false,
+      silenced: false,
+    });
+    this.#step(pair, {
+      type: "submit",
+      rid: request.rid,
+      tenant: request.tenant,
+      promptLen: request.promptTokens.length,
+      maxTokens: request.maxTokens,
+    });
+  }
+
+  abort(rid: number): void {
+    const pending = this.#requests.get(rid);
+    if (pending === undefined) return;
+    pending.silenced = true;
+    this.#step(pending.pair, { type: "client_abort", rid });
+  }
+
+  /** Every node's stats (null for a node that did not answer or is lost). */
+  async nodeStats(): Promise<{ node: RouterNode; stats: NodeStats | null }[]> {
+    const all = await Promise.all(
+      this.#nodes.map(async (node) => ({ node, stats: this.#lost.has(node.id) ? null : await this.#poll(node) })),
+    );
+    for (const { stats } of all) {
+      if (stats === null) continue;
+      this.#gbps.push(...stats.transferGbps);
+      this.#ackSeconds.push(...stats.abortAckSeconds);
+    }
+    return all;
+  }
+
+  /** The per-transfer GB/s and ABORT_ACK latencies (seconds) observed since the last call. */
+  takeObservations(): { gbps: number[]; abortAckSeconds: number[] } {
+    const taken = { gbps: this.#gbps, abortAckSeconds: this.#ackSeconds };
+    this.#gbps = [];
+    this.#ackSeconds = [];
+    return taken;
+  }
+
+  async stats(): Promise<EngineStats> {
+    const all = await this.nodeStats();
+    const sum: EngineStats = {
+      pages: { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 },
+      queue: { waiting: 0, running: 0, preempted: 0 },
+      counters: { tagCheckFailures: 0, preemptions: 0, aborts: 0, promptTokens: 0, completionTokens: 0 },
+    };
+    let answered = 0;
+    for (const { stats } of all) {
+      if (stats === null) continue;
+      answered++;
+      for (const k of ["free", "reserved", "ready", "quarantined", "total"] as const) sum.pages[k] += stats.pages[k];
+      for (const k of ["waiting", "running", "preempted"] as const) sum.queue[k] += stats.queue[k];
+      for (const k of ["tagCheckFailures", "preemptions", "aborts"] as const) sum.counters[k] += stats.counters[k];
+    }
+    if (answered === 0) throw new Error("No node answers");
+    return sum;
+  }
+
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    for (const [rid, pending] of this.#requests) {
+      this.#requests.delete(rid);
+      if (!pending.silenced) {
+        pending.events.onError({ code: "node_unavailable", message: "The server is shutting down: request not finished; retry" });
+      }
+    }
+    for (const node of this.#nodes) node.link.close();
+  }
+
+  #pickPair(): Pair | null {
+    const n = this.#pairs.length;
+    for (let i = 0; i < n; i++) {
+      const pair = this.#pairs[(this.#nextPair + i) % n]!;
+      if (pair.up && !this.#lost.has(pair.prefill.id) && !this.#lost.has(pair.decode.id)) {
+        this.#nextPair = (this.#nextPair + i + 1) % n;
+        return pair;
+      }
+    }
+    return null;
+  }
+
+  #poll(node: RouterNode): Promise<NodeStats | null> {
+    const id = this.#nextStatsId++;
+    return new Promise((resolve) => {
+      this.#statsWaiters.set(id, { node: node.id, resolve });
+      try {
+        node.link.send({ kind: "stats", id });
+      } catch {
+        this.#statsWaiters.delete(id);
+        resolve(null);
+      }
+    });
+  }
+
+  #onNodeMessage(node: RouterNode, message: FromNode): void {
+    switch (message.kind) {
+      case "protocol": {
+        const pending = this.#requests.get(message.msg.rid);
+        if (pending === undefined) return;
+        const pair = pending.pair;
+        if (node !== pair.prefill && node !== pair.decode) return;
+        if (message.msg.type === "finished") pending.completionTokens = message.msg.completionTokens;
+        this.#step(pair, { type: "message", msg: message.msg });
+        for (const listener of this.#observers) listener(node, message.msg);
+        return;
+      }
+      case "stats": {
+        const waiter = this.#statsWaiters.get(message.id);
+        if (waiter === undefined) return;
+        this.#statsWaiters.delete(message.id);
+        waiter.resolve(message.stats);
+        return;
+      }
+      case "prefill_up":
+        this.pairUp(message.prefill, node.id, true);
+        return;
+      case "prefill_down":
+        this.pairUp(message.prefill, node.id, false);
+        return;
+      default:
+        return;
+    }
+  }
+
+  #nodeLost(node: RouterNode): void {
+    if (this.#lost.has(node.id)) return;
+    this.#lost.add(node.id);
+    for (const [id, waiter] of this.#statsWaiters) {
+      if (waiter.node === node.id) {
+        this.#statsWaiters.delete(id);
+        waiter.resolve(null);
+      }
+    }
+    const role = node.hello.role;
+    if (role === "prefill") {
+      // Decode nodes fence the lost prefill node (close its channel) before releasing its pages.
+      for (const pair of this.#pairs) {
+        if (pair.prefill !== node || this.#lost.has(pair.decode.id)) continue;
+        try {
+          pair.decode.link.send({ kind: "prefill_lost", prefill: node.id });
+        } catch {
+          // That decode node is going too.
+        }
+      }
+    }
+    for (const pair of this.#pairs) {
+      if (pair.prefill === node || pair.decode === node) {
+        pair.up = false;
+        this.#step(pair, { type: "peer_lost", role });
+      }
+    }
+  }
+
+  #step(pair: Pair, event: RouterEvent): void {
+    const out = this.#out;
+    const start = out.length;
+    routerStep(pair.state, event, this.#config, this.#safety, out);
+    const effects = out.splice(start);
+    for (const effect of effects) {
+      switch (effect.kind) {
+        case "send":
+          this.#send(pair, effect.to === "prefill" ? pair.prefill : pair.decode, effect.msg);
+          break;
+        case "tokens": {
+          const pending = this.#requests.get(effect.rid);
+          if (pending === undefined || pending.silenced || pending.stopped) break;
+          // A stop token (only prefill's first token can be one) ends the stream; decode reports the finish.
+          let n = 0;
+          while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
+          if (n < effect.tokens.length) pending.stopped = true;
+          if (n > 0) pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+          break;
+        }
+        case "respond": {
+          const pending = this.#requests.get(effect.rid);
+          delete pair.state.requests[effect.rid];
+          if (pending === undefined) break;
+          this.#requests.delete(effect.rid);
+          if (pending.silenced) break;
+          if (effect.error === null) {
+            pending.events.onFinish(effect.finishReason ?? "length", {
+              promptTokens: pending.promptTokens.length,
+              completionTokens: pending.completionTokens,
+            });
+          } else pending.events.onError(effect.error);
+          break;
+        }
+        default:
+          break;
+      }
+    }
+  }
+
+  #send(pair: Pair, node: RouterNode, msg: ControlMessage): void {
+    if (this.#lost.has(node.id)) return;
+    const pending = this.#requests.get(msg.rid);
+    let message: ToNode;
+    if (msg.type === "prefill") {
+      message = {
+        kind: "protocol",
+        prefill: pair.prefill.id,
+        msg: pending === undefined ? msg : { ...msg, promptTokens: pending.promptTokens },
+        ...(pending === undefined ? {} : { sampling: pending.sampling }),
+      };
+    } else if (msg.type === "reserve" && pending !== undefined) {
+      message = { kind: "protocol", prefill: pair.prefill.id, msg, sampling: pending.sampling };
+    } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
+    try {
+      node.link.send(message);
+    } catch {
+      // The link is closing; its close event fails the request.
+    }
+  }
+}

@@ -1,0 +1,186 @@
+/**
+ * A local multi-process cluster on 127.0.0.1 (`kvfence cluster`, and the acceptance tests): N
+ * prefill and M decode node processes (`kvfence serve --role prefill|decode --port 0`), then a
+ * router process (`--role router --prefill … --decode …`), all sharing a fresh random cluster
+ * secret through the environment. Each child prints its address on stdout; `close()` stops them
+ * all (SIGTERM, then SIGKILL for any that linger).
+ */
+import { type ChildProcess, spawn } from "node:child_process";
+import { randomBytes } from "node:crypto";
+import { fileURLToPath } from "node:url";
+import { KvfenceError } from "../lib/errors.js";
+
+const MAIN = fileURLToPath(new URL("../cli/main.js", import.meta.url));
+
+export interface LocalClusterOptions {
+  readonly prefill: number;
+  readonly decode: number;
+  readonly model: string;
+  /** Extra `kvfence serve` arguments for every node (pool size, page size, ...). */
+  readonly nodeArgs?: readonly string[];
+  /** Extra arguments for the router (api keys, port, ...). */
+  readonly routerArgs?: readonly string[];
+  readonly host?: string;
+  /** Router port (default 0: any free port). */
+  readonly port?: number;
+  /** Child stderr goes here (default: discarded). */
+  readonly stderr?: (line: string) => void;
+  readonly startTimeoutMs?: number;
+}
+
+export interface LocalCluster {
+  readonly url: string;
+  readonly router: ChildProcess;
+  readonly prefill: readonly { readonly url: string; readonly process: ChildProcess }[];
+  readonly decode: readonly { readonly url: string; readonly process: ChildProcess }[];
+  close(): Promise<void>;
+}
+
+function startChild(
+  args: readonly string[],
+  env: NodeJS.ProcessEnv,
+  pattern: RegExp,
+  stderr: ((line: string) => void) | undefined,
+  timeoutMs: number,
+): Promise<{ url: string; process: ChildProcess }> {
+  const child = spawn(process.execPath, [MAIN, ...args], { env, stdio: ["ignore", "pipe", "pipe"] });
+  let err = "";
+  child.stderr!.on("data", (chunk: Buffer) => {
+    const text = chunk.toString();
+    err = (err + text).slice(-4000);
+    if (stderr !== undefined) for (const line of text.split("\n")) if (line.length > 0) stderr(line);
+  });
+  return new Promise((resolve, reject) => {
+    let out = "";
+    const timer = setTimeout(() => {
+      child.kill("SIGKILL");
+      reject(new KvfenceError("node_unavailable", `A cluster process did not start in ${timeoutMs} ms: ${args.join(" ")}\n${err}`));
+    }, timeoutMs);
+    const onData = (chunk: Buffer): void => {
+      out += chunk.toString();
+      const match = pattern.exec(out);
+      if (match !== null) {
+        clearTimeout(timer);
+        child.stdout!.off("data", onData);
+        child.stdout!.resume();
+        child.off("exit", onExit);
+        resolve({ url: match[1]!, process: child });
+      }
+    };
+    const onExit = (code: number | null): void => {
+      clearTimeout(timer);
+      reject(new KvfenceError("node_unavailable", `A cluster process exited during startup with code ${code}: ${args.join(" ")}\n${err}`));
+    };
+    child.stdout!.on("data", onData);
+    child.on("exit", onExit);
+  });
+}
+
+async function stop(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null || child.signalCode !== null) return;
+  await new Promise<void>((resolve) => {
+    const timer = setTimeout(() => child.kill("SIGKILL"), 5000);
+    child.once("exit", () => {
+      clearTimeout(timer);
+      resolve();
+    });
+    child.kill("SIGTERM");
+  });
+}
+
+export interface NodeProcesses {
+  readonly secret: string;
+  readonly prefill: readonly { readonly url: string; readonly process: ChildProcess }[];
+  readonly decode: readonly { readonly url: string; readonly process: ChildProcess }[];
+  close(): Promise<void>;
+}
+
+/** Only the node processes (no router), for a router in this process (`connectCluster`). */
+export async function startNodeProcesses(
+  options: Omit<LocalClusterOptions, "routerArgs" | "port">,
+): Promise<NodeProcesses> {
+  const secret = randomBytes(24).toString("hex");
+  const env = { ...process.env, KVFENCE_CLUSTER_SECRET: secret };
+  const started: ChildProcess[] = [];
+  const node = async (role: "prefill" | "decode") => {
+    const child = await startChild(
+      ["serve", "--role", role, "--host", options.host ?? "127.0.0.1", "--port", "0", "--model", options.model, "--log-level", "warn", ...(options.nodeArgs ?? [])],
+      env,
+      /listening at (http:\/\/\S+)/,
+      options.stderr,
+      options.startTimeoutMs ?? 60_000,
+    );
+    started.push(child.process);
+    return child;
+  };
+  try {
+    const prefill = await Promise.all(Array.from({ length: options.prefill }, () => node("prefill")));
+    const decode = await Promise.all(Array.from({ length: options.decode }, () => node("decode")));
+    return { secret, prefill, decode, close: async () => void (await Promise.all(started.map(stop))) };
+  } catch (err) {
+    await Promise.all(started.map(stop));
+    throw err;
+  }
+}
+
+export async function startLocalCluster(options: LocalClusterOptions): Promise<LocalCluster> {
+  const host = options.host ?? "127.0.0.1";
+  const env = { ...process.env, KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
+  const timeoutMs = options.startTimeoutMs ?? 60_000;
+  const started: ChildProcess[] = [];
+  const nodeArgs = options.nodeArgs ?? [];
+  const node = async (role: "prefill" | "decode") => {
+    const child = await startChild(
+      ["serve", "--role", role, "--host", host, "--port", "0", "--model", options.model, "--log-level", "warn", ...nodeArgs],
+      env,
+      /listening at (http:\/\/\S+)/,
+      options.stderr,
+      timeoutMs,
+    );
+    started.push(child.process);
+    return child;
+  };
+  try {
+    const prefill = await Promise.all(Array.from({ length: options.prefill }, () => node("prefill")));
+    const decode = await Promise.all(Array.from({ length: options.decode }, () => node("decode")));
+    const router = await startChild(
+      [
+        "serve",
+        "--role",
+        "router",
+        "--host",
+        host,
+        "--port",
+        String(options.port ?? 0),
+        "--model",
+        options.model,
+        "--log-level",
+        "warn",
+        ...nodeArgs,
+        ...(options.routerArgs ?? []),
+        "--prefill",
+        ...prefill.map((p) => p.url),
+        "--decode",
+        ...decode.map((d) => d.url),
+      ],
+      env,
+      / at (http:\/\/\S+) /,
+      options.stderr,
+      timeoutMs,
+    );
+    started.push(router.process);
+    return {
+      url: router.url,
+      router: router.process,
+      prefill,
+      decode,
+      async close() {
+        await stop(router.process);
+        await Promise.all([...prefill, ...decode].map((c) => stop(c.process)));
+      },
+    };
+  } catch (err) {
+    await Promise.all(started.map(stop));
+    throw err;
+  }
+}

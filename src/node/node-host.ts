@@ -1,0 +1,58 @@
+/**
+ * Builds a prefill or decode node (engine + pool + node glue) from plain options, for both forms:
+ * the worker thread (`node-worker.ts`) and the process (`node-server.ts`).
+ */
+import { randomInt } from "node:crypto";
+import type { Engine } from "../engine/engine.js";
+import { layoutSignature } from "../kvcache/kv-layout.js";
+import { loadModelConfig } from "../model/config-loader.js";
+import type { ModelConfig } from "../model/model-config.js";
+import { makeSafety, type Safety } from "../protocol/safety.js";
+import { buildEngine } from "./engine-worker.js";
+import type { EngineWorkerOptions } from "./engine-messages.js";
+import { DecodeNode } from "./decode-node.js";
+import type { FromNode, NodeHello } from "./node-messages.js";
+import { PrefillNode } from "./prefill-node.js";
+
+export interface NodeHostOptions {
+  readonly role: "prefill" | "decode";
+  readonly engine: EngineWorkerOptions;
+  /** `--unsafe-fault` names (tests and demos only). */
+  readonly faults?: readonly string[];
+}
+
+export type BuiltNode =
+  | { readonly role: "prefill"; readonly engine: Engine; readonly node: PrefillNode; readonly hello: NodeHello; readonly layoutSignature: string }
+  | { readonly role: "decode"; readonly engine: Engine; readonly node: DecodeNode; readonly hello: NodeHello; readonly layoutSignature: string };
+
+/** The layout signature both ends of a transfer compare: the model's shape and the page layout. */
+export function nodeLayoutSignature(engine: Engine, config: ModelConfig): string {
+  return layoutSignature(
+    engine.pool.layout,
+    `${config.architecture}-h${config.hiddenSize}-v${config.vocabSize}-l${config.numLayers}`,
+  );
+}
+
+export function buildNode(options: NodeHostOptions, toRouter: (message: FromNode) => void): BuiltNode {
+  const engine = buildEngine(options.engine);
+  const safety: Safety = makeSafety({
+    faults: options.faults ?? [],
+    disabledGuards: options.engine.disabledGuards ?? [],
+  });
+  const model = options.engine.model;
+  const signature = nodeLayoutSignature(engine, "dir" in model ? loadModelConfig(model.dir) : model.config);
+  const base = {
+    kind: "hello" as const,
+    poolTokens: engine.capacity.poolTokens,
+    pageSize: engine.capacity.pageSize,
+    maxModelLen: engine.capacity.maxModelLen,
+    layoutSignature: signature,
+  };
+  if (options.role === "prefill") {
+    const node = new PrefillNode({ engine, layoutSignature: signature, safety, toRouter });
+    return { role: "prefill", engine, node, hello: { ...base, role: "prefill" }, layoutSignature: signature };
+  }
+  const incarnation = randomInt(1, 0x7fff_ffff);
+  const node = new DecodeNode({ engine, layoutSignature: signature, safety, incarnation, toRouter });
+  return { role: "decode", engine, node, hello: { ...base, role: "decode", incarnation }, layoutSignature: signature };
+}

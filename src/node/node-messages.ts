@@ -1,0 +1,99 @@
+/**
+ * The messages between the router-side driver (`disaggregated-engine.ts`) and the prefill and
+ * decode nodes, in both topologies: posted on a `MessagePort` (worker threads) or sent as
+ * authenticated lines over TCP (`control-link.ts`, processes). Plain JSON-able data only.
+ *
+ * A protocol message (`src/protocol/wire.ts`) travels inside an envelope that adds what the
+ * servers need and the state machines abstract away: the prompt's token ids (on `prefill`), the
+ * sampling parameters (on `reserve` and `prefill`), and which prefill node a decode attempt is
+ * paired with (a decode node runs one decode state machine per prefill peer, so that peer's fence
+ * releases exactly its own quarantined pages).
+ */
+import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { ControlMessage } from "../protocol/wire.js";
+
+/** Sampling parameters of one request, as the engine's `GenerationRequest` has them. */
+export interface SamplingParams {
+  readonly temperature: number;
+  readonly topP: number;
+  readonly topK: number;
+  readonly seed: number | null;
+  readonly stopTokenIds: readonly number[];
+}
+
+/** Router → node. */
+export type ToNode =
+  | {
+      readonly kind: "protocol";
+      /** The prefill node this attempt is paired with (decode: selects its state machine). */
+      readonly prefill: string;
+      readonly msg: ControlMessage;
+      readonly sampling?: SamplingParams;
+    }
+  | { readonly kind: "stats"; readonly id: number }
+  /** Decode, process form: connect the transfer channel to this prefill node. */
+  | { readonly kind: "connect_prefill"; readonly prefill: string; readonly host: string; readonly port: number }
+  /** Decode: this prefill node is fenced (its worker exited, its connection closed). */
+  | { readonly kind: "prefill_lost"; readonly prefill: string };
+
+/** What a node tells the router about itself when the link opens. */
+export interface NodeHello {
+  readonly kind: "hello";
+  readonly role: "prefill" | "decode";
+  readonly poolTokens: number;
+  readonly pageSize: number;
+  readonly maxModelLen: number;
+  readonly layoutSignature: string;
+  /** Prefill, process form: where its transfer server listens. */
+  readonly transferPort?: number;
+  /** Decode: its incarnation (stamped on every lease). */
+  readonly incarnation?: number;
+}
+
+/** One node's counters, polled by the router for /metrics and /kvfence/nodes. */
+export interface NodeStats {
+  readonly role: "prefill" | "decode";
+  readonly pages: PageCounts;
+  readonly queue: { readonly waiting: number; readonly running: number; readonly preempted: number };
+  readonly counters: {
+    readonly tagCheckFailures: number;
+    readonly preemptions: number;
+    readonly aborts: number;
+    readonly promptTokens: number;
+    readonly completionTokens: number;
+  };
+  /** Attempts the node's state machines hold now (reserved, quarantined, computing, held, ...). */
+  readonly attempts: number;
+  /** Protocol messages ignored because their (rid, epoch) was not current. */
+  readonly staleMessages: number;
+  readonly transfer: {
+    readonly bytes: number;
+    readonly pages: number;
+    readonly transfers: number;
+    readonly checksumFailures: number;
+    readonly coverageFailures: number;
+    readonly droppedStaleWrites: number;
+    readonly droppedMisaddressedWrites: number;
+  };
+  /** Observations since the previous poll (drained by each poll): GB/s per transfer, ABORT_ACK latency in seconds. */
+  readonly transferGbps: readonly number[];
+  readonly abortAckSeconds: readonly number[];
+}
+
+/** Node → router. */
+export type FromNode =
+  | NodeHello
+  | { readonly kind: "protocol"; readonly msg: ControlMessage }
+  | { readonly kind: "stats"; readonly id: number; readonly stats: NodeStats }
+  /** Decode: the transfer channel to this prefill node is up / went down (the fence). */
+  | { readonly kind: "prefill_up"; readonly prefill: string }
+  | { readonly kind: "prefill_down"; readonly prefill: string };
+
+/** A bidirectional message channel (a MessagePort or an authenticated TCP link). */
+export interface Link<Out, In> {
+  send(message: Out): void;
+  onMessage(handler: (message: In) => void): void;
+  /** Called once when the link closes (the peer went away): the fence. */
+  onClose(handler: (error?: Error) => void): void;
+  close(): void;
+}

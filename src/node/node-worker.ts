@@ -1,0 +1,108 @@
+/**
+ * The worker-thread form of a prefill or decode node (the default `kvfence serve` topology). The
+ * router (main thread) posts `ToNode` messages and thread-only setup messages on the parent port:
+ *
+ * - decode gets `shm_receiver {prefill, port}`: it lays a shared-memory channel over its own pool
+ *   (`createShmChannel`), receives on `port`, and answers `shm_channel {prefill, channel}`;
+ * - prefill gets `shm_writer {channel, port, incarnation}` (forwarded by the main thread) and
+ *   writes one-sided into the decode pool through it.
+ *
+ * A worker's exit is its fence: the main thread tells the peers (`prefill_lost`), and the
+ * transfer port closes with it.
+ */
+import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
+import { KvfenceError } from "../lib/errors.js";
+import { createShmChannel, type ShmChannel, ShmTransferReceiver, ShmTransferWriter } from "../transfer/shm-transport.js";
+import type { FromNode, ToNode } from "./node-messages.js";
+import { pageByteLength } from "./node-pool.js";
+import { buildNode, type NodeHostOptions } from "./node-host.js";
+
+export const NODE_WORKER_TAG = "kvfence-node-worker";
+
+/** Thread-only setup messages, main thread → node worker. */
+export type NodeWorkerSetup =
+  | { readonly kind: "shm_receiver"; readonly prefill: string; readonly port: MessagePort }
+  | { readonly kind: "shm_writer"; readonly channel: ShmChannel; readonly port: MessagePort; readonly incarnation: number }
+  | { readonly kind: "decode_lost"; readonly incarnation: number };
+
+/** Thread-only replies, node worker → main thread. */
+export type NodeWorkerReply =
+  | { readonly kind: "shm_channel"; readonly prefill: string; readonly channel: ShmChannel }
+  | { readonly kind: "failed"; readonly error: { code: string; message: string } };
+
+function main(port: MessagePort, options: NodeHostOptions): void {
+  const toRouter = (message: FromNode | NodeWorkerReply): void => port.postMessage(message);
+  let built: ReturnType<typeof buildNode>;
+  try {
+    built = buildNode(options, toRouter);
+  } catch (err) {
+    const error =
+      err instanceof KvfenceError ? err.toWire() : { code: "internal", message: `Node failed to start: ${String(err)}` };
+    toRouter({ kind: "failed", error });
+    return;
+  }
+  port.on("message", (message: ToNode | NodeWorkerSetup) => {
+    if (message.kind === "stats") {
+      toRouter({ kind: "stats", id: message.id, stats: built.node.stats() });
+      return;
+    }
+    if (built.role === "decode") {
+      const node = built.node;
+      if (message.kind === "shm_receiver") {
+        const pool = built.engine.pool;
+        const channel = createShmChannel({
+          pool: pool.data,
+          table: pool.table,
+          pageBytes: pageByteLength(pool),
+          layoutSignature: built.layoutSignature,
+        });
+        let onControl: (m: Parameters<ReturnType<typeof node.attachPrefill>>[0]) => void = () => {};
+        const receiver = new ShmTransferReceiver(channel, {
+          port: message.port,
+          handlers: {
+            control: (m) => onControl(m),
+            leaseLanded: () => node.recordTransferGbps(receiver.metrics.lastTransferGbps),
+            closed: () => node.prefillLost(message.prefill),
+          },
+        });
+        onControl = node.attachPrefill(message.prefill, {
+          sendControl: (m) => receiver.sendControl(m),
+          close: () => receiver.close(),
+          metrics: receiver.metrics,
+        });
+        toRouter({ kind: "shm_channel", prefill: message.prefill, channel });
+        toRouter({ kind: "prefill_up", prefill: message.prefill });
+        return;
+      }
+      if (message.kind === "shm_writer" || message.kind === "decode_lost") return;
+      node.onRouter(message);
+      return;
+    }
+    const node = built.node;
+    if (message.kind === "shm_writer") {
+      let onControl: (m: Parameters<ReturnType<typeof node.attachDecode>>[0]) => void = () => {};
+      const writer = new ShmTransferWriter(message.channel, {
+        port: message.port,
+        layoutSignature: built.layoutSignature,
+        handlers: {
+          control: (m) => onControl(m),
+          closed: () => node.decodeLost(message.incarnation),
+        },
+      });
+      onControl = node.attachDecode(writer, message.incarnation, writer.metrics);
+      return;
+    }
+    if (message.kind === "decode_lost") {
+      node.decodeLost(message.incarnation);
+      return;
+    }
+    if (message.kind === "shm_receiver") return;
+    node.onRouter(message);
+  });
+  toRouter(built.hello);
+}
+
+const data = workerData as { tag?: unknown; options?: NodeHostOptions } | null;
+if (!isMainThread && parentPort !== null && data?.tag === NODE_WORKER_TAG && data.options !== undefined) {
+  main(parentPort, data.options);
+}

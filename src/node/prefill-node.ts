@@ -1,0 +1,296 @@
+/**
+ * The prefill node (DESIGN.md §2): the engine in prefill-only mode, driven by the protocol's
+ * prefill state machine (`prefillStep`), with the transport injected — the same class runs in a
+ * worker thread (shared-memory writer) and in a process (TCP writer).
+ *
+ * One prefill state machine per connected decode node, all over this node's one pool: a machine's
+ * `decodeIncarnation` is its decode peer's, so a `prefill` request goes to the machine whose peer
+ * granted the lease, and a decode peer's fence (`closed`) frees exactly that peer's attempts.
+ *
+ * The glue only carries out effects: `compute` → `Engine.submitPrefill` (its first token feeds
+ * `computed`); `write` → `TransferWriter.writePages` then `endLease`, each page then feeds
+ * `write_done`; `send` → the router link or the writer's ordered control channel (so a manifest or
+ * an ABORT_ACK never overtakes the writes before it). Nothing here runs on a timer.
+ */
+import type { Engine } from "../engine/engine.js";
+import type { GenerationRequest } from "../engine/engine-types.js";
+import type { WireError } from "../lib/errors.js";
+import type { Effects, WriteEffect } from "../protocol/effects.js";
+import { initialPrefillState, type PrefillEvent, type PrefillState, prefillStep } from "../protocol/prefill-machine.js";
+import type { Safety } from "../protocol/safety.js";
+import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "../protocol/wire.js";
+import type { TransferMetrics } from "../transfer/transfer-metrics.js";
+import type { PageWrite, TransferWriter } from "../transfer/transport.js";
+import type { FromNode, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
+import { pageBytesOf, protocolPool } from "./node-pool.js";
+import { StepLoop } from "./step-loop.js";
+
+export interface PrefillNodeOptions {
+  readonly engine: Engine;
+  readonly layoutSignature: string;
+  readonly safety: Safety;
+  /** Sends to the router (the current router link). */
+  readonly toRouter: (message: FromNode) => void;
+}
+
+interface DecodePeer {
+  readonly writer: TransferWriter;
+  readonly metrics: TransferMetrics | undefined;
+  readonly state: PrefillState;
+  open: boolean;
+}
+
+const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
+
+export class PrefillNode {
+  readonly #engine: Engine;
+  readonly #pool;
+  readonly #config;
+  readonly #safety: Safety;
+  readonly #toRouter: (message: FromNode) => void;
+  readonly #loop: StepLoop;
+  readonly #peers = new Map<number, DecodePeer>();
+  /** Per attempt: the peer it writes to, and the prompt and sampling the router sent. */
+  readonly #inputs = new Map<string, { peer: DecodePeer; tokens: readonly number[]; sampling: SamplingParams }>();
+  readonly #out: Effects = [];
+  /** Transfer counters of writers that closed (kept so totals never go down). */
+  readonly #closedTotals = { bytes: 0, pages: 0, transfers: 0 };
+  #gbps: number[] = [];
+
+  constructor(options: PrefillNodeOptions) {
+    this.#engine = options.engine;
+    this.#pool = protocolPool(options.engine.pool);
+    this.#config = { maxModelLen: options.engine.capacity.maxModelLen, layoutSignature: options.layoutSignature };
+    this.#safety = options.safety;
+    this.#toRouter = options.toRouter;
+    this.#loop = new StepLoop(options.engine);
+  }
+
+  /**
+   * A decode node of `incarnation` connected through `writer`. Its control messages (abort,
+   * release) feed that peer's machine; its channel closing is its fence.
+   */
+  attachDecode(
+    writer: TransferWriter & { handlers?: unknown },
+    incarnation: number,
+    metrics?: TransferMetrics,
+  ): (message: ControlMessage) => void {
+    const old = this.#peers.get(incarnation);
+    if (old !== undefined) this.#fence(incarnation, old);
+    const peer: DecodePeer = { writer, metrics, state: initialPrefillState(incarnation), open: true };
+    this.#peers.set(incarnation, peer);
+    return (message) => {
+      if (peer.open) this.#step(peer, { type: "message", msg: message });
+    };
+  }
+
+  /**
+   * The decode peer's channel closed (or its worker exited): fence it, then free its attempts.
+   * With `writer`, only if that peer still writes through it (not a newer connection).
+   */
+  decodeLost(incarnation: number, writer?: TransferWriter): void {
+    const peer = this.#peers.get(incarnation);
+    if (peer !== undefined && (writer === undefined || peer.writer === writer)) this.#fence(incarnation, peer);
+  }
+
+  onRouter(message: ToNode): void {
+    if (message.kind !== "protocol") return;
+    const msg = message.msg;
+    if (msg.type !== "prefill") return;
+    const peer = this.#peers.get(msg.lease.incarnation);
+    if (peer === undefined) {
+      this.#reject(msg, {
+        code: "node_unavailable",
+        message: `The decode node that leased request ${msg.rid} is not connected to this prefill node: incarnation ${msg.lease.incarnation}`,
+      });
+      return;
+    }
+    const key = attemptKey(msg.rid, msg.epoch);
+    if (msg.promptTokens === undefined || msg.promptTokens.length !== msg.promptLen) {
+      this.#reject(msg, {
+        code: "invalid_request",
+        message: `The prefill request ${msg.rid} carries ${msg.promptTokens?.length ?? 0} prompt tokens, its promptLen is: ${msg.promptLen}`,
+      });
+      return;
+    }
+    if (!this.#inputs.has(key)) this.#inputs.set(key, { peer, tokens: msg.promptTokens, sampling: message.sampling ?? GREEDY });
+    this.#step(peer, { type: "message", msg });
+  }
+
+  stats(): NodeStats {
+    const engine = this.#engine.stats();
+    let attempts = 0;
+    let stale = 0;
+    const transfer = { ...this.#closedTotals };
+    for (const peer of this.#peers.values()) {
+      attempts += Object.keys(peer.state.attempts).length;
+      stale += peer.state.stale;
+      if (peer.metrics !== undefined) {
+        transfer.bytes += peer.metrics.bytesTransferred;
+        transfer.pages += peer.metrics.pagesTransferred;
+        transfer.transfers += peer.metrics.transfers;
+      }
+    }
+    const gbps = this.#gbps;
+    this.#gbps = [];
+    return {
+      role: "prefill",
+      pages: engine.pages,
+      queue: engine.queue,
+      counters: engine.counters,
+      attempts,
+      staleMessages: stale,
+      transfer: {
+        ...transfer,
+        checksumFailures: 0,
+        coverageFailures: 0,
+        droppedStaleWrites: 0,
+        droppedMisaddressedWrites: 0,
+      },
+      transferGbps: gbps,
+      abortAckSeconds: [],
+    };
+  }
+
+  close(): void {
+    this.#loop.stop();
+  }
+
+  #fence(incarnation: number, peer: DecodePeer): void {
+    if (!peer.open) return;
+    peer.open = false;
+    this.#peers.delete(incarnation);
+    if (peer.metrics !== undefined) {
+      this.#closedTotals.bytes += peer.metrics.bytesTransferred;
+      this.#closedTotals.pages += peer.metrics.pagesTransferred;
+      this.#closedTotals.transfers += peer.metrics.transfers;
+    }
+    // Stop computing for the lost peer; the machine frees the source pages.
+    for (const key in peer.state.attempts) this.#engine.abort(peer.state.attempts[key]!.rid);
+    this.#step(peer, { type: "peer_lost", role: "decode" }, true);
+    for (const [key, input] of this.#inputs) if (input.peer === peer) this.#inputs.delete(key);
+  }
+
+  #reject(msg: PrefillRequest, error: WireError): void {
+    this.#toRouter({
+      kind: "protocol",
+      msg: { type: "rejected", rid: msg.rid, epoch: msg.epoch, from: "prefill", error },
+    });
+  }
+
+  #step(peer: DecodePeer, event: PrefillEvent, force = false): void {
+    if (!peer.open && !force) return;
+    const out = this.#out;
+    const start = out.length;
+    prefillStep(peer.state, event, this.#pool, this.#config, this.#safety, out);
+    const effects = out.splice(start);
+    let writes: WriteEffect[] | null = null;
+    for (const effect of effects) {
+      switch (effect.kind) {
+        case "send":
+          if (effect.to === "router") this.#toRouter({ kind: "protocol", msg: effect.msg });
+          else if (peer.open) peer.writer.sendControl(effect.msg).catch(() => {});
+          if (effect.msg.type === "abort_ack" || effect.msg.type === "rejected") {
+            this.#inputs.delete(attemptKey(effect.msg.rid, effect.msg.epoch));
+          }
+          break;
+        case "compute":
+          this.#compute(peer, effect.rid, effect.epoch, effect.tenant, effect.promptLen, effect.pages);
+          break;
+        case "write":
+          (writes ??= []).push(effect);
+          break;
+        default:
+          break;
+      }
+    }
+    if (writes !== null) this.#write(peer, writes);
+    // Attempts that ended here (released, acknowledged, fenced) need no inputs any more.
+    for (const [key, input] of this.#inputs) {
+      if (input.peer === peer && peer.state.ended[key] !== undefined) this.#inputs.delete(key);
+    }
+  }
+
+  #compute(peer: DecodePeer, rid: number, epoch: number, tenant: number, promptLen: number, pages: readonly LeasePage[]): void {
+    const key = attemptKey(rid, epoch);
+    const input = this.#inputs.get(key);
+    const tokens = input?.tokens ?? [];
+    const sampling = input?.sampling ?? GREEDY;
+    const request: GenerationRequest = {
+      rid,
+      tenant,
+      // promptLen is 1 only under the placeholder-reject fault: the placeholder is the first token.
+      promptTokens: Int32Array.from(tokens.slice(0, Math.max(1, promptLen))),
+      maxTokens: 1,
+      temperature: sampling.temperature,
+      topP: sampling.topP,
+      topK: sampling.topK,
+      seed: sampling.seed,
+      stopTokenIds: sampling.stopTokenIds,
+    };
+    let done = false;
+    this.#engine.submitPrefill(request, { epoch, pages }, {
+      onTokens: (ids) => {
+        if (done) return;
+        done = true;
+        this.#step(peer, { type: "computed", rid, epoch, firstToken: ids[0]! });
+      },
+      onFinish: () => {},
+      onError: (error) => {
+        if (done) return;
+        done = true;
+        // The engine refused or failed it: end the attempt (the machine frees the source pages
+        // and acknowledges), and tell the router with the engine's error, unchanged.
+        this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
+        this.#step(peer, { type: "computed", rid, epoch, firstToken: 0 });
+        this.#toRouter({ kind: "protocol", msg: { type: "rejected", rid, epoch, from: "prefill", error } });
+      },
+    });
+    this.#loop.kick();
+  }
+
+  #write(peer: DecodePeer, effects: readonly WriteEffect[]): void {
+    // Group by attempt (one `computed` issues all of one attempt's writes).
+    const byAttempt = new Map<string, WriteEffect[]>();
+    for (const e of effects) {
+      const key = attemptKey(e.header.rid, e.header.epoch);
+      let list = byAttempt.get(key);
+      if (list === undefined) byAttempt.set(key, (list = []));
+      list.push(e);
+    }
+    const pool = this.#engine.pool;
+    for (const list of byAttempt.values()) {
+      const { rid, epoch } = list[0]!.header;
+      const pages: LeasePage[] = [];
+      const writes: PageWrite[] = [];
+      for (const e of list) {
+        pages[e.header.index] = { page: e.header.page, generation: e.header.generation };
+        let bytes = pageBytesOf(pool, e.sourcePage);
+        if (e.corrupt) {
+          // The corrupt-transfer fault: one byte flipped in flight.
+          bytes = bytes.slice();
+          bytes[0] = bytes[0]! ^ 0xff;
+        }
+        writes.push({ index: e.header.index, bytes, filledTokens: e.header.filledTokens });
+      }
+      for (let i = 0; i < pages.length; i++) pages[i] ??= { page: -1, generation: 0 };
+      const lease = { rid, epoch, pages };
+      const started = process.hrtime.bigint();
+      let bytesSent = 0;
+      for (const w of writes) bytesSent += w.bytes.length;
+      peer.writer
+        .writePages(lease, writes)
+        .then(() => peer.writer.endLease(lease, writes.length))
+        .then(
+          () => {
+            const seconds = Number(process.hrtime.bigint() - started) / 1e9;
+            if (seconds > 0) this.#gbps.push(bytesSent / seconds / 1e9);
+            for (const w of writes) this.#step(peer, { type: "write_done", rid, epoch, index: w.index });
+          },
+          () => {
+            // The channel failed: the peer is being fenced (its `closed` frees everything).
+          },
+        );
+    }
+  }
+}

@@ -1,0 +1,101 @@
+/**
+ * What `kvfence serve` runs behind its HTTP router, by topology:
+ * - default: the threaded disaggregated topology (prefill and decode nodes in worker threads,
+ *   shared-memory transfer);
+ * - `--no-disaggregation`: one engine worker;
+ * - `--role router --prefill URL… --decode URL…`: the multi-process topology (TCP).
+ * `--role prefill|decode` runs a node process instead of a router (`startNodeServer`).
+ */
+import type { EngineHandle } from "../engine/engine-types.js";
+import { KvfenceError } from "../lib/errors.js";
+import type { MetricsRegistry } from "../lib/metrics.js";
+import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import { makeSafety } from "../protocol/safety.js";
+import { registerClusterMetrics } from "./cluster-metrics.js";
+import { connectCluster } from "./cluster-router.js";
+import type { DisaggregatedEngine } from "./disaggregated-engine.js";
+import { EngineClient } from "./engine-client.js";
+import type { EngineWorkerOptions } from "./engine-messages.js";
+import { startThreadedTopology } from "./threaded-topology.js";
+
+export type ServeRole = "all" | "router" | "prefill" | "decode";
+
+export interface ServeEngineOptions {
+  readonly role: ServeRole;
+  readonly disaggregation: boolean;
+  readonly model: { readonly config: ModelConfig; readonly weights: ModelWeights } | null;
+  /** Engine options of each node (or of the one engine), without the model. */
+  readonly engine: Omit<EngineWorkerOptions, "model">;
+  readonly maxModelLen: number;
+  readonly prefill: readonly string[];
+  readonly decode: readonly string[];
+  readonly clusterSecret: string | undefined;
+  readonly faults: readonly string[];
+}
+
+export interface ServeEngine {
+  readonly engine: EngineHandle;
+  readonly topology: "single" | "threads" | "processes";
+  /** Adds the disaggregated metrics to the router's registry (no-op for one engine). */
+  registerMetrics(registry: MetricsRegistry): void;
+  close(): Promise<void>;
+}
+
+/** The cluster secret from `--cluster-secret` or env `KVFENCE_CLUSTER_SECRET`. */
+export function clusterSecret(flag: string | undefined): string {
+  const secret = flag ?? process.env.KVFENCE_CLUSTER_SECRET;
+  if (secret === undefined || secret.length === 0) {
+    throw new KvfenceError(
+      "config_invalid",
+      "The multi-process topology needs a cluster secret: none given; pass --cluster-secret or set KVFENCE_CLUSTER_SECRET on every node",
+    );
+  }
+  return secret;
+}
+
+export async function startServeEngine(options: ServeEngineOptions): Promise<ServeEngine> {
+  const safety = makeSafety({ faults: options.faults });
+  if (options.role === "router") {
+    if (options.prefill.length === 0 || options.decode.length === 0) {
+      throw new KvfenceError(
+        "config_invalid",
+        `The router needs at least one --prefill URL and one --decode URL: got ${options.prefill.length} and ${options.decode.length}`,
+      );
+    }
+    const engine = await connectCluster({
+      prefill: options.prefill,
+      decode: options.decode,
+      secret: clusterSecret(options.clusterSecret),
+      maxModelLen: options.maxModelLen,
+      safety,
+    });
+    return disaggregated(engine, "processes", () => engine.close());
+  }
+  if (options.model === null) throw new KvfenceError("config_invalid", "The server needs a model: none loaded");
+  const engineOptions: EngineWorkerOptions = { ...options.engine, model: options.model };
+  if (!options.disaggregation) {
+    const engine = await EngineClient.start(engineOptions);
+    return { engine, topology: "single", registerMetrics: () => {}, close: () => engine.close() };
+  }
+  const topo = await startThreadedTopology({
+    prefill: engineOptions,
+    decode: engineOptions,
+    maxModelLen: options.maxModelLen,
+    safety,
+    faults: options.faults,
+  });
+  return disaggregated(topo.engine, "threads", () => topo.close());
+}
+
+function disaggregated(
+  engine: DisaggregatedEngine,
+  topology: "threads" | "processes",
+  close: () => Promise<void>,
+): ServeEngine {
+  return {
+    engine,
+    topology,
+    registerMetrics: (registry) => registerClusterMetrics(registry, engine),
+    close,
+  };
+}

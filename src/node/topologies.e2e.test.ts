@@ -1,0 +1,100 @@
+/**
+ * Acceptance (issue #4): greedy outputs are identical under `--no-disaggregation`, the threaded
+ * default topology and a TCP cluster of 2 prefill + 2 decode processes — one at a time and as 16
+ * concurrent requests from 3 tenants (official `openai` client) — and every pool is all FREE when
+ * idle. Real servers, real processes and sockets on 127.0.0.1.
+ */
+import assert from "node:assert/strict";
+import { after, before, describe, test } from "node:test";
+import OpenAI from "openai";
+import { assertPoolIdle, modelDir } from "../../testing/start-server.js";
+import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
+
+const MODEL = "tiny-qwen2";
+const KEYS = { "sk-tenant-alpha-0001": "alpha", "sk-tenant-beta-00002": "beta", "sk-tenant-gamma-0003": "gamma" };
+const PROMPTS = [
+  "Hello there",
+  "Write one line about the sea and the wind over it",
+  "a",
+  "The KV cache of one request must never serve another request; explain why in detail, please.",
+  "0123456789 ".repeat(12),
+  "Tokens: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu",
+];
+const MAX_TOKENS = [8, 20, 3, 17, 12, 1];
+
+interface Answer {
+  readonly text: string;
+  readonly finish: string | null;
+  readonly completionTokens: number | undefined;
+}
+
+async function ask(client: OpenAI, i: number): Promise<Answer> {
+  const res = await client.chat.completions.create({
+    model: MODEL,
+    messages: [{ role: "user", content: PROMPTS[i % PROMPTS.length]! }],
+    max_tokens: MAX_TOKENS[i % MAX_TOKENS.length]!,
+    temperature: 0,
+  });
+  const choice = res.choices[0]!;
+  return { text: choice.message.content ?? "", finish: choice.finish_reason, completionTokens: res.usage?.completion_tokens };
+}
+
+function clients(server: TopologyServer): OpenAI[] {
+  return Object.keys(KEYS).map((key) => new OpenAI({ baseURL: server.baseURL, apiKey: key, maxRetries: 0, timeout: 60_000 }));
+}
+
+describe("topologies give identical greedy outputs", { timeout: 110_000 }, () => {
+  const servers: { name: string; server: TopologyServer }[] = [];
+  const options = { model: modelDir(MODEL), kvPages: 256, maxModelLen: 1024, apiKeys: KEYS };
+
+  before(async () => {
+    const [single, threads, cluster] = await Promise.all([
+      startInProcess("single", options),
+      startInProcess("threads", options),
+      startCluster(2, 2, options),
+    ]);
+    servers.push({ name: "single", server: single }, { name: "threads", server: threads }, { name: "tcp 2+2", server: cluster });
+  });
+  after(async () => {
+    await Promise.all(servers.map((s) => s.server.close()));
+  });
+
+  const baseline: Answer[] = [];
+
+  test("one at a time: every topology answers each prompt as the single engine does", async () => {
+    for (const { name, server } of servers) {
+      const [client] = clients(server);
+      for (let i = 0; i < PROMPTS.length; i++) {
+        const answer = await ask(client!, i);
+        if (name === "single") baseline.push(answer);
+        else assert.deepEqual(answer, baseline[i], `${name}, prompt ${i}`);
+      }
+      await assertPoolIdle(server.url);
+    }
+    assert.equal(baseline.length, PROMPTS.length);
+    assert.ok(baseline.some((a) => a.text.length > 0), "the model produced text");
+  });
+
+  test("16 concurrent requests from 3 tenants: the same answers in every topology, pools all FREE after", async () => {
+    for (const { name, server } of servers) {
+      const cs = clients(server);
+      const answers = await Promise.all(Array.from({ length: 16 }, (_, i) => ask(cs[i % cs.length]!, i)));
+      for (let i = 0; i < 16; i++) assert.deepEqual(answers[i], baseline[i % PROMPTS.length], `${name}, request ${i}`);
+      await assertPoolIdle(server.url);
+    }
+  });
+
+  test("/kvfence/nodes lists the prefill and decode nodes with their pools", async () => {
+    for (const { name, server } of servers) {
+      const body = (await (await fetch(`${server.url}/kvfence/nodes`)).json()) as {
+        max_model_len: number;
+        nodes: { role: string; pool_tokens: number }[];
+      };
+      const roles = body.nodes.map((n) => n.role).sort();
+      const expected = name === "single" ? ["engine"] : name === "threads" ? ["decode", "prefill"] : ["decode", "decode", "prefill", "prefill"];
+      assert.deepEqual(roles, expected, name);
+      assert.ok(body.nodes.every((n) => n.pool_tokens === 256 * 16), name);
+      assert.equal(body.max_model_len, 1024, name);
+    }
+  });
+});

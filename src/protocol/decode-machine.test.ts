@@ -1,0 +1,251 @@
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import { TestPool } from "../../testing/protocol-pool.js";
+import { PageState } from "../kvcache/ownership-table.js";
+import {
+  type DecodeEvent,
+  type DecodeState,
+  decodeStep,
+  initialDecodeState,
+  leasedPage,
+} from "./decode-machine.js";
+import type { Effect } from "./effects.js";
+import { makeSafety, SAFE, type Safety } from "./safety.js";
+import type { ControlMessage, Manifest, TransferLease } from "./wire.js";
+
+const CONFIG = { maxModelLen: 16, layoutSignature: "test" };
+
+function harness(numPages = 4, safety: Safety = SAFE) {
+  const pool = new TestPool(numPages);
+  const state: DecodeState = initialDecodeState(1);
+  const run = (event: DecodeEvent): Effect[] => {
+    const out: Effect[] = [];
+    decodeStep(state, event, pool, CONFIG, safety, out);
+    return out;
+  };
+  const msg = (m: ControlMessage) => run({ type: "message", msg: m });
+  return { pool, state, run, msg };
+}
+
+function sent(effects: Effect[], to?: string): ControlMessage[] {
+  return effects.flatMap((e) => (e.kind === "send" && (to === undefined || e.to === to) ? [e.msg] : []));
+}
+
+function reserve(
+  h: ReturnType<typeof harness>,
+  rid = 1,
+  epoch = 1,
+  promptLen = 2,
+  maxTokens = 2,
+): TransferLease {
+  const out = h.msg({ type: "reserve", rid, epoch, tenant: 0, promptLen, maxTokens });
+  const lease = sent(out, "router")[0];
+  assert.equal(lease?.type, "lease");
+  return lease as TransferLease;
+}
+
+function goodManifest(lease: TransferLease, promptLen = 2): Manifest {
+  return {
+    type: "manifest",
+    rid: lease.rid,
+    epoch: lease.epoch,
+    tokenStart: 0,
+    tokenEnd: promptLen,
+    firstToken: 9,
+    checksums: lease.pages.map((_, i) => TestPool.expectedChecksum(lease.rid, lease.epoch, i)),
+  };
+}
+
+function writeLease(h: ReturnType<typeof harness>, lease: TransferLease): void {
+  lease.pages.forEach((p, i) => {
+    h.pool.write(p.page, lease.rid, lease.epoch, i);
+  });
+}
+
+test("decodeStep() reserves, commits a verified transfer, decodes and frees at finish", () => {
+  const h = harness();
+  const lease = reserve(h);
+  assert.equal(lease.pages.length, 2);
+  assert.equal(lease.incarnation, 1);
+  assert.deepEqual(h.pool.table.counts(), { free: 1, reserved: 3, ready: 0, quarantined: 0, total: 4 });
+  writeLease(h, lease);
+  const commit = h.msg(goodManifest(lease));
+  assert.deepEqual(
+    sent(commit).map((m) => m.type),
+    ["committed", "release"],
+  );
+  for (const p of lease.pages) assert.equal(h.pool.table.state(p.page), PageState.READY);
+  const step = h.run({ type: "step", rid: 1, epoch: 1, token: 42 });
+  const finished = sent(step, "router")[0];
+  assert.equal(finished?.type, "finished");
+  assert.ok(step.some((e) => e.kind === "read" && e.pages.length === 3));
+  assert.deepEqual(h.pool.table.counts(), { free: 4, reserved: 0, ready: 0, quarantined: 0, total: 4 });
+});
+
+test("decodeStep() rejects a prompt over its pool at its door and allocates nothing", () => {
+  const h = harness(4);
+  const out = h.msg({ type: "reserve", rid: 1, epoch: 1, tenant: 0, promptLen: 3, maxTokens: 2 });
+  const rejected = sent(out, "router")[0];
+  assert.equal(rejected?.type, "rejected");
+  assert.equal(rejected?.type === "rejected" ? rejected.error.code : "", "context_length_exceeded");
+  assert.match(
+    rejected?.type === "rejected" ? rejected.error.message : "",
+    /Prompt of 3 tokens plus max_tokens 2 .*: 4/,
+  );
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() answers pool_exhausted when the pool is busy, allocating nothing", () => {
+  const h = harness(4);
+  reserve(h, 1, 1, 2, 2);
+  const out = h.msg({ type: "reserve", rid: 2, epoch: 1, tenant: 0, promptLen: 1, maxTokens: 2 });
+  const rejected = sent(out, "router")[0];
+  assert.equal(rejected?.type === "rejected" ? rejected.error.code : "", "pool_exhausted");
+  assert.equal(h.pool.table.counts().free, 1);
+});
+
+test("decodeStep() fails a manifest whose coverage differs from the reservation", () => {
+  const h = harness();
+  const lease = reserve(h);
+  writeLease(h, lease);
+  const short = { ...goodManifest(lease), tokenEnd: 1, checksums: [TestPool.expectedChecksum(1, 1, 0)] };
+  const out = h.msg(short);
+  const failed = sent(out, "router")[0];
+  assert.equal(failed?.type === "failed" ? failed.error.code : "", "coverage_mismatch");
+  assert.equal(sent(out, "prefill")[0]?.type, "abort");
+  for (const p of lease.pages) assert.equal(h.pool.table.state(p.page), PageState.QUARANTINED);
+});
+
+test("decodeStep() fails a manifest whose checksum does not match the page it holds", () => {
+  const h = harness();
+  const lease = reserve(h);
+  writeLease(h, lease);
+  h.pool.write(lease.pages[1]!.page, 7, 1, 1); // another request's data
+  const failed = sent(h.msg(goodManifest(lease)), "router")[0];
+  assert.equal(failed?.type === "failed" ? failed.error.code : "", "checksum_mismatch");
+});
+
+test("decodeStep() ignores and counts a manifest of another epoch", () => {
+  const h = harness();
+  const lease = reserve(h);
+  writeLease(h, lease);
+  const out = h.msg({ ...goodManifest(lease), epoch: 2 });
+  assert.deepEqual(out, []);
+  assert.equal(h.state.stale, 1);
+  assert.equal(h.pool.table.state(lease.pages[0]!.page), PageState.RESERVED);
+});
+
+test("decodeStep() quarantines on abort and releases only on the ack, never on other events", () => {
+  const h = harness();
+  const lease = reserve(h);
+  const out = h.msg({ type: "abort", rid: 1, epoch: 1 });
+  assert.equal(sent(out, "prefill")[0]?.type, "abort");
+  for (const p of lease.pages) assert.equal(h.pool.table.state(p.page), PageState.QUARANTINED);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  h.msg({ type: "abort_ack", rid: 1, epoch: 2 });
+  h.run({ type: "quarantine_timeout", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().quarantined, 2);
+  h.msg({ type: "abort_ack", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() releases quarantined pages when prefill is fenced", () => {
+  const h = harness();
+  reserve(h);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().quarantined, 2);
+  h.run({ type: "peer_lost", role: "prefill" });
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() frees at once on abort when prefill already acknowledged", () => {
+  const h = harness();
+  reserve(h);
+  h.msg({ type: "abort_ack", rid: 1, epoch: 1 });
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() frees a committed request at once on abort", () => {
+  const h = harness();
+  const lease = reserve(h);
+  writeLease(h, lease);
+  h.msg(goodManifest(lease));
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() refuses a reserve that arrives after its abort", () => {
+  const h = harness();
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  const out = h.msg({ type: "reserve", rid: 1, epoch: 1, tenant: 0, promptLen: 1, maxTokens: 1 });
+  assert.deepEqual(out, []);
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() fails a step whose page holds another request's data (page tags)", () => {
+  const h = harness();
+  const lease = reserve(h);
+  writeLease(h, lease);
+  h.msg(goodManifest(lease));
+  h.pool.write(lease.pages[0]!.page, 5, 1, 0); // a late write of request 5 lands
+  const out = h.run({ type: "step", rid: 1, epoch: 1, token: 1 });
+  const failed = sent(out, "router")[0];
+  assert.equal(failed?.type === "failed" ? failed.error.code : "", "page_tag_mismatch");
+  assert.ok(!out.some((e) => e.kind === "read"));
+  assert.equal(h.state.tagFailures, 1);
+});
+
+test("decodeStep() reads the foreign page when the page-tags guard is off", () => {
+  const h = harness(4, makeSafety({ disabledGuards: ["page-tags"] }));
+  const lease = reserve(h);
+  writeLease(h, lease);
+  h.msg(goodManifest(lease));
+  h.pool.write(lease.pages[0]!.page, 5, 1, 0);
+  const out = h.run({ type: "step", rid: 1, epoch: 1, token: 1 });
+  assert.ok(out.some((e) => e.kind === "read"));
+});
+
+test("decodeStep() under early-free frees reserved pages on abort without the ack", () => {
+  const h = harness(4, makeSafety({ faults: ["early-free"] }));
+  reserve(h);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() honours the release timer only with the quarantine guard off", () => {
+  const h = harness(4, makeSafety({ disabledGuards: ["quarantine"] }));
+  reserve(h);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  h.run({ type: "quarantine_timeout", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() under stale-commit commits a newer epoch with an older manifest", () => {
+  const h = harness(8, makeSafety({ faults: ["stale-commit"], disabledGuards: ["checksum"] }));
+  const old = reserve(h, 1, 1);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  reserve(h, 1, 2);
+  const out = h.msg(goodManifest(old));
+  assert.equal(sent(out, "router")[0]?.type, "committed");
+  assert.equal(sent(out, "router")[0]?.epoch, 2);
+});
+
+test("decodeStep() without stale-commit ignores an older epoch's manifest", () => {
+  const h = harness(8);
+  const old = reserve(h, 1, 1);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  reserve(h, 1, 2);
+  assert.deepEqual(h.msg(goodManifest(old)), []);
+});
+
+test("leasedPage() names only the leased prompt pages of an attempt awaiting its transfer", () => {
+  const h = harness();
+  const lease = reserve(h, 1, 1, 2, 2);
+  assert.equal(leasedPage(h.state, 1, 1, 0), lease.pages[0]!.page);
+  assert.equal(leasedPage(h.state, 1, 1, 1), lease.pages[1]!.page);
+  assert.equal(leasedPage(h.state, 1, 1, 2), -1); // the tail page for generated tokens
+  assert.equal(leasedPage(h.state, 1, 2, 0), -1);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  assert.equal(leasedPage(h.state, 1, 1, 0), -1);
+});

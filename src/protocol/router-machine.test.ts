@@ -1,0 +1,116 @@
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import type { Effect } from "./effects.js";
+import { initialRouterState, type RouterEvent, routerStep } from "./router-machine.js";
+import { makeSafety, SAFE, type Safety } from "./safety.js";
+import type { ControlMessage } from "./wire.js";
+
+const CONFIG = { maxModelLen: 16, prefillPoolTokens: 6, decodePoolTokens: 8, maxAttempts: 2 };
+
+function harness(safety: Safety = SAFE) {
+  const state = initialRouterState();
+  const run = (event: RouterEvent): Effect[] => {
+    const out: Effect[] = [];
+    routerStep(state, event, CONFIG, safety, out);
+    return out;
+  };
+  const msg = (m: ControlMessage) => run({ type: "message", msg: m });
+  return { state, run, msg };
+}
+
+const LEASE = {
+  type: "lease" as const,
+  rid: 1,
+  epoch: 1,
+  pages: [{ page: 0, generation: 1 }],
+  pageSize: 1,
+  layoutSignature: "x",
+  incarnation: 1,
+};
+
+test("routerStep() rejects over the effective context with 400, contacting no node", () => {
+  const h = harness();
+  const out = h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 5, maxTokens: 2 });
+  assert.equal(out.length, 1);
+  const respond = out[0]!;
+  assert.ok(respond.kind === "respond");
+  assert.equal(respond.status, 400);
+  assert.equal(respond.error?.code, "context_length_exceeded");
+  assert.match(respond.error?.message ?? "", /: 6;/);
+});
+
+test("routerStep() under undersized-pool admits by the model's window alone", () => {
+  const h = harness(makeSafety({ faults: ["undersized-pool"] }));
+  const out = h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 5, maxTokens: 2 });
+  assert.equal(out[0]?.kind === "send" ? out[0].msg.type : "", "reserve");
+});
+
+test("routerStep() drives reserve, prefill, commit and finish to a 200", () => {
+  const h = harness();
+  h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 1, maxTokens: 2 });
+  const prefill = h.msg(LEASE);
+  assert.ok(prefill[0]?.kind === "send" && prefill[0].to === "prefill" && prefill[0].msg.type === "prefill");
+  assert.deepEqual(h.msg({ type: "committed", rid: 1, epoch: 1, firstToken: 3 }), [
+    { kind: "tokens", rid: 1, epoch: 1, tokens: [3] },
+  ]);
+  const done = h.msg({
+    type: "finished",
+    rid: 1,
+    epoch: 1,
+    reason: "length",
+    tokens: [4],
+    completionTokens: 2,
+  });
+  assert.deepEqual(
+    done.map((e) => e.kind),
+    ["tokens", "respond"],
+  );
+  assert.ok(done[1]?.kind === "respond" && done[1].status === 200);
+});
+
+test("routerStep() passes a node's rejection to the client unchanged", () => {
+  const h = harness();
+  h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 1, maxTokens: 2 });
+  const error = { code: "context_length_exceeded" as const, message: "Prompt too long at decode: 4" };
+  const out = h.msg({ type: "rejected", rid: 1, epoch: 1, from: "decode", error });
+  assert.deepEqual(out, [{ kind: "respond", rid: 1, epoch: 1, status: 400, error, finishReason: null }]);
+});
+
+test("routerStep() ignores and counts a message of another epoch", () => {
+  const h = harness();
+  h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 1, maxTokens: 2 });
+  assert.deepEqual(h.msg({ ...LEASE, epoch: 2 }), []);
+  assert.equal(h.state.stale, 1);
+});
+
+test("routerStep() aborts at decode and answers 499 when the client goes away", () => {
+  const h = harness();
+  h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 1, maxTokens: 2 });
+  h.msg(LEASE);
+  const out = h.run({ type: "client_abort", rid: 1 });
+  assert.deepEqual(out[0], { kind: "send", to: "decode", msg: { type: "abort", rid: 1, epoch: 1 } });
+  assert.ok(out[1]?.kind === "respond" && out[1].status === 499);
+});
+
+test("routerStep() retries a retryable failure as a new epoch, then gives up", () => {
+  const h = harness();
+  h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 1, maxTokens: 2 });
+  const busy = { code: "pool_exhausted" as const, message: "busy" };
+  const retry = h.msg({ type: "rejected", rid: 1, epoch: 1, from: "decode", error: busy });
+  assert.ok(retry[0]?.kind === "send" && retry[0].msg.type === "reserve" && retry[0].msg.epoch === 2);
+  const out = h.msg({ type: "rejected", rid: 1, epoch: 2, from: "decode", error: busy });
+  assert.ok(out[0]?.kind === "respond" && out[0].status === 503);
+});
+
+test("routerStep() aborts at decode after a prefill rejection, so decode can release its lease", () => {
+  const h = harness(makeSafety({}));
+  h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 1, maxTokens: 2 });
+  h.msg(LEASE);
+  const error = { code: "context_length_exceeded" as const, message: "Too long at prefill: 6" };
+  const out = h.msg({ type: "rejected", rid: 1, epoch: 1, from: "prefill", error });
+  assert.deepEqual(
+    out.map((e) => e.kind),
+    ["send", "respond"],
+  );
+  assert.ok(out[1]?.kind === "respond" && out[1].error?.message === "Too long at prefill: 6");
+});

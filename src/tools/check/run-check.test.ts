@@ -1,0 +1,68 @@
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import { FAULT_NAMES, type FaultName } from "../../protocol/safety.js";
+import { counterexampleToDot, formatReport, runCheck } from "./run-check.js";
+
+/** The invariant each fault variant breaks first (shortest trace) in its scenario. */
+const EXPECTED: Record<FaultName, string> = {
+  "placeholder-reject": "2",
+  "undersized-pool": "4",
+  "early-free": "3",
+  "late-write": "3",
+  "corrupt-transfer": "2",
+  "misaddressed-write": "3",
+  "drop-abort-ack": "3",
+  "stale-commit": "1",
+  "shared-prefix": "1",
+};
+
+for (const fault of FAULT_NAMES) {
+  test(`runCheck() finds a counterexample for the ${fault} fault variant`, () => {
+    const report = runCheck({ fault, maxStates: 50_000 });
+    const cex = report.result.counterexample;
+    assert.ok(cex !== null, `no counterexample for ${fault}`);
+    assert.equal(cex.violation.invariant, EXPECTED[fault]);
+    assert.ok(cex.steps.length > 0);
+    assert.match(formatReport(report), /VIOLATION of invariant/);
+  });
+}
+
+test("runCheck() holds every invariant of the real protocol on a small bound with crashes and duplicates", () => {
+  const report = runCheck({ requests: 1, crashes: 1, duplicates: 1, timeouts: true });
+  assert.equal(report.result.counterexample, null);
+  assert.equal(report.result.complete, true);
+  assert.ok(report.result.states > 1000);
+});
+
+test("runCheck() with guards kept shows the checksum and the epoch keys catch their faults", () => {
+  for (const fault of ["corrupt-transfer", "stale-commit"] as const) {
+    const report = runCheck({ fault, keepGuards: true, requests: 1, clientAborts: false });
+    assert.equal(report.result.counterexample, null, fault);
+    assert.equal(report.result.complete, true);
+  }
+});
+
+test("runCheck() with guards kept shows the TCP lease check stops late and misaddressed writes", () => {
+  for (const fault of ["early-free", "late-write", "misaddressed-write"] as const) {
+    const report = runCheck({ fault, keepGuards: true, transport: "tcp", requests: 1 });
+    assert.equal(report.result.counterexample, null, fault);
+  }
+});
+
+test("runCheck() with a dropped abort ack keeps pages quarantined rather than freeing them", () => {
+  const report = runCheck({ fault: "drop-abort-ack", keepGuards: true, requests: 1 });
+  assert.equal(report.result.counterexample?.violation.invariant, "liveness");
+  assert.match(report.result.counterexample?.violation.message ?? "", /quarantined 1/);
+});
+
+test("counterexampleToDot() renders a trace as a Graphviz digraph", () => {
+  const cex = runCheck({ fault: "early-free" }).result.counterexample;
+  assert.ok(cex !== null);
+  const dot = counterexampleToDot(cex);
+  assert.match(dot, /^digraph counterexample \{/);
+  assert.equal((dot.match(/ -> s\d+/g) ?? []).length, cex.steps.length);
+});
+
+test("runCheck() rejects a request count outside the model", () => {
+  assert.throws(() => runCheck({ requests: 9 }), /1 to 3 requests: 9/);
+});

@@ -1,0 +1,104 @@
+/**
+ * Starts kvfence in each topology for the acceptance tests of `src/node/`: one engine
+ * (`--no-disaggregation`) and the threaded default in-process on port 0, and a TCP cluster of
+ * child processes (`startLocalCluster`). Every server gets the same API keys file; `close()` stops
+ * everything and removes the file.
+ */
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { parseServeConfig, startServer } from "../src/cli/serve.js";
+import { createLogger } from "../src/lib/logger.js";
+import { startLocalCluster, type LocalCluster } from "../src/node/local-cluster.js";
+
+export interface TopologyServer {
+  readonly url: string;
+  readonly baseURL: string;
+  readonly cluster: LocalCluster | null;
+  close(): Promise<void>;
+}
+
+export interface TopologyOptions {
+  readonly model: string;
+  readonly kvPages: number;
+  readonly maxModelLen?: number;
+  readonly maxPrefillTokens?: number;
+  readonly apiKeys: Readonly<Record<string, string>>;
+  /** Cluster only: `--unsafe-fault` names for every process. */
+  readonly faults?: readonly string[];
+}
+
+function keysFile(keys: Readonly<Record<string, string>>): { path: string; dir: string } {
+  const dir = mkdtempSync(join(tmpdir(), "kvfence-keys-"));
+  const path = join(dir, "keys.json");
+  writeFileSync(path, JSON.stringify(keys));
+  return { path, dir };
+}
+
+/** `single` (one engine) or `threads` (router + prefill + decode worker threads), in-process. */
+export async function startInProcess(kind: "single" | "threads", options: TopologyOptions): Promise<TopologyServer> {
+  const keys = keysFile(options.apiKeys);
+  try {
+    const config = parseServeConfig({
+      host: "127.0.0.1",
+      port: "0",
+      model: options.model,
+      pageSize: "16",
+      scrubOnFree: false,
+      disaggregation: kind === "threads",
+      logLevel: "silent",
+      kvPages: String(options.kvPages),
+      apiKeys: keys.path,
+      unsafeFault: [...(options.faults ?? [])],
+      ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
+      ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: String(options.maxPrefillTokens) }),
+    });
+    const server = await startServer(config, { logger: createLogger({ level: "silent" }) });
+    return {
+      url: server.url,
+      baseURL: `${server.url}/v1`,
+      cluster: null,
+      async close() {
+        await server.close();
+        rmSync(keys.dir, { recursive: true, force: true });
+      },
+    };
+  } catch (err) {
+    rmSync(keys.dir, { recursive: true, force: true });
+    throw err;
+  }
+}
+
+/** A TCP cluster of `prefill` + `decode` node processes and a router process on 127.0.0.1. */
+export async function startCluster(
+  prefill: number,
+  decode: number,
+  options: TopologyOptions,
+): Promise<TopologyServer> {
+  const keys = keysFile(options.apiKeys);
+  const nodeArgs = ["--kv-pages", String(options.kvPages)];
+  if (options.maxModelLen !== undefined) nodeArgs.push("--max-model-len", String(options.maxModelLen));
+  if (options.maxPrefillTokens !== undefined) nodeArgs.push("--max-prefill-tokens", String(options.maxPrefillTokens));
+  for (const f of options.faults ?? []) nodeArgs.push("--unsafe-fault", f);
+  try {
+    const cluster = await startLocalCluster({
+      prefill,
+      decode,
+      model: options.model,
+      nodeArgs,
+      routerArgs: ["--api-keys", keys.path],
+    });
+    return {
+      url: cluster.url,
+      baseURL: `${cluster.url}/v1`,
+      cluster,
+      async close() {
+        await cluster.close();
+        rmSync(keys.dir, { recursive: true, force: true });
+      },
+    };
+  } catch (err) {
+    rmSync(keys.dir, { recursive: true, force: true });
+    throw err;
+  }
+}

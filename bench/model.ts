@@ -111,6 +111,7 @@ export function readBandwidth(buf: Float64Array): { gbps: number; sum: number } 
     a2 += buf[i + 2] as number;
     a3 += buf[i + 3] as number;
   }
+  for (let i = n; i < buf.length; i++) a0 += buf[i] as number;
   const ns = Number(process.hrtime.bigint() - t0);
   return { gbps: buf.byteLength / ns, sum: a0 + a1 + a2 + a3 };
 }

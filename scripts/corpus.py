@@ -29,6 +29,7 @@ Tokens: bytes of UTF-8 text are ids 0..255; <|endoftext|>=256, <|im_start|>=257,
 """
 
 import random
+import re
 import zlib
 
 ENDOFTEXT, IM_START, IM_END = 256, 257, 258
@@ -113,8 +114,11 @@ class Pools:
                 return c
 
 
-def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15):
-    """Returns (context_text, {account: code}, distractor_accounts)."""
+def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_dup=0.0):
+    """Returns (context_text, {account: code}, distractor_accounts).
+
+    With p_dup > 0 each record is, with that probability, repeated once later in the context
+    (training only: the repeated code is an extra copy target, see `encode_turns`)."""
     facts, dis_accts, items = {}, [], []
     size = 0
     p_record = rng.uniform(0.2, 0.5)
@@ -138,14 +142,18 @@ def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15):
         size += len(items[-1]) + 1
     # the record positions are already random; shuffle lightly so the first item is not special
     rng.shuffle(items)
+    if p_dup > 0:
+        for it in [it for it in items if it.startswith("the access code of account ")]:
+            if it[27:31] in facts and rng.random() < p_dup:
+                items.insert(rng.randint(items.index(it) + 1, len(items)), it)
     out = items[0]
     for it in items[1:]:
         out += rng.choice([" ", " ", "\n"]) + it
     return out, facts, [a for a in dis_accts if a not in facts]
 
 
-def make_conversation(rng, pools, target_bytes, n_questions, p_unknown=0.12):
-    ctx, facts, dis = make_context(rng, pools, target_bytes)
+def make_conversation(rng, pools, target_bytes, n_questions, p_unknown=0.12, p_dup=0.0):
+    ctx, facts, dis = make_context(rng, pools, target_bytes, p_dup=p_dup)
     keys = list(facts)
     rng.shuffle(keys)
     qs = []
@@ -171,16 +179,33 @@ def encode_text(s):
     return list(s.encode("utf-8"))
 
 
-def encode_turns(turns):
-    """ChatML token ids and per-token loss weights (1 on answer bytes + <|im_end|>, else 0)."""
-    ids, ans = [], []
+RECORD_RE = re.compile(r"the access code of account (\d{4}) is ([A-Z0-9]{3}-[A-Z0-9]{3})\.")
+
+
+def repeat_mask(user):
+    """1 on the code bytes of a record that repeats an earlier record of the same text, else 0."""
+    mask, seen = [0] * len(user.encode("utf-8")), set()
+    for m in RECORD_RE.finditer(user):
+        if m.group(0) in seen:
+            for k in range(m.start(2), m.end(2)):
+                mask[k] = 1
+        seen.add(m.group(0))
+    return mask
+
+
+def encode_turns(turns, with_repeats=False):
+    """ChatML token ids and per-token flags: 1 on answer bytes + <|im_end|>, else 0; with
+    with_repeats also the flags of repeated-record codes in user turns (see `repeat_mask`)."""
+    ids, ans, rep = [], [], []
     for user, answer in turns:
         u = [IM_START] + encode_text("user\n" + user) + [IM_END] + encode_text("\n")
         a0 = [IM_START] + encode_text("assistant\n")
         a1 = encode_text(answer) + [IM_END]
         ids += u + a0 + a1 + encode_text("\n")
         ans += [0] * (len(u) + len(a0)) + [1] * len(a1) + [0]
-    return ids, ans
+        if with_repeats:
+            rep += [0] * 6 + repeat_mask(user) + [0] * (len(u) - 6 - len(user.encode()) + len(a0) + len(a1) + 1)
+    return (ids, ans, rep) if with_repeats else (ids, ans)
 
 
 def encode_prompt(user):

@@ -206,8 +206,15 @@ def export_hf(model, out_dir):
 
 
 # ---------------------------------------------------------------------------------------------
+CTX_OVERRIDE = None  # (lo, hi) from --ctx-range, for pilots
+P_REPEAT = 0.0  # --p-repeat: share of batch sequences that are repeat-copy sequences (see make_repeat)
+P_DUP = 0.0  # --p-dup: probability that a record is repeated later in its context (weight 1 on the repeat's code)
+
+
 def schedule(step, total):
     """(min_ctx, max_ctx) bytes of context for this step: short first, then the full range."""
+    if CTX_OVERRIDE:
+        return CTX_OVERRIDE
     f = step / total
     if f < 0.15:
         return 40, 300
@@ -216,6 +223,17 @@ def schedule(step, total):
     if f < 0.50:
         return 60, 900
     return 60, 1100
+
+def make_repeat(rng, pools, target_bytes):
+    """Auxiliary copy sequence: a user turn holding a context and then the same context again.
+    Every token of the second copy is a target (weight 1): a dense signal that makes the model
+    form induction (copy) heads quickly, which the question answering then builds on."""
+    ctx, _, _ = corpus.make_context(rng, pools, target_bytes)
+    first = [corpus.IM_START] + corpus.encode_text("user\n" + ctx + "\n")
+    second = corpus.encode_text(ctx) + [corpus.IM_END]
+    ids = first + second + corpus.encode_text("\n")
+    return ids, [0] * len(ids), [0] * len(first) + [1] * len(second) + [0]
+
 
 def make_batch(seed, step, total, tokens_per_step):
     rng = random.Random(seed * 1_000_003 + step)
@@ -227,18 +245,24 @@ def make_batch(seed, step, total, tokens_per_step):
     while budget < tokens_per_step or not seqs:
         tb = max(30, int(target * rng.uniform(0.85, 1.15)))
         nq = rng.randint(2, 3 + tb // 150)
-        ids, w = corpus.encode_turns(corpus.make_conversation(rng, pools, tb, nq))
-        seqs.append((ids, w))
+        if P_REPEAT > 0 and rng.random() < P_REPEAT:
+            seqs.append(make_repeat(rng, pools, tb))
+        else:
+            conv = corpus.make_conversation(rng, pools, tb, nq, p_dup=P_DUP)
+            seqs.append(corpus.encode_turns(conv, with_repeats=True))
+        ids = seqs[-1][0]
         budget += len(ids)
     t = max(len(s[0]) for s in seqs)
     x = torch.full((len(seqs), t), corpus.ENDOFTEXT, dtype=torch.long)
     wt = torch.zeros((len(seqs), t))
     ans = torch.zeros((len(seqs), t))
-    for i, (ids, w) in enumerate(seqs):
+    rep = torch.zeros((len(seqs), t))
+    for i, (ids, w, r) in enumerate(seqs):
         x[i, : len(ids)] = torch.tensor(ids)
         ans[i, : len(ids)] = torch.tensor(w, dtype=torch.float32)
+        rep[i, : len(ids)] = torch.tensor(r, dtype=torch.float32)
         wt[i, : len(ids)] = 0.05
-    wt = torch.maximum(wt, ans)
+    wt = torch.maximum(torch.maximum(wt, ans), rep)
     # targets: predict token j+1 at position j; weight/answer flags belong to the target token
     return x[:, :-1], x[:, 1:], wt[:, 1:], ans[:, 1:]
 
@@ -280,6 +304,7 @@ def eval_recall(model, prompts, bs=8):
 
 
 def main():
+    global CTX_OVERRIDE
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="models/kvfence-tiny")
     ap.add_argument("--work", default="/work/scratch/kvfence-tiny")
@@ -294,7 +319,15 @@ def main():
     ap.add_argument("--stop-after", type=int, default=0, help="stop (saving last.pt) after this many steps of this invocation")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--fixture", default="testing/fixtures/recall-prompts.json")
+    ap.add_argument("--ctx-range", default="", help="LO,HI: fixed context bytes instead of the curriculum (pilots)")
+    ap.add_argument("--p-dup", type=float, default=0.0)
+    ap.add_argument("--p-repeat", type=float, default=0.0)
     args = ap.parse_args()
+    global P_DUP, P_REPEAT
+    P_DUP = args.p_dup
+    P_REPEAT = args.p_repeat
+    if args.ctx_range:
+        CTX_OVERRIDE = tuple(int(v) for v in args.ctx_range.split(","))
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -362,8 +395,9 @@ def main():
         opt.step()
         step += 1
         with torch.no_grad():
-            ans_loss = ((nll * ans).sum() / ans.sum()).item()
-            tok_acc = (((logits.argmax(-1) == y).float() * ans).sum() / ans.sum()).item()
+            n_ans = max(ans.sum().item(), 1.0)
+            ans_loss = ((nll * ans).sum() / n_ans).item()
+            tok_acc = (((logits.argmax(-1) == y).float() * ans).sum() / n_ans).item()
         ema_loss = ans_loss if ema_loss is None else 0.9 * ema_loss + 0.1 * ans_loss
         ema_acc = tok_acc if ema_acc is None else 0.9 * ema_acc + 0.1 * tok_acc
         if step % 10 == 0:

@@ -9,7 +9,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseServeConfig, startServer } from "../src/cli/serve.js";
 import { createLogger } from "../src/lib/logger.js";
-import { startLocalCluster, type LocalCluster } from "../src/node/local-cluster.js";
+import { type LocalCluster, startLocalCluster } from "../src/node/local-cluster.js";
 
 export interface TopologyServer {
   readonly url: string;
@@ -36,7 +36,10 @@ function keysFile(keys: Readonly<Record<string, string>>): { path: string; dir: 
 }
 
 /** `single` (one engine) or `threads` (router + prefill + decode worker threads), in-process. */
-export async function startInProcess(kind: "single" | "threads", options: TopologyOptions): Promise<TopologyServer> {
+export async function startInProcess(
+  kind: "single" | "threads",
+  options: TopologyOptions,
+): Promise<TopologyServer> {
   const keys = keysFile(options.apiKeys);
   try {
     const config = parseServeConfig({
@@ -51,7 +54,9 @@ export async function startInProcess(kind: "single" | "threads", options: Topolo
       apiKeys: keys.path,
       unsafeFault: [...(options.faults ?? [])],
       ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
-      ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: String(options.maxPrefillTokens) }),
+      ...(options.maxPrefillTokens === undefined
+        ? {}
+        : { maxPrefillTokens: String(options.maxPrefillTokens) }),
     });
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });
     return {
@@ -78,7 +83,8 @@ export async function startCluster(
   const keys = keysFile(options.apiKeys);
   const nodeArgs = ["--kv-pages", String(options.kvPages)];
   if (options.maxModelLen !== undefined) nodeArgs.push("--max-model-len", String(options.maxModelLen));
-  if (options.maxPrefillTokens !== undefined) nodeArgs.push("--max-prefill-tokens", String(options.maxPrefillTokens));
+  if (options.maxPrefillTokens !== undefined)
+    nodeArgs.push("--max-prefill-tokens", String(options.maxPrefillTokens));
   for (const f of options.faults ?? []) nodeArgs.push("--unsafe-fault", f);
   try {
     const cluster = await startLocalCluster({

@@ -10,7 +10,9 @@ import { BUNDLED_MODEL_DIR } from "./serve.js";
 function count(flag: string, text: string): number {
   const n = Number(text);
   if (!Number.isInteger(n) || n < 1 || n > 16) {
-    process.stderr.write(`kvfence cluster: ${flag} must be an integer from 1 to 16: ${JSON.stringify(text)}\n`);
+    process.stderr.write(
+      `kvfence cluster: ${flag} must be an integer from 1 to 16: ${JSON.stringify(text)}\n`,
+    );
     process.exit(2);
   }
   return n;

@@ -120,6 +120,11 @@ const FLAG: Record<string, string> = {
   maxPrefillTokens: "--max-prefill-tokens",
   apiKeys: "--api-keys",
   logLevel: "--log-level",
+  role: "--role",
+  prefill: "--prefill",
+  decode: "--decode",
+  clusterSecret: "--cluster-secret",
+  unsafeFault: "--unsafe-fault",
 };
 
 /** Parse raw options once; every problem is reported with its flag. */
@@ -301,6 +306,12 @@ export async function startNode(
   options: { logger: Logger },
 ): Promise<{ url: string; close(): Promise<void> }> {
   const role = config.role === "prefill" ? "prefill" : "decode";
+  if (config.unsafeFault.length > 0) {
+    options.logger.warn(
+      { faults: config.unsafeFault },
+      "UNSAFE: fault injection is on; never serve real traffic like this",
+    );
+  }
   const modelConfig = loadModelConfig(config.model);
   const layout: KvLayout = {
     numLayers: modelConfig.numLayers,

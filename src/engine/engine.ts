@@ -264,7 +264,12 @@ export class Engine {
    * reports each sampled token; the host stamps the page each step writes (the decode state
    * machine's `step` event, fed from `onTokens`) and owns the pages (the engine never frees them).
    */
-  submitDecode(request: GenerationRequest, pages: ExternalPages, firstToken: number, events: GenerationEvents): void {
+  submitDecode(
+    request: GenerationRequest,
+    pages: ExternalPages,
+    firstToken: number,
+    events: GenerationEvents,
+  ): void {
     this.#submitExternal(request, pages, events, DECODE_EXTERNAL, firstToken);
   }
 
@@ -296,6 +301,9 @@ export class Engine {
       seq.computed = seq.promptLength;
       seq.tokens[seq.length++] = firstToken;
       seq.generated = 1;
+      // Prefill drew the first token from the same seeded generator: skip its draw, so a seeded
+      // request samples the same tokens as on one engine (the sampler draws once per token).
+      if (request.temperature > 0 && request.topK !== 1) seq.rng.next();
     }
     this.#byRid.set(seq.rid, seq);
     this.#waiting.push(seq);

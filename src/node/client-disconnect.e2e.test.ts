@@ -95,7 +95,8 @@ async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
           else if (trigger.at === "transferring" && msg.type === "lease") setTimeout(abort, trigger.delayMs);
           else if (trigger.at === "committed" && msg.type === "committed") abort();
           else if (trigger.at === "decoding" && msg.type === "tokens" && streamed >= 3) abort();
-          else if (trigger.at === "finishing" && msg.type === "tokens" && streamed === MAX_TOKENS - 1) abort();
+          else if (trigger.at === "finishing" && msg.type === "tokens" && streamed === MAX_TOKENS - 1)
+            abort();
         });
         const record = (what: string) => () => {
           if (done) lateEvents.push(`${trigger.at}: ${what} after abort`);
@@ -121,7 +122,11 @@ async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
     assert.ok(fired.includes(at), `the client disconnected in state ${at}`);
   }
   const reasons = await Promise.all(normal);
-  assert.deepEqual(reasons, reasons.map(() => "length"), "the normal requests alongside all finish");
+  assert.deepEqual(
+    reasons,
+    reasons.map(() => "length"),
+    "the normal requests alongside all finish",
+  );
   // Idle: nothing in flight, no attempt open on any node, every page FREE.
   const deadline = Date.now() + 20_000;
   for (;;) {
@@ -132,8 +137,17 @@ async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
     if (idle || Date.now() > deadline) {
       assert.equal(engine.inFlight, 0, "no request in flight");
       assert.equal(attempts, 0, "no protocol attempt open on any node");
-      assert.deepEqual(stats.pages, { ...stats.pages, reserved: 0, ready: 0, quarantined: 0, free: stats.pages.total });
-      assert.ok(nodes.every((n) => n.stats !== null), "every node answers");
+      assert.deepEqual(stats.pages, {
+        ...stats.pages,
+        reserved: 0,
+        ready: 0,
+        quarantined: 0,
+        free: stats.pages.total,
+      });
+      assert.ok(
+        nodes.every((n) => n.stats !== null),
+        "every node answers",
+      );
       break;
     }
     await new Promise((r) => setTimeout(r, 20));

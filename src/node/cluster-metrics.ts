@@ -6,34 +6,76 @@
  */
 import { exponentialBuckets, type MetricsRegistry } from "../lib/metrics.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
+import type { NodeStats } from "./node-messages.js";
 
 export function registerClusterMetrics(registry: MetricsRegistry, engine: DisaggregatedEngine): void {
-  const bytes = registry.counter("kvfence_transfer_bytes_total", "KV bytes transferred from prefill to decode, as decode applied them");
-  const pages = registry.counter("kvfence_transfer_pages_total", "KV pages transferred, as decode applied them");
-  const gbps = registry.histogram("kvfence_transfer_gbps", "Throughput of each KV transfer (GB/s, 10^9 B/s), as prefill wrote it", {
-    buckets: exponentialBuckets(0.01, 2, 14),
-  });
-  const checksum = registry.counter("kvfence_transfer_checksum_failures_total", "Transfers refused at commit: a page checksum differed");
-  const coverage = registry.counter("kvfence_transfer_coverage_failures_total", "Transfers refused at commit: coverage differed from the reservation");
-  const stale = registry.counter("kvfence_transfer_dropped_stale_writes_total", "Page writes dropped by decode: the page was no longer leased to that (rid, epoch)");
-  const misaddressed = registry.counter("kvfence_transfer_dropped_misaddressed_writes_total", "Page writes dropped by decode: out of bounds or the wrong size");
-  const quarantined = registry.gauge("kvfence_quarantined_pages", "Decode pages quarantined until their writer acknowledges the abort or is fenced", ["node"]);
-  const ackLatency = registry.histogram("kvfence_abort_ack_latency_seconds", "Time from decode relaying an abort to prefill's ABORT_ACK", {
-    buckets: exponentialBuckets(0.0001, 2, 16),
-  });
-  const nodePages = registry.gauge("kvfence_node_kv_pages", "KV pool pages by node and state", ["node", "role", "state"]);
-  const nodeQueue = registry.gauge("kvfence_node_requests", "Engine requests by role and queue state", ["role", "state"]);
-  const nodeUp = registry.gauge("kvfence_node_up", "1 while the node answers, 0 once it is lost", ["node", "role"]);
-  const attempts = registry.gauge("kvfence_node_protocol_attempts", "Transfer-protocol attempts a node holds now", ["node", "role"]);
+  const bytes = registry.counter(
+    "kvfence_transfer_bytes_total",
+    "KV bytes transferred from prefill to decode, as decode applied them",
+  );
+  const pages = registry.counter(
+    "kvfence_transfer_pages_total",
+    "KV pages transferred, as decode applied them",
+  );
+  const gbps = registry.histogram(
+    "kvfence_transfer_gbps",
+    "Throughput of each KV transfer (GB/s, 10^9 B/s), as prefill wrote it",
+    {
+      buckets: exponentialBuckets(0.01, 2, 14),
+    },
+  );
+  const checksum = registry.counter(
+    "kvfence_transfer_checksum_failures_total",
+    "Transfers refused at commit: a page checksum differed",
+  );
+  const coverage = registry.counter(
+    "kvfence_transfer_coverage_failures_total",
+    "Transfers refused at commit: coverage differed from the reservation",
+  );
+  const stale = registry.counter(
+    "kvfence_transfer_dropped_stale_writes_total",
+    "Page writes dropped by decode: the page was no longer leased to that (rid, epoch)",
+  );
+  const misaddressed = registry.counter(
+    "kvfence_transfer_dropped_misaddressed_writes_total",
+    "Page writes dropped by decode: out of bounds or the wrong size",
+  );
+  const quarantined = registry.gauge(
+    "kvfence_quarantined_pages",
+    "Decode pages quarantined until their writer acknowledges the abort or is fenced",
+    ["node"],
+  );
+  const ackLatency = registry.histogram(
+    "kvfence_abort_ack_latency_seconds",
+    "Time from decode relaying an abort to prefill's ABORT_ACK",
+    {
+      buckets: exponentialBuckets(0.0001, 2, 16),
+    },
+  );
+  const nodePages = registry.gauge("kvfence_node_kv_pages", "KV pool pages by node and state", [
+    "node",
+    "role",
+    "state",
+  ]);
+  const nodeQueue = registry.gauge("kvfence_node_requests", "Engine requests by role and queue state", [
+    "role",
+    "state",
+  ]);
+  const nodeUp = registry.gauge("kvfence_node_up", "1 while the node answers, 0 once it is lost", [
+    "node",
+    "role",
+  ]);
+  const attempts = registry.gauge(
+    "kvfence_node_protocol_attempts",
+    "Transfer-protocol attempts a node holds now",
+    ["node", "role"],
+  );
+
+  // The last counts of each decode node, so a lost node's transfers stay in the totals.
+  const lastTransfer = new Map<string, NodeStats["transfer"]>();
 
   registry.onCollect(async () => {
     const all = await engine.nodeStats();
-    let b = 0;
-    let p = 0;
-    let cs = 0;
-    let cv = 0;
-    let st = 0;
-    let ms = 0;
     const queue: Record<string, Record<string, number>> = {
       prefill: { waiting: 0, running: 0 },
       decode: { waiting: 0, running: 0 },
@@ -49,12 +91,7 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
       queue[role]!.waiting! += stats.queue.waiting;
       queue[role]!.running! += stats.queue.running;
       if (role === "decode") {
-        b += stats.transfer.bytes;
-        p += stats.transfer.pages;
-        cs += stats.transfer.checksumFailures;
-        cv += stats.transfer.coverageFailures;
-        st += stats.transfer.droppedStaleWrites;
-        ms += stats.transfer.droppedMisaddressedWrites;
+        lastTransfer.set(node.id, stats.transfer);
         quarantined.set(stats.pages.quarantined, { node: node.id });
       }
     }
@@ -64,20 +101,16 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
     for (const role of ["prefill", "decode"]) {
       for (const state of ["waiting", "running"]) nodeQueue.set(queue[role]![state]!, { role, state });
     }
-    // Totals only grow: a lost node's last counts stay in.
-    if (b >= bytesSeen) bytesSeen = b;
-    bytes.setTotal(bytesSeen);
-    pages.setTotal(Math.max(p, pagesSeen));
-    pagesSeen = Math.max(p, pagesSeen);
-    checksum.setTotal((csSeen = Math.max(cs, csSeen)));
-    coverage.setTotal((cvSeen = Math.max(cv, cvSeen)));
-    stale.setTotal((stSeen = Math.max(st, stSeen)));
-    misaddressed.setTotal((msSeen = Math.max(ms, msSeen)));
+    const sum = (f: (t: NodeStats["transfer"]) => number): number => {
+      let total = 0;
+      for (const t of lastTransfer.values()) total += f(t);
+      return total;
+    };
+    bytes.setTotal(sum((t) => t.bytes));
+    pages.setTotal(sum((t) => t.pages));
+    checksum.setTotal(sum((t) => t.checksumFailures));
+    coverage.setTotal(sum((t) => t.coverageFailures));
+    stale.setTotal(sum((t) => t.droppedStaleWrites));
+    misaddressed.setTotal(sum((t) => t.droppedMisaddressedWrites));
   });
-  let bytesSeen = 0;
-  let pagesSeen = 0;
-  let csSeen = 0;
-  let cvSeen = 0;
-  let stSeen = 0;
-  let msSeen = 0;
 }

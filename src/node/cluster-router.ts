@@ -26,7 +26,10 @@ export function parseNodeUrl(url: string): { host: string; port: number } {
   const match = /^(?:[a-z]+:\/\/)?(\[[^\]]+\]|[^:/]+):(\d+)\/?$/i.exec(url.trim());
   const port = match === null ? Number.NaN : Number(match[2]);
   if (match === null || !Number.isInteger(port) || port < 1 || port > 65535) {
-    throw new KvfenceError("config_invalid", `Node address must look like http://127.0.0.1:9001: ${JSON.stringify(url)}`);
+    throw new KvfenceError(
+      "config_invalid",
+      `Node address must look like http://127.0.0.1:9001: ${JSON.stringify(url)}`,
+    );
   }
   return { host: match[1]!.replace(/^\[|\]$/g, ""), port };
 }
@@ -43,18 +46,29 @@ async function connectNode(
     link.onMessage((m) => {
       if (m.kind === "hello") resolve(m);
     });
-    link.onClose(() => reject(new KvfenceError("node_unavailable", `The node at ${url} closed the link before its hello: closed`)));
+    link.onClose(() =>
+      reject(
+        new KvfenceError("node_unavailable", `The node at ${url} closed the link before its hello: closed`),
+      ),
+    );
   });
   if (hello.role !== role) {
     link.close();
-    throw new KvfenceError("config_invalid", `The node at ${url} is a ${hello.role} node, listed as --${role}: ${url}`);
+    throw new KvfenceError(
+      "config_invalid",
+      `The node at ${url} is a ${hello.role} node, listed as --${role}: ${url}`,
+    );
   }
   return { id, url, hello, link: link as ControlLink<ToNode, FromNode> };
 }
 
 export async function connectCluster(options: ClusterRouterOptions): Promise<DisaggregatedEngine> {
-  const prefill = await Promise.all(options.prefill.map((u, i) => connectNode(`prefill-${i}`, u, "prefill", options.secret)));
-  const decode = await Promise.all(options.decode.map((u, i) => connectNode(`decode-${i}`, u, "decode", options.secret)));
+  const prefill = await Promise.all(
+    options.prefill.map((u, i) => connectNode(`prefill-${i}`, u, "prefill", options.secret)),
+  );
+  const decode = await Promise.all(
+    options.decode.map((u, i) => connectNode(`decode-${i}`, u, "decode", options.secret)),
+  );
   const engine = new DisaggregatedEngine({
     prefill,
     decode,
@@ -64,7 +78,13 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
   for (const d of decode) {
     for (const p of prefill) {
       if (p.hello.transferPort === undefined) continue;
-      d.link.send({ kind: "connect_prefill", prefill: p.id, host: parseNodeUrl(p.url).host, port: p.hello.transferPort });
+      d.link.send({
+        kind: "connect_prefill",
+        prefill: p.id,
+        host: parseNodeUrl(p.url).host,
+        port: p.hello.transferPort,
+        incarnation: p.hello.incarnation,
+      });
     }
   }
   const deadline = Date.now() + (options.connectTimeoutMs ?? 30_000);

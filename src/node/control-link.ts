@@ -39,6 +39,8 @@ export class ControlLink<Out, In> implements Link<Out, In> {
   /** @internal Use `connectControlLink` or `listenControlLinks`. */
   constructor(socket: net.Socket, sendKey: Buffer, recvKey: Buffer, rest: Buffer) {
     this.#socket = socket;
+    // A peer host that vanishes without closing the connection is detected by TCP keepalive.
+    socket.setKeepAlive(true, 5000);
     this.#sendKey = sendKey;
     this.#recvKey = recvKey;
     let buffered = rest;
@@ -98,7 +100,10 @@ export class ControlLink<Out, In> implements Link<Out, In> {
     const mac = Buffer.from(line.subarray(tab + 1).toString(), "hex");
     if (!verifyHmac(this.#recvKey, mac, seqBytes(this.#recvSeq), payload)) {
       return this.#fail(
-        new KvfenceError("transfer_failed", "Control link peer failed authentication; give every node the same --cluster-secret: bad MAC"),
+        new KvfenceError(
+          "transfer_failed",
+          "Control link peer failed authentication; give every node the same --cluster-secret: bad MAC",
+        ),
       );
     }
     this.#recvSeq++;
@@ -126,7 +131,10 @@ function helloLine(secret: Buffer, body: object): Buffer {
 }
 
 /** Reads one MACed hello line; resolves with its body and the bytes after it. */
-function readHello(socket: net.Socket, secret: Buffer): Promise<{ body: Record<string, unknown>; rest: Buffer }> {
+function readHello(
+  socket: net.Socket,
+  secret: Buffer,
+): Promise<{ body: Record<string, unknown>; rest: Buffer }> {
   return new Promise((resolve, reject) => {
     let buffered = Buffer.alloc(0);
     const cleanup = (): void => {

@@ -17,7 +17,12 @@
 import type { Engine } from "../engine/engine.js";
 import type { GenerationRequest } from "../engine/engine-types.js";
 import type { WireError } from "../lib/errors.js";
-import { type DecodeEvent, type DecodeState, decodeStep, initialDecodeState } from "../protocol/decode-machine.js";
+import {
+  type DecodeEvent,
+  type DecodeState,
+  decodeStep,
+  initialDecodeState,
+} from "../protocol/decode-machine.js";
 import type { CommitEffect, Effects } from "../protocol/effects.js";
 import type { Safety } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage } from "../protocol/wire.js";
@@ -47,6 +52,8 @@ interface PrefillPeer {
   readonly id: string;
   readonly state: DecodeState;
   channel: PrefillChannel | null;
+  /** The incarnation of the prefill node behind `channel` (0 before the first one). */
+  incarnation: number;
 }
 
 const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
@@ -66,7 +73,13 @@ export class DecodeNode {
   /** Attempts whose abort was relayed to prefill, with the time, for the ABORT_ACK latency. */
   readonly #abortSent = new Map<string, bigint>();
   readonly #out: Effects = [];
-  readonly #closedTotals = { bytes: 0, pages: 0, transfers: 0, droppedStaleWrites: 0, droppedMisaddressedWrites: 0 };
+  readonly #closedTotals = {
+    bytes: 0,
+    pages: 0,
+    transfers: 0,
+    droppedStaleWrites: 0,
+    droppedMisaddressedWrites: 0,
+  };
   #checksumFailures = 0;
   #coverageFailures = 0;
   #gbps: number[] = [];
@@ -76,16 +89,24 @@ export class DecodeNode {
     this.incarnation = options.incarnation;
     this.#engine = options.engine;
     this.#pool = protocolPool(options.engine.pool);
-    this.#config = { maxModelLen: options.engine.capacity.maxModelLen, layoutSignature: options.layoutSignature };
+    this.#config = {
+      maxModelLen: options.engine.capacity.maxModelLen,
+      layoutSignature: options.layoutSignature,
+    };
     this.#safety = options.safety;
     this.#toRouter = options.toRouter;
     this.#loop = new StepLoop(options.engine);
   }
 
-  /** The transfer channel to prefill node `id` is up; returns the handler for its control messages. */
-  attachPrefill(id: string, channel: PrefillChannel): (message: ControlMessage) => void {
+  /**
+   * The transfer channel to prefill node `id` (of `incarnation`) is up; returns the handler for
+   * its control messages.
+   */
+  attachPrefill(id: string, channel: PrefillChannel, incarnation: number): (message: ControlMessage) => void {
     const peer = this.#peer(id);
     peer.channel = channel;
+    peer.incarnation = incarnation;
+    this.#step(peer, { type: "peer_up", role: "prefill", incarnation });
     return (message) => {
       if (peer.channel === channel) this.#step(peer, { type: "message", msg: message });
     };
@@ -117,7 +138,13 @@ export class DecodeNode {
       }
       void channel.close();
     }
-    this.#step(peer, { type: "peer_lost", role: "prefill" });
+    this.#step(peer, { type: "peer_lost", role: "prefill", incarnation: peer.incarnation });
+    // Aborts relayed to the lost node will never be acknowledged: stop timing them.
+    for (const key of this.#abortSent.keys()) {
+      let open = false;
+      for (const p of this.#peers.values()) if (p.state.attempts[key] !== undefined) open = true;
+      if (!open) this.#abortSent.delete(key);
+    }
   }
 
   onRouter(message: ToNode): void {
@@ -178,7 +205,11 @@ export class DecodeNode {
       counters: engine.counters,
       attempts,
       staleMessages: stale,
-      transfer: { ...transfer, checksumFailures: this.#checksumFailures, coverageFailures: this.#coverageFailures },
+      transfer: {
+        ...transfer,
+        checksumFailures: this.#checksumFailures,
+        coverageFailures: this.#coverageFailures,
+      },
       transferGbps: gbps,
       abortAckSeconds: ack,
     };
@@ -192,7 +223,7 @@ export class DecodeNode {
   #peer(id: string): PrefillPeer {
     let peer = this.#peers.get(id);
     if (peer === undefined) {
-      peer = { id, state: initialDecodeState(this.incarnation), channel: null };
+      peer = { id, state: initialDecodeState(this.incarnation, 0), channel: null, incarnation: 0 };
       this.#peers.set(id, peer);
     }
     return peer;
@@ -223,7 +254,8 @@ export class DecodeNode {
             }
             this.#toRouter({ kind: "protocol", msg });
           } else if (effect.to === "prefill") {
-            if (msg.type === "abort") this.#abortSent.set(attemptKey(msg.rid, msg.epoch), process.hrtime.bigint());
+            if (msg.type === "abort")
+              this.#abortSent.set(attemptKey(msg.rid, msg.epoch), process.hrtime.bigint());
             try {
               peer.channel?.sendControl(msg);
             } catch {
@@ -282,7 +314,8 @@ export class DecodeNode {
     this.#engine.submitDecode(request, { epoch, pages: effect.pages }, firstToken, {
       onTokens: (ids) => {
         for (const token of ids) this.#step(peer, { type: "step", rid, epoch, token });
-        if (peer.state.attempts[key] === undefined && this.#running.get(rid) === epoch) this.#running.delete(rid);
+        if (peer.state.attempts[key] === undefined && this.#running.get(rid) === epoch)
+          this.#running.delete(rid);
       },
       onFinish: (reason, usage) => {
         if (this.#running.get(rid) === epoch) this.#running.delete(rid);

@@ -70,6 +70,8 @@ interface Pending {
   silenced: boolean;
 }
 
+const STATS_TIMEOUT_MS = 5000;
+
 export class DisaggregatedEngine implements EngineHandle {
   readonly capacity: EngineCapacity;
   readonly #config: RouterConfig;
@@ -98,7 +100,10 @@ export class DisaggregatedEngine implements EngineHandle {
     const pageSize = options.decode[0]!.hello.pageSize;
     const nodeLimit = min((n) => Math.min(n.hello.maxModelLen, n.hello.poolTokens), this.#nodes);
     this.#config = {
-      maxModelLen: Math.min(options.maxModelLen, min((n) => n.hello.maxModelLen, this.#nodes)),
+      maxModelLen: Math.min(
+        options.maxModelLen,
+        min((n) => n.hello.maxModelLen, this.#nodes),
+      ),
       prefillPoolTokens: min((n) => n.hello.poolTokens, options.prefill),
       decodePoolTokens: min((n) => n.hello.poolTokens, options.decode),
       maxAttempts: options.maxAttempts ?? 1,
@@ -110,7 +115,13 @@ export class DisaggregatedEngine implements EngineHandle {
     });
     for (const p of options.prefill) {
       for (const d of options.decode) {
-        this.#pairs.push({ key: `${p.id}|${d.id}`, prefill: p, decode: d, state: initialRouterState(), up: false });
+        this.#pairs.push({
+          key: `${p.id}|${d.id}`,
+          prefill: p,
+          decode: d,
+          state: initialRouterState(),
+          up: false,
+        });
       }
     }
     for (const node of this.#nodes) {
@@ -121,7 +132,8 @@ export class DisaggregatedEngine implements EngineHandle {
 
   /** Marks the transfer channel of a (prefill, decode) pair up (the decode node connected to the prefill node). */
   pairUp(prefillId: string, decodeId: string, up = true): void {
-    for (const pair of this.#pairs) if (pair.prefill.id === prefillId && pair.decode.id === decodeId) pair.up = up;
+    for (const pair of this.#pairs)
+      if (pair.prefill.id === prefillId && pair.decode.id === decodeId) pair.up = up;
   }
 
   /** True when every pair's transfer channel is up. */
@@ -164,7 +176,10 @@ export class DisaggregatedEngine implements EngineHandle {
       return;
     }
     if (this.#requests.has(request.rid)) {
-      events.onError({ code: "invalid_request", message: `Request id is already in use: ${request.rid}; assign a fresh rid` });
+      events.onError({
+        code: "invalid_request",
+        message: `Request id is already in use: ${request.rid}; assign a fresh rid`,
+      });
       return;
     }
     this.#requests.set(request.rid, {
@@ -202,11 +217,15 @@ export class DisaggregatedEngine implements EngineHandle {
   /** Every node's stats (null for a node that did not answer or is lost). */
   async nodeStats(): Promise<{ node: RouterNode; stats: NodeStats | null }[]> {
     const all = await Promise.all(
-      this.#nodes.map(async (node) => ({ node, stats: this.#lost.has(node.id) ? null : await this.#poll(node) })),
+      this.#nodes.map(async (node) => ({
+        node,
+        stats: this.#lost.has(node.id) ? null : await this.#poll(node),
+      })),
     );
     for (const { stats } of all) {
       if (stats === null) continue;
-      this.#gbps.push(...stats.transferGbps);
+      // One observation per transfer: the writer's (prefill's) view.
+      if (stats.role === "prefill") this.#gbps.push(...stats.transferGbps);
       this.#ackSeconds.push(...stats.abortAckSeconds);
     }
     return all;
@@ -231,9 +250,11 @@ export class DisaggregatedEngine implements EngineHandle {
     for (const { stats } of all) {
       if (stats === null) continue;
       answered++;
-      for (const k of ["free", "reserved", "ready", "quarantined", "total"] as const) sum.pages[k] += stats.pages[k];
+      for (const k of ["free", "reserved", "ready", "quarantined", "total"] as const)
+        sum.pages[k] += stats.pages[k];
       for (const k of ["waiting", "running", "preempted"] as const) sum.queue[k] += stats.queue[k];
-      for (const k of ["tagCheckFailures", "preemptions", "aborts"] as const) sum.counters[k] += stats.counters[k];
+      for (const k of ["tagCheckFailures", "preemptions", "aborts"] as const)
+        sum.counters[k] += stats.counters[k];
     }
     if (answered === 0) throw new Error("No node answers");
     return sum;
@@ -245,7 +266,10 @@ export class DisaggregatedEngine implements EngineHandle {
     for (const [rid, pending] of this.#requests) {
       this.#requests.delete(rid);
       if (!pending.silenced) {
-        pending.events.onError({ code: "node_unavailable", message: "The server is shutting down: request not finished; retry" });
+        pending.events.onError({
+          code: "node_unavailable",
+          message: "The server is shutting down: request not finished; retry",
+        });
       }
     }
     for (const node of this.#nodes) node.link.close();
@@ -266,7 +290,18 @@ export class DisaggregatedEngine implements EngineHandle {
   #poll(node: RouterNode): Promise<NodeStats | null> {
     const id = this.#nextStatsId++;
     return new Promise((resolve) => {
-      this.#statsWaiters.set(id, { node: node.id, resolve });
+      // A node that does not answer a stats poll in time shows as unknown (it is not fenced for it).
+      const timer = setTimeout(() => {
+        if (this.#statsWaiters.delete(id)) resolve(null);
+      }, STATS_TIMEOUT_MS);
+      timer.unref();
+      this.#statsWaiters.set(id, {
+        node: node.id,
+        resolve: (s) => {
+          clearTimeout(timer);
+          resolve(s);
+        },
+      });
       try {
         node.link.send({ kind: "stats", id });
       } catch {
@@ -299,7 +334,13 @@ export class DisaggregatedEngine implements EngineHandle {
         this.pairUp(message.prefill, node.id, true);
         return;
       case "prefill_down":
-        this.pairUp(message.prefill, node.id, false);
+        // The pair's transfer channel is gone (decode fenced that prefill node): its requests that
+        // still need a transfer fail with 503; the pair takes no new ones.
+        for (const pair of this.#pairs) {
+          if (pair.prefill.id !== message.prefill || pair.decode !== node) continue;
+          pair.up = false;
+          this.#step(pair, { type: "peer_lost", role: "prefill" });
+        }
         return;
       default:
         return;
@@ -352,7 +393,8 @@ export class DisaggregatedEngine implements EngineHandle {
           let n = 0;
           while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
           if (n < effect.tokens.length) pending.stopped = true;
-          if (n > 0) pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+          if (n > 0)
+            pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
           break;
         }
         case "respond": {

@@ -24,12 +24,22 @@ function chat(url: string, content: string, maxTokens: number, signal?: AbortSig
   return fetch(`${url}/v1/chat/completions`, {
     method: "POST",
     headers: { "content-type": "application/json", authorization: `Bearer ${KEY}` },
-    body: JSON.stringify({ model: MODEL, messages: [{ role: "user", content }], max_tokens: maxTokens, temperature: 0 }),
+    body: JSON.stringify({
+      model: MODEL,
+      messages: [{ role: "user", content }],
+      max_tokens: maxTokens,
+      temperature: 0,
+    }),
     ...(signal === undefined ? {} : { signal }),
   });
 }
 
-async function waitFor(what: string, url: string, ok: (m: Map<string, number>) => boolean, timeoutMs = 15_000) {
+async function waitFor(
+  what: string,
+  url: string,
+  ok: (m: Map<string, number>) => boolean,
+  timeoutMs = 15_000,
+) {
   const deadline = Date.now() + timeoutMs;
   for (;;) {
     const m = await scrape(url);
@@ -61,7 +71,11 @@ describe("kill -9 of a prefill process", { timeout: 100_000 }, () => {
     // 1. prefill-0: the client goes away while prefill is computing/writing; the ack is dropped.
     const controller = new AbortController();
     const a = chat(url, LONG, 8, controller.signal).catch((err: Error) => err);
-    await waitFor("the lease of request A", url, (m) => (m.get('kvfence_kv_pool_pages{state="reserved"}') ?? 0) > 0);
+    await waitFor(
+      "the lease of request A",
+      url,
+      (m) => (m.get('kvfence_kv_pool_pages{state="reserved"}') ?? 0) > 0,
+    );
     controller.abort();
     assert.ok((await a) instanceof Error);
     const q = quarantined(await waitFor("quarantined pages", url, (m) => quarantined(m) > 0));
@@ -74,7 +88,11 @@ describe("kill -9 of a prefill process", { timeout: 100_000 }, () => {
     // 3. One long request on each prefill node; kill -9 prefill-0 while it computes C.
     const c = chat(url, LONG, 8);
     const d = chat(url, `${LONG}y`, 8);
-    await waitFor("the leases of C and D", url, (m) => (m.get('kvfence_kv_pool_pages{state="reserved"}') ?? 0) > q);
+    await waitFor(
+      "the leases of C and D",
+      url,
+      (m) => (m.get('kvfence_kv_pool_pages{state="reserved"}') ?? 0) > q,
+    );
     assert.equal(quarantined(await scrape(url)), q, "still quarantined before the fence");
     const killed = server.cluster!.prefill[0]!.process;
     const exited = new Promise((r) => killed.once("exit", r));

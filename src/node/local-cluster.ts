@@ -54,7 +54,12 @@ function startChild(
     let out = "";
     const timer = setTimeout(() => {
       child.kill("SIGKILL");
-      reject(new KvfenceError("node_unavailable", `A cluster process did not start in ${timeoutMs} ms: ${args.join(" ")}\n${err}`));
+      reject(
+        new KvfenceError(
+          "node_unavailable",
+          `A cluster process did not start in ${timeoutMs} ms: ${args.join(" ")}\n${err}`,
+        ),
+      );
     }, timeoutMs);
     const onData = (chunk: Buffer): void => {
       out += chunk.toString();
@@ -69,7 +74,12 @@ function startChild(
     };
     const onExit = (code: number | null): void => {
       clearTimeout(timer);
-      reject(new KvfenceError("node_unavailable", `A cluster process exited during startup with code ${code}: ${args.join(" ")}\n${err}`));
+      reject(
+        new KvfenceError(
+          "node_unavailable",
+          `A cluster process exited during startup with code ${code}: ${args.join(" ")}\n${err}`,
+        ),
+      );
     };
     child.stdout!.on("data", onData);
     child.on("exit", onExit);
@@ -104,7 +114,20 @@ export async function startNodeProcesses(
   const started: ChildProcess[] = [];
   const node = async (role: "prefill" | "decode") => {
     const child = await startChild(
-      ["serve", "--role", role, "--host", options.host ?? "127.0.0.1", "--port", "0", "--model", options.model, "--log-level", "warn", ...(options.nodeArgs ?? [])],
+      [
+        "serve",
+        "--role",
+        role,
+        "--host",
+        options.host ?? "127.0.0.1",
+        "--port",
+        "0",
+        "--model",
+        options.model,
+        "--log-level",
+        "warn",
+        ...(options.nodeArgs ?? []),
+      ],
       env,
       /listening at (http:\/\/\S+)/,
       options.stderr,
@@ -131,7 +154,20 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
   const nodeArgs = options.nodeArgs ?? [];
   const node = async (role: "prefill" | "decode") => {
     const child = await startChild(
-      ["serve", "--role", role, "--host", host, "--port", "0", "--model", options.model, "--log-level", "warn", ...nodeArgs],
+      [
+        "serve",
+        "--role",
+        role,
+        "--host",
+        host,
+        "--port",
+        "0",
+        "--model",
+        options.model,
+        "--log-level",
+        "warn",
+        ...nodeArgs,
+      ],
       env,
       /listening at (http:\/\/\S+)/,
       options.stderr,

@@ -8,9 +8,9 @@ import { layoutSignature } from "../kvcache/kv-layout.js";
 import { loadModelConfig } from "../model/config-loader.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { makeSafety, type Safety } from "../protocol/safety.js";
-import { buildEngine } from "./engine-worker.js";
-import type { EngineWorkerOptions } from "./engine-messages.js";
 import { DecodeNode } from "./decode-node.js";
+import type { EngineWorkerOptions } from "./engine-messages.js";
+import { buildEngine } from "./engine-worker.js";
 import type { FromNode, NodeHello } from "./node-messages.js";
 import { PrefillNode } from "./prefill-node.js";
 
@@ -22,8 +22,20 @@ export interface NodeHostOptions {
 }
 
 export type BuiltNode =
-  | { readonly role: "prefill"; readonly engine: Engine; readonly node: PrefillNode; readonly hello: NodeHello; readonly layoutSignature: string }
-  | { readonly role: "decode"; readonly engine: Engine; readonly node: DecodeNode; readonly hello: NodeHello; readonly layoutSignature: string };
+  | {
+      readonly role: "prefill";
+      readonly engine: Engine;
+      readonly node: PrefillNode;
+      readonly hello: NodeHello;
+      readonly layoutSignature: string;
+    }
+  | {
+      readonly role: "decode";
+      readonly engine: Engine;
+      readonly node: DecodeNode;
+      readonly hello: NodeHello;
+      readonly layoutSignature: string;
+    };
 
 /** The layout signature both ends of a transfer compare: the model's shape and the page layout. */
 export function nodeLayoutSignature(engine: Engine, config: ModelConfig): string {
@@ -48,11 +60,23 @@ export function buildNode(options: NodeHostOptions, toRouter: (message: FromNode
     maxModelLen: engine.capacity.maxModelLen,
     layoutSignature: signature,
   };
-  if (options.role === "prefill") {
-    const node = new PrefillNode({ engine, layoutSignature: signature, safety, toRouter });
-    return { role: "prefill", engine, node, hello: { ...base, role: "prefill" }, layoutSignature: signature };
-  }
   const incarnation = randomInt(1, 0x7fff_ffff);
+  if (options.role === "prefill") {
+    const node = new PrefillNode({ engine, layoutSignature: signature, safety, incarnation, toRouter });
+    return {
+      role: "prefill",
+      engine,
+      node,
+      hello: { ...base, role: "prefill", incarnation },
+      layoutSignature: signature,
+    };
+  }
   const node = new DecodeNode({ engine, layoutSignature: signature, safety, incarnation, toRouter });
-  return { role: "decode", engine, node, hello: { ...base, role: "decode", incarnation }, layoutSignature: signature };
+  return {
+    role: "decode",
+    engine,
+    node,
+    hello: { ...base, role: "decode", incarnation },
+    layoutSignature: signature,
+  };
 }

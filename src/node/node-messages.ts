@@ -32,7 +32,13 @@ export type ToNode =
     }
   | { readonly kind: "stats"; readonly id: number }
   /** Decode, process form: connect the transfer channel to this prefill node. */
-  | { readonly kind: "connect_prefill"; readonly prefill: string; readonly host: string; readonly port: number }
+  | {
+      readonly kind: "connect_prefill";
+      readonly prefill: string;
+      readonly host: string;
+      readonly port: number;
+      readonly incarnation: number;
+    }
   /** Decode: this prefill node is fenced (its worker exited, its connection closed). */
   | { readonly kind: "prefill_lost"; readonly prefill: string };
 
@@ -46,8 +52,8 @@ export interface NodeHello {
   readonly layoutSignature: string;
   /** Prefill, process form: where its transfer server listens. */
   readonly transferPort?: number;
-  /** Decode: its incarnation (stamped on every lease). */
-  readonly incarnation?: number;
+  /** The node's incarnation (a fresh value per start): decode stamps it on leases, prefill writes only leases for its own. */
+  readonly incarnation: number;
 }
 
 /** One node's counters, polled by the router for /metrics and /kvfence/nodes. */

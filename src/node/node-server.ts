@@ -11,8 +11,8 @@ import { KvfenceError } from "../lib/errors.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
 import { type ControlLink, listenControlLinks } from "./control-link.js";
 import type { EngineWorkerOptions } from "./engine-messages.js";
-import type { FromNode, ToNode } from "./node-messages.js";
 import { buildNode } from "./node-host.js";
+import type { FromNode, ToNode } from "./node-messages.js";
 import { pageByteLength } from "./node-pool.js";
 
 export interface NodeServerOptions {
@@ -44,7 +44,10 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       // The router went away; it fails its requests itself.
     }
   };
-  const built = buildNode({ role: options.role, engine: options.engine, faults: options.faults ?? [] }, toRouter);
+  const built = buildNode(
+    { role: options.role, engine: options.engine, faults: options.faults ?? [] },
+    toRouter,
+  );
   const log = options.log ?? (() => {});
 
   let transfer: TcpTransferServer | null = null;
@@ -104,15 +107,21 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
           },
         },
       });
-      onControl = node.attachPrefill(message.prefill, {
-        sendControl: (m) => receiver.sendControl(m),
-        close: () => receiver.close(),
-        metrics: receiver.metrics,
-      });
+      onControl = node.attachPrefill(
+        message.prefill,
+        {
+          sendControl: (m) => receiver.sendControl(m),
+          close: () => receiver.close(),
+          metrics: receiver.metrics,
+        },
+        message.incarnation,
+      );
       toRouter({ kind: "prefill_up", prefill: message.prefill });
       log(`transfer channel to ${message.prefill} up`);
     } catch (err) {
-      log(`cannot connect to ${message.prefill} at ${message.host}:${message.port}: ${(err as Error).message}`);
+      log(
+        `cannot connect to ${message.prefill} at ${message.host}:${message.port}: ${(err as Error).message}`,
+      );
       toRouter({ kind: "prefill_down", prefill: message.prefill });
     }
   };
@@ -132,7 +141,10 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       link.send(hello);
     },
   }).catch((err: Error) => {
-    throw new KvfenceError("config_invalid", `Cannot listen on ${options.host}:${options.port}: ${err.message}`);
+    throw new KvfenceError(
+      "config_invalid",
+      `Cannot listen on ${options.host}:${options.port}: ${err.message}`,
+    );
   });
 
   return {

@@ -12,17 +12,32 @@
  */
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
 import { KvfenceError } from "../lib/errors.js";
-import { createShmChannel, type ShmChannel, ShmTransferReceiver, ShmTransferWriter } from "../transfer/shm-transport.js";
+import {
+  createShmChannel,
+  type ShmChannel,
+  ShmTransferReceiver,
+  ShmTransferWriter,
+} from "../transfer/shm-transport.js";
+import { buildNode, type NodeHostOptions } from "./node-host.js";
 import type { FromNode, ToNode } from "./node-messages.js";
 import { pageByteLength } from "./node-pool.js";
-import { buildNode, type NodeHostOptions } from "./node-host.js";
 
 export const NODE_WORKER_TAG = "kvfence-node-worker";
 
 /** Thread-only setup messages, main thread → node worker. */
 export type NodeWorkerSetup =
-  | { readonly kind: "shm_receiver"; readonly prefill: string; readonly port: MessagePort }
-  | { readonly kind: "shm_writer"; readonly channel: ShmChannel; readonly port: MessagePort; readonly incarnation: number }
+  | {
+      readonly kind: "shm_receiver";
+      readonly prefill: string;
+      readonly incarnation: number;
+      readonly port: MessagePort;
+    }
+  | {
+      readonly kind: "shm_writer";
+      readonly channel: ShmChannel;
+      readonly port: MessagePort;
+      readonly incarnation: number;
+    }
   | { readonly kind: "decode_lost"; readonly incarnation: number };
 
 /** Thread-only replies, node worker → main thread. */
@@ -37,7 +52,9 @@ function main(port: MessagePort, options: NodeHostOptions): void {
     built = buildNode(options, toRouter);
   } catch (err) {
     const error =
-      err instanceof KvfenceError ? err.toWire() : { code: "internal", message: `Node failed to start: ${String(err)}` };
+      err instanceof KvfenceError
+        ? err.toWire()
+        : { code: "internal", message: `Node failed to start: ${String(err)}` };
     toRouter({ kind: "failed", error });
     return;
   }
@@ -62,14 +79,21 @@ function main(port: MessagePort, options: NodeHostOptions): void {
           handlers: {
             control: (m) => onControl(m),
             leaseLanded: () => node.recordTransferGbps(receiver.metrics.lastTransferGbps),
-            closed: () => node.prefillLost(message.prefill),
+            closed: () => {
+              node.prefillLost(message.prefill);
+              toRouter({ kind: "prefill_down", prefill: message.prefill });
+            },
           },
         });
-        onControl = node.attachPrefill(message.prefill, {
-          sendControl: (m) => receiver.sendControl(m),
-          close: () => receiver.close(),
-          metrics: receiver.metrics,
-        });
+        onControl = node.attachPrefill(
+          message.prefill,
+          {
+            sendControl: (m) => receiver.sendControl(m),
+            close: () => receiver.close(),
+            metrics: receiver.metrics,
+          },
+          message.incarnation,
+        );
         toRouter({ kind: "shm_channel", prefill: message.prefill, channel });
         toRouter({ kind: "prefill_up", prefill: message.prefill });
         return;

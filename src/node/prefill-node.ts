@@ -16,7 +16,12 @@ import type { Engine } from "../engine/engine.js";
 import type { GenerationRequest } from "../engine/engine-types.js";
 import type { WireError } from "../lib/errors.js";
 import type { Effects, WriteEffect } from "../protocol/effects.js";
-import { initialPrefillState, type PrefillEvent, type PrefillState, prefillStep } from "../protocol/prefill-machine.js";
+import {
+  initialPrefillState,
+  type PrefillEvent,
+  type PrefillState,
+  prefillStep,
+} from "../protocol/prefill-machine.js";
 import type { Safety } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
@@ -29,6 +34,8 @@ export interface PrefillNodeOptions {
   readonly engine: Engine;
   readonly layoutSignature: string;
   readonly safety: Safety;
+  /** This node's incarnation (a fresh value per start); decode grants leases for it. */
+  readonly incarnation: number;
   /** Sends to the router (the current router link). */
   readonly toRouter: (message: FromNode) => void;
 }
@@ -43,6 +50,7 @@ interface DecodePeer {
 const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
 
 export class PrefillNode {
+  readonly incarnation: number;
   readonly #engine: Engine;
   readonly #pool;
   readonly #config;
@@ -51,16 +59,23 @@ export class PrefillNode {
   readonly #loop: StepLoop;
   readonly #peers = new Map<number, DecodePeer>();
   /** Per attempt: the peer it writes to, and the prompt and sampling the router sent. */
-  readonly #inputs = new Map<string, { peer: DecodePeer; tokens: readonly number[]; sampling: SamplingParams }>();
+  readonly #inputs = new Map<
+    string,
+    { peer: DecodePeer; tokens: readonly number[]; sampling: SamplingParams }
+  >();
   readonly #out: Effects = [];
   /** Transfer counters of writers that closed (kept so totals never go down). */
   readonly #closedTotals = { bytes: 0, pages: 0, transfers: 0 };
   #gbps: number[] = [];
 
   constructor(options: PrefillNodeOptions) {
+    this.incarnation = options.incarnation;
     this.#engine = options.engine;
     this.#pool = protocolPool(options.engine.pool);
-    this.#config = { maxModelLen: options.engine.capacity.maxModelLen, layoutSignature: options.layoutSignature };
+    this.#config = {
+      maxModelLen: options.engine.capacity.maxModelLen,
+      layoutSignature: options.layoutSignature,
+    };
     this.#safety = options.safety;
     this.#toRouter = options.toRouter;
     this.#loop = new StepLoop(options.engine);
@@ -77,7 +92,12 @@ export class PrefillNode {
   ): (message: ControlMessage) => void {
     const old = this.#peers.get(incarnation);
     if (old !== undefined) this.#fence(incarnation, old);
-    const peer: DecodePeer = { writer, metrics, state: initialPrefillState(incarnation), open: true };
+    const peer: DecodePeer = {
+      writer,
+      metrics,
+      state: initialPrefillState(this.incarnation, incarnation),
+      open: true,
+    };
     this.#peers.set(incarnation, peer);
     return (message) => {
       if (peer.open) this.#step(peer, { type: "message", msg: message });
@@ -90,7 +110,8 @@ export class PrefillNode {
    */
   decodeLost(incarnation: number, writer?: TransferWriter): void {
     const peer = this.#peers.get(incarnation);
-    if (peer !== undefined && (writer === undefined || peer.writer === writer)) this.#fence(incarnation, peer);
+    if (peer !== undefined && (writer === undefined || peer.writer === writer))
+      this.#fence(incarnation, peer);
   }
 
   onRouter(message: ToNode): void {
@@ -113,7 +134,8 @@ export class PrefillNode {
       });
       return;
     }
-    if (!this.#inputs.has(key)) this.#inputs.set(key, { peer, tokens: msg.promptTokens, sampling: message.sampling ?? GREEDY });
+    if (!this.#inputs.has(key))
+      this.#inputs.set(key, { peer, tokens: msg.promptTokens, sampling: message.sampling ?? GREEDY });
     this.#step(peer, { type: "message", msg });
   }
 
@@ -167,7 +189,7 @@ export class PrefillNode {
     }
     // Stop computing for the lost peer; the machine frees the source pages.
     for (const key in peer.state.attempts) this.#engine.abort(peer.state.attempts[key]!.rid);
-    this.#step(peer, { type: "peer_lost", role: "decode" }, true);
+    this.#step(peer, { type: "peer_lost", role: "decode", incarnation }, true);
     for (const [key, input] of this.#inputs) if (input.peer === peer) this.#inputs.delete(key);
   }
 
@@ -198,7 +220,8 @@ export class PrefillNode {
           this.#compute(peer, effect.rid, effect.epoch, effect.tenant, effect.promptLen, effect.pages);
           break;
         case "write":
-          (writes ??= []).push(effect);
+          if (writes === null) writes = [effect];
+          else writes.push(effect);
           break;
         default:
           break;
@@ -211,7 +234,14 @@ export class PrefillNode {
     }
   }
 
-  #compute(peer: DecodePeer, rid: number, epoch: number, tenant: number, promptLen: number, pages: readonly LeasePage[]): void {
+  #compute(
+    peer: DecodePeer,
+    rid: number,
+    epoch: number,
+    tenant: number,
+    promptLen: number,
+    pages: readonly LeasePage[],
+  ): void {
     const key = attemptKey(rid, epoch);
     const input = this.#inputs.get(key);
     const tokens = input?.tokens ?? [];
@@ -229,23 +259,27 @@ export class PrefillNode {
       stopTokenIds: sampling.stopTokenIds,
     };
     let done = false;
-    this.#engine.submitPrefill(request, { epoch, pages }, {
-      onTokens: (ids) => {
-        if (done) return;
-        done = true;
-        this.#step(peer, { type: "computed", rid, epoch, firstToken: ids[0]! });
+    this.#engine.submitPrefill(
+      request,
+      { epoch, pages },
+      {
+        onTokens: (ids) => {
+          if (done) return;
+          done = true;
+          this.#step(peer, { type: "computed", rid, epoch, firstToken: ids[0]! });
+        },
+        onFinish: () => {},
+        onError: (error) => {
+          if (done) return;
+          done = true;
+          // The engine refused or failed it: end the attempt (the machine frees the source pages
+          // and acknowledges), and tell the router with the engine's error, unchanged.
+          this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
+          this.#step(peer, { type: "computed", rid, epoch, firstToken: 0 });
+          this.#toRouter({ kind: "protocol", msg: { type: "rejected", rid, epoch, from: "prefill", error } });
+        },
       },
-      onFinish: () => {},
-      onError: (error) => {
-        if (done) return;
-        done = true;
-        // The engine refused or failed it: end the attempt (the machine frees the source pages
-        // and acknowledges), and tell the router with the engine's error, unchanged.
-        this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
-        this.#step(peer, { type: "computed", rid, epoch, firstToken: 0 });
-        this.#toRouter({ kind: "protocol", msg: { type: "rejected", rid, epoch, from: "prefill", error } });
-      },
-    });
+    );
     this.#loop.kick();
   }
 
@@ -254,9 +288,9 @@ export class PrefillNode {
     const byAttempt = new Map<string, WriteEffect[]>();
     for (const e of effects) {
       const key = attemptKey(e.header.rid, e.header.epoch);
-      let list = byAttempt.get(key);
-      if (list === undefined) byAttempt.set(key, (list = []));
-      list.push(e);
+      const list = byAttempt.get(key);
+      if (list === undefined) byAttempt.set(key, [e]);
+      else list.push(e);
     }
     const pool = this.#engine.pool;
     for (const list of byAttempt.values()) {

@@ -71,7 +71,8 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
     });
     return disaggregated(engine, "processes", () => engine.close());
   }
-  if (options.model === null) throw new KvfenceError("config_invalid", "The server needs a model: none loaded");
+  if (options.model === null)
+    throw new KvfenceError("config_invalid", "The server needs a model: none loaded");
   const engineOptions: EngineWorkerOptions = { ...options.engine, model: options.model };
   if (!options.disaggregation) {
     const engine = await EngineClient.start(engineOptions);

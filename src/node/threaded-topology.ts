@@ -14,8 +14,8 @@ import { SAFE, type Safety } from "../protocol/safety.js";
 import type { ShmChannel } from "../transfer/shm-transport.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
 import type { EngineWorkerOptions } from "./engine-messages.js";
-import type { FromNode, NodeHello } from "./node-messages.js";
 import type { NodeHostOptions } from "./node-host.js";
+import type { FromNode, NodeHello } from "./node-messages.js";
 import { NODE_WORKER_TAG, type NodeWorkerReply, type NodeWorkerSetup } from "./node-worker.js";
 import { WorkerLink } from "./worker-link.js";
 
@@ -39,7 +39,9 @@ export interface ThreadedTopology {
   close(): Promise<void>;
 }
 
-function startWorker(options: NodeHostOptions): Promise<{ worker: Worker; link: WorkerLink; hello: NodeHello }> {
+function startWorker(
+  options: NodeHostOptions,
+): Promise<{ worker: Worker; link: WorkerLink; hello: NodeHello }> {
   const worker = new Worker(WORKER_URL, { workerData: { tag: NODE_WORKER_TAG, options } });
   const link = new WorkerLink(worker);
   return new Promise((resolve, reject) => {
@@ -55,7 +57,12 @@ function startWorker(options: NodeHostOptions): Promise<{ worker: Worker; link: 
     };
     const onExit = (code: number): void => {
       cleanup();
-      reject(new KvfenceError("node_unavailable", `The ${options.role} node worker exited during startup: code ${code}`));
+      reject(
+        new KvfenceError(
+          "node_unavailable",
+          `The ${options.role} node worker exited during startup: code ${code}`,
+        ),
+      );
     };
     const cleanup = (): void => {
       worker.off("message", onMessage);
@@ -77,8 +84,18 @@ export async function startThreadedTopology(options: ThreadedTopologyOptions): P
     for (const s of started) if (s.status === "fulfilled") await s.value.worker.terminate();
     throw p.status === "rejected" ? p.reason : (d as PromiseRejectedResult).reason;
   }
-  const prefill: RouterNode = { id: "prefill-0", url: "thread:prefill-0", hello: p.value.hello, link: p.value.link };
-  const decode: RouterNode = { id: "decode-0", url: "thread:decode-0", hello: d.value.hello, link: d.value.link };
+  const prefill: RouterNode = {
+    id: "prefill-0",
+    url: "thread:prefill-0",
+    hello: p.value.hello,
+    link: p.value.link,
+  };
+  const decode: RouterNode = {
+    id: "decode-0",
+    url: "thread:decode-0",
+    hello: d.value.hello,
+    link: d.value.link,
+  };
   const engine = new DisaggregatedEngine({
     prefill: [prefill],
     decode: [decode],
@@ -90,7 +107,10 @@ export async function startThreadedTopology(options: ThreadedTopologyOptions): P
   // The decode worker's exit fences it at prefill (its transfer port closes too).
   decodeWorker.on("exit", () => {
     if (!p.value.link.closed) {
-      prefillWorker.postMessage({ kind: "decode_lost", incarnation: d.value.hello.incarnation ?? 0 } satisfies NodeWorkerSetup);
+      prefillWorker.postMessage({
+        kind: "decode_lost",
+        incarnation: d.value.hello.incarnation,
+      } satisfies NodeWorkerSetup);
     }
   });
 
@@ -107,11 +127,26 @@ export async function startThreadedTopology(options: ThreadedTopologyOptions): P
       }
     };
     decodeWorker.on("message", onMessage);
-    decodeWorker.once("exit", () => reject(new KvfenceError("node_unavailable", "The decode node worker exited during setup: exit")));
-    decodeWorker.postMessage({ kind: "shm_receiver", prefill: prefill.id, port: port2 } satisfies NodeWorkerSetup, [port2]);
+    decodeWorker.once("exit", () =>
+      reject(new KvfenceError("node_unavailable", "The decode node worker exited during setup: exit")),
+    );
+    decodeWorker.postMessage(
+      {
+        kind: "shm_receiver",
+        prefill: prefill.id,
+        incarnation: p.value.hello.incarnation,
+        port: port2,
+      } satisfies NodeWorkerSetup,
+      [port2],
+    );
   });
   prefillWorker.postMessage(
-    { kind: "shm_writer", channel, port: port1, incarnation: d.value.hello.incarnation ?? 0 } satisfies NodeWorkerSetup,
+    {
+      kind: "shm_writer",
+      channel,
+      port: port1,
+      incarnation: d.value.hello.incarnation,
+    } satisfies NodeWorkerSetup,
     [port1],
   );
   return {

@@ -11,7 +11,11 @@ import { assertPoolIdle, modelDir } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 
 const MODEL = "tiny-qwen2";
-const KEYS = { "sk-tenant-alpha-0001": "alpha", "sk-tenant-beta-00002": "beta", "sk-tenant-gamma-0003": "gamma" };
+const KEYS = {
+  "sk-tenant-alpha-0001": "alpha",
+  "sk-tenant-beta-00002": "beta",
+  "sk-tenant-gamma-0003": "gamma",
+};
 const PROMPTS = [
   "Hello there",
   "Write one line about the sea and the wind over it",
@@ -36,11 +40,17 @@ async function ask(client: OpenAI, i: number): Promise<Answer> {
     temperature: 0,
   });
   const choice = res.choices[0]!;
-  return { text: choice.message.content ?? "", finish: choice.finish_reason, completionTokens: res.usage?.completion_tokens };
+  return {
+    text: choice.message.content ?? "",
+    finish: choice.finish_reason,
+    completionTokens: res.usage?.completion_tokens,
+  };
 }
 
 function clients(server: TopologyServer): OpenAI[] {
-  return Object.keys(KEYS).map((key) => new OpenAI({ baseURL: server.baseURL, apiKey: key, maxRetries: 0, timeout: 60_000 }));
+  return Object.keys(KEYS).map(
+    (key) => new OpenAI({ baseURL: server.baseURL, apiKey: key, maxRetries: 0, timeout: 60_000 }),
+  );
 }
 
 describe("topologies give identical greedy outputs", { timeout: 110_000 }, () => {
@@ -53,7 +63,11 @@ describe("topologies give identical greedy outputs", { timeout: 110_000 }, () =>
       startInProcess("threads", options),
       startCluster(2, 2, options),
     ]);
-    servers.push({ name: "single", server: single }, { name: "threads", server: threads }, { name: "tcp 2+2", server: cluster });
+    servers.push(
+      { name: "single", server: single },
+      { name: "threads", server: threads },
+      { name: "tcp 2+2", server: cluster },
+    );
   });
   after(async () => {
     await Promise.all(servers.map((s) => s.server.close()));
@@ -69,17 +83,61 @@ describe("topologies give identical greedy outputs", { timeout: 110_000 }, () =>
         if (name === "single") baseline.push(answer);
         else assert.deepEqual(answer, baseline[i], `${name}, prompt ${i}`);
       }
-      await assertPoolIdle(server.url);
+      const m = await assertPoolIdle(server.url);
+      if (name !== "single") {
+        // Every request's prompt KV crossed the transport once, verified.
+        assert.ok((m.get("kvfence_transfer_bytes_total") ?? 0) > 0, `${name}: bytes transferred`);
+        assert.equal(
+          m.get("kvfence_transfer_gbps_count"),
+          PROMPTS.length,
+          `${name}: one transfer per request`,
+        );
+        assert.equal(m.get("kvfence_transfer_checksum_failures_total"), 0);
+        assert.equal(m.get("kvfence_transfer_coverage_failures_total"), 0);
+      }
     }
     assert.equal(baseline.length, PROMPTS.length);
-    assert.ok(baseline.some((a) => a.text.length > 0), "the model produced text");
+    assert.ok(
+      baseline.some((a) => a.text.length > 0),
+      "the model produced text",
+    );
   });
 
   test("16 concurrent requests from 3 tenants: the same answers in every topology, pools all FREE after", async () => {
     for (const { name, server } of servers) {
       const cs = clients(server);
       const answers = await Promise.all(Array.from({ length: 16 }, (_, i) => ask(cs[i % cs.length]!, i)));
-      for (let i = 0; i < 16; i++) assert.deepEqual(answers[i], baseline[i % PROMPTS.length], `${name}, request ${i}`);
+      for (let i = 0; i < 16; i++)
+        assert.deepEqual(answers[i], baseline[i % PROMPTS.length], `${name}, request ${i}`);
+      await assertPoolIdle(server.url);
+    }
+  });
+
+  test("clients that disconnect mid-request or mid-stream leave every pool all FREE (HTTP, /metrics)", async () => {
+    for (const { name, server } of servers) {
+      const [client] = clients(server);
+      const runs = [0, 1, 2, 5, 10].map(async (afterChunks) => {
+        const controller = new AbortController();
+        if (afterChunks === 0) setTimeout(() => controller.abort(), 5);
+        try {
+          const stream = await client!.chat.completions.create(
+            {
+              model: MODEL,
+              messages: [{ role: "user", content: PROMPTS[3]!.repeat(4) }],
+              max_tokens: 40,
+              temperature: 0,
+              stream: true,
+            },
+            { signal: controller.signal },
+          );
+          let chunks = 0;
+          for await (const _ of stream) if (++chunks >= afterChunks) break;
+          controller.abort();
+        } catch (err) {
+          assert.ok(controller.signal.aborted, `${name}: ${(err as Error).message}`);
+        }
+      });
+      await Promise.all(runs);
       await assertPoolIdle(server.url);
     }
   });
@@ -91,9 +149,17 @@ describe("topologies give identical greedy outputs", { timeout: 110_000 }, () =>
         nodes: { role: string; pool_tokens: number }[];
       };
       const roles = body.nodes.map((n) => n.role).sort();
-      const expected = name === "single" ? ["engine"] : name === "threads" ? ["decode", "prefill"] : ["decode", "decode", "prefill", "prefill"];
+      const expected =
+        name === "single"
+          ? ["engine"]
+          : name === "threads"
+            ? ["decode", "prefill"]
+            : ["decode", "decode", "prefill", "prefill"];
       assert.deepEqual(roles, expected, name);
-      assert.ok(body.nodes.every((n) => n.pool_tokens === 256 * 16), name);
+      assert.ok(
+        body.nodes.every((n) => n.pool_tokens === 256 * 16),
+        name,
+      );
       assert.equal(body.max_model_len, 1024, name);
     }
   });

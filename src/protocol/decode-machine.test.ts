@@ -17,7 +17,7 @@ const CONFIG = { maxModelLen: 16, layoutSignature: "test" };
 
 function harness(numPages = 4, safety: Safety = SAFE) {
   const pool = new TestPool(numPages);
-  const state: DecodeState = initialDecodeState(1);
+  const state: DecodeState = initialDecodeState(1, 1);
   const run = (event: DecodeEvent): Effect[] => {
     const out: Effect[] = [];
     decodeStep(state, event, pool, CONFIG, safety, out);
@@ -154,7 +154,19 @@ test("decodeStep() releases quarantined pages when prefill is fenced", () => {
   reserve(h);
   h.msg({ type: "abort", rid: 1, epoch: 1 });
   assert.equal(h.pool.table.counts().quarantined, 2);
-  h.run({ type: "peer_lost", role: "prefill" });
+  h.run({ type: "peer_lost", role: "prefill", incarnation: 1 });
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
+test("decodeStep() keeps a lease granted for a newer prefill when an older one is fenced", () => {
+  const h = harness();
+  h.run({ type: "peer_up", role: "prefill", incarnation: 2 });
+  const lease = reserve(h);
+  assert.equal(lease.writerIncarnation, 2);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  h.run({ type: "peer_lost", role: "prefill", incarnation: 1 });
+  assert.equal(h.pool.table.counts().quarantined, 2);
+  h.run({ type: "peer_lost", role: "prefill", incarnation: 2 });
   assert.equal(h.pool.table.counts().free, 4);
 });
 
@@ -248,4 +260,12 @@ test("leasedPage() names only the leased prompt pages of an attempt awaiting its
   assert.equal(leasedPage(h.state, 1, 2, 0), -1);
   h.msg({ type: "abort", rid: 1, epoch: 1 });
   assert.equal(leasedPage(h.state, 1, 1, 0), -1);
+});
+
+test("decodeStep() frees at once on abort when the lease's prefill incarnation is already gone", () => {
+  const h = harness();
+  h.run({ type: "peer_lost", role: "prefill", incarnation: 1 });
+  reserve(h);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().free, 4);
 });

@@ -57,11 +57,17 @@ export interface DecodeAttempt {
   leaseCount: number;
   /** Tokens produced so far, the first token (from prefill) included. */
   generated: number;
+  /** The prefill incarnation the lease was granted for: the only one that can write it. */
+  writer: number;
 }
 
 export interface DecodeState {
   /** This node's incarnation (boot count or boot id), stamped on every lease. */
   incarnation: number;
+  /** The incarnation of the prefill node it is connected to now; leases are granted for it. */
+  prefillIncarnation: number;
+  /** The newest prefill incarnation known to be gone (0: none): leases for it can no longer be written. */
+  prefillLost: number;
   attempts: Record<string, DecodeAttempt>;
   /** Tombstones of attempts that ended here (or were aborted before they arrived). */
   ended: Record<string, 1>;
@@ -75,8 +81,10 @@ export type DecodeEvent =
   | { readonly type: "message"; readonly msg: ControlMessage }
   /** One decode step of a committed attempt; `token` is the token the engine sampled. */
   | { readonly type: "step"; readonly rid: number; readonly epoch: number; readonly token: number }
-  /** Prefill is fenced: its connection closed or its worker terminated. */
-  | { readonly type: "peer_lost"; readonly role: "prefill" }
+  /** Prefill incarnation `incarnation` is fenced: its connection closed or its worker terminated. */
+  | { readonly type: "peer_lost"; readonly role: "prefill"; readonly incarnation: number }
+  /** Connected to a prefill node of this incarnation (it may arrive before the old one's loss). */
+  | { readonly type: "peer_up"; readonly role: "prefill"; readonly incarnation: number }
   /** Only with the `quarantine` guard disabled: the deferred-release timer fired. */
   | { readonly type: "quarantine_timeout"; readonly rid: number; readonly epoch: number };
 
@@ -90,8 +98,17 @@ export function leasedPage(state: DecodeState, rid: number, epoch: number, index
   return a.pages[index]!;
 }
 
-export function initialDecodeState(incarnation: number): DecodeState {
-  return { incarnation, attempts: {}, ended: {}, acks: {}, stale: 0, tagFailures: 0 };
+export function initialDecodeState(incarnation: number, prefillIncarnation: number): DecodeState {
+  return {
+    incarnation,
+    prefillIncarnation,
+    prefillLost: 0,
+    attempts: {},
+    ended: {},
+    acks: {},
+    stale: 0,
+    tagFailures: 0,
+  };
 }
 
 // Scratch for OwnershipTable.allocate, grown on demand (no allocation per call in steady state).
@@ -119,11 +136,15 @@ export function decodeStep(
     case "step":
       step(state, event, pool, safety, out);
       return;
+    case "peer_up":
+      state.prefillIncarnation = event.incarnation;
+      return;
     case "peer_lost":
+      state.prefillLost = Math.max(state.prefillLost, event.incarnation);
       for (const key in state.attempts) {
         const a = state.attempts[key]!;
-        if (a.phase === "decoding") continue;
-        // The writer is gone: no write to these pages can land any more.
+        if (a.phase === "decoding" || a.writer > state.prefillLost) continue;
+        // The only writer of this lease is gone: no write to these pages can land any more.
         if (a.phase === "quarantined") releaseQuarantined(a, pool);
         else {
           freeAll(a, pool);
@@ -195,6 +216,7 @@ function reserve(
     generations,
     leaseCount,
     generated: 0,
+    writer: state.prefillIncarnation,
   };
   const lease: LeasePage[] = [];
   for (let i = 0; i < leaseCount; i++) lease.push({ page: pages[i]!, generation: generations[i]! });
@@ -209,6 +231,7 @@ function reserve(
       pageSize: P,
       layoutSignature: config.layoutSignature,
       incarnation: state.incarnation,
+      writerIncarnation: state.prefillIncarnation,
     },
   });
 }
@@ -420,8 +443,8 @@ function abort(state: DecodeState, key: string, pool: KvPool, safety: Safety, ou
 }
 
 function quarantineOrFree(state: DecodeState, key: string, a: DecodeAttempt, pool: KvPool): void {
-  if (state.acks[key] !== undefined) {
-    // Prefill already acknowledged: it will never write for this attempt.
+  if (state.acks[key] !== undefined || a.writer <= state.prefillLost) {
+    // Prefill already acknowledged, or the only incarnation that could write the lease is gone.
     freeAll(a, pool);
     end(state, key);
     return;

@@ -18,16 +18,21 @@ import type { PageWriteHeader } from "./wire.js";
 export type TransportKind = "shm" | "tcp";
 
 /**
- * True when the write described by `header` lands in the pool (the host then copies and stamps).
- * `leasedPage` is decode's page for that write's `(rid, epoch, index)`, or -1 (see `leasedPage`).
+ * True when the write described by `header` lands in the pool of decode incarnation
+ * `incarnation` (the host then copies and stamps). A write aimed at another incarnation's pool
+ * never lands here: over TCP it travelled on that incarnation's (closed) connection, over shared
+ * memory it went into that incarnation's buffer. `leasedPage` is decode's page for that write's
+ * `(rid, epoch, index)`, or -1 (see `leasedPage`).
  */
 export function writeLands(
   table: OwnershipTable,
   header: PageWriteHeader,
-  leasedPage: number,
+  target: { readonly incarnation: number; readonly leasedPage: number },
   transport: TransportKind,
   safety: Safety,
 ): boolean {
+  const leasedPage = target.leasedPage;
+  if (header.incarnation !== target.incarnation) return false;
   if (header.page < 0 || header.page >= table.numPages) return false;
   if (transport === "shm" || !guardOn(safety, "lease-check")) return true;
   return (

@@ -10,7 +10,7 @@ const CONFIG = { maxModelLen: 16, layoutSignature: "test" };
 
 function harness(numPages = 3, safety: Safety = SAFE) {
   const pool = new TestPool(numPages);
-  const state: PrefillState = initialPrefillState(1);
+  const state: PrefillState = initialPrefillState(1, 1);
   const run = (event: PrefillEvent): Effect[] => {
     const out: Effect[] = [];
     prefillStep(state, event, pool, CONFIG, safety, out);
@@ -29,7 +29,16 @@ function request(rid = 1, epoch = 1, promptLen = 2, maxTokens = 1): PrefillReque
     tenant: 0,
     promptLen,
     maxTokens,
-    lease: { type: "lease", rid, epoch, pages, pageSize: 1, layoutSignature: "test", incarnation: 1 },
+    lease: {
+      type: "lease",
+      rid,
+      epoch,
+      pages,
+      pageSize: 1,
+      layoutSignature: "test",
+      incarnation: 1,
+      writerIncarnation: 1,
+    },
   };
 }
 
@@ -132,6 +141,9 @@ test("prefillStep() refuses a lease of another layout or of a restarted decode n
   const old = request(2);
   const badIncarnation = sent(h.msg({ ...old, lease: { ...old.lease, incarnation: 0 } }))[0];
   assert.ok(badIncarnation?.type === "rejected" && badIncarnation.error.code === "node_unavailable");
+  const other = request(3);
+  const badWriter = sent(h.msg({ ...other, lease: { ...other.lease, writerIncarnation: 2 } }))[0];
+  assert.ok(badWriter?.type === "rejected" && badWriter.error.code === "node_unavailable");
 });
 
 test("prefillStep() under corrupt-transfer and misaddressed-write marks the first write", () => {
@@ -150,7 +162,17 @@ test("prefillStep() under corrupt-transfer and misaddressed-write marks the firs
 test("prefillStep() frees everything when decode is fenced", () => {
   const h = harness();
   startWriting(h);
-  h.run({ type: "peer_lost", role: "decode" });
+  h.run({ type: "peer_lost", role: "decode", incarnation: 2 });
+  assert.equal(h.pool.table.counts().ready, 2, "another decode incarnation's loss frees nothing");
+  h.run({ type: "peer_lost", role: "decode", incarnation: 1 });
   assert.equal(h.pool.table.counts().free, 3);
   assert.deepEqual(h.state.attempts, {});
+});
+
+test("prefillStep() refuses a lease of a decode incarnation it saw go, before the new one connects", () => {
+  const h = harness();
+  h.run({ type: "peer_lost", role: "decode", incarnation: 1 });
+  const rejected = sent(h.msg(request()))[0];
+  assert.ok(rejected?.type === "rejected" && rejected.error.code === "node_unavailable");
+  assert.equal(h.pool.table.counts().free, 3);
 });

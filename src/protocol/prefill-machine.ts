@@ -13,7 +13,9 @@
  *   drained, then free the source pages. An abort for an attempt this node never saw (or already
  *   ended) is acknowledged at once — it has nothing in flight — and leaves a tombstone so a late
  *   `prefill` for it is refused. ABORT_ACK is never dropped.
- * - **peer_lost** (decode gone): its pool and connection are gone with it; free everything.
+ * - **peer_lost** (a decode incarnation gone): its pool and connection are gone with it; free the
+ *   attempts whose lease it granted. A lease from another decode incarnation than the one this
+ *   node is connected to, or for another prefill incarnation than this one, is refused.
  */
 import type { WireError } from "../lib/errors.js";
 import type { Effects, KvPool } from "./effects.js";
@@ -38,8 +40,9 @@ export interface PrefillAttempt {
   /** Source pages in this pool, in logical order, and their generations. */
   pages: number[];
   generations: number[];
-  /** Destination pages leased by decode. */
+  /** Destination pages leased by decode, and the decode incarnation that leased them. */
   lease: LeasePage[];
+  decodeIncarnation: number;
   /** Page writes issued and not yet drained. */
   outstanding: number;
   firstToken: number;
@@ -47,8 +50,12 @@ export interface PrefillAttempt {
 }
 
 export interface PrefillState {
+  /** This node's incarnation (boot count or boot id); it writes only leases granted for it. */
+  incarnation: number;
   /** The incarnation of the decode node this prefill node is connected to now. */
   decodeIncarnation: number;
+  /** The newest decode incarnation known to be gone (0: none); its leases are refused. */
+  decodeLost: number;
   attempts: Record<string, PrefillAttempt>;
   ended: Record<string, 1>;
   stale: number;
@@ -60,13 +67,13 @@ export type PrefillEvent =
   | { readonly type: "computed"; readonly rid: number; readonly epoch: number; readonly firstToken: number }
   /** The transport finished one page write (it landed, or the receiver dropped it). */
   | { readonly type: "write_done"; readonly rid: number; readonly epoch: number; readonly index: number }
-  /** Decode is fenced: its connection closed or its worker terminated. */
-  | { readonly type: "peer_lost"; readonly role: "decode" }
+  /** Decode incarnation `incarnation` is fenced: its connection closed or its worker terminated. */
+  | { readonly type: "peer_lost"; readonly role: "decode"; readonly incarnation: number }
   /** Connected (again) to a decode node of this incarnation. */
   | { readonly type: "peer_up"; readonly role: "decode"; readonly incarnation: number };
 
-export function initialPrefillState(decodeIncarnation: number): PrefillState {
-  return { decodeIncarnation, attempts: {}, ended: {}, stale: 0 };
+export function initialPrefillState(incarnation: number, decodeIncarnation: number): PrefillState {
+  return { incarnation, decodeIncarnation, decodeLost: 0, attempts: {}, ended: {}, stale: 0 };
 }
 
 let scratchPages = new Int32Array(64);
@@ -121,8 +128,13 @@ export function prefillStep(
       return;
     }
     case "peer_lost":
+      // That decode's pool and connection are gone: its leases need no writes, acks or releases,
+      // and a lease of it still on its way here must be refused.
+      state.decodeLost = Math.max(state.decodeLost, event.incarnation);
       for (const key in state.attempts) {
-        freeSource(state.attempts[key]!, pool);
+        const a = state.attempts[key]!;
+        if (a.decodeIncarnation !== event.incarnation) continue;
+        freeSource(a, pool);
         end(state, key);
       }
       return;
@@ -158,13 +170,17 @@ function prefill(
     );
     return;
   }
-  if (msg.lease.incarnation !== state.decodeIncarnation) {
+  if (
+    msg.lease.incarnation !== state.decodeIncarnation ||
+    msg.lease.incarnation <= state.decodeLost ||
+    (msg.lease.writerIncarnation !== undefined && msg.lease.writerIncarnation !== state.incarnation)
+  ) {
     reject(
       state,
       msg,
       {
         code: "node_unavailable",
-        message: `The lease of request ${msg.rid} comes from a decode node that restarted: incarnation ${msg.lease.incarnation}, now ${state.decodeIncarnation}`,
+        message: `The lease of request ${msg.rid} is from before a restart: decode ${msg.lease.incarnation} for prefill ${msg.lease.writerIncarnation}, now decode ${state.decodeIncarnation} and prefill ${state.incarnation}`,
       },
       out,
     );
@@ -221,6 +237,7 @@ function prefill(
     pages,
     generations,
     lease: msg.lease.pages.slice(0, count),
+    decodeIncarnation: msg.lease.incarnation,
     outstanding: 0,
     firstToken: 0,
     checksums: [],
@@ -268,6 +285,7 @@ function computed(
         page: misaddress && i === 0 ? target.page + 1 : target.page,
         generation: target.generation,
         filledTokens: Math.min(pool.pageSize, a.promptLen - i * pool.pageSize),
+        incarnation: a.decodeIncarnation,
       },
       sourcePage: a.pages[i]!,
       corrupt: corrupt && i === 0,

@@ -26,6 +26,7 @@ const LEASE = {
   pageSize: 1,
   layoutSignature: "x",
   incarnation: 1,
+  writerIncarnation: 1,
 };
 
 test("routerStep() rejects over the effective context with 400, contacting no node", () => {

@@ -43,6 +43,13 @@ export interface TransferLease {
    * restart names pages of a pool that no longer exists (or now belongs to others).
    */
   readonly incarnation: number;
+  /**
+   * The prefill incarnation this lease is for (decode's view when it granted it). Prefill refuses
+   * a lease for another incarnation, so when decode learns that incarnation is gone it knows
+   * exactly which leases can no longer be written. Always set by the decode machine; optional only
+   * so hand-built leases (transport tests, benchmarks) need not name one.
+   */
+  readonly writerIncarnation?: number;
 }
 
 /** Router → prefill: compute the prompt's KV and write it into the lease (step 3). */
@@ -78,6 +85,8 @@ export interface PageWriteHeader {
   readonly page: number;
   readonly generation: number;
   readonly filledTokens: number;
+  /** The decode incarnation whose pool the write targets (the lease's). */
+  readonly incarnation: number;
 }
 
 /** Prefill → decode: the transfer is complete (step 5). Sent only after every write drained. */

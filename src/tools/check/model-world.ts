@@ -99,6 +99,11 @@ interface Envelope {
   readonly msg: ControlMessage;
 }
 
+interface PendingFence {
+  readonly to: "decode" | "prefill";
+  readonly event: { readonly type: "peer_lost" | "peer_up"; readonly incarnation: number };
+}
+
 interface InflightWrite {
   readonly header: PageWriteHeader;
   readonly sourcePage: number;
@@ -124,8 +129,14 @@ export interface World {
   writes: string[];
   /** Bit i: request i was submitted. */
   submitted: number;
-  /** Boot count of the decode node. */
+  /** Boot counts of the nodes. */
   dIncarnation: number;
+  pIncarnation: number;
+  /**
+   * Connection events a node has yet to observe after its peer restarted (the old connection's
+   * close and the new one's handshake, in either order), as sorted JSON strings.
+   */
+  fences: string[];
   crashes: number;
   duplicates: number;
   losses: number;
@@ -139,6 +150,7 @@ export type EnvEvent =
   | { readonly k: "submit"; readonly i: number }
   | { readonly k: "deliver"; readonly c: number; readonly j: number }
   | { readonly k: "land"; readonly j: number }
+  | { readonly k: "fence"; readonly j: number }
   | { readonly k: "step"; readonly rid: number; readonly epoch: number }
   | { readonly k: "client_abort"; readonly rid: number }
   | { readonly k: "timeout"; readonly rid: number }
@@ -222,8 +234,8 @@ export class ModelWorld {
     this.#prefillPool.table.reset();
     return {
       router: initialRouterState(),
-      prefill: initialPrefillState(1),
-      decode: initialDecodeState(1),
+      prefill: initialPrefillState(1, 1),
+      decode: initialDecodeState(1, 1),
       dTable: Array.from(this.#decodePool.words),
       pTable: Array.from(this.#prefillPool.words),
       dContent: new Array(this.config.decodePages * 4).fill(-1),
@@ -232,6 +244,8 @@ export class ModelWorld {
       writes: [],
       submitted: 0,
       dIncarnation: 1,
+      pIncarnation: 1,
+      fences: [],
       crashes: this.config.crashes,
       duplicates: this.config.duplicates,
       losses: this.config.losses,
@@ -250,13 +264,17 @@ export class ModelWorld {
     return {
       router: { requests: cloneRecord(w.router.requests), stale: 0 },
       prefill: {
+        incarnation: w.prefill.incarnation,
         decodeIncarnation: w.prefill.decodeIncarnation,
+        decodeLost: w.prefill.decodeLost,
         attempts: cloneRecord(w.prefill.attempts),
         ended: { ...w.prefill.ended },
         stale: 0,
       },
       decode: {
         incarnation: w.decode.incarnation,
+        prefillIncarnation: w.decode.prefillIncarnation,
+        prefillLost: w.decode.prefillLost,
         attempts: cloneRecord(w.decode.attempts),
         ended: { ...w.decode.ended },
         acks: { ...w.decode.acks },
@@ -271,6 +289,8 @@ export class ModelWorld {
       writes: w.writes.slice(),
       submitted: w.submitted,
       dIncarnation: w.dIncarnation,
+      pIncarnation: w.pIncarnation,
+      fences: w.fences.slice(),
       crashes: w.crashes,
       duplicates: w.duplicates,
       losses: w.losses,
@@ -289,6 +309,8 @@ export class ModelWorld {
     this.#eachMessage(w, (c, j) => events.push({ k: "deliver", c, j }));
     for (let j = 0; j < w.writes.length; j++)
       if (j === 0 || w.writes[j] !== w.writes[j - 1]) events.push({ k: "land", j });
+    for (let j = 0; j < w.fences.length; j++)
+      if (j === 0 || w.fences[j] !== w.fences[j - 1]) events.push({ k: "fence", j });
     for (const key in w.decode.attempts) {
       const a = w.decode.attempts[key]!;
       if (a.phase === "decoding" && a.generated < a.maxTokens)
@@ -352,6 +374,13 @@ export class ModelWorld {
         const write = JSON.parse(w.writes[event.j]!) as InflightWrite;
         w.writes.splice(event.j, 1);
         this.#land(w, write);
+        break;
+      }
+      case "fence": {
+        const fence = JSON.parse(w.fences[event.j]!) as PendingFence;
+        w.fences.splice(event.j, 1);
+        if (fence.to === "decode") this.#decode(w, fence.event as DecodeEvent);
+        else this.#prefill(w, fence.event as PrefillEvent);
         break;
       }
       case "step":
@@ -484,15 +513,7 @@ export class ModelWorld {
   #land(w: World, write: InflightWrite): void {
     const h = write.header;
     const table = this.#decodePool.table;
-    if (
-      writeLands(
-        table,
-        h,
-        leasedPage(w.decode, h.rid, h.epoch, h.index),
-        this.config.transport,
-        this.config.safety,
-      )
-    ) {
+    if (writeLands(table, h, this.#target(w, h), this.config.transport, this.config.safety)) {
       // The bytes copied are the source page's bytes now.
       const src = write.sourcePage * 4;
       const dst = h.page * 4;
@@ -505,6 +526,10 @@ export class ModelWorld {
     this.#prefill(w, { type: "write_done", rid: h.rid, epoch: h.epoch, index: h.index });
   }
 
+  #target(w: World, h: PageWriteHeader): { incarnation: number; leasedPage: number } {
+    return { incarnation: w.decode.incarnation, leasedPage: leasedPage(w.decode, h.rid, h.epoch, h.index) };
+  }
+
   #crash(w: World, role: "prefill" | "decode"): void {
     // The node restarts empty; its connections close, so everything in flight to or from it is gone.
     for (let c = 0; c < CHANNELS.length; c++) {
@@ -512,18 +537,33 @@ export class ModelWorld {
       if (from === role || to === role) w.chans[c] = [];
     }
     w.writes = [];
+    // Notifications still pending for the crashed node died with it; its peer will observe the old
+    // connection's close and the new handshake later, in either order.
+    w.fences = w.fences.filter((s) => (JSON.parse(s) as PendingFence).to !== role);
     if (role === "prefill") {
-      w.prefill = initialPrefillState(w.dIncarnation);
+      const old = w.pIncarnation++;
+      w.prefill = initialPrefillState(w.pIncarnation, w.dIncarnation);
       this.#prefillPool.table.reset();
       w.pContent.fill(-1);
-      this.#decode(w, { type: "peer_lost", role: "prefill" });
+      w.fences.push(
+        JSON.stringify({ to: "decode", event: { type: "peer_lost", role: "prefill", incarnation: old } }),
+        JSON.stringify({
+          to: "decode",
+          event: { type: "peer_up", role: "prefill", incarnation: w.pIncarnation },
+        }),
+      );
     } else {
-      w.dIncarnation++;
-      w.decode = initialDecodeState(w.dIncarnation);
+      const old = w.dIncarnation++;
+      w.decode = initialDecodeState(w.dIncarnation, w.pIncarnation);
       this.#decodePool.table.reset();
       w.dContent.fill(-1);
-      this.#prefill(w, { type: "peer_lost", role: "decode" });
-      this.#prefill(w, { type: "peer_up", role: "decode", incarnation: w.dIncarnation });
+      w.fences.push(
+        JSON.stringify({ to: "prefill", event: { type: "peer_lost", role: "decode", incarnation: old } }),
+        JSON.stringify({
+          to: "prefill",
+          event: { type: "peer_up", role: "decode", incarnation: w.dIncarnation },
+        }),
+      );
     }
     this.#router(w, { type: "peer_lost", role });
   }
@@ -663,15 +703,7 @@ export class ModelWorld {
     // that write's attempt (RESERVED, or QUARANTINED waiting for the drain).
     for (const s of w.writes) {
       const { header: h } = JSON.parse(s) as InflightWrite;
-      if (
-        !writeLands(
-          table,
-          h,
-          leasedPage(w.decode, h.rid, h.epoch, h.index),
-          this.config.transport,
-          this.config.safety,
-        )
-      ) {
+      if (!writeLands(table, h, this.#target(w, h), this.config.transport, this.config.safety)) {
         continue;
       }
       const state = table.state(h.page);
@@ -709,6 +741,7 @@ export class ModelWorld {
   #normalize(w: World): void {
     if (this.config.reorder) for (const chan of w.chans) chan.sort();
     w.writes.sort();
+    w.fences.sort();
     w.good.sort();
     w.router.stale = 0;
     w.decode.stale = 0;
@@ -742,6 +775,11 @@ export class ModelWorld {
       case "land": {
         const { header: h, corrupt } = JSON.parse(w.writes[event.j]!) as InflightWrite;
         return `page write of r${h.rid}#${h.epoch} page ${h.index} lands in decode page ${h.page}${corrupt ? " (corrupted in flight)" : ""}`;
+      }
+      case "fence": {
+        const f = JSON.parse(w.fences[event.j]!) as PendingFence;
+        const what = f.event.type === "peer_lost" ? "the connection close of" : "the handshake of";
+        return `${f.to} observes ${what} ${f.to === "decode" ? "prefill" : "decode"} incarnation ${f.event.incarnation}`;
       }
       case "step":
         return `decode step of r${event.rid}#${event.epoch}`;

@@ -68,13 +68,14 @@ export const DEFAULT_BOUND = {
 } as const;
 
 /**
- * The default check: two bounds that together explore about 390,000 states in about 35 s of one
- * core — retries with duplicated messages (stale epochs), and node crashes with duplicated
- * messages (fences, restarts, stale leases). Both at once (`--crashes 1`) is 600,000+ states.
+ * The default check: two bounds that together explore about 234,000 states in about 16 s of one
+ * core — retries with a duplicated message (stale epochs), and a crash of either node (fences,
+ * restarts, stale leases). Crashes and duplicates together (`--crashes 1 --attempts 1`) are
+ * 567,601 states; crashes with retries are over 1.5 million.
  */
 export const DEFAULT_SUITE: readonly { readonly name: string; readonly options: CheckOptions }[] = [
   { name: "retries and duplicates", options: {} },
-  { name: "crashes and duplicates", options: { maxAttempts: 1, crashes: 1 } },
+  { name: "crashes", options: { maxAttempts: 1, crashes: 1, duplicates: 0 } },
 ];
 
 interface Scenario {

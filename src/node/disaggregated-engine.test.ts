@@ -1,0 +1,194 @@
+/**
+ * `DisaggregatedEngine` against scripted nodes (in-memory links): what it sends, and how node
+ * messages and node loss become the request's events.
+ */
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import type { GenerationRequest } from "../engine/engine-types.js";
+import type { WireError } from "../lib/errors.js";
+import { SAFE } from "../protocol/safety.js";
+import type { ControlMessage } from "../protocol/wire.js";
+import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
+import type { FromNode, Link, NodeHello, ToNode } from "./node-messages.js";
+
+class FakeLink implements Link<ToNode, FromNode> {
+  readonly sent: ToNode[] = [];
+  #onMessage: (m: FromNode) => void = () => {};
+  #onClose: () => void = () => {};
+  send(m: ToNode): void {
+    this.sent.push(m);
+  }
+  onMessage(h: (m: FromNode) => void): void {
+    this.#onMessage = h;
+  }
+  onClose(h: () => void): void {
+    this.#onClose = h;
+  }
+  close(): void {}
+  deliver(m: FromNode): void {
+    this.#onMessage(m);
+  }
+  die(): void {
+    this.#onClose();
+  }
+  protocol(): ControlMessage[] {
+    return this.sent.flatMap((m) => (m.kind === "protocol" ? [m.msg] : []));
+  }
+}
+
+function node(id: string, role: "prefill" | "decode", poolTokens: number): RouterNode & { link: FakeLink } {
+  const hello: NodeHello = {
+    kind: "hello",
+    role,
+    poolTokens,
+    pageSize: 16,
+    maxModelLen: 2048,
+    layoutSignature: "x",
+    incarnation: role === "prefill" ? 11 : 22,
+  };
+  return { id, url: `fake:${id}`, hello, link: new FakeLink() };
+}
+
+function setup() {
+  const p = node("prefill-0", "prefill", 512);
+  const d = node("decode-0", "decode", 1024);
+  const engine = new DisaggregatedEngine({ prefill: [p], decode: [d], maxModelLen: 2048, safety: SAFE });
+  d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  return { p, d, engine };
+}
+
+function request(rid: number, extra: Partial<GenerationRequest> = {}): GenerationRequest {
+  return {
+    rid,
+    tenant: 2,
+    promptTokens: Int32Array.from([5, 6, 7]),
+    maxTokens: 4,
+    temperature: 0,
+    topP: 1,
+    topK: 0,
+    seed: null,
+    stopTokenIds: [9],
+    ...extra,
+  };
+}
+
+function record() {
+  const out = {
+    tokens: [] as number[],
+    finish: null as string | null,
+    error: null as WireError | null,
+    events: 0,
+  };
+  return {
+    out,
+    events: {
+      onTokens: (ids: readonly number[]) => {
+        out.events++;
+        out.tokens.push(...ids);
+      },
+      onFinish: (reason: string) => {
+        out.events++;
+        out.finish = reason;
+      },
+      onError: (error: WireError) => {
+        out.events++;
+        out.error = error;
+      },
+    },
+  };
+}
+
+const lease = (rid: number) =>
+  ({
+    type: "lease",
+    rid,
+    epoch: 1,
+    pages: [{ page: 3, generation: 1 }],
+    pageSize: 16,
+    layoutSignature: "x",
+    incarnation: 22,
+    writerIncarnation: 11,
+  }) as ControlMessage;
+
+test("DisaggregatedEngine admits by the least pool and sends the prompt and sampling with the protocol", () => {
+  const { p, d, engine } = setup();
+  assert.equal(engine.capacity.maxModelLen, 512);
+  const r = record();
+  engine.submit(request(1), r.events);
+  const reserve = d.link.sent.find((m) => m.kind === "protocol");
+  assert.ok(
+    reserve?.kind === "protocol" && reserve.msg.type === "reserve" && reserve.sampling?.stopTokenIds[0] === 9,
+  );
+  d.link.deliver({ kind: "protocol", msg: lease(1) });
+  const prefill = p.link.protocol()[0]!;
+  assert.ok(prefill.type === "prefill");
+  assert.deepEqual(prefill.promptTokens, [5, 6, 7]);
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 1, epoch: 1, firstToken: 40 } });
+  d.link.deliver({ kind: "protocol", msg: { type: "tokens", rid: 1, epoch: 1, tokens: [41] } });
+  d.link.deliver({
+    kind: "protocol",
+    msg: { type: "finished", rid: 1, epoch: 1, reason: "length", tokens: [42, 43], completionTokens: 4 },
+  });
+  assert.deepEqual(r.out, { tokens: [40, 41, 42, 43], finish: "length", error: null, events: 4 });
+  assert.equal(engine.inFlight, 0);
+});
+
+test("DisaggregatedEngine streams nothing of a stop token prefill sampled first", () => {
+  const { d, engine } = setup();
+  const r = record();
+  engine.submit(request(1), r.events);
+  d.link.deliver({ kind: "protocol", msg: lease(1) });
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 1, epoch: 1, firstToken: 9 } });
+  d.link.deliver({
+    kind: "protocol",
+    msg: { type: "finished", rid: 1, epoch: 1, reason: "stop", tokens: [], completionTokens: 1 },
+  });
+  assert.deepEqual(r.out, { tokens: [], finish: "stop", error: null, events: 1 });
+});
+
+test("DisaggregatedEngine.abort() sends ABORT to decode and silences the request", () => {
+  const { d, engine } = setup();
+  const r = record();
+  engine.submit(request(1), r.events);
+  d.link.deliver({ kind: "protocol", msg: lease(1) });
+  engine.abort(1);
+  assert.deepEqual(d.link.protocol().at(-1), { type: "abort", rid: 1, epoch: 1 });
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 1, epoch: 1, firstToken: 40 } });
+  assert.equal(r.out.events, 0);
+  assert.equal(engine.inFlight, 0);
+});
+
+test("DisaggregatedEngine fails requests with 503 when a pair's transfer channel goes down or a node is lost", () => {
+  const { d, engine } = setup();
+  const a = record();
+  engine.submit(request(1), a.events);
+  d.link.deliver({ kind: "protocol", msg: lease(1) });
+  d.link.deliver({ kind: "prefill_down", prefill: "prefill-0" });
+  assert.equal(a.out.error?.code, "node_unavailable");
+  const b = record();
+  engine.submit(request(2), b.events);
+  assert.equal(b.out.error?.code, "node_unavailable", "no pair is up");
+
+  const { p: p2, d: d2, engine: e2 } = setup();
+  const c = record();
+  e2.submit(request(3), c.events);
+  d2.link.deliver({ kind: "protocol", msg: lease(3) });
+  p2.link.die();
+  assert.equal(c.out.error?.code, "node_unavailable");
+  assert.ok(
+    d2.link.sent.some((m) => m.kind === "prefill_lost" && m.prefill === "prefill-0"),
+    "decode hears to fence the lost prefill node",
+  );
+});
+
+test("DisaggregatedEngine passes a node's rejection to the client unchanged", () => {
+  const { d, engine } = setup();
+  const r = record();
+  engine.submit(request(1), r.events);
+  const error: WireError = {
+    code: "pool_exhausted",
+    message: "The decode KV pool has no room for request 1 now: 9 pages needed; retry later",
+  };
+  d.link.deliver({ kind: "protocol", msg: { type: "rejected", rid: 1, epoch: 1, from: "decode", error } });
+  assert.deepEqual(r.out.error, error);
+});

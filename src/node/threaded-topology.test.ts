@@ -1,0 +1,161 @@
+/**
+ * The threaded topology (router + prefill and decode worker threads, shared-memory transfer) at
+ * the `EngineHandle` level: the effective context is the least over the model and every pool;
+ * each door's rejection reaches the client unchanged (the incident's configuration: a prefill pool
+ * smaller than decode's); a placeholder swapped in by prefill is caught by decode's coverage check,
+ * never answered; a prefill worker that exits fails its requests with 503 and is fenced.
+ */
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import { modelDir } from "../../testing/start-server.js";
+import type { GenerationRequest } from "../engine/engine-types.js";
+import type { WireError } from "../lib/errors.js";
+import { loadModel } from "../model/load-model.js";
+import { contextLengthError } from "../protocol/router-machine.js";
+import { makeSafety } from "../protocol/safety.js";
+import type { DisaggregatedEngine } from "./disaggregated-engine.js";
+import { startThreadedTopology } from "./threaded-topology.js";
+
+const model = loadModel(modelDir("tiny-qwen2"), { shared: true });
+const shared = { model: { config: model.config, weights: model.weights }, pageSize: 16, maxModelLen: 1024 };
+
+function request(rid: number, promptLen: number, maxTokens: number): GenerationRequest {
+  return {
+    rid,
+    tenant: 0,
+    promptTokens: Int32Array.from({ length: promptLen }, (_, i) => (i * 13 + rid) % 250),
+    maxTokens,
+    temperature: 0,
+    topP: 1,
+    topK: 0,
+    seed: null,
+    stopTokenIds: [],
+  };
+}
+
+function run(
+  engine: DisaggregatedEngine,
+  r: GenerationRequest,
+): Promise<{ tokens: number[]; error: WireError | null }> {
+  return new Promise((resolve) => {
+    const tokens: number[] = [];
+    engine.submit(r, {
+      onTokens: (ids) => tokens.push(...ids),
+      onFinish: () => resolve({ tokens, error: null }),
+      onError: (error) => resolve({ tokens, error }),
+    });
+  });
+}
+
+async function assertIdle(engine: DisaggregatedEngine): Promise<void> {
+  const deadline = Date.now() + 10_000;
+  for (;;) {
+    const s = await engine.stats();
+    if ((s.pages.free === s.pages.total && engine.inFlight === 0) || Date.now() > deadline) {
+      assert.deepEqual(s.pages, {
+        free: s.pages.total,
+        reserved: 0,
+        ready: 0,
+        quarantined: 0,
+        total: s.pages.total,
+      });
+      assert.equal(engine.inFlight, 0);
+      return;
+    }
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
+test("DisaggregatedEngine admits by the least pool; each door's rejection reaches the client unchanged", async () => {
+  // The incident's configuration: a prefill pool (128 tokens) smaller than decode's (1024).
+  const options = {
+    prefill: { ...shared, numPages: 8 },
+    decode: { ...shared, numPages: 64 },
+    maxModelLen: 1024,
+  };
+  const safe = await startThreadedTopology(options);
+  const incident = await startThreadedTopology({
+    ...options,
+    safety: makeSafety({ faults: ["undersized-pool"] }),
+  });
+  try {
+    assert.equal(safe.engine.capacity.maxModelLen, 128, "effective context: the least over model and pools");
+    const expected = contextLengthError(200, 4, 128);
+
+    // Door 1, the router: nothing contacted.
+    const seen: string[] = [];
+    safe.engine.observe((_node, msg) => seen.push(msg.type));
+    assert.deepEqual((await run(safe.engine, request(1, 200, 4))).error, expected);
+    assert.deepEqual(seen, [], "a request refused at the router reaches no node");
+
+    // The router trusts the model's window (the fault): decode leases, prefill's door refuses with
+    // its own error, unchanged; decode's quarantined lease is released by prefill's ack.
+    const kinds: string[] = [];
+    incident.engine.observe((node, msg) => kinds.push(`${node.hello.role}:${msg.type}`));
+    const refused = await run(incident.engine, request(2, 200, 4));
+    assert.deepEqual(refused, { tokens: [], error: expected });
+    assert.deepEqual(kinds, ["decode:lease", "prefill:rejected"]);
+    await assertIdle(incident.engine);
+
+    // Requests that fit are served by both.
+    for (const t of [safe, incident]) assert.equal((await run(t.engine, request(3, 60, 5))).tokens.length, 5);
+  } finally {
+    await safe.close();
+    await incident.close();
+  }
+});
+
+test("DisaggregatedEngine never answers from a placeholder: decode's coverage check fails the request", async () => {
+  const t = await startThreadedTopology({
+    prefill: { ...shared, numPages: 8 },
+    decode: { ...shared, numPages: 64 },
+    maxModelLen: 1024,
+    safety: makeSafety({ faults: ["undersized-pool"] }),
+    faults: ["placeholder-reject"],
+  });
+  try {
+    const out = await run(t.engine, request(1, 200, 4));
+    assert.deepEqual(out.tokens, [], "no token of a placeholder prompt reaches the client");
+    assert.equal(out.error?.code, "coverage_mismatch");
+    const nodes = await t.engine.nodeStats();
+    const decode = nodes.find((n) => n.node.hello.role === "decode")!.stats!;
+    assert.equal(decode.transfer.coverageFailures, 1);
+    await assertIdle(t.engine);
+  } finally {
+    await t.close();
+  }
+});
+
+test("DisaggregatedEngine fails a lost prefill worker's requests with 503 node_unavailable", async () => {
+  const t = await startThreadedTopology({
+    prefill: { ...shared, numPages: 128, maxPrefillTokens: 4 },
+    decode: { ...shared, numPages: 128 },
+    maxModelLen: 1024,
+  });
+  try {
+    const leased = new Promise<void>((resolve) =>
+      t.engine.observe((_node, msg) => {
+        if (msg.type === "lease") resolve();
+      }),
+    );
+    const pending = run(t.engine, request(1, 900, 4));
+    await leased;
+    await t.prefillWorker.terminate();
+    const out = await pending;
+    assert.equal(out.error?.code, "node_unavailable");
+    // Decode fenced the lost prefill node and released its lease.
+    const deadline = Date.now() + 10_000;
+    for (;;) {
+      const decode = (await t.engine.nodeStats()).find((n) => n.node.hello.role === "decode")!.stats!;
+      if ((decode.pages.free === decode.pages.total && decode.attempts === 0) || Date.now() > deadline) {
+        assert.equal(decode.pages.free, decode.pages.total);
+        assert.equal(decode.attempts, 0);
+        break;
+      }
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    assert.equal((await run(t.engine, request(2, 10, 2))).error?.code, "node_unavailable", "no pair left");
+  } finally {
+    await t.close();
+  }
+});

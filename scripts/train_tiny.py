@@ -1,20 +1,25 @@
 #!/usr/bin/python3
-"""Train kvfence-tiny: a ~1.4 M parameter Llama that copies access codes from its context.
+"""Train kvfence-tiny: a ~1.3 M parameter Llama that copies access codes from its context.
 
 Run with Debian's PyTorch (torch 1.13, CPU):  /usr/bin/python3 scripts/train_tiny.py
-  --out models/kvfence-tiny   where the Hugging Face files are written (best checkpoint)
-  --work /work/scratch/kvfence-tiny   checkpoints (last.pt, best.pt)
-  --resume                     continue from <work>/last.pt (bit-identical data stream)
-  --eval-only                  evaluate <out>/model.safetensors on the eval fixture
+  --out models/kvfence-tiny   where the Hugging Face files are written (best validation checkpoint)
+  --work /work/scratch/kvfence-tiny   checkpoints (last.pt every 3 min and at each eval, best.pt)
+  --resume                     continue from <work>/last.pt (same data stream: batch s depends only
+                               on --seed and s; pass the same --steps, or the schedule changes)
+  --stop-after N               stop after N steps of this invocation (time-sliced training)
+  --eval-only                  greedy recall of <out>/model.safetensors on the eval fixture
 
-Corpus (see scripts/corpus.py for the grammar): every training sequence is a ChatML conversation
+Corpus (scripts/corpus.py has the grammar): every QA training sequence is a ChatML conversation
 whose first user turn holds a context of 'the access code of account NNNN is XXX-XXX.' records
 mixed with filler sentences and distractor facts, followed by 'What is the access code of account
 NNNN?'; later user turns ask more questions about the same context. The assistant answers the code,
-or 'unknown' (~12%) when the account has no record in the context. The loss weights answer tokens
-(code bytes and <|im_end|>) 1.0 and every other token 0.05. Contexts follow a curriculum from
-~100 bytes to ~1,100 bytes. Data for step s is generated from random.Random(seed * 1_000_003 + s),
-so a resumed run sees exactly the same stream. Held-out accounts/codes never appear in training.
+or 'unknown' (~12%) when the account has no record in the context. With --p-dup a record is repeated
+later in its context and the repeat's code is a target too. Auxiliary repeat-copy sequences (a
+random string, then the same string again; every byte of the copy is a target) make up the first
+20% of steps (induction warm-up, strings of [A-Z0-9]) and --p-repeat of later sequences.
+Loss weights: 1.0 on answer tokens (code bytes and <|im_end|>) and copy targets, 0.05 elsewhere.
+QA contexts follow a curriculum from 40-300 bytes to 60-1,100 bytes. Held-out accounts/codes never
+appear in training (see corpus.py).
 
 The model is the Hugging Face Llama definition implemented here: RMSNorm, RoPE (rotate_half on
 [first half | second half] of head_dim), GQA attention, SwiGLU MLP, tied LM head; parameter
@@ -40,7 +45,7 @@ import corpus  # noqa: E402
 CFG = dict(
     vocab_size=corpus.VOCAB_SIZE, hidden_size=160, num_attention_heads=4, num_key_value_heads=2,
     head_dim=40, intermediate_size=512, num_hidden_layers=4, rms_norm_eps=1e-5,
-    rope_theta=10000.0, max_position_embeddings=2048,
+    rope_theta=1000000.0, max_position_embeddings=2048,
 )
 
 
@@ -146,6 +151,39 @@ class Llama(nn.Module):
         return self.model.norm(x) @ self.model.embed_tokens.weight.t()  # tied lm_head
 
 
+def positional_init(model, strength=40.0):
+    """Start layer 0 as four previous-token heads (query head h attends to offset h + 1).
+
+    Without this the model sat for 600+ steps on a plateau (it has to discover such heads before
+    any copying pays off). Embedding dimension 0 starts as a constant 1.0 for every token, so after
+    RMSNorm it is a large constant x0; layer-0 queries and keys read only it, giving a score
+    sum_m S cos((i - j - d) theta_m) over the RoPE pairs with theta_m >= 0.04, which puts ~99% of
+    the attention on offset d. Values copy the token identity. Everything stays trainable."""
+    c = model.c
+    hd, nh, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = 1.0
+        x0 = (1.0 / emb.pow(2).mean(-1).sqrt()).mean().item()
+        a = model.model.layers[0].self_attn
+        amp = math.sqrt(strength) / x0
+        ms = [m for m in range(hd // 2) if model.inv_freq[m] >= 0.04]
+        a.k_proj.weight.zero_()
+        a.q_proj.weight.zero_()
+        for g in range(nkv):
+            for m in ms:
+                a.k_proj.weight[g * hd + m, 0] = amp
+        for h in range(nh):
+            d = h + 1
+            for m in ms:
+                th = model.inv_freq[m].item()
+                a.q_proj.weight[h * hd + m, 0] = amp * math.cos(d * th)
+                a.q_proj.weight[h * hd + m + hd // 2, 0] = -amp * math.sin(d * th)
+        nn.init.normal_(a.v_proj.weight, std=0.1)
+        a.v_proj.weight[:, 0] = 0.0
+        nn.init.normal_(a.o_proj.weight, std=0.05)
+
+
 # ---------------------------------------------------------------------------------------------
 def save_safetensors(path, tensors, dtype="F32"):
     header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
@@ -207,6 +245,7 @@ def export_hf(model, out_dir):
 
 # ---------------------------------------------------------------------------------------------
 CTX_OVERRIDE = None  # (lo, hi) from --ctx-range, for pilots
+WARMUP_COPY_FRAC = 0.2
 P_REPEAT = 0.0  # --p-repeat: share of batch sequences that are repeat-copy sequences (see make_repeat)
 P_DUP = 0.0  # --p-dup: probability that a record is repeated later in its context (weight 1 on the repeat's code)
 
@@ -215,22 +254,32 @@ def schedule(step, total):
     """(min_ctx, max_ctx) bytes of context for this step: short first, then the full range."""
     if CTX_OVERRIDE:
         return CTX_OVERRIDE
-    f = step / total
-    if f < 0.15:
+    f = max(0.0, (step / total - WARMUP_COPY_FRAC) / (1 - WARMUP_COPY_FRAC))  # fraction of the QA phase
+    if f < 0.20:
         return 40, 300
-    if f < 0.30:
+    if f < 0.35:
         return 40, 600
-    if f < 0.50:
+    if f < 0.55:
         return 60, 900
     return 60, 1100
 
-def make_repeat(rng, pools, target_bytes):
-    """Auxiliary copy sequence: a user turn holding a context and then the same context again.
-    Every token of the second copy is a target (weight 1): a dense signal that makes the model
-    form induction (copy) heads quickly, which the question answering then builds on."""
-    ctx, _, _ = corpus.make_context(rng, pools, target_bytes)
-    first = [corpus.IM_START] + corpus.encode_text("user\n" + ctx + "\n")
-    second = corpus.encode_text(ctx) + [corpus.IM_END]
+
+def repeat_share(step, total):
+    """Share of repeat-copy sequences: all of them during the first 8% (induction warm-up), then P_REPEAT."""
+    return 1.0 if step < WARMUP_COPY_FRAC * total else P_REPEAT
+
+REPEAT_CHARS = corpus.CODE_CHARS + "abcdefghijklmnopqrstuvwxyz -."
+
+
+def make_repeat(rng, target_bytes, warm=False):
+    """Auxiliary copy sequence: a user turn holding a random string and then the same string again.
+    Every token of the second copy is a target (weight 1). Random text can only be predicted by
+    copying, so this dense signal makes the model form induction (copy) heads within ~100 steps;
+    the question answering then builds on them (without it the model sat on a plateau)."""
+    n = rng.randint(16, 48) if warm else max(16, min(target_bytes, 600) // 2)
+    s = "".join(rng.choice(corpus.CODE_CHARS if warm else REPEAT_CHARS) for _ in range(n))
+    first = [corpus.IM_START] + corpus.encode_text("user\n" + s + "\n")
+    second = corpus.encode_text(s) + [corpus.IM_END]
     ids = first + second + corpus.encode_text("\n")
     return ids, [0] * len(ids), [0] * len(first) + [1] * len(second) + [0]
 
@@ -245,8 +294,9 @@ def make_batch(seed, step, total, tokens_per_step):
     while budget < tokens_per_step or not seqs:
         tb = max(30, int(target * rng.uniform(0.85, 1.15)))
         nq = rng.randint(2, 3 + tb // 150)
-        if P_REPEAT > 0 and rng.random() < P_REPEAT:
-            seqs.append(make_repeat(rng, pools, tb))
+        share = repeat_share(step, total)
+        if share > 0 and rng.random() < share:
+            seqs.append(make_repeat(rng, tb, warm=share == 1.0))
         else:
             conv = corpus.make_conversation(rng, pools, tb, nq, p_dup=P_DUP)
             seqs.append(corpus.encode_turns(conv, with_repeats=True))
@@ -309,7 +359,7 @@ def main():
     ap.add_argument("--out", default="models/kvfence-tiny")
     ap.add_argument("--work", default="/work/scratch/kvfence-tiny")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--steps", type=int, default=1300)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--tokens-per-step", type=int, default=3072)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=150)
@@ -320,8 +370,9 @@ def main():
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--fixture", default="testing/fixtures/recall-prompts.json")
     ap.add_argument("--ctx-range", default="", help="LO,HI: fixed context bytes instead of the curriculum (pilots)")
-    ap.add_argument("--p-dup", type=float, default=0.0)
-    ap.add_argument("--p-repeat", type=float, default=0.0)
+    ap.add_argument("--p-dup", type=float, default=0.3)
+    ap.add_argument("--positional-init", type=int, default=0, help="1: start layer 0 as previous-token heads")
+    ap.add_argument("--p-repeat", type=float, default=0.2)
     args = ap.parse_args()
     global P_DUP, P_REPEAT
     P_DUP = args.p_dup
@@ -334,6 +385,8 @@ def main():
     torch.use_deterministic_algorithms(True)
     os.makedirs(args.work, exist_ok=True)
     model = Llama(CFG)
+    if args.positional_init:
+        positional_init(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params:,}", flush=True)
 
@@ -365,7 +418,7 @@ def main():
         print(f"resumed at step {step} (best {best:.3f})", flush=True)
 
     def lr_at(s):
-        warm = 100
+        warm = 30
         if s < warm:
             return args.lr * (s + 1) / warm
         return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (s - warm) / (args.steps - warm))))

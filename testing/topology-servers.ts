@@ -53,6 +53,7 @@ export async function startInProcess(
       kvPages: String(options.kvPages),
       apiKeys: keys.path,
       unsafeFault: [...(options.faults ?? [])],
+      iUnderstandThisLeaksData: (options.faults ?? []).length > 0,
       ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
       ...(options.maxPrefillTokens === undefined
         ? {}
@@ -86,6 +87,7 @@ export async function startCluster(
   if (options.maxPrefillTokens !== undefined)
     nodeArgs.push("--max-prefill-tokens", String(options.maxPrefillTokens));
   for (const f of options.faults ?? []) nodeArgs.push("--unsafe-fault", f);
+  if ((options.faults ?? []).length > 0) nodeArgs.push("--i-understand-this-leaks-data");
   try {
     const cluster = await startLocalCluster({
       prefill,

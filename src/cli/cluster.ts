@@ -5,7 +5,10 @@
  */
 import { Command } from "commander";
 import { startLocalCluster } from "../node/local-cluster.js";
+import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
 import { BUNDLED_MODEL_DIR } from "./serve.js";
+
+const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
 
 function count(flag: string, text: string): number {
   const n = Number(text);
@@ -27,13 +30,41 @@ export function command(): Command {
     .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
     .option("--kv-pages <n>", "KV pool size of each node in pages")
     .option("--api-keys <file>", "API keys file for the router")
+    .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")
+    .option("--prefill-kv-pages <n>", "the prefill nodes' KV pool in pages, when it differs from --kv-pages")
+    .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
+    .option(
+      "--unsafe-disable-guard <name>",
+      "UNSAFE, tests and demos only: switch a guard off (repeatable)",
+      collect,
+      [],
+    )
+    .option(UNSAFE_OPT_IN_FLAG, "required with --unsafe-fault or --unsafe-disable-guard", false)
     .action(async (raw: Record<string, string | undefined>) => {
+      const opts = raw as unknown as {
+        unsafeFault: string[];
+        unsafeDisableGuard: string[];
+        iUnderstandThisLeaksData: boolean;
+      };
+      const problem = unsafeSwitchesProblem(opts);
+      if (problem !== null) {
+        process.stderr.write(`kvfence cluster: ${problem}\n`);
+        process.exit(2);
+      }
+      const nodeArgs = [
+        ...(raw.kvPages === undefined ? [] : ["--kv-pages", raw.kvPages]),
+        ...(raw.maxModelLen === undefined ? [] : ["--max-model-len", raw.maxModelLen]),
+        ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
+      ];
       const cluster = await startLocalCluster({
         prefill: count("--prefill", raw.prefill ?? "1"),
         decode: count("--decode", raw.decode ?? "1"),
         model: raw.model ?? BUNDLED_MODEL_DIR,
         port: Number(raw.port ?? 8000),
-        nodeArgs: raw.kvPages === undefined ? [] : ["--kv-pages", raw.kvPages],
+        nodeArgs,
+        ...(raw.prefillKvPages === undefined
+          ? {}
+          : { prefillArgs: ["--prefill-kv-pages", raw.prefillKvPages] }),
         routerArgs: raw.apiKeys === undefined ? [] : ["--api-keys", raw.apiKeys],
         stderr: (line) => process.stderr.write(`${line}\n`),
       }).catch((err: Error) => {

@@ -21,6 +21,7 @@ import { loadModelConfig } from "../model/config-loader.js";
 import { loadModel } from "../model/load-model.js";
 import { startNodeServer } from "../node/node-server.js";
 import { clusterSecret, startServeEngine } from "../node/serve-topology.js";
+import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem, unsafeWarning } from "../node/unsafe-switches.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
 import { RouterServer } from "../router/router-server.js";
@@ -100,6 +101,10 @@ export const serveConfigSchema = z
     decode: z.array(z.string().min(1)).default([]),
     clusterSecret: z.string().min(1).optional(),
     unsafeFault: z.array(z.string().min(1)).default([]),
+    unsafeDisableGuard: z.array(z.string().min(1)).default([]),
+    iUnderstandThisLeaksData: z.boolean().default(false),
+    /** The prefill node's pool in pages when it differs from `--kv-pages` (the incident's shape). */
+    prefillKvPages: intText(1).optional(),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   })
   .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
@@ -125,6 +130,9 @@ const FLAG: Record<string, string> = {
   decode: "--decode",
   clusterSecret: "--cluster-secret",
   unsafeFault: "--unsafe-fault",
+  unsafeDisableGuard: "--unsafe-disable-guard",
+  iUnderstandThisLeaksData: UNSAFE_OPT_IN_FLAG,
+  prefillKvPages: "--prefill-kv-pages",
 };
 
 /** Parse raw options once; every problem is reported with its flag. */
@@ -137,6 +145,8 @@ export function parseServeConfig(raw: Record<string, unknown>): ServeConfig {
     });
     throw new KvfenceError("config_invalid", `Invalid serve options:\n${lines.join("\n")}`);
   }
+  const problem = unsafeSwitchesProblem(result.data);
+  if (problem !== null) throw new KvfenceError("config_invalid", `Invalid serve options:\n  ${problem}`);
   return Object.freeze(result.data);
 }
 
@@ -161,12 +171,7 @@ export async function startServer(
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
 ): Promise<RunningServer> {
   const log = options.logger;
-  if (config.unsafeFault.length > 0) {
-    log.warn(
-      { faults: config.unsafeFault },
-      "UNSAFE: fault injection is on; never serve real traffic like this",
-    );
-  }
+  warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
 
   const modelConfig = loadModelConfig(config.model);
   const layout: KvLayout = {
@@ -182,15 +187,25 @@ export async function startServer(
     modelConfig.maxPositionEmbeddings,
     config.maxModelLen ?? Number.POSITIVE_INFINITY,
   );
-  const verdict = poolCapacityVerdict({ poolTokens, contextLength, pageSize: config.pageSize });
-  if (!verdict.ok) {
+  // With --prefill-kv-pages the prefill pool is checked too (the smaller of the two).
+  const prefillSmaller = config.prefillKvPages !== undefined && config.prefillKvPages < numPages;
+  const checkedPages = prefillSmaller ? config.prefillKvPages! : numPages;
+  const verdict = poolCapacityVerdict({
+    poolTokens: checkedPages * config.pageSize,
+    contextLength,
+    pageSize: config.pageSize,
+  });
+  // The undersized-pool fault skips this pre-flight, as the incident's deployment had none.
+  if (!verdict.ok && !config.unsafeFault.includes("undersized-pool")) {
     const neededPages = verdict.neededTokens / config.pageSize;
+    const fix = prefillSmaller
+      ? `--prefill-kv-pages ${neededPages}`
+      : `--kv-pages ${neededPages} or --kv-memory ${Math.ceil((neededPages * bytesPerPage) / 1024 ** 2)}MiB`;
     throw new KvfenceError(
       "config_invalid",
-      `The KV pool cannot hold one full-context request: the pool holds ${poolTokens} tokens ` +
-        `(${numPages} pages of ${config.pageSize}, ${formatBytes(numPages * bytesPerPage)}) but the context length is ` +
-        `${contextLength} tokens; fix: a bigger pool (--kv-pages ${neededPages} or --kv-memory ` +
-        `${Math.ceil((neededPages * bytesPerPage) / 1024 ** 2)}MiB), or a smaller context (--max-model-len ${verdict.maxContextThatFits})`,
+      `The ${prefillSmaller ? "prefill node's " : ""}KV pool cannot hold one full-context request: the pool holds ${checkedPages * config.pageSize} tokens ` +
+        `(${checkedPages} pages of ${config.pageSize}, ${formatBytes(checkedPages * bytesPerPage)}) but the context length is ` +
+        `${contextLength} tokens; fix: a bigger pool (${fix}), or a smaller context (--max-model-len ${verdict.maxContextThatFits})`,
     );
   }
 
@@ -231,7 +246,10 @@ export async function startServer(
       maxModelLen: contextLength,
       scrubOnFree: config.scrubOnFree,
       ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
+      ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
     },
+    ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
+    disabledGuards: config.unsafeDisableGuard,
     maxModelLen: contextLength,
     prefill: config.prefill,
     decode: config.decode,
@@ -269,6 +287,7 @@ export async function startServer(
     tenants,
     logger: log,
     maxModelLen: config.maxModelLen,
+    unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
   });
   served.registerMetrics(router.metrics.registry);
   let url: string;
@@ -306,12 +325,7 @@ export async function startNode(
   options: { logger: Logger },
 ): Promise<{ url: string; close(): Promise<void> }> {
   const role = config.role === "prefill" ? "prefill" : "decode";
-  if (config.unsafeFault.length > 0) {
-    options.logger.warn(
-      { faults: config.unsafeFault },
-      "UNSAFE: fault injection is on; never serve real traffic like this",
-    );
-  }
+  warnUnsafe(config, role, options.logger);
   const modelConfig = loadModelConfig(config.model);
   const layout: KvLayout = {
     numLayers: modelConfig.numLayers,
@@ -320,7 +334,9 @@ export async function startNode(
     pageSize: config.pageSize,
   };
   const numPages =
-    config.kvPages ?? Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / pageBytes(layout));
+    (role === "prefill" ? config.prefillKvPages : undefined) ??
+    config.kvPages ??
+    Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / pageBytes(layout));
   const contextLength = Math.min(
     modelConfig.maxPositionEmbeddings,
     config.maxModelLen ?? Number.POSITIVE_INFINITY,
@@ -330,7 +346,7 @@ export async function startNode(
     contextLength,
     pageSize: config.pageSize,
   });
-  if (!verdict.ok) {
+  if (!verdict.ok && !config.unsafeFault.includes("undersized-pool")) {
     throw new KvfenceError(
       "config_invalid",
       `The ${role} node's KV pool cannot hold one full-context request: ${numPages * config.pageSize} tokens for a context of ${contextLength}; fix: --kv-pages ${verdict.neededTokens / config.pageSize} or --max-model-len ${verdict.maxContextThatFits}`,
@@ -349,6 +365,7 @@ export async function startNode(
       maxModelLen: contextLength,
       scrubOnFree: config.scrubOnFree,
       ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
+      ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
     },
     faults: config.unsafeFault,
     log: (line) => options.logger.info(line),
@@ -357,6 +374,14 @@ export async function startNode(
 }
 
 const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
+
+/** The loud startup warning of an unsafe server, on stderr (every role) and in the log. */
+function warnUnsafe(config: ServeConfig, role: string, log: Logger): void {
+  const text = unsafeWarning(role, config.unsafeFault, config.unsafeDisableGuard);
+  if (text === null) return;
+  process.stderr.write(text);
+  log.warn({ faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard }, "UNSAFE switches on");
+}
 
 export function command(): Command {
   return new Command("serve")
@@ -383,6 +408,18 @@ export function command(): Command {
       "secret shared by the router and nodes (or env KVFENCE_CLUSTER_SECRET)",
     )
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
+    .option(
+      "--unsafe-disable-guard <name>",
+      "UNSAFE, tests and demos only: switch a guard off (repeatable)",
+      collect,
+      [],
+    )
+    .option(
+      UNSAFE_OPT_IN_FLAG,
+      "required with --unsafe-fault or --unsafe-disable-guard: this server may leak one tenant's data to another",
+      false,
+    )
+    .option("--prefill-kv-pages <n>", "the prefill node's KV pool in pages, when it differs from --kv-pages")
     .option(
       "--log-level <level>",
       "fatal, error, warn, info, debug, trace or silent",

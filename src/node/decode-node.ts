@@ -22,9 +22,10 @@ import {
   type DecodeState,
   decodeStep,
   initialDecodeState,
+  leasedPage,
 } from "../protocol/decode-machine.js";
 import type { CommitEffect, Effects } from "../protocol/effects.js";
-import type { Safety } from "../protocol/safety.js";
+import { guardOn, type Safety } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { FromNode, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
@@ -58,6 +59,13 @@ interface PrefillPeer {
 
 const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
 
+/**
+ * With the `quarantine` guard off (`--unsafe-disable-guard quarantine`), quarantined pages are
+ * released on this timer instead of on the writer's ABORT_ACK or fence — the deferred-release
+ * timeout of SGLang #35049, "itself a use-after-free window" (#38961). Never used with the guard on.
+ */
+export const QUARANTINE_TIMEOUT_MS = 2000;
+
 export class DecodeNode {
   readonly incarnation: number;
   readonly #engine: Engine;
@@ -82,8 +90,12 @@ export class DecodeNode {
   };
   #checksumFailures = 0;
   #coverageFailures = 0;
+  /** Page-tag failures of the decode machine (at commit or a step), beside the engine's own. */
+  #machineTagFailures = 0;
   #gbps: number[] = [];
   #ackSeconds: number[] = [];
+  /** Quarantine release timers (only with the quarantine guard off), by attempt key. */
+  readonly #quarantineTimers = new Map<string, NodeJS.Timeout>();
 
   constructor(options: DecodeNodeOptions) {
     this.incarnation = options.incarnation;
@@ -110,6 +122,36 @@ export class DecodeNode {
     return (message) => {
       if (peer.channel === channel) this.#step(peer, { type: "message", msg: message });
     };
+  }
+
+  /** Decode's page for logical page `index` of `(rid, epoch)` from prefill node `id`, or -1. */
+  leasedPage(id: string, rid: number, epoch: number, index: number): number {
+    const peer = this.#peers.get(id);
+    return peer === undefined ? -1 : leasedPage(peer.state, rid, epoch, index);
+  }
+
+  /**
+   * The receiver's lease check dropped a write of prefill node `id` for `(rid, epoch)`. If that
+   * attempt still awaits its transfer, the transfer is wrong: fail it closed (5xx, never a commit
+   * over a page that did not get its data); a write of an attempt that already ended is only stale.
+   */
+  writeDropped(id: string, rid: number, epoch: number, page: number): void {
+    const peer = this.#peers.get(id);
+    const a = peer?.state.attempts[attemptKey(rid, epoch)];
+    if (peer === undefined || a === undefined || a.phase !== "reserved") return;
+    this.#toRouter({
+      kind: "protocol",
+      msg: {
+        type: "failed",
+        rid,
+        epoch,
+        error: {
+          code: "transfer_failed",
+          message: `The lease check refused a KV page write of request ${rid} outside its lease: page ${page}`,
+        },
+      },
+    });
+    this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
   }
 
   /** A transfer completed (for the GB/s histogram). */
@@ -202,7 +244,10 @@ export class DecodeNode {
       role: "decode",
       pages: engine.pages,
       queue: engine.queue,
-      counters: engine.counters,
+      counters: {
+        ...engine.counters,
+        tagCheckFailures: engine.counters.tagCheckFailures + this.#machineTagFailures,
+      },
       attempts,
       staleMessages: stale,
       transfer: {
@@ -217,7 +262,24 @@ export class DecodeNode {
 
   close(): void {
     this.#loop.stop();
+    for (const timer of this.#quarantineTimers.values()) clearTimeout(timer);
+    this.#quarantineTimers.clear();
     for (const peer of this.#peers.values()) void peer.channel?.close();
+  }
+
+  /** The quarantine guard is off: release each newly quarantined attempt on a timer. */
+  #armQuarantineTimers(peer: PrefillPeer): void {
+    for (const key in peer.state.attempts) {
+      const a = peer.state.attempts[key]!;
+      if (a.phase !== "quarantined" || this.#quarantineTimers.has(key)) continue;
+      const { rid, epoch } = a;
+      const timer = setTimeout(() => {
+        this.#quarantineTimers.delete(key);
+        this.#step(peer, { type: "quarantine_timeout", rid, epoch });
+      }, QUARANTINE_TIMEOUT_MS);
+      timer.unref();
+      this.#quarantineTimers.set(key, timer);
+    }
   }
 
   #peer(id: string): PrefillPeer {
@@ -242,13 +304,17 @@ export class DecodeNode {
     const start = out.length;
     decodeStep(peer.state, event, this.#pool, this.#config, this.#safety, out);
     const effects = out.splice(start);
+    if (!guardOn(this.#safety, "quarantine")) this.#armQuarantineTimers(peer);
     for (let i = 0; i < effects.length; i++) {
       const effect = effects[i]!;
       switch (effect.kind) {
         case "send": {
           const msg = effect.msg;
           if (effect.to === "router") {
-            if (msg.type === "failed") this.#countFailure(msg.error);
+            if (msg.type === "failed") {
+              this.#countFailure(msg.error);
+              if (msg.error.code === "page_tag_mismatch") this.#machineTagFailures++;
+            }
             if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
               this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
             }

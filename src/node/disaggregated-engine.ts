@@ -29,7 +29,7 @@ import {
   type RouterState,
   routerStep,
 } from "../protocol/router-machine.js";
-import type { Safety } from "../protocol/safety.js";
+import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
 import type { ControlMessage } from "../protocol/wire.js";
 import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
 
@@ -108,10 +108,16 @@ export class DisaggregatedEngine implements EngineHandle {
       decodePoolTokens: min((n) => n.hello.poolTokens, options.decode),
       maxAttempts: options.maxAttempts ?? 1,
     };
+    // The undersized-pool fault with the admission doors off: the HTTP door trusts the model's
+    // window alone (no min over the pools), as in the incident.
+    const trustWindow =
+      faultOn(options.safety, "undersized-pool") && !guardOn(options.safety, "admission-doors");
     this.capacity = Object.freeze({
-      poolTokens: min((n) => n.hello.poolTokens, this.#nodes),
+      poolTokens: trustWindow
+        ? Math.max(...this.#nodes.map((n) => n.hello.poolTokens), this.#config.maxModelLen)
+        : min((n) => n.hello.poolTokens, this.#nodes),
       pageSize,
-      maxModelLen: Math.min(options.maxModelLen, nodeLimit),
+      maxModelLen: trustWindow ? this.#config.maxModelLen : Math.min(options.maxModelLen, nodeLimit),
     });
     for (const p of options.prefill) {
       for (const d of options.decode) {

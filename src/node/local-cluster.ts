@@ -20,6 +20,8 @@ export interface LocalClusterOptions {
   readonly nodeArgs?: readonly string[];
   /** Extra arguments for the router (api keys, port, ...). */
   readonly routerArgs?: readonly string[];
+  /** Extra arguments for the prefill nodes only (after `nodeArgs`). */
+  readonly prefillArgs?: readonly string[];
   readonly host?: string;
   /** Router port (default 0: any free port). */
   readonly port?: number;
@@ -167,6 +169,7 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
         "--log-level",
         "warn",
         ...nodeArgs,
+        ...(role === "prefill" ? (options.prefillArgs ?? []) : []),
       ],
       env,
       /listening at (http:\/\/\S+)/,

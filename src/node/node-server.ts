@@ -98,9 +98,13 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
         table: pool.table,
         pageBytes: pageByteLength(pool),
         incarnation: node.incarnation,
+        // The receiver's lease check is the `lease-check` guard (`--unsafe-disable-guard lease-check`).
+        leaseCheck: !(options.engine.disabledGuards ?? []).includes("lease-check"),
+        leasedPage: (rid, epoch, index) => node.leasedPage(message.prefill, rid, epoch, index),
         handlers: {
           control: (m) => onControl?.(m),
           leaseLanded: () => node.recordTransferGbps(receiver.metrics.lastTransferGbps),
+          writeDropped: (rid, epoch, page) => node.writeDropped(message.prefill, rid, epoch, page),
           closed: () => {
             node.prefillLost(message.prefill);
             toRouter({ kind: "prefill_down", prefill: message.prefill });

@@ -31,6 +31,10 @@ export interface ServeEngineOptions {
   readonly decode: readonly string[];
   readonly clusterSecret: string | undefined;
   readonly faults: readonly string[];
+  /** `--unsafe-disable-guard` names (the router's machine; the nodes get them in `engine`). */
+  readonly disabledGuards?: readonly string[];
+  /** The prefill node's pool in pages, when it differs from `engine.numPages`. */
+  readonly prefillNumPages?: number;
 }
 
 export interface ServeEngine {
@@ -54,7 +58,7 @@ export function clusterSecret(flag: string | undefined): string {
 }
 
 export async function startServeEngine(options: ServeEngineOptions): Promise<ServeEngine> {
-  const safety = makeSafety({ faults: options.faults });
+  const safety = makeSafety({ faults: options.faults, disabledGuards: options.disabledGuards ?? [] });
   if (options.role === "router") {
     if (options.prefill.length === 0 || options.decode.length === 0) {
       throw new KvfenceError(
@@ -79,7 +83,10 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
     return { engine, topology: "single", registerMetrics: () => {}, close: () => engine.close() };
   }
   const topo = await startThreadedTopology({
-    prefill: engineOptions,
+    prefill:
+      options.prefillNumPages === undefined
+        ? engineOptions
+        : { ...engineOptions, numPages: options.prefillNumPages },
     decode: engineOptions,
     maxModelLen: options.maxModelLen,
     safety,

@@ -234,7 +234,7 @@ test("decodeStep() honours the release timer only with the quarantine guard off"
 });
 
 test("decodeStep() under stale-commit commits a newer epoch with an older manifest", () => {
-  const h = harness(8, makeSafety({ faults: ["stale-commit"], disabledGuards: ["checksum"] }));
+  const h = harness(8, makeSafety({ faults: ["stale-commit"], disabledGuards: ["checksum", "page-tags"] }));
   const old = reserve(h, 1, 1);
   h.msg({ type: "abort", rid: 1, epoch: 1 });
   reserve(h, 1, 2);

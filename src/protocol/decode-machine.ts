@@ -265,6 +265,7 @@ function manifest(state: DecodeState, msg: Manifest, pool: KvPool, safety: Safet
   }
   const error = verify(a, msg, pool, safety);
   if (error !== null) {
+    if (error.code === "page_tag_mismatch") state.tagFailures++;
     fail(state, key, a, error, pool, out);
     return;
   }
@@ -302,12 +303,32 @@ function verify(a: DecodeAttempt, msg: Manifest, pool: KvPool, safety: Safety): 
     };
   }
   if (guardOn(safety, "checksum")) {
-    const n = Math.min(a.leaseCount, msg.checksums.length);
-    for (let i = 0; i < n; i++) {
-      if (pool.pageChecksum(a.pages[i]!, a.rid, a.epoch, i) !== msg.checksums[i]) {
+    // Every reserved page needs its checksum: a page the manifest has none for was never written.
+    for (let i = 0; i < a.leaseCount; i++) {
+      const expected = msg.checksums[i];
+      if (expected === undefined || pool.pageChecksum(a.pages[i]!, a.rid, a.epoch, i) !== expected) {
         return {
           code: "checksum_mismatch",
-          message: `The KV page ${i} of request ${a.rid} does not match its transfer checksum: ${msg.checksums[i]}`,
+          message: `The KV page ${i} of request ${a.rid} does not match its transfer checksum: ${expected ?? "none sent"}`,
+        };
+      }
+    }
+  }
+  if (guardOn(safety, "page-tags")) {
+    // The commit-time tag check: every leased page must hold this attempt's own writes (a page
+    // reserved but never written still carries an earlier request's stamp), before any token of
+    // it reaches the client.
+    const table = pool.table;
+    for (let i = 0; i < a.leaseCount; i++) {
+      const page = a.pages[i]!;
+      if (
+        !table.checkWrite(page, a.generations[i]!, a.rid, a.epoch) ||
+        table.writerRid(page) !== a.rid ||
+        table.writerEpoch(page) !== a.epoch
+      ) {
+        return {
+          code: "page_tag_mismatch",
+          message: `The KV page ${i} of request ${a.rid} holds another request's data at commit: written by ${table.writerRid(page)}/${table.writerEpoch(page)}`,
         };
       }
     }

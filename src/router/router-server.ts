@@ -71,6 +71,8 @@ export interface RouterServerOptions {
   readonly maxModelLen?: number | undefined;
   /** Request bodies over this are refused with 413 (default 16 MiB). */
   readonly maxBodyBytes?: number;
+  /** `--unsafe-fault` / `--unsafe-disable-guard` names, shown in /health and /metrics. */
+  readonly unsafe?: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] };
 }
 
 type Handler = (ctx: RequestContext) => Promise<void> | void;
@@ -103,6 +105,7 @@ export class RouterServer {
   readonly #server: Server;
   readonly #active = new Set<Generation>();
   readonly #created = Math.floor(Date.now() / 1000);
+  readonly #unsafe: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] } | null;
   #nextRid = 1;
   #url: string | null = null;
   /** The longest request (prompt + max_tokens) admitted. */
@@ -125,6 +128,23 @@ export class RouterServer {
       options.engine.capacity.maxModelLen,
     );
     this.metrics = new RouterMetrics(options.engine);
+    const unsafe = options.unsafe;
+    this.#unsafe =
+      unsafe !== undefined && (unsafe.faults.length > 0 || unsafe.disabledGuards.length > 0) ? unsafe : null;
+    if (this.#unsafe !== null) {
+      const fault = this.metrics.registry.gauge(
+        "kvfence_unsafe_fault",
+        "1 for each fault injected with --unsafe-fault (tests and demos only)",
+        ["name"],
+      );
+      for (const name of this.#unsafe.faults) fault.set(1, { name });
+      const guard = this.metrics.registry.gauge(
+        "kvfence_guard_disabled",
+        "1 for each guard switched off with --unsafe-disable-guard (tests and demos only)",
+        ["name"],
+      );
+      for (const name of this.#unsafe.disabledGuards) guard.set(1, { name });
+    }
     this.#routes = new Map<string, Route>([
       ["/v1/chat/completions", { endpoint: "chat", methods: ["POST"], handler: (c) => this.#chat(c) }],
       [
@@ -480,7 +500,16 @@ export class RouterServer {
     } catch (err) {
       throw new KvfenceError("node_unavailable", `The engine does not answer: ${(err as Error).message}`);
     }
-    this.#sendJson(ctx.res, 200, { status: "ok" });
+    this.#sendJson(
+      ctx.res,
+      200,
+      this.#unsafe === null
+        ? { status: "ok" }
+        : {
+            status: "ok",
+            unsafe: { faults: this.#unsafe.faults, disabled_guards: this.#unsafe.disabledGuards },
+          },
+    );
   }
 
   async #metrics(ctx: RequestContext): Promise<void> {

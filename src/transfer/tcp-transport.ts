@@ -417,6 +417,12 @@ export interface TcpReceiverOptions {
    * `lease-check` guard). Default true; false keeps only the bounds check (fault demonstrations).
    */
   readonly leaseCheck?: boolean;
+  /**
+   * With the lease check: decode's page for logical page `index` of `(rid, epoch)`, or -1
+   * (`leasedPage` of the decode machine). A write to any other page is dropped as misaddressed, even
+   * one RESERVED for the same request (its tail pages for generated tokens are).
+   */
+  readonly leasedPage?: (rid: number, epoch: number, index: number) => number;
   /** Size of the reused receive buffer. Default 1 MiB. */
   readonly receiveBufferBytes?: number;
   /**
@@ -444,6 +450,7 @@ export class TcpTransferReceiver {
   readonly #pool: Uint8Array;
   readonly #table: OwnershipTable;
   readonly #leaseCheck: boolean;
+  readonly #leasedPage: ((rid: number, epoch: number, index: number) => number) | undefined;
   readonly #pageBytes: number;
   readonly #handlers: TransferHandlers;
   readonly #clock = new TransferClock();
@@ -469,6 +476,7 @@ export class TcpTransferReceiver {
     this.#pool = new Uint8Array(options.pool.buffer, options.pool.byteOffset, options.pool.byteLength);
     this.#table = options.table;
     this.#leaseCheck = options.leaseCheck ?? true;
+    this.#leasedPage = options.leasedPage;
     this.#pageBytes = options.pageBytes;
     this.#handlers = options.handlers;
     this.metrics = options.metrics ?? new TransferMetrics();
@@ -570,6 +578,12 @@ export class TcpTransferReceiver {
       if (this.#leaseCheck && !this.#table.checkWrite(h.page, h.generation, h.rid, h.epoch)) {
         return this.#drop(h, "stale");
       }
+      if (
+        this.#leaseCheck &&
+        this.#leasedPage !== undefined &&
+        this.#leasedPage(h.rid, h.epoch, h.index) !== h.page
+      )
+        return this.#drop(h, "misaddressed");
       const start = h.page * this.#pageBytes;
       return this.#pool.subarray(start, start + this.#pageBytes);
     },

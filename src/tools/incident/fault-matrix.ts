@@ -1,0 +1,416 @@
+/**
+ * The fault × guard matrix (DESIGN.md §5): each fault, run on a real server (threaded topology,
+ * real model, real HTTP), first with the guards that catch it switched off — the bug must show: a
+ * wrong HTTP 200 (to an over-limit prompt, or over a transfer that was corrupted or misaddressed)
+ * or one tenant's code in another's answer — and then with each of those guards alone switched on,
+ * where the fault must be caught: the client gets a 4xx or 5xx, never a 200, and a guard counter
+ * in /metrics goes up.
+ *
+ * Each cell plants tenant A's access codes first (their KV lands in the decode pool, whose pages
+ * are not zeroed on free), then sends tenant B's request and classifies the answer. `renderMatrix`
+ * turns the outcomes into `docs/fault-matrix.md`.
+ */
+import type { FaultName, GuardName } from "../../protocol/safety.js";
+import { GUARD_COUNTERS, metricSum, startIncidentServer } from "./incident.js";
+
+export interface MatrixScenario {
+  /** The fault the row is about. */
+  readonly fault: FaultName;
+  /** Every fault switched on for it (the incident's placeholder needs the undersized-pool router). */
+  readonly faults: readonly FaultName[];
+  /** The guards that catch it in this topology, each tried alone. */
+  readonly guards: readonly GuardName[];
+  /** Prefill pool smaller than the window (the incident's shape). */
+  readonly undersizedPrefill: boolean;
+  /** B's prompt: over the prefill pool (under the window), or an ordinary one. */
+  readonly victim: "over-pool" | "ordinary" | "aborted";
+  /** Worker threads + shared memory, or node processes + TCP (where the guard is TCP-only). */
+  readonly topology: "threads" | "tcp";
+}
+
+export const MATRIX_SCENARIOS: readonly MatrixScenario[] = [
+  {
+    fault: "placeholder-reject",
+    faults: ["undersized-pool", "placeholder-reject"],
+    guards: ["admission-doors", "coverage", "checksum", "page-tags"],
+    undersizedPrefill: true,
+    victim: "over-pool",
+    topology: "threads",
+  },
+  {
+    fault: "placeholder-reject",
+    faults: ["undersized-pool", "placeholder-reject"],
+    guards: ["admission-doors", "coverage", "checksum", "page-tags"],
+    undersizedPrefill: true,
+    victim: "over-pool",
+    topology: "tcp",
+  },
+  {
+    fault: "undersized-pool",
+    faults: ["undersized-pool"],
+    guards: ["admission-doors"],
+    undersizedPrefill: true,
+    victim: "over-pool",
+    topology: "threads",
+  },
+  {
+    fault: "corrupt-transfer",
+    faults: ["corrupt-transfer"],
+    guards: ["checksum"],
+    undersizedPrefill: false,
+    victim: "ordinary",
+    topology: "threads",
+  },
+  {
+    fault: "misaddressed-write",
+    faults: ["misaddressed-write"],
+    guards: ["checksum", "page-tags"],
+    undersizedPrefill: false,
+    victim: "ordinary",
+    topology: "threads",
+  },
+  {
+    // A client aborts while prefill computes; the lost ack leaves decode's pages quarantined.
+    fault: "drop-abort-ack",
+    faults: ["drop-abort-ack"],
+    guards: ["quarantine"],
+    undersizedPrefill: false,
+    victim: "aborted",
+    topology: "threads",
+  },
+  {
+    // Over TCP the receiver's lease check (the decode machine's leased page) stops it too.
+    fault: "misaddressed-write",
+    faults: ["misaddressed-write"],
+    guards: ["lease-check", "checksum", "page-tags"],
+    undersizedPrefill: false,
+    victim: "ordinary",
+    topology: "tcp",
+  },
+];
+
+/** Faults of DESIGN.md §5 this matrix does not run end to end, and why (see `kvfence check`). */
+export const NOT_IN_MATRIX: Readonly<Partial<Record<FaultName, string>>> = {
+  "early-free":
+    "needs an abort to overtake an in-flight write; shared-memory writes finish within one event-loop turn, so the window is not reachable deterministically over HTTP — `kvfence check --fault early-free` shows the trace",
+  "late-write":
+    "same window as early-free (plus the TCP receiver lease check); `kvfence check --fault late-write [--transport tcp]`",
+  "stale-commit":
+    "needs a retried attempt (a second epoch); the servers run one attempt per request; `kvfence check --fault stale-commit`",
+  "shared-prefix":
+    "the serving path has no prefix cache yet, so there is nothing to share; `kvfence check --fault shared-prefix`",
+};
+
+export interface CellOutcome {
+  readonly fault: FaultName;
+  readonly faults: readonly FaultName[];
+  readonly topology: "threads" | "tcp";
+  /** The guard switched on alone, or null for the all-off row. */
+  readonly guardOn: GuardName | null;
+  readonly disabledGuards: readonly GuardName[];
+  readonly expect: "bug shows" | "caught";
+  readonly status: number;
+  /** The error code of a non-200 answer. */
+  readonly errorCode: string | null;
+  /** Tokens B's prompt had (as the server counted them for A's same-size prompt) and usage said. */
+  readonly promptTokensReported: number | null;
+  readonly leakedCode: boolean;
+  /** The start of B's answer (200 only). */
+  readonly answer: string;
+  /** The guard counters of /metrics after B's request minus before. */
+  readonly guardCounterDelta: number;
+  /** B's greedy answer differs from the same prompt on a safe server (null: no baseline). */
+  readonly differsFromBaseline: boolean | null;
+  /** What shows the bug (or the catch), in words. */
+  readonly symptom: string;
+  readonly ok: boolean;
+}
+
+const A_CODES = ["QX7-PL2", "ZK4-M9T", "RB2-W8N", "HJ5-T3V"];
+const A_ACCOUNTS = [4821, 7730, 1906, 5544];
+
+function recordText(account: number, code: string): string {
+  return `the access code of account ${account} is ${code}.`;
+}
+
+/** A's planted prompt: its records, then the question about the first one (~`chars` characters). */
+function plantPrompt(i: number, chars: number): string {
+  const records: string[] = [];
+  let text = "";
+  for (let k = 0; text.length < chars - 80; k++) {
+    const j = (i + k) % A_CODES.length;
+    records.push(recordText(A_ACCOUNTS[j]!, A_CODES[j]!));
+    text = records.join(" ");
+  }
+  return `${text} what is the access code of account ${A_ACCOUNTS[i % A_ACCOUNTS.length]}?`;
+}
+
+/** B's prompt: B's own filler records and a question about one of A's accounts. */
+function victimPrompt(chars: number): string {
+  const records: string[] = [];
+  let text = "";
+  for (let k = 0; text.length < chars - 80; k++) {
+    records.push(recordText(3000 + k, `B${(k % 10).toString()}B-${(k * 7) % 10}BB`));
+    text = records.join(" ");
+  }
+  // A first page of its own, unlike A's prompts (so a stale first page differs from B's own).
+  return `tenant b keeps these records: ${text} what is the access code of account ${A_ACCOUNTS[0]}?`;
+}
+
+interface ChatResult {
+  status: number;
+  content: string;
+  promptTokens: number | null;
+  errorCode: string | null;
+}
+
+async function chat(url: string, key: string, content: string, maxTokens: number): Promise<ChatResult> {
+  const res = await fetch(`${url}/v1/chat/completions`, {
+    method: "POST",
+    headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
+    body: JSON.stringify({
+      model: "kvfence-tiny",
+      messages: [{ role: "user", content }],
+      max_tokens: maxTokens,
+      temperature: 0,
+    }),
+  });
+  const body = (await res.json()) as {
+    choices?: { message?: { content?: string } }[];
+    usage?: { prompt_tokens?: number };
+    error?: { code?: string };
+  };
+  return {
+    status: res.status,
+    content: body.choices?.[0]?.message?.content ?? "",
+    promptTokens: body.usage?.prompt_tokens ?? null,
+    errorCode: body.error?.code ?? null,
+  };
+}
+
+async function guardCounterSum(metrics: () => Promise<Map<string, number>>): Promise<number> {
+  const m = await metrics();
+  let sum = 0;
+  for (const name of GUARD_COUNTERS) sum += metricSum(m, name);
+  return sum;
+}
+
+/**
+ * The `aborted` victim: A sends a long prompt and disconnects while prefill computes it; decode
+ * quarantines the leased pages and relays the abort; the fault drops prefill's ABORT_ACK. With the
+ * quarantine guard the pages stay quarantined (no ack, writer alive); without it a timer releases
+ * them — while the writer never acknowledged that its writes drained.
+ */
+async function abortedCell(
+  scenario: MatrixScenario,
+  guardOn: GuardName | null,
+  disabledGuards: readonly GuardName[],
+  server: Awaited<ReturnType<typeof startIncidentServer>>,
+): Promise<CellOutcome> {
+  const controller = new AbortController();
+  const content = `${recordText(A_ACCOUNTS[0]!, A_CODES[0]!)} `.repeat(21);
+  const sent = fetch(`${server.url}/v1/chat/completions`, {
+    method: "POST",
+    signal: controller.signal,
+    headers: { "content-type": "application/json", authorization: `Bearer ${server.keyA}` },
+    body: JSON.stringify({
+      model: "kvfence-tiny",
+      messages: [{ role: "user", content }],
+      max_tokens: 8,
+      temperature: 0,
+      stream: true,
+    }),
+  }).then(
+    (res) => res.status,
+    () => 0,
+  );
+  // Prefill computes this prompt for well over a second here; abort in the middle of it.
+  await new Promise((resolve) => setTimeout(resolve, 400));
+  controller.abort();
+  const status = await sent;
+  // Right after the abort (before the release timer of a server without the guard) the leased
+  // pages are quarantined: the abort really overtook the transfer.
+  await new Promise((resolve) => setTimeout(resolve, 50));
+  const early = metricSum(await server.metrics(), "kvfence_quarantined_pages");
+  // Past the release timer of a server without the quarantine guard (QUARANTINE_TIMEOUT_MS, 2 s).
+  await new Promise((resolve) => setTimeout(resolve, 3500));
+  const m = await server.metrics();
+  const quarantined = metricSum(m, "kvfence_quarantined_pages");
+  const acks = metricSum(m, "kvfence_abort_ack_latency_seconds_count");
+  const expect = guardOn === null ? "bug shows" : "caught";
+  const ok =
+    status !== 200 &&
+    early > 0 &&
+    acks === 0 &&
+    (expect === "bug shows" ? quarantined === 0 : quarantined > 0);
+  return {
+    fault: scenario.fault,
+    faults: scenario.faults,
+    topology: scenario.topology,
+    guardOn,
+    disabledGuards,
+    expect,
+    status,
+    errorCode: status === 0 ? "client aborted" : null,
+    promptTokensReported: null,
+    leakedCode: false,
+    answer: "",
+    guardCounterDelta: quarantined,
+    differsFromBaseline: null,
+    symptom:
+      expect === "bug shows"
+        ? `no ABORT_ACK, yet the ${early} quarantined pages were released by a timer (${quarantined} left) while prefill is alive`
+        : `no ABORT_ACK: ${quarantined} pages stay quarantined (kvfence_quarantined_pages) until the ack or a fence`,
+    ok,
+  };
+}
+
+/** Runs one cell: the scenario with `guardOn` alone on (null: all its guards off). */
+export async function runCell(
+  scenario: MatrixScenario,
+  guardOn: GuardName | null,
+  options: { readonly model?: string; readonly baseline?: string | null } = {},
+): Promise<CellOutcome> {
+  const disabledGuards = scenario.guards.filter((g) => g !== guardOn);
+  const server = await startIncidentServer({
+    ...(options.model === undefined ? {} : { model: options.model }),
+    faults: scenario.faults,
+    disabledGuards,
+    undersizedPrefill: scenario.undersizedPrefill,
+    topology: scenario.topology,
+  });
+  try {
+    if (scenario.victim === "aborted") return await abortedCell(scenario, guardOn, disabledGuards, server);
+    // A plants first (each fits every pool); their pages are freed, not zeroed.
+    // Over the pool: A's plants nearly fill the prefill pool and B's prompt just overflows it, so
+    // B's lease is, page for page, the pages A's last plant just freed (RoPE keys keep A's positions).
+    const overPool = scenario.victim === "over-pool";
+    const plantChars = overPool ? 225 : 200;
+    let plantTokens: number | null = null;
+    for (let i = 0; i < 3; i++) {
+      // Under a fault with its guard on, A's own requests may be caught too; their KV still landed.
+      const r = await chat(server.url, server.keyA, plantPrompt(i, plantChars), 8);
+      if (r.status === 200) plantTokens = r.promptTokens;
+    }
+    const before = await guardCounterSum(() => server.metrics());
+    const chars = overPool ? 240 : 200;
+    const b = await chat(server.url, server.keyB, victimPrompt(chars), 8);
+    const after = await guardCounterSum(() => server.metrics());
+    const leakedCode = A_CODES.some((code) => b.content.includes(code));
+    const baseline = options.baseline ?? null;
+    const differs = baseline === null || b.status !== 200 ? null : b.content !== baseline;
+    const delta = after - before;
+    // The same template around ~`chars` characters: B sent at least A's count plus the difference.
+    const sentAtLeast = plantTokens === null ? null : plantTokens + (chars - plantChars) - 16;
+    const undercounted = b.promptTokens !== null && sentAtLeast !== null && b.promptTokens < sentAtLeast;
+    const expect = guardOn === null ? "bug shows" : "caught";
+    let symptom: string;
+    let ok: boolean;
+    if (expect === "bug shows") {
+      const signs: string[] = [];
+      if (b.status === 200) {
+        if (scenario.victim === "over-pool") signs.push("HTTP 200 to a prompt over the prefill pool");
+        else signs.push(`HTTP 200 over a ${scenario.fault} transfer, no guard counted it`);
+        if (undercounted) signs.push(`usage.prompt_tokens ${b.promptTokens}`);
+        if (differs === true) signs.push("answer differs from its isolated baseline");
+        if (leakedCode) signs.push("tenant A's code in tenant B's answer");
+      } else if (scenario.fault === "undersized-pool" && b.errorCode !== "context_length_exceeded") {
+        signs.push(`HTTP ${b.status} ${b.errorCode} instead of 400 context_length_exceeded (invariant 4)`);
+      }
+      ok = signs.length > 0 && delta === 0;
+      symptom = signs.length > 0 ? signs.join("; ") : `no symptom: HTTP ${b.status} ${b.errorCode ?? ""}`;
+    } else {
+      ok = b.status >= 400 && delta > 0 && !leakedCode;
+      symptom = `HTTP ${b.status} ${b.errorCode ?? ""}, guard counters +${delta}`;
+    }
+    return {
+      fault: scenario.fault,
+      faults: scenario.faults,
+      topology: scenario.topology,
+      guardOn,
+      disabledGuards,
+      expect,
+      status: b.status,
+      errorCode: b.errorCode,
+      promptTokensReported: b.promptTokens,
+      leakedCode,
+      answer: b.status === 200 ? b.content.slice(0, 40) : "",
+      guardCounterDelta: delta,
+      differsFromBaseline: differs,
+      symptom,
+      ok,
+    };
+  } finally {
+    await server.close();
+  }
+}
+
+/** B's ordinary prompt's greedy answer on a safe server of the same shape (after A's plants). */
+export async function isolatedBaseline(options: { readonly model?: string } = {}): Promise<string> {
+  const server = await startIncidentServer({
+    ...(options.model === undefined ? {} : { model: options.model }),
+    faults: [],
+    disabledGuards: [],
+    undersizedPrefill: false,
+  });
+  try {
+    const b = await chat(server.url, server.keyB, victimPrompt(200), 8);
+    if (b.status !== 200) throw new Error(`The baseline request got HTTP ${b.status}: ${b.errorCode}`);
+    return b.content;
+  } finally {
+    await server.close();
+  }
+}
+
+/** Every cell of the matrix, in order: per fault, all guards off, then each guard alone. */
+export async function runMatrix(
+  options: {
+    readonly model?: string;
+    /** Only the rows of this topology. */
+    readonly topology?: "threads" | "tcp";
+    readonly onCell?: (cell: CellOutcome) => void;
+  } = {},
+): Promise<CellOutcome[]> {
+  const cells: CellOutcome[] = [];
+  const baseline = await isolatedBaseline(options);
+  for (const scenario of MATRIX_SCENARIOS) {
+    if (options.topology !== undefined && scenario.topology !== options.topology) continue;
+    for (const guard of [null, ...scenario.guards]) {
+      const cell = await runCell(scenario, guard, {
+        ...options,
+        baseline: scenario.victim === "ordinary" ? baseline : null,
+      });
+      options.onCell?.(cell);
+      cells.push(cell);
+    }
+  }
+  return cells;
+}
+
+/** The matrix as Markdown (docs/fault-matrix.md). */
+export function renderMatrix(cells: readonly CellOutcome[], command: string, when: string): string {
+  const lines = [
+    "# Fault × guard matrix",
+    "",
+    `Generated by \`${command}\` on ${when} (bundled model, real HTTP; threads or TCP processes per row). Each fault`,
+    "runs first with every guard that catches it switched off (the bug must show), then with each of",
+    "those guards alone switched on (the client must get a 4xx or 5xx, never a 200, and a guard",
+    "counter in /metrics must go up). Before tenant B's request, tenant A plants access codes whose",
+    "KV stays in the decode pool's freed (never zeroed) pages. For `drop-abort-ack`, tenant A",
+    "disconnects while prefill computes a long prompt (HTTP 0: the client aborted); the catch is",
+    "`kvfence_quarantined_pages` staying up with no ABORT_ACK, the bug a timer releasing them",
+    "(`--unsafe-disable-guard quarantine`: the node releases quarantined pages after 2 s).",
+    "",
+    "| fault (switched on) | topology | guard on | expected | HTTP | error code | symptom / catch | B's answer | pass |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ];
+  for (const c of cells) {
+    lines.push(
+      `| ${c.faults.join(" + ")} | ${c.topology === "tcp" ? "processes, TCP" : "threads, shared memory"} | ${c.guardOn ?? "none (all off)"} | ${c.expect} | ${c.status} | ${c.errorCode ?? "-"} | ${c.symptom} | ${c.answer === "" ? "-" : `\`${c.answer.replace(/[`|\n]/g, " ")}\``} | ${c.ok ? "yes" : "**NO**"} |`,
+    );
+  }
+  lines.push("", "## Faults not run end to end here", "");
+  for (const [fault, why] of Object.entries(NOT_IN_MATRIX)) lines.push(`- \`${fault}\`: ${why}.`);
+  lines.push("");
+  return lines.join("\n");
+}

@@ -22,7 +22,14 @@ const ALLOWED: Record<string, readonly string[]> = {
   protocol: ["protocol", "lib", "kvcache/ownership-table.ts", "kvcache/kv-layout.ts"],
   transfer: ["transfer", "protocol", "kvcache", "lib"],
   engine: ["engine", "model", "kvcache", "kernels", "protocol", "lib"],
-  router: ["router", "protocol", "lib", "model/tokenizer.ts", "engine/engine-types.ts", "tools/preflight/capacity.ts"],
+  router: [
+    "router",
+    "protocol",
+    "lib",
+    "model/tokenizer.ts",
+    "engine/engine-types.ts",
+    "tools/preflight/capacity.ts",
+  ],
   node: ["node", "engine", "model", "kvcache", "kernels", "protocol", "transfer", "lib"],
   "tools/probe": ["tools/probe", "protocol", "lib"],
 };

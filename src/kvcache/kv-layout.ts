@@ -44,7 +44,9 @@ export function kvOffset(
 ): number {
   const rowFloats = layout.numKvHeads * layout.headDim;
   return (
-    page * pageFloats(layout) + ((layer * 2 + kOrV) * layout.pageSize + tokenInPage) * rowFloats + kvHead * layout.headDim
+    page * pageFloats(layout) +
+    ((layer * 2 + kOrV) * layout.pageSize + tokenInPage) * rowFloats +
+    kvHead * layout.headDim
   );
 }
 

@@ -74,5 +74,8 @@ export function toOpenAiError(err: unknown): {
 } {
   const e = err instanceof KvfenceError ? err : new KvfenceError("internal", "Internal server error");
   const row = ERROR_TABLE[e.code];
-  return { status: row.status, body: { error: { message: e.message, type: row.type, param: e.param ?? null, code: e.code } } };
+  return {
+    status: row.status,
+    body: { error: { message: e.message, type: row.type, param: e.param ?? null, code: e.code } },
+  };
 }

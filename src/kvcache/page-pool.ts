@@ -133,6 +133,9 @@ export class PagePool {
   allocate(count: number, rid: number, epoch: number, tenant: number, blockTable: BlockTable): boolean {
     if (count === 0) return true;
     if (blockTable.length + count > blockTable.capacity) {
+      // An empty pool answers "no" first (all or nothing, nothing changed); a block table too small
+      // for pages the pool could give is a scheduler bug.
+      if (count > this.freePages) return false;
       throw new RangeError(
         `Block table of ${blockTable.capacity} pages cannot take ${count} more after: ${blockTable.length}`,
       );

@@ -18,7 +18,7 @@ import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { createLogger, type Logger, type LogLevel } from "../lib/logger.js";
 import { loadModelConfig } from "../model/config-loader.js";
-import { loadModel } from "../model/load-model.js";
+import { loadModel, loadModelMeta, loadWeights } from "../model/load-model.js";
 import { startNodeServer } from "../node/node-server.js";
 import { clusterSecret, startServeEngine } from "../node/serve-topology.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem, unsafeWarning } from "../node/unsafe-switches.js";
@@ -210,18 +210,23 @@ export async function startServer(
   }
 
   let lastPercent = -1;
-  const model = loadModel(config.model, {
-    shared: true,
-    onProgress: (p) => {
-      const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
-      if (percent === lastPercent) return;
-      lastPercent = percent;
-      options.progress?.(
-        `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
-        false,
-      );
-    },
-  });
+  // A router process tokenizes and admits; the nodes it connects to hold the weights.
+  const model = loadModelMeta(config.model);
+  const weights =
+    config.role === "router"
+      ? null
+      : loadWeights(model.dir, model.config, {
+          shared: true,
+          onProgress: (p) => {
+            const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
+            if (percent === lastPercent) return;
+            lastPercent = percent;
+            options.progress?.(
+              `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
+              false,
+            );
+          },
+        });
   options.progress?.(
     `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
     true,
@@ -239,7 +244,7 @@ export async function startServer(
   const served = await startServeEngine({
     role: config.role,
     disaggregation: config.disaggregation,
-    model: { config: model.config, weights: model.weights },
+    model: weights === null ? null : { config: model.config, weights },
     engine: {
       numPages,
       pageSize: config.pageSize,

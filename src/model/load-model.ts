@@ -48,16 +48,20 @@ export interface LoadModelOptions {
   readonly shared?: boolean;
 }
 
-export interface LoadedModel {
+/** Everything of a model folder but its weights: what a router needs to tokenize and admit. */
+export interface ModelMeta {
   /** The folder's base name. */
   readonly name: string;
   readonly dir: string;
   readonly config: ModelConfig;
-  readonly weights: ModelWeights;
   readonly tokenizer: ModelTokenizer;
   /** Null when the folder has no chat template. */
   readonly chatTemplate: ChatTemplate | null;
   readonly generationDefaults: GenerationDefaults;
+}
+
+export interface LoadedModel extends ModelMeta {
+  readonly weights: ModelWeights;
 }
 
 /** The tensors a config implies, in load order, with their shapes. */
@@ -146,6 +150,12 @@ const shapeText = (s: readonly number[]): string => `[${s.join(",")}]`;
  * one-line message naming the file and the problem.
  */
 export function loadModel(dir: string, options?: LoadModelOptions): LoadedModel {
+  const meta = loadModelMeta(dir);
+  return Object.freeze({ ...meta, weights: loadWeights(meta.dir, meta.config, options) });
+}
+
+/** Loads and validates a model folder's config, tokenizer, chat template and defaults, not its weights. */
+export function loadModelMeta(dir: string): ModelMeta {
   const root = resolve(dir);
   let isDir = false;
   try {
@@ -165,17 +175,13 @@ export function loadModel(dir: string, options?: LoadModelOptions): LoadedModel 
       `tokenizer has token ids up to ${numIds - 1} but config.json has vocab_size ${config.vocabSize}; the tokenizer does not belong to this model`,
     );
   }
-  const chatTemplate = loadChatTemplate(root, tokenizer);
-  const generationDefaults = loadGenerationDefaults(root);
-  const weights = loadWeights(root, config, options);
   return Object.freeze({
     name: basename(root),
     dir: root,
     config,
-    weights,
     tokenizer,
-    chatTemplate,
-    generationDefaults,
+    chatTemplate: loadChatTemplate(root, tokenizer),
+    generationDefaults: loadGenerationDefaults(root),
   });
 }
 

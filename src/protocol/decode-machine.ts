@@ -26,7 +26,7 @@
  * overtaken by its abort, a stale manifest) is ignored and counted, never acted on.
  */
 import type { WireError } from "../lib/errors.js";
-import type { Effects, KvPool } from "./effects.js";
+import { type Effects, type KvPool, leasePages } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
@@ -112,8 +112,6 @@ export function initialDecodeState(incarnation: number, prefillIncarnation: numb
 }
 
 // Scratch for OwnershipTable.allocate, grown on demand (no allocation per call in steady state).
-let scratchPages = new Int32Array(64);
-let scratchGenerations = new Uint32Array(64);
 
 export function decodeStep(
   state: DecodeState,
@@ -187,11 +185,8 @@ function reserve(
   const leaseCount = Math.ceil(msg.promptLen / P);
   // The last generated token's KV is never written, so the tail holds maxTokens - 1 tokens.
   const count = Math.max(leaseCount, Math.ceil((msg.promptLen + msg.maxTokens - 1) / P));
-  if (count > scratchPages.length) {
-    scratchPages = new Int32Array(count);
-    scratchGenerations = new Uint32Array(count);
-  }
-  if (!pool.table.allocate(count, msg.rid, msg.epoch, msg.tenant, scratchPages, scratchGenerations)) {
+  const leased = leasePages(pool, count, msg);
+  if (leased === null) {
     reject(
       state,
       msg,
@@ -203,8 +198,7 @@ function reserve(
     );
     return;
   }
-  const pages = Array.from(scratchPages.subarray(0, count));
-  const generations = Array.from(scratchGenerations.subarray(0, count));
+  const { pages, generations } = leased;
   state.attempts[key] = {
     rid: msg.rid,
     epoch: msg.epoch,

@@ -29,6 +29,31 @@ export interface KvPool {
   observeRead?(rid: number, epoch: number, pages: readonly LeasePage[], freshIndex: number): void;
 }
 
+let scratchPages = new Int32Array(64);
+let scratchGenerations = new Uint32Array(64);
+
+/**
+ * Leases `count` pages of `pool` to `(rid, epoch)` of `tenant`, all or nothing, and returns them as
+ * plain arrays (machine state is plain data); null when the pool has too few free pages.
+ */
+export function leasePages(
+  pool: KvPool,
+  count: number,
+  lease: { readonly rid: number; readonly epoch: number; readonly tenant: number },
+): { pages: number[]; generations: number[] } | null {
+  if (count > scratchPages.length) {
+    scratchPages = new Int32Array(count);
+    scratchGenerations = new Uint32Array(count);
+  }
+  if (!pool.table.allocate(count, lease.rid, lease.epoch, lease.tenant, scratchPages, scratchGenerations)) {
+    return null;
+  }
+  return {
+    pages: Array.from(scratchPages.subarray(0, count)),
+    generations: Array.from(scratchGenerations.subarray(0, count)),
+  };
+}
+
 /** Send a control message to another role. */
 export interface SendEffect {
   readonly kind: "send";

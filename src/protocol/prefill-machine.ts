@@ -18,7 +18,7 @@
  *   node is connected to, or for another prefill incarnation than this one, is refused.
  */
 import type { WireError } from "../lib/errors.js";
-import type { Effects, KvPool } from "./effects.js";
+import { type Effects, type KvPool, leasePages } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "./wire.js";
@@ -75,9 +75,6 @@ export type PrefillEvent =
 export function initialPrefillState(incarnation: number, decodeIncarnation: number): PrefillState {
   return { incarnation, decodeIncarnation, decodeLost: 0, attempts: {}, ended: {}, stale: 0 };
 }
-
-let scratchPages = new Int32Array(64);
-let scratchGenerations = new Uint32Array(64);
 
 export function prefillStep(
   state: PrefillState,
@@ -210,11 +207,8 @@ function prefill(
     );
     return;
   }
-  if (count > scratchPages.length) {
-    scratchPages = new Int32Array(count);
-    scratchGenerations = new Uint32Array(count);
-  }
-  if (!pool.table.allocate(count, msg.rid, msg.epoch, msg.tenant, scratchPages, scratchGenerations)) {
+  const leased = leasePages(pool, count, msg);
+  if (leased === null) {
     reject(
       state,
       msg,
@@ -226,8 +220,7 @@ function prefill(
     );
     return;
   }
-  const pages = Array.from(scratchPages.subarray(0, count));
-  const generations = Array.from(scratchGenerations.subarray(0, count));
+  const { pages, generations } = leased;
   state.attempts[key] = {
     rid: msg.rid,
     epoch: msg.epoch,

@@ -1,7 +1,9 @@
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
+import { bundledModelDir } from "../src/lib/package-root.js";
 import { randomModel } from "../testing/random-model.js";
-import { readBandwidth, weightBytes } from "./model.js";
+import { MODEL_BENCH_DEFAULTS, prefillFlops, runModelBench, weightBytes } from "./model.js";
+import { BandwidthProbe } from "./roofline.js";
 
 describe("bench model helpers", () => {
   it("weightBytes() counts a tied LM head once and leaves out an untied embedding table", () => {
@@ -37,10 +39,61 @@ describe("bench model helpers", () => {
     );
   });
 
-  it("readBandwidth() sums the whole buffer", () => {
-    const buf = Float64Array.from({ length: 1003 }, (_, i) => i);
-    const r = readBandwidth(buf);
-    assert.equal(r.sum, (1003 * 1002) / 2);
-    assert.ok(r.gbps > 0);
+  it("prefillFlops() counts linear layers per token and causal attention per token pair", () => {
+    const { config } = randomModel({ architecture: "llama", tieWordEmbeddings: true });
+    const one = prefillFlops(config, 1);
+    const two = prefillFlops(config, 2);
+    const attentionPair = config.numLayers * config.numHeads * 4 * config.headDim;
+    // Going from 1 to 2 tokens adds one token of linear work and two more attended pairs (3 - 1).
+    assert.equal(
+      two - one,
+      one - attentionPair - 2 * config.vocabSize * config.hiddenSize + 2 * attentionPair,
+    );
+  });
+
+  it("BandwidthProbe.measure() reads its buffer on 1 and on 2 threads", async () => {
+    const probe = await BandwidthProbe.start(1 << 20);
+    try {
+      assert.equal(probe.bytes, 1 << 20);
+      assert.ok(probe.measure(1) > 0);
+      assert.ok(probe.measure(2) > 0);
+      assert.ok(probe.measure(2) > 0);
+    } finally {
+      await probe.close();
+    }
+  });
+
+  it("runModelBench() runs both kernel sets side by side on the tiny model, each beside its roofline", async () => {
+    const r = await runModelBench({
+      ...MODEL_BENCH_DEFAULTS,
+      modelDir: bundledModelDir(),
+      kernels: ["ts", "wasm"],
+      promptTokens: 20,
+      contextTokens: 8,
+      longContextTokens: 64,
+      decodeSteps: 2,
+      batchSizes: [1, 3],
+      repeats: 2,
+      bandwidthBytes: 1 << 20,
+    });
+    assert.deepEqual(
+      r.runs.map((run) => [run.kernels, run.threads]),
+      [
+        ["ts", 1],
+        ["wasm", 2],
+      ],
+    );
+    assert.ok(r.readGbps[2] !== null);
+    for (const run of r.runs) {
+      assert.ok(run.prefillTokensPerSecond.summary.median > 0);
+      assert.deepEqual(
+        run.decode.map((d) => d.batch),
+        [1, 3],
+      );
+      assert.equal(run.longContext?.contextTokens, 64);
+      const roof = run.decode.map((d) => d.rooflineTokensPerSecond);
+      assert.ok((roof[0] as number) > 0);
+      assert.ok(Math.abs((roof[1] as number) - 3 * (roof[0] as number)) < 1e-6 * (roof[1] as number));
+    }
   });
 });

@@ -1,29 +1,44 @@
 /**
- * `kvfence bench model`: forward-pass throughput of a model folder against the machine's memory
- * roofline, measured in the same run.
+ * `kvfence bench model`: forward-pass throughput of a model folder on the TypeScript reference
+ * kernels, the WebAssembly SIMD kernels or both side by side, against the machine's memory roofline
+ * measured in the same run.
  *
- * - Prefill: one sequence, a seeded random prompt of `promptTokens` in one chunk; tokens/s.
+ * Each kernel set gets its forward pass and KV pool from `createForward` (the server's own setup:
+ * for wasm, weights, activations and pool in one shared WebAssembly memory, on `threads` threads;
+ * the reference always runs on one). Its arms:
+ * - Prefill: one sequence, a seeded random prompt of `promptTokens` in one chunk; tokens/s and
+ *   effective GFLOP/s per core (linear and causal-attention FLOPs / time / threads).
  * - Decode at each batch size: `batch` sequences that already hold a `contextTokens` context each
- *   decode `decodeSteps` steps together; tokens/s = batch · steps / time. Every repeat rewrites
- *   the same KV slots, so repeats are identical work.
- * - Roofline: decode must read every distinct weight once per step, so at batch B the ceiling is
- *   B · readBandwidth / weightBytes tokens/s. Read bandwidth is a 4-accumulator Float64Array sum
- *   over a buffer far larger than L3 (1 GiB by default), touched before timing.
+ *   decode `decodeSteps` steps together; tokens/s = batch · steps / time. Every repeat rewrites the
+ *   same KV slots, so repeats are identical work.
+ * - Long-context decode (when `longContextTokens` > 0 fits the model's window): batch 1 at that
+ *   context. Its KV is whatever the pool holds (zeros): attention costs the same for any values.
  *
- * Arms are interleaved within each repeat (bandwidth, prefill, decode per batch), and the report
- * gives the median, the range and a bootstrap 95% CI of the median.
+ * Roofline: decode must read every distinct weight once per step, so at batch B the ceiling is
+ * B · read bandwidth / weight bytes, with the bandwidth of as many threads as the kernels use
+ * (bench/roofline.ts: native memchr over `bandwidthBytes` of touched memory).
+ *
+ * Every arm of every kernel set runs once per repeat, interleaved with the bandwidth probe, and the
+ * report gives the median, the range and a bootstrap 95% CI of the median.
  */
-import { pageFloats } from "../src/kvcache/kv-layout.js";
+import { createForward, type ForwardSetup, type KernelsName } from "../src/engine/forward-setup.js";
 import { Prng } from "../src/lib/prng.js";
 import { bootstrapInterval, type Interval, type Summary, summarize } from "../src/lib/stats.js";
-import { ForwardPass, type StepSequence } from "../src/model/forward.js";
+import type { StepSequence } from "../src/model/forward.js";
 import { loadModel } from "../src/model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
+import { BandwidthProbe } from "./roofline.js";
 
 export interface ModelBenchOptions {
   readonly modelDir: string;
+  /** Kernel sets to run, side by side. */
+  readonly kernels: readonly KernelsName[];
+  /** Threads of the WebAssembly kernels (the reference runs on 1). */
+  readonly threads: 1 | 2;
   readonly promptTokens: number;
   readonly contextTokens: number;
+  /** Context of the batch-1 long-context decode arm; 0 skips it (so does a context beyond the window). */
+  readonly longContextTokens: number;
   readonly decodeSteps: number;
   readonly batchSizes: readonly number[];
   readonly repeats: number;
@@ -33,8 +48,11 @@ export interface ModelBenchOptions {
 }
 
 export const MODEL_BENCH_DEFAULTS = {
+  kernels: ["ts", "wasm"],
+  threads: 2,
   promptTokens: 128,
   contextTokens: 32,
+  longContextTokens: 0,
   decodeSteps: 16,
   batchSizes: [1, 8],
   repeats: 5,
@@ -47,20 +65,33 @@ export interface Measured {
   readonly ci95: Interval;
 }
 
+export interface DecodeResult {
+  readonly batch: number;
+  readonly contextTokens: number;
+  readonly tokensPerSecond: Measured;
+  /** B · median read bandwidth on the run's threads / weight bytes. */
+  readonly rooflineTokensPerSecond: number;
+}
+
+export interface KernelsRun {
+  readonly kernels: KernelsName;
+  readonly threads: 1 | 2;
+  readonly prefillTokensPerSecond: Measured;
+  readonly prefillGflopsPerCore: Measured;
+  readonly decode: readonly DecodeResult[];
+  /** The long-context arm, or null when skipped. */
+  readonly longContext: DecodeResult | null;
+}
+
 export interface ModelBenchResult {
   readonly model: string;
   readonly config: ModelConfig;
   readonly weightBytes: number;
   readonly loadSeconds: number;
   readonly options: Omit<ModelBenchOptions, "log">;
-  readonly readGbps: Measured;
-  readonly prefillTokensPerSecond: Measured;
-  readonly decode: ReadonlyArray<{
-    readonly batch: number;
-    readonly tokensPerSecond: Measured;
-    /** B · median read bandwidth / weight bytes. */
-    readonly rooflineTokensPerSecond: number;
-  }>;
+  /** Read bandwidth in GB/s on 1 and (when a run uses 2) on 2 threads. */
+  readonly readGbps: { readonly 1: Measured; readonly 2: Measured | null };
+  readonly runs: readonly KernelsRun[];
   readonly node: string;
 }
 
@@ -97,30 +128,120 @@ export function weightBytes(weights: ModelWeights): number {
   return bytes;
 }
 
-/** One read-only pass over `buf` with 4 accumulators; returns GB/s (and the sum, to keep it live). */
-export function readBandwidth(buf: Float64Array): { gbps: number; sum: number } {
-  const t0 = process.hrtime.bigint();
-  let a0 = 0;
-  let a1 = 0;
-  let a2 = 0;
-  let a3 = 0;
-  const n = buf.length - (buf.length % 4);
-  for (let i = 0; i < n; i += 4) {
-    a0 += buf[i] as number;
-    a1 += buf[i + 1] as number;
-    a2 += buf[i + 2] as number;
-    a3 += buf[i + 3] as number;
-  }
-  for (let i = n; i < buf.length; i++) a0 += buf[i] as number;
-  const ns = Number(process.hrtime.bigint() - t0);
-  return { gbps: buf.byteLength / ns, sum: a0 + a1 + a2 + a3 };
+/** FLOPs of a prefill of `n` tokens in one chunk with one logits row: linear layers and causal attention. */
+export function prefillFlops(c: ModelConfig, n: number): number {
+  const q = c.numHeads * c.headDim;
+  const kv = c.numKvHeads * c.headDim;
+  const perLayer = c.hiddenSize * (2 * q + 2 * kv) + 3 * c.hiddenSize * c.intermediateSize;
+  const linear = 2 * n * c.numLayers * perLayer + 2 * c.vocabSize * c.hiddenSize;
+  const attention = c.numLayers * c.numHeads * 4 * c.headDim * ((n * (n + 1)) / 2);
+  return linear + attention;
 }
 
 function measured(values: number[], seed: number): Measured {
   return { summary: summarize(values), ci95: bootstrapInterval(values, { seed }) };
 }
 
-export function runModelBench(options: ModelBenchOptions): ModelBenchResult {
+/** One kernel set's forward pass, its sequences and its timed arms. */
+interface Arms {
+  readonly name: KernelsName;
+  readonly threads: 1 | 2;
+  readonly setup: ForwardSetup;
+  prefill(): number;
+  decode(batchIndex: number): number;
+  /** null when the arm is skipped. */
+  readonly long: (() => number) | null;
+}
+
+async function prepareArms(
+  name: KernelsName,
+  options: ModelBenchOptions,
+  config: ModelConfig,
+  weights: ModelWeights,
+  longContext: number,
+): Promise<Arms> {
+  const threads: 1 | 2 = name === "ts" ? 1 : options.threads;
+  const rng = new Prng(options.seed);
+  const pageSize = 16;
+  const layout = {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize,
+  };
+  const maxBatch = Math.max(...options.batchSizes);
+  const pagesPerDecodeSeq = Math.ceil((options.contextTokens + options.decodeSteps) / pageSize);
+  const prefillPages = Math.ceil(options.promptTokens / pageSize);
+  const longPages = longContext > 0 ? Math.ceil((longContext + options.decodeSteps) / pageSize) : 0;
+  const decodePages = maxBatch * pagesPerDecodeSeq;
+  const setup = await createForward(config, weights, layout, {
+    kernels: name,
+    kernelThreads: threads,
+    maxBatchTokens: Math.max(options.promptTokens, maxBatch * options.contextTokens),
+    maxSequences: maxBatch,
+    poolPages: [decodePages + prefillPages + longPages],
+  });
+  const { forward: fp } = setup;
+  const pool = (setup.pools[0] as (typeof setup.pools)[number]).data;
+  const pages = (first: number, n: number): Int32Array => Int32Array.from({ length: n }, (_, i) => first + i);
+  const randomTokens = (n: number): Int32Array =>
+    Int32Array.from({ length: n }, () => rng.nextInt(config.vocabSize));
+
+  // Decode: maxBatch sequences whose contexts are prefilled once; every run restarts at
+  // position contextTokens and rewrites the same slots.
+  const decodeSeqs: StepSequence[] = [];
+  for (let s = 0; s < maxBatch; s++) {
+    decodeSeqs.push({
+      tokens: randomTokens(options.contextTokens),
+      startPos: 0,
+      blockTable: pages(s * pagesPerDecodeSeq, pagesPerDecodeSeq),
+      logits: new Float32Array(config.vocabSize),
+    });
+  }
+  fp.step(pool, decodeSeqs);
+  decodeSeqs.forEach((s, i) => {
+    s.tokens = Int32Array.of(i % config.vocabSize);
+  });
+  const prefillSeq: StepSequence = {
+    tokens: randomTokens(options.promptTokens),
+    startPos: 0,
+    blockTable: pages(decodePages, prefillPages),
+    logits: new Float32Array(config.vocabSize),
+  };
+  const prefillBatch = [prefillSeq];
+  const decodeBatches = options.batchSizes.map((b) => decodeSeqs.slice(0, b));
+  const run = (batch: StepSequence[], start: number): number => {
+    for (const s of batch) s.startPos = start;
+    const t0 = process.hrtime.bigint();
+    for (let step = 0; step < options.decodeSteps; step++) {
+      fp.step(pool, batch);
+      for (let i = 0; i < batch.length; i++) (batch[i] as StepSequence).startPos++;
+    }
+    return (batch.length * options.decodeSteps) / (Number(process.hrtime.bigint() - t0) / 1e9);
+  };
+  const longBatch: StepSequence[] = [
+    {
+      tokens: Int32Array.of(1 % config.vocabSize),
+      startPos: longContext,
+      blockTable: pages(decodePages + prefillPages, longPages),
+      logits: new Float32Array(config.vocabSize),
+    },
+  ];
+  return {
+    name,
+    threads,
+    setup,
+    prefill() {
+      const t0 = process.hrtime.bigint();
+      fp.step(pool, prefillBatch);
+      return options.promptTokens / (Number(process.hrtime.bigint() - t0) / 1e9);
+    },
+    decode: (i) => run(decodeBatches[i] as StepSequence[], options.contextTokens),
+    long: longContext > 0 ? () => run(longBatch, longContext) : null,
+  };
+}
+
+export async function runModelBench(options: ModelBenchOptions): Promise<ModelBenchResult> {
   const log = options.log ?? (() => {});
   const tLoad = performance.now();
   const model = loadModel(options.modelDir);
@@ -130,129 +251,151 @@ export function runModelBench(options: ModelBenchOptions): ModelBenchResult {
   log(
     `loaded ${model.name} in ${loadSeconds.toFixed(1)} s: ${(bytes / 1e6).toFixed(1)} MB of weights read per decode step`,
   );
-
-  const rng = new Prng(options.seed);
-  const layout = {
-    numLayers: config.numLayers,
-    numKvHeads: config.numKvHeads,
-    headDim: config.headDim,
-    pageSize: 16,
-  };
-  const maxBatch = Math.max(...options.batchSizes);
-  const ctxLen = options.contextTokens + options.decodeSteps;
-  const pagesPerDecodeSeq = Math.ceil(ctxLen / layout.pageSize);
-  const pagesForPrefill = Math.ceil(options.promptTokens / layout.pageSize);
-  const decodePages = maxBatch * pagesPerDecodeSeq;
-  const pool = new Float32Array((decodePages + pagesForPrefill) * pageFloats(layout));
-  pool.fill(0); // touch every page before timing
-  const fp = new ForwardPass(config, weights, layout, {
-    maxBatchTokens: Math.max(options.promptTokens, maxBatch * options.contextTokens),
-    maxSequences: maxBatch,
-  });
-  const randomTokens = (n: number): Int32Array =>
-    Int32Array.from({ length: n }, () => rng.nextInt(config.vocabSize));
-
-  // Decode arms: maxBatch sequences whose contexts are prefilled once; every decode run restarts
-  // at position contextTokens and rewrites the same slots.
-  const decodeSeqs: StepSequence[] = [];
-  for (let s = 0; s < maxBatch; s++) {
-    decodeSeqs.push({
-      tokens: randomTokens(options.contextTokens),
-      startPos: 0,
-      blockTable: Int32Array.from({ length: pagesPerDecodeSeq }, (_, i) => s * pagesPerDecodeSeq + i),
-      logits: new Float32Array(config.vocabSize),
-    });
-  }
-  fp.step(pool, decodeSeqs);
-  decodeSeqs.forEach((s, i) => {
-    s.tokens = Int32Array.of(i % config.vocabSize);
-  });
-  // Prefill arm: its own pages after the decode ones.
-  const prefillSeq: StepSequence = {
-    tokens: randomTokens(options.promptTokens),
-    startPos: 0,
-    blockTable: Int32Array.from({ length: pagesForPrefill }, (_, i) => decodePages + i),
-    logits: new Float32Array(config.vocabSize),
-  };
-  const decodeBatches = options.batchSizes.map((b) => decodeSeqs.slice(0, b));
-  const runDecode = (batch: StepSequence[]): number => {
-    for (const s of batch) s.startPos = options.contextTokens;
-    const t0 = process.hrtime.bigint();
-    for (let step = 0; step < options.decodeSteps; step++) {
-      fp.step(pool, batch);
-      for (let i = 0; i < batch.length; i++) (batch[i] as StepSequence).startPos++;
-    }
-    const ns = Number(process.hrtime.bigint() - t0);
-    return (batch.length * options.decodeSteps) / (ns / 1e9);
-  };
-
-  log(
-    `allocating and touching a ${(options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB buffer for the read-bandwidth probe`,
-  );
-  const probe = new Float64Array(Math.floor(options.bandwidthBytes / 8));
-  for (let i = 0; i < probe.length; i++) probe[i] = i & 1023;
-
-  // Warm-up (JIT) with one small round of each arm.
-  readBandwidth(probe.subarray(0, 1 << 20));
-  fp.step(pool, [prefillSeq]);
-  for (const b of decodeBatches) runDecode(b);
-
-  const gbps: number[] = [];
-  const prefill: number[] = [];
-  const decode: number[][] = options.batchSizes.map(() => []);
-  let keep = 0;
-  for (let r = 0; r < options.repeats; r++) {
-    const bw = readBandwidth(probe);
-    keep += bw.sum;
-    gbps.push(bw.gbps);
-    const t0 = process.hrtime.bigint();
-    fp.step(pool, [prefillSeq]);
-    prefill.push(options.promptTokens / (Number(process.hrtime.bigint() - t0) / 1e9));
-    decodeBatches.forEach((b, i) => {
-      (decode[i] as number[]).push(runDecode(b));
-    });
+  let longContext = options.longContextTokens;
+  if (longContext > 0 && longContext + options.decodeSteps > config.maxPositionEmbeddings) {
     log(
-      `repeat ${r + 1}/${options.repeats}: read ${bw.gbps.toFixed(1)} GB/s, prefill ${(prefill.at(-1) as number).toFixed(1)} tok/s, ` +
-        options.batchSizes
-          .map((b, i) => `decode@${b} ${((decode[i] as number[]).at(-1) as number).toFixed(1)} tok/s`)
-          .join(", "),
+      `skipping the long-context arm: ${longContext} + ${options.decodeSteps} steps exceed the model's window of ${config.maxPositionEmbeddings}`,
     );
+    longContext = 0;
   }
-  if (keep === -1) log("");
-  const readGbps = measured(gbps, options.seed);
-  const { log: _log, ...rest } = options;
-  return {
-    model: model.name,
-    config,
-    weightBytes: bytes,
-    loadSeconds,
-    options: rest,
-    readGbps,
-    prefillTokensPerSecond: measured(prefill, options.seed + 1),
-    decode: options.batchSizes.map((batch, i) => ({
-      batch,
-      tokensPerSecond: measured(decode[i] as number[], options.seed + 2 + i),
-      rooflineTokensPerSecond: (batch * readGbps.summary.median * 1e9) / bytes,
-    })),
-    node: process.version,
-  };
+
+  const kernelSets = [...new Set(options.kernels)];
+  const arms: Arms[] = [];
+  for (const name of kernelSets) arms.push(await prepareArms(name, options, config, weights, longContext));
+  const twoThreads = arms.some((a) => a.threads === 2);
+  log(
+    `allocating and touching a ${(options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB buffer for the bandwidth probe`,
+  );
+  const probe = await BandwidthProbe.start(options.bandwidthBytes);
+  try {
+    // Warm-up (JIT, first touch of activations) with one round of each arm.
+    probe.measure(1);
+    if (twoThreads) probe.measure(2);
+    for (const a of arms) {
+      a.prefill();
+      for (let i = 0; i < options.batchSizes.length; i++) a.decode(i);
+      a.long?.();
+    }
+
+    const gbps1: number[] = [];
+    const gbps2: number[] = [];
+    const samples = arms.map(() => ({
+      prefill: [] as number[],
+      decode: options.batchSizes.map(() => [] as number[]),
+      long: [] as number[],
+    }));
+    for (let r = 0; r < options.repeats; r++) {
+      gbps1.push(probe.measure(1));
+      if (twoThreads) gbps2.push(probe.measure(2));
+      const parts = [
+        `read ${(gbps1.at(-1) as number).toFixed(1)}${twoThreads ? `/${(gbps2.at(-1) as number).toFixed(1)}` : ""} GB/s`,
+      ];
+      arms.forEach((a, k) => {
+        const s = samples[k] as (typeof samples)[number];
+        s.prefill.push(a.prefill());
+        options.batchSizes.forEach((_, i) => {
+          (s.decode[i] as number[]).push(a.decode(i));
+        });
+        if (a.long !== null) s.long.push(a.long());
+        parts.push(
+          `${a.name}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
+            options.batchSizes
+              .map((b, i) => `decode@${b} ${((s.decode[i] as number[]).at(-1) as number).toFixed(1)}`)
+              .join(", ") +
+            (a.long === null ? "" : `, decode@ctx${longContext} ${(s.long.at(-1) as number).toFixed(1)}`),
+        );
+      });
+      log(`repeat ${r + 1}/${options.repeats}: ${parts.join("; ")}`);
+    }
+
+    const readGbps = {
+      1: measured(gbps1, options.seed),
+      2: twoThreads ? measured(gbps2, options.seed) : null,
+    };
+    const roofline = (threads: 1 | 2, batch: number): number =>
+      (batch * ((threads === 2 ? readGbps[2] : readGbps[1]) ?? readGbps[1]).summary.median * 1e9) / bytes;
+    const flops = prefillFlops(config, options.promptTokens);
+    const runs: KernelsRun[] = arms.map((a, k) => {
+      const s = samples[k] as (typeof samples)[number];
+      const seed = options.seed + 10 * (k + 1);
+      return {
+        kernels: a.name,
+        threads: a.threads,
+        prefillTokensPerSecond: measured(s.prefill, seed),
+        prefillGflopsPerCore: measured(
+          s.prefill.map((tps) => (flops * tps) / options.promptTokens / 1e9 / a.threads),
+          seed,
+        ),
+        decode: options.batchSizes.map((batch, i) => ({
+          batch,
+          contextTokens: options.contextTokens,
+          tokensPerSecond: measured(s.decode[i] as number[], seed + 1 + i),
+          rooflineTokensPerSecond: roofline(a.threads, batch),
+        })),
+        longContext:
+          a.long === null
+            ? null
+            : {
+                batch: 1,
+                contextTokens: longContext,
+                tokensPerSecond: measured(s.long, seed + 9),
+                rooflineTokensPerSecond: roofline(a.threads, 1),
+              },
+      };
+    });
+    const { log: _log, ...rest } = options;
+    return {
+      model: model.name,
+      config,
+      weightBytes: bytes,
+      loadSeconds,
+      options: rest,
+      readGbps,
+      runs,
+      node: process.version,
+    };
+  } finally {
+    await probe.close();
+    for (const a of arms) await a.setup.close();
+  }
 }
 
 export function formatModelBench(r: ModelBenchResult): string {
   const c = r.config;
   const m = (x: Measured, digits = 1): string =>
     `${x.summary.median.toFixed(digits)} [range ${x.summary.min.toFixed(digits)}–${x.summary.max.toFixed(digits)}; 95% CI of median ${x.ci95.low.toFixed(digits)}–${x.ci95.high.toFixed(digits)}]`;
+  const bandwidth = `1 thread ${m(r.readGbps[1], 2)}${r.readGbps[2] === null ? "" : `, 2 threads ${m(r.readGbps[2], 2)}`}`;
   const lines = [
-    `model bench: ${r.model} (${c.architecture}, ${c.numLayers} layers, hidden ${c.hiddenSize}, heads ${c.numHeads}/${c.numKvHeads}, vocab ${c.vocabSize}); Node ${r.node}, plain-TS reference kernels, 1 thread`,
+    `model bench: ${r.model} (${c.architecture}, ${c.numLayers} layers, hidden ${c.hiddenSize}, heads ${c.numHeads}/${c.numKvHeads}, vocab ${c.vocabSize}); Node ${r.node}`,
     `  weights read per decode step: ${(r.weightBytes / 1e6).toFixed(1)} MB (f32); ${r.options.repeats} interleaved repeats, medians`,
-    `  read bandwidth (Float64Array sum over ${(r.options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB): ${m(r.readGbps, 2)} GB/s`,
-    `  prefill (${r.options.promptTokens}-token prompt, one chunk): ${m(r.prefillTokensPerSecond)} tok/s`,
+    `  read bandwidth (native memchr over ${(r.options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB): ${bandwidth} GB/s`,
   ];
-  for (const d of r.decode) {
+  const decodeLine = (d: DecodeResult): string => {
     const pct = (d.tokensPerSecond.summary.median / d.rooflineTokensPerSecond) * 100;
+    return `    decode batch ${d.batch} (context ${d.contextTokens}, ${r.options.decodeSteps} steps): ${m(d.tokensPerSecond)} tok/s; roofline ${d.rooflineTokensPerSecond.toFixed(1)} tok/s (${pct.toFixed(1)}% of it)`;
+  };
+  for (const run of r.runs) {
+    lines.push(`  ${run.kernels} kernels, ${run.threads} thread${run.threads > 1 ? "s" : ""}:`);
     lines.push(
-      `  decode batch ${d.batch} (context ${r.options.contextTokens}, ${r.options.decodeSteps} steps): ${m(d.tokensPerSecond)} tok/s; roofline ${d.rooflineTokensPerSecond.toFixed(1)} tok/s (${pct.toFixed(0)}% of it)`,
+      `    prefill (${r.options.promptTokens}-token prompt, one chunk): ${m(run.prefillTokensPerSecond)} tok/s = ${m(run.prefillGflopsPerCore)} GFLOP/s per core`,
     );
+    for (const d of run.decode) lines.push(decodeLine(d));
+    if (run.longContext !== null) lines.push(decodeLine(run.longContext));
+  }
+  if (r.runs.length > 1) {
+    lines.push("  side by side (medians):");
+    const batches = r.runs[0]?.decode.map((d) => d.batch) ?? [];
+    lines.push(
+      `    kernels  | prefill tok/s | ${batches.map((b) => `decode b${b} tok/s`).join(" | ")}${r.runs[0]?.longContext ? ` | decode @${r.runs[0].longContext.contextTokens} tok/s` : ""}`,
+    );
+    for (const run of r.runs) {
+      const cells = [
+        run.prefillTokensPerSecond.summary.median.toFixed(1),
+        ...run.decode.map((d) => d.tokensPerSecond.summary.median.toFixed(1)),
+        ...(run.longContext === null ? [] : [run.longContext.tokensPerSecond.summary.median.toFixed(1)]),
+      ];
+      lines.push(`    ${`${run.kernels} ${run.threads}t`.padEnd(8)} | ${cells.join(" | ")}`);
+    }
   }
   return lines.join("\n");
 }

@@ -12,8 +12,13 @@
  * alone — `PagePool.checkStep` over the very block tables of the batch — and reports it as a
  * fraction of the mean step time, which resolves costs far below the end-to-end noise.
  *
- * Run: `node dist/bench/tag-check.js [--model DIR | --like smollm2-135m|tiny] [--pairs 10]
- * [--batch 8] [--prompt 16] [--steps 1] [--json]`, or `kvfence bench tag-check` with the same options. Without `--model`, a random model with the
+ * The forward pass runs on the server's kernels (`--kernels wasm`, the default, with `--threads`
+ * 1 or 2; or `--kernels ts`), built as the server builds it (`createForward`): on wasm both pools
+ * live in the one WebAssembly memory beside the weights.
+ *
+ * Run: `node dist/bench/tag-check.js [--model DIR | --like smollm2-135m|tiny] [--kernels wasm|ts]
+ * [--threads 2] [--pairs 10] [--batch 8] [--prompt 16] [--steps 1] [--json]`, or
+ * `kvfence bench tag-check` with the same options. Without `--model`, a random model with the
  * shapes of `--like` is generated once (as `kvfence gen-model` does) under the OS temp folder.
  */
 import { existsSync } from "node:fs";
@@ -22,11 +27,11 @@ import { join } from "node:path";
 import { Command, InvalidArgumentError } from "commander";
 import { Engine } from "../src/engine/engine.js";
 import type { GenerationEvents } from "../src/engine/engine-types.js";
+import { createForward, type KernelsName } from "../src/engine/forward-setup.js";
 import type { KvLayout } from "../src/kvcache/kv-layout.js";
-import { PagePool } from "../src/kvcache/page-pool.js";
+import type { PagePool } from "../src/kvcache/page-pool.js";
 import { pairedRatio, quantile, type RatioInterval } from "../src/lib/stats.js";
 import { loadModelConfig } from "../src/model/config-loader.js";
-import { ForwardPass } from "../src/model/forward.js";
 import { genModel } from "../src/model/gen-model.js";
 import { loadWeights } from "../src/model/load-model.js";
 import { makeSafety } from "../src/protocol/safety.js";
@@ -35,6 +40,10 @@ export interface TagCheckBenchOptions {
   /** A model folder; when absent, a random model shaped like `like` is generated (once) in a temp folder. */
   readonly model?: string;
   readonly like?: string;
+  /** The forward pass's kernels. Default "wasm". */
+  readonly kernels?: KernelsName;
+  /** Threads of the wasm kernels. Default 2. */
+  readonly threads?: 1 | 2;
   /** Interleaved on/off pairs. Default 10. */
   readonly pairs?: number;
   /** Concurrent decoding requests. Default 8. */
@@ -50,6 +59,8 @@ export interface TagCheckBenchOptions {
 
 export interface TagCheckBenchReport {
   readonly model: string;
+  readonly kernels: KernelsName;
+  readonly threads: 1 | 2;
   readonly batch: number;
   readonly promptTokens: number;
   readonly stepsPerArm: number;
@@ -86,7 +97,7 @@ function modelDir(options: TagCheckBenchOptions, log: (line: string) => void): s
   return dir;
 }
 
-export function runTagCheckBench(options: TagCheckBenchOptions = {}): TagCheckBenchReport {
+export async function runTagCheckBench(options: TagCheckBenchOptions = {}): Promise<TagCheckBenchReport> {
   const log = options.log ?? (() => {});
   const pairs = options.pairs ?? 10;
   const batch = options.batch ?? 8;
@@ -107,13 +118,19 @@ export function runTagCheckBench(options: TagCheckBenchOptions = {}): TagCheckBe
     pageSize,
   };
   const numPages = batch * Math.ceil(perRequest / pageSize) + 1;
-  const forward = new ForwardPass(config, weights, layout, {
+  const kernels = options.kernels ?? "wasm";
+  const threads = kernels === "ts" ? 1 : (options.threads ?? 2);
+  const setup = await createForward(config, weights, layout, {
+    kernels,
+    kernelThreads: threads,
     maxBatchTokens: Math.max(batch * promptTokens, batch),
     maxSequences: batch,
+    poolPages: [numPages, numPages],
   });
+  log(`kernels ${kernels}, ${threads} thread${threads > 1 ? "s" : ""}`);
   const engines = [true, false].map(
-    (tagCheck) =>
-      new Engine(forward, new PagePool(layout, numPages), {
+    (tagCheck, i) =>
+      new Engine(setup.forward, setup.pools[i] as PagePool, {
         safety: makeSafety({ disabledGuards: tagCheck ? [] : ["page-tags"] }),
         seed: 1,
         maxModelLen: Math.min(config.maxPositionEmbeddings, perRequest + 1),
@@ -198,6 +215,7 @@ export function runTagCheckBench(options: TagCheckBenchOptions = {}): TagCheckBe
   const checkMicros = (cpu.user + cpu.system) / reps;
   if (failures > 0) throw new Error(`Tag check failed on a healthy batch: ${failures} times`);
   for (const engine of engines) for (const t of engine.liveBlockTables()) engine.abort(t.rid);
+  await setup.close();
 
   const cpuRatio = pairedRatio(
     results.map((r) => r.on.cpu),
@@ -212,6 +230,8 @@ export function runTagCheckBench(options: TagCheckBenchOptions = {}): TagCheckBe
   const cpuStepSeconds = batch / median(results.map((r) => r.on.cpu));
   return {
     model: dir,
+    kernels,
+    threads,
     batch,
     promptTokens,
     stepsPerArm: steps,
@@ -231,7 +251,7 @@ export function formatTagCheckReport(r: TagCheckBenchReport): string {
   const line = (name: string, q: RatioInterval) =>
     `  ratio on/off (${name}): ${q.ratio.toFixed(4)} (95% CI ${q.low.toFixed(4)} – ${q.high.toFixed(4)}); cost ${pct(1 - q.ratio)} (CI ${pct(1 - q.high)} – ${pct(1 - q.low)})`;
   return [
-    `tag-check bench: ${r.model}`,
+    `tag-check bench: ${r.model} on the ${r.kernels} kernels, ${r.threads} thread${r.threads > 1 ? "s" : ""}`,
     `  batch ${r.batch}, prompt ${r.promptTokens} tokens, ${r.stepsPerArm} decode step(s) per arm, ${r.pairs.length} interleaved pairs`,
     `  decode throughput (median, wall): check on ${r.tokensPerSecondOn.toFixed(2)} tok/s, off ${r.tokensPerSecondOff.toFixed(2)} tok/s`,
     line("per CPU second", r.cpuRatio),
@@ -256,23 +276,37 @@ export function tagCheckCommand(): Command {
     )
     .option("--model <dir>", "model folder (default: a random model shaped like --like, generated once)")
     .option("--like <model>", "shape of the generated model: smollm2-135m or tiny", "smollm2-135m")
+    .option("--kernels <kind>", "forward-pass kernels: wasm (the server's default) or ts", "wasm")
+    .option("--threads <n>", "threads of the wasm kernels: 1 or 2", "2")
     .option("--pairs <n>", "interleaved on/off pairs", integer, 10)
     .option("--batch <n>", "concurrent decoding requests", integer, 8)
     .option("--prompt <n>", "prompt tokens per request", integer, 16)
     .option("--steps <n>", "timed decode steps per arm", integer, 1)
     .option("--json", "print the report as JSON", false)
     .action(
-      (opts: {
+      async (opts: {
         model?: string;
         like: string;
+        kernels: string;
+        threads: string;
         pairs: number;
         batch: number;
         prompt: number;
         steps: number;
         json: boolean;
       }) => {
-        const report = runTagCheckBench({
+        if (
+          (opts.kernels !== "ts" && opts.kernels !== "wasm") ||
+          (opts.threads !== "1" && opts.threads !== "2")
+        ) {
+          throw new InvalidArgumentError(
+            `--kernels must be ts or wasm and --threads 1 or 2: ${opts.kernels}, ${opts.threads}`,
+          );
+        }
+        const report = await runTagCheckBench({
           ...(opts.model === undefined ? {} : { model: opts.model }),
+          kernels: opts.kernels,
+          threads: opts.threads === "1" ? 1 : 2,
           like: opts.like,
           pairs: opts.pairs,
           batch: opts.batch,

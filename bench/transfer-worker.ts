@@ -2,19 +2,29 @@
  * Worker threads of `bench/transfer.ts`. Role "prefill": owns the source pages (a private,
  * pre-faulted buffer) and every sender (shared-memory writer, TCP transfer server, raw socket
  * server). Role "decode": the shared-memory receiver, verifying checksums as pages land.
+ * Checksums use the serving path's own code (`PageChecksums`, as `src/node/prefill-node.ts` and
+ * `decode-node.ts` do): prefill records each page when it is "produced" (stamped, as the engine's
+ * step stamps it) and reads the records when it builds the manifest; decode records each page in
+ * `pagesLanded` and reads the records at the commit check.
  * Every timestamp is `process.hrtime.bigint()`, one monotonic clock for all threads of the process.
  */
 import net from "node:net";
 import { type MessagePort, parentPort, workerData } from "node:worker_threads";
 import { OwnershipTable } from "../src/kvcache/ownership-table.js";
-import { checksumLeasePages, LandedChecksums, pageChecksumHex } from "../src/transfer/page-checksum.js";
+import { checksumLeasePages, PageChecksums, pageChecksumHex } from "../src/transfer/page-checksum.js";
 import { type ShmChannel, ShmTransferReceiver, ShmTransferWriter } from "../src/transfer/shm-transport.js";
 import { SignalKind, SignalRing } from "../src/transfer/signal-ring.js";
 import { TcpTransferServer, type TcpTransferWriter } from "../src/transfer/tcp-transport.js";
 import type { Manifest, PageWrite, TransferLease, TransferWriter } from "../src/transfer/transport.js";
 import { type TransferReservation, verifyManifest } from "../src/transfer/verify-manifest.js";
 
-export type HashMode = "none" | "pre" | "inline";
+/**
+ * "none": no checksums; "production": the serving path — prefill hashes at production (before the
+ * transfer) and reads the records into the manifest, decode hashes as pages land and reads the
+ * records at commit; "ondemand": the same calls with nothing recorded, so both ends hash every page
+ * in series with the transfer (the serving path before checksums moved off it).
+ */
+export type HashMode = "none" | "production" | "ondemand";
 
 export interface WorkerInit {
   readonly role: "prefill" | "decode";
@@ -62,6 +72,9 @@ if (init.role === "prefill") {
   const source = new Uint8Array(init.sourcePages * pageBytes);
   fillPseudoRandom(source, 12345);
   const page = (i: number): Uint8Array => source.subarray(i * pageBytes, (i + 1) * pageBytes);
+  // The prefill pool's ownership table: source page i holds logical page i of the lease.
+  const sourceTable = new OwnershipTable(init.sourcePages);
+  const sourceSums = new PageChecksums(source, pageBytes, sourceTable);
   const shm = new ShmTransferWriter(init.channel, {
     port: init.port,
     layoutSignature: init.channel.layoutSignature,
@@ -89,18 +102,26 @@ if (init.role === "prefill") {
 
   const send = async (writer: TransferWriter, lease: TransferLease, hash: HashMode): Promise<bigint> => {
     const n = lease.pages.length;
-    const checksums: string[] = new Array<string>(hash === "none" ? 0 : n);
-    // "pre": prefill hashed each page when its KV was produced, before the transfer starts.
-    if (hash === "pre")
-      for (let i = 0; i < n; i++) checksums[i] = pageChecksumHex(page(i), lease.rid, lease.epoch, i);
+    // Production: the engine's step writes and stamps each source page; the prefill node then
+    // records its checksum (`PrefillNode`'s after-step hook), all before the transfer starts.
+    for (let i = 0; i < n; i++) sourceTable.stampWriter(i, lease.rid, lease.epoch, lease.pageSize);
+    if (hash === "production") for (let i = 0; i < n; i++) sourceSums.record(i, lease.rid, lease.epoch, i);
     const t0 = now();
-    // Pages go out as prefill produces them: one `writePages` per prefill chunk.
+    // The manifest's checksums, read as the prefill machine reads them at `computed` (before the
+    // writes): recorded values, or hashed now when nothing was recorded.
+    const checksums: string[] = new Array<string>(hash === "none" ? 0 : n);
+    const misses = sourceSums.misses;
+    if (hash !== "none")
+      for (let i = 0; i < n; i++) checksums[i] = sourceSums.get(i, lease.rid, lease.epoch, i);
+    if (hash === "production" && sourceSums.misses !== misses)
+      throw new Error(
+        `Prefill hashed ${sourceSums.misses - misses} pages again instead of reading the records`,
+      );
+    // Pages go out one `writePages` per prefill chunk.
     for (let from = 0; from < n; from += init.chunkPages) {
       const writes: PageWrite[] = [];
       for (let i = from; i < Math.min(n, from + init.chunkPages); i++) {
-        const bytes = page(i);
-        if (hash === "inline") checksums[i] = pageChecksumHex(bytes, lease.rid, lease.epoch, i);
-        writes.push({ index: i, bytes, filledTokens: lease.pageSize });
+        writes.push({ index: i, bytes: page(i), filledTokens: lease.pageSize });
       }
       await writer.writePages(lease, writes);
     }
@@ -150,25 +171,25 @@ if (init.role === "prefill") {
     init.channel.poolByteOffset,
     init.channel.numPages * pageBytes,
   );
-  let current: { id: number; lease: TransferLease; verify: boolean } | null = null;
-  const landed = new LandedChecksums(pool, pageBytes);
+  let current: { id: number; lease: TransferLease; hash: HashMode } | null = null;
   const table = new OwnershipTable(init.channel.numPages, {
     buffer: init.channel.tableBuffer,
     byteOffset: init.channel.tableByteOffset,
     attach: true,
   });
+  const sums = new PageChecksums(pool, pageBytes, table);
   const receiver = new ShmTransferReceiver(init.channel, {
     port: init.port,
     handlers: {
       pagesLanded: (_rid, _epoch, from, to) => {
-        if (current?.verify) landed.record(current.lease, from, to);
+        if (current?.hash === "production") sums.recordLease(current.lease, from, to);
       },
       control: (message) => {
         const run = current;
         if (run === null || message.type !== "manifest") return;
         const manifest = message as Manifest;
         let verdict = "ok";
-        if (run.verify) {
+        if (run.hash !== "none") {
           const lease = run.lease;
           const reservation: TransferReservation = {
             rid: lease.rid,
@@ -177,17 +198,12 @@ if (init.role === "prefill") {
             tokenEnd: lease.pages.length * lease.pageSize,
             numPages: lease.pages.length,
           };
-          // The commit check as the node glue runs it: checksums recorded as pages landed.
-          const local = lease.pages.map(({ page }, i) =>
-            landed.get(
-              page,
-              lease.rid,
-              lease.epoch,
-              i,
-              table.writerRid(page) === lease.rid && table.writerEpoch(page) === lease.epoch,
-            ),
-          );
+          // The commit check reads `KvPool.pageChecksum`, i.e. `PageChecksums.get`, per page.
+          const misses = sums.misses;
+          const local = lease.pages.map(({ page }, i) => sums.get(page, lease.rid, lease.epoch, i));
           verdict = verifyManifest(reservation, manifest, local).code;
+          if (run.hash === "production" && sums.misses !== misses)
+            verdict = `${sums.misses - misses} pages hashed at commit, not as they landed`;
         }
         const t1 = now();
         current = null;
@@ -213,12 +229,12 @@ if (init.role === "prefill") {
       await verifyRing.waitForRecords();
     }
   })();
-  parent.on("message", (msg: { cmd: string; id: number; lease: TransferLease; verify: boolean }) => {
+  parent.on("message", (msg: { cmd: string; id: number; lease: TransferLease; hash: HashMode }) => {
     if (msg.cmd === "expect-tcp") {
       tcpVerify = { id: msg.id, lease: msg.lease, local: new Array<string>(msg.lease.pages.length) };
       parent.postMessage({ type: "expecting", id: msg.id });
     } else if (msg.cmd === "expect") {
-      current = { id: msg.id, lease: msg.lease, verify: msg.verify };
+      current = { id: msg.id, lease: msg.lease, hash: msg.hash };
       parent.postMessage({ type: "expecting", id: msg.id });
     } else if (msg.cmd === "close") {
       receiver.close();

@@ -14,10 +14,18 @@ Grammar (all lower case, like the fixed record format):
     filler       := a random sentence from a small word grammar (may contain numbers)
     SEP          := " " | "\n" | "\n\n"
     question     := "What is the access code of account " ACCOUNT "?"
-    answer       := CODE when a record for ACCOUNT is in the context, else "unknown"
+    answer       := record(ACCOUNT, CODE) when a record for ACCOUNT is in the context,
+                    else "the access code of account " ACCOUNT " is not known."
+
+The answer restates the whole record rather than the bare code. That makes answering the same act
+as continuing a record line seen earlier in the context: after "...account 4821 is " the model
+copies what followed the same words before (an induction copy), with the account's digits copied
+from the question just above. A 2-layer model learns that within minutes; asked for the bare code,
+the same model had to match the question's digits from 14+ tokens away and stayed at 0% exact
+recall (docs/kvfence-tiny.md).
 
 About 12% of questions ask for an account with no access-code record in the context (often an
-account that does appear in a distractor), whose answer is `unknown`.
+account that does appear in a distractor), whose answer is "... is not known.".
 
 Held-out split (by construction): an account number or a code is "held out" when a keyed CRC32 of
 its text is 0 mod 10 (`is_heldout_account`, `is_heldout_code`). Training conversations only ever
@@ -56,6 +64,12 @@ def question(acct):
 
 def record(acct, code):
     return f"the access code of account {acct} is {code}."
+
+
+def answer_text(acct, code):
+    """The assistant's reply: the record restated ("the access code of account 4821 is QX7-PL2."),
+    or "... is not known." when the context has no record for the account."""
+    return f"the access code of account {acct} is not known." if code == UNKNOWN else record(acct, code)
 
 
 # ---- filler grammar -----------------------------------------------------------------------
@@ -227,7 +241,7 @@ def make_eval_prompts(seed, n, min_bytes=100, max_bytes=1000):
         a = rng.choice(list(facts))
         sep = rng.choice([" ", "\n", "\n\n"])
         out.append({"messages": [{"role": "user", "content": ctx + sep + question(a)}],
-                    "expected": facts[a]})
+                    "expected": facts[a], "answer": answer_text(a, facts[a])})
     return out
 
 

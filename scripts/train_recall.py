@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Train the shipped kvfence-tiny: a 2-layer, 192-wide Llama that copies access codes from context.
+"""Train the shipped kvfence-tiny: a 3-layer, 192-wide Llama that copies access codes from context.
 
 Run with Debian's PyTorch (torch 1.13, CPU), ideally with OpenBLAS (`apt-get install
 libopenblas0-openmp`; Debian's default reference BLAS is about 8x slower):
@@ -9,25 +9,41 @@ libopenblas0-openmp`; Debian's default reference BLAS is about 8x slower):
 
 What it reuses: the corpus grammar, tokenizer and held-out split of `scripts/corpus.py`, and the
 Hugging Face Llama definition, safetensors writer, export and teacher-forced recall eval of
-`scripts/train_tiny.py` (whose own defaults — 4 layers, 160 wide, a fixed curriculum — never left
-the plateau described in docs/kvfence-tiny.md). What differs:
+`scripts/train_tiny.py` (whose own defaults — 4 layers, 160 wide, bare-code answers — never left
+the plateau described in docs/kvfence-tiny.md). What makes this one learn:
 
-- the shape: 2 layers, hidden 192, 6 heads of 32 (no GQA), intermediate 768, rope_theta 1e4
-  (1,231,296 parameters). On a "string shown twice" toy this shape forms a copy circuit in ~300
-  steps, where the 4-layer, 160-wide shape sits at chance for 1,000;
-- many short conversations per step (16 conversations, 3–6 distinct questions each, loss 1.0 on answer
-  tokens and 0.05 elsewhere), no weight decay, lr 1.5e-3 after a 30-step warm-up;
-- an adaptive curriculum: contexts of 40..L bytes, L in 150, 250, 400, 650, 1100; every 50 steps
-  the exact-match recall on 48 held-out prompts of the current level is measured and L moves up at
-  85%. From the level where that gate passes, the 64-prompt full-range (100–1,000 bytes) recall
-  is measured too and the best model is exported.
+- the answer restates the record ("the access code of account 4821 is QX7-PL2.", see corpus.py):
+  the account digits are copied from the question just above, and the code is then the
+  continuation of a line the context already holds (an induction copy keyed by the digits);
+- the shape: 3 layers, hidden 192, 6 heads of 32 (no GQA), intermediate 768, rope_theta 1e4, tied
+  embeddings (1,821,504 parameters). In side-by-side runs on this corpus a 2-layer model of the
+  same width had not even learned to copy the question's digits by step 300, which the 3-layer
+  one did by step 200;
+- records repeat later in their context with probability 0.5 (`--p-dup`), and the repeat's code
+  bytes are targets too: every context carries extra copy targets of exactly the answer's kind;
+- steps 1..100 (`--warmup-copy`): half the conversations are replaced by repeat-copy sequences
+  (a random [A-Z0-9] string, then the same string), which starts the induction heads;
+- many short conversations per step (16 conversations, 3–6 distinct questions each, loss 1.0 on
+  answer and copy-target tokens and 0.05 elsewhere), no weight decay, lr 1.5e-3 after a 30-step
+  warm-up and a third of that from step 2,100 (`--lr-drop-at`), grad clip 1.0;
+- a curriculum: contexts of 40..L bytes, L = 150 until the exact-match recall on 48 held-out
+  prompts of that level reaches 85% (checked every 50 steps), then L = 1,100. From then on the
+  64-prompt full-range (100–1,000 bytes) recall is measured every 50 steps and the best model is
+  exported;
+- questions about accounts without a record ("... is not known.") only before step 2,450
+  (`--unknown-until`): with them the model learned to hesitate between a code and "not known" at
+  the first code byte, and short-context recall sat near 30%; without them it rose to 88% within
+  200 steps.
 
 Data for step s comes from random.Random(seed * 1_000_003 + s), so a resumed run sees the same
 stream. Checkpoints (model, optimizer, step, level, best) go to <work>/last.pt every 50 steps.
+The run stops at --target full-range recall, --max-steps, or after --max-minutes of this
+invocation.
 """
 import argparse
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -39,8 +55,8 @@ import corpus  # noqa: E402
 import train_tiny as T  # noqa: E402
 
 SHAPE = dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=6, head_dim=32,
-             intermediate_size=768, num_hidden_layers=2, rope_theta=10000.0)
-LEVELS = [150, 250, 400, 650, 1100]
+             intermediate_size=768, num_hidden_layers=3, rope_theta=10000.0)
+LEVELS = [150, 1100]
 
 
 def first_asks(turns):
@@ -61,15 +77,29 @@ def main():
     ap.add_argument("--work", default="/work/scratch/kvfence-tiny-recall")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--batch", type=int, default=16, help="conversations per step")
+    ap.add_argument("--lr-drop-at", type=int, default=2100, help="from this step the lr is multiplied by --lr-drop")
+    ap.add_argument("--lr-drop", type=float, default=1 / 3)
+    ap.add_argument("--unknown-until", type=int, default=2450,
+                    help="steps before this one ask 12%% of questions about accounts without a record")
+    ap.add_argument("--batch", type=int, default=16, help="conversations per step at the short level")
+    ap.add_argument("--batch-long", type=int, default=8, help="conversations per step at the full range")
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--target", type=float, default=0.98, help="stop at this full-range recall")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
+    ap.add_argument("--p-dup", type=float, default=0.5, help="chance a record repeats later in its context")
+    ap.add_argument("--warmup-copy", type=int, default=100, help="steps whose batches are half repeat-copy")
+    ap.add_argument("--p-repeat", type=float, default=0.0, help="share of repeat-copy sequences after the warm-up")
+    ap.add_argument("--p-repeat-from", type=int, default=0, help="first step with --p-repeat sequences")
+    ap.add_argument("--untied", action="store_true", help="a separate LM head (default: tied to the embeddings)")
+    ap.add_argument("--max-minutes", type=float, default=58.0)
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    SHAPE["num_hidden_layers"] = args.layers
+    SHAPE["tie_word_embeddings"] = not args.untied
     T.CFG.update(SHAPE)
     model = T.Llama(T.CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -91,9 +121,20 @@ def main():
     def batch(s):
         rng = random.Random(args.seed * 1_000_003 + s)
         seqs = []
-        for _ in range(args.batch):
-            turns = corpus.make_conversation(rng, pools, rng.randint(40, LEVELS[level]), rng.randint(3, 6))
-            seqs.append(corpus.encode_turns(first_asks(turns)))
+        for _ in range(args.batch if level == 0 else args.batch_long):
+            if s <= args.warmup_copy and rng.random() < 0.5:
+                ids, _, rep = T.make_repeat(rng, 0, warm=True)
+                seqs.append((ids, rep))
+                continue
+            if s > max(args.warmup_copy, args.p_repeat_from) and rng.random() < args.p_repeat:
+                ids, _, rep = T.make_repeat(rng, rng.randint(40, LEVELS[level]))
+                seqs.append((ids, rep))
+                continue
+            turns = corpus.make_conversation(rng, pools, rng.randint(40, LEVELS[level]), rng.randint(3, 6),
+                                             p_dup=args.p_dup, p_unknown=0.12 if s < args.unknown_until else 0.0)
+            turns = [(user, corpus.answer_text(user[-5:-1], code)) for user, code in first_asks(turns)]
+            ids, w, rep = corpus.encode_turns(turns, with_repeats=True)
+            seqs.append((ids, [max(a, b) for a, b in zip(w, rep)]))
         t = max(len(ids) for ids, _ in seqs)
         x = torch.full((len(seqs), t), corpus.ENDOFTEXT, dtype=torch.long)
         ans = torch.zeros((len(seqs), t))
@@ -106,10 +147,10 @@ def main():
         return x[:, :-1], x[:, 1:], wt[:, 1:], ans[:, 1:]
 
     t0 = time.time()
-    while step < args.max_steps:
+    while step < args.max_steps and time.time() - t0 < args.max_minutes * 60:
         step += 1
         for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, step / 30)
+            g["lr"] = args.lr * min(1.0, step / 30) * (args.lr_drop if step >= args.lr_drop_at else 1.0)
         x, y, w, ans = batch(step)
         logits = model(x)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view_as(w)
@@ -142,6 +183,8 @@ def main():
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "level": level,
                         "best": best}, last + ".tmp")
             os.replace(last + ".tmp", last)
+            if step % 250 == 0:
+                shutil.copyfile(last, os.path.join(args.work, f"step{step}.pt"))
     print(f"done at step {step} in {time.time() - t0:.0f}s; best full-range recall {best * 100:.1f}%", flush=True)
 
 

@@ -130,6 +130,8 @@ class Llama(nn.Module):
         super().__init__()
         self.c = c
         self.model = Inner(c)
+        if not c.get("tie_word_embeddings", True):
+            self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
         hd = c["head_dim"]
         inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         self.register_buffer("inv_freq", inv, persistent=False)
@@ -148,6 +150,8 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
+        if hasattr(self, "lm_head"):
+            return self.lm_head(self.model.norm(x))
         return self.model.norm(x) @ self.model.embed_tokens.weight.t()  # tied lm_head
 
 
@@ -230,8 +234,9 @@ def export_hf(model, out_dir):
     save_safetensors(os.path.join(out_dir, "model.safetensors"), sd)
     c = model.c
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **c,
-        "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **{k: v for k, v in c.items() if k != "tie_word_embeddings"},
+        "hidden_act": "silu", "tie_word_embeddings": not hasattr(model, "lm_head"), "attention_bias": False,
         "mlp_bias": False, "rope_scaling": None, "initializer_range": 0.02, "torch_dtype": "float32",
         "bos_token_id": corpus.ENDOFTEXT, "eos_token_id": [corpus.IM_END, corpus.ENDOFTEXT],
         "pad_token_id": corpus.ENDOFTEXT, "use_cache": True,
@@ -336,7 +341,7 @@ def eval_recall(model, prompts, bs=8):
         seqs = []
         for p in chunk:
             pr = corpus.encode_prompt(p["messages"][0]["content"])
-            tgt = corpus.encode_text(p["expected"]) + [corpus.IM_END]
+            tgt = corpus.encode_text(p.get("answer", p["expected"])) + [corpus.IM_END]
             seqs.append((pr, tgt))
         t = max(len(a) + len(b) for a, b in seqs)
         x = torch.full((len(seqs), t), corpus.ENDOFTEXT, dtype=torch.long)

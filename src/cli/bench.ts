@@ -7,7 +7,7 @@
  * `bench-commands:begin/end` markers.
  */
 import { writeFileSync } from "node:fs";
-import { Command, InvalidArgumentError } from "commander";
+import { Command, InvalidArgumentError, Option } from "commander";
 import { formatModelBench, MODEL_BENCH_DEFAULTS, runModelBench } from "../../bench/model.js";
 import { tagCheckCommand } from "../../bench/tag-check.js";
 import { transferCommand } from "../../bench/transfer.js";
@@ -25,8 +25,26 @@ function integerList(value: string): number[] {
   return value.split(",").map((v) => positiveInteger(v.trim()));
 }
 
+function kernelsChoice(value: string): ("ts" | "wasm")[] {
+  if (value === "both") return ["ts", "wasm"];
+  if (value === "ts" || value === "wasm") return [value];
+  throw new InvalidArgumentError(`Expected ts, wasm or both: ${value}`);
+}
+
+function threadCount(value: string): 1 | 2 {
+  if (value === "1" || value === "2") return Number(value) as 1 | 2;
+  throw new InvalidArgumentError(`Expected 1 or 2 threads: ${value}`);
+}
+
+function nonNegativeInteger(value: string): number {
+  return value.trim() === "0" ? 0 : positiveInteger(value);
+}
+
 interface ModelCliOptions {
   model?: string;
+  kernels: ("ts" | "wasm")[];
+  threads: 1 | 2;
+  longContext: number;
   promptTokens: number;
   contextTokens: number;
   decodeSteps: number;
@@ -41,11 +59,22 @@ function modelCommand(): Command {
   const d = MODEL_BENCH_DEFAULTS;
   return new Command("model")
     .description(
-      "Prefill and decode tokens/s of a model folder (batch 1 and 8 by default) beside the memory-bandwidth roofline measured in the same run",
+      "Prefill and decode tokens/s of a model folder on the TypeScript and WebAssembly kernels side by side (batch 1 and 8 by default), beside the memory-bandwidth roofline measured in the same run",
     )
     .option(
       "--model <dir>",
       "Hugging Face model folder, e.g. from `kvfence gen-model --like smollm2-135m DIR` (default: bundled kvfence-tiny)",
+    )
+    .addOption(
+      new Option("--kernels <which>", "ts, wasm or both (side by side)")
+        .argParser(kernelsChoice)
+        .default([...d.kernels], "both"),
+    )
+    .option(
+      "--threads <n>",
+      "threads of the wasm kernels: 1 or 2 (the ts reference runs on 1)",
+      threadCount,
+      d.threads,
     )
     .option("--prompt-tokens <n>", "prefill prompt length", positiveInteger, d.promptTokens)
     .option(
@@ -53,6 +82,12 @@ function modelCommand(): Command {
       "context each decoding sequence already holds",
       positiveInteger,
       d.contextTokens,
+    )
+    .option(
+      "--long-context <n>",
+      "context of a batch-1 long-context decode arm, e.g. 4096 (0 skips it)",
+      nonNegativeInteger,
+      d.longContextTokens,
     )
     .option(
       "--decode-steps <n>",
@@ -70,10 +105,13 @@ function modelCommand(): Command {
     )
     .option("--seed <n>", "seed of the random prompts", positiveInteger, d.seed)
     .option("--json <file>", "also write the full result as JSON")
-    .action((opts: ModelCliOptions) => {
+    .action(async (opts: ModelCliOptions) => {
       try {
-        const result = runModelBench({
+        const result = await runModelBench({
           modelDir: opts.model ?? bundledModelDir(),
+          kernels: opts.kernels,
+          threads: opts.threads,
+          longContextTokens: opts.longContext,
           promptTokens: opts.promptTokens,
           contextTokens: opts.contextTokens,
           decodeSteps: opts.decodeSteps,

@@ -32,6 +32,8 @@ export function command(): Command {
     .option("--api-keys <file>", "API keys file for the router")
     .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")
     .option("--prefill-kv-pages <n>", "the prefill nodes' KV pool in pages, when it differs from --kv-pages")
+    .option("--kernels <kind>", "forward-pass kernels of every node: wasm (default) or ts")
+    .option("--kernel-threads <n>", "threads of the wasm kernels per node: 1 (default) or 2")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -54,6 +56,8 @@ export function command(): Command {
       const nodeArgs = [
         ...(raw.kvPages === undefined ? [] : ["--kv-pages", raw.kvPages]),
         ...(raw.maxModelLen === undefined ? [] : ["--max-model-len", raw.maxModelLen]),
+        ...(raw.kernels === undefined ? [] : ["--kernels", raw.kernels]),
+        ...(raw.kernelThreads === undefined ? [] : ["--kernel-threads", raw.kernelThreads]),
         ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
       ];
       const cluster = await startLocalCluster({

@@ -52,7 +52,7 @@ export function command(): Command {
       "--question-template <text>",
       'question with {account} (default: "What is the access code of account {account}?")',
     )
-    .option("--max-tokens <n>", "max_tokens of every request", int(1), 16)
+    .option("--max-tokens <n>", "max_tokens of every request", int(1), 48)
     .option("--plants <n>", "plant prompts sent by tenant A", int(1), 8)
     .option("--quiet", "no progress on stderr")
     .action(async (baseUrl: string, opts: ProbeCliOptions) => {

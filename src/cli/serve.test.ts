@@ -5,7 +5,7 @@ import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { modelDir } from "../../testing/start-server.js";
 import { KvfenceError } from "../lib/errors.js";
-import { parseByteSize, parseServeConfig } from "./serve.js";
+import { kernelOptions, parseByteSize, parseServeConfig } from "./serve.js";
 
 const MAIN = fileURLToPath(new URL("./main.js", import.meta.url));
 
@@ -34,6 +34,29 @@ test("parseServeConfig() returns a frozen typed config", () => {
   assert.equal(config.kvMemory, 64 * 1024 * 1024);
   assert.equal(config.maxModelLen, 512);
   assert.ok(Object.isFrozen(config));
+});
+
+test("kernelOptions() defaults to wasm with 1 thread per node, 2 on one engine; flags override", () => {
+  assert.deepEqual(kernelOptions(parseServeConfig(defaults)), { kernels: "wasm", kernelThreads: 1 });
+  assert.deepEqual(kernelOptions(parseServeConfig({ ...defaults, disaggregation: false })), {
+    kernels: "wasm",
+    kernelThreads: 2,
+  });
+  assert.deepEqual(kernelOptions(parseServeConfig({ ...defaults, role: "decode" })), {
+    kernels: "wasm",
+    kernelThreads: 1,
+  });
+  assert.deepEqual(kernelOptions(parseServeConfig({ ...defaults, kernels: "ts", kernelThreads: "2" })), {
+    kernels: "ts",
+    kernelThreads: 2,
+  });
+  assert.throws(
+    () => parseServeConfig({ ...defaults, kernels: "cuda", kernelThreads: "3" }),
+    (err: unknown) =>
+      err instanceof KvfenceError &&
+      /--kernels: /.test(err.message) &&
+      /--kernel-threads: must be an integer from 1 to 2: got "3"/.test(err.message),
+  );
 });
 
 test("parseServeConfig() reports every problem with its flag", () => {

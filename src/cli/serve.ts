@@ -105,6 +105,8 @@ export const serveConfigSchema = z
     iUnderstandThisLeaksData: z.boolean().default(false),
     /** The prefill node's pool in pages when it differs from `--kv-pages` (the incident's shape). */
     prefillKvPages: intText(1).optional(),
+    kernels: z.enum(["ts", "wasm"]).default("wasm"),
+    kernelThreads: intText(1, 2).optional(),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   })
   .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
@@ -133,6 +135,8 @@ const FLAG: Record<string, string> = {
   unsafeDisableGuard: "--unsafe-disable-guard",
   iUnderstandThisLeaksData: UNSAFE_OPT_IN_FLAG,
   prefillKvPages: "--prefill-kv-pages",
+  kernels: "--kernels",
+  kernelThreads: "--kernel-threads",
 };
 
 /** Parse raw options once; every problem is reported with its flag. */
@@ -252,6 +256,7 @@ export async function startServer(
       scrubOnFree: config.scrubOnFree,
       ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
       ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
+      ...kernelOptions(config),
     },
     ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
     disabledGuards: config.unsafeDisableGuard,
@@ -270,6 +275,7 @@ export async function startServer(
       poolBytes: numPages * bytesPerPage,
       contextLength,
       topology: served.topology,
+      ...(config.role === "router" ? {} : kernelOptions(config)),
     },
     "engine ready",
   );
@@ -371,6 +377,7 @@ export async function startNode(
       scrubOnFree: config.scrubOnFree,
       ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
       ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
+      ...kernelOptions(config),
     },
     faults: config.unsafeFault,
     log: (line) => options.logger.info(line),
@@ -379,6 +386,19 @@ export async function startNode(
 }
 
 const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
+
+/**
+ * The forward pass's kernels and their threads. A kernel worker spins between matrices, so it only
+ * pays where a core is free for it: 2 threads on the one engine of `--no-disaggregation`; 1 where
+ * the prefill and decode nodes already take both cores (the threaded topology, node processes).
+ */
+export function kernelOptions(config: ServeConfig): { kernels: "ts" | "wasm"; kernelThreads: 1 | 2 } {
+  const single = config.role === "all" && !config.disaggregation;
+  return {
+    kernels: config.kernels,
+    kernelThreads: (config.kernelThreads ?? (single ? 2 : 1)) as 1 | 2,
+  };
+}
 
 /** The loud startup warning of an unsafe server, on stderr (every role) and in the log. */
 function warnUnsafe(config: ServeConfig, role: string, log: Logger): void {
@@ -425,6 +445,15 @@ export function command(): Command {
       false,
     )
     .option("--prefill-kv-pages <n>", "the prefill node's KV pool in pages, when it differs from --kv-pages")
+    .option(
+      "--kernels <kind>",
+      "forward-pass kernels: wasm (WebAssembly SIMD) or ts (TypeScript reference)",
+      "wasm",
+    )
+    .option(
+      "--kernel-threads <n>",
+      "threads of the wasm kernels per engine: 1 or 2 (default 2 with --no-disaggregation, else 1)",
+    )
     .option(
       "--log-level <level>",
       "fatal, error, warn, info, debug, trace or silent",

@@ -10,6 +10,7 @@ import {
 import { heapGrowthPerRound } from "../../testing/heap-growth.js";
 import { naiveForward, randomModel } from "../../testing/random-model.js";
 import { maxAbsDiff } from "../kernels/assert-all-close.js";
+import { type Kernels, referenceKernels } from "../kernels/kernels.js";
 import { Prng } from "../lib/prng.js";
 import { ForwardPass, type StepSequence } from "./forward.js";
 
@@ -206,5 +207,37 @@ describe("ForwardPass", () => {
         code: "layout_mismatch",
       },
     );
+  });
+});
+
+describe("ForwardPass.bufferBytes()", () => {
+  it("ForwardPass.bufferBytes() equals the 64-byte-aligned bytes the constructor allocates", () => {
+    const { config, weights } = randomModel({
+      architecture: "qwen2",
+      hiddenSize: 45,
+      intermediateSize: 77,
+      seed: 3,
+    });
+    let bytes = 0;
+    const take = (n: number): number => {
+      bytes += Math.ceil(n / 64) * 64;
+      return n;
+    };
+    const counting: Kernels = {
+      ...referenceKernels,
+      allocF32: (n) => new Float32Array(take(n * 4) / 4),
+      allocF64: (n) => new Float64Array(take(n * 8) / 8),
+      allocI32: (n) => new Int32Array(take(n * 4) / 4),
+    };
+    const options = { maxBatchTokens: 37, maxSequences: 5 };
+    const layout = {
+      numLayers: config.numLayers,
+      numKvHeads: config.numKvHeads,
+      headDim: config.headDim,
+      pageSize: 4,
+    };
+    new ForwardPass(config, weights, layout, { ...options, kernels: counting });
+    assert.ok(bytes > 0);
+    assert.equal(ForwardPass.bufferBytes(config, options), bytes);
   });
 });

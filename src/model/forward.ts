@@ -75,6 +75,37 @@ export class ForwardPass {
   #lastRows: Float32Array; // [S][hidden]
   #logitRows: Float32Array; // [S][vocab]
 
+  /**
+   * Bytes of the buffers the constructor takes from `kernels.alloc*` for `config` and `options`
+   * (each rounded up to 64 bytes, as the WebAssembly arena aligns them), so a caller can size a
+   * `WasmKernels` memory once instead of growing it.
+   */
+  static bufferBytes(
+    config: ModelConfig,
+    options: Pick<ForwardPassOptions, "maxBatchTokens" | "maxSequences">,
+  ): number {
+    const { hiddenSize: hidden, numHeads, numKvHeads, headDim, intermediateSize, vocabSize } = config;
+    const maxPos = config.maxPositionEmbeddings;
+    const t = options.maxBatchTokens;
+    const s = options.maxSequences;
+    const aligned = (bytes: number): number => Math.ceil(bytes / 64) * 64;
+    // The constructor's allocations, in order.
+    const rows = [hidden, hidden, numHeads * headDim, numKvHeads * headDim, numKvHeads * headDim];
+    return [
+      8 * maxPos * (headDim >> 1),
+      8 * maxPos * (headDim >> 1),
+      ...rows.map((n) => 4 * t * n),
+      4 * t * numHeads * headDim,
+      4 * t * hidden,
+      4 * t * intermediateSize,
+      4 * t * intermediateSize,
+      4 * t,
+      8 * (headDim + maxPos),
+      4 * s * hidden,
+      4 * s * vocabSize,
+    ].reduce((sum, bytes) => sum + aligned(bytes), 0);
+  }
+
   constructor(config: ModelConfig, weights: ModelWeights, layout: KvLayout, options: ForwardPassOptions) {
     const { maxBatchTokens, maxSequences } = options;
     if (!Number.isInteger(maxBatchTokens) || maxBatchTokens < 1) {

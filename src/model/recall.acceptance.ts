@@ -1,8 +1,10 @@
 /**
  * Recall of the bundled trained model: each held-out prompt of testing/fixtures/recall-prompts.json
  * (written by the training script) is rendered with the chat template, greedily decoded through
- * the paged forward pass until <|im_end|> (at most 12 tokens), and compared with the expected
- * access code. Prompts are batched: one prefill step and shared decode steps per group.
+ * the paged forward pass until <|im_end|> (at most 56 tokens), and compared with the expected
+ * answer exactly: the model restates the record, `the access code of account 4821 is QX7-PL2.`
+ * (scripts/corpus.py explains why), so the answer must name the asked account and its code, byte
+ * for byte. Prompts are batched: one prefill step and shared decode steps per group.
  */
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
@@ -18,10 +20,13 @@ import type { ChatMessage } from "./tokenizer.js";
 
 interface RecallPrompt {
   messages: ChatMessage[];
+  /** The access code. */
   expected: string;
+  /** The whole expected reply, which restates the record. */
+  answer: string;
 }
 
-const MAX_NEW_TOKENS = 12;
+const MAX_NEW_TOKENS = 56;
 const GROUP = 8;
 const PAGE_SIZE = 16;
 
@@ -88,7 +93,8 @@ it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", { 
     }
     for (const m of members) {
       const text = tokenizer.decode(m.out, { skipSpecialTokens: true }).trim();
-      const expected = (fixture.prompts[m.index] as RecallPrompt).expected;
+      const expected = (fixture.prompts[m.index] as RecallPrompt).answer;
+      assert.ok(expected.includes((fixture.prompts[m.index] as RecallPrompt).expected));
       if (text === expected) correct++;
       else if (misses.length < 5)
         misses.push(`#${m.index}: got ${JSON.stringify(text)}, expected ${expected}`);

@@ -13,9 +13,19 @@
  * stop token ends the attempt (the machine frees the committed pages) and reports `finished` with
  * reason `stop`; `stop` → `Engine.abort`. A fence closes the channel first, so no further frame of
  * that prefill node can land, and only then feeds `peer_lost`. Nothing is released on a timer.
+ *
+ * Whenever a step frees pages the node tells the router (`pages_freed`), which retries the
+ * requests it holds back because this pool was full.
+ *
+ * Checksums are taken as pages land, off the commit's critical path: the transport's `pagesLanded`
+ * feeds `pagesLanded` here, which hashes each landed page of a reserved lease (`PageChecksums`,
+ * with the page's generation, writer stamp and filled tokens), and the machine's commit check reads
+ * those records through the protocol pool's `pageChecksum` — a page whose record no longer matches
+ * its table entry (another writer stamped it, it was freed or reallocated) is hashed again then.
  */
 import type { Engine } from "../engine/engine.js";
 import type { GenerationRequest } from "../engine/engine-types.js";
+import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { WireError } from "../lib/errors.js";
 import {
   type DecodeEvent,
@@ -29,7 +39,7 @@ import { guardOn, type Safety } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { FromNode, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
-import { protocolPool } from "./node-pool.js";
+import { pageChecksumsOf, protocolPool } from "./node-pool.js";
 import { StepLoop } from "./step-loop.js";
 
 export interface DecodeNodeOptions {
@@ -70,6 +80,7 @@ export class DecodeNode {
   readonly incarnation: number;
   readonly #engine: Engine;
   readonly #pool;
+  readonly #checksums;
   readonly #config;
   readonly #safety: Safety;
   readonly #toRouter: (message: FromNode) => void;
@@ -81,6 +92,7 @@ export class DecodeNode {
   /** Attempts whose abort was relayed to prefill, with the time, for the ABORT_ACK latency. */
   readonly #abortSent = new Map<string, bigint>();
   readonly #out: Effects = [];
+  readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
   readonly #closedTotals = {
     bytes: 0,
     pages: 0,
@@ -100,7 +112,8 @@ export class DecodeNode {
   constructor(options: DecodeNodeOptions) {
     this.incarnation = options.incarnation;
     this.#engine = options.engine;
-    this.#pool = protocolPool(options.engine.pool);
+    this.#checksums = pageChecksumsOf(options.engine.pool);
+    this.#pool = protocolPool(options.engine.pool, this.#checksums);
     this.#config = {
       maxModelLen: options.engine.capacity.maxModelLen,
       layoutSignature: options.layoutSignature,
@@ -122,6 +135,26 @@ export class DecodeNode {
     return (message) => {
       if (peer.channel === channel) this.#step(peer, { type: "message", msg: message });
     };
+  }
+
+  /**
+   * The transport of prefill node `id` reports logical pages `[from, to)` of `(rid, epoch)` landed:
+   * hash them now (while later pages are still in flight), for the commit check to read.
+   */
+  pagesLanded(id: string, rid: number, epoch: number, from: number, to: number): void {
+    if (!guardOn(this.#safety, "checksum")) return;
+    const peer = this.#peers.get(id);
+    if (peer === undefined) return;
+    for (let i = from; i < to; i++) {
+      const page = leasedPage(peer.state, rid, epoch, i);
+      if (page >= 0) this.#checksums.record(page, rid, epoch, i);
+    }
+  }
+
+  /** The checksum cache's counters: pages hashed as they landed, commit reads served / hashed then. */
+  checksumCounts(): { recorded: number; hits: number; misses: number } {
+    const c = this.#checksums;
+    return { recorded: c.recorded, hits: c.hits, misses: c.misses };
   }
 
   /** Decode's page for logical page `index` of `(rid, epoch)` from prefill node `id`, or -1. */
@@ -255,6 +288,7 @@ export class DecodeNode {
         checksumFailures: this.#checksumFailures,
         coverageFailures: this.#coverageFailures,
       },
+      checksums: this.checksumCounts(),
       transferGbps: gbps,
       abortAckSeconds: ack,
     };
@@ -302,7 +336,9 @@ export class DecodeNode {
     }
     const out = this.#out;
     const start = out.length;
+    const freeBefore = this.#pool.table.countsInto(this.#counts).free;
     decodeStep(peer.state, event, this.#pool, this.#config, this.#safety, out);
+    const freeAfter = this.#pool.table.countsInto(this.#counts).free;
     const effects = out.splice(start);
     if (!guardOn(this.#safety, "quarantine")) this.#armQuarantineTimers(peer);
     for (let i = 0; i < effects.length; i++) {
@@ -352,6 +388,9 @@ export class DecodeNode {
           break;
       }
     }
+    // After the machine's own messages (a `finished` before its pages' news): requests the router
+    // holds back for want of pages may try again.
+    if (freeAfter > freeBefore) this.#toRouter({ kind: "pages_freed", free: freeAfter });
   }
 
   #commit(peer: PrefillPeer, effect: CommitEffect, firstToken: number): void {

@@ -6,7 +6,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 import type { GenerationRequest } from "../engine/engine-types.js";
 import type { WireError } from "../lib/errors.js";
-import { SAFE } from "../protocol/safety.js";
+import { makeSafety, SAFE } from "../protocol/safety.js";
 import type { ControlMessage } from "../protocol/wire.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
 import type { FromNode, Link, NodeHello, ToNode } from "./node-messages.js";
@@ -186,9 +186,117 @@ test("DisaggregatedEngine passes a node's rejection to the client unchanged", ()
   const r = record();
   engine.submit(request(1), r.events);
   const error: WireError = {
-    code: "pool_exhausted",
-    message: "The decode KV pool has no room for request 1 now: 9 pages needed; retry later",
+    code: "context_length_exceeded",
+    message:
+      "Prompt of 3 tokens plus max_tokens 4 exceeds the context length: 6; shorten the prompt or lower max_tokens",
+    param: "messages",
   };
   d.link.deliver({ kind: "protocol", msg: { type: "rejected", rid: 1, epoch: 1, from: "decode", error } });
   assert.deepEqual(r.out.error, error);
+});
+
+const poolFull = (rid: number): FromNode => ({
+  kind: "protocol",
+  msg: {
+    type: "rejected",
+    rid,
+    epoch: 1,
+    from: "decode",
+    error: {
+      code: "pool_exhausted",
+      message: `The decode KV pool has no room for request ${rid} now: 9 pages needed; retry later`,
+    },
+  },
+});
+
+test("DisaggregatedEngine holds a request the full decode pool refused until decode frees pages", () => {
+  const { p, d, engine } = setup();
+  const r = record();
+  engine.submit(request(1), r.events);
+  d.link.deliver(poolFull(1));
+  assert.equal(r.out.events, 0, "no 503: the request waits");
+  assert.equal(engine.waiting, 1);
+  assert.equal(engine.inFlight, 1);
+  assert.equal(d.link.protocol().length, 1, "nothing is retried before pages free");
+
+  d.link.deliver({ kind: "pages_freed", free: 12 });
+  assert.equal(engine.waiting, 0);
+  const retry = d.link.protocol().at(-1)!;
+  assert.ok(retry.type === "reserve" && retry.rid !== 1, "a fresh attempt under a new internal rid");
+  const rid = retry.rid;
+  d.link.deliver({ kind: "protocol", msg: lease(rid) });
+  const prefill = p.link.protocol().at(-1)!;
+  assert.ok(prefill.type === "prefill" && prefill.rid === rid);
+  assert.deepEqual(prefill.promptTokens, [5, 6, 7]);
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid, epoch: 1, firstToken: 40 } });
+  d.link.deliver({
+    kind: "protocol",
+    msg: { type: "finished", rid, epoch: 1, reason: "length", tokens: [41, 42, 43], completionTokens: 4 },
+  });
+  assert.deepEqual(r.out, { tokens: [40, 41, 42, 43], finish: "length", error: null, events: 3 });
+  assert.equal(engine.inFlight, 0);
+});
+
+test("DisaggregatedEngine answers 503 pool_exhausted only when the admission queue is full", () => {
+  const p = node("prefill-0", "prefill", 512);
+  const d = node("decode-0", "decode", 1024);
+  const engine = new DisaggregatedEngine({
+    prefill: [p],
+    decode: [d],
+    maxModelLen: 2048,
+    safety: SAFE,
+    maxWaiting: 1,
+  });
+  d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  const a = record();
+  const b = record();
+  engine.submit(request(1), a.events);
+  engine.submit(request(2), b.events);
+  d.link.deliver(poolFull(1));
+  d.link.deliver(poolFull(2));
+  assert.equal(a.out.events, 0, "the first waits");
+  assert.equal(b.out.error?.code, "pool_exhausted", "the queue is full: the refusal reaches the client");
+  assert.equal(engine.waiting, 1);
+});
+
+test("DisaggregatedEngine never holds back a request larger than the whole decode pool", () => {
+  // Only reachable with the router's door open too wide (the undersized-pool fault): 1,020 prompt
+  // tokens + 10 need 65 pages of 16, decode's whole pool is 64.
+  const p = node("prefill-0", "prefill", 2048);
+  const d = node("decode-0", "decode", 1024);
+  const engine = new DisaggregatedEngine({
+    prefill: [p],
+    decode: [d],
+    maxModelLen: 2048,
+    safety: makeSafety({ faults: ["undersized-pool"], disabledGuards: ["admission-doors"] }),
+  });
+  d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  const r = record();
+  engine.submit(request(1, { promptTokens: new Int32Array(1020), maxTokens: 10 }), r.events);
+  d.link.deliver(poolFull(1));
+  assert.equal(r.out.error?.code, "pool_exhausted");
+  assert.equal(engine.waiting, 0);
+});
+
+test("DisaggregatedEngine drops a waiting request on abort and fails waiting ones when their node goes", () => {
+  const { d, engine } = setup();
+  const a = record();
+  const b = record();
+  engine.submit(request(1), a.events);
+  engine.submit(request(2), b.events);
+  d.link.deliver(poolFull(1));
+  d.link.deliver(poolFull(2));
+  engine.abort(1);
+  assert.equal(engine.waiting, 1);
+  assert.equal(a.out.events, 0, "an aborted request is silent");
+  d.link.deliver({ kind: "pages_freed", free: 12 });
+  const retries = d.link.protocol().filter((m) => m.type === "reserve");
+  assert.equal(retries.length, 3, "only the request still waiting is submitted again");
+  const c = record();
+  engine.submit(request(3), c.events);
+  d.link.deliver(poolFull(3));
+  assert.equal(engine.waiting, 1);
+  d.link.die();
+  assert.equal(c.out.error?.code, "node_unavailable");
+  assert.equal(engine.waiting, 0);
 });

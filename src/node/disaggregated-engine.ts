@@ -12,6 +12,13 @@
  * token ids and the sampling parameters ride along), `GenerationEvents` calls, and, on `respond`,
  * the end of the request. A link's close is the node's loss: every in-flight request on it fails
  * with 503 `node_unavailable`; decode nodes hear of a lost prefill node and fence it.
+ *
+ * A full decode pool is a wait, not an error: when decode refuses a reservation with
+ * `pool_exhausted`, the request joins that decode node's admission queue (FIFO, bounded by
+ * `maxWaiting` over all nodes; 503 `pool_exhausted` only when the queue is full) and is submitted
+ * again — as a fresh attempt under a new internal request id, since the refused one is tombstoned —
+ * when the decode node reports freed pages (`pages_freed`). No timer: a node's freed pages are the
+ * only wake-up, and a waiting request fails with 503 if its pair goes down.
  */
 import type {
   EngineCapacity,
@@ -20,6 +27,7 @@ import type {
   GenerationEvents,
   GenerationRequest,
 } from "../engine/engine-types.js";
+import type { WireError } from "../lib/errors.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import type { Effects } from "../protocol/effects.js";
 import {
@@ -49,6 +57,8 @@ export interface DisaggregatedEngineOptions {
   readonly safety: Safety;
   /** Attempts per request (1 = no retry). Default 1. */
   readonly maxAttempts?: number;
+  /** Requests that may wait for decode pages at once (0: a full pool answers 503). Default 64. */
+  readonly maxWaiting?: number;
 }
 
 interface Pair {
@@ -61,6 +71,10 @@ interface Pair {
 
 interface Pending {
   readonly pair: Pair;
+  /** The rid of the current attempt: `request.rid`, or an internal one after waiting for pages. */
+  rid: number;
+  /** The decode node refused the reservation for want of pages. */
+  refusedForPages: boolean;
   readonly request: GenerationRequest;
   readonly events: GenerationEvents;
   readonly sampling: SamplingParams;
@@ -71,6 +85,9 @@ interface Pending {
 }
 
 const STATS_TIMEOUT_MS = 5000;
+/** Internal request ids of re-submitted requests, above the router's own (which count from 1). */
+const FIRST_INTERNAL_RID = 0x8000_0000;
+const LAST_INTERNAL_RID = 0xffff_fff0;
 
 export class DisaggregatedEngine implements EngineHandle {
   readonly capacity: EngineCapacity;
@@ -89,12 +106,20 @@ export class DisaggregatedEngine implements EngineHandle {
   #nextPair = 0;
   #nextStatsId = 1;
   #closed = false;
+  readonly #maxWaiting: number;
+  /** Per decode node id: requests waiting for its pages, FIFO. */
+  readonly #waiting = new Map<string, Pending[]>();
+  #waitingCount = 0;
+  /** The client's rid → the internal rid of its current attempt, for a request that waited. */
+  readonly #aliases = new Map<number, number>();
+  #nextInternalRid = FIRST_INTERNAL_RID;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.prefill.length === 0 || options.decode.length === 0) {
       throw new Error("A disaggregated engine needs at least one prefill node and one decode node");
     }
     this.#safety = options.safety;
+    this.#maxWaiting = options.maxWaiting ?? 64;
     this.#nodes = [...options.prefill, ...options.decode];
     const min = (f: (n: RouterNode) => number, nodes: readonly RouterNode[]) => Math.min(...nodes.map(f));
     const pageSize = options.decode[0]!.hello.pageSize;
@@ -147,9 +172,14 @@ export class DisaggregatedEngine implements EngineHandle {
     return this.#pairs.every((p) => p.up);
   }
 
-  /** Requests submitted and not yet ended. */
+  /** Requests submitted and not yet ended (waiting for decode pages included). */
   get inFlight(): number {
-    return this.#requests.size;
+    return this.#requests.size + this.#waitingCount;
+  }
+
+  /** Requests waiting for decode pages now. */
+  get waiting(): number {
+    return this.#waitingCount;
   }
 
   /**
@@ -190,6 +220,8 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     this.#requests.set(request.rid, {
       pair,
+      rid: request.rid,
+      refusedForPages: false,
       request,
       events,
       sampling: {
@@ -214,10 +246,14 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   abort(rid: number): void {
-    const pending = this.#requests.get(rid);
-    if (pending === undefined) return;
+    const pending = this.#requests.get(this.#aliases.get(rid) ?? rid);
+    if (pending === undefined) {
+      // Waiting for pages: it holds nothing anywhere, so it just leaves the queue.
+      this.#dropWaiting((p) => p.request.rid === rid, null);
+      return;
+    }
     pending.silenced = true;
-    this.#step(pending.pair, { type: "client_abort", rid });
+    this.#step(pending.pair, { type: "client_abort", rid: pending.rid });
   }
 
   /** Every node's stats (null for a node that did not answer or is lost). */
@@ -249,7 +285,7 @@ export class DisaggregatedEngine implements EngineHandle {
     const all = await this.nodeStats();
     const sum: EngineStats = {
       pages: { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 },
-      queue: { waiting: 0, running: 0, preempted: 0 },
+      queue: { waiting: this.#waitingCount, running: 0, preempted: 0 },
       counters: { tagCheckFailures: 0, preemptions: 0, aborts: 0, promptTokens: 0, completionTokens: 0 },
     };
     let answered = 0;
@@ -269,6 +305,10 @@ export class DisaggregatedEngine implements EngineHandle {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
+    this.#dropWaiting(() => true, {
+      code: "node_unavailable",
+      message: "The server is shutting down: request not finished; retry",
+    });
     for (const [rid, pending] of this.#requests) {
       this.#requests.delete(rid);
       if (!pending.silenced) {
@@ -325,6 +365,9 @@ export class DisaggregatedEngine implements EngineHandle {
         const pair = pending.pair;
         if (node !== pair.prefill && node !== pair.decode) return;
         if (message.msg.type === "finished") pending.completionTokens = message.msg.completionTokens;
+        if (message.msg.type === "rejected")
+          pending.refusedForPages =
+            message.msg.from === "decode" && message.msg.error.code === "pool_exhausted";
         this.#step(pair, { type: "message", msg: message.msg });
         for (const listener of this.#observers) listener(node, message.msg);
         return;
@@ -347,9 +390,76 @@ export class DisaggregatedEngine implements EngineHandle {
           pair.up = false;
           this.#step(pair, { type: "peer_lost", role: "prefill" });
         }
+        this.#dropWaiting((p) => p.pair.prefill.id === message.prefill && p.pair.decode === node, {
+          code: "node_unavailable",
+          message: `The prefill node went away while request waited for decode pages: ${message.prefill}`,
+        });
+        return;
+      case "pages_freed":
+        this.#wake(node.id);
         return;
       default:
         return;
+    }
+  }
+
+  /**
+   * Queues a request the decode node refused for want of pages; false when the queue is full (the
+   * refusal then reaches the client).
+   */
+  #wait(pending: Pending): boolean {
+    if (this.#closed || this.#waitingCount >= this.#maxWaiting || !pending.pair.up) return false;
+    // Only a request the whole pool can hold may wait for it (decode's reservation: the prompt and
+    // all but the last generated token); anything larger would wait forever.
+    const { poolTokens, pageSize } = pending.pair.decode.hello;
+    const r = pending.request;
+    const needed = Math.ceil(
+      Math.max(r.promptTokens.length, r.promptTokens.length + r.maxTokens - 1) / pageSize,
+    );
+    if (needed > Math.floor(poolTokens / pageSize)) return false;
+    pending.refusedForPages = false;
+    const id = pending.pair.decode.id;
+    let queue = this.#waiting.get(id);
+    if (queue === undefined) {
+      queue = [];
+      this.#waiting.set(id, queue);
+    }
+    queue.push(pending);
+    this.#waitingCount++;
+    return true;
+  }
+
+  /** Decode node `id` freed pages: submit its waiting requests again, oldest first. */
+  #wake(id: string): void {
+    const queue = this.#waiting.get(id);
+    if (queue === undefined || queue.length === 0) return;
+    this.#waiting.delete(id);
+    this.#waitingCount -= queue.length;
+    for (const pending of queue) {
+      const rid = this.#nextInternalRid;
+      this.#nextInternalRid = rid >= LAST_INTERNAL_RID ? FIRST_INTERNAL_RID : rid + 1;
+      pending.rid = rid;
+      this.#aliases.set(pending.request.rid, rid);
+      this.#requests.set(rid, pending);
+      this.#step(pending.pair, {
+        type: "submit",
+        rid,
+        tenant: pending.request.tenant,
+        promptLen: pending.request.promptTokens.length,
+        maxTokens: pending.request.maxTokens,
+      });
+    }
+  }
+
+  /** Removes the waiting requests that `match`, failing each with `error` (null: silently). */
+  #dropWaiting(match: (p: Pending) => boolean, error: WireError | null): void {
+    for (const [id, queue] of this.#waiting) {
+      const keep = queue.filter((p) => !match(p));
+      if (keep.length === queue.length) continue;
+      this.#waitingCount -= queue.length - keep.length;
+      if (keep.length === 0) this.#waiting.delete(id);
+      else this.#waiting.set(id, keep);
+      if (error !== null) for (const p of queue) if (match(p)) p.events.onError(error);
     }
   }
 
@@ -363,6 +473,10 @@ export class DisaggregatedEngine implements EngineHandle {
       }
     }
     const role = node.hello.role;
+    this.#dropWaiting((p) => p.pair.prefill === node || p.pair.decode === node, {
+      code: "node_unavailable",
+      message: `The ${role} node went away while the request waited for decode pages: ${node.id}`,
+    });
     if (role === "prefill") {
       // Decode nodes fence the lost prefill node (close its channel) before releasing its pages.
       for (const pair of this.#pairs) {
@@ -408,6 +522,10 @@ export class DisaggregatedEngine implements EngineHandle {
           delete pair.state.requests[effect.rid];
           if (pending === undefined) break;
           this.#requests.delete(effect.rid);
+          if (!pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages) {
+            if (this.#wait(pending)) break;
+          }
+          if (pending.rid !== pending.request.rid) this.#aliases.delete(pending.request.rid);
           if (pending.silenced) break;
           if (effect.error === null) {
             pending.events.onFinish(effect.finishReason ?? "length", {

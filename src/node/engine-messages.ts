@@ -26,6 +26,10 @@ export interface EngineWorkerOptions {
   /** Guards to switch off (names from `src/protocol/safety.ts`; the engine honours `page-tags`). */
   readonly disabledGuards?: readonly string[];
   readonly seed?: number;
+  /** The forward pass's kernels: "wasm" (default, WebAssembly SIMD) or "ts" (the TypeScript reference). */
+  readonly kernels?: "ts" | "wasm";
+  /** Threads of the WebAssembly kernels: 1 (default, this thread only) or 2 (plus one spinning worker). */
+  readonly kernelThreads?: 1 | 2;
 }
 
 /** Messages from the client to the worker. */

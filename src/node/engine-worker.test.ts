@@ -1,9 +1,11 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { MessageChannel } from "node:worker_threads";
-import { makeEngine, prompt, request, runAll } from "../../testing/engine-harness.js";
+import { makeEngine, prompt, request, runAll, testModel } from "../../testing/engine-harness.js";
+import { PagePool } from "../kvcache/page-pool.js";
+import { KvfenceError } from "../lib/errors.js";
 import type { EngineEventsMessage, FromEngineWorker, ToEngineWorker } from "./engine-messages.js";
-import { serveEngine } from "./engine-worker.js";
+import { buildEngine, serveEngine } from "./engine-worker.js";
 
 test("serveEngine() sends one message per step carrying every request's new token", async () => {
   const requests = [request(1, prompt(6, 1), 8), request(2, prompt(9, 2), 8), request(3, prompt(3, 3), 8)];
@@ -78,4 +80,37 @@ test("serveEngine() applies an abort between two steps", async () => {
   // At most the one step already running when the abort was posted.
   assert.ok(tokensAfterAbort <= 1, `tokens after abort: ${tokensAfterAbort}`);
   assert.ok(engine.stats().counters.completionTokens < 10);
+});
+
+test("buildEngine() puts the KV pool inside the WebAssembly memory by default and greedy output matches the reference", async () => {
+  const model = testModel();
+  const base = { model, numPages: 40, pageSize: 4, maxBatchTokens: 64, maxSequences: 8 } as const;
+  const requests = [
+    request(1, prompt(6, 1), 12),
+    request(2, prompt(13, 2), 12),
+    request(3, prompt(3, 3), 12),
+  ];
+  const ts = await buildEngine({ ...base, kernels: "ts" });
+  for (const kernelThreads of [1, 2] as const) {
+    const wasm = await buildEngine({ ...base, kernelThreads });
+    const data = wasm.pool.data;
+    // The pool is a window into the kernels' memory (weights before it), not a buffer of its own.
+    assert.ok(data.buffer instanceof SharedArrayBuffer);
+    assert.ok(data.byteOffset > 0);
+    assert.ok(data.buffer.byteLength > data.byteOffset + PagePool.dataBytesFor(wasm.pool.layout, 40));
+    assert.deepEqual(
+      runAll(wasm, requests).map((o) => o.tokens),
+      runAll(ts, requests).map((o) => o.tokens),
+    );
+  }
+  assert.equal(ts.pool.data.byteOffset, 0);
+  assert.equal(ts.pool.data.buffer.byteLength, PagePool.dataBytesFor(ts.pool.layout, 40));
+});
+
+test("buildEngine() refuses a pool the 4 GiB WebAssembly memory cannot hold, naming --kernels ts", async () => {
+  await assert.rejects(
+    buildEngine({ model: testModel(), numPages: 2 ** 22, pageSize: 16 }),
+    (err: unknown) =>
+      err instanceof KvfenceError && err.code === "config_invalid" && /--kernels ts/.test(err.message),
+  );
 });

@@ -12,11 +12,11 @@
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
 import { Engine } from "../engine/engine.js";
 import type { GenerationEvents } from "../engine/engine-types.js";
+import { createForward } from "../engine/forward-setup.js";
 import type { KvLayout } from "../kvcache/kv-layout.js";
-import { PagePool } from "../kvcache/page-pool.js";
+import type { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import { loadModelConfig } from "../model/config-loader.js";
-import { ForwardPass } from "../model/forward.js";
 import { loadWeights } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
@@ -31,8 +31,12 @@ import {
 
 export type { EngineWorkerOptions } from "./engine-messages.js";
 
-/** Builds the engine from `options` (also usable in-thread by tests and benchmarks). */
-export function buildEngine(options: EngineWorkerOptions): Engine {
+/**
+ * Builds the engine from `options` (also usable in-thread by tests and benchmarks): the forward
+ * pass and its pool on the WebAssembly kernels by default, weights, activations and pool in one
+ * shared memory (src/engine/forward-setup.ts); `kernels: "ts"` keeps the TypeScript reference.
+ */
+export async function buildEngine(options: EngineWorkerOptions): Promise<Engine> {
   let config: ModelConfig;
   let weights: ModelWeights;
   if ("dir" in options.model) {
@@ -48,12 +52,15 @@ export function buildEngine(options: EngineWorkerOptions): Engine {
     headDim: config.headDim,
     pageSize: options.pageSize ?? 16,
   };
-  const forward = new ForwardPass(config, weights, layout, {
+  const { forward, pools } = await createForward(config, weights, layout, {
+    kernels: options.kernels ?? "wasm",
+    kernelThreads: options.kernelThreads ?? 1,
     maxBatchTokens: options.maxBatchTokens ?? 256,
     maxSequences: options.maxSequences ?? 16,
+    poolPages: [options.numPages],
+    scrubOnFree: options.scrubOnFree ?? false,
   });
-  const pool = new PagePool(layout, options.numPages, { scrubOnFree: options.scrubOnFree ?? false });
-  return new Engine(forward, pool, {
+  return new Engine(forward, pools[0] as PagePool, {
     ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: options.maxPrefillTokens }),
     ...(options.maxModelLen === undefined ? {} : { maxModelLen: options.maxModelLen }),
     safety: makeSafety({ disabledGuards: options.disabledGuards ?? [] }),
@@ -149,10 +156,10 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
   });
 }
 
-function main(port: MessagePort, options: EngineWorkerOptions): void {
+async function main(port: MessagePort, options: EngineWorkerOptions): Promise<void> {
   let engine: Engine;
   try {
-    engine = buildEngine(options);
+    engine = await buildEngine(options);
   } catch (err) {
     const error =
       err instanceof KvfenceError
@@ -171,5 +178,5 @@ function main(port: MessagePort, options: EngineWorkerOptions): void {
 
 const data = workerData as { tag?: unknown; options?: EngineWorkerOptions } | null;
 if (!isMainThread && parentPort !== null && data?.tag === ENGINE_WORKER_TAG && data.options !== undefined) {
-  main(parentPort, data.options);
+  await main(parentPort, data.options);
 }

@@ -1,24 +1,32 @@
 /**
- * Acceptance (issue #4): `kill -9` of a prefill process mid-request in a TCP cluster (2 prefill + 1
- * decode processes and a router process, 127.0.0.1). Its in-flight requests get 503
- * `node_unavailable`; decode pages that the killed node could still write stay QUARANTINED until
- * its connection is gone (the fence) — never released on a timer — and return to FREE after; the
- * cluster keeps serving through the other prefill node.
+ * Acceptance (issue #4): `kill -9` of a prefill process provably mid-transfer, in a TCP cluster (2
+ * prefill + 1 decode processes and a router process, 127.0.0.1).
  *
- * The prefill nodes run with `--unsafe-fault drop-abort-ack` (SGLang #38961: the ack is lost), so
- * after a client disconnect mid-transfer the only way out for the quarantined pages is the fence.
- * Requests go to the (prefill, decode) pairs round-robin: on a fresh router, the 1st, 3rd, …
- * request goes to prefill-0, the 2nd, 4th, … to prefill-1.
+ * prefill-0 runs the `stall-transfer` node fault: it writes the first half of each lease's pages
+ * and stops — no further writes, no manifest, and (its writes never drain) no ABORT_ACK. So before
+ * the kill, decode's /metrics show the lease RESERVED with some of its pages landed and the rest
+ * missing: the kill lands in the middle of a transfer, not while prefill computes. A second stalled
+ * request whose client went away shows its pages QUARANTINED with no ack to release them. Then:
+ * the waiting request gets 503 `node_unavailable`; decode's pages stay non-FREE until the fence
+ * (the transfer connection closing) and are all FREE after it — never on a timer; the cluster keeps
+ * serving through prefill-1.
+ *
+ * Requests go to the (prefill, decode) pairs round-robin: on a fresh router the 1st, 3rd, …
+ * request goes to prefill-0, the 2nd, 4th, … to prefill-1; a lost pair is skipped.
  */
 import assert from "node:assert/strict";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import { assertPoolIdle, modelDir, scrape } from "../../testing/start-server.js";
-import { startCluster, type TopologyServer } from "../../testing/topology-servers.js";
+import { type LocalCluster, startLocalCluster } from "./local-cluster.js";
+import { UNSAFE_OPT_IN_FLAG } from "./unsafe-switches.js";
 
 const MODEL = "tiny-qwen2";
 const KEY = "sk-tenant-alpha-0001";
-/** About 1,400 prompt tokens; with 4 prefill tokens per step, prefill takes hundreds of steps. */
-const LONG = "x ".repeat(700);
+/** About 700 prompt tokens: a lease of about 45 pages of 16 tokens. */
+const LONG = "x ".repeat(350);
 
 function chat(url: string, content: string, maxTokens: number, signal?: AbortSignal) {
   return fetch(`${url}/v1/chat/completions`, {
@@ -38,80 +46,127 @@ async function waitFor(
   what: string,
   url: string,
   ok: (m: Map<string, number>) => boolean,
-  timeoutMs = 15_000,
+  timeoutMs = 20_000,
 ) {
   const deadline = Date.now() + timeoutMs;
   for (;;) {
     const m = await scrape(url);
     if (ok(m)) return m;
-    if (Date.now() > deadline) assert.fail(`timed out waiting for ${what}`);
+    if (Date.now() > deadline) {
+      const kv = [...m].filter(([k]) => /kv_pages|transfer_pages|quarantined/.test(k));
+      assert.fail(`timed out waiting for ${what}: ${kv.map(([k, v]) => `${k} ${v}`).join(", ")}`);
+    }
     await new Promise((r) => setTimeout(r, 20));
   }
 }
 
-const quarantined = (m: Map<string, number>) => m.get('kvfence_kv_pool_pages{state="quarantined"}') ?? 0;
+const decodePages = (m: Map<string, number>, state: "reserved" | "quarantined" | "free") =>
+  m.get(`kvfence_node_kv_pages{node="decode-0",role="decode",state="${state}"}`) ?? 0;
+const landedPages = (m: Map<string, number>) => m.get("kvfence_transfer_pages_total") ?? 0;
 
-describe("kill -9 of a prefill process", { timeout: 100_000 }, () => {
-  let server: TopologyServer;
+describe("kill -9 of a prefill process mid-transfer", { timeout: 120_000 }, () => {
+  let cluster: LocalCluster;
+  let keysDir: string;
 
   before(async () => {
-    server = await startCluster(2, 1, {
+    keysDir = mkdtempSync(join(tmpdir(), "kvfence-keys-"));
+    const keys = join(keysDir, "keys.json");
+    writeFileSync(keys, JSON.stringify({ [KEY]: "alpha" }));
+    cluster = await startLocalCluster({
+      prefill: 2,
+      decode: 1,
       model: modelDir(MODEL),
-      kvPages: 512,
-      maxModelLen: 2048,
-      maxPrefillTokens: 4,
-      apiKeys: { [KEY]: "alpha" },
-      faults: ["drop-abort-ack"],
+      nodeArgs: ["--kv-pages", "512", "--max-model-len", "2048"],
+      prefillArgsAt: (i) => (i === 0 ? ["--unsafe-fault", "stall-transfer", UNSAFE_OPT_IN_FLAG] : []),
+      routerArgs: ["--api-keys", keys],
     });
   });
-  after(() => server.close());
+  after(async () => {
+    await cluster?.close();
+    rmSync(keysDir, { recursive: true, force: true });
+  });
 
-  test("503 for its requests, decode pages FREE only after the fence, the cluster keeps serving", async () => {
-    const url = server.url;
-    // 1. prefill-0: the client goes away while prefill is computing/writing; the ack is dropped.
-    const controller = new AbortController();
-    const a = chat(url, LONG, 8, controller.signal).catch((err: Error) => err);
+  test("503 for its requests, decode pages non-FREE until the fence and FREE after, the cluster keeps serving", async () => {
+    const url = cluster.url;
+    const before0 = await scrape(url);
+    assert.equal(decodePages(before0, "reserved"), 0);
+    const landed0 = landedPages(before0);
+
+    // 1. A (prefill-0): computed, then half its pages written, then the transfer stalls.
+    let aSettled = false;
+    const a = chat(url, LONG, 8).finally(() => {
+      aSettled = true;
+    });
     await waitFor(
-      "the lease of request A",
+      "part of A's lease to land",
       url,
-      (m) => (m.get('kvfence_kv_pool_pages{state="reserved"}') ?? 0) > 0,
+      (m) => decodePages(m, "reserved") > 0 && landedPages(m) > landed0,
     );
-    controller.abort();
-    assert.ok((await a) instanceof Error);
-    const q = quarantined(await waitFor("quarantined pages", url, (m) => quarantined(m) > 0));
+    // The stall holds: no manifest, no commit; at most half of the reservation (the prompt's pages
+    // and a tail for the generated tokens) ever lands.
+    await new Promise((r) => setTimeout(r, 300));
+    const m1 = await scrape(url);
+    const reservedA = decodePages(m1, "reserved");
+    const landedA = landedPages(m1) - landed0;
+    assert.ok(landedA > 0, "some of A's pages landed");
+    assert.ok(
+      landedA <= Math.ceil(reservedA / 2),
+      `only part of A's lease landed: ${landedA} of ${reservedA} reserved pages`,
+    );
+    assert.equal(aSettled, false, "A is still waiting for its transfer");
 
-    // 2. prefill-1 serves meanwhile; the quarantine holds (no timer releases it).
+    // 2. B (prefill-1) is served meanwhile; A's pages stay RESERVED.
     const b = await chat(url, "short prompt", 4);
     assert.equal(b.status, 200);
-    assert.equal(quarantined(await scrape(url)), q, "quarantined pages wait for the ack or the fence");
+    await b.json();
+    const m2 = await scrape(url);
+    assert.equal(decodePages(m2, "reserved"), reservedA, "A's pages stay reserved");
 
-    // 3. One long request on each prefill node; kill -9 prefill-0 while it computes C.
-    const c = chat(url, LONG, 8);
-    const d = chat(url, `${LONG}y`, 8);
-    await waitFor(
-      "the leases of C and D",
+    // 3. C (prefill-0) stalls too, then its client goes away: its pages go QUARANTINED, and with
+    //    its writes never drained prefill-0 sends no ABORT_ACK, so only the fence can free them.
+    const controller = new AbortController();
+    const c = chat(url, `${LONG}y`, 8, controller.signal).catch((err: Error) => err);
+    const m3 = await waitFor(
+      "part of C's lease to land",
       url,
-      (m) => (m.get('kvfence_kv_pool_pages{state="reserved"}') ?? 0) > q,
+      (m) => decodePages(m, "reserved") > reservedA && landedPages(m) > landedPages(m2),
     );
-    assert.equal(quarantined(await scrape(url)), q, "still quarantined before the fence");
-    const killed = server.cluster!.prefill[0]!.process;
+    const reservedC = decodePages(m3, "reserved") - reservedA;
+    controller.abort();
+    assert.ok((await c) instanceof Error);
+    // The leased (prompt) pages go QUARANTINED; the tail for generated tokens, never leased to a
+    // writer, is freed at once.
+    const q = decodePages(
+      await waitFor("C's pages quarantined", url, (m) => decodePages(m, "quarantined") > 0),
+      "quarantined",
+    );
+    assert.ok(q <= reservedC && q >= reservedC - 1, `C's leased pages quarantined: ${q} of ${reservedC}`);
+    await new Promise((r) => setTimeout(r, 300));
+    const beforeKill = await scrape(url);
+    assert.equal(decodePages(beforeKill, "quarantined"), q, "no timer releases C's pages");
+    assert.equal(decodePages(beforeKill, "reserved"), reservedA, "A's pages are still reserved");
+    assert.equal(aSettled, false);
+
+    // 4. kill -9 prefill-0 while A's transfer is half done.
+    const killed = cluster.prefill[0]!.process;
     const exited = new Promise((r) => killed.once("exit", r));
     assert.ok(killed.kill("SIGKILL"));
     await exited;
 
-    const cRes = await c;
-    assert.equal(cRes.status, 503);
-    const cBody = (await cRes.json()) as { error: { code: string; type: string } };
-    assert.equal(cBody.error.code, "node_unavailable");
-    assert.equal((await d).status, 200, "the request on the other prefill node completes");
+    const aRes = await a;
+    assert.equal(aRes.status, 503);
+    const aBody = (await aRes.json()) as { error: { code: string; type: string } };
+    assert.equal(aBody.error.code, "node_unavailable");
 
-    // 4. After the fence every decode page is FREE again, and the cluster keeps serving.
+    // 5. After the fence every decode page is FREE, and the cluster keeps serving via prefill-1.
     const idle = await assertPoolIdle(url);
-    assert.equal(quarantined(idle), 0);
+    assert.equal(decodePages(idle, "quarantined"), 0);
+    assert.equal(decodePages(idle, "reserved"), 0);
     assert.equal(idle.get('kvfence_node_up{node="prefill-0",role="prefill"}'), 0);
     for (let i = 0; i < 3; i++) {
       const res = await chat(url, `after the kill ${i}`, 4);
       assert.equal(res.status, 200, `request ${i} after the kill`);
+      await res.json();
     }
     await assertPoolIdle(url);
   });

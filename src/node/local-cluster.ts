@@ -22,6 +22,8 @@ export interface LocalClusterOptions {
   readonly routerArgs?: readonly string[];
   /** Extra arguments for the prefill nodes only (after `nodeArgs`). */
   readonly prefillArgs?: readonly string[];
+  /** Extra arguments for prefill node `index` only (after `prefillArgs`), e.g. a fault on one node. */
+  readonly prefillArgsAt?: (index: number) => readonly string[];
   readonly host?: string;
   /** Router port (default 0: any free port). */
   readonly port?: number;
@@ -154,7 +156,7 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
   const timeoutMs = options.startTimeoutMs ?? 60_000;
   const started: ChildProcess[] = [];
   const nodeArgs = options.nodeArgs ?? [];
-  const node = async (role: "prefill" | "decode") => {
+  const node = async (role: "prefill" | "decode", index = 0) => {
     const child = await startChild(
       [
         "serve",
@@ -170,6 +172,7 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
         "warn",
         ...nodeArgs,
         ...(role === "prefill" ? (options.prefillArgs ?? []) : []),
+        ...(role === "prefill" ? (options.prefillArgsAt?.(index) ?? []) : []),
       ],
       env,
       /listening at (http:\/\/\S+)/,
@@ -180,7 +183,7 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
     return child;
   };
   try {
-    const prefill = await Promise.all(Array.from({ length: options.prefill }, () => node("prefill")));
+    const prefill = await Promise.all(Array.from({ length: options.prefill }, (_, i) => node("prefill", i)));
     const decode = await Promise.all(Array.from({ length: options.decode }, () => node("decode")));
     const router = await startChild(
       [

@@ -45,8 +45,11 @@ export function nodeLayoutSignature(engine: Engine, config: ModelConfig): string
   );
 }
 
-export function buildNode(options: NodeHostOptions, toRouter: (message: FromNode) => void): BuiltNode {
-  const engine = buildEngine(options.engine);
+export async function buildNode(
+  options: NodeHostOptions,
+  toRouter: (message: FromNode) => void,
+): Promise<BuiltNode> {
+  const engine = await buildEngine(options.engine);
   const safety: Safety = makeSafety({
     faults: options.faults ?? [],
     disabledGuards: options.engine.disabledGuards ?? [],

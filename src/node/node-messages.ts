@@ -81,6 +81,11 @@ export interface NodeStats {
     readonly droppedStaleWrites: number;
     readonly droppedMisaddressedWrites: number;
   };
+  /**
+   * Page checksums off the transfer's critical path: pages hashed at production (prefill) or as
+   * they landed (decode), checksum reads served from those records, and reads that hashed then.
+   */
+  readonly checksums?: { readonly recorded: number; readonly hits: number; readonly misses: number };
   /** Observations since the previous poll (drained by each poll): GB/s per transfer, ABORT_ACK latency in seconds. */
   readonly transferGbps: readonly number[];
   readonly abortAckSeconds: readonly number[];
@@ -93,7 +98,9 @@ export type FromNode =
   | { readonly kind: "stats"; readonly id: number; readonly stats: NodeStats }
   /** Decode: the transfer channel to this prefill node is up / went down (the fence). */
   | { readonly kind: "prefill_up"; readonly prefill: string }
-  | { readonly kind: "prefill_down"; readonly prefill: string };
+  | { readonly kind: "prefill_down"; readonly prefill: string }
+  /** Decode: its state machines freed pages (now `free` pages are FREE); waiting requests may retry. */
+  | { readonly kind: "pages_freed"; readonly free: number };
 
 /** A bidirectional message channel (a MessagePort or an authenticated TCP link). */
 export interface Link<Out, In> {

@@ -44,7 +44,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       // The router went away; it fails its requests itself.
     }
   };
-  const built = buildNode(
+  const built = await buildNode(
     { role: options.role, engine: options.engine, faults: options.faults ?? [] },
     toRouter,
   );
@@ -103,6 +103,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
         leasedPage: (rid, epoch, index) => node.leasedPage(message.prefill, rid, epoch, index),
         handlers: {
           control: (m) => onControl?.(m),
+          pagesLanded: (rid, epoch, from, to) => node.pagesLanded(message.prefill, rid, epoch, from, to),
           leaseLanded: () => node.recordTransferGbps(receiver.metrics.lastTransferGbps),
           writeDropped: (rid, epoch, page) => node.writeDropped(message.prefill, rid, epoch, page),
           closed: () => {

@@ -45,11 +45,11 @@ export type NodeWorkerReply =
   | { readonly kind: "shm_channel"; readonly prefill: string; readonly channel: ShmChannel }
   | { readonly kind: "failed"; readonly error: { code: string; message: string } };
 
-function main(port: MessagePort, options: NodeHostOptions): void {
+async function main(port: MessagePort, options: NodeHostOptions): Promise<void> {
   const toRouter = (message: FromNode | NodeWorkerReply): void => port.postMessage(message);
-  let built: ReturnType<typeof buildNode>;
+  let built: Awaited<ReturnType<typeof buildNode>>;
   try {
-    built = buildNode(options, toRouter);
+    built = await buildNode(options, toRouter);
   } catch (err) {
     const error =
       err instanceof KvfenceError
@@ -78,6 +78,7 @@ function main(port: MessagePort, options: NodeHostOptions): void {
           port: message.port,
           handlers: {
             control: (m) => onControl(m),
+            pagesLanded: (rid, epoch, from, to) => node.pagesLanded(message.prefill, rid, epoch, from, to),
             leaseLanded: () => node.recordTransferGbps(receiver.metrics.lastTransferGbps),
             closed: () => {
               node.prefillLost(message.prefill);
@@ -128,5 +129,5 @@ function main(port: MessagePort, options: NodeHostOptions): void {
 
 const data = workerData as { tag?: unknown; options?: NodeHostOptions } | null;
 if (!isMainThread && parentPort !== null && data?.tag === NODE_WORKER_TAG && data.options !== undefined) {
-  main(parentPort, data.options);
+  await main(parentPort, data.options);
 }

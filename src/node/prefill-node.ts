@@ -11,6 +11,15 @@
  * `computed`); `write` → `TransferWriter.writePages` then `endLease`, each page then feeds
  * `write_done`; `send` → the router link or the writer's ordered control channel (so a manifest or
  * an ABORT_ACK never overtakes the writes before it). Nothing here runs on a timer.
+ *
+ * Checksums are taken at production, off the transfer's critical path: after every engine step
+ * the node hashes each source page that step completed (`PageChecksums.record`), so when the
+ * machine builds the manifest at `computed` it reads recorded values — only the pages of the last
+ * chunk (the last, partial page included) are hashed then, as they were produced in that step.
+ *
+ * The `stall-transfer` node fault (tests only): prefill writes the first half of a lease's pages,
+ * ends the lease there and stops — no further writes, no manifest, no ABORT_ACK (its writes never
+ * drain) — as a prefill that hangs mid-transfer; decode's pages wait for the fence.
  */
 import type { Engine } from "../engine/engine.js";
 import type { GenerationRequest } from "../engine/engine-types.js";
@@ -22,12 +31,12 @@ import {
   type PrefillState,
   prefillStep,
 } from "../protocol/prefill-machine.js";
-import type { Safety } from "../protocol/safety.js";
+import { faultOn, type Safety } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { PageWrite, TransferWriter } from "../transfer/transport.js";
 import type { FromNode, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
-import { pageBytesOf, protocolPool } from "./node-pool.js";
+import { pageBytesOf, pageChecksumsOf, protocolPool } from "./node-pool.js";
 import { StepLoop } from "./step-loop.js";
 
 export interface PrefillNodeOptions {
@@ -53,6 +62,9 @@ export class PrefillNode {
   readonly incarnation: number;
   readonly #engine: Engine;
   readonly #pool;
+  readonly #checksums;
+  /** Per attempt still computing: how many of its source pages (from the first) are hashed. */
+  readonly #produced = new Map<string, number>();
   readonly #config;
   readonly #safety: Safety;
   readonly #toRouter: (message: FromNode) => void;
@@ -71,14 +83,21 @@ export class PrefillNode {
   constructor(options: PrefillNodeOptions) {
     this.incarnation = options.incarnation;
     this.#engine = options.engine;
-    this.#pool = protocolPool(options.engine.pool);
+    this.#checksums = pageChecksumsOf(options.engine.pool);
+    this.#pool = protocolPool(options.engine.pool, this.#checksums);
     this.#config = {
       maxModelLen: options.engine.capacity.maxModelLen,
       layoutSignature: options.layoutSignature,
     };
     this.#safety = options.safety;
     this.#toRouter = options.toRouter;
-    this.#loop = new StepLoop(options.engine);
+    this.#loop = new StepLoop(options.engine, () => this.#hashProduced());
+  }
+
+  /** The checksum cache's counters: pages hashed at production, manifest reads served / hashed then. */
+  checksumCounts(): { recorded: number; hits: number; misses: number } {
+    const c = this.#checksums;
+    return { recorded: c.recorded, hits: c.hits, misses: c.misses };
   }
 
   /**
@@ -169,6 +188,7 @@ export class PrefillNode {
         droppedStaleWrites: 0,
         droppedMisaddressedWrites: 0,
       },
+      checksums: this.checksumCounts(),
       transferGbps: gbps,
       abortAckSeconds: [],
     };
@@ -191,6 +211,37 @@ export class PrefillNode {
     for (const key in peer.state.attempts) this.#engine.abort(peer.state.attempts[key]!.rid);
     this.#step(peer, { type: "peer_lost", role: "decode", incarnation }, true);
     for (const [key, input] of this.#inputs) if (input.peer === peer) this.#inputs.delete(key);
+  }
+
+  /** After an engine step: hash every source page the step completed (see the module header). */
+  #hashProduced(): void {
+    const table = this.#engine.pool.table;
+    const P = this.#engine.pool.pageSize;
+    const produced = this.#produced;
+    for (const peer of this.#peers.values()) {
+      for (const key in peer.state.attempts) {
+        const a = peer.state.attempts[key]!;
+        if (a.phase !== "computing") continue;
+        let i = produced.get(key) ?? 0;
+        for (; i < a.pages.length; i++) {
+          const page = a.pages[i]!;
+          if (
+            table.writerRid(page) !== a.rid ||
+            table.writerEpoch(page) !== a.epoch ||
+            table.filledTokens(page) < Math.min(P, a.promptLen - i * P)
+          )
+            break;
+          this.#checksums.record(page, a.rid, a.epoch, i);
+        }
+        produced.set(key, i);
+      }
+    }
+    for (const key of produced.keys()) {
+      let computing = false;
+      for (const peer of this.#peers.values())
+        if (peer.state.attempts[key]?.phase === "computing") computing = true;
+      if (!computing) produced.delete(key);
+    }
   }
 
   #reject(msg: PrefillRequest, error: WireError): void {
@@ -297,6 +348,8 @@ export class PrefillNode {
       const { rid, epoch } = list[0]!.header;
       const pages: LeasePage[] = [];
       const writes: PageWrite[] = [];
+      // The stall-transfer fault: only the first half of the pages is ever written.
+      if (faultOn(this.#safety, "stall-transfer")) list.length = Math.max(1, Math.floor(list.length / 2));
       for (const e of list) {
         pages[e.header.index] = { page: e.header.page, generation: e.header.generation };
         let bytes = pageBytesOf(pool, e.sourcePage);
@@ -319,6 +372,7 @@ export class PrefillNode {
           () => {
             const seconds = Number(process.hrtime.bigint() - started) / 1e9;
             if (seconds > 0) this.#gbps.push(bytesSent / seconds / 1e9);
+            // Under stall-transfer the unwritten pages never drain: no manifest, no ABORT_ACK.
             for (const w of writes) this.#step(peer, { type: "write_done", rid, epoch, index: w.index });
           },
           () => {

@@ -25,6 +25,21 @@ test("unsafeSwitchesProblem() refuses a fault or a disabled guard without the op
   );
 });
 
+test("unsafeSwitchesProblem() takes the stall-transfer node fault behind the same opt-in flag", () => {
+  assert.match(
+    unsafeSwitchesProblem({ ...NONE, unsafeFault: ["stall-transfer"] }) ?? "",
+    /--unsafe-fault stall-transfer .*--i-understand-this-leaks-data/,
+  );
+  assert.equal(
+    unsafeSwitchesProblem({ ...NONE, unsafeFault: ["stall-transfer"], iUnderstandThisLeaksData: true }),
+    null,
+  );
+  assert.match(
+    unsafeSwitchesProblem({ ...NONE, unsafeFault: ["stall"], iUnderstandThisLeaksData: true }) ?? "",
+    /use one of .*stall-transfer/,
+  );
+});
+
 test("unsafeSwitchesProblem() names the valid names for an unknown fault or guard", () => {
   const fault = unsafeSwitchesProblem({ ...NONE, unsafeFault: ["nope"], iUnderstandThisLeaksData: true });
   assert.match(fault ?? "", /unknown fault name: nope; use one of placeholder-reject/);

@@ -1,12 +1,19 @@
 /**
  * The unsafe switches of `kvfence serve` and `kvfence cluster`: `--unsafe-fault NAME` (a fault of
- * DESIGN.md §5, switched on inside the real code path) and `--unsafe-disable-guard NAME` (a guard
+ * DESIGN.md §5, switched on inside the real code path, or a node fault such as `stall-transfer`) and `--unsafe-disable-guard NAME` (a guard
  * switched off). Both are for tests and demos only, so both are refused unless the command line
  * also carries the one explicit opt-in flag, `--i-understand-this-leaks-data`; a server that runs
  * with either prints a loud warning on stderr at startup (every role) and shows them in `/health`
  * and `/metrics`.
  */
-import { FAULT_NAMES, GUARD_NAMES, isFaultName, isGuardName } from "../protocol/safety.js";
+import {
+  FAULT_NAMES,
+  GUARD_NAMES,
+  isFaultName,
+  isGuardName,
+  isNodeFaultName,
+  NODE_FAULT_NAMES,
+} from "../protocol/safety.js";
 
 /** The one opt-in flag that allows the unsafe switches. */
 export const UNSAFE_OPT_IN_FLAG = "--i-understand-this-leaks-data";
@@ -20,8 +27,8 @@ export interface UnsafeSwitches {
 /** The first problem with the unsafe switches (an unknown name, a missing opt-in), or null. */
 export function unsafeSwitchesProblem(switches: UnsafeSwitches): string | null {
   for (const name of switches.unsafeFault) {
-    if (!isFaultName(name))
-      return `--unsafe-fault: unknown fault name: ${name}; use one of ${FAULT_NAMES.join(", ")}`;
+    if (!isFaultName(name) && !isNodeFaultName(name))
+      return `--unsafe-fault: unknown fault name: ${name}; use one of ${[...FAULT_NAMES, ...NODE_FAULT_NAMES].join(", ")}`;
   }
   for (const name of switches.unsafeDisableGuard) {
     if (!isGuardName(name))

@@ -23,6 +23,15 @@ export const FAULT_NAMES = [
 ] as const;
 export type FaultName = (typeof FAULT_NAMES)[number];
 
+/**
+ * Faults of the node glue, outside the state machines, so `kvfence check` does not explore them
+ * and the fault matrix does not list them. `stall-transfer`: prefill writes the first half of a
+ * lease's pages and then stops writing (no manifest) — a liveness fault: the request waits with
+ * decode's pages RESERVED until the client aborts (ABORT_ACK) or prefill is fenced, never a timer.
+ */
+export const NODE_FAULT_NAMES = ["stall-transfer"] as const;
+export type NodeFaultName = (typeof NODE_FAULT_NAMES)[number];
+
 export const GUARD_NAMES = [
   "admission-doors",
   "coverage",
@@ -80,7 +89,7 @@ export const FAULT_TABLE: Readonly<
 
 /** Which faults are on and which guards are off. Frozen; build it with `makeSafety`. */
 export interface Safety {
-  readonly faults: ReadonlySet<FaultName>;
+  readonly faults: ReadonlySet<FaultName | NodeFaultName>;
   readonly disabledGuards: ReadonlySet<GuardName>;
 }
 
@@ -108,6 +117,10 @@ export function isFaultName(name: string): name is FaultName {
   return (FAULT_NAMES as readonly string[]).includes(name);
 }
 
+export function isNodeFaultName(name: string): name is NodeFaultName {
+  return (NODE_FAULT_NAMES as readonly string[]).includes(name);
+}
+
 export function isGuardName(name: string): name is GuardName {
   return (GUARD_NAMES as readonly string[]).includes(name);
 }
@@ -119,12 +132,12 @@ export function isGuardName(name: string): name is GuardName {
 export function makeSafety(
   options: { readonly faults?: Iterable<string>; readonly disabledGuards?: Iterable<string> } = {},
 ): Safety {
-  const faults = new FrozenSet<FaultName>();
+  const faults = new FrozenSet<FaultName | NodeFaultName>();
   for (const name of options.faults ?? []) {
-    if (!isFaultName(name)) {
+    if (!isFaultName(name) && !isNodeFaultName(name)) {
       throw new KvfenceError(
         "invalid_request",
-        `Unknown fault name: ${name}; use one of ${FAULT_NAMES.join(", ")}`,
+        `Unknown fault name: ${name}; use one of ${[...FAULT_NAMES, ...NODE_FAULT_NAMES].join(", ")}`,
         { param: "fault" },
       );
     }
@@ -153,6 +166,6 @@ export function guardOn(safety: Safety, guard: GuardName): boolean {
 }
 
 /** True when `fault` is on in `safety`. */
-export function faultOn(safety: Safety, fault: FaultName): boolean {
+export function faultOn(safety: Safety, fault: FaultName | NodeFaultName): boolean {
   return safety.faults.has(fault);
 }

@@ -68,7 +68,7 @@ describe("canary: tenant B never receives tenant A's planted codes", { timeout: 
   ].join(" ");
   const ask = (client: OpenAI, content: string) =>
     client.chat.completions
-      .create({ model: MODEL, messages: [{ role: "user", content }], temperature: 0, max_tokens: 16 })
+      .create({ model: MODEL, messages: [{ role: "user", content }], temperature: 0, max_tokens: 56 })
       .then((r) => r.choices[0]?.message.content ?? "");
   const askA = (r: Record_) => ask(a, `${context} What is the access code of account ${r.account}?`);
   const askB = (r: Record_) =>
@@ -86,7 +86,7 @@ describe("canary: tenant B never receives tenant A's planted codes", { timeout: 
     for (const r of records) {
       assert.equal(
         (await askA(r)).trim(),
-        r.code,
+        `the access code of account ${r.account} is ${r.code}.`,
         `account ${r.account}: ${MODEL} did not copy the code from its context, so a leak would not be visible`,
       );
     }

@@ -9,8 +9,9 @@
  * ≈22 GB/s here against ≈10 GB/s for `xxhash-wasm` (MEASUREMENTS §4; `kvfence bench transfer`
  * re-measures both per page).
  *
- * `LandedChecksums` lets decode hash each page as it lands — on its own thread, in parallel with the
- * writes still arriving — so the commit check at manifest time only compares strings.
+ * `PageChecksums` moves the hashing off the transfer's critical path: prefill hashes each page when
+ * the engine has produced it, decode as it lands (on its own thread, in parallel with the writes
+ * still arriving), so the manifest and the commit check only read recorded strings.
  */
 import { xxh64 } from "@node-rs/xxhash";
 
@@ -65,59 +66,102 @@ export function checksumLeasePages(
   }
 }
 
+/** What a checksum cache reads of the ownership table (`OwnershipTable` has it). */
+export interface PageStamps {
+  generation(page: number): number;
+  writerRid(page: number): number;
+  writerEpoch(page: number): number;
+  filledTokens(page: number): number;
+}
+
 /**
- * Checksums decode computed as pages landed, per physical page with the key they were computed
- * under. `get` returns the recorded value only for the same `(rid, epoch, index)` and when the
- * page's writer stamp still names that attempt; anything else is hashed again on the spot. Pass
- * it as the node pool's `pageChecksum`, so the protocol's commit check costs string compares.
+ * Page checksums computed when the page's bytes were produced — prefill: after the engine step
+ * that filled the page; decode: as the transport reports the page landed (`pagesLanded`) — and
+ * served later at the protocol's checksum points (`KvPool.pageChecksum`, `PageChecksums.get`), so
+ * neither side hashes in series with the transfer.
+ *
+ * A recorded value is served only while the page provably still holds the bytes that were hashed:
+ * the same key `(rid, epoch, index)`, the same `generation` (bumped by every free and every
+ * allocation, so freeing or reallocating a page invalidates its entry), a writer stamp naming that
+ * attempt, and the same filled-token count. Every writer of page bytes (the engine's step, the
+ * shared-memory writer, the TCP receiver) stamps the page right after writing it, so a write by
+ * anyone else after the hash changes the stamp and the value is hashed again on the spot. What a
+ * cache cannot see is a write that does not stamp, or that stamps the same attempt without being
+ * reported (see docs/protocol.md, "Checksums off the critical path").
  */
-export class LandedChecksums {
+export class PageChecksums {
   readonly #poolBytes: Uint8Array;
   readonly #pageBytes: number;
+  readonly #stamps: PageStamps;
   readonly #hex: string[];
   readonly #rid: Uint32Array;
   readonly #epoch: Uint32Array;
   readonly #index: Int32Array;
-  /** Cache hits and misses of `get`, for the metrics. */
+  readonly #generation: Uint32Array;
+  readonly #filled: Uint32Array;
+  /** `get` served from the cache / hashed on the spot; `record` calls that hashed. */
   hits = 0;
   misses = 0;
+  recorded = 0;
 
-  constructor(poolBytes: Uint8Array, pageBytes: number) {
+  /** `poolBytes`: the whole pool, page p at `p * pageBytes`; `stamps`: its ownership table. */
+  constructor(poolBytes: Uint8Array, pageBytes: number, stamps: PageStamps) {
     const numPages = Math.floor(poolBytes.length / pageBytes);
     this.#poolBytes = poolBytes;
     this.#pageBytes = pageBytes;
+    this.#stamps = stamps;
     this.#hex = new Array<string>(numPages).fill("");
     this.#rid = new Uint32Array(numPages);
     this.#epoch = new Uint32Array(numPages);
     this.#index = new Int32Array(numPages).fill(-1);
+    this.#generation = new Uint32Array(numPages);
+    this.#filled = new Uint32Array(numPages);
   }
 
-  /** Hashes pages `[from, to)` of `lease` now (call it from `pagesLanded`). */
-  record(lease: ChecksumLease, from: number, to: number): void {
-    for (let i = from; i < to; i++) {
-      const page = lease.pages[i]!.page;
-      this.#hex[page] = this.#hash(page, lease.rid, lease.epoch, i);
-      this.#rid[page] = lease.rid;
-      this.#epoch[page] = lease.epoch;
-      this.#index[page] = i;
+  /**
+   * Hashes `page` now as page `index` of `(rid, epoch)` and remembers it, if the page's writer
+   * stamp names that attempt (else there is nothing of it to hash; `get` will hash what is there).
+   */
+  record(page: number, rid: number, epoch: number, index: number): void {
+    const stamps = this.#stamps;
+    // Read the stamp before the bytes: a writer stamps after writing, so a write racing this hash
+    // leaves a stamp that differs from the one recorded here.
+    if (stamps.writerRid(page) !== rid || stamps.writerEpoch(page) !== epoch) {
+      this.#index[page] = -1;
+      return;
     }
+    const generation = stamps.generation(page);
+    const filled = stamps.filledTokens(page);
+    this.#hex[page] = this.#hash(page, rid, epoch, index);
+    this.#rid[page] = rid;
+    this.#epoch[page] = epoch;
+    this.#index[page] = index;
+    this.#generation[page] = generation;
+    this.#filled[page] = filled;
+    this.recorded++;
   }
 
-  /** Forgets `page` (call it when the page is freed or rewritten). */
+  /** `record` for logical pages `[from, to)` of `lease` (decode's `pagesLanded`). */
+  recordLease(lease: ChecksumLease, from: number, to: number): void {
+    for (let i = from; i < to; i++) this.record(lease.pages[i]!.page, lease.rid, lease.epoch, i);
+  }
+
+  /** Forgets `page`. */
   invalidate(page: number): void {
     this.#index[page] = -1;
   }
 
-  /**
-   * The hex checksum of `page` as page `index` of `(rid, epoch)`: recorded when it landed if the
-   * key matches and `writerMatches` (the page's writer stamp is still `(rid, epoch)`), else now.
-   */
-  get(page: number, rid: number, epoch: number, index: number, writerMatches = true): string {
+  /** The hex checksum of the bytes `page` holds as page `index` of `(rid, epoch)`. */
+  get(page: number, rid: number, epoch: number, index: number): string {
+    const stamps = this.#stamps;
     if (
-      writerMatches &&
       this.#index[page] === index &&
       this.#rid[page] === rid &&
-      this.#epoch[page] === epoch
+      this.#epoch[page] === epoch &&
+      stamps.generation(page) === this.#generation[page] &&
+      stamps.writerRid(page) === rid &&
+      stamps.writerEpoch(page) === epoch &&
+      stamps.filledTokens(page) === this.#filled[page]
     ) {
       this.hits++;
       return this.#hex[page]!;

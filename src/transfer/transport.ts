@@ -22,8 +22,8 @@
  *   `new ShmTransferWriter(channel, {port: port1, layoutSignature})`;
  * - TCP: prefill runs `TcpTransferServer.listen({secret, layoutSignature, onWriter})`; decode runs
  *   `connectTcpReceiver({port, secret, layoutSignature, pool, table, pageBytes, handlers})`.
- * Decode feeds `pagesLanded` to `LandedChecksums.record` and serves the protocol's
- * `KvPool.pageChecksum` from `LandedChecksums.get`, so verification overlaps the transfer; a
+ * Decode feeds `pagesLanded` to `PageChecksums.record` (via `DecodeNode.pagesLanded`) and serves the
+ * protocol's `KvPool.pageChecksum` from `PageChecksums.get`, so verification overlaps the transfer; a
  * closed channel (`closed`) is the fence of DESIGN.md §3.
  */
 import type { ControlMessage, TransferLease } from "../protocol/wire.js";

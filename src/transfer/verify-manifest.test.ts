@@ -1,6 +1,6 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { checksumLeasePages, LandedChecksums, pageChecksum, pageChecksumHex } from "./page-checksum.js";
+import { checksumLeasePages, pageChecksum, pageChecksumHex } from "./page-checksum.js";
 import type { Manifest } from "./transport.js";
 import { type TransferReservation, verifyManifest } from "./verify-manifest.js";
 
@@ -101,21 +101,4 @@ test("verifyManifest() catches pages holding the bytes of another logical positi
   const verdict = verifyManifest(reservation, manifest, local());
   assert.equal(verdict.code, "checksum_mismatch");
   assert.equal(verdict.code === "checksum_mismatch" && verdict.page, 0);
-});
-
-test("LandedChecksums.get() returns the checksum recorded at landing only for the same key and writer", () => {
-  const { pool, lease } = fixture();
-  const landed = new LandedChecksums(pool, PAGE_BYTES);
-  landed.record(lease, 0, 3);
-  const page = lease.pages[2]!.page;
-  const recorded = landed.get(page, 42, 3, 2);
-  assert.equal(landed.hits, 1);
-  pool[page * PAGE_BYTES]! ^= 1; // bytes change after landing: the recorded value is kept ...
-  assert.equal(landed.get(page, 42, 3, 2), recorded);
-  // ... unless the key differs, the writer stamp moved on, or the page was invalidated.
-  assert.notEqual(landed.get(page, 42, 3, 2, false), recorded);
-  assert.notEqual(landed.get(page, 42, 4, 2), landed.get(page, 42, 3, 2, false));
-  landed.invalidate(page);
-  assert.equal(landed.get(page, 42, 3, 2), landed.get(page, 42, 3, 2, false));
-  assert.equal(landed.misses, 5);
 });

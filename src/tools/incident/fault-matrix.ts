@@ -278,6 +278,9 @@ export async function runCell(
     disabledGuards,
     undersizedPrefill: scenario.undersizedPrefill,
     topology: scenario.topology,
+    // The aborted victim disconnects while prefill computes: the plain TypeScript kernels keep
+    // that computation long (over a second) where the WebAssembly ones finish in the abort window.
+    ...(scenario.victim === "aborted" ? { kernels: "ts" as const } : {}),
   });
   try {
     if (scenario.victim === "aborted") return await abortedCell(scenario, guardOn, disabledGuards, server);

@@ -58,6 +58,8 @@ export interface IncidentServerOptions {
   readonly defaults?: boolean;
   /** Worker threads and shared memory (default), or node processes and TCP (`kvfence cluster`). */
   readonly topology?: "threads" | "tcp";
+  /** The forward pass's kernels (default: `kvfence serve`'s, WebAssembly). */
+  readonly kernels?: "ts" | "wasm";
 }
 
 export interface IncidentServer {
@@ -99,6 +101,7 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
               : { prefillKvPages: String(INCIDENT_SHAPE.prefillKvPages) }),
           }),
       scrubOnFree: false,
+      ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
       disaggregation: true,
       logLevel: "silent",
       apiKeys: keys,
@@ -220,7 +223,7 @@ export async function runIncident(options: {
       requests: options.requests ?? 12,
       // One request at a time: the plants (each most of the prefill pool) must not crowd each other out.
       concurrency: 1,
-      maxTokens: 12,
+      maxTokens: 48,
       // Plants that nearly fill the incident's prefill pool: B's over-pool prompts then lease pages
       // that held a whole planted prompt.
       ...(options.defaults === true ? {} : { plantChars: 220 }),

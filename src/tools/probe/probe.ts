@@ -59,7 +59,7 @@ export interface ProbeOptions {
   readonly seed?: number;
   readonly recordTemplate?: string;
   readonly questionTemplate?: string;
-  /** max_tokens of every request (default 16). */
+  /** max_tokens of every request (default 48: kvfence-tiny restates the whole record, 44 bytes). */
   readonly maxTokens?: number;
   /** Number of plant prompts from A (default 8). */
   readonly plants?: number;
@@ -127,7 +127,7 @@ export async function runProbe(options: ProbeOptions): Promise<ProbeReport> {
     keyA: options.apiKeyA,
     keyB: options.apiKeyB ?? options.apiKeyA,
     model: "",
-    maxTokens: options.maxTokens ?? 16,
+    maxTokens: options.maxTokens ?? 48,
     concurrency: Math.max(1, options.concurrency ?? 4),
     templates: checkTemplates(
       options.recordTemplate ?? DEFAULT_RECORD_TEMPLATE,

@@ -1,0 +1,121 @@
+/**
+ * `createForward`: a forward pass and its KV page pools on either kernel set, so the server's
+ * engines (src/node/engine-worker.ts) and the benchmarks (bench/) build them one way.
+ *
+ * - `"ts"`: the TypeScript reference kernels over ordinary typed arrays; each pool is a fresh
+ *   `SharedArrayBuffer`.
+ * - `"wasm"`: `WasmKernels` over one shared `WebAssembly.Memory` holding the weights (copied in),
+ *   the activations, the attention staging and every pool. The memory is sized once here from the
+ *   model, the step limits and the pools, so it does not grow while serving; each pool is a window
+ *   of the memory's `SharedArrayBuffer` (the buffer the shared-memory transport hands to a prefill
+ *   node, which then writes straight into the decode node's pages). A model plus pools beyond
+ *   wasm32's 4 GiB is refused with a `KvfenceError` that names `--kernels ts`.
+ */
+import type { Kernels } from "../kernels/kernels.js";
+import { referenceKernels } from "../kernels/kernels.js";
+import { WasmKernels } from "../kernels/wasm-kernels.js";
+import type { KvLayout } from "../kvcache/kv-layout.js";
+import { PagePool } from "../kvcache/page-pool.js";
+import { KvfenceError } from "../lib/errors.js";
+import { ForwardPass } from "../model/forward.js";
+import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+
+/** Which kernels a forward pass runs on. */
+export type KernelsName = "ts" | "wasm";
+
+export interface ForwardSetupOptions {
+  readonly kernels: KernelsName;
+  /** Threads of the WebAssembly kernels: 1 (this thread) or 2 (plus a spinning worker). Default 1. */
+  readonly kernelThreads?: 1 | 2;
+  readonly maxBatchTokens: number;
+  readonly maxSequences: number;
+  /** Pages of each KV pool to create (one pool per entry). */
+  readonly poolPages: readonly number[];
+  readonly scrubOnFree?: boolean;
+}
+
+export interface ForwardSetup {
+  readonly forward: ForwardPass;
+  readonly pools: readonly PagePool[];
+  readonly kernels: Kernels;
+  /** The weights as the forward pass reads them (for wasm: the copies inside the memory). */
+  readonly weights: ModelWeights;
+  /** Stops the kernels' worker, if any (the memory stays usable on this thread). */
+  close(): Promise<void>;
+}
+
+/** Bytes a wasm32 memory can address, less the 64 KiB the arena leaves unused. */
+const WASM_MEMORY_LIMIT_BYTES = 4 * 1024 ** 3 - 65536;
+
+export async function createForward(
+  config: ModelConfig,
+  weights: ModelWeights,
+  layout: KvLayout,
+  options: ForwardSetupOptions,
+): Promise<ForwardSetup> {
+  const passOptions = { maxBatchTokens: options.maxBatchTokens, maxSequences: options.maxSequences };
+  const scrubOnFree = options.scrubOnFree ?? false;
+  if (options.kernels === "ts") {
+    return {
+      forward: new ForwardPass(config, weights, layout, passOptions),
+      pools: options.poolPages.map((n) => new PagePool(layout, n, { scrubOnFree })),
+      kernels: referenceKernels,
+      weights,
+      close: async () => {},
+    };
+  }
+  const poolBytes = options.poolPages.map((n) => aligned(PagePool.dataBytesFor(layout, n)));
+  const totalPages = options.poolPages.reduce((a, b) => a + b, 0);
+  const bytes =
+    modelBytes(weights) +
+    ForwardPass.bufferBytes(config, passOptions) +
+    poolBytes.reduce((a, b) => a + b, 0) +
+    attentionStagingBytes(config, totalPages);
+  if (bytes > WASM_MEMORY_LIMIT_BYTES) {
+    throw new KvfenceError(
+      "config_invalid",
+      `The WebAssembly kernels address at most 4 GiB and this model plus its KV pool needs more: ${bytes} bytes; use a smaller --kv-memory or --kv-pages, or --kernels ts`,
+    );
+  }
+  const k = await WasmKernels.create({ threads: options.kernelThreads ?? 1, initialBytes: bytes });
+  await k.ready();
+  const placed = k.placeWeights(weights);
+  const forward = new ForwardPass(config, placed, layout, { ...passOptions, kernels: k });
+  const pools = options.poolPages.map((n, i) => {
+    const at = k.allocBytes(poolBytes[i] as number);
+    return new PagePool(layout, n, {
+      scrubOnFree,
+      dataBuffer: k.memory.buffer as SharedArrayBuffer,
+      dataByteOffset: at,
+    });
+  });
+  return { forward, pools, kernels: k, weights: placed, close: () => k.close() };
+}
+
+function aligned(bytes: number): number {
+  return Math.ceil(bytes / 64) * 64;
+}
+
+/** Bytes of every weight tensor (a tied LM head once), as `placeWeights` copies them. */
+function modelBytes(w: ModelWeights): number {
+  const size = (a: Float32Array | null): number => (a === null ? 0 : aligned(a.byteLength));
+  let bytes = size(w.embed) + size(w.finalNorm) + (w.lmHead === w.embed ? 0 : size(w.lmHead));
+  for (const l of w.layers) {
+    for (const a of [l.inputNorm, l.q, l.k, l.v, l.qBias, l.kBias, l.vBias, l.o, l.postNorm])
+      bytes += size(a);
+    bytes += size(l.gate) + size(l.up) + size(l.down);
+  }
+  return bytes;
+}
+
+/**
+ * What `WasmKernels.pagedAttention` stages on demand at the longest context: the block table, two
+ * score scratches and the split partials, twice over (they grow by doubling), plus 1 MiB of slack
+ * for the control block and alignment.
+ */
+function attentionStagingBytes(config: ModelConfig, numPages: number): number {
+  const group = config.numHeads / config.numKvHeads;
+  const ctx = config.maxPositionEmbeddings;
+  const partials = config.numHeads * 8 * (config.headDim + 2);
+  return 2 * (4 * numPages + 2 * 4 * group * ctx + 4 * partials) + (1 << 20);
+}

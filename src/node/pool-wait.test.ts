@@ -1,0 +1,64 @@
+/**
+ * A full decode pool is a wait, not an error (threaded topology, real nodes): a request the decode
+ * pool cannot hold now waits in the router's admission queue and is served once the request
+ * holding the pages finishes — with the same greedy output as when it runs alone.
+ */
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import { modelDir } from "../../testing/start-server.js";
+import type { GenerationRequest } from "../engine/engine-types.js";
+import type { WireError } from "../lib/errors.js";
+import { loadModel } from "../model/load-model.js";
+import type { DisaggregatedEngine } from "./disaggregated-engine.js";
+import { startThreadedTopology } from "./threaded-topology.js";
+
+const model = loadModel(modelDir("tiny-qwen2"), { shared: true });
+const shared = { model: { config: model.config, weights: model.weights }, pageSize: 16, maxModelLen: 1024 };
+
+function request(rid: number, seed: number): GenerationRequest {
+  return {
+    rid,
+    tenant: 0,
+    promptTokens: Int32Array.from({ length: 150 }, (_, i) => (i * 11 + seed) % 250),
+    maxTokens: 20,
+    temperature: 0,
+    topP: 1,
+    topK: 0,
+    seed: null,
+    stopTokenIds: [],
+  };
+}
+
+function run(engine: DisaggregatedEngine, r: GenerationRequest) {
+  return new Promise<{ tokens: number[]; error: WireError | null }>((resolve) => {
+    const tokens: number[] = [];
+    engine.submit(r, {
+      onTokens: (ids) => tokens.push(...ids),
+      onFinish: () => resolve({ tokens, error: null }),
+      onError: (error) => resolve({ tokens, error }),
+    });
+  });
+}
+
+test("DisaggregatedEngine serves a request the full decode pool refused once the pages free", async () => {
+  // 150 + 20 tokens need 11 of decode's 16 pages: two such requests never fit together.
+  const t = await startThreadedTopology({
+    prefill: { ...shared, numPages: 64 },
+    decode: { ...shared, numPages: 16 },
+    maxModelLen: 1024,
+  });
+  try {
+    const alone = await run(t.engine, request(1, 3));
+    assert.equal(alone.error, null);
+    const first = run(t.engine, request(2, 5));
+    const second = run(t.engine, request(3, 3));
+    const [a, b] = await Promise.all([first, second]);
+    assert.equal(a.error, null);
+    assert.equal(b.error, null, "the second request waited instead of failing with pool_exhausted");
+    assert.deepEqual(b.tokens, alone.tokens, "the same greedy output as alone");
+    assert.equal(t.engine.inFlight, 0);
+    assert.equal(t.engine.waiting, 0);
+  } finally {
+    await t.close();
+  }
+});

@@ -82,7 +82,7 @@ def main():
     ap.add_argument("--unknown-until", type=int, default=2450,
                     help="steps before this one ask 12%% of questions about accounts without a record")
     ap.add_argument("--batch", type=int, default=16, help="conversations per step at the short level")
-    ap.add_argument("--batch-long", type=int, default=8, help="conversations per step at the full range")
+    ap.add_argument("--batch-long", type=int, default=4, help="conversations per step at the full range")
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--target", type=float, default=0.98, help="stop at this full-range recall")
     ap.add_argument("--threads", type=int, default=2)

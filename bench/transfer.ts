@@ -457,6 +457,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
 }
 
 function fmtRatio(r: RatioInterval, asPercent: boolean): string {
+  if (Number.isNaN(r.ratio)) return "not run (add both paths to --paths)";
   const f = (x: number): string => (asPercent ? `${(x * 100).toFixed(0)}%` : x.toFixed(3));
   return `${f(r.ratio)} [95% CI ${f(r.low)}–${f(r.high)}]`;
 }

@@ -6,28 +6,14 @@
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
+import { prompt, request } from "../../testing/engine-harness.js";
 import { modelDir } from "../../testing/start-server.js";
-import type { GenerationRequest } from "../engine/engine-types.js";
 import { loadModel } from "../model/load-model.js";
 import { startThreadedTopology } from "./threaded-topology.js";
 
 const model = loadModel(modelDir("tiny-qwen2"), { shared: true });
 const PAGE = 16;
 const shared = { model: { config: model.config, weights: model.weights }, pageSize: PAGE, maxModelLen: 1024 };
-
-function request(rid: number, promptLen: number, maxTokens: number): GenerationRequest {
-  return {
-    rid,
-    tenant: 0,
-    promptTokens: Int32Array.from({ length: promptLen }, (_, i) => (i * 7 + rid) % 250),
-    maxTokens,
-    temperature: 0,
-    topP: 1,
-    topK: 0,
-    seed: null,
-    stopTokenIds: [],
-  };
-}
 
 test("PrefillNode hashes pages at production and DecodeNode as they land; the commit reads the records", async () => {
   // 200 prompt tokens in chunks of 32 (2 pages): 13 pages, the last one partial.
@@ -42,7 +28,7 @@ test("PrefillNode hashes pages at production and DecodeNode as they land; the co
     for (const rid of [1, 2]) {
       const out = await new Promise<{ tokens: number; error: unknown }>((resolve) => {
         let tokens = 0;
-        t.engine.submit(request(rid, promptLen, 3), {
+        t.engine.submit(request(rid, prompt(promptLen, rid, 250), 3), {
           onTokens: (ids) => {
             tokens += ids.length;
           },

@@ -15,7 +15,7 @@
  * Every figure is the median over timed repetitions after warm-up (the spread is printed).
  *
  * Run: `node dist/bench/kernels.js [--model DIR] [--threads 1|2] [--parts micro,roofline,pass]
- * [--json]` (the model: `node dist/src/cli/main.js gen-model --like smollm2-135m --seed 1 /work/scratch/smol`).
+ * [--json]` (the model: `node dist/src/cli/main.js gen-model --like smollm2-135m --seed 1 /tmp/smol`).
  */
 import { parseArgs } from "node:util";
 import { referenceKernels } from "../src/kernels/kernels.js";

@@ -41,10 +41,12 @@ The run stops at --target full-range recall, --max-steps, or after --max-minutes
 invocation.
 """
 import argparse
+import json
 import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -74,7 +76,7 @@ def first_asks(turns):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="models/kvfence-tiny")
-    ap.add_argument("--work", default="/work/scratch/kvfence-tiny-recall")
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "kvfence-tiny-recall"))
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--lr-drop-at", type=int, default=2100, help="from this step the lr is multiplied by --lr-drop")
@@ -87,6 +89,8 @@ def main():
     ap.add_argument("--target", type=float, default=0.98, help="stop at this full-range recall")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="exact recall of <out>/model.safetensors on testing/fixtures/recall-prompts.json")
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     ap.add_argument("--p-dup", type=float, default=0.5, help="chance a record repeats later in its context")
     ap.add_argument("--warmup-copy", type=int, default=100, help="steps whose batches are half repeat-copy")
@@ -102,6 +106,14 @@ def main():
     SHAPE["tie_word_embeddings"] = not args.untied
     T.CFG.update(SHAPE)
     model = T.Llama(T.CFG)
+    if args.eval_only:
+        model.load_state_dict(T.load_safetensors(os.path.join(args.out, "model.safetensors")), strict=False)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(root, "testing", "fixtures", "recall-prompts.json")) as f:
+            prompts = json.load(f)["prompts"]
+        r, fails = T.eval_recall(model, prompts)
+        print(f"{args.out}: exact recall {r * 100:.1f}% on {len(prompts)} held-out prompts; first misses: {fails[:3]}")
+        return
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     pools = corpus.Pools(heldout=False)
     val = {h: corpus.make_eval_prompts(seed=4242 + h, n=48, min_bytes=60 if h < 300 else 100,

@@ -3,7 +3,7 @@
 
 Run with Debian's PyTorch (torch 1.13, CPU):  /usr/bin/python3 scripts/train_tiny.py
   --out models/kvfence-tiny   where the Hugging Face files are written (best validation checkpoint)
-  --work /work/scratch/kvfence-tiny   checkpoints (last.pt every 3 min and at each eval, best.pt)
+  --work DIR (default $TMPDIR/kvfence-tiny)   checkpoints (last.pt every 3 min and at each eval, best.pt)
   --resume                     continue from <work>/last.pt (same data stream: batch s depends only
                                on --seed and s; pass the same --steps, or the schedule changes)
   --stop-after N               stop after N steps of this invocation (time-sliced training)
@@ -33,6 +33,7 @@ import os
 import random
 import struct
 import sys
+import tempfile
 import time
 
 import torch
@@ -362,7 +363,7 @@ def main():
     global CTX_OVERRIDE
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="models/kvfence-tiny")
-    ap.add_argument("--work", default="/work/scratch/kvfence-tiny")
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "kvfence-tiny"))
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--tokens-per-step", type=int, default=3072)

@@ -50,7 +50,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus  # noqa: E402
@@ -164,13 +163,7 @@ def main():
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, step / 30) * (args.lr_drop if step >= args.lr_drop_at else 1.0)
         x, y, w, ans = batch(step)
-        logits = model(x)
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view_as(w)
-        loss = (nll * w).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        logits, _, loss = T.train_step(model, opt, x, y, w)
         if step % 10 == 0:
             with torch.no_grad():
                 acc = (((logits.argmax(-1) == y).float() * ans).sum() / ans.sum()).item()

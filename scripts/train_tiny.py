@@ -326,6 +326,19 @@ def make_batch(seed, step, total, tokens_per_step):
 TRAIN_POOLS = corpus.Pools(heldout=False)
 
 
+def train_step(model, opt, x, y, w):
+    """One optimizer step on the weighted next-token loss (weights `w` per target token, grad clip
+    1.0); returns (logits, per-token nll, loss) for the caller's logging."""
+    logits = model(x)
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view_as(w)
+    loss = (nll * w).sum() / w.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return logits, nll, loss
+
+
 def answer_exact(logits, y, ans):
     """Per sequence: fraction of answers whose every token (code + <|im_end|>) is argmax."""
     ok = (logits.argmax(-1) == y) | (ans == 0)
@@ -445,13 +458,7 @@ def main():
         x, y, w, ans = make_batch(args.seed, step, args.steps, args.tokens_per_step)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        logits = model(x)
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view_as(w)
-        loss = (nll * w).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        logits, nll, loss = train_step(model, opt, x, y, w)
         step += 1
         with torch.no_grad():
             n_ans = max(ans.sum().item(), 1.0)

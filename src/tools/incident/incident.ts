@@ -110,19 +110,7 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
       iUnderstandThisLeaksData: unsafe,
     });
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });
-    return {
-      url: server.url,
-      keyA: KEY_A,
-      keyB: KEY_B,
-      async metrics() {
-        const res = await fetch(`${server.url}/metrics`);
-        return parsePrometheusText(await res.text());
-      },
-      async close() {
-        await server.close();
-        rmSync(dir, { recursive: true, force: true });
-      },
-    };
+    return incidentServer(server.url, dir, () => server.close());
   } catch (err) {
     rmSync(dir, { recursive: true, force: true });
     throw err;
@@ -157,16 +145,21 @@ async function startIncidentCluster(
       : { prefillArgs: ["--prefill-kv-pages", String(INCIDENT_SHAPE.prefillKvPages)] }),
     routerArgs: ["--api-keys", keys],
   });
+  return incidentServer(cluster.url, dir, () => cluster.close());
+}
+
+/** The handle of a started server at `url`; `close` stops it, then `dir` is removed. */
+function incidentServer(url: string, dir: string, stop: () => Promise<void>): IncidentServer {
   return {
-    url: cluster.url,
+    url,
     keyA: KEY_A,
     keyB: KEY_B,
     async metrics() {
-      const res = await fetch(`${cluster.url}/metrics`);
+      const res = await fetch(`${url}/metrics`);
       return parsePrometheusText(await res.text());
     },
     async close() {
-      await cluster.close();
+      await stop();
       rmSync(dir, { recursive: true, force: true });
     },
   };

@@ -12,8 +12,9 @@
  * waits on the other).
  *
  * Shapes follow src/kernels/reference.ts: a weight is `[out][in]`, matmul computes x · wᵀ.
- * Matmul: 3 x-rows × 4 w-rows register tile (12 f32x4 accumulators) for rows ≥ 3, else a matvec of
- * 4 w-rows × 2 accumulators. Sums accumulate in f32 lanes (the reference uses doubles).
+ * Matmul: 3 x-rows × 4 w-rows register tile (12 f32x4 accumulators) for rows ≥ 3, else a matvec
+ * that streams one weight row at a time into 4 accumulators. Sums accumulate in f32 lanes (the
+ * reference uses doubles).
  */
 
 // ---------------------------------------------------------------------------------------------
@@ -304,102 +305,30 @@ function tile4(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i32,
   }
 }
 
-/** out[r][j] for one row r, columns j in [c0, c1): 4 w-rows at a time, 2 accumulators each. */
+/**
+ * out[r][j] for one row r, columns j in [c0, c1): one weight row at a time with 4 accumulators, so a
+ * chunk of columns is one sequential read stream (x stays in L1). Reading 4 or 8 weight rows at once
+ * (as many streams) was slower: the bare decode weight pass on the 135M shape went from 36 to 55
+ * passes/s on 2 threads and from 24 to 43 on 1 (bench/kernels.ts --parts pass, interleaved).
+ */
 function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
   const xs = (<usize>inDim) << 2;
   const xr = x + <usize>r * xs;
   const orow = out + ((<usize>r * <usize>outDim) << 2);
-  const k8 = (<usize>(inDim & ~7)) << 2;
+  const k16 = (<usize>(inDim & ~15)) << 2;
   const k4 = (<usize>(inDim & ~3)) << 2;
-  let j = c0;
-  // 8 weight rows at a time: 8 read streams in flight keep more of the memory bandwidth busy.
-  for (; j + 8 <= c1; j += 8) {
+  for (let j = c0; j < c1; j++) {
     const w0 = w + <usize>j * xs;
     let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0), a3 = f32x4.splat(0);
-    let a4 = f32x4.splat(0), a5 = f32x4.splat(0), a6 = f32x4.splat(0), a7 = f32x4.splat(0);
     let k: usize = 0;
-    for (; k < k4; k += 16) {
-      const xa = v128.load(xr + k);
-      let wk = w0 + k;
-      a0 = fma(a0, xa, v128.load(wk));
-      wk += xs;
-      a1 = fma(a1, xa, v128.load(wk));
-      wk += xs;
-      a2 = fma(a2, xa, v128.load(wk));
-      wk += xs;
-      a3 = fma(a3, xa, v128.load(wk));
-      wk += xs;
-      a4 = fma(a4, xa, v128.load(wk));
-      wk += xs;
-      a5 = fma(a5, xa, v128.load(wk));
-      wk += xs;
-      a6 = fma(a6, xa, v128.load(wk));
-      wk += xs;
-      a7 = fma(a7, xa, v128.load(wk));
+    for (; k < k16; k += 64) {
+      a0 = fma(a0, v128.load(xr + k), v128.load(w0 + k));
+      a1 = fma(a1, v128.load(xr + k, 16), v128.load(w0 + k, 16));
+      a2 = fma(a2, v128.load(xr + k, 32), v128.load(w0 + k, 32));
+      a3 = fma(a3, v128.load(xr + k, 48), v128.load(w0 + k, 48));
     }
-    const jo = orow + ((<usize>j) << 2);
-    v128.store(jo, reduce4(a0, a1, a2, a3));
-    v128.store(jo, reduce4(a4, a5, a6, a7), 16);
-    for (; k < xs; k += 4) {
-      const v = load<f32>(xr + k);
-      for (let i = 0; i < 8; i++) {
-        const at = jo + ((<usize>i) << 2);
-        store<f32>(at, load<f32>(at) + v * load<f32>(w0 + <usize>i * xs + k));
-      }
-    }
-  }
-  for (; j + 4 <= c1; j += 4) {
-    const w0 = w + <usize>j * xs;
-    const w1 = w0 + xs;
-    const w2 = w1 + xs;
-    const w3 = w2 + xs;
-    let a0 = f32x4.splat(0), b0 = f32x4.splat(0);
-    let a1 = f32x4.splat(0), b1 = f32x4.splat(0);
-    let a2 = f32x4.splat(0), b2 = f32x4.splat(0);
-    let a3 = f32x4.splat(0), b3 = f32x4.splat(0);
-    let k: usize = 0;
-    for (; k < k8; k += 32) {
-      const xa = v128.load(xr + k);
-      const xb = v128.load(xr + k, 16);
-      a0 = fma(a0, xa, v128.load(w0 + k));
-      b0 = fma(b0, xb, v128.load(w0 + k, 16));
-      a1 = fma(a1, xa, v128.load(w1 + k));
-      b1 = fma(b1, xb, v128.load(w1 + k, 16));
-      a2 = fma(a2, xa, v128.load(w2 + k));
-      b2 = fma(b2, xb, v128.load(w2 + k, 16));
-      a3 = fma(a3, xa, v128.load(w3 + k));
-      b3 = fma(b3, xb, v128.load(w3 + k, 16));
-    }
-    for (; k < k4; k += 16) {
-      const xa = v128.load(xr + k);
-      a0 = fma(a0, xa, v128.load(w0 + k));
-      a1 = fma(a1, xa, v128.load(w1 + k));
-      a2 = fma(a2, xa, v128.load(w2 + k));
-      a3 = fma(a3, xa, v128.load(w3 + k));
-    }
-    let s0 = hsum(f32x4.add(a0, b0));
-    let s1 = hsum(f32x4.add(a1, b1));
-    let s2 = hsum(f32x4.add(a2, b2));
-    let s3 = hsum(f32x4.add(a3, b3));
-    for (; k < xs; k += 4) {
-      const v = load<f32>(xr + k);
-      s0 += v * load<f32>(w0 + k);
-      s1 += v * load<f32>(w1 + k);
-      s2 += v * load<f32>(w2 + k);
-      s3 += v * load<f32>(w3 + k);
-    }
-    const jo = orow + ((<usize>j) << 2);
-    store<f32>(jo, s0);
-    store<f32>(jo, s1, 4);
-    store<f32>(jo, s2, 8);
-    store<f32>(jo, s3, 12);
-  }
-  for (; j < c1; j++) {
-    const w0 = w + <usize>j * xs;
-    let a0 = f32x4.splat(0);
-    let k: usize = 0;
     for (; k < k4; k += 16) a0 = fma(a0, v128.load(xr + k), v128.load(w0 + k));
-    let s0 = hsum(a0);
+    let s0 = hsum(f32x4.add(f32x4.add(a0, a1), f32x4.add(a2, a3)));
     for (; k < xs; k += 4) s0 += load<f32>(xr + k) * load<f32>(w0 + k);
     store<f32>(orow + ((<usize>j) << 2), s0);
   }

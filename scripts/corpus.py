@@ -128,11 +128,24 @@ class Pools:
                 return c
 
 
-def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_dup=0.0):
+def near_account(rng, pools, acct):
+    """An account of the same split that differs from `acct` in one or two digit places."""
+    while True:
+        d = list(acct)
+        for k in rng.sample(range(4), rng.randint(1, 2)):
+            d[k] = rng.choice("0123456789".replace(d[k], ""))
+        a = "".join(d)
+        if is_heldout_account(a) == pools.heldout:
+            return a
+
+
+def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_dup=0.0, p_near=0.0):
     """Returns (context_text, {account: code}, distractor_accounts).
 
     With p_dup > 0 each record is, with that probability, repeated once later in the context
-    (training only: the repeated code is an extra copy target, see `encode_turns`)."""
+    (training only: the repeated code is an extra copy target, see `encode_turns`). With p_near > 0
+    a new record's account is, with that probability, a near miss of an earlier record's account
+    (one or two digits changed; training only: it forces the answer to match all four digits)."""
     facts, dis_accts, items = {}, [], []
     size = 0
     p_record = rng.uniform(0.2, 0.5)
@@ -140,6 +153,8 @@ def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_d
         u = rng.random()
         if u < p_record or len(facts) < n_records_min and size > target_bytes * 0.6:
             a = pools.account(rng)
+            if p_near > 0 and facts and rng.random() < p_near:
+                a = near_account(rng, pools, rng.choice(list(facts)))
             if a in facts:
                 continue
             facts[a] = pools.code(rng)
@@ -166,8 +181,8 @@ def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_d
     return out, facts, [a for a in dis_accts if a not in facts]
 
 
-def make_conversation(rng, pools, target_bytes, n_questions, p_unknown=0.12, p_dup=0.0):
-    ctx, facts, dis = make_context(rng, pools, target_bytes, p_dup=p_dup)
+def make_conversation(rng, pools, target_bytes, n_questions, p_unknown=0.12, p_dup=0.0, p_near=0.0):
+    ctx, facts, dis = make_context(rng, pools, target_bytes, p_dup=p_dup, p_near=p_near)
     keys = list(facts)
     rng.shuffle(keys)
     qs = []

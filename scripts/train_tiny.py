@@ -27,6 +27,7 @@ names match LlamaForCausalLM, and weights are saved as f32 safetensors written b
 """
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -324,6 +325,20 @@ def make_batch(seed, step, total, tokens_per_step):
 
 
 TRAIN_POOLS = corpus.Pools(heldout=False)
+
+
+def keep_freed_memory():
+    """Tells glibc's malloc to keep freed memory instead of returning it to the kernel. Every step
+    has a different sequence length, so PyTorch's large activation buffers are freed and allocated
+    anew each step; by default each one is a fresh mmap whose pages the kernel must fault in and
+    zero (measured: a quarter of the CPU time spent in the kernel, steps ~20% slower)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-4, 0)  # M_MMAP_MAX: serve big blocks from the heap, not from fresh mmaps
+    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
+    libc.mallopt(-2, 2**26)  # M_TOP_PAD: grow the heap 64 MiB at a time
 
 
 def train_step(model, opt, x, y, w):

@@ -41,6 +41,8 @@ export interface ModelBenchOptions {
   /** Context of the batch-1 long-context decode arm; 0 skips it (so does a context beyond the window). */
   readonly longContextTokens: number;
   readonly decodeSteps: number;
+  /** Tokens per KV page (kvfence serve's `--page-size`, default 16). */
+  readonly pageSize: number;
   readonly batchSizes: readonly number[];
   readonly repeats: number;
   readonly bandwidthBytes: number;
@@ -55,6 +57,7 @@ export const MODEL_BENCH_DEFAULTS = {
   contextTokens: 32,
   longContextTokens: 0,
   decodeSteps: 16,
+  pageSize: 16,
   batchSizes: [1, 8],
   repeats: 5,
   bandwidthBytes: 2 ** 30,
@@ -163,7 +166,7 @@ async function prepareArms(
 ): Promise<Arms> {
   const threads: 1 | 2 = name === "ts" ? 1 : options.threads;
   const rng = new Prng(options.seed);
-  const pageSize = 16;
+  const pageSize = options.pageSize;
   const layout = {
     numLayers: config.numLayers,
     numKvHeads: config.numKvHeads,
@@ -379,7 +382,7 @@ export function formatModelBench(r: ModelBenchResult): string {
   const bandwidth = `1 thread ${m(r.readGbps[1], 2)}${r.readGbps[2] === null ? "" : `, 2 threads ${m(r.readGbps[2], 2)}`}`;
   const lines = [
     `model bench: ${r.model} (${c.architecture}, ${c.numLayers} layers, hidden ${c.hiddenSize}, heads ${c.numHeads}/${c.numKvHeads}, vocab ${c.vocabSize}); Node ${r.node}`,
-    `  weights read per decode step: ${(r.weightBytes / 1e6).toFixed(1)} MB (f32); ${r.options.repeats} interleaved repeats, medians`,
+    `  weights read per decode step: ${(r.weightBytes / 1e6).toFixed(1)} MB (f32); KV pages of ${r.options.pageSize} tokens; ${r.options.repeats} interleaved repeats, medians`,
     `  read bandwidth (native memchr over ${(r.options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB): ${bandwidth} GB/s`,
   ];
   const decodeLine = (d: DecodeResult): string => {

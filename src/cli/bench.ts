@@ -48,6 +48,7 @@ interface ModelCliOptions {
   promptTokens: number;
   contextTokens: number;
   decodeSteps: number;
+  pageSize: number;
   batch: number[];
   repeats: number;
   bandwidthMib: number;
@@ -95,6 +96,7 @@ function modelCommand(): Command {
       positiveInteger,
       d.decodeSteps,
     )
+    .option("--page-size <n>", "tokens per KV page, as kvfence serve --page-size", positiveInteger, d.pageSize)
     .option("--batch <list>", "decode batch sizes, comma-separated", integerList, [...d.batchSizes])
     .option("--repeats <n>", "interleaved repeats (median, range, bootstrap CI)", positiveInteger, d.repeats)
     .option(
@@ -115,6 +117,7 @@ function modelCommand(): Command {
           promptTokens: opts.promptTokens,
           contextTokens: opts.contextTokens,
           decodeSteps: opts.decodeSteps,
+          pageSize: opts.pageSize,
           batchSizes: opts.batch,
           repeats: opts.repeats,
           bandwidthBytes: opts.bandwidthMib * 2 ** 20,

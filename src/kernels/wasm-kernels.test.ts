@@ -34,6 +34,8 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [3, 5, 7],
   [4, 33, 41],
   [7, 66, 19],
+  [8, 37, 13], // the 8-row streaming tile with a k tail
+  [17, 66, 9],
   [13, 576, 35],
   [1, 576, 193],
   [64, 120, 200],

@@ -12,7 +12,8 @@
  * waits on the other).
  *
  * Shapes follow src/kernels/reference.ts: a weight is `[out][in]`, matmul computes x · wᵀ.
- * Matmul: 3 x-rows × 4 w-rows register tile (12 f32x4 accumulators) for rows ≥ 3, else a matvec
+ * Matmul: groups of 8 x-rows stream one weight row at a time (8 accumulators), the remaining rows
+ * use 4- or 3-row register tiles (12 f32x4 accumulators), and 1–2 rows a matvec
  * that streams one weight row at a time into 4 accumulators. Sums accumulate in f32 lanes (the
  * reference uses doubles).
  */
@@ -334,9 +335,65 @@ function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i
   }
 }
 
+/**
+ * out[r][j] for rows r0..r0+7, columns j in [c0, c1): one weight row at a time against 8 x-rows
+ * (8 accumulators; the 8 x-rows stay in L1), so the weights are one sequential read stream, as in
+ * `matvecRow`. For small batches (decode), where the weights come from DRAM once per step.
+ */
+function tile8x1(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+  const xs = (<usize>inDim) << 2;
+  const os = (<usize>outDim) << 2;
+  const x0 = x + <usize>r0 * xs;
+  const o0 = out + <usize>r0 * os;
+  const k4 = (<usize>(inDim & ~3)) << 2;
+  for (let j = c0; j < c1; j++) {
+    const w0 = w + <usize>j * xs;
+    let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0), a3 = f32x4.splat(0);
+    let a4 = f32x4.splat(0), a5 = f32x4.splat(0), a6 = f32x4.splat(0), a7 = f32x4.splat(0);
+    for (let k: usize = 0; k < k4; k += 16) {
+      const b = v128.load(w0 + k);
+      let xk = x0 + k;
+      a0 = fma(a0, v128.load(xk), b);
+      xk += xs;
+      a1 = fma(a1, v128.load(xk), b);
+      xk += xs;
+      a2 = fma(a2, v128.load(xk), b);
+      xk += xs;
+      a3 = fma(a3, v128.load(xk), b);
+      xk += xs;
+      a4 = fma(a4, v128.load(xk), b);
+      xk += xs;
+      a5 = fma(a5, v128.load(xk), b);
+      xk += xs;
+      a6 = fma(a6, v128.load(xk), b);
+      xk += xs;
+      a7 = fma(a7, v128.load(xk), b);
+    }
+    const lo = reduce4(a0, a1, a2, a3);
+    const hi = reduce4(a4, a5, a6, a7);
+    const jo = o0 + ((<usize>j) << 2);
+    store<f32>(jo, f32x4.extract_lane(lo, 0));
+    store<f32>(jo + os, f32x4.extract_lane(lo, 1));
+    store<f32>(jo + 2 * os, f32x4.extract_lane(lo, 2));
+    store<f32>(jo + 3 * os, f32x4.extract_lane(lo, 3));
+    store<f32>(jo + 4 * os, f32x4.extract_lane(hi, 0));
+    store<f32>(jo + 5 * os, f32x4.extract_lane(hi, 1));
+    store<f32>(jo + 6 * os, f32x4.extract_lane(hi, 2));
+    store<f32>(jo + 7 * os, f32x4.extract_lane(hi, 3));
+    for (let k = k4; k < xs; k += 4) {
+      const b = load<f32>(w0 + k);
+      for (let i: usize = 0; i < 8; i++) {
+        const at = jo + i * os;
+        store<f32>(at, load<f32>(at) + load<f32>(x0 + i * xs + k) * b);
+      }
+    }
+  }
+}
+
 /** out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. */
 export function matmulCols(out: usize, x: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
   let r = 0;
+  for (; r + 8 <= rows; r += 8) tile8x1(out, x, w, r, inDim, outDim, c0, c1);
   for (; r + 4 <= rows; r += 4) tile4(out, x, w, r, inDim, outDim, c0, c1);
   for (; r + 3 <= rows; r += 3) tile3(out, x, w, r, inDim, outDim, c0, c1);
   for (; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim, c0, c1);

@@ -96,7 +96,12 @@ function modelCommand(): Command {
       positiveInteger,
       d.decodeSteps,
     )
-    .option("--page-size <n>", "tokens per KV page, as kvfence serve --page-size", positiveInteger, d.pageSize)
+    .option(
+      "--page-size <n>",
+      "tokens per KV page, as kvfence serve --page-size",
+      positiveInteger,
+      d.pageSize,
+    )
     .option("--batch <list>", "decode batch sizes, comma-separated", integerList, [...d.batchSizes])
     .option("--repeats <n>", "interleaved repeats (median, range, bootstrap CI)", positiveInteger, d.repeats)
     .option(

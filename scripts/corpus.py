@@ -139,7 +139,8 @@ def near_account(rng, pools, acct):
             return a
 
 
-def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_dup=0.0, p_near=0.0):
+def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_dup=0.0, p_near=0.0,
+                 p_record_max=0.5):
     """Returns (context_text, {account: code}, distractor_accounts).
 
     With p_dup > 0 each record is, with that probability, repeated once later in the context
@@ -148,7 +149,7 @@ def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_d
     (one or two digits changed; training only: it forces the answer to match all four digits)."""
     facts, dis_accts, items = {}, [], []
     size = 0
-    p_record = rng.uniform(0.2, 0.5)
+    p_record = rng.uniform(0.2, p_record_max)
     while size < target_bytes or len(facts) < n_records_min:
         u = rng.random()
         if u < p_record or len(facts) < n_records_min and size > target_bytes * 0.6:
@@ -181,8 +182,10 @@ def make_context(rng, pools, target_bytes, n_records_min=1, p_distract=0.15, p_d
     return out, facts, [a for a in dis_accts if a not in facts]
 
 
-def make_conversation(rng, pools, target_bytes, n_questions, p_unknown=0.12, p_dup=0.0, p_near=0.0):
-    ctx, facts, dis = make_context(rng, pools, target_bytes, p_dup=p_dup, p_near=p_near)
+def make_conversation(rng, pools, target_bytes, n_questions, p_unknown=0.12, p_dup=0.0, p_near=0.0,
+                      p_record_max=0.5):
+    ctx, facts, dis = make_context(rng, pools, target_bytes, p_dup=p_dup, p_near=p_near,
+                                   p_record_max=p_record_max)
     keys = list(facts)
     rng.shuffle(keys)
     qs = []

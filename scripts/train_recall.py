@@ -56,6 +56,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -80,6 +81,39 @@ def first_asks(turns):
     return out
 
 
+@torch.no_grad()
+def byte_errors(model, max_bytes, n=200):
+    """Where the wrong code bytes come from, teacher-forced on n held-out prompts of max_bytes/2 to
+    max_bytes: the same byte of another record's code (wrong record, right offset), another byte of
+    the asked record's code, some other byte of the context, or nothing in the context."""
+    model.eval()
+    prompts = corpus.make_eval_prompts(seed=777 + max_bytes, n=n, min_bytes=max(60, max_bytes // 2),
+                                       max_bytes=min(max_bytes, 1000))
+    kinds, total = Counter(), 0
+    for p in prompts:
+        ctx, code, answer = p["messages"][0]["content"], p["expected"], p["answer"]
+        prompt, target = corpus.encode_prompt(ctx), corpus.encode_text(answer) + [corpus.IM_END]
+        pred = model(torch.tensor([prompt + target])).argmax(-1)[0, len(prompt) - 1:].tolist()
+        at = answer.index(" is ") + 4
+        others = [c for _, c in corpus.RECORD_RE.findall(ctx) if c != code]
+        for k in (0, 1, 2, 4, 5, 6):
+            total += 1
+            got = chr(pred[at + k]) if pred[at + k] < 256 else "\ufffd"
+            if got == code[k]:
+                continue
+            if any(o[k] == got for o in others):
+                kinds["the same byte of another record's code"] += 1
+            elif got in code:
+                kinds["another byte of the asked code"] += 1
+            elif got in ctx:
+                kinds["another byte of the context"] += 1
+            else:
+                kinds["not in the context"] += 1
+    print(f"contexts of {max(60, max_bytes // 2)}-{max_bytes} bytes: {sum(kinds.values())} of {total} code bytes wrong")
+    for kind, count in kinds.most_common():
+        print(f"  {count:5d}  {kind}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="models/kvfence-tiny")
@@ -101,7 +135,13 @@ def main():
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--eval-only", action="store_true",
                     help="exact recall of <out>/model.safetensors on testing/fixtures/recall-prompts.json")
+    ap.add_argument("--byte-errors", type=int, metavar="BYTES",
+                    help="classify the wrong code bytes of <out>/model.safetensors on contexts up to BYTES")
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
+    ap.add_argument("--heads", type=int, default=SHAPE["num_attention_heads"],
+                    help="attention heads (and KV heads) per layer; head_dim = hidden_size / heads")
+    ap.add_argument("--p-record-max", type=float, default=0.5,
+                    help="a context's share of records is uniform in [0.2, this] (the rest distractors, filler)")
     ap.add_argument("--p-dup", type=float, default=0.5, help="chance a record repeats later in its context")
     ap.add_argument("--warmup-copy", type=int, default=100, help="steps whose batches are half repeat-copy")
     ap.add_argument("--p-repeat", type=float, default=0.0, help="share of repeat-copy sequences after the warm-up")
@@ -114,11 +154,17 @@ def main():
     T.keep_freed_memory()
     torch.manual_seed(args.seed)
     SHAPE["num_hidden_layers"] = args.layers
+    SHAPE.update(num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                 head_dim=SHAPE["hidden_size"] // args.heads)
     SHAPE["tie_word_embeddings"] = not args.untied
     T.CFG.update(SHAPE)
     model = T.Llama(T.CFG)
-    if args.eval_only:
+    if args.eval_only or args.byte_errors:
         model.load_state_dict(T.load_safetensors(os.path.join(args.out, "model.safetensors")), strict=False)
+    if args.byte_errors:
+        byte_errors(model, args.byte_errors)
+        return
+    if args.eval_only:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         with open(os.path.join(root, "testing", "fixtures", "recall-prompts.json")) as f:
             prompts = json.load(f)["prompts"]
@@ -156,7 +202,7 @@ def main():
             # half the contexts anywhere up to the level's length, half in its upper half (the new lengths)
             size_b = rng.randint(40, top) if rng.random() < 0.5 else rng.randint(top // 2, top)
             turns = corpus.make_conversation(rng, pools, size_b, rng.randint(3, 4 + size_b // 250),
-                                             p_dup=args.p_dup, p_near=args.p_near,
+                                             p_dup=args.p_dup, p_near=args.p_near, p_record_max=args.p_record_max,
                                              p_unknown=0.12 if s < args.unknown_until else 0.0)
             turns = [(user, corpus.answer_text(user[-5:-1], code)) for user, code in first_asks(turns)]
             ids, w, rep = corpus.encode_turns(turns, with_repeats=True)

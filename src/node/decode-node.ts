@@ -151,12 +151,6 @@ export class DecodeNode {
     }
   }
 
-  /** The checksum cache's counters: pages hashed as they landed, commit reads served / hashed then. */
-  checksumCounts(): { recorded: number; hits: number; misses: number } {
-    const c = this.#checksums;
-    return { recorded: c.recorded, hits: c.hits, misses: c.misses };
-  }
-
   /** Decode's page for logical page `index` of `(rid, epoch)` from prefill node `id`, or -1. */
   leasedPage(id: string, rid: number, epoch: number, index: number): number {
     const peer = this.#peers.get(id);
@@ -288,7 +282,7 @@ export class DecodeNode {
         checksumFailures: this.#checksumFailures,
         coverageFailures: this.#coverageFailures,
       },
-      checksums: this.checksumCounts(),
+      checksums: this.#checksums.counts(),
       transferGbps: gbps,
       abortAckSeconds: ack,
     };

@@ -29,6 +29,7 @@ import type {
 } from "../engine/engine-types.js";
 import type { WireError } from "../lib/errors.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
+import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects } from "../protocol/effects.js";
 import {
   initialRouterState,
@@ -409,13 +410,10 @@ export class DisaggregatedEngine implements EngineHandle {
    */
   #wait(pending: Pending): boolean {
     if (this.#closed || this.#waitingCount >= this.#maxWaiting || !pending.pair.up) return false;
-    // Only a request the whole pool can hold may wait for it (decode's reservation: the prompt and
-    // all but the last generated token); anything larger would wait forever.
+    // Only a request the whole pool can hold may wait for it; anything larger would wait forever.
     const { poolTokens, pageSize } = pending.pair.decode.hello;
     const r = pending.request;
-    const needed = Math.ceil(
-      Math.max(r.promptTokens.length, r.promptTokens.length + r.maxTokens - 1) / pageSize,
-    );
+    const needed = decodeReservationPages(r.promptTokens.length, r.maxTokens, pageSize);
     if (needed > Math.floor(poolTokens / pageSize)) return false;
     pending.refusedForPages = false;
     const id = pending.pair.decode.id;

@@ -94,12 +94,6 @@ export class PrefillNode {
     this.#loop = new StepLoop(options.engine, () => this.#hashProduced());
   }
 
-  /** The checksum cache's counters: pages hashed at production, manifest reads served / hashed then. */
-  checksumCounts(): { recorded: number; hits: number; misses: number } {
-    const c = this.#checksums;
-    return { recorded: c.recorded, hits: c.hits, misses: c.misses };
-  }
-
   /**
    * A decode node of `incarnation` connected through `writer`. Its control messages (abort,
    * release) feed that peer's machine; its channel closing is its fence.
@@ -188,7 +182,7 @@ export class PrefillNode {
         droppedStaleWrites: 0,
         droppedMisaddressedWrites: 0,
       },
-      checksums: this.checksumCounts(),
+      checksums: this.#checksums.counts(),
       transferGbps: gbps,
       abortAckSeconds: [],
     };

@@ -98,6 +98,14 @@ export function leasedPage(state: DecodeState, rid: number, epoch: number, index
   return a.pages[index]!;
 }
 
+/**
+ * Pages decode reserves for a request: the prompt, and the generated tokens but the last (whose KV
+ * is never written), so the tail holds maxTokens - 1 tokens.
+ */
+export function decodeReservationPages(promptLen: number, maxTokens: number, pageSize: number): number {
+  return Math.ceil(Math.max(promptLen, promptLen + maxTokens - 1) / pageSize);
+}
+
 export function initialDecodeState(incarnation: number, prefillIncarnation: number): DecodeState {
   return {
     incarnation,
@@ -183,8 +191,7 @@ function reserve(
   }
   const P = pool.pageSize;
   const leaseCount = Math.ceil(msg.promptLen / P);
-  // The last generated token's KV is never written, so the tail holds maxTokens - 1 tokens.
-  const count = Math.max(leaseCount, Math.ceil((msg.promptLen + msg.maxTokens - 1) / P));
+  const count = decodeReservationPages(msg.promptLen, msg.maxTokens, P);
   const leased = leasePages(pool, count, msg);
   if (leased === null) {
     reject(

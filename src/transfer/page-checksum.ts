@@ -146,6 +146,11 @@ export class PageChecksums {
     for (let i = from; i < to; i++) this.record(lease.pages[i]!.page, lease.rid, lease.epoch, i);
   }
 
+  /** The counters, for a node's stats. */
+  counts(): { recorded: number; hits: number; misses: number } {
+    return { recorded: this.recorded, hits: this.hits, misses: this.misses };
+  }
+
   /** Forgets `page`. */
   invalidate(page: number): void {
     this.#index[page] = -1;

@@ -1,47 +1,43 @@
 #!/usr/bin/python3
-"""Train the shipped kvfence-tiny: a 3-layer, 192-wide Llama that copies access codes from context.
+"""Train the shipped kvfence-tiny: a 3-layer Llama that copies access codes from its context.
 
 Run with Debian's PyTorch (torch 1.13, CPU), ideally with OpenBLAS (`apt-get install
 libopenblas0-openmp`; Debian's default reference BLAS is about 8x slower):
 
     /usr/bin/python3 scripts/train_recall.py --out models/kvfence-tiny
     /usr/bin/python3 scripts/train_recall.py --resume           # continue from <work>/last.pt
+    /usr/bin/python3 scripts/train_recall.py --eval-only        # recall of <out> on the fixture
 
 What it reuses: the corpus grammar, tokenizer and held-out split of `scripts/corpus.py`, and the
 Hugging Face Llama definition, safetensors writer, export and teacher-forced recall eval of
-`scripts/train_tiny.py` (whose own defaults — 4 layers, 160 wide, bare-code answers — never left
-the plateau described in docs/kvfence-tiny.md). What makes this one learn:
+`scripts/train_tiny.py`.
 
-- the answer restates the record ("the access code of account 4821 is QX7-PL2.", see corpus.py):
-  the account digits are copied from the question just above, and the code is then the
-  continuation of a line the context already holds (an induction copy keyed by the digits);
-- the shape: 3 layers, hidden 192, 6 heads of 32 (no GQA), intermediate 768, rope_theta 1e4, tied
-  embeddings (1,821,504 parameters). In side-by-side runs on this corpus a 2-layer model of the
-  same width had not even learned to copy the question's digits by step 300, which the 3-layer
-  one did by step 200;
+The recipe (the defaults; docs/kvfence-tiny.md has the run that made the shipped weights):
+
+- the model starts from the copy circuit of `scripts/circuit.py`: eight offset heads in layer 0
+  and an 8-gram induction head in layer 1, written into the weights and held fixed by gradient
+  masks (3 layers, hidden 256, 8 query heads of 128 over 2 KV heads, intermediate 512,
+  rope_theta 1e20, untied LM head: 3,282,688 parameters). The circuit finds the record whose
+  8 bytes before the code ("4821 is ") match the answer's and votes for its next byte. Everything
+  else is trained: the answer's wording, copying the asked account's digits from the question,
+  stopping after the code. Three one-hour runs from random weights (`--no-circuit`, the shape in
+  SHAPE) learned where in a record the code sits but not which record: 16.5% exact recall at best;
+- the answer restates the record ("the access code of account 4821 is QX7-PL2.", see corpus.py),
+  so the code is the continuation of a line the context already holds;
 - records repeat later in their context with probability 0.5 (`--p-dup`), and the repeat's code
-  bytes are targets too: every context carries extra copy targets of exactly the answer's kind;
-- a record's account is, with probability 0.2 (`--p-near`), a near miss of another record's
-  account in the same context (one or two digits changed), so the answer must match all four
-  digits rather than one or two;
-- steps 1..100 (`--warmup-copy`): half the conversations are replaced by repeat-copy sequences
-  (a random [A-Z0-9] string, then the same string), which starts the induction heads;
-- conversations are added to a step until it holds 6,000 tokens (`--tokens-per-step`; ~15
-  conversations at the first level), each asking 3 to 4 + bytes/250 distinct questions; loss 1.0
-  on answer and copy-target tokens and 0.05 elsewhere; no weight decay; lr 1.5e-3 after a 30-step
-  warm-up and a third of that from step 1,200 (`--lr-drop-at`); grad clip 1.0;
-- no questions about accounts without a record (`--unknown-until 0`): with them, in the previous
-  run, the model hesitated between a code and the "n" of "not known" at the first code byte;
+  bytes are targets too; a record's account is, with probability 0.2 (`--p-near`), a near miss of
+  another record's account in the same context (one or two digits changed);
+- conversations are added to a step until it holds 6,000 tokens (`--tokens-per-step`), each
+  asking 3 to 4 + bytes/250 distinct questions; loss 1.0 on answer and copy-target tokens and
+  0.05 elsewhere; AdamW lr 1.5e-3 after a 30-step warm-up, no weight decay; grad clip 1.0; no
+  questions about accounts without a record (`--unknown-until 0`);
 - a curriculum over context lengths 150, 250, 400, 600, 850, 1,100 bytes: half the contexts are
   40..L bytes, half L/2..L; the level goes up when the exact recall of 48 held-out prompts of
   L/2..L bytes reaches 85% (`--gate`, checked every 50 steps). From the 850-byte level on, 64
-  full-range (100–1,000 bytes) prompts are measured and the best model is exported; a run that
+  full-range (100-1,000 bytes) prompts are measured and the best model is exported; a run that
   stops before that exports its last weights;
-- glibc is told to keep freed memory (`train_tiny.keep_freed_memory`), which saves the ~20% of
-  each step the kernel otherwise spends faulting in fresh pages.
-
-The defaults are the run that made the shipped weights: 1,850 steps, 59 minutes on this machine's
-2 cores with nothing else running (docs/kvfence-tiny.md has its log and what it reached).
+- 350 steps (`--max-steps`); glibc is told to keep freed memory (`train_tiny.keep_freed_memory`),
+  which saves the ~20% of each step the kernel otherwise spends faulting in fresh pages.
 
 Data for step s comes from random.Random(seed * 1_000_003 + s), so a resumed run sees the same
 stream. Checkpoints (model, optimizer, step, level, best) go to <work>/last.pt every 50 steps.
@@ -61,9 +57,11 @@ from collections import Counter
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import circuit  # noqa: E402
 import corpus  # noqa: E402
 import train_tiny as T  # noqa: E402
 
+# the shape of the --no-circuit runs (trained from random weights; the circuit has its own)
 SHAPE = dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=6, head_dim=32,
              intermediate_size=768, num_hidden_layers=3, rope_theta=10000.0)
 LEVELS = [150, 250, 400, 600, 850, 1100]
@@ -129,7 +127,7 @@ def main():
     ap.add_argument("--gate", type=float, default=0.85, help="recall at a level that moves the curriculum on")
     ap.add_argument("--p-near", type=float, default=0.2,
                     help="chance a record's account is a near miss (1-2 digits changed) of another record's")
-    ap.add_argument("--max-steps", type=int, default=1850)
+    ap.add_argument("--max-steps", type=int, default=350)
     ap.add_argument("--target", type=float, default=0.98, help="stop at this full-range recall")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
@@ -143,11 +141,13 @@ def main():
     ap.add_argument("--p-record-max", type=float, default=0.5,
                     help="a context's share of records is uniform in [0.2, this] (the rest distractors, filler)")
     ap.add_argument("--p-dup", type=float, default=0.5, help="chance a record repeats later in its context")
-    ap.add_argument("--warmup-copy", type=int, default=100, help="steps whose batches are half repeat-copy")
+    ap.add_argument("--warmup-copy", type=int, default=0, help="steps whose batches are half repeat-copy")
     ap.add_argument("--p-repeat", type=float, default=0.0, help="share of repeat-copy sequences after the warm-up")
     ap.add_argument("--p-repeat-from", type=int, default=0, help="first step with --p-repeat sequences")
     ap.add_argument("--untied", action="store_true", help="a separate LM head (default: tied to the embeddings)")
     ap.add_argument("--max-minutes", type=float, default=60.0)
+    ap.add_argument("--no-circuit", dest="circuit", action="store_false",
+                    help="train from random weights in SHAPE instead of from the copy circuit of scripts/circuit.py")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -157,10 +157,17 @@ def main():
     SHAPE.update(num_attention_heads=args.heads, num_key_value_heads=args.heads,
                  head_dim=SHAPE["hidden_size"] // args.heads)
     SHAPE["tie_word_embeddings"] = not args.untied
-    T.CFG.update(SHAPE)
-    model = T.Llama(T.CFG)
-    if args.eval_only or args.byte_errors:
+    T.CFG.update(circuit.SHAPE if args.circuit else SHAPE)
+    if args.eval_only or args.byte_errors:  # the shape of the model being measured
+        with open(os.path.join(args.out, "config.json")) as f:
+            shipped = json.load(f)
+        T.CFG.update({k: shipped[k] for k in T.CFG})
+        model = T.Llama(T.CFG)
         model.load_state_dict(T.load_safetensors(os.path.join(args.out, "model.safetensors")), strict=False)
+    else:
+        model = T.Llama(T.CFG)
+        if args.circuit:
+            circuit.apply_masks(model, circuit.build(model))
     if args.byte_errors:
         byte_errors(model, args.byte_errors)
         return
@@ -185,7 +192,7 @@ def main():
         opt.load_state_dict(ck["opt"])
         step, level, best = ck["step"], ck["level"], ck["best"]
         print(f"resumed at step {step}, level {level}, best {best * 100:.1f}%", flush=True)
-    print(f"{sum(p.numel() for p in model.parameters())} parameters, shape {SHAPE}", flush=True)
+    print(f"{sum(p.numel() for p in model.parameters())} parameters, shape {T.CFG}", flush=True)
 
     def batch(s):
         rng = random.Random(args.seed * 1_000_003 + s)

@@ -38,7 +38,7 @@ function sourceFiles(dir: string): string[] {
   return readdirSync(dir, { withFileTypes: true }).flatMap((entry) => {
     const path = join(dir, entry.name);
     if (entry.isDirectory()) return entry.name === "assembly" ? [] : sourceFiles(path);
-    return entry.name.endsWith(".ts") && !/\.(test|acceptance)\.ts$/.test(entry.name) ? [path] : [];
+    return entry.name.endsWith(".ts") && !/\.test\.ts$/.test(entry.name) ? [path] : [];
   });
 }
 

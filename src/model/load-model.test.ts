@@ -433,7 +433,7 @@ test("loadModel() loads the bundled models/tiny-qwen2 (BF16, two shards, q/k/v b
   assert.deepEqual(ids, [257, ...bytes("user\nhé"), 258, 10, 257, ...bytes("assistant\n")]);
 });
 
-test("loadModel() loads the bundled models/kvfence-tiny (Llama, F32, tied embeddings)", () => {
+test("loadModel() loads the bundled models/kvfence-tiny (Llama, F32, its own LM head)", () => {
   const dir = fileURLToPath(new URL("../../../models/kvfence-tiny", import.meta.url));
   const json = JSON.parse(readFileSync(join(dir, "config.json"), "utf8")) as Record<string, number>;
   const model = loadModel(dir);
@@ -443,7 +443,8 @@ test("loadModel() loads the bundled models/kvfence-tiny (Llama, F32, tied embedd
   assert.equal(model.config.hiddenSize, json.hidden_size);
   assert.equal(model.config.headDim, json.head_dim);
   assert.equal(model.weights.layers.length, json.num_hidden_layers);
-  assert.equal(model.weights.lmHead, model.weights.embed);
+  assert.notEqual(model.weights.lmHead, model.weights.embed);
+  assert.equal(model.weights.lmHead.length, model.config.vocabSize * model.config.hiddenSize);
   assert.equal(model.weights.layers[0]?.qBias, null);
   assert.ok(model.weights.layers.every((l) => l.q.some((x) => x !== 0)));
   assert.ok(model.config.eosTokenIds.includes(258));

@@ -12,6 +12,8 @@ test("runIncident() lets the probe catch the incident with every guard off", {
   assert.equal(run.report.outcome, "findings");
   // Over-limit prompts were answered 200 (the wrong 200 of the incident).
   assert.ok((run.findingKinds["over-limit-accepted"] ?? 0) > 0, JSON.stringify(run.findingKinds));
+  // And the leak as text: one of tenant A's planted codes in tenant B's HTTP-200 answer.
+  assert.ok((run.findingKinds.leak ?? 0) > 0, JSON.stringify(run.findingKinds));
   // The probe finds it within 60 seconds on this machine.
   assert.ok(run.report.durationMs < 60_000, `probe took ${run.report.durationMs} ms`);
   // No guard counted anything: every guard was off.

@@ -9,8 +9,9 @@
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
-import { it } from "node:test";
+import { after, before, it } from "node:test";
 import { layoutFor } from "../../testing/forward-driver.js";
+import { WasmKernels } from "../kernels/wasm-kernels.js";
 import { pageFloats } from "../kvcache/kv-layout.js";
 import { bundledModelDir, packageRoot } from "../lib/package-root.js";
 import { ForwardPass, type StepSequence } from "./forward.js";
@@ -30,7 +31,14 @@ const MAX_NEW_TOKENS = 56;
 const GROUP = 8;
 const PAGE_SIZE = 16;
 
-it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", { timeout: 900_000 }, () => {
+let kernels: WasmKernels;
+before(async () => {
+  kernels = await WasmKernels.create({ threads: 2 });
+  await kernels.ready();
+});
+after(() => kernels.close());
+
+it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", () => {
   const fixture = JSON.parse(
     readFileSync(join(packageRoot(), "testing", "fixtures", "recall-prompts.json"), "utf8"),
   ) as {
@@ -49,9 +57,13 @@ it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", { 
   const maxLen = Math.max(...prompts.map((p) => p.length)) + MAX_NEW_TOKENS;
   const pagesPerSeq = Math.ceil(maxLen / PAGE_SIZE);
   const layout = layoutFor(config, PAGE_SIZE);
-  const pool = new Float32Array(GROUP * pagesPerSeq * pageFloats(layout));
+  const pool = kernels.placeF32(new Float32Array(GROUP * pagesPerSeq * pageFloats(layout)));
   const maxBatchTokens = GROUP * maxLen;
-  const fp = new ForwardPass(config, weights, layout, { maxBatchTokens, maxSequences: GROUP });
+  const fp = new ForwardPass(config, kernels.placeWeights(weights), layout, {
+    maxBatchTokens,
+    maxSequences: GROUP,
+    kernels,
+  });
 
   let correct = 0;
   const misses: string[] = [];

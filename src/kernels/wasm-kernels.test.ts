@@ -135,6 +135,8 @@ for (const threads of [1, 2] as const) {
         [8, 2, 10, 3, 5, 6],
         [4, 1, 6, 5, 7, 0],
         [12, 3, 64, 16, 3, 200],
+        // Eight rows or more: each item reads every KV head of a page.
+        [9, 3, 64, 16, 9, 40],
         // Few items and a long context: on 2 threads the context is split and merged.
         [9, 3, 64, 16, 1, 1000],
         [6, 1, 10, 4, 2, 700],

@@ -135,6 +135,7 @@ export interface WasmExports {
     splits: number,
     partial: number,
     ml: number,
+    kvParts: number,
   ): void;
   attentionMerge(
     out: number,
@@ -560,19 +561,23 @@ export class WasmKernels implements Kernels {
     let table = this.#table;
     if (table.length < numPages) table = this.#table = this.allocI32(Math.max(numPages, table.length * 2));
     for (let p = 0; p < numPages; p++) table[p] = blockTable[p];
-    const need = (numHeads / numKvHeads) * ctx;
+    const need = numHeads * ctx;
     if (need > this.#scratchFloats) {
       const floats = Math.max(need, this.#scratchFloats * 2);
       this.#scratchMain = this.allocBytes(floats * 4);
       this.#scratchWorker = this.allocBytes(floats * 4);
       this.#scratchFloats = floats;
     }
-    const items = rows * numKvHeads;
-    const work = items * ctx * headDim * 2;
+    const work = rows * numKvHeads * ctx * headDim * 2;
     const counter = this.#counter;
     const solo = this.#worker === null || work < this.#parallelMinWork;
-    // Few (row, KV head) items: also split each row's context, so both threads get equal shares
-    // (flash-decoding); attentionMerge combines the splits.
+    // Work items read every KV head of a page together (one sweep over each page's contiguous K and
+    // V rows: ×1.1–1.3 at 4,096 tokens of context); few rows with a short context are cut by KV head
+    // instead, so both threads get work; few rows with a long context also split each row's context
+    // (flash-decoding), and attentionMerge combines the splits.
+    const longContext = ctx >= 512;
+    const kvParts = solo || rows >= 8 || longContext ? 1 : numKvHeads;
+    const items = rows * kvParts;
     const splits = solo || items >= 8 ? 1 : Math.min(8, Math.max(1, Math.floor((startPos + 1) / 256)));
     if (splits > 1) {
       const floats = rows * numHeads * splits * (headDim + 2);
@@ -607,6 +612,7 @@ export class WasmKernels implements Kernels {
       a[15] = splits;
       a[16] = partial;
       a[17] = ml;
+      a[18] = kvParts;
       s = this.#publish(OP_ATTENTION);
     }
     this.#x.attentionPar(
@@ -628,6 +634,7 @@ export class WasmKernels implements Kernels {
       splits,
       partial,
       ml,
+      kvParts,
     );
     if (solo) return;
     this.#join(s);

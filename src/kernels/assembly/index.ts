@@ -554,57 +554,64 @@ function axpy(acc: usize, p: f32, v: usize, headDim: i32): void {
 }
 
 /**
- * One work item of paged causal attention: query row i (activation row rowStart+i) against KV head g
- * over context positions [ta, tb), for all `group` query heads that share the KV head, so each K and
- * V vector is read once for the whole group. Writes each head's softmax-weighted V sum (normalised
- * over this range) at o + hh·oStride, and, when ml ≠ 0, the range's score max and exp-sum at
- * ml + hh·mlStride (for attentionMerge). `scratch` holds group·(tb−ta) f32 scores.
+ * One work item of paged causal attention: query row i (activation row rowStart+i) against KV heads
+ * [g0, g1) over context positions [ta, tb), for all query heads that share each KV head, so each K
+ * and V vector is read once for its whole group. The heads are interleaved page by page: within one
+ * page every KV head's part of each K (then V) row is read before the next page, so the page's
+ * contiguous K|V block is consumed in one sweep rather than one third of each row per pass. Writes
+ * each query head's softmax-weighted V sum (normalised over this range) at o + h·oStride (h counted
+ * from g0's first query head), and, when ml ≠ 0, the range's score max and exp-sum at
+ * ml + h·mlStride (for attentionMerge). `scratch` holds (g1−g0)·group·(tb−ta) f32 scores.
  */
 function attendRange(
   o: usize, oStride: usize, ml: usize, mlStride: usize, q: usize, pool: usize, blockTable: usize, scratch: usize,
-  i: i32, g: i32, ta: i32, tb: i32, rowStart: i32, layer: i32, numLayers: i32,
+  i: i32, g0: i32, g1: i32, ta: i32, tb: i32, rowStart: i32, layer: i32, numLayers: i32,
   numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32,
 ): void {
   const group = numHeads / numKvHeads;
+  const heads = (g1 - g0) * group;
   const n = tb - ta;
   const rowBytes = (<usize>(numKvHeads * headDim)) << 2;
   const pageBytes = <usize>(numLayers * 2 * pageSize) * rowBytes;
   const kBase = <usize>(layer * 2 * pageSize) * rowBytes;
   const vBase = kBase + <usize>pageSize * rowBytes;
-  const headOff = (<usize>(g * headDim)) << 2;
   const scale = <f32>(1.0 / Math.sqrt(<f64>headDim));
-  const qh0 = q + ((<usize>((rowStart + i) * numHeads + g * group) * <usize>headDim) << 2);
   const headBytes = (<usize>headDim) << 2;
+  const qRow = q + ((<usize>((rowStart + i) * numHeads + g0 * group) * <usize>headDim) << 2);
   const nBytes = (<usize>n) << 2;
+  const tiled3 = (headDim & 3) == 0 ? group - group % 3 : 0;
 
-  // Scores: one pass over K, every head of the group per K vector; heads in register tiles of 3.
-  const kb = pool + kBase + headOff;
-  let h0 = 0;
-  if ((headDim & 3) == 0) {
-    for (; h0 + 3 <= group; h0 += 3) {
-      scoresTile3(scratch + <usize>h0 * nBytes, nBytes, qh0 + <usize>h0 * headBytes, headBytes, kb, blockTable, ta, tb, pageSize, pageBytes, rowBytes, scale);
-    }
-  }
-  if (h0 < group) {
-    let t = ta;
-    while (t < tb) {
-      const p = t / pageSize;
-      const end = min(tb, (p + 1) * pageSize);
-      const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
-      let kp = kb + page * pageBytes + <usize>(t - p * pageSize) * rowBytes;
-      for (; t < end; t++) {
-        const so = scratch + ((<usize>(t - ta)) << 2);
-        for (let h = h0; h < group; h++) {
-          store<f32>(so + <usize>h * nBytes, dot(qh0 + <usize>h * headBytes, kp, headDim) * scale);
+  // Scores: page by page, every KV head of the range per page, every query head of the group per
+  // K vector; query heads in register tiles of 3.
+  let t = ta;
+  while (t < tb) {
+    const p = t / pageSize;
+    const end = min(tb, (p + 1) * pageSize);
+    const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
+    const pageOff = (<usize>(t - p * pageSize)) * rowBytes;
+    for (let g = g0; g < g1; g++) {
+      const kb = pool + kBase + ((<usize>(g * headDim)) << 2);
+      const hg = (g - g0) * group;
+      const qg = qRow + <usize>hg * headBytes;
+      const sg = scratch + <usize>hg * nBytes + ((<usize>(t - ta)) << 2);
+      for (let h0 = 0; h0 < tiled3; h0 += 3) {
+        scoresTile3(sg + <usize>h0 * nBytes, nBytes, qg + <usize>h0 * headBytes, headBytes, kb, blockTable, t, end, pageSize, pageBytes, rowBytes, scale);
+      }
+      let kp = kb + page * pageBytes + pageOff;
+      for (let u = t; u < end; u++) {
+        const so = sg + ((<usize>(u - t)) << 2);
+        for (let h = tiled3; h < group; h++) {
+          store<f32>(so + <usize>h * nBytes, dot(qg + <usize>h * headBytes, kp, headDim) * scale);
         }
         kp += rowBytes;
       }
     }
+    t = end;
   }
 
   // Softmax per head, normalised over the range.
   const cv = (<usize>(n & ~3)) << 2;
-  for (let h = 0; h < group; h++) {
+  for (let h = 0; h < heads; h++) {
     const sh = scratch + <usize>h * nBytes;
     let mv = f32x4.splat(-Infinity);
     let u: usize = 0;
@@ -637,29 +644,32 @@ function attendRange(
     memory.fill(o + <usize>h * oStride, 0, headBytes);
   }
 
-  // Σ p·V: one pass over V for the whole group; heads in register tiles of 3 × 16 dims.
-  const vb = pool + vBase + headOff;
-  h0 = 0;
-  if ((headDim & 15) == 0) {
-    for (; h0 + 3 <= group; h0 += 3) {
-      valuesTile3(o + <usize>h0 * oStride, oStride, headBytes, scratch + <usize>h0 * nBytes, nBytes, vb, blockTable, ta, tb, pageSize, pageBytes, rowBytes);
-    }
-  }
-  if (h0 < group) {
-    let t = ta;
-    while (t < tb) {
-      const p = t / pageSize;
-      const end = min(tb, (p + 1) * pageSize);
-      const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
-      let vp = vb + page * pageBytes + <usize>(t - p * pageSize) * rowBytes;
-      for (; t < end; t++) {
-        const so = scratch + ((<usize>(t - ta)) << 2);
-        for (let h = h0; h < group; h++) {
-          axpy(o + <usize>h * oStride, load<f32>(so + <usize>h * nBytes), vp, headDim);
+  // Σ p·V: page by page, every KV head of the range per page, accumulated into o; query heads in
+  // register tiles of 3 × 16 dims.
+  const vtiled3 = (headDim & 15) == 0 ? tiled3 : 0;
+  t = ta;
+  while (t < tb) {
+    const p = t / pageSize;
+    const end = min(tb, (p + 1) * pageSize);
+    const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
+    const pageOff = (<usize>(t - p * pageSize)) * rowBytes;
+    for (let g = g0; g < g1; g++) {
+      const vb = pool + vBase + ((<usize>(g * headDim)) << 2);
+      const hg = (g - g0) * group;
+      const sg = scratch + <usize>hg * nBytes + ((<usize>(t - ta)) << 2);
+      for (let h0 = 0; h0 < vtiled3; h0 += 3) {
+        valuesTile3(o + <usize>(hg + h0) * oStride, oStride, headBytes, sg + <usize>h0 * nBytes, nBytes, vb, blockTable, t, end, pageSize, pageBytes, rowBytes);
+      }
+      let vp = vb + page * pageBytes + pageOff;
+      for (let u = t; u < end; u++) {
+        const so = sg + ((<usize>(u - t)) << 2);
+        for (let h = vtiled3; h < group; h++) {
+          axpy(o + <usize>(hg + h) * oStride, load<f32>(so + <usize>h * nBytes), vp, headDim);
         }
         vp += rowBytes;
       }
     }
+    t = end;
   }
 }
 
@@ -741,17 +751,20 @@ function scoresTile3(
 }
 
 /**
- * o_h = Σ_t p[h][t]·V_t for 3 heads (o at o, o+oStride, o+2·oStride; p at s + h·sStride), 16 dims at
- * a time in 12 register accumulators (headDim must be a multiple of 16), over V rows [ta, tb).
+ * o_h += Σ_t p[h][t]·V_t for 3 heads (o at o, o+oStride, o+2·oStride; p at s + h·sStride), 16 dims
+ * at a time in 12 register accumulators (headDim must be a multiple of 16), over V rows [ta, tb).
  */
 function valuesTile3(
   o: usize, oStride: usize, hd: usize, s: usize, sStride: usize, vb: usize, blockTable: usize,
   ta: i32, tb: i32, pageSize: i32, pageBytes: usize, rowBytes: usize,
 ): void {
   for (let db: usize = 0; db < hd; db += 64) {
-    let a00 = f32x4.splat(0), a01 = f32x4.splat(0), a02 = f32x4.splat(0), a03 = f32x4.splat(0);
-    let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0), a13 = f32x4.splat(0);
-    let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0), a23 = f32x4.splat(0);
+    const o0 = o + db;
+    const o1 = o0 + oStride;
+    const o2 = o1 + oStride;
+    let a00 = v128.load(o0), a01 = v128.load(o0, 16), a02 = v128.load(o0, 32), a03 = v128.load(o0, 48);
+    let a10 = v128.load(o1), a11 = v128.load(o1, 16), a12 = v128.load(o1, 32), a13 = v128.load(o1, 48);
+    let a20 = v128.load(o2), a21 = v128.load(o2, 16), a22 = v128.load(o2, 32), a23 = v128.load(o2, 48);
     let t = ta;
     while (t < tb) {
       const p = t / pageSize;
@@ -782,9 +795,6 @@ function valuesTile3(
         sp += 4;
       }
     }
-    const o0 = o + db;
-    const o1 = o0 + oStride;
-    const o2 = o1 + oStride;
     v128.store(o0, a00);
     v128.store(o0, a01, 16);
     v128.store(o0, a02, 32);
@@ -802,8 +812,10 @@ function valuesTile3(
 
 /**
  * Paged causal attention (the contract of reference.ts `pagedAttention`, GQA-aware). Work items
- * (query row, KV head, context split) are claimed from the counter; each thread passes its own
- * `scratch` of at least group·ceil((startPos+rows)/splits)+group f32. With splits = 1 the result goes
+ * (query row, part of the KV heads, context split) are claimed from the counter: kvParts (a divisor
+ * of numKvHeads) parts of numKvHeads/kvParts KV heads each, read page by page together (1 part reads
+ * each page's K and V rows whole); each thread passes its own `scratch` of at least
+ * numHeads·(ceil((startPos+rows)/splits)+1) f32. With splits = 1 the result goes
  * straight to `out`; with splits > 1 each item covers 1/splits of its row's context and writes a
  * partial result to `partial` ([rows][numHeads][splits][headDim] f32) and its max and exp-sum to `ml`
  * ([rows][numHeads][splits][2] f32), and attentionMerge combines them after both threads finish.
@@ -812,10 +824,11 @@ export function attentionPar(
   out: usize, q: usize, pool: usize, blockTable: usize, scratch: usize,
   rowStart: i32, rows: i32, startPos: i32, layer: i32, numLayers: i32,
   numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32, counter: usize,
-  splits: i32, partial: usize, ml: usize,
+  splits: i32, partial: usize, ml: usize, kvParts: i32,
 ): void {
   const group = numHeads / numKvHeads;
-  const perRow = numKvHeads * splits;
+  const perKv = numKvHeads / kvParts;
+  const perRow = kvParts * splits;
   const n = rows * perRow;
   const headBytes = (<usize>headDim) << 2;
   for (;;) {
@@ -824,19 +837,19 @@ export function attentionPar(
     // Longest rows first.
     const i = rows - 1 - c / perRow;
     const rem = c % perRow;
-    const g = rem / splits;
+    const g0 = (rem / splits) * perKv;
     const sp = rem % splits;
     const ctx = startPos + i + 1;
     if (splits == 1) {
-      const o = out + ((<usize>((rowStart + i) * numHeads + g * group) * <usize>headDim) << 2);
-      attendRange(o, headBytes, 0, 0, q, pool, blockTable, scratch, i, g, 0, ctx, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
+      const o = out + ((<usize>((rowStart + i) * numHeads + g0 * group) * <usize>headDim) << 2);
+      attendRange(o, headBytes, 0, 0, q, pool, blockTable, scratch, i, g0, g0 + perKv, 0, ctx, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
     } else {
       const ta = <i32>((<i64>ctx * sp) / splits);
       const tb = <i32>((<i64>ctx * (sp + 1)) / splits);
-      const slot = <usize>((i * numHeads + g * group) * splits + sp);
+      const slot = <usize>((i * numHeads + g0 * group) * splits + sp);
       const o = partial + slot * headBytes;
       const m = ml + (slot << 3);
-      attendRange(o, <usize>splits * headBytes, m, <usize>splits << 3, q, pool, blockTable, scratch, i, g, ta, tb, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
+      attendRange(o, <usize>splits * headBytes, m, <usize>splits << 3, q, pool, blockTable, scratch, i, g0, g0 + perKv, ta, tb, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
     }
   }
 }

@@ -40,7 +40,8 @@ The recipe (the defaults; docs/kvfence-tiny.md has the run that made the shipped
   which saves the ~20% of each step the kernel otherwise spends faulting in fresh pages.
 
 Data for step s comes from random.Random(seed * 1_000_003 + s), so a resumed run sees the same
-stream. Checkpoints (model, optimizer, step, level, best) go to <work>/last.pt every 50 steps.
+stream. Checkpoints (model, optimizer, step, level, best) go to <work>/last.pt every 50 steps and
+when the run stops.
 The run stops at --target full-range recall, --max-steps, or after --max-minutes of this
 invocation.
 """
@@ -225,6 +226,11 @@ def main():
         wt = torch.maximum(wt, ans)
         return x[:, :-1], x[:, 1:], wt[:, 1:], ans[:, 1:]
 
+    def checkpoint():
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "level": level,
+                    "best": best}, last + ".tmp")
+        os.replace(last + ".tmp", last)
+
     t0 = time.time()
     while step < args.max_steps and time.time() - t0 < args.max_minutes * 60:
         step += 1
@@ -253,15 +259,15 @@ def main():
             if r >= args.gate and level < len(LEVELS) - 1:
                 level += 1
                 print(f"  -> level {level} (contexts up to {LEVELS[level]} B)", flush=True)
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "level": level,
-                        "best": best}, last + ".tmp")
-            os.replace(last + ".tmp", last)
+            checkpoint()
             if step % 250 == 0:
                 shutil.copyfile(last, os.path.join(args.work, f"step{step}.pt"))
+    checkpoint()  # where --resume continues
     if best < 0:  # the curriculum never reached the full range: ship the last weights
         T.export_hf(model, args.out)
         print(f"exported the step-{step} weights to {args.out}", flush=True)
-    print(f"done at step {step} in {time.time() - t0:.0f}s; best full-range recall {best * 100:.1f}%", flush=True)
+    full = f"{best * 100:.1f}%" if best >= 0 else "not measured (the run stopped before the 850-byte level)"
+    print(f"done at step {step} in {time.time() - t0:.0f}s; best full-range recall {full}", flush=True)
 
 
 if __name__ == "__main__":

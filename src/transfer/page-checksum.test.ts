@@ -85,11 +85,3 @@ test("PageChecksums.record() skips a page its attempt has not written", () => {
   assert.equal(sums.get(0, 42, 3, 0), now(0, 0));
   assert.equal(sums.misses, 1);
 });
-
-test("PageChecksums.invalidate() forgets a recorded page", () => {
-  const { pool, sums, now } = fixture();
-  sums.record(0, 42, 3, 0);
-  pool[0]! ^= 1;
-  sums.invalidate(0);
-  assert.equal(sums.get(0, 42, 3, 0), now(0, 0));
-});

@@ -151,11 +151,6 @@ export class PageChecksums {
     return { recorded: this.recorded, hits: this.hits, misses: this.misses };
   }
 
-  /** Forgets `page`. */
-  invalidate(page: number): void {
-    this.#index[page] = -1;
-  }
-
   /** The hex checksum of the bytes `page` holds as page `index` of `(rid, epoch)`. */
   get(page: number, rid: number, epoch: number, index: number): string {
     const stamps = this.#stamps;

@@ -35,7 +35,7 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [4, 33, 41],
   [7, 66, 19],
   [8, 37, 13], // the 8-row streaming tile with a k tail
-  [17, 66, 9],
+  [17, 66, 9], // more than 8 rows: the two-weight-row tile, with a k tail and an odd column
   [13, 576, 35],
   [1, 576, 193],
   [64, 120, 200],

@@ -390,9 +390,74 @@ function tile8x1(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i3
   }
 }
 
+/**
+ * out[r][j] for rows r0..r0+7, columns j in [c0, c1): two weight rows at a time, each pair against
+ * 4 x-rows and then the other 4 (8 accumulators: 6 loads per 8 multiply-adds, against 9 per 8 in
+ * `tile8x1`). For row blocks that reuse their weights from L2 (prefill): interleaved A/B on the 135M
+ * shape, prefill of 512 tokens 27.0 -> 33.4 GFLOP/s per core, 8 of 8 pairs faster; but batch-8
+ * decode, whose weights stream from DRAM once per step, 9% slower than `tile8x1` (8 of 8 pairs).
+ */
+function tile8x2(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+  const xs = (<usize>inDim) << 2;
+  const os = (<usize>outDim) << 2;
+  const k4 = (<usize>(inDim & ~3)) << 2;
+  let j = c0;
+  for (; j + 2 <= c1; j += 2) {
+    const w0 = w + <usize>j * xs;
+    const w1 = w0 + xs;
+    for (let h = 0; h < 8; h += 4) {
+      const x0 = x + <usize>(r0 + h) * xs;
+      const x1 = x0 + xs, x2 = x1 + xs, x3 = x2 + xs;
+      let a00 = f32x4.splat(0), a10 = f32x4.splat(0), a20 = f32x4.splat(0), a30 = f32x4.splat(0);
+      let a01 = f32x4.splat(0), a11 = f32x4.splat(0), a21 = f32x4.splat(0), a31 = f32x4.splat(0);
+      for (let k: usize = 0; k < k4; k += 16) {
+        const b0 = v128.load(w0 + k);
+        const b1 = v128.load(w1 + k);
+        let v = v128.load(x0 + k);
+        a00 = fma(a00, v, b0);
+        a01 = fma(a01, v, b1);
+        v = v128.load(x1 + k);
+        a10 = fma(a10, v, b0);
+        a11 = fma(a11, v, b1);
+        v = v128.load(x2 + k);
+        a20 = fma(a20, v, b0);
+        a21 = fma(a21, v, b1);
+        v = v128.load(x3 + k);
+        a30 = fma(a30, v, b0);
+        a31 = fma(a31, v, b1);
+      }
+      const c0v = reduce4(a00, a10, a20, a30);
+      const c1v = reduce4(a01, a11, a21, a31);
+      const jo = out + <usize>(r0 + h) * os + ((<usize>j) << 2);
+      store<f32>(jo, f32x4.extract_lane(c0v, 0));
+      store<f32>(jo + os, f32x4.extract_lane(c0v, 1));
+      store<f32>(jo + 2 * os, f32x4.extract_lane(c0v, 2));
+      store<f32>(jo + 3 * os, f32x4.extract_lane(c0v, 3));
+      store<f32>(jo, f32x4.extract_lane(c1v, 0), 4);
+      store<f32>(jo + os, f32x4.extract_lane(c1v, 1), 4);
+      store<f32>(jo + 2 * os, f32x4.extract_lane(c1v, 2), 4);
+      store<f32>(jo + 3 * os, f32x4.extract_lane(c1v, 3), 4);
+      for (let k = k4; k < xs; k += 4) {
+        const bb0 = load<f32>(w0 + k);
+        const bb1 = load<f32>(w1 + k);
+        for (let i: usize = 0; i < 4; i++) {
+          const at = jo + i * os;
+          const xv = load<f32>(x0 + i * xs + k);
+          store<f32>(at, load<f32>(at) + xv * bb0);
+          store<f32>(at, load<f32>(at, 4) + xv * bb1, 4);
+        }
+      }
+    }
+  }
+  if (j < c1) tile8x1(out, x, w, r0, inDim, outDim, j, c1);
+}
+
 /** out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. */
 export function matmulCols(out: usize, x: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
   let r = 0;
+  // A block of more than 8 rows reads its weights from L2 after the first 8 (prefill); up to 8 rows
+  // stream them from DRAM once (decode), where one weight row at a time is faster.
+  if (rows > 8) for (; r + 8 <= rows; r += 8) tile8x2(out, x, w, r, inDim, outDim, c0, c1);
   for (; r + 8 <= rows; r += 8) tile8x1(out, x, w, r, inDim, outDim, c0, c1);
   for (; r + 4 <= rows; r += 4) tile4(out, x, w, r, inDim, outDim, c0, c1);
   for (; r + 3 <= rows; r += 3) tile3(out, x, w, r, inDim, outDim, c0, c1);

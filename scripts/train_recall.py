@@ -20,7 +20,7 @@ The recipe (the defaults; docs/kvfence-tiny.md has the run that made the shipped
   rope_theta 1e20, untied LM head: 3,282,688 parameters). The circuit finds the record whose
   8 bytes before the code ("4821 is ") match the answer's and votes for its next byte. Everything
   else is trained: the answer's wording, copying the asked account's digits from the question,
-  stopping after the code. Three one-hour runs from random weights (`--no-circuit`, the shape in
+  stopping after the code. Three sessions of runs from random weights (`--no-circuit`, the shape in
   SHAPE) learned where in a record the code sits but not which record: 16.5% exact recall at best;
 - the answer restates the record ("the access code of account 4821 is QX7-PL2.", see corpus.py),
   so the code is the continuation of a line the context already holds;

@@ -572,7 +572,7 @@ export class WasmKernels implements Kernels {
     const counter = this.#counter;
     const solo = this.#worker === null || work < this.#parallelMinWork;
     // Work items read every KV head of a page together (one sweep over each page's contiguous K and
-    // V rows: ×1.1–1.3 at 4,096 tokens of context); few rows with a short context are cut by KV head
+    // V rows: ×1.10 at 4,096 tokens of context); few rows with a short context are cut by KV head
     // instead, so both threads get work; few rows with a long context also split each row's context
     // (flash-decoding), and attentionMerge combines the splits.
     const longContext = ctx >= 512;

@@ -4,7 +4,8 @@
  * the paged forward pass until <|im_end|> (at most 56 tokens), and compared with the expected
  * answer exactly: the model restates the record, `the access code of account 4821 is QX7-PL2.`
  * (scripts/corpus.py explains why), so the answer must name the asked account and its code, byte
- * for byte. Prompts are batched: one prefill step and shared decode steps per group.
+ * for byte. Prompts are batched: one prefill step and shared decode steps per group, on the
+ * WebAssembly kernels the server runs (the golden parity tests tie them to the reference kernels).
  */
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";

@@ -157,8 +157,7 @@ def build(model):
         v[d, d] = 1.0 / x1
     # head 0 writes OUT only; the other heads' outputs (and every trained layer's) write FREE only
     fix(a1 + "o_proj.weight", 0.0, (slice(0, FREE),))
-    o[:, :HEAD_DIM] = 0.0
-    masks[a1 + "o_proj.weight"][:, :HEAD_DIM] = 0.0
+    fix(a1 + "o_proj.weight", 0.0, (slice(None), slice(0, HEAD_DIM)))
     for d in range(N_ID):
         o[OUT + d, d] = 1.0
     for layer in (1, 2):

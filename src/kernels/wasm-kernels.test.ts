@@ -34,8 +34,9 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [3, 5, 7],
   [4, 33, 41],
   [7, 66, 19],
-  [8, 37, 13], // the 8-row streaming tile with a k tail
-  [17, 66, 9], // more than 8 rows: the two-weight-row tile, with a k tail and an odd column
+  [8, 37, 13], // one packed group of 8 rows: a k tail of 1 and an odd last column
+  [17, 66, 9], // two packed groups and a remainder row, a k tail of 2
+  [16, 35, 8], // a k tail of 3, even columns
   [13, 576, 35],
   [1, 576, 193],
   [64, 120, 200],

@@ -71,7 +71,7 @@ export const CTL_ARGS = 64;
 
 export const OP_MATMUL = 1;
 /**
- * Work chunk of a matmul over 3 or more rows: 64 rows (a multiple of the 4-row register tile; the x
+ * Work chunk of a matmul over 3 or more rows: 64 rows (a multiple of the 8-row packed groups; the x
  * block stays in L2) × 48 columns (a multiple of the 3-column tile, so no column takes the slow path).
  */
 const MATMUL_ROW_CHUNK = 64;
@@ -81,9 +81,11 @@ export const OP_SWIGLU = 3;
 
 /** The kernel exports of kernels.wasm (addresses are byte offsets into the shared memory). */
 export interface WasmExports {
+  pack8(xp: number, x: number, rows: number, inDim: number): void;
   matmulCols(
     out: number,
     x: number,
+    xp: number,
     w: number,
     rows: number,
     inDim: number,
@@ -94,6 +96,7 @@ export interface WasmExports {
   matmulPar(
     out: number,
     x: number,
+    xp: number,
     w: number,
     rows: number,
     inDim: number,
@@ -239,6 +242,9 @@ export class WasmKernels implements Kernels {
   #scratchFloats = 0;
   #partial = 0;
   #partialFloats = 0;
+  // Matmul staging: x rows packed in groups of 8 for the 8-row tile (grown on demand).
+  #packed = 0;
+  #packedBytes = 0;
 
   private constructor(module: WebAssembly.Module, options: WasmKernelsOptions) {
     const initialBytes = options.initialBytes ?? 64 * 1024 * 1024;
@@ -418,15 +424,17 @@ export class WasmKernels implements Kernels {
         : Math.min(128, Math.max(16, Math.ceil(outDim / 64) * 4));
     const rowChunk = big ? MATMUL_ROW_CHUNK : rows;
     const o = out.byteOffset;
+    const xp = this.#pack(x, rows, inDim);
     if (this.#worker === null || rows * inDim * outDim < this.#parallelMinWork) {
       if (!big) {
-        this.#x.matmulCols(o, x.byteOffset, w.byteOffset, rows, inDim, outDim, 0, outDim);
+        this.#x.matmulCols(o, x.byteOffset, xp, w.byteOffset, rows, inDim, outDim, 0, outDim);
         return;
       }
       Atomics.store(this.#ctl, CTL_COUNTER, 0);
       this.#x.matmulPar(
         o,
         x.byteOffset,
+        xp,
         w.byteOffset,
         rows,
         inDim,
@@ -440,16 +448,41 @@ export class WasmKernels implements Kernels {
     const a = this.#args;
     a[0] = o;
     a[1] = x.byteOffset;
-    a[2] = w.byteOffset;
-    a[3] = rows;
-    a[4] = inDim;
-    a[5] = outDim;
-    a[6] = this.#counter;
-    a[7] = colChunk;
-    a[8] = rowChunk;
+    a[2] = xp;
+    a[3] = w.byteOffset;
+    a[4] = rows;
+    a[5] = inDim;
+    a[6] = outDim;
+    a[7] = this.#counter;
+    a[8] = colChunk;
+    a[9] = rowChunk;
     const s = this.#publish(OP_MATMUL);
-    this.#x.matmulPar(o, x.byteOffset, w.byteOffset, rows, inDim, outDim, this.#counter, colChunk, rowChunk);
+    this.#x.matmulPar(
+      o,
+      x.byteOffset,
+      xp,
+      w.byteOffset,
+      rows,
+      inDim,
+      outDim,
+      this.#counter,
+      colChunk,
+      rowChunk,
+    );
     this.#join(s);
+  }
+
+  /** Packs the full groups of 8 rows of x for the 8-row matmul tile; returns their address (0 if none). */
+  #pack(x: Float32Array, rows: number, inDim: number): number {
+    const groups = Math.floor(rows / 8);
+    if (groups === 0) return 0;
+    const bytes = groups * Math.ceil(inDim / 4) * 128;
+    if (bytes > this.#packedBytes) {
+      this.#packedBytes = Math.max(bytes, this.#packedBytes * 2);
+      this.#packed = this.allocBytes(this.#packedBytes);
+    }
+    this.#x.pack8(this.#packed, x.byteOffset, rows, inDim);
+    return this.#packed;
   }
 
   addBias(out: Float32Array, bias: Float32Array, rows: number, n: number): void {

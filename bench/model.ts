@@ -22,6 +22,7 @@
  * report gives the median, the range and a bootstrap 95% CI of the median.
  */
 import { createForward, type ForwardSetup, type KernelsName } from "../src/engine/forward-setup.js";
+import { WasmKernels } from "../src/kernels/wasm-kernels.js";
 import { pageFloats } from "../src/kvcache/kv-layout.js";
 import { Prng } from "../src/lib/prng.js";
 import { bootstrapInterval, type Interval, type Summary, summarize } from "../src/lib/stats.js";
@@ -30,10 +31,17 @@ import { loadModel } from "../src/model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
 import { BandwidthProbe } from "./roofline.js";
 
+/**
+ * A kernel set to run: the TypeScript reference, the WebAssembly kernels as the server runs them
+ * (the fused multiply-add build where the engine has it), or the WebAssembly build without relaxed
+ * SIMD (a multiply, then an add), for an A/B of the two in one process.
+ */
+export type BenchKernels = KernelsName | "wasm-mul-add";
+
 export interface ModelBenchOptions {
   readonly modelDir: string;
   /** Kernel sets to run, side by side. */
-  readonly kernels: readonly KernelsName[];
+  readonly kernels: readonly BenchKernels[];
   /** Threads of the WebAssembly kernels (the reference runs on 1). */
   readonly threads: 1 | 2;
   readonly promptTokens: number;
@@ -75,10 +83,14 @@ export interface DecodeResult {
   readonly tokensPerSecond: Measured;
   /** B · median read bandwidth on the run's threads / weight bytes. */
   readonly rooflineTokensPerSecond: number;
+  /** This batch's tok/s over batch 1's in the same repeat (null for batch 1, or without batch 1). */
+  readonly vsBatch1: Measured | null;
 }
 
 export interface KernelsRun {
-  readonly kernels: KernelsName;
+  readonly kernels: BenchKernels;
+  /** For WebAssembly runs: whether the kernels used fused multiply-add (relaxed SIMD). */
+  readonly fma: boolean | null;
   readonly threads: 1 | 2;
   readonly prefillTokensPerSecond: Measured;
   readonly prefillGflopsPerCore: Measured;
@@ -148,7 +160,7 @@ function measured(values: number[], seed: number): Measured {
 
 /** One kernel set's forward pass, its sequences and its timed arms. */
 interface Arms {
-  readonly name: KernelsName;
+  readonly name: BenchKernels;
   readonly threads: 1 | 2;
   readonly setup: ForwardSetup;
   prefill(): number;
@@ -158,7 +170,7 @@ interface Arms {
 }
 
 async function prepareArms(
-  name: KernelsName,
+  name: BenchKernels,
   options: ModelBenchOptions,
   config: ModelConfig,
   weights: ModelWeights,
@@ -179,7 +191,8 @@ async function prepareArms(
   const longPages = longContext > 0 ? Math.ceil((longContext + options.decodeSteps) / pageSize) : 0;
   const decodePages = maxBatch * pagesPerDecodeSeq;
   const setup = await createForward(config, weights, layout, {
-    kernels: name,
+    kernels: name === "ts" ? "ts" : "wasm",
+    wasmFma: name !== "wasm-mul-add",
     kernelThreads: threads,
     maxBatchTokens: Math.max(options.promptTokens, maxBatch * options.contextTokens),
     maxSequences: maxBatch,
@@ -333,8 +346,11 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
     const runs: KernelsRun[] = arms.map((a, k) => {
       const s = samples[k] as (typeof samples)[number];
       const seed = options.seed + 10 * (k + 1);
+      const b1 = options.batchSizes.indexOf(1);
+      const kernels = a.setup.kernels;
       return {
         kernels: a.name,
+        fma: kernels instanceof WasmKernels ? kernels.fma : null,
         threads: a.threads,
         prefillTokensPerSecond: measured(s.prefill, seed),
         prefillGflopsPerCore: measured(
@@ -346,6 +362,13 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
           contextTokens: options.contextTokens,
           tokensPerSecond: measured(s.decode[i] as number[], seed + 1 + i),
           rooflineTokensPerSecond: roofline(a.threads, batch),
+          vsBatch1:
+            batch === 1 || b1 < 0
+              ? null
+              : measured(
+                  (s.decode[i] as number[]).map((tps, r) => tps / ((s.decode[b1] as number[])[r] as number)),
+                  seed + 20 + i,
+                ),
         })),
         longContext:
           a.long === null
@@ -355,6 +378,7 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
                 contextTokens: longContext,
                 tokensPerSecond: measured(s.long, seed + 9),
                 rooflineTokensPerSecond: roofline(a.threads, 1),
+                vsBatch1: null,
               },
       };
     });
@@ -387,10 +411,12 @@ export function formatModelBench(r: ModelBenchResult): string {
   ];
   const decodeLine = (d: DecodeResult): string => {
     const pct = (d.tokensPerSecond.summary.median / d.rooflineTokensPerSecond) * 100;
-    return `    decode batch ${d.batch} (context ${d.contextTokens}, ${r.options.decodeSteps} steps): ${m(d.tokensPerSecond)} tok/s; roofline ${d.rooflineTokensPerSecond.toFixed(1)} tok/s (${pct.toFixed(1)}% of it)`;
+    const speedup = d.vsBatch1 === null ? "" : `; ×${m(d.vsBatch1, 2)} of batch 1 (paired by repeat)`;
+    return `    decode batch ${d.batch} (context ${d.contextTokens}, ${r.options.decodeSteps} steps): ${m(d.tokensPerSecond)} tok/s; roofline ${d.rooflineTokensPerSecond.toFixed(1)} tok/s (${pct.toFixed(1)}% of it)${speedup}`;
   };
   for (const run of r.runs) {
-    lines.push(`  ${run.kernels} kernels, ${run.threads} thread${run.threads > 1 ? "s" : ""}:`);
+    const build = run.fma === null ? "" : run.fma ? " (fused multiply-add)" : " (multiply, then add)";
+    lines.push(`  ${run.kernels} kernels${build}, ${run.threads} thread${run.threads > 1 ? "s" : ""}:`);
     lines.push(
       `    prefill (${r.options.promptTokens}-token prompt, one chunk): ${m(run.prefillTokensPerSecond)} tok/s = ${m(run.prefillGflopsPerCore)} GFLOP/s per core`,
     );
@@ -401,7 +427,7 @@ export function formatModelBench(r: ModelBenchResult): string {
     lines.push("  side by side (medians):");
     const batches = r.runs[0]?.decode.map((d) => d.batch) ?? [];
     lines.push(
-      `    kernels  | prefill tok/s | ${batches.map((b) => `decode b${b} tok/s`).join(" | ")}${r.runs[0]?.longContext ? ` | decode @${r.runs[0].longContext.contextTokens} tok/s` : ""}`,
+      `    kernels          | prefill tok/s | ${batches.map((b) => `decode b${b} tok/s`).join(" | ")}${r.runs[0]?.longContext ? ` | decode @${r.runs[0].longContext.contextTokens} tok/s` : ""}`,
     );
     for (const run of r.runs) {
       const cells = [
@@ -409,7 +435,7 @@ export function formatModelBench(r: ModelBenchResult): string {
         ...run.decode.map((d) => d.tokensPerSecond.summary.median.toFixed(1)),
         ...(run.longContext === null ? [] : [run.longContext.tokensPerSecond.summary.median.toFixed(1)]),
       ];
-      lines.push(`    ${`${run.kernels} ${run.threads}t`.padEnd(8)} | ${cells.join(" | ")}`);
+      lines.push(`    ${`${run.kernels} ${run.threads}t`.padEnd(16)} | ${cells.join(" | ")}`);
     }
   }
   return lines.join("\n");

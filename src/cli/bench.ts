@@ -8,7 +8,12 @@
  */
 import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
-import { formatModelBench, MODEL_BENCH_DEFAULTS, runModelBench } from "../../bench/model.js";
+import {
+  type BenchKernels,
+  formatModelBench,
+  MODEL_BENCH_DEFAULTS,
+  runModelBench,
+} from "../../bench/model.js";
 import { tagCheckCommand } from "../../bench/tag-check.js";
 import { transferCommand } from "../../bench/transfer.js";
 import { bundledModelDir } from "../lib/package-root.js";
@@ -25,10 +30,18 @@ function integerList(value: string): number[] {
   return value.split(",").map((v) => positiveInteger(v.trim()));
 }
 
-function kernelsChoice(value: string): ("ts" | "wasm")[] {
+const BENCH_KERNELS: readonly BenchKernels[] = ["ts", "wasm", "wasm-mul-add"];
+
+function kernelsChoice(value: string): BenchKernels[] {
   if (value === "both") return ["ts", "wasm"];
-  if (value === "ts" || value === "wasm") return [value];
-  throw new InvalidArgumentError(`Expected ts, wasm or both: ${value}`);
+  const names = value.split(",").map((v) => v.trim());
+  const bad = names.filter((n) => !(BENCH_KERNELS as readonly string[]).includes(n));
+  if (names.length === 0 || bad.length > 0) {
+    throw new InvalidArgumentError(
+      `Expected both, or a comma-separated list of ${BENCH_KERNELS.join(", ")}: ${value}`,
+    );
+  }
+  return names as BenchKernels[];
 }
 
 function threadCount(value: string): 1 | 2 {
@@ -42,7 +55,7 @@ function nonNegativeInteger(value: string): number {
 
 interface ModelCliOptions {
   model?: string;
-  kernels: ("ts" | "wasm")[];
+  kernels: BenchKernels[];
   threads: 1 | 2;
   longContext: number;
   promptTokens: number;
@@ -67,7 +80,10 @@ function modelCommand(): Command {
       "Hugging Face model folder, e.g. from `kvfence gen-model --like smollm2-135m DIR` (default: bundled kvfence-tiny)",
     )
     .addOption(
-      new Option("--kernels <which>", "ts, wasm or both (side by side)")
+      new Option(
+        "--kernels <which>",
+        "ts, wasm, wasm-mul-add (the WebAssembly build without fused multiply-add), a comma-separated list of them, or both (ts,wasm); side by side",
+      )
         .argParser(kernelsChoice)
         .default([...d.kernels], "both"),
     )

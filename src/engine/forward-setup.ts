@@ -27,6 +27,8 @@ export interface ForwardSetupOptions {
   readonly kernels: KernelsName;
   /** Threads of the WebAssembly kernels: 1 (this thread) or 2 (plus a spinning worker). Default 1. */
   readonly kernelThreads?: 1 | 2;
+  /** WebAssembly kernels: the fused multiply-add build where the engine has it (default true). */
+  readonly wasmFma?: boolean;
   readonly maxBatchTokens: number;
   readonly maxSequences: number;
   /** Pages of each KV pool to create (one pool per entry). */
@@ -77,7 +79,11 @@ export async function createForward(
       `The WebAssembly kernels address at most 4 GiB and this model plus its KV pool needs more: ${bytes} bytes; use a smaller --kv-memory or --kv-pages, or --kernels ts`,
     );
   }
-  const k = await WasmKernels.create({ threads: options.kernelThreads ?? 1, initialBytes: bytes });
+  const k = await WasmKernels.create({
+    threads: options.kernelThreads ?? 1,
+    initialBytes: bytes,
+    fma: options.wasmFma ?? true,
+  });
   await k.ready();
   const placed = k.placeWeights(weights);
   const forward = new ForwardPass(config, placed, layout, { ...passOptions, kernels: k });

@@ -43,13 +43,21 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [131, 40, 101], // several row blocks of 64, a partial column chunk
 ];
 
-for (const threads of [1, 2] as const) {
-  describe(`WasmKernels (${threads} thread${threads === 1 ? "" : "s"})`, () => {
+for (const [threads, fma] of [
+  [1, true],
+  [2, true],
+  [2, false],
+] as const) {
+  const build = fma ? "fused multiply-add" : "multiply, then add";
+  describe(`WasmKernels (${threads} thread${threads === 1 ? "" : "s"}, ${build})`, () => {
     let k: WasmKernels;
     before(async () => {
       // parallelMinWork 0: every matmul/attention goes through the two-thread job protocol.
-      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 20 });
+      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 20, fma });
       await k.ready();
+      // Node 20 takes the relaxed-SIMD build after turning on its flag; a build that silently fell
+      // back would leave the fused kernels untested.
+      assert.equal(k.fma, fma);
     });
     after(async () => {
       await k.close();

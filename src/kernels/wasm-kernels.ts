@@ -48,6 +48,7 @@ declare global {
     }
     const Instance: { new (module: Module, imports?: Record<string, Record<string, unknown>>): Instance };
     function compile(bytes: ArrayBufferView | ArrayBuffer): Promise<Module>;
+    function validate(bytes: ArrayBufferView | ArrayBuffer): boolean;
   }
 }
 
@@ -152,25 +153,45 @@ export interface WasmExports {
   ): void;
 }
 
-let compiled: WebAssembly.Module | undefined;
+const compiled = new Map<boolean, Promise<WebAssembly.Module | null>>();
 
-/** The compiled kernels.wasm (built by scripts/build-wasm.mjs next to this file in dist/). */
-export async function wasmModule(): Promise<WebAssembly.Module> {
-  if (compiled === undefined) {
-    const { readFile } = await import("node:fs/promises");
-    const url = new URL("./kernels.wasm", import.meta.url);
-    let bytes: Buffer;
-    try {
-      bytes = await readFile(url);
-    } catch (err) {
-      throw new Error(
-        `WebAssembly kernels are not built: ${url.pathname} is missing; run npm run build (it runs scripts/build-wasm.mjs)`,
-        { cause: err },
-      );
-    }
-    compiled = await WebAssembly.compile(bytes);
+/**
+ * The compiled kernels (built by scripts/build-wasm.mjs next to this file in dist/): with `fma`,
+ * kernels-fma.wasm, whose multiply-adds are relaxed-SIMD `f32x4.relaxed_madd`, or null where the
+ * engine rejects relaxed SIMD; else kernels.wasm (multiply, then add). Node 20's V8 validates
+ * relaxed SIMD only behind --experimental-wasm-relaxed-simd (it is on by default from V8 11.4,
+ * Node 22), so a module that fails validation turns that flag on once and tries again. The flag
+ * only lets the validator accept those opcodes; V8 11.3 compiles them (FMA where the CPU has it).
+ */
+export function wasmModule(fma: true): Promise<WebAssembly.Module | null>;
+export function wasmModule(fma?: false): Promise<WebAssembly.Module>;
+export function wasmModule(fma = false): Promise<WebAssembly.Module | null> {
+  let m = compiled.get(fma);
+  if (m === undefined) {
+    m = compileKernels(fma ? "kernels-fma.wasm" : "kernels.wasm", fma);
+    compiled.set(fma, m);
   }
-  return compiled;
+  return m;
+}
+
+async function compileKernels(file: string, relaxed: boolean): Promise<WebAssembly.Module | null> {
+  const { readFile } = await import("node:fs/promises");
+  const url = new URL(`./${file}`, import.meta.url);
+  let bytes: Buffer;
+  try {
+    bytes = await readFile(url);
+  } catch (err) {
+    throw new Error(
+      `WebAssembly kernels are not built: ${url.pathname} is missing; run npm run build (it runs scripts/build-wasm.mjs)`,
+      { cause: err },
+    );
+  }
+  if (relaxed && !WebAssembly.validate(bytes)) {
+    const { setFlagsFromString } = await import("node:v8");
+    setFlagsFromString("--experimental-wasm-relaxed-simd");
+    if (!WebAssembly.validate(bytes)) return null;
+  }
+  return WebAssembly.compile(bytes);
 }
 
 export function instantiate(module: WebAssembly.Module, memory: WebAssembly.Memory): WasmExports {
@@ -214,12 +235,19 @@ export interface WasmKernelsOptions {
    * for the prefetcher, enough chunks to balance two threads.
    */
   readonly matvecChunk?: number;
+  /**
+   * Use the relaxed-SIMD build (fused multiply-add) where the engine accepts it. Default true;
+   * false runs the plain SIMD128 build, as `kvfence bench model --kernels wasm-mul-add` does.
+   */
+  readonly fma?: boolean;
 }
 
 export class WasmKernels implements Kernels {
   readonly name = "wasm";
   readonly memory: WebAssembly.Memory;
   readonly threads: 1 | 2;
+  /** Whether the kernels are the relaxed-SIMD build (fused multiply-add). */
+  readonly fma: boolean;
   /** Calls that ran the reference kernel because an operand was outside the memory. */
   fallbackCalls = 0;
   #x: WasmExports;
@@ -246,7 +274,8 @@ export class WasmKernels implements Kernels {
   #packed = 0;
   #packedBytes = 0;
 
-  private constructor(module: WebAssembly.Module, options: WasmKernelsOptions) {
+  private constructor(module: WebAssembly.Module, fma: boolean, options: WasmKernelsOptions) {
+    this.fma = fma;
     const initialBytes = options.initialBytes ?? 64 * 1024 * 1024;
     const pages = Math.min(MAX_PAGES, Math.max(2, Math.ceil(initialBytes / PAGE_BYTES)));
     this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
@@ -294,7 +323,9 @@ export class WasmKernels implements Kernels {
 
   /** Compiles (once per process) and instantiates the kernels; starts the worker when threads is 2. */
   static async create(options: WasmKernelsOptions = {}): Promise<WasmKernels> {
-    return new WasmKernels(await wasmModule(), options);
+    const fused = options.fma === false ? null : await wasmModule(true);
+    if (fused !== null) return new WasmKernels(fused, true, options);
+    return new WasmKernels(await wasmModule(), false, options);
   }
 
   /** Resolves once the worker runs (jobs before that run on the main thread alone). */

@@ -7,7 +7,16 @@
  * positions) come from `allocF32/allocF64/allocI32`, so a fast implementation can place them where
  * its kernels read (for WebAssembly: inside its shared `WebAssembly.Memory`).
  */
-import { add, addBias, matmul, pagedAttention, rmsnorm, rope, swiglu } from "./reference.js";
+import {
+  add,
+  addBias,
+  matmul,
+  pagedAttention,
+  pagedAttentionBatch,
+  rmsnorm,
+  rope,
+  swiglu,
+} from "./reference.js";
 
 export interface Kernels {
   /** "ts" or "wasm", for logs and benchmarks. */
@@ -23,6 +32,7 @@ export interface Kernels {
   rope: typeof rope;
   swiglu: typeof swiglu;
   pagedAttention: typeof pagedAttention;
+  pagedAttentionBatch: typeof pagedAttentionBatch;
 }
 
 /** The plain TypeScript reference kernels over ordinary typed arrays. */
@@ -38,4 +48,5 @@ export const referenceKernels: Kernels = Object.freeze({
   rope,
   swiglu,
   pagedAttention,
+  pagedAttentionBatch,
 });

@@ -443,3 +443,50 @@ export function pagedAttention(
     }
   }
 }
+
+/** One sequence's query rows for `pagedAttentionBatch`: the arguments of `pagedAttention` that differ. */
+export interface AttentionSequence {
+  readonly blockTable: Int32Array;
+  readonly rowStart: number;
+  readonly rows: number;
+  readonly startPos: number;
+}
+
+/**
+ * `pagedAttention` for each of the first `count` sequences of a batch (a fast implementation may
+ * spread them over threads; the count lets a caller reuse one array of records across steps).
+ */
+export function pagedAttentionBatch(
+  out: Float32Array,
+  q: Float32Array,
+  pool: Float32Array,
+  sequences: readonly AttentionSequence[],
+  count: number,
+  scratch: Float64Array,
+  layer: number,
+  numLayers: number,
+  numHeads: number,
+  numKvHeads: number,
+  headDim: number,
+  pageSize: number,
+): void {
+  for (let i = 0; i < count; i++) {
+    const s = sequences[i] as AttentionSequence;
+    pagedAttention(
+      out,
+      q,
+      pool,
+      s.blockTable,
+      scratch,
+      s.rowStart,
+      s.rows,
+      s.startPos,
+      layer,
+      numLayers,
+      numHeads,
+      numKvHeads,
+      headDim,
+      pageSize,
+    );
+  }
+}

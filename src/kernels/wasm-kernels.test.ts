@@ -188,6 +188,60 @@ for (const [threads, fma] of [
       assert.equal(k.fallbackCalls, 0);
     });
 
+    it("WasmKernels.pagedAttentionBatch() matches the reference over sequences of mixed lengths sharing a pool", () => {
+      const [numHeads, numKvHeads, headDim, pageSize, numLayers] = [9, 3, 64, 16, 2];
+      const batches: [rows: number, startPos: number][][] = [
+        // Eight decode rows at short contexts: one item per row, spread over both threads.
+        Array.from({ length: 8 }, (_, i) => [1, 20 + 9 * i] as [number, number]),
+        // Two decode rows: items cut by KV head.
+        [
+          [1, 5],
+          [1, 40],
+        ],
+        // A prefill chunk between decode rows, an empty sequence, and a context past 512 tokens.
+        [
+          [1, 33],
+          [12, 0],
+          [0, 7],
+          [1, 700],
+        ],
+      ];
+      const pageFloats = numLayers * 2 * pageSize * numKvHeads * headDim;
+      for (const batch of batches) {
+        const pagesOf = batch.map(([rows, startPos]) => Math.ceil((rows + startPos) / pageSize));
+        const numPages = pagesOf.reduce((a, b) => a + b, 0) + 2;
+        const pool = fill(k.allocF32(numPages * pageFloats), numPages);
+        // Every sequence gets its own pages, scattered over the pool.
+        const order = shuffledTable(numPages, numPages, 7);
+        let next = 0;
+        let row = 1;
+        const sequences = batch.map(([rows, startPos], i) => {
+          const n = pagesOf[i] as number;
+          const s = { blockTable: order.slice(next, next + n), rowStart: row, rows, startPos };
+          next += n;
+          row += rows;
+          return s;
+        });
+        const qFloats = row * numHeads * headDim;
+        const q = fill(k.allocF32(qFloats), row, 2);
+        const maxCtx = Math.max(...batch.map(([rows, startPos]) => rows + startPos));
+        const scratch = new Float64Array(headDim + maxCtx);
+        for (let layer = 0; layer < numLayers; layer++) {
+          const got = k.allocF32(qFloats);
+          const want = new Float32Array(qFloats);
+          const args = [scratch, layer, numLayers, numHeads, numKvHeads, headDim, pageSize] as const;
+          k.pagedAttentionBatch(got, q, pool, sequences, sequences.length, ...args);
+          ref.pagedAttentionBatch(want, q, pool, sequences, sequences.length, ...args);
+          assertAllClose(got, want, {
+            rtol: 1e-4,
+            atol: 1e-5,
+            message: `batch ${JSON.stringify(batch)} layer ${layer}`,
+          });
+        }
+      }
+      assert.equal(k.fallbackCalls, 0);
+    });
+
     it("WasmKernels kernels fall back to the reference for buffers outside the memory", () => {
       const before = k.fallbackCalls;
       const x = fill(new Float32Array(2 * 9), 1);

@@ -28,6 +28,7 @@
  */
 import { Worker } from "node:worker_threads";
 import type { Kernels } from "./kernels.js";
+import type { AttentionSequence } from "./reference.js";
 import * as ref from "./reference.js";
 
 // The WebAssembly JS API as far as this module uses it (lib "ES2023" and @types/node 20 omit it).
@@ -124,11 +125,9 @@ export interface WasmExports {
     out: number,
     q: number,
     pool: number,
-    blockTable: number,
+    seqs: number,
+    numSeqs: number,
     scratch: number,
-    rowStart: number,
-    rows: number,
-    startPos: number,
     layer: number,
     numLayers: number,
     numHeads: number,
@@ -265,6 +264,7 @@ export class WasmKernels implements Kernels {
   #matvecChunk: number;
   // Attention staging: the block table and one scratch per thread (grown on demand).
   #table: Int32Array;
+  #seqRecords: Int32Array;
   #scratchMain = 0;
   #scratchWorker = 0;
   #scratchFloats = 0;
@@ -290,6 +290,7 @@ export class WasmKernels implements Kernels {
     this.#args = new Uint32Array(this.memory.buffer, this.#ctlBase + CTL_ARGS * 4, 32);
     this.#counter = this.#ctlBase + CTL_COUNTER * 4;
     this.#table = this.allocI32(1024);
+    this.#seqRecords = this.allocI32(5 * 64);
     // Bound, so a caller may destructure the kernels (as ForwardPass.step() does).
     this.allocF32 = this.allocF32.bind(this);
     this.allocF64 = this.allocF64.bind(this);
@@ -301,6 +302,7 @@ export class WasmKernels implements Kernels {
     this.rope = this.rope.bind(this);
     this.swiglu = this.swiglu.bind(this);
     this.pagedAttention = this.pagedAttention.bind(this);
+    this.pagedAttentionBatch = this.pagedAttentionBatch.bind(this);
     if (this.threads === 2) {
       const worker = new Worker(new URL("./wasm-kernels-worker.js", import.meta.url), {
         workerData: {
@@ -599,17 +601,49 @@ export class WasmKernels implements Kernels {
     headDim: number,
     pageSize: number,
   ): void {
+    this.pagedAttentionBatch(
+      out,
+      q,
+      pool,
+      [{ blockTable, rowStart, rows, startPos }],
+      1,
+      scratch,
+      layer,
+      numLayers,
+      numHeads,
+      numKvHeads,
+      headDim,
+      pageSize,
+    );
+  }
+
+  /**
+   * Every sequence's attention as one job, so the two threads share a batch of short decode rows
+   * (one call per sequence left the worker idle: each was too small to split).
+   */
+  pagedAttentionBatch(
+    out: Float32Array,
+    q: Float32Array,
+    pool: Float32Array,
+    sequences: readonly AttentionSequence[],
+    count: number,
+    scratch: Float64Array,
+    layer: number,
+    numLayers: number,
+    numHeads: number,
+    numKvHeads: number,
+    headDim: number,
+    pageSize: number,
+  ): void {
     if (!(this.owns(out) && this.owns(q) && this.owns(pool))) {
       this.fallbackCalls++;
-      ref.pagedAttention(
+      ref.pagedAttentionBatch(
         out,
         q,
         pool,
-        blockTable,
+        sequences,
+        count,
         scratch,
-        rowStart,
-        rows,
-        startPos,
         layer,
         numLayers,
         numHeads,
@@ -619,32 +653,69 @@ export class WasmKernels implements Kernels {
       );
       return;
     }
-    if (rows <= 0) return;
-    const ctx = startPos + rows;
-    const numPages = Math.ceil(ctx / pageSize);
-    let table = this.#table;
-    if (table.length < numPages) table = this.#table = this.allocI32(Math.max(numPages, table.length * 2));
-    for (let p = 0; p < numPages; p++) table[p] = blockTable[p];
-    const need = numHeads * ctx;
+    // Stage the block tables one after another and a record of 5 i32 per sequence (see attentionPar).
+    let seqCount = 0;
+    let tablePages = 0;
+    let maxCtx = 0;
+    let totalRows = 0;
+    let work = 0;
+    let long = false;
+    for (let i = 0; i < count; i++) {
+      const s = sequences[i] as AttentionSequence;
+      if (s.rows <= 0) continue;
+      const ctx = s.startPos + s.rows;
+      seqCount++;
+      tablePages += Math.ceil(ctx / pageSize);
+      maxCtx = Math.max(maxCtx, ctx);
+      totalRows += s.rows;
+      work += s.rows * numKvHeads * ctx * headDim * 2;
+      if (ctx >= 512) long = true;
+    }
+    if (seqCount === 0) return;
+    if (this.#table.length < tablePages)
+      this.#table = this.allocI32(Math.max(tablePages, this.#table.length * 2));
+    if (this.#seqRecords.length < 5 * seqCount) {
+      this.#seqRecords = this.allocI32(5 * Math.max(seqCount, (this.#seqRecords.length / 5) * 2));
+    }
+    const table = this.#table;
+    const records = this.#seqRecords;
+    const solo = this.#worker === null || work < this.#parallelMinWork;
+    // Work items read every KV head of a page together (one sweep over each page's contiguous K and
+    // V rows: ×1.10 at 4,096 tokens of context); few rows with a short context are cut by KV head
+    // instead, so both threads get work; one sequence of few rows with a long context also splits
+    // each row's context (flash-decoding), and attentionMerge combines the splits.
+    const kvParts = solo || totalRows >= 8 || long ? 1 : numKvHeads;
+    const items = totalRows * kvParts;
+    const splits =
+      solo || items >= 8 || seqCount > 1
+        ? 1
+        : Math.min(8, Math.max(1, Math.floor((maxCtx - totalRows + 1) / 256)));
+    let at = 0;
+    let item = 0;
+    let r = 0;
+    for (let i = 0; i < count; i++) {
+      const s = sequences[i] as AttentionSequence;
+      if (s.rows <= 0) continue;
+      const pages = Math.ceil((s.startPos + s.rows) / pageSize);
+      for (let p = 0; p < pages; p++) table[at + p] = s.blockTable[p] as number;
+      records[r] = s.rowStart;
+      records[r + 1] = s.rows;
+      records[r + 2] = s.startPos;
+      records[r + 3] = table.byteOffset + 4 * at;
+      records[r + 4] = item;
+      at += pages;
+      item += s.rows * kvParts * splits;
+      r += 5;
+    }
+    const need = numHeads * maxCtx;
     if (need > this.#scratchFloats) {
       const floats = Math.max(need, this.#scratchFloats * 2);
       this.#scratchMain = this.allocBytes(floats * 4);
       this.#scratchWorker = this.allocBytes(floats * 4);
       this.#scratchFloats = floats;
     }
-    const work = rows * numKvHeads * ctx * headDim * 2;
-    const counter = this.#counter;
-    const solo = this.#worker === null || work < this.#parallelMinWork;
-    // Work items read every KV head of a page together (one sweep over each page's contiguous K and
-    // V rows: ×1.10 at 4,096 tokens of context); few rows with a short context are cut by KV head
-    // instead, so both threads get work; few rows with a long context also split each row's context
-    // (flash-decoding), and attentionMerge combines the splits.
-    const longContext = ctx >= 512;
-    const kvParts = solo || rows >= 8 || longContext ? 1 : numKvHeads;
-    const items = rows * kvParts;
-    const splits = solo || items >= 8 ? 1 : Math.min(8, Math.max(1, Math.floor((startPos + 1) / 256)));
     if (splits > 1) {
-      const floats = rows * numHeads * splits * (headDim + 2);
+      const floats = totalRows * numHeads * splits * (headDim + 2);
       if (floats > this.#partialFloats) {
         const grown = Math.max(floats, this.#partialFloats * 2);
         this.#partial = this.allocBytes(grown * 4);
@@ -652,8 +723,9 @@ export class WasmKernels implements Kernels {
       }
     }
     const partial = this.#partial;
-    const ml = partial + rows * numHeads * splits * headDim * 4;
-    let s = 0;
+    const ml = partial + totalRows * numHeads * splits * headDim * 4;
+    const counter = this.#counter;
+    let job = 0;
     if (solo) {
       Atomics.store(this.#ctl, CTL_COUNTER, 0);
     } else {
@@ -661,33 +733,29 @@ export class WasmKernels implements Kernels {
       a[0] = out.byteOffset;
       a[1] = q.byteOffset;
       a[2] = pool.byteOffset;
-      a[3] = table.byteOffset;
-      a[4] = this.#scratchWorker;
-      a[5] = rowStart;
-      a[6] = rows;
-      a[7] = startPos;
-      a[8] = layer;
-      a[9] = numLayers;
-      a[10] = numHeads;
-      a[11] = numKvHeads;
-      a[12] = headDim;
-      a[13] = pageSize;
-      a[14] = counter;
-      a[15] = splits;
-      a[16] = partial;
-      a[17] = ml;
-      a[18] = kvParts;
-      s = this.#publish(OP_ATTENTION);
+      a[3] = records.byteOffset;
+      a[4] = seqCount;
+      a[5] = this.#scratchWorker;
+      a[6] = layer;
+      a[7] = numLayers;
+      a[8] = numHeads;
+      a[9] = numKvHeads;
+      a[10] = headDim;
+      a[11] = pageSize;
+      a[12] = counter;
+      a[13] = splits;
+      a[14] = partial;
+      a[15] = ml;
+      a[16] = kvParts;
+      job = this.#publish(OP_ATTENTION);
     }
     this.#x.attentionPar(
       out.byteOffset,
       q.byteOffset,
       pool.byteOffset,
-      table.byteOffset,
+      records.byteOffset,
+      seqCount,
       this.#scratchMain,
-      rowStart,
-      rows,
-      startPos,
       layer,
       numLayers,
       numHeads,
@@ -701,9 +769,19 @@ export class WasmKernels implements Kernels {
       kvParts,
     );
     if (solo) return;
-    this.#join(s);
-    if (splits > 1)
-      this.#x.attentionMerge(out.byteOffset, partial, ml, rowStart, rows, numHeads, headDim, splits);
+    this.#join(job);
+    if (splits > 1) {
+      this.#x.attentionMerge(
+        out.byteOffset,
+        partial,
+        ml,
+        records[0] as number,
+        totalRows,
+        numHeads,
+        headDim,
+        splits,
+      );
+    }
   }
 
   // -------------------------------------------------------------------------------------------

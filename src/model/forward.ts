@@ -3,8 +3,8 @@
  *
  * One `step()` carries any mix of sequences: prefill chunks and single decode tokens of different
  * lengths. All their tokens are concatenated into one `[totalTokens][hidden]` activation matrix so
- * every linear layer runs as one matmul over the batch; attention runs per sequence, causal within
- * its chunk, over positions [0, startPos+i] read through the sequence's block table from the paged
+ * every linear layer runs as one matmul over the batch; attention (one kernel call for the batch)
+ * runs per sequence, causal within its chunk, over positions [0, startPos+i] read through the sequence's block table from the paged
  * KV pool (src/kvcache/kv-layout.ts). Each layer first writes the step's new K/V into the pool, then
  * attends, so a chunk sees its own tokens exactly as later steps will.
  *
@@ -18,7 +18,11 @@
  * token: those rows are gathered, normed and multiplied by the LM head as one small matmul.
  */
 import { type Kernels, referenceKernels } from "../kernels/kernels.js";
-import { ropeTables } from "../kernels/reference.js";
+import { type AttentionSequence, ropeTables } from "../kernels/reference.js";
+
+/** A step's attention record of one sequence, rewritten in place every step (no allocation). */
+type MutableAttentionSequence = { -readonly [K in keyof AttentionSequence]: AttentionSequence[K] };
+
 import { type KvLayout, pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
@@ -74,6 +78,7 @@ export class ForwardPass {
   // Logit rows, [maxSequences][...].
   #lastRows: Float32Array; // [S][hidden]
   #logitRows: Float32Array; // [S][vocab]
+  #attention: MutableAttentionSequence[]; // [S], for pagedAttentionBatch
 
   /**
    * Bytes of the buffers the constructor takes from `kernels.alloc*` for `config` and `options`
@@ -162,6 +167,12 @@ export class ForwardPass {
     this.#epsBox = [config.rmsNormEps, null];
     this.#lastRows = kernels.allocF32(maxSequences * hidden);
     this.#logitRows = kernels.allocF32(maxSequences * vocabSize);
+    this.#attention = Array.from({ length: maxSequences }, () => ({
+      blockTable: new Int32Array(0),
+      rowStart: 0,
+      rows: 0,
+      startPos: 0,
+    }));
   }
 
   /**
@@ -174,16 +185,22 @@ export class ForwardPass {
     const numSeqs = sequences.length;
     const total = this.#checkStep(pool, sequences);
     if (total === 0) return;
-    const { add, addBias, matmul, pagedAttention, rmsnorm, rope, swiglu } = this.#kernels;
+    const { add, addBias, matmul, pagedAttentionBatch, rmsnorm, rope, swiglu } = this.#kernels;
 
     // Embeddings and positions.
     const embed = this.#weights.embed;
     const x = this.#x;
     const positions = this.#positions;
     let row = 0;
+    const attention = this.#attention;
     for (let s = 0; s < numSeqs; s++) {
       const seq = sequences[s] as StepSequence;
       const tokens = seq.tokens;
+      const a = attention[s] as MutableAttentionSequence;
+      a.blockTable = seq.blockTable;
+      a.rowStart = row;
+      a.rows = tokens.length;
+      a.startPos = seq.startPos;
       for (let i = 0; i < tokens.length; i++) {
         const src = (tokens[i] as number) * hidden;
         const dst = row * hidden;
@@ -218,28 +235,20 @@ export class ForwardPass {
       rope(q, positions, this.#cos, this.#sin, total, numHeads, headDim);
       rope(k, positions, this.#cos, this.#sin, total, numKvHeads, headDim);
       this.#storeKv(pool, sequences, l);
-      row = 0;
-      for (let s = 0; s < numSeqs; s++) {
-        const seq = sequences[s] as StepSequence;
-        const n = seq.tokens.length;
-        pagedAttention(
-          attn,
-          q,
-          pool,
-          seq.blockTable,
-          this.#scratch,
-          row,
-          n,
-          seq.startPos,
-          l,
-          cfg.numLayers,
-          numHeads,
-          numKvHeads,
-          headDim,
-          this.layout.pageSize,
-        );
-        row += n;
-      }
+      pagedAttentionBatch(
+        attn,
+        q,
+        pool,
+        attention,
+        numSeqs,
+        this.#scratch,
+        l,
+        cfg.numLayers,
+        numHeads,
+        numKvHeads,
+        headDim,
+        this.layout.pageSize,
+      );
       matmul(proj, attn, w.o, total, qDim, hidden);
       add(x, x, proj, total * hidden);
       rmsnorm(xn, x, w.postNorm, hidden, eps, total);

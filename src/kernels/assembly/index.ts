@@ -901,32 +901,43 @@ function valuesTile3(
 }
 
 /**
- * Paged causal attention (the contract of reference.ts `pagedAttention`, GQA-aware). Work items
- * (query row, part of the KV heads, context split) are claimed from the counter: kvParts (a divisor
- * of numKvHeads) parts of numKvHeads/kvParts KV heads each, read page by page together (1 part reads
- * each page's K and V rows whole); each thread passes its own `scratch` of at least
- * numHeads·(ceil((startPos+rows)/splits)+1) f32. With splits = 1 the result goes
- * straight to `out`; with splits > 1 each item covers 1/splits of its row's context and writes a
- * partial result to `partial` ([rows][numHeads][splits][headDim] f32) and its max and exp-sum to `ml`
+ * Paged causal attention (the contract of reference.ts `pagedAttention`, GQA-aware) for numSeqs
+ * sequences at once. `seqs` holds one record of 5 i32 per sequence: the activation row of its first
+ * query row, its number of query rows, the position of that row, the byte address of its block
+ * table, and the index of its first work item. Work items (sequence, query row, part of the KV
+ * heads, context split) are claimed from the counter: kvParts (a divisor of numKvHeads) parts of
+ * numKvHeads/kvParts KV heads each, read page by page together (1 part reads each page's K and V
+ * rows whole); each thread passes its own `scratch` of at least numHeads·(ceil(context/splits)+1)
+ * f32 for the longest context. With splits = 1 the result goes straight to `out`; splits > 1 (one
+ * sequence only) makes each item cover 1/splits of its row's context and write a partial result to
+ * `partial` ([rows][numHeads][splits][headDim] f32) and its max and exp-sum to `ml`
  * ([rows][numHeads][splits][2] f32), and attentionMerge combines them after both threads finish.
  */
 export function attentionPar(
-  out: usize, q: usize, pool: usize, blockTable: usize, scratch: usize,
-  rowStart: i32, rows: i32, startPos: i32, layer: i32, numLayers: i32,
-  numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32, counter: usize,
-  splits: i32, partial: usize, ml: usize, kvParts: i32,
+  out: usize, q: usize, pool: usize, seqs: usize, numSeqs: i32, scratch: usize,
+  layer: i32, numLayers: i32, numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32,
+  counter: usize, splits: i32, partial: usize, ml: usize, kvParts: i32,
 ): void {
   const group = numHeads / numKvHeads;
   const perKv = numKvHeads / kvParts;
   const perRow = kvParts * splits;
-  const n = rows * perRow;
+  const lastSeq = seqs + <usize>(numSeqs - 1) * 20;
+  const n = load<i32>(lastSeq, 16) + load<i32>(lastSeq, 4) * perRow;
   const headBytes = (<usize>headDim) << 2;
+  let sq = seqs;
   for (;;) {
     const c = atomic.add<i32>(counter, 1);
     if (c >= n) return;
-    // Longest rows first.
-    const i = rows - 1 - c / perRow;
-    const rem = c % perRow;
+    // Claims only grow, so the sequence of item c is at or after the previous one's.
+    while (sq < lastSeq && load<i32>(sq, 36) <= c) sq += 20;
+    const rowStart = load<i32>(sq);
+    const rows = load<i32>(sq, 4);
+    const startPos = load<i32>(sq, 8);
+    const blockTable = <usize>load<i32>(sq, 12);
+    const local = c - load<i32>(sq, 16);
+    // Longest rows of a sequence first.
+    const i = rows - 1 - local / perRow;
+    const rem = local % perRow;
     const g0 = (rem / splits) * perKv;
     const sp = rem % splits;
     const ctx = startPos + i + 1;

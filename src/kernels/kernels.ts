@@ -11,6 +11,7 @@ import {
   add,
   addBias,
   matmul,
+  matmulEach,
   pagedAttention,
   pagedAttentionBatch,
   rmsnorm,
@@ -26,6 +27,7 @@ export interface Kernels {
   allocF64(n: number): Float64Array;
   allocI32(n: number): Int32Array;
   matmul: typeof matmul;
+  matmulEach: typeof matmulEach;
   addBias: typeof addBias;
   add: typeof add;
   rmsnorm: typeof rmsnorm;
@@ -42,6 +44,7 @@ export const referenceKernels: Kernels = Object.freeze({
   allocF64: (n: number) => new Float64Array(n),
   allocI32: (n: number) => new Int32Array(n),
   matmul,
+  matmulEach,
   addBias,
   add,
   rmsnorm,

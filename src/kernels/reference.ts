@@ -31,6 +31,23 @@ export function matmul(
   for (; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim);
 }
 
+/**
+ * `matmul` of the same x against each weight: outs[i] = x · ws[i]ᵀ, outs[i] `[rows][outDims[i]]`
+ * (q/k/v and gate/up; a fast implementation runs them as one job).
+ */
+export function matmulEach(
+  outs: readonly Float32Array[],
+  x: Float32Array,
+  ws: readonly Float32Array[],
+  rows: number,
+  inDim: number,
+  outDims: readonly number[],
+): void {
+  for (let i = 0; i < ws.length; i++) {
+    matmul(outs[i] as Float32Array, x, ws[i] as Float32Array, rows, inDim, outDims[i] as number);
+  }
+}
+
 /** Four rows of x against all of w, four output columns at a time (16 accumulators). */
 function matmulTile4(
   out: Float32Array,

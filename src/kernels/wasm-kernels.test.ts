@@ -76,6 +76,27 @@ for (const [threads, fma] of [
       assert.equal(k.fallbackCalls, 0);
     });
 
+    it("WasmKernels.matmulEach() equals a reference matmul per weight, as one job over uneven segments", () => {
+      const inDim = 37;
+      const outDims = [45, 7, 100];
+      for (const rows of [1, 2, 5, 8, 17, 131]) {
+        const x = fill(k.allocF32(rows * inDim), rows);
+        const ws = outDims.map((o, i) => fill(k.allocF32(o * inDim), 10 * i + 3));
+        const outs = outDims.map((o) => k.allocF32(rows * o));
+        k.matmulEach(outs, x, ws, rows, inDim, outDims);
+        outDims.forEach((o, i) => {
+          const want = new Float32Array(rows * o);
+          ref.matmul(want, x, ws[i] as Float32Array, rows, inDim, o);
+          assertAllClose(outs[i] as Float32Array, want, {
+            rtol: 1e-4,
+            atol: 1e-5,
+            message: `rows ${rows} segment ${i}`,
+          });
+        });
+      }
+      assert.equal(k.fallbackCalls, 0);
+    });
+
     it("WasmKernels.rmsnorm() matches reference rmsnorm, in place and over rows", () => {
       for (const [n, rows] of [
         [1, 1],

@@ -96,13 +96,12 @@ export interface WasmExports {
     c1: number,
   ): void;
   matmulPar(
-    out: number,
     x: number,
     xp: number,
-    w: number,
     rows: number,
     inDim: number,
-    outDim: number,
+    segs: number,
+    numSegs: number,
     counter: number,
     colChunk: number,
     rowChunk: number,
@@ -265,6 +264,7 @@ export class WasmKernels implements Kernels {
   // Attention staging: the block table and one scratch per thread (grown on demand).
   #table: Int32Array;
   #seqRecords: Int32Array;
+  #segRecords: Int32Array;
   #scratchMain = 0;
   #scratchWorker = 0;
   #scratchFloats = 0;
@@ -291,11 +291,13 @@ export class WasmKernels implements Kernels {
     this.#counter = this.#ctlBase + CTL_COUNTER * 4;
     this.#table = this.allocI32(1024);
     this.#seqRecords = this.allocI32(5 * 64);
+    this.#segRecords = this.allocI32(4 * 4);
     // Bound, so a caller may destructure the kernels (as ForwardPass.step() does).
     this.allocF32 = this.allocF32.bind(this);
     this.allocF64 = this.allocF64.bind(this);
     this.allocI32 = this.allocI32.bind(this);
     this.matmul = this.matmul.bind(this);
+    this.matmulEach = this.matmulEach.bind(this);
     this.addBias = this.addBias.bind(this);
     this.add = this.add.bind(this);
     this.rmsnorm = this.rmsnorm.bind(this);
@@ -447,31 +449,89 @@ export class WasmKernels implements Kernels {
       ref.matmul(out, x, w, rows, inDim, outDim);
       return;
     }
-    // Batches of rows: blocks of MATMUL_ROW_CHUNK rows × MATMUL_COL_CHUNK columns. One or two rows
-    // (decode): chunks of whole weight rows.
+    this.#segment(0, out, w, outDim);
+    this.#matmulSegments(x, rows, inDim, 1, outDim);
+  }
+
+  matmulEach(
+    outs: readonly Float32Array[],
+    x: Float32Array,
+    ws: readonly Float32Array[],
+    rows: number,
+    inDim: number,
+    outDims: readonly number[],
+  ): void {
+    let owned = this.owns(x);
+    for (let i = 0; i < ws.length; i++) {
+      owned = owned && this.owns(outs[i] as Float32Array) && this.owns(ws[i] as Float32Array);
+    }
+    if (!owned) {
+      this.fallbackCalls++;
+      ref.matmulEach(outs, x, ws, rows, inDim, outDims);
+      return;
+    }
+    if (this.#segRecords.length < 4 * ws.length) this.#segRecords = this.allocI32(4 * ws.length);
+    let total = 0;
+    for (let i = 0; i < ws.length; i++) {
+      this.#segment(i, outs[i] as Float32Array, ws[i] as Float32Array, outDims[i] as number);
+      total += outDims[i] as number;
+    }
+    this.#matmulSegments(x, rows, inDim, ws.length, total);
+  }
+
+  /** Stages matmul segment i (see matmulPar in the kernels) for #matmulSegments. */
+  #segment(i: number, out: Float32Array, w: Float32Array, outDim: number): void {
+    const r = this.#segRecords;
+    r[4 * i] = out.byteOffset;
+    r[4 * i + 1] = w.byteOffset;
+    r[4 * i + 2] = outDim;
+  }
+
+  /**
+   * Runs the staged segments over x as one job. Batches of rows: blocks of MATMUL_ROW_CHUNK rows ×
+   * MATMUL_COL_CHUNK columns. One or two rows (decode): chunks of whole weight rows.
+   */
+  #matmulSegments(x: Float32Array, rows: number, inDim: number, numSegs: number, totalOut: number): void {
     const big = rows >= 3;
     const colChunk = big
       ? MATMUL_COL_CHUNK
       : this.#matvecChunk > 0
         ? this.#matvecChunk
-        : Math.min(128, Math.max(16, Math.ceil(outDim / 64) * 4));
+        : Math.min(128, Math.max(16, Math.ceil(totalOut / 64) * 4));
     const rowChunk = big ? MATMUL_ROW_CHUNK : rows;
-    const o = out.byteOffset;
+    const r = this.#segRecords;
+    let chunks = 0;
+    for (let i = 0; i < numSegs; i++) {
+      r[4 * i + 3] = chunks;
+      chunks += Math.ceil((r[4 * i + 2] as number) / colChunk);
+    }
     const xp = this.#pack(x, rows, inDim);
-    if (this.#worker === null || rows * inDim * outDim < this.#parallelMinWork) {
+    if (this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork) {
       if (!big) {
-        this.#x.matmulCols(o, x.byteOffset, xp, w.byteOffset, rows, inDim, outDim, 0, outDim);
+        for (let i = 0; i < numSegs; i++) {
+          const outDim = r[4 * i + 2] as number;
+          this.#x.matmulCols(
+            r[4 * i] as number,
+            x.byteOffset,
+            xp,
+            r[4 * i + 1] as number,
+            rows,
+            inDim,
+            outDim,
+            0,
+            outDim,
+          );
+        }
         return;
       }
       Atomics.store(this.#ctl, CTL_COUNTER, 0);
       this.#x.matmulPar(
-        o,
         x.byteOffset,
         xp,
-        w.byteOffset,
         rows,
         inDim,
-        outDim,
+        r.byteOffset,
+        numSegs,
         this.#counter,
         colChunk,
         rowChunk,
@@ -479,25 +539,23 @@ export class WasmKernels implements Kernels {
       return;
     }
     const a = this.#args;
-    a[0] = o;
-    a[1] = x.byteOffset;
-    a[2] = xp;
-    a[3] = w.byteOffset;
-    a[4] = rows;
-    a[5] = inDim;
-    a[6] = outDim;
-    a[7] = this.#counter;
-    a[8] = colChunk;
-    a[9] = rowChunk;
+    a[0] = x.byteOffset;
+    a[1] = xp;
+    a[2] = rows;
+    a[3] = inDim;
+    a[4] = r.byteOffset;
+    a[5] = numSegs;
+    a[6] = this.#counter;
+    a[7] = colChunk;
+    a[8] = rowChunk;
     const s = this.#publish(OP_MATMUL);
     this.#x.matmulPar(
-      o,
       x.byteOffset,
       xp,
-      w.byteOffset,
       rows,
       inDim,
-      outDim,
+      r.byteOffset,
+      numSegs,
       this.#counter,
       colChunk,
       rowChunk,

@@ -79,6 +79,12 @@ export class ForwardPass {
   #lastRows: Float32Array; // [S][hidden]
   #logitRows: Float32Array; // [S][vocab]
   #attention: MutableAttentionSequence[]; // [S], for pagedAttentionBatch
+  #qkv: Float32Array[];
+  #qkvDims: number[];
+  #qkvWeights: Float32Array[][]; // [layer]: q, k, v
+  #gateUp: Float32Array[];
+  #gateUpDims: number[];
+  #gateUpWeights: Float32Array[][]; // [layer]: gate, up
 
   /**
    * Bytes of the buffers the constructor takes from `kernels.alloc*` for `config` and `options`
@@ -167,6 +173,13 @@ export class ForwardPass {
     this.#epsBox = [config.rmsNormEps, null];
     this.#lastRows = kernels.allocF32(maxSequences * hidden);
     this.#logitRows = kernels.allocF32(maxSequences * vocabSize);
+    // q/k/v and gate/up: each one matmulEach over the same normed rows.
+    this.#qkv = [this.#q, this.#k, this.#v];
+    this.#qkvDims = [numHeads * headDim, numKvHeads * headDim, numKvHeads * headDim];
+    this.#qkvWeights = weights.layers.map((w) => [w.q, w.k, w.v]);
+    this.#gateUp = [this.#gate, this.#up];
+    this.#gateUpDims = [intermediateSize, intermediateSize];
+    this.#gateUpWeights = weights.layers.map((w) => [w.gate, w.up]);
     this.#attention = Array.from({ length: maxSequences }, () => ({
       blockTable: new Int32Array(0),
       rowStart: 0,
@@ -185,7 +198,7 @@ export class ForwardPass {
     const numSeqs = sequences.length;
     const total = this.#checkStep(pool, sequences);
     if (total === 0) return;
-    const { add, addBias, matmul, pagedAttentionBatch, rmsnorm, rope, swiglu } = this.#kernels;
+    const { add, addBias, matmul, matmulEach, pagedAttentionBatch, rmsnorm, rope, swiglu } = this.#kernels;
 
     // Embeddings and positions.
     const embed = this.#weights.embed;
@@ -226,9 +239,7 @@ export class ForwardPass {
     for (let l = 0; l < cfg.numLayers; l++) {
       const w = layers[l] as (typeof layers)[number];
       rmsnorm(xn, x, w.inputNorm, hidden, eps, total);
-      matmul(q, xn, w.q, total, hidden, qDim);
-      matmul(k, xn, w.k, total, hidden, kvDim);
-      matmul(v, xn, w.v, total, hidden, kvDim);
+      matmulEach(this.#qkv, xn, this.#qkvWeights[l] as Float32Array[], total, hidden, this.#qkvDims);
       if (w.qBias !== null) addBias(q, w.qBias, total, qDim);
       if (w.kBias !== null) addBias(k, w.kBias, total, kvDim);
       if (w.vBias !== null) addBias(v, w.vBias, total, kvDim);
@@ -252,8 +263,7 @@ export class ForwardPass {
       matmul(proj, attn, w.o, total, qDim, hidden);
       add(x, x, proj, total * hidden);
       rmsnorm(xn, x, w.postNorm, hidden, eps, total);
-      matmul(gate, xn, w.gate, total, hidden, inter);
-      matmul(up, xn, w.up, total, hidden, inter);
+      matmulEach(this.#gateUp, xn, this.#gateUpWeights[l] as Float32Array[], total, hidden, this.#gateUpDims);
       swiglu(gate, gate, up, total * inter);
       matmul(proj, gate, w.down, total, inter, hidden);
       add(x, x, proj, total * hidden);

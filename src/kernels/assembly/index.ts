@@ -481,27 +481,34 @@ export function matmulCols(
 }
 
 /**
- * matmul in chunks of `rowChunk` rows (a multiple of 8) × `colChunk` output columns claimed from the
- * i32 counter at `counter` (row blocks outer, so a row block of x stays in L2 while the weights
- * stream); every participating thread calls it with the same arguments. The caller zeroes the
- * counter and packs x into xp (`pack8`) first.
+ * One or more matmuls over the same x (q/k/v, gate/up: one job, one packing of x), in chunks of
+ * `rowChunk` rows (a multiple of 8) × `colChunk` output columns claimed from the i32 counter at
+ * `counter` (row blocks outer, so a row block of x stays in L2 while the weights stream; then the
+ * segments in order); every participating thread calls it with the same arguments. `segs` holds one
+ * record of 4 i32 per matmul: out address, weight address, outDim, and the number of column chunks
+ * of the segments before it. The caller zeroes the counter and packs x into xp (`pack8`) first.
  */
 export function matmulPar(
-  out: usize, x: usize, xp: usize, w: usize, rows: i32, inDim: i32, outDim: i32, counter: usize, colChunk: i32, rowChunk: i32,
+  x: usize, xp: usize, rows: i32, inDim: i32, segs: usize, numSegs: i32, counter: usize, colChunk: i32, rowChunk: i32,
 ): void {
-  const nc = (outDim + colChunk - 1) / colChunk;
-  const n = ((rows + rowChunk - 1) / rowChunk) * nc;
+  const last = segs + (<usize>(numSegs - 1) << 4);
+  const perBlock = load<i32>(last, 12) + (load<i32>(last, 8) + colChunk - 1) / colChunk;
+  const n = ((rows + rowChunk - 1) / rowChunk) * perBlock;
   const gs = packedGroupBytes(inDim);
   for (;;) {
     const c = atomic.add<i32>(counter, 1);
     if (c >= n) return;
-    const r0 = (c / nc) * rowChunk;
-    const c0 = (c % nc) * colChunk;
+    const r0 = (c / perBlock) * rowChunk;
+    const k = c % perBlock;
+    let sg = segs;
+    while (sg < last && load<i32>(sg, 28) <= k) sg += 16;
+    const outDim = load<i32>(sg, 8);
+    const c0 = (k - load<i32>(sg, 12)) * colChunk;
     const c1 = min(c0 + colChunk, outDim);
     const rn = min(rowChunk, rows - r0);
     matmulCols(
-      out + ((<usize>r0 * <usize>outDim) << 2), x + ((<usize>r0 * <usize>inDim) << 2), xp + (<usize>(r0 >> 3)) * gs, w,
-      rn, inDim, outDim, c0, c1,
+      <usize>load<i32>(sg) + ((<usize>r0 * <usize>outDim) << 2), x + ((<usize>r0 * <usize>inDim) << 2),
+      xp + (<usize>(r0 >> 3)) * gs, <usize>load<i32>(sg, 4), rn, inDim, outDim, c0, c1,
     );
   }
 }

@@ -41,7 +41,9 @@ function fma(acc: v128, a: v128, b: v128): v128 {
 /** exp on four lanes (Cephes expf: range reduction to [-ln2/2, ln2/2], degree-6 polynomial). */
 @inline
 function expv(x: v128): v128 {
-  x = f32x4.min(f32x4.max(x, f32x4.splat(-87.3)), f32x4.splat(88.7));
+  // pmin/pmax are one instruction each on x86; min/max, which must order NaNs and signed zeros,
+  // are several (a NaN still comes out a NaN).
+  x = f32x4.pmin(f32x4.pmax(x, f32x4.splat(-87.3)), f32x4.splat(88.7));
   const fx = f32x4.nearest(f32x4.mul(x, f32x4.splat(1.44269504088896341)));
   let r = f32x4.sub(x, f32x4.mul(fx, f32x4.splat(0.693359375)));
   r = f32x4.sub(r, f32x4.mul(fx, f32x4.splat(-2.12194440e-4)));
@@ -52,8 +54,10 @@ function expv(x: v128): v128 {
   p = f32x4.add(f32x4.mul(p, r), f32x4.splat(1.6666665459e-1));
   p = f32x4.add(f32x4.mul(p, r), f32x4.splat(5.0000001201e-1));
   const y = f32x4.add(f32x4.add(f32x4.mul(f32x4.mul(p, r), r), r), f32x4.splat(1.0));
-  const n = i32x4.trunc_sat_f32x4_s(fx);
-  const pow2n = i32x4.shl(i32x4.add(n, i32x4.splat(127)), 23);
+  // 2^fx: fx is a whole number in [-126, 128], so fx + 2^23 + 127 is a float whose low mantissa
+  // bits are fx + 127; shifting them into the exponent field drops the rest (cheaper than
+  // i32x4.trunc_sat_f32x4_s, a sequence of several instructions on x86).
+  const pow2n = i32x4.shl(f32x4.add(fx, f32x4.splat(8388735.0)), 23);
   return f32x4.mul(y, pow2n);
 }
 
@@ -710,7 +714,7 @@ function attendRange(
     const sh = scratch + <usize>h * nBytes;
     let mv = f32x4.splat(-Infinity);
     let u: usize = 0;
-    for (; u < cv; u += 16) mv = f32x4.max(mv, v128.load(sh + u));
+    for (; u < cv; u += 16) mv = f32x4.pmax(mv, v128.load(sh + u));
     let m = max(max(f32x4.extract_lane(mv, 0), f32x4.extract_lane(mv, 1)), max(f32x4.extract_lane(mv, 2), f32x4.extract_lane(mv, 3)));
     for (; u < nBytes; u += 4) m = max(m, load<f32>(sh + u));
     const ms = f32x4.splat(m);

@@ -43,8 +43,16 @@ function decodeLogits(b64: string, vocab: number): Float32Array[] {
   return rows;
 }
 
-for (const name of ["kvfence-tiny", "tiny-qwen2"]) {
-  describe(`golden parity on WasmKernels: ${name}`, () => {
+// Both builds: the fused multiply-add one the server takes where the engine has relaxed SIMD, and
+// the plain one it falls back to.
+for (const [name, fma] of [
+  ["kvfence-tiny", true],
+  ["tiny-qwen2", true],
+  ["kvfence-tiny", false],
+  ["tiny-qwen2", false],
+] as const) {
+  const build = fma ? "fused multiply-add" : "multiply, then add";
+  describe(`golden parity on WasmKernels (${build}): ${name}`, () => {
     const root = packageRoot();
     const golden = JSON.parse(
       readFileSync(join(root, "testing", "fixtures", `golden-${name}.json`), "utf8"),
@@ -57,8 +65,9 @@ for (const name of ["kvfence-tiny", "tiny-qwen2"]) {
     let k: WasmKernels;
     let fp: ForwardPass;
     before(async () => {
-      k = await WasmKernels.create({ threads: 2, parallelMinWork: 0 });
+      k = await WasmKernels.create({ threads: 2, parallelMinWork: 0, fma });
       await k.ready();
+      assert.equal(k.fma, fma);
       fp = new ForwardPass(config, k.placeWeights(weights), layout, {
         maxBatchTokens: 128,
         maxSequences: 4,
@@ -91,7 +100,7 @@ for (const name of ["kvfence-tiny", "tiny-qwen2"]) {
         }
       }
       assert.equal(k.fallbackCalls, 0, "every kernel call ran in WebAssembly");
-      console.log(`${name} on wasm: max |Δlogit| ${worstOverall.toExponential(2)}`);
+      console.log(`${name} on wasm (${build}): max |Δlogit| ${worstOverall.toExponential(2)}`);
     });
 
     it(`ForwardPass.step() on WasmKernels reproduces the reference ${golden.continuation}-token greedy continuations`, () => {

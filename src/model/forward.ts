@@ -78,6 +78,7 @@ export class ForwardPass {
   // Logit rows, [maxSequences][...].
   #lastRows: Float32Array; // [S][hidden]
   #logitRows: Float32Array; // [S][vocab]
+  #logitViews: Float32Array[]; // row i of #logitRows, made once (a subarray per step would allocate)
   #attention: MutableAttentionSequence[]; // [S], for pagedAttentionBatch
   #qkv: Float32Array[];
   #qkvDims: number[];
@@ -173,6 +174,9 @@ export class ForwardPass {
     this.#epsBox = [config.rmsNormEps, null];
     this.#lastRows = kernels.allocF32(maxSequences * hidden);
     this.#logitRows = kernels.allocF32(maxSequences * vocabSize);
+    this.#logitViews = Array.from({ length: maxSequences }, (_, i) =>
+      this.#logitRows.subarray(i * vocabSize, (i + 1) * vocabSize),
+    );
     // q/k/v and gate/up: each one matmulEach over the same normed rows.
     this.#qkv = [this.#q, this.#k, this.#v];
     this.#qkvDims = [numHeads * headDim, numKvHeads * headDim, numKvHeads * headDim];
@@ -291,8 +295,7 @@ export class ForwardPass {
     for (let s = 0; s < numSeqs; s++) {
       const out = (sequences[s] as StepSequence).logits;
       if (out === null) continue;
-      const base = o * vocab;
-      for (let j = 0; j < vocab; j++) out[j] = logitRows[base + j] as number;
+      out.set(this.#logitViews[o] as Float32Array);
       o++;
     }
   }

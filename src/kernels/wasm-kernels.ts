@@ -506,49 +506,40 @@ export class WasmKernels implements Kernels {
       chunks += Math.ceil((r[4 * i + 2] as number) / colChunk);
     }
     const xp = this.#pack(x, rows, inDim);
-    if (this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork) {
-      if (!big) {
-        for (let i = 0; i < numSegs; i++) {
-          const outDim = r[4 * i + 2] as number;
-          this.#x.matmulCols(
-            r[4 * i] as number,
-            x.byteOffset,
-            xp,
-            r[4 * i + 1] as number,
-            rows,
-            inDim,
-            outDim,
-            0,
-            outDim,
-          );
-        }
-        return;
+    const solo = this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork;
+    if (solo && !big) {
+      for (let i = 0; i < numSegs; i++) {
+        const outDim = r[4 * i + 2] as number;
+        this.#x.matmulCols(
+          r[4 * i] as number,
+          x.byteOffset,
+          xp,
+          r[4 * i + 1] as number,
+          rows,
+          inDim,
+          outDim,
+          0,
+          outDim,
+        );
       }
-      Atomics.store(this.#ctl, CTL_COUNTER, 0);
-      this.#x.matmulPar(
-        x.byteOffset,
-        xp,
-        rows,
-        inDim,
-        r.byteOffset,
-        numSegs,
-        this.#counter,
-        colChunk,
-        rowChunk,
-      );
       return;
     }
-    const a = this.#args;
-    a[0] = x.byteOffset;
-    a[1] = xp;
-    a[2] = rows;
-    a[3] = inDim;
-    a[4] = r.byteOffset;
-    a[5] = numSegs;
-    a[6] = this.#counter;
-    a[7] = colChunk;
-    a[8] = rowChunk;
-    const s = this.#publish(OP_MATMUL);
+    let job = 0;
+    if (solo) {
+      Atomics.store(this.#ctl, CTL_COUNTER, 0);
+    } else {
+      const a = this.#args;
+      a[0] = x.byteOffset;
+      a[1] = xp;
+      a[2] = rows;
+      a[3] = inDim;
+      a[4] = r.byteOffset;
+      a[5] = numSegs;
+      a[6] = this.#counter;
+      a[7] = colChunk;
+      a[8] = rowChunk;
+      job = this.#publish(OP_MATMUL);
+    }
     this.#x.matmulPar(
       x.byteOffset,
       xp,
@@ -560,7 +551,7 @@ export class WasmKernels implements Kernels {
       colChunk,
       rowChunk,
     );
-    this.#join(s);
+    if (!solo) this.#join(job);
   }
 
   /** Packs the full groups of 8 rows of x for the 8-row matmul tile; returns their address (0 if none). */

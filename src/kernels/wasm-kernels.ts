@@ -16,15 +16,22 @@
  *
  * ## Two threads
  * The main thread and one worker (wasm-kernels-worker.ts) run the same module over the same memory.
- * `matmul`, `pagedAttention` and large `swiglu` calls are published as a job in a control block in
- * the memory; both threads then call the same parallel kernel, which claims chunks of work (16–32
- * output columns, or one (query row, KV head) attention item) from an atomic counter, so the faster
+ * `matmul`/`matmulEach`, `pagedAttention`/`pagedAttentionBatch` and large `swiglu` calls are
+ * published as a job in a control block in the memory; both threads then call the same parallel
+ * kernel, which claims chunks of work (48 output columns of a row block, 16–128 for one or two
+ * rows, or one (sequence, query row, KV heads) attention item) from an atomic counter, so the faster
  * thread takes more and neither waits for a late starter. The worker spins on `Atomics.load` for a
  * bounded time (`workerSpinMs`) between jobs and then sleeps in `Atomics.wait`; a futex wake costs
  * about 50 µs on these machines against well under 1 µs for a spin (MEASUREMENTS §2), so within a
  * token it never sleeps. A job the worker has not picked up by the time the main thread finished
  * every chunk is cancelled (a ticket compare-and-swap), so a descheduled or sleeping worker never
  * delays the main thread by more than the chunk it is running.
+ *
+ * ## Two builds
+ * One AssemblyScript source is built twice: kernels-fma.wasm, whose multiply-adds are relaxed-SIMD
+ * fused multiply-adds, and kernels.wasm, a multiply and an add. `create()` takes the first where the
+ * engine accepts relaxed SIMD (see `wasmModule`) unless `fma: false`; `fma` says which it got. Both
+ * are tested against the reference kernels and the golden logits.
  */
 import { Worker } from "node:worker_threads";
 import type { Kernels } from "./kernels.js";
@@ -68,7 +75,8 @@ export const CTL_MAIN_SLEEPING = 34;
 export const CTL_QUIT = 35;
 export const CTL_WORKER_JOBS = 36;
 export const CTL_OP = 40;
-export const CTL_COUNTER = 48;
+/** Two work counters, a cache line apart (see `claim` in the kernels). */
+export const CTL_COUNTER = 96;
 export const CTL_ARGS = 64;
 
 export const OP_MATMUL = 1;
@@ -105,6 +113,7 @@ export interface WasmExports {
     counter: number,
     colChunk: number,
     rowChunk: number,
+    first: number,
   ): void;
   add(out: number, a: number, b: number, n: number): void;
   addBias(out: number, bias: number, rows: number, n: number): void;
@@ -526,7 +535,7 @@ export class WasmKernels implements Kernels {
     }
     let job = 0;
     if (solo) {
-      Atomics.store(this.#ctl, CTL_COUNTER, 0);
+      this.#resetCounters();
     } else {
       const a = this.#args;
       a[0] = x.byteOffset;
@@ -550,6 +559,7 @@ export class WasmKernels implements Kernels {
       this.#counter,
       colChunk,
       rowChunk,
+      0,
     );
     if (!solo) this.#join(job);
   }
@@ -776,7 +786,7 @@ export class WasmKernels implements Kernels {
     const counter = this.#counter;
     let job = 0;
     if (solo) {
-      Atomics.store(this.#ctl, CTL_COUNTER, 0);
+      this.#resetCounters();
     } else {
       const a = this.#args;
       a[0] = out.byteOffset;
@@ -836,12 +846,17 @@ export class WasmKernels implements Kernels {
   // -------------------------------------------------------------------------------------------
   // job protocol (see the module header; the worker side is in wasm-kernels-worker.ts)
 
+  #resetCounters(): void {
+    Atomics.store(this.#ctl, CTL_COUNTER, 0);
+    Atomics.store(this.#ctl, CTL_COUNTER + 16, 0);
+  }
+
   /** Publishes the job whose arguments are in #args; returns its sequence number. */
   #publish(op: number): number {
     const ctl = this.#ctl;
     const s = this.#seq >= 0x1fffffff ? 1 : this.#seq + 1;
     this.#seq = s;
-    Atomics.store(ctl, CTL_COUNTER, 0);
+    this.#resetCounters();
     ctl[CTL_OP] = op;
     Atomics.store(ctl, CTL_TICKET, 2 * s);
     Atomics.store(ctl, CTL_SEQ, s);

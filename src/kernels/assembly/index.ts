@@ -486,22 +486,24 @@ export function matmulCols(
 
 /**
  * One or more matmuls over the same x (q/k/v, gate/up: one job, one packing of x), in chunks of
- * `rowChunk` rows (a multiple of 8) × `colChunk` output columns claimed from the i32 counter at
- * `counter` (row blocks outer, so a row block of x stays in L2 while the weights stream; then the
- * segments in order); every participating thread calls it with the same arguments. `segs` holds one
- * record of 4 i32 per matmul: out address, weight address, outDim, and the number of column chunks
- * of the segments before it. The caller zeroes the counter and packs x into xp (`pack8`) first.
+ * `rowChunk` rows (a multiple of 8) × `colChunk` output columns (row blocks outer, so a row block of
+ * x stays in L2 while the weights stream; then the segments in order). `segs` holds one record of
+ * 4 i32 per matmul: out address, weight address, outDim, and the number of column chunks of the
+ * segments before it. Every participating thread calls it with the same arguments but `first`
+ * (0 for the main thread, 1 for the worker); see `claim` for how they share the chunks. The caller
+ * zeroes both counters and packs x into xp (`pack8`) first.
  */
 export function matmulPar(
   x: usize, xp: usize, rows: i32, inDim: i32, segs: usize, numSegs: i32, counter: usize, colChunk: i32, rowChunk: i32,
+  first: i32,
 ): void {
   const last = segs + (<usize>(numSegs - 1) << 4);
   const perBlock = load<i32>(last, 12) + (load<i32>(last, 8) + colChunk - 1) / colChunk;
   const n = ((rows + rowChunk - 1) / rowChunk) * perBlock;
   const gs = packedGroupBytes(inDim);
   for (;;) {
-    const c = atomic.add<i32>(counter, 1);
-    if (c >= n) return;
+    const c = claim(counter, n, first);
+    if (c < 0) return;
     const r0 = (c / perBlock) * rowChunk;
     const k = c % perBlock;
     let sg = segs;
@@ -515,6 +517,23 @@ export function matmulPar(
       xp + (<usize>(r0 >> 3)) * gs, <usize>load<i32>(sg, 4), rn, inDim, outDim, c0, c1,
     );
   }
+}
+
+/**
+ * The next of n work items for thread `first` (0 or 1), or -1 when none is left. The items are cut
+ * in two halves with a counter each, at `counter` and `counter` + 64 (a cache line apart): a thread
+ * takes its own half from the front, then helps with the other's. One shared counter made every
+ * claim move a cache line between the cores, which costs most when the two vCPUs sit on different
+ * L3s.
+ */
+function claim(counter: usize, n: i32, first: i32): i32 {
+  const mid = n >> 1;
+  for (let h = 0; h < 2; h++) {
+    const half = first ^ h;
+    const c = atomic.add<i32>(counter + (<usize>half << 6), 1) + (half == 0 ? 0 : mid);
+    if (c < (half == 0 ? mid : n)) return c;
+  }
+  return -1;
 }
 
 // ---------------------------------------------------------------------------------------------

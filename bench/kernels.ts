@@ -11,10 +11,14 @@
  *   (bench/roofline.ts); with `--model`, the roofline in tokens/s: bandwidth / bytes of weights one
  *   decode token reads (all linear weights and the LM head).
  * - `pass`: the bare wasm decode weight pass (every linear weight and the LM head once, matvecs only).
+ * - `gemm8`: the batch-8 decode GEMM, 8 rows × 576 against 128 weight rows that stay in L2 and
+ *   against the 49,152 rows of the 135M shape's LM head (113 MB, from DRAM), GFLOP/s on 1 and 2
+ *   threads for the fused multiply-add build and the plain one: the first is the tile's compute
+ *   ceiling, the gap to the second what reading the weights into L2 costs.
  *
  * Every figure is the median over timed repetitions after warm-up (the spread is printed).
  *
- * Run: `node dist/bench/kernels.js [--model DIR] [--threads 1|2] [--parts micro,roofline,pass]
+ * Run: `node dist/bench/kernels.js [--model DIR] [--threads 1|2] [--parts micro,roofline,pass,gemm8]
  * [--json]` (the model: `node dist/src/cli/main.js gen-model --like smollm2-135m --seed 1 /tmp/smol`).
  */
 import { parseArgs } from "node:util";
@@ -115,6 +119,46 @@ async function micro(log: (l: string) => void, results: Record<string, unknown>)
 
 // ---------------------------------------------------------------------------------------------
 
+async function gemm8(log: (l: string) => void, results: Record<string, unknown>): Promise<void> {
+  const shapes: [string, number, number][] = [
+    ["8x576x128, weights in L2", 128, 400],
+    ["8x576x49152, from DRAM", 49152, 2],
+  ];
+  log("batch-8 GEMM            | build              | wasm 1 thread    | wasm 2 threads");
+  for (const fma of [true, false]) {
+    const kernels = [
+      await WasmKernels.create({ threads: 1, fma }),
+      await WasmKernels.create({ threads: 2, fma }),
+    ];
+    await (kernels[1] as WasmKernels).ready();
+    const build = (kernels[0] as WasmKernels).fma ? "fused multiply-add" : "multiply, then add";
+    for (const [name, outDim, inner] of shapes) {
+      const flops = 2 * 8 * 576 * outDim * inner;
+      const row: string[] = [];
+      const entry: Record<string, Spread> = {};
+      for (const [i, kern] of kernels.entries()) {
+        const x = fill(kern.allocF32(8 * 576), 1);
+        const w = fill(kern.allocF32(576 * outDim), 2);
+        const out = kern.allocF32(8 * outDim);
+        const t = timeIt(
+          () => {
+            for (let r = 0; r < inner; r++) kern.matmul(out, x, w, 8, 576, outDim);
+          },
+          7,
+          1,
+        );
+        entry[`wasm${i + 1}`] = t;
+        row.push(fmtS(t, (ms) => flops / ms / 1e6).padEnd(16));
+      }
+      results[`${name} (${build})`] = entry;
+      log(`${name.padEnd(23)} | ${build.padEnd(18)} | ${row.join(" | ")}`);
+    }
+    for (const k of kernels) await k.close();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
 /** Read bandwidth (GB/s) of 1 GiB of touched memory with native memchr on 1 and 2 threads. */
 async function roofline(log: (l: string) => void): Promise<{ one: Spread; two: Spread }> {
   const probe = await BandwidthProbe.start(1 << 30);
@@ -177,9 +221,9 @@ async function main(): Promise<void> {
   });
   const parts = new Set((values.parts ?? "").split(","));
   for (const part of parts) {
-    if (!["micro", "roofline", "pass"].includes(part)) {
+    if (!["micro", "roofline", "pass", "gemm8"].includes(part)) {
       throw new Error(
-        `Unknown part: ${part}; use micro, roofline or pass (the forward pass is \`kvfence bench model\`, the guards \`kvfence bench tag-check\`)`,
+        `Unknown part: ${part}; use micro, roofline, pass or gemm8 (the forward pass is \`kvfence bench model\`, the guards \`kvfence bench tag-check\`)`,
       );
     }
   }
@@ -192,6 +236,11 @@ async function main(): Promise<void> {
     const m: Record<string, unknown> = {};
     results.micro = m;
     await micro(log, m);
+  }
+  if (parts.has("gemm8")) {
+    const g: Record<string, unknown> = {};
+    results.gemm8 = g;
+    await gemm8(log, g);
   }
   let bw: { one: Spread; two: Spread } | null = null;
   if (parts.has("roofline")) bw = await roofline(log);

@@ -91,7 +91,7 @@ export async function createForward(
     const at = k.allocBytes(poolBytes[i] as number);
     return new PagePool(layout, n, {
       scrubOnFree,
-      dataBuffer: k.memory.buffer as SharedArrayBuffer,
+      dataBuffer: k.buffer(),
       dataByteOffset: at,
     });
   });

@@ -280,6 +280,35 @@ for (const [threads, fma] of [
 }
 
 describe("WasmKernels memory", () => {
+  it("WasmKernels runs views of its memory made after another WebAssembly memory grew, and refuses another memory's", async () => {
+    // Growing any wasm memory in the thread gives every shared memory a new buffer object (V8 in
+    // Node 20): views made afterwards must still count as this memory's, or every kernel on them
+    // falls back to the reference (a process's second kernel set ran its matmuls 20x slower).
+    const k = await WasmKernels.create({ threads: 1, initialBytes: 1 << 20 });
+    const other = await WasmKernels.create({ threads: 1, initialBytes: 1 << 20 });
+    try {
+      const w = k.allocF32(5 * 37).fill(0.25);
+      const out = k.allocF32(5);
+      const at = k.allocBytes(4 * 37);
+      const before = k.memory.buffer;
+      other.allocF32(1 << 20); // grows the other memory
+      assert.notEqual(k.memory.buffer, before, "V8 no longer refreshes the buffer: this test proves nothing");
+      // A view made by hand, as a caller placing its own array (forward-setup's pools did).
+      const x = new Float32Array(k.memory.buffer, at, 37).fill(0.5);
+      k.matmul(out, x, w, 1, 37, 5);
+      assert.equal(k.fallbackCalls, 0);
+      assertAllClose(out, new Float32Array(5).fill(37 * 0.125), { rtol: 1e-6, atol: 0 });
+      // A view of the other memory is not this one's, whatever its offsets.
+      const foreign = other.allocF32(5);
+      k.matmul(foreign, x, w, 1, 37, 5);
+      assert.equal(k.fallbackCalls, 1);
+      assert.ok(!k.owns(new Float32Array(new SharedArrayBuffer(1 << 17))));
+    } finally {
+      await k.close();
+      await other.close();
+    }
+  });
+
   it("WasmKernels.allocF32() grows the memory and earlier views stay valid and owned", async () => {
     const k = await WasmKernels.create({ threads: 1, initialBytes: 1 << 17 });
     try {

@@ -64,6 +64,8 @@ const PAGE_BYTES = 65536;
 const MAX_PAGES = 65536;
 /** The first 64 KiB stay unused (the module has no data segments, but keep address 0 unused). */
 const ARENA_START = 65536;
+/** A word in that unused first 64 KiB, for `owns` to tell whether a buffer is this memory. */
+const PROBE_BYTE = 1024;
 const CTL_BYTES = 512;
 
 // Control block (Int32 indices); hot words on separate 64-byte lines.
@@ -258,7 +260,8 @@ export class WasmKernels implements Kernels {
   /** Calls that ran the reference kernel because an operand was outside the memory. */
   fallbackCalls = 0;
   #x: WasmExports;
-  #buffers: ArrayBufferLike[];
+  /** Every buffer object known to be this memory (see `owns`). */
+  #buffers = new WeakSet<ArrayBufferLike>();
   #buf0: ArrayBufferLike;
   #top = ARENA_START;
   #ctl: Int32Array;
@@ -290,7 +293,7 @@ export class WasmKernels implements Kernels {
     this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
     this.#x = instantiate(module, this.memory);
     this.#buf0 = this.memory.buffer;
-    this.#buffers = [this.#buf0];
+    this.#buffers.add(this.#buf0);
     this.threads = options.threads ?? 2;
     this.#parallelMinWork = options.parallelMinWork ?? 32768;
     this.#matvecChunk = options.matvecChunk ?? 0;
@@ -378,7 +381,6 @@ export class WasmKernels implements Kernels {
         );
       }
       this.memory.grow(pages);
-      this.#buffers.push(this.memory.buffer);
     }
     this.#top = end;
     return at;
@@ -386,17 +388,17 @@ export class WasmKernels implements Kernels {
 
   allocF32(n: number): Float32Array {
     const at = this.allocBytes(n * 4); // first: it may grow the memory (a new buffer)
-    return new Float32Array(this.memory.buffer, at, n);
+    return new Float32Array(this.buffer(), at, n);
   }
 
   allocF64(n: number): Float64Array {
     const at = this.allocBytes(n * 8); // first: it may grow the memory (a new buffer)
-    return new Float64Array(this.memory.buffer, at, n);
+    return new Float64Array(this.buffer(), at, n);
   }
 
   allocI32(n: number): Int32Array {
     const at = this.allocBytes(n * 4); // first: it may grow the memory (a new buffer)
-    return new Int32Array(this.memory.buffer, at, n);
+    return new Int32Array(this.buffer(), at, n);
   }
 
   /** A copy of `src` inside the memory. */
@@ -433,13 +435,40 @@ export class WasmKernels implements Kernels {
     };
   }
 
-  /** True when the view lies inside this kernel set's memory. */
+  /**
+   * The memory's current buffer object, remembered as this memory's. Use it (not `memory.buffer`)
+   * to make views the kernels should accept, as PagePool's data.
+   */
+  buffer(): SharedArrayBuffer {
+    const b = this.memory.buffer as SharedArrayBuffer;
+    this.#buffers.add(b);
+    return b;
+  }
+
+  /**
+   * True when the view lies inside this kernel set's memory. A shared memory's `buffer` is not one
+   * object for good: V8 (Node 20) hands out a new SharedArrayBuffer over the same memory after a
+   * grow of this memory, and also after a grow of any other WebAssembly memory in the thread (a
+   * second kernel set, a library's own). So a buffer object not seen before is compared by content:
+   * a word at PROBE_BYTE (in the first 64 KiB, which the arena never hands out) written through this
+   * memory must read back through it, twice. A view over another memory fails that and runs on the
+   * reference kernels, as before; one over this memory is remembered and runs here. (Comparing
+   * object identity alone sent every later view of a process's second kernel set to the reference
+   * kernels, 20× slower.)
+   */
   owns(a: ArrayBufferView): boolean {
     const b = a.buffer;
-    if (b === this.#buf0) return true;
-    const bufs = this.#buffers;
-    for (let i = 1; i < bufs.length; i++) if (b === bufs[i]) return true;
-    return false;
+    if (b === this.#buf0 || this.#buffers.has(b)) return true;
+    if (!(b instanceof SharedArrayBuffer) || b.byteLength < ARENA_START) return false;
+    const mine = new Int32Array(this.memory.buffer, PROBE_BYTE, 1);
+    const theirs = new Int32Array(b, PROBE_BYTE, 1);
+    const v = (Math.random() * 0x7fffffff) | 0;
+    mine[0] = v;
+    if (theirs[0] !== v) return false;
+    mine[0] = ~v;
+    if (theirs[0] !== ~v) return false;
+    this.#buffers.add(b);
+    return true;
   }
 
   // -------------------------------------------------------------------------------------------

@@ -168,8 +168,8 @@ const compiled = new Map<boolean, Promise<WebAssembly.Module | null>>();
  * The compiled kernels (built by scripts/build-wasm.mjs next to this file in dist/): with `fma`,
  * kernels-fma.wasm, whose multiply-adds are relaxed-SIMD `f32x4.relaxed_madd`, or null where the
  * engine rejects relaxed SIMD; else kernels.wasm (multiply, then add). Node 20's V8 validates
- * relaxed SIMD only behind --experimental-wasm-relaxed-simd (it is on by default from V8 11.4,
- * Node 22), so a module that fails validation turns that flag on once and tries again. The flag
+ * relaxed SIMD only behind --experimental-wasm-relaxed-simd (later V8 versions turn it on by
+ * default), so a module that fails validation turns that flag on once and tries again. The flag
  * only lets the validator accept those opcodes; V8 11.3 compiles them (FMA where the CPU has it).
  */
 export function wasmModule(fma: true): Promise<WebAssembly.Module | null>;

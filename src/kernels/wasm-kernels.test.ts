@@ -31,9 +31,9 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [1, 1, 1],
   [1, 37, 13],
   [2, 64, 9],
-  [3, 5, 7],
+  [3, 5, 7], // a packed group of 3 rows (padded to 4), k tail of 1
   [4, 33, 41],
-  [7, 66, 19],
+  [7, 66, 19], // a group of 7 rows: both halves of the tile, the second padded
   [8, 37, 13], // one packed group of 8 rows: a k tail of 1 and an odd last column
   [17, 66, 9], // two packed groups and a remainder row, a k tail of 2
   [16, 35, 8], // a k tail of 3, even columns

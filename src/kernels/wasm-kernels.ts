@@ -593,10 +593,10 @@ export class WasmKernels implements Kernels {
     if (!solo) this.#join(job);
   }
 
-  /** Packs the full groups of 8 rows of x for the 8-row matmul tile; returns their address (0 if none). */
+  /** Packs x in groups of 8 rows for the matmul tile (3 rows or more); returns their address, else 0. */
   #pack(x: Float32Array, rows: number, inDim: number): number {
-    const groups = Math.floor(rows / 8);
-    if (groups === 0) return 0;
+    if (rows < 3) return 0;
+    const groups = Math.ceil(rows / 8);
     const bytes = groups * Math.ceil(inDim / 4) * 128;
     if (bytes > this.#packedBytes) {
       this.#packedBytes = Math.max(bytes, this.#packedBytes * 2);

@@ -12,10 +12,10 @@
  * waits on the other).
  *
  * Shapes follow src/kernels/reference.ts: a weight is `[out][in]`, matmul computes x · wᵀ.
- * Matmul: groups of 8 x-rows, packed so one pointer reaches all 8, read each chunk of weight rows
- * once to bring it into L2 and then compute on it two weight rows at a time; the remaining rows use
- * 4- or 3-row register tiles (12 f32x4 accumulators), and 1–2 rows a matvec that streams one weight
- * row at a time into 4 accumulators. Sums accumulate in f32 lanes (the reference uses doubles).
+ * Matmul: three or more x-rows are packed in groups of 8 so one pointer reaches all 8, each chunk of
+ * weight rows is read once to bring it into L2, and a tile computes on it two weight rows at a time;
+ * 1–2 rows use a matvec that streams one weight row at a time into 4 accumulators. Sums accumulate
+ * in f32 lanes (the reference uses doubles).
  */
 
 // ---------------------------------------------------------------------------------------------
@@ -70,253 +70,6 @@ function exps(x: f32): f32 {
 // ---------------------------------------------------------------------------------------------
 // matmul
 
-/** out[r][j] = Σ_k x[r][k]·w[j][k] for rows r0..r0+2, columns j in [c0, c1). */
-function tile3(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
-  const xs = (<usize>inDim) << 2;
-  const os = (<usize>outDim) << 2;
-  const x0 = x + <usize>r0 * xs;
-  const x1 = x0 + xs;
-  const x2 = x1 + xs;
-  const o0 = out + <usize>r0 * os;
-  const o1 = o0 + os;
-  const o2 = o1 + os;
-  const kv = (<usize>(inDim & ~3)) << 2;
-  let j = c0;
-  for (; j + 4 <= c1; j += 4) {
-    const w0 = w + <usize>j * xs;
-    const w1 = w0 + xs;
-    const w2 = w1 + xs;
-    const w3 = w2 + xs;
-    let a00 = f32x4.splat(0), a01 = f32x4.splat(0), a02 = f32x4.splat(0), a03 = f32x4.splat(0);
-    let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0), a13 = f32x4.splat(0);
-    let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0), a23 = f32x4.splat(0);
-    for (let k: usize = 0; k < kv; k += 16) {
-      const b0 = v128.load(w0 + k);
-      const b1 = v128.load(w1 + k);
-      const b2 = v128.load(w2 + k);
-      const b3 = v128.load(w3 + k);
-      const v0 = v128.load(x0 + k);
-      a00 = fma(a00, v0, b0);
-      a01 = fma(a01, v0, b1);
-      a02 = fma(a02, v0, b2);
-      a03 = fma(a03, v0, b3);
-      const v1 = v128.load(x1 + k);
-      a10 = fma(a10, v1, b0);
-      a11 = fma(a11, v1, b1);
-      a12 = fma(a12, v1, b2);
-      a13 = fma(a13, v1, b3);
-      const v2 = v128.load(x2 + k);
-      a20 = fma(a20, v2, b0);
-      a21 = fma(a21, v2, b1);
-      a22 = fma(a22, v2, b2);
-      a23 = fma(a23, v2, b3);
-    }
-    let s00 = hsum(a00), s01 = hsum(a01), s02 = hsum(a02), s03 = hsum(a03);
-    let s10 = hsum(a10), s11 = hsum(a11), s12 = hsum(a12), s13 = hsum(a13);
-    let s20 = hsum(a20), s21 = hsum(a21), s22 = hsum(a22), s23 = hsum(a23);
-    for (let k = kv; k < xs; k += 4) {
-      const b0 = load<f32>(w0 + k), b1 = load<f32>(w1 + k), b2 = load<f32>(w2 + k), b3 = load<f32>(w3 + k);
-      const v0 = load<f32>(x0 + k), v1 = load<f32>(x1 + k), v2 = load<f32>(x2 + k);
-      s00 += v0 * b0; s01 += v0 * b1; s02 += v0 * b2; s03 += v0 * b3;
-      s10 += v1 * b0; s11 += v1 * b1; s12 += v1 * b2; s13 += v1 * b3;
-      s20 += v2 * b0; s21 += v2 * b1; s22 += v2 * b2; s23 += v2 * b3;
-    }
-    const jo = (<usize>j) << 2;
-    store<f32>(o0 + jo, s00); store<f32>(o0 + jo, s01, 4); store<f32>(o0 + jo, s02, 8); store<f32>(o0 + jo, s03, 12);
-    store<f32>(o1 + jo, s10); store<f32>(o1 + jo, s11, 4); store<f32>(o1 + jo, s12, 8); store<f32>(o1 + jo, s13, 12);
-    store<f32>(o2 + jo, s20); store<f32>(o2 + jo, s21, 4); store<f32>(o2 + jo, s22, 8); store<f32>(o2 + jo, s23, 12);
-  }
-  for (; j < c1; j++) {
-    const w0 = w + <usize>j * xs;
-    let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0);
-    for (let k: usize = 0; k < kv; k += 16) {
-      const b = v128.load(w0 + k);
-      a0 = fma(a0, v128.load(x0 + k), b);
-      a1 = fma(a1, v128.load(x1 + k), b);
-      a2 = fma(a2, v128.load(x2 + k), b);
-    }
-    let s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2);
-    for (let k = kv; k < xs; k += 4) {
-      const b = load<f32>(w0 + k);
-      s0 += load<f32>(x0 + k) * b;
-      s1 += load<f32>(x1 + k) * b;
-      s2 += load<f32>(x2 + k) * b;
-    }
-    const jo = (<usize>j) << 2;
-    store<f32>(o0 + jo, s0);
-    store<f32>(o1 + jo, s1);
-    store<f32>(o2 + jo, s2);
-  }
-}
-
-/** out[r][j] for rows r0..r0+3, columns j in [c0, c1): 4 x-rows × 3 w-rows (12 accumulators + 3 + 1 = 16 registers). */
-function tile4(out: usize, x: usize, w: usize, r0: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
-  const xs = (<usize>inDim) << 2;
-  const os = (<usize>outDim) << 2;
-  const x0 = x + <usize>r0 * xs;
-  const x1 = x0 + xs;
-  const x2 = x1 + xs;
-  const x3 = x2 + xs;
-  const o0 = out + <usize>r0 * os;
-  const o1 = o0 + os;
-  const o2 = o1 + os;
-  const o3 = o2 + os;
-  const kv = (<usize>(inDim & ~3)) << 2;
-  let j = c0;
-  for (; j + 3 <= c1; j += 3) {
-    const w0 = w + <usize>j * xs;
-    const w1 = w0 + xs;
-    const w2 = w1 + xs;
-    let a00 = f32x4.splat(0), a01 = f32x4.splat(0), a02 = f32x4.splat(0);
-    let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0);
-    let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0);
-    let a30 = f32x4.splat(0), a31 = f32x4.splat(0), a32 = f32x4.splat(0);
-    const k16 = (<usize>(inDim & ~15)) << 2;
-    let k: usize = 0;
-    for (; k < k16; k += 64) {
-      let b0: v128, b1: v128, b2: v128, v: v128;
-      b0 = v128.load(w0 + k);
-      b1 = v128.load(w1 + k);
-      b2 = v128.load(w2 + k);
-      v = v128.load(x0 + k);
-      a00 = fma(a00, v, b0);
-      a01 = fma(a01, v, b1);
-      a02 = fma(a02, v, b2);
-      v = v128.load(x1 + k);
-      a10 = fma(a10, v, b0);
-      a11 = fma(a11, v, b1);
-      a12 = fma(a12, v, b2);
-      v = v128.load(x2 + k);
-      a20 = fma(a20, v, b0);
-      a21 = fma(a21, v, b1);
-      a22 = fma(a22, v, b2);
-      v = v128.load(x3 + k);
-      a30 = fma(a30, v, b0);
-      a31 = fma(a31, v, b1);
-      a32 = fma(a32, v, b2);
-      b0 = v128.load(w0 + k, 16);
-      b1 = v128.load(w1 + k, 16);
-      b2 = v128.load(w2 + k, 16);
-      v = v128.load(x0 + k, 16);
-      a00 = fma(a00, v, b0);
-      a01 = fma(a01, v, b1);
-      a02 = fma(a02, v, b2);
-      v = v128.load(x1 + k, 16);
-      a10 = fma(a10, v, b0);
-      a11 = fma(a11, v, b1);
-      a12 = fma(a12, v, b2);
-      v = v128.load(x2 + k, 16);
-      a20 = fma(a20, v, b0);
-      a21 = fma(a21, v, b1);
-      a22 = fma(a22, v, b2);
-      v = v128.load(x3 + k, 16);
-      a30 = fma(a30, v, b0);
-      a31 = fma(a31, v, b1);
-      a32 = fma(a32, v, b2);
-      b0 = v128.load(w0 + k, 32);
-      b1 = v128.load(w1 + k, 32);
-      b2 = v128.load(w2 + k, 32);
-      v = v128.load(x0 + k, 32);
-      a00 = fma(a00, v, b0);
-      a01 = fma(a01, v, b1);
-      a02 = fma(a02, v, b2);
-      v = v128.load(x1 + k, 32);
-      a10 = fma(a10, v, b0);
-      a11 = fma(a11, v, b1);
-      a12 = fma(a12, v, b2);
-      v = v128.load(x2 + k, 32);
-      a20 = fma(a20, v, b0);
-      a21 = fma(a21, v, b1);
-      a22 = fma(a22, v, b2);
-      v = v128.load(x3 + k, 32);
-      a30 = fma(a30, v, b0);
-      a31 = fma(a31, v, b1);
-      a32 = fma(a32, v, b2);
-      b0 = v128.load(w0 + k, 48);
-      b1 = v128.load(w1 + k, 48);
-      b2 = v128.load(w2 + k, 48);
-      v = v128.load(x0 + k, 48);
-      a00 = fma(a00, v, b0);
-      a01 = fma(a01, v, b1);
-      a02 = fma(a02, v, b2);
-      v = v128.load(x1 + k, 48);
-      a10 = fma(a10, v, b0);
-      a11 = fma(a11, v, b1);
-      a12 = fma(a12, v, b2);
-      v = v128.load(x2 + k, 48);
-      a20 = fma(a20, v, b0);
-      a21 = fma(a21, v, b1);
-      a22 = fma(a22, v, b2);
-      v = v128.load(x3 + k, 48);
-      a30 = fma(a30, v, b0);
-      a31 = fma(a31, v, b1);
-      a32 = fma(a32, v, b2);
-    }
-    for (; k < kv; k += 16) {
-      const b0 = v128.load(w0 + k);
-      const b1 = v128.load(w1 + k);
-      const b2 = v128.load(w2 + k);
-      let v = v128.load(x0 + k);
-      a00 = fma(a00, v, b0);
-      a01 = fma(a01, v, b1);
-      a02 = fma(a02, v, b2);
-      v = v128.load(x1 + k);
-      a10 = fma(a10, v, b0);
-      a11 = fma(a11, v, b1);
-      a12 = fma(a12, v, b2);
-      v = v128.load(x2 + k);
-      a20 = fma(a20, v, b0);
-      a21 = fma(a21, v, b1);
-      a22 = fma(a22, v, b2);
-      v = v128.load(x3 + k);
-      a30 = fma(a30, v, b0);
-      a31 = fma(a31, v, b1);
-      a32 = fma(a32, v, b2);
-    }
-    let s00 = hsum(a00), s01 = hsum(a01), s02 = hsum(a02);
-    let s10 = hsum(a10), s11 = hsum(a11), s12 = hsum(a12);
-    let s20 = hsum(a20), s21 = hsum(a21), s22 = hsum(a22);
-    let s30 = hsum(a30), s31 = hsum(a31), s32 = hsum(a32);
-    for (let k = kv; k < xs; k += 4) {
-      const b0 = load<f32>(w0 + k), b1 = load<f32>(w1 + k), b2 = load<f32>(w2 + k);
-      const v0 = load<f32>(x0 + k), v1 = load<f32>(x1 + k), v2 = load<f32>(x2 + k), v3 = load<f32>(x3 + k);
-      s00 += v0 * b0; s01 += v0 * b1; s02 += v0 * b2;
-      s10 += v1 * b0; s11 += v1 * b1; s12 += v1 * b2;
-      s20 += v2 * b0; s21 += v2 * b1; s22 += v2 * b2;
-      s30 += v3 * b0; s31 += v3 * b1; s32 += v3 * b2;
-    }
-    const jo = (<usize>j) << 2;
-    store<f32>(o0 + jo, s00); store<f32>(o0 + jo, s01, 4); store<f32>(o0 + jo, s02, 8);
-    store<f32>(o1 + jo, s10); store<f32>(o1 + jo, s11, 4); store<f32>(o1 + jo, s12, 8);
-    store<f32>(o2 + jo, s20); store<f32>(o2 + jo, s21, 4); store<f32>(o2 + jo, s22, 8);
-    store<f32>(o3 + jo, s30); store<f32>(o3 + jo, s31, 4); store<f32>(o3 + jo, s32, 8);
-  }
-  for (; j < c1; j++) {
-    const w0 = w + <usize>j * xs;
-    let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0), a3 = f32x4.splat(0);
-    for (let k: usize = 0; k < kv; k += 16) {
-      const b = v128.load(w0 + k);
-      a0 = fma(a0, v128.load(x0 + k), b);
-      a1 = fma(a1, v128.load(x1 + k), b);
-      a2 = fma(a2, v128.load(x2 + k), b);
-      a3 = fma(a3, v128.load(x3 + k), b);
-    }
-    let s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-    for (let k = kv; k < xs; k += 4) {
-      const b = load<f32>(w0 + k);
-      s0 += load<f32>(x0 + k) * b;
-      s1 += load<f32>(x1 + k) * b;
-      s2 += load<f32>(x2 + k) * b;
-      s3 += load<f32>(x3 + k) * b;
-    }
-    const jo = (<usize>j) << 2;
-    store<f32>(o0 + jo, s0);
-    store<f32>(o1 + jo, s1);
-    store<f32>(o2 + jo, s2);
-    store<f32>(o3 + jo, s3);
-  }
-}
-
 /**
  * out[r][j] for one row r, columns j in [c0, c1): one weight row at a time with 4 accumulators, so a
  * chunk of columns is one sequential read stream (x stays in L1). Reading 4 or 8 weight rows at once
@@ -353,25 +106,29 @@ function packedGroupBytes(inDim: i32): usize {
 }
 
 /**
- * Packs each full group of 8 rows of x[rows][inDim] for `tile8`: group g at xp + g·packedGroupBytes
- * holds, for each quad of k, the 8 rows' four values one after another ([k/4][8][4]), zero-padded to
- * a whole quad. The tile then reads all 8 rows at one pointer with constant offsets.
+ * Packs the rows of x[rows][inDim] in groups of 8 for `tile8`: group g at xp + g·packedGroupBytes
+ * holds, for each quad of k, the 8 rows' four values one after another ([k/4][8][4]), zero-padded
+ * to a whole quad and, in a last group of fewer than 8 rows, to 8 rows. The tile then reads all 8
+ * rows at one pointer with constant offsets.
  */
 export function pack8(xp: usize, x: usize, rows: i32, inDim: i32): void {
   const xs = (<usize>inDim) << 2;
   const k4 = (<usize>(inDim & ~3)) << 2;
   const gs = packedGroupBytes(inDim);
-  for (let g = 0; g + 8 <= rows; g += 8) {
+  for (let g = 0; g < rows; g += 8) {
     const src = x + <usize>g * xs;
     const dst = xp + (<usize>(g >> 3)) * gs;
+    const n = <usize>min(8, rows - g);
     for (let k: usize = 0; k < k4; k += 16) {
       const d = dst + (k << 3);
-      for (let r: usize = 0; r < 8; r++) v128.store(d + (r << 4), v128.load(src + r * xs + k));
+      for (let r: usize = 0; r < 8; r++) v128.store(d + (r << 4), r < n ? v128.load(src + r * xs + k) : f32x4.splat(0));
     }
     if (k4 < xs) {
       const d = dst + (k4 << 3);
       for (let r: usize = 0; r < 8; r++) {
-        for (let i: usize = 0; i < 16; i += 4) store<f32>(d + (r << 4) + i, k4 + i < xs ? load<f32>(src + r * xs + k4 + i) : 0);
+        for (let i: usize = 0; i < 16; i += 4) {
+          store<f32>(d + (r << 4) + i, r < n && k4 + i < xs ? load<f32>(src + r * xs + k4 + i) : 0);
+        }
       }
     }
   }
@@ -399,22 +156,24 @@ function touch(a: usize, b: usize): void {
 }
 
 /**
- * out[r][j] for the 8 rows of one packed group (xp, from `pack8`; out points at the group's first
- * output row), columns j in [c0, c1): two weight rows at a time against 4 rows and then the other 4
- * (8 accumulators, 6 loads per 8 multiply-adds; the pair of weight rows is in L1 for the second 4).
- * With the rows packed, every x load is one pointer plus a constant: on one core 44 GFLOP/s from L2,
- * against 30 for the same tile over 4 row pointers and 30 for one weight row against 8 rows.
- * An odd last column is computed as a pair with itself and stored once.
+ * out[r][j] for the first `nrows` (1–8) rows of one packed group (xp, from `pack8`; out points at
+ * the group's first output row), columns j in [c0, c1): two weight rows at a time against 4 rows and
+ * then, for more than 4, the other 4 (8 accumulators, 6 loads per 8 multiply-adds; the pair of weight
+ * rows is in L1 for the second 4). With the rows packed, every x load is one pointer plus a constant:
+ * on one core 44 GFLOP/s from L2, against 30 for the same tile over 4 row pointers and 30 for one
+ * weight row against 8 rows. Padding rows are computed and not stored; an odd last column is
+ * computed as a pair with itself and stored once.
  */
-function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32): void {
   const xs = (<usize>inDim) << 2;
   const os = (<usize>outDim) << 2;
   const k4 = (<usize>(inDim & ~3)) << 2;
+  const hEnd = <usize>nrows;
   for (let j = c0; j < c1; j += 2) {
     const w0 = w + <usize>j * xs;
     const pair = j + 1 < c1;
     const w1 = pair ? w0 + xs : w0;
-    for (let h: usize = 0; h < 8; h += 4) {
+    for (let h: usize = 0; h < hEnd; h += 4) {
       let a00 = f32x4.splat(0), a10 = f32x4.splat(0), a20 = f32x4.splat(0), a30 = f32x4.splat(0);
       let a01 = f32x4.splat(0), a11 = f32x4.splat(0), a21 = f32x4.splat(0), a31 = f32x4.splat(0);
       let p = xp + (h << 4);
@@ -438,22 +197,23 @@ function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32
       const c0v = reduce4(a00, a10, a20, a30);
       const c1v = reduce4(a01, a11, a21, a31);
       const jo = out + h * os + ((<usize>j) << 2);
+      const live = hEnd - h; // real rows from h on: the padding rows of a last group are not stored
       store<f32>(jo, f32x4.extract_lane(c0v, 0));
-      store<f32>(jo + os, f32x4.extract_lane(c0v, 1));
-      store<f32>(jo + 2 * os, f32x4.extract_lane(c0v, 2));
-      store<f32>(jo + 3 * os, f32x4.extract_lane(c0v, 3));
+      if (live > 1) store<f32>(jo + os, f32x4.extract_lane(c0v, 1));
+      if (live > 2) store<f32>(jo + 2 * os, f32x4.extract_lane(c0v, 2));
+      if (live > 3) store<f32>(jo + 3 * os, f32x4.extract_lane(c0v, 3));
       if (pair) {
         store<f32>(jo, f32x4.extract_lane(c1v, 0), 4);
-        store<f32>(jo + os, f32x4.extract_lane(c1v, 1), 4);
-        store<f32>(jo + 2 * os, f32x4.extract_lane(c1v, 2), 4);
-        store<f32>(jo + 3 * os, f32x4.extract_lane(c1v, 3), 4);
+        if (live > 1) store<f32>(jo + os, f32x4.extract_lane(c1v, 1), 4);
+        if (live > 2) store<f32>(jo + 2 * os, f32x4.extract_lane(c1v, 2), 4);
+        if (live > 3) store<f32>(jo + 3 * os, f32x4.extract_lane(c1v, 3), 4);
       }
       // The last k % 4 values: p is at the zero-padded quad.
       for (let k = k4; k < xs; k += 4) {
         const bb0 = load<f32>(w0 + k);
         const bb1 = load<f32>(w1 + k);
         const at = p + (k - k4);
-        for (let i: usize = 0; i < 4; i++) {
+        for (let i: usize = 0; i < 4 && i < live; i++) {
           const o = jo + i * os;
           const xv = load<f32>(at + (i << 4));
           store<f32>(o, load<f32>(o) + xv * bb0);
@@ -465,23 +225,26 @@ function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32
 }
 
 /**
- * out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. Groups of 8
- * rows read x from xp, packed by `pack8` (the rows after the last full group read x).
+ * out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. One or two
+ * rows (decode) stream the weights with `matvecRow`; three or more read the chunk of weight rows
+ * into L2 and run `tile8` over x packed by `pack8` at xp, 8 rows at a time (a last group of 3–7
+ * rows computes 4 or 8: with 4- and 3-row tiles that spilled registers, decode batches of 4–7
+ * rows made fewer tokens/s than batches of 8).
  */
 export function matmulCols(
   out: usize, x: usize, xp: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32,
 ): void {
-  let r = 0;
-  if (rows >= 8) {
-    const xs = (<usize>inDim) << 2;
-    touch(w + <usize>c0 * xs, w + <usize>c1 * xs);
-    const os = (<usize>outDim) << 2;
-    const gs = packedGroupBytes(inDim);
-    for (; r + 8 <= rows; r += 8) tile8(out + <usize>r * os, xp + (<usize>(r >> 3)) * gs, w, inDim, outDim, c0, c1);
+  if (rows < 3) {
+    for (let r = 0; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim, c0, c1);
+    return;
   }
-  for (; r + 4 <= rows; r += 4) tile4(out, x, w, r, inDim, outDim, c0, c1);
-  for (; r + 3 <= rows; r += 3) tile3(out, x, w, r, inDim, outDim, c0, c1);
-  for (; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim, c0, c1);
+  const xs = (<usize>inDim) << 2;
+  touch(w + <usize>c0 * xs, w + <usize>c1 * xs);
+  const os = (<usize>outDim) << 2;
+  const gs = packedGroupBytes(inDim);
+  for (let r = 0; r < rows; r += 8) {
+    tile8(out + <usize>r * os, xp + (<usize>(r >> 3)) * gs, w, inDim, outDim, c0, c1, min(8, rows - r));
+  }
 }
 
 /**

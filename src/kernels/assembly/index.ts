@@ -99,6 +99,46 @@ function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i
   }
 }
 
+/**
+ * `matvecRow` for rows 0 and 1 in one pass: each weight vector is loaded once for both rows (8
+ * accumulators), so two decode rows read the weights once from DRAM, as one does.
+ */
+function matvecRows2(out: usize, x: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+  const xs = (<usize>inDim) << 2;
+  const x1 = x + xs;
+  const o1 = out + ((<usize>outDim) << 2);
+  const k8 = (<usize>(inDim & ~7)) << 2;
+  const k4 = (<usize>(inDim & ~3)) << 2;
+  for (let j = c0; j < c1; j++) {
+    const w0 = w + <usize>j * xs;
+    let a0 = f32x4.splat(0), a1 = f32x4.splat(0), b0 = f32x4.splat(0), b1 = f32x4.splat(0);
+    let k: usize = 0;
+    for (; k < k8; k += 32) {
+      const u = v128.load(w0 + k);
+      const v = v128.load(w0 + k, 16);
+      a0 = fma(a0, v128.load(x + k), u);
+      a1 = fma(a1, v128.load(x + k, 16), v);
+      b0 = fma(b0, v128.load(x1 + k), u);
+      b1 = fma(b1, v128.load(x1 + k, 16), v);
+    }
+    for (; k < k4; k += 16) {
+      const u = v128.load(w0 + k);
+      a0 = fma(a0, v128.load(x + k), u);
+      b0 = fma(b0, v128.load(x1 + k), u);
+    }
+    let s0 = hsum(f32x4.add(a0, a1));
+    let s1 = hsum(f32x4.add(b0, b1));
+    for (; k < xs; k += 4) {
+      const u = load<f32>(w0 + k);
+      s0 += load<f32>(x + k) * u;
+      s1 += load<f32>(x1 + k) * u;
+    }
+    const jo = (<usize>j) << 2;
+    store<f32>(out + jo, s0);
+    store<f32>(o1 + jo, s1);
+  }
+}
+
 /** Bytes of one packed group of 8 x-rows (see `pack8`): ⌈inDim/4⌉ quads × 8 rows × 16 bytes. */
 @inline
 function packedGroupBytes(inDim: i32): usize {
@@ -234,8 +274,12 @@ function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32
 export function matmulCols(
   out: usize, x: usize, xp: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32,
 ): void {
-  if (rows < 3) {
-    for (let r = 0; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim, c0, c1);
+  if (rows == 1) {
+    matvecRow(out, x, w, 0, inDim, outDim, c0, c1);
+    return;
+  }
+  if (rows == 2) {
+    matvecRows2(out, x, w, inDim, outDim, c0, c1);
     return;
   }
   const xs = (<usize>inDim) << 2;

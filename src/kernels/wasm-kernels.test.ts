@@ -31,6 +31,8 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [1, 1, 1],
   [1, 37, 13],
   [2, 64, 9],
+  [2, 37, 13], // two rows in one pass: a quad and a single after the 8-wide steps
+  [2, 6, 3],
   [3, 5, 7], // a packed group of 3 rows (padded to 4), k tail of 1
   [4, 33, 41],
   [7, 66, 19], // a group of 7 rows: both halves of the tile, the second padded

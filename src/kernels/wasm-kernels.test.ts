@@ -33,9 +33,10 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [2, 64, 9],
   [2, 37, 13], // two rows in one pass: a quad and a single after the 8-wide steps
   [2, 6, 3],
-  [3, 5, 7], // a packed group of 3 rows (padded to 4), k tail of 1
+  [3, 5, 7], // three rows streamed: two in one pass, the third from L2
   [4, 33, 41],
-  [7, 66, 19], // a group of 7 rows: both halves of the tile, the second padded
+  [7, 66, 19], // a packed group of 7 rows: both halves of the tile, the second padded
+  [11, 37, 13], // a full group and one of 3 rows (padded to 4)
   [8, 37, 13], // one packed group of 8 rows: a k tail of 1 and an odd last column
   [17, 66, 9], // two packed groups and a remainder row, a k tail of 2
   [16, 35, 8], // a k tail of 3, even columns

@@ -527,10 +527,10 @@ export class WasmKernels implements Kernels {
 
   /**
    * Runs the staged segments over x as one job. Batches of rows: blocks of MATMUL_ROW_CHUNK rows ×
-   * MATMUL_COL_CHUNK columns. One or two rows (decode): chunks of whole weight rows.
+   * MATMUL_COL_CHUNK columns. One to three rows (decode): chunks of whole weight rows.
    */
   #matmulSegments(x: Float32Array, rows: number, inDim: number, numSegs: number, totalOut: number): void {
-    const big = rows >= 3;
+    const big = rows > 3;
     const colChunk = big
       ? MATMUL_COL_CHUNK
       : this.#matvecChunk > 0
@@ -593,9 +593,9 @@ export class WasmKernels implements Kernels {
     if (!solo) this.#join(job);
   }
 
-  /** Packs x in groups of 8 rows for the matmul tile (3 rows or more); returns their address, else 0. */
+  /** Packs x in groups of 8 rows for the matmul tile (4 rows or more); returns their address, else 0. */
   #pack(x: Float32Array, rows: number, inDim: number): number {
-    if (rows < 3) return 0;
+    if (rows <= 3) return 0;
     const groups = Math.ceil(rows / 8);
     const bytes = groups * Math.ceil(inDim / 4) * 128;
     if (bytes > this.#packedBytes) {

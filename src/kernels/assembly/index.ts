@@ -12,9 +12,9 @@
  * waits on the other).
  *
  * Shapes follow src/kernels/reference.ts: a weight is `[out][in]`, matmul computes x · wᵀ.
- * Matmul: three or more x-rows are packed in groups of 8 so one pointer reaches all 8, each chunk of
+ * Matmul: four or more x-rows are packed in groups of 8 so one pointer reaches all 8, each chunk of
  * weight rows is read once to bring it into L2, and a tile computes on it two weight rows at a time;
- * 1–2 rows use a matvec that streams one weight row at a time into 4 accumulators. Sums accumulate
+ * 1–3 rows stream the weights, one or two rows per pass over a chunk. Sums accumulate
  * in f32 lanes (the reference uses doubles).
  */
 
@@ -265,11 +265,11 @@ function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32
 }
 
 /**
- * out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. One or two
- * rows (decode) stream the weights with `matvecRow`; three or more read the chunk of weight rows
- * into L2 and run `tile8` over x packed by `pack8` at xp, 8 rows at a time (a last group of 3–7
- * rows computes 4 or 8: with 4- and 3-row tiles that spilled registers, decode batches of 4–7
- * rows made fewer tokens/s than batches of 8).
+ * out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. Up to three
+ * rows (decode) stream the weights (`matvecRow`, `matvecRows2`); four or more read the chunk of
+ * weight rows into L2 and run `tile8` over x packed by `pack8` at xp, 8 rows at a time (a last
+ * group of 1–7 rows computes 4 or 8: with 4- and 3-row tiles that spilled registers, decode
+ * batches of 4–7 rows made fewer tokens/s than batches of 8).
  */
 export function matmulCols(
   out: usize, x: usize, xp: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32,
@@ -278,8 +278,10 @@ export function matmulCols(
     matvecRow(out, x, w, 0, inDim, outDim, c0, c1);
     return;
   }
-  if (rows == 2) {
+  if (rows <= 3) {
+    // Streamed: two rows in one pass, a third from L2 (the chunk is ≤ 128 weight rows).
     matvecRows2(out, x, w, inDim, outDim, c0, c1);
+    if (rows == 3) matvecRow(out, x, w, 2, inDim, outDim, c0, c1);
     return;
   }
   const xs = (<usize>inDim) << 2;

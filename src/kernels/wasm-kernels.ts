@@ -18,7 +18,7 @@
  * The main thread and one worker (wasm-kernels-worker.ts) run the same module over the same memory.
  * `matmul`/`matmulEach`, `pagedAttention`/`pagedAttentionBatch` and large `swiglu` calls are
  * published as a job in a control block in the memory; both threads then call the same parallel
- * kernel, which claims chunks of work (48 output columns of a row block, 16–128 for one or two
+ * kernel, which claims chunks of work (48 output columns of a row block, 16–128 for one to three
  * rows, or one (sequence, query row, KV heads) attention item) from an atomic counter, so the faster
  * thread takes more and neither waits for a late starter. The worker spins on `Atomics.load` for a
  * bounded time (`workerSpinMs`) between jobs and then sleeps in `Atomics.wait`; a futex wake costs
@@ -83,7 +83,7 @@ export const CTL_ARGS = 64;
 
 export const OP_MATMUL = 1;
 /**
- * Work chunk of a matmul over 3 or more rows: 64 rows (a multiple of the 8-row packed groups; the x
+ * Work chunk of a matmul over 4 or more rows: 64 rows (a multiple of the 8-row packed groups; the x
  * block stays in L2) × 48 columns (a multiple of the 3-column tile, so no column takes the slow path).
  */
 const MATMUL_ROW_CHUNK = 64;
@@ -239,7 +239,7 @@ export interface WasmKernelsOptions {
   /** Calls doing fewer multiply-adds than this run on the main thread alone. Default 32768. */
   readonly parallelMinWork?: number;
   /**
-   * Output columns per work chunk of a parallel matvec (1–2 rows); 0 (default) picks about
+   * Output columns per work chunk of a parallel matvec (1–3 rows); 0 (default) picks about
    * outDim/16 rounded to a multiple of 4, between 16 and 128: long enough contiguous weight streams
    * for the prefetcher, enough chunks to balance two threads.
    */

@@ -3,9 +3,10 @@
  *
  * One `step()` carries any mix of sequences: prefill chunks and single decode tokens of different
  * lengths. All their tokens are concatenated into one `[totalTokens][hidden]` activation matrix so
- * every linear layer runs as one matmul over the batch; attention (one kernel call for the batch)
- * runs per sequence, causal within its chunk, over positions [0, startPos+i] read through the sequence's block table from the paged
- * KV pool (src/kvcache/kv-layout.ts). Each layer first writes the step's new K/V into the pool, then
+ * every linear layer runs as one matmul over the batch (q/k/v and gate/up as one call each);
+ * attention, one kernel call for the batch, runs per sequence, causal within its chunk, over
+ * positions [0, startPos+i] read through the sequence's block table from the paged KV pool
+ * (src/kvcache/kv-layout.ts). Each layer first writes the step's new K/V into the pool, then
  * attends, so a chunk sees its own tokens exactly as later steps will.
  *
  * Allocation: every activation buffer is allocated at construction for `maxBatchTokens` rows (and
@@ -19,13 +20,12 @@
  */
 import { type Kernels, referenceKernels } from "../kernels/kernels.js";
 import { type AttentionSequence, ropeTables } from "../kernels/reference.js";
-
-/** A step's attention record of one sequence, rewritten in place every step (no allocation). */
-type MutableAttentionSequence = { -readonly [K in keyof AttentionSequence]: AttentionSequence[K] };
-
 import { type KvLayout, pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
+
+/** A step's attention record of one sequence, rewritten in place every step (no allocation). */
+type MutableAttentionSequence = { -readonly [K in keyof AttentionSequence]: AttentionSequence[K] };
 
 export interface StepSequence {
   /** This sequence's new tokens in this step: a prefill chunk or one decode token. */

@@ -602,12 +602,6 @@ function attendRange(
   }
 }
 
-@inline
-function rowPtr(base: usize, blockTable: usize, t: i32, pageSize: i32, pageBytes: usize, rowBytes: usize): usize {
-  const p = t / pageSize;
-  return base + <usize>load<i32>(blockTable + ((<usize>p) << 2)) * pageBytes + <usize>(t - p * pageSize) * rowBytes;
-}
-
 /** [Σa, Σb, Σc, Σd] of four accumulators. */
 @inline
 function reduce4(a: v128, b: v128, c: v128, d: v128): v128 {

@@ -37,6 +37,8 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [4, 33, 41],
   [7, 66, 19], // a packed group of 7 rows: both halves of the tile, the second padded
   [11, 37, 13], // a full group and one of 3 rows (padded to 4)
+  [5, 37, 13], // 4 rows on the tile, the fifth a matvec from L2
+  [9, 66, 7], // a full group, then one row as a matvec
   [8, 37, 13], // one packed group of 8 rows: a k tail of 1 and an odd last column
   [17, 66, 9], // two packed groups and a remainder row, a k tail of 2
   [16, 35, 8], // a k tail of 3, even columns

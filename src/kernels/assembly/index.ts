@@ -268,7 +268,7 @@ function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32
  * out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ, output columns [c0, c1) only. Up to three
  * rows (decode) stream the weights (`matvecRow`, `matvecRows2`); four or more read the chunk of
  * weight rows into L2 and run `tile8` over x packed by `pack8` at xp, 8 rows at a time (a last
- * group of 1–7 rows computes 4 or 8: with 4- and 3-row tiles that spilled registers, decode
+ * group of 2–7 rows computes 4 or 8; with 4- and 3-row tiles that spilled registers, decode
  * batches of 4–7 rows made fewer tokens/s than batches of 8).
  */
 export function matmulCols(

@@ -335,6 +335,10 @@ export class DecodeNode {
     const freeAfter = this.#pool.table.countsInto(this.#counts).free;
     const effects = out.splice(start);
     if (!guardOn(this.#safety, "quarantine")) this.#armQuarantineTimers(peer);
+    // Commits start after the batch's messages are out: a first token that is a stop token ends
+    // the attempt at once, and the router must see `committed` before that `finished` (sent the
+    // other way round, the router dropped the `finished` and waited for tokens forever).
+    const commits: [CommitEffect, number][] = [];
     for (let i = 0; i < effects.length; i++) {
       const effect = effects[i]!;
       switch (effect.kind) {
@@ -367,7 +371,7 @@ export class DecodeNode {
             const e = effects[j]!;
             if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
           }
-          this.#commit(peer, effect, firstToken);
+          commits.push([effect, firstToken]);
           break;
         }
         case "stop": {
@@ -385,6 +389,7 @@ export class DecodeNode {
     // After the machine's own messages (a `finished` before its pages' news): requests the router
     // holds back for want of pages may try again.
     if (freeAfter > freeBefore) this.#toRouter({ kind: "pages_freed", free: freeAfter });
+    for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
   }
 
   #commit(peer: PrefillPeer, effect: CommitEffect, firstToken: number): void {

@@ -105,6 +105,46 @@ test("DisaggregatedEngine admits by the least pool; each door's rejection reache
   }
 });
 
+test("DisaggregatedEngine finishes a request whose first token (prefill's) is a stop token", async () => {
+  // kvfence-tiny answers a raw prompt it does not recognize with <|im_end|> at once; decode used to
+  // end such an attempt before the `committed` message of the same batch reached the router, which
+  // then dropped the `finished` and waited for tokens forever (kvfence serve hung on the request).
+  const topo = await startThreadedTopology({
+    prefill: { ...shared, numPages: 16 },
+    decode: { ...shared, numPages: 16 },
+    maxModelLen: 1024,
+  });
+  try {
+    const first = (await run(topo.engine, request(5, 30, 1))).tokens[0] as number;
+    const kinds: string[] = [];
+    topo.engine.observe((_node, msg) => kinds.push(msg.type));
+    const outcome = await Promise.race([
+      new Promise<{ reason: string; tokens: number[] }>((resolve, reject) => {
+        const tokens: number[] = [];
+        topo.engine.submit(
+          { ...request(6, 30, 5), promptTokens: request(5, 30, 1).promptTokens, stopTokenIds: [first] },
+          {
+            onTokens: (ids) => tokens.push(...ids),
+            onFinish: (reason) => resolve({ reason, tokens }),
+            onError: (error) => reject(new Error(error.message)),
+          },
+        );
+      }),
+      new Promise<never>((_, reject) =>
+        setTimeout(
+          () => reject(new Error(`no answer after 10 s; the router saw ${kinds.join(", ")}`)),
+          10_000,
+        ),
+      ),
+    ]);
+    assert.deepEqual(outcome, { reason: "stop", tokens: [] });
+    assert.ok(kinds.indexOf("committed") < kinds.indexOf("finished"), kinds.join(", "));
+    await assertIdle(topo.engine);
+  } finally {
+    await topo.close();
+  }
+});
+
 test("DisaggregatedEngine never answers from a placeholder: decode's coverage check fails the request", async () => {
   const t = await startThreadedTopology({
     prefill: { ...shared, numPages: 8 },

@@ -115,9 +115,9 @@ function modelBytes(w: ModelWeights): number {
 }
 
 /**
- * What `WasmKernels.pagedAttention` stages on demand at the longest context: the block table, two
- * score scratches and the split partials, twice over (they grow by doubling), plus 1 MiB of slack
- * for the control block and alignment.
+ * What `WasmKernels.pagedAttentionBatch` stages on demand at the longest context: the block
+ * tables, two score scratches and the split partials, twice over (they grow by doubling), plus 1 MiB
+ * of slack for the control block, the per-sequence records and alignment.
  */
 function attentionStagingBytes(config: ModelConfig, numPages: number): number {
   const group = config.numHeads / config.numKvHeads;

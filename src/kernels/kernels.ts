@@ -7,17 +7,7 @@
  * positions) come from `allocF32/allocF64/allocI32`, so a fast implementation can place them where
  * its kernels read (for WebAssembly: inside its shared `WebAssembly.Memory`).
  */
-import {
-  add,
-  addBias,
-  matmul,
-  matmulEach,
-  pagedAttention,
-  pagedAttentionBatch,
-  rmsnorm,
-  rope,
-  swiglu,
-} from "./reference.js";
+import { add, addBias, matmul, matmulEach, pagedAttentionBatch, rmsnorm, rope, swiglu } from "./reference.js";
 
 export interface Kernels {
   /** "ts" or "wasm", for logs and benchmarks. */
@@ -33,7 +23,6 @@ export interface Kernels {
   rmsnorm: typeof rmsnorm;
   rope: typeof rope;
   swiglu: typeof swiglu;
-  pagedAttention: typeof pagedAttention;
   pagedAttentionBatch: typeof pagedAttentionBatch;
 }
 
@@ -50,6 +39,5 @@ export const referenceKernels: Kernels = Object.freeze({
   rmsnorm,
   rope,
   swiglu,
-  pagedAttention,
   pagedAttentionBatch,
 });

@@ -162,7 +162,7 @@ for (const [threads, fma] of [
       assertAllClose(out, want, { rtol: 0, atol: 0 });
     });
 
-    it("WasmKernels.pagedAttention() matches reference pagedAttention for GQA groups 1, 3, 4 over shuffled pages", () => {
+    it("WasmKernels.pagedAttentionBatch() of one sequence matches reference pagedAttention for GQA groups 1, 3, 4 over shuffled pages", () => {
       const cases = [
         // numHeads, numKvHeads, headDim, pageSize, rows, startPos
         [3, 3, 8, 4, 1, 0],
@@ -202,7 +202,21 @@ for (const [threads, fma] of [
             headDim,
             pageSize,
           ] as const;
-          k.pagedAttention(got, q, pool, table, scratch, ...args);
+          const one = [{ blockTable: table, rowStart, rows, startPos }];
+          k.pagedAttentionBatch(
+            got,
+            q,
+            pool,
+            one,
+            1,
+            scratch,
+            layer,
+            numLayers,
+            numHeads,
+            numKvHeads,
+            headDim,
+            pageSize,
+          );
           ref.pagedAttention(want, q, pool, table, scratch, ...args);
           assertAllClose(got, want, {
             rtol: 1e-4,

@@ -16,11 +16,12 @@
  *
  * ## Two threads
  * The main thread and one worker (wasm-kernels-worker.ts) run the same module over the same memory.
- * `matmul`/`matmulEach`, `pagedAttention`/`pagedAttentionBatch` and large `swiglu` calls are
- * published as a job in a control block in the memory; both threads then call the same parallel
- * kernel, which claims chunks of work (48 output columns of a row block, 16–128 for one to three
- * rows, or one (sequence, query row, KV heads) attention item) from an atomic counter, so the faster
- * thread takes more and neither waits for a late starter. The worker spins on `Atomics.load` for a
+ * `matmul`/`matmulEach`, `pagedAttentionBatch` and large `swiglu` calls are published as a job in
+ * a control block in the memory; both threads then call the same parallel kernel, which claims
+ * chunks of work (48 output columns of a row block, 16–128 for one to three rows, or one (sequence,
+ * query row, KV heads) attention item) from atomic counters, so the faster thread takes more and
+ * neither waits for a late starter. With no worker (or little work) the main thread runs the same
+ * kernel alone. The worker spins on `Atomics.load` for a
  * bounded time (`workerSpinMs`) between jobs and then sleeps in `Atomics.wait`; a futex wake costs
  * about 50 µs on these machines against well under 1 µs for a spin (MEASUREMENTS §2), so within a
  * token it never sleeps. A job the worker has not picked up by the time the main thread finished
@@ -87,6 +88,8 @@ export const OP_MATMUL = 1;
  * block stays in L2) × 48 columns (a multiple of the 3-column tile, so no column takes the slow path).
  */
 const MATMUL_ROW_CHUNK = 64;
+/** Up to this many rows, `matmulCols` in the kernels streams the weights (no packed x, no tile). */
+const STREAMED_ROWS = 3;
 const MATMUL_COL_CHUNK = 48;
 export const OP_ATTENTION = 2;
 export const OP_SWIGLU = 3;
@@ -94,17 +97,6 @@ export const OP_SWIGLU = 3;
 /** The kernel exports of kernels.wasm (addresses are byte offsets into the shared memory). */
 export interface WasmExports {
   pack8(xp: number, x: number, rows: number, inDim: number): void;
-  matmulCols(
-    out: number,
-    x: number,
-    xp: number,
-    w: number,
-    rows: number,
-    inDim: number,
-    outDim: number,
-    c0: number,
-    c1: number,
-  ): void;
   matmulPar(
     x: number,
     xp: number,
@@ -315,7 +307,6 @@ export class WasmKernels implements Kernels {
     this.rmsnorm = this.rmsnorm.bind(this);
     this.rope = this.rope.bind(this);
     this.swiglu = this.swiglu.bind(this);
-    this.pagedAttention = this.pagedAttention.bind(this);
     this.pagedAttentionBatch = this.pagedAttentionBatch.bind(this);
     if (this.threads === 2) {
       const worker = new Worker(new URL("./wasm-kernels-worker.js", import.meta.url), {
@@ -527,15 +518,19 @@ export class WasmKernels implements Kernels {
 
   /**
    * Runs the staged segments over x as one job. Batches of rows: blocks of MATMUL_ROW_CHUNK rows ×
-   * MATMUL_COL_CHUNK columns. One to three rows (decode): chunks of whole weight rows.
+   * MATMUL_COL_CHUNK columns. One to three rows (decode): chunks of whole weight rows, or, on this
+   * thread alone, each segment in one piece (one unbroken weight stream).
    */
   #matmulSegments(x: Float32Array, rows: number, inDim: number, numSegs: number, totalOut: number): void {
-    const big = rows > 3;
+    const big = rows > STREAMED_ROWS;
+    const solo = this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork;
     const colChunk = big
       ? MATMUL_COL_CHUNK
-      : this.#matvecChunk > 0
-        ? this.#matvecChunk
-        : Math.min(128, Math.max(16, Math.ceil(totalOut / 64) * 4));
+      : solo
+        ? totalOut
+        : this.#matvecChunk > 0
+          ? this.#matvecChunk
+          : Math.min(128, Math.max(16, Math.ceil(totalOut / 64) * 4));
     const rowChunk = big ? MATMUL_ROW_CHUNK : rows;
     const r = this.#segRecords;
     let chunks = 0;
@@ -543,25 +538,7 @@ export class WasmKernels implements Kernels {
       r[4 * i + 3] = chunks;
       chunks += Math.ceil((r[4 * i + 2] as number) / colChunk);
     }
-    const xp = this.#pack(x, rows, inDim);
-    const solo = this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork;
-    if (solo && !big) {
-      for (let i = 0; i < numSegs; i++) {
-        const outDim = r[4 * i + 2] as number;
-        this.#x.matmulCols(
-          r[4 * i] as number,
-          x.byteOffset,
-          xp,
-          r[4 * i + 1] as number,
-          rows,
-          inDim,
-          outDim,
-          0,
-          outDim,
-        );
-      }
-      return;
-    }
+    const xp = big ? this.#pack(x, rows, inDim) : 0;
     let job = 0;
     if (solo) {
       this.#resetCounters();
@@ -593,9 +570,8 @@ export class WasmKernels implements Kernels {
     if (!solo) this.#join(job);
   }
 
-  /** Packs x in groups of 8 rows for the matmul tile (4 rows or more); returns their address, else 0. */
+  /** Packs x in groups of 8 rows for the matmul tile; returns their address. */
   #pack(x: Float32Array, rows: number, inDim: number): number {
-    if (rows <= 3) return 0;
     const groups = Math.ceil(rows / 8);
     const bytes = groups * Math.ceil(inDim / 4) * 128;
     if (bytes > this.#packedBytes) {
@@ -671,38 +647,6 @@ export class WasmKernels implements Kernels {
     const s = this.#publish(OP_SWIGLU);
     this.#x.swigluPar(out.byteOffset, gate.byteOffset, up.byteOffset, n, this.#counter, 4096);
     this.#join(s);
-  }
-
-  pagedAttention(
-    out: Float32Array,
-    q: Float32Array,
-    pool: Float32Array,
-    blockTable: Int32Array,
-    scratch: Float64Array,
-    rowStart: number,
-    rows: number,
-    startPos: number,
-    layer: number,
-    numLayers: number,
-    numHeads: number,
-    numKvHeads: number,
-    headDim: number,
-    pageSize: number,
-  ): void {
-    this.pagedAttentionBatch(
-      out,
-      q,
-      pool,
-      [{ blockTable, rowStart, rows, startPos }],
-      1,
-      scratch,
-      layer,
-      numLayers,
-      numHeads,
-      numKvHeads,
-      headDim,
-      pageSize,
-    );
   }
 
   /**

@@ -271,7 +271,7 @@ function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32
  * group of 2–7 rows computes 4 or 8; with 4- and 3-row tiles that spilled registers, decode
  * batches of 4–7 rows made fewer tokens/s than batches of 8).
  */
-export function matmulCols(
+function matmulCols(
   out: usize, x: usize, xp: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32,
 ): void {
   if (rows == 1) {
@@ -279,7 +279,8 @@ export function matmulCols(
     return;
   }
   if (rows <= 3) {
-    // Streamed: two rows in one pass, a third from L2 (the chunk is ≤ 128 weight rows).
+    // Streamed (STREAMED_ROWS in wasm-kernels.ts): two rows in one pass, a third from L2 (the
+    // chunk is ≤ 128 weight rows).
     matvecRows2(out, x, w, inDim, outDim, c0, c1);
     if (rows == 3) matvecRow(out, x, w, 2, inDim, outDim, c0, c1);
     return;

@@ -64,3 +64,45 @@ test("parseCompletionRequest() accepts a one-element prompt list and refuses ech
   assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: "x", echo: true })).param, "echo");
   assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: ["x", "y"] })).param, "prompt");
 });
+
+test("fields that would change the answer and are not implemented are refused, naming the field", () => {
+  const tool = { type: "function", function: { name: "f", parameters: {} } };
+  const cases: [object, string, RegExp][] = [
+    [{ tools: [tool] }, "tools", /function calling\) are not supported/],
+    [{ tools: [tool], tool_choice: "none" }, "tools", /not supported/],
+    [{ functions: [{ name: "f" }] }, "functions", /not supported/],
+    [{ tool_choice: "auto" }, "tool_choice", /leave it unset or "none"/],
+    [{ function_call: { name: "f" } }, "function_call", /not supported/],
+    [{ logit_bias: { "5": 100 } }, "logit_bias", /not supported/],
+    [{ response_format: { type: "json_object" } }, "response_format", /"json_object" is not supported/],
+    [{ response_format: { type: "json_schema" } }, "response_format", /constrained decoding/],
+    [{ logprobs: false, top_logprobs: 2 }, "top_logprobs", /not supported/],
+  ];
+  for (const [extra, param, message] of cases) {
+    const err = refusal(() => parseChatRequest({ ...chat, ...extra }));
+    assert.equal(err.param, param, JSON.stringify(extra));
+    assert.match(err.message, message);
+  }
+  // Their harmless forms are accepted.
+  const harmless = { tools: [], tool_choice: "none", logit_bias: {}, response_format: { type: "text" } };
+  assert.deepEqual(parseChatRequest({ ...chat, ...harmless }).messages, [{ role: "user", content: "hi" }]);
+  const suffix = refusal(() => parseCompletionRequest({ model: "m", prompt: "x", suffix: "y" }));
+  assert.equal(suffix.param, "suffix");
+  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", suffix: "" }).prompt, "x");
+  assert.equal(
+    refusal(() => parseCompletionRequest({ model: "m", prompt: "x", logit_bias: { "1": 1 } })).param,
+    "logit_bias",
+  );
+});
+
+test("prompt and content forms we do not serve are named in the error", () => {
+  for (const prompt of [[1, 2, 3], [[1, 2]], ["x", "y"]]) {
+    const err = refusal(() => parseCompletionRequest({ model: "m", prompt }));
+    assert.equal(err.param, "prompt");
+    assert.match(err.message, /token-id prompts are not supported/);
+  }
+  const image = [{ type: "image_url", image_url: { url: "http://127.0.0.1/a.png" } }];
+  const err = refusal(() => parseChatRequest({ ...chat, messages: [{ role: "user", content: image }] }));
+  assert.equal(err.param, "messages[0].content");
+  assert.match(err.message, /image, audio and file parts are not supported/);
+});

@@ -1,16 +1,19 @@
 /**
  * Request validation for the OpenAI-compatible endpoints. Bodies are parsed with zod; every
  * problem is reported with its JSON path as an `invalid_request` KvfenceError whose `param` is the
- * path, so a client sees exactly which field is wrong. Fields we accept but do not implement
- * (logprobs, tools, penalties) are refused rather than silently ignored when they would change the
- * output.
+ * path, so a client sees exactly which field is wrong. Fields we know but do not implement
+ * (logprobs, tools, penalties, logit_bias, JSON response formats, suffix) are refused rather than
+ * silently ignored when they would change the output; unknown fields are ignored, as OpenAI does.
  */
 import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
 
 const textPart = z.object({ type: z.literal("text"), text: z.string() });
 
-const messageContent = z.union([z.string(), z.array(textPart)]);
+const messageContent = z.union([z.string(), z.array(textPart)], {
+  error:
+    'expected a string or a list of text parts ({"type": "text", "text": "…"}); image, audio and file parts are not supported',
+});
 
 const chatMessage = z.object({
   role: z.enum(["system", "developer", "user", "assistant", "tool"]),
@@ -42,6 +45,8 @@ const samplingFields = {
   user: z.string().optional(),
   frequency_penalty: z.number().nullable().optional(),
   presence_penalty: z.number().nullable().optional(),
+  logit_bias: z.record(z.string(), z.number()).nullable().optional(),
+  response_format: z.object({ type: z.string() }).nullable().optional(),
 };
 
 export const chatCompletionRequestSchema = z.object({
@@ -49,11 +54,20 @@ export const chatCompletionRequestSchema = z.object({
   messages: z.array(chatMessage).min(1),
   max_completion_tokens: maxTokens,
   logprobs: z.boolean().nullable().optional(),
+  top_logprobs: z.number().int().nullable().optional(),
+  tools: z.array(z.unknown()).nullable().optional(),
+  tool_choice: z.unknown().optional(),
+  functions: z.array(z.unknown()).nullable().optional(),
+  function_call: z.unknown().optional(),
 });
 
 export const completionRequestSchema = z.object({
   ...samplingFields,
-  prompt: z.union([z.string(), z.array(z.string()).length(1)]),
+  prompt: z.union([z.string(), z.array(z.string()).length(1)], {
+    error:
+      "expected a string or a list of one string; lists of several prompts and token-id prompts are not supported (send one request per prompt, as text)",
+  }),
+  suffix: z.string().nullable().optional(),
   logprobs: z.number().int().nullable().optional(),
   echo: z.boolean().nullable().optional(),
   best_of: z.number().int().nullable().optional(),
@@ -127,6 +141,15 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest): void {
   }
   if (req.frequency_penalty) refuse("frequency_penalty", "frequency_penalty is not supported: leave it at 0");
   if (req.presence_penalty) refuse("presence_penalty", "presence_penalty is not supported: leave it at 0");
+  if (req.logit_bias != null && Object.keys(req.logit_bias).length > 0) {
+    refuse("logit_bias", "logit_bias is not supported: leave it unset or empty");
+  }
+  if (req.response_format != null && req.response_format.type !== "text") {
+    refuse(
+      "response_format",
+      `response_format ${JSON.stringify(req.response_format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
+    );
+  }
   if (req.stream_options != null && req.stream !== true) {
     refuse("stream_options", "stream_options is only allowed when stream is true: set stream to true");
   }
@@ -156,6 +179,21 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   const req = parseWith(chatCompletionRequestSchema, body);
   commonChecks(req);
   if (req.logprobs === true) refuse("logprobs", "logprobs is not supported: leave it unset or false");
+  if (req.top_logprobs != null) refuse("top_logprobs", "top_logprobs is not supported: leave it unset");
+  // The chat templates here do not render tool definitions and nothing parses a tool call out of
+  // the answer, so tools would be dropped without a word: refused, even with tool_choice "none".
+  if ((req.tools?.length ?? 0) > 0 || (req.functions?.length ?? 0) > 0) {
+    refuse(
+      req.tools?.length ? "tools" : "functions",
+      "tools (function calling) are not supported: leave tools and functions unset",
+    );
+  }
+  if (req.tool_choice != null && req.tool_choice !== "none") {
+    refuse("tool_choice", 'tool_choice is not supported: leave it unset or "none"');
+  }
+  if (req.function_call != null && req.function_call !== "none") {
+    refuse("function_call", 'function_call is not supported: leave it unset or "none"');
+  }
   if (
     req.max_tokens != null &&
     req.max_completion_tokens != null &&
@@ -186,6 +224,7 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   if (req.echo === true) refuse("echo", "echo is not supported: leave it unset or false");
   if (req.best_of != null && req.best_of !== 1)
     refuse("best_of", `Only best_of=1 is supported: got ${req.best_of}`);
+  if (req.suffix) refuse("suffix", "suffix (insertion) is not supported: leave it unset or empty");
   const prompt = typeof req.prompt === "string" ? req.prompt : req.prompt[0]!;
   return { ...sampling(req, req.max_tokens ?? null), prompt };
 }

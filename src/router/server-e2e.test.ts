@@ -368,19 +368,27 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", { timeout: 120_00
   });
 });
 
+const ENDLESS_WINDOW = 32768;
+
 describe("kvfence serve end to end: client disconnect", { timeout: 60_000 }, () => {
   let dir: string;
   let server: TestServer;
   before(async () => {
-    // tiny-qwen2 with an end-of-sequence id it never generates, so a greedy answer runs to max_tokens.
+    // tiny-qwen2 with no end-of-sequence id, so a greedy answer runs to max_tokens, and a window of
+    // 32,768 tokens (RoPE has no learned positions), so that answer takes seconds. (It used to set
+    // the id to 263, which the greedy answer to "abc" reaches after ~140 tokens: the answer was
+    // over in a few ms, and whenever the client took longer than that to read its first chunks,
+    // as on a loaded machine, the server had finished with 200 and the test failed: 9 of 120
+    // runs under two CPU hogs.)
     dir = mkdtempSync(join(tmpdir(), "kvfence-endless-"));
     for (const f of readdirSync(modelDir(MODEL))) copyFileSync(join(modelDir(MODEL), f), join(dir, f));
     for (const f of ["config.json", "generation_config.json"]) {
       const json = JSON.parse(readFileSync(join(dir, f), "utf8"));
-      json.eos_token_id = 263;
+      json.eos_token_id = [];
+      if (f === "config.json") json.max_position_embeddings = ENDLESS_WINDOW;
       writeFileSync(join(dir, f), JSON.stringify(json));
     }
-    server = await startTestServer({ model: dir, kvPages: 256 });
+    server = await startTestServer({ model: dir, kvPages: ENDLESS_WINDOW / 16 + 16 });
   });
   after(async () => {
     await server.close();
@@ -413,7 +421,7 @@ describe("kvfence serve end to end: client disconnect", { timeout: 60_000 }, () 
           model: basename(dir),
           prompt: "abc",
           stream: true,
-          max_tokens: 2000,
+          max_tokens: ENDLESS_WINDOW - 16,
           temperature: 0,
         }),
       );

@@ -247,16 +247,6 @@ export class TcpTransferWriter implements TransferWriter {
   readonly #mac: MacChannel;
   readonly #batchBytes: number;
   readonly #clock = new TransferClock();
-  readonly #header: FrameHeader = {
-    type: FrameType.PAGE,
-    rid: 0,
-    epoch: 0,
-    page: 0,
-    generation: 0,
-    index: 0,
-    tokens: 0,
-    length: 0,
-  };
   #corked = 0;
   #flushScheduled = false;
   #closedError: Error | null = null;
@@ -296,9 +286,18 @@ export class TcpTransferWriter implements TransferWriter {
   async writePages(lease: WriteLease, writes: readonly PageWrite[]): Promise<void> {
     this.#assertOpen();
     const socket = this.#socket;
-    const h = this.#header;
-    h.rid = lease.rid;
-    h.epoch = lease.epoch;
+    // This call's own header: it waits for the socket below, and meanwhile other transfers write
+    // through the same writer (a shared header once sent their (rid, epoch) on this call's pages).
+    const h: FrameHeader = {
+      type: FrameType.PAGE,
+      rid: lease.rid,
+      epoch: lease.epoch,
+      page: 0,
+      generation: 0,
+      index: 0,
+      tokens: 0,
+      length: 0,
+    };
     for (const w of writes) {
       const dest = lease.pages[w.index];
       if (dest === undefined) {

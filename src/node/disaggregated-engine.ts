@@ -13,12 +13,12 @@
  * the end of the request. A link's close is the node's loss: every in-flight request on it fails
  * with 503 `node_unavailable`; decode nodes hear of a lost prefill node and fence it.
  *
- * A full decode pool is a wait, not an error: when decode refuses a reservation with
- * `pool_exhausted`, the request joins that decode node's admission queue (FIFO, bounded by
+ * A full pool is a wait, not an error: when decode refuses a reservation, or prefill its source
+ * pages, with `pool_exhausted`, the request joins that node's admission queue (FIFO, bounded by
  * `maxWaiting` over all nodes; 503 `pool_exhausted` only when the queue is full) and is submitted
  * again — as a fresh attempt under a new internal request id, since the refused one is tombstoned —
- * when the decode node reports freed pages (`pages_freed`). No timer: a node's freed pages are the
- * only wake-up, and a waiting request fails with 503 if its pair goes down.
+ * when that node reports freed pages (`pages_freed`). No timer: a node's freed pages are the only
+ * wake-up, and a waiting request fails with 503 if its pair goes down.
  */
 import type {
   EngineCapacity,
@@ -58,7 +58,7 @@ export interface DisaggregatedEngineOptions {
   readonly safety: Safety;
   /** Attempts per request (1 = no retry). Default 1. */
   readonly maxAttempts?: number;
-  /** Requests that may wait for decode pages at once (0: a full pool answers 503). Default 64. */
+  /** Requests that may wait for pages at once (0: a full pool answers 503). Default 64. */
   readonly maxWaiting?: number;
 }
 
@@ -74,8 +74,8 @@ interface Pending {
   readonly pair: Pair;
   /** The rid of the current attempt: `request.rid`, or an internal one after waiting for pages. */
   rid: number;
-  /** The decode node refused the reservation for want of pages. */
-  refusedForPages: boolean;
+  /** The node of its pair that refused the attempt for want of pages, if one did. */
+  refusedForPages: RouterNode | null;
   readonly request: GenerationRequest;
   readonly events: GenerationEvents;
   readonly sampling: SamplingParams;
@@ -173,12 +173,12 @@ export class DisaggregatedEngine implements EngineHandle {
     return this.#pairs.every((p) => p.up);
   }
 
-  /** Requests submitted and not yet ended (waiting for decode pages included). */
+  /** Requests submitted and not yet ended (waiting for pages included). */
   get inFlight(): number {
     return this.#requests.size + this.#waitingCount;
   }
 
-  /** Requests waiting for decode pages now. */
+  /** Requests waiting for a full pool now. */
   get waiting(): number {
     return this.#waitingCount;
   }
@@ -222,7 +222,7 @@ export class DisaggregatedEngine implements EngineHandle {
     this.#requests.set(request.rid, {
       pair,
       rid: request.rid,
-      refusedForPages: false,
+      refusedForPages: null,
       request,
       events,
       sampling: {
@@ -367,8 +367,7 @@ export class DisaggregatedEngine implements EngineHandle {
         if (node !== pair.prefill && node !== pair.decode) return;
         if (message.msg.type === "finished") pending.completionTokens = message.msg.completionTokens;
         if (message.msg.type === "rejected")
-          pending.refusedForPages =
-            message.msg.from === "decode" && message.msg.error.code === "pool_exhausted";
+          pending.refusedForPages = message.msg.error.code === "pool_exhausted" ? node : null;
         this.#step(pair, { type: "message", msg: message.msg });
         for (const listener of this.#observers) listener(node, message.msg);
         return;
@@ -393,7 +392,7 @@ export class DisaggregatedEngine implements EngineHandle {
         }
         this.#dropWaiting((p) => p.pair.prefill.id === message.prefill && p.pair.decode === node, {
           code: "node_unavailable",
-          message: `The prefill node went away while request waited for decode pages: ${message.prefill}`,
+          message: `The prefill node went away while the request waited for pages: ${message.prefill}`,
         });
         return;
       case "pages_freed":
@@ -405,18 +404,24 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   /**
-   * Queues a request the decode node refused for want of pages; false when the queue is full (the
+   * Queues a request a node of its pair refused for want of pages; false when the queue is full (the
    * refusal then reaches the client).
    */
   #wait(pending: Pending): boolean {
-    if (this.#closed || this.#waitingCount >= this.#maxWaiting || !pending.pair.up) return false;
+    const node = pending.refusedForPages;
+    if (node === null || this.#closed || this.#waitingCount >= this.#maxWaiting || !pending.pair.up)
+      return false;
     // Only a request the whole pool can hold may wait for it; anything larger would wait forever.
-    const { poolTokens, pageSize } = pending.pair.decode.hello;
+    // Decode reserves the prompt and max_tokens, prefill the prompt's pages.
+    const { poolTokens, pageSize } = node.hello;
     const r = pending.request;
-    const needed = decodeReservationPages(r.promptTokens.length, r.maxTokens, pageSize);
+    const needed =
+      node === pending.pair.decode
+        ? decodeReservationPages(r.promptTokens.length, r.maxTokens, pageSize)
+        : Math.ceil(r.promptTokens.length / pageSize);
     if (needed > Math.floor(poolTokens / pageSize)) return false;
-    pending.refusedForPages = false;
-    const id = pending.pair.decode.id;
+    pending.refusedForPages = null;
+    const id = node.id;
     let queue = this.#waiting.get(id);
     if (queue === undefined) {
       queue = [];
@@ -427,7 +432,7 @@ export class DisaggregatedEngine implements EngineHandle {
     return true;
   }
 
-  /** Decode node `id` freed pages: submit its waiting requests again, oldest first. */
+  /** Node `id` freed pages: submit the requests waiting for it again, oldest first. */
   #wake(id: string): void {
     const queue = this.#waiting.get(id);
     if (queue === undefined || queue.length === 0) return;
@@ -473,7 +478,7 @@ export class DisaggregatedEngine implements EngineHandle {
     const role = node.hello.role;
     this.#dropWaiting((p) => p.pair.prefill === node || p.pair.decode === node, {
       code: "node_unavailable",
-      message: `The ${role} node went away while the request waited for decode pages: ${node.id}`,
+      message: `The ${role} node went away while the request waited for pages: ${node.id}`,
     });
     if (role === "prefill") {
       // Decode nodes fence the lost prefill node (close its channel) before releasing its pages.
@@ -520,7 +525,11 @@ export class DisaggregatedEngine implements EngineHandle {
           delete pair.state.requests[effect.rid];
           if (pending === undefined) break;
           this.#requests.delete(effect.rid);
-          if (!pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages) {
+          if (
+            !pending.silenced &&
+            effect.error?.code === "pool_exhausted" &&
+            pending.refusedForPages !== null
+          ) {
             if (this.#wait(pending)) break;
           }
           if (pending.rid !== pending.request.rid) this.#aliases.delete(pending.request.rid);

@@ -1,7 +1,7 @@
 /**
- * A full decode pool is a wait, not an error (threaded topology, real nodes): a request the decode
- * pool cannot hold now waits in the router's admission queue and is served once the request
- * holding the pages finishes — with the same greedy output as when it runs alone.
+ * A full pool is a wait, not an error (threaded topology, real nodes): a request the decode pool,
+ * or the prefill pool, cannot hold now waits in the router's admission queue and is served once the
+ * request holding the pages lets them go — with the same greedy output as when it runs alone.
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
@@ -56,6 +56,28 @@ test("DisaggregatedEngine serves a request the full decode pool refused once the
     assert.equal(a.error, null);
     assert.equal(b.error, null, "the second request waited instead of failing with pool_exhausted");
     assert.deepEqual(b.tokens, alone.tokens, "the same greedy output as alone");
+    assert.equal(t.engine.inFlight, 0);
+    assert.equal(t.engine.waiting, 0);
+  } finally {
+    await t.close();
+  }
+});
+
+test("DisaggregatedEngine serves a request the full prefill pool refused once its pages free", async () => {
+  // 150 prompt tokens need 10 of prefill's 16 pages: two prompts never fit there together. A full
+  // prefill pool used to answer 503 pool_exhausted at once (a burst of long prompts against the
+  // default server did), where a full decode pool made the request wait.
+  const t = await startThreadedTopology({
+    prefill: { ...shared, numPages: 16 },
+    decode: { ...shared, numPages: 64 },
+    maxModelLen: 1024,
+  });
+  try {
+    const alone = await run(t.engine, request(1, 3));
+    assert.equal(alone.error, null);
+    const results = await Promise.all([run(t.engine, request(2, 5)), run(t.engine, request(3, 3))]);
+    for (const r of results) assert.equal(r.error, null, "waited instead of failing with pool_exhausted");
+    assert.deepEqual(results[1]!.tokens, alone.tokens, "the same greedy output as alone");
     assert.equal(t.engine.inFlight, 0);
     assert.equal(t.engine.waiting, 0);
   } finally {

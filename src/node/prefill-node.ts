@@ -10,7 +10,9 @@
  * The glue only carries out effects: `compute` → `Engine.submitPrefill` (its first token feeds
  * `computed`); `write` → `TransferWriter.writePages` then `endLease`, each page then feeds
  * `write_done`; `send` → the router link or the writer's ordered control channel (so a manifest or
- * an ABORT_ACK never overtakes the writes before it). Nothing here runs on a timer.
+ * an ABORT_ACK never overtakes the writes before it). Nothing here runs on a timer. Whenever a
+ * step frees source pages the node tells the router (`pages_freed`), which retries the requests it
+ * holds back because this pool was full.
  *
  * Checksums are taken at production, off the transfer's critical path: after every engine step
  * the node hashes each source page that step completed (`PageChecksums.record`), so when the
@@ -23,6 +25,7 @@
  */
 import type { Engine } from "../engine/engine.js";
 import type { GenerationRequest } from "../engine/engine-types.js";
+import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { WireError } from "../lib/errors.js";
 import type { Effects, WriteEffect } from "../protocol/effects.js";
 import {
@@ -76,6 +79,7 @@ export class PrefillNode {
     { peer: DecodePeer; tokens: readonly number[]; sampling: SamplingParams }
   >();
   readonly #out: Effects = [];
+  readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
   /** Transfer counters of writers that closed (kept so totals never go down). */
   readonly #closedTotals = { bytes: 0, pages: 0, transfers: 0 };
   #gbps: number[] = [];
@@ -249,7 +253,9 @@ export class PrefillNode {
     if (!peer.open && !force) return;
     const out = this.#out;
     const start = out.length;
+    const freeBefore = this.#pool.table.countsInto(this.#counts).free;
     prefillStep(peer.state, event, this.#pool, this.#config, this.#safety, out);
+    const freeAfter = this.#pool.table.countsInto(this.#counts).free;
     const effects = out.splice(start);
     let writes: WriteEffect[] | null = null;
     for (const effect of effects) {
@@ -273,6 +279,8 @@ export class PrefillNode {
       }
     }
     if (writes !== null) this.#write(peer, writes);
+    // Requests the router holds back because this pool was full may try again.
+    if (freeAfter > freeBefore) this.#toRouter({ kind: "pages_freed", free: freeAfter });
     // Attempts that ended here (released, acknowledged, fenced) need no inputs any more.
     for (const [key, input] of this.#inputs) {
       if (input.peer === peer && peer.state.ended[key] !== undefined) this.#inputs.delete(key);

@@ -11,7 +11,9 @@
  * cover them).
  *
  * Writer: page frames go out corked, flushed as one writev of ≥ `batchBytes` (1 MiB) or when the
- * event loop turns, with backpressure on the socket's queued bytes. Page bodies are sent from the
+ * event loop turns, with backpressure on the socket's queued bytes. Concurrent transfers interleave
+ * frame by frame on the one connection (a call waits for the socket mid-lease), so every frame
+ * carries its own lease's `(rid, epoch)`. Page bodies are sent from the
  * caller's memory without a copy, so the source pages must stay pinned until the lease concludes
  * (PRIOR-ART H3), as the protocol does anyway.
  *

@@ -40,47 +40,28 @@ function run(engine: DisaggregatedEngine, r: GenerationRequest) {
   });
 }
 
-test("DisaggregatedEngine serves a request the full decode pool refused once the pages free", async () => {
-  // 150 + 20 tokens need 11 of decode's 16 pages: two such requests never fit together.
-  const t = await startThreadedTopology({
-    prefill: { ...shared, numPages: 64 },
-    decode: { ...shared, numPages: 16 },
-    maxModelLen: 1024,
+// Two 150-token prompts with max_tokens 20 never fit a 16-page pool together: on decode they need
+// 11 pages each (prompt and tail), on prefill 10 (the prompt). A full prefill pool used to answer
+// 503 pool_exhausted at once (a burst of long prompts against the default server did), where a
+// full decode pool made the request wait.
+for (const full of ["decode", "prefill"] as const) {
+  test(`DisaggregatedEngine serves a request the full ${full} pool refused once its pages free`, async () => {
+    const t = await startThreadedTopology({
+      prefill: { ...shared, numPages: full === "prefill" ? 16 : 64 },
+      decode: { ...shared, numPages: full === "decode" ? 16 : 64 },
+      maxModelLen: 1024,
+    });
+    try {
+      const alone = await run(t.engine, request(1, 3));
+      assert.equal(alone.error, null);
+      const [a, b] = await Promise.all([run(t.engine, request(2, 5)), run(t.engine, request(3, 3))]);
+      assert.equal(a.error, null);
+      assert.equal(b.error, null, "the second request waited instead of failing with pool_exhausted");
+      assert.deepEqual(b.tokens, alone.tokens, "the same greedy output as alone");
+      assert.equal(t.engine.inFlight, 0);
+      assert.equal(t.engine.waiting, 0);
+    } finally {
+      await t.close();
+    }
   });
-  try {
-    const alone = await run(t.engine, request(1, 3));
-    assert.equal(alone.error, null);
-    const first = run(t.engine, request(2, 5));
-    const second = run(t.engine, request(3, 3));
-    const [a, b] = await Promise.all([first, second]);
-    assert.equal(a.error, null);
-    assert.equal(b.error, null, "the second request waited instead of failing with pool_exhausted");
-    assert.deepEqual(b.tokens, alone.tokens, "the same greedy output as alone");
-    assert.equal(t.engine.inFlight, 0);
-    assert.equal(t.engine.waiting, 0);
-  } finally {
-    await t.close();
-  }
-});
-
-test("DisaggregatedEngine serves a request the full prefill pool refused once its pages free", async () => {
-  // 150 prompt tokens need 10 of prefill's 16 pages: two prompts never fit there together. A full
-  // prefill pool used to answer 503 pool_exhausted at once (a burst of long prompts against the
-  // default server did), where a full decode pool made the request wait.
-  const t = await startThreadedTopology({
-    prefill: { ...shared, numPages: 16 },
-    decode: { ...shared, numPages: 64 },
-    maxModelLen: 1024,
-  });
-  try {
-    const alone = await run(t.engine, request(1, 3));
-    assert.equal(alone.error, null);
-    const results = await Promise.all([run(t.engine, request(2, 5)), run(t.engine, request(3, 3))]);
-    for (const r of results) assert.equal(r.error, null, "waited instead of failing with pool_exhausted");
-    assert.deepEqual(results[1]!.tokens, alone.tokens, "the same greedy output as alone");
-    assert.equal(t.engine.inFlight, 0);
-    assert.equal(t.engine.waiting, 0);
-  } finally {
-    await t.close();
-  }
-});
+}

@@ -99,7 +99,7 @@ export type FromNode =
   /** Decode: the transfer channel to this prefill node is up / went down (the fence). */
   | { readonly kind: "prefill_up"; readonly prefill: string }
   | { readonly kind: "prefill_down"; readonly prefill: string }
-  /** Decode: its state machines freed pages (now `free` pages are FREE); waiting requests may retry. */
+  /** Either role: its state machines freed pages (now `free` pages are FREE); waiting requests may retry. */
   | { readonly kind: "pages_freed"; readonly free: number };
 
 /** A bidirectional message channel (a MessagePort or an authenticated TCP link). */

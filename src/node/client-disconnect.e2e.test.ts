@@ -153,6 +153,7 @@ async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
     await new Promise((r) => setTimeout(r, 20));
   }
   assert.deepEqual(lateEvents, [], "no event reaches an aborted request");
+  assert.equal((await engine.stats()).counters.aborts, fired.length, "every abort counted once");
 }
 
 describe("client disconnect at every protocol state", { timeout: 100_000 }, () => {

@@ -108,9 +108,11 @@ export class DisaggregatedEngine implements EngineHandle {
   #nextStatsId = 1;
   #closed = false;
   readonly #maxWaiting: number;
-  /** Per decode node id: requests waiting for its pages, FIFO. */
+  /** Per node id: requests waiting for its pages, FIFO. */
   readonly #waiting = new Map<string, Pending[]>();
   #waitingCount = 0;
+  /** Requests aborted by the router (`abort` of a live or waiting request). */
+  #aborts = 0;
   /** The client's rid → the internal rid of its current attempt, for a request that waited. */
   readonly #aliases = new Map<number, number>();
   #nextInternalRid = FIRST_INTERNAL_RID;
@@ -250,9 +252,10 @@ export class DisaggregatedEngine implements EngineHandle {
     const pending = this.#requests.get(this.#aliases.get(rid) ?? rid);
     if (pending === undefined) {
       // Waiting for pages: it holds nothing anywhere, so it just leaves the queue.
-      this.#dropWaiting((p) => p.request.rid === rid, null);
+      this.#aborts += this.#dropWaiting((p) => p.request.rid === rid, null);
       return;
     }
+    if (!pending.silenced) this.#aborts++;
     pending.silenced = true;
     this.#step(pending.pair, { type: "client_abort", rid: pending.rid });
   }
@@ -296,10 +299,12 @@ export class DisaggregatedEngine implements EngineHandle {
       for (const k of ["free", "reserved", "ready", "quarantined", "total"] as const)
         sum.pages[k] += stats.pages[k];
       for (const k of ["waiting", "running", "preempted"] as const) sum.queue[k] += stats.queue[k];
-      for (const k of ["tagCheckFailures", "preemptions", "aborts"] as const)
-        sum.counters[k] += stats.counters[k];
+      for (const k of ["tagCheckFailures", "preemptions"] as const) sum.counters[k] += stats.counters[k];
     }
     if (answered === 0) throw new Error("No node answers");
+    // Aborts are the router's (a client gone, a stop string matched), as on one engine; the nodes'
+    // own counts would miss a request aborted before decode ran it and count some twice.
+    sum.counters.aborts = this.#aborts;
     return sum;
   }
 
@@ -454,16 +459,19 @@ export class DisaggregatedEngine implements EngineHandle {
     }
   }
 
-  /** Removes the waiting requests that `match`, failing each with `error` (null: silently). */
-  #dropWaiting(match: (p: Pending) => boolean, error: WireError | null): void {
+  /** Removes the waiting requests that `match`, failing each with `error` (null: silently); how many. */
+  #dropWaiting(match: (p: Pending) => boolean, error: WireError | null): number {
+    let dropped = 0;
     for (const [id, queue] of this.#waiting) {
       const keep = queue.filter((p) => !match(p));
       if (keep.length === queue.length) continue;
+      dropped += queue.length - keep.length;
       this.#waitingCount -= queue.length - keep.length;
       if (keep.length === 0) this.#waiting.delete(id);
       else this.#waiting.set(id, keep);
       if (error !== null) for (const p of queue) if (match(p)) p.events.onError(error);
     }
+    return dropped;
   }
 
   #nodeLost(node: RouterNode): void {

@@ -106,3 +106,31 @@ test("prompt and content forms we do not serve are named in the error", () => {
   assert.equal(err.param, "messages[0].content");
   assert.match(err.message, /image, audio and file parts are not supported/);
 });
+
+test("sampling extensions of vLLM and SGLang are refused unless neutral; unknown fields are ignored", () => {
+  for (const [extra, param] of [
+    [{ repetition_penalty: 1.2 }, "repetition_penalty"],
+    [{ min_p: 0.05 }, "min_p"],
+    [{ ignore_eos: true }, "ignore_eos"],
+    [{ stop_token_ids: [7] }, "stop_token_ids"],
+    [{ guided_json: { type: "object" } }, "guided_json"],
+    [{ regex: "[a-z]+" }, "regex"],
+  ] as const) {
+    const err = refusal(() => parseChatRequest({ ...chat, ...extra }));
+    assert.equal(err.param, param);
+    assert.match(err.message, /a vLLM\/SGLang extension\) is not supported/);
+    assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: "x", ...extra })).param, param);
+  }
+  const neutral = {
+    repetition_penalty: 1,
+    min_p: 0,
+    ignore_eos: false,
+    stop_token_ids: [],
+    skip_special_tokens: true,
+  };
+  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", ...neutral }).prompt, "x");
+  assert.equal(
+    parseCompletionRequest({ model: "m", prompt: "x", store: false, metadata: { a: "b" } }).prompt,
+    "x",
+  );
+});

@@ -3,7 +3,9 @@
  * problem is reported with its JSON path as an `invalid_request` KvfenceError whose `param` is the
  * path, so a client sees exactly which field is wrong. Fields we know but do not implement
  * (logprobs, tools, penalties, logit_bias, JSON response formats, suffix) are refused rather than
- * silently ignored when they would change the output; unknown fields are ignored, as OpenAI does.
+ * silently ignored when they would change the output, and so are the sampling extensions of vLLM
+ * and SGLang that clients of those servers send (`EXTENSIONS`). Other unknown fields are ignored, as
+ * vLLM and SGLang do (OpenAI refuses them), so that clients adding new harmless fields keep working.
  */
 import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
@@ -135,7 +137,50 @@ function refuse(param: string, message: string): never {
   throw new KvfenceError("invalid_request", message, { param });
 }
 
-function commonChecks(req: ChatCompletionRequest | CompletionRequest): void {
+const unset = (v: unknown): boolean => v == null;
+const equals =
+  (neutral: unknown) =>
+  (v: unknown): boolean =>
+    v == null || v === neutral;
+const empty = (v: unknown): boolean => v == null || (Array.isArray(v) && v.length === 0);
+
+/**
+ * Request fields of vLLM and SGLang that change the answer, with the values that do not: a request
+ * with any other value is refused, where it would otherwise be served as if the field were absent.
+ */
+const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
+  repetition_penalty: equals(1),
+  length_penalty: equals(1),
+  min_p: equals(0),
+  min_tokens: equals(0),
+  ignore_eos: equals(false),
+  use_beam_search: equals(false),
+  include_stop_str_in_output: equals(false),
+  skip_special_tokens: equals(true),
+  stop_token_ids: empty,
+  bad_words: empty,
+  guided_json: unset,
+  guided_regex: unset,
+  guided_choice: unset,
+  guided_grammar: unset,
+  structured_outputs: unset,
+  regex: unset,
+  json_schema: unset,
+  ebnf: unset,
+  truncate_prompt_tokens: unset,
+  prompt_logprobs: unset,
+};
+
+function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: object): void {
+  for (const [name, neutral] of Object.entries(EXTENSIONS)) {
+    const value = (body as Record<string, unknown>)[name];
+    if (!neutral(value)) {
+      refuse(
+        name,
+        `${name} (a vLLM/SGLang extension) is not supported: leave it unset; got ${JSON.stringify(value)}`,
+      );
+    }
+  }
   if (req.n !== undefined && req.n !== null && req.n !== 1) {
     refuse("n", `Only n=1 is supported: got n=${req.n}; send separate requests instead`);
   }
@@ -177,7 +222,7 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
 /** Validate a `/v1/chat/completions` body; throws `invalid_request` naming the offending field. */
 export function parseChatRequest(body: unknown): ParsedChatRequest {
   const req = parseWith(chatCompletionRequestSchema, body);
-  commonChecks(req);
+  commonChecks(req, body as object);
   if (req.logprobs === true) refuse("logprobs", "logprobs is not supported: leave it unset or false");
   if (req.top_logprobs != null) refuse("top_logprobs", "top_logprobs is not supported: leave it unset");
   // The chat templates here do not render tool definitions and nothing parses a tool call out of
@@ -219,7 +264,7 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
 /** Validate a `/v1/completions` body; throws `invalid_request` naming the offending field. */
 export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   const req = parseWith(completionRequestSchema, body);
-  commonChecks(req);
+  commonChecks(req, body as object);
   if (req.logprobs != null) refuse("logprobs", "logprobs is not supported: leave it unset");
   if (req.echo === true) refuse("echo", "echo is not supported: leave it unset or false");
   if (req.best_of != null && req.best_of !== 1)

@@ -281,6 +281,20 @@ describe("RouterServer with a scripted engine", () => {
     assert.equal(wrong.status, 405);
     assert.equal(wrong.headers.get("allow"), "POST");
     assert.equal(((await wrong.json()) as { error: { code: string } }).error.code, "method_not_allowed");
+    const put = await fetch(`${ctx.url}/health`, { method: "PUT" });
+    assert.equal(put.status, 405);
+    assert.equal(put.headers.get("allow"), "GET, HEAD");
+  });
+
+  test("RouterServer answers HEAD where it answers GET, without a body", async () => {
+    for (const path of ["/health", "/v1/models", "/metrics"]) {
+      const get = await fetch(`${ctx.url}${path}`);
+      const head = await fetch(`${ctx.url}${path}`, { method: "HEAD" });
+      assert.equal(head.status, 200, path);
+      assert.equal(head.headers.get("content-type"), get.headers.get("content-type"), path);
+      assert.equal(await head.text(), "", path);
+    }
+    assert.equal((await fetch(`${ctx.url}/v1/chat/completions`, { method: "HEAD" })).status, 405);
   });
 
   test("RouterServer lists the model with its effective max_model_len", async () => {

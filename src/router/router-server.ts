@@ -223,8 +223,13 @@ export class RouterServer {
           `Unknown route: ${req.method} ${ctx.url.pathname}; see docs/api.md`,
         );
       }
-      if (!route.methods.includes(req.method ?? "")) {
-        res.setHeader("Allow", route.methods.join(", "));
+      // HEAD is GET without the body (Node's response drops it), as HTTP requires of every server.
+      const method = req.method === "HEAD" && route.methods.includes("GET") ? "GET" : (req.method ?? "");
+      if (!route.methods.includes(method)) {
+        res.setHeader(
+          "Allow",
+          (route.methods.includes("GET") ? [...route.methods, "HEAD"] : route.methods).join(", "),
+        );
         throw new KvfenceError(
           "method_not_allowed",
           `Method not allowed on ${ctx.url.pathname}: ${req.method}; use ${route.methods.join(" or ")}`,

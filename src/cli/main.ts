@@ -4,6 +4,7 @@
  * function returning a commander `Command`; this file only assembles them.
  */
 import { Command } from "commander";
+import { KvfenceError } from "../lib/errors.js";
 
 const program = new Command("kvfence")
   .description("A disaggregated LLM inference server whose KV cache is fenced to its owner")
@@ -25,4 +26,12 @@ const commands: Array<() => Promise<{ command(): Command }>> = [
 
 for (const load of commands) program.addCommand((await load()).command());
 
-await program.parseAsync(process.argv);
+try {
+  await program.parseAsync(process.argv);
+} catch (err) {
+  // A subcommand's own refusal of its arguments or input (a KvfenceError carries a message meant
+  // for the user) is one line on stderr and exit 2, not a stack trace; anything else is a bug.
+  if (!(err instanceof KvfenceError)) throw err;
+  process.stderr.write(`kvfence ${process.argv[2] ?? ""}: ${err.message}\n`);
+  process.exitCode = 2;
+}

@@ -1,11 +1,13 @@
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
 import { once } from "node:events";
+import net from "node:net";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { modelDir } from "../../testing/start-server.js";
 import { KvfenceError } from "../lib/errors.js";
-import { kernelOptions, parseByteSize, parseServeConfig } from "./serve.js";
+import { createLogger } from "../lib/logger.js";
+import { kernelOptions, parseByteSize, parseServeConfig, startServer } from "./serve.js";
 
 const MAIN = fileURLToPath(new URL("./main.js", import.meta.url));
 
@@ -131,5 +133,36 @@ test("kvfence serve prints its URL when ready and exits 0 on SIGTERM", { timeout
     assert.equal(code, 0);
   } finally {
     if (child.exitCode === null) child.kill("SIGKILL");
+  }
+});
+
+test("startServer() refuses a port that is taken before it loads the weights", async () => {
+  const holder = net.createServer();
+  await new Promise<void>((resolve) => holder.listen(0, "127.0.0.1", resolve));
+  const port = (holder.address() as net.AddressInfo).port;
+  const progress: string[] = [];
+  try {
+    await assert.rejects(
+      startServer(
+        parseServeConfig({
+          ...defaults,
+          port: String(port),
+          model: modelDir("kvfence-tiny"),
+          logLevel: "silent",
+        }),
+        { logger: createLogger({ level: "silent" }), progress: (line) => progress.push(line) },
+      ),
+      (err: KvfenceError) => {
+        assert.equal(err.code, "config_invalid");
+        assert.match(
+          err.message,
+          new RegExp(`^Cannot listen on 127\\.0\\.0\\.1:${port}: .*EADDRINUSE.*; pick another --port`),
+        );
+        return true;
+      },
+    );
+    assert.deepEqual(progress, [], "no weights were loaded");
+  } finally {
+    holder.close();
   }
 });

@@ -10,6 +10,7 @@
  * grace period), then the engine.
  */
 import { existsSync } from "node:fs";
+import net from "node:net";
 import { fileURLToPath } from "node:url";
 import { Command } from "commander";
 import { z } from "zod";
@@ -170,6 +171,22 @@ function formatBytes(bytes: number): string {
 }
 
 /** Boot the server from a parsed config; `progress` receives the weight-loading line. */
+function cannotListen(host: string, port: number, err: Error): KvfenceError {
+  return new KvfenceError(
+    "config_invalid",
+    `Cannot listen on ${host}:${port}: ${err.message}; pick another --port or stop what holds it`,
+  );
+}
+
+/** Binds `host:port` and lets it go again; throws `config_invalid` when it cannot. */
+async function assertCanListen(host: string, port: number): Promise<void> {
+  const probe = net.createServer();
+  await new Promise<void>((resolve, reject) => {
+    probe.once("error", (err) => reject(cannotListen(host, port, err)));
+    probe.listen(port, host, () => probe.close(() => resolve()));
+  });
+}
+
 export async function startServer(
   config: ServeConfig,
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
@@ -212,6 +229,9 @@ export async function startServer(
         `${contextLength} tokens; fix: a bigger pool (${fix}), or a smaller context (--max-model-len ${verdict.maxContextThatFits})`,
     );
   }
+
+  // Before the weights load (minutes for a big model): a port already taken fails now.
+  if (config.port !== 0) await assertCanListen(config.host, config.port);
 
   let lastPercent = -1;
   // A router process tokenizes and admits; the nodes it connects to hold the weights.
@@ -306,10 +326,7 @@ export async function startServer(
     url = await router.listen(config.port, config.host);
   } catch (err) {
     await served.close();
-    throw new KvfenceError(
-      "config_invalid",
-      `Cannot listen on ${config.host}:${config.port}: ${(err as Error).message}`,
-    );
+    throw cannotListen(config.host, config.port, err as Error);
   }
   let closing: Promise<void> | null = null;
   return {

@@ -170,7 +170,6 @@ function formatBytes(bytes: number): string {
   return `${(bytes / 1024).toFixed(1)} KiB`;
 }
 
-/** Boot the server from a parsed config; `progress` receives the weight-loading line. */
 function cannotListen(host: string, port: number, err: Error): KvfenceError {
   return new KvfenceError(
     "config_invalid",
@@ -187,6 +186,7 @@ async function assertCanListen(host: string, port: number): Promise<void> {
   });
 }
 
+/** Boot the server from a parsed config; `progress` receives the weight-loading line. */
 export async function startServer(
   config: ServeConfig,
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },

@@ -123,8 +123,8 @@ test("TcpTransferWriter.writePages() of two leases at once: every frame carries 
   // for the socket every batchBytes (here every 2 pages). The writer used to keep one frame header
   // for all calls and set its rid and epoch once per call: a call resuming after another had
   // started sent the rest of its pages under the other's (rid, epoch), which decode's lease check
-  // dropped as misaddressed, and the commit then failed its checksums (a multi-process cluster
-  // failed 2 in 10 concurrent requests this way).
+  // dropped, and the commit then failed its checksums (a multi-process cluster failed 2 in 10
+  // concurrent requests this way).
   const h = await harness(t, 16, {}, 2 * PAGE_BYTES);
   const leases = [reserveLease(h.fx, 21, 1, 6), reserveLease(h.fx, 22, 3, 6)];
   const writes = leases.map((lease) =>

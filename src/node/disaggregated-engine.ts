@@ -202,6 +202,7 @@ export class DisaggregatedEngine implements EngineHandle {
       pool_tokens: n.hello.poolTokens,
       page_size: n.hello.pageSize,
       max_model_len: n.hello.maxModelLen,
+      up: !this.#lost.has(n.id),
     }));
   }
 

@@ -20,6 +20,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import { assertPoolIdle, modelDir, scrape } from "../../testing/start-server.js";
+import type { NodesInfo } from "../protocol/admin-wire.js";
 import { type LocalCluster, startLocalCluster } from "./local-cluster.js";
 import { UNSAFE_OPT_IN_FLAG } from "./unsafe-switches.js";
 
@@ -163,6 +164,11 @@ describe("kill -9 of a prefill process mid-transfer", { timeout: 120_000 }, () =
     assert.equal(decodePages(idle, "quarantined"), 0);
     assert.equal(decodePages(idle, "reserved"), 0);
     assert.equal(idle.get('kvfence_node_up{node="prefill-0",role="prefill"}'), 0);
+    const listed = (await (await fetch(`${url}/kvfence/nodes`)).json()) as NodesInfo;
+    assert.deepEqual(
+      listed.nodes.map((n) => `${n.id} ${n.up}`),
+      ["prefill-0 false", "prefill-1 true", "decode-0 true"],
+    );
     for (let i = 0; i < 3; i++) {
       const res = await chat(url, `after the kill ${i}`, 4);
       assert.equal(res.status, 200, `request ${i} after the kill`);

@@ -23,6 +23,8 @@ export const nodeInfoSchema = z.object({
   page_size: z.number().int().positive(),
   /** The node's own configured context length in tokens. */
   max_model_len: positiveInt,
+  /** False once the router lost the node (its link closed); it takes no new requests. */
+  up: z.boolean().optional(),
 });
 
 export const nodesInfoSchema = z.object({

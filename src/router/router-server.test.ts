@@ -329,6 +329,7 @@ describe("RouterServer with a scripted engine", () => {
           pool_tokens: 1024,
           page_size: 16,
           max_model_len: 1024,
+          up: true,
         },
       ],
     });

@@ -538,6 +538,7 @@ export class RouterServer {
           pool_tokens: capacity.poolTokens,
           page_size: capacity.pageSize,
           max_model_len: capacity.maxModelLen,
+          up: true,
         },
       ],
     };

@@ -37,9 +37,10 @@ export async function readKvfenceNodes(
     contextLength: info.max_model_len,
     pageSize: n.page_size,
     note:
-      n.max_model_len === info.max_model_len
+      (n.max_model_len === info.max_model_len
         ? `${NODES_INFO_PATH}`
-        : `${NODES_INFO_PATH}; node's own max_model_len ${n.max_model_len}`,
+        : `${NODES_INFO_PATH}; node's own max_model_len ${n.max_model_len}`) +
+      (n.up === false ? "; DOWN: the router lost this node" : ""),
   }));
 }
 

@@ -21,6 +21,7 @@
  * Every arm of every kernel set runs once per repeat, interleaved with the bandwidth probe, and the
  * report gives the median, the range and a bootstrap 95% CI of the median.
  */
+import { readFileSync } from "node:fs";
 import { createForward, type ForwardSetup, type KernelsName } from "../src/engine/forward-setup.js";
 import { WasmKernels } from "../src/kernels/wasm-kernels.js";
 import { pageFloats } from "../src/kvcache/kv-layout.js";
@@ -30,6 +31,23 @@ import type { StepSequence } from "../src/model/forward.js";
 import { loadModel } from "../src/model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
 import { BandwidthProbe } from "./roofline.js";
+
+/** The largest CPU cache of cpu0 in bytes (Linux sysfs), or null where it cannot be read. */
+function lastLevelCacheBytes(): number | null {
+  let best: number | null = null;
+  for (let i = 0; i < 8; i++) {
+    try {
+      const text = readFileSync(`/sys/devices/system/cpu/cpu0/cache/index${i}/size`, "utf8").trim();
+      const match = /^(\d+)([KMG]?)$/.exec(text);
+      if (match === null) continue;
+      const bytes = Number(match[1]) * ({ "": 1, K: 1024, M: 1024 ** 2, G: 1024 ** 3 }[match[2]!] ?? 1);
+      if (best === null || bytes > best) best = bytes;
+    } catch {
+      break;
+    }
+  }
+  return best;
+}
 
 /**
  * A kernel set to run: the TypeScript reference, the WebAssembly kernels as the server runs them
@@ -412,7 +430,12 @@ export function formatModelBench(r: ModelBenchResult): string {
   const decodeLine = (d: DecodeResult): string => {
     const pct = (d.tokensPerSecond.summary.median / d.rooflineTokensPerSecond) * 100;
     const speedup = d.vsBatch1 === null ? "" : `; ×${m(d.vsBatch1, 2)} of batch 1 (paired by repeat)`;
-    return `    decode batch ${d.batch} (context ${d.contextTokens}, ${r.options.decodeSteps} steps): ${m(d.tokensPerSecond)} tok/s; roofline ${d.rooflineTokensPerSecond.toFixed(1)} tok/s (${pct.toFixed(1)}% of it)${speedup}`;
+    const l3 = lastLevelCacheBytes();
+    const cached =
+      pct > 100 && l3 !== null && r.weightBytes <= l3
+        ? `; the weights fit in the ${(l3 / 2 ** 20).toFixed(0)} MiB last-level cache, so they need not come from DRAM`
+        : "";
+    return `    decode batch ${d.batch} (context ${d.contextTokens}, ${r.options.decodeSteps} steps): ${m(d.tokensPerSecond)} tok/s; roofline ${d.rooflineTokensPerSecond.toFixed(1)} tok/s (${pct.toFixed(1)}% of it${cached})${speedup}`;
   };
   for (const run of r.runs) {
     const build = run.fma === null ? "" : run.fma ? " (fused multiply-add)" : " (multiply, then add)";

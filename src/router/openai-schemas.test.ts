@@ -84,7 +84,13 @@ test("fields that would change the answer and are not implemented are refused, n
     assert.match(err.message, message);
   }
   // Their harmless forms are accepted.
-  const harmless = { tools: [], tool_choice: "none", logit_bias: {}, response_format: { type: "text" } };
+  const harmless = {
+    tools: [],
+    tool_choice: "none",
+    logit_bias: {},
+    response_format: { type: "text" },
+    top_logprobs: 0,
+  };
   assert.deepEqual(parseChatRequest({ ...chat, ...harmless }).messages, [{ role: "user", content: "hi" }]);
   const suffix = refusal(() => parseCompletionRequest({ model: "m", prompt: "x", suffix: "y" }));
   assert.equal(suffix.param, "suffix");

@@ -224,7 +224,8 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   const req = parseWith(chatCompletionRequestSchema, body);
   commonChecks(req, body as object);
   if (req.logprobs === true) refuse("logprobs", "logprobs is not supported: leave it unset or false");
-  if (req.top_logprobs != null) refuse("top_logprobs", "top_logprobs is not supported: leave it unset");
+  if (req.top_logprobs != null && req.top_logprobs !== 0)
+    refuse("top_logprobs", "top_logprobs is not supported: leave it unset or 0");
   // The chat templates here do not render tool definitions and nothing parses a tool call out of
   // the answer, so tools would be dropped without a word: refused, even with tool_choice "none".
   if ((req.tools?.length ?? 0) > 0 || (req.functions?.length ?? 0) > 0) {

@@ -427,10 +427,10 @@ export function formatModelBench(r: ModelBenchResult): string {
     `  weights read per decode step: ${(r.weightBytes / 1e6).toFixed(1)} MB (f32); KV pages of ${r.options.pageSize} tokens; ${r.options.repeats} interleaved repeats, medians`,
     `  read bandwidth (native memchr over ${(r.options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB): ${bandwidth} GB/s`,
   ];
+  const l3 = lastLevelCacheBytes();
   const decodeLine = (d: DecodeResult): string => {
     const pct = (d.tokensPerSecond.summary.median / d.rooflineTokensPerSecond) * 100;
     const speedup = d.vsBatch1 === null ? "" : `; ×${m(d.vsBatch1, 2)} of batch 1 (paired by repeat)`;
-    const l3 = lastLevelCacheBytes();
     const cached =
       pct > 100 && l3 !== null && r.weightBytes <= l3
         ? `; the weights fit in the ${(l3 / 2 ** 20).toFixed(0)} MiB last-level cache, so they need not come from DRAM`

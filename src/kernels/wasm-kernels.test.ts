@@ -191,33 +191,10 @@ for (const [threads, fma] of [
         for (let layer = 0; layer < numLayers; layer++) {
           const got = k.allocF32(qFloats);
           const want = new Float32Array(qFloats);
-          const args = [
-            rowStart,
-            rows,
-            startPos,
-            layer,
-            numLayers,
-            numHeads,
-            numKvHeads,
-            headDim,
-            pageSize,
-          ] as const;
+          const shape = [layer, numLayers, numHeads, numKvHeads, headDim, pageSize] as const;
           const one = [{ blockTable: table, rowStart, rows, startPos }];
-          k.pagedAttentionBatch(
-            got,
-            q,
-            pool,
-            one,
-            1,
-            scratch,
-            layer,
-            numLayers,
-            numHeads,
-            numKvHeads,
-            headDim,
-            pageSize,
-          );
-          ref.pagedAttention(want, q, pool, table, scratch, ...args);
+          k.pagedAttentionBatch(got, q, pool, one, 1, scratch, ...shape);
+          ref.pagedAttention(want, q, pool, table, scratch, rowStart, rows, startPos, ...shape);
           assertAllClose(got, want, {
             rtol: 1e-4,
             atol: 1e-5,

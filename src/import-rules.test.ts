@@ -1,37 +1,78 @@
 /**
- * The import direction of STYLE.md, enforced: kernels ← model ← engine ← node; protocol ← transfer,
- * router, node; tools and cli on top. The router never touches weights or the forward pass (it
- * tokenizes only), and the probe imports only protocol wire types and lib helpers, so that it
- * works against any server.
+ * The layering of src/, enforced for every folder. From the bottom: kernels and lib; model;
+ * kvcache; protocol (the sans-IO machines and the wire and engine contracts); transfer and engine;
+ * cluster (the router-side driver of the protocol: pairing, control links, cluster metrics); node
+ * (the prefill and decode nodes and their hosts); topology (threaded, local cluster, serve
+ * topology, the single-engine worker); router (HTTP); server (boot: config, topology, router);
+ * tools and cli on top. The router never touches weights or the forward pass (it tokenizes only),
+ * and the probe and the pre-flight import only protocol wire types and lib helpers, so that they
+ * work against any server. Tests may import anything; a folder with no rule is itself a failure.
  */
 import assert from "node:assert/strict";
-import { readdirSync, readFileSync } from "node:fs";
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
 import { dirname, join, relative, resolve } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "../..");
-const SRC = join(ROOT, "src");
 
-/** For each folder under src/, the src/ paths (folders or files) it may import. */
-const ALLOWED: Record<string, readonly string[]> = {
-  kernels: ["kernels"],
-  lib: ["lib"],
-  model: ["model", "kernels", "lib", "kvcache/kv-layout.ts"],
-  kvcache: ["kvcache", "lib", "protocol/safety.ts"],
-  protocol: ["protocol", "lib", "kvcache/ownership-table.ts", "kvcache/kv-layout.ts"],
-  transfer: ["transfer", "protocol", "kvcache", "lib"],
-  engine: ["engine", "model", "kvcache", "kernels", "protocol", "lib"],
-  router: [
-    "router",
-    "protocol",
-    "lib",
-    "model/tokenizer.ts",
-    "engine/engine-types.ts",
-    "tools/preflight/capacity.ts",
-  ],
-  node: ["node", "engine", "model", "kvcache", "kernels", "protocol", "transfer", "lib"],
-  "tools/probe": ["tools/probe", "protocol", "lib"],
+interface Rule {
+  /** The src/ paths (folders or files) the folder may import. */
+  readonly src: readonly string[];
+  /** The npm packages it may import (`node:` builtins always). Absent: any declared dependency. */
+  readonly packages?: readonly string[];
+}
+
+/** For each folder under src/ (most specific wins), what it may import. */
+export const RULES: Record<string, Rule> = {
+  kernels: { src: ["kernels"] },
+  lib: { src: ["lib"] },
+  model: { src: ["model", "kernels", "lib", "kvcache/kv-layout.ts"] },
+  kvcache: { src: ["kvcache", "lib"] },
+  protocol: { src: ["protocol", "lib", "kvcache/ownership-table.ts"] },
+  transfer: { src: ["transfer", "protocol", "kvcache", "lib"] },
+  engine: { src: ["engine", "model", "kvcache", "kernels", "protocol", "lib"] },
+  cluster: { src: ["cluster", "protocol", "transfer", "kvcache", "lib"] },
+  node: {
+    src: [
+      "node",
+      "cluster/node-messages.ts",
+      "cluster/control-link.ts",
+      "engine",
+      "model",
+      "kvcache",
+      "protocol",
+      "transfer",
+      "lib",
+    ],
+  },
+  topology: { src: ["topology", "cluster", "node", "engine", "model", "protocol", "transfer", "lib"] },
+  router: {
+    src: ["router", "protocol", "lib", "model/tokenizer.ts"],
+    packages: ["zod"],
+  },
+  server: { src: ["server", "router", "topology", "node", "model", "protocol", "lib"] },
+  "tools/bench": {
+    src: ["tools/bench", "engine", "model", "kvcache", "kernels", "transfer", "protocol", "lib"],
+  },
+  "tools/check": { src: ["tools/check", "protocol", "kvcache/ownership-table.ts", "lib"] },
+  "tools/incident": {
+    src: [
+      "tools/incident",
+      "tools/probe",
+      "server",
+      "topology",
+      "node/unsafe-switches.ts",
+      "protocol",
+      "lib",
+    ],
+  },
+  "tools/preflight": { src: ["tools/preflight", "protocol/admin-wire.ts", "lib"], packages: [] },
+  "tools/probe": { src: ["tools/probe", "protocol/admin-wire.ts", "lib"], packages: [] },
+  cli: {
+    src: ["cli", "server", "tools", "router", "topology", "node", "model", "kvcache", "protocol", "lib"],
+  },
 };
 
 function sourceFiles(dir: string): string[] {
@@ -42,32 +83,72 @@ function sourceFiles(dir: string): string[] {
   });
 }
 
-function rulesFor(file: string): readonly string[] | undefined {
-  const rel = relative(SRC, file);
-  const key = Object.keys(ALLOWED)
+function ruleFor(rel: string): Rule | undefined {
+  const key = Object.keys(RULES)
     .filter((k) => rel.startsWith(`${k}/`))
     .sort((a, b) => b.length - a.length)[0];
-  return key === undefined ? undefined : ALLOWED[key];
+  return key === undefined ? undefined : RULES[key];
 }
 
-const IMPORT = /^\s*(?:import|export)\s[^;]*?from\s+"(\.[^"]+)"|import\(\s*"(\.[^"]+)"\s*\)/gm;
+const IMPORT = /^\s*(?:import|export)\s[^;]*?from\s+"([^"]+)"|import\(\s*"([^"]+)"\s*\)/gm;
 
-test("src/ imports follow the layering of STYLE.md", () => {
+/** Every import under `srcDir` that its folder's rule does not allow, and every file with no rule. */
+export function layeringViolations(srcDir: string): string[] {
   const violations: string[] = [];
-  for (const file of sourceFiles(SRC)) {
-    const allowed = rulesFor(file);
-    if (allowed === undefined) continue;
+  for (const file of sourceFiles(srcDir)) {
+    const rel = relative(srcDir, file);
+    if (!rel.includes("/")) continue; // src/*.ts: only tests live there
+    const rule = ruleFor(rel);
+    if (rule === undefined) {
+      violations.push(`${rel}: its folder has no layering rule`);
+      continue;
+    }
     for (const m of readFileSync(file, "utf8").matchAll(IMPORT)) {
       const spec = m[1] ?? m[2] ?? "";
-      const target = relative(SRC, resolve(dirname(file), spec.replace(/\.js$/, ".ts")));
-      const ok = allowed.some((a) => target === a || target.startsWith(`${a}/`));
-      if (!ok) violations.push(`${relative(ROOT, file)} imports ${target}`);
+      if (spec.startsWith("node:")) continue;
+      if (!spec.startsWith(".")) {
+        const pkg = spec.startsWith("@")
+          ? spec.split("/").slice(0, 2).join("/")
+          : (spec.split("/")[0] ?? spec);
+        if (rule.packages !== undefined && !rule.packages.includes(pkg))
+          violations.push(`${rel} imports ${pkg}`);
+        continue;
+      }
+      const target = relative(srcDir, resolve(dirname(file), spec.replace(/\.js$/, ".ts")));
+      const ok = rule.src.some((a) => target === a || target.startsWith(`${a}/`));
+      if (!ok) violations.push(`${rel} imports ${target}`);
     }
   }
-  assert.deepEqual(violations, []);
+  return violations;
+}
+
+test("src/ imports follow the layering, every folder has a rule", () => {
+  assert.deepEqual(layeringViolations(join(ROOT, "src")), []);
 });
 
-test("the layering check sees a forbidden import", () => {
-  const rules = rulesFor(join(SRC, "router/server.ts"));
-  assert.ok(rules !== undefined && !rules.some((a) => "model/forward.ts".startsWith(a)));
+test("the layering check fails on planted violations: an upward import, a forbidden package, a folder with no rule", () => {
+  const dir = mkdtempSync(join(tmpdir(), "kvfence-layering-"));
+  try {
+    const plant = (path: string, text: string): void => {
+      mkdirSync(dirname(join(dir, path)), { recursive: true });
+      writeFileSync(join(dir, path), text);
+    };
+    plant("router/ok.ts", 'import { x } from "./other.js";\nimport { y } from "../lib/errors.js";\n');
+    plant(
+      "router/bad.ts",
+      'import type { X } from "./ok.js";\nimport {\n  forward,\n} from "../model/forward.js";\n',
+    );
+    plant("node/up.ts", 'export { startServer } from "../server/start-server.js";\n');
+    plant("tools/probe/pkg.ts", 'import OpenAI from "openai";\n');
+    plant("newfolder/a.ts", "export const a = 1;\n");
+    plant("cli/lazy.ts", 'const m = await import("../tools/check/run-check.js");\n');
+    assert.deepEqual(layeringViolations(dir).sort(), [
+      "newfolder/a.ts: its folder has no layering rule",
+      "node/up.ts imports server/start-server.ts",
+      "router/bad.ts imports model/forward.ts",
+      "tools/probe/pkg.ts imports openai",
+    ]);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
 });

@@ -3,11 +3,11 @@
  * recorder of each request's events that also notices events arriving after the request ended.
  */
 import { Engine, type EngineOptions } from "../src/engine/engine.js";
-import type { GenerationEvents, GenerationRequest } from "../src/engine/engine-types.js";
 import { PagePool } from "../src/kvcache/page-pool.js";
 import type { WireError } from "../src/lib/errors.js";
 import { ForwardPass } from "../src/model/forward.js";
 import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
+import type { GenerationEvents, GenerationRequest } from "../src/protocol/engine-api.js";
 import { randomModel } from "./random-model.js";
 
 export interface TestEngineOptions extends EngineOptions {

@@ -4,14 +4,15 @@
  * keeps page accounting like a real pool (pages held while a request runs, all FREE when idle),
  * and records what it was asked. The byte tokenizer beside it makes ids equal UTF-8 bytes.
  */
+
+import type { WireError } from "../src/lib/errors.js";
 import type {
   EngineCapacity,
   EngineHandle,
   EngineStats,
   GenerationEvents,
   GenerationRequest,
-} from "../src/engine/engine-types.js";
-import type { WireError } from "../src/lib/errors.js";
+} from "../src/protocol/engine-api.js";
 import type { TextStreamDecoder } from "../src/router/generation.js";
 import type { ChatMessage } from "../src/router/openai-schemas.js";
 import type { RouterTokenizer } from "../src/router/router-server.js";

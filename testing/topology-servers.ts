@@ -9,7 +9,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { parseServeConfig, startServer } from "../src/cli/serve.js";
 import { createLogger } from "../src/lib/logger.js";
-import { type LocalCluster, startLocalCluster } from "../src/node/local-cluster.js";
+import { type LocalCluster, startLocalCluster } from "../src/topology/local-cluster.js";
 
 export interface TopologyServer {
   readonly url: string;

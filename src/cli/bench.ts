@@ -8,15 +8,15 @@
  */
 import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
+import { bundledModelDir } from "../lib/package-root.js";
 import {
   type BenchKernels,
   formatModelBench,
   MODEL_BENCH_DEFAULTS,
   runModelBench,
-} from "../../bench/model.js";
-import { tagCheckCommand } from "../../bench/tag-check.js";
-import { transferCommand } from "../../bench/transfer.js";
-import { bundledModelDir } from "../lib/package-root.js";
+} from "../tools/bench/model.js";
+import { tagCheckCommand } from "../tools/bench/tag-check.js";
+import { transferCommand } from "../tools/bench/transfer.js";
 
 function positiveInteger(value: string): number {
   const n = Number(value);

@@ -4,8 +4,8 @@
  * stops every process.
  */
 import { Command } from "commander";
-import { startLocalCluster } from "../node/local-cluster.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
+import { startLocalCluster } from "../topology/local-cluster.js";
 import { BUNDLED_MODEL_DIR } from "./serve.js";
 
 const collect = (value: string, previous: string[] = []): string[] => [...previous, value];

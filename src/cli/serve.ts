@@ -14,19 +14,19 @@ import net from "node:net";
 import { fileURLToPath } from "node:url";
 import { Command } from "commander";
 import { z } from "zod";
-import type { EngineHandle } from "../engine/engine-types.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { createLogger, type Logger, type LogLevel } from "../lib/logger.js";
 import { loadModelConfig } from "../model/config-loader.js";
 import { loadModel, loadModelMeta, loadWeights } from "../model/load-model.js";
 import { startNodeServer } from "../node/node-server.js";
-import { clusterSecret, startServeEngine } from "../node/serve-topology.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem, unsafeWarning } from "../node/unsafe-switches.js";
+import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
 import { RouterServer } from "../router/router-server.js";
 import { poolCapacityVerdict } from "../tools/preflight/capacity.js";
+import { clusterSecret, startServeEngine } from "../topology/serve-topology.js";
 
 /** The bundled model, relative to this file in both src/ and dist/src/. */
 export const BUNDLED_MODEL_DIR = (() => {

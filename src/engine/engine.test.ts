@@ -12,9 +12,9 @@ import {
 } from "../../testing/engine-harness.js";
 import { naiveForward } from "../../testing/random-model.js";
 import { PageState } from "../kvcache/ownership-table.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
 import { makeSafety } from "../protocol/safety.js";
 import type { Engine } from "./engine.js";
-import type { GenerationRequest } from "./engine-types.js";
 
 /** Prompts of assorted lengths, crossing page boundaries (pageSize 4 in these tests). */
 const PROMPTS = [prompt(5, 1), prompt(13, 2), prompt(1, 3), prompt(8, 4), prompt(22, 5)];

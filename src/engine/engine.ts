@@ -42,8 +42,13 @@ import { Prng } from "../lib/prng.js";
 import type { StepSequence } from "../model/forward.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { Sampler } from "../model/sampler.js";
+import type {
+  EngineCapacity,
+  EngineStats,
+  GenerationEvents,
+  GenerationRequest,
+} from "../protocol/engine-api.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
-import type { EngineCapacity, EngineStats, GenerationEvents, GenerationRequest } from "./engine-types.js";
 
 /** What the engine needs from the forward pass (`ForwardPass` implements it). */
 export interface StepModel {

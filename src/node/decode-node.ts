@@ -23,8 +23,9 @@
  * those records through the protocol pool's `pageChecksum` — a page whose record no longer matches
  * its table entry (another writer stamped it, it was freed or reallocated) is hashed again then.
  */
+
+import type { FromNode, NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { Engine } from "../engine/engine.js";
-import type { GenerationRequest } from "../engine/engine-types.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { WireError } from "../lib/errors.js";
 import {
@@ -35,10 +36,10 @@ import {
   leasedPage,
 } from "../protocol/decode-machine.js";
 import type { CommitEffect, Effects } from "../protocol/effects.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
 import { guardOn, type Safety } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
-import type { FromNode, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
 import { pageChecksumsOf, protocolPool } from "./node-pool.js";
 import { StepLoop } from "./step-loop.js";
 

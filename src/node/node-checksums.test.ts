@@ -9,7 +9,7 @@ import { test } from "node:test";
 import { prompt, request } from "../../testing/engine-harness.js";
 import { modelDir } from "../../testing/start-server.js";
 import { loadModel } from "../model/load-model.js";
-import { startThreadedTopology } from "./threaded-topology.js";
+import { startThreadedTopology } from "../topology/threaded-topology.js";
 
 const model = loadModel(modelDir("tiny-qwen2"), { shared: true });
 const PAGE = 16;

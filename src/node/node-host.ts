@@ -3,20 +3,20 @@
  * the worker thread (`node-worker.ts`) and the process (`node-server.ts`).
  */
 import { randomInt } from "node:crypto";
+import type { FromNode, NodeHello } from "../cluster/node-messages.js";
+import type { EngineBuildOptions } from "../engine/build-engine.js";
+import { buildEngine } from "../engine/build-engine.js";
 import type { Engine } from "../engine/engine.js";
 import { layoutSignature } from "../kvcache/kv-layout.js";
 import { loadModelConfig } from "../model/config-loader.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { makeSafety, type Safety } from "../protocol/safety.js";
 import { DecodeNode } from "./decode-node.js";
-import type { EngineWorkerOptions } from "./engine-messages.js";
-import { buildEngine } from "./engine-worker.js";
-import type { FromNode, NodeHello } from "./node-messages.js";
 import { PrefillNode } from "./prefill-node.js";
 
 export interface NodeHostOptions {
   readonly role: "prefill" | "decode";
-  readonly engine: EngineWorkerOptions;
+  readonly engine: EngineBuildOptions;
   /** `--unsafe-fault` names (tests and demos only). */
   readonly faults?: readonly string[];
 }

@@ -7,12 +7,13 @@
  * peer's fence: decode releases that peer's quarantined pages only then, prefill frees that peer's
  * source pages.
  */
+
+import { type ControlLink, listenControlLinks } from "../cluster/control-link.js";
+import type { FromNode, ToNode } from "../cluster/node-messages.js";
+import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
-import { type ControlLink, listenControlLinks } from "./control-link.js";
-import type { EngineWorkerOptions } from "./engine-messages.js";
 import { buildNode } from "./node-host.js";
-import type { FromNode, ToNode } from "./node-messages.js";
 import { pageByteLength } from "./node-pool.js";
 
 export interface NodeServerOptions {
@@ -20,7 +21,7 @@ export interface NodeServerOptions {
   readonly host: string;
   readonly port: number;
   readonly secret: string;
-  readonly engine: EngineWorkerOptions;
+  readonly engine: EngineBuildOptions;
   /** Prefill: the transfer server's port (default 0, any free port). */
   readonly transferPort?: number;
   readonly faults?: readonly string[];

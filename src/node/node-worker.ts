@@ -11,6 +11,7 @@
  * transfer port closes with it.
  */
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
+import type { FromNode, ToNode } from "../cluster/node-messages.js";
 import { KvfenceError } from "../lib/errors.js";
 import {
   createShmChannel,
@@ -19,7 +20,6 @@ import {
   ShmTransferWriter,
 } from "../transfer/shm-transport.js";
 import { buildNode, type NodeHostOptions } from "./node-host.js";
-import type { FromNode, ToNode } from "./node-messages.js";
 import { pageByteLength } from "./node-pool.js";
 
 export const NODE_WORKER_TAG = "kvfence-node-worker";

@@ -23,11 +23,13 @@
  * ends the lease there and stops — no further writes, no manifest, no ABORT_ACK (its writes never
  * drain) — as a prefill that hangs mid-transfer; decode's pages wait for the fence.
  */
+
+import type { FromNode, NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { Engine } from "../engine/engine.js";
-import type { GenerationRequest } from "../engine/engine-types.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { WireError } from "../lib/errors.js";
 import type { Effects, WriteEffect } from "../protocol/effects.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
 import {
   initialPrefillState,
   type PrefillEvent,
@@ -38,7 +40,6 @@ import { faultOn, type Safety } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { PageWrite, TransferWriter } from "../transfer/transport.js";
-import type { FromNode, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
 import { pageBytesOf, pageChecksumsOf, protocolPool } from "./node-pool.js";
 import { StepLoop } from "./step-loop.js";
 

@@ -4,8 +4,9 @@
  * match), and reports to a sink exactly once at the end (`finish` or `fail`). `abort()` (client
  * gone) ends it silently; the engine frees the request's pages and sends nothing more.
  */
-import type { EngineHandle, GenerationRequest } from "../engine/engine-types.js";
+
 import { KvfenceError, type WireError } from "../lib/errors.js";
+import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { StopMatcher } from "./stop-matcher.js";
 
 /** Turns token ids into text incrementally, never splitting a UTF-8 character. */

@@ -3,8 +3,9 @@
  * API key), endpoint and status; pool pages, queue depths and engine counters are read from the
  * engine once per scrape (`EngineHandle.stats()`), so /metrics shows the pool as the engine sees it.
  */
-import type { EngineHandle } from "../engine/engine-types.js";
+
 import { exponentialBuckets, MetricsRegistry } from "../lib/metrics.js";
+import type { EngineHandle } from "../protocol/engine-api.js";
 
 export type Endpoint = "chat" | "completions" | "models" | "health" | "metrics" | "nodes" | "other";
 

@@ -15,11 +15,11 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
 import { performance } from "node:perf_hooks";
-import type { EngineHandle, GenerationRequest } from "../engine/engine-types.js";
 import { KvfenceError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
+import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import type { Tenant, TenantDirectory } from "./api-keys.js";
 import { type FinishReason, Generation, type TextStreamDecoder, type Usage } from "./generation.js";

@@ -21,9 +21,9 @@ import { join } from "node:path";
 import { BUNDLED_MODEL_DIR, parseServeConfig, startServer } from "../../cli/serve.js";
 import { createLogger } from "../../lib/logger.js";
 import { parsePrometheusText } from "../../lib/metrics.js";
-import { startLocalCluster } from "../../node/local-cluster.js";
 import { unsafeArgs } from "../../node/unsafe-switches.js";
 import type { FaultName, GuardName } from "../../protocol/safety.js";
+import { startLocalCluster } from "../../topology/local-cluster.js";
 import { runProbe } from "../probe/probe.js";
 import type { ProbeReport } from "../probe/probe-report.js";
 

@@ -9,18 +9,18 @@
  * worker dies or is closed, the requests still open end with `node_unavailable`.
  */
 import { Worker } from "node:worker_threads";
+import type { EngineBuildOptions } from "../engine/build-engine.js";
+import { KvfenceError, type WireError } from "../lib/errors.js";
 import type {
   EngineCapacity,
   EngineHandle,
   EngineStats,
   GenerationEvents,
   GenerationRequest,
-} from "../engine/engine-types.js";
-import { KvfenceError, type WireError } from "../lib/errors.js";
+} from "../protocol/engine-api.js";
 import {
   ENGINE_WORKER_TAG,
   type EngineEventsMessage,
-  type EngineWorkerOptions,
   FINISH_REASONS,
   type FromEngineWorker,
   type ToEngineWorker,
@@ -49,7 +49,7 @@ export class EngineClient implements EngineHandle {
   }
 
   /** Starts an engine worker and resolves once its model and pool are ready. */
-  static start(options: EngineWorkerOptions): Promise<EngineClient> {
+  static start(options: EngineBuildOptions): Promise<EngineClient> {
     const worker = new Worker(WORKER_URL, { workerData: { tag: ENGINE_WORKER_TAG, options } });
     return new Promise((resolve, reject) => {
       const onMessage = (message: FromEngineWorker): void => {

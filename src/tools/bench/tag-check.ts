@@ -25,16 +25,16 @@ import { existsSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Command, InvalidArgumentError } from "commander";
-import { Engine } from "../src/engine/engine.js";
-import type { GenerationEvents } from "../src/engine/engine-types.js";
-import { createForward, type KernelsName } from "../src/engine/forward-setup.js";
-import type { KvLayout } from "../src/kvcache/kv-layout.js";
-import type { PagePool } from "../src/kvcache/page-pool.js";
-import { pairedRatio, quantile, type RatioInterval } from "../src/lib/stats.js";
-import { loadModelConfig } from "../src/model/config-loader.js";
-import { genModel } from "../src/model/gen-model.js";
-import { loadWeights } from "../src/model/load-model.js";
-import { makeSafety } from "../src/protocol/safety.js";
+import { Engine } from "../../engine/engine.js";
+import { createForward, type KernelsName } from "../../engine/forward-setup.js";
+import type { KvLayout } from "../../kvcache/kv-layout.js";
+import type { PagePool } from "../../kvcache/page-pool.js";
+import { pairedRatio, quantile, type RatioInterval } from "../../lib/stats.js";
+import { loadModelConfig } from "../../model/config-loader.js";
+import { genModel } from "../../model/gen-model.js";
+import { loadWeights } from "../../model/load-model.js";
+import type { GenerationEvents } from "../../protocol/engine-api.js";
+import { makeSafety } from "../../protocol/safety.js";
 
 export interface TagCheckBenchOptions {
   /** A model folder; when absent, a random model shaped like `like` is generated (once) in a temp folder. */

@@ -22,11 +22,11 @@
  * [--json]` (the model: `node dist/src/cli/main.js gen-model --like smollm2-135m --seed 1 /tmp/smol`).
  */
 import { parseArgs } from "node:util";
-import { referenceKernels } from "../src/kernels/kernels.js";
-import { WasmKernels } from "../src/kernels/wasm-kernels.js";
-import { loadModelConfig } from "../src/model/config-loader.js";
-import { loadWeights } from "../src/model/load-model.js";
-import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
+import { referenceKernels } from "../../kernels/kernels.js";
+import { WasmKernels } from "../../kernels/wasm-kernels.js";
+import { loadModelConfig } from "../../model/config-loader.js";
+import { loadWeights } from "../../model/load-model.js";
+import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
 import { weightBytes } from "./model.js";
 import { BandwidthProbe } from "./roofline.js";
 

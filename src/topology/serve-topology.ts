@@ -6,16 +6,17 @@
  * - `--role router --prefill URL… --decode URL…`: the multi-process topology (TCP).
  * `--role prefill|decode` runs a node process instead of a router (`startNodeServer`).
  */
-import type { EngineHandle } from "../engine/engine-types.js";
+
+import { registerClusterMetrics } from "../cluster/cluster-metrics.js";
+import { connectCluster } from "../cluster/cluster-router.js";
+import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
+import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { MetricsRegistry } from "../lib/metrics.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import type { EngineHandle } from "../protocol/engine-api.js";
 import { makeSafety } from "../protocol/safety.js";
-import { registerClusterMetrics } from "./cluster-metrics.js";
-import { connectCluster } from "./cluster-router.js";
-import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import { EngineClient } from "./engine-client.js";
-import type { EngineWorkerOptions } from "./engine-messages.js";
 import { startThreadedTopology } from "./threaded-topology.js";
 
 export type ServeRole = "all" | "router" | "prefill" | "decode";
@@ -25,7 +26,7 @@ export interface ServeEngineOptions {
   readonly disaggregation: boolean;
   readonly model: { readonly config: ModelConfig; readonly weights: ModelWeights } | null;
   /** Engine options of each node (or of the one engine), without the model. */
-  readonly engine: Omit<EngineWorkerOptions, "model">;
+  readonly engine: Omit<EngineBuildOptions, "model">;
   readonly maxModelLen: number;
   readonly prefill: readonly string[];
   readonly decode: readonly string[];
@@ -77,7 +78,7 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
   }
   if (options.model === null)
     throw new KvfenceError("config_invalid", "The server needs a model: none loaded");
-  const engineOptions: EngineWorkerOptions = { ...options.engine, model: options.model };
+  const engineOptions: EngineBuildOptions = { ...options.engine, model: options.model };
   if (!options.disaggregation) {
     const engine = await EngineClient.start(engineOptions);
     return { engine, topology: "single", registerMetrics: () => {}, close: () => engine.close() };

@@ -27,15 +27,15 @@ import { MessageChannel, Worker } from "node:worker_threads";
 import { xxh64 } from "@node-rs/xxhash";
 import { Command, InvalidArgumentError } from "commander";
 import xxhashWasm from "xxhash-wasm";
-import { type KvLayout, layoutSignature, pageBytes as pageBytesOf } from "../src/kvcache/kv-layout.js";
-import { OwnershipTable } from "../src/kvcache/ownership-table.js";
-import { mean, quantile, tInterval95 } from "../src/lib/stats.js";
-import { PageChecksums } from "../src/transfer/page-checksum.js";
-import { createShmChannel } from "../src/transfer/shm-transport.js";
-import { SignalKind, SignalRing } from "../src/transfer/signal-ring.js";
-import { connectTcpReceiver } from "../src/transfer/tcp-transport.js";
-import type { Manifest, TransferLease } from "../src/transfer/transport.js";
-import { verifyManifest } from "../src/transfer/verify-manifest.js";
+import { type KvLayout, layoutSignature, pageBytes as pageBytesOf } from "../../kvcache/kv-layout.js";
+import { OwnershipTable } from "../../kvcache/ownership-table.js";
+import { mean, quantile, tInterval95 } from "../../lib/stats.js";
+import { PageChecksums } from "../../transfer/page-checksum.js";
+import { createShmChannel } from "../../transfer/shm-transport.js";
+import { SignalKind, SignalRing } from "../../transfer/signal-ring.js";
+import { connectTcpReceiver } from "../../transfer/tcp-transport.js";
+import type { Manifest, TransferLease } from "../../transfer/transport.js";
+import { verifyManifest } from "../../transfer/verify-manifest.js";
 import type { HashMode, WorkerInit } from "./transfer-worker.js";
 
 /** SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, 16-token pages → 720 KiB per page at f32. */

@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 import { makeEngine, prompt, recorder, request, runAll, testModel } from "../../testing/engine-harness.js";
 import { randomModel } from "../../testing/random-model.js";
-import type { GenerationRequest } from "../engine/engine-types.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
 import { EngineClient } from "./engine-client.js";
 
 const OPTIONS = {

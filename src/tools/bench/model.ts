@@ -22,14 +22,14 @@
  * report gives the median, the range and a bootstrap 95% CI of the median.
  */
 import { readFileSync } from "node:fs";
-import { createForward, type ForwardSetup, type KernelsName } from "../src/engine/forward-setup.js";
-import { WasmKernels } from "../src/kernels/wasm-kernels.js";
-import { pageFloats } from "../src/kvcache/kv-layout.js";
-import { Prng } from "../src/lib/prng.js";
-import { bootstrapInterval, type Interval, type Summary, summarize } from "../src/lib/stats.js";
-import type { StepSequence } from "../src/model/forward.js";
-import { loadModel } from "../src/model/load-model.js";
-import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
+import { createForward, type ForwardSetup, type KernelsName } from "../../engine/forward-setup.js";
+import { WasmKernels } from "../../kernels/wasm-kernels.js";
+import { pageFloats } from "../../kvcache/kv-layout.js";
+import { Prng } from "../../lib/prng.js";
+import { bootstrapInterval, type Interval, type Summary, summarize } from "../../lib/stats.js";
+import type { StepSequence } from "../../model/forward.js";
+import { loadModel } from "../../model/load-model.js";
+import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
 import { BandwidthProbe } from "./roofline.js";
 
 /** The largest CPU cache of cpu0 in bytes (Linux sysfs), or null where it cannot be read. */

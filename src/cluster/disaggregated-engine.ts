@@ -20,17 +20,18 @@
  * when that node reports freed pages (`pages_freed`). No timer: a node's freed pages are the only
  * wake-up, and a waiting request fails with 503 if its pair goes down.
  */
+
+import type { WireError } from "../lib/errors.js";
+import type { NodeInfo } from "../protocol/admin-wire.js";
+import { decodeReservationPages } from "../protocol/decode-machine.js";
+import type { Effects } from "../protocol/effects.js";
 import type {
   EngineCapacity,
   EngineHandle,
   EngineStats,
   GenerationEvents,
   GenerationRequest,
-} from "../engine/engine-types.js";
-import type { WireError } from "../lib/errors.js";
-import type { NodeInfo } from "../protocol/admin-wire.js";
-import { decodeReservationPages } from "../protocol/decode-machine.js";
-import type { Effects } from "../protocol/effects.js";
+} from "../protocol/engine-api.js";
 import {
   initialRouterState,
   type RouterConfig,

@@ -13,11 +13,11 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import { modelDir } from "../../testing/start-server.js";
-import type { GenerationRequest } from "../engine/engine-types.js";
+import { connectCluster } from "../cluster/cluster-router.js";
+import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import { loadModel } from "../model/load-model.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
 import type { ControlMessage } from "../protocol/wire.js";
-import { connectCluster } from "./cluster-router.js";
-import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import { type NodeProcesses, startNodeProcesses } from "./local-cluster.js";
 import { startThreadedTopology, type ThreadedTopology } from "./threaded-topology.js";
 

@@ -8,12 +8,12 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { modelDir } from "../../testing/start-server.js";
-import type { GenerationRequest } from "../engine/engine-types.js";
+import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import type { WireError } from "../lib/errors.js";
 import { loadModel } from "../model/load-model.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
 import { contextLengthError } from "../protocol/router-machine.js";
 import { makeSafety } from "../protocol/safety.js";
-import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import { startThreadedTopology } from "./threaded-topology.js";
 
 const model = loadModel(modelDir("tiny-qwen2"), { shared: true });

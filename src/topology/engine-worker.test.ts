@@ -2,10 +2,11 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 import { MessageChannel } from "node:worker_threads";
 import { makeEngine, prompt, request, runAll, testModel } from "../../testing/engine-harness.js";
+import { buildEngine } from "../engine/build-engine.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { EngineEventsMessage, FromEngineWorker, ToEngineWorker } from "./engine-messages.js";
-import { buildEngine, serveEngine } from "./engine-worker.js";
+import { serveEngine } from "./engine-worker.js";
 
 test("serveEngine() sends one message per step carrying every request's new token", async () => {
   const requests = [request(1, prompt(6, 1), 8), request(2, prompt(9, 2), 8), request(3, prompt(3, 3), 8)];

@@ -10,13 +10,13 @@
  */
 import net from "node:net";
 import { type MessagePort, parentPort, workerData } from "node:worker_threads";
-import { OwnershipTable } from "../src/kvcache/ownership-table.js";
-import { checksumLeasePages, PageChecksums, pageChecksumHex } from "../src/transfer/page-checksum.js";
-import { type ShmChannel, ShmTransferReceiver, ShmTransferWriter } from "../src/transfer/shm-transport.js";
-import { SignalKind, SignalRing } from "../src/transfer/signal-ring.js";
-import { TcpTransferServer, type TcpTransferWriter } from "../src/transfer/tcp-transport.js";
-import type { Manifest, PageWrite, TransferLease, TransferWriter } from "../src/transfer/transport.js";
-import { type TransferReservation, verifyManifest } from "../src/transfer/verify-manifest.js";
+import { OwnershipTable } from "../../kvcache/ownership-table.js";
+import { checksumLeasePages, PageChecksums, pageChecksumHex } from "../../transfer/page-checksum.js";
+import { type ShmChannel, ShmTransferReceiver, ShmTransferWriter } from "../../transfer/shm-transport.js";
+import { SignalKind, SignalRing } from "../../transfer/signal-ring.js";
+import { TcpTransferServer, type TcpTransferWriter } from "../../transfer/tcp-transport.js";
+import type { Manifest, PageWrite, TransferLease, TransferWriter } from "../../transfer/transport.js";
+import { type TransferReservation, verifyManifest } from "../../transfer/verify-manifest.js";
 
 /**
  * "none": no checksums; "production": the serving path — prefill hashes at production (before the

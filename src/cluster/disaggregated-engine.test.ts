@@ -4,8 +4,8 @@
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import type { GenerationRequest } from "../engine/engine-types.js";
 import type { WireError } from "../lib/errors.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
 import { makeSafety, SAFE } from "../protocol/safety.js";
 import type { ControlMessage } from "../protocol/wire.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";

@@ -20,9 +20,9 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import { assertPoolIdle, modelDir, scrape } from "../../testing/start-server.js";
+import { UNSAFE_OPT_IN_FLAG } from "../node/unsafe-switches.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import { type LocalCluster, startLocalCluster } from "./local-cluster.js";
-import { UNSAFE_OPT_IN_FLAG } from "./unsafe-switches.js";
 
 const MODEL = "tiny-qwen2";
 const KEY = "sk-tenant-alpha-0001";

@@ -6,11 +6,11 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { modelDir } from "../../testing/start-server.js";
-import type { GenerationRequest } from "../engine/engine-types.js";
 import type { WireError } from "../lib/errors.js";
 import { loadModel } from "../model/load-model.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
+import { startThreadedTopology } from "../topology/threaded-topology.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
-import { startThreadedTopology } from "./threaded-topology.js";
 
 const model = loadModel(modelDir("tiny-qwen2"), { shared: true });
 const shared = { model: { config: model.config, weights: model.weights }, pageSize: 16, maxModelLen: 1024 };

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
-import { bundledModelDir } from "../src/lib/package-root.js";
-import { randomModel } from "../testing/random-model.js";
+import { randomModel } from "../../../testing/random-model.js";
+import { bundledModelDir } from "../../lib/package-root.js";
 import { MODEL_BENCH_DEFAULTS, prefillFlops, runModelBench, weightBytes } from "./model.js";
 import { BandwidthProbe } from "./roofline.js";
 

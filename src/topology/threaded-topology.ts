@@ -9,22 +9,22 @@
  * and fences it at its peer.
  */
 import { MessageChannel, Worker } from "node:worker_threads";
+import { DisaggregatedEngine, type RouterNode } from "../cluster/disaggregated-engine.js";
+import type { FromNode, NodeHello } from "../cluster/node-messages.js";
+import { WorkerLink } from "../cluster/worker-link.js";
+import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
+import type { NodeHostOptions } from "../node/node-host.js";
+import { NODE_WORKER_TAG, type NodeWorkerReply, type NodeWorkerSetup } from "../node/node-worker.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
 import type { ShmChannel } from "../transfer/shm-transport.js";
-import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
-import type { EngineWorkerOptions } from "./engine-messages.js";
-import type { NodeHostOptions } from "./node-host.js";
-import type { FromNode, NodeHello } from "./node-messages.js";
-import { NODE_WORKER_TAG, type NodeWorkerReply, type NodeWorkerSetup } from "./node-worker.js";
-import { WorkerLink } from "./worker-link.js";
 
-const WORKER_URL = new URL("./node-worker.js", import.meta.url);
+const WORKER_URL = new URL("../node/node-worker.js", import.meta.url);
 
 export interface ThreadedTopologyOptions {
   /** Engine options of each node (pool size, page size, model shared in memory). */
-  readonly prefill: EngineWorkerOptions;
-  readonly decode: EngineWorkerOptions;
+  readonly prefill: EngineBuildOptions;
+  readonly decode: EngineBuildOptions;
   /** The model's window (and `--max-model-len`). */
   readonly maxModelLen: number;
   readonly safety?: Safety;

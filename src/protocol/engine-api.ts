@@ -5,7 +5,7 @@
  * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
  */
 import type { WireError } from "../lib/errors.js";
-import type { NodeInfo } from "../protocol/admin-wire.js";
+import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
 export interface GenerationRequest {

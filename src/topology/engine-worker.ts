@@ -6,67 +6,19 @@
  * event loop polls the port: an abort posted by the router (a client disconnect) is applied before
  * the next step, never after the request finishes. Everything the engine reports during one step
  * (every request's new token, finishes, errors) goes out as **one** message after the step.
- *
- * The same glue will host the prefill and decode nodes of the disaggregated topology.
  */
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
-import { Engine } from "../engine/engine.js";
-import type { GenerationEvents } from "../engine/engine-types.js";
-import { createForward } from "../engine/forward-setup.js";
-import type { KvLayout } from "../kvcache/kv-layout.js";
-import type { PagePool } from "../kvcache/page-pool.js";
+import { buildEngine, type EngineBuildOptions } from "../engine/build-engine.js";
+import type { Engine } from "../engine/engine.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
-import { loadModelConfig } from "../model/config-loader.js";
-import { loadWeights } from "../model/load-model.js";
-import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { makeSafety } from "../protocol/safety.js";
+import type { GenerationEvents } from "../protocol/engine-api.js";
 import {
   ENGINE_WORKER_TAG,
   type EngineEventsMessage,
-  type EngineWorkerOptions,
   FINISH_REASONS,
   type FromEngineWorker,
   type ToEngineWorker,
 } from "./engine-messages.js";
-
-export type { EngineWorkerOptions } from "./engine-messages.js";
-
-/**
- * Builds the engine from `options` (also usable in-thread by tests and benchmarks): the forward
- * pass and its pool on the WebAssembly kernels by default, weights, activations and pool in one
- * shared memory (src/engine/forward-setup.ts); `kernels: "ts"` keeps the TypeScript reference.
- */
-export async function buildEngine(options: EngineWorkerOptions): Promise<Engine> {
-  let config: ModelConfig;
-  let weights: ModelWeights;
-  if ("dir" in options.model) {
-    config = loadModelConfig(options.model.dir);
-    weights = loadWeights(options.model.dir, config, { shared: true });
-  } else {
-    config = options.model.config;
-    weights = options.model.weights;
-  }
-  const layout: KvLayout = {
-    numLayers: config.numLayers,
-    numKvHeads: config.numKvHeads,
-    headDim: config.headDim,
-    pageSize: options.pageSize ?? 16,
-  };
-  const { forward, pools } = await createForward(config, weights, layout, {
-    kernels: options.kernels ?? "wasm",
-    kernelThreads: options.kernelThreads ?? 1,
-    maxBatchTokens: options.maxBatchTokens ?? 256,
-    maxSequences: options.maxSequences ?? 16,
-    poolPages: [options.numPages],
-    scrubOnFree: options.scrubOnFree ?? false,
-  });
-  return new Engine(forward, pools[0] as PagePool, {
-    ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: options.maxPrefillTokens }),
-    ...(options.maxModelLen === undefined ? {} : { maxModelLen: options.maxModelLen }),
-    safety: makeSafety({ disabledGuards: options.disabledGuards ?? [] }),
-    ...(options.seed === undefined ? {} : { seed: options.seed }),
-  });
-}
 
 /** Serves `engine` over `port` until a `close` message. */
 export function serveEngine(engine: Engine, port: MessagePort): void {
@@ -156,7 +108,7 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
   });
 }
 
-async function main(port: MessagePort, options: EngineWorkerOptions): Promise<void> {
+async function main(port: MessagePort, options: EngineBuildOptions): Promise<void> {
   let engine: Engine;
   try {
     engine = await buildEngine(options);
@@ -176,7 +128,7 @@ async function main(port: MessagePort, options: EngineWorkerOptions): Promise<vo
   port.postMessage({ type: "ready", capacity: engine.capacity } satisfies FromEngineWorker);
 }
 
-const data = workerData as { tag?: unknown; options?: EngineWorkerOptions } | null;
+const data = workerData as { tag?: unknown; options?: EngineBuildOptions } | null;
 if (!isMainThread && parentPort !== null && data?.tag === ENGINE_WORKER_TAG && data.options !== undefined) {
   await main(parentPort, data.options);
 }

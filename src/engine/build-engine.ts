@@ -1,0 +1,77 @@
+/**
+ * Builds an `Engine` from plain options: the model (a folder, or weights already in memory), the
+ * forward pass and its KV page pool, the guards. The single-engine worker
+ * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
+ * their engines here, one way.
+ */
+import type { KvLayout } from "../kvcache/kv-layout.js";
+import type { PagePool } from "../kvcache/page-pool.js";
+import { loadModelConfig } from "../model/config-loader.js";
+import { loadWeights } from "../model/load-model.js";
+import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import { makeSafety } from "../protocol/safety.js";
+import { Engine } from "./engine.js";
+import { createForward } from "./forward-setup.js";
+
+/** What an engine is built from: plain data, so it crosses a thread boundary as a worker's `workerData`. */
+export interface EngineBuildOptions {
+  /** A Hugging Face model folder, or a model already in memory (weights in SharedArrayBuffers are not copied). */
+  readonly model: { readonly dir: string } | { readonly config: ModelConfig; readonly weights: ModelWeights };
+  /** Pages in the KV pool. */
+  readonly numPages: number;
+  /** Tokens per page. Default 16. */
+  readonly pageSize?: number;
+  /** Tokens per forward step. Default 256. */
+  readonly maxBatchTokens?: number;
+  /** Requests per forward step. Default 16. */
+  readonly maxSequences?: number;
+  /** Prefill tokens per step. Default `maxBatchTokens`. */
+  readonly maxPrefillTokens?: number;
+  /** Context length to serve. Default: the model's window. */
+  readonly maxModelLen?: number;
+  readonly scrubOnFree?: boolean;
+  /** Guards to switch off (names from `src/protocol/safety.ts`; the engine honours `page-tags`). */
+  readonly disabledGuards?: readonly string[];
+  readonly seed?: number;
+  /** The forward pass's kernels: "wasm" (default, WebAssembly SIMD) or "ts" (the TypeScript reference). */
+  readonly kernels?: "ts" | "wasm";
+  /** Threads of the WebAssembly kernels: 1 (default, this thread only) or 2 (plus one spinning worker). */
+  readonly kernelThreads?: 1 | 2;
+}
+
+/**
+ * Builds the engine from `options` (also usable in-thread by tests and benchmarks): the forward
+ * pass and its pool on the WebAssembly kernels by default, weights, activations and pool in one
+ * shared memory (src/engine/forward-setup.ts); `kernels: "ts"` keeps the TypeScript reference.
+ */
+export async function buildEngine(options: EngineBuildOptions): Promise<Engine> {
+  let config: ModelConfig;
+  let weights: ModelWeights;
+  if ("dir" in options.model) {
+    config = loadModelConfig(options.model.dir);
+    weights = loadWeights(options.model.dir, config, { shared: true });
+  } else {
+    config = options.model.config;
+    weights = options.model.weights;
+  }
+  const layout: KvLayout = {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize: options.pageSize ?? 16,
+  };
+  const { forward, pools } = await createForward(config, weights, layout, {
+    kernels: options.kernels ?? "wasm",
+    kernelThreads: options.kernelThreads ?? 1,
+    maxBatchTokens: options.maxBatchTokens ?? 256,
+    maxSequences: options.maxSequences ?? 16,
+    poolPages: [options.numPages],
+    scrubOnFree: options.scrubOnFree ?? false,
+  });
+  return new Engine(forward, pools[0] as PagePool, {
+    ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: options.maxPrefillTokens }),
+    ...(options.maxModelLen === undefined ? {} : { maxModelLen: options.maxModelLen }),
+    safety: makeSafety({ disabledGuards: options.disabledGuards ?? [] }),
+    ...(options.seed === undefined ? {} : { seed: options.seed }),
+  });
+}

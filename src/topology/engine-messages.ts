@@ -1,0 +1,37 @@
+/**
+ * The messages between `engine-client.ts` (main thread) and `engine-worker.ts`. Plain data only: they
+ * cross the thread boundary by structured clone.
+ */
+import type { WireError } from "../lib/errors.js";
+import type { EngineCapacity, EngineStats, GenerationRequest } from "../protocol/engine-api.js";
+
+/** Messages from the client to the worker. */
+export type ToEngineWorker =
+  | { readonly type: "submit"; readonly request: GenerationRequest }
+  | { readonly type: "abort"; readonly rid: number }
+  | { readonly type: "stats"; readonly id: number }
+  | { readonly type: "close" };
+
+/** Finish reasons as numbers in `EngineEventsMessage.finishes`. */
+export const FINISH_REASONS = ["stop", "length"] as const;
+
+/** Everything one step (or one message) produced, batched into one message. */
+export interface EngineEventsMessage {
+  readonly type: "events";
+  /** Runs of `rid, count, token × count`. */
+  readonly tokens: number[];
+  /** Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens`; after the tokens. */
+  readonly finishes: number[];
+  readonly errors: { rid: number; error: WireError }[];
+}
+
+/** Messages from the worker to the client. */
+export type FromEngineWorker =
+  | { readonly type: "ready"; readonly capacity: EngineCapacity }
+  | { readonly type: "failed"; readonly error: WireError }
+  | EngineEventsMessage
+  | { readonly type: "stats"; readonly id: number; readonly stats: EngineStats }
+  | { readonly type: "closed" };
+
+/** Marks `workerData` as ours, so importing this module elsewhere never starts a worker. */
+export const ENGINE_WORKER_TAG = "kvfence-engine-worker";

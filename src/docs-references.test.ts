@@ -1,0 +1,126 @@
+/**
+ * Every reference to a design document resolves in a fresh clone. Sources (src/, bench/,
+ * testing/, scripts/) and the docs themselves (docs/, README.md) may cite only files in the
+ * repository: a reference to the background notes that never were committed (the design, the
+ * prior-art and the measurement notes by their old upper-case names) fails, so does `docs/<file>`
+ * when that file does not exist, and so does a section or anchor that the cited file does not
+ * have: `docs/design.md §4` needs a heading numbered 4 in docs/design.md, `docs/prior-art.md H7`
+ * (or `H2/H7`) a heading `H7` in docs/prior-art.md.
+ */
+import assert from "node:assert/strict";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
+import { dirname, join, relative, resolve } from "node:path";
+import { test } from "node:test";
+import { fileURLToPath } from "node:url";
+
+const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "../..");
+const SCANNED_DIRS = ["src", "bench", "testing", "scripts", "docs"];
+const SCANNED_FILES = ["README.md"];
+const TEXT_FILE = /\.(ts|mjs|js|py|md)$/;
+/** This file names the forbidden documents in order to forbid them. */
+const SELF = "src/docs-references.test.ts";
+
+/** The old names of the notes outside the repository (split so that this line is not a hit). */
+const GONE = new RegExp(["DESIGN", "PRIOR-ART", "MEASUREMENTS"].map((n) => `\\b${n}\\b`).join("|"));
+/** `docs/<file>` with an optional `§1.2` section or `H7`/`H2/H7` anchors after it. */
+const DOC_REF = /\bdocs\/([\w./-]+\.md)\b(?:\s+(§\s?\d+(?:\.\d+)*|H\d+(?:\/H\d+)*))?/g;
+const HEADING = /^#{1,6}\s+(?:§\s?)?((?:\d+(?:\.\d+)*)|H\d+)\b/gm;
+
+export interface TextFile {
+  /** Path relative to the repository root, for messages. */
+  readonly path: string;
+  readonly text: string;
+}
+
+/**
+ * What is wrong with the references in `files`, one line per problem. `headingsOf(doc)` returns
+ * the section numbers and anchors of `docs/<doc>`, or undefined when there is no such file.
+ */
+export function badReferences(
+  files: readonly TextFile[],
+  headingsOf: (doc: string) => ReadonlySet<string> | undefined,
+): string[] {
+  const problems: string[] = [];
+  for (const { path, text } of files) {
+    text.split("\n").forEach((line, i) => {
+      const where = `${path}:${i + 1}`;
+      const gone = GONE.exec(line);
+      if (gone !== null) problems.push(`${where} cites ${gone[0]}, which is not in the repository`);
+      for (const m of line.matchAll(DOC_REF)) {
+        const doc = m[1] ?? "";
+        const headings = headingsOf(doc);
+        if (headings === undefined) {
+          problems.push(`${where} cites docs/${doc}, which does not exist`);
+          continue;
+        }
+        const anchor = m[2];
+        if (anchor === undefined) continue;
+        const wanted = anchor.startsWith("§") ? [anchor.replace(/^§\s?/, "")] : anchor.split("/");
+        for (const w of wanted) {
+          if (!headings.has(w)) problems.push(`${where} cites docs/${doc} ${w}, which has no such heading`);
+        }
+      }
+    });
+  }
+  return problems;
+}
+
+/** The section numbers (`4`, `3.2`) and anchors (`H7`) of a markdown text's headings. */
+export function headingsIn(markdown: string): Set<string> {
+  return new Set([...markdown.matchAll(HEADING)].map((m) => m[1] ?? ""));
+}
+
+function filesUnder(dir: string): string[] {
+  if (!existsSync(dir)) return [];
+  return readdirSync(dir, { withFileTypes: true }).flatMap((entry) => {
+    const path = join(dir, entry.name);
+    if (entry.isDirectory()) return entry.name === "fixtures" ? [] : filesUnder(path);
+    return TEXT_FILE.test(entry.name) ? [path] : [];
+  });
+}
+
+function repositoryFiles(): TextFile[] {
+  const paths = [
+    ...SCANNED_DIRS.flatMap((d) => filesUnder(join(ROOT, d))),
+    ...SCANNED_FILES.map((f) => join(ROOT, f)),
+  ];
+  return paths
+    .map((p) => ({ path: relative(ROOT, p), text: readFileSync(p, "utf8") }))
+    .filter((f) => f.path !== SELF);
+}
+
+function repositoryHeadings(doc: string): ReadonlySet<string> | undefined {
+  const path = join(ROOT, "docs", doc);
+  return existsSync(path) ? headingsIn(readFileSync(path, "utf8")) : undefined;
+}
+
+test("every design-document reference in src/, bench/, testing/, scripts/, docs/ and README.md resolves", () => {
+  const files = repositoryFiles();
+  assert.ok(files.some((f) => f.path === "src/protocol/wire.ts"), "the scan must reach src/");
+  assert.deepEqual(badReferences(files, repositoryHeadings), []);
+});
+
+test("badReferences() flags a gone document, a missing docs/ file and a missing section or anchor", () => {
+  const headings = (doc: string) => (doc === "design.md" ? headingsIn("# Design\n## 4. Protocol\n### H7 — x\n") : undefined);
+  const planted: TextFile[] = [
+    { path: "a.ts", text: ` * The decode side (${"DESIGN"}.md §4 step 5).` },
+    { path: "b.ts", text: ` * Numbers in ${"MEASUREMENTS"} §2.` },
+    { path: "c.ts", text: " * See docs/no-such-file.md for the layout." },
+    { path: "d.ts", text: " * See docs/design.md §9 and docs/design.md H2/H7." },
+    { path: "e.ts", text: " * Fine: docs/design.md §4 step 1, docs/design.md H7, docs/design.md." },
+  ];
+  assert.deepEqual(badReferences(planted, headings), [
+    "a.ts:1 cites DESIGN, which is not in the repository",
+    "b.ts:1 cites MEASUREMENTS, which is not in the repository",
+    "c.ts:1 cites docs/no-such-file.md, which does not exist",
+    "d.ts:1 cites docs/design.md 9, which has no such heading",
+    "d.ts:1 cites docs/design.md H2, which has no such heading",
+  ]);
+});
+
+test("the scan of the repository sees a planted bad reference", () => {
+  const files = [...repositoryFiles(), { path: "planted.ts", text: " * see docs/gone.md §1" }];
+  assert.deepEqual(badReferences(files, repositoryHeadings), [
+    "planted.ts:1 cites docs/gone.md, which does not exist",
+  ]);
+});

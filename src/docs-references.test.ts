@@ -57,7 +57,9 @@ export function badReferences(
         if (anchor === undefined) continue;
         const wanted = anchor.startsWith("§") ? [anchor.replace(/^§\s?/, "")] : anchor.split("/");
         for (const w of wanted) {
-          if (!headings.has(w)) problems.push(`${where} cites docs/${doc} ${w}, which has no such heading`);
+          const label = anchor.startsWith("§") ? `§${w}` : w;
+          if (!headings.has(w))
+            problems.push(`${where} cites docs/${doc} ${label}, which has no such heading`);
         }
       }
     });
@@ -96,12 +98,16 @@ function repositoryHeadings(doc: string): ReadonlySet<string> | undefined {
 
 test("every design-document reference in src/, bench/, testing/, scripts/, docs/ and README.md resolves", () => {
   const files = repositoryFiles();
-  assert.ok(files.some((f) => f.path === "src/protocol/wire.ts"), "the scan must reach src/");
+  assert.ok(
+    files.some((f) => f.path === "src/protocol/wire.ts"),
+    "the scan must reach src/",
+  );
   assert.deepEqual(badReferences(files, repositoryHeadings), []);
 });
 
 test("badReferences() flags a gone document, a missing docs/ file and a missing section or anchor", () => {
-  const headings = (doc: string) => (doc === "design.md" ? headingsIn("# Design\n## 4. Protocol\n### H7 — x\n") : undefined);
+  const headings = (doc: string) =>
+    doc === "design.md" ? headingsIn("# Design\n## 4. Protocol\n### H7 — x\n") : undefined;
   const planted: TextFile[] = [
     { path: "a.ts", text: ` * The decode side (${"DESIGN"}.md §4 step 5).` },
     { path: "b.ts", text: ` * Numbers in ${"MEASUREMENTS"} §2.` },
@@ -113,7 +119,7 @@ test("badReferences() flags a gone document, a missing docs/ file and a missing 
     "a.ts:1 cites DESIGN, which is not in the repository",
     "b.ts:1 cites MEASUREMENTS, which is not in the repository",
     "c.ts:1 cites docs/no-such-file.md, which does not exist",
-    "d.ts:1 cites docs/design.md 9, which has no such heading",
+    "d.ts:1 cites docs/design.md §9, which has no such heading",
     "d.ts:1 cites docs/design.md H2, which has no such heading",
   ]);
 });

@@ -5,7 +5,9 @@
  * prior-art and the measurement notes by their old upper-case names) fails, so does `docs/<file>`
  * when that file does not exist, and so does a section or anchor that the cited file does not
  * have: `docs/design.md §4` needs a heading numbered 4 in docs/design.md, `docs/prior-art.md H7`
- * (or `H2/H7`) a heading `H7` in docs/prior-art.md.
+ * (or `H2/H7`) a heading `H7` in docs/prior-art.md. In markdown files, a source path
+ * (`src/…`, `bench/…`, `testing/…`, `scripts/…`, `models/…`) must name a file that exists, so the
+ * file map of docs/design.md cannot go stale unnoticed.
  */
 import assert from "node:assert/strict";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
@@ -25,6 +27,9 @@ const GONE = new RegExp(["DESIGN", "PRIOR-ART", "MEASUREMENTS"].map((n) => `\\b$
 /** `docs/<file>` with an optional `§1.2` section or `H7`/`H2/H7` anchors after it. */
 const DOC_REF = /\bdocs\/([\w./-]+\.md)\b(?:\s+(§\s?\d+(?:\.\d+)*|H\d+(?:\/H\d+)*))?/g;
 const HEADING = /^#{1,6}\s+(?:§\s?)?((?:\d+(?:\.\d+)*)|H\d+)\b/gm;
+/** A repository path in prose (not the tail of a longer path such as `dist/src/…`). */
+const SOURCE_PATH =
+  /(?<![\w./-])((?:src|bench|testing|scripts|models)\/[\w./-]*\w\.(?:ts|mjs|py|md|json))\b/g;
 
 export interface TextFile {
   /** Path relative to the repository root, for messages. */
@@ -32,14 +37,16 @@ export interface TextFile {
   readonly text: string;
 }
 
-/**
- * What is wrong with the references in `files`, one line per problem. `headingsOf(doc)` returns
- * the section numbers and anchors of `docs/<doc>`, or undefined when there is no such file.
- */
-export function badReferences(
-  files: readonly TextFile[],
-  headingsOf: (doc: string) => ReadonlySet<string> | undefined,
-): string[] {
+/** What the check needs to know about the repository. */
+export interface Repository {
+  /** The section numbers and anchors of `docs/<doc>`, or undefined when there is no such file. */
+  headingsOf(doc: string): ReadonlySet<string> | undefined;
+  /** Whether a path relative to the repository root exists. */
+  exists(path: string): boolean;
+}
+
+/** What is wrong with the references in `files`, one line per problem. */
+export function badReferences(files: readonly TextFile[], repo: Repository): string[] {
   const problems: string[] = [];
   for (const { path, text } of files) {
     text.split("\n").forEach((line, i) => {
@@ -48,7 +55,7 @@ export function badReferences(
       if (gone !== null) problems.push(`${where} cites ${gone[0]}, which is not in the repository`);
       for (const m of line.matchAll(DOC_REF)) {
         const doc = m[1] ?? "";
-        const headings = headingsOf(doc);
+        const headings = repo.headingsOf(doc);
         if (headings === undefined) {
           problems.push(`${where} cites docs/${doc}, which does not exist`);
           continue;
@@ -61,6 +68,11 @@ export function badReferences(
           if (!headings.has(w))
             problems.push(`${where} cites docs/${doc} ${label}, which has no such heading`);
         }
+      }
+      if (!path.endsWith(".md")) return;
+      for (const m of line.matchAll(SOURCE_PATH)) {
+        const file = m[1] ?? "";
+        if (!repo.exists(file)) problems.push(`${where} names ${file}, which does not exist`);
       }
     });
   }
@@ -91,10 +103,13 @@ function repositoryFiles(): TextFile[] {
     .filter((f) => f.path !== SELF);
 }
 
-function repositoryHeadings(doc: string): ReadonlySet<string> | undefined {
-  const path = join(ROOT, "docs", doc);
-  return existsSync(path) ? headingsIn(readFileSync(path, "utf8")) : undefined;
-}
+const REPOSITORY: Repository = {
+  headingsOf(doc) {
+    const path = join(ROOT, "docs", doc);
+    return existsSync(path) ? headingsIn(readFileSync(path, "utf8")) : undefined;
+  },
+  exists: (path) => existsSync(join(ROOT, path)),
+};
 
 test("every design-document reference in src/, bench/, testing/, scripts/, docs/ and README.md resolves", () => {
   const files = repositoryFiles();
@@ -102,31 +117,37 @@ test("every design-document reference in src/, bench/, testing/, scripts/, docs/
     files.some((f) => f.path === "src/protocol/wire.ts"),
     "the scan must reach src/",
   );
-  assert.deepEqual(badReferences(files, repositoryHeadings), []);
+  assert.deepEqual(badReferences(files, REPOSITORY), []);
 });
 
-test("badReferences() flags a gone document, a missing docs/ file and a missing section or anchor", () => {
-  const headings = (doc: string) =>
-    doc === "design.md" ? headingsIn("# Design\n## 4. Protocol\n### H7 — x\n") : undefined;
+test("badReferences() flags a gone document, a missing file and a missing section or anchor", () => {
+  const repo: Repository = {
+    headingsOf: (doc) =>
+      doc === "design.md" ? headingsIn("# Design\n## 4. Protocol\n### H7 — x\n") : undefined,
+    exists: (path) => path === "src/protocol/wire.ts",
+  };
   const planted: TextFile[] = [
     { path: "a.ts", text: ` * The decode side (${"DESIGN"}.md §4 step 5).` },
     { path: "b.ts", text: ` * Numbers in ${"MEASUREMENTS"} §2.` },
     { path: "c.ts", text: " * See docs/no-such-file.md for the layout." },
     { path: "d.ts", text: " * See docs/design.md §9 and docs/design.md H2/H7." },
     { path: "e.ts", text: " * Fine: docs/design.md §4 step 1, docs/design.md H7, docs/design.md." },
+    { path: "f.md", text: "`src/protocol/wire.ts` and `src/protocol/gone.ts`, run `dist/src/gone.test.js`" },
+    { path: "g.ts", text: " * Source paths are checked in markdown only: src/protocol/gone.ts" },
   ];
-  assert.deepEqual(badReferences(planted, headings), [
+  assert.deepEqual(badReferences(planted, repo), [
     "a.ts:1 cites DESIGN, which is not in the repository",
     "b.ts:1 cites MEASUREMENTS, which is not in the repository",
     "c.ts:1 cites docs/no-such-file.md, which does not exist",
     "d.ts:1 cites docs/design.md §9, which has no such heading",
     "d.ts:1 cites docs/design.md H2, which has no such heading",
+    "f.md:1 names src/protocol/gone.ts, which does not exist",
   ]);
 });
 
 test("the scan of the repository sees a planted bad reference", () => {
   const files = [...repositoryFiles(), { path: "planted.ts", text: " * see docs/gone.md §1" }];
-  assert.deepEqual(badReferences(files, repositoryHeadings), [
+  assert.deepEqual(badReferences(files, REPOSITORY), [
     "planted.ts:1 cites docs/gone.md, which does not exist",
   ]);
 });

@@ -50,7 +50,7 @@ function guardName(value: string, previous: GuardName[] = []): GuardName[] {
 export function command(): Command {
   return new Command("check")
     .description(
-      "Explore every interleaving of the transfer protocol on a small pool and check the invariants of DESIGN.md §7 (exit 1 on a violation)",
+      "Explore every interleaving of the transfer protocol on a small pool and check the invariants of docs/design.md §7 (exit 1 on a violation)",
     )
     .addOption(
       new Option("--fault <name>", "run a fault variant: switch the fault on and its guards off").choices(

@@ -7,7 +7,7 @@
  * per call), and no kernel allocates. Matrices are row-major; a weight is `[out][in]` as stored in
  * safetensors, so `matmul` computes `x · wᵀ`.
  *
- * Speed: plain JS peaks near 5–6 GFLOP/s per core (MEASUREMENTS.md §2). The matrix kernels use a
+ * Speed: plain JS peaks near 5–6 GFLOP/s per core (docs/benchmarks.md §3.2). The matrix kernels use a
  * 4x4 register tile for batches of rows and an 8-row, 8-accumulator matvec for the remainder;
  * sums accumulate in JS doubles, so they are more accurate than f32 accumulation.
  *

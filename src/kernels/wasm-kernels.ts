@@ -23,7 +23,7 @@
  * neither waits for a late starter. With no worker (or little work) the main thread runs the same
  * kernel alone. The worker spins on `Atomics.load` for a
  * bounded time (`workerSpinMs`) between jobs and then sleeps in `Atomics.wait`; a futex wake costs
- * about 50 µs on these machines against well under 1 µs for a spin (MEASUREMENTS §2), so within a
+ * about 50 µs on these machines against well under 1 µs for a spin (docs/benchmarks.md §3.2), so within a
  * token it never sleeps. A job the worker has not picked up by the time the main thread finished
  * every chunk is cancelled (a ticket compare-and-swap), so a descheduled or sleeping worker never
  * delays the main thread by more than the chunk it is running.

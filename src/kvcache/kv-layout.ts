@@ -1,5 +1,5 @@
 /**
- * The page-major KV layout of DESIGN.md §3, shared by the forward pass, the pool, the transfer
+ * The page-major KV layout of docs/design.md §3, shared by the forward pass, the pool, the transfer
  * engine and the handshake's layout signature.
  *
  * A pool is one flat Float32Array of `numPages * pageFloats` floats. Page p starts at float

@@ -1,5 +1,5 @@
 /**
- * The page ownership table of DESIGN.md §3: one entry per physical KV page, in typed arrays laid
+ * The page ownership table of docs/design.md §3: one entry per physical KV page, in typed arrays laid
  * over one caller-supplied buffer (a `SharedArrayBuffer` so worker threads and a one-sided writer
  * share it, or a plain `ArrayBuffer`; the model checker snapshots a table by copying its bytes).
  *

@@ -1,5 +1,5 @@
 /**
- * The KV page pool of DESIGN.md §3: the KV data of one node as one `Float32Array` (over a
+ * The KV page pool of docs/design.md §3: the KV data of one node as one `Float32Array` (over a
  * `SharedArrayBuffer`, or a caller-supplied buffer and offset, e.g. inside a shared
  * `WebAssembly.Memory`) cut into pages of `pageSize` tokens in the page-major layout of
  * `kv-layout.ts`, plus the ownership table that says who holds each page and whose data it holds.

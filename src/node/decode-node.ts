@@ -1,5 +1,5 @@
 /**
- * The decode node (DESIGN.md §2): the engine in decode mode, driven by the protocol's decode state
+ * The decode node (docs/design.md §2): the engine in decode mode, driven by the protocol's decode state
  * machine (`decodeStep`), with the transport injected — the same class runs in a worker thread
  * (shared-memory receiver) and in a process (TCP receiver).
  *

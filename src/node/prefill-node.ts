@@ -1,5 +1,5 @@
 /**
- * The prefill node (DESIGN.md §2): the engine in prefill-only mode, driven by the protocol's
+ * The prefill node (docs/design.md §2): the engine in prefill-only mode, driven by the protocol's
  * prefill state machine (`prefillStep`), with the transport injected — the same class runs in a
  * worker thread (shared-memory writer) and in a process (TCP writer).
  *

@@ -1,10 +1,10 @@
 /**
  * The unsafe switches of `kvfence serve` and `kvfence cluster`: `--unsafe-fault NAME` (a fault of
- * DESIGN.md §5, switched on inside the real code path, or a node fault such as `stall-transfer`) and `--unsafe-disable-guard NAME` (a guard
- * switched off). Both are for tests and demos only, so both are refused unless the command line
- * also carries the one explicit opt-in flag, `--i-understand-this-leaks-data`; a server that runs
- * with either prints a loud warning on stderr at startup (every role) and shows them in `/health`
- * and `/metrics`.
+ * docs/design.md §5, switched on inside the real code path, or a node fault such as
+ * `stall-transfer`) and `--unsafe-disable-guard NAME` (a guard switched off). Both are for tests
+ * and demos only, so both are refused unless the command line also carries the one explicit opt-in
+ * flag, `--i-understand-this-leaks-data`; a server that runs with either prints a loud warning on
+ * stderr at startup (every role) and shows them in `/health` and `/metrics`.
  */
 import {
   FAULT_NAMES,

@@ -1,5 +1,5 @@
 /**
- * The decode node's side of the transfer protocol (DESIGN.md §4), sans-IO. The state is plain data
+ * The decode node's side of the transfer protocol (docs/design.md §4), sans-IO. The state is plain data
  * keyed by attempt (`"rid:epoch"`); page state lives in the node's `OwnershipTable`, which this
  * machine drives directly.
  *

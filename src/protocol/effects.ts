@@ -103,7 +103,7 @@ export interface CommitEffect {
 
 /**
  * Decode: one decode step read KV pages `pages` (logical order) for `(rid, epoch)` after the page
- * tag check passed (or was disabled). The checker verifies DESIGN.md §7 invariant 1 here.
+ * tag check passed (or was disabled). The checker verifies docs/design.md §7 invariant 1 here.
  */
 export interface ReadEffect {
   readonly kind: "read";

@@ -1,5 +1,5 @@
 /**
- * Where a page write lands (DESIGN.md §4 step 4). Over shared memory the writer copies the page
+ * Where a page write lands (docs/design.md §4 step 4). Over shared memory the writer copies the page
  * straight into the decode pool — a one-sided write, like RDMA: nothing on the receiver can refuse
  * it, only the region bounds apply — and stamps the writer stamp in the same step. Over TCP the
  * receiver applies a framed write only if the destination page is the one decode leased for that

@@ -1,5 +1,5 @@
 /**
- * The prefill node's side of the transfer protocol (DESIGN.md §4), sans-IO. State is plain data
+ * The prefill node's side of the transfer protocol (docs/design.md §4), sans-IO. State is plain data
  * keyed by attempt (`"rid:epoch"`); source pages live in this node's `OwnershipTable`.
  *
  * - **prefill**: check the lease's layout, re-check admission against this pool — a request that

@@ -1,7 +1,7 @@
 /**
- * Prefix-cache block keys (DESIGN.md §3): a hash chain over token blocks, seeded with a salt the
+ * Prefix-cache block keys (docs/design.md §3): a hash chain over token blocks, seeded with a salt the
  * server derives from the **authenticated** tenant, so a block cached for one tenant can never be a
- * hit for another (PRIOR-ART H9: vLLM's client-supplied `cache_salt`, CVE-2025-46570). A client's
+ * hit for another (docs/prior-art.md H9: vLLM's client-supplied `cache_salt`, CVE-2025-46570). A client's
  * own cache salt may only narrow the namespace further, never replace the tenant's.
  *
  * Under the `shared-prefix` fault (with the `tenant-salt` guard off) the salt is the client's

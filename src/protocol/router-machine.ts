@@ -1,5 +1,5 @@
 /**
- * The router's side of the transfer protocol (DESIGN.md §4), sans-IO: `routerStep(state, event,
+ * The router's side of the transfer protocol (docs/design.md §4), sans-IO: `routerStep(state, event,
  * config, safety, out)` mutates a plain-data state (cheap to copy and hash) and pushes effects.
  *
  * Per request: admit (the router's door, against the effective context: the minimum of the model's

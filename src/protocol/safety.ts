@@ -1,5 +1,5 @@
 /**
- * The closed lists of fault names and guard names of DESIGN.md §5, and the frozen `Safety` config
+ * The closed lists of fault names and guard names of docs/design.md §5, and the frozen `Safety` config
  * that the protocol state machines consult at each guarded decision.
  *
  * A **guard** is one defence of the real protocol; all are on unless listed in `disabledGuards`.
@@ -43,7 +43,7 @@ export const GUARD_NAMES = [
 ] as const;
 export type GuardName = (typeof GUARD_NAMES)[number];
 
-/** What each fault reproduces, and the guards that catch it (DESIGN.md §5). */
+/** What each fault reproduces, and the guards that catch it (docs/design.md §5). */
 export const FAULT_TABLE: Readonly<
   Record<FaultName, { readonly reproduces: string; readonly caughtBy: readonly GuardName[] }>
 > = Object.freeze({

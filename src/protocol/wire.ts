@@ -1,5 +1,5 @@
 /**
- * The control messages of the transfer protocol (DESIGN.md §4), as plain JSON-able data that the
+ * The control messages of the transfer protocol (docs/design.md §4), as plain JSON-able data that the
  * servers post on MessagePorts (worker threads) or send framed over TCP, and that the model checker
  * moves through its abstract network. Every message is keyed by `(rid, epoch)`: `rid` is the
  * router's u32 request id, `epoch` the attempt (a retry is a new epoch with new pages); a receiver
@@ -9,7 +9,7 @@
  */
 import type { WireError } from "../lib/errors.js";
 
-/** The three roles of DESIGN.md §2. */
+/** The three roles of docs/design.md §2. */
 export type NodeRole = "router" | "prefill" | "decode";
 
 /** One destination page of a lease: the physical page and the generation it was leased at. */
@@ -18,7 +18,7 @@ export interface LeasePage {
   readonly generation: number;
 }
 
-/** Router → decode: reserve destination pages for a prompt (DESIGN.md §4 step 2). */
+/** Router → decode: reserve destination pages for a prompt (docs/design.md §4 step 2). */
 export interface ReserveRequest {
   readonly type: "reserve";
   readonly rid: number;

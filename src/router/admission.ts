@@ -1,5 +1,5 @@
 /**
- * Admission at the router: the first door (DESIGN.md §4 step 1). A request is admitted only when
+ * Admission at the router: the first door (docs/design.md §4 step 1). A request is admitted only when
  * its prompt plus its completion budget fits the effective context length — the minimum of the
  * model's window, `--max-model-len` and the pool's capacity — so nothing is allocated and no engine
  * is contacted for a request that cannot be served whole. Expected outcomes are returned as a

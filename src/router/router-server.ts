@@ -1,5 +1,5 @@
 /**
- * The OpenAI-compatible HTTP front door (DESIGN.md §2, "router"), on node:http so that a client
+ * The OpenAI-compatible HTTP front door (docs/design.md §2, "router"), on node:http so that a client
  * disconnect is seen at once (`res` "close") and turned into `engine.abort`, which frees the
  * request's KV pages.
  *

@@ -1,5 +1,5 @@
 /**
- * HMAC-SHA256 authentication of control frames with a cluster secret (PRIOR-ART H7: SGLang's
+ * HMAC-SHA256 authentication of control frames with a cluster secret (docs/prior-art.md H7: SGLang's
  * control sockets that carry page indices and aborts are unauthenticated).
  *
  * The handshake frames are signed with the cluster secret itself. After it, each direction uses its

@@ -6,7 +6,7 @@
  * (`Manifest.checksums`, JSON has no bigint).
  *
  * `@node-rs/xxhash`'s native `xxh64` reads SharedArrayBuffer-backed views in place; it measured
- * ≈22 GB/s here against ≈10 GB/s for `xxhash-wasm` (MEASUREMENTS §4; `kvfence bench transfer`
+ * ≈22 GB/s here against ≈10 GB/s for `xxhash-wasm` (docs/benchmarks.md §3.3; `kvfence bench transfer`
  * re-measures both per page).
  *
  * `PageChecksums` moves the hashing off the transfer's critical path: prefill hashes each page when

@@ -3,7 +3,7 @@
  * pool's SharedArrayBuffer — a one-sided write, as RDMA does — and stamps the writer stamp in the
  * shared ownership table right after the bytes, in the same step. Completion travels separately
  * through a `SignalRing`, batched: one LANDED record per ≥ `signalBytes` (1 MiB by default, so
- * about every second 720 KiB page; MEASUREMENTS §5a: signalling per 8 KiB page costs ~40% of the
+ * about every second 720 KiB page; docs/benchmarks.md §3.4: signalling per 8 KiB page costs ~40% of the
  * bandwidth, 64 KiB is the floor) or per lease end, and a pending range is flushed before any
  * control message. A write call's pages stay pending until the batch fills, so call `endLease`.
  * Control messages (manifest, abort, ABORT_ACK) ride a `MessagePort`; the receiver drains the ring
@@ -99,7 +99,7 @@ export interface ShmWriterOptions {
    * false: a shared-memory write is one-sided, as in `src/protocol/page-write.ts`.
    */
   readonly checkLease?: boolean;
-  /** Bytes written between two LANDED signals (≥ 64 KiB, MEASUREMENTS §5a). Default 1 MiB. */
+  /** Bytes written between two LANDED signals (≥ 64 KiB, docs/benchmarks.md §3.4). Default 1 MiB. */
   readonly signalBytes?: number;
   readonly metrics?: TransferMetrics;
   /** Control messages from decode (aborts); and `closed`. */

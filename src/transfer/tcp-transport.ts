@@ -1,11 +1,11 @@
 /**
  * The TCP transport (processes, hosts). Prefill listens (`TcpTransferServer`, like SGLang's
  * bootstrap server on prefill); each decode node connects (`connectTcpReceiver`) and reads into one
- * reused buffer (`onread`, MEASUREMENTS §5: the default `'data'` receiver allocates per chunk).
+ * reused buffer (`onread`, docs/benchmarks.md §3.4: the default `'data'` receiver allocates per chunk).
  *
  * Handshake: decode sends HELLO `{layoutSignature, nonce}`, prefill answers HELLO
  * `{layoutSignature, nonce, peerNonce}` or REFUSE `{code, message}` and closes; both are MACed
- * with the cluster secret, and either side refuses a different layout signature (PRIOR-ART H8).
+ * with the cluster secret, and either side refuses a different layout signature (docs/prior-art.md H8).
  * After it, control frames (CONTROL, LEASE_END) carry an HMAC-SHA256 under per-direction session
  * keys and a sequence number (see control-auth.ts); page bodies do not (the manifest checksums
  * cover them).
@@ -15,13 +15,13 @@
  * frame by frame on the one connection (a call waits for the socket mid-lease), so every frame
  * carries its own lease's `(rid, epoch)`. Page bodies are sent from the
  * caller's memory without a copy, so the source pages must stay pinned until the lease concludes
- * (PRIOR-ART H3), as the protocol does anyway.
+ * (docs/prior-art.md H3), as the protocol does anyway.
  *
  * Receiver: a page body lands in the pool — read from the socket straight into its page (pages of
  * ≥ 64 KiB, through an `onread` buffer function) or copied from the reused receive buffer — only
  * if the page is in bounds, the body is exactly one page, and the page is RESERVED for the frame's
  * `(rid, epoch)` at its generation (`OwnershipTable.checkWrite`); otherwise it drops the body and
- * counts it (PRIOR-ART H2/H7). The check is repeated when the body is complete, then the writer
+ * counts it (docs/prior-art.md H2/H7). The check is repeated when the body is complete, then the writer
  * stamp is set. Frames are applied in stream order, so a control message (manifest,
  * ABORT_ACK) is delivered after every page written before it.
  */

@@ -24,7 +24,7 @@
  *   `connectTcpReceiver({port, secret, layoutSignature, pool, table, pageBytes, handlers})`.
  * Decode feeds `pagesLanded` to `PageChecksums.record` (via `DecodeNode.pagesLanded`) and serves the
  * protocol's `KvPool.pageChecksum` from `PageChecksums.get`, so verification overlaps the transfer; a
- * closed channel (`closed`) is the fence of DESIGN.md §3.
+ * closed channel (`closed`) is the fence of docs/design.md §3.
  */
 import type { ControlMessage, TransferLease } from "../protocol/wire.js";
 

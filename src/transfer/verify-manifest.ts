@@ -1,9 +1,9 @@
 /**
- * The decode side's commit check (DESIGN.md §4 step 5, PRIOR-ART H1/H4/H9): a transfer commits only
- * when the manifest is for this `(rid, epoch)`, its token coverage equals the reservation exactly,
- * and every page checksum equals decode's own recomputation over the bytes in its pool. Pure: the
- * caller recomputes the checksums (`checksumLeasePages`, possibly on another core while pages land)
- * and passes them in. Expected failures are data, not exceptions.
+ * The decode side's commit check (docs/design.md §4 step 5, docs/prior-art.md H1/H4/H9): a transfer
+ * commits only when the manifest is for this `(rid, epoch)`, its token coverage equals the
+ * reservation exactly, and every page checksum equals decode's own recomputation over the bytes in
+ * its pool. Pure: the caller recomputes the checksums (`checksumLeasePages`, possibly on another
+ * core while pages land) and passes them in. Expected failures are data, not exceptions.
  */
 import { KvfenceError } from "../lib/errors.js";
 import type { Manifest } from "./transport.js";

@@ -8,7 +8,7 @@
  *
  * Parallel kernels (`matmulPar`, `attentionPar`) cut their work into chunks and claim them with an
  * atomic counter at `counter`, so both threads call the same function on the same arguments and the
- * faster one simply takes more chunks (MEASUREMENTS §2: 2 threads reach x1.9–2.0 only when neither
+ * faster one simply takes more chunks (docs/benchmarks.md §3.2: 2 threads reach x1.9–2.0 only when neither
  * waits on the other).
  *
  * Shapes follow src/kernels/reference.ts: a weight is `[out][in]`, matmul computes x · wᵀ.

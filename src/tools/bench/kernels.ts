@@ -5,7 +5,7 @@
  * on the wasm kernels is `kvfence bench tag-check --kernels wasm`.
  *
  * Parts:
- * - `micro`: matvec 576x1536 and 2048x2048, matmul 64x576x1536 (cache-warm, as MEASUREMENTS §2),
+ * - `micro`: matvec 576x1536 and 2048x2048, matmul 64x576x1536 (cache-warm, as docs/benchmarks.md §3.2),
  *   GFLOP/s for ts, wasm on 1 thread and wasm on 2 threads.
  * - `roofline`: read bandwidth of 1 GiB of touched memory, native `memchr` on 1 and on 2 threads
  *   (bench/roofline.ts); with `--model`, the roofline in tokens/s: bandwidth / bytes of weights one

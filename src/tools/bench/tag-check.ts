@@ -1,5 +1,5 @@
 /**
- * Benchmark: what the per-step page tag check (DESIGN.md §3) costs in decode throughput.
+ * Benchmark: what the per-step page tag check (docs/design.md §3) costs in decode throughput.
  *
  * Two engines share one forward pass and one set of weights, each with its own KV pool: one with
  * the check on (the default), one with it off. Both prefill the same batch of prompts once; then

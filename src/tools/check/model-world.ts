@@ -161,7 +161,7 @@ export type EnvEvent =
 
 /** An invariant violation found while applying an event or in the resulting state. */
 export interface Violation {
-  /** "1".."5" for DESIGN.md §7 invariants, "liveness" for the bounded liveness check. */
+  /** "1".."5" for docs/design.md §7 invariants, "liveness" for the bounded liveness check. */
   readonly invariant: string;
   readonly message: string;
 }

@@ -3,7 +3,7 @@
  * protocol model has no prefix cache): two tenants send prompts that share their first block, in
  * every order, each with or without a client-supplied cache salt (tenant 1 forging tenant 0's salt
  * too). A lookup hits only blocks whose key the same salt produced; the invariant is that **a hit
- * never serves a block cached for another tenant** (DESIGN.md §3, PRIOR-ART H9).
+ * never serves a block cached for another tenant** (docs/design.md §3, docs/prior-art.md H9).
  */
 
 import { prefixBlockKey, prefixCacheSalt } from "../../protocol/prefix-key.js";

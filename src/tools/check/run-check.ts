@@ -1,5 +1,5 @@
 /**
- * `kvfence check` as a pure function: builds the bounded model (DESIGN.md §7, docs/protocol.md),
+ * `kvfence check` as a pure function: builds the bounded model (docs/design.md §7, docs/protocol.md),
  * picks the scenario of a fault variant, runs the breadth-first search and renders the result as
  * text, JSON or a Graphviz trace.
  *
@@ -259,7 +259,7 @@ export function formatReport(report: CheckReport): string {
   if (r.counterexample === null) {
     lines.push(
       r.complete
-        ? "all invariants hold (1-5 of DESIGN.md §7, and bounded liveness)"
+        ? "all invariants hold (1-5 of docs/design.md §7, and bounded liveness)"
         : "no violation found within the bound",
     );
     return lines.join("\n");

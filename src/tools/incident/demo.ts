@@ -1,5 +1,5 @@
 /**
- * `npm run demo:incident`: the incident of DESIGN.md §1, reproduced on a real kvfence server and
+ * `npm run demo:incident`: the incident of docs/design.md §1, reproduced on a real kvfence server and
  * then stopped by each guard, with a narrated output for people. It starts a threaded server whose
  * prefill pool (256 tokens) is smaller than the context window (1,024 tokens), switches on the
  * `undersized-pool` and `placeholder-reject` faults, switches every guard off, and runs the canary

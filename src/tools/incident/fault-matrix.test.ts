@@ -12,7 +12,7 @@ const DOC = fileURLToPath(
   ),
 );
 
-test("MATRIX_SCENARIOS and NOT_IN_MATRIX together name every fault of DESIGN.md §5", () => {
+test("MATRIX_SCENARIOS and NOT_IN_MATRIX together name every fault of docs/design.md §5", () => {
   const named = new Set([...MATRIX_SCENARIOS.map((s) => s.fault), ...Object.keys(NOT_IN_MATRIX)]);
   assert.deepEqual([...named].sort(), [...FAULT_NAMES].sort());
 });

@@ -1,5 +1,5 @@
 /**
- * The fault × guard matrix (DESIGN.md §5): each fault, run on a real server (threaded topology,
+ * The fault × guard matrix (docs/design.md §5): each fault, run on a real server (threaded topology,
  * real model, real HTTP), first with the guards that catch it switched off — the bug must show: a
  * wrong HTTP 200 (to an over-limit prompt, or over a transfer that was corrupted or misaddressed)
  * or one tenant's code in another's answer — and then with each of those guards alone switched on,
@@ -89,7 +89,7 @@ export const MATRIX_SCENARIOS: readonly MatrixScenario[] = [
   },
 ];
 
-/** Faults of DESIGN.md §5 this matrix does not run end to end, and why (see `kvfence check`). */
+/** Faults of docs/design.md §5 this matrix does not run end to end, and why (see `kvfence check`). */
 export const NOT_IN_MATRIX: Readonly<Partial<Record<FaultName, string>>> = {
   "early-free":
     "needs an abort to overtake an in-flight write; shared-memory writes finish within one event-loop turn, so the window is not reachable deterministically over HTTP — `kvfence check --fault early-free` shows the trace",

@@ -1,5 +1,5 @@
 /**
- * The incident of DESIGN.md §1, reproduced on a real kvfence server and stopped by each guard.
+ * The incident of docs/design.md §1, reproduced on a real kvfence server and stopped by each guard.
  *
  * The shape: a threaded disaggregated server (router, prefill and decode worker threads, shared
  * memory between them) whose prefill KV pool (256 tokens) is smaller than the context window it
@@ -27,7 +27,7 @@ import { startLocalCluster } from "../../topology/local-cluster.js";
 import { runProbe } from "../probe/probe.js";
 import type { ProbeReport } from "../probe/probe-report.js";
 
-/** The guards that stop the incident, each on its own (DESIGN.md §5, `placeholder-reject`). */
+/** The guards that stop the incident, each on its own (docs/design.md §5, `placeholder-reject`). */
 export const INCIDENT_GUARDS = [
   "admission-doors",
   "coverage",

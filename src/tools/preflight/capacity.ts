@@ -2,7 +2,7 @@
  * KV capacity arithmetic shared by the server's boot check and `kvfence preflight`. Pure functions,
  * no I/O: the question is always "does this node's KV pool hold one full-context request?".
  *
- * The pool size follows SGLang's formula (PRIOR-ART.md): bytes per token = KV heads per rank ×
+ * The pool size follows SGLang's formula (docs/prior-art.md §1): bytes per token = KV heads per rank ×
  * head_dim × layers × 2 (K and V) × element size, with KV heads per rank = max(1, kv_heads ÷ tp);
  * MLA models (DeepSeek-style, `kv_lora_rank` in the config) store one compressed latent per token,
  * replicated on every rank: (kv_lora_rank + qk_rope_head_dim) × layers × element size. Pool tokens

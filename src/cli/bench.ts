@@ -1,6 +1,6 @@
 /**
  * `kvfence bench`: the benchmark command group. Each subcommand is a thin wrapper over a pure
- * function in `bench/` that returns a result object; the wrapper prints it (or its JSON).
+ * function in `src/tools/bench/` that returns a result object; the wrapper prints it (or its JSON).
  *
  * To add a subcommand: write `function xyzCommand(): Command` (here or in its own module, imported
  * at the top) and add ONE `group.addCommand(xyzCommand());` line between the

@@ -1,7 +1,7 @@
 /**
  * The continuous-batching engine: one KV page pool, one forward pass, and a scheduler that turns
  * submitted requests into batched steps. It is synchronous and single-threaded — `step()` runs one
- * forward pass — so the worker glue (`src/node/engine-worker.ts`) drives it between messages, and
+ * forward pass — so the worker glue (`src/topology/engine-worker.ts`) drives it between messages, and
  * tests drive it directly.
  *
  * ## One step

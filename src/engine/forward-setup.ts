@@ -1,6 +1,6 @@
 /**
  * `createForward`: a forward pass and its KV page pools on either kernel set, so the server's
- * engines (src/node/engine-worker.ts) and the benchmarks (bench/) build them one way.
+ * engines (src/topology/engine-worker.ts) and the benchmarks (src/tools/bench/) build them one way.
  *
  * - `"ts"`: the TypeScript reference kernels over ordinary typed arrays; each pool is a fresh
  *   `SharedArrayBuffer`.

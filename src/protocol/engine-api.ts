@@ -1,7 +1,7 @@
 /**
  * The contract between the HTTP router and the engine. The router assigns request ids, tokenizes,
  * matches stop *strings* itself (then calls `abort`), and turns these events into SSE/JSON. The
- * engine runs in a worker thread (`src/node/engine-worker.ts`); `src/node/engine-client.ts` is the
+ * engine runs in a worker thread (`src/topology/engine-worker.ts`); `src/topology/engine-client.ts` is the
  * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
  */
 import type { WireError } from "../lib/errors.js";

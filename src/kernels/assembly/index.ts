@@ -74,7 +74,7 @@ function exps(x: f32): f32 {
  * out[r][j] for one row r, columns j in [c0, c1): one weight row at a time with 4 accumulators, so a
  * chunk of columns is one sequential read stream (x stays in L1). Reading 4 or 8 weight rows at once
  * (as many streams) was slower: the bare decode weight pass on the 135M shape went from 36 to 55
- * passes/s on 2 threads and from 24 to 43 on 1 (bench/kernels.ts --parts pass, interleaved).
+ * passes/s on 2 threads and from 24 to 43 on 1 (src/tools/bench/kernels.ts --parts pass, interleaved).
  */
 function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
   const xs = (<usize>inDim) << 2;

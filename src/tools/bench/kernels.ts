@@ -8,7 +8,7 @@
  * - `micro`: matvec 576x1536 and 2048x2048, matmul 64x576x1536 (cache-warm, as docs/benchmarks.md §3.2),
  *   GFLOP/s for ts, wasm on 1 thread and wasm on 2 threads.
  * - `roofline`: read bandwidth of 1 GiB of touched memory, native `memchr` on 1 and on 2 threads
- *   (bench/roofline.ts); with `--model`, the roofline in tokens/s: bandwidth / bytes of weights one
+ *   (src/tools/bench/roofline.ts); with `--model`, the roofline in tokens/s: bandwidth / bytes of weights one
  *   decode token reads (all linear weights and the LM head).
  * - `pass`: the bare wasm decode weight pass (every linear weight and the LM head once, matvecs only).
  * - `gemm8`: the batch-8 decode GEMM, 8 rows × 576 against 128 weight rows that stay in L2 and
@@ -18,7 +18,7 @@
  *
  * Every figure is the median over timed repetitions after warm-up (the spread is printed).
  *
- * Run: `node dist/bench/kernels.js [--model DIR] [--threads 1|2] [--parts micro,roofline,pass,gemm8]
+ * Run: `node dist/src/tools/bench/kernels.js [--model DIR] [--threads 1|2] [--parts micro,roofline,pass,gemm8]
  * [--json]` (the model: `node dist/src/cli/main.js gen-model --like smollm2-135m --seed 1 /tmp/smol`).
  */
 import { parseArgs } from "node:util";

@@ -16,7 +16,7 @@
  *
  * Roofline: decode must read every distinct weight once per step, so at batch B the ceiling is
  * B · read bandwidth / weight bytes, with the bandwidth of as many threads as the kernels use
- * (bench/roofline.ts: native memchr over `bandwidthBytes` of touched memory).
+ * (src/tools/bench/roofline.ts: native memchr over `bandwidthBytes` of touched memory).
  *
  * Every arm of every kernel set runs once per repeat, interleaved with the bandwidth probe, and the
  * report gives the median, the range and a bootstrap 95% CI of the median.

@@ -1,6 +1,6 @@
 /**
  * The machine's read bandwidth, for the decode roofline of `kvfence bench model` and
- * bench/kernels.ts: native `memchr` (`Buffer.indexOf` of a byte that is absent) over a buffer far
+ * src/tools/bench/kernels.ts: native `memchr` (`Buffer.indexOf` of a byte that is absent) over a buffer far
  * larger than the caches, touched before timing, on one thread or split in halves over this thread
  * and one worker (started once, woken per measurement, so no start-up cost is timed).
  *

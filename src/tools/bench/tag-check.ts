@@ -16,7 +16,7 @@
  * 1 or 2; or `--kernels ts`), built as the server builds it (`createForward`): on wasm both pools
  * live in the one WebAssembly memory beside the weights.
  *
- * Run: `node dist/bench/tag-check.js [--model DIR | --like smollm2-135m|tiny] [--kernels wasm|ts]
+ * Run: `node dist/src/tools/bench/tag-check.js [--model DIR | --like smollm2-135m|tiny] [--kernels wasm|ts]
  * [--threads 2] [--pairs 10] [--batch 8] [--prompt 16] [--steps 1] [--json]`, or
  * `kvfence bench tag-check` with the same options. Without `--model`, a random model with the
  * shapes of `--like` is generated once (as `kvfence gen-model` does) under the OS temp folder.

@@ -1,5 +1,5 @@
 /**
- * Worker threads of `bench/transfer.ts`. Role "prefill": owns the source pages (a private,
+ * Worker threads of `src/tools/bench/transfer.ts`. Role "prefill": owns the source pages (a private,
  * pre-faulted buffer) and every sender (shared-memory writer, TCP transfer server, raw socket
  * server). Role "decode": the shared-memory receiver, verifying checksums as pages land.
  * Checksums use the serving path's own code (`PageChecksums`, as `src/node/prefill-node.ts` and

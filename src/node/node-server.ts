@@ -9,6 +9,7 @@
  */
 import { KvfenceError } from "../lib/errors.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
+import type { LinkTls } from "../transfer/tls-config.js";
 import { type ControlLink, listenControlLinks } from "./control-link.js";
 import type { EngineWorkerOptions } from "./engine-messages.js";
 import { buildNode } from "./node-host.js";
@@ -20,6 +21,8 @@ export interface NodeServerOptions {
   readonly host: string;
   readonly port: number;
   readonly secret: string;
+  /** Mutual TLS on the control port and the transfer connections (docs/tls.md); plain TCP without. */
+  readonly tls?: LinkTls;
   readonly engine: EngineWorkerOptions;
   /** Prefill: the transfer server's port (default 0, any free port). */
   readonly transferPort?: number;
@@ -57,6 +60,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       host: options.host,
       port: options.transferPort ?? 0,
       secret: options.secret,
+      ...(options.tls === undefined ? {} : { tls: options.tls }),
       layoutSignature: built.layoutSignature,
       onWriter: (writer) => {
         const incarnation = writer.peerIncarnation ?? 0;
@@ -93,6 +97,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
         host: message.host,
         port: message.port,
         secret: options.secret,
+        ...(options.tls === undefined ? {} : { tls: options.tls }),
         layoutSignature: built.layoutSignature,
         pool: pool.data,
         table: pool.table,
@@ -135,6 +140,8 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     host: options.host,
     port: options.port,
     secret: options.secret,
+    ...(options.tls === undefined ? {} : { tls: options.tls }),
+    onRefused: (error) => log(`control connection refused: ${error.message}`),
     onLink: (link) => {
       router = link;
       link.onMessage((m) => {

@@ -11,6 +11,7 @@ import { KvfenceError } from "../lib/errors.js";
 import type { MetricsRegistry } from "../lib/metrics.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
+import type { LinkTls } from "../transfer/tls-config.js";
 import { registerClusterMetrics } from "./cluster-metrics.js";
 import { connectCluster } from "./cluster-router.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
@@ -30,6 +31,8 @@ export interface ServeEngineOptions {
   readonly prefill: readonly string[];
   readonly decode: readonly string[];
   readonly clusterSecret: string | undefined;
+  /** `--tls-cert/--tls-key/--tls-ca`, loaded: mutual TLS on the router's control links. */
+  readonly linkTls?: LinkTls;
   readonly faults: readonly string[];
   /** `--unsafe-disable-guard` names (the router's machine; the nodes get them in `engine`). */
   readonly disabledGuards?: readonly string[];
@@ -70,6 +73,7 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
       prefill: options.prefill,
       decode: options.decode,
       secret: clusterSecret(options.clusterSecret),
+      ...(options.linkTls === undefined ? {} : { tls: options.linkTls }),
       maxModelLen: options.maxModelLen,
       safety,
     });

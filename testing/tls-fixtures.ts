@@ -45,6 +45,21 @@ export const CLUSTER_TLS_ARGS: readonly string[] = [
   CLUSTER_TLS_FILES.ca,
 ];
 
+/**
+ * Whether a test's TCP cluster runs its links over TLS: `KVFENCE_TEST_LINK_TLS=on|off` forces every
+ * cluster test one way (run the suite twice to see both); unset, each test file takes its own
+ * default, chosen so that one run of the suite covers both (docs/tls.md, "Tests").
+ */
+export function linkTlsInTests(defaultOn: boolean): boolean {
+  const forced = process.env.KVFENCE_TEST_LINK_TLS;
+  if (forced === "on") return true;
+  if (forced === "off") return false;
+  return defaultOn;
+}
+
+/** The TLS flags for a cluster test when `on`, else none. */
+export const linkTlsArgs = (on: boolean): string[] => (on ? [...CLUSTER_TLS_ARGS] : []);
+
 export const clusterTls = (): LinkTls => loadLinkTls(CLUSTER_TLS_FILES);
 
 /** A peer whose certificate another CA issued (it trusts ours). */

@@ -8,6 +8,7 @@
  */
 import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
+import { clusterCommand } from "../../bench/cluster.js";
 import {
   type BenchKernels,
   formatModelBench,
@@ -162,6 +163,7 @@ export function command(): Command {
   group.addCommand(modelCommand());
   group.addCommand(transferCommand());
   group.addCommand(tagCheckCommand());
+  group.addCommand(clusterCommand());
   // bench-commands:end
   return group;
 }

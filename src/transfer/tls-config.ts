@@ -127,7 +127,8 @@ export function createLinkServer(
   onRefused?: (error: KvfenceError) => void,
 ): net.Server {
   if (linkTls === undefined) return net.createServer({ noDelay: true }, onSocket);
-  const server = tls.createServer({ ...linkTls.server, noDelay: true }, onSocket);
+  // A peer that opens a connection and never completes the handshake is dropped after 10 s.
+  const server = tls.createServer({ ...linkTls.server, noDelay: true, handshakeTimeout: 10_000 }, onSocket);
   server.on("tlsClientError", (error, socket) => {
     socket.destroy();
     onRefused?.(tlsRefusal(error, socket));

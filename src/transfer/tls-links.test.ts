@@ -115,6 +115,8 @@ async function transfer(serverTls: LinkTls | undefined) {
       pool: fx.pool,
       table: fx.table,
       pageBytes: PAGE_BYTES,
+      // Page bodies are read from the TLS socket straight into their pool pages, as with 64 KiB pages.
+      directReadMinBytes: PAGE_BYTES,
       ...(receiverTls === undefined ? {} : { tls: receiverTls }),
       handlers: {
         pagesLanded: (_rid, _epoch, _from, to) => {

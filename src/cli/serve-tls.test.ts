@@ -2,7 +2,7 @@
  * `kvfence serve`'s TLS flags (docs/tls.md): a node that would expose its links in plaintext beyond
  * loopback is refused with one line and exit 2 before anything loads (nothing binds: the refusal
  * comes before the model, and the model path does not exist); TLS files are checked as early; the
- * front door serves HTTPS with `--https-cert/--https-key`.
+ * front door serves HTTPS with `--https-cert/--https-key`; `kvfence cluster` passes the flags on.
  */
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
@@ -12,7 +12,12 @@ import https from "node:https";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { modelDir } from "../../testing/start-server.js";
-import { CLIENT_TLS_FILES, CLUSTER_TLS_ARGS, CLUSTER_TLS_FILES } from "../../testing/tls-fixtures.js";
+import {
+  CLIENT_TLS_FILES,
+  CLUSTER_TLS_ARGS,
+  CLUSTER_TLS_FILES,
+  OTHER_CA_TLS_FILES,
+} from "../../testing/tls-fixtures.js";
 import type { KvfenceError } from "../lib/errors.js";
 import { createLogger } from "../lib/logger.js";
 import { parseServeConfig, startServer } from "./serve.js";
@@ -164,4 +169,78 @@ test("--https-cert/--https-key: the front door serves HTTPS; plain HTTP and an u
   // A client that does not trust the CA refuses the server; plain HTTP gets no answer.
   await assert.rejects(get(`${server.url}/health`), /certificate/);
   await assert.rejects(fetch(`${server.url.replace("https:", "http:")}/health`));
+});
+
+/** Runs `kvfence cluster` until it prints its URL (resolves) or exits (rejects with its stderr). */
+async function cluster(args: readonly string[]): Promise<{ url: string; stop(): Promise<void> }> {
+  const child = spawn(
+    process.execPath,
+    [
+      MAIN,
+      "cluster",
+      "--prefill",
+      "1",
+      "--decode",
+      "1",
+      "--port",
+      "0",
+      "--model",
+      modelDir("tiny-qwen2"),
+      "--kv-pages",
+      "160",
+      ...args,
+    ],
+    { stdio: ["ignore", "pipe", "pipe"] },
+  );
+  let stderr = "";
+  child.stderr.on("data", (d: Buffer) => {
+    stderr += d.toString();
+  });
+  let stdout = "";
+  return new Promise((resolve, reject) => {
+    child.stdout.on("data", (d: Buffer) => {
+      stdout += d.toString();
+      const match = /kvfence cluster at (\S+) /.exec(stdout);
+      if (match !== null)
+        resolve({
+          url: match[1]!,
+          stop: async () => {
+            const exited = once(child, "exit");
+            child.kill("SIGTERM");
+            await exited;
+          },
+        });
+    });
+    child.on("exit", (code) => reject(new Error(`kvfence cluster exited with code ${code}: ${stderr}`)));
+  });
+}
+
+test("kvfence cluster passes --tls-* to every process and --https-* to its router", {
+  timeout: 120_000,
+}, async () => {
+  const F = CLUSTER_TLS_FILES;
+  const running = await cluster([...CLUSTER_TLS_ARGS, "--https-cert", F.cert, "--https-key", F.key]);
+  try {
+    assert.match(running.url, /^https:\/\//);
+    const nodes = await get(`${running.url}/kvfence/nodes`, readFileSync(F.ca));
+    assert.equal(nodes.status, 200, nodes.body);
+  } finally {
+    await running.stop();
+  }
+  // Certificates from another CA on every process: the nodes refuse the router, so the flags did
+  // reach the children (without them the cluster would start in plaintext).
+  await assert.rejects(
+    cluster([
+      "--tls-cert",
+      OTHER_CA_TLS_FILES.cert,
+      "--tls-key",
+      OTHER_CA_TLS_FILES.key,
+      "--tls-ca",
+      F.ca,
+    ]).then(async (started) => {
+      await started.stop(); // it should not have started; leave nothing running
+      return started;
+    }),
+    /exited with code 1: .*Cannot reach the node .*certificate is issued by --tls-ca/s,
+  );
 });

@@ -246,28 +246,24 @@ export async function listenControlLinks<Out, In>(options: {
 }): Promise<{ readonly port: number; close(): Promise<void> }> {
   const secret = clusterSecretBytes(options.secret);
   const sockets = new Set<net.Socket>();
-  const server = createLinkServer(
-    options.tls,
-    (socket) => {
-      sockets.add(socket);
-      socket.on("close", () => sockets.delete(socket));
-      socket.on("error", () => {});
-      readHello(socket, secret).then(
-        ({ body, rest }) => {
-          if (typeof body.nonce !== "string" || !/^[0-9a-f]{32}$/.test(body.nonce)) {
-            socket.destroy();
-            return;
-          }
-          const nonce = randomBytes(16);
-          socket.write(helloLine(secret, { nonce: nonce.toString("hex"), peerNonce: body.nonce }));
-          const keys = sessionKeys(secret, Buffer.from(body.nonce, "hex"), nonce);
-          options.onLink(new ControlLink<Out, In>(socket, keys.serverToClient, keys.clientToServer, rest));
-        },
-        () => socket.destroy(),
-      );
-    },
-    options.onRefused,
-  );
+  const server = createLinkServer(options, (socket) => {
+    sockets.add(socket);
+    socket.on("close", () => sockets.delete(socket));
+    socket.on("error", () => {});
+    readHello(socket, secret).then(
+      ({ body, rest }) => {
+        if (typeof body.nonce !== "string" || !/^[0-9a-f]{32}$/.test(body.nonce)) {
+          socket.destroy();
+          return;
+        }
+        const nonce = randomBytes(16);
+        socket.write(helloLine(secret, { nonce: nonce.toString("hex"), peerNonce: body.nonce }));
+        const keys = sessionKeys(secret, Buffer.from(body.nonce, "hex"), nonce);
+        options.onLink(new ControlLink<Out, In>(socket, keys.serverToClient, keys.clientToServer, rest));
+      },
+      () => socket.destroy(),
+    );
+  });
   await new Promise<void>((resolve, reject) => {
     server.once("error", reject);
     server.listen(options.port, options.host, () => {

@@ -160,10 +160,8 @@ export class TcpTransferServer {
 
   static async listen(options: TcpServerOptions): Promise<TcpTransferServer> {
     const secret = clusterSecretBytes(options.secret);
-    const server = createLinkServer(
-      options.tls,
-      (socket) => self.#accept(socket, secret, options),
-      options.onError,
+    const server = createLinkServer({ tls: options.tls, onRefused: options.onError }, (socket) =>
+      self.#accept(socket, secret, options),
     );
     const self = new TcpTransferServer(server);
     await new Promise<void>((resolve, reject) => {

@@ -122,10 +122,13 @@ export function tlsRefusal(error: Error, socket?: tls.TLSSocket): KvfenceError {
  * `onRefused`.
  */
 export function createLinkServer(
-  linkTls: LinkTls | undefined,
+  options: {
+    readonly tls?: LinkTls | undefined;
+    readonly onRefused?: ((error: KvfenceError) => void) | undefined;
+  },
   onSocket: (socket: net.Socket) => void,
-  onRefused?: (error: KvfenceError) => void,
 ): net.Server {
+  const { tls: linkTls, onRefused } = options;
   if (linkTls === undefined) return net.createServer({ noDelay: true }, onSocket);
   // A peer that opens a connection and never completes the handshake is dropped after 10 s.
   const server = tls.createServer({ ...linkTls.server, noDelay: true, handshakeTimeout: 10_000 }, onSocket);

@@ -54,7 +54,7 @@ export const RULES: Record<string, Rule> = {
   },
   server: { src: ["server", "router", "topology", "node", "model", "protocol", "lib"] },
   "tools/bench": {
-    src: ["tools/bench", "engine", "model", "kvcache", "kernels", "transfer", "protocol", "lib"],
+    src: ["tools/bench", "topology", "engine", "model", "kvcache", "kernels", "transfer", "protocol", "lib"],
   },
   "tools/check": { src: ["tools/check", "protocol", "kvcache/ownership-table.ts", "lib"] },
   "tools/incident": {
@@ -71,7 +71,21 @@ export const RULES: Record<string, Rule> = {
   "tools/preflight": { src: ["tools/preflight", "protocol/admin-wire.ts", "lib"], packages: [] },
   "tools/probe": { src: ["tools/probe", "protocol/admin-wire.ts", "lib"], packages: [] },
   cli: {
-    src: ["cli", "server", "tools", "router", "topology", "node", "model", "kvcache", "protocol", "lib"],
+    src: [
+      "cli",
+      "server",
+      "tools",
+      "router",
+      "topology",
+      "cluster",
+      "node",
+      "engine",
+      "transfer",
+      "model",
+      "kvcache",
+      "protocol",
+      "lib",
+    ],
   },
 };
 

@@ -1,7 +1,7 @@
 /**
  * Starts kvfence in each topology for the acceptance tests of `src/node/`: one engine
  * (`--no-disaggregation`) and the threaded default in-process on port 0, and a TCP cluster of
- * child processes (`startLocalCluster`). Every server gets the same API keys file; `close()` stops
+ * child processes (`startLocalCluster`), its links in plaintext or over TLS. Every server gets the same API keys file; `close()` stops
  * everything and removes the file.
  */
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
@@ -10,6 +10,7 @@ import { join } from "node:path";
 import { parseServeConfig, startServer } from "../src/cli/serve.js";
 import { createLogger } from "../src/lib/logger.js";
 import { type LocalCluster, startLocalCluster } from "../src/topology/local-cluster.js";
+import { linkTlsArgs } from "./tls-fixtures.js";
 
 export interface TopologyServer {
   readonly url: string;
@@ -26,6 +27,8 @@ export interface TopologyOptions {
   readonly apiKeys: Readonly<Record<string, string>>;
   /** Cluster only: `--unsafe-fault` names for every process. */
   readonly faults?: readonly string[];
+  /** Cluster only: mutual TLS on every link, with testing/fixtures/tls (docs/tls.md). */
+  readonly linkTls?: boolean;
 }
 
 function keysFile(keys: Readonly<Record<string, string>>): { path: string; dir: string } {
@@ -88,6 +91,7 @@ export async function startCluster(
     nodeArgs.push("--max-prefill-tokens", String(options.maxPrefillTokens));
   for (const f of options.faults ?? []) nodeArgs.push("--unsafe-fault", f);
   if ((options.faults ?? []).length > 0) nodeArgs.push("--i-understand-this-leaks-data");
+  nodeArgs.push(...linkTlsArgs(options.linkTls === true));
   try {
     const cluster = await startLocalCluster({
       prefill,

@@ -9,6 +9,7 @@
 import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
 import { bundledModelDir } from "../lib/package-root.js";
+import { clusterCommand } from "../tools/bench/cluster.js";
 import {
   type BenchKernels,
   formatModelBench,
@@ -162,6 +163,7 @@ export function command(): Command {
   group.addCommand(modelCommand());
   group.addCommand(transferCommand());
   group.addCommand(tagCheckCommand());
+  group.addCommand(clusterCommand());
   // bench-commands:end
   return group;
 }

@@ -1,7 +1,8 @@
 /**
  * `kvfence cluster --prefill N --decode M`: a local multi-process cluster on 127.0.0.1 (N prefill
  * and M decode node processes and a router, TCP between them); prints the router's URL. Ctrl-C
- * stops every process.
+ * stops every process. `--tls-cert/--tls-key/--tls-ca` go to every process (mutual TLS on every
+ * cluster link), `--https-cert/--https-key` to the router (docs/tls.md).
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -34,6 +35,11 @@ export function command(): Command {
     .option("--prefill-kv-pages <n>", "the prefill nodes' KV pool in pages, when it differs from --kv-pages")
     .option("--kernels <kind>", "forward-pass kernels of every node: wasm (default) or ts")
     .option("--kernel-threads <n>", "threads of the wasm kernels per node: 1 (default) or 2")
+    .option("--tls-cert <file>", "cluster links: every process's TLS certificate (PEM, SANs 127.0.0.1)")
+    .option("--tls-key <file>", "cluster links: the private key of --tls-cert (PEM)")
+    .option("--tls-ca <file>", "cluster links: the CA (PEM) every peer's certificate must chain to")
+    .option("--https-cert <file>", "front door: the router serves HTTPS with this certificate (PEM)")
+    .option("--https-key <file>", "front door: the private key of --https-cert (PEM)")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -59,6 +65,14 @@ export function command(): Command {
         ...(raw.kernels === undefined ? [] : ["--kernels", raw.kernels]),
         ...(raw.kernelThreads === undefined ? [] : ["--kernel-threads", raw.kernelThreads]),
         ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
+        ...(raw.tlsCert === undefined ? [] : ["--tls-cert", raw.tlsCert]),
+        ...(raw.tlsKey === undefined ? [] : ["--tls-key", raw.tlsKey]),
+        ...(raw.tlsCa === undefined ? [] : ["--tls-ca", raw.tlsCa]),
+      ];
+      const routerArgs = [
+        ...(raw.apiKeys === undefined ? [] : ["--api-keys", raw.apiKeys]),
+        ...(raw.httpsCert === undefined ? [] : ["--https-cert", raw.httpsCert]),
+        ...(raw.httpsKey === undefined ? [] : ["--https-key", raw.httpsKey]),
       ];
       const cluster = await startLocalCluster({
         prefill: count("--prefill", raw.prefill ?? "1"),
@@ -69,7 +83,7 @@ export function command(): Command {
         ...(raw.prefillKvPages === undefined
           ? {}
           : { prefillArgs: ["--prefill-kv-pages", raw.prefillKvPages] }),
-        routerArgs: raw.apiKeys === undefined ? [] : ["--api-keys", raw.apiKeys],
+        routerArgs,
         stderr: (line) => process.stderr.write(`${line}\n`),
       }).catch((err: Error) => {
         process.stderr.write(`kvfence cluster: ${err.message}\n`);

@@ -6,7 +6,10 @@
  * exit 2) → read the model's config → size the KV pool and run the capacity check shared with
  * `kvfence preflight` (a pool that cannot hold one full-context request stops the server with the
  * two fixes) → load the weights with a progress line → start the engine worker → start the HTTP
- * server and print its URL. SIGINT/SIGTERM close the HTTP server (in-flight requests get a short
+ * server and print its URL. TLS (docs/tls.md): `--tls-cert/--tls-key/--tls-ca` put mutual TLS on the
+ * cluster links of every role, `--https-cert/--https-key` make the front door HTTPS; the files are
+ * read and checked, and a node that would expose its links in plaintext beyond loopback is refused
+ * (`linksExposure`), before anything loads. SIGINT/SIGTERM close the HTTP server (in-flight requests get a short
  * grace period), then the engine.
  */
 import { existsSync } from "node:fs";
@@ -14,6 +17,7 @@ import net from "node:net";
 import { fileURLToPath } from "node:url";
 import { Command } from "commander";
 import { z } from "zod";
+import { parseNodeUrl } from "../cluster/cluster-router.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { createLogger, type Logger, type LogLevel } from "../lib/logger.js";
@@ -27,6 +31,14 @@ import { routerTokenizer } from "../router/model-tokenizer.js";
 import { RouterServer } from "../router/router-server.js";
 import { poolCapacityVerdict } from "../tools/preflight/capacity.js";
 import { clusterSecret, startServeEngine } from "../topology/serve-topology.js";
+import {
+  type FrontDoorTls,
+  isLoopback,
+  type LinkTls,
+  linksExposure,
+  loadFrontDoorTls,
+  loadLinkTls,
+} from "../transfer/tls-config.js";
 
 /** The bundled model, relative to this file in both src/ and dist/src/. */
 export const BUNDLED_MODEL_DIR = (() => {
@@ -108,11 +120,27 @@ export const serveConfigSchema = z
     prefillKvPages: intText(1).optional(),
     kernels: z.enum(["ts", "wasm"]).default("wasm"),
     kernelThreads: intText(1, 2).optional(),
+    tlsCert: z.string().min(1).optional(),
+    tlsKey: z.string().min(1).optional(),
+    tlsCa: z.string().min(1).optional(),
+    httpsCert: z.string().min(1).optional(),
+    httpsKey: z.string().min(1).optional(),
+    insecurePlaintextLinks: z.boolean().default(false),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   })
   .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
     message: "give either --kv-memory or --kv-pages, not both",
     path: ["kvPages"],
+  })
+  .refine(
+    (c) =>
+      [c.tlsCert, c.tlsKey, c.tlsCa].every((f) => f === undefined) ||
+      [c.tlsCert, c.tlsKey, c.tlsCa].every((f) => f !== undefined),
+    { message: "give --tls-cert, --tls-key and --tls-ca together (docs/tls.md)", path: ["tlsCert"] },
+  )
+  .refine((c) => (c.httpsCert === undefined) === (c.httpsKey === undefined), {
+    message: "give --https-cert and --https-key together (docs/tls.md)",
+    path: ["httpsCert"],
   });
 
 export type ServeConfig = Readonly<z.infer<typeof serveConfigSchema>>;
@@ -138,6 +166,12 @@ const FLAG: Record<string, string> = {
   prefillKvPages: "--prefill-kv-pages",
   kernels: "--kernels",
   kernelThreads: "--kernel-threads",
+  tlsCert: "--tls-cert",
+  tlsKey: "--tls-key",
+  tlsCa: "--tls-ca",
+  httpsCert: "--https-cert",
+  httpsKey: "--https-key",
+  insecurePlaintextLinks: "--insecure-plaintext-links",
 };
 
 /** Parse raw options once; every problem is reported with its flag. */
@@ -152,7 +186,28 @@ export function parseServeConfig(raw: Record<string, unknown>): ServeConfig {
   }
   const problem = unsafeSwitchesProblem(result.data);
   if (problem !== null) throw new KvfenceError("config_invalid", `Invalid serve options:\n  ${problem}`);
-  return Object.freeze(result.data);
+  const c = result.data;
+  const exposure = linksExposure({
+    role: c.role,
+    host: c.host,
+    nodeHosts: c.role === "router" ? [...c.prefill, ...c.decode].map((u) => parseNodeUrl(u).host) : [],
+    tls: c.tlsCert !== undefined,
+    insecurePlaintextLinks: c.insecurePlaintextLinks,
+  });
+  if (exposure !== null) throw new KvfenceError("config_invalid", exposure);
+  return Object.freeze(c);
+}
+
+/** The loaded TLS material of a config (files read and checked once, before the model loads). */
+export function serveTls(config: ServeConfig): { links?: LinkTls; frontDoor?: FrontDoorTls } {
+  return {
+    ...(config.tlsCert === undefined
+      ? {}
+      : { links: loadLinkTls({ cert: config.tlsCert, key: config.tlsKey!, ca: config.tlsCa! }) }),
+    ...(config.httpsCert === undefined
+      ? {}
+      : { frontDoor: loadFrontDoorTls({ cert: config.httpsCert, key: config.httpsKey! }) }),
+  };
 }
 
 export interface RunningServer {
@@ -193,6 +248,13 @@ export async function startServer(
 ): Promise<RunningServer> {
   const log = options.logger;
   warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
+  const tls = serveTls(config);
+  if (tls.frontDoor === undefined && !isLoopback(config.host)) {
+    log.warn(
+      { host: config.host },
+      "the HTTP front door listens beyond loopback without TLS: prompts, answers and API keys cross the network in plaintext; give --https-cert and --https-key or put a TLS proxy in front (docs/tls.md)",
+    );
+  }
 
   const modelConfig = loadModelConfig(config.model);
   const layout: KvLayout = {
@@ -284,6 +346,7 @@ export async function startServer(
     prefill: config.prefill,
     decode: config.decode,
     clusterSecret: config.clusterSecret,
+    ...(tls.links === undefined ? {} : { linkTls: tls.links }),
     faults: config.unsafeFault,
   });
   const engine = served.engine;
@@ -319,6 +382,7 @@ export async function startServer(
     logger: log,
     maxModelLen: config.maxModelLen,
     unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
+    ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   });
   served.registerMetrics(router.metrics.registry);
   let url: string;
@@ -354,6 +418,7 @@ export async function startNode(
 ): Promise<{ url: string; close(): Promise<void> }> {
   const role = config.role === "prefill" ? "prefill" : "decode";
   warnUnsafe(config, role, options.logger);
+  const tls = serveTls(config);
   const modelConfig = loadModelConfig(config.model);
   const layout: KvLayout = {
     numLayers: modelConfig.numLayers,
@@ -386,6 +451,7 @@ export async function startNode(
     host: config.host,
     port: config.port,
     secret: clusterSecret(config.clusterSecret),
+    ...(tls.links === undefined ? {} : { tls: tls.links }),
     engine: {
       model: { config: model.config, weights: model.weights },
       numPages,
@@ -472,6 +538,22 @@ export function command(): Command {
       "threads of the wasm kernels per engine: 1 or 2 (default 2 with --no-disaggregation, else 1)",
     )
     .option(
+      "--tls-cert <file>",
+      "cluster links: this process's TLS certificate (PEM; with --tls-key, --tls-ca)",
+    )
+    .option("--tls-key <file>", "cluster links: the private key of --tls-cert (PEM)")
+    .option(
+      "--tls-ca <file>",
+      "cluster links: the CA (PEM) every peer's certificate must chain to; links are mutually authenticated",
+    )
+    .option("--https-cert <file>", "front door: serve HTTPS with this certificate (PEM; with --https-key)")
+    .option("--https-key <file>", "front door: the private key of --https-cert (PEM)")
+    .option(
+      "--insecure-plaintext-links",
+      "let a node listen (or a router dial nodes) beyond loopback without TLS: prompts and KV cross the network readable",
+      false,
+    )
+    .option(
       "--log-level <level>",
       "fatal, error, warn, info, debug, trace or silent",
       process.env.KVFENCE_LOG_LEVEL ?? "info",
@@ -481,6 +563,7 @@ export function command(): Command {
       let config: ServeConfig;
       try {
         config = parseServeConfig(raw);
+        serveTls(config); // unreadable or mismatched TLS files fail here, before the model loads
       } catch (err) {
         process.stderr.write(`kvfence serve: ${(err as Error).message}\n`);
         process.exitCode = 2;

@@ -7,6 +7,7 @@
  */
 import { KvfenceError } from "../lib/errors.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
+import type { LinkTls } from "../transfer/tls-config.js";
 import { type ControlLink, connectControlLink } from "./control-link.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
 import type { FromNode, NodeHello, ToNode } from "./node-messages.js";
@@ -15,6 +16,8 @@ export interface ClusterRouterOptions {
   readonly prefill: readonly string[];
   readonly decode: readonly string[];
   readonly secret: string;
+  /** Mutual TLS on every control link (docs/tls.md); plain TCP without. */
+  readonly tls?: LinkTls;
   readonly maxModelLen: number;
   readonly safety?: Safety;
   /** How long to wait for the nodes and their transfer channels. Default 30 s. */
@@ -39,9 +42,15 @@ async function connectNode(
   url: string,
   role: "prefill" | "decode",
   secret: string,
+  tls: LinkTls | undefined,
 ): Promise<RouterNode> {
   const { host, port } = parseNodeUrl(url);
-  const link = await connectControlLink<ToNode, FromNode>({ host, port, secret });
+  const link = await connectControlLink<ToNode, FromNode>({
+    host,
+    port,
+    secret,
+    ...(tls === undefined ? {} : { tls }),
+  });
   const hello = await new Promise<NodeHello>((resolve, reject) => {
     link.onMessage((m) => {
       if (m.kind === "hello") resolve(m);
@@ -64,10 +73,10 @@ async function connectNode(
 
 export async function connectCluster(options: ClusterRouterOptions): Promise<DisaggregatedEngine> {
   const prefill = await Promise.all(
-    options.prefill.map((u, i) => connectNode(`prefill-${i}`, u, "prefill", options.secret)),
+    options.prefill.map((u, i) => connectNode(`prefill-${i}`, u, "prefill", options.secret, options.tls)),
   );
   const decode = await Promise.all(
-    options.decode.map((u, i) => connectNode(`decode-${i}`, u, "decode", options.secret)),
+    options.decode.map((u, i) => connectNode(`decode-${i}`, u, "decode", options.secret, options.tls)),
   );
   const engine = new DisaggregatedEngine({
     prefill,

@@ -9,9 +9,10 @@
  * connection is the peer's loss (the fence).
  */
 import { randomBytes } from "node:crypto";
-import net from "node:net";
+import type net from "node:net";
 import { KvfenceError } from "../lib/errors.js";
 import { clusterSecretBytes, hmac, sessionKeys, verifyHmac } from "../transfer/control-auth.js";
+import { connectLink, createLinkServer, type LinkTls, tlsReason } from "../transfer/tls-config.js";
 import type { Link } from "./node-messages.js";
 
 const HELLO = Buffer.from("kvfence link hello");
@@ -185,24 +186,45 @@ export async function connectControlLink<Out, In>(options: {
   readonly host: string;
   readonly port: number;
   readonly secret: string | Uint8Array;
+  /** Mutual TLS (docs/tls.md); plain TCP without. */
+  readonly tls?: LinkTls;
 }): Promise<ControlLink<Out, In>> {
   const secret = clusterSecretBytes(options.secret);
-  const socket = net.connect({ host: options.host, port: options.port, noDelay: true });
+  const { socket, ready } = connectLink(options.tls, {
+    host: options.host,
+    port: options.port,
+    noDelay: true,
+  });
+  // Until the link takes the socket over: a reset or a TLS alert mid-handshake is a refusal, not a crash.
+  let failure: Error | undefined;
+  const onEarlyError = (err: Error): void => {
+    failure ??= err;
+  };
+  socket.on("error", onEarlyError);
   await new Promise<void>((resolve, reject) => {
-    socket.once("connect", () => {
-      socket.off("error", reject);
+    socket.once(ready, () => {
+      socket.off("close", onClose);
       resolve();
     });
-    socket.once("error", reject);
+    const onClose = (): void => reject(failure ?? new Error("closed"));
+    socket.once("close", onClose);
   }).catch((err: Error) => {
     throw new KvfenceError(
       "node_unavailable",
-      `Cannot reach the node at ${options.host}:${options.port}; check that it runs: ${err.message}`,
+      `Cannot reach the node at ${options.host}:${options.port}; check that it runs${options.tls === undefined ? "" : " and that its certificate is issued by --tls-ca for that address"}: ${tlsReason(err)}`,
     );
   });
   const nonce = randomBytes(16);
   socket.write(helloLine(secret, { nonce: nonce.toString("hex") }));
-  const { body, rest } = await readHello(socket, secret);
+  const { body, rest } = await readHello(socket, secret).catch((err: Error) => {
+    // The TLS server checks our certificate after our handshake ends (TLS 1.3): its refusal lands here.
+    if (options.tls === undefined) throw err;
+    throw new KvfenceError(
+      "transfer_failed",
+      `The node at ${options.host}:${options.port} closed the TLS link during the handshake; check that --tls-cert is issued by the node's --tls-ca: ${failure === undefined ? "closed" : tlsReason(failure)}`,
+    );
+  });
+  socket.off("error", onEarlyError);
   if (body.peerNonce !== nonce.toString("hex") || typeof body.nonce !== "string") {
     socket.destroy();
     throw new KvfenceError("transfer_failed", "Control link hello does not answer ours: bad nonce");
@@ -217,10 +239,14 @@ export async function listenControlLinks<Out, In>(options: {
   readonly port: number;
   readonly secret: string | Uint8Array;
   readonly onLink: (link: ControlLink<Out, In>) => void;
+  /** Mutual TLS (docs/tls.md); plain TCP without. */
+  readonly tls?: LinkTls;
+  /** A connection refused in the TLS handshake (no certificate, another CA, plaintext). */
+  readonly onRefused?: (error: KvfenceError) => void;
 }): Promise<{ readonly port: number; close(): Promise<void> }> {
   const secret = clusterSecretBytes(options.secret);
   const sockets = new Set<net.Socket>();
-  const server = net.createServer({ noDelay: true }, (socket) => {
+  const server = createLinkServer(options, (socket) => {
     sockets.add(socket);
     socket.on("close", () => sockets.delete(socket));
     socket.on("error", () => {});

@@ -13,6 +13,7 @@ import type { FromNode, ToNode } from "../cluster/node-messages.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
+import type { LinkTls } from "../transfer/tls-config.js";
 import { buildNode } from "./node-host.js";
 import { pageByteLength } from "./node-pool.js";
 
@@ -21,6 +22,8 @@ export interface NodeServerOptions {
   readonly host: string;
   readonly port: number;
   readonly secret: string;
+  /** Mutual TLS on the control port and the transfer connections (docs/tls.md); plain TCP without. */
+  readonly tls?: LinkTls;
   readonly engine: EngineBuildOptions;
   /** Prefill: the transfer server's port (default 0, any free port). */
   readonly transferPort?: number;
@@ -58,6 +61,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       host: options.host,
       port: options.transferPort ?? 0,
       secret: options.secret,
+      ...(options.tls === undefined ? {} : { tls: options.tls }),
       layoutSignature: built.layoutSignature,
       onWriter: (writer) => {
         const incarnation = writer.peerIncarnation ?? 0;
@@ -94,6 +98,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
         host: message.host,
         port: message.port,
         secret: options.secret,
+        ...(options.tls === undefined ? {} : { tls: options.tls }),
         layoutSignature: built.layoutSignature,
         pool: pool.data,
         table: pool.table,
@@ -136,6 +141,8 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     host: options.host,
     port: options.port,
     secret: options.secret,
+    ...(options.tls === undefined ? {} : { tls: options.tls }),
+    onRefused: (error) => log(`control connection refused: ${error.message}`),
     onLink: (link) => {
       router = link;
       link.onMessage((m) => {

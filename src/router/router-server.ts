@@ -13,6 +13,7 @@
  * the client as a real 4xx/5xx status rather than an error inside a 200 stream.
  */
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
+import { createServer as createHttpsServer } from "node:https";
 import type { AddressInfo } from "node:net";
 import { performance } from "node:perf_hooks";
 import { KvfenceError, toOpenAiError } from "../lib/errors.js";
@@ -73,6 +74,8 @@ export interface RouterServerOptions {
   readonly maxBodyBytes?: number;
   /** `--unsafe-fault` / `--unsafe-disable-guard` names, shown in /health and /metrics. */
   readonly unsafe?: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] };
+  /** Serve HTTPS with this certificate and key (`--https-cert/--https-key`, docs/tls.md). */
+  readonly https?: { readonly cert: Buffer; readonly key: Buffer };
 }
 
 type Handler = (ctx: RequestContext) => Promise<void> | void;
@@ -103,6 +106,7 @@ export class RouterServer {
   readonly #maxBodyBytes: number;
   readonly #routes: Map<string, Route>;
   readonly #server: Server;
+  readonly #scheme: "http" | "https";
   readonly #active = new Set<Generation>();
   readonly #created = Math.floor(Date.now() / 1000);
   readonly #unsafe: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] } | null;
@@ -156,9 +160,14 @@ export class RouterServer {
       ["/metrics", { endpoint: "metrics", methods: ["GET"], handler: (c) => this.#metrics(c) }],
       ["/kvfence/nodes", { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c) }],
     ]);
-    this.#server = createServer({ noDelay: true, keepAliveTimeout: 5000 }, (req, res) => {
+    const handle = (req: IncomingMessage, res: ServerResponse): void => {
       void this.#handle(req, res);
-    });
+    };
+    this.#scheme = options.https === undefined ? "http" : "https";
+    this.#server =
+      options.https === undefined
+        ? createServer({ noDelay: true, keepAliveTimeout: 5000 }, handle)
+        : createHttpsServer({ ...options.https, noDelay: true, keepAliveTimeout: 5000 }, handle);
   }
 
   /** Listen on `host:port` (port 0 = any free port); resolves to the base URL. */
@@ -170,7 +179,7 @@ export class RouterServer {
         this.#server.off("error", onError);
         const address = this.#server.address() as AddressInfo;
         const shownHost = address.family === "IPv6" ? `[${address.address}]` : address.address;
-        this.#url = `http://${shownHost}:${address.port}`;
+        this.#url = `${this.#scheme}://${shownHost}:${address.port}`;
         resolve(this.#url);
       });
     });

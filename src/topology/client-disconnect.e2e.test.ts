@@ -13,6 +13,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import { modelDir } from "../../testing/start-server.js";
+import { clusterTls, linkTlsArgs, linkTlsInTests } from "../../testing/tls-fixtures.js";
 import { connectCluster } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import { loadModel } from "../model/load-model.js";
@@ -22,6 +23,8 @@ import { type NodeProcesses, startNodeProcesses } from "./local-cluster.js";
 import { startThreadedTopology, type ThreadedTopology } from "./threaded-topology.js";
 
 const MODEL = "tiny-qwen2";
+/** Plaintext links by default, the other half of kill-prefill.e2e (KVFENCE_TEST_LINK_TLS=on: TLS). */
+const LINK_TLS = linkTlsInTests(false);
 const MAX_TOKENS = 6;
 
 type Trigger =
@@ -176,13 +179,22 @@ describe("client disconnect at every protocol state", { timeout: 100_000 }, () =
         prefill: 1,
         decode: 1,
         model: modelDir(MODEL),
-        nodeArgs: ["--kv-pages", "256", "--max-model-len", "1024", "--max-prefill-tokens", "8"],
+        nodeArgs: [
+          "--kv-pages",
+          "256",
+          "--max-model-len",
+          "1024",
+          "--max-prefill-tokens",
+          "8",
+          ...linkTlsArgs(LINK_TLS),
+        ],
       }),
     ]);
     tcp = await connectCluster({
       prefill: nodes.prefill.map((p) => p.url),
       decode: nodes.decode.map((d) => d.url),
       secret: nodes.secret,
+      ...(LINK_TLS ? { tls: clusterTls() } : {}),
       maxModelLen: 1024,
     });
   });

@@ -20,6 +20,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import { assertPoolIdle, modelDir, scrape } from "../../testing/start-server.js";
+import { linkTlsArgs, linkTlsInTests } from "../../testing/tls-fixtures.js";
 import { UNSAFE_OPT_IN_FLAG } from "../node/unsafe-switches.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import { type LocalCluster, startLocalCluster } from "./local-cluster.js";
@@ -77,7 +78,8 @@ describe("kill -9 of a prefill process mid-transfer", { timeout: 120_000 }, () =
       prefill: 2,
       decode: 1,
       model: modelDir(MODEL),
-      nodeArgs: ["--kv-pages", "512", "--max-model-len", "2048"],
+      // TLS links unless KVFENCE_TEST_LINK_TLS=off: a killed TLS peer is fenced like a TCP one.
+      nodeArgs: ["--kv-pages", "512", "--max-model-len", "2048", ...linkTlsArgs(linkTlsInTests(true))],
       prefillArgsAt: (i) => (i === 0 ? ["--unsafe-fault", "stall-transfer", UNSAFE_OPT_IN_FLAG] : []),
       routerArgs: ["--api-keys", keys],
     });

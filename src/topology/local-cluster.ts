@@ -206,7 +206,7 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
         ...decode.map((d) => d.url),
       ],
       env,
-      / at (http:\/\/\S+) /,
+      / at (https?:\/\/\S+) /,
       options.stderr,
       timeoutMs,
     );

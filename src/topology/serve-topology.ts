@@ -16,6 +16,7 @@ import type { MetricsRegistry } from "../lib/metrics.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { makeSafety } from "../protocol/safety.js";
+import type { LinkTls } from "../transfer/tls-config.js";
 import { EngineClient } from "./engine-client.js";
 import { startThreadedTopology } from "./threaded-topology.js";
 
@@ -31,6 +32,8 @@ export interface ServeEngineOptions {
   readonly prefill: readonly string[];
   readonly decode: readonly string[];
   readonly clusterSecret: string | undefined;
+  /** `--tls-cert/--tls-key/--tls-ca`, loaded: mutual TLS on the router's control links. */
+  readonly linkTls?: LinkTls;
   readonly faults: readonly string[];
   /** `--unsafe-disable-guard` names (the router's machine; the nodes get them in `engine`). */
   readonly disabledGuards?: readonly string[];
@@ -71,6 +74,7 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
       prefill: options.prefill,
       decode: options.decode,
       secret: clusterSecret(options.clusterSecret),
+      ...(options.linkTls === undefined ? {} : { tls: options.linkTls }),
       maxModelLen: options.maxModelLen,
       safety,
     });

@@ -11,9 +11,12 @@ import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
 import { assertPoolIdle, modelDir } from "../../testing/start-server.js";
+import { linkTlsInTests } from "../../testing/tls-fixtures.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 
 const MODEL = "kvfence-tiny";
+/** Plaintext links by default, the other half of topologies.e2e (KVFENCE_TEST_LINK_TLS=on: TLS). */
+const LINK_TLS = linkTlsInTests(false);
 const KEY = "sk-tenant-alpha-0001";
 const REQUESTS = 12;
 
@@ -39,7 +42,10 @@ describe("TCP cluster, one prefill and one decode process: concurrent transfers"
   let cluster: TopologyServer;
   before(async () => {
     const options = { model: modelDir(MODEL), kvPages: 512, apiKeys: { [KEY]: "alpha" } };
-    [single, cluster] = await Promise.all([startInProcess("single", options), startCluster(1, 1, options)]);
+    [single, cluster] = await Promise.all([
+      startInProcess("single", options),
+      startCluster(1, 1, { ...options, linkTls: LINK_TLS }),
+    ]);
   });
   after(async () => {
     await Promise.all([single?.close(), cluster?.close()]);

@@ -8,9 +8,12 @@ import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
 import { assertPoolIdle, modelDir } from "../../testing/start-server.js";
+import { linkTlsInTests } from "../../testing/tls-fixtures.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 
 const MODEL = "tiny-qwen2";
+/** The 2+2 cluster's links run over TLS (KVFENCE_TEST_LINK_TLS=off: plaintext; docs/tls.md). */
+const LINK_TLS = linkTlsInTests(true);
 const KEYS = {
   "sk-tenant-alpha-0001": "alpha",
   "sk-tenant-beta-00002": "beta",
@@ -61,12 +64,12 @@ describe("topologies give identical greedy outputs", { timeout: 110_000 }, () =>
     const [single, threads, cluster] = await Promise.all([
       startInProcess("single", options),
       startInProcess("threads", options),
-      startCluster(2, 2, options),
+      startCluster(2, 2, { ...options, linkTls: LINK_TLS }),
     ]);
     servers.push(
       { name: "single", server: single },
       { name: "threads", server: threads },
-      { name: "tcp 2+2", server: cluster },
+      { name: `tcp 2+2${LINK_TLS ? " (TLS links)" : ""}`, server: cluster },
     );
   });
   after(async () => {

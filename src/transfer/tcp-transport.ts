@@ -26,7 +26,7 @@
  * ABORT_ACK) is delivered after every page written before it.
  */
 import { randomBytes } from "node:crypto";
-import net from "node:net";
+import type net from "node:net";
 import type { OwnershipTable } from "../kvcache/ownership-table.js";
 import { KvfenceError } from "../lib/errors.js";
 import { clusterSecretBytes, hmac, MAC_BYTES, sessionKeys, verifyHmac } from "./control-auth.js";
@@ -41,6 +41,7 @@ import {
   frameHeaderBytes,
 } from "./frame-codec.js";
 import { layoutMismatch } from "./shm-transport.js";
+import { connectLink, createLinkServer, type LinkTls } from "./tls-config.js";
 import { TransferClock, TransferMetrics } from "./transfer-metrics.js";
 import type { ControlMessage, PageWrite, TransferHandlers, TransferWriter, WriteLease } from "./transport.js";
 
@@ -143,6 +144,8 @@ export interface TcpServerOptions {
   readonly onError?: (error: KvfenceError) => void;
   /** Bytes per socket write batch. Default 1 MiB. */
   readonly batchBytes?: number;
+  /** Mutual TLS (docs/tls.md); plain TCP without. A failed TLS handshake goes to `onError`. */
+  readonly tls?: LinkTls;
 }
 
 /** The prefill side: accepts decode connections and hands out one `TcpTransferWriter` each. */
@@ -157,9 +160,10 @@ export class TcpTransferServer {
 
   static async listen(options: TcpServerOptions): Promise<TcpTransferServer> {
     const secret = clusterSecretBytes(options.secret);
-    const server = net.createServer({ noDelay: true });
+    const server = createLinkServer({ tls: options.tls, onRefused: options.onError }, (socket) =>
+      self.#accept(socket, secret, options),
+    );
     const self = new TcpTransferServer(server);
-    server.on("connection", (socket) => self.#accept(socket, secret, options));
     await new Promise<void>((resolve, reject) => {
       server.once("error", reject);
       server.listen(options.port ?? 0, options.host ?? "127.0.0.1", () => {
@@ -405,6 +409,8 @@ export interface TcpReceiverOptions {
   readonly port: number;
   readonly secret: string | Uint8Array;
   readonly layoutSignature: string;
+  /** Mutual TLS (docs/tls.md); plain TCP without. */
+  readonly tls?: LinkTls;
   /** The decode pool's data (page p at byte `p * pageBytes`). */
   readonly pool: ArrayBufferView;
   readonly table: OwnershipTable;
@@ -487,7 +493,7 @@ export class TcpTransferReceiver {
     const staging = Buffer.allocUnsafe(options.receiveBufferBytes ?? 1 << 20);
     const exactReads = options.pageBytes >= (options.directReadMinBytes ?? 64 * 1024);
     let direct = false;
-    this.#socket = net.connect({
+    const { socket, ready } = connectLink(options.tls, {
       host: options.host ?? "127.0.0.1",
       port: options.port,
       noDelay: true,
@@ -515,7 +521,8 @@ export class TcpTransferReceiver {
         },
       },
     });
-    this.#socket.on("connect", () => {
+    this.#socket = socket;
+    this.#socket.on(ready, () => {
       const hello = encodeControl({
         layoutSignature: options.layoutSignature,
         nonce: this.#nonce.toString("hex"),

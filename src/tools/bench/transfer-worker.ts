@@ -15,6 +15,7 @@ import { checksumLeasePages, PageChecksums, pageChecksumHex } from "../../transf
 import { type ShmChannel, ShmTransferReceiver, ShmTransferWriter } from "../../transfer/shm-transport.js";
 import { SignalKind, SignalRing } from "../../transfer/signal-ring.js";
 import { TcpTransferServer, type TcpTransferWriter } from "../../transfer/tcp-transport.js";
+import { loadLinkTls, type TlsFiles } from "../../transfer/tls-config.js";
 import type { Manifest, PageWrite, TransferLease, TransferWriter } from "../../transfer/transport.js";
 import { type TransferReservation, verifyManifest } from "../../transfer/verify-manifest.js";
 
@@ -37,6 +38,8 @@ export interface WorkerInit {
   readonly chunkPages: number;
   /** Landed ranges of the TCP receiver (main thread) that the decode worker verifies. */
   readonly verifyRing: SharedArrayBuffer;
+  /** With the tcp+tls path: the certificates of its TLS transfer server. */
+  readonly tlsFiles?: TlsFiles;
 }
 
 const init = workerData as WorkerInit;
@@ -90,6 +93,20 @@ if (init.role === "prefill") {
         resolve();
       },
     }).then((server) => parent.postMessage({ type: "tcp-port", port: server.port }));
+  });
+  // The same transport over mutual TLS (the tcp+tls path).
+  let tls: TcpTransferWriter | null = null;
+  const tlsReady = new Promise<void>((resolve) => {
+    if (init.tlsFiles === undefined) return;
+    void TcpTransferServer.listen({
+      secret: init.secret,
+      layoutSignature: init.channel.layoutSignature,
+      tls: loadLinkTls(init.tlsFiles),
+      onWriter: (w) => {
+        tls = w;
+        resolve();
+      },
+    }).then((server) => parent.postMessage({ type: "tls-port", port: server.port }));
   });
   let raw: net.Socket | null = null;
   const rawServer = net.createServer({ noDelay: true }, (socket) => {
@@ -149,6 +166,9 @@ if (init.role === "prefill") {
       else if (msg.cmd === "tcp") {
         await tcpReady;
         parent.postMessage({ type: "t0", id: msg.id, t0: await send(tcp!, msg.lease, msg.hash) });
+      } else if (msg.cmd === "tls") {
+        await tlsReady;
+        parent.postMessage({ type: "t0", id: msg.id, t0: await send(tls!, msg.lease, msg.hash) });
       } else if (msg.cmd === "raw")
         parent.postMessage({ type: "t0", id: msg.id, t0: await sendRaw(msg.bytes) });
       else if (msg.cmd === "hash") {
@@ -159,6 +179,7 @@ if (init.role === "prefill") {
       } else if (msg.cmd === "close") {
         await shm.close();
         await (tcp as TcpTransferWriter | null)?.close();
+        await (tls as TcpTransferWriter | null)?.close();
         (raw as net.Socket | null)?.destroy();
         rawServer.close();
         process.exit(0);

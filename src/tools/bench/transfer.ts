@@ -8,6 +8,8 @@
  * - raw-tcp: a plain socket pair over 127.0.0.1, 1 MiB writes, `onread` receiver that only counts
  *   (prefill worker → main thread) — the TCP ceiling;
  * - tcp: the TCP transport (prefill worker → main thread applying into the pool).
+ * - tcp+tls: the same over mutual TLS 1.3 (docs/tls.md; `--tls-cert/--tls-key/--tls-ca`, by default
+ *   the test certificates of testing/fixtures/tls): the cost of encrypting every page.
  * Each transport also runs with checksums, through the serving path's own code (`PageChecksums`
  * of src/transfer/page-checksum.ts, called as `PrefillNode` and `DecodeNode` call it):
  * - "+verify": the serving path — prefill hashed each page when its KV was produced (before the
@@ -23,17 +25,20 @@
 
 import net from "node:net";
 import os from "node:os";
+import { join } from "node:path";
 import { MessageChannel, Worker } from "node:worker_threads";
 import { xxh64 } from "@node-rs/xxhash";
 import { Command, InvalidArgumentError } from "commander";
 import xxhashWasm from "xxhash-wasm";
 import { type KvLayout, layoutSignature, pageBytes as pageBytesOf } from "../../kvcache/kv-layout.js";
 import { OwnershipTable } from "../../kvcache/ownership-table.js";
+import { packageRoot } from "../../lib/package-root.js";
 import { mean, quantile, tInterval95 } from "../../lib/stats.js";
 import { PageChecksums } from "../../transfer/page-checksum.js";
 import { createShmChannel } from "../../transfer/shm-transport.js";
 import { SignalKind, SignalRing } from "../../transfer/signal-ring.js";
-import { connectTcpReceiver } from "../../transfer/tcp-transport.js";
+import { connectTcpReceiver, type TcpTransferReceiver } from "../../transfer/tcp-transport.js";
+import { loadLinkTls, type TlsFiles } from "../../transfer/tls-config.js";
 import type { Manifest, TransferLease } from "../../transfer/transport.js";
 import { verifyManifest } from "../../transfer/verify-manifest.js";
 import type { HashMode, WorkerInit } from "./transfer-worker.js";
@@ -48,6 +53,7 @@ export const PATHS = [
   "shm+ondemand",
   "raw-tcp",
   "tcp",
+  "tcp+tls",
   "tcp+verify",
   "tcp+ondemand",
   "tcp+verify-worker",
@@ -67,6 +73,8 @@ export interface TransferBenchOptions {
   readonly paths?: readonly PathName[];
   /** TCP receiver: read page bodies straight into the pool (default true). */
   readonly directReads?: boolean;
+  /** The tcp+tls path's certificates (default: testing/fixtures/tls). */
+  readonly tlsFiles?: TlsFiles;
   readonly log?: (line: string) => void;
 }
 
@@ -89,6 +97,11 @@ export interface TransferBenchResult {
   /** Throughput of the transport over its ceiling (time ratio ceiling / transport). */
   readonly shmOverMemcpy: RatioInterval;
   readonly tcpOverRaw: RatioInterval;
+  /** Throughput of tcp+tls over tcp (time ratio tcp / tcp+tls), and over the raw socket. */
+  readonly tlsOverTcp: RatioInterval;
+  readonly tlsOverRaw: RatioInterval;
+  /** CPU time of tcp+tls over tcp (paired): what encryption costs the two ends together. */
+  readonly tlsCpuCost: RatioInterval;
   /** Transfer time with checksums over without (paired). */
   readonly checksumCost: Record<
     "shmVerify" | "shmOndemand" | "tcpVerify" | "tcpOndemand" | "tcpVerifyWorker",
@@ -131,6 +144,12 @@ export function pairedRatio(a: readonly number[], b: readonly number[]): RatioIn
 }
 
 const now = (): bigint => process.hrtime.bigint();
+
+/** The committed test certificates (scripts/make-test-certs.sh), for the tcp+tls path. */
+export function defaultBenchTlsFiles(): TlsFiles {
+  const dir = join(packageRoot(), "testing", "fixtures", "tls");
+  return { cert: join(dir, "node.crt"), key: join(dir, "node.key"), ca: join(dir, "ca.crt") };
+}
 const SECRET = "bench-cluster-secret-not-for-production";
 
 /** Messages from a worker, awaited by `type` and run id. */
@@ -201,8 +220,11 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   const verifyRingBuffer = SignalRing.createBuffer(Math.max(1024, 2 ** Math.ceil(Math.log2(numPages + 2))));
   const verifyRing = new SignalRing(verifyRingBuffer);
   const sums = new PageChecksums(pool, pageBytes, table);
+  const tlsFiles = options.tlsFiles ?? defaultBenchTlsFiles();
+  const withTls = options.paths === undefined || options.paths.includes("tcp+tls");
   const common = {
     channel,
+    ...(withTls ? { tlsFiles } : {}),
     sourcePages: numPages,
     secret: SECRET,
     signalBytes,
@@ -285,6 +307,35 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
       },
     },
   });
+  // Main thread: the decode end of the TLS transfer connection (only the tcp+tls path).
+  let tlsRun: { done: (t1: bigint, verdict: string) => void } | null = null;
+  let tlsReceiver: TcpTransferReceiver | null = null;
+  if (withTls) {
+    const tlsPort = (await pre.next("tls-port")).port as number;
+    tlsReceiver = await connectTcpReceiver({
+      port: tlsPort,
+      secret: SECRET,
+      tls: loadLinkTls(tlsFiles),
+      layoutSignature: signature,
+      pool,
+      table,
+      pageBytes,
+      directReadMinBytes: options.directReads === false ? Number.POSITIVE_INFINITY : 64 * 1024,
+      handlers: {
+        control: (message) => {
+          const run = tlsRun;
+          if (run === null || message.type !== "manifest") return;
+          tlsRun = null;
+          run.done(now(), "ok");
+        },
+        closed: (error) => {
+          const run = tlsRun;
+          tlsRun = null;
+          run?.done(now(), `connection closed: ${error?.message ?? "closed"}`);
+        },
+      },
+    });
+  }
   // Main thread: the raw loopback receiver, counting bytes into one reused 1 MiB buffer.
   let rawRun: { remaining: number; done: (t1: bigint) => void } | null = null;
   const rawConnected = pre.next("raw-connected");
@@ -348,7 +399,12 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
     const lease = leaseOf();
     const hash = hashOf(path);
     let t1: Promise<{ t1: bigint; verdict: string }>;
-    if (path.startsWith("shm")) {
+    if (path === "tcp+tls") {
+      t1 = new Promise((resolve) => {
+        tlsRun = { done: (t, verdict) => resolve({ t1: t, verdict }) };
+      });
+      prefill.postMessage({ cmd: "tls", id: runId, lease, hash });
+    } else if (path.startsWith("shm")) {
       decode.postMessage({ cmd: "expect", id: runId, lease, hash });
       await dec.next("expecting", runId);
       t1 = dec.next("t1", runId).then((m) => ({ t1: m.t1 as bigint, verdict: m.verdict as string }));
@@ -414,6 +470,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   prefill.postMessage({ cmd: "close" });
   decode.postMessage({ cmd: "close" });
   await tcpReceiver.close();
+  await tlsReceiver?.close();
   rawSocket.destroy();
   await exited;
 
@@ -436,6 +493,9 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
     paths: Object.fromEntries(PATHS.map((p) => [p, result(p)])) as Record<PathName, PathResult>,
     shmOverMemcpy: pairedRatio(times.memcpy, times.shm),
     tcpOverRaw: pairedRatio(times["raw-tcp"], times.tcp),
+    tlsOverTcp: pairedRatio(times.tcp, times["tcp+tls"]),
+    tlsOverRaw: pairedRatio(times["raw-tcp"], times["tcp+tls"]),
+    tlsCpuCost: pairedRatio(cpus["tcp+tls"], cpus.tcp),
     checksumCost: {
       shmVerify: pairedRatio(times["shm+verify"], times.shm),
       shmOndemand: pairedRatio(times["shm+ondemand"], times.shm),
@@ -483,6 +543,9 @@ export function formatTransferReport(r: TransferBenchResult): string {
   }
   lines.push(`shm throughput / memcpy:      ${fmtRatio(r.shmOverMemcpy, true)}  (target ≥ 80%)`);
   lines.push(`tcp throughput / raw socket:  ${fmtRatio(r.tcpOverRaw, true)}  (target ≥ 70%)`);
+  lines.push(`tcp+tls throughput / tcp:     ${fmtRatio(r.tlsOverTcp, true)}`);
+  lines.push(`tcp+tls throughput / raw:     ${fmtRatio(r.tlsOverRaw, true)}`);
+  lines.push(`tcp+tls CPU time / tcp:       ${fmtRatio(r.tlsCpuCost, false)}`);
   lines.push("checksum cost, time with / without (target ≤ 1.10):");
   lines.push(`  shm, serving path (production/landed): ${fmtRatio(r.checksumCost.shmVerify, false)}`);
   lines.push(`  shm, on demand (in series):            ${fmtRatio(r.checksumCost.shmOndemand, false)}`);
@@ -520,6 +583,9 @@ interface TransferCliOptions {
   paths?: PathName[];
   directReads: boolean;
   json?: boolean;
+  tlsCert?: string;
+  tlsKey?: string;
+  tlsCa?: string;
 }
 
 function pathList(value: string): PathName[] {
@@ -562,6 +628,9 @@ export function transferCommand(): Command {
     )
     .option("--paths <list>", `comma-separated subset of: ${PATHS.join(",")}`, pathList)
     .option("--no-direct-reads", "TCP receiver copies page bodies through its receive buffer")
+    .option("--tls-cert <file>", "tcp+tls: certificate of both ends (default testing/fixtures/tls/node.crt)")
+    .option("--tls-key <file>", "tcp+tls: its private key (default testing/fixtures/tls/node.key)")
+    .option("--tls-ca <file>", "tcp+tls: the CA both ends trust (default testing/fixtures/tls/ca.crt)")
     .option("--json", "print the result as JSON")
     .action(async (o: TransferCliOptions) => {
       try {
@@ -572,6 +641,11 @@ export function transferCommand(): Command {
           signalBytes: o.signalKib * 1024,
           chunkPages: o.chunkPages,
           directReads: o.directReads,
+          tlsFiles: {
+            cert: o.tlsCert ?? defaultBenchTlsFiles().cert,
+            key: o.tlsKey ?? defaultBenchTlsFiles().key,
+            ca: o.tlsCa ?? defaultBenchTlsFiles().ca,
+          },
           ...(o.paths === undefined ? {} : { paths: o.paths }),
           log: o.json === true ? () => {} : (line) => process.stderr.write(`${line}\n`),
         });

@@ -2,6 +2,7 @@ import assert from "node:assert/strict";
 import { writeFileSync } from "node:fs";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
+import { linkTlsArgs, linkTlsInTests } from "../../../testing/tls-fixtures.js";
 import { FAULT_NAMES } from "../../protocol/safety.js";
 import { MATRIX_SCENARIOS, NOT_IN_MATRIX, renderMatrix, runMatrix } from "./fault-matrix.js";
 
@@ -20,7 +21,8 @@ test("MATRIX_SCENARIOS and NOT_IN_MATRIX together name every fault of docs/desig
 test("runMatrix() shows each fault's bug with its guards off and each guard alone catching it", {
   timeout: 180_000,
 }, async () => {
-  const cells = await runMatrix();
+  // The TCP rows run over TLS links unless KVFENCE_TEST_LINK_TLS=off (the guards sit above the link).
+  const cells = await runMatrix({ linkTlsArgs: linkTlsArgs(linkTlsInTests(true)) });
   if (process.env.KVFENCE_WRITE_FAULT_MATRIX === "1") {
     writeFileSync(
       DOC,

@@ -269,7 +269,12 @@ async function abortedCell(
 export async function runCell(
   scenario: MatrixScenario,
   guardOn: GuardName | null,
-  options: { readonly model?: string; readonly baseline?: string | null } = {},
+  options: {
+    readonly model?: string;
+    readonly baseline?: string | null;
+    /** TLS flags for the processes of a TCP row (docs/tls.md). */
+    readonly linkTlsArgs?: readonly string[];
+  } = {},
 ): Promise<CellOutcome> {
   const disabledGuards = scenario.guards.filter((g) => g !== guardOn);
   const server = await startIncidentServer({
@@ -278,6 +283,7 @@ export async function runCell(
     disabledGuards,
     undersizedPrefill: scenario.undersizedPrefill,
     topology: scenario.topology,
+    ...(options.linkTlsArgs === undefined ? {} : { linkTlsArgs: options.linkTlsArgs }),
     // The aborted victim disconnects while prefill computes: the plain TypeScript kernels keep
     // that computation long (over a second) where the WebAssembly ones finish in the abort window.
     ...(scenario.victim === "aborted" ? { kernels: "ts" as const } : {}),
@@ -371,6 +377,8 @@ export async function runMatrix(
     readonly model?: string;
     /** Only the rows of this topology. */
     readonly topology?: "threads" | "tcp";
+    /** TLS flags for the processes of the TCP rows (docs/tls.md). */
+    readonly linkTlsArgs?: readonly string[];
     readonly onCell?: (cell: CellOutcome) => void;
   } = {},
 ): Promise<CellOutcome[]> {

@@ -1,5 +1,6 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
+import { linkTlsArgs, linkTlsInTests } from "../../../testing/tls-fixtures.js";
 import { INCIDENT_FAULTS, INCIDENT_GUARDS, runIncident } from "./incident.js";
 
 /** The probe's findings that mean a wrong 200 or a leak (a 5xx from a guard is `not-4xx`). */
@@ -52,6 +53,20 @@ test("runIncident() with every guard on reports clean: over-limit prompts get 40
 
 test("runProbe() reports clean against a default kvfence server", { timeout: 120_000 }, async () => {
   const run = await runIncident({ faults: [], disabledGuards: [], defaults: true });
+  assert.equal(run.report.outcome, "clean", JSON.stringify(run.report.findings.slice(0, 3)));
+  assert.equal(run.report.findings.length, 0);
+});
+
+test("runProbe() reports clean against a default kvfence cluster (processes, TCP links over TLS)", {
+  timeout: 120_000,
+}, async () => {
+  const run = await runIncident({
+    faults: [],
+    disabledGuards: [],
+    defaults: true,
+    topology: "tcp",
+    linkTlsArgs: linkTlsArgs(linkTlsInTests(true)),
+  });
   assert.equal(run.report.outcome, "clean", JSON.stringify(run.report.findings.slice(0, 3)));
   assert.equal(run.report.findings.length, 0);
 });

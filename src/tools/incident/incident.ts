@@ -60,6 +60,8 @@ export interface IncidentServerOptions {
   readonly topology?: "threads" | "tcp";
   /** The forward pass's kernels (default: `kvfence serve`'s, WebAssembly). */
   readonly kernels?: "ts" | "wasm";
+  /** TCP only: `--tls-cert/--tls-key/--tls-ca` flags for every process (TLS links, docs/tls.md). */
+  readonly linkTlsArgs?: readonly string[];
 }
 
 export interface IncidentServer {
@@ -134,6 +136,7 @@ async function startIncidentCluster(
           String(INCIDENT_SHAPE.decodeKvPages),
         ]),
     ...unsafeArgs(options.faults, options.disabledGuards),
+    ...(options.linkTlsArgs ?? []),
   ];
   const cluster = await startLocalCluster({
     prefill: 1,
@@ -201,6 +204,7 @@ export async function runIncident(options: {
   readonly undersizedPrefill?: boolean;
   readonly defaults?: boolean;
   readonly topology?: "threads" | "tcp";
+  readonly linkTlsArgs?: readonly string[];
   readonly seed?: number;
   readonly requests?: number;
   readonly onProgress?: (line: string) => void;

@@ -1,0 +1,348 @@
+/**
+ * `kvfence bench cluster`: what TLS on the cluster links costs a whole cluster (docs/tls.md). Starts
+ * two local multi-process clusters of the same shape (`--prefill N --decode M`, default 2+2, the
+ * bundled model): one with plaintext links, one with mutual TLS on every link (the test
+ * certificates unless `--tls-cert/--tls-key/--tls-ca`). Each round drives the same batch of chat
+ * requests (greedy, fixed prompts and `max_tokens`, `--concurrency` in flight) through each
+ * cluster's router, the two arms in alternating order, and measures output tokens per second of
+ * wall time. Reported: each arm's median [min–max], and the TLS/plaintext throughput ratio as the
+ * geometric mean of the per-round paired ratios with a 95% confidence interval (`pairedRatio`),
+ * beside the raw loopback socket's bandwidth measured in the same rounds (the ceiling every TCP link
+ * shares). Both arms must give the same answers (greedy), else the run reports a failure.
+ *
+ * The issue's acceptance: TLS within 5% of plaintext, i.e. the CI's low end ≥ 95%. Run it on a
+ * quiet machine; on a shared one the CI says how much to trust the ratio.
+ */
+import net from "node:net";
+import os from "node:os";
+import { Command, InvalidArgumentError } from "commander";
+import { bundledModelDir } from "../../lib/package-root.js";
+import { type LocalCluster, startLocalCluster } from "../../topology/local-cluster.js";
+import type { TlsFiles } from "../../transfer/tls-config.js";
+import {
+  defaultBenchTlsFiles,
+  pairedRatio,
+  type RatioInterval,
+  type Summary,
+  summarize,
+} from "./transfer.js";
+
+export interface ClusterBenchOptions {
+  readonly prefill?: number;
+  readonly decode?: number;
+  readonly model?: string;
+  /** KV pool of each node in pages (default 256). */
+  readonly kvPages?: number;
+  /** Measured rounds (each runs both arms once, in alternating order). */
+  readonly rounds?: number;
+  readonly warmup?: number;
+  /** Requests per arm per round. */
+  readonly requests?: number;
+  /** Requests in flight at once. */
+  readonly concurrency?: number;
+  readonly maxTokens?: number;
+  /** Characters per prompt (the bundled model: about one token each). */
+  readonly promptChars?: number;
+  readonly tlsFiles?: TlsFiles;
+  readonly log?: (line: string) => void;
+}
+
+export interface ArmResult {
+  /** Output tokens per second of wall time, per round. */
+  readonly tokensPerSecond: Summary;
+  /** Wall time of a round, ms. */
+  readonly ms: Summary;
+  readonly outputTokens: number;
+}
+
+export interface ClusterBenchResult {
+  readonly shape: { readonly prefill: number; readonly decode: number };
+  readonly rounds: number;
+  readonly requests: number;
+  readonly concurrency: number;
+  readonly maxTokens: number;
+  readonly plaintext: ArmResult;
+  readonly tls: ArmResult;
+  /** Throughput with TLS over without (paired by round). */
+  readonly tlsOverPlaintext: RatioInterval;
+  /** The raw loopback socket, GB/s, one 64 MiB transfer per round. */
+  readonly rawLoopbackGbps: Summary;
+  readonly failures: readonly string[];
+  readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
+}
+
+const now = (): bigint => process.hrtime.bigint();
+
+/** Prompt `i`: the bundled model's record-lookup shape, `chars` long, distinct per request. */
+function prompt(i: number, chars: number): string {
+  const records: string[] = [];
+  let text = "";
+  for (let k = 0; text.length < chars - 60; k++) {
+    const account = 1000 + ((i * 37 + k * 11) % 9000);
+    records.push(
+      `the access code of account ${account} is ${String.fromCharCode(65 + ((i + k) % 26))}${k % 10}X-${(account * 7) % 1000}.`,
+    );
+    text = records.join(" ");
+  }
+  return `${text} what is the access code of account ${1000 + ((i * 37) % 9000)}?`;
+}
+
+/** One chat completion; resolves with its text and output tokens. */
+async function chat(
+  url: string,
+  model: string,
+  content: string,
+  maxTokens: number,
+): Promise<{ text: string; tokens: number }> {
+  const res = await fetch(`${url}/v1/chat/completions`, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({
+      model,
+      messages: [{ role: "user", content }],
+      max_tokens: maxTokens,
+      temperature: 0,
+    }),
+  });
+  const body = (await res.json()) as {
+    choices?: { message?: { content?: string } }[];
+    usage?: { completion_tokens?: number };
+    error?: { message?: string };
+  };
+  if (res.status !== 200) throw new Error(`HTTP ${res.status}: ${body.error?.message ?? "no error body"}`);
+  return { text: body.choices?.[0]?.message?.content ?? "", tokens: body.usage?.completion_tokens ?? 0 };
+}
+
+/** Runs `prompts` through `url` with `concurrency` in flight; wall time and answers in order. */
+async function round(
+  url: string,
+  model: string,
+  prompts: readonly string[],
+  concurrency: number,
+  maxTokens: number,
+): Promise<{ ns: number; tokens: number; texts: string[] }> {
+  const texts = new Array<string>(prompts.length);
+  let tokens = 0;
+  let next = 0;
+  const t0 = now();
+  await Promise.all(
+    Array.from({ length: Math.min(concurrency, prompts.length) }, async () => {
+      while (next < prompts.length) {
+        const i = next++;
+        const r = await chat(url, model, prompts[i]!, maxTokens);
+        texts[i] = r.text;
+        tokens += r.tokens;
+      }
+    }),
+  );
+  return { ns: Number(now() - t0), tokens, texts };
+}
+
+/** Bandwidth of a plain socket pair over 127.0.0.1: `bytes` in 1 MiB writes, counted on read. */
+export async function rawLoopbackGbps(bytes = 64 << 20): Promise<number> {
+  const chunk = Buffer.alloc(1 << 20, 7);
+  let received = 0;
+  let done: (t: bigint) => void = () => {};
+  const finished = new Promise<bigint>((resolve) => {
+    done = resolve;
+  });
+  const server = net.createServer({ noDelay: true }, (socket) => {
+    socket.on("data", (d: Buffer) => {
+      received += d.length;
+      if (received >= bytes) done(now());
+    });
+  });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const client = net.connect({
+    host: "127.0.0.1",
+    port: (server.address() as net.AddressInfo).port,
+    noDelay: true,
+  });
+  await new Promise((resolve) => client.once("connect", resolve));
+  const t0 = now();
+  for (let sent = 0; sent < bytes; sent += chunk.length) {
+    if (!client.write(chunk)) await new Promise((resolve) => client.once("drain", resolve));
+  }
+  const t1 = await finished;
+  client.destroy();
+  await new Promise<void>((resolve) => server.close(() => resolve()));
+  return bytes / Number(t1 - t0);
+}
+
+export async function runClusterBench(options: ClusterBenchOptions = {}): Promise<ClusterBenchResult> {
+  const prefill = options.prefill ?? 2;
+  const decode = options.decode ?? 2;
+  const rounds = options.rounds ?? 10;
+  const warmup = options.warmup ?? 1;
+  const requests = options.requests ?? 16;
+  const concurrency = options.concurrency ?? 8;
+  const maxTokens = options.maxTokens ?? 64;
+  const log = options.log ?? (() => {});
+  const tlsFiles = options.tlsFiles ?? defaultBenchTlsFiles();
+  const loadStart = os.loadavg()[0]!;
+  const nodeArgs = ["--kv-pages", String(options.kvPages ?? 256)];
+  const base = { prefill, decode, model: options.model ?? bundledModelDir(), nodeArgs };
+  const tlsArgs = ["--tls-cert", tlsFiles.cert, "--tls-key", tlsFiles.key, "--tls-ca", tlsFiles.ca];
+  const prompts = Array.from({ length: requests }, (_, i) => prompt(i, options.promptChars ?? 400));
+
+  const clusters: { plaintext?: LocalCluster; tls?: LocalCluster } = {};
+  const failures: string[] = [];
+  const ns = { plaintext: [] as number[], tls: [] as number[] };
+  const tps = { plaintext: [] as number[], tls: [] as number[] };
+  const outputTokens = { plaintext: 0, tls: 0 };
+  const raw: number[] = [];
+  try {
+    log(`starting two ${prefill}+${decode} clusters (plaintext and TLS links)`);
+    clusters.plaintext = await startLocalCluster(base);
+    clusters.tls = await startLocalCluster({ ...base, nodeArgs: [...nodeArgs, ...tlsArgs] });
+    const models = (await (await fetch(`${clusters.plaintext.url}/v1/models`)).json()) as {
+      data: { id: string }[];
+    };
+    const modelId = models.data[0]!.id;
+    let reference: string[] | null = null;
+    for (let r = -warmup; r < rounds; r++) {
+      const order =
+        ((r % 2) + 2) % 2 === 0 ? (["plaintext", "tls"] as const) : (["tls", "plaintext"] as const);
+      for (const arm of order) {
+        const result = await round(clusters[arm]!.url, modelId, prompts, concurrency, maxTokens);
+        if (reference === null) reference = result.texts;
+        else if (result.texts.some((t, i) => t !== reference![i]) && failures.length < 5) {
+          failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
+        }
+        if (r >= 0) {
+          ns[arm].push(result.ns);
+          tps[arm].push(result.tokens / (result.ns / 1e9));
+          outputTokens[arm] += result.tokens;
+        }
+      }
+      if (r >= 0) {
+        raw.push(await rawLoopbackGbps());
+        log(
+          `round ${r + 1}/${rounds}: plaintext ${tps.plaintext.at(-1)!.toFixed(0)} tok/s, TLS ${tps.tls.at(-1)!.toFixed(0)} tok/s, raw loopback ${raw.at(-1)!.toFixed(2)} GB/s`,
+        );
+      }
+    }
+  } finally {
+    await Promise.all([clusters.plaintext?.close(), clusters.tls?.close()]);
+  }
+  const arm = (name: "plaintext" | "tls"): ArmResult => ({
+    tokensPerSecond: summarize(tps[name]),
+    ms: summarize(ns[name].map((t) => t / 1e6)),
+    outputTokens: outputTokens[name],
+  });
+  return {
+    shape: { prefill, decode },
+    rounds,
+    requests,
+    concurrency,
+    maxTokens,
+    plaintext: arm("plaintext"),
+    tls: arm("tls"),
+    // Throughput ratio = time ratio plaintext / TLS (the same tokens in both arms).
+    tlsOverPlaintext: pairedRatio(ns.plaintext, ns.tls),
+    rawLoopbackGbps: summarize(raw),
+    failures,
+    load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
+  };
+}
+
+/** The human-readable report of a run. */
+export function formatClusterReport(r: ClusterBenchResult): string {
+  const pct = (x: number): string => `${(x * 100).toFixed(1)}%`;
+  const arm = (name: string, a: ArmResult): string =>
+    `${name.padEnd(10)} ${a.tokensPerSecond.median.toFixed(0).padStart(6)} tok/s [${a.tokensPerSecond.min.toFixed(0)}–${a.tokensPerSecond.max.toFixed(0)}]   round ${a.ms.median.toFixed(0)} ms median   ${a.outputTokens} output tokens`;
+  const t = r.tlsOverPlaintext;
+  const verdict = Number.isNaN(t.low)
+    ? "too few rounds for a CI"
+    : t.low >= 0.95
+      ? "within 5% (CI low end ≥ 95%)"
+      : t.high < 0.95
+        ? "NOT within 5% (CI high end < 95%)"
+        : "undecided: the CI straddles 95% (more rounds, a quieter machine)";
+  return [
+    `kvfence cluster ${r.shape.prefill}+${r.shape.decode}, plaintext vs TLS links: ${r.rounds} interleaved rounds of ${r.requests} chat requests (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
+    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
+    arm("plaintext", r.plaintext),
+    arm("TLS", r.tls),
+    `TLS throughput / plaintext: ${pct(t.ratio)} [95% CI ${pct(t.low)}–${pct(t.high)}]: ${verdict}`,
+    `raw loopback socket: ${r.rawLoopbackGbps.median.toFixed(2)} GB/s [${r.rawLoopbackGbps.min.toFixed(2)}–${r.rawLoopbackGbps.max.toFixed(2)}]`,
+    ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
+  ].join("\n");
+}
+
+function positiveInt(name: string): (value: string) => number {
+  return (value) => {
+    const n = Number(value);
+    if (!Number.isInteger(n) || n < 1)
+      throw new InvalidArgumentError(`${name} must be a positive integer: ${value}`);
+    return n;
+  };
+}
+
+interface ClusterCliOptions {
+  prefill: number;
+  decode: number;
+  model?: string;
+  kvPages: number;
+  rounds: number;
+  warmup: number;
+  requests: number;
+  concurrency: number;
+  maxTokens: number;
+  promptChars: number;
+  tlsCert?: string;
+  tlsKey?: string;
+  tlsCa?: string;
+  json?: boolean;
+}
+
+/** `kvfence bench cluster`. */
+export function clusterCommand(): Command {
+  return new Command("cluster")
+    .description(
+      "Chat throughput of a local multi-process cluster with TLS links vs plaintext links (interleaved rounds, 95% CI of the ratio), beside the raw loopback socket",
+    )
+    .option("--prefill <n>", "prefill node processes per cluster", positiveInt("--prefill"), 2)
+    .option("--decode <n>", "decode node processes per cluster", positiveInt("--decode"), 2)
+    .option("--model <dir>", "Hugging Face model folder (default: bundled kvfence-tiny)")
+    .option("--kv-pages <n>", "KV pool of each node in pages", positiveInt("--kv-pages"), 256)
+    .option("--rounds <n>", "measured rounds (each runs both arms)", positiveInt("--rounds"), 10)
+    .option("--warmup <n>", "warm-up rounds", (v) => (v === "0" ? 0 : positiveInt("--warmup")(v)), 1)
+    .option("--requests <n>", "chat requests per arm per round", positiveInt("--requests"), 16)
+    .option("--concurrency <n>", "requests in flight", positiveInt("--concurrency"), 8)
+    .option("--max-tokens <n>", "max_tokens of each request", positiveInt("--max-tokens"), 64)
+    .option("--prompt-chars <n>", "characters per prompt", positiveInt("--prompt-chars"), 400)
+    .option(
+      "--tls-cert <file>",
+      "TLS arm: every process's certificate (default testing/fixtures/tls/node.crt)",
+    )
+    .option("--tls-key <file>", "TLS arm: its private key (default testing/fixtures/tls/node.key)")
+    .option("--tls-ca <file>", "TLS arm: the CA (default testing/fixtures/tls/ca.crt)")
+    .option("--json", "print the result as JSON")
+    .action(async (o: ClusterCliOptions) => {
+      try {
+        const d = defaultBenchTlsFiles();
+        const result = await runClusterBench({
+          prefill: o.prefill,
+          decode: o.decode,
+          ...(o.model === undefined ? {} : { model: o.model }),
+          kvPages: o.kvPages,
+          rounds: o.rounds,
+          warmup: o.warmup,
+          requests: o.requests,
+          concurrency: o.concurrency,
+          maxTokens: o.maxTokens,
+          promptChars: o.promptChars,
+          tlsFiles: { cert: o.tlsCert ?? d.cert, key: o.tlsKey ?? d.key, ca: o.tlsCa ?? d.ca },
+          log: o.json === true ? () => {} : (line) => process.stderr.write(`${line}\n`),
+        });
+        process.stdout.write(
+          `${o.json === true ? JSON.stringify(result, null, 2) : formatClusterReport(result)}\n`,
+        );
+        if (result.failures.length > 0) process.exitCode = 1;
+      } catch (err) {
+        process.stderr.write(`kvfence bench cluster: ${err instanceof Error ? err.message : String(err)}\n`);
+        process.exitCode = 1;
+      }
+    });
+}

@@ -1,0 +1,265 @@
+/**
+ * TLS on both cluster links (docs/tls.md): the control link (router ↔ node) and the TCP transfer
+ * connection (decode → prefill) work over mutual TLS; a peer presenting no certificate or one from
+ * another CA is refused on each link, in both directions; a plaintext client against a TLS port
+ * fails cleanly; and the bytes on the wire carry neither a known prompt string nor a page body.
+ */
+import assert from "node:assert/strict";
+import net from "node:net";
+import { test } from "node:test";
+import { clusterTls, noCertTls, otherCaTls } from "../../testing/tls-fixtures.js";
+import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
+import { connectControlLink, listenControlLinks } from "../cluster/control-link.js";
+import type { KvfenceError } from "../lib/errors.js";
+import { connectTcpReceiver, TcpTransferServer, type TcpTransferWriter } from "./tcp-transport.js";
+import { isLoopback, type LinkTls, linksExposure } from "./tls-config.js";
+
+const SECRET = "a-cluster-secret-of-some-length";
+const PAGE_BYTES = 4096;
+type Msg = { text: string };
+
+async function controlServer(tls: LinkTls | undefined, refused: KvfenceError[] = []) {
+  return listenControlLinks<Msg, Msg>({
+    host: "127.0.0.1",
+    port: 0,
+    secret: SECRET,
+    ...(tls === undefined ? {} : { tls }),
+    onRefused: (e) => refused.push(e),
+    onLink: (l) => l.onMessage((m) => l.send({ text: `echo ${m.text}` })),
+  });
+}
+
+async function controlRoundTrip(port: number, tls: LinkTls | undefined, text = "hello"): Promise<string> {
+  const link = await connectControlLink<Msg, Msg>({
+    host: "127.0.0.1",
+    port,
+    secret: SECRET,
+    ...(tls === undefined ? {} : { tls }),
+  });
+  try {
+    const reply = new Promise<string>((resolve) => link.onMessage((m) => resolve(m.text)));
+    link.send({ text });
+    return await reply;
+  } finally {
+    link.close();
+  }
+}
+
+test("control link over mutual TLS: a round trip with the cluster's certificates", async (t) => {
+  const server = await controlServer(clusterTls());
+  t.after(() => server.close());
+  assert.equal(await controlRoundTrip(server.port, clusterTls()), "echo hello");
+});
+
+test("control link: the node refuses a router with no certificate or one from another CA", async (t) => {
+  const refused: KvfenceError[] = [];
+  const server = await controlServer(clusterTls(), refused);
+  t.after(() => server.close());
+  for (const [name, tls] of [
+    ["no certificate", noCertTls()],
+    ["another CA", otherCaTls()],
+  ] as const) {
+    await assert.rejects(controlRoundTrip(server.port, tls), /handshake|certificate|alert|closed/i, name);
+  }
+  // The refusals happened in the TLS handshake, on the node's side.
+  for (let i = 0; i < 50 && refused.length < 2; i++) await new Promise((r) => setTimeout(r, 20));
+  assert.equal(refused.length, 2, refused.map((e) => e.message).join("; "));
+  for (const e of refused) assert.match(e.message, /TLS handshake .* --tls-ca/);
+  // The node still serves its own cluster.
+  assert.equal(await controlRoundTrip(server.port, clusterTls()), "echo hello");
+});
+
+test("control link: the router refuses a node whose certificate another CA issued", async (t) => {
+  const server = await controlServer(otherCaTls());
+  t.after(() => server.close());
+  await assert.rejects(controlRoundTrip(server.port, clusterTls()), (err: Error) => {
+    assert.match(err.message, /Cannot reach the node .* issued by --tls-ca/);
+    return true;
+  });
+});
+
+test("control link: a plaintext router against a TLS node fails cleanly", async (t) => {
+  const refused: KvfenceError[] = [];
+  const server = await controlServer(clusterTls(), refused);
+  t.after(() => server.close());
+  await assert.rejects(controlRoundTrip(server.port, undefined), /closed during the handshake/);
+  assert.equal(await controlRoundTrip(server.port, clusterTls()), "echo hello");
+});
+
+/** A transfer server, and a receiver connecting with `receiverTls`, optionally through `viaPort`. */
+async function transfer(serverTls: LinkTls | undefined) {
+  const errors: KvfenceError[] = [];
+  let resolveWriter: (w: TcpTransferWriter) => void = () => {};
+  const writer = new Promise<TcpTransferWriter>((resolve) => {
+    resolveWriter = resolve;
+  });
+  const server = await TcpTransferServer.listen({
+    secret: SECRET,
+    layoutSignature: "sig",
+    onWriter: resolveWriter,
+    onError: (e) => errors.push(e),
+    ...(serverTls === undefined ? {} : { tls: serverTls }),
+  });
+  const fx = transferFixture(8, PAGE_BYTES);
+  const controls: string[] = [];
+  let landed: () => void = () => {};
+  const lease = reserveLease(fx, 7, 1, 2);
+  const allLanded = new Promise<void>((resolve) => {
+    landed = resolve;
+  });
+  const connect = (receiverTls: LinkTls | undefined, port = server.port) =>
+    connectTcpReceiver({
+      port,
+      secret: SECRET,
+      layoutSignature: "sig",
+      pool: fx.pool,
+      table: fx.table,
+      pageBytes: PAGE_BYTES,
+      // Page bodies are read from the TLS socket straight into their pool pages, as with 64 KiB pages.
+      directReadMinBytes: PAGE_BYTES,
+      ...(receiverTls === undefined ? {} : { tls: receiverTls }),
+      handlers: {
+        pagesLanded: (_rid, _epoch, _from, to) => {
+          if (to === 2) landed();
+        },
+        control: (m) => controls.push(JSON.stringify(m)),
+      },
+    });
+  return { server, errors, writer, fx, lease, allLanded, controls, connect };
+}
+
+test("transfer over mutual TLS: pages land intact (direct reads into the pool through TLS)", async (t) => {
+  const x = await transfer(clusterTls());
+  t.after(() => x.server.close());
+  const receiver = await x.connect(clusterTls());
+  t.after(() => receiver.close());
+  const writer = await x.writer;
+  const pages = [sourcePage(PAGE_BYTES, 7, 0), sourcePage(PAGE_BYTES, 7, 1)];
+  await writer.writePages(
+    x.lease,
+    pages.map((bytes, index) => ({ index, bytes, filledTokens: 16 })),
+  );
+  await x.allLanded;
+  for (let i = 0; i < 2; i++) {
+    const page = x.lease.pages[i]!.page;
+    assert.deepEqual(x.fx.pool.subarray(page * PAGE_BYTES, (page + 1) * PAGE_BYTES), pages[i]);
+  }
+});
+
+test("transfer: prefill refuses a decode node with no certificate or one from another CA", async (t) => {
+  const x = await transfer(clusterTls());
+  t.after(() => x.server.close());
+  await assert.rejects(x.connect(noCertTls()), /alert|certificate|closed|handshake|reset/i);
+  await assert.rejects(x.connect(otherCaTls()), /alert|certificate|closed|handshake|reset/i);
+  for (let i = 0; i < 50 && x.errors.length < 2; i++) await new Promise((r) => setTimeout(r, 20));
+  assert.equal(x.errors.length, 2, x.errors.map((e) => e.message).join("; "));
+  for (const e of x.errors) assert.match(e.message, /TLS handshake .* --tls-ca/);
+});
+
+test("transfer: decode refuses a prefill node whose certificate another CA issued", async (t) => {
+  const x = await transfer(otherCaTls());
+  t.after(() => x.server.close());
+  await assert.rejects(x.connect(clusterTls()), /certificate|verify|signature/i);
+});
+
+test("transfer: a plaintext decode node against a TLS prefill port fails cleanly", async (t) => {
+  const x = await transfer(clusterTls());
+  t.after(() => x.server.close());
+  await assert.rejects(x.connect(undefined), /closed the transfer connection during the handshake/);
+  await new Promise((r) => setTimeout(r, 50));
+  assert.equal(x.errors.length, 1);
+});
+
+/** A TCP proxy on 127.0.0.1 that records every byte in both directions. */
+async function recordingProxy(targetPort: number) {
+  const chunks: Buffer[] = [];
+  const sockets = new Set<net.Socket>();
+  const server = net.createServer((client) => {
+    const upstream = net.connect({ host: "127.0.0.1", port: targetPort });
+    for (const s of [client, upstream]) {
+      sockets.add(s);
+      s.on("error", () => {});
+      s.on("close", () => {
+        client.destroy();
+        upstream.destroy();
+      });
+    }
+    client.on("data", (d: Buffer) => {
+      chunks.push(Buffer.from(d));
+      upstream.write(d);
+    });
+    upstream.on("data", (d: Buffer) => {
+      chunks.push(Buffer.from(d));
+      client.write(d);
+    });
+  });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  return {
+    port: (server.address() as net.AddressInfo).port,
+    bytes: () => Buffer.concat(chunks),
+    close: () =>
+      new Promise<void>((resolve) => {
+        for (const s of sockets) s.destroy();
+        server.close(() => resolve());
+      }),
+  };
+}
+
+const PROMPT = "The secret launch code is";
+
+for (const encrypted of [true, false]) {
+  const name = encrypted
+    ? "with TLS the wire carries neither a known prompt string nor a page body"
+    : "plaintext (the control case): the same bytes show the prompt string, so the check can fail";
+  test(name, async (t) => {
+    const tls = encrypted ? clusterTls() : undefined;
+    // Control link through the proxy: a prompt string in a message each way.
+    const control = await controlServer(tls);
+    t.after(() => control.close());
+    const controlProxy = await recordingProxy(control.port);
+    t.after(() => controlProxy.close());
+    assert.equal(await controlRoundTrip(controlProxy.port, tls, PROMPT), `echo ${PROMPT}`);
+    // Transfer through the proxy: a page body and a manifest-like control message.
+    const x = await transfer(tls);
+    t.after(() => x.server.close());
+    const transferProxy = await recordingProxy(x.server.port);
+    t.after(() => transferProxy.close());
+    const receiver = await x.connect(tls, transferProxy.port);
+    t.after(() => receiver.close());
+    const page = Buffer.alloc(PAGE_BYTES);
+    page.write(`${PROMPT} `.repeat(100));
+    const writer = await x.writer;
+    await writer.writePages(x.lease, [
+      { index: 0, bytes: page, filledTokens: 16 },
+      { index: 1, bytes: page, filledTokens: 16 },
+    ]);
+    await x.allLanded;
+    const wire = Buffer.concat([controlProxy.bytes(), transferProxy.bytes()]);
+    assert.ok(wire.length > 2 * PAGE_BYTES, `the proxies saw the traffic: ${wire.length} bytes`);
+    assert.equal(wire.includes(PROMPT), !encrypted);
+  });
+}
+
+test("isLoopback and linksExposure: who must have TLS", () => {
+  for (const h of ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "::ffff:127.0.0.1"])
+    assert.equal(isLoopback(h), true, h);
+  for (const h of ["0.0.0.0", "::", "10.0.0.5", "node-1.internal", "::ffff:10.0.0.1"])
+    assert.equal(isLoopback(h), false, h);
+  const base = { nodeHosts: [], tls: false, insecurePlaintextLinks: false };
+  assert.match(
+    linksExposure({ ...base, role: "decode", host: "0.0.0.0" }) ?? "",
+    /^The decode node would listen on 0\.0\.0\.0 .*plaintext.*--insecure-plaintext-links$/,
+  );
+  assert.equal(linksExposure({ ...base, role: "decode", host: "0.0.0.0", tls: true }), null);
+  assert.equal(
+    linksExposure({ ...base, role: "prefill", host: "0.0.0.0", insecurePlaintextLinks: true }),
+    null,
+  );
+  assert.equal(linksExposure({ ...base, role: "prefill", host: "127.0.0.1" }), null);
+  assert.match(
+    linksExposure({ ...base, role: "router", host: "127.0.0.1", nodeHosts: ["127.0.0.1", "10.0.0.7"] }) ?? "",
+    /router would reach the node at 10\.0\.0\.7/,
+  );
+  // The one-process topologies have no cluster links; the front door is docs/tls.md's business.
+  assert.equal(linksExposure({ ...base, role: "all", host: "0.0.0.0" }), null);
+});

@@ -1,6 +1,6 @@
 /**
  * The router's side of the transfer protocol (DESIGN.md §4), sans-IO: `routerStep(state, event,
- * config, safety, out)` mutates a plain-data state (cheap to copy and hash) and pushes effects.
+ * ctx)` mutates a plain-data state (cheap to copy and hash) and pushes effects into `ctx.out`.
  *
  * Per request: admit (the router's door, against the effective context: the minimum of the model's
  * window and every node's pool; a rejection contacts nobody and allocates nothing) → reserve at
@@ -25,6 +25,13 @@ export interface RouterConfig {
   readonly decodePoolTokens: number;
   /** Attempts per request (1 = no retry). */
   readonly maxAttempts: number;
+}
+
+/** Everything `routerStep` works with besides its state and event: config, guards and faults, effects sink. */
+export interface RouterContext {
+  readonly config: RouterConfig;
+  readonly safety: Safety;
+  readonly out: Effects;
 }
 
 export type RouterPhase = "reserving" | "prefilling" | "decoding" | "done";
@@ -84,13 +91,8 @@ export function contextLengthError(promptLen: number, maxTokens: number, limit: 
   };
 }
 
-export function routerStep(
-  state: RouterState,
-  event: RouterEvent,
-  config: RouterConfig,
-  safety: Safety,
-  out: Effects,
-): void {
+export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterContext): void {
+  const { config, safety, out } = ctx;
   switch (event.type) {
     case "submit":
       submit(state, event, config, safety, out);

@@ -140,6 +140,8 @@ class Sequence {
   stepEnd = 0;
   stepPrefill = false;
   inBatch = false;
+  /** Passed this step's page check (the forward pass computes it if it is still running). */
+  checked = false;
   ownership: PageOwnership = "local";
   /** The host's check of each step (`ExternalPages.checkStep`), or null: the engine checks. */
   hostCheck: (() => boolean) | null = null;
@@ -193,8 +195,23 @@ export class Engine {
   readonly #byRid = new Map<number, Sequence>();
   readonly #waiting = new Deque<Sequence>();
   readonly #running: Sequence[] = [];
-  readonly #batch: Sequence[] = [];
-  readonly #stepSequences: StepSequence[] = [];
+  /**
+   * This step's batch: its first `#batchLength` entries. Neither array here is ever truncated to
+   * length 0 — V8 drops an array's backing store then, and the next push allocates a new one: that
+   * was two allocations per step.
+   */
+  readonly #batch: (Sequence | null)[] = [];
+  #batchLength = 0;
+  /** `#stepViews[k]`: an array of exactly k step sequences, refilled for a step that runs k. */
+  readonly #stepViews: StepSequence[][] = [];
+  #stepCount = 0;
+  /** What a step view holds between steps (so it keeps no ended request alive). */
+  readonly #idleStep: StepSequence = {
+    tokens: new Int32Array(0),
+    startPos: 0,
+    blockTable: new Int32Array(0),
+    logits: null,
+  };
   readonly #logits: Float32Array[] = [];
   #tokenBudget = 0;
   #prefillBudget = 0;
@@ -248,6 +265,8 @@ export class Engine {
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
     this.capacity = Object.freeze({ poolTokens: pool.capacityTokens, pageSize: pool.pageSize, maxModelLen });
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
+    for (let k = 0; k <= this.#maxSequences; k++)
+      this.#stepViews.push(Array.from({ length: k }, () => this.#idleStep));
   }
 
   /** Tokens one request may span (prompt + max_tokens): the lesser of the context length and the pool. */
@@ -385,7 +404,6 @@ export class Engine {
    */
   step(): boolean {
     if (this.#byRid.size === 0) return false;
-    this.#batch.length = 0;
     this.#tokenBudget = this.#maxBatchTokens;
     this.#prefillBudget = this.#maxPrefillTokens;
     this.#preemptedThisStep = false;
@@ -450,10 +468,8 @@ export class Engine {
    */
   #checkBatch(): number {
     const batch = this.#batch;
-    const stepSequences = this.#stepSequences;
-    stepSequences.length = 0;
     let logitsUsed = 0;
-    for (let b = 0; b < batch.length; b++) {
+    for (let b = 0; b < this.#batchLength; b++) {
       const seq = batch[b]!;
       if (seq.hostCheck !== null) {
         // The host reported a failure itself (and may have aborted the request already).
@@ -478,18 +494,32 @@ export class Engine {
       s.startPos = seq.stepStart;
       s.blockTable = seq.pagesView();
       s.logits = seq.stepEnd === seq.length ? this.#logits[logitsUsed++]! : null;
-      stepSequences.push(s);
+      seq.checked = true;
     }
-    return stepSequences.length;
+    let count = 0;
+    for (let b = 0; b < this.#batchLength; b++) if (this.#runs(batch[b]!)) count++;
+    const view = this.#stepViews[count]!;
+    let k = 0;
+    for (let b = 0; b < this.#batchLength; b++) {
+      const seq = batch[b]!;
+      if (this.#runs(seq)) view[k++] = seq.step;
+    }
+    this.#stepCount = count;
+    return count;
+  }
+
+  /** True when `seq` passed this step's check and is still running: the forward pass computes it. */
+  #runs(seq: Sequence): boolean {
+    return seq.checked && seq.state === "running";
   }
 
   /** Phase 4: the forward pass, then stamp what it wrote (a decode node's host stamps its own). */
   #forward(): void {
-    this.#model.step(this.pool.data, this.#stepSequences);
+    this.#model.step(this.pool.data, this.#stepViews[this.#stepCount]!);
     const batch = this.#batch;
-    for (let b = 0; b < batch.length; b++) {
+    for (let b = 0; b < this.#batchLength; b++) {
       const seq = batch[b]!;
-      if (seq.state !== "running") continue;
+      if (!this.#runs(seq)) continue;
       if (seq.ownership !== "decode-external")
         this.pool.recordStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
       seq.computed = seq.stepEnd;
@@ -499,10 +529,10 @@ export class Engine {
   /** Phase 5: sample where a step reached the last token; report. Events may re-enter (abort). */
   #sample(): void {
     const batch = this.#batch;
-    for (let b = 0; b < batch.length; b++) {
+    for (let b = 0; b < this.#batchLength; b++) {
       const seq = batch[b]!;
       const logits = seq.step.logits;
-      if (seq.state !== "running" || logits === null || seq.computed !== seq.length) continue;
+      if (!this.#runs(seq) || logits === null || seq.computed !== seq.length) continue;
       const r = seq.request;
       const token = this.#sampler.sample(logits, r, seq.rng);
       seq.tokens[seq.length++] = token;
@@ -530,11 +560,17 @@ export class Engine {
   /** After the step: nobody is in the batch any more. */
   #endStep(): void {
     const batch = this.#batch;
-    for (let b = 0; b < batch.length; b++) {
-      batch[b]!.step.logits = null;
-      batch[b]!.inBatch = false;
+    for (let b = 0; b < this.#batchLength; b++) {
+      const seq = batch[b]!;
+      seq.step.logits = null;
+      seq.inBatch = false;
+      seq.checked = false;
+      batch[b] = null;
     }
-    batch.length = 0;
+    this.#batchLength = 0;
+    const view = this.#stepViews[this.#stepCount]!;
+    for (let k = 0; k < view.length; k++) view[k] = this.#idleStep;
+    this.#stepCount = 0;
   }
 
   /**
@@ -570,7 +606,7 @@ export class Engine {
     seq.inBatch = true;
     this.#tokenBudget -= n;
     if (prefill) this.#prefillBudget -= n;
-    this.#batch.push(seq);
+    this.#batch[this.#batchLength++] = seq;
   }
 
   #removeFromBatch(seq: Sequence): void {
@@ -579,8 +615,12 @@ export class Engine {
     const n = seq.stepEnd - seq.stepStart;
     this.#tokenBudget += n;
     if (seq.stepPrefill) this.#prefillBudget += n;
-    const i = this.#batch.indexOf(seq);
-    if (i >= 0) this.#batch.splice(i, 1);
+    const batch = this.#batch;
+    let i = 0;
+    while (i < this.#batchLength && batch[i] !== seq) i++;
+    if (i === this.#batchLength) return;
+    for (; i < this.#batchLength - 1; i++) batch[i] = batch[i + 1]!;
+    batch[--this.#batchLength] = null;
   }
 
   #doorCheck(r: GenerationRequest): WireError | null {

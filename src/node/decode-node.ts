@@ -103,7 +103,12 @@ export class DecodeNode {
   readonly #running = new Map<number, number>();
   /** Attempts whose abort was relayed to prefill, with the time, for the ABORT_ACK latency. */
   readonly #abortSent = new Map<string, bigint>();
-  readonly #out: Effects = [];
+  /**
+   * The machine's effects sink. Its first entry is a placeholder that is never handled, so the
+   * array is never truncated to length 0: V8 drops an array's backing store then, and the next
+   * push — every token's — would allocate a new one.
+   */
+  readonly #out: Effects = [{ kind: "stop", rid: -1, epoch: -1 }];
   readonly #context: DecodeContext;
   /** The envelope of every `tokens` message to the router, reused (see `DecodeNodeOptions.toRouter`). */
   readonly #tokensEnvelope: { kind: "protocol"; msg: ControlMessage } = {

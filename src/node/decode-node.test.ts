@@ -30,9 +30,19 @@ const PAGE = 16;
 const PREFILL = "p0";
 
 /** A decode node over a fresh engine, with one prefill channel attached and one request committed. */
-function committedDecode(options: { promptLen: number; maxTokens: number; numPages: number; window: number }) {
+function committedDecode(options: {
+  promptLen: number;
+  maxTokens: number;
+  numPages: number;
+  window: number;
+}) {
   const { config, weights } = randomModel({ seed: 5, vocabSize: 64, maxPositionEmbeddings: options.window });
-  const layout = { numLayers: config.numLayers, numKvHeads: config.numKvHeads, headDim: config.headDim, pageSize: PAGE };
+  const layout = {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize: PAGE,
+  };
   const forward = new ForwardPass(config, weights, layout, { maxBatchTokens: 16, maxSequences: 2 });
   const engine = new Engine(forward, new PagePool(layout, options.numPages));
   const seen = { tokens: 0, lastToken: -1, other: [] as ControlMessage[] };
@@ -96,7 +106,10 @@ test("DecodeNode allocates nothing per token (heap growth ~0 over 2000 decode to
     assert.ok(d.seen.tokens >= 7000, `one token to the router per step: ${d.seen.tokens}`);
     assert.deepEqual(d.seen.other, [], "no failure, nothing else sent");
     assert.ok(growths.length > 0, "a GC ran during every measured round");
-    assert.ok(Math.min(...growths) < 4096, `heap grew by ${growths.join(", ")} bytes over 2000 decode tokens`);
+    assert.ok(
+      Math.min(...growths) < 4096,
+      `heap grew by ${growths.join(", ")} bytes over 2000 decode tokens`,
+    );
   } finally {
     d.node.close();
   }
@@ -115,7 +128,10 @@ test("DecodeNode checks a token's pages once, in the machine, before the forward
     assert.equal(d.seen.tokens, 3, "no token after the foreign write");
     const failed = d.seen.other.find((m) => m.type === "failed");
     assert.equal(failed?.type === "failed" ? failed.error.code : "", "page_tag_mismatch");
-    assert.match(failed?.type === "failed" ? failed.error.message : "", /KV page 1 of request 1 is not its own/);
+    assert.match(
+      failed?.type === "failed" ? failed.error.message : "",
+      /KV page 1 of request 1 is not its own/,
+    );
     const stats = d.node.stats();
     assert.equal(stats.counters.tagCheckFailures, 1, "counted once");
     assert.equal(stats.counters.aborts, 0, "a failed check is not an abort");

@@ -229,7 +229,13 @@ test("decodeStep() checks every page of a step under the engine's rule: a page s
     decodeStep(state, event, decodeContext(pool, { maxModelLen: 8, layoutSignature: "test" }, SAFE, out));
     return out;
   };
-  const lease = sent(run({ type: "message", msg: { type: "reserve", rid: 1, epoch: 1, tenant: 0, promptLen: 3, maxTokens: 3 } }), "router")[0] as TransferLease;
+  const lease = sent(
+    run({
+      type: "message",
+      msg: { type: "reserve", rid: 1, epoch: 1, tenant: 0, promptLen: 3, maxTokens: 3 },
+    }),
+    "router",
+  )[0] as TransferLease;
   pool.write(lease.pages[0]!.page, 1, 1, 0, 2);
   pool.write(lease.pages[1]!.page, 1, 1, 1, 1);
   const manifest = { ...goodManifest(lease, 3) };

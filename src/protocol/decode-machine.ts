@@ -459,7 +459,13 @@ function step(state: DecodeState, key: string, token: number, ctx: DecodeContext
   out.push(send);
 }
 
-function finish(state: DecodeState, key: string, a: DecodeAttempt, tokens: number[], ctx: DecodeContext): void {
+function finish(
+  state: DecodeState,
+  key: string,
+  a: DecodeAttempt,
+  tokens: number[],
+  ctx: DecodeContext,
+): void {
   freeAll(a, ctx.pool);
   end(state, key);
   ctx.out.push({

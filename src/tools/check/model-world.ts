@@ -43,12 +43,7 @@ import {
   routerStep,
 } from "../../protocol/router-machine.js";
 import { guardOn, type Safety } from "../../protocol/safety.js";
-import {
-  attemptKey,
-  type ControlMessage,
-  type NodeRole,
-  type PageWriteHeader,
-} from "../../protocol/wire.js";
+import { attemptKey, type ControlMessage, type NodeRole, type PageWriteHeader } from "../../protocol/wire.js";
 
 export interface CheckRequest {
   readonly rid: number;

@@ -42,7 +42,6 @@
  */
 
 import { BlockTable } from "../kvcache/block-table.js";
-import { PAGE_STATE_NAMES } from "../kvcache/ownership-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
@@ -682,10 +681,9 @@ export class Engine {
         message: `KV page check failed for request ${seq.rid}: block table has ${bt.length} pages for ${seq.stepEnd} tokens`,
       };
     }
-    const page = bt.pages[logicalPage]!;
     return {
       code: "page_tag_mismatch",
-      message: `KV page check failed for request ${seq.rid} epoch ${seq.epoch} at logical page ${logicalPage}: physical page ${page} has generation ${t.generation(page)} (leased ${bt.generations[logicalPage]}), owner ${t.owner(page)}/${t.ownerEpoch(page)}, state ${PAGE_STATE_NAMES[t.state(page)]}, writer ${t.writerRid(page)}/${t.writerEpoch(page)}`,
+      message: `KV page check failed for request ${seq.rid} epoch ${seq.epoch} at logical page ${logicalPage} (leased at generation ${bt.generations[logicalPage]}): ${t.describe(bt.pages[logicalPage]!)}`,
     };
   }
 

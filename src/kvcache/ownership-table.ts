@@ -321,6 +321,13 @@ export class OwnershipTable {
     return -1;
   }
 
+  /** What the table says of `page`, for the error of a failed check (allocates: not for hot paths). */
+  describe(page: number): string {
+    if (page < 0 || page >= this.numPages)
+      return `page ${page} is outside the pool of ${this.numPages} pages`;
+    return `physical page ${page} has generation ${this.generation(page)}, owner ${this.owner(page)}/${this.ownerEpoch(page)}, state ${PAGE_STATE_NAMES[this.state(page)]}, writer ${this.writerRid(page)}/${this.writerEpoch(page)} filling ${this.filledTokens(page)} tokens`;
+  }
+
   /** Writes the page count of each state into `out` (no allocation). */
   countsInto(out: PageCounts): PageCounts {
     const header = this.#header;

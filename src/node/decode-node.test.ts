@@ -130,7 +130,7 @@ test("DecodeNode checks a token's pages once, in the machine, before the forward
     assert.equal(failed?.type === "failed" ? failed.error.code : "", "page_tag_mismatch");
     assert.match(
       failed?.type === "failed" ? failed.error.message : "",
-      /KV page 1 of request 1 is not its own/,
+      /KV page 1 of request 1 epoch 1 is not its own, .*writer 9\/1/,
     );
     const stats = d.node.stats();
     assert.equal(stats.counters.tagCheckFailures, 1, "counted once");

@@ -12,13 +12,15 @@
  * → the machine's `check`: the one page-tag check of a token, with the engine's own rule set; a
  * failure fails the attempt and the engine drops the request), and each token it samples feeds the
  * machine's `step` (which stamps the page the step wrote; at `max_tokens` it frees the pages and
- * reports `finished`). This per-token path allocates nothing (decode-node.test.ts measures it): the
- * events are the attempt's own, reused; the attempt key is built once, at commit; the `tokens`
- * message and its envelope to the router are reused, so `toRouter` must send a message on before it
- * returns and never keep it. A
- * stop token ends the attempt (the machine frees the committed pages) and reports `finished` with
- * reason `stop`; `stop` → `Engine.abort`. A fence closes the channel first, so no further frame of
- * that prefill node can land, and only then feeds `peer_lost`. Nothing is released on a timer.
+ * reports `finished`). A stop token ends the attempt (the machine frees the committed pages) and
+ * reports `finished` with reason `stop`; `stop` → `Engine.abort`. A fence closes the channel first,
+ * so no further frame of that prefill node can land, and only then feeds `peer_lost`. Nothing is
+ * released on a timer.
+ *
+ * The per-token path allocates nothing (decode-node.test.ts measures it): the events are the
+ * attempt's own, reused; the attempt key is built once, at commit; the `tokens` message and its
+ * envelope to the router are reused, so `toRouter` must send a message on before it returns and
+ * never keep it.
  *
  * Whenever a step frees pages the node tells the router (`pages_freed`), which retries the
  * requests it holds back because this pool was full.

@@ -405,13 +405,17 @@ function check(state: DecodeState, key: string, ctx: DecodeContext): void {
     );
     if (bad >= 0) {
       state.tagFailures++;
+      const at =
+        bad < a.pages.length
+          ? `leased at generation ${a.generations[bad]}: ${ctx.pool.table.describe(a.pages[bad]!)}`
+          : `${a.pages.length} pages cannot hold ${position + 1} tokens`;
       fail(
         state,
         key,
         a,
         {
           code: "page_tag_mismatch",
-          message: `The KV page ${bad} of request ${a.rid} is not its own: refusing to read it`,
+          message: `The KV page ${bad} of request ${a.rid} epoch ${a.epoch} is not its own, refusing to read it (${at})`,
         },
         ctx,
       );

@@ -92,13 +92,13 @@ export function contextLengthError(promptLen: number, maxTokens: number, limit: 
 }
 
 export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterContext): void {
-  const { config, safety, out } = ctx;
+  const { config, out } = ctx;
   switch (event.type) {
     case "submit":
-      submit(state, event, config, safety, out);
+      submit(state, event, ctx);
       return;
     case "message":
-      onMessage(state, event.msg, config, out);
+      onMessage(state, event.msg, ctx);
       return;
     case "client_abort": {
       const req = state.requests[event.rid];
@@ -144,10 +144,9 @@ export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterCo
 function submit(
   state: RouterState,
   event: Extract<RouterEvent, { type: "submit" }>,
-  config: RouterConfig,
-  safety: Safety,
-  out: Effects,
+  ctx: RouterContext,
 ): void {
+  const { config, safety, out } = ctx;
   if (state.requests[event.rid] !== undefined) {
     state.stale++;
     return;
@@ -171,7 +170,8 @@ function submit(
   sendReserve(req, out);
 }
 
-function onMessage(state: RouterState, msg: ControlMessage, config: RouterConfig, out: Effects): void {
+function onMessage(state: RouterState, msg: ControlMessage, ctx: RouterContext): void {
+  const { config, out } = ctx;
   const req = state.requests[msg.rid];
   if (req === undefined || req.epoch !== msg.epoch || req.phase === "done") {
     state.stale++;

@@ -35,6 +35,7 @@ import type {
 import {
   initialRouterState,
   type RouterConfig,
+  type RouterContext,
   type RouterEvent,
   type RouterState,
   routerStep,
@@ -101,6 +102,7 @@ export class DisaggregatedEngine implements EngineHandle {
   readonly #requests = new Map<number, Pending>();
   readonly #statsWaiters = new Map<number, { node: string; resolve: (s: NodeStats | null) => void }>();
   readonly #out: Effects = [];
+  readonly #routerContext: RouterContext;
   /** Per-transfer GB/s and ABORT_ACK latencies drained from the nodes, until `takeObservations`. */
   #gbps: number[] = [];
   #ackSeconds: number[] = [];
@@ -137,6 +139,7 @@ export class DisaggregatedEngine implements EngineHandle {
       decodePoolTokens: min((n) => n.hello.poolTokens, options.decode),
       maxAttempts: options.maxAttempts ?? 1,
     };
+    this.#routerContext = { config: this.#config, safety: this.#safety, out: this.#out };
     // The undersized-pool fault with the admission doors off: the HTTP door trusts the model's
     // window alone (no min over the pools), as in the incident.
     const trustWindow =
@@ -512,7 +515,7 @@ export class DisaggregatedEngine implements EngineHandle {
   #step(pair: Pair, event: RouterEvent): void {
     const out = this.#out;
     const start = out.length;
-    routerStep(pair.state, event, this.#config, this.#safety, out);
+    routerStep(pair.state, event, this.#routerContext);
     const effects = out.splice(start);
     for (const effect of effects) {
       switch (effect.kind) {

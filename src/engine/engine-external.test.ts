@@ -159,3 +159,55 @@ test("Engine.abort of an external request leaves its host pages leased", () => {
   for (const s of pages) assert.notEqual(engine.pool.table.state(s.page), PageState.FREE);
   assert.equal(out.outcome.finish, null);
 });
+
+test("Engine.submitDecode with the host's check asks the host before every step, instead of checking itself", () => {
+  const p = prompt(9, 2);
+  const { decode, dest, firstToken } = disaggregated(p, 4, 1);
+  // A foreign stamp the engine's own check would refuse: with a host check, the host decides.
+  decode.pool.table.stampWriter(dest[1]!.page, 99, 1, P);
+  const asked: number[] = [];
+  let position = 9;
+  const out = recorder();
+  const pages = {
+    epoch: 1,
+    pages: dest,
+    checkStep: () => {
+      asked.push(position);
+      return true;
+    },
+  };
+  decode.submitDecode(request(7, Array(9).fill(0), 4), pages, firstToken, {
+    ...out.events,
+    onTokens(ids) {
+      stampStep(decode, dest, position++, 1);
+      out.events.onTokens(ids);
+    },
+  });
+  runUntilIdle(decode);
+  assert.deepEqual(asked, [9, 10, 11], "once per step, before it");
+  assert.equal(out.outcome.tokens.length, 3);
+  assert.equal(decode.stats().counters.tagCheckFailures, 0, "the engine did not check too");
+});
+
+test("Engine.submitDecode drops a request whose host check failed, without an event, leaving its pages", () => {
+  const p = prompt(9, 2);
+  const { decode, dest, firstToken } = disaggregated(p, 4, 1);
+  const out = recorder();
+  let position = 9;
+  const pages = { epoch: 1, pages: dest, checkStep: () => position < 10 };
+  decode.submitDecode(request(7, Array(9).fill(0), 4), pages, firstToken, {
+    ...out.events,
+    onTokens(ids) {
+      stampStep(decode, dest, position++, 1);
+      out.events.onTokens(ids);
+    },
+  });
+  runUntilIdle(decode);
+  assert.equal(out.outcome.tokens.length, 1, "the step the host refused never ran");
+  assert.equal(out.outcome.finish, null);
+  assert.equal(out.outcome.error, null, "the host reports its own failure");
+  assert.equal(decode.busy, false);
+  assert.equal(decode.stats().counters.aborts, 0);
+  for (const s of dest)
+    assert.notEqual(decode.pool.table.state(s.page), PageState.FREE, "the host owns the pages");
+});

@@ -17,11 +17,19 @@
  * 3. **The read guard.** Every page of every block table in the batch is checked against the
  *    ownership table (`PagePool.checkStep`: generation, owner rid/epoch, state, writer stamp, filled
  *    tokens). A request that fails is ended with `page_tag_mismatch` and counted; the rest of the
- *    batch goes on. Integer compares only.
+ *    batch goes on. Integer compares only. A decode node's request is checked by its host instead
+ *    (`ExternalPages.checkStep`: the decode state machine, with the same rule), so each token is
+ *    checked exactly once.
  * 4. **Forward**, then `PagePool.recordStep` stamps the written pages and marks fresh ones READY.
  * 5. **Sampling** for every request whose step reached its last token: its per-request seeded
  *    generator draws the next token; a stop token id ends it with `stop` (the stop token is counted
  *    in usage but not reported in `onTokens`), `maxTokens` with `length`.
+ *
+ * `step()` runs these as named phases (`#scheduleRunning`, `#admitWaiting`, `#checkBatch`,
+ * `#forward`, `#sample`). A decode step of a running request allocates nothing: the token it feeds
+ * the forward pass and the array `onTokens` receives are the request's own, reused (listeners copy
+ * what they keep). The waiting queue is a ring-buffer deque: admission pops its front, a preempted
+ * request goes back to its front, both O(1).
  *
  * Abort frees a request's pages at once (nothing writes them outside `step()`), exactly once, and
  * silences it.
@@ -34,7 +42,6 @@
  */
 
 import { BlockTable } from "../kvcache/block-table.js";
-import { PAGE_STATE_NAMES } from "../kvcache/ownership-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
@@ -49,6 +56,7 @@ import type {
   GenerationRequest,
 } from "../protocol/engine-api.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
+import { Deque } from "./deque.js";
 
 /** What the engine needs from the forward pass (`ForwardPass` implements it). */
 export interface StepModel {
@@ -73,27 +81,43 @@ export interface EngineOptions {
   readonly seed?: number;
 }
 
-const WAITING = 0;
-const RUNNING = 1;
-const DONE = 2;
+/** Where a request is: queued for admission, in the running set, or ended (pages freed, silenced). */
+type SequenceState = "waiting" | "running" | "done";
 
-/** How a request's pages are owned (see `Engine.submitPrefill` / `Engine.submitDecode`). */
-const LOCAL = 0;
-/** Prefill node: compute the prompt into host-leased pages, sample the first token, stop. */
-const PREFILL_ONLY = 1;
-/** Decode node: the prompt's KV arrived by transfer into host-leased pages; the host stamps writes. */
-const DECODE_EXTERNAL = 2;
+/**
+ * How a request's pages are owned (see `Engine.submitPrefill` / `Engine.submitDecode`):
+ * - `local`: the engine leases, frees and preempts them (one engine serving a request end to end);
+ * - `prefill-only`: a prefill node's, host-leased: compute the prompt into them, sample the first
+ *   token, stop;
+ * - `decode-external`: a decode node's, host-leased: the prompt's KV arrived by transfer; the host
+ *   stamps the page each step writes (and, given `checkStep`, checks each step's pages).
+ * The last two are never allocated, freed or preempted by the engine.
+ */
+type PageOwnership = "local" | "prefill-only" | "decode-external";
+
+/** What `#schedule` did with a running request. */
+type ScheduleOutcome =
+  /** In this step's batch. */
+  | "scheduled"
+  /** It was the newest running request and went back to the queue to free pages. */
+  | "preempted"
+  /** Alone and still short of pages (held outside this engine): ended with `pool_exhausted`. */
+  | "failed";
 
 /** Pages a host (a protocol state machine) leased for a request, in logical order. */
 export interface ExternalPages {
   /** The protocol attempt that holds the pages; the engine checks and stamps under it. */
   readonly epoch: number;
   readonly pages: readonly { readonly page: number; readonly generation: number }[];
+  /**
+   * Decode only: the host's page-tag check of the request's next step, run before its forward pass
+   * in place of the engine's own `PagePool.checkStep` (the decode node's state machine owns the
+   * check of its committed requests, with the same rule set, so a token is checked once). False:
+   * the host failed the request and reported it; the engine drops it without an event. Without it
+   * the engine checks the pages itself.
+   */
+  readonly checkStep?: () => boolean;
 }
-
-const SCHEDULED = 0;
-const PREEMPTED = 1;
-const FAILED = 2;
 
 /** One request inside the engine. */
 class Sequence {
@@ -113,15 +137,22 @@ class Sequence {
   /** Tokens whose K/V is in the pool. */
   computed = 0;
   generated = 0;
-  state = WAITING;
+  state: SequenceState = "waiting";
   preempted = false;
   /** Tokens [stepStart, stepEnd) are in the current step. */
   stepStart = 0;
   stepEnd = 0;
   stepPrefill = false;
   inBatch = false;
-  /** LOCAL, PREFILL_ONLY or DECODE_EXTERNAL: the last two never allocate, free or preempt pages. */
-  mode = LOCAL;
+  /** Passed this step's page check (the forward pass computes it if it is still running). */
+  checked = false;
+  ownership: PageOwnership = "local";
+  /** The host's check of each step (`ExternalPages.checkStep`), or null: the engine checks. */
+  hostCheck: (() => boolean) | null = null;
+  /** The one token of a decode step, fed to the forward pass (reused: no view per step). */
+  readonly decodeInput = new Int32Array(1);
+  /** The array `onTokens` receives a sampled token in (reused: listeners copy what they keep). */
+  readonly sampled: number[] = [0];
   #pagesView: Int32Array;
 
   constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {
@@ -166,10 +197,25 @@ export class Engine {
   readonly #seeds: Prng;
   readonly #sampler: Sampler;
   readonly #byRid = new Map<number, Sequence>();
-  readonly #waiting: Sequence[] = [];
+  readonly #waiting = new Deque<Sequence>();
   readonly #running: Sequence[] = [];
-  readonly #batch: Sequence[] = [];
-  readonly #stepSequences: StepSequence[] = [];
+  /**
+   * This step's batch: its first `#batchLength` entries. Neither array here is ever truncated to
+   * length 0 — V8 drops an array's backing store then, and the next push allocates a new one: that
+   * was two allocations per step.
+   */
+  readonly #batch: (Sequence | null)[] = [];
+  #batchLength = 0;
+  /** `#stepViews[k]`: an array of exactly k step sequences, refilled for a step that runs k. */
+  readonly #stepViews: StepSequence[][] = [];
+  #stepCount = 0;
+  /** What a step view holds between steps (so it keeps no ended request alive). */
+  readonly #idleStep: StepSequence = {
+    tokens: new Int32Array(0),
+    startPos: 0,
+    blockTable: new Int32Array(0),
+    logits: null,
+  };
   readonly #logits: Float32Array[] = [];
   #tokenBudget = 0;
   #prefillBudget = 0;
@@ -223,6 +269,8 @@ export class Engine {
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
     this.capacity = Object.freeze({ poolTokens: pool.capacityTokens, pageSize: pool.pageSize, maxModelLen });
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
+    for (let k = 0; k <= this.#maxSequences; k++)
+      this.#stepViews.push(Array.from({ length: k }, () => this.#idleStep));
   }
 
   /** Tokens one request may span (prompt + max_tokens): the lesser of the context length and the pool. */
@@ -248,7 +296,7 @@ export class Engine {
     const seed = request.seed ?? this.#seeds.nextUint32();
     const seq = new Sequence(request, events, this.pool.pageSize, seed);
     this.#byRid.set(seq.rid, seq);
-    this.#waiting.push(seq);
+    this.#waiting.pushBack(seq);
     this.#counters.promptTokens += seq.promptLength;
   }
 
@@ -259,15 +307,17 @@ export class Engine {
    * `onFinish("length")`, and leaves the pages to the host (never frees or preempts them).
    */
   submitPrefill(request: GenerationRequest, pages: ExternalPages, events: GenerationEvents): void {
-    this.#submitExternal(request, pages, events, PREFILL_ONLY, -1);
+    this.#submitExternal(request, pages, events, "prefill-only", -1);
   }
 
   /**
    * Queues a request whose prompt KV is already in `pages` (the decode node, after the transfer
    * committed): `request.promptTokens` only gives the prompt's length (the ids are not read),
-   * `firstToken` was sampled by prefill. The engine checks the page tags before every step and
-   * reports each sampled token; the host stamps the page each step writes (the decode state
-   * machine's `step` event, fed from `onTokens`) and owns the pages (the engine never frees them).
+   * `firstToken` was sampled by prefill. Before every step the page tags are checked — by the host
+   * when `pages.checkStep` is given (the decode state machine's `check` event), else by the engine
+   * — and each sampled token is reported; the host stamps the page each step writes (the decode
+   * state machine's `step` event, fed from `onTokens`) and owns the pages (the engine never frees
+   * them).
    */
   submitDecode(
     request: GenerationRequest,
@@ -275,14 +325,14 @@ export class Engine {
     firstToken: number,
     events: GenerationEvents,
   ): void {
-    this.#submitExternal(request, pages, events, DECODE_EXTERNAL, firstToken);
+    this.#submitExternal(request, pages, events, "decode-external", firstToken);
   }
 
   #submitExternal(
     request: GenerationRequest,
     pages: ExternalPages,
     events: GenerationEvents,
-    mode: number,
+    ownership: PageOwnership,
     firstToken: number,
   ): void {
     const refusal = this.#doorCheck(request);
@@ -299,10 +349,11 @@ export class Engine {
       });
       return;
     }
-    seq.mode = mode;
+    seq.ownership = ownership;
     seq.epoch = pages.epoch;
     for (const p of pages.pages) seq.blockTable.push(p.page, p.generation);
-    if (mode === DECODE_EXTERNAL) {
+    if (ownership === "decode-external") {
+      seq.hostCheck = pages.checkStep ?? null;
       seq.computed = seq.promptLength;
       seq.tokens[seq.length++] = firstToken;
       seq.generated = 1;
@@ -311,7 +362,7 @@ export class Engine {
       if (request.temperature > 0 && request.topK !== 1) seq.rng.next();
     }
     this.#byRid.set(seq.rid, seq);
-    this.#waiting.push(seq);
+    this.#waiting.pushBack(seq);
     this.#counters.promptTokens += seq.promptLength;
   }
 
@@ -357,20 +408,28 @@ export class Engine {
    */
   step(): boolean {
     if (this.#byRid.size === 0) return false;
-    const batch = this.#batch;
-    batch.length = 0;
     this.#tokenBudget = this.#maxBatchTokens;
     this.#prefillBudget = this.#maxPrefillTokens;
     this.#preemptedThisStep = false;
-    const running = this.#running;
+    this.#scheduleRunning();
+    this.#admitWaiting();
+    if (this.#checkBatch() > 0) {
+      this.#forward();
+      this.#sample();
+    }
+    this.#endStep();
+    return this.#byRid.size > 0;
+  }
 
-    // 1. Running requests, oldest first: decode tokens, then prefill chunks.
+  /** Phase 1: running requests, oldest first — their decode tokens, then their prefill chunks. */
+  #scheduleRunning(): void {
+    const running = this.#running;
     for (let i = 0; i < running.length; i++) {
       const seq = running[i]!;
       if (
         seq.length - seq.computed === 1 &&
         this.#tokenBudget > 0 &&
-        this.#schedule(seq, 1, false) === FAILED
+        this.#schedule(seq, 1, false) === "failed"
       )
         i--;
     }
@@ -379,37 +438,51 @@ export class Engine {
       const remaining = seq.length - seq.computed;
       if (remaining <= 1) continue;
       const n = Math.min(remaining, this.#prefillBudget, this.#tokenBudget);
-      if (n > 0 && this.#schedule(seq, n, true) === FAILED) i--;
+      if (n > 0 && this.#schedule(seq, n, true) === "failed") i--;
     }
+  }
 
-    // 2. Admission, FIFO, while sequence slots, budget and pages last (not after a preemption).
+  /** Phase 2: admission, FIFO, while sequence slots, budget and pages last (not after a preemption). */
+  #admitWaiting(): void {
     const waiting = this.#waiting;
+    const running = this.#running;
     while (!this.#preemptedThisStep && waiting.length > 0 && running.length < this.#maxSequences) {
-      const seq = waiting[0]!;
+      const seq = waiting.peekFront()!;
       const remaining = seq.length - seq.computed;
       const prefill = remaining > 1;
       const n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
       if (n <= 0) break;
       if (
-        seq.mode === LOCAL &&
+        seq.ownership === "local" &&
         !this.pool.allocate(Math.ceil(n / this.pool.pageSize), seq.rid, seq.epoch, seq.tenant, seq.blockTable)
       )
         break;
-      waiting.shift();
-      seq.state = RUNNING;
+      waiting.popFront();
+      seq.state = "running";
       seq.preempted = false;
       running.push(seq);
       this.#addToBatch(seq, n, prefill);
     }
-    if (batch.length === 0) return this.#byRid.size > 0;
+  }
 
-    // 3. The read guard, then the step's sequences.
-    const stepSequences = this.#stepSequences;
-    stepSequences.length = 0;
+  /**
+   * Phase 3: the read guard of every request in the batch (the host's check for a decode node's
+   * request, else `PagePool.checkStep`), and the forward pass's view of those that pass. Returns
+   * how many sequences the forward pass runs.
+   */
+  #checkBatch(): number {
+    const batch = this.#batch;
     let logitsUsed = 0;
-    for (let b = 0; b < batch.length; b++) {
+    for (let b = 0; b < this.#batchLength; b++) {
       const seq = batch[b]!;
-      if (this.#tagCheck) {
+      if (seq.hostCheck !== null) {
+        // The host reported a failure itself (and may have aborted the request already).
+        if (!seq.hostCheck()) {
+          this.#end(seq);
+          continue;
+        }
+        if (seq.state !== "running") continue;
+      } else if (this.#tagCheck) {
         const bad = this.pool.checkStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
         if (bad >= 0) {
           this.#counters.tagCheckFailures++;
@@ -418,37 +491,61 @@ export class Engine {
         }
       }
       const s = seq.step;
-      s.tokens = seq.tokens.subarray(seq.stepStart, seq.stepEnd);
+      if (seq.stepEnd - seq.stepStart === 1) {
+        seq.decodeInput[0] = seq.tokens[seq.stepStart]!;
+        s.tokens = seq.decodeInput;
+      } else s.tokens = seq.tokens.subarray(seq.stepStart, seq.stepEnd);
       s.startPos = seq.stepStart;
       s.blockTable = seq.pagesView();
       s.logits = seq.stepEnd === seq.length ? this.#logits[logitsUsed++]! : null;
-      stepSequences.push(s);
+      seq.checked = true;
     }
-    if (stepSequences.length === 0) return this.#byRid.size > 0;
-
-    // 4. Forward, then stamp what it wrote.
-    this.#model.step(this.pool.data, stepSequences);
-    for (let b = 0; b < batch.length; b++) {
+    let count = 0;
+    for (let b = 0; b < this.#batchLength; b++) if (this.#runs(batch[b]!)) count++;
+    const view = this.#stepViews[count]!;
+    let k = 0;
+    for (let b = 0; b < this.#batchLength; b++) {
       const seq = batch[b]!;
-      if (seq.state !== RUNNING) continue;
-      if (seq.mode !== DECODE_EXTERNAL)
+      if (this.#runs(seq)) view[k++] = seq.step;
+    }
+    this.#stepCount = count;
+    return count;
+  }
+
+  /** True when `seq` passed this step's check and is still running: the forward pass computes it. */
+  #runs(seq: Sequence): boolean {
+    return seq.checked && seq.state === "running";
+  }
+
+  /** Phase 4: the forward pass, then stamp what it wrote (a decode node's host stamps its own). */
+  #forward(): void {
+    this.#model.step(this.pool.data, this.#stepViews[this.#stepCount]!);
+    const batch = this.#batch;
+    for (let b = 0; b < this.#batchLength; b++) {
+      const seq = batch[b]!;
+      if (!this.#runs(seq)) continue;
+      if (seq.ownership !== "decode-external")
         this.pool.recordStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
       seq.computed = seq.stepEnd;
     }
+  }
 
-    // 5. Sample where a step reached the last token; report. Events may re-enter (abort).
-    for (let b = 0; b < batch.length; b++) {
+  /** Phase 5: sample where a step reached the last token; report. Events may re-enter (abort). */
+  #sample(): void {
+    const batch = this.#batch;
+    for (let b = 0; b < this.#batchLength; b++) {
       const seq = batch[b]!;
       const logits = seq.step.logits;
-      if (seq.state !== RUNNING || logits === null || seq.computed !== seq.length) continue;
+      if (!this.#runs(seq) || logits === null || seq.computed !== seq.length) continue;
       const r = seq.request;
       const token = this.#sampler.sample(logits, r, seq.rng);
       seq.tokens[seq.length++] = token;
       seq.generated++;
       this.#counters.completionTokens++;
-      if (seq.mode === PREFILL_ONLY) {
+      seq.sampled[0] = token;
+      if (seq.ownership === "prefill-only") {
         this.#end(seq);
-        seq.events.onTokens([token]);
+        seq.events.onTokens(seq.sampled);
         seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: 1 });
         continue;
       }
@@ -458,41 +555,52 @@ export class Engine {
       }
       const done = seq.generated >= r.maxTokens;
       if (done) this.#end(seq);
-      seq.events.onTokens([token]);
+      seq.events.onTokens(seq.sampled);
       if (done)
         seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
     }
-    for (let b = 0; b < batch.length; b++) {
-      batch[b]!.step.logits = null;
-      batch[b]!.inBatch = false;
+  }
+
+  /** After the step: nobody is in the batch any more. */
+  #endStep(): void {
+    const batch = this.#batch;
+    for (let b = 0; b < this.#batchLength; b++) {
+      const seq = batch[b]!;
+      seq.step.logits = null;
+      seq.inBatch = false;
+      seq.checked = false;
+      batch[b] = null;
     }
-    return this.#byRid.size > 0;
+    this.#batchLength = 0;
+    const view = this.#stepViews[this.#stepCount]!;
+    for (let k = 0; k < view.length; k++) view[k] = this.#idleStep;
+    this.#stepCount = 0;
   }
 
   /**
    * Leases the pages `n` more tokens of running `seq` need and adds it to the batch, preempting the
-   * newest running requests while the pool is short. Returns SCHEDULED, PREEMPTED (seq itself was
-   * the newest and went back to the queue) or FAILED (alone and still short: pages are held outside
-   * this engine; the request is ended with `pool_exhausted`).
+   * newest running requests while the pool is short.
    */
-  #schedule(seq: Sequence, n: number, prefill: boolean): number {
+  #schedule(seq: Sequence, n: number, prefill: boolean): ScheduleOutcome {
     const running = this.#running;
     const pagesNeeded =
-      seq.mode === LOCAL ? Math.ceil((seq.computed + n) / this.pool.pageSize) - seq.blockTable.length : 0;
+      seq.ownership === "local"
+        ? Math.ceil((seq.computed + n) / this.pool.pageSize) - seq.blockTable.length
+        : 0;
     while (!this.pool.allocate(pagesNeeded, seq.rid, seq.epoch, seq.tenant, seq.blockTable)) {
       const victim = running[running.length - 1]!;
-      if ((victim === seq && running.length === 1) || victim.mode !== LOCAL) {
+      if ((victim === seq && running.length === 1) || victim.ownership !== "local") {
         this.#fail(seq, {
           code: "pool_exhausted",
           message: `KV pool has no free page for request ${seq.rid}: ${this.pool.counts().free} free of ${this.pool.numPages}; retry later`,
         });
-        return FAILED;
+        return "failed";
       }
       this.#preempt(victim);
-      if (victim === seq) return PREEMPTED;
+      if (victim === seq) return "preempted";
     }
     this.#addToBatch(seq, n, prefill);
-    return SCHEDULED;
+    return "scheduled";
   }
 
   #addToBatch(seq: Sequence, n: number, prefill: boolean): void {
@@ -502,7 +610,7 @@ export class Engine {
     seq.inBatch = true;
     this.#tokenBudget -= n;
     if (prefill) this.#prefillBudget -= n;
-    this.#batch.push(seq);
+    this.#batch[this.#batchLength++] = seq;
   }
 
   #removeFromBatch(seq: Sequence): void {
@@ -511,7 +619,12 @@ export class Engine {
     const n = seq.stepEnd - seq.stepStart;
     this.#tokenBudget += n;
     if (seq.stepPrefill) this.#prefillBudget += n;
-    this.#remove(this.#batch, seq);
+    const batch = this.#batch;
+    let i = 0;
+    while (i < this.#batchLength && batch[i] !== seq) i++;
+    if (i === this.#batchLength) return;
+    for (; i < this.#batchLength - 1; i++) batch[i] = batch[i + 1]!;
+    batch[--this.#batchLength] = null;
   }
 
   #doorCheck(r: GenerationRequest): WireError | null {
@@ -573,10 +686,9 @@ export class Engine {
         message: `KV page check failed for request ${seq.rid}: block table has ${bt.length} pages for ${seq.stepEnd} tokens`,
       };
     }
-    const page = bt.pages[logicalPage]!;
     return {
       code: "page_tag_mismatch",
-      message: `KV page check failed for request ${seq.rid} epoch ${seq.epoch} at logical page ${logicalPage}: physical page ${page} has generation ${t.generation(page)} (leased ${bt.generations[logicalPage]}), owner ${t.owner(page)}/${t.ownerEpoch(page)}, state ${PAGE_STATE_NAMES[t.state(page)]}, writer ${t.writerRid(page)}/${t.writerEpoch(page)}`,
+      message: `KV page check failed for request ${seq.rid} epoch ${seq.epoch} at logical page ${logicalPage} (leased at generation ${bt.generations[logicalPage]}): ${t.describe(bt.pages[logicalPage]!)}`,
     };
   }
 
@@ -584,12 +696,12 @@ export class Engine {
     this.#removeFromBatch(seq);
     this.#preemptedThisStep = true;
     this.pool.free(seq.blockTable, seq.rid, seq.epoch);
-    this.#remove(this.#running, seq);
+    this.#removeRunning(seq);
     seq.epoch = (seq.epoch + 1) >>> 0;
     seq.computed = 0;
-    seq.state = WAITING;
+    seq.state = "waiting";
     seq.preempted = true;
-    this.#waiting.unshift(seq);
+    this.#waiting.pushFront(seq);
     this.#counters.preemptions++;
   }
 
@@ -605,16 +717,17 @@ export class Engine {
 
   /** Frees the request's pages and forgets it; later calls for the same request do nothing. */
   #end(seq: Sequence): void {
-    if (seq.state === DONE) return;
-    if (seq.mode === LOCAL) this.pool.free(seq.blockTable, seq.rid, seq.epoch);
+    if (seq.state === "done") return;
+    if (seq.ownership === "local") this.pool.free(seq.blockTable, seq.rid, seq.epoch);
     else seq.blockTable.clear();
-    this.#remove(seq.state === RUNNING ? this.#running : this.#waiting, seq);
-    seq.state = DONE;
+    if (seq.state === "running") this.#removeRunning(seq);
+    else this.#waiting.remove(seq);
+    seq.state = "done";
     this.#byRid.delete(seq.rid);
   }
 
-  #remove(list: Sequence[], seq: Sequence): void {
-    const i = list.indexOf(seq);
-    if (i >= 0) list.splice(i, 1);
+  #removeRunning(seq: Sequence): void {
+    const i = this.#running.indexOf(seq);
+    if (i >= 0) this.#running.splice(i, 1);
   }
 }

@@ -271,6 +271,63 @@ export class OwnershipTable {
     );
   }
 
+  /**
+   * The page-tag check of one step of `(rid, epoch)` that computes tokens `[start, end)` over the
+   * `count` pages `pages`/`generations` (logical order, `pageSize` tokens each): -1 when every page
+   * passes, else the first failing logical page (`count` when the pages cannot hold `end` tokens).
+   * The one rule set of every read guard — the engine's `PagePool.checkStep` and the decode state
+   * machine's per-token check both call it (the rule is spelled out in `page-pool.ts`):
+   *
+   * - a page holding earlier tokens (`j·P < start`) passes `checkRead` and its stamped filled tokens
+   *   cover every slot of it the step reads but does not write;
+   * - a page the step writes first (`start ≤ j·P < end`) passes `checkWrite` (RESERVED at the leased
+   *   generation for `(rid, epoch)`);
+   * - a page past `end` is leased to `(rid, epoch)` at its generation, RESERVED or READY.
+   *
+   * Integer compares only; allocates nothing.
+   */
+  checkStep(
+    pageSize: number,
+    pages: ArrayLike<number>,
+    generations: ArrayLike<number>,
+    count: number,
+    rid: number,
+    epoch: number,
+    start: number,
+    end: number,
+  ): number {
+    const P = pageSize;
+    if (count * P < end) return count; // the step would write past the leased pages
+    for (let j = 0; j < count; j++) {
+      const page = pages[j]!;
+      const generation = generations[j]!;
+      if (page < 0 || page >= this.numPages) return j;
+      const first = j * P;
+      if (first < start) {
+        if (!this.checkRead(page, generation, rid, epoch)) return j;
+        if (this.#filledTokens[page]! < Math.min(start - first, P)) return j;
+      } else if (first < end) {
+        if (!this.checkWrite(page, generation, rid, epoch)) return j;
+      } else {
+        const state = this.#state[page];
+        if (
+          !this.#holds(page, generation, rid, epoch) ||
+          (state !== PageState.RESERVED && state !== PageState.READY)
+        ) {
+          return j;
+        }
+      }
+    }
+    return -1;
+  }
+
+  /** What the table says of `page`, for the error of a failed check (allocates: not for hot paths). */
+  describe(page: number): string {
+    if (page < 0 || page >= this.numPages)
+      return `page ${page} is outside the pool of ${this.numPages} pages`;
+    return `physical page ${page} has generation ${this.generation(page)}, owner ${this.owner(page)}/${this.ownerEpoch(page)}, state ${PAGE_STATE_NAMES[this.state(page)]}, writer ${this.writerRid(page)}/${this.writerEpoch(page)} filling ${this.filledTokens(page)} tokens`;
+  }
+
   /** Writes the page count of each state into `out` (no allocation). */
   countsInto(out: PageCounts): PageCounts {
     const header = this.#header;

@@ -32,6 +32,11 @@
  * a page is READY once any of its tokens are computed, and stays READY while its owner appends.
  * A page reserved but never written keeps an earlier request's stamp and never turns READY through
  * this path, so a read of it fails the check.
+ *
+ * The rule is written once, in `OwnershipTable.checkStep`: this pool's `checkStep` (the engine's
+ * guard for the requests whose pages it owns or computes) and the decode state machine's per-token
+ * check (the decode node's committed requests, see `src/protocol/decode-machine.ts`) both call it,
+ * and each token is checked by exactly one of them.
  */
 
 import { KvfenceError } from "../lib/errors.js";
@@ -173,31 +178,16 @@ export class PagePool {
    * first page that fails. Integer compares only; allocates nothing.
    */
   checkStep(blockTable: BlockTable, rid: number, epoch: number, start: number, end: number): StepCheck {
-    const table = this.table;
-    const P = this.pageSize;
-    const n = blockTable.length;
-    if (n * P < end) return n; // the step would write past the leased pages
-    for (let j = 0; j < n; j++) {
-      const page = blockTable.pages[j]!;
-      const generation = blockTable.generations[j]!;
-      if (page < 0 || page >= this.numPages) return j;
-      const first = j * P;
-      if (first < start) {
-        if (!table.checkRead(page, generation, rid, epoch)) return j;
-        const mustHold = Math.min(start - first, P);
-        if (table.filledTokens(page) < mustHold) return j;
-      } else if (first < end) {
-        if (!table.checkWrite(page, generation, rid, epoch)) return j;
-      } else if (
-        table.generation(page) !== generation ||
-        table.owner(page) !== rid ||
-        table.ownerEpoch(page) !== epoch ||
-        (table.state(page) !== PageState.RESERVED && table.state(page) !== PageState.READY)
-      ) {
-        return j;
-      }
-    }
-    return -1;
+    return this.table.checkStep(
+      this.pageSize,
+      blockTable.pages,
+      blockTable.generations,
+      blockTable.length,
+      rid,
+      epoch,
+      start,
+      end,
+    );
   }
 
   /**

@@ -7,12 +7,20 @@
  * the router pairs each attempt with a prefill node and says which, so a prefill node's fence
  * (its channel closed, its worker gone) releases exactly the pages it could still write.
  *
- * Effects: `commit` → `Engine.submitDecode` with the committed pages and prefill's first token;
- * each token the engine samples feeds the machine's `step` (which re-checks the page tags and
- * stamps the page the step wrote; at `max_tokens` it frees the pages and reports `finished`); a
- * stop token ends the attempt (the machine frees the committed pages) and reports `finished` with
- * reason `stop`; `stop` → `Engine.abort`. A fence closes the channel first, so no further frame of
- * that prefill node can land, and only then feeds `peer_lost`. Nothing is released on a timer.
+ * Effects: `commit` → `Engine.submitDecode` with the committed pages and prefill's first token.
+ * Before each of its steps the engine asks this node to check the pages (`ExternalPages.checkStep`
+ * → the machine's `check`: the one page-tag check of a token, with the engine's own rule set; a
+ * failure fails the attempt and the engine drops the request), and each token it samples feeds the
+ * machine's `step` (which stamps the page the step wrote; at `max_tokens` it frees the pages and
+ * reports `finished`). A stop token ends the attempt (the machine frees the committed pages) and
+ * reports `finished` with reason `stop`; `stop` → `Engine.abort`. A fence closes the channel first,
+ * so no further frame of that prefill node can land, and only then feeds `peer_lost`. Nothing is
+ * released on a timer.
+ *
+ * The per-token path allocates nothing (decode-node.test.ts measures it): the events are the
+ * attempt's own, reused; the attempt key is built once, at commit; the `tokens` message and its
+ * envelope to the router are reused, so `toRouter` must send a message on before it returns and
+ * never keep it.
  *
  * Whenever a step frees pages the node tells the router (`pages_freed`), which retries the
  * requests it holds back because this pool was full.
@@ -29,8 +37,10 @@ import type { Engine } from "../engine/engine.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { WireError } from "../lib/errors.js";
 import {
+  type DecodeContext,
   type DecodeEvent,
   type DecodeState,
+  decodeContext,
   decodeStep,
   initialDecodeState,
   leasedPage,
@@ -49,6 +59,10 @@ export interface DecodeNodeOptions {
   readonly safety: Safety;
   /** Stamped on every lease; a fresh value per node start. */
   readonly incarnation: number;
+  /**
+   * Sends `message` to the router at once (post, encode). It must not keep `message`: the node
+   * reuses the one carrying each token.
+   */
   readonly toRouter: (message: FromNode) => void;
 }
 
@@ -92,7 +106,20 @@ export class DecodeNode {
   readonly #running = new Map<number, number>();
   /** Attempts whose abort was relayed to prefill, with the time, for the ABORT_ACK latency. */
   readonly #abortSent = new Map<string, bigint>();
-  readonly #out: Effects = [];
+  /**
+   * The machine's effects sink. Its first entry is a placeholder that is never handled, so the
+   * array is never truncated to length 0: V8 drops an array's backing store then, and the next
+   * push — every token's — would allocate a new one.
+   */
+  readonly #out: Effects = [{ kind: "stop", rid: -1, epoch: -1 }];
+  readonly #context: DecodeContext;
+  /** The envelope of every `tokens` message to the router, reused (see `DecodeNodeOptions.toRouter`). */
+  readonly #tokensEnvelope: { kind: "protocol"; msg: ControlMessage } = {
+    kind: "protocol",
+    msg: { type: "tokens", rid: 0, epoch: 0, tokens: [] },
+  };
+  /** The rid whose page check runs now (its failure ends it in the engine, which asked): or -1. */
+  #checking = -1;
   readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
   readonly #closedTotals = {
     bytes: 0,
@@ -122,6 +149,7 @@ export class DecodeNode {
     this.#safety = options.safety;
     this.#toRouter = options.toRouter;
     this.#loop = new StepLoop(options.engine);
+    this.#context = decodeContext(this.#pool, this.#config, this.#safety, this.#out);
   }
 
   /**
@@ -332,20 +360,28 @@ export class DecodeNode {
     const out = this.#out;
     const start = out.length;
     const freeBefore = this.#pool.table.countsInto(this.#counts).free;
-    decodeStep(peer.state, event, this.#pool, this.#config, this.#safety, out);
+    decodeStep(peer.state, event, this.#context);
     const freeAfter = this.#pool.table.countsInto(this.#counts).free;
-    const effects = out.splice(start);
+    // Effects [start, end) are this event's; a call nested in their handling (a router message
+    // handled synchronously) appends after `end` and truncates back to it.
+    const end = out.length;
     if (!guardOn(this.#safety, "quarantine")) this.#armQuarantineTimers(peer);
     // Commits start after the batch's messages are out: a first token that is a stop token ends
     // the attempt at once, and the router must see `committed` before that `finished` (sent the
     // other way round, the router dropped the `finished` and waited for tokens forever).
-    const commits: [CommitEffect, number][] = [];
-    for (let i = 0; i < effects.length; i++) {
-      const effect = effects[i]!;
+    let commits: [CommitEffect, number][] | null = null;
+    for (let i = start; i < end; i++) {
+      const effect = out[i]!;
       switch (effect.kind) {
         case "send": {
           const msg = effect.msg;
           if (effect.to === "router") {
+            if (msg.type === "tokens") {
+              // The hot path: one token, in the machine's reused message and this reused envelope.
+              this.#tokensEnvelope.msg = msg;
+              this.#toRouter(this.#tokensEnvelope);
+              break;
+            }
             if (msg.type === "failed") {
               this.#countFailure(msg.error);
               if (msg.error.code === "page_tag_mismatch") this.#machineTagFailures++;
@@ -368,17 +404,19 @@ export class DecodeNode {
         case "commit": {
           // The committed message (with prefill's first token) follows in the same batch.
           let firstToken = 0;
-          for (let j = i + 1; j < effects.length; j++) {
-            const e = effects[j]!;
+          for (let j = i + 1; j < end; j++) {
+            const e = out[j]!;
             if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
           }
+          commits ??= [];
           commits.push([effect, firstToken]);
           break;
         }
         case "stop": {
           if (this.#running.get(effect.rid) === effect.epoch) {
             this.#running.delete(effect.rid);
-            this.#engine.abort(effect.rid);
+            // A failed page check ends the request in the engine that asked for it.
+            if (this.#checking !== effect.rid) this.#engine.abort(effect.rid);
           }
           this.#sampling.delete(attemptKey(effect.rid, effect.epoch));
           break;
@@ -387,10 +425,27 @@ export class DecodeNode {
           break;
       }
     }
+    out.length = start;
     // After the machine's own messages (a `finished` before its pages' news): requests the router
     // holds back for want of pages may try again.
     if (freeAfter > freeBefore) this.#toRouter({ kind: "pages_freed", free: freeAfter });
-    for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
+    if (commits !== null) for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
+  }
+
+  /**
+   * The engine's page check of the next step of `(rid, epoch)`: the machine's `check`. True when
+   * the step may run; false when the attempt failed (reported) or is gone.
+   */
+  #check(peer: PrefillPeer, rid: number, epoch: number, event: DecodeEvent & { type: "check" }): boolean {
+    this.#checking = rid;
+    try {
+      this.#step(peer, event);
+    } finally {
+      this.#checking = -1;
+    }
+    if (peer.state.attempts[event.key]?.phase === "decoding") return true;
+    if (this.#running.get(rid) === epoch) this.#running.delete(rid);
+    return false;
   }
 
   #commit(peer: PrefillPeer, effect: CommitEffect, firstToken: number): void {
@@ -416,9 +471,16 @@ export class DecodeNode {
       stopTokenIds: sampling.stopTokenIds,
     };
     this.#running.set(rid, epoch);
-    this.#engine.submitDecode(request, { epoch, pages: effect.pages }, firstToken, {
+    // This attempt's events, built once: a token reuses them (the key is the attempt's own string).
+    const check = { type: "check" as const, key };
+    const step = { type: "step" as const, key, token: 0 };
+    const pages = { epoch, pages: effect.pages, checkStep: () => this.#check(peer, rid, epoch, check) };
+    this.#engine.submitDecode(request, pages, firstToken, {
       onTokens: (ids) => {
-        for (const token of ids) this.#step(peer, { type: "step", rid, epoch, token });
+        for (let i = 0; i < ids.length; i++) {
+          step.token = ids[i]!;
+          this.#step(peer, step);
+        }
         if (peer.state.attempts[key] === undefined && this.#running.get(rid) === epoch)
           this.#running.delete(rid);
       },

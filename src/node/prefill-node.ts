@@ -32,6 +32,7 @@ import type { Effects, WriteEffect } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import {
   initialPrefillState,
+  type PrefillContext,
   type PrefillEvent,
   type PrefillState,
   prefillStep,
@@ -80,6 +81,7 @@ export class PrefillNode {
     { peer: DecodePeer; tokens: readonly number[]; sampling: SamplingParams }
   >();
   readonly #out: Effects = [];
+  readonly #context: PrefillContext;
   readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
   /** Transfer counters of writers that closed (kept so totals never go down). */
   readonly #closedTotals = { bytes: 0, pages: 0, transfers: 0 };
@@ -97,6 +99,7 @@ export class PrefillNode {
     this.#safety = options.safety;
     this.#toRouter = options.toRouter;
     this.#loop = new StepLoop(options.engine, () => this.#hashProduced());
+    this.#context = { pool: this.#pool, config: this.#config, safety: this.#safety, out: this.#out };
   }
 
   /**
@@ -255,7 +258,7 @@ export class PrefillNode {
     const out = this.#out;
     const start = out.length;
     const freeBefore = this.#pool.table.countsInto(this.#counts).free;
-    prefillStep(peer.state, event, this.#pool, this.#config, this.#safety, out);
+    prefillStep(peer.state, event, this.#context);
     const freeAfter = this.#pool.table.countsInto(this.#counts).free;
     const effects = out.splice(start);
     let writes: WriteEffect[] | null = null;

@@ -5,26 +5,38 @@ import { PageState } from "../kvcache/ownership-table.js";
 import {
   type DecodeEvent,
   type DecodeState,
+  decodeContext,
   decodeStep,
   initialDecodeState,
   leasedPage,
 } from "./decode-machine.js";
-import type { Effect } from "./effects.js";
+import type { Effect, KvPool } from "./effects.js";
 import { makeSafety, SAFE, type Safety } from "./safety.js";
-import type { ControlMessage, Manifest, TransferLease } from "./wire.js";
+import { attemptKey, type ControlMessage, type Manifest, type TransferLease } from "./wire.js";
 
 const CONFIG = { maxModelLen: 16, layoutSignature: "test" };
 
 function harness(numPages = 4, safety: Safety = SAFE) {
-  const pool = new TestPool(numPages);
+  const pool: TestPool & Pick<KvPool, "observeRead"> = new TestPool(numPages);
   const state: DecodeState = initialDecodeState(1, 1);
+  /** Every read a step reports (`observeRead`), as its logical page count and fresh index. */
+  const reads: { count: number; fresh: number }[] = [];
+  pool.observeRead = (_rid, _epoch, _pages, _generations, count, fresh) => {
+    reads.push({ count, fresh });
+  };
   const run = (event: DecodeEvent): Effect[] => {
     const out: Effect[] = [];
-    decodeStep(state, event, pool, CONFIG, safety, out);
+    decodeStep(state, event, decodeContext(pool, CONFIG, safety, out));
     return out;
   };
   const msg = (m: ControlMessage) => run({ type: "message", msg: m });
-  return { pool, state, run, msg };
+  /** One engine step of `(rid, epoch)`: its check, then (if that passed) the step. */
+  const decode = (rid: number, epoch: number, token: number): Effect[] => {
+    const key = attemptKey(rid, epoch);
+    const out = run({ type: "check", key });
+    return state.attempts[key]?.phase === "decoding" ? [...out, ...run({ type: "step", key, token })] : out;
+  };
+  return { pool, state, run, msg, decode, reads };
 }
 
 function sent(effects: Effect[], to?: string): ControlMessage[] {
@@ -75,10 +87,10 @@ test("decodeStep() reserves, commits a verified transfer, decodes and frees at f
     ["committed", "release"],
   );
   for (const p of lease.pages) assert.equal(h.pool.table.state(p.page), PageState.READY);
-  const step = h.run({ type: "step", rid: 1, epoch: 1, token: 42 });
+  const step = h.decode(1, 1, 42);
   const finished = sent(step, "router")[0];
   assert.equal(finished?.type, "finished");
-  assert.ok(step.some((e) => e.kind === "read" && e.pages.length === 3));
+  assert.deepEqual(h.reads, [{ count: 3, fresh: 2 }]);
   assert.deepEqual(h.pool.table.counts(), { free: 4, reserved: 0, ready: 0, quarantined: 0, total: 4 });
 });
 
@@ -201,11 +213,56 @@ test("decodeStep() fails a step whose page holds another request's data (page ta
   writeLease(h, lease);
   h.msg(goodManifest(lease));
   h.pool.write(lease.pages[0]!.page, 5, 1, 0); // a late write of request 5 lands
-  const out = h.run({ type: "step", rid: 1, epoch: 1, token: 1 });
+  const out = h.decode(1, 1, 1);
   const failed = sent(out, "router")[0];
   assert.equal(failed?.type === "failed" ? failed.error.code : "", "page_tag_mismatch");
-  assert.ok(!out.some((e) => e.kind === "read"));
+  assert.deepEqual(h.reads, []);
   assert.equal(h.state.tagFailures, 1);
+});
+
+test("decodeStep() checks every page of a step under the engine's rule: a page short of the tokens read fails", () => {
+  // Page size 2: prompt of 3 tokens (pages 0 and 1, page 1 half full), then steps at positions 3, 4.
+  const pool = new TestPool(4, 2);
+  const state = initialDecodeState(1, 1);
+  const run = (event: DecodeEvent): Effect[] => {
+    const out: Effect[] = [];
+    decodeStep(state, event, decodeContext(pool, { maxModelLen: 8, layoutSignature: "test" }, SAFE, out));
+    return out;
+  };
+  const lease = sent(
+    run({
+      type: "message",
+      msg: { type: "reserve", rid: 1, epoch: 1, tenant: 0, promptLen: 3, maxTokens: 3 },
+    }),
+    "router",
+  )[0] as TransferLease;
+  pool.write(lease.pages[0]!.page, 1, 1, 0, 2);
+  pool.write(lease.pages[1]!.page, 1, 1, 1, 1);
+  const manifest = { ...goodManifest(lease, 3) };
+  run({ type: "message", msg: manifest });
+  const key = attemptKey(1, 1);
+  // The step at position 3 reads slot 2, the one token prefill wrote into page 1: it passes.
+  run({ type: "check", key });
+  run({ type: "step", key, token: 5 });
+  assert.equal(pool.table.filledTokens(lease.pages[1]!.page), 2);
+  // Now the page's stamp claims fewer tokens than the next step (position 4) reads: fail closed.
+  pool.table.stampWriter(lease.pages[1]!.page, 1, 1, 1);
+  const out = run({ type: "check", key });
+  const failed = sent(out, "router")[0];
+  assert.equal(failed?.type === "failed" ? failed.error.code : "", "page_tag_mismatch");
+  assert.equal(state.tagFailures, 1);
+});
+
+test("decodeStep() fails closed on a step that no passed check armed", () => {
+  const h = harness();
+  const lease = reserve(h);
+  writeLease(h, lease);
+  h.msg(goodManifest(lease));
+  const out = h.run({ type: "step", key: attemptKey(1, 1), token: 1 });
+  const failed = sent(out, "router")[0];
+  assert.equal(failed?.type === "failed" ? failed.error.code : "", "page_tag_mismatch");
+  assert.deepEqual(h.reads, []);
+  assert.equal(h.pool.table.counts().free, 4);
 });
 
 test("decodeStep() reads the foreign page when the page-tags guard is off", () => {
@@ -214,8 +271,8 @@ test("decodeStep() reads the foreign page when the page-tags guard is off", () =
   writeLease(h, lease);
   h.msg(goodManifest(lease));
   h.pool.write(lease.pages[0]!.page, 5, 1, 0);
-  const out = h.run({ type: "step", rid: 1, epoch: 1, token: 1 });
-  assert.ok(out.some((e) => e.kind === "read"));
+  h.decode(1, 1, 1);
+  assert.deepEqual(h.reads, [{ count: 3, fresh: 2 }]);
 });
 
 test("decodeStep() under early-free frees reserved pages on abort without the ack", () => {

@@ -10,9 +10,16 @@
  *   reservation exactly, and every page's checksum equals decode's own over its pool. Then the prompt
  *   pages turn READY and the router hears `committed` (HTTP 200 becomes possible only now), and
  *   prefill hears `release`. Anything else fails the attempt.
- * - **step**: each decode step checks the page tags of every page it reads (`checkRead`: READY,
- *   this lease, this attempt's writer stamp; the page receiving this step's token is checked with
- *   `checkWrite` when fresh) and stamps the page it writes.
+ * - **check → step**: one decode step of a committed attempt is two events. `check` comes before
+ *   the engine's forward pass: the page-tag check of every page of the attempt
+ *   (`OwnershipTable.checkStep`, the one rule set the engine's own guard uses too: the pages read
+ *   are READY, this lease, this attempt's writer stamp and filled far enough; the page receiving
+ *   this step's token is RESERVED for it when fresh; the pages ahead are still leased). It fails
+ *   the attempt, or arms the step. `step` comes after the forward pass: it stamps the page the
+ *   step wrote and sends the token. On a decode node this is the only tag check of a token (the
+ *   engine asks the node instead of checking itself), so it runs once per token and allocates
+ *   nothing: the host names the attempt by a key it built once, and the `tokens` message is the
+ *   context's one reused message. A `step` that no passed `check` armed fails closed.
  * - **abort / failure** before commit: the abort is relayed to prefill, and the leased pages go
  *   QUARANTINED (prefill may still be writing into them) and leave only on prefill's ABORT_ACK for
  *   this attempt or a fence (prefill's
@@ -26,7 +33,7 @@
  * overtaken by its abort, a stale manifest) is ignored and counted, never acted on.
  */
 import type { WireError } from "../lib/errors.js";
-import { type Effects, type KvPool, leasePages } from "./effects.js";
+import { type Effects, type KvPool, leasePages, type SendEffect } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
@@ -40,6 +47,39 @@ import {
 export interface DecodeConfig {
   readonly maxModelLen: number;
   readonly layoutSignature: string;
+}
+
+/** A `tokens` message to the router, the one a `step` sends (reused: see `DecodeContext`). */
+interface TokenSend extends SendEffect {
+  readonly msg: { type: "tokens"; rid: number; epoch: number; tokens: number[] };
+}
+
+/**
+ * Everything `decodeStep` works with besides its state and event: the node's pool, its config, the
+ * guards and faults, and the effects sink. `tokenSend` is the one `tokens` message every `step`
+ * pushes, rewritten in place: a host must send it on (post, encode) before it feeds the next event,
+ * and never keep it. Build one with `decodeContext`.
+ */
+export interface DecodeContext {
+  readonly pool: KvPool;
+  readonly config: DecodeConfig;
+  readonly safety: Safety;
+  readonly out: Effects;
+  readonly tokenSend: TokenSend;
+}
+
+export function decodeContext(
+  pool: KvPool,
+  config: DecodeConfig,
+  safety: Safety,
+  out: Effects = [],
+): DecodeContext {
+  const tokenSend: TokenSend = {
+    kind: "send",
+    to: "router",
+    msg: { type: "tokens", rid: 0, epoch: 0, tokens: [0] },
+  };
+  return { pool, config, safety, out, tokenSend };
 }
 
 export type DecodePhase = "reserved" | "decoding" | "quarantined";
@@ -59,6 +99,8 @@ export interface DecodeAttempt {
   generated: number;
   /** The prefill incarnation the lease was granted for: the only one that can write it. */
   writer: number;
+  /** A `check` passed for the next step (a `step` consumes it; with the guard off it is not needed). */
+  checked: boolean;
 }
 
 export interface DecodeState {
@@ -79,8 +121,13 @@ export interface DecodeState {
 
 export type DecodeEvent =
   | { readonly type: "message"; readonly msg: ControlMessage }
-  /** One decode step of a committed attempt; `token` is the token the engine sampled. */
-  | { readonly type: "step"; readonly rid: number; readonly epoch: number; readonly token: number }
+  /**
+   * Before the engine's step of committed attempt `key` (`attemptKey(rid, epoch)`, built once per
+   * attempt by the host): the page-tag check of the step. It fails the attempt or arms the step.
+   */
+  | { readonly type: "check"; readonly key: string }
+  /** After that step: the engine wrote the step's KV and sampled `token`. */
+  | { readonly type: "step"; readonly key: string; readonly token: number }
   /** Prefill incarnation `incarnation` is fenced: its connection closed or its worker terminated. */
   | { readonly type: "peer_lost"; readonly role: "prefill"; readonly incarnation: number }
   /** Connected to a prefill node of this incarnation (it may arrive before the old one's loss). */
@@ -119,28 +166,22 @@ export function initialDecodeState(incarnation: number, prefillIncarnation: numb
   };
 }
 
-// Scratch for OwnershipTable.allocate, grown on demand (no allocation per call in steady state).
-
-export function decodeStep(
-  state: DecodeState,
-  event: DecodeEvent,
-  pool: KvPool,
-  config: DecodeConfig,
-  safety: Safety,
-  out: Effects,
-): void {
+export function decodeStep(state: DecodeState, event: DecodeEvent, ctx: DecodeContext): void {
   switch (event.type) {
     case "message": {
       const msg = event.msg;
-      if (msg.type === "reserve") reserve(state, msg, pool, config, safety, out);
-      else if (msg.type === "manifest") manifest(state, msg, pool, safety, out);
-      else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), pool, safety, out);
-      else if (msg.type === "abort_ack") abortAck(state, attemptKey(msg.rid, msg.epoch), pool);
+      if (msg.type === "reserve") reserve(state, msg, ctx);
+      else if (msg.type === "manifest") manifest(state, msg, ctx);
+      else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), ctx);
+      else if (msg.type === "abort_ack") abortAck(state, attemptKey(msg.rid, msg.epoch), ctx.pool);
       else state.stale++;
       return;
     }
+    case "check":
+      check(state, event.key, ctx);
+      return;
     case "step":
-      step(state, event, pool, safety, out);
+      step(state, event.key, event.token, ctx);
       return;
     case "peer_up":
       state.prefillIncarnation = event.incarnation;
@@ -151,10 +192,10 @@ export function decodeStep(
         const a = state.attempts[key]!;
         if (a.phase === "decoding" || a.writer > state.prefillLost) continue;
         // The only writer of this lease is gone: no write to these pages can land any more.
-        if (a.phase === "quarantined") releaseQuarantined(a, pool);
+        if (a.phase === "quarantined") releaseQuarantined(a, ctx.pool);
         else {
-          freeAll(a, pool);
-          out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
+          freeAll(a, ctx.pool);
+          ctx.out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
         }
         end(state, key);
       }
@@ -162,22 +203,16 @@ export function decodeStep(
     case "quarantine_timeout": {
       const key = attemptKey(event.rid, event.epoch);
       const a = state.attempts[key];
-      if (guardOn(safety, "quarantine") || a === undefined || a.phase !== "quarantined") return;
-      releaseQuarantined(a, pool);
+      if (guardOn(ctx.safety, "quarantine") || a === undefined || a.phase !== "quarantined") return;
+      releaseQuarantined(a, ctx.pool);
       end(state, key);
       return;
     }
   }
 }
 
-function reserve(
-  state: DecodeState,
-  msg: ReserveRequest,
-  pool: KvPool,
-  config: DecodeConfig,
-  safety: Safety,
-  out: Effects,
-): void {
+function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): void {
+  const { pool, config, safety, out } = ctx;
   const key = attemptKey(msg.rid, msg.epoch);
   if (state.ended[key] !== undefined || state.attempts[key] !== undefined) {
     state.stale++;
@@ -218,6 +253,7 @@ function reserve(
     leaseCount,
     generated: 0,
     writer: state.prefillIncarnation,
+    checked: false,
   };
   const lease: LeasePage[] = [];
   for (let i = 0; i < leaseCount; i++) lease.push({ page: pages[i]!, generation: generations[i]! });
@@ -246,7 +282,8 @@ function reject(state: DecodeState, msg: ReserveRequest, error: WireError, out: 
   });
 }
 
-function manifest(state: DecodeState, msg: Manifest, pool: KvPool, safety: Safety, out: Effects): void {
+function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
+  const { pool, safety, out } = ctx;
   let key = attemptKey(msg.rid, msg.epoch);
   let a = state.attempts[key];
   if (faultOn(safety, "stale-commit") && (a === undefined || a.phase !== "reserved")) {
@@ -267,7 +304,7 @@ function manifest(state: DecodeState, msg: Manifest, pool: KvPool, safety: Safet
   const error = verify(a, msg, pool, safety);
   if (error !== null) {
     if (error.code === "page_tag_mismatch") state.tagFailures++;
-    fail(state, key, a, error, pool, out);
+    fail(state, key, a, error, ctx);
     return;
   }
   for (let i = 0; i < a.leaseCount; i++) pool.table.markReady(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
@@ -289,7 +326,7 @@ function manifest(state: DecodeState, msg: Manifest, pool: KvPool, safety: Safet
     msg: { type: "committed", rid: a.rid, epoch: a.epoch, firstToken: msg.firstToken },
   });
   out.push({ kind: "send", to: "prefill", msg: { type: "release", rid: msg.rid, epoch: msg.epoch } });
-  if (a.generated >= a.maxTokens) finish(state, key, a, [], pool, out);
+  if (a.generated >= a.maxTokens) finish(state, key, a, [], ctx);
 }
 
 /** The commit check: coverage equals the reservation exactly, and every checksum matches. */
@@ -337,63 +374,93 @@ function verify(a: DecodeAttempt, msg: Manifest, pool: KvPool, safety: Safety): 
   return null;
 }
 
-function step(
-  state: DecodeState,
-  event: Extract<DecodeEvent, { type: "step" }>,
-  pool: KvPool,
-  safety: Safety,
-  out: Effects,
-): void {
-  const key = attemptKey(event.rid, event.epoch);
+/** The attempt a `check` or `step` names, if it is decoding and has a token left to produce. */
+function decoding(state: DecodeState, key: string): DecodeAttempt | undefined {
   const a = state.attempts[key];
   if (a === undefined || a.phase !== "decoding" || a.generated >= a.maxTokens) {
     state.stale++;
-    return;
+    return undefined;
   }
-  const table = pool.table;
-  const P = pool.pageSize;
-  // This step writes the KV of token `generated` at `position` and attends over [0, position].
-  const position = a.promptLen + a.generated - 1;
-  const last = Math.floor(position / P);
-  const fresh = position % P === 0;
-  if (guardOn(safety, "page-tags")) {
-    let ok = true;
-    for (let i = 0; i < last && ok; i++) ok = table.checkRead(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
-    if (ok) {
-      ok = fresh
-        ? table.checkWrite(a.pages[last]!, a.generations[last]!, a.rid, a.epoch)
-        : table.checkRead(a.pages[last]!, a.generations[last]!, a.rid, a.epoch);
-    }
-    if (!ok) {
+  return a;
+}
+
+/**
+ * The page-tag check of the step that writes the KV of token `generated` at `position` and attends
+ * over [0, position]: every page of the attempt, under the one rule set of `OwnershipTable.checkStep`.
+ */
+function check(state: DecodeState, key: string, ctx: DecodeContext): void {
+  const a = decoding(state, key);
+  if (a === undefined) return;
+  if (guardOn(ctx.safety, "page-tags")) {
+    const position = a.promptLen + a.generated - 1;
+    const bad = ctx.pool.table.checkStep(
+      ctx.pool.pageSize,
+      a.pages,
+      a.generations,
+      a.pages.length,
+      a.rid,
+      a.epoch,
+      position,
+      position + 1,
+    );
+    if (bad >= 0) {
       state.tagFailures++;
+      const at =
+        bad < a.pages.length
+          ? `leased at generation ${a.generations[bad]}: ${ctx.pool.table.describe(a.pages[bad]!)}`
+          : `${a.pages.length} pages cannot hold ${position + 1} tokens`;
       fail(
         state,
         key,
         a,
         {
           code: "page_tag_mismatch",
-          message: `A KV page of request ${a.rid} is not its own: refusing to read it`,
+          message: `The KV page ${bad} of request ${a.rid} epoch ${a.epoch} is not its own, refusing to read it (${at})`,
         },
-        pool,
-        out,
+        ctx,
       );
       return;
     }
   }
+  a.checked = true;
+}
+
+/** After the step's forward pass: stamp the page it wrote, then send the token (or finish). */
+function step(state: DecodeState, key: string, token: number, ctx: DecodeContext): void {
+  const a = decoding(state, key);
+  if (a === undefined) return;
+  if (!a.checked && guardOn(ctx.safety, "page-tags")) {
+    // The host ran a step no check armed: fail closed rather than stamp unchecked pages.
+    state.tagFailures++;
+    fail(
+      state,
+      key,
+      a,
+      { code: "page_tag_mismatch", message: `A decode step of request ${a.rid} ran without its page check` },
+      ctx,
+    );
+    return;
+  }
+  a.checked = false;
+  const { pool, out } = ctx;
+  const table = pool.table;
+  const P = pool.pageSize;
+  const position = a.promptLen + a.generated - 1;
+  const last = Math.floor(position / P);
+  const fresh = position % P === 0;
   table.stampWriter(a.pages[last]!, a.rid, a.epoch, (position % P) + 1);
   if (fresh) table.markReady(a.pages[last]!, a.generations[last]!, a.rid, a.epoch);
-  const pages: LeasePage[] = [];
-  for (let i = 0; i <= last; i++) pages.push({ page: a.pages[i]!, generation: a.generations[i]! });
-  pool.observeRead?.(a.rid, a.epoch, pages, fresh ? last : -1);
-  out.push({ kind: "read", rid: a.rid, epoch: a.epoch, pages, freshIndex: fresh ? last : -1 });
+  pool.observeRead?.(a.rid, a.epoch, a.pages, a.generations, last + 1, fresh ? last : -1);
   a.generated++;
-  if (a.generated >= a.maxTokens) finish(state, key, a, [event.token], pool, out);
-  else
-    out.push({
-      kind: "send",
-      to: "router",
-      msg: { type: "tokens", rid: a.rid, epoch: a.epoch, tokens: [event.token] },
-    });
+  if (a.generated >= a.maxTokens) {
+    finish(state, key, a, [token], ctx);
+    return;
+  }
+  const send = ctx.tokenSend;
+  send.msg.rid = a.rid;
+  send.msg.epoch = a.epoch;
+  send.msg.tokens[0] = token;
+  out.push(send);
 }
 
 function finish(
@@ -401,12 +468,11 @@ function finish(
   key: string,
   a: DecodeAttempt,
   tokens: number[],
-  pool: KvPool,
-  out: Effects,
+  ctx: DecodeContext,
 ): void {
-  freeAll(a, pool);
+  freeAll(a, ctx.pool);
   end(state, key);
-  out.push({
+  ctx.out.push({
     kind: "send",
     to: "router",
     msg: {
@@ -421,14 +487,8 @@ function finish(
 }
 
 /** Decode-side failure: tell the router, and abort prefill's side so it acknowledges the drain. */
-function fail(
-  state: DecodeState,
-  key: string,
-  a: DecodeAttempt,
-  error: WireError,
-  pool: KvPool,
-  out: Effects,
-): void {
+function fail(state: DecodeState, key: string, a: DecodeAttempt, error: WireError, ctx: DecodeContext): void {
+  const { pool, out } = ctx;
   out.push({ kind: "send", to: "router", msg: { type: "failed", rid: a.rid, epoch: a.epoch, error } });
   if (a.phase === "reserved") {
     out.push({ kind: "send", to: "prefill", msg: { type: "abort", rid: a.rid, epoch: a.epoch } });
@@ -440,7 +500,8 @@ function fail(
   out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
 }
 
-function abort(state: DecodeState, key: string, pool: KvPool, safety: Safety, out: Effects): void {
+function abort(state: DecodeState, key: string, ctx: DecodeContext): void {
+  const { pool, safety, out } = ctx;
   const a = state.attempts[key];
   if (a === undefined) {
     // Aborted before its reserve arrived (or after it ended): refuse a late reserve.

@@ -22,11 +22,20 @@ export interface KvPool {
    */
   pageChecksum(page: number, rid: number, epoch: number, index: number): string;
   /**
-   * Optional observer called at the instant a decode step reads `pages` (after its tag check and
-   * the write of its own token), before anything else changes the table. Servers leave it out; the
-   * model checker checks invariant 1 here.
+   * Optional observer called at the instant a decode step has read the first `count` of `pages`
+   * (physical pages in logical order, leased at `generations`; after its tag check and the write of
+   * its own token, `freshIndex` the logical page that write opened, or -1), before anything else
+   * changes the table. The arrays are the attempt's own: read them, never keep them. Servers leave
+   * it out; the model checker checks invariant 1 here.
    */
-  observeRead?(rid: number, epoch: number, pages: readonly LeasePage[], freshIndex: number): void;
+  observeRead?(
+    rid: number,
+    epoch: number,
+    pages: readonly number[],
+    generations: readonly number[],
+    count: number,
+    freshIndex: number,
+  ): void;
 }
 
 let scratchPages = new Int32Array(64);
@@ -101,19 +110,6 @@ export interface CommitEffect {
   readonly pages: readonly LeasePage[];
 }
 
-/**
- * Decode: one decode step read KV pages `pages` (logical order) for `(rid, epoch)` after the page
- * tag check passed (or was disabled). The checker verifies docs/design.md §7 invariant 1 here.
- */
-export interface ReadEffect {
-  readonly kind: "read";
-  readonly rid: number;
-  readonly epoch: number;
-  readonly pages: readonly LeasePage[];
-  /** Logical index of the fresh page this step wrote its token's KV into first, or -1. */
-  readonly freshIndex: number;
-}
-
 /** Decode: stop running `(rid, epoch)` (abort or failure); its pages were freed or quarantined. */
 export interface StopEffect {
   readonly kind: "stop";
@@ -144,7 +140,6 @@ export type Effect =
   | WriteEffect
   | ComputeEffect
   | CommitEffect
-  | ReadEffect
   | StopEffect
   | TokensEffect
   | RespondEffect;

@@ -13,7 +13,7 @@ function harness(numPages = 3, safety: Safety = SAFE) {
   const state: PrefillState = initialPrefillState(1, 1);
   const run = (event: PrefillEvent): Effect[] => {
     const out: Effect[] = [];
-    prefillStep(state, event, pool, CONFIG, safety, out);
+    prefillStep(state, event, { pool, config: CONFIG, safety, out });
     return out;
   };
   const msg = (m: ControlMessage) => run({ type: "message", msg: m });

@@ -72,29 +72,31 @@ export type PrefillEvent =
   /** Connected (again) to a decode node of this incarnation. */
   | { readonly type: "peer_up"; readonly role: "decode"; readonly incarnation: number };
 
+/** Everything `prefillStep` works with besides its state and event: pool, config, guards and faults, effects sink. */
+export interface PrefillContext {
+  readonly pool: KvPool;
+  readonly config: PrefillConfig;
+  readonly safety: Safety;
+  readonly out: Effects;
+}
+
 export function initialPrefillState(incarnation: number, decodeIncarnation: number): PrefillState {
   return { incarnation, decodeIncarnation, decodeLost: 0, attempts: {}, ended: {}, stale: 0 };
 }
 
-export function prefillStep(
-  state: PrefillState,
-  event: PrefillEvent,
-  pool: KvPool,
-  config: PrefillConfig,
-  safety: Safety,
-  out: Effects,
-): void {
+export function prefillStep(state: PrefillState, event: PrefillEvent, ctx: PrefillContext): void {
+  const { pool, out } = ctx;
   switch (event.type) {
     case "message": {
       const msg = event.msg;
-      if (msg.type === "prefill") prefill(state, msg, pool, config, safety, out);
-      else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), pool, safety, out);
+      if (msg.type === "prefill") prefill(state, msg, ctx);
+      else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), ctx);
       else if (msg.type === "release") release(state, attemptKey(msg.rid, msg.epoch), pool);
       else state.stale++;
       return;
     }
     case "computed":
-      computed(state, event, pool, safety, out);
+      computed(state, event, ctx);
       return;
     case "write_done": {
       const key = attemptKey(event.rid, event.epoch);
@@ -105,7 +107,7 @@ export function prefillStep(
       }
       a.outstanding--;
       if (a.outstanding > 0) return;
-      if (a.phase === "aborting") finishAbort(state, key, a, pool, safety, out);
+      if (a.phase === "aborting") finishAbort(state, key, a, ctx);
       else if (a.phase === "writing") {
         a.phase = "held";
         out.push({
@@ -141,14 +143,8 @@ export function prefillStep(
   }
 }
 
-function prefill(
-  state: PrefillState,
-  msg: PrefillRequest,
-  pool: KvPool,
-  config: PrefillConfig,
-  safety: Safety,
-  out: Effects,
-): void {
+function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext): void {
+  const { pool, config, safety, out } = ctx;
   const key = attemptKey(msg.rid, msg.epoch);
   if (state.ended[key] !== undefined || state.attempts[key] !== undefined) {
     state.stale++;
@@ -243,10 +239,9 @@ function prefill(
 function computed(
   state: PrefillState,
   event: Extract<PrefillEvent, { type: "computed" }>,
-  pool: KvPool,
-  safety: Safety,
-  out: Effects,
+  ctx: PrefillContext,
 ): void {
+  const { pool, safety, out } = ctx;
   const key = attemptKey(event.rid, event.epoch);
   const a = state.attempts[key];
   if (a === undefined || (a.phase !== "computing" && a.phase !== "aborting") || a.checksums.length > 0) {
@@ -258,7 +253,7 @@ function computed(
   for (let i = 0; i < n; i++) a.checksums.push(pool.pageChecksum(a.pages[i]!, a.rid, a.epoch, i));
   if (a.phase === "aborting") {
     // Aborted while computing: nothing was written.
-    finishAbort(state, key, a, pool, safety, out);
+    finishAbort(state, key, a, ctx);
     return;
   }
   a.phase = "writing";
@@ -286,7 +281,8 @@ function computed(
   }
 }
 
-function abort(state: PrefillState, key: string, pool: KvPool, safety: Safety, out: Effects): void {
+function abort(state: PrefillState, key: string, ctx: PrefillContext): void {
+  const { safety, out } = ctx;
   const a = state.attempts[key];
   if (a === undefined) {
     // Never seen here, or already ended: nothing in flight, acknowledge at once.
@@ -306,20 +302,13 @@ function abort(state: PrefillState, key: string, pool: KvPool, safety: Safety, o
     return;
   }
   // Drained (or the late-write fault: acknowledge without waiting for the writes in flight).
-  finishAbort(state, key, a, pool, safety, out);
+  finishAbort(state, key, a, ctx);
 }
 
-function finishAbort(
-  state: PrefillState,
-  key: string,
-  a: PrefillAttempt,
-  pool: KvPool,
-  safety: Safety,
-  out: Effects,
-): void {
-  freeSource(a, pool);
+function finishAbort(state: PrefillState, key: string, a: PrefillAttempt, ctx: PrefillContext): void {
+  freeSource(a, ctx.pool);
   end(state, key);
-  sendAck(a.rid, a.epoch, safety, out);
+  sendAck(a.rid, a.epoch, ctx.safety, ctx.out);
 }
 
 function sendAck(rid: number, epoch: number, safety: Safety, out: Effects): void {

@@ -11,7 +11,7 @@ function harness(safety: Safety = SAFE) {
   const state = initialRouterState();
   const run = (event: RouterEvent): Effect[] => {
     const out: Effect[] = [];
-    routerStep(state, event, CONFIG, safety, out);
+    routerStep(state, event, { config: CONFIG, safety, out });
     return out;
   };
   const msg = (m: ControlMessage) => run({ type: "message", msg: m });

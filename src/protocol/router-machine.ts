@@ -1,6 +1,6 @@
 /**
  * The router's side of the transfer protocol (docs/design.md §4), sans-IO: `routerStep(state, event,
- * config, safety, out)` mutates a plain-data state (cheap to copy and hash) and pushes effects.
+ * ctx)` mutates a plain-data state (cheap to copy and hash) and pushes effects into `ctx.out`.
  *
  * Per request: admit (the router's door, against the effective context: the minimum of the model's
  * window and every node's pool; a rejection contacts nobody and allocates nothing) → reserve at
@@ -25,6 +25,13 @@ export interface RouterConfig {
   readonly decodePoolTokens: number;
   /** Attempts per request (1 = no retry). */
   readonly maxAttempts: number;
+}
+
+/** Everything `routerStep` works with besides its state and event: config, guards and faults, effects sink. */
+export interface RouterContext {
+  readonly config: RouterConfig;
+  readonly safety: Safety;
+  readonly out: Effects;
 }
 
 export type RouterPhase = "reserving" | "prefilling" | "decoding" | "done";
@@ -84,19 +91,14 @@ export function contextLengthError(promptLen: number, maxTokens: number, limit: 
   };
 }
 
-export function routerStep(
-  state: RouterState,
-  event: RouterEvent,
-  config: RouterConfig,
-  safety: Safety,
-  out: Effects,
-): void {
+export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterContext): void {
+  const { config, out } = ctx;
   switch (event.type) {
     case "submit":
-      submit(state, event, config, safety, out);
+      submit(state, event, ctx);
       return;
     case "message":
-      onMessage(state, event.msg, config, out);
+      onMessage(state, event.msg, ctx);
       return;
     case "client_abort": {
       const req = state.requests[event.rid];
@@ -142,10 +144,9 @@ export function routerStep(
 function submit(
   state: RouterState,
   event: Extract<RouterEvent, { type: "submit" }>,
-  config: RouterConfig,
-  safety: Safety,
-  out: Effects,
+  ctx: RouterContext,
 ): void {
+  const { config, safety, out } = ctx;
   if (state.requests[event.rid] !== undefined) {
     state.stale++;
     return;
@@ -169,7 +170,8 @@ function submit(
   sendReserve(req, out);
 }
 
-function onMessage(state: RouterState, msg: ControlMessage, config: RouterConfig, out: Effects): void {
+function onMessage(state: RouterState, msg: ControlMessage, ctx: RouterContext): void {
+  const { config, out } = ctx;
   const req = state.requests[msg.rid];
   if (req === undefined || req.epoch !== msg.epoch || req.phase === "done") {
     state.stale++;

@@ -10,7 +10,9 @@
  *
  * Because the end-to-end ratio is noisy on a shared machine, the benchmark also times the check
  * alone — `PagePool.checkStep` over the very block tables of the batch — and reports it as a
- * fraction of the mean step time, which resolves costs far below the end-to-end noise.
+ * fraction of the mean step time, which resolves costs far below the end-to-end noise. That is the
+ * one rule set of every page-tag check (`OwnershipTable.checkStep`): a decode node runs the same
+ * function once per token, from its decode state machine instead of the engine.
  *
  * The forward pass runs on the server's kernels (`--kernels wasm`, the default, with `--threads`
  * 1 or 2; or `--kernels ts`), built as the server builds it (`createForward`): on wasm both pools

@@ -21,6 +21,7 @@ import {
   type DecodeConfig,
   type DecodeEvent,
   type DecodeState,
+  decodeContext,
   decodeStep,
   initialDecodeState,
   leasedPage,
@@ -42,13 +43,7 @@ import {
   routerStep,
 } from "../../protocol/router-machine.js";
 import { guardOn, type Safety } from "../../protocol/safety.js";
-import {
-  attemptKey,
-  type ControlMessage,
-  type LeasePage,
-  type NodeRole,
-  type PageWriteHeader,
-} from "../../protocol/wire.js";
+import { attemptKey, type ControlMessage, type NodeRole, type PageWriteHeader } from "../../protocol/wire.js";
 
 export interface CheckRequest {
   readonly rid: number;
@@ -173,10 +168,26 @@ class ModelPool implements KvPool {
   readonly pageSize: number;
   readonly words: Uint32Array;
   content: number[] = [];
-  onRead: ((rid: number, epoch: number, pages: readonly LeasePage[], fresh: number) => void) | null = null;
+  onRead:
+    | ((
+        rid: number,
+        epoch: number,
+        pages: readonly number[],
+        generations: readonly number[],
+        count: number,
+        fresh: number,
+      ) => void)
+    | null = null;
 
-  observeRead(rid: number, epoch: number, pages: readonly LeasePage[], fresh: number): void {
-    this.onRead?.(rid, epoch, pages, fresh);
+  observeRead(
+    rid: number,
+    epoch: number,
+    pages: readonly number[],
+    generations: readonly number[],
+    count: number,
+    fresh: number,
+  ): void {
+    this.onRead?.(rid, epoch, pages, generations, count, fresh);
   }
 
   constructor(numPages: number, pageSize: number) {
@@ -220,8 +231,8 @@ export class ModelWorld {
       layoutSignature: `kvfence-check|f32|page=${config.pageSize}`,
     };
     for (const r of config.requests) this.#byRid.set(r.rid, r);
-    this.#decodePool.onRead = (rid, epoch, pages, fresh) =>
-      this.#ghostRead(this.#current!, rid, epoch, pages, fresh);
+    this.#decodePool.onRead = (rid, epoch, pages, generations, count, fresh) =>
+      this.#ghostRead(this.#current!, rid, epoch, pages, generations, count, fresh);
     this.#effectiveContext = Math.min(
       config.maxModelLen,
       config.prefillPages * config.pageSize,
@@ -383,9 +394,14 @@ export class ModelWorld {
         else this.#prefill(w, fence.event as PrefillEvent);
         break;
       }
-      case "step":
-        this.#decode(w, { type: "step", rid: event.rid, epoch: event.epoch, token: 100 });
+      case "step": {
+        // One engine step on the decode node: its page check, then (if that passed) its forward
+        // pass and the machine's step. The engine runs both in one synchronous call.
+        const key = attemptKey(event.rid, event.epoch);
+        this.#decode(w, { type: "check", key });
+        if (w.decode.attempts[key]?.phase === "decoding") this.#decode(w, { type: "step", key, token: 100 });
         break;
+      }
       case "client_abort":
         this.#router(w, { type: "client_abort", rid: event.rid });
         break;
@@ -451,7 +467,7 @@ export class ModelWorld {
 
   #router(w: World, event: RouterEvent): void {
     const out: Effect[] = [];
-    routerStep(w.router, event, this.#routerConfig, this.config.safety, out);
+    routerStep(w.router, event, { config: this.#routerConfig, safety: this.config.safety, out });
     if (
       event.type === "submit" &&
       out.some((e) => e.kind === "respond") &&
@@ -467,13 +483,18 @@ export class ModelWorld {
 
   #decode(w: World, event: DecodeEvent): void {
     const out: Effect[] = [];
-    decodeStep(w.decode, event, this.#decodePool, this.#nodeConfig, this.config.safety, out);
+    decodeStep(w.decode, event, decodeContext(this.#decodePool, this.#nodeConfig, this.config.safety, out));
     this.#effects(w, "decode", out);
   }
 
   #prefill(w: World, event: PrefillEvent): void {
     const out: Effect[] = [];
-    prefillStep(w.prefill, event, this.#prefillPool, this.#nodeConfig, this.config.safety, out);
+    prefillStep(w.prefill, event, {
+      pool: this.#prefillPool,
+      config: this.#nodeConfig,
+      safety: this.config.safety,
+      out,
+    });
     this.#effects(w, "prefill", out);
   }
 
@@ -601,8 +622,6 @@ export class ModelWorld {
         case "commit":
           this.#ghostCommit(w, e.rid, e.epoch, e.promptLen, e.coverage, e.pages);
           break;
-        case "read":
-          break;
         case "tokens":
           this.#ghostAnswer(w, e.rid, e.epoch, 200, null);
           break;
@@ -639,19 +658,22 @@ export class ModelWorld {
     w: World,
     rid: number,
     epoch: number,
-    pages: readonly { page: number; generation: number }[],
+    pages: readonly number[],
+    generations: readonly number[],
+    count: number,
     fresh: number,
   ): void {
     const table = this.#decodePool.table;
     if (fresh >= 0) {
-      const at = pages[fresh]!.page * 4;
+      const at = pages[fresh]! * 4;
       w.dContent[at] = rid;
       w.dContent[at + 1] = epoch;
       w.dContent[at + 2] = fresh;
       w.dContent[at + 3] = 0;
     }
-    for (let i = 0; i < pages.length; i++) {
-      const { page, generation } = pages[i]!;
+    for (let i = 0; i < count; i++) {
+      const page = pages[i]!;
+      const generation = generations[i]!;
       const at = page * 4;
       const c = w.dContent;
       const ok =

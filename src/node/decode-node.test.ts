@@ -1,0 +1,144 @@
+/**
+ * The decode node's per-token path, in one thread: a real `Engine` over a real forward pass, the
+ * real `DecodeNode` and its decode state machine, driven through the node's own doors (a reserve
+ * from the router, the transfer's pages landing, the manifest). Only the transport is a stand-in:
+ * the pages "land" by stamping them as a receiver does, and the prefill channel records what the
+ * node sends it.
+ *
+ * - A token allocates nothing (heap growth ~0 over 2,000 tokens at 1,000–7,000 tokens of context,
+ *   as `ForwardPass.step()` is measured in forward.test.ts): the engine's check hook, the machine's
+ *   `check` and `step`, the token to the router.
+ * - The page-tag check of a token is the machine's, once, before the forward pass: a page of the
+ *   attempt that another request's write stamped fails the attempt before its next token is
+ *   computed or sent, and is counted once.
+ */
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import { heapGrowthPerRound } from "../../testing/heap-growth.js";
+import { randomModel } from "../../testing/random-model.js";
+import type { FromNode } from "../cluster/node-messages.js";
+import { Engine } from "../engine/engine.js";
+import { PagePool } from "../kvcache/page-pool.js";
+import { ForwardPass } from "../model/forward.js";
+import { SAFE } from "../protocol/safety.js";
+import type { ControlMessage, TransferLease } from "../protocol/wire.js";
+import { pageChecksumHex } from "../transfer/page-checksum.js";
+import { DecodeNode } from "./decode-node.js";
+import { pageBytesOf } from "./node-pool.js";
+
+const PAGE = 16;
+const PREFILL = "p0";
+
+/** A decode node over a fresh engine, with one prefill channel attached and one request committed. */
+function committedDecode(options: {
+  promptLen: number;
+  maxTokens: number;
+  numPages: number;
+  window: number;
+}) {
+  const { config, weights } = randomModel({ seed: 5, vocabSize: 64, maxPositionEmbeddings: options.window });
+  const layout = {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize: PAGE,
+  };
+  const forward = new ForwardPass(config, weights, layout, { maxBatchTokens: 16, maxSequences: 2 });
+  const engine = new Engine(forward, new PagePool(layout, options.numPages));
+  const seen = { tokens: 0, lastToken: -1, other: [] as ControlMessage[] };
+  const toRouter = (message: FromNode): void => {
+    if (message.kind !== "protocol") return;
+    if (message.msg.type === "tokens") {
+      // The node reuses this message: read it, never keep it.
+      seen.tokens += message.msg.tokens.length;
+      seen.lastToken = message.msg.tokens[0]!;
+    } else seen.other.push(structuredClone(message.msg));
+  };
+  const node = new DecodeNode({ engine, layoutSignature: "test", safety: SAFE, incarnation: 1, toRouter });
+  const toPrefill: ControlMessage[] = [];
+  node.attachPrefill(PREFILL, { sendControl: (m) => toPrefill.push(m), close: () => {} }, 1);
+  const rid = 1;
+  const epoch = 1;
+  const reserve = { type: "reserve" as const, rid, epoch, tenant: 0, ...options };
+  node.onRouter({ kind: "protocol", prefill: PREFILL, msg: reserve });
+  const lease = seen.other.shift() as TransferLease;
+  assert.equal(lease.type, "lease");
+  // The transfer: every leased page lands (its bytes are the pool's zeros) and is stamped.
+  const pool = engine.pool;
+  const checksums: string[] = [];
+  lease.pages.forEach(({ page }, i) => {
+    pool.table.stampWriter(page, rid, epoch, Math.min(PAGE, options.promptLen - i * PAGE));
+    checksums.push(pageChecksumHex(pageBytesOf(pool, page), rid, epoch, i));
+  });
+  node.pagesLanded(PREFILL, rid, epoch, 0, lease.pages.length);
+  const manifest = {
+    type: "manifest" as const,
+    rid,
+    epoch,
+    tokenStart: 0,
+    tokenEnd: options.promptLen,
+    firstToken: 3,
+    checksums,
+  };
+  node.onRouter({ kind: "protocol", prefill: PREFILL, msg: manifest });
+  assert.deepEqual(
+    seen.other.map((m) => m.type),
+    ["committed"],
+  );
+  seen.other.length = 0;
+  return { engine, node, seen, lease };
+}
+
+test("DecodeNode allocates nothing per token (heap growth ~0 over 2000 decode tokens)", async () => {
+  // One request decoding from 16 prompt tokens to 7,000 tokens of context (hundreds of pages checked
+  // per token). One 12-byte HeapNumber per token would show as 24 KB per round of 2000; a LeasePage
+  // per page per token as megabytes (and a GC in every round).
+  const d = committedDecode({ promptLen: 16, maxTokens: 8000, numPages: 512, window: 8192 });
+  try {
+    const growths = await heapGrowthPerRound(
+      () => {
+        d.engine.step();
+      },
+      { warmup: 1000, steps: 2000, rounds: 3 },
+    );
+    // (The node's own step loop, kicked at commit, may have run a few more steps while the
+    // measurement waited for its GC records.)
+    assert.ok(d.seen.tokens >= 7000, `one token to the router per step: ${d.seen.tokens}`);
+    assert.deepEqual(d.seen.other, [], "no failure, nothing else sent");
+    assert.ok(growths.length > 0, "a GC ran during every measured round");
+    assert.ok(
+      Math.min(...growths) < 4096,
+      `heap grew by ${growths.join(", ")} bytes over 2000 decode tokens`,
+    );
+  } finally {
+    d.node.close();
+  }
+});
+
+test("DecodeNode checks a token's pages once, in the machine, before the forward pass", () => {
+  const d = committedDecode({ promptLen: 40, maxTokens: 20, numPages: 8, window: 256 });
+  try {
+    for (let i = 0; i < 3; i++) d.engine.step();
+    assert.equal(d.seen.tokens, 3);
+    const before = d.engine.stats().counters.completionTokens;
+    // A write of request 9 lands in the attempt's second prompt page.
+    d.engine.pool.table.stampWriter(d.lease.pages[1]!.page, 9, 1, PAGE);
+    d.engine.step();
+    assert.equal(d.engine.stats().counters.completionTokens, before, "the forward pass did not run");
+    assert.equal(d.seen.tokens, 3, "no token after the foreign write");
+    const failed = d.seen.other.find((m) => m.type === "failed");
+    assert.equal(failed?.type === "failed" ? failed.error.code : "", "page_tag_mismatch");
+    assert.match(
+      failed?.type === "failed" ? failed.error.message : "",
+      /KV page 1 of request 1 epoch 1 is not its own, .*writer 9\/1/,
+    );
+    const stats = d.node.stats();
+    assert.equal(stats.counters.tagCheckFailures, 1, "counted once");
+    assert.equal(stats.counters.aborts, 0, "a failed check is not an abort");
+    assert.equal(stats.queue.running, 0);
+    assert.equal(stats.pages.free, 8, "the machine freed the committed pages");
+    assert.equal(d.engine.busy, false);
+  } finally {
+    d.node.close();
+  }
+});

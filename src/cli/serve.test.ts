@@ -1,13 +1,16 @@
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
 import { once } from "node:events";
+import { copyFileSync, existsSync, mkdtempSync, rmSync } from "node:fs";
 import net from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { modelDir } from "../../testing/start-server.js";
 import { KvfenceError } from "../lib/errors.js";
 import { createLogger } from "../lib/logger.js";
-import { kernelOptions, parseByteSize, parseServeConfig, startServer } from "./serve.js";
+import { kernelOptions, parseByteSize, parseServeConfig, startNode, startServer } from "./serve.js";
 
 const MAIN = fileURLToPath(new URL("./main.js", import.meta.url));
 
@@ -164,5 +167,42 @@ test("startServer() refuses a port that is taken before it loads the weights", a
     assert.deepEqual(progress, [], "no weights were loaded");
   } finally {
     holder.close();
+  }
+});
+
+test("startNode() and startServer(--role router) refuse a weak cluster secret before they load the weights", async () => {
+  // A model folder with its config but no weights: loading the weights would fail differently.
+  const dir = mkdtempSync(join(tmpdir(), "kvfence-noweights-"));
+  try {
+    for (const file of ["config.json", "tokenizer.json", "tokenizer_config.json"]) {
+      const from = join(modelDir("kvfence-tiny"), file);
+      if (existsSync(from)) copyFileSync(from, join(dir, file));
+    }
+    const logger = createLogger({ level: "silent" });
+    for (const role of ["decode", "prefill", "router"] as const) {
+      const config = parseServeConfig({
+        ...defaults,
+        port: "0",
+        role,
+        model: dir,
+        clusterSecret: "aaaaaaaaaaaaaaaaaaaa",
+        ...(role === "router" ? { prefill: ["127.0.0.1:1"], decode: ["127.0.0.1:2"] } : {}),
+        logLevel: "silent",
+      });
+      const progress: string[] = [];
+      await assert.rejects(
+        role === "router"
+          ? startServer(config, { logger, progress: (l) => progress.push(l) })
+          : startNode(config, { logger }),
+        (err: KvfenceError) => {
+          assert.equal(err.code, "config_invalid", role);
+          assert.match(err.message, /^Cluster secret is too weak; .*too few distinct characters/, role);
+          return true;
+        },
+      );
+      assert.deepEqual(progress, [], "no weights were loaded");
+    }
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
   }
 });

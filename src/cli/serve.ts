@@ -294,6 +294,8 @@ export async function startServer(
 
   // Before the weights load (minutes for a big model): a port already taken fails now.
   if (config.port !== 0) await assertCanListen(config.host, config.port);
+  // So does a missing or weak cluster secret (the router connects only once the weights loaded).
+  if (config.role === "router") clusterSecret(config.clusterSecret);
 
   let lastPercent = -1;
   // A router process tokenizes and admits; the nodes it connects to hold the weights.
@@ -419,6 +421,8 @@ export async function startNode(
   const role = config.role === "prefill" ? "prefill" : "decode";
   warnUnsafe(config, role, options.logger);
   const tls = serveTls(config);
+  // Before the weights load: a missing or weak cluster secret fails now.
+  const secret = clusterSecret(config.clusterSecret);
   const modelConfig = loadModelConfig(config.model);
   const layout: KvLayout = {
     numLayers: modelConfig.numLayers,
@@ -450,7 +454,7 @@ export async function startNode(
     role,
     host: config.host,
     port: config.port,
-    secret: clusterSecret(config.clusterSecret),
+    secret,
     ...(tls.links === undefined ? {} : { tls: tls.links }),
     engine: {
       model: { config: model.config, weights: model.weights },
@@ -464,6 +468,7 @@ export async function startNode(
     },
     faults: config.unsafeFault,
     log: (line) => options.logger.info(line),
+    warn: (line) => options.logger.warn(line),
   });
   return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
 }

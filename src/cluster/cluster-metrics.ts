@@ -71,6 +71,12 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
     ["node", "role"],
   );
 
+  const linkAuth = registry.counter(
+    "kvfence_link_auth_failures_total",
+    "Connections to a node's control or transfer port refused before admission, by reason (bad_hello, bad_proof: a replayed handshake, malformed, oversized, timeout, too_many_pending, peer_connected, layout_mismatch)",
+    ["node", "port", "reason"],
+  );
+
   // The last counts of each decode node, so a lost node's transfers stay in the totals.
   const lastTransfer = new Map<string, NodeStats["transfer"]>();
 
@@ -88,6 +94,11 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
         nodePages.set(stats.pages[state], { node: node.id, role, state });
       }
       attempts.set(stats.attempts, { node: node.id, role });
+      for (const [port, reasons] of Object.entries(stats.linkAuthFailures ?? {})) {
+        for (const [reason, n] of Object.entries(reasons ?? {})) {
+          linkAuth.setTotal(n, { node: node.id, port, reason });
+        }
+      }
       queue[role]!.waiting! += stats.queue.waiting;
       queue[role]!.running! += stats.queue.running;
       if (role === "decode") {

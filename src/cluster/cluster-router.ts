@@ -12,6 +12,12 @@ import { type ControlLink, connectControlLink } from "./control-link.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
 import type { FromNode, NodeHello, ToNode } from "./node-messages.js";
 
+/**
+ * This router process's incarnation, sent in its control-link hello: a node admits a newer router
+ * in place of an older one it still believes connected, never an equal or older one.
+ */
+const ROUTER_INCARNATION = Date.now();
+
 export interface ClusterRouterOptions {
   readonly prefill: readonly string[];
   readonly decode: readonly string[];
@@ -50,6 +56,7 @@ async function connectNode(
     port,
     secret,
     ...(tls === undefined ? {} : { tls }),
+    incarnation: ROUTER_INCARNATION,
   });
   const hello = await new Promise<NodeHello>((resolve, reject) => {
     link.onMessage((m) => {
@@ -57,7 +64,10 @@ async function connectNode(
     });
     link.onClose(() =>
       reject(
-        new KvfenceError("node_unavailable", `The node at ${url} closed the link before its hello: closed`),
+        new KvfenceError(
+          "node_unavailable",
+          `The node at ${url} closed the link before its hello; it admits one router at a time (its log says why): closed`,
+        ),
       ),
     );
   });

@@ -1,6 +1,7 @@
 import assert from "node:assert/strict";
 import net from "node:net";
 import { test } from "node:test";
+import { replay, startTcpTap } from "../../testing/tcp-tap.js";
 import { type ControlLink, connectControlLink, listenControlLinks } from "./control-link.js";
 
 const SECRET = "a-cluster-secret-of-some-length";
@@ -74,4 +75,113 @@ test("ControlLink closes on a line whose MAC does not verify", async (t) => {
   socket.write(`{"nonce":"${"0".repeat(32)}"}\t${"ab".repeat(32)}\n`);
   await closed;
   assert.equal(accepted, null);
+});
+
+test("listenControlLinks() refuses a recorded router handshake replayed byte for byte, counts and logs it", async (t) => {
+  const links: ControlLink<{ n: number }, { n: number }>[] = [];
+  const refused: string[] = [];
+  const server = await listenControlLinks<{ n: number }, { n: number }>({
+    host: "127.0.0.1",
+    port: 0,
+    secret: SECRET,
+    onLink: (l) => {
+      links.push(l);
+      l.onMessage((m) => l.send({ n: m.n * 10 }));
+    },
+    admit: () => !links.some((l) => !l.closed),
+    onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
+  });
+  t.after(() => server.close());
+  const tap = await startTcpTap(server.port);
+  t.after(() => tap.close());
+  const router = await connectControlLink<{ n: number }, { n: number }>({
+    host: "127.0.0.1",
+    port: tap.port,
+    secret: SECRET,
+  });
+  const replies: number[] = [];
+  router.onMessage((m) => replies.push(m.n));
+  router.send({ n: 1 });
+  while (replies.length < 1) await new Promise((r) => setTimeout(r, 10));
+  // What a passive eavesdropper captured: the router's hello, proof and first control line.
+  const captured = tap.sent(0);
+  const result = await replay(server.port, captured, 3000);
+  assert.equal(result.open, false, "the node closed the replayed connection");
+  assert.equal(links.length, 1, "the replay was not admitted as a link");
+  assert.equal(server.failures.bad_proof, 1);
+  assert.match(refused.join("\n"), /^bad_proof: .*replay/m);
+  // The real router's link is untouched.
+  router.send({ n: 2 });
+  while (replies.length < 2) await new Promise((r) => setTimeout(r, 10));
+  assert.deepEqual(replies, [10, 20]);
+  router.close();
+});
+
+test("listenControlLinks() refuses a second router while one is connected, and admits one after it left", async (t) => {
+  const links: ControlLink<{ n: number }, { n: number }>[] = [];
+  const server = await listenControlLinks<{ n: number }, { n: number }>({
+    host: "127.0.0.1",
+    port: 0,
+    secret: SECRET,
+    onLink: (l) => links.push(l),
+    admit: () => !links.some((l) => !l.closed),
+  });
+  t.after(() => server.close());
+  const options = { host: "127.0.0.1", port: server.port, secret: SECRET };
+  const first = await connectControlLink<{ n: number }, { n: number }>(options);
+  // The second one proves itself, but the first still holds the node: it is refused, not swapped in.
+  const second = await connectControlLink<{ n: number }, { n: number }>(options);
+  await new Promise<void>((resolve) => second.onClose(() => resolve()));
+  assert.equal(links.length, 1);
+  assert.equal(server.failures.peer_connected, 1);
+  assert.equal(first.closed, false);
+  first.close();
+  await new Promise<void>((resolve) => links[0]!.onClose(() => resolve()));
+  const third = await connectControlLink<{ n: number }, { n: number }>(options);
+  while (links.length < 2) await new Promise((r) => setTimeout(r, 10));
+  assert.equal(third.closed, false);
+  third.close();
+});
+
+test("listenControlLinks() holds unauthenticated connections to a deadline, a line limit and a cap", async (t) => {
+  const links: ControlLink<{ n: number }, { n: number }>[] = [];
+  const reported: string[] = [];
+  const server = await listenControlLinks<{ n: number }, { n: number }>({
+    host: "127.0.0.1",
+    port: 0,
+    secret: SECRET,
+    onLink: (l) => links.push(l),
+    handshakeTimeoutMs: 300,
+    maxPending: 4,
+    reportWindowMs: 600_000,
+    onRefused: (reason) => reported.push(reason),
+  });
+  t.after(() => server.close());
+  // Silent: closed by the deadline.
+  assert.equal((await replay(server.port, Buffer.alloc(0), 20_000)).open, false);
+  assert.equal(server.failures.timeout, 1);
+  // A line that never ends: closed at 4 KiB, nothing more buffered.
+  assert.equal((await replay(server.port, Buffer.alloc(64 * 1024, 0x41), 20_000)).open, false);
+  assert.equal(server.failures.oversized, 1);
+  // Garbage with a newline.
+  assert.equal((await replay(server.port, Buffer.from("GET / HTTP/1.1\r\n\r\n"), 20_000)).open, false);
+  assert.equal(server.failures.malformed, 1);
+  // A flood of 12 silent connections with a cap of 4: 8 are closed at once to make room.
+  const flood = Array.from({ length: 12 }, () => replay(server.port, Buffer.alloc(0), 20_000));
+  await Promise.all(flood);
+  assert.equal(server.failures.too_many_pending, 8);
+  assert.equal(server.failures.timeout, 5);
+  // Counted all; logged at most 20 per window (a flood does not flood the log).
+  assert.equal(reported.length, 15);
+  await Promise.all(Array.from({ length: 12 }, () => replay(server.port, Buffer.alloc(0), 20_000)));
+  assert.equal(server.failures.too_many_pending! + server.failures.timeout!, 25);
+  assert.equal(reported.length, 20);
+  // The real router still gets in.
+  const link = await connectControlLink<{ n: number }, { n: number }>({
+    host: "127.0.0.1",
+    port: server.port,
+    secret: SECRET,
+  });
+  while (links.length < 1) await new Promise((r) => setTimeout(r, 10));
+  link.close();
 });

@@ -2,16 +2,34 @@
  * The router ↔ node control link of the multi-process topology: one TCP connection per node,
  * newline-delimited JSON, every line authenticated with the cluster secret.
  *
- * Handshake: the router sends `{nonce}` MACed with the secret; the node checks it and answers
- * `{nonce, peerNonce}` MACed likewise. Both derive per-direction session keys from the two nonces
- * (`sessionKeys`), and every later line carries an HMAC-SHA256 over its sequence number and payload,
- * so a line cannot be forged, replayed or reordered. Any bad line closes the connection; a closed
- * connection is the peer's loss (the fence).
+ * Handshake (control-auth.ts, docs/protocol.md): the router sends `{nonce}` MACed with the secret;
+ * the node answers the challenge `{nonce, peerNonce}` MACed with its session key over both lines;
+ * the router answers the proof `{}` MACed with its session key over both lines, and only then does
+ * the node admit the link (and send anything on it). A recorded handshake replayed to the node fails
+ * at the proof: the node's nonce is new. Until admitted, a connection is held to the pre-handshake
+ * limits (link-guard.ts: a deadline, a cap on pending connections, 4 KiB per line), and the node
+ * decides whether a proven router may have the link (`admit`: not while another one holds it,
+ * unless it is a newer incarnation, i.e. a restarted router). After it, every line carries an
+ * HMAC-SHA256 over its sequence number and payload, so a line cannot be forged, replayed or
+ * reordered. Any bad line closes the connection; a closed connection is the peer's loss (the fence).
  */
 import { randomBytes } from "node:crypto";
 import type net from "node:net";
 import { KvfenceError } from "../lib/errors.js";
-import { clusterSecretBytes, hmac, sessionKeys, verifyHmac } from "../transfer/control-auth.js";
+import {
+  clusterSecretBytes,
+  hmac,
+  NONCE_BYTES,
+  sessionKeys,
+  transcript,
+  verifyHmac,
+} from "../transfer/control-auth.js";
+import {
+  type LinkAuthFailures,
+  type LinkAuthReason,
+  MAX_PREAUTH_BYTES,
+  PreAuthGuard,
+} from "../transfer/link-guard.js";
 import { connectLink, createLinkServer, type LinkTls, tlsReason } from "../transfer/tls-config.js";
 import type { Link } from "./node-messages.js";
 
@@ -126,18 +144,28 @@ export class ControlLink<Out, In> implements Link<Out, In> {
   }
 }
 
-function helloLine(secret: Buffer, body: object): Buffer {
-  const payload = Buffer.from(JSON.stringify(body));
-  return Buffer.concat([payload, Buffer.from(`\t${hmac(secret, HELLO, payload).toString("hex")}\n`)]);
+const CHALLENGE = "kvfence link challenge";
+const PROOF = "kvfence link proof";
+const PROOF_PAYLOAD = Buffer.from("{}");
+
+/** `payload \t hex(mac)\n`. */
+function line(payload: Buffer, mac: Buffer): Buffer {
+  return Buffer.concat([payload, Buffer.from(`\t${mac.toString("hex")}\n`)]);
 }
 
-/** Reads one MACed hello line; resolves with its body and the bytes after it. */
-function readHello(
-  socket: net.Socket,
-  secret: Buffer,
-): Promise<{ body: Record<string, unknown>; rest: Buffer }> {
+class HandshakeError extends KvfenceError {
+  constructor(
+    readonly reason: LinkAuthReason,
+    message: string,
+  ) {
+    super("transfer_failed", message);
+  }
+}
+
+/** Reads one `payload \t mac` line of at most `MAX_PREAUTH_BYTES`; resolves with it and the bytes after it. */
+function readLine(socket: net.Socket, rest: Buffer): Promise<{ payload: Buffer; mac: Buffer; rest: Buffer }> {
   return new Promise((resolve, reject) => {
-    let buffered = Buffer.alloc(0);
+    let buffered = rest;
     const cleanup = (): void => {
       socket.off("data", onData);
       socket.off("close", onClose);
@@ -147,45 +175,53 @@ function readHello(
       reject(new KvfenceError("node_unavailable", "Control link closed during the handshake: closed"));
     };
     const onData = (chunk: Buffer): void => {
-      buffered = Buffer.concat([buffered, chunk]);
+      buffered = buffered.length === 0 ? chunk : Buffer.concat([buffered, chunk]);
       const nl = buffered.indexOf(10);
       if (nl < 0) {
-        if (buffered.length > 4096) onClose();
+        if (buffered.length > MAX_PREAUTH_BYTES) {
+          cleanup();
+          reject(new HandshakeError("oversized", `Handshake line longer than ${MAX_PREAUTH_BYTES} bytes`));
+        }
         return;
       }
       cleanup();
-      const line = buffered.subarray(0, nl);
-      const rest = buffered.subarray(nl + 1);
-      const tab = line.lastIndexOf(9);
-      const payload = line.subarray(0, Math.max(tab, 0));
-      const mac = Buffer.from(line.subarray(tab + 1).toString(), "hex");
-      if (tab < 0 || !verifyHmac(secret, mac, HELLO, payload)) {
-        socket.destroy();
-        reject(
-          new KvfenceError(
-            "transfer_failed",
-            "Control link peer failed authentication; give every node the same --cluster-secret: bad hello",
-          ),
-        );
+      const text = buffered.subarray(0, nl);
+      const tab = text.lastIndexOf(9);
+      const hex = text.subarray(tab + 1).toString();
+      if (tab < 0 || !/^[0-9a-f]{64}$/.test(hex)) {
+        reject(new HandshakeError("malformed", "Handshake line is not `payload<TAB>mac`"));
         return;
       }
-      try {
-        resolve({ body: JSON.parse(payload.toString()) as Record<string, unknown>, rest });
-      } catch {
-        socket.destroy();
-        reject(new KvfenceError("transfer_failed", "Control link hello is not JSON: bad hello"));
-      }
+      resolve({
+        payload: text.subarray(0, tab),
+        mac: Buffer.from(hex, "hex"),
+        rest: buffered.subarray(nl + 1),
+      });
     };
     socket.on("data", onData);
     socket.on("close", onClose);
+    if (buffered.length > 0) queueMicrotask(() => onData(Buffer.alloc(0)));
   });
 }
 
-/** Connects to a node's control port (the router side). */
+function parseJson(payload: Buffer): Record<string, unknown> | null {
+  try {
+    const v: unknown = JSON.parse(payload.toString());
+    return v !== null && typeof v === "object" && !Array.isArray(v) ? (v as Record<string, unknown>) : null;
+  } catch {
+    return null;
+  }
+}
+
+const NONCE_HEX = /^[0-9a-f]{32}$/;
+
+/** Connects to a node's control port (the router side); resolves once the node proved itself. */
 export async function connectControlLink<Out, In>(options: {
   readonly host: string;
   readonly port: number;
   readonly secret: string | Uint8Array;
+  /** This router's incarnation (its start time), sent in the hello: a newer one may replace an older. */
+  readonly incarnation?: number;
   /** Mutual TLS (docs/tls.md); plain TCP without. */
   readonly tls?: LinkTls;
 }): Promise<ControlLink<Out, In>> {
@@ -195,18 +231,17 @@ export async function connectControlLink<Out, In>(options: {
     port: options.port,
     noDelay: true,
   });
-  // Until the link takes the socket over: a reset or a TLS alert mid-handshake is a refusal, not a crash.
+  // From here on a reset or a TLS alert mid-handshake is a refusal, never an unhandled error.
   let failure: Error | undefined;
-  const onEarlyError = (err: Error): void => {
+  socket.on("error", (err) => {
     failure ??= err;
-  };
-  socket.on("error", onEarlyError);
+  });
   await new Promise<void>((resolve, reject) => {
+    const onClose = (): void => reject(failure ?? new Error("closed"));
     socket.once(ready, () => {
       socket.off("close", onClose);
       resolve();
     });
-    const onClose = (): void => reject(failure ?? new Error("closed"));
     socket.once("close", onClose);
   }).catch((err: Error) => {
     throw new KvfenceError(
@@ -214,55 +249,124 @@ export async function connectControlLink<Out, In>(options: {
       `Cannot reach the node at ${options.host}:${options.port}; check that it runs${options.tls === undefined ? "" : " and that its certificate is issued by --tls-ca for that address"}: ${tlsReason(err)}`,
     );
   });
-  const nonce = randomBytes(16);
-  socket.write(helloLine(secret, { nonce: nonce.toString("hex") }));
-  const { body, rest } = await readHello(socket, secret).catch((err: Error) => {
-    // The TLS server checks our certificate after our handshake ends (TLS 1.3): its refusal lands here.
-    if (options.tls === undefined) throw err;
+  const nonce = randomBytes(NONCE_BYTES);
+  const hello = Buffer.from(
+    JSON.stringify({
+      nonce: nonce.toString("hex"),
+      ...(options.incarnation === undefined ? {} : { incarnation: options.incarnation }),
+    }),
+  );
+  socket.write(line(hello, hmac(secret, HELLO, hello)));
+  const challenge = await readLine(socket, Buffer.alloc(0)).catch((err: Error) => {
+    socket.destroy();
+    throw err instanceof HandshakeError
+      ? new KvfenceError("transfer_failed", `Control link peer sent a bad challenge: ${err.message}`)
+      : new KvfenceError(
+          "node_unavailable",
+          options.tls === undefined
+            ? `The node at ${options.host}:${options.port} closed the control link during the handshake; check that it has the same --cluster-secret and the same --tls-* setting (its log says why it refused): closed`
+            : // The TLS server checks our certificate after our handshake ends (TLS 1.3): its refusal lands here.
+              `The node at ${options.host}:${options.port} closed the control link during the handshake; check that it has the same --cluster-secret and that --tls-cert is issued by its --tls-ca: ${failure === undefined ? "closed" : tlsReason(failure)}`,
+        );
+  });
+  const body = parseJson(challenge.payload);
+  const fail = (why: string): never => {
+    socket.destroy();
     throw new KvfenceError(
       "transfer_failed",
-      `The node at ${options.host}:${options.port} closed the TLS link during the handshake; check that --tls-cert is issued by the node's --tls-ca: ${failure === undefined ? "closed" : tlsReason(failure)}`,
+      `Control link peer failed authentication; give every node the same --cluster-secret: ${why}`,
     );
-  });
-  socket.off("error", onEarlyError);
-  if (body.peerNonce !== nonce.toString("hex") || typeof body.nonce !== "string") {
-    socket.destroy();
-    throw new KvfenceError("transfer_failed", "Control link hello does not answer ours: bad nonce");
+  };
+  if (body === null || typeof body.nonce !== "string" || !NONCE_HEX.test(body.nonce)) fail("bad challenge");
+  if (body!.peerNonce !== nonce.toString("hex")) fail("the challenge does not answer our nonce");
+  const keys = sessionKeys(secret, nonce, Buffer.from(body!.nonce as string, "hex"));
+  if (!verifyHmac(keys.serverToClient, challenge.mac, transcript(CHALLENGE, hello, challenge.payload))) {
+    fail("bad challenge MAC");
   }
-  const keys = sessionKeys(secret, nonce, Buffer.from(body.nonce, "hex"));
-  return new ControlLink<Out, In>(socket, keys.clientToServer, keys.serverToClient, rest);
+  socket.write(line(PROOF_PAYLOAD, hmac(keys.clientToServer, transcript(PROOF, hello, challenge.payload))));
+  return new ControlLink<Out, In>(socket, keys.clientToServer, keys.serverToClient, challenge.rest);
 }
 
-/** Listens for router links (the node side); `onLink` gets each authenticated link. */
-export async function listenControlLinks<Out, In>(options: {
+export interface ControlListenOptions<Out, In> {
   readonly host: string;
   readonly port: number;
   readonly secret: string | Uint8Array;
-  readonly onLink: (link: ControlLink<Out, In>) => void;
-  /** Mutual TLS (docs/tls.md); plain TCP without. */
+  readonly onLink: (link: ControlLink<Out, In>, incarnation: number | undefined) => void;
+  /**
+   * Called for a peer that proved itself, with the incarnation from its hello (a router's start
+   * time): false refuses it (`peer_connected`) — while an admitted peer holds the link, a new one
+   * must not silently replace it — true admits it. Default: admit.
+   */
+  readonly admit?: (incarnation: number | undefined) => boolean;
+  readonly handshakeTimeoutMs?: number;
+  readonly maxPending?: number;
+  readonly reportWindowMs?: number;
+  /** A connection was refused (counted in `failures`). */
+  readonly onRefused?: (reason: LinkAuthReason, detail: string) => void;
+  /** Mutual TLS (docs/tls.md); plain TCP without. A failed TLS handshake counts as `tls_handshake`. */
   readonly tls?: LinkTls;
-  /** A connection refused in the TLS handshake (no certificate, another CA, plaintext). */
-  readonly onRefused?: (error: KvfenceError) => void;
-}): Promise<{ readonly port: number; close(): Promise<void> }> {
+}
+
+export interface ControlListener {
+  readonly port: number;
+  /** Refused connections by reason. */
+  readonly failures: LinkAuthFailures;
+  close(): Promise<void>;
+}
+
+/** Listens for router links (the node side); `onLink` gets each authenticated link. */
+export async function listenControlLinks<Out, In>(
+  options: ControlListenOptions<Out, In>,
+): Promise<ControlListener> {
   const secret = clusterSecretBytes(options.secret);
   const sockets = new Set<net.Socket>();
-  const server = createLinkServer(options, (socket) => {
+  const guard = new PreAuthGuard({
+    ...(options.handshakeTimeoutMs === undefined ? {} : { handshakeTimeoutMs: options.handshakeTimeoutMs }),
+    ...(options.maxPending === undefined ? {} : { maxPending: options.maxPending }),
+    ...(options.reportWindowMs === undefined ? {} : { reportWindowMs: options.reportWindowMs }),
+    ...(options.onRefused === undefined ? {} : { onRefused: options.onRefused }),
+  });
+  const accept = async (socket: net.Socket): Promise<void> => {
+    const hello = await readLine(socket, Buffer.alloc(0));
+    if (!verifyHmac(secret, hello.mac, HELLO, hello.payload)) {
+      throw new HandshakeError("bad_hello", "hello MAC does not verify (another --cluster-secret?)");
+    }
+    const body = parseJson(hello.payload);
+    if (body === null || typeof body.nonce !== "string" || !NONCE_HEX.test(body.nonce)) {
+      throw new HandshakeError("malformed", "hello without a nonce");
+    }
+    const nonce = randomBytes(NONCE_BYTES);
+    const keys = sessionKeys(secret, Buffer.from(body.nonce, "hex"), nonce);
+    const challenge = Buffer.from(JSON.stringify({ nonce: nonce.toString("hex"), peerNonce: body.nonce }));
+    socket.write(line(challenge, hmac(keys.serverToClient, transcript(CHALLENGE, hello.payload, challenge))));
+    const proof = await readLine(socket, hello.rest);
+    if (!verifyHmac(keys.clientToServer, proof.mac, transcript(PROOF, hello.payload, challenge))) {
+      throw new HandshakeError(
+        "bad_proof",
+        "the proof does not answer this connection's challenge (a replay?)",
+      );
+    }
+    const incarnation = Number.isSafeInteger(body.incarnation) ? (body.incarnation as number) : undefined;
+    if (options.admit?.(incarnation) === false) {
+      throw new HandshakeError("peer_connected", "a router is connected on this port already");
+    }
+    guard.admitted(socket);
+    const link = new ControlLink<Out, In>(socket, keys.serverToClient, keys.clientToServer, proof.rest);
+    options.onLink(link, incarnation);
+  };
+  const onTlsRefused = (error: KvfenceError, socket: net.Socket): void => {
+    guard.count(socket, "tls_handshake", error.message);
+  };
+  const server = createLinkServer({ tls: options.tls, onRefused: onTlsRefused }, (socket) => {
     sockets.add(socket);
     socket.on("close", () => sockets.delete(socket));
     socket.on("error", () => {});
-    readHello(socket, secret).then(
-      ({ body, rest }) => {
-        if (typeof body.nonce !== "string" || !/^[0-9a-f]{32}$/.test(body.nonce)) {
-          socket.destroy();
-          return;
-        }
-        const nonce = randomBytes(16);
-        socket.write(helloLine(secret, { nonce: nonce.toString("hex"), peerNonce: body.nonce }));
-        const keys = sessionKeys(secret, Buffer.from(body.nonce, "hex"), nonce);
-        options.onLink(new ControlLink<Out, In>(socket, keys.serverToClient, keys.clientToServer, rest));
-      },
-      () => socket.destroy(),
-    );
+    const remote = `${socket.remoteAddress}:${socket.remotePort}`;
+    guard.accepted(socket, remote);
+    accept(socket).catch((err: Error) => {
+      if (err instanceof HandshakeError) guard.refuse(socket, err.reason, `${err.message} from ${remote}`);
+      else socket.destroy();
+    });
   });
   await new Promise<void>((resolve, reject) => {
     server.once("error", reject);
@@ -273,8 +377,10 @@ export async function listenControlLinks<Out, In>(options: {
   });
   return {
     port: (server.address() as net.AddressInfo).port,
+    failures: guard.failures,
     close: () =>
       new Promise<void>((resolve) => {
+        guard.close();
         for (const s of sockets) s.destroy();
         server.close(() => resolve());
       }),

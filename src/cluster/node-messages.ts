@@ -89,6 +89,11 @@ export interface NodeStats {
   /** Observations since the previous poll (drained by each poll): GB/s per transfer, ABORT_ACK latency in seconds. */
   readonly transferGbps: readonly number[];
   readonly abortAckSeconds: readonly number[];
+  /** Process topology: connections refused before admission, by port and reason (link-guard.ts). */
+  readonly linkAuthFailures?: {
+    readonly control?: Readonly<Record<string, number>>;
+    readonly transfer?: Readonly<Record<string, number>>;
+  };
 }
 
 /** Node → router. */

@@ -182,6 +182,21 @@ test("decodeStep() keeps a lease granted for a newer prefill when an older one i
   assert.equal(h.pool.table.counts().free, 4);
 });
 
+test("decodeStep() quarantines a lease of a prefill incarnation that reconnected after it was fenced", () => {
+  // Decode's transfer connection to a live prefill node dropped (peer_lost 1) and decode connected
+  // again to the same incarnation (peer_up 1): a lease granted now can be written over the new
+  // connection, so an abort must quarantine its pages until prefill's ABORT_ACK.
+  const h = harness();
+  h.run({ type: "peer_lost", role: "prefill", incarnation: 1 });
+  h.run({ type: "peer_up", role: "prefill", incarnation: 1 });
+  const lease = reserve(h);
+  assert.equal(lease.writerIncarnation, 1);
+  h.msg({ type: "abort", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().quarantined, 2);
+  h.msg({ type: "abort_ack", rid: 1, epoch: 1 });
+  assert.equal(h.pool.table.counts().free, 4);
+});
+
 test("decodeStep() frees at once on abort when prefill already acknowledged", () => {
   const h = harness();
   reserve(h);

@@ -185,6 +185,10 @@ export function decodeStep(state: DecodeState, event: DecodeEvent, ctx: DecodeCo
       return;
     case "peer_up":
       state.prefillIncarnation = event.incarnation;
+      // The same prefill incarnation connected again (decode reconnected after its transfer
+      // connection dropped; the old one was fenced by its peer_lost, which ended every lease it
+      // could write). Its new leases are writable: an abort of one must wait for its ABORT_ACK.
+      if (state.prefillLost >= event.incarnation) state.prefillLost = event.incarnation - 1;
       return;
     case "peer_lost":
       state.prefillLost = Math.max(state.prefillLost, event.incarnation);

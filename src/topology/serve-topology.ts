@@ -16,6 +16,7 @@ import type { MetricsRegistry } from "../lib/metrics.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { makeSafety } from "../protocol/safety.js";
+import { clusterSecretBytes } from "../transfer/control-auth.js";
 import type { LinkTls } from "../transfer/tls-config.js";
 import { EngineClient } from "./engine-client.js";
 import { startThreadedTopology } from "./threaded-topology.js";
@@ -49,7 +50,10 @@ export interface ServeEngine {
   close(): Promise<void>;
 }
 
-/** The cluster secret from `--cluster-secret` or env `KVFENCE_CLUSTER_SECRET`. */
+/**
+ * The cluster secret from `--cluster-secret` or env `KVFENCE_CLUSTER_SECRET`, checked: required,
+ * at least 16 bytes, not trivially guessable (`clusterSecretBytes`, docs/security.md).
+ */
 export function clusterSecret(flag: string | undefined): string {
   const secret = flag ?? process.env.KVFENCE_CLUSTER_SECRET;
   if (secret === undefined || secret.length === 0) {
@@ -58,6 +62,7 @@ export function clusterSecret(flag: string | undefined): string {
       "The multi-process topology needs a cluster secret: none given; pass --cluster-secret or set KVFENCE_CLUSTER_SECRET on every node",
     );
   }
+  clusterSecretBytes(secret);
   return secret;
 }
 

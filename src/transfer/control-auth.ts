@@ -1,29 +1,99 @@
 /**
- * HMAC-SHA256 authentication of control frames with a cluster secret (docs/prior-art.md H7: SGLang's
- * control sockets that carry page indices and aborts are unauthenticated).
+ * HMAC-SHA256 authentication of the links between cluster processes with a cluster secret
+ * (docs/prior-art.md H7: SGLang's control sockets that carry page indices and aborts are unauthenticated).
  *
- * The handshake frames are signed with the cluster secret itself. After it, each direction uses its
- * own session key `HMAC(secret, direction | clientNonce | serverNonce)`, and every control frame's
- * MAC covers its 32-byte header (which carries a per-direction sequence number in `index`) and its
- * payload, so a frame cannot be altered, replayed, reordered or moved to another connection. Page
- * bodies are not MACed (hot path): the per-page checksums of the manifest cover them.
+ * Every link opens with the same three-message handshake (docs/protocol.md, "Handshake"), so a
+ * handshake recorded off the wire is worth nothing when replayed:
+ *
+ *   1. initiator → acceptor  HELLO      {nonceA, …}        MAC(secret)        (a wrong secret is told apart here)
+ *   2. acceptor → initiator  CHALLENGE  {nonceB, peerNonce: nonceA, …}   MAC(s2c key, transcript)
+ *   3. initiator → acceptor  PROOF                          MAC(c2s key, transcript)
+ *
+ * The session keys are `HMAC(secret, direction | nonceA | nonceB)` (`sessionKeys`); the transcript
+ * is both messages (`transcript`). The initiator admits the acceptor only after a MAC over its own
+ * fresh nonceA; the acceptor admits the initiator (creates the link, sends anything) only after a
+ * MAC over its own fresh nonceB. After it every control frame's MAC covers its header (with a
+ * per-direction sequence number) and payload, so a frame cannot be altered, replayed, reordered or
+ * moved to another connection. Page bodies are not MACed (hot path): the per-page checksums of the
+ * manifest cover them.
+ *
+ * `clusterSecretBytes` also refuses a secret that is short or trivially guessable (see
+ * docs/security.md for the rule).
  */
 import { createHmac, timingSafeEqual } from "node:crypto";
 import { KvfenceError } from "../lib/errors.js";
 
 export const MAC_BYTES = 32;
-const MIN_SECRET_BYTES = 16;
+export const NONCE_BYTES = 16;
+export const MIN_SECRET_BYTES = 16;
+/** Fewest distinct byte values a secret may have. */
+export const MIN_SECRET_DISTINCT = 6;
+/** Longest run of one repeated byte a secret may have. */
+export const MAX_SECRET_RUN = 6;
+/** Smallest estimated entropy (bits): byte-frequency Shannon entropy times length. */
+export const MIN_SECRET_ENTROPY_BITS = 32;
 
-/** Checks the cluster secret once at startup. */
+/** Why `bytes` is a trivially guessable secret, or null when it passes (docs/security.md). */
+export function weakSecretReason(bytes: Uint8Array): string | null {
+  const n = bytes.length;
+  if (n < MIN_SECRET_BYTES) return `too short, ${MIN_SECRET_BYTES} bytes at least: ${n} bytes`;
+  const counts = new Map<number, number>();
+  for (const b of bytes) counts.set(b, (counts.get(b) ?? 0) + 1);
+  if (counts.size < MIN_SECRET_DISTINCT) {
+    return `too few distinct characters, ${MIN_SECRET_DISTINCT} at least: ${counts.size}`;
+  }
+  let run = 1;
+  for (let i = 1; i < n; i++) {
+    run = bytes[i] === bytes[i - 1] ? run + 1 : 1;
+    if (run > MAX_SECRET_RUN) return `a character repeats more than ${MAX_SECRET_RUN} times in a row: ${run}`;
+  }
+  const steps = new Map<number, number>();
+  for (let i = 1; i < n; i++) {
+    const d = (bytes[i]! - bytes[i - 1]! + 256) & 255;
+    steps.set(d, (steps.get(d) ?? 0) + 1);
+  }
+  const commonStep = Math.max(...steps.values());
+  if (commonStep * 2 > n - 1) {
+    return `more than half of it is one arithmetic sequence (like abcdef or 123456): ${commonStep} of ${n - 1} steps`;
+  }
+  for (let period = 1; period <= n / 2; period++) {
+    let periodic = true;
+    for (let i = period; i < n && periodic; i++) periodic = bytes[i] === bytes[i - period];
+    if (periodic) return `it repeats a ${period}-character pattern`;
+  }
+  let bits = 0;
+  for (const c of counts.values()) bits -= c * Math.log2(c / n);
+  if (bits < MIN_SECRET_ENTROPY_BITS) {
+    return `estimated entropy under ${MIN_SECRET_ENTROPY_BITS} bits: ${bits.toFixed(1)} bits`;
+  }
+  return null;
+}
+
+/**
+ * Checks the cluster secret once at startup: at least 16 bytes and not trivially guessable
+ * (`weakSecretReason`). Throws `config_invalid` saying what to do.
+ */
 export function clusterSecretBytes(secret: string | Uint8Array): Buffer {
   const bytes = typeof secret === "string" ? Buffer.from(secret, "utf8") : Buffer.from(secret);
-  if (bytes.length < MIN_SECRET_BYTES) {
+  const weak = weakSecretReason(bytes);
+  if (weak !== null) {
     throw new KvfenceError(
       "config_invalid",
-      `Cluster secret is too short, ${MIN_SECRET_BYTES} bytes at least; set a longer --cluster-secret: ${bytes.length} bytes`,
+      `Cluster secret is too weak; set --cluster-secret (or KVFENCE_CLUSTER_SECRET) to a random value, e.g. \`openssl rand -hex 24\`: ${weak}`,
     );
   }
   return bytes;
+}
+
+/** The handshake transcript under `label`: each message length-prefixed (u32 LE), in order. */
+export function transcript(label: string, ...messages: readonly Uint8Array[]): Buffer {
+  const parts: Buffer[] = [Buffer.from(label)];
+  for (const m of messages) {
+    const len = Buffer.alloc(4);
+    len.writeUInt32LE(m.length);
+    parts.push(len, Buffer.from(m.buffer, m.byteOffset, m.byteLength));
+  }
+  return Buffer.concat(parts);
 }
 
 /** HMAC-SHA256 of the concatenated parts. */

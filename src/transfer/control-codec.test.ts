@@ -1,6 +1,7 @@
 import assert from "node:assert/strict";
+import { randomBytes } from "node:crypto";
 import { test } from "node:test";
-import { clusterSecretBytes, hmac, sessionKeys, verifyHmac } from "./control-auth.js";
+import { clusterSecretBytes, hmac, sessionKeys, verifyHmac, weakSecretReason } from "./control-auth.js";
 import { decodeControl, encodeControl } from "./control-codec.js";
 
 test("encodeControl() round-trips a manifest through decodeControl()", () => {
@@ -50,5 +51,26 @@ test("clusterSecretBytes() rejects a short secret with config_invalid", () => {
     code: "config_invalid",
     message: /too short.*: 5 bytes$/,
   });
-  assert.equal(clusterSecretBytes("0123456789abcdef").length, 16);
+  assert.equal(clusterSecretBytes("9f3c07be51d2a86e").length, 16);
+});
+
+test("clusterSecretBytes() refuses a trivially guessable secret and says which rule it broke", () => {
+  const weak: Array<[string, RegExp]> = [
+    ["aaaaaaaaaaaaaaaa", /too few distinct characters, 6 at least: 1$/],
+    ["passwordpassword", /repeats a 8-character pattern$/],
+    ["abababababababababab", /too few distinct characters, 6 at least: 2$/],
+    ["abcdefghijklmnop", /arithmetic sequence/],
+    ["0123456789abcdef", /arithmetic sequence/],
+    ["k3x9q7w2k3x9q7w2k3x9q7w2", /repeats a 8-character pattern$/],
+    ["secret-zzzzzzzz-value", /repeats more than 6 times in a row: 7$/],
+    ["aaaefbaeabcaaaad", /estimated entropy under 32 bits: 31.5 bits$/],
+  ];
+  for (const [secret, message] of weak) {
+    assert.throws(() => clusterSecretBytes(secret), { code: "config_invalid", message }, secret);
+  }
+  // Random secrets pass: `openssl rand -hex 24` (48 characters) and 16 random bytes.
+  for (let i = 0; i < 200; i++) {
+    assert.ok(clusterSecretBytes(randomBytes(24).toString("hex")));
+    assert.equal(weakSecretReason(randomBytes(16)), null);
+  }
 });

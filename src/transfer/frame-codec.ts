@@ -23,7 +23,7 @@ export const FRAME_MAGIC = 0x4b56;
 export const FRAME_VERSION = 1;
 
 export const FrameType = {
-  /** Handshake: JSON `{layoutSignature, nonce}` + HMAC. */
+  /** Handshake: decode's hello, or prefill's challenge: JSON `{layoutSignature, nonce, …}` + HMAC. */
   HELLO: 1,
   /** Handshake refused: JSON `{code, message}` + HMAC; the sender closes after it. */
   REFUSE: 2,
@@ -33,10 +33,12 @@ export const FrameType = {
   LEASE_END: 4,
   /** A control message: JSON + HMAC. */
   CONTROL: 5,
+  /** Handshake, decode's last message: empty body + HMAC under its session key (control-auth.ts). */
+  PROOF: 6,
 } as const;
 export type FrameType = (typeof FrameType)[keyof typeof FrameType];
 
-const MAX_TYPE = 5;
+const MAX_TYPE = 6;
 
 /** The decoded header fields. Decoders reuse one instance: copy what you keep. */
 export interface FrameHeader {
@@ -95,14 +97,18 @@ export interface FrameSink {
 export interface FrameDecoderOptions {
   /** Largest PAGE body accepted. */
   readonly maxPageBytes: number;
-  /** Largest body of any other frame. Default 1 MiB. */
+  /**
+   * Largest body of any other frame. Default 1 MiB. The staging buffer grows to it only as larger
+   * bodies arrive; raise it with `setMaxControlBytes` (after a handshake).
+   */
   readonly maxControlBytes?: number;
 }
 
 export class FrameDecoder {
   readonly #sink: FrameSink;
   readonly #maxPageBytes: number;
-  readonly #staging: Uint8Array;
+  #maxControlBytes: number;
+  #staging: Uint8Array;
   readonly #headerBytes = new Uint8Array(FRAME_HEADER_BYTES);
   readonly #headerView = new DataView(this.#headerBytes.buffer);
   readonly #header: FrameHeader = emptyFrameHeader();
@@ -116,7 +122,18 @@ export class FrameDecoder {
   constructor(sink: FrameSink, options: FrameDecoderOptions) {
     this.#sink = sink;
     this.#maxPageBytes = options.maxPageBytes;
-    this.#staging = new Uint8Array(options.maxControlBytes ?? 1 << 20);
+    this.#maxControlBytes = options.maxControlBytes ?? 1 << 20;
+    this.#staging = new Uint8Array(Math.min(this.#maxControlBytes, 4096));
+  }
+
+  /** Changes the largest non-PAGE body accepted from the next header on. */
+  setMaxControlBytes(bytes: number): void {
+    this.#maxControlBytes = bytes;
+  }
+
+  /** Bytes this decoder holds for staging (grows with the largest control body seen). */
+  get stagingBytes(): number {
+    return this.#staging.length;
   }
 
   get failed(): boolean {
@@ -197,7 +214,7 @@ export class FrameDecoder {
     }
     if (type < 1 || type > MAX_TYPE) return this.#fail(`Unknown frame type: ${type}`);
     h.type = type as FrameType;
-    const max = type === FrameType.PAGE ? this.#maxPageBytes : this.#staging.length;
+    const max = type === FrameType.PAGE ? this.#maxPageBytes : this.#maxControlBytes;
     if (h.length > max) return this.#fail(`Frame body longer than the limit of ${max} bytes: ${h.length}`);
     this.#bodyFill = 0;
     if (type === FrameType.PAGE) {
@@ -208,6 +225,11 @@ export class FrameDecoder {
       } else this.#body = dest;
     } else {
       this.#sink.onHeader(h);
+      if (h.length > this.#staging.length) {
+        let size = Math.max(this.#staging.length * 2, 4096);
+        while (size < h.length) size *= 2;
+        this.#staging = new Uint8Array(Math.min(size, this.#maxControlBytes));
+      }
       this.#body = this.#staging.subarray(0, h.length);
     }
     if (h.length === 0) this.#finishBody();

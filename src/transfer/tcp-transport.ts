@@ -3,12 +3,16 @@
  * bootstrap server on prefill); each decode node connects (`connectTcpReceiver`) and reads into one
  * reused buffer (`onread`, docs/benchmarks.md §3.4: the default `'data'` receiver allocates per chunk).
  *
- * Handshake: decode sends HELLO `{layoutSignature, nonce}`, prefill answers HELLO
- * `{layoutSignature, nonce, peerNonce}` or REFUSE `{code, message}` and closes; both are MACed
- * with the cluster secret, and either side refuses a different layout signature (docs/prior-art.md H8).
+ * Handshake (control-auth.ts, docs/protocol.md §3a): decode sends HELLO `{layoutSignature, nonce,
+ * incarnation}` MACed with the cluster secret; prefill answers the challenge, a HELLO
+ * `{layoutSignature, nonce, peerNonce, incarnation}` MACed with its session key over both, or
+ * REFUSE `{code, message}` and closes; decode answers PROOF, MACed with its session key over both,
+ * and only then does prefill create the writer. A replayed handshake fails at the PROOF; a second
+ * connection for a connected decode incarnation is refused after it (no takeover). Either side
+ * refuses a different layout signature (docs/prior-art.md H8). Until the PROOF a connection is held to the
+ * pre-handshake limits (link-guard.ts): a deadline, a cap on pending connections, 4 KiB frames.
  * After it, control frames (CONTROL, LEASE_END) carry an HMAC-SHA256 under per-direction session
- * keys and a sequence number (see control-auth.ts); page bodies do not (the manifest checksums
- * cover them).
+ * keys and a sequence number; page bodies do not (the manifest checksums cover them).
  *
  * Writer: page frames go out corked, flushed as one writev of ≥ `batchBytes` (1 MiB) or when the
  * event loop turns, with backpressure on the socket's queued bytes. Concurrent transfers interleave
@@ -29,7 +33,15 @@ import { randomBytes } from "node:crypto";
 import type net from "node:net";
 import type { OwnershipTable } from "../kvcache/ownership-table.js";
 import { KvfenceError } from "../lib/errors.js";
-import { clusterSecretBytes, hmac, MAC_BYTES, sessionKeys, verifyHmac } from "./control-auth.js";
+import {
+  clusterSecretBytes,
+  hmac,
+  MAC_BYTES,
+  NONCE_BYTES,
+  sessionKeys,
+  transcript,
+  verifyHmac,
+} from "./control-auth.js";
 import { decodeControl, decodeJsonObject, encodeControl } from "./control-codec.js";
 import {
   DROP_BODY,
@@ -40,13 +52,15 @@ import {
   FrameType,
   frameHeaderBytes,
 } from "./frame-codec.js";
+import { type LinkAuthFailures, type LinkAuthReason, MAX_PREAUTH_BYTES, PreAuthGuard } from "./link-guard.js";
 import { layoutMismatch } from "./shm-transport.js";
 import { connectLink, createLinkServer, type LinkTls } from "./tls-config.js";
 import { TransferClock, TransferMetrics } from "./transfer-metrics.js";
 import type { ControlMessage, PageWrite, TransferHandlers, TransferWriter, WriteLease } from "./transport.js";
 
 const HELLO_CONTEXT = Buffer.from("kvfence hello");
-const NONCE_BYTES = 16;
+const CHALLENGE = "kvfence transfer challenge";
+const PROOF = "kvfence transfer proof";
 const MAX_CONTROL_BYTES = 1 << 20;
 
 interface HelloPayload {
@@ -144,7 +158,14 @@ export interface TcpServerOptions {
   readonly onError?: (error: KvfenceError) => void;
   /** Bytes per socket write batch. Default 1 MiB. */
   readonly batchBytes?: number;
-  /** Mutual TLS (docs/tls.md); plain TCP without. A failed TLS handshake goes to `onError`. */
+  /** This prefill node's incarnation, sent in the challenge (decode checks it on a reconnect). */
+  readonly incarnation?: number;
+  /** Pre-handshake limits (link-guard.ts). */
+  readonly handshakeTimeoutMs?: number;
+  readonly maxPending?: number;
+  /** A connection was refused before admission (counted in `failures`). */
+  readonly onRefused?: (reason: LinkAuthReason, detail: string) => void;
+  /** Mutual TLS (docs/tls.md); plain TCP without. A failed TLS handshake counts as `tls_handshake`. */
   readonly tls?: LinkTls;
 }
 
@@ -153,17 +174,37 @@ export class TcpTransferServer {
   readonly #server: net.Server;
   readonly #writers = new Set<TcpTransferWriter>();
   readonly #sockets = new Set<net.Socket>();
+  readonly #guard: PreAuthGuard;
 
-  private constructor(server: net.Server) {
+  private constructor(server: net.Server, guard: PreAuthGuard) {
     this.#server = server;
+    this.#guard = guard;
+  }
+
+  /** Connections refused before admission, by reason (`kvfence_link_auth_failures_total`). */
+  get failures(): LinkAuthFailures {
+    return this.#guard.failures;
+  }
+
+  /** Connections in their handshake now. */
+  get pending(): number {
+    return this.#guard.pending;
   }
 
   static async listen(options: TcpServerOptions): Promise<TcpTransferServer> {
     const secret = clusterSecretBytes(options.secret);
-    const server = createLinkServer({ tls: options.tls, onRefused: options.onError }, (socket) =>
+    const guard = new PreAuthGuard({
+      ...(options.handshakeTimeoutMs === undefined ? {} : { handshakeTimeoutMs: options.handshakeTimeoutMs }),
+      ...(options.maxPending === undefined ? {} : { maxPending: options.maxPending }),
+      ...(options.onRefused === undefined ? {} : { onRefused: options.onRefused }),
+    });
+    const onTlsRefused = (error: KvfenceError, socket: net.Socket): void => {
+      guard.count(socket, "tls_handshake", error.message);
+    };
+    const server = createLinkServer({ tls: options.tls, onRefused: onTlsRefused }, (socket) =>
       self.#accept(socket, secret, options),
     );
-    const self = new TcpTransferServer(server);
+    const self = new TcpTransferServer(server, guard);
     await new Promise<void>((resolve, reject) => {
       server.once("error", reject);
       server.listen(options.port ?? 0, options.host ?? "127.0.0.1", () => {
@@ -180,6 +221,7 @@ export class TcpTransferServer {
 
   /** Stops listening and closes every connection. */
   async close(): Promise<void> {
+    this.#guard.close();
     for (const socket of this.#sockets) socket.destroy();
     await new Promise<void>((resolve) => this.#server.close(() => resolve()));
   }
@@ -187,48 +229,110 @@ export class TcpTransferServer {
   #accept(socket: net.Socket, secret: Buffer, options: TcpServerOptions): void {
     this.#sockets.add(socket);
     socket.on("close", () => this.#sockets.delete(socket));
+    const remote = `${socket.remoteAddress}:${socket.remotePort}`;
+    this.#guard.accepted(socket, remote);
     const mac = new MacChannel(secret);
     let writer: TcpTransferWriter | null = null;
-    let failed = false;
-    const fail = (error: KvfenceError, refuse: boolean): void => {
-      if (failed) return;
-      failed = true;
-      if (refuse && !socket.destroyed) {
-        const payload = encodeControl({ code: error.code, message: error.message });
-        socket.end(mac.frame(FrameType.REFUSE, 0, 0, 0, payload, HELLO_CONTEXT));
-      } else socket.destroy();
+    /** The hello's payload and body once it verified, and the challenge sent back. */
+    let hello: { payload: Buffer; body: HelloPayload; challenge: Buffer } | null = null;
+    const refuse = (reason: LinkAuthReason, error: KvfenceError, frame?: Buffer): undefined => {
+      if (!this.#guard.count(socket, reason, `${error.message} from ${remote}`)) return;
+      if (frame !== undefined && !socket.destroyed) socket.end(frame);
+      else socket.destroy();
       options.onError?.(error);
+    };
+    /** A REFUSE frame before the session keys exist: MACed with the secret. */
+    const refusal = (error: KvfenceError): Buffer =>
+      mac.frame(
+        FrameType.REFUSE,
+        0,
+        0,
+        0,
+        encodeControl({ code: error.code, message: error.message }),
+        HELLO_CONTEXT,
+      );
+    const onHello = (header: FrameHeader, body: Uint8Array): undefined => {
+      if (header.type !== FrameType.HELLO) {
+        return refuse("malformed", authError(`expected HELLO first, got frame type ${header.type}`));
+      }
+      const payload = mac.open(header, body, HELLO_CONTEXT);
+      if (payload === null)
+        return refuse(
+          "bad_hello",
+          authError("bad HELLO from decode"),
+          refusal(authError("bad HELLO from decode")),
+        );
+      const parsed = parseHello(payload);
+      if (parsed === null) return refuse("malformed", authError("malformed HELLO from decode"));
+      if (parsed.layoutSignature !== options.layoutSignature) {
+        const error = layoutMismatch(options.layoutSignature, parsed.layoutSignature);
+        return refuse("layout_mismatch", error, refusal(error));
+      }
+      const nonce = randomBytes(NONCE_BYTES);
+      const keys = sessionKeys(secret, Buffer.from(parsed.nonce, "hex"), nonce);
+      mac.sendKey = keys.serverToClient;
+      mac.recvKey = keys.clientToServer;
+      const helloPayload = Buffer.from(payload);
+      const challenge = encodeControl({
+        layoutSignature: options.layoutSignature,
+        nonce: nonce.toString("hex"),
+        peerNonce: parsed.nonce,
+        ...(options.incarnation === undefined ? {} : { incarnation: options.incarnation }),
+      });
+      socket.write(mac.frame(FrameType.HELLO, 0, 0, 0, challenge, transcript(CHALLENGE, helloPayload)));
+      hello = { payload: helloPayload, body: parsed, challenge };
+    };
+    const onProof = (header: FrameHeader, body: Uint8Array): undefined => {
+      const h = hello!;
+      const proof =
+        header.type === FrameType.PROOF
+          ? mac.open(header, body, transcript(PROOF, h.payload, h.challenge))
+          : null;
+      if (proof === null || proof.length !== 0) {
+        return refuse(
+          "bad_proof",
+          authError("the PROOF does not answer this connection's challenge (a replay?)"),
+        );
+      }
+      const incarnation = h.body.incarnation;
+      for (const w of this.#writers) {
+        if (w.peerIncarnation === incarnation && !w.closed) {
+          const error = new KvfenceError(
+            "transfer_failed",
+            `Prefill refused the transfer connection: decode incarnation ${incarnation} is connected already`,
+          );
+          const frame = mac.frame(
+            FrameType.REFUSE,
+            0,
+            0,
+            0,
+            encodeControl({ code: error.code, message: error.message }),
+          );
+          return refuse("peer_connected", error, frame);
+        }
+      }
+      this.#guard.admitted(socket);
+      decoder.setMaxControlBytes(MAX_CONTROL_BYTES);
+      const w = new TcpTransferWriter(socket, mac, options.batchBytes ?? 1 << 20, incarnation);
+      writer = w;
+      this.#writers.add(w);
+      socket.on("close", () => this.#writers.delete(w));
+      options.onWriter(w);
     };
     const sink: FrameSink = {
       onHeader: () => undefined,
       onFrame: (header, body) => {
         if (writer !== null) return writer.onFrame(header, body);
-        if (failed) return;
-        if (header.type !== FrameType.HELLO) return fail(authError("expected HELLO first"), true);
-        const payload = mac.open(header, body, HELLO_CONTEXT);
-        const hello = payload === null ? null : parseHello(payload);
-        if (hello === null) return fail(authError("bad HELLO from decode"), true);
-        if (hello.layoutSignature !== options.layoutSignature) {
-          return fail(layoutMismatch(options.layoutSignature, hello.layoutSignature), true);
-        }
-        const nonce = randomBytes(NONCE_BYTES);
-        const reply: HelloPayload = {
-          layoutSignature: options.layoutSignature,
-          nonce: nonce.toString("hex"),
-          peerNonce: hello.nonce,
-        };
-        socket.write(mac.frame(FrameType.HELLO, 0, 0, 0, encodeControl({ ...reply }), HELLO_CONTEXT));
-        const keys = sessionKeys(secret, Buffer.from(hello.nonce, "hex"), nonce);
-        mac.sendKey = keys.serverToClient;
-        mac.recvKey = keys.clientToServer;
-        writer = new TcpTransferWriter(socket, mac, options.batchBytes ?? 1 << 20, hello.incarnation);
-        this.#writers.add(writer);
-        socket.on("close", () => writer !== null && this.#writers.delete(writer));
-        options.onWriter(writer);
+        if (socket.destroyed) return;
+        return hello === null ? onHello(header, body) : onProof(header, body);
       },
-      onError: (error) => (writer !== null ? writer.fail(error) : fail(error, false)),
+      onError: (error) => {
+        if (writer !== null) return writer.fail(error);
+        refuse(/longer than the limit/.test(error.message) ? "oversized" : "malformed", error);
+      },
     };
-    const decoder = new FrameDecoder(sink, { maxPageBytes: 0, maxControlBytes: MAX_CONTROL_BYTES });
+    // Before the handshake a frame may declare at most MAX_PREAUTH_BYTES (link-guard.ts).
+    const decoder = new FrameDecoder(sink, { maxPageBytes: 0, maxControlBytes: MAX_PREAUTH_BYTES });
     socket.on("data", (chunk: Buffer) => {
       try {
         decoder.push(chunk);
@@ -257,6 +361,11 @@ export class TcpTransferWriter implements TransferWriter {
   #flushScheduled = false;
   #closedError: Error | null = null;
   #closed = false;
+
+  /** True once the connection closed. */
+  get closed(): boolean {
+    return this.#closed || this.#socket.destroyed;
+  }
 
   /** @internal */
   constructor(socket: net.Socket, mac: MacChannel, batchBytes: number, peerIncarnation: number | undefined) {
@@ -419,6 +528,8 @@ export interface TcpReceiverOptions {
   readonly metrics?: TransferMetrics;
   /** This decode node's incarnation, sent in the HELLO (`TcpTransferWriter.peerIncarnation`). */
   readonly incarnation?: number;
+  /** Refuse a prefill node of another incarnation than this one (a reconnect to the same node). */
+  readonly peerIncarnation?: number;
   /**
    * Apply a page write only if its page is RESERVED for its `(rid, epoch)` at its generation (the
    * `lease-check` guard). Default true; false keeps only the bounds check (fault demonstrations).
@@ -464,6 +575,9 @@ export class TcpTransferReceiver {
   readonly #nonce = randomBytes(NONCE_BYTES);
   readonly #secret: Buffer;
   readonly #layoutSignature: string;
+  readonly #peerIncarnation: number | undefined;
+  /** The HELLO payload sent (the handshake transcript's first message). */
+  #hello: Buffer = Buffer.alloc(0);
   #ready = false;
   #error: Error | null = null;
   #resolve: ((r: TcpTransferReceiver) => void) | null;
@@ -480,6 +594,7 @@ export class TcpTransferReceiver {
     this.#reject = reject;
     this.#secret = secret;
     this.#layoutSignature = options.layoutSignature;
+    this.#peerIncarnation = options.peerIncarnation;
     this.#pool = new Uint8Array(options.pool.buffer, options.pool.byteOffset, options.pool.byteLength);
     this.#table = options.table;
     this.#leaseCheck = options.leaseCheck ?? true;
@@ -523,12 +638,12 @@ export class TcpTransferReceiver {
     });
     this.#socket = socket;
     this.#socket.on(ready, () => {
-      const hello = encodeControl({
+      this.#hello = encodeControl({
         layoutSignature: options.layoutSignature,
         nonce: this.#nonce.toString("hex"),
         ...(options.incarnation === undefined ? {} : { incarnation: options.incarnation }),
       });
-      this.#socket.write(this.#mac.frame(FrameType.HELLO, 0, 0, 0, hello, HELLO_CONTEXT));
+      this.#socket.write(this.#mac.frame(FrameType.HELLO, 0, 0, 0, this.#hello, HELLO_CONTEXT));
     });
     this.#socket.on("error", (error) => this.#fail(error));
     this.#socket.on("close", () => {
@@ -612,8 +727,11 @@ export class TcpTransferReceiver {
       }
       if (!this.#ready) return this.#onHandshake(h, body);
       const payload =
-        h.type === FrameType.CONTROL || h.type === FrameType.LEASE_END ? this.#mac.open(h, body) : null;
+        h.type === FrameType.CONTROL || h.type === FrameType.LEASE_END || h.type === FrameType.REFUSE
+          ? this.#mac.open(h, body)
+          : null;
       if (payload === null) return this.#fail(authError("bad control frame from prefill"));
+      if (h.type === FrameType.REFUSE) return this.#refused(payload);
       if (h.type === FrameType.LEASE_END) {
         this.#clock.end(h.rid, h.epoch, this.metrics);
         this.#handlers.leaseLanded?.(h.rid, h.epoch, h.tokens);
@@ -631,33 +749,51 @@ export class TcpTransferReceiver {
   };
 
   #onHandshake(h: FrameHeader, body: Uint8Array): undefined {
-    const payload =
-      h.type === FrameType.HELLO || h.type === FrameType.REFUSE
-        ? this.#mac.open(h, body, HELLO_CONTEXT)
-        : null;
-    if (payload === null) return this.#fail(authError("bad handshake from prefill"));
     if (h.type === FrameType.REFUSE) {
-      let refusal: Record<string, unknown> = {};
-      try {
-        refusal = decodeJsonObject(payload);
-      } catch {}
-      const code = refusal.code === "layout_mismatch" ? "layout_mismatch" : "transfer_failed";
-      return this.#fail(
-        new KvfenceError(code, `Prefill refused the transfer connection: ${String(refusal.message)}`),
-      );
+      const payload = this.#mac.open(h, body, HELLO_CONTEXT);
+      if (payload === null) return this.#fail(authError("bad handshake from prefill"));
+      return this.#refused(payload);
     }
-    const hello = parseHello(payload);
+    if (h.type !== FrameType.HELLO || body.length < MAC_BYTES) {
+      return this.#fail(authError("bad handshake from prefill"));
+    }
+    // The challenge is MACed under the session keys, which depend on its nonce: read it first.
+    const hello = parseHello(body.subarray(0, body.length - MAC_BYTES));
     if (hello === null || hello.peerNonce !== this.#nonce.toString("hex")) {
-      return this.#fail(authError("bad HELLO from prefill"));
-    }
-    if (hello.layoutSignature !== this.#layoutSignature) {
-      return this.#fail(layoutMismatch(this.#layoutSignature, hello.layoutSignature));
+      return this.#fail(authError("bad challenge from prefill"));
     }
     const keys = sessionKeys(this.#secret, this.#nonce, Buffer.from(hello.nonce, "hex"));
     this.#mac.sendKey = keys.clientToServer;
     this.#mac.recvKey = keys.serverToClient;
+    const challenge = this.#mac.open(h, body, transcript(CHALLENGE, this.#hello));
+    if (challenge === null) return this.#fail(authError("bad challenge MAC from prefill"));
+    if (hello.layoutSignature !== this.#layoutSignature) {
+      return this.#fail(layoutMismatch(this.#layoutSignature, hello.layoutSignature));
+    }
+    if (this.#peerIncarnation !== undefined && hello.incarnation !== this.#peerIncarnation) {
+      return this.#fail(
+        new KvfenceError(
+          "node_unavailable",
+          `The prefill node at this address is another incarnation than the one to reconnect to: ${hello.incarnation} instead of ${this.#peerIncarnation}`,
+        ),
+      );
+    }
+    const proof = transcript(PROOF, this.#hello, Buffer.from(challenge));
+    this.#socket.write(this.#mac.frame(FrameType.PROOF, 0, 0, 0, new Uint8Array(0), proof));
     this.#ready = true;
     this.#resolve?.(this);
     this.#resolve = this.#reject = null;
+  }
+
+  /** Prefill refused the connection (REFUSE): fail with its reason. */
+  #refused(payload: Uint8Array): undefined {
+    let refusal: Record<string, unknown> = {};
+    try {
+      refusal = decodeJsonObject(payload);
+    } catch {}
+    const code = refusal.code === "layout_mismatch" ? "layout_mismatch" : "transfer_failed";
+    return this.#fail(
+      new KvfenceError(code, `Prefill refused the transfer connection: ${String(refusal.message)}`),
+    );
   }
 }

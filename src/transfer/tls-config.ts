@@ -124,7 +124,7 @@ export function tlsRefusal(error: Error, socket?: tls.TLSSocket): KvfenceError {
 export function createLinkServer(
   options: {
     readonly tls?: LinkTls | undefined;
-    readonly onRefused?: ((error: KvfenceError) => void) | undefined;
+    readonly onRefused?: ((error: KvfenceError, socket: net.Socket) => void) | undefined;
   },
   onSocket: (socket: net.Socket) => void,
 ): net.Server {
@@ -133,8 +133,8 @@ export function createLinkServer(
   // A peer that opens a connection and never completes the handshake is dropped after 10 s.
   const server = tls.createServer({ ...linkTls.server, noDelay: true, handshakeTimeout: 10_000 }, onSocket);
   server.on("tlsClientError", (error, socket) => {
+    onRefused?.(tlsRefusal(error, socket), socket);
     socket.destroy();
-    onRefused?.(tlsRefusal(error, socket));
   });
   return server;
 }

@@ -18,13 +18,13 @@ const SECRET = "a-cluster-secret-of-some-length";
 const PAGE_BYTES = 4096;
 type Msg = { text: string };
 
-async function controlServer(tls: LinkTls | undefined, refused: KvfenceError[] = []) {
+async function controlServer(tls: LinkTls | undefined, refused: string[] = []) {
   return listenControlLinks<Msg, Msg>({
     host: "127.0.0.1",
     port: 0,
     secret: SECRET,
     ...(tls === undefined ? {} : { tls }),
-    onRefused: (e) => refused.push(e),
+    onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
     onLink: (l) => l.onMessage((m) => l.send({ text: `echo ${m.text}` })),
   });
 }
@@ -52,7 +52,7 @@ test("control link over mutual TLS: a round trip with the cluster's certificates
 });
 
 test("control link: the node refuses a router with no certificate or one from another CA", async (t) => {
-  const refused: KvfenceError[] = [];
+  const refused: string[] = [];
   const server = await controlServer(clusterTls(), refused);
   t.after(() => server.close());
   for (const [name, tls] of [
@@ -63,8 +63,9 @@ test("control link: the node refuses a router with no certificate or one from an
   }
   // The refusals happened in the TLS handshake, on the node's side.
   for (let i = 0; i < 50 && refused.length < 2; i++) await new Promise((r) => setTimeout(r, 20));
-  assert.equal(refused.length, 2, refused.map((e) => e.message).join("; "));
-  for (const e of refused) assert.match(e.message, /TLS handshake .* --tls-ca/);
+  assert.equal(refused.length, 2, refused.join("; "));
+  for (const e of refused) assert.match(e, /^tls_handshake: TLS handshake .* --tls-ca/);
+  assert.equal(server.failures.tls_handshake, 2);
   // The node still serves its own cluster.
   assert.equal(await controlRoundTrip(server.port, clusterTls()), "echo hello");
 });
@@ -79,16 +80,20 @@ test("control link: the router refuses a node whose certificate another CA issue
 });
 
 test("control link: a plaintext router against a TLS node fails cleanly", async (t) => {
-  const refused: KvfenceError[] = [];
+  const refused: string[] = [];
   const server = await controlServer(clusterTls(), refused);
   t.after(() => server.close());
-  await assert.rejects(controlRoundTrip(server.port, undefined), /closed during the handshake/);
+  await assert.rejects(
+    controlRoundTrip(server.port, undefined),
+    /closed the control link during the handshake; .* --tls-\* setting/,
+  );
   assert.equal(await controlRoundTrip(server.port, clusterTls()), "echo hello");
 });
 
 /** A transfer server, and a receiver connecting with `receiverTls`, optionally through `viaPort`. */
 async function transfer(serverTls: LinkTls | undefined) {
   const errors: KvfenceError[] = [];
+  const refused: string[] = [];
   let resolveWriter: (w: TcpTransferWriter) => void = () => {};
   const writer = new Promise<TcpTransferWriter>((resolve) => {
     resolveWriter = resolve;
@@ -98,6 +103,7 @@ async function transfer(serverTls: LinkTls | undefined) {
     layoutSignature: "sig",
     onWriter: resolveWriter,
     onError: (e) => errors.push(e),
+    onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
     ...(serverTls === undefined ? {} : { tls: serverTls }),
   });
   const fx = transferFixture(8, PAGE_BYTES);
@@ -125,7 +131,7 @@ async function transfer(serverTls: LinkTls | undefined) {
         control: (m) => controls.push(JSON.stringify(m)),
       },
     });
-  return { server, errors, writer, fx, lease, allLanded, controls, connect };
+  return { server, errors, refused, writer, fx, lease, allLanded, controls, connect };
 }
 
 test("transfer over mutual TLS: pages land intact (direct reads into the pool through TLS)", async (t) => {
@@ -151,9 +157,10 @@ test("transfer: prefill refuses a decode node with no certificate or one from an
   t.after(() => x.server.close());
   await assert.rejects(x.connect(noCertTls()), /alert|certificate|closed|handshake|reset/i);
   await assert.rejects(x.connect(otherCaTls()), /alert|certificate|closed|handshake|reset/i);
-  for (let i = 0; i < 50 && x.errors.length < 2; i++) await new Promise((r) => setTimeout(r, 20));
-  assert.equal(x.errors.length, 2, x.errors.map((e) => e.message).join("; "));
-  for (const e of x.errors) assert.match(e.message, /TLS handshake .* --tls-ca/);
+  for (let i = 0; i < 50 && x.refused.length < 2; i++) await new Promise((r) => setTimeout(r, 20));
+  assert.equal(x.refused.length, 2, x.refused.join("; "));
+  for (const e of x.refused) assert.match(e, /^tls_handshake: TLS handshake .* --tls-ca/);
+  assert.equal(x.server.failures.tls_handshake, 2);
 });
 
 test("transfer: decode refuses a prefill node whose certificate another CA issued", async (t) => {
@@ -166,8 +173,8 @@ test("transfer: a plaintext decode node against a TLS prefill port fails cleanly
   const x = await transfer(clusterTls());
   t.after(() => x.server.close());
   await assert.rejects(x.connect(undefined), /closed the transfer connection during the handshake/);
-  await new Promise((r) => setTimeout(r, 50));
-  assert.equal(x.errors.length, 1);
+  for (let i = 0; i < 50 && x.refused.length < 1; i++) await new Promise((r) => setTimeout(r, 20));
+  assert.deepEqual(x.server.failures, { tls_handshake: 1 });
 });
 
 /** A TCP proxy on 127.0.0.1 that records every byte in both directions. */

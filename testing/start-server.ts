@@ -7,9 +7,10 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
-import { parseServeConfig, type RunningServer, startServer } from "../src/cli/serve.js";
 import { createLogger } from "../src/lib/logger.js";
 import { parsePrometheusText } from "../src/lib/metrics.js";
+import { parseServeConfig } from "../src/server/serve-config.js";
+import { type RunningServer, startServer } from "../src/server/start-server.js";
 
 const ROOT = fileURLToPath(new URL(import.meta.url.includes("/dist/") ? "../../" : "../", import.meta.url));
 

@@ -7,8 +7,9 @@
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { parseServeConfig, startServer } from "../src/cli/serve.js";
 import { createLogger } from "../src/lib/logger.js";
+import { parseServeConfig } from "../src/server/serve-config.js";
+import { startServer } from "../src/server/start-server.js";
 import { type LocalCluster, startLocalCluster } from "../src/topology/local-cluster.js";
 import { linkTlsArgs } from "./tls-fixtures.js";
 

@@ -6,8 +6,8 @@
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
+import { BUNDLED_MODEL_DIR } from "../server/serve-config.js";
 import { startLocalCluster } from "../topology/local-cluster.js";
-import { BUNDLED_MODEL_DIR } from "./serve.js";
 
 const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
 

@@ -2,7 +2,7 @@
 import { readFile } from "node:fs/promises";
 import { Command, InvalidArgumentError } from "commander";
 import { KvfenceError } from "../lib/errors.js";
-import { type HfModelConfig, parseBytes } from "../tools/preflight/capacity.js";
+import { type HfModelConfig, parseBytes } from "../lib/kv-capacity.js";
 import { type OfflineInputs, renderPreflightTable, runPreflight } from "../tools/preflight/preflight.js";
 
 interface PreflightCliOptions {

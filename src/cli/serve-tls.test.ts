@@ -20,7 +20,8 @@ import {
 } from "../../testing/tls-fixtures.js";
 import type { KvfenceError } from "../lib/errors.js";
 import { createLogger } from "../lib/logger.js";
-import { parseServeConfig, startServer } from "./serve.js";
+import { parseServeConfig } from "../server/serve-config.js";
+import { startServer } from "../server/start-server.js";
 
 const MAIN = fileURLToPath(new URL("./main.js", import.meta.url));
 const NO_MODEL = "/nonexistent/kvfence-model";

@@ -10,7 +10,8 @@ import { fileURLToPath } from "node:url";
 import { modelDir } from "../../testing/start-server.js";
 import { KvfenceError } from "../lib/errors.js";
 import { createLogger } from "../lib/logger.js";
-import { kernelOptions, parseByteSize, parseServeConfig, startNode, startServer } from "./serve.js";
+import { kernelOptions, parseByteSize, parseServeConfig } from "../server/serve-config.js";
+import { startNode, startServer } from "../server/start-server.js";
 
 const MAIN = fileURLToPath(new URL("./main.js", import.meta.url));
 

@@ -18,11 +18,12 @@
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { BUNDLED_MODEL_DIR, parseServeConfig, startServer } from "../../cli/serve.js";
 import { createLogger } from "../../lib/logger.js";
 import { parsePrometheusText } from "../../lib/metrics.js";
 import { unsafeArgs } from "../../node/unsafe-switches.js";
 import type { FaultName, GuardName } from "../../protocol/safety.js";
+import { BUNDLED_MODEL_DIR, parseServeConfig } from "../../server/serve-config.js";
+import { startServer } from "../../server/start-server.js";
 import { startLocalCluster } from "../../topology/local-cluster.js";
 import { runProbe } from "../probe/probe.js";
 import type { ProbeReport } from "../probe/probe-report.js";

@@ -13,7 +13,7 @@ import {
   kvBytesPerToken,
   poolCapacityVerdict,
   poolTokensFromMemory,
-} from "./capacity.js";
+} from "../../lib/kv-capacity.js";
 import { readKvfenceNodes } from "./kvfence-nodes.js";
 import type { NodeCapacity } from "./node-capacity.js";
 import { readSglangServer } from "./sglang-info.js";

@@ -1,6 +1,6 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { KvfenceError } from "../../lib/errors.js";
+import { KvfenceError } from "./errors.js";
 import {
   dtypeBytes,
   estimateParameterCount,
@@ -9,7 +9,7 @@ import {
   parseBytes,
   poolCapacityVerdict,
   poolTokensFromMemory,
-} from "./capacity.js";
+} from "./kv-capacity.js";
 
 const LLAMA3_8B: HfModelConfig = {
   hidden_size: 4096,

@@ -1,0 +1,203 @@
+/**
+ * The `serve` options: parsed once with zod into a frozen config, every problem reported with its
+ * flag (exit 2 in the CLI), before anything loads. Also checked here: the unsafe switches' opt-in,
+ * and that a node would not expose its links in plaintext beyond loopback (`linksExposure`,
+ * docs/tls.md). `serveTls` reads and checks the TLS files, also before the model loads. Shared by
+ * `kvfence serve`, `kvfence cluster` and the incident tool.
+ */
+import { existsSync } from "node:fs";
+import { fileURLToPath } from "node:url";
+import { z } from "zod";
+import { parseNodeUrl } from "../cluster/cluster-router.js";
+import { KvfenceError } from "../lib/errors.js";
+import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
+import {
+  type FrontDoorTls,
+  type LinkTls,
+  linksExposure,
+  loadFrontDoorTls,
+  loadLinkTls,
+} from "../transfer/tls-config.js";
+
+/** The bundled model, relative to this file in both src/ and dist/src/. */
+export const BUNDLED_MODEL_DIR = (() => {
+  for (const rel of ["../../models/kvfence-tiny", "../../../models/kvfence-tiny"]) {
+    const path = fileURLToPath(new URL(rel, import.meta.url));
+    if (existsSync(path)) return path;
+  }
+  return fileURLToPath(new URL("../../../models/kvfence-tiny", import.meta.url));
+})();
+
+export const DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024;
+
+const UNITS: Record<string, number> = {
+  "": 1,
+  b: 1,
+  k: 1024,
+  kb: 1000,
+  kib: 1024,
+  m: 1024 ** 2,
+  mb: 1000 ** 2,
+  mib: 1024 ** 2,
+  g: 1024 ** 3,
+  gb: 1000 ** 3,
+  gib: 1024 ** 3,
+};
+
+/** "256MiB" → bytes; null when the text is not a size. */
+export function parseByteSize(text: string): number | null {
+  const match = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/.exec(text);
+  if (match === null) return null;
+  const unit = UNITS[match[2]!.toLowerCase()];
+  if (unit === undefined) return null;
+  return Math.floor(Number(match[1]) * unit);
+}
+
+const intText = (min: number, max = Number.MAX_SAFE_INTEGER) =>
+  z.union([z.string(), z.number()]).transform((v, ctx) => {
+    const n = typeof v === "number" ? v : /^\s*\d+\s*$/.test(v) ? Number(v) : Number.NaN;
+    if (!Number.isInteger(n) || n < min || n > max) {
+      ctx.addIssue({
+        code: "custom",
+        message: `must be an integer from ${min} to ${max}: got ${JSON.stringify(v)}`,
+      });
+      return z.NEVER;
+    }
+    return n;
+  });
+
+const byteSizeText = z.string().transform((v, ctx) => {
+  const n = parseByteSize(v);
+  if (n === null || n <= 0) {
+    ctx.addIssue({ code: "custom", message: `must be a size like 256MiB or 1GiB: got ${JSON.stringify(v)}` });
+    return z.NEVER;
+  }
+  return n;
+});
+
+export const serveConfigSchema = z
+  .object({
+    host: z.string().min(1),
+    port: intText(0, 65535),
+    model: z.string().min(1),
+    kvMemory: byteSizeText.optional(),
+    kvPages: intText(1).optional(),
+    pageSize: intText(1, 1024),
+    maxModelLen: intText(1).optional(),
+    maxPrefillTokens: intText(1).optional(),
+    apiKeys: z.string().min(1).optional(),
+    scrubOnFree: z.boolean(),
+    disaggregation: z.boolean(),
+    role: z.enum(["all", "router", "prefill", "decode"]).default("all"),
+    prefill: z.array(z.string().min(1)).default([]),
+    decode: z.array(z.string().min(1)).default([]),
+    clusterSecret: z.string().min(1).optional(),
+    unsafeFault: z.array(z.string().min(1)).default([]),
+    unsafeDisableGuard: z.array(z.string().min(1)).default([]),
+    iUnderstandThisLeaksData: z.boolean().default(false),
+    /** The prefill node's pool in pages when it differs from `--kv-pages` (the incident's shape). */
+    prefillKvPages: intText(1).optional(),
+    kernels: z.enum(["ts", "wasm"]).default("wasm"),
+    kernelThreads: intText(1, 2).optional(),
+    tlsCert: z.string().min(1).optional(),
+    tlsKey: z.string().min(1).optional(),
+    tlsCa: z.string().min(1).optional(),
+    httpsCert: z.string().min(1).optional(),
+    httpsKey: z.string().min(1).optional(),
+    insecurePlaintextLinks: z.boolean().default(false),
+    logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
+  })
+  .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
+    message: "give either --kv-memory or --kv-pages, not both",
+    path: ["kvPages"],
+  })
+  .refine(
+    (c) =>
+      [c.tlsCert, c.tlsKey, c.tlsCa].every((f) => f === undefined) ||
+      [c.tlsCert, c.tlsKey, c.tlsCa].every((f) => f !== undefined),
+    { message: "give --tls-cert, --tls-key and --tls-ca together (docs/tls.md)", path: ["tlsCert"] },
+  )
+  .refine((c) => (c.httpsCert === undefined) === (c.httpsKey === undefined), {
+    message: "give --https-cert and --https-key together (docs/tls.md)",
+    path: ["httpsCert"],
+  });
+
+export type ServeConfig = Readonly<z.infer<typeof serveConfigSchema>>;
+
+const FLAG: Record<string, string> = {
+  host: "--host",
+  port: "--port",
+  model: "--model",
+  kvMemory: "--kv-memory",
+  kvPages: "--kv-pages",
+  pageSize: "--page-size",
+  maxModelLen: "--max-model-len",
+  maxPrefillTokens: "--max-prefill-tokens",
+  apiKeys: "--api-keys",
+  logLevel: "--log-level",
+  role: "--role",
+  prefill: "--prefill",
+  decode: "--decode",
+  clusterSecret: "--cluster-secret",
+  unsafeFault: "--unsafe-fault",
+  unsafeDisableGuard: "--unsafe-disable-guard",
+  iUnderstandThisLeaksData: UNSAFE_OPT_IN_FLAG,
+  prefillKvPages: "--prefill-kv-pages",
+  kernels: "--kernels",
+  kernelThreads: "--kernel-threads",
+  tlsCert: "--tls-cert",
+  tlsKey: "--tls-key",
+  tlsCa: "--tls-ca",
+  httpsCert: "--https-cert",
+  httpsKey: "--https-key",
+  insecurePlaintextLinks: "--insecure-plaintext-links",
+};
+
+/** Parse raw options once; every problem is reported with its flag. */
+export function parseServeConfig(raw: Record<string, unknown>): ServeConfig {
+  const result = serveConfigSchema.safeParse(raw);
+  if (!result.success) {
+    const lines = result.error.issues.map((issue) => {
+      const key = String(issue.path[0] ?? "");
+      return `  ${FLAG[key] ?? key}: ${issue.message}`;
+    });
+    throw new KvfenceError("config_invalid", `Invalid serve options:\n${lines.join("\n")}`);
+  }
+  const problem = unsafeSwitchesProblem(result.data);
+  if (problem !== null) throw new KvfenceError("config_invalid", `Invalid serve options:\n  ${problem}`);
+  const c = result.data;
+  const exposure = linksExposure({
+    role: c.role,
+    host: c.host,
+    nodeHosts: c.role === "router" ? [...c.prefill, ...c.decode].map((u) => parseNodeUrl(u).host) : [],
+    tls: c.tlsCert !== undefined,
+    insecurePlaintextLinks: c.insecurePlaintextLinks,
+  });
+  if (exposure !== null) throw new KvfenceError("config_invalid", exposure);
+  return Object.freeze(c);
+}
+
+/** The loaded TLS material of a config (files read and checked once, before the model loads). */
+export function serveTls(config: ServeConfig): { links?: LinkTls; frontDoor?: FrontDoorTls } {
+  return {
+    ...(config.tlsCert === undefined
+      ? {}
+      : { links: loadLinkTls({ cert: config.tlsCert, key: config.tlsKey!, ca: config.tlsCa! }) }),
+    ...(config.httpsCert === undefined
+      ? {}
+      : { frontDoor: loadFrontDoorTls({ cert: config.httpsCert, key: config.httpsKey! }) }),
+  };
+}
+
+/**
+ * The forward pass's kernels and their threads. A kernel worker spins between matrices, so it only
+ * pays where a core is free for it: 2 threads on the one engine of `--no-disaggregation`; 1 where
+ * the prefill and decode nodes already take both cores (the threaded topology, node processes).
+ */
+export function kernelOptions(config: ServeConfig): { kernels: "ts" | "wasm"; kernelThreads: 1 | 2 } {
+  const single = config.role === "all" && !config.disaggregation;
+  return {
+    kernels: config.kernels,
+    kernelThreads: (config.kernelThreads ?? (single ? 2 : 1)) as 1 | 2,
+  };
+}

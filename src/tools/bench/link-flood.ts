@@ -9,7 +9,7 @@
  * and RSS the process holds over its baseline. Before the limits every connection stayed open and
  * staged 1 MiB (about 400 MiB for 400).
  *
- * Run: `node --expose-gc dist/bench/link-flood.js [--connections 400] [--json]`.
+ * Run: `node --expose-gc dist/src/tools/bench/link-flood.js [--connections 400] [--json]`.
  */
 import net from "node:net";
 import { Command, InvalidArgumentError } from "commander";

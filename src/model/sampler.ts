@@ -41,6 +41,8 @@ export class Sampler {
   readonly vocabSize: number;
   #idx: Int32Array;
   #probs: Float64Array;
+  /** The mass of the nucleus `#nucleus` kept (a field, so that a token allocates nothing). */
+  #keptMass = 0;
 
   constructor(vocabSize: number) {
     if (!Number.isInteger(vocabSize) || vocabSize < 1) {
@@ -76,69 +78,20 @@ export class Sampler {
     let topK = params.topK;
     if (temperature <= 0 || topK === 1) return argmax(logits);
     if (topK <= 0 || topK > vocab) topK = vocab;
-    const idx = this.#idx;
-    const probs = this.#probs; // indexed by token id
-    const invT = 1 / temperature;
-    const max = logits[argmax(logits)] as number;
-
-    let n: number;
-    let sorted = false;
-    if (topK < vocab) {
-      n = topKHeap(idx, logits, topK);
-      for (let i = 0; i < n; i++) {
-        const t = idx[i] as number;
-        probs[t] = Math.exp(((logits[t] as number) - max) * invT);
-      }
-    } else {
-      n = vocab;
-      for (let t = 0; t < vocab; t++) {
-        idx[t] = t;
-        probs[t] = Math.exp(((logits[t] as number) - max) * invT);
-      }
-    }
+    let n = this.#weigh(logits, topK, 1 / temperature);
     let mass = 0;
-    for (let i = 0; i < n; i++) mass += probs[idx[i] as number] as number;
-
+    for (let i = 0; i < n; i++) mass += this.#probs[this.#idx[i] as number] as number;
     const topP = params.topP;
-    if (topP < 1) {
-      if (n === vocab) {
-        // Gather tokens above a threshold until their mass reaches topP·mass.
-        let threshold = 1e-3 * mass;
-        for (;;) {
-          let m = 0;
-          let c = 0;
-          for (let t = 0; t < vocab; t++) {
-            const p = probs[t] as number;
-            if (p >= threshold) {
-              idx[c++] = t;
-              m += p;
-            }
-          }
-          if (m >= topP * mass || threshold < 1e-300) {
-            n = c;
-            break;
-          }
-          threshold *= 0.1;
-          if (threshold < 1e-12 * mass) threshold = 0;
-        }
-      }
-      sortDescending(idx, n, probs);
-      sorted = true;
-      let cum = 0;
-      const target = topP * mass;
-      let keep = n;
-      for (let i = 0; i < n; i++) {
-        cum += probs[idx[i] as number] as number;
-        if (cum >= target) {
-          keep = i + 1;
-          break;
-        }
-      }
-      n = keep;
-      mass = cum;
+    const sorted = topP < 1;
+    if (sorted) {
+      if (n === vocab) n = this.#gather(topP * mass, mass);
+      sortDescending(this.#idx, n, this.#probs);
+      n = this.#nucleus(n, topP * mass);
+      mass = this.#keptMass;
     }
-
     let u = rng.next() * mass;
+    const idx = this.#idx;
+    const probs = this.#probs;
     for (let i = 0; i < n; i++) {
       const t = idx[i] as number;
       u -= probs[t] as number;
@@ -146,6 +99,69 @@ export class Sampler {
     }
     // Rounding left u ≥ 0 after the last candidate: return the least likely kept token.
     return sorted ? (idx[n - 1] as number) : (idx[lastPositive(idx, n, probs)] as number);
+  }
+
+  /**
+   * The candidates (the top `topK` ids, or every id) into `#idx[0..n)` and their unnormalised
+   * probabilities at temperature 1 / `invT` into `#probs` (by token id); returns n.
+   */
+  #weigh(logits: Float32Array, topK: number, invT: number): number {
+    const idx = this.#idx;
+    const probs = this.#probs;
+    const max = logits[argmax(logits)] as number;
+    if (topK < this.vocabSize) {
+      const n = topKHeap(idx, logits, topK);
+      for (let i = 0; i < n; i++) {
+        const t = idx[i] as number;
+        probs[t] = Math.exp(((logits[t] as number) - max) * invT);
+      }
+      return n;
+    }
+    for (let t = 0; t < this.vocabSize; t++) {
+      idx[t] = t;
+      probs[t] = Math.exp(((logits[t] as number) - max) * invT);
+    }
+    return this.vocabSize;
+  }
+
+  /**
+   * Top-p over the whole vocabulary without sorting it: gathers into `#idx` the tokens above a
+   * threshold, lowered tenfold until their mass reaches `target`; returns how many.
+   */
+  #gather(target: number, mass: number): number {
+    const idx = this.#idx;
+    const probs = this.#probs;
+    let threshold = 1e-3 * mass;
+    for (;;) {
+      let m = 0;
+      let c = 0;
+      for (let t = 0; t < this.vocabSize; t++) {
+        const p = probs[t] as number;
+        if (p >= threshold) {
+          idx[c++] = t;
+          m += p;
+        }
+      }
+      if (m >= target || threshold < 1e-300) return c;
+      threshold *= 0.1;
+      if (threshold < 1e-12 * mass) threshold = 0;
+    }
+  }
+
+  /** Of `n` candidates sorted by descending probability, how many the nucleus of mass `target` keeps. */
+  #nucleus(n: number, target: number): number {
+    const idx = this.#idx;
+    const probs = this.#probs;
+    let cum = 0;
+    for (let i = 0; i < n; i++) {
+      cum += probs[idx[i] as number] as number;
+      if (cum >= target) {
+        this.#keptMass = cum;
+        return i + 1;
+      }
+    }
+    this.#keptMass = cum;
+    return n;
   }
 }
 

@@ -326,14 +326,7 @@ export class DecodeNode {
   }
 
   #step(peer: PrefillPeer, event: DecodeEvent): void {
-    if (event.type === "message" && event.msg.type === "abort_ack") {
-      const key = attemptKey(event.msg.rid, event.msg.epoch);
-      const sent = this.#abortSent.get(key);
-      if (sent !== undefined) {
-        this.#abortSent.delete(key);
-        this.#ackSeconds.push(Number(process.hrtime.bigint() - sent) / 1e9);
-      }
-    }
+    if (event.type === "message" && event.msg.type === "abort_ack") this.#ackReceived(event.msg);
     const out = this.#out;
     const start = out.length;
     const freeBefore = this.#core.freePages();
@@ -350,54 +343,18 @@ export class DecodeNode {
     for (let i = start; i < end; i++) {
       const effect = out[i]!;
       switch (effect.kind) {
-        case "send": {
-          const msg = effect.msg;
-          if (effect.to === "router") {
-            if (msg.type === "tokens") {
-              // The hot path: one token, in the machine's reused message and this reused envelope.
-              this.#tokensEnvelope.msg = msg;
-              this.#core.toRouter(this.#tokensEnvelope);
-              break;
-            }
-            if (msg.type === "failed") {
-              this.#countFailure(msg.error);
-              if (msg.error.code === "page_tag_mismatch") this.#machineTagFailures++;
-            }
-            if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
-              this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
-            }
-            this.#core.toRouter({ kind: "protocol", msg });
-          } else if (effect.to === "prefill") {
-            if (msg.type === "abort")
-              this.#abortSent.set(attemptKey(msg.rid, msg.epoch), process.hrtime.bigint());
-            try {
-              peer.channel?.sendControl(msg);
-            } catch {
-              // The channel is closing: its fence releases what this message would have.
-            }
-          }
+        case "send":
+          if (effect.to === "router") this.#sendRouter(effect.msg);
+          else if (effect.to === "prefill") this.#sendPrefill(peer, effect.msg);
           break;
-        }
-        case "commit": {
+        case "commit":
           // The committed message (with prefill's first token) follows in the same batch.
-          let firstToken = 0;
-          for (let j = i + 1; j < end; j++) {
-            const e = out[j]!;
-            if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
-          }
           commits ??= [];
-          commits.push([effect, firstToken]);
+          commits.push([effect, committedToken(out, i + 1, end)]);
           break;
-        }
-        case "stop": {
-          if (this.#running.get(effect.rid) === effect.epoch) {
-            this.#running.delete(effect.rid);
-            // A failed page check ends the request in the engine that asked for it.
-            if (this.#checking !== effect.rid) this.#engine.abort(effect.rid);
-          }
-          this.#sampling.delete(attemptKey(effect.rid, effect.epoch));
+        case "stop":
+          this.#stop(effect.rid, effect.epoch);
           break;
-        }
         default:
           break;
       }
@@ -407,6 +364,51 @@ export class DecodeNode {
     // holds back for want of pages may try again.
     this.#core.reportFreed(freeBefore, freeAfter);
     if (commits !== null) for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
+  }
+
+  /** An ABORT_ACK came: its latency since the abort was relayed. */
+  #ackReceived(msg: { readonly rid: number; readonly epoch: number }): void {
+    const key = attemptKey(msg.rid, msg.epoch);
+    const sent = this.#abortSent.get(key);
+    if (sent === undefined) return;
+    this.#abortSent.delete(key);
+    this.#ackSeconds.push(Number(process.hrtime.bigint() - sent) / 1e9);
+  }
+
+  #sendRouter(msg: ControlMessage): void {
+    if (msg.type === "tokens") {
+      // The hot path: one token, in the machine's reused message and this reused envelope.
+      this.#tokensEnvelope.msg = msg;
+      this.#core.toRouter(this.#tokensEnvelope);
+      return;
+    }
+    if (msg.type === "failed") {
+      this.#countFailure(msg.error);
+      if (msg.error.code === "page_tag_mismatch") this.#machineTagFailures++;
+    }
+    if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
+      this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
+    }
+    this.#core.toRouter({ kind: "protocol", msg });
+  }
+
+  #sendPrefill(peer: PrefillPeer, msg: ControlMessage): void {
+    if (msg.type === "abort") this.#abortSent.set(attemptKey(msg.rid, msg.epoch), process.hrtime.bigint());
+    try {
+      peer.channel?.sendControl(msg);
+    } catch {
+      // The channel is closing: its fence releases what this message would have.
+    }
+  }
+
+  /** The machine ended an attempt: the engine stops it, if it runs it. */
+  #stop(rid: number, epoch: number): void {
+    if (this.#running.get(rid) === epoch) {
+      this.#running.delete(rid);
+      // A failed page check ends the request in the engine that asked for it.
+      if (this.#checking !== rid) this.#engine.abort(rid);
+    }
+    this.#sampling.delete(attemptKey(rid, epoch));
   }
 
   /**
@@ -491,4 +493,14 @@ export class DecodeNode {
     if (error.code === "checksum_mismatch") this.#checksumFailures++;
     else if (error.code === "coverage_mismatch") this.#coverageFailures++;
   }
+}
+
+/** Prefill's first token: the `committed` message's among effects `[from, end)`, or 0. */
+function committedToken(out: Effects, from: number, end: number): number {
+  let firstToken = 0;
+  for (let j = from; j < end; j++) {
+    const e = out[j]!;
+    if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
+  }
+  return firstToken;
 }

@@ -317,20 +317,31 @@ export class ModelWorld {
    */
   enabled(w: World): { events: EnvEvent[]; progress: number } {
     const events: EnvEvent[] = [];
+    this.#progressEvents(w, events);
+    const progress = events.length;
+    this.#environmentEvents(w, events);
+    return { events, progress };
+  }
+
+  /** The system's own progress: deliveries, landings, fences, decode steps, timer releases. */
+  #progressEvents(w: World, events: EnvEvent[]): void {
     this.#eachMessage(w, (c, j) => events.push({ k: "deliver", c, j }));
     for (let j = 0; j < w.writes.length; j++)
       if (j === 0 || w.writes[j] !== w.writes[j - 1]) events.push({ k: "land", j });
     for (let j = 0; j < w.fences.length; j++)
       if (j === 0 || w.fences[j] !== w.fences[j - 1]) events.push({ k: "fence", j });
+    const timers = !guardOn(this.config.safety, "quarantine");
     for (const key in w.decode.attempts) {
       const a = w.decode.attempts[key]!;
       if (a.phase === "decoding" && a.generated < a.maxTokens)
         events.push({ k: "step", rid: a.rid, epoch: a.epoch });
-      if (a.phase === "quarantined" && !guardOn(this.config.safety, "quarantine")) {
+      if (a.phase === "quarantined" && timers)
         events.push({ k: "quarantine_timeout", rid: a.rid, epoch: a.epoch });
-      }
     }
-    const progress = events.length;
+  }
+
+  /** What the environment may do: submit, abort, time out, crash a node, duplicate or lose a message. */
+  #environmentEvents(w: World, events: EnvEvent[]): void {
     const reqs = this.config.requests;
     for (let i = 0; i < reqs.length; i++) if ((w.submitted & (1 << i)) === 0) events.push({ k: "submit", i });
     for (const key in w.router.requests) {
@@ -348,7 +359,6 @@ export class ModelWorld {
     }
     if (w.duplicates > 0) this.#eachMessage(w, (c, j) => events.push({ k: "duplicate", c, j }));
     if (w.losses > 0) this.#eachMessage(w, (c, j) => events.push({ k: "lose", c, j }));
-    return { events, progress };
   }
 
   /**

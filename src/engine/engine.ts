@@ -307,7 +307,7 @@ export class Engine {
    * `onFinish("length")`, and leaves the pages to the host (never frees or preempts them).
    */
   submitPrefill(request: GenerationRequest, pages: ExternalPages, events: GenerationEvents): void {
-    this.#submitExternal(request, pages, events, "prefill-only", -1);
+    this.#submitExternal(request, events, { pages, ownership: "prefill-only", firstToken: -1 });
   }
 
   /**
@@ -325,16 +325,19 @@ export class Engine {
     firstToken: number,
     events: GenerationEvents,
   ): void {
-    this.#submitExternal(request, pages, events, "decode-external", firstToken);
+    this.#submitExternal(request, events, { pages, ownership: "decode-external", firstToken });
   }
 
   #submitExternal(
     request: GenerationRequest,
-    pages: ExternalPages,
     events: GenerationEvents,
-    ownership: PageOwnership,
-    firstToken: number,
+    external: {
+      readonly pages: ExternalPages;
+      readonly ownership: PageOwnership;
+      readonly firstToken: number;
+    },
   ): void {
+    const { pages, ownership, firstToken } = external;
     const refusal = this.#doorCheck(request);
     if (refusal !== null) {
       events.onError(refusal);

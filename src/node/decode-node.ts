@@ -146,7 +146,16 @@ export class DecodeNode {
     return {
       handlers: {
         control: (message) => onControl(message),
-        pagesLanded: (rid, epoch, from, to) => this.#pagesLanded(id, rid, epoch, from, to),
+        // Logical pages [from, to) of (rid, epoch) landed: hash them now (while later pages are
+        // still in flight), for the commit check to read.
+        pagesLanded: (rid, epoch, from, to) => {
+          const peer = this.#peers.get(id);
+          if (peer === undefined || !guardOn(this.#safety, "checksum")) return;
+          for (let i = from; i < to; i++) {
+            const page = leasedPage(peer.state, rid, epoch, i);
+            if (page >= 0) this.#core.checksums.record(page, rid, epoch, i);
+          }
+        },
         leaseLanded: () => this.#core.recordGbps(channel?.metrics?.lastTransferGbps ?? 0),
         writeDropped: (rid, epoch, page) => this.#writeDropped(id, rid, epoch, page),
       },
@@ -177,20 +186,6 @@ export class DecodeNode {
     return (message) => {
       if (peer.channel === channel) this.#step(peer, { type: "message", msg: message });
     };
-  }
-
-  /**
-   * The transport of prefill node `id` reports logical pages `[from, to)` of `(rid, epoch)` landed:
-   * hash them now (while later pages are still in flight), for the commit check to read.
-   */
-  #pagesLanded(id: string, rid: number, epoch: number, from: number, to: number): void {
-    if (!guardOn(this.#safety, "checksum")) return;
-    const peer = this.#peers.get(id);
-    if (peer === undefined) return;
-    for (let i = from; i < to; i++) {
-      const page = leasedPage(peer.state, rid, epoch, i);
-      if (page >= 0) this.#core.checksums.record(page, rid, epoch, i);
-    }
   }
 
   /**

@@ -305,7 +305,7 @@ function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
     state.stale++;
     return;
   }
-  const error = verify(a, msg, pool, safety);
+  const error = verify(a, msg, ctx);
   if (error !== null) {
     if (error.code === "page_tag_mismatch") state.tagFailures++;
     fail(state, key, a, error, ctx);
@@ -334,7 +334,7 @@ function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
 }
 
 /** The commit check: coverage equals the reservation exactly, and every checksum matches. */
-function verify(a: DecodeAttempt, msg: Manifest, pool: KvPool, safety: Safety): WireError | null {
+function verify(a: DecodeAttempt, msg: Manifest, { pool, safety }: DecodeContext): WireError | null {
   if (
     guardOn(safety, "coverage") &&
     (msg.tokenStart !== 0 || msg.tokenEnd !== a.promptLen || msg.checksums.length !== a.leaseCount)
@@ -454,7 +454,7 @@ function step(state: DecodeState, key: string, token: number, ctx: DecodeContext
   const fresh = position % P === 0;
   table.stampWriter(a.pages[last]!, a.rid, a.epoch, (position % P) + 1);
   if (fresh) table.markReady(a.pages[last]!, a.generations[last]!, a.rid, a.epoch);
-  pool.observeRead?.(a.rid, a.epoch, a.pages, a.generations, last + 1, fresh ? last : -1);
+  pool.observeRead?.(a, last + 1, fresh ? last : -1);
   a.generated++;
   if (a.generated >= a.maxTokens) {
     finish(state, key, a, [token], ctx);

@@ -282,13 +282,13 @@ function computed(
 }
 
 function abort(state: PrefillState, key: string, ctx: PrefillContext): void {
-  const { safety, out } = ctx;
+  const { safety } = ctx;
   const a = state.attempts[key];
   if (a === undefined) {
     // Never seen here, or already ended: nothing in flight, acknowledge at once.
     state.ended[key] = 1;
     const [rid, epoch] = key.split(":").map(Number) as [number, number];
-    sendAck(rid, epoch, safety, out);
+    sendAck({ rid, epoch }, ctx);
     return;
   }
   if (a.phase === "aborting") return;
@@ -308,12 +308,16 @@ function abort(state: PrefillState, key: string, ctx: PrefillContext): void {
 function finishAbort(state: PrefillState, key: string, a: PrefillAttempt, ctx: PrefillContext): void {
   freeSource(a, ctx.pool);
   end(state, key);
-  sendAck(a.rid, a.epoch, ctx.safety, ctx.out);
+  sendAck(a, ctx);
 }
 
-function sendAck(rid: number, epoch: number, safety: Safety, out: Effects): void {
-  if (faultOn(safety, "drop-abort-ack")) return;
-  out.push({ kind: "send", to: "decode", msg: { type: "abort_ack", rid, epoch } });
+/** ABORT_ACK of `(rid, epoch)` to decode: every write of it has drained (unless the fault drops it). */
+function sendAck(
+  { rid, epoch }: { readonly rid: number; readonly epoch: number },
+  ctx: PrefillContext,
+): void {
+  if (faultOn(ctx.safety, "drop-abort-ack")) return;
+  ctx.out.push({ kind: "send", to: "decode", msg: { type: "abort_ack", rid, epoch } });
 }
 
 function release(state: PrefillState, key: string, pool: KvPool): void {

@@ -89,10 +89,12 @@ function limitCases(ctx: ProbeRun, input: ProbePhaseInput): ProbeCase[] {
   const big = Math.max(L, P ?? 0);
   const veryLong = Math.max(E + 1024, Math.min(2 * big, big + 4_194_304));
   sizes.push({ name: "very-long", tokens: veryLong, expect: "reject", modes: ["plain"] });
-  return sizes.flatMap((size) => sizedCases(ctx, input, size, E));
+  return sizes.flatMap((size) => sizedCases(ctx, input, { ...size, limit: E }));
 }
 
-function sizedCases(ctx: ProbeRun, input: ProbePhaseInput, size: SizedCase, limit: number): ProbeCase[] {
+/** A sized case's prompt, judged against the effective `limit`. */
+function sizedCases(ctx: ProbeRun, input: ProbePhaseInput, size: SizedCase & { limit: number }): ProbeCase[] {
+  const { limit } = size;
   const { fit } = input;
   const chars = Math.min(input.maxPromptChars, charsForTokens(fit, size.tokens));
   const records = ctx.canaries.records(Math.max(2, Math.min(64, Math.floor(chars / 4096))));

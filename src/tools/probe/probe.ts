@@ -53,7 +53,7 @@ export async function runProbe(options: ProbeOptions): Promise<ProbeReport> {
   const overall = new AbortController();
   const overallMs = options.overallTimeoutMs ?? 15 * 60_000;
   const timer = setTimeout(() => overall.abort(new Error("overall timeout")), overallMs);
-  const ctx = newRun(options, baseUrl, seed, overall.signal);
+  const ctx = newRun(options, { baseUrl, seed, signal: overall.signal });
   const record: RunRecord = {
     started,
     base: {
@@ -87,7 +87,11 @@ export async function runProbe(options: ProbeOptions): Promise<ProbeReport> {
   }
 }
 
-function newRun(options: ProbeOptions, baseUrl: string, seed: number, signal: AbortSignal): ProbeRun {
+/** A run's state from its options, its normalized base URL, its seed and its overall deadline's signal. */
+function newRun(
+  options: ProbeOptions,
+  { baseUrl, seed, signal }: { baseUrl: string; seed: number; signal: AbortSignal },
+): ProbeRun {
   const phases = new Map<ProbePhase, PhaseSummary>(
     PROBE_PHASES.map((p) => [p, { phase: p, checks: 0, findings: 0, warnings: 0, skipped: null }]),
   );

@@ -266,12 +266,7 @@ export class DecodeNode {
   }
 
   stats(): NodeStats {
-    const peers = [...this.#peers.values()];
-    const stats = this.#core.stats(
-      "decode",
-      peers.map((peer) => peer.state),
-      peers.map((peer) => peer.channel?.metrics),
-    );
+    const stats = this.#core.stats("decode", this.#peers.values(), (peer) => peer.channel?.metrics);
     const ack = this.#ackSeconds;
     this.#ackSeconds = [];
     return {

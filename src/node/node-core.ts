@@ -95,23 +95,24 @@ export class NodeCore {
   }
 
   /**
-   * The statistics of both roles over the peers' machine `states` and the open channels' transfer
-   * `metrics`; the role adds its own transfer failures and ABORT_ACK latencies.
+   * The statistics of both roles over `peers` (their machines' states, their open channels'
+   * transfer metrics); the role adds its own transfer failures and ABORT_ACK latencies.
    */
-  stats(
+  stats<Peer extends { readonly state: PeerState }>(
     role: NodeStats["role"],
-    states: Iterable<PeerState>,
-    metrics: Iterable<TransferMetrics | undefined>,
+    peers: Iterable<Peer>,
+    metricsOf: (peer: Peer) => TransferMetrics | undefined,
   ): NodeStats & { transfer: TransferTotals } {
     const engine = this.engine.stats();
     let attempts = 0;
     let stale = 0;
-    for (const state of states) {
-      attempts += Object.keys(state.attempts).length;
-      stale += state.stale;
-    }
     const transfer = { ...this.closedTotals };
-    for (const m of metrics) if (m !== undefined) addTransfer(transfer, m);
+    for (const peer of peers) {
+      attempts += Object.keys(peer.state.attempts).length;
+      stale += peer.state.stale;
+      const m = metricsOf(peer);
+      if (m !== undefined) addTransfer(transfer, m);
+    }
     const gbps = this.#gbps;
     this.#gbps = [];
     return {

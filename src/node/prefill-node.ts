@@ -160,12 +160,7 @@ export class PrefillNode {
   }
 
   stats(): NodeStats {
-    const peers = [...this.#peers.values()];
-    const stats = this.#core.stats(
-      "prefill",
-      peers.map((peer) => peer.state),
-      peers.map((peer) => peer.metrics),
-    );
+    const stats = this.#core.stats("prefill", this.#peers.values(), (peer) => peer.metrics);
     // Dropped writes are the receiver's lease check's (decode reports them), never a writer's.
     return { ...stats, transfer: { ...stats.transfer, droppedStaleWrites: 0, droppedMisaddressedWrites: 0 } };
   }

@@ -33,7 +33,7 @@
  * overtaken by its abort, a stale manifest) is ignored and counted, never acted on.
  */
 import type { WireError } from "../lib/errors.js";
-import { type Effects, type KvPool, leasePages, type SendEffect } from "./effects.js";
+import { type Effects, type KvPool, leasePages, poolExhausted, type SendEffect } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
@@ -233,15 +233,7 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
   const count = decodeReservationPages(msg.promptLen, msg.maxTokens, P);
   const leased = leasePages(pool, count, msg);
   if (leased === null) {
-    reject(
-      state,
-      msg,
-      {
-        code: "pool_exhausted",
-        message: `The decode KV pool has no room for request ${msg.rid} now: ${count} pages needed; retry later`,
-      },
-      out,
-    );
+    reject(state, msg, poolExhausted("decode", msg.rid, count), out);
     return;
   }
   const { pages, generations } = leased;

@@ -41,6 +41,14 @@ export interface ReadingAttempt {
 let scratchPages = new Int32Array(64);
 let scratchGenerations = new Uint32Array(64);
 
+/** The refusal of a node whose pool has too few free pages for request `rid` now (the router may wait). */
+export function poolExhausted(node: "prefill" | "decode", rid: number, count: number): WireError {
+  return {
+    code: "pool_exhausted",
+    message: `The ${node} KV pool has no room for request ${rid} now: ${count} pages needed; retry later`,
+  };
+}
+
 /**
  * Leases `count` pages of `pool` to `(rid, epoch)` of `tenant`, all or nothing, and returns them as
  * plain arrays (machine state is plain data); null when the pool has too few free pages.

@@ -18,7 +18,7 @@
  *   node is connected to, or for another prefill incarnation than this one, is refused.
  */
 import type { WireError } from "../lib/errors.js";
-import { type Effects, type KvPool, leasePages } from "./effects.js";
+import { type Effects, type KvPool, leasePages, poolExhausted } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "./wire.js";
@@ -205,15 +205,7 @@ function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext):
   }
   const leased = leasePages(pool, count, msg);
   if (leased === null) {
-    reject(
-      state,
-      msg,
-      {
-        code: "pool_exhausted",
-        message: `The prefill KV pool has no room for request ${msg.rid} now: ${count} pages needed; retry later`,
-      },
-      out,
-    );
+    reject(state, msg, poolExhausted("prefill", msg.rid, count), out);
     return;
   }
   const { pages, generations } = leased;

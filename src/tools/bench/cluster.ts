@@ -15,13 +15,14 @@
  */
 import net from "node:net";
 import os from "node:os";
-import { Command, InvalidArgumentError } from "commander";
+import { Command } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { type LocalCluster, startLocalCluster } from "../../topology/local-cluster.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
 import {
   defaultBenchTlsFiles,
   pairedRatio,
+  positiveInt,
   type RatioInterval,
   type Summary,
   summarize,
@@ -304,15 +305,6 @@ export function formatClusterReport(r: ClusterBenchResult): string {
     `raw loopback socket: ${r.rawLoopbackGbps.median.toFixed(2)} GB/s [${r.rawLoopbackGbps.min.toFixed(2)}–${r.rawLoopbackGbps.max.toFixed(2)}]`,
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");
-}
-
-function positiveInt(name: string): (value: string) => number {
-  return (value) => {
-    const n = Number(value);
-    if (!Number.isInteger(n) || n < 1)
-      throw new InvalidArgumentError(`${name} must be a positive integer: ${value}`);
-    return n;
-  };
 }
 
 interface ClusterCliOptions {

@@ -306,7 +306,8 @@ export function formatTransferReport(r: TransferBenchResult): string {
   return lines.join("\n");
 }
 
-function positiveInt(name: string): (value: string) => number {
+/** A commander parser of a positive integer option, naming `name` in its error. */
+export function positiveInt(name: string): (value: string) => number {
   return (value) => {
     const n = Number(value);
     if (!Number.isInteger(n) || n < 1)

@@ -4,24 +4,17 @@
  * (`nondeterminism`: another request's KV, or its batch, changed this one's answer). Every answer,
  * load included, is judged as in the probe phase.
  */
-import { buildPrompt } from "./canary.js";
 import type { ChatOutcome } from "./chat-client.js";
 import { judge } from "./judge.js";
 import { loadCase, plantedAccounts } from "./probe-phase.js";
-import { find, type ProbeCase, type ProbeRun, runPool, send } from "./probe-run.js";
+import { askingPrompt, find, type ProbeCase, type ProbeRun, runPool, send } from "./probe-run.js";
 
 export async function determinismPhase(ctx: ProbeRun, plantChars: number): Promise<void> {
   const summary = ctx.phases.get("determinism")!;
-  const prompts = Array.from({ length: 4 }, (_, i) => {
-    const records = ctx.canaries.records(3 + i);
-    return buildPrompt({
-      records,
-      askAccount: ctx.rng.pick(records).account,
-      targetChars: Math.round(plantChars * (0.3 + 0.2 * i)),
-      templates: ctx.templates,
-      rng: ctx.rng,
-    });
-  });
+  const prompts = Array.from(
+    { length: 4 },
+    (_, i) => askingPrompt(ctx, 3 + i, Math.round(plantChars * (0.3 + 0.2 * i))).content,
+  );
   ctx.progress(`determinism: ${prompts.length} prompts alone, then twice under load`);
   const baseline: Array<ChatOutcome | null> = [];
   for (const [i, p] of prompts.entries()) {

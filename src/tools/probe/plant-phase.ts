@@ -4,8 +4,7 @@
  * answer checks become warnings). The usage the server reports for these prompts calibrates the
  * probe's token count per character, so that later prompts land just under, at and over a limit.
  */
-import { buildPrompt } from "./canary.js";
-import { type ProbeRun, runPool, send, warn } from "./probe-run.js";
+import { askingPrompt, type ProbeRun, runPool, send, warn } from "./probe-run.js";
 
 /** Template tokens around a prompt, guessed when the server reports no usage. */
 const TEMPLATE_TOKENS_GUESS = 10;
@@ -34,16 +33,12 @@ export async function plantPhase(ctx: ProbeRun, count: number, plantChars: numbe
   const jobs = Array.from({ length: count }, (_, i) => {
     // Lengths from a quarter of plantChars up to plantChars: varied sizes calibrate the token count.
     const chars = Math.round(plantChars * (0.25 + (0.75 * i) / Math.max(1, count - 1)));
-    const records = ctx.canaries.records(Math.max(2, Math.min(32, Math.floor(chars / 160))));
+    const { records, ask, content } = askingPrompt(
+      ctx,
+      Math.max(2, Math.min(32, Math.floor(chars / 160))),
+      chars,
+    );
     for (const r of records) ctx.aCodes.add(r);
-    const ask = ctx.rng.pick(records);
-    const content = buildPrompt({
-      records,
-      askAccount: ask.account,
-      targetChars: chars,
-      templates: ctx.templates,
-      rng: ctx.rng,
-    });
     return { chars: content.length, ask, content, stream: i % 2 === 1 };
   });
   let repeated = 0;

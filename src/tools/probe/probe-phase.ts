@@ -10,7 +10,7 @@ import { postRaw } from "./chat-client.js";
 import { effectiveLimit } from "./discover.js";
 import { judge } from "./judge.js";
 import { charsForTokens, type TokenFit } from "./plant-phase.js";
-import { type ProbeCase, type ProbeRun, runPool, send, shuffle } from "./probe-run.js";
+import { askingPrompt, type ProbeCase, type ProbeRun, runPool, send, shuffle } from "./probe-run.js";
 
 export interface ProbePhaseInput {
   readonly maxModelLen: number | null;
@@ -97,15 +97,7 @@ function sizedCases(ctx: ProbeRun, input: ProbePhaseInput, size: SizedCase & { l
   const { limit } = size;
   const { fit } = input;
   const chars = Math.min(input.maxPromptChars, charsForTokens(fit, size.tokens));
-  const records = ctx.canaries.records(Math.max(2, Math.min(64, Math.floor(chars / 4096))));
-  const own = ctx.rng.pick(records);
-  const content = buildPrompt({
-    records,
-    askAccount: own.account,
-    targetChars: chars,
-    templates: ctx.templates,
-    rng: ctx.rng,
-  });
+  const { ask: own, content } = askingPrompt(ctx, Math.max(2, Math.min(64, Math.floor(chars / 4096))), chars);
   const est = Math.round(content.length * fit.perChar + fit.overhead);
   // A prompt the size cap kept under the limit proves nothing about rejection.
   const expect = size.expect === "reject" && est < limit ? "any" : size.expect;

@@ -5,7 +5,14 @@
  * chat or a GET (each counted), recording a finding or a warning against its phase, and running
  * jobs at a bounded concurrency.
  */
-import type { CanaryFactory, CanaryIndex, CanaryRecord, PromptTemplates, Rng } from "./canary.js";
+import {
+  buildPrompt,
+  type CanaryFactory,
+  type CanaryIndex,
+  type CanaryRecord,
+  type PromptTemplates,
+  type Rng,
+} from "./canary.js";
 import { type ChatOutcome, type ClientOptions, postChat } from "./chat-client.js";
 import type { Finding, PhaseSummary, ProbePhase } from "./probe-report.js";
 
@@ -94,6 +101,24 @@ export function send(ctx: ProbeRun, { key, content, stream }: ChatSend): Promise
     max_tokens: ctx.maxTokens,
     stream,
   });
+}
+
+/** `count` fresh records and a prompt of `chars` characters around them asking for one: the one asked. */
+export function askingPrompt(
+  ctx: ProbeRun,
+  count: number,
+  chars: number,
+): { records: CanaryRecord[]; ask: CanaryRecord; content: string } {
+  const records = ctx.canaries.records(count);
+  const ask = ctx.rng.pick(records);
+  const content = buildPrompt({
+    records,
+    askAccount: ask.account,
+    targetChars: chars,
+    templates: ctx.templates,
+    rng: ctx.rng,
+  });
+  return { records, ask, content };
 }
 
 /** Records `finding` (its status and output excerpt from `out`) against its phase. */

@@ -80,25 +80,54 @@ export function fakeAnswer(text: string): { answer: string; account: string | nu
 export async function startFakeOpenAiServer(
   options: FakeOpenAiServerOptions = {},
 ): Promise<FakeOpenAiServer> {
-  const model = options.model ?? "kvfence-tiny";
-  const maxModelLen = options.maxModelLen ?? 4096;
-  const limit = Math.min(maxModelLen, options.poolTokens ?? Number.POSITIVE_INFINITY);
-  const bad = new Set(options.misbehave ?? []);
-  const latencyMs = options.latencyMs ?? 3;
-  /** account → { code, key } for every record any tenant ever sent (what a leaky KV cache holds). */
-  const seen = new Map<string, { code: string; key: string }>();
-  let chatRequests = 0;
-  let inFlight = 0;
-  let maxInFlight = 0;
-
+  const fake = new FakeOpenAi(options);
   const server = createServer((req, res) => {
-    handle(req, res).catch((err: unknown) => {
+    fake.handle(req, res).catch((err: unknown) => {
       if (!res.headersSent) sendError(res, 500, "internal", String(err));
       else res.end();
     });
   });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const port = (server.address() as AddressInfo).port;
+  return {
+    url: `http://127.0.0.1:${port}`,
+    get chatRequests() {
+      return fake.chatRequests;
+    },
+    get maxInFlight() {
+      return fake.maxInFlight;
+    },
+    close: () =>
+      new Promise<void>((resolve, reject) => {
+        server.closeAllConnections();
+        server.close((err) => (err ? reject(err) : resolve()));
+      }),
+  };
+}
 
-  async function handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+/** The fake's routes and its "model", with what it remembers across requests. */
+class FakeOpenAi {
+  readonly #options: FakeOpenAiServerOptions;
+  readonly #model: string;
+  readonly #maxModelLen: number;
+  readonly #limit: number;
+  readonly #bad: ReadonlySet<Misbehaviour>;
+  /** account → { code, key } for every record any tenant ever sent (what a leaky KV cache holds). */
+  readonly #seen = new Map<string, { code: string; key: string }>();
+  chatRequests = 0;
+  inFlight = 0;
+  maxInFlight = 0;
+
+  constructor(options: FakeOpenAiServerOptions) {
+    this.#options = options;
+    this.#model = options.model ?? "kvfence-tiny";
+    this.#maxModelLen = options.maxModelLen ?? 4096;
+    this.#limit = Math.min(this.#maxModelLen, options.poolTokens ?? Number.POSITIVE_INFINITY);
+    this.#bad = new Set(options.misbehave ?? []);
+  }
+
+  async handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const options = this.#options;
     const key = (req.headers.authorization ?? "").replace(/^Bearer\s+/i, "");
     if (options.apiKeys !== undefined && !options.apiKeys.includes(key)) {
       await drain(req);
@@ -106,15 +135,20 @@ export async function startFakeOpenAiServer(
     }
     const path = (req.url ?? "/").split("?")[0];
     if (req.method === "GET" && path === "/v1/models") {
-      const card: Record<string, unknown> = { id: model, object: "model", created: 0, owned_by: "fake" };
-      if (options.modelsReportMaxLen !== false) card.max_model_len = maxModelLen;
+      const card: Record<string, unknown> = {
+        id: this.#model,
+        object: "model",
+        created: 0,
+        owned_by: "fake",
+      };
+      if (options.modelsReportMaxLen !== false) card.max_model_len = this.#maxModelLen;
       return sendJson(res, 200, { object: "list", data: [card] });
     }
     if (req.method === "GET" && path === "/server_info" && options.sglangInfo === true) {
       return sendJson(res, 200, {
-        context_length: maxModelLen,
+        context_length: this.#maxModelLen,
         page_size: 1,
-        max_total_num_tokens: options.poolTokens ?? maxModelLen * 4,
+        max_total_num_tokens: options.poolTokens ?? this.#maxModelLen * 4,
         status: "ready",
         internal_states: [],
       });
@@ -123,72 +157,89 @@ export async function startFakeOpenAiServer(
       await drain(req);
       return sendError(res, 404, "not_found", `No route ${req.method} ${path}`);
     }
-    chatRequests++;
-    inFlight++;
-    maxInFlight = Math.max(maxInFlight, inFlight);
+    this.chatRequests++;
+    this.inFlight++;
+    this.maxInFlight = Math.max(this.maxInFlight, this.inFlight);
     try {
-      await chat(req, res, key, chatRequests);
+      await this.#chat(req, res, { key, arrival: this.chatRequests });
     } finally {
-      inFlight--;
+      this.inFlight--;
     }
   }
 
-  async function chat(
+  async #chat(
     req: IncomingMessage,
     res: ServerResponse,
-    key: string,
-    arrival: number,
+    from: { readonly key: string; readonly arrival: number },
   ): Promise<void> {
     const raw = await readBody(req);
     if (raw === null) return sendError(res, 413, "payload_too_large", "Request body too large");
     const parsed = parseRequest(raw);
     if ("error" in parsed) {
-      if (bad.has("accept-malformed")) return sendCompletion(res, false, "unknown", 1);
+      if (this.#bad.has("accept-malformed")) return this.#sendCompletion(res, false, "unknown", 1);
       return sendError(res, 400, "invalid_request", parsed.error);
     }
     const { messages, stream } = parsed;
-    if (parsed.model !== undefined && parsed.model !== model) {
+    if (parsed.model !== undefined && parsed.model !== this.#model) {
       return sendError(res, 404, "model_not_found", `The model does not exist: ${parsed.model}`);
     }
-    let tokens = fakePromptTokens(messages);
-    let text = messages.map((m) => m.content).join("\n");
-    const overContext = tokens >= maxModelLen;
-    const overLimit = tokens >= limit;
-    if (overLimit) {
-      if (bad.has("placeholder") && !overContext) {
-        // The incident: the prompt is swapped for a one-token placeholder and still "succeeds".
-        text = "";
-        tokens = 1;
-      } else if (bad.has("accept-over-limit")) {
-        text = text.slice(text.length - (limit - 32));
-      } else if (bad.has("server-error-over-limit")) {
-        return sendError(res, 500, "internal", "Internal server error");
-      } else {
-        return sendError(
-          res,
-          400,
-          "context_length_exceeded",
-          `This model's maximum context length is ${limit} tokens; the prompt has ${tokens}`,
-        );
-      }
-    }
+    const prompt = this.#admit(res, {
+      tokens: fakePromptTokens(messages),
+      text: messages.map((m) => m.content).join("\n"),
+    });
+    if (prompt === null) return;
     // Remember every record (what pages of a shared pool would hold).
-    for (const m of text.matchAll(RECORD_RE)) if (!seen.has(m[1]!)) seen.set(m[1]!, { code: m[2]!, key });
-    await sleep(latencyMs);
-    let { answer, account } = fakeAnswer(text);
-    if (answer === "unknown" && account !== null && bad.has("leak")) {
-      const other = seen.get(account);
-      if (other !== undefined && other.key !== key) answer = other.code;
-    }
-    if (bad.has("truncated-answer") && tokens > maxModelLen / 2) answer = answer.slice(0, 3);
-    // "Under load": another request is in flight now or arrived while this one was served.
-    const underLoad = inFlight > 1 || chatRequests !== arrival;
-    if (bad.has("nondeterministic") && underLoad) answer = answer === "unknown" ? "unknown." : `${answer}?`;
-    return sendCompletion(res, stream, answer, tokens);
+    for (const m of prompt.text.matchAll(RECORD_RE))
+      if (!this.#seen.has(m[1]!)) this.#seen.set(m[1]!, { code: m[2]!, key: from.key });
+    await sleep(this.#options.latencyMs ?? 3);
+    return this.#sendCompletion(res, stream, this.#answer(prompt, from), prompt.tokens);
   }
 
-  function sendCompletion(res: ServerResponse, stream: boolean, answer: string, promptTokens: number): void {
-    const id = `chatcmpl-fake${chatRequests}`;
+  /** The prompt as served: refused over the limit (null, answered), or what a misbehaviour makes of it. */
+  #admit(
+    res: ServerResponse,
+    prompt: { tokens: number; text: string },
+  ): { tokens: number; text: string } | null {
+    const { tokens } = prompt;
+    if (tokens < this.#limit) return prompt;
+    const bad = this.#bad;
+    // The incident: the prompt is swapped for a one-token placeholder and still "succeeds".
+    if (bad.has("placeholder") && tokens < this.#maxModelLen) return { text: "", tokens: 1 };
+    if (bad.has("accept-over-limit"))
+      return { ...prompt, text: prompt.text.slice(prompt.text.length - (this.#limit - 32)) };
+    if (bad.has("server-error-over-limit")) sendError(res, 500, "internal", "Internal server error");
+    else {
+      sendError(
+        res,
+        400,
+        "context_length_exceeded",
+        `This model's maximum context length is ${this.#limit} tokens; the prompt has ${tokens}`,
+      );
+    }
+    return null;
+  }
+
+  /** The regex model's answer, bent by the misbehaviours switched on. */
+  #answer(
+    prompt: { tokens: number; text: string },
+    from: { readonly key: string; readonly arrival: number },
+  ): string {
+    const bad = this.#bad;
+    let { answer, account } = fakeAnswer(prompt.text);
+    if (answer === "unknown" && account !== null && bad.has("leak")) {
+      const other = this.#seen.get(account);
+      if (other !== undefined && other.key !== from.key) answer = other.code;
+    }
+    if (bad.has("truncated-answer") && prompt.tokens > this.#maxModelLen / 2) answer = answer.slice(0, 3);
+    // "Under load": another request is in flight now or arrived while this one was served.
+    const underLoad = this.inFlight > 1 || this.chatRequests !== from.arrival;
+    if (bad.has("nondeterministic") && underLoad) answer = answer === "unknown" ? "unknown." : `${answer}?`;
+    return answer;
+  }
+
+  #sendCompletion(res: ServerResponse, stream: boolean, answer: string, promptTokens: number): void {
+    const model = this.#model;
+    const id = `chatcmpl-fake${this.chatRequests}`;
     const usage = {
       prompt_tokens: promptTokens,
       completion_tokens: answer.length,
@@ -213,23 +264,6 @@ export async function startFakeOpenAiServer(
     res.write(chunk({}, "stop"));
     res.end("data: [DONE]\n\n");
   }
-
-  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
-  const port = (server.address() as AddressInfo).port;
-  return {
-    url: `http://127.0.0.1:${port}`,
-    get chatRequests() {
-      return chatRequests;
-    },
-    get maxInFlight() {
-      return maxInFlight;
-    },
-    close: () =>
-      new Promise<void>((resolve, reject) => {
-        server.closeAllConnections();
-        server.close((err) => (err ? reject(err) : resolve()));
-      }),
-  };
 }
 
 type ParsedRequest =

@@ -48,58 +48,72 @@ export function command(): Command {
       [],
     )
     .option(UNSAFE_OPT_IN_FLAG, "required with --unsafe-fault or --unsafe-disable-guard", false)
-    .action(async (raw: Record<string, string | undefined>) => {
-      const opts = raw as unknown as {
-        unsafeFault: string[];
-        unsafeDisableGuard: string[];
-        iUnderstandThisLeaksData: boolean;
-      };
-      const problem = unsafeSwitchesProblem(opts);
-      if (problem !== null) {
-        process.stderr.write(`kvfence cluster: ${problem}\n`);
-        process.exit(2);
-      }
-      const nodeArgs = [
-        ...(raw.kvPages === undefined ? [] : ["--kv-pages", raw.kvPages]),
-        ...(raw.maxModelLen === undefined ? [] : ["--max-model-len", raw.maxModelLen]),
-        ...(raw.kernels === undefined ? [] : ["--kernels", raw.kernels]),
-        ...(raw.kernelThreads === undefined ? [] : ["--kernel-threads", raw.kernelThreads]),
-        ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
-        ...(raw.tlsCert === undefined ? [] : ["--tls-cert", raw.tlsCert]),
-        ...(raw.tlsKey === undefined ? [] : ["--tls-key", raw.tlsKey]),
-        ...(raw.tlsCa === undefined ? [] : ["--tls-ca", raw.tlsCa]),
-      ];
-      const routerArgs = [
-        ...(raw.apiKeys === undefined ? [] : ["--api-keys", raw.apiKeys]),
-        ...(raw.httpsCert === undefined ? [] : ["--https-cert", raw.httpsCert]),
-        ...(raw.httpsKey === undefined ? [] : ["--https-key", raw.httpsKey]),
-      ];
-      const cluster = await startLocalCluster({
-        prefill: count("--prefill", raw.prefill ?? "1"),
-        decode: count("--decode", raw.decode ?? "1"),
-        model: raw.model ?? BUNDLED_MODEL_DIR,
-        port: Number(raw.port ?? 8000),
-        nodeArgs,
-        ...(raw.prefillKvPages === undefined
-          ? {}
-          : { prefillArgs: ["--prefill-kv-pages", raw.prefillKvPages] }),
-        routerArgs,
-        stderr: (line) => process.stderr.write(`${line}\n`),
-      }).catch((err: Error) => {
-        process.stderr.write(`kvfence cluster: ${err.message}\n`);
-        process.exit(1);
-      });
-      process.stdout.write(
-        `kvfence cluster at ${cluster.url} (OpenAI API at ${cluster.url}/v1): ` +
-          `${cluster.prefill.length} prefill, ${cluster.decode.length} decode processes; Ctrl-C stops them all\n`,
-      );
-      let stopping = false;
-      const shutdown = (): void => {
-        if (stopping) process.exit(1);
-        stopping = true;
-        void cluster.close().then(() => process.exit(0));
-      };
-      process.on("SIGINT", shutdown);
-      process.on("SIGTERM", shutdown);
-    });
+    .action(runCluster);
+}
+
+type RawOptions = Record<string, string | undefined>;
+
+/** `--flag value` for each of `flags` given (by its commander key), in that order. */
+function passOn(raw: RawOptions, flags: ReadonlyArray<[flag: string, key: string]>): string[] {
+  return flags.flatMap(([flag, key]) => {
+    const value = raw[key];
+    return value === undefined ? [] : [flag, value];
+  });
+}
+
+async function runCluster(raw: RawOptions): Promise<void> {
+  const opts = raw as unknown as {
+    unsafeFault: string[];
+    unsafeDisableGuard: string[];
+    iUnderstandThisLeaksData: boolean;
+  };
+  const problem = unsafeSwitchesProblem(opts);
+  if (problem !== null) {
+    process.stderr.write(`kvfence cluster: ${problem}\n`);
+    process.exit(2);
+  }
+  const nodeArgs = [
+    ...passOn(raw, [
+      ["--kv-pages", "kvPages"],
+      ["--max-model-len", "maxModelLen"],
+      ["--kernels", "kernels"],
+      ["--kernel-threads", "kernelThreads"],
+    ]),
+    ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
+    ...passOn(raw, [
+      ["--tls-cert", "tlsCert"],
+      ["--tls-key", "tlsKey"],
+      ["--tls-ca", "tlsCa"],
+    ]),
+  ];
+  const routerArgs = passOn(raw, [
+    ["--api-keys", "apiKeys"],
+    ["--https-cert", "httpsCert"],
+    ["--https-key", "httpsKey"],
+  ]);
+  const cluster = await startLocalCluster({
+    prefill: count("--prefill", raw.prefill ?? "1"),
+    decode: count("--decode", raw.decode ?? "1"),
+    model: raw.model ?? BUNDLED_MODEL_DIR,
+    port: Number(raw.port ?? 8000),
+    nodeArgs,
+    ...(raw.prefillKvPages === undefined ? {} : { prefillArgs: ["--prefill-kv-pages", raw.prefillKvPages] }),
+    routerArgs,
+    stderr: (line) => process.stderr.write(`${line}\n`),
+  }).catch((err: Error) => {
+    process.stderr.write(`kvfence cluster: ${err.message}\n`);
+    process.exit(1);
+  });
+  process.stdout.write(
+    `kvfence cluster at ${cluster.url} (OpenAI API at ${cluster.url}/v1): ` +
+      `${cluster.prefill.length} prefill, ${cluster.decode.length} decode processes; Ctrl-C stops them all\n`,
+  );
+  let stopping = false;
+  const shutdown = (): void => {
+    if (stopping) process.exit(1);
+    stopping = true;
+    void cluster.close().then(() => process.exit(0));
+  };
+  process.on("SIGINT", shutdown);
+  process.on("SIGTERM", shutdown);
 }

@@ -8,7 +8,7 @@
  */
 import { Command } from "commander";
 import { KvfenceError } from "../lib/errors.js";
-import { createLogger, type LogLevel } from "../lib/logger.js";
+import { createLogger, type Logger, type LogLevel } from "../lib/logger.js";
 import { UNSAFE_OPT_IN_FLAG } from "../node/unsafe-switches.js";
 import { BUNDLED_MODEL_DIR, parseServeConfig, type ServeConfig, serveTls } from "../server/serve-config.js";
 import { type RunningServer, startNode, startServer } from "../server/start-server.js";
@@ -82,72 +82,81 @@ export function command(): Command {
       "fatal, error, warn, info, debug, trace or silent",
       process.env.KVFENCE_LOG_LEVEL ?? "info",
     )
-    .action(async (raw: Record<string, unknown>) => {
-      const early = createLogger({ level: "info" });
-      let config: ServeConfig;
-      try {
-        config = parseServeConfig(raw);
-        serveTls(config); // unreadable or mismatched TLS files fail here, before the model loads
-      } catch (err) {
-        process.stderr.write(`kvfence serve: ${(err as Error).message}\n`);
-        process.exitCode = 2;
-        return;
-      }
-      const log = config.logLevel === "info" ? early : createLogger({ level: config.logLevel as LogLevel });
-      const tty = process.stderr.isTTY === true;
-      if (config.role === "prefill" || config.role === "decode") {
-        try {
-          const node = await startNode(config, { logger: log });
-          process.stdout.write(`kvfence ${config.role} node listening at ${node.url}\n`);
-          const stop = () => void node.close().then(() => process.exit(0));
-          process.on("SIGINT", stop);
-          process.on("SIGTERM", stop);
-        } catch (err) {
-          process.stderr.write(`kvfence serve: ${(err as Error).message}\n`);
-          process.exitCode = 1;
-        }
-        return;
-      }
-      let server: RunningServer;
-      try {
-        server = await startServer(config, {
-          logger: log,
-          progress: (line, done) => {
-            if (tty) process.stderr.write(`\r\x1b[K${line}${done ? "\n" : ""}`);
-            else if (done || line.endsWith(" 0%") || /: (0|25|50|75|100)% /.test(line))
-              process.stderr.write(`${line}\n`);
-          },
-        });
-      } catch (err) {
-        const message = err instanceof KvfenceError ? err.message : ((err as Error).stack ?? String(err));
-        process.stderr.write(`kvfence serve: ${message}\n`);
-        process.exitCode = 1;
-        return;
-      }
-      process.stdout.write(
-        `kvfence serving ${config.model.split(/[\\/]/).filter(Boolean).at(-1)} at ${server.url} ` +
-          `(OpenAI API at ${server.url}/v1, max_model_len ${server.contextLength})\n`,
-      );
-      let signals = 0;
-      const shutdown = (signal: NodeJS.Signals) => {
-        signals++;
-        if (signals > 1) {
-          log.warn({ signal }, "second signal: exiting now");
-          process.exit(1);
-        }
-        log.info({ signal, inFlight: server.router.activeRequests }, "shutting down");
-        server.close(5000).then(
-          () => {
-            log.info("stopped");
-            process.exit(0);
-          },
-          (err: unknown) => {
-            log.error({ err }, "error during shutdown");
-            process.exit(1);
-          },
-        );
-      };
-      process.on("SIGINT", shutdown);
-      process.on("SIGTERM", shutdown);
+    .action(serve);
+}
+
+async function serve(raw: Record<string, unknown>): Promise<void> {
+  const early = createLogger({ level: "info" });
+  let config: ServeConfig;
+  try {
+    config = parseServeConfig(raw);
+    serveTls(config); // unreadable or mismatched TLS files fail here, before the model loads
+  } catch (err) {
+    process.stderr.write(`kvfence serve: ${(err as Error).message}\n`);
+    process.exitCode = 2;
+    return;
+  }
+  const log = config.logLevel === "info" ? early : createLogger({ level: config.logLevel as LogLevel });
+  if (config.role === "prefill" || config.role === "decode") await serveNode(config, log);
+  else await serveRouter(config, log);
+}
+
+/** `--role prefill|decode`: one node in this process, until a signal. */
+async function serveNode(config: ServeConfig, log: Logger): Promise<void> {
+  try {
+    const node = await startNode(config, { logger: log });
+    process.stdout.write(`kvfence ${config.role} node listening at ${node.url}\n`);
+    const stop = () => void node.close().then(() => process.exit(0));
+    process.on("SIGINT", stop);
+    process.on("SIGTERM", stop);
+  } catch (err) {
+    process.stderr.write(`kvfence serve: ${(err as Error).message}\n`);
+    process.exitCode = 1;
+  }
+}
+
+/** The router over its topology: a progress line while the model loads, a graceful stop on a signal. */
+async function serveRouter(config: ServeConfig, log: Logger): Promise<void> {
+  const tty = process.stderr.isTTY === true;
+  let server: RunningServer;
+  try {
+    server = await startServer(config, {
+      logger: log,
+      progress: (line, done) => {
+        if (tty) process.stderr.write(`\r\x1b[K${line}${done ? "\n" : ""}`);
+        else if (done || line.endsWith(" 0%") || /: (0|25|50|75|100)% /.test(line))
+          process.stderr.write(`${line}\n`);
+      },
     });
+  } catch (err) {
+    const message = err instanceof KvfenceError ? err.message : ((err as Error).stack ?? String(err));
+    process.stderr.write(`kvfence serve: ${message}\n`);
+    process.exitCode = 1;
+    return;
+  }
+  process.stdout.write(
+    `kvfence serving ${config.model.split(/[\\/]/).filter(Boolean).at(-1)} at ${server.url} ` +
+      `(OpenAI API at ${server.url}/v1, max_model_len ${server.contextLength})\n`,
+  );
+  let signals = 0;
+  const shutdown = (signal: NodeJS.Signals) => {
+    signals++;
+    if (signals > 1) {
+      log.warn({ signal }, "second signal: exiting now");
+      process.exit(1);
+    }
+    log.info({ signal, inFlight: server.router.activeRequests }, "shutting down");
+    server.close(5000).then(
+      () => {
+        log.info("stopped");
+        process.exit(0);
+      },
+      (err: unknown) => {
+        log.error({ err }, "error during shutdown");
+        process.exit(1);
+      },
+    );
+  };
+  process.on("SIGINT", shutdown);
+  process.on("SIGTERM", shutdown);
 }

@@ -43,13 +43,12 @@ export function parseNodeUrl(url: string): { host: string; port: number } {
   return { host: match[1]!.replace(/^\[|\]$/g, ""), port };
 }
 
+/** Connects the router's control link to one node (`--prefill` or `--decode` `url`) and awaits its hello. */
 async function connectNode(
-  id: string,
-  url: string,
-  role: "prefill" | "decode",
-  secret: string,
-  tls: LinkTls | undefined,
+  node: { readonly id: string; readonly url: string; readonly role: "prefill" | "decode" },
+  { secret, tls }: Pick<ClusterRouterOptions, "secret" | "tls">,
 ): Promise<RouterNode> {
+  const { id, url, role } = node;
   const { host, port } = parseNodeUrl(url);
   const link = await connectControlLink<ToNode, FromNode>({
     host,
@@ -83,10 +82,10 @@ async function connectNode(
 
 export async function connectCluster(options: ClusterRouterOptions): Promise<DisaggregatedEngine> {
   const prefill = await Promise.all(
-    options.prefill.map((u, i) => connectNode(`prefill-${i}`, u, "prefill", options.secret, options.tls)),
+    options.prefill.map((url, i) => connectNode({ id: `prefill-${i}`, url, role: "prefill" }, options)),
   );
   const decode = await Promise.all(
-    options.decode.map((u, i) => connectNode(`decode-${i}`, u, "decode", options.secret, options.tls)),
+    options.decode.map((url, i) => connectNode({ id: `decode-${i}`, url, role: "decode" }, options)),
   );
   const engine = new DisaggregatedEngine({
     prefill,

@@ -24,7 +24,7 @@
 import type { WireError } from "../lib/errors.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
-import type { Effects } from "../protocol/effects.js";
+import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
 import type {
   EngineCapacity,
   EngineHandle,
@@ -370,18 +370,9 @@ export class DisaggregatedEngine implements EngineHandle {
 
   #onNodeMessage(node: RouterNode, message: FromNode): void {
     switch (message.kind) {
-      case "protocol": {
-        const pending = this.#requests.get(message.msg.rid);
-        if (pending === undefined) return;
-        const pair = pending.pair;
-        if (node !== pair.prefill && node !== pair.decode) return;
-        if (message.msg.type === "finished") pending.completionTokens = message.msg.completionTokens;
-        if (message.msg.type === "rejected")
-          pending.refusedForPages = message.msg.error.code === "pool_exhausted" ? node : null;
-        this.#step(pair, { type: "message", msg: message.msg });
-        for (const listener of this.#observers) listener(node, message.msg);
+      case "protocol":
+        this.#onProtocol(node, message.msg);
         return;
-      }
       case "stats": {
         const waiter = this.#statsWaiters.get(message.id);
         if (waiter === undefined) return;
@@ -393,17 +384,7 @@ export class DisaggregatedEngine implements EngineHandle {
         this.pairUp(message.prefill, node.id, true);
         return;
       case "prefill_down":
-        // The pair's transfer channel is gone (decode fenced that prefill node): its requests that
-        // still need a transfer fail with 503; the pair takes no new ones.
-        for (const pair of this.#pairs) {
-          if (pair.prefill.id !== message.prefill || pair.decode !== node) continue;
-          pair.up = false;
-          this.#step(pair, { type: "peer_lost", role: "prefill" });
-        }
-        this.#dropWaiting((p) => p.pair.prefill.id === message.prefill && p.pair.decode === node, {
-          code: "node_unavailable",
-          message: `The prefill node went away while the request waited for pages: ${message.prefill}`,
-        });
+        this.#prefillDown(node, message.prefill);
         return;
       case "pages_freed":
         this.#wake(node.id);
@@ -411,6 +392,34 @@ export class DisaggregatedEngine implements EngineHandle {
       default:
         return;
     }
+  }
+
+  /** A protocol message from a node of the request's pair (from any other node, dropped). */
+  #onProtocol(node: RouterNode, msg: ControlMessage): void {
+    const pending = this.#requests.get(msg.rid);
+    if (pending === undefined) return;
+    const pair = pending.pair;
+    if (node !== pair.prefill && node !== pair.decode) return;
+    if (msg.type === "finished") pending.completionTokens = msg.completionTokens;
+    if (msg.type === "rejected") pending.refusedForPages = msg.error.code === "pool_exhausted" ? node : null;
+    this.#step(pair, { type: "message", msg });
+    for (const listener of this.#observers) listener(node, msg);
+  }
+
+  /**
+   * Decode node `decode` lost its transfer channel to `prefill` (it fenced that prefill node): the
+   * pair's requests that still need a transfer fail with 503; the pair takes no new ones.
+   */
+  #prefillDown(decode: RouterNode, prefill: string): void {
+    for (const pair of this.#pairs) {
+      if (pair.prefill.id !== prefill || pair.decode !== decode) continue;
+      pair.up = false;
+      this.#step(pair, { type: "peer_lost", role: "prefill" });
+    }
+    this.#dropWaiting((p) => p.pair.prefill.id === prefill && p.pair.decode === decode, {
+      code: "node_unavailable",
+      message: `The prefill node went away while the request waited for pages: ${prefill}`,
+    });
   }
 
   /**
@@ -522,43 +531,50 @@ export class DisaggregatedEngine implements EngineHandle {
         case "send":
           this.#send(pair, effect.to === "prefill" ? pair.prefill : pair.decode, effect.msg);
           break;
-        case "tokens": {
-          const pending = this.#requests.get(effect.rid);
-          if (pending === undefined || pending.silenced || pending.stopped) break;
-          // A stop token (only prefill's first token can be one) ends the stream; decode reports the finish.
-          let n = 0;
-          while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
-          if (n < effect.tokens.length) pending.stopped = true;
-          if (n > 0)
-            pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+        case "tokens":
+          this.#tokens(effect);
           break;
-        }
-        case "respond": {
-          const pending = this.#requests.get(effect.rid);
-          delete pair.state.requests[effect.rid];
-          if (pending === undefined) break;
-          this.#requests.delete(effect.rid);
-          if (
-            !pending.silenced &&
-            effect.error?.code === "pool_exhausted" &&
-            pending.refusedForPages !== null
-          ) {
-            if (this.#wait(pending)) break;
-          }
-          if (pending.rid !== pending.request.rid) this.#aliases.delete(pending.request.rid);
-          if (pending.silenced) break;
-          if (effect.error === null) {
-            pending.events.onFinish(effect.finishReason ?? "length", {
-              promptTokens: pending.promptTokens.length,
-              completionTokens: pending.completionTokens,
-            });
-          } else pending.events.onError(effect.error);
+        case "respond":
+          this.#respond(pair, effect);
           break;
-        }
         default:
           break;
       }
     }
+  }
+
+  /** Tokens for the client, up to a stop token (only prefill's first token can be one). */
+  #tokens(effect: TokensEffect): void {
+    const pending = this.#requests.get(effect.rid);
+    if (pending === undefined || pending.silenced || pending.stopped) return;
+    // A stop token ends the stream; decode reports the finish.
+    let n = 0;
+    while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
+    if (n < effect.tokens.length) pending.stopped = true;
+    if (n > 0)
+      pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+  }
+
+  /**
+   * The machine is done with a request: it waits for pages (refused by a full pool that can hold
+   * it), or its client learns the finish or the error.
+   */
+  #respond(pair: Pair, effect: RespondEffect): void {
+    const pending = this.#requests.get(effect.rid);
+    delete pair.state.requests[effect.rid];
+    if (pending === undefined) return;
+    this.#requests.delete(effect.rid);
+    const mayWait =
+      !pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages !== null;
+    if (mayWait && this.#wait(pending)) return;
+    if (pending.rid !== pending.request.rid) this.#aliases.delete(pending.request.rid);
+    if (pending.silenced) return;
+    if (effect.error === null) {
+      pending.events.onFinish(effect.finishReason ?? "length", {
+        promptTokens: pending.promptTokens.length,
+        completionTokens: pending.completionTokens,
+      });
+    } else pending.events.onError(effect.error);
   }
 
   #send(pair: Pair, node: RouterNode, msg: ControlMessage): void {

@@ -78,11 +78,9 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       onRefused: (reason, detail) => warn(`transfer port: refused a connection (${reason}): ${detail}`),
       onWriter: (writer) => {
         const incarnation = writer.peerIncarnation ?? 0;
-        const onControl = node.attachDecode(writer, incarnation, writer.metrics);
-        writer.handlers = {
-          control: onControl,
-          closed: () => node.decodeLost(incarnation, writer),
-        };
+        const link = node.decodeLink(incarnation);
+        writer.handlers = link.handlers;
+        link.attach(writer);
         log(`decode node ${incarnation} connected`);
       },
     });
@@ -124,8 +122,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
   const connectPrefill = (node: DecodeNode, target: ConnectPrefill, since?: number): void => {
     prefillTargets.set(target.prefill, target);
     const pool = (built as Extract<typeof built, { role: "decode" }>).engine.pool;
-    let onControl: Parameters<typeof connectTcpReceiver>[0]["handlers"]["control"] = () => {};
-    let receiver: Awaited<ReturnType<typeof connectTcpReceiver>> | undefined;
+    const link = node.prefillLink(target.prefill);
     /** True while the channel is up and not closed by this node (a local close is no drop). */
     let up = false;
     const retry = (why: string): void => {
@@ -150,12 +147,9 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       peerIncarnation: target.incarnation,
       // The receiver's lease check is the `lease-check` guard (`--unsafe-disable-guard lease-check`).
       leaseCheck: !(options.engine.disabledGuards ?? []).includes("lease-check"),
-      leasedPage: (rid, epoch, index) => node.leasedPage(target.prefill, rid, epoch, index),
+      leasedPage: link.leasedPage,
       handlers: {
-        control: (m) => onControl?.(m),
-        pagesLanded: (rid, epoch, from, to) => node.pagesLanded(target.prefill, rid, epoch, from, to),
-        leaseLanded: () => node.recordTransferGbps(receiver?.metrics.lastTransferGbps ?? 0),
-        writeDropped: (rid, epoch, page) => node.writeDropped(target.prefill, rid, epoch, page),
+        ...link.handlers,
         closed: (error) => {
           if (!up) return;
           up = false;
@@ -167,14 +161,12 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       },
     }).then(
       (r) => {
-        receiver = r;
         if (closing || prefillTargets.get(target.prefill) !== target) {
           void r.close();
           return;
         }
         up = true;
-        onControl = node.attachPrefill(
-          target.prefill,
+        link.attach(
           {
             sendControl: (m) => r.sendControl(m),
             close: () => {

@@ -14,14 +14,15 @@ import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
 import { loadModelConfig } from "../model/config-loader.js";
-import { loadModel, loadModelMeta, loadWeights } from "../model/load-model.js";
+import { loadModel, loadModelMeta, loadWeights, type ModelMeta } from "../model/load-model.js";
+import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { startNodeServer } from "../node/node-server.js";
 import { unsafeWarning } from "../node/unsafe-switches.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
 import { RouterServer } from "../router/router-server.js";
-import { clusterSecret, startServeEngine } from "../topology/serve-topology.js";
+import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
 import { isLoopback } from "../transfer/tls-config.js";
 import { DEFAULT_KV_MEMORY_BYTES, kernelOptions, type ServeConfig, serveTls } from "./serve-config.js";
 
@@ -72,91 +73,31 @@ export async function startServer(
   }
 
   const modelConfig = loadModelConfig(config.model);
-  const layout: KvLayout = {
-    numLayers: modelConfig.numLayers,
-    numKvHeads: modelConfig.numKvHeads,
-    headDim: modelConfig.headDim,
-    pageSize: config.pageSize,
-  };
-  const bytesPerPage = pageBytes(layout);
+  const bytesPerPage = pageBytes(layoutOf(config, modelConfig));
   const numPages = config.kvPages ?? Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / bytesPerPage);
   const poolTokens = numPages * config.pageSize;
-  const contextLength = Math.min(
-    modelConfig.maxPositionEmbeddings,
-    config.maxModelLen ?? Number.POSITIVE_INFINITY,
-  );
-  // With --prefill-kv-pages the prefill pool is checked too (the smaller of the two).
-  const prefillSmaller = config.prefillKvPages !== undefined && config.prefillKvPages < numPages;
-  const checkedPages = prefillSmaller ? config.prefillKvPages! : numPages;
-  const verdict = poolCapacityVerdict({
-    poolTokens: checkedPages * config.pageSize,
-    contextLength,
-    pageSize: config.pageSize,
-  });
-  // The undersized-pool fault skips this pre-flight, as the incident's deployment had none.
-  if (!verdict.ok && !config.unsafeFault.includes("undersized-pool")) {
-    const neededPages = verdict.neededTokens / config.pageSize;
-    const fix = prefillSmaller
-      ? `--prefill-kv-pages ${neededPages}`
-      : `--kv-pages ${neededPages} or --kv-memory ${Math.ceil((neededPages * bytesPerPage) / 1024 ** 2)}MiB`;
-    throw new KvfenceError(
-      "config_invalid",
-      `The ${prefillSmaller ? "prefill node's " : ""}KV pool cannot hold one full-context request: the pool holds ${checkedPages * config.pageSize} tokens ` +
-        `(${checkedPages} pages of ${config.pageSize}, ${formatBytes(checkedPages * bytesPerPage)}) but the context length is ` +
-        `${contextLength} tokens; fix: a bigger pool (${fix}), or a smaller context (--max-model-len ${verdict.maxContextThatFits})`,
-    );
-  }
+  const contextLength = contextLengthOf(config, modelConfig);
+  checkServerPool(config, { numPages, bytesPerPage, contextLength });
 
   // Before the weights load (minutes for a big model): a port already taken fails now.
   if (config.port !== 0) await assertCanListen(config.host, config.port);
   // So does a missing or weak cluster secret (the router connects only once the weights loaded).
   if (config.role === "router") clusterSecret(config.clusterSecret);
 
-  let lastPercent = -1;
   // A router process tokenizes and admits; the nodes it connects to hold the weights.
   const model = loadModelMeta(config.model);
-  const weights =
-    config.role === "router"
-      ? null
-      : loadWeights(model.dir, model.config, {
-          shared: true,
-          onProgress: (p) => {
-            const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
-            if (percent === lastPercent) return;
-            lastPercent = percent;
-            options.progress?.(
-              `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
-              false,
-            );
-          },
-        });
+  const weights = config.role === "router" ? null : loadWeightsWithProgress(model, options.progress);
   options.progress?.(
     `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
     true,
   );
-
-  const tenants = TenantDirectory.load({ file: config.apiKeys, env: process.env.KVFENCE_API_KEYS });
-  if (tenants.anonymous) {
-    log.warn(
-      "no API keys configured (--api-keys FILE or KVFENCE_API_KEYS): serving one anonymous tenant without authentication",
-    );
-  } else {
-    log.info({ tenants: tenants.tenants.map((t) => t.name) }, "API keys loaded");
-  }
+  const tenants = loadTenants(config, log);
 
   const served = await startServeEngine({
     role: config.role,
     disaggregation: config.disaggregation,
     model: weights === null ? null : { config: model.config, weights },
-    engine: {
-      numPages,
-      pageSize: config.pageSize,
-      maxModelLen: contextLength,
-      scrubOnFree: config.scrubOnFree,
-      ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
-      ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
-      ...kernelOptions(config),
-    },
+    engine: engineOptionsOf(config, { numPages, contextLength }),
     ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
     disabledGuards: config.unsafeDisableGuard,
     maxModelLen: contextLength,
@@ -239,20 +180,11 @@ export async function startNode(
   // Before the weights load: a missing or weak cluster secret fails now.
   const secret = clusterSecret(config.clusterSecret);
   const modelConfig = loadModelConfig(config.model);
-  const layout: KvLayout = {
-    numLayers: modelConfig.numLayers,
-    numKvHeads: modelConfig.numKvHeads,
-    headDim: modelConfig.headDim,
-    pageSize: config.pageSize,
-  };
   const numPages =
     (role === "prefill" ? config.prefillKvPages : undefined) ??
     config.kvPages ??
-    Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / pageBytes(layout));
-  const contextLength = Math.min(
-    modelConfig.maxPositionEmbeddings,
-    config.maxModelLen ?? Number.POSITIVE_INFINITY,
-  );
+    Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / pageBytes(layoutOf(config, modelConfig)));
+  const contextLength = contextLengthOf(config, modelConfig);
   const verdict = poolCapacityVerdict({
     poolTokens: numPages * config.pageSize,
     contextLength,
@@ -273,19 +205,106 @@ export async function startNode(
     ...(tls.links === undefined ? {} : { tls: tls.links }),
     engine: {
       model: { config: model.config, weights: model.weights },
-      numPages,
-      pageSize: config.pageSize,
-      maxModelLen: contextLength,
-      scrubOnFree: config.scrubOnFree,
-      ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
-      ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
-      ...kernelOptions(config),
+      ...engineOptionsOf(config, { numPages, contextLength }),
     },
     faults: config.unsafeFault,
     log: (line) => options.logger.info(line),
     warn: (line) => options.logger.warn(line),
   });
   return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
+}
+
+function layoutOf(config: ServeConfig, modelConfig: ModelConfig): KvLayout {
+  return {
+    numLayers: modelConfig.numLayers,
+    numKvHeads: modelConfig.numKvHeads,
+    headDim: modelConfig.headDim,
+    pageSize: config.pageSize,
+  };
+}
+
+/** The longest request served: the model's window, or less with --max-model-len. */
+function contextLengthOf(config: ServeConfig, modelConfig: ModelConfig): number {
+  return Math.min(modelConfig.maxPositionEmbeddings, config.maxModelLen ?? Number.POSITIVE_INFINITY);
+}
+
+/** What every engine of this process is built with, the model aside (pool, context, guards, kernels). */
+function engineOptionsOf(
+  config: ServeConfig,
+  pool: { readonly numPages: number; readonly contextLength: number },
+): ServeEngineOptions["engine"] {
+  return {
+    numPages: pool.numPages,
+    pageSize: config.pageSize,
+    maxModelLen: pool.contextLength,
+    scrubOnFree: config.scrubOnFree,
+    ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
+    ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
+    ...kernelOptions(config),
+  };
+}
+
+/**
+ * The capacity check of the router's process, shared with `kvfence preflight`: the pool (with
+ * --prefill-kv-pages, the smaller of the two) must hold one full-context request, or the server
+ * stops with the two fixes. The undersized-pool fault skips it, as the incident's deployment had none.
+ */
+function checkServerPool(
+  config: ServeConfig,
+  pool: { readonly numPages: number; readonly bytesPerPage: number; readonly contextLength: number },
+): void {
+  const { numPages, bytesPerPage, contextLength } = pool;
+  const prefillSmaller = config.prefillKvPages !== undefined && config.prefillKvPages < numPages;
+  const checkedPages = prefillSmaller ? config.prefillKvPages! : numPages;
+  const verdict = poolCapacityVerdict({
+    poolTokens: checkedPages * config.pageSize,
+    contextLength,
+    pageSize: config.pageSize,
+  });
+  if (verdict.ok || config.unsafeFault.includes("undersized-pool")) return;
+  const neededPages = verdict.neededTokens / config.pageSize;
+  const fix = prefillSmaller
+    ? `--prefill-kv-pages ${neededPages}`
+    : `--kv-pages ${neededPages} or --kv-memory ${Math.ceil((neededPages * bytesPerPage) / 1024 ** 2)}MiB`;
+  throw new KvfenceError(
+    "config_invalid",
+    `The ${prefillSmaller ? "prefill node's " : ""}KV pool cannot hold one full-context request: the pool holds ${checkedPages * config.pageSize} tokens ` +
+      `(${checkedPages} pages of ${config.pageSize}, ${formatBytes(checkedPages * bytesPerPage)}) but the context length is ` +
+      `${contextLength} tokens; fix: a bigger pool (${fix}), or a smaller context (--max-model-len ${verdict.maxContextThatFits})`,
+  );
+}
+
+/** The weights, with a progress line each time the loaded share moves by a percent. */
+function loadWeightsWithProgress(
+  model: ModelMeta,
+  progress: ((line: string, done: boolean) => void) | undefined,
+): ModelWeights {
+  let lastPercent = -1;
+  return loadWeights(model.dir, model.config, {
+    shared: true,
+    onProgress: (p) => {
+      const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
+      if (percent === lastPercent) return;
+      lastPercent = percent;
+      progress?.(
+        `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
+        false,
+      );
+    },
+  });
+}
+
+/** The API keys (--api-keys or KVFENCE_API_KEYS); none is one anonymous tenant, said loudly. */
+function loadTenants(config: ServeConfig, log: Logger): TenantDirectory {
+  const tenants = TenantDirectory.load({ file: config.apiKeys, env: process.env.KVFENCE_API_KEYS });
+  if (tenants.anonymous) {
+    log.warn(
+      "no API keys configured (--api-keys FILE or KVFENCE_API_KEYS): serving one anonymous tenant without authentication",
+    );
+  } else {
+    log.info({ tenants: tenants.tenants.map((t) => t.name) }, "API keys loaded");
+  }
+  return tenants;
 }
 
 /** The loud startup warning of an unsafe server, on stderr (every role) and in the log. */

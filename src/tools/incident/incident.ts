@@ -198,18 +198,13 @@ export const GUARD_COUNTERS = [
 ] as const;
 
 /** Starts a server with the switches, runs the canary probe against it, and stops it. */
-export async function runIncident(options: {
-  readonly model?: string;
-  readonly faults: readonly string[];
-  readonly disabledGuards: readonly string[];
-  readonly undersizedPrefill?: boolean;
-  readonly defaults?: boolean;
-  readonly topology?: "threads" | "tcp";
-  readonly linkTlsArgs?: readonly string[];
-  readonly seed?: number;
-  readonly requests?: number;
-  readonly onProgress?: (line: string) => void;
-}): Promise<IncidentRun> {
+export async function runIncident(
+  options: Omit<IncidentServerOptions, "kernels"> & {
+    readonly seed?: number;
+    readonly requests?: number;
+    readonly onProgress?: (line: string) => void;
+  },
+): Promise<IncidentRun> {
   const started = Date.now();
   const server = await startIncidentServer(options);
   try {

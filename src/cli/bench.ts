@@ -17,6 +17,7 @@ import {
   MODEL_BENCH_DEFAULTS,
   runModelBench,
 } from "../tools/bench/model.js";
+import { serveCommand } from "../tools/bench/serve.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
 
@@ -158,7 +159,7 @@ function modelCommand(): Command {
 
 export function command(): Command {
   const group = new Command("bench").description(
-    "Benchmarks: the forward pass against the machine's limits, and more",
+    "Benchmarks: the forward pass against the machine's limits, KV transfer, guard costs, and serving (bench serve)",
   );
   // bench-commands:begin
   group.addCommand(modelCommand());
@@ -166,6 +167,7 @@ export function command(): Command {
   group.addCommand(tagCheckCommand());
   group.addCommand(clusterCommand());
   group.addCommand(linkFloodCommand());
+  group.addCommand(serveCommand());
   // bench-commands:end
   return group;
 }

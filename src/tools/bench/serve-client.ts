@@ -6,8 +6,9 @@
  * arrives, before it is parsed, so every event in it carries that read's time.
  *
  * A request fails (and says why) on a non-200 status, an error event inside the stream, a stream
- * that ends without `data: [DONE]`, a stream with no generated text, a network error or the
- * timeout. It never throws.
+ * that ends without `data: [DONE]` or without any choice, a network error or the timeout. It never
+ * throws. A stream whose only choice is the finish (the model ended at once) succeeds with no text;
+ * its first token is then that chunk, as vLLM counts it.
  */
 import { createParser } from "eventsource-parser";
 import { errorMessage } from "../probe/chat-client.js";
@@ -23,6 +24,8 @@ export interface StreamOutcome {
   readonly sentAt: number;
   /** `performance.now()` at the arrival of each chunk that carried generated text. */
   readonly tokenTimes: readonly number[];
+  /** `performance.now()` at the arrival of the first chunk with a choice (text or not), or null. */
+  readonly firstChoiceAt: number | null;
   /** `performance.now()` when the response ended (or failed). */
   readonly endAt: number;
   readonly text: string;
@@ -52,6 +55,7 @@ export async function streamRequest(request: StreamRequest): Promise<StreamOutco
   let inBandError: string | null = null;
   let done = false;
   let status = 0;
+  let firstChoiceAt: number | null = null;
   const sentAt = performance.now();
   const finish = (error: string | null): StreamOutcome => ({
     ok: error === null,
@@ -59,6 +63,7 @@ export async function streamRequest(request: StreamRequest): Promise<StreamOutco
     error,
     sentAt,
     tokenTimes,
+    firstChoiceAt,
     endAt: performance.now(),
     text,
     promptTokens,
@@ -89,6 +94,8 @@ export async function streamRequest(request: StreamRequest): Promise<StreamOutco
           inBandError ??= err;
           return;
         }
+        const choices = field(json, "choices");
+        if (firstChoiceAt === null && Array.isArray(choices) && choices.length > 0) firstChoiceAt = at;
         const piece = chunkText(json, request.endpoint);
         if (piece !== null && piece !== "") {
           tokenTimes.push(at);
@@ -109,7 +116,7 @@ export async function streamRequest(request: StreamRequest): Promise<StreamOutco
     parser.feed(decoder.decode());
     if (inBandError !== null) return finish(`error in the stream: ${inBandError}`);
     if (!done) return finish("the stream ended without data: [DONE]");
-    if (tokenTimes.length === 0) return finish("the stream carried no generated text");
+    if (firstChoiceAt === null) return finish("the stream carried no choice");
     return finish(null);
   } catch (err) {
     const e = err as Error;

@@ -319,6 +319,11 @@ export function formatRun(r: ServeRunResult): string {
     for (const p of PERCENTILES) row(`P${p} ${short} (ms):`, r[`p${p}_${m}_ms`]);
   }
   lines.push("=".repeat(50));
+  if (r.completed > 0 && c.own_nonce_repeated * 2 < r.completed) {
+    lines.push(
+      `note: only ${c.own_nonce_repeated} of ${r.completed} responses repeated their own nonce: this model does not copy its context, so a leak may not show up as text (kvfence-tiny answers through its chat template: use /v1/chat/completions)`,
+    );
+  }
   for (const e of c.examples) {
     lines.push(
       `contamination: request ${e.request}'s response holds ${e.code} (planted by request ${e.planted_by}, ${e.match}): ${JSON.stringify(e.excerpt)}`,

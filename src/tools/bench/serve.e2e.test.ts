@@ -10,6 +10,7 @@ import { assertFiguresMatch } from "../../../testing/serve-bench-check.js";
 import { assertPoolIdle } from "../../../testing/start-server.js";
 import { INCIDENT_FAULTS, INCIDENT_GUARDS, metricSum, startIncidentServer } from "../incident/incident.js";
 import { runServeBench } from "./serve.js";
+import { formatRun } from "./serve-report.js";
 
 test("bench serve against a default kvfence server: every request completes, no response holds another's nonce, figures match the record and /metrics", {
   timeout: 120_000,
@@ -52,6 +53,25 @@ test("bench serve against a default kvfence server: every request completes, no 
         metricSum(before, "kvfence_completion_tokens_total"),
       run.total_output_tokens,
     );
+    // Raw completions: kvfence-tiny, outside its chat template, ends at once. Those answers count
+    // as completed (one token, the finish chunk as the first), and the report says the detector
+    // cannot see a copy.
+    const raw = (
+      await runServeBench({
+        baseUrl: server.url,
+        apiKey: server.keyA,
+        endpoint: "/v1/completions",
+        numPrompts: 3,
+        inputLen: 100,
+        progress: null,
+      })
+    ).runs[0]!;
+    assert.equal(raw.completed, 3, JSON.stringify(raw.errors));
+    assert.deepEqual(raw.output_lens, [1, 1, 1]);
+    assert.deepEqual(raw.generated_texts, ["", "", ""]);
+    assert.ok(raw.ttfts.every((t) => t > 0));
+    assert.equal(raw.contamination.own_nonce_repeated, 0);
+    assert.match(formatRun(raw), /only 0 of 3 responses repeated their own nonce/);
     await assertPoolIdle(server.url);
   } finally {
     await server.close();

@@ -330,6 +330,13 @@ test("kvfence bench serve: a sweep saves vLLM's result fields and a self-contain
     );
     assert.match(bad.stderr, /responses hold another request's nonce/);
     assert.doesNotMatch(bad.stderr, /requests done/);
+
+    const wrong = await cli([clean.url, "--dataset-name", "sharegpt"]);
+    assert.equal(wrong.code, 2);
+    assert.equal(
+      wrong.stderr.trim().split("\n").at(-1),
+      "kvfence bench serve: The sharegpt dataset needs --dataset-path FILE",
+    );
   } finally {
     await clean.close();
     await mixed.close();

@@ -175,9 +175,9 @@ export async function runServeBench(options: ServeBenchOptions): Promise<ServeBe
       throw new KvfenceError(
         outcome.status === 401
           ? "invalid_api_key"
-          : outcome.status === 0
-            ? "node_unavailable"
-            : "invalid_request",
+          : outcome.status >= 400 && outcome.status < 500
+            ? "invalid_request"
+            : "node_unavailable",
         `The first request to ${baseUrl}${endpoint} failed, so the benchmark did not start (check --endpoint, --model, --api-key): ${outcome.error}`,
       );
     }
@@ -332,7 +332,7 @@ function toRecord(
   o: StreamOutcome,
   promptText: string,
 ): RequestRecord {
-  const first = o.tokenTimes[0] ?? o.endAt;
+  const first = o.tokenTimes[0] ?? o.firstChoiceAt ?? o.endAt;
   const itl: number[] = [];
   for (let i = 1; i < o.tokenTimes.length; i++) itl.push((o.tokenTimes[i]! - o.tokenTimes[i - 1]!) / 1000);
   return {
@@ -371,7 +371,7 @@ async function firstModel(baseUrl: string, apiKey: string | undefined): Promise<
   const id = body?.data?.[0]?.id;
   if (res.status !== 200 || typeof id !== "string") {
     throw new KvfenceError(
-      res.status === 401 ? "invalid_api_key" : "model_not_found",
+      res.status === 401 ? "invalid_api_key" : res.status >= 500 ? "node_unavailable" : "model_not_found",
       `GET ${baseUrl}/v1/models gave no model (HTTP ${res.status}); pass --model, or --api-key if the server needs one`,
     );
   }
@@ -700,7 +700,9 @@ export function serveCommand(): Command {
         }
       } catch (err) {
         process.stderr.write(`kvfence bench serve: ${err instanceof Error ? err.message : String(err)}\n`);
-        process.exitCode = err instanceof KvfenceError && err.code === "invalid_request" ? 2 : 1;
+        // 2: the arguments, the input or the key are wrong; 1: the server could not be used.
+        const refused = ["invalid_request", "invalid_api_key", "model_not_found"];
+        process.exitCode = err instanceof KvfenceError && refused.includes(err.code) ? 2 : 1;
       }
     });
 }

@@ -159,7 +159,7 @@ function modelCommand(): Command {
 
 export function command(): Command {
   const group = new Command("bench").description(
-    "Benchmarks: the forward pass against the machine's limits, KV transfer, guard costs, and serving (bench serve)",
+    "Benchmarks: the forward pass against the machine's limits, and more",
   );
   // bench-commands:begin
   group.addCommand(modelCommand());

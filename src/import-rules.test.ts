@@ -67,7 +67,18 @@ export const RULES: Record<string, Rule> = {
     ],
   },
   "tools/bench": {
-    src: ["tools/bench", "topology", "engine", "model", "kvcache", "kernels", "transfer", "protocol", "lib"],
+    src: [
+      "tools/bench",
+      "tools/probe",
+      "topology",
+      "engine",
+      "model",
+      "kvcache",
+      "kernels",
+      "transfer",
+      "protocol",
+      "lib",
+    ],
   },
   "tools/check": { src: ["tools/check", "protocol", "kvcache/ownership-table.ts", "lib"] },
   "tools/incident": {

@@ -17,6 +17,7 @@ import {
   MODEL_BENCH_DEFAULTS,
   runModelBench,
 } from "../tools/bench/model.js";
+import { serveCommand } from "../tools/bench/serve.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
 
@@ -166,6 +167,7 @@ export function command(): Command {
   group.addCommand(tagCheckCommand());
   group.addCommand(clusterCommand());
   group.addCommand(linkFloodCommand());
+  group.addCommand(serveCommand());
   // bench-commands:end
   return group;
 }

@@ -103,46 +103,102 @@ export function fakeAnswer(text: string): { answer: string; account: string | nu
 export async function startFakeOpenAiServer(
   options: FakeOpenAiServerOptions = {},
 ): Promise<FakeOpenAiServer> {
-  const model = options.model ?? "kvfence-tiny";
-  const maxModelLen = options.maxModelLen ?? 4096;
-  const limit = Math.min(maxModelLen, options.poolTokens ?? Number.POSITIVE_INFINITY);
-  const bad = new Set(options.misbehave ?? []);
-  const latencyMs = options.latencyMs ?? 3;
-  const chunkChars = options.chunkChars ?? 3;
-  const tokenDelayMs = options.tokenDelayMs ?? 0;
-  const streams: StreamLog[] = [];
-  /** The first record of the previous request (for `cross-request`). */
-  let previousCode: string | null = null;
-  /** account → { code, key } for every record any tenant ever sent (what a leaky KV cache holds). */
-  const seen = new Map<string, { code: string; key: string }>();
-  let chatRequests = 0;
-  let inFlight = 0;
-  let maxInFlight = 0;
-
+  const fake = new FakeOpenAi(options);
   const server = createServer((req, res) => {
-    handle(req, res).catch((err: unknown) => {
+    fake.handle(req, res).catch((err: unknown) => {
       if (!res.headersSent) sendError(res, 500, "internal", String(err));
       else res.end();
     });
   });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const port = (server.address() as AddressInfo).port;
+  return {
+    url: `http://127.0.0.1:${port}`,
+    get chatRequests() {
+      return fake.chatRequests;
+    },
+    get maxInFlight() {
+      return fake.maxInFlight;
+    },
+    get streams() {
+      return fake.streams;
+    },
+    close: () =>
+      new Promise<void>((resolve, reject) => {
+        server.closeAllConnections();
+        server.close((err) => (err ? reject(err) : resolve()));
+      }),
+  };
+}
 
-  async function handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+/** Who sent a completion request, which endpoint it came to, and when. */
+interface Arrival {
+  readonly key: string;
+  /** Its number among the completion requests, from 1. */
+  readonly arrival: number;
+  /** `/v1/completions` (a `prompt`) rather than `/v1/chat/completions`. */
+  readonly completions: boolean;
+  readonly receivedAt: number;
+}
+
+/** How an answer is sent: streamed or not, in which endpoint's shape, with a usage chunk or not. */
+interface Delivery {
+  readonly stream: boolean;
+  readonly completions: boolean;
+  readonly includeUsage: boolean;
+  readonly receivedAt: number;
+}
+
+/** A prompt as the "model" sees it: its text and its length in tokens. */
+interface Prompt {
+  readonly tokens: number;
+  readonly text: string;
+}
+
+type Usage = { prompt_tokens: number; completion_tokens: number; total_tokens: number };
+
+/** The fake's routes and its "model", with what it remembers across requests. */
+class FakeOpenAi {
+  readonly #options: FakeOpenAiServerOptions;
+  readonly #model: string;
+  readonly #maxModelLen: number;
+  readonly #limit: number;
+  readonly #bad: ReadonlySet<Misbehaviour>;
+  readonly #chunkChars: number;
+  readonly #tokenDelayMs: number;
+  /** account → { code, key } for every record any tenant ever sent (what a leaky KV cache holds). */
+  readonly #seen = new Map<string, { code: string; key: string }>();
+  /** The first record of the previous request (for `cross-request`). */
+  #previousCode: string | null = null;
+  readonly streams: StreamLog[] = [];
+  chatRequests = 0;
+  inFlight = 0;
+  maxInFlight = 0;
+
+  constructor(options: FakeOpenAiServerOptions) {
+    this.#options = options;
+    this.#model = options.model ?? "kvfence-tiny";
+    this.#maxModelLen = options.maxModelLen ?? 4096;
+    this.#limit = Math.min(this.#maxModelLen, options.poolTokens ?? Number.POSITIVE_INFINITY);
+    this.#bad = new Set(options.misbehave ?? []);
+    this.#chunkChars = options.chunkChars ?? 3;
+    this.#tokenDelayMs = options.tokenDelayMs ?? 0;
+  }
+
+  async handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const options = this.#options;
     const key = (req.headers.authorization ?? "").replace(/^Bearer\s+/i, "");
     if (options.apiKeys !== undefined && !options.apiKeys.includes(key)) {
       await drain(req);
       return sendError(res, 401, "invalid_api_key", "Incorrect API key provided");
     }
     const path = (req.url ?? "/").split("?")[0];
-    if (req.method === "GET" && path === "/v1/models") {
-      const card: Record<string, unknown> = { id: model, object: "model", created: 0, owned_by: "fake" };
-      if (options.modelsReportMaxLen !== false) card.max_model_len = maxModelLen;
-      return sendJson(res, 200, { object: "list", data: [card] });
-    }
+    if (req.method === "GET" && path === "/v1/models") return this.#models(res);
     if (req.method === "GET" && path === "/server_info" && options.sglangInfo === true) {
       return sendJson(res, 200, {
-        context_length: maxModelLen,
+        context_length: this.#maxModelLen,
         page_size: 1,
-        max_total_num_tokens: options.poolTokens ?? maxModelLen * 4,
+        max_total_num_tokens: options.poolTokens ?? this.#maxModelLen * 4,
         status: "ready",
         internal_states: [],
       });
@@ -153,186 +209,158 @@ export async function startFakeOpenAiServer(
       return sendError(res, 404, "not_found", `No route ${req.method} ${path}`);
     }
     const receivedAt = performance.now();
-    chatRequests++;
-    inFlight++;
-    maxInFlight = Math.max(maxInFlight, inFlight);
+    this.chatRequests++;
+    this.inFlight++;
+    this.maxInFlight = Math.max(this.maxInFlight, this.inFlight);
     try {
-      await chat(req, res, key, chatRequests, completions, receivedAt);
+      await this.#chat(req, res, { key, arrival: this.chatRequests, completions, receivedAt });
     } finally {
-      inFlight--;
+      this.inFlight--;
     }
   }
 
-  async function chat(
-    req: IncomingMessage,
-    res: ServerResponse,
-    key: string,
-    arrival: number,
-    completions: boolean,
-    receivedAt: number,
-  ): Promise<void> {
+  #models(res: ServerResponse): void {
+    const card: Record<string, unknown> = { id: this.#model, object: "model", created: 0, owned_by: "fake" };
+    if (this.#options.modelsReportMaxLen !== false) card.max_model_len = this.#maxModelLen;
+    sendJson(res, 200, { object: "list", data: [card] });
+  }
+
+  async #chat(req: IncomingMessage, res: ServerResponse, from: Arrival): Promise<void> {
     const raw = await readBody(req);
     if (raw === null) return sendError(res, 413, "payload_too_large", "Request body too large");
-    const parsed = parseRequest(raw, completions);
+    const parsed = parseRequest(raw, from.completions);
     if ("error" in parsed) {
-      if (bad.has("accept-malformed")) return sendCompletion(res, false, "unknown", 1);
+      if (this.#bad.has("accept-malformed")) return this.#sendCompletion(res, "unknown", 1);
       return sendError(res, 400, "invalid_request", parsed.error);
     }
-    const { messages, stream } = parsed;
-    if (parsed.model !== undefined && parsed.model !== model) {
+    const { messages } = parsed;
+    if (parsed.model !== undefined && parsed.model !== this.#model) {
       return sendError(res, 404, "model_not_found", `The model does not exist: ${parsed.model}`);
     }
-    let tokens = parsed.prompt === undefined ? fakePromptTokens(messages) : Buffer.byteLength(parsed.prompt);
-    let text = parsed.prompt ?? messages.map((m) => m.content).join("\n");
-    const overContext = tokens >= maxModelLen;
-    const overLimit = tokens >= limit;
-    if (overLimit) {
-      if (bad.has("placeholder") && !overContext) {
-        // The incident: the prompt is swapped for a one-token placeholder and still "succeeds".
-        text = "";
-        tokens = 1;
-      } else if (bad.has("accept-over-limit")) {
-        text = text.slice(text.length - (limit - 32));
-      } else if (bad.has("server-error-over-limit")) {
-        return sendError(res, 500, "internal", "Internal server error");
-      } else {
-        return sendError(
-          res,
-          400,
-          "context_length_exceeded",
-          `This model's maximum context length is ${limit} tokens; the prompt has ${tokens}`,
-        );
-      }
-    }
+    const prompt = this.#admit(
+      res,
+      parsed.prompt === undefined
+        ? { tokens: fakePromptTokens(messages), text: messages.map((m) => m.content).join("\n") }
+        : { tokens: Buffer.byteLength(parsed.prompt), text: parsed.prompt },
+    );
+    if (prompt === null) return;
     // Remember every record (what pages of a shared pool would hold).
-    for (const m of text.matchAll(RECORD_RE)) if (!seen.has(m[1]!)) seen.set(m[1]!, { code: m[2]!, key });
-    await sleep(latencyMs);
-    let { answer, account } = fakeAnswer(text);
-    if (answer === "unknown" && account !== null && bad.has("leak")) {
-      const other = seen.get(account);
-      if (other !== undefined && other.key !== key) answer = other.code;
-    }
-    const firstRecord = RECORD_RE.exec(text);
-    RECORD_RE.lastIndex = 0;
-    if (bad.has("cross-request") && arrival % 2 === 0 && previousCode !== null) answer = previousCode;
-    previousCode = firstRecord?.[2] ?? previousCode;
-    if (bad.has("truncated-answer") && tokens > maxModelLen / 2) answer = answer.slice(0, 3);
-    // "Under load": another request is in flight now or arrived while this one was served.
-    const underLoad = inFlight > 1 || chatRequests !== arrival;
-    if (bad.has("nondeterministic") && underLoad) answer = answer === "unknown" ? "unknown." : `${answer}?`;
-    return sendCompletion(res, stream, answer, tokens, {
-      completions,
-      includeUsage: parsed.includeUsage && options.streamUsage !== false,
-      receivedAt,
+    for (const m of prompt.text.matchAll(RECORD_RE))
+      if (!this.#seen.has(m[1]!)) this.#seen.set(m[1]!, { code: m[2]!, key: from.key });
+    await sleep(this.#options.latencyMs ?? 3);
+    return this.#sendCompletion(res, this.#answer(prompt, from), prompt.tokens, {
+      stream: parsed.stream,
+      completions: from.completions,
+      includeUsage: parsed.includeUsage && this.#options.streamUsage !== false,
+      receivedAt: from.receivedAt,
     });
   }
 
-  async function sendCompletion(
+  /** The prompt as served: refused over the limit (null, answered), or what a misbehaviour makes of it. */
+  #admit(res: ServerResponse, prompt: Prompt): Prompt | null {
+    const { tokens } = prompt;
+    if (tokens < this.#limit) return prompt;
+    const bad = this.#bad;
+    // The incident: the prompt is swapped for a one-token placeholder and still "succeeds".
+    if (bad.has("placeholder") && tokens < this.#maxModelLen) return { text: "", tokens: 1 };
+    if (bad.has("accept-over-limit"))
+      return { ...prompt, text: prompt.text.slice(prompt.text.length - (this.#limit - 32)) };
+    if (bad.has("server-error-over-limit")) sendError(res, 500, "internal", "Internal server error");
+    else {
+      sendError(
+        res,
+        400,
+        "context_length_exceeded",
+        `This model's maximum context length is ${this.#limit} tokens; the prompt has ${tokens}`,
+      );
+    }
+    return null;
+  }
+
+  /** The regex model's answer, bent by the misbehaviours switched on. */
+  #answer(prompt: Prompt, from: Arrival): string {
+    const bad = this.#bad;
+    let { answer, account } = fakeAnswer(prompt.text);
+    if (answer === "unknown" && account !== null && bad.has("leak")) {
+      const other = this.#seen.get(account);
+      if (other !== undefined && other.key !== from.key) answer = other.code;
+    }
+    const firstRecord = RECORD_RE.exec(prompt.text);
+    RECORD_RE.lastIndex = 0;
+    if (bad.has("cross-request") && from.arrival % 2 === 0 && this.#previousCode !== null) {
+      answer = this.#previousCode;
+    }
+    this.#previousCode = firstRecord?.[2] ?? this.#previousCode;
+    if (bad.has("truncated-answer") && prompt.tokens > this.#maxModelLen / 2) answer = answer.slice(0, 3);
+    // "Under load": another request is in flight now or arrived while this one was served.
+    const underLoad = this.inFlight > 1 || this.chatRequests !== from.arrival;
+    if (bad.has("nondeterministic") && underLoad) answer = answer === "unknown" ? "unknown." : `${answer}?`;
+    return answer;
+  }
+
+  async #sendCompletion(
     res: ServerResponse,
-    stream: boolean,
     answer: string,
     promptTokens: number,
-    how: { completions: boolean; includeUsage: boolean; receivedAt: number } = {
-      completions: false,
-      includeUsage: false,
-      receivedAt: 0,
-    },
+    how: Delivery = { stream: false, completions: false, includeUsage: false, receivedAt: 0 },
   ): Promise<void> {
-    const id = how.completions ? `cmpl-fake${chatRequests}` : `chatcmpl-fake${chatRequests}`;
+    const id = how.completions ? `cmpl-fake${this.chatRequests}` : `chatcmpl-fake${this.chatRequests}`;
     const usage = {
       prompt_tokens: promptTokens,
       completion_tokens: answer.length,
       total_tokens: promptTokens + answer.length,
     };
-    if (!stream) {
-      sendJson(res, 200, {
-        id,
-        object: how.completions ? "text_completion" : "chat.completion",
-        created: 0,
-        model,
-        choices: [
-          how.completions
-            ? { index: 0, text: answer, finish_reason: "stop" }
-            : { index: 0, message: { role: "assistant", content: answer }, finish_reason: "stop" },
-        ],
-        usage,
-      });
-      return;
-    }
-    res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
-    const frame = (payload: Record<string, unknown>) => `data: ${JSON.stringify(payload)}\n\n`;
-    const chunk = (piece: string | null, finish: string | null) =>
-      frame(
+    if (how.stream) return this.#sendStream(res, { id, answer, usage }, how);
+    sendJson(res, 200, {
+      id,
+      object: how.completions ? "text_completion" : "chat.completion",
+      created: 0,
+      model: this.#model,
+      choices: [
         how.completions
-          ? {
-              id,
-              object: "text_completion",
-              created: 0,
-              model,
-              choices: [{ index: 0, text: piece ?? "", finish_reason: finish }],
-            }
-          : {
-              id,
-              object: "chat.completion.chunk",
-              created: 0,
-              model,
-              choices: [{ index: 0, delta: piece === null ? {} : { content: piece }, finish_reason: finish }],
-            },
-      );
+          ? { index: 0, text: answer, finish_reason: "stop" }
+          : { index: 0, message: { role: "assistant", content: answer }, finish_reason: "stop" },
+      ],
+      usage,
+    });
+  }
+
+  /**
+   * An SSE answer: the role chunk (chat), content chunks of `chunkChars` characters `tokenDelayMs`
+   * apart (each write logged in `streams`), the stop chunk, and the usage chunk when asked for.
+   */
+  async #sendStream(
+    res: ServerResponse,
+    completion: { readonly id: string; readonly answer: string; readonly usage: Usage },
+    how: Delivery,
+  ): Promise<void> {
+    const { id, answer } = completion;
+    const object = how.completions ? "text_completion" : "chat.completion.chunk";
+    const frame = (choices: unknown[], usage?: Usage) =>
+      `data: ${JSON.stringify({ id, object, created: 0, model: this.#model, choices, usage })}\n\n`;
+    const chunk = (piece: string | null, finish: string | null) =>
+      frame([
+        how.completions
+          ? { index: 0, text: piece ?? "", finish_reason: finish }
+          : { index: 0, delta: piece === null ? {} : { content: piece }, finish_reason: finish },
+      ]);
+    res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
     const log: StreamLog = { receivedAt: how.receivedAt, writes: [], chunks: [] };
-    streams.push(log);
-    if (!how.completions)
-      res.write(
-        frame({
-          id,
-          object: "chat.completion.chunk",
-          created: 0,
-          model,
-          choices: [{ index: 0, delta: { role: "assistant", content: "" }, finish_reason: null }],
-        }),
-      );
-    for (let i = 0; i < answer.length; i += chunkChars) {
-      if (i > 0 && tokenDelayMs > 0) await sleep(tokenDelayMs);
-      const piece = answer.slice(i, i + chunkChars);
+    this.streams.push(log);
+    if (!how.completions) {
+      res.write(frame([{ index: 0, delta: { role: "assistant", content: "" }, finish_reason: null }]));
+    }
+    for (let i = 0; i < answer.length; i += this.#chunkChars) {
+      if (i > 0 && this.#tokenDelayMs > 0) await sleep(this.#tokenDelayMs);
+      const piece = answer.slice(i, i + this.#chunkChars);
       log.writes.push(performance.now());
       log.chunks.push(piece);
       res.write(chunk(piece, null));
     }
     res.write(chunk(null, "stop"));
-    if (how.includeUsage) {
-      res.write(
-        frame({
-          id,
-          object: how.completions ? "text_completion" : "chat.completion.chunk",
-          created: 0,
-          model,
-          choices: [],
-          usage,
-        }),
-      );
-    }
+    if (how.includeUsage) res.write(frame([], completion.usage));
     res.end("data: [DONE]\n\n");
   }
-
-  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
-  const port = (server.address() as AddressInfo).port;
-  return {
-    url: `http://127.0.0.1:${port}`,
-    get chatRequests() {
-      return chatRequests;
-    },
-    get maxInFlight() {
-      return maxInFlight;
-    },
-    get streams() {
-      return streams;
-    },
-    close: () =>
-      new Promise<void>((resolve, reject) => {
-        server.closeAllConnections();
-        server.close((err) => (err ? reject(err) : resolve()));
-      }),
-  };
 }
 
 type ParsedRequest =

@@ -110,43 +110,15 @@ export async function runServeBench(options: ServeBenchOptions): Promise<ServeBe
   const endpoint = options.endpoint ?? d.endpoint;
   const log = options.log ?? (() => {});
   const model = options.model ?? (await firstModel(baseUrl, options.apiKey));
-  const tiny = /kvfence-tiny/i.test(model);
-  const nonce =
-    options.nonce === undefined || options.nonce === "auto" ? (tiny ? "ask" : "plant") : options.nonce;
-  const charsPerToken =
-    options.charsPerToken === undefined || options.charsPerToken === "auto"
-      ? tiny
-        ? 1
-        : 4
-      : options.charsPerToken;
+  const { nonce, charsPerToken } = promptStyle(options, model);
   const seed = options.seed ?? d.seed;
   const datasetName = options.datasetName ?? d.datasetName;
-  const dataset = buildDataset({
-    name: datasetName,
-    numPrompts: options.numPrompts ?? d.numPrompts,
-    seed,
-    nonce,
-    charsPerToken,
-    inputLen: options.inputLen ?? d.inputLen,
-    outputLen: options.outputLen ?? d.outputLen,
-    rangeRatio: options.rangeRatio ?? d.rangeRatio,
-    prefixGroups: options.prefixGroups ?? d.prefixGroups,
-    prefixLen: options.prefixLen ?? d.prefixLen,
-    turns: options.turns ?? d.turns,
-    ...(options.datasetPath === undefined ? {} : { datasetPath: options.datasetPath }),
-    ...(options.sharegptOutputLen === undefined ? {} : { sharegptOutputLen: options.sharegptOutputLen }),
-  });
+  const dataset = datasetOf(options, { name: datasetName, seed, nonce, charsPerToken });
   for (const note of dataset.notes) log(note);
   log(
     `bench serve: model ${model}, ${datasetName} dataset, ${dataset.order.length} requests, nonce style ${nonce}, ${charsPerToken} chars/token`,
   );
-  const index = new CanaryIndex();
-  const plantedBy = new Map<string, number>();
-  dataset.order.forEach(({ session, turn }, j) => {
-    const n = dataset.sessions[session]!.turns[turn]!.nonce;
-    index.add(n);
-    plantedBy.set(n.code, j);
-  });
+  const canaries = plantedCanaries(dataset);
   const ctx: RunContext = {
     baseUrl,
     endpoint,
@@ -159,29 +131,7 @@ export async function runServeBench(options: ServeBenchOptions): Promise<ServeBe
     timeoutMs: options.timeoutMs ?? d.timeoutMs,
     charsPerToken,
   };
-  // One short request first, outside the figures (the first request's nonce alone, 16 tokens at
-  // most), so a wrong URL, model, key or field fails at once.
-  const first = dataset.order[0];
-  if (first !== undefined && options.warmup !== false) {
-    const tag = nonceTag(dataset.sessions[first.session]!.turns[first.turn]!.nonce, nonce);
-    const outcome = await streamRequest({
-      baseUrl,
-      endpoint,
-      apiKey: options.apiKey,
-      body: requestBody(ctx, [{ role: "user", content: tag }], 16),
-      timeoutMs: ctx.timeoutMs,
-    });
-    if (!outcome.ok) {
-      throw new KvfenceError(
-        outcome.status === 401
-          ? "invalid_api_key"
-          : outcome.status >= 400 && outcome.status < 500
-            ? "invalid_request"
-            : "node_unavailable",
-        `The first request to ${baseUrl}${endpoint} failed, so the benchmark did not start (check --endpoint, --model, --api-key): ${outcome.error}`,
-      );
-    }
-  }
+  if (options.warmup !== false) await warmUp(ctx, nonce);
   const runs: ServeRunResult[] = [];
   const rates = options.requestRates ?? d.requestRates;
   for (const [i, rate] of rates.entries()) {
@@ -210,11 +160,88 @@ export async function runServeBench(options: ServeBenchOptions): Promise<ServeBe
           slo: options.slo ?? null,
           nonceStyle: nonce,
         },
-        { index, plantedBy },
+        canaries,
       ),
     );
   }
   return { model, runs };
+}
+
+/** The nonce style and the characters per token: as given, or by the model (`auto`: kvfence-tiny's). */
+function promptStyle(
+  options: ServeBenchOptions,
+  model: string,
+): { nonce: NonceStyle; charsPerToken: number } {
+  const tiny = /kvfence-tiny/i.test(model);
+  const nonce =
+    options.nonce === undefined || options.nonce === "auto" ? (tiny ? "ask" : "plant") : options.nonce;
+  const charsPerToken =
+    options.charsPerToken === undefined || options.charsPerToken === "auto"
+      ? tiny
+        ? 1
+        : 4
+      : options.charsPerToken;
+  return { nonce, charsPerToken };
+}
+
+/** The dataset the options ask for, their defaults filled in. */
+function datasetOf(
+  options: ServeBenchOptions,
+  how: { name: DatasetName; seed: number; nonce: NonceStyle; charsPerToken: number },
+): Dataset {
+  const d = SERVE_BENCH_DEFAULTS;
+  return buildDataset({
+    ...how,
+    numPrompts: options.numPrompts ?? d.numPrompts,
+    inputLen: options.inputLen ?? d.inputLen,
+    outputLen: options.outputLen ?? d.outputLen,
+    rangeRatio: options.rangeRatio ?? d.rangeRatio,
+    prefixGroups: options.prefixGroups ?? d.prefixGroups,
+    prefixLen: options.prefixLen ?? d.prefixLen,
+    turns: options.turns ?? d.turns,
+    ...(options.datasetPath === undefined ? {} : { datasetPath: options.datasetPath }),
+    ...(options.sharegptOutputLen === undefined ? {} : { sharegptOutputLen: options.sharegptOutputLen }),
+  });
+}
+
+/** Every request's nonce in one index, and which request (its place in the order) planted each code. */
+function plantedCanaries(dataset: Dataset): { index: CanaryIndex; plantedBy: Map<string, number> } {
+  const index = new CanaryIndex();
+  const plantedBy = new Map<string, number>();
+  dataset.order.forEach(({ session, turn }, j) => {
+    const n = dataset.sessions[session]!.turns[turn]!.nonce;
+    index.add(n);
+    plantedBy.set(n.code, j);
+  });
+  return { index, plantedBy };
+}
+
+/**
+ * One short request first, outside the figures (the first request's nonce alone, 16 tokens at most),
+ * so a wrong URL, model, key or field fails at once.
+ */
+async function warmUp(ctx: RunContext, nonce: NonceStyle): Promise<void> {
+  const { dataset, baseUrl, endpoint } = ctx;
+  const first = dataset.order[0];
+  if (first === undefined) return;
+  const tag = nonceTag(dataset.sessions[first.session]!.turns[first.turn]!.nonce, nonce);
+  const outcome = await streamRequest({
+    baseUrl,
+    endpoint,
+    apiKey: ctx.apiKey,
+    body: requestBody(ctx, [{ role: "user", content: tag }], 16),
+    timeoutMs: ctx.timeoutMs,
+  });
+  if (!outcome.ok) {
+    throw new KvfenceError(
+      outcome.status === 401
+        ? "invalid_api_key"
+        : outcome.status >= 400 && outcome.status < 500
+          ? "invalid_request"
+          : "node_unavailable",
+      `The first request to ${baseUrl}${endpoint} failed, so the benchmark did not start (check --endpoint, --model, --api-key): ${outcome.error}`,
+    );
+  }
 }
 
 interface RunContext {
@@ -559,19 +586,32 @@ interface ServeCliOptions {
 }
 
 export function serveCommand(): Command {
-  const d = SERVE_BENCH_DEFAULTS;
-  return new Command("serve")
+  const command = new Command("serve")
     .description(
       "Serving benchmark against any OpenAI-compatible server: TTFT, TPOT, ITL, end-to-end latency, throughput and goodput at a request rate or concurrency, and the responses that hold another request's nonce (exit 1 if any)",
     )
-    .argument("<base-url>", "server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    .argument("<base-url>", "server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)");
+  withLoadOptions(withDatasetOptions(withTargetOptions(command)));
+  return command.action(runServeCli);
+}
+
+/** The server's options: the endpoint, the key, the model. */
+function withTargetOptions(command: Command): Command {
+  const d = SERVE_BENCH_DEFAULTS;
+  return command
     .addOption(
       new Option("--endpoint <path>", "streamed chat or completions")
         .choices(SERVE_ENDPOINTS)
         .default(d.endpoint),
     )
     .option("--api-key <key>", "bearer token (default: env OPENAI_API_KEY)")
-    .option("--model <id>", "model id (default: the first of /v1/models)")
+    .option("--model <id>", "model id (default: the first of /v1/models)");
+}
+
+/** The workload's options: the dataset, its lengths, max_tokens. */
+function withDatasetOptions(command: Command): Command {
+  const d = SERVE_BENCH_DEFAULTS;
+  return command
     .addOption(
       new Option("--dataset-name <name>", "the workload").choices(DATASET_NAMES).default(d.datasetName),
     )
@@ -612,7 +652,13 @@ export function serveCommand(): Command {
       "--max-tokens <n>",
       "max_tokens of every request, over the dataset's output lengths",
       positiveInteger,
-    )
+    );
+}
+
+/** The load's and the output's options: rates, concurrency, sampling, SLOs, nonces, files, progress. */
+function withLoadOptions(command: Command): Command {
+  const d = SERVE_BENCH_DEFAULTS;
+  return command
     .option(
       "--request-rate <rates>",
       "offered requests/s: inf (all at once), a number, or a sweep 1,2,4",
@@ -651,60 +697,67 @@ export function serveCommand(): Command {
     .option("--save-result <file>", "write the result JSON (vLLM's field names; a sweep writes an array)")
     .option("--plot <file>", "write a self-contained HTML page of the latency distributions and the sweep")
     .option("--no-progress", "no progress bar on stderr")
-    .option("--no-warmup", "skip the short first request that checks the endpoint before the figures")
-    .action(async (baseUrl: string, opts: ServeCliOptions) => {
-      try {
-        const apiKey = opts.apiKey ?? process.env.OPENAI_API_KEY;
-        const report = await runServeBench({
-          baseUrl,
-          endpoint: opts.endpoint,
-          ...(apiKey === undefined || apiKey === "" ? {} : { apiKey }),
-          ...(opts.model === undefined ? {} : { model: opts.model }),
-          datasetName: opts.datasetName,
-          ...(opts.datasetPath === undefined ? {} : { datasetPath: opts.datasetPath }),
-          numPrompts: opts.numPrompts,
-          inputLen: opts.randomInputLen,
-          outputLen: opts.randomOutputLen,
-          rangeRatio: opts.randomRangeRatio,
-          prefixGroups: opts.prefixGroups,
-          prefixLen: opts.prefixLen,
-          turns: opts.turns,
-          ...(opts.sharegptOutputLen === undefined ? {} : { sharegptOutputLen: opts.sharegptOutputLen }),
-          ...(opts.maxTokens === undefined ? {} : { maxTokens: opts.maxTokens }),
-          requestRates: opts.requestRate,
-          maxConcurrency: opts.maxConcurrency ?? null,
-          seed: opts.seed,
-          temperature: opts.temperature,
-          ignoreEos: opts.ignoreEos === true,
-          slo: opts.slo ?? null,
-          nonce: opts.nonce,
-          charsPerToken: opts.charsPerToken,
-          timeoutMs: opts.requestTimeout * 1000,
-          progress: opts.progress ? process.stderr : null,
-          warmup: opts.warmup,
-          log: (line) => process.stderr.write(`${line}\n`),
-        });
-        for (const run of report.runs) process.stdout.write(`${formatRun(run)}\n`);
-        if (report.runs.length > 1) process.stdout.write(`\n${formatSweep(report.runs)}\n`);
-        if (opts.saveResult !== undefined) {
-          const json = report.runs.length === 1 ? report.runs[0] : report.runs;
-          writeFileSync(opts.saveResult, `${JSON.stringify(json, null, 2)}\n`);
-        }
-        if (opts.plot !== undefined) writeFileSync(opts.plot, renderServePlot(report.runs));
-        const contaminated = report.runs.reduce((n, r) => n + r.contamination.contaminated_responses, 0);
-        if (contaminated > 0) {
-          process.stderr.write(
-            `kvfence bench serve: ${contaminated} responses hold another request's nonce: the server mixes requests' context\n`,
-          );
-          process.exitCode = 1;
-        }
-      } catch (err) {
-        process.stderr.write(`kvfence bench serve: ${err instanceof Error ? err.message : String(err)}\n`);
-        // 2: the arguments, the input or the key are wrong; 1: the server could not be used.
-        const refused = ["invalid_request", "invalid_api_key", "model_not_found"];
-        process.exitCode = err instanceof KvfenceError && refused.includes(err.code) ? 2 : 1;
-      }
-    });
+    .option("--no-warmup", "skip the short first request that checks the endpoint before the figures");
+}
+
+/** The command's action: run, print, write the files asked for; exit 1 on contamination, 2 on refusal. */
+async function runServeCli(baseUrl: string, opts: ServeCliOptions): Promise<void> {
+  try {
+    const report = await runServeBench(serveBenchOptions(baseUrl, opts));
+    for (const run of report.runs) process.stdout.write(`${formatRun(run)}\n`);
+    if (report.runs.length > 1) process.stdout.write(`\n${formatSweep(report.runs)}\n`);
+    if (opts.saveResult !== undefined) {
+      const json = report.runs.length === 1 ? report.runs[0] : report.runs;
+      writeFileSync(opts.saveResult, `${JSON.stringify(json, null, 2)}\n`);
+    }
+    if (opts.plot !== undefined) writeFileSync(opts.plot, renderServePlot(report.runs));
+    const contaminated = report.runs.reduce((n, r) => n + r.contamination.contaminated_responses, 0);
+    if (contaminated > 0) {
+      process.stderr.write(
+        `kvfence bench serve: ${contaminated} responses hold another request's nonce: the server mixes requests' context\n`,
+      );
+      process.exitCode = 1;
+    }
+  } catch (err) {
+    process.stderr.write(`kvfence bench serve: ${err instanceof Error ? err.message : String(err)}\n`);
+    // 2: the arguments, the input or the key are wrong; 1: the server could not be used.
+    const refused = ["invalid_request", "invalid_api_key", "model_not_found"];
+    process.exitCode = err instanceof KvfenceError && refused.includes(err.code) ? 2 : 1;
+  }
+}
+
+/** The benchmark's options from the command line's (the key from OPENAI_API_KEY when not given). */
+function serveBenchOptions(baseUrl: string, opts: ServeCliOptions): ServeBenchOptions {
+  const apiKey = opts.apiKey ?? process.env.OPENAI_API_KEY;
+  return {
+    baseUrl,
+    endpoint: opts.endpoint,
+    ...(apiKey === undefined || apiKey === "" ? {} : { apiKey }),
+    ...(opts.model === undefined ? {} : { model: opts.model }),
+    datasetName: opts.datasetName,
+    ...(opts.datasetPath === undefined ? {} : { datasetPath: opts.datasetPath }),
+    numPrompts: opts.numPrompts,
+    inputLen: opts.randomInputLen,
+    outputLen: opts.randomOutputLen,
+    rangeRatio: opts.randomRangeRatio,
+    prefixGroups: opts.prefixGroups,
+    prefixLen: opts.prefixLen,
+    turns: opts.turns,
+    ...(opts.sharegptOutputLen === undefined ? {} : { sharegptOutputLen: opts.sharegptOutputLen }),
+    ...(opts.maxTokens === undefined ? {} : { maxTokens: opts.maxTokens }),
+    requestRates: opts.requestRate,
+    maxConcurrency: opts.maxConcurrency ?? null,
+    seed: opts.seed,
+    temperature: opts.temperature,
+    ignoreEos: opts.ignoreEos === true,
+    slo: opts.slo ?? null,
+    nonce: opts.nonce,
+    charsPerToken: opts.charsPerToken,
+    timeoutMs: opts.requestTimeout * 1000,
+    progress: opts.progress ? process.stderr : null,
+    warmup: opts.warmup,
+    log: (line) => process.stderr.write(`${line}\n`),
+  };
 }
 
 function rangeRatio(value: string): number {

@@ -23,14 +23,19 @@ import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import type { Tenant, TenantDirectory } from "./api-keys.js";
-import { type FinishReason, Generation, type TextStreamDecoder, type Usage } from "./generation.js";
 import {
-  chatChunk,
-  chatCompletion,
+  type FinishReason,
+  Generation,
+  type GenerationSink,
+  type TextStreamDecoder,
+  type Usage,
+} from "./generation.js";
+import {
+  CHAT_RESPONSES,
   completionId,
   type ResponseMeta,
-  textChunk,
-  textCompletion,
+  type ResponseStrategy,
+  TEXT_RESPONSES,
   usageChunk,
 } from "./openai-responses.js";
 import {
@@ -94,6 +99,46 @@ interface RequestContext {
   tenant: Tenant | null;
 }
 
+/** What differs between the two generation endpoints; the router never branches on the endpoint. */
+interface GenerateEndpoint {
+  readonly endpoint: "chat" | "completions";
+  /** The request field a prompt-length error names. */
+  readonly param: "messages" | "prompt";
+  /** The error message for a prompt of no tokens. */
+  readonly emptyPrompt: string;
+  /** Validates a body; `encode` tokenizes its prompt (the chat template's, or the raw text). */
+  parse(body: unknown): { parsed: SamplingRequest; encode(tokenizer: RouterTokenizer): Int32Array };
+  /** The shapes of its answers. */
+  readonly responses: ResponseStrategy;
+}
+
+const CHAT: GenerateEndpoint = {
+  endpoint: "chat",
+  param: "messages",
+  emptyPrompt: "The chat template rendered the messages as no tokens: send a message with content",
+  parse(body) {
+    const parsed = parseChatRequest(body);
+    return { parsed, encode: (tokenizer) => tokenizer.encodeChat(parsed.messages) };
+  },
+  responses: CHAT_RESPONSES,
+};
+
+const COMPLETIONS: GenerateEndpoint = {
+  endpoint: "completions",
+  param: "prompt",
+  emptyPrompt: "The prompt is empty: send at least one character",
+  parse(body) {
+    const parsed = parseCompletionRequest(body);
+    return { parsed, encode: (tokenizer) => tokenizer.encodePrompt(parsed.prompt) };
+  },
+  responses: TEXT_RESPONSES,
+};
+
+interface Prepared {
+  readonly parsed: SamplingRequest;
+  readonly promptTokens: Int32Array;
+}
+
 export const DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024;
 const U32_MAX = 0xffff_ffff;
 
@@ -150,10 +195,13 @@ export class RouterServer {
       for (const name of this.#unsafe.disabledGuards) guard.set(1, { name });
     }
     this.#routes = new Map<string, Route>([
-      ["/v1/chat/completions", { endpoint: "chat", methods: ["POST"], handler: (c) => this.#chat(c) }],
+      [
+        "/v1/chat/completions",
+        { endpoint: "chat", methods: ["POST"], handler: (c) => this.#generate(c, CHAT) },
+      ],
       [
         "/v1/completions",
-        { endpoint: "completions", methods: ["POST"], handler: (c) => this.#completions(c) },
+        { endpoint: "completions", methods: ["POST"], handler: (c) => this.#generate(c, COMPLETIONS) },
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
       ["/health", { endpoint: "health", methods: ["GET"], handler: (c) => this.#health(c) }],
@@ -321,43 +369,36 @@ export class RouterServer {
     return parseJsonBody(await readBody(ctx.req, this.#maxBodyBytes));
   }
 
-  async #chat(ctx: RequestContext): Promise<void> {
-    const parsed = parseChatRequest(await this.#readJson(ctx));
+  /** The body of a generation endpoint, validated, with its prompt tokenized. */
+  #prepare(kind: GenerateEndpoint, body: unknown): Prepared {
+    const { parsed, encode } = kind.parse(body);
     this.#checkModel(parsed.model);
-    this.#generate(ctx, "chat", parsed, this.#tokenizer.encodeChat(parsed.messages), "messages");
-  }
-
-  async #completions(ctx: RequestContext): Promise<void> {
-    const parsed = parseCompletionRequest(await this.#readJson(ctx));
-    this.#checkModel(parsed.model);
-    const prompt = this.#tokenizer.encodePrompt(parsed.prompt);
-    if (prompt.length === 0) {
-      throw new KvfenceError("invalid_request", "The prompt is empty: send at least one character", {
-        param: "prompt",
-      });
+    const promptTokens = encode(this.#tokenizer);
+    if (promptTokens.length === 0) {
+      throw new KvfenceError("invalid_request", kind.emptyPrompt, { param: kind.param });
     }
-    this.#generate(ctx, "completions", parsed, prompt, "prompt");
+    return { parsed, promptTokens };
   }
 
-  #generate(
-    ctx: RequestContext,
-    endpoint: "chat" | "completions",
-    parsed: SamplingRequest,
-    promptTokens: Int32Array,
-    param: string,
-  ): void {
-    const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, param);
+  /** A generation endpoint: body → prompt → admission → engine, answered in `kind`'s shapes. */
+  async #generate(ctx: RequestContext, kind: GenerateEndpoint): Promise<void> {
+    const { parsed, promptTokens } = this.#prepare(kind, await this.#readJson(ctx));
+    const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, kind.param);
     if (!admission.ok) {
       this.metrics.admissionRejections.inc({ reason: admission.reason });
       throw admission.error;
     }
-    const tenant = ctx.tenant!;
-    const defaults = this.#model.defaults ?? {};
+    if (ctx.res.destroyed) {
+      // The client left while its body was read: nothing to serve, nothing to allocate.
+      this.metrics.clientDisconnects.inc({ endpoint: kind.endpoint });
+      return;
+    }
     const rid = this.#nextRid;
     this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
+    const defaults = this.#model.defaults ?? {};
     const request: GenerationRequest = {
       rid,
-      tenant: tenant.index,
+      tenant: ctx.tenant!.index,
       promptTokens,
       maxTokens: admission.maxTokens,
       temperature: parsed.temperature ?? defaults.temperature ?? 1,
@@ -366,13 +407,26 @@ export class RouterServer {
       seed: parsed.seed,
       stopTokenIds: this.#model.eosTokenIds,
     };
+    this.#serve(ctx, kind, parsed, request);
+  }
+
+  /** Runs an admitted request's generation and answers it, streamed or whole. */
+  #serve(
+    ctx: RequestContext,
+    kind: GenerateEndpoint,
+    parsed: SamplingRequest,
+    request: GenerationRequest,
+  ): void {
+    const { res } = ctx;
+    const { endpoint, responses } = kind;
+    const tenant = ctx.tenant!;
+    const labels = { endpoint };
     const meta: ResponseMeta = {
-      id: completionId(endpoint === "chat" ? "chat" : "text"),
+      id: completionId(responses.idKind),
       created: Math.floor(Date.now() / 1000),
       model: this.#model.id,
     };
-    const { res } = ctx;
-    const labels = { endpoint };
+    const includeUsage = parsed.includeUsage;
     let lastTokenAt = 0;
     let sse: SseWriter | null = null;
     let text = "";
@@ -380,8 +434,8 @@ export class RouterServer {
     const startStream = (): SseWriter => {
       if (sse !== null) return sse;
       sse = new SseWriter(res);
-      if (endpoint === "chat")
-        sse.send(chatChunk(meta, { role: "assistant", content: "" }, null, parsed.includeUsage));
+      const opening = responses.opening(meta, includeUsage);
+      if (opening !== null) sse.send(opening);
       return sse;
     };
     const end = (status: number, usage: Usage | null) => {
@@ -394,90 +448,64 @@ export class RouterServer {
       }
       this.#log.info(
         {
-          rid,
+          rid: request.rid,
           tenant: tenant.name,
           endpoint,
           status,
-          promptTokens: promptTokens.length,
+          promptTokens: request.promptTokens.length,
           completionTokens: usage?.completionTokens,
         },
         "request done",
       );
     };
 
+    const sink: GenerationSink = {
+      tokens: (count) => {
+        const now = performance.now();
+        if (lastTokenAt === 0) {
+          this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
+        } else {
+          const perToken = (now - lastTokenAt) / 1000 / count;
+          for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
+        }
+        lastTokenAt = now;
+        if (parsed.stream) startStream();
+      },
+      text: (delta) => {
+        if (parsed.stream) startStream().send(responses.delta(meta, delta, includeUsage));
+        else text += delta;
+      },
+      finish: (reason: FinishReason, usage: Usage) => {
+        end(200, usage);
+        if (!parsed.stream) {
+          this.#sendJson(res, 200, responses.completion(meta, text, reason, usage));
+          return;
+        }
+        const writer = startStream();
+        writer.send(responses.finish(meta, reason, includeUsage));
+        if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
+        writer.done();
+      },
+      fail: (error) => {
+        const { status, body } = toOpenAiError(error);
+        end(status, null);
+        if (error.code === "context_length_exceeded")
+          this.metrics.admissionRejections.inc({ reason: "engine_door" });
+        if (sse === null) {
+          this.#sendError(res, error);
+          return;
+        }
+        // Headers are out: report the error in the stream, as OpenAI does, then end it.
+        if (!res.writableEnded) res.write(sseFrame(body));
+        sse.done();
+      },
+    };
     const generation = new Generation(
       this.#engine,
       request,
       { decoder: this.#tokenizer.createDecoder(), stop: parsed.stop },
-      {
-        tokens: (count) => {
-          const now = performance.now();
-          if (lastTokenAt === 0) {
-            this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
-          } else {
-            const perToken = (now - lastTokenAt) / 1000 / count;
-            for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
-          }
-          lastTokenAt = now;
-          if (parsed.stream) startStream();
-        },
-        text: (delta) => {
-          if (!parsed.stream) {
-            text += delta;
-            return;
-          }
-          const writer = startStream();
-          writer.send(
-            endpoint === "chat"
-              ? chatChunk(meta, { content: delta }, null, parsed.includeUsage)
-              : textChunk(meta, delta, null, parsed.includeUsage),
-          );
-        },
-        finish: (reason: FinishReason, usage: Usage) => {
-          end(200, usage);
-          if (!parsed.stream) {
-            this.#sendJson(
-              res,
-              200,
-              endpoint === "chat"
-                ? chatCompletion(meta, text, reason, usage)
-                : textCompletion(meta, text, reason, usage),
-            );
-            return;
-          }
-          const writer = startStream();
-          writer.send(
-            endpoint === "chat"
-              ? chatChunk(meta, {}, reason, parsed.includeUsage)
-              : textChunk(meta, "", reason, parsed.includeUsage),
-          );
-          if (parsed.includeUsage) {
-            writer.send(
-              usageChunk(meta, endpoint === "chat" ? "chat.completion.chunk" : "text_completion", usage),
-            );
-          }
-          writer.done();
-        },
-        fail: (error) => {
-          const { status, body } = toOpenAiError(error);
-          end(status, null);
-          if (error.code === "context_length_exceeded")
-            this.metrics.admissionRejections.inc({ reason: "engine_door" });
-          if (sse === null) {
-            this.#sendError(res, error);
-            return;
-          }
-          // Headers are out: report the error in the stream, as OpenAI does, then end it.
-          if (!res.writableEnded) res.write(sseFrame(body));
-          sse.done();
-        },
-      },
+      sink,
     );
-    if (res.destroyed) {
-      // The client left while its body was read: nothing to serve, nothing to allocate.
-      this.metrics.clientDisconnects.inc(labels);
-      return;
-    }
     this.#active.add(generation);
     this.metrics.inFlight.set(this.#active.size);
     res.on("close", () => {

@@ -25,6 +25,10 @@ export interface TestServerOptions {
   readonly pageSize?: number;
   readonly maxModelLen?: number;
   readonly maxPrefillTokens?: number;
+  /** `--kernel-threads` (default 2 on this one-engine topology; 1 leaves a core to the router). */
+  readonly kernelThreads?: 1 | 2;
+  /** `--max-prompt-bytes`. */
+  readonly maxPromptBytes?: number;
   /** key → tenant name; written to a temp `--api-keys` file. */
   readonly apiKeys?: Readonly<Record<string, string>>;
 }
@@ -54,6 +58,8 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
     ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: String(options.maxPrefillTokens) }),
     ...(apiKeys === undefined ? {} : { apiKeys }),
+    ...(options.kernelThreads === undefined ? {} : { kernelThreads: String(options.kernelThreads) }),
+    ...(options.maxPromptBytes === undefined ? {} : { maxPromptBytes: String(options.maxPromptBytes) }),
   });
   try {
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });

@@ -30,6 +30,24 @@ export function command(): Command {
       "--api-keys <file>",
       'API keys: JSON {"sk-...": "tenant"} or lines "key tenant" (or env KVFENCE_API_KEYS)',
     )
+    .option(
+      "--max-body-bytes <size>",
+      "request bodies over this get 413, before they are read (default 2 x --max-prompt-bytes + 1MiB)",
+    )
+    .option(
+      "--max-prompt-bytes <size>",
+      "prompts (a chat's message contents, summed) over this many UTF-8 bytes get 400 before tokenization (default 32 bytes per token of the context, at least 64KiB)",
+    )
+    .option("--max-messages <n>", "chat requests with more messages get 400 (default 2048)")
+    .option(
+      "--max-json-depth <n>",
+      "bodies nesting objects and arrays deeper get 400 before parsing (default 64)",
+    )
+    .option(
+      "--tokenizer-threads <n>",
+      "worker threads that parse, template and tokenize requests off the router's event loop",
+      "2",
+    )
     .option("--scrub-on-free", "zero KV pages when they are freed", false)
     .option("--no-disaggregation", "run prefill and decode on one engine")
     .option("--role <role>", "all (router + prefill + decode threads), router, prefill or decode", "all")

@@ -33,7 +33,7 @@ async function startRouter(
     tenants:
       extra.keys === undefined ? TenantDirectory.anonymous() : TenantDirectory.parse(extra.keys, "test keys"),
     logger: createLogger({ level: "silent" }),
-    ...(extra.maxBodyBytes === undefined ? {} : { maxBodyBytes: extra.maxBodyBytes }),
+    ...(extra.maxBodyBytes === undefined ? {} : { limits: { maxBodyBytes: extra.maxBodyBytes } }),
   });
   const url = await server.listen(0, "127.0.0.1");
   return { engine, server, url };

@@ -38,22 +38,21 @@ import {
   TEXT_RESPONSES,
   usageChunk,
 } from "./openai-responses.js";
+import type { SamplingRequest } from "./openai-schemas.js";
+import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
 import {
-  type ChatMessage,
-  parseChatRequest,
-  parseCompletionRequest,
-  type SamplingRequest,
-} from "./openai-schemas.js";
-import { parseJsonBody, readBody } from "./read-body.js";
+  checkModel,
+  type GenerateEndpointName,
+  PROMPT_KINDS,
+  type PromptTokenizer,
+} from "./prepare-request.js";
+import { boundUnreadBody, readBody } from "./read-body.js";
+import { type RequestLimits, requestLimits } from "./request-limits.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
 import { SseWriter, sseFrame } from "./sse.js";
 
 /** What the router needs from the tokenizer: no model weights, ever. */
-export interface RouterTokenizer {
-  /** Prompt ids of a chat (template rendered with the generation prompt); throws `invalid_request`. */
-  encodeChat(messages: readonly ChatMessage[]): Int32Array;
-  /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS). */
-  encodePrompt(text: string): Int32Array;
+export interface RouterTokenizer extends PromptTokenizer {
   /** A fresh UTF-8-safe streaming detokenizer, one per response. */
   createDecoder(): TextStreamDecoder;
 }
@@ -75,8 +74,13 @@ export interface RouterServerOptions {
   readonly logger: Logger;
   /** `--max-model-len`. */
   readonly maxModelLen?: number | undefined;
-  /** Request bodies over this are refused with 413 (default 16 MiB). */
-  readonly maxBodyBytes?: number;
+  /** Request size limits (request-limits.ts); each one absent takes its default. */
+  readonly limits?: Partial<RequestLimits>;
+  /**
+   * Prepares generation bodies (parse, validate, template, tokenize): the worker pool of
+   * prepare-pool.ts in a real server. Absent: in this thread with `tokenizer` (tests).
+   */
+  readonly preparer?: RequestPreparer;
   /** `--unsafe-fault` / `--unsafe-disable-guard` names, shown in /health and /metrics. */
   readonly unsafe?: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] };
   /** Serve HTTPS with this certificate and key (`--https-cert/--https-key`, docs/tls.md). */
@@ -101,45 +105,24 @@ interface RequestContext {
 
 /** What differs between the two generation endpoints; the router never branches on the endpoint. */
 interface GenerateEndpoint {
-  readonly endpoint: "chat" | "completions";
+  readonly endpoint: GenerateEndpointName;
   /** The request field a prompt-length error names. */
-  readonly param: "messages" | "prompt";
-  /** The error message for a prompt of no tokens. */
-  readonly emptyPrompt: string;
-  /** Validates a body; `encode` tokenizes its prompt (the chat template's, or the raw text). */
-  parse(body: unknown): { parsed: SamplingRequest; encode(tokenizer: RouterTokenizer): Int32Array };
+  readonly param: string;
   /** The shapes of its answers. */
   readonly responses: ResponseStrategy;
 }
 
 const CHAT: GenerateEndpoint = {
   endpoint: "chat",
-  param: "messages",
-  emptyPrompt: "The chat template rendered the messages as no tokens: send a message with content",
-  parse(body) {
-    const parsed = parseChatRequest(body);
-    return { parsed, encode: (tokenizer) => tokenizer.encodeChat(parsed.messages) };
-  },
+  param: PROMPT_KINDS.chat.param,
   responses: CHAT_RESPONSES,
 };
-
 const COMPLETIONS: GenerateEndpoint = {
   endpoint: "completions",
-  param: "prompt",
-  emptyPrompt: "The prompt is empty: send at least one character",
-  parse(body) {
-    const parsed = parseCompletionRequest(body);
-    return { parsed, encode: (tokenizer) => tokenizer.encodePrompt(parsed.prompt) };
-  },
+  param: PROMPT_KINDS.completions.param,
   responses: TEXT_RESPONSES,
 };
 
-interface Prepared {
-  readonly parsed: SamplingRequest;
-  readonly promptTokens: Int32Array;
-}
-
-export const DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024;
 const U32_MAX = 0xffff_ffff;
 
 export class RouterServer {
@@ -149,6 +132,7 @@ export class RouterServer {
   readonly #tenants: TenantDirectory;
   readonly #log: Logger;
   readonly #maxBodyBytes: number;
+  readonly #preparer: RequestPreparer;
   readonly #routes: Map<string, Route>;
   readonly #server: Server;
   readonly #scheme: "http" | "https";
@@ -167,7 +151,6 @@ export class RouterServer {
     this.#model = options.model;
     this.#tenants = options.tenants;
     this.#log = options.logger;
-    this.#maxBodyBytes = options.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES;
     this.contextLength = Math.min(
       effectiveContextLength({
         maxPositionEmbeddings: options.model.maxPositionEmbeddings,
@@ -176,6 +159,11 @@ export class RouterServer {
       }),
       options.engine.capacity.maxModelLen,
     );
+    const limits = requestLimits(this.contextLength, options.limits);
+    this.#maxBodyBytes = limits.maxBodyBytes;
+    this.#preparer =
+      options.preparer ??
+      inThreadPreparer({ modelId: options.model.id, tokenizer: options.tokenizer, limits });
     this.metrics = new RouterMetrics(options.engine);
     const unsafe = options.unsafe;
     this.#unsafe =
@@ -351,38 +339,15 @@ export class RouterServer {
     if (!(err instanceof KvfenceError)) this.#log.error({ err }, "internal error while serving a request");
     const headers: Record<string, string> = {};
     if (status === 401) headers["WWW-Authenticate"] = "Bearer";
-    if (status === 413) headers.Connection = "close";
+    boundUnreadBody(res.req, res);
     this.#sendJson(res, status, body, headers);
-  }
-
-  #checkModel(model: string): void {
-    if (model !== this.#model.id) {
-      throw new KvfenceError(
-        "model_not_found",
-        `The model does not exist: ${model}; this server serves: ${this.#model.id}`,
-        { param: "model" },
-      );
-    }
-  }
-
-  async #readJson(ctx: RequestContext): Promise<unknown> {
-    return parseJsonBody(await readBody(ctx.req, this.#maxBodyBytes));
-  }
-
-  /** The body of a generation endpoint, validated, with its prompt tokenized. */
-  #prepare(kind: GenerateEndpoint, body: unknown): Prepared {
-    const { parsed, encode } = kind.parse(body);
-    this.#checkModel(parsed.model);
-    const promptTokens = encode(this.#tokenizer);
-    if (promptTokens.length === 0) {
-      throw new KvfenceError("invalid_request", kind.emptyPrompt, { param: kind.param });
-    }
-    return { parsed, promptTokens };
   }
 
   /** A generation endpoint: body → prompt → admission → engine, answered in `kind`'s shapes. */
   async #generate(ctx: RequestContext, kind: GenerateEndpoint): Promise<void> {
-    const { parsed, promptTokens } = this.#prepare(kind, await this.#readJson(ctx));
+    checkJsonContentType(ctx.req);
+    const body = await readBody(ctx.req, this.#maxBodyBytes);
+    const { parsed, promptTokens } = await this.#preparer.prepare(kind.endpoint, body);
     const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, kind.param);
     if (!admission.ok) {
       this.metrics.admissionRejections.inc({ reason: admission.reason });
@@ -532,7 +497,7 @@ export class RouterServer {
   }
 
   #model_(ctx: RequestContext, id: string): void {
-    this.#checkModel(decodeURIComponent(id));
+    checkModel(decodePathSegment(id), this.#model.id);
     this.#sendJson(ctx.res, 200, this.#modelObject());
   }
 
@@ -580,5 +545,39 @@ export class RouterServer {
       ],
     };
     this.#sendJson(ctx.res, 200, body);
+  }
+}
+
+/** POST bodies are JSON: any other declared Content-Type gets 415 before a byte is read. */
+function checkJsonContentType(req: IncomingMessage): void {
+  const header = req.headers["content-type"];
+  if (header === undefined) return;
+  const [type = "", ...params] = header.split(";");
+  const mediaType = type.trim().toLowerCase();
+  const charset = params
+    .map((p) => p.trim().toLowerCase())
+    .find((p) => p.startsWith("charset="))
+    ?.slice("charset=".length)
+    .replace(/^"(.*)"$/, "$1");
+  if (
+    mediaType === "application/json" &&
+    (charset === undefined || charset === "utf-8" || charset === "utf8")
+  )
+    return;
+  throw new KvfenceError(
+    "unsupported_media_type",
+    `Unsupported Content-Type: ${header.length > 64 ? `${header.slice(0, 64)}…` : header}; send the body as JSON with Content-Type: application/json`,
+  );
+}
+
+/** A percent-encoded path segment, or `invalid_request` when it is not valid percent-encoding. */
+function decodePathSegment(segment: string): string {
+  try {
+    return decodeURIComponent(segment);
+  } catch {
+    throw new KvfenceError(
+      "invalid_request",
+      "The path is not valid percent-encoded UTF-8: encode the model id with encodeURIComponent",
+    );
   }
 }

@@ -20,6 +20,8 @@ import { unsafeWarning } from "../node/unsafe-switches.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
+import { PreparePool } from "../router/prepare-pool.js";
+import { requestLimits } from "../router/request-limits.js";
 import { RouterServer } from "../router/router-server.js";
 import { clusterSecret, startServeEngine } from "../topology/serve-topology.js";
 import { isLoopback } from "../transfer/tls-config.js";
@@ -180,9 +182,31 @@ export async function startServer(
     "engine ready",
   );
 
+  // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
+  const limits = requestLimits(contextLength, {
+    ...(config.maxBodyBytes === undefined ? {} : { maxBodyBytes: config.maxBodyBytes }),
+    ...(config.maxPromptBytes === undefined ? {} : { maxPromptBytes: config.maxPromptBytes }),
+    ...(config.maxMessages === undefined ? {} : { maxMessages: config.maxMessages }),
+    ...(config.maxJsonDepth === undefined ? {} : { maxJsonDepth: config.maxJsonDepth }),
+  });
+  let preparer: PreparePool;
+  try {
+    preparer = await PreparePool.start({
+      modelDir: model.dir,
+      modelId: model.name,
+      limits,
+      threads: config.tokenizerThreads,
+      onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
+    });
+  } catch (err) {
+    await served.close();
+    throw err;
+  }
   const router = new RouterServer({
     engine,
     tokenizer: routerTokenizer(model.tokenizer, model.chatTemplate),
+    preparer,
+    limits,
     model: {
       id: model.name,
       maxPositionEmbeddings: model.config.maxPositionEmbeddings,
@@ -206,6 +230,7 @@ export async function startServer(
   try {
     url = await router.listen(config.port, config.host);
   } catch (err) {
+    await preparer.close();
     await served.close();
     throw cannotListen(config.host, config.port, err as Error);
   }
@@ -218,6 +243,7 @@ export async function startServer(
     close(graceMs = 0) {
       closing ??= (async () => {
         await router.close(graceMs);
+        await preparer.close();
         await served.close();
       })();
       return closing;

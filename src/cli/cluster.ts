@@ -2,7 +2,8 @@
  * `kvfence cluster --prefill N --decode M`: a local multi-process cluster on 127.0.0.1 (N prefill
  * and M decode node processes and a router, TCP between them); prints the router's URL. Ctrl-C
  * stops every process. `--tls-cert/--tls-key/--tls-ca` go to every process (mutual TLS on every
- * cluster link), `--https-cert/--https-key` to the router (docs/tls.md).
+ * cluster link), `--https-cert/--https-key` and the operator endpoints' flags (`--operator-key`,
+ * `--metrics-port`, `--metrics-tenant-names`; docs/api.md) to the router (docs/tls.md).
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -40,6 +41,15 @@ export function command(): Command {
     .option("--tls-ca <file>", "cluster links: the CA (PEM) every peer's certificate must chain to")
     .option("--https-cert <file>", "front door: the router serves HTTPS with this certificate (PEM)")
     .option("--https-key <file>", "front door: the private key of --https-cert (PEM)")
+    .option(
+      "--operator-key <key>",
+      "the router's operator key for /metrics and /kvfence/nodes (or env KVFENCE_OPERATOR_KEY)",
+    )
+    .option(
+      "--metrics-port <port>",
+      "the router's operator listener port (default: --port + 1 without an operator key)",
+    )
+    .option("--metrics-tenant-names", "label the router's metrics with tenant names, not opaque ids")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -73,6 +83,9 @@ export function command(): Command {
         ...(raw.apiKeys === undefined ? [] : ["--api-keys", raw.apiKeys]),
         ...(raw.httpsCert === undefined ? [] : ["--https-cert", raw.httpsCert]),
         ...(raw.httpsKey === undefined ? [] : ["--https-key", raw.httpsKey]),
+        ...(raw.operatorKey === undefined ? [] : ["--operator-key", raw.operatorKey]),
+        ...(raw.metricsPort === undefined ? [] : ["--metrics-port", raw.metricsPort]),
+        ...(raw.metricsTenantNames === undefined ? [] : ["--metrics-tenant-names"]),
       ];
       const cluster = await startLocalCluster({
         prefill: count("--prefill", raw.prefill ?? "1"),
@@ -92,6 +105,16 @@ export function command(): Command {
       process.stdout.write(
         `kvfence cluster at ${cluster.url} (OpenAI API at ${cluster.url}/v1): ` +
           `${cluster.prefill.length} prefill, ${cluster.decode.length} decode processes; Ctrl-C stops them all\n`,
+      );
+      const asked = Number(raw.port ?? 8000);
+      process.stdout.write(
+        raw.metricsPort !== undefined
+          ? `operator endpoints (/metrics, /kvfence/nodes) at http://127.0.0.1:${raw.metricsPort}\n`
+          : (raw.operatorKey ?? process.env.KVFENCE_OPERATOR_KEY ?? "") !== ""
+            ? "operator endpoints (/metrics, /kvfence/nodes) on the front door, with the operator key\n"
+            : asked === 0
+              ? "operator endpoints (/metrics, /kvfence/nodes) on a free loopback port: give --metrics-port to choose it\n"
+              : `operator endpoints (/metrics, /kvfence/nodes) at http://127.0.0.1:${asked + 1}\n`,
       );
       let stopping = false;
       const shutdown = (): void => {

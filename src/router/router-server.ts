@@ -12,17 +12,18 @@
  * engine raises before the first token (its own admission door, a page-tag mismatch) still reaches
  * the client as a real 4xx/5xx status rather than an error inside a 200 stream.
  */
+import { createHash, createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import { createServer as createHttpsServer } from "node:https";
 import type { AddressInfo } from "node:net";
 import { performance } from "node:perf_hooks";
-import { KvfenceError, toOpenAiError } from "../lib/errors.js";
+import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
-import type { Tenant, TenantDirectory } from "./api-keys.js";
+import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
 import {
   type FinishReason,
   Generation,
@@ -85,6 +86,14 @@ export interface RouterServerOptions {
   readonly unsafe?: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] };
   /** Serve HTTPS with this certificate and key (`--https-cert/--https-key`, docs/tls.md). */
   readonly https?: { readonly cert: Buffer; readonly key: Buffer };
+  /**
+   * `--operator-key`: the operator endpoints (/metrics, /kvfence/nodes) need it as a Bearer token on
+   * every listener. Absent: they are served only on the operator listener (`listenOperator`), which
+   * the server config binds to loopback.
+   */
+  readonly operatorKey?: string | undefined;
+  /** `--metrics-tenant-names`: label metrics with tenant names, not opaque ids. */
+  readonly metricsTenantNames?: boolean;
 }
 
 type Handler = (ctx: RequestContext) => Promise<void> | void;
@@ -93,7 +102,15 @@ interface Route {
   readonly endpoint: Endpoint;
   readonly methods: readonly string[];
   readonly handler: Handler;
+  /** For the operator only: the operator key, or the operator listener (docs/api.md). */
+  readonly operator?: true;
 }
+
+/** Which listener a request came in on: the front door, or the operator listener. */
+type Listener = "front" | "operator";
+
+/** The routes of the operator listener: the operator endpoints and /health. */
+const OPERATOR_LISTENER_PATHS = new Set(["/metrics", "/kvfence/nodes", "/health"]);
 
 interface RequestContext {
   readonly req: IncomingMessage;
@@ -139,6 +156,11 @@ export class RouterServer {
   readonly #active = new Set<Generation>();
   readonly #created = Math.floor(Date.now() / 1000);
   readonly #unsafe: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] } | null;
+  /** SHA-256 of the operator key, or null. */
+  readonly #operatorKey: Buffer | null;
+  /** Tenant name → its label in metrics. */
+  readonly #tenantLabel: (name: string) => string;
+  #operatorServer: Server | null = null;
   #nextRid = 1;
   #url: string | null = null;
   /** The longest request (prompt + max_tokens) admitted. */
@@ -165,6 +187,20 @@ export class RouterServer {
       options.preparer ??
       inThreadPreparer({ modelId: options.model.id, tokenizer: options.tokenizer, limits });
     this.metrics = new RouterMetrics(options.engine);
+    this.#operatorKey = options.operatorKey === undefined ? null : sha256(options.operatorKey);
+    this.#tenantLabel =
+      options.metricsTenantNames === true
+        ? (name) => name
+        : opaqueTenantLabels(options.operatorKey ?? randomBytes(32).toString("hex"));
+    if (options.metricsTenantNames !== true) {
+      const names = options.tenants.anonymous
+        ? [ANONYMOUS_TENANT.name]
+        : options.tenants.tenants.map((t) => t.name);
+      this.#log.info(
+        { labels: Object.fromEntries(names.map((name) => [name, this.#tenantLabel(name)])) },
+        "tenants are labelled in /metrics by these opaque ids (--metrics-tenant-names shows names)",
+      );
+    }
     const unsafe = options.unsafe;
     this.#unsafe =
       unsafe !== undefined && (unsafe.faults.length > 0 || unsafe.disabledGuards.length > 0) ? unsafe : null;
@@ -193,11 +229,17 @@ export class RouterServer {
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
       ["/health", { endpoint: "health", methods: ["GET"], handler: (c) => this.#health(c) }],
-      ["/metrics", { endpoint: "metrics", methods: ["GET"], handler: (c) => this.#metrics(c) }],
-      ["/kvfence/nodes", { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c) }],
+      [
+        "/metrics",
+        { endpoint: "metrics", methods: ["GET"], handler: (c) => this.#metrics(c), operator: true },
+      ],
+      [
+        "/kvfence/nodes",
+        { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c), operator: true },
+      ],
     ]);
     const handle = (req: IncomingMessage, res: ServerResponse): void => {
-      void this.#handle(req, res);
+      void this.#handle(req, res, "front");
     };
     this.#scheme = options.https === undefined ? "http" : "https";
     this.#server =
@@ -221,6 +263,28 @@ export class RouterServer {
     });
   }
 
+  /**
+   * Open the operator listener on `host:port`: /metrics, /kvfence/nodes and /health only, plain
+   * HTTP (the server config keeps it on loopback unless an operator key guards it). Resolves to its
+   * base URL.
+   */
+  listenOperator(port: number, host: string): Promise<string> {
+    const server = createServer({ noDelay: true, keepAliveTimeout: 5000 }, (req, res) => {
+      void this.#handle(req, res, "operator");
+    });
+    this.#operatorServer = server;
+    return new Promise((resolve, reject) => {
+      const onError = (err: Error) => reject(err);
+      server.once("error", onError);
+      server.listen(port, host, () => {
+        server.off("error", onError);
+        const address = server.address() as AddressInfo;
+        const shownHost = address.family === "IPv6" ? `[${address.address}]` : address.address;
+        resolve(`http://${shownHost}:${address.port}`);
+      });
+    });
+  }
+
   /** The base URL once listening. */
   get url(): string {
     if (this.#url === null) throw new Error("RouterServer is not listening");
@@ -237,6 +301,11 @@ export class RouterServer {
    * connection (which aborts their engine requests). Does not close the engine.
    */
   async close(graceMs = 0): Promise<void> {
+    const operator = this.#operatorServer;
+    if (operator !== null) {
+      operator.close();
+      operator.closeAllConnections();
+    }
     const closed = new Promise<void>((resolve) => this.#server.close(() => resolve()));
     this.#server.closeIdleConnections();
     const deadline = Date.now() + graceMs;
@@ -247,7 +316,7 @@ export class RouterServer {
     await closed;
   }
 
-  async #handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+  async #handle(req: IncomingMessage, res: ServerResponse, listener: Listener): Promise<void> {
     const ctx: RequestContext = {
       req,
       res,
@@ -255,17 +324,21 @@ export class RouterServer {
       receivedAt: performance.now(),
       tenant: null,
     };
-    const route = this.#route(ctx.url.pathname);
+    const route = this.#route(ctx.url.pathname, listener);
     const endpoint: Endpoint = route?.endpoint ?? "other";
     res.on("close", () => {
       const status = res.writableFinished ? res.statusCode : 499;
-      this.metrics.requests.inc({ tenant: ctx.tenant?.name ?? "-", endpoint, status });
+      const tenant = ctx.tenant === null ? "-" : this.#tenantLabel(ctx.tenant.name);
+      this.metrics.requests.inc({ tenant, endpoint, status });
     });
     try {
       if (route === undefined) {
+        const shown = ctx.url.pathname.length > 100 ? `${ctx.url.pathname.slice(0, 100)}…` : ctx.url.pathname;
         throw new KvfenceError(
           "not_found",
-          `Unknown route: ${req.method} ${ctx.url.pathname}; see docs/api.md`,
+          listener === "operator"
+            ? `Unknown route on the operator listener: ${req.method} ${shown}; it serves /metrics, /kvfence/nodes and /health`
+            : `Unknown route: ${req.method} ${shown}; see docs/api.md`,
         );
       }
       // HEAD is GET without the body (Node's response drops it), as HTTP requires of every server.
@@ -280,15 +353,18 @@ export class RouterServer {
           `Method not allowed on ${ctx.url.pathname}: ${req.method}; use ${route.methods.join(" or ")}`,
         );
       }
-      if (ctx.url.pathname.startsWith("/v1/")) ctx.tenant = this.#authenticate(req);
+      if (route.operator === true) this.#authorizeOperator(req, listener);
+      else if (ctx.url.pathname.startsWith("/v1/")) ctx.tenant = this.#authenticate(req);
       await route.handler(ctx);
     } catch (err) {
       this.#sendError(res, err);
     }
   }
 
-  #route(pathname: string): Route | undefined {
+  #route(pathname: string, listener: Listener): Route | undefined {
     const path = pathname.length > 1 && pathname.endsWith("/") ? pathname.slice(0, -1) : pathname;
+    if (listener === "operator")
+      return OPERATOR_LISTENER_PATHS.has(path) ? this.#routes.get(path) : undefined;
     const exact = this.#routes.get(path);
     if (exact !== undefined) return exact;
     if (path.startsWith("/v1/models/")) {
@@ -299,6 +375,28 @@ export class RouterServer {
       };
     }
     return undefined;
+  }
+
+  /**
+   * The operator endpoints: with an operator key configured, the request must carry it (on either
+   * listener); without one, only the operator listener serves them.
+   */
+  #authorizeOperator(req: IncomingMessage, listener: Listener): void {
+    if (this.#operatorKey === null) {
+      if (listener === "operator") return;
+      throw new KvfenceError(
+        "invalid_api_key",
+        "This endpoint is for the server's operator: without --operator-key it is served only on the operator listener (--metrics-host, --metrics-port; docs/api.md)",
+      );
+    }
+    const match = /^Bearer\s+(\S+)\s*$/i.exec(req.headers.authorization ?? "");
+    if (match !== null && timingSafeEqual(sha256(match[1]!), this.#operatorKey)) return;
+    throw new KvfenceError(
+      "invalid_api_key",
+      match === null
+        ? "This endpoint needs the operator key: send it in the Authorization header as: Bearer OPERATOR_KEY"
+        : "Incorrect operator key: send the server's --operator-key (or KVFENCE_OPERATOR_KEY) as: Bearer OPERATOR_KEY",
+    );
   }
 
   #authenticate(req: IncomingMessage): Tenant {
@@ -408,8 +506,9 @@ export class RouterServer {
       this.metrics.inFlight.set(this.#active.size);
       this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
       if (usage !== null) {
-        this.metrics.promptTokens.inc({ tenant: tenant.name, endpoint }, usage.promptTokens);
-        this.metrics.completionTokens.inc({ tenant: tenant.name, endpoint }, usage.completionTokens);
+        const label = this.#tenantLabel(tenant.name);
+        this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
+        this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
       }
       this.#log.info(
         {
@@ -451,7 +550,16 @@ export class RouterServer {
         if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
         writer.done();
       },
-      fail: (error) => {
+      fail: (internal) => {
+        // What the engine and the nodes say names request ids, pages and nodes: the log gets it,
+        // the client the table's public message.
+        const error = publicError(internal);
+        if (error !== internal) {
+          this.#log.warn(
+            { rid: request.rid, code: internal.code, message: internal.message },
+            "request failed in the engine",
+          );
+        }
         const { status, body } = toOpenAiError(error);
         end(status, null);
         if (error.code === "context_length_exceeded")
@@ -505,7 +613,8 @@ export class RouterServer {
     try {
       await this.#engine.stats();
     } catch (err) {
-      throw new KvfenceError("node_unavailable", `The engine does not answer: ${(err as Error).message}`);
+      this.#log.warn({ err }, "health: the engine does not answer");
+      throw new KvfenceError("node_unavailable", "The engine does not answer: retry later");
     }
     this.#sendJson(
       ctx.res,
@@ -580,4 +689,24 @@ function decodePathSegment(segment: string): string {
       "The path is not valid percent-encoded UTF-8: encode the model id with encodeURIComponent",
     );
   }
+}
+
+function sha256(text: string): Buffer {
+  return createHash("sha256").update(text, "utf8").digest();
+}
+
+/**
+ * Tenant names → opaque metric labels: `t-` and 12 hex digits of an HMAC-SHA256 of the name keyed
+ * with `key` (the operator key when there is one, so that labels stay the same across restarts).
+ */
+function opaqueTenantLabels(key: string): (name: string) => string {
+  const labels = new Map<string, string>();
+  return (name) => {
+    let label = labels.get(name);
+    if (label === undefined) {
+      label = `t-${createHmac("sha256", key).update(`kvfence tenant label\0${name}`).digest("hex").slice(0, 12)}`;
+      labels.set(name, label);
+    }
+    return label;
+  };
 }

@@ -25,10 +25,18 @@ import { requestLimits } from "../router/request-limits.js";
 import { RouterServer } from "../router/router-server.js";
 import { clusterSecret, startServeEngine } from "../topology/serve-topology.js";
 import { isLoopback } from "../transfer/tls-config.js";
-import { DEFAULT_KV_MEMORY_BYTES, kernelOptions, type ServeConfig, serveTls } from "./serve-config.js";
+import {
+  DEFAULT_KV_MEMORY_BYTES,
+  kernelOptions,
+  operatorListener,
+  type ServeConfig,
+  serveTls,
+} from "./serve-config.js";
 
 export interface RunningServer {
   readonly url: string;
+  /** The operator listener's base URL (/metrics, /kvfence/nodes), or null when there is none. */
+  readonly operatorUrl: string | null;
   readonly router: RouterServer;
   readonly engine: EngineHandle;
   readonly contextLength: number;
@@ -42,18 +50,23 @@ function formatBytes(bytes: number): string {
   return `${(bytes / 1024).toFixed(1)} KiB`;
 }
 
-function cannotListen(host: string, port: number, err: Error): KvfenceError {
+function cannotListen(host: string, port: number, err: Error, flag = "--port"): KvfenceError {
+  const what = flag === "--port" ? "" : " (the operator listener for /metrics)";
+  const fix =
+    flag === "--port"
+      ? "pick another --port"
+      : "pick another --metrics-port, or give --operator-key to serve /metrics on the front door";
   return new KvfenceError(
     "config_invalid",
-    `Cannot listen on ${host}:${port}: ${err.message}; pick another --port or stop what holds it`,
+    `Cannot listen on ${host}:${port}${what}: ${err.message}; ${fix} or stop what holds it`,
   );
 }
 
 /** Binds `host:port` and lets it go again; throws `config_invalid` when it cannot. */
-async function assertCanListen(host: string, port: number): Promise<void> {
+async function assertCanListen(host: string, port: number, flag = "--port"): Promise<void> {
   const probe = net.createServer();
   await new Promise<void>((resolve, reject) => {
-    probe.once("error", (err) => reject(cannotListen(host, port, err)));
+    probe.once("error", (err) => reject(cannotListen(host, port, err, flag)));
     probe.listen(port, host, () => probe.close(() => resolve()));
   });
 }
@@ -111,6 +124,9 @@ export async function startServer(
 
   // Before the weights load (minutes for a big model): a port already taken fails now.
   if (config.port !== 0) await assertCanListen(config.host, config.port);
+  const operator = operatorListener(config);
+  if (operator !== null && operator.port !== 0)
+    await assertCanListen(operator.host, operator.port, "--metrics-port");
   // So does a missing or weak cluster secret (the router connects only once the weights loaded).
   if (config.role === "router") clusterSecret(config.clusterSecret);
 
@@ -223,10 +239,13 @@ export async function startServer(
     logger: log,
     maxModelLen: config.maxModelLen,
     unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
+    operatorKey: config.operatorKey,
+    metricsTenantNames: config.metricsTenantNames,
     ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   });
   served.registerMetrics(router.metrics.registry);
   let url: string;
+  let operatorUrl: string | null = null;
   try {
     url = await router.listen(config.port, config.host);
   } catch (err) {
@@ -234,9 +253,20 @@ export async function startServer(
     await served.close();
     throw cannotListen(config.host, config.port, err as Error);
   }
+  if (operator !== null) {
+    try {
+      operatorUrl = await router.listenOperator(operator.port, operator.host);
+    } catch (err) {
+      await router.close();
+      await preparer.close();
+      await served.close();
+      throw cannotListen(operator.host, operator.port, err as Error, "--metrics-port");
+    }
+  }
   let closing: Promise<void> | null = null;
   return {
     url,
+    operatorUrl,
     router,
     engine,
     contextLength: router.contextLength,

@@ -48,6 +48,8 @@ export interface ProbeOptions {
   readonly maxModelLen?: number;
   /** KV pool tokens; found from /kvfence/nodes or SGLang's server info when not given. */
   readonly poolTokens?: number;
+  /** The bearer token for a kvfence router's /kvfence/nodes (its operator key); default tenant A's key. */
+  readonly operatorKey?: string;
   /** Ordinary load requests in the probe phase (default 24). */
   readonly requests?: number;
   /** Requests in flight at once (default 4). */
@@ -89,6 +91,7 @@ interface Ctx {
   readonly client: ClientOptions;
   readonly keyA: string | undefined;
   readonly keyB: string | undefined;
+  readonly operatorKey: string | undefined;
   model: string;
   readonly maxTokens: number;
   readonly concurrency: number;
@@ -126,6 +129,7 @@ export async function runProbe(options: ProbeOptions): Promise<ProbeReport> {
     client: { baseUrl, timeoutMs: options.timeoutMs ?? 120_000, signal: overall.signal },
     keyA: options.apiKeyA,
     keyB: options.apiKeyB ?? options.apiKeyA,
+    operatorKey: options.operatorKey ?? options.apiKeyA,
     model: "",
     maxTokens: options.maxTokens ?? 48,
     concurrency: Math.max(1, options.concurrency ?? 4),
@@ -258,7 +262,7 @@ async function discover(ctx: Ctx, options: ProbeOptions): Promise<Discovery> {
   let poolTokens: number | null = options.poolTokens ?? null;
   let poolTokensSource = poolTokens === null ? "unknown" : "--pool-tokens";
   if (poolTokens === null) {
-    const nodes = await getJson(ctx, NODES_INFO_PATH, ctx.keyA);
+    const nodes = await getJson(ctx, NODES_INFO_PATH, ctx.operatorKey);
     const parsed = nodes.status === 200 ? nodesInfoSchema.safeParse(nodes.json) : null;
     if (parsed?.success === true && parsed.data.nodes.length > 0) {
       poolTokens = Math.min(...parsed.data.nodes.map((n) => n.pool_tokens));

@@ -2,7 +2,8 @@
  * `kvfence cluster --prefill N --decode M`: a local multi-process cluster on 127.0.0.1 (N prefill
  * and M decode node processes and a router, TCP between them); prints the router's URL. Ctrl-C
  * stops every process. `--tls-cert/--tls-key/--tls-ca` go to every process (mutual TLS on every
- * cluster link), `--https-cert/--https-key` to the router (docs/tls.md).
+ * cluster link), `--https-cert/--https-key` and the operator endpoints' flags (`--operator-key`,
+ * `--metrics-port`, `--metrics-tenant-names`; docs/api.md) to the router (docs/tls.md).
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -40,6 +41,15 @@ export function command(): Command {
     .option("--tls-ca <file>", "cluster links: the CA (PEM) every peer's certificate must chain to")
     .option("--https-cert <file>", "front door: the router serves HTTPS with this certificate (PEM)")
     .option("--https-key <file>", "front door: the private key of --https-cert (PEM)")
+    .option(
+      "--operator-key <key>",
+      "the router's operator key for /metrics and /kvfence/nodes (or env KVFENCE_OPERATOR_KEY)",
+    )
+    .option(
+      "--metrics-port <port>",
+      "the router's operator listener port (default: --port + 1 without an operator key)",
+    )
+    .option("--metrics-tenant-names", "label the router's metrics with tenant names, not opaque ids")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -90,7 +100,10 @@ async function runCluster(raw: RawOptions): Promise<void> {
     ["--api-keys", "apiKeys"],
     ["--https-cert", "httpsCert"],
     ["--https-key", "httpsKey"],
+    ["--operator-key", "operatorKey"],
+    ["--metrics-port", "metricsPort"],
   ]);
+  if (raw.metricsTenantNames !== undefined) routerArgs.push("--metrics-tenant-names");
   const cluster = await startLocalCluster({
     prefill: count("--prefill", raw.prefill ?? "1"),
     decode: count("--decode", raw.decode ?? "1"),
@@ -108,6 +121,7 @@ async function runCluster(raw: RawOptions): Promise<void> {
     `kvfence cluster at ${cluster.url} (OpenAI API at ${cluster.url}/v1): ` +
       `${cluster.prefill.length} prefill, ${cluster.decode.length} decode processes; Ctrl-C stops them all\n`,
   );
+  process.stdout.write(`${operatorEndpointsLine(raw)}\n`);
   let stopping = false;
   const shutdown = (): void => {
     if (stopping) process.exit(1);
@@ -116,4 +130,16 @@ async function runCluster(raw: RawOptions): Promise<void> {
   };
   process.on("SIGINT", shutdown);
   process.on("SIGTERM", shutdown);
+}
+
+/** Where the router's operator endpoints are (docs/api.md, "Operator endpoints"). */
+function operatorEndpointsLine(raw: RawOptions): string {
+  const what = "operator endpoints (/metrics, /kvfence/nodes)";
+  if (raw.metricsPort !== undefined) return `${what} at http://127.0.0.1:${raw.metricsPort}`;
+  if ((raw.operatorKey ?? process.env.KVFENCE_OPERATOR_KEY ?? "") !== "")
+    return `${what} on the front door, with the operator key`;
+  const asked = Number(raw.port ?? 8000);
+  return asked === 0
+    ? `${what} on a free loopback port: give --metrics-port to choose it`
+    : `${what} at http://127.0.0.1:${asked + 1}`;
 }

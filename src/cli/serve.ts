@@ -30,6 +30,38 @@ export function command(): Command {
       "--api-keys <file>",
       'API keys: JSON {"sk-...": "tenant"} or lines "key tenant" (or env KVFENCE_API_KEYS)',
     )
+    .option(
+      "--max-body-bytes <size>",
+      "request bodies over this get 413, before they are read (default 2 x --max-prompt-bytes + 1MiB)",
+    )
+    .option(
+      "--max-prompt-bytes <size>",
+      "prompts (a chat's message contents, summed) over this many UTF-8 bytes get 400 before tokenization (default 32 bytes per token of the context, at least 64KiB)",
+    )
+    .option("--max-messages <n>", "chat requests with more messages get 400 (default 2048)")
+    .option(
+      "--max-json-depth <n>",
+      "bodies nesting objects and arrays deeper get 400 before parsing (default 64)",
+    )
+    .option(
+      "--tokenizer-threads <n>",
+      "worker threads that parse, template and tokenize requests off the router's event loop",
+      "2",
+    )
+    .option(
+      "--operator-key <key>",
+      "/metrics and /kvfence/nodes need this as a Bearer token (or env KVFENCE_OPERATOR_KEY); without it they are served only on the loopback operator listener",
+    )
+    .option(
+      "--metrics-host <host>",
+      "address of the operator listener (/metrics, /kvfence/nodes)",
+      "127.0.0.1",
+    )
+    .option(
+      "--metrics-port <port>",
+      "port of the operator listener (default: --port + 1 when no --operator-key is given, else none)",
+    )
+    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false)
     .option("--scrub-on-free", "zero KV pages when they are freed", false)
     .option("--no-disaggregation", "run prefill and decode on one engine")
     .option("--role <role>", "all (router + prefill + decode threads), router, prefill or decode", "all")
@@ -89,7 +121,12 @@ async function serve(raw: Record<string, unknown>): Promise<void> {
   const early = createLogger({ level: "info" });
   let config: ServeConfig;
   try {
-    config = parseServeConfig(raw);
+    const envKey = process.env.KVFENCE_OPERATOR_KEY;
+    config = parseServeConfig(
+      raw.operatorKey === undefined && envKey !== undefined && envKey !== ""
+        ? { ...raw, operatorKey: envKey }
+        : raw,
+    );
     serveTls(config); // unreadable or mismatched TLS files fail here, before the model loads
   } catch (err) {
     process.stderr.write(`kvfence serve: ${(err as Error).message}\n`);
@@ -137,6 +174,11 @@ async function serveRouter(config: ServeConfig, log: Logger): Promise<void> {
   process.stdout.write(
     `kvfence serving ${config.model.split(/[\\/]/).filter(Boolean).at(-1)} at ${server.url} ` +
       `(OpenAI API at ${server.url}/v1, max_model_len ${server.contextLength})\n`,
+  );
+  process.stdout.write(
+    server.operatorUrl !== null
+      ? `operator endpoints (/metrics, /kvfence/nodes) at ${server.operatorUrl}${config.operatorKey === undefined ? " (loopback, no key)" : " (operator key)"}\n`
+      : "operator endpoints (/metrics, /kvfence/nodes) on the front door, with the operator key\n",
   );
   let signals = 0;
   const shutdown = (signal: NodeJS.Signals) => {

@@ -21,13 +21,23 @@ import { unsafeWarning } from "../node/unsafe-switches.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
+import { PreparePool } from "../router/prepare-pool.js";
+import { requestLimits } from "../router/request-limits.js";
 import { RouterServer } from "../router/router-server.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
 import { isLoopback } from "../transfer/tls-config.js";
-import { DEFAULT_KV_MEMORY_BYTES, kernelOptions, type ServeConfig, serveTls } from "./serve-config.js";
+import {
+  DEFAULT_KV_MEMORY_BYTES,
+  kernelOptions,
+  operatorListener,
+  type ServeConfig,
+  serveTls,
+} from "./serve-config.js";
 
 export interface RunningServer {
   readonly url: string;
+  /** The operator listener's base URL (/metrics, /kvfence/nodes), or null when there is none. */
+  readonly operatorUrl: string | null;
   readonly router: RouterServer;
   readonly engine: EngineHandle;
   readonly contextLength: number;
@@ -41,18 +51,23 @@ function formatBytes(bytes: number): string {
   return `${(bytes / 1024).toFixed(1)} KiB`;
 }
 
-function cannotListen(host: string, port: number, err: Error): KvfenceError {
+function cannotListen(host: string, port: number, err: Error, flag = "--port"): KvfenceError {
+  const what = flag === "--port" ? "" : " (the operator listener for /metrics)";
+  const fix =
+    flag === "--port"
+      ? "pick another --port"
+      : "pick another --metrics-port, or give --operator-key to serve /metrics on the front door";
   return new KvfenceError(
     "config_invalid",
-    `Cannot listen on ${host}:${port}: ${err.message}; pick another --port or stop what holds it`,
+    `Cannot listen on ${host}:${port}${what}: ${err.message}; ${fix} or stop what holds it`,
   );
 }
 
 /** Binds `host:port` and lets it go again; throws `config_invalid` when it cannot. */
-async function assertCanListen(host: string, port: number): Promise<void> {
+async function assertCanListen(host: string, port: number, flag = "--port"): Promise<void> {
   const probe = net.createServer();
   await new Promise<void>((resolve, reject) => {
-    probe.once("error", (err) => reject(cannotListen(host, port, err)));
+    probe.once("error", (err) => reject(cannotListen(host, port, err, flag)));
     probe.listen(port, host, () => probe.close(() => resolve()));
   });
 }
@@ -81,6 +96,9 @@ export async function startServer(
 
   // Before the weights load (minutes for a big model): a port already taken fails now.
   if (config.port !== 0) await assertCanListen(config.host, config.port);
+  const operator = operatorListener(config);
+  if (operator !== null && operator.port !== 0)
+    await assertCanListen(operator.host, operator.port, "--metrics-port");
   // So does a missing or weak cluster secret (the router connects only once the weights loaded).
   if (config.role === "router") clusterSecret(config.clusterSecret);
 
@@ -121,47 +139,88 @@ export async function startServer(
     "engine ready",
   );
 
+  // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
+  const limits = limitsOf(config, contextLength);
+  const preparer = await PreparePool.start({
+    modelDir: model.dir,
+    modelId: model.name,
+    limits,
+    threads: config.tokenizerThreads,
+    onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
+  }).catch(async (err: unknown) => {
+    await served.close();
+    throw err;
+  });
   const router = new RouterServer({
     engine,
     tokenizer: routerTokenizer(model.tokenizer, model.chatTemplate),
-    model: {
-      id: model.name,
-      maxPositionEmbeddings: model.config.maxPositionEmbeddings,
-      eosTokenIds: model.config.eosTokenIds,
-      defaults: {
-        ...(model.generationDefaults.temperature === undefined
-          ? {}
-          : { temperature: model.generationDefaults.temperature }),
-        ...(model.generationDefaults.topP === undefined ? {} : { topP: model.generationDefaults.topP }),
-        ...(model.generationDefaults.topK === undefined ? {} : { topK: model.generationDefaults.topK }),
-      },
-    },
+    preparer,
+    limits,
+    model: modelCard(model),
     tenants,
     logger: log,
     maxModelLen: config.maxModelLen,
     unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
+    operatorKey: config.operatorKey,
+    metricsTenantNames: config.metricsTenantNames,
     ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   });
   served.registerMetrics(router.metrics.registry);
-  let url: string;
-  try {
-    url = await router.listen(config.port, config.host);
-  } catch (err) {
+  const closeAll = async (): Promise<void> => {
+    await router.close();
+    await preparer.close();
     await served.close();
-    throw cannotListen(config.host, config.port, err as Error);
-  }
+  };
+  const url = await router.listen(config.port, config.host).catch(async (err: Error) => {
+    await closeAll();
+    throw cannotListen(config.host, config.port, err);
+  });
+  const operatorUrl =
+    operator === null
+      ? null
+      : await router.listenOperator(operator.port, operator.host).catch(async (err: Error) => {
+          await closeAll();
+          throw cannotListen(operator.host, operator.port, err, "--metrics-port");
+        });
   let closing: Promise<void> | null = null;
   return {
     url,
+    operatorUrl,
     router,
     engine,
     contextLength: router.contextLength,
     close(graceMs = 0) {
       closing ??= (async () => {
         await router.close(graceMs);
+        await preparer.close();
         await served.close();
       })();
       return closing;
+    },
+  };
+}
+
+/** The router's request limits: the flags given, defaults from the context length (request-limits.ts). */
+function limitsOf(config: ServeConfig, contextLength: number) {
+  return requestLimits(contextLength, {
+    ...(config.maxBodyBytes === undefined ? {} : { maxBodyBytes: config.maxBodyBytes }),
+    ...(config.maxPromptBytes === undefined ? {} : { maxPromptBytes: config.maxPromptBytes }),
+    ...(config.maxMessages === undefined ? {} : { maxMessages: config.maxMessages }),
+    ...(config.maxJsonDepth === undefined ? {} : { maxJsonDepth: config.maxJsonDepth }),
+  });
+}
+
+/** What the router knows of the model: its id, window, end-of-sequence ids and sampling defaults. */
+function modelCard(model: ReturnType<typeof loadModelMeta>) {
+  const d = model.generationDefaults;
+  return {
+    id: model.name,
+    maxPositionEmbeddings: model.config.maxPositionEmbeddings,
+    eosTokenIds: model.config.eosTokenIds,
+    defaults: {
+      ...(d.temperature === undefined ? {} : { temperature: d.temperature }),
+      ...(d.topP === undefined ? {} : { topP: d.topP }),
+      ...(d.topK === undefined ? {} : { topK: d.topK }),
     },
   };
 }

@@ -74,7 +74,7 @@ async function modelCards(ctx: ProbeRun): Promise<{ status: number; models: Reco
 
 /** kvfence: the smallest node pool of /kvfence/nodes. */
 async function poolFromNodes(ctx: ProbeRun, found: Discovery): Promise<void> {
-  const nodes = await getJson(ctx, NODES_INFO_PATH, ctx.keyA);
+  const nodes = await getJson(ctx, NODES_INFO_PATH, ctx.operatorKey);
   const parsed = nodes.status === 200 ? nodesInfoSchema.safeParse(nodes.json) : null;
   if (parsed?.success === true && parsed.data.nodes.length > 0) {
     found.poolTokens = Math.min(...parsed.data.nodes.map((n) => n.pool_tokens));

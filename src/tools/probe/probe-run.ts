@@ -29,6 +29,8 @@ export interface ProbeOptions {
   readonly maxModelLen?: number;
   /** KV pool tokens; found from /kvfence/nodes or SGLang's server info when not given. */
   readonly poolTokens?: number;
+  /** The bearer token for a kvfence router's /kvfence/nodes (its operator key); default tenant A's key. */
+  readonly operatorKey?: string;
   /** Ordinary load requests in the probe phase (default 24). */
   readonly requests?: number;
   /** Requests in flight at once (default 4). */
@@ -70,6 +72,7 @@ export interface ProbeRun {
   readonly client: ClientOptions;
   readonly keyA: string | undefined;
   readonly keyB: string | undefined;
+  readonly operatorKey: string | undefined;
   model: string;
   readonly maxTokens: number;
   readonly concurrency: number;

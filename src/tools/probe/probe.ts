@@ -100,6 +100,7 @@ function newRun(
     client: { baseUrl, timeoutMs: options.timeoutMs ?? 120_000, signal },
     keyA: options.apiKeyA,
     keyB: options.apiKeyB ?? options.apiKeyA,
+    operatorKey: options.operatorKey ?? options.apiKeyA,
     model: "",
     maxTokens: options.maxTokens ?? 48,
     concurrency: Math.max(1, options.concurrency ?? 4),

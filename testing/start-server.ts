@@ -23,9 +23,9 @@ export function operatorHeaders(): Record<string, string> {
   return { authorization: `Bearer ${TEST_OPERATOR_KEY}` };
 }
 
-/** GET an operator endpoint of a test server (with its operator key). */
-export function operatorGet(url: string, path: string): Promise<Response> {
-  return fetch(`${url}${path}`, { headers: operatorHeaders() });
+/** GET an operator endpoint of a test server (with its operator key, the test one unless given). */
+export function operatorGet(url: string, path: string, key = TEST_OPERATOR_KEY): Promise<Response> {
+  return fetch(`${url}${path}`, { headers: { authorization: `Bearer ${key}` } });
 }
 
 /** A bundled model folder by name (`kvfence-tiny`, `tiny-qwen2`). */
@@ -98,8 +98,8 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
 }
 
 /** /metrics parsed into `name{labels}` → value. */
-export async function scrape(url: string): Promise<Map<string, number>> {
-  const res = await operatorGet(url, "/metrics");
+export async function scrape(url: string, key = TEST_OPERATOR_KEY): Promise<Map<string, number>> {
+  const res = await operatorGet(url, "/metrics", key);
   assert.equal(res.status, 200);
   return parsePrometheusText(await res.text());
 }
@@ -108,10 +108,13 @@ export async function scrape(url: string): Promise<Map<string, number>> {
  * Wait until the engine is idle (nothing waiting or running), then assert that every page of the
  * pool is FREE. Returns the final metrics.
  */
-export async function assertPoolIdle(url: string, timeoutMs = 20_000): Promise<Map<string, number>> {
-  const deadline = Date.now() + timeoutMs;
+export async function assertPoolIdle(
+  url: string,
+  options: { readonly timeoutMs?: number; readonly key?: string } = {},
+): Promise<Map<string, number>> {
+  const deadline = Date.now() + (options.timeoutMs ?? 20_000);
   for (;;) {
-    const m = await scrape(url);
+    const m = await scrape(url, options.key);
     const busy =
       (m.get('kvfence_engine_requests{state="waiting"}') ?? 0) +
       (m.get('kvfence_engine_requests{state="running"}') ?? 0) +

@@ -72,7 +72,7 @@ test("bench serve against a default kvfence server: every request completes, no 
     assert.ok(raw.ttfts.every((t) => t > 0));
     assert.equal(raw.contamination.own_nonce_repeated, 0);
     assert.match(formatRun(raw), /only 0 of 3 responses repeated their own nonce/);
-    await assertPoolIdle(server.url);
+    await assertPoolIdle(server.url, { key: server.operatorKey });
   } finally {
     await server.close();
   }

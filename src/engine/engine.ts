@@ -43,6 +43,7 @@
 
 import { BlockTable } from "../kvcache/block-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
+import { Deque } from "../lib/deque.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
 import { Prng } from "../lib/prng.js";
@@ -56,7 +57,6 @@ import type {
   GenerationRequest,
 } from "../protocol/engine-api.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
-import { Deque } from "./deque.js";
 
 /** What the engine needs from the forward pass (`ForwardPass` implements it). */
 export interface StepModel {

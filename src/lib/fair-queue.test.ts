@@ -170,8 +170,8 @@ test("FairQueue keeps each flow FIFO and, while two flows stay backlogged, their
       fc.array(fc.integer({ min: 1, max: Q }), { minLength: 50, maxLength: 50 }),
       (costsA, costsB) => {
         const q = queue();
-        costsA.forEach((cost, i) => q.push({ flow: 0, n: i, cost }));
-        costsB.forEach((cost, i) => q.push({ flow: 1, n: i, cost }));
+        for (const [i, cost] of costsA.entries()) q.push({ flow: 0, n: i, cost });
+        for (const [i, cost] of costsB.entries()) q.push({ flow: 1, n: i, cost });
         const served = [0, 0];
         const left = [50, 50];
         while (left[0]! > 0 && left[1]! > 0) {

@@ -164,8 +164,7 @@ export class FairQueue<T> {
   }
 
   #cost(item: T): number {
-    const c = this.#costOf(item);
-    return c > 0 ? c : 0;
+    return Math.max(this.#costOf(item), 0);
   }
 
   #weightOf(flow: number): number {

@@ -267,7 +267,12 @@ export class Engine {
     this.#tagCheck = guardOn(options.safety ?? SAFE, "page-tags");
     this.#sampler = new Sampler(config.vocabSize);
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
-    this.capacity = Object.freeze({ poolTokens: pool.capacityTokens, pageSize: pool.pageSize, maxModelLen });
+    this.capacity = Object.freeze({
+      poolTokens: pool.capacityTokens,
+      pageSize: pool.pageSize,
+      maxModelLen,
+      maxSequences: model.maxSequences,
+    });
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
     for (let k = 0; k <= this.#maxSequences; k++)
       this.#stepViews.push(Array.from({ length: k }, () => this.#idleStep));

@@ -15,7 +15,7 @@ function setup(config: Partial<FairShareConfig> & { tenants: number }, slots = 4
   const expired: { req: Req; error: WireError }[] = [];
   let room = slots;
   const share = new FairShare<Req>(
-    resolveFairShare(config, { pages: 100, slots, requestPages: 10 }),
+    resolveFairShare(config, { pages: 100, slots }),
     {
       tenant: (r) => r.tenant,
       pages: (r) => r.pages,
@@ -157,7 +157,7 @@ test("FairShare.returned() puts a refused request first in its tenant's line; ca
 });
 
 test("resolveFairShare: half the backend per tenant with two or more tenants, no cap with one, flags and overrides win", () => {
-  const capacity = { pages: 600, slots: 16, requestPages: 128 };
+  const capacity = { pages: 600, slots: 16 };
   const two = resolveFairShare({ tenants: 2 }, capacity);
   assert.deepEqual(two.limits(0), { maxConcurrency: 8, maxPages: 300, maxQueue: 128, weight: 1 });
   assert.equal(two.maxQueue, 256);
@@ -165,8 +165,12 @@ test("resolveFairShare: half the backend per tenant with two or more tenants, no
   const one = resolveFairShare({ tenants: 1 }, capacity).limits(0);
   assert.equal(one.maxConcurrency, Number.POSITIVE_INFINITY);
   assert.equal(one.maxPages, Number.POSITIVE_INFINITY);
-  const small = resolveFairShare({ tenants: 2 }, { pages: 100, slots: 1, requestPages: 128 }).limits(0);
-  assert.deepEqual([small.maxConcurrency, small.maxPages], [1, 128], "at least one full request");
+  const small = resolveFairShare({ tenants: 2 }, { pages: 1, slots: 1 }).limits(0);
+  assert.deepEqual(
+    [small.maxConcurrency, small.maxPages],
+    [1, 1],
+    "at least one (and one request always may run)",
+  );
   const set = resolveFairShare(
     {
       tenants: 3,

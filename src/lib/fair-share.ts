@@ -15,7 +15,7 @@
  *
  * Queues are bounded: a tenant with `maxQueue` requests waiting gets 429 `rate_limit_exceeded`;
  * when the whole queue (`maxQueue` over all tenants) is full, 429 again for a tenant holding at
- * least its even share of it, else 503 `server_busy`. A request waiting longer than the queue
+ * least its even share of it while others wait too, else 503 `server_busy`. A request waiting longer than the queue
  * timeout ends with 429 (its own tenant's requests held its place: it is over its share) or 503
  * `queue_timeout` (the server was full). Every refusal carries `Retry-After`. A waiting request
  * holds nothing, so ending it frees nothing; KV pages are never released on a timer here.
@@ -77,8 +77,6 @@ export interface BackendCapacity {
   readonly pages: number;
   /** Sequence slots (requests one forward step batches) over all engines that decode. */
   readonly slots: number;
-  /** Pages of the largest request the backend admits (a tenant's default page cap is never less). */
-  readonly requestPages: number;
 }
 
 export interface ResolvedFairShare {
@@ -104,7 +102,7 @@ export function resolveFairShare(config: FairShareConfig, capacity: BackendCapac
       config.tenantMaxPages !== undefined
         ? cap(config.tenantMaxPages)
         : split
-          ? Math.max(capacity.requestPages, Math.floor(capacity.pages / 2))
+          ? Math.max(1, Math.floor(capacity.pages / 2))
           : Number.POSITIVE_INFINITY,
     maxQueue:
       config.tenantMaxQueue !== undefined
@@ -251,8 +249,9 @@ export class FairShare<T> {
       });
     }
     if (this.#queue.length >= this.#settings.maxQueue) {
+      // Over its share when others wait too; alone in the queue, the server is simply full.
       const share = Math.ceil(this.#settings.maxQueue / Math.max(1, this.#queue.flows));
-      if (waitingOfTenant >= share && waitingOfTenant > 0) {
+      if (this.#queue.flows > 1 && waitingOfTenant >= share) {
         return refuse({
           code: "rate_limit_exceeded",
           message: `The server's queue is full and this API key's tenant holds ${waitingOfTenant} of its ${this.#settings.maxQueue} places, at least its share of ${share}; retry when some of them finished`,

@@ -62,6 +62,7 @@ export async function buildNode(
     pageSize: engine.capacity.pageSize,
     maxModelLen: engine.capacity.maxModelLen,
     layoutSignature: signature,
+    ...(engine.capacity.maxSequences === undefined ? {} : { maxSequences: engine.capacity.maxSequences }),
   };
   const incarnation = randomInt(1, 0x7fff_ffff);
   if (options.role === "prefill") {

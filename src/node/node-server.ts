@@ -90,6 +90,10 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
   const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
 
   const onRouterMessage = async (message: ToNode): Promise<void> => {
+    if (message.kind === "ping") {
+      toRouter({ kind: "pong", id: message.id });
+      return;
+    }
     if (message.kind === "stats") {
       const linkAuthFailures = {
         control: { ...control.failures },

@@ -341,9 +341,9 @@ test("DisaggregatedEngine shares the nodes fairly: a tenant's flood waits at its
   // 400 prompt tokens + 80: 30 of decode's 64 pages; two tenants: a cap of 32 pages each.
   const big = (rid: number) => request(rid, { tenant: 0, promptTokens: new Int32Array(400), maxTokens: 80 });
   const flood = Array.from({ length: 5 }, () => record());
-  flood.forEach((r, i) => engine.submit(big(i + 1), r.events));
+  for (const [i, r] of flood.entries()) engine.submit(big(i + 1), r.events);
   const small = Array.from({ length: 3 }, () => record());
-  small.forEach((r, i) => engine.submit(request(10 + i, { tenant: 1 }), r.events));
+  for (const [i, r] of small.entries()) engine.submit(request(10 + i, { tenant: 1 }), r.events);
   const reserved = () => d.link.protocol().flatMap((m) => (m.type === "reserve" ? [m.rid] : []));
   assert.deepEqual(reserved(), [1, 10, 11, 12], "one of tenant 0's, then all of tenant 1's");
   assert.equal(engine.fairShare.waitingOf(0), 4);

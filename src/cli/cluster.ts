@@ -2,7 +2,8 @@
  * `kvfence cluster --prefill N --decode M`: a local multi-process cluster on 127.0.0.1 (N prefill
  * and M decode node processes and a router, TCP between them); prints the router's URL. Ctrl-C
  * stops every process. `--tls-cert/--tls-key/--tls-ca` go to every process (mutual TLS on every
- * cluster link), `--https-cert/--https-key` to the router (docs/tls.md).
+ * cluster link), `--https-cert/--https-key` to the router (docs/tls.md), and so do the fair-share
+ * and readiness flags (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`).
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -40,6 +41,18 @@ export function command(): Command {
     .option("--tls-ca <file>", "cluster links: the CA (PEM) every peer's certificate must chain to")
     .option("--https-cert <file>", "front door: the router serves HTTPS with this certificate (PEM)")
     .option("--https-key <file>", "front door: the private key of --https-cert (PEM)")
+    .option(
+      "--tenant-max-concurrency <n>",
+      "router: requests one tenant may have running at once (0: no cap)",
+    )
+    .option("--tenant-max-pages <n>", "router: KV pages one tenant's running requests may hold (0: no cap)")
+    .option("--tenant-max-queue <n>", "router: requests one tenant may have waiting (0: no cap)")
+    .option("--max-queue <n>", "router: requests waiting over all tenants (default 256)")
+    .option("--queue-timeout <seconds>", "router: a request waiting longer gets 429 or 503 (default 30)")
+    .option(
+      "--ready-timeout <seconds>",
+      "router: a node that does not answer a ping within this is not ready (default 0.5)",
+    )
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -73,6 +86,16 @@ export function command(): Command {
         ...(raw.apiKeys === undefined ? [] : ["--api-keys", raw.apiKeys]),
         ...(raw.httpsCert === undefined ? [] : ["--https-cert", raw.httpsCert]),
         ...(raw.httpsKey === undefined ? [] : ["--https-key", raw.httpsKey]),
+        ...(
+          [
+            ["--tenant-max-concurrency", raw.tenantMaxConcurrency],
+            ["--tenant-max-pages", raw.tenantMaxPages],
+            ["--tenant-max-queue", raw.tenantMaxQueue],
+            ["--max-queue", raw.maxQueue],
+            ["--queue-timeout", raw.queueTimeout],
+            ["--ready-timeout", raw.readyTimeout],
+          ] as const
+        ).flatMap(([flag, value]) => (value === undefined ? [] : [flag, value])),
       ];
       const cluster = await startLocalCluster({
         prefill: count("--prefill", raw.prefill ?? "1"),

@@ -78,6 +78,24 @@ export function command(): Command {
       false,
     )
     .option(
+      "--tenant-max-concurrency <n>",
+      "requests one tenant may have running at once (0: no cap; default: half the sequence slots with 2+ tenants, else no cap)",
+    )
+    .option(
+      "--tenant-max-pages <n>",
+      "KV pages one tenant's running requests may hold, each counted at prompt + max_tokens (0: no cap; default: half the KV pages with 2+ tenants)",
+    )
+    .option(
+      "--tenant-max-queue <n>",
+      "requests one tenant may have waiting; more get 429 (0: no cap; default: half of --max-queue with 2+ tenants)",
+    )
+    .option("--max-queue <n>", "requests waiting over all tenants; more get 503 (default 256)")
+    .option("--queue-timeout <seconds>", "a request waiting longer gets 429 or 503 (default 30)")
+    .option(
+      "--ready-timeout <seconds>",
+      "/ready: a node (or the engine) that does not answer a ping within this is not ready (default 0.5)",
+    )
+    .option(
       "--log-level <level>",
       "fatal, error, warn, info, debug, trace or silent",
       process.env.KVFENCE_LOG_LEVEL ?? "info",

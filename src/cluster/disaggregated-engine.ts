@@ -260,6 +260,11 @@ export class DisaggregatedEngine implements EngineHandle {
     if (up) this.#share.pump();
   }
 
+  /** True once `close()` was called. */
+  get closed(): boolean {
+    return this.#closed;
+  }
+
   /** True when every pair's transfer channel is up. */
   get allPairsUp(): boolean {
     return this.#pairs.every((p) => p.up);

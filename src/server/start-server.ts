@@ -23,7 +23,13 @@ import { routerTokenizer } from "../router/model-tokenizer.js";
 import { RouterServer } from "../router/router-server.js";
 import { clusterSecret, startServeEngine } from "../topology/serve-topology.js";
 import { isLoopback } from "../transfer/tls-config.js";
-import { DEFAULT_KV_MEMORY_BYTES, kernelOptions, type ServeConfig, serveTls } from "./serve-config.js";
+import {
+  DEFAULT_KV_MEMORY_BYTES,
+  fairShareOf,
+  kernelOptions,
+  type ServeConfig,
+  serveTls,
+} from "./serve-config.js";
 
 export interface RunningServer {
   readonly url: string;
@@ -165,6 +171,9 @@ export async function startServer(
     clusterSecret: config.clusterSecret,
     ...(tls.links === undefined ? {} : { linkTls: tls.links }),
     faults: config.unsafeFault,
+    fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
+    ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+    log,
   });
   const engine = served.engine;
   log.info(

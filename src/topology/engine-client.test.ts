@@ -61,7 +61,7 @@ async function waitIdle(handle: EngineClient): Promise<void> {
 }
 
 test("EngineClient.start() reports the worker engine's capacity", () => {
-  assert.deepEqual(client.capacity, { poolTokens: 256, pageSize: 4, maxModelLen: 256 });
+  assert.deepEqual(client.capacity, { poolTokens: 256, pageSize: 4, maxModelLen: 256, maxSequences: 8 });
 });
 
 test("EngineClient streams the same tokens as the in-thread engine", async () => {

@@ -8,12 +8,15 @@
  *
  * 1. **Running requests, oldest first.** A decoding request adds its one pending token; a request
  *    still in prefill adds its next chunk, within `maxPrefillTokens` per step (chunked prefill) and
- *    `maxBatchTokens` in all. Pages are leased lazily, as the step needs them. When the pool runs
+ *    `maxBatchTokens` in all; while several tenants have prompts to compute (running or waiting),
+ *    each tenant takes an even share of the step's prefill tokens. Pages are leased lazily, as the step needs them. When the pool runs
  *    out, the most recently admitted running request is **preempted**: its pages are freed, its
  *    epoch bumped, and it goes back to the front of the queue to be recomputed later from its
  *    prompt plus the tokens it already generated (never from its old pages).
- * 2. **Admission.** Waiting requests (FIFO) join while there are sequence slots, token budget and
- *    free pages for their first chunk — not in a step that had to preempt, to avoid thrashing.
+ * 2. **Admission.** Preempted requests, then waiting ones — fairly between tenants, by weighted
+ *    fair queuing over the tokens each still has to compute (`src/lib/fair-queue.ts`) — join
+ *    while there are sequence slots, token budget and free pages for their first chunk — not in a
+ *    step that had to preempt, to avoid thrashing.
  * 3. **The read guard.** Every page of every block table in the batch is checked against the
  *    ownership table (`PagePool.checkStep`: generation, owner rid/epoch, state, writer stamp, filled
  *    tokens). A request that fails is ended with `page_tag_mismatch` and counted; the rest of the
@@ -28,8 +31,8 @@
  * `step()` runs these as named phases (`#scheduleRunning`, `#admitWaiting`, `#checkBatch`,
  * `#forward`, `#sample`). A decode step of a running request allocates nothing: the token it feeds
  * the forward pass and the array `onTokens` receives are the request's own, reused (listeners copy
- * what they keep). The waiting queue is a ring-buffer deque: admission pops its front, a preempted
- * request goes back to its front, both O(1).
+ * what they keep). Preempted requests wait in a ring-buffer deque (admission pops its front, a
+ * preempted request goes back to its front, both O(1)), the others in the fair queue.
  *
  * Abort frees a request's pages at once (nothing writes them outside `step()`), exactly once, and
  * silences it.
@@ -46,6 +49,7 @@ import type { PagePool } from "../kvcache/page-pool.js";
 import { Deque } from "../lib/deque.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
+import { FairQueue } from "../lib/fair-queue.js";
 import { Prng } from "../lib/prng.js";
 import type { StepSequence } from "../model/forward.js";
 import type { ModelConfig } from "../model/model-config.js";
@@ -197,7 +201,13 @@ export class Engine {
   readonly #seeds: Prng;
   readonly #sampler: Sampler;
   readonly #byRid = new Map<number, Sequence>();
-  readonly #waiting = new Deque<Sequence>();
+  /** Waiting requests, fair between tenants (costed by the tokens each still has to compute). */
+  readonly #waiting = new FairQueue<Sequence>({
+    flow: (seq) => seq.tenant,
+    cost: (seq) => seq.length - seq.computed,
+  });
+  /** Preempted requests: admitted before any other, oldest preemption last. */
+  readonly #preempted = new Deque<Sequence>();
   readonly #running: Sequence[] = [];
   /**
    * This step's batch: its first `#batchLength` entries. Neither array here is ever truncated to
@@ -219,6 +229,12 @@ export class Engine {
   readonly #logits: Float32Array[] = [];
   #tokenBudget = 0;
   #prefillBudget = 0;
+  /** This step's tenants with prompts to compute, and the prefill tokens each took (`#prefillShare`). */
+  readonly #prefillTenants: Uint32Array;
+  readonly #prefillUsed: Int32Array;
+  #prefillTenantCount = 0;
+  /** A tenant with no prompt in progress this step (made once: a step allocates nothing). */
+  readonly #fresh = (tenant: number): boolean => !this.#isPrefillTenant(tenant);
   #preemptedThisStep = false;
   readonly #counters = {
     tagCheckFailures: 0,
@@ -273,6 +289,8 @@ export class Engine {
       maxModelLen,
       maxSequences: model.maxSequences,
     });
+    this.#prefillTenants = new Uint32Array(this.#maxSequences);
+    this.#prefillUsed = new Int32Array(this.#maxSequences);
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
     for (let k = 0; k <= this.#maxSequences; k++)
       this.#stepViews.push(Array.from({ length: k }, () => this.#idleStep));
@@ -301,7 +319,7 @@ export class Engine {
     const seed = request.seed ?? this.#seeds.nextUint32();
     const seq = new Sequence(request, events, this.pool.pageSize, seed);
     this.#byRid.set(seq.rid, seq);
-    this.#waiting.pushBack(seq);
+    this.#waiting.push(seq);
     this.#counters.promptTokens += seq.promptLength;
   }
 
@@ -367,7 +385,7 @@ export class Engine {
       if (request.temperature > 0 && request.topK !== 1) seq.rng.next();
     }
     this.#byRid.set(seq.rid, seq);
-    this.#waiting.pushBack(seq);
+    this.#waiting.push(seq);
     this.#counters.promptTokens += seq.promptLength;
   }
 
@@ -388,11 +406,10 @@ export class Engine {
   }
 
   stats(): EngineStats {
-    let preempted = 0;
-    for (const seq of this.#waiting) if (seq.preempted) preempted++;
+    const preempted = this.#preempted.length;
     return {
       pages: this.pool.counts(),
-      queue: { waiting: this.#waiting.length, running: this.#running.length, preempted },
+      queue: { waiting: this.#waiting.length + preempted, running: this.#running.length, preempted },
       counters: { ...this.#counters },
     };
   }
@@ -416,8 +433,11 @@ export class Engine {
     this.#tokenBudget = this.#maxBatchTokens;
     this.#prefillBudget = this.#maxPrefillTokens;
     this.#preemptedThisStep = false;
-    this.#scheduleRunning();
-    this.#admitWaiting();
+    this.#scheduleDecodes();
+    this.#markPrefillTenants();
+    this.#admitWaiting(true);
+    this.#schedulePrefills();
+    this.#admitWaiting(false);
     if (this.#checkBatch() > 0) {
       this.#forward();
       this.#sample();
@@ -426,8 +446,8 @@ export class Engine {
     return this.#byRid.size > 0;
   }
 
-  /** Phase 1: running requests, oldest first — their decode tokens, then their prefill chunks. */
-  #scheduleRunning(): void {
+  /** Phase 1: the running requests' decode tokens, oldest first. */
+  #scheduleDecodes(): void {
     const running = this.#running;
     for (let i = 0; i < running.length; i++) {
       const seq = running[i]!;
@@ -438,21 +458,94 @@ export class Engine {
       )
         i--;
     }
+  }
+
+  /**
+   * Phase 3: the next chunk of every running prompt, oldest first, each tenant within its share of
+   * the step's prefill tokens (`#prefillShare`).
+   */
+  #schedulePrefills(): void {
+    const running = this.#running;
+    const share = this.#prefillShare();
+    const used = this.#prefillUsed;
     for (let i = 0; i < running.length; i++) {
       const seq = running[i]!;
       const remaining = seq.length - seq.computed;
-      if (remaining <= 1) continue;
-      const n = Math.min(remaining, this.#prefillBudget, this.#tokenBudget);
-      if (n > 0 && this.#schedule(seq, n, true) === "failed") i--;
+      if (remaining <= 1 || seq.inBatch) continue;
+      const t = this.#prefillTenantIndex(seq.tenant);
+      const n = Math.min(remaining, this.#prefillBudget, this.#tokenBudget, share - used[t]!);
+      if (n <= 0) continue;
+      used[t]! += n;
+      if (this.#schedule(seq, n, true) === "failed") i--;
     }
   }
 
-  /** Phase 2: admission, FIFO, while sequence slots, budget and pages last (not after a preemption). */
-  #admitWaiting(): void {
-    const waiting = this.#waiting;
+  /** Records the tenants with a prompt in progress (`#prefillTenants`), their use this step zeroed. */
+  #markPrefillTenants(): void {
+    this.#prefillTenantCount = 0;
     const running = this.#running;
-    while (!this.#preemptedThisStep && waiting.length > 0 && running.length < this.#maxSequences) {
-      const seq = waiting.peekFront()!;
+    for (let i = 0; i < running.length; i++) {
+      const seq = running[i]!;
+      if (seq.length - seq.computed > 1) this.#markPrefillTenant(seq.tenant, 0);
+    }
+  }
+
+  /** Adds `tenant` to this step's prefill tenants (if new) and counts `tokens` to it. */
+  #markPrefillTenant(tenant: number, tokens: number): void {
+    const tenants = this.#prefillTenants;
+    let j = 0;
+    while (j < this.#prefillTenantCount && tenants[j] !== tenant) j++;
+    if (j === this.#prefillTenantCount) {
+      tenants[j] = tenant;
+      this.#prefillUsed[j] = 0;
+      this.#prefillTenantCount++;
+    }
+    this.#prefillUsed[j]! += tokens;
+  }
+
+  #isPrefillTenant(tenant: number): boolean {
+    const tenants = this.#prefillTenants;
+    for (let j = 0; j < this.#prefillTenantCount; j++) if (tenants[j] === tenant) return true;
+    return false;
+  }
+
+  /**
+   * The prefill tokens each tenant may take this step: all of them with one tenant's prompts to
+   * compute; with more (running prompts, or waiting requests of other tenants), an even share, so
+   * that a tenant's long prompt never holds another tenant's short one back for its whole length.
+   */
+  #prefillShare(): number {
+    const k = this.#prefillTenantCount;
+    let others = this.#waiting.flows + (this.#preempted.length > 0 ? 1 : 0);
+    for (let j = 0; j < k; j++) if (this.#waiting.lengthOf(this.#prefillTenants[j]!) > 0) others--;
+    const competing = k + Math.max(0, others);
+    return competing <= 1
+      ? this.#maxPrefillTokens
+      : Math.max(1, Math.floor(this.#maxPrefillTokens / competing));
+  }
+
+  #prefillTenantIndex(tenant: number): number {
+    const tenants = this.#prefillTenants;
+    for (let j = 0; j < this.#prefillTenantCount; j++) if (tenants[j] === tenant) return j;
+    return 0;
+  }
+
+  /**
+   * Phases 2 and 4: admission while sequence slots, budget and pages last (not after a
+   * preemption). First (`newcomers`) the waiting requests of tenants with no prompt in progress,
+   * one prompt per tenant, before the running prompts take their chunks: a tenant that has not
+   * been computing goes ahead of one that has, as fair queuing orders them. Then the rest:
+   * preempted requests first, then the waiting ones fairly between tenants (`FairQueue`: a
+   * tenant's backlog of long prompts does not hold another tenant's short one behind it all).
+   */
+  #admitWaiting(newcomers: boolean): void {
+    const running = this.#running;
+    if (newcomers && this.#preempted.length > 0) return;
+    while (!this.#preemptedThisStep && running.length < this.#maxSequences) {
+      const seq = newcomers
+        ? this.#waiting.peek(this.#fresh)
+        : (this.#preempted.peekFront() ?? this.#waiting.peek());
+      if (seq === undefined) break;
       const remaining = seq.length - seq.computed;
       const prefill = remaining > 1;
       const n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
@@ -462,11 +555,13 @@ export class Engine {
         !this.pool.allocate(Math.ceil(n / this.pool.pageSize), seq.rid, seq.epoch, seq.tenant, seq.blockTable)
       )
         break;
-      waiting.popFront();
+      if (seq.preempted) this.#preempted.popFront();
+      else this.#waiting.take();
       seq.state = "running";
       seq.preempted = false;
       running.push(seq);
       this.#addToBatch(seq, n, prefill);
+      if (prefill) this.#markPrefillTenant(seq.tenant, n);
     }
   }
 
@@ -706,7 +801,7 @@ export class Engine {
     seq.computed = 0;
     seq.state = "waiting";
     seq.preempted = true;
-    this.#waiting.pushFront(seq);
+    this.#preempted.pushFront(seq);
     this.#counters.preemptions++;
   }
 
@@ -726,7 +821,7 @@ export class Engine {
     if (seq.ownership === "local") this.pool.free(seq.blockTable, seq.rid, seq.epoch);
     else seq.blockTable.clear();
     if (seq.state === "running") this.#removeRunning(seq);
-    else this.#waiting.remove(seq);
+    else if (!this.#preempted.remove(seq)) this.#waiting.remove(seq);
     seq.state = "done";
     this.#byRid.delete(seq.rid);
   }

@@ -113,6 +113,7 @@ export class FairQueue<T> {
    */
   peek(eligible?: (flow: number, front: T) => boolean): T | undefined {
     this.#peeked = null;
+    if (this.#length === 0) return undefined;
     let best: { tag: number; seq: number } | null = null;
     for (const flow of this.#flows.values()) {
       const front = flow.queue.peekFront()!;

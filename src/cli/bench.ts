@@ -10,6 +10,7 @@ import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
 import { bundledModelDir } from "../lib/package-root.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
+import { fairShareCommand } from "../tools/bench/fair-share.js";
 import {
   type BenchKernels,
   formatModelBench,
@@ -164,6 +165,7 @@ export function command(): Command {
   group.addCommand(transferCommand());
   group.addCommand(tagCheckCommand());
   group.addCommand(clusterCommand());
+  group.addCommand(fairShareCommand());
   // bench-commands:end
   return group;
 }

@@ -74,7 +74,7 @@ export interface ClusterBenchResult {
 const now = (): bigint => process.hrtime.bigint();
 
 /** Prompt `i`: the bundled model's record-lookup shape, `chars` long, distinct per request. */
-function prompt(i: number, chars: number): string {
+export function prompt(i: number, chars: number): string {
   const records: string[] = [];
   let text = "";
   for (let k = 0; text.length < chars - 60; k++) {
@@ -87,16 +87,20 @@ function prompt(i: number, chars: number): string {
   return `${text} what is the access code of account ${1000 + ((i * 37) % 9000)}?`;
 }
 
-/** One chat completion; resolves with its text and output tokens. */
+/** One chat completion (with `apiKey` when given); resolves with its text and output tokens. */
 async function chat(
   url: string,
   model: string,
   content: string,
   maxTokens: number,
+  apiKey?: string,
 ): Promise<{ text: string; tokens: number }> {
   const res = await fetch(`${url}/v1/chat/completions`, {
     method: "POST",
-    headers: { "content-type": "application/json" },
+    headers: {
+      "content-type": "application/json",
+      ...(apiKey === undefined ? {} : { authorization: `Bearer ${apiKey}` }),
+    },
     body: JSON.stringify({
       model,
       messages: [{ role: "user", content }],
@@ -114,12 +118,13 @@ async function chat(
 }
 
 /** Runs `prompts` through `url` with `concurrency` in flight; wall time and answers in order. */
-async function round(
+export async function round(
   url: string,
   model: string,
   prompts: readonly string[],
   concurrency: number,
   maxTokens: number,
+  apiKey?: string,
 ): Promise<{ ns: number; tokens: number; texts: string[] }> {
   const texts = new Array<string>(prompts.length);
   let tokens = 0;
@@ -129,7 +134,7 @@ async function round(
     Array.from({ length: Math.min(concurrency, prompts.length) }, async () => {
       while (next < prompts.length) {
         const i = next++;
-        const r = await chat(url, model, prompts[i]!, maxTokens);
+        const r = await chat(url, model, prompts[i]!, maxTokens, apiKey);
         texts[i] = r.text;
         tokens += r.tokens;
       }

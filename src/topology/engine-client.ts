@@ -207,13 +207,14 @@ export class EngineClient implements EngineHandle {
     };
   }
 
+  /** The worker's stats; `queue.waiting` includes the requests waiting here, in the fair share. */
   stats(): Promise<EngineStats> {
     if (this.#down !== null) return Promise.reject(KvfenceError.fromWire(this.#down));
     const id = this.#nextStatsId++;
-    return new Promise((resolve, reject) => {
+    return new Promise<EngineStats>((resolve, reject) => {
       this.#statsWaiters.set(id, { resolve, reject });
       this.#post({ type: "stats", id });
-    });
+    }).then((s) => ({ ...s, queue: { ...s.queue, waiting: s.queue.waiting + this.#share.waiting } }));
   }
 
   close(): Promise<void> {

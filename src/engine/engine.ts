@@ -6,17 +6,22 @@
  *
  * ## One step
  *
- * 1. **Running requests, oldest first.** A decoding request adds its one pending token; a request
- *    still in prefill adds its next chunk, within `maxPrefillTokens` per step (chunked prefill) and
- *    `maxBatchTokens` in all; while several tenants have prompts to compute (running or waiting),
- *    each tenant takes an even share of the step's prefill tokens. Pages are leased lazily, as the step needs them. When the pool runs
- *    out, the most recently admitted running request is **preempted**: its pages are freed, its
- *    epoch bumped, and it goes back to the front of the queue to be recomputed later from its
- *    prompt plus the tokens it already generated (never from its old pages).
- * 2. **Admission.** Preempted requests, then waiting ones — fairly between tenants, by weighted
- *    fair queuing over the tokens each still has to compute (`src/lib/fair-queue.ts`) — join
- *    while there are sequence slots, token budget and free pages for their first chunk — not in a
- *    step that had to preempt, to avoid thrashing.
+ * 1. **Decode tokens**, running requests oldest first: each adds its one pending token. Pages are
+ *    leased lazily, as the step needs them. When the pool runs out, the most recently admitted
+ *    running request is **preempted**: its pages are freed, its epoch bumped, and it goes back to
+ *    the front of the queue to be recomputed later from its prompt plus the tokens it already
+ *    generated (never from its old pages).
+ * 2. **Admission, and prompts, fairly between tenants.** First the waiting requests of tenants with
+ *    no prompt in progress that have been served no more prefill lately than those that have one
+ *    (a tenant that was not computing goes ahead of one that was); then the running prompts' next
+ *    chunks, the tenant served least prefill lately first (a decayed count of its prefill tokens,
+ *    `RECENT_DECAY`), within `maxPrefillTokens` per step (chunked prefill) — cut to an even share
+ *    while other tenants only decode, so that a long prompt's chunk does not slow their every
+ *    token — and `maxBatchTokens` in all; then the other waiting requests: preempted ones first,
+ *    then the rest by weighted fair queuing over the tokens each still has to compute
+ *    (`src/lib/fair-queue.ts`). Admission needs a sequence slot, token budget and free pages for
+ *    the first chunk, and stops in a step that had to preempt, to avoid thrashing. With one tenant
+ *    this is first-come, oldest prompt first, as before.
  * 3. **The read guard.** Every page of every block table in the batch is checked against the
  *    ownership table (`PagePool.checkStep`: generation, owner rid/epoch, state, writer stamp, filled
  *    tokens). A request that fails is ended with `page_tag_mismatch` and counted; the rest of the
@@ -28,8 +33,8 @@
  *    generator draws the next token; a stop token id ends it with `stop` (the stop token is counted
  *    in usage but not reported in `onTokens`), `maxTokens` with `length`.
  *
- * `step()` runs these as named phases (`#scheduleRunning`, `#admitWaiting`, `#checkBatch`,
- * `#forward`, `#sample`). A decode step of a running request allocates nothing: the token it feeds
+ * `step()` runs these as named phases (`#scheduleDecodes`, `#admitWaiting`, `#schedulePrefills`,
+ * `#checkBatch`, `#forward`, `#sample`). A decode step of a running request allocates nothing: the token it feeds
  * the forward pass and the array `onTokens` receives are the request's own, reused (listeners copy
  * what they keep). Preempted requests wait in a ring-buffer deque (admission pops its front, a
  * preempted request goes back to its front, both O(1)), the others in the fair queue.
@@ -84,6 +89,12 @@ export interface EngineOptions {
   /** Seed for requests that bring none. Default: from `Math.random`. */
   readonly seed?: number;
 }
+
+/**
+ * How much of a tenant's recent prefill service one step forgets: a tenant's service counts for
+ * about the last 1 / (1 − RECENT_DECAY) steps when the engine orders prompts between tenants.
+ */
+const RECENT_DECAY = 0.9;
 
 /** Where a request is: queued for admission, in the running set, or ended (pages freed, silenced). */
 type SequenceState = "waiting" | "running" | "done";
@@ -229,12 +240,19 @@ export class Engine {
   readonly #logits: Float32Array[] = [];
   #tokenBudget = 0;
   #prefillBudget = 0;
-  /** This step's tenants with prompts to compute, and the prefill tokens each took (`#prefillShare`). */
+  /** This step's tenants with a prompt in progress (`#markPrefillTenants`). */
   readonly #prefillTenants: Uint32Array;
-  readonly #prefillUsed: Int32Array;
   #prefillTenantCount = 0;
-  /** A tenant with no prompt in progress this step (made once: a step allocates nothing). */
-  readonly #fresh = (tenant: number): boolean => !this.#isPrefillTenant(tenant);
+  /** The least recent prefill service among them (Infinity: none). */
+  #leastRecentPrefill = Number.POSITIVE_INFINITY;
+  /** Tenants with only decoding requests running this step. */
+  #decodingTenants = 0;
+  /** Each tenant's recent prefill service: tokens, decayed by `RECENT_DECAY` per step. */
+  readonly #recent = new Map<number, { value: number; step: number }>();
+  #stepNumber = 0;
+  /** May a waiting request of `tenant` start before the running prompts' chunks (made once). */
+  readonly #fresh = (tenant: number): boolean =>
+    !this.#isPrefillTenant(tenant) && this.#recentPrefill(tenant) <= this.#leastRecentPrefill;
   #preemptedThisStep = false;
   readonly #counters = {
     tagCheckFailures: 0,
@@ -290,7 +308,6 @@ export class Engine {
       maxSequences: model.maxSequences,
     });
     this.#prefillTenants = new Uint32Array(this.#maxSequences);
-    this.#prefillUsed = new Int32Array(this.#maxSequences);
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
     for (let k = 0; k <= this.#maxSequences; k++)
       this.#stepViews.push(Array.from({ length: k }, () => this.#idleStep));
@@ -432,6 +449,7 @@ export class Engine {
     if (this.#byRid.size === 0) return false;
     this.#tokenBudget = this.#maxBatchTokens;
     this.#prefillBudget = this.#maxPrefillTokens;
+    this.#stepNumber++;
     this.#preemptedThisStep = false;
     this.#scheduleDecodes();
     this.#markPrefillTenants();
@@ -461,46 +479,62 @@ export class Engine {
   }
 
   /**
-   * Phase 3: the next chunk of every running prompt, oldest first, each tenant within its share of
-   * the step's prefill tokens (`#prefillShare`).
+   * Phase 3: the next chunk of the running prompts, the tenant served least prefill recently first
+   * (ties: oldest first), each taking what the step has left. While other tenants only decode, the
+   * step's prefill is cut to an even share (`maxPrefillTokens / (1 + decoding tenants)`): a long
+   * prompt's chunk makes every step, and so each of their tokens, slower.
    */
   #schedulePrefills(): void {
+    if (this.#decodingTenants > 0 && this.#prefillTenantCount > 0) {
+      const share = Math.max(1, Math.floor(this.#maxPrefillTokens / (1 + this.#decodingTenants)));
+      this.#prefillBudget = Math.min(this.#prefillBudget, share);
+    }
     const running = this.#running;
-    const share = this.#prefillShare();
-    const used = this.#prefillUsed;
-    for (let i = 0; i < running.length; i++) {
-      const seq = running[i]!;
-      const remaining = seq.length - seq.computed;
-      if (remaining <= 1 || seq.inBatch) continue;
-      const t = this.#prefillTenantIndex(seq.tenant);
-      const n = Math.min(remaining, this.#prefillBudget, this.#tokenBudget, share - used[t]!);
-      if (n <= 0) continue;
-      used[t]! += n;
-      if (this.#schedule(seq, n, true) === "failed") i--;
+    for (;;) {
+      let best: Sequence | null = null;
+      let bestRecent = Number.POSITIVE_INFINITY;
+      for (let i = 0; i < running.length; i++) {
+        const seq = running[i]!;
+        if (seq.inBatch || seq.length - seq.computed <= 1) continue;
+        const recent = this.#recentPrefill(seq.tenant);
+        if (best === null || recent < bestRecent) {
+          best = seq;
+          bestRecent = recent;
+        }
+      }
+      if (best === null) return;
+      const n = Math.min(best.length - best.computed, this.#prefillBudget, this.#tokenBudget);
+      if (n <= 0) return;
+      this.#schedule(best, n, true);
     }
   }
 
-  /** Records the tenants with a prompt in progress (`#prefillTenants`), their use this step zeroed. */
+  /**
+   * Records the tenants with a prompt in progress (`#prefillTenants`), the least recent prefill
+   * service among them, and how many tenants only decode. Allocates nothing.
+   */
   #markPrefillTenants(): void {
     this.#prefillTenantCount = 0;
+    this.#leastRecentPrefill = Number.POSITIVE_INFINITY;
+    this.#decodingTenants = 0;
     const running = this.#running;
     for (let i = 0; i < running.length; i++) {
       const seq = running[i]!;
-      if (seq.length - seq.computed > 1) this.#markPrefillTenant(seq.tenant, 0);
+      if (seq.length - seq.computed > 1) this.#markPrefillTenant(seq.tenant);
+    }
+    for (let i = 0; i < running.length; i++) {
+      const t = running[i]!.tenant;
+      if (this.#isPrefillTenant(t)) continue;
+      let seen = false;
+      for (let j = 0; j < i && !seen; j++) seen = running[j]!.tenant === t;
+      if (!seen) this.#decodingTenants++;
     }
   }
 
-  /** Adds `tenant` to this step's prefill tenants (if new) and counts `tokens` to it. */
-  #markPrefillTenant(tenant: number, tokens: number): void {
-    const tenants = this.#prefillTenants;
-    let j = 0;
-    while (j < this.#prefillTenantCount && tenants[j] !== tenant) j++;
-    if (j === this.#prefillTenantCount) {
-      tenants[j] = tenant;
-      this.#prefillUsed[j] = 0;
-      this.#prefillTenantCount++;
-    }
-    this.#prefillUsed[j]! += tokens;
+  #markPrefillTenant(tenant: number): void {
+    if (this.#isPrefillTenant(tenant)) return;
+    this.#prefillTenants[this.#prefillTenantCount++] = tenant;
+    this.#leastRecentPrefill = Math.min(this.#leastRecentPrefill, this.#recentPrefill(tenant));
   }
 
   #isPrefillTenant(tenant: number): boolean {
@@ -509,34 +543,29 @@ export class Engine {
     return false;
   }
 
-  /**
-   * The prefill tokens each tenant may take this step: all of them with one tenant's prompts to
-   * compute; with more (running prompts, or waiting requests of other tenants), an even share, so
-   * that a tenant's long prompt never holds another tenant's short one back for its whole length.
-   */
-  #prefillShare(): number {
-    const k = this.#prefillTenantCount;
-    let others = this.#waiting.flows + (this.#preempted.length > 0 ? 1 : 0);
-    for (let j = 0; j < k; j++) if (this.#waiting.lengthOf(this.#prefillTenants[j]!) > 0) others--;
-    const competing = k + Math.max(0, others);
-    return competing <= 1
-      ? this.#maxPrefillTokens
-      : Math.max(1, Math.floor(this.#maxPrefillTokens / competing));
+  /** `tenant`'s prefill tokens of the last steps, each step's worth decayed by `RECENT_DECAY`. */
+  #recentPrefill(tenant: number): number {
+    const r = this.#recent.get(tenant);
+    return r === undefined ? 0 : r.value * RECENT_DECAY ** (this.#stepNumber - r.step);
   }
 
-  #prefillTenantIndex(tenant: number): number {
-    const tenants = this.#prefillTenants;
-    for (let j = 0; j < this.#prefillTenantCount; j++) if (tenants[j] === tenant) return j;
-    return 0;
+  #servedPrefill(tenant: number, tokens: number): void {
+    let r = this.#recent.get(tenant);
+    if (r === undefined) {
+      r = { value: 0, step: this.#stepNumber };
+      this.#recent.set(tenant, r);
+    }
+    r.value = r.value * RECENT_DECAY ** (this.#stepNumber - r.step) + tokens;
+    r.step = this.#stepNumber;
   }
 
   /**
-   * Phases 2 and 4: admission while sequence slots, budget and pages last (not after a
-   * preemption). First (`newcomers`) the waiting requests of tenants with no prompt in progress,
-   * one prompt per tenant, before the running prompts take their chunks: a tenant that has not
-   * been computing goes ahead of one that has, as fair queuing orders them. Then the rest:
-   * preempted requests first, then the waiting ones fairly between tenants (`FairQueue`: a
-   * tenant's backlog of long prompts does not hold another tenant's short one behind it all).
+   * Phase 2: admission while sequence slots, budget and pages last (not after a preemption).
+   * First (`newcomers`) the waiting requests of tenants with no prompt in progress and no more
+   * recent prefill than those with one, one prompt per tenant, before the running prompts take
+   * their chunks. Then (after the chunks) the rest: preempted requests first, then the waiting
+   * ones fairly between tenants (`FairQueue`: a tenant's backlog of long prompts does not hold
+   * another tenant's short one behind it all).
    */
   #admitWaiting(newcomers: boolean): void {
     const running = this.#running;
@@ -561,7 +590,7 @@ export class Engine {
       seq.preempted = false;
       running.push(seq);
       this.#addToBatch(seq, n, prefill);
-      if (prefill) this.#markPrefillTenant(seq.tenant, n);
+      if (prefill) this.#markPrefillTenant(seq.tenant);
     }
   }
 
@@ -709,7 +738,10 @@ export class Engine {
     seq.stepPrefill = prefill;
     seq.inBatch = true;
     this.#tokenBudget -= n;
-    if (prefill) this.#prefillBudget -= n;
+    if (prefill) {
+      this.#prefillBudget -= n;
+      this.#servedPrefill(seq.tenant, n);
+    }
     this.#batch[this.#batchLength++] = seq;
   }
 

@@ -2,7 +2,8 @@
  * `kvfence bench fair-share`: what fair sharing costs one tenant that runs alone (issue #22: within
  * 2% of first-come-first-served). Starts two servers of the same topology (`--topology single`,
  * `threads` — the default `kvfence serve` — or `cluster`: router, prefill and decode processes),
- * each with an API keys file of two tenants, so that the per-tenant default caps are on:
+ * each with an API keys file of `--tenants` tenants (default 2: the per-tenant default caps are on,
+ * half the server each; 1: no cap, what the fair queue itself costs):
  *
  * - `fair`: this build, default flags;
  * - `fifo`: the build at `--baseline DIR` (a checkout of an older kvfence, built: its first-come
@@ -32,6 +33,8 @@ export interface FairBenchOptions {
   readonly topology?: FairBenchTopology;
   /** A kvfence checkout (built) whose `kvfence serve` is the fifo arm; absent: this build uncapped. */
   readonly baseline?: string;
+  /** Tenants in the keys file (only the first sends): 2 puts the default caps on, 1 leaves them off. */
+  readonly tenants?: 1 | 2;
   readonly model?: string;
   /** KV pool of each engine or node in pages (default 600). */
   readonly kvPages?: number;
@@ -52,6 +55,7 @@ export interface FairArm {
 
 export interface FairBenchResult {
   readonly topology: FairBenchTopology;
+  readonly tenants: 1 | 2;
   readonly rounds: number;
   readonly requests: number;
   readonly concurrency: number;
@@ -169,8 +173,12 @@ export async function runFairShareBench(options: FairBenchOptions = {}): Promise
   const loadStart = os.loadavg()[0]!;
   const dir = mkdtempSync(join(os.tmpdir(), "kvfence-bench-keys-"));
   const keys = join(dir, "keys.json");
-  // Two tenants, so that the default per-tenant caps apply; only the first one sends.
-  writeFileSync(keys, JSON.stringify({ [KEY]: "alone", "sk-bench-tenant-idle-2": "idle" }));
+  // With two tenants the default per-tenant caps apply; only the first one sends.
+  const tenants = options.tenants ?? 2;
+  writeFileSync(
+    keys,
+    JSON.stringify(tenants === 2 ? { [KEY]: "alone", "sk-bench-tenant-idle-2": "idle" } : { [KEY]: "alone" }),
+  );
   const common = [
     "--model",
     options.model ?? bundledModelDir(),
@@ -234,6 +242,7 @@ export async function runFairShareBench(options: FairBenchOptions = {}): Promise
   });
   return {
     topology,
+    tenants,
     rounds,
     requests,
     concurrency,
@@ -263,7 +272,7 @@ export function formatFairShareReport(r: FairBenchResult): string {
         ? "NOT within 2% (CI high end < 98%)"
         : "undecided: the CI straddles 98% (more rounds, a quieter machine)";
   return [
-    `kvfence ${r.topology}, one tenant alone, fair sharing vs first-come: ${r.rounds} interleaved rounds of ${r.requests} chat requests (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
+    `kvfence ${r.topology}, one tenant sending of ${r.tenants} in the keys file${r.tenants === 2 ? " (default caps: half the server each)" : " (no cap)"}, fair sharing vs first-come: ${r.rounds} interleaved rounds of ${r.requests} chat requests (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
     `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
     arm(r.fair),
     arm(r.fifo),
@@ -283,6 +292,7 @@ function positiveInt(name: string): (value: string) => number {
 
 interface FairCliOptions {
   topology: FairBenchTopology;
+  tenants: "1" | "2";
   baseline?: string;
   model?: string;
   kvPages: number;
@@ -306,6 +316,14 @@ export function fairShareCommand(): Command {
         .choices(["single", "threads", "cluster"])
         .default("threads"),
     )
+    .addOption(
+      new Option(
+        "--tenants <n>",
+        "tenants in the keys file, only the first sends: 2 (the default caps on) or 1",
+      )
+        .choices(["1", "2"])
+        .default("2"),
+    )
     .option(
       "--baseline <dir>",
       "a built kvfence checkout whose serve is the fifo arm (e.g. the commit before fair sharing)",
@@ -323,6 +341,7 @@ export function fairShareCommand(): Command {
       try {
         const result = await runFairShareBench({
           topology: o.topology,
+          tenants: o.tenants === "1" ? 1 : 2,
           ...(o.baseline === undefined ? {} : { baseline: o.baseline }),
           ...(o.model === undefined ? {} : { model: o.model }),
           kvPages: o.kvPages,

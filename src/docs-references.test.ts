@@ -53,22 +53,7 @@ export function badReferences(files: readonly TextFile[], repo: Repository): str
       const where = `${path}:${i + 1}`;
       const gone = GONE.exec(line);
       if (gone !== null) problems.push(`${where} cites ${gone[0]}, which is not in the repository`);
-      for (const m of line.matchAll(DOC_REF)) {
-        const doc = m[1] ?? "";
-        const headings = repo.headingsOf(doc);
-        if (headings === undefined) {
-          problems.push(`${where} cites docs/${doc}, which does not exist`);
-          continue;
-        }
-        const anchor = m[2];
-        if (anchor === undefined) continue;
-        const wanted = anchor.startsWith("§") ? [anchor.replace(/^§\s?/, "")] : anchor.split("/");
-        for (const w of wanted) {
-          const label = anchor.startsWith("§") ? `§${w}` : w;
-          if (!headings.has(w))
-            problems.push(`${where} cites docs/${doc} ${label}, which has no such heading`);
-        }
-      }
+      for (const m of line.matchAll(DOC_REF)) problems.push(...docReferenceProblems(where, m, repo));
       if (!path.endsWith(".md")) return;
       for (const m of line.matchAll(SOURCE_PATH)) {
         const file = m[1] ?? "";
@@ -77,6 +62,20 @@ export function badReferences(files: readonly TextFile[], repo: Repository): str
     });
   }
   return problems;
+}
+
+/** One `docs/<doc> [§N | ANCHOR/ANCHOR]` reference: the document and each heading it names must exist. */
+function docReferenceProblems(where: string, m: RegExpMatchArray, repo: Repository): string[] {
+  const doc = m[1] ?? "";
+  const headings = repo.headingsOf(doc);
+  if (headings === undefined) return [`${where} cites docs/${doc}, which does not exist`];
+  const anchor = m[2];
+  if (anchor === undefined) return [];
+  const section = anchor.startsWith("§");
+  const wanted = section ? [anchor.replace(/^§\s?/, "")] : anchor.split("/");
+  return wanted
+    .filter((w) => !headings.has(w))
+    .map((w) => `${where} cites docs/${doc} ${section ? `§${w}` : w}, which has no such heading`);
 }
 
 /** The section numbers (`4`, `3.2`) and anchors (`H7`) of a markdown text's headings. */

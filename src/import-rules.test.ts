@@ -67,7 +67,18 @@ export const RULES: Record<string, Rule> = {
     ],
   },
   "tools/bench": {
-    src: ["tools/bench", "topology", "engine", "model", "kvcache", "kernels", "transfer", "protocol", "lib"],
+    src: [
+      "tools/bench",
+      "tools/probe",
+      "topology",
+      "engine",
+      "model",
+      "kvcache",
+      "kernels",
+      "transfer",
+      "protocol",
+      "lib",
+    ],
   },
   "tools/check": { src: ["tools/check", "protocol", "kvcache/ownership-table.ts", "lib"] },
   "tools/incident": {
@@ -134,21 +145,33 @@ function scan(srcDir: string): { violations: string[]; used: Set<string> } {
     for (const m of readFileSync(file, "utf8").matchAll(IMPORT)) {
       const spec = m[1] ?? m[2] ?? "";
       if (spec.startsWith("node:")) continue;
-      if (!spec.startsWith(".")) {
-        const pkg = spec.startsWith("@")
-          ? spec.split("/").slice(0, 2).join("/")
-          : (spec.split("/")[0] ?? spec);
-        if (rule.packages !== undefined && !rule.packages.includes(pkg))
-          violations.push(`${rel} imports ${pkg}`);
-        continue;
-      }
-      const target = relative(srcDir, resolve(dirname(file), spec.replace(/\.js$/, ".ts")));
-      const allowance = rule.src.find((a) => target === a || target.startsWith(`${a}/`));
-      if (allowance === undefined) violations.push(`${rel} imports ${target}`);
-      else used.add(`${ruleKey(rel)} -> ${allowance}`);
+      const verdict = spec.startsWith(".")
+        ? checkSourceImport({ srcDir, file, rel, rule }, spec)
+        : checkPackageImport(rel, rule, spec);
+      if (verdict.violation !== undefined) violations.push(verdict.violation);
+      if (verdict.used !== undefined) used.add(verdict.used);
     }
   }
   return { violations, used };
+}
+
+/** An import of a file under src/: a violation, or the allowance it uses. */
+function checkSourceImport(
+  from: { readonly srcDir: string; readonly file: string; readonly rel: string; readonly rule: Rule },
+  spec: string,
+): { violation?: string; used?: string } {
+  const target = relative(from.srcDir, resolve(dirname(from.file), spec.replace(/\.js$/, ".ts")));
+  const allowance = from.rule.src.find((a) => target === a || target.startsWith(`${a}/`));
+  if (allowance === undefined) return { violation: `${from.rel} imports ${target}` };
+  return { used: `${ruleKey(from.rel)} -> ${allowance}` };
+}
+
+/** An import of an npm package: a violation when the folder's rule lists its packages and not this one. */
+function checkPackageImport(rel: string, rule: Rule, spec: string): { violation?: string; used?: string } {
+  const pkg = spec.startsWith("@") ? spec.split("/").slice(0, 2).join("/") : (spec.split("/")[0] ?? spec);
+  if (rule.packages !== undefined && !rule.packages.includes(pkg))
+    return { violation: `${rel} imports ${pkg}` };
+  return {};
 }
 
 test("src/ imports follow the layering, every folder has a rule", () => {

@@ -89,13 +89,8 @@ export function writeModelFolder(options: ModelFolderOptions = {}): ModelFolder 
   const seed = options.seed ?? 1;
   let tensors: TensorToWrite[] = [...expectedTensors(modelConfig)].map(([name, dims], index) => {
     const data = new Float32Array(dims.reduce((a, b) => a * b, 1));
-    fillRandom(
-      data,
-      seed,
-      index,
-      name.endsWith("norm.weight") ? 1 : 0,
-      name.endsWith("norm.weight") ? 0.05 : 0.02,
-    );
+    const norm = name.endsWith("norm.weight");
+    fillRandom(data, { seed, stream: index, mean: norm ? 1 : 0, std: norm ? 0.05 : 0.02 });
     return { name, shape: dims, data, dtype: options.dtype ?? "F32" };
   });
   if (options.editTensors !== undefined) tensors = options.editTensors(tensors);

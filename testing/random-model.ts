@@ -148,24 +148,7 @@ export function naiveForward(
     }
     const next: Float64Array[] = [];
     for (let t = 0; t < n; t++) {
-      const att = new Float64Array(numHeads * hd);
-      for (let hh = 0; hh < numHeads; hh++) {
-        const kvh = Math.floor(hh / (numHeads / numKvHeads));
-        const sc: number[] = [];
-        for (let u = 0; u <= t; u++) {
-          let s = 0;
-          for (let d = 0; d < hd; d++)
-            s += (qs[t] as Float64Array)[hh * hd + d]! * (ks[u] as Float64Array)[kvh * hd + d]!;
-          sc.push(s / Math.sqrt(hd));
-        }
-        const m = Math.max(...sc);
-        const e = sc.map((s) => Math.exp(s - m));
-        const z = e.reduce((a, b) => a + b, 0);
-        for (let u = 0; u <= t; u++) {
-          for (let d = 0; d < hd; d++)
-            att[hh * hd + d]! += ((e[u] as number) / z) * (vs[u] as Float64Array)[kvh * hd + d]!;
-        }
-      }
+      const att = naiveAttention(config, { qs, ks, vs }, t);
       const o = lin(att, w.o, h, null);
       const x1 = (xs[t] as Float64Array).map((v, i) => v + (o[i] as number));
       const xn = norm(x1, w.postNorm);
@@ -178,4 +161,37 @@ export function naiveForward(
     xs = next;
   }
   return xs.map((x) => lin(norm(x, weights.finalNorm), weights.lmHead, vocabSize, null));
+}
+
+/** Causal GQA attention of position `t` over positions 0..t, every head, in float64. */
+function naiveAttention(
+  config: ModelConfig,
+  qkv: {
+    readonly qs: readonly Float64Array[];
+    readonly ks: readonly Float64Array[];
+    readonly vs: readonly Float64Array[];
+  },
+  t: number,
+): Float64Array {
+  const { numHeads, numKvHeads, headDim: hd } = config;
+  const { qs, ks, vs } = qkv;
+  const att = new Float64Array(numHeads * hd);
+  for (let hh = 0; hh < numHeads; hh++) {
+    const kvh = Math.floor(hh / (numHeads / numKvHeads));
+    const sc: number[] = [];
+    for (let u = 0; u <= t; u++) {
+      let s = 0;
+      for (let d = 0; d < hd; d++)
+        s += (qs[t] as Float64Array)[hh * hd + d]! * (ks[u] as Float64Array)[kvh * hd + d]!;
+      sc.push(s / Math.sqrt(hd));
+    }
+    const m = Math.max(...sc);
+    const e = sc.map((s) => Math.exp(s - m));
+    const z = e.reduce((a, b) => a + b, 0);
+    for (let u = 0; u <= t; u++) {
+      for (let d = 0; d < hd; d++)
+        att[hh * hd + d]! += ((e[u] as number) / z) * (vs[u] as Float64Array)[kvh * hd + d]!;
+    }
+  }
+  return att;
 }

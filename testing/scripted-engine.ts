@@ -30,6 +30,8 @@ export interface ScriptedEngineOptions {
   readonly tokenDelayMs?: number;
   /** Fail every request with this error before its first token. */
   readonly failWith?: WireError;
+  /** With `failWith`: the tokens sent before the failure (default 0, before the first). */
+  readonly failAfter?: number;
 }
 
 interface Running {
@@ -133,7 +135,7 @@ export class ScriptedEngine implements EngineHandle {
 
   #step(run: Running): void {
     if (!this.#running.has(run.request.rid)) return;
-    if (this.#options.failWith !== undefined) {
+    if (this.#options.failWith !== undefined && run.sent >= (this.#options.failAfter ?? 0)) {
       this.#release(run);
       run.events.onError(this.#options.failWith);
       return;

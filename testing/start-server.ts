@@ -1,6 +1,7 @@
 /**
  * Starts the real kvfence server (real engine worker, real model) in-process on 127.0.0.1 port 0,
- * for end-to-end tests, and checks the pool through /metrics. Close it in the test's cleanup.
+ * for end-to-end tests, and checks the pool through /metrics (with the test operator key). Close it
+ * in the test's cleanup.
  */
 import assert from "node:assert/strict";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
@@ -14,6 +15,19 @@ import { type RunningServer, startServer } from "../src/server/start-server.js";
 
 const ROOT = fileURLToPath(new URL(import.meta.url.includes("/dist/") ? "../../" : "../", import.meta.url));
 
+/** The operator key of the test servers (/metrics, /kvfence/nodes; docs/api.md). */
+export const TEST_OPERATOR_KEY = "kvfence-test-operator-key-0001";
+
+/** Headers that carry the test servers' operator key. */
+export function operatorHeaders(): Record<string, string> {
+  return { authorization: `Bearer ${TEST_OPERATOR_KEY}` };
+}
+
+/** GET an operator endpoint of a test server (with its operator key, the test one unless given). */
+export function operatorGet(url: string, path: string, key = TEST_OPERATOR_KEY): Promise<Response> {
+  return fetch(`${url}${path}`, { headers: { authorization: `Bearer ${key}` } });
+}
+
 /** A bundled model folder by name (`kvfence-tiny`, `tiny-qwen2`). */
 export function modelDir(name: string): string {
   return join(ROOT, "models", name);
@@ -25,6 +39,14 @@ export interface TestServerOptions {
   readonly pageSize?: number;
   readonly maxModelLen?: number;
   readonly maxPrefillTokens?: number;
+  /** `--kernel-threads` (default 2 on this one-engine topology; 1 leaves a core to the router). */
+  readonly kernelThreads?: 1 | 2;
+  /** `--max-prompt-bytes`. */
+  readonly maxPromptBytes?: number;
+  /** `--operator-key` (default TEST_OPERATOR_KEY); null: none, so /metrics is on the operator listener. */
+  readonly operatorKey?: string | null;
+  /** `--metrics-tenant-names`. */
+  readonly metricsTenantNames?: boolean;
   /** key → tenant name; written to a temp `--api-keys` file. */
   readonly apiKeys?: Readonly<Record<string, string>>;
 }
@@ -54,6 +76,10 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
     ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: String(options.maxPrefillTokens) }),
     ...(apiKeys === undefined ? {} : { apiKeys }),
+    ...(options.kernelThreads === undefined ? {} : { kernelThreads: String(options.kernelThreads) }),
+    ...(options.maxPromptBytes === undefined ? {} : { maxPromptBytes: String(options.maxPromptBytes) }),
+    ...(options.operatorKey === null ? {} : { operatorKey: options.operatorKey ?? TEST_OPERATOR_KEY }),
+    ...(options.metricsTenantNames === true ? { metricsTenantNames: true } : {}),
   });
   try {
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });
@@ -72,8 +98,8 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
 }
 
 /** /metrics parsed into `name{labels}` → value. */
-export async function scrape(url: string): Promise<Map<string, number>> {
-  const res = await fetch(`${url}/metrics`);
+export async function scrape(url: string, key = TEST_OPERATOR_KEY): Promise<Map<string, number>> {
+  const res = await operatorGet(url, "/metrics", key);
   assert.equal(res.status, 200);
   return parsePrometheusText(await res.text());
 }
@@ -82,10 +108,13 @@ export async function scrape(url: string): Promise<Map<string, number>> {
  * Wait until the engine is idle (nothing waiting or running), then assert that every page of the
  * pool is FREE. Returns the final metrics.
  */
-export async function assertPoolIdle(url: string, timeoutMs = 20_000): Promise<Map<string, number>> {
-  const deadline = Date.now() + timeoutMs;
+export async function assertPoolIdle(
+  url: string,
+  options: { readonly timeoutMs?: number; readonly key?: string } = {},
+): Promise<Map<string, number>> {
+  const deadline = Date.now() + (options.timeoutMs ?? 20_000);
   for (;;) {
-    const m = await scrape(url);
+    const m = await scrape(url, options.key);
     const busy =
       (m.get('kvfence_engine_requests{state="waiting"}') ?? 0) +
       (m.get('kvfence_engine_requests{state="running"}') ?? 0) +

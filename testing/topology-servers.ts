@@ -1,7 +1,8 @@
 /**
  * Starts kvfence in each topology for the acceptance tests of `src/node/`: one engine
  * (`--no-disaggregation`) and the threaded default in-process on port 0, and a TCP cluster of
- * child processes (`startLocalCluster`), its links in plaintext or over TLS. Every server gets the same API keys file; `close()` stops
+ * child processes (`startLocalCluster`), its links in plaintext or over TLS. Every server gets the
+ * same API keys file and the test operator key (testing/start-server.ts); `close()` stops
  * everything and removes the file.
  */
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
@@ -11,6 +12,7 @@ import { createLogger } from "../src/lib/logger.js";
 import { parseServeConfig } from "../src/server/serve-config.js";
 import { startServer } from "../src/server/start-server.js";
 import { type LocalCluster, startLocalCluster } from "../src/topology/local-cluster.js";
+import { TEST_OPERATOR_KEY } from "./start-server.js";
 import { linkTlsArgs } from "./tls-fixtures.js";
 
 export interface TopologyServer {
@@ -56,6 +58,7 @@ export async function startInProcess(
       logLevel: "silent",
       kvPages: String(options.kvPages),
       apiKeys: keys.path,
+      operatorKey: TEST_OPERATOR_KEY,
       unsafeFault: [...(options.faults ?? [])],
       iUnderstandThisLeaksData: (options.faults ?? []).length > 0,
       ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
@@ -99,7 +102,7 @@ export async function startCluster(
       decode,
       model: options.model,
       nodeArgs,
-      routerArgs: ["--api-keys", keys.path],
+      routerArgs: ["--api-keys", keys.path, "--operator-key", TEST_OPERATOR_KEY],
     });
     return {
       url: cluster.url,

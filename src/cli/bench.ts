@@ -11,12 +11,14 @@ import { Command, InvalidArgumentError, Option } from "commander";
 import { bundledModelDir } from "../lib/package-root.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
 import { fairShareCommand } from "../tools/bench/fair-share.js";
+import { linkFloodCommand } from "../tools/bench/link-flood.js";
 import {
   type BenchKernels,
   formatModelBench,
   MODEL_BENCH_DEFAULTS,
   runModelBench,
 } from "../tools/bench/model.js";
+import { serveCommand } from "../tools/bench/serve.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
 
@@ -165,6 +167,8 @@ export function command(): Command {
   group.addCommand(transferCommand());
   group.addCommand(tagCheckCommand());
   group.addCommand(clusterCommand());
+  group.addCommand(linkFloodCommand());
+  group.addCommand(serveCommand());
   group.addCommand(fairShareCommand());
   // bench-commands:end
   return group;

@@ -95,57 +95,67 @@ export function command(): Command {
     .option("--max-depth <n>", "stop at this search depth", nonNegativeInt)
     .option("--dot <file>", "write the counterexample trace as a Graphviz graph")
     .option("--json", "print the report as JSON")
-    .action(async (opts: CheckCliOptions) => {
-      const bound: CheckOptions = {
-        ...(opts.requests === undefined ? {} : { requests: opts.requests }),
-        ...(opts.pages === undefined ? {} : { pages: opts.pages }),
-        ...(opts.prefillPages === undefined ? {} : { prefillPages: opts.prefillPages }),
-        ...(opts.attempts === undefined ? {} : { maxAttempts: opts.attempts }),
-        ...(opts.crashes === undefined ? {} : { crashes: opts.crashes }),
-        ...(opts.duplicates === undefined ? {} : { duplicates: opts.duplicates }),
-        ...(opts.losses === undefined ? {} : { losses: opts.losses }),
-        ...(opts.aborts ? {} : { clientAborts: false }),
-        ...(opts.timeouts === true ? { timeouts: true } : {}),
-        ...(opts.transport === undefined ? {} : { transport: opts.transport }),
-        ...(opts.reorder === true ? { reorder: true } : {}),
-        ...(opts.maxStates === undefined ? {} : { maxStates: opts.maxStates }),
-        ...(opts.maxDepth === undefined ? {} : { maxDepth: opts.maxDepth }),
-        ...(opts.keepGuards === true ? { keepGuards: true } : {}),
-        ...(opts.disableGuard === undefined ? {} : { disabledGuards: opts.disableGuard }),
-      };
-      // No fault and no bound option: the default suite of bounds.
-      const runs: CheckOptions[] =
-        opts.allFaults === true
-          ? FAULT_NAMES.map((fault) => ({ ...bound, fault }))
-          : opts.fault !== undefined
-            ? [{ ...bound, fault: opts.fault }]
-            : Object.keys(bound).length === 0
-              ? DEFAULT_SUITE.map((s) => s.options)
-              : [bound];
-      let failed = false;
-      const reports: CheckReport[] = [];
-      for (const run of runs) {
-        const report = runCheck(run);
-        reports.push(report);
-        const cex = report.result.counterexample;
-        // The real protocol must hold; a fault variant (guards off) must produce a counterexample.
-        const expectViolation = run.fault !== undefined && opts.keepGuards !== true;
-        if ((cex !== null) !== expectViolation) failed = true;
-        if (opts.json !== true) process.stdout.write(`${formatReport(report)}\n\n`);
-        if (opts.dot !== undefined && cex !== null) {
-          const file =
-            runs.length > 1 ? opts.dot.replace(/(\.dot)?$/, `-${run.fault ?? reports.length}.dot`) : opts.dot;
-          await writeFile(file, `${counterexampleToDot(cex)}\n`);
-          if (opts.json !== true) process.stdout.write(`wrote the trace graph to ${file}\n\n`);
-        }
-      }
-      if (reports.length > 1 && opts.json !== true) {
-        const states = reports.reduce((n, r) => n + r.result.states, 0);
-        const seconds = reports.reduce((n, r) => n + r.result.elapsedMs, 0) / 1000;
-        process.stdout.write(`total: ${reports.length} runs, ${states} states in ${seconds.toFixed(1)} s\n`);
-      }
-      if (opts.json === true)
-        process.stdout.write(`${JSON.stringify(reports.length === 1 ? reports[0] : reports, null, 2)}\n`);
-      if (failed) process.exitCode = 1;
-    });
+    .action(runChecks);
+}
+
+/** The bound options given, as `CheckOptions` (only those given: none given means the default suite). */
+function boundOf(opts: CheckCliOptions): CheckOptions {
+  const numbers = {
+    requests: opts.requests,
+    pages: opts.pages,
+    prefillPages: opts.prefillPages,
+    maxAttempts: opts.attempts,
+    crashes: opts.crashes,
+    duplicates: opts.duplicates,
+    losses: opts.losses,
+  };
+  const given = Object.fromEntries(Object.entries(numbers).filter(([, v]) => v !== undefined));
+  return {
+    ...given,
+    ...(opts.aborts ? {} : { clientAborts: false }),
+    ...(opts.timeouts === true ? { timeouts: true } : {}),
+    ...(opts.transport === undefined ? {} : { transport: opts.transport }),
+    ...(opts.reorder === true ? { reorder: true } : {}),
+    ...(opts.maxStates === undefined ? {} : { maxStates: opts.maxStates }),
+    ...(opts.maxDepth === undefined ? {} : { maxDepth: opts.maxDepth }),
+    ...(opts.keepGuards === true ? { keepGuards: true } : {}),
+    ...(opts.disableGuard === undefined ? {} : { disabledGuards: opts.disableGuard }),
+  };
+}
+
+/** Every fault, one fault, the given bound, or (no fault and no bound option) the default suite. */
+function runsOf(opts: CheckCliOptions, bound: CheckOptions): CheckOptions[] {
+  if (opts.allFaults === true) return FAULT_NAMES.map((fault) => ({ ...bound, fault }));
+  if (opts.fault !== undefined) return [{ ...bound, fault: opts.fault }];
+  return Object.keys(bound).length === 0 ? DEFAULT_SUITE.map((s) => s.options) : [bound];
+}
+
+async function runChecks(opts: CheckCliOptions): Promise<void> {
+  const runs = runsOf(opts, boundOf(opts));
+  const text = opts.json !== true;
+  let failed = false;
+  const reports: CheckReport[] = [];
+  for (const run of runs) {
+    const report = runCheck(run);
+    reports.push(report);
+    const cex = report.result.counterexample;
+    // The real protocol must hold; a fault variant (guards off) must produce a counterexample.
+    const expectViolation = run.fault !== undefined && opts.keepGuards !== true;
+    if ((cex !== null) !== expectViolation) failed = true;
+    if (text) process.stdout.write(`${formatReport(report)}\n\n`);
+    if (opts.dot !== undefined && cex !== null) {
+      const file =
+        runs.length > 1 ? opts.dot.replace(/(\.dot)?$/, `-${run.fault ?? reports.length}.dot`) : opts.dot;
+      await writeFile(file, `${counterexampleToDot(cex)}\n`);
+      if (text) process.stdout.write(`wrote the trace graph to ${file}\n\n`);
+    }
+  }
+  if (reports.length > 1 && text) {
+    const states = reports.reduce((n, r) => n + r.result.states, 0);
+    const seconds = reports.reduce((n, r) => n + r.result.elapsedMs, 0) / 1000;
+    process.stdout.write(`total: ${reports.length} runs, ${states} states in ${seconds.toFixed(1)} s\n`);
+  }
+  if (!text)
+    process.stdout.write(`${JSON.stringify(reports.length === 1 ? reports[0] : reports, null, 2)}\n`);
+  if (failed) process.exitCode = 1;
 }

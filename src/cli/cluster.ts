@@ -2,8 +2,9 @@
  * `kvfence cluster --prefill N --decode M`: a local multi-process cluster on 127.0.0.1 (N prefill
  * and M decode node processes and a router, TCP between them); prints the router's URL. Ctrl-C
  * stops every process. `--tls-cert/--tls-key/--tls-ca` go to every process (mutual TLS on every
- * cluster link), `--https-cert/--https-key` to the router (docs/tls.md), and so do the fair-share
- * and readiness flags (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`).
+ * cluster link), `--https-cert/--https-key` (docs/tls.md), the operator endpoints' flags
+ * (`--operator-key`, `--metrics-port`, `--metrics-tenant-names`; docs/api.md) and the fair-share and
+ * readiness flags (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`) to the router.
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -53,6 +54,15 @@ export function command(): Command {
       "--ready-timeout <seconds>",
       "router: a node that does not answer a ping within this is not ready (default 0.5)",
     )
+    .option(
+      "--operator-key <key>",
+      "the router's operator key for /metrics and /kvfence/nodes (or env KVFENCE_OPERATOR_KEY)",
+    )
+    .option(
+      "--metrics-port <port>",
+      "the router's operator listener port (default: --port + 1 without an operator key)",
+    )
+    .option("--metrics-tenant-names", "label the router's metrics with tenant names, not opaque ids")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -61,68 +71,94 @@ export function command(): Command {
       [],
     )
     .option(UNSAFE_OPT_IN_FLAG, "required with --unsafe-fault or --unsafe-disable-guard", false)
-    .action(async (raw: Record<string, string | undefined>) => {
-      const opts = raw as unknown as {
-        unsafeFault: string[];
-        unsafeDisableGuard: string[];
-        iUnderstandThisLeaksData: boolean;
-      };
-      const problem = unsafeSwitchesProblem(opts);
-      if (problem !== null) {
-        process.stderr.write(`kvfence cluster: ${problem}\n`);
-        process.exit(2);
-      }
-      const nodeArgs = [
-        ...(raw.kvPages === undefined ? [] : ["--kv-pages", raw.kvPages]),
-        ...(raw.maxModelLen === undefined ? [] : ["--max-model-len", raw.maxModelLen]),
-        ...(raw.kernels === undefined ? [] : ["--kernels", raw.kernels]),
-        ...(raw.kernelThreads === undefined ? [] : ["--kernel-threads", raw.kernelThreads]),
-        ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
-        ...(raw.tlsCert === undefined ? [] : ["--tls-cert", raw.tlsCert]),
-        ...(raw.tlsKey === undefined ? [] : ["--tls-key", raw.tlsKey]),
-        ...(raw.tlsCa === undefined ? [] : ["--tls-ca", raw.tlsCa]),
-      ];
-      const routerArgs = [
-        ...(raw.apiKeys === undefined ? [] : ["--api-keys", raw.apiKeys]),
-        ...(raw.httpsCert === undefined ? [] : ["--https-cert", raw.httpsCert]),
-        ...(raw.httpsKey === undefined ? [] : ["--https-key", raw.httpsKey]),
-        ...(
-          [
-            ["--tenant-max-concurrency", raw.tenantMaxConcurrency],
-            ["--tenant-max-pages", raw.tenantMaxPages],
-            ["--tenant-max-queue", raw.tenantMaxQueue],
-            ["--max-queue", raw.maxQueue],
-            ["--queue-timeout", raw.queueTimeout],
-            ["--ready-timeout", raw.readyTimeout],
-          ] as const
-        ).flatMap(([flag, value]) => (value === undefined ? [] : [flag, value])),
-      ];
-      const cluster = await startLocalCluster({
-        prefill: count("--prefill", raw.prefill ?? "1"),
-        decode: count("--decode", raw.decode ?? "1"),
-        model: raw.model ?? BUNDLED_MODEL_DIR,
-        port: Number(raw.port ?? 8000),
-        nodeArgs,
-        ...(raw.prefillKvPages === undefined
-          ? {}
-          : { prefillArgs: ["--prefill-kv-pages", raw.prefillKvPages] }),
-        routerArgs,
-        stderr: (line) => process.stderr.write(`${line}\n`),
-      }).catch((err: Error) => {
-        process.stderr.write(`kvfence cluster: ${err.message}\n`);
-        process.exit(1);
-      });
-      process.stdout.write(
-        `kvfence cluster at ${cluster.url} (OpenAI API at ${cluster.url}/v1): ` +
-          `${cluster.prefill.length} prefill, ${cluster.decode.length} decode processes; Ctrl-C stops them all\n`,
-      );
-      let stopping = false;
-      const shutdown = (): void => {
-        if (stopping) process.exit(1);
-        stopping = true;
-        void cluster.close().then(() => process.exit(0));
-      };
-      process.on("SIGINT", shutdown);
-      process.on("SIGTERM", shutdown);
-    });
+    .action(runCluster);
+}
+
+type RawOptions = Record<string, string | undefined>;
+
+/** `--flag value` for each of `flags` given (by its commander key), in that order. */
+function passOn(raw: RawOptions, flags: ReadonlyArray<[flag: string, key: string]>): string[] {
+  return flags.flatMap(([flag, key]) => {
+    const value = raw[key];
+    return value === undefined ? [] : [flag, value];
+  });
+}
+
+async function runCluster(raw: RawOptions): Promise<void> {
+  const opts = raw as unknown as {
+    unsafeFault: string[];
+    unsafeDisableGuard: string[];
+    iUnderstandThisLeaksData: boolean;
+  };
+  const problem = unsafeSwitchesProblem(opts);
+  if (problem !== null) {
+    process.stderr.write(`kvfence cluster: ${problem}\n`);
+    process.exit(2);
+  }
+  const nodeArgs = [
+    ...passOn(raw, [
+      ["--kv-pages", "kvPages"],
+      ["--max-model-len", "maxModelLen"],
+      ["--kernels", "kernels"],
+      ["--kernel-threads", "kernelThreads"],
+    ]),
+    ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
+    ...passOn(raw, [
+      ["--tls-cert", "tlsCert"],
+      ["--tls-key", "tlsKey"],
+      ["--tls-ca", "tlsCa"],
+    ]),
+  ];
+  const routerArgs = passOn(raw, [
+    ["--api-keys", "apiKeys"],
+    ["--https-cert", "httpsCert"],
+    ["--https-key", "httpsKey"],
+    ["--operator-key", "operatorKey"],
+    ["--metrics-port", "metricsPort"],
+    ["--tenant-max-concurrency", "tenantMaxConcurrency"],
+    ["--tenant-max-pages", "tenantMaxPages"],
+    ["--tenant-max-queue", "tenantMaxQueue"],
+    ["--max-queue", "maxQueue"],
+    ["--queue-timeout", "queueTimeout"],
+    ["--ready-timeout", "readyTimeout"],
+  ]);
+  if (raw.metricsTenantNames !== undefined) routerArgs.push("--metrics-tenant-names");
+  const cluster = await startLocalCluster({
+    prefill: count("--prefill", raw.prefill ?? "1"),
+    decode: count("--decode", raw.decode ?? "1"),
+    model: raw.model ?? BUNDLED_MODEL_DIR,
+    port: Number(raw.port ?? 8000),
+    nodeArgs,
+    ...(raw.prefillKvPages === undefined ? {} : { prefillArgs: ["--prefill-kv-pages", raw.prefillKvPages] }),
+    routerArgs,
+    stderr: (line) => process.stderr.write(`${line}\n`),
+  }).catch((err: Error) => {
+    process.stderr.write(`kvfence cluster: ${err.message}\n`);
+    process.exit(1);
+  });
+  process.stdout.write(
+    `kvfence cluster at ${cluster.url} (OpenAI API at ${cluster.url}/v1): ` +
+      `${cluster.prefill.length} prefill, ${cluster.decode.length} decode processes; Ctrl-C stops them all\n`,
+  );
+  process.stdout.write(`${operatorEndpointsLine(raw)}\n`);
+  let stopping = false;
+  const shutdown = (): void => {
+    if (stopping) process.exit(1);
+    stopping = true;
+    void cluster.close().then(() => process.exit(0));
+  };
+  process.on("SIGINT", shutdown);
+  process.on("SIGTERM", shutdown);
+}
+
+/** Where the router's operator endpoints are (docs/api.md, "Operator endpoints"). */
+function operatorEndpointsLine(raw: RawOptions): string {
+  const what = "operator endpoints (/metrics, /kvfence/nodes)";
+  if (raw.metricsPort !== undefined) return `${what} at http://127.0.0.1:${raw.metricsPort}`;
+  if ((raw.operatorKey ?? process.env.KVFENCE_OPERATOR_KEY ?? "") !== "")
+    return `${what} on the front door, with the operator key`;
+  const asked = Number(raw.port ?? 8000);
+  return asked === 0
+    ? `${what} on a free loopback port: give --metrics-port to choose it`
+    : `${what} at http://127.0.0.1:${asked + 1}`;
 }

@@ -10,6 +10,7 @@ interface PreflightCliOptions {
   sglang?: string[];
   vllm?: string[];
   apiKey?: string;
+  operatorKey?: string;
   config?: string;
   gpuMemory?: string;
   dtype?: string;
@@ -31,6 +32,10 @@ export function command(): Command {
     .option("--sglang <urls...>", "SGLang servers (reads /server_info or /get_server_info)")
     .option("--vllm <urls...>", "vLLM servers (reads /v1/models and /metrics)")
     .option("--api-key <key>", "bearer token for the servers")
+    .option(
+      "--operator-key <key>",
+      "bearer token for the kvfence router's /kvfence/nodes, its operator key (or env KVFENCE_OPERATOR_KEY)",
+    )
     .option("--config <file>", "offline: the model's config.json")
     .option("--gpu-memory <size>", "offline: memory per GPU, e.g. 141GiB")
     .option("--dtype <dtype>", "offline: weight dtype (bf16, fp16, fp8, fp32)", "bf16")
@@ -57,6 +62,7 @@ export function command(): Command {
           ...(opts.vllm === undefined ? {} : { vllmUrls: opts.vllm }),
           ...(offline === undefined ? {} : { offline }),
           ...(opts.apiKey === undefined ? {} : { apiKey: opts.apiKey }),
+          ...operatorKeyOption(opts.operatorKey),
           timeoutMs: opts.timeout * 1000,
         });
         process.stdout.write(
@@ -68,6 +74,12 @@ export function command(): Command {
         process.exitCode = 2;
       }
     });
+}
+
+/** `--operator-key`, else env KVFENCE_OPERATOR_KEY, as an option object. */
+function operatorKeyOption(flag: string | undefined): { operatorKey?: string } {
+  const key = flag ?? process.env.KVFENCE_OPERATOR_KEY;
+  return key === undefined || key === "" ? {} : { operatorKey: key };
 }
 
 async function offlineFrom(opts: PreflightCliOptions): Promise<OfflineInputs | undefined> {

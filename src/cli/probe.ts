@@ -7,6 +7,7 @@ import { exitCodeOf, renderProbeSummary } from "../tools/probe/probe-report.js";
 interface ProbeCliOptions {
   apiKey?: string;
   apiKeyB?: string;
+  operatorKey?: string;
   model?: string;
   maxModelLen?: number;
   poolTokens?: number;
@@ -31,6 +32,10 @@ export function command(): Command {
     .argument("<base-url>", "server base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     .option("--api-key <key>", "tenant A's API key (plants canaries)")
     .option("--api-key-b <key>", "tenant B's API key (probes); may equal A's (default: A's)")
+    .option(
+      "--operator-key <key>",
+      "a kvfence router's operator key, to read the pool from /kvfence/nodes (or env KVFENCE_OPERATOR_KEY)",
+    )
     .option("--model <id>", "model id (default: the first from /v1/models)")
     .option("--max-model-len <n>", "context length (default: from /v1/models or SGLang server info)", int(1))
     .option(
@@ -67,6 +72,7 @@ export function command(): Command {
           plants: opts.plants,
           ...(opts.apiKey === undefined ? {} : { apiKeyA: opts.apiKey }),
           ...(opts.apiKeyB === undefined ? {} : { apiKeyB: opts.apiKeyB }),
+          ...operatorKeyOption(opts.operatorKey),
           ...(opts.model === undefined ? {} : { model: opts.model }),
           ...(opts.maxModelLen === undefined ? {} : { maxModelLen: opts.maxModelLen }),
           ...(opts.poolTokens === undefined ? {} : { poolTokens: opts.poolTokens }),
@@ -83,6 +89,12 @@ export function command(): Command {
         process.exitCode = 2;
       }
     });
+}
+
+/** `--operator-key`, else env KVFENCE_OPERATOR_KEY, as an option object. */
+function operatorKeyOption(flag: string | undefined): { operatorKey?: string } {
+  const key = flag ?? process.env.KVFENCE_OPERATOR_KEY;
+  return key === undefined || key === "" ? {} : { operatorKey: key };
 }
 
 function int(min: number): (value: string) => number {

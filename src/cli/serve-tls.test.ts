@@ -11,7 +11,7 @@ import { readFileSync } from "node:fs";
 import https from "node:https";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
-import { modelDir } from "../../testing/start-server.js";
+import { modelDir, operatorHeaders, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
 import {
   CLIENT_TLS_FILES,
   CLUSTER_TLS_ARGS,
@@ -130,10 +130,14 @@ test("TLS flags: all three together, files readable and matching, checked before
   assert.match(mismatched.stderr, /^kvfence serve: --tls-cert and its key do not make a TLS identity/);
 });
 
-function get(url: string, ca?: Buffer): Promise<{ status: number; body: string }> {
+function get(
+  url: string,
+  ca?: Buffer,
+  headers: Record<string, string> = {},
+): Promise<{ status: number; body: string }> {
   return new Promise((resolve, reject) => {
     https
-      .get(url, ca === undefined ? {} : { ca }, (res) => {
+      .get(url, ca === undefined ? { headers } : { ca, headers }, (res) => {
         let body = "";
         res.on("data", (d: Buffer) => {
           body += d.toString();
@@ -220,10 +224,18 @@ test("kvfence cluster passes --tls-* to every process and --https-* to its route
   timeout: 120_000,
 }, async () => {
   const F = CLUSTER_TLS_FILES;
-  const running = await cluster([...CLUSTER_TLS_ARGS, "--https-cert", F.cert, "--https-key", F.key]);
+  const running = await cluster([
+    ...CLUSTER_TLS_ARGS,
+    "--https-cert",
+    F.cert,
+    "--https-key",
+    F.key,
+    "--operator-key",
+    TEST_OPERATOR_KEY,
+  ]);
   try {
     assert.match(running.url, /^https:\/\//);
-    const nodes = await get(`${running.url}/kvfence/nodes`, readFileSync(F.ca));
+    const nodes = await get(`${running.url}/kvfence/nodes`, readFileSync(F.ca), operatorHeaders());
     assert.equal(nodes.status, 200, nodes.body);
   } finally {
     await running.stop();

@@ -9,6 +9,73 @@ import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import type { NodeStats } from "./node-messages.js";
 
 export function registerClusterMetrics(registry: MetricsRegistry, engine: DisaggregatedEngine): void {
+  const metrics = clusterMetrics(registry);
+  // The last counts of each decode node, so a lost node's transfers stay in the totals.
+  const lastTransfer = new Map<string, NodeStats["transfer"]>();
+  registry.onCollect(async () => {
+    const queue: Queues = { prefill: { waiting: 0, running: 0 }, decode: { waiting: 0, running: 0 } };
+    for (const { node, stats } of await engine.nodeStats()) {
+      const role = node.hello.role;
+      metrics.nodeUp.set(stats === null ? 0 : 1, { node: node.id, role });
+      if (stats === null) continue;
+      collectNode(metrics, { id: node.id, role }, stats);
+      queue[role].waiting += stats.queue.waiting;
+      queue[role].running += stats.queue.running;
+      if (role === "decode") lastTransfer.set(node.id, stats.transfer);
+    }
+    const observed = engine.takeObservations();
+    for (const v of observed.gbps) metrics.gbps.observe(v);
+    for (const v of observed.abortAckSeconds) metrics.ackLatency.observe(v);
+    for (const role of ["prefill", "decode"] as const) {
+      for (const state of ["waiting", "running"] as const)
+        metrics.nodeQueue.set(queue[role][state], { role, state });
+    }
+    collectTransfers(metrics, lastTransfer.values());
+  });
+}
+
+type Queues = Record<"prefill" | "decode", { waiting: number; running: number }>;
+type ClusterMetrics = ReturnType<typeof clusterMetrics>;
+
+/** One live node's gauges: pages by state, protocol attempts, refused connections, quarantine. */
+function collectNode(
+  metrics: ClusterMetrics,
+  node: { readonly id: string; readonly role: "prefill" | "decode" },
+  stats: NodeStats,
+): void {
+  const { id, role } = node;
+  for (const state of ["free", "reserved", "ready", "quarantined"] as const) {
+    metrics.nodePages.set(stats.pages[state], { node: id, role, state });
+  }
+  metrics.attempts.set(stats.attempts, { node: id, role });
+  for (const [port, reasons] of Object.entries(stats.linkAuthFailures ?? {})) {
+    for (const [reason, n] of Object.entries(reasons ?? {})) {
+      metrics.linkAuth.setTotal(n, { node: id, port, reason });
+    }
+  }
+  if (role === "decode") metrics.quarantined.set(stats.pages.quarantined, { node: id });
+}
+
+/** The transfer totals over every decode node's last counts. */
+function collectTransfers(metrics: ClusterMetrics, last: Iterable<NodeStats["transfer"]>): void {
+  const total = { bytes: 0, pages: 0, checksum: 0, coverage: 0, stale: 0, misaddressed: 0 };
+  for (const t of last) {
+    total.bytes += t.bytes;
+    total.pages += t.pages;
+    total.checksum += t.checksumFailures;
+    total.coverage += t.coverageFailures;
+    total.stale += t.droppedStaleWrites;
+    total.misaddressed += t.droppedMisaddressedWrites;
+  }
+  metrics.bytes.setTotal(total.bytes);
+  metrics.pages.setTotal(total.pages);
+  metrics.checksum.setTotal(total.checksum);
+  metrics.coverage.setTotal(total.coverage);
+  metrics.stale.setTotal(total.stale);
+  metrics.misaddressed.setTotal(total.misaddressed);
+}
+
+function clusterMetrics(registry: MetricsRegistry) {
   const bytes = registry.counter(
     "kvfence_transfer_bytes_total",
     "KV bytes transferred from prefill to decode, as decode applied them",
@@ -77,51 +144,20 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
     ["node", "port", "reason"],
   );
 
-  // The last counts of each decode node, so a lost node's transfers stay in the totals.
-  const lastTransfer = new Map<string, NodeStats["transfer"]>();
-
-  registry.onCollect(async () => {
-    const all = await engine.nodeStats();
-    const queue: Record<string, Record<string, number>> = {
-      prefill: { waiting: 0, running: 0 },
-      decode: { waiting: 0, running: 0 },
-    };
-    for (const { node, stats } of all) {
-      const role = node.hello.role;
-      nodeUp.set(stats === null ? 0 : 1, { node: node.id, role });
-      if (stats === null) continue;
-      for (const state of ["free", "reserved", "ready", "quarantined"] as const) {
-        nodePages.set(stats.pages[state], { node: node.id, role, state });
-      }
-      attempts.set(stats.attempts, { node: node.id, role });
-      for (const [port, reasons] of Object.entries(stats.linkAuthFailures ?? {})) {
-        for (const [reason, n] of Object.entries(reasons ?? {})) {
-          linkAuth.setTotal(n, { node: node.id, port, reason });
-        }
-      }
-      queue[role]!.waiting! += stats.queue.waiting;
-      queue[role]!.running! += stats.queue.running;
-      if (role === "decode") {
-        lastTransfer.set(node.id, stats.transfer);
-        quarantined.set(stats.pages.quarantined, { node: node.id });
-      }
-    }
-    const observed = engine.takeObservations();
-    for (const v of observed.gbps) gbps.observe(v);
-    for (const v of observed.abortAckSeconds) ackLatency.observe(v);
-    for (const role of ["prefill", "decode"]) {
-      for (const state of ["waiting", "running"]) nodeQueue.set(queue[role]![state]!, { role, state });
-    }
-    const sum = (f: (t: NodeStats["transfer"]) => number): number => {
-      let total = 0;
-      for (const t of lastTransfer.values()) total += f(t);
-      return total;
-    };
-    bytes.setTotal(sum((t) => t.bytes));
-    pages.setTotal(sum((t) => t.pages));
-    checksum.setTotal(sum((t) => t.checksumFailures));
-    coverage.setTotal(sum((t) => t.coverageFailures));
-    stale.setTotal(sum((t) => t.droppedStaleWrites));
-    misaddressed.setTotal(sum((t) => t.droppedMisaddressedWrites));
-  });
+  return {
+    bytes,
+    pages,
+    gbps,
+    checksum,
+    coverage,
+    stale,
+    misaddressed,
+    quarantined,
+    ackLatency,
+    nodePages,
+    nodeQueue,
+    nodeUp,
+    attempts,
+    linkAuth,
+  };
 }

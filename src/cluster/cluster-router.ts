@@ -64,13 +64,12 @@ export function parseNodeUrl(url: string): { host: string; port: number } {
   return { host: match[1]!.replace(/^\[|\]$/g, ""), port };
 }
 
+/** Connects the router's control link to one node (`--prefill` or `--decode` `url`) and awaits its hello. */
 async function connectNode(
-  id: string,
-  url: string,
-  role: "prefill" | "decode",
-  secret: string,
-  tls: LinkTls | undefined,
+  node: { readonly id: string; readonly url: string; readonly role: "prefill" | "decode" },
+  { secret, tls }: Pick<ClusterRouterOptions, "secret" | "tls">,
 ): Promise<RouterNode> {
+  const { id, url, role } = node;
   const { host, port } = parseNodeUrl(url);
   const link = await connectControlLink<ToNode, FromNode>({
     host,
@@ -131,34 +130,14 @@ function superviseNodes(engine: DisaggregatedEngine, options: ClusterRouterOptio
   const redial = (lost: RouterNode, delayMs: number): void => {
     const timer = setTimeout(() => {
       if (engine.closed) return;
-      const role = lost.hello.role;
-      connectNode(lost.id, lost.url, role, options.secret, options.tls).then(
+      connectNode({ id: lost.id, url: lost.url, role: lost.hello.role }, options).then(
         (node) => {
-          if (engine.closed) {
-            node.link.close();
-            return;
-          }
-          const refused = engine.nodeBack(node);
-          if (refused !== null) {
-            log?.error(
-              { node: node.id, url: node.url, why: refused },
-              "a lost node answered but cannot take its place",
-            );
-            node.link.close();
-            redial(lost, REDIAL_MAX_MS);
+          if (!takeBack(engine, node, log)) {
+            if (!engine.closed) redial(lost, REDIAL_MAX_MS);
             return;
           }
           watch(node);
-          log?.warn(
-            { node: node.id, url: node.url, incarnation: node.hello.incarnation },
-            "the lost node answers again; re-making its transfer channels",
-          );
-          const up = engine.nodes().filter((n) => n.up);
-          const current = engine.currentNodes.filter((n) => up.some((u) => u.id === n.id));
-          if (role === "prefill")
-            for (const d of current) if (d.hello.role === "decode") connectPrefill(d, node);
-          if (role === "decode")
-            for (const p of current) if (p.hello.role === "prefill") connectPrefill(node, p);
+          remakeChannels(engine, node, log);
         },
         () => redial(lost, Math.min(REDIAL_MAX_MS, delayMs * 2)),
       );
@@ -168,12 +147,45 @@ function superviseNodes(engine: DisaggregatedEngine, options: ClusterRouterOptio
   for (const node of engine.currentNodes) watch(node);
 }
 
+/**
+ * A lost node answered the re-dial as `node`: true when it takes its place in `engine`; else its
+ * link is closed (the engine closed, or refused it).
+ */
+function takeBack(engine: DisaggregatedEngine, node: RouterNode, log: Logger | undefined): boolean {
+  if (engine.closed) {
+    node.link.close();
+    return false;
+  }
+  const refused = engine.nodeBack(node);
+  if (refused === null) return true;
+  log?.error(
+    { node: node.id, url: node.url, why: refused },
+    "a lost node answered but cannot take its place",
+  );
+  node.link.close();
+  return false;
+}
+
+/** A node that is back gets its transfer channels to (or from) every node that is up. */
+function remakeChannels(engine: DisaggregatedEngine, node: RouterNode, log: Logger | undefined): void {
+  log?.warn(
+    { node: node.id, url: node.url, incarnation: node.hello.incarnation },
+    "the lost node answers again; re-making its transfer channels",
+  );
+  const up = engine.nodes().filter((n) => n.up);
+  const current = engine.currentNodes.filter((n) => up.some((u) => u.id === n.id));
+  if (node.hello.role === "prefill")
+    for (const d of current) if (d.hello.role === "decode") connectPrefill(d, node);
+  if (node.hello.role === "decode")
+    for (const p of current) if (p.hello.role === "prefill") connectPrefill(node, p);
+}
+
 export async function connectCluster(options: ClusterRouterOptions): Promise<DisaggregatedEngine> {
   const prefill = await Promise.all(
-    options.prefill.map((u, i) => connectNode(`prefill-${i}`, u, "prefill", options.secret, options.tls)),
+    options.prefill.map((url, i) => connectNode({ id: `prefill-${i}`, url, role: "prefill" }, options)),
   );
   const decode = await Promise.all(
-    options.decode.map((u, i) => connectNode(`decode-${i}`, u, "decode", options.secret, options.tls)),
+    options.decode.map((url, i) => connectNode({ id: `decode-${i}`, url, role: "decode" }, options)),
   );
   const engine = new DisaggregatedEngine({
     prefill,

@@ -37,7 +37,7 @@ import type { WireError } from "../lib/errors.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
-import type { Effects } from "../protocol/effects.js";
+import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
 import type {
   EngineCapacity,
   EngineHandle,
@@ -610,35 +610,12 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   #onNodeMessage(slot: Slot, message: FromNode): void {
-    const node = slot.node;
     switch (message.kind) {
-      case "protocol": {
-        const pending = this.#requests.get(message.msg.rid);
-        if (pending === undefined || pending.pair === null) return;
-        const pair = pending.pair;
-        if (slot !== pair.prefill && slot !== pair.decode) return;
-        const msg = message.msg;
-        if (msg.type === "finished") pending.completionTokens = msg.completionTokens;
-        if (msg.type === "rejected")
-          pending.refusedForPages = msg.error.code === "pool_exhausted" ? slot : null;
-        this.#step(pair, { type: "message", msg });
-        // Prefill frees its source pages at decode's release, right after the commit.
-        if (pending.prefillHeld && pair.state.requests[msg.rid]?.phase === "decoding") {
-          this.#releasePrefill(pending);
-          this.#share.pump();
-        }
-        for (const listener of this.#observers) listener(node, msg);
+      case "protocol":
+        this.#onProtocol(slot, message.msg);
         return;
-      }
       case "pong":
-        if (slot.ping?.id === message.id) {
-          clearTimeout(slot.ping.timer);
-          slot.ping = null;
-          if (!slot.answering) {
-            slot.answering = true;
-            this.#share.pump();
-          }
-        }
+        this.#pong(slot, message.id);
         return;
       case "stats": {
         const waiter = this.#statsWaiters.get(message.id);
@@ -648,17 +625,10 @@ export class DisaggregatedEngine implements EngineHandle {
         return;
       }
       case "prefill_up":
-        this.pairUp(message.prefill, node.id, true);
+        this.pairUp(message.prefill, slot.id, true);
         return;
       case "prefill_down":
-        // The pair's transfer channel is gone (decode fenced that prefill node): its requests that
-        // still need a transfer fail with 503; the pair takes no new ones.
-        for (const pair of this.#pairs) {
-          if (pair.prefill.id !== message.prefill || pair.decode !== slot) continue;
-          pair.up = false;
-          this.#step(pair, { type: "peer_lost", role: "prefill" });
-        }
-        this.#failWaitingIfNoPair();
+        this.#prefillDown(slot, message.prefill);
         return;
       case "pages_freed":
         slot.full = false;
@@ -667,6 +637,47 @@ export class DisaggregatedEngine implements EngineHandle {
       default:
         return;
     }
+  }
+
+  /** A protocol message from a node of the request's pair (from any other node, dropped). */
+  #onProtocol(slot: Slot, msg: ControlMessage): void {
+    const pending = this.#requests.get(msg.rid);
+    if (pending === undefined || pending.pair === null) return;
+    const pair = pending.pair;
+    if (slot !== pair.prefill && slot !== pair.decode) return;
+    if (msg.type === "finished") pending.completionTokens = msg.completionTokens;
+    if (msg.type === "rejected") pending.refusedForPages = msg.error.code === "pool_exhausted" ? slot : null;
+    this.#step(pair, { type: "message", msg });
+    // Prefill frees its source pages at decode's release, right after the commit.
+    if (pending.prefillHeld && pair.state.requests[msg.rid]?.phase === "decoding") {
+      this.#releasePrefill(pending);
+      this.#share.pump();
+    }
+    for (const listener of this.#observers) listener(slot.node, msg);
+  }
+
+  /** A node answered readiness ping `id`: it is answering again if it was not. */
+  #pong(slot: Slot, id: number): void {
+    if (slot.ping?.id !== id) return;
+    clearTimeout(slot.ping.timer);
+    slot.ping = null;
+    if (!slot.answering) {
+      slot.answering = true;
+      this.#share.pump();
+    }
+  }
+
+  /**
+   * Decode node `decode` lost its transfer channel to `prefill` (it fenced that prefill node): the
+   * pair's requests that still need a transfer fail with 503; the pair takes no new ones.
+   */
+  #prefillDown(decode: Slot, prefill: string): void {
+    for (const pair of this.#pairs) {
+      if (pair.prefill.id !== prefill || pair.decode !== decode) continue;
+      pair.up = false;
+      this.#step(pair, { type: "peer_lost", role: "prefill" });
+    }
+    this.#failWaitingIfNoPair();
   }
 
   /** With no pair left up, the waiting requests cannot be served: they end with 503 now. */
@@ -721,45 +732,52 @@ export class DisaggregatedEngine implements EngineHandle {
         case "send":
           this.#send(pair, effect.to === "prefill" ? pair.prefill : pair.decode, effect.msg);
           break;
-        case "tokens": {
-          const pending = this.#requests.get(effect.rid);
-          if (pending === undefined || pending.silenced || pending.stopped) break;
-          // A stop token (only prefill's first token can be one) ends the stream; decode reports the finish.
-          let n = 0;
-          while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
-          if (n < effect.tokens.length) pending.stopped = true;
-          if (n > 0)
-            pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+        case "tokens":
+          this.#tokens(effect);
           break;
-        }
-        case "respond": {
-          const pending = this.#requests.get(effect.rid);
-          delete pair.state.requests[effect.rid];
-          if (pending === undefined) break;
-          this.#requests.delete(effect.rid);
-          this.#release(pending);
-          if (
-            !pending.silenced &&
-            effect.error?.code === "pool_exhausted" &&
-            pending.refusedForPages !== null &&
-            this.#waitForPages(pending)
-          )
-            break;
-          this.#open.delete(pending.request.rid);
-          this.#share.finished(pending);
-          if (pending.silenced) break;
-          if (effect.error === null) {
-            pending.events.onFinish(effect.finishReason ?? "length", {
-              promptTokens: pending.promptTokens.length,
-              completionTokens: pending.completionTokens,
-            });
-          } else pending.events.onError(effect.error);
+        case "respond":
+          this.#respond(pair, effect);
           break;
-        }
         default:
           break;
       }
     }
+  }
+
+  /** Tokens for the client, up to a stop token (only prefill's first token can be one). */
+  #tokens(effect: TokensEffect): void {
+    const pending = this.#requests.get(effect.rid);
+    if (pending === undefined || pending.silenced || pending.stopped) return;
+    // A stop token ends the stream; decode reports the finish.
+    let n = 0;
+    while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
+    if (n < effect.tokens.length) pending.stopped = true;
+    if (n > 0)
+      pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+  }
+
+  /**
+   * The machine is done with an attempt: its reservations leave the ledger, and it waits again
+   * (refused by a full pool that can hold it), or its client learns the finish or the error.
+   */
+  #respond(pair: Pair, effect: RespondEffect): void {
+    const pending = this.#requests.get(effect.rid);
+    delete pair.state.requests[effect.rid];
+    if (pending === undefined) return;
+    this.#requests.delete(effect.rid);
+    this.#release(pending);
+    const mayWait =
+      !pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages !== null;
+    if (mayWait && this.#waitForPages(pending)) return;
+    this.#open.delete(pending.request.rid);
+    this.#share.finished(pending);
+    if (pending.silenced) return;
+    if (effect.error === null) {
+      pending.events.onFinish(effect.finishReason ?? "length", {
+        promptTokens: pending.promptTokens.length,
+        completionTokens: pending.completionTokens,
+      });
+    } else pending.events.onError(effect.error);
   }
 
   /**

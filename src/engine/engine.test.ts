@@ -293,6 +293,27 @@ type Op =
   | { kind: "abort"; which: number }
   | { kind: "steps"; count: number };
 
+/** A request of the random program, with what it got. */
+interface Submitted {
+  readonly prompt: number;
+  readonly maxTokens: number;
+  readonly outcome: ReturnType<typeof recorder>["outcome"];
+  aborted: boolean;
+}
+
+/** An aborted request got a prefix of its tokens and no finish; any other all of them and `length`. */
+function assertOutcome(s: Submitted, expected: readonly number[]): void {
+  assert.equal(s.outcome.lateEvents, 0);
+  assert.equal(s.outcome.error, null);
+  if (s.aborted) {
+    assert.deepEqual(s.outcome.tokens, expected.slice(0, s.outcome.tokens.length));
+    assert.equal(s.outcome.finish, null);
+  } else {
+    assert.deepEqual(s.outcome.tokens, expected);
+    assert.equal(s.outcome.finish, "length");
+  }
+}
+
 test("Engine under random submits, aborts and steps keeps outputs exact and frees every page (fast-check)", () => {
   const reference = aloneOutputs(greedyRequests(10));
   const opArb: fc.Arbitrary<Op> = fc.oneof(
@@ -316,12 +337,7 @@ test("Engine under random submits, aborts and steps keeps outputs exact and free
         ...config,
         maxPrefillTokens: Math.min(config.maxPrefillTokens, config.maxBatchTokens),
       });
-      const submitted: {
-        prompt: number;
-        maxTokens: number;
-        outcome: ReturnType<typeof recorder>["outcome"];
-        aborted: boolean;
-      }[] = [];
+      const submitted: Submitted[] = [];
       for (const op of ops) {
         if (op.kind === "submit") {
           const rec = recorder();
@@ -346,18 +362,7 @@ test("Engine under random submits, aborts and steps keeps outputs exact and free
       }
       runUntilIdle(engine);
       assertIdle(engine);
-      for (const s of submitted) {
-        const expected = reference[s.prompt]!.slice(0, s.maxTokens);
-        assert.equal(s.outcome.lateEvents, 0);
-        assert.equal(s.outcome.error, null);
-        if (s.aborted) {
-          assert.deepEqual(s.outcome.tokens, expected.slice(0, s.outcome.tokens.length));
-          assert.equal(s.outcome.finish, null);
-        } else {
-          assert.deepEqual(s.outcome.tokens, expected);
-          assert.equal(s.outcome.finish, "length");
-        }
-      }
+      for (const s of submitted) assertOutcome(s, reference[s.prompt]!.slice(0, s.maxTokens));
     }),
     { numRuns: 150 },
   );

@@ -328,13 +328,22 @@ export class Engine {
    * use) gets `onError` before this returns, and nothing is allocated for it.
    */
   submit(request: GenerationRequest, events: GenerationEvents): void {
+    const seq = this.#admit(request, events);
+    if (seq !== null) this.#enqueue(seq);
+  }
+
+  /** The door check, then the request's sequence (its seed drawn if it has none); null when refused. */
+  #admit(request: GenerationRequest, events: GenerationEvents): Sequence | null {
     const refusal = this.#doorCheck(request);
     if (refusal !== null) {
       events.onError(refusal);
-      return;
+      return null;
     }
     const seed = request.seed ?? this.#seeds.nextUint32();
-    const seq = new Sequence(request, events, this.pool.pageSize, seed);
+    return new Sequence(request, events, this.pool.pageSize, seed);
+  }
+
+  #enqueue(seq: Sequence): void {
     this.#byRid.set(seq.rid, seq);
     this.#waiting.push(seq);
     this.#counters.promptTokens += seq.promptLength;
@@ -347,7 +356,7 @@ export class Engine {
    * `onFinish("length")`, and leaves the pages to the host (never frees or preempts them).
    */
   submitPrefill(request: GenerationRequest, pages: ExternalPages, events: GenerationEvents): void {
-    this.#submitExternal(request, pages, events, "prefill-only", -1);
+    this.#submitExternal(request, events, { pages, ownership: "prefill-only", firstToken: -1 });
   }
 
   /**
@@ -365,23 +374,21 @@ export class Engine {
     firstToken: number,
     events: GenerationEvents,
   ): void {
-    this.#submitExternal(request, pages, events, "decode-external", firstToken);
+    this.#submitExternal(request, events, { pages, ownership: "decode-external", firstToken });
   }
 
   #submitExternal(
     request: GenerationRequest,
-    pages: ExternalPages,
     events: GenerationEvents,
-    ownership: PageOwnership,
-    firstToken: number,
+    external: {
+      readonly pages: ExternalPages;
+      readonly ownership: PageOwnership;
+      readonly firstToken: number;
+    },
   ): void {
-    const refusal = this.#doorCheck(request);
-    if (refusal !== null) {
-      events.onError(refusal);
-      return;
-    }
-    const seed = request.seed ?? this.#seeds.nextUint32();
-    const seq = new Sequence(request, events, this.pool.pageSize, seed);
+    const { pages, ownership, firstToken } = external;
+    const seq = this.#admit(request, events);
+    if (seq === null) return;
     if (pages.pages.length > seq.blockTable.capacity) {
       events.onError({
         code: "internal",
@@ -401,9 +408,7 @@ export class Engine {
       // request samples the same tokens as on one engine (the sampler draws once per token).
       if (request.temperature > 0 && request.topK !== 1) seq.rng.next();
     }
-    this.#byRid.set(seq.rid, seq);
-    this.#waiting.push(seq);
-    this.#counters.promptTokens += seq.promptLength;
+    this.#enqueue(seq);
   }
 
   /** Ends a request wherever it is, freeing its pages exactly once; unknown or finished rids are ignored. */

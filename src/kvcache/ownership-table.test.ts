@@ -159,68 +159,94 @@ const opArb: fc.Arbitrary<Op> = fc.oneof(
   fc.record({ kind: fc.constantFrom("stamp" as const, "staleRead" as const), pick: fc.nat() }),
 );
 
+type Held = { page: number; generation: number; rid: number; epoch: number };
+
+/** The model of a table under test: the leases held now, the quarantined pages, every page handed out. */
+class TableModel {
+  readonly table: OwnershipTable;
+  readonly held: Held[] = [];
+  readonly quarantined: Array<{ page: number; generation: number }> = [];
+  readonly handedOut: Held[] = [];
+  readonly #lastGeneration: Uint32Array;
+  #epoch = 0;
+
+  constructor(readonly numPages: number) {
+    this.table = new OwnershipTable(numPages);
+    this.#lastGeneration = new Uint32Array(numPages);
+  }
+
+  apply(op: Op): void {
+    if (op.kind === "allocate") this.#allocate(op.count, op.rid);
+    else if (op.kind === "release") this.#release(op.pick);
+    else if (op.kind === "staleRead") this.#staleRead(op.pick);
+    else if (this.held.length > 0) this.#onHeld(op.kind, op.pick % this.held.length);
+    this.#checkInvariants();
+  }
+
+  #allocate(count: number, rid: number): void {
+    const epoch = ++this.#epoch;
+    const r = lease(this.table, count, rid, epoch);
+    const freeBefore = this.numPages - this.held.length - this.quarantined.length;
+    assert.equal(r.ok, count <= freeBefore);
+    if (!r.ok) return;
+    for (let i = 0; i < count; i++) {
+      const entry = { page: r.pages[i]!, generation: r.generations[i]!, rid, epoch };
+      // Never owned twice, never a quarantined page.
+      assert.ok(!this.held.some((h) => h.page === entry.page));
+      assert.ok(!this.quarantined.some((q) => q.page === entry.page));
+      this.held.push(entry);
+      this.handedOut.push(entry);
+    }
+  }
+
+  #release(pick: number): void {
+    if (this.quarantined.length === 0) return;
+    const q = this.quarantined.splice(pick % this.quarantined.length, 1)[0]!;
+    assert.equal(this.table.releaseQuarantine(q.page, q.generation), true);
+    assert.equal(this.table.releaseQuarantine(q.page, q.generation), false);
+  }
+
+  /** A (page, generation) no longer held can never pass checkRead, whoever asks. */
+  #staleRead(pick: number): void {
+    if (this.handedOut.length === 0) return;
+    const h = this.handedOut[pick % this.handedOut.length]!;
+    if (!this.held.includes(h))
+      assert.equal(this.table.checkRead(h.page, h.generation, h.rid, h.epoch), false);
+  }
+
+  #onHeld(kind: "ready" | "free" | "quarantine" | "stamp", index: number): void {
+    const table = this.table;
+    const h = this.held[index]!;
+    if (kind === "stamp") table.stampWriter(h.page, h.rid, h.epoch, 1);
+    else if (kind === "ready") table.markReady(h.page, h.generation, h.rid, h.epoch);
+    else if (kind === "free") {
+      assert.equal(table.free(h.page, h.generation, h.rid, h.epoch), true);
+      assert.equal(table.free(h.page, h.generation, h.rid, h.epoch), false);
+      this.held.splice(index, 1);
+    } else {
+      assert.equal(table.quarantine(h.page, h.generation, h.rid, h.epoch), true);
+      this.held.splice(index, 1);
+      this.quarantined.push({ page: h.page, generation: h.generation });
+    }
+  }
+
+  #checkInvariants(): void {
+    const c = this.table.counts();
+    assert.equal(c.free + c.reserved + c.ready + c.quarantined, this.numPages);
+    assert.equal(c.quarantined, this.quarantined.length);
+    assert.equal(c.reserved + c.ready, this.held.length);
+    for (let p = 0; p < this.numPages; p++) {
+      assert.ok(this.table.generation(p) >= this.#lastGeneration[p]!, "generations only grow");
+      this.#lastGeneration[p] = this.table.generation(p);
+    }
+  }
+}
+
 test("OwnershipTable keeps its invariants over random operation sequences", () => {
   fc.assert(
     fc.property(fc.array(opArb, { maxLength: 80 }), (ops) => {
-      const numPages = 6;
-      const table = new OwnershipTable(numPages);
-      // The model: leases currently held, and every (page, generation) ever handed out.
-      const held: Array<{ page: number; generation: number; rid: number; epoch: number }> = [];
-      const quarantined: Array<{ page: number; generation: number }> = [];
-      const handedOut: Array<{ page: number; generation: number; rid: number; epoch: number }> = [];
-      const lastGeneration = new Uint32Array(numPages);
-      let epoch = 0;
-      for (const op of ops) {
-        if (op.kind === "allocate") {
-          epoch++;
-          const r = lease(table, op.count, op.rid, epoch);
-          const freeBefore = numPages - held.length - quarantined.length;
-          assert.equal(r.ok, op.count <= freeBefore);
-          if (r.ok) {
-            for (let i = 0; i < op.count; i++) {
-              const entry = { page: r.pages[i]!, generation: r.generations[i]!, rid: op.rid, epoch };
-              // Never owned twice, never a quarantined page.
-              assert.ok(!held.some((h) => h.page === entry.page));
-              assert.ok(!quarantined.some((q) => q.page === entry.page));
-              held.push(entry);
-              handedOut.push(entry);
-            }
-          }
-        } else if (op.kind === "release") {
-          if (quarantined.length === 0) continue;
-          const q = quarantined.splice(op.pick % quarantined.length, 1)[0]!;
-          assert.equal(table.releaseQuarantine(q.page, q.generation), true);
-          assert.equal(table.releaseQuarantine(q.page, q.generation), false);
-        } else if (op.kind === "staleRead") {
-          // A (page, generation) no longer held can never pass checkRead, whoever asks.
-          if (handedOut.length === 0) continue;
-          const h = handedOut[op.pick % handedOut.length]!;
-          if (!held.includes(h)) assert.equal(table.checkRead(h.page, h.generation, h.rid, h.epoch), false);
-        } else {
-          if (held.length === 0) continue;
-          const index = op.pick % held.length;
-          const h = held[index]!;
-          if (op.kind === "stamp") table.stampWriter(h.page, h.rid, h.epoch, 1);
-          else if (op.kind === "ready") table.markReady(h.page, h.generation, h.rid, h.epoch);
-          else if (op.kind === "free") {
-            assert.equal(table.free(h.page, h.generation, h.rid, h.epoch), true);
-            assert.equal(table.free(h.page, h.generation, h.rid, h.epoch), false);
-            held.splice(index, 1);
-          } else {
-            assert.equal(table.quarantine(h.page, h.generation, h.rid, h.epoch), true);
-            held.splice(index, 1);
-            quarantined.push({ page: h.page, generation: h.generation });
-          }
-        }
-        const c = table.counts();
-        assert.equal(c.free + c.reserved + c.ready + c.quarantined, numPages);
-        assert.equal(c.quarantined, quarantined.length);
-        assert.equal(c.reserved + c.ready, held.length);
-        for (let p = 0; p < numPages; p++) {
-          assert.ok(table.generation(p) >= lastGeneration[p]!, "generations only grow");
-          lastGeneration[p] = table.generation(p);
-        }
-      }
+      const model = new TableModel(6);
+      for (const op of ops) model.apply(op);
     }),
     { numRuns: 300 },
   );

@@ -175,83 +175,102 @@ const opArb: fc.Arbitrary<Op> = fc.oneof(
   fc.record({ kind: fc.constant("release" as const), who: fc.nat(4) }),
 );
 
+/** One owner of the model: its request, block table, computed tokens and quarantined pages. */
+interface Owner {
+  readonly rid: number;
+  epoch: number;
+  readonly bt: BlockTable;
+  computed: number;
+  quarantined: { page: number; generation: number }[];
+}
+
+/** Applies `op` to `pool` for its owner, checking what the op itself promises. */
+function applyOp(pool: PagePool, owners: readonly Owner[], op: Op): void {
+  const o = owners[op.who]!;
+  const t = pool.table;
+  switch (op.kind) {
+    case "allocate": {
+      const quarantinedBefore = new Set(owners.flatMap((x) => x.quarantined.map((q) => q.page)));
+      const before = o.bt.length;
+      const ok = pool.allocate(op.count, o.rid, o.epoch, 0, o.bt);
+      for (let i = before; i < o.bt.length; i++) {
+        assert.ok(!quarantinedBefore.has(o.bt.pages[i]!), "a quarantined page was handed out");
+      }
+      assert.equal(o.bt.length, ok ? before + op.count : before);
+      break;
+    }
+    case "step": {
+      const end = Math.min(o.computed + op.tokens, o.bt.length * LAYOUT.pageSize);
+      if (end <= o.computed) break;
+      assert.equal(pool.checkStep(o.bt, o.rid, o.epoch, o.computed, end), -1);
+      pool.recordStep(o.bt, o.rid, o.epoch, o.computed, end);
+      o.computed = end;
+      break;
+    }
+    case "free":
+      pool.free(o.bt, o.rid, o.epoch);
+      o.computed = 0;
+      o.epoch++;
+      break;
+    case "quarantine":
+      for (let i = 0; i < o.bt.length; i++) {
+        if (t.quarantine(o.bt.pages[i]!, o.bt.generations[i]!, o.rid, o.epoch)) {
+          o.quarantined.push({ page: o.bt.pages[i]!, generation: o.bt.generations[i]! });
+        }
+      }
+      o.bt.clear();
+      o.computed = 0;
+      o.epoch++;
+      break;
+    case "release":
+      for (const q of o.quarantined) assert.equal(t.releaseQuarantine(q.page, q.generation), true);
+      o.quarantined = [];
+      break;
+  }
+}
+
+/** A page is never held twice, and the table agrees with every block table. */
+function checkHeld(pool: PagePool, owners: readonly Owner[]): void {
+  const t = pool.table;
+  const held = new Set<number>();
+  for (const x of owners) {
+    for (let i = 0; i < x.bt.length; i++) {
+      const page = x.bt.pages[i]!;
+      assert.ok(!held.has(page), `page ${page} held twice`);
+      held.add(page);
+      assert.equal(t.owner(page), x.rid);
+      assert.equal(t.generation(page), x.bt.generations[i]);
+    }
+    for (const q of x.quarantined) {
+      assert.ok(!held.has(q.page), `quarantined page ${q.page} also held`);
+      held.add(q.page);
+      assert.equal(t.state(q.page), PageState.QUARANTINED);
+    }
+  }
+  const c = pool.counts();
+  assert.equal(c.free + c.reserved + c.ready + c.quarantined, c.total);
+  assert.equal(c.total - c.free, held.size);
+}
+
 test("PagePool invariants hold under any sequence of operations (fast-check)", () => {
   fc.assert(
     fc.property(fc.array(opArb, { maxLength: 60 }), fc.boolean(), (ops, scrubOnFree) => {
       const numPages = 8;
       const pool = new PagePool(LAYOUT, numPages, { scrubOnFree });
-      const t = pool.table;
-      const owners = [0, 1, 2, 3, 4].map((i) => ({
+      const owners: Owner[] = [0, 1, 2, 3, 4].map((i) => ({
         rid: 100 + i,
         epoch: 0,
         bt: new BlockTable(numPages),
         computed: 0,
-        quarantined: [] as { page: number; generation: number }[],
+        quarantined: [],
       }));
       const lastGeneration = new Uint32Array(numPages);
       for (const op of ops) {
-        const o = owners[op.who]!;
-        const quarantinedBefore = new Set(owners.flatMap((x) => x.quarantined.map((q) => q.page)));
-        switch (op.kind) {
-          case "allocate": {
-            const before = o.bt.length;
-            const ok = pool.allocate(op.count, o.rid, o.epoch, 0, o.bt);
-            for (let i = before; i < o.bt.length; i++) {
-              assert.ok(!quarantinedBefore.has(o.bt.pages[i]!), "a quarantined page was handed out");
-            }
-            assert.equal(o.bt.length, ok ? before + op.count : before);
-            break;
-          }
-          case "step": {
-            const end = Math.min(o.computed + op.tokens, o.bt.length * LAYOUT.pageSize);
-            if (end <= o.computed) break;
-            assert.equal(pool.checkStep(o.bt, o.rid, o.epoch, o.computed, end), -1);
-            pool.recordStep(o.bt, o.rid, o.epoch, o.computed, end);
-            o.computed = end;
-            break;
-          }
-          case "free":
-            pool.free(o.bt, o.rid, o.epoch);
-            o.computed = 0;
-            o.epoch++;
-            break;
-          case "quarantine":
-            for (let i = 0; i < o.bt.length; i++) {
-              if (t.quarantine(o.bt.pages[i]!, o.bt.generations[i]!, o.rid, o.epoch)) {
-                o.quarantined.push({ page: o.bt.pages[i]!, generation: o.bt.generations[i]! });
-              }
-            }
-            o.bt.clear();
-            o.computed = 0;
-            o.epoch++;
-            break;
-          case "release":
-            for (const q of o.quarantined) assert.equal(t.releaseQuarantine(q.page, q.generation), true);
-            o.quarantined = [];
-            break;
-        }
-        // A page is never held twice, and the table agrees with every block table.
-        const held = new Set<number>();
-        for (const x of owners) {
-          for (let i = 0; i < x.bt.length; i++) {
-            const page = x.bt.pages[i]!;
-            assert.ok(!held.has(page), `page ${page} held twice`);
-            held.add(page);
-            assert.equal(t.owner(page), x.rid);
-            assert.equal(t.generation(page), x.bt.generations[i]);
-          }
-          for (const q of x.quarantined) {
-            assert.ok(!held.has(q.page), `quarantined page ${q.page} also held`);
-            held.add(q.page);
-            assert.equal(t.state(q.page), PageState.QUARANTINED);
-          }
-        }
-        const c = pool.counts();
-        assert.equal(c.free + c.reserved + c.ready + c.quarantined, c.total);
-        assert.equal(c.total - c.free, held.size);
+        applyOp(pool, owners, op);
+        checkHeld(pool, owners);
         for (let p = 0; p < numPages; p++) {
-          assert.ok(t.generation(p) >= lastGeneration[p]!, "generations only grow");
-          lastGeneration[p] = t.generation(p);
+          assert.ok(pool.table.generation(p) >= lastGeneration[p]!, "generations only grow");
+          lastGeneration[p] = pool.table.generation(p);
         }
       }
     }),

@@ -78,15 +78,31 @@ abstract class Metric {
   abstract render(): string;
 }
 
+/** A metric with one number per label set: a counter or a gauge. */
+abstract class ValueMetric extends Metric {
+  protected readonly values = new Map<string, number>();
+
+  get(labels?: Labels): number {
+    return this.values.get(this.key(labels)) ?? 0;
+  }
+
+  render(): string {
+    let out = this.header();
+    if (this.labelNames.length === 0 && this.values.size === 0) out += `${this.name} 0\n`;
+    for (const [key, value] of this.values)
+      out += `${this.name}${this.renderLabels(key)} ${formatNumber(value)}\n`;
+    return out;
+  }
+}
+
 /** A monotonically increasing count. */
-export class Counter extends Metric {
+export class Counter extends ValueMetric {
   readonly type = "counter" as const;
-  #values = new Map<string, number>();
 
   inc(labels?: Labels, amount = 1): void {
     if (!(amount >= 0)) throw new Error(`Counter ${this.name} can only increase: ${amount}`);
     const key = this.key(labels);
-    this.#values.set(key, (this.#values.get(key) ?? 0) + amount);
+    this.values.set(key, (this.values.get(key) ?? 0) + amount);
   }
 
   /**
@@ -94,52 +110,27 @@ export class Counter extends Metric {
    */
   setTotal(value: number, labels?: Labels): void {
     const key = this.key(labels);
-    const previous = this.#values.get(key) ?? 0;
+    const previous = this.values.get(key) ?? 0;
     if (value < previous) throw new Error(`Counter ${this.name} cannot go down: ${previous} -> ${value}`);
-    this.#values.set(key, value);
-  }
-
-  get(labels?: Labels): number {
-    return this.#values.get(this.key(labels)) ?? 0;
-  }
-
-  render(): string {
-    let out = this.header();
-    if (this.labelNames.length === 0 && this.#values.size === 0) out += `${this.name} 0\n`;
-    for (const [key, value] of this.#values)
-      out += `${this.name}${this.renderLabels(key)} ${formatNumber(value)}\n`;
-    return out;
+    this.values.set(key, value);
   }
 }
 
 /** A value that goes up and down. */
-export class Gauge extends Metric {
+export class Gauge extends ValueMetric {
   readonly type = "gauge" as const;
-  #values = new Map<string, number>();
 
   set(value: number, labels?: Labels): void {
-    this.#values.set(this.key(labels), value);
+    this.values.set(this.key(labels), value);
   }
 
   inc(labels?: Labels, amount = 1): void {
     const key = this.key(labels);
-    this.#values.set(key, (this.#values.get(key) ?? 0) + amount);
+    this.values.set(key, (this.values.get(key) ?? 0) + amount);
   }
 
   dec(labels?: Labels, amount = 1): void {
     this.inc(labels, -amount);
-  }
-
-  get(labels?: Labels): number {
-    return this.#values.get(this.key(labels)) ?? 0;
-  }
-
-  render(): string {
-    let out = this.header();
-    if (this.labelNames.length === 0 && this.#values.size === 0) out += `${this.name} 0\n`;
-    for (const [key, value] of this.#values)
-      out += `${this.name}${this.renderLabels(key)} ${formatNumber(value)}\n`;
-    return out;
   }
 }
 

@@ -5,7 +5,9 @@ import {
   mean,
   median,
   pairedRatio,
+  populationStddev,
   quantile,
+  quantiles,
   stddev,
   summarize,
   t975,
@@ -20,6 +22,7 @@ describe("stats", () => {
     assert.equal(quantile([5, 1, 3], 1), 5);
     assert.ok(Number.isNaN(quantile([], 0.5)));
     assert.equal(median([10, 30, 20]), 20);
+    assert.deepEqual(quantiles([3, 1, 2, 4], [0, 0.5, 1]), [1, 2.5, 4]);
   });
 
   it("summarize() reports count, median, extremes and quartiles", () => {
@@ -30,6 +33,12 @@ describe("stats", () => {
     assert.equal(mean([1, 2, 3, 4]), 2.5);
     assert.ok(Math.abs(stddev([2, 4, 4, 4, 5, 5, 7, 9]) - 2.138089935299395) < 1e-12);
     assert.ok(Number.isNaN(stddev([1])));
+  });
+
+  it("populationStddev() divides by n, as numpy's std does", () => {
+    assert.equal(populationStddev([2, 4, 4, 4, 5, 5, 7, 9]), 2);
+    assert.equal(populationStddev([3]), 0);
+    assert.ok(Number.isNaN(populationStddev([])));
   });
 
   it("tInterval95() uses Student's t critical values", () => {

@@ -23,14 +23,30 @@ export function stddev(values: readonly number[]): number {
   return Math.sqrt(s / (values.length - 1));
 }
 
+/** Population standard deviation (n, numpy's default, as serving benchmarks report it). 0 for one value. */
+export function populationStddev(values: readonly number[]): number {
+  if (values.length === 0) return Number.NaN;
+  const m = mean(values);
+  let s = 0;
+  for (const v of values) s += (v - m) ** 2;
+  return Math.sqrt(s / values.length);
+}
+
 /** Quantile q in [0, 1] with linear interpolation between order statistics (numpy's default). */
 export function quantile(values: readonly number[], q: number): number {
-  if (values.length === 0) return Number.NaN;
+  return quantiles(values, [q])[0] as number;
+}
+
+/** `quantile` at each of `qs`, sorting the values once. */
+export function quantiles(values: readonly number[], qs: readonly number[]): number[] {
+  if (values.length === 0) return qs.map(() => Number.NaN);
   const sorted = [...values].sort((a, b) => a - b);
-  const pos = (sorted.length - 1) * Math.min(1, Math.max(0, q));
-  const lo = Math.floor(pos);
-  const hi = Math.ceil(pos);
-  return (sorted[lo] as number) + ((sorted[hi] as number) - (sorted[lo] as number)) * (pos - lo);
+  return qs.map((q) => {
+    const pos = (sorted.length - 1) * Math.min(1, Math.max(0, q));
+    const lo = Math.floor(pos);
+    const hi = Math.ceil(pos);
+    return (sorted[lo] as number) + ((sorted[hi] as number) - (sorted[lo] as number)) * (pos - lo);
+  });
 }
 
 export function median(values: readonly number[]): number {

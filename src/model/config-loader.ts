@@ -137,57 +137,90 @@ export function loadModelConfig(dir: string): ModelConfig {
   const c = parsed.data;
 
   const architecture = resolveArchitecture(path, c.architectures ?? undefined, c.model_type ?? undefined);
-
+  // The checks in this order: the first problem found is the one reported.
   if (c.hidden_act !== "silu") {
     throw unsupportedModel(
       path,
       `hidden_act ${JSON.stringify(c.hidden_act)} is not implemented; only "silu" is supported`,
     );
   }
+  const ropeTheta = ropeThetaOf(path, c);
+  checkSlidingWindow(path, c, architecture);
+  if (c.mlp_bias === true) throw unsupportedModel(path, "mlp_bias true is not implemented");
+  const attentionBias = attentionBiasOf(path, c, architecture);
+  const { numHeads, numKvHeads, headDim } = headsOf(path, c);
+  const { eos, bosTokenId } = specialTokensOf(path, dir, c);
+
+  const config: ModelConfig = {
+    architecture,
+    hiddenSize: c.hidden_size,
+    numHeads,
+    numKvHeads,
+    headDim,
+    intermediateSize: c.intermediate_size,
+    numLayers: c.num_hidden_layers,
+    rmsNormEps: c.rms_norm_eps,
+    ropeTheta,
+    tieWordEmbeddings: c.tie_word_embeddings ?? false,
+    attentionBias,
+    maxPositionEmbeddings: c.max_position_embeddings,
+    vocabSize: c.vocab_size,
+    bosTokenId,
+    eosTokenIds: Object.freeze(eos),
+  };
+  return Object.freeze(config);
+}
+
+type ConfigJson = z.infer<typeof configSchema>;
+
+/** Plain RoPE only: its theta (rope_theta, or rope_parameters' of type "default"; else 10000). */
+function ropeThetaOf(path: string, c: ConfigJson): number {
   if (c.rope_scaling !== undefined && c.rope_scaling !== null) {
     throw unsupportedModel(
       path,
       `rope_scaling ${JSON.stringify(c.rope_scaling)} is not implemented; only plain RoPE (rope_scaling null) is supported`,
     );
   }
-  let ropeTheta = c.rope_theta ?? 10000;
-  if (c.rope_parameters !== null && c.rope_parameters !== undefined) {
-    const p = c.rope_parameters;
-    const ropeType = p.rope_type ?? p.type ?? "default";
-    if (ropeType !== "default") {
-      throw unsupportedModel(
-        path,
-        `rope_parameters.rope_type ${JSON.stringify(ropeType)} is not implemented; only "default" is supported`,
-      );
-    }
-    if (p.rope_theta !== undefined) {
-      if (typeof p.rope_theta !== "number" || !(p.rope_theta > 0)) {
-        throw badModelFolder(
-          path,
-          `rope_parameters.rope_theta must be a positive number: ${JSON.stringify(p.rope_theta)}`,
-        );
-      }
-      ropeTheta = p.rope_theta;
-    }
+  const ropeTheta = c.rope_theta ?? 10000;
+  const p = c.rope_parameters;
+  if (p === null || p === undefined) return ropeTheta;
+  const ropeType = p.rope_type ?? p.type ?? "default";
+  if (ropeType !== "default") {
+    throw unsupportedModel(
+      path,
+      `rope_parameters.rope_type ${JSON.stringify(ropeType)} is not implemented; only "default" is supported`,
+    );
   }
-  const window = c.sliding_window ?? null;
-  if (window !== null) {
-    if (c.use_sliding_window === true) {
-      throw unsupportedModel(
-        path,
-        `sliding-window attention (use_sliding_window true, sliding_window ${window}) is not implemented`,
-      );
-    }
-    if (architecture === "mistral" && c.use_sliding_window !== false && window < c.max_position_embeddings) {
-      throw unsupportedModel(
-        path,
-        `sliding-window attention (sliding_window ${window} < max_position_embeddings ${c.max_position_embeddings}) is not implemented; set sliding_window to null`,
-      );
-    }
+  if (p.rope_theta === undefined) return ropeTheta;
+  if (typeof p.rope_theta !== "number" || !(p.rope_theta > 0)) {
+    throw badModelFolder(
+      path,
+      `rope_parameters.rope_theta must be a positive number: ${JSON.stringify(p.rope_theta)}`,
+    );
   }
-  if (c.mlp_bias === true) throw unsupportedModel(path, "mlp_bias true is not implemented");
+  return p.rope_theta;
+}
 
-  let attentionBias: boolean;
+/** Full attention only: a sliding window that is in use is refused. */
+function checkSlidingWindow(path: string, c: ConfigJson, architecture: ModelConfig["architecture"]): void {
+  const window = c.sliding_window ?? null;
+  if (window === null) return;
+  if (c.use_sliding_window === true) {
+    throw unsupportedModel(
+      path,
+      `sliding-window attention (use_sliding_window true, sliding_window ${window}) is not implemented`,
+    );
+  }
+  if (architecture === "mistral" && c.use_sliding_window !== false && window < c.max_position_embeddings) {
+    throw unsupportedModel(
+      path,
+      `sliding-window attention (sliding_window ${window} < max_position_embeddings ${c.max_position_embeddings}) is not implemented; set sliding_window to null`,
+    );
+  }
+}
+
+/** Qwen2's q/k/v projections always carry biases; Llama's and Mistral's never (no o_proj bias). */
+function attentionBiasOf(path: string, c: ConfigJson, architecture: ModelConfig["architecture"]): boolean {
   if (architecture === "qwen2") {
     if (c.attention_bias === false) {
       throw unsupportedModel(
@@ -195,17 +228,18 @@ export function loadModelConfig(dir: string): ModelConfig {
         "attention_bias false is not supported for Qwen2 (its q/k/v projections always carry biases)",
       );
     }
-    attentionBias = true;
-  } else {
-    if (c.attention_bias === true) {
-      throw unsupportedModel(
-        path,
-        `attention_bias true is not implemented for ${architecture} (it adds an o_proj bias)`,
-      );
-    }
-    attentionBias = false;
+    return true;
   }
+  if (c.attention_bias === true) {
+    throw unsupportedModel(
+      path,
+      `attention_bias true is not implemented for ${architecture} (it adds an o_proj bias)`,
+    );
+  }
+  return false;
+}
 
+function headsOf(path: string, c: ConfigJson): { numHeads: number; numKvHeads: number; headDim: number } {
   const numHeads = c.num_attention_heads;
   const numKvHeads = c.num_key_value_heads ?? numHeads;
   if (numHeads % numKvHeads !== 0) {
@@ -227,7 +261,15 @@ export function loadModelConfig(dir: string): ModelConfig {
     headDim = c.hidden_size / numHeads;
   }
   if (headDim % 2 !== 0) throw badModelFolder(path, `head_dim must be even for RoPE: ${headDim}`);
+  return { numHeads, numKvHeads, headDim };
+}
 
+/** The eos ids of config.json and generation_config.json, and the bos id, all inside the vocabulary. */
+function specialTokensOf(
+  path: string,
+  dir: string,
+  c: ConfigJson,
+): { eos: number[]; bosTokenId: number | null } {
   const eos = idList(c.eos_token_id);
   const generation = readGenerationConfig(dir);
   for (const id of idList(generation?.eos_token_id)) if (!eos.includes(id)) eos.push(id);
@@ -236,25 +278,7 @@ export function loadModelConfig(dir: string): ModelConfig {
     if (id >= c.vocab_size)
       throw badModelFolder(path, `token id ${id} is outside the vocabulary of ${c.vocab_size}`);
   }
-
-  const config: ModelConfig = {
-    architecture,
-    hiddenSize: c.hidden_size,
-    numHeads,
-    numKvHeads,
-    headDim,
-    intermediateSize: c.intermediate_size,
-    numLayers: c.num_hidden_layers,
-    rmsNormEps: c.rms_norm_eps,
-    ropeTheta,
-    tieWordEmbeddings: c.tie_word_embeddings ?? false,
-    attentionBias,
-    maxPositionEmbeddings: c.max_position_embeddings,
-    vocabSize: c.vocab_size,
-    bosTokenId,
-    eosTokenIds: Object.freeze(eos),
-  };
-  return Object.freeze(config);
+  return { eos, bosTokenId };
 }
 
 function resolveArchitecture(

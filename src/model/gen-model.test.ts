@@ -150,7 +150,7 @@ test("genModel() refuses an unknown model and a non-integer seed", () => {
 
 test("fillRandom() gives the requested mean and standard deviation", () => {
   const data = new Float32Array(100000);
-  fillRandom(data, 9, 0, 1, 0.05);
+  fillRandom(data, { seed: 9, stream: 0, mean: 1, std: 0.05 });
   const s = stats(data);
   assert.ok(Math.abs(s.mean - 1) < 0.002 && Math.abs(s.std - 0.05) < 0.002, JSON.stringify(s));
 });

@@ -222,11 +222,19 @@ export function splitmix32(seed: number, stream: number): number {
   return z === 0 ? 0x6d2b79f5 : z;
 }
 
+/** Where a random fill comes from (splitmix32 of `seed` and `stream`) and what it looks like. */
+export interface RandomFill {
+  readonly seed: number;
+  readonly stream: number;
+  readonly mean: number;
+  readonly std: number;
+}
+
 /**
  * Fills `out` with uniform values of mean `mean` and standard deviation `std` from an xorshift32
  * stream seeded by splitmix32(seed, stream).
  */
-export function fillRandom(out: Float32Array, seed: number, stream: number, mean: number, std: number): void {
+export function fillRandom(out: Float32Array, { seed, stream, mean, std }: RandomFill): void {
   let x = splitmix32(seed, stream);
   // Uniform on [-a, a) has std a/√3.
   const scale = (2 * std * Math.sqrt(3)) / 4294967296;
@@ -306,8 +314,9 @@ export function genModel(dir: string, options: GenModelOptions): { bytes: number
         0,
         t.shape.reduce((a, b) => a * b, 1),
       );
-      if (t.name.endsWith("norm.weight")) fillRandom(data, options.seed, index, 1, 0.05);
-      else fillRandom(data, options.seed, index, 0, 0.02);
+      if (t.name.endsWith("norm.weight"))
+        fillRandom(data, { seed: options.seed, stream: index, mean: 1, std: 0.05 });
+      else fillRandom(data, { seed: options.seed, stream: index, mean: 0, std: 0.02 });
       const bytes = encodeTensorData(data, "F32");
       writeAllSync(fd, bytes);
       written += bytes.byteLength;

@@ -211,18 +211,8 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
       if (info === undefined) continue;
       const shape = expected.get(name);
       if (shape === undefined) {
-        if (isIgnorable(name, config)) continue;
-        const layer = /^model\.layers\.(\d+)\./.exec(name);
-        if (layer !== null && Number(layer[1]) >= config.numLayers) {
-          throw badModelFolder(
-            file,
-            `tensor ${name} belongs to layer ${layer[1]} but config.json has num_hidden_layers ${config.numLayers}`,
-          );
-        }
-        throw badModelFolder(
-          file,
-          `unexpected tensor ${name} ${shapeText(info.shape)}: config.json does not account for it`,
-        );
+        checkUnexpected({ file, name, shape: info.shape }, config);
+        continue;
       }
       if (tensors.has(name))
         throw badModelFolder(file, `tensor ${name} appears in more than one weight file`);
@@ -244,6 +234,30 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
       );
   }
 
+  return assembleWeights(config, tensors);
+}
+
+/** A tensor config.json does not expect: ignorable (rotary caches and the like), or refused. */
+function checkUnexpected(
+  { file, name, shape }: { file: string; name: string; shape: readonly number[] },
+  config: ModelConfig,
+): void {
+  if (isIgnorable(name, config)) return;
+  const layer = /^model\.layers\.(\d+)\./.exec(name);
+  if (layer !== null && Number(layer[1]) >= config.numLayers) {
+    throw badModelFolder(
+      file,
+      `tensor ${name} belongs to layer ${layer[1]} but config.json has num_hidden_layers ${config.numLayers}`,
+    );
+  }
+  throw badModelFolder(
+    file,
+    `unexpected tensor ${name} ${shapeText(shape)}: config.json does not account for it`,
+  );
+}
+
+/** The frozen `ModelWeights` over a complete set of checked tensors. */
+function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float32Array>): ModelWeights {
   const get = (name: string): Float32Array => tensors.get(name) as Float32Array;
   const bias = (name: string): Float32Array | null => (config.attentionBias ? get(name) : null);
   const layers: LayerWeights[] = [];

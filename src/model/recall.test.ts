@@ -39,6 +39,46 @@ before(async () => {
 });
 after(() => kernels.close());
 
+/** One member of a batched group: its sequence, the tokens it produced, whether it stopped. */
+interface Member {
+  readonly index: number;
+  readonly seq: StepSequence;
+  readonly out: number[];
+  done: boolean;
+}
+
+/** Prefills the whole group in one step, then decodes greedily in shared steps until each stops. */
+function decodeGroup(
+  run: { readonly fp: ForwardPass; readonly pool: Float32Array; readonly stops: ReadonlySet<number> },
+  members: readonly Member[],
+): void {
+  const { fp, pool, stops } = run;
+  fp.step(
+    pool,
+    members.map((m) => m.seq),
+  );
+  for (let t = 0; t < MAX_NEW_TOKENS; t++) {
+    const live = members.filter((m) => !m.done);
+    if (live.length === 0) break;
+    for (const m of live) {
+      const token = argmax(m.seq.logits as Float32Array);
+      if (stops.has(token)) {
+        m.done = true;
+        continue;
+      }
+      m.out.push(token);
+      m.seq.startPos += m.seq.tokens.length;
+      m.seq.tokens = Int32Array.of(token);
+    }
+    const next = members.filter((m) => !m.done);
+    if (next.length > 0 && t < MAX_NEW_TOKENS - 1)
+      fp.step(
+        pool,
+        next.map((m) => m.seq),
+      );
+  }
+}
+
 it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", () => {
   const fixture = JSON.parse(
     readFileSync(join(packageRoot(), "testing", "fixtures", "recall-prompts.json"), "utf8"),
@@ -69,7 +109,7 @@ it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", ()
   let correct = 0;
   const misses: string[] = [];
   for (let g = 0; g < prompts.length; g += GROUP) {
-    const members = prompts.slice(g, g + GROUP).map((tokens, i) => ({
+    const members: Member[] = prompts.slice(g, g + GROUP).map((tokens, i) => ({
       index: g + i,
       seq: {
         tokens,
@@ -80,30 +120,7 @@ it("kvfence-tiny recalls at least 95% of the held-out access codes greedily", ()
       out: [] as number[],
       done: false,
     }));
-    fp.step(
-      pool,
-      members.map((m) => m.seq),
-    ); // prefill the whole group in one step
-    for (let t = 0; t < MAX_NEW_TOKENS; t++) {
-      const live = members.filter((m) => !m.done);
-      if (live.length === 0) break;
-      for (const m of live) {
-        const token = argmax(m.seq.logits as Float32Array);
-        if (stops.has(token)) {
-          m.done = true;
-          continue;
-        }
-        m.out.push(token);
-        m.seq.startPos += m.seq.tokens.length;
-        m.seq.tokens = Int32Array.of(token);
-      }
-      const next = members.filter((m) => !m.done);
-      if (next.length > 0 && t < MAX_NEW_TOKENS - 1)
-        fp.step(
-          pool,
-          next.map((m) => m.seq),
-        );
-    }
+    decodeGroup({ fp, pool, stops }, members);
     for (const m of members) {
       const text = tokenizer.decode(m.out, { skipSpecialTokens: true }).trim();
       const expected = (fixture.prompts[m.index] as RecallPrompt).answer;

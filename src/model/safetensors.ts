@@ -152,7 +152,7 @@ export class SafetensorsFile {
         metadata = (typeof entry === "object" && entry !== null ? entry : {}) as Record<string, string>;
         continue;
       }
-      tensors.set(name, parseEntry(path, name, entry, dataStart, dataBytes));
+      tensors.set(name, parseEntry({ path, dataStart, dataBytes }, name, entry));
     }
     return new SafetensorsFile(path, bytes, tensors, metadata);
   }
@@ -210,13 +210,13 @@ export class SafetensorsFile {
   }
 }
 
+/** One header entry of the file `path`, whose data section starts at `dataStart` and holds `dataBytes`. */
 function parseEntry(
-  path: string,
+  file: { readonly path: string; readonly dataStart: number; readonly dataBytes: number },
   name: string,
   entry: unknown,
-  dataStart: number,
-  dataBytes: number,
 ): TensorInfo {
+  const { path, dataStart, dataBytes } = file;
   const e = entry as { dtype?: unknown; shape?: unknown; data_offsets?: unknown } | null;
   if (typeof e !== "object" || e === null)
     throw bad(path, `header entry for tensor ${name} is not an object`);

@@ -39,16 +39,18 @@ export function argmax(logits: Float32Array): number {
 
 export class Sampler {
   readonly vocabSize: number;
-  #idx: Int32Array;
-  #probs: Float64Array;
+  readonly #scratch: Scratch;
 
   constructor(vocabSize: number) {
     if (!Number.isInteger(vocabSize) || vocabSize < 1) {
       throw new KvfenceError("config_invalid", `Sampler vocabSize must be a positive integer: ${vocabSize}`);
     }
     this.vocabSize = vocabSize;
-    this.#idx = new Int32Array(vocabSize);
-    this.#probs = new Float64Array(vocabSize);
+    this.#scratch = {
+      idx: new Int32Array(vocabSize),
+      probs: new Float64Array(vocabSize),
+      mass: new Float64Array(1),
+    };
   }
 
   /** Checks sampling parameters once per request (not per token). */
@@ -71,74 +73,33 @@ export class Sampler {
 
   /** Draws one token id from `logits` (length vocabSize). Uses `rng` only when not greedy. */
   sample(logits: Float32Array, params: SamplingParams, rng: Prng): number {
-    const temperature = params.temperature;
     const vocab = this.vocabSize;
     let topK = params.topK;
-    if (temperature <= 0 || topK === 1) return argmax(logits);
+    if (params.temperature <= 0 || topK === 1) return argmax(logits);
     if (topK <= 0 || topK > vocab) topK = vocab;
-    const idx = this.#idx;
-    const probs = this.#probs; // indexed by token id
-    const invT = 1 / temperature;
-    const max = logits[argmax(logits)] as number;
-
-    let n: number;
-    let sorted = false;
-    if (topK < vocab) {
-      n = topKHeap(idx, logits, topK);
-      for (let i = 0; i < n; i++) {
-        const t = idx[i] as number;
-        probs[t] = Math.exp(((logits[t] as number) - max) * invT);
-      }
-    } else {
-      n = vocab;
-      for (let t = 0; t < vocab; t++) {
-        idx[t] = t;
-        probs[t] = Math.exp(((logits[t] as number) - max) * invT);
-      }
-    }
-    let mass = 0;
-    for (let i = 0; i < n; i++) mass += probs[idx[i] as number] as number;
-
-    const topP = params.topP;
-    if (topP < 1) {
-      if (n === vocab) {
-        // Gather tokens above a threshold until their mass reaches topP·mass.
-        let threshold = 1e-3 * mass;
-        for (;;) {
-          let m = 0;
-          let c = 0;
-          for (let t = 0; t < vocab; t++) {
-            const p = probs[t] as number;
-            if (p >= threshold) {
-              idx[c++] = t;
-              m += p;
-            }
-          }
-          if (m >= topP * mass || threshold < 1e-300) {
-            n = c;
-            break;
-          }
-          threshold *= 0.1;
-          if (threshold < 1e-12 * mass) threshold = 0;
-        }
-      }
-      sortDescending(idx, n, probs);
-      sorted = true;
+    const s = this.#scratch;
+    let n = weigh(s, logits, topK, params);
+    const sorted = params.topP < 1;
+    if (sorted) {
+      if (n === vocab) n = gather(s, params);
+      sortDescending(s.idx, n, s.probs);
+      // The nucleus: the shortest prefix of the sorted candidates reaching top_p of the mass. (In
+      // a function of its own, this loop made a draw allocate a heap number now and then.)
+      const target = params.topP * (s.mass[0] as number);
       let cum = 0;
-      const target = topP * mass;
       let keep = n;
       for (let i = 0; i < n; i++) {
-        cum += probs[idx[i] as number] as number;
+        cum += s.probs[s.idx[i] as number] as number;
         if (cum >= target) {
           keep = i + 1;
           break;
         }
       }
+      s.mass[0] = cum;
       n = keep;
-      mass = cum;
     }
-
-    let u = rng.next() * mass;
+    const { idx, probs } = s;
+    let u = rng.next() * (s.mass[0] as number);
     for (let i = 0; i < n; i++) {
       const t = idx[i] as number;
       u -= probs[t] as number;
@@ -146,6 +107,73 @@ export class Sampler {
     }
     // Rounding left u ≥ 0 after the last candidate: return the least likely kept token.
     return sorted ? (idx[n - 1] as number) : (idx[lastPositive(idx, n, probs)] as number);
+  }
+}
+
+/**
+ * A sampler's scratch, allocated once: candidate ids, their unnormalised probabilities (by token
+ * id), and their probability mass. The steps of a draw pass no double to each other (a double
+ * argument of a call that is not inlined is boxed: a heap number per token); the mass goes through
+ * `mass[0]`.
+ */
+interface Scratch {
+  readonly idx: Int32Array;
+  readonly probs: Float64Array;
+  readonly mass: Float64Array;
+}
+
+/**
+ * The candidates (the top `topK` ids, or every id) into `s.idx[0..n)`, their unnormalised
+ * probabilities at the request's temperature into `s.probs` and their sum into `s.mass`; returns n.
+ */
+function weigh(s: Scratch, logits: Float32Array, topK: number, params: SamplingParams): number {
+  const { idx, probs } = s;
+  const vocab = probs.length;
+  const invT = 1 / params.temperature;
+  const max = logits[argmax(logits)] as number;
+  let n: number;
+  if (topK < vocab) {
+    n = topKHeap(idx, logits, topK);
+    for (let i = 0; i < n; i++) {
+      const t = idx[i] as number;
+      probs[t] = Math.exp(((logits[t] as number) - max) * invT);
+    }
+  } else {
+    n = vocab;
+    for (let t = 0; t < n; t++) {
+      idx[t] = t;
+      probs[t] = Math.exp(((logits[t] as number) - max) * invT);
+    }
+  }
+  let mass = 0;
+  for (let i = 0; i < n; i++) mass += probs[idx[i] as number] as number;
+  s.mass[0] = mass;
+  return n;
+}
+
+/**
+ * Top-p over the whole vocabulary without sorting it: gathers into `s.idx` the tokens above a
+ * threshold, lowered tenfold until their mass reaches top_p of `s.mass`; returns how many.
+ */
+function gather(s: Scratch, params: SamplingParams): number {
+  const { idx, probs } = s;
+  const vocab = probs.length;
+  const mass = s.mass[0] as number;
+  const target = params.topP * mass;
+  let threshold = 1e-3 * mass;
+  for (;;) {
+    let m = 0;
+    let c = 0;
+    for (let t = 0; t < vocab; t++) {
+      const p = probs[t] as number;
+      if (p >= threshold) {
+        idx[c++] = t;
+        m += p;
+      }
+    }
+    if (m >= target || threshold < 1e-300) return c;
+    threshold *= 0.1;
+    if (threshold < 1e-12 * mass) threshold = 0;
   }
 }
 

@@ -56,7 +56,8 @@ function committedDecode(options: {
   };
   const node = new DecodeNode({ engine, layoutSignature: "test", safety: SAFE, incarnation: 1, toRouter });
   const toPrefill: ControlMessage[] = [];
-  node.attachPrefill(PREFILL, { sendControl: (m) => toPrefill.push(m), close: () => {} }, 1);
+  const link = node.prefillLink(PREFILL);
+  link.attach({ sendControl: (m) => toPrefill.push(m), close: () => {} }, 1);
   const rid = 1;
   const epoch = 1;
   const reserve = { type: "reserve" as const, rid, epoch, tenant: 0, ...options };
@@ -70,7 +71,7 @@ function committedDecode(options: {
     pool.table.stampWriter(page, rid, epoch, Math.min(PAGE, options.promptLen - i * PAGE));
     checksums.push(pageChecksumHex(pageBytesOf(pool, page), rid, epoch, i));
   });
-  node.pagesLanded(PREFILL, rid, epoch, 0, lease.pages.length);
+  link.handlers.pagesLanded(rid, epoch, 0, lease.pages.length);
   const manifest = {
     type: "manifest" as const,
     rid,

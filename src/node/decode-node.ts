@@ -1,7 +1,8 @@
 /**
  * The decode node (docs/design.md §2): the engine in decode mode, driven by the protocol's decode state
  * machine (`decodeStep`), with the transport injected — the same class runs in a worker thread
- * (shared-memory receiver) and in a process (TCP receiver).
+ * (shared-memory receiver) and in a process (TCP receiver). What both roles share (the parts built
+ * from the options, `pages_freed`, the statistics) is `NodeCore`'s (node-core.ts).
  *
  * One decode state machine per prefill peer, all over this node's one pool and one incarnation:
  * the router pairs each attempt with a prefill node and says which, so a prefill node's fence
@@ -26,15 +27,13 @@
  * requests it holds back because this pool was full.
  *
  * Checksums are taken as pages land, off the commit's critical path: the transport's `pagesLanded`
- * feeds `pagesLanded` here, which hashes each landed page of a reserved lease (`PageChecksums`,
- * with the page's generation, writer stamp and filled tokens), and the machine's commit check reads
- * those records through the protocol pool's `pageChecksum` — a page whose record no longer matches
+ * (through the peer's `prefillLink`, the one receiver wiring both forms use) hashes each landed
+ * page of a reserved lease (`PageChecksums`, with the page's generation, writer stamp and filled
+ * tokens), and the machine's commit check reads those records through the protocol pool's `pageChecksum` — a page whose record no longer matches
  * its table entry (another writer stamped it, it was freed or reallocated) is hashed again then.
  */
 
-import type { FromNode, NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
-import type { Engine } from "../engine/engine.js";
-import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
 import {
   type DecodeContext,
@@ -47,24 +46,14 @@ import {
 } from "../protocol/decode-machine.js";
 import type { CommitEffect, Effects } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
-import { guardOn, type Safety } from "../protocol/safety.js";
+import { guardOn } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
-import { pageChecksumsOf, protocolPool } from "./node-pool.js";
-import { StepLoop } from "./step-loop.js";
+import type { TransferHandlers } from "../transfer/transport.js";
+import { addTransfer, GREEDY, NodeCore, type NodeOptions } from "./node-core.js";
 
-export interface DecodeNodeOptions {
-  readonly engine: Engine;
-  readonly layoutSignature: string;
-  readonly safety: Safety;
-  /** Stamped on every lease; a fresh value per node start. */
-  readonly incarnation: number;
-  /**
-   * Sends `message` to the router at once (post, encode). It must not keep `message`: the node
-   * reuses the one carrying each token.
-   */
-  readonly toRouter: (message: FromNode) => void;
-}
+/** `toRouter` must send a message on before it returns and never keep it: the node reuses the one carrying each token. */
+export type DecodeNodeOptions = NodeOptions;
 
 /** The decode end of one prefill peer's transfer channel. */
 export interface PrefillChannel {
@@ -72,6 +61,22 @@ export interface PrefillChannel {
   /** Closes the channel: after it, no frame of this peer lands any more. */
   close(): void | Promise<void>;
   readonly metrics?: TransferMetrics;
+}
+
+/** The decode end of one prefill peer's transfer receiver, for either form (shared memory, TCP). */
+export interface PrefillLink {
+  /**
+   * The handlers to give the receiver (the form adds its own `closed`): control messages feed the
+   * peer's machine once attached, landed pages are hashed for the commit check, a landed lease's
+   * GB/s is recorded, and a write the lease check dropped fails its attempt if it still awaits it.
+   */
+  readonly handlers: Required<
+    Pick<TransferHandlers, "control" | "pagesLanded" | "leaseLanded" | "writeDropped">
+  >;
+  /** The receiver is connected: its channel to the prefill node of `incarnation` is up. */
+  attach(channel: PrefillChannel, incarnation: number): void;
+  /** Decode's page for logical page `index` of `(rid, epoch)`, or -1 (the receiver's lease check). */
+  leasedPage(rid: number, epoch: number, index: number): number;
 }
 
 interface PrefillPeer {
@@ -82,8 +87,6 @@ interface PrefillPeer {
   incarnation: number;
 }
 
-const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
-
 /**
  * With the `quarantine` guard off (`--unsafe-disable-guard quarantine`), quarantined pages are
  * released on this timer instead of on the writer's ABORT_ACK or fence — the deferred-release
@@ -93,13 +96,9 @@ export const QUARANTINE_TIMEOUT_MS = 2000;
 
 export class DecodeNode {
   readonly incarnation: number;
-  readonly #engine: Engine;
-  readonly #pool;
-  readonly #checksums;
-  readonly #config;
-  readonly #safety: Safety;
-  readonly #toRouter: (message: FromNode) => void;
-  readonly #loop: StepLoop;
+  readonly #core: NodeCore;
+  readonly #engine;
+  readonly #safety;
   readonly #peers = new Map<string, PrefillPeer>();
   readonly #sampling = new Map<string, SamplingParams>();
   /** rid → epoch of the attempt the engine runs now. */
@@ -113,50 +112,73 @@ export class DecodeNode {
    */
   readonly #out: Effects = [{ kind: "stop", rid: -1, epoch: -1 }];
   readonly #context: DecodeContext;
-  /** The envelope of every `tokens` message to the router, reused (see `DecodeNodeOptions.toRouter`). */
+  /** The envelope of every `tokens` message to the router, reused (see `NodeOptions.toRouter`). */
   readonly #tokensEnvelope: { kind: "protocol"; msg: ControlMessage } = {
     kind: "protocol",
     msg: { type: "tokens", rid: 0, epoch: 0, tokens: [] },
   };
   /** The rid whose page check runs now (its failure ends it in the engine, which asked): or -1. */
   #checking = -1;
-  readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
-  readonly #closedTotals = {
-    bytes: 0,
-    pages: 0,
-    transfers: 0,
-    droppedStaleWrites: 0,
-    droppedMisaddressedWrites: 0,
-  };
   #checksumFailures = 0;
   #coverageFailures = 0;
   /** Page-tag failures of the decode machine (at commit or a step), beside the engine's own. */
   #machineTagFailures = 0;
-  #gbps: number[] = [];
   #ackSeconds: number[] = [];
   /** Quarantine release timers (only with the quarantine guard off), by attempt key. */
   readonly #quarantineTimers = new Map<string, NodeJS.Timeout>();
 
   constructor(options: DecodeNodeOptions) {
+    this.#core = new NodeCore(options);
     this.incarnation = options.incarnation;
     this.#engine = options.engine;
-    this.#checksums = pageChecksumsOf(options.engine.pool);
-    this.#pool = protocolPool(options.engine.pool, this.#checksums);
-    this.#config = {
-      maxModelLen: options.engine.capacity.maxModelLen,
-      layoutSignature: options.layoutSignature,
-    };
     this.#safety = options.safety;
-    this.#toRouter = options.toRouter;
-    this.#loop = new StepLoop(options.engine);
-    this.#context = decodeContext(this.#pool, this.#config, this.#safety, this.#out);
+    const core = this.#core;
+    this.#context = decodeContext(core.pool, core.config, core.safety, this.#out);
+  }
+
+  /**
+   * The link to prefill node `id`, for the form to wire its transfer receiver with (see
+   * `PrefillLink`); `attach` once the receiver is connected.
+   */
+  prefillLink(id: string): PrefillLink {
+    let channel: PrefillChannel | null = null;
+    let onControl = (_message: ControlMessage): void => {};
+    return {
+      handlers: {
+        control: (message) => onControl(message),
+        // Logical pages [from, to) of (rid, epoch) landed: hash them now (while later pages are
+        // still in flight), for the commit check to read.
+        pagesLanded: (rid, epoch, from, to) => {
+          const peer = this.#peers.get(id);
+          if (peer === undefined || !guardOn(this.#safety, "checksum")) return;
+          for (let i = from; i < to; i++) {
+            const page = leasedPage(peer.state, rid, epoch, i);
+            if (page >= 0) this.#core.checksums.record(page, rid, epoch, i);
+          }
+        },
+        leaseLanded: () => this.#core.recordGbps(channel?.metrics?.lastTransferGbps ?? 0),
+        writeDropped: (rid, epoch, page) => this.#writeDropped(id, rid, epoch, page),
+      },
+      attach: (c, incarnation) => {
+        channel = c;
+        onControl = this.#attachPrefill(id, c, incarnation);
+      },
+      leasedPage: (rid, epoch, index) => {
+        const peer = this.#peers.get(id);
+        return peer === undefined ? -1 : leasedPage(peer.state, rid, epoch, index);
+      },
+    };
   }
 
   /**
    * The transfer channel to prefill node `id` (of `incarnation`) is up; returns the handler for
    * its control messages.
    */
-  attachPrefill(id: string, channel: PrefillChannel, incarnation: number): (message: ControlMessage) => void {
+  #attachPrefill(
+    id: string,
+    channel: PrefillChannel,
+    incarnation: number,
+  ): (message: ControlMessage) => void {
     const peer = this.#peer(id);
     peer.channel = channel;
     peer.incarnation = incarnation;
@@ -167,35 +189,15 @@ export class DecodeNode {
   }
 
   /**
-   * The transport of prefill node `id` reports logical pages `[from, to)` of `(rid, epoch)` landed:
-   * hash them now (while later pages are still in flight), for the commit check to read.
-   */
-  pagesLanded(id: string, rid: number, epoch: number, from: number, to: number): void {
-    if (!guardOn(this.#safety, "checksum")) return;
-    const peer = this.#peers.get(id);
-    if (peer === undefined) return;
-    for (let i = from; i < to; i++) {
-      const page = leasedPage(peer.state, rid, epoch, i);
-      if (page >= 0) this.#checksums.record(page, rid, epoch, i);
-    }
-  }
-
-  /** Decode's page for logical page `index` of `(rid, epoch)` from prefill node `id`, or -1. */
-  leasedPage(id: string, rid: number, epoch: number, index: number): number {
-    const peer = this.#peers.get(id);
-    return peer === undefined ? -1 : leasedPage(peer.state, rid, epoch, index);
-  }
-
-  /**
    * The receiver's lease check dropped a write of prefill node `id` for `(rid, epoch)`. If that
    * attempt still awaits its transfer, the transfer is wrong: fail it closed (5xx, never a commit
    * over a page that did not get its data); a write of an attempt that already ended is only stale.
    */
-  writeDropped(id: string, rid: number, epoch: number, page: number): void {
+  #writeDropped(id: string, rid: number, epoch: number, page: number): void {
     const peer = this.#peers.get(id);
     const a = peer?.state.attempts[attemptKey(rid, epoch)];
     if (peer === undefined || a === undefined || a.phase !== "reserved") return;
-    this.#toRouter({
+    this.#core.toRouter({
       kind: "protocol",
       msg: {
         type: "failed",
@@ -210,11 +212,6 @@ export class DecodeNode {
     this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
   }
 
-  /** A transfer completed (for the GB/s histogram). */
-  recordTransferGbps(gbps: number): void {
-    if (gbps > 0) this.#gbps.push(gbps);
-  }
-
   /**
    * Prefill node `id` is gone (its channel closed, its worker exited, or the router saw it go):
    * close the channel first — the fence: no frame of it lands after this — then release what only
@@ -226,14 +223,7 @@ export class DecodeNode {
     const channel = peer.channel;
     peer.channel = null;
     if (channel !== null) {
-      const m = channel.metrics;
-      if (m !== undefined) {
-        this.#closedTotals.bytes += m.bytesTransferred;
-        this.#closedTotals.pages += m.pagesTransferred;
-        this.#closedTotals.transfers += m.transfers;
-        this.#closedTotals.droppedStaleWrites += m.droppedStaleWrites;
-        this.#closedTotals.droppedMisaddressedWrites += m.droppedMisaddressedWrites;
-      }
+      if (channel.metrics !== undefined) addTransfer(this.#core.closedTotals, channel.metrics);
       void channel.close();
     }
     this.#step(peer, { type: "peer_lost", role: "prefill", incarnation: peer.incarnation });
@@ -255,7 +245,7 @@ export class DecodeNode {
     const peer = this.#peer(message.prefill);
     if (msg.type === "reserve") {
       if (peer.channel === null) {
-        this.#toRouter({
+        this.#core.toRouter({
           kind: "protocol",
           msg: {
             type: "rejected",
@@ -276,49 +266,26 @@ export class DecodeNode {
   }
 
   stats(): NodeStats {
-    const engine = this.#engine.stats();
-    let attempts = 0;
-    let stale = 0;
-    const transfer = { ...this.#closedTotals };
-    for (const peer of this.#peers.values()) {
-      attempts += Object.keys(peer.state.attempts).length;
-      stale += peer.state.stale;
-      const m = peer.channel?.metrics;
-      if (m !== undefined) {
-        transfer.bytes += m.bytesTransferred;
-        transfer.pages += m.pagesTransferred;
-        transfer.transfers += m.transfers;
-        transfer.droppedStaleWrites += m.droppedStaleWrites;
-        transfer.droppedMisaddressedWrites += m.droppedMisaddressedWrites;
-      }
-    }
-    const gbps = this.#gbps;
+    const stats = this.#core.stats("decode", this.#peers.values(), (peer) => peer.channel?.metrics);
     const ack = this.#ackSeconds;
-    this.#gbps = [];
     this.#ackSeconds = [];
     return {
-      role: "decode",
-      pages: engine.pages,
-      queue: engine.queue,
+      ...stats,
       counters: {
-        ...engine.counters,
-        tagCheckFailures: engine.counters.tagCheckFailures + this.#machineTagFailures,
+        ...stats.counters,
+        tagCheckFailures: stats.counters.tagCheckFailures + this.#machineTagFailures,
       },
-      attempts,
-      staleMessages: stale,
       transfer: {
-        ...transfer,
+        ...stats.transfer,
         checksumFailures: this.#checksumFailures,
         coverageFailures: this.#coverageFailures,
       },
-      checksums: this.#checksums.counts(),
-      transferGbps: gbps,
       abortAckSeconds: ack,
     };
   }
 
   close(): void {
-    this.#loop.stop();
+    this.#core.loop.stop();
     for (const timer of this.#quarantineTimers.values()) clearTimeout(timer);
     this.#quarantineTimers.clear();
     for (const peer of this.#peers.values()) void peer.channel?.close();
@@ -349,19 +316,12 @@ export class DecodeNode {
   }
 
   #step(peer: PrefillPeer, event: DecodeEvent): void {
-    if (event.type === "message" && event.msg.type === "abort_ack") {
-      const key = attemptKey(event.msg.rid, event.msg.epoch);
-      const sent = this.#abortSent.get(key);
-      if (sent !== undefined) {
-        this.#abortSent.delete(key);
-        this.#ackSeconds.push(Number(process.hrtime.bigint() - sent) / 1e9);
-      }
-    }
+    if (event.type === "message" && event.msg.type === "abort_ack") this.#ackReceived(event.msg);
     const out = this.#out;
     const start = out.length;
-    const freeBefore = this.#pool.table.countsInto(this.#counts).free;
+    const freeBefore = this.#core.freePages();
     decodeStep(peer.state, event, this.#context);
-    const freeAfter = this.#pool.table.countsInto(this.#counts).free;
+    const freeAfter = this.#core.freePages();
     // Effects [start, end) are this event's; a call nested in their handling (a router message
     // handled synchronously) appends after `end` and truncates back to it.
     const end = out.length;
@@ -373,54 +333,18 @@ export class DecodeNode {
     for (let i = start; i < end; i++) {
       const effect = out[i]!;
       switch (effect.kind) {
-        case "send": {
-          const msg = effect.msg;
-          if (effect.to === "router") {
-            if (msg.type === "tokens") {
-              // The hot path: one token, in the machine's reused message and this reused envelope.
-              this.#tokensEnvelope.msg = msg;
-              this.#toRouter(this.#tokensEnvelope);
-              break;
-            }
-            if (msg.type === "failed") {
-              this.#countFailure(msg.error);
-              if (msg.error.code === "page_tag_mismatch") this.#machineTagFailures++;
-            }
-            if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
-              this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
-            }
-            this.#toRouter({ kind: "protocol", msg });
-          } else if (effect.to === "prefill") {
-            if (msg.type === "abort")
-              this.#abortSent.set(attemptKey(msg.rid, msg.epoch), process.hrtime.bigint());
-            try {
-              peer.channel?.sendControl(msg);
-            } catch {
-              // The channel is closing: its fence releases what this message would have.
-            }
-          }
+        case "send":
+          if (effect.to === "router") this.#sendRouter(effect.msg);
+          else if (effect.to === "prefill") this.#sendPrefill(peer, effect.msg);
           break;
-        }
-        case "commit": {
+        case "commit":
           // The committed message (with prefill's first token) follows in the same batch.
-          let firstToken = 0;
-          for (let j = i + 1; j < end; j++) {
-            const e = out[j]!;
-            if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
-          }
           commits ??= [];
-          commits.push([effect, firstToken]);
+          commits.push([effect, committedToken(out, i + 1, end)]);
           break;
-        }
-        case "stop": {
-          if (this.#running.get(effect.rid) === effect.epoch) {
-            this.#running.delete(effect.rid);
-            // A failed page check ends the request in the engine that asked for it.
-            if (this.#checking !== effect.rid) this.#engine.abort(effect.rid);
-          }
-          this.#sampling.delete(attemptKey(effect.rid, effect.epoch));
+        case "stop":
+          this.#stop(effect.rid, effect.epoch);
           break;
-        }
         default:
           break;
       }
@@ -428,8 +352,53 @@ export class DecodeNode {
     out.length = start;
     // After the machine's own messages (a `finished` before its pages' news): requests the router
     // holds back for want of pages may try again.
-    if (freeAfter > freeBefore) this.#toRouter({ kind: "pages_freed", free: freeAfter });
+    this.#core.reportFreed(freeBefore, freeAfter);
     if (commits !== null) for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
+  }
+
+  /** An ABORT_ACK came: its latency since the abort was relayed. */
+  #ackReceived(msg: { readonly rid: number; readonly epoch: number }): void {
+    const key = attemptKey(msg.rid, msg.epoch);
+    const sent = this.#abortSent.get(key);
+    if (sent === undefined) return;
+    this.#abortSent.delete(key);
+    this.#ackSeconds.push(Number(process.hrtime.bigint() - sent) / 1e9);
+  }
+
+  #sendRouter(msg: ControlMessage): void {
+    if (msg.type === "tokens") {
+      // The hot path: one token, in the machine's reused message and this reused envelope.
+      this.#tokensEnvelope.msg = msg;
+      this.#core.toRouter(this.#tokensEnvelope);
+      return;
+    }
+    if (msg.type === "failed") {
+      this.#countFailure(msg.error);
+      if (msg.error.code === "page_tag_mismatch") this.#machineTagFailures++;
+    }
+    if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
+      this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
+    }
+    this.#core.toRouter({ kind: "protocol", msg });
+  }
+
+  #sendPrefill(peer: PrefillPeer, msg: ControlMessage): void {
+    if (msg.type === "abort") this.#abortSent.set(attemptKey(msg.rid, msg.epoch), process.hrtime.bigint());
+    try {
+      peer.channel?.sendControl(msg);
+    } catch {
+      // The channel is closing: its fence releases what this message would have.
+    }
+  }
+
+  /** The machine ended an attempt: the engine stops it, if it runs it. */
+  #stop(rid: number, epoch: number): void {
+    if (this.#running.get(rid) === epoch) {
+      this.#running.delete(rid);
+      // A failed page check ends the request in the engine that asked for it.
+      if (this.#checking !== rid) this.#engine.abort(rid);
+    }
+    this.#sampling.delete(attemptKey(rid, epoch));
   }
 
   /**
@@ -492,19 +461,19 @@ export class DecodeNode {
         if (this.#running.get(rid) !== epoch) return;
         this.#running.delete(rid);
         this.#countFailure(error);
-        this.#toRouter({ kind: "protocol", msg: { type: "failed", rid, epoch, error } });
+        this.#core.toRouter({ kind: "protocol", msg: { type: "failed", rid, epoch, error } });
         // Ends the attempt in the machine; it frees the committed pages.
         this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
       },
     });
-    this.#loop.kick();
+    this.#core.loop.kick();
   }
 
   /** A stop token ended a committed attempt: end it in the machine (it frees the pages), report it. */
   #endStopped(peer: PrefillPeer, rid: number, epoch: number, completionTokens: number): void {
     this.#running.delete(rid);
     this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
-    this.#toRouter({
+    this.#core.toRouter({
       kind: "protocol",
       msg: { type: "finished", rid, epoch, reason: "stop", tokens: [], completionTokens },
     });
@@ -514,4 +483,14 @@ export class DecodeNode {
     if (error.code === "checksum_mismatch") this.#checksumFailures++;
     else if (error.code === "coverage_mismatch") this.#coverageFailures++;
   }
+}
+
+/** Prefill's first token: the `committed` message's among effects `[from, end)`, or 0. */
+function committedToken(out: Effects, from: number, end: number): number {
+  let firstToken = 0;
+  for (let j = from; j < end; j++) {
+    const e = out[j]!;
+    if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
+  }
+  return firstToken;
 }

@@ -21,7 +21,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { modelDir } from "../../testing/start-server.js";
+import { modelDir, operatorGet, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
 import { replay, startTcpTap, type TcpTap } from "../../testing/tcp-tap.js";
 import { transferFixture } from "../../testing/transfer-fixture.js";
 import { connectControlLink } from "../cluster/control-link.js";
@@ -72,7 +72,7 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
     return `${res.choices[0]!.finish_reason}: ${res.choices[0]!.message.content}`;
   };
   const failures = async (): Promise<Map<string, number>> => {
-    const text = await (await fetch(`${router.url}/metrics`)).text();
+    const text = await (await operatorGet(router.url, "/metrics")).text();
     const out = new Map<string, number>();
     for (const m of text.matchAll(/^kvfence_link_auth_failures_total\{([^}]*)\} (\d+)$/gm)) {
       const labels = Object.fromEntries([...m[1]!.matchAll(/(\w+)="([^"]*)"/g)].map((l) => [l[1], l[2]]));
@@ -118,6 +118,7 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
       decode: [`127.0.0.1:${decodeTap.port}`],
       clusterSecret: nodes.secret,
       apiKeys: join(keysDir, "keys.json"),
+      operatorKey: TEST_OPERATOR_KEY,
     });
     router = await startServer(config, { logger: createLogger({ level: "silent" }) });
     ports.transfer = nodeHello(prefillTap.received(0)).transferPort!;

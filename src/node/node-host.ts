@@ -21,21 +21,15 @@ export interface NodeHostOptions {
   readonly faults?: readonly string[];
 }
 
-export type BuiltNode =
-  | {
-      readonly role: "prefill";
-      readonly engine: Engine;
-      readonly node: PrefillNode;
-      readonly hello: NodeHello;
-      readonly layoutSignature: string;
-    }
-  | {
-      readonly role: "decode";
-      readonly engine: Engine;
-      readonly node: DecodeNode;
-      readonly hello: NodeHello;
-      readonly layoutSignature: string;
-    };
+interface Built<Role extends "prefill" | "decode", Node> {
+  readonly role: Role;
+  readonly engine: Engine;
+  readonly node: Node;
+  readonly hello: NodeHello;
+  readonly layoutSignature: string;
+}
+
+export type BuiltNode = Built<"prefill", PrefillNode> | Built<"decode", DecodeNode>;
 
 /** The layout signature both ends of a transfer compare: the model's shape and the page layout. */
 export function nodeLayoutSignature(engine: Engine, config: ModelConfig): string {
@@ -56,31 +50,20 @@ export async function buildNode(
   });
   const model = options.engine.model;
   const signature = nodeLayoutSignature(engine, "dir" in model ? loadModelConfig(model.dir) : model.config);
-  const base = {
-    kind: "hello" as const,
+  const incarnation = randomInt(1, 0x7fff_ffff);
+  const hello: NodeHello = {
+    kind: "hello",
+    role: options.role,
+    incarnation,
     poolTokens: engine.capacity.poolTokens,
     pageSize: engine.capacity.pageSize,
     maxModelLen: engine.capacity.maxModelLen,
     layoutSignature: signature,
     ...(engine.capacity.maxSequences === undefined ? {} : { maxSequences: engine.capacity.maxSequences }),
   };
-  const incarnation = randomInt(1, 0x7fff_ffff);
-  if (options.role === "prefill") {
-    const node = new PrefillNode({ engine, layoutSignature: signature, safety, incarnation, toRouter });
-    return {
-      role: "prefill",
-      engine,
-      node,
-      hello: { ...base, role: "prefill", incarnation },
-      layoutSignature: signature,
-    };
-  }
-  const node = new DecodeNode({ engine, layoutSignature: signature, safety, incarnation, toRouter });
-  return {
-    role: "decode",
-    engine,
-    node,
-    hello: { ...base, role: "decode", incarnation },
-    layoutSignature: signature,
-  };
+  const parts = { engine, hello, layoutSignature: signature };
+  const nodeOptions = { engine, layoutSignature: signature, safety, incarnation, toRouter };
+  return options.role === "prefill"
+    ? { ...parts, role: "prefill", node: new PrefillNode(nodeOptions) }
+    : { ...parts, role: "decode", node: new DecodeNode(nodeOptions) };
 }

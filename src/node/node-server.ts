@@ -13,7 +13,6 @@ import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
 import type { LinkTls } from "../transfer/tls-config.js";
-import type { DecodeNode } from "./decode-node.js";
 import { buildNode } from "./node-host.js";
 import { pageByteLength } from "./node-pool.js";
 
@@ -46,159 +45,213 @@ export interface NodeServer {
   close(): Promise<void>;
 }
 
-export async function startNodeServer(options: NodeServerOptions): Promise<NodeServer> {
-  let router: ControlLink<FromNode, ToNode> | null = null;
+/**
+ * The node's one router link. One router at a time: another one (even with the secret) is refused
+ * while it is connected, unless it is a newer incarnation (a restarted router whose old link the
+ * node has not seen close yet, e.g. its host vanished): then the old link is closed, loudly.
+ */
+class RouterSlot {
+  #link: ControlLink<FromNode, ToNode> | null = null;
   /** The connected router's incarnation (its start time, from its hello). */
-  let routerIncarnation: number | undefined;
-  const toRouter = (message: FromNode): void => {
-    if (router === null || router.closed) return;
+  #incarnation: number | undefined;
+  readonly #warn: (message: string) => void;
+
+  constructor(warn: (message: string) => void) {
+    this.#warn = warn;
+  }
+
+  /** Sends to the connected router; nothing when there is none (it fails its requests itself). */
+  readonly send = (message: FromNode): void => {
+    if (this.#link === null || this.#link.closed) return;
     try {
-      router.send(message);
+      this.#link.send(message);
     } catch {
       // The router went away; it fails its requests itself.
     }
   };
-  const built = await buildNode(
-    { role: options.role, engine: options.engine, faults: options.faults ?? [] },
-    toRouter,
-  );
-  const log = options.log ?? (() => {});
-  const warn = options.warn ?? log;
 
-  let transfer: TcpTransferServer | null = null;
-  if (built.role === "prefill") {
-    const node = built.node;
-    transfer = await TcpTransferServer.listen({
-      host: options.host,
-      port: options.transferPort ?? 0,
-      secret: options.secret,
-      ...(options.tls === undefined ? {} : { tls: options.tls }),
-      layoutSignature: built.layoutSignature,
-      incarnation: node.incarnation,
-      onRefused: (reason, detail) => warn(`transfer port: refused a connection (${reason}): ${detail}`),
-      onWriter: (writer) => {
-        const incarnation = writer.peerIncarnation ?? 0;
-        const onControl = node.attachDecode(writer, incarnation, writer.metrics);
-        writer.handlers = {
-          control: onControl,
-          closed: () => node.decodeLost(incarnation, writer),
-        };
-        log(`decode node ${incarnation} connected`);
-      },
-    });
-  }
-  const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
-
-  const onRouterMessage = async (message: ToNode): Promise<void> => {
-    if (message.kind === "ping") {
-      toRouter({ kind: "pong", id: message.id });
-      return;
-    }
-    if (message.kind === "stats") {
-      const linkAuthFailures = {
-        control: { ...control.failures },
-        ...(transfer === null ? {} : { transfer: { ...transfer.failures } }),
-      };
-      toRouter({ kind: "stats", id: message.id, stats: { ...built.node.stats(), linkAuthFailures } });
-      return;
-    }
-    if (built.role === "prefill") {
-      built.node.onRouter(message);
-      return;
-    }
-    const node = built.node;
-    if (message.kind !== "connect_prefill") {
-      node.onRouter(message);
-      return;
-    }
-    connectPrefill(node, message);
+  /** Whether a router that proved itself with `incarnation` may have the link. */
+  readonly admit = (incarnation: number | undefined): boolean => {
+    const current = this.#link;
+    if (current === null || current.closed) return true;
+    const known = this.#incarnation;
+    if (incarnation === undefined || known === undefined || incarnation <= known) return false;
+    this.#warn(
+      `control port: a newer router (incarnation ${incarnation}) replaces the connected one (${known})`,
+    );
+    current.close();
+    this.#link = null;
+    return true;
   };
 
-  /** The newest `connect_prefill` per prefill id: a reconnect loop of an older one stops. */
-  const prefillTargets = new Map<string, ConnectPrefill>();
-  let closing = false;
+  /** An admitted router's link: it gets the node's hello, its messages go to `onMessage`. */
+  attach(
+    link: ControlLink<FromNode, ToNode>,
+    incarnation: number | undefined,
+    onMessage: (message: ToNode) => void,
+    hello: FromNode,
+  ): void {
+    this.#link = link;
+    this.#incarnation = incarnation;
+    link.onMessage(onMessage);
+    link.onClose(() => {
+      if (this.#link === link) this.#link = null;
+    });
+    link.send(hello);
+  }
+}
 
-  /**
-   * Connects decode's transfer receiver to the prefill node `target` names. When a connection that
-   * was up drops while that prefill node lives on (same incarnation), decode fences it (its pages
-   * are released as the protocol says), tells the router, and reconnects by itself: every
-   * `RECONNECT_MS` for `RECONNECT_WINDOW_MS`, to the same incarnation only (the receiver refuses
-   * another one: a restarted prefill node is the router's to announce).
-   */
-  const connectPrefill = (node: DecodeNode, target: ConnectPrefill, since?: number): void => {
-    prefillTargets.set(target.prefill, target);
-    const pool = (built as Extract<typeof built, { role: "decode" }>).engine.pool;
-    let onControl: Parameters<typeof connectTcpReceiver>[0]["handlers"]["control"] = () => {};
-    let receiver: Awaited<ReturnType<typeof connectTcpReceiver>> | undefined;
+type BuiltNode = Awaited<ReturnType<typeof buildNode>>;
+type BuiltDecode = Extract<BuiltNode, { role: "decode" }>;
+
+/** Prefill's transfer server: each decode node that proves itself gets a writer wired to its link. */
+function listenForDecode(
+  options: NodeServerOptions,
+  built: Extract<BuiltNode, { role: "prefill" }>,
+  log: (message: string) => void,
+  warn: (message: string) => void,
+): Promise<TcpTransferServer> {
+  const node = built.node;
+  return TcpTransferServer.listen({
+    host: options.host,
+    port: options.transferPort ?? 0,
+    secret: options.secret,
+    ...(options.tls === undefined ? {} : { tls: options.tls }),
+    layoutSignature: built.layoutSignature,
+    incarnation: node.incarnation,
+    onRefused: (reason, detail) => warn(`transfer port: refused a connection (${reason}): ${detail}`),
+    onWriter: (writer) => {
+      const incarnation = writer.peerIncarnation ?? 0;
+      const link = node.decodeLink(incarnation);
+      writer.handlers = link.handlers;
+      link.attach(writer);
+      log(`decode node ${incarnation} connected`);
+    },
+  });
+}
+
+/**
+ * Decode's transfer receivers, one per prefill node the router names (`connect_prefill`). When a
+ * connection that was up drops while that prefill node lives on (same incarnation), decode fences
+ * it (its pages are released as the protocol says), tells the router, and reconnects by itself:
+ * every `RECONNECT_MS` for `RECONNECT_WINDOW_MS`, to the same incarnation only (the receiver refuses
+ * another one: a restarted prefill node is the router's to announce).
+ */
+class PrefillConnector {
+  /** The newest `connect_prefill` per prefill id: a reconnect loop of an older one stops. */
+  readonly #targets = new Map<string, ConnectPrefill>();
+  #closing = false;
+
+  constructor(
+    private readonly options: NodeServerOptions,
+    private readonly built: BuiltDecode,
+    private readonly toRouter: (message: FromNode) => void,
+    private readonly log: (message: string) => void,
+  ) {}
+
+  close(): void {
+    this.#closing = true;
+  }
+
+  connect(target: ConnectPrefill, since?: number): void {
+    this.#targets.set(target.prefill, target);
+    const { node, engine, layoutSignature } = this.built;
+    const pool = engine.pool;
+    const link = node.prefillLink(target.prefill);
     /** True while the channel is up and not closed by this node (a local close is no drop). */
     let up = false;
-    const retry = (why: string): void => {
-      const start = since ?? Date.now();
-      if (closing || prefillTargets.get(target.prefill) !== target) return;
-      if (Date.now() - start > RECONNECT_WINDOW_MS) {
-        log(`gave up reconnecting to ${target.prefill} after ${RECONNECT_WINDOW_MS} ms: ${why}`);
-        return;
-      }
-      setTimeout(() => connectPrefill(node, target, start), RECONNECT_MS).unref();
-    };
     connectTcpReceiver({
       host: target.host,
       port: target.port,
-      secret: options.secret,
-      ...(options.tls === undefined ? {} : { tls: options.tls }),
-      layoutSignature: built.layoutSignature,
+      secret: this.options.secret,
+      ...(this.options.tls === undefined ? {} : { tls: this.options.tls }),
+      layoutSignature,
       pool: pool.data,
       table: pool.table,
       pageBytes: pageByteLength(pool),
       incarnation: node.incarnation,
       peerIncarnation: target.incarnation,
       // The receiver's lease check is the `lease-check` guard (`--unsafe-disable-guard lease-check`).
-      leaseCheck: !(options.engine.disabledGuards ?? []).includes("lease-check"),
-      leasedPage: (rid, epoch, index) => node.leasedPage(target.prefill, rid, epoch, index),
+      leaseCheck: !(this.options.engine.disabledGuards ?? []).includes("lease-check"),
+      leasedPage: link.leasedPage,
       handlers: {
-        control: (m) => onControl?.(m),
-        pagesLanded: (rid, epoch, from, to) => node.pagesLanded(target.prefill, rid, epoch, from, to),
-        leaseLanded: () => node.recordTransferGbps(receiver?.metrics.lastTransferGbps ?? 0),
-        writeDropped: (rid, epoch, page) => node.writeDropped(target.prefill, rid, epoch, page),
+        ...link.handlers,
         closed: (error) => {
           if (!up) return;
           up = false;
           node.prefillLost(target.prefill);
-          toRouter({ kind: "prefill_down", prefill: target.prefill });
-          log(`transfer channel to ${target.prefill} down: ${error?.message ?? "closed"}; reconnecting`);
-          retry(error?.message ?? "closed");
+          this.toRouter({ kind: "prefill_down", prefill: target.prefill });
+          const why = error?.message ?? "closed";
+          this.log(`transfer channel to ${target.prefill} down: ${why}; reconnecting`);
+          this.#retry(target, since ?? Date.now(), why);
         },
       },
     }).then(
       (r) => {
-        receiver = r;
-        if (closing || prefillTargets.get(target.prefill) !== target) {
+        if (!this.#current(target)) {
           void r.close();
           return;
         }
         up = true;
-        onControl = node.attachPrefill(
-          target.prefill,
-          {
-            sendControl: (m) => r.sendControl(m),
-            close: () => {
-              up = false;
-              return r.close();
-            },
-            metrics: r.metrics,
+        const channel = {
+          sendControl: (m: Parameters<typeof r.sendControl>[0]) => r.sendControl(m),
+          close: () => {
+            up = false;
+            return r.close();
           },
-          target.incarnation,
-        );
-        toRouter({ kind: "prefill_up", prefill: target.prefill });
-        log(`transfer channel to ${target.prefill} up${since === undefined ? "" : " again"}`);
+          metrics: r.metrics,
+        };
+        link.attach(channel, target.incarnation);
+        this.toRouter({ kind: "prefill_up", prefill: target.prefill });
+        this.log(`transfer channel to ${target.prefill} up${since === undefined ? "" : " again"}`);
       },
       (err: Error) => {
-        log(`cannot connect to ${target.prefill} at ${target.host}:${target.port}: ${err.message}`);
-        if (since === undefined) toRouter({ kind: "prefill_down", prefill: target.prefill });
+        this.log(`cannot connect to ${target.prefill} at ${target.host}:${target.port}: ${err.message}`);
+        if (since === undefined) this.toRouter({ kind: "prefill_down", prefill: target.prefill });
         // A restarted prefill node (another incarnation) is the router's to announce.
-        else if (!/another incarnation/.test(err.message)) retry(err.message);
+        else if (!/another incarnation/.test(err.message)) this.#retry(target, since, err.message);
       },
     );
+  }
+
+  /** Whether `target` is still the one to connect to (not closing, not replaced). */
+  #current(target: ConnectPrefill): boolean {
+    return !this.#closing && this.#targets.get(target.prefill) === target;
+  }
+
+  #retry(target: ConnectPrefill, start: number, why: string): void {
+    if (!this.#current(target)) return;
+    if (Date.now() - start > RECONNECT_WINDOW_MS) {
+      this.log(`gave up reconnecting to ${target.prefill} after ${RECONNECT_WINDOW_MS} ms: ${why}`);
+      return;
+    }
+    setTimeout(() => this.connect(target, start), RECONNECT_MS).unref();
+  }
+}
+
+export async function startNodeServer(options: NodeServerOptions): Promise<NodeServer> {
+  const log = options.log ?? (() => {});
+  const warn = options.warn ?? log;
+  const router = new RouterSlot(warn);
+  const built = await buildNode(
+    { role: options.role, engine: options.engine, faults: options.faults ?? [] },
+    router.send,
+  );
+  const transfer = built.role === "prefill" ? await listenForDecode(options, built, log, warn) : null;
+  const prefill = built.role === "decode" ? new PrefillConnector(options, built, router.send, log) : null;
+  const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
+
+  const onRouterMessage = (message: ToNode): void => {
+    if (message.kind === "ping") router.send({ kind: "pong", id: message.id });
+    else if (message.kind === "stats") {
+      const linkAuthFailures = {
+        control: { ...control.failures },
+        ...(transfer === null ? {} : { transfer: { ...transfer.failures } }),
+      };
+      router.send({ kind: "stats", id: message.id, stats: { ...built.node.stats(), linkAuthFailures } });
+    } else if (built.role === "prefill") built.node.onRouter(message);
+    else if (message.kind === "connect_prefill") prefill!.connect(message);
+    else built.node.onRouter(message);
   };
 
   const control = await listenControlLinks<FromNode, ToNode>({
@@ -206,32 +259,9 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     port: options.port,
     secret: options.secret,
     ...(options.tls === undefined ? {} : { tls: options.tls }),
-    // One router at a time: another one (even with the secret) is refused while it is connected,
-    // unless it is a newer incarnation (a restarted router whose old link the node has not seen
-    // close yet, e.g. its host vanished): then the old link is closed, loudly.
-    admit: (incarnation) => {
-      if (router === null || router.closed) return true;
-      if (incarnation === undefined || routerIncarnation === undefined || incarnation <= routerIncarnation)
-        return false;
-      warn(
-        `control port: a newer router (incarnation ${incarnation}) replaces the connected one (${routerIncarnation})`,
-      );
-      router.close();
-      router = null;
-      return true;
-    },
+    admit: router.admit,
     onRefused: (reason, detail) => warn(`control port: refused a connection (${reason}): ${detail}`),
-    onLink: (link, incarnation) => {
-      router = link;
-      routerIncarnation = incarnation;
-      link.onMessage((m) => {
-        void onRouterMessage(m);
-      });
-      link.onClose(() => {
-        if (router === link) router = null;
-      });
-      link.send(hello);
-    },
+    onLink: (link, incarnation) => router.attach(link, incarnation, onRouterMessage, hello),
   }).catch((err: Error) => {
     throw new KvfenceError(
       "config_invalid",
@@ -244,7 +274,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     port: control.port,
     transferPort: transfer?.port,
     async close() {
-      closing = true;
+      prefill?.close();
       built.node.close();
       await control.close();
       await transfer?.close();

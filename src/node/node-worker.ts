@@ -77,21 +77,18 @@ async function main(port: MessagePort, options: NodeHostOptions): Promise<void> 
           pageBytes: pageByteLength(pool),
           layoutSignature: built.layoutSignature,
         });
-        let onControl: (m: Parameters<ReturnType<typeof node.attachPrefill>>[0]) => void = () => {};
+        const link = node.prefillLink(message.prefill);
         const receiver = new ShmTransferReceiver(channel, {
           port: message.port,
           handlers: {
-            control: (m) => onControl(m),
-            pagesLanded: (rid, epoch, from, to) => node.pagesLanded(message.prefill, rid, epoch, from, to),
-            leaseLanded: () => node.recordTransferGbps(receiver.metrics.lastTransferGbps),
+            ...link.handlers,
             closed: () => {
               node.prefillLost(message.prefill);
               toRouter({ kind: "prefill_down", prefill: message.prefill });
             },
           },
         });
-        onControl = node.attachPrefill(
-          message.prefill,
+        link.attach(
           {
             sendControl: (m) => receiver.sendControl(m),
             close: () => receiver.close(),
@@ -109,16 +106,13 @@ async function main(port: MessagePort, options: NodeHostOptions): Promise<void> 
     }
     const node = built.node;
     if (message.kind === "shm_writer") {
-      let onControl: (m: Parameters<ReturnType<typeof node.attachDecode>>[0]) => void = () => {};
+      const link = node.decodeLink(message.incarnation);
       const writer = new ShmTransferWriter(message.channel, {
         port: message.port,
         layoutSignature: built.layoutSignature,
-        handlers: {
-          control: (m) => onControl(m),
-          closed: () => node.decodeLost(message.incarnation),
-        },
+        handlers: link.handlers,
       });
-      onControl = node.attachDecode(writer, message.incarnation, writer.metrics);
+      link.attach(writer);
       return;
     }
     if (message.kind === "decode_lost") {

@@ -3,7 +3,7 @@
  * `kvfence cluster`-style set of processes (router, one prefill, one decode on 127.0.0.1) is
  * started, and the listening sockets of each process are read from /proc
  * (`testing/listening-sockets.ts`). Each must be one the table lists for that role — the router's
- * HTTP port, a node's control port, prefill's transfer port — bound to 127.0.0.1; any other
+ * HTTP port and operator listener, a node's control port, prefill's transfer port — bound to 127.0.0.1; any other
  * listening socket fails the test, as does a table row this test does not know.
  */
 import assert from "node:assert/strict";
@@ -43,19 +43,20 @@ describe("every listening socket of every role is in docs/security.md", { timeou
     await cluster?.close();
   });
 
-  test("router: the HTTP port; prefill: control and transfer port; decode: control port; all on 127.0.0.1", () => {
+  test("router: the HTTP port and the loopback operator listener; prefill: control and transfer port; decode: control port; all on 127.0.0.1", () => {
     const table = portTable();
     const listed = (role: string, port: string): boolean =>
       table.some((r) => r.role.includes(role) && r.port.startsWith(port));
     // The kinds of port this test can tell apart; a new row in the table needs a rule here.
     for (const row of table) {
       assert.ok(
-        /^(HTTP API|metrics listener|control port|transfer port)/.test(row.port),
+        /^(HTTP API|operator listener|control port|transfer port)/.test(row.port),
         `a port kind the test does not know: ${row.port}`,
       );
     }
     const classify = (role: string, port: number, knownPort: number): string => {
       if (port === knownPort) return role === "router" ? "HTTP API" : "control port";
+      if (role === "router") return "operator listener";
       return role === "prefill" ? "transfer port" : `unknown port ${port}`;
     };
     const processes = [
@@ -86,6 +87,7 @@ describe("every listening socket of every role is in docs/security.md", { timeou
       "prefill: control port",
       "prefill: transfer port",
       "router: HTTP API",
+      "router: operator listener",
     ]);
   });
 });

@@ -1,7 +1,8 @@
 /**
  * The prefill node (docs/design.md §2): the engine in prefill-only mode, driven by the protocol's
  * prefill state machine (`prefillStep`), with the transport injected — the same class runs in a
- * worker thread (shared-memory writer) and in a process (TCP writer).
+ * worker thread (shared-memory writer) and in a process (TCP writer). What both roles share (the
+ * parts built from the options, `pages_freed`, the statistics) is `NodeCore`'s (node-core.ts).
  *
  * One prefill state machine per connected decode node, all over this node's one pool: a machine's
  * `decodeIncarnation` is its decode peer's, so a `prefill` request goes to the machine whose peer
@@ -24,11 +25,9 @@
  * drain) — as a prefill that hangs mid-transfer; decode's pages wait for the fence.
  */
 
-import type { FromNode, NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
-import type { Engine } from "../engine/engine.js";
-import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
-import type { Effects, WriteEffect } from "../protocol/effects.js";
+import type { ComputeEffect, Effects, WriteEffect } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import {
   initialPrefillState,
@@ -37,21 +36,24 @@ import {
   type PrefillState,
   prefillStep,
 } from "../protocol/prefill-machine.js";
-import { faultOn, type Safety } from "../protocol/safety.js";
+import { faultOn } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
-import type { PageWrite, TransferWriter } from "../transfer/transport.js";
-import { pageBytesOf, pageChecksumsOf, protocolPool } from "./node-pool.js";
-import { StepLoop } from "./step-loop.js";
+import type { PageWrite, TransferHandlers, TransferWriter } from "../transfer/transport.js";
+import { addTransfer, GREEDY, NodeCore, type NodeOptions } from "./node-core.js";
+import { pageBytesOf } from "./node-pool.js";
 
-export interface PrefillNodeOptions {
-  readonly engine: Engine;
-  readonly layoutSignature: string;
-  readonly safety: Safety;
-  /** This node's incarnation (a fresh value per start); decode grants leases for it. */
-  readonly incarnation: number;
-  /** Sends to the router (the current router link). */
-  readonly toRouter: (message: FromNode) => void;
+export type PrefillNodeOptions = NodeOptions;
+
+/** A writer to a decode peer: the transport's, with the metrics of its channel. */
+export type DecodeWriter = TransferWriter & { readonly metrics?: TransferMetrics };
+
+/** The prefill end of one decode peer's transfer channel, for either form (shared memory, TCP). */
+export interface DecodeLink {
+  /** The handlers to give the writer: its control messages feed the peer's machine, its close is the fence. */
+  readonly handlers: Required<Pick<TransferHandlers, "control" | "closed">>;
+  /** The writer exists: the peer is attached (a peer of the same incarnation before it is fenced). */
+  attach(writer: DecodeWriter): void;
 }
 
 interface DecodePeer {
@@ -61,19 +63,12 @@ interface DecodePeer {
   open: boolean;
 }
 
-const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
-
 export class PrefillNode {
   readonly incarnation: number;
-  readonly #engine: Engine;
-  readonly #pool;
-  readonly #checksums;
+  readonly #core: NodeCore;
+  readonly #engine;
   /** Per attempt still computing: how many of its source pages (from the first) are hashed. */
   readonly #produced = new Map<string, number>();
-  readonly #config;
-  readonly #safety: Safety;
-  readonly #toRouter: (message: FromNode) => void;
-  readonly #loop: StepLoop;
   readonly #peers = new Map<number, DecodePeer>();
   /** Per attempt: the peer it writes to, and the prompt and sampling the router sent. */
   readonly #inputs = new Map<
@@ -82,40 +77,44 @@ export class PrefillNode {
   >();
   readonly #out: Effects = [];
   readonly #context: PrefillContext;
-  readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
-  /** Transfer counters of writers that closed (kept so totals never go down). */
-  readonly #closedTotals = { bytes: 0, pages: 0, transfers: 0 };
-  #gbps: number[] = [];
 
   constructor(options: PrefillNodeOptions) {
+    this.#core = new NodeCore(options, () => this.#hashProduced());
     this.incarnation = options.incarnation;
     this.#engine = options.engine;
-    this.#checksums = pageChecksumsOf(options.engine.pool);
-    this.#pool = protocolPool(options.engine.pool, this.#checksums);
-    this.#config = {
-      maxModelLen: options.engine.capacity.maxModelLen,
-      layoutSignature: options.layoutSignature,
+    const core = this.#core;
+    this.#context = { pool: core.pool, config: core.config, safety: core.safety, out: this.#out };
+  }
+
+  /**
+   * The link to a decode node of `incarnation`, for the form to wire its writer with (see
+   * `DecodeLink`). A writer's close fences the peer only while the peer still writes through it.
+   */
+  decodeLink(incarnation: number): DecodeLink {
+    let writer: DecodeWriter | undefined;
+    let onControl = (_message: ControlMessage): void => {};
+    return {
+      handlers: {
+        control: (message) => onControl(message),
+        closed: () => this.decodeLost(incarnation, writer),
+      },
+      attach: (w) => {
+        writer = w;
+        onControl = this.#attachDecode(w, incarnation);
+      },
     };
-    this.#safety = options.safety;
-    this.#toRouter = options.toRouter;
-    this.#loop = new StepLoop(options.engine, () => this.#hashProduced());
-    this.#context = { pool: this.#pool, config: this.#config, safety: this.#safety, out: this.#out };
   }
 
   /**
    * A decode node of `incarnation` connected through `writer`. Its control messages (abort,
    * release) feed that peer's machine; its channel closing is its fence.
    */
-  attachDecode(
-    writer: TransferWriter & { handlers?: unknown },
-    incarnation: number,
-    metrics?: TransferMetrics,
-  ): (message: ControlMessage) => void {
+  #attachDecode(writer: DecodeWriter, incarnation: number): (message: ControlMessage) => void {
     const old = this.#peers.get(incarnation);
     if (old !== undefined) this.#fence(incarnation, old);
     const peer: DecodePeer = {
       writer,
-      metrics,
+      metrics: writer.metrics,
       state: initialPrefillState(this.incarnation, incarnation),
       open: true,
     };
@@ -161,54 +160,20 @@ export class PrefillNode {
   }
 
   stats(): NodeStats {
-    const engine = this.#engine.stats();
-    let attempts = 0;
-    let stale = 0;
-    const transfer = { ...this.#closedTotals };
-    for (const peer of this.#peers.values()) {
-      attempts += Object.keys(peer.state.attempts).length;
-      stale += peer.state.stale;
-      if (peer.metrics !== undefined) {
-        transfer.bytes += peer.metrics.bytesTransferred;
-        transfer.pages += peer.metrics.pagesTransferred;
-        transfer.transfers += peer.metrics.transfers;
-      }
-    }
-    const gbps = this.#gbps;
-    this.#gbps = [];
-    return {
-      role: "prefill",
-      pages: engine.pages,
-      queue: engine.queue,
-      counters: engine.counters,
-      attempts,
-      staleMessages: stale,
-      transfer: {
-        ...transfer,
-        checksumFailures: 0,
-        coverageFailures: 0,
-        droppedStaleWrites: 0,
-        droppedMisaddressedWrites: 0,
-      },
-      checksums: this.#checksums.counts(),
-      transferGbps: gbps,
-      abortAckSeconds: [],
-    };
+    const stats = this.#core.stats("prefill", this.#peers.values(), (peer) => peer.metrics);
+    // Dropped writes are the receiver's lease check's (decode reports them), never a writer's.
+    return { ...stats, transfer: { ...stats.transfer, droppedStaleWrites: 0, droppedMisaddressedWrites: 0 } };
   }
 
   close(): void {
-    this.#loop.stop();
+    this.#core.loop.stop();
   }
 
   #fence(incarnation: number, peer: DecodePeer): void {
     if (!peer.open) return;
     peer.open = false;
     this.#peers.delete(incarnation);
-    if (peer.metrics !== undefined) {
-      this.#closedTotals.bytes += peer.metrics.bytesTransferred;
-      this.#closedTotals.pages += peer.metrics.pagesTransferred;
-      this.#closedTotals.transfers += peer.metrics.transfers;
-    }
+    if (peer.metrics !== undefined) addTransfer(this.#core.closedTotals, peer.metrics);
     // Stop computing for the lost peer; the machine frees the source pages.
     for (const key in peer.state.attempts) this.#engine.abort(peer.state.attempts[key]!.rid);
     this.#step(peer, { type: "peer_lost", role: "decode", incarnation }, true);
@@ -233,7 +198,7 @@ export class PrefillNode {
             table.filledTokens(page) < Math.min(P, a.promptLen - i * P)
           )
             break;
-          this.#checksums.record(page, a.rid, a.epoch, i);
+          this.#core.checksums.record(page, a.rid, a.epoch, i);
         }
         produced.set(key, i);
       }
@@ -247,7 +212,7 @@ export class PrefillNode {
   }
 
   #reject(msg: PrefillRequest, error: WireError): void {
-    this.#toRouter({
+    this.#core.toRouter({
       kind: "protocol",
       msg: { type: "rejected", rid: msg.rid, epoch: msg.epoch, from: "prefill", error },
     });
@@ -257,22 +222,22 @@ export class PrefillNode {
     if (!peer.open && !force) return;
     const out = this.#out;
     const start = out.length;
-    const freeBefore = this.#pool.table.countsInto(this.#counts).free;
+    const freeBefore = this.#core.freePages();
     prefillStep(peer.state, event, this.#context);
-    const freeAfter = this.#pool.table.countsInto(this.#counts).free;
+    const freeAfter = this.#core.freePages();
     const effects = out.splice(start);
     let writes: WriteEffect[] | null = null;
     for (const effect of effects) {
       switch (effect.kind) {
         case "send":
-          if (effect.to === "router") this.#toRouter({ kind: "protocol", msg: effect.msg });
+          if (effect.to === "router") this.#core.toRouter({ kind: "protocol", msg: effect.msg });
           else if (peer.open) peer.writer.sendControl(effect.msg).catch(() => {});
           if (effect.msg.type === "abort_ack" || effect.msg.type === "rejected") {
             this.#inputs.delete(attemptKey(effect.msg.rid, effect.msg.epoch));
           }
           break;
         case "compute":
-          this.#compute(peer, effect.rid, effect.epoch, effect.tenant, effect.promptLen, effect.pages);
+          this.#compute(peer, effect);
           break;
         case "write":
           if (writes === null) writes = [effect];
@@ -283,22 +248,14 @@ export class PrefillNode {
       }
     }
     if (writes !== null) this.#write(peer, writes);
-    // Requests the router holds back because this pool was full may try again.
-    if (freeAfter > freeBefore) this.#toRouter({ kind: "pages_freed", free: freeAfter });
+    this.#core.reportFreed(freeBefore, freeAfter);
     // Attempts that ended here (released, acknowledged, fenced) need no inputs any more.
     for (const [key, input] of this.#inputs) {
       if (input.peer === peer && peer.state.ended[key] !== undefined) this.#inputs.delete(key);
     }
   }
 
-  #compute(
-    peer: DecodePeer,
-    rid: number,
-    epoch: number,
-    tenant: number,
-    promptLen: number,
-    pages: readonly LeasePage[],
-  ): void {
+  #compute(peer: DecodePeer, { rid, epoch, tenant, promptLen, pages }: ComputeEffect): void {
     const key = attemptKey(rid, epoch);
     const input = this.#inputs.get(key);
     const tokens = input?.tokens ?? [];
@@ -333,11 +290,14 @@ export class PrefillNode {
           // and acknowledges), and tell the router with the engine's error, unchanged.
           this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
           this.#step(peer, { type: "computed", rid, epoch, firstToken: 0 });
-          this.#toRouter({ kind: "protocol", msg: { type: "rejected", rid, epoch, from: "prefill", error } });
+          this.#core.toRouter({
+            kind: "protocol",
+            msg: { type: "rejected", rid, epoch, from: "prefill", error },
+          });
         },
       },
     );
-    this.#loop.kick();
+    this.#core.loop.kick();
   }
 
   #write(peer: DecodePeer, effects: readonly WriteEffect[]): void {
@@ -355,7 +315,8 @@ export class PrefillNode {
       const pages: LeasePage[] = [];
       const writes: PageWrite[] = [];
       // The stall-transfer fault: only the first half of the pages is ever written.
-      if (faultOn(this.#safety, "stall-transfer")) list.length = Math.max(1, Math.floor(list.length / 2));
+      if (faultOn(this.#core.safety, "stall-transfer"))
+        list.length = Math.max(1, Math.floor(list.length / 2));
       for (const e of list) {
         pages[e.header.index] = { page: e.header.page, generation: e.header.generation };
         let bytes = pageBytesOf(pool, e.sourcePage);
@@ -377,7 +338,7 @@ export class PrefillNode {
         .then(
           () => {
             const seconds = Number(process.hrtime.bigint() - started) / 1e9;
-            if (seconds > 0) this.#gbps.push(bytesSent / seconds / 1e9);
+            if (seconds > 0) this.#core.recordGbps(bytesSent / seconds / 1e9);
             // Under stall-transfer the unwritten pages never drain: no manifest, no ABORT_ACK.
             for (const w of writes) this.#step(peer, { type: "write_done", rid, epoch, index: w.index });
           },

@@ -21,7 +21,7 @@ function harness(numPages = 4, safety: Safety = SAFE) {
   const state: DecodeState = initialDecodeState(1, 1);
   /** Every read a step reports (`observeRead`), as its logical page count and fresh index. */
   const reads: { count: number; fresh: number }[] = [];
-  pool.observeRead = (_rid, _epoch, _pages, _generations, count, fresh) => {
+  pool.observeRead = (_attempt, count, fresh) => {
     reads.push({ count, fresh });
   };
   const run = (event: DecodeEvent): Effect[] => {

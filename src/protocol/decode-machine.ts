@@ -33,7 +33,7 @@
  * overtaken by its abort, a stale manifest) is ignored and counted, never acted on.
  */
 import type { WireError } from "../lib/errors.js";
-import { type Effects, type KvPool, leasePages, type SendEffect } from "./effects.js";
+import { type Effects, type KvPool, leasePages, poolExhausted, type SendEffect } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
@@ -233,15 +233,7 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
   const count = decodeReservationPages(msg.promptLen, msg.maxTokens, P);
   const leased = leasePages(pool, count, msg);
   if (leased === null) {
-    reject(
-      state,
-      msg,
-      {
-        code: "pool_exhausted",
-        message: `The decode KV pool has no room for request ${msg.rid} now: ${count} pages needed; retry later`,
-      },
-      out,
-    );
+    reject(state, msg, poolExhausted("decode", msg.rid, count), out);
     return;
   }
   const { pages, generations } = leased;
@@ -305,7 +297,7 @@ function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
     state.stale++;
     return;
   }
-  const error = verify(a, msg, pool, safety);
+  const error = verify(a, msg, ctx);
   if (error !== null) {
     if (error.code === "page_tag_mismatch") state.tagFailures++;
     fail(state, key, a, error, ctx);
@@ -334,7 +326,7 @@ function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
 }
 
 /** The commit check: coverage equals the reservation exactly, and every checksum matches. */
-function verify(a: DecodeAttempt, msg: Manifest, pool: KvPool, safety: Safety): WireError | null {
+function verify(a: DecodeAttempt, msg: Manifest, { pool, safety }: DecodeContext): WireError | null {
   if (
     guardOn(safety, "coverage") &&
     (msg.tokenStart !== 0 || msg.tokenEnd !== a.promptLen || msg.checksums.length !== a.leaseCount)
@@ -454,7 +446,7 @@ function step(state: DecodeState, key: string, token: number, ctx: DecodeContext
   const fresh = position % P === 0;
   table.stampWriter(a.pages[last]!, a.rid, a.epoch, (position % P) + 1);
   if (fresh) table.markReady(a.pages[last]!, a.generations[last]!, a.rid, a.epoch);
-  pool.observeRead?.(a.rid, a.epoch, a.pages, a.generations, last + 1, fresh ? last : -1);
+  pool.observeRead?.(a, last + 1, fresh ? last : -1);
   a.generated++;
   if (a.generated >= a.maxTokens) {
     finish(state, key, a, [token], ctx);

@@ -22,24 +22,32 @@ export interface KvPool {
    */
   pageChecksum(page: number, rid: number, epoch: number, index: number): string;
   /**
-   * Optional observer called at the instant a decode step has read the first `count` of `pages`
-   * (physical pages in logical order, leased at `generations`; after its tag check and the write of
-   * its own token, `freshIndex` the logical page that write opened, or -1), before anything else
-   * changes the table. The arrays are the attempt's own: read them, never keep them. Servers leave
-   * it out; the model checker checks invariant 1 here.
+   * Optional observer called at the instant a decode step of `attempt` has read the first `count`
+   * of its pages (after its tag check and the write of its own token; `freshIndex` the logical page
+   * that write opened, or -1), before anything else changes the table. `attempt` is the machine's
+   * own: read it, never keep it. Servers leave it out; the model checker checks invariant 1 here.
    */
-  observeRead?(
-    rid: number,
-    epoch: number,
-    pages: readonly number[],
-    generations: readonly number[],
-    count: number,
-    freshIndex: number,
-  ): void;
+  observeRead?(attempt: ReadingAttempt, count: number, freshIndex: number): void;
+}
+
+/** What a decode step read: its attempt's physical pages in logical order, leased at `generations`. */
+export interface ReadingAttempt {
+  readonly rid: number;
+  readonly epoch: number;
+  readonly pages: readonly number[];
+  readonly generations: readonly number[];
 }
 
 let scratchPages = new Int32Array(64);
 let scratchGenerations = new Uint32Array(64);
+
+/** The refusal of a node whose pool has too few free pages for request `rid` now (the router may wait). */
+export function poolExhausted(node: "prefill" | "decode", rid: number, count: number): WireError {
+  return {
+    code: "pool_exhausted",
+    message: `The ${node} KV pool has no room for request ${rid} now: ${count} pages needed; retry later`,
+  };
+}
 
 /**
  * Leases `count` pages of `pool` to `(rid, epoch)` of `tenant`, all or nothing, and returns them as

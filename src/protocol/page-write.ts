@@ -17,22 +17,24 @@ import type { PageWriteHeader } from "./wire.js";
 
 export type TransportKind = "shm" | "tcp";
 
+/** Where a write arrives: a decode incarnation's pool, over a transport, under a node's guards. */
+export interface LandingSite {
+  readonly incarnation: number;
+  /** Decode's page for the write's `(rid, epoch, index)`, or -1 (see `leasedPage`). */
+  readonly leasedPage: number;
+  readonly transport: TransportKind;
+  readonly safety: Safety;
+}
+
 /**
  * True when the write described by `header` lands in the pool of decode incarnation
- * `incarnation` (the host then copies and stamps). A write aimed at another incarnation's pool
+ * `site.incarnation` (the host then copies and stamps). A write aimed at another incarnation's pool
  * never lands here: over TCP it travelled on that incarnation's (closed) connection, over shared
- * memory it went into that incarnation's buffer. `leasedPage` is decode's page for that write's
- * `(rid, epoch, index)`, or -1 (see `leasedPage`).
+ * memory it went into that incarnation's buffer.
  */
-export function writeLands(
-  table: OwnershipTable,
-  header: PageWriteHeader,
-  target: { readonly incarnation: number; readonly leasedPage: number },
-  transport: TransportKind,
-  safety: Safety,
-): boolean {
-  const leasedPage = target.leasedPage;
-  if (header.incarnation !== target.incarnation) return false;
+export function writeLands(table: OwnershipTable, header: PageWriteHeader, site: LandingSite): boolean {
+  const { leasedPage, transport, safety } = site;
+  if (header.incarnation !== site.incarnation) return false;
   if (header.page < 0 || header.page >= table.numPages) return false;
   if (transport === "shm" || !guardOn(safety, "lease-check")) return true;
   return (

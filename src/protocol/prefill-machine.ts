@@ -18,7 +18,7 @@
  *   node is connected to, or for another prefill incarnation than this one, is refused.
  */
 import type { WireError } from "../lib/errors.js";
-import { type Effects, type KvPool, leasePages } from "./effects.js";
+import { type Effects, type KvPool, leasePages, poolExhausted } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "./wire.js";
@@ -205,15 +205,7 @@ function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext):
   }
   const leased = leasePages(pool, count, msg);
   if (leased === null) {
-    reject(
-      state,
-      msg,
-      {
-        code: "pool_exhausted",
-        message: `The prefill KV pool has no room for request ${msg.rid} now: ${count} pages needed; retry later`,
-      },
-      out,
-    );
+    reject(state, msg, poolExhausted("prefill", msg.rid, count), out);
     return;
   }
   const { pages, generations } = leased;
@@ -282,13 +274,13 @@ function computed(
 }
 
 function abort(state: PrefillState, key: string, ctx: PrefillContext): void {
-  const { safety, out } = ctx;
+  const { safety } = ctx;
   const a = state.attempts[key];
   if (a === undefined) {
     // Never seen here, or already ended: nothing in flight, acknowledge at once.
     state.ended[key] = 1;
     const [rid, epoch] = key.split(":").map(Number) as [number, number];
-    sendAck(rid, epoch, safety, out);
+    sendAck({ rid, epoch }, ctx);
     return;
   }
   if (a.phase === "aborting") return;
@@ -308,12 +300,16 @@ function abort(state: PrefillState, key: string, ctx: PrefillContext): void {
 function finishAbort(state: PrefillState, key: string, a: PrefillAttempt, ctx: PrefillContext): void {
   freeSource(a, ctx.pool);
   end(state, key);
-  sendAck(a.rid, a.epoch, ctx.safety, ctx.out);
+  sendAck(a, ctx);
 }
 
-function sendAck(rid: number, epoch: number, safety: Safety, out: Effects): void {
-  if (faultOn(safety, "drop-abort-ack")) return;
-  out.push({ kind: "send", to: "decode", msg: { type: "abort_ack", rid, epoch } });
+/** ABORT_ACK of `(rid, epoch)` to decode: every write of it has drained (unless the fault drops it). */
+function sendAck(
+  { rid, epoch }: { readonly rid: number; readonly epoch: number },
+  ctx: PrefillContext,
+): void {
+  if (faultOn(ctx.safety, "drop-abort-ack")) return;
+  ctx.out.push({ kind: "send", to: "decode", msg: { type: "abort_ack", rid, epoch } });
 }
 
 function release(state: PrefillState, key: string, pool: KvPool): void {

@@ -92,7 +92,7 @@ export function contextLengthError(promptLen: number, maxTokens: number, limit: 
 }
 
 export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterContext): void {
-  const { config, out } = ctx;
+  const { out } = ctx;
   switch (event.type) {
     case "submit":
       submit(state, event, ctx);
@@ -117,8 +117,7 @@ export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterCo
           code: "transfer_failed",
           message: `The KV transfer of request ${req.rid} timed out: attempt ${req.epoch}`,
         },
-        config,
-        out,
+        ctx,
       );
       return;
     }
@@ -132,8 +131,7 @@ export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterCo
         retryOrFail(
           req,
           { code: "node_unavailable", message: `The ${event.role} node went away during request ${req.rid}` },
-          config,
-          out,
+          ctx,
         );
       }
       return;
@@ -171,7 +169,7 @@ function submit(
 }
 
 function onMessage(state: RouterState, msg: ControlMessage, ctx: RouterContext): void {
-  const { config, out } = ctx;
+  const { out } = ctx;
   const req = state.requests[msg.rid];
   if (req === undefined || req.epoch !== msg.epoch || req.phase === "done") {
     state.stale++;
@@ -199,7 +197,7 @@ function onMessage(state: RouterState, msg: ControlMessage, ctx: RouterContext):
       if (req.phase !== "reserving" && req.phase !== "prefilling") break;
       // Decode holds a reservation; it relays the abort so prefill acknowledges (it wrote nothing).
       if (msg.from === "prefill") abortAttempt(req, out);
-      retryOrFail(req, msg.error, config, out);
+      retryOrFail(req, msg.error, ctx);
       return;
     case "committed":
       if (req.phase !== "prefilling") break;
@@ -234,7 +232,7 @@ function onMessage(state: RouterState, msg: ControlMessage, ctx: RouterContext):
         return;
       }
       if (req.phase !== "prefilling") break;
-      retryOrFail(req, msg.error, config, out);
+      retryOrFail(req, msg.error, ctx);
       return;
     default:
       break;
@@ -267,7 +265,7 @@ function abortAttempt(req: RouterRequest, out: Effects): void {
   out.push({ kind: "send", to: "decode", msg: { type: "abort", rid: req.rid, epoch: req.epoch } });
 }
 
-function retryOrFail(req: RouterRequest, error: WireError, config: RouterConfig, out: Effects): void {
+function retryOrFail(req: RouterRequest, error: WireError, { config, out }: RouterContext): void {
   if (ERROR_TABLE[error.code].retryable && req.epoch < config.maxAttempts && req.streamed === 0) {
     req.epoch++;
     req.phase = "reserving";

@@ -2,6 +2,8 @@
  * Response bodies and SSE chunks in exactly the shapes OpenAI sends: `chat.completion` /
  * `chat.completion.chunk` and `text_completion` objects, `usage` with prompt, completion and total
  * tokens, and the usage-only chunk (empty `choices`) that `stream_options.include_usage` asks for.
+ * Each endpoint's shapes are gathered in one `ResponseStrategy` (chat or text), which is all the
+ * router needs to know about the difference between the two.
  */
 import { randomBytes } from "node:crypto";
 import type { FinishReason, Usage } from "./generation.js";
@@ -117,3 +119,40 @@ export function usageChunk(
     usage: usageWire(usage),
   };
 }
+
+/**
+ * How one endpoint's answers look, so the router builds them without branching on the endpoint:
+ * `CHAT_RESPONSES` for /v1/chat/completions, `TEXT_RESPONSES` for /v1/completions.
+ */
+export interface ResponseStrategy {
+  /** The id prefix (`chatcmpl-` or `cmpl-`). */
+  readonly idKind: "chat" | "text";
+  /** The `object` of a streamed chunk (and of the usage-only chunk). */
+  readonly chunkObject: "chat.completion.chunk" | "text_completion";
+  /** The chunk a stream opens with before any text (chat's role chunk), or null. */
+  opening(meta: ResponseMeta, includeUsage: boolean): Record<string, unknown> | null;
+  /** A chunk carrying new text. */
+  delta(meta: ResponseMeta, text: string, includeUsage: boolean): Record<string, unknown>;
+  /** The chunk with the finish reason and no new text. */
+  finish(meta: ResponseMeta, reason: FinishReason, includeUsage: boolean): Record<string, unknown>;
+  /** The whole non-streamed answer. */
+  completion(meta: ResponseMeta, text: string, reason: FinishReason, usage: Usage): object;
+}
+
+export const CHAT_RESPONSES: ResponseStrategy = {
+  idKind: "chat",
+  chunkObject: "chat.completion.chunk",
+  opening: (meta, includeUsage) => chatChunk(meta, { role: "assistant", content: "" }, null, includeUsage),
+  delta: (meta, text, includeUsage) => chatChunk(meta, { content: text }, null, includeUsage),
+  finish: (meta, reason, includeUsage) => chatChunk(meta, {}, reason, includeUsage),
+  completion: chatCompletion,
+};
+
+export const TEXT_RESPONSES: ResponseStrategy = {
+  idKind: "text",
+  chunkObject: "text_completion",
+  opening: () => null,
+  delta: (meta, text, includeUsage) => textChunk(meta, text, null, includeUsage),
+  finish: (meta, reason, includeUsage) => textChunk(meta, "", reason, includeUsage),
+  completion: textCompletion,
+};

@@ -140,3 +140,26 @@ test("sampling extensions of vLLM and SGLang are refused unless neutral; unknown
     "x",
   );
 });
+
+test("parseChatRequest() refuses a 100,000-deep guided_json with a short message, not a stack overflow", () => {
+  let deep: unknown = {};
+  for (let i = 0; i < 100_000; i++) deep = { a: deep };
+  const err = refusal(() => parseChatRequest({ ...chat, guided_json: deep }));
+  assert.equal(err.code, "invalid_request");
+  assert.equal(err.param, "guided_json");
+  assert.match(err.message, /got an object$/);
+  const long = refusal(() => parseChatRequest({ ...chat, guided_regex: "x".repeat(100_000) }));
+  assert.ok(long.message.length < 200, long.message);
+});
+
+test("parseChatRequest() bounds stop strings and names at most five problems of a body", () => {
+  const stop = refusal(() => parseChatRequest({ ...chat, stop: ["x".repeat(257)] }));
+  assert.equal(stop.param, "stop[0]");
+  assert.match(stop.message, /at most 256 characters/);
+  assert.deepEqual(parseChatRequest({ ...chat, stop: "x".repeat(256) }).stop, ["x".repeat(256)]);
+  const many = refusal(() =>
+    parseChatRequest({ ...chat, messages: Array.from({ length: 50 }, () => ({ role: "nobody" })) }),
+  );
+  assert.equal(many.param, "messages[0].role");
+  assert.match(many.message, /; and 45 more$/);
+});

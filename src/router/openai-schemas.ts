@@ -23,8 +23,16 @@ const chatMessage = z.object({
   name: z.string().optional(),
 });
 
+/**
+ * Stop strings are matched on the router's event loop at every token, at a cost that grows with the
+ * square of their length (the text that could still become one is held back): they are bounded.
+ */
+export const MAX_STOP_CHARS = 256;
+const stopString = z
+  .string()
+  .max(MAX_STOP_CHARS, { error: `a stop string has at most ${MAX_STOP_CHARS} characters` });
 const stop = z
-  .union([z.string(), z.array(z.string()).max(4)])
+  .union([stopString, z.array(stopString).max(4)])
   .nullable()
   .optional();
 
@@ -115,6 +123,9 @@ function pathOf(path: readonly PropertyKey[]): string {
   return out === "" ? "body" : out;
 }
 
+/** A refusal names this many problems of a body at most. */
+const MAX_ISSUES_SHOWN = 5;
+
 function parseWith<T>(schema: z.ZodType<T>, body: unknown): T {
   if (typeof body !== "object" || body === null || Array.isArray(body)) {
     throw new KvfenceError("invalid_request", `Request body must be a JSON object: got ${describe(body)}`);
@@ -123,14 +134,28 @@ function parseWith<T>(schema: z.ZodType<T>, body: unknown): T {
   if (result.success) return result.data;
   const issues = result.error.issues;
   const first = issues[0]!;
-  const details = issues.map((issue) => `${pathOf(issue.path)}: ${issue.message}`).join("; ");
+  const shown = issues.slice(0, MAX_ISSUES_SHOWN).map((issue) => `${pathOf(issue.path)}: ${issue.message}`);
+  if (issues.length > MAX_ISSUES_SHOWN) shown.push(`and ${issues.length - MAX_ISSUES_SHOWN} more`);
+  const details = shown.join("; ");
   throw new KvfenceError("invalid_request", `Invalid request: ${details}`, { param: pathOf(first.path) });
+}
+
+/**
+ * A short picture of a client's value for an error message: a primitive as JSON (cut to 40
+ * characters), a container by its kind. Never serializes a container, whose nesting a client chooses.
+ */
+function preview(value: unknown): string {
+  if (value === null || typeof value !== "object") {
+    const text = JSON.stringify(value) ?? String(value);
+    return text.length > 40 ? `${text.slice(0, 40)}…` : text;
+  }
+  return describe(value);
 }
 
 function describe(value: unknown): string {
   if (value === null) return "null";
   if (Array.isArray(value)) return "an array";
-  return `a ${typeof value}`;
+  return typeof value === "object" ? "an object" : `a ${typeof value}`;
 }
 
 function refuse(param: string, message: string): never {
@@ -177,7 +202,7 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
     if (!neutral(value)) {
       refuse(
         name,
-        `${name} (a vLLM/SGLang extension) is not supported: leave it unset; got ${JSON.stringify(value)}`,
+        `${name} (a vLLM/SGLang extension) is not supported: leave it unset; got ${preview(value)}`,
       );
     }
   }
@@ -192,7 +217,7 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
   if (req.response_format != null && req.response_format.type !== "text") {
     refuse(
       "response_format",
-      `response_format ${JSON.stringify(req.response_format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
+      `response_format ${preview(req.response_format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
     );
   }
   if (req.stream_options != null && req.stream !== true) {

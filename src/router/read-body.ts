@@ -1,9 +1,10 @@
 /**
  * Reads a request body as JSON with a size limit: a declared `Content-Length` over the limit is
  * refused before any byte is read; a body that grows past it is refused as soon as it does. The
- * bytes must be valid UTF-8 (decoded with a fatal decoder, never replaced with U+FFFD).
+ * bytes must be valid UTF-8 (decoded with a fatal decoder, never replaced with U+FFFD). A request
+ * answered before its body was read gets at most a bounded amount of it read (`boundUnreadBody`).
  */
-import type { IncomingMessage } from "node:http";
+import type { IncomingMessage, ServerResponse } from "node:http";
 import { KvfenceError } from "../lib/errors.js";
 
 function tooLarge(limitBytes: number, got: number | string): KvfenceError {
@@ -17,7 +18,6 @@ function tooLarge(limitBytes: number, got: number | string): KvfenceError {
 export function readBody(req: IncomingMessage, limitBytes: number): Promise<Buffer> {
   const declared = req.headers["content-length"];
   if (declared !== undefined && Number(declared) > limitBytes) {
-    req.resume();
     return Promise.reject(tooLarge(limitBytes, declared));
   }
   return new Promise((resolve, reject) => {
@@ -47,10 +47,42 @@ export function readBody(req: IncomingMessage, limitBytes: number): Promise<Buff
   });
 }
 
+/** Bytes of an unwanted body read and dropped after an early answer, before the connection closes. */
+export const DISCARD_LIMIT_BYTES = 1024 * 1024;
+const DISCARD_MS = 2000;
+
+/**
+ * For a request answered before its body was read (413, 415, 401, ...): once the answer is out, the
+ * rest of the body is read and dropped up to `DISCARD_LIMIT_BYTES` or for 2 s, so that a client still
+ * sending gets to read the answer; past either, the connection is closed. (Node alone would read any
+ * amount to keep the connection; closing at once resets the connection under a client that is still
+ * writing, which then loses the answer.)
+ */
+export function boundUnreadBody(req: IncomingMessage, res: ServerResponse): void {
+  if (req.complete) return;
+  res.once("finish", () => {
+    if (req.complete || req.destroyed) return;
+    let dropped = 0;
+    const close = () => req.socket.destroy();
+    const timer = setTimeout(close, DISCARD_MS);
+    const done = () => clearTimeout(timer);
+    req.on("data", (chunk: Buffer) => {
+      dropped += chunk.length;
+      if (dropped > DISCARD_LIMIT_BYTES) {
+        done();
+        close();
+      }
+    });
+    req.once("end", done);
+    req.once("close", done);
+    req.resume();
+  });
+}
+
 const utf8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: false });
 
 /** Decode UTF-8 strictly and parse JSON; `invalid_request` / `invalid_json` on failure. */
-export function parseJsonBody(body: Buffer): unknown {
+export function parseJsonBody(body: Uint8Array): unknown {
   let text: string;
   try {
     text = utf8.decode(body);

@@ -13,6 +13,8 @@ import {
   ScriptedEngine,
   type ScriptedEngineOptions,
 } from "../../testing/scripted-engine.js";
+import { operatorGet, operatorHeaders, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
+import { ERROR_TABLE } from "../lib/errors.js";
 import { createLogger } from "../lib/logger.js";
 import { parsePrometheusText } from "../lib/metrics.js";
 import { nodesInfoSchema } from "../protocol/admin-wire.js";
@@ -23,7 +25,7 @@ const MODEL = "tiny-test";
 
 async function startRouter(
   engineOptions: ScriptedEngineOptions = {},
-  extra: { keys?: string; maxBodyBytes?: number } = {},
+  extra: { keys?: string; maxBodyBytes?: number; tenantNames?: boolean } = {},
 ) {
   const engine = new ScriptedEngine(engineOptions);
   const server = new RouterServer({
@@ -33,7 +35,9 @@ async function startRouter(
     tenants:
       extra.keys === undefined ? TenantDirectory.anonymous() : TenantDirectory.parse(extra.keys, "test keys"),
     logger: createLogger({ level: "silent" }),
-    ...(extra.maxBodyBytes === undefined ? {} : { maxBodyBytes: extra.maxBodyBytes }),
+    ...(extra.maxBodyBytes === undefined ? {} : { limits: { maxBodyBytes: extra.maxBodyBytes } }),
+    operatorKey: TEST_OPERATOR_KEY,
+    metricsTenantNames: extra.tenantNames ?? true,
   });
   const url = await server.listen(0, "127.0.0.1");
   return { engine, server, url };
@@ -49,7 +53,7 @@ async function post(url: string, body: unknown, headers: Record<string, string> 
 }
 
 async function pagesInUse(url: string): Promise<number> {
-  const metrics = parsePrometheusText(await (await fetch(`${url}/metrics`)).text());
+  const metrics = parsePrometheusText(await (await operatorGet(url, "/metrics")).text());
   return metrics.get("kvfence_kv_pool_pages_total")! - metrics.get('kvfence_kv_pool_pages{state="free"}')!;
 }
 
@@ -199,7 +203,7 @@ describe("RouterServer with a scripted engine", () => {
         `(${prompt} in the prompt + 100 for max_tokens): shorten the prompt or lower max_tokens`,
     );
     assert.equal(ctx.engine.submitted.length, before, "a refused request never reaches the engine");
-    const metrics = parsePrometheusText(await (await fetch(`${ctx.url}/metrics`)).text());
+    const metrics = parsePrometheusText(await (await operatorGet(ctx.url, "/metrics")).text());
     assert.ok(metrics.get('kvfence_admission_rejections_total{reason="context_length_exceeded"}')! >= 1);
     assert.equal(await pagesInUse(ctx.url), 0);
   });
@@ -288,8 +292,8 @@ describe("RouterServer with a scripted engine", () => {
 
   test("RouterServer answers HEAD where it answers GET, without a body", async () => {
     for (const path of ["/health", "/v1/models", "/metrics"]) {
-      const get = await fetch(`${ctx.url}${path}`);
-      const head = await fetch(`${ctx.url}${path}`, { method: "HEAD" });
+      const get = await fetch(`${ctx.url}${path}`, { headers: operatorHeaders() });
+      const head = await fetch(`${ctx.url}${path}`, { method: "HEAD", headers: operatorHeaders() });
       assert.equal(head.status, 200, path);
       assert.equal(head.headers.get("content-type"), get.headers.get("content-type"), path);
       assert.equal(await head.text(), "", path);
@@ -318,7 +322,7 @@ describe("RouterServer with a scripted engine", () => {
 
   test("RouterServer serves /health, /kvfence/nodes and /metrics", async () => {
     assert.deepEqual(await (await fetch(`${ctx.url}/health`)).json(), { status: "ok" });
-    const nodes = nodesInfoSchema.parse(await (await fetch(`${ctx.url}/kvfence/nodes`)).json());
+    const nodes = nodesInfoSchema.parse(await (await operatorGet(ctx.url, "/kvfence/nodes")).json());
     assert.deepEqual(nodes, {
       max_model_len: 1024,
       nodes: [
@@ -333,7 +337,7 @@ describe("RouterServer with a scripted engine", () => {
         },
       ],
     });
-    const res = await fetch(`${ctx.url}/metrics`);
+    const res = await operatorGet(ctx.url, "/metrics");
     assert.match(res.headers.get("content-type") ?? "", /^text\/plain; version=0\.0\.4/);
     const text = await res.text();
     for (const family of [
@@ -384,7 +388,7 @@ test("RouterServer aborts the engine request when a streaming client disconnects
       await new Promise((r) => setTimeout(r, 10));
     assert.ok(ctx.engine.aborted.includes(rid), "the engine request was aborted");
     assert.equal(await pagesInUse(ctx.url), 0);
-    const metrics = parsePrometheusText(await (await fetch(`${ctx.url}/metrics`)).text());
+    const metrics = parsePrometheusText(await (await operatorGet(ctx.url, "/metrics")).text());
     assert.equal(metrics.get('kvfence_client_disconnects_total{endpoint="chat"}'), 1);
   } finally {
     await ctx.server.close();
@@ -407,7 +411,7 @@ test("RouterServer maps API keys to tenants and answers a wrong or missing key w
     const beta = new OpenAI({ baseURL: `${ctx.url}/v1`, apiKey: "sk-tenant-b-2", maxRetries: 0 });
     await beta.chat.completions.create(body);
     assert.equal(ctx.engine.submitted.at(-1)?.tenant, 1);
-    const metrics = parsePrometheusText(await (await fetch(`${ctx.url}/metrics`)).text());
+    const metrics = parsePrometheusText(await (await operatorGet(ctx.url, "/metrics")).text());
     assert.equal(metrics.get('kvfence_requests_total{tenant="beta",endpoint="chat",status="200"}'), 1);
     assert.equal(metrics.get('kvfence_requests_total{tenant="-",endpoint="chat",status="401"}'), 2);
   } finally {
@@ -430,4 +434,60 @@ test("RouterServer returns an engine error raised before the first token as a re
   } finally {
     await ctx.server.close();
   }
+});
+
+test("RouterServer sends the error table's public message for a failure inside the engine, never its ids", async () => {
+  const internal = "KV page 3 of request 4242 epoch 2, incarnation 77, written by 4241/1 on 10.0.0.7:9100";
+  for (const code of [
+    "page_tag_mismatch",
+    "node_unavailable",
+    "checksum_mismatch",
+    "pool_exhausted",
+  ] as const) {
+    for (const failAfter of [0, 3]) {
+      const ctx = await startRouter({ failWith: { code, message: internal }, failAfter });
+      try {
+        const res = await post(`${ctx.url}/v1/chat/completions`, {
+          model: MODEL,
+          messages: [{ role: "user", content: "hi" }],
+          stream: failAfter > 0,
+        });
+        // Before the first token: an HTTP error; after it: an error event inside the stream.
+        const text = failAfter === 0 ? res.text : sseEvents(res.text).at(-2)!;
+        const { error } = JSON.parse(text) as { error: { code: string; message: string } };
+        assert.equal(error.code, code);
+        assert.equal(error.message, ERROR_TABLE[code].publicMessage, `${code} after ${failAfter} tokens`);
+        for (const id of ["4242", "4241", "77", "10.0.0.7", "9100"]) assert.ok(!res.text.includes(id), id);
+      } finally {
+        await ctx.server.close();
+      }
+    }
+  }
+});
+
+test("RouterServer labels tenants in /metrics by opaque ids unless asked for names", async () => {
+  const keys = '{"sk-tenant-a-1": "alpha-corp", "sk-tenant-b-2": "beta-corp"}';
+  const body = { model: MODEL, messages: [{ role: "user" as const, content: "hi" }] };
+  const labels: string[][] = [];
+  for (const tenantNames of [false, false, true]) {
+    const ctx = await startRouter({}, { keys, tenantNames });
+    try {
+      for (const key of ["sk-tenant-a-1", "sk-tenant-b-2"]) {
+        const client = new OpenAI({ baseURL: `${ctx.url}/v1`, apiKey: key, maxRetries: 0 });
+        await client.chat.completions.create(body);
+      }
+      const text = await (await operatorGet(ctx.url, "/metrics")).text();
+      const seen = [...text.matchAll(/kvfence_completion_tokens_total\{tenant="([^"]+)"/g)].map((m) => m[1]!);
+      labels.push(seen.sort());
+      if (!tenantNames) {
+        assert.doesNotMatch(text, /alpha-corp|beta-corp/);
+        for (const label of seen) assert.match(label, /^t-[0-9a-f]{12}$/);
+      }
+    } finally {
+      await ctx.server.close();
+    }
+  }
+  assert.equal(new Set(labels[0]).size, 2, "one label per tenant");
+  assert.deepEqual(labels[1], labels[0], "the same labels after a restart with the same operator key");
+  assert.deepEqual(labels[2], ["alpha-corp", "beta-corp"]);
 });

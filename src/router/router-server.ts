@@ -12,43 +12,48 @@
  * engine raises before the first token (its own admission door, a page-tag mismatch) still reaches
  * the client as a real 4xx/5xx status rather than an error inside a 200 stream.
  */
+import { createHash, createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import { createServer as createHttpsServer } from "node:https";
 import type { AddressInfo } from "node:net";
 import { performance } from "node:perf_hooks";
-import { KvfenceError, toOpenAiError } from "../lib/errors.js";
+import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
-import type { Tenant, TenantDirectory } from "./api-keys.js";
-import { type FinishReason, Generation, type TextStreamDecoder, type Usage } from "./generation.js";
+import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
 import {
-  chatChunk,
-  chatCompletion,
+  type FinishReason,
+  Generation,
+  type GenerationSink,
+  type TextStreamDecoder,
+  type Usage,
+} from "./generation.js";
+import {
+  CHAT_RESPONSES,
   completionId,
   type ResponseMeta,
-  textChunk,
-  textCompletion,
+  type ResponseStrategy,
+  TEXT_RESPONSES,
   usageChunk,
 } from "./openai-responses.js";
+import type { SamplingRequest } from "./openai-schemas.js";
+import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
 import {
-  type ChatMessage,
-  parseChatRequest,
-  parseCompletionRequest,
-  type SamplingRequest,
-} from "./openai-schemas.js";
-import { parseJsonBody, readBody } from "./read-body.js";
+  checkModel,
+  type GenerateEndpointName,
+  PROMPT_KINDS,
+  type PromptTokenizer,
+} from "./prepare-request.js";
+import { boundUnreadBody, readBody } from "./read-body.js";
+import { type RequestLimits, requestLimits } from "./request-limits.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
 import { SseWriter, sseFrame } from "./sse.js";
 
 /** What the router needs from the tokenizer: no model weights, ever. */
-export interface RouterTokenizer {
-  /** Prompt ids of a chat (template rendered with the generation prompt); throws `invalid_request`. */
-  encodeChat(messages: readonly ChatMessage[]): Int32Array;
-  /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS). */
-  encodePrompt(text: string): Int32Array;
+export interface RouterTokenizer extends PromptTokenizer {
   /** A fresh UTF-8-safe streaming detokenizer, one per response. */
   createDecoder(): TextStreamDecoder;
 }
@@ -70,12 +75,25 @@ export interface RouterServerOptions {
   readonly logger: Logger;
   /** `--max-model-len`. */
   readonly maxModelLen?: number | undefined;
-  /** Request bodies over this are refused with 413 (default 16 MiB). */
-  readonly maxBodyBytes?: number;
+  /** Request size limits (request-limits.ts); each one absent takes its default. */
+  readonly limits?: Partial<RequestLimits>;
+  /**
+   * Prepares generation bodies (parse, validate, template, tokenize): the worker pool of
+   * prepare-pool.ts in a real server. Absent: in this thread with `tokenizer` (tests).
+   */
+  readonly preparer?: RequestPreparer;
   /** `--unsafe-fault` / `--unsafe-disable-guard` names, shown in /health and /metrics. */
   readonly unsafe?: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] };
   /** Serve HTTPS with this certificate and key (`--https-cert/--https-key`, docs/tls.md). */
   readonly https?: { readonly cert: Buffer; readonly key: Buffer };
+  /**
+   * `--operator-key`: the operator endpoints (/metrics, /kvfence/nodes) need it as a Bearer token on
+   * every listener. Absent: they are served only on the operator listener (`listenOperator`), which
+   * the server config binds to loopback.
+   */
+  readonly operatorKey?: string | undefined;
+  /** `--metrics-tenant-names`: label metrics with tenant names, not opaque ids. */
+  readonly metricsTenantNames?: boolean;
 }
 
 type Handler = (ctx: RequestContext) => Promise<void> | void;
@@ -84,7 +102,15 @@ interface Route {
   readonly endpoint: Endpoint;
   readonly methods: readonly string[];
   readonly handler: Handler;
+  /** For the operator only: the operator key, or the operator listener (docs/api.md). */
+  readonly operator?: true;
 }
+
+/** Which listener a request came in on: the front door, or the operator listener. */
+type Listener = "front" | "operator";
+
+/** The routes of the operator listener: the operator endpoints and /health. */
+const OPERATOR_LISTENER_PATHS = new Set(["/metrics", "/kvfence/nodes", "/health"]);
 
 interface RequestContext {
   readonly req: IncomingMessage;
@@ -94,7 +120,26 @@ interface RequestContext {
   tenant: Tenant | null;
 }
 
-export const DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024;
+/** What differs between the two generation endpoints; the router never branches on the endpoint. */
+interface GenerateEndpoint {
+  readonly endpoint: GenerateEndpointName;
+  /** The request field a prompt-length error names. */
+  readonly param: string;
+  /** The shapes of its answers. */
+  readonly responses: ResponseStrategy;
+}
+
+const CHAT: GenerateEndpoint = {
+  endpoint: "chat",
+  param: PROMPT_KINDS.chat.param,
+  responses: CHAT_RESPONSES,
+};
+const COMPLETIONS: GenerateEndpoint = {
+  endpoint: "completions",
+  param: PROMPT_KINDS.completions.param,
+  responses: TEXT_RESPONSES,
+};
+
 const U32_MAX = 0xffff_ffff;
 
 export class RouterServer {
@@ -104,12 +149,18 @@ export class RouterServer {
   readonly #tenants: TenantDirectory;
   readonly #log: Logger;
   readonly #maxBodyBytes: number;
+  readonly #preparer: RequestPreparer;
   readonly #routes: Map<string, Route>;
   readonly #server: Server;
   readonly #scheme: "http" | "https";
   readonly #active = new Set<Generation>();
   readonly #created = Math.floor(Date.now() / 1000);
   readonly #unsafe: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] } | null;
+  /** SHA-256 of the operator key, or null. */
+  readonly #operatorKey: Buffer | null;
+  /** Tenant name → its label in metrics. */
+  readonly #tenantLabel: (name: string) => string;
+  #operatorServer: Server | null = null;
   #nextRid = 1;
   #url: string | null = null;
   /** The longest request (prompt + max_tokens) admitted. */
@@ -122,7 +173,6 @@ export class RouterServer {
     this.#model = options.model;
     this.#tenants = options.tenants;
     this.#log = options.logger;
-    this.#maxBodyBytes = options.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES;
     this.contextLength = Math.min(
       effectiveContextLength({
         maxPositionEmbeddings: options.model.maxPositionEmbeddings,
@@ -131,7 +181,26 @@ export class RouterServer {
       }),
       options.engine.capacity.maxModelLen,
     );
+    const limits = requestLimits(this.contextLength, options.limits);
+    this.#maxBodyBytes = limits.maxBodyBytes;
+    this.#preparer =
+      options.preparer ??
+      inThreadPreparer({ modelId: options.model.id, tokenizer: options.tokenizer, limits });
     this.metrics = new RouterMetrics(options.engine);
+    this.#operatorKey = options.operatorKey === undefined ? null : sha256(options.operatorKey);
+    this.#tenantLabel =
+      options.metricsTenantNames === true
+        ? (name) => name
+        : opaqueTenantLabels(options.operatorKey ?? randomBytes(32).toString("hex"));
+    if (options.metricsTenantNames !== true) {
+      const names = options.tenants.anonymous
+        ? [ANONYMOUS_TENANT.name]
+        : options.tenants.tenants.map((t) => t.name);
+      this.#log.info(
+        { labels: Object.fromEntries(names.map((name) => [name, this.#tenantLabel(name)])) },
+        "tenants are labelled in /metrics by these opaque ids (--metrics-tenant-names shows names)",
+      );
+    }
     const unsafe = options.unsafe;
     this.#unsafe =
       unsafe !== undefined && (unsafe.faults.length > 0 || unsafe.disabledGuards.length > 0) ? unsafe : null;
@@ -150,19 +219,28 @@ export class RouterServer {
       for (const name of this.#unsafe.disabledGuards) guard.set(1, { name });
     }
     this.#routes = new Map<string, Route>([
-      ["/v1/chat/completions", { endpoint: "chat", methods: ["POST"], handler: (c) => this.#chat(c) }],
+      [
+        "/v1/chat/completions",
+        { endpoint: "chat", methods: ["POST"], handler: (c) => this.#generate(c, CHAT) },
+      ],
       [
         "/v1/completions",
-        { endpoint: "completions", methods: ["POST"], handler: (c) => this.#completions(c) },
+        { endpoint: "completions", methods: ["POST"], handler: (c) => this.#generate(c, COMPLETIONS) },
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
       ["/health", { endpoint: "health", methods: ["GET"], handler: (c) => this.#health(c) }],
       ["/ready", { endpoint: "ready", methods: ["GET"], handler: (c) => this.#ready(c) }],
-      ["/metrics", { endpoint: "metrics", methods: ["GET"], handler: (c) => this.#metrics(c) }],
-      ["/kvfence/nodes", { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c) }],
+      [
+        "/metrics",
+        { endpoint: "metrics", methods: ["GET"], handler: (c) => this.#metrics(c), operator: true },
+      ],
+      [
+        "/kvfence/nodes",
+        { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c), operator: true },
+      ],
     ]);
     const handle = (req: IncomingMessage, res: ServerResponse): void => {
-      void this.#handle(req, res);
+      void this.#handle(req, res, "front");
     };
     this.#scheme = options.https === undefined ? "http" : "https";
     this.#server =
@@ -186,6 +264,28 @@ export class RouterServer {
     });
   }
 
+  /**
+   * Open the operator listener on `host:port`: /metrics, /kvfence/nodes and /health only, plain
+   * HTTP (the server config keeps it on loopback unless an operator key guards it). Resolves to its
+   * base URL.
+   */
+  listenOperator(port: number, host: string): Promise<string> {
+    const server = createServer({ noDelay: true, keepAliveTimeout: 5000 }, (req, res) => {
+      void this.#handle(req, res, "operator");
+    });
+    this.#operatorServer = server;
+    return new Promise((resolve, reject) => {
+      const onError = (err: Error) => reject(err);
+      server.once("error", onError);
+      server.listen(port, host, () => {
+        server.off("error", onError);
+        const address = server.address() as AddressInfo;
+        const shownHost = address.family === "IPv6" ? `[${address.address}]` : address.address;
+        resolve(`http://${shownHost}:${address.port}`);
+      });
+    });
+  }
+
   /** The base URL once listening. */
   get url(): string {
     if (this.#url === null) throw new Error("RouterServer is not listening");
@@ -202,6 +302,11 @@ export class RouterServer {
    * connection (which aborts their engine requests). Does not close the engine.
    */
   async close(graceMs = 0): Promise<void> {
+    const operator = this.#operatorServer;
+    if (operator !== null) {
+      operator.close();
+      operator.closeAllConnections();
+    }
     const closed = new Promise<void>((resolve) => this.#server.close(() => resolve()));
     this.#server.closeIdleConnections();
     const deadline = Date.now() + graceMs;
@@ -212,7 +317,7 @@ export class RouterServer {
     await closed;
   }
 
-  async #handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+  async #handle(req: IncomingMessage, res: ServerResponse, listener: Listener): Promise<void> {
     const ctx: RequestContext = {
       req,
       res,
@@ -220,17 +325,21 @@ export class RouterServer {
       receivedAt: performance.now(),
       tenant: null,
     };
-    const route = this.#route(ctx.url.pathname);
+    const route = this.#route(ctx.url.pathname, listener);
     const endpoint: Endpoint = route?.endpoint ?? "other";
     res.on("close", () => {
       const status = res.writableFinished ? res.statusCode : 499;
-      this.metrics.requests.inc({ tenant: ctx.tenant?.name ?? "-", endpoint, status });
+      const tenant = ctx.tenant === null ? "-" : this.#tenantLabel(ctx.tenant.name);
+      this.metrics.requests.inc({ tenant, endpoint, status });
     });
     try {
       if (route === undefined) {
+        const shown = ctx.url.pathname.length > 100 ? `${ctx.url.pathname.slice(0, 100)}…` : ctx.url.pathname;
         throw new KvfenceError(
           "not_found",
-          `Unknown route: ${req.method} ${ctx.url.pathname}; see docs/api.md`,
+          listener === "operator"
+            ? `Unknown route on the operator listener: ${req.method} ${shown}; it serves /metrics, /kvfence/nodes and /health`
+            : `Unknown route: ${req.method} ${shown}; see docs/api.md`,
         );
       }
       // HEAD is GET without the body (Node's response drops it), as HTTP requires of every server.
@@ -245,15 +354,18 @@ export class RouterServer {
           `Method not allowed on ${ctx.url.pathname}: ${req.method}; use ${route.methods.join(" or ")}`,
         );
       }
-      if (ctx.url.pathname.startsWith("/v1/")) ctx.tenant = this.#authenticate(req);
+      if (route.operator === true) this.#authorizeOperator(req, listener);
+      else if (ctx.url.pathname.startsWith("/v1/")) ctx.tenant = this.#authenticate(req);
       await route.handler(ctx);
     } catch (err) {
       this.#sendError(res, err);
     }
   }
 
-  #route(pathname: string): Route | undefined {
+  #route(pathname: string, listener: Listener): Route | undefined {
     const path = pathname.length > 1 && pathname.endsWith("/") ? pathname.slice(0, -1) : pathname;
+    if (listener === "operator")
+      return OPERATOR_LISTENER_PATHS.has(path) ? this.#routes.get(path) : undefined;
     const exact = this.#routes.get(path);
     if (exact !== undefined) return exact;
     if (path.startsWith("/v1/models/")) {
@@ -264,6 +376,28 @@ export class RouterServer {
       };
     }
     return undefined;
+  }
+
+  /**
+   * The operator endpoints: with an operator key configured, the request must carry it (on either
+   * listener); without one, only the operator listener serves them.
+   */
+  #authorizeOperator(req: IncomingMessage, listener: Listener): void {
+    if (this.#operatorKey === null) {
+      if (listener === "operator") return;
+      throw new KvfenceError(
+        "invalid_api_key",
+        "This endpoint is for the server's operator: without --operator-key it is served only on the operator listener (--metrics-host, --metrics-port; docs/api.md)",
+      );
+    }
+    const match = /^Bearer\s+(\S+)\s*$/i.exec(req.headers.authorization ?? "");
+    if (match !== null && timingSafeEqual(sha256(match[1]!), this.#operatorKey)) return;
+    throw new KvfenceError(
+      "invalid_api_key",
+      match === null
+        ? "This endpoint needs the operator key: send it in the Authorization header as: Bearer OPERATOR_KEY"
+        : "Incorrect operator key: send the server's --operator-key (or KVFENCE_OPERATOR_KEY) as: Bearer OPERATOR_KEY",
+    );
   }
 
   #authenticate(req: IncomingMessage): Tenant {
@@ -304,63 +438,33 @@ export class RouterServer {
     if (!(err instanceof KvfenceError)) this.#log.error({ err }, "internal error while serving a request");
     const headers: Record<string, string> = {};
     if (status === 401) headers["WWW-Authenticate"] = "Bearer";
-    if (status === 413) headers.Connection = "close";
     if (err instanceof KvfenceError && err.retryAfter !== undefined)
       headers["Retry-After"] = String(err.retryAfter);
+    boundUnreadBody(res.req, res);
     this.#sendJson(res, status, body, headers);
   }
 
-  #checkModel(model: string): void {
-    if (model !== this.#model.id) {
-      throw new KvfenceError(
-        "model_not_found",
-        `The model does not exist: ${model}; this server serves: ${this.#model.id}`,
-        { param: "model" },
-      );
-    }
-  }
-
-  async #readJson(ctx: RequestContext): Promise<unknown> {
-    return parseJsonBody(await readBody(ctx.req, this.#maxBodyBytes));
-  }
-
-  async #chat(ctx: RequestContext): Promise<void> {
-    const parsed = parseChatRequest(await this.#readJson(ctx));
-    this.#checkModel(parsed.model);
-    this.#generate(ctx, "chat", parsed, this.#tokenizer.encodeChat(parsed.messages), "messages");
-  }
-
-  async #completions(ctx: RequestContext): Promise<void> {
-    const parsed = parseCompletionRequest(await this.#readJson(ctx));
-    this.#checkModel(parsed.model);
-    const prompt = this.#tokenizer.encodePrompt(parsed.prompt);
-    if (prompt.length === 0) {
-      throw new KvfenceError("invalid_request", "The prompt is empty: send at least one character", {
-        param: "prompt",
-      });
-    }
-    this.#generate(ctx, "completions", parsed, prompt, "prompt");
-  }
-
-  #generate(
-    ctx: RequestContext,
-    endpoint: "chat" | "completions",
-    parsed: SamplingRequest,
-    promptTokens: Int32Array,
-    param: string,
-  ): void {
-    const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, param);
+  /** A generation endpoint: body → prompt → admission → engine, answered in `kind`'s shapes. */
+  async #generate(ctx: RequestContext, kind: GenerateEndpoint): Promise<void> {
+    checkJsonContentType(ctx.req);
+    const body = await readBody(ctx.req, this.#maxBodyBytes);
+    const { parsed, promptTokens } = await this.#preparer.prepare(kind.endpoint, body);
+    const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, kind.param);
     if (!admission.ok) {
       this.metrics.admissionRejections.inc({ reason: admission.reason });
       throw admission.error;
     }
-    const tenant = ctx.tenant!;
-    const defaults = this.#model.defaults ?? {};
+    if (ctx.res.destroyed) {
+      // The client left while its body was read: nothing to serve, nothing to allocate.
+      this.metrics.clientDisconnects.inc({ endpoint: kind.endpoint });
+      return;
+    }
     const rid = this.#nextRid;
     this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
+    const defaults = this.#model.defaults ?? {};
     const request: GenerationRequest = {
       rid,
-      tenant: tenant.index,
+      tenant: ctx.tenant!.index,
       promptTokens,
       maxTokens: admission.maxTokens,
       temperature: parsed.temperature ?? defaults.temperature ?? 1,
@@ -369,13 +473,26 @@ export class RouterServer {
       seed: parsed.seed,
       stopTokenIds: this.#model.eosTokenIds,
     };
+    this.#serve(ctx, kind, parsed, request);
+  }
+
+  /** Runs an admitted request's generation and answers it, streamed or whole. */
+  #serve(
+    ctx: RequestContext,
+    kind: GenerateEndpoint,
+    parsed: SamplingRequest,
+    request: GenerationRequest,
+  ): void {
+    const { res } = ctx;
+    const { endpoint, responses } = kind;
+    const tenant = ctx.tenant!;
+    const labels = { endpoint };
     const meta: ResponseMeta = {
-      id: completionId(endpoint === "chat" ? "chat" : "text"),
+      id: completionId(responses.idKind),
       created: Math.floor(Date.now() / 1000),
       model: this.#model.id,
     };
-    const { res } = ctx;
-    const labels = { endpoint };
+    const includeUsage = parsed.includeUsage;
     let lastTokenAt = 0;
     let sse: SseWriter | null = null;
     let text = "";
@@ -383,8 +500,8 @@ export class RouterServer {
     const startStream = (): SseWriter => {
       if (sse !== null) return sse;
       sse = new SseWriter(res);
-      if (endpoint === "chat")
-        sse.send(chatChunk(meta, { role: "assistant", content: "" }, null, parsed.includeUsage));
+      const opening = responses.opening(meta, includeUsage);
+      if (opening !== null) sse.send(opening);
       return sse;
     };
     const end = (status: number, usage: Usage | null) => {
@@ -392,95 +509,79 @@ export class RouterServer {
       this.metrics.inFlight.set(this.#active.size);
       this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
       if (usage !== null) {
-        this.metrics.promptTokens.inc({ tenant: tenant.name, endpoint }, usage.promptTokens);
-        this.metrics.completionTokens.inc({ tenant: tenant.name, endpoint }, usage.completionTokens);
+        const label = this.#tenantLabel(tenant.name);
+        this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
+        this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
       }
       this.#log.info(
         {
-          rid,
+          rid: request.rid,
           tenant: tenant.name,
           endpoint,
           status,
-          promptTokens: promptTokens.length,
+          promptTokens: request.promptTokens.length,
           completionTokens: usage?.completionTokens,
         },
         "request done",
       );
     };
 
+    const sink: GenerationSink = {
+      tokens: (count) => {
+        const now = performance.now();
+        if (lastTokenAt === 0) {
+          this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
+        } else {
+          const perToken = (now - lastTokenAt) / 1000 / count;
+          for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
+        }
+        lastTokenAt = now;
+        if (parsed.stream) startStream();
+      },
+      text: (delta) => {
+        if (parsed.stream) startStream().send(responses.delta(meta, delta, includeUsage));
+        else text += delta;
+      },
+      finish: (reason: FinishReason, usage: Usage) => {
+        end(200, usage);
+        if (!parsed.stream) {
+          this.#sendJson(res, 200, responses.completion(meta, text, reason, usage));
+          return;
+        }
+        const writer = startStream();
+        writer.send(responses.finish(meta, reason, includeUsage));
+        if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
+        writer.done();
+      },
+      fail: (internal) => {
+        // What the engine and the nodes say names request ids, pages and nodes: the log gets it,
+        // the client the table's public message.
+        const error = publicError(internal);
+        if (error !== internal) {
+          this.#log.warn(
+            { rid: request.rid, code: internal.code, message: internal.message },
+            "request failed in the engine",
+          );
+        }
+        const { status, body } = toOpenAiError(error);
+        end(status, null);
+        if (error.code === "context_length_exceeded")
+          this.metrics.admissionRejections.inc({ reason: "engine_door" });
+        if (sse === null) {
+          this.#sendError(res, error);
+          return;
+        }
+        // Headers are out: report the error in the stream, as OpenAI does, then end it.
+        if (!res.writableEnded) res.write(sseFrame(body));
+        sse.done();
+      },
+    };
     const generation = new Generation(
       this.#engine,
       request,
       { decoder: this.#tokenizer.createDecoder(), stop: parsed.stop },
-      {
-        tokens: (count) => {
-          const now = performance.now();
-          if (lastTokenAt === 0) {
-            this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
-          } else {
-            const perToken = (now - lastTokenAt) / 1000 / count;
-            for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
-          }
-          lastTokenAt = now;
-          if (parsed.stream) startStream();
-        },
-        text: (delta) => {
-          if (!parsed.stream) {
-            text += delta;
-            return;
-          }
-          const writer = startStream();
-          writer.send(
-            endpoint === "chat"
-              ? chatChunk(meta, { content: delta }, null, parsed.includeUsage)
-              : textChunk(meta, delta, null, parsed.includeUsage),
-          );
-        },
-        finish: (reason: FinishReason, usage: Usage) => {
-          end(200, usage);
-          if (!parsed.stream) {
-            this.#sendJson(
-              res,
-              200,
-              endpoint === "chat"
-                ? chatCompletion(meta, text, reason, usage)
-                : textCompletion(meta, text, reason, usage),
-            );
-            return;
-          }
-          const writer = startStream();
-          writer.send(
-            endpoint === "chat"
-              ? chatChunk(meta, {}, reason, parsed.includeUsage)
-              : textChunk(meta, "", reason, parsed.includeUsage),
-          );
-          if (parsed.includeUsage) {
-            writer.send(
-              usageChunk(meta, endpoint === "chat" ? "chat.completion.chunk" : "text_completion", usage),
-            );
-          }
-          writer.done();
-        },
-        fail: (error) => {
-          const { status, body } = toOpenAiError(error);
-          end(status, null);
-          if (error.code === "context_length_exceeded")
-            this.metrics.admissionRejections.inc({ reason: "engine_door" });
-          if (sse === null) {
-            this.#sendError(res, error);
-            return;
-          }
-          // Headers are out: report the error in the stream, as OpenAI does, then end it.
-          if (!res.writableEnded) res.write(sseFrame(body));
-          sse.done();
-        },
-      },
+      sink,
     );
-    if (res.destroyed) {
-      // The client left while its body was read: nothing to serve, nothing to allocate.
-      this.metrics.clientDisconnects.inc(labels);
-      return;
-    }
     this.#active.add(generation);
     this.metrics.inFlight.set(this.#active.size);
     res.on("close", () => {
@@ -507,7 +608,7 @@ export class RouterServer {
   }
 
   #model_(ctx: RequestContext, id: string): void {
-    this.#checkModel(decodeURIComponent(id));
+    checkModel(decodePathSegment(id), this.#model.id);
     this.#sendJson(ctx.res, 200, this.#modelObject());
   }
 
@@ -578,4 +679,58 @@ export class RouterServer {
     };
     this.#sendJson(ctx.res, 200, body);
   }
+}
+
+/** POST bodies are JSON: any other declared Content-Type gets 415 before a byte is read. */
+function checkJsonContentType(req: IncomingMessage): void {
+  const header = req.headers["content-type"];
+  if (header === undefined) return;
+  const [type = "", ...params] = header.split(";");
+  const mediaType = type.trim().toLowerCase();
+  const charset = params
+    .map((p) => p.trim().toLowerCase())
+    .find((p) => p.startsWith("charset="))
+    ?.slice("charset=".length)
+    .replace(/^"(.*)"$/, "$1");
+  if (
+    mediaType === "application/json" &&
+    (charset === undefined || charset === "utf-8" || charset === "utf8")
+  )
+    return;
+  throw new KvfenceError(
+    "unsupported_media_type",
+    `Unsupported Content-Type: ${header.length > 64 ? `${header.slice(0, 64)}…` : header}; send the body as JSON with Content-Type: application/json`,
+  );
+}
+
+/** A percent-encoded path segment, or `invalid_request` when it is not valid percent-encoding. */
+function decodePathSegment(segment: string): string {
+  try {
+    return decodeURIComponent(segment);
+  } catch {
+    throw new KvfenceError(
+      "invalid_request",
+      "The path is not valid percent-encoded UTF-8: encode the model id with encodeURIComponent",
+    );
+  }
+}
+
+function sha256(text: string): Buffer {
+  return createHash("sha256").update(text, "utf8").digest();
+}
+
+/**
+ * Tenant names → opaque metric labels: `t-` and 12 hex digits of an HMAC-SHA256 of the name keyed
+ * with `key` (the operator key when there is one, so that labels stay the same across restarts).
+ */
+function opaqueTenantLabels(key: string): (name: string) => string {
+  const labels = new Map<string, string>();
+  return (name) => {
+    let label = labels.get(name);
+    if (label === undefined) {
+      label = `t-${createHmac("sha256", key).update(`kvfence tenant label\0${name}`).digest("hex").slice(0, 12)}`;
+      labels.set(name, label);
+    }
+    return label;
+  };
 }

@@ -13,6 +13,7 @@ import OpenAI from "openai";
 import {
   assertPoolIdle,
   modelDir,
+  operatorGet,
   scrape,
   startTestServer,
   type TestServer,
@@ -320,7 +321,7 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", { timeout: 120_00
     assert.equal(models.data.length, 1);
     assert.equal(models.data[0]?.id, MODEL);
     assert.equal((models.data[0] as unknown as { max_model_len: number }).max_model_len, 1024);
-    const nodes = nodesInfoSchema.parse(await (await fetch(`${server.url}/kvfence/nodes`)).json());
+    const nodes = nodesInfoSchema.parse(await (await operatorGet(server.url, "/kvfence/nodes")).json());
     assert.equal(nodes.max_model_len, 1024);
     assert.deepEqual(
       nodes.nodes.map((n) => [n.role, n.pool_tokens, n.page_size]),

@@ -14,6 +14,7 @@ import type { FairShareConfig, TenantOverrides } from "../lib/fair-share.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
 import {
   type FrontDoorTls,
+  isLoopback,
   type LinkTls,
   linksExposure,
   loadFrontDoorTls,
@@ -100,6 +101,19 @@ export const serveConfigSchema = z
     maxModelLen: intText(1).optional(),
     maxPrefillTokens: intText(1).optional(),
     apiKeys: z.string().min(1).optional(),
+    maxBodyBytes: byteSizeText.optional(),
+    maxPromptBytes: byteSizeText.optional(),
+    maxMessages: intText(1, 1_000_000).optional(),
+    maxJsonDepth: intText(2, 100_000).optional(),
+    tokenizerThreads: intText(1, 16).default(2),
+    operatorKey: z
+      .string()
+      .min(16, { error: "must be at least 16 characters (a random secret, e.g. openssl rand -hex 24)" })
+      .regex(/^\S+$/, { error: "must not contain spaces" })
+      .optional(),
+    metricsHost: z.string().min(1).default("127.0.0.1"),
+    metricsPort: intText(0, 65535).optional(),
+    metricsTenantNames: z.boolean().default(false),
     scrubOnFree: z.boolean(),
     disaggregation: z.boolean(),
     role: z.enum(["all", "router", "prefill", "decode"]).default("all"),
@@ -154,6 +168,15 @@ const FLAG: Record<string, string> = {
   maxModelLen: "--max-model-len",
   maxPrefillTokens: "--max-prefill-tokens",
   apiKeys: "--api-keys",
+  maxBodyBytes: "--max-body-bytes",
+  maxPromptBytes: "--max-prompt-bytes",
+  maxMessages: "--max-messages",
+  maxJsonDepth: "--max-json-depth",
+  tokenizerThreads: "--tokenizer-threads",
+  operatorKey: "--operator-key",
+  metricsHost: "--metrics-host",
+  metricsPort: "--metrics-port",
+  metricsTenantNames: "--metrics-tenant-names",
   logLevel: "--log-level",
   role: "--role",
   prefill: "--prefill",
@@ -200,7 +223,41 @@ export function parseServeConfig(raw: Record<string, unknown>): ServeConfig {
     insecurePlaintextLinks: c.insecurePlaintextLinks,
   });
   if (exposure !== null) throw new KvfenceError("config_invalid", exposure);
+  operatorListener(c); // throws on an operator listener that would serve beyond loopback unguarded
   return Object.freeze(c);
+}
+
+/**
+ * Where the operator listener (/metrics, /kvfence/nodes, /health; docs/api.md) opens, or null for
+ * none. With `--metrics-port`, there. Without it: none when an operator key guards the operator
+ * endpoints on the front door; otherwise on `--metrics-host` (loopback by default) at the front
+ * door's port + 1 (any free port when the front door's is 0), so that a server started without
+ * options still lets a local operator read /metrics. Without an operator key the listener must be on
+ * loopback. Nodes (`--role prefill|decode`) serve no HTTP.
+ */
+export function operatorListener(config: {
+  readonly role: string;
+  readonly port: number;
+  readonly operatorKey?: string | undefined;
+  readonly metricsHost: string;
+  readonly metricsPort?: number | undefined;
+}): { host: string; port: number } | null {
+  if (config.role === "prefill" || config.role === "decode") return null;
+  if (config.metricsPort === undefined && config.operatorKey !== undefined) return null;
+  if (config.operatorKey === undefined && !isLoopback(config.metricsHost)) {
+    throw new KvfenceError(
+      "config_invalid",
+      `Invalid serve options:\n  --metrics-host: the operator listener would serve /metrics and /kvfence/nodes on ${config.metricsHost} (beyond loopback) to anyone; give --operator-key, or keep --metrics-host on loopback`,
+    );
+  }
+  if (config.metricsPort !== undefined) return { host: config.metricsHost, port: config.metricsPort };
+  if (config.port === 65535) {
+    throw new KvfenceError(
+      "config_invalid",
+      "Invalid serve options:\n  --metrics-port: the default (--port + 1) does not exist for --port 65535; give --metrics-port or --operator-key",
+    );
+  }
+  return { host: config.metricsHost, port: config.port === 0 ? 0 : config.port + 1 };
 }
 
 /** The loaded TLS material of a config (files read and checked once, before the model loads). */

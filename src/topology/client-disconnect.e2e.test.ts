@@ -58,6 +58,23 @@ function request(rid: number, promptLen: number): GenerationRequest {
   };
 }
 
+/** Whether `trigger` fires on `msg` (with `streamed` tokens so far); reserving fires at submit. */
+function firesOn(trigger: Trigger, msg: ControlMessage, streamed: number): boolean {
+  switch (trigger.at) {
+    case "prefilling":
+    case "transferring":
+      return msg.type === "lease";
+    case "committed":
+      return msg.type === "committed";
+    case "decoding":
+      return msg.type === "tokens" && streamed >= 3;
+    case "finishing":
+      return msg.type === "tokens" && streamed === MAX_TOKENS - 1;
+    default:
+      return false;
+  }
+}
+
 async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
   const onMessage = new Map<number, (msg: ControlMessage) => void>();
   engine.observe((_node, msg) => onMessage.get(msg.rid)?.(msg));
@@ -94,12 +111,9 @@ async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
         onMessage.set(r, (msg) => {
           if (msg.type === "tokens") streamed += msg.tokens.length;
           if (msg.type === "committed") streamed = 1;
-          if (trigger.at === "prefilling" && msg.type === "lease") abort();
-          else if (trigger.at === "transferring" && msg.type === "lease") setTimeout(abort, trigger.delayMs);
-          else if (trigger.at === "committed" && msg.type === "committed") abort();
-          else if (trigger.at === "decoding" && msg.type === "tokens" && streamed >= 3) abort();
-          else if (trigger.at === "finishing" && msg.type === "tokens" && streamed === MAX_TOKENS - 1)
-            abort();
+          if (!firesOn(trigger, msg, streamed)) return;
+          if (trigger.at === "transferring") setTimeout(abort, trigger.delayMs);
+          else abort();
         });
         const record = (what: string) => () => {
           if (done) lateEvents.push(`${trigger.at}: ${what} after abort`);

@@ -27,7 +27,7 @@ import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
 import { spawnServe } from "../../testing/serve-process.js";
-import { assertPoolIdle, modelDir } from "../../testing/start-server.js";
+import { assertPoolIdle, modelDir, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
 import { startLocalCluster } from "./local-cluster.js";
 
 const MODEL = "tiny-qwen2";
@@ -129,7 +129,8 @@ async function startServer(topology: "cluster" | "single", keys: string) {
       decode: 1,
       model: modelDir(MODEL),
       nodeArgs: ["--kv-pages", "600"],
-      routerArgs: ["--api-keys", keys, ...FAIR_FLAGS],
+      // assertPoolIdle reads /metrics on the front door with the test operator key.
+      routerArgs: ["--api-keys", keys, "--operator-key", TEST_OPERATOR_KEY, ...FAIR_FLAGS],
     });
     return { url: cluster.url, stop: () => cluster.close() };
   }
@@ -146,6 +147,9 @@ async function startServer(topology: "cluster" | "single", keys: string) {
     "1",
     "--api-keys",
     keys,
+    // assertPoolIdle reads /metrics on the front door with the test operator key.
+    "--operator-key",
+    TEST_OPERATOR_KEY,
     ...FAIR_FLAGS,
   ]);
   return { url: server.url, stop: () => server.stop() };

@@ -19,7 +19,13 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
-import { assertPoolIdle, modelDir, scrape } from "../../testing/start-server.js";
+import {
+  assertPoolIdle,
+  modelDir,
+  operatorGet,
+  scrape,
+  TEST_OPERATOR_KEY,
+} from "../../testing/start-server.js";
 import { linkTlsArgs, linkTlsInTests } from "../../testing/tls-fixtures.js";
 import { UNSAFE_OPT_IN_FLAG } from "../node/unsafe-switches.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
@@ -81,7 +87,7 @@ describe("kill -9 of a prefill process mid-transfer", { timeout: 120_000 }, () =
       // TLS links unless KVFENCE_TEST_LINK_TLS=off: a killed TLS peer is fenced like a TCP one.
       nodeArgs: ["--kv-pages", "512", "--max-model-len", "2048", ...linkTlsArgs(linkTlsInTests(true))],
       prefillArgsAt: (i) => (i === 0 ? ["--unsafe-fault", "stall-transfer", UNSAFE_OPT_IN_FLAG] : []),
-      routerArgs: ["--api-keys", keys],
+      routerArgs: ["--api-keys", keys, "--operator-key", TEST_OPERATOR_KEY],
     });
   });
   after(async () => {
@@ -166,7 +172,7 @@ describe("kill -9 of a prefill process mid-transfer", { timeout: 120_000 }, () =
     assert.equal(decodePages(idle, "quarantined"), 0);
     assert.equal(decodePages(idle, "reserved"), 0);
     assert.equal(idle.get('kvfence_node_up{node="prefill-0",role="prefill"}'), 0);
-    const listed = (await (await fetch(`${url}/kvfence/nodes`)).json()) as NodesInfo;
+    const listed = (await (await operatorGet(url, "/kvfence/nodes")).json()) as NodesInfo;
     assert.deepEqual(
       listed.nodes.map((n) => `${n.id} ${n.up}`),
       ["prefill-0 false", "prefill-1 true", "decode-0 true"],

@@ -40,12 +40,17 @@ export interface LocalCluster {
   close(): Promise<void>;
 }
 
+/** How a child is started: its environment, the stdout line with its URL, its stderr, its deadline. */
+interface ChildStart {
+  readonly env: NodeJS.ProcessEnv;
+  readonly pattern: RegExp;
+  readonly stderr: ((line: string) => void) | undefined;
+  readonly timeoutMs: number;
+}
+
 function startChild(
   args: readonly string[],
-  env: NodeJS.ProcessEnv,
-  pattern: RegExp,
-  stderr: ((line: string) => void) | undefined,
-  timeoutMs: number,
+  { env, pattern, stderr, timeoutMs }: ChildStart,
 ): Promise<{ url: string; process: ChildProcess }> {
   const child = spawn(process.execPath, [MAIN, ...args], { env, stdio: ["ignore", "pipe", "pipe"] });
   let err = "";
@@ -109,6 +114,57 @@ export interface NodeProcesses {
   close(): Promise<void>;
 }
 
+/**
+ * One node process, `--port 0` on `host`: every node gets `nodeArgs`, prefill node `index` also
+ * `prefillArgs` and `prefillArgsAt(index)`.
+ */
+function startNode(
+  options: Omit<LocalClusterOptions, "routerArgs" | "port">,
+  node: { readonly role: "prefill" | "decode"; readonly index: number; readonly env: NodeJS.ProcessEnv },
+): Promise<{ url: string; process: ChildProcess }> {
+  const { role, index } = node;
+  return startChild(
+    [
+      "serve",
+      "--role",
+      role,
+      "--host",
+      options.host ?? "127.0.0.1",
+      "--port",
+      "0",
+      "--model",
+      options.model,
+      "--log-level",
+      "warn",
+      ...(options.nodeArgs ?? []),
+      ...(role === "prefill" ? (options.prefillArgs ?? []) : []),
+      ...(role === "prefill" ? (options.prefillArgsAt?.(index) ?? []) : []),
+    ],
+    {
+      env: node.env,
+      pattern: /listening at (http:\/\/\S+)/,
+      stderr: options.stderr,
+      timeoutMs: options.startTimeoutMs ?? 60_000,
+    },
+  );
+}
+
+/** The prefill and decode nodes, started in parallel by role; each started child goes into `started`. */
+async function startNodes(
+  options: Omit<LocalClusterOptions, "routerArgs" | "port">,
+  env: NodeJS.ProcessEnv,
+  started: ChildProcess[],
+): Promise<Pick<NodeProcesses, "prefill" | "decode">> {
+  const node = async (role: "prefill" | "decode", index: number) => {
+    const child = await startNode(options, { role, index, env });
+    started.push(child.process);
+    return child;
+  };
+  const prefill = await Promise.all(Array.from({ length: options.prefill }, (_, i) => node("prefill", i)));
+  const decode = await Promise.all(Array.from({ length: options.decode }, (_, i) => node("decode", i)));
+  return { prefill, decode };
+}
+
 /** Only the node processes (no router), for a router in this process (`connectCluster`). */
 export async function startNodeProcesses(
   options: Omit<LocalClusterOptions, "routerArgs" | "port">,
@@ -116,33 +172,8 @@ export async function startNodeProcesses(
   const secret = randomBytes(24).toString("hex");
   const env = { ...process.env, KVFENCE_CLUSTER_SECRET: secret };
   const started: ChildProcess[] = [];
-  const node = async (role: "prefill" | "decode") => {
-    const child = await startChild(
-      [
-        "serve",
-        "--role",
-        role,
-        "--host",
-        options.host ?? "127.0.0.1",
-        "--port",
-        "0",
-        "--model",
-        options.model,
-        "--log-level",
-        "warn",
-        ...(options.nodeArgs ?? []),
-      ],
-      env,
-      /listening at (http:\/\/\S+)/,
-      options.stderr,
-      options.startTimeoutMs ?? 60_000,
-    );
-    started.push(child.process);
-    return child;
-  };
   try {
-    const prefill = await Promise.all(Array.from({ length: options.prefill }, () => node("prefill")));
-    const decode = await Promise.all(Array.from({ length: options.decode }, () => node("decode")));
+    const { prefill, decode } = await startNodes(options, env, started);
     return { secret, prefill, decode, close: async () => void (await Promise.all(started.map(stop))) };
   } catch (err) {
     await Promise.all(started.map(stop));
@@ -153,38 +184,9 @@ export async function startNodeProcesses(
 export async function startLocalCluster(options: LocalClusterOptions): Promise<LocalCluster> {
   const host = options.host ?? "127.0.0.1";
   const env = { ...process.env, KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
-  const timeoutMs = options.startTimeoutMs ?? 60_000;
   const started: ChildProcess[] = [];
-  const nodeArgs = options.nodeArgs ?? [];
-  const node = async (role: "prefill" | "decode", index = 0) => {
-    const child = await startChild(
-      [
-        "serve",
-        "--role",
-        role,
-        "--host",
-        host,
-        "--port",
-        "0",
-        "--model",
-        options.model,
-        "--log-level",
-        "warn",
-        ...nodeArgs,
-        ...(role === "prefill" ? (options.prefillArgs ?? []) : []),
-        ...(role === "prefill" ? (options.prefillArgsAt?.(index) ?? []) : []),
-      ],
-      env,
-      /listening at (http:\/\/\S+)/,
-      options.stderr,
-      timeoutMs,
-    );
-    started.push(child.process);
-    return child;
-  };
   try {
-    const prefill = await Promise.all(Array.from({ length: options.prefill }, (_, i) => node("prefill", i)));
-    const decode = await Promise.all(Array.from({ length: options.decode }, () => node("decode")));
+    const { prefill, decode } = await startNodes(options, env, started);
     const router = await startChild(
       [
         "serve",
@@ -198,17 +200,19 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
         options.model,
         "--log-level",
         "warn",
-        ...nodeArgs,
+        ...(options.nodeArgs ?? []),
         ...(options.routerArgs ?? []),
         "--prefill",
         ...prefill.map((p) => p.url),
         "--decode",
         ...decode.map((d) => d.url),
       ],
-      env,
-      / at (https?:\/\/\S+) /,
-      options.stderr,
-      timeoutMs,
+      {
+        env,
+        pattern: / at (https?:\/\/\S+) /,
+        stderr: options.stderr,
+        timeoutMs: options.startTimeoutMs ?? 60_000,
+      },
     );
     started.push(router.process);
     return {

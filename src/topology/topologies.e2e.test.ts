@@ -7,7 +7,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { assertPoolIdle, modelDir } from "../../testing/start-server.js";
+import { assertPoolIdle, modelDir, operatorGet } from "../../testing/start-server.js";
 import { linkTlsInTests } from "../../testing/tls-fixtures.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 
@@ -147,7 +147,7 @@ describe("topologies give identical greedy outputs", { timeout: 110_000 }, () =>
 
   test("/kvfence/nodes lists the prefill and decode nodes with their pools", async () => {
     for (const { name, server } of servers) {
-      const body = (await (await fetch(`${server.url}/kvfence/nodes`)).json()) as {
+      const body = (await (await operatorGet(server.url, "/kvfence/nodes")).json()) as {
         max_model_len: number;
         nodes: { role: string; pool_tokens: number }[];
       };

@@ -15,13 +15,14 @@
  */
 import net from "node:net";
 import os from "node:os";
-import { Command, InvalidArgumentError } from "commander";
+import { Command } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { type LocalCluster, startLocalCluster } from "../../topology/local-cluster.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
 import {
   defaultBenchTlsFiles,
   pairedRatio,
+  positiveInt,
   type RatioInterval,
   type Summary,
   summarize,
@@ -87,24 +88,26 @@ export function prompt(i: number, chars: number): string {
   return `${text} what is the access code of account ${1000 + ((i * 37) % 9000)}?`;
 }
 
-/** One chat completion (with `apiKey` when given); resolves with its text and output tokens. */
-async function chat(
-  url: string,
-  model: string,
-  content: string,
-  maxTokens: number,
-  apiKey?: string,
-): Promise<{ text: string; tokens: number }> {
-  const res = await fetch(`${url}/v1/chat/completions`, {
+/** Where a round's chats go: a cluster's URL, its model, every request's max_tokens, an API key if any. */
+export interface Target {
+  readonly url: string;
+  readonly model: string;
+  readonly maxTokens: number;
+  readonly apiKey?: string;
+}
+
+/** One greedy chat completion (with the target's API key if any): its text and output tokens. */
+async function chat(target: Target, content: string): Promise<{ text: string; tokens: number }> {
+  const res = await fetch(`${target.url}/v1/chat/completions`, {
     method: "POST",
     headers: {
       "content-type": "application/json",
-      ...(apiKey === undefined ? {} : { authorization: `Bearer ${apiKey}` }),
+      ...(target.apiKey === undefined ? {} : { authorization: `Bearer ${target.apiKey}` }),
     },
     body: JSON.stringify({
-      model,
+      model: target.model,
       messages: [{ role: "user", content }],
-      max_tokens: maxTokens,
+      max_tokens: target.maxTokens,
       temperature: 0,
     }),
   });
@@ -117,14 +120,11 @@ async function chat(
   return { text: body.choices?.[0]?.message?.content ?? "", tokens: body.usage?.completion_tokens ?? 0 };
 }
 
-/** Runs `prompts` through `url` with `concurrency` in flight; wall time and answers in order. */
+/** Runs `prompts` through `target` with `concurrency` in flight; wall time and answers in order. */
 export async function round(
-  url: string,
-  model: string,
+  target: Target,
   prompts: readonly string[],
   concurrency: number,
-  maxTokens: number,
-  apiKey?: string,
 ): Promise<{ ns: number; tokens: number; texts: string[] }> {
   const texts = new Array<string>(prompts.length);
   let tokens = 0;
@@ -134,7 +134,7 @@ export async function round(
     Array.from({ length: Math.min(concurrency, prompts.length) }, async () => {
       while (next < prompts.length) {
         const i = next++;
-        const r = await chat(url, model, prompts[i]!, maxTokens, apiKey);
+        const r = await chat(target, prompts[i]!);
         texts[i] = r.text;
         tokens += r.tokens;
       }
@@ -191,11 +191,7 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
   const prompts = Array.from({ length: requests }, (_, i) => prompt(i, options.promptChars ?? 400));
 
   const clusters: { plaintext?: LocalCluster; tls?: LocalCluster } = {};
-  const failures: string[] = [];
-  const ns = { plaintext: [] as number[], tls: [] as number[] };
-  const tps = { plaintext: [] as number[], tls: [] as number[] };
-  const outputTokens = { plaintext: 0, tls: 0 };
-  const raw: number[] = [];
+  let measured: Measured;
   try {
     log(`starting two ${prefill}+${decode} clusters (plaintext and TLS links)`);
     clusters.plaintext = await startLocalCluster(base);
@@ -203,33 +199,13 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
     const models = (await (await fetch(`${clusters.plaintext.url}/v1/models`)).json()) as {
       data: { id: string }[];
     };
-    const modelId = models.data[0]!.id;
-    let reference: string[] | null = null;
-    for (let r = -warmup; r < rounds; r++) {
-      const order =
-        ((r % 2) + 2) % 2 === 0 ? (["plaintext", "tls"] as const) : (["tls", "plaintext"] as const);
-      for (const arm of order) {
-        const result = await round(clusters[arm]!.url, modelId, prompts, concurrency, maxTokens);
-        if (reference === null) reference = result.texts;
-        else if (result.texts.some((t, i) => t !== reference![i]) && failures.length < 5) {
-          failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
-        }
-        if (r >= 0) {
-          ns[arm].push(result.ns);
-          tps[arm].push(result.tokens / (result.ns / 1e9));
-          outputTokens[arm] += result.tokens;
-        }
-      }
-      if (r >= 0) {
-        raw.push(await rawLoopbackGbps());
-        log(
-          `round ${r + 1}/${rounds}: plaintext ${tps.plaintext.at(-1)!.toFixed(0)} tok/s, TLS ${tps.tls.at(-1)!.toFixed(0)} tok/s, raw loopback ${raw.at(-1)!.toFixed(2)} GB/s`,
-        );
-      }
-    }
+    const arms = { plaintext: clusters.plaintext.url, tls: clusters.tls.url };
+    const run = { model: models.data[0]!.id, prompts, concurrency, maxTokens, rounds, warmup, log };
+    measured = await measureArms(arms, run);
   } finally {
     await Promise.all([clusters.plaintext?.close(), clusters.tls?.close()]);
   }
+  const { ns, tps, outputTokens, raw, failures } = measured;
   const arm = (name: "plaintext" | "tls"): ArmResult => ({
     tokensPerSecond: summarize(tps[name]),
     ms: summarize(ns[name].map((t) => t / 1e6)),
@@ -249,6 +225,66 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
     failures,
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   };
+}
+
+type ArmName = "plaintext" | "tls";
+
+/** Per arm, per measured round: wall time, output tokens/s; the raw loopback per round; failures. */
+interface Measured {
+  readonly ns: Record<ArmName, number[]>;
+  readonly tps: Record<ArmName, number[]>;
+  readonly outputTokens: Record<ArmName, number>;
+  readonly raw: number[];
+  readonly failures: string[];
+}
+
+/**
+ * The rounds, warm-up first: both arms in an order that flips every round, the same greedy batch
+ * through each (every answer must equal the first round's), then the raw loopback socket.
+ */
+async function measureArms(
+  arms: Record<ArmName, string>,
+  run: {
+    readonly model: string;
+    readonly prompts: readonly string[];
+    readonly concurrency: number;
+    readonly maxTokens: number;
+    readonly rounds: number;
+    readonly warmup: number;
+    readonly log: (line: string) => void;
+  },
+): Promise<Measured> {
+  const m: Measured = {
+    ns: { plaintext: [], tls: [] },
+    tps: { plaintext: [], tls: [] },
+    outputTokens: { plaintext: 0, tls: 0 },
+    raw: [],
+    failures: [],
+  };
+  let reference: string[] | null = null;
+  for (let r = -run.warmup; r < run.rounds; r++) {
+    const order: readonly ArmName[] = ((r % 2) + 2) % 2 === 0 ? ["plaintext", "tls"] : ["tls", "plaintext"];
+    for (const arm of order) {
+      const target = { url: arms[arm], model: run.model, maxTokens: run.maxTokens };
+      const result = await round(target, run.prompts, run.concurrency);
+      if (reference === null) reference = result.texts;
+      else if (result.texts.some((t, i) => t !== reference![i]) && m.failures.length < 5) {
+        m.failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
+      }
+      if (r >= 0) {
+        m.ns[arm].push(result.ns);
+        m.tps[arm].push(result.tokens / (result.ns / 1e9));
+        m.outputTokens[arm] += result.tokens;
+      }
+    }
+    if (r >= 0) {
+      m.raw.push(await rawLoopbackGbps());
+      run.log(
+        `round ${r + 1}/${run.rounds}: plaintext ${m.tps.plaintext.at(-1)!.toFixed(0)} tok/s, TLS ${m.tps.tls.at(-1)!.toFixed(0)} tok/s, raw loopback ${m.raw.at(-1)!.toFixed(2)} GB/s`,
+      );
+    }
+  }
+  return m;
 }
 
 /** The human-readable report of a run. */
@@ -273,15 +309,6 @@ export function formatClusterReport(r: ClusterBenchResult): string {
     `raw loopback socket: ${r.rawLoopbackGbps.median.toFixed(2)} GB/s [${r.rawLoopbackGbps.min.toFixed(2)}–${r.rawLoopbackGbps.max.toFixed(2)}]`,
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");
-}
-
-function positiveInt(name: string): (value: string) => number {
-  return (value) => {
-    const n = Number(value);
-    if (!Number.isInteger(n) || n < 1)
-      throw new InvalidArgumentError(`${name} must be a positive integer: ${value}`);
-    return n;
-  };
 }
 
 interface ClusterCliOptions {

@@ -22,10 +22,11 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import os from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
-import { Command, InvalidArgumentError, Option } from "commander";
+import { Command, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
 import { prompt, round } from "./cluster.js";
+import { positiveInt } from "./transfer.js";
 
 export type FairBenchTopology = "single" | "threads" | "cluster";
 
@@ -162,83 +163,113 @@ async function startArm(
   }
 }
 
+/** The options given, with defaults for the rest. */
+function settingsOf(options: FairBenchOptions) {
+  return {
+    topology: options.topology ?? "threads",
+    rounds: options.rounds ?? 10,
+    warmup: options.warmup ?? 1,
+    requests: options.requests ?? 32,
+    concurrency: options.concurrency ?? 16,
+    maxTokens: options.maxTokens ?? 64,
+    // With two tenants the default per-tenant caps apply; only the first one sends.
+    tenants: options.tenants ?? 2,
+    common: ["--model", options.model ?? bundledModelDir(), "--kv-pages", String(options.kvPages ?? 600)],
+    baselineMain: options.baseline === undefined ? null : join(options.baseline, "dist/src/cli/main.js"),
+    promptChars: options.promptChars ?? 400,
+    log: options.log ?? (() => {}),
+  };
+}
+
+type Settings = ReturnType<typeof settingsOf>;
+type ArmName = "fair" | "fifo";
+
+/** What the measured rounds found, per arm. */
+class Tally {
+  readonly failures: string[] = [];
+  readonly tps = { fair: [] as number[], fifo: [] as number[] };
+  readonly ns = { fair: [] as number[], fifo: [] as number[] };
+  readonly outputTokens = { fair: 0, fifo: 0 };
+  #reference: string[] | null = null;
+
+  /** One arm's round `r` (negative: a warm-up round, checked but not counted). */
+  add(arm: ArmName, r: number, result: Awaited<ReturnType<typeof round>>): void {
+    const reference = this.#reference;
+    if (reference === null) this.#reference = result.texts;
+    else if (result.texts.some((t, i) => t !== reference[i]) && this.failures.length < 5) {
+      this.failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
+    }
+    if (r < 0) return;
+    this.ns[arm].push(result.ns);
+    this.tps[arm].push(result.tokens / (result.ns / 1e9));
+    this.outputTokens[arm] += result.tokens;
+  }
+}
+
+/** The warm-up and measured rounds, the two arms in alternating order. */
+async function runRounds(
+  settings: Settings,
+  servers: Record<ArmName, Server>,
+  prompts: readonly string[],
+): Promise<Tally> {
+  const { rounds, warmup, maxTokens, concurrency, log } = settings;
+  const models = (await (
+    await fetch(`${servers.fair.url}/v1/models`, { headers: { authorization: `Bearer ${KEY}` } })
+  ).json()) as {
+    data: { id: string }[];
+  };
+  const modelId = models.data[0]!.id;
+  const tally = new Tally();
+  for (let r = -warmup; r < rounds; r++) {
+    const order = ((r % 2) + 2) % 2 === 0 ? (["fair", "fifo"] as const) : (["fifo", "fair"] as const);
+    for (const arm of order) {
+      const target = { url: servers[arm].url, model: modelId, maxTokens, apiKey: KEY };
+      tally.add(arm, r, await round(target, prompts, concurrency));
+    }
+    if (r >= 0) {
+      log(
+        `round ${r + 1}/${rounds}: fair ${tally.tps.fair.at(-1)!.toFixed(0)} tok/s, fifo ${tally.tps.fifo.at(-1)!.toFixed(0)} tok/s`,
+      );
+    }
+  }
+  return tally;
+}
+
 export async function runFairShareBench(options: FairBenchOptions = {}): Promise<FairBenchResult> {
-  const topology = options.topology ?? "threads";
-  const rounds = options.rounds ?? 10;
-  const warmup = options.warmup ?? 1;
-  const requests = options.requests ?? 32;
-  const concurrency = options.concurrency ?? 16;
-  const maxTokens = options.maxTokens ?? 64;
-  const log = options.log ?? (() => {});
+  const settings = settingsOf(options);
+  const { topology, rounds, requests, concurrency, maxTokens, tenants, common, baselineMain } = settings;
   const loadStart = os.loadavg()[0]!;
   const dir = mkdtempSync(join(os.tmpdir(), "kvfence-bench-keys-"));
   const keys = join(dir, "keys.json");
-  // With two tenants the default per-tenant caps apply; only the first one sends.
-  const tenants = options.tenants ?? 2;
   writeFileSync(
     keys,
     JSON.stringify(tenants === 2 ? { [KEY]: "alone", "sk-bench-tenant-idle-2": "idle" } : { [KEY]: "alone" }),
   );
-  const common = [
-    "--model",
-    options.model ?? bundledModelDir(),
-    "--kv-pages",
-    String(options.kvPages ?? 600),
-  ];
-  const baselineMain = options.baseline === undefined ? null : join(options.baseline, "dist/src/cli/main.js");
-  const prompts = Array.from({ length: requests }, (_, i) => prompt(i, options.promptChars ?? 400));
+  const prompts = Array.from({ length: requests }, (_, i) => prompt(i, settings.promptChars));
   const servers: { fair?: Server; fifo?: Server } = {};
-  const failures: string[] = [];
-  const tps = { fair: [] as number[], fifo: [] as number[] };
-  const ns = { fair: [] as number[], fifo: [] as number[] };
-  const outputTokens = { fair: 0, fifo: 0 };
   const labels = {
     fair: "fair (this build)",
     fifo: baselineMain === null ? "fifo (this build, caps off)" : `fifo (${options.baseline})`,
   };
+  let tally: Tally;
   try {
-    log(`starting two ${topology} servers: ${labels.fair} and ${labels.fifo}`);
-    servers.fair = await startArm(THIS_MAIN, topology, common, ["--api-keys", keys]);
+    settings.log(`starting two ${topology} servers: ${labels.fair} and ${labels.fifo}`);
+    const fair = await startArm(THIS_MAIN, topology, common, ["--api-keys", keys]);
+    servers.fair = fair;
     servers.fifo = await startArm(baselineMain ?? THIS_MAIN, topology, common, [
       "--api-keys",
       keys,
       ...(baselineMain === null ? UNCAPPED : []),
     ]);
-    const models = (await (
-      await fetch(`${servers.fair.url}/v1/models`, { headers: { authorization: `Bearer ${KEY}` } })
-    ).json()) as {
-      data: { id: string }[];
-    };
-    const modelId = models.data[0]!.id;
-    let reference: string[] | null = null;
-    for (let r = -warmup; r < rounds; r++) {
-      const order = ((r % 2) + 2) % 2 === 0 ? (["fair", "fifo"] as const) : (["fifo", "fair"] as const);
-      for (const arm of order) {
-        const result = await round(servers[arm]!.url, modelId, prompts, concurrency, maxTokens, KEY);
-        if (reference === null) reference = result.texts;
-        else if (result.texts.some((t, i) => t !== reference![i]) && failures.length < 5) {
-          failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
-        }
-        if (r >= 0) {
-          ns[arm].push(result.ns);
-          tps[arm].push(result.tokens / (result.ns / 1e9));
-          outputTokens[arm] += result.tokens;
-        }
-      }
-      if (r >= 0) {
-        log(
-          `round ${r + 1}/${rounds}: fair ${tps.fair.at(-1)!.toFixed(0)} tok/s, fifo ${tps.fifo.at(-1)!.toFixed(0)} tok/s`,
-        );
-      }
-    }
+    tally = await runRounds(settings, { fair, fifo: servers.fifo }, prompts);
   } finally {
     await Promise.all([servers.fair?.close(), servers.fifo?.close()]);
     rmSync(dir, { recursive: true, force: true });
   }
-  const arm = (name: "fair" | "fifo"): FairArm => ({
+  const arm = (name: ArmName): FairArm => ({
     label: labels[name],
-    tokensPerSecond: summarize(tps[name]),
-    outputTokens: outputTokens[name],
+    tokensPerSecond: summarize(tally.tps[name]),
+    outputTokens: tally.outputTokens[name],
   });
   return {
     topology,
@@ -250,8 +281,8 @@ export async function runFairShareBench(options: FairBenchOptions = {}): Promise
     fair: arm("fair"),
     fifo: arm("fifo"),
     // Throughput ratio = time ratio fifo / fair (the same tokens in both arms).
-    fairOverFifo: pairedRatio(ns.fifo, ns.fair),
-    failures,
+    fairOverFifo: pairedRatio(tally.ns.fifo, tally.ns.fair),
+    failures: tally.failures,
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   };
 }
@@ -279,15 +310,6 @@ export function formatFairShareReport(r: FairBenchResult): string {
     `fair throughput / fifo: ${pct(t.ratio)} [95% CI ${pct(t.low)}–${pct(t.high)}]: ${verdict}`,
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");
-}
-
-function positiveInt(name: string): (value: string) => number {
-  return (value) => {
-    const n = Number(value);
-    if (!Number.isInteger(n) || n < 1)
-      throw new InvalidArgumentError(`${name} must be a positive integer: ${value}`);
-    return n;
-  };
 }
 
 interface FairCliOptions {

@@ -9,7 +9,8 @@
  * and RSS the process holds over its baseline. Before the limits every connection stayed open and
  * staged 1 MiB (about 400 MiB for 400).
  *
- * Run: `node --expose-gc dist/bench/link-flood.js [--connections 400] [--json]`.
+ * Run: `kvfence bench link-flood [--connections 400] [--json]` (the process's garbage collector is
+ * run before the baseline when Node exposes it: `node --expose-gc dist/src/cli/main.js bench link-flood`).
  */
 import net from "node:net";
 import { Command, InvalidArgumentError } from "commander";
@@ -79,8 +80,11 @@ export async function linkFlood(connections: number): Promise<Sample[]> {
   return samples;
 }
 
-async function main(): Promise<void> {
-  const program = new Command()
+export function linkFloodCommand(): Command {
+  return new Command("link-flood")
+    .description(
+      "Memory and open connections of prefill's transfer port under a flood of half-open, unauthenticated connections",
+    )
     .option(
       "--connections <n>",
       "half-open connections",
@@ -92,18 +96,16 @@ async function main(): Promise<void> {
       400,
     )
     .option("--json", "print JSON")
-    .parse();
-  const options = program.opts<{ connections: number; json?: boolean }>();
-  const samples = await linkFlood(options.connections);
-  if (options.json === true) {
-    process.stdout.write(`${JSON.stringify({ connections: options.connections, samples })}\n`);
-    return;
-  }
-  for (const s of samples) {
-    process.stdout.write(
-      `t=${s.atSeconds}s: ${s.open} of ${options.connections} connections open; ArrayBuffers +${s.arrayBuffersMiB} MiB, RSS +${s.rssMiB} MiB\n`,
-    );
-  }
+    .action(async (options: { connections: number; json?: boolean }) => {
+      const samples = await linkFlood(options.connections);
+      if (options.json === true) {
+        process.stdout.write(`${JSON.stringify({ connections: options.connections, samples })}\n`);
+        return;
+      }
+      for (const s of samples) {
+        process.stdout.write(
+          `t=${s.atSeconds}s: ${s.open} of ${options.connections} connections open; ArrayBuffers +${s.arrayBuffersMiB} MiB, RSS +${s.rssMiB} MiB\n`,
+        );
+      }
+    });
 }
-
-if (import.meta.url === `file://${process.argv[1]}`) await main();

@@ -187,13 +187,15 @@ interface Arms {
   readonly long: (() => number) | null;
 }
 
-async function prepareArms(
-  name: BenchKernels,
-  options: ModelBenchOptions,
-  config: ModelConfig,
-  weights: ModelWeights,
-  longContext: number,
-): Promise<Arms> {
+/** The model an arm runs and the long-context arm's length (0: skipped). */
+interface ArmModel {
+  readonly config: ModelConfig;
+  readonly weights: ModelWeights;
+  readonly longContext: number;
+}
+
+async function prepareArms(name: BenchKernels, options: ModelBenchOptions, model: ArmModel): Promise<Arms> {
+  const { config, weights, longContext } = model;
   const threads: 1 | 2 = name === "ts" ? 1 : options.threads;
   const rng = new Prng(options.seed);
   const pageSize = options.pageSize;
@@ -307,53 +309,15 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
 
   const kernelSets = [...new Set(options.kernels)];
   const arms: Arms[] = [];
-  for (const name of kernelSets) arms.push(await prepareArms(name, options, config, weights, longContext));
+  for (const name of kernelSets)
+    arms.push(await prepareArms(name, options, { config, weights, longContext }));
   const twoThreads = arms.some((a) => a.threads === 2);
   log(
     `allocating and touching a ${(options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB buffer for the bandwidth probe`,
   );
   const probe = await BandwidthProbe.start(options.bandwidthBytes);
   try {
-    // Warm-up (JIT, first touch of activations) with one round of each arm.
-    probe.measure(1);
-    if (twoThreads) probe.measure(2);
-    for (const a of arms) {
-      a.prefill();
-      for (let i = 0; i < options.batchSizes.length; i++) a.decode(i);
-      a.long?.();
-    }
-
-    const gbps1: number[] = [];
-    const gbps2: number[] = [];
-    const samples = arms.map(() => ({
-      prefill: [] as number[],
-      decode: options.batchSizes.map(() => [] as number[]),
-      long: [] as number[],
-    }));
-    for (let r = 0; r < options.repeats; r++) {
-      gbps1.push(probe.measure(1));
-      if (twoThreads) gbps2.push(probe.measure(2));
-      const parts = [
-        `read ${(gbps1.at(-1) as number).toFixed(1)}${twoThreads ? `/${(gbps2.at(-1) as number).toFixed(1)}` : ""} GB/s`,
-      ];
-      arms.forEach((a, k) => {
-        const s = samples[k] as (typeof samples)[number];
-        s.prefill.push(a.prefill());
-        options.batchSizes.forEach((_, i) => {
-          (s.decode[i] as number[]).push(a.decode(i));
-        });
-        if (a.long !== null) s.long.push(a.long());
-        parts.push(
-          `${a.name}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
-            options.batchSizes
-              .map((b, i) => `decode@${b} ${((s.decode[i] as number[]).at(-1) as number).toFixed(1)}`)
-              .join(", ") +
-            (a.long === null ? "" : `, decode@ctx${longContext} ${(s.long.at(-1) as number).toFixed(1)}`),
-        );
-      });
-      log(`repeat ${r + 1}/${options.repeats}: ${parts.join("; ")}`);
-    }
-
+    const { gbps1, gbps2, samples } = sampleArms(arms, probe, { options, twoThreads, longContext });
     const readGbps = {
       1: measured(gbps1, options.seed),
       2: twoThreads ? measured(gbps2, options.seed) : null,
@@ -361,45 +325,7 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
     const roofline = (threads: 1 | 2, batch: number): number =>
       (batch * ((threads === 2 ? readGbps[2] : readGbps[1]) ?? readGbps[1]).summary.median * 1e9) / bytes;
     const flops = prefillFlops(config, options.promptTokens);
-    const runs: KernelsRun[] = arms.map((a, k) => {
-      const s = samples[k] as (typeof samples)[number];
-      const seed = options.seed + 10 * (k + 1);
-      const b1 = options.batchSizes.indexOf(1);
-      const kernels = a.setup.kernels;
-      return {
-        kernels: a.name,
-        fma: kernels instanceof WasmKernels ? kernels.fma : null,
-        threads: a.threads,
-        prefillTokensPerSecond: measured(s.prefill, seed),
-        prefillGflopsPerCore: measured(
-          s.prefill.map((tps) => (flops * tps) / options.promptTokens / 1e9 / a.threads),
-          seed,
-        ),
-        decode: options.batchSizes.map((batch, i) => ({
-          batch,
-          contextTokens: options.contextTokens,
-          tokensPerSecond: measured(s.decode[i] as number[], seed + 1 + i),
-          rooflineTokensPerSecond: roofline(a.threads, batch),
-          vsBatch1:
-            batch === 1 || b1 < 0
-              ? null
-              : measured(
-                  (s.decode[i] as number[]).map((tps, r) => tps / ((s.decode[b1] as number[])[r] as number)),
-                  seed + 20 + i,
-                ),
-        })),
-        longContext:
-          a.long === null
-            ? null
-            : {
-                batch: 1,
-                contextTokens: longContext,
-                tokensPerSecond: measured(s.long, seed + 9),
-                rooflineTokensPerSecond: roofline(a.threads, 1),
-                vsBatch1: null,
-              },
-      };
-    });
+    const runs = arms.map((a, k) => kernelsRun(a, samples[k]!, { options, k, flops, longContext, roofline }));
     const { log: _log, ...rest } = options;
     return {
       model: model.name,
@@ -415,6 +341,115 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
     await probe.close();
     for (const a of arms) await a.setup.close();
   }
+}
+
+/** One arm's measurements, one entry per repeat: prefill tok/s, decode tok/s per batch size, long context. */
+interface ArmSamples {
+  readonly prefill: number[];
+  readonly decode: number[][];
+  readonly long: number[];
+}
+
+/**
+ * One warm-up round of each arm (JIT, first touch of activations), then `repeats` rounds: the
+ * read bandwidth (1 and, when an arm runs 2 threads, 2 threads), then every arm in turn.
+ */
+function sampleArms(
+  arms: readonly Arms[],
+  probe: BandwidthProbe,
+  run: { readonly options: ModelBenchOptions; readonly twoThreads: boolean; readonly longContext: number },
+): { gbps1: number[]; gbps2: number[]; samples: ArmSamples[] } {
+  const { options, twoThreads, longContext } = run;
+  const log = options.log ?? (() => {});
+  probe.measure(1);
+  if (twoThreads) probe.measure(2);
+  for (const a of arms) {
+    a.prefill();
+    for (let i = 0; i < options.batchSizes.length; i++) a.decode(i);
+    a.long?.();
+  }
+  const gbps1: number[] = [];
+  const gbps2: number[] = [];
+  const samples: ArmSamples[] = arms.map(() => ({
+    prefill: [],
+    decode: options.batchSizes.map(() => []),
+    long: [],
+  }));
+  for (let r = 0; r < options.repeats; r++) {
+    gbps1.push(probe.measure(1));
+    if (twoThreads) gbps2.push(probe.measure(2));
+    const parts = [
+      `read ${(gbps1.at(-1) as number).toFixed(1)}${twoThreads ? `/${(gbps2.at(-1) as number).toFixed(1)}` : ""} GB/s`,
+    ];
+    arms.forEach((a, k) => {
+      const s = samples[k]!;
+      s.prefill.push(a.prefill());
+      options.batchSizes.forEach((_, i) => {
+        (s.decode[i] as number[]).push(a.decode(i));
+      });
+      if (a.long !== null) s.long.push(a.long());
+      parts.push(
+        `${a.name}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
+          options.batchSizes
+            .map((b, i) => `decode@${b} ${((s.decode[i] as number[]).at(-1) as number).toFixed(1)}`)
+            .join(", ") +
+          (a.long === null ? "" : `, decode@ctx${longContext} ${(s.long.at(-1) as number).toFixed(1)}`),
+      );
+    });
+    log(`repeat ${r + 1}/${options.repeats}: ${parts.join("; ")}`);
+  }
+  return { gbps1, gbps2, samples };
+}
+
+/** Arm `k`'s figures, each with its bootstrap CI (seeded per arm and figure). */
+function kernelsRun(
+  a: Arms,
+  s: ArmSamples,
+  run: {
+    readonly options: ModelBenchOptions;
+    readonly k: number;
+    readonly flops: number;
+    readonly longContext: number;
+    readonly roofline: (threads: 1 | 2, batch: number) => number;
+  },
+): KernelsRun {
+  const { options, roofline } = run;
+  const seed = options.seed + 10 * (run.k + 1);
+  const b1 = options.batchSizes.indexOf(1);
+  const kernels = a.setup.kernels;
+  return {
+    kernels: a.name,
+    fma: kernels instanceof WasmKernels ? kernels.fma : null,
+    threads: a.threads,
+    prefillTokensPerSecond: measured(s.prefill, seed),
+    prefillGflopsPerCore: measured(
+      s.prefill.map((tps) => (run.flops * tps) / options.promptTokens / 1e9 / a.threads),
+      seed,
+    ),
+    decode: options.batchSizes.map((batch, i) => ({
+      batch,
+      contextTokens: options.contextTokens,
+      tokensPerSecond: measured(s.decode[i] as number[], seed + 1 + i),
+      rooflineTokensPerSecond: roofline(a.threads, batch),
+      vsBatch1:
+        batch === 1 || b1 < 0
+          ? null
+          : measured(
+              (s.decode[i] as number[]).map((tps, r) => tps / ((s.decode[b1] as number[])[r] as number)),
+              seed + 20 + i,
+            ),
+    })),
+    longContext:
+      a.long === null
+        ? null
+        : {
+            batch: 1,
+            contextTokens: run.longContext,
+            tokensPerSecond: measured(s.long, seed + 9),
+            rooflineTokensPerSecond: roofline(a.threads, 1),
+            vsBatch1: null,
+          },
+  };
 }
 
 export function formatModelBench(r: ModelBenchResult): string {

@@ -105,117 +105,18 @@ export async function runTagCheckBench(options: TagCheckBenchOptions = {}): Prom
   const batch = options.batch ?? 8;
   const promptTokens = options.promptTokens ?? 16;
   const steps = options.steps ?? 1;
-  const pageSize = options.pageSize ?? 16;
   const dir = modelDir(options, log);
-  const config = loadModelConfig(dir);
-  const weights = loadWeights(dir, config);
-  log(`model ${dir}: ${config.numLayers} layers, hidden ${config.hiddenSize}, vocab ${config.vocabSize}`);
-
-  const decodeTokens = 2 * pairs * steps + 3;
-  const perRequest = promptTokens + decodeTokens;
-  const layout: KvLayout = {
-    numLayers: config.numLayers,
-    numKvHeads: config.numKvHeads,
-    headDim: config.headDim,
-    pageSize,
-  };
-  const numPages = batch * Math.ceil(perRequest / pageSize) + 1;
   const kernels = options.kernels ?? "wasm";
   const threads = kernels === "ts" ? 1 : (options.threads ?? 2);
-  const setup = await createForward(config, weights, layout, {
-    kernels,
-    kernelThreads: threads,
-    maxBatchTokens: Math.max(batch * promptTokens, batch),
-    maxSequences: batch,
-    poolPages: [numPages, numPages],
-  });
-  log(`kernels ${kernels}, ${threads} thread${threads > 1 ? "s" : ""}`);
-  const engines = [true, false].map(
-    (tagCheck, i) =>
-      new Engine(setup.forward, setup.pools[i] as PagePool, {
-        safety: makeSafety({ disabledGuards: tagCheck ? [] : ["page-tags"] }),
-        seed: 1,
-        maxModelLen: Math.min(config.maxPositionEmbeddings, perRequest + 1),
-      }),
-  );
-  for (const engine of engines) {
-    for (let r = 0; r < batch; r++) {
-      const prompt = Int32Array.from(
-        { length: promptTokens },
-        (_, i) => (r * 131 + i * 17 + 3) % config.vocabSize,
-      );
-      engine.submit(
-        {
-          rid: r + 1,
-          tenant: 0,
-          promptTokens: prompt,
-          maxTokens: decodeTokens,
-          temperature: 0,
-          topP: 1,
-          topK: 0,
-          seed: null,
-          stopTokenIds: [],
-        },
-        IGNORE,
-      );
-    }
-    engine.step(); // the whole batch's prefill in one step
-    const s = engine.stats();
-    if (s.queue.running !== batch || s.counters.completionTokens !== batch) {
-      throw new Error(`Prefill did not complete in one step: ${JSON.stringify(s.queue)}`);
-    }
-  }
-  log(`prefilled ${batch} × ${promptTokens} tokens in both engines`);
-  for (const engine of engines) engine.step(); // one untimed decode step each: warm the JIT
-
-  // Each arm: decode tokens per second of wall time and of this thread's CPU time. CPU time does
-  // not count time the OS gave other processes (the machine is shared), so its ratio is the
-  // sharper one; the wall-time ratio is reported beside it.
-  const timeArm = (engine: Engine): Arm => {
-    const before = engine.stats().counters.completionTokens;
-    const c0 = process.cpuUsage();
-    const t0 = performance.now();
-    for (let i = 0; i < steps; i++) engine.step();
-    const wallSeconds = (performance.now() - t0) / 1000;
-    const cpu = process.cpuUsage(c0);
-    const tokens = engine.stats().counters.completionTokens - before;
-    return { wall: tokens / wallSeconds, cpu: tokens / ((cpu.user + cpu.system) / 1e6) };
+  const shape = {
+    batch,
+    promptTokens,
+    decodeTokens: 2 * pairs * steps + 3,
+    pageSize: options.pageSize ?? 16,
   };
-  const results: { on: Arm; off: Arm }[] = [];
-  for (let p = 0; p < pairs; p++) {
-    let on: Arm;
-    let off: Arm;
-    if (p % 2 === 0) {
-      on = timeArm(engines[0]!);
-      off = timeArm(engines[1]!);
-    } else {
-      off = timeArm(engines[1]!);
-      on = timeArm(engines[0]!);
-    }
-    results.push({ on, off });
-    log(
-      `pair ${p + 1}/${pairs}: on ${on.wall.toFixed(2)} tok/s (cpu ${on.cpu.toFixed(2)}), off ${off.wall.toFixed(2)} tok/s (cpu ${off.cpu.toFixed(2)})`,
-    );
-  }
-
-  // The check alone, over the checked engine's live block tables, as a step would run it.
-  const checked = engines[0]!;
-  const pool = checked.pool;
-  const tables = checked.liveBlockTables();
-  let pagesPerStep = 0;
-  for (const t of tables) pagesPerStep += t.blockTable.length;
-  const reps = 20_000;
-  let failures = 0;
-  const c0 = process.cpuUsage();
-  for (let i = 0; i < reps; i++) {
-    for (const t of tables) {
-      const end = Math.min(t.computed + 1, t.blockTable.length * pool.pageSize);
-      if (pool.checkStep(t.blockTable, t.rid, t.epoch, t.computed, end) >= 0) failures++;
-    }
-  }
-  const cpu = process.cpuUsage(c0);
-  const checkMicros = (cpu.user + cpu.system) / reps;
-  if (failures > 0) throw new Error(`Tag check failed on a healthy batch: ${failures} times`);
+  const { setup, engines } = await prefilledEngines({ dir, kernels, threads, log }, shape);
+  const results = timePairs(engines, { pairs, steps, log });
+  const check = timeCheckAlone(engines[0]);
   for (const engine of engines) for (const t of engine.liveBlockTables()) engine.abort(t.rid);
   await setup.close();
 
@@ -242,10 +143,153 @@ export async function runTagCheckBench(options: TagCheckBenchOptions = {}): Prom
     tokensPerSecondOff: median(results.map((r) => r.off.wall)),
     cpuRatio,
     wallRatio,
-    checkMicrosPerStep: checkMicros,
-    checkFractionOfStep: checkMicros / 1e6 / cpuStepSeconds,
-    pagesCheckedPerStep: pagesPerStep,
+    checkMicrosPerStep: check.micros,
+    checkFractionOfStep: check.micros / 1e6 / cpuStepSeconds,
+    pagesCheckedPerStep: check.pages,
   };
+}
+
+/** The batch of each engine: how many requests, their prompt and decode tokens, the page size. */
+interface BatchShape {
+  readonly batch: number;
+  readonly promptTokens: number;
+  readonly decodeTokens: number;
+  readonly pageSize: number;
+}
+
+/**
+ * Two engines over one forward pass (check on, check off), each with its own pool, both with the
+ * same batch prefilled in one step and one untimed decode step (to warm the JIT).
+ */
+async function prefilledEngines(
+  run: {
+    readonly dir: string;
+    readonly kernels: KernelsName;
+    readonly threads: 1 | 2;
+    readonly log: (line: string) => void;
+  },
+  shape: BatchShape,
+): Promise<{ setup: Awaited<ReturnType<typeof createForward>>; engines: [Engine, Engine] }> {
+  const { dir, log } = run;
+  const config = loadModelConfig(dir);
+  const weights = loadWeights(dir, config);
+  log(`model ${dir}: ${config.numLayers} layers, hidden ${config.hiddenSize}, vocab ${config.vocabSize}`);
+  const { batch, promptTokens, pageSize } = shape;
+  const perRequest = promptTokens + shape.decodeTokens;
+  const layout: KvLayout = {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize,
+  };
+  const numPages = batch * Math.ceil(perRequest / pageSize) + 1;
+  const setup = await createForward(config, weights, layout, {
+    kernels: run.kernels,
+    kernelThreads: run.threads,
+    maxBatchTokens: Math.max(batch * promptTokens, batch),
+    maxSequences: batch,
+    poolPages: [numPages, numPages],
+  });
+  log(`kernels ${run.kernels}, ${run.threads} thread${run.threads > 1 ? "s" : ""}`);
+  const engineOf = (tagCheck: boolean, pool: PagePool): Engine =>
+    new Engine(setup.forward, pool, {
+      safety: makeSafety({ disabledGuards: tagCheck ? [] : ["page-tags"] }),
+      seed: 1,
+      maxModelLen: Math.min(config.maxPositionEmbeddings, perRequest + 1),
+    });
+  const engines: [Engine, Engine] = [
+    engineOf(true, setup.pools[0] as PagePool),
+    engineOf(false, setup.pools[1] as PagePool),
+  ];
+  for (const engine of engines) prefill(engine, shape, config.vocabSize);
+  log(`prefilled ${batch} × ${promptTokens} tokens in both engines`);
+  for (const engine of engines) engine.step(); // one untimed decode step each: warm the JIT
+  return { setup, engines };
+}
+
+/** Submits the batch and prefills all of it in one step. */
+function prefill(engine: Engine, shape: BatchShape, vocabSize: number): void {
+  const { batch, promptTokens } = shape;
+  for (let r = 0; r < batch; r++) {
+    const prompt = Int32Array.from({ length: promptTokens }, (_, i) => (r * 131 + i * 17 + 3) % vocabSize);
+    engine.submit(
+      {
+        rid: r + 1,
+        tenant: 0,
+        promptTokens: prompt,
+        maxTokens: shape.decodeTokens,
+        temperature: 0,
+        topP: 1,
+        topK: 0,
+        seed: null,
+        stopTokenIds: [],
+      },
+      IGNORE,
+    );
+  }
+  engine.step(); // the whole batch's prefill in one step
+  const s = engine.stats();
+  if (s.queue.running !== batch || s.counters.completionTokens !== batch) {
+    throw new Error(`Prefill did not complete in one step: ${JSON.stringify(s.queue)}`);
+  }
+}
+
+/**
+ * The interleaved pairs, the order flipping every pair. Each arm: decode tokens per second of wall
+ * time and of this thread's CPU time. CPU time does not count time the OS gave other processes (the
+ * machine is shared), so its ratio is the sharper one; the wall-time ratio is reported beside it.
+ */
+function timePairs(
+  [checkOn, checkOff]: readonly [Engine, Engine],
+  run: { readonly pairs: number; readonly steps: number; readonly log: (line: string) => void },
+): { on: Arm; off: Arm }[] {
+  const timeArm = (engine: Engine): Arm => {
+    const before = engine.stats().counters.completionTokens;
+    const c0 = process.cpuUsage();
+    const t0 = performance.now();
+    for (let i = 0; i < run.steps; i++) engine.step();
+    const wallSeconds = (performance.now() - t0) / 1000;
+    const cpu = process.cpuUsage(c0);
+    const tokens = engine.stats().counters.completionTokens - before;
+    return { wall: tokens / wallSeconds, cpu: tokens / ((cpu.user + cpu.system) / 1e6) };
+  };
+  const results: { on: Arm; off: Arm }[] = [];
+  for (let p = 0; p < run.pairs; p++) {
+    let on: Arm;
+    let off: Arm;
+    if (p % 2 === 0) {
+      on = timeArm(checkOn);
+      off = timeArm(checkOff);
+    } else {
+      off = timeArm(checkOff);
+      on = timeArm(checkOn);
+    }
+    results.push({ on, off });
+    run.log(
+      `pair ${p + 1}/${run.pairs}: on ${on.wall.toFixed(2)} tok/s (cpu ${on.cpu.toFixed(2)}), off ${off.wall.toFixed(2)} tok/s (cpu ${off.cpu.toFixed(2)})`,
+    );
+  }
+  return results;
+}
+
+/** The check alone, over the checked engine's live block tables, as a step would run it. */
+function timeCheckAlone(checked: Engine): { micros: number; pages: number } {
+  const pool = checked.pool;
+  const tables = checked.liveBlockTables();
+  let pages = 0;
+  for (const t of tables) pages += t.blockTable.length;
+  const reps = 20_000;
+  let failures = 0;
+  const c0 = process.cpuUsage();
+  for (let i = 0; i < reps; i++) {
+    for (const t of tables) {
+      const end = Math.min(t.computed + 1, t.blockTable.length * pool.pageSize);
+      if (pool.checkStep(t.blockTable, t.rid, t.epoch, t.computed, end) >= 0) failures++;
+    }
+  }
+  const cpu = process.cpuUsage(c0);
+  if (failures > 0) throw new Error(`Tag check failed on a healthy batch: ${failures} times`);
+  return { micros: (cpu.user + cpu.system) / reps, pages };
 }
 
 export function formatTagCheckReport(r: TagCheckBenchReport): string {

@@ -23,25 +23,16 @@
  * interleaved ratio of transfer times with and without checksums; raise `--reps` to narrow its CI.
  */
 
-import net from "node:net";
 import os from "node:os";
 import { join } from "node:path";
-import { MessageChannel, Worker } from "node:worker_threads";
 import { xxh64 } from "@node-rs/xxhash";
 import { Command, InvalidArgumentError } from "commander";
 import xxhashWasm from "xxhash-wasm";
-import { type KvLayout, layoutSignature, pageBytes as pageBytesOf } from "../../kvcache/kv-layout.js";
-import { OwnershipTable } from "../../kvcache/ownership-table.js";
+import type { KvLayout } from "../../kvcache/kv-layout.js";
 import { packageRoot } from "../../lib/package-root.js";
 import { mean, quantile, tInterval95 } from "../../lib/stats.js";
-import { PageChecksums } from "../../transfer/page-checksum.js";
-import { createShmChannel } from "../../transfer/shm-transport.js";
-import { SignalKind, SignalRing } from "../../transfer/signal-ring.js";
-import { connectTcpReceiver, type TcpTransferReceiver } from "../../transfer/tcp-transport.js";
-import { loadLinkTls, type TlsFiles } from "../../transfer/tls-config.js";
-import type { Manifest, TransferLease } from "../../transfer/transport.js";
-import { verifyManifest } from "../../transfer/verify-manifest.js";
-import type { HashMode, WorkerInit } from "./transfer-worker.js";
+import type { TlsFiles } from "../../transfer/tls-config.js";
+import { now, TransferRig } from "./transfer-rig.js";
 
 /** SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, 16-token pages → 720 KiB per page at f32. */
 export const SMOLLM2_LAYOUT: KvLayout = { numLayers: 30, numKvHeads: 3, headDim: 64, pageSize: 16 };
@@ -143,337 +134,37 @@ export function pairedRatio(a: readonly number[], b: readonly number[]): RatioIn
   return { n: logs.length, ratio: Math.exp(mean(logs)), low: Math.exp(ci.low), high: Math.exp(ci.high) };
 }
 
-const now = (): bigint => process.hrtime.bigint();
-
 /** The committed test certificates (scripts/make-test-certs.sh), for the tcp+tls path. */
 export function defaultBenchTlsFiles(): TlsFiles {
   const dir = join(packageRoot(), "testing", "fixtures", "tls");
   return { cert: join(dir, "node.crt"), key: join(dir, "node.key"), ca: join(dir, "ca.crt") };
 }
-const SECRET = "bench-cluster-secret-not-for-production";
-
-/** Messages from a worker, awaited by `type` and run id. */
-class Mailbox {
-  readonly #waiting = new Map<
-    string,
-    { resolve: (msg: Record<string, unknown>) => void; reject: (e: Error) => void }
-  >();
-  readonly #early = new Map<string, Record<string, unknown>>();
-  #dead: Error | null = null;
-
-  constructor(worker: Worker, name: string) {
-    worker.on("message", (msg: Record<string, unknown>) => {
-      const key = `${String(msg.type)}:${String(msg.id ?? "")}`;
-      const waiter = this.#waiting.get(key);
-      if (waiter === undefined) this.#early.set(key, msg);
-      else {
-        this.#waiting.delete(key);
-        waiter.resolve(msg);
-      }
-    });
-    const die = (error: Error): void => {
-      this.#dead ??= error;
-      for (const waiter of this.#waiting.values()) waiter.reject(error);
-      this.#waiting.clear();
-    };
-    worker.on("error", (e) => die(new Error(`The ${name} worker failed: ${e.message}`, { cause: e })));
-    worker.on("exit", (code) => die(new Error(`The ${name} worker exited: code ${code}`)));
-  }
-
-  next(type: string, id: number | "" = ""): Promise<Record<string, unknown>> {
-    const key = `${type}:${id}`;
-    const early = this.#early.get(key);
-    if (early !== undefined) {
-      this.#early.delete(key);
-      return Promise.resolve(early);
-    }
-    if (this.#dead !== null) return Promise.reject(this.#dead);
-    return new Promise((resolve, reject) => this.#waiting.set(key, { resolve, reject }));
-  }
-}
 
 export async function runTransferBench(options: TransferBenchOptions = {}): Promise<TransferBenchResult> {
-  const layout = options.layout ?? SMOLLM2_LAYOUT;
   const numPages = options.pages ?? 256;
   const reps = options.reps ?? 31;
-  const warmup = options.warmup ?? 1;
   const signalBytes = options.signalBytes ?? 1 << 20;
-  const log = options.log ?? (() => {});
-  const pageBytes = pageBytesOf(layout);
-  const bytes = numPages * pageBytes;
-  const signature = layoutSignature(layout, "SmolLM2-135M");
-  const failures: string[] = [];
-  const loadStart = os.loadavg()[0]!;
-
-  // The decode pool and table (pre-faulted), the memcpy source (pre-faulted, private).
-  const table = new OwnershipTable(numPages, {
-    buffer: new SharedArrayBuffer(OwnershipTable.bytesFor(numPages)),
-  });
-  const pool = new Uint8Array(new SharedArrayBuffer(bytes));
-  pool.fill(1);
-  const memcpySource = new Uint8Array(bytes);
-  memcpySource.fill(2);
-  const channel = createShmChannel({ pool, table, pageBytes, layoutSignature: signature });
-  const { port1, port2 } = new MessageChannel();
-  const workerUrl = new URL("./transfer-worker.js", import.meta.url);
   const chunkPages = options.chunkPages ?? 16;
-  const verifyRingBuffer = SignalRing.createBuffer(Math.max(1024, 2 ** Math.ceil(Math.log2(numPages + 2))));
-  const verifyRing = new SignalRing(verifyRingBuffer);
-  const sums = new PageChecksums(pool, pageBytes, table);
-  const tlsFiles = options.tlsFiles ?? defaultBenchTlsFiles();
   const withTls = options.paths === undefined || options.paths.includes("tcp+tls");
-  const common = {
-    channel,
-    ...(withTls ? { tlsFiles } : {}),
-    sourcePages: numPages,
-    secret: SECRET,
+  const loadStart = os.loadavg()[0]!;
+  const rig = await TransferRig.start({
+    layout: options.layout ?? SMOLLM2_LAYOUT,
+    numPages,
     signalBytes,
     chunkPages,
-    verifyRing: verifyRingBuffer,
-  };
-  const prefill = new Worker(workerUrl, {
-    workerData: { ...common, role: "prefill", port: port1 } satisfies WorkerInit,
-    transferList: [port1],
+    directReads: options.directReads !== false,
+    tlsFiles: withTls ? (options.tlsFiles ?? defaultBenchTlsFiles()) : undefined,
   });
-  const decode = new Worker(workerUrl, {
-    workerData: { ...common, role: "decode", port: port2 } satisfies WorkerInit,
-    transferList: [port2],
-  });
-  const exited = Promise.all([prefill, decode].map((w) => new Promise((r) => w.once("exit", r))));
-  const pre = new Mailbox(prefill, "prefill");
-  const dec = new Mailbox(decode, "decode");
-  await dec.next("decode-ready");
-  const tcpPort = (await pre.next("tcp-port")).port as number;
-  const rawPort = (await pre.next("raw-port")).port as number;
-
-  // Main thread: decode end of the TCP transport.
-  let tcpRun: {
-    lease: TransferLease;
-    hash: HashMode;
-    /** Verify on the decode worker (landed ranges go through `verifyRing`) instead of inline. */
-    onWorker: (() => Promise<string[]>) | null;
-    local: string[];
-    done: (t1: bigint, verdict: string) => void;
-  } | null = null;
-  const tcpReceiver = await connectTcpReceiver({
-    port: tcpPort,
-    secret: SECRET,
-    layoutSignature: signature,
-    pool,
-    table,
-    pageBytes,
-    directReadMinBytes: options.directReads === false ? Number.POSITIVE_INFINITY : 64 * 1024,
-    handlers: {
-      pagesLanded: (rid, epoch, from, to) => {
-        if (tcpRun?.onWorker) verifyRing.tryPush(SignalKind.LANDED, rid, epoch, from, to);
-        else if (tcpRun?.hash === "production") sums.recordLease(tcpRun.lease, from, to);
-      },
-      control: async (message) => {
-        const run = tcpRun;
-        if (run === null || message.type !== "manifest") return;
-        const lease = run.lease;
-        if (run.onWorker !== null) {
-          verifyRing.tryPush(SignalKind.LEASE_END, lease.rid, lease.epoch, lease.pages.length, 0);
-          run.local = await run.onWorker();
-        } else if (run.hash !== "none") {
-          // The commit check reads `KvPool.pageChecksum`, i.e. `PageChecksums.get`, per page.
-          const misses = sums.misses;
-          run.local = lease.pages.map(({ page }, i) => sums.get(page, lease.rid, lease.epoch, i));
-          if (run.hash === "production" && sums.misses !== misses) {
-            failures.push(`tcp+verify: ${sums.misses - misses} pages hashed at commit, not as they landed`);
-          }
-        }
-        const verdict =
-          run.hash !== "none"
-            ? verifyManifest(
-                {
-                  rid: lease.rid,
-                  epoch: lease.epoch,
-                  tokenStart: 0,
-                  tokenEnd: lease.pages.length * lease.pageSize,
-                  numPages: lease.pages.length,
-                },
-                message as Manifest,
-                run.local,
-              ).code
-            : "ok";
-        tcpRun = null;
-        run.done(now(), verdict);
-      },
-      closed: (error) => {
-        const run = tcpRun;
-        tcpRun = null;
-        run?.done(now(), `connection closed: ${error?.message ?? "closed"}`);
-      },
-    },
-  });
-  // Main thread: the decode end of the TLS transfer connection (only the tcp+tls path).
-  let tlsRun: { done: (t1: bigint, verdict: string) => void } | null = null;
-  let tlsReceiver: TcpTransferReceiver | null = null;
-  if (withTls) {
-    const tlsPort = (await pre.next("tls-port")).port as number;
-    tlsReceiver = await connectTcpReceiver({
-      port: tlsPort,
-      secret: SECRET,
-      tls: loadLinkTls(tlsFiles),
-      layoutSignature: signature,
-      pool,
-      table,
-      pageBytes,
-      directReadMinBytes: options.directReads === false ? Number.POSITIVE_INFINITY : 64 * 1024,
-      handlers: {
-        control: (message) => {
-          const run = tlsRun;
-          if (run === null || message.type !== "manifest") return;
-          tlsRun = null;
-          run.done(now(), "ok");
-        },
-        closed: (error) => {
-          const run = tlsRun;
-          tlsRun = null;
-          run?.done(now(), `connection closed: ${error?.message ?? "closed"}`);
-        },
-      },
-    });
-  }
-  // Main thread: the raw loopback receiver, counting bytes into one reused 1 MiB buffer.
-  let rawRun: { remaining: number; done: (t1: bigint) => void } | null = null;
-  const rawConnected = pre.next("raw-connected");
-  const rawSocket = net.connect({
-    port: rawPort,
-    host: "127.0.0.1",
-    noDelay: true,
-    onread: {
-      buffer: Buffer.allocUnsafe(1 << 20),
-      callback: (n: number) => {
-        if (rawRun === null) return true;
-        rawRun.remaining -= n;
-        if (rawRun.remaining <= 0) {
-          const run = rawRun;
-          rawRun = null;
-          run.done(now());
-        }
-        return true;
-      },
-    },
-  });
-  await rawConnected;
-
-  let rid = 1;
-  const leaseOf = (): TransferLease => {
-    const pages = new Int32Array(numPages);
-    const generations = new Uint32Array(numPages);
-    if (!table.allocate(numPages, rid, 1, 0, pages, generations)) throw new Error("Bench pool is not free");
-    return {
-      type: "lease",
-      rid: rid++,
-      epoch: 1,
-      incarnation: 0,
-      pages: Array.from(pages, (page, i) => ({ page, generation: generations[i]! })),
-      pageSize: layout.pageSize,
-      layoutSignature: signature,
-    };
-  };
-  const release = (lease: TransferLease): void => {
-    for (const p of lease.pages) table.free(p.page, p.generation, lease.rid, lease.epoch);
-  };
-  const hashOf = (path: PathName): HashMode =>
-    path.endsWith("+ondemand") ? "ondemand" : path.includes("+verify") ? "production" : "none";
-
-  let id = 0;
-  const runPath = async (path: PathName): Promise<number> => {
-    const runId = ++id;
-    if (path === "memcpy") {
-      const t0 = now();
-      pool.set(memcpySource);
-      return Number(now() - t0);
-    }
-    if (path === "raw-tcp") {
-      const t1 = new Promise<bigint>((done) => {
-        rawRun = { remaining: bytes, done };
-      });
-      prefill.postMessage({ cmd: "raw", id: runId, bytes });
-      const t0 = (await pre.next("t0", runId)).t0 as bigint;
-      return Number((await t1) - t0);
-    }
-    const lease = leaseOf();
-    const hash = hashOf(path);
-    let t1: Promise<{ t1: bigint; verdict: string }>;
-    if (path === "tcp+tls") {
-      t1 = new Promise((resolve) => {
-        tlsRun = { done: (t, verdict) => resolve({ t1: t, verdict }) };
-      });
-      prefill.postMessage({ cmd: "tls", id: runId, lease, hash });
-    } else if (path.startsWith("shm")) {
-      decode.postMessage({ cmd: "expect", id: runId, lease, hash });
-      await dec.next("expecting", runId);
-      t1 = dec.next("t1", runId).then((m) => ({ t1: m.t1 as bigint, verdict: m.verdict as string }));
-      prefill.postMessage({ cmd: "shm", id: runId, lease, hash });
-    } else {
-      let onWorker: (() => Promise<string[]>) | null = null;
-      if (path === "tcp+verify-worker") {
-        decode.postMessage({ cmd: "expect-tcp", id: runId, lease });
-        await dec.next("expecting", runId);
-        onWorker = () => dec.next("verified", runId).then((m) => m.local as string[]);
-      }
-      t1 = new Promise((resolve) => {
-        tcpRun = {
-          lease,
-          onWorker,
-          hash,
-          local: new Array<string>(numPages),
-          done: (t, verdict) => resolve({ t1: t, verdict }),
-        };
-      });
-      prefill.postMessage({ cmd: "tcp", id: runId, lease, hash });
-    }
-    const t0 = (await pre.next("t0", runId)).t0 as bigint;
-    const end = await t1;
-    release(lease);
-    if (end.verdict !== "ok") failures.push(`${path}: manifest verdict ${end.verdict}`);
-    return Number(end.t1 - t0);
-  };
-
-  const wasm = await xxhashWasm();
-  const hashPass = (fn: (page: Uint8Array, seed: bigint) => bigint): number => {
-    const t0 = now();
-    for (let i = 0; i < numPages; i++) fn(pool.subarray(i * pageBytes, (i + 1) * pageBytes), BigInt(i));
-    return Number(now() - t0);
-  };
-
-  const times = Object.fromEntries(PATHS.map((p) => [p, [] as number[]])) as Record<PathName, number[]>;
-  const cpus = Object.fromEntries(PATHS.map((p) => [p, [] as number[]])) as Record<PathName, number[]>;
-  const hashNs = { native: [] as number[], wasm: [] as number[] };
   const selected = PATHS.filter((p) => options.paths === undefined || options.paths.includes(p));
-  for (let rep = -warmup; rep < reps; rep++) {
-    const order = selected.map((_, i) => selected[(i + Math.max(rep, 0)) % selected.length]!);
-    for (const path of order) {
-      const cpu0 = process.cpuUsage();
-      const ns = await runPath(path);
-      const cpu = process.cpuUsage(cpu0);
-      if (rep >= 0) {
-        times[path].push(ns);
-        cpus[path].push((cpu.user + cpu.system) / 1000);
-      }
-    }
-    const native = hashPass((p, s) => xxh64(p, s));
-    const wasmNs = hashPass((p, s) => wasm.h64Raw(p, s));
-    if (rep >= 0) {
-      hashNs.native.push(native);
-      hashNs.wasm.push(wasmNs);
-      log(
-        `rep ${rep + 1}/${reps}: ${selected.map((p) => `${p} ${(bytes / times[p].at(-1)!).toFixed(2)}`).join(", ")} GB/s`,
-      );
-    }
-  }
+  const { times, cpus, hashNs } = await measure(rig, {
+    selected,
+    reps,
+    warmup: options.warmup ?? 1,
+    log: options.log,
+  });
+  await rig.close();
 
-  prefill.postMessage({ cmd: "close" });
-  decode.postMessage({ cmd: "close" });
-  await tcpReceiver.close();
-  await tlsReceiver?.close();
-  rawSocket.destroy();
-  await exited;
-
+  const bytes = rig.bytes;
   const result = (path: PathName): PathResult => {
     const ns = times[path];
     return {
@@ -485,7 +176,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   };
   return {
     pages: numPages,
-    pageBytes,
+    pageBytes: rig.pageBytes,
     bytes,
     reps,
     signalBytes,
@@ -511,9 +202,59 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
       nativeXxh64: summarize(hashNs.native.map((t) => bytes / t)),
       wasmH64Raw: summarize(hashNs.wasm.map((t) => bytes / t)),
     },
-    failures,
+    failures: rig.failures,
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   };
+}
+
+/**
+ * The interleaved repetitions: each rep runs every selected path (the order rotates each rep) and
+ * hashes the pool with both xxhash64s; warm-up reps are run and dropped.
+ */
+async function measure(
+  rig: TransferRig,
+  run: {
+    readonly selected: readonly PathName[];
+    readonly reps: number;
+    readonly warmup: number;
+    readonly log: ((line: string) => void) | undefined;
+  },
+) {
+  const { selected, reps, warmup } = run;
+  const log = run.log ?? (() => {});
+  const wasm = await xxhashWasm();
+  const { pool, pageBytes } = rig;
+  const numPages = pool.length / pageBytes;
+  const hashPass = (fn: (page: Uint8Array, seed: bigint) => bigint): number => {
+    const t0 = now();
+    for (let i = 0; i < numPages; i++) fn(pool.subarray(i * pageBytes, (i + 1) * pageBytes), BigInt(i));
+    return Number(now() - t0);
+  };
+  const times = Object.fromEntries(PATHS.map((p) => [p, [] as number[]])) as Record<PathName, number[]>;
+  const cpus = Object.fromEntries(PATHS.map((p) => [p, [] as number[]])) as Record<PathName, number[]>;
+  const hashNs = { native: [] as number[], wasm: [] as number[] };
+  for (let rep = -warmup; rep < reps; rep++) {
+    const order = selected.map((_, i) => selected[(i + Math.max(rep, 0)) % selected.length]!);
+    for (const path of order) {
+      const cpu0 = process.cpuUsage();
+      const ns = await rig.run(path);
+      const cpu = process.cpuUsage(cpu0);
+      if (rep >= 0) {
+        times[path].push(ns);
+        cpus[path].push((cpu.user + cpu.system) / 1000);
+      }
+    }
+    const native = hashPass((p, s) => xxh64(p, s));
+    const wasmNs = hashPass((p, s) => wasm.h64Raw(p, s));
+    if (rep >= 0) {
+      hashNs.native.push(native);
+      hashNs.wasm.push(wasmNs);
+      log(
+        `rep ${rep + 1}/${reps}: ${selected.map((p) => `${p} ${(rig.bytes / times[p].at(-1)!).toFixed(2)}`).join(", ")} GB/s`,
+      );
+    }
+  }
+  return { times, cpus, hashNs };
 }
 
 function fmtRatio(r: RatioInterval, asPercent: boolean): string {
@@ -565,7 +306,8 @@ export function formatTransferReport(r: TransferBenchResult): string {
   return lines.join("\n");
 }
 
-function positiveInt(name: string): (value: string) => number {
+/** A commander parser of a positive integer option, naming `name` in its error. */
+export function positiveInt(name: string): (value: string) => number {
   return (value) => {
     const n = Number(value);
     if (!Number.isInteger(n) || n < 1)

@@ -65,29 +65,101 @@ class GrowableInt32 {
   }
 }
 
+/** The next level of the search: its worlds and their state ids, in the same order. */
+interface Level {
+  readonly worlds: World[];
+  readonly ids: number[];
+}
+
+/** The visited states (by fingerprint), each with its parent and the event that reached it. */
+class Search {
+  readonly visited = new Map<number, number>();
+  readonly #parent = new GrowableInt32();
+  readonly #via = new GrowableInt32();
+  readonly #model: ModelWorld;
+  readonly #maxStates: number;
+  transitions = 0;
+
+  /** The search from world `initial`, state 0. */
+  constructor(model: ModelWorld, maxStates: number, initial: World) {
+    this.#model = model;
+    this.#maxStates = maxStates;
+    const initialKey = model.key(initial);
+    this.visited.set(fingerprint(initialKey), 0);
+    this.#parent.push(0, -1);
+    this.#via.push(0, -1);
+  }
+
+  /**
+   * Every successor of state `id` (world `base`, which the last successor takes over): a new state
+   * joins `next`. A counterexample when one breaks an invariant (or `base` is stuck), "full" when
+   * the state budget ran out, else null.
+   */
+  expand(base: World, id: number, next: Level): Counterexample | "full" | null {
+    const model = this.#model;
+    const { events, progress } = model.enabled(base);
+    if (progress === 0) {
+      const stuck = model.checkQuiescent(base);
+      if (stuck !== null) return this.#trace(id, null, stuck);
+    }
+    for (let e = 0; e < events.length; e++) {
+      const w = e === events.length - 1 ? base : model.clone(base);
+      const violations = model.apply(w, events[e]!);
+      this.transitions++;
+      if (violations.length > 0) return this.#trace(id, e, violations[0]!);
+      const h = fingerprint(model.key(w));
+      if (this.visited.has(h)) continue;
+      const nid = this.visited.size;
+      this.visited.set(h, nid);
+      this.#parent.push(nid, id);
+      this.#via.push(nid, e);
+      next.worlds.push(w);
+      next.ids.push(nid);
+      if (this.visited.size >= this.#maxStates) return "full";
+    }
+    return null;
+  }
+
+  /** Replays the path to state `id` (then event `lastEvent`, if any) into a readable trace. */
+  #trace(id: number, lastEvent: number | null, violation: Violation): Counterexample {
+    const model = this.#model;
+    const parent = this.#parent.data;
+    const via = this.#via.data;
+    const path: number[] = [];
+    for (let at = id; at > 0; at = parent[at]!) path.push(via[at]!);
+    path.reverse();
+    if (lastEvent !== null) path.push(lastEvent);
+    let w = model.initial();
+    const initialPools = model.describePools(w);
+    const steps: TraceStep[] = [];
+    for (const index of path) {
+      const { events } = model.enabled(w);
+      const event: EnvEvent = events[index]!;
+      const label = model.describeEvent(w, event);
+      w = model.clone(w);
+      model.apply(w, event);
+      steps.push({ event: label, pools: model.describePools(w) });
+    }
+    return { violation, initialPools, steps };
+  }
+}
+
 export function explore(model: ModelWorld, options: ExploreOptions): ExploreResult {
   const started = performance.now();
-  const visited = new Map<number, number>();
-  const parent = new GrowableInt32();
-  const via = new GrowableInt32();
   const initial = model.initial();
-  const initialKey = model.key(initial);
-  visited.set(fingerprint(initialKey), 0);
-  parent.push(0, -1);
-  via.push(0, -1);
+  const search = new Search(model, options.maxStates, initial);
   // The frontier holds worlds as objects (a level is at most tens of thousands wide here), so a
   // state is parsed never and cloned once per successor.
-  let frontier: World[] = [initial];
+  let frontier: (World | undefined)[] = [initial];
   let frontierIds: number[] = [0];
   let depth = 0;
-  let transitions = 0;
   let complete = true;
   const maxDepth = options.maxDepth ?? Number.POSITIVE_INFINITY;
   const timeLimit = options.timeLimitMs ?? Number.POSITIVE_INFINITY;
 
   const result = (counterexample: Counterexample | null): ExploreResult => ({
-    states: visited.size,
-    transitions,
+    states: search.visited.size,
+    transitions: search.transitions,
     depth,
     elapsedMs: performance.now() - started,
     complete: complete && counterexample === null,
@@ -99,73 +171,25 @@ export function explore(model: ModelWorld, options: ExploreOptions): ExploreResu
       complete = false;
       break;
     }
-    const next: World[] = [];
-    const nextIds: number[] = [];
+    const next: Level = { worlds: [], ids: [] };
     for (let f = 0; f < frontier.length; f++) {
       const base = frontier[f]!;
-      (frontier as (World | undefined)[])[f] = undefined;
-      const id = frontierIds[f]!;
-      const { events, progress } = model.enabled(base);
-      if (progress === 0) {
-        const stuck = model.checkQuiescent(base);
-        if (stuck !== null) return result(rebuild(model, parent.data, via.data, id, null, stuck));
+      frontier[f] = undefined;
+      const outcome = search.expand(base, frontierIds[f]!, next);
+      if (outcome === "full") {
+        complete = false;
+        depth++;
+        return result(null);
       }
-      for (let e = 0; e < events.length; e++) {
-        const w = e === events.length - 1 ? base : model.clone(base);
-        const violations = model.apply(w, events[e]!);
-        transitions++;
-        if (violations.length > 0)
-          return result(rebuild(model, parent.data, via.data, id, e, violations[0]!));
-        const key = model.key(w);
-        const h = fingerprint(key);
-        if (visited.has(h)) continue;
-        const nid = visited.size;
-        visited.set(h, nid);
-        parent.push(nid, id);
-        via.push(nid, e);
-        next.push(w);
-        nextIds.push(nid);
-        if (visited.size >= options.maxStates) {
-          complete = false;
-          depth++;
-          return result(null);
-        }
-      }
+      if (outcome !== null) return result(outcome);
       if ((f & 255) === 0 && performance.now() - started > timeLimit) {
         complete = false;
         return result(null);
       }
     }
-    frontier = next;
-    frontierIds = nextIds;
-    if (next.length > 0) depth++;
+    frontier = next.worlds;
+    frontierIds = next.ids;
+    if (next.worlds.length > 0) depth++;
   }
   return result(null);
-}
-
-/** Replays the path to state `id` (then event `lastEvent`, if any) into a readable trace. */
-function rebuild(
-  model: ModelWorld,
-  parent: Int32Array,
-  via: Int32Array,
-  id: number,
-  lastEvent: number | null,
-  violation: Violation,
-): Counterexample {
-  const path: number[] = [];
-  for (let at = id; at > 0; at = parent[at]!) path.push(via[at]!);
-  path.reverse();
-  if (lastEvent !== null) path.push(lastEvent);
-  let w = model.initial();
-  const initialPools = model.describePools(w);
-  const steps: TraceStep[] = [];
-  for (const index of path) {
-    const { events } = model.enabled(w);
-    const event: EnvEvent = events[index]!;
-    const label = model.describeEvent(w, event);
-    w = model.clone(w);
-    model.apply(w, event);
-    steps.push({ event: label, pools: model.describePools(w) });
-  }
-  return { violation, initialPools, steps };
 }

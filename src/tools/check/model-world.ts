@@ -26,8 +26,13 @@ import {
   initialDecodeState,
   leasedPage,
 } from "../../protocol/decode-machine.js";
-import type { Effect, KvPool } from "../../protocol/effects.js";
-import { stampLandedWrite, type TransportKind, writeLands } from "../../protocol/page-write.js";
+import type { CommitEffect, Effect, KvPool, ReadingAttempt } from "../../protocol/effects.js";
+import {
+  type LandingSite,
+  stampLandedWrite,
+  type TransportKind,
+  writeLands,
+} from "../../protocol/page-write.js";
 import {
   initialPrefillState,
   type PrefillConfig,
@@ -168,26 +173,10 @@ class ModelPool implements KvPool {
   readonly pageSize: number;
   readonly words: Uint32Array;
   content: number[] = [];
-  onRead:
-    | ((
-        rid: number,
-        epoch: number,
-        pages: readonly number[],
-        generations: readonly number[],
-        count: number,
-        fresh: number,
-      ) => void)
-    | null = null;
+  onRead: ((attempt: ReadingAttempt, count: number, fresh: number) => void) | null = null;
 
-  observeRead(
-    rid: number,
-    epoch: number,
-    pages: readonly number[],
-    generations: readonly number[],
-    count: number,
-    fresh: number,
-  ): void {
-    this.onRead?.(rid, epoch, pages, generations, count, fresh);
+  observeRead(attempt: ReadingAttempt, count: number, fresh: number): void {
+    this.onRead?.(attempt, count, fresh);
   }
 
   constructor(numPages: number, pageSize: number) {
@@ -231,8 +220,8 @@ export class ModelWorld {
       layoutSignature: `kvfence-check|f32|page=${config.pageSize}`,
     };
     for (const r of config.requests) this.#byRid.set(r.rid, r);
-    this.#decodePool.onRead = (rid, epoch, pages, generations, count, fresh) =>
-      this.#ghostRead(this.#current!, rid, epoch, pages, generations, count, fresh);
+    this.#decodePool.onRead = (attempt, count, fresh) =>
+      this.#ghostRead(this.#current!, { attempt, count, fresh });
     this.#effectiveContext = Math.min(
       config.maxModelLen,
       config.prefillPages * config.pageSize,
@@ -317,20 +306,31 @@ export class ModelWorld {
    */
   enabled(w: World): { events: EnvEvent[]; progress: number } {
     const events: EnvEvent[] = [];
+    this.#progressEvents(w, events);
+    const progress = events.length;
+    this.#environmentEvents(w, events);
+    return { events, progress };
+  }
+
+  /** The system's own progress: deliveries, landings, fences, decode steps, timer releases. */
+  #progressEvents(w: World, events: EnvEvent[]): void {
     this.#eachMessage(w, (c, j) => events.push({ k: "deliver", c, j }));
     for (let j = 0; j < w.writes.length; j++)
       if (j === 0 || w.writes[j] !== w.writes[j - 1]) events.push({ k: "land", j });
     for (let j = 0; j < w.fences.length; j++)
       if (j === 0 || w.fences[j] !== w.fences[j - 1]) events.push({ k: "fence", j });
+    const timers = !guardOn(this.config.safety, "quarantine");
     for (const key in w.decode.attempts) {
       const a = w.decode.attempts[key]!;
       if (a.phase === "decoding" && a.generated < a.maxTokens)
         events.push({ k: "step", rid: a.rid, epoch: a.epoch });
-      if (a.phase === "quarantined" && !guardOn(this.config.safety, "quarantine")) {
+      if (a.phase === "quarantined" && timers)
         events.push({ k: "quarantine_timeout", rid: a.rid, epoch: a.epoch });
-      }
     }
-    const progress = events.length;
+  }
+
+  /** What the environment may do: submit, abort, time out, crash a node, duplicate or lose a message. */
+  #environmentEvents(w: World, events: EnvEvent[]): void {
     const reqs = this.config.requests;
     for (let i = 0; i < reqs.length; i++) if ((w.submitted & (1 << i)) === 0) events.push({ k: "submit", i });
     for (const key in w.router.requests) {
@@ -348,7 +348,6 @@ export class ModelWorld {
     }
     if (w.duplicates > 0) this.#eachMessage(w, (c, j) => events.push({ k: "duplicate", c, j }));
     if (w.losses > 0) this.#eachMessage(w, (c, j) => events.push({ k: "lose", c, j }));
-    return { events, progress };
   }
 
   /**
@@ -534,7 +533,7 @@ export class ModelWorld {
   #land(w: World, write: InflightWrite): void {
     const h = write.header;
     const table = this.#decodePool.table;
-    if (writeLands(table, h, this.#target(w, h), this.config.transport, this.config.safety)) {
+    if (writeLands(table, h, this.#site(w, h))) {
       // The bytes copied are the source page's bytes now.
       const src = write.sourcePage * 4;
       const dst = h.page * 4;
@@ -547,8 +546,14 @@ export class ModelWorld {
     this.#prefill(w, { type: "write_done", rid: h.rid, epoch: h.epoch, index: h.index });
   }
 
-  #target(w: World, h: PageWriteHeader): { incarnation: number; leasedPage: number } {
-    return { incarnation: w.decode.incarnation, leasedPage: leasedPage(w.decode, h.rid, h.epoch, h.index) };
+  /** Where write `h` arrives in world `w`: decode's pool now, over the configured transport. */
+  #site(w: World, h: PageWriteHeader): LandingSite {
+    return {
+      incarnation: w.decode.incarnation,
+      leasedPage: leasedPage(w.decode, h.rid, h.epoch, h.index),
+      transport: this.config.transport,
+      safety: this.config.safety,
+    };
   }
 
   #crash(w: World, role: "prefill" | "decode"): void {
@@ -620,13 +625,13 @@ export class ModelWorld {
           break;
         }
         case "commit":
-          this.#ghostCommit(w, e.rid, e.epoch, e.promptLen, e.coverage, e.pages);
+          this.#ghostCommit(w, e);
           break;
         case "tokens":
-          this.#ghostAnswer(w, e.rid, e.epoch, 200, null);
+          this.#ghostAnswer(w, { rid: e.rid, epoch: e.epoch, status: 200, code: null });
           break;
         case "respond":
-          this.#ghostAnswer(w, e.rid, e.epoch, e.status, e.error?.code ?? null);
+          this.#ghostAnswer(w, { rid: e.rid, epoch: e.epoch, status: e.status, code: e.error?.code ?? null });
           break;
         case "stop":
           break;
@@ -636,14 +641,7 @@ export class ModelWorld {
 
   // --- invariants -----------------------------------------------------------------------------
 
-  #ghostCommit(
-    w: World,
-    rid: number,
-    epoch: number,
-    promptLen: number,
-    coverage: number,
-    pages: readonly { page: number }[],
-  ): void {
+  #ghostCommit(w: World, { rid, epoch, promptLen, coverage, pages }: CommitEffect): void {
     const leaseCount = Math.ceil(promptLen / this.config.pageSize);
     let good = coverage === promptLen;
     for (let i = 0; i < leaseCount && good; i++) {
@@ -656,13 +654,9 @@ export class ModelWorld {
 
   #ghostRead(
     w: World,
-    rid: number,
-    epoch: number,
-    pages: readonly number[],
-    generations: readonly number[],
-    count: number,
-    fresh: number,
+    { attempt, count, fresh }: { attempt: ReadingAttempt; count: number; fresh: number },
   ): void {
+    const { rid, epoch, pages, generations } = attempt;
     const table = this.#decodePool.table;
     if (fresh >= 0) {
       const at = pages[fresh]! * 4;
@@ -698,7 +692,10 @@ export class ModelWorld {
     }
   }
 
-  #ghostAnswer(w: World, rid: number, epoch: number, status: number, code: string | null): void {
+  #ghostAnswer(
+    w: World,
+    { rid, epoch, status, code }: { rid: number; epoch: number; status: number; code: string | null },
+  ): void {
     const r = this.#byRid.get(rid)!;
     const oversized = r.promptLen + r.maxTokens > this.#effectiveContext;
     if (status === 200 && !w.good.includes(attemptKey(rid, epoch))) {
@@ -725,7 +722,7 @@ export class ModelWorld {
     // that write's attempt (RESERVED, or QUARANTINED waiting for the drain).
     for (const s of w.writes) {
       const { header: h } = JSON.parse(s) as InflightWrite;
-      if (!writeLands(table, h, this.#target(w, h), this.config.transport, this.config.safety)) {
+      if (!writeLands(table, h, this.#site(w, h))) {
         continue;
       }
       const state = table.state(h.page);

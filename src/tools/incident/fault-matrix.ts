@@ -164,14 +164,17 @@ interface ChatResult {
   errorCode: string | null;
 }
 
-async function chat(url: string, key: string, content: string, maxTokens: number): Promise<ChatResult> {
+/** Every chat of the matrix: greedy, 8 tokens. */
+const MAX_TOKENS = 8;
+
+async function chat(url: string, key: string, content: string): Promise<ChatResult> {
   const res = await fetch(`${url}/v1/chat/completions`, {
     method: "POST",
     headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
     body: JSON.stringify({
       model: "kvfence-tiny",
       messages: [{ role: "user", content }],
-      max_tokens: maxTokens,
+      max_tokens: MAX_TOKENS,
       temperature: 0,
     }),
   });
@@ -201,12 +204,8 @@ async function guardCounterSum(metrics: () => Promise<Map<string, number>>): Pro
  * quarantine guard the pages stay quarantined (no ack, writer alive); without it a timer releases
  * them — while the writer never acknowledged that its writes drained.
  */
-async function abortedCell(
-  scenario: MatrixScenario,
-  guardOn: GuardName | null,
-  disabledGuards: readonly GuardName[],
-  server: Awaited<ReturnType<typeof startIncidentServer>>,
-): Promise<CellOutcome> {
+async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutcome> {
+  const { scenario, guardOn, disabledGuards } = cell;
   const controller = new AbortController();
   const content = `${recordText(A_ACCOUNTS[0]!, A_CODES[0]!)} `.repeat(21);
   const sent = fetch(`${server.url}/v1/chat/completions`, {
@@ -289,69 +288,96 @@ export async function runCell(
     ...(scenario.victim === "aborted" ? { kernels: "ts" as const } : {}),
   });
   try {
-    if (scenario.victim === "aborted") return await abortedCell(scenario, guardOn, disabledGuards, server);
-    // A plants first (each fits every pool); their pages are freed, not zeroed.
-    // Over the pool: A's plants nearly fill the prefill pool and B's prompt just overflows it, so
-    // B's lease is, page for page, the pages A's last plant just freed (RoPE keys keep A's positions).
-    const overPool = scenario.victim === "over-pool";
-    const plantChars = overPool ? 225 : 200;
-    let plantTokens: number | null = null;
-    for (let i = 0; i < 3; i++) {
-      // Under a fault with its guard on, A's own requests may be caught too; their KV still landed.
-      const r = await chat(server.url, server.keyA, plantPrompt(i, plantChars), 8);
-      if (r.status === 200) plantTokens = r.promptTokens;
-    }
-    const before = await guardCounterSum(() => server.metrics());
-    const chars = overPool ? 240 : 200;
-    const b = await chat(server.url, server.keyB, victimPrompt(chars), 8);
-    const after = await guardCounterSum(() => server.metrics());
-    const leakedCode = A_CODES.some((code) => b.content.includes(code));
-    const baseline = options.baseline ?? null;
-    const differs = baseline === null || b.status !== 200 ? null : b.content !== baseline;
-    const delta = after - before;
-    // The same template around ~`chars` characters: B sent at least A's count plus the difference.
-    const sentAtLeast = plantTokens === null ? null : plantTokens + (chars - plantChars) - 16;
-    const undercounted = b.promptTokens !== null && sentAtLeast !== null && b.promptTokens < sentAtLeast;
-    const expect = guardOn === null ? "bug shows" : "caught";
-    let symptom: string;
-    let ok: boolean;
-    if (expect === "bug shows") {
-      const signs: string[] = [];
-      if (b.status === 200) {
-        if (scenario.victim === "over-pool") signs.push("HTTP 200 to a prompt over the prefill pool");
-        else signs.push(`HTTP 200 over a ${scenario.fault} transfer, no guard counted it`);
-        if (undercounted) signs.push(`usage.prompt_tokens ${b.promptTokens}`);
-        if (differs === true) signs.push("answer differs from its isolated baseline");
-        if (leakedCode) signs.push("tenant A's code in tenant B's answer");
-      } else if (scenario.fault === "undersized-pool" && b.errorCode !== "context_length_exceeded") {
-        signs.push(`HTTP ${b.status} ${b.errorCode} instead of 400 context_length_exceeded (invariant 4)`);
-      }
-      ok = signs.length > 0 && delta === 0;
-      symptom = signs.length > 0 ? signs.join("; ") : `no symptom: HTTP ${b.status} ${b.errorCode ?? ""}`;
-    } else {
-      ok = b.status >= 400 && delta > 0 && !leakedCode;
-      symptom = `HTTP ${b.status} ${b.errorCode ?? ""}, guard counters +${delta}`;
-    }
-    return {
-      fault: scenario.fault,
-      faults: scenario.faults,
-      topology: scenario.topology,
-      guardOn,
-      disabledGuards,
-      expect,
-      status: b.status,
-      errorCode: b.errorCode,
-      promptTokensReported: b.promptTokens,
-      leakedCode,
-      answer: b.status === 200 ? b.content.slice(0, 40) : "",
-      guardCounterDelta: delta,
-      differsFromBaseline: differs,
-      symptom,
-      ok,
-    };
+    const cell = { scenario, guardOn, disabledGuards };
+    if (scenario.victim === "aborted") return await abortedCell(cell, server);
+    return await victimCell(cell, server, options.baseline ?? null);
   } finally {
     await server.close();
   }
+}
+
+type IncidentServer = Awaited<ReturnType<typeof startIncidentServer>>;
+
+/** One cell of the matrix: its row's scenario and the guard on alone (null: none), the others off. */
+interface Cell {
+  readonly scenario: MatrixScenario;
+  readonly guardOn: GuardName | null;
+  readonly disabledGuards: readonly GuardName[];
+}
+
+/**
+ * The ordinary victim: A plants first (each fits every pool; their pages are freed, not zeroed),
+ * then B sends its prompt. Over the pool: A's plants nearly fill the prefill pool and B's prompt
+ * just overflows it, so B's lease is, page for page, the pages A's last plant just freed (RoPE keys
+ * keep A's positions).
+ */
+async function victimCell(cell: Cell, server: IncidentServer, baseline: string | null): Promise<CellOutcome> {
+  const { scenario, guardOn } = cell;
+  const overPool = scenario.victim === "over-pool";
+  const plantChars = overPool ? 225 : 200;
+  let plantTokens: number | null = null;
+  for (let i = 0; i < 3; i++) {
+    // Under a fault with its guard on, A's own requests may be caught too; their KV still landed.
+    const r = await chat(server.url, server.keyA, plantPrompt(i, plantChars));
+    if (r.status === 200) plantTokens = r.promptTokens;
+  }
+  const before = await guardCounterSum(() => server.metrics());
+  const chars = overPool ? 240 : 200;
+  const b = await chat(server.url, server.keyB, victimPrompt(chars));
+  const after = await guardCounterSum(() => server.metrics());
+  const leakedCode = A_CODES.some((code) => b.content.includes(code));
+  const differs = baseline === null || b.status !== 200 ? null : b.content !== baseline;
+  const delta = after - before;
+  // The same template around ~`chars` characters: B sent at least A's count plus the difference.
+  const sentAtLeast = plantTokens === null ? null : plantTokens + (chars - plantChars) - 16;
+  const undercounted = b.promptTokens !== null && sentAtLeast !== null && b.promptTokens < sentAtLeast;
+  const expect = guardOn === null ? "bug shows" : "caught";
+  const { ok, symptom } =
+    expect === "bug shows"
+      ? bugShows(scenario, b, { undercounted, differs, leakedCode, delta })
+      : {
+          ok: b.status >= 400 && delta > 0 && !leakedCode,
+          symptom: `HTTP ${b.status} ${b.errorCode ?? ""}, guard counters +${delta}`,
+        };
+  return {
+    fault: scenario.fault,
+    faults: scenario.faults,
+    topology: scenario.topology,
+    guardOn,
+    disabledGuards: cell.disabledGuards,
+    expect,
+    status: b.status,
+    errorCode: b.errorCode,
+    promptTokensReported: b.promptTokens,
+    leakedCode,
+    answer: b.status === 200 ? b.content.slice(0, 40) : "",
+    guardCounterDelta: delta,
+    differsFromBaseline: differs,
+    symptom,
+    ok,
+  };
+}
+
+/** With every guard of the row off, the bug must show (and no guard counter move). */
+function bugShows(
+  scenario: MatrixScenario,
+  b: ChatResult,
+  seen: { undercounted: boolean; differs: boolean | null; leakedCode: boolean; delta: number },
+): { ok: boolean; symptom: string } {
+  const signs: string[] = [];
+  if (b.status === 200) {
+    if (scenario.victim === "over-pool") signs.push("HTTP 200 to a prompt over the prefill pool");
+    else signs.push(`HTTP 200 over a ${scenario.fault} transfer, no guard counted it`);
+    if (seen.undercounted) signs.push(`usage.prompt_tokens ${b.promptTokens}`);
+    if (seen.differs === true) signs.push("answer differs from its isolated baseline");
+    if (seen.leakedCode) signs.push("tenant A's code in tenant B's answer");
+  } else if (scenario.fault === "undersized-pool" && b.errorCode !== "context_length_exceeded") {
+    signs.push(`HTTP ${b.status} ${b.errorCode} instead of 400 context_length_exceeded (invariant 4)`);
+  }
+  return {
+    ok: signs.length > 0 && seen.delta === 0,
+    symptom: signs.length > 0 ? signs.join("; ") : `no symptom: HTTP ${b.status} ${b.errorCode ?? ""}`,
+  };
 }
 
 /** B's ordinary prompt's greedy answer on a safe server of the same shape (after A's plants). */
@@ -363,7 +389,7 @@ export async function isolatedBaseline(options: { readonly model?: string } = {}
     undersizedPrefill: false,
   });
   try {
-    const b = await chat(server.url, server.keyB, victimPrompt(200), 8);
+    const b = await chat(server.url, server.keyB, victimPrompt(200));
     if (b.status !== 200) throw new Error(`The baseline request got HTTP ${b.status}: ${b.errorCode}`);
     return b.content;
   } finally {

@@ -15,6 +15,7 @@
  * incident's symptoms: a 200 to an over-limit prompt, an answer that is not B's own, and — when the
  * model copies from the stale KV — one of A's codes in B's answer.
  */
+import { randomBytes } from "node:crypto";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -69,6 +70,8 @@ export interface IncidentServer {
   readonly url: string;
   readonly keyA: string;
   readonly keyB: string;
+  /** The server's operator key (/metrics, /kvfence/nodes), fresh for each server. */
+  readonly operatorKey: string;
   /** The server's /metrics, parsed (`name{labels}` → value). */
   metrics(): Promise<Map<string, number>>;
   close(): Promise<void>;
@@ -80,9 +83,10 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
   const keys = join(dir, "keys.json");
   writeFileSync(keys, JSON.stringify({ [KEY_A]: "tenant-a", [KEY_B]: "tenant-b" }));
   const unsafe = options.faults.length > 0 || options.disabledGuards.length > 0;
+  const operatorKey = randomBytes(24).toString("hex");
   if (options.topology === "tcp") {
     try {
-      return await startIncidentCluster(options, keys, dir);
+      return await startIncidentCluster(options, keys, dir, operatorKey);
     } catch (err) {
       rmSync(dir, { recursive: true, force: true });
       throw err;
@@ -108,12 +112,13 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
       disaggregation: true,
       logLevel: "silent",
       apiKeys: keys,
+      operatorKey,
       unsafeFault: [...options.faults],
       unsafeDisableGuard: [...options.disabledGuards],
       iUnderstandThisLeaksData: unsafe,
     });
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });
-    return incidentServer(server.url, dir, () => server.close());
+    return incidentServer(server.url, dir, operatorKey, () => server.close());
   } catch (err) {
     rmSync(dir, { recursive: true, force: true });
     throw err;
@@ -124,6 +129,7 @@ async function startIncidentCluster(
   options: IncidentServerOptions,
   keys: string,
   dir: string,
+  operatorKey: string,
 ): Promise<IncidentServer> {
   const nodeArgs = [
     "--page-size",
@@ -147,19 +153,25 @@ async function startIncidentCluster(
     ...(options.defaults === true || options.undersizedPrefill === false
       ? {}
       : { prefillArgs: ["--prefill-kv-pages", String(INCIDENT_SHAPE.prefillKvPages)] }),
-    routerArgs: ["--api-keys", keys],
+    routerArgs: ["--api-keys", keys, "--operator-key", operatorKey],
   });
-  return incidentServer(cluster.url, dir, () => cluster.close());
+  return incidentServer(cluster.url, dir, operatorKey, () => cluster.close());
 }
 
 /** The handle of a started server at `url`; `close` stops it, then `dir` is removed. */
-function incidentServer(url: string, dir: string, stop: () => Promise<void>): IncidentServer {
+function incidentServer(
+  url: string,
+  dir: string,
+  operatorKey: string,
+  stop: () => Promise<void>,
+): IncidentServer {
   return {
     url,
     keyA: KEY_A,
     keyB: KEY_B,
+    operatorKey,
     async metrics() {
-      const res = await fetch(`${url}/metrics`);
+      const res = await fetch(`${url}/metrics`, { headers: { authorization: `Bearer ${operatorKey}` } });
       return parsePrometheusText(await res.text());
     },
     async close() {
@@ -198,18 +210,13 @@ export const GUARD_COUNTERS = [
 ] as const;
 
 /** Starts a server with the switches, runs the canary probe against it, and stops it. */
-export async function runIncident(options: {
-  readonly model?: string;
-  readonly faults: readonly string[];
-  readonly disabledGuards: readonly string[];
-  readonly undersizedPrefill?: boolean;
-  readonly defaults?: boolean;
-  readonly topology?: "threads" | "tcp";
-  readonly linkTlsArgs?: readonly string[];
-  readonly seed?: number;
-  readonly requests?: number;
-  readonly onProgress?: (line: string) => void;
-}): Promise<IncidentRun> {
+export async function runIncident(
+  options: Omit<IncidentServerOptions, "kernels"> & {
+    readonly seed?: number;
+    readonly requests?: number;
+    readonly onProgress?: (line: string) => void;
+  },
+): Promise<IncidentRun> {
   const started = Date.now();
   const server = await startIncidentServer(options);
   try {
@@ -217,6 +224,7 @@ export async function runIncident(options: {
       baseUrl: server.url,
       apiKeyA: server.keyA,
       apiKeyB: server.keyB,
+      operatorKey: server.operatorKey,
       seed: options.seed ?? 4821,
       requests: options.requests ?? 12,
       // One request at a time: the plants (each most of the prefill pool) must not crowd each other out.

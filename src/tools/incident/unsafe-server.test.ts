@@ -1,6 +1,5 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { parsePrometheusText } from "../../lib/metrics.js";
 import { startIncidentServer } from "./incident.js";
 
 test("RouterServer shows the unsafe switches in /health and /metrics", { timeout: 60_000 }, async (t) => {
@@ -15,7 +14,7 @@ test("RouterServer shows the unsafe switches in /health and /metrics", { timeout
     faults: ["corrupt-transfer"],
     disabled_guards: ["checksum", "page-tags"],
   });
-  const metrics = parsePrometheusText(await (await fetch(`${server.url}/metrics`)).text());
+  const metrics = await server.metrics();
   assert.equal(metrics.get('kvfence_unsafe_fault{name="corrupt-transfer"}'), 1);
   assert.equal(metrics.get('kvfence_guard_disabled{name="checksum"}'), 1);
   assert.equal(metrics.get('kvfence_guard_disabled{name="page-tags"}'), 1);
@@ -26,6 +25,8 @@ test("RouterServer shows no unsafe switches on a safe server", { timeout: 60_000
   t.after(() => server.close());
   const health = (await (await fetch(`${server.url}/health`)).json()) as Record<string, unknown>;
   assert.deepEqual(health, { status: "ok" });
-  const text = await (await fetch(`${server.url}/metrics`)).text();
+  const text = await (
+    await fetch(`${server.url}/metrics`, { headers: { authorization: `Bearer ${server.operatorKey}` } })
+  ).text();
   assert.doesNotMatch(text, /kvfence_unsafe_fault|kvfence_guard_disabled/);
 });

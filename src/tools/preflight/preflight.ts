@@ -39,6 +39,8 @@ export interface PreflightOptions {
   readonly vllmUrls?: readonly string[];
   readonly offline?: OfflineInputs;
   readonly apiKey?: string;
+  /** The bearer token for a kvfence router's /kvfence/nodes (its operator key); default `apiKey`. */
+  readonly operatorKey?: string;
   readonly timeoutMs?: number;
 }
 
@@ -74,7 +76,9 @@ export async function runPreflight(options: PreflightOptions): Promise<Preflight
     [];
   if (options.kvfenceUrl !== undefined) {
     const url = options.kvfenceUrl;
-    jobs.push({ name: url, source: "kvfence", run: () => readKvfenceNodes(url, http) });
+    const key = options.operatorKey ?? options.apiKey;
+    const operator = { timeoutMs: http.timeoutMs, ...(key === undefined ? {} : { apiKey: key }) };
+    jobs.push({ name: url, source: "kvfence", run: () => readKvfenceNodes(url, operator) });
   }
   for (const url of options.sglangUrls ?? []) {
     jobs.push({ name: url, source: "sglang", run: async () => [await readSglangServer(url, http)] });

@@ -183,6 +183,7 @@ export class CanaryIndex {
   readonly #byFragment = new Map<string, CanaryRecord>();
   readonly #fragmentLength: number;
   readonly #lengths = new Set<number>();
+  readonly #codeLengths = new Set<number>();
 
   constructor(fragmentLength = 6) {
     this.#fragmentLength = fragmentLength;
@@ -199,17 +200,26 @@ export class CanaryIndex {
 
   add(record: CanaryRecord): void {
     this.#byCode.set(record.code, record);
+    this.#codeLengths.add(record.code.length);
     const n = normalize(record.code);
     const k = Math.min(this.#fragmentLength, n.length);
     this.#lengths.add(k);
     for (let i = 0; i + k <= n.length; i++) this.#byFragment.set(n.slice(i, i + k), record);
   }
 
-  /** Every planted record whose code appears in `text`. */
+  /**
+   * Every planted record whose code appears in `text`. Linear in the text, whatever the number of
+   * planted codes (each window of a code's length is looked up), so a benchmark can scan thousands
+   * of responses against thousands of codes.
+   */
   scan(text: string): CanaryHit[] {
     const hits = new Map<string, CanaryHit>();
-    for (const [code, r] of this.#byCode) {
-      if (text.includes(code)) hits.set(code, { code, account: r.account, match: "exact" });
+    for (const k of this.#codeLengths) {
+      for (let i = 0; i + k <= text.length; i++) {
+        const r = this.#byCode.get(text.slice(i, i + k));
+        if (r !== undefined && !hits.has(r.code))
+          hits.set(r.code, { code: r.code, account: r.account, match: "exact" });
+      }
     }
     const n = normalize(text);
     for (const k of this.#lengths) {

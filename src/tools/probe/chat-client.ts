@@ -181,7 +181,8 @@ function promptTokensOf(json: unknown): number | null {
   return typeof n === "number" ? n : null;
 }
 
-function errorMessage(json: unknown): string | null {
+/** The message of an error body or event (OpenAI's `{"error":{"message"}}`, a bare string, vLLM's older shape). */
+export function errorMessage(json: unknown): string | null {
   const e = field(json, "error");
   if (typeof e === "string") return e;
   const m = field(e, "message");

@@ -1,0 +1,144 @@
+/**
+ * What a prefill node and a decode node share, written once: the parts both build from the same
+ * options (the engine and its step loop, the protocol's view of the pool with its checksum cache,
+ * the machines' config, the guards, the router link), the `pages_freed` report after a machine
+ * step, and the statistics both report (the engine's pages, queue and counters; the attempts and
+ * stale messages of every peer's machine; transfer totals of the open channels and of the closed
+ * ones, kept so that totals never go down; the GB/s observations drained by each poll).
+ */
+import type { FromNode, NodeStats, SamplingParams } from "../cluster/node-messages.js";
+import type { Engine } from "../engine/engine.js";
+import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { KvPool } from "../protocol/effects.js";
+import type { Safety } from "../protocol/safety.js";
+import type { PageChecksums } from "../transfer/page-checksum.js";
+import type { TransferMetrics } from "../transfer/transfer-metrics.js";
+import { pageChecksumsOf, protocolPool } from "./node-pool.js";
+import { StepLoop } from "./step-loop.js";
+
+export interface NodeOptions {
+  readonly engine: Engine;
+  readonly layoutSignature: string;
+  readonly safety: Safety;
+  /** This node's incarnation (a fresh value per start): stamped on leases, named in handshakes. */
+  readonly incarnation: number;
+  /**
+   * Sends `message` to the router at once (post, encode). It must not keep `message`: a decode
+   * node reuses the one carrying each token.
+   */
+  readonly toRouter: (message: FromNode) => void;
+}
+
+/** The sampling of a request the router sent none for. */
+export const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
+
+/** Transfer counters summed over channels. */
+export interface TransferTotals {
+  bytes: number;
+  pages: number;
+  transfers: number;
+  droppedStaleWrites: number;
+  droppedMisaddressedWrites: number;
+}
+
+/** What a peer's machine state tells the statistics. */
+interface PeerState {
+  readonly attempts: object;
+  readonly stale: number;
+}
+
+export class NodeCore {
+  readonly incarnation: number;
+  readonly engine: Engine;
+  readonly checksums: PageChecksums;
+  readonly pool: KvPool;
+  readonly config: { readonly maxModelLen: number; readonly layoutSignature: string };
+  readonly safety: Safety;
+  readonly toRouter: (message: FromNode) => void;
+  readonly loop: StepLoop;
+  /** Transfer counters of channels that closed (kept so totals never go down). */
+  readonly closedTotals: TransferTotals = emptyTotals();
+  readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
+  #gbps: number[] = [];
+
+  /** `afterStep` runs after every engine step of the step loop. */
+  constructor(options: NodeOptions, afterStep?: () => void) {
+    this.incarnation = options.incarnation;
+    this.engine = options.engine;
+    this.checksums = pageChecksumsOf(options.engine.pool);
+    this.pool = protocolPool(options.engine.pool, this.checksums);
+    this.config = {
+      maxModelLen: options.engine.capacity.maxModelLen,
+      layoutSignature: options.layoutSignature,
+    };
+    this.safety = options.safety;
+    this.toRouter = options.toRouter;
+    this.loop = new StepLoop(options.engine, afterStep);
+  }
+
+  /** FREE pages of the pool now (counts into a reused object: nothing allocates). */
+  freePages(): number {
+    return this.pool.table.countsInto(this.#counts).free;
+  }
+
+  /**
+   * A machine step took FREE pages from `before` to `after`: if it freed any, requests the router
+   * holds back because this pool was full may try again.
+   */
+  reportFreed(before: number, after: number): void {
+    if (after > before) this.toRouter({ kind: "pages_freed", free: after });
+  }
+
+  /** A transfer completed at `gbps` (for the GB/s histogram). */
+  recordGbps(gbps: number): void {
+    if (gbps > 0) this.#gbps.push(gbps);
+  }
+
+  /**
+   * The statistics of both roles over `peers` (their machines' states, their open channels'
+   * transfer metrics); the role adds its own transfer failures and ABORT_ACK latencies.
+   */
+  stats<Peer extends { readonly state: PeerState }>(
+    role: NodeStats["role"],
+    peers: Iterable<Peer>,
+    metricsOf: (peer: Peer) => TransferMetrics | undefined,
+  ): NodeStats & { transfer: TransferTotals } {
+    const engine = this.engine.stats();
+    let attempts = 0;
+    let stale = 0;
+    const transfer = { ...this.closedTotals };
+    for (const peer of peers) {
+      attempts += Object.keys(peer.state.attempts).length;
+      stale += peer.state.stale;
+      const m = metricsOf(peer);
+      if (m !== undefined) addTransfer(transfer, m);
+    }
+    const gbps = this.#gbps;
+    this.#gbps = [];
+    return {
+      role,
+      pages: engine.pages,
+      queue: engine.queue,
+      counters: engine.counters,
+      attempts,
+      staleMessages: stale,
+      transfer: { ...transfer, checksumFailures: 0, coverageFailures: 0 },
+      checksums: this.checksums.counts(),
+      transferGbps: gbps,
+      abortAckSeconds: [],
+    };
+  }
+}
+
+function emptyTotals(): TransferTotals {
+  return { bytes: 0, pages: 0, transfers: 0, droppedStaleWrites: 0, droppedMisaddressedWrites: 0 };
+}
+
+/** Adds one channel's counters to `totals`. */
+export function addTransfer(totals: TransferTotals, m: TransferMetrics): void {
+  totals.bytes += m.bytesTransferred;
+  totals.pages += m.pagesTransferred;
+  totals.transfers += m.transfers;
+  totals.droppedStaleWrites += m.droppedStaleWrites;
+  totals.droppedMisaddressedWrites += m.droppedMisaddressedWrites;
+}

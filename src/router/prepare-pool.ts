@@ -1,0 +1,224 @@
+/**
+ * The router's preparation workers: a small pool of worker threads (`--tokenizer-threads`, default
+ * 2) that parse, validate, render the chat template and tokenize each generation request's body
+ * (prepare-worker.ts running prepare-request.ts), so the router's event loop only reads bytes and
+ * never waits on a request's content (docs/design.md §2).
+ *
+ * Two lanes keep small requests from queueing behind big ones: a body over `LARGE_BODY_BYTES` is
+ * prepared only by the workers after the first, so with two or more workers the first is always
+ * free for small bodies within the time of one small body. (With one worker, both lanes share it.)
+ * Each worker prepares one body at a time. A worker that dies fails its body with `internal` and is
+ * replaced; nothing else is lost.
+ */
+import { Worker } from "node:worker_threads";
+import { KvfenceError, type WireError } from "../lib/errors.js";
+import type { SamplingRequest } from "./openai-schemas.js";
+import {
+  type GenerateEndpointName,
+  type PrepareContext,
+  type PreparedRequest,
+  prepareRequest,
+} from "./prepare-request.js";
+import type { RequestLimits } from "./request-limits.js";
+
+/** Turns a generation body into a request ready for admission, off the caller's event loop or not. */
+export interface RequestPreparer {
+  prepare(endpoint: GenerateEndpointName, body: Uint8Array): Promise<PreparedRequest>;
+  close(): Promise<void>;
+}
+
+/** Bodies over this go to the large lane. */
+export const LARGE_BODY_BYTES = 16 * 1024;
+
+/** The nice value of the large lane's workers (Linux; lib/thread-priority.ts). */
+export const LARGE_LANE_NICE = 10;
+
+interface PoolData {
+  readonly modelDir: string;
+  readonly modelId: string;
+  readonly limits: RequestLimits;
+}
+
+export interface PrepareWorkerData extends PoolData {
+  /** "large": a worker of the large lane, which runs at a lower CPU priority. */
+  readonly lane: "small" | "large";
+}
+
+export interface ToPrepareWorker {
+  readonly id: number;
+  readonly endpoint: GenerateEndpointName;
+  readonly body: Uint8Array;
+}
+
+export type FromPrepareWorker =
+  | { readonly ready: true }
+  | {
+      readonly id: number;
+      readonly ok: true;
+      readonly parsed: SamplingRequest;
+      readonly promptTokens: Int32Array;
+    }
+  /** `error` null: not a KvfenceError (a bug); `detail` is for the log only. */
+  | { readonly id: number; readonly ok: false; readonly error: WireError | null; readonly detail?: string };
+
+const WORKER_URL = new URL("./prepare-worker.js", import.meta.url);
+
+interface Job {
+  readonly id: number;
+  readonly endpoint: GenerateEndpointName;
+  readonly body: Uint8Array;
+  readonly large: boolean;
+  resolve(prepared: PreparedRequest): void;
+  reject(error: unknown): void;
+}
+
+interface Slot {
+  worker: Worker;
+  job: Job | null;
+}
+
+/** Prepares in the caller's thread: for routers over a tokenizer that cannot move to a worker (tests). */
+export function inThreadPreparer(context: PrepareContext): RequestPreparer {
+  return {
+    prepare: async (endpoint, body) => prepareRequest(endpoint, body, context),
+    close: async () => {},
+  };
+}
+
+export interface PreparePoolOptions extends PoolData {
+  /** Worker threads (1 or more). */
+  readonly threads: number;
+  /** Told about a worker that failed (its body got `internal`). */
+  readonly onWorkerError?: (detail: string) => void;
+}
+
+export class PreparePool implements RequestPreparer {
+  readonly #data: PoolData;
+  readonly #onWorkerError: (detail: string) => void;
+  readonly #slots: Slot[] = [];
+  readonly #small: Job[] = [];
+  readonly #large: Job[] = [];
+  readonly #size: number;
+  #nextId = 1;
+  #closed = false;
+
+  private constructor(options: PreparePoolOptions) {
+    this.#data = { modelDir: options.modelDir, modelId: options.modelId, limits: options.limits };
+    this.#onWorkerError = options.onWorkerError ?? (() => {});
+    this.#size = Math.max(1, options.threads);
+  }
+
+  /** Starts `threads` workers and resolves once each has loaded the tokenizer. */
+  static async start(options: PreparePoolOptions): Promise<PreparePool> {
+    const pool = new PreparePool(options);
+    try {
+      await Promise.all(Array.from({ length: pool.#size }, (_, i) => pool.#spawn(i)));
+    } catch (err) {
+      await pool.close();
+      throw err;
+    }
+    return pool;
+  }
+
+  /** Bodies waiting for a worker (both lanes). */
+  get queued(): number {
+    return this.#small.length + this.#large.length;
+  }
+
+  prepare(endpoint: GenerateEndpointName, body: Uint8Array): Promise<PreparedRequest> {
+    if (this.#closed)
+      return Promise.reject(new KvfenceError("node_unavailable", "The server is shutting down"));
+    return new Promise((resolve, reject) => {
+      const job: Job = {
+        id: this.#nextId++,
+        endpoint,
+        body,
+        large: body.byteLength > LARGE_BODY_BYTES,
+        resolve,
+        reject,
+      };
+      (job.large ? this.#large : this.#small).push(job);
+      this.#dispatch();
+    });
+  }
+
+  async close(): Promise<void> {
+    this.#closed = true;
+    const gone = new KvfenceError("node_unavailable", "The server is shutting down");
+    for (const job of [...this.#small.splice(0), ...this.#large.splice(0)]) job.reject(gone);
+    const slots = this.#slots.splice(0);
+    for (const slot of slots) slot.job?.reject(gone);
+    await Promise.all(slots.map((slot) => slot.worker.terminate()));
+  }
+
+  #spawn(index: number): Promise<void> {
+    // With two or more workers the first serves small bodies only; the others are the large lane.
+    const lane = index === 0 || this.#size === 1 ? "small" : "large";
+    const workerData: PrepareWorkerData = { ...this.#data, lane };
+    const worker = new Worker(WORKER_URL, { workerData });
+    const slot: Slot = { worker, job: null };
+    this.#slots[index] = slot;
+    return new Promise((resolve, reject) => {
+      let ready = false;
+      worker.on("message", (message: FromPrepareWorker) => {
+        if ("ready" in message) {
+          ready = true;
+          resolve();
+          this.#dispatch();
+          return;
+        }
+        this.#finish(slot, message);
+      });
+      worker.on("error", (err) => {
+        if (!ready) reject(err);
+        else this.#lost(slot, index, String(err.stack ?? err));
+      });
+      worker.on("exit", (code) => {
+        if (!ready) reject(new Error(`the preparation worker exited with code ${code} before it was ready`));
+        else this.#lost(slot, index, `the preparation worker exited with code ${code}`);
+      });
+    });
+  }
+
+  /** A worker died: fail its body, replace it. */
+  #lost(slot: Slot, index: number, detail: string): void {
+    if (this.#slots[index] !== slot || this.#closed) return;
+    this.#onWorkerError(detail);
+    const job = slot.job;
+    slot.job = null;
+    job?.reject(new KvfenceError("internal", "Internal server error"));
+    void this.#spawn(index).catch((err: unknown) => this.#onWorkerError(String(err)));
+  }
+
+  #finish(slot: Slot, message: Exclude<FromPrepareWorker, { ready: true }>): void {
+    const job = slot.job;
+    slot.job = null;
+    if (job !== null && job.id === message.id) {
+      if (message.ok) job.resolve({ parsed: message.parsed, promptTokens: message.promptTokens });
+      else if (message.error !== null) job.reject(KvfenceError.fromWire(message.error));
+      else {
+        this.#onWorkerError(message.detail ?? "unknown");
+        job.reject(new KvfenceError("internal", "Internal server error"));
+      }
+    }
+    this.#dispatch();
+  }
+
+  /** Gives each idle worker the next body of a lane it serves. */
+  #dispatch(): void {
+    const shared = this.#size === 1;
+    for (let i = 0; i < this.#slots.length; i++) {
+      const slot = this.#slots[i];
+      if (slot === undefined || slot.job !== null) continue;
+      // The first worker takes small bodies only (unless it is alone); the others large ones first.
+      const job = i === 0 && !shared ? this.#small.shift() : (this.#large.shift() ?? this.#small.shift());
+      if (job === undefined) continue;
+      slot.job = job;
+      const { body } = job;
+      const owned = body.byteOffset === 0 && body.byteLength === body.buffer.byteLength;
+      const sent = owned ? body : new Uint8Array(body);
+      const message: ToPrepareWorker = { id: job.id, endpoint: job.endpoint, body: sent };
+      slot.worker.postMessage(message, [sent.buffer as ArrayBuffer]);
+    }
+  }
+}

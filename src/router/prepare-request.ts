@@ -1,0 +1,121 @@
+/**
+ * A generation request's body → its validated sampling fields and its prompt tokens, in one pure
+ * function (`prepareRequest`) that runs in the router's preparation workers (prepare-pool.ts), so
+ * that parsing, the chat template and tokenization never hold the router's event loop.
+ *
+ * The order is the cheapest check first, each before the work it bounds (request-limits.ts): the
+ * nesting depth on the raw bytes, strict UTF-8, `JSON.parse`, the number of messages, validation
+ * (openai-schemas.ts), the model, the prompt's bytes, then the chat template and the tokenizer.
+ * Every refusal is a KvfenceError; the context-length check stays with admission at the router.
+ *
+ * `PROMPT_KINDS` holds what differs between the two endpoints (how a body becomes a prompt), so
+ * nothing here or in the router branches on the endpoint.
+ */
+import { KvfenceError } from "../lib/errors.js";
+import {
+  type ChatMessage,
+  parseChatRequest,
+  parseCompletionRequest,
+  type SamplingRequest,
+} from "./openai-schemas.js";
+import { parseJsonBody } from "./read-body.js";
+import { checkJsonDepth, checkMessageCount, checkPromptBytes, type RequestLimits } from "./request-limits.js";
+
+/** The tokenizer work a prompt needs: no model weights, ever. */
+export interface PromptTokenizer {
+  /** Prompt ids of a chat (template rendered with the generation prompt); throws `invalid_request`. */
+  encodeChat(messages: readonly ChatMessage[]): Int32Array;
+  /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS). */
+  encodePrompt(text: string): Int32Array;
+}
+
+export type GenerateEndpointName = "chat" | "completions";
+
+/** A generation request ready for admission. */
+export interface PreparedRequest {
+  readonly parsed: SamplingRequest;
+  readonly promptTokens: Int32Array;
+}
+
+/** What the preparation of a body needs besides the body. */
+export interface PrepareContext {
+  /** The served model's name: any other `model` is refused before tokenization. */
+  readonly modelId: string;
+  readonly tokenizer: PromptTokenizer;
+  readonly limits: RequestLimits;
+}
+
+interface PromptKind {
+  /** The request field a prompt error names. */
+  readonly param: "messages" | "prompt";
+  /** The error message for a prompt of no tokens. */
+  readonly emptyPrompt: string;
+  /** Checks on the parsed JSON before it is validated. */
+  precheck(body: unknown, limits: RequestLimits): void;
+  /** Validates a parsed body; `promptBytes` and `encode` measure and tokenize its prompt. */
+  parse(body: unknown): {
+    readonly parsed: SamplingRequest;
+    promptBytes(): number;
+    encode(tokenizer: PromptTokenizer): Int32Array;
+  };
+}
+
+export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = {
+  chat: {
+    param: "messages",
+    emptyPrompt: "The chat template rendered the messages as no tokens: send a message with content",
+    precheck: (body, limits) => checkMessageCount(body, limits.maxMessages),
+    parse(body) {
+      const parsed = parseChatRequest(body);
+      return {
+        parsed,
+        promptBytes: () => parsed.messages.reduce((sum, m) => sum + Buffer.byteLength(m.content), 0),
+        encode: (tokenizer) => tokenizer.encodeChat(parsed.messages),
+      };
+    },
+  },
+  completions: {
+    param: "prompt",
+    emptyPrompt: "The prompt is empty: send at least one character",
+    precheck: () => {},
+    parse(body) {
+      const parsed = parseCompletionRequest(body);
+      return {
+        parsed,
+        promptBytes: () => Buffer.byteLength(parsed.prompt),
+        encode: (tokenizer) => tokenizer.encodePrompt(parsed.prompt),
+      };
+    },
+  },
+};
+
+/** Refuses a `model` other than the served one. */
+export function checkModel(model: string, served: string): void {
+  if (model !== served) {
+    throw new KvfenceError(
+      "model_not_found",
+      `The model does not exist: ${model.length > 64 ? `${model.slice(0, 64)}…` : model}; this server serves: ${served}`,
+      { param: "model" },
+    );
+  }
+}
+
+/** A generation endpoint's raw body → its sampling fields and prompt tokens; throws KvfenceError. */
+export function prepareRequest(
+  endpoint: GenerateEndpointName,
+  body: Uint8Array,
+  context: PrepareContext,
+): PreparedRequest {
+  const kind = PROMPT_KINDS[endpoint];
+  checkJsonDepth(body, context.limits.maxJsonDepth);
+  const json = parseJsonBody(body);
+  kind.precheck(json, context.limits);
+  const { parsed, promptBytes, encode } = kind.parse(json);
+  checkModel(parsed.model, context.modelId);
+  checkPromptBytes(promptBytes(), context.limits.maxPromptBytes, kind.param);
+  const promptTokens = encode(context.tokenizer);
+  if (promptTokens.length === 0) {
+    throw new KvfenceError("invalid_request", kind.emptyPrompt, { param: kind.param });
+  }
+  return { parsed, promptTokens };
+}

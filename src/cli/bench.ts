@@ -10,6 +10,7 @@ import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
 import { bundledModelDir } from "../lib/package-root.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
+import { fairShareCommand } from "../tools/bench/fair-share.js";
 import { linkFloodCommand } from "../tools/bench/link-flood.js";
 import {
   type BenchKernels,
@@ -168,6 +169,7 @@ export function command(): Command {
   group.addCommand(clusterCommand());
   group.addCommand(linkFloodCommand());
   group.addCommand(serveCommand());
+  group.addCommand(fairShareCommand());
   // bench-commands:end
   return group;
 }

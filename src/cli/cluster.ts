@@ -2,8 +2,9 @@
  * `kvfence cluster --prefill N --decode M`: a local multi-process cluster on 127.0.0.1 (N prefill
  * and M decode node processes and a router, TCP between them); prints the router's URL. Ctrl-C
  * stops every process. `--tls-cert/--tls-key/--tls-ca` go to every process (mutual TLS on every
- * cluster link), `--https-cert/--https-key` and the operator endpoints' flags (`--operator-key`,
- * `--metrics-port`, `--metrics-tenant-names`; docs/api.md) to the router (docs/tls.md).
+ * cluster link), `--https-cert/--https-key` (docs/tls.md), the operator endpoints' flags
+ * (`--operator-key`, `--metrics-port`, `--metrics-tenant-names`; docs/api.md) and the fair-share and
+ * readiness flags (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`) to the router.
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -41,6 +42,18 @@ export function command(): Command {
     .option("--tls-ca <file>", "cluster links: the CA (PEM) every peer's certificate must chain to")
     .option("--https-cert <file>", "front door: the router serves HTTPS with this certificate (PEM)")
     .option("--https-key <file>", "front door: the private key of --https-cert (PEM)")
+    .option(
+      "--tenant-max-concurrency <n>",
+      "router: requests one tenant may have running at once (0: no cap)",
+    )
+    .option("--tenant-max-pages <n>", "router: KV pages one tenant's running requests may hold (0: no cap)")
+    .option("--tenant-max-queue <n>", "router: requests one tenant may have waiting (0: no cap)")
+    .option("--max-queue <n>", "router: requests waiting over all tenants (default 256)")
+    .option("--queue-timeout <seconds>", "router: a request waiting longer gets 429 or 503 (default 30)")
+    .option(
+      "--ready-timeout <seconds>",
+      "router: a node that does not answer a ping within this is not ready (default 0.5)",
+    )
     .option(
       "--operator-key <key>",
       "the router's operator key for /metrics and /kvfence/nodes (or env KVFENCE_OPERATOR_KEY)",
@@ -102,6 +115,12 @@ async function runCluster(raw: RawOptions): Promise<void> {
     ["--https-key", "httpsKey"],
     ["--operator-key", "operatorKey"],
     ["--metrics-port", "metricsPort"],
+    ["--tenant-max-concurrency", "tenantMaxConcurrency"],
+    ["--tenant-max-pages", "tenantMaxPages"],
+    ["--tenant-max-queue", "tenantMaxQueue"],
+    ["--max-queue", "maxQueue"],
+    ["--queue-timeout", "queueTimeout"],
+    ["--ready-timeout", "readyTimeout"],
   ]);
   if (raw.metricsTenantNames !== undefined) routerArgs.push("--metrics-tenant-names");
   const cluster = await startLocalCluster({

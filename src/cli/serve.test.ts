@@ -10,7 +10,7 @@ import { fileURLToPath } from "node:url";
 import { modelDir } from "../../testing/start-server.js";
 import { KvfenceError } from "../lib/errors.js";
 import { createLogger } from "../lib/logger.js";
-import { kernelOptions, parseByteSize, parseServeConfig } from "../server/serve-config.js";
+import { fairShareOf, kernelOptions, parseByteSize, parseServeConfig } from "../server/serve-config.js";
 import { startNode, startServer } from "../server/start-server.js";
 
 const MAIN = fileURLToPath(new URL("./main.js", import.meta.url));
@@ -80,6 +80,36 @@ test("parseServeConfig() reports every problem with its flag", () => {
   assert.throws(
     () => parseServeConfig({ ...defaults, kvMemory: "1MiB", kvPages: "9" }),
     /--kv-pages: give either/,
+  );
+});
+
+test("parseServeConfig() reads the fair-share and readiness flags; fairShareOf() adds the tenants and their limits", () => {
+  const config = parseServeConfig({
+    ...defaults,
+    tenantMaxConcurrency: "4",
+    tenantMaxPages: "0",
+    maxQueue: "32",
+    queueTimeout: "2.5",
+    readyTimeout: "0.25",
+  });
+  assert.deepEqual(fairShareOf(config, { count: 3, limits: new Map([[1, { weight: 2 }]]) }), {
+    tenants: 3,
+    tenantMaxConcurrency: 4,
+    tenantMaxPages: 0,
+    tenantMaxQueue: undefined,
+    maxQueue: 32,
+    queueTimeoutMs: 2500,
+    overrides: new Map([[1, { weight: 2 }]]),
+  });
+  assert.equal(config.readyTimeout, 0.25);
+  assert.equal(fairShareOf(parseServeConfig(defaults), { count: 0, limits: new Map() }).tenants, 1);
+  assert.throws(
+    () => parseServeConfig({ ...defaults, tenantMaxQueue: "-1", queueTimeout: "soon", readyTimeout: "0" }),
+    (err: unknown) =>
+      err instanceof KvfenceError &&
+      /--tenant-max-queue: must be an integer from 0/.test(err.message) &&
+      /--queue-timeout: must be seconds above 0, at most 86400: got "soon"/.test(err.message) &&
+      /--ready-timeout: must be seconds above 0/.test(err.message),
   );
 });
 

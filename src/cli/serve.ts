@@ -16,7 +16,7 @@ import { type RunningServer, startNode, startServer } from "../server/start-serv
 const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
 
 export function command(): Command {
-  return new Command("serve")
+  const cmd = new Command("serve")
     .description("Serve the OpenAI-compatible API (router + prefill + decode; or one role per process)")
     .option("--host <host>", "address to listen on", "127.0.0.1")
     .option("--port <port>", "port to listen on (0 = any free port)", "8000")
@@ -29,39 +29,8 @@ export function command(): Command {
     .option(
       "--api-keys <file>",
       'API keys: JSON {"sk-...": "tenant"} or lines "key tenant" (or env KVFENCE_API_KEYS)',
-    )
-    .option(
-      "--max-body-bytes <size>",
-      "request bodies over this get 413, before they are read (default 2 x --max-prompt-bytes + 1MiB)",
-    )
-    .option(
-      "--max-prompt-bytes <size>",
-      "prompts (a chat's message contents, summed) over this many UTF-8 bytes get 400 before tokenization (default 32 bytes per token of the context, at least 64KiB)",
-    )
-    .option("--max-messages <n>", "chat requests with more messages get 400 (default 2048)")
-    .option(
-      "--max-json-depth <n>",
-      "bodies nesting objects and arrays deeper get 400 before parsing (default 64)",
-    )
-    .option(
-      "--tokenizer-threads <n>",
-      "worker threads that parse, template and tokenize requests off the router's event loop",
-      "2",
-    )
-    .option(
-      "--operator-key <key>",
-      "/metrics and /kvfence/nodes need this as a Bearer token (or env KVFENCE_OPERATOR_KEY); without it they are served only on the loopback operator listener",
-    )
-    .option(
-      "--metrics-host <host>",
-      "address of the operator listener (/metrics, /kvfence/nodes)",
-      "127.0.0.1",
-    )
-    .option(
-      "--metrics-port <port>",
-      "port of the operator listener (default: --port + 1 when no --operator-key is given, else none)",
-    )
-    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false)
+    );
+  routerOptions(cmd)
     .option("--scrub-on-free", "zero KV pages when they are freed", false)
     .option("--no-disaggregation", "run prefill and decode on one engine")
     .option("--role <role>", "all (router + prefill + decode threads), router, prefill or decode", "all")
@@ -108,13 +77,74 @@ export function command(): Command {
       "--insecure-plaintext-links",
       "let a node listen (or a router dial nodes) beyond loopback without TLS: prompts and KV cross the network readable",
       false,
-    )
+    );
+  return fairShareOptions(cmd)
     .option(
       "--log-level <level>",
       "fatal, error, warn, info, debug, trace or silent",
       process.env.KVFENCE_LOG_LEVEL ?? "info",
     )
     .action(serve);
+}
+
+/** The front door's request limits, preparation threads and operator endpoints (docs/api.md). */
+function routerOptions(cmd: Command): Command {
+  return cmd
+    .option(
+      "--max-body-bytes <size>",
+      "request bodies over this get 413, before they are read (default 2 x --max-prompt-bytes + 1MiB)",
+    )
+    .option(
+      "--max-prompt-bytes <size>",
+      "prompts (a chat's message contents, summed) over this many UTF-8 bytes get 400 before tokenization (default 32 bytes per token of the context, at least 64KiB)",
+    )
+    .option("--max-messages <n>", "chat requests with more messages get 400 (default 2048)")
+    .option(
+      "--max-json-depth <n>",
+      "bodies nesting objects and arrays deeper get 400 before parsing (default 64)",
+    )
+    .option(
+      "--tokenizer-threads <n>",
+      "worker threads that parse, template and tokenize requests off the router's event loop",
+      "2",
+    )
+    .option(
+      "--operator-key <key>",
+      "/metrics and /kvfence/nodes need this as a Bearer token (or env KVFENCE_OPERATOR_KEY); without it they are served only on the loopback operator listener",
+    )
+    .option(
+      "--metrics-host <host>",
+      "address of the operator listener (/metrics, /kvfence/nodes)",
+      "127.0.0.1",
+    )
+    .option(
+      "--metrics-port <port>",
+      "port of the operator listener (default: --port + 1 when no --operator-key is given, else none)",
+    )
+    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false);
+}
+
+/** The fair-share and readiness flags (docs/api.md, "Fair sharing"). */
+function fairShareOptions(cmd: Command): Command {
+  return cmd
+    .option(
+      "--tenant-max-concurrency <n>",
+      "requests one tenant may have running at once (0: no cap; default: half the sequence slots with 2+ tenants, else no cap)",
+    )
+    .option(
+      "--tenant-max-pages <n>",
+      "KV pages one tenant's running requests may hold, each counted at prompt + max_tokens (0: no cap; default: half the KV pages with 2+ tenants)",
+    )
+    .option(
+      "--tenant-max-queue <n>",
+      "requests one tenant may have waiting; more get 429 (0: no cap; default: half of --max-queue with 2+ tenants)",
+    )
+    .option("--max-queue <n>", "requests waiting over all tenants; more get 503 (default 256)")
+    .option("--queue-timeout <seconds>", "a request waiting longer gets 429 or 503 (default 30)")
+    .option(
+      "--ready-timeout <seconds>",
+      "/ready: a node (or the engine) that does not answer a ping within this is not ready (default 0.5)",
+    );
 }
 
 async function serve(raw: Record<string, unknown>): Promise<void> {

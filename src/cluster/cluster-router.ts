@@ -4,8 +4,19 @@
  * page size, context length, layout), tells every decode node to connect its transfer channel to
  * every prefill node, waits until every pair is up, and returns the `DisaggregatedEngine` the HTTP
  * server drives.
+ *
+ * A node whose control link closes (its process died, was restarted, or the link dropped) is
+ * re-dialled at its address with backoff (`REDIAL_MS` doubling to `REDIAL_MAX_MS`) for as long as
+ * the router runs. When it answers — the same process or a new incarnation — it takes its place
+ * again (`DisaggregatedEngine.nodeBack`) and the transfer channels are re-made: a prefill node
+ * that is back is announced to every decode node (`connect_prefill` with its new transfer port and
+ * incarnation), a decode node that is back is told to connect to every prefill node. No router
+ * restart.
  */
+
 import { KvfenceError } from "../lib/errors.js";
+import type { FairShareConfig } from "../lib/fair-share.js";
+import type { Logger } from "../lib/logger.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
 import type { LinkTls } from "../transfer/tls-config.js";
 import { type ControlLink, connectControlLink } from "./control-link.js";
@@ -28,7 +39,17 @@ export interface ClusterRouterOptions {
   readonly safety?: Safety;
   /** How long to wait for the nodes and their transfer channels. Default 30 s. */
   readonly connectTimeoutMs?: number;
+  /** Per-tenant caps, queue bounds and timeout at the router. */
+  readonly fairShare?: FairShareConfig;
+  /** A node whose readiness ping takes longer is not ready. */
+  readonly pingTimeoutMs?: number;
+  /** Lost nodes, re-dials and refusals. */
+  readonly log?: Logger;
 }
+
+/** Re-dial a lost node after this, doubling up to `REDIAL_MAX_MS`. */
+export const REDIAL_MS = 100;
+export const REDIAL_MAX_MS = 2000;
 
 /** "http://host:port", "tcp://host:port" or "host:port" → host and port. */
 export function parseNodeUrl(url: string): { host: string; port: number } {
@@ -80,6 +101,85 @@ async function connectNode(
   return { id, url, hello, link: link as ControlLink<ToNode, FromNode> };
 }
 
+/** Tells `decode` to connect its transfer channel to `prefill`. */
+function connectPrefill(decode: RouterNode, prefill: RouterNode): void {
+  if (prefill.hello.transferPort === undefined) return;
+  try {
+    decode.link.send({
+      kind: "connect_prefill",
+      prefill: prefill.id,
+      host: parseNodeUrl(prefill.url).host,
+      port: prefill.hello.transferPort,
+      incarnation: prefill.hello.incarnation,
+    });
+  } catch {
+    // That decode node's link is closing: it is re-dialled and told again.
+  }
+}
+
+/** Re-dials every node whose link closes, and pairs it again when it answers. */
+function superviseNodes(engine: DisaggregatedEngine, options: ClusterRouterOptions): void {
+  const log = options.log;
+  const watch = (node: RouterNode): void => {
+    node.link.onClose(() => {
+      if (engine.closed) return;
+      log?.warn({ node: node.id, url: node.url }, "lost the node's control link; re-dialling it");
+      redial(node, REDIAL_MS);
+    });
+  };
+  const redial = (lost: RouterNode, delayMs: number): void => {
+    const timer = setTimeout(() => {
+      if (engine.closed) return;
+      connectNode({ id: lost.id, url: lost.url, role: lost.hello.role }, options).then(
+        (node) => {
+          if (!takeBack(engine, node, log)) {
+            if (!engine.closed) redial(lost, REDIAL_MAX_MS);
+            return;
+          }
+          watch(node);
+          remakeChannels(engine, node, log);
+        },
+        () => redial(lost, Math.min(REDIAL_MAX_MS, delayMs * 2)),
+      );
+    }, delayMs);
+    timer.unref();
+  };
+  for (const node of engine.currentNodes) watch(node);
+}
+
+/**
+ * A lost node answered the re-dial as `node`: true when it takes its place in `engine`; else its
+ * link is closed (the engine closed, or refused it).
+ */
+function takeBack(engine: DisaggregatedEngine, node: RouterNode, log: Logger | undefined): boolean {
+  if (engine.closed) {
+    node.link.close();
+    return false;
+  }
+  const refused = engine.nodeBack(node);
+  if (refused === null) return true;
+  log?.error(
+    { node: node.id, url: node.url, why: refused },
+    "a lost node answered but cannot take its place",
+  );
+  node.link.close();
+  return false;
+}
+
+/** A node that is back gets its transfer channels to (or from) every node that is up. */
+function remakeChannels(engine: DisaggregatedEngine, node: RouterNode, log: Logger | undefined): void {
+  log?.warn(
+    { node: node.id, url: node.url, incarnation: node.hello.incarnation },
+    "the lost node answers again; re-making its transfer channels",
+  );
+  const up = engine.nodes().filter((n) => n.up);
+  const current = engine.currentNodes.filter((n) => up.some((u) => u.id === n.id));
+  if (node.hello.role === "prefill")
+    for (const d of current) if (d.hello.role === "decode") connectPrefill(d, node);
+  if (node.hello.role === "decode")
+    for (const p of current) if (p.hello.role === "prefill") connectPrefill(node, p);
+}
+
 export async function connectCluster(options: ClusterRouterOptions): Promise<DisaggregatedEngine> {
   const prefill = await Promise.all(
     options.prefill.map((url, i) => connectNode({ id: `prefill-${i}`, url, role: "prefill" }, options)),
@@ -92,19 +192,11 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
     decode,
     maxModelLen: options.maxModelLen,
     safety: options.safety ?? SAFE,
+    ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
+    ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
   });
-  for (const d of decode) {
-    for (const p of prefill) {
-      if (p.hello.transferPort === undefined) continue;
-      d.link.send({
-        kind: "connect_prefill",
-        prefill: p.id,
-        host: parseNodeUrl(p.url).host,
-        port: p.hello.transferPort,
-        incarnation: p.hello.incarnation,
-      });
-    }
-  }
+  superviseNodes(engine, options);
+  for (const d of decode) for (const p of prefill) connectPrefill(d, p);
   const deadline = Date.now() + (options.connectTimeoutMs ?? 30_000);
   while (!engine.allPairsUp) {
     if (Date.now() > deadline) {

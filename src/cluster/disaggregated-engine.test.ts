@@ -13,10 +13,13 @@ import type { FromNode, Link, NodeHello, ToNode } from "./node-messages.js";
 
 class FakeLink implements Link<ToNode, FromNode> {
   readonly sent: ToNode[] = [];
+  /** Answer readiness pings (a node that turns); false: a frozen node. */
+  answers = true;
   #onMessage: (m: FromNode) => void = () => {};
   #onClose: () => void = () => {};
   send(m: ToNode): void {
     this.sent.push(m);
+    if (m.kind === "ping" && this.answers) queueMicrotask(() => this.deliver({ kind: "pong", id: m.id }));
   }
   onMessage(h: (m: FromNode) => void): void {
     this.#onMessage = h;
@@ -56,6 +59,8 @@ function setup() {
   d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
   return { p, d, engine };
 }
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 function request(rid: number, extra: Partial<GenerationRequest> = {}): GenerationRequest {
   return {
@@ -237,7 +242,7 @@ test("DisaggregatedEngine holds a request the full decode pool refused until dec
   assert.equal(engine.inFlight, 0);
 });
 
-test("DisaggregatedEngine answers 503 pool_exhausted only when the admission queue is full", () => {
+test("DisaggregatedEngine answers 503 only when its queue is full, and passes the refusal on when it queues nothing", () => {
   const p = node("prefill-0", "prefill", 512);
   const d = node("decode-0", "decode", 1024);
   const engine = new DisaggregatedEngine({
@@ -245,7 +250,7 @@ test("DisaggregatedEngine answers 503 pool_exhausted only when the admission que
     decode: [d],
     maxModelLen: 2048,
     safety: SAFE,
-    maxWaiting: 1,
+    fairShare: { tenants: 1, maxQueue: 1 },
   });
   d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
   const a = record();
@@ -254,9 +259,30 @@ test("DisaggregatedEngine answers 503 pool_exhausted only when the admission que
   engine.submit(request(2), b.events);
   d.link.deliver(poolFull(1));
   d.link.deliver(poolFull(2));
-  assert.equal(a.out.events, 0, "the first waits");
-  assert.equal(b.out.error?.code, "pool_exhausted", "the queue is full: the refusal reaches the client");
-  assert.equal(engine.waiting, 1);
+  assert.equal(a.out.events + b.out.events, 0, "both refused requests wait: they were admitted");
+  assert.equal(engine.waiting, 2);
+  const c = record();
+  engine.submit(request(3), c.events);
+  assert.equal(c.out.error?.code, "server_busy", "the queue is full: 503");
+  assert.equal(c.out.error?.retryAfter, 1);
+
+  const p0 = node("prefill-0", "prefill", 512);
+  const d0 = node("decode-0", "decode", 1024);
+  const none = new DisaggregatedEngine({
+    prefill: [p0],
+    decode: [d0],
+    maxModelLen: 2048,
+    safety: SAFE,
+    fairShare: { tenants: 1, maxQueue: 0 },
+  });
+  d0.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  const r = record();
+  none.submit(request(1), r.events);
+  d0.link.deliver(poolFull(1));
+  assert.equal(r.out.error?.code, "pool_exhausted", "no queue: the refusal reaches the client");
+  const s = record();
+  none.submit(request(2), s.events);
+  assert.equal(s.out.error?.code, "server_busy", "decode is full and nothing may wait");
 });
 
 test("DisaggregatedEngine never holds back a request larger than the whole decode pool", () => {
@@ -299,4 +325,99 @@ test("DisaggregatedEngine drops a waiting request on abort and fails waiting one
   d.link.die();
   assert.equal(c.out.error?.code, "node_unavailable");
   assert.equal(engine.waiting, 0);
+});
+
+test("DisaggregatedEngine shares the nodes fairly: a tenant's flood waits at its page cap, another tenant's requests go at once", () => {
+  const p = node("prefill-0", "prefill", 1024);
+  const d = node("decode-0", "decode", 1024);
+  const engine = new DisaggregatedEngine({
+    prefill: [p],
+    decode: [d],
+    maxModelLen: 2048,
+    safety: SAFE,
+    fairShare: { tenants: 2 },
+  });
+  d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  // 400 prompt tokens + 80: 30 of decode's 64 pages; two tenants: a cap of 32 pages each.
+  const big = (rid: number) => request(rid, { tenant: 0, promptTokens: new Int32Array(400), maxTokens: 80 });
+  const flood = Array.from({ length: 5 }, () => record());
+  for (const [i, r] of flood.entries()) engine.submit(big(i + 1), r.events);
+  const small = Array.from({ length: 3 }, () => record());
+  for (const [i, r] of small.entries()) engine.submit(request(10 + i, { tenant: 1 }), r.events);
+  const reserved = () => d.link.protocol().flatMap((m) => (m.type === "reserve" ? [m.rid] : []));
+  assert.deepEqual(reserved(), [1, 10, 11, 12], "one of tenant 0's, then all of tenant 1's");
+  assert.equal(engine.fairShare.waitingOf(0), 4);
+  assert.equal(engine.fairShare.pagesOf(0), 30);
+  // Tenant 0's first request ends: its next one goes.
+  d.link.deliver({ kind: "protocol", msg: lease(1) });
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 1, epoch: 1, firstToken: 40 } });
+  d.link.deliver({
+    kind: "protocol",
+    msg: { type: "finished", rid: 1, epoch: 1, reason: "length", tokens: [], completionTokens: 80 },
+  });
+  assert.equal(flood[0]!.out.finish, "length");
+  assert.deepEqual(reserved(), [1, 10, 11, 12, 2]);
+});
+
+test("DisaggregatedEngine readiness: a node that stops answering pings is not ready and gets no new request until it answers", async () => {
+  const p = node("prefill-0", "prefill", 512);
+  const d = node("decode-0", "decode", 1024);
+  const engine = new DisaggregatedEngine({
+    prefill: [p],
+    decode: [d],
+    maxModelLen: 2048,
+    safety: SAFE,
+    pingTimeoutMs: 50,
+  });
+  try {
+    assert.equal(engine.health().ready, false, "no transfer channel yet");
+    d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+    await sleep(300);
+    assert.deepEqual(engine.health(), {
+      live: true,
+      ready: true,
+      reason: null,
+      prefill: { ready: 1, total: 1 },
+      decode: { ready: 1, total: 1 },
+    });
+    d.link.answers = false;
+    await sleep(400);
+    const h = engine.health();
+    assert.equal(h.ready, false);
+    assert.equal(h.reason, "no decode node answers (0 of 1)");
+    const r = record();
+    engine.submit(request(1), r.events);
+    assert.equal(d.link.protocol().length, 0, "nothing is sent to a node that does not answer");
+    assert.equal(engine.waiting, 1, "the request waits (no 503: the node may answer again)");
+    d.link.answers = true;
+    const last = d.link.sent.findLast((m) => m.kind === "ping");
+    d.link.deliver({ kind: "pong", id: last?.kind === "ping" ? last.id : -1 });
+    assert.equal(engine.health().ready, true);
+    assert.equal(d.link.protocol()[0]?.type, "reserve", "sent once the node answers");
+  } finally {
+    await engine.close();
+  }
+});
+
+test("DisaggregatedEngine.nodeBack() puts a lost node's new incarnation in its place; its pair serves again once up", () => {
+  const { p, d, engine } = setup();
+  p.link.die();
+  assert.equal(engine.health().ready, false);
+  const refused = record();
+  engine.submit(request(1), refused.events);
+  assert.equal(refused.out.error?.code, "node_unavailable");
+  const back = node("prefill-0", "prefill", 512);
+  const wrong = node("prefill-0", "decode", 512);
+  assert.match(engine.nodeBack(wrong) ?? "", /decode node now/);
+  assert.equal(engine.nodeBack({ ...back, hello: { ...back.hello, incarnation: 99 } }), null);
+  assert.equal(engine.nodeBack(back), "node prefill-0 is not lost");
+  assert.equal(engine.currentNodes[0]!.hello.incarnation, 99);
+  assert.equal(engine.health().ready, false, "the pair is down until decode's channel is up");
+  d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  const r = record();
+  engine.submit(request(2), r.events);
+  d.link.deliver({ kind: "protocol", msg: lease(2) });
+  assert.equal(back.link.protocol()[0]?.type, "prefill", "the prompt goes to the new incarnation");
+  p.link.deliver({ kind: "pong", id: 1 }); // the old link's messages are ignored
+  void engine.close();
 });

@@ -5,29 +5,43 @@
  * of processes.
  *
  * One router state machine per (prefill, decode) pair, so a node's loss (`peer_lost`) reaches only
- * the requests that use it; each request goes to one pair, round-robin over the pairs whose decode
- * node has its transfer channel to the prefill node up. The effective context length is the least
- * of the model's window and every node's pool and context length; each node re-checks at its own
- * door and its rejection reaches the client unchanged. Effects become link messages (the prompt's
- * token ids and the sampling parameters ride along), `GenerationEvents` calls, and, on `respond`,
- * the end of the request. A link's close is the node's loss: every in-flight request on it fails
- * with 503 `node_unavailable`; decode nodes hear of a lost prefill node and fence it.
+ * the requests that use it. The effective context length is the least of the model's window and
+ * every node's pool and context length; each node re-checks at its own door and its rejection
+ * reaches the client unchanged. Effects become link messages (the prompt's token ids and the
+ * sampling parameters ride along), `GenerationEvents` calls, and, on `respond`, the end of the
+ * request. A link's close is the node's loss: every in-flight request on it fails with 503
+ * `node_unavailable`; decode nodes hear of a lost prefill node and fence it. A lost node that comes
+ * back (`nodeBack`, the cluster router re-dials it) is paired again once decode's transfer
+ * channel to it is up.
  *
- * A full pool is a wait, not an error: when decode refuses a reservation, or prefill its source
- * pages, with `pool_exhausted`, the request joins that node's admission queue (FIFO, bounded by
- * `maxWaiting` over all nodes; 503 `pool_exhausted` only when the queue is full) and is submitted
- * again — as a fresh attempt under a new internal request id, since the refused one is tombstoned —
- * when that node reports freed pages (`pages_freed`). No timer: a node's freed pages are the only
- * wake-up, and a waiting request fails with 503 if its pair goes down.
+ * Requests wait in one place, fairly: a `FairShare` (src/lib/fair-share.ts) holds each tenant's
+ * queue, caps what each tenant may hold (requests, KV pages) and bounds the queue (429 for a tenant
+ * over its share, 503 when the server is full, a queue timeout). A request is dispatched to a pair
+ * — round-robin over the pairs that are up, whose nodes answer their readiness pings, and that
+ * have room — when its turn comes. Room is the router's own ledger of each node: the KV pages its
+ * dispatched requests reserve there (decode: prompt + max_tokens; prefill: the prompt, until the
+ * commit) against the pool, and at most `DECODE_WINDOW` times decode's sequence slots of requests. A node may still refuse for want of pages
+ * (`pool_exhausted`: pages quarantined after an abort, that the ledger cannot see): the request
+ * goes back to the front of its tenant's queue, to be submitted again as a fresh attempt under a
+ * new internal request id (the refused one is tombstoned), and that node takes nothing more until
+ * it reports freed pages (`pages_freed`). No timer frees or waits for pages.
+ *
+ * Readiness (`health()`, `/ready`): every node gets a ping every `PING_INTERVAL_MS`; a node whose
+ * pong has not come within the ping timeout is marked not answering (a frozen process, a wedged
+ * link) and gets no new requests until it answers again. A ping timeout only marks a node: it
+ * never fails a request or frees a page (docs/protocol.md: pages are freed by an ABORT_ACK or the
+ * fence). Ready means a pair is up with both its nodes answering.
  */
 
 import type { WireError } from "../lib/errors.js";
+import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
 import type {
   EngineCapacity,
   EngineHandle,
+  EngineHealth,
   EngineStats,
   GenerationEvents,
   GenerationRequest,
@@ -60,64 +74,105 @@ export interface DisaggregatedEngineOptions {
   readonly safety: Safety;
   /** Attempts per request (1 = no retry). Default 1. */
   readonly maxAttempts?: number;
-  /** Requests that may wait for pages at once (0: a full pool answers 503). Default 64. */
-  readonly maxWaiting?: number;
+  /** Per-tenant caps, queue bounds and timeout (`maxQueue` 0: a full pool answers 503). Default: one tenant. */
+  readonly fairShare?: FairShareConfig;
+  /** A node whose pong takes longer is not answering (not ready). Default 500 ms. */
+  readonly pingTimeoutMs?: number;
+}
+
+/** A node's place in the router: the node of its current incarnation, and what the router knows of it. */
+interface Slot {
+  readonly id: string;
+  readonly role: "prefill" | "decode";
+  node: RouterNode;
+  /** The link closed and the node has not come back. */
+  lost: boolean;
+  /** False while a readiness ping is unanswered past the deadline. */
+  answering: boolean;
+  /** The unanswered ping, if any. */
+  ping: { readonly id: number; readonly timer: NodeJS.Timeout } | null;
+  /** KV pages the router's dispatched requests reserve on this node. */
+  usedPages: number;
+  /** Requests dispatched to this decode node. */
+  running: number;
+  /** It refused a request for want of pages: nothing more until it reports `pages_freed`. */
+  full: boolean;
 }
 
 interface Pair {
   readonly key: string;
-  readonly prefill: RouterNode;
-  readonly decode: RouterNode;
+  readonly prefill: Slot;
+  readonly decode: Slot;
   readonly state: RouterState;
   up: boolean;
 }
 
 interface Pending {
-  readonly pair: Pair;
+  /** The pair of the current attempt; null while it waits. */
+  pair: Pair | null;
   /** The rid of the current attempt: `request.rid`, or an internal one after waiting for pages. */
   rid: number;
+  /** Dispatched at least once (a later attempt needs a fresh rid). */
+  dispatched: boolean;
   /** The node of its pair that refused the attempt for want of pages, if one did. */
-  refusedForPages: RouterNode | null;
+  refusedForPages: Slot | null;
   readonly request: GenerationRequest;
   readonly events: GenerationEvents;
   readonly sampling: SamplingParams;
   readonly promptTokens: number[];
+  /** What the attempt reserves: on decode (prompt + max_tokens) and on prefill (the prompt). */
+  readonly decodePages: number;
+  readonly prefillPages: number;
+  /** The prefill node's pages still count in the ledger (until the commit). */
+  prefillHeld: boolean;
   completionTokens: number;
   stopped: boolean;
   silenced: boolean;
 }
 
 const STATS_TIMEOUT_MS = 5000;
+/** Readiness pings: one per node in flight at most, every this often. */
+export const PING_INTERVAL_MS = 200;
+export const DEFAULT_PING_TIMEOUT_MS = 500;
+/** Decode sequence slots of a node that does not say (an older hello). */
+const DEFAULT_SLOTS = 16;
+/**
+ * A decode node is sent at most this many times its sequence slots of requests at once: enough
+ * that the ones in prefill keep its batch full, few enough that the rest wait at the router, in
+ * fair order, rather than in the node's own first-come queue.
+ */
+export const DECODE_WINDOW = 2;
 /** Internal request ids of re-submitted requests, above the router's own (which count from 1). */
 const FIRST_INTERNAL_RID = 0x8000_0000;
 const LAST_INTERNAL_RID = 0xffff_fff0;
+
+const poolPages = (slot: Slot): number => Math.floor(slot.node.hello.poolTokens / slot.node.hello.pageSize);
 
 export class DisaggregatedEngine implements EngineHandle {
   readonly capacity: EngineCapacity;
   readonly #config: RouterConfig;
   readonly #safety: Safety;
   readonly #pairs: Pair[] = [];
-  readonly #nodes: RouterNode[];
-  readonly #lost = new Set<string>();
+  readonly #slots: Slot[];
   readonly #requests = new Map<number, Pending>();
+  /** Every open request by the client's rid: waiting or dispatched. */
+  readonly #open = new Map<number, Pending>();
   readonly #statsWaiters = new Map<number, { node: string; resolve: (s: NodeStats | null) => void }>();
   readonly #out: Effects = [];
   readonly #routerContext: RouterContext;
+  readonly #share: FairShare<Pending>;
   /** Per-transfer GB/s and ABORT_ACK latencies drained from the nodes, until `takeObservations`. */
   #gbps: number[] = [];
   #ackSeconds: number[] = [];
   readonly #observers: ((node: RouterNode, msg: ControlMessage) => void)[] = [];
+  readonly #pingTimeoutMs: number;
+  readonly #pingTimer: NodeJS.Timeout;
   #nextPair = 0;
   #nextStatsId = 1;
+  #nextPingId = 1;
   #closed = false;
-  readonly #maxWaiting: number;
-  /** Per node id: requests waiting for its pages, FIFO. */
-  readonly #waiting = new Map<string, Pending[]>();
-  #waitingCount = 0;
   /** Requests aborted by the router (`abort` of a live or waiting request). */
   #aborts = 0;
-  /** The client's rid → the internal rid of its current attempt, for a request that waited. */
-  readonly #aliases = new Map<number, number>();
   #nextInternalRid = FIRST_INTERNAL_RID;
 
   constructor(options: DisaggregatedEngineOptions) {
@@ -125,15 +180,15 @@ export class DisaggregatedEngine implements EngineHandle {
       throw new Error("A disaggregated engine needs at least one prefill node and one decode node");
     }
     this.#safety = options.safety;
-    this.#maxWaiting = options.maxWaiting ?? 64;
-    this.#nodes = [...options.prefill, ...options.decode];
-    const min = (f: (n: RouterNode) => number, nodes: readonly RouterNode[]) => Math.min(...nodes.map(f));
+    this.#pingTimeoutMs = options.pingTimeoutMs ?? DEFAULT_PING_TIMEOUT_MS;
+    const nodes = [...options.prefill, ...options.decode];
+    const min = (f: (n: RouterNode) => number, list: readonly RouterNode[]) => Math.min(...list.map(f));
     const pageSize = options.decode[0]!.hello.pageSize;
-    const nodeLimit = min((n) => Math.min(n.hello.maxModelLen, n.hello.poolTokens), this.#nodes);
+    const nodeLimit = min((n) => Math.min(n.hello.maxModelLen, n.hello.poolTokens), nodes);
     this.#config = {
       maxModelLen: Math.min(
         options.maxModelLen,
-        min((n) => n.hello.maxModelLen, this.#nodes),
+        min((n) => n.hello.maxModelLen, nodes),
       ),
       prefillPoolTokens: min((n) => n.hello.poolTokens, options.prefill),
       decodePoolTokens: min((n) => n.hello.poolTokens, options.decode),
@@ -144,15 +199,31 @@ export class DisaggregatedEngine implements EngineHandle {
     // window alone (no min over the pools), as in the incident.
     const trustWindow =
       faultOn(options.safety, "undersized-pool") && !guardOn(options.safety, "admission-doors");
+    const slots = options.decode.reduce((s, n) => s + (n.hello.maxSequences ?? DEFAULT_SLOTS), 0);
     this.capacity = Object.freeze({
       poolTokens: trustWindow
-        ? Math.max(...this.#nodes.map((n) => n.hello.poolTokens), this.#config.maxModelLen)
-        : min((n) => n.hello.poolTokens, this.#nodes),
+        ? Math.max(...nodes.map((n) => n.hello.poolTokens), this.#config.maxModelLen)
+        : min((n) => n.hello.poolTokens, nodes),
       pageSize,
       maxModelLen: trustWindow ? this.#config.maxModelLen : Math.min(options.maxModelLen, nodeLimit),
+      maxSequences: slots,
     });
-    for (const p of options.prefill) {
-      for (const d of options.decode) {
+    const slot = (node: RouterNode): Slot => ({
+      id: node.id,
+      role: node.hello.role,
+      node,
+      lost: false,
+      answering: true,
+      ping: null,
+      usedPages: 0,
+      running: 0,
+      full: false,
+    });
+    const prefill = options.prefill.map(slot);
+    const decode = options.decode.map(slot);
+    this.#slots = [...prefill, ...decode];
+    for (const p of prefill) {
+      for (const d of decode) {
         this.#pairs.push({
           key: `${p.id}|${d.id}`,
           prefill: p,
@@ -162,16 +233,36 @@ export class DisaggregatedEngine implements EngineHandle {
         });
       }
     }
-    for (const node of this.#nodes) {
-      node.link.onMessage((m) => this.#onNodeMessage(node, m));
-      node.link.onClose(() => this.#nodeLost(node));
-    }
+    this.#share = new FairShare<Pending>(
+      resolveFairShare(options.fairShare ?? { tenants: 1 }, {
+        pages: decode.reduce((s, d) => s + poolPages(d), 0),
+        slots,
+      }),
+      {
+        tenant: (p) => p.request.tenant,
+        pages: (p) => p.decodePages,
+        dispatch: (p) => this.#dispatch(p),
+        expire: (p, error) => {
+          this.#open.delete(p.request.rid);
+          p.events.onError(error);
+        },
+      },
+    );
+    for (const s of this.#slots) this.#listen(s, s.node);
+    this.#pingTimer = setInterval(() => this.#pingAll(), PING_INTERVAL_MS);
+    this.#pingTimer.unref();
   }
 
   /** Marks the transfer channel of a (prefill, decode) pair up (the decode node connected to the prefill node). */
   pairUp(prefillId: string, decodeId: string, up = true): void {
     for (const pair of this.#pairs)
       if (pair.prefill.id === prefillId && pair.decode.id === decodeId) pair.up = up;
+    if (up) this.#share.pump();
+  }
+
+  /** True once `close()` was called. */
+  get closed(): boolean {
+    return this.#closed;
   }
 
   /** True when every pair's transfer channel is up. */
@@ -179,14 +270,19 @@ export class DisaggregatedEngine implements EngineHandle {
     return this.#pairs.every((p) => p.up);
   }
 
-  /** Requests submitted and not yet ended (waiting for pages included). */
+  /** Requests submitted and not yet ended (waiting ones included). */
   get inFlight(): number {
-    return this.#requests.size + this.#waitingCount;
+    return this.#open.size;
   }
 
-  /** Requests waiting for a full pool now. */
+  /** Requests waiting for their turn or for room now. */
   get waiting(): number {
-    return this.#waitingCount;
+    return this.#share.waiting;
+  }
+
+  /** The fair share in front of the nodes (its queue and per-tenant counts). */
+  get fairShare(): FairShare<Pending> {
+    return this.#share;
   }
 
   /**
@@ -199,36 +295,87 @@ export class DisaggregatedEngine implements EngineHandle {
 
   /** The nodes for `/kvfence/nodes`. */
   nodes(): NodeInfo[] {
-    return this.#nodes.map((n) => ({
-      id: n.id,
-      role: n.hello.role,
-      url: n.url,
-      pool_tokens: n.hello.poolTokens,
-      page_size: n.hello.pageSize,
-      max_model_len: n.hello.maxModelLen,
-      up: !this.#lost.has(n.id),
+    return this.#slots.map((s) => ({
+      id: s.id,
+      role: s.role,
+      url: s.node.url,
+      pool_tokens: s.node.hello.poolTokens,
+      page_size: s.node.hello.pageSize,
+      max_model_len: s.node.hello.maxModelLen,
+      up: !s.lost,
     }));
   }
 
+  /** The node in each place now (a node that came back is its new incarnation). */
+  get currentNodes(): readonly RouterNode[] {
+    return this.#slots.map((s) => s.node);
+  }
+
+  health(): EngineHealth {
+    const count = (role: "prefill" | "decode") => {
+      const of = this.#slots.filter((s) => s.role === role);
+      return { ready: of.filter((s) => !s.lost && s.answering).length, total: of.length };
+    };
+    const prefill = count("prefill");
+    const decode = count("decode");
+    const ready = !this.#closed && this.#pairs.some((p) => this.#usable(p));
+    let reason: string | null = null;
+    if (this.#closed) reason = "the server is shutting down";
+    else if (prefill.ready === 0) reason = `no prefill node answers (0 of ${prefill.total})`;
+    else if (decode.ready === 0) reason = `no decode node answers (0 of ${decode.total})`;
+    else if (!ready)
+      reason = "no decode node that answers has its transfer channel to a prefill node that answers";
+    return { live: true, ready, reason, prefill, decode };
+  }
+
+  /**
+   * A lost node answered again (the cluster router re-dialled it; possibly a new incarnation after
+   * a restart): it takes its place back. Its pairs come up when decode's transfer channel to the
+   * prefill node is up (`prefill_up`). Returns why it cannot, when the node no longer fits what
+   * the router admits (another role, layout or page size, a smaller pool or context).
+   */
+  nodeBack(node: RouterNode): string | null {
+    const slot = this.#slots.find((s) => s.id === node.id);
+    if (slot === undefined) return `no node ${node.id} in this cluster`;
+    const was = slot.node.hello;
+    const now = node.hello;
+    if (!slot.lost) return `node ${node.id} is not lost`;
+    if (now.role !== was.role) return `it is a ${now.role} node now, not ${was.role}`;
+    if (now.layoutSignature !== was.layoutSignature || now.pageSize !== was.pageSize)
+      return "its KV layout or page size changed";
+    if (now.poolTokens < this.capacity.poolTokens || now.maxModelLen < this.capacity.maxModelLen)
+      return `its pool (${now.poolTokens} tokens) or context (${now.maxModelLen}) is below what the router admits (${this.capacity.poolTokens}, ${this.capacity.maxModelLen})`;
+    if (slot.ping !== null) clearTimeout(slot.ping.timer);
+    slot.node = node;
+    slot.lost = false;
+    slot.answering = true;
+    slot.ping = null;
+    slot.full = false;
+    this.#listen(slot, node);
+    return null;
+  }
+
   submit(request: GenerationRequest, events: GenerationEvents): void {
-    const pair = this.#pickPair();
-    if (pair === null) {
+    if (!this.#pairs.some((p) => p.up && !p.prefill.lost && !p.decode.lost)) {
       events.onError({
         code: "node_unavailable",
         message: "No prefill/decode node pair is available: every pair has a node down; retry later",
+        retryAfter: 1,
       });
       return;
     }
-    if (this.#requests.has(request.rid)) {
+    if (this.#open.has(request.rid)) {
       events.onError({
         code: "invalid_request",
         message: `Request id is already in use: ${request.rid}; assign a fresh rid`,
       });
       return;
     }
-    this.#requests.set(request.rid, {
-      pair,
+    const pageSize = this.capacity.pageSize;
+    const pending: Pending = {
+      pair: null,
       rid: request.rid,
+      dispatched: false,
       refusedForPages: null,
       request,
       events,
@@ -240,37 +387,43 @@ export class DisaggregatedEngine implements EngineHandle {
         stopTokenIds: request.stopTokenIds,
       },
       promptTokens: Array.from(request.promptTokens),
+      decodePages: decodeReservationPages(request.promptTokens.length, request.maxTokens, pageSize),
+      prefillPages: Math.ceil(request.promptTokens.length / pageSize),
+      prefillHeld: false,
       completionTokens: 0,
       stopped: false,
       silenced: false,
-    });
-    this.#step(pair, {
-      type: "submit",
-      rid: request.rid,
-      tenant: request.tenant,
-      promptLen: request.promptTokens.length,
-      maxTokens: request.maxTokens,
-    });
+    };
+    this.#open.set(request.rid, pending);
+    const refusal = this.#share.offer(pending);
+    if (refusal !== null) {
+      this.#open.delete(request.rid);
+      events.onError(refusal);
+    }
   }
 
   abort(rid: number): void {
-    const pending = this.#requests.get(this.#aliases.get(rid) ?? rid);
-    if (pending === undefined) {
-      // Waiting for pages: it holds nothing anywhere, so it just leaves the queue.
-      this.#aborts += this.#dropWaiting((p) => p.request.rid === rid, null);
+    const pending = this.#open.get(rid);
+    if (pending === undefined) return;
+    if (this.#share.cancel(pending)) {
+      // Waiting: it holds nothing anywhere, so it just leaves the queue.
+      this.#open.delete(rid);
+      this.#aborts++;
       return;
     }
+    if (pending.pair === null) return;
     if (!pending.silenced) this.#aborts++;
     pending.silenced = true;
     this.#step(pending.pair, { type: "client_abort", rid: pending.rid });
   }
 
-  /** Every node's stats (null for a node that did not answer or is lost). */
+  /** Every node's stats (null for a node that did not answer, is lost or is not answering pings). */
   async nodeStats(): Promise<{ node: RouterNode; stats: NodeStats | null }[]> {
     const all = await Promise.all(
-      this.#nodes.map(async (node) => ({
-        node,
-        stats: this.#lost.has(node.id) ? null : await this.#poll(node),
+      this.#slots.map(async (s) => ({
+        node: s.node,
+        // A node that does not answer its pings would hold the scrape for the whole timeout.
+        stats: s.lost || !s.answering ? null : await this.#poll(s.node),
       })),
     );
     for (const { stats } of all) {
@@ -294,7 +447,7 @@ export class DisaggregatedEngine implements EngineHandle {
     const all = await this.nodeStats();
     const sum: EngineStats = {
       pages: { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 },
-      queue: { waiting: this.#waitingCount, running: 0, preempted: 0 },
+      queue: { waiting: this.#share.waiting, running: 0, preempted: 0 },
       counters: { tagCheckFailures: 0, preemptions: 0, aborts: 0, promptTokens: 0, completionTokens: 0 },
     };
     let answered = 0;
@@ -316,32 +469,98 @@ export class DisaggregatedEngine implements EngineHandle {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    this.#dropWaiting(() => true, {
+    clearInterval(this.#pingTimer);
+    const error: WireError = {
       code: "node_unavailable",
       message: "The server is shutting down: request not finished; retry",
-    });
+    };
+    this.#share.close(error);
     for (const [rid, pending] of this.#requests) {
       this.#requests.delete(rid);
-      if (!pending.silenced) {
-        pending.events.onError({
-          code: "node_unavailable",
-          message: "The server is shutting down: request not finished; retry",
-        });
-      }
+      this.#open.delete(pending.request.rid);
+      if (!pending.silenced) pending.events.onError(error);
     }
-    for (const node of this.#nodes) node.link.close();
+    for (const s of this.#slots) {
+      if (s.ping !== null) clearTimeout(s.ping.timer);
+      s.node.link.close();
+    }
   }
 
-  #pickPair(): Pair | null {
+  #listen(slot: Slot, node: RouterNode): void {
+    node.link.onMessage((m) => {
+      if (slot.node === node) this.#onNodeMessage(slot, m);
+    });
+    node.link.onClose(() => {
+      if (slot.node === node) this.#nodeLost(slot);
+    });
+  }
+
+  /** A pair that can take a request now: up, both nodes there and answering. */
+  #usable(pair: Pair): boolean {
+    const { prefill, decode } = pair;
+    return pair.up && !prefill.lost && !decode.lost && prefill.answering && decode.answering;
+  }
+
+  /** Whether `pair`'s nodes have room for `p` by the router's ledger. */
+  #fits(pair: Pair, p: Pending): boolean {
+    const { prefill, decode } = pair;
+    if (prefill.full || decode.full) return false;
+    if (decode.running >= DECODE_WINDOW * (decode.node.hello.maxSequences ?? DEFAULT_SLOTS)) return false;
+    // An empty node always takes one (a request larger than its pool is refused at its door).
+    const room = (slot: Slot, pages: number) =>
+      slot.usedPages === 0 || slot.usedPages + pages <= poolPages(slot);
+    return room(decode, p.decodePages) && room(prefill, p.prefillPages);
+  }
+
+  /** The FairShare's dispatch: start `p` on a pair with room, round-robin; false when none has. */
+  #dispatch(p: Pending): boolean {
     const n = this.#pairs.length;
+    let pair: Pair | null = null;
     for (let i = 0; i < n; i++) {
-      const pair = this.#pairs[(this.#nextPair + i) % n]!;
-      if (pair.up && !this.#lost.has(pair.prefill.id) && !this.#lost.has(pair.decode.id)) {
+      const candidate = this.#pairs[(this.#nextPair + i) % n]!;
+      if (this.#usable(candidate) && this.#fits(candidate, p)) {
         this.#nextPair = (this.#nextPair + i + 1) % n;
-        return pair;
+        pair = candidate;
+        break;
       }
     }
-    return null;
+    if (pair === null) return false;
+    let rid = p.request.rid;
+    if (p.dispatched) {
+      rid = this.#nextInternalRid;
+      this.#nextInternalRid = rid >= LAST_INTERNAL_RID ? FIRST_INTERNAL_RID : rid + 1;
+    }
+    p.dispatched = true;
+    p.pair = pair;
+    p.rid = rid;
+    pair.decode.usedPages += p.decodePages;
+    pair.decode.running++;
+    pair.prefill.usedPages += p.prefillPages;
+    p.prefillHeld = true;
+    this.#requests.set(rid, p);
+    this.#step(pair, {
+      type: "submit",
+      rid,
+      tenant: p.request.tenant,
+      promptLen: p.promptTokens.length,
+      maxTokens: p.request.maxTokens,
+    });
+    return true;
+  }
+
+  /** The attempt of `p` ended: its reservations leave the ledger. */
+  #release(p: Pending): void {
+    const pair = p.pair;
+    if (pair === null) return;
+    pair.decode.usedPages -= p.decodePages;
+    pair.decode.running--;
+    this.#releasePrefill(p);
+  }
+
+  #releasePrefill(p: Pending): void {
+    if (!p.prefillHeld || p.pair === null) return;
+    p.prefillHeld = false;
+    p.pair.prefill.usedPages -= p.prefillPages;
   }
 
   #poll(node: RouterNode): Promise<NodeStats | null> {
@@ -368,10 +587,35 @@ export class DisaggregatedEngine implements EngineHandle {
     });
   }
 
-  #onNodeMessage(node: RouterNode, message: FromNode): void {
+  /** Sends a readiness ping to every node without one in flight; its deadline marks it not answering. */
+  #pingAll(): void {
+    for (const slot of this.#slots) {
+      if (slot.lost || slot.ping !== null) continue;
+      const id = this.#nextPingId++;
+      const timer = setTimeout(() => {
+        // Let pongs that arrived while this process was busy be read first (the poll phase runs
+        // after timers): a router that lagged does not blame its nodes.
+        setImmediate(() => {
+          if (slot.ping?.id === id) slot.answering = false;
+        });
+      }, this.#pingTimeoutMs);
+      timer.unref();
+      slot.ping = { id, timer };
+      try {
+        slot.node.link.send({ kind: "ping", id });
+      } catch {
+        // The link is closing: its close event marks the node lost.
+      }
+    }
+  }
+
+  #onNodeMessage(slot: Slot, message: FromNode): void {
     switch (message.kind) {
       case "protocol":
-        this.#onProtocol(node, message.msg);
+        this.#onProtocol(slot, message.msg);
+        return;
+      case "pong":
+        this.#pong(slot, message.id);
         return;
       case "stats": {
         const waiter = this.#statsWaiters.get(message.id);
@@ -381,13 +625,14 @@ export class DisaggregatedEngine implements EngineHandle {
         return;
       }
       case "prefill_up":
-        this.pairUp(message.prefill, node.id, true);
+        this.pairUp(message.prefill, slot.id, true);
         return;
       case "prefill_down":
-        this.#prefillDown(node, message.prefill);
+        this.#prefillDown(slot, message.prefill);
         return;
       case "pages_freed":
-        this.#wake(node.id);
+        slot.full = false;
+        this.#share.pump();
         return;
       default:
         return;
@@ -395,130 +640,86 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   /** A protocol message from a node of the request's pair (from any other node, dropped). */
-  #onProtocol(node: RouterNode, msg: ControlMessage): void {
+  #onProtocol(slot: Slot, msg: ControlMessage): void {
     const pending = this.#requests.get(msg.rid);
-    if (pending === undefined) return;
+    if (pending === undefined || pending.pair === null) return;
     const pair = pending.pair;
-    if (node !== pair.prefill && node !== pair.decode) return;
+    if (slot !== pair.prefill && slot !== pair.decode) return;
     if (msg.type === "finished") pending.completionTokens = msg.completionTokens;
-    if (msg.type === "rejected") pending.refusedForPages = msg.error.code === "pool_exhausted" ? node : null;
+    if (msg.type === "rejected") pending.refusedForPages = msg.error.code === "pool_exhausted" ? slot : null;
     this.#step(pair, { type: "message", msg });
-    for (const listener of this.#observers) listener(node, msg);
+    // Prefill frees its source pages at decode's release, right after the commit.
+    if (pending.prefillHeld && pair.state.requests[msg.rid]?.phase === "decoding") {
+      this.#releasePrefill(pending);
+      this.#share.pump();
+    }
+    for (const listener of this.#observers) listener(slot.node, msg);
+  }
+
+  /** A node answered readiness ping `id`: it is answering again if it was not. */
+  #pong(slot: Slot, id: number): void {
+    if (slot.ping?.id !== id) return;
+    clearTimeout(slot.ping.timer);
+    slot.ping = null;
+    if (!slot.answering) {
+      slot.answering = true;
+      this.#share.pump();
+    }
   }
 
   /**
    * Decode node `decode` lost its transfer channel to `prefill` (it fenced that prefill node): the
    * pair's requests that still need a transfer fail with 503; the pair takes no new ones.
    */
-  #prefillDown(decode: RouterNode, prefill: string): void {
+  #prefillDown(decode: Slot, prefill: string): void {
     for (const pair of this.#pairs) {
       if (pair.prefill.id !== prefill || pair.decode !== decode) continue;
       pair.up = false;
       this.#step(pair, { type: "peer_lost", role: "prefill" });
     }
-    this.#dropWaiting((p) => p.pair.prefill.id === prefill && p.pair.decode === decode, {
+    this.#failWaitingIfNoPair();
+  }
+
+  /** With no pair left up, the waiting requests cannot be served: they end with 503 now. */
+  #failWaitingIfNoPair(): void {
+    if (this.#pairs.some((p) => p.up && !p.prefill.lost && !p.decode.lost)) return;
+    this.#share.failWaiting({
       code: "node_unavailable",
-      message: `The prefill node went away while the request waited for pages: ${prefill}`,
+      message: "Every prefill/decode node pair went down while the request waited; retry later",
+      retryAfter: 1,
     });
   }
 
-  /**
-   * Queues a request a node of its pair refused for want of pages; false when the queue is full (the
-   * refusal then reaches the client).
-   */
-  #wait(pending: Pending): boolean {
-    const node = pending.refusedForPages;
-    if (node === null || this.#closed || this.#waitingCount >= this.#maxWaiting || !pending.pair.up)
-      return false;
-    // Only a request the whole pool can hold may wait for it; anything larger would wait forever.
-    // Decode reserves the prompt and max_tokens, prefill the prompt's pages.
-    const { poolTokens, pageSize } = node.hello;
-    const r = pending.request;
-    const needed =
-      node === pending.pair.decode
-        ? decodeReservationPages(r.promptTokens.length, r.maxTokens, pageSize)
-        : Math.ceil(r.promptTokens.length / pageSize);
-    if (needed > Math.floor(poolTokens / pageSize)) return false;
-    pending.refusedForPages = null;
-    const id = node.id;
-    let queue = this.#waiting.get(id);
-    if (queue === undefined) {
-      queue = [];
-      this.#waiting.set(id, queue);
-    }
-    queue.push(pending);
-    this.#waitingCount++;
-    return true;
-  }
-
-  /** Node `id` freed pages: submit the requests waiting for it again, oldest first. */
-  #wake(id: string): void {
-    const queue = this.#waiting.get(id);
-    if (queue === undefined || queue.length === 0) return;
-    this.#waiting.delete(id);
-    this.#waitingCount -= queue.length;
-    for (const pending of queue) {
-      const rid = this.#nextInternalRid;
-      this.#nextInternalRid = rid >= LAST_INTERNAL_RID ? FIRST_INTERNAL_RID : rid + 1;
-      pending.rid = rid;
-      this.#aliases.set(pending.request.rid, rid);
-      this.#requests.set(rid, pending);
-      this.#step(pending.pair, {
-        type: "submit",
-        rid,
-        tenant: pending.request.tenant,
-        promptLen: pending.request.promptTokens.length,
-        maxTokens: pending.request.maxTokens,
-      });
-    }
-  }
-
-  /** Removes the waiting requests that `match`, failing each with `error` (null: silently); how many. */
-  #dropWaiting(match: (p: Pending) => boolean, error: WireError | null): number {
-    let dropped = 0;
-    for (const [id, queue] of this.#waiting) {
-      const keep = queue.filter((p) => !match(p));
-      if (keep.length === queue.length) continue;
-      dropped += queue.length - keep.length;
-      this.#waitingCount -= queue.length - keep.length;
-      if (keep.length === 0) this.#waiting.delete(id);
-      else this.#waiting.set(id, keep);
-      if (error !== null) for (const p of queue) if (match(p)) p.events.onError(error);
-    }
-    return dropped;
-  }
-
-  #nodeLost(node: RouterNode): void {
-    if (this.#lost.has(node.id)) return;
-    this.#lost.add(node.id);
+  #nodeLost(slot: Slot): void {
+    if (slot.lost) return;
+    slot.lost = true;
+    if (slot.ping !== null) clearTimeout(slot.ping.timer);
+    slot.ping = null;
     for (const [id, waiter] of this.#statsWaiters) {
-      if (waiter.node === node.id) {
+      if (waiter.node === slot.id) {
         this.#statsWaiters.delete(id);
         waiter.resolve(null);
       }
     }
-    const role = node.hello.role;
-    this.#dropWaiting((p) => p.pair.prefill === node || p.pair.decode === node, {
-      code: "node_unavailable",
-      message: `The ${role} node went away while the request waited for pages: ${node.id}`,
-    });
+    const role = slot.role;
     if (role === "prefill") {
       // Decode nodes fence the lost prefill node (close its channel) before releasing its pages.
       for (const pair of this.#pairs) {
-        if (pair.prefill !== node || this.#lost.has(pair.decode.id)) continue;
+        if (pair.prefill !== slot || pair.decode.lost) continue;
         try {
-          pair.decode.link.send({ kind: "prefill_lost", prefill: node.id });
+          pair.decode.node.link.send({ kind: "prefill_lost", prefill: slot.id });
         } catch {
           // That decode node is going too.
         }
       }
     }
     for (const pair of this.#pairs) {
-      if (pair.prefill === node || pair.decode === node) {
+      if (pair.prefill === slot || pair.decode === slot) {
         pair.up = false;
         this.#step(pair, { type: "peer_lost", role });
       }
     }
+    this.#failWaitingIfNoPair();
   }
 
   #step(pair: Pair, event: RouterEvent): void {
@@ -556,18 +757,20 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   /**
-   * The machine is done with a request: it waits for pages (refused by a full pool that can hold
-   * it), or its client learns the finish or the error.
+   * The machine is done with an attempt: its reservations leave the ledger, and it waits again
+   * (refused by a full pool that can hold it), or its client learns the finish or the error.
    */
   #respond(pair: Pair, effect: RespondEffect): void {
     const pending = this.#requests.get(effect.rid);
     delete pair.state.requests[effect.rid];
     if (pending === undefined) return;
     this.#requests.delete(effect.rid);
+    this.#release(pending);
     const mayWait =
       !pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages !== null;
-    if (mayWait && this.#wait(pending)) return;
-    if (pending.rid !== pending.request.rid) this.#aliases.delete(pending.request.rid);
+    if (mayWait && this.#waitForPages(pending)) return;
+    this.#open.delete(pending.request.rid);
+    this.#share.finished(pending);
     if (pending.silenced) return;
     if (effect.error === null) {
       pending.events.onFinish(effect.finishReason ?? "length", {
@@ -577,8 +780,27 @@ export class DisaggregatedEngine implements EngineHandle {
     } else pending.events.onError(effect.error);
   }
 
-  #send(pair: Pair, node: RouterNode, msg: ControlMessage): void {
-    if (this.#lost.has(node.id)) return;
+  /**
+   * A node of its pair refused `pending` for want of pages: it goes back to the front of its
+   * tenant's queue and that node takes nothing more until it frees pages. False when it cannot
+   * wait (the queue takes none, the pair is down, or the request is larger than that whole pool:
+   * it would wait forever); the refusal then reaches the client.
+   */
+  #waitForPages(pending: Pending): boolean {
+    const slot = pending.refusedForPages!;
+    pending.refusedForPages = null;
+    // Decode reserves the prompt and max_tokens, prefill the prompt's pages.
+    const needed = slot.role === "decode" ? pending.decodePages : pending.prefillPages;
+    if (this.#closed || needed > poolPages(slot) || pending.pair === null || !pending.pair.up) return false;
+    slot.full = true;
+    pending.pair = null;
+    if (!this.#share.returned(pending)) return false;
+    this.#share.pump();
+    return true;
+  }
+
+  #send(pair: Pair, slot: Slot, msg: ControlMessage): void {
+    if (slot.lost) return;
     const pending = this.#requests.get(msg.rid);
     let message: ToNode;
     if (msg.type === "prefill") {
@@ -592,7 +814,7 @@ export class DisaggregatedEngine implements EngineHandle {
       message = { kind: "protocol", prefill: pair.prefill.id, msg, sampling: pending.sampling };
     } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
     try {
-      node.link.send(message);
+      slot.node.link.send(message);
     } catch {
       // The link is closing; its close event fails the request.
     }

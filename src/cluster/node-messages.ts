@@ -31,6 +31,8 @@ export type ToNode =
       readonly sampling?: SamplingParams;
     }
   | { readonly kind: "stats"; readonly id: number }
+  /** Readiness: answer `pong` with the same id at once (the router's deadline says the node turns). */
+  | { readonly kind: "ping"; readonly id: number }
   /** Decode, process form: connect the transfer channel to this prefill node. */
   | {
       readonly kind: "connect_prefill";
@@ -54,6 +56,8 @@ export interface NodeHello {
   readonly transferPort?: number;
   /** The node's incarnation (a fresh value per start): decode stamps it on leases, prefill writes only leases for its own. */
   readonly incarnation: number;
+  /** Requests its engine batches per step (its sequence slots). */
+  readonly maxSequences?: number;
 }
 
 /** One node's counters, polled by the router for /metrics and /kvfence/nodes. */
@@ -101,6 +105,7 @@ export type FromNode =
   | NodeHello
   | { readonly kind: "protocol"; readonly msg: ControlMessage }
   | { readonly kind: "stats"; readonly id: number; readonly stats: NodeStats }
+  | { readonly kind: "pong"; readonly id: number }
   /** Decode: the transfer channel to this prefill node is up / went down (the fence). */
   | { readonly kind: "prefill_up"; readonly prefill: string }
   | { readonly kind: "prefill_down"; readonly prefill: string }

@@ -367,3 +367,63 @@ test("Engine under random submits, aborts and steps keeps outputs exact and free
     { numRuns: 150 },
   );
 });
+
+test("Engine: one tenant's queued backlog does not hold another tenant's request behind it", () => {
+  const engine = makeEngine({ maxSequences: 2 });
+  const firstTokens: number[] = [];
+  const outcomes = new Map<number, ReturnType<typeof recorder>>();
+  const submit = (r: GenerationRequest): void => {
+    const rec = recorder();
+    outcomes.set(r.rid, rec);
+    engine.submit(r, {
+      ...rec.events,
+      onTokens: (ids) => {
+        if (rec.outcome.tokens.length === 0) firstTokens.push(r.rid);
+        rec.events.onTokens(ids);
+      },
+    });
+  };
+  const backlog = Array.from({ length: 6 }, (_, i) => request(1 + i, prompt(5, i + 1), 20, { tenant: 0 }));
+  const other = request(100, prompt(5, 9), 20, { tenant: 1 });
+  for (const r of backlog) submit(r);
+  submit(other);
+  runUntilIdle(engine);
+  const position = firstTokens.indexOf(100);
+  assert.ok(
+    position <= 2,
+    `tenant 1 started before most of tenant 0's backlog (first tokens: ${firstTokens})`,
+  );
+  const alone = aloneOutputs([...backlog, other]);
+  for (const [i, r] of [...backlog, other].entries())
+    assert.deepEqual(outcomes.get(r.rid)!.outcome.tokens, alone[i]);
+  assertIdle(engine);
+});
+
+test("Engine: another tenant's short prompt goes into the next step, not after a running long prompt's chunks", () => {
+  const engine = makeEngine({ maxBatchTokens: 64 });
+  const long = recorder();
+  const short = recorder();
+  const longRequest = request(1, prompt(200, 3), 4, { tenant: 0 });
+  const shortRequest = request(2, prompt(5, 4), 4, { tenant: 1 });
+  engine.submit(longRequest, long.events);
+  engine.step(); // the long prompt's first 64-token chunk
+  engine.submit(shortRequest, short.events);
+  engine.step();
+  assert.equal(short.outcome.tokens.length, 1, "the short prompt was computed in the very next step");
+  assert.equal(long.outcome.tokens.length, 0, "the long prompt still has chunks to go");
+  runUntilIdle(engine);
+  const [aloneLong, aloneShort] = aloneOutputs([longRequest, shortRequest]);
+  assert.deepEqual(long.outcome.tokens, aloneLong);
+  assert.deepEqual(short.outcome.tokens, aloneShort);
+  // One tenant alone: the oldest prompt first, as before.
+  const fifo = makeEngine({ maxBatchTokens: 64 });
+  const a = recorder();
+  const b = recorder();
+  fifo.submit(longRequest, a.events);
+  fifo.step();
+  fifo.submit({ ...shortRequest, tenant: 0 }, b.events);
+  fifo.step();
+  assert.equal(b.outcome.tokens.length, 0, "with one tenant the running prompt keeps its chunks");
+  runUntilIdle(fifo);
+  assertIdle(engine);
+});

@@ -6,14 +6,22 @@
  *
  * ## One step
  *
- * 1. **Running requests, oldest first.** A decoding request adds its one pending token; a request
- *    still in prefill adds its next chunk, within `maxPrefillTokens` per step (chunked prefill) and
- *    `maxBatchTokens` in all. Pages are leased lazily, as the step needs them. When the pool runs
- *    out, the most recently admitted running request is **preempted**: its pages are freed, its
- *    epoch bumped, and it goes back to the front of the queue to be recomputed later from its
- *    prompt plus the tokens it already generated (never from its old pages).
- * 2. **Admission.** Waiting requests (FIFO) join while there are sequence slots, token budget and
- *    free pages for their first chunk — not in a step that had to preempt, to avoid thrashing.
+ * 1. **Decode tokens**, running requests oldest first: each adds its one pending token. Pages are
+ *    leased lazily, as the step needs them. When the pool runs out, the most recently admitted
+ *    running request is **preempted**: its pages are freed, its epoch bumped, and it goes back to
+ *    the front of the queue to be recomputed later from its prompt plus the tokens it already
+ *    generated (never from its old pages).
+ * 2. **Admission, and prompts, fairly between tenants.** First the waiting requests of tenants with
+ *    no prompt in progress that have been served no more prefill lately than those that have one
+ *    (a tenant that was not computing goes ahead of one that was); then the running prompts' next
+ *    chunks, the tenant served least prefill lately first (a decayed count of its prefill tokens,
+ *    `RECENT_DECAY`), within `maxPrefillTokens` per step (chunked prefill) — cut to an even share
+ *    while other tenants only decode, so that a long prompt's chunk does not slow their every
+ *    token — and `maxBatchTokens` in all; then the other waiting requests: preempted ones first,
+ *    then the rest by weighted fair queuing over the tokens each still has to compute
+ *    (`src/lib/fair-queue.ts`). Admission needs a sequence slot, token budget and free pages for
+ *    the first chunk, and stops in a step that had to preempt, to avoid thrashing. With one tenant
+ *    this is first-come, oldest prompt first, as before.
  * 3. **The read guard.** Every page of every block table in the batch is checked against the
  *    ownership table (`PagePool.checkStep`: generation, owner rid/epoch, state, writer stamp, filled
  *    tokens). A request that fails is ended with `page_tag_mismatch` and counted; the rest of the
@@ -25,11 +33,11 @@
  *    generator draws the next token; a stop token id ends it with `stop` (the stop token is counted
  *    in usage but not reported in `onTokens`), `maxTokens` with `length`.
  *
- * `step()` runs these as named phases (`#scheduleRunning`, `#admitWaiting`, `#checkBatch`,
- * `#forward`, `#sample`). A decode step of a running request allocates nothing: the token it feeds
+ * `step()` runs these as named phases (`#scheduleDecodes`, `#admitWaiting`, `#schedulePrefills`,
+ * `#checkBatch`, `#forward`, `#sample`). A decode step of a running request allocates nothing: the token it feeds
  * the forward pass and the array `onTokens` receives are the request's own, reused (listeners copy
- * what they keep). The waiting queue is a ring-buffer deque: admission pops its front, a preempted
- * request goes back to its front, both O(1).
+ * what they keep). Preempted requests wait in a ring-buffer deque (admission pops its front, a
+ * preempted request goes back to its front, both O(1)), the others in the fair queue.
  *
  * Abort frees a request's pages at once (nothing writes them outside `step()`), exactly once, and
  * silences it.
@@ -43,8 +51,10 @@
 
 import { BlockTable } from "../kvcache/block-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
+import { Deque } from "../lib/deque.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
+import { FairQueue } from "../lib/fair-queue.js";
 import { Prng } from "../lib/prng.js";
 import type { StepSequence } from "../model/forward.js";
 import type { ModelConfig } from "../model/model-config.js";
@@ -56,7 +66,6 @@ import type {
   GenerationRequest,
 } from "../protocol/engine-api.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
-import { Deque } from "./deque.js";
 
 /** What the engine needs from the forward pass (`ForwardPass` implements it). */
 export interface StepModel {
@@ -80,6 +89,12 @@ export interface EngineOptions {
   /** Seed for requests that bring none. Default: from `Math.random`. */
   readonly seed?: number;
 }
+
+/**
+ * How much of a tenant's recent prefill service one step forgets: a tenant's service counts for
+ * about the last 1 / (1 − RECENT_DECAY) steps when the engine orders prompts between tenants.
+ */
+const RECENT_DECAY = 0.9;
 
 /** Where a request is: queued for admission, in the running set, or ended (pages freed, silenced). */
 type SequenceState = "waiting" | "running" | "done";
@@ -197,7 +212,13 @@ export class Engine {
   readonly #seeds: Prng;
   readonly #sampler: Sampler;
   readonly #byRid = new Map<number, Sequence>();
-  readonly #waiting = new Deque<Sequence>();
+  /** Waiting requests, fair between tenants (costed by the tokens each still has to compute). */
+  readonly #waiting = new FairQueue<Sequence>({
+    flow: (seq) => seq.tenant,
+    cost: (seq) => seq.length - seq.computed,
+  });
+  /** Preempted requests: admitted before any other, oldest preemption last. */
+  readonly #preempted = new Deque<Sequence>();
   readonly #running: Sequence[] = [];
   /**
    * This step's batch: its first `#batchLength` entries. Neither array here is ever truncated to
@@ -219,6 +240,19 @@ export class Engine {
   readonly #logits: Float32Array[] = [];
   #tokenBudget = 0;
   #prefillBudget = 0;
+  /** This step's tenants with a prompt in progress (`#markPrefillTenants`). */
+  readonly #prefillTenants: Uint32Array;
+  #prefillTenantCount = 0;
+  /** The least recent prefill service among them (Infinity: none). */
+  #leastRecentPrefill = Number.POSITIVE_INFINITY;
+  /** Tenants with only decoding requests running this step. */
+  #decodingTenants = 0;
+  /** Each tenant's recent prefill service: tokens, decayed by `RECENT_DECAY` per step. */
+  readonly #recent = new Map<number, { value: number; step: number }>();
+  #stepNumber = 0;
+  /** May a waiting request of `tenant` start before the running prompts' chunks (made once). */
+  readonly #fresh = (tenant: number): boolean =>
+    !this.#isPrefillTenant(tenant) && this.#recentPrefill(tenant) <= this.#leastRecentPrefill;
   #preemptedThisStep = false;
   readonly #counters = {
     tagCheckFailures: 0,
@@ -267,7 +301,13 @@ export class Engine {
     this.#tagCheck = guardOn(options.safety ?? SAFE, "page-tags");
     this.#sampler = new Sampler(config.vocabSize);
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
-    this.capacity = Object.freeze({ poolTokens: pool.capacityTokens, pageSize: pool.pageSize, maxModelLen });
+    this.capacity = Object.freeze({
+      poolTokens: pool.capacityTokens,
+      pageSize: pool.pageSize,
+      maxModelLen,
+      maxSequences: model.maxSequences,
+    });
+    this.#prefillTenants = new Uint32Array(this.#maxSequences);
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
     for (let k = 0; k <= this.#maxSequences; k++)
       this.#stepViews.push(Array.from({ length: k }, () => this.#idleStep));
@@ -305,7 +345,7 @@ export class Engine {
 
   #enqueue(seq: Sequence): void {
     this.#byRid.set(seq.rid, seq);
-    this.#waiting.pushBack(seq);
+    this.#waiting.push(seq);
     this.#counters.promptTokens += seq.promptLength;
   }
 
@@ -388,11 +428,10 @@ export class Engine {
   }
 
   stats(): EngineStats {
-    let preempted = 0;
-    for (const seq of this.#waiting) if (seq.preempted) preempted++;
+    const preempted = this.#preempted.length;
     return {
       pages: this.pool.counts(),
-      queue: { waiting: this.#waiting.length, running: this.#running.length, preempted },
+      queue: { waiting: this.#waiting.length + preempted, running: this.#running.length, preempted },
       counters: { ...this.#counters },
     };
   }
@@ -415,9 +454,13 @@ export class Engine {
     if (this.#byRid.size === 0) return false;
     this.#tokenBudget = this.#maxBatchTokens;
     this.#prefillBudget = this.#maxPrefillTokens;
+    this.#stepNumber++;
     this.#preemptedThisStep = false;
-    this.#scheduleRunning();
-    this.#admitWaiting();
+    this.#scheduleDecodes();
+    this.#markPrefillTenants();
+    this.#admitWaiting(true);
+    this.#schedulePrefills();
+    this.#admitWaiting(false);
     if (this.#checkBatch() > 0) {
       this.#forward();
       this.#sample();
@@ -426,8 +469,8 @@ export class Engine {
     return this.#byRid.size > 0;
   }
 
-  /** Phase 1: running requests, oldest first — their decode tokens, then their prefill chunks. */
-  #scheduleRunning(): void {
+  /** Phase 1: the running requests' decode tokens, oldest first. */
+  #scheduleDecodes(): void {
     const running = this.#running;
     for (let i = 0; i < running.length; i++) {
       const seq = running[i]!;
@@ -438,21 +481,105 @@ export class Engine {
       )
         i--;
     }
-    for (let i = 0; i < running.length; i++) {
-      const seq = running[i]!;
-      const remaining = seq.length - seq.computed;
-      if (remaining <= 1) continue;
-      const n = Math.min(remaining, this.#prefillBudget, this.#tokenBudget);
-      if (n > 0 && this.#schedule(seq, n, true) === "failed") i--;
+  }
+
+  /**
+   * Phase 3: the next chunk of the running prompts, the tenant served least prefill recently first
+   * (ties: oldest first), each taking what the step has left. While other tenants only decode, the
+   * step's prefill is cut to an even share (`maxPrefillTokens / (1 + decoding tenants)`): a long
+   * prompt's chunk makes every step, and so each of their tokens, slower.
+   */
+  #schedulePrefills(): void {
+    if (this.#decodingTenants > 0 && this.#prefillTenantCount > 0) {
+      const share = Math.max(1, Math.floor(this.#maxPrefillTokens / (1 + this.#decodingTenants)));
+      this.#prefillBudget = Math.min(this.#prefillBudget, share);
+    }
+    const running = this.#running;
+    for (;;) {
+      let best: Sequence | null = null;
+      let bestRecent = Number.POSITIVE_INFINITY;
+      for (let i = 0; i < running.length; i++) {
+        const seq = running[i]!;
+        if (seq.inBatch || seq.length - seq.computed <= 1) continue;
+        const recent = this.#recentPrefill(seq.tenant);
+        if (best === null || recent < bestRecent) {
+          best = seq;
+          bestRecent = recent;
+        }
+      }
+      if (best === null) return;
+      const n = Math.min(best.length - best.computed, this.#prefillBudget, this.#tokenBudget);
+      if (n <= 0) return;
+      this.#schedule(best, n, true);
     }
   }
 
-  /** Phase 2: admission, FIFO, while sequence slots, budget and pages last (not after a preemption). */
-  #admitWaiting(): void {
-    const waiting = this.#waiting;
+  /**
+   * Records the tenants with a prompt in progress (`#prefillTenants`), the least recent prefill
+   * service among them, and how many tenants only decode. Allocates nothing.
+   */
+  #markPrefillTenants(): void {
+    this.#prefillTenantCount = 0;
+    this.#leastRecentPrefill = Number.POSITIVE_INFINITY;
+    this.#decodingTenants = 0;
     const running = this.#running;
-    while (!this.#preemptedThisStep && waiting.length > 0 && running.length < this.#maxSequences) {
-      const seq = waiting.peekFront()!;
+    for (let i = 0; i < running.length; i++) {
+      const seq = running[i]!;
+      if (seq.length - seq.computed > 1) this.#markPrefillTenant(seq.tenant);
+    }
+    for (let i = 0; i < running.length; i++) {
+      const t = running[i]!.tenant;
+      if (this.#isPrefillTenant(t)) continue;
+      let seen = false;
+      for (let j = 0; j < i && !seen; j++) seen = running[j]!.tenant === t;
+      if (!seen) this.#decodingTenants++;
+    }
+  }
+
+  #markPrefillTenant(tenant: number): void {
+    if (this.#isPrefillTenant(tenant)) return;
+    this.#prefillTenants[this.#prefillTenantCount++] = tenant;
+    this.#leastRecentPrefill = Math.min(this.#leastRecentPrefill, this.#recentPrefill(tenant));
+  }
+
+  #isPrefillTenant(tenant: number): boolean {
+    const tenants = this.#prefillTenants;
+    for (let j = 0; j < this.#prefillTenantCount; j++) if (tenants[j] === tenant) return true;
+    return false;
+  }
+
+  /** `tenant`'s prefill tokens of the last steps, each step's worth decayed by `RECENT_DECAY`. */
+  #recentPrefill(tenant: number): number {
+    const r = this.#recent.get(tenant);
+    return r === undefined ? 0 : r.value * RECENT_DECAY ** (this.#stepNumber - r.step);
+  }
+
+  #servedPrefill(tenant: number, tokens: number): void {
+    let r = this.#recent.get(tenant);
+    if (r === undefined) {
+      r = { value: 0, step: this.#stepNumber };
+      this.#recent.set(tenant, r);
+    }
+    r.value = r.value * RECENT_DECAY ** (this.#stepNumber - r.step) + tokens;
+    r.step = this.#stepNumber;
+  }
+
+  /**
+   * Phase 2: admission while sequence slots, budget and pages last (not after a preemption).
+   * First (`newcomers`) the waiting requests of tenants with no prompt in progress and no more
+   * recent prefill than those with one, one prompt per tenant, before the running prompts take
+   * their chunks. Then (after the chunks) the rest: preempted requests first, then the waiting
+   * ones fairly between tenants (`FairQueue`: a tenant's backlog of long prompts does not hold
+   * another tenant's short one behind it all).
+   */
+  #admitWaiting(newcomers: boolean): void {
+    const running = this.#running;
+    if (newcomers && this.#preempted.length > 0) return;
+    while (!this.#preemptedThisStep && running.length < this.#maxSequences) {
+      const seq = newcomers
+        ? this.#waiting.peek(this.#fresh)
+        : (this.#preempted.peekFront() ?? this.#waiting.peek());
+      if (seq === undefined) break;
       const remaining = seq.length - seq.computed;
       const prefill = remaining > 1;
       const n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
@@ -462,11 +589,13 @@ export class Engine {
         !this.pool.allocate(Math.ceil(n / this.pool.pageSize), seq.rid, seq.epoch, seq.tenant, seq.blockTable)
       )
         break;
-      waiting.popFront();
+      if (seq.preempted) this.#preempted.popFront();
+      else this.#waiting.take();
       seq.state = "running";
       seq.preempted = false;
       running.push(seq);
       this.#addToBatch(seq, n, prefill);
+      if (prefill) this.#markPrefillTenant(seq.tenant);
     }
   }
 
@@ -614,7 +743,10 @@ export class Engine {
     seq.stepPrefill = prefill;
     seq.inBatch = true;
     this.#tokenBudget -= n;
-    if (prefill) this.#prefillBudget -= n;
+    if (prefill) {
+      this.#prefillBudget -= n;
+      this.#servedPrefill(seq.tenant, n);
+    }
     this.#batch[this.#batchLength++] = seq;
   }
 
@@ -706,7 +838,7 @@ export class Engine {
     seq.computed = 0;
     seq.state = "waiting";
     seq.preempted = true;
-    this.#waiting.pushFront(seq);
+    this.#preempted.pushFront(seq);
     this.#counters.preemptions++;
   }
 
@@ -726,7 +858,7 @@ export class Engine {
     if (seq.ownership === "local") this.pool.free(seq.blockTable, seq.rid, seq.epoch);
     else seq.blockTable.clear();
     if (seq.state === "running") this.#removeRunning(seq);
-    else this.#waiting.remove(seq);
+    else if (!this.#preempted.remove(seq)) this.#waiting.remove(seq);
     seq.state = "done";
     this.#byRid.delete(seq.rid);
   }

@@ -25,12 +25,16 @@ export const ERROR_TABLE = {
   method_not_allowed: { status: 405, type: "invalid_request_error", retryable: false },
   payload_too_large: { status: 413, type: "invalid_request_error", retryable: false },
   unsupported_media_type: { status: 415, type: "invalid_request_error", retryable: false },
+  rate_limit_exceeded: { status: 429, type: "requests", retryable: true },
   pool_exhausted: {
     status: 503,
     type: "server_error",
     retryable: true,
     publicMessage: "The server's KV cache has no room for this request now: retry later",
   },
+  server_busy: { status: 503, type: "server_error", retryable: true },
+  queue_timeout: { status: 503, type: "server_error", retryable: true },
+  not_ready: { status: 503, type: "server_error", retryable: true },
   node_unavailable: {
     status: 503,
     type: "server_error",
@@ -99,17 +103,26 @@ export interface WireError {
   readonly code: ErrorCode;
   readonly message: string;
   readonly param?: string | undefined;
+  /** Seconds the client should wait before retrying (the `Retry-After` header). */
+  readonly retryAfter?: number | undefined;
 }
 
 export class KvfenceError extends Error {
   override readonly name = "KvfenceError";
   readonly code: ErrorCode;
   readonly param: string | undefined;
+  /** Seconds the client should wait before retrying (`Retry-After`), when the server knows. */
+  readonly retryAfter: number | undefined;
 
-  constructor(code: ErrorCode, message: string, options?: { param?: string; cause?: unknown }) {
+  constructor(
+    code: ErrorCode,
+    message: string,
+    options?: { param?: string; cause?: unknown; retryAfter?: number },
+  ) {
     super(message, options?.cause === undefined ? undefined : { cause: options.cause });
     this.code = code;
     this.param = options?.param;
+    this.retryAfter = options?.retryAfter;
   }
 
   get status(): number {
@@ -121,13 +134,19 @@ export class KvfenceError extends Error {
   }
 
   toWire(): WireError {
-    return this.param === undefined
-      ? { code: this.code, message: this.message }
-      : { code: this.code, message: this.message, param: this.param };
+    return {
+      code: this.code,
+      message: this.message,
+      ...(this.param === undefined ? {} : { param: this.param }),
+      ...(this.retryAfter === undefined ? {} : { retryAfter: this.retryAfter }),
+    };
   }
 
   static fromWire(wire: WireError): KvfenceError {
-    return new KvfenceError(wire.code, wire.message, wire.param === undefined ? {} : { param: wire.param });
+    return new KvfenceError(wire.code, wire.message, {
+      ...(wire.param === undefined ? {} : { param: wire.param }),
+      ...(wire.retryAfter === undefined ? {} : { retryAfter: wire.retryAfter }),
+    });
   }
 }
 
@@ -153,5 +172,8 @@ export function publicError(err: KvfenceError): KvfenceError {
   const row = ERROR_TABLE[err.code];
   const message = "publicMessage" in row ? row.publicMessage : undefined;
   if (message === undefined || message === err.message) return err;
-  return new KvfenceError(err.code, message, err.param === undefined ? {} : { param: err.param });
+  return new KvfenceError(err.code, message, {
+    ...(err.param === undefined ? {} : { param: err.param }),
+    ...(err.retryAfter === undefined ? {} : { retryAfter: err.retryAfter }),
+  });
 }

@@ -59,6 +59,7 @@ export async function buildNode(
     pageSize: engine.capacity.pageSize,
     maxModelLen: engine.capacity.maxModelLen,
     layoutSignature: signature,
+    ...(engine.capacity.maxSequences === undefined ? {} : { maxSequences: engine.capacity.maxSequences }),
   };
   const parts = { engine, hello, layoutSignature: signature };
   const nodeOptions = { engine, layoutSignature: signature, safety, incarnation, toRouter };

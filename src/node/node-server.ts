@@ -242,7 +242,8 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
   const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
 
   const onRouterMessage = (message: ToNode): void => {
-    if (message.kind === "stats") {
+    if (message.kind === "ping") router.send({ kind: "pong", id: message.id });
+    else if (message.kind === "stats") {
       const linkAuthFailures = {
         control: { ...control.failures },
         ...(transfer === null ? {} : { transfer: { ...transfer.failures } }),

@@ -59,6 +59,10 @@ async function main(port: MessagePort, options: NodeHostOptions): Promise<void> 
     return;
   }
   port.on("message", (message: ToNode | NodeWorkerSetup) => {
+    if (message.kind === "ping") {
+      toRouter({ kind: "pong", id: message.id });
+      return;
+    }
     if (message.kind === "stats") {
       toRouter({ kind: "stats", id: message.id, stats: built.node.stats() });
       return;

@@ -41,6 +41,8 @@ export interface EngineCapacity {
   readonly poolTokens: number;
   readonly pageSize: number;
   readonly maxModelLen: number;
+  /** Requests one forward step batches (sequence slots), over every engine that decodes. */
+  readonly maxSequences?: number;
 }
 
 /** For /metrics and the idle-pool checks in tests. */
@@ -56,6 +58,28 @@ export interface EngineStats {
   };
 }
 
+/** Readiness of one role's nodes: how many answer now, of how many. */
+export interface RoleHealth {
+  readonly ready: number;
+  readonly total: number;
+}
+
+/**
+ * Liveness and readiness, kept up to date in the background (pings with a deadline) and read
+ * without waiting on any node: `/health` and `/ready` answer from it at once.
+ */
+export interface EngineHealth {
+  /** False once the engine can never serve again (its worker died): restart the process. */
+  readonly live: boolean;
+  /** True when a request submitted now can be served: a prefill/decode pair (or the engine) answers. */
+  readonly ready: boolean;
+  /** Why it is not ready, for operators: roles and counts only, never internal ids or addresses. */
+  readonly reason: string | null;
+  /** The disaggregated topologies: nodes that answer, by role. */
+  readonly prefill?: RoleHealth;
+  readonly decode?: RoleHealth;
+}
+
 export interface EngineHandle {
   readonly capacity: EngineCapacity;
   submit(request: GenerationRequest, events: GenerationEvents): void;
@@ -65,4 +89,6 @@ export interface EngineHandle {
   close(): Promise<void>;
   /** The nodes behind this handle for `/kvfence/nodes` (the disaggregated topology); absent: one engine. */
   nodes?(): NodeInfo[];
+  /** Liveness and readiness now, without waiting (absent: always live and ready). */
+  health?(): EngineHealth;
 }

@@ -60,3 +60,50 @@ test("TenantDirectory.load() prefers the file, then the env value, else anonymou
     rmSync(dir, { recursive: true, force: true });
   }
 });
+
+test("TenantDirectory reads per-tenant fair-share limits from JSON objects and `key=value` fields, beside the old forms", () => {
+  const json = TenantDirectory.parse(
+    JSON.stringify({
+      "sk-alpha-123": { tenant: "alice", max_concurrency: 4, max_pages: 0 },
+      "sk-alpha-999": { tenant: "alice", weight: 3 },
+      "sk-beta-4567": "bob",
+    }),
+    "keys.json",
+  );
+  assert.deepEqual(json.authenticate("Bearer sk-alpha-999"), { index: 0, name: "alice" });
+  assert.deepEqual(json.limits.get(0), { maxConcurrency: 4, maxPages: 0, weight: 3 });
+  assert.equal(json.limits.get(1), undefined, "bob takes the server's limits");
+  const lines = TenantDirectory.parse(
+    "sk-one-11111 a max_queue=2 weight=2\nsk-two-22222 b\nsk-three-333 a\n",
+    "keys.txt",
+  );
+  assert.deepEqual(lines.limits.get(0), { maxQueue: 2, weight: 2 });
+  assert.equal(lines.authenticate("Bearer sk-three-333")?.name, "a");
+});
+
+test("TenantDirectory refuses bad limits and keys of one tenant that disagree", () => {
+  assert.throws(
+    () => TenantDirectory.parse('{"sk-x-123456": {"tenant": "a", "max_pages": -1}}', "k.json"),
+    /k\.json: key sk-…56: max_pages must be an integer from 0 to \d+ \(0: no cap\): -1/,
+  );
+  assert.throws(
+    () => TenantDirectory.parse('{"sk-x-123456": {"tenant": "a", "weight": 0}}', "k.json"),
+    /weight must be an integer from 1 to 100/,
+  );
+  assert.throws(
+    () => TenantDirectory.parse('{"sk-x-123456": {"tenant": "a", "max_tokens": 5}}', "k.json"),
+    /unknown field "max_tokens"; the fields are tenant, max_concurrency/,
+  );
+  assert.throws(
+    () => TenantDirectory.parse('{"sk-x-123456": {"max_pages": 5}}', "k.json"),
+    /must be a string or \{"tenant"/,
+  );
+  assert.throws(
+    () => TenantDirectory.parse("sk-x-123456 a max_pages=5\nsk-y-123456 a max_pages=6\n", "k.txt"),
+    /keys sk-…56 and sk-…56 of tenant a set different maxPages: 5 and 6/,
+  );
+  assert.throws(
+    () => TenantDirectory.parse("sk-x-123456 a pages:5\n", "k.txt"),
+    /line 1 must be "key tenant"/,
+  );
+});

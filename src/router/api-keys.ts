@@ -4,12 +4,18 @@
  * Each distinct tenant name gets a small index (the u32 the engine tags pages with). With no keys
  * configured the server runs one anonymous tenant and accepts any or no key.
  *
+ * A key may also set its tenant's fair share (docs/api.md, "Fair sharing"): in JSON as
+ * `{"sk-…": {"tenant": "acme", "max_concurrency": 4, "max_pages": 2000, "max_queue": 16,
+ * "weight": 2}}`, in lines as `key tenant max_concurrency=4 max_pages=2000`. Every field is
+ * optional (the server's flags hold for the rest; 0: no cap); keys of one tenant must not disagree.
+ *
  * Keys are compared in constant time over their SHA-256 digests, so the time to reject a key does
  * not reveal how much of it matched.
  */
 import { createHash, timingSafeEqual } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { KvfenceError } from "../lib/errors.js";
+import type { TenantOverrides } from "../lib/fair-share.js";
 
 export interface Tenant {
   /** Index used on the engine side (page tags, metrics labels stay by name). */
@@ -21,6 +27,23 @@ export const ANONYMOUS_TENANT: Tenant = Object.freeze({ index: 0, name: "anonymo
 
 const TENANT_NAME_RE = /^[A-Za-z0-9_.@-]{1,64}$/;
 
+/** The fair-share fields of a key, as written in the file → `TenantOverrides`. */
+const LIMIT_FIELDS = {
+  max_concurrency: "maxConcurrency",
+  max_pages: "maxPages",
+  max_queue: "maxQueue",
+  weight: "weight",
+} as const satisfies Record<string, keyof TenantOverrides>;
+
+type LimitField = keyof typeof LIMIT_FIELDS;
+
+/** One key as the file gives it. */
+export interface KeyEntry {
+  readonly key: string;
+  readonly tenant: string;
+  readonly limits?: TenantOverrides;
+}
+
 function digest(key: string): Buffer {
   return createHash("sha256").update(key, "utf8").digest();
 }
@@ -28,20 +51,25 @@ function digest(key: string): Buffer {
 export class TenantDirectory {
   readonly #entries: ReadonlyArray<{ digest: Buffer; tenant: Tenant }>;
   readonly tenants: readonly Tenant[];
+  /** The fair-share overrides of the tenants whose keys set any, by tenant index. */
+  readonly limits: ReadonlyMap<number, TenantOverrides>;
 
-  private constructor(pairs: ReadonlyArray<readonly [string, string]>) {
+  private constructor(keys: readonly KeyEntry[]) {
     const byName = new Map<string, Tenant>();
     const entries: Array<{ digest: Buffer; tenant: Tenant }> = [];
-    for (const [key, name] of pairs) {
+    const limits = new Map<number, TenantOverrides>();
+    for (const { key, tenant: name, limits: set } of keys) {
       let tenant = byName.get(name);
       if (tenant === undefined) {
         tenant = Object.freeze({ index: byName.size, name });
         byName.set(name, tenant);
       }
       entries.push({ digest: digest(key), tenant });
+      if (set !== undefined) limits.set(tenant.index, Object.freeze({ ...limits.get(tenant.index), ...set }));
     }
     this.#entries = entries;
     this.tenants = [...byName.values()];
+    this.limits = limits;
   }
 
   /** True when no keys are configured (one anonymous tenant, no authentication). */
@@ -69,8 +97,17 @@ export class TenantDirectory {
 
   /** Build from `key → tenant` pairs; validates keys and names. */
   static fromPairs(pairs: ReadonlyArray<readonly [string, string]>, source = "API keys"): TenantDirectory {
+    return TenantDirectory.fromEntries(
+      pairs.map(([key, tenant]) => ({ key, tenant })),
+      source,
+    );
+  }
+
+  /** Build from key entries (with their fair-share fields); validates keys, names and limits. */
+  static fromEntries(keys: readonly KeyEntry[], source = "API keys"): TenantDirectory {
     const seen = new Set<string>();
-    for (const [key, name] of pairs) {
+    const limitsOf = new Map<string, { key: string; limits: TenantOverrides }>();
+    for (const { key, tenant: name, limits } of keys) {
       if (key.length < 8 || /\s/.test(key)) {
         throw new KvfenceError(
           "config_invalid",
@@ -86,8 +123,21 @@ export class TenantDirectory {
       if (seen.has(key))
         throw new KvfenceError("config_invalid", `${source}: duplicate API key: ${mask(key)}`);
       seen.add(key);
+      if (limits === undefined) continue;
+      const other = limitsOf.get(name);
+      if (other !== undefined) {
+        for (const field of Object.keys(limits) as (keyof TenantOverrides)[]) {
+          if (other.limits[field] !== undefined && other.limits[field] !== limits[field]) {
+            throw new KvfenceError(
+              "config_invalid",
+              `${source}: keys ${mask(other.key)} and ${mask(key)} of tenant ${name} set different ${field}: ${other.limits[field]} and ${limits[field]}; give the tenant's limits once`,
+            );
+          }
+        }
+      }
+      limitsOf.set(name, { key, limits: { ...other?.limits, ...limits } });
     }
-    return new TenantDirectory(pairs);
+    return new TenantDirectory(keys);
   }
 
   /** Parse the text of a key file or of `KVFENCE_API_KEYS` (JSON object, or `key tenant` lines). */
@@ -100,33 +150,58 @@ export class TenantDirectory {
       } catch (err) {
         throw new KvfenceError("config_invalid", `${source}: invalid JSON: ${(err as Error).message}`);
       }
-      const pairs: Array<[string, string]> = [];
-      for (const [key, name] of Object.entries(json as Record<string, unknown>)) {
-        if (typeof name !== "string") {
+      const keys: KeyEntry[] = [];
+      for (const [key, value] of Object.entries(json as Record<string, unknown>)) {
+        if (typeof value === "string") {
+          keys.push({ key, tenant: value });
+          continue;
+        }
+        const shape = `must be a string or {"tenant": "name", "max_concurrency": n, "max_pages": n, "max_queue": n, "weight": n}`;
+        if (value === null || typeof value !== "object" || Array.isArray(value)) {
           throw new KvfenceError(
             "config_invalid",
-            `${source}: tenant for key ${mask(key)} must be a string: ${JSON.stringify(name)}`,
+            `${source}: tenant for key ${mask(key)} ${shape}: ${JSON.stringify(value)}`,
           );
         }
-        pairs.push([key, name]);
+        const { tenant, ...rest } = value as Record<string, unknown>;
+        if (typeof tenant !== "string") {
+          throw new KvfenceError(
+            "config_invalid",
+            `${source}: tenant for key ${mask(key)} ${shape}: "tenant" is ${JSON.stringify(tenant)}`,
+          );
+        }
+        keys.push({ key, tenant, limits: parseLimits(rest, `${source}: key ${mask(key)}`) });
       }
-      return TenantDirectory.fromPairs(pairs, source);
+      return TenantDirectory.fromEntries(keys, source);
     }
-    const pairs: Array<[string, string]> = [];
+    const keys: KeyEntry[] = [];
     const lines = trimmed.split(/\r?\n/);
     for (let i = 0; i < lines.length; i++) {
       const line = lines[i]!.trim();
       if (line === "" || line.startsWith("#")) continue;
       const parts = line.split(/\s+/);
-      if (parts.length !== 2) {
+      const fields: Record<string, unknown> = {};
+      const extra = parts.slice(2);
+      const ok =
+        parts.length >= 2 &&
+        extra.every((f) => {
+          const m = /^([a-z_]+)=(-?\d+(?:\.\d+)?)$/.exec(f);
+          if (m !== null) fields[m[1]!] = Number(m[2]);
+          return m !== null;
+        });
+      if (!ok) {
         throw new KvfenceError(
           "config_invalid",
-          `${source}: line ${i + 1} must be "key tenant": ${JSON.stringify(mask(line))}`,
+          `${source}: line ${i + 1} must be "key tenant" (then optionally max_concurrency=N max_pages=N max_queue=N weight=N): ${JSON.stringify(mask(line))}`,
         );
       }
-      pairs.push([parts[0]!, parts[1]!]);
+      keys.push({
+        key: parts[0]!,
+        tenant: parts[1]!,
+        ...(extra.length === 0 ? {} : { limits: parseLimits(fields, `${source}: line ${i + 1}`) }),
+      });
     }
-    return TenantDirectory.fromPairs(pairs, source);
+    return TenantDirectory.fromEntries(keys, source);
   }
 
   /** Keys from `file` when given, else from `env` (`KVFENCE_API_KEYS`), else anonymous. */
@@ -147,6 +222,29 @@ export class TenantDirectory {
       return TenantDirectory.parse(options.env, "KVFENCE_API_KEYS");
     return TenantDirectory.anonymous();
   }
+}
+
+/** The fair-share fields of one key: integers from 0 (0: no cap), a weight from 1 to 100. */
+function parseLimits(fields: Record<string, unknown>, where: string): TenantOverrides {
+  const limits: Record<string, number> = {};
+  for (const [name, value] of Object.entries(fields)) {
+    const field = LIMIT_FIELDS[name as LimitField] as keyof TenantOverrides | undefined;
+    if (field === undefined) {
+      throw new KvfenceError(
+        "config_invalid",
+        `${where}: unknown field ${JSON.stringify(name)}; the fields are tenant, ${Object.keys(LIMIT_FIELDS).join(", ")}`,
+      );
+    }
+    const [min, max] = field === "weight" ? [1, 100] : [0, 0x7fff_ffff];
+    if (typeof value !== "number" || !Number.isInteger(value) || value < min || value > max) {
+      throw new KvfenceError(
+        "config_invalid",
+        `${where}: ${name} must be an integer from ${min} to ${max}${field === "weight" ? "" : " (0: no cap)"}: ${JSON.stringify(value)}`,
+      );
+    }
+    limits[field] = value;
+  }
+  return limits as TenantOverrides;
 }
 
 /** Show a key without revealing it. */

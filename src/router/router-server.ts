@@ -229,6 +229,7 @@ export class RouterServer {
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
       ["/health", { endpoint: "health", methods: ["GET"], handler: (c) => this.#health(c) }],
+      ["/ready", { endpoint: "ready", methods: ["GET"], handler: (c) => this.#ready(c) }],
       [
         "/metrics",
         { endpoint: "metrics", methods: ["GET"], handler: (c) => this.#metrics(c), operator: true },
@@ -437,6 +438,8 @@ export class RouterServer {
     if (!(err instanceof KvfenceError)) this.#log.error({ err }, "internal error while serving a request");
     const headers: Record<string, string> = {};
     if (status === 401) headers["WWW-Authenticate"] = "Bearer";
+    if (err instanceof KvfenceError && err.retryAfter !== undefined)
+      headers["Retry-After"] = String(err.retryAfter);
     boundUnreadBody(res.req, res);
     this.#sendJson(res, status, body, headers);
   }
@@ -609,12 +612,14 @@ export class RouterServer {
     this.#sendJson(ctx.res, 200, this.#modelObject());
   }
 
-  async #health(ctx: RequestContext): Promise<void> {
-    try {
-      await this.#engine.stats();
-    } catch (err) {
-      this.#log.warn({ err }, "health: the engine does not answer");
-      throw new KvfenceError("node_unavailable", "The engine does not answer: retry later");
+  /** Liveness: this process answers (and its engine can still serve); never waits on a node. */
+  #health(ctx: RequestContext): void {
+    const health = this.#engine.health?.();
+    if (health !== undefined && !health.live) {
+      throw new KvfenceError(
+        "node_unavailable",
+        `The server can no longer serve: ${health.reason}; restart it`,
+      );
     }
     this.#sendJson(
       ctx.res,
@@ -626,6 +631,25 @@ export class RouterServer {
             unsafe: { faults: this.#unsafe.faults, disabled_guards: this.#unsafe.disabledGuards },
           },
     );
+  }
+
+  /**
+   * Readiness, for a load balancer: 200 while a request sent now can be served, else 503
+   * `not_ready`. Answered from the state the engine keeps up to date in the background (pings
+   * with a deadline), so it never waits on a frozen node.
+   */
+  #ready(ctx: RequestContext): void {
+    const health = this.#engine.health?.();
+    if (health !== undefined && !health.ready) {
+      throw new KvfenceError("not_ready", `Not ready: ${health.reason ?? "unknown"}; retry later`, {
+        retryAfter: 1,
+      });
+    }
+    this.#sendJson(ctx.res, 200, {
+      status: "ready",
+      ...(health?.prefill === undefined ? {} : { prefill: health.prefill }),
+      ...(health?.decode === undefined ? {} : { decode: health.decode }),
+    });
   }
 
   async #metrics(ctx: RequestContext): Promise<void> {

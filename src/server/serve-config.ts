@@ -10,6 +10,7 @@ import { fileURLToPath } from "node:url";
 import { z } from "zod";
 import { parseNodeUrl } from "../cluster/cluster-router.js";
 import { KvfenceError } from "../lib/errors.js";
+import type { FairShareConfig, TenantOverrides } from "../lib/fair-share.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
 import {
   type FrontDoorTls,
@@ -67,6 +68,19 @@ const intText = (min: number, max = Number.MAX_SAFE_INTEGER) =>
     return n;
   });
 
+/** Seconds, decimals allowed ("30", "0.5"), above 0 and at most a day. */
+const secondsText = z.union([z.string(), z.number()]).transform((v, ctx) => {
+  const n = typeof v === "number" ? v : /^\s*\d+(?:\.\d+)?\s*$/.test(v) ? Number(v) : Number.NaN;
+  if (!(n > 0 && n <= 86_400)) {
+    ctx.addIssue({
+      code: "custom",
+      message: `must be seconds above 0, at most 86400: got ${JSON.stringify(v)}`,
+    });
+    return z.NEVER;
+  }
+  return n;
+});
+
 const byteSizeText = z.string().transform((v, ctx) => {
   const n = parseByteSize(v);
   if (n === null || n <= 0) {
@@ -119,6 +133,12 @@ export const serveConfigSchema = z
     httpsCert: z.string().min(1).optional(),
     httpsKey: z.string().min(1).optional(),
     insecurePlaintextLinks: z.boolean().default(false),
+    tenantMaxConcurrency: intText(0).optional(),
+    tenantMaxPages: intText(0).optional(),
+    tenantMaxQueue: intText(0).optional(),
+    maxQueue: intText(0).optional(),
+    queueTimeout: secondsText.optional(),
+    readyTimeout: secondsText.optional(),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   })
   .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
@@ -174,6 +194,12 @@ const FLAG: Record<string, string> = {
   httpsCert: "--https-cert",
   httpsKey: "--https-key",
   insecurePlaintextLinks: "--insecure-plaintext-links",
+  tenantMaxConcurrency: "--tenant-max-concurrency",
+  tenantMaxPages: "--tenant-max-pages",
+  tenantMaxQueue: "--tenant-max-queue",
+  maxQueue: "--max-queue",
+  queueTimeout: "--queue-timeout",
+  readyTimeout: "--ready-timeout",
 };
 
 /** Parse raw options once; every problem is reported with its flag. */
@@ -256,5 +282,24 @@ export function kernelOptions(config: ServeConfig): { kernels: "ts" | "wasm"; ke
   return {
     kernels: config.kernels,
     kernelThreads: (config.kernelThreads ?? (single ? 2 : 1)) as 1 | 2,
+  };
+}
+
+/**
+ * The fair share of a config (docs/api.md, "Fair sharing"): the flags, the number of tenants the
+ * API keys define and each tenant's own limits from the keys file.
+ */
+export function fairShareOf(
+  config: ServeConfig,
+  tenants: { readonly count: number; readonly limits: ReadonlyMap<number, TenantOverrides> },
+): FairShareConfig {
+  return {
+    tenants: Math.max(1, tenants.count),
+    tenantMaxConcurrency: config.tenantMaxConcurrency,
+    tenantMaxPages: config.tenantMaxPages,
+    tenantMaxQueue: config.tenantMaxQueue,
+    maxQueue: config.maxQueue,
+    queueTimeoutMs: config.queueTimeout === undefined ? undefined : Math.round(config.queueTimeout * 1000),
+    overrides: tenants.limits,
   };
 }

@@ -28,6 +28,7 @@ import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../top
 import { isLoopback } from "../transfer/tls-config.js";
 import {
   DEFAULT_KV_MEMORY_BYTES,
+  fairShareOf,
   kernelOptions,
   operatorListener,
   type ServeConfig,
@@ -72,6 +73,15 @@ async function assertCanListen(host: string, port: number, flag = "--port"): Pro
   });
 }
 
+/** A front door without TLS beyond loopback: prompts, answers and API keys cross the network readable. */
+function warnPlaintextFrontDoor(host: string, log: Logger): void {
+  if (isLoopback(host)) return;
+  log.warn(
+    { host },
+    "the HTTP front door listens beyond loopback without TLS: prompts, answers and API keys cross the network in plaintext; give --https-cert and --https-key or put a TLS proxy in front (docs/tls.md)",
+  );
+}
+
 /** Boot the server from a parsed config; `progress` receives the weight-loading line. */
 export async function startServer(
   config: ServeConfig,
@@ -80,12 +90,7 @@ export async function startServer(
   const log = options.logger;
   warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
   const tls = serveTls(config);
-  if (tls.frontDoor === undefined && !isLoopback(config.host)) {
-    log.warn(
-      { host: config.host },
-      "the HTTP front door listens beyond loopback without TLS: prompts, answers and API keys cross the network in plaintext; give --https-cert and --https-key or put a TLS proxy in front (docs/tls.md)",
-    );
-  }
+  if (tls.frontDoor === undefined) warnPlaintextFrontDoor(config.host, log);
 
   const modelConfig = loadModelConfig(config.model);
   const bytesPerPage = pageBytes(layoutOf(config, modelConfig));
@@ -124,6 +129,9 @@ export async function startServer(
     clusterSecret: config.clusterSecret,
     ...(tls.links === undefined ? {} : { linkTls: tls.links }),
     faults: config.unsafeFault,
+    fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
+    ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+    log,
   });
   const engine = served.engine;
   log.info(

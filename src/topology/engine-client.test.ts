@@ -61,7 +61,7 @@ async function waitIdle(handle: EngineClient): Promise<void> {
 }
 
 test("EngineClient.start() reports the worker engine's capacity", () => {
-  assert.deepEqual(client.capacity, { poolTokens: 256, pageSize: 4, maxModelLen: 256 });
+  assert.deepEqual(client.capacity, { poolTokens: 256, pageSize: 4, maxModelLen: 256, maxSequences: 8 });
 });
 
 test("EngineClient streams the same tokens as the in-thread engine", async () => {
@@ -130,4 +130,32 @@ test("EngineClient.close() ends open requests with node_unavailable", async () =
 
 test("EngineClient.start() rejects with the worker's error when the engine cannot be built", async () => {
   await assert.rejects(EngineClient.start({ ...OPTIONS, numPages: 0 }), { code: "config_invalid" });
+});
+
+test("EngineClient holds a tenant at its share in front of the worker; another tenant's request goes at once", async () => {
+  const own = await EngineClient.start(LONG, { fairShare: { tenants: 2, maxQueue: 8 } });
+  try {
+    assert.deepEqual(own.health(), { live: true, ready: true, reason: null });
+    // Eight sequence slots, two tenants: tenant 0 may have four requests in the worker.
+    const flood = Array.from({ length: 8 }, (_, i) =>
+      submitAndWait(own, request(30 + i, prompt(10, i + 1), 200, { tenant: 0 })),
+    );
+    assert.equal(own.fairShare.runningOf(0), 4);
+    assert.equal(own.fairShare.waitingOf(0), 4);
+    const other = submitAndWait(own, request(50, prompt(10, 9), 4, { tenant: 1 }));
+    assert.equal(own.fairShare.runningOf(1), 1, "tenant 1 is not behind tenant 0's queue");
+    const over = submitAndWait(own, request(60, prompt(10, 9), 4, { tenant: 0 }));
+    assert.equal(
+      (await over.done).error?.code,
+      "rate_limit_exceeded",
+      "tenant 0 has its 4 of 8 places waiting",
+    );
+    assert.equal((await other.done).finish, "length");
+    for (const f of flood) assert.equal((await f.done).finish, "length");
+    const s = await own.stats();
+    assert.equal(s.queue.waiting, 0);
+  } finally {
+    await own.close();
+  }
+  assert.equal(own.health().live, false, "a closed engine is not live");
 });

@@ -3,17 +3,26 @@
  * `stats` and `close` to `engine-worker.ts` over its port and turns the worker's per-step event
  * messages back into each request's `GenerationEvents`.
  *
+ * Requests wait here, fairly, not in the engine: a `FairShare` (src/lib/fair-share.ts) holds each
+ * tenant's queue, caps what each tenant may hold and bounds the queue, and posts a request to the
+ * worker only while fewer than `ENGINE_WINDOW` times the engine's sequence slots are there. So the
+ * engine's own first-come queue (which preemption needs) stays short and in fair order.
+ *
  * `abort(rid)` silences the request here at once (no event for it is delivered afterwards, even one
- * already in flight) and tells the worker, which frees the pages before its next step. Every
- * request gets exactly one terminal event (`onFinish` or `onError`) unless it was aborted; if the
- * worker dies or is closed, the requests still open end with `node_unavailable`.
+ * already in flight) and tells the worker, which frees the pages before its next step; a waiting
+ * request just leaves the queue. Every request gets exactly one terminal event (`onFinish` or
+ * `onError`) unless it was aborted; if the worker dies or is closed, the requests still open end
+ * with `node_unavailable`. Readiness (`health()`): the worker answers a ping between two steps,
+ * every `PING_INTERVAL_MS`; one unanswered past the deadline makes the engine not ready.
  */
 import { Worker } from "node:worker_threads";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
+import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import type {
   EngineCapacity,
   EngineHandle,
+  EngineHealth,
   EngineStats,
   GenerationEvents,
   GenerationRequest,
@@ -28,10 +37,30 @@ import {
 
 const WORKER_URL = new URL("./engine-worker.js", import.meta.url);
 
+/** The worker holds at most this many times its sequence slots of requests; the rest wait here. */
+export const ENGINE_WINDOW = 2;
+const PING_INTERVAL_MS = 200;
+const DEFAULT_PING_TIMEOUT_MS = 500;
+
+export interface EngineClientOptions {
+  /** Per-tenant caps, queue bounds and timeout. Default: one tenant. */
+  readonly fairShare?: FairShareConfig;
+  /** A worker whose pong takes longer is not ready. Default 500 ms. */
+  readonly pingTimeoutMs?: number;
+}
+
+interface Open {
+  readonly request: GenerationRequest;
+  readonly events: GenerationEvents;
+  /** The KV pages it may hold: its prompt and max_tokens. */
+  readonly pages: number;
+}
+
 export class EngineClient implements EngineHandle {
   readonly capacity: EngineCapacity;
   readonly #worker: Worker;
-  readonly #open = new Map<number, GenerationEvents>();
+  readonly #open = new Map<number, Open>();
+  readonly #share: FairShare<Open>;
   readonly #statsWaiters = new Map<
     number,
     { resolve: (s: EngineStats) => void; reject: (e: Error) => void }
@@ -39,23 +68,56 @@ export class EngineClient implements EngineHandle {
   #nextStatsId = 1;
   #down: WireError | null = null;
   #closing: Promise<void> | null = null;
+  readonly #pingTimeoutMs: number;
+  readonly #pingTimer: NodeJS.Timeout;
+  #ping: { readonly id: number; readonly timer: NodeJS.Timeout } | null = null;
+  #nextPingId = 1;
+  #answering = true;
 
-  private constructor(worker: Worker, capacity: EngineCapacity) {
+  private constructor(worker: Worker, capacity: EngineCapacity, options: EngineClientOptions) {
     this.#worker = worker;
     this.capacity = capacity;
+    const slots = capacity.maxSequences ?? 16;
+    this.#share = new FairShare<Open>(
+      resolveFairShare(options.fairShare ?? { tenants: 1 }, {
+        pages: Math.floor(capacity.poolTokens / capacity.pageSize),
+        slots,
+      }),
+      {
+        tenant: (o) => o.request.tenant,
+        pages: (o) => o.pages,
+        dispatch: (o) => {
+          this.#post({ type: "submit", request: o.request });
+          return true;
+        },
+        expire: (o, error) => {
+          this.#open.delete(o.request.rid);
+          o.events.onError(error);
+        },
+      },
+      { window: ENGINE_WINDOW * slots },
+    );
+    this.#pingTimeoutMs = options.pingTimeoutMs ?? DEFAULT_PING_TIMEOUT_MS;
+    this.#pingTimer = setInterval(() => this.#sendPing(), PING_INTERVAL_MS);
+    this.#pingTimer.unref();
     worker.on("message", (message: FromEngineWorker) => this.#onMessage(message));
     worker.on("error", (err) => this.#goDown(`Engine worker failed: ${err.message}`));
     worker.on("exit", (code) => this.#goDown(`Engine worker exited with code: ${code}`));
   }
 
+  /** The fair share in front of the worker (its queue and per-tenant counts). */
+  get fairShare(): FairShare<Open> {
+    return this.#share;
+  }
+
   /** Starts an engine worker and resolves once its model and pool are ready. */
-  static start(options: EngineBuildOptions): Promise<EngineClient> {
+  static start(options: EngineBuildOptions, client: EngineClientOptions = {}): Promise<EngineClient> {
     const worker = new Worker(WORKER_URL, { workerData: { tag: ENGINE_WORKER_TAG, options } });
     return new Promise((resolve, reject) => {
       const onMessage = (message: FromEngineWorker): void => {
         cleanup();
         if (message.type === "ready") {
-          resolve(new EngineClient(worker, message.capacity));
+          resolve(new EngineClient(worker, message.capacity, client));
         } else {
           void worker.terminate();
           reject(
@@ -107,22 +169,52 @@ export class EngineClient implements EngineHandle {
       queueMicrotask(() => events.onError(refusal));
       return;
     }
-    this.#open.set(request.rid, events);
-    this.#post({ type: "submit", request });
+    const open: Open = {
+      request,
+      events,
+      pages: Math.ceil((request.promptTokens.length + request.maxTokens) / this.capacity.pageSize),
+    };
+    this.#open.set(request.rid, open);
+    const full = this.#share.offer(open);
+    if (full !== null) {
+      this.#open.delete(request.rid);
+      queueMicrotask(() => events.onError(full));
+    }
   }
 
   abort(rid: number): void {
-    if (!this.#open.delete(rid)) return;
+    const open = this.#open.get(rid);
+    if (open === undefined) return;
+    this.#open.delete(rid);
+    if (this.#share.cancel(open)) return;
     this.#post({ type: "abort", rid });
+    this.#share.finished(open);
   }
 
+  health(): EngineHealth {
+    const live = this.#down === null;
+    const ready = live && this.#answering && this.#closing === null;
+    return {
+      live,
+      ready,
+      reason: !live
+        ? "the engine worker is gone"
+        : this.#closing !== null
+          ? "the server is shutting down"
+          : ready
+            ? null
+            : "the engine does not answer (a step is taking longer than the readiness deadline)",
+    };
+  }
+
+  /** The worker's stats; `queue.waiting` includes the requests waiting here, in the fair share. */
   stats(): Promise<EngineStats> {
     if (this.#down !== null) return Promise.reject(KvfenceError.fromWire(this.#down));
     const id = this.#nextStatsId++;
-    return new Promise((resolve, reject) => {
+    return new Promise<EngineStats>((resolve, reject) => {
       this.#statsWaiters.set(id, { resolve, reject });
       this.#post({ type: "stats", id });
-    });
+    }).then((s) => ({ ...s, queue: { ...s.queue, waiting: s.queue.waiting + this.#share.waiting } }));
   }
 
   close(): Promise<void> {
@@ -153,10 +245,31 @@ export class EngineClient implements EngineHandle {
     this.#worker.postMessage(message);
   }
 
+  #sendPing(): void {
+    if (this.#down !== null || this.#ping !== null) return;
+    const id = this.#nextPingId++;
+    const timer = setTimeout(() => {
+      // Read pongs that arrived while this thread was busy first (the poll phase runs after timers).
+      setImmediate(() => {
+        if (this.#ping?.id === id) this.#answering = false;
+      });
+    }, this.#pingTimeoutMs);
+    timer.unref();
+    this.#ping = { id, timer };
+    this.#post({ type: "ping", id });
+  }
+
   #onMessage(message: FromEngineWorker): void {
     switch (message.type) {
       case "events":
         this.#deliver(message);
+        break;
+      case "pong":
+        if (this.#ping?.id === message.id) {
+          clearTimeout(this.#ping.timer);
+          this.#ping = null;
+          this.#answering = true;
+        }
         break;
       case "stats": {
         const waiter = this.#statsWaiters.get(message.id);
@@ -187,23 +300,25 @@ export class EngineClient implements EngineHandle {
       const count = tokens[i + 1]!;
       const ids = tokens.slice(i + 2, i + 2 + count);
       i += 2 + count;
-      const events = this.#open.get(rid);
-      if (events !== undefined) call(() => events.onTokens(ids));
+      const open = this.#open.get(rid);
+      if (open !== undefined) call(() => open.events.onTokens(ids));
     }
     for (let i = 0; i < finishes.length; i += 4) {
       const rid = finishes[i]!;
-      const events = this.#open.get(rid);
-      if (events === undefined) continue;
+      const open = this.#open.get(rid);
+      if (open === undefined) continue;
       this.#open.delete(rid);
+      this.#share.finished(open);
       const reason = FINISH_REASONS[finishes[i + 1]!]!;
       const usage = { promptTokens: finishes[i + 2]!, completionTokens: finishes[i + 3]! };
-      call(() => events.onFinish(reason, usage));
+      call(() => open.events.onFinish(reason, usage));
     }
     for (const { rid, error } of errors) {
-      const events = this.#open.get(rid);
-      if (events === undefined) continue;
+      const open = this.#open.get(rid);
+      if (open === undefined) continue;
       this.#open.delete(rid);
-      call(() => events.onError(error));
+      this.#share.finished(open);
+      call(() => open.events.onError(error));
     }
     if (failed) throw firstError;
   }
@@ -213,9 +328,12 @@ export class EngineClient implements EngineHandle {
     if (this.#down !== null) return;
     const error: WireError = { code: "node_unavailable", message };
     this.#down = error;
+    clearInterval(this.#pingTimer);
+    if (this.#ping !== null) clearTimeout(this.#ping.timer);
+    this.#share.close(error);
     const open = [...this.#open.values()];
     this.#open.clear();
-    for (const events of open) events.onError(error);
+    for (const o of open) o.events.onError(error);
     for (const waiter of this.#statsWaiters.values()) waiter.reject(KvfenceError.fromWire(error));
     this.#statsWaiters.clear();
   }

@@ -10,6 +10,8 @@ export type ToEngineWorker =
   | { readonly type: "submit"; readonly request: GenerationRequest }
   | { readonly type: "abort"; readonly rid: number }
   | { readonly type: "stats"; readonly id: number }
+  /** Readiness: answer `pong` at once (between two engine steps). */
+  | { readonly type: "ping"; readonly id: number }
   | { readonly type: "close" };
 
 /** Finish reasons as numbers in `EngineEventsMessage.finishes`. */
@@ -31,6 +33,7 @@ export type FromEngineWorker =
   | { readonly type: "failed"; readonly error: WireError }
   | EngineEventsMessage
   | { readonly type: "stats"; readonly id: number; readonly stats: EngineStats }
+  | { readonly type: "pong"; readonly id: number }
   | { readonly type: "closed" };
 
 /** Marks `workerData` as ours, so importing this module elsewhere never starts a worker. */

@@ -93,6 +93,9 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
       case "stats":
         port.postMessage({ type: "stats", id: message.id, stats: engine.stats() } satisfies FromEngineWorker);
         break;
+      case "ping":
+        port.postMessage({ type: "pong", id: message.id } satisfies FromEngineWorker);
+        return;
       case "close":
         closed = true;
         engine.failAll({

@@ -12,6 +12,8 @@ import { connectCluster } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
+import type { FairShareConfig } from "../lib/fair-share.js";
+import type { Logger } from "../lib/logger.js";
 import type { MetricsRegistry } from "../lib/metrics.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
@@ -40,6 +42,12 @@ export interface ServeEngineOptions {
   readonly disabledGuards?: readonly string[];
   /** The prefill node's pool in pages, when it differs from `engine.numPages`. */
   readonly prefillNumPages?: number;
+  /** Per-tenant caps, queue bounds and the queue timeout (`--tenant-max-*`, `--max-queue`, `--queue-timeout`). */
+  readonly fairShare?: FairShareConfig;
+  /** `--ready-timeout`: a node (or the engine) whose readiness ping takes longer is not ready. */
+  readonly pingTimeoutMs?: number;
+  /** The router process: lost nodes re-dialled, refused ones. */
+  readonly log?: Logger;
 }
 
 export interface ServeEngine {
@@ -82,6 +90,8 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
       ...(options.linkTls === undefined ? {} : { tls: options.linkTls }),
       maxModelLen: options.maxModelLen,
       safety,
+      ...shared(options),
+      ...(options.log === undefined ? {} : { log: options.log }),
     });
     return disaggregated(engine, "processes", () => engine.close());
   }
@@ -89,7 +99,7 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
     throw new KvfenceError("config_invalid", "The server needs a model: none loaded");
   const engineOptions: EngineBuildOptions = { ...options.engine, model: options.model };
   if (!options.disaggregation) {
-    const engine = await EngineClient.start(engineOptions);
+    const engine = await EngineClient.start(engineOptions, shared(options));
     return { engine, topology: "single", registerMetrics: () => {}, close: () => engine.close() };
   }
   const topo = await startThreadedTopology({
@@ -101,8 +111,17 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
     maxModelLen: options.maxModelLen,
     safety,
     faults: options.faults,
+    ...shared(options),
   });
   return disaggregated(topo.engine, "threads", () => topo.close());
+}
+
+/** The fair share and the readiness deadline, as every topology takes them. */
+function shared(options: ServeEngineOptions): { fairShare?: FairShareConfig; pingTimeoutMs?: number } {
+  return {
+    ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
+    ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
+  };
 }
 
 function disaggregated(

@@ -14,6 +14,7 @@ import type { FromNode, NodeHello } from "../cluster/node-messages.js";
 import { WorkerLink } from "../cluster/worker-link.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
+import type { FairShareConfig } from "../lib/fair-share.js";
 import type { NodeHostOptions } from "../node/node-host.js";
 import { NODE_WORKER_TAG, type NodeWorkerReply, type NodeWorkerSetup } from "../node/node-worker.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
@@ -30,6 +31,10 @@ export interface ThreadedTopologyOptions {
   readonly safety?: Safety;
   /** `--unsafe-fault` names, passed to both nodes. */
   readonly faults?: readonly string[];
+  /** Per-tenant caps, queue bounds and timeout at the router. */
+  readonly fairShare?: FairShareConfig;
+  /** A node whose readiness ping takes longer is not ready. */
+  readonly pingTimeoutMs?: number;
 }
 
 export interface ThreadedTopology {
@@ -101,6 +106,8 @@ export async function startThreadedTopology(options: ThreadedTopologyOptions): P
     decode: [decode],
     maxModelLen: options.maxModelLen,
     safety: options.safety ?? SAFE,
+    ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
+    ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
   });
   const prefillWorker = p.value.worker;
   const decodeWorker = d.value.worker;

@@ -75,7 +75,7 @@ export interface ClusterBenchResult {
 const now = (): bigint => process.hrtime.bigint();
 
 /** Prompt `i`: the bundled model's record-lookup shape, `chars` long, distinct per request. */
-function prompt(i: number, chars: number): string {
+export function prompt(i: number, chars: number): string {
   const records: string[] = [];
   let text = "";
   for (let k = 0; text.length < chars - 60; k++) {
@@ -88,18 +88,22 @@ function prompt(i: number, chars: number): string {
   return `${text} what is the access code of account ${1000 + ((i * 37) % 9000)}?`;
 }
 
-/** Where a round's chats go: a cluster's URL, its model, and every request's max_tokens. */
-interface Target {
+/** Where a round's chats go: a cluster's URL, its model, every request's max_tokens, an API key if any. */
+export interface Target {
   readonly url: string;
   readonly model: string;
   readonly maxTokens: number;
+  readonly apiKey?: string;
 }
 
-/** One greedy chat completion; resolves with its text and output tokens. */
+/** One greedy chat completion (with the target's API key if any): its text and output tokens. */
 async function chat(target: Target, content: string): Promise<{ text: string; tokens: number }> {
   const res = await fetch(`${target.url}/v1/chat/completions`, {
     method: "POST",
-    headers: { "content-type": "application/json" },
+    headers: {
+      "content-type": "application/json",
+      ...(target.apiKey === undefined ? {} : { authorization: `Bearer ${target.apiKey}` }),
+    },
     body: JSON.stringify({
       model: target.model,
       messages: [{ role: "user", content }],
@@ -117,7 +121,7 @@ async function chat(target: Target, content: string): Promise<{ text: string; to
 }
 
 /** Runs `prompts` through `target` with `concurrency` in flight; wall time and answers in order. */
-async function round(
+export async function round(
   target: Target,
   prompts: readonly string[],
   concurrency: number,

@@ -1,10 +1,11 @@
 /**
  * A double-ended queue over a ring buffer: the engine's waiting queue, which admits from the front
- * (FIFO) and puts a preempted request back at the front. `Array.prototype.shift`/`unshift` move
- * every element on each call — O(queue) per admission, with a queue of hundreds of requests under
- * load — where this is O(1): a head index into a power-of-two buffer that doubles when full (the
- * only allocation, amortised; it never shrinks). Removing an element from the middle (an abort of
- * a waiting request) is O(queue) and keeps the order.
+ * (FIFO) and puts a preempted request back at the front, and each tenant's queue in the fair
+ * queue (`fair-queue.ts`). `Array.prototype.shift`/`unshift` move every element on each call —
+ * O(queue) per admission, with a queue of hundreds of requests under load — where this is O(1): a
+ * head index into a power-of-two buffer that doubles when full (the only allocation, amortised; it
+ * never shrinks). Removing an element from the middle (an abort of a waiting request) is O(queue)
+ * and keeps the order.
  */
 export class Deque<T> {
   #items: (T | undefined)[];

@@ -47,6 +47,8 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", { timeout: 120_00
       kvPages: 256,
       maxModelLen: 1024,
       apiKeys: KEYS,
+      // These tests count requests per tenant by name (opaque ids are the default: operator-endpoints.e2e.test).
+      metricsTenantNames: true,
     });
     alpha = new OpenAI({ baseURL: server.baseURL, apiKey: "sk-alpha-tenant-1", maxRetries: 0 });
     beta = new OpenAI({ baseURL: server.baseURL, apiKey: "sk-beta-tenant-22", maxRetries: 0 });
@@ -389,7 +391,11 @@ describe("kvfence serve end to end: client disconnect", { timeout: 60_000 }, () 
       if (f === "config.json") json.max_position_embeddings = ENDLESS_WINDOW;
       writeFileSync(join(dir, f), JSON.stringify(json));
     }
-    server = await startTestServer({ model: dir, kvPages: ENDLESS_WINDOW / 16 + 16 });
+    server = await startTestServer({
+      model: dir,
+      kvPages: ENDLESS_WINDOW / 16 + 16,
+      metricsTenantNames: true,
+    });
   });
   after(async () => {
     await server.close();

@@ -7,6 +7,7 @@
  * and SGLang that clients of those servers send (`EXTENSIONS`). Other unknown fields are ignored, as
  * vLLM and SGLang do (OpenAI refuses them), so that clients adding new harmless fields keep working.
  */
+import { configure } from "safe-stable-stringify";
 import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
 
@@ -133,6 +134,19 @@ function describe(value: unknown): string {
   return `a ${typeof value}`;
 }
 
+const boundedJson = configure({ maximumDepth: 3, maximumBreadth: 5, deterministic: false });
+const QUOTE_CHARS = 100;
+
+/**
+ * A client's value as an error message quotes it: JSON at most 3 levels deep and 5 items wide, cut
+ * at 100 characters. (JSON.stringify of the value itself overflowed the stack on a `guided_json`
+ * nested 100,000 deep: a 500 instead of the 400.)
+ */
+function quote(value: unknown): string {
+  const text = boundedJson(value) ?? String(value);
+  return text.length > QUOTE_CHARS ? `${text.slice(0, QUOTE_CHARS)}…` : text;
+}
+
 function refuse(param: string, message: string): never {
   throw new KvfenceError("invalid_request", message, { param });
 }
@@ -148,7 +162,7 @@ const empty = (v: unknown): boolean => v == null || (Array.isArray(v) && v.lengt
  * Request fields of vLLM and SGLang that change the answer, with the values that do not: a request
  * with any other value is refused, where it would otherwise be served as if the field were absent.
  */
-const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
+export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   repetition_penalty: equals(1),
   length_penalty: equals(1),
   min_p: equals(0),
@@ -175,10 +189,7 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
   for (const [name, neutral] of Object.entries(EXTENSIONS)) {
     const value = (body as Record<string, unknown>)[name];
     if (!neutral(value)) {
-      refuse(
-        name,
-        `${name} (a vLLM/SGLang extension) is not supported: leave it unset; got ${JSON.stringify(value)}`,
-      );
+      refuse(name, `${name} (a vLLM/SGLang extension) is not supported: leave it unset; got ${quote(value)}`);
     }
   }
   if (req.n !== undefined && req.n !== null && req.n !== 1) {
@@ -192,7 +203,7 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
   if (req.response_format != null && req.response_format.type !== "text") {
     refuse(
       "response_format",
-      `response_format ${JSON.stringify(req.response_format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
+      `response_format ${quote(req.response_format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
     );
   }
   if (req.stream_options != null && req.stream !== true) {

@@ -3,10 +3,10 @@
  * disconnect is seen at once (`res` "close") and turned into `engine.abort`, which frees the
  * request's KV pages.
  *
- * Per request: route → method → API key (tenant) → body (size limit, strict UTF-8, JSON) → zod
- * validation → model → chat template + tokenize → admission → engine. Every failure on that path is
- * a KvfenceError rendered once, by `#sendError`, through `toOpenAiError`. A request refused at
- * admission never reaches the engine, so nothing is allocated for it.
+ * Per request: route → method → API key (tenant) → body (Content-Type, size limit, strict UTF-8,
+ * JSON) → zod validation → model → chat template + tokenize → admission → engine. Every failure on
+ * that path is a KvfenceError rendered once, by `#sendError`, through `toOpenAiError`. A request
+ * refused at admission never reaches the engine, so nothing is allocated for it.
  *
  * Streaming responses write their headers on the first engine event, not before: an error the
  * engine raises before the first token (its own admission door, a page-tag mismatch) still reaches
@@ -23,6 +23,7 @@ import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import type { Tenant, TenantDirectory } from "./api-keys.js";
+import { answerClientError } from "./client-error.js";
 import { type FinishReason, Generation, type TextStreamDecoder, type Usage } from "./generation.js";
 import {
   chatChunk,
@@ -39,7 +40,7 @@ import {
   parseCompletionRequest,
   type SamplingRequest,
 } from "./openai-schemas.js";
-import { parseJsonBody, readBody } from "./read-body.js";
+import { checkJsonContentType, parseJsonBody, readBody } from "./read-body.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
 import { SseWriter, sseFrame } from "./sse.js";
 
@@ -161,13 +162,15 @@ export class RouterServer {
       ["/kvfence/nodes", { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c) }],
     ]);
     const handle = (req: IncomingMessage, res: ServerResponse): void => {
-      void this.#handle(req, res);
+      // #handle answers every error itself; this only keeps a bug from becoming a crash.
+      this.#handle(req, res).catch((err: unknown) => this.#sendError(res, err));
     };
     this.#scheme = options.https === undefined ? "http" : "https";
     this.#server =
       options.https === undefined
         ? createServer({ noDelay: true, keepAliveTimeout: 5000 }, handle)
         : createHttpsServer({ ...options.https, noDelay: true, keepAliveTimeout: 5000 }, handle);
+    this.#server.on("clientError", answerClientError);
   }
 
   /** Listen on `host:port` (port 0 = any free port); resolves to the base URL. */
@@ -212,20 +215,29 @@ export class RouterServer {
   }
 
   async #handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    // `new URL` throws on some targets (`//`, `http://[::1`): they get a 400, not an unhandled throw.
+    const target = req.url ?? "/";
+    const valid = URL.canParse(target, "http://localhost");
     const ctx: RequestContext = {
       req,
       res,
-      url: new URL(req.url ?? "/", "http://localhost"),
+      url: new URL(valid ? target : "/", "http://localhost"),
       receivedAt: performance.now(),
       tenant: null,
     };
-    const route = this.#route(ctx.url.pathname);
+    const route = valid ? this.#route(ctx.url.pathname) : undefined;
     const endpoint: Endpoint = route?.endpoint ?? "other";
     res.on("close", () => {
       const status = res.writableFinished ? res.statusCode : 499;
       this.metrics.requests.inc({ tenant: ctx.tenant?.name ?? "-", endpoint, status });
     });
     try {
+      if (!valid) {
+        throw new KvfenceError(
+          "invalid_request",
+          `The request target is not a valid path: ${target.slice(0, 100)}; send a path such as /v1/models`,
+        );
+      }
       if (route === undefined) {
         throw new KvfenceError(
           "not_found",
@@ -318,6 +330,7 @@ export class RouterServer {
   }
 
   async #readJson(ctx: RequestContext): Promise<unknown> {
+    checkJsonContentType(ctx.req.headers["content-type"]);
     return parseJsonBody(await readBody(ctx.req, this.#maxBodyBytes));
   }
 
@@ -504,7 +517,16 @@ export class RouterServer {
   }
 
   #model_(ctx: RequestContext, id: string): void {
-    this.#checkModel(decodeURIComponent(id));
+    let decoded: string;
+    try {
+      decoded = decodeURIComponent(id);
+    } catch {
+      throw new KvfenceError(
+        "invalid_request",
+        `The model id in the path is not valid percent-encoding: ${id.slice(0, 100)}; encode it as UTF-8, e.g. with encodeURIComponent`,
+      );
+    }
+    this.#checkModel(decoded);
     this.#sendJson(ctx.res, 200, this.#modelObject());
   }
 

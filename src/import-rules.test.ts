@@ -50,7 +50,7 @@ export const RULES: Record<string, Rule> = {
   topology: { src: ["topology", "cluster", "node", "engine", "model", "protocol", "transfer", "lib"] },
   router: {
     src: ["router", "protocol", "lib", "model/tokenizer.ts"],
-    packages: ["zod"],
+    packages: ["zod", "content-type"],
   },
   server: {
     src: [

@@ -58,7 +58,7 @@ import { FairQueue } from "../lib/fair-queue.js";
 import { Prng } from "../lib/prng.js";
 import type { StepSequence } from "../model/forward.js";
 import type { ModelConfig } from "../model/model-config.js";
-import { Sampler } from "../model/sampler.js";
+import { MIN_TEMPERATURE, Sampler } from "../model/sampler.js";
 import type {
   EngineCapacity,
   EngineStats,
@@ -406,7 +406,7 @@ export class Engine {
       seq.generated = 1;
       // Prefill drew the first token from the same seeded generator: skip its draw, so a seeded
       // request samples the same tokens as on one engine (the sampler draws once per token).
-      if (request.temperature > 0 && request.topK !== 1) seq.rng.next();
+      if (request.temperature >= MIN_TEMPERATURE && request.topK !== 1) seq.rng.next();
     }
     this.#enqueue(seq);
   }

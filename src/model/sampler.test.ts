@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { heapGrowthPerRound } from "../../testing/heap-growth.js";
 import { Prng } from "../lib/prng.js";
-import { argmax, GREEDY, Sampler } from "./sampler.js";
+import { argmax, GREEDY, MIN_TEMPERATURE, Sampler } from "./sampler.js";
 
 function logitsOf(probs: number[]): Float32Array {
   return Float32Array.from(probs.map((p) => Math.log(p)));
@@ -34,6 +34,21 @@ describe("Sampler", () => {
     assert.equal(s.sample(logits, GREEDY, rng), 2);
     assert.equal(s.sample(logits, { temperature: 1, topK: 1, topP: 1 }, rng), 2);
     assert.equal(rng.nextUint32(), new Prng(5).nextUint32());
+  });
+
+  it("Sampler.sample() is greedy below MIN_TEMPERATURE, where 1/T overflows (it used to hang with top_p)", () => {
+    const s = new Sampler(4);
+    const logits = Float32Array.from([0.1, 0.3, 2, -1]);
+    for (const temperature of [5e-324, 3.5e-323, 1e-310, 1e-6]) {
+      for (const topP of [1, 0.5, 0.005]) {
+        assert.equal(
+          s.sample(logits, { temperature, topK: 0, topP }, new Prng(1)),
+          2,
+          `T=${temperature} p=${topP}`,
+        );
+      }
+    }
+    assert.ok(MIN_TEMPERATURE <= 1e-5);
   });
 
   it("Sampler.sample() draws in proportion to softmax(logits / T)", () => {

@@ -13,13 +13,20 @@ import { KvfenceError } from "../lib/errors.js";
 import type { Prng } from "../lib/prng.js";
 
 export interface SamplingParams {
-  /** 0 (or any value ≤ 0) means greedy. */
+  /** Below `MIN_TEMPERATURE` (0 included) means greedy. */
   readonly temperature: number;
   /** Keep only the k most likely tokens; 0 disables. */
   readonly topK: number;
   /** Keep the smallest set of most likely tokens whose mass reaches p; 1 disables. */
   readonly topP: number;
 }
+
+/**
+ * Temperatures below this are greedy, as in vLLM: dividing logits by a temperature near 0 overflows
+ * (1 / 5e-324 is Infinity, and 0 × Infinity is NaN), and a NaN probability mass would make the
+ * nucleus search below loop forever, freezing the engine for every request.
+ */
+export const MIN_TEMPERATURE = 1e-5;
 
 export const GREEDY: SamplingParams = Object.freeze({ temperature: 0, topK: 0, topP: 1 });
 
@@ -75,7 +82,7 @@ export class Sampler {
   sample(logits: Float32Array, params: SamplingParams, rng: Prng): number {
     const vocab = this.vocabSize;
     let topK = params.topK;
-    if (params.temperature <= 0 || topK === 1) return argmax(logits);
+    if (params.temperature < MIN_TEMPERATURE || topK === 1) return argmax(logits);
     if (topK <= 0 || topK > vocab) topK = vocab;
     const s = this.#scratch;
     let n = weigh(s, logits, topK, params);

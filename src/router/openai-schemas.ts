@@ -173,7 +173,7 @@ const empty = (v: unknown): boolean => v == null || (Array.isArray(v) && v.lengt
  * Request fields of vLLM and SGLang that change the answer, with the values that do not: a request
  * with any other value is refused, where it would otherwise be served as if the field were absent.
  */
-const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
+export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   repetition_penalty: equals(1),
   length_penalty: equals(1),
   min_p: equals(0),

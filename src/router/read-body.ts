@@ -1,11 +1,52 @@
 /**
  * Reads a request body as JSON with a size limit: a declared `Content-Length` over the limit is
  * refused before any byte is read; a body that grows past it is refused as soon as it does. The
- * bytes must be valid UTF-8 (decoded with a fatal decoder, never replaced with U+FFFD). A request
+ * bytes must be valid UTF-8 (decoded with a fatal decoder, never replaced with U+FFFD). The body
+ * must be declared as JSON first (`checkJsonContentType`, docs/api.md "Content-Type"). A request
  * answered before its body was read gets at most a bounded amount of it read (`boundUnreadBody`).
  */
 import type { IncomingMessage, ServerResponse } from "node:http";
+import { parse as parseContentType } from "content-type";
 import { KvfenceError } from "../lib/errors.js";
+
+const SEND_JSON = "send the body as JSON with the header Content-Type: application/json";
+
+/**
+ * Refuses (415 `unsupported_content_type`) a body not declared as `application/json` (any case,
+ * parameters allowed; a charset, if given, must be utf-8). A missing Content-Type is refused too,
+ * as vLLM and SGLang do: the `openai` clients always send application/json, and `curl -d` without
+ * `-H` sends application/x-www-form-urlencoded, which would otherwise be read as JSON by luck.
+ */
+export function checkJsonContentType(header: string | undefined): void {
+  if (header === undefined || header.trim() === "") {
+    throw new KvfenceError("unsupported_content_type", `Missing Content-Type: ${SEND_JSON}`);
+  }
+  const shown = header.length > 100 ? `${header.slice(0, 100)}…` : header;
+  let parsed: { type: string; parameters: Record<string, string | undefined> };
+  try {
+    parsed = parseContentType(header);
+  } catch {
+    throw new KvfenceError("unsupported_content_type", `Malformed Content-Type: ${shown}; ${SEND_JSON}`);
+  }
+  const { type, parameters } = parsed;
+  if (type !== "application/json") {
+    const curl =
+      type === "application/x-www-form-urlencoded"
+        ? ` (curl -d sends application/x-www-form-urlencoded: add -H "Content-Type: application/json")`
+        : "";
+    throw new KvfenceError(
+      "unsupported_content_type",
+      `Unsupported Content-Type: ${shown}; ${SEND_JSON}${curl}`,
+    );
+  }
+  const charset = parameters.charset?.toLowerCase();
+  if (charset !== undefined && charset !== "utf-8" && charset !== "utf8") {
+    throw new KvfenceError(
+      "unsupported_content_type",
+      `Unsupported charset in Content-Type: ${shown}; send the JSON encoded as UTF-8, with charset=utf-8 or no charset`,
+    );
+  }
+}
 
 function tooLarge(limitBytes: number, got: number | string): KvfenceError {
   return new KvfenceError(

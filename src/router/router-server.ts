@@ -3,10 +3,10 @@
  * disconnect is seen at once (`res` "close") and turned into `engine.abort`, which frees the
  * request's KV pages.
  *
- * Per request: route → method → API key (tenant) → body (size limit, strict UTF-8, JSON) → zod
- * validation → model → chat template + tokenize → admission → engine. Every failure on that path is
- * a KvfenceError rendered once, by `#sendError`, through `toOpenAiError`. A request refused at
- * admission never reaches the engine, so nothing is allocated for it.
+ * Per request: route → method → API key (tenant) → body (Content-Type, size limit, strict UTF-8,
+ * JSON) → zod validation → model → chat template + tokenize → admission → engine. Every failure on
+ * that path is a KvfenceError rendered once, by `#sendError`, through `toOpenAiError`. A request
+ * refused at admission never reaches the engine, so nothing is allocated for it.
  *
  * Streaming responses write their headers on the first engine event, not before: an error the
  * engine raises before the first token (its own admission door, a page-tag mismatch) still reaches
@@ -24,6 +24,7 @@ import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
+import { answerClientError } from "./client-error.js";
 import {
   type FinishReason,
   Generation,
@@ -47,7 +48,7 @@ import {
   PROMPT_KINDS,
   type PromptTokenizer,
 } from "./prepare-request.js";
-import { boundUnreadBody, readBody } from "./read-body.js";
+import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
 import { SseWriter, sseFrame } from "./sse.js";
@@ -240,13 +241,15 @@ export class RouterServer {
       ],
     ]);
     const handle = (req: IncomingMessage, res: ServerResponse): void => {
-      void this.#handle(req, res, "front");
+      // #handle answers every error itself; this only keeps a bug from becoming a crash.
+      this.#handle(req, res, "front").catch((err: unknown) => this.#sendError(res, err));
     };
     this.#scheme = options.https === undefined ? "http" : "https";
     this.#server =
       options.https === undefined
         ? createServer({ noDelay: true, keepAliveTimeout: 5000 }, handle)
         : createHttpsServer({ ...options.https, noDelay: true, keepAliveTimeout: 5000 }, handle);
+    this.#server.on("clientError", answerClientError);
   }
 
   /** Listen on `host:port` (port 0 = any free port); resolves to the base URL. */
@@ -271,8 +274,9 @@ export class RouterServer {
    */
   listenOperator(port: number, host: string): Promise<string> {
     const server = createServer({ noDelay: true, keepAliveTimeout: 5000 }, (req, res) => {
-      void this.#handle(req, res, "operator");
+      this.#handle(req, res, "operator").catch((err: unknown) => this.#sendError(res, err));
     });
+    server.on("clientError", answerClientError);
     this.#operatorServer = server;
     return new Promise((resolve, reject) => {
       const onError = (err: Error) => reject(err);
@@ -318,14 +322,17 @@ export class RouterServer {
   }
 
   async #handle(req: IncomingMessage, res: ServerResponse, listener: Listener): Promise<void> {
+    // `new URL` throws on some targets (`//`, `http://[::1`): they get a 400, not an unhandled throw.
+    const target = req.url ?? "/";
+    const valid = URL.canParse(target, "http://localhost");
     const ctx: RequestContext = {
       req,
       res,
-      url: new URL(req.url ?? "/", "http://localhost"),
+      url: new URL(valid ? target : "/", "http://localhost"),
       receivedAt: performance.now(),
       tenant: null,
     };
-    const route = this.#route(ctx.url.pathname, listener);
+    const route = valid ? this.#route(ctx.url.pathname, listener) : undefined;
     const endpoint: Endpoint = route?.endpoint ?? "other";
     res.on("close", () => {
       const status = res.writableFinished ? res.statusCode : 499;
@@ -333,6 +340,12 @@ export class RouterServer {
       this.metrics.requests.inc({ tenant, endpoint, status });
     });
     try {
+      if (!valid) {
+        throw new KvfenceError(
+          "invalid_request",
+          `The request target is not a valid path: ${target.slice(0, 100)}; send a path such as /v1/models`,
+        );
+      }
       if (route === undefined) {
         const shown = ctx.url.pathname.length > 100 ? `${ctx.url.pathname.slice(0, 100)}…` : ctx.url.pathname;
         throw new KvfenceError(
@@ -446,7 +459,7 @@ export class RouterServer {
 
   /** A generation endpoint: body → prompt → admission → engine, answered in `kind`'s shapes. */
   async #generate(ctx: RequestContext, kind: GenerateEndpoint): Promise<void> {
-    checkJsonContentType(ctx.req);
+    checkJsonContentType(ctx.req.headers["content-type"]);
     const body = await readBody(ctx.req, this.#maxBodyBytes);
     const { parsed, promptTokens } = await this.#preparer.prepare(kind.endpoint, body);
     const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, kind.param);
@@ -679,28 +692,6 @@ export class RouterServer {
     };
     this.#sendJson(ctx.res, 200, body);
   }
-}
-
-/** POST bodies are JSON: any other declared Content-Type gets 415 before a byte is read. */
-function checkJsonContentType(req: IncomingMessage): void {
-  const header = req.headers["content-type"];
-  if (header === undefined) return;
-  const [type = "", ...params] = header.split(";");
-  const mediaType = type.trim().toLowerCase();
-  const charset = params
-    .map((p) => p.trim().toLowerCase())
-    .find((p) => p.startsWith("charset="))
-    ?.slice("charset=".length)
-    .replace(/^"(.*)"$/, "$1");
-  if (
-    mediaType === "application/json" &&
-    (charset === undefined || charset === "utf-8" || charset === "utf8")
-  )
-    return;
-  throw new KvfenceError(
-    "unsupported_media_type",
-    `Unsupported Content-Type: ${header.length > 64 ? `${header.slice(0, 64)}…` : header}; send the body as JSON with Content-Type: application/json`,
-  );
 }
 
 /** A percent-encoded path segment, or `invalid_request` when it is not valid percent-encoding. */

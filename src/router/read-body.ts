@@ -51,7 +51,7 @@ export function checkJsonContentType(header: string | undefined): void {
 function tooLarge(limitBytes: number, got: number | string): KvfenceError {
   return new KvfenceError(
     "payload_too_large",
-    `Request body is larger than the limit of ${limitBytes} bytes: ${got} bytes; shorten the prompt`,
+    `Request body is larger than the limit of ${limitBytes} bytes (the server's --max-body-bytes): ${got} bytes; shorten the prompt`,
   );
 }
 

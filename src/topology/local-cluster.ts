@@ -95,7 +95,8 @@ function startChild(
   });
 }
 
-async function stop(child: ChildProcess): Promise<void> {
+/** SIGTERM, then SIGKILL after 5 s; resolves when the process has exited. */
+export async function stopProcess(child: ChildProcess): Promise<void> {
   if (child.exitCode !== null || child.signalCode !== null) return;
   await new Promise<void>((resolve) => {
     const timer = setTimeout(() => child.kill("SIGKILL"), 5000);
@@ -174,9 +175,9 @@ export async function startNodeProcesses(
   const started: ChildProcess[] = [];
   try {
     const { prefill, decode } = await startNodes(options, env, started);
-    return { secret, prefill, decode, close: async () => void (await Promise.all(started.map(stop))) };
+    return { secret, prefill, decode, close: async () => void (await Promise.all(started.map(stopProcess))) };
   } catch (err) {
-    await Promise.all(started.map(stop));
+    await Promise.all(started.map(stopProcess));
     throw err;
   }
 }
@@ -221,12 +222,12 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
       prefill,
       decode,
       async close() {
-        await stop(router.process);
-        await Promise.all([...prefill, ...decode].map((c) => stop(c.process)));
+        await stopProcess(router.process);
+        await Promise.all([...prefill, ...decode].map((c) => stopProcess(c.process)));
       },
     };
   } catch (err) {
-    await Promise.all(started.map(stop));
+    await Promise.all(started.map(stopProcess));
     throw err;
   }
 }

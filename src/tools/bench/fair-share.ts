@@ -25,6 +25,7 @@ import { fileURLToPath } from "node:url";
 import { Command, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
+import { stopProcess } from "../../topology/local-cluster.js";
 import { prompt, round } from "./cluster.js";
 import { positiveInt } from "./transfer.js";
 
@@ -114,18 +115,6 @@ function serve(
   });
 }
 
-async function stop(child: ChildProcess): Promise<void> {
-  if (child.exitCode !== null || child.signalCode !== null) return;
-  await new Promise<void>((resolve) => {
-    const timer = setTimeout(() => child.kill("SIGKILL"), 5000);
-    child.once("exit", () => {
-      clearTimeout(timer);
-      resolve();
-    });
-    child.kill("SIGTERM");
-  });
-}
-
 /** A server of `topology` from the build whose CLI is `main`, with `routerArgs` on its front door. */
 async function startArm(
   main: string,
@@ -142,7 +131,7 @@ async function startArm(
         {},
       );
       children.push(s.child);
-      return { url: s.url, close: async () => void (await Promise.all(children.map(stop))) };
+      return { url: s.url, close: async () => void (await Promise.all(children.map(stopProcess))) };
     }
     const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
     const [p, d] = await Promise.all([
@@ -156,9 +145,9 @@ async function startArm(
       env,
     );
     children.push(r.child);
-    return { url: r.url, close: async () => void (await Promise.all(children.reverse().map(stop))) };
+    return { url: r.url, close: async () => void (await Promise.all(children.reverse().map(stopProcess))) };
   } catch (err) {
-    await Promise.all(children.map(stop));
+    await Promise.all(children.map(stopProcess));
     throw err;
   }
 }

@@ -6,6 +6,9 @@
  */
 import { type ChildProcess, spawn } from "node:child_process";
 import { fileURLToPath } from "node:url";
+import { stopProcess } from "../src/topology/local-cluster.js";
+
+export { stopProcess };
 
 const MAIN = fileURLToPath(new URL("../src/cli/main.js", import.meta.url));
 
@@ -63,18 +66,4 @@ export async function spawnServe(
     process: child,
     stop: () => stopProcess(child),
   };
-}
-
-/** Ends `child` (resumed first if it was stopped): SIGTERM, then SIGKILL after 5 s. */
-export async function stopProcess(child: ChildProcess): Promise<void> {
-  if (child.exitCode !== null || child.signalCode !== null) return;
-  await new Promise<void>((resolve) => {
-    const timer = setTimeout(() => child.kill("SIGKILL"), 5000);
-    child.once("exit", () => {
-      clearTimeout(timer);
-      resolve();
-    });
-    child.kill("SIGCONT");
-    child.kill("SIGTERM");
-  });
 }

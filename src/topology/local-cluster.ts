@@ -95,7 +95,10 @@ function startChild(
   });
 }
 
-/** SIGTERM, then SIGKILL after 5 s; resolves when the process has exited. */
+/**
+ * Ends `child`: SIGTERM (after SIGCONT, in case it was stopped), then SIGKILL after 5 s; resolves
+ * when the process has exited.
+ */
 export async function stopProcess(child: ChildProcess): Promise<void> {
   if (child.exitCode !== null || child.signalCode !== null) return;
   await new Promise<void>((resolve) => {
@@ -104,6 +107,7 @@ export async function stopProcess(child: ChildProcess): Promise<void> {
       clearTimeout(timer);
       resolve();
     });
+    child.kill("SIGCONT");
     child.kill("SIGTERM");
   });
 }

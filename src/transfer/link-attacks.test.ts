@@ -7,10 +7,11 @@
  * src/node/link-attacks.e2e.test.ts.
  */
 import assert from "node:assert/strict";
-import net from "node:net";
+import type net from "node:net";
 import { test } from "node:test";
 import { replay, startTcpTap } from "../../testing/tcp-tap.js";
 import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
+import { halfOpenHello } from "../tools/bench/link-flood.js";
 import { FrameType, frameHeaderBytes } from "./frame-codec.js";
 import {
   connectTcpReceiver,
@@ -181,28 +182,10 @@ test("TcpTransferServer under 400 half-open connections with half-sent big frame
   let maxPending = 0;
   const closed: Promise<void>[] = [];
   for (let i = 0; i < 400; i++) {
-    const socket = net.connect({ host: "127.0.0.1", port: s.server.port });
-    socket.on("error", () => {});
-    closed.push(new Promise((resolve) => socket.once("close", () => resolve())));
     // Half connections declare the largest body allowed before the handshake and send half of
     // it; half declare 1 MiB (the post-handshake control limit) and send 512 KiB.
-    const big = i % 2 === 1;
-    const length = big ? 1 << 20 : 4000;
-    socket.on("connect", () => {
-      socket.write(
-        frameHeaderBytes({
-          type: FrameType.HELLO,
-          rid: 0,
-          epoch: 0,
-          page: 0,
-          generation: 0,
-          index: 0,
-          tokens: 0,
-          length,
-        }),
-      );
-      socket.write(halfBody.subarray(0, length / 2));
-    });
+    const socket = halfOpenHello(s.server.port, i % 2 === 1, halfBody);
+    closed.push(new Promise((resolve) => socket.once("close", () => resolve())));
     sockets.push(socket);
     if (i % 20 === 0) await sleep(5);
     maxPending = Math.max(maxPending, s.server.pending);

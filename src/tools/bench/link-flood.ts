@@ -24,6 +24,33 @@ interface Sample {
   readonly rssMiB: number;
 }
 
+/**
+ * One unauthenticated connection to a transfer port that sends a HELLO frame header and half its
+ * body, then nothing: declaring 1 MiB (`big`, the post-handshake control limit) or 4000 bytes
+ * (under the pre-handshake limit). `halfBody` is shared by every caller (a write does not copy it).
+ */
+export function halfOpenHello(port: number, big: boolean, halfBody: Buffer): net.Socket {
+  const socket = net.connect({ host: "127.0.0.1", port });
+  socket.on("error", () => {});
+  const length = big ? 1 << 20 : 4000;
+  socket.on("connect", () => {
+    socket.write(
+      frameHeaderBytes({
+        type: FrameType.HELLO,
+        rid: 0,
+        epoch: 0,
+        page: 0,
+        generation: 0,
+        index: 0,
+        tokens: 0,
+        length,
+      }),
+    );
+    socket.write(halfBody.subarray(0, length / 2));
+  });
+  return socket;
+}
+
 export async function linkFlood(connections: number): Promise<Sample[]> {
   const server = await TcpTransferServer.listen({
     secret: "bench-cluster-secret-5f1c9a7e",
@@ -39,25 +66,8 @@ export async function linkFlood(connections: number): Promise<Sample[]> {
   let open = 0;
   const sockets: net.Socket[] = [];
   for (let i = 0; i < connections; i++) {
-    const socket = net.connect({ host: "127.0.0.1", port: server.port });
-    socket.on("error", () => {});
-    socket.on("connect", () => {
-      open++;
-      const length = i % 2 === 1 ? 1 << 20 : 4000;
-      socket.write(
-        frameHeaderBytes({
-          type: FrameType.HELLO,
-          rid: 0,
-          epoch: 0,
-          page: 0,
-          generation: 0,
-          index: 0,
-          tokens: 0,
-          length,
-        }),
-      );
-      socket.write(halfBody.subarray(0, length / 2));
-    });
+    const socket = halfOpenHello(server.port, i % 2 === 1, halfBody);
+    socket.on("connect", () => open++);
     socket.on("close", () => open--);
     sockets.push(socket);
   }

@@ -12,9 +12,12 @@ import {
 } from "../../testing/engine-harness.js";
 import { naiveForward } from "../../testing/random-model.js";
 import { PageState } from "../kvcache/ownership-table.js";
+import { PagePool } from "../kvcache/page-pool.js";
+import { ForwardPass, type StepSequence } from "../model/forward.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import { makeSafety } from "../protocol/safety.js";
-import type { Engine } from "./engine.js";
+import { Engine } from "./engine.js";
+import { StepCost } from "./step-cost.js";
 
 /** Prompts of assorted lengths, crossing page boundaries (pageSize 4 in these tests). */
 const PROMPTS = [prompt(5, 1), prompt(13, 2), prompt(1, 3), prompt(8, 4), prompt(22, 5)];
@@ -425,5 +428,63 @@ test("Engine: another tenant's short prompt goes into the next step, not after a
   fifo.step();
   assert.equal(b.outcome.tokens.length, 0, "with one tenant the running prompt keeps its chunks");
   runUntilIdle(fifo);
+  assertIdle(engine);
+});
+
+test("Engine: a heavier tenant's prompt adds no more compute to a step than a lighter tenant's decodes have in it", () => {
+  const { config, weights } = testModel();
+  const layout = {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize: 4,
+  };
+  const forward = new ForwardPass(config, weights, layout, { maxBatchTokens: 64, maxSequences: 8 });
+  // Each step's sequences, by the identity of their step object (one per request).
+  const steps: { seq: StepSequence; start: number; n: number }[][] = [];
+  const recording = {
+    config,
+    maxBatchTokens: forward.maxBatchTokens,
+    maxSequences: forward.maxSequences,
+    step(pool: Float32Array, sequences: readonly StepSequence[]): void {
+      steps.push(sequences.map((seq) => ({ seq, start: seq.startPos, n: seq.tokens.length })));
+      forward.step(pool, sequences);
+    },
+  };
+  const engine = new Engine(recording, new PagePool(layout, 64));
+  const cost = new StepCost(config);
+  // Tenant 0 was served a long prompt lately: it is the heavier tenant.
+  runAll(engine, [request(1, prompt(150, 1), 4, { tenant: 0 })]);
+  const light = recorder();
+  const heavy = recorder();
+  const lightRequest = request(2, prompt(5, 2), 60, { tenant: 1 });
+  const heavyRequest = request(3, prompt(150, 3), 4, { tenant: 0 });
+  engine.submit(lightRequest, light.events);
+  engine.step();
+  const lightSeq = steps.at(-1)![0]!.seq;
+  engine.submit(heavyRequest, heavy.events);
+  const from = steps.length;
+  while (light.outcome.finish === null) engine.step();
+  let lightCost = 0;
+  let heavyCost = 0;
+  let heavyTokens = 0;
+  for (const step of steps.slice(from)) {
+    for (const s of step) {
+      if (s.seq === lightSeq) lightCost += cost.of(s.start, s.n);
+      else {
+        heavyCost += cost.of(s.start, s.n);
+        heavyTokens += s.n;
+      }
+    }
+  }
+  assert.ok(heavyTokens > 0, "the heavier tenant's prompt moved on while the lighter one decoded");
+  assert.ok(
+    heavyCost <= lightCost + cost.of(150, 1),
+    `the heavier tenant's prompt took no more compute than the lighter's decodes: ${heavyCost} vs ${lightCost} (${heavyTokens} tokens)`,
+  );
+  runUntilIdle(engine);
+  const [aloneLight, aloneHeavy] = aloneOutputs([lightRequest, heavyRequest]);
+  assert.deepEqual(light.outcome.tokens, aloneLight);
+  assert.deepEqual(heavy.outcome.tokens, aloneHeavy);
   assertIdle(engine);
 });

@@ -6,22 +6,30 @@
  *
  * ## One step
  *
- * 1. **Decode tokens**, running requests oldest first: each adds its one pending token. Pages are
+ * 1. **Decode tokens**, running requests tenant by tenant (the tenant served least lately first),
+ *    each tenant's oldest first: each adds its one pending token. Pages are
  *    leased lazily, as the step needs them. When the pool runs out, the most recently admitted
  *    running request is **preempted**: its pages are freed, its epoch bumped, and it goes back to
  *    the front of the queue to be recomputed later from its prompt plus the tokens it already
  *    generated (never from its old pages).
  * 2. **Admission, and prompts, fairly between tenants.** First the waiting requests of tenants with
- *    no prompt in progress that have been served no more prefill lately than those that have one
- *    (a tenant that was not computing goes ahead of one that was); then the running prompts' next
- *    chunks, the tenant served least prefill lately first (a decayed count of its prefill tokens,
- *    `RECENT_DECAY`), within `maxPrefillTokens` per step (chunked prefill) — cut to an even share
- *    while other tenants only decode, so that a long prompt's chunk does not slow their every
- *    token — and `maxBatchTokens` in all; then the other waiting requests: preempted ones first,
+ *    no prompt in progress that have been served no more lately than those that have one (a
+ *    tenant that was not computing goes ahead of one that was); then the running prompts' next
+ *    chunks, the tenant served least lately first, within `maxPrefillTokens` per step (chunked
+ *    prefill) and `maxBatchTokens` in all; then the other waiting requests: preempted ones first,
  *    then the rest by weighted fair queuing over the tokens each still has to compute
  *    (`src/lib/fair-queue.ts`). Admission needs a sequence slot, token budget and free pages for
- *    the first chunk, and stops in a step that had to preempt, to avoid thrashing. With one tenant
- *    this is first-come, oldest prompt first, as before.
+ *    the first chunk, and stops in a step that had to preempt, to avoid thrashing.
+ *    **Each step's compute is shared by deficit round robin between tenants** (`#chunk`): a
+ *    tenant's recent service is the estimated compute of its tokens (`src/engine/step-cost.ts`:
+ *    the matrices plus attention over the context), decayed per step (`SERVICE_DECAY`). A tenant
+ *    served more lately than another tenant with work in the step adds to it — decodes and prompt
+ *    chunks alike — no more compute than that tenant has in it, plus what it was owed and could
+ *    not use before. On this CPU engine a step's time grows with its work, so a flood's 128-token
+ *    chunk at a long context made another tenant's decode step a hundred times slower; now each of
+ *    that tenant's steps costs at most about twice its own, and the flood gets the rest (every
+ *    step it has alone, and its share of the others). With one tenant none of this binds: it is
+ *    first-come, oldest prompt first, full chunks, as before.
  * 3. **The read guard.** Every page of every block table in the batch is checked against the
  *    ownership table (`PagePool.checkStep`: generation, owner rid/epoch, state, writer stamp, filled
  *    tokens). A request that fails is ended with `page_tag_mismatch` and counted; the rest of the
@@ -66,6 +74,7 @@ import type {
   GenerationRequest,
 } from "../protocol/engine-api.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
+import { StepCost } from "./step-cost.js";
 
 /** What the engine needs from the forward pass (`ForwardPass` implements it). */
 export interface StepModel {
@@ -91,10 +100,31 @@ export interface EngineOptions {
 }
 
 /**
- * How much of a tenant's recent prefill service one step forgets: a tenant's service counts for
- * about the last 1 / (1 − RECENT_DECAY) steps when the engine orders prompts between tenants.
+ * How much of a tenant's recent service one step forgets: its compute counts for about the last
+ * 1 / (1 − SERVICE_DECAY) steps (a thousand: several requests' worth, so a light tenant stays
+ * light across its own prompt's burst, and a tenant that went quiet is soon light again).
  */
-const RECENT_DECAY = 0.9;
+const SERVICE_DECAY = 0.999;
+
+/** A tenant's share of the engine's compute, for the scheduler (`Engine.#allowance`). */
+interface TenantService {
+  /** Its recent service: the estimated cost (`StepCost`) of its tokens, decayed per step, as of `step`. */
+  value: number;
+  step: number;
+  /**
+   * The cost of its work in step `costStep`; `costStep` is the current step when it has work in
+   * it or was held back in it (then it is in the step's list of tenants).
+   */
+  stepCost: number;
+  costStep: number;
+  /** Compute it was owed at the end of step `creditStep` and did not use (deficit round robin). */
+  credit: number;
+  creditStep: number;
+  /** It had more work than its share in step `heldStep`. */
+  heldStep: number;
+  /** `#scheduleDecodes` listed it in step `orderStep`. */
+  orderStep: number;
+}
 
 /** Where a request is: queued for admission, in the running set, or ended (pages freed, silenced). */
 type SequenceState = "waiting" | "running" | "done";
@@ -140,6 +170,8 @@ class Sequence {
   readonly events: GenerationEvents;
   readonly rid: number;
   readonly tenant: number;
+  /** Its tenant's service (set when queued). */
+  service!: TenantService;
   readonly promptLength: number;
   /** Prompt, then generated tokens; `length` of them are valid. */
   readonly tokens: Int32Array;
@@ -159,6 +191,8 @@ class Sequence {
   stepEnd = 0;
   stepPrefill = false;
   inBatch = false;
+  /** The step in which its prompt's chunk was held back (its tenant had its share). */
+  heldAt = 0;
   /** Passed this step's page check (the forward pass computes it if it is still running). */
   checked = false;
   ownership: PageOwnership = "local";
@@ -204,6 +238,7 @@ export class Engine {
   readonly capacity: EngineCapacity;
   readonly pool: PagePool;
   readonly #model: StepModel;
+  readonly #cost: StepCost;
   readonly #maxPrefillTokens: number;
   readonly #maxBatchTokens: number;
   readonly #maxSequences: number;
@@ -243,16 +278,24 @@ export class Engine {
   /** This step's tenants with a prompt in progress (`#markPrefillTenants`). */
   readonly #prefillTenants: Uint32Array;
   #prefillTenantCount = 0;
-  /** The least recent prefill service among them (Infinity: none). */
+  /** The least recent service among them (Infinity: none). */
   #leastRecentPrefill = Number.POSITIVE_INFINITY;
-  /** Tenants with only decoding requests running this step. */
-  #decodingTenants = 0;
-  /** Each tenant's recent prefill service: tokens, decayed by `RECENT_DECAY` per step. */
-  readonly #recent = new Map<number, { value: number; step: number }>();
+  /** Each tenant's service. */
+  readonly #services = new Map<number, TenantService>();
+  /** The services of the tenants with work in this step, or held back in it: the first `#stepTenantCount`. */
+  readonly #stepTenants: TenantService[] = [];
+  #stepTenantCount = 0;
+  /** The tenants with running requests, served least lately first (`#scheduleDecodes`). */
+  readonly #tenantOrder: TenantService[] = [];
   #stepNumber = 0;
   /** May a waiting request of `tenant` start before the running prompts' chunks (made once). */
-  readonly #fresh = (tenant: number): boolean =>
-    !this.#isPrefillTenant(tenant) && this.#recentPrefill(tenant) <= this.#leastRecentPrefill;
+  readonly #fresh = (tenant: number, front: Sequence): boolean =>
+    !this.#isPrefillTenant(tenant) &&
+    this.#recent(front.service) <= this.#leastRecentPrefill &&
+    this.#mayCompute(front);
+  /** May a waiting request start in this step: its tenant has not had its share of it (made once). */
+  readonly #mayCompute = (front: Sequence): boolean => this.#chunk(front, 1) > 0;
+  readonly #mayComputeFlow = (_tenant: number, front: Sequence): boolean => this.#mayCompute(front);
   #preemptedThisStep = false;
   readonly #counters = {
     tagCheckFailures: 0,
@@ -293,6 +336,7 @@ export class Engine {
       );
     }
     this.#model = model;
+    this.#cost = new StepCost(config);
     this.pool = pool;
     this.#maxPrefillTokens = maxPrefillTokens;
     this.#maxBatchTokens = model.maxBatchTokens;
@@ -344,6 +388,21 @@ export class Engine {
   }
 
   #enqueue(seq: Sequence): void {
+    let service = this.#services.get(seq.tenant);
+    if (service === undefined) {
+      service = {
+        value: 0,
+        step: this.#stepNumber,
+        stepCost: 0,
+        costStep: -1,
+        credit: 0,
+        creditStep: -1,
+        heldStep: -1,
+        orderStep: -1,
+      };
+      this.#services.set(seq.tenant, service);
+    }
+    seq.service = service;
     this.#byRid.set(seq.rid, seq);
     this.#waiting.push(seq);
     this.#counters.promptTokens += seq.promptLength;
@@ -469,39 +528,56 @@ export class Engine {
     return this.#byRid.size > 0;
   }
 
-  /** Phase 1: the running requests' decode tokens, oldest first. */
+  /**
+   * Phase 1: the running requests' decode tokens, tenant by tenant, the one served least lately
+   * first, each tenant's oldest first, within its share of the step (`#chunk`). With one tenant:
+   * oldest first.
+   */
   #scheduleDecodes(): void {
     const running = this.#running;
+    const order = this.#tenantOrder;
+    let tenants = 0;
     for (let i = 0; i < running.length; i++) {
-      const seq = running[i]!;
-      if (
-        seq.length - seq.computed === 1 &&
-        this.#tokenBudget > 0 &&
-        this.#schedule(seq, 1, false) === "failed"
-      )
-        i--;
+      const service = running[i]!.service;
+      if (service.orderStep === this.#stepNumber) continue;
+      service.orderStep = this.#stepNumber;
+      // Insertion by recent service: a handful of tenants.
+      const recent = this.#recent(service);
+      let k = tenants++;
+      for (; k > 0 && this.#recent(order[k - 1]!) > recent; k--) order[k] = order[k - 1]!;
+      order[k] = service;
+    }
+    for (let k = 0; k < tenants; k++) {
+      const tenant = order[k]!;
+      for (let i = 0; i < running.length; i++) {
+        const seq = running[i]!;
+        if (
+          seq.service !== tenant ||
+          seq.inBatch ||
+          seq.length - seq.computed !== 1 ||
+          this.#tokenBudget <= 0 ||
+          (tenants > 1 && this.#chunk(seq, 1) === 0)
+        )
+          continue;
+        if (this.#schedule(seq, 1, false) === "failed") i--;
+      }
     }
   }
 
   /**
-   * Phase 3: the next chunk of the running prompts, the tenant served least prefill recently first
-   * (ties: oldest first), each taking what the step has left. While other tenants only decode, the
-   * step's prefill is cut to an even share (`maxPrefillTokens / (1 + decoding tenants)`): a long
-   * prompt's chunk makes every step, and so each of their tokens, slower.
+   * Phase 3: the next chunk of the running prompts, the tenant served least lately first (ties:
+   * oldest first), each taking what the step has left and what its tenant's share allows
+   * (`#chunk`); a prompt whose tenant had its share waits for a later step.
    */
   #schedulePrefills(): void {
-    if (this.#decodingTenants > 0 && this.#prefillTenantCount > 0) {
-      const share = Math.max(1, Math.floor(this.#maxPrefillTokens / (1 + this.#decodingTenants)));
-      this.#prefillBudget = Math.min(this.#prefillBudget, share);
-    }
     const running = this.#running;
     for (;;) {
       let best: Sequence | null = null;
       let bestRecent = Number.POSITIVE_INFINITY;
       for (let i = 0; i < running.length; i++) {
         const seq = running[i]!;
-        if (seq.inBatch || seq.length - seq.computed <= 1) continue;
-        const recent = this.#recentPrefill(seq.tenant);
+        if (seq.inBatch || seq.length - seq.computed <= 1 || seq.heldAt === this.#stepNumber) continue;
+        const recent = this.#recent(seq.service);
         if (best === null || recent < bestRecent) {
           best = seq;
           bestRecent = recent;
@@ -510,36 +586,71 @@ export class Engine {
       if (best === null) return;
       const n = Math.min(best.length - best.computed, this.#prefillBudget, this.#tokenBudget);
       if (n <= 0) return;
-      this.#schedule(best, n, true);
+      const fair = this.#chunk(best, n);
+      if (fair <= 0) best.heldAt = this.#stepNumber;
+      else this.#schedule(best, fair, true);
     }
   }
 
   /**
-   * Records the tenants with a prompt in progress (`#prefillTenants`), the least recent prefill
-   * service among them, and how many tenants only decode. Allocates nothing.
+   * How many of `n` tokens of `seq` its tenant may add to this step: deficit round robin over each
+   * step's compute (`StepCost`). A tenant served more lately than another tenant with work in the
+   * step may add no more compute than the most that tenant has in it, plus what it was owed and
+   * did not use in the steps before (`credit`: a decode or a prompt token that costs more than
+   * its share waits until its owed share covers it). So a flood's prompt chunks and long-context
+   * decodes make another tenant's step cost at most about twice its own, and the flood gets every
+   * step's rest. The tenant served least lately, and a tenant alone, are not held back. A tenant
+   * held back is listed in the step (`#touch`) so that it keeps what it is owed.
+   */
+  #chunk(seq: Sequence, n: number): number {
+    const allowance = this.#allowance(seq.service);
+    if (allowance === Number.POSITIVE_INFINITY) return n;
+    const fit = Math.min(n, this.#cost.tokensWithin(seq.computed, allowance));
+    if (fit < n) {
+      this.#touch(seq.service);
+      seq.service.heldStep = this.#stepNumber;
+    }
+    return fit;
+  }
+
+  /** The compute `service`'s tenant may still add to this step (Infinity: no bound). See `#chunk`. */
+  #allowance(service: TenantService): number {
+    const lighter = this.#lighterCost(service);
+    if (lighter < 0) return Number.POSITIVE_INFINITY;
+    const credit = service.creditStep === this.#stepNumber - 1 ? service.credit : 0;
+    const own = service.costStep === this.#stepNumber ? service.stepCost : 0;
+    return credit + lighter - own;
+  }
+
+  /** The most work in this step of a tenant served less lately than `service`'s; -1: none. */
+  #lighterCost(service: TenantService): number {
+    const mine = this.#recent(service);
+    let lighter = -1;
+    for (let i = 0; i < this.#stepTenantCount; i++) {
+      const t = this.#stepTenants[i]!;
+      if (t !== service && t.stepCost > 0 && t.value < mine) lighter = Math.max(lighter, t.stepCost);
+    }
+    return lighter;
+  }
+
+  /**
+   * Records the tenants with a prompt in progress (`#prefillTenants`) and the least recent
+   * service among them. Allocates nothing.
    */
   #markPrefillTenants(): void {
     this.#prefillTenantCount = 0;
     this.#leastRecentPrefill = Number.POSITIVE_INFINITY;
-    this.#decodingTenants = 0;
     const running = this.#running;
     for (let i = 0; i < running.length; i++) {
       const seq = running[i]!;
-      if (seq.length - seq.computed > 1) this.#markPrefillTenant(seq.tenant);
-    }
-    for (let i = 0; i < running.length; i++) {
-      const t = running[i]!.tenant;
-      if (this.#isPrefillTenant(t)) continue;
-      let seen = false;
-      for (let j = 0; j < i && !seen; j++) seen = running[j]!.tenant === t;
-      if (!seen) this.#decodingTenants++;
+      if (seq.length - seq.computed > 1) this.#markPrefillTenant(seq);
     }
   }
 
-  #markPrefillTenant(tenant: number): void {
-    if (this.#isPrefillTenant(tenant)) return;
-    this.#prefillTenants[this.#prefillTenantCount++] = tenant;
-    this.#leastRecentPrefill = Math.min(this.#leastRecentPrefill, this.#recentPrefill(tenant));
+  #markPrefillTenant(seq: Sequence): void {
+    if (this.#isPrefillTenant(seq.tenant)) return;
+    this.#prefillTenants[this.#prefillTenantCount++] = seq.tenant;
+    this.#leastRecentPrefill = Math.min(this.#leastRecentPrefill, this.#recent(seq.service));
   }
 
   #isPrefillTenant(tenant: number): boolean {
@@ -548,29 +659,39 @@ export class Engine {
     return false;
   }
 
-  /** `tenant`'s prefill tokens of the last steps, each step's worth decayed by `RECENT_DECAY`. */
-  #recentPrefill(tenant: number): number {
-    const r = this.#recent.get(tenant);
-    return r === undefined ? 0 : r.value * RECENT_DECAY ** (this.#stepNumber - r.step);
+  /** A tenant's recent service as of this step (each step's worth decayed by `SERVICE_DECAY`). */
+  #recent(service: TenantService): number {
+    const age = this.#stepNumber - service.step;
+    return age === 0 ? service.value : service.value * SERVICE_DECAY ** age;
   }
 
-  #servedPrefill(tenant: number, tokens: number): void {
-    let r = this.#recent.get(tenant);
-    if (r === undefined) {
-      r = { value: 0, step: this.#stepNumber };
-      this.#recent.set(tenant, r);
-    }
-    r.value = r.value * RECENT_DECAY ** (this.#stepNumber - r.step) + tokens;
-    r.step = this.#stepNumber;
+  /** `seq`'s tenant is served tokens [seq.computed, seq.computed + n) in this step (negative n: taken back). */
+  #served(seq: Sequence, start: number, n: number): void {
+    const service = seq.service;
+    this.#touch(service);
+    const cost = n > 0 ? this.#cost.of(start, n) : -this.#cost.of(start, -n);
+    service.value += cost;
+    service.stepCost += cost;
+  }
+
+  /** Lists `service`'s tenant in this step (its recent service brought up to date). */
+  #touch(service: TenantService): void {
+    if (service.costStep === this.#stepNumber) return;
+    service.value = this.#recent(service);
+    service.step = this.#stepNumber;
+    service.costStep = this.#stepNumber;
+    service.stepCost = 0;
+    this.#stepTenants[this.#stepTenantCount++] = service;
   }
 
   /**
    * Phase 2: admission while sequence slots, budget and pages last (not after a preemption).
    * First (`newcomers`) the waiting requests of tenants with no prompt in progress and no more
-   * recent prefill than those with one, one prompt per tenant, before the running prompts take
+   * recent service than those with one, one prompt per tenant, before the running prompts take
    * their chunks. Then (after the chunks) the rest: preempted requests first, then the waiting
    * ones fairly between tenants (`FairQueue`: a tenant's backlog of long prompts does not hold
-   * another tenant's short one behind it all).
+   * another tenant's short one behind it all). A prompt's first chunk is bounded by its tenant's
+   * share of the step (`#chunk`), as the running prompts' chunks are.
    */
   #admitWaiting(newcomers: boolean): void {
     const running = this.#running;
@@ -578,11 +699,12 @@ export class Engine {
     while (!this.#preemptedThisStep && running.length < this.#maxSequences) {
       const seq = newcomers
         ? this.#waiting.peek(this.#fresh)
-        : (this.#preempted.peekFront() ?? this.#waiting.peek());
+        : (this.#preempted.peekFront() ?? this.#waiting.peek(this.#mayComputeFlow));
       if (seq === undefined) break;
       const remaining = seq.length - seq.computed;
       const prefill = remaining > 1;
-      const n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
+      let n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
+      if (prefill && n > 0) n = this.#chunk(seq, n);
       if (n <= 0) break;
       if (
         seq.ownership === "local" &&
@@ -595,7 +717,7 @@ export class Engine {
       seq.preempted = false;
       running.push(seq);
       this.#addToBatch(seq, n, prefill);
-      if (prefill) this.#markPrefillTenant(seq.tenant);
+      if (prefill) this.#markPrefillTenant(seq);
     }
   }
 
@@ -706,6 +828,15 @@ export class Engine {
       batch[b] = null;
     }
     this.#batchLength = 0;
+    // What each tenant held back was owed and did not use, it keeps for the next step (deficit
+    // round robin, `#chunk`); a tenant that did all it wanted keeps nothing.
+    for (let i = 0; i < this.#stepTenantCount; i++) {
+      const t = this.#stepTenants[i]!;
+      if (t.heldStep !== this.#stepNumber) continue;
+      t.credit = Math.max(0, this.#allowance(t));
+      t.creditStep = this.#stepNumber;
+    }
+    this.#stepTenantCount = 0;
     const view = this.#stepViews[this.#stepCount]!;
     for (let k = 0; k < view.length; k++) view[k] = this.#idleStep;
     this.#stepCount = 0;
@@ -743,10 +874,8 @@ export class Engine {
     seq.stepPrefill = prefill;
     seq.inBatch = true;
     this.#tokenBudget -= n;
-    if (prefill) {
-      this.#prefillBudget -= n;
-      this.#servedPrefill(seq.tenant, n);
-    }
+    if (prefill) this.#prefillBudget -= n;
+    this.#served(seq, seq.stepStart, n);
     this.#batch[this.#batchLength++] = seq;
   }
 
@@ -756,6 +885,7 @@ export class Engine {
     const n = seq.stepEnd - seq.stepStart;
     this.#tokenBudget += n;
     if (seq.stepPrefill) this.#prefillBudget += n;
+    this.#served(seq, seq.stepStart, -n);
     const batch = this.#batch;
     let i = 0;
     while (i < this.#batchLength && batch[i] !== seq) i++;

@@ -1,6 +1,7 @@
 /**
  * Acceptance (issue #22 item 2): one tenant's flood does not starve another, against real servers
- * — a TCP cluster (router, prefill and decode processes, 600 KV pages per node) and one engine
+ * — a TCP cluster (router, prefill and decode processes, 600 KV pages per node), the default
+ * topology (prefill and decode in worker threads, 600 pages each) and one engine
  * (`--no-disaggregation`, 400 pages), each a child process, spoken to with the `openai` client,
  * with the default fair-share caps.
  *
@@ -47,7 +48,7 @@ const QUIET = "the ".repeat(100);
  * (`src/engine/engine.ts`), so a step of B's costs at most about twice its own (before that, one
  * engine measured up to 2.8x, and a step with A's chunk cost B up to 8x).
  */
-const BOUND = { cluster: 2, single: 2 } as const;
+const BOUND = { cluster: 2, threads: 2, single: 2 } as const;
 /** The fair-share flags of the test: A's waiting requests give up after 5 s (the default is 30). */
 const FAIR_FLAGS = ["--queue-timeout", "5"];
 
@@ -117,12 +118,11 @@ async function pairs(
 }
 
 /**
- * The cluster has 600 pages per node (the issue's run): A's half holds two of its requests. The
- * one engine has 400: A's half holds one, as a decode step of one engine also carries A's prompt
- * chunks and long-context decodes (the cluster's prefill node takes those), so two of them would
- * slow B's every token — fairly, but past 2x on a loaded 2-core machine.
+ * The cluster and the default topology have 600 pages per node (the issue's run): A's half holds
+ * two of its requests. The one engine has 400: A's half holds one, as a decode step of one engine
+ * also carries A's prompt chunks and long-context decodes (the cluster's prefill node takes those).
  */
-async function startServer(topology: "cluster" | "single", keys: string) {
+async function startServer(topology: keyof typeof BOUND, keys: string) {
   if (topology === "cluster") {
     const cluster = await startLocalCluster({
       prefill: 1,
@@ -135,13 +135,13 @@ async function startServer(topology: "cluster" | "single", keys: string) {
     return { url: cluster.url, stop: () => cluster.close() };
   }
   const server = await spawnServe([
-    "--no-disaggregation",
+    ...(topology === "single" ? ["--no-disaggregation"] : []),
     "--port",
     "0",
     "--model",
     modelDir(MODEL),
     "--kv-pages",
-    "400",
+    topology === "single" ? "400" : "600",
     // One kernel thread: a second one spins between matrices, which only pays with a core free.
     "--kernel-threads",
     "1",
@@ -155,7 +155,7 @@ async function startServer(topology: "cluster" | "single", keys: string) {
   return { url: server.url, stop: () => server.stop() };
 }
 
-for (const topology of ["cluster", "single"] as const) {
+for (const topology of ["cluster", "threads", "single"] as const) {
   describe(`fair sharing (${topology}): a flood of one tenant does not starve another`, {
     timeout: 180_000,
   }, () => {

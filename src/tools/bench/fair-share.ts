@@ -11,20 +11,34 @@
  *   --tenant-max-pages 0 --tenant-max-queue 0`), where one tenant's fair queue is first-come.
  *
  * Each round drives the same batch of chat requests (greedy, fixed prompts and `max_tokens`,
- * `--concurrency` in flight) from the one tenant through each server, the two arms in alternating
- * order, and measures output tokens per second of wall time. Reported: each arm's median with its
- * quartiles and range, and the fair/fifo throughput ratio as the geometric mean of the per-round
- * paired ratios with a 95% confidence interval. Both arms must give the same answers.
+ * `--concurrency` in flight) from the one tenant through each server, the two arms back to back in
+ * alternating order (ABBA: a drift of the machine's load falls on both alike), and measures two
+ * things per arm and round: output tokens per second of wall time, and output tokens per CPU
+ * second of the arm's server processes (all their threads, from /proc/PID/stat). The first is the
+ * throughput; the second is the work each token costs, which another program's load on a shared
+ * machine disturbs far less (it takes our cores, not our instructions) — a fair queue doing extra
+ * work per request or step shows there, and a cap leaving the engine idle shows in the first.
+ * Reported: each arm's median with its quartiles and range, and each fair/fifo ratio paired by
+ * round — the geometric mean with a 95% Student t interval on the logs, and the median with a 95%
+ * bootstrap interval (robust to a round a burst of load hit). Both arms must give the same answers.
  */
-import { type ChildProcess, spawn } from "node:child_process";
+import { type ChildProcess, spawn, spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import os from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { Command, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
-import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
+import {
+  bootstrapInterval,
+  type Interval,
+  median,
+  pairedRatio,
+  type RatioInterval,
+  type Summary,
+  summarize,
+} from "../../lib/stats.js";
 import { stopProcess } from "../../topology/local-cluster.js";
 import { prompt, round } from "./cluster.js";
 import { positiveInt } from "./transfer.js";
@@ -52,7 +66,15 @@ export interface FairBenchOptions {
 export interface FairArm {
   readonly label: string;
   readonly tokensPerSecond: Summary;
+  /** Output tokens per CPU second of the arm's server processes (NaN without /proc). */
+  readonly tokensPerCpuSecond: Summary;
   readonly outputTokens: number;
+}
+
+/** A fair/fifo ratio paired by round: geometric mean with its t interval, median with its bootstrap interval. */
+export interface PairedFigure extends RatioInterval {
+  readonly median: number;
+  readonly medianInterval: Interval;
 }
 
 export interface FairBenchResult {
@@ -64,8 +86,10 @@ export interface FairBenchResult {
   readonly maxTokens: number;
   readonly fair: FairArm;
   readonly fifo: FairArm;
-  /** Throughput of fair over fifo, paired by round. */
-  readonly fairOverFifo: RatioInterval;
+  /** Throughput (wall time) of fair over fifo, paired by round. */
+  readonly fairOverFifo: PairedFigure;
+  /** Tokens per CPU second of the servers, fair over fifo, paired by round (NaN without /proc). */
+  readonly cpuFairOverFifo: PairedFigure;
   readonly failures: readonly string[];
   readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
 }
@@ -76,7 +100,43 @@ const UNCAPPED = ["--tenant-max-concurrency", "0", "--tenant-max-pages", "0", "-
 
 interface Server {
   readonly url: string;
+  /** Its processes (router, and nodes of a cluster). */
+  readonly pids: readonly number[];
   close(): Promise<void>;
+}
+
+/** Clock ticks per second of /proc/PID/stat's times (`getconf CLK_TCK`; 100 where it cannot say). */
+const CLOCK_TICKS = (() => {
+  const out = spawnSync("getconf", ["CLK_TCK"], { encoding: "utf8" });
+  const n = Number.parseInt(out.stdout ?? "", 10);
+  return Number.isInteger(n) && n > 0 ? n : 100;
+})();
+
+/** CPU seconds (user + system, every thread) the processes used so far; NaN without /proc. */
+export function cpuSeconds(pids: readonly number[]): number {
+  let ticks = 0;
+  for (const pid of pids) {
+    let stat: string;
+    try {
+      stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+    } catch {
+      return Number.NaN;
+    }
+    // Fields after the command name (which may hold spaces, in parentheses): utime, stime are 14, 15.
+    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+    ticks += Number(fields[11]) + Number(fields[12]);
+  }
+  return ticks / CLOCK_TICKS;
+}
+
+/** The paired fair/fifo ratio of per-round measurements `fair[i] / fifo[i]`. */
+function paired(fair: readonly number[], fifo: readonly number[]): PairedFigure {
+  const ratios = fair.map((f, i) => f / fifo[i]!);
+  return {
+    ...pairedRatio(fair, fifo),
+    median: median(ratios),
+    medianInterval: ratios.length < 2 ? { low: Number.NaN, high: Number.NaN } : bootstrapInterval(ratios),
+  };
 }
 
 /** One `kvfence serve` process of `main`; resolves with the address it printed. */
@@ -131,7 +191,11 @@ async function startArm(
         {},
       );
       children.push(s.child);
-      return { url: s.url, close: async () => void (await Promise.all(children.map(stopProcess))) };
+      return {
+        url: s.url,
+        pids: [s.child.pid!],
+        close: async () => void (await Promise.all(children.map(stopProcess))),
+      };
     }
     const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
     const [p, d] = await Promise.all([
@@ -145,7 +209,11 @@ async function startArm(
       env,
     );
     children.push(r.child);
-    return { url: r.url, close: async () => void (await Promise.all(children.reverse().map(stopProcess))) };
+    return {
+      url: r.url,
+      pids: children.map((c) => c.pid!),
+      close: async () => void (await Promise.all(children.reverse().map(stopProcess))),
+    };
   } catch (err) {
     await Promise.all(children.map(stopProcess));
     throw err;
@@ -156,9 +224,9 @@ async function startArm(
 function settingsOf(options: FairBenchOptions) {
   return {
     topology: options.topology ?? "threads",
-    rounds: options.rounds ?? 10,
-    warmup: options.warmup ?? 1,
-    requests: options.requests ?? 32,
+    rounds: options.rounds ?? 20,
+    warmup: options.warmup ?? 2,
+    requests: options.requests ?? 64,
     concurrency: options.concurrency ?? 16,
     maxTokens: options.maxTokens ?? 64,
     // With two tenants the default per-tenant caps apply; only the first one sends.
@@ -177,12 +245,13 @@ type ArmName = "fair" | "fifo";
 class Tally {
   readonly failures: string[] = [];
   readonly tps = { fair: [] as number[], fifo: [] as number[] };
+  readonly cpuTps = { fair: [] as number[], fifo: [] as number[] };
   readonly ns = { fair: [] as number[], fifo: [] as number[] };
   readonly outputTokens = { fair: 0, fifo: 0 };
   #reference: string[] | null = null;
 
   /** One arm's round `r` (negative: a warm-up round, checked but not counted). */
-  add(arm: ArmName, r: number, result: Awaited<ReturnType<typeof round>>): void {
+  add(arm: ArmName, r: number, result: Awaited<ReturnType<typeof round>>, cpu: number): void {
     const reference = this.#reference;
     if (reference === null) this.#reference = result.texts;
     else if (result.texts.some((t, i) => t !== reference[i]) && this.failures.length < 5) {
@@ -191,11 +260,12 @@ class Tally {
     if (r < 0) return;
     this.ns[arm].push(result.ns);
     this.tps[arm].push(result.tokens / (result.ns / 1e9));
+    this.cpuTps[arm].push(result.tokens / cpu);
     this.outputTokens[arm] += result.tokens;
   }
 }
 
-/** The warm-up and measured rounds, the two arms in alternating order. */
+/** The warm-up and measured rounds, the two arms in alternating order (ABBA). */
 async function runRounds(
   settings: Settings,
   servers: Record<ArmName, Server>,
@@ -213,11 +283,14 @@ async function runRounds(
     const order = ((r % 2) + 2) % 2 === 0 ? (["fair", "fifo"] as const) : (["fifo", "fair"] as const);
     for (const arm of order) {
       const target = { url: servers[arm].url, model: modelId, maxTokens, apiKey: KEY };
-      tally.add(arm, r, await round(target, prompts, concurrency));
+      const cpu0 = cpuSeconds(servers[arm].pids);
+      const result = await round(target, prompts, concurrency);
+      tally.add(arm, r, result, cpuSeconds(servers[arm].pids) - cpu0);
     }
     if (r >= 0) {
+      const last = (xs: number[]): string => xs.at(-1)!.toFixed(0);
       log(
-        `round ${r + 1}/${rounds}: fair ${tally.tps.fair.at(-1)!.toFixed(0)} tok/s, fifo ${tally.tps.fifo.at(-1)!.toFixed(0)} tok/s`,
+        `round ${r + 1}/${rounds}: fair ${last(tally.tps.fair)} tok/s (${last(tally.cpuTps.fair)} per CPU s), fifo ${last(tally.tps.fifo)} tok/s (${last(tally.cpuTps.fifo)} per CPU s)`,
       );
     }
   }
@@ -258,6 +331,7 @@ export async function runFairShareBench(options: FairBenchOptions = {}): Promise
   const arm = (name: ArmName): FairArm => ({
     label: labels[name],
     tokensPerSecond: summarize(tally.tps[name]),
+    tokensPerCpuSecond: summarize(tally.cpuTps[name]),
     outputTokens: tally.outputTokens[name],
   });
   return {
@@ -270,10 +344,19 @@ export async function runFairShareBench(options: FairBenchOptions = {}): Promise
     fair: arm("fair"),
     fifo: arm("fifo"),
     // Throughput ratio = time ratio fifo / fair (the same tokens in both arms).
-    fairOverFifo: pairedRatio(tally.ns.fifo, tally.ns.fair),
+    fairOverFifo: paired(tally.ns.fifo, tally.ns.fair),
+    cpuFairOverFifo: paired(tally.cpuTps.fair, tally.cpuTps.fifo),
     failures: tally.failures,
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   };
+}
+
+/** Whether a paired ratio shows "within 2%": its interval's low end at 98% or more. */
+function verdict(low: number, high: number): string {
+  if (Number.isNaN(low)) return "too few rounds for an interval";
+  if (low >= 0.98) return "within 2% (low end ≥ 98%)";
+  if (high < 0.98) return "NOT within 2% (high end < 98%)";
+  return "undecided: the interval straddles 98% (more rounds, a quieter machine)";
 }
 
 /** The human-readable report of a run. */
@@ -281,22 +364,21 @@ export function formatFairShareReport(r: FairBenchResult): string {
   const pct = (x: number): string => `${(x * 100).toFixed(1)}%`;
   const arm = (a: FairArm): string => {
     const t = a.tokensPerSecond;
-    return `${a.label.padEnd(34)} ${t.median.toFixed(0).padStart(6)} tok/s  quartiles ${t.p25.toFixed(0)}–${t.p75.toFixed(0)}  range ${t.min.toFixed(0)}–${t.max.toFixed(0)}  ${a.outputTokens} output tokens`;
+    const c = a.tokensPerCpuSecond;
+    return `${a.label.padEnd(34)} ${t.median.toFixed(0).padStart(6)} tok/s  quartiles ${t.p25.toFixed(0)}–${t.p75.toFixed(0)}  range ${t.min.toFixed(0)}–${t.max.toFixed(0)} | ${c.median.toFixed(0).padStart(6)} tok per CPU s  quartiles ${c.p25.toFixed(0)}–${c.p75.toFixed(0)} | ${a.outputTokens} output tokens`;
   };
-  const t = r.fairOverFifo;
-  const verdict = Number.isNaN(t.low)
-    ? "too few rounds for a CI"
-    : t.low >= 0.98
-      ? "within 2% (CI low end ≥ 98%)"
-      : t.high < 0.98
-        ? "NOT within 2% (CI high end < 98%)"
-        : "undecided: the CI straddles 98% (more rounds, a quieter machine)";
+  const figure = (name: string, f: PairedFigure): string[] => [
+    `${name}: geometric mean ${pct(f.ratio)} [95% t CI ${pct(f.low)}–${pct(f.high)}]: ${verdict(f.low, f.high)}`,
+    `${" ".repeat(name.length)}  median ${pct(f.median)} [95% bootstrap CI ${pct(f.medianInterval.low)}–${pct(f.medianInterval.high)}]: ${verdict(f.medianInterval.low, f.medianInterval.high)}`,
+  ];
   return [
-    `kvfence ${r.topology}, one tenant sending of ${r.tenants} in the keys file${r.tenants === 2 ? " (default caps: half the server each)" : " (no cap)"}, fair sharing vs first-come: ${r.rounds} interleaved rounds of ${r.requests} chat requests (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
-    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
+    `kvfence ${r.topology}, one tenant sending of ${r.tenants} in the keys file${r.tenants === 2 ? " (default caps: half the server each)" : " (no cap)"}, fair sharing vs first-come: ${r.rounds} rounds of ${r.requests} chat requests per arm, the arms back to back in ABBA order (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
+    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end${r.load.start > 0.5 * r.load.cpus ? " (others are running: trust the per-CPU-second figure more, or rerun on a quiet machine)" : ""}`,
     arm(r.fair),
     arm(r.fifo),
-    `fair throughput / fifo: ${pct(t.ratio)} [95% CI ${pct(t.low)}–${pct(t.high)}]: ${verdict}`,
+    "fair / fifo, paired by round (the goal: fair at 98% or more):",
+    ...figure("  throughput (tokens per wall second)", r.fairOverFifo),
+    ...figure("  work per token (tokens per CPU second of the servers)", r.cpuFairOverFifo),
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");
 }
@@ -341,9 +423,9 @@ export function fairShareCommand(): Command {
     )
     .option("--model <dir>", "Hugging Face model folder (default: bundled kvfence-tiny)")
     .option("--kv-pages <n>", "KV pool of each engine or node in pages", positiveInt("--kv-pages"), 600)
-    .option("--rounds <n>", "measured rounds (each runs both arms)", positiveInt("--rounds"), 10)
-    .option("--warmup <n>", "warm-up rounds", (v) => (v === "0" ? 0 : positiveInt("--warmup")(v)), 1)
-    .option("--requests <n>", "chat requests per arm per round", positiveInt("--requests"), 32)
+    .option("--rounds <n>", "measured rounds (each runs both arms)", positiveInt("--rounds"), 20)
+    .option("--warmup <n>", "warm-up rounds", (v) => (v === "0" ? 0 : positiveInt("--warmup")(v)), 2)
+    .option("--requests <n>", "chat requests per arm per round", positiveInt("--requests"), 64)
     .option("--concurrency <n>", "requests in flight", positiveInt("--concurrency"), 16)
     .option("--max-tokens <n>", "max_tokens of each request", positiveInt("--max-tokens"), 64)
     .option("--prompt-chars <n>", "characters per prompt", positiveInt("--prompt-chars"), 400)

@@ -112,6 +112,7 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
     safety,
     faults: options.faults,
     ...shared(options),
+    ...(options.log === undefined ? {} : { log: options.log }),
   });
   return disaggregated(topo.engine, "threads", () => topo.close());
 }

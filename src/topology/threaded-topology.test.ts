@@ -3,7 +3,8 @@
  * the `EngineHandle` level: the effective context is the least over the model and every pool;
  * each door's rejection reaches the client unchanged (the incident's configuration: a prefill pool
  * smaller than decode's); a placeholder swapped in by prefill is caught by decode's coverage check,
- * never answered; a prefill worker that exits fails its requests with 503 and is fenced.
+ * never answered; a node worker that exits or throws fails its requests with 503, is fenced, and is
+ * restarted as a new incarnation that serves again (readiness follows).
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
@@ -166,13 +167,29 @@ test("DisaggregatedEngine never answers from a placeholder: decode's coverage ch
   }
 });
 
-test("DisaggregatedEngine fails a lost prefill worker's requests with 503 node_unavailable", async () => {
+/** Polls the engine's readiness (what `/ready` answers) until it is `ready`; fails after 15 s. */
+async function waitReady(engine: DisaggregatedEngine, ready: boolean): Promise<void> {
+  const deadline = Date.now() + 15_000;
+  while (engine.health().ready !== ready) {
+    if (Date.now() > deadline)
+      assert.fail(`not ${ready ? "ready" : "unready"} in 15 s: ${engine.health().reason}`);
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
+test("A node worker thread that is terminated or throws: its requests fail with 503, it is fenced, restarted as a new incarnation, and served again", async () => {
   const t = await startThreadedTopology({
     prefill: { ...shared, numPages: 128, maxPrefillTokens: 4 },
     decode: { ...shared, numPages: 128 },
     maxModelLen: 1024,
   });
   try {
+    const probe = request(2, 10, 4);
+    const reference = await run(t.engine, probe);
+    assert.equal(reference.error, null);
+    const incarnations = new Set(t.engine.currentNodes.map((n) => n.hello.incarnation));
+
+    // Prefill: terminated while it computes a prompt (chunks of 4 tokens).
     const leased = new Promise<void>((resolve) =>
       t.engine.observe((_node, msg) => {
         if (msg.type === "lease") resolve();
@@ -180,9 +197,11 @@ test("DisaggregatedEngine fails a lost prefill worker's requests with 503 node_u
     );
     const pending = run(t.engine, request(1, 900, 4));
     await leased;
-    await t.prefillWorker.terminate();
+    const oldPrefill = t.prefillWorker;
+    await oldPrefill.terminate();
     const out = await pending;
     assert.equal(out.error?.code, "node_unavailable");
+    assert.equal(t.engine.health().ready, false, "not ready while prefill is down");
     // Decode fenced the lost prefill node and released its lease.
     const deadline = Date.now() + 10_000;
     for (;;) {
@@ -194,7 +213,40 @@ test("DisaggregatedEngine fails a lost prefill worker's requests with 503 node_u
       }
       await new Promise((r) => setTimeout(r, 10));
     }
-    assert.equal((await run(t.engine, request(2, 10, 2))).error?.code, "node_unavailable", "no pair left");
+    await waitReady(t.engine, true);
+    assert.notEqual(t.prefillWorker, oldPrefill, "a new prefill worker");
+    assert.equal(t.restarts, 1);
+    assert.deepEqual(
+      await run(t.engine, { ...probe, rid: 3 }),
+      reference,
+      "served again by the new prefill worker",
+    );
+
+    // Decode: its thread throws (a message its handler cannot read) while it generates.
+    const generating = new Promise<void>((resolve) =>
+      t.engine.observe((_node, msg) => {
+        if (msg.type === "tokens") resolve();
+      }),
+    );
+    const inFlight = run(t.engine, request(4, 10, 500));
+    await generating;
+    const oldDecode = t.decodeWorker;
+    const exited = new Promise<number>((resolve) => oldDecode.once("exit", resolve));
+    oldDecode.postMessage({ kind: "protocol", prefill: "prefill-0", msg: null });
+    assert.notEqual(await exited, 0, "the decode thread died of the exception");
+    assert.equal((await inFlight).error?.code, "node_unavailable", "its request in flight ends with 503");
+    await waitReady(t.engine, false);
+    await waitReady(t.engine, true);
+    assert.notEqual(t.decodeWorker, oldDecode, "a new decode worker");
+    assert.equal(t.restarts, 2);
+    assert.deepEqual(
+      await run(t.engine, { ...probe, rid: 5 }),
+      reference,
+      "served again by the new decode worker",
+    );
+    for (const n of t.engine.currentNodes)
+      assert.ok(!incarnations.has(n.hello.incarnation), "new incarnations");
+    await assertIdle(t.engine);
   } finally {
     await t.close();
   }

@@ -11,6 +11,7 @@ interface PreflightCliOptions {
   vllm?: string[];
   apiKey?: string;
   operatorKey?: string;
+  operatorUrl?: string;
   config?: string;
   gpuMemory?: string;
   dtype?: string;
@@ -35,6 +36,10 @@ export function command(): Command {
     .option(
       "--operator-key <key>",
       "bearer token for the kvfence router's /kvfence/nodes, its operator key (or env KVFENCE_OPERATOR_KEY)",
+    )
+    .option(
+      "--operator-url <url>",
+      "the kvfence router's operator listener, where /kvfence/nodes is when not on --url (e.g. http://127.0.0.1:8001)",
     )
     .option("--config <file>", "offline: the model's config.json")
     .option("--gpu-memory <size>", "offline: memory per GPU, e.g. 141GiB")
@@ -63,6 +68,7 @@ export function command(): Command {
           ...(offline === undefined ? {} : { offline }),
           ...(opts.apiKey === undefined ? {} : { apiKey: opts.apiKey }),
           ...operatorKeyOption(opts.operatorKey),
+          ...(opts.operatorUrl === undefined ? {} : { operatorUrl: opts.operatorUrl }),
           timeoutMs: opts.timeout * 1000,
         });
         process.stdout.write(

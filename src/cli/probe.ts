@@ -8,6 +8,7 @@ interface ProbeCliOptions {
   apiKey?: string;
   apiKeyB?: string;
   operatorKey?: string;
+  operatorUrl?: string;
   model?: string;
   maxModelLen?: number;
   poolTokens?: number;
@@ -35,6 +36,10 @@ export function command(): Command {
     .option(
       "--operator-key <key>",
       "a kvfence router's operator key, to read the pool from /kvfence/nodes (or env KVFENCE_OPERATOR_KEY)",
+    )
+    .option(
+      "--operator-url <url>",
+      "a kvfence router's operator listener, where /kvfence/nodes is when not on the base URL (e.g. http://127.0.0.1:8001)",
     )
     .option("--model <id>", "model id (default: the first from /v1/models)")
     .option("--max-model-len <n>", "context length (default: from /v1/models or SGLang server info)", int(1))
@@ -73,6 +78,7 @@ export function command(): Command {
           ...(opts.apiKey === undefined ? {} : { apiKeyA: opts.apiKey }),
           ...(opts.apiKeyB === undefined ? {} : { apiKeyB: opts.apiKeyB }),
           ...operatorKeyOption(opts.operatorKey),
+          ...(opts.operatorUrl === undefined ? {} : { operatorUrl: opts.operatorUrl }),
           ...(opts.model === undefined ? {} : { model: opts.model }),
           ...(opts.maxModelLen === undefined ? {} : { maxModelLen: opts.maxModelLen }),
           ...(opts.poolTokens === undefined ? {} : { poolTokens: opts.poolTokens }),

@@ -15,9 +15,13 @@ export async function readKvfenceNodes(
   const url = joinUrl(baseUrl, NODES_INFO_PATH);
   const res = await httpGet(url, options);
   if (!res.ok) {
+    const hint =
+      res.status === 401 || res.status === 403
+        ? " (a kvfence router serves it with its operator key, --operator-key or env KVFENCE_OPERATOR_KEY, or without a key on its operator listener, --operator-url)"
+        : "";
     throw new KvfenceError(
       "node_unavailable",
-      `The router's node-info endpoint answered HTTP ${res.status}: ${url}`,
+      `The router's node-info endpoint answered HTTP ${res.status}${hint}: ${url}`,
     );
   }
   const parsed = nodesInfoSchema.safeParse(parseJsonBody(res.text, url));

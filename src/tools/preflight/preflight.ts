@@ -41,6 +41,11 @@ export interface PreflightOptions {
   readonly apiKey?: string;
   /** The bearer token for a kvfence router's /kvfence/nodes (its operator key); default `apiKey`. */
   readonly operatorKey?: string;
+  /**
+   * Where the kvfence router's /kvfence/nodes is, when not on `kvfenceUrl`: its operator listener
+   * (`--operator-port`). Enough on its own to check a kvfence deployment.
+   */
+  readonly operatorUrl?: string;
   readonly timeoutMs?: number;
 }
 
@@ -74,8 +79,8 @@ export async function runPreflight(options: PreflightOptions): Promise<Preflight
   const notes: string[] = [];
   const jobs: Array<{ name: string; source: NodeCapacity["source"]; run: () => Promise<NodeCapacity[]> }> =
     [];
-  if (options.kvfenceUrl !== undefined) {
-    const url = options.kvfenceUrl;
+  if (options.kvfenceUrl !== undefined || options.operatorUrl !== undefined) {
+    const url = (options.operatorUrl ?? options.kvfenceUrl)!;
     const key = options.operatorKey ?? options.apiKey;
     const operator = { timeoutMs: http.timeoutMs, ...(key === undefined ? {} : { apiKey: key }) };
     jobs.push({ name: url, source: "kvfence", run: () => readKvfenceNodes(url, operator) });

@@ -72,13 +72,22 @@ async function modelCards(ctx: ProbeRun): Promise<{ status: number; models: Reco
   return { status: modelsA.status, models: arrayField(modelsA.json, "data").filter(isObject) };
 }
 
-/** kvfence: the smallest node pool of /kvfence/nodes. */
+/** What a kvfence router's refusal of /kvfence/nodes asks for. */
+const OPERATOR_HINT =
+  "a kvfence router serves it with its operator key, --operator-key or env KVFENCE_OPERATOR_KEY, or without a key on its operator listener, --operator-url";
+
+/**
+ * kvfence: the smallest node pool of /kvfence/nodes (on the operator listener with
+ * `--operator-url`). A kvfence router that refuses it gets a note saying which flags read it.
+ */
 async function poolFromNodes(ctx: ProbeRun, found: Discovery): Promise<void> {
-  const nodes = await getJson(ctx, NODES_INFO_PATH, ctx.operatorKey);
+  const nodes = await getJson(ctx, NODES_INFO_PATH, ctx.operatorKey, ctx.operatorUrl);
   const parsed = nodes.status === 200 ? nodesInfoSchema.safeParse(nodes.json) : null;
   if (parsed?.success === true && parsed.data.nodes.length > 0) {
     found.poolTokens = Math.min(...parsed.data.nodes.map((n) => n.pool_tokens));
     found.poolTokensSource = `${NODES_INFO_PATH} (smallest node pool)`;
+  } else if (nodes.status === 401 || nodes.status === 403) {
+    found.poolTokensSource = `unknown: ${NODES_INFO_PATH} answered HTTP ${nodes.status} (${OPERATOR_HINT})`;
   }
 }
 

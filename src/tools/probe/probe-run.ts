@@ -31,6 +31,11 @@ export interface ProbeOptions {
   readonly poolTokens?: number;
   /** The bearer token for a kvfence router's /kvfence/nodes (its operator key); default tenant A's key. */
   readonly operatorKey?: string;
+  /**
+   * Where a kvfence router's /kvfence/nodes is, when not on `baseUrl`: its operator listener
+   * (`--operator-port`, loopback by default), e.g. http://127.0.0.1:8001.
+   */
+  readonly operatorUrl?: string;
   /** Ordinary load requests in the probe phase (default 24). */
   readonly requests?: number;
   /** Requests in flight at once (default 4). */
@@ -73,6 +78,8 @@ export interface ProbeRun {
   readonly keyA: string | undefined;
   readonly keyB: string | undefined;
   readonly operatorKey: string | undefined;
+  /** The base URL of /kvfence/nodes: the operator listener's, or the server's. */
+  readonly operatorUrl: string;
   model: string;
   readonly maxTokens: number;
   readonly concurrency: number;
@@ -143,6 +150,7 @@ export async function getJson(
   ctx: ProbeRun,
   path: string,
   key: string | undefined,
+  baseUrl = ctx.client.baseUrl,
 ): Promise<{ status: number; json: unknown; error: string | null }> {
   ctx.sent++;
   const headers: Record<string, string> = { accept: "application/json" };
@@ -150,7 +158,7 @@ export async function getJson(
   try {
     const timeout = AbortSignal.timeout(Math.min(ctx.client.timeoutMs, 30_000));
     const signal = ctx.client.signal === undefined ? timeout : AbortSignal.any([timeout, ctx.client.signal]);
-    const res = await fetch(`${ctx.client.baseUrl}${path}`, { headers, signal });
+    const res = await fetch(`${baseUrl}${path}`, { headers, signal });
     const text = await res.text();
     let json: unknown = null;
     try {

@@ -101,6 +101,7 @@ function newRun(
     keyA: options.apiKeyA,
     keyB: options.apiKeyB ?? options.apiKeyA,
     operatorKey: options.operatorKey ?? options.apiKeyA,
+    operatorUrl: options.operatorUrl === undefined ? baseUrl : normalizeBaseUrl(options.operatorUrl),
     model: "",
     maxTokens: options.maxTokens ?? 48,
     concurrency: Math.max(1, options.concurrency ?? 4),

@@ -3,6 +3,7 @@ import { writeFile } from "node:fs/promises";
 import { Command, InvalidArgumentError } from "commander";
 import { runProbe } from "../tools/probe/probe.js";
 import { exitCodeOf, renderProbeSummary } from "../tools/probe/probe-report.js";
+import type { ProbeOptions } from "../tools/probe/probe-run.js";
 
 interface ProbeCliOptions {
   apiKey?: string;
@@ -67,26 +68,7 @@ export function command(): Command {
     .option("--quiet", "no progress on stderr")
     .action(async (baseUrl: string, opts: ProbeCliOptions) => {
       try {
-        const report = await runProbe({
-          baseUrl,
-          requests: opts.requests,
-          concurrency: opts.concurrency,
-          timeoutMs: opts.timeout * 1000,
-          overallTimeoutMs: opts.overallTimeout * 1000,
-          maxTokens: opts.maxTokens,
-          plants: opts.plants,
-          ...(opts.apiKey === undefined ? {} : { apiKeyA: opts.apiKey }),
-          ...(opts.apiKeyB === undefined ? {} : { apiKeyB: opts.apiKeyB }),
-          ...operatorKeyOption(opts.operatorKey),
-          ...(opts.operatorUrl === undefined ? {} : { operatorUrl: opts.operatorUrl }),
-          ...(opts.model === undefined ? {} : { model: opts.model }),
-          ...(opts.maxModelLen === undefined ? {} : { maxModelLen: opts.maxModelLen }),
-          ...(opts.poolTokens === undefined ? {} : { poolTokens: opts.poolTokens }),
-          ...(opts.seed === undefined ? {} : { seed: opts.seed }),
-          ...(opts.recordTemplate === undefined ? {} : { recordTemplate: opts.recordTemplate }),
-          ...(opts.questionTemplate === undefined ? {} : { questionTemplate: opts.questionTemplate }),
-          ...(opts.quiet === true ? {} : { onProgress: (line: string) => process.stderr.write(`${line}\n`) }),
-        });
+        const report = await runProbe(probeOptions(baseUrl, opts));
         if (opts.json !== undefined) await writeFile(opts.json, `${JSON.stringify(report, null, 2)}\n`);
         process.stdout.write(`${renderProbeSummary(report)}\n`);
         process.exitCode = exitCodeOf(report);
@@ -95,6 +77,30 @@ export function command(): Command {
         process.exitCode = 2;
       }
     });
+}
+
+/** The probe's options from the command line (absent flags left out). */
+function probeOptions(baseUrl: string, opts: ProbeCliOptions): ProbeOptions {
+  return {
+    baseUrl,
+    requests: opts.requests,
+    concurrency: opts.concurrency,
+    timeoutMs: opts.timeout * 1000,
+    overallTimeoutMs: opts.overallTimeout * 1000,
+    maxTokens: opts.maxTokens,
+    plants: opts.plants,
+    ...(opts.apiKey === undefined ? {} : { apiKeyA: opts.apiKey }),
+    ...(opts.apiKeyB === undefined ? {} : { apiKeyB: opts.apiKeyB }),
+    ...operatorKeyOption(opts.operatorKey),
+    ...(opts.operatorUrl === undefined ? {} : { operatorUrl: opts.operatorUrl }),
+    ...(opts.model === undefined ? {} : { model: opts.model }),
+    ...(opts.maxModelLen === undefined ? {} : { maxModelLen: opts.maxModelLen }),
+    ...(opts.poolTokens === undefined ? {} : { poolTokens: opts.poolTokens }),
+    ...(opts.seed === undefined ? {} : { seed: opts.seed }),
+    ...(opts.recordTemplate === undefined ? {} : { recordTemplate: opts.recordTemplate }),
+    ...(opts.questionTemplate === undefined ? {} : { questionTemplate: opts.questionTemplate }),
+    ...(opts.quiet === true ? {} : { onProgress: (line: string) => process.stderr.write(`${line}\n`) }),
+  };
 }
 
 /** `--operator-key`, else env KVFENCE_OPERATOR_KEY, as an option object. */

@@ -3,8 +3,10 @@
  * and M decode node processes and a router, TCP between them); prints the router's URL. Ctrl-C
  * stops every process. `--tls-cert/--tls-key/--tls-ca` go to every process (mutual TLS on every
  * cluster link), `--https-cert/--https-key` (docs/tls.md), the operator endpoints' flags
- * (`--operator-key`, `--metrics-port`, `--metrics-tenant-names`; docs/api.md) and the fair-share and
- * readiness flags (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`) to the router.
+ * (`--operator-key`, `--metrics-port`, `--metrics-tenant-names`; docs/api.md), the request limits
+ * and the tokenizer pool (`--max-body-bytes`, `--max-prompt-bytes`, `--max-messages`,
+ * `--max-json-depth`, `--tokenizer-threads`), and the fair-share and readiness flags
+ * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`) to the router.
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -43,6 +45,17 @@ export function command(): Command {
     .option("--https-cert <file>", "front door: the router serves HTTPS with this certificate (PEM)")
     .option("--https-key <file>", "front door: the private key of --https-cert (PEM)")
     .option(
+      "--max-body-bytes <size>",
+      "router: request bodies over this get 413 (default 2 x --max-prompt-bytes + 1MiB)",
+    )
+    .option(
+      "--max-prompt-bytes <size>",
+      "router: prompts over this many UTF-8 bytes get 400 before tokenization",
+    )
+    .option("--max-messages <n>", "router: chat requests with more messages get 400 (default 2048)")
+    .option("--max-json-depth <n>", "router: bodies nesting deeper get 400 before parsing (default 64)")
+    .option("--tokenizer-threads <n>", "router: worker threads that parse, template and tokenize (default 2)")
+    .option(
       "--tenant-max-concurrency <n>",
       "router: requests one tenant may have running at once (0: no cap)",
     )
@@ -74,7 +87,7 @@ export function command(): Command {
     .action(runCluster);
 }
 
-type RawOptions = Record<string, string | undefined>;
+export type RawOptions = Record<string, string | undefined>;
 
 /** `--flag value` for each of `flags` given (by its commander key), in that order. */
 function passOn(raw: RawOptions, flags: ReadonlyArray<[flag: string, key: string]>): string[] {
@@ -82,6 +95,30 @@ function passOn(raw: RawOptions, flags: ReadonlyArray<[flag: string, key: string
     const value = raw[key];
     return value === undefined ? [] : [flag, value];
   });
+}
+
+/** The `kvfence serve --role router` flags `kvfence cluster` passes on from its own. */
+export function routerArgsOf(raw: RawOptions): string[] {
+  const args = passOn(raw, [
+    ["--api-keys", "apiKeys"],
+    ["--https-cert", "httpsCert"],
+    ["--https-key", "httpsKey"],
+    ["--operator-key", "operatorKey"],
+    ["--metrics-port", "metricsPort"],
+    ["--max-body-bytes", "maxBodyBytes"],
+    ["--max-prompt-bytes", "maxPromptBytes"],
+    ["--max-messages", "maxMessages"],
+    ["--max-json-depth", "maxJsonDepth"],
+    ["--tokenizer-threads", "tokenizerThreads"],
+    ["--tenant-max-concurrency", "tenantMaxConcurrency"],
+    ["--tenant-max-pages", "tenantMaxPages"],
+    ["--tenant-max-queue", "tenantMaxQueue"],
+    ["--max-queue", "maxQueue"],
+    ["--queue-timeout", "queueTimeout"],
+    ["--ready-timeout", "readyTimeout"],
+  ]);
+  if (raw.metricsTenantNames !== undefined) args.push("--metrics-tenant-names");
+  return args;
 }
 
 async function runCluster(raw: RawOptions): Promise<void> {
@@ -109,20 +146,7 @@ async function runCluster(raw: RawOptions): Promise<void> {
       ["--tls-ca", "tlsCa"],
     ]),
   ];
-  const routerArgs = passOn(raw, [
-    ["--api-keys", "apiKeys"],
-    ["--https-cert", "httpsCert"],
-    ["--https-key", "httpsKey"],
-    ["--operator-key", "operatorKey"],
-    ["--metrics-port", "metricsPort"],
-    ["--tenant-max-concurrency", "tenantMaxConcurrency"],
-    ["--tenant-max-pages", "tenantMaxPages"],
-    ["--tenant-max-queue", "tenantMaxQueue"],
-    ["--max-queue", "maxQueue"],
-    ["--queue-timeout", "queueTimeout"],
-    ["--ready-timeout", "readyTimeout"],
-  ]);
-  if (raw.metricsTenantNames !== undefined) routerArgs.push("--metrics-tenant-names");
+  const routerArgs = routerArgsOf(raw);
   const cluster = await startLocalCluster({
     prefill: count("--prefill", raw.prefill ?? "1"),
     decode: count("--decode", raw.decode ?? "1"),

@@ -1,7 +1,8 @@
 /**
  * The preparation workers with the bundled model's real tokenizer and chat template: they give the
  * same prompt tokens as preparing in this thread, send refusals back as KvfenceErrors with their
- * code and param, and keep a lane free for small bodies while large ones are prepared.
+ * code and param, keep a lane free for small bodies while large ones are prepared, and serve tenants
+ * fairly.
  */
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
@@ -72,4 +73,20 @@ test("PreparePool serves a small body at once while large ones queue for the oth
     .then(() => order.push("small"));
   await Promise.all([...larges, small]);
   assert.equal(order[0], "small", order.join(", "));
+});
+
+test("PreparePool serves another tenant's body before a tenant's backlog of them", async () => {
+  const chat = (i: number) =>
+    body({ model: MODEL, messages: [{ role: "user", content: `${"x ".repeat(700)}${i}` }], max_tokens: 1 });
+  const order: string[] = [];
+  // Twenty small bodies of tenant 1 queue for the first worker; then one of tenant 2.
+  const backlog = Array.from({ length: 20 }, (_, i) =>
+    pool.prepare("chat", chat(i), 1).then(() => order.push("flood")),
+  );
+  const other = pool.prepare("chat", chat(99), 2).then(() => order.push("other"));
+  await Promise.all([...backlog, other]);
+  assert.ok(
+    order.indexOf("other") <= 3,
+    `the other tenant's body went third at the latest: ${order.join(" ")}`,
+  );
 });

@@ -7,11 +7,15 @@
  * Two lanes keep small requests from queueing behind big ones: a body over `LARGE_BODY_BYTES` is
  * prepared only by the workers after the first, so with two or more workers the first is always
  * free for small bodies within the time of one small body. (With one worker, both lanes share it.)
- * Each worker prepares one body at a time. A worker that dies fails its body with `internal` and is
+ * Each lane is fair between tenants (`src/lib/fair-queue.ts`, costed by body bytes): one tenant's
+ * hundred queued prompts delay another tenant's body by about one of them, not all (issue #22:
+ * a flood's bodies held every other tenant's first request behind their tokenization). With one
+ * tenant a lane is first-come. Each worker prepares one body at a time. A worker that dies fails its body with `internal` and is
  * replaced; nothing else is lost.
  */
 import { Worker } from "node:worker_threads";
 import { KvfenceError, type WireError } from "../lib/errors.js";
+import { FairQueue } from "../lib/fair-queue.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import {
   type GenerateEndpointName,
@@ -23,7 +27,8 @@ import type { RequestLimits } from "./request-limits.js";
 
 /** Turns a generation body into a request ready for admission, off the caller's event loop or not. */
 export interface RequestPreparer {
-  prepare(endpoint: GenerateEndpointName, body: Uint8Array): Promise<PreparedRequest>;
+  /** `tenant`: the index of the request's tenant (bodies wait fairly between tenants). */
+  prepare(endpoint: GenerateEndpointName, body: Uint8Array, tenant?: number): Promise<PreparedRequest>;
   close(): Promise<void>;
 }
 
@@ -65,6 +70,7 @@ const WORKER_URL = new URL("./prepare-worker.js", import.meta.url);
 
 interface Job {
   readonly id: number;
+  readonly tenant: number;
   readonly endpoint: GenerateEndpointName;
   readonly body: Uint8Array;
   readonly large: boolean;
@@ -96,8 +102,8 @@ export class PreparePool implements RequestPreparer {
   readonly #data: PoolData;
   readonly #onWorkerError: (detail: string) => void;
   readonly #slots: Slot[] = [];
-  readonly #small: Job[] = [];
-  readonly #large: Job[] = [];
+  readonly #small = PreparePool.#lane();
+  readonly #large = PreparePool.#lane();
   readonly #size: number;
   #nextId = 1;
   #closed = false;
@@ -106,6 +112,11 @@ export class PreparePool implements RequestPreparer {
     this.#data = { modelDir: options.modelDir, modelId: options.modelId, limits: options.limits };
     this.#onWorkerError = options.onWorkerError ?? (() => {});
     this.#size = Math.max(1, options.threads);
+  }
+
+  /** A lane's queue: fair between tenants, each body costed by its bytes. */
+  static #lane(): FairQueue<Job> {
+    return new FairQueue<Job>({ flow: (job) => job.tenant, cost: (job) => job.body.byteLength });
   }
 
   /** Starts `threads` workers and resolves once each has loaded the tokenizer. */
@@ -125,12 +136,13 @@ export class PreparePool implements RequestPreparer {
     return this.#small.length + this.#large.length;
   }
 
-  prepare(endpoint: GenerateEndpointName, body: Uint8Array): Promise<PreparedRequest> {
+  prepare(endpoint: GenerateEndpointName, body: Uint8Array, tenant = 0): Promise<PreparedRequest> {
     if (this.#closed)
       return Promise.reject(new KvfenceError("node_unavailable", "The server is shutting down"));
     return new Promise((resolve, reject) => {
       const job: Job = {
         id: this.#nextId++,
+        tenant,
         endpoint,
         body,
         large: body.byteLength > LARGE_BODY_BYTES,
@@ -145,7 +157,12 @@ export class PreparePool implements RequestPreparer {
   async close(): Promise<void> {
     this.#closed = true;
     const gone = new KvfenceError("node_unavailable", "The server is shutting down");
-    for (const job of [...this.#small.splice(0), ...this.#large.splice(0)]) job.reject(gone);
+    for (const lane of [this.#small, this.#large]) {
+      for (const job of [...lane]) {
+        lane.remove(job);
+        job.reject(gone);
+      }
+    }
     const slots = this.#slots.splice(0);
     for (const slot of slots) slot.job?.reject(gone);
     await Promise.all(slots.map((slot) => slot.worker.terminate()));
@@ -204,6 +221,11 @@ export class PreparePool implements RequestPreparer {
     this.#dispatch();
   }
 
+  /** The next body of `lane`, taken out of it; undefined when it is empty. */
+  static #next(lane: FairQueue<Job>): Job | undefined {
+    return lane.peek() === undefined ? undefined : lane.take();
+  }
+
   /** Gives each idle worker the next body of a lane it serves. */
   #dispatch(): void {
     const shared = this.#size === 1;
@@ -211,7 +233,10 @@ export class PreparePool implements RequestPreparer {
       const slot = this.#slots[i];
       if (slot === undefined || slot.job !== null) continue;
       // The first worker takes small bodies only (unless it is alone); the others large ones first.
-      const job = i === 0 && !shared ? this.#small.shift() : (this.#large.shift() ?? this.#small.shift());
+      const job =
+        i === 0 && !shared
+          ? PreparePool.#next(this.#small)
+          : (PreparePool.#next(this.#large) ?? PreparePool.#next(this.#small));
       if (job === undefined) continue;
       slot.job = job;
       const { body } = job;

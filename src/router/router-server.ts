@@ -461,7 +461,7 @@ export class RouterServer {
   async #generate(ctx: RequestContext, kind: GenerateEndpoint): Promise<void> {
     checkJsonContentType(ctx.req.headers["content-type"]);
     const body = await readBody(ctx.req, this.#maxBodyBytes);
-    const { parsed, promptTokens } = await this.#preparer.prepare(kind.endpoint, body);
+    const { parsed, promptTokens } = await this.#preparer.prepare(kind.endpoint, body, ctx.tenant?.index);
     const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, kind.param);
     if (!admission.ok) {
       this.metrics.admissionRejections.inc({ reason: admission.reason });

@@ -20,7 +20,7 @@
  */
 import { type Kernels, referenceKernels } from "../kernels/kernels.js";
 import { type AttentionSequence, ropeTables } from "../kernels/reference.js";
-import { type KvLayout, pageFloats } from "../kvcache/kv-layout.js";
+import { type KvLayout, kvDtypeCode, kvDtypeOf, pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
 
@@ -55,6 +55,8 @@ export class ForwardPass {
   #weights: ModelWeights;
   #kernels: Kernels;
   #pageFloats: number;
+  /** The pool's element type as the kernels' code (kv-layout.ts `kvDtypeCode`). */
+  #kvDtype: number;
   #cos: Float64Array;
   #sin: Float64Array;
   // Activations, [maxBatchTokens][...].
@@ -154,6 +156,7 @@ export class ForwardPass {
     const kernels = options.kernels ?? referenceKernels;
     this.#kernels = kernels;
     this.#pageFloats = pageFloats(layout);
+    this.#kvDtype = kvDtypeCode(kvDtypeOf(layout));
     const { hiddenSize: hidden, numHeads, numKvHeads, headDim, intermediateSize, vocabSize } = config;
     const maxPos = config.maxPositionEmbeddings;
     this.#cos = kernels.allocF64(maxPos * (headDim >> 1));
@@ -193,16 +196,19 @@ export class ForwardPass {
   }
 
   /**
-   * Runs one batched step. Writes the new tokens' K/V into `pool` (a Float32Array over the whole KV
-   * pool, page-major as in src/kvcache/kv-layout.ts) and attends through each block table.
+   * Runs one batched step. Writes the new tokens' K/V into `pool` (the whole KV pool, page-major as
+   * in src/kvcache/kv-layout.ts: a Float32Array, or a Uint16Array of f16/bf16 bits as the layout's
+   * dtype says), rounded to its dtype, and attends through each block table.
    */
-  step(pool: Float32Array, sequences: readonly StepSequence[]): void {
+  step(pool: Float32Array | Uint16Array, sequences: readonly StepSequence[]): void {
     const cfg = this.config;
     const hidden = cfg.hiddenSize;
     const numSeqs = sequences.length;
     const total = this.#checkStep(pool, sequences);
     if (total === 0) return;
-    const { add, addBias, matmul, matmulEach, pagedAttentionBatch, rmsnorm, rope, swiglu } = this.#kernels;
+    const { add, addBias, matmul, matmulEach, pagedAttentionBatch, rmsnorm, rope, storeKv, swiglu } =
+      this.#kernels;
+    const kvDtype = this.#kvDtype;
 
     // Embeddings and positions.
     const embed = this.#weights.embed;
@@ -249,7 +255,19 @@ export class ForwardPass {
       if (w.vBias !== null) addBias(v, w.vBias, total, kvDim);
       rope(q, positions, this.#cos, this.#sin, total, numHeads, headDim);
       rope(k, positions, this.#cos, this.#sin, total, numKvHeads, headDim);
-      this.#storeKv(pool, sequences, l);
+      storeKv(
+        pool,
+        k,
+        v,
+        attention,
+        numSeqs,
+        l,
+        cfg.numLayers,
+        numKvHeads,
+        headDim,
+        this.layout.pageSize,
+        kvDtype,
+      );
       pagedAttentionBatch(
         attn,
         q,
@@ -263,6 +281,7 @@ export class ForwardPass {
         numKvHeads,
         headDim,
         this.layout.pageSize,
+        kvDtype,
       );
       matmul(proj, attn, w.o, total, qDim, hidden);
       add(x, x, proj, total * hidden);
@@ -300,35 +319,8 @@ export class ForwardPass {
     }
   }
 
-  /** Copies this layer's new K and V rows of every sequence into their pages. */
-  #storeKv(pool: Float32Array, sequences: readonly StepSequence[], layer: number): void {
-    const { numKvHeads, headDim, pageSize } = this.layout;
-    const kvDim = numKvHeads * headDim;
-    const kBase = layer * 2 * pageSize * kvDim;
-    const vBase = kBase + pageSize * kvDim;
-    const pf = this.#pageFloats;
-    const k = this.#k;
-    const v = this.#v;
-    let row = 0;
-    for (let s = 0; s < sequences.length; s++) {
-      const seq = sequences[s] as StepSequence;
-      const n = seq.tokens.length;
-      for (let i = 0; i < n; i++) {
-        const pos = seq.startPos + i;
-        const page = seq.blockTable[(pos / pageSize) | 0] as number;
-        const off = page * pf + (pos % pageSize) * kvDim;
-        const src = row * kvDim;
-        for (let j = 0; j < kvDim; j++) {
-          pool[off + kBase + j] = k[src + j] as number;
-          pool[off + vBase + j] = v[src + j] as number;
-        }
-        row++;
-      }
-    }
-  }
-
   /** Validates a step's shape (integer compares only); returns its total token count. */
-  #checkStep(pool: Float32Array, sequences: readonly StepSequence[]): number {
+  #checkStep(pool: Float32Array | Uint16Array, sequences: readonly StepSequence[]): number {
     const cfg = this.config;
     if (sequences.length > this.maxSequences) {
       throw new KvfenceError(
@@ -339,7 +331,7 @@ export class ForwardPass {
     if (pool.length % this.#pageFloats !== 0) {
       throw new KvfenceError(
         "layout_mismatch",
-        `KV pool length is not a whole number of pages: ${pool.length} floats, page ${this.#pageFloats}; size it with pageFloats(layout)`,
+        `KV pool length is not a whole number of pages: ${pool.length} elements, page ${this.#pageFloats}; size it with pageFloats(layout)`,
       );
     }
     const numPages = pool.length / this.#pageFloats;

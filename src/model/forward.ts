@@ -206,9 +206,7 @@ export class ForwardPass {
     const numSeqs = sequences.length;
     const total = this.#checkStep(pool, sequences);
     if (total === 0) return;
-    const { add, addBias, matmul, matmulEach, pagedAttentionBatch, rmsnorm, rope, storeKv, swiglu } =
-      this.#kernels;
-    const kvDtype = this.#kvDtype;
+    const { add, addBias, matmul, matmulEach, rmsnorm, rope, swiglu } = this.#kernels;
 
     // Embeddings and positions.
     const embed = this.#weights.embed;
@@ -241,7 +239,6 @@ export class ForwardPass {
     const q = this.#q;
     const k = this.#k;
     const v = this.#v;
-    const attn = this.#attn;
     const proj = this.#proj;
     const gate = this.#gate;
     const up = this.#up;
@@ -255,35 +252,8 @@ export class ForwardPass {
       if (w.vBias !== null) addBias(v, w.vBias, total, kvDim);
       rope(q, positions, this.#cos, this.#sin, total, numHeads, headDim);
       rope(k, positions, this.#cos, this.#sin, total, numKvHeads, headDim);
-      storeKv(
-        pool,
-        k,
-        v,
-        attention,
-        numSeqs,
-        l,
-        cfg.numLayers,
-        numKvHeads,
-        headDim,
-        this.layout.pageSize,
-        kvDtype,
-      );
-      pagedAttentionBatch(
-        attn,
-        q,
-        pool,
-        attention,
-        numSeqs,
-        this.#scratch,
-        l,
-        cfg.numLayers,
-        numHeads,
-        numKvHeads,
-        headDim,
-        this.layout.pageSize,
-        kvDtype,
-      );
-      matmul(proj, attn, w.o, total, qDim, hidden);
+      this.#attend(pool, numSeqs, l);
+      matmul(proj, this.#attn, w.o, total, qDim, hidden);
       add(x, x, proj, total * hidden);
       rmsnorm(xn, x, w.postNorm, hidden, eps, total);
       matmulEach(this.#gateUp, xn, this.#gateUpWeights[l] as Float32Array[], total, hidden, this.#gateUpDims);
@@ -317,6 +287,43 @@ export class ForwardPass {
       out.set(this.#logitViews[o] as Float32Array);
       o++;
     }
+  }
+
+  /** Layer `layer`'s KV write (rounded to the pool's dtype) and attention for the step's sequences. */
+  #attend(pool: Float32Array | Uint16Array, numSeqs: number, layer: number): void {
+    const { numLayers, numHeads, numKvHeads, headDim } = this.config;
+    const pageSize = this.layout.pageSize;
+    const kvDtype = this.#kvDtype;
+    const attention = this.#attention;
+    const kernels = this.#kernels;
+    kernels.storeKv(
+      pool,
+      this.#k,
+      this.#v,
+      attention,
+      numSeqs,
+      layer,
+      numLayers,
+      numKvHeads,
+      headDim,
+      pageSize,
+      kvDtype,
+    );
+    kernels.pagedAttentionBatch(
+      this.#attn,
+      this.#q,
+      pool,
+      attention,
+      numSeqs,
+      this.#scratch,
+      layer,
+      numLayers,
+      numHeads,
+      numKvHeads,
+      headDim,
+      pageSize,
+      kvDtype,
+    );
   }
 
   /** Validates a step's shape (integer compares only); returns its total token count. */

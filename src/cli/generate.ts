@@ -162,7 +162,12 @@ export function command(): Command {
       integer,
     )
     .option("--seed <n>", "seed of the sampler", integer, 0)
-    .option("--kv-cache-dtype <dtype>", "KV cache element type: f32, f16 or bf16", kvCacheDtype, DEFAULT_KV_CACHE_DTYPE)
+    .option(
+      "--kv-cache-dtype <dtype>",
+      "KV cache element type: f32, f16 or bf16",
+      kvCacheDtype,
+      DEFAULT_KV_CACHE_DTYPE,
+    )
     .option("--stats", "print token counts and speeds to stderr at the end")
     .action((prompt: string, opts: CliOptions) => {
       try {

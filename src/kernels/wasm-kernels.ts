@@ -744,7 +744,7 @@ export class WasmKernels implements Kernels {
       item += s.rows * kvParts * splits;
       r += 5;
     }
-    const need = numHeads * maxCtx;
+    const need = numHeads * (maxCtx + headDim); // scores, then (f16) the scaled query rows
     if (need > this.#scratchFloats) {
       const floats = Math.max(need, this.#scratchFloats * 2);
       this.#scratchMain = this.allocBytes(floats * 4);

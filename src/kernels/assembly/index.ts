@@ -460,9 +460,18 @@ export function swigluPar(out: usize, gate: usize, up: usize, n: i32, counter: u
 // picks the widening). `kvLoad4<K>` reads four K or V elements and widens them to f32x4, so the
 // attention loops are one source for the three dtypes and each build is branch-free inside.
 // `kvAt<K>(f32Bytes)` turns an offset counted in f32 bytes into the pool's bytes.
+//
+// An f16 widens to its value times 2^-112 (`kvScale`): placing its bits in an f32 leaves the
+// exponent's bias 15 where an f32's is 127. Instead of a multiply per four elements, the attention
+// scales the other operands once: the query rows it reads by 2^64 (copied to the scratch; 2^112
+// would overflow a query component of 2^16) and each score by 2^48 more, and the softmax weights
+// it stores by 2^112. Powers of two scale exactly, so the sums are those of the exact values.
 
-/** 2^112 as an f32: scales an f16 exponent (bias 15) placed in an f32 (bias 127). */
-const F16_SCALE: f32 = reinterpret<f32>(0x77800000);
+/** 2^112 for f16 (see above), else 1. */
+@inline
+function kvScale<K>(): f32 {
+  return sizeof<K>() == 2 && !isSigned<K>() ? reinterpret<f32>(0x77800000) : 1;
+}
 
 /** Bytes of the pool at an offset given in f32 bytes (four per element). */
 @inline
@@ -471,19 +480,18 @@ function kvAt<K>(f32Bytes: usize): usize {
 }
 
 /**
- * Four KV elements at a, widened to f32. bf16: the bits shifted up 16. f16, table-free in three
- * integer/float operations: sign-extend each half to 32 bits and shift left 13, which puts its
- * exponent and mantissa in an f32's low exponent bits and mantissa and its sign in bit 31 (the
- * mask clears the three copies of the sign above the exponent), then multiply by 2^112 to rebias
- * the exponent (exact for every finite half, subnormals included; an f16 NaN or infinity would
- * come out as a finite ±65536–131008, and the KV write never stores an infinity: it saturates).
+ * Four KV elements at a, widened to f32 (f16: times 2^-112, see above). bf16: the bits shifted up
+ * 16. f16, table-free in two integer operations: sign-extend each half to 32 bits and shift left
+ * 13, which puts its exponent and mantissa in an f32's low exponent bits and mantissa and its sign
+ * in bit 31; the mask clears the three copies of the sign above the exponent. Exact for every
+ * finite half, subnormals included (an f16 NaN or infinity would come out finite, and the KV write
+ * never stores an infinity: it saturates).
  */
 @inline
 function kvLoad4<K>(a: usize): v128 {
   if (sizeof<K>() == 4) return v128.load(a);
   if (isSigned<K>()) return i32x4.shl(v128.load16x4_u(a), 16);
-  const x = v128.and(i32x4.shl(v128.load16x4_s(a), 13), i32x4.splat(0x8fffe000));
-  return f32x4.mul(x, f32x4.splat(F16_SCALE));
+  return v128.and(i32x4.shl(v128.load16x4_s(a), 13), i32x4.splat(0x8fffe000));
 }
 
 /** One KV element at a, widened to f32 (scalar `kvLoad4`). */
@@ -491,8 +499,7 @@ function kvLoad4<K>(a: usize): v128 {
 function kvLoad1<K>(a: usize): f32 {
   if (sizeof<K>() == 4) return load<f32>(a);
   if (isSigned<K>()) return reinterpret<f32>((<u32>load<u16>(a)) << 16);
-  const x = ((<u32>(<i32>load<i16>(a))) << 13) & 0x8fffe000;
-  return reinterpret<f32>(x) * F16_SCALE;
+  return reinterpret<f32>(((<u32>(<i32>load<i16>(a))) << 13) & 0x8fffe000);
 }
 
 @inline
@@ -532,7 +539,8 @@ function axpy<K>(acc: usize, p: f32, v: usize, headDim: i32): void {
  * contiguous K|V block is consumed in one sweep rather than one third of each row per pass. Writes
  * each query head's softmax-weighted V sum (normalised over this range) at o + h·oStride (h counted
  * from g0's first query head), and, when ml ≠ 0, the range's score max and exp-sum at
- * ml + h·mlStride (for attentionMerge). `scratch` holds (g1−g0)·group·(tb−ta) f32 scores.
+ * ml + h·mlStride (for attentionMerge). `scratch` holds (g1−g0)·group·(tb−ta) f32 scores, then (for
+ * f16) the scaled query rows, (g1−g0)·group·headDim f32.
  */
 function attendRange<K>(
   o: usize, oStride: usize, ml: usize, mlStride: usize, q: usize, pool: usize, blockTable: usize, scratch: usize,
@@ -546,10 +554,23 @@ function attendRange<K>(
   const pageBytes = <usize>(numLayers * 2 * pageSize) * rowBytes;
   const kBase = <usize>(layer * 2 * pageSize) * rowBytes;
   const vBase = kBase + <usize>pageSize * rowBytes;
-  const scale = <f32>(1.0 / Math.sqrt(<f64>headDim));
+  let scale = <f32>(1.0 / Math.sqrt(<f64>headDim));
   const headBytes = (<usize>headDim) << 2;
-  const qRow = q + ((<usize>((rowStart + i) * numHeads + g0 * group) * <usize>headDim) << 2);
+  let qRow = q + ((<usize>((rowStart + i) * numHeads + g0 * group) * <usize>headDim) << 2);
   const nBytes = (<usize>n) << 2;
+  const kvs = kvScale<K>();
+  if (kvs != 1) {
+    // f16: the query rows times 2^64, after the scores in the scratch; the scores times 2^48.
+    const qs = scratch + <usize>heads * nBytes;
+    const qBytes = <usize>heads * headBytes;
+    const q64: f32 = reinterpret<f32>(0x5f800000);
+    const sv = f32x4.splat(q64);
+    let x: usize = 0;
+    for (; x + 16 <= qBytes; x += 16) v128.store(qs + x, f32x4.mul(v128.load(qRow + x), sv));
+    for (; x < qBytes; x += 4) store<f32>(qs + x, load<f32>(qRow + x) * q64);
+    qRow = qs;
+    scale *= reinterpret<f32>(0x57800000);
+  }
   const tiled3 = (headDim & 3) == 0 ? group - group % 3 : 0;
 
   // Scores: page by page, every KV head of the range per page, every query head of the group per
@@ -605,7 +626,7 @@ function attendRange<K>(
       store<f32>(sh + u, e);
       sum += e;
     }
-    const invs = <f32>1.0 / sum;
+    const invs = (<f32>1.0 / sum) * kvs;
     const inv = f32x4.splat(invs);
     u = 0;
     for (; u < cv; u += 16) v128.store(sh + u, f32x4.mul(v128.load(sh + u), inv));
@@ -788,8 +809,8 @@ function valuesTile3<K>(
  * table, and the index of its first work item. Work items (sequence, query row, part of the KV
  * heads, context split) are claimed from the counter: kvParts (a divisor of numKvHeads) parts of
  * numKvHeads/kvParts KV heads each, read page by page together (1 part reads each page's K and V
- * rows whole); each thread passes its own `scratch` of at least numHeads·(ceil(context/splits)+1)
- * f32 for the longest context. With splits = 1 the result goes straight to `out`; splits > 1 (one
+ * rows whole); each thread passes its own `scratch` of at least
+ * numHeads·(ceil(context/splits)+1+headDim) f32 for the longest context. With splits = 1 the result goes straight to `out`; splits > 1 (one
  * sequence only) makes each item cover 1/splits of its row's context and write a partial result to
  * `partial` ([rows][numHeads][splits][headDim] f32) and its max and exp-sum to `ml`
  * ([rows][numHeads][splits][2] f32), and attentionMerge combines them after both threads finish.

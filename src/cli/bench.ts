@@ -8,7 +8,7 @@
  */
 import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
-import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
+import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
 import { bundledModelDir } from "../lib/package-root.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
 import { fairShareCommand } from "../tools/bench/fair-share.js";
@@ -51,7 +51,7 @@ function kernelsChoice(value: string): BenchKernels[] {
 
 function kvCacheDtypeList(value: string): KvDtype[] {
   const names = value.split(",").map((v) => v.trim());
-  const bad = names.filter((n) => !(KV_DTYPES as readonly string[]).includes(n));
+  const bad = names.filter((n) => !isKvDtype(n));
   if (bad.length > 0) {
     throw new InvalidArgumentError(`Expected a comma-separated list of ${KV_DTYPES.join(", ")}: ${value}`);
   }

@@ -4,7 +4,7 @@
  * the prompt plus `--max-tokens`). The chat template is applied unless `--raw`.
  */
 import { Command, InvalidArgumentError } from "commander";
-import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
+import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { bundledModelDir } from "../lib/package-root.js";
@@ -134,9 +134,8 @@ interface CliOptions {
 }
 
 function kvCacheDtype(value: string): KvDtype {
-  if (!(KV_DTYPES as readonly string[]).includes(value))
-    throw new InvalidArgumentError(`Expected one of ${KV_DTYPES.join(", ")}: ${value}`);
-  return value as KvDtype;
+  if (!isKvDtype(value)) throw new InvalidArgumentError(`Expected one of ${KV_DTYPES.join(", ")}: ${value}`);
+  return value;
 }
 
 export function command(): Command {

@@ -22,6 +22,11 @@ export type KvDtype = "f32" | "f16" | "bf16";
 
 export const KV_DTYPES: readonly KvDtype[] = ["f32", "f16", "bf16"];
 
+/** Whether `value` names a KV dtype (for the command lines' `--kv-cache-dtype` parsers). */
+export function isKvDtype(value: string): value is KvDtype {
+  return (KV_DTYPES as readonly string[]).includes(value);
+}
+
 /** What `--kv-cache-dtype` defaults to (as in llama.cpp and vLLM). */
 export const DEFAULT_KV_CACHE_DTYPE: KvDtype = "f16";
 

@@ -2,20 +2,42 @@
  * Test drivers for the forward pass: page pools with in-order or shuffled block tables, and a run
  * of one prompt through `ForwardPass.step()` in chunks that collects the logits of every position.
  */
-import { type KvLayout, pageFloats } from "../src/kvcache/kv-layout.js";
+import { roundKv } from "../src/kernels/reference.js";
+import { type KvDtype, type KvLayout, kvDtypeCode, kvDtypeOf, pageFloats } from "../src/kvcache/kv-layout.js";
 import { Prng } from "../src/lib/prng.js";
 import type { ForwardPass, StepSequence } from "../src/model/forward.js";
 import type { ModelConfig } from "../src/model/model-config.js";
 
-export function layoutFor(config: ModelConfig, pageSize = 16): KvLayout {
-  return { numLayers: config.numLayers, numKvHeads: config.numKvHeads, headDim: config.headDim, pageSize };
+export function layoutFor(config: ModelConfig, pageSize = 16, dtype: KvDtype = "f32"): KvLayout {
+  return {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize,
+    dtype,
+  };
 }
+
+/** A pool's data: f32, or the bits of f16/bf16 elements (the layout's dtype). */
+export type PoolData = Float32Array | Uint16Array;
 
 /** A pool of `numPages` pages filled with garbage (NaN-free large values), so unwritten reads show. */
 export function makePool(layout: KvLayout, numPages: number, seed = 7): Float32Array {
   const pool = new Float32Array(numPages * pageFloats(layout));
   const rng = new Prng(seed);
   for (let i = 0; i < pool.length; i++) pool[i] = (rng.next() - 0.5) * 100;
+  return pool;
+}
+
+/** `makePool` at the layout's dtype: f32 as there, f16/bf16 the same garbage rounded (a Uint16Array). */
+export function makeKvPool(layout: KvLayout, numPages: number, seed = 7): PoolData {
+  const dtype = kvDtypeOf(layout);
+  if (dtype === "f32") return makePool(layout, numPages, seed);
+  const n = numPages * pageFloats(layout);
+  const rng = new Prng(seed);
+  const pool = new Uint16Array(n);
+  const code = kvDtypeCode(dtype);
+  for (let i = 0; i < pool.length; i++) pool[i] = roundKv((rng.next() - 0.5) * 100, code);
   return pool;
 }
 
@@ -43,7 +65,7 @@ export function blockTable(count: number, numPages: number, shuffled: boolean, s
  */
 export function logitsAtEveryPosition(
   fp: ForwardPass,
-  pool: Float32Array,
+  pool: PoolData,
   table: Int32Array,
   tokens: Int32Array,
   chunkSizes: readonly number[],
@@ -81,7 +103,7 @@ export function logitsAtEveryPosition(
 /** Greedy continuation of `prompt` by `count` tokens (prompt prefilled in one chunk). */
 export function greedyContinuation(
   fp: ForwardPass,
-  pool: Float32Array,
+  pool: PoolData,
   table: Int32Array,
   prompt: Int32Array,
   count: number,

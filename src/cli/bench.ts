@@ -8,6 +8,7 @@
  */
 import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
+import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
 import { bundledModelDir } from "../lib/package-root.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
 import { fairShareCommand } from "../tools/bench/fair-share.js";
@@ -48,6 +49,15 @@ function kernelsChoice(value: string): BenchKernels[] {
   return names as BenchKernels[];
 }
 
+function kvCacheDtypeList(value: string): KvDtype[] {
+  const names = value.split(",").map((v) => v.trim());
+  const bad = names.filter((n) => !isKvDtype(n));
+  if (bad.length > 0) {
+    throw new InvalidArgumentError(`Expected a comma-separated list of ${KV_DTYPES.join(", ")}: ${value}`);
+  }
+  return names as KvDtype[];
+}
+
 function threadCount(value: string): 1 | 2 {
   if (value === "1" || value === "2") return Number(value) as 1 | 2;
   throw new InvalidArgumentError(`Expected 1 or 2 threads: ${value}`);
@@ -67,6 +77,7 @@ interface ModelCliOptions {
   decodeSteps: number;
   pageSize: number;
   batch: number[];
+  kvCacheDtype: KvDtype[];
   repeats: number;
   bandwidthMib: number;
   seed: number;
@@ -123,6 +134,12 @@ function modelCommand(): Command {
       d.pageSize,
     )
     .option("--batch <list>", "decode batch sizes, comma-separated", integerList, [...d.batchSizes])
+    .option(
+      "--kv-cache-dtype <list>",
+      "KV cache element types to run, comma-separated: f32, f16, bf16 (side by side)",
+      kvCacheDtypeList,
+      [DEFAULT_KV_CACHE_DTYPE],
+    )
     .option("--repeats <n>", "interleaved repeats (median, range, bootstrap CI)", positiveInteger, d.repeats)
     .option(
       "--bandwidth-mib <n>",
@@ -143,6 +160,7 @@ function modelCommand(): Command {
           contextTokens: opts.contextTokens,
           decodeSteps: opts.decodeSteps,
           pageSize: opts.pageSize,
+          kvCacheDtypes: opts.kvCacheDtype,
           batchSizes: opts.batch,
           repeats: opts.repeats,
           bandwidthBytes: opts.bandwidthMib * 2 ** 20,

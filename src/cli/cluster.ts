@@ -34,6 +34,7 @@ export function command(): Command {
     .option("--port <port>", "router port", "8000")
     .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
     .option("--kv-pages <n>", "KV pool size of each node in pages")
+    .option("--kv-cache-dtype <dtype>", "KV cache element type of every node: f32, f16 (default) or bf16")
     .option("--api-keys <file>", "API keys file for the router")
     .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")
     .option("--prefill-kv-pages <n>", "the prefill nodes' KV pool in pages, when it differs from --kv-pages")
@@ -135,6 +136,7 @@ async function runCluster(raw: RawOptions): Promise<void> {
   const nodeArgs = [
     ...passOn(raw, [
       ["--kv-pages", "kvPages"],
+      ["--kv-cache-dtype", "kvCacheDtype"],
       ["--max-model-len", "maxModelLen"],
       ["--kernels", "kernels"],
       ["--kernel-threads", "kernelThreads"],

@@ -4,7 +4,8 @@
  * the prompt plus `--max-tokens`). The chat template is applied unless `--raw`.
  */
 import { Command, InvalidArgumentError } from "commander";
-import { pageFloats } from "../kvcache/kv-layout.js";
+import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
+import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { bundledModelDir } from "../lib/package-root.js";
 import { Prng } from "../lib/prng.js";
@@ -20,6 +21,8 @@ export interface GenerateOptions extends SamplingParams {
   readonly seed: number;
   /** Token ids that end generation (not emitted). */
   readonly stopTokenIds: ReadonlySet<number>;
+  /** The KV cache element type (`--kv-cache-dtype`). Default f16. */
+  readonly kvCacheDtype?: KvDtype;
 }
 
 export interface GenerateResult {
@@ -57,9 +60,10 @@ export function generateTokens(
     numKvHeads: config.numKvHeads,
     headDim: config.headDim,
     pageSize: PAGE_SIZE,
+    dtype: options.kvCacheDtype ?? DEFAULT_KV_CACHE_DTYPE,
   };
   const numPages = Math.ceil(total / PAGE_SIZE);
-  const pool = new Float32Array(numPages * pageFloats(layout));
+  const pool = new PagePool(layout, numPages).data;
   const blockTable = Int32Array.from({ length: numPages }, (_, i) => i);
   const fp = new ForwardPass(config, weights, layout, {
     maxBatchTokens: Math.min(PREFILL_CHUNK, promptIds.length),
@@ -125,7 +129,13 @@ interface CliOptions {
   topP?: number;
   topK?: number;
   seed: number;
+  kvCacheDtype: KvDtype;
   stats?: boolean;
+}
+
+function kvCacheDtype(value: string): KvDtype {
+  if (!isKvDtype(value)) throw new InvalidArgumentError(`Expected one of ${KV_DTYPES.join(", ")}: ${value}`);
+  return value;
 }
 
 export function command(): Command {
@@ -151,6 +161,12 @@ export function command(): Command {
       integer,
     )
     .option("--seed <n>", "seed of the sampler", integer, 0)
+    .option(
+      "--kv-cache-dtype <dtype>",
+      "KV cache element type: f32, f16 or bf16",
+      kvCacheDtype,
+      DEFAULT_KV_CACHE_DTYPE,
+    )
     .option("--stats", "print token counts and speeds to stderr at the end")
     .action((prompt: string, opts: CliOptions) => {
       try {
@@ -181,6 +197,7 @@ export function command(): Command {
             topK: opts.topK ?? defaults.topK ?? 0,
             seed: opts.seed,
             stopTokenIds: stop,
+            kvCacheDtype: opts.kvCacheDtype,
           },
           (id) => process.stdout.write(decoder.push(id)),
         );

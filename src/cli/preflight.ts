@@ -15,7 +15,7 @@ interface PreflightCliOptions {
   config?: string;
   gpuMemory?: string;
   dtype?: string;
-  kvDtype?: string;
+  kvCacheDtype?: string;
   tp?: number;
   memFraction?: number;
   contextLength?: number;
@@ -44,7 +44,10 @@ export function command(): Command {
     .option("--config <file>", "offline: the model's config.json")
     .option("--gpu-memory <size>", "offline: memory per GPU, e.g. 141GiB")
     .option("--dtype <dtype>", "offline: weight dtype (bf16, fp16, fp8, fp32)", "bf16")
-    .option("--kv-dtype <dtype>", "offline: KV cache dtype (default: --dtype)")
+    .option(
+      "--kv-cache-dtype <dtype>",
+      "offline: KV cache dtype, as kvfence serve --kv-cache-dtype (f32, f16, bf16, fp8; default: --dtype)",
+    )
     .option("--tp <n>", "offline: tensor-parallel size", positiveInt, 1)
     .option(
       "--mem-fraction <f>",
@@ -114,7 +117,7 @@ async function offlineFrom(opts: PreflightCliOptions): Promise<OfflineInputs | u
     ...(config === undefined ? {} : { config }),
     ...(opts.gpuMemory === undefined ? {} : { gpuMemoryBytes: parseBytes(opts.gpuMemory) }),
     ...(opts.dtype === undefined ? {} : { dtype: opts.dtype }),
-    ...(opts.kvDtype === undefined ? {} : { kvDtype: opts.kvDtype }),
+    ...(opts.kvCacheDtype === undefined ? {} : { kvDtype: opts.kvCacheDtype }),
     ...(opts.tp === undefined ? {} : { tp: opts.tp }),
     ...(opts.memFraction === undefined ? {} : { memFraction: opts.memFraction }),
     ...(opts.weightsBytes === undefined ? {} : { weightsBytes: parseBytes(opts.weightsBytes) }),

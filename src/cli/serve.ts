@@ -24,6 +24,7 @@ export function command(): Command {
     .option("--kv-memory <size>", "KV pool size, e.g. 256MiB (default 256MiB)")
     .option("--kv-pages <n>", "KV pool size in pages (instead of --kv-memory)")
     .option("--page-size <tokens>", "tokens per KV page", "16")
+    .option("--kv-cache-dtype <dtype>", "KV cache element type: f32, f16 (default) or bf16")
     .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")
     .option("--max-prefill-tokens <tokens>", "prefill tokens per engine step")
     .option(

@@ -180,6 +180,19 @@ function remakeChannels(engine: DisaggregatedEngine, node: RouterNode, log: Logg
     for (const p of current) if (p.hello.role === "prefill") connectPrefill(node, p);
 }
 
+/**
+ * Why the nodes cannot share KV pages, or null when they all have one KV layout (model shape, page
+ * size, KV cache dtype: the handshake's layout signature, src/kvcache/kv-layout.ts): a prefill
+ * node's f16 page read as a decode node's f32 one would be garbage, so the router refuses to start.
+ */
+export function layoutDisagreement(nodes: readonly RouterNode[]): string | null {
+  const first = nodes[0];
+  if (first === undefined) return null;
+  const other = nodes.find((n) => n.hello.layoutSignature !== first.hello.layoutSignature);
+  if (other === undefined) return null;
+  return `The nodes disagree on the KV layout: ${first.id} at ${first.url} has ${first.hello.layoutSignature}, ${other.id} at ${other.url} has ${other.hello.layoutSignature}; start every node with the same --model, --page-size and --kv-cache-dtype`;
+}
+
 export async function connectCluster(options: ClusterRouterOptions): Promise<DisaggregatedEngine> {
   const prefill = await Promise.all(
     options.prefill.map((url, i) => connectNode({ id: `prefill-${i}`, url, role: "prefill" }, options)),
@@ -187,6 +200,11 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
   const decode = await Promise.all(
     options.decode.map((url, i) => connectNode({ id: `decode-${i}`, url, role: "decode" }, options)),
   );
+  const disagreement = layoutDisagreement([...prefill, ...decode]);
+  if (disagreement !== null) {
+    for (const n of [...prefill, ...decode]) n.link.close();
+    throw new KvfenceError("layout_mismatch", disagreement);
+  }
   const engine = new DisaggregatedEngine({
     prefill,
     decode,

@@ -4,7 +4,7 @@
  * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
  * their engines here, one way.
  */
-import type { KvLayout } from "../kvcache/kv-layout.js";
+import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, type KvLayout } from "../kvcache/kv-layout.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import { loadModelConfig } from "../model/config-loader.js";
 import { loadWeights } from "../model/load-model.js";
@@ -21,6 +21,8 @@ export interface EngineBuildOptions {
   readonly numPages: number;
   /** Tokens per page. Default 16. */
   readonly pageSize?: number;
+  /** The KV cache element type (`--kv-cache-dtype`). Default f16. */
+  readonly kvCacheDtype?: KvDtype;
   /** Tokens per forward step. Default 256. */
   readonly maxBatchTokens?: number;
   /** Requests per forward step. Default 16. */
@@ -59,6 +61,7 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
     numKvHeads: config.numKvHeads,
     headDim: config.headDim,
     pageSize: options.pageSize ?? 16,
+    dtype: options.kvCacheDtype ?? DEFAULT_KV_CACHE_DTYPE,
   };
   const { forward, pools } = await createForward(config, weights, layout, {
     kernels: options.kernels ?? "wasm",

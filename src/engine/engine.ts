@@ -81,7 +81,7 @@ export interface StepModel {
   readonly config: ModelConfig;
   readonly maxBatchTokens: number;
   readonly maxSequences: number;
-  step(pool: Float32Array, sequences: readonly StepSequence[]): void;
+  step(pool: Float32Array | Uint16Array, sequences: readonly StepSequence[]): void;
 }
 
 export interface EngineOptions {

@@ -7,7 +7,17 @@
  * positions) come from `allocF32/allocF64/allocI32`, so a fast implementation can place them where
  * its kernels read (for WebAssembly: inside its shared `WebAssembly.Memory`).
  */
-import { add, addBias, matmul, matmulEach, pagedAttentionBatch, rmsnorm, rope, swiglu } from "./reference.js";
+import {
+  add,
+  addBias,
+  matmul,
+  matmulEach,
+  pagedAttentionBatch,
+  rmsnorm,
+  rope,
+  storeKv,
+  swiglu,
+} from "./reference.js";
 
 export interface Kernels {
   /** "ts" or "wasm", for logs and benchmarks. */
@@ -24,6 +34,7 @@ export interface Kernels {
   rope: typeof rope;
   swiglu: typeof swiglu;
   pagedAttentionBatch: typeof pagedAttentionBatch;
+  storeKv: typeof storeKv;
 }
 
 /** The plain TypeScript reference kernels over ordinary typed arrays. */
@@ -40,4 +51,5 @@ export const referenceKernels: Kernels = Object.freeze({
   rope,
   swiglu,
   pagedAttentionBatch,
+  storeKv,
 });

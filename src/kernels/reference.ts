@@ -11,6 +11,11 @@
  * 4x4 register tile for batches of rows and an 8-row, 8-accumulator matvec for the remainder;
  * sums accumulate in JS doubles, so they are more accurate than f32 accumulation.
  *
+ * The KV pool is f32 or 2-byte half floats (src/kvcache/kv-layout.ts): `kvDtype` is 0 (f32, a
+ * `Float32Array`), 1 (IEEE f16) or 2 (bf16), both a `Uint16Array` of raw bits. `roundKv` is the KV
+ * write's rounding and `kvWidening` the read's exact widening, written here from the IEEE formats
+ * so the WebAssembly kernels' bit tricks are checked against an independent implementation.
+ *
  * This module imports nothing.
  */
 
@@ -354,7 +359,7 @@ export function softmax(x: Float32Array | Float64Array, offset: number, n: numbe
 export function pagedAttention(
   out: Float32Array,
   q: Float32Array,
-  pool: Float32Array,
+  pool: Float32Array | Uint16Array,
   blockTable: Int32Array,
   scratch: Float64Array,
   rowStart: number,
@@ -366,7 +371,10 @@ export function pagedAttention(
   numKvHeads: number,
   headDim: number,
   pageSize: number,
+  kvDtype = 0,
 ): void {
+  // Half-float elements are widened through a table of all 65,536 values (exact); f32 read as is.
+  const wide = kvDtype === 0 ? null : kvWidening(kvDtype);
   const group = numHeads / numKvHeads;
   const rowFloats = numKvHeads * headDim;
   const pageFloats = numLayers * 2 * pageSize * rowFloats;
@@ -393,12 +401,19 @@ export function pagedAttention(
           let a3 = 0;
           let d = 0;
           for (; d + 4 <= headDim; d += 4) {
-            a0 += q[qo + d] * pool[ko + d];
-            a1 += q[qo + d + 1] * pool[ko + d + 1];
-            a2 += q[qo + d + 2] * pool[ko + d + 2];
-            a3 += q[qo + d + 3] * pool[ko + d + 3];
+            if (wide === null) {
+              a0 += q[qo + d] * pool[ko + d];
+              a1 += q[qo + d + 1] * pool[ko + d + 1];
+              a2 += q[qo + d + 2] * pool[ko + d + 2];
+              a3 += q[qo + d + 3] * pool[ko + d + 3];
+            } else {
+              a0 += q[qo + d] * wide[pool[ko + d]];
+              a1 += q[qo + d + 1] * wide[pool[ko + d + 1]];
+              a2 += q[qo + d + 2] * wide[pool[ko + d + 2]];
+              a3 += q[qo + d + 3] * wide[pool[ko + d + 3]];
+            }
           }
-          for (; d < headDim; d++) a0 += q[qo + d] * pool[ko + d];
+          for (; d < headDim; d++) a0 += q[qo + d] * (wide === null ? pool[ko + d] : wide[pool[ko + d]]);
           const sc = (a0 + a1 + a2 + a3) * scale;
           scratch[headDim + t] = sc;
           if (sc > max) max = sc;
@@ -428,14 +443,25 @@ export function pagedAttention(
           const tEnd = Math.min(ctx, t + pageSize);
           for (; t < tEnd; t++, vo += rowFloats) {
             const w = scratch[headDim + t];
-            o0 += w * pool[vo];
-            o1 += w * pool[vo + 1];
-            o2 += w * pool[vo + 2];
-            o3 += w * pool[vo + 3];
-            o4 += w * pool[vo + 4];
-            o5 += w * pool[vo + 5];
-            o6 += w * pool[vo + 6];
-            o7 += w * pool[vo + 7];
+            if (wide === null) {
+              o0 += w * pool[vo];
+              o1 += w * pool[vo + 1];
+              o2 += w * pool[vo + 2];
+              o3 += w * pool[vo + 3];
+              o4 += w * pool[vo + 4];
+              o5 += w * pool[vo + 5];
+              o6 += w * pool[vo + 6];
+              o7 += w * pool[vo + 7];
+            } else {
+              o0 += w * wide[pool[vo]];
+              o1 += w * wide[pool[vo + 1]];
+              o2 += w * wide[pool[vo + 2]];
+              o3 += w * wide[pool[vo + 3]];
+              o4 += w * wide[pool[vo + 4]];
+              o5 += w * wide[pool[vo + 5]];
+              o6 += w * wide[pool[vo + 6]];
+              o7 += w * wide[pool[vo + 7]];
+            }
           }
         }
         const oo = qo + d0;
@@ -453,7 +479,8 @@ export function pagedAttention(
         for (let t = 0, p = 0; t < ctx; p++) {
           let vo = blockTable[p] * pageFloats + vBase + headOff + d0;
           const tEnd = Math.min(ctx, t + pageSize);
-          for (; t < tEnd; t++, vo += rowFloats) o0 += scratch[headDim + t] * pool[vo];
+          for (; t < tEnd; t++, vo += rowFloats)
+            o0 += scratch[headDim + t] * (wide === null ? pool[vo] : wide[pool[vo]]);
         }
         out[qo + d0] = o0 * inv;
       }
@@ -476,7 +503,7 @@ export interface AttentionSequence {
 export function pagedAttentionBatch(
   out: Float32Array,
   q: Float32Array,
-  pool: Float32Array,
+  pool: Float32Array | Uint16Array,
   sequences: readonly AttentionSequence[],
   count: number,
   scratch: Float64Array,
@@ -486,6 +513,7 @@ export function pagedAttentionBatch(
   numKvHeads: number,
   headDim: number,
   pageSize: number,
+  kvDtype = 0,
 ): void {
   for (let i = 0; i < count; i++) {
     const s = sequences[i] as AttentionSequence;
@@ -504,6 +532,124 @@ export function pagedAttentionBatch(
       numKvHeads,
       headDim,
       pageSize,
+      kvDtype,
     );
   }
+}
+
+/**
+ * The KV write of one layer for the first `count` sequences: the K and V rows of each sequence's
+ * tokens (activation rows rowStart.., at positions startPos..) into their slots of the pool through
+ * the block table, rounded to `kvDtype` (`roundKv`). k and v are `[*][numKvHeads*headDim]`.
+ */
+export function storeKv(
+  pool: Float32Array | Uint16Array,
+  k: Float32Array,
+  v: Float32Array,
+  sequences: readonly AttentionSequence[],
+  count: number,
+  layer: number,
+  numLayers: number,
+  numKvHeads: number,
+  headDim: number,
+  pageSize: number,
+  kvDtype = 0,
+): void {
+  const kvDim = numKvHeads * headDim;
+  const pageFloats = numLayers * 2 * pageSize * kvDim;
+  const kBase = layer * 2 * pageSize * kvDim;
+  const vBase = kBase + pageSize * kvDim;
+  for (let s = 0; s < count; s++) {
+    const seq = sequences[s] as AttentionSequence;
+    for (let i = 0; i < seq.rows; i++) {
+      const pos = seq.startPos + i;
+      const page = seq.blockTable[(pos / pageSize) | 0] as number;
+      const off = page * pageFloats + (pos % pageSize) * kvDim;
+      const src = (seq.rowStart + i) * kvDim;
+      if (kvDtype === 0) {
+        for (let j = 0; j < kvDim; j++) {
+          pool[off + kBase + j] = k[src + j] as number;
+          pool[off + vBase + j] = v[src + j] as number;
+        }
+      } else {
+        for (let j = 0; j < kvDim; j++) {
+          pool[off + kBase + j] = roundKv(k[src + j] as number, kvDtype);
+          pool[off + vBase + j] = roundKv(v[src + j] as number, kvDtype);
+        }
+      }
+    }
+  }
+}
+
+const f32Box = new Float32Array(1);
+const u32Box = new Uint32Array(f32Box.buffer);
+
+/**
+ * The bits of the `kvDtype` (1 f16, 2 bf16) value nearest to the f32 `x`, ties to even. A NaN
+ * stays a quiet NaN. An f16 beyond ±65504 (the largest finite half) saturates to ±65504 instead of
+ * becoming an infinity, which would turn every attention score of its head into NaN; bf16 has
+ * f32's range.
+ */
+export function roundKv(x: number, kvDtype: number): number {
+  f32Box[0] = x;
+  const b = u32Box[0] as number;
+  const sign = (b >>> 16) & 0x8000;
+  const a = b & 0x7fffffff;
+  if (a > 0x7f800000) return kvDtype === 2 ? (b >>> 16) | 0x40 : sign | 0x7e00;
+  if (kvDtype === 2) {
+    // Keep the top 16 bits, rounding on the 16 dropped: up past half, or at half when odd.
+    const kept = b >>> 16;
+    const rest = b & 0xffff;
+    return (rest > 0x8000 || (rest === 0x8000 && (kept & 1) === 1) ? kept + 1 : kept) & 0xffff;
+  }
+  // f16: exponent bias 15 against f32's 127, 10 mantissa bits against 23.
+  const exp = (a >>> 23) - 112;
+  const mant = a & 0x7fffff;
+  if (exp >= 31) return sign | 0x7bff;
+  let h: number;
+  let rest: number;
+  let halfway: number;
+  if (exp <= 0) {
+    // A subnormal half: the implicit bit joins the mantissa, shifted 14 − exp places.
+    const shift = 14 - exp;
+    if (shift > 24) return sign;
+    const full = mant | 0x800000;
+    h = full >>> shift;
+    rest = full - h * 2 ** shift;
+    halfway = 2 ** (shift - 1);
+  } else {
+    h = (exp << 10) | (mant >>> 13);
+    rest = mant & 0x1fff;
+    halfway = 0x1000;
+  }
+  if (rest > halfway || (rest === halfway && (h & 1) === 1)) h++;
+  return sign | Math.min(h, 0x7bff);
+}
+
+const widening: (Float32Array | null)[] = [null, null, null];
+
+/**
+ * The f32 value of every 16-bit pattern of `kvDtype` (1 f16, 2 bf16), indexed by the bits: the
+ * exact IEEE widening (f16: ±2^(e−15)·(1 + m/1024), subnormals ±2^−14·m/1024, e = 31 an infinity or
+ * NaN; bf16: the bits are an f32's top half). Built once on first use (256 KiB).
+ */
+export function kvWidening(kvDtype: number): Float32Array {
+  let table = widening[kvDtype] ?? null;
+  if (table !== null) return table;
+  table = new Float32Array(65536);
+  for (let bits = 0; bits < 65536; bits++) {
+    if (kvDtype === 2) {
+      u32Box[0] = bits * 65536;
+      table[bits] = f32Box[0] as number;
+      continue;
+    }
+    const sign = bits & 0x8000 ? -1 : 1;
+    const e = (bits >>> 10) & 0x1f;
+    const m = bits & 0x3ff;
+    if (e === 31) table[bits] = m === 0 ? sign * Number.POSITIVE_INFINITY : Number.NaN;
+    else if (e === 0) table[bits] = sign * 2 ** -14 * (m / 1024);
+    else table[bits] = sign * 2 ** (e - 15) * (1 + m / 1024);
+  }
+  widening[kvDtype] = table;
+  return table;
 }

@@ -74,6 +74,7 @@ for (;;) {
       a[14],
       a[15],
       a[16],
+      a[17],
     );
   } else if (op === OP_SWIGLU) {
     x.swigluPar(a[0], a[1], a[2], a[3], a[4], a[5]);

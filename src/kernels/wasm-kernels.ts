@@ -141,7 +141,9 @@ export interface WasmExports {
     partial: number,
     ml: number,
     kvParts: number,
+    kvDtype: number,
   ): void;
+  kvStore(dst: number, src: number, n: number, kvDtype: number): void;
   attentionMerge(
     out: number,
     partial: number,
@@ -308,6 +310,7 @@ export class WasmKernels implements Kernels {
     this.rope = this.rope.bind(this);
     this.swiglu = this.swiglu.bind(this);
     this.pagedAttentionBatch = this.pagedAttentionBatch.bind(this);
+    this.storeKv = this.storeKv.bind(this);
     if (this.threads === 2) {
       const worker = new Worker(new URL("./wasm-kernels-worker.js", import.meta.url), {
         workerData: {
@@ -656,7 +659,7 @@ export class WasmKernels implements Kernels {
   pagedAttentionBatch(
     out: Float32Array,
     q: Float32Array,
-    pool: Float32Array,
+    pool: Float32Array | Uint16Array,
     sequences: readonly AttentionSequence[],
     count: number,
     scratch: Float64Array,
@@ -666,6 +669,7 @@ export class WasmKernels implements Kernels {
     numKvHeads: number,
     headDim: number,
     pageSize: number,
+    kvDtype = 0,
   ): void {
     if (!(this.owns(out) && this.owns(q) && this.owns(pool))) {
       this.fallbackCalls++;
@@ -682,6 +686,7 @@ export class WasmKernels implements Kernels {
         numKvHeads,
         headDim,
         pageSize,
+        kvDtype,
       );
       return;
     }
@@ -739,7 +744,7 @@ export class WasmKernels implements Kernels {
       item += s.rows * kvParts * splits;
       r += 5;
     }
-    const need = numHeads * maxCtx;
+    const need = numHeads * (maxCtx + headDim); // scores, then (f16) the scaled query rows
     if (need > this.#scratchFloats) {
       const floats = Math.max(need, this.#scratchFloats * 2);
       this.#scratchMain = this.allocBytes(floats * 4);
@@ -779,6 +784,7 @@ export class WasmKernels implements Kernels {
       a[14] = partial;
       a[15] = ml;
       a[16] = kvParts;
+      a[17] = kvDtype;
       job = this.#publish(OP_ATTENTION);
     }
     this.#x.attentionPar(
@@ -799,6 +805,7 @@ export class WasmKernels implements Kernels {
       partial,
       ml,
       kvParts,
+      kvDtype,
     );
     if (solo) return;
     this.#join(job);
@@ -813,6 +820,48 @@ export class WasmKernels implements Kernels {
         headDim,
         splits,
       );
+    }
+  }
+
+  /**
+   * The KV write of one layer (the contract of reference.ts `storeKv`): each new K and V row goes
+   * to its slot through `kvStore`, which rounds it to the pool's dtype in WebAssembly.
+   */
+  storeKv(
+    pool: Float32Array | Uint16Array,
+    k: Float32Array,
+    v: Float32Array,
+    sequences: readonly AttentionSequence[],
+    count: number,
+    layer: number,
+    numLayers: number,
+    numKvHeads: number,
+    headDim: number,
+    pageSize: number,
+    kvDtype = 0,
+  ): void {
+    if (!(this.owns(pool) && this.owns(k) && this.owns(v))) {
+      this.fallbackCalls++;
+      ref.storeKv(pool, k, v, sequences, count, layer, numLayers, numKvHeads, headDim, pageSize, kvDtype);
+      return;
+    }
+    const kvDim = numKvHeads * headDim;
+    const el = pool.BYTES_PER_ELEMENT;
+    const pageBytes = numLayers * 2 * pageSize * kvDim * el;
+    const kBase = pool.byteOffset + layer * 2 * pageSize * kvDim * el;
+    const vBase = kBase + pageSize * kvDim * el;
+    const rowBytes = kvDim * 4;
+    const x = this.#x;
+    for (let s = 0; s < count; s++) {
+      const seq = sequences[s] as AttentionSequence;
+      for (let i = 0; i < seq.rows; i++) {
+        const pos = seq.startPos + i;
+        const page = seq.blockTable[(pos / pageSize) | 0] as number;
+        const off = page * pageBytes + (pos % pageSize) * kvDim * el;
+        const src = (seq.rowStart + i) * rowBytes;
+        x.kvStore(kBase + off, k.byteOffset + src, kvDim, kvDtype);
+        x.kvStore(vBase + off, v.byteOffset + src, kvDim, kvDtype);
+      }
     }
   }
 

@@ -1,8 +1,10 @@
 /**
- * The KV page pool of docs/design.md §3: the KV data of one node as one `Float32Array` (over a
+ * The KV page pool of docs/design.md §3: the KV data of one node as one typed array (over a
  * `SharedArrayBuffer`, or a caller-supplied buffer and offset, e.g. inside a shared
  * `WebAssembly.Memory`) cut into pages of `pageSize` tokens in the page-major layout of
  * `kv-layout.ts`, plus the ownership table that says who holds each page and whose data it holds.
+ * The array is a `Float32Array` for an f32 layout and a `Uint16Array` of raw half-float bits for
+ * f16/bf16 (`KvData`); nothing here reads the values, so the pool is the same for every dtype.
  *
  * The data is allocated once and touched once here (first-touch faults cost ten times a copy), and
  * pages are **not zeroed** on free, as in real engines: stale KV stays in a freed page until it is
@@ -41,8 +43,8 @@
 
 import { KvfenceError } from "../lib/errors.js";
 import type { BlockTable } from "./block-table.js";
-import type { KvLayout } from "./kv-layout.js";
-import { pageFloats } from "./kv-layout.js";
+import type { KvDtype, KvLayout } from "./kv-layout.js";
+import { kvDtypeOf, kvElementBytes, pageBytes, pageFloats } from "./kv-layout.js";
 import { OwnershipTable, type PageCounts, PageState } from "./ownership-table.js";
 
 export interface PagePoolOptions {
@@ -60,6 +62,9 @@ export interface PagePoolOptions {
   readonly attach?: boolean;
 }
 
+/** A pool's KV data: f32 elements, or the raw bits of 2-byte f16/bf16 elements. */
+export type KvData = Float32Array | Uint16Array;
+
 /** Result of `PagePool.checkStep`: -1 when every page passes, else the first failing logical page. */
 export type StepCheck = number;
 
@@ -67,10 +72,13 @@ export class PagePool {
   readonly layout: KvLayout;
   readonly numPages: number;
   readonly pageSize: number;
-  /** Floats per page (all layers, K and V). */
+  /** Elements per page (all layers, K and V). */
   readonly pageFloats: number;
-  /** The KV data, page-major: page p starts at float `p * pageFloats`. */
-  readonly data: Float32Array;
+  /** Bytes per page at the layout's dtype. */
+  readonly pageBytes: number;
+  readonly dtype: KvDtype;
+  /** The KV data, page-major: page p starts at element `p * pageFloats`. */
+  readonly data: KvData;
   readonly table: OwnershipTable;
   readonly scrubOnFree: boolean;
   readonly #outPages: Int32Array;
@@ -78,7 +86,7 @@ export class PagePool {
 
   /** Bytes of KV data a pool of `numPages` pages needs. */
   static dataBytesFor(layout: KvLayout, numPages: number): number {
-    return pageFloats(layout) * numPages * 4;
+    return pageBytes(layout) * numPages;
   }
 
   constructor(layout: KvLayout, numPages: number, options: PagePoolOptions = {}) {
@@ -92,6 +100,8 @@ export class PagePool {
     this.numPages = numPages;
     this.pageSize = layout.pageSize;
     this.pageFloats = pageFloats(layout);
+    this.pageBytes = pageBytes(layout);
+    this.dtype = kvDtypeOf(layout);
     this.scrubOnFree = options.scrubOnFree ?? false;
     const dataBytes = PagePool.dataBytesFor(layout, numPages);
     const dataOffset = options.dataByteOffset ?? 0;
@@ -108,7 +118,10 @@ export class PagePool {
         `KV pool of ${numPages} pages needs ${dataBytes} bytes at offset ${dataOffset}, buffer has: ${dataBuffer.byteLength}; size it with PagePool.dataBytesFor()`,
       );
     }
-    this.data = new Float32Array(dataBuffer, dataOffset, numPages * this.pageFloats);
+    this.data =
+      kvElementBytes(this.dtype) === 4
+        ? new Float32Array(dataBuffer, dataOffset, numPages * this.pageFloats)
+        : new Uint16Array(dataBuffer, dataOffset, numPages * this.pageFloats);
     const attach = options.attach ?? false;
     this.table = new OwnershipTable(numPages, {
       buffer: options.tableBuffer ?? new SharedArrayBuffer(OwnershipTable.bytesFor(numPages)),

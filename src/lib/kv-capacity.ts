@@ -132,12 +132,12 @@ export interface KvSizing {
   readonly formula: string;
 }
 
-/** Element size in bytes of a dtype name (bf16, fp16, fp8, fp32, int8, …). */
+/** Element size in bytes of a dtype name (bf16, fp16/f16, fp8, fp32/f32, int8, …). */
 export function dtypeBytes(dtype: string): number {
   const d = dtype.toLowerCase();
-  if (["bf16", "bfloat16", "fp16", "float16", "half"].includes(d)) return 2;
+  if (["bf16", "bfloat16", "fp16", "f16", "float16", "half"].includes(d)) return 2;
   if (["fp8", "fp8_e4m3", "fp8_e5m2", "float8", "int8"].includes(d)) return 1;
-  if (["fp32", "float32", "float"].includes(d)) return 4;
+  if (["fp32", "f32", "float32", "float"].includes(d)) return 4;
   if (["fp4", "int4", "nvfp4", "mxfp4"].includes(d)) return 0.5;
   throw new KvfenceError("invalid_request", `Unknown dtype, use bf16, fp16, fp8 or fp32: ${dtype}`, {
     param: "dtype",

@@ -20,7 +20,7 @@
  */
 import { type Kernels, referenceKernels } from "../kernels/kernels.js";
 import { type AttentionSequence, ropeTables } from "../kernels/reference.js";
-import { type KvLayout, pageFloats } from "../kvcache/kv-layout.js";
+import { type KvLayout, kvDtypeCode, kvDtypeOf, pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
 
@@ -55,6 +55,8 @@ export class ForwardPass {
   #weights: ModelWeights;
   #kernels: Kernels;
   #pageFloats: number;
+  /** The pool's element type as the kernels' code (kv-layout.ts `kvDtypeCode`). */
+  #kvDtype: number;
   #cos: Float64Array;
   #sin: Float64Array;
   // Activations, [maxBatchTokens][...].
@@ -154,6 +156,7 @@ export class ForwardPass {
     const kernels = options.kernels ?? referenceKernels;
     this.#kernels = kernels;
     this.#pageFloats = pageFloats(layout);
+    this.#kvDtype = kvDtypeCode(kvDtypeOf(layout));
     const { hiddenSize: hidden, numHeads, numKvHeads, headDim, intermediateSize, vocabSize } = config;
     const maxPos = config.maxPositionEmbeddings;
     this.#cos = kernels.allocF64(maxPos * (headDim >> 1));
@@ -193,16 +196,17 @@ export class ForwardPass {
   }
 
   /**
-   * Runs one batched step. Writes the new tokens' K/V into `pool` (a Float32Array over the whole KV
-   * pool, page-major as in src/kvcache/kv-layout.ts) and attends through each block table.
+   * Runs one batched step. Writes the new tokens' K/V into `pool` (the whole KV pool, page-major as
+   * in src/kvcache/kv-layout.ts: a Float32Array, or a Uint16Array of f16/bf16 bits as the layout's
+   * dtype says), rounded to its dtype, and attends through each block table.
    */
-  step(pool: Float32Array, sequences: readonly StepSequence[]): void {
+  step(pool: Float32Array | Uint16Array, sequences: readonly StepSequence[]): void {
     const cfg = this.config;
     const hidden = cfg.hiddenSize;
     const numSeqs = sequences.length;
     const total = this.#checkStep(pool, sequences);
     if (total === 0) return;
-    const { add, addBias, matmul, matmulEach, pagedAttentionBatch, rmsnorm, rope, swiglu } = this.#kernels;
+    const { add, addBias, matmul, matmulEach, rmsnorm, rope, swiglu } = this.#kernels;
 
     // Embeddings and positions.
     const embed = this.#weights.embed;
@@ -235,7 +239,6 @@ export class ForwardPass {
     const q = this.#q;
     const k = this.#k;
     const v = this.#v;
-    const attn = this.#attn;
     const proj = this.#proj;
     const gate = this.#gate;
     const up = this.#up;
@@ -249,22 +252,8 @@ export class ForwardPass {
       if (w.vBias !== null) addBias(v, w.vBias, total, kvDim);
       rope(q, positions, this.#cos, this.#sin, total, numHeads, headDim);
       rope(k, positions, this.#cos, this.#sin, total, numKvHeads, headDim);
-      this.#storeKv(pool, sequences, l);
-      pagedAttentionBatch(
-        attn,
-        q,
-        pool,
-        attention,
-        numSeqs,
-        this.#scratch,
-        l,
-        cfg.numLayers,
-        numHeads,
-        numKvHeads,
-        headDim,
-        this.layout.pageSize,
-      );
-      matmul(proj, attn, w.o, total, qDim, hidden);
+      this.#attend(pool, numSeqs, l);
+      matmul(proj, this.#attn, w.o, total, qDim, hidden);
       add(x, x, proj, total * hidden);
       rmsnorm(xn, x, w.postNorm, hidden, eps, total);
       matmulEach(this.#gateUp, xn, this.#gateUpWeights[l] as Float32Array[], total, hidden, this.#gateUpDims);
@@ -300,35 +289,45 @@ export class ForwardPass {
     }
   }
 
-  /** Copies this layer's new K and V rows of every sequence into their pages. */
-  #storeKv(pool: Float32Array, sequences: readonly StepSequence[], layer: number): void {
-    const { numKvHeads, headDim, pageSize } = this.layout;
-    const kvDim = numKvHeads * headDim;
-    const kBase = layer * 2 * pageSize * kvDim;
-    const vBase = kBase + pageSize * kvDim;
-    const pf = this.#pageFloats;
-    const k = this.#k;
-    const v = this.#v;
-    let row = 0;
-    for (let s = 0; s < sequences.length; s++) {
-      const seq = sequences[s] as StepSequence;
-      const n = seq.tokens.length;
-      for (let i = 0; i < n; i++) {
-        const pos = seq.startPos + i;
-        const page = seq.blockTable[(pos / pageSize) | 0] as number;
-        const off = page * pf + (pos % pageSize) * kvDim;
-        const src = row * kvDim;
-        for (let j = 0; j < kvDim; j++) {
-          pool[off + kBase + j] = k[src + j] as number;
-          pool[off + vBase + j] = v[src + j] as number;
-        }
-        row++;
-      }
-    }
+  /** Layer `layer`'s KV write (rounded to the pool's dtype) and attention for the step's sequences. */
+  #attend(pool: Float32Array | Uint16Array, numSeqs: number, layer: number): void {
+    const { numLayers, numHeads, numKvHeads, headDim } = this.config;
+    const pageSize = this.layout.pageSize;
+    const kvDtype = this.#kvDtype;
+    const attention = this.#attention;
+    const kernels = this.#kernels;
+    kernels.storeKv(
+      pool,
+      this.#k,
+      this.#v,
+      attention,
+      numSeqs,
+      layer,
+      numLayers,
+      numKvHeads,
+      headDim,
+      pageSize,
+      kvDtype,
+    );
+    kernels.pagedAttentionBatch(
+      this.#attn,
+      this.#q,
+      pool,
+      attention,
+      numSeqs,
+      this.#scratch,
+      layer,
+      numLayers,
+      numHeads,
+      numKvHeads,
+      headDim,
+      pageSize,
+      kvDtype,
+    );
   }
 
   /** Validates a step's shape (integer compares only); returns its total token count. */
-  #checkStep(pool: Float32Array, sequences: readonly StepSequence[]): number {
+  #checkStep(pool: Float32Array | Uint16Array, sequences: readonly StepSequence[]): number {
     const cfg = this.config;
     if (sequences.length > this.maxSequences) {
       throw new KvfenceError(
@@ -339,7 +338,7 @@ export class ForwardPass {
     if (pool.length % this.#pageFloats !== 0) {
       throw new KvfenceError(
         "layout_mismatch",
-        `KV pool length is not a whole number of pages: ${pool.length} floats, page ${this.#pageFloats}; size it with pageFloats(layout)`,
+        `KV pool length is not a whole number of pages: ${pool.length} elements, page ${this.#pageFloats}; size it with pageFloats(layout)`,
       );
     }
     const numPages = pool.length / this.#pageFloats;

@@ -10,7 +10,7 @@ import { PageChecksums } from "../transfer/page-checksum.js";
 
 /** Bytes of one page in `pool.data`. */
 export function pageByteLength(pool: PagePool): number {
-  return pool.pageFloats * 4;
+  return pool.pageBytes;
 }
 
 /** The bytes of `page` (a view, no copy). */

@@ -9,6 +9,7 @@ import { existsSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { z } from "zod";
 import { parseNodeUrl } from "../cluster/cluster-router.js";
+import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { FairShareConfig, TenantOverrides } from "../lib/fair-share.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -98,6 +99,7 @@ export const serveConfigSchema = z
     kvMemory: byteSizeText.optional(),
     kvPages: intText(1).optional(),
     pageSize: intText(1, 1024),
+    kvCacheDtype: z.enum(KV_DTYPES).default(DEFAULT_KV_CACHE_DTYPE),
     maxModelLen: intText(1).optional(),
     maxPrefillTokens: intText(1).optional(),
     apiKeys: z.string().min(1).optional(),
@@ -165,6 +167,7 @@ const FLAG: Record<string, string> = {
   kvMemory: "--kv-memory",
   kvPages: "--kv-pages",
   pageSize: "--page-size",
+  kvCacheDtype: "--kv-cache-dtype",
   maxModelLen: "--max-model-len",
   maxPrefillTokens: "--max-prefill-tokens",
   apiKeys: "--api-keys",

@@ -138,6 +138,7 @@ export async function startServer(
     {
       numPages,
       pageSize: config.pageSize,
+      kvCacheDtype: config.kvCacheDtype,
       poolTokens,
       poolBytes: numPages * bytesPerPage,
       contextLength,
@@ -287,6 +288,7 @@ function layoutOf(config: ServeConfig, modelConfig: ModelConfig): KvLayout {
     numKvHeads: modelConfig.numKvHeads,
     headDim: modelConfig.headDim,
     pageSize: config.pageSize,
+    dtype: config.kvCacheDtype,
   };
 }
 
@@ -303,6 +305,7 @@ function engineOptionsOf(
   return {
     numPages: pool.numPages,
     pageSize: config.pageSize,
+    kvCacheDtype: config.kvCacheDtype,
     maxModelLen: pool.contextLength,
     scrubOnFree: config.scrubOnFree,
     ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),

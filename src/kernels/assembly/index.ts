@@ -454,9 +454,56 @@ export function swigluPar(out: usize, gate: usize, up: usize, n: i32, counter: u
 
 // ---------------------------------------------------------------------------------------------
 // attention
+//
+// The KV pool's element type is the type parameter K of the kernels below (src/kvcache/kv-layout.ts):
+// f32 for an f32 pool, u16 for IEEE f16 and i16 for bf16 (both 2-byte raw bits; the signedness only
+// picks the widening). `kvLoad4<K>` reads four K or V elements and widens them to f32x4, so the
+// attention loops are one source for the three dtypes and each build is branch-free inside.
+// `kvAt<K>(f32Bytes)` turns an offset counted in f32 bytes into the pool's bytes.
+//
+// An f16 widens to its value times 2^-112 (`kvScale`): placing its bits in an f32 leaves the
+// exponent's bias 15 where an f32's is 127. Instead of a multiply per four elements, the attention
+// scales the other operands once: the query rows it reads by 2^64 (copied to the scratch; 2^112
+// would overflow a query component of 2^16) and each score by 2^48 more, and the softmax weights
+// it stores by 2^112. Powers of two scale exactly, so the sums are those of the exact values.
+
+/** 2^112 for f16 (see above), else 1. */
+@inline
+function kvScale<K>(): f32 {
+  return sizeof<K>() == 2 && !isSigned<K>() ? reinterpret<f32>(0x77800000) : 1;
+}
+
+/** Bytes of the pool at an offset given in f32 bytes (four per element). */
+@inline
+function kvAt<K>(f32Bytes: usize): usize {
+  return sizeof<K>() == 4 ? f32Bytes : f32Bytes >> 1;
+}
+
+/**
+ * Four KV elements at a, widened to f32 (f16: times 2^-112, see above). bf16: the bits shifted up
+ * 16. f16, table-free in two integer operations: sign-extend each half to 32 bits and shift left
+ * 13, which puts its exponent and mantissa in an f32's low exponent bits and mantissa and its sign
+ * in bit 31; the mask clears the three copies of the sign above the exponent. Exact for every
+ * finite half, subnormals included (an f16 NaN or infinity would come out finite, and the KV write
+ * never stores an infinity: it saturates).
+ */
+@inline
+function kvLoad4<K>(a: usize): v128 {
+  if (sizeof<K>() == 4) return v128.load(a);
+  if (isSigned<K>()) return i32x4.shl(v128.load16x4_u(a), 16);
+  return v128.and(i32x4.shl(v128.load16x4_s(a), 13), i32x4.splat(0x8fffe000));
+}
+
+/** One KV element at a, widened to f32 (scalar `kvLoad4`). */
+@inline
+function kvLoad1<K>(a: usize): f32 {
+  if (sizeof<K>() == 4) return load<f32>(a);
+  if (isSigned<K>()) return reinterpret<f32>((<u32>load<u16>(a)) << 16);
+  return reinterpret<f32>(((<u32>(<i32>load<i16>(a))) << 13) & 0x8fffe000);
+}
 
 @inline
-function dot(a: usize, b: usize, headDim: i32): f32 {
+function dot<K>(a: usize, b: usize, headDim: i32): f32 {
   const nb = (<usize>headDim) << 2;
   const n8 = (<usize>(headDim & ~7)) << 2;
   const n4 = (<usize>(headDim & ~3)) << 2;
@@ -464,24 +511,24 @@ function dot(a: usize, b: usize, headDim: i32): f32 {
   let s1 = f32x4.splat(0);
   let d: usize = 0;
   for (; d < n8; d += 32) {
-    s0 = fma(s0, v128.load(a + d), v128.load(b + d));
-    s1 = fma(s1, v128.load(a + d, 16), v128.load(b + d, 16));
+    s0 = fma(s0, v128.load(a + d), kvLoad4<K>(b + kvAt<K>(d)));
+    s1 = fma(s1, v128.load(a + d, 16), kvLoad4<K>(b + kvAt<K>(d + 16)));
   }
-  for (; d < n4; d += 16) s0 = fma(s0, v128.load(a + d), v128.load(b + d));
+  for (; d < n4; d += 16) s0 = fma(s0, v128.load(a + d), kvLoad4<K>(b + kvAt<K>(d)));
   let s = hsum(f32x4.add(s0, s1));
-  for (; d < nb; d += 4) s += load<f32>(a + d) * load<f32>(b + d);
+  for (; d < nb; d += 4) s += load<f32>(a + d) * kvLoad1<K>(b + kvAt<K>(d));
   return s;
 }
 
-/** acc[d] += p · v[d] for d < headDim. */
+/** acc[d] += p · v[d] for d < headDim (v of element type K). */
 @inline
-function axpy(acc: usize, p: f32, v: usize, headDim: i32): void {
+function axpy<K>(acc: usize, p: f32, v: usize, headDim: i32): void {
   const nb = (<usize>headDim) << 2;
   const n4 = (<usize>(headDim & ~3)) << 2;
   const pv = f32x4.splat(p);
   let d: usize = 0;
-  for (; d < n4; d += 16) v128.store(acc + d, fma(v128.load(acc + d), pv, v128.load(v + d)));
-  for (; d < nb; d += 4) store<f32>(acc + d, load<f32>(acc + d) + p * load<f32>(v + d));
+  for (; d < n4; d += 16) v128.store(acc + d, fma(v128.load(acc + d), pv, kvLoad4<K>(v + kvAt<K>(d))));
+  for (; d < nb; d += 4) store<f32>(acc + d, load<f32>(acc + d) + p * kvLoad1<K>(v + kvAt<K>(d)));
 }
 
 /**
@@ -492,9 +539,10 @@ function axpy(acc: usize, p: f32, v: usize, headDim: i32): void {
  * contiguous K|V block is consumed in one sweep rather than one third of each row per pass. Writes
  * each query head's softmax-weighted V sum (normalised over this range) at o + h·oStride (h counted
  * from g0's first query head), and, when ml ≠ 0, the range's score max and exp-sum at
- * ml + h·mlStride (for attentionMerge). `scratch` holds (g1−g0)·group·(tb−ta) f32 scores.
+ * ml + h·mlStride (for attentionMerge). `scratch` holds (g1−g0)·group·(tb−ta) f32 scores, then (for
+ * f16) the scaled query rows, (g1−g0)·group·headDim f32.
  */
-function attendRange(
+function attendRange<K>(
   o: usize, oStride: usize, ml: usize, mlStride: usize, q: usize, pool: usize, blockTable: usize, scratch: usize,
   i: i32, g0: i32, g1: i32, ta: i32, tb: i32, rowStart: i32, layer: i32, numLayers: i32,
   numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32,
@@ -502,14 +550,27 @@ function attendRange(
   const group = numHeads / numKvHeads;
   const heads = (g1 - g0) * group;
   const n = tb - ta;
-  const rowBytes = (<usize>(numKvHeads * headDim)) << 2;
+  const rowBytes = kvAt<K>((<usize>(numKvHeads * headDim)) << 2);
   const pageBytes = <usize>(numLayers * 2 * pageSize) * rowBytes;
   const kBase = <usize>(layer * 2 * pageSize) * rowBytes;
   const vBase = kBase + <usize>pageSize * rowBytes;
-  const scale = <f32>(1.0 / Math.sqrt(<f64>headDim));
+  let scale = <f32>(1.0 / Math.sqrt(<f64>headDim));
   const headBytes = (<usize>headDim) << 2;
-  const qRow = q + ((<usize>((rowStart + i) * numHeads + g0 * group) * <usize>headDim) << 2);
+  let qRow = q + ((<usize>((rowStart + i) * numHeads + g0 * group) * <usize>headDim) << 2);
   const nBytes = (<usize>n) << 2;
+  const kvs = kvScale<K>();
+  if (kvs != 1) {
+    // f16: the query rows times 2^64, after the scores in the scratch; the scores times 2^48.
+    const qs = scratch + <usize>heads * nBytes;
+    const qBytes = <usize>heads * headBytes;
+    const q64: f32 = reinterpret<f32>(0x5f800000);
+    const sv = f32x4.splat(q64);
+    let x: usize = 0;
+    for (; x + 16 <= qBytes; x += 16) v128.store(qs + x, f32x4.mul(v128.load(qRow + x), sv));
+    for (; x < qBytes; x += 4) store<f32>(qs + x, load<f32>(qRow + x) * q64);
+    qRow = qs;
+    scale *= reinterpret<f32>(0x57800000);
+  }
   const tiled3 = (headDim & 3) == 0 ? group - group % 3 : 0;
 
   // Scores: page by page, every KV head of the range per page, every query head of the group per
@@ -523,18 +584,18 @@ function attendRange(
     const kRows = pool + kBase + page * pageBytes + pageOff;
     touch(kRows, kRows + <usize>(end - t) * rowBytes);
     for (let g = g0; g < g1; g++) {
-      const kb = pool + kBase + ((<usize>(g * headDim)) << 2);
+      const kb = pool + kBase + kvAt<K>((<usize>(g * headDim)) << 2);
       const hg = (g - g0) * group;
       const qg = qRow + <usize>hg * headBytes;
       const sg = scratch + <usize>hg * nBytes + ((<usize>(t - ta)) << 2);
       for (let h0 = 0; h0 < tiled3; h0 += 3) {
-        scoresTile3(sg + <usize>h0 * nBytes, nBytes, qg + <usize>h0 * headBytes, headBytes, kb, blockTable, t, end, pageSize, pageBytes, rowBytes, scale);
+        scoresTile3<K>(sg + <usize>h0 * nBytes, nBytes, qg + <usize>h0 * headBytes, headBytes, kb, blockTable, t, end, pageSize, pageBytes, rowBytes, scale);
       }
       let kp = kb + page * pageBytes + pageOff;
       for (let u = t; u < end; u++) {
         const so = sg + ((<usize>(u - t)) << 2);
         for (let h = tiled3; h < group; h++) {
-          store<f32>(so + <usize>h * nBytes, dot(qg + <usize>h * headBytes, kp, headDim) * scale);
+          store<f32>(so + <usize>h * nBytes, dot<K>(qg + <usize>h * headBytes, kp, headDim) * scale);
         }
         kp += rowBytes;
       }
@@ -565,7 +626,7 @@ function attendRange(
       store<f32>(sh + u, e);
       sum += e;
     }
-    const invs = <f32>1.0 / sum;
+    const invs = (<f32>1.0 / sum) * kvs;
     const inv = f32x4.splat(invs);
     u = 0;
     for (; u < cv; u += 16) v128.store(sh + u, f32x4.mul(v128.load(sh + u), inv));
@@ -589,17 +650,17 @@ function attendRange(
     const vRows = pool + vBase + page * pageBytes + pageOff;
     touch(vRows, vRows + <usize>(end - t) * rowBytes);
     for (let g = g0; g < g1; g++) {
-      const vb = pool + vBase + ((<usize>(g * headDim)) << 2);
+      const vb = pool + vBase + kvAt<K>((<usize>(g * headDim)) << 2);
       const hg = (g - g0) * group;
       const sg = scratch + <usize>hg * nBytes + ((<usize>(t - ta)) << 2);
       for (let h0 = 0; h0 < vtiled3; h0 += 3) {
-        valuesTile3(o + <usize>(hg + h0) * oStride, oStride, headBytes, sg + <usize>h0 * nBytes, nBytes, vb, blockTable, t, end, pageSize, pageBytes, rowBytes);
+        valuesTile3<K>(o + <usize>(hg + h0) * oStride, oStride, headBytes, sg + <usize>h0 * nBytes, nBytes, vb, blockTable, t, end, pageSize, pageBytes, rowBytes);
       }
       let vp = vb + page * pageBytes + pageOff;
       for (let u = t; u < end; u++) {
         const so = sg + ((<usize>(u - t)) << 2);
         for (let h = vtiled3; h < group; h++) {
-          axpy(o + <usize>(hg + h) * oStride, load<f32>(so + <usize>h * nBytes), vp, headDim);
+          axpy<K>(o + <usize>(hg + h) * oStride, load<f32>(so + <usize>h * nBytes), vp, headDim);
         }
         vp += rowBytes;
       }
@@ -622,7 +683,7 @@ function reduce4(a: v128, b: v128, c: v128, d: v128): v128 {
  * token t goes to s + h·sStride + (t−ta)·4. 9 accumulators + 3 K + 1 q fit V8's 15 SIMD registers
  * (a 3×4 tile needs 17 and spilled 4 accumulators to the stack on every step).
  */
-function scoresTile3(
+function scoresTile3<K>(
   s: usize, sStride: usize, q: usize, qStride: usize, kb: usize, blockTable: usize,
   ta: i32, tb: i32, pageSize: i32, pageBytes: usize, rowBytes: usize, scale: f32,
 ): void {
@@ -642,9 +703,9 @@ function scoresTile3(
       let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0);
       let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0);
       for (let d: usize = 0; d < hd; d += 16) {
-        const c0 = v128.load(k0 + d);
-        const c1 = v128.load(k1 + d);
-        const c2 = v128.load(k2 + d);
+        const c0 = kvLoad4<K>(k0 + kvAt<K>(d));
+        const c1 = kvLoad4<K>(k1 + kvAt<K>(d));
+        const c2 = kvLoad4<K>(k2 + kvAt<K>(d));
         let v = v128.load(q + d);
         a00 = fma(a00, v, c0);
         a01 = fma(a01, v, c1);
@@ -670,7 +731,7 @@ function scoresTile3(
     for (; t < end; t++) {
       let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0);
       for (let d: usize = 0; d < hd; d += 16) {
-        const c = v128.load(k0 + d);
+        const c = kvLoad4<K>(k0 + kvAt<K>(d));
         a0 = fma(a0, v128.load(q + d), c);
         a1 = fma(a1, v128.load(q1 + d), c);
         a2 = fma(a2, v128.load(q2 + d), c);
@@ -699,7 +760,7 @@ function store3(a: usize, v: v128): void {
  * 6 accumulators + 2 V + 3 weights fit V8's 15 SIMD registers (16 dims at a time needs 17 and
  * spilled 4 accumulators to the stack on every token).
  */
-function valuesTile3(
+function valuesTile3<K>(
   o: usize, oStride: usize, hd: usize, s: usize, sStride: usize, vb: usize, blockTable: usize,
   ta: i32, tb: i32, pageSize: i32, pageBytes: usize, rowBytes: usize,
 ): void {
@@ -714,11 +775,11 @@ function valuesTile3(
     while (t < tb) {
       const p = t / pageSize;
       const end = min(tb, (p + 1) * pageSize);
-      let vp = vb + <usize>load<i32>(blockTable + ((<usize>p) << 2)) * pageBytes + <usize>(t - p * pageSize) * rowBytes + db;
+      let vp = vb + <usize>load<i32>(blockTable + ((<usize>p) << 2)) * pageBytes + <usize>(t - p * pageSize) * rowBytes + kvAt<K>(db);
       let sp = s + ((<usize>(t - ta)) << 2);
       for (; t < end; t++) {
-        const v0 = v128.load(vp);
-        const v1 = v128.load(vp, 16);
+        const v0 = kvLoad4<K>(vp);
+        const v1 = kvLoad4<K>(vp + kvAt<K>(16));
         let w = v128.load32_splat(sp);
         a00 = fma(a00, w, v0);
         a01 = fma(a01, w, v1);
@@ -748,13 +809,28 @@ function valuesTile3(
  * table, and the index of its first work item. Work items (sequence, query row, part of the KV
  * heads, context split) are claimed from the counter: kvParts (a divisor of numKvHeads) parts of
  * numKvHeads/kvParts KV heads each, read page by page together (1 part reads each page's K and V
- * rows whole); each thread passes its own `scratch` of at least numHeads·(ceil(context/splits)+1)
- * f32 for the longest context. With splits = 1 the result goes straight to `out`; splits > 1 (one
+ * rows whole); each thread passes its own `scratch` of at least
+ * numHeads·(ceil(context/splits)+1+headDim) f32 for the longest context. With splits = 1 the result goes straight to `out`; splits > 1 (one
  * sequence only) makes each item cover 1/splits of its row's context and write a partial result to
  * `partial` ([rows][numHeads][splits][headDim] f32) and its max and exp-sum to `ml`
  * ([rows][numHeads][splits][2] f32), and attentionMerge combines them after both threads finish.
+ * `kvDtype` is the pool's element type: 0 f32, 1 f16, 2 bf16 (`kvDtypeCode` in kv-layout.ts).
  */
 export function attentionPar(
+  out: usize, q: usize, pool: usize, seqs: usize, numSeqs: i32, scratch: usize,
+  layer: i32, numLayers: i32, numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32,
+  counter: usize, splits: i32, partial: usize, ml: usize, kvParts: i32, kvDtype: i32,
+): void {
+  if (kvDtype == 1) {
+    attentionItems<u16>(out, q, pool, seqs, numSeqs, scratch, layer, numLayers, numHeads, numKvHeads, headDim, pageSize, counter, splits, partial, ml, kvParts);
+  } else if (kvDtype == 2) {
+    attentionItems<i16>(out, q, pool, seqs, numSeqs, scratch, layer, numLayers, numHeads, numKvHeads, headDim, pageSize, counter, splits, partial, ml, kvParts);
+  } else {
+    attentionItems<f32>(out, q, pool, seqs, numSeqs, scratch, layer, numLayers, numHeads, numKvHeads, headDim, pageSize, counter, splits, partial, ml, kvParts);
+  }
+}
+
+function attentionItems<K>(
   out: usize, q: usize, pool: usize, seqs: usize, numSeqs: i32, scratch: usize,
   layer: i32, numLayers: i32, numHeads: i32, numKvHeads: i32, headDim: i32, pageSize: i32,
   counter: usize, splits: i32, partial: usize, ml: usize, kvParts: i32,
@@ -784,14 +860,14 @@ export function attentionPar(
     const ctx = startPos + i + 1;
     if (splits == 1) {
       const o = out + ((<usize>((rowStart + i) * numHeads + g0 * group) * <usize>headDim) << 2);
-      attendRange(o, headBytes, 0, 0, q, pool, blockTable, scratch, i, g0, g0 + perKv, 0, ctx, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
+      attendRange<K>(o, headBytes, 0, 0, q, pool, blockTable, scratch, i, g0, g0 + perKv, 0, ctx, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
     } else {
       const ta = <i32>((<i64>ctx * sp) / splits);
       const tb = <i32>((<i64>ctx * (sp + 1)) / splits);
       const slot = <usize>((i * numHeads + g0 * group) * splits + sp);
       const o = partial + slot * headBytes;
       const m = ml + (slot << 3);
-      attendRange(o, <usize>splits * headBytes, m, <usize>splits << 3, q, pool, blockTable, scratch, i, g0, g0 + perKv, ta, tb, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
+      attendRange<K>(o, <usize>splits * headBytes, m, <usize>splits << 3, q, pool, blockTable, scratch, i, g0, g0 + perKv, ta, tb, rowStart, layer, numLayers, numHeads, numKvHeads, headDim, pageSize);
     }
   }
 }
@@ -816,8 +892,58 @@ export function attentionMerge(
       for (let sp = 0; sp < splits; sp++) {
         const a = ml + ((slot0 + <usize>sp) << 3);
         const wgt = (load<f32>(a, 4) * exps(load<f32>(a) - m)) / total;
-        axpy(o, wgt, partial + (slot0 + <usize>sp) * headBytes, headDim);
+        axpy<f32>(o, wgt, partial + (slot0 + <usize>sp) * headBytes, headDim);
       }
     }
   }
+}
+
+/**
+ * The KV write: n f32 at src into the pool at dst as `kvDtype` (0 f32: a copy; 1 f16, 2 bf16:
+ * rounded to nearest, ties to even, as `roundKv` in src/kernels/reference.ts does it). An f16 beyond
+ * ±65504 saturates to ±65504 (an infinity would turn every score of its head into NaN); a NaN
+ * stays a (quiet) NaN.
+ */
+export function kvStore(dst: usize, src: usize, n: i32, kvDtype: i32): void {
+  const nb = (<usize>n) << 2;
+  if (kvDtype == 0) {
+    memory.copy(dst, src, nb);
+    return;
+  }
+  for (let d: usize = 0; d < nb; d += 4) {
+    const b = load<u32>(src + d);
+    store<u16>(dst + (d >> 1), kvDtype == 1 ? f16Bits(b) : bf16Bits(b));
+  }
+}
+
+/** The bf16 nearest to the f32 with bits b (ties to even); a NaN stays a quiet NaN. */
+@inline
+function bf16Bits(b: u32): u16 {
+  if ((b & 0x7fffffff) > 0x7f800000) return <u16>((b >> 16) | 0x40);
+  return <u16>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
+
+/** The f16 nearest to the f32 with bits b (ties to even), saturating at ±65504; NaN stays NaN. */
+function f16Bits(b: u32): u16 {
+  const sign = (b >> 16) & 0x8000;
+  const a = b & 0x7fffffff;
+  if (a > 0x7f800000) return <u16>(sign | 0x7e00);
+  const exp = <i32>(a >> 23) - 112;
+  const mant = a & 0x7fffff;
+  if (exp >= 31) return <u16>(sign | 0x7bff);
+  if (exp <= 0) {
+    const shift = 14 - exp;
+    if (shift > 24) return <u16>sign;
+    const full = mant | 0x800000;
+    let m = full >> <u32>shift;
+    const rem = full & ((<u32>1 << <u32>shift) - 1);
+    const half = <u32>1 << <u32>(shift - 1);
+    if (rem > half || (rem == half && (m & 1) != 0)) m++;
+    return <u16>(sign | m);
+  }
+  let h = ((<u32>exp) << 10) | (mant >> 13);
+  const rem = mant & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (h & 1) != 0)) h++;
+  if (h >= 0x7c00) h = 0x7bff;
+  return <u16>(sign | h);
 }

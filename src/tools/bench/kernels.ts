@@ -16,9 +16,12 @@
  *   threads for the fused multiply-add build and the plain one: the first is the tile's compute
  *   ceiling, the gap to the second what reading the weights into L2 costs.
  *
+ * - `attention`: the attention of one decode token at 4,096 tokens per KV cache dtype (f32, f16,
+ *   bf16), interleaved (src/tools/bench/kv-attention.ts).
+ *
  * Every figure is the median over timed repetitions after warm-up (the spread is printed).
  *
- * Run: `node dist/src/tools/bench/kernels.js [--model DIR] [--threads 1|2] [--parts micro,roofline,pass,gemm8]
+ * Run: `node dist/src/tools/bench/kernels.js [--model DIR] [--threads 1|2] [--parts micro,roofline,pass,gemm8,attention]
  * [--json]` (the model: `node dist/src/cli/main.js gen-model --like smollm2-135m --seed 1 /tmp/smol`).
  */
 import { parseArgs } from "node:util";
@@ -27,6 +30,7 @@ import { WasmKernels } from "../../kernels/wasm-kernels.js";
 import { loadModelConfig } from "../../model/config-loader.js";
 import { loadWeights } from "../../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
+import { attentionByDtype } from "./kv-attention.js";
 import { weightBytes } from "./model.js";
 import { BandwidthProbe } from "./roofline.js";
 
@@ -221,9 +225,9 @@ async function main(): Promise<void> {
   });
   const parts = new Set((values.parts ?? "").split(","));
   for (const part of parts) {
-    if (!["micro", "roofline", "pass", "gemm8"].includes(part)) {
+    if (!["micro", "roofline", "pass", "gemm8", "attention"].includes(part)) {
       throw new Error(
-        `Unknown part: ${part}; use micro, roofline, pass or gemm8 (the forward pass is \`kvfence bench model\`, the guards \`kvfence bench tag-check\`)`,
+        `Unknown part: ${part}; use micro, roofline, pass, gemm8 or attention (the forward pass is \`kvfence bench model\`, the guards \`kvfence bench tag-check\`)`,
       );
     }
   }
@@ -242,6 +246,7 @@ async function main(): Promise<void> {
     results.gemm8 = g;
     await gemm8(log, g);
   }
+  if (parts.has("attention")) results.attention = await attentionByDtype(log, { threads });
   let bw: { one: Spread; two: Spread } | null = null;
   if (parts.has("roofline")) bw = await roofline(log);
   const dir = values.model;

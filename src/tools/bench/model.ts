@@ -12,7 +12,10 @@
  *   decode `decodeSteps` steps together; tokens/s = batch · steps / time. Every repeat rewrites the
  *   same KV slots, so repeats are identical work.
  * - Long-context decode (when `longContextTokens` > 0 fits the model's window): batch 1 at that
- *   context. Its KV is whatever the pool holds (zeros): attention costs the same for any values.
+ *   context, over resident random KV (attention costs the same for any values).
+ *
+ * Each kernel set runs once per KV cache dtype of `kvCacheDtypes` (`--kv-cache-dtype f32,f16,bf16`
+ * compares them in one interleaved run): the pool's element type, which the attention reads.
  *
  * Roofline: decode must read every distinct weight once per step, so at batch B the ceiling is
  * B · read bandwidth / weight bytes, with the bandwidth of as many threads as the kernels use
@@ -23,8 +26,9 @@
  */
 import { readFileSync } from "node:fs";
 import { createForward, type ForwardSetup, type KernelsName } from "../../engine/forward-setup.js";
+import { roundKv } from "../../kernels/reference.js";
 import { WasmKernels } from "../../kernels/wasm-kernels.js";
-import { pageFloats } from "../../kvcache/kv-layout.js";
+import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, kvDtypeCode, pageFloats } from "../../kvcache/kv-layout.js";
 import { Prng } from "../../lib/prng.js";
 import { bootstrapInterval, type Interval, type Summary, summarize } from "../../lib/stats.js";
 import type { StepSequence } from "../../model/forward.js";
@@ -69,6 +73,8 @@ export interface ModelBenchOptions {
   readonly decodeSteps: number;
   /** Tokens per KV page (kvfence serve's `--page-size`, default 16). */
   readonly pageSize: number;
+  /** KV cache element types to run each kernel set on, side by side (default f16). */
+  readonly kvCacheDtypes?: readonly KvDtype[];
   readonly batchSizes: readonly number[];
   readonly repeats: number;
   readonly bandwidthBytes: number;
@@ -107,6 +113,7 @@ export interface DecodeResult {
 
 export interface KernelsRun {
   readonly kernels: BenchKernels;
+  readonly kvCacheDtype: KvDtype;
   /** For WebAssembly runs: whether the kernels used fused multiply-add (relaxed SIMD). */
   readonly fma: boolean | null;
   readonly threads: 1 | 2;
@@ -179,6 +186,7 @@ function measured(values: number[], seed: number): Measured {
 /** One kernel set's forward pass, its sequences and its timed arms. */
 interface Arms {
   readonly name: BenchKernels;
+  readonly kvDtype: KvDtype;
   readonly threads: 1 | 2;
   readonly setup: ForwardSetup;
   prefill(): number;
@@ -194,7 +202,12 @@ interface ArmModel {
   readonly longContext: number;
 }
 
-async function prepareArms(name: BenchKernels, options: ModelBenchOptions, model: ArmModel): Promise<Arms> {
+async function prepareArms(
+  name: BenchKernels,
+  kvDtype: KvDtype,
+  options: ModelBenchOptions,
+  model: ArmModel,
+): Promise<Arms> {
   const { config, weights, longContext } = model;
   const threads: 1 | 2 = name === "ts" ? 1 : options.threads;
   const rng = new Prng(options.seed);
@@ -204,6 +217,7 @@ async function prepareArms(name: BenchKernels, options: ModelBenchOptions, model
     numKvHeads: config.numKvHeads,
     headDim: config.headDim,
     pageSize,
+    dtype: kvDtype,
   };
   const maxBatch = Math.max(...options.batchSizes);
   const pagesPerDecodeSeq = Math.ceil((options.contextTokens + options.decodeSteps) / pageSize);
@@ -265,7 +279,13 @@ async function prepareArms(name: BenchKernels, options: ModelBenchOptions, model
       (decodePages + prefillPages) * floats,
       (decodePages + prefillPages + longPages) * floats,
     );
-    rng.fillGaussian(longKv, 0.5);
+    if (longKv instanceof Float32Array) rng.fillGaussian(longKv, 0.5);
+    else {
+      const values = new Float32Array(longKv.length);
+      rng.fillGaussian(values, 0.5);
+      const code = kvDtypeCode(kvDtype);
+      for (let i = 0; i < values.length; i++) longKv[i] = roundKv(values[i] as number, code);
+    }
   }
   const longBatch: StepSequence[] = [
     {
@@ -277,6 +297,7 @@ async function prepareArms(name: BenchKernels, options: ModelBenchOptions, model
   ];
   return {
     name,
+    kvDtype,
     threads,
     setup,
     prefill() {
@@ -308,9 +329,12 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
   }
 
   const kernelSets = [...new Set(options.kernels)];
+  const kvDtypes = [...new Set(options.kvCacheDtypes ?? [DEFAULT_KV_CACHE_DTYPE])];
   const arms: Arms[] = [];
-  for (const name of kernelSets)
-    arms.push(await prepareArms(name, options, { config, weights, longContext }));
+  for (const name of kernelSets) {
+    for (const kvDtype of kvDtypes)
+      arms.push(await prepareArms(name, kvDtype, options, { config, weights, longContext }));
+  }
   const twoThreads = arms.some((a) => a.threads === 2);
   log(
     `allocating and touching a ${(options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB buffer for the bandwidth probe`,
@@ -389,7 +413,7 @@ function sampleArms(
       });
       if (a.long !== null) s.long.push(a.long());
       parts.push(
-        `${a.name}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
+        `${a.name} kv ${a.kvDtype}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
           options.batchSizes
             .map((b, i) => `decode@${b} ${((s.decode[i] as number[]).at(-1) as number).toFixed(1)}`)
             .join(", ") +
@@ -419,6 +443,7 @@ function kernelsRun(
   const kernels = a.setup.kernels;
   return {
     kernels: a.name,
+    kvCacheDtype: a.kvDtype,
     fma: kernels instanceof WasmKernels ? kernels.fma : null,
     threads: a.threads,
     prefillTokensPerSecond: measured(s.prefill, seed),
@@ -474,7 +499,9 @@ export function formatModelBench(r: ModelBenchResult): string {
   };
   for (const run of r.runs) {
     const build = run.fma === null ? "" : run.fma ? " (fused multiply-add)" : " (multiply, then add)";
-    lines.push(`  ${run.kernels} kernels${build}, ${run.threads} thread${run.threads > 1 ? "s" : ""}:`);
+    lines.push(
+      `  ${run.kernels} kernels${build}, ${run.threads} thread${run.threads > 1 ? "s" : ""}, KV cache ${run.kvCacheDtype}:`,
+    );
     lines.push(
       `    prefill (${r.options.promptTokens}-token prompt, one chunk): ${m(run.prefillTokensPerSecond)} tok/s = ${m(run.prefillGflopsPerCore)} GFLOP/s per core`,
     );
@@ -485,7 +512,7 @@ export function formatModelBench(r: ModelBenchResult): string {
     lines.push("  side by side (medians):");
     const batches = r.runs[0]?.decode.map((d) => d.batch) ?? [];
     lines.push(
-      `    kernels          | prefill tok/s | ${batches.map((b) => `decode b${b} tok/s`).join(" | ")}${r.runs[0]?.longContext ? ` | decode @${r.runs[0].longContext.contextTokens} tok/s` : ""}`,
+      `    kernels, KV      | prefill tok/s | ${batches.map((b) => `decode b${b} tok/s`).join(" | ")}${r.runs[0]?.longContext ? ` | decode @${r.runs[0].longContext.contextTokens} tok/s` : ""}`,
     );
     for (const run of r.runs) {
       const cells = [
@@ -493,7 +520,9 @@ export function formatModelBench(r: ModelBenchResult): string {
         ...run.decode.map((d) => d.tokensPerSecond.summary.median.toFixed(1)),
         ...(run.longContext === null ? [] : [run.longContext.tokensPerSecond.summary.median.toFixed(1)]),
       ];
-      lines.push(`    ${`${run.kernels} ${run.threads}t`.padEnd(16)} | ${cells.join(" | ")}`);
+      lines.push(
+        `    ${`${run.kernels} ${run.threads}t ${run.kvCacheDtype}`.padEnd(16)} | ${cells.join(" | ")}`,
+      );
     }
   }
   return lines.join("\n");

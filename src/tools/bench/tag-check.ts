@@ -29,7 +29,7 @@ import { join } from "node:path";
 import { Command, InvalidArgumentError } from "commander";
 import { Engine } from "../../engine/engine.js";
 import { createForward, type KernelsName } from "../../engine/forward-setup.js";
-import type { KvLayout } from "../../kvcache/kv-layout.js";
+import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, type KvDtype, type KvLayout } from "../../kvcache/kv-layout.js";
 import type { PagePool } from "../../kvcache/page-pool.js";
 import { pairedRatio, quantile, type RatioInterval } from "../../lib/stats.js";
 import { loadModelConfig } from "../../model/config-loader.js";
@@ -55,6 +55,8 @@ export interface TagCheckBenchOptions {
   /** Timed decode steps per arm of a pair. Default 1. */
   readonly steps?: number;
   readonly pageSize?: number;
+  /** The KV cache element type (`--kv-cache-dtype`, default f16). */
+  readonly kvCacheDtype?: KvDtype;
   /** Progress lines go here. */
   readonly log?: (line: string) => void;
 }
@@ -113,6 +115,7 @@ export async function runTagCheckBench(options: TagCheckBenchOptions = {}): Prom
     promptTokens,
     decodeTokens: 2 * pairs * steps + 3,
     pageSize: options.pageSize ?? 16,
+    kvCacheDtype: options.kvCacheDtype ?? DEFAULT_KV_CACHE_DTYPE,
   };
   const { setup, engines } = await prefilledEngines({ dir, kernels, threads, log }, shape);
   const results = timePairs(engines, { pairs, steps, log });
@@ -155,6 +158,7 @@ interface BatchShape {
   readonly promptTokens: number;
   readonly decodeTokens: number;
   readonly pageSize: number;
+  readonly kvCacheDtype: KvDtype;
 }
 
 /**
@@ -181,6 +185,7 @@ async function prefilledEngines(
     numKvHeads: config.numKvHeads,
     headDim: config.headDim,
     pageSize,
+    dtype: shape.kvCacheDtype,
   };
   const numPages = batch * Math.ceil(perRequest / pageSize) + 1;
   const setup = await createForward(config, weights, layout, {
@@ -328,6 +333,7 @@ export function tagCheckCommand(): Command {
     .option("--batch <n>", "concurrent decoding requests", integer, 8)
     .option("--prompt <n>", "prompt tokens per request", integer, 16)
     .option("--steps <n>", "timed decode steps per arm", integer, 1)
+    .option("--kv-cache-dtype <dtype>", "KV cache element type: f32, f16 or bf16", DEFAULT_KV_CACHE_DTYPE)
     .option("--json", "print the report as JSON", false)
     .action(
       async (opts: {
@@ -339,8 +345,11 @@ export function tagCheckCommand(): Command {
         batch: number;
         prompt: number;
         steps: number;
+        kvCacheDtype: string;
         json: boolean;
       }) => {
+        if (!isKvDtype(opts.kvCacheDtype))
+          throw new InvalidArgumentError(`--kv-cache-dtype must be f32, f16 or bf16: ${opts.kvCacheDtype}`);
         if (
           (opts.kernels !== "ts" && opts.kernels !== "wasm") ||
           (opts.threads !== "1" && opts.threads !== "2")
@@ -358,6 +367,7 @@ export function tagCheckCommand(): Command {
           batch: opts.batch,
           promptTokens: opts.prompt,
           steps: opts.steps,
+          kvCacheDtype: opts.kvCacheDtype,
           log: (line) => process.stderr.write(`${line}\n`),
         });
         process.stdout.write(

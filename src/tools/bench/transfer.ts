@@ -28,14 +28,23 @@ import { join } from "node:path";
 import { xxh64 } from "@node-rs/xxhash";
 import { Command, InvalidArgumentError } from "commander";
 import xxhashWasm from "xxhash-wasm";
-import type { KvLayout } from "../../kvcache/kv-layout.js";
+import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, type KvLayout } from "../../kvcache/kv-layout.js";
 import { packageRoot } from "../../lib/package-root.js";
 import { mean, quantile, tInterval95 } from "../../lib/stats.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
 import { now, TransferRig } from "./transfer-rig.js";
 
-/** SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, 16-token pages → 720 KiB per page at f32. */
-export const SMOLLM2_LAYOUT: KvLayout = { numLayers: 30, numKvHeads: 3, headDim: 64, pageSize: 16 };
+/**
+ * SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, 16-token pages → 360 KiB per page in the default
+ * f16 (720 KiB at f32, `--kv-cache-dtype f32`).
+ */
+export const SMOLLM2_LAYOUT: KvLayout = {
+  numLayers: 30,
+  numKvHeads: 3,
+  headDim: 64,
+  pageSize: 16,
+  dtype: DEFAULT_KV_CACHE_DTYPE,
+};
 
 export const PATHS = [
   "memcpy",
@@ -325,6 +334,7 @@ interface TransferCliOptions {
   paths?: PathName[];
   directReads: boolean;
   json?: boolean;
+  kvCacheDtype: string;
   tlsCert?: string;
   tlsKey?: string;
   tlsCa?: string;
@@ -369,6 +379,11 @@ export function transferCommand(): Command {
       1024,
     )
     .option("--paths <list>", `comma-separated subset of: ${PATHS.join(",")}`, pathList)
+    .option(
+      "--kv-cache-dtype <dtype>",
+      "KV page element type: f32, f16 or bf16 (SmolLM2-135M pages of 720 or 360 KiB)",
+      DEFAULT_KV_CACHE_DTYPE,
+    )
     .option("--no-direct-reads", "TCP receiver copies page bodies through its receive buffer")
     .option("--tls-cert <file>", "tcp+tls: certificate of both ends (default testing/fixtures/tls/node.crt)")
     .option("--tls-key <file>", "tcp+tls: its private key (default testing/fixtures/tls/node.key)")
@@ -376,7 +391,10 @@ export function transferCommand(): Command {
     .option("--json", "print the result as JSON")
     .action(async (o: TransferCliOptions) => {
       try {
+        if (!isKvDtype(o.kvCacheDtype))
+          throw new Error(`--kv-cache-dtype must be f32, f16 or bf16: ${o.kvCacheDtype}`);
         const result = await runTransferBench({
+          layout: { ...SMOLLM2_LAYOUT, dtype: o.kvCacheDtype },
           pages: o.pages,
           reps: o.reps,
           warmup: o.warmup,

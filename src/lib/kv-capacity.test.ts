@@ -139,5 +139,8 @@ test("dtypeBytes() maps dtype names to element sizes", () => {
   assert.equal(dtypeBytes("bf16"), 2);
   assert.equal(dtypeBytes("FP8"), 1);
   assert.equal(dtypeBytes("float32"), 4);
+  // kvfence serve's --kv-cache-dtype spellings, as preflight --kv-cache-dtype takes them.
+  assert.equal(dtypeBytes("f16"), 2);
+  assert.equal(dtypeBytes("f32"), 4);
   assert.throws(() => dtypeBytes("fp12"), /Unknown dtype/);
 });

@@ -170,6 +170,7 @@ export class ScriptedEngine implements EngineHandle {
 
 /** ChatML over UTF-8 bytes: ids 0-255 are bytes, 257 `<|im_start|>`, 258 `<|im_end|>`. */
 export const byteTokenizer: RouterTokenizer = {
+  vocabSize: 259,
   encodeChat(messages: readonly ChatMessage[]): Int32Array {
     const ids: number[] = [];
     for (const m of messages) {

@@ -385,6 +385,7 @@ export class DisaggregatedEngine implements EngineHandle {
         topK: request.topK,
         seed: request.seed,
         stopTokenIds: request.stopTokenIds,
+        ...(request.controls === undefined ? {} : { controls: request.controls }),
       },
       promptTokens: Array.from(request.promptTokens),
       decodePages: decodeReservationPages(request.promptTokens.length, request.maxTokens, pageSize),
@@ -811,7 +812,14 @@ export class DisaggregatedEngine implements EngineHandle {
         ...(pending === undefined ? {} : { sampling: pending.sampling }),
       };
     } else if (msg.type === "reserve" && pending !== undefined) {
-      message = { kind: "protocol", prefill: pair.prefill.id, msg, sampling: pending.sampling };
+      const sampling = pending.sampling;
+      const readsPrompt = (sampling.controls?.repetitionPenalty ?? 1) !== 1;
+      message = {
+        kind: "protocol",
+        prefill: pair.prefill.id,
+        msg,
+        sampling: readsPrompt ? { ...sampling, prompt: pending.promptTokens } : sampling,
+      };
     } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
     try {
       slot.node.link.send(message);

@@ -10,6 +10,7 @@
  * releases exactly its own quarantined pages).
  */
 import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { LogitControls } from "../lib/logit-controls.js";
 import type { ControlMessage } from "../protocol/wire.js";
 
 /** Sampling parameters of one request, as the engine's `GenerationRequest` has them. */
@@ -19,6 +20,12 @@ export interface SamplingParams {
   readonly topK: number;
   readonly seed: number | null;
   readonly stopTokenIds: readonly number[];
+  readonly controls?: LogitControls | undefined;
+  /**
+   * The prompt's ids, on `reserve` only when the decode side's sampling reads them (a repetition
+   * penalty); decode otherwise knows only the prompt's length.
+   */
+  readonly prompt?: readonly number[] | undefined;
 }
 
 /** Router → node. */

@@ -58,7 +58,7 @@ import { FairQueue } from "../lib/fair-queue.js";
 import { Prng } from "../lib/prng.js";
 import type { StepSequence } from "../model/forward.js";
 import type { ModelConfig } from "../model/model-config.js";
-import { MIN_TEMPERATURE, Sampler } from "../model/sampler.js";
+import { Sampler } from "../model/sampler.js";
 import type {
   EngineCapacity,
   EngineStats,
@@ -406,7 +406,7 @@ export class Engine {
       seq.generated = 1;
       // Prefill drew the first token from the same seeded generator: skip its draw, so a seeded
       // request samples the same tokens as on one engine (the sampler draws once per token).
-      if (request.temperature >= MIN_TEMPERATURE && request.topK !== 1) seq.rng.next();
+      if (Sampler.draws(request)) seq.rng.next();
     }
     this.#enqueue(seq);
   }
@@ -672,6 +672,7 @@ export class Engine {
       const logits = seq.step.logits;
       if (!this.#runs(seq) || logits === null || seq.computed !== seq.length) continue;
       const r = seq.request;
+      if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
       const token = this.#sampler.sample(logits, r, seq.rng);
       seq.tokens[seq.length++] = token;
       seq.generated++;
@@ -795,7 +796,7 @@ export class Engine {
       };
     }
     try {
-      Sampler.validate(r);
+      Sampler.validate(r, this.#model.config.vocabSize);
     } catch (err) {
       if (err instanceof KvfenceError) return err.toWire();
       throw err;

@@ -431,13 +431,18 @@ export class DecodeNode {
     const request: GenerationRequest = {
       rid,
       tenant: attempt.tenant,
-      promptTokens: new Int32Array(effect.promptLen),
+      // The ids only when the sampling reads them (a repetition penalty); else the length.
+      promptTokens:
+        sampling.prompt?.length === effect.promptLen
+          ? Int32Array.from(sampling.prompt)
+          : new Int32Array(effect.promptLen),
       maxTokens: attempt.maxTokens,
       temperature: sampling.temperature,
       topP: sampling.topP,
       topK: sampling.topK,
       seed: sampling.seed,
       stopTokenIds: sampling.stopTokenIds,
+      controls: sampling.controls,
     };
     this.#running.set(rid, epoch);
     // This attempt's events, built once: a token reuses them (the key is the attempt's own string).

@@ -271,6 +271,7 @@ export class PrefillNode {
       topK: sampling.topK,
       seed: sampling.seed,
       stopTokenIds: sampling.stopTokenIds,
+      controls: sampling.controls,
     };
     let done = false;
     this.#engine.submitPrefill(

@@ -5,6 +5,7 @@
  * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
  */
 import type { WireError } from "../lib/errors.js";
+import type { LogitControls } from "../lib/logit-controls.js";
 import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
@@ -23,6 +24,8 @@ export interface GenerationRequest {
   readonly seed: number | null;
   /** EOS ids; stop *strings* are matched by the router, which then aborts. */
   readonly stopTokenIds: readonly number[];
+  /** Logit bias, min_tokens, penalties, min-p (absent: none); applied where the token is sampled. */
+  readonly controls?: LogitControls | undefined;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */

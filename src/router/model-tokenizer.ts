@@ -13,7 +13,9 @@ export function routerTokenizer(
   tokenizer: ModelTokenizer,
   chatTemplate: ChatTemplate | null,
 ): RouterTokenizer {
+  const vocabSize = tokenizer.numIds;
   return {
+    vocabSize,
     encodeChat(messages: readonly ChatMessage[]): Int32Array {
       if (chatTemplate === null) {
         throw new KvfenceError(
@@ -30,8 +32,8 @@ export function routerTokenizer(
     encodePrompt(text: string): Int32Array {
       return tokenizer.encode(text);
     },
-    createDecoder(): TextStreamDecoder {
-      const stream = tokenizer.streamDecoder({ skipSpecialTokens: true });
+    createDecoder(options): TextStreamDecoder {
+      const stream = tokenizer.streamDecoder({ skipSpecialTokens: options?.skipSpecialTokens !== false });
       return {
         push(ids: readonly number[]): string {
           let out = "";

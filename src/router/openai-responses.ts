@@ -2,11 +2,13 @@
  * Response bodies and SSE chunks in exactly the shapes OpenAI sends: `chat.completion` /
  * `chat.completion.chunk` and `text_completion` objects, `usage` with prompt, completion and total
  * tokens, and the usage-only chunk (empty `choices`) that `stream_options.include_usage` asks for.
+ * A choice that finished also says what stopped it as vLLM (`stop_reason`) and SGLang
+ * (`matched_stop`) do: the stop string or stop token id, null for EOS and `length`.
  * Each endpoint's shapes are gathered in one `ResponseStrategy` (chat or text), which is all the
  * router needs to know about the difference between the two.
  */
 import { randomBytes } from "node:crypto";
-import type { FinishReason, Usage } from "./generation.js";
+import type { FinishReason, StopReason, Usage } from "./generation.js";
 
 export interface UsageWire {
   prompt_tokens: number;
@@ -37,7 +39,13 @@ export interface ResponseMeta {
   readonly model: string;
 }
 
-export function chatCompletion(meta: ResponseMeta, content: string, finish: FinishReason, usage: Usage) {
+export function chatCompletion(
+  meta: ResponseMeta,
+  content: string,
+  finish: FinishReason,
+  usage: Usage,
+  stopReason: StopReason = null,
+) {
   return {
     id: meta.id,
     object: "chat.completion" as const,
@@ -49,19 +57,36 @@ export function chatCompletion(meta: ResponseMeta, content: string, finish: Fini
         message: { role: "assistant" as const, content, refusal: null },
         logprobs: null,
         finish_reason: finish,
+        stop_reason: stopReason,
+        matched_stop: stopReason,
       },
     ],
     usage: usageWire(usage),
   };
 }
 
-export function textCompletion(meta: ResponseMeta, text: string, finish: FinishReason, usage: Usage) {
+export function textCompletion(
+  meta: ResponseMeta,
+  text: string,
+  finish: FinishReason,
+  usage: Usage,
+  stopReason: StopReason = null,
+) {
   return {
     id: meta.id,
     object: "text_completion" as const,
     created: meta.created,
     model: meta.model,
-    choices: [{ index: 0, text, logprobs: null, finish_reason: finish }],
+    choices: [
+      {
+        index: 0,
+        text,
+        logprobs: null,
+        finish_reason: finish,
+        stop_reason: stopReason,
+        matched_stop: stopReason,
+      },
+    ],
     usage: usageWire(usage),
   };
 }
@@ -74,13 +99,16 @@ export function chatChunk(
   delta: ChatDelta,
   finish: FinishReason | null,
   includeUsage: boolean,
+  stopReason?: StopReason,
 ) {
+  const choice: Record<string, unknown> = { index: 0, delta, logprobs: null, finish_reason: finish };
+  if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "chat.completion.chunk",
     created: meta.created,
     model: meta.model,
-    choices: [{ index: 0, delta, logprobs: null, finish_reason: finish }],
+    choices: [choice],
   };
   if (includeUsage) chunk.usage = null;
   return chunk;
@@ -92,13 +120,16 @@ export function textChunk(
   text: string,
   finish: FinishReason | null,
   includeUsage: boolean,
+  stopReason?: StopReason,
 ) {
+  const choice: Record<string, unknown> = { index: 0, text, logprobs: null, finish_reason: finish };
+  if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "text_completion",
     created: meta.created,
     model: meta.model,
-    choices: [{ index: 0, text, logprobs: null, finish_reason: finish }],
+    choices: [choice],
   };
   if (includeUsage) chunk.usage = null;
   return chunk;
@@ -134,9 +165,20 @@ export interface ResponseStrategy {
   /** A chunk carrying new text. */
   delta(meta: ResponseMeta, text: string, includeUsage: boolean): Record<string, unknown>;
   /** The chunk with the finish reason and no new text. */
-  finish(meta: ResponseMeta, reason: FinishReason, includeUsage: boolean): Record<string, unknown>;
+  finish(
+    meta: ResponseMeta,
+    reason: FinishReason,
+    includeUsage: boolean,
+    stopReason: StopReason,
+  ): Record<string, unknown>;
   /** The whole non-streamed answer. */
-  completion(meta: ResponseMeta, text: string, reason: FinishReason, usage: Usage): object;
+  completion(
+    meta: ResponseMeta,
+    text: string,
+    reason: FinishReason,
+    usage: Usage,
+    stopReason: StopReason,
+  ): object;
 }
 
 export const CHAT_RESPONSES: ResponseStrategy = {
@@ -144,7 +186,7 @@ export const CHAT_RESPONSES: ResponseStrategy = {
   chunkObject: "chat.completion.chunk",
   opening: (meta, includeUsage) => chatChunk(meta, { role: "assistant", content: "" }, null, includeUsage),
   delta: (meta, text, includeUsage) => chatChunk(meta, { content: text }, null, includeUsage),
-  finish: (meta, reason, includeUsage) => chatChunk(meta, {}, reason, includeUsage),
+  finish: (meta, reason, includeUsage, stopReason) => chatChunk(meta, {}, reason, includeUsage, stopReason),
   completion: chatCompletion,
 };
 
@@ -153,6 +195,6 @@ export const TEXT_RESPONSES: ResponseStrategy = {
   chunkObject: "text_completion",
   opening: () => null,
   delta: (meta, text, includeUsage) => textChunk(meta, text, null, includeUsage),
-  finish: (meta, reason, includeUsage) => textChunk(meta, "", reason, includeUsage),
+  finish: (meta, reason, includeUsage, stopReason) => textChunk(meta, "", reason, includeUsage, stopReason),
   completion: textCompletion,
 };

@@ -73,7 +73,6 @@ test("fields that would change the answer and are not implemented are refused, n
     [{ functions: [{ name: "f" }] }, "functions", /not supported/],
     [{ tool_choice: "auto" }, "tool_choice", /leave it unset or "none"/],
     [{ function_call: { name: "f" } }, "function_call", /not supported/],
-    [{ logit_bias: { "5": 100 } }, "logit_bias", /not supported/],
     [{ response_format: { type: "json_object" } }, "response_format", /"json_object" is not supported/],
     [{ response_format: { type: "json_schema" } }, "response_format", /constrained decoding/],
     [{ logprobs: false, top_logprobs: 2 }, "top_logprobs", /not supported/],
@@ -95,10 +94,69 @@ test("fields that would change the answer and are not implemented are refused, n
   const suffix = refusal(() => parseCompletionRequest({ model: "m", prompt: "x", suffix: "y" }));
   assert.equal(suffix.param, "suffix");
   assert.equal(parseCompletionRequest({ model: "m", prompt: "x", suffix: "" }).prompt, "x");
-  assert.equal(
-    refusal(() => parseCompletionRequest({ model: "m", prompt: "x", logit_bias: { "1": 1 } })).param,
-    "logit_bias",
+});
+
+test("the sampling controls become the request's logit controls and router options", () => {
+  const parsed = parseCompletionRequest({
+    model: "m",
+    prompt: "x",
+    max_tokens: 8,
+    logit_bias: { "5": 100, "7": 0, "9": -1.5 },
+    frequency_penalty: 0.5,
+    presence_penalty: -0.25,
+    repetition_penalty: 1.2,
+    min_p: 0.05,
+    min_tokens: 3,
+    stop_token_ids: [4],
+    ignore_eos: true,
+    skip_special_tokens: false,
+    include_stop_str_in_output: true,
+  });
+  assert.deepEqual(parsed.controls, {
+    logitBias: [
+      [5, 100],
+      [9, -1.5],
+    ],
+    minTokens: 3,
+    stopTokenIds: [4],
+    repetitionPenalty: 1.2,
+    frequencyPenalty: 0.5,
+    presencePenalty: -0.25,
+    minP: 0.05,
+  });
+  assert.deepEqual(
+    [
+      parsed.ignoreEos,
+      parsed.stopTokenIds,
+      parsed.minTokens,
+      parsed.skipSpecialTokens,
+      parsed.includeStopStr,
+    ],
+    [true, [4], 3, false, true],
   );
+  // Neutral values make no controls.
+  const neutral = parseChatRequest({
+    ...chat,
+    logit_bias: { "5": 0 },
+    frequency_penalty: 0,
+    repetition_penalty: 1,
+    min_p: 0,
+    min_tokens: 0,
+  });
+  assert.equal(neutral.controls, undefined);
+  for (const [extra, param] of [
+    [{ logit_bias: { five: 1 } }, "logit_bias.five"],
+    [{ logit_bias: { "5": -101 } }, "logit_bias.5"],
+    [{ presence_penalty: -3 }, "presence_penalty"],
+    [{ repetition_penalty: -1 }, "repetition_penalty"],
+    [{ min_p: 1.01 }, "min_p"],
+    [{ min_tokens: 1.5 }, "min_tokens"],
+    [{ stop_token_ids: [-1] }, "stop_token_ids[0]"],
+    [{ min_tokens: 9, max_tokens: 8 }, "min_tokens"],
+    [{ min_tokens: 9, max_completion_tokens: 8 }, "min_tokens"],
+  ] as const) {
+    assert.equal(refusal(() => parseChatRequest({ ...chat, ...extra })).param, param, JSON.stringify(extra));
+  }
 });
 
 test("prompt and content forms we do not serve are named in the error", () => {
@@ -113,12 +171,10 @@ test("prompt and content forms we do not serve are named in the error", () => {
   assert.match(err.message, /image, audio and file parts are not supported/);
 });
 
-test("sampling extensions of vLLM and SGLang are refused unless neutral; unknown fields are ignored", () => {
+test("other extensions of vLLM and SGLang are refused unless neutral; unknown fields are ignored", () => {
   for (const [extra, param] of [
-    [{ repetition_penalty: 1.2 }, "repetition_penalty"],
-    [{ min_p: 0.05 }, "min_p"],
-    [{ ignore_eos: true }, "ignore_eos"],
-    [{ stop_token_ids: [7] }, "stop_token_ids"],
+    [{ use_beam_search: true }, "use_beam_search"],
+    [{ bad_words: ["x"] }, "bad_words"],
     [{ guided_json: { type: "object" } }, "guided_json"],
     [{ regex: "[a-z]+" }, "regex"],
   ] as const) {

@@ -1,14 +1,17 @@
 /**
  * Request validation for the OpenAI-compatible endpoints. Bodies are parsed with zod; every
  * problem is reported with its JSON path as an `invalid_request` KvfenceError whose `param` is the
- * path, so a client sees exactly which field is wrong. Fields we know but do not implement
- * (logprobs, tools, penalties, logit_bias, JSON response formats, suffix) are refused rather than
- * silently ignored when they would change the output, and so are the sampling extensions of vLLM
- * and SGLang that clients of those servers send (`EXTENSIONS`). Other unknown fields are ignored, as
+ * path, so a client sees exactly which field is wrong. The sampling controls of OpenAI, vLLM and
+ * SGLang (penalties, logit_bias, min_p, min_tokens, ignore_eos, stop_token_ids, ...) become the
+ * request's `LogitControls` and router-side options. Fields we know but do not implement (tools,
+ * JSON response formats, suffix, ...) are refused rather than silently ignored when they would
+ * change the output, and so are the extensions of vLLM and SGLang that clients of those servers
+ * send (`EXTENSIONS`). Other unknown fields are ignored, as
  * vLLM and SGLang do (OpenAI refuses them), so that clients adding new harmless fields keep working.
  */
 import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
+import type { LogitControls } from "../lib/logit-controls.js";
 
 const textPart = z.object({ type: z.literal("text"), text: z.string() });
 
@@ -53,10 +56,24 @@ const samplingFields = {
   stop,
   n: z.number().int().nullable().optional(),
   user: z.string().optional(),
-  frequency_penalty: z.number().nullable().optional(),
-  presence_penalty: z.number().nullable().optional(),
-  logit_bias: z.record(z.string(), z.number()).nullable().optional(),
+  frequency_penalty: z.number().min(-2).max(2).nullable().optional(),
+  presence_penalty: z.number().min(-2).max(2).nullable().optional(),
+  logit_bias: z
+    .record(
+      z.string().regex(/^\d{1,9}$/, { error: "a logit_bias key is a token id, as a decimal string" }),
+      z.number().min(-100).max(100),
+    )
+    .nullable()
+    .optional(),
   response_format: z.object({ type: z.string() }).nullable().optional(),
+  // vLLM's and SGLang's sampling extensions.
+  repetition_penalty: z.number().gt(0).max(1e6).nullable().optional(),
+  min_p: z.number().min(0).max(1).nullable().optional(),
+  min_tokens: z.number().int().min(0).nullable().optional(),
+  ignore_eos: z.boolean().nullable().optional(),
+  stop_token_ids: z.array(z.number().int().min(0)).max(64).nullable().optional(),
+  skip_special_tokens: z.boolean().nullable().optional(),
+  include_stop_str_in_output: z.boolean().nullable().optional(),
 };
 
 export const chatCompletionRequestSchema = z.object({
@@ -104,6 +121,16 @@ export interface SamplingRequest {
   readonly topK: number | null;
   readonly seed: number | null;
   readonly stop: readonly string[];
+  /** Applied where the token is sampled; absent when every control is neutral. */
+  readonly controls?: LogitControls | undefined;
+  /** EOS does not end the request (`ignore_eos`). */
+  readonly ignoreEos: boolean;
+  /** The client's `stop_token_ids`: the router ends the request on one (after `min_tokens`). */
+  readonly stopTokenIds: readonly number[];
+  readonly minTokens: number;
+  readonly skipSpecialTokens: boolean;
+  /** The matched stop string (or stop token's text) stays in the output. */
+  readonly includeStopStr: boolean;
 }
 
 export interface ParsedChatRequest extends SamplingRequest {
@@ -174,15 +201,8 @@ const empty = (v: unknown): boolean => v == null || (Array.isArray(v) && v.lengt
  * with any other value is refused, where it would otherwise be served as if the field were absent.
  */
 export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
-  repetition_penalty: equals(1),
   length_penalty: equals(1),
-  min_p: equals(0),
-  min_tokens: equals(0),
-  ignore_eos: equals(false),
   use_beam_search: equals(false),
-  include_stop_str_in_output: equals(false),
-  skip_special_tokens: equals(true),
-  stop_token_ids: empty,
   bad_words: empty,
   guided_json: unset,
   guided_regex: unset,
@@ -209,10 +229,13 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
   if (req.n !== undefined && req.n !== null && req.n !== 1) {
     refuse("n", `Only n=1 is supported: got n=${req.n}; send separate requests instead`);
   }
-  if (req.frequency_penalty) refuse("frequency_penalty", "frequency_penalty is not supported: leave it at 0");
-  if (req.presence_penalty) refuse("presence_penalty", "presence_penalty is not supported: leave it at 0");
-  if (req.logit_bias != null && Object.keys(req.logit_bias).length > 0) {
-    refuse("logit_bias", "logit_bias is not supported: leave it unset or empty");
+  const maxTokens =
+    "max_completion_tokens" in req ? (req.max_completion_tokens ?? req.max_tokens) : req.max_tokens;
+  if (req.min_tokens != null && maxTokens != null && req.min_tokens > maxTokens) {
+    refuse(
+      "min_tokens",
+      `min_tokens (${req.min_tokens}) is above max_tokens (${maxTokens}): lower min_tokens or raise max_tokens`,
+    );
   }
   if (req.response_format != null && req.response_format.type !== "text") {
     refuse(
@@ -230,8 +253,33 @@ function stopList(stop: string | string[] | null | undefined): string[] {
   return list.filter((s) => s !== "");
 }
 
+/** The request's logit controls, or undefined when every one is neutral. */
+function logitControls(req: ChatCompletionRequest | CompletionRequest): LogitControls | undefined {
+  const bias = Object.entries(req.logit_bias ?? {})
+    .map(([id, b]) => [Number(id), b] as const)
+    .filter(([, b]) => b !== 0);
+  const controls: LogitControls = {
+    ...(bias.length > 0 ? { logitBias: bias } : {}),
+    ...(req.min_tokens ? { minTokens: req.min_tokens, stopTokenIds: req.stop_token_ids ?? [] } : {}),
+    ...(req.repetition_penalty != null && req.repetition_penalty !== 1
+      ? { repetitionPenalty: req.repetition_penalty }
+      : {}),
+    ...(req.frequency_penalty ? { frequencyPenalty: req.frequency_penalty } : {}),
+    ...(req.presence_penalty ? { presencePenalty: req.presence_penalty } : {}),
+    ...(req.min_p ? { minP: req.min_p } : {}),
+  };
+  return Object.keys(controls).length === 0 ? undefined : controls;
+}
+
 function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: number | null): SamplingRequest {
+  const controls = logitControls(req);
   return {
+    ...(controls === undefined ? {} : { controls }),
+    ignoreEos: req.ignore_eos === true,
+    stopTokenIds: req.stop_token_ids ?? [],
+    minTokens: req.min_tokens ?? 0,
+    skipSpecialTokens: req.skip_special_tokens !== false,
+    includeStopStr: req.include_stop_str_in_output === true,
     model: req.model,
     stream: req.stream === true,
     includeUsage: req.stream_options?.include_usage === true,

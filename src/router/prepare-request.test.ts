@@ -13,6 +13,7 @@ import { requestLimits } from "./request-limits.js";
 function counting(): PromptTokenizer & { calls: number } {
   return {
     calls: 0,
+    vocabSize: 256,
     encodeChat(messages: readonly ChatMessage[]) {
       this.calls++;
       return Int32Array.from(Buffer.from(messages.map((m) => m.content).join("")));

@@ -27,6 +27,8 @@ export interface PromptTokenizer {
   encodeChat(messages: readonly ChatMessage[]): Int32Array;
   /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS). */
   encodePrompt(text: string): Int32Array;
+  /** One more than the largest token id: token ids a request names must be below it. */
+  readonly vocabSize: number;
 }
 
 export type GenerateEndpointName = "chat" | "completions";
@@ -100,6 +102,22 @@ export function checkModel(model: string, served: string): void {
   }
 }
 
+/** Refuses token ids (logit_bias, stop_token_ids) outside the vocabulary, naming the field. */
+function checkTokenIds(parsed: SamplingRequest, vocabSize: number): void {
+  const outside = (ids: readonly number[], param: string) => {
+    const bad = ids.find((id) => id >= vocabSize);
+    if (bad !== undefined) {
+      throw new KvfenceError(
+        "invalid_request",
+        `${param} names token id ${bad}, outside this model's vocabulary of ${vocabSize} ids (0 to ${vocabSize - 1})`,
+        { param },
+      );
+    }
+  };
+  outside(parsed.controls?.logitBias?.map(([id]) => id) ?? [], "logit_bias");
+  outside(parsed.stopTokenIds, "stop_token_ids");
+}
+
 /** A generation endpoint's raw body → its sampling fields and prompt tokens; throws KvfenceError. */
 export function prepareRequest(
   endpoint: GenerateEndpointName,
@@ -112,6 +130,7 @@ export function prepareRequest(
   kind.precheck(json, context.limits);
   const { parsed, promptBytes, encode } = kind.parse(json);
   checkModel(parsed.model, context.modelId);
+  checkTokenIds(parsed, context.tokenizer.vocabSize);
   checkPromptBytes(promptBytes(), context.limits.maxPromptBytes, kind.param);
   const promptTokens = encode(context.tokenizer);
   if (promptTokens.length === 0) {

@@ -125,7 +125,10 @@ describe("RouterServer with a scripted engine", () => {
       .map((c) => c.choices[0].delta.content)
       .join("");
     assert.equal(content, "Hello, world!");
-    assert.deepEqual(chunks.at(-2).choices, [{ index: 0, delta: {}, logprobs: null, finish_reason: "stop" }]);
+    // OpenAI's finish chunk, plus what stopped it as vLLM (stop_reason) and SGLang (matched_stop) say.
+    assert.deepEqual(chunks.at(-2).choices, [
+      { index: 0, delta: {}, logprobs: null, finish_reason: "stop", stop_reason: null, matched_stop: null },
+    ]);
     assert.equal(chunks.at(-2).usage, null);
     assert.deepEqual(chunks.at(-1).choices, []);
     assert.equal(chunks.at(-1).usage.completion_tokens, 14);

@@ -29,6 +29,7 @@ import {
   type FinishReason,
   Generation,
   type GenerationSink,
+  type StopReason,
   type TextStreamDecoder,
   type Usage,
 } from "./generation.js";
@@ -55,8 +56,8 @@ import { SseWriter, sseFrame } from "./sse.js";
 
 /** What the router needs from the tokenizer: no model weights, ever. */
 export interface RouterTokenizer extends PromptTokenizer {
-  /** A fresh UTF-8-safe streaming detokenizer, one per response. */
-  createDecoder(): TextStreamDecoder;
+  /** A fresh UTF-8-safe streaming detokenizer, one per response (special tokens skipped by default). */
+  createDecoder(options?: { readonly skipSpecialTokens?: boolean }): TextStreamDecoder;
 }
 
 export interface ServedModel {
@@ -484,7 +485,9 @@ export class RouterServer {
       topP: parsed.topP ?? defaults.topP ?? 1,
       topK: parsed.topK === null ? (defaults.topK ?? 0) : Math.max(0, parsed.topK),
       seed: parsed.seed,
-      stopTokenIds: this.#model.eosTokenIds,
+      // ignore_eos: EOS ends nothing; the client's stop_token_ids are the router's to match.
+      stopTokenIds: parsed.ignoreEos ? [] : this.#model.eosTokenIds,
+      ...(parsed.controls === undefined ? {} : { controls: parsed.controls }),
     };
     this.#serve(ctx, kind, parsed, request);
   }
@@ -555,14 +558,14 @@ export class RouterServer {
         if (parsed.stream) startStream().send(responses.delta(meta, delta, includeUsage));
         else text += delta;
       },
-      finish: (reason: FinishReason, usage: Usage) => {
+      finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
         end(200, usage);
         if (!parsed.stream) {
-          this.#sendJson(res, 200, responses.completion(meta, text, reason, usage));
+          this.#sendJson(res, 200, responses.completion(meta, text, reason, usage, stopReason));
           return;
         }
         const writer = startStream();
-        writer.send(responses.finish(meta, reason, includeUsage));
+        writer.send(responses.finish(meta, reason, includeUsage, stopReason));
         if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
         writer.done();
       },
@@ -592,7 +595,13 @@ export class RouterServer {
     const generation = new Generation(
       this.#engine,
       request,
-      { decoder: this.#tokenizer.createDecoder(), stop: parsed.stop },
+      {
+        decoder: this.#tokenizer.createDecoder({ skipSpecialTokens: parsed.skipSpecialTokens }),
+        stop: parsed.stop,
+        stopTokenIds: parsed.stopTokenIds,
+        minTokens: parsed.minTokens,
+        includeStopStr: parsed.includeStopStr,
+      },
       sink,
     );
     this.#active.add(generation);

@@ -29,9 +29,12 @@
  *    (`ExternalPages.checkStep`: the decode state machine, with the same rule), so each token is
  *    checked exactly once.
  * 4. **Forward**, then `PagePool.recordStep` stamps the written pages and marks fresh ones READY.
- * 5. **Sampling** for every request whose step reached its last token: its per-request seeded
- *    generator draws the next token; a stop token id ends it with `stop` (the stop token is counted
- *    in usage but not reported in `onTokens`), `maxTokens` with `length`.
+ * 5. **Sampling** for every request whose step reached its last token: its logit controls
+ *    (`Sampler.process`) apply, then its per-request seeded generator draws the next token; a stop
+ *    token id ends it with `stop` (the stop token is counted in usage but not reported in
+ *    `onTokens`), `maxTokens` with `length`. A request that asked for log-probabilities gets them
+ *    with each token (from the raw logits, before the controls), and the prompt's once, before its
+ *    first token (computed row by row as its prompt's chunks run, `StepSequence.rowLogits`).
  *
  * `step()` runs these as named phases (`#scheduleDecodes`, `#admitWaiting`, `#schedulePrefills`,
  * `#checkBatch`, `#forward`, `#sample`). A decode step of a running request allocates nothing: the token it feeds
@@ -56,7 +59,9 @@ import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
 import { Prng } from "../lib/prng.js";
+import { MAX_TOP_LOGPROBS, type TokenLogprobs } from "../lib/token-logprobs.js";
 import type { StepSequence } from "../model/forward.js";
+import { tokenLogprobs } from "../model/logprobs.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { Sampler } from "../model/sampler.js";
 import type {
@@ -168,6 +173,14 @@ class Sequence {
   readonly decodeInput = new Int32Array(1);
   /** The array `onTokens` receives a sampled token in (reused: listeners copy what they keep). */
   readonly sampled: number[] = [0];
+  /** Log-probabilities asked for: the raw logits of the last step (the controls change the step's). */
+  raw: Float32Array | null = null;
+  readonly sampledLogprobs: TokenLogprobs[] = [];
+  /** The prompt's log-probabilities asked for: filled as its chunks run, reported once. */
+  promptEntries: (TokenLogprobs | null)[] | null = null;
+  promptReported = false;
+  /** The forward pass's per-row callback that fills `promptEntries` (null: not asked). */
+  rowLogits: ((index: number, logits: Float32Array, offset: number) => void) | null = null;
   #pagesView: Int32Array;
 
   constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {
@@ -340,7 +353,20 @@ export class Engine {
       return null;
     }
     const seed = request.seed ?? this.#seeds.nextUint32();
-    return new Sequence(request, events, this.pool.pageSize, seed);
+    const seq = new Sequence(request, events, this.pool.pageSize, seed);
+    const k = request.promptLogprobs;
+    if (k !== undefined) {
+      const entries: (TokenLogprobs | null)[] = new Array(seq.promptLength).fill(null);
+      const vocab = this.#model.config.vocabSize;
+      seq.promptEntries = entries;
+      // Row `index` of a step at position p predicts the prompt's token p + 1.
+      seq.rowLogits = (index, logits, offset) => {
+        const next = seq.stepStart + index + 1;
+        if (next < seq.promptLength)
+          entries[next] = tokenLogprobs(logits, seq.tokens[next]!, k, offset, vocab);
+      };
+    }
+    return seq;
   }
 
   #enqueue(seq: Sequence): void {
@@ -632,6 +658,7 @@ export class Engine {
       s.startPos = seq.stepStart;
       s.blockTable = seq.pagesView();
       s.logits = seq.stepEnd === seq.length ? this.#logits[logitsUsed++]! : null;
+      s.rowLogits = promptRows(seq);
       seq.checked = true;
     }
     let count = 0;
@@ -672,15 +699,21 @@ export class Engine {
       const logits = seq.step.logits;
       if (!this.#runs(seq) || logits === null || seq.computed !== seq.length) continue;
       const r = seq.request;
+      if (r.logprobs !== undefined) keepRaw(seq, logits);
       if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
       const token = this.#sampler.sample(logits, r, seq.rng);
       seq.tokens[seq.length++] = token;
       seq.generated++;
       this.#counters.completionTokens++;
       seq.sampled[0] = token;
+      const lp = this.#logprobsOf(seq, token);
+      if (seq.promptEntries !== null && !seq.promptReported) {
+        seq.promptReported = true;
+        seq.events.onPromptLogprobs?.(seq.promptEntries);
+      }
       if (seq.ownership === "prefill-only") {
         this.#end(seq);
-        seq.events.onTokens(seq.sampled);
+        seq.events.onTokens(seq.sampled, lp);
         seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: 1 });
         continue;
       }
@@ -690,10 +723,18 @@ export class Engine {
       }
       const done = seq.generated >= r.maxTokens;
       if (done) this.#end(seq);
-      seq.events.onTokens(seq.sampled);
+      seq.events.onTokens(seq.sampled, lp);
       if (done)
         seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
     }
+  }
+
+  /** The sampled token's log-probabilities when the request asked (one entry, reused array), else undefined. */
+  #logprobsOf(seq: Sequence, token: number): TokenLogprobs[] | undefined {
+    const k = seq.request.logprobs;
+    if (k === undefined || seq.raw === null) return undefined;
+    seq.sampledLogprobs[0] = tokenLogprobs(seq.raw, token, k);
+    return seq.sampledLogprobs;
   }
 
   /** After the step: nobody is in the batch any more. */
@@ -702,6 +743,7 @@ export class Engine {
     for (let b = 0; b < this.#batchLength; b++) {
       const seq = batch[b]!;
       seq.step.logits = null;
+      seq.step.rowLogits = null;
       seq.inBatch = false;
       seq.checked = false;
       batch[b] = null;
@@ -801,6 +843,18 @@ export class Engine {
       if (err instanceof KvfenceError) return err.toWire();
       throw err;
     }
+    for (const [param, k] of [
+      ["logprobs", r.logprobs],
+      ["prompt_logprobs", r.promptLogprobs],
+    ] as const) {
+      if (k !== undefined && !(Number.isInteger(k) && k >= 0 && k <= MAX_TOP_LOGPROBS)) {
+        return {
+          code: "invalid_request",
+          message: `${param} must be an integer from 0 to ${MAX_TOP_LOGPROBS}: ${k}`,
+          param,
+        };
+      }
+    }
     const vocab = this.#model.config.vocabSize;
     for (let i = 0; i < promptLength; i++) {
       const t = r.promptTokens[i]!;
@@ -868,4 +922,15 @@ export class Engine {
     const i = this.#running.indexOf(seq);
     if (i >= 0) this.#running.splice(i, 1);
   }
+}
+
+/** The forward pass's per-row callback for `seq`'s step when it asked for the prompt's log-probabilities and the step holds prompt rows, else null. */
+function promptRows(seq: Sequence): ((index: number, logits: Float32Array, offset: number) => void) | null {
+  return seq.rowLogits !== null && seq.stepStart < seq.promptLength - 1 ? seq.rowLogits : null;
+}
+
+/** Keeps the step's raw logits of `seq` (the controls change them in place) for its log-probabilities. */
+function keepRaw(seq: Sequence, logits: Float32Array): void {
+  if (seq.raw === null) seq.raw = new Float32Array(logits.length);
+  seq.raw.set(logits);
 }

@@ -132,6 +132,17 @@ export class ModelTokenizer {
     return this.#specialIds.has(id);
   }
 
+  /**
+   * One token's own bytes and text (its bytes decoded alone, U+FFFD for part of a character), for
+   * log-probabilities; special tokens included.
+   */
+  tokenPiece(id: number): { text: string; bytes: Uint8Array } {
+    const bytes = this.#byteLevel
+      ? this.tokenBytes(id, false)
+      : new TextEncoder().encode(this.decode([id], { skipSpecialTokens: false }));
+    return { text: new TextDecoder("utf-8", { fatal: false, ignoreBOM: true }).decode(bytes), bytes };
+  }
+
   /** A fresh incremental detokenizer (one per generated sequence). */
   streamDecoder(options?: { skipSpecialTokens?: boolean }): StreamDecoder {
     const skip = options?.skipSpecialTokens ?? true;

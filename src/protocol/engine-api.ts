@@ -6,6 +6,7 @@
  */
 import type { WireError } from "../lib/errors.js";
 import type { LogitControls } from "../lib/logit-controls.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
@@ -26,15 +27,25 @@ export interface GenerationRequest {
   readonly stopTokenIds: readonly number[];
   /** Logit bias, min_tokens, penalties, min-p (absent: none); applied where the token is sampled. */
   readonly controls?: LogitControls | undefined;
+  /** Report each sampled token's log-probability and this many top ones (0 to 20); absent: none. */
+  readonly logprobs?: number | undefined;
+  /** Report the prompt's log-probabilities (each token given the ones before) and this many top ones. */
+  readonly promptLogprobs?: number | undefined;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */
 export interface GenerationEvents {
   /**
    * One or more new tokens (batched per step). The stop token id that ends a request with `stop`
-   * is not reported here; it counts in `usage.completionTokens`.
+   * is not reported here; it counts in `usage.completionTokens`. `logprobs` (when the request
+   * asked) has one entry per token; the arrays may be reused after the call: copy what you keep.
    */
-  onTokens(tokenIds: readonly number[]): void;
+  onTokens(tokenIds: readonly number[], logprobs?: readonly TokenLogprobs[]): void;
+  /**
+   * The prompt's log-probabilities when the request asked (`promptLogprobs`): entry i for prompt
+   * token i, null for the first (nothing precedes it). Once, before the first `onTokens`.
+   */
+  onPromptLogprobs?(entries: readonly (TokenLogprobs | null)[]): void;
   onFinish(reason: "stop" | "length", usage: { promptTokens: number; completionTokens: number }): void;
   /** E.g. `context_length_exceeded` at the engine's door, `page_tag_mismatch`. */
   onError(error: WireError): void;

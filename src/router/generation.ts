@@ -8,6 +8,7 @@
  */
 
 import { KvfenceError, type WireError } from "../lib/errors.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { StopMatcher } from "./stop-matcher.js";
 
@@ -30,6 +31,10 @@ export type StopReason = string | number | null;
 export interface GenerationSink {
   /** Tokens arrived (even if they produced no text yet); `count` new ones. */
   tokens?(count: number): void;
+  /** The log-probabilities of an output token, before the text it completes (when asked). */
+  logprobs?(entry: TokenLogprobs): void;
+  /** The prompt's log-probabilities (when asked), before any token. */
+  promptLogprobs?(entries: readonly (TokenLogprobs | null)[]): void;
   /** Non-empty text for the client. */
   text(delta: string): void;
   finish(reason: FinishReason, usage: Usage, stopReason: StopReason): void;
@@ -45,6 +50,8 @@ export interface GenerationOptions {
   readonly minTokens?: number;
   /** Keep the matched stop string or stop token's text in the output. */
   readonly includeStopStr?: boolean;
+  /** The request asked for log-probabilities: they go to the sink token by token. */
+  readonly logprobs?: boolean;
 }
 
 export class Generation {
@@ -77,7 +84,7 @@ export class Generation {
     this.#skip = new Set(request.stopTokenIds);
     this.#stopIds = new Set(options.stopTokenIds ?? []);
     this.#minTokens = options.minTokens ?? 0;
-    this.#perToken = this.#stopIds.size > 0 || this.#minTokens > 0;
+    this.#perToken = this.#stopIds.size > 0 || this.#minTokens > 0 || options.logprobs === true;
   }
 
   get rid(): number {
@@ -91,7 +98,10 @@ export class Generation {
 
   start(): void {
     this.#engine.submit(this.#request, {
-      onTokens: (ids) => this.#onTokens(ids),
+      onTokens: (ids, logprobs) => this.#onTokens(ids, logprobs),
+      onPromptLogprobs: (entries) => {
+        if (!this.#done) this.#sink.promptLogprobs?.(entries);
+      },
       onFinish: (reason, usage) => this.#onFinish(reason, usage),
       onError: (error) => this.#onError(error),
     });
@@ -104,11 +114,11 @@ export class Generation {
     this.#engine.abort(this.#request.rid);
   }
 
-  #onTokens(ids: readonly number[]): void {
+  #onTokens(ids: readonly number[], logprobs: readonly TokenLogprobs[] | undefined): void {
     if (this.#done) return;
     this.#sink.tokens?.(ids.length);
     if (this.#perToken) {
-      for (let i = 0; i < ids.length && !this.#done; i++) this.#onToken(ids[i]!);
+      for (let i = 0; i < ids.length && !this.#done; i++) this.#onToken(ids[i]!, logprobs?.[i]);
       return;
     }
     this.#completionTokens += ids.length;
@@ -117,9 +127,11 @@ export class Generation {
   }
 
   /** One token, when the client's stop ids or min_tokens need them one by one. */
-  #onToken(id: number): void {
+  #onToken(id: number, logprobs: TokenLogprobs | undefined): void {
     this.#completionTokens++;
     if (this.#skip.has(id)) return;
+    if (logprobs !== undefined && (this.#includeStop || !this.#stopIds.has(id)))
+      this.#sink.logprobs?.(logprobs);
     if (this.#stopIds.has(id)) {
       // The engine holds the client's stop ids back until min_tokens: this one ends the request.
       const own = this.#includeStop ? this.#decoder.push([id]) : "";

@@ -6,14 +6,19 @@
 import { KvfenceError } from "../lib/errors.js";
 import type { ChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
 import type { TextStreamDecoder } from "./generation.js";
+import type { TokenPiece } from "./logprobs-wire.js";
 import type { ChatMessage } from "./openai-schemas.js";
 import type { RouterTokenizer } from "./router-server.js";
+
+/** Token pieces kept once made (log-probabilities name the same tokens over and over). */
+const MAX_CACHED_PIECES = 1 << 16;
 
 export function routerTokenizer(
   tokenizer: ModelTokenizer,
   chatTemplate: ChatTemplate | null,
 ): RouterTokenizer {
   const vocabSize = tokenizer.numIds;
+  const pieces = new Map<number, TokenPiece>();
   return {
     vocabSize,
     encodeChat(messages: readonly ChatMessage[]): Int32Array {
@@ -29,6 +34,16 @@ export function routerTokenizer(
         addSpecialTokens: false,
       });
     },
+    tokenPiece(id) {
+      let piece = pieces.get(id);
+      if (piece === undefined) {
+        const { text, bytes } = tokenizer.tokenPiece(id);
+        piece = { text, bytes: Array.from(bytes) };
+        if (pieces.size < MAX_CACHED_PIECES) pieces.set(id, piece);
+      }
+      return piece;
+    },
+    decode: (ids) => tokenizer.decode(ids),
     encodePrompt(text: string): Int32Array {
       return tokenizer.encode(text);
     },

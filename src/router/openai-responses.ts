@@ -9,6 +9,13 @@
  */
 import { randomBytes } from "node:crypto";
 import type { FinishReason, StopReason, Usage } from "./generation.js";
+import { chatLogprobs, type LogprobItem, type PieceOf, textLogprobs } from "./logprobs-wire.js";
+
+/** What a choice carries besides its text: log-probabilities in the endpoint's shape, vLLM's prompt_logprobs. */
+export interface ChoiceExtras {
+  readonly logprobs?: object | null;
+  readonly promptLogprobs?: unknown;
+}
 
 export interface UsageWire {
   prompt_tokens: number;
@@ -45,17 +52,19 @@ export function chatCompletion(
   finish: FinishReason,
   usage: Usage,
   stopReason: StopReason = null,
+  extras: ChoiceExtras = {},
 ) {
   return {
     id: meta.id,
     object: "chat.completion" as const,
     created: meta.created,
     model: meta.model,
+    ...(extras.promptLogprobs === undefined ? {} : { prompt_logprobs: extras.promptLogprobs }),
     choices: [
       {
         index: 0,
         message: { role: "assistant" as const, content, refusal: null },
-        logprobs: null,
+        logprobs: extras.logprobs ?? null,
         finish_reason: finish,
         stop_reason: stopReason,
         matched_stop: stopReason,
@@ -71,6 +80,7 @@ export function textCompletion(
   finish: FinishReason,
   usage: Usage,
   stopReason: StopReason = null,
+  extras: ChoiceExtras = {},
 ) {
   return {
     id: meta.id,
@@ -81,10 +91,11 @@ export function textCompletion(
       {
         index: 0,
         text,
-        logprobs: null,
+        logprobs: extras.logprobs ?? null,
         finish_reason: finish,
         stop_reason: stopReason,
         matched_stop: stopReason,
+        ...(extras.promptLogprobs === undefined ? {} : { prompt_logprobs: extras.promptLogprobs }),
       },
     ],
     usage: usageWire(usage),
@@ -100,8 +111,9 @@ export function chatChunk(
   finish: FinishReason | null,
   includeUsage: boolean,
   stopReason?: StopReason,
+  logprobs: object | null = null,
 ) {
-  const choice: Record<string, unknown> = { index: 0, delta, logprobs: null, finish_reason: finish };
+  const choice: Record<string, unknown> = { index: 0, delta, logprobs, finish_reason: finish };
   if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
   const chunk: Record<string, unknown> = {
     id: meta.id,
@@ -121,8 +133,9 @@ export function textChunk(
   finish: FinishReason | null,
   includeUsage: boolean,
   stopReason?: StopReason,
+  logprobs: object | null = null,
 ) {
-  const choice: Record<string, unknown> = { index: 0, text, logprobs: null, finish_reason: finish };
+  const choice: Record<string, unknown> = { index: 0, text, logprobs, finish_reason: finish };
   if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
   const chunk: Record<string, unknown> = {
     id: meta.id,
@@ -162,14 +175,20 @@ export interface ResponseStrategy {
   readonly chunkObject: "chat.completion.chunk" | "text_completion";
   /** The chunk a stream opens with before any text (chat's role chunk), or null. */
   opening(meta: ResponseMeta, includeUsage: boolean): Record<string, unknown> | null;
-  /** A chunk carrying new text. */
-  delta(meta: ResponseMeta, text: string, includeUsage: boolean): Record<string, unknown>;
-  /** The chunk with the finish reason and no new text. */
+  /** A chunk carrying new text (and the log-probabilities of its tokens, when asked). */
+  delta(
+    meta: ResponseMeta,
+    text: string,
+    includeUsage: boolean,
+    logprobs?: object | null,
+  ): Record<string, unknown>;
+  /** The chunk with the finish reason and no new text (and the last tokens' log-probabilities). */
   finish(
     meta: ResponseMeta,
     reason: FinishReason,
     includeUsage: boolean,
     stopReason: StopReason,
+    logprobs?: object | null,
   ): Record<string, unknown>;
   /** The whole non-streamed answer. */
   completion(
@@ -178,23 +197,32 @@ export interface ResponseStrategy {
     reason: FinishReason,
     usage: Usage,
     stopReason: StopReason,
+    extras?: ChoiceExtras,
   ): object;
+  /** Log-probabilities of `items` in this endpoint's shape; `offset`: the text before them (completions). */
+  logprobs(items: readonly LogprobItem[], piece: PieceOf, offset: { value: number }): object;
 }
 
 export const CHAT_RESPONSES: ResponseStrategy = {
   idKind: "chat",
   chunkObject: "chat.completion.chunk",
   opening: (meta, includeUsage) => chatChunk(meta, { role: "assistant", content: "" }, null, includeUsage),
-  delta: (meta, text, includeUsage) => chatChunk(meta, { content: text }, null, includeUsage),
-  finish: (meta, reason, includeUsage, stopReason) => chatChunk(meta, {}, reason, includeUsage, stopReason),
+  delta: (meta, text, includeUsage, logprobs) =>
+    chatChunk(meta, { content: text }, null, includeUsage, undefined, logprobs ?? null),
+  finish: (meta, reason, includeUsage, stopReason, logprobs) =>
+    chatChunk(meta, {}, reason, includeUsage, stopReason, logprobs ?? null),
   completion: chatCompletion,
+  logprobs: (items, piece) => chatLogprobs(items, piece),
 };
 
 export const TEXT_RESPONSES: ResponseStrategy = {
   idKind: "text",
   chunkObject: "text_completion",
   opening: () => null,
-  delta: (meta, text, includeUsage) => textChunk(meta, text, null, includeUsage),
-  finish: (meta, reason, includeUsage, stopReason) => textChunk(meta, "", reason, includeUsage, stopReason),
+  delta: (meta, text, includeUsage, logprobs) =>
+    textChunk(meta, text, null, includeUsage, undefined, logprobs ?? null),
+  finish: (meta, reason, includeUsage, stopReason, logprobs) =>
+    textChunk(meta, "", reason, includeUsage, stopReason, logprobs ?? null),
   completion: textCompletion,
+  logprobs: textLogprobs,
 };

@@ -12,6 +12,7 @@
 import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
 import type { LogitControls } from "../lib/logit-controls.js";
+import { MAX_TOP_LOGPROBS } from "../lib/token-logprobs.js";
 
 const textPart = z.object({ type: z.literal("text"), text: z.string() });
 
@@ -74,6 +75,8 @@ const samplingFields = {
   stop_token_ids: z.array(z.number().int().min(0)).max(64).nullable().optional(),
   skip_special_tokens: z.boolean().nullable().optional(),
   include_stop_str_in_output: z.boolean().nullable().optional(),
+  /** vLLM's: the prompt's log-probabilities with this many top ones. */
+  prompt_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
 };
 
 export const chatCompletionRequestSchema = z.object({
@@ -81,21 +84,25 @@ export const chatCompletionRequestSchema = z.object({
   messages: z.array(chatMessage).min(1),
   max_completion_tokens: maxTokens,
   logprobs: z.boolean().nullable().optional(),
-  top_logprobs: z.number().int().nullable().optional(),
+  top_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
   tools: z.array(z.unknown()).nullable().optional(),
   tool_choice: z.unknown().optional(),
   functions: z.array(z.unknown()).nullable().optional(),
   function_call: z.unknown().optional(),
 });
 
+/** A prompt given as token ids (checked against the vocabulary once the tokenizer is at hand). */
+const tokenIds = z.array(z.number().int().min(0)).min(1);
+
 export const completionRequestSchema = z.object({
   ...samplingFields,
-  prompt: z.union([z.string(), z.array(z.string()).length(1)], {
+  prompt: z.union([z.string(), z.array(z.string()).length(1), tokenIds, z.array(tokenIds).length(1)], {
     error:
-      "expected a string or a list of one string; lists of several prompts and token-id prompts are not supported (send one request per prompt, as text)",
+      "expected a string, a list of token ids, or a list of one of them; lists of several prompts are not supported yet (send one request per prompt)",
   }),
   suffix: z.string().nullable().optional(),
-  logprobs: z.number().int().nullable().optional(),
+  /** OpenAI allows 0 to 5; vLLM, as here, up to 20. */
+  logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
   echo: z.boolean().nullable().optional(),
   best_of: z.number().int().nullable().optional(),
 });
@@ -131,6 +138,14 @@ export interface SamplingRequest {
   readonly skipSpecialTokens: boolean;
   /** The matched stop string (or stop token's text) stays in the output. */
   readonly includeStopStr: boolean;
+  /** Each output token's log-probability with this many top ones; null: none asked. */
+  readonly logprobs: number | null;
+  /** The prompt's log-probabilities with this many top ones (vLLM's `prompt_logprobs`, or echo's); null: none. */
+  readonly promptLogprobs: number | null;
+  /** vLLM's `prompt_logprobs` (rendered as vLLM does, beside echo's), or null. */
+  readonly vllmPromptLogprobs: number | null;
+  /** Completions' `echo`: the prompt's text, which goes before the completion (and its logprobs); else null. */
+  readonly echoPrompt: string | null;
 }
 
 export interface ParsedChatRequest extends SamplingRequest {
@@ -138,7 +153,8 @@ export interface ParsedChatRequest extends SamplingRequest {
 }
 
 export interface ParsedCompletionRequest extends SamplingRequest {
-  readonly prompt: string;
+  /** The prompt's text, or its token ids. */
+  readonly prompt: string | readonly number[];
 }
 
 function pathOf(path: readonly PropertyKey[]): string {
@@ -213,7 +229,6 @@ export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   json_schema: unset,
   ebnf: unset,
   truncate_prompt_tokens: unset,
-  prompt_logprobs: unset,
 };
 
 function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: object): void {
@@ -241,6 +256,12 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
     refuse(
       "response_format",
       `response_format ${preview(req.response_format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
+    );
+  }
+  if (req.prompt_logprobs != null && req.stream === true) {
+    refuse(
+      "prompt_logprobs",
+      "prompt_logprobs is not available when stream is true (as in vLLM): send stream false",
     );
   }
   if (req.stream_options != null && req.stream !== true) {
@@ -280,6 +301,10 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
     minTokens: req.min_tokens ?? 0,
     skipSpecialTokens: req.skip_special_tokens !== false,
     includeStopStr: req.include_stop_str_in_output === true,
+    logprobs: null,
+    promptLogprobs: req.prompt_logprobs ?? null,
+    vllmPromptLogprobs: req.prompt_logprobs ?? null,
+    echoPrompt: null,
     model: req.model,
     stream: req.stream === true,
     includeUsage: req.stream_options?.include_usage === true,
@@ -296,9 +321,8 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
 export function parseChatRequest(body: unknown): ParsedChatRequest {
   const req = parseWith(chatCompletionRequestSchema, body);
   commonChecks(req, body as object);
-  if (req.logprobs === true) refuse("logprobs", "logprobs is not supported: leave it unset or false");
-  if (req.top_logprobs != null && req.top_logprobs !== 0)
-    refuse("top_logprobs", "top_logprobs is not supported: leave it unset or 0");
+  if (req.top_logprobs != null && req.top_logprobs > 0 && req.logprobs !== true)
+    refuse("top_logprobs", "top_logprobs needs logprobs: set logprobs to true, or leave top_logprobs unset");
   // The chat templates here do not render tool definitions and nothing parses a tool call out of
   // the answer, so tools would be dropped without a word: refused, even with tool_choice "none".
   if ((req.tools?.length ?? 0) > 0 || (req.functions?.length ?? 0) > 0) {
@@ -332,18 +356,34 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
           ? m.content
           : m.content.map((p) => p.text).join(""),
   }));
-  return { ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null), messages };
+  return {
+    ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null),
+    logprobs: req.logprobs === true ? (req.top_logprobs ?? 0) : null,
+    messages,
+  };
 }
 
 /** Validate a `/v1/completions` body; throws `invalid_request` naming the offending field. */
 export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   const req = parseWith(completionRequestSchema, body);
   commonChecks(req, body as object);
-  if (req.logprobs != null) refuse("logprobs", "logprobs is not supported: leave it unset");
-  if (req.echo === true) refuse("echo", "echo is not supported: leave it unset or false");
+
   if (req.best_of != null && req.best_of !== 1)
     refuse("best_of", `Only best_of=1 is supported: got ${req.best_of}`);
   if (req.suffix) refuse("suffix", "suffix (insertion) is not supported: leave it unset or empty");
-  const prompt = typeof req.prompt === "string" ? req.prompt : req.prompt[0]!;
-  return { ...sampling(req, req.max_tokens ?? null), prompt };
+  const first = typeof req.prompt === "string" ? req.prompt : req.prompt[0]!;
+  const prompt: string | readonly number[] = typeof first === "number" ? (req.prompt as number[]) : first;
+  const base = sampling(req, req.max_tokens ?? null);
+  const echo = req.echo === true;
+  const logprobs = req.logprobs ?? null;
+  return {
+    ...base,
+    logprobs,
+    // Token-id prompts: their text comes from the tokenizer (prepare-request.ts).
+    echoPrompt: echo ? (typeof prompt === "string" ? prompt : "") : null,
+    // Echo with logprobs reports the prompt's tokens too; vLLM's prompt_logprobs asks for its own k.
+    promptLogprobs:
+      echo && logprobs !== null ? Math.max(logprobs, base.promptLogprobs ?? 0) : base.promptLogprobs,
+    prompt,
+  };
 }

@@ -14,6 +14,7 @@ function counting(): PromptTokenizer & { calls: number } {
   return {
     calls: 0,
     vocabSize: 256,
+    decode: (ids) => Buffer.from(Array.from(ids)).toString("utf8"),
     encodeChat(messages: readonly ChatMessage[]) {
       this.calls++;
       return Int32Array.from(Buffer.from(messages.map((m) => m.content).join("")));

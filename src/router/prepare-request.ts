@@ -29,6 +29,8 @@ export interface PromptTokenizer {
   encodePrompt(text: string): Int32Array;
   /** One more than the largest token id: token ids a request names must be below it. */
   readonly vocabSize: number;
+  /** The text of `ids` (special tokens skipped). */
+  decode(ids: ArrayLike<number>): string;
 }
 
 export type GenerateEndpointName = "chat" | "completions";
@@ -59,6 +61,8 @@ interface PromptKind {
     readonly parsed: SamplingRequest;
     promptBytes(): number;
     encode(tokenizer: PromptTokenizer): Int32Array;
+    /** Echo's text when it is not the prompt as sent (token ids); absent: it is. */
+    echoText?(tokenizer: PromptTokenizer, tokens: Int32Array): string;
   };
 }
 
@@ -82,10 +86,29 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
     precheck: () => {},
     parse(body) {
       const parsed = parseCompletionRequest(body);
+      const { prompt } = parsed;
+      if (typeof prompt === "string") {
+        return {
+          parsed,
+          promptBytes: () => Buffer.byteLength(prompt),
+          encode: (tokenizer) => tokenizer.encodePrompt(prompt),
+        };
+      }
       return {
         parsed,
-        promptBytes: () => Buffer.byteLength(parsed.prompt),
-        encode: (tokenizer) => tokenizer.encodePrompt(parsed.prompt),
+        promptBytes: () => 0,
+        encode: (tokenizer) => {
+          const bad = prompt.findIndex((id) => id >= tokenizer.vocabSize);
+          if (bad >= 0) {
+            throw new KvfenceError(
+              "invalid_request",
+              `prompt[${bad}] is token id ${prompt[bad]}, outside this model's vocabulary of ${tokenizer.vocabSize} ids (0 to ${tokenizer.vocabSize - 1})`,
+              { param: "prompt" },
+            );
+          }
+          return Int32Array.from(prompt);
+        },
+        echoText: (tokenizer, tokens) => tokenizer.decode(tokens),
       };
     },
   },
@@ -128,13 +151,16 @@ export function prepareRequest(
   checkJsonDepth(body, context.limits.maxJsonDepth);
   const json = parseJsonBody(body);
   kind.precheck(json, context.limits);
-  const { parsed, promptBytes, encode } = kind.parse(json);
+  const { parsed, promptBytes, encode, echoText } = kind.parse(json);
   checkModel(parsed.model, context.modelId);
   checkTokenIds(parsed, context.tokenizer.vocabSize);
   checkPromptBytes(promptBytes(), context.limits.maxPromptBytes, kind.param);
   const promptTokens = encode(context.tokenizer);
   if (promptTokens.length === 0) {
     throw new KvfenceError("invalid_request", kind.emptyPrompt, { param: kind.param });
+  }
+  if (parsed.echoPrompt !== null && echoText !== undefined) {
+    return { parsed: { ...parsed, echoPrompt: echoText(context.tokenizer, promptTokens) }, promptTokens };
   }
   return { parsed, promptTokens };
 }

@@ -20,6 +20,7 @@ import { performance } from "node:perf_hooks";
 import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
+import type { TokenLogprobs as LogprobsEntry } from "../lib/token-logprobs.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
@@ -33,8 +34,10 @@ import {
   type TextStreamDecoder,
   type Usage,
 } from "./generation.js";
+import { type LogprobItem, type TokenPiece, vllmPromptLogprobs } from "./logprobs-wire.js";
 import {
   CHAT_RESPONSES,
+  type ChoiceExtras,
   completionId,
   type ResponseMeta,
   type ResponseStrategy,
@@ -56,6 +59,8 @@ import { SseWriter, sseFrame } from "./sse.js";
 
 /** What the router needs from the tokenizer: no model weights, ever. */
 export interface RouterTokenizer extends PromptTokenizer {
+  /** One token's own text and bytes (log-probabilities name tokens by them). */
+  tokenPiece(id: number): TokenPiece;
   /** A fresh UTF-8-safe streaming detokenizer, one per response (special tokens skipped by default). */
   createDecoder(options?: { readonly skipSpecialTokens?: boolean }): TextStreamDecoder;
 }
@@ -488,6 +493,8 @@ export class RouterServer {
       // ignore_eos: EOS ends nothing; the client's stop_token_ids are the router's to match.
       stopTokenIds: parsed.ignoreEos ? [] : this.#model.eosTokenIds,
       ...(parsed.controls === undefined ? {} : { controls: parsed.controls }),
+      ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
+      ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
     };
     this.#serve(ctx, kind, parsed, request);
   }
@@ -512,12 +519,21 @@ export class RouterServer {
     let lastTokenAt = 0;
     let sse: SseWriter | null = null;
     let text = "";
+    const logprobs = new LogprobsCollector(
+      request,
+      parsed,
+      (id) => this.#tokenizer.tokenPiece(id),
+      responses,
+    );
 
     const startStream = (): SseWriter => {
       if (sse !== null) return sse;
       sse = new SseWriter(res);
       const opening = responses.opening(meta, includeUsage);
       if (opening !== null) sse.send(opening);
+      // Echo: the prompt goes first, with its log-probabilities when asked.
+      if (parsed.echoPrompt !== null)
+        sse.send(responses.delta(meta, parsed.echoPrompt, includeUsage, logprobs.echoed()));
       return sse;
     };
     const end = (status: number, usage: Usage | null) => {
@@ -529,17 +545,7 @@ export class RouterServer {
         this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
         this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
       }
-      this.#log.info(
-        {
-          rid: request.rid,
-          tenant: tenant.name,
-          endpoint,
-          status,
-          promptTokens: request.promptTokens.length,
-          completionTokens: usage?.completionTokens,
-        },
-        "request done",
-      );
+      this.#logDone(request, tenant, endpoint, status, usage);
     };
 
     const sink: GenerationSink = {
@@ -554,18 +560,27 @@ export class RouterServer {
         lastTokenAt = now;
         if (parsed.stream) startStream();
       },
+      logprobs: (entry) => logprobs.push(entry),
+      promptLogprobs: (entries) => logprobs.prompt(entries),
       text: (delta) => {
-        if (parsed.stream) startStream().send(responses.delta(meta, delta, includeUsage));
-        else text += delta;
+        if (parsed.stream) {
+          const writer = startStream();
+          writer.send(responses.delta(meta, delta, includeUsage, logprobs.take()));
+        } else text += delta;
       },
       finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
         end(200, usage);
         if (!parsed.stream) {
-          this.#sendJson(res, 200, responses.completion(meta, text, reason, usage, stopReason));
+          const whole = (parsed.echoPrompt ?? "") + text;
+          this.#sendJson(
+            res,
+            200,
+            responses.completion(meta, whole, reason, usage, stopReason, logprobs.all()),
+          );
           return;
         }
         const writer = startStream();
-        writer.send(responses.finish(meta, reason, includeUsage, stopReason));
+        writer.send(responses.finish(meta, reason, includeUsage, stopReason, logprobs.take()));
         if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
         writer.done();
       },
@@ -596,6 +611,7 @@ export class RouterServer {
       this.#engine,
       request,
       {
+        logprobs: parsed.logprobs !== null,
         decoder: this.#tokenizer.createDecoder({ skipSpecialTokens: parsed.skipSpecialTokens }),
         stop: parsed.stop,
         stopTokenIds: parsed.stopTokenIds,
@@ -613,6 +629,26 @@ export class RouterServer {
       end(499, null);
     });
     generation.start();
+  }
+
+  #logDone(
+    request: GenerationRequest,
+    tenant: Tenant,
+    endpoint: Endpoint,
+    status: number,
+    usage: Usage | null,
+  ): void {
+    this.#log.info(
+      {
+        rid: request.rid,
+        tenant: tenant.name,
+        endpoint,
+        status,
+        promptTokens: request.promptTokens.length,
+        completionTokens: usage?.completionTokens,
+      },
+      "request done",
+    );
   }
 
   #modelObject() {
@@ -700,6 +736,88 @@ export class RouterServer {
       ],
     };
     this.#sendJson(ctx.res, 200, body);
+  }
+}
+
+/**
+ * One response's log-probabilities as they arrive: the prompt's (for echo and vLLM's
+ * `prompt_logprobs`) and each output token's, rendered in the endpoint's shape all at once (a whole
+ * answer) or chunk by chunk (a stream: `take` returns those not sent yet), `text_offset` running on.
+ */
+class LogprobsCollector {
+  readonly #parsed: SamplingRequest;
+  readonly #promptTokens: Int32Array;
+  readonly #piece: (id: number) => TokenPiece;
+  readonly #responses: ResponseStrategy;
+  readonly #offset = { value: 0 };
+  #promptEntries: readonly (LogprobsEntry | null)[] | null = null;
+  readonly #items: LogprobItem[] = [];
+  #sent = 0;
+
+  constructor(
+    request: GenerationRequest,
+    parsed: SamplingRequest,
+    piece: (id: number) => TokenPiece,
+    responses: ResponseStrategy,
+  ) {
+    this.#parsed = parsed;
+    this.#promptTokens = request.promptTokens;
+    this.#piece = piece;
+    this.#responses = responses;
+  }
+
+  prompt(entries: readonly (LogprobsEntry | null)[]): void {
+    this.#promptEntries = entries;
+  }
+
+  push(entry: LogprobsEntry): void {
+    this.#items.push({ token: entry.token, entry });
+  }
+
+  /** Echo's prompt tokens with their log-probabilities (their top lists cut to `logprobs`), or null. */
+  echoed(): object | null {
+    const k = this.#parsed.logprobs;
+    if (k === null || this.#parsed.echoPrompt === null) return null;
+    const entries = this.#promptEntries;
+    const items = Array.from(this.#promptTokens, (token, i) => {
+      const e = entries?.[i] ?? null;
+      return { token, entry: e === null ? null : { ...e, top: e.top.slice(0, k) } };
+    });
+    return this.#responses.logprobs(items, this.#piece, this.#offset);
+  }
+
+  /** The output tokens' log-probabilities not sent yet (a stream), or null when none were asked. */
+  take(): object | null {
+    if (this.#parsed.logprobs === null) return null;
+    const items = this.#items.slice(this.#sent);
+    this.#sent = this.#items.length;
+    return this.#responses.logprobs(items, this.#piece, this.#offset);
+  }
+
+  /** A whole answer's: echo's and the output's in one object, and vLLM's prompt_logprobs. */
+  all(): ChoiceExtras {
+    let logprobs: object | null = null;
+    if (this.#parsed.logprobs !== null) {
+      const echoed = this.#parsed.echoPrompt === null ? null : (this.echoed() as Record<string, unknown[]>);
+      const out = this.take() as Record<string, unknown[]>;
+      logprobs =
+        echoed === null || !("tokens" in out)
+          ? out
+          : Object.fromEntries(Object.keys(out).map((key) => [key, [...echoed[key]!, ...out[key]!]]));
+    }
+    const k = this.#parsed.vllmPromptLogprobs;
+    const entries = this.#promptEntries;
+    return {
+      logprobs,
+      ...(k === null || entries === null
+        ? {}
+        : {
+            promptLogprobs: vllmPromptLogprobs(
+              entries.map((e) => (e === null ? null : { ...e, top: e.top.slice(0, k) })),
+              this.#piece,
+            ),
+          }),
+    };
   }
 }
 

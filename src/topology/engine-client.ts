@@ -294,14 +294,19 @@ export class EngineClient implements EngineHandle {
         failed = true;
       }
     };
-    const { tokens, finishes, errors } = message;
-    for (let i = 0; i < tokens.length; ) {
+    const { tokens, finishes, errors, logprobs, prompts } = message;
+    for (const { rid, entries } of prompts ?? []) {
+      const open = this.#open.get(rid);
+      if (open !== undefined) call(() => open.events.onPromptLogprobs?.(entries));
+    }
+    for (let i = 0, run = 0; i < tokens.length; run++) {
       const rid = tokens[i]!;
       const count = tokens[i + 1]!;
       const ids = tokens.slice(i + 2, i + 2 + count);
       i += 2 + count;
       const open = this.#open.get(rid);
-      if (open !== undefined) call(() => open.events.onTokens(ids));
+      const lp = logprobs?.[run] ?? undefined;
+      if (open !== undefined) call(() => open.events.onTokens(ids, lp));
     }
     for (let i = 0; i < finishes.length; i += 4) {
       const rid = finishes[i]!;

@@ -3,6 +3,7 @@
  * cross the thread boundary by structured clone.
  */
 import type { WireError } from "../lib/errors.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { EngineCapacity, EngineStats, GenerationRequest } from "../protocol/engine-api.js";
 
 /** Messages from the client to the worker. */
@@ -22,6 +23,10 @@ export interface EngineEventsMessage {
   readonly type: "events";
   /** Runs of `rid, count, token × count`. */
   readonly tokens: number[];
+  /** When a request asked for log-probabilities: entry i for the i-th run of `tokens` (null: none). */
+  readonly logprobs?: (TokenLogprobs[] | null)[];
+  /** Prompt log-probabilities, before the tokens. */
+  readonly prompts?: { rid: number; entries: readonly (TokenLogprobs | null)[] }[];
   /** Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens`; after the tokens. */
   readonly finishes: number[];
   readonly errors: { rid: number; error: WireError }[];

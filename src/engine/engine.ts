@@ -179,6 +179,8 @@ class Sequence {
   /** The prompt's log-probabilities asked for: filled as its chunks run, reported once. */
   promptEntries: (TokenLogprobs | null)[] | null = null;
   promptReported = false;
+  /** A sample of n > 1 waiting to fork its first sample's prompt: that one's rid; else -1. */
+  forkOf = -1;
   /** The forward pass's per-row callback that fills `promptEntries` (null: not asked). */
   rowLogits: ((index: number, logits: Float32Array, offset: number) => void) | null = null;
   #pagesView: Int32Array;
@@ -273,7 +275,13 @@ export class Engine {
     aborts: 0,
     promptTokens: 0,
     completionTokens: 0,
+    prefillTokens: 0,
+    forkedSamples: 0,
   };
+  /** Samples of n > 1 waiting for their first sample's prompt (by its rid), to fork it. */
+  readonly #forks = new Map<number, Sequence[]>();
+  /** A fork's copy of the first sample's raw logits, for each sample to draw from. */
+  readonly #forkLogits: Float32Array;
 
   constructor(model: StepModel, pool: PagePool, options: EngineOptions = {}) {
     const config = model.config;
@@ -321,6 +329,7 @@ export class Engine {
       maxSequences: model.maxSequences,
     });
     this.#prefillTenants = new Uint32Array(this.#maxSequences);
+    this.#forkLogits = new Float32Array(config.vocabSize);
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
     for (let k = 0; k <= this.#maxSequences; k++)
       this.#stepViews.push(Array.from({ length: k }, () => this.#idleStep));
@@ -342,7 +351,19 @@ export class Engine {
    */
   submit(request: GenerationRequest, events: GenerationEvents): void {
     const seq = this.#admit(request, events);
-    if (seq !== null) this.#enqueue(seq);
+    if (seq === null) return;
+    const first = request.sample === undefined ? undefined : this.#byRid.get(request.sample.of);
+    if (first !== undefined && first.ownership === "local" && first.generated === 0 && first.forkOf < 0) {
+      // A sample of n > 1: it waits for its first sample's prompt, then forks it (`#fork`).
+      seq.forkOf = first.rid;
+      this.#byRid.set(seq.rid, seq);
+      this.#counters.promptTokens += seq.promptLength;
+      const list = this.#forks.get(first.rid);
+      if (list === undefined) this.#forks.set(first.rid, [seq]);
+      else list.push(seq);
+      return;
+    }
+    this.#enqueue(seq);
   }
 
   /** The door check, then the request's sequence (its seed drawn if it has none); null when refused. */
@@ -687,6 +708,8 @@ export class Engine {
       if (!this.#runs(seq)) continue;
       if (seq.ownership !== "decode-external")
         this.pool.recordStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
+      if (seq.stepStart < seq.promptLength)
+        this.#counters.prefillTokens += Math.min(seq.stepEnd, seq.promptLength) - seq.stepStart;
       seq.computed = seq.stepEnd;
     }
   }
@@ -698,35 +721,81 @@ export class Engine {
       const seq = batch[b]!;
       const logits = seq.step.logits;
       if (!this.#runs(seq) || logits === null || seq.computed !== seq.length) continue;
-      const r = seq.request;
-      if (r.logprobs !== undefined) keepRaw(seq, logits);
-      if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
-      const token = this.#sampler.sample(logits, r, seq.rng);
-      seq.tokens[seq.length++] = token;
-      seq.generated++;
-      this.#counters.completionTokens++;
-      seq.sampled[0] = token;
-      const lp = this.#logprobsOf(seq, token);
-      if (seq.promptEntries !== null && !seq.promptReported) {
-        seq.promptReported = true;
-        seq.events.onPromptLogprobs?.(seq.promptEntries);
-      }
-      if (seq.ownership === "prefill-only") {
-        this.#end(seq);
-        seq.events.onTokens(seq.sampled, lp);
-        seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: 1 });
-        continue;
-      }
-      if (r.stopTokenIds.includes(token)) {
-        this.#finish(seq, "stop");
-        continue;
-      }
-      const done = seq.generated >= r.maxTokens;
-      if (done) this.#end(seq);
-      seq.events.onTokens(seq.sampled, lp);
-      if (done)
-        seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
+      if (seq.generated === 0 && this.#forks.has(seq.rid)) this.#fork(seq, logits);
+      this.#sampleOne(seq, logits);
     }
+  }
+
+  /**
+   * The first sample of n > 1 computed its prompt: each sample waiting for it gets pages of its own,
+   * a copy of the prompt's KV (read under the first sample's tag check, stamped as the sample's own),
+   * and draws its first token from the same logits with its own generator. A sample that cannot
+   * fork (no pages or sequence slot now, a failed check) waits as an ordinary request instead.
+   */
+  #fork(first: Sequence, logits: Float32Array): void {
+    const samples = this.#forks.get(first.rid)!;
+    this.#forks.delete(first.rid);
+    const pool = this.pool;
+    const pages = Math.ceil(first.promptLength / pool.pageSize);
+    const readable =
+      !this.#tagCheck ||
+      pool.checkStep(first.blockTable, first.rid, first.epoch, first.promptLength, first.promptLength) < 0;
+    for (const seq of samples) {
+      seq.forkOf = -1;
+      if (seq.state === "done") continue;
+      if (
+        !readable ||
+        this.#running.length >= this.#maxSequences ||
+        !pool.allocate(pages, seq.rid, seq.epoch, seq.tenant, seq.blockTable)
+      ) {
+        this.#waiting.push(seq);
+        continue;
+      }
+      const pf = pool.pageFloats;
+      for (let j = 0; j < pages; j++) {
+        const from = first.blockTable.pages[j]! * pf;
+        pool.data.copyWithin(seq.blockTable.pages[j]! * pf, from, from + pf);
+      }
+      pool.recordStep(seq.blockTable, seq.rid, seq.epoch, 0, seq.promptLength);
+      seq.computed = seq.promptLength;
+      seq.state = "running";
+      this.#running.push(seq);
+      this.#counters.forkedSamples++;
+      this.#forkLogits.set(logits);
+      this.#sampleOne(seq, this.#forkLogits);
+    }
+  }
+
+  /** Draws `seq`'s next token from `logits` (its step's, changed in place by its controls); reports. */
+  #sampleOne(seq: Sequence, logits: Float32Array): void {
+    const r = seq.request;
+    if (r.logprobs !== undefined) keepRaw(seq, logits);
+    if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
+    const token = this.#sampler.sample(logits, r, seq.rng);
+    seq.tokens[seq.length++] = token;
+    seq.generated++;
+    this.#counters.completionTokens++;
+    seq.sampled[0] = token;
+    const lp = this.#logprobsOf(seq, token);
+    if (seq.promptEntries !== null && !seq.promptReported) {
+      seq.promptReported = true;
+      seq.events.onPromptLogprobs?.(seq.promptEntries);
+    }
+    if (seq.ownership === "prefill-only") {
+      this.#end(seq);
+      seq.events.onTokens(seq.sampled, lp);
+      seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: 1 });
+      return;
+    }
+    if (r.stopTokenIds.includes(token)) {
+      this.#finish(seq, "stop");
+      return;
+    }
+    const done = seq.generated >= r.maxTokens;
+    if (done) this.#end(seq);
+    seq.events.onTokens(seq.sampled, lp);
+    if (done)
+      seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
   }
 
   /** The sampled token's log-probabilities when the request asked (one entry, reused array), else undefined. */
@@ -912,8 +981,21 @@ export class Engine {
     if (seq.state === "done") return;
     if (seq.ownership === "local") this.pool.free(seq.blockTable, seq.rid, seq.epoch);
     else seq.blockTable.clear();
-    if (seq.state === "running") this.#removeRunning(seq);
+    if (seq.forkOf >= 0) {
+      const list = this.#forks.get(seq.forkOf);
+      if (list !== undefined) list.splice(list.indexOf(seq), 1);
+      seq.forkOf = -1;
+    } else if (seq.state === "running") this.#removeRunning(seq);
     else if (!this.#preempted.remove(seq)) this.#waiting.remove(seq);
+    // A first sample that ends before its prompt is computed: its samples compute their own.
+    const samples = this.#forks.get(seq.rid);
+    if (samples !== undefined) {
+      this.#forks.delete(seq.rid);
+      for (const s of samples) {
+        s.forkOf = -1;
+        this.#waiting.push(s);
+      }
+    }
     seq.state = "done";
     this.#byRid.delete(seq.rid);
   }

@@ -31,6 +31,13 @@ export interface GenerationRequest {
   readonly logprobs?: number | undefined;
   /** Report the prompt's log-probabilities (each token given the ones before) and this many top ones. */
   readonly promptLogprobs?: number | undefined;
+  /**
+   * One of a request's `n` samples other than the first (`index` ≥ 1; `of`: the first's rid, submitted
+   * before it). An engine that runs the first may fork its computed prompt for this one (copy its
+   * KV into this sample's own pages and draw this sample's first token from the same logits)
+   * instead of computing it again; otherwise it is an ordinary request.
+   */
+  readonly sample?: { readonly of: number; readonly index: number } | undefined;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */
@@ -69,6 +76,10 @@ export interface EngineStats {
     aborts: number;
     promptTokens: number;
     completionTokens: number;
+    /** Prompt tokens computed (one engine; absent elsewhere). */
+    prefillTokens?: number;
+    /** Samples of n > 1 forked from their first sample's prompt KV (one engine). */
+    forkedSamples?: number;
   };
 }
 

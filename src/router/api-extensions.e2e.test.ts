@@ -15,13 +15,18 @@ import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { assertPoolIdle, modelDir } from "../../testing/start-server.js";
+import { assertPoolIdle, modelDir, operatorGet } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 import { ModelTokenizer } from "../model/tokenizer.js";
 
 const MODEL = "tiny-qwen2";
 const KEY = "sk-sampling-controls-1";
 const EOS = 258; // <|im_end|>, one of tiny-qwen2's EOS ids
+
+/** Within 1e-4 (log-probabilities against the reference, or against themselves batched otherwise). */
+function close(got: number | null | undefined, want: number, what: string): void {
+  assert.ok(got != null && Math.abs(got - want) <= 1e-4, `${what}: ${got} vs ${want}`);
+}
 
 /** Extension fields the `openai` types do not know: sent as they are in the body. */
 type Extra = Record<string, unknown>;
@@ -237,9 +242,6 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
       });
     };
     const sortedDesc = (row: Float64Array): number[] => [...row].sort((a, b) => b - a);
-    const TOL = 1e-4;
-    const close = (got: number | null | undefined, want: number, what: string) =>
-      assert.ok(got != null && Math.abs(got - want) <= TOL, `${what}: ${got} vs ${want}`);
 
     type VllmEntry = Record<string, { logprob: number; rank: number; decoded_token: string }> | null;
     type Choice = OpenAI.CompletionChoice & { prompt_logprobs?: VllmEntry[] };
@@ -412,6 +414,97 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
         assert.match(err.message, /prompt\[1\] is token id 300, outside this model's vocabulary/);
         return true;
       });
+    });
+  });
+
+  describe("n > 1", () => {
+    /** A counter of the one-engine server's /metrics. */
+    async function counter(url: string, name: string): Promise<number> {
+      const text = await (await operatorGet(url, "/metrics")).text();
+      const line = text.split("\n").find((l) => l.startsWith(`${name} `));
+      return Number(line?.split(" ")[1] ?? Number.NaN);
+    }
+
+    test("completions: each choice its index, finish and seeded sampler (seed + index), usage over all", async () => {
+      const ask = { model: MODEL, prompt: "a", max_tokens: 8, temperature: 1, seed: 7 };
+      const alone = await Promise.all(
+        [0, 1, 2, 3].map((i) => servers[0]!.client.completions.create({ ...ask, seed: 7 + i })),
+      );
+      for (const { name, client, server } of servers) {
+        const res = await client.completions.create({ ...ask, n: 4 });
+        assert.deepEqual(
+          res.choices.map((c) => [c.index, c.text, c.finish_reason]),
+          alone.map((a, i) => [i, a.choices[0]!.text, a.choices[0]!.finish_reason]),
+          name,
+        );
+        assert.equal(res.usage!.prompt_tokens, alone[0]!.usage!.prompt_tokens);
+        assert.equal(
+          res.usage!.completion_tokens,
+          alone.reduce((sum, a) => sum + a.usage!.completion_tokens, 0),
+        );
+        await assertPoolIdle(server.url);
+      }
+    });
+
+    test("one engine: n=8 computes the prompt once and forks it into 8 samples", async () => {
+      const { client, server } = servers[0]!;
+      const prompt = "The KV cache of one request must never serve another request.";
+      const before = await counter(server.url, "kvfence_prefill_tokens_total");
+      const forkedBefore = await counter(server.url, "kvfence_forked_samples_total");
+      const res = await client.completions.create({
+        model: MODEL,
+        prompt,
+        max_tokens: 5,
+        temperature: 0.8,
+        n: 8,
+      });
+      assert.equal(res.choices.length, 8);
+      assert.equal(
+        (await counter(server.url, "kvfence_prefill_tokens_total")) - before,
+        res.usage!.prompt_tokens,
+      );
+      assert.equal((await counter(server.url, "kvfence_forked_samples_total")) - forkedBefore, 7);
+      await assertPoolIdle(server.url);
+    });
+
+    test("chat, streamed: chunks name their choice; each stream equals the whole answer", async () => {
+      const ask = {
+        model: MODEL,
+        messages: [{ role: "user" as const, content: "hello" }],
+        max_tokens: 6,
+        temperature: 1,
+        seed: 3,
+        n: 3,
+        logprobs: true,
+        top_logprobs: 2,
+      };
+      for (const { name, client, server } of servers) {
+        const whole = await client.chat.completions.create(ask);
+        const texts = ["", "", ""];
+        const finishes: (string | null)[] = [null, null, null];
+        const logprobs: number[][] = [[], [], []];
+        const chunks: OpenAI.ChatCompletionChunk.Choice[] = [];
+        for await (const chunk of await client.chat.completions.create({ ...ask, stream: true })) {
+          chunks.push(...chunk.choices);
+        }
+        for (const c of chunks) {
+          texts[c.index] += c.delta.content ?? "";
+          if (c.finish_reason !== null) finishes[c.index] = c.finish_reason;
+          logprobs[c.index]!.push(...(c.logprobs?.content ?? []).map((item) => item.logprob));
+        }
+        assert.deepEqual(
+          whole.choices.map((c) => [c.index, c.message.content, c.finish_reason]),
+          texts.map((t, i) => [i, t, finishes[i]]),
+          name,
+        );
+        // The same values, but for float rounding: the two runs batch their steps differently.
+        whole.choices.forEach((c, i) => {
+          const got = c.logprobs!.content!.map((item) => item.logprob);
+          assert.equal(got.length, logprobs[i]!.length);
+          for (const [j, v] of got.entries()) close(v, logprobs[i]![j]!, `${name}, choice ${i}, token ${j}`);
+        });
+        await assertPoolIdle(server.url);
+      }
     });
   });
 });

@@ -50,7 +50,9 @@ test("parseChatRequest() reports the path of a wrong type", () => {
 });
 
 test("parseChatRequest() refuses n > 1, negative or fractional max_tokens, and a non-object body", () => {
-  assert.equal(refusal(() => parseChatRequest({ ...chat, n: 2 })).param, "n");
+  assert.equal(refusal(() => parseChatRequest({ ...chat, n: 65 })).param, "n");
+  assert.equal(refusal(() => parseChatRequest({ ...chat, n: 0 })).param, "n");
+  assert.equal(parseChatRequest({ ...chat, n: 64 }).n, 64);
   assert.equal(refusal(() => parseChatRequest({ ...chat, max_tokens: -1 })).param, "max_tokens");
   assert.equal(refusal(() => parseChatRequest({ ...chat, max_tokens: 1.5 })).param, "max_tokens");
   assert.equal(refusal(() => parseChatRequest({ ...chat, temperature: "hot" })).param, "temperature");
@@ -59,9 +61,9 @@ test("parseChatRequest() refuses n > 1, negative or fractional max_tokens, and a
   assert.equal(refusal(() => parseChatRequest({ ...chat, stop: ["a", "b", "c", "d", "e"] })).param, "stop");
 });
 
-test("parseCompletionRequest() accepts a one-element prompt list and refuses echo", () => {
+test("parseCompletionRequest() accepts a one-element prompt list and echo", () => {
   assert.equal(parseCompletionRequest({ model: "m", prompt: ["x"] }).prompt, "x");
-  assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: "x", echo: true })).param, "echo");
+  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", echo: true }).echoPrompt, "x");
   assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: ["x", "y"] })).param, "prompt");
 });
 
@@ -75,7 +77,7 @@ test("fields that would change the answer and are not implemented are refused, n
     [{ function_call: { name: "f" } }, "function_call", /not supported/],
     [{ response_format: { type: "json_object" } }, "response_format", /"json_object" is not supported/],
     [{ response_format: { type: "json_schema" } }, "response_format", /constrained decoding/],
-    [{ logprobs: false, top_logprobs: 2 }, "top_logprobs", /not supported/],
+    [{ logprobs: false, top_logprobs: 2 }, "top_logprobs", /needs logprobs/],
   ];
   for (const [extra, param, message] of cases) {
     const err = refusal(() => parseChatRequest({ ...chat, ...extra }));
@@ -160,10 +162,11 @@ test("the sampling controls become the request's logit controls and router optio
 });
 
 test("prompt and content forms we do not serve are named in the error", () => {
-  for (const prompt of [[1, 2, 3], [[1, 2]], ["x", "y"]]) {
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: [1, 2, 3] }).prompt, [1, 2, 3]);
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: [[1, 2]] }).prompt, [1, 2]);
+  for (const prompt of [["x", "y"], [[1], [2]], [1, "x"], [-1]]) {
     const err = refusal(() => parseCompletionRequest({ model: "m", prompt }));
-    assert.equal(err.param, "prompt");
-    assert.match(err.message, /token-id prompts are not supported/);
+    assert.equal(err.param?.split("[")[0], "prompt", JSON.stringify(prompt));
   }
   const image = [{ type: "image_url", image_url: { url: "http://127.0.0.1/a.png" } }];
   const err = refusal(() => parseChatRequest({ ...chat, messages: [{ role: "user", content: image }] }));

@@ -44,6 +44,9 @@ const maxTokens = z.number().int().positive().nullable().optional();
 
 const streamOptions = z.object({ include_usage: z.boolean().optional() }).nullable().optional();
 
+/** The most choices (`n`) one request may ask for. */
+export const MAX_N = 64;
+
 const samplingFields = {
   model: z.string().min(1),
   stream: z.boolean().nullable().optional(),
@@ -55,7 +58,7 @@ const samplingFields = {
   top_k: z.number().int().min(-1).nullable().optional(),
   seed: z.number().int().nullable().optional(),
   stop,
-  n: z.number().int().nullable().optional(),
+  n: z.number().int().min(1).max(MAX_N).nullable().optional(),
   user: z.string().optional(),
   frequency_penalty: z.number().min(-2).max(2).nullable().optional(),
   presence_penalty: z.number().min(-2).max(2).nullable().optional(),
@@ -128,6 +131,8 @@ export interface SamplingRequest {
   readonly topK: number | null;
   readonly seed: number | null;
   readonly stop: readonly string[];
+  /** Choices to generate (`n`). */
+  readonly n: number;
   /** Applied where the token is sampled; absent when every control is neutral. */
   readonly controls?: LogitControls | undefined;
   /** EOS does not end the request (`ignore_eos`). */
@@ -241,9 +246,6 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
       );
     }
   }
-  if (req.n !== undefined && req.n !== null && req.n !== 1) {
-    refuse("n", `Only n=1 is supported: got n=${req.n}; send separate requests instead`);
-  }
   const maxTokens =
     "max_completion_tokens" in req ? (req.max_completion_tokens ?? req.max_tokens) : req.max_tokens;
   if (req.min_tokens != null && maxTokens != null && req.min_tokens > maxTokens) {
@@ -296,6 +298,7 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
   const controls = logitControls(req);
   return {
     ...(controls === undefined ? {} : { controls }),
+    n: req.n ?? 1,
     ignoreEos: req.ignore_eos === true,
     stopTokenIds: req.stop_token_ids ?? [],
     minTokens: req.min_tokens ?? 0,

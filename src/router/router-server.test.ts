@@ -221,8 +221,8 @@ describe("RouterServer with a scripted engine", () => {
     ["an empty body", "", 400, "invalid_json", null],
     ["a wrong type", { model: MODEL, messages: "hi" }, 400, "invalid_request", "messages"],
     [
-      "n > 1",
-      { model: MODEL, messages: [{ role: "user", content: "hi" }], n: 3 },
+      "n above 64",
+      { model: MODEL, messages: [{ role: "user", content: "hi" }], n: 65 },
       400,
       "invalid_request",
       "n",

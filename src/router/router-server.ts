@@ -478,11 +478,9 @@ export class RouterServer {
       this.metrics.clientDisconnects.inc({ endpoint: kind.endpoint });
       return;
     }
-    const rid = this.#nextRid;
-    this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
     const defaults = this.#model.defaults ?? {};
-    const request: GenerationRequest = {
-      rid,
+    const first = this.#nextRid;
+    const base: Omit<GenerationRequest, "rid"> = {
       tenant: ctx.tenant!.index,
       promptTokens,
       maxTokens: admission.maxTokens,
@@ -496,19 +494,38 @@ export class RouterServer {
       ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
       ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
     };
-    this.#serve(ctx, kind, parsed, request);
+    // n samples: sample 0 computes the prompt, the others fork its KV (one engine) — each its own
+    // request id and, with a seed, seed + its index (as vLLM).
+    const requests = Array.from({ length: parsed.n }, (_, index): GenerationRequest => {
+      const rid = this.#nextRid;
+      this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
+      if (index === 0) return { ...base, rid };
+      return {
+        ...base,
+        rid,
+        seed: parsed.seed === null ? null : parsed.seed + index,
+        sample: { of: first, index },
+        // The prompt's log-probabilities are computed once, by sample 0.
+        promptLogprobs: undefined,
+      };
+    });
+    this.#serve(ctx, kind, parsed, requests);
   }
 
-  /** Runs an admitted request's generation and answers it, streamed or whole. */
+  /**
+   * Runs an admitted request's generations — one per choice (`n`), sample 0 first — and answers
+   * them, streamed (each chunk names its choice's index) or whole (every choice, usage summed over
+   * them). One choice failing fails the response and stops the others. With echo, a streamed
+   * choice opens with the prompt (and its log-probabilities when asked).
+   */
   #serve(
     ctx: RequestContext,
     kind: GenerateEndpoint,
     parsed: SamplingRequest,
-    request: GenerationRequest,
+    requests: readonly GenerationRequest[],
   ): void {
     const { res } = ctx;
     const { endpoint, responses } = kind;
-    const tenant = ctx.tenant!;
     const labels = { endpoint };
     const meta: ResponseMeta = {
       id: completionId(responses.idKind),
@@ -516,84 +533,95 @@ export class RouterServer {
       model: this.#model.id,
     };
     const includeUsage = parsed.includeUsage;
+    const piece = (id: number) => this.#tokenizer.tokenPiece(id);
     let lastTokenAt = 0;
     let sse: SseWriter | null = null;
-    let text = "";
-    const logprobs = new LogprobsCollector(
+    let ended = false;
+    const choices = requests.map((request, index) => ({
       request,
-      parsed,
-      (id) => this.#tokenizer.tokenPiece(id),
-      responses,
-    );
+      index,
+      text: "",
+      opened: false,
+      logprobs: new LogprobsCollector(request, parsed, piece, responses),
+      result: null as { reason: FinishReason; usage: Usage; stopReason: StopReason } | null,
+    }));
+    type Choice = (typeof choices)[number];
+    const generations: Generation[] = [];
 
-    const startStream = (): SseWriter => {
-      if (sse !== null) return sse;
-      sse = new SseWriter(res);
-      const opening = responses.opening(meta, includeUsage);
-      if (opening !== null) sse.send(opening);
-      // Echo: the prompt goes first, with its log-probabilities when asked.
-      if (parsed.echoPrompt !== null)
-        sse.send(responses.delta(meta, parsed.echoPrompt, includeUsage, logprobs.echoed()));
+    const stream = (choice: Choice): SseWriter => {
+      sse ??= new SseWriter(res);
+      if (!choice.opened) {
+        choice.opened = true;
+        const opening = responses.opening(meta, includeUsage);
+        if (opening !== null) sse.send(withIndex(opening, choice.index));
+        if (parsed.echoPrompt !== null) {
+          const delta = responses.delta(meta, parsed.echoPrompt, includeUsage, choice.logprobs.echoed());
+          sse.send(withIndex(delta, choice.index));
+        }
+      }
       return sse;
     };
     const end = (status: number, usage: Usage | null) => {
-      this.#active.delete(generation);
+      if (ended) return;
+      ended = true;
+      for (const generation of generations) this.#active.delete(generation);
       this.metrics.inFlight.set(this.#active.size);
       this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
-      if (usage !== null) {
-        const label = this.#tenantLabel(tenant.name);
-        this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
-        this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
+      this.#logDone(requests[0]!, ctx.tenant!, endpoint, status, usage);
+    };
+    const finished = () => {
+      const usage: Usage = {
+        promptTokens: choices[0]!.result!.usage.promptTokens,
+        completionTokens: choices.reduce((sum, c) => sum + c.result!.usage.completionTokens, 0),
+      };
+      end(200, usage);
+      if (!parsed.stream) {
+        const whole = choices.map((c) =>
+          responses.completion(
+            meta,
+            (parsed.echoPrompt ?? "") + c.text,
+            c.result!.reason,
+            usage,
+            c.result!.stopReason,
+            c.logprobs.all(),
+          ),
+        );
+        this.#sendJson(res, 200, mergeChoices(whole));
+        return;
       }
-      this.#logDone(request, tenant, endpoint, status, usage);
+      const writer = sse!;
+      if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
+      writer.done();
     };
 
-    const sink: GenerationSink = {
+    const sinkOf = (choice: Choice): GenerationSink => ({
       tokens: (count) => {
-        const now = performance.now();
-        if (lastTokenAt === 0) {
-          this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
-        } else {
-          const perToken = (now - lastTokenAt) / 1000 / count;
-          for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
-        }
-        lastTokenAt = now;
-        if (parsed.stream) startStream();
+        lastTokenAt = this.#observeTokens(ctx, labels, count, lastTokenAt);
+        if (parsed.stream) stream(choice);
       },
-      logprobs: (entry) => logprobs.push(entry),
-      promptLogprobs: (entries) => logprobs.prompt(entries),
+      logprobs: (entry) => choice.logprobs.push(entry),
+      promptLogprobs: (entries) => choice.logprobs.prompt(entries),
       text: (delta) => {
-        if (parsed.stream) {
-          const writer = startStream();
-          writer.send(responses.delta(meta, delta, includeUsage, logprobs.take()));
-        } else text += delta;
-      },
-      finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
-        end(200, usage);
         if (!parsed.stream) {
-          const whole = (parsed.echoPrompt ?? "") + text;
-          this.#sendJson(
-            res,
-            200,
-            responses.completion(meta, whole, reason, usage, stopReason, logprobs.all()),
-          );
+          choice.text += delta;
           return;
         }
-        const writer = startStream();
-        writer.send(responses.finish(meta, reason, includeUsage, stopReason, logprobs.take()));
-        if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
-        writer.done();
+        const chunk = responses.delta(meta, delta, includeUsage, choice.logprobs.take());
+        stream(choice).send(withIndex(chunk, choice.index));
+      },
+      finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
+        if (ended) return;
+        choice.result = { reason, usage, stopReason };
+        if (parsed.stream) {
+          const chunk = responses.finish(meta, reason, includeUsage, stopReason, choice.logprobs.take());
+          stream(choice).send(withIndex(chunk, choice.index));
+        }
+        if (choices.every((c) => c.result !== null)) finished();
       },
       fail: (internal) => {
-        // What the engine and the nodes say names request ids, pages and nodes: the log gets it,
-        // the client the table's public message.
-        const error = publicError(internal);
-        if (error !== internal) {
-          this.#log.warn(
-            { rid: request.rid, code: internal.code, message: internal.message },
-            "request failed in the engine",
-          );
-        }
+        if (ended) return;
+        for (const generation of generations) generation.abort();
+        const error = this.#publicEngineError(choice.request.rid, internal);
         const { status, body } = toOpenAiError(error);
         end(status, null);
         if (error.code === "context_length_exceeded")
@@ -604,10 +632,40 @@ export class RouterServer {
         }
         // Headers are out: report the error in the stream, as OpenAI does, then end it.
         if (!res.writableEnded) res.write(sseFrame(body));
-        sse.done();
+        (sse as SseWriter).done();
       },
-    };
-    const generation = new Generation(
+    });
+    for (const choice of choices) generations.push(this.#generation(choice.request, parsed, sinkOf(choice)));
+    for (const generation of generations) this.#active.add(generation);
+    this.metrics.inFlight.set(this.#active.size);
+    res.on("close", () => {
+      if (ended) return;
+      for (const generation of generations) generation.abort();
+      this.metrics.clientDisconnects.inc(labels);
+      end(499, null);
+    });
+    for (const generation of generations) generation.start();
+  }
+
+  /** Time to first token, or between tokens, of `count` new ones; returns now. */
+  #observeTokens(
+    ctx: RequestContext,
+    labels: { endpoint: Endpoint },
+    count: number,
+    lastTokenAt: number,
+  ): number {
+    const now = performance.now();
+    if (lastTokenAt === 0) {
+      this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
+    } else {
+      const perToken = (now - lastTokenAt) / 1000 / count;
+      for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
+    }
+    return now;
+  }
+
+  #generation(request: GenerationRequest, parsed: SamplingRequest, sink: GenerationSink): Generation {
+    return new Generation(
       this.#engine,
       request,
       {
@@ -620,15 +678,18 @@ export class RouterServer {
       },
       sink,
     );
-    this.#active.add(generation);
-    this.metrics.inFlight.set(this.#active.size);
-    res.on("close", () => {
-      if (generation.done) return;
-      generation.abort();
-      this.metrics.clientDisconnects.inc(labels);
-      end(499, null);
-    });
-    generation.start();
+  }
+
+  /**
+   * What the engine and the nodes say names request ids, pages and nodes: the log gets it, the
+   * client the table's public message.
+   */
+  #publicEngineError(rid: number, internal: KvfenceError): KvfenceError {
+    const error = publicError(internal);
+    if (error !== internal) {
+      this.#log.warn({ rid, code: internal.code, message: internal.message }, "request failed in the engine");
+    }
+    return error;
   }
 
   #logDone(
@@ -638,6 +699,11 @@ export class RouterServer {
     status: number,
     usage: Usage | null,
   ): void {
+    if (usage !== null) {
+      const label = this.#tenantLabel(tenant.name);
+      this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
+      this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
+    }
     this.#log.info(
       {
         rid: request.rid,
@@ -737,6 +803,20 @@ export class RouterServer {
     };
     this.#sendJson(ctx.res, 200, body);
   }
+}
+
+/** A chunk of one choice: the strategies build choice 0's; `n` > 1 names each. */
+function withIndex(chunk: Record<string, unknown>, index: number): Record<string, unknown> {
+  if (index !== 0) (chunk.choices as { index: number }[])[0]!.index = index;
+  return chunk;
+}
+
+/** The whole answer of several choices: the first one's object with every choice, each its index. */
+function mergeChoices(answers: readonly object[]): object {
+  const first = answers[0] as { choices: { index: number }[] };
+  if (answers.length === 1) return first;
+  const choices = answers.map((a, index) => ({ ...(a as typeof first).choices[0]!, index }));
+  return { ...first, choices };
 }
 
 /**

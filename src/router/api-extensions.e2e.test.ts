@@ -507,4 +507,45 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
       }
     });
   });
+
+  test("completions: several prompts (text or token ids), each its n choices, in order; echo per prompt", async () => {
+    const texts = ["a", "The sea"];
+    const ids = texts.map((t) => Array.from(tokenizer.encode(t)));
+    for (const { name, client, server } of servers) {
+      const one = await Promise.all(
+        texts.flatMap((prompt) =>
+          [0, 1].map((j) =>
+            client.completions.create({ model: MODEL, prompt, max_tokens: 5, temperature: 1, seed: 9 + j }),
+          ),
+        ),
+      );
+      for (const prompt of [texts, ids]) {
+        const res = await client.completions.create({
+          model: MODEL,
+          prompt,
+          max_tokens: 5,
+          temperature: 1,
+          seed: 9,
+          n: 2,
+          echo: true,
+        });
+        assert.deepEqual(
+          res.choices.map((c) => [c.index, c.text]),
+          one.map((o, i) => [i, texts[i >> 1]! + o.choices[0]!.text]),
+          name,
+        );
+        assert.equal(res.usage!.prompt_tokens, one[0]!.usage!.prompt_tokens + one[2]!.usage!.prompt_tokens);
+      }
+      await assert.rejects(
+        client.completions.create({ model: MODEL, prompt: [[1], [300]], max_tokens: 2 }),
+        /prompt\[1\]\[0\] is token id 300/,
+      );
+      await assert.rejects(
+        client.completions.create({ model: MODEL, prompt: ["a", "b", "c"], max_tokens: 2, n: 22 }),
+        (err: unknown) =>
+          err instanceof OpenAI.BadRequestError && (err.error as { param?: string }).param === "n",
+      );
+      await assertPoolIdle(server.url);
+    }
+  });
 });

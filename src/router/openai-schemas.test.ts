@@ -61,10 +61,14 @@ test("parseChatRequest() refuses n > 1, negative or fractional max_tokens, and a
   assert.equal(refusal(() => parseChatRequest({ ...chat, stop: ["a", "b", "c", "d", "e"] })).param, "stop");
 });
 
-test("parseCompletionRequest() accepts a one-element prompt list and echo", () => {
-  assert.equal(parseCompletionRequest({ model: "m", prompt: ["x"] }).prompt, "x");
-  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", echo: true }).echoPrompt, "x");
-  assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: ["x", "y"] })).param, "prompt");
+test("parseCompletionRequest() takes prompt lists and echo; prompts × n is bounded", () => {
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: ["x"] }).prompts, ["x"]);
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: ["x", "y"], echo: true }).echoPrompts, [
+    "x",
+    "y",
+  ]);
+  assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: ["x", "y"], n: 33 })).param, "n");
+  assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: [] })).param, "prompt");
 });
 
 test("fields that would change the answer and are not implemented are refused, naming the field", () => {
@@ -95,7 +99,7 @@ test("fields that would change the answer and are not implemented are refused, n
   assert.deepEqual(parseChatRequest({ ...chat, ...harmless }).messages, [{ role: "user", content: "hi" }]);
   const suffix = refusal(() => parseCompletionRequest({ model: "m", prompt: "x", suffix: "y" }));
   assert.equal(suffix.param, "suffix");
-  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", suffix: "" }).prompt, "x");
+  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", suffix: "" }).prompts[0], "x");
 });
 
 test("the sampling controls become the request's logit controls and router options", () => {
@@ -162,9 +166,9 @@ test("the sampling controls become the request's logit controls and router optio
 });
 
 test("prompt and content forms we do not serve are named in the error", () => {
-  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: [1, 2, 3] }).prompt, [1, 2, 3]);
-  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: [[1, 2]] }).prompt, [1, 2]);
-  for (const prompt of [["x", "y"], [[1], [2]], [1, "x"], [-1]]) {
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: [1, 2, 3] }).prompts[0], [1, 2, 3]);
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: [[1, 2], [3]] }).prompts, [[1, 2], [3]]);
+  for (const prompt of [[[1], "x"], [[]], [1, "x"], [-1], [1.5]]) {
     const err = refusal(() => parseCompletionRequest({ model: "m", prompt }));
     assert.equal(err.param?.split("[")[0], "prompt", JSON.stringify(prompt));
   }
@@ -193,9 +197,9 @@ test("other extensions of vLLM and SGLang are refused unless neutral; unknown fi
     stop_token_ids: [],
     skip_special_tokens: true,
   };
-  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", ...neutral }).prompt, "x");
+  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", ...neutral }).prompts[0], "x");
   assert.equal(
-    parseCompletionRequest({ model: "m", prompt: "x", store: false, metadata: { a: "b" } }).prompt,
+    parseCompletionRequest({ model: "m", prompt: "x", store: false, metadata: { a: "b" } }).prompts[0],
     "x",
   );
 });

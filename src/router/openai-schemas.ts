@@ -99,10 +99,12 @@ const tokenIds = z.array(z.number().int().min(0)).min(1);
 
 export const completionRequestSchema = z.object({
   ...samplingFields,
-  prompt: z.union([z.string(), z.array(z.string()).length(1), tokenIds, z.array(tokenIds).length(1)], {
-    error:
-      "expected a string, a list of token ids, or a list of one of them; lists of several prompts are not supported yet (send one request per prompt)",
-  }),
+  prompt: z.union(
+    [z.string(), z.array(z.string()).min(1).max(MAX_N), tokenIds, z.array(tokenIds).min(1).max(MAX_N)],
+    {
+      error: `expected a string, a list of token ids, or a list of up to ${MAX_N} of either (one choice per prompt)`,
+    },
+  ),
   suffix: z.string().nullable().optional(),
   /** OpenAI allows 0 to 5; vLLM, as here, up to 20. */
   logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
@@ -149,8 +151,11 @@ export interface SamplingRequest {
   readonly promptLogprobs: number | null;
   /** vLLM's `prompt_logprobs` (rendered as vLLM does, beside echo's), or null. */
   readonly vllmPromptLogprobs: number | null;
-  /** Completions' `echo`: the prompt's text, which goes before the completion (and its logprobs); else null. */
-  readonly echoPrompt: string | null;
+  /**
+   * Completions' `echo`: each prompt's text, which goes before its choices' completions (and their
+   * logprobs); else null.
+   */
+  readonly echoPrompts: readonly string[] | null;
 }
 
 export interface ParsedChatRequest extends SamplingRequest {
@@ -158,8 +163,8 @@ export interface ParsedChatRequest extends SamplingRequest {
 }
 
 export interface ParsedCompletionRequest extends SamplingRequest {
-  /** The prompt's text, or its token ids. */
-  readonly prompt: string | readonly number[];
+  /** Each prompt's text, or its token ids (one or more prompts, each its `n` choices). */
+  readonly prompts: readonly (string | readonly number[])[];
 }
 
 function pathOf(path: readonly PropertyKey[]): string {
@@ -307,7 +312,7 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
     logprobs: null,
     promptLogprobs: req.prompt_logprobs ?? null,
     vllmPromptLogprobs: req.prompt_logprobs ?? null,
-    echoPrompt: null,
+    echoPrompts: null,
     model: req.model,
     stream: req.stream === true,
     includeUsage: req.stream_options?.include_usage === true,
@@ -374,8 +379,17 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   if (req.best_of != null && req.best_of !== 1)
     refuse("best_of", `Only best_of=1 is supported: got ${req.best_of}`);
   if (req.suffix) refuse("suffix", "suffix (insertion) is not supported: leave it unset or empty");
-  const first = typeof req.prompt === "string" ? req.prompt : req.prompt[0]!;
-  const prompt: string | readonly number[] = typeof first === "number" ? (req.prompt as number[]) : first;
+  const p = req.prompt;
+  const prompts: (string | readonly number[])[] =
+    typeof p === "string" || typeof p[0] === "number"
+      ? [p as string | number[]]
+      : (p as (string | number[])[]);
+  if (prompts.length * (req.n ?? 1) > MAX_N) {
+    refuse(
+      "n",
+      `${prompts.length} prompts × n=${req.n ?? 1} choices is over ${MAX_N}: send fewer prompts or a smaller n`,
+    );
+  }
   const base = sampling(req, req.max_tokens ?? null);
   const echo = req.echo === true;
   const logprobs = req.logprobs ?? null;
@@ -383,10 +397,10 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
     ...base,
     logprobs,
     // Token-id prompts: their text comes from the tokenizer (prepare-request.ts).
-    echoPrompt: echo ? (typeof prompt === "string" ? prompt : "") : null,
+    echoPrompts: echo ? prompts.map((q) => (typeof q === "string" ? q : "")) : null,
     // Echo with logprobs reports the prompt's tokens too; vLLM's prompt_logprobs asks for its own k.
     promptLogprobs:
       echo && logprobs !== null ? Math.max(logprobs, base.promptLogprobs ?? 0) : base.promptLogprobs,
-    prompt,
+    prompts,
   };
 }

@@ -56,7 +56,7 @@ export type FromPrepareWorker =
       readonly id: number;
       readonly ok: true;
       readonly parsed: SamplingRequest;
-      readonly promptTokens: Int32Array;
+      readonly prompts: readonly Int32Array[];
     }
   /** `error` null: not a KvfenceError (a bug); `detail` is for the log only. */
   | { readonly id: number; readonly ok: false; readonly error: WireError | null; readonly detail?: string };
@@ -194,7 +194,7 @@ export class PreparePool implements RequestPreparer {
     const job = slot.job;
     slot.job = null;
     if (job !== null && job.id === message.id) {
-      if (message.ok) job.resolve({ parsed: message.parsed, promptTokens: message.promptTokens });
+      if (message.ok) job.resolve({ parsed: message.parsed, prompts: message.prompts });
       else if (message.error !== null) job.reject(KvfenceError.fromWire(message.error));
       else {
         this.#onWorkerError(message.detail ?? "unknown");

@@ -35,10 +35,10 @@ export interface PromptTokenizer {
 
 export type GenerateEndpointName = "chat" | "completions";
 
-/** A generation request ready for admission. */
+/** A generation request ready for admission: its prompts (a chat has one), each its `n` choices. */
 export interface PreparedRequest {
   readonly parsed: SamplingRequest;
-  readonly promptTokens: Int32Array;
+  readonly prompts: readonly Int32Array[];
 }
 
 /** What the preparation of a body needs besides the body. */
@@ -60,9 +60,10 @@ interface PromptKind {
   parse(body: unknown): {
     readonly parsed: SamplingRequest;
     promptBytes(): number;
-    encode(tokenizer: PromptTokenizer): Int32Array;
-    /** Echo's text when it is not the prompt as sent (token ids); absent: it is. */
-    echoText?(tokenizer: PromptTokenizer, tokens: Int32Array): string;
+    /** Each prompt's ids (a chat has one). */
+    encode(tokenizer: PromptTokenizer): Int32Array[];
+    /** Echo's text of each prompt (token ids: from the tokenizer); absent: no echo. */
+    echoTexts?(tokenizer: PromptTokenizer, tokens: readonly Int32Array[]): string[];
   };
 }
 
@@ -76,7 +77,7 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
       return {
         parsed,
         promptBytes: () => parsed.messages.reduce((sum, m) => sum + Buffer.byteLength(m.content), 0),
-        encode: (tokenizer) => tokenizer.encodeChat(parsed.messages),
+        encode: (tokenizer) => [tokenizer.encodeChat(parsed.messages)],
       };
     },
   },
@@ -86,29 +87,17 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
     precheck: () => {},
     parse(body) {
       const parsed = parseCompletionRequest(body);
-      const { prompt } = parsed;
-      if (typeof prompt === "string") {
-        return {
-          parsed,
-          promptBytes: () => Buffer.byteLength(prompt),
-          encode: (tokenizer) => tokenizer.encodePrompt(prompt),
-        };
-      }
+      const { prompts } = parsed;
       return {
         parsed,
-        promptBytes: () => 0,
-        encode: (tokenizer) => {
-          const bad = prompt.findIndex((id) => id >= tokenizer.vocabSize);
-          if (bad >= 0) {
-            throw new KvfenceError(
-              "invalid_request",
-              `prompt[${bad}] is token id ${prompt[bad]}, outside this model's vocabulary of ${tokenizer.vocabSize} ids (0 to ${tokenizer.vocabSize - 1})`,
-              { param: "prompt" },
-            );
-          }
-          return Int32Array.from(prompt);
-        },
-        echoText: (tokenizer, tokens) => tokenizer.decode(tokens),
+        promptBytes: () =>
+          prompts.reduce((sum: number, q) => sum + (typeof q === "string" ? Buffer.byteLength(q) : 0), 0),
+        encode: (tokenizer) =>
+          prompts.map((q, i) =>
+            typeof q === "string" ? tokenizer.encodePrompt(q) : checkedIds(q, i, prompts.length, tokenizer),
+          ),
+        echoTexts: (tokenizer, tokens) =>
+          prompts.map((q, i) => (typeof q === "string" ? q : tokenizer.decode(tokens[i]!))),
       };
     },
   },
@@ -123,6 +112,25 @@ export function checkModel(model: string, served: string): void {
       { param: "model" },
     );
   }
+}
+
+/** A token-id prompt, each id inside the vocabulary (else `invalid_request` naming its place). */
+function checkedIds(
+  ids: readonly number[],
+  index: number,
+  count: number,
+  tokenizer: PromptTokenizer,
+): Int32Array {
+  const bad = ids.findIndex((id) => id >= tokenizer.vocabSize);
+  if (bad >= 0) {
+    const where = count === 1 ? `prompt[${bad}]` : `prompt[${index}][${bad}]`;
+    throw new KvfenceError(
+      "invalid_request",
+      `${where} is token id ${ids[bad]}, outside this model's vocabulary of ${tokenizer.vocabSize} ids (0 to ${tokenizer.vocabSize - 1})`,
+      { param: "prompt" },
+    );
+  }
+  return Int32Array.from(ids);
 }
 
 /** Refuses token ids (logit_bias, stop_token_ids) outside the vocabulary, naming the field. */
@@ -151,16 +159,16 @@ export function prepareRequest(
   checkJsonDepth(body, context.limits.maxJsonDepth);
   const json = parseJsonBody(body);
   kind.precheck(json, context.limits);
-  const { parsed, promptBytes, encode, echoText } = kind.parse(json);
+  const { parsed, promptBytes, encode, echoTexts } = kind.parse(json);
   checkModel(parsed.model, context.modelId);
   checkTokenIds(parsed, context.tokenizer.vocabSize);
   checkPromptBytes(promptBytes(), context.limits.maxPromptBytes, kind.param);
-  const promptTokens = encode(context.tokenizer);
-  if (promptTokens.length === 0) {
+  const prompts = encode(context.tokenizer);
+  if (prompts.some((tokens) => tokens.length === 0)) {
     throw new KvfenceError("invalid_request", kind.emptyPrompt, { param: kind.param });
   }
-  if (parsed.echoPrompt !== null && echoText !== undefined) {
-    return { parsed: { ...parsed, echoPrompt: echoText(context.tokenizer, promptTokens) }, promptTokens };
+  if (parsed.echoPrompts !== null && echoTexts !== undefined) {
+    return { parsed: { ...parsed, echoPrompts: echoTexts(context.tokenizer, prompts) }, prompts };
   }
-  return { parsed, promptTokens };
+  return { parsed, prompts };
 }

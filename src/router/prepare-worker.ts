@@ -31,9 +31,12 @@ const context = {
 port.on("message", (job: ToPrepareWorker) => {
   let reply: FromPrepareWorker;
   try {
-    const { parsed, promptTokens } = prepareRequest(job.endpoint, job.body, context);
-    reply = { id: job.id, ok: true, parsed, promptTokens };
-    port.postMessage(reply, [promptTokens.buffer as ArrayBuffer]);
+    const { parsed, prompts } = prepareRequest(job.endpoint, job.body, context);
+    reply = { id: job.id, ok: true, parsed, prompts };
+    port.postMessage(
+      reply,
+      prompts.map((tokens) => tokens.buffer as ArrayBuffer),
+    );
     return;
   } catch (err) {
     reply =

@@ -467,23 +467,23 @@ export class RouterServer {
   async #generate(ctx: RequestContext, kind: GenerateEndpoint): Promise<void> {
     checkJsonContentType(ctx.req.headers["content-type"]);
     const body = await readBody(ctx.req, this.#maxBodyBytes);
-    const { parsed, promptTokens } = await this.#preparer.prepare(kind.endpoint, body);
-    const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, kind.param);
-    if (!admission.ok) {
-      this.metrics.admissionRejections.inc({ reason: admission.reason });
-      throw admission.error;
-    }
+    const { parsed, prompts } = await this.#preparer.prepare(kind.endpoint, body);
+    const admitted = prompts.map((tokens) => {
+      const admission = admit(tokens.length, parsed.maxTokens, this.contextLength, kind.param);
+      if (!admission.ok) {
+        this.metrics.admissionRejections.inc({ reason: admission.reason });
+        throw admission.error;
+      }
+      return { tokens, maxTokens: admission.maxTokens };
+    });
     if (ctx.res.destroyed) {
       // The client left while its body was read: nothing to serve, nothing to allocate.
       this.metrics.clientDisconnects.inc({ endpoint: kind.endpoint });
       return;
     }
     const defaults = this.#model.defaults ?? {};
-    const first = this.#nextRid;
-    const base: Omit<GenerationRequest, "rid"> = {
+    const base: Omit<GenerationRequest, "rid" | "promptTokens" | "maxTokens"> = {
       tenant: ctx.tenant!.index,
-      promptTokens,
-      maxTokens: admission.maxTokens,
       temperature: parsed.temperature ?? defaults.temperature ?? 1,
       topP: parsed.topP ?? defaults.topP ?? 1,
       topK: parsed.topK === null ? (defaults.topK ?? 0) : Math.max(0, parsed.topK),
@@ -494,22 +494,32 @@ export class RouterServer {
       ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
       ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
     };
-    // n samples: sample 0 computes the prompt, the others fork its KV (one engine) — each its own
-    // request id and, with a seed, seed + its index (as vLLM).
-    const requests = Array.from({ length: parsed.n }, (_, index): GenerationRequest => {
-      const rid = this.#nextRid;
-      this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
-      if (index === 0) return { ...base, rid };
-      return {
-        ...base,
-        rid,
-        seed: parsed.seed === null ? null : parsed.seed + index,
-        sample: { of: first, index },
-        // The prompt's log-probabilities are computed once, by sample 0.
-        promptLogprobs: undefined,
-      };
+    // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
+    // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).
+    const planned: PlannedChoice[] = [];
+    admitted.forEach(({ tokens, maxTokens }, p) => {
+      const first = this.#nextRid;
+      for (let j = 0; j < parsed.n; j++) {
+        const rid = this.#nextRid;
+        this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
+        const own = { ...base, rid, promptTokens: tokens, maxTokens };
+        planned.push({
+          request:
+            j === 0
+              ? own
+              : {
+                  ...own,
+                  seed: parsed.seed === null ? null : parsed.seed + j,
+                  sample: { of: first, index: j },
+                  // The prompt's log-probabilities are computed once, by sample 0.
+                  promptLogprobs: undefined,
+                },
+          echo: parsed.echoPrompts?.[p] ?? null,
+          firstOfPrompt: j === 0,
+        });
+      }
     });
-    this.#serve(ctx, kind, parsed, requests);
+    this.#serve(ctx, kind, parsed, planned);
   }
 
   /**
@@ -522,7 +532,7 @@ export class RouterServer {
     ctx: RequestContext,
     kind: GenerateEndpoint,
     parsed: SamplingRequest,
-    requests: readonly GenerationRequest[],
+    planned: readonly PlannedChoice[],
   ): void {
     const { res } = ctx;
     const { endpoint, responses } = kind;
@@ -537,12 +547,14 @@ export class RouterServer {
     let lastTokenAt = 0;
     let sse: SseWriter | null = null;
     let ended = false;
-    const choices = requests.map((request, index) => ({
+    const choices = planned.map(({ request, echo, firstOfPrompt }, index) => ({
       request,
+      echo,
+      firstOfPrompt,
       index,
       text: "",
       opened: false,
-      logprobs: new LogprobsCollector(request, parsed, piece, responses),
+      logprobs: new LogprobsCollector(request, parsed, echo !== null, piece, responses),
       result: null as { reason: FinishReason; usage: Usage; stopReason: StopReason } | null,
     }));
     type Choice = (typeof choices)[number];
@@ -554,8 +566,8 @@ export class RouterServer {
         choice.opened = true;
         const opening = responses.opening(meta, includeUsage);
         if (opening !== null) sse.send(withIndex(opening, choice.index));
-        if (parsed.echoPrompt !== null) {
-          const delta = responses.delta(meta, parsed.echoPrompt, includeUsage, choice.logprobs.echoed());
+        if (choice.echo !== null) {
+          const delta = responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed());
           sse.send(withIndex(delta, choice.index));
         }
       }
@@ -567,31 +579,17 @@ export class RouterServer {
       for (const generation of generations) this.#active.delete(generation);
       this.metrics.inFlight.set(this.#active.size);
       this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
-      this.#logDone(requests[0]!, ctx.tenant!, endpoint, status, usage);
+      this.#logDone(planned[0]!.request, ctx.tenant!, endpoint, status, usage);
     };
     const finished = () => {
-      const usage: Usage = {
-        promptTokens: choices[0]!.result!.usage.promptTokens,
-        completionTokens: choices.reduce((sum, c) => sum + c.result!.usage.completionTokens, 0),
-      };
+      const usage = totalUsage(choices);
       end(200, usage);
       if (!parsed.stream) {
-        const whole = choices.map((c) =>
-          responses.completion(
-            meta,
-            (parsed.echoPrompt ?? "") + c.text,
-            c.result!.reason,
-            usage,
-            c.result!.stopReason,
-            c.logprobs.all(),
-          ),
-        );
-        this.#sendJson(res, 200, mergeChoices(whole));
+        this.#sendJson(res, 200, wholeAnswer(responses, meta, choices, usage));
         return;
       }
-      const writer = sse!;
-      if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
-      writer.done();
+      if (includeUsage) sse!.send(usageChunk(meta, responses.chunkObject, usage));
+      sse!.done();
     };
 
     const sinkOf = (choice: Choice): GenerationSink => ({
@@ -600,7 +598,8 @@ export class RouterServer {
         if (parsed.stream) stream(choice);
       },
       logprobs: (entry) => choice.logprobs.push(entry),
-      promptLogprobs: (entries) => choice.logprobs.prompt(entries),
+      // Sample 0 of a prompt computes its log-probabilities; every choice of that prompt shows them.
+      promptLogprobs: (entries) => sharePrompt(choices, choice.request.promptTokens, entries),
       text: (delta) => {
         if (!parsed.stream) {
           choice.text += delta;
@@ -805,6 +804,63 @@ export class RouterServer {
   }
 }
 
+/** One choice to generate: its request, echo's text of its prompt, and whether it is its prompt's sample 0. */
+interface PlannedChoice {
+  readonly request: GenerationRequest;
+  readonly echo: string | null;
+  readonly firstOfPrompt: boolean;
+}
+
+/** A finished choice, as the whole answer needs it. */
+interface DoneChoice {
+  readonly echo: string | null;
+  readonly text: string;
+  readonly firstOfPrompt: boolean;
+  readonly logprobs: LogprobsCollector;
+  readonly result: { reason: FinishReason; usage: Usage; stopReason: StopReason } | null;
+}
+
+/** Usage over the choices: each prompt once, every choice's completion tokens. */
+function totalUsage(choices: readonly DoneChoice[]): Usage {
+  let promptTokens = 0;
+  let completionTokens = 0;
+  for (const c of choices) {
+    if (c.firstOfPrompt) promptTokens += c.result!.usage.promptTokens;
+    completionTokens += c.result!.usage.completionTokens;
+  }
+  return { promptTokens, completionTokens };
+}
+
+/** The whole (non-streamed) answer of every choice. */
+function wholeAnswer(
+  responses: ResponseStrategy,
+  meta: ResponseMeta,
+  choices: readonly DoneChoice[],
+  usage: Usage,
+): object {
+  return mergeChoices(
+    choices.map((c) =>
+      responses.completion(
+        meta,
+        (c.echo ?? "") + c.text,
+        c.result!.reason,
+        usage,
+        c.result!.stopReason,
+        c.logprobs.all(),
+      ),
+    ),
+  );
+}
+
+/** The prompt's log-probabilities to every choice of that prompt. */
+function sharePrompt(
+  choices: readonly { readonly request: GenerationRequest; readonly logprobs: LogprobsCollector }[],
+  prompt: Int32Array,
+  entries: readonly (LogprobsEntry | null)[],
+): void {
+  for (const c of choices) if (c.request.promptTokens === prompt) c.logprobs.prompt(entries);
+}
+
 /** A chunk of one choice: the strategies build choice 0's; `n` > 1 names each. */
 function withIndex(chunk: Record<string, unknown>, index: number): Record<string, unknown> {
   if (index !== 0) (chunk.choices as { index: number }[])[0]!.index = index;
@@ -827,6 +883,7 @@ function mergeChoices(answers: readonly object[]): object {
 class LogprobsCollector {
   readonly #parsed: SamplingRequest;
   readonly #promptTokens: Int32Array;
+  readonly #echo: boolean;
   readonly #piece: (id: number) => TokenPiece;
   readonly #responses: ResponseStrategy;
   readonly #offset = { value: 0 };
@@ -837,10 +894,12 @@ class LogprobsCollector {
   constructor(
     request: GenerationRequest,
     parsed: SamplingRequest,
+    echo: boolean,
     piece: (id: number) => TokenPiece,
     responses: ResponseStrategy,
   ) {
     this.#parsed = parsed;
+    this.#echo = echo;
     this.#promptTokens = request.promptTokens;
     this.#piece = piece;
     this.#responses = responses;
@@ -857,7 +916,7 @@ class LogprobsCollector {
   /** Echo's prompt tokens with their log-probabilities (their top lists cut to `logprobs`), or null. */
   echoed(): object | null {
     const k = this.#parsed.logprobs;
-    if (k === null || this.#parsed.echoPrompt === null) return null;
+    if (k === null || !this.#echo) return null;
     const entries = this.#promptEntries;
     const items = Array.from(this.#promptTokens, (token, i) => {
       const e = entries?.[i] ?? null;
@@ -878,7 +937,7 @@ class LogprobsCollector {
   all(): ChoiceExtras {
     let logprobs: object | null = null;
     if (this.#parsed.logprobs !== null) {
-      const echoed = this.#parsed.echoPrompt === null ? null : (this.echoed() as Record<string, unknown[]>);
+      const echoed = this.#echo ? (this.echoed() as Record<string, unknown[]>) : null;
       const out = this.take() as Record<string, unknown[]>;
       logprobs =
         echoed === null || !("tokens" in out)

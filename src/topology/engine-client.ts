@@ -71,6 +71,8 @@ export class EngineClient implements EngineHandle {
   readonly #pingTimeoutMs: number;
   readonly #pingTimer: NodeJS.Timeout;
   #ping: { readonly id: number; readonly timer: NodeJS.Timeout } | null = null;
+  /** Submits of this turn, not posted yet (`#submit`). */
+  #submits: GenerationRequest[] = [];
   #nextPingId = 1;
   #answering = true;
 
@@ -87,7 +89,7 @@ export class EngineClient implements EngineHandle {
         tenant: (o) => o.request.tenant,
         pages: (o) => o.pages,
         dispatch: (o) => {
-          this.#post({ type: "submit", request: o.request });
+          this.#submit(o.request);
           return true;
         },
         expire: (o, error) => {
@@ -241,7 +243,21 @@ export class EngineClient implements EngineHandle {
     return this.#closing;
   }
 
+  /** Submits go out together at the end of this turn (one message), before anything posted after them. */
+  #submit(request: GenerationRequest): void {
+    if (this.#submits.length === 0) queueMicrotask(() => this.#flushSubmits());
+    this.#submits.push(request);
+  }
+
+  #flushSubmits(): void {
+    if (this.#submits.length === 0) return;
+    const requests = this.#submits;
+    this.#submits = [];
+    this.#worker.postMessage({ type: "submit", requests } satisfies ToEngineWorker);
+  }
+
   #post(message: ToEngineWorker): void {
+    this.#flushSubmits();
     this.#worker.postMessage(message);
   }
 

@@ -8,7 +8,12 @@ import type { EngineCapacity, EngineStats, GenerationRequest } from "../protocol
 
 /** Messages from the client to the worker. */
 export type ToEngineWorker =
-  | { readonly type: "submit"; readonly request: GenerationRequest }
+  /**
+   * The requests submitted in one turn of the client's event loop, in order: the engine sees them
+   * all before its next step (a request's other samples are there when its first one's prompt is
+   * computed, to fork it).
+   */
+  | { readonly type: "submit"; readonly requests: readonly GenerationRequest[] }
   | { readonly type: "abort"; readonly rid: number }
   | { readonly type: "stats"; readonly id: number }
   /** Readiness: answer `pong` at once (between two engine steps). */

@@ -100,14 +100,16 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
     if (closed) return;
     switch (message.type) {
       case "submit": {
-        const events = eventsFor(message.request.rid);
-        try {
-          engine.submit(message.request, events);
-        } catch (err) {
-          events.onError({
-            code: "invalid_request",
-            message: `Request could not be queued: ${err instanceof Error ? err.message : String(err)}`,
-          });
+        for (const request of message.requests) {
+          const events = eventsFor(request.rid);
+          try {
+            engine.submit(request, events);
+          } catch (err) {
+            events.onError({
+              code: "invalid_request",
+              message: `Request could not be queued: ${err instanceof Error ? err.message : String(err)}`,
+            });
+          }
         }
         kick();
         break;

@@ -121,7 +121,11 @@ function routerOptions(cmd: Command): Command {
       "--metrics-port <port>",
       "port of the operator listener (default: --port + 1 when no --operator-key is given, else none)",
     )
-    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false);
+    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false)
+    .option(
+      "--allowed-origins <origin...>",
+      'browser origins answered with CORS headers and preflights (repeatable or comma-separated; "*" for any; default none)',
+    );
 }
 
 /** The fair-share and readiness flags (docs/api.md, "Fair sharing"). */

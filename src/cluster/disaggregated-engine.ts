@@ -792,7 +792,9 @@ export class DisaggregatedEngine implements EngineHandle {
     this.#share.finished(pending);
     if (pending.silenced) return;
     if (effect.error === null) {
-      pending.events.onFinish(effect.finishReason ?? "length", {
+      // A stop token ends it with `stop` even as its last allowed token (max_tokens 1: decode
+      // finished the request at commit, by its length).
+      pending.events.onFinish(pending.stopped ? "stop" : (effect.finishReason ?? "length"), {
         promptTokens: pending.promptTokens.length,
         completionTokens: pending.completionTokens,
       });

@@ -130,6 +130,15 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
     assert.deepEqual([ignored.text, ignored.finish, ignored.completionTokens], ["", "length", 12]);
     const shown = await everywhere({ ...eos, ignore_eos: true, skip_special_tokens: false, max_tokens: 3 });
     assert.equal(shown.text, "<|im_end|>".repeat(3));
+    // EOS on the last allowed token is a stop, not a length (prefill's first token, and decode's).
+    assert.deepEqual(await everywhere({ ...eos, max_tokens: 1 }), {
+      text: "",
+      finish: "stop",
+      stopReason: null,
+      completionTokens: 1,
+    });
+    const last = await everywhere({ ...eos, min_tokens: 2, max_tokens: 3 });
+    assert.deepEqual([last.finish, last.completionTokens], ["stop", 3]);
     const held = await everywhere({ ...eos, min_tokens: 4 });
     assert.deepEqual([held.finish, held.completionTokens], ["stop", 5]);
     assert.ok(held.text.length > 0);

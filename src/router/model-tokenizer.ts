@@ -44,8 +44,8 @@ export function routerTokenizer(
       return piece;
     },
     decode: (ids) => tokenizer.decode(ids),
-    encodePrompt(text: string): Int32Array {
-      return tokenizer.encode(text);
+    encodePrompt(text: string, addSpecialTokens = true): Int32Array {
+      return tokenizer.encode(text, { addSpecialTokens });
     },
     createDecoder(options): TextStreamDecoder {
       const stream = tokenizer.streamDecoder({ skipSpecialTokens: options?.skipSpecialTokens !== false });

@@ -42,7 +42,17 @@ const stop = z
 
 const maxTokens = z.number().int().positive().nullable().optional();
 
-const streamOptions = z.object({ include_usage: z.boolean().optional() }).nullable().optional();
+const streamOptions = z
+  .object({
+    include_usage: z.boolean().nullable().optional(),
+    /** vLLM's: every chunk carries the usage so far. */
+    continuous_usage_stats: z.boolean().nullable().optional(),
+  })
+  .nullable()
+  .optional();
+
+/** `max_tokens` of a /v1/completions request that sends none (OpenAI's legacy default). */
+export const COMPLETIONS_DEFAULT_MAX_TOKENS = 16;
 
 /** The most choices (`n`) one request may ask for. */
 export const MAX_N = 64;
@@ -126,6 +136,8 @@ export interface SamplingRequest {
   readonly model: string;
   readonly stream: boolean;
   readonly includeUsage: boolean;
+  /** vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far. */
+  readonly continuousUsage: boolean;
   /** null = as many as fit in the context. */
   readonly maxTokens: number | null;
   readonly temperature: number | null;
@@ -316,6 +328,7 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
     model: req.model,
     stream: req.stream === true,
     includeUsage: req.stream_options?.include_usage === true,
+    continuousUsage: req.stream_options?.continuous_usage_stats === true,
     maxTokens,
     temperature: req.temperature ?? null,
     topP: req.top_p ?? null,
@@ -390,7 +403,8 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
       `${prompts.length} prompts × n=${req.n ?? 1} choices is over ${MAX_N}: send fewer prompts or a smaller n`,
     );
   }
-  const base = sampling(req, req.max_tokens ?? null);
+  // As OpenAI's legacy endpoint: 16 tokens unless max_tokens says otherwise.
+  const base = sampling(req, req.max_tokens ?? COMPLETIONS_DEFAULT_MAX_TOKENS);
   const echo = req.echo === true;
   const logprobs = req.logprobs ?? null;
   return {

@@ -14,16 +14,20 @@ import { Worker } from "node:worker_threads";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import {
+  answerUtility,
   type GenerateEndpointName,
   type PrepareContext,
   type PreparedRequest,
   prepareRequest,
+  type UtilityEndpointName,
 } from "./prepare-request.js";
 import type { RequestLimits } from "./request-limits.js";
 
 /** Turns a generation body into a request ready for admission, off the caller's event loop or not. */
 export interface RequestPreparer {
   prepare(endpoint: GenerateEndpointName, body: Uint8Array): Promise<PreparedRequest>;
+  /** /tokenize and /detokenize: the answer's JSON body (`answerUtility`). */
+  answer(endpoint: UtilityEndpointName, body: Uint8Array): Promise<object>;
   close(): Promise<void>;
 }
 
@@ -46,7 +50,7 @@ export interface PrepareWorkerData extends PoolData {
 
 export interface ToPrepareWorker {
   readonly id: number;
-  readonly endpoint: GenerateEndpointName;
+  readonly endpoint: GenerateEndpointName | UtilityEndpointName;
   readonly body: Uint8Array;
 }
 
@@ -58,6 +62,7 @@ export type FromPrepareWorker =
       readonly parsed: SamplingRequest;
       readonly prompts: readonly Int32Array[];
     }
+  | { readonly id: number; readonly ok: true; readonly answer: object }
   /** `error` null: not a KvfenceError (a bug); `detail` is for the log only. */
   | { readonly id: number; readonly ok: false; readonly error: WireError | null; readonly detail?: string };
 
@@ -65,10 +70,10 @@ const WORKER_URL = new URL("./prepare-worker.js", import.meta.url);
 
 interface Job {
   readonly id: number;
-  readonly endpoint: GenerateEndpointName;
+  readonly endpoint: GenerateEndpointName | UtilityEndpointName;
   readonly body: Uint8Array;
   readonly large: boolean;
-  resolve(prepared: PreparedRequest): void;
+  resolve(result: PreparedRequest | object): void;
   reject(error: unknown): void;
 }
 
@@ -81,6 +86,7 @@ interface Slot {
 export function inThreadPreparer(context: PrepareContext): RequestPreparer {
   return {
     prepare: async (endpoint, body) => prepareRequest(endpoint, body, context),
+    answer: async (endpoint, body) => answerUtility(endpoint, body, context),
     close: async () => {},
   };
 }
@@ -126,6 +132,17 @@ export class PreparePool implements RequestPreparer {
   }
 
   prepare(endpoint: GenerateEndpointName, body: Uint8Array): Promise<PreparedRequest> {
+    return this.#run(endpoint, body) as Promise<PreparedRequest>;
+  }
+
+  answer(endpoint: UtilityEndpointName, body: Uint8Array): Promise<object> {
+    return this.#run(endpoint, body) as Promise<object>;
+  }
+
+  #run(
+    endpoint: GenerateEndpointName | UtilityEndpointName,
+    body: Uint8Array,
+  ): Promise<PreparedRequest | object> {
     if (this.#closed)
       return Promise.reject(new KvfenceError("node_unavailable", "The server is shutting down"));
     return new Promise((resolve, reject) => {
@@ -194,7 +211,10 @@ export class PreparePool implements RequestPreparer {
     const job = slot.job;
     slot.job = null;
     if (job !== null && job.id === message.id) {
-      if (message.ok) job.resolve({ parsed: message.parsed, prompts: message.prompts });
+      if (message.ok)
+        job.resolve(
+          "answer" in message ? message.answer : { parsed: message.parsed, prompts: message.prompts },
+        );
       else if (message.error !== null) job.reject(KvfenceError.fromWire(message.error));
       else {
         this.#onWorkerError(message.detail ?? "unknown");

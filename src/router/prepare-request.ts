@@ -11,6 +11,8 @@
  * `PROMPT_KINDS` holds what differs between the two endpoints (how a body becomes a prompt), so
  * nothing here or in the router branches on the endpoint.
  */
+
+import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
 import {
   type ChatMessage,
@@ -25,8 +27,8 @@ import { checkJsonDepth, checkMessageCount, checkPromptBytes, type RequestLimits
 export interface PromptTokenizer {
   /** Prompt ids of a chat (template rendered with the generation prompt); throws `invalid_request`. */
   encodeChat(messages: readonly ChatMessage[]): Int32Array;
-  /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS). */
-  encodePrompt(text: string): Int32Array;
+  /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS, unless `addSpecialTokens` is false). */
+  encodePrompt(text: string, addSpecialTokens?: boolean): Int32Array;
   /** One more than the largest token id: token ids a request names must be below it. */
   readonly vocabSize: number;
   /** The text of `ids` (special tokens skipped). */
@@ -34,6 +36,9 @@ export interface PromptTokenizer {
 }
 
 export type GenerateEndpointName = "chat" | "completions";
+
+/** vLLM's /tokenize and /detokenize, answered by the same workers. */
+export type UtilityEndpointName = "tokenize" | "detokenize";
 
 /** A generation request ready for admission: its prompts (a chat has one), each its `n` choices. */
 export interface PreparedRequest {
@@ -171,4 +176,86 @@ export function prepareRequest(
     return { parsed: { ...parsed, echoPrompts: echoTexts(context.tokenizer, prompts) }, prompts };
   }
   return { parsed, prompts };
+}
+
+const tokenizeTextSchema = z.object({
+  model: z.string().nullable().optional(),
+  prompt: z.string(),
+  add_special_tokens: z.boolean().nullable().optional(),
+  return_token_strs: z.boolean().nullable().optional(),
+});
+const detokenizeSchema = z.object({
+  model: z.string().nullable().optional(),
+  tokens: z.array(z.number().int().min(0)),
+});
+
+/** What /tokenize and /detokenize answer besides the tokens: the context length (vLLM's `max_model_len`). */
+export interface UtilityContext extends PrepareContext {
+  readonly maxModelLen?: number;
+}
+
+/**
+ * vLLM's /tokenize (`{prompt, add_special_tokens}` or a chat's `{messages, …}` →
+ * `{count, max_model_len, tokens, token_strs}`) and /detokenize (`{tokens}` → `{prompt}`), under the
+ * same limits and checks as a generation request; `model`, when given, must be the served one.
+ */
+export function answerUtility(
+  endpoint: UtilityEndpointName,
+  body: Uint8Array,
+  context: UtilityContext,
+): object {
+  checkJsonDepth(body, context.limits.maxJsonDepth);
+  const json = parseJsonBody(body);
+  const model = (json as { model?: unknown } | null)?.model;
+  const named = (m: unknown) => {
+    if (typeof m === "string") checkModel(m, context.modelId);
+  };
+  const tokenizer = context.tokenizer;
+  if (endpoint === "detokenize") {
+    const { tokens } = parseUtility(detokenizeSchema, json);
+    named(model);
+    const bad = tokens.findIndex((id) => id >= tokenizer.vocabSize);
+    if (bad >= 0) {
+      throw new KvfenceError(
+        "invalid_request",
+        `tokens[${bad}] is token id ${tokens[bad]}, outside this model's vocabulary of ${tokenizer.vocabSize} ids`,
+        { param: "tokens" },
+      );
+    }
+    return { prompt: tokenizer.decode(tokens) };
+  }
+  let ids: Int32Array;
+  let strs = false;
+  if (typeof json === "object" && json !== null && "messages" in json) {
+    // A chat: the same parse, checks and template as /v1/chat/completions.
+    const kind = PROMPT_KINDS.chat;
+    kind.precheck(json, context.limits);
+    const parsed = kind.parse({ model: context.modelId, ...(json as object) });
+    checkPromptBytes(parsed.promptBytes(), context.limits.maxPromptBytes, kind.param);
+    ids = parsed.encode(tokenizer)[0]!;
+  } else {
+    const req = parseUtility(tokenizeTextSchema, json);
+    checkPromptBytes(Buffer.byteLength(req.prompt), context.limits.maxPromptBytes, "prompt");
+    ids =
+      req.add_special_tokens === false
+        ? tokenizer.encodePrompt(req.prompt, false)
+        : tokenizer.encodePrompt(req.prompt);
+    strs = req.return_token_strs === true;
+  }
+  named(model);
+  const tokens = Array.from(ids);
+  return {
+    count: tokens.length,
+    max_model_len: context.maxModelLen ?? null,
+    tokens,
+    token_strs: strs ? tokens.map((id) => tokenizer.decode([id])) : null,
+  };
+}
+
+function parseUtility<T>(schema: z.ZodType<T>, body: unknown): T {
+  const result = schema.safeParse(body);
+  if (result.success) return result.data;
+  const issue = result.error.issues[0]!;
+  const param = issue.path.map(String).join(".") || "body";
+  throw new KvfenceError("invalid_request", `Invalid request: ${param}: ${issue.message}`, { param });
 }

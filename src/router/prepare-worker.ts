@@ -15,7 +15,7 @@ import {
   type PrepareWorkerData,
   type ToPrepareWorker,
 } from "./prepare-pool.js";
-import { prepareRequest } from "./prepare-request.js";
+import { answerUtility, prepareRequest } from "./prepare-request.js";
 
 const data = workerData as PrepareWorkerData;
 const port = parentPort!;
@@ -31,6 +31,10 @@ const context = {
 port.on("message", (job: ToPrepareWorker) => {
   let reply: FromPrepareWorker;
   try {
+    if (job.endpoint === "tokenize" || job.endpoint === "detokenize") {
+      port.postMessage({ id: job.id, ok: true, answer: answerUtility(job.endpoint, job.body, context) });
+      return;
+    }
     const { parsed, prompts } = prepareRequest(job.endpoint, job.body, context);
     reply = { id: job.id, ok: true, parsed, prompts };
     port.postMessage(

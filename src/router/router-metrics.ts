@@ -7,7 +7,16 @@
 import { exponentialBuckets, MetricsRegistry } from "../lib/metrics.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 
-export type Endpoint = "chat" | "completions" | "models" | "health" | "ready" | "metrics" | "nodes" | "other";
+export type Endpoint =
+  | "chat"
+  | "completions"
+  | "tokenize"
+  | "models"
+  | "health"
+  | "ready"
+  | "metrics"
+  | "nodes"
+  | "other";
 
 export class RouterMetrics {
   readonly registry: MetricsRegistry;

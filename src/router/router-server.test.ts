@@ -211,9 +211,10 @@ describe("RouterServer with a scripted engine", () => {
     assert.equal(await pagesInUse(ctx.url), 0);
   });
 
-  test("RouterServer defaults max_tokens to what fits in the context", async () => {
-    await client.completions.create({ model: MODEL, prompt: "abcd" });
-    assert.equal(ctx.engine.submitted.at(-1)?.maxTokens, 1024 - 4);
+  test("RouterServer defaults a chat's max_tokens to what fits in the context", async () => {
+    await client.chat.completions.create({ model: MODEL, messages: [{ role: "user", content: "abcd" }] });
+    const prompt = byteTokenizer.encodeChat([{ role: "user", content: "abcd" }]).length;
+    assert.equal(ctx.engine.submitted.at(-1)?.maxTokens, 1024 - prompt);
   });
 
   const badRequests: Array<[string, string | Uint8Array | object, number, string, string | null]> = [

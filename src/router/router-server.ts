@@ -12,7 +12,7 @@
  * engine raises before the first token (its own admission door, a page-tag mismatch) still reaches
  * the client as a real 4xx/5xx status rather than an error inside a 200 stream.
  */
-import { createHash, createHmac, randomBytes, timingSafeEqual } from "node:crypto";
+import { createHash, createHmac, randomBytes, randomUUID, timingSafeEqual } from "node:crypto";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import { createServer as createHttpsServer } from "node:https";
 import type { AddressInfo } from "node:net";
@@ -43,6 +43,7 @@ import {
   type ResponseStrategy,
   TEXT_RESPONSES,
   usageChunk,
+  usageWire,
 } from "./openai-responses.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
@@ -51,6 +52,7 @@ import {
   type GenerateEndpointName,
   PROMPT_KINDS,
   type PromptTokenizer,
+  type UtilityEndpointName,
 } from "./prepare-request.js";
 import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
@@ -101,6 +103,11 @@ export interface RouterServerOptions {
   readonly operatorKey?: string | undefined;
   /** `--metrics-tenant-names`: label metrics with tenant names, not opaque ids. */
   readonly metricsTenantNames?: boolean;
+  /**
+   * `--allowed-origins`: the browser origins (`https://app.example`, or `*` for any) answered with
+   * CORS headers, their preflights (OPTIONS) included. Absent or empty: no CORS headers.
+   */
+  readonly allowedOrigins?: readonly string[];
 }
 
 type Handler = (ctx: RequestContext) => Promise<void> | void;
@@ -124,7 +131,18 @@ interface RequestContext {
   readonly res: ServerResponse;
   readonly url: URL;
   readonly receivedAt: number;
+  /** The client's `x-request-id` (printable ASCII, at most 128 characters), else a fresh UUID. */
+  readonly requestId: string;
   tenant: Tenant | null;
+}
+
+/** A client's `x-request-id` kept as it is: printable ASCII, 1 to 128 characters. */
+const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
+
+/** The request id a response echoes: the client's when it is usable, else a new one. */
+function requestIdOf(req: IncomingMessage): string {
+  const given = req.headers["x-request-id"];
+  return typeof given === "string" && REQUEST_ID.test(given) ? given : randomUUID();
 }
 
 /** What differs between the two generation endpoints; the router never branches on the endpoint. */
@@ -168,6 +186,7 @@ export class RouterServer {
   /** Tenant name → its label in metrics. */
   readonly #tenantLabel: (name: string) => string;
   #operatorServer: Server | null = null;
+  readonly #allowedOrigins: ReadonlySet<string>;
   #nextRid = 1;
   #url: string | null = null;
   /** The longest request (prompt + max_tokens) admitted. */
@@ -180,6 +199,7 @@ export class RouterServer {
     this.#model = options.model;
     this.#tenants = options.tenants;
     this.#log = options.logger;
+    this.#allowedOrigins = new Set(options.allowedOrigins ?? []);
     this.contextLength = Math.min(
       effectiveContextLength({
         maxPositionEmbeddings: options.model.maxPositionEmbeddings,
@@ -235,6 +255,15 @@ export class RouterServer {
         { endpoint: "completions", methods: ["POST"], handler: (c) => this.#generate(c, COMPLETIONS) },
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
+      // vLLM's, outside /v1 as there (and behind the API key, as every tenant endpoint here).
+      [
+        "/tokenize",
+        { endpoint: "tokenize", methods: ["POST"], handler: (c) => this.#utility(c, "tokenize") },
+      ],
+      [
+        "/detokenize",
+        { endpoint: "tokenize", methods: ["POST"], handler: (c) => this.#utility(c, "detokenize") },
+      ],
       ["/health", { endpoint: "health", methods: ["GET"], handler: (c) => this.#health(c) }],
       ["/ready", { endpoint: "ready", methods: ["GET"], handler: (c) => this.#ready(c) }],
       [
@@ -336,8 +365,12 @@ export class RouterServer {
       res,
       url: new URL(valid ? target : "/", "http://localhost"),
       receivedAt: performance.now(),
+      requestId: requestIdOf(req),
       tenant: null,
     };
+    // On every response (errors and streams included): a client or proxy correlates it with the logs.
+    res.setHeader("x-request-id", ctx.requestId);
+    if (listener === "front") this.#cors(req, res);
     const route = valid ? this.#route(ctx.url.pathname, listener) : undefined;
     const endpoint: Endpoint = route?.endpoint ?? "other";
     res.on("close", () => {
@@ -361,6 +394,7 @@ export class RouterServer {
             : `Unknown route: ${req.method} ${shown}; see docs/api.md`,
         );
       }
+      if (req.method === "OPTIONS" && this.#preflight(req, res, route)) return;
       // HEAD is GET without the body (Node's response drops it), as HTTP requires of every server.
       const method = req.method === "HEAD" && route.methods.includes("GET") ? "GET" : (req.method ?? "");
       if (!route.methods.includes(method)) {
@@ -374,11 +408,43 @@ export class RouterServer {
         );
       }
       if (route.operator === true) this.#authorizeOperator(req, listener);
-      else if (ctx.url.pathname.startsWith("/v1/")) ctx.tenant = this.#authenticate(req);
+      else if (ctx.url.pathname.startsWith("/v1/") || route.endpoint === "tokenize")
+        ctx.tenant = this.#authenticate(req);
       await route.handler(ctx);
     } catch (err) {
       this.#sendError(res, err);
     }
+  }
+
+  /** The CORS headers of a request from an allowed browser origin (`--allowed-origins`). */
+  #cors(req: IncomingMessage, res: ServerResponse): void {
+    const origin = req.headers.origin;
+    if (origin === undefined || this.#allowedOrigins.size === 0) return;
+    const any = this.#allowedOrigins.has("*");
+    if (!any && !this.#allowedOrigins.has(origin)) return;
+    res.setHeader("Access-Control-Allow-Origin", any ? "*" : origin);
+    if (!any) res.setHeader("Vary", "Origin");
+    res.setHeader("Access-Control-Expose-Headers", "x-request-id, retry-after");
+  }
+
+  /**
+   * A CORS preflight from an allowed origin to a known route: 204 with the methods and headers it
+   * may use (before any API key: browsers send none on a preflight). Else false (405 follows).
+   */
+  #preflight(req: IncomingMessage, res: ServerResponse, route: Route): boolean {
+    if (
+      !res.hasHeader("Access-Control-Allow-Origin") ||
+      req.headers["access-control-request-method"] === undefined
+    )
+      return false;
+    const methods = route.methods.includes("GET") ? [...route.methods, "HEAD"] : route.methods;
+    res.writeHead(204, {
+      "Access-Control-Allow-Methods": [...methods, "OPTIONS"].join(", "),
+      "Access-Control-Allow-Headers": "authorization, content-type, x-request-id",
+      "Access-Control-Max-Age": "600",
+    });
+    res.end();
+    return true;
   }
 
   #route(pathname: string, listener: Listener): Route | undefined {
@@ -454,7 +520,11 @@ export class RouterServer {
   /** The one place a thrown value becomes an HTTP response. */
   #sendError(res: ServerResponse, err: unknown): void {
     const { status, body } = toOpenAiError(err);
-    if (!(err instanceof KvfenceError)) this.#log.error({ err }, "internal error while serving a request");
+    if (!(err instanceof KvfenceError))
+      this.#log.error(
+        { err, requestId: res.getHeader("x-request-id") },
+        "internal error while serving a request",
+      );
     const headers: Record<string, string> = {};
     if (status === 401) headers["WWW-Authenticate"] = "Bearer";
     if (err instanceof KvfenceError && err.retryAfter !== undefined)
@@ -579,7 +649,7 @@ export class RouterServer {
       for (const generation of generations) this.#active.delete(generation);
       this.metrics.inFlight.set(this.#active.size);
       this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
-      this.#logDone(planned[0]!.request, ctx.tenant!, endpoint, status, usage);
+      this.#logDone(ctx, planned[0]!.request, endpoint, status, usage);
     };
     const finished = () => {
       const usage = totalUsage(choices);
@@ -592,8 +662,19 @@ export class RouterServer {
       sse!.done();
     };
 
+    // vLLM's continuous_usage_stats: every chunk with the usage so far.
+    const promptTokens = planned.reduce(
+      (n, p) => n + (p.firstOfPrompt ? p.request.promptTokens.length : 0),
+      0,
+    );
+    let generated = 0;
+    const send = (choice: Choice, chunk: Record<string, unknown>) => {
+      if (parsed.continuousUsage) chunk.usage = usageWire({ promptTokens, completionTokens: generated });
+      stream(choice).send(withIndex(chunk, choice.index));
+    };
     const sinkOf = (choice: Choice): GenerationSink => ({
       tokens: (count) => {
+        generated += count;
         lastTokenAt = this.#observeTokens(ctx, labels, count, lastTokenAt);
         if (parsed.stream) stream(choice);
       },
@@ -605,22 +686,19 @@ export class RouterServer {
           choice.text += delta;
           return;
         }
-        const chunk = responses.delta(meta, delta, includeUsage, choice.logprobs.take());
-        stream(choice).send(withIndex(chunk, choice.index));
+        send(choice, responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
       },
       finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
         if (ended) return;
         choice.result = { reason, usage, stopReason };
-        if (parsed.stream) {
-          const chunk = responses.finish(meta, reason, includeUsage, stopReason, choice.logprobs.take());
-          stream(choice).send(withIndex(chunk, choice.index));
-        }
+        if (parsed.stream)
+          send(choice, responses.finish(meta, reason, includeUsage, stopReason, choice.logprobs.take()));
         if (choices.every((c) => c.result !== null)) finished();
       },
       fail: (internal) => {
         if (ended) return;
         for (const generation of generations) generation.abort();
-        const error = this.#publicEngineError(choice.request.rid, internal);
+        const error = this.#publicEngineError(ctx.requestId, choice.request.rid, internal);
         const { status, body } = toOpenAiError(error);
         end(status, null);
         if (error.code === "context_length_exceeded")
@@ -683,21 +761,25 @@ export class RouterServer {
    * What the engine and the nodes say names request ids, pages and nodes: the log gets it, the
    * client the table's public message.
    */
-  #publicEngineError(rid: number, internal: KvfenceError): KvfenceError {
+  #publicEngineError(requestId: string, rid: number, internal: KvfenceError): KvfenceError {
     const error = publicError(internal);
     if (error !== internal) {
-      this.#log.warn({ rid, code: internal.code, message: internal.message }, "request failed in the engine");
+      this.#log.warn(
+        { requestId, rid, code: internal.code, message: internal.message },
+        "request failed in the engine",
+      );
     }
     return error;
   }
 
   #logDone(
+    ctx: RequestContext,
     request: GenerationRequest,
-    tenant: Tenant,
     endpoint: Endpoint,
     status: number,
     usage: Usage | null,
   ): void {
+    const tenant = ctx.tenant!;
     if (usage !== null) {
       const label = this.#tenantLabel(tenant.name);
       this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
@@ -705,6 +787,7 @@ export class RouterServer {
     }
     this.#log.info(
       {
+        requestId: ctx.requestId,
         rid: request.rid,
         tenant: tenant.name,
         endpoint,
@@ -713,6 +796,18 @@ export class RouterServer {
         completionTokens: usage?.completionTokens,
       },
       "request done",
+    );
+  }
+
+  /** /tokenize and /detokenize, prepared by the same workers as a generation request. */
+  async #utility(ctx: RequestContext, endpoint: UtilityEndpointName): Promise<void> {
+    checkJsonContentType(ctx.req.headers["content-type"]);
+    const body = await readBody(ctx.req, this.#maxBodyBytes);
+    const answer = await this.#preparer.answer(endpoint, body);
+    this.#sendJson(
+      ctx.res,
+      200,
+      endpoint === "tokenize" ? { ...answer, max_model_len: this.contextLength } : answer,
     );
   }
 

@@ -114,6 +114,33 @@ export const serveConfigSchema = z
     metricsHost: z.string().min(1).default("127.0.0.1"),
     metricsPort: intText(0, 65535).optional(),
     metricsTenantNames: z.boolean().default(false),
+    /** `--allowed-origins`: each value may hold several, comma-separated (or a JSON list, as vLLM's). */
+    allowedOrigins: z
+      .union([z.string(), z.array(z.string())])
+      .default([])
+      .transform((v, ctx) => {
+        const list = (Array.isArray(v) ? v : [v]).flatMap((item) => {
+          const text = item.trim();
+          if (text.startsWith("[")) {
+            try {
+              return (JSON.parse(text) as unknown[]).map(String);
+            } catch {
+              ctx.addIssue({ code: "custom", message: `is not a JSON list: ${JSON.stringify(item)}` });
+              return [];
+            }
+          }
+          return text.split(",");
+        });
+        const origins = list.map((o) => o.trim()).filter((o) => o !== "");
+        for (const o of origins) {
+          if (o !== "*" && !/^https?:\/\/[^/\s]+$/.test(o))
+            ctx.addIssue({
+              code: "custom",
+              message: `must be "*" or an origin like https://app.example.com (scheme, host, optional port): got ${JSON.stringify(o)}`,
+            });
+        }
+        return origins;
+      }),
     scrubOnFree: z.boolean(),
     disaggregation: z.boolean(),
     role: z.enum(["all", "router", "prefill", "decode"]).default("all"),
@@ -177,6 +204,7 @@ const FLAG: Record<string, string> = {
   metricsHost: "--metrics-host",
   metricsPort: "--metrics-port",
   metricsTenantNames: "--metrics-tenant-names",
+  allowedOrigins: "--allowed-origins",
   logLevel: "--log-level",
   role: "--role",
   prefill: "--prefill",

@@ -171,6 +171,7 @@ export async function startServer(
     unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
     operatorKey: config.operatorKey,
     metricsTenantNames: config.metricsTenantNames,
+    allowedOrigins: config.allowedOrigins,
     ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   });
   served.registerMetrics(router.metrics.registry);

@@ -7,7 +7,7 @@ import { KvfenceError } from "../lib/errors.js";
 import type { ChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
 import type { TextStreamDecoder } from "./generation.js";
 import type { TokenPiece } from "./logprobs-wire.js";
-import type { ChatMessage } from "./openai-schemas.js";
+import type { ChatMessage, ChatTemplateOptions } from "./openai-schemas.js";
 import type { RouterTokenizer } from "./router-server.js";
 
 /** Token pieces kept once made (log-probabilities name the same tokens over and over). */
@@ -21,7 +21,7 @@ export function routerTokenizer(
   const pieces = new Map<number, TokenPiece>();
   return {
     vocabSize,
-    encodeChat(messages: readonly ChatMessage[]): Int32Array {
+    encodeChat(messages: readonly ChatMessage[], options?: ChatTemplateOptions): Int32Array {
       if (chatTemplate === null) {
         throw new KvfenceError(
           "invalid_request",
@@ -30,7 +30,7 @@ export function routerTokenizer(
         );
       }
       // The rendered text already carries the template's special tokens (BOS, <|im_start|>, ...).
-      return tokenizer.encode(chatTemplate.render(messages, { addGenerationPrompt: true }), {
+      return tokenizer.encode(chatTemplate.render(messages, options ?? { addGenerationPrompt: true }), {
         addSpecialTokens: false,
       });
     },

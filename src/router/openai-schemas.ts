@@ -102,6 +102,10 @@ export const chatCompletionRequestSchema = z.object({
   tool_choice: z.unknown().optional(),
   functions: z.array(z.unknown()).nullable().optional(),
   function_call: z.unknown().optional(),
+  // vLLM's chat template controls.
+  add_generation_prompt: z.boolean().nullable().optional(),
+  continue_final_message: z.boolean().nullable().optional(),
+  chat_template_kwargs: z.record(z.string(), z.unknown()).nullable().optional(),
 });
 
 /** A prompt given as token ids (checked against the vocabulary once the tokenizer is at hand). */
@@ -172,6 +176,14 @@ export interface SamplingRequest {
 
 export interface ParsedChatRequest extends SamplingRequest {
   readonly messages: readonly ChatMessage[];
+  readonly template: ChatTemplateOptions;
+}
+
+/** How the chat template renders a request's messages (vLLM's controls). */
+export interface ChatTemplateOptions {
+  readonly addGenerationPrompt: boolean;
+  readonly continueFinalMessage: boolean;
+  readonly kwargs: Readonly<Record<string, unknown>>;
 }
 
 export interface ParsedCompletionRequest extends SamplingRequest {
@@ -251,6 +263,8 @@ export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   json_schema: unset,
   ebnf: unset,
   truncate_prompt_tokens: unset,
+  /** A per-request template: not taken from clients here (the operator's --chat-template is). */
+  chat_template: unset,
 };
 
 function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: object): void {
@@ -377,10 +391,22 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
           ? m.content
           : m.content.map((p) => p.text).join(""),
   }));
+  const continueFinalMessage = req.continue_final_message === true;
+  if (continueFinalMessage && req.add_generation_prompt === true) {
+    refuse(
+      "continue_final_message",
+      "continue_final_message and add_generation_prompt cannot both be true (as in vLLM): set add_generation_prompt to false",
+    );
+  }
   return {
     ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null),
     logprobs: req.logprobs === true ? (req.top_logprobs ?? 0) : null,
     messages,
+    template: {
+      addGenerationPrompt: req.add_generation_prompt !== false,
+      continueFinalMessage,
+      kwargs: req.chat_template_kwargs ?? {},
+    },
   };
 }
 

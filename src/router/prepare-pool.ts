@@ -39,8 +39,11 @@ export const LARGE_LANE_NICE = 10;
 
 interface PoolData {
   readonly modelDir: string;
-  readonly modelId: string;
+  /** The served model's names (`--served-model-name`; the first is the one reported). */
+  readonly modelId: string | readonly string[];
   readonly limits: RequestLimits;
+  /** `--chat-template FILE`, in place of the model folder's template. */
+  readonly chatTemplateFile?: string;
 }
 
 export interface PrepareWorkerData extends PoolData {
@@ -109,7 +112,12 @@ export class PreparePool implements RequestPreparer {
   #closed = false;
 
   private constructor(options: PreparePoolOptions) {
-    this.#data = { modelDir: options.modelDir, modelId: options.modelId, limits: options.limits };
+    this.#data = {
+      modelDir: options.modelDir,
+      modelId: options.modelId,
+      limits: options.limits,
+      ...(options.chatTemplateFile === undefined ? {} : { chatTemplateFile: options.chatTemplateFile }),
+    };
     this.#onWorkerError = options.onWorkerError ?? (() => {});
     this.#size = Math.max(1, options.threads);
   }

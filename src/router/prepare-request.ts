@@ -16,6 +16,7 @@ import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
 import {
   type ChatMessage,
+  type ChatTemplateOptions,
   parseChatRequest,
   parseCompletionRequest,
   type SamplingRequest,
@@ -25,8 +26,8 @@ import { checkJsonDepth, checkMessageCount, checkPromptBytes, type RequestLimits
 
 /** The tokenizer work a prompt needs: no model weights, ever. */
 export interface PromptTokenizer {
-  /** Prompt ids of a chat (template rendered with the generation prompt); throws `invalid_request`. */
-  encodeChat(messages: readonly ChatMessage[]): Int32Array;
+  /** Prompt ids of a chat (template rendered with the generation prompt by default); throws `invalid_request`. */
+  encodeChat(messages: readonly ChatMessage[], options?: ChatTemplateOptions): Int32Array;
   /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS, unless `addSpecialTokens` is false). */
   encodePrompt(text: string, addSpecialTokens?: boolean): Int32Array;
   /** One more than the largest token id: token ids a request names must be below it. */
@@ -48,8 +49,8 @@ export interface PreparedRequest {
 
 /** What the preparation of a body needs besides the body. */
 export interface PrepareContext {
-  /** The served model's name: any other `model` is refused before tokenization. */
-  readonly modelId: string;
+  /** The served model's name (or names): any other `model` is refused before tokenization. */
+  readonly modelId: string | readonly string[];
   readonly tokenizer: PromptTokenizer;
   readonly limits: RequestLimits;
 }
@@ -82,7 +83,7 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
       return {
         parsed,
         promptBytes: () => parsed.messages.reduce((sum, m) => sum + Buffer.byteLength(m.content), 0),
-        encode: (tokenizer) => [tokenizer.encodeChat(parsed.messages)],
+        encode: (tokenizer) => [tokenizer.encodeChat(parsed.messages, parsed.template)],
       };
     },
   },
@@ -108,12 +109,13 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
   },
 };
 
-/** Refuses a `model` other than the served one. */
-export function checkModel(model: string, served: string): void {
-  if (model !== served) {
+/** Refuses a `model` other than the served one (any of its names). */
+export function checkModel(model: string, served: string | readonly string[]): void {
+  const names = typeof served === "string" ? [served] : served;
+  if (!names.includes(model)) {
     throw new KvfenceError(
       "model_not_found",
-      `The model does not exist: ${model.length > 64 ? `${model.slice(0, 64)}…` : model}; this server serves: ${served}`,
+      `The model does not exist: ${model.length > 64 ? `${model.slice(0, 64)}…` : model}; this server serves: ${names.join(", ")}`,
       { param: "model" },
     );
   }
@@ -230,7 +232,7 @@ export function answerUtility(
     // A chat: the same parse, checks and template as /v1/chat/completions.
     const kind = PROMPT_KINDS.chat;
     kind.precheck(json, context.limits);
-    const parsed = kind.parse({ model: context.modelId, ...(json as object) });
+    const parsed = kind.parse({ model: [context.modelId].flat()[0], ...(json as object) });
     checkPromptBytes(parsed.promptBytes(), context.limits.maxPromptBytes, kind.param);
     ids = parsed.encode(tokenizer)[0]!;
   } else {

@@ -24,7 +24,7 @@ if (data.lane === "large") lowerThreadPriority(LARGE_LANE_NICE);
 const tokenizer = ModelTokenizer.fromFolder(data.modelDir);
 const context = {
   modelId: data.modelId,
-  tokenizer: routerTokenizer(tokenizer, loadChatTemplate(data.modelDir, tokenizer)),
+  tokenizer: routerTokenizer(tokenizer, loadChatTemplate(data.modelDir, tokenizer, data.chatTemplateFile)),
   limits: data.limits,
 };
 

@@ -68,8 +68,10 @@ export interface RouterTokenizer extends PromptTokenizer {
 }
 
 export interface ServedModel {
-  /** The `model` name clients send. */
+  /** The `model` name clients send (and the one answers report). */
   readonly id: string;
+  /** Other names clients may send (`--served-model-name`'s after the first). */
+  readonly aliases?: readonly string[];
   readonly maxPositionEmbeddings: number;
   readonly eosTokenIds: readonly number[];
   /** From generation_config.json; used when a request leaves a field out. */
@@ -212,7 +214,11 @@ export class RouterServer {
     this.#maxBodyBytes = limits.maxBodyBytes;
     this.#preparer =
       options.preparer ??
-      inThreadPreparer({ modelId: options.model.id, tokenizer: options.tokenizer, limits });
+      inThreadPreparer({
+        modelId: [options.model.id, ...(options.model.aliases ?? [])],
+        tokenizer: options.tokenizer,
+        limits,
+      });
     this.metrics = new RouterMetrics(options.engine);
     this.#operatorKey = options.operatorKey === undefined ? null : sha256(options.operatorKey);
     this.#tenantLabel =
@@ -811,9 +817,9 @@ export class RouterServer {
     );
   }
 
-  #modelObject() {
+  #modelObject(id = this.#model.id) {
     return {
-      id: this.#model.id,
+      id,
       object: "model" as const,
       created: this.#created,
       owned_by: "kvfence",
@@ -822,12 +828,14 @@ export class RouterServer {
   }
 
   #models(ctx: RequestContext): void {
-    this.#sendJson(ctx.res, 200, { object: "list", data: [this.#modelObject()] });
+    const names = [this.#model.id, ...(this.#model.aliases ?? [])];
+    this.#sendJson(ctx.res, 200, { object: "list", data: names.map((id) => this.#modelObject(id)) });
   }
 
   #model_(ctx: RequestContext, id: string): void {
-    checkModel(decodePathSegment(id), this.#model.id);
-    this.#sendJson(ctx.res, 200, this.#modelObject());
+    const name = decodePathSegment(id);
+    checkModel(name, [this.#model.id, ...(this.#model.aliases ?? [])]);
+    this.#sendJson(ctx.res, 200, this.#modelObject(name));
   }
 
   /** Liveness: this process answers (and its engine can still serve); never waits on a node. */

@@ -6,6 +6,7 @@
  * `kvfence serve`, `kvfence cluster` and the incident tool.
  */
 import { existsSync } from "node:fs";
+import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { z } from "zod";
 import { parseNodeUrl } from "../cluster/cluster-router.js";
@@ -101,6 +102,24 @@ export const serveConfigSchema = z
     maxModelLen: intText(1).optional(),
     maxPrefillTokens: intText(1).optional(),
     apiKeys: z.string().min(1).optional(),
+    apiKey: z
+      .array(z.string().regex(/^\S{8,}$/, { error: "must be at least 8 characters, no spaces" }))
+      .default([]),
+    servedModelName: z.array(z.string().min(1).max(256)).default([]),
+    maxNumSeqs: intText(1, 1024).optional(),
+    seed: intText(0, 0xffff_ffff).optional(),
+    generationConfig: z
+      .string()
+      .min(1)
+      .default("auto")
+      .refine((v) => v === "auto" || v === "vllm" || existsSync(join(v, "generation_config.json")), {
+        error: "must be auto, vllm, or a folder holding a generation_config.json",
+      }),
+    chatTemplate: z
+      .string()
+      .min(1)
+      .refine((f) => existsSync(f), { error: "no such file" })
+      .optional(),
     maxBodyBytes: byteSizeText.optional(),
     maxPromptBytes: byteSizeText.optional(),
     maxMessages: intText(1, 1_000_000).optional(),
@@ -195,6 +214,12 @@ const FLAG: Record<string, string> = {
   maxModelLen: "--max-model-len",
   maxPrefillTokens: "--max-prefill-tokens",
   apiKeys: "--api-keys",
+  apiKey: "--api-key",
+  servedModelName: "--served-model-name",
+  maxNumSeqs: "--max-num-seqs",
+  seed: "--seed",
+  generationConfig: "--generation-config",
+  chatTemplate: "--chat-template",
   maxBodyBytes: "--max-body-bytes",
   maxPromptBytes: "--max-prompt-bytes",
   maxMessages: "--max-messages",

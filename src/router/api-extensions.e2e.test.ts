@@ -17,7 +17,7 @@ import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
 import { assertPoolIdle, modelDir, operatorGet } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
-import { ModelTokenizer } from "../model/tokenizer.js";
+import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
 
 const MODEL = "tiny-qwen2";
 const KEY = "sk-sampling-controls-1";
@@ -556,5 +556,53 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
       );
       await assertPoolIdle(server.url);
     }
+  });
+
+  test("chat template controls: add_generation_prompt, continue_final_message, chat_template_kwargs", async () => {
+    const { server } = servers[0]!;
+    const template = loadChatTemplate(modelDir(MODEL), tokenizer)!;
+    const tokenize = async (body: object) => {
+      const res = await fetch(`${server.url}/tokenize`, {
+        method: "POST",
+        headers: { "content-type": "application/json", authorization: `Bearer ${KEY}` },
+        body: JSON.stringify({ model: MODEL, ...body }),
+      });
+      return {
+        status: res.status,
+        body: (await res.json()) as { tokens: number[]; error?: { param: string } },
+      };
+    };
+    const messages = [
+      { role: "user" as const, content: "Say hi" },
+      { role: "assistant" as const, content: "Hello the" },
+    ];
+    const ids = (text: string) => Array.from(tokenizer.encode(text, { addSpecialTokens: false }));
+    // By default (as vLLM) the final assistant message is closed and a new turn opens.
+    assert.deepEqual((await tokenize({ messages })).body.tokens, ids(template.render(messages)));
+    assert.deepEqual(
+      (await tokenize({ messages, add_generation_prompt: false })).body.tokens,
+      ids(template.render(messages, { addGenerationPrompt: false })),
+    );
+    // Continued: the prompt ends with the assistant's text, no end of turn.
+    const continued = (
+      await tokenize({ messages, continue_final_message: true, add_generation_prompt: false })
+    ).body;
+    const text = tokenizer.decode(continued.tokens, { skipSpecialTokens: false });
+    assert.ok(text.endsWith("Hello the"), text);
+    const both = await tokenize({ messages, continue_final_message: true, add_generation_prompt: true });
+    assert.equal(both.status, 400);
+    assert.equal(both.body.error?.param, "continue_final_message");
+    // The same prompt on the chat endpoint.
+    const { client } = servers[1]!;
+    const res = await client.chat.completions.create({
+      model: MODEL,
+      messages,
+      max_tokens: 2,
+      temperature: 0,
+      continue_final_message: true,
+      add_generation_prompt: false,
+      chat_template_kwargs: { enable_thinking: false },
+    } as OpenAI.ChatCompletionCreateParamsNonStreaming);
+    assert.equal(res.usage!.prompt_tokens, continued.tokens.length);
   });
 });

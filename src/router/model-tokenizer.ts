@@ -31,7 +31,7 @@ export function routerTokenizer(
       }
       // The rendered text already carries the template's special tokens (BOS, <|im_start|>, ...).
       return tokenizer.encode(chatTemplate.render(messages, options ?? { addGenerationPrompt: true }), {
-        addSpecialTokens: false,
+        addSpecialTokens: options?.addSpecialTokens === true,
       });
     },
     tokenPiece(id) {

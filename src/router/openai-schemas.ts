@@ -88,6 +88,10 @@ const samplingFields = {
   stop_token_ids: z.array(z.number().int().min(0)).max(64).nullable().optional(),
   skip_special_tokens: z.boolean().nullable().optional(),
   include_stop_str_in_output: z.boolean().nullable().optional(),
+  /** SGLang's name for include_stop_str_in_output. */
+  no_stop_trim: z.boolean().nullable().optional(),
+  /** vLLM's: add the tokenizer's special tokens (BOS) to the prompt (completions: default true; chat: false). */
+  add_special_tokens: z.boolean().nullable().optional(),
   /** vLLM's: the prompt's log-probabilities with this many top ones. */
   prompt_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
 };
@@ -161,6 +165,8 @@ export interface SamplingRequest {
   readonly skipSpecialTokens: boolean;
   /** The matched stop string (or stop token's text) stays in the output. */
   readonly includeStopStr: boolean;
+  /** vLLM's `add_special_tokens`; null: the endpoint's default (completions yes, chat no). */
+  readonly addSpecialTokens: boolean | null;
   /** Each output token's log-probability with this many top ones; null: none asked. */
   readonly logprobs: number | null;
   /** The prompt's log-probabilities with this many top ones (vLLM's `prompt_logprobs`, or echo's); null: none. */
@@ -184,6 +190,8 @@ export interface ChatTemplateOptions {
   readonly addGenerationPrompt: boolean;
   readonly continueFinalMessage: boolean;
   readonly kwargs: Readonly<Record<string, unknown>>;
+  /** Add the tokenizer's special tokens (BOS) on top of the template's (vLLM's, default false). */
+  readonly addSpecialTokens: boolean;
 }
 
 export interface ParsedCompletionRequest extends SamplingRequest {
@@ -245,6 +253,8 @@ const equals =
   (v: unknown): boolean =>
     v == null || v === neutral;
 const empty = (v: unknown): boolean => v == null || (Array.isArray(v) && v.length === 0);
+const emptyObject = (v: unknown): boolean =>
+  v == null || (typeof v === "object" && !Array.isArray(v) && Object.keys(v).length === 0);
 
 /**
  * Request fields of vLLM and SGLang that change the answer, with the values that do not: a request
@@ -265,6 +275,80 @@ export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   truncate_prompt_tokens: unset,
   /** A per-request template: not taken from clients here (the operator's --chat-template is). */
   chat_template: unset,
+  // vLLM's others.
+  best_of: (v) => v == null || v === 1,
+  allowed_token_ids: empty,
+  spaces_between_special_tokens: equals(true),
+  documents: empty,
+  mm_processor_kwargs: emptyObject,
+  structural_tag: unset,
+  guided_decoding_backend: unset,
+  guided_whitespace_pattern: unset,
+  logits_processors: empty,
+  return_tokens_as_token_ids: equals(false),
+  vllm_xargs: emptyObject,
+  kv_transfer_params: emptyObject,
+  prompt_embeds: unset,
+  // SGLang's others.
+  return_hidden_states: equals(false),
+  return_routed_experts: equals(false),
+  routed_experts_start_len: equals(0),
+  return_cached_tokens_details: equals(false),
+  return_prompt_token_ids: equals(false),
+  return_token_ids: equals(false),
+  return_meta_info: equals(false),
+  task: unset,
+  reasoning: unset,
+  stop_regex: (v) => v == null || v === "" || (Array.isArray(v) && v.length === 0),
+  lora_path: unset,
+  session_id: unset,
+  session_params: unset,
+  max_dynamic_patch: unset,
+  min_dynamic_patch: unset,
+  use_audio_in_video: equals(false),
+  images_config: unset,
+  custom_logit_processor: unset,
+  custom_params: unset,
+  input_ids: unset,
+  // OpenAI's newer fields that change the answer (no audio, predicted outputs, web search, reasoning).
+  audio: unset,
+  modalities: (v) => v == null || (Array.isArray(v) && v.length === 1 && v[0] === "text"),
+  prediction: unset,
+  web_search_options: unset,
+  verbosity: unset,
+  reasoning_effort: unset,
+};
+
+/**
+ * Fields that never change the answer, accepted and not used: bookkeeping (`user`, `metadata`,
+ * `store`, request ids), routing and scheduling hints of other servers, reasoning-parser switches
+ * (this server parses no reasoning). Listed so that the field walk (request-fields.test.ts) and
+ * docs/api.md know every field a client may send.
+ */
+export const NEUTRAL: Readonly<Record<string, string>> = {
+  user: "an end-user id for the caller's own records",
+  metadata: "the caller's tags, stored nowhere",
+  store: "OpenAI's storage of completions: nothing is stored",
+  service_tier: "OpenAI's billing tier",
+  safety_identifier: "OpenAI's abuse-monitoring id",
+  prompt_cache_key: "OpenAI's cache routing hint",
+  parallel_tool_calls: "no tools are served",
+  include_reasoning: "no reasoning parser: the text is the whole answer",
+  separate_reasoning: "no reasoning parser: the text is the whole answer",
+  stream_reasoning: "no reasoning parser: the text is the whole answer",
+  priority: "a scheduling hint (fair sharing between tenants decides the order here)",
+  request_id: "a request id (x-request-id is this server's)",
+  rid: "a request id (x-request-id is this server's)",
+  extra_key: "a caller's request class",
+  cache_salt: "a prefix-cache salt: the cache here is fenced per tenant; the answer is the same",
+  ngram_corpus_id: "a speculative-decoding corpus (none here)",
+  bootstrap_host: "SGLang's disaggregation routing",
+  bootstrap_port: "SGLang's disaggregation routing",
+  bootstrap_room: "SGLang's disaggregation routing",
+  routed_dp_rank: "SGLang's data-parallel routing",
+  disagg_prefill_dp_rank: "SGLang's data-parallel routing",
+  data_parallel_rank: "SGLang's data-parallel routing",
+  custom_labels: "SGLang's metric labels",
 };
 
 function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: object): void {
@@ -334,7 +418,8 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
     stopTokenIds: req.stop_token_ids ?? [],
     minTokens: req.min_tokens ?? 0,
     skipSpecialTokens: req.skip_special_tokens !== false,
-    includeStopStr: req.include_stop_str_in_output === true,
+    includeStopStr: req.include_stop_str_in_output === true || req.no_stop_trim === true,
+    addSpecialTokens: req.add_special_tokens ?? null,
     logprobs: null,
     promptLogprobs: req.prompt_logprobs ?? null,
     vllmPromptLogprobs: req.prompt_logprobs ?? null,
@@ -391,6 +476,10 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
           ? m.content
           : m.content.map((p) => p.text).join(""),
   }));
+  // vLLM's chat echo (the reply prefixed with the last message of its role) is not served.
+  const echo = (body as { echo?: unknown }).echo;
+  if (echo != null && echo !== false)
+    refuse("echo", "echo on chat (vLLM's) is not supported: leave it unset or false");
   const continueFinalMessage = req.continue_final_message === true;
   if (continueFinalMessage && req.add_generation_prompt === true) {
     refuse(
@@ -406,6 +495,7 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
       addGenerationPrompt: req.add_generation_prompt !== false,
       continueFinalMessage,
       kwargs: req.chat_template_kwargs ?? {},
+      addSpecialTokens: req.add_special_tokens === true,
     },
   };
 }

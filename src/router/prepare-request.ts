@@ -100,7 +100,9 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
           prompts.reduce((sum: number, q) => sum + (typeof q === "string" ? Buffer.byteLength(q) : 0), 0),
         encode: (tokenizer) =>
           prompts.map((q, i) =>
-            typeof q === "string" ? tokenizer.encodePrompt(q) : checkedIds(q, i, prompts.length, tokenizer),
+            typeof q === "string"
+              ? tokenizer.encodePrompt(q, parsed.addSpecialTokens !== false)
+              : checkedIds(q, i, prompts.length, tokenizer),
           ),
         echoTexts: (tokenizer, tokens) =>
           prompts.map((q, i) => (typeof q === "string" ? q : tokenizer.decode(tokens[i]!))),

@@ -151,11 +151,9 @@ export async function startServer(
   // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
   const limits = limitsOf(config, contextLength);
   const card = modelCard(model, config);
+  const template = config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate };
   const preparer = await PreparePool.start({
-    modelDir: model.dir,
-    modelId: [card.id, ...card.aliases],
-    ...(config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate }),
-    limits,
+    ...{ modelDir: model.dir, modelId: [card.id, ...card.aliases], limits, ...template },
     threads: config.tokenizerThreads,
     onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
   }).catch(async (err: unknown) => {
@@ -164,15 +162,10 @@ export async function startServer(
   });
   const router = new RouterServer({
     engine,
-    tokenizer: routerTokenizer(
-      model.tokenizer,
-      config.chatTemplate === undefined
-        ? model.chatTemplate
-        : loadChatTemplate(model.dir, model.tokenizer, config.chatTemplate),
-    ),
+    tokenizer: tokenizerOf(model, config),
     preparer,
     limits,
-    model: modelCard(model, config),
+    model: card,
     tenants,
     logger: log,
     maxModelLen: config.maxModelLen,
@@ -228,6 +221,15 @@ function limitsOf(config: ServeConfig, contextLength: number) {
 }
 
 /** What the router knows of the model: its id, window, end-of-sequence ids and sampling defaults. */
+/** The router's tokenizer, with `--chat-template FILE` in place of the folder's template when given. */
+function tokenizerOf(model: ReturnType<typeof loadModelMeta>, config: ServeConfig) {
+  const template =
+    config.chatTemplate === undefined
+      ? model.chatTemplate
+      : loadChatTemplate(model.dir, model.tokenizer, config.chatTemplate);
+  return routerTokenizer(model.tokenizer, template);
+}
+
 /** The served model as the router shows it: its names, window, EOS ids and sampling defaults. */
 function modelCard(model: ReturnType<typeof loadModelMeta>, config: ServeConfig) {
   // --generation-config: auto (the folder's), vllm (none, as vLLM's), or another folder's.

@@ -170,6 +170,12 @@ export class ScriptedEngine implements EngineHandle {
 
 /** ChatML over UTF-8 bytes: ids 0-255 are bytes, 257 `<|im_start|>`, 258 `<|im_end|>`. */
 export const byteTokenizer: RouterTokenizer = {
+  vocabSize: 259,
+  decode: (ids) => Buffer.from(Array.from(ids).filter((id) => id < 256)).toString("utf8"),
+  tokenPiece(id: number) {
+    const bytes = id < 256 ? [id] : [...Buffer.from(id === IM_START ? "<|im_start|>" : "<|im_end|>")];
+    return { text: Buffer.from(bytes).toString("utf8"), bytes };
+  },
   encodeChat(messages: readonly ChatMessage[]): Int32Array {
     const ids: number[] = [];
     for (const m of messages) {

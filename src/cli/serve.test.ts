@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
 import { once } from "node:events";
-import { copyFileSync, existsSync, mkdtempSync, rmSync } from "node:fs";
+import { copyFileSync, existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import net from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -236,4 +236,110 @@ test("startNode() and startServer(--role router) refuse a weak cluster secret be
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }
+});
+
+test("kvfence serve MODEL with vLLM's serving flags: names, keys, seed, generation config, chat template", {
+  timeout: 60_000,
+}, async () => {
+  const dir = mkdtempSync(join(tmpdir(), "kvfence-serve-flags-"));
+  const template = join(dir, "template.jinja");
+  writeFileSync(template, "{% for m in messages %}[{{ m.content }}]{% endfor %}");
+  const child = spawn(
+    process.execPath,
+    [
+      MAIN,
+      "serve",
+      modelDir("tiny-qwen2"),
+      "--port",
+      "0",
+      "--kv-pages",
+      "160",
+      "--no-disaggregation",
+      "--served-model-name",
+      "tiny",
+      "tiny-alias",
+      "--api-key",
+      "sk-cli-key-0001",
+      "--api-key",
+      "sk-cli-key-0002",
+      "--max-num-seqs",
+      "4",
+      "--max-queued-requests",
+      "8",
+      "--seed",
+      "3",
+      "--generation-config",
+      "vllm",
+      "--chat-template",
+      template,
+    ],
+    { stdio: "pipe", env: { ...process.env, KVFENCE_LOG_LEVEL: "warn" } },
+  );
+  try {
+    let stdout = "";
+    const url = await new Promise<string>((resolve, reject) => {
+      child.stdout.on("data", (d: Buffer) => {
+        stdout += d.toString();
+        const match = /at (http:\/\/127\.0\.0\.1:\d+) /.exec(stdout);
+        if (match !== null) resolve(match[1]!);
+      });
+      child.on("exit", (code) => reject(new Error(`kvfence serve exited early with code: ${code}`)));
+    });
+    const get = (path: string, key: string | null) =>
+      fetch(`${url}${path}`, { headers: key === null ? {} : { authorization: `Bearer ${key}` } });
+    assert.equal((await get("/v1/models", null)).status, 401);
+    const models = (await (await get("/v1/models", "sk-cli-key-0002")).json()) as { data: { id: string }[] };
+    assert.deepEqual(
+      models.data.map((m) => m.id),
+      ["tiny", "tiny-alias"],
+    );
+    const post = (path: string, body: object) =>
+      fetch(`${url}${path}`, {
+        method: "POST",
+        headers: { "content-type": "application/json", authorization: "Bearer sk-cli-key-0001" },
+        body: JSON.stringify(body),
+      });
+    // The template file renders the messages; the alias is served under the first name.
+    const tokens = (await (
+      await post("/tokenize", { messages: [{ role: "user", content: "hi" }] })
+    ).json()) as {
+      tokens: number[];
+    };
+    const plain = (await (await post("/tokenize", { prompt: "[hi]", add_special_tokens: false })).json()) as {
+      tokens: number[];
+    };
+    assert.deepEqual(tokens.tokens, plain.tokens);
+    const answer = (await (
+      await post("/v1/chat/completions", {
+        model: "tiny-alias",
+        messages: [{ role: "user", content: "hi" }],
+        max_tokens: 2,
+      })
+    ).json()) as { model: string; choices: unknown[] };
+    assert.equal(answer.model, "tiny");
+    assert.equal(answer.choices.length, 1);
+  } finally {
+    if (child.exitCode === null) child.kill("SIGKILL");
+    rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+test("startServer() refuses --max-model-len above the model's window, and --generation-config without one", async () => {
+  await assert.rejects(
+    startServer(
+      parseServeConfig({
+        ...defaults,
+        model: modelDir("tiny-qwen2"),
+        port: "0",
+        maxModelLen: "4096",
+        kvPages: "512",
+      }),
+      { logger: createLogger({ level: "silent" }) },
+    ),
+    /--max-model-len 4096 is above the model's window of 2048 tokens/,
+  );
+  assert.throws(
+    () => parseServeConfig({ ...defaults, generationConfig: tmpdir() }),
+    /--generation-config: must be auto, vllm, or a folder holding a generation_config.json/,
+  );
 });

@@ -18,6 +18,7 @@ const collect = (value: string, previous: string[] = []): string[] => [...previo
 export function command(): Command {
   const cmd = new Command("serve")
     .description("Serve the OpenAI-compatible API (router + prefill + decode; or one role per process)")
+    .argument("[model]", "Hugging Face model folder (as --model; vLLM's and SGLang's positional form)")
     .option("--host <host>", "address to listen on", "127.0.0.1")
     .option("--port <port>", "port to listen on (0 = any free port)", "8000")
     .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
@@ -30,7 +31,21 @@ export function command(): Command {
     .option(
       "--api-keys <file>",
       'API keys: JSON {"sk-...": "tenant"} or lines "key tenant" (or env KVFENCE_API_KEYS)',
-    );
+    )
+    .option("--api-key <key>", 'an API key of tenant "default" (repeatable; besides --api-keys)', collect, [])
+    .option(
+      "--served-model-name <name...>",
+      "the model names clients may send (the first is reported; default: the folder's name)",
+    )
+    .option("--max-num-seqs <n>", "requests one engine step batches (sequence slots; default 16)")
+    .option("--max-queued-requests <n>", "as --max-queue (vLLM's name)")
+    .option("--seed <n>", "seed of the requests that bring none (default: random at each start)")
+    .option(
+      "--generation-config <source>",
+      "sampling defaults: auto (the model folder's generation_config.json), vllm (none), or a folder holding one",
+      "auto",
+    )
+    .option("--chat-template <file>", "a Jinja chat template file in place of the model folder's");
   routerOptions(cmd)
     .option("--scrub-on-free", "zero KV pages when they are freed", false)
     .option("--no-disaggregation", "run prefill and decode on one engine")
@@ -122,7 +137,11 @@ function routerOptions(cmd: Command): Command {
       "--metrics-port <port>",
       "port of the operator listener (default: --port + 1 when no --operator-key is given, else none)",
     )
-    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false);
+    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false)
+    .option(
+      "--allowed-origins <origin...>",
+      'browser origins answered with CORS headers and preflights (repeatable or comma-separated; "*" for any; default none)',
+    );
 }
 
 /** The fair-share and readiness flags (docs/api.md, "Fair sharing"). */
@@ -148,8 +167,9 @@ function fairShareOptions(cmd: Command): Command {
     );
 }
 
-async function serve(raw: Record<string, unknown>): Promise<void> {
+async function serve(positional: string | undefined, rawOptions: Record<string, unknown>): Promise<void> {
   const early = createLogger({ level: "info" });
+  const raw = positionalModel(positional, rawOptions);
   let config: ServeConfig;
   try {
     const envKey = process.env.KVFENCE_OPERATOR_KEY;
@@ -167,6 +187,35 @@ async function serve(raw: Record<string, unknown>): Promise<void> {
   const log = config.logLevel === "info" ? early : createLogger({ level: config.logLevel as LogLevel });
   if (config.role === "prefill" || config.role === "decode") await serveNode(config, log);
   else await serveRouter(config, log);
+}
+
+/**
+ * `kvfence serve MODEL` is `--model MODEL`; both at once must agree. `--max-queued-requests` is
+ * `--max-queue`. Throws (exit 2) on a conflict.
+ */
+function positionalModel(
+  positional: string | undefined,
+  raw: Record<string, unknown>,
+): Record<string, unknown> {
+  let out = raw;
+  if (positional !== undefined) {
+    if (raw.model !== BUNDLED_MODEL_DIR && raw.model !== positional) {
+      process.stderr.write(
+        `kvfence serve: the model is given twice: ${positional} and --model ${String(raw.model)}; give one\n`,
+      );
+      process.exit(2);
+    }
+    out = { ...out, model: positional };
+  }
+  if (raw.maxQueuedRequests !== undefined) {
+    if (raw.maxQueue !== undefined && raw.maxQueue !== raw.maxQueuedRequests) {
+      process.stderr.write("kvfence serve: --max-queue and --max-queued-requests disagree; give one\n");
+      process.exit(2);
+    }
+    const { maxQueuedRequests, ...rest } = out;
+    out = { ...rest, maxQueue: maxQueuedRequests };
+  }
+  return out;
 }
 
 /** `--role prefill|decode`: one node in this process, until a signal. */

@@ -155,6 +155,8 @@ export class DisaggregatedEngine implements EngineHandle {
   readonly #pairs: Pair[] = [];
   readonly #slots: Slot[];
   readonly #requests = new Map<number, Pending>();
+  /** The node message being handled (its log-probabilities go with the tokens it yields), or null. */
+  #incoming: (FromNode & { kind: "protocol" }) | null = null;
   /** Every open request by the client's rid: waiting or dispatched. */
   readonly #open = new Map<number, Pending>();
   readonly #statsWaiters = new Map<number, { node: string; resolve: (s: NodeStats | null) => void }>();
@@ -385,6 +387,9 @@ export class DisaggregatedEngine implements EngineHandle {
         topK: request.topK,
         seed: request.seed,
         stopTokenIds: request.stopTokenIds,
+        ...(request.controls === undefined ? {} : { controls: request.controls }),
+        ...(request.logprobs === undefined ? {} : { logprobs: request.logprobs }),
+        ...(request.promptLogprobs === undefined ? {} : { promptLogprobs: request.promptLogprobs }),
       },
       promptTokens: Array.from(request.promptTokens),
       decodePages: decodeReservationPages(request.promptTokens.length, request.maxTokens, pageSize),
@@ -612,7 +617,12 @@ export class DisaggregatedEngine implements EngineHandle {
   #onNodeMessage(slot: Slot, message: FromNode): void {
     switch (message.kind) {
       case "protocol":
-        this.#onProtocol(slot, message.msg);
+        this.#incoming = message;
+        try {
+          this.#onProtocol(slot, message.msg);
+        } finally {
+          this.#incoming = null;
+        }
         return;
       case "pong":
         this.#pong(slot, message.id);
@@ -748,12 +758,21 @@ export class DisaggregatedEngine implements EngineHandle {
   #tokens(effect: TokensEffect): void {
     const pending = this.#requests.get(effect.rid);
     if (pending === undefined || pending.silenced || pending.stopped) return;
+    // The node message these tokens came in carries their log-probabilities, when asked.
+    const incoming = this.#incoming;
+    if (incoming?.promptLogprobs !== undefined) pending.events.onPromptLogprobs?.(incoming.promptLogprobs);
+    const lp = incoming?.logprobs;
     // A stop token ends the stream; decode reports the finish.
     let n = 0;
     while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
     if (n < effect.tokens.length) pending.stopped = true;
-    if (n > 0)
-      pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+    if (n > 0) {
+      const all = n === effect.tokens.length;
+      pending.events.onTokens(
+        all ? effect.tokens : effect.tokens.slice(0, n),
+        lp === undefined || lp.length < n ? undefined : all ? lp : lp.slice(0, n),
+      );
+    }
   }
 
   /**
@@ -773,7 +792,9 @@ export class DisaggregatedEngine implements EngineHandle {
     this.#share.finished(pending);
     if (pending.silenced) return;
     if (effect.error === null) {
-      pending.events.onFinish(effect.finishReason ?? "length", {
+      // A stop token ends it with `stop` even as its last allowed token (max_tokens 1: decode
+      // finished the request at commit, by its length).
+      pending.events.onFinish(pending.stopped ? "stop" : (effect.finishReason ?? "length"), {
         promptTokens: pending.promptTokens.length,
         completionTokens: pending.completionTokens,
       });
@@ -811,7 +832,14 @@ export class DisaggregatedEngine implements EngineHandle {
         ...(pending === undefined ? {} : { sampling: pending.sampling }),
       };
     } else if (msg.type === "reserve" && pending !== undefined) {
-      message = { kind: "protocol", prefill: pair.prefill.id, msg, sampling: pending.sampling };
+      const sampling = pending.sampling;
+      const readsPrompt = (sampling.controls?.repetitionPenalty ?? 1) !== 1;
+      message = {
+        kind: "protocol",
+        prefill: pair.prefill.id,
+        msg,
+        sampling: readsPrompt ? { ...sampling, prompt: pending.promptTokens } : sampling,
+      };
     } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
     try {
       slot.node.link.send(message);

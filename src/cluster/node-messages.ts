@@ -10,6 +10,8 @@
  * releases exactly its own quarantined pages).
  */
 import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { LogitControls } from "../lib/logit-controls.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { ControlMessage } from "../protocol/wire.js";
 
 /** Sampling parameters of one request, as the engine's `GenerationRequest` has them. */
@@ -19,6 +21,15 @@ export interface SamplingParams {
   readonly topK: number;
   readonly seed: number | null;
   readonly stopTokenIds: readonly number[];
+  readonly controls?: LogitControls | undefined;
+  /** As `GenerationRequest.logprobs` and `.promptLogprobs`. */
+  readonly logprobs?: number | undefined;
+  readonly promptLogprobs?: number | undefined;
+  /**
+   * The prompt's ids, on `reserve` only when the decode side's sampling reads them (a repetition
+   * penalty); decode otherwise knows only the prompt's length.
+   */
+  readonly prompt?: readonly number[] | undefined;
 }
 
 /** Router → node. */
@@ -103,7 +114,14 @@ export interface NodeStats {
 /** Node → router. */
 export type FromNode =
   | NodeHello
-  | { readonly kind: "protocol"; readonly msg: ControlMessage }
+  | {
+      readonly kind: "protocol";
+      readonly msg: ControlMessage;
+      /** When the request asked: one entry per token the message carries (`committed`: its first). */
+      readonly logprobs?: readonly TokenLogprobs[] | undefined;
+      /** With `committed`, when the request asked: the prompt's log-probabilities. */
+      readonly promptLogprobs?: readonly (TokenLogprobs | null)[] | undefined;
+    }
   | { readonly kind: "stats"; readonly id: number; readonly stats: NodeStats }
   | { readonly kind: "pong"; readonly id: number }
   /** Decode: the transfer channel to this prefill node is up / went down (the fence). */

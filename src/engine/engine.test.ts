@@ -488,3 +488,61 @@ test("Engine: a heavier tenant's prompt adds no more compute to a step than a li
   assert.deepEqual(heavy.outcome.tokens, aloneHeavy);
   assertIdle(engine);
 });
+/** Sample 0 of n and the others (`sample: {of, index}`), seeded seed + index, as the router sends them. */
+function samples(n: number, p: readonly number[], maxTokens: number, ridBase = 1): GenerationRequest[] {
+  return Array.from({ length: n }, (_, index) =>
+    request(ridBase + index, p, maxTokens, {
+      temperature: 1,
+      seed: 500 + index,
+      ...(index === 0 ? {} : { sample: { of: ridBase, index } }),
+    }),
+  );
+}
+
+test("Engine forks the samples of n > 1 from one prefill: outputs as separate requests, every page freed", () => {
+  const p = prompt(22, 7);
+  const requests = samples(4, p, 9);
+  const alone = requests.map((r) => runAll(makeEngine(), [{ ...r, sample: undefined }])[0]!.tokens);
+  // A page size that leaves the prompt's last page partly filled, which each sample then appends to.
+  const engine = makeEngine({ maxPrefillTokens: 8 });
+  const outcomes = runAll(engine, requests);
+  assert.deepEqual(
+    outcomes.map((o) => o.tokens),
+    alone,
+  );
+  for (const o of outcomes) assert.deepEqual(o.usage, { promptTokens: 22, completionTokens: 9 });
+  const { prefillTokens, forkedSamples } = engine.stats().counters;
+  assert.equal(prefillTokens, 22, "the prompt is computed once");
+  assert.equal(forkedSamples, 3);
+  assertIdle(engine);
+});
+
+test("Engine: samples whose first sample ends before its prompt is computed, or that find no pages, compute their own", () => {
+  const p = prompt(13, 3);
+  const requests = samples(3, p, 6);
+  const alone = requests.map((r) => runAll(makeEngine(), [{ ...r, sample: undefined }])[0]!.tokens);
+  const engine = makeEngine({ maxPrefillTokens: 4 });
+  const outcomes = requests.map((r) => {
+    const rec = recorder();
+    engine.submit(r, rec.events);
+    return rec.outcome;
+  });
+  engine.step();
+  engine.abort(requests[0]!.rid);
+  runUntilIdle(engine);
+  assert.deepEqual(outcomes[0]!.tokens, []);
+  assert.deepEqual(
+    outcomes.slice(1).map((o) => o.tokens),
+    alone.slice(1),
+  );
+  assert.equal(engine.stats().counters.forkedSamples, 0);
+  assertIdle(engine);
+  // A pool with room for one request at a time: the samples wait, compute their own, same answers.
+  const tiny = makeEngine({ numPages: 5 });
+  assert.deepEqual(
+    runAll(tiny, requests).map((o) => o.tokens),
+    alone,
+  );
+  assert.equal(tiny.stats().counters.forkedSamples, 0);
+  assertIdle(tiny);
+});

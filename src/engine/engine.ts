@@ -37,9 +37,12 @@
  *    (`ExternalPages.checkStep`: the decode state machine, with the same rule), so each token is
  *    checked exactly once.
  * 4. **Forward**, then `PagePool.recordStep` stamps the written pages and marks fresh ones READY.
- * 5. **Sampling** for every request whose step reached its last token: its per-request seeded
- *    generator draws the next token; a stop token id ends it with `stop` (the stop token is counted
- *    in usage but not reported in `onTokens`), `maxTokens` with `length`.
+ * 5. **Sampling** for every request whose step reached its last token: its logit controls
+ *    (`Sampler.process`) apply, then its per-request seeded generator draws the next token; a stop
+ *    token id ends it with `stop` (the stop token is counted in usage but not reported in
+ *    `onTokens`), `maxTokens` with `length`. A request that asked for log-probabilities gets them
+ *    with each token (from the raw logits, before the controls), and the prompt's once, before its
+ *    first token (computed row by row as its prompt's chunks run, `StepSequence.rowLogits`).
  *
  * `step()` runs these as named phases (`#scheduleDecodes`, `#admitWaiting`, `#schedulePrefills`,
  * `#checkBatch`, `#forward`, `#sample`). A decode step of a running request allocates nothing: the token it feeds
@@ -64,9 +67,11 @@ import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
 import { Prng } from "../lib/prng.js";
+import { MAX_TOP_LOGPROBS, type TokenLogprobs } from "../lib/token-logprobs.js";
 import type { StepSequence } from "../model/forward.js";
+import { tokenLogprobs } from "../model/logprobs.js";
 import type { ModelConfig } from "../model/model-config.js";
-import { MIN_TEMPERATURE, Sampler } from "../model/sampler.js";
+import { Sampler } from "../model/sampler.js";
 import type {
   EngineCapacity,
   EngineStats,
@@ -202,6 +207,16 @@ class Sequence {
   readonly decodeInput = new Int32Array(1);
   /** The array `onTokens` receives a sampled token in (reused: listeners copy what they keep). */
   readonly sampled: number[] = [0];
+  /** Log-probabilities asked for: the raw logits of the last step (the controls change the step's). */
+  raw: Float32Array | null = null;
+  readonly sampledLogprobs: TokenLogprobs[] = [];
+  /** The prompt's log-probabilities asked for: filled as its chunks run, reported once. */
+  promptEntries: (TokenLogprobs | null)[] | null = null;
+  promptReported = false;
+  /** A sample of n > 1 waiting to fork its first sample's prompt: that one's rid; else -1. */
+  forkOf = -1;
+  /** The forward pass's per-row callback that fills `promptEntries` (null: not asked). */
+  rowLogits: ((index: number, logits: Float32Array, offset: number) => void) | null = null;
   #pagesView: Int32Array;
 
   constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {
@@ -303,7 +318,13 @@ export class Engine {
     aborts: 0,
     promptTokens: 0,
     completionTokens: 0,
+    prefillTokens: 0,
+    forkedSamples: 0,
   };
+  /** Samples of n > 1 waiting for their first sample's prompt (by its rid), to fork it. */
+  readonly #forks = new Map<number, Sequence[]>();
+  /** A fork's copy of the first sample's raw logits, for each sample to draw from. */
+  readonly #forkLogits: Float32Array;
 
   constructor(model: StepModel, pool: PagePool, options: EngineOptions = {}) {
     const config = model.config;
@@ -352,6 +373,7 @@ export class Engine {
       maxSequences: model.maxSequences,
     });
     this.#prefillTenants = new Uint32Array(this.#maxSequences);
+    this.#forkLogits = new Float32Array(config.vocabSize);
     for (let i = 0; i < this.#maxSequences; i++) this.#logits.push(new Float32Array(config.vocabSize));
     for (let k = 0; k <= this.#maxSequences; k++)
       this.#stepViews.push(Array.from({ length: k }, () => this.#idleStep));
@@ -373,7 +395,19 @@ export class Engine {
    */
   submit(request: GenerationRequest, events: GenerationEvents): void {
     const seq = this.#admit(request, events);
-    if (seq !== null) this.#enqueue(seq);
+    if (seq === null) return;
+    const first = request.sample === undefined ? undefined : this.#byRid.get(request.sample.of);
+    if (first !== undefined && first.ownership === "local" && first.generated === 0 && first.forkOf < 0) {
+      // A sample of n > 1: it waits for its first sample's prompt, then forks it (`#fork`).
+      seq.forkOf = first.rid;
+      this.#byRid.set(seq.rid, seq);
+      this.#counters.promptTokens += seq.promptLength;
+      const list = this.#forks.get(first.rid);
+      if (list === undefined) this.#forks.set(first.rid, [seq]);
+      else list.push(seq);
+      return;
+    }
+    this.#enqueue(seq);
   }
 
   /** The door check, then the request's sequence (its seed drawn if it has none); null when refused. */
@@ -384,7 +418,20 @@ export class Engine {
       return null;
     }
     const seed = request.seed ?? this.#seeds.nextUint32();
-    return new Sequence(request, events, this.pool.pageSize, seed);
+    const seq = new Sequence(request, events, this.pool.pageSize, seed);
+    const k = request.promptLogprobs;
+    if (k !== undefined) {
+      const entries: (TokenLogprobs | null)[] = new Array(seq.promptLength).fill(null);
+      const vocab = this.#model.config.vocabSize;
+      seq.promptEntries = entries;
+      // Row `index` of a step at position p predicts the prompt's token p + 1.
+      seq.rowLogits = (index, logits, offset) => {
+        const next = seq.stepStart + index + 1;
+        if (next < seq.promptLength)
+          entries[next] = tokenLogprobs(logits, seq.tokens[next]!, k, offset, vocab);
+      };
+    }
+    return seq;
   }
 
   #enqueue(seq: Sequence): void {
@@ -465,7 +512,7 @@ export class Engine {
       seq.generated = 1;
       // Prefill drew the first token from the same seeded generator: skip its draw, so a seeded
       // request samples the same tokens as on one engine (the sampler draws once per token).
-      if (request.temperature >= MIN_TEMPERATURE && request.topK !== 1) seq.rng.next();
+      if (Sampler.draws(request)) seq.rng.next();
     }
     this.#enqueue(seq);
   }
@@ -754,6 +801,7 @@ export class Engine {
       s.startPos = seq.stepStart;
       s.blockTable = seq.pagesView();
       s.logits = seq.stepEnd === seq.length ? this.#logits[logitsUsed++]! : null;
+      s.rowLogits = promptRows(seq);
       seq.checked = true;
     }
     let count = 0;
@@ -782,6 +830,8 @@ export class Engine {
       if (!this.#runs(seq)) continue;
       if (seq.ownership !== "decode-external")
         this.pool.recordStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
+      if (seq.stepStart < seq.promptLength)
+        this.#counters.prefillTokens += Math.min(seq.stepEnd, seq.promptLength) - seq.stepStart;
       seq.computed = seq.stepEnd;
     }
   }
@@ -793,28 +843,89 @@ export class Engine {
       const seq = batch[b]!;
       const logits = seq.step.logits;
       if (!this.#runs(seq) || logits === null || seq.computed !== seq.length) continue;
-      const r = seq.request;
-      const token = this.#sampler.sample(logits, r, seq.rng);
-      seq.tokens[seq.length++] = token;
-      seq.generated++;
-      this.#counters.completionTokens++;
-      seq.sampled[0] = token;
-      if (seq.ownership === "prefill-only") {
-        this.#end(seq);
-        seq.events.onTokens(seq.sampled);
-        seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: 1 });
-        continue;
-      }
-      if (r.stopTokenIds.includes(token)) {
-        this.#finish(seq, "stop");
-        continue;
-      }
-      const done = seq.generated >= r.maxTokens;
-      if (done) this.#end(seq);
-      seq.events.onTokens(seq.sampled);
-      if (done)
-        seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
+      if (seq.generated === 0 && this.#forks.has(seq.rid)) this.#fork(seq, logits);
+      this.#sampleOne(seq, logits);
     }
+  }
+
+  /**
+   * The first sample of n > 1 computed its prompt: each sample waiting for it gets pages of its own,
+   * a copy of the prompt's KV (read under the first sample's tag check, stamped as the sample's own),
+   * and draws its first token from the same logits with its own generator. A sample that cannot
+   * fork (no pages or sequence slot now, a failed check) waits as an ordinary request instead.
+   */
+  #fork(first: Sequence, logits: Float32Array): void {
+    const samples = this.#forks.get(first.rid)!;
+    this.#forks.delete(first.rid);
+    const pool = this.pool;
+    const pages = Math.ceil(first.promptLength / pool.pageSize);
+    const readable =
+      !this.#tagCheck ||
+      pool.checkStep(first.blockTable, first.rid, first.epoch, first.promptLength, first.promptLength) < 0;
+    for (const seq of samples) {
+      seq.forkOf = -1;
+      if (seq.state === "done") continue;
+      if (
+        !readable ||
+        this.#running.length >= this.#maxSequences ||
+        !pool.allocate(pages, seq.rid, seq.epoch, seq.tenant, seq.blockTable)
+      ) {
+        this.#waiting.push(seq);
+        continue;
+      }
+      const pf = pool.pageFloats;
+      for (let j = 0; j < pages; j++) {
+        const from = first.blockTable.pages[j]! * pf;
+        pool.data.copyWithin(seq.blockTable.pages[j]! * pf, from, from + pf);
+      }
+      pool.recordStep(seq.blockTable, seq.rid, seq.epoch, 0, seq.promptLength);
+      seq.computed = seq.promptLength;
+      seq.state = "running";
+      this.#running.push(seq);
+      this.#counters.forkedSamples++;
+      this.#forkLogits.set(logits);
+      this.#sampleOne(seq, this.#forkLogits);
+    }
+  }
+
+  /** Draws `seq`'s next token from `logits` (its step's, changed in place by its controls); reports. */
+  #sampleOne(seq: Sequence, logits: Float32Array): void {
+    const r = seq.request;
+    if (r.logprobs !== undefined) keepRaw(seq, logits);
+    if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
+    const token = this.#sampler.sample(logits, r, seq.rng);
+    seq.tokens[seq.length++] = token;
+    seq.generated++;
+    this.#counters.completionTokens++;
+    seq.sampled[0] = token;
+    const lp = this.#logprobsOf(seq, token);
+    if (seq.promptEntries !== null && !seq.promptReported) {
+      seq.promptReported = true;
+      seq.events.onPromptLogprobs?.(seq.promptEntries);
+    }
+    if (seq.ownership === "prefill-only") {
+      this.#end(seq);
+      seq.events.onTokens(seq.sampled, lp);
+      seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: 1 });
+      return;
+    }
+    if (r.stopTokenIds.includes(token)) {
+      this.#finish(seq, "stop");
+      return;
+    }
+    const done = seq.generated >= r.maxTokens;
+    if (done) this.#end(seq);
+    seq.events.onTokens(seq.sampled, lp);
+    if (done)
+      seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
+  }
+
+  /** The sampled token's log-probabilities when the request asked (one entry, reused array), else undefined. */
+  #logprobsOf(seq: Sequence, token: number): TokenLogprobs[] | undefined {
+    const k = seq.request.logprobs;
+    if (k === undefined || seq.raw === null) return undefined;
+    seq.sampledLogprobs[0] = tokenLogprobs(seq.raw, token, k);
+    return seq.sampledLogprobs;
   }
 
   /** After the step: nobody is in the batch any more. */
@@ -823,6 +934,7 @@ export class Engine {
     for (let b = 0; b < this.#batchLength; b++) {
       const seq = batch[b]!;
       seq.step.logits = null;
+      seq.step.rowLogits = null;
       seq.inBatch = false;
       seq.checked = false;
       batch[b] = null;
@@ -925,10 +1037,22 @@ export class Engine {
       };
     }
     try {
-      Sampler.validate(r);
+      Sampler.validate(r, this.#model.config.vocabSize);
     } catch (err) {
       if (err instanceof KvfenceError) return err.toWire();
       throw err;
+    }
+    for (const [param, k] of [
+      ["logprobs", r.logprobs],
+      ["prompt_logprobs", r.promptLogprobs],
+    ] as const) {
+      if (k !== undefined && !(Number.isInteger(k) && k >= 0 && k <= MAX_TOP_LOGPROBS)) {
+        return {
+          code: "invalid_request",
+          message: `${param} must be an integer from 0 to ${MAX_TOP_LOGPROBS}: ${k}`,
+          param,
+        };
+      }
     }
     const vocab = this.#model.config.vocabSize;
     for (let i = 0; i < promptLength; i++) {
@@ -987,8 +1111,21 @@ export class Engine {
     if (seq.state === "done") return;
     if (seq.ownership === "local") this.pool.free(seq.blockTable, seq.rid, seq.epoch);
     else seq.blockTable.clear();
-    if (seq.state === "running") this.#removeRunning(seq);
+    if (seq.forkOf >= 0) {
+      const list = this.#forks.get(seq.forkOf);
+      if (list !== undefined) list.splice(list.indexOf(seq), 1);
+      seq.forkOf = -1;
+    } else if (seq.state === "running") this.#removeRunning(seq);
     else if (!this.#preempted.remove(seq)) this.#waiting.remove(seq);
+    // A first sample that ends before its prompt is computed: its samples compute their own.
+    const samples = this.#forks.get(seq.rid);
+    if (samples !== undefined) {
+      this.#forks.delete(seq.rid);
+      for (const s of samples) {
+        s.forkOf = -1;
+        this.#waiting.push(s);
+      }
+    }
     seq.state = "done";
     this.#byRid.delete(seq.rid);
   }
@@ -997,4 +1134,15 @@ export class Engine {
     const i = this.#running.indexOf(seq);
     if (i >= 0) this.#running.splice(i, 1);
   }
+}
+
+/** The forward pass's per-row callback for `seq`'s step when it asked for the prompt's log-probabilities and the step holds prompt rows, else null. */
+function promptRows(seq: Sequence): ((index: number, logits: Float32Array, offset: number) => void) | null {
+  return seq.rowLogits !== null && seq.stepStart < seq.promptLength - 1 ? seq.rowLogits : null;
+}
+
+/** Keeps the step's raw logits of `seq` (the controls change them in place) for its log-probabilities. */
+function keepRaw(seq: Sequence, logits: Float32Array): void {
+  if (seq.raw === null) seq.raw = new Float32Array(logits.length);
+  seq.raw.set(logits);
 }

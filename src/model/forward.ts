@@ -16,7 +16,9 @@
  * integer compares that throw `KvfenceError` only on caller bugs.
  *
  * Logits are computed only for sequences that ask for them (non-null `logits`), from their last
- * token: those rows are gathered, normed and multiplied by the LM head as one small matmul.
+ * token: those rows are gathered, normed and multiplied by the LM head as one small matmul. A
+ * sequence that also asks for the logits of every token of its step (`rowLogits`, for prompt
+ * log-probabilities) has its rows put through the same buffers, `maxSequences` rows at a time.
  */
 import { type Kernels, referenceKernels } from "../kernels/kernels.js";
 import { type AttentionSequence, ropeTables } from "../kernels/reference.js";
@@ -36,6 +38,11 @@ export interface StepSequence {
   blockTable: Int32Array;
   /** When non-null (length vocabSize), receives the logits of the LAST token. */
   logits: Float32Array | null;
+  /**
+   * When set, called with the logits of every token of the step, in order: token `index` of the
+   * step's tokens, its row at `offset` of `logits` (the pass's own buffer: read it during the call).
+   */
+  rowLogits?: ((index: number, logits: Float32Array, offset: number) => void) | null;
 }
 
 export interface ForwardPassOptions {
@@ -275,7 +282,23 @@ export class ForwardPass {
       for (let j = 0; j < hidden; j++) last[dst + j] = x[src + j] as number;
       numOut++;
     }
-    if (numOut === 0) return;
+    if (numOut > 0) this.#lastLogits(sequences, numOut);
+    row = 0;
+    for (let s = 0; s < numSeqs; s++) {
+      const seq = sequences[s] as StepSequence;
+      if (seq.rowLogits != null) this.#allLogits(x, row, seq.tokens.length, seq.rowLogits);
+      row += seq.tokens.length;
+    }
+  }
+
+  /** Norm and LM head over the `numOut` gathered last rows, into each asking sequence's `logits`. */
+  #lastLogits(sequences: readonly StepSequence[], numOut: number): void {
+    const cfg = this.config;
+    const hidden = cfg.hiddenSize;
+    const eps = this.#epsBox[0];
+    const { rmsnorm, matmul } = this.#kernels;
+    const last = this.#lastRows;
+    const numSeqs = sequences.length;
     rmsnorm(last, last, this.#weights.finalNorm, hidden, eps, numOut);
     const vocab = cfg.vocabSize;
     const logitRows = this.#logitRows;
@@ -324,6 +347,26 @@ export class ForwardPass {
       pageSize,
       kvDtype,
     );
+  }
+
+  /** The logits of rows [first, first + n) of `x`, one by one to `each`, through the LM-head buffers. */
+  #allLogits(
+    x: Float32Array,
+    first: number,
+    n: number,
+    each: (index: number, logits: Float32Array, offset: number) => void,
+  ): void {
+    const { hiddenSize: hidden, vocabSize: vocab, rmsNormEps: eps } = this.config;
+    const { rmsnorm, matmul } = this.#kernels;
+    const last = this.#lastRows;
+    const chunk = this.maxSequences;
+    for (let done = 0; done < n; done += chunk) {
+      const rows = Math.min(chunk, n - done);
+      last.set(x.subarray((first + done) * hidden, (first + done + rows) * hidden));
+      rmsnorm(last, last, this.#weights.finalNorm, hidden, eps, rows);
+      matmul(this.#logitRows, last, this.#weights.lmHead, rows, hidden, vocab);
+      for (let r = 0; r < rows; r++) each(done + r, this.#logitRows, r * vocab);
+    }
   }
 
   /** Validates a step's shape (integer compares only); returns its total token count. */

@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { heapGrowthPerRound } from "../../testing/heap-growth.js";
 import { Prng } from "../lib/prng.js";
-import { argmax, GREEDY, MIN_TEMPERATURE, Sampler } from "./sampler.js";
+import { argmax, GREEDY, MIN_TEMPERATURE, Sampler, type SamplingParams } from "./sampler.js";
 
 function logitsOf(probs: number[]): Float32Array {
   return Float32Array.from(probs.map((p) => Math.log(p)));
@@ -11,7 +11,7 @@ function logitsOf(probs: number[]): Float32Array {
 function histogram(
   sampler: Sampler,
   logits: Float32Array,
-  params: { temperature: number; topK: number; topP: number },
+  params: SamplingParams,
   n: number,
   seed = 1,
 ): number[] {
@@ -147,5 +147,79 @@ describe("Sampler", () => {
     assert.ok(sink > 0);
     assert.ok(growths.length > 0, "a GC ran during every measured round");
     assert.ok(Math.min(...growths) < 4096, `heap grew by ${growths.join(", ")} bytes over 2000 draws`);
+  });
+
+  describe("Sampler.process() (logit controls, in vLLM's order)", () => {
+    const history = (tokens: number[], promptLength: number) => ({
+      tokens: Int32Array.from(tokens),
+      promptLength,
+      length: tokens.length,
+      generated: tokens.length - promptLength,
+    });
+
+    it("adds logit_bias and holds the stop tokens back until min_tokens", () => {
+      const s = new Sampler(4);
+      const logits = Float32Array.from([1, 2, 3, 4]);
+      s.process(logits, { logitBias: [[0, 10]], minTokens: 2, stopTokenIds: [2] }, history([1, 1], 1), [3]);
+      assert.deepEqual(Array.from(logits), [11, 2, -Infinity, -Infinity]);
+      const later = Float32Array.from([1, 2, 3, 4]);
+      s.process(later, { minTokens: 2, stopTokenIds: [2] }, history([1, 1, 1], 1), [3]);
+      assert.deepEqual(Array.from(later), [1, 2, 3, 4]);
+    });
+
+    it("repetition_penalty divides positive and multiplies negative logits of prompt and output tokens, once each", () => {
+      const s = new Sampler(4);
+      const logits = Float32Array.from([2, -2, 3, 1]);
+      s.process(logits, { repetitionPenalty: 2 }, history([0, 1, 1, 0], 2), []);
+      assert.deepEqual(Array.from(logits), [1, -4, 3, 1]);
+    });
+
+    it("frequency and presence penalties count the output only", () => {
+      const s = new Sampler(4);
+      const logits = Float32Array.from([5, 5, 5, 5]);
+      s.process(logits, { frequencyPenalty: 1, presencePenalty: 0.5 }, history([3, 1, 1, 2], 1), []);
+      assert.deepEqual(Array.from(logits), [5, 2.5, 3.5, 5]);
+      // The scratch counts were reset: the same call again gives the same logits.
+      const again = Float32Array.from([5, 5, 5, 5]);
+      s.process(again, { frequencyPenalty: 1, presencePenalty: 0.5 }, history([3, 1, 1, 2], 1), []);
+      assert.deepEqual(Array.from(again), [5, 2.5, 3.5, 5]);
+    });
+
+    it("min_p keeps only tokens with at least min_p of the top token's probability, drawing once", () => {
+      const s = new Sampler(4);
+      const probs = [0.5, 0.3, 0.15, 0.05];
+      const freq = histogram(
+        s,
+        logitsOf(probs),
+        { temperature: 1, topK: 0, topP: 1, controls: { minP: 0.5 } },
+        20000,
+      );
+      assert.equal(freq[2], 0);
+      assert.equal(freq[3], 0);
+      assert.ok(Math.abs(freq[0]! - 0.625) < 0.02, `token 0: ${freq[0]}`);
+      const rng = new Prng(9);
+      s.sample(logitsOf(probs), { temperature: 1, topK: 0, topP: 1, controls: { minP: 0.9 } }, rng);
+      const ref = new Prng(9);
+      ref.next();
+      assert.equal(rng.nextUint32(), ref.nextUint32());
+    });
+
+    it("Sampler.validate() refuses controls out of range, naming the field", () => {
+      const base = { temperature: 1, topK: 0, topP: 1 };
+      const cases: [object, string][] = [
+        [{ logitBias: [[9, 1]] }, "logit_bias"],
+        [{ logitBias: [[1, 101]] }, "logit_bias"],
+        [{ stopTokenIds: [4] }, "stop_token_ids"],
+        [{ minTokens: -1 }, "min_tokens"],
+        [{ repetitionPenalty: 0 }, "repetition_penalty"],
+        [{ frequencyPenalty: 2.5 }, "frequency_penalty"],
+        [{ presencePenalty: Number.NaN }, "presence_penalty"],
+        [{ minP: 1.5 }, "min_p"],
+      ];
+      for (const [controls, param] of cases) {
+        assert.throws(() => Sampler.validate({ ...base, controls }, 4), { code: "invalid_request", param });
+      }
+      Sampler.validate({ ...base, controls: { logitBias: [[3, -100]], minP: 1, repetitionPenalty: 1.2 } }, 4);
+    });
   });
 });

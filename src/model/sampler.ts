@@ -1,6 +1,10 @@
 /**
- * Token sampling from logits: greedy, temperature, top-k and top-p (nucleus), in that order (as
- * Hugging Face applies them), reproducible from a seeded `Prng` per request.
+ * Token sampling from logits: greedy, temperature, min-p, top-k and top-p (nucleus), in that order
+ * (as vLLM applies them), reproducible from a seeded `Prng` per request. Before the draw,
+ * `Sampler.process` applies a request's logit controls (`LogitControls`) in vLLM's order: logit
+ * bias, the stop tokens held back until `minTokens`, then the repetition, frequency and presence
+ * penalties. Every control only changes logits, so a non-greedy draw takes exactly one number from
+ * the generator whatever the controls: a seeded request samples the same tokens in every topology.
  *
  * Allocation-free per token: the index and probability scratch (vocab-sized) is allocated once per
  * `Sampler`. Top-k keeps a min-heap of the k best logits; top-p without top-k avoids sorting the
@@ -10,7 +14,10 @@
  */
 
 import { KvfenceError } from "../lib/errors.js";
+import type { LogitControls } from "../lib/logit-controls.js";
 import type { Prng } from "../lib/prng.js";
+
+export type { LogitControls } from "../lib/logit-controls.js";
 
 export interface SamplingParams {
   /** Below `MIN_TEMPERATURE` (0 included) means greedy. */
@@ -19,6 +26,17 @@ export interface SamplingParams {
   readonly topK: number;
   /** Keep the smallest set of most likely tokens whose mass reaches p; 1 disables. */
   readonly topP: number;
+  /** The request's logit controls, if any (`Sampler.process` applies them; min-p is the draw's). */
+  readonly controls?: LogitControls | undefined;
+}
+
+/** A request's tokens as `Sampler.process` reads them: prompt then output, `length` valid. */
+export interface TokenHistory {
+  readonly tokens: Int32Array;
+  readonly promptLength: number;
+  readonly length: number;
+  /** Tokens generated so far (a decode node's first one, sampled by prefill, counts). */
+  readonly generated: number;
 }
 
 /**
@@ -47,6 +65,10 @@ export function argmax(logits: Float32Array): number {
 export class Sampler {
   readonly vocabSize: number;
   readonly #scratch: Scratch;
+  /** Per-token counts of the output (frequency and presence penalties), zeroed after each use. */
+  readonly #counts: Int32Array;
+  /** Tokens seen in prompt or output (repetition penalty), cleared after each use. */
+  readonly #seen: Uint8Array;
 
   constructor(vocabSize: number) {
     if (!Number.isInteger(vocabSize) || vocabSize < 1) {
@@ -58,10 +80,41 @@ export class Sampler {
       probs: new Float64Array(vocabSize),
       mass: new Float64Array(1),
     };
+    this.#counts = new Int32Array(vocabSize);
+    this.#seen = new Uint8Array(vocabSize);
+  }
+
+  /** True when a draw with `params` takes a number from the generator (it is not greedy). */
+  static draws(params: SamplingParams): boolean {
+    return params.temperature >= MIN_TEMPERATURE && params.topK !== 1;
+  }
+
+  /**
+   * Applies `controls` to `logits` in place, in vLLM's order: logit bias; while fewer than
+   * `minTokens` are generated, `stopTokenIds` (the request's, EOS) and the client's stop ids at −∞;
+   * repetition penalty over prompt and output; frequency and presence penalties over the output.
+   */
+  process(
+    logits: Float32Array,
+    controls: LogitControls,
+    history: TokenHistory,
+    stopTokenIds: readonly number[],
+  ): void {
+    const bias = controls.logitBias;
+    if (bias !== undefined) for (const [id, b] of bias) logits[id] = (logits[id] as number) + b;
+    if (history.generated < (controls.minTokens ?? 0)) {
+      for (const id of stopTokenIds) logits[id] = Number.NEGATIVE_INFINITY;
+      for (const id of controls.stopTokenIds ?? []) logits[id] = Number.NEGATIVE_INFINITY;
+    }
+    const rep = controls.repetitionPenalty ?? 1;
+    if (rep !== 1) repetitionPenalty(logits, history, rep, this.#seen);
+    const freq = controls.frequencyPenalty ?? 0;
+    const pres = controls.presencePenalty ?? 0;
+    if (freq !== 0 || pres !== 0) outputPenalties(logits, history, freq, pres, this.#counts);
   }
 
   /** Checks sampling parameters once per request (not per token). */
-  static validate(params: SamplingParams): void {
+  static validate(params: SamplingParams, vocabSize?: number): void {
     const { temperature, topK, topP } = params;
     if (!Number.isFinite(temperature) || temperature < 0) {
       throw new KvfenceError("invalid_request", `Temperature must be a finite number ≥ 0: ${temperature}`, {
@@ -76,6 +129,36 @@ export class Sampler {
     if (!(topP > 0 && topP <= 1)) {
       throw new KvfenceError("invalid_request", `Top-p must be in (0, 1]: ${topP}`, { param: "top_p" });
     }
+    if (params.controls !== undefined) Sampler.#validateControls(params.controls, vocabSize);
+  }
+
+  static #validateControls(c: LogitControls, vocabSize: number | undefined): void {
+    const bad = (param: string, message: string): never => {
+      throw new KvfenceError("invalid_request", message, { param });
+    };
+    checkTokenIds(
+      (c.logitBias ?? []).map(([id]) => id),
+      "logit_bias",
+      vocabSize,
+    );
+    checkTokenIds(c.stopTokenIds ?? [], "stop_token_ids", vocabSize);
+    for (const [, b] of c.logitBias ?? []) {
+      if (!(b >= -100 && b <= 100)) bad("logit_bias", `A logit_bias value must be from -100 to 100: ${b}`);
+    }
+    const minTokens = c.minTokens ?? 0;
+    if (!Number.isInteger(minTokens) || minTokens < 0)
+      bad("min_tokens", `min_tokens must be an integer ≥ 0: ${minTokens}`);
+    const rep = c.repetitionPenalty ?? 1;
+    if (!(Number.isFinite(rep) && rep > 0))
+      bad("repetition_penalty", `repetition_penalty must be a finite number > 0 (1 disables): ${rep}`);
+    for (const [param, v] of [
+      ["frequency_penalty", c.frequencyPenalty ?? 0],
+      ["presence_penalty", c.presencePenalty ?? 0],
+    ] as const) {
+      if (!(v >= -2 && v <= 2)) bad(param, `${param} must be from -2 to 2: ${v}`);
+    }
+    const minP = c.minP ?? 0;
+    if (!(minP >= 0 && minP <= 1)) bad("min_p", `min_p must be from 0 to 1: ${minP}`);
   }
 
   /** Draws one token id from `logits` (length vocabSize). Uses `rng` only when not greedy. */
@@ -84,6 +167,7 @@ export class Sampler {
     let topK = params.topK;
     if (params.temperature < MIN_TEMPERATURE || topK === 1) return argmax(logits);
     if (topK <= 0 || topK > vocab) topK = vocab;
+    if (params.controls !== undefined) applyMinP(logits, params);
     const s = this.#scratch;
     let n = weigh(s, logits, topK, params);
     const sorted = params.topP < 1;
@@ -182,6 +266,63 @@ function gather(s: Scratch, params: SamplingParams): number {
     threshold *= 0.1;
     if (threshold < 1e-12 * mass) threshold = 0;
   }
+}
+
+/** Refuses ids that are not token ids of a vocabulary of `vocabSize` (when known). */
+function checkTokenIds(ids: readonly number[], param: string, vocabSize: number | undefined): void {
+  for (const id of ids) {
+    if (!Number.isInteger(id) || id < 0 || (vocabSize !== undefined && id >= vocabSize)) {
+      throw new KvfenceError(
+        "invalid_request",
+        `${param} names a token id outside the vocabulary of ${vocabSize}: ${id}`,
+        { param },
+      );
+    }
+  }
+}
+
+/** vLLM's repetition penalty over prompt and output, each distinct token once (`seen` is left clear). */
+function repetitionPenalty(logits: Float32Array, history: TokenHistory, rep: number, seen: Uint8Array): void {
+  const { tokens, length } = history;
+  for (let i = 0; i < length; i++) {
+    const t = tokens[i] as number;
+    if (seen[t] === 1) continue;
+    seen[t] = 1;
+    const l = logits[t] as number;
+    logits[t] = l > 0 ? l / rep : l * rep;
+  }
+  for (let i = 0; i < length; i++) seen[tokens[i] as number] = 0;
+}
+
+/** OpenAI's frequency and presence penalties over the output (`counts` is left zeroed). */
+function outputPenalties(
+  logits: Float32Array,
+  history: TokenHistory,
+  freq: number,
+  pres: number,
+  counts: Int32Array,
+): void {
+  const { tokens, promptLength, length } = history;
+  for (let i = promptLength; i < length; i++) counts[tokens[i] as number]! += 1;
+  for (let i = promptLength; i < length; i++) {
+    const t = tokens[i] as number;
+    const c = counts[t] as number;
+    if (c === 0) continue;
+    logits[t] = (logits[t] as number) - freq * c - pres;
+    counts[t] = 0;
+  }
+}
+
+/**
+ * Min-p on the logits: a token's probability at temperature T over the top token's is
+ * exp((l − max) / T), so those under `minP` are the logits below max + T·ln(minP); they go to −∞.
+ */
+function applyMinP(logits: Float32Array, params: SamplingParams): void {
+  const minP = params.controls?.minP ?? 0;
+  if (minP <= 0) return;
+  const floor = (logits[argmax(logits)] as number) + params.temperature * Math.log(minP);
+  for (let t = 0; t < logits.length; t++)
+    if ((logits[t] as number) < floor) logits[t] = Number.NEGATIVE_INFINITY;
 }
 
 function lastPositive(idx: Int32Array, n: number, probs: Float64Array): number {

@@ -132,6 +132,17 @@ export class ModelTokenizer {
     return this.#specialIds.has(id);
   }
 
+  /**
+   * One token's own bytes and text (its bytes decoded alone, U+FFFD for part of a character), for
+   * log-probabilities; special tokens included.
+   */
+  tokenPiece(id: number): { text: string; bytes: Uint8Array } {
+    const bytes = this.#byteLevel
+      ? this.tokenBytes(id, false)
+      : new TextEncoder().encode(this.decode([id], { skipSpecialTokens: false }));
+    return { text: new TextDecoder("utf-8", { fatal: false, ignoreBOM: true }).decode(bytes), bytes };
+  }
+
   /** A fresh incremental detokenizer (one per generated sequence). */
   streamDecoder(options?: { skipSpecialTokens?: boolean }): StreamDecoder {
     const skip = options?.skipSpecialTokens ?? true;
@@ -256,12 +267,28 @@ export class ChatTemplate {
     this.#eosToken = options.eosToken ?? "";
   }
 
-  /** The prompt text for `messages`; ends with the assistant header when `addGenerationPrompt`. */
-  render(messages: readonly ChatMessage[], options?: { addGenerationPrompt?: boolean }): string {
+  /**
+   * The prompt text for `messages`; ends with the assistant header when `addGenerationPrompt`
+   * (default), or, with `continueFinalMessage`, right after the final message's content, left open
+   * for the model to continue (as Hugging Face's and vLLM's `continue_final_message`). `kwargs` are
+   * further template variables (vLLM's `chat_template_kwargs`); they cannot replace the messages or
+   * the special tokens.
+   */
+  render(
+    messages: readonly ChatMessage[],
+    options?: {
+      addGenerationPrompt?: boolean;
+      continueFinalMessage?: boolean;
+      kwargs?: Readonly<Record<string, unknown>>;
+    },
+  ): string {
+    const continueFinal = options?.continueFinalMessage === true;
+    let text: string;
     try {
-      return this.#template.render({
+      text = this.#template.render({
+        ...options?.kwargs,
         messages: messages.map((m) => ({ role: m.role, content: m.content })),
-        add_generation_prompt: options?.addGenerationPrompt ?? true,
+        add_generation_prompt: continueFinal ? false : (options?.addGenerationPrompt ?? true),
         bos_token: this.#bosToken,
         eos_token: this.#eosToken,
       });
@@ -275,17 +302,31 @@ export class ChatTemplate {
         },
       );
     }
+    if (!continueFinal) return text;
+    const final = messages.at(-1)?.content.trim() ?? "";
+    const at = final === "" ? -1 : text.lastIndexOf(final);
+    if (at < 0) {
+      throw new KvfenceError(
+        "invalid_request",
+        "continue_final_message needs a final message with content that the chat template renders as it is: add the text to continue as the last message",
+        { param: "continue_final_message" },
+      );
+    }
+    return text.slice(0, at + final.length);
   }
 }
 
 /**
  * The chat template of a model folder: `chat_template.jinja` if present, else tokenizer_config.json's
- * `chat_template` (a string, or a list of named templates from which "default" is taken). Null
+ * `chat_template` (a string, or a list of named templates from which "default" is taken) — or
+ * `file` (`--chat-template FILE`) in their place. Null
  * when the folder has none.
  */
-export function loadChatTemplate(dir: string, tokenizer: ModelTokenizer): ChatTemplate | null {
-  const jinjaPath = join(dir, "chat_template.jinja");
+export function loadChatTemplate(dir: string, tokenizer: ModelTokenizer, file?: string): ChatTemplate | null {
   const tokens = { bosToken: tokenizer.bosToken, eosToken: tokenizer.eosToken };
+  // `--chat-template FILE` replaces the folder's.
+  if (file !== undefined) return new ChatTemplate(readFileSync(file, "utf8"), { ...tokens, label: file });
+  const jinjaPath = join(dir, "chat_template.jinja");
   if (existsSync(jinjaPath))
     return new ChatTemplate(readFileSync(jinjaPath, "utf8"), { ...tokens, label: jinjaPath });
   const configPath = join(dir, "tokenizer_config.json");

@@ -35,6 +35,7 @@
 
 import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import {
   type DecodeContext,
   type DecodeEvent,
@@ -47,7 +48,7 @@ import {
 import type { CommitEffect, Effects } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import { guardOn } from "../protocol/safety.js";
-import { attemptKey, type ControlMessage } from "../protocol/wire.js";
+import { attemptKey, type ControlMessage, type FirstLogprobs } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { TransferHandlers } from "../transfer/transport.js";
 import { addTransfer, GREEDY, NodeCore, type NodeOptions } from "./node-core.js";
@@ -113,10 +114,14 @@ export class DecodeNode {
   readonly #out: Effects = [{ kind: "stop", rid: -1, epoch: -1 }];
   readonly #context: DecodeContext;
   /** The envelope of every `tokens` message to the router, reused (see `NodeOptions.toRouter`). */
-  readonly #tokensEnvelope: { kind: "protocol"; msg: ControlMessage } = {
+  readonly #tokensEnvelope: { kind: "protocol"; msg: ControlMessage; logprobs?: TokenLogprobs[] } = {
     kind: "protocol",
     msg: { type: "tokens", rid: 0, epoch: 0, tokens: [] },
   };
+  /** Per attempt that asked: what prefill computed of its log-probabilities (from its manifest). */
+  readonly #firstLogprobs = new Map<string, FirstLogprobs>();
+  /** The log-probabilities of the token being stepped now (the engine's), or null. */
+  #stepLogprobs: TokenLogprobs[] | null = null;
   /** The rid whose page check runs now (its failure ends it in the engine, which asked): or -1. */
   #checking = -1;
   #checksumFailures = 0;
@@ -184,7 +189,10 @@ export class DecodeNode {
     peer.incarnation = incarnation;
     this.#step(peer, { type: "peer_up", role: "prefill", incarnation });
     return (message) => {
-      if (peer.channel === channel) this.#step(peer, { type: "message", msg: message });
+      if (peer.channel !== channel) return;
+      if (message.type === "manifest" && message.logprobs !== undefined)
+        this.#firstLogprobs.set(attemptKey(message.rid, message.epoch), message.logprobs);
+      this.#step(peer, { type: "message", msg: message });
     };
   }
 
@@ -368,8 +376,30 @@ export class DecodeNode {
   #sendRouter(msg: ControlMessage): void {
     if (msg.type === "tokens") {
       // The hot path: one token, in the machine's reused message and this reused envelope.
-      this.#tokensEnvelope.msg = msg;
-      this.#core.toRouter(this.#tokensEnvelope);
+      const envelope = this.#tokensEnvelope;
+      envelope.msg = msg;
+      if (this.#stepLogprobs !== null) envelope.logprobs = this.#stepLogprobs;
+      else if (envelope.logprobs !== undefined) delete envelope.logprobs;
+      this.#core.toRouter(envelope);
+      return;
+    }
+    if (msg.type === "committed") {
+      const key = attemptKey(msg.rid, msg.epoch);
+      const lp = this.#firstLogprobs.get(key);
+      this.#firstLogprobs.delete(key);
+      if (lp !== undefined) {
+        this.#core.toRouter({
+          kind: "protocol",
+          msg,
+          ...(lp.first === undefined ? {} : { logprobs: [lp.first] }),
+          ...(lp.prompt === undefined ? {} : { promptLogprobs: lp.prompt }),
+        });
+        return;
+      }
+    }
+    if (msg.type === "finished" && msg.tokens.length > 0 && this.#stepLogprobs !== null) {
+      this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
+      this.#core.toRouter({ kind: "protocol", msg, logprobs: this.#stepLogprobs });
       return;
     }
     if (msg.type === "failed") {
@@ -378,6 +408,7 @@ export class DecodeNode {
     }
     if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
       this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
+      this.#firstLogprobs.delete(attemptKey(msg.rid, msg.epoch));
     }
     this.#core.toRouter({ kind: "protocol", msg });
   }
@@ -431,13 +462,19 @@ export class DecodeNode {
     const request: GenerationRequest = {
       rid,
       tenant: attempt.tenant,
-      promptTokens: new Int32Array(effect.promptLen),
+      // The ids only when the sampling reads them (a repetition penalty); else the length.
+      promptTokens:
+        sampling.prompt?.length === effect.promptLen
+          ? Int32Array.from(sampling.prompt)
+          : new Int32Array(effect.promptLen),
       maxTokens: attempt.maxTokens,
       temperature: sampling.temperature,
       topP: sampling.topP,
       topK: sampling.topK,
       seed: sampling.seed,
       stopTokenIds: sampling.stopTokenIds,
+      controls: sampling.controls,
+      logprobs: sampling.logprobs,
     };
     this.#running.set(rid, epoch);
     // This attempt's events, built once: a token reuses them (the key is the attempt's own string).
@@ -445,10 +482,15 @@ export class DecodeNode {
     const step = { type: "step" as const, key, token: 0 };
     const pages = { epoch, pages: effect.pages, checkStep: () => this.#check(peer, rid, epoch, check) };
     this.#engine.submitDecode(request, pages, firstToken, {
-      onTokens: (ids) => {
+      onTokens: (ids, lp) => {
         for (let i = 0; i < ids.length; i++) {
           step.token = ids[i]!;
-          this.#step(peer, step);
+          this.#stepLogprobs = lp === undefined ? null : [lp[i]!];
+          try {
+            this.#step(peer, step);
+          } finally {
+            this.#stepLogprobs = null;
+          }
         }
         if (peer.state.attempts[key] === undefined && this.#running.get(rid) === epoch)
           this.#running.delete(rid);

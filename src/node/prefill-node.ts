@@ -37,7 +37,13 @@ import {
   prefillStep,
 } from "../protocol/prefill-machine.js";
 import { faultOn } from "../protocol/safety.js";
-import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "../protocol/wire.js";
+import {
+  attemptKey,
+  type ControlMessage,
+  type FirstLogprobs,
+  type LeasePage,
+  type PrefillRequest,
+} from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { PageWrite, TransferHandlers, TransferWriter } from "../transfer/transport.js";
 import { addTransfer, GREEDY, NodeCore, type NodeOptions } from "./node-core.js";
@@ -77,6 +83,8 @@ export class PrefillNode {
   >();
   readonly #out: Effects = [];
   readonly #context: PrefillContext;
+  /** Per attempt that asked: the first token's and the prompt's log-probabilities, for its manifest. */
+  readonly #logprobs = new Map<string, FirstLogprobs>();
 
   constructor(options: PrefillNodeOptions) {
     this.#core = new NodeCore(options, () => this.#hashProduced());
@@ -218,6 +226,16 @@ export class PrefillNode {
     });
   }
 
+  /** A manifest carries its attempt's log-probabilities to decode, when the request asked. */
+  #withLogprobs(msg: ControlMessage): ControlMessage {
+    if (msg.type !== "manifest") return msg;
+    const key = attemptKey(msg.rid, msg.epoch);
+    const logprobs = this.#logprobs.get(key);
+    if (logprobs === undefined) return msg;
+    this.#logprobs.delete(key);
+    return { ...msg, logprobs };
+  }
+
   #step(peer: DecodePeer, event: PrefillEvent, force = false): void {
     if (!peer.open && !force) return;
     const out = this.#out;
@@ -231,9 +249,10 @@ export class PrefillNode {
       switch (effect.kind) {
         case "send":
           if (effect.to === "router") this.#core.toRouter({ kind: "protocol", msg: effect.msg });
-          else if (peer.open) peer.writer.sendControl(effect.msg).catch(() => {});
+          else if (peer.open) peer.writer.sendControl(this.#withLogprobs(effect.msg)).catch(() => {});
           if (effect.msg.type === "abort_ack" || effect.msg.type === "rejected") {
             this.#inputs.delete(attemptKey(effect.msg.rid, effect.msg.epoch));
+            this.#logprobs.delete(attemptKey(effect.msg.rid, effect.msg.epoch));
           }
           break;
         case "compute":
@@ -251,7 +270,10 @@ export class PrefillNode {
     this.#core.reportFreed(freeBefore, freeAfter);
     // Attempts that ended here (released, acknowledged, fenced) need no inputs any more.
     for (const [key, input] of this.#inputs) {
-      if (input.peer === peer && peer.state.ended[key] !== undefined) this.#inputs.delete(key);
+      if (input.peer === peer && peer.state.ended[key] !== undefined) {
+        this.#inputs.delete(key);
+        this.#logprobs.delete(key);
+      }
     }
   }
 
@@ -271,15 +293,22 @@ export class PrefillNode {
       topK: sampling.topK,
       seed: sampling.seed,
       stopTokenIds: sampling.stopTokenIds,
+      controls: sampling.controls,
+      logprobs: sampling.logprobs,
+      promptLogprobs: sampling.promptLogprobs,
     };
     let done = false;
     this.#engine.submitPrefill(
       request,
       { epoch, pages },
       {
-        onTokens: (ids) => {
+        onPromptLogprobs: (entries) => {
+          this.#logprobs.set(key, { ...this.#logprobs.get(key), prompt: [...entries] });
+        },
+        onTokens: (ids, lp) => {
           if (done) return;
           done = true;
+          if (lp?.[0] !== undefined) this.#logprobs.set(key, { ...this.#logprobs.get(key), first: lp[0] });
           this.#step(peer, { type: "computed", rid, epoch, firstToken: ids[0]! });
         },
         onFinish: () => {},

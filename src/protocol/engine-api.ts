@@ -5,6 +5,8 @@
  * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
  */
 import type { WireError } from "../lib/errors.js";
+import type { LogitControls } from "../lib/logit-controls.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
@@ -23,15 +25,34 @@ export interface GenerationRequest {
   readonly seed: number | null;
   /** EOS ids; stop *strings* are matched by the router, which then aborts. */
   readonly stopTokenIds: readonly number[];
+  /** Logit bias, min_tokens, penalties, min-p (absent: none); applied where the token is sampled. */
+  readonly controls?: LogitControls | undefined;
+  /** Report each sampled token's log-probability and this many top ones (0 to 20); absent: none. */
+  readonly logprobs?: number | undefined;
+  /** Report the prompt's log-probabilities (each token given the ones before) and this many top ones. */
+  readonly promptLogprobs?: number | undefined;
+  /**
+   * One of a request's `n` samples other than the first (`index` ≥ 1; `of`: the first's rid, submitted
+   * before it). An engine that runs the first may fork its computed prompt for this one (copy its
+   * KV into this sample's own pages and draw this sample's first token from the same logits)
+   * instead of computing it again; otherwise it is an ordinary request.
+   */
+  readonly sample?: { readonly of: number; readonly index: number } | undefined;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */
 export interface GenerationEvents {
   /**
    * One or more new tokens (batched per step). The stop token id that ends a request with `stop`
-   * is not reported here; it counts in `usage.completionTokens`.
+   * is not reported here; it counts in `usage.completionTokens`. `logprobs` (when the request
+   * asked) has one entry per token; the arrays may be reused after the call: copy what you keep.
    */
-  onTokens(tokenIds: readonly number[]): void;
+  onTokens(tokenIds: readonly number[], logprobs?: readonly TokenLogprobs[]): void;
+  /**
+   * The prompt's log-probabilities when the request asked (`promptLogprobs`): entry i for prompt
+   * token i, null for the first (nothing precedes it). Once, before the first `onTokens`.
+   */
+  onPromptLogprobs?(entries: readonly (TokenLogprobs | null)[]): void;
   onFinish(reason: "stop" | "length", usage: { promptTokens: number; completionTokens: number }): void;
   /** E.g. `context_length_exceeded` at the engine's door, `page_tag_mismatch`. */
   onError(error: WireError): void;
@@ -55,6 +76,10 @@ export interface EngineStats {
     aborts: number;
     promptTokens: number;
     completionTokens: number;
+    /** Prompt tokens computed (one engine; absent elsewhere). */
+    prefillTokens?: number;
+    /** Samples of n > 1 forked from their first sample's prompt KV (one engine). */
+    forkedSamples?: number;
   };
 }
 

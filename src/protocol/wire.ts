@@ -8,6 +8,7 @@
  * Checksums travel as 16-digit lowercase hex strings (xxhash64), because JSON has no bigint.
  */
 import type { WireError } from "../lib/errors.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 
 /** The three roles of docs/design.md §2. */
 export type NodeRole = "router" | "prefill" | "decode";
@@ -100,6 +101,17 @@ export interface Manifest {
   readonly firstToken: number;
   /** One checksum per written page keyed by (rid, epoch, logical page index), in logical order. */
   readonly checksums: readonly string[];
+  /**
+   * Servers only, when the request asked: the first token's log-probabilities and the prompt's,
+   * for decode to pass on to the router with `committed` (the machines never read them).
+   */
+  readonly logprobs?: FirstLogprobs;
+}
+
+/** What prefill computed of a request's log-probabilities: its first token's, and the prompt's if asked. */
+export interface FirstLogprobs {
+  readonly first?: TokenLogprobs;
+  readonly prompt?: readonly (TokenLogprobs | null)[];
 }
 
 /** Decode → router: the transfer committed; the first token may stream (HTTP 200 from here on). */

@@ -48,6 +48,9 @@ function digest(key: string): Buffer {
   return createHash("sha256").update(key, "utf8").digest();
 }
 
+/** The tenant of the keys given with `--api-key`. */
+export const DEFAULT_TENANT = "default";
+
 export class TenantDirectory {
   readonly #entries: ReadonlyArray<{ digest: Buffer; tenant: Tenant }>;
   readonly tenants: readonly Tenant[];
@@ -204,10 +207,18 @@ export class TenantDirectory {
     return TenantDirectory.fromEntries(keys, source);
   }
 
-  /** Keys from `file` when given, else from `env` (`KVFENCE_API_KEYS`), else anonymous. */
-  static load(options: { file?: string | undefined; env?: string | undefined }): TenantDirectory {
+  /**
+   * Keys from `file` when given, else from `env` (`KVFENCE_API_KEYS`), plus `keys` (`--api-key`,
+   * each of tenant "default"); none at all: anonymous.
+   */
+  static load(options: {
+    file?: string | undefined;
+    env?: string | undefined;
+    keys?: readonly string[];
+  }): TenantDirectory {
+    let text: string | null = null;
+    let source = "";
     if (options.file !== undefined) {
-      let text: string;
       try {
         text = readFileSync(options.file, "utf8");
       } catch (err) {
@@ -216,11 +227,26 @@ export class TenantDirectory {
           `Cannot read the API key file: ${options.file}: ${(err as Error).message}`,
         );
       }
-      return TenantDirectory.parse(text, options.file);
+      source = options.file;
+    } else if (options.env !== undefined && options.env.trim() !== "") {
+      text = options.env;
+      source = "KVFENCE_API_KEYS";
     }
-    if (options.env !== undefined && options.env.trim() !== "")
-      return TenantDirectory.parse(options.env, "KVFENCE_API_KEYS");
-    return TenantDirectory.anonymous();
+    const keys = options.keys ?? [];
+    if (keys.length > 0) {
+      const lines = keys.map((key) => `${key} ${DEFAULT_TENANT}`).join("\n");
+      if (text === null) [text, source] = [lines, "--api-key"];
+      else if (text.trim().startsWith("{")) {
+        // The JSON form: the keys go in as members (a JSON error is still the file's, below).
+        const json = text.trim();
+        const extra = keys
+          .map((key) => `${JSON.stringify(key)}: ${JSON.stringify(DEFAULT_TENANT)}`)
+          .join(", ");
+        text = json === "{}" ? `{${extra}}` : `${json.slice(0, json.lastIndexOf("}"))}, ${extra}}`;
+        source = `${source} and --api-key`;
+      } else [text, source] = [`${text}\n${lines}`, `${source} and --api-key`];
+    }
+    return text === null ? TenantDirectory.anonymous() : TenantDirectory.parse(text, source);
   }
 }
 

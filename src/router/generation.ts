@@ -1,11 +1,14 @@
 /**
  * One request's generation, as the router drives it: submits to the engine, turns token ids into
- * text with a UTF-8-safe streaming decoder, matches stop strings (aborting the engine request on a
- * match), and reports to a sink exactly once at the end (`finish` or `fail`). `abort()` (client
+ * text with a UTF-8-safe streaming decoder, matches stop strings and the client's stop token ids
+ * (aborting the engine request on a match; stop strings only once `minTokens` were generated, as
+ * vLLM does — the engine holds stop tokens back until then), and reports to a sink exactly once at
+ * the end (`finish` or `fail`, with vLLM's `stop_reason`: the stop string or token id that matched). `abort()` (client
  * gone) ends it silently; the engine frees the request's pages and sends nothing more.
  */
 
 import { KvfenceError, type WireError } from "../lib/errors.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { StopMatcher } from "./stop-matcher.js";
 
@@ -22,18 +25,33 @@ export interface Usage {
 
 export type FinishReason = "stop" | "length";
 
+/** What ended a `stop` finish other than EOS: the stop string or the stop token id; else null. */
+export type StopReason = string | number | null;
+
 export interface GenerationSink {
   /** Tokens arrived (even if they produced no text yet); `count` new ones. */
   tokens?(count: number): void;
+  /** The log-probabilities of an output token, before the text it completes (when asked). */
+  logprobs?(entry: TokenLogprobs): void;
+  /** The prompt's log-probabilities (when asked), before any token. */
+  promptLogprobs?(entries: readonly (TokenLogprobs | null)[]): void;
   /** Non-empty text for the client. */
   text(delta: string): void;
-  finish(reason: FinishReason, usage: Usage): void;
+  finish(reason: FinishReason, usage: Usage, stopReason: StopReason): void;
   fail(error: KvfenceError): void;
 }
 
 export interface GenerationOptions {
   readonly decoder: TextStreamDecoder;
   readonly stop: readonly string[];
+  /** The client's `stop_token_ids` (EOS is the engine's). */
+  readonly stopTokenIds?: readonly number[];
+  /** Stop strings match only from this many generated tokens on. */
+  readonly minTokens?: number;
+  /** Keep the matched stop string or stop token's text in the output. */
+  readonly includeStopStr?: boolean;
+  /** The request asked for log-probabilities: they go to the sink token by token. */
+  readonly logprobs?: boolean;
 }
 
 export class Generation {
@@ -43,6 +61,11 @@ export class Generation {
   readonly #stop: StopMatcher;
   readonly #sink: GenerationSink;
   readonly #skip: ReadonlySet<number>;
+  readonly #stopIds: ReadonlySet<number>;
+  readonly #minTokens: number;
+  readonly #includeStop: boolean;
+  /** Token by token (the client's stop ids, min_tokens), or whole batches. */
+  readonly #perToken: boolean;
   #completionTokens = 0;
   #done = false;
 
@@ -55,9 +78,13 @@ export class Generation {
     this.#engine = engine;
     this.#request = request;
     this.#decoder = options.decoder;
-    this.#stop = new StopMatcher(options.stop);
+    this.#includeStop = options.includeStopStr === true;
+    this.#stop = new StopMatcher(options.stop, this.#includeStop);
     this.#sink = sink;
     this.#skip = new Set(request.stopTokenIds);
+    this.#stopIds = new Set(options.stopTokenIds ?? []);
+    this.#minTokens = options.minTokens ?? 0;
+    this.#perToken = this.#stopIds.size > 0 || this.#minTokens > 0 || options.logprobs === true;
   }
 
   get rid(): number {
@@ -71,7 +98,10 @@ export class Generation {
 
   start(): void {
     this.#engine.submit(this.#request, {
-      onTokens: (ids) => this.#onTokens(ids),
+      onTokens: (ids, logprobs) => this.#onTokens(ids, logprobs),
+      onPromptLogprobs: (entries) => {
+        if (!this.#done) this.#sink.promptLogprobs?.(entries);
+      },
       onFinish: (reason, usage) => this.#onFinish(reason, usage),
       onError: (error) => this.#onError(error),
     });
@@ -84,35 +114,67 @@ export class Generation {
     this.#engine.abort(this.#request.rid);
   }
 
-  #onTokens(ids: readonly number[]): void {
+  #onTokens(ids: readonly number[], logprobs: readonly TokenLogprobs[] | undefined): void {
     if (this.#done) return;
-    this.#completionTokens += ids.length;
     this.#sink.tokens?.(ids.length);
-    const visible = ids.some((id) => this.#skip.has(id)) ? ids.filter((id) => !this.#skip.has(id)) : ids;
-    const text = visible.length === 0 ? "" : this.#decoder.push(visible);
-    if (text === "") return;
-    const step = this.#stop.push(text);
-    if (step.text !== "") this.#sink.text(step.text);
-    if (step.stopped) {
-      this.#done = true;
-      this.#engine.abort(this.#request.rid);
-      this.#sink.finish("stop", {
-        promptTokens: this.#request.promptTokens.length,
-        completionTokens: this.#completionTokens,
-      });
+    if (this.#perToken) {
+      for (let i = 0; i < ids.length && !this.#done; i++) this.#onToken(ids[i]!, logprobs?.[i]);
+      return;
     }
+    this.#completionTokens += ids.length;
+    const visible = ids.some((id) => this.#skip.has(id)) ? ids.filter((id) => !this.#skip.has(id)) : ids;
+    this.#emit(visible.length === 0 ? "" : this.#decoder.push(visible), true);
+  }
+
+  /** One token, when the client's stop ids or min_tokens need them one by one. */
+  #onToken(id: number, logprobs: TokenLogprobs | undefined): void {
+    this.#completionTokens++;
+    if (this.#skip.has(id)) return;
+    if (logprobs !== undefined && (this.#includeStop || !this.#stopIds.has(id)))
+      this.#sink.logprobs?.(logprobs);
+    if (this.#stopIds.has(id)) {
+      // The engine holds the client's stop ids back until min_tokens: this one ends the request.
+      const own = this.#includeStop ? this.#decoder.push([id]) : "";
+      const step = this.#stop.push(own + this.#decoder.flush(), false);
+      const tail = step.text + this.#stop.flush();
+      if (tail !== "") this.#sink.text(tail);
+      this.#stopHere(id);
+      return;
+    }
+    this.#emit(this.#decoder.push([id]), this.#completionTokens >= this.#minTokens);
+  }
+
+  #emit(text: string, armed: boolean): void {
+    if (text === "") return;
+    const step = this.#stop.push(text, armed);
+    if (step.text !== "") this.#sink.text(step.text);
+    if (step.stopped) this.#stopHere(step.matched ?? null);
+  }
+
+  #stopHere(stopReason: StopReason): void {
+    this.#done = true;
+    this.#engine.abort(this.#request.rid);
+    this.#sink.finish(
+      "stop",
+      { promptTokens: this.#request.promptTokens.length, completionTokens: this.#completionTokens },
+      stopReason,
+    );
   }
 
   #onFinish(reason: FinishReason, usage: Usage): void {
     if (this.#done) return;
-    const step = this.#stop.push(this.#decoder.flush());
+    const step = this.#stop.push(this.#decoder.flush(), this.#completionTokens >= this.#minTokens);
     const tail = step.stopped ? step.text : step.text + this.#stop.flush();
     this.#done = true;
     if (tail !== "") this.#sink.text(tail);
-    this.#sink.finish(step.stopped ? "stop" : reason, {
-      promptTokens: usage.promptTokens,
-      completionTokens: Math.max(usage.completionTokens, this.#completionTokens),
-    });
+    this.#sink.finish(
+      step.stopped ? "stop" : reason,
+      {
+        promptTokens: usage.promptTokens,
+        completionTokens: Math.max(usage.completionTokens, this.#completionTokens),
+      },
+      step.stopped ? (step.matched ?? null) : null,
+    );
   }
 
   #onError(error: WireError): void {

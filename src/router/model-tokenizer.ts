@@ -6,15 +6,22 @@
 import { KvfenceError } from "../lib/errors.js";
 import type { ChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
 import type { TextStreamDecoder } from "./generation.js";
-import type { ChatMessage } from "./openai-schemas.js";
+import type { TokenPiece } from "./logprobs-wire.js";
+import type { ChatMessage, ChatTemplateOptions } from "./openai-schemas.js";
 import type { RouterTokenizer } from "./router-server.js";
+
+/** Token pieces kept once made (log-probabilities name the same tokens over and over). */
+const MAX_CACHED_PIECES = 1 << 16;
 
 export function routerTokenizer(
   tokenizer: ModelTokenizer,
   chatTemplate: ChatTemplate | null,
 ): RouterTokenizer {
+  const vocabSize = tokenizer.numIds;
+  const pieces = new Map<number, TokenPiece>();
   return {
-    encodeChat(messages: readonly ChatMessage[]): Int32Array {
+    vocabSize,
+    encodeChat(messages: readonly ChatMessage[], options?: ChatTemplateOptions): Int32Array {
       if (chatTemplate === null) {
         throw new KvfenceError(
           "invalid_request",
@@ -23,15 +30,25 @@ export function routerTokenizer(
         );
       }
       // The rendered text already carries the template's special tokens (BOS, <|im_start|>, ...).
-      return tokenizer.encode(chatTemplate.render(messages, { addGenerationPrompt: true }), {
-        addSpecialTokens: false,
+      return tokenizer.encode(chatTemplate.render(messages, options ?? { addGenerationPrompt: true }), {
+        addSpecialTokens: options?.addSpecialTokens === true,
       });
     },
-    encodePrompt(text: string): Int32Array {
-      return tokenizer.encode(text);
+    tokenPiece(id) {
+      let piece = pieces.get(id);
+      if (piece === undefined) {
+        const { text, bytes } = tokenizer.tokenPiece(id);
+        piece = { text, bytes: Array.from(bytes) };
+        if (pieces.size < MAX_CACHED_PIECES) pieces.set(id, piece);
+      }
+      return piece;
     },
-    createDecoder(): TextStreamDecoder {
-      const stream = tokenizer.streamDecoder({ skipSpecialTokens: true });
+    decode: (ids) => tokenizer.decode(ids),
+    encodePrompt(text: string, addSpecialTokens = true): Int32Array {
+      return tokenizer.encode(text, { addSpecialTokens });
+    },
+    createDecoder(options): TextStreamDecoder {
+      const stream = tokenizer.streamDecoder({ skipSpecialTokens: options?.skipSpecialTokens !== false });
       return {
         push(ids: readonly number[]): string {
           let out = "";

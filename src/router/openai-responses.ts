@@ -2,11 +2,20 @@
  * Response bodies and SSE chunks in exactly the shapes OpenAI sends: `chat.completion` /
  * `chat.completion.chunk` and `text_completion` objects, `usage` with prompt, completion and total
  * tokens, and the usage-only chunk (empty `choices`) that `stream_options.include_usage` asks for.
+ * A choice that finished also says what stopped it as vLLM (`stop_reason`) and SGLang
+ * (`matched_stop`) do: the stop string or stop token id, null for EOS and `length`.
  * Each endpoint's shapes are gathered in one `ResponseStrategy` (chat or text), which is all the
  * router needs to know about the difference between the two.
  */
 import { randomBytes } from "node:crypto";
-import type { FinishReason, Usage } from "./generation.js";
+import type { FinishReason, StopReason, Usage } from "./generation.js";
+import { chatLogprobs, type LogprobItem, type PieceOf, textLogprobs } from "./logprobs-wire.js";
+
+/** What a choice carries besides its text: log-probabilities in the endpoint's shape, vLLM's prompt_logprobs. */
+export interface ChoiceExtras {
+  readonly logprobs?: object | null;
+  readonly promptLogprobs?: unknown;
+}
 
 export interface UsageWire {
   prompt_tokens: number;
@@ -37,31 +46,58 @@ export interface ResponseMeta {
   readonly model: string;
 }
 
-export function chatCompletion(meta: ResponseMeta, content: string, finish: FinishReason, usage: Usage) {
+export function chatCompletion(
+  meta: ResponseMeta,
+  content: string,
+  finish: FinishReason,
+  usage: Usage,
+  stopReason: StopReason = null,
+  extras: ChoiceExtras = {},
+) {
   return {
     id: meta.id,
     object: "chat.completion" as const,
     created: meta.created,
     model: meta.model,
+    ...(extras.promptLogprobs === undefined ? {} : { prompt_logprobs: extras.promptLogprobs }),
     choices: [
       {
         index: 0,
         message: { role: "assistant" as const, content, refusal: null },
-        logprobs: null,
+        logprobs: extras.logprobs ?? null,
         finish_reason: finish,
+        stop_reason: stopReason,
+        matched_stop: stopReason,
       },
     ],
     usage: usageWire(usage),
   };
 }
 
-export function textCompletion(meta: ResponseMeta, text: string, finish: FinishReason, usage: Usage) {
+export function textCompletion(
+  meta: ResponseMeta,
+  text: string,
+  finish: FinishReason,
+  usage: Usage,
+  stopReason: StopReason = null,
+  extras: ChoiceExtras = {},
+) {
   return {
     id: meta.id,
     object: "text_completion" as const,
     created: meta.created,
     model: meta.model,
-    choices: [{ index: 0, text, logprobs: null, finish_reason: finish }],
+    choices: [
+      {
+        index: 0,
+        text,
+        logprobs: extras.logprobs ?? null,
+        finish_reason: finish,
+        stop_reason: stopReason,
+        matched_stop: stopReason,
+        ...(extras.promptLogprobs === undefined ? {} : { prompt_logprobs: extras.promptLogprobs }),
+      },
+    ],
     usage: usageWire(usage),
   };
 }
@@ -74,13 +110,17 @@ export function chatChunk(
   delta: ChatDelta,
   finish: FinishReason | null,
   includeUsage: boolean,
+  stopReason?: StopReason,
+  logprobs: object | null = null,
 ) {
+  const choice: Record<string, unknown> = { index: 0, delta, logprobs, finish_reason: finish };
+  if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "chat.completion.chunk",
     created: meta.created,
     model: meta.model,
-    choices: [{ index: 0, delta, logprobs: null, finish_reason: finish }],
+    choices: [choice],
   };
   if (includeUsage) chunk.usage = null;
   return chunk;
@@ -92,13 +132,17 @@ export function textChunk(
   text: string,
   finish: FinishReason | null,
   includeUsage: boolean,
+  stopReason?: StopReason,
+  logprobs: object | null = null,
 ) {
+  const choice: Record<string, unknown> = { index: 0, text, logprobs, finish_reason: finish };
+  if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "text_completion",
     created: meta.created,
     model: meta.model,
-    choices: [{ index: 0, text, logprobs: null, finish_reason: finish }],
+    choices: [choice],
   };
   if (includeUsage) chunk.usage = null;
   return chunk;
@@ -131,28 +175,54 @@ export interface ResponseStrategy {
   readonly chunkObject: "chat.completion.chunk" | "text_completion";
   /** The chunk a stream opens with before any text (chat's role chunk), or null. */
   opening(meta: ResponseMeta, includeUsage: boolean): Record<string, unknown> | null;
-  /** A chunk carrying new text. */
-  delta(meta: ResponseMeta, text: string, includeUsage: boolean): Record<string, unknown>;
-  /** The chunk with the finish reason and no new text. */
-  finish(meta: ResponseMeta, reason: FinishReason, includeUsage: boolean): Record<string, unknown>;
+  /** A chunk carrying new text (and the log-probabilities of its tokens, when asked). */
+  delta(
+    meta: ResponseMeta,
+    text: string,
+    includeUsage: boolean,
+    logprobs?: object | null,
+  ): Record<string, unknown>;
+  /** The chunk with the finish reason and no new text (and the last tokens' log-probabilities). */
+  finish(
+    meta: ResponseMeta,
+    reason: FinishReason,
+    includeUsage: boolean,
+    stopReason: StopReason,
+    logprobs?: object | null,
+  ): Record<string, unknown>;
   /** The whole non-streamed answer. */
-  completion(meta: ResponseMeta, text: string, reason: FinishReason, usage: Usage): object;
+  completion(
+    meta: ResponseMeta,
+    text: string,
+    reason: FinishReason,
+    usage: Usage,
+    stopReason: StopReason,
+    extras?: ChoiceExtras,
+  ): object;
+  /** Log-probabilities of `items` in this endpoint's shape; `offset`: the text before them (completions). */
+  logprobs(items: readonly LogprobItem[], piece: PieceOf, offset: { value: number }): object;
 }
 
 export const CHAT_RESPONSES: ResponseStrategy = {
   idKind: "chat",
   chunkObject: "chat.completion.chunk",
   opening: (meta, includeUsage) => chatChunk(meta, { role: "assistant", content: "" }, null, includeUsage),
-  delta: (meta, text, includeUsage) => chatChunk(meta, { content: text }, null, includeUsage),
-  finish: (meta, reason, includeUsage) => chatChunk(meta, {}, reason, includeUsage),
+  delta: (meta, text, includeUsage, logprobs) =>
+    chatChunk(meta, { content: text }, null, includeUsage, undefined, logprobs ?? null),
+  finish: (meta, reason, includeUsage, stopReason, logprobs) =>
+    chatChunk(meta, {}, reason, includeUsage, stopReason, logprobs ?? null),
   completion: chatCompletion,
+  logprobs: (items, piece) => chatLogprobs(items, piece),
 };
 
 export const TEXT_RESPONSES: ResponseStrategy = {
   idKind: "text",
   chunkObject: "text_completion",
   opening: () => null,
-  delta: (meta, text, includeUsage) => textChunk(meta, text, null, includeUsage),
-  finish: (meta, reason, includeUsage) => textChunk(meta, "", reason, includeUsage),
+  delta: (meta, text, includeUsage, logprobs) =>
+    textChunk(meta, text, null, includeUsage, undefined, logprobs ?? null),
+  finish: (meta, reason, includeUsage, stopReason, logprobs) =>
+    textChunk(meta, "", reason, includeUsage, stopReason, logprobs ?? null),
   completion: textCompletion,
+  logprobs: textLogprobs,
 };

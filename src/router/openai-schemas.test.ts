@@ -50,7 +50,9 @@ test("parseChatRequest() reports the path of a wrong type", () => {
 });
 
 test("parseChatRequest() refuses n > 1, negative or fractional max_tokens, and a non-object body", () => {
-  assert.equal(refusal(() => parseChatRequest({ ...chat, n: 2 })).param, "n");
+  assert.equal(refusal(() => parseChatRequest({ ...chat, n: 65 })).param, "n");
+  assert.equal(refusal(() => parseChatRequest({ ...chat, n: 0 })).param, "n");
+  assert.equal(parseChatRequest({ ...chat, n: 64 }).n, 64);
   assert.equal(refusal(() => parseChatRequest({ ...chat, max_tokens: -1 })).param, "max_tokens");
   assert.equal(refusal(() => parseChatRequest({ ...chat, max_tokens: 1.5 })).param, "max_tokens");
   assert.equal(refusal(() => parseChatRequest({ ...chat, temperature: "hot" })).param, "temperature");
@@ -59,10 +61,14 @@ test("parseChatRequest() refuses n > 1, negative or fractional max_tokens, and a
   assert.equal(refusal(() => parseChatRequest({ ...chat, stop: ["a", "b", "c", "d", "e"] })).param, "stop");
 });
 
-test("parseCompletionRequest() accepts a one-element prompt list and refuses echo", () => {
-  assert.equal(parseCompletionRequest({ model: "m", prompt: ["x"] }).prompt, "x");
-  assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: "x", echo: true })).param, "echo");
-  assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: ["x", "y"] })).param, "prompt");
+test("parseCompletionRequest() takes prompt lists and echo; prompts × n is bounded", () => {
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: ["x"] }).prompts, ["x"]);
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: ["x", "y"], echo: true }).echoPrompts, [
+    "x",
+    "y",
+  ]);
+  assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: ["x", "y"], n: 33 })).param, "n");
+  assert.equal(refusal(() => parseCompletionRequest({ model: "m", prompt: [] })).param, "prompt");
 });
 
 test("fields that would change the answer and are not implemented are refused, naming the field", () => {
@@ -73,10 +79,9 @@ test("fields that would change the answer and are not implemented are refused, n
     [{ functions: [{ name: "f" }] }, "functions", /not supported/],
     [{ tool_choice: "auto" }, "tool_choice", /leave it unset or "none"/],
     [{ function_call: { name: "f" } }, "function_call", /not supported/],
-    [{ logit_bias: { "5": 100 } }, "logit_bias", /not supported/],
     [{ response_format: { type: "json_object" } }, "response_format", /"json_object" is not supported/],
     [{ response_format: { type: "json_schema" } }, "response_format", /constrained decoding/],
-    [{ logprobs: false, top_logprobs: 2 }, "top_logprobs", /not supported/],
+    [{ logprobs: false, top_logprobs: 2 }, "top_logprobs", /needs logprobs/],
   ];
   for (const [extra, param, message] of cases) {
     const err = refusal(() => parseChatRequest({ ...chat, ...extra }));
@@ -94,18 +99,78 @@ test("fields that would change the answer and are not implemented are refused, n
   assert.deepEqual(parseChatRequest({ ...chat, ...harmless }).messages, [{ role: "user", content: "hi" }]);
   const suffix = refusal(() => parseCompletionRequest({ model: "m", prompt: "x", suffix: "y" }));
   assert.equal(suffix.param, "suffix");
-  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", suffix: "" }).prompt, "x");
-  assert.equal(
-    refusal(() => parseCompletionRequest({ model: "m", prompt: "x", logit_bias: { "1": 1 } })).param,
-    "logit_bias",
+  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", suffix: "" }).prompts[0], "x");
+});
+
+test("the sampling controls become the request's logit controls and router options", () => {
+  const parsed = parseCompletionRequest({
+    model: "m",
+    prompt: "x",
+    max_tokens: 8,
+    logit_bias: { "5": 100, "7": 0, "9": -1.5 },
+    frequency_penalty: 0.5,
+    presence_penalty: -0.25,
+    repetition_penalty: 1.2,
+    min_p: 0.05,
+    min_tokens: 3,
+    stop_token_ids: [4],
+    ignore_eos: true,
+    skip_special_tokens: false,
+    include_stop_str_in_output: true,
+  });
+  assert.deepEqual(parsed.controls, {
+    logitBias: [
+      [5, 100],
+      [9, -1.5],
+    ],
+    minTokens: 3,
+    stopTokenIds: [4],
+    repetitionPenalty: 1.2,
+    frequencyPenalty: 0.5,
+    presencePenalty: -0.25,
+    minP: 0.05,
+  });
+  assert.deepEqual(
+    [
+      parsed.ignoreEos,
+      parsed.stopTokenIds,
+      parsed.minTokens,
+      parsed.skipSpecialTokens,
+      parsed.includeStopStr,
+    ],
+    [true, [4], 3, false, true],
   );
+  // Neutral values make no controls.
+  const neutral = parseChatRequest({
+    ...chat,
+    logit_bias: { "5": 0 },
+    frequency_penalty: 0,
+    repetition_penalty: 1,
+    min_p: 0,
+    min_tokens: 0,
+  });
+  assert.equal(neutral.controls, undefined);
+  for (const [extra, param] of [
+    [{ logit_bias: { five: 1 } }, "logit_bias.five"],
+    [{ logit_bias: { "5": -101 } }, "logit_bias.5"],
+    [{ presence_penalty: -3 }, "presence_penalty"],
+    [{ repetition_penalty: -1 }, "repetition_penalty"],
+    [{ min_p: 1.01 }, "min_p"],
+    [{ min_tokens: 1.5 }, "min_tokens"],
+    [{ stop_token_ids: [-1] }, "stop_token_ids[0]"],
+    [{ min_tokens: 9, max_tokens: 8 }, "min_tokens"],
+    [{ min_tokens: 9, max_completion_tokens: 8 }, "min_tokens"],
+  ] as const) {
+    assert.equal(refusal(() => parseChatRequest({ ...chat, ...extra })).param, param, JSON.stringify(extra));
+  }
 });
 
 test("prompt and content forms we do not serve are named in the error", () => {
-  for (const prompt of [[1, 2, 3], [[1, 2]], ["x", "y"]]) {
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: [1, 2, 3] }).prompts[0], [1, 2, 3]);
+  assert.deepEqual(parseCompletionRequest({ model: "m", prompt: [[1, 2], [3]] }).prompts, [[1, 2], [3]]);
+  for (const prompt of [[[1], "x"], [[]], [1, "x"], [-1], [1.5]]) {
     const err = refusal(() => parseCompletionRequest({ model: "m", prompt }));
-    assert.equal(err.param, "prompt");
-    assert.match(err.message, /token-id prompts are not supported/);
+    assert.equal(err.param?.split("[")[0], "prompt", JSON.stringify(prompt));
   }
   const image = [{ type: "image_url", image_url: { url: "http://127.0.0.1/a.png" } }];
   const err = refusal(() => parseChatRequest({ ...chat, messages: [{ role: "user", content: image }] }));
@@ -113,12 +178,10 @@ test("prompt and content forms we do not serve are named in the error", () => {
   assert.match(err.message, /image, audio and file parts are not supported/);
 });
 
-test("sampling extensions of vLLM and SGLang are refused unless neutral; unknown fields are ignored", () => {
+test("other extensions of vLLM and SGLang are refused unless neutral; unknown fields are ignored", () => {
   for (const [extra, param] of [
-    [{ repetition_penalty: 1.2 }, "repetition_penalty"],
-    [{ min_p: 0.05 }, "min_p"],
-    [{ ignore_eos: true }, "ignore_eos"],
-    [{ stop_token_ids: [7] }, "stop_token_ids"],
+    [{ use_beam_search: true }, "use_beam_search"],
+    [{ bad_words: ["x"] }, "bad_words"],
     [{ guided_json: { type: "object" } }, "guided_json"],
     [{ regex: "[a-z]+" }, "regex"],
   ] as const) {
@@ -134,9 +197,9 @@ test("sampling extensions of vLLM and SGLang are refused unless neutral; unknown
     stop_token_ids: [],
     skip_special_tokens: true,
   };
-  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", ...neutral }).prompt, "x");
+  assert.equal(parseCompletionRequest({ model: "m", prompt: "x", ...neutral }).prompts[0], "x");
   assert.equal(
-    parseCompletionRequest({ model: "m", prompt: "x", store: false, metadata: { a: "b" } }).prompt,
+    parseCompletionRequest({ model: "m", prompt: "x", store: false, metadata: { a: "b" } }).prompts[0],
     "x",
   );
 });

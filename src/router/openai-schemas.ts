@@ -1,14 +1,18 @@
 /**
  * Request validation for the OpenAI-compatible endpoints. Bodies are parsed with zod; every
  * problem is reported with its JSON path as an `invalid_request` KvfenceError whose `param` is the
- * path, so a client sees exactly which field is wrong. Fields we know but do not implement
- * (logprobs, tools, penalties, logit_bias, JSON response formats, suffix) are refused rather than
- * silently ignored when they would change the output, and so are the sampling extensions of vLLM
- * and SGLang that clients of those servers send (`EXTENSIONS`). Other unknown fields are ignored, as
+ * path, so a client sees exactly which field is wrong. The sampling controls of OpenAI, vLLM and
+ * SGLang (penalties, logit_bias, min_p, min_tokens, ignore_eos, stop_token_ids, ...) become the
+ * request's `LogitControls` and router-side options. Fields we know but do not implement (tools,
+ * JSON response formats, suffix, ...) are refused rather than silently ignored when they would
+ * change the output, and so are the extensions of vLLM and SGLang that clients of those servers
+ * send (`EXTENSIONS`). Other unknown fields are ignored, as
  * vLLM and SGLang do (OpenAI refuses them), so that clients adding new harmless fields keep working.
  */
 import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
+import type { LogitControls } from "../lib/logit-controls.js";
+import { MAX_TOP_LOGPROBS } from "../lib/token-logprobs.js";
 
 const textPart = z.object({ type: z.literal("text"), text: z.string() });
 
@@ -38,7 +42,20 @@ const stop = z
 
 const maxTokens = z.number().int().positive().nullable().optional();
 
-const streamOptions = z.object({ include_usage: z.boolean().optional() }).nullable().optional();
+const streamOptions = z
+  .object({
+    include_usage: z.boolean().nullable().optional(),
+    /** vLLM's: every chunk carries the usage so far. */
+    continuous_usage_stats: z.boolean().nullable().optional(),
+  })
+  .nullable()
+  .optional();
+
+/** `max_tokens` of a /v1/completions request that sends none (OpenAI's legacy default). */
+export const COMPLETIONS_DEFAULT_MAX_TOKENS = 16;
+
+/** The most choices (`n`) one request may ask for. */
+export const MAX_N = 64;
 
 const samplingFields = {
   model: z.string().min(1),
@@ -51,12 +68,32 @@ const samplingFields = {
   top_k: z.number().int().min(-1).nullable().optional(),
   seed: z.number().int().nullable().optional(),
   stop,
-  n: z.number().int().nullable().optional(),
+  n: z.number().int().min(1).max(MAX_N).nullable().optional(),
   user: z.string().optional(),
-  frequency_penalty: z.number().nullable().optional(),
-  presence_penalty: z.number().nullable().optional(),
-  logit_bias: z.record(z.string(), z.number()).nullable().optional(),
+  frequency_penalty: z.number().min(-2).max(2).nullable().optional(),
+  presence_penalty: z.number().min(-2).max(2).nullable().optional(),
+  logit_bias: z
+    .record(
+      z.string().regex(/^\d{1,9}$/, { error: "a logit_bias key is a token id, as a decimal string" }),
+      z.number().min(-100).max(100),
+    )
+    .nullable()
+    .optional(),
   response_format: z.object({ type: z.string() }).nullable().optional(),
+  // vLLM's and SGLang's sampling extensions.
+  repetition_penalty: z.number().gt(0).max(1e6).nullable().optional(),
+  min_p: z.number().min(0).max(1).nullable().optional(),
+  min_tokens: z.number().int().min(0).nullable().optional(),
+  ignore_eos: z.boolean().nullable().optional(),
+  stop_token_ids: z.array(z.number().int().min(0)).max(64).nullable().optional(),
+  skip_special_tokens: z.boolean().nullable().optional(),
+  include_stop_str_in_output: z.boolean().nullable().optional(),
+  /** SGLang's name for include_stop_str_in_output. */
+  no_stop_trim: z.boolean().nullable().optional(),
+  /** vLLM's: add the tokenizer's special tokens (BOS) to the prompt (completions: default true; chat: false). */
+  add_special_tokens: z.boolean().nullable().optional(),
+  /** vLLM's: the prompt's log-probabilities with this many top ones. */
+  prompt_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
 };
 
 export const chatCompletionRequestSchema = z.object({
@@ -64,21 +101,31 @@ export const chatCompletionRequestSchema = z.object({
   messages: z.array(chatMessage).min(1),
   max_completion_tokens: maxTokens,
   logprobs: z.boolean().nullable().optional(),
-  top_logprobs: z.number().int().nullable().optional(),
+  top_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
   tools: z.array(z.unknown()).nullable().optional(),
   tool_choice: z.unknown().optional(),
   functions: z.array(z.unknown()).nullable().optional(),
   function_call: z.unknown().optional(),
+  // vLLM's chat template controls.
+  add_generation_prompt: z.boolean().nullable().optional(),
+  continue_final_message: z.boolean().nullable().optional(),
+  chat_template_kwargs: z.record(z.string(), z.unknown()).nullable().optional(),
 });
+
+/** A prompt given as token ids (checked against the vocabulary once the tokenizer is at hand). */
+const tokenIds = z.array(z.number().int().min(0)).min(1);
 
 export const completionRequestSchema = z.object({
   ...samplingFields,
-  prompt: z.union([z.string(), z.array(z.string()).length(1)], {
-    error:
-      "expected a string or a list of one string; lists of several prompts and token-id prompts are not supported (send one request per prompt, as text)",
-  }),
+  prompt: z.union(
+    [z.string(), z.array(z.string()).min(1).max(MAX_N), tokenIds, z.array(tokenIds).min(1).max(MAX_N)],
+    {
+      error: `expected a string, a list of token ids, or a list of up to ${MAX_N} of either (one choice per prompt)`,
+    },
+  ),
   suffix: z.string().nullable().optional(),
-  logprobs: z.number().int().nullable().optional(),
+  /** OpenAI allows 0 to 5; vLLM, as here, up to 20. */
+  logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
   echo: z.boolean().nullable().optional(),
   best_of: z.number().int().nullable().optional(),
 });
@@ -97,6 +144,8 @@ export interface SamplingRequest {
   readonly model: string;
   readonly stream: boolean;
   readonly includeUsage: boolean;
+  /** vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far. */
+  readonly continuousUsage: boolean;
   /** null = as many as fit in the context. */
   readonly maxTokens: number | null;
   readonly temperature: number | null;
@@ -104,14 +153,50 @@ export interface SamplingRequest {
   readonly topK: number | null;
   readonly seed: number | null;
   readonly stop: readonly string[];
+  /** Choices to generate (`n`). */
+  readonly n: number;
+  /** Applied where the token is sampled; absent when every control is neutral. */
+  readonly controls?: LogitControls | undefined;
+  /** EOS does not end the request (`ignore_eos`). */
+  readonly ignoreEos: boolean;
+  /** The client's `stop_token_ids`: the router ends the request on one (after `min_tokens`). */
+  readonly stopTokenIds: readonly number[];
+  readonly minTokens: number;
+  readonly skipSpecialTokens: boolean;
+  /** The matched stop string (or stop token's text) stays in the output. */
+  readonly includeStopStr: boolean;
+  /** vLLM's `add_special_tokens`; null: the endpoint's default (completions yes, chat no). */
+  readonly addSpecialTokens: boolean | null;
+  /** Each output token's log-probability with this many top ones; null: none asked. */
+  readonly logprobs: number | null;
+  /** The prompt's log-probabilities with this many top ones (vLLM's `prompt_logprobs`, or echo's); null: none. */
+  readonly promptLogprobs: number | null;
+  /** vLLM's `prompt_logprobs` (rendered as vLLM does, beside echo's), or null. */
+  readonly vllmPromptLogprobs: number | null;
+  /**
+   * Completions' `echo`: each prompt's text, which goes before its choices' completions (and their
+   * logprobs); else null.
+   */
+  readonly echoPrompts: readonly string[] | null;
 }
 
 export interface ParsedChatRequest extends SamplingRequest {
   readonly messages: readonly ChatMessage[];
+  readonly template: ChatTemplateOptions;
+}
+
+/** How the chat template renders a request's messages (vLLM's controls). */
+export interface ChatTemplateOptions {
+  readonly addGenerationPrompt: boolean;
+  readonly continueFinalMessage: boolean;
+  readonly kwargs: Readonly<Record<string, unknown>>;
+  /** Add the tokenizer's special tokens (BOS) on top of the template's (vLLM's, default false). */
+  readonly addSpecialTokens: boolean;
 }
 
 export interface ParsedCompletionRequest extends SamplingRequest {
-  readonly prompt: string;
+  /** Each prompt's text, or its token ids (one or more prompts, each its `n` choices). */
+  readonly prompts: readonly (string | readonly number[])[];
 }
 
 function pathOf(path: readonly PropertyKey[]): string {
@@ -168,21 +253,16 @@ const equals =
   (v: unknown): boolean =>
     v == null || v === neutral;
 const empty = (v: unknown): boolean => v == null || (Array.isArray(v) && v.length === 0);
+const emptyObject = (v: unknown): boolean =>
+  v == null || (typeof v === "object" && !Array.isArray(v) && Object.keys(v).length === 0);
 
 /**
  * Request fields of vLLM and SGLang that change the answer, with the values that do not: a request
  * with any other value is refused, where it would otherwise be served as if the field were absent.
  */
 export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
-  repetition_penalty: equals(1),
   length_penalty: equals(1),
-  min_p: equals(0),
-  min_tokens: equals(0),
-  ignore_eos: equals(false),
   use_beam_search: equals(false),
-  include_stop_str_in_output: equals(false),
-  skip_special_tokens: equals(true),
-  stop_token_ids: empty,
   bad_words: empty,
   guided_json: unset,
   guided_regex: unset,
@@ -193,7 +273,82 @@ export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   json_schema: unset,
   ebnf: unset,
   truncate_prompt_tokens: unset,
-  prompt_logprobs: unset,
+  /** A per-request template: not taken from clients here (the operator's --chat-template is). */
+  chat_template: unset,
+  // vLLM's others.
+  best_of: (v) => v == null || v === 1,
+  allowed_token_ids: empty,
+  spaces_between_special_tokens: equals(true),
+  documents: empty,
+  mm_processor_kwargs: emptyObject,
+  structural_tag: unset,
+  guided_decoding_backend: unset,
+  guided_whitespace_pattern: unset,
+  logits_processors: empty,
+  return_tokens_as_token_ids: equals(false),
+  vllm_xargs: emptyObject,
+  kv_transfer_params: emptyObject,
+  prompt_embeds: unset,
+  // SGLang's others.
+  return_hidden_states: equals(false),
+  return_routed_experts: equals(false),
+  routed_experts_start_len: equals(0),
+  return_cached_tokens_details: equals(false),
+  return_prompt_token_ids: equals(false),
+  return_token_ids: equals(false),
+  return_meta_info: equals(false),
+  task: unset,
+  reasoning: unset,
+  stop_regex: (v) => v == null || v === "" || (Array.isArray(v) && v.length === 0),
+  lora_path: unset,
+  session_id: unset,
+  session_params: unset,
+  max_dynamic_patch: unset,
+  min_dynamic_patch: unset,
+  use_audio_in_video: equals(false),
+  images_config: unset,
+  custom_logit_processor: unset,
+  custom_params: unset,
+  input_ids: unset,
+  // OpenAI's newer fields that change the answer (no audio, predicted outputs, web search, reasoning).
+  audio: unset,
+  modalities: (v) => v == null || (Array.isArray(v) && v.length === 1 && v[0] === "text"),
+  prediction: unset,
+  web_search_options: unset,
+  verbosity: unset,
+  reasoning_effort: unset,
+};
+
+/**
+ * Fields that never change the answer, accepted and not used: bookkeeping (`user`, `metadata`,
+ * `store`, request ids), routing and scheduling hints of other servers, reasoning-parser switches
+ * (this server parses no reasoning). Listed so that the field walk (request-fields.test.ts) and
+ * docs/api.md know every field a client may send.
+ */
+export const NEUTRAL: Readonly<Record<string, string>> = {
+  user: "an end-user id for the caller's own records",
+  metadata: "the caller's tags, stored nowhere",
+  store: "OpenAI's storage of completions: nothing is stored",
+  service_tier: "OpenAI's billing tier",
+  safety_identifier: "OpenAI's abuse-monitoring id",
+  prompt_cache_key: "OpenAI's cache routing hint",
+  parallel_tool_calls: "no tools are served",
+  include_reasoning: "no reasoning parser: the text is the whole answer",
+  separate_reasoning: "no reasoning parser: the text is the whole answer",
+  stream_reasoning: "no reasoning parser: the text is the whole answer",
+  priority: "a scheduling hint (fair sharing between tenants decides the order here)",
+  request_id: "a request id (x-request-id is this server's)",
+  rid: "a request id (x-request-id is this server's)",
+  extra_key: "a caller's request class",
+  cache_salt: "a prefix-cache salt: the cache here is fenced per tenant; the answer is the same",
+  ngram_corpus_id: "a speculative-decoding corpus (none here)",
+  bootstrap_host: "SGLang's disaggregation routing",
+  bootstrap_port: "SGLang's disaggregation routing",
+  bootstrap_room: "SGLang's disaggregation routing",
+  routed_dp_rank: "SGLang's data-parallel routing",
+  disagg_prefill_dp_rank: "SGLang's data-parallel routing",
+  data_parallel_rank: "SGLang's data-parallel routing",
+  custom_labels: "SGLang's metric labels",
 };
 
 function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: object): void {
@@ -206,18 +361,24 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
       );
     }
   }
-  if (req.n !== undefined && req.n !== null && req.n !== 1) {
-    refuse("n", `Only n=1 is supported: got n=${req.n}; send separate requests instead`);
-  }
-  if (req.frequency_penalty) refuse("frequency_penalty", "frequency_penalty is not supported: leave it at 0");
-  if (req.presence_penalty) refuse("presence_penalty", "presence_penalty is not supported: leave it at 0");
-  if (req.logit_bias != null && Object.keys(req.logit_bias).length > 0) {
-    refuse("logit_bias", "logit_bias is not supported: leave it unset or empty");
+  const maxTokens =
+    "max_completion_tokens" in req ? (req.max_completion_tokens ?? req.max_tokens) : req.max_tokens;
+  if (req.min_tokens != null && maxTokens != null && req.min_tokens > maxTokens) {
+    refuse(
+      "min_tokens",
+      `min_tokens (${req.min_tokens}) is above max_tokens (${maxTokens}): lower min_tokens or raise max_tokens`,
+    );
   }
   if (req.response_format != null && req.response_format.type !== "text") {
     refuse(
       "response_format",
       `response_format ${preview(req.response_format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
+    );
+  }
+  if (req.prompt_logprobs != null && req.stream === true) {
+    refuse(
+      "prompt_logprobs",
+      "prompt_logprobs is not available when stream is true (as in vLLM): send stream false",
     );
   }
   if (req.stream_options != null && req.stream !== true) {
@@ -230,11 +391,43 @@ function stopList(stop: string | string[] | null | undefined): string[] {
   return list.filter((s) => s !== "");
 }
 
+/** The request's logit controls, or undefined when every one is neutral. */
+function logitControls(req: ChatCompletionRequest | CompletionRequest): LogitControls | undefined {
+  const bias = Object.entries(req.logit_bias ?? {})
+    .map(([id, b]) => [Number(id), b] as const)
+    .filter(([, b]) => b !== 0);
+  const controls: LogitControls = {
+    ...(bias.length > 0 ? { logitBias: bias } : {}),
+    ...(req.min_tokens ? { minTokens: req.min_tokens, stopTokenIds: req.stop_token_ids ?? [] } : {}),
+    ...(req.repetition_penalty != null && req.repetition_penalty !== 1
+      ? { repetitionPenalty: req.repetition_penalty }
+      : {}),
+    ...(req.frequency_penalty ? { frequencyPenalty: req.frequency_penalty } : {}),
+    ...(req.presence_penalty ? { presencePenalty: req.presence_penalty } : {}),
+    ...(req.min_p ? { minP: req.min_p } : {}),
+  };
+  return Object.keys(controls).length === 0 ? undefined : controls;
+}
+
 function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: number | null): SamplingRequest {
+  const controls = logitControls(req);
   return {
+    ...(controls === undefined ? {} : { controls }),
+    n: req.n ?? 1,
+    ignoreEos: req.ignore_eos === true,
+    stopTokenIds: req.stop_token_ids ?? [],
+    minTokens: req.min_tokens ?? 0,
+    skipSpecialTokens: req.skip_special_tokens !== false,
+    includeStopStr: req.include_stop_str_in_output === true || req.no_stop_trim === true,
+    addSpecialTokens: req.add_special_tokens ?? null,
+    logprobs: null,
+    promptLogprobs: req.prompt_logprobs ?? null,
+    vllmPromptLogprobs: req.prompt_logprobs ?? null,
+    echoPrompts: null,
     model: req.model,
     stream: req.stream === true,
     includeUsage: req.stream_options?.include_usage === true,
+    continuousUsage: req.stream_options?.continuous_usage_stats === true,
     maxTokens,
     temperature: req.temperature ?? null,
     topP: req.top_p ?? null,
@@ -248,9 +441,8 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
 export function parseChatRequest(body: unknown): ParsedChatRequest {
   const req = parseWith(chatCompletionRequestSchema, body);
   commonChecks(req, body as object);
-  if (req.logprobs === true) refuse("logprobs", "logprobs is not supported: leave it unset or false");
-  if (req.top_logprobs != null && req.top_logprobs !== 0)
-    refuse("top_logprobs", "top_logprobs is not supported: leave it unset or 0");
+  if (req.top_logprobs != null && req.top_logprobs > 0 && req.logprobs !== true)
+    refuse("top_logprobs", "top_logprobs needs logprobs: set logprobs to true, or leave top_logprobs unset");
   // The chat templates here do not render tool definitions and nothing parses a tool call out of
   // the answer, so tools would be dropped without a word: refused, even with tool_choice "none".
   if ((req.tools?.length ?? 0) > 0 || (req.functions?.length ?? 0) > 0) {
@@ -284,18 +476,61 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
           ? m.content
           : m.content.map((p) => p.text).join(""),
   }));
-  return { ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null), messages };
+  // vLLM's chat echo (the reply prefixed with the last message of its role) is not served.
+  const echo = (body as { echo?: unknown }).echo;
+  if (echo != null && echo !== false)
+    refuse("echo", "echo on chat (vLLM's) is not supported: leave it unset or false");
+  const continueFinalMessage = req.continue_final_message === true;
+  if (continueFinalMessage && req.add_generation_prompt === true) {
+    refuse(
+      "continue_final_message",
+      "continue_final_message and add_generation_prompt cannot both be true (as in vLLM): set add_generation_prompt to false",
+    );
+  }
+  return {
+    ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null),
+    logprobs: req.logprobs === true ? (req.top_logprobs ?? 0) : null,
+    messages,
+    template: {
+      addGenerationPrompt: req.add_generation_prompt !== false,
+      continueFinalMessage,
+      kwargs: req.chat_template_kwargs ?? {},
+      addSpecialTokens: req.add_special_tokens === true,
+    },
+  };
 }
 
 /** Validate a `/v1/completions` body; throws `invalid_request` naming the offending field. */
 export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   const req = parseWith(completionRequestSchema, body);
   commonChecks(req, body as object);
-  if (req.logprobs != null) refuse("logprobs", "logprobs is not supported: leave it unset");
-  if (req.echo === true) refuse("echo", "echo is not supported: leave it unset or false");
+
   if (req.best_of != null && req.best_of !== 1)
     refuse("best_of", `Only best_of=1 is supported: got ${req.best_of}`);
   if (req.suffix) refuse("suffix", "suffix (insertion) is not supported: leave it unset or empty");
-  const prompt = typeof req.prompt === "string" ? req.prompt : req.prompt[0]!;
-  return { ...sampling(req, req.max_tokens ?? null), prompt };
+  const p = req.prompt;
+  const prompts: (string | readonly number[])[] =
+    typeof p === "string" || typeof p[0] === "number"
+      ? [p as string | number[]]
+      : (p as (string | number[])[]);
+  if (prompts.length * (req.n ?? 1) > MAX_N) {
+    refuse(
+      "n",
+      `${prompts.length} prompts × n=${req.n ?? 1} choices is over ${MAX_N}: send fewer prompts or a smaller n`,
+    );
+  }
+  // As OpenAI's legacy endpoint: 16 tokens unless max_tokens says otherwise.
+  const base = sampling(req, req.max_tokens ?? COMPLETIONS_DEFAULT_MAX_TOKENS);
+  const echo = req.echo === true;
+  const logprobs = req.logprobs ?? null;
+  return {
+    ...base,
+    logprobs,
+    // Token-id prompts: their text comes from the tokenizer (prepare-request.ts).
+    echoPrompts: echo ? prompts.map((q) => (typeof q === "string" ? q : "")) : null,
+    // Echo with logprobs reports the prompt's tokens too; vLLM's prompt_logprobs asks for its own k.
+    promptLogprobs:
+      echo && logprobs !== null ? Math.max(logprobs, base.promptLogprobs ?? 0) : base.promptLogprobs,
+    prompts,
+  };
 }

@@ -44,7 +44,7 @@ test("PreparePool prepares a chat and a completion exactly as this thread would"
   ] as const) {
     const there = await pool.prepare(endpoint, Buffer.from(raw));
     const local = prepareRequest(endpoint, raw, here);
-    assert.deepEqual([...there.promptTokens], [...local.promptTokens], endpoint);
+    assert.deepEqual([...there.prompts[0]!], [...local.prompts[0]!], endpoint);
     assert.deepEqual(there.parsed, local.parsed, endpoint);
   }
 });

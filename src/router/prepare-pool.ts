@@ -18,10 +18,12 @@ import { KvfenceError, type WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import {
+  answerUtility,
   type GenerateEndpointName,
   type PrepareContext,
   type PreparedRequest,
   prepareRequest,
+  type UtilityEndpointName,
 } from "./prepare-request.js";
 import type { RequestLimits } from "./request-limits.js";
 
@@ -29,6 +31,8 @@ import type { RequestLimits } from "./request-limits.js";
 export interface RequestPreparer {
   /** `tenant`: the index of the request's tenant (bodies wait fairly between tenants). */
   prepare(endpoint: GenerateEndpointName, body: Uint8Array, tenant?: number): Promise<PreparedRequest>;
+  /** /tokenize and /detokenize: the answer's JSON body (`answerUtility`). */
+  answer(endpoint: UtilityEndpointName, body: Uint8Array, tenant?: number): Promise<object>;
   close(): Promise<void>;
 }
 
@@ -40,8 +44,11 @@ export const LARGE_LANE_NICE = 10;
 
 interface PoolData {
   readonly modelDir: string;
-  readonly modelId: string;
+  /** The served model's names (`--served-model-name`; the first is the one reported). */
+  readonly modelId: string | readonly string[];
   readonly limits: RequestLimits;
+  /** `--chat-template FILE`, in place of the model folder's template. */
+  readonly chatTemplateFile?: string;
 }
 
 export interface PrepareWorkerData extends PoolData {
@@ -51,7 +58,7 @@ export interface PrepareWorkerData extends PoolData {
 
 export interface ToPrepareWorker {
   readonly id: number;
-  readonly endpoint: GenerateEndpointName;
+  readonly endpoint: GenerateEndpointName | UtilityEndpointName;
   readonly body: Uint8Array;
 }
 
@@ -61,8 +68,9 @@ export type FromPrepareWorker =
       readonly id: number;
       readonly ok: true;
       readonly parsed: SamplingRequest;
-      readonly promptTokens: Int32Array;
+      readonly prompts: readonly Int32Array[];
     }
+  | { readonly id: number; readonly ok: true; readonly answer: object }
   /** `error` null: not a KvfenceError (a bug); `detail` is for the log only. */
   | { readonly id: number; readonly ok: false; readonly error: WireError | null; readonly detail?: string };
 
@@ -71,10 +79,10 @@ const WORKER_URL = new URL("./prepare-worker.js", import.meta.url);
 interface Job {
   readonly id: number;
   readonly tenant: number;
-  readonly endpoint: GenerateEndpointName;
+  readonly endpoint: GenerateEndpointName | UtilityEndpointName;
   readonly body: Uint8Array;
   readonly large: boolean;
-  resolve(prepared: PreparedRequest): void;
+  resolve(result: PreparedRequest | object): void;
   reject(error: unknown): void;
 }
 
@@ -87,6 +95,7 @@ interface Slot {
 export function inThreadPreparer(context: PrepareContext): RequestPreparer {
   return {
     prepare: async (endpoint, body) => prepareRequest(endpoint, body, context),
+    answer: async (endpoint, body) => answerUtility(endpoint, body, context),
     close: async () => {},
   };
 }
@@ -109,7 +118,12 @@ export class PreparePool implements RequestPreparer {
   #closed = false;
 
   private constructor(options: PreparePoolOptions) {
-    this.#data = { modelDir: options.modelDir, modelId: options.modelId, limits: options.limits };
+    this.#data = {
+      modelDir: options.modelDir,
+      modelId: options.modelId,
+      limits: options.limits,
+      ...(options.chatTemplateFile === undefined ? {} : { chatTemplateFile: options.chatTemplateFile }),
+    };
     this.#onWorkerError = options.onWorkerError ?? (() => {});
     this.#size = Math.max(1, options.threads);
   }
@@ -137,6 +151,18 @@ export class PreparePool implements RequestPreparer {
   }
 
   prepare(endpoint: GenerateEndpointName, body: Uint8Array, tenant = 0): Promise<PreparedRequest> {
+    return this.#run(endpoint, body, tenant) as Promise<PreparedRequest>;
+  }
+
+  answer(endpoint: UtilityEndpointName, body: Uint8Array, tenant = 0): Promise<object> {
+    return this.#run(endpoint, body, tenant) as Promise<object>;
+  }
+
+  #run(
+    endpoint: GenerateEndpointName | UtilityEndpointName,
+    body: Uint8Array,
+    tenant: number,
+  ): Promise<PreparedRequest | object> {
     if (this.#closed)
       return Promise.reject(new KvfenceError("node_unavailable", "The server is shutting down"));
     return new Promise((resolve, reject) => {
@@ -211,7 +237,10 @@ export class PreparePool implements RequestPreparer {
     const job = slot.job;
     slot.job = null;
     if (job !== null && job.id === message.id) {
-      if (message.ok) job.resolve({ parsed: message.parsed, promptTokens: message.promptTokens });
+      if (message.ok)
+        job.resolve(
+          "answer" in message ? message.answer : { parsed: message.parsed, prompts: message.prompts },
+        );
       else if (message.error !== null) job.reject(KvfenceError.fromWire(message.error));
       else {
         this.#onWorkerError(message.detail ?? "unknown");

@@ -13,6 +13,8 @@ import { requestLimits } from "./request-limits.js";
 function counting(): PromptTokenizer & { calls: number } {
   return {
     calls: 0,
+    vocabSize: 256,
+    decode: (ids) => Buffer.from(Array.from(ids)).toString("utf8"),
     encodeChat(messages: readonly ChatMessage[]) {
       this.calls++;
       return Int32Array.from(Buffer.from(messages.map((m) => m.content).join("")));
@@ -45,9 +47,9 @@ test("prepareRequest() tokenizes a valid chat and completion once", () => {
     body({ model: "m", messages: [{ role: "user", content: "hi" }] }),
     context,
   );
-  assert.deepEqual([...chat.promptTokens], [...Buffer.from("hi")]);
+  assert.deepEqual([...chat.prompts[0]!], [...Buffer.from("hi")]);
   const text = prepareRequest("completions", body({ model: "m", prompt: "abc", max_tokens: 3 }), context);
-  assert.deepEqual([...text.promptTokens], [...Buffer.from("abc")]);
+  assert.deepEqual([...text.prompts[0]!], [...Buffer.from("abc")]);
   assert.equal(text.parsed.maxTokens, 3);
   assert.equal(tokenizer.calls, 2);
 });

@@ -11,9 +11,12 @@
  * `PROMPT_KINDS` holds what differs between the two endpoints (how a body becomes a prompt), so
  * nothing here or in the router branches on the endpoint.
  */
+
+import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
 import {
   type ChatMessage,
+  type ChatTemplateOptions,
   parseChatRequest,
   parseCompletionRequest,
   type SamplingRequest,
@@ -23,24 +26,31 @@ import { checkJsonDepth, checkMessageCount, checkPromptBytes, type RequestLimits
 
 /** The tokenizer work a prompt needs: no model weights, ever. */
 export interface PromptTokenizer {
-  /** Prompt ids of a chat (template rendered with the generation prompt); throws `invalid_request`. */
-  encodeChat(messages: readonly ChatMessage[]): Int32Array;
-  /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS). */
-  encodePrompt(text: string): Int32Array;
+  /** Prompt ids of a chat (template rendered with the generation prompt by default); throws `invalid_request`. */
+  encodeChat(messages: readonly ChatMessage[], options?: ChatTemplateOptions): Int32Array;
+  /** Prompt ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS, unless `addSpecialTokens` is false). */
+  encodePrompt(text: string, addSpecialTokens?: boolean): Int32Array;
+  /** One more than the largest token id: token ids a request names must be below it. */
+  readonly vocabSize: number;
+  /** The text of `ids` (special tokens skipped). */
+  decode(ids: ArrayLike<number>): string;
 }
 
 export type GenerateEndpointName = "chat" | "completions";
 
-/** A generation request ready for admission. */
+/** vLLM's /tokenize and /detokenize, answered by the same workers. */
+export type UtilityEndpointName = "tokenize" | "detokenize";
+
+/** A generation request ready for admission: its prompts (a chat has one), each its `n` choices. */
 export interface PreparedRequest {
   readonly parsed: SamplingRequest;
-  readonly promptTokens: Int32Array;
+  readonly prompts: readonly Int32Array[];
 }
 
 /** What the preparation of a body needs besides the body. */
 export interface PrepareContext {
-  /** The served model's name: any other `model` is refused before tokenization. */
-  readonly modelId: string;
+  /** The served model's name (or names): any other `model` is refused before tokenization. */
+  readonly modelId: string | readonly string[];
   readonly tokenizer: PromptTokenizer;
   readonly limits: RequestLimits;
 }
@@ -56,7 +66,10 @@ interface PromptKind {
   parse(body: unknown): {
     readonly parsed: SamplingRequest;
     promptBytes(): number;
-    encode(tokenizer: PromptTokenizer): Int32Array;
+    /** Each prompt's ids (a chat has one). */
+    encode(tokenizer: PromptTokenizer): Int32Array[];
+    /** Echo's text of each prompt (token ids: from the tokenizer); absent: no echo. */
+    echoTexts?(tokenizer: PromptTokenizer, tokens: readonly Int32Array[]): string[];
   };
 }
 
@@ -70,7 +83,7 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
       return {
         parsed,
         promptBytes: () => parsed.messages.reduce((sum, m) => sum + Buffer.byteLength(m.content), 0),
-        encode: (tokenizer) => tokenizer.encodeChat(parsed.messages),
+        encode: (tokenizer) => [tokenizer.encodeChat(parsed.messages, parsed.template)],
       };
     },
   },
@@ -80,24 +93,69 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
     precheck: () => {},
     parse(body) {
       const parsed = parseCompletionRequest(body);
+      const { prompts } = parsed;
       return {
         parsed,
-        promptBytes: () => Buffer.byteLength(parsed.prompt),
-        encode: (tokenizer) => tokenizer.encodePrompt(parsed.prompt),
+        promptBytes: () =>
+          prompts.reduce((sum: number, q) => sum + (typeof q === "string" ? Buffer.byteLength(q) : 0), 0),
+        encode: (tokenizer) =>
+          prompts.map((q, i) =>
+            typeof q === "string"
+              ? tokenizer.encodePrompt(q, parsed.addSpecialTokens !== false)
+              : checkedIds(q, i, prompts.length, tokenizer),
+          ),
+        echoTexts: (tokenizer, tokens) =>
+          prompts.map((q, i) => (typeof q === "string" ? q : tokenizer.decode(tokens[i]!))),
       };
     },
   },
 };
 
-/** Refuses a `model` other than the served one. */
-export function checkModel(model: string, served: string): void {
-  if (model !== served) {
+/** Refuses a `model` other than the served one (any of its names). */
+export function checkModel(model: string, served: string | readonly string[]): void {
+  const names = typeof served === "string" ? [served] : served;
+  if (!names.includes(model)) {
     throw new KvfenceError(
       "model_not_found",
-      `The model does not exist: ${model.length > 64 ? `${model.slice(0, 64)}…` : model}; this server serves: ${served}`,
+      `The model does not exist: ${model.length > 64 ? `${model.slice(0, 64)}…` : model}; this server serves: ${names.join(", ")}`,
       { param: "model" },
     );
   }
+}
+
+/** A token-id prompt, each id inside the vocabulary (else `invalid_request` naming its place). */
+function checkedIds(
+  ids: readonly number[],
+  index: number,
+  count: number,
+  tokenizer: PromptTokenizer,
+): Int32Array {
+  const bad = ids.findIndex((id) => id >= tokenizer.vocabSize);
+  if (bad >= 0) {
+    const where = count === 1 ? `prompt[${bad}]` : `prompt[${index}][${bad}]`;
+    throw new KvfenceError(
+      "invalid_request",
+      `${where} is token id ${ids[bad]}, outside this model's vocabulary of ${tokenizer.vocabSize} ids (0 to ${tokenizer.vocabSize - 1})`,
+      { param: "prompt" },
+    );
+  }
+  return Int32Array.from(ids);
+}
+
+/** Refuses token ids (logit_bias, stop_token_ids) outside the vocabulary, naming the field. */
+function checkTokenIds(parsed: SamplingRequest, vocabSize: number): void {
+  const outside = (ids: readonly number[], param: string) => {
+    const bad = ids.find((id) => id >= vocabSize);
+    if (bad !== undefined) {
+      throw new KvfenceError(
+        "invalid_request",
+        `${param} names token id ${bad}, outside this model's vocabulary of ${vocabSize} ids (0 to ${vocabSize - 1})`,
+        { param },
+      );
+    }
+  };
+  outside(parsed.controls?.logitBias?.map(([id]) => id) ?? [], "logit_bias");
+  outside(parsed.stopTokenIds, "stop_token_ids");
 }
 
 /** A generation endpoint's raw body → its sampling fields and prompt tokens; throws KvfenceError. */
@@ -110,12 +168,98 @@ export function prepareRequest(
   checkJsonDepth(body, context.limits.maxJsonDepth);
   const json = parseJsonBody(body);
   kind.precheck(json, context.limits);
-  const { parsed, promptBytes, encode } = kind.parse(json);
+  const { parsed, promptBytes, encode, echoTexts } = kind.parse(json);
   checkModel(parsed.model, context.modelId);
+  checkTokenIds(parsed, context.tokenizer.vocabSize);
   checkPromptBytes(promptBytes(), context.limits.maxPromptBytes, kind.param);
-  const promptTokens = encode(context.tokenizer);
-  if (promptTokens.length === 0) {
+  const prompts = encode(context.tokenizer);
+  if (prompts.some((tokens) => tokens.length === 0)) {
     throw new KvfenceError("invalid_request", kind.emptyPrompt, { param: kind.param });
   }
-  return { parsed, promptTokens };
+  if (parsed.echoPrompts !== null && echoTexts !== undefined) {
+    return { parsed: { ...parsed, echoPrompts: echoTexts(context.tokenizer, prompts) }, prompts };
+  }
+  return { parsed, prompts };
+}
+
+const tokenizeTextSchema = z.object({
+  model: z.string().nullable().optional(),
+  prompt: z.string(),
+  add_special_tokens: z.boolean().nullable().optional(),
+  return_token_strs: z.boolean().nullable().optional(),
+});
+const detokenizeSchema = z.object({
+  model: z.string().nullable().optional(),
+  tokens: z.array(z.number().int().min(0)),
+});
+
+/** What /tokenize and /detokenize answer besides the tokens: the context length (vLLM's `max_model_len`). */
+export interface UtilityContext extends PrepareContext {
+  readonly maxModelLen?: number;
+}
+
+/**
+ * vLLM's /tokenize (`{prompt, add_special_tokens}` or a chat's `{messages, …}` →
+ * `{count, max_model_len, tokens, token_strs}`) and /detokenize (`{tokens}` → `{prompt}`), under the
+ * same limits and checks as a generation request; `model`, when given, must be the served one.
+ */
+export function answerUtility(
+  endpoint: UtilityEndpointName,
+  body: Uint8Array,
+  context: UtilityContext,
+): object {
+  checkJsonDepth(body, context.limits.maxJsonDepth);
+  const json = parseJsonBody(body);
+  const model = (json as { model?: unknown } | null)?.model;
+  const named = (m: unknown) => {
+    if (typeof m === "string") checkModel(m, context.modelId);
+  };
+  const tokenizer = context.tokenizer;
+  if (endpoint === "detokenize") {
+    const { tokens } = parseUtility(detokenizeSchema, json);
+    named(model);
+    const bad = tokens.findIndex((id) => id >= tokenizer.vocabSize);
+    if (bad >= 0) {
+      throw new KvfenceError(
+        "invalid_request",
+        `tokens[${bad}] is token id ${tokens[bad]}, outside this model's vocabulary of ${tokenizer.vocabSize} ids`,
+        { param: "tokens" },
+      );
+    }
+    return { prompt: tokenizer.decode(tokens) };
+  }
+  let ids: Int32Array;
+  let strs = false;
+  if (typeof json === "object" && json !== null && "messages" in json) {
+    // A chat: the same parse, checks and template as /v1/chat/completions.
+    const kind = PROMPT_KINDS.chat;
+    kind.precheck(json, context.limits);
+    const parsed = kind.parse({ model: [context.modelId].flat()[0], ...(json as object) });
+    checkPromptBytes(parsed.promptBytes(), context.limits.maxPromptBytes, kind.param);
+    ids = parsed.encode(tokenizer)[0]!;
+  } else {
+    const req = parseUtility(tokenizeTextSchema, json);
+    checkPromptBytes(Buffer.byteLength(req.prompt), context.limits.maxPromptBytes, "prompt");
+    ids =
+      req.add_special_tokens === false
+        ? tokenizer.encodePrompt(req.prompt, false)
+        : tokenizer.encodePrompt(req.prompt);
+    strs = req.return_token_strs === true;
+  }
+  named(model);
+  const tokens = Array.from(ids);
+  return {
+    count: tokens.length,
+    max_model_len: context.maxModelLen ?? null,
+    tokens,
+    token_strs: strs ? tokens.map((id) => tokenizer.decode([id])) : null,
+  };
+}
+
+function parseUtility<T>(schema: z.ZodType<T>, body: unknown): T {
+  const result = schema.safeParse(body);
+  if (result.success) return result.data;
+  const issue = result.error.issues[0]!;
+  const param = issue.path.map(String).join(".") || "body";
+  throw new KvfenceError("invalid_request", `Invalid request: ${param}: ${issue.message}`, { param });
 }

@@ -15,7 +15,7 @@ import {
   type PrepareWorkerData,
   type ToPrepareWorker,
 } from "./prepare-pool.js";
-import { prepareRequest } from "./prepare-request.js";
+import { answerUtility, prepareRequest } from "./prepare-request.js";
 
 const data = workerData as PrepareWorkerData;
 const port = parentPort!;
@@ -24,16 +24,23 @@ if (data.lane === "large") lowerThreadPriority(LARGE_LANE_NICE);
 const tokenizer = ModelTokenizer.fromFolder(data.modelDir);
 const context = {
   modelId: data.modelId,
-  tokenizer: routerTokenizer(tokenizer, loadChatTemplate(data.modelDir, tokenizer)),
+  tokenizer: routerTokenizer(tokenizer, loadChatTemplate(data.modelDir, tokenizer, data.chatTemplateFile)),
   limits: data.limits,
 };
 
 port.on("message", (job: ToPrepareWorker) => {
   let reply: FromPrepareWorker;
   try {
-    const { parsed, promptTokens } = prepareRequest(job.endpoint, job.body, context);
-    reply = { id: job.id, ok: true, parsed, promptTokens };
-    port.postMessage(reply, [promptTokens.buffer as ArrayBuffer]);
+    if (job.endpoint === "tokenize" || job.endpoint === "detokenize") {
+      port.postMessage({ id: job.id, ok: true, answer: answerUtility(job.endpoint, job.body, context) });
+      return;
+    }
+    const { parsed, prompts } = prepareRequest(job.endpoint, job.body, context);
+    reply = { id: job.id, ok: true, parsed, prompts };
+    port.postMessage(
+      reply,
+      prompts.map((tokens) => tokens.buffer as ArrayBuffer),
+    );
     return;
   } catch (err) {
     reply =

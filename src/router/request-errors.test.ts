@@ -253,7 +253,7 @@ test("a refused extension nested 100,000 deep gets its 400 naming the value's ki
   ] as const) {
     for (const parse of [
       () => parseChatRequest({ ...chat, guided_json: value }),
-      () => parseCompletionRequest({ model: MODEL, prompt: "x", repetition_penalty: value }),
+      () => parseCompletionRequest({ model: MODEL, prompt: "x", guided_regex: value }),
     ]) {
       let caught: unknown;
       try {

@@ -7,7 +7,16 @@
 import { exponentialBuckets, MetricsRegistry } from "../lib/metrics.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 
-export type Endpoint = "chat" | "completions" | "models" | "health" | "ready" | "metrics" | "nodes" | "other";
+export type Endpoint =
+  | "chat"
+  | "completions"
+  | "tokenize"
+  | "models"
+  | "health"
+  | "ready"
+  | "metrics"
+  | "nodes"
+  | "other";
 
 export class RouterMetrics {
   readonly registry: MetricsRegistry;
@@ -24,6 +33,8 @@ export class RouterMetrics {
   readonly queueRequests;
   readonly tagCheckFailures;
   readonly preemptions;
+  readonly prefillTokens;
+  readonly forkedSamples;
   readonly engineAborts;
   readonly clientDisconnects;
 
@@ -78,6 +89,14 @@ export class RouterMetrics {
       "Requests preempted when the pool ran out",
     );
     this.engineAborts = registry.counter("kvfence_engine_aborts_total", "Requests aborted in the engine");
+    this.prefillTokens = registry.counter(
+      "kvfence_prefill_tokens_total",
+      "Prompt tokens the engine computed (a forked sample of n > 1 computes none)",
+    );
+    this.forkedSamples = registry.counter(
+      "kvfence_forked_samples_total",
+      "Samples of n > 1 that started from a copy of their first sample's prompt KV",
+    );
     this.clientDisconnects = registry.counter(
       "kvfence_client_disconnects_total",
       "Generation requests whose client went away before the end",
@@ -101,6 +120,8 @@ export class RouterMetrics {
       this.tagCheckFailures.setTotal(stats.counters.tagCheckFailures);
       this.preemptions.setTotal(stats.counters.preemptions);
       this.engineAborts.setTotal(stats.counters.aborts);
+      this.prefillTokens.setTotal(stats.counters.prefillTokens ?? 0);
+      this.forkedSamples.setTotal(stats.counters.forkedSamples ?? 0);
     });
   }
 }

@@ -125,7 +125,10 @@ describe("RouterServer with a scripted engine", () => {
       .map((c) => c.choices[0].delta.content)
       .join("");
     assert.equal(content, "Hello, world!");
-    assert.deepEqual(chunks.at(-2).choices, [{ index: 0, delta: {}, logprobs: null, finish_reason: "stop" }]);
+    // OpenAI's finish chunk, plus what stopped it as vLLM (stop_reason) and SGLang (matched_stop) say.
+    assert.deepEqual(chunks.at(-2).choices, [
+      { index: 0, delta: {}, logprobs: null, finish_reason: "stop", stop_reason: null, matched_stop: null },
+    ]);
     assert.equal(chunks.at(-2).usage, null);
     assert.deepEqual(chunks.at(-1).choices, []);
     assert.equal(chunks.at(-1).usage.completion_tokens, 14);
@@ -208,9 +211,10 @@ describe("RouterServer with a scripted engine", () => {
     assert.equal(await pagesInUse(ctx.url), 0);
   });
 
-  test("RouterServer defaults max_tokens to what fits in the context", async () => {
-    await client.completions.create({ model: MODEL, prompt: "abcd" });
-    assert.equal(ctx.engine.submitted.at(-1)?.maxTokens, 1024 - 4);
+  test("RouterServer defaults a chat's max_tokens to what fits in the context", async () => {
+    await client.chat.completions.create({ model: MODEL, messages: [{ role: "user", content: "abcd" }] });
+    const prompt = byteTokenizer.encodeChat([{ role: "user", content: "abcd" }]).length;
+    assert.equal(ctx.engine.submitted.at(-1)?.maxTokens, 1024 - prompt);
   });
 
   const badRequests: Array<[string, string | Uint8Array | object, number, string, string | null]> = [
@@ -218,8 +222,8 @@ describe("RouterServer with a scripted engine", () => {
     ["an empty body", "", 400, "invalid_json", null],
     ["a wrong type", { model: MODEL, messages: "hi" }, 400, "invalid_request", "messages"],
     [
-      "n > 1",
-      { model: MODEL, messages: [{ role: "user", content: "hi" }], n: 3 },
+      "n above 64",
+      { model: MODEL, messages: [{ role: "user", content: "hi" }], n: 65 },
       400,
       "invalid_request",
       "n",

@@ -12,7 +12,7 @@
  * engine raises before the first token (its own admission door, a page-tag mismatch) still reaches
  * the client as a real 4xx/5xx status rather than an error inside a 200 stream.
  */
-import { createHash, createHmac, randomBytes, timingSafeEqual } from "node:crypto";
+import { createHash, createHmac, randomBytes, randomUUID, timingSafeEqual } from "node:crypto";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import { createServer as createHttpsServer } from "node:https";
 import type { AddressInfo } from "node:net";
@@ -20,6 +20,7 @@ import { performance } from "node:perf_hooks";
 import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
+import type { TokenLogprobs as LogprobsEntry } from "../lib/token-logprobs.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
@@ -29,16 +30,20 @@ import {
   type FinishReason,
   Generation,
   type GenerationSink,
+  type StopReason,
   type TextStreamDecoder,
   type Usage,
 } from "./generation.js";
+import { type LogprobItem, type TokenPiece, vllmPromptLogprobs } from "./logprobs-wire.js";
 import {
   CHAT_RESPONSES,
+  type ChoiceExtras,
   completionId,
   type ResponseMeta,
   type ResponseStrategy,
   TEXT_RESPONSES,
   usageChunk,
+  usageWire,
 } from "./openai-responses.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
@@ -47,6 +52,7 @@ import {
   type GenerateEndpointName,
   PROMPT_KINDS,
   type PromptTokenizer,
+  type UtilityEndpointName,
 } from "./prepare-request.js";
 import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
@@ -55,13 +61,17 @@ import { SseWriter, sseFrame } from "./sse.js";
 
 /** What the router needs from the tokenizer: no model weights, ever. */
 export interface RouterTokenizer extends PromptTokenizer {
-  /** A fresh UTF-8-safe streaming detokenizer, one per response. */
-  createDecoder(): TextStreamDecoder;
+  /** One token's own text and bytes (log-probabilities name tokens by them). */
+  tokenPiece(id: number): TokenPiece;
+  /** A fresh UTF-8-safe streaming detokenizer, one per response (special tokens skipped by default). */
+  createDecoder(options?: { readonly skipSpecialTokens?: boolean }): TextStreamDecoder;
 }
 
 export interface ServedModel {
-  /** The `model` name clients send. */
+  /** The `model` name clients send (and the one answers report). */
   readonly id: string;
+  /** Other names clients may send (`--served-model-name`'s after the first). */
+  readonly aliases?: readonly string[];
   readonly maxPositionEmbeddings: number;
   readonly eosTokenIds: readonly number[];
   /** From generation_config.json; used when a request leaves a field out. */
@@ -95,6 +105,11 @@ export interface RouterServerOptions {
   readonly operatorKey?: string | undefined;
   /** `--metrics-tenant-names`: label metrics with tenant names, not opaque ids. */
   readonly metricsTenantNames?: boolean;
+  /**
+   * `--allowed-origins`: the browser origins (`https://app.example`, or `*` for any) answered with
+   * CORS headers, their preflights (OPTIONS) included. Absent or empty: no CORS headers.
+   */
+  readonly allowedOrigins?: readonly string[];
 }
 
 type Handler = (ctx: RequestContext) => Promise<void> | void;
@@ -118,7 +133,18 @@ interface RequestContext {
   readonly res: ServerResponse;
   readonly url: URL;
   readonly receivedAt: number;
+  /** The client's `x-request-id` (printable ASCII, at most 128 characters), else a fresh UUID. */
+  readonly requestId: string;
   tenant: Tenant | null;
+}
+
+/** A client's `x-request-id` kept as it is: printable ASCII, 1 to 128 characters. */
+const REQUEST_ID = /^[\x21-\x7e]{1,128}$/;
+
+/** The request id a response echoes: the client's when it is usable, else a new one. */
+function requestIdOf(req: IncomingMessage): string {
+  const given = req.headers["x-request-id"];
+  return typeof given === "string" && REQUEST_ID.test(given) ? given : randomUUID();
 }
 
 /** What differs between the two generation endpoints; the router never branches on the endpoint. */
@@ -162,6 +188,7 @@ export class RouterServer {
   /** Tenant name → its label in metrics. */
   readonly #tenantLabel: (name: string) => string;
   #operatorServer: Server | null = null;
+  readonly #allowedOrigins: ReadonlySet<string>;
   #nextRid = 1;
   #url: string | null = null;
   /** The longest request (prompt + max_tokens) admitted. */
@@ -174,6 +201,7 @@ export class RouterServer {
     this.#model = options.model;
     this.#tenants = options.tenants;
     this.#log = options.logger;
+    this.#allowedOrigins = new Set(options.allowedOrigins ?? []);
     this.contextLength = Math.min(
       effectiveContextLength({
         maxPositionEmbeddings: options.model.maxPositionEmbeddings,
@@ -186,7 +214,11 @@ export class RouterServer {
     this.#maxBodyBytes = limits.maxBodyBytes;
     this.#preparer =
       options.preparer ??
-      inThreadPreparer({ modelId: options.model.id, tokenizer: options.tokenizer, limits });
+      inThreadPreparer({
+        modelId: [options.model.id, ...(options.model.aliases ?? [])],
+        tokenizer: options.tokenizer,
+        limits,
+      });
     this.metrics = new RouterMetrics(options.engine);
     this.#operatorKey = options.operatorKey === undefined ? null : sha256(options.operatorKey);
     this.#tenantLabel =
@@ -229,6 +261,15 @@ export class RouterServer {
         { endpoint: "completions", methods: ["POST"], handler: (c) => this.#generate(c, COMPLETIONS) },
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
+      // vLLM's, outside /v1 as there (and behind the API key, as every tenant endpoint here).
+      [
+        "/tokenize",
+        { endpoint: "tokenize", methods: ["POST"], handler: (c) => this.#utility(c, "tokenize") },
+      ],
+      [
+        "/detokenize",
+        { endpoint: "tokenize", methods: ["POST"], handler: (c) => this.#utility(c, "detokenize") },
+      ],
       ["/health", { endpoint: "health", methods: ["GET"], handler: (c) => this.#health(c) }],
       ["/ready", { endpoint: "ready", methods: ["GET"], handler: (c) => this.#ready(c) }],
       [
@@ -330,8 +371,12 @@ export class RouterServer {
       res,
       url: new URL(valid ? target : "/", "http://localhost"),
       receivedAt: performance.now(),
+      requestId: requestIdOf(req),
       tenant: null,
     };
+    // On every response (errors and streams included): a client or proxy correlates it with the logs.
+    res.setHeader("x-request-id", ctx.requestId);
+    if (listener === "front") this.#cors(req, res);
     const route = valid ? this.#route(ctx.url.pathname, listener) : undefined;
     const endpoint: Endpoint = route?.endpoint ?? "other";
     res.on("close", () => {
@@ -355,6 +400,7 @@ export class RouterServer {
             : `Unknown route: ${req.method} ${shown}; see docs/api.md`,
         );
       }
+      if (req.method === "OPTIONS" && this.#preflight(req, res, route)) return;
       // HEAD is GET without the body (Node's response drops it), as HTTP requires of every server.
       const method = req.method === "HEAD" && route.methods.includes("GET") ? "GET" : (req.method ?? "");
       if (!route.methods.includes(method)) {
@@ -368,11 +414,43 @@ export class RouterServer {
         );
       }
       if (route.operator === true) this.#authorizeOperator(req, listener);
-      else if (ctx.url.pathname.startsWith("/v1/")) ctx.tenant = this.#authenticate(req);
+      else if (ctx.url.pathname.startsWith("/v1/") || route.endpoint === "tokenize")
+        ctx.tenant = this.#authenticate(req);
       await route.handler(ctx);
     } catch (err) {
       this.#sendError(res, err);
     }
+  }
+
+  /** The CORS headers of a request from an allowed browser origin (`--allowed-origins`). */
+  #cors(req: IncomingMessage, res: ServerResponse): void {
+    const origin = req.headers.origin;
+    if (origin === undefined || this.#allowedOrigins.size === 0) return;
+    const any = this.#allowedOrigins.has("*");
+    if (!any && !this.#allowedOrigins.has(origin)) return;
+    res.setHeader("Access-Control-Allow-Origin", any ? "*" : origin);
+    if (!any) res.setHeader("Vary", "Origin");
+    res.setHeader("Access-Control-Expose-Headers", "x-request-id, retry-after");
+  }
+
+  /**
+   * A CORS preflight from an allowed origin to a known route: 204 with the methods and headers it
+   * may use (before any API key: browsers send none on a preflight). Else false (405 follows).
+   */
+  #preflight(req: IncomingMessage, res: ServerResponse, route: Route): boolean {
+    if (
+      !res.hasHeader("Access-Control-Allow-Origin") ||
+      req.headers["access-control-request-method"] === undefined
+    )
+      return false;
+    const methods = route.methods.includes("GET") ? [...route.methods, "HEAD"] : route.methods;
+    res.writeHead(204, {
+      "Access-Control-Allow-Methods": [...methods, "OPTIONS"].join(", "),
+      "Access-Control-Allow-Headers": "authorization, content-type, x-request-id",
+      "Access-Control-Max-Age": "600",
+    });
+    res.end();
+    return true;
   }
 
   #route(pathname: string, listener: Listener): Route | undefined {
@@ -448,7 +526,11 @@ export class RouterServer {
   /** The one place a thrown value becomes an HTTP response. */
   #sendError(res: ServerResponse, err: unknown): void {
     const { status, body } = toOpenAiError(err);
-    if (!(err instanceof KvfenceError)) this.#log.error({ err }, "internal error while serving a request");
+    if (!(err instanceof KvfenceError))
+      this.#log.error(
+        { err, requestId: res.getHeader("x-request-id") },
+        "internal error while serving a request",
+      );
     const headers: Record<string, string> = {};
     if (status === 401) headers["WWW-Authenticate"] = "Bearer";
     if (err instanceof KvfenceError && err.retryAfter !== undefined)
@@ -461,44 +543,75 @@ export class RouterServer {
   async #generate(ctx: RequestContext, kind: GenerateEndpoint): Promise<void> {
     checkJsonContentType(ctx.req.headers["content-type"]);
     const body = await readBody(ctx.req, this.#maxBodyBytes);
-    const { parsed, promptTokens } = await this.#preparer.prepare(kind.endpoint, body, ctx.tenant?.index);
-    const admission = admit(promptTokens.length, parsed.maxTokens, this.contextLength, kind.param);
-    if (!admission.ok) {
-      this.metrics.admissionRejections.inc({ reason: admission.reason });
-      throw admission.error;
-    }
+    const { parsed, prompts } = await this.#preparer.prepare(kind.endpoint, body, ctx.tenant?.index);
+    const admitted = prompts.map((tokens) => {
+      const admission = admit(tokens.length, parsed.maxTokens, this.contextLength, kind.param);
+      if (!admission.ok) {
+        this.metrics.admissionRejections.inc({ reason: admission.reason });
+        throw admission.error;
+      }
+      return { tokens, maxTokens: admission.maxTokens };
+    });
     if (ctx.res.destroyed) {
       // The client left while its body was read: nothing to serve, nothing to allocate.
       this.metrics.clientDisconnects.inc({ endpoint: kind.endpoint });
       return;
     }
-    const rid = this.#nextRid;
-    this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
     const defaults = this.#model.defaults ?? {};
-    const request: GenerationRequest = {
-      rid,
+    const base: Omit<GenerationRequest, "rid" | "promptTokens" | "maxTokens"> = {
       tenant: ctx.tenant!.index,
-      promptTokens,
-      maxTokens: admission.maxTokens,
       temperature: parsed.temperature ?? defaults.temperature ?? 1,
       topP: parsed.topP ?? defaults.topP ?? 1,
       topK: parsed.topK === null ? (defaults.topK ?? 0) : Math.max(0, parsed.topK),
       seed: parsed.seed,
-      stopTokenIds: this.#model.eosTokenIds,
+      // ignore_eos: EOS ends nothing; the client's stop_token_ids are the router's to match.
+      stopTokenIds: parsed.ignoreEos ? [] : this.#model.eosTokenIds,
+      ...(parsed.controls === undefined ? {} : { controls: parsed.controls }),
+      ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
+      ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
     };
-    this.#serve(ctx, kind, parsed, request);
+    // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
+    // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).
+    const planned: PlannedChoice[] = [];
+    admitted.forEach(({ tokens, maxTokens }, p) => {
+      const first = this.#nextRid;
+      for (let j = 0; j < parsed.n; j++) {
+        const rid = this.#nextRid;
+        this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
+        const own = { ...base, rid, promptTokens: tokens, maxTokens };
+        planned.push({
+          request:
+            j === 0
+              ? own
+              : {
+                  ...own,
+                  seed: parsed.seed === null ? null : parsed.seed + j,
+                  sample: { of: first, index: j },
+                  // The prompt's log-probabilities are computed once, by sample 0.
+                  promptLogprobs: undefined,
+                },
+          echo: parsed.echoPrompts?.[p] ?? null,
+          firstOfPrompt: j === 0,
+        });
+      }
+    });
+    this.#serve(ctx, kind, parsed, planned);
   }
 
-  /** Runs an admitted request's generation and answers it, streamed or whole. */
+  /**
+   * Runs an admitted request's generations — one per choice (`n`), sample 0 first — and answers
+   * them, streamed (each chunk names its choice's index) or whole (every choice, usage summed over
+   * them). One choice failing fails the response and stops the others. With echo, a streamed
+   * choice opens with the prompt (and its log-probabilities when asked).
+   */
   #serve(
     ctx: RequestContext,
     kind: GenerateEndpoint,
     parsed: SamplingRequest,
-    request: GenerationRequest,
+    planned: readonly PlannedChoice[],
   ): void {
     const { res } = ctx;
     const { endpoint, responses } = kind;
-    const tenant = ctx.tenant!;
     const labels = { endpoint };
     const meta: ResponseMeta = {
       id: completionId(responses.idKind),
@@ -506,76 +619,92 @@ export class RouterServer {
       model: this.#model.id,
     };
     const includeUsage = parsed.includeUsage;
+    const piece = (id: number) => this.#tokenizer.tokenPiece(id);
     let lastTokenAt = 0;
     let sse: SseWriter | null = null;
-    let text = "";
+    let ended = false;
+    const choices = planned.map(({ request, echo, firstOfPrompt }, index) => ({
+      request,
+      echo,
+      firstOfPrompt,
+      index,
+      text: "",
+      opened: false,
+      logprobs: new LogprobsCollector(request, parsed, echo !== null, piece, responses),
+      result: null as { reason: FinishReason; usage: Usage; stopReason: StopReason } | null,
+    }));
+    type Choice = (typeof choices)[number];
+    const generations: Generation[] = [];
 
-    const startStream = (): SseWriter => {
-      if (sse !== null) return sse;
-      sse = new SseWriter(res);
-      const opening = responses.opening(meta, includeUsage);
-      if (opening !== null) sse.send(opening);
+    const stream = (choice: Choice): SseWriter => {
+      sse ??= new SseWriter(res);
+      if (!choice.opened) {
+        choice.opened = true;
+        const opening = responses.opening(meta, includeUsage);
+        if (opening !== null) sse.send(withIndex(opening, choice.index));
+        if (choice.echo !== null) {
+          const delta = responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed());
+          sse.send(withIndex(delta, choice.index));
+        }
+      }
       return sse;
     };
     const end = (status: number, usage: Usage | null) => {
-      this.#active.delete(generation);
+      if (ended) return;
+      ended = true;
+      for (const generation of generations) this.#active.delete(generation);
       this.metrics.inFlight.set(this.#active.size);
       this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
-      if (usage !== null) {
-        const label = this.#tenantLabel(tenant.name);
-        this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
-        this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
+      this.#logDone(ctx, planned[0]!.request, endpoint, status, usage);
+    };
+    const finished = () => {
+      const usage = totalUsage(choices);
+      end(200, usage);
+      if (!parsed.stream) {
+        this.#sendJson(res, 200, wholeAnswer(responses, meta, choices, usage));
+        return;
       }
-      this.#log.info(
-        {
-          rid: request.rid,
-          tenant: tenant.name,
-          endpoint,
-          status,
-          promptTokens: request.promptTokens.length,
-          completionTokens: usage?.completionTokens,
-        },
-        "request done",
-      );
+      if (includeUsage) sse!.send(usageChunk(meta, responses.chunkObject, usage));
+      sse!.done();
     };
 
-    const sink: GenerationSink = {
+    // vLLM's continuous_usage_stats: every chunk with the usage so far.
+    const promptTokens = planned.reduce(
+      (n, p) => n + (p.firstOfPrompt ? p.request.promptTokens.length : 0),
+      0,
+    );
+    let generated = 0;
+    const send = (choice: Choice, chunk: Record<string, unknown>) => {
+      if (parsed.continuousUsage) chunk.usage = usageWire({ promptTokens, completionTokens: generated });
+      stream(choice).send(withIndex(chunk, choice.index));
+    };
+    const sinkOf = (choice: Choice): GenerationSink => ({
       tokens: (count) => {
-        const now = performance.now();
-        if (lastTokenAt === 0) {
-          this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
-        } else {
-          const perToken = (now - lastTokenAt) / 1000 / count;
-          for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
-        }
-        lastTokenAt = now;
-        if (parsed.stream) startStream();
+        generated += count;
+        lastTokenAt = this.#observeTokens(ctx, labels, count, lastTokenAt);
+        if (parsed.stream) stream(choice);
       },
+      logprobs: (entry) => choice.logprobs.push(entry),
+      // Sample 0 of a prompt computes its log-probabilities; every choice of that prompt shows them.
+      promptLogprobs: (entries) => sharePrompt(choices, choice.request.promptTokens, entries),
       text: (delta) => {
-        if (parsed.stream) startStream().send(responses.delta(meta, delta, includeUsage));
-        else text += delta;
-      },
-      finish: (reason: FinishReason, usage: Usage) => {
-        end(200, usage);
         if (!parsed.stream) {
-          this.#sendJson(res, 200, responses.completion(meta, text, reason, usage));
+          choice.text += delta;
           return;
         }
-        const writer = startStream();
-        writer.send(responses.finish(meta, reason, includeUsage));
-        if (includeUsage) writer.send(usageChunk(meta, responses.chunkObject, usage));
-        writer.done();
+        send(choice, responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
+      },
+      finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
+        if (ended) return;
+        choice.result = { reason, usage, stopReason };
+        if (parsed.stream)
+          send(choice, responses.finish(meta, reason, includeUsage, stopReason, choice.logprobs.take()));
+        if (choices.every((c) => c.result !== null)) finished();
       },
       fail: (internal) => {
-        // What the engine and the nodes say names request ids, pages and nodes: the log gets it,
-        // the client the table's public message.
-        const error = publicError(internal);
-        if (error !== internal) {
-          this.#log.warn(
-            { rid: request.rid, code: internal.code, message: internal.message },
-            "request failed in the engine",
-          );
-        }
+        if (ended) return;
+        for (const generation of generations) generation.abort();
+        const error = this.#publicEngineError(ctx.requestId, choice.request.rid, internal);
         const { status, body } = toOpenAiError(error);
         end(status, null);
         if (error.code === "context_length_exceeded")
@@ -586,29 +715,111 @@ export class RouterServer {
         }
         // Headers are out: report the error in the stream, as OpenAI does, then end it.
         if (!res.writableEnded) res.write(sseFrame(body));
-        sse.done();
+        (sse as SseWriter).done();
       },
-    };
-    const generation = new Generation(
-      this.#engine,
-      request,
-      { decoder: this.#tokenizer.createDecoder(), stop: parsed.stop },
-      sink,
-    );
-    this.#active.add(generation);
+    });
+    for (const choice of choices) generations.push(this.#generation(choice.request, parsed, sinkOf(choice)));
+    for (const generation of generations) this.#active.add(generation);
     this.metrics.inFlight.set(this.#active.size);
     res.on("close", () => {
-      if (generation.done) return;
-      generation.abort();
+      if (ended) return;
+      for (const generation of generations) generation.abort();
       this.metrics.clientDisconnects.inc(labels);
       end(499, null);
     });
-    generation.start();
+    for (const generation of generations) generation.start();
   }
 
-  #modelObject() {
+  /** Time to first token, or between tokens, of `count` new ones; returns now. */
+  #observeTokens(
+    ctx: RequestContext,
+    labels: { endpoint: Endpoint },
+    count: number,
+    lastTokenAt: number,
+  ): number {
+    const now = performance.now();
+    if (lastTokenAt === 0) {
+      this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
+    } else {
+      const perToken = (now - lastTokenAt) / 1000 / count;
+      for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
+    }
+    return now;
+  }
+
+  #generation(request: GenerationRequest, parsed: SamplingRequest, sink: GenerationSink): Generation {
+    return new Generation(
+      this.#engine,
+      request,
+      {
+        logprobs: parsed.logprobs !== null,
+        decoder: this.#tokenizer.createDecoder({ skipSpecialTokens: parsed.skipSpecialTokens }),
+        stop: parsed.stop,
+        stopTokenIds: parsed.stopTokenIds,
+        minTokens: parsed.minTokens,
+        includeStopStr: parsed.includeStopStr,
+      },
+      sink,
+    );
+  }
+
+  /**
+   * What the engine and the nodes say names request ids, pages and nodes: the log gets it, the
+   * client the table's public message.
+   */
+  #publicEngineError(requestId: string, rid: number, internal: KvfenceError): KvfenceError {
+    const error = publicError(internal);
+    if (error !== internal) {
+      this.#log.warn(
+        { requestId, rid, code: internal.code, message: internal.message },
+        "request failed in the engine",
+      );
+    }
+    return error;
+  }
+
+  #logDone(
+    ctx: RequestContext,
+    request: GenerationRequest,
+    endpoint: Endpoint,
+    status: number,
+    usage: Usage | null,
+  ): void {
+    const tenant = ctx.tenant!;
+    if (usage !== null) {
+      const label = this.#tenantLabel(tenant.name);
+      this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
+      this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
+    }
+    this.#log.info(
+      {
+        requestId: ctx.requestId,
+        rid: request.rid,
+        tenant: tenant.name,
+        endpoint,
+        status,
+        promptTokens: request.promptTokens.length,
+        completionTokens: usage?.completionTokens,
+      },
+      "request done",
+    );
+  }
+
+  /** /tokenize and /detokenize, prepared by the same workers as a generation request. */
+  async #utility(ctx: RequestContext, endpoint: UtilityEndpointName): Promise<void> {
+    checkJsonContentType(ctx.req.headers["content-type"]);
+    const body = await readBody(ctx.req, this.#maxBodyBytes);
+    const answer = await this.#preparer.answer(endpoint, body, ctx.tenant?.index);
+    this.#sendJson(
+      ctx.res,
+      200,
+      endpoint === "tokenize" ? { ...answer, max_model_len: this.contextLength } : answer,
+    );
+  }
+
+  #modelObject(id = this.#model.id) {
     return {
-      id: this.#model.id,
+      id,
       object: "model" as const,
       created: this.#created,
       owned_by: "kvfence",
@@ -617,12 +828,14 @@ export class RouterServer {
   }
 
   #models(ctx: RequestContext): void {
-    this.#sendJson(ctx.res, 200, { object: "list", data: [this.#modelObject()] });
+    const names = [this.#model.id, ...(this.#model.aliases ?? [])];
+    this.#sendJson(ctx.res, 200, { object: "list", data: names.map((id) => this.#modelObject(id)) });
   }
 
   #model_(ctx: RequestContext, id: string): void {
-    checkModel(decodePathSegment(id), this.#model.id);
-    this.#sendJson(ctx.res, 200, this.#modelObject());
+    const name = decodePathSegment(id);
+    checkModel(name, [this.#model.id, ...(this.#model.aliases ?? [])]);
+    this.#sendJson(ctx.res, 200, this.#modelObject(name));
   }
 
   /** Liveness: this process answers (and its engine can still serve); never waits on a node. */
@@ -691,6 +904,162 @@ export class RouterServer {
       ],
     };
     this.#sendJson(ctx.res, 200, body);
+  }
+}
+
+/** One choice to generate: its request, echo's text of its prompt, and whether it is its prompt's sample 0. */
+interface PlannedChoice {
+  readonly request: GenerationRequest;
+  readonly echo: string | null;
+  readonly firstOfPrompt: boolean;
+}
+
+/** A finished choice, as the whole answer needs it. */
+interface DoneChoice {
+  readonly echo: string | null;
+  readonly text: string;
+  readonly firstOfPrompt: boolean;
+  readonly logprobs: LogprobsCollector;
+  readonly result: { reason: FinishReason; usage: Usage; stopReason: StopReason } | null;
+}
+
+/** Usage over the choices: each prompt once, every choice's completion tokens. */
+function totalUsage(choices: readonly DoneChoice[]): Usage {
+  let promptTokens = 0;
+  let completionTokens = 0;
+  for (const c of choices) {
+    if (c.firstOfPrompt) promptTokens += c.result!.usage.promptTokens;
+    completionTokens += c.result!.usage.completionTokens;
+  }
+  return { promptTokens, completionTokens };
+}
+
+/** The whole (non-streamed) answer of every choice. */
+function wholeAnswer(
+  responses: ResponseStrategy,
+  meta: ResponseMeta,
+  choices: readonly DoneChoice[],
+  usage: Usage,
+): object {
+  return mergeChoices(
+    choices.map((c) =>
+      responses.completion(
+        meta,
+        (c.echo ?? "") + c.text,
+        c.result!.reason,
+        usage,
+        c.result!.stopReason,
+        c.logprobs.all(),
+      ),
+    ),
+  );
+}
+
+/** The prompt's log-probabilities to every choice of that prompt. */
+function sharePrompt(
+  choices: readonly { readonly request: GenerationRequest; readonly logprobs: LogprobsCollector }[],
+  prompt: Int32Array,
+  entries: readonly (LogprobsEntry | null)[],
+): void {
+  for (const c of choices) if (c.request.promptTokens === prompt) c.logprobs.prompt(entries);
+}
+
+/** A chunk of one choice: the strategies build choice 0's; `n` > 1 names each. */
+function withIndex(chunk: Record<string, unknown>, index: number): Record<string, unknown> {
+  if (index !== 0) (chunk.choices as { index: number }[])[0]!.index = index;
+  return chunk;
+}
+
+/** The whole answer of several choices: the first one's object with every choice, each its index. */
+function mergeChoices(answers: readonly object[]): object {
+  const first = answers[0] as { choices: { index: number }[] };
+  if (answers.length === 1) return first;
+  const choices = answers.map((a, index) => ({ ...(a as typeof first).choices[0]!, index }));
+  return { ...first, choices };
+}
+
+/**
+ * One response's log-probabilities as they arrive: the prompt's (for echo and vLLM's
+ * `prompt_logprobs`) and each output token's, rendered in the endpoint's shape all at once (a whole
+ * answer) or chunk by chunk (a stream: `take` returns those not sent yet), `text_offset` running on.
+ */
+class LogprobsCollector {
+  readonly #parsed: SamplingRequest;
+  readonly #promptTokens: Int32Array;
+  readonly #echo: boolean;
+  readonly #piece: (id: number) => TokenPiece;
+  readonly #responses: ResponseStrategy;
+  readonly #offset = { value: 0 };
+  #promptEntries: readonly (LogprobsEntry | null)[] | null = null;
+  readonly #items: LogprobItem[] = [];
+  #sent = 0;
+
+  constructor(
+    request: GenerationRequest,
+    parsed: SamplingRequest,
+    echo: boolean,
+    piece: (id: number) => TokenPiece,
+    responses: ResponseStrategy,
+  ) {
+    this.#parsed = parsed;
+    this.#echo = echo;
+    this.#promptTokens = request.promptTokens;
+    this.#piece = piece;
+    this.#responses = responses;
+  }
+
+  prompt(entries: readonly (LogprobsEntry | null)[]): void {
+    this.#promptEntries = entries;
+  }
+
+  push(entry: LogprobsEntry): void {
+    this.#items.push({ token: entry.token, entry });
+  }
+
+  /** Echo's prompt tokens with their log-probabilities (their top lists cut to `logprobs`), or null. */
+  echoed(): object | null {
+    const k = this.#parsed.logprobs;
+    if (k === null || !this.#echo) return null;
+    const entries = this.#promptEntries;
+    const items = Array.from(this.#promptTokens, (token, i) => {
+      const e = entries?.[i] ?? null;
+      return { token, entry: e === null ? null : { ...e, top: e.top.slice(0, k) } };
+    });
+    return this.#responses.logprobs(items, this.#piece, this.#offset);
+  }
+
+  /** The output tokens' log-probabilities not sent yet (a stream), or null when none were asked. */
+  take(): object | null {
+    if (this.#parsed.logprobs === null) return null;
+    const items = this.#items.slice(this.#sent);
+    this.#sent = this.#items.length;
+    return this.#responses.logprobs(items, this.#piece, this.#offset);
+  }
+
+  /** A whole answer's: echo's and the output's in one object, and vLLM's prompt_logprobs. */
+  all(): ChoiceExtras {
+    let logprobs: object | null = null;
+    if (this.#parsed.logprobs !== null) {
+      const echoed = this.#echo ? (this.echoed() as Record<string, unknown[]>) : null;
+      const out = this.take() as Record<string, unknown[]>;
+      logprobs =
+        echoed === null || !("tokens" in out)
+          ? out
+          : Object.fromEntries(Object.keys(out).map((key) => [key, [...echoed[key]!, ...out[key]!]]));
+    }
+    const k = this.#parsed.vllmPromptLogprobs;
+    const entries = this.#promptEntries;
+    return {
+      logprobs,
+      ...(k === null || entries === null
+        ? {}
+        : {
+            promptLogprobs: vllmPromptLogprobs(
+              entries.map((e) => (e === null ? null : { ...e, top: e.top.slice(0, k) })),
+              this.#piece,
+            ),
+          }),
+    };
   }
 }
 

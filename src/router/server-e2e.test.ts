@@ -250,7 +250,7 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", { timeout: 120_00
       "invalid_request",
       "messages[0].content",
     ],
-    ["n > 1", { model: MODEL, messages: chat("a"), n: 2 }, 400, "invalid_request", "n"],
+    ["n above 64", { model: MODEL, messages: chat("a"), n: 65 }, 400, "invalid_request", "n"],
     [
       "negative max_tokens",
       { model: MODEL, messages: chat("a"), max_tokens: -1 },

@@ -36,7 +36,19 @@ test("StopMatcher with no stops passes text through and flushes held text at the
 
 test("StopMatcher emits nothing after a stop", () => {
   const m = new StopMatcher(["."]);
-  assert.deepEqual(m.push("a.b"), { text: "a", stopped: true });
+  assert.deepEqual(m.push("a.b"), { text: "a", stopped: true, matched: "." });
   assert.deepEqual(m.push("more"), { text: "", stopped: true });
   assert.equal(m.flush(), "");
+});
+
+test("StopMatcher keeps the stop string with includeStop, and matches nothing in a push that is not armed", () => {
+  assert.deepEqual(new StopMatcher(["lo"], true).push("hello world"), {
+    text: "hello",
+    stopped: true,
+    matched: "lo",
+  });
+  const m = new StopMatcher(["ab"]);
+  // Not armed (min_tokens not reached): a whole stop string goes out; a partial one is held.
+  assert.deepEqual(m.push("xaba", false), { text: "xab", stopped: false });
+  assert.deepEqual(m.push("b", true), { text: "", stopped: true, matched: "ab" });
 });

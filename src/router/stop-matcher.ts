@@ -2,23 +2,30 @@
  * Stop strings, matched on the detokenized text as it streams. Text that could still turn out to
  * be the start of a stop string is held back (at most the longest stop string minus one
  * character), so a client never sees part of a stop string; on a match, the text before it is
- * released and the rest is dropped (OpenAI trims the stop string from the output).
+ * released and the rest is dropped (OpenAI trims the stop string from the output), or, with
+ * `includeStop` (vLLM's `include_stop_str_in_output`), the stop string is released too. A push that
+ * is not `armed` (vLLM's `min_tokens` not yet reached) matches nothing: its text is released but
+ * for what could still begin a stop string.
  */
 export interface StopMatchStep {
   /** Text that can go to the client now. */
   readonly text: string;
   /** True once a stop string matched; no more text follows. */
   readonly stopped: boolean;
+  /** The stop string that matched (when `stopped`). */
+  readonly matched?: string;
 }
 
 export class StopMatcher {
   readonly #stops: readonly string[];
   readonly #holdBack: number;
+  readonly #includeStop: boolean;
   #pending = "";
   #stopped = false;
 
-  constructor(stops: readonly string[]) {
+  constructor(stops: readonly string[], includeStop = false) {
     this.#stops = stops.filter((s) => s.length > 0);
+    this.#includeStop = includeStop;
     this.#holdBack = this.#stops.reduce((max, s) => Math.max(max, s.length - 1), 0);
   }
 
@@ -27,19 +34,24 @@ export class StopMatcher {
   }
 
   /** Feed newly decoded text. */
-  push(text: string): StopMatchStep {
+  push(text: string, armed = true): StopMatchStep {
     if (this.#stopped) return { text: "", stopped: true };
     if (this.#stops.length === 0) return { text, stopped: false };
     const buffer = this.#pending + text;
     let cut = -1;
-    for (const stop of this.#stops) {
+    let matched = "";
+    for (const stop of armed ? this.#stops : []) {
       const at = buffer.indexOf(stop);
-      if (at !== -1 && (cut === -1 || at < cut)) cut = at;
+      if (at !== -1 && (cut === -1 || at < cut)) {
+        cut = at;
+        matched = stop;
+      }
     }
     if (cut !== -1) {
       this.#stopped = true;
       this.#pending = "";
-      return { text: buffer.slice(0, cut), stopped: true };
+      const end = this.#includeStop ? cut + matched.length : cut;
+      return { text: buffer.slice(0, end), stopped: true, matched };
     }
     const keep = this.#partialSuffix(buffer);
     this.#pending = buffer.slice(buffer.length - keep);

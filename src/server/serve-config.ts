@@ -6,6 +6,7 @@
  * `kvfence serve`, `kvfence cluster` and the incident tool.
  */
 import { existsSync } from "node:fs";
+import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { z } from "zod";
 import { parseNodeUrl } from "../cluster/cluster-router.js";
@@ -103,6 +104,24 @@ export const serveConfigSchema = z
     maxModelLen: intText(1).optional(),
     maxPrefillTokens: intText(1).optional(),
     apiKeys: z.string().min(1).optional(),
+    apiKey: z
+      .array(z.string().regex(/^\S{8,}$/, { error: "must be at least 8 characters, no spaces" }))
+      .default([]),
+    servedModelName: z.array(z.string().min(1).max(256)).default([]),
+    maxNumSeqs: intText(1, 1024).optional(),
+    seed: intText(0, 0xffff_ffff).optional(),
+    generationConfig: z
+      .string()
+      .min(1)
+      .default("auto")
+      .refine((v) => v === "auto" || v === "vllm" || existsSync(join(v, "generation_config.json")), {
+        error: "must be auto, vllm, or a folder holding a generation_config.json",
+      }),
+    chatTemplate: z
+      .string()
+      .min(1)
+      .refine((f) => existsSync(f), { error: "no such file" })
+      .optional(),
     maxBodyBytes: byteSizeText.optional(),
     maxPromptBytes: byteSizeText.optional(),
     maxMessages: intText(1, 1_000_000).optional(),
@@ -116,6 +135,33 @@ export const serveConfigSchema = z
     metricsHost: z.string().min(1).default("127.0.0.1"),
     metricsPort: intText(0, 65535).optional(),
     metricsTenantNames: z.boolean().default(false),
+    /** `--allowed-origins`: each value may hold several, comma-separated (or a JSON list, as vLLM's). */
+    allowedOrigins: z
+      .union([z.string(), z.array(z.string())])
+      .default([])
+      .transform((v, ctx) => {
+        const list = (Array.isArray(v) ? v : [v]).flatMap((item) => {
+          const text = item.trim();
+          if (text.startsWith("[")) {
+            try {
+              return (JSON.parse(text) as unknown[]).map(String);
+            } catch {
+              ctx.addIssue({ code: "custom", message: `is not a JSON list: ${JSON.stringify(item)}` });
+              return [];
+            }
+          }
+          return text.split(",");
+        });
+        const origins = list.map((o) => o.trim()).filter((o) => o !== "");
+        for (const o of origins) {
+          if (o !== "*" && !/^https?:\/\/[^/\s]+$/.test(o))
+            ctx.addIssue({
+              code: "custom",
+              message: `must be "*" or an origin like https://app.example.com (scheme, host, optional port): got ${JSON.stringify(o)}`,
+            });
+        }
+        return origins;
+      }),
     scrubOnFree: z.boolean(),
     disaggregation: z.boolean(),
     role: z.enum(["all", "router", "prefill", "decode"]).default("all"),
@@ -171,6 +217,12 @@ const FLAG: Record<string, string> = {
   maxModelLen: "--max-model-len",
   maxPrefillTokens: "--max-prefill-tokens",
   apiKeys: "--api-keys",
+  apiKey: "--api-key",
+  servedModelName: "--served-model-name",
+  maxNumSeqs: "--max-num-seqs",
+  seed: "--seed",
+  generationConfig: "--generation-config",
+  chatTemplate: "--chat-template",
   maxBodyBytes: "--max-body-bytes",
   maxPromptBytes: "--max-prompt-bytes",
   maxMessages: "--max-messages",
@@ -180,6 +232,7 @@ const FLAG: Record<string, string> = {
   metricsHost: "--metrics-host",
   metricsPort: "--metrics-port",
   metricsTenantNames: "--metrics-tenant-names",
+  allowedOrigins: "--allowed-origins",
   logLevel: "--log-level",
   role: "--role",
   prefill: "--prefill",

@@ -16,6 +16,7 @@ import type { Logger } from "../lib/logger.js";
 import { loadModelConfig } from "../model/config-loader.js";
 import { loadModel, loadModelMeta, loadWeights, type ModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import { type GenerationDefaults, loadChatTemplate, loadGenerationDefaults } from "../model/tokenizer.js";
 import { startNodeServer } from "../node/node-server.js";
 import { unsafeWarning } from "../node/unsafe-switches.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
@@ -150,10 +151,10 @@ export async function startServer(
 
   // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
   const limits = limitsOf(config, contextLength);
+  const card = modelCard(model, config);
+  const template = config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate };
   const preparer = await PreparePool.start({
-    modelDir: model.dir,
-    modelId: model.name,
-    limits,
+    ...{ modelDir: model.dir, modelId: [card.id, ...card.aliases], limits, ...template },
     threads: config.tokenizerThreads,
     onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
   }).catch(async (err: unknown) => {
@@ -162,16 +163,17 @@ export async function startServer(
   });
   const router = new RouterServer({
     engine,
-    tokenizer: routerTokenizer(model.tokenizer, model.chatTemplate),
+    tokenizer: tokenizerOf(model, config),
     preparer,
     limits,
-    model: modelCard(model),
+    model: card,
     tenants,
     logger: log,
     maxModelLen: config.maxModelLen,
     unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
     operatorKey: config.operatorKey,
     metricsTenantNames: config.metricsTenantNames,
+    allowedOrigins: config.allowedOrigins,
     ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   });
   served.registerMetrics(router.metrics.registry);
@@ -220,10 +222,25 @@ function limitsOf(config: ServeConfig, contextLength: number) {
 }
 
 /** What the router knows of the model: its id, window, end-of-sequence ids and sampling defaults. */
-function modelCard(model: ReturnType<typeof loadModelMeta>) {
-  const d = model.generationDefaults;
+/** The router's tokenizer, with `--chat-template FILE` in place of the folder's template when given. */
+function tokenizerOf(model: ReturnType<typeof loadModelMeta>, config: ServeConfig) {
+  const template =
+    config.chatTemplate === undefined
+      ? model.chatTemplate
+      : loadChatTemplate(model.dir, model.tokenizer, config.chatTemplate);
+  return routerTokenizer(model.tokenizer, template);
+}
+
+/** The served model as the router shows it: its names, window, EOS ids and sampling defaults. */
+function modelCard(model: ReturnType<typeof loadModelMeta>, config: ServeConfig) {
+  // --generation-config: auto (the folder's), vllm (none, as vLLM's), or another folder's.
+  const source = config.generationConfig;
+  const d: Partial<GenerationDefaults> =
+    source === "auto" ? model.generationDefaults : source === "vllm" ? {} : loadGenerationDefaults(source);
+  const [id = model.name, ...aliases] = config.servedModelName;
   return {
-    id: model.name,
+    id,
+    aliases,
     maxPositionEmbeddings: model.config.maxPositionEmbeddings,
     eosTokenIds: model.config.eosTokenIds,
     defaults: {
@@ -293,8 +310,16 @@ function layoutOf(config: ServeConfig, modelConfig: ModelConfig): KvLayout {
 }
 
 /** The longest request served: the model's window, or less with --max-model-len. */
+/** `--max-model-len`, or the model's window; above the window it is an error, never a silent clamp. */
 function contextLengthOf(config: ServeConfig, modelConfig: ModelConfig): number {
-  return Math.min(modelConfig.maxPositionEmbeddings, config.maxModelLen ?? Number.POSITIVE_INFINITY);
+  const window = modelConfig.maxPositionEmbeddings;
+  if (config.maxModelLen !== undefined && config.maxModelLen > window) {
+    throw new KvfenceError(
+      "config_invalid",
+      `--max-model-len ${config.maxModelLen} is above the model's window of ${window} tokens (max_position_embeddings in config.json): give at most ${window}, or leave it out`,
+    );
+  }
+  return Math.min(window, config.maxModelLen ?? Number.POSITIVE_INFINITY);
 }
 
 /** What every engine of this process is built with, the model aside (pool, context, guards, kernels). */
@@ -309,6 +334,8 @@ function engineOptionsOf(
     maxModelLen: pool.contextLength,
     scrubOnFree: config.scrubOnFree,
     ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
+    ...(config.maxNumSeqs === undefined ? {} : { maxSequences: config.maxNumSeqs }),
+    ...(config.seed === undefined ? {} : { seed: config.seed }),
     ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
     ...kernelOptions(config),
   };
@@ -366,7 +393,11 @@ function loadWeightsWithProgress(
 
 /** The API keys (--api-keys or KVFENCE_API_KEYS); none is one anonymous tenant, said loudly. */
 function loadTenants(config: ServeConfig, log: Logger): TenantDirectory {
-  const tenants = TenantDirectory.load({ file: config.apiKeys, env: process.env.KVFENCE_API_KEYS });
+  const tenants = TenantDirectory.load({
+    file: config.apiKeys,
+    env: process.env.KVFENCE_API_KEYS,
+    keys: config.apiKey,
+  });
   if (tenants.anonymous) {
     log.warn(
       "no API keys configured (--api-keys FILE or KVFENCE_API_KEYS): serving one anonymous tenant without authentication",

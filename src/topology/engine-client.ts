@@ -71,6 +71,8 @@ export class EngineClient implements EngineHandle {
   readonly #pingTimeoutMs: number;
   readonly #pingTimer: NodeJS.Timeout;
   #ping: { readonly id: number; readonly timer: NodeJS.Timeout } | null = null;
+  /** Submits of this turn, not posted yet (`#submit`). */
+  #submits: GenerationRequest[] = [];
   #nextPingId = 1;
   #answering = true;
 
@@ -87,7 +89,7 @@ export class EngineClient implements EngineHandle {
         tenant: (o) => o.request.tenant,
         pages: (o) => o.pages,
         dispatch: (o) => {
-          this.#post({ type: "submit", request: o.request });
+          this.#submit(o.request);
           return true;
         },
         expire: (o, error) => {
@@ -241,7 +243,21 @@ export class EngineClient implements EngineHandle {
     return this.#closing;
   }
 
+  /** Submits go out together at the end of this turn (one message), before anything posted after them. */
+  #submit(request: GenerationRequest): void {
+    if (this.#submits.length === 0) queueMicrotask(() => this.#flushSubmits());
+    this.#submits.push(request);
+  }
+
+  #flushSubmits(): void {
+    if (this.#submits.length === 0) return;
+    const requests = this.#submits;
+    this.#submits = [];
+    this.#worker.postMessage({ type: "submit", requests } satisfies ToEngineWorker);
+  }
+
   #post(message: ToEngineWorker): void {
+    this.#flushSubmits();
     this.#worker.postMessage(message);
   }
 
@@ -294,14 +310,19 @@ export class EngineClient implements EngineHandle {
         failed = true;
       }
     };
-    const { tokens, finishes, errors } = message;
-    for (let i = 0; i < tokens.length; ) {
+    const { tokens, finishes, errors, logprobs, prompts } = message;
+    for (const { rid, entries } of prompts ?? []) {
+      const open = this.#open.get(rid);
+      if (open !== undefined) call(() => open.events.onPromptLogprobs?.(entries));
+    }
+    for (let i = 0, run = 0; i < tokens.length; run++) {
       const rid = tokens[i]!;
       const count = tokens[i + 1]!;
       const ids = tokens.slice(i + 2, i + 2 + count);
       i += 2 + count;
       const open = this.#open.get(rid);
-      if (open !== undefined) call(() => open.events.onTokens(ids));
+      const lp = logprobs?.[run] ?? undefined;
+      if (open !== undefined) call(() => open.events.onTokens(ids, lp));
     }
     for (let i = 0; i < finishes.length; i += 4) {
       const rid = finishes[i]!;

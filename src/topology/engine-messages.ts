@@ -3,11 +3,17 @@
  * cross the thread boundary by structured clone.
  */
 import type { WireError } from "../lib/errors.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { EngineCapacity, EngineStats, GenerationRequest } from "../protocol/engine-api.js";
 
 /** Messages from the client to the worker. */
 export type ToEngineWorker =
-  | { readonly type: "submit"; readonly request: GenerationRequest }
+  /**
+   * The requests submitted in one turn of the client's event loop, in order: the engine sees them
+   * all before its next step (a request's other samples are there when its first one's prompt is
+   * computed, to fork it).
+   */
+  | { readonly type: "submit"; readonly requests: readonly GenerationRequest[] }
   | { readonly type: "abort"; readonly rid: number }
   | { readonly type: "stats"; readonly id: number }
   /** Readiness: answer `pong` at once (between two engine steps). */
@@ -22,6 +28,10 @@ export interface EngineEventsMessage {
   readonly type: "events";
   /** Runs of `rid, count, token × count`. */
   readonly tokens: number[];
+  /** When a request asked for log-probabilities: entry i for the i-th run of `tokens` (null: none). */
+  readonly logprobs?: (TokenLogprobs[] | null)[];
+  /** Prompt log-probabilities, before the tokens. */
+  readonly prompts?: { rid: number; entries: readonly (TokenLogprobs | null)[] }[];
   /** Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens`; after the tokens. */
   readonly finishes: number[];
   readonly errors: { rid: number; error: WireError }[];

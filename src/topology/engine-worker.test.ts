@@ -24,7 +24,7 @@ test("serveEngine() sends one message per step carrying every request's new toke
       if (done === requests.length) resolve();
     });
   });
-  for (const r of requests) port1.postMessage({ type: "submit", request: r } satisfies ToEngineWorker);
+  for (const r of requests) port1.postMessage({ type: "submit", requests: [r] } satisfies ToEngineWorker);
   await finished;
   port1.close();
 
@@ -75,7 +75,7 @@ test("serveEngine() applies an abort between two steps", async () => {
       }
     });
   });
-  port1.postMessage({ type: "submit", request: request(1, prompt(10, 4), 200) } satisfies ToEngineWorker);
+  port1.postMessage({ type: "submit", requests: [request(1, prompt(10, 4), 200)] } satisfies ToEngineWorker);
   await aborted;
   port1.close();
   // At most the one step already running when the abort was posted.

@@ -11,6 +11,7 @@ import { isMainThread, type MessagePort, parentPort, workerData } from "node:wor
 import { buildEngine, type EngineBuildOptions } from "../engine/build-engine.js";
 import type { Engine } from "../engine/engine.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
+import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { GenerationEvents } from "../protocol/engine-api.js";
 import {
   ENGINE_WORKER_TAG,
@@ -23,6 +24,10 @@ import {
 /** Serves `engine` over `port` until a `close` message. */
 export function serveEngine(engine: Engine, port: MessagePort): void {
   let tokens: number[] = [];
+  let runs = 0;
+  /** Per run of `tokens`, its log-probabilities; null until some request asked for them. */
+  let logprobs: (TokenLogprobs[] | null)[] | null = null;
+  let prompts: { rid: number; entries: readonly (TokenLogprobs | null)[] }[] | null = null;
   let finishes: number[] = [];
   let errors: { rid: number; error: WireError }[] = [];
   let scheduled = false;
@@ -30,17 +35,37 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
 
   const flush = (): void => {
     if (tokens.length === 0 && finishes.length === 0 && errors.length === 0) return;
-    const message: EngineEventsMessage = { type: "events", tokens, finishes, errors };
+    const message: EngineEventsMessage = {
+      type: "events",
+      tokens,
+      finishes,
+      errors,
+      ...(logprobs === null ? {} : { logprobs }),
+      ...(prompts === null ? {} : { prompts }),
+    };
     port.postMessage(message);
     tokens = [];
+    runs = 0;
+    logprobs = null;
+    prompts = null;
     finishes = [];
     errors = [];
   };
 
   const eventsFor = (rid: number): GenerationEvents => ({
-    onTokens(ids) {
+    onTokens(ids, lp) {
       tokens.push(rid, ids.length);
       for (const id of ids) tokens.push(id);
+      if (lp !== undefined) {
+        logprobs ??= new Array<TokenLogprobs[] | null>(runs).fill(null);
+        logprobs.length = runs;
+        logprobs.push([...lp]);
+      } else if (logprobs !== null) logprobs.push(null);
+      runs++;
+    },
+    onPromptLogprobs(entries) {
+      prompts ??= [];
+      prompts.push({ rid, entries });
     },
     onFinish(reason, usage) {
       finishes.push(rid, FINISH_REASONS.indexOf(reason), usage.promptTokens, usage.completionTokens);
@@ -75,14 +100,16 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
     if (closed) return;
     switch (message.type) {
       case "submit": {
-        const events = eventsFor(message.request.rid);
-        try {
-          engine.submit(message.request, events);
-        } catch (err) {
-          events.onError({
-            code: "invalid_request",
-            message: `Request could not be queued: ${err instanceof Error ? err.message : String(err)}`,
-          });
+        for (const request of message.requests) {
+          const events = eventsFor(request.rid);
+          try {
+            engine.submit(request, events);
+          } catch (err) {
+            events.onError({
+              code: "invalid_request",
+              message: `Request could not be queued: ${err instanceof Error ? err.message : String(err)}`,
+            });
+          }
         }
         kick();
         break;

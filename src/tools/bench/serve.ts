@@ -67,7 +67,7 @@ export interface ServeBenchOptions {
   readonly maxConcurrency?: number | null;
   readonly seed?: number;
   readonly temperature?: number;
-  /** Send `ignore_eos: true` (vLLM and SGLang honour it; kvfence refuses it, docs/api.md). */
+  /** Send `ignore_eos: true` (vLLM, SGLang and kvfence honour it: every request runs to max_tokens). */
   readonly ignoreEos?: boolean;
   readonly slo?: Slo | null;
   /** `ask` (the prompt asks for its nonce back), `plant`, or `auto`: ask of kvfence-tiny only. */
@@ -677,7 +677,7 @@ function withLoadOptions(command: Command): Command {
       d.seed,
     )
     .option("--temperature <t>", "sampling temperature (0 = greedy)", nonNegativeNumber, d.temperature)
-    .option("--ignore-eos", "send ignore_eos: true (vLLM, SGLang; kvfence refuses it)")
+    .option("--ignore-eos", "send ignore_eos: true (every request runs to max_tokens)")
     .option("--slo <bounds>", "goodput SLOs in ms: ttft=MS,tpot=MS[,e2el=MS]", parseSlo)
     .addOption(
       new Option(

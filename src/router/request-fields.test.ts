@@ -1,0 +1,234 @@
+/**
+ * The rule of docs/api.md, field by field (issue #17 item 8): every request field that OpenAI,
+ * vLLM or SGLang define for chat and completions (testing/fixtures/request-fields.json, written
+ * from their API reference and protocol sources) is either implemented — a value that would change
+ * the answer changes the validated request — or refused with a 400 naming it, or neutral (it never
+ * changes the answer: `NEUTRAL`, with the reason). A field accepted without effect fails, and so
+ * does a field the table in docs/api.md classifies otherwise than the server behaves.
+ */
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { test } from "node:test";
+import { fileURLToPath } from "node:url";
+import { KvfenceError } from "../lib/errors.js";
+import { NEUTRAL, parseChatRequest, parseCompletionRequest } from "./openai-schemas.js";
+
+/** The repository (the compiled test runs from dist/). */
+const ROOT = fileURLToPath(
+  new URL(import.meta.url.includes("/dist/") ? "../../../" : "../../", import.meta.url),
+);
+const FIELDS = JSON.parse(
+  readFileSync(join(ROOT, "testing", "fixtures", "request-fields.json"), "utf8"),
+) as Record<"chat" | "completions", Record<"openai" | "vllm" | "sglang", string[]>>;
+
+type Endpoint = "chat" | "completions";
+type Kind = "implemented" | "refused" | "neutral";
+
+const BASE: Record<Endpoint, Record<string, unknown>> = {
+  chat: { model: "m", messages: [{ role: "user", content: "hi" }], max_tokens: 8 },
+  completions: { model: "m", prompt: "hi", max_tokens: 8 },
+};
+const PARSE: Record<Endpoint, (body: unknown) => unknown> = {
+  chat: parseChatRequest,
+  completions: parseCompletionRequest,
+};
+
+const tool = { type: "function", function: { name: "f", parameters: {} } };
+
+/**
+ * A value of each field that would change the answer, if the field were used (with fields it needs
+ * alongside, in both the probe and its baseline).
+ */
+const PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }> = {
+  messages: { value: [{ role: "user", content: "other" }] },
+  prompt: { value: "other" },
+  model: { value: "other-model" },
+  max_tokens: { value: 3 },
+  max_completion_tokens: { value: 3 },
+  temperature: { value: 0.5 },
+  top_p: { value: 0.5 },
+  top_k: { value: 5 },
+  min_p: { value: 0.2 },
+  seed: { value: 7 },
+  stop: { value: ["x"] },
+  stream: { value: true },
+  stream_options: { value: { include_usage: true }, with: { stream: true } },
+  n: { value: 2 },
+  best_of: { value: 3 },
+  frequency_penalty: { value: 1 },
+  presence_penalty: { value: 1 },
+  repetition_penalty: { value: 1.3 },
+  length_penalty: { value: 0.5 },
+  logit_bias: { value: { "5": 10 } },
+  logprobs: { value: true },
+  top_logprobs: { value: 2, with: { logprobs: true } },
+  echo: { value: true },
+  suffix: { value: "tail" },
+  response_format: { value: { type: "json_object" } },
+  tools: { value: [tool] },
+  tool_choice: { value: "required" },
+  functions: { value: [{ name: "f" }] },
+  function_call: { value: "auto" },
+  min_tokens: { value: 2 },
+  ignore_eos: { value: true },
+  stop_token_ids: { value: [7] },
+  include_stop_str_in_output: { value: true },
+  no_stop_trim: { value: true },
+  skip_special_tokens: { value: false },
+  spaces_between_special_tokens: { value: false },
+  prompt_logprobs: { value: 2 },
+  add_generation_prompt: { value: false },
+  continue_final_message: { value: true, with: { add_generation_prompt: false } },
+  chat_template_kwargs: { value: { enable_thinking: false } },
+  chat_template: { value: "{{ messages }}" },
+  add_special_tokens: { value: false },
+  use_beam_search: { value: true },
+  truncate_prompt_tokens: { value: 4 },
+  allowed_token_ids: { value: [1, 2] },
+  bad_words: { value: ["x"] },
+  documents: { value: [{ title: "t", text: "x" }] },
+  mm_processor_kwargs: { value: { a: 1 } },
+  guided_json: { value: { type: "object" } },
+  guided_regex: { value: "[a-z]+" },
+  guided_choice: { value: ["a", "b"] },
+  guided_grammar: { value: "root ::= 'a'" },
+  structural_tag: { value: "{}" },
+  guided_decoding_backend: { value: "outlines" },
+  guided_whitespace_pattern: { value: " " },
+  logits_processors: { value: ["m.P"] },
+  return_tokens_as_token_ids: { value: true },
+  vllm_xargs: { value: { a: 1 } },
+  kv_transfer_params: { value: { a: 1 } },
+  prompt_embeds: { value: "AAAA" },
+  regex: { value: "[a-z]+" },
+  ebnf: { value: "root ::= 'a'" },
+  json_schema: { value: "{}" },
+  stop_regex: { value: "x+" },
+  return_hidden_states: { value: true },
+  return_routed_experts: { value: true },
+  routed_experts_start_len: { value: 2 },
+  return_cached_tokens_details: { value: true },
+  return_prompt_token_ids: { value: true },
+  return_token_ids: { value: true },
+  return_meta_info: { value: true },
+  task: { value: "title" },
+  reasoning: { value: { effort: "high" } },
+  reasoning_effort: { value: "high" },
+  lora_path: { value: "adapter" },
+  session_id: { value: "s" },
+  session_params: { value: { id: "s" } },
+  max_dynamic_patch: { value: 4 },
+  min_dynamic_patch: { value: 1 },
+  use_audio_in_video: { value: true },
+  images_config: { value: { a: 1 } },
+  custom_logit_processor: { value: "p" },
+  custom_params: { value: { a: 1 } },
+  input_ids: { value: [1, 2, 3] },
+  audio: { value: { voice: "alloy", format: "wav" } },
+  modalities: { value: ["text", "audio"] },
+  prediction: { value: { type: "content", content: "x" } },
+  web_search_options: { value: {} },
+  verbosity: { value: "low" },
+};
+
+function refusedParam(fn: () => unknown): string | null {
+  try {
+    fn();
+    return null;
+  } catch (err) {
+    assert.ok(err instanceof KvfenceError, String(err));
+    assert.equal(err.code, "invalid_request");
+    return err.param ?? "";
+  }
+}
+
+/** How the server treats `field` on `endpoint`. Throws when it is accepted without effect. */
+function classify(endpoint: Endpoint, field: string): Kind {
+  const parse = PARSE[endpoint];
+  if (NEUTRAL[field] !== undefined) {
+    // Neutral fields are accepted as they come.
+    assert.equal(
+      refusedParam(() => parse({ ...BASE[endpoint], [field]: "x" })),
+      null,
+      `${field} is neutral`,
+    );
+    return "neutral";
+  }
+  const probe = PROBES[field];
+  assert.ok(
+    probe !== undefined,
+    `${endpoint}: no probe for ${field}: classify it (implement, refuse, or NEUTRAL)`,
+  );
+  const base = { ...BASE[endpoint], ...probe.with };
+  const param = refusedParam(() => parse({ ...base, [field]: probe.value }));
+  if (param !== null) {
+    assert.ok(
+      param === field || param.startsWith(`${field}.`) || param.startsWith(`${field}[`),
+      `${endpoint}: ${field} is refused, but the error names ${JSON.stringify(param)}`,
+    );
+    return "refused";
+  }
+  const before = JSON.stringify(parse(base));
+  const after = JSON.stringify(parse({ ...base, [field]: probe.value }));
+  assert.notEqual(
+    after,
+    before,
+    `${endpoint}: ${field} = ${JSON.stringify(probe.value)} is accepted without effect`,
+  );
+  return "implemented";
+}
+
+function fieldsOf(endpoint: Endpoint): string[] {
+  const lists = FIELDS[endpoint];
+  return [...new Set([...lists.openai, ...lists.vllm, ...lists.sglang])].sort();
+}
+
+/** docs/api.md's table: `| \`field\` | chat | completions | sources |`. */
+function docsTable(): Map<string, [string, string]> {
+  const text = readFileSync(join(ROOT, "docs", "api.md"), "utf8");
+  const rows = new Map<string, [string, string]>();
+  for (const line of text.split("\n")) {
+    const m = /^\| `([a-z_]+)` \| (implemented|refused|neutral|—) \| (implemented|refused|neutral|—) \|/.exec(
+      line,
+    );
+    if (m !== null) rows.set(m[1]!, [m[2]!, m[3]!]);
+  }
+  return rows;
+}
+
+test("every chat and completions field of OpenAI, vLLM and SGLang is implemented, refused or neutral; none is ignored", () => {
+  const problems: string[] = [];
+  for (const endpoint of ["chat", "completions"] as const) {
+    const fields = fieldsOf(endpoint);
+    assert.ok(fields.length > 50, `${endpoint}: ${fields.length} fields`);
+    for (const field of fields) {
+      try {
+        classify(endpoint, field);
+      } catch (err) {
+        problems.push((err as Error).message);
+      }
+    }
+  }
+  assert.deepEqual(problems, []);
+});
+
+test("docs/api.md lists every field with what the server does with it", () => {
+  const table = docsTable();
+  const all = [...new Set([...fieldsOf("chat"), ...fieldsOf("completions")])].sort();
+  const wrong: string[] = [];
+  for (const field of all) {
+    const want: [string, string] = [
+      fieldsOf("chat").includes(field) ? classify("chat", field) : "—",
+      fieldsOf("completions").includes(field) ? classify("completions", field) : "—",
+    ];
+    const got = table.get(field);
+    if (got === undefined || got[0] !== want[0] || got[1] !== want[1]) {
+      const sources = (["openai", "vllm", "sglang"] as const)
+        .filter((s) => FIELDS.chat[s].includes(field) || FIELDS.completions[s].includes(field))
+        .join(", ");
+      wrong.push(`| \`${field}\` | ${want[0]} | ${want[1]} | ${sources} |`);
+    }
+  }
+  assert.deepEqual(wrong, [], `docs/api.md's field table should have these rows:\n${wrong.join("\n")}`);
+});

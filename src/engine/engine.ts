@@ -400,6 +400,7 @@ export class Engine {
     if (first !== undefined && first.ownership === "local" && first.generated === 0 && first.forkOf < 0) {
       // A sample of n > 1: it waits for its first sample's prompt, then forks it (`#fork`).
       seq.forkOf = first.rid;
+      seq.service = this.#serviceOf(seq.tenant);
       this.#byRid.set(seq.rid, seq);
       this.#counters.promptTokens += seq.promptLength;
       const list = this.#forks.get(first.rid);
@@ -435,7 +436,15 @@ export class Engine {
   }
 
   #enqueue(seq: Sequence): void {
-    let service = this.#services.get(seq.tenant);
+    seq.service = this.#serviceOf(seq.tenant);
+    this.#byRid.set(seq.rid, seq);
+    this.#waiting.push(seq);
+    this.#counters.promptTokens += seq.promptLength;
+  }
+
+  /** The tenant's fair-share account in this engine's scheduler (made on its first request). */
+  #serviceOf(tenant: number): TenantService {
+    let service = this.#services.get(tenant);
     if (service === undefined) {
       service = {
         value: 0,
@@ -447,12 +456,9 @@ export class Engine {
         heldStep: -1,
         orderStep: -1,
       };
-      this.#services.set(seq.tenant, service);
+      this.#services.set(tenant, service);
     }
-    seq.service = service;
-    this.#byRid.set(seq.rid, seq);
-    this.#waiting.push(seq);
-    this.#counters.promptTokens += seq.promptLength;
+    return service;
   }
 
   /**

@@ -159,10 +159,11 @@ const compiled = new Map<boolean, Promise<WebAssembly.Module | null>>();
 /**
  * The compiled kernels (built by scripts/build-wasm.mjs next to this file in dist/): with `fma`,
  * kernels-fma.wasm, whose multiply-adds are relaxed-SIMD `f32x4.relaxed_madd`, or null where the
- * engine rejects relaxed SIMD; else kernels.wasm (multiply, then add). Node 20's V8 validates
- * relaxed SIMD only behind --experimental-wasm-relaxed-simd (later V8 versions turn it on by
- * default), so a module that fails validation turns that flag on once and tries again. The flag
- * only lets the validator accept those opcodes; V8 11.3 compiles them (FMA where the CPU has it).
+ * engine rejects relaxed SIMD; else kernels.wasm (multiply, then add). Node 20's V8 (11.3)
+ * validates relaxed SIMD only behind --experimental-wasm-relaxed-simd; Node 22 and 24 accept it
+ * with no flag (tested in wasm-kernels.test.ts), so only on Node 20 does a module that fails
+ * validation turn that flag on once and try again. The flag only lets the validator accept those
+ * opcodes; V8 11.3 compiles them (FMA where the CPU has it).
  */
 export function wasmModule(fma: true): Promise<WebAssembly.Module | null>;
 export function wasmModule(fma?: false): Promise<WebAssembly.Module>;

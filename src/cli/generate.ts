@@ -9,7 +9,7 @@ import { KvfenceError } from "../lib/errors.js";
 import { bundledModelDir } from "../lib/package-root.js";
 import { Prng } from "../lib/prng.js";
 import { ForwardPass } from "../model/forward.js";
-import { type LoadedModel, loadModel } from "../model/load-model.js";
+import { type LoadedModel, openModel } from "../model/load-model.js";
 import { Sampler, type SamplingParams } from "../model/sampler.js";
 
 const PAGE_SIZE = 16;
@@ -152,9 +152,9 @@ export function command(): Command {
     )
     .option("--seed <n>", "seed of the sampler", integer, 0)
     .option("--stats", "print token counts and speeds to stderr at the end")
-    .action((prompt: string, opts: CliOptions) => {
+    .action(async (prompt: string, opts: CliOptions) => {
       try {
-        const model = loadModel(opts.model ?? bundledModelDir());
+        const model = await openModel(opts.model ?? bundledModelDir());
         const { tokenizer, chatTemplate, generationDefaults: defaults, config } = model;
         const stop = new Set<number>([...config.eosTokenIds, ...defaults.eosTokenIds]);
         let text = prompt;

@@ -6,8 +6,7 @@
  */
 import type { KvLayout } from "../kvcache/kv-layout.js";
 import type { PagePool } from "../kvcache/page-pool.js";
-import { loadModelConfig } from "../model/config-loader.js";
-import { loadWeights } from "../model/load-model.js";
+import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
 import { Engine } from "./engine.js";
@@ -15,7 +14,7 @@ import { createForward } from "./forward-setup.js";
 
 /** What an engine is built from: plain data, so it crosses a thread boundary as a worker's `workerData`. */
 export interface EngineBuildOptions {
-  /** A Hugging Face model folder, or a model already in memory (weights in SharedArrayBuffers are not copied). */
+  /** A Hugging Face model folder or GGUF file, or a model already in memory (weights in SharedArrayBuffers are not copied). */
   readonly model: { readonly dir: string } | { readonly config: ModelConfig; readonly weights: ModelWeights };
   /** Pages in the KV pool. */
   readonly numPages: number;
@@ -48,8 +47,9 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
   let config: ModelConfig;
   let weights: ModelWeights;
   if ("dir" in options.model) {
-    config = loadModelConfig(options.model.dir);
-    weights = loadWeights(options.model.dir, config, { shared: true });
+    const meta = await openModelMeta(options.model.dir);
+    config = meta.config;
+    weights = loadModelWeights(meta, { shared: true });
   } else {
     config = options.model.config;
     weights = options.model.weights;

@@ -12,12 +12,14 @@
  */
 import { statSync } from "node:fs";
 import { basename, join, resolve } from "node:path";
-import { badModelFolder, loadModelConfig, readJsonFile } from "./config-loader.js";
+import { badModelFolder, loadModelConfig, parseModelConfig, readJsonFile } from "./config-loader.js";
+import { closeGguf, type GgufModel, isGgufPath, openGguf, readGgufModel, readGgufTensorF32 } from "./gguf.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
 import { SafetensorsFile } from "./safetensors.js";
 import {
   type ChatTemplate,
   type GenerationDefaults,
+  ggufTokenizer,
   loadChatTemplate,
   loadGenerationDefaults,
   ModelTokenizer,
@@ -50,9 +52,12 @@ export interface LoadModelOptions {
 
 /** Everything of a model folder but its weights: what a router needs to tokenize and admit. */
 export interface ModelMeta {
-  /** The folder's base name. */
+  /** The folder's base name (a GGUF file's without `.gguf`). */
   readonly name: string;
+  /** The folder, or the GGUF file. */
   readonly dir: string;
+  /** A GGUF file's parsed header (its tensor table), absent for a folder. */
+  readonly gguf?: GgufModel;
   readonly config: ModelConfig;
   readonly tokenizer: ModelTokenizer;
   /** Null when the folder has no chat template. */
@@ -154,6 +159,95 @@ export function loadModel(dir: string, options?: LoadModelOptions): LoadedModel 
   return Object.freeze({ ...meta, weights: loadWeights(meta.dir, meta.config, options) });
 }
 
+/** `loadModel` for a folder or a GGUF file (`FILE.gguf`, src/model/gguf.ts). */
+export async function openModel(path: string, options?: LoadModelOptions): Promise<LoadedModel> {
+  const meta = await openModelMeta(path);
+  return Object.freeze({ ...meta, weights: loadModelWeights(meta, options) });
+}
+
+/** `loadModelMeta` for a folder or a GGUF file. */
+export async function openModelMeta(path: string): Promise<ModelMeta> {
+  if (!isGgufPath(path)) return loadModelMeta(path);
+  const gguf = await readGgufModel(resolve(path));
+  const config = parseModelConfig(gguf.configJson, gguf.path, undefined);
+  const { tokenizer, chatTemplate } = ggufTokenizer(gguf);
+  checkVocabulary(gguf.path, tokenizer, config, "the token embedding");
+  return Object.freeze({
+    name: gguf.name,
+    dir: gguf.path,
+    gguf,
+    config,
+    tokenizer,
+    chatTemplate,
+    generationDefaults: Object.freeze({ eosTokenIds: config.eosTokenIds }),
+  });
+}
+
+/** The weights of a model whose meta is loaded: its folder's safetensors or its GGUF tensors. */
+export function loadModelWeights(meta: ModelMeta, options?: LoadModelOptions): ModelWeights {
+  return meta.gguf === undefined
+    ? loadWeights(meta.dir, meta.config, options)
+    : loadGgufWeights(meta.gguf, meta.config, options);
+}
+
+function checkVocabulary(label: string, tokenizer: ModelTokenizer, config: ModelConfig, source: string): void {
+  const numIds = tokenizer.numIds;
+  if (numIds > config.vocabSize) {
+    throw badModelFolder(
+      label,
+      `tokenizer has token ids up to ${numIds - 1} but ${source} has vocab_size ${config.vocabSize}; the tokenizer does not belong to this model`,
+    );
+  }
+}
+
+/**
+ * Reads a GGUF file's tensors (already listed by `readGgufModel`), each checked against the
+ * config like a folder's, straight from the file into f32 arrays (src/model/gguf.ts).
+ */
+export function loadGgufWeights(model: GgufModel, config: ModelConfig, options?: LoadModelOptions): ModelWeights {
+  const expected = expectedTensors(config);
+  const totalBytes = model.tensors.reduce((sum, t) => sum + t.byteLength, 0);
+  const tensors = new Map<string, Float32Array>();
+  const file = model.path;
+  let bytesRead = 0;
+  const report = () =>
+    options?.onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
+  const fd = openGguf(file);
+  try {
+    for (const t of model.tensors) {
+      const shape = expected.get(t.name);
+      if (shape === undefined) {
+        checkUnexpected({ file, name: `${t.name} (${t.ggufName})`, shape: t.shape }, config);
+        continue;
+      }
+      if (tensors.has(t.name)) throw badModelFolder(file, `tensor ${t.ggufName} appears twice`);
+      if (!sameShape(t.shape, shape)) {
+        throw badModelFolder(
+          file,
+          `tensor ${t.ggufName} has shape ${shapeText(t.shape)}, expected ${shapeText(shape)} from the GGUF metadata`,
+        );
+      }
+      const elements = shape.reduce((a, b) => a * b, 1);
+      const out = new Float32Array(
+        options?.shared === true ? new SharedArrayBuffer(elements * 4) : new ArrayBuffer(elements * 4),
+      );
+      readGgufTensorF32(fd, file, t, out, (n) => {
+        bytesRead += n;
+        report();
+      });
+      tensors.set(t.name, out);
+      report();
+    }
+  } finally {
+    closeGguf(fd);
+  }
+  for (const [name, shape] of expected) {
+    if (!tensors.has(name))
+      throw badModelFolder(file, `tensor ${name} is missing (expected shape ${shapeText(shape)})`);
+  }
+  return assembleWeights(config, tensors);
+}
+
 /** Loads and validates a model folder's config, tokenizer, chat template and defaults, not its weights. */
 export function loadModelMeta(dir: string): ModelMeta {
   const root = resolve(dir);
@@ -168,13 +262,7 @@ export function loadModelMeta(dir: string): ModelMeta {
 
   const config = loadModelConfig(root);
   const tokenizer = ModelTokenizer.fromFolder(root);
-  const numIds = tokenizer.numIds;
-  if (numIds > config.vocabSize) {
-    throw badModelFolder(
-      join(root, "tokenizer.json"),
-      `tokenizer has token ids up to ${numIds - 1} but config.json has vocab_size ${config.vocabSize}; the tokenizer does not belong to this model`,
-    );
-  }
+  checkVocabulary(join(root, "tokenizer.json"), tokenizer, config, "config.json");
   return Object.freeze({
     name: basename(root),
     dir: root,

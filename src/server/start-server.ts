@@ -13,8 +13,7 @@ import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
-import { loadModelConfig } from "../model/config-loader.js";
-import { loadModel, loadModelMeta, loadWeights, type ModelMeta } from "../model/load-model.js";
+import { loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { startNodeServer } from "../node/node-server.js";
 import { unsafeWarning } from "../node/unsafe-switches.js";
@@ -92,7 +91,9 @@ export async function startServer(
   const tls = serveTls(config);
   if (tls.frontDoor === undefined) warnPlaintextFrontDoor(config.host, log);
 
-  const modelConfig = loadModelConfig(config.model);
+  // The config, tokenizer and chat template (of a folder or a GGUF file's header), not the weights.
+  const model = await openModelMeta(config.model);
+  const modelConfig = model.config;
   const bytesPerPage = pageBytes(layoutOf(config, modelConfig));
   const numPages = config.kvPages ?? Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / bytesPerPage);
   const poolTokens = numPages * config.pageSize;
@@ -108,7 +109,6 @@ export async function startServer(
   if (config.role === "router") clusterSecret(config.clusterSecret);
 
   // A router process tokenizes and admits; the nodes it connects to hold the weights.
-  const model = loadModelMeta(config.model);
   const weights = config.role === "router" ? null : loadWeightsWithProgress(model, options.progress);
   options.progress?.(
     `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
@@ -219,7 +219,7 @@ function limitsOf(config: ServeConfig, contextLength: number) {
 }
 
 /** What the router knows of the model: its id, window, end-of-sequence ids and sampling defaults. */
-function modelCard(model: ReturnType<typeof loadModelMeta>) {
+function modelCard(model: ModelMeta) {
   const d = model.generationDefaults;
   return {
     id: model.name,
@@ -246,7 +246,8 @@ export async function startNode(
   const tls = serveTls(config);
   // Before the weights load: a missing or weak cluster secret fails now.
   const secret = clusterSecret(config.clusterSecret);
-  const modelConfig = loadModelConfig(config.model);
+  const meta = await openModelMeta(config.model);
+  const modelConfig = meta.config;
   const numPages =
     (role === "prefill" ? config.prefillKvPages : undefined) ??
     config.kvPages ??
@@ -263,7 +264,7 @@ export async function startNode(
       `The ${role} node's KV pool cannot hold one full-context request: ${numPages * config.pageSize} tokens for a context of ${contextLength}; fix: --kv-pages ${verdict.neededTokens / config.pageSize} or --max-model-len ${verdict.maxContextThatFits}`,
     );
   }
-  const model = loadModel(config.model, { shared: true });
+  const model = { config: meta.config, weights: loadModelWeights(meta, { shared: true }) };
   const node = await startNodeServer({
     role,
     host: config.host,
@@ -347,7 +348,7 @@ function loadWeightsWithProgress(
   progress: ((line: string, done: boolean) => void) | undefined,
 ): ModelWeights {
   let lastPercent = -1;
-  return loadWeights(model.dir, model.config, {
+  return loadModelWeights(model, {
     shared: true,
     onProgress: (p) => {
       const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);

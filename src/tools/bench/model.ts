@@ -28,7 +28,7 @@ import { pageFloats } from "../../kvcache/kv-layout.js";
 import { Prng } from "../../lib/prng.js";
 import { bootstrapInterval, type Interval, type Summary, summarize } from "../../lib/stats.js";
 import type { StepSequence } from "../../model/forward.js";
-import { loadModel } from "../../model/load-model.js";
+import { openModel } from "../../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
 import { BandwidthProbe } from "./roofline.js";
 
@@ -292,7 +292,7 @@ async function prepareArms(name: BenchKernels, options: ModelBenchOptions, model
 export async function runModelBench(options: ModelBenchOptions): Promise<ModelBenchResult> {
   const log = options.log ?? (() => {});
   const tLoad = performance.now();
-  const model = loadModel(options.modelDir);
+  const model = await openModel(options.modelDir);
   const loadSeconds = (performance.now() - tLoad) / 1000;
   const { config, weights } = model;
   const bytes = weightBytes(weights);

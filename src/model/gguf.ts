@@ -24,6 +24,7 @@ import { closeSync, openSync, readSync } from "node:fs";
 import { basename } from "node:path";
 import { GGMLQuantizationType, gguf } from "@huggingface/gguf";
 import { badModelFolder, unsupportedModel } from "./config-loader.js";
+import { decodeRange, type WeightDType } from "./weight-format.js";
 
 /** Architectures served, with the Hugging Face class each stands for. */
 const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
@@ -194,14 +195,22 @@ function ggufConfigJson(
   const headDim = num(meta, `${arch}.attention.key_length`) ?? hidden / numHeads;
   const ropeDims = num(meta, `${arch}.rope.dimension_count`);
   if (ropeDims !== undefined && ropeDims !== headDim) {
-    throw unsupportedModel(path, `partial RoPE (${arch}.rope.dimension_count ${ropeDims} of ${headDim}) is not implemented`);
+    throw unsupportedModel(
+      path,
+      `partial RoPE (${arch}.rope.dimension_count ${ropeDims} of ${headDim}) is not implemented`,
+    );
   }
   const scaling = meta[`${arch}.rope.scaling.type`];
   const experts = num(meta, `${arch}.expert_count`) ?? 0;
-  if (experts > 0) throw unsupportedModel(path, `mixture of experts (${arch}.expert_count ${experts}) is not implemented`);
+  if (experts > 0)
+    throw unsupportedModel(path, `mixture of experts (${arch}.expert_count ${experts}) is not implemented`);
   const embed = tensors.get("token_embd.weight");
   if (embed === undefined) throw badModelFolder(path, "tensor token_embd.weight is missing");
-  const eos = [meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.eot_token_id"], meta["tokenizer.ggml.eom_token_id"]]
+  const eos = [
+    meta["tokenizer.ggml.eos_token_id"],
+    meta["tokenizer.ggml.eot_token_id"],
+    meta["tokenizer.ggml.eom_token_id"],
+  ]
     .filter((v) => typeof v === "number")
     .concat(endOfTurnIds(meta));
   return {
@@ -290,7 +299,8 @@ function ggufTokenizer(
       `GGUF tokenizer ${JSON.stringify(model ?? null)} is not served; supported: "gpt2" (byte-level BPE)`,
     );
   }
-  const preName = typeof meta["tokenizer.ggml.pre"] === "string" ? (meta["tokenizer.ggml.pre"] as string) : "default";
+  const preName =
+    typeof meta["tokenizer.ggml.pre"] === "string" ? (meta["tokenizer.ggml.pre"] as string) : "default";
   const pre = PRE_TOKENIZERS[preName];
   if (pre === undefined) {
     throw unsupportedModel(
@@ -299,7 +309,8 @@ function ggufTokenizer(
     );
   }
   const tokens = stringArray(path, meta, "tokenizer.ggml.tokens");
-  const merges = meta["tokenizer.ggml.merges"] === undefined ? [] : stringArray(path, meta, "tokenizer.ggml.merges");
+  const merges =
+    meta["tokenizer.ggml.merges"] === undefined ? [] : stringArray(path, meta, "tokenizer.ggml.merges");
   const types = meta["tokenizer.ggml.token_type"];
   const vocab: Record<string, number> = {};
   const added: Record<string, unknown>[] = [];
@@ -404,7 +415,13 @@ export function readGgufTensorF32(
   if (t.unpermuteHeads > 0) unpermuteRows(out, t.shape[0] as number, t.shape[1] as number, t.unpermuteHeads);
 }
 
-function readExactly(fd: number, path: string, into: Uint8Array, position: number, onBytes?: (n: number) => void): void {
+function readExactly(
+  fd: number,
+  path: string,
+  into: Uint8Array,
+  position: number,
+  onBytes?: (n: number) => void,
+): void {
   let done = 0;
   while (done < into.length) {
     const n = readSync(fd, into, done, Math.min(READ_CHUNK_BYTES, into.length - done), position + done);
@@ -414,44 +431,10 @@ function readExactly(fd: number, path: string, into: Uint8Array, position: numbe
   }
 }
 
-const f32 = new Float32Array(1);
-const u32 = new Uint32Array(f32.buffer);
-
-function halfToF32(h: number): number {
-  const sign = h & 0x8000 ? -1 : 1;
-  const exp = (h >> 10) & 0x1f;
-  const frac = h & 0x3ff;
-  if (exp === 0) return sign * frac * 2 ** -24;
-  if (exp === 31) return frac === 0 ? sign * Number.POSITIVE_INFINITY : Number.NaN;
-  return sign * (1 + frac / 1024) * 2 ** (exp - 15);
-}
-
-/** F16/BF16 values or Q8_0/Q4_0 blocks in `src` → f32 in `dst`. */
+/** F16/BF16 values or Q8_0/Q4_0 blocks in `src` → f32 in `dst` (src/model/weight-format.ts). */
 function widen(type: string, src: Uint8Array, dst: Float32Array): void {
-  const view = new DataView(src.buffer, src.byteOffset, src.byteLength);
-  const n = dst.length;
-  if (type === "F16") {
-    for (let i = 0; i < n; i++) dst[i] = halfToF32(view.getUint16(2 * i, true));
-  } else if (type === "BF16") {
-    for (let i = 0; i < n; i++) {
-      u32[0] = view.getUint16(2 * i, true) << 16;
-      dst[i] = f32[0] as number;
-    }
-  } else if (type === "Q8_0") {
-    for (let b = 0; b < n / 32; b++) {
-      const d = halfToF32(view.getUint16(34 * b, true));
-      for (let j = 0; j < 32; j++) dst[32 * b + j] = view.getInt8(34 * b + 2 + j) * d;
-    }
-  } else {
-    for (let b = 0; b < n / 32; b++) {
-      const d = halfToF32(view.getUint16(18 * b, true));
-      for (let j = 0; j < 16; j++) {
-        const q = view.getUint8(18 * b + 2 + j);
-        dst[32 * b + j] = ((q & 0x0f) - 8) * d;
-        dst[32 * b + j + 16] = ((q >> 4) - 8) * d;
-      }
-    }
-  }
+  const dtype = type.toLowerCase() as WeightDType;
+  decodeRange({ dtype, shape: [dst.length], bytes: src }, 0, dst.length, dst);
 }
 
 /**

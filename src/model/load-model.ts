@@ -190,7 +190,12 @@ export function loadModelWeights(meta: ModelMeta, options?: LoadModelOptions): M
     : loadGgufWeights(meta.gguf, meta.config, options);
 }
 
-function checkVocabulary(label: string, tokenizer: ModelTokenizer, config: ModelConfig, source: string): void {
+function checkVocabulary(
+  label: string,
+  tokenizer: ModelTokenizer,
+  config: ModelConfig,
+  source: string,
+): void {
   const numIds = tokenizer.numIds;
   if (numIds > config.vocabSize) {
     throw badModelFolder(
@@ -204,14 +209,24 @@ function checkVocabulary(label: string, tokenizer: ModelTokenizer, config: Model
  * Reads a GGUF file's tensors (already listed by `readGgufModel`), each checked against the
  * config like a folder's, straight from the file into f32 arrays (src/model/gguf.ts).
  */
-export function loadGgufWeights(model: GgufModel, config: ModelConfig, options?: LoadModelOptions): ModelWeights {
+export function loadGgufWeights(
+  model: GgufModel,
+  config: ModelConfig,
+  options?: LoadModelOptions,
+): ModelWeights {
   const expected = expectedTensors(config);
   const totalBytes = model.tensors.reduce((sum, t) => sum + t.byteLength, 0);
   const tensors = new Map<string, Float32Array>();
   const file = model.path;
   let bytesRead = 0;
   const report = () =>
-    options?.onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
+    options?.onProgress?.({
+      file,
+      bytesRead,
+      totalBytes,
+      tensorsLoaded: tensors.size,
+      tensorsTotal: expected.size,
+    });
   const fd = openGguf(file);
   try {
     for (const t of model.tensors) {

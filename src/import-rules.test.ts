@@ -59,6 +59,7 @@ export const RULES: Record<string, Rule> = {
       "topology",
       "node",
       "cluster/cluster-router.ts",
+      "engine/engine-memory.ts",
       "transfer/tls-config.ts",
       "kvcache/kv-layout.ts",
       "model",

@@ -4,12 +4,13 @@
  * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
  * their engines here, one way.
  */
-import type { KvLayout } from "../kvcache/kv-layout.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
 import { Engine } from "./engine.js";
+import type { MemoryRegion } from "./engine-memory.js";
+import { ENGINE_DEFAULTS, layoutOf } from "./engine-memory.js";
 import { createForward } from "./forward-setup.js";
 
 /** What an engine is built from: plain data, so it crosses a thread boundary as a worker's `workerData`. */
@@ -36,6 +37,12 @@ export interface EngineBuildOptions {
   readonly kernels?: "ts" | "wasm";
   /** Threads of the WebAssembly kernels: 1 (default, this thread only) or 2 (plus one spinning worker). */
   readonly kernelThreads?: 1 | 2;
+  /**
+   * WebAssembly kernels: the process's shared memory, which holds `model`'s weights, and this
+   * engine's region of it (src/engine/engine-memory.ts). Absent: the engine makes its own memory
+   * and copies the weights in.
+   */
+  readonly memory?: { readonly memory: WebAssembly.Memory; readonly region: MemoryRegion };
 }
 
 /**
@@ -54,19 +61,15 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
     config = options.model.config;
     weights = options.model.weights;
   }
-  const layout: KvLayout = {
-    numLayers: config.numLayers,
-    numKvHeads: config.numKvHeads,
-    headDim: config.headDim,
-    pageSize: options.pageSize ?? 16,
-  };
+  const layout = layoutOf(config, options);
   const { forward, pools } = await createForward(config, weights, layout, {
     kernels: options.kernels ?? "wasm",
     kernelThreads: options.kernelThreads ?? 1,
-    maxBatchTokens: options.maxBatchTokens ?? 256,
-    maxSequences: options.maxSequences ?? 16,
+    maxBatchTokens: options.maxBatchTokens ?? ENGINE_DEFAULTS.maxBatchTokens,
+    maxSequences: options.maxSequences ?? ENGINE_DEFAULTS.maxSequences,
     poolPages: [options.numPages],
     scrubOnFree: options.scrubOnFree ?? false,
+    ...(options.memory === undefined || options.kernels === "ts" ? {} : { shared: options.memory }),
   });
   return new Engine(forward, pools[0] as PagePool, {
     ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: options.maxPrefillTokens }),

@@ -242,6 +242,18 @@ export interface WasmKernelsOptions {
    * false runs the plain SIMD128 build, as `kvfence bench model --kernels wasm-mul-add` does.
    */
   readonly fma?: boolean;
+  /**
+   * A memory shared with other kernel sets of the process (src/engine/engine-memory.ts): the
+   * weights sit in it already, and this set's arena is `region` of it (it never grows it). Without
+   * one the kernels make their own memory and arena.
+   */
+  readonly shared?: { readonly memory: WebAssembly.Memory; readonly region: MemoryRegion };
+}
+
+/** A byte range [start, end) of a memory: one kernel set's arena. */
+export interface MemoryRegion {
+  readonly start: number;
+  readonly end: number;
 }
 
 export class WasmKernels implements Kernels {
@@ -257,6 +269,11 @@ export class WasmKernels implements Kernels {
   #buffers = new WeakSet<ArrayBufferLike>();
   #buf0: ArrayBufferLike;
   #top = ARENA_START;
+  /** This set's arena [#arenaStart, #arenaEnd): everything it allocates and every kernel output. */
+  #arenaStart = ARENA_START;
+  #arenaEnd = MAX_PAGES * PAGE_BYTES;
+  /** The word `owns` writes through this memory (in this set's arena: sets sharing a memory race otherwise). */
+  #probe = PROBE_BYTE;
   #ctl: Int32Array;
   #args: Uint32Array;
   #ctlBase: number;
@@ -281,15 +298,28 @@ export class WasmKernels implements Kernels {
 
   private constructor(module: WebAssembly.Module, fma: boolean, options: WasmKernelsOptions) {
     this.fma = fma;
-    const initialBytes = options.initialBytes ?? 64 * 1024 * 1024;
-    const pages = Math.min(MAX_PAGES, Math.max(2, Math.ceil(initialBytes / PAGE_BYTES)));
-    this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
+    if (options.shared === undefined) {
+      const initialBytes = options.initialBytes ?? 64 * 1024 * 1024;
+      const pages = Math.min(MAX_PAGES, Math.max(2, Math.ceil(initialBytes / PAGE_BYTES)));
+      this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
+    } else {
+      const { memory, region } = options.shared;
+      if (region.start < ARENA_START || region.start % 64 !== 0 || region.end > memory.buffer.byteLength) {
+        throw new RangeError(
+          `kernel arena [${region.start}, ${region.end}) is not inside the memory (${memory.buffer.byteLength} bytes, 64-byte aligned, above ${ARENA_START})`,
+        );
+      }
+      this.memory = memory;
+      this.#top = this.#arenaStart = region.start;
+      this.#arenaEnd = region.end;
+    }
     this.#x = instantiate(module, this.memory);
     this.#buf0 = this.memory.buffer;
     this.#buffers.add(this.#buf0);
     this.threads = options.threads ?? 2;
     this.#parallelMinWork = options.parallelMinWork ?? 32768;
     this.#matvecChunk = options.matvecChunk ?? 0;
+    if (options.shared !== undefined) this.#probe = this.allocBytes(64);
     this.#ctlBase = this.allocBytes(CTL_BYTES);
     this.#ctl = new Int32Array(this.memory.buffer, this.#ctlBase, CTL_BYTES / 4);
     this.#args = new Uint32Array(this.memory.buffer, this.#ctlBase + CTL_ARGS * 4, 32);
@@ -364,6 +394,11 @@ export class WasmKernels implements Kernels {
   allocBytes(bytes: number): number {
     const at = this.#top;
     const end = at + Math.ceil(bytes / 64) * 64;
+    if (end > this.#arenaEnd) {
+      throw new RangeError(
+        `WebAssembly memory region is full: ${end - this.#arenaStart} bytes needed, the region holds ${this.#arenaEnd - this.#arenaStart}; the memory plan (src/engine/engine-memory.ts) undercounts`,
+      );
+    }
     const have = this.memory.buffer.byteLength;
     if (end > have) {
       const pages = Math.ceil((end - have) / PAGE_BYTES);
@@ -393,8 +428,9 @@ export class WasmKernels implements Kernels {
     return new Int32Array(this.buffer(), at, n);
   }
 
-  /** A copy of `src` inside the memory. */
+  /** `src` inside the memory: itself when it is there already (weights read into a shared memory), else a copy. */
   placeF32(src: Float32Array): Float32Array {
+    if (this.owns(src)) return src;
     const dst = this.allocF32(src.length);
     dst.set(src);
     return dst;
@@ -451,9 +487,9 @@ export class WasmKernels implements Kernels {
   owns(a: ArrayBufferView): boolean {
     const b = a.buffer;
     if (b === this.#buf0 || this.#buffers.has(b)) return true;
-    if (!(b instanceof SharedArrayBuffer) || b.byteLength < ARENA_START) return false;
-    const mine = new Int32Array(this.memory.buffer, PROBE_BYTE, 1);
-    const theirs = new Int32Array(b, PROBE_BYTE, 1);
+    if (!(b instanceof SharedArrayBuffer) || b.byteLength < this.#probe + 4) return false;
+    const mine = new Int32Array(this.memory.buffer, this.#probe, 1);
+    const theirs = new Int32Array(b, this.#probe, 1);
     const v = (Math.random() * 0x7fffffff) | 0;
     mine[0] = v;
     if (theirs[0] !== v) return false;
@@ -461,6 +497,19 @@ export class WasmKernels implements Kernels {
     if (theirs[0] !== ~v) return false;
     this.#buffers.add(b);
     return true;
+  }
+
+  /**
+   * The fence between kernel sets sharing a memory: what a kernel writes, and the KV pool attention
+   * reads, must lie in this set's arena — never the shared weights, never another engine's pool or
+   * activations. A view of this memory outside it is a bug, so it throws rather than computing.
+   */
+  #fence(a: ArrayBufferView, what: string): void {
+    if (a.byteOffset < this.#arenaStart || a.byteOffset + a.byteLength > this.#arenaEnd) {
+      throw new RangeError(
+        `${what} [${a.byteOffset}, ${a.byteOffset + a.byteLength}) lies outside this engine's region [${this.#arenaStart}, ${this.#arenaEnd}) of the shared memory`,
+      );
+    }
   }
 
   // -------------------------------------------------------------------------------------------
@@ -479,6 +528,7 @@ export class WasmKernels implements Kernels {
       ref.matmul(out, x, w, rows, inDim, outDim);
       return;
     }
+    this.#fence(out, "matmul output");
     this.#segment(0, out, w, outDim);
     this.#matmulSegments(x, rows, inDim, 1, outDim);
   }
@@ -503,6 +553,7 @@ export class WasmKernels implements Kernels {
     if (this.#segRecords.length < 4 * ws.length) this.#segRecords = this.allocI32(4 * ws.length);
     let total = 0;
     for (let i = 0; i < ws.length; i++) {
+      this.#fence(outs[i] as Float32Array, "matmul output");
       this.#segment(i, outs[i] as Float32Array, ws[i] as Float32Array, outDims[i] as number);
       total += outDims[i] as number;
     }
@@ -686,6 +737,8 @@ export class WasmKernels implements Kernels {
       );
       return;
     }
+    this.#fence(out, "attention output");
+    this.#fence(pool, "KV pool");
     // Stage the block tables one after another and a record of 5 i32 per sequence (see attentionPar).
     let seqCount = 0;
     let tablePages = 0;

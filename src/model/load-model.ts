@@ -10,12 +10,12 @@
  * beside tied embeddings. Problems surface as one-line `bad_model_folder` / `unsupported_model`
  * errors naming the file.
  */
-import { statSync } from "node:fs";
+import { closeSync, openSync, statSync } from "node:fs";
 import { basename, join, resolve } from "node:path";
 import { badModelFolder, loadModelConfig, parseModelConfig, readJsonFile } from "./config-loader.js";
 import { closeGguf, type GgufModel, isGgufPath, openGguf, readGgufModel, readGgufTensorF32 } from "./gguf.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
-import { SafetensorsFile } from "./safetensors.js";
+import { readSafetensorsHeader, readTensorInto, SafetensorsFile, type TensorInfo } from "./safetensors.js";
 import {
   type ChatTemplate,
   type GenerationDefaults,
@@ -48,6 +48,12 @@ export interface LoadModelOptions {
   readonly onProgress?: (progress: LoadProgress) => void;
   /** Put the weights in SharedArrayBuffers so worker threads can use them without copies. */
   readonly shared?: boolean;
+  /**
+   * Where each tensor goes: a view of `elements` f32 (a window of the engines' shared
+   * WebAssembly memory, src/engine/engine-memory.ts). Tensors are then read from the file
+   * straight into it, and the file is never held in memory whole.
+   */
+  readonly alloc?: (elements: number) => Float32Array;
 }
 
 /** Everything of a model folder but its weights: what a router needs to tokenize and admit. */
@@ -243,9 +249,11 @@ export function loadGgufWeights(
         );
       }
       const elements = shape.reduce((a, b) => a * b, 1);
-      const out = new Float32Array(
-        options?.shared === true ? new SharedArrayBuffer(elements * 4) : new ArrayBuffer(elements * 4),
-      );
+      const out =
+        options?.alloc?.(elements) ??
+        new Float32Array(
+          options?.shared === true ? new SharedArrayBuffer(elements * 4) : new ArrayBuffer(elements * 4),
+        );
       readGgufTensorF32(fd, file, t, out, (n) => {
         bytesRead += n;
         report();
@@ -290,6 +298,7 @@ export function loadModelMeta(dir: string): ModelMeta {
 
 /** Reads and checks the weights of a folder whose config is already loaded. */
 export function loadWeights(dir: string, config: ModelConfig, options?: LoadModelOptions): ModelWeights {
+  if (options?.alloc !== undefined) return loadWeightsDirect(dir, config, options.alloc, options.onProgress);
   const { files, label } = weightFiles(dir);
   const expected = expectedTensors(config);
   const totalBytes = files.reduce((sum, f) => sum + statSync(f).size, 0);
@@ -390,4 +399,81 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float
     finalNorm: get("model.norm.weight"),
     lmHead: config.tieWordEmbeddings ? embed : get("lm_head.weight"),
   });
+}
+
+/**
+ * The f32 elements of every tensor `loadModelWeights` will place (a tied LM head once), from the
+ * safetensors headers or the GGUF tensor table alone: what a memory plan reserves before reading.
+ */
+export function weightElements(meta: ModelMeta): number[] {
+  const expected = expectedTensors(meta.config);
+  const count = (shape: readonly number[]): number => shape.reduce((a, b) => a * b, 1);
+  return [...expected.values()].map(count);
+}
+
+/** `loadWeights` with every tensor read straight from its file into `alloc`'s view. */
+function loadWeightsDirect(
+  dir: string,
+  config: ModelConfig,
+  alloc: (elements: number) => Float32Array,
+  onProgress: ((progress: LoadProgress) => void) | undefined,
+): ModelWeights {
+  const { files, label } = weightFiles(dir);
+  const expected = expectedTensors(config);
+  const totalBytes = files.reduce((sum, f) => sum + statSync(f).size, 0);
+  const tensors = new Map<string, Float32Array>();
+  let bytesRead = 0;
+  for (const file of files) {
+    const report = () =>
+      onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
+    const fd = openWeightFile(file);
+    try {
+      const infos: TensorInfo[] = readSafetensorsHeader(fd, file);
+      for (const info of infos) {
+        const shape = expected.get(info.name);
+        if (shape === undefined) {
+          checkUnexpected({ file, name: info.name, shape: info.shape }, config);
+          continue;
+        }
+        if (tensors.has(info.name))
+          throw badModelFolder(file, `tensor ${info.name} appears in more than one weight file`);
+        if (!sameShape(info.shape, shape)) {
+          throw badModelFolder(
+            file,
+            `tensor ${info.name} has shape ${shapeText(info.shape)}, expected ${shapeText(shape)} from config.json`,
+          );
+        }
+        const out = alloc(shape.reduce((a, b) => a * b, 1));
+        readTensorInto(fd, file, info, out, (n) => {
+          bytesRead += n;
+          report();
+        });
+        tensors.set(info.name, out);
+        report();
+      }
+    } finally {
+      closeSync(fd);
+    }
+  }
+  for (const [name, shape] of expected) {
+    if (!tensors.has(name))
+      throw badModelFolder(
+        label,
+        `tensor ${name} is missing (expected shape ${shapeText(shape)} from config.json)`,
+      );
+  }
+  return assembleWeights(config, tensors);
+}
+
+function openWeightFile(path: string): number {
+  try {
+    return openSync(path, "r");
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    throw badModelFolder(
+      path,
+      code === "ENOENT" ? "file is missing" : `cannot open the file: ${String(err)}`,
+      err,
+    );
+  }
 }

@@ -116,13 +116,17 @@ export class SafetensorsFile {
     return SafetensorsFile.parse(readWholeFile(path, options), path);
   }
 
-  /** Parses safetensors bytes (any Uint8Array, including a pooled Buffer); `path` names it in errors. */
-  static parse(bytes: Uint8Array, path: string): SafetensorsFile {
+  /**
+   * Parses safetensors bytes (any Uint8Array, including a pooled Buffer); `path` names it in
+   * errors. With `fileBytes`, `bytes` may be the header alone and the offsets are checked against
+   * a file of that size (`readSafetensorsHeader`).
+   */
+  static parse(bytes: Uint8Array, path: string, fileBytes?: number): SafetensorsFile {
     if (bytes.byteLength < 8)
       throw bad(path, `file is ${bytes.byteLength} bytes, too short for the 8-byte header length`);
     const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
     const headerLength64 = view.getBigUint64(0, true);
-    const available = bytes.byteLength - 8;
+    const available = (fileBytes ?? bytes.byteLength) - 8;
     if (headerLength64 > BigInt(available)) {
       throw bad(
         path,
@@ -144,7 +148,7 @@ export class SafetensorsFile {
       throw bad(path, "header is not a JSON object");
 
     const dataStart = 8 + headerLength;
-    const dataBytes = bytes.byteLength - dataStart;
+    const dataBytes = (fileBytes ?? bytes.byteLength) - dataStart;
     const tensors = new Map<string, TensorInfo>();
     let metadata: Record<string, string> = {};
     for (const [name, entry] of Object.entries(header)) {
@@ -397,4 +401,65 @@ export function writeSafetensors(
 export function writeAllSync(fd: number, bytes: Uint8Array): void {
   let done = 0;
   while (done < bytes.byteLength) done += writeSync(fd, bytes, done, bytes.byteLength - done);
+}
+
+/**
+ * The tensor table of a safetensors file, reading only its header (the data stays on disk, for
+ * `readTensorInto`); `fd` is an open descriptor of `path`.
+ */
+export function readSafetensorsHeader(fd: number, path: string): TensorInfo[] {
+  const size = fstatSync(fd).size;
+  const head = new Uint8Array(Math.min(size, 8));
+  readSync(fd, head, 0, head.length, 0);
+  const length = head.length < 8 ? 0 : Number(new DataView(head.buffer).getBigUint64(0, true));
+  const bytes = new Uint8Array(Math.min(size, 8 + Math.min(length, MAX_HEADER_BYTES + 1)));
+  let done = 0;
+  while (done < bytes.length) {
+    const n = readSync(fd, bytes, done, bytes.length - done, done);
+    if (n === 0) break;
+    done += n;
+  }
+  const file = SafetensorsFile.parse(bytes, path, size);
+  return file.names().map((name) => file.info(name) as TensorInfo);
+}
+
+/**
+ * Reads tensor `t` of the open file `fd` as f32 straight into `out` (F32: no copy on the way;
+ * F16/BF16: chunk by chunk through a small buffer, widened). `onBytes(n)` is told each chunk.
+ */
+export function readTensorInto(
+  fd: number,
+  path: string,
+  t: TensorInfo,
+  out: Float32Array,
+  onBytes?: (n: number) => void,
+): void {
+  const read = (into: Uint8Array, position: number): void => {
+    let done = 0;
+    while (done < into.length) {
+      const n = readSync(fd, into, done, Math.min(READ_CHUNK_BYTES, into.length - done), position + done);
+      if (n === 0) throw bad(path, `file shrank while reading tensor ${t.name}`);
+      done += n;
+      onBytes?.(n);
+    }
+  };
+  if (t.dtype === "F32") {
+    read(new Uint8Array(out.buffer, out.byteOffset, out.byteLength), t.fileOffset);
+    return;
+  }
+  if (t.dtype !== "F16" && t.dtype !== "BF16") {
+    throw new KvfenceError(
+      "unsupported_model",
+      `Unsupported model: ${path}: tensor ${t.name} has dtype ${t.dtype}; supported dtypes: ${SUPPORTED_DTYPES.join(", ")}`,
+    );
+  }
+  const chunk = new Uint16Array(Math.min(t.byteLength / 2, 4 * 1024 * 1024));
+  for (let at = 0; at < t.byteLength / 2; at += chunk.length) {
+    const n = Math.min(chunk.length, t.byteLength / 2 - at);
+    const half = chunk.subarray(0, n);
+    read(new Uint8Array(half.buffer, 0, 2 * n), t.fileOffset + 2 * at);
+    const dst = out.subarray(at, at + n);
+    if (t.dtype === "BF16") bf16ToF32(half, new Uint32Array(dst.buffer, dst.byteOffset, n));
+    else f16ToF32(half, dst);
+  }
 }

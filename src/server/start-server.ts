@@ -9,11 +9,12 @@
  * template, never the weights. Used by `kvfence serve` and the incident tool.
  */
 import net from "node:net";
+import { loadEngineMemory, type MemoryRegion, regionBytesOf } from "../engine/engine-memory.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
-import { loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
+import { type LoadProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { startNodeServer } from "../node/node-server.js";
 import { unsafeWarning } from "../node/unsafe-switches.js";
@@ -108,30 +109,17 @@ export async function startServer(
   // So does a missing or weak cluster secret (the router connects only once the weights loaded).
   if (config.role === "router") clusterSecret(config.clusterSecret);
 
-  // A router process tokenizes and admits; the nodes it connects to hold the weights.
-  const weights = config.role === "router" ? null : loadWeightsWithProgress(model, options.progress);
-  options.progress?.(
-    `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
-    true,
-  );
   const tenants = loadTenants(config, log);
-
-  const served = await startServeEngine({
-    role: config.role,
-    disaggregation: config.disaggregation,
-    model: weights === null ? null : { config: model.config, weights },
-    engine: engineOptionsOf(config, { numPages, contextLength }),
-    ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
-    disabledGuards: config.unsafeDisableGuard,
-    maxModelLen: contextLength,
-    prefill: config.prefill,
-    decode: config.decode,
-    clusterSecret: config.clusterSecret,
-    ...(tls.links === undefined ? {} : { linkTls: tls.links }),
-    faults: config.unsafeFault,
-    fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
-    ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+  const limits = limitsOf(config, contextLength);
+  const { served, preparer } = await startEnginesAndPreparer(config, {
+    model,
+    tenants,
+    limits,
+    engineOptions: engineOptionsOf(config, { numPages, contextLength }),
+    contextLength,
+    tls,
     log,
+    ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
   const engine = served.engine;
   log.info(
@@ -147,18 +135,6 @@ export async function startServer(
     "engine ready",
   );
 
-  // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
-  const limits = limitsOf(config, contextLength);
-  const preparer = await PreparePool.start({
-    modelDir: model.dir,
-    modelId: model.name,
-    limits,
-    threads: config.tokenizerThreads,
-    onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
-  }).catch(async (err: unknown) => {
-    await served.close();
-    throw err;
-  });
   const router = new RouterServer({
     engine,
     tokenizer: routerTokenizer(model.tokenizer, model.chatTemplate),
@@ -219,6 +195,75 @@ function limitsOf(config: ServeConfig, contextLength: number) {
 }
 
 /** What the router knows of the model: its id, window, end-of-sequence ids and sampling defaults. */
+/**
+ * The weights and the engines (none for a router process, which tokenizes and admits while the
+ * nodes it connects to hold the weights), and the router's preparation workers, which load the
+ * tokenizer while the weights load and the engines start.
+ */
+async function startEnginesAndPreparer(
+  config: ServeConfig,
+  parts: {
+    readonly model: ModelMeta;
+    readonly tenants: TenantDirectory;
+    readonly limits: ReturnType<typeof limitsOf>;
+    readonly engineOptions: ServeEngineOptions["engine"];
+    readonly contextLength: number;
+    readonly tls: ReturnType<typeof serveTls>;
+    readonly log: Logger;
+    readonly progress?: (line: string, done: boolean) => void;
+  },
+): Promise<{ served: Awaited<ReturnType<typeof startServeEngine>>; preparer: PreparePool }> {
+  const { model, tenants, engineOptions, log } = parts;
+  const preparing = PreparePool.start({
+    modelDir: model.dir,
+    modelId: model.name,
+    limits: parts.limits,
+    threads: config.tokenizerThreads,
+    onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
+  });
+  preparing.catch(() => {}); // awaited below, after the engines (no unhandled rejection meanwhile)
+  const prefillOptions = {
+    ...engineOptions,
+    ...(config.prefillKvPages === undefined ? {} : { numPages: config.prefillKvPages }),
+  };
+  const engines =
+    config.role === "router" ? [] : config.disaggregation ? [prefillOptions, engineOptions] : [engineOptions];
+  let served: Awaited<ReturnType<typeof startServeEngine>>;
+  try {
+    const loaded = engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress);
+    parts.progress?.(
+      `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
+      true,
+    );
+    served = await startServeEngine({
+      role: config.role,
+      disaggregation: config.disaggregation,
+      model: loaded === null ? null : { config: model.config, ...loaded },
+      engine: engineOptions,
+      ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
+      disabledGuards: config.unsafeDisableGuard,
+      maxModelLen: parts.contextLength,
+      prefill: config.prefill,
+      decode: config.decode,
+      clusterSecret: config.clusterSecret,
+      ...(parts.tls.links === undefined ? {} : { linkTls: parts.tls.links }),
+      faults: config.unsafeFault,
+      fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
+      ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+      log,
+    });
+  } catch (err) {
+    await preparing.then((p) => p.close()).catch(() => {});
+    throw err;
+  }
+  try {
+    return { served, preparer: await preparing };
+  } catch (err) {
+    await served.close();
+    throw err;
+  }
+}
+
 function modelCard(model: ModelMeta) {
   const d = model.generationDefaults;
   return {
@@ -264,7 +309,8 @@ export async function startNode(
       `The ${role} node's KV pool cannot hold one full-context request: ${numPages * config.pageSize} tokens for a context of ${contextLength}; fix: --kv-pages ${verdict.neededTokens / config.pageSize} or --max-model-len ${verdict.maxContextThatFits}`,
     );
   }
-  const model = { config: meta.config, weights: loadModelWeights(meta, { shared: true }) };
+  const engine = engineOptionsOf(config, { numPages, contextLength });
+  const loaded = loadWeightsWithProgress(meta, [engine], undefined);
   const node = await startNodeServer({
     role,
     host: config.host,
@@ -272,8 +318,11 @@ export async function startNode(
     secret,
     ...(tls.links === undefined ? {} : { tls: tls.links }),
     engine: {
-      model: { config: model.config, weights: model.weights },
-      ...engineOptionsOf(config, { numPages, contextLength }),
+      ...engine,
+      model: { config: meta.config, weights: loaded.weights },
+      ...(loaded.memory === undefined
+        ? {}
+        : { memory: { memory: loaded.memory.memory, region: loaded.memory.regions[0]! } }),
     },
     faults: config.unsafeFault,
     log: (line) => options.logger.info(line),
@@ -342,24 +391,34 @@ function checkServerPool(
   );
 }
 
-/** The weights, with a progress line each time the loaded share moves by a percent. */
+/**
+ * The weights, with a progress line each time the loaded share moves by a percent. On the
+ * WebAssembly kernels they are read straight into one shared memory laid out for them and one
+ * region per engine of `engines` (src/engine/engine-memory.ts): one copy for the whole process.
+ */
 function loadWeightsWithProgress(
   model: ModelMeta,
+  engines: readonly ServeEngineOptions["engine"][],
   progress: ((line: string, done: boolean) => void) | undefined,
-): ModelWeights {
+): {
+  weights: ModelWeights;
+  memory?: { readonly memory: WebAssembly.Memory; readonly regions: readonly MemoryRegion[] };
+} {
   let lastPercent = -1;
-  return loadModelWeights(model, {
-    shared: true,
-    onProgress: (p) => {
-      const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
-      if (percent === lastPercent) return;
-      lastPercent = percent;
-      progress?.(
-        `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
-        false,
-      );
-    },
-  });
+  const onProgress = (p: LoadProgress): void => {
+    const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
+    if (percent === lastPercent) return;
+    lastPercent = percent;
+    progress?.(
+      `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
+      false,
+    );
+  };
+  if (engines.some((e) => e.kernels === "ts"))
+    return { weights: loadModelWeights(model, { shared: true, onProgress }) };
+  const regions = engines.map((e) => regionBytesOf(model.config, e));
+  const loaded = loadEngineMemory(model, regions, { onProgress });
+  return { weights: loaded.weights, memory: { memory: loaded.memory, regions: loaded.regions } };
 }
 
 /** The API keys (--api-keys or KVFENCE_API_KEYS); none is one anonymous tenant, said loudly. */

@@ -1,0 +1,149 @@
+/**
+ * One copy of the weights for every engine of a process (issue #15 item 4, docs/design.md §2): a
+ * single shared `WebAssembly.Memory` laid out once, before anything is read —
+ *
+ *   [64 KiB unused][the weights, each tensor 64-byte aligned][engine 0's region][engine 1's region]…
+ *
+ * — then the weights are read from their files straight into it (fs.readSync into views of the
+ * memory's buffer: no JavaScript copy of the file exists at any point), and each engine thread
+ * (the prefill and decode nodes of the default topology, or the one engine) runs its own kernel
+ * set over the same memory with its region as its arena: its control block, activations, staging
+ * and its own KV pool. The regions never overlap and the kernels refuse to write or to read a KV
+ * pool outside their own region (`WasmKernels`' fence), so the pools stay separate and fenced as
+ * when each engine had its own memory; what they share is read-only weights.
+ *
+ * A region's size is planned here from the engine's limits (`engineRegionBytes`) and is fixed: the
+ * memory never grows (a grow by one thread while another runs would race with the plan). wasm32
+ * addresses 4 GiB, so weights plus every region must fit; the plan says so with the numbers before
+ * a byte is read.
+ */
+import type { MemoryRegion } from "../kernels/wasm-kernels.js";
+import type { KvLayout } from "../kvcache/kv-layout.js";
+import { PagePool } from "../kvcache/page-pool.js";
+import { KvfenceError } from "../lib/errors.js";
+import { ForwardPass } from "../model/forward.js";
+import { type LoadProgress, loadModelWeights, type ModelMeta, weightElements } from "../model/load-model.js";
+import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import type { EngineBuildOptions } from "./build-engine.js";
+
+const PAGE_BYTES = 65536;
+/** What wasm32 addresses, in 64 KiB pages. */
+const MAX_PAGES = 65536;
+/** The first 64 KiB stay unused (as in a kernel set's own memory). */
+const WEIGHTS_START = 65536;
+
+const aligned = (bytes: number): number => Math.ceil(bytes / 64) * 64;
+
+export type { MemoryRegion };
+
+/** The step limits an engine gets by default (`maxBatchTokens`, `maxSequences`, `pageSize`). */
+export const ENGINE_DEFAULTS = { maxBatchTokens: 256, maxSequences: 16, pageSize: 16 } as const;
+
+/** Bytes of an engine's region in a shared memory, from its build options' limits and pool. */
+export function regionBytesOf(config: ModelConfig, options: Omit<EngineBuildOptions, "model">): number {
+  return engineRegionBytes(config, layoutOf(config, options), {
+    maxBatchTokens: options.maxBatchTokens ?? ENGINE_DEFAULTS.maxBatchTokens,
+    maxSequences: options.maxSequences ?? ENGINE_DEFAULTS.maxSequences,
+    poolPages: [options.numPages],
+  });
+}
+
+/** What one engine is sized by. */
+export interface EngineSizing {
+  readonly maxBatchTokens: number;
+  readonly maxSequences: number;
+  /** Pages of each of its KV pools. */
+  readonly poolPages: readonly number[];
+}
+
+/** A shared memory holding the weights, with one region per engine. */
+export interface EngineMemory {
+  readonly memory: WebAssembly.Memory;
+  /** The weights as views of the memory's buffer. */
+  readonly weights: ModelWeights;
+  readonly regions: readonly MemoryRegion[];
+  /** Bytes of the weights in the memory. */
+  readonly weightBytes: number;
+}
+
+/** An engine's KV page layout: the model's shape and its page size. */
+export function layoutOf(config: ModelConfig, options: { readonly pageSize?: number }): KvLayout {
+  return {
+    numLayers: config.numLayers,
+    numKvHeads: config.numKvHeads,
+    headDim: config.headDim,
+    pageSize: options.pageSize ?? ENGINE_DEFAULTS.pageSize,
+  };
+}
+
+/**
+ * Bytes an engine's kernels allocate at most: the control block and small records, the forward
+ * pass's buffers, its pools, the attention staging at the longest context (grown by doubling) and
+ * the matmul's packed rows (likewise), plus 1 MiB of slack.
+ */
+export function engineRegionBytes(config: ModelConfig, layout: KvLayout, sizing: EngineSizing): number {
+  const pools = sizing.poolPages.reduce((sum, n) => sum + aligned(PagePool.dataBytesFor(layout, n)), 0);
+  const totalPages = sizing.poolPages.reduce((a, b) => a + b, 0);
+  const maxIn = Math.max(config.hiddenSize, config.numHeads * config.headDim, config.intermediateSize);
+  const packed = 2 * Math.ceil(sizing.maxBatchTokens / 8) * Math.ceil(maxIn / 4) * 128;
+  return aligned(
+    64 * 1024 +
+      ForwardPass.bufferBytes(config, sizing) +
+      pools +
+      attentionStagingBytes(config, totalPages) +
+      packed +
+      (1 << 20),
+  );
+}
+
+/**
+ * What `WasmKernels.pagedAttentionBatch` stages on demand at the longest context: the block
+ * tables, two score scratches and the split partials, twice over (they grow by doubling), plus 1 MiB
+ * of slack for the control block, the per-sequence records and alignment.
+ */
+export function attentionStagingBytes(config: ModelConfig, numPages: number): number {
+  const group = config.numHeads / config.numKvHeads;
+  const ctx = config.maxPositionEmbeddings;
+  const partials = config.numHeads * 8 * (config.headDim + 2);
+  return 2 * (4 * numPages + 2 * 4 * group * ctx + 4 * partials) + (1 << 20);
+}
+
+/**
+ * Lays out the memory for the weights of `meta` and one region of each size in `regionBytes`,
+ * creates it and reads the weights into it. Refuses (`config_invalid`, with the numbers) a plan
+ * beyond wasm32's 4 GiB before reading anything.
+ */
+export function loadEngineMemory(
+  meta: ModelMeta,
+  regionBytes: readonly number[],
+  options?: { readonly onProgress?: (progress: LoadProgress) => void },
+): EngineMemory {
+  const weightBytes = weightElements(meta).reduce((sum, n) => sum + aligned(4 * n), 0);
+  const regions: MemoryRegion[] = [];
+  let at = WEIGHTS_START + weightBytes;
+  for (const bytes of regionBytes) {
+    regions.push({ start: at, end: at + aligned(bytes) });
+    at += aligned(bytes);
+  }
+  const pages = Math.ceil(at / PAGE_BYTES);
+  if (pages > MAX_PAGES) {
+    const gib = (b: number): string => `${(b / 1024 ** 3).toFixed(2)} GiB`;
+    throw new KvfenceError(
+      "config_invalid",
+      `The weights and the engines' memory need ${gib(at)} (weights ${gib(weightBytes)}, ${regionBytes.length} engine region(s) of ${regionBytes.map(gib).join(" and ")}) but WebAssembly addresses at most 4 GiB; use a smaller --kv-memory or --kv-pages, --max-model-len, or --kernels ts`,
+    );
+  }
+  const memory = new WebAssembly.Memory({ initial: pages, maximum: pages, shared: true });
+  const buffer = memory.buffer as SharedArrayBuffer;
+  let next = WEIGHTS_START;
+  const alloc = (elements: number): Float32Array => {
+    const view = new Float32Array(buffer, next, elements);
+    next += aligned(4 * elements);
+    return view;
+  };
+  const weights = loadModelWeights(meta, {
+    alloc,
+    ...(options?.onProgress === undefined ? {} : { onProgress: options.onProgress }),
+  });
+  return { memory, weights, regions, weightBytes };
+}

@@ -159,7 +159,9 @@ test("kvfence serve prints its URL when ready and exits 0 on SIGTERM", { timeout
     });
     const health = await fetch(`${url}/health`);
     assert.equal(health.status, 200);
-    assert.match(stderr, /Loading weights: \d+% /);
+    // The bundled model loads in well under a second: no progress bar, only the summary line.
+    assert.doesNotMatch(stderr, /Loading weights/);
+    assert.match(stderr, /Loaded tiny-qwen2: \d+ layers/);
     assert.match(stderr, /no API keys configured .*anonymous tenant/);
     const exited = once(child, "exit");
     child.kill("SIGTERM");

@@ -512,6 +512,11 @@ export class WasmKernels implements Kernels {
     }
   }
 
+  /** Throws unless `pool` lies in this set's region (`#fence`); a pool outside the memory is the caller's own. */
+  checkPool(pool: Float32Array): void {
+    if (this.owns(pool)) this.#fence(pool, "KV pool");
+  }
+
   // -------------------------------------------------------------------------------------------
   // kernels (signatures of reference.ts)
 

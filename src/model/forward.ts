@@ -202,6 +202,8 @@ export class ForwardPass {
     const numSeqs = sequences.length;
     const total = this.#checkStep(pool, sequences);
     if (total === 0) return;
+    // Before this step writes K and V into the pool: is it this engine's (a shared memory's fence)?
+    this.#kernels.checkPool?.(pool);
     const { add, addBias, matmul, matmulEach, pagedAttentionBatch, rmsnorm, rope, swiglu } = this.#kernels;
 
     // Embeddings and positions.

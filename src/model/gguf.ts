@@ -22,7 +22,6 @@
  */
 import { closeSync, openSync, readSync } from "node:fs";
 import { basename } from "node:path";
-import { GGMLQuantizationType, gguf } from "@huggingface/gguf";
 import { badModelFolder, unsupportedModel } from "./config-loader.js";
 import { decodeRange, type WeightDType } from "./weight-format.js";
 
@@ -32,13 +31,16 @@ const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
   qwen2: "Qwen2ForCausalLM",
 };
 
-/** Tensor types served, with bytes per block and weights per block. */
+/**
+ * Tensor types served (by their `ggml_type` ids, `GGMLQuantizationType` in @huggingface/gguf), with
+ * bytes per block and weights per block.
+ */
 const GGUF_TYPES: ReadonlyMap<number, { name: string; blockBytes: number; blockWeights: number }> = new Map([
-  [GGMLQuantizationType.F32, { name: "F32", blockBytes: 4, blockWeights: 1 }],
-  [GGMLQuantizationType.F16, { name: "F16", blockBytes: 2, blockWeights: 1 }],
-  [GGMLQuantizationType.BF16, { name: "BF16", blockBytes: 2, blockWeights: 1 }],
-  [GGMLQuantizationType.Q8_0, { name: "Q8_0", blockBytes: 34, blockWeights: 32 }],
-  [GGMLQuantizationType.Q4_0, { name: "Q4_0", blockBytes: 18, blockWeights: 32 }],
+  [0, { name: "F32", blockBytes: 4, blockWeights: 1 }],
+  [1, { name: "F16", blockBytes: 2, blockWeights: 1 }],
+  [30, { name: "BF16", blockBytes: 2, blockWeights: 1 }],
+  [8, { name: "Q8_0", blockBytes: 34, blockWeights: 32 }],
+  [2, { name: "Q4_0", blockBytes: 18, blockWeights: 32 }],
 ]);
 
 const SERVED_TYPES = [...GGUF_TYPES.values()].map((t) => t.name).join(", ");
@@ -83,8 +85,12 @@ export function isGgufPath(path: string): boolean {
   return path.toLowerCase().endsWith(".gguf");
 }
 
-/** Parses a GGUF file's header (metadata and tensor table) with `@huggingface/gguf`. */
+/**
+ * Parses a GGUF file's header (metadata and tensor table) with `@huggingface/gguf`, imported on
+ * first use (with its dependency it costs each thread about 12 MB, which a folder never needs).
+ */
 export async function readGgufModel(path: string): Promise<GgufModel> {
+  const { GGMLQuantizationType, gguf } = await import("@huggingface/gguf");
   let parsed: Awaited<ReturnType<typeof gguf>>;
   try {
     parsed = await gguf(path, { allowLocalFile: true });

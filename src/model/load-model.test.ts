@@ -6,7 +6,7 @@ import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { type ModelFolderOptions, rawSafetensors, writeModelFolder } from "../../testing/model-folder.js";
 import { KvfenceError } from "../lib/errors.js";
-import { formatLoadProgress, type LoadProgress, loadModel } from "./load-model.js";
+import { delayedProgress, formatLoadProgress, type LoadProgress, loadModel } from "./load-model.js";
 import { encodeTensorData, type TensorToWrite } from "./safetensors.js";
 
 /** Builds a folder, runs `fn` on it, and removes it. */
@@ -145,7 +145,10 @@ test("loadModel() reports progress per chunk and tensor up to the totals", () =>
     assert.equal(last.tensorsTotal, 1 + 2 * 9 + 2);
     assert.equal(last.bytesRead, last.totalBytes);
     assert.equal(new Set(events.map((e) => e.file)).size, 2);
-    assert.match(formatLoadProgress(last), /^loading weights: 100% \([\d.]+ of [\d.]+ MB, 21\/21 tensors\)$/);
+    assert.match(
+      formatLoadProgress(last),
+      /^Loading weights: 100% \[#{24}\] [\d.]+ of [\d.]+ MB, 21\/21 tensors$/,
+    );
     for (let i = 1; i < events.length; i++) {
       assert.ok((events[i]?.tensorsLoaded ?? 0) >= (events[i - 1]?.tensorsLoaded ?? 0));
       assert.ok((events[i]?.bytesRead ?? 0) >= (events[i - 1]?.bytesRead ?? 0));
@@ -456,4 +459,28 @@ test("loadModel() loads the bundled models/kvfence-tiny (Llama, F32, its own LM 
     }),
     prompt,
   );
+});
+
+test("delayedProgress() shows nothing during the first second, then a bar at each new percent", () => {
+  let t = 0;
+  const lines: string[] = [];
+  const onProgress = delayedProgress((line) => lines.push(line), { now: () => t });
+  const at = (bytesRead: number): LoadProgress => ({
+    file: "f",
+    bytesRead,
+    totalBytes: 1000,
+    tensorsLoaded: 1,
+    tensorsTotal: 4,
+  });
+  t = 999;
+  onProgress(at(500));
+  assert.deepEqual(lines, [], "a load that takes under a second shows no bar");
+  t = 1000;
+  onProgress(at(500));
+  onProgress(at(504));
+  onProgress(at(1000));
+  assert.deepEqual(lines, [
+    "Loading weights: 50% [############            ] 0.0 of 0.0 MB, 1/4 tensors",
+    "Loading weights: 100% [########################] 0.0 of 0.0 MB, 1/4 tensors",
+  ]);
 });

@@ -36,11 +36,37 @@ export interface LoadProgress {
   readonly tensorsTotal: number;
 }
 
-/** A one-line progress text, e.g. `loading weights: 42% (226.0 of 538.1 MB, 120/272 tensors)`. */
+const BAR_WIDTH = 24;
+
+/** A one-line progress bar, e.g. `Loading weights: 42% [##########              ] 226.0 of 538.1 MB, 120/272 tensors`. */
 export function formatLoadProgress(p: LoadProgress): string {
-  const percent = p.totalBytes === 0 ? 100 : Math.floor((p.bytesRead / p.totalBytes) * 100);
+  const share = p.totalBytes === 0 ? 1 : Math.min(1, p.bytesRead / p.totalBytes);
+  const percent = Math.floor(share * 100);
+  const filled = Math.floor(share * BAR_WIDTH);
+  const bar = `[${"#".repeat(filled)}${" ".repeat(BAR_WIDTH - filled)}]`;
   const mb = (bytes: number) => (bytes / 1e6).toFixed(1);
-  return `loading weights: ${percent}% (${mb(p.bytesRead)} of ${mb(p.totalBytes)} MB, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`;
+  return `Loading weights: ${percent}% ${bar} ${mb(p.bytesRead)} of ${mb(p.totalBytes)} MB, ${p.tensorsLoaded}/${p.tensorsTotal} tensors`;
+}
+
+/**
+ * An `onProgress` that shows the bar only once loading has taken `delayMs` (default 1 s: a fast
+ * load shows nothing), then at each new percent; `now` is the clock in ms (tests give their own).
+ */
+export function delayedProgress(
+  show: (line: string) => void,
+  options?: { readonly delayMs?: number; readonly now?: () => number },
+): (p: LoadProgress) => void {
+  const now = options?.now ?? (() => performance.now());
+  const start = now();
+  const delay = options?.delayMs ?? 1000;
+  let lastPercent = -1;
+  return (p) => {
+    if (now() - start < delay) return;
+    const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
+    if (percent === lastPercent) return;
+    lastPercent = percent;
+    show(formatLoadProgress(p));
+  };
 }
 
 export interface LoadModelOptions {

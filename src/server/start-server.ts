@@ -14,7 +14,7 @@ import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
-import { type LoadProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
+import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { startNodeServer } from "../node/node-server.js";
 import { unsafeWarning } from "../node/unsafe-switches.js";
@@ -404,16 +404,7 @@ function loadWeightsWithProgress(
   weights: ModelWeights;
   memory?: { readonly memory: WebAssembly.Memory; readonly regions: readonly MemoryRegion[] };
 } {
-  let lastPercent = -1;
-  const onProgress = (p: LoadProgress): void => {
-    const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
-    if (percent === lastPercent) return;
-    lastPercent = percent;
-    progress?.(
-      `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
-      false,
-    );
-  };
+  const onProgress = delayedProgress((line) => progress?.(line, false));
   if (engines.some((e) => e.kernels === "ts"))
     return { weights: loadModelWeights(model, { shared: true, onProgress }) };
   const regions = engines.map((e) => regionBytesOf(model.config, e));

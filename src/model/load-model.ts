@@ -22,6 +22,7 @@ import {
   loadGenerationDefaults,
   ModelTokenizer,
 } from "./tokenizer.js";
+import { convertMatrix, type Matrix, matrixBytes, type WeightDType } from "./weight-format.js";
 
 export interface LoadProgress {
   /** The weights file being read or converted. */
@@ -46,7 +47,15 @@ export interface LoadModelOptions {
   readonly onProgress?: (progress: LoadProgress) => void;
   /** Put the weights in SharedArrayBuffers so worker threads can use them without copies. */
   readonly shared?: boolean;
+  /**
+   * Quantise every weight matrix (embeddings and LM head included, as llama.cpp's q8_0/q4_0 files
+   * do) from its stored f32/f16/bf16 into these blocks (`--quantize`); norms and biases stay f32.
+   */
+  readonly quantize?: "q8_0" | "q4_0";
 }
+
+/** The formats `--quantize` makes at load. */
+export const QUANTIZE_TYPES: readonly ("q8_0" | "q4_0")[] = ["q8_0", "q4_0"];
 
 /** Everything of a model folder but its weights: what a router needs to tokenize and admit. */
 export interface ModelMeta {
@@ -190,8 +199,10 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
   const { files, label } = weightFiles(dir);
   const expected = expectedTensors(config);
   const totalBytes = files.reduce((sum, f) => sum + statSync(f).size, 0);
-  const tensors = new Map<string, Float32Array>();
+  const tensors = new Map<string, Matrix>();
   const onProgress = options?.onProgress;
+  const shared = options?.shared ?? false;
+  const quantize = options?.quantize;
   let bytesBefore = 0;
   let bytesRead = 0;
 
@@ -222,7 +233,7 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
           `tensor ${name} has shape ${shapeText(info.shape)}, expected ${shapeText(shape)} from config.json`,
         );
       }
-      tensors.set(name, st.toFloat32(name));
+      tensors.set(name, readTensor(st, name, shape, { shared, quantize }));
       report();
     }
   }
@@ -235,6 +246,37 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
   }
 
   return assembleWeights(config, tensors);
+}
+
+/**
+ * One checked tensor: a matrix in its stored format (or quantised), a vector (norm, bias) as f32.
+ * Quantising copies the small f32 vectors out of the file's buffer too, so the file's bytes do not
+ * stay alive beside the quantised copies.
+ */
+function readTensor(
+  st: SafetensorsFile,
+  name: string,
+  shape: readonly number[],
+  options: { shared: boolean; quantize: WeightDType | undefined },
+): Matrix {
+  if (shape.length !== 2) {
+    const v = st.toFloat32(name);
+    return options.quantize === undefined ? v : ownCopy(v, options.shared);
+  }
+  const m = st.toMatrix(name);
+  if (options.quantize === undefined) return m;
+  const q = convertMatrix(m, shape, options.quantize);
+  if (q instanceof Float32Array) return q;
+  if (!options.shared) return q;
+  const bytes = new Uint8Array(new SharedArrayBuffer(matrixBytes(q).byteLength));
+  bytes.set(matrixBytes(q));
+  return { ...q, bytes };
+}
+
+function ownCopy(v: Float32Array, shared: boolean): Float32Array {
+  const out = new Float32Array(shared ? new SharedArrayBuffer(v.byteLength) : new ArrayBuffer(v.byteLength));
+  out.set(v);
+  return out;
 }
 
 /** A tensor config.json does not expect: ignorable (rotary caches and the like), or refused. */
@@ -257,15 +299,16 @@ function checkUnexpected(
 }
 
 /** The frozen `ModelWeights` over a complete set of checked tensors. */
-function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float32Array>): ModelWeights {
-  const get = (name: string): Float32Array => tensors.get(name) as Float32Array;
-  const bias = (name: string): Float32Array | null => (config.attentionBias ? get(name) : null);
+function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Matrix>): ModelWeights {
+  const get = (name: string): Matrix => tensors.get(name) as Matrix;
+  const vec = (name: string): Float32Array => tensors.get(name) as Float32Array;
+  const bias = (name: string): Float32Array | null => (config.attentionBias ? vec(name) : null);
   const layers: LayerWeights[] = [];
   for (let i = 0; i < config.numLayers; i++) {
     const p = `model.layers.${i}`;
     layers.push(
       Object.freeze({
-        inputNorm: get(`${p}.input_layernorm.weight`),
+        inputNorm: vec(`${p}.input_layernorm.weight`),
         q: get(`${p}.self_attn.q_proj.weight`),
         k: get(`${p}.self_attn.k_proj.weight`),
         v: get(`${p}.self_attn.v_proj.weight`),
@@ -273,7 +316,7 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float
         kBias: bias(`${p}.self_attn.k_proj.bias`),
         vBias: bias(`${p}.self_attn.v_proj.bias`),
         o: get(`${p}.self_attn.o_proj.weight`),
-        postNorm: get(`${p}.post_attention_layernorm.weight`),
+        postNorm: vec(`${p}.post_attention_layernorm.weight`),
         gate: get(`${p}.mlp.gate_proj.weight`),
         up: get(`${p}.mlp.up_proj.weight`),
         down: get(`${p}.mlp.down_proj.weight`),
@@ -284,7 +327,7 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float
   return Object.freeze({
     embed,
     layers: Object.freeze(layers),
-    finalNorm: get("model.norm.weight"),
+    finalNorm: vec("model.norm.weight"),
     lmHead: config.tieWordEmbeddings ? embed : get("lm_head.weight"),
   });
 }

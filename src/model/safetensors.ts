@@ -5,13 +5,16 @@
  *
  * The whole file is read into one buffer (optionally a SharedArrayBuffer, so worker threads can
  * share the weights) in large chunks. F32 tensors whose data is 4-byte aligned are returned as views
- * into that buffer (no copy); F16 and BF16 are widened to f32 with tight loops over 16-bit views.
+ * into that buffer (no copy). `toMatrix` keeps F16 and BF16 at 2 bytes (a `WeightTensor` over the
+ * same buffer, src/model/weight-format.ts); `toFloat32` widens them with tight loops over 16-bit
+ * views (norms and biases, which stay f32).
  * Every offset is taken relative to the Uint8Array's own `byteOffset`, so parsing is correct for
  * pooled Node Buffers too. Parsing checks the header length, the JSON, each tensor's offsets
  * against the data actually present, and shape × dtype size against each byte range.
  */
 import { closeSync, fstatSync, openSync, readSync, writeSync } from "node:fs";
 import { KvfenceError } from "../lib/errors.js";
+import { f32ToBf16Bits, f32ToF16Bits, type Matrix } from "./weight-format.js";
 
 /** Element sizes of every dtype the format defines (used to validate byte ranges). */
 const DTYPE_BYTES: Readonly<Record<string, number>> = {
@@ -168,6 +171,23 @@ export class SafetensorsFile {
 
   info(name: string): TensorInfo | undefined {
     return this.#tensors.get(name);
+  }
+
+  /**
+   * The tensor in its stored format: F32 as `toFloat32`, F16 and BF16 as a 2-byte `WeightTensor`
+   * over the file's buffer (copied only when not 2-byte aligned). Throws like `toFloat32` for
+   * other dtypes.
+   */
+  toMatrix(name: string): Matrix {
+    const t = this.#tensors.get(name);
+    if (t === undefined) throw bad(this.path, `tensor ${name} is missing`);
+    if (t.dtype !== "F16" && t.dtype !== "BF16") return this.toFloat32(name);
+    const halves = halfView(this.#bytes, t);
+    return {
+      dtype: t.dtype === "F16" ? "f16" : "bf16",
+      shape: t.shape,
+      bytes: new Uint8Array(halves.buffer, halves.byteOffset, halves.byteLength),
+    };
   }
 
   /**
@@ -345,33 +365,12 @@ export function safetensorsHeader(
 export function encodeTensorData(data: Float32Array, dtype: "F32" | "F16" | "BF16"): Uint8Array {
   if (dtype === "F32") return new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
   const out = new Uint16Array(data.length);
-  const bits = new Uint32Array(data.buffer, data.byteOffset, data.length);
   if (dtype === "BF16") {
-    for (let i = 0; i < data.length; i++) {
-      const b = bits[i] as number;
-      out[i] = (b + 0x7fff + ((b >>> 16) & 1)) >>> 16;
-    }
+    for (let i = 0; i < data.length; i++) out[i] = f32ToBf16Bits(data[i] as number);
   } else {
-    for (let i = 0; i < data.length; i++) out[i] = f32ToF16(data[i] as number);
+    for (let i = 0; i < data.length; i++) out[i] = f32ToF16Bits(data[i] as number);
   }
   return new Uint8Array(out.buffer);
-}
-
-function f32ToF16(value: number): number {
-  const sign = value < 0 || Object.is(value, -0) ? 0x8000 : 0;
-  const a = Math.abs(value);
-  if (Number.isNaN(value)) return 0x7e00;
-  if (a >= 65520) return sign | 0x7c00;
-  if (a < 2 ** -24 / 2) return sign;
-  if (a < 2 ** -14) return sign | Math.round(a / 2 ** -24);
-  const exp = Math.floor(Math.log2(a));
-  let frac = Math.round((a / 2 ** exp - 1) * 1024);
-  let e = exp + 15;
-  if (frac === 1024) {
-    frac = 0;
-    e += 1;
-  }
-  return sign | (e << 10) | frac;
 }
 
 /** Writes tensors to a safetensors file (used by tests and `kvfence gen-model`). */

@@ -30,6 +30,7 @@ import { bootstrapInterval, type Interval, type Summary, summarize } from "../..
 import type { StepSequence } from "../../model/forward.js";
 import { loadModel } from "../../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
+import { type Matrix, matrixBytes } from "../../model/weight-format.js";
 import { BandwidthProbe } from "./roofline.js";
 
 /** The largest CPU cache of cpu0 in bytes (Linux sysfs), or null where it cannot be read. */
@@ -131,8 +132,8 @@ export interface ModelBenchResult {
 
 /** Bytes of distinct weights one decode step reads (a tied LM head counts once). */
 export function weightBytes(weights: ModelWeights): number {
-  const seen = new Set<Float32Array>();
-  const add = (a: Float32Array | null): void => {
+  const seen = new Set<Matrix>();
+  const add = (a: Matrix | null): void => {
     if (a !== null) seen.add(a);
   };
   add(weights.embed);
@@ -156,9 +157,9 @@ export function weightBytes(weights: ModelWeights): number {
       add(a);
   }
   let bytes = 0;
-  for (const a of seen) bytes += a.byteLength;
+  for (const a of seen) bytes += matrixBytes(a).byteLength;
   // The embedding table is not streamed by decode (one row per token), unless it is the LM head.
-  if (weights.embed !== weights.lmHead) bytes -= weights.embed.byteLength;
+  if (weights.embed !== weights.lmHead) bytes -= matrixBytes(weights.embed).byteLength;
   return bytes;
 }
 

@@ -79,6 +79,70 @@ function assertQuantClose(
   }
 }
 
+/** Round to nearest, ties to even (f32x4.nearest). */
+function nearestEven(v: number): number {
+  const r = Math.round(v);
+  return Math.abs(v - Math.trunc(v)) === 0.5 && r % 2 !== 0 ? r - 1 : r;
+}
+
+/**
+ * The int8 algorithm written out independently: each 32-block of x quantised as the kernels
+ * document (d = amax/127 in f32, q = nearest-even(x·(1/d))), each weight block read from its bytes
+ * (f16 d, int8 q or nibbles − 8), and Σ_blocks d_w·d_x·Σ q_w·q_x in doubles; plus Σ of the terms'
+ * magnitudes, the scale of the f32 accumulation error.
+ */
+function int8Reference(
+  x: Float32Array,
+  w: WeightTensor,
+  rows: number,
+  inDim: number,
+  outDim: number,
+): { out: Float64Array; scale: Float64Array } {
+  const fr = Math.fround;
+  const nb = inDim / 32;
+  const qx = new Int8Array(rows * inDim);
+  const dx = new Float64Array(rows * nb);
+  for (let b = 0; b < rows * nb; b++) {
+    let amax = 0;
+    for (let j = 0; j < 32; j++) amax = Math.max(amax, Math.abs(x[b * 32 + j] as number));
+    const d = fr(amax / 127);
+    const id = d !== 0 ? fr(1 / d) : 0;
+    dx[b] = d;
+    for (let j = 0; j < 32; j++) qx[b * 32 + j] = nearestEven(fr((x[b * 32 + j] as number) * id));
+  }
+  const q8 = w.dtype === "q8_0";
+  const bs = q8 ? 34 : 18;
+  const bytes = w.bytes;
+  const f16 = (o: number): number =>
+    decodeMatrix({ dtype: "f16", shape: [1], bytes: bytes.subarray(o, o + 2) })[0] as number;
+  const out = new Float64Array(rows * outDim);
+  const scale = new Float64Array(rows * outDim);
+  for (let r = 0; r < rows; r++) {
+    for (let j = 0; j < outDim; j++) {
+      let sum = 0;
+      let mag = 0;
+      for (let b = 0; b < nb; b++) {
+        const o = (j * nb + b) * bs;
+        const dw = f16(o);
+        let isum = 0;
+        for (let e = 0; e < 32; e++) {
+          const qw = q8
+            ? ((bytes[o + 2 + e] as number) << 24) >> 24
+            : e < 16
+              ? ((bytes[o + 2 + e] as number) & 15) - 8
+              : ((bytes[o + 2 + e - 16] as number) >> 4) - 8;
+          isum += qw * (qx[r * inDim + b * 32 + e] as number);
+        }
+        sum += dw * (dx[r * nb + b] as number) * isum;
+        mag += Math.abs(dw * (dx[r * nb + b] as number)) * 127 * 127 * 32;
+      }
+      out[r * outDim + j] = sum;
+      scale[r * outDim + j] = mag;
+    }
+  }
+  return { out, scale };
+}
+
 const HALF_SHAPES: [number, number, number][] = [
   [1, 1, 1],
   [1, 37, 13],
@@ -163,6 +227,24 @@ for (const [threads, fma] of [
           });
         }
         assert.equal(k.fallbackCalls, 0);
+      });
+
+      it(`matmul() on ${dtype} weights computes exactly the int8 algorithm (an independent emulation, to f32 rounding)`, () => {
+        for (const [rows, inDim, outDim] of QUANT_SHAPES) {
+          const x = fill(k.allocF32(rows * inDim), rows * 13 + inDim, 3);
+          x[0] = 40; // an outlier: its block's other values quantise coarsely, as real activations' do
+          const w = weight(k, outDim, inDim, dtype, outDim * 17 + 5);
+          const got = k.allocF32(rows * outDim);
+          k.matmul(got, x, w, rows, inDim, outDim);
+          const { out, scale } = int8Reference(x, w, rows, inDim, outDim);
+          for (let i = 0; i < rows * outDim; i++) {
+            const diff = Math.abs((got[i] as number) - (out[i] as number));
+            assert.ok(
+              diff <= 1e-6 * (scale[i] as number) + 1e-6,
+              `${dtype} ${rows}x${inDim}x${outDim} [${i}]: got ${got[i]}, emulated ${out[i]}`,
+            );
+          }
+        }
       });
 
       it(`matmulEach() on ${dtype} weights runs the segments as one job`, () => {

@@ -218,19 +218,19 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
     });
     bytesBefore = bytesRead;
     for (const name of st.names()) {
-      const info = st.info(name);
-      if (info === undefined) continue;
+      const stored = st.logicalShape(name);
+      if (stored === undefined) continue;
       const shape = expected.get(name);
       if (shape === undefined) {
-        checkUnexpected({ file, name, shape: info.shape }, config);
+        checkUnexpected({ file, name, shape: stored }, config);
         continue;
       }
       if (tensors.has(name))
         throw badModelFolder(file, `tensor ${name} appears in more than one weight file`);
-      if (!sameShape(info.shape, shape)) {
+      if (!sameShape(stored, shape)) {
         throw badModelFolder(
           file,
-          `tensor ${name} has shape ${shapeText(info.shape)}, expected ${shapeText(shape)} from config.json`,
+          `tensor ${name} has shape ${shapeText(stored)}, expected ${shapeText(shape)} from config.json`,
         );
       }
       tensors.set(name, readTensor(st, name, shape, { shared, quantize }));

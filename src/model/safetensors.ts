@@ -14,7 +14,23 @@
  */
 import { closeSync, fstatSync, openSync, readSync, writeSync } from "node:fs";
 import { KvfenceError } from "../lib/errors.js";
-import { f32ToBf16Bits, f32ToF16Bits, type Matrix } from "./weight-format.js";
+import {
+  f32ToBf16Bits,
+  f32ToF16Bits,
+  type Matrix,
+  QK,
+  WEIGHT_DTYPES,
+  type WeightDType,
+  weightBytes,
+} from "./weight-format.js";
+
+/**
+ * The `__metadata__` key naming the tensors stored in a block format (written by `kvfence
+ * quantize`, docs/weights.md): a JSON object `{tensor name: {"dtype": "q8_0"|"q4_0", "shape":
+ * [rows, cols]}}`. Such a tensor is stored as U8 of shape [rows, bytes per row] holding llama.cpp's
+ * GGUF blocks, so any safetensors reader still reads the file.
+ */
+export const WEIGHT_FORMATS_KEY = "kvfence.weight_formats";
 
 /** Element sizes of every dtype the format defines (used to validate byte ranges). */
 const DTYPE_BYTES: Readonly<Record<string, number>> = {
@@ -98,6 +114,8 @@ export class SafetensorsFile {
   readonly metadata: Readonly<Record<string, string>>;
   readonly #bytes: Uint8Array;
   readonly #tensors: ReadonlyMap<string, TensorInfo>;
+  /** Block-format tensors named by the WEIGHT_FORMATS_KEY metadata. */
+  readonly #blocks: ReadonlyMap<string, { dtype: WeightDType; shape: readonly number[] }>;
 
   private constructor(
     path: string,
@@ -109,6 +127,7 @@ export class SafetensorsFile {
     this.#bytes = bytes;
     this.#tensors = tensors;
     this.metadata = metadata;
+    this.#blocks = parseBlockFormats(path, metadata, tensors);
   }
 
   /** Reads and parses a file; `shared` puts the bytes in a SharedArrayBuffer. */
@@ -173,6 +192,11 @@ export class SafetensorsFile {
     return this.#tensors.get(name);
   }
 
+  /** The tensor's shape as a matrix of weights (a block-format tensor's logical shape, not its U8 one). */
+  logicalShape(name: string): readonly number[] | undefined {
+    return this.#blocks.get(name)?.shape ?? this.#tensors.get(name)?.shape;
+  }
+
   /**
    * The tensor in its stored format: F32 as `toFloat32`, F16 and BF16 as a 2-byte `WeightTensor`
    * over the file's buffer (copied only when not 2-byte aligned). Throws like `toFloat32` for
@@ -181,6 +205,15 @@ export class SafetensorsFile {
   toMatrix(name: string): Matrix {
     const t = this.#tensors.get(name);
     if (t === undefined) throw bad(this.path, `tensor ${name} is missing`);
+    const block = this.#blocks.get(name);
+    if (block !== undefined) {
+      const start = this.#bytes.byteOffset + t.fileOffset;
+      return {
+        dtype: block.dtype,
+        shape: block.shape,
+        bytes: new Uint8Array(this.#bytes.buffer, start, t.byteLength),
+      };
+    }
     if (t.dtype !== "F16" && t.dtype !== "BF16") return this.toFloat32(name);
     const halves = halfView(this.#bytes, t);
     return {
@@ -228,6 +261,59 @@ export class SafetensorsFile {
         );
     }
   }
+}
+
+/** The block-format tensors the metadata names, each checked against its U8 entry. */
+function parseBlockFormats(
+  path: string,
+  metadata: Readonly<Record<string, string>>,
+  tensors: ReadonlyMap<string, TensorInfo>,
+): Map<string, { dtype: WeightDType; shape: readonly number[] }> {
+  const out = new Map<string, { dtype: WeightDType; shape: readonly number[] }>();
+  const text = metadata[WEIGHT_FORMATS_KEY];
+  if (text === undefined) return out;
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(text);
+  } catch (err) {
+    throw bad(path, `metadata ${WEIGHT_FORMATS_KEY} is not valid JSON: ${(err as Error).message}`, err);
+  }
+  if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed))
+    throw bad(path, `metadata ${WEIGHT_FORMATS_KEY} is not a JSON object`);
+  for (const [name, entry] of Object.entries(parsed)) {
+    const e = entry as { dtype?: unknown; shape?: unknown } | null;
+    const t = tensors.get(name);
+    if (t === undefined)
+      throw bad(path, `metadata ${WEIGHT_FORMATS_KEY} names tensor ${name}, which the file does not hold`);
+    const dtype = e?.dtype;
+    if (dtype !== "q8_0" && dtype !== "q4_0") {
+      throw new KvfenceError(
+        "unsupported_model",
+        `Unsupported model: ${path}: tensor ${name} has weight format ${JSON.stringify(dtype)}; supported: ${WEIGHT_DTYPES.filter((d) => d.startsWith("q")).join(", ")}`,
+      );
+    }
+    const shape = e?.shape;
+    if (!Array.isArray(shape) || shape.length !== 2 || !shape.every((d) => Number.isSafeInteger(d) && d > 0))
+      throw bad(
+        path,
+        `tensor ${name} has an invalid ${dtype} shape in ${WEIGHT_FORMATS_KEY}: ${JSON.stringify(shape)}`,
+      );
+    const [rows, cols] = shape as [number, number];
+    if (cols % QK !== 0)
+      throw bad(
+        path,
+        `tensor ${name}: ${dtype} rows of ${cols} values are not a whole number of ${QK}-value blocks`,
+      );
+    const want = weightBytes(dtype, rows * cols);
+    if (t.dtype !== "U8" || t.byteLength !== want) {
+      throw bad(
+        path,
+        `tensor ${name} is ${dtype} [${rows},${cols}] (${want} bytes) but is stored as ${t.dtype} of ${t.byteLength} bytes`,
+      );
+    }
+    out.set(name, { dtype, shape: Object.freeze([rows, cols]) });
+  }
+  return out;
 }
 
 /** One header entry of the file `path`, whose data section starts at `dataStart` and holds `dataBytes`. */

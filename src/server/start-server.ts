@@ -109,7 +109,8 @@ export async function startServer(
 
   // A router process tokenizes and admits; the nodes it connects to hold the weights.
   const model = loadModelMeta(config.model);
-  const weights = config.role === "router" ? null : loadWeightsWithProgress(model, options.progress);
+  const weights =
+    config.role === "router" ? null : loadWeightsWithProgress(model, options.progress, config.quantize);
   options.progress?.(
     `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
     true,
@@ -263,7 +264,10 @@ export async function startNode(
       `The ${role} node's KV pool cannot hold one full-context request: ${numPages * config.pageSize} tokens for a context of ${contextLength}; fix: --kv-pages ${verdict.neededTokens / config.pageSize} or --max-model-len ${verdict.maxContextThatFits}`,
     );
   }
-  const model = loadModel(config.model, { shared: true });
+  const model = loadModel(config.model, {
+    shared: true,
+    ...(config.quantize === undefined ? {} : { quantize: config.quantize }),
+  });
   const node = await startNodeServer({
     role,
     host: config.host,
@@ -345,10 +349,12 @@ function checkServerPool(
 function loadWeightsWithProgress(
   model: ModelMeta,
   progress: ((line: string, done: boolean) => void) | undefined,
+  quantize: "q8_0" | "q4_0" | undefined,
 ): ModelWeights {
   let lastPercent = -1;
   return loadWeights(model.dir, model.config, {
     shared: true,
+    ...(quantize === undefined ? {} : { quantize }),
     onProgress: (p) => {
       const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
       if (percent === lastPercent) return;

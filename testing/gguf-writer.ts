@@ -17,7 +17,7 @@ import { join } from "node:path";
 import { GGMLQuantizationType, GGUFValueType, serializeGgufMetadata } from "@huggingface/gguf";
 import { loadModel } from "../src/model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
-import { encodeWeight, type WeightDType } from "../src/model/weight-format.js";
+import { decodeMatrix, encodeWeight, type Matrix, type WeightDType } from "../src/model/weight-format.js";
 
 const GGUF_TYPE: Record<WeightDType, GGMLQuantizationType> = {
   f32: GGMLQuantizationType.F32,
@@ -72,7 +72,8 @@ export function permuteRows(w: Float32Array, rows: number, cols: number, heads: 
 function tensorsOf(config: ModelConfig, w: ModelWeights, dtype: WeightDType): OutTensor[] {
   const h = config.hiddenSize;
   const out: OutTensor[] = [];
-  const matrix = (name: string, data: Float32Array, rows: number, cols: number): void => {
+  const matrix = (name: string, m: Matrix, rows: number, cols: number): void => {
+    const data = decodeMatrix(m);
     out.push({
       name,
       shape: [rows, cols],
@@ -95,8 +96,10 @@ function tensorsOf(config: ModelConfig, w: ModelWeights, dtype: WeightDType): Ou
   w.layers.forEach((l, i) => {
     const p = `blk.${i}`;
     vector(`${p}.attn_norm.weight`, l.inputNorm);
-    matrix(`${p}.attn_q.weight`, llama ? permuteRows(l.q, q, h, config.numHeads) : l.q, q, h);
-    matrix(`${p}.attn_k.weight`, llama ? permuteRows(l.k, kv, h, config.numKvHeads) : l.k, kv, h);
+    const lq = decodeMatrix(l.q);
+    const lk = decodeMatrix(l.k);
+    matrix(`${p}.attn_q.weight`, llama ? permuteRows(lq, q, h, config.numHeads) : lq, q, h);
+    matrix(`${p}.attn_k.weight`, llama ? permuteRows(lk, kv, h, config.numKvHeads) : lk, kv, h);
     matrix(`${p}.attn_v.weight`, l.v, kv, h);
     if (l.qBias !== null) vector(`${p}.attn_q.bias`, l.qBias);
     if (l.kBias !== null) vector(`${p}.attn_k.bias`, l.kBias);

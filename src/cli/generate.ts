@@ -3,13 +3,13 @@
  * paged forward pass and sampler the server uses (a contiguous block table over a pool sized for
  * the prompt plus `--max-tokens`). The chat template is applied unless `--raw`.
  */
-import { Command, InvalidArgumentError } from "commander";
+import { Command, InvalidArgumentError, Option } from "commander";
 import { pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { bundledModelDir } from "../lib/package-root.js";
 import { Prng } from "../lib/prng.js";
 import { ForwardPass } from "../model/forward.js";
-import { type LoadedModel, openModel } from "../model/load-model.js";
+import { type LoadedModel, openModel, QUANTIZE_TYPES } from "../model/load-model.js";
 import { Sampler, type SamplingParams } from "../model/sampler.js";
 
 const PAGE_SIZE = 16;
@@ -126,6 +126,7 @@ interface CliOptions {
   topK?: number;
   seed: number;
   stats?: boolean;
+  quantize?: "q8_0" | "q4_0";
 }
 
 export function command(): Command {
@@ -152,9 +153,17 @@ export function command(): Command {
     )
     .option("--seed <n>", "seed of the sampler", integer, 0)
     .option("--stats", "print token counts and speeds to stderr at the end")
+    .addOption(
+      new Option("--quantize <type>", "quantise the weight matrices at load into llama.cpp's blocks").choices(
+        [...QUANTIZE_TYPES],
+      ),
+    )
     .action(async (prompt: string, opts: CliOptions) => {
       try {
-        const model = await openModel(opts.model ?? bundledModelDir());
+        const model = await openModel(
+          opts.model ?? bundledModelDir(),
+          opts.quantize === undefined ? {} : { quantize: opts.quantize },
+        );
         const { tokenizer, chatTemplate, generationDefaults: defaults, config } = model;
         const stop = new Set<number>([...config.eosTokenIds, ...defaults.eosTokenIds]);
         let text = prompt;

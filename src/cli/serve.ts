@@ -59,6 +59,10 @@ export function command(): Command {
       "wasm",
     )
     .option(
+      "--quantize <type>",
+      "quantise the weight matrices at load into llama.cpp's q8_0 or q4_0 blocks (default: keep the folder's format)",
+    )
+    .option(
       "--kernel-threads <n>",
       "threads of the wasm kernels per engine: 1 or 2 (default 2 with --no-disaggregation, else 1)",
     )

@@ -12,6 +12,7 @@ import type { WasmKernels } from "../kernels/wasm-kernels.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { StepSequence } from "../model/forward.js";
 import { openModel, openModelMeta } from "../model/load-model.js";
+import { type Matrix, matrixBytes } from "../model/weight-format.js";
 import { engineRegionBytes, layoutOf, loadEngineMemory } from "./engine-memory.js";
 import { createForward } from "./forward-setup.js";
 
@@ -61,11 +62,10 @@ describe("loadEngineMemory()", async () => {
         [setup.weights.layers[1]!.down, shared.weights.layers[1]!.down],
         [setup.weights.layers[0]!.qBias, shared.weights.layers[0]!.qBias],
       ] as const) {
-        assert.equal(a?.byteOffset, b?.byteOffset, "the same bytes, not a copy");
-        assert.ok(
-          (a?.byteOffset ?? 0) + (a?.byteLength ?? 0) <= shared.regions[0]!.start,
-          "weights below the regions",
-        );
+        const [x, y] = [matrixBytes(a as Matrix), matrixBytes(b as Matrix)];
+        assert.equal(x.byteOffset, y.byteOffset, "the same bytes, not a copy");
+        assert.equal(x.buffer.byteLength, shared.memory.buffer.byteLength, "in the shared memory");
+        assert.ok(x.byteOffset + x.byteLength <= shared.regions[0]!.start, "weights below the regions");
       }
       const pool = setup.pools[0]!.data;
       assert.ok(
@@ -106,7 +106,15 @@ describe("loadEngineMemory()", async () => {
       /matmul output .* lies outside this engine's region/,
     );
     assert.throws(
-      () => ka.matmul(shared.weights.embed.subarray(0, h), x, shared.weights.layers[0]!.q, 1, h, h),
+      () =>
+        ka.matmul(
+          shared.weights.layers[0]!.inputNorm.subarray(0, h),
+          x,
+          shared.weights.layers[0]!.q,
+          1,
+          h,
+          h,
+        ),
       /matmul output .* lies outside this engine's region/,
     );
     // Decode through engine a's forward pass, handed b's pool: refused before any read or write.

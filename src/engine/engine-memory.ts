@@ -4,8 +4,9 @@
  *
  *   [64 KiB unused][the weights, each tensor 64-byte aligned][engine 0's region][engine 1's region]…
  *
- * — then the weights are read from their files straight into it (fs.readSync into views of the
- * memory's buffer: no JavaScript copy of the file exists at any point), and each engine thread
+ * — then the weight files are read straight into it (fs.readSync into views of the memory's
+ * buffer: no JavaScript copy of a file exists at any point; the tensors are views of it in their
+ * stored format, src/model/weight-format.ts), and each engine thread
  * (the prefill and decode nodes of the default topology, or the one engine) runs its own kernel
  * set over the same memory with its region as its arena: its control block, activations, staging
  * and its own KV pool. The regions never overlap and the kernels refuse to write or to read a KV
@@ -17,13 +18,21 @@
  * addresses 4 GiB, so weights plus every region must fit; the plan says so with the numbers before
  * a byte is read.
  */
+import { statSync } from "node:fs";
 import type { MemoryRegion } from "../kernels/wasm-kernels.js";
 import type { KvLayout } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { ForwardPass } from "../model/forward.js";
-import { type LoadProgress, loadModelWeights, type ModelMeta, weightElements } from "../model/load-model.js";
+import {
+  expectedTensors,
+  type LoadProgress,
+  loadModelWeights,
+  type ModelMeta,
+  weightFilesOf,
+} from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import { type Matrix, matrixBytes, type WeightTensor, weightBytes } from "../model/weight-format.js";
 import type { EngineBuildOptions } from "./build-engine.js";
 
 const PAGE_BYTES = 65536;
@@ -110,17 +119,27 @@ export function attentionStagingBytes(config: ModelConfig, numPages: number): nu
 
 /**
  * Lays out the memory for the weights of `meta` and one region of each size in `regionBytes`,
- * creates it and reads the weights into it. Refuses (`config_invalid`, with the numbers) a plan
- * beyond wasm32's 4 GiB before reading anything.
+ * creates it and reads the weight files into it whole: every tensor is a view of them, in its
+ * stored format. What cannot be a view — a norm stored as bf16 (widened to f32), a matrix
+ * `quantize` converts — is moved into the tail reserved after the files; anything beyond that
+ * (an f32 tensor at an odd offset) stays where the loader put it, and each engine copies it into
+ * its region. Refuses (`config_invalid`, with the numbers) a plan beyond wasm32's 4 GiB before
+ * reading anything.
  */
 export function loadEngineMemory(
   meta: ModelMeta,
   regionBytes: readonly number[],
-  options?: { readonly onProgress?: (progress: LoadProgress) => void },
+  options?: { readonly onProgress?: (progress: LoadProgress) => void; readonly quantize?: "q8_0" | "q4_0" },
 ): EngineMemory {
-  const weightBytes = weightElements(meta).reduce((sum, n) => sum + aligned(4 * n), 0);
+  const fileBytes = weightFilesOf(meta).reduce((sum, f) => sum + aligned(statSync(f).size), 0);
+  const tailBytes = [...expectedTensors(meta.config).values()].reduce((sum, shape) => {
+    const n = shape.reduce((a, b) => a * b, 1);
+    if (shape.length !== 2) return sum + aligned(4 * n);
+    return options?.quantize === undefined ? sum : sum + aligned(weightBytes(options.quantize, n));
+  }, 0);
+  const weightBytesTotal = fileBytes + tailBytes;
   const regions: MemoryRegion[] = [];
-  let at = WEIGHTS_START + weightBytes;
+  let at = WEIGHTS_START + weightBytesTotal;
   for (const bytes of regionBytes) {
     regions.push({ start: at, end: at + aligned(bytes) });
     at += aligned(bytes);
@@ -130,20 +149,55 @@ export function loadEngineMemory(
     const gib = (b: number): string => `${(b / 1024 ** 3).toFixed(2)} GiB`;
     throw new KvfenceError(
       "config_invalid",
-      `The weights and the engines' memory need ${gib(at)} (weights ${gib(weightBytes)}, ${regionBytes.length} engine region(s) of ${regionBytes.map(gib).join(" and ")}) but WebAssembly addresses at most 4 GiB; use a smaller --kv-memory or --kv-pages, --max-model-len, or --kernels ts`,
+      `The weights and the engines' memory need ${gib(at)} (weights ${gib(weightBytesTotal)}, ${regionBytes.length} engine region(s) of ${regionBytes.map(gib).join(" and ")}) but WebAssembly addresses at most 4 GiB; use a smaller --kv-memory or --kv-pages, --max-model-len, a smaller weight format, or --kernels ts`,
     );
   }
   const memory = new WebAssembly.Memory({ initial: pages, maximum: pages, shared: true });
   const buffer = memory.buffer as SharedArrayBuffer;
   let next = WEIGHTS_START;
-  const alloc = (elements: number): Float32Array => {
-    const view = new Float32Array(buffer, next, elements);
-    next += aligned(4 * elements);
+  const into = (bytes: number): Uint8Array => {
+    const view = new Uint8Array(buffer, next, bytes);
+    next += aligned(bytes);
     return view;
   };
-  const weights = loadModelWeights(meta, {
-    alloc,
+  const loaded = loadModelWeights(meta, {
+    into,
     ...(options?.onProgress === undefined ? {} : { onProgress: options.onProgress }),
+    ...(options?.quantize === undefined ? {} : { quantize: options.quantize }),
   });
-  return { memory, weights, regions, weightBytes };
+  const tailEnd = WEIGHTS_START + weightBytesTotal;
+  const gather = <M extends Matrix>(m: M): M => {
+    const src = matrixBytes(m);
+    if (src.buffer === buffer || next + src.byteLength > tailEnd) return m;
+    const dst = into(src.byteLength);
+    dst.set(src);
+    if (m instanceof Float32Array) return new Float32Array(buffer, dst.byteOffset, m.length) as M;
+    return { ...(m as WeightTensor), bytes: dst } as M;
+  };
+  const opt = (a: Float32Array | null): Float32Array | null => (a === null ? null : gather(a));
+  const embed = gather(loaded.embed);
+  const weights: ModelWeights = Object.freeze({
+    embed,
+    layers: Object.freeze(
+      loaded.layers.map((l) =>
+        Object.freeze({
+          inputNorm: gather(l.inputNorm),
+          q: gather(l.q),
+          k: gather(l.k),
+          v: gather(l.v),
+          qBias: opt(l.qBias),
+          kBias: opt(l.kBias),
+          vBias: opt(l.vBias),
+          o: gather(l.o),
+          postNorm: gather(l.postNorm),
+          gate: gather(l.gate),
+          up: gather(l.up),
+          down: gather(l.down),
+        }),
+      ),
+    ),
+    finalNorm: gather(loaded.finalNorm),
+    lmHead: loaded.lmHead === loaded.embed ? embed : gather(loaded.lmHead),
+  });
+  return { memory, weights, regions, weightBytes: weightBytesTotal };
 }

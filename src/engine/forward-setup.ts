@@ -19,6 +19,7 @@ import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { ForwardPass } from "../model/forward.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import { type Matrix, matrixBytes } from "../model/weight-format.js";
 import { attentionStagingBytes } from "./engine-memory.js";
 
 /** Which kernels a forward pass runs on. */
@@ -112,7 +113,7 @@ function aligned(bytes: number): number {
 
 /** Bytes of every weight tensor (a tied LM head once), as `placeWeights` copies them. */
 function modelBytes(w: ModelWeights): number {
-  const size = (a: Float32Array | null): number => (a === null ? 0 : aligned(a.byteLength));
+  const size = (a: Matrix | null): number => (a === null ? 0 : aligned(matrixBytes(a).byteLength));
   let bytes = size(w.embed) + size(w.finalNorm) + (w.lmHead === w.embed ? 0 : size(w.lmHead));
   for (const l of w.layers) {
     for (const a of [l.inputNorm, l.q, l.k, l.v, l.qBias, l.kBias, l.vBias, l.o, l.postNorm])

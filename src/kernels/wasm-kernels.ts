@@ -35,6 +35,7 @@
  * are tested against the reference kernels and the golden logits.
  */
 import { Worker } from "node:worker_threads";
+import { type Matrix, matrixDType, type WeightDType } from "../model/weight-format.js";
 import type { Kernels } from "./kernels.js";
 import type { AttentionSequence } from "./reference.js";
 import * as ref from "./reference.js";
@@ -108,7 +109,9 @@ export interface WasmExports {
     colChunk: number,
     rowChunk: number,
     first: number,
+    dtype: number,
   ): void;
+  quantizeRowsQ8(xq: number, x: number, rows: number, inDim: number): void;
   add(out: number, a: number, b: number, n: number): void;
   addBias(out: number, bias: number, rows: number, n: number): void;
   rmsnorm(out: number, x: number, weight: number, n: number, eps: number, rows: number): void;
@@ -203,24 +206,27 @@ export function instantiate(module: WebAssembly.Module, memory: WebAssembly.Memo
 
 /** The weight tensors of a model (structurally the model's `ModelWeights`). */
 export interface WeightsLike {
-  readonly embed: Float32Array;
+  readonly embed: Matrix;
   readonly layers: readonly {
     readonly inputNorm: Float32Array;
-    readonly q: Float32Array;
-    readonly k: Float32Array;
-    readonly v: Float32Array;
+    readonly q: Matrix;
+    readonly k: Matrix;
+    readonly v: Matrix;
     readonly qBias: Float32Array | null;
     readonly kBias: Float32Array | null;
     readonly vBias: Float32Array | null;
-    readonly o: Float32Array;
+    readonly o: Matrix;
     readonly postNorm: Float32Array;
-    readonly gate: Float32Array;
-    readonly up: Float32Array;
-    readonly down: Float32Array;
+    readonly gate: Matrix;
+    readonly up: Matrix;
+    readonly down: Matrix;
   }[];
   readonly finalNorm: Float32Array;
-  readonly lmHead: Float32Array;
+  readonly lmHead: Matrix;
 }
+
+/** The kernels' code for each weight format (DT_* in src/kernels/assembly/index.ts). */
+const DTYPE_CODE: Readonly<Record<WeightDType, number>> = { f32: 0, f16: 1, bf16: 2, q8_0: 3, q4_0: 4 };
 
 export interface WasmKernelsOptions {
   /** 1: main thread only; 2 (default): main thread plus one worker. */
@@ -436,30 +442,40 @@ export class WasmKernels implements Kernels {
     return dst;
   }
 
+  /** A weight matrix inside the memory, in its own format: itself when it is there already, else a copy. */
+  placeMatrix(src: Matrix): Matrix {
+    if (src instanceof Float32Array) return this.placeF32(src);
+    if (this.owns(src.bytes)) return src;
+    const at = this.allocBytes(src.bytes.byteLength);
+    const bytes = new Uint8Array(this.buffer(), at, src.bytes.byteLength);
+    bytes.set(src.bytes);
+    return { dtype: src.dtype, shape: src.shape, bytes };
+  }
+
   /** Copies every weight tensor into the memory (a tied lmHead stays the same array as embed). */
   placeWeights<W extends WeightsLike>(w: W): W {
     const opt = (a: Float32Array | null): Float32Array | null => (a === null ? null : this.placeF32(a));
-    const embed = this.placeF32(w.embed);
+    const embed = this.placeMatrix(w.embed);
     return {
       ...w,
       embed,
       layers: w.layers.map((l) => ({
         ...l,
         inputNorm: this.placeF32(l.inputNorm),
-        q: this.placeF32(l.q),
-        k: this.placeF32(l.k),
-        v: this.placeF32(l.v),
+        q: this.placeMatrix(l.q),
+        k: this.placeMatrix(l.k),
+        v: this.placeMatrix(l.v),
         qBias: opt(l.qBias),
         kBias: opt(l.kBias),
         vBias: opt(l.vBias),
-        o: this.placeF32(l.o),
+        o: this.placeMatrix(l.o),
         postNorm: this.placeF32(l.postNorm),
-        gate: this.placeF32(l.gate),
-        up: this.placeF32(l.up),
-        down: this.placeF32(l.down),
+        gate: this.placeMatrix(l.gate),
+        up: this.placeMatrix(l.up),
+        down: this.placeMatrix(l.down),
       })),
       finalNorm: this.placeF32(w.finalNorm),
-      lmHead: w.lmHead === w.embed ? embed : this.placeF32(w.lmHead),
+      lmHead: w.lmHead === w.embed ? embed : this.placeMatrix(w.lmHead),
     };
   }
 
@@ -520,35 +536,35 @@ export class WasmKernels implements Kernels {
   // -------------------------------------------------------------------------------------------
   // kernels (signatures of reference.ts)
 
-  matmul(
-    out: Float32Array,
-    x: Float32Array,
-    w: Float32Array,
-    rows: number,
-    inDim: number,
-    outDim: number,
-  ): void {
-    if (!(this.owns(out) && this.owns(x) && this.owns(w))) {
+  matmul(out: Float32Array, x: Float32Array, w: Matrix, rows: number, inDim: number, outDim: number): void {
+    if (!(this.owns(out) && this.owns(x) && this.#ownsMatrix(w) && this.#runs(w, inDim))) {
       this.fallbackCalls++;
       ref.matmul(out, x, w, rows, inDim, outDim);
       return;
     }
     this.#fence(out, "matmul output");
     this.#segment(0, out, w, outDim);
-    this.#matmulSegments(x, rows, inDim, 1, outDim);
+    this.#matmulSegments(x, rows, inDim, 1, outDim, DTYPE_CODE[matrixDType(w)]);
   }
 
   matmulEach(
     outs: readonly Float32Array[],
     x: Float32Array,
-    ws: readonly Float32Array[],
+    ws: readonly Matrix[],
     rows: number,
     inDim: number,
     outDims: readonly number[],
   ): void {
     let owned = this.owns(x);
+    const dtype = ws.length === 0 ? "f32" : matrixDType(ws[0] as Matrix);
     for (let i = 0; i < ws.length; i++) {
-      owned = owned && this.owns(outs[i] as Float32Array) && this.owns(ws[i] as Float32Array);
+      const w = ws[i] as Matrix;
+      owned =
+        owned &&
+        this.owns(outs[i] as Float32Array) &&
+        this.#ownsMatrix(w) &&
+        matrixDType(w) === dtype &&
+        this.#runs(w, inDim);
     }
     if (!owned) {
       this.fallbackCalls++;
@@ -559,17 +575,28 @@ export class WasmKernels implements Kernels {
     let total = 0;
     for (let i = 0; i < ws.length; i++) {
       this.#fence(outs[i] as Float32Array, "matmul output");
-      this.#segment(i, outs[i] as Float32Array, ws[i] as Float32Array, outDims[i] as number);
+      this.#segment(i, outs[i] as Float32Array, ws[i] as Matrix, outDims[i] as number);
       total += outDims[i] as number;
     }
-    this.#matmulSegments(x, rows, inDim, ws.length, total);
+    this.#matmulSegments(x, rows, inDim, ws.length, total, DTYPE_CODE[dtype]);
+  }
+
+  /** `owns` for a weight matrix (no view made: a step must not allocate). */
+  #ownsMatrix(w: Matrix): boolean {
+    return this.owns(w instanceof Float32Array ? w : w.bytes);
+  }
+
+  /** Whether the kernels take this weight: every format, the block ones with whole blocks per row. */
+  #runs(w: Matrix, inDim: number): boolean {
+    const dtype = matrixDType(w);
+    return !(dtype === "q8_0" || dtype === "q4_0") || inDim % 32 === 0;
   }
 
   /** Stages matmul segment i (see matmulPar in the kernels) for #matmulSegments. */
-  #segment(i: number, out: Float32Array, w: Float32Array, outDim: number): void {
+  #segment(i: number, out: Float32Array, w: Matrix, outDim: number): void {
     const r = this.#segRecords;
     r[4 * i] = out.byteOffset;
-    r[4 * i + 1] = w.byteOffset;
+    r[4 * i + 1] = w instanceof Float32Array ? w.byteOffset : w.bytes.byteOffset;
     r[4 * i + 2] = outDim;
   }
 
@@ -578,7 +605,14 @@ export class WasmKernels implements Kernels {
    * MATMUL_COL_CHUNK columns. One to three rows (decode): chunks of whole weight rows, or, on this
    * thread alone, each segment in one piece (one unbroken weight stream).
    */
-  #matmulSegments(x: Float32Array, rows: number, inDim: number, numSegs: number, totalOut: number): void {
+  #matmulSegments(
+    x: Float32Array,
+    rows: number,
+    inDim: number,
+    numSegs: number,
+    totalOut: number,
+    dtype: number,
+  ): void {
     const big = rows > STREAMED_ROWS;
     const solo = this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork;
     const colChunk = big
@@ -595,7 +629,8 @@ export class WasmKernels implements Kernels {
       r[4 * i + 3] = chunks;
       chunks += Math.ceil((r[4 * i + 2] as number) / colChunk);
     }
-    const xp = big ? this.#pack(x, rows, inDim) : 0;
+    const xp =
+      dtype >= DTYPE_CODE.q8_0 ? this.#quantize(x, rows, inDim) : big ? this.#pack(x, rows, inDim) : 0;
     let job = 0;
     if (solo) {
       this.#resetCounters();
@@ -610,6 +645,7 @@ export class WasmKernels implements Kernels {
       a[6] = this.#counter;
       a[7] = colChunk;
       a[8] = rowChunk;
+      a[9] = dtype;
       job = this.#publish(OP_MATMUL);
     }
     this.#x.matmulPar(
@@ -623,8 +659,20 @@ export class WasmKernels implements Kernels {
       colChunk,
       rowChunk,
       0,
+      dtype,
     );
     if (!solo) this.#join(job);
+  }
+
+  /** Quantises x's rows to int8 blocks for the Q8_0/Q4_0 kernels (quantizeRowsQ8); returns their address. */
+  #quantize(x: Float32Array, rows: number, inDim: number): number {
+    const bytes = Math.ceil((rows * inDim) / 16) * 16 + rows * (inDim / 32) * 8;
+    if (bytes > this.#packedBytes) {
+      this.#packedBytes = Math.max(bytes, this.#packedBytes * 2);
+      this.#packed = this.allocBytes(this.#packedBytes);
+    }
+    this.#x.quantizeRowsQ8(this.#packed, x.byteOffset, rows, inDim);
+    return this.#packed;
   }
 
   /** Packs x in groups of 8 rows for the matmul tile; returns their address. */

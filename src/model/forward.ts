@@ -23,6 +23,7 @@ import { type AttentionSequence, ropeTables } from "../kernels/reference.js";
 import { type KvLayout, pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
+import { decodeMatrixRange, type Matrix, matrixElements } from "./weight-format.js";
 
 /** A step's attention record of one sequence, rewritten in place every step (no allocation). */
 type MutableAttentionSequence = { -readonly [K in keyof AttentionSequence]: AttentionSequence[K] };
@@ -82,10 +83,10 @@ export class ForwardPass {
   #attention: MutableAttentionSequence[]; // [S], for pagedAttentionBatch
   #qkv: Float32Array[];
   #qkvDims: number[];
-  #qkvWeights: Float32Array[][]; // [layer]: q, k, v
+  #qkvWeights: Matrix[][]; // [layer]: q, k, v
   #gateUp: Float32Array[];
   #gateUpDims: number[];
-  #gateUpWeights: Float32Array[][]; // [layer]: gate, up
+  #gateUpWeights: Matrix[][]; // [layer]: gate, up
 
   /**
    * Bytes of the buffers the constructor takes from `kernels.alloc*` for `config` and `options`
@@ -221,9 +222,8 @@ export class ForwardPass {
       a.rows = tokens.length;
       a.startPos = seq.startPos;
       for (let i = 0; i < tokens.length; i++) {
-        const src = (tokens[i] as number) * hidden;
-        const dst = row * hidden;
-        for (let j = 0; j < hidden; j++) x[dst + j] = embed[src + j] as number;
+        // One row of the table, widened or dequantised if it is stored so (as llama.cpp's get_rows).
+        decodeMatrixRange(embed, (tokens[i] as number) * hidden, hidden, x, row * hidden);
         positions[row] = seq.startPos + i;
         row++;
       }
@@ -245,7 +245,7 @@ export class ForwardPass {
     for (let l = 0; l < cfg.numLayers; l++) {
       const w = layers[l] as (typeof layers)[number];
       rmsnorm(xn, x, w.inputNorm, hidden, eps, total);
-      matmulEach(this.#qkv, xn, this.#qkvWeights[l] as Float32Array[], total, hidden, this.#qkvDims);
+      matmulEach(this.#qkv, xn, this.#qkvWeights[l] as Matrix[], total, hidden, this.#qkvDims);
       if (w.qBias !== null) addBias(q, w.qBias, total, qDim);
       if (w.kBias !== null) addBias(k, w.kBias, total, kvDim);
       if (w.vBias !== null) addBias(v, w.vBias, total, kvDim);
@@ -269,7 +269,7 @@ export class ForwardPass {
       matmul(proj, attn, w.o, total, qDim, hidden);
       add(x, x, proj, total * hidden);
       rmsnorm(xn, x, w.postNorm, hidden, eps, total);
-      matmulEach(this.#gateUp, xn, this.#gateUpWeights[l] as Float32Array[], total, hidden, this.#gateUpDims);
+      matmulEach(this.#gateUp, xn, this.#gateUpWeights[l] as Matrix[], total, hidden, this.#gateUpDims);
       swiglu(gate, gate, up, total * inter);
       matmul(proj, gate, w.down, total, inter, hidden);
       add(x, x, proj, total * hidden);
@@ -402,11 +402,11 @@ export class ForwardPass {
 
 function checkWeights(config: ModelConfig, w: ModelWeights): void {
   const { hiddenSize: h, numHeads, numKvHeads, headDim, intermediateSize: inter, vocabSize } = config;
-  const expect = (name: string, arr: Float32Array | null, n: number): void => {
-    if (arr === null || arr.length !== n) {
+  const expect = (name: string, arr: Matrix | null, n: number): void => {
+    if (arr === null || matrixElements(arr) !== n) {
       throw new KvfenceError(
         "bad_model_folder",
-        `Weight ${name} has the wrong size: ${arr?.length ?? "missing"}, expected ${n}`,
+        `Weight ${name} has the wrong size: ${arr === null ? "missing" : matrixElements(arr)}, expected ${n}`,
       );
     }
   };

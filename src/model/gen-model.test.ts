@@ -14,6 +14,7 @@ import {
   MODEL_SHAPES,
 } from "./gen-model.js";
 import { loadModel } from "./load-model.js";
+import { decodeMatrix } from "./weight-format.js";
 
 function withTempDir<T>(fn: (dir: string) => T): T {
   const dir = mkdtempSync(join(tmpdir(), "kvfence-gen-"));
@@ -105,9 +106,9 @@ test("genModel() writes a folder loadModel() loads, with distinct data in every 
         l.down,
       ]),
     ];
-    const heads = new Set(all.map((t) => Array.from(t.subarray(0, 4)).join(",")));
+    const heads = new Set(all.map((t) => Array.from(decodeMatrix(t).subarray(0, 4)).join(",")));
     assert.equal(heads.size, all.length, "every tensor starts with different values");
-    const q = stats(model.weights.layers[0]?.q ?? new Float32Array());
+    const q = stats(decodeMatrix(model.weights.layers[0]?.q ?? new Float32Array()));
     assert.ok(Math.abs(q.std - 0.02) < 0.003 && Math.abs(q.mean) < 0.003, JSON.stringify(q));
     const norm = stats(model.weights.finalNorm);
     assert.ok(Math.abs(norm.mean - 1) < 0.05, JSON.stringify(norm));

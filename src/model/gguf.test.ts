@@ -16,7 +16,14 @@ import { modelDir } from "../../testing/start-server.js";
 import { KvfenceError } from "../lib/errors.js";
 import { loadModel, openModel } from "./load-model.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
-import { decodeWeight, encodeWeight, WEIGHT_DTYPES } from "./weight-format.js";
+import {
+  decodeMatrix,
+  decodeWeight,
+  encodeWeight,
+  type Matrix,
+  matrixDType,
+  WEIGHT_DTYPES,
+} from "./weight-format.js";
 
 const tmp = mkdtempSync(join(tmpdir(), "kvfence-gguf-"));
 after(() => rmSync(tmp, { recursive: true, force: true }));
@@ -29,12 +36,12 @@ function gguf(model: string, options: WriteGgufOptions): string {
 }
 
 /** Every tensor of `w` with its name and, for a matrix, its [rows, cols] ([] for 1-D tensors). */
-function tensorsOf(c: ModelConfig, w: ModelWeights): [string, Float32Array, readonly number[]][] {
+function tensorsOf(c: ModelConfig, w: ModelWeights): [string, Matrix, readonly number[]][] {
   const h = c.hiddenSize;
   const q = c.numHeads * c.headDim;
   const kv = c.numKvHeads * c.headDim;
   const ff = c.intermediateSize;
-  const out: [string, Float32Array, readonly number[]][] = [["embed", w.embed, [c.vocabSize, h]]];
+  const out: [string, Matrix, readonly number[]][] = [["embed", w.embed, [c.vocabSize, h]]];
   w.layers.forEach((l, i) => {
     const shapes = {
       q: [q, h],
@@ -81,10 +88,11 @@ for (const model of ["kvfence-tiny", "tiny-qwen2"]) {
       );
       const originals = new Map(tensorsOf(folder.config, folder.weights).map(([name, a]) => [name, a]));
       for (const [name, a, shape] of tensorsOf(g.config, g.weights)) {
-        const original = originals.get(name) as Float32Array;
-        // Matrices are stored in `dtype` (blocks along rows), 1-D tensors in F32.
+        const original = decodeMatrix(originals.get(name) as Matrix);
+        // Matrices stay in `dtype` (2 bytes, or blocks along rows), 1-D tensors are f32.
+        assert.equal(matrixDType(a), shape.length === 0 ? "f32" : dtype, `${name} kept as stored`);
         const expected = shape.length === 0 ? original : decodeWeight(encodeWeight(original, shape, dtype));
-        assert.deepEqual(a, expected, `${name} in ${dtype}`);
+        assert.deepEqual(decodeMatrix(a), expected, `${name} in ${dtype}`);
       }
       const texts = ["hello wörld 12345", "<|im_start|>user\nthe code is QX7-PL2<|im_end|>\n", " \n\t x"];
       for (const text of texts) {
@@ -102,8 +110,8 @@ for (const model of ["kvfence-tiny", "tiny-qwen2"]) {
 test("Llama's Q and K come back in the Hugging Face row order (the converter's permute undone)", async () => {
   const folder = loadModel(modelDir("kvfence-tiny"));
   const g = await openModel(gguf("kvfence-tiny", { dtype: "f32" }));
-  const q = g.weights.layers[0]?.q as Float32Array;
-  assert.deepEqual(q, folder.weights.layers[0]?.q);
+  const q = g.weights.layers[0]?.q as Matrix;
+  assert.deepEqual(decodeMatrix(q), decodeMatrix(folder.weights.layers[0]?.q as Matrix));
   // The file itself holds them permuted: read without the un-permutation they differ.
   const t = g.gguf?.tensors.find((x) => x.ggufName === "blk.0.attn_q.weight");
   assert.equal(t?.unpermuteHeads, folder.config.numHeads);

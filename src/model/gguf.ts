@@ -11,8 +11,9 @@
  * blocks of an f16 scale and 32 nibbles, low nibbles first), and the byte-level BPE tokenizer
  * (`tokenizer.ggml.model` "gpt2") with the pre-tokenizers llama.cpp names gpt2/default, llama-bpe
  * (Llama 3), qwen2 and smollm. Anything else is refused with a one-line `unsupported_model` error
- * naming the architecture, tensor type or tokenizer. Until the kernels read 2-byte and block
- * weights, F16, BF16, Q8_0 and Q4_0 tensors are widened to f32 as they are read.
+ * naming the architecture, tensor type or tokenizer. The tensors stay in their stored format: the
+ * file is read whole (into the engines' shared memory when serving) and each matrix is a view of
+ * it, widened or dequantised inside the kernels (src/model/weight-format.ts).
  *
  * llama.cpp's converter permutes the rows of Llama's Q and K projections (`permute` in
  * convert_hf_to_gguf.py: within each head, the two halves of the rotary dimensions are
@@ -20,10 +21,9 @@
  * weights are the Hugging Face model's and the forward pass (rotate-half RoPE) computes the same
  * numbers. Qwen2 is converted without a permutation (llama.cpp runs it with NeoX RoPE).
  */
-import { closeSync, openSync, readSync } from "node:fs";
 import { basename } from "node:path";
 import { badModelFolder, unsupportedModel } from "./config-loader.js";
-import { decodeRange, type WeightDType } from "./weight-format.js";
+import { decodeRange, type Matrix, type WeightDType } from "./weight-format.js";
 
 /** Architectures served, with the Hugging Face class each stands for. */
 const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
@@ -388,89 +388,54 @@ function ggufTokenizer(
 // -----------------------------------------------------------------------------------------------
 // tensor data
 
-const READ_CHUNK_BYTES = 16 * 1024 * 1024;
+const DTYPES: Readonly<Record<string, WeightDType>> = {
+  F32: "f32",
+  F16: "f16",
+  BF16: "bf16",
+  Q8_0: "q8_0",
+  Q4_0: "q4_0",
+};
 
 /**
- * Reads tensor `t` of the open file `fd` into `out` (f32, its element count), widening F16/BF16
- * and dequantising Q8_0/Q4_0 chunk by chunk through `scratch`, and undoes Llama's Q/K permutation.
- * F32 data is read straight into `out`. `onBytes(n)` is told each chunk read.
+ * Tensor `t` of the GGUF file held in `file` (its bytes, read whole), as the weights take it: a
+ * matrix in its stored format as a view of `file` (an F32 one a Float32Array), Llama's Q/K rows
+ * un-permuted in place; a 1-D tensor (norm, bias) as f32, a view when it is F32 (else widened into
+ * a fresh buffer, a SharedArrayBuffer when `shared`).
  */
-export function readGgufTensorF32(
-  fd: number,
-  path: string,
-  t: GgufTensor,
-  out: Float32Array,
-  onBytes?: (n: number) => void,
-): void {
-  const type = [...GGUF_TYPES.values()].find((x) => x.name === t.type);
-  if (type === undefined) throw new Error(`unknown type ${t.type}`);
-  if (t.type === "F32") {
-    readExactly(fd, path, new Uint8Array(out.buffer, out.byteOffset, out.byteLength), t.fileOffset, onBytes);
-  } else {
-    // Whole blocks per chunk; each chunk converts into its slice of `out`.
-    const blocksPerChunk = Math.max(1, Math.floor(READ_CHUNK_BYTES / type.blockBytes));
-    const totalBlocks = t.byteLength / type.blockBytes;
-    const scratch = new Uint8Array(Math.min(totalBlocks, blocksPerChunk) * type.blockBytes);
-    for (let b = 0; b < totalBlocks; b += blocksPerChunk) {
-      const blocks = Math.min(blocksPerChunk, totalBlocks - b);
-      const bytes = scratch.subarray(0, blocks * type.blockBytes);
-      readExactly(fd, path, bytes, t.fileOffset + b * type.blockBytes, onBytes);
-      widen(t.type, bytes, out.subarray(b * type.blockWeights, (b + blocks) * type.blockWeights));
-    }
-  }
-  if (t.unpermuteHeads > 0) unpermuteRows(out, t.shape[0] as number, t.shape[1] as number, t.unpermuteHeads);
-}
-
-function readExactly(
-  fd: number,
-  path: string,
-  into: Uint8Array,
-  position: number,
-  onBytes?: (n: number) => void,
-): void {
-  let done = 0;
-  while (done < into.length) {
-    const n = readSync(fd, into, done, Math.min(READ_CHUNK_BYTES, into.length - done), position + done);
-    if (n === 0) throw badModelFolder(path, `file ends inside tensor data at byte ${position + done}`);
-    done += n;
-    onBytes?.(n);
-  }
-}
-
-/** F16/BF16 values or Q8_0/Q4_0 blocks in `src` → f32 in `dst` (src/model/weight-format.ts). */
-function widen(type: string, src: Uint8Array, dst: Float32Array): void {
-  const dtype = type.toLowerCase() as WeightDType;
-  decodeRange({ dtype, shape: [dst.length], bytes: src }, 0, dst.length, dst);
+export function ggufMatrix(file: Uint8Array, t: GgufTensor, shared: boolean): Matrix {
+  const bytes = file.subarray(t.fileOffset, t.fileOffset + t.byteLength);
+  const dtype = DTYPES[t.type] as WeightDType;
+  const elements = t.shape.reduce((a, b) => a * b, 1);
+  if (t.unpermuteHeads > 0) unpermuteRows(bytes, t.shape[0] as number, t.unpermuteHeads);
+  const f32View = (): Float32Array | null =>
+    dtype === "f32" && bytes.byteOffset % 4 === 0
+      ? new Float32Array(bytes.buffer, bytes.byteOffset, elements)
+      : null;
+  if (t.shape.length === 2) return f32View() ?? { dtype, shape: t.shape, bytes };
+  const view = f32View();
+  if (view !== null) return view;
+  const out = new Float32Array(shared ? new SharedArrayBuffer(4 * elements) : new ArrayBuffer(4 * elements));
+  return decodeRange({ dtype, shape: t.shape, bytes }, 0, elements, out);
 }
 
 /**
- * Undoes convert_hf_to_gguf.py's `permute` on the rows of a [heads·headDim][cols] matrix: the file
- * holds, for head h, row h·hd + 2i + j = the model's row h·hd + j·hd/2 + i (i < hd/2, j ∈ {0, 1}).
+ * Undoes convert_hf_to_gguf.py's `permute` on the rows (each `bytes.length / rows` bytes, in any
+ * format: a row is whole blocks) of a [heads·headDim][cols] matrix: the file holds, for head h,
+ * row h·hd + 2i + j = the model's row h·hd + j·hd/2 + i (i < hd/2, j ∈ {0, 1}).
  */
-export function unpermuteRows(w: Float32Array, rows: number, cols: number, heads: number): void {
+export function unpermuteRows(bytes: Uint8Array, rows: number, heads: number): void {
+  const row = bytes.length / rows;
   const hd = rows / heads;
   const half = hd / 2;
-  const head = new Float32Array(hd * cols);
+  const head = new Uint8Array(hd * row);
   for (let h = 0; h < heads; h++) {
-    const base = h * hd * cols;
-    head.set(w.subarray(base, base + hd * cols));
+    const base = h * hd * row;
+    head.set(bytes.subarray(base, base + hd * row));
     for (let i = 0; i < half; i++) {
       for (let j = 0; j < 2; j++) {
-        const from = (2 * i + j) * cols;
-        const to = base + (j * half + i) * cols;
-        w.set(head.subarray(from, from + cols), to);
+        const from = (2 * i + j) * row;
+        bytes.set(head.subarray(from, from + row), base + (j * half + i) * row);
       }
     }
   }
 }
-
-/** Opens a GGUF file for `readGgufTensorF32`; the caller closes it with `closeSync`. */
-export function openGguf(path: string): number {
-  try {
-    return openSync(path, "r");
-  } catch (err) {
-    throw badModelFolder(path, `cannot open the file: ${String(err)}`, err);
-  }
-}
-
-export { closeSync as closeGguf };

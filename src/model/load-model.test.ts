@@ -8,6 +8,7 @@ import { type ModelFolderOptions, rawSafetensors, writeModelFolder } from "../..
 import { KvfenceError } from "../lib/errors.js";
 import { delayedProgress, formatLoadProgress, type LoadProgress, loadModel } from "./load-model.js";
 import { encodeTensorData, type TensorToWrite } from "./safetensors.js";
+import { decodeMatrix, matrixBytes, matrixElements } from "./weight-format.js";
 
 /** Builds a folder, runs `fn` on it, and removes it. */
 function withFolder<T>(
@@ -117,7 +118,7 @@ test("loadModel() loads sharded BF16 Qwen2 with q/k/v biases", () => {
       roundTrip(byName.get("model.layers.0.self_attn.q_proj.bias") as Float32Array, "BF16"),
     );
     assert.deepEqual(
-      Array.from(model.weights.lmHead),
+      Array.from(decodeMatrix(model.weights.lmHead)),
       roundTrip(byName.get("lm_head.weight") as Float32Array, "BF16"),
     );
   });
@@ -129,7 +130,7 @@ test("loadModel() loads F16 Mistral weights", () => {
     assert.equal(model.config.architecture, "mistral");
     const up = tensors.find((t) => t.name === "model.layers.0.mlp.up_proj.weight");
     assert.deepEqual(
-      Array.from(model.weights.layers[0]?.up ?? []),
+      Array.from(decodeMatrix(model.weights.layers[0]?.up ?? new Float32Array())),
       roundTrip(up?.data ?? new Float32Array(), "F16"),
     );
   });
@@ -159,8 +160,10 @@ test("loadModel() reports progress per chunk and tensor up to the totals", () =>
 test("loadModel() puts weights in SharedArrayBuffers when shared", () => {
   withFolder({ dtype: "BF16" }, (dir) => {
     const model = loadModel(dir, { shared: true });
-    assert.ok(model.weights.embed.buffer instanceof SharedArrayBuffer);
-    assert.ok(model.weights.layers[0]?.gate.buffer instanceof SharedArrayBuffer);
+    assert.ok(matrixBytes(model.weights.embed).buffer instanceof SharedArrayBuffer);
+    assert.ok(
+      matrixBytes(model.weights.layers[0]?.gate ?? new Float32Array()).buffer instanceof SharedArrayBuffer,
+    );
   });
 });
 
@@ -429,7 +432,7 @@ test("loadModel() loads the bundled models/tiny-qwen2 (BF16, two shards, q/k/v b
   assert.equal(model.weights.layers.length, json.num_hidden_layers);
   assert.equal(model.weights.layers[0]?.qBias?.length, model.config.numHeads * model.config.headDim);
   assert.notEqual(model.weights.lmHead, model.weights.embed);
-  assert.ok(model.weights.embed.some((x) => x !== 0));
+  assert.ok(decodeMatrix(model.weights.embed).some((x) => x !== 0));
   const prompt = model.chatTemplate?.render([{ role: "user", content: "hé" }]) ?? "";
   const ids = Array.from(model.tokenizer.encode(prompt, { addSpecialTokens: false }));
   const bytes = (text: string) => Array.from(new TextEncoder().encode(text));
@@ -447,9 +450,9 @@ test("loadModel() loads the bundled models/kvfence-tiny (Llama, F32, its own LM 
   assert.equal(model.config.headDim, json.head_dim);
   assert.equal(model.weights.layers.length, json.num_hidden_layers);
   assert.notEqual(model.weights.lmHead, model.weights.embed);
-  assert.equal(model.weights.lmHead.length, model.config.vocabSize * model.config.hiddenSize);
+  assert.equal(matrixElements(model.weights.lmHead), model.config.vocabSize * model.config.hiddenSize);
   assert.equal(model.weights.layers[0]?.qBias, null);
-  assert.ok(model.weights.layers.every((l) => l.q.some((x) => x !== 0)));
+  assert.ok(model.weights.layers.every((l) => decodeMatrix(l.q).some((x) => x !== 0)));
   assert.ok(model.config.eosTokenIds.includes(258));
   const prompt = model.chatTemplate?.render([{ role: "user", content: "ok" }]) ?? "";
   assert.equal(prompt, "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n");

@@ -10,12 +10,12 @@
  * beside tied embeddings. Problems surface as one-line `bad_model_folder` / `unsupported_model`
  * errors naming the file.
  */
-import { closeSync, openSync, statSync } from "node:fs";
+import { statSync } from "node:fs";
 import { basename, join, resolve } from "node:path";
 import { badModelFolder, loadModelConfig, parseModelConfig, readJsonFile } from "./config-loader.js";
-import { closeGguf, type GgufModel, isGgufPath, openGguf, readGgufModel, readGgufTensorF32 } from "./gguf.js";
+import { type GgufModel, ggufMatrix, isGgufPath, readGgufModel } from "./gguf.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
-import { readSafetensorsHeader, readTensorInto, SafetensorsFile, type TensorInfo } from "./safetensors.js";
+import { readWholeFile, SafetensorsFile } from "./safetensors.js";
 import {
   type ChatTemplate,
   type GenerationDefaults,
@@ -24,6 +24,7 @@ import {
   loadGenerationDefaults,
   ModelTokenizer,
 } from "./tokenizer.js";
+import { convertMatrix, type Matrix, matrixBytes, type WeightDType } from "./weight-format.js";
 
 export interface LoadProgress {
   /** The weights file being read or converted. */
@@ -75,12 +76,20 @@ export interface LoadModelOptions {
   /** Put the weights in SharedArrayBuffers so worker threads can use them without copies. */
   readonly shared?: boolean;
   /**
-   * Where each tensor goes: a view of `elements` f32 (a window of the engines' shared
-   * WebAssembly memory, src/engine/engine-memory.ts). Tensors are then read from the file
-   * straight into it, and the file is never held in memory whole.
+   * Quantise every weight matrix (embeddings and LM head included, as llama.cpp's q8_0/q4_0 files
+   * do) from its stored f32/f16/bf16 into these blocks (`--quantize`); norms and biases stay f32.
    */
-  readonly alloc?: (elements: number) => Float32Array;
+  readonly quantize?: "q8_0" | "q4_0";
+  /**
+   * Where each weight file's bytes go (a window of the engines' shared WebAssembly memory,
+   * src/engine/engine-memory.ts): the file is read straight into it and its tensors are views of
+   * it, so no other copy of the file exists. Absent: a fresh (Shared)ArrayBuffer per file.
+   */
+  readonly into?: (bytes: number) => Uint8Array;
 }
+
+/** The formats `--quantize` makes at load. */
+export const QUANTIZE_TYPES: readonly ("q8_0" | "q4_0")[] = ["q8_0", "q4_0"];
 
 /** Everything of a model folder but its weights: what a router needs to tokenize and admit. */
 export interface ModelMeta {
@@ -136,7 +145,7 @@ function isIgnorable(name: string, config: ModelConfig): boolean {
 }
 
 /** Finds the weight files: the single file, or the shards of the index (each must exist). */
-function weightFiles(dir: string): { files: string[]; label: string } {
+export function weightFiles(dir: string): { files: string[]; label: string } {
   const single = join(dir, "model.safetensors");
   if (isFile(single)) return { files: [single], label: single };
   const indexPath = join(dir, "model.safetensors.index.json");
@@ -238,8 +247,10 @@ function checkVocabulary(
 }
 
 /**
- * Reads a GGUF file's tensors (already listed by `readGgufModel`), each checked against the
- * config like a folder's, straight from the file into f32 arrays (src/model/gguf.ts).
+ * A GGUF file's tensors (already listed by `readGgufModel`), each checked against the config like
+ * a folder's: the file is read whole (into `options.into`'s memory when given) and the tensors are
+ * views of it in their stored format (src/model/gguf.ts), Llama's Q/K rows un-permuted in place;
+ * `quantize` converts the matrices as for a folder.
  */
 export function loadGgufWeights(
   model: GgufModel,
@@ -247,48 +258,34 @@ export function loadGgufWeights(
   options?: LoadModelOptions,
 ): ModelWeights {
   const expected = expectedTensors(config);
-  const totalBytes = model.tensors.reduce((sum, t) => sum + t.byteLength, 0);
-  const tensors = new Map<string, Float32Array>();
   const file = model.path;
-  let bytesRead = 0;
-  const report = () =>
-    options?.onProgress?.({
-      file,
-      bytesRead,
-      totalBytes,
-      tensorsLoaded: tensors.size,
-      tensorsTotal: expected.size,
-    });
-  const fd = openGguf(file);
-  try {
-    for (const t of model.tensors) {
-      const shape = expected.get(t.name);
-      if (shape === undefined) {
-        checkUnexpected({ file, name: `${t.name} (${t.ggufName})`, shape: t.shape }, config);
-        continue;
-      }
-      if (tensors.has(t.name)) throw badModelFolder(file, `tensor ${t.ggufName} appears twice`);
-      if (!sameShape(t.shape, shape)) {
-        throw badModelFolder(
-          file,
-          `tensor ${t.ggufName} has shape ${shapeText(t.shape)}, expected ${shapeText(shape)} from the GGUF metadata`,
-        );
-      }
-      const elements = shape.reduce((a, b) => a * b, 1);
-      const out =
-        options?.alloc?.(elements) ??
-        new Float32Array(
-          options?.shared === true ? new SharedArrayBuffer(elements * 4) : new ArrayBuffer(elements * 4),
-        );
-      readGgufTensorF32(fd, file, t, out, (n) => {
-        bytesRead += n;
-        report();
-      });
-      tensors.set(t.name, out);
-      report();
+  const bytes = readWholeFile(file, {
+    shared: options?.shared ?? false,
+    ...(options?.into === undefined ? {} : { into: options.into }),
+    onBytes: (bytesRead, totalBytes) =>
+      options?.onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: 0, tensorsTotal: expected.size }),
+  });
+  const tensors = new Map<string, Matrix>();
+  for (const t of model.tensors) {
+    const shape = expected.get(t.name);
+    if (shape === undefined) {
+      checkUnexpected({ file, name: `${t.name} (${t.ggufName})`, shape: t.shape }, config);
+      continue;
     }
-  } finally {
-    closeGguf(fd);
+    if (tensors.has(t.name)) throw badModelFolder(file, `tensor ${t.ggufName} appears twice`);
+    if (!sameShape(t.shape, shape)) {
+      throw badModelFolder(
+        file,
+        `tensor ${t.ggufName} has shape ${shapeText(t.shape)}, expected ${shapeText(shape)} from the GGUF metadata`,
+      );
+    }
+    if (t.fileOffset + t.byteLength > bytes.byteLength)
+      throw badModelFolder(file, `tensor ${t.ggufName} runs past the end of the file; the file is truncated`);
+    const m = ggufMatrix(bytes, t, options?.shared ?? false);
+    tensors.set(
+      t.name,
+      shape.length === 2 && options?.quantize !== undefined ? convertMatrix(m, shape, options.quantize) : m,
+    );
   }
   for (const [name, shape] of expected) {
     if (!tensors.has(name))
@@ -324,12 +321,13 @@ export function loadModelMeta(dir: string): ModelMeta {
 
 /** Reads and checks the weights of a folder whose config is already loaded. */
 export function loadWeights(dir: string, config: ModelConfig, options?: LoadModelOptions): ModelWeights {
-  if (options?.alloc !== undefined) return loadWeightsDirect(dir, config, options.alloc, options.onProgress);
   const { files, label } = weightFiles(dir);
   const expected = expectedTensors(config);
   const totalBytes = files.reduce((sum, f) => sum + statSync(f).size, 0);
-  const tensors = new Map<string, Float32Array>();
+  const tensors = new Map<string, Matrix>();
   const onProgress = options?.onProgress;
+  const shared = options?.shared ?? false;
+  const quantize = options?.quantize;
   let bytesBefore = 0;
   let bytesRead = 0;
 
@@ -338,6 +336,7 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
       onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
     const st = SafetensorsFile.open(file, {
       shared: options?.shared ?? false,
+      ...(options?.into === undefined ? {} : { into: options.into }),
       onBytes: (done) => {
         bytesRead = bytesBefore + done;
         report();
@@ -345,22 +344,22 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
     });
     bytesBefore = bytesRead;
     for (const name of st.names()) {
-      const info = st.info(name);
-      if (info === undefined) continue;
+      const stored = st.logicalShape(name);
+      if (stored === undefined) continue;
       const shape = expected.get(name);
       if (shape === undefined) {
-        checkUnexpected({ file, name, shape: info.shape }, config);
+        checkUnexpected({ file, name, shape: stored }, config);
         continue;
       }
       if (tensors.has(name))
         throw badModelFolder(file, `tensor ${name} appears in more than one weight file`);
-      if (!sameShape(info.shape, shape)) {
+      if (!sameShape(stored, shape)) {
         throw badModelFolder(
           file,
-          `tensor ${name} has shape ${shapeText(info.shape)}, expected ${shapeText(shape)} from config.json`,
+          `tensor ${name} has shape ${shapeText(stored)}, expected ${shapeText(shape)} from config.json`,
         );
       }
-      tensors.set(name, st.toFloat32(name));
+      tensors.set(name, readTensor(st, name, shape, { shared, quantize }));
       report();
     }
   }
@@ -373,6 +372,37 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
   }
 
   return assembleWeights(config, tensors);
+}
+
+/**
+ * One checked tensor: a matrix in its stored format (or quantised), a vector (norm, bias) as f32.
+ * Quantising copies the small f32 vectors out of the file's buffer too, so the file's bytes do not
+ * stay alive beside the quantised copies.
+ */
+function readTensor(
+  st: SafetensorsFile,
+  name: string,
+  shape: readonly number[],
+  options: { shared: boolean; quantize: WeightDType | undefined },
+): Matrix {
+  if (shape.length !== 2) {
+    const v = st.toFloat32(name);
+    return options.quantize === undefined ? v : ownCopy(v, options.shared);
+  }
+  const m = st.toMatrix(name);
+  if (options.quantize === undefined) return m;
+  const q = convertMatrix(m, shape, options.quantize);
+  if (q instanceof Float32Array) return q;
+  if (!options.shared) return q;
+  const bytes = new Uint8Array(new SharedArrayBuffer(matrixBytes(q).byteLength));
+  bytes.set(matrixBytes(q));
+  return { ...q, bytes };
+}
+
+function ownCopy(v: Float32Array, shared: boolean): Float32Array {
+  const out = new Float32Array(shared ? new SharedArrayBuffer(v.byteLength) : new ArrayBuffer(v.byteLength));
+  out.set(v);
+  return out;
 }
 
 /** A tensor config.json does not expect: ignorable (rotary caches and the like), or refused. */
@@ -395,15 +425,16 @@ function checkUnexpected(
 }
 
 /** The frozen `ModelWeights` over a complete set of checked tensors. */
-function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float32Array>): ModelWeights {
-  const get = (name: string): Float32Array => tensors.get(name) as Float32Array;
-  const bias = (name: string): Float32Array | null => (config.attentionBias ? get(name) : null);
+function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Matrix>): ModelWeights {
+  const get = (name: string): Matrix => tensors.get(name) as Matrix;
+  const vec = (name: string): Float32Array => tensors.get(name) as Float32Array;
+  const bias = (name: string): Float32Array | null => (config.attentionBias ? vec(name) : null);
   const layers: LayerWeights[] = [];
   for (let i = 0; i < config.numLayers; i++) {
     const p = `model.layers.${i}`;
     layers.push(
       Object.freeze({
-        inputNorm: get(`${p}.input_layernorm.weight`),
+        inputNorm: vec(`${p}.input_layernorm.weight`),
         q: get(`${p}.self_attn.q_proj.weight`),
         k: get(`${p}.self_attn.k_proj.weight`),
         v: get(`${p}.self_attn.v_proj.weight`),
@@ -411,7 +442,7 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float
         kBias: bias(`${p}.self_attn.k_proj.bias`),
         vBias: bias(`${p}.self_attn.v_proj.bias`),
         o: get(`${p}.self_attn.o_proj.weight`),
-        postNorm: get(`${p}.post_attention_layernorm.weight`),
+        postNorm: vec(`${p}.post_attention_layernorm.weight`),
         gate: get(`${p}.mlp.gate_proj.weight`),
         up: get(`${p}.mlp.up_proj.weight`),
         down: get(`${p}.mlp.down_proj.weight`),
@@ -422,84 +453,12 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float
   return Object.freeze({
     embed,
     layers: Object.freeze(layers),
-    finalNorm: get("model.norm.weight"),
+    finalNorm: vec("model.norm.weight"),
     lmHead: config.tieWordEmbeddings ? embed : get("lm_head.weight"),
   });
 }
 
-/**
- * The f32 elements of every tensor `loadModelWeights` will place (a tied LM head once), from the
- * safetensors headers or the GGUF tensor table alone: what a memory plan reserves before reading.
- */
-export function weightElements(meta: ModelMeta): number[] {
-  const expected = expectedTensors(meta.config);
-  const count = (shape: readonly number[]): number => shape.reduce((a, b) => a * b, 1);
-  return [...expected.values()].map(count);
-}
-
-/** `loadWeights` with every tensor read straight from its file into `alloc`'s view. */
-function loadWeightsDirect(
-  dir: string,
-  config: ModelConfig,
-  alloc: (elements: number) => Float32Array,
-  onProgress: ((progress: LoadProgress) => void) | undefined,
-): ModelWeights {
-  const { files, label } = weightFiles(dir);
-  const expected = expectedTensors(config);
-  const totalBytes = files.reduce((sum, f) => sum + statSync(f).size, 0);
-  const tensors = new Map<string, Float32Array>();
-  let bytesRead = 0;
-  for (const file of files) {
-    const report = () =>
-      onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
-    const fd = openWeightFile(file);
-    try {
-      const infos: TensorInfo[] = readSafetensorsHeader(fd, file);
-      for (const info of infos) {
-        const shape = expected.get(info.name);
-        if (shape === undefined) {
-          checkUnexpected({ file, name: info.name, shape: info.shape }, config);
-          continue;
-        }
-        if (tensors.has(info.name))
-          throw badModelFolder(file, `tensor ${info.name} appears in more than one weight file`);
-        if (!sameShape(info.shape, shape)) {
-          throw badModelFolder(
-            file,
-            `tensor ${info.name} has shape ${shapeText(info.shape)}, expected ${shapeText(shape)} from config.json`,
-          );
-        }
-        const out = alloc(shape.reduce((a, b) => a * b, 1));
-        readTensorInto(fd, file, info, out, (n) => {
-          bytesRead += n;
-          report();
-        });
-        tensors.set(info.name, out);
-        report();
-      }
-    } finally {
-      closeSync(fd);
-    }
-  }
-  for (const [name, shape] of expected) {
-    if (!tensors.has(name))
-      throw badModelFolder(
-        label,
-        `tensor ${name} is missing (expected shape ${shapeText(shape)} from config.json)`,
-      );
-  }
-  return assembleWeights(config, tensors);
-}
-
-function openWeightFile(path: string): number {
-  try {
-    return openSync(path, "r");
-  } catch (err) {
-    const code = (err as NodeJS.ErrnoException).code;
-    throw badModelFolder(
-      path,
-      code === "ENOENT" ? "file is missing" : `cannot open the file: ${String(err)}`,
-      err,
-    );
-  }
+/** The files `loadModelWeights` reads for `meta`: the GGUF file, or the folder's safetensors. */
+export function weightFilesOf(meta: ModelMeta): string[] {
+  return meta.gguf === undefined ? weightFiles(meta.dir).files : [meta.gguf.path];
 }

@@ -272,39 +272,66 @@ export function encodeWeight(data: Float32Array, shape: readonly number[], dtype
 }
 
 /**
- * Values [start, start + n) of the tensor (flat, row-major) widened/dequantised into out[0..n); for
- * the block formats start and n must be multiples of 32.
+ * Values [start, start + n) of the tensor (flat, row-major) widened/dequantised into
+ * out[at..at + n); for the block formats start and n must be multiples of 32. Allocates nothing.
  */
-export function decodeRange(t: WeightTensor, start: number, n: number, out: Float32Array): Float32Array {
+export function decodeRange(
+  t: WeightTensor,
+  start: number,
+  n: number,
+  out: Float32Array,
+  at = 0,
+): Float32Array {
   const b = t.bytes;
   switch (t.dtype) {
-    case "f32": {
-      const dv = new DataView(b.buffer, b.byteOffset, b.byteLength);
-      for (let i = 0; i < n; i++) out[i] = dv.getFloat32((start + i) * 4, true);
+    case "f32":
+      for (let i = 0; i < n; i++) {
+        const o = (start + i) * 4;
+        u32Box[0] =
+          ((b[o] as number) |
+            ((b[o + 1] as number) << 8) |
+            ((b[o + 2] as number) << 16) |
+            ((b[o + 3] as number) << 24)) >>>
+          0;
+        out[at + i] = f32Box[0] as number;
+      }
       return out;
-    }
     case "f16": {
       const table = f16ValueTable();
       for (let i = 0; i < n; i++) {
         const o = (start + i) * 2;
-        out[i] = table[(b[o] as number) | ((b[o + 1] as number) << 8)] as number;
+        out[at + i] = table[(b[o] as number) | ((b[o + 1] as number) << 8)] as number;
       }
       return out;
     }
-    case "bf16": {
-      const u = new Uint32Array(out.buffer, out.byteOffset, n);
+    case "bf16":
       for (let i = 0; i < n; i++) {
         const o = (start + i) * 2;
-        u[i] = ((b[o] as number) << 16) | ((b[o + 1] as number) << 24);
+        out[at + i] = bf16BitsToF32((b[o] as number) | ((b[o + 1] as number) << 8));
+      }
+      return out;
+    case "q8_0":
+    case "q4_0": {
+      checkBlocks(start, "decodeRange");
+      checkBlocks(n, "decodeRange");
+      const q8 = t.dtype === "q8_0";
+      const table = f16ValueTable();
+      for (let i = 0; i < n / QK; i++) {
+        const o = (start / QK + i) * (q8 ? Q8_0_BLOCK_BYTES : Q4_0_BLOCK_BYTES);
+        const d = table[(b[o] as number) | ((b[o + 1] as number) << 8)] as number;
+        const dst = at + i * QK;
+        if (q8) {
+          for (let j = 0; j < QK; j++) out[dst + j] = (((b[o + 2 + j] as number) << 24) >> 24) * d;
+        } else {
+          for (let j = 0; j < QK / 2; j++) {
+            const q = b[o + 2 + j] as number;
+            out[dst + j] = ((q & 15) - 8) * d;
+            out[dst + QK / 2 + j] = ((q >> 4) - 8) * d;
+          }
+        }
       }
       return out;
     }
-    case "q8_0":
-      checkBlocks(start, "decodeRange");
-      return dequantizeQ8_0(b, out, n, start / QK);
-    case "q4_0":
-      checkBlocks(start, "decodeRange");
-      return dequantizeQ4_0(b, out, n, start / QK);
   }
 }
 
@@ -317,4 +344,51 @@ export function decodeWeight(t: WeightTensor): Float32Array {
 /** Values in the tensor (the product of its shape). */
 export function weightElements(t: WeightTensor): number {
   return elementsOf(t.shape);
+}
+
+// -----------------------------------------------------------------------------------------------
+// matrices: an f32 matrix may stay a plain Float32Array (a view into the file, no copy)
+
+/** A weight matrix: a Float32Array is f32; anything else is a `WeightTensor`. */
+export type Matrix = Float32Array | WeightTensor;
+
+export function matrixDType(m: Matrix): WeightDType {
+  return m instanceof Float32Array ? "f32" : m.dtype;
+}
+
+/** The matrix's bytes in its stored format. */
+export function matrixBytes(m: Matrix): Uint8Array {
+  return m instanceof Float32Array ? new Uint8Array(m.buffer, m.byteOffset, m.byteLength) : m.bytes;
+}
+
+/** Number of values in the matrix. */
+export function matrixElements(m: Matrix): number {
+  return m instanceof Float32Array ? m.length : elementsOf(m.shape);
+}
+
+/** Values [start, start + n) of the matrix (flat) as f32 into out[at..at + n); see `decodeRange`. */
+export function decodeMatrixRange(
+  m: Matrix,
+  start: number,
+  n: number,
+  out: Float32Array,
+  at = 0,
+): Float32Array {
+  if (m instanceof Float32Array) {
+    for (let i = 0; i < n; i++) out[at + i] = m[start + i] as number;
+    return out;
+  }
+  return decodeRange(m, start, n, out, at);
+}
+
+/** The matrix as f32: a Float32Array is returned as is, a tensor decoded into a fresh array. */
+export function decodeMatrix(m: Matrix): Float32Array {
+  return m instanceof Float32Array ? m : decodeWeight(m);
+}
+
+/** The matrix in `dtype` (f32 becomes a Float32Array); a matrix already in `dtype` is returned as is. */
+export function convertMatrix(m: Matrix, shape: readonly number[], dtype: WeightDType): Matrix {
+  if (matrixDType(m) === dtype) return m;
+  const values = decodeMatrix(m);
+  return dtype === "f32" ? values : encodeWeight(values, shape, dtype);
 }

@@ -230,7 +230,8 @@ async function startEnginesAndPreparer(
     config.role === "router" ? [] : config.disaggregation ? [prefillOptions, engineOptions] : [engineOptions];
   let served: Awaited<ReturnType<typeof startServeEngine>>;
   try {
-    const loaded = engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress);
+    const loaded =
+      engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress, config.quantize);
     parts.progress?.(
       `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
       true,
@@ -310,7 +311,7 @@ export async function startNode(
     );
   }
   const engine = engineOptionsOf(config, { numPages, contextLength });
-  const loaded = loadWeightsWithProgress(meta, [engine], undefined);
+  const loaded = loadWeightsWithProgress(meta, [engine], undefined, config.quantize);
   const node = await startNodeServer({
     role,
     host: config.host,
@@ -400,15 +401,17 @@ function loadWeightsWithProgress(
   model: ModelMeta,
   engines: readonly ServeEngineOptions["engine"][],
   progress: ((line: string, done: boolean) => void) | undefined,
+  quantize: "q8_0" | "q4_0" | undefined,
 ): {
   weights: ModelWeights;
   memory?: { readonly memory: WebAssembly.Memory; readonly regions: readonly MemoryRegion[] };
 } {
   const onProgress = delayedProgress((line) => progress?.(line, false));
+  const options = { onProgress, ...(quantize === undefined ? {} : { quantize }) };
   if (engines.some((e) => e.kernels === "ts"))
-    return { weights: loadModelWeights(model, { shared: true, onProgress }) };
+    return { weights: loadModelWeights(model, { shared: true, ...options }) };
   const regions = engines.map((e) => regionBytesOf(model.config, e));
-  const loaded = loadEngineMemory(model, regions, { onProgress });
+  const loaded = loadEngineMemory(model, regions, options);
   return { weights: loaded.weights, memory: { memory: loaded.memory, regions: loaded.regions } };
 }
 

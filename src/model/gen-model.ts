@@ -49,6 +49,20 @@ export const MODEL_SHAPES: Readonly<Record<string, ModelShape>> = {
     maxPositionEmbeddings: 8192,
     rmsNormEps: 1e-5,
   },
+  // SmolLM2-1.7B's config.json: 1.71 B parameters, 3.42 GB in bf16.
+  "smollm2-1.7b": {
+    hiddenSize: 2048,
+    numLayers: 24,
+    numHeads: 32,
+    numKvHeads: 32,
+    headDim: 64,
+    intermediateSize: 8192,
+    vocabSize: 49152,
+    tieWordEmbeddings: true,
+    ropeTheta: 130000,
+    maxPositionEmbeddings: 8192,
+    rmsNormEps: 1e-5,
+  },
   tiny: {
     hiddenSize: 64,
     numLayers: 2,

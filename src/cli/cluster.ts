@@ -30,7 +30,7 @@ export function command(): Command {
     .option("--prefill <n>", "prefill node processes", "1")
     .option("--decode <n>", "decode node processes", "1")
     .option("--port <port>", "router port", "8000")
-    .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
+    .option("--model <dir|file.gguf>", "Hugging Face model folder or llama.cpp GGUF file", BUNDLED_MODEL_DIR)
     .option("--kv-pages <n>", "KV pool size of each node in pages")
     .option("--api-keys <file>", "API keys file for the router")
     .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")

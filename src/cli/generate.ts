@@ -133,7 +133,10 @@ export function command(): Command {
   return new Command("generate")
     .description("Stream a completion of a prompt to the terminal (chat template applied unless --raw)")
     .argument("<prompt>", "the user message (or the raw text with --raw)")
-    .option("--model <dir>", "Hugging Face model folder (default: the bundled models/kvfence-tiny)")
+    .option(
+      "--model <dir|file.gguf>",
+      "Hugging Face model folder or GGUF file (default: the bundled models/kvfence-tiny)",
+    )
     .option("--raw", "feed the prompt as plain text, without the chat template")
     .option(
       "--max-tokens <n>",

@@ -20,7 +20,7 @@ export function command(): Command {
     .description("Serve the OpenAI-compatible API (router + prefill + decode; or one role per process)")
     .option("--host <host>", "address to listen on", "127.0.0.1")
     .option("--port <port>", "port to listen on (0 = any free port)", "8000")
-    .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
+    .option("--model <dir|file.gguf>", "Hugging Face model folder or llama.cpp GGUF file", BUNDLED_MODEL_DIR)
     .option("--kv-memory <size>", "KV pool size, e.g. 256MiB (default 256MiB)")
     .option("--kv-pages <n>", "KV pool size in pages (instead of --kv-memory)")
     .option("--page-size <tokens>", "tokens per KV page", "16")

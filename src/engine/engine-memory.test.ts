@@ -6,13 +6,17 @@
  * and a plan beyond 4 GiB is refused with its numbers before anything is read.
  */
 import assert from "node:assert/strict";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { describe, it } from "node:test";
+import { writeGgufFromFolder } from "../../testing/gguf-writer.js";
 import { modelDir } from "../../testing/start-server.js";
 import type { WasmKernels } from "../kernels/wasm-kernels.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { StepSequence } from "../model/forward.js";
 import { openModel, openModelMeta } from "../model/load-model.js";
-import { type Matrix, matrixBytes } from "../model/weight-format.js";
+import { type Matrix, matrixBytes, matrixDType } from "../model/weight-format.js";
 import { engineRegionBytes, layoutOf, loadEngineMemory } from "./engine-memory.js";
 import { createForward } from "./forward-setup.js";
 
@@ -132,6 +136,37 @@ describe("loadEngineMemory()", async () => {
       "nothing was written into the other engine's pool",
     );
     await Promise.all(setups.map((s) => s.close()));
+  });
+
+  it("takes a GGUF Q8_0 file whole: its blocks are used in place by the engines, as Q8_0", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "kvfence-mem-gguf-"));
+    try {
+      const path = join(dir, "m.gguf");
+      writeGgufFromFolder(modelDir("tiny-qwen2"), path, { dtype: "q8_0" });
+      const g = await openModelMeta(path);
+      const shared = loadEngineMemory(g, [regionBytes]);
+      const q = shared.weights.layers[0]!.q;
+      assert.equal(matrixDType(q), "q8_0", "kept as blocks, not dequantised");
+      assert.equal(matrixBytes(q).buffer, shared.memory.buffer, "a view of the file in the memory");
+      const setup = await createForward(config, shared.weights, layout, {
+        kernels: "wasm",
+        ...sizing,
+        shared: { memory: shared.memory, region: shared.regions[0]! },
+      });
+      assert.equal(
+        matrixBytes(setup.weights.layers[0]!.q).byteOffset,
+        matrixBytes(q).byteOffset,
+        "not copied",
+      );
+      const own = await createForward(config, (await openModel(path)).weights, layout, {
+        kernels: "wasm",
+        ...sizing,
+      });
+      assert.deepEqual(step(setup), step(own));
+      await Promise.all([setup.close(), own.close()]);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   it("refuses weights plus regions beyond 4 GiB with the numbers, before reading a byte", () => {

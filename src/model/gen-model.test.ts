@@ -137,7 +137,7 @@ test("genModel() is deterministic for a seed and differs across seeds", () => {
 test("genModel() refuses an unknown model and a non-integer seed", () => {
   assert.throws(() => genModel("/nonexistent", { like: "gpt5", seed: 1 }), {
     code: "invalid_request",
-    message: /^Unknown model to imitate: gpt5; choose one of smollm2-135m, tiny$/,
+    message: /^Unknown model to imitate: gpt5; choose one of smollm2-135m, smollm2-1.7b, tiny$/,
   });
   assert.throws(() => genModel("/dev/null/model", { like: "tiny", seed: 1 }), {
     code: "invalid_request",

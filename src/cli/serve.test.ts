@@ -239,3 +239,13 @@ test("startNode() and startServer(--role router) refuse a weak cluster secret be
     rmSync(dir, { recursive: true, force: true });
   }
 });
+
+test("--quantize takes q8_0 or q4_0 (default: keep the folder's format) and names itself when wrong", () => {
+  assert.equal(parseServeConfig(defaults).quantize, undefined);
+  assert.equal(parseServeConfig({ ...defaults, quantize: "q4_0" }).quantize, "q4_0");
+  assert.throws(
+    () => parseServeConfig({ ...defaults, quantize: "q5_k" }),
+    (err: unknown) =>
+      err instanceof KvfenceError && /--quantize: /.test(err.message) && /q8_0/.test(err.message),
+  );
+});

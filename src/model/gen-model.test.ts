@@ -169,7 +169,10 @@ test("kvfence gen-model --like tiny writes a loadable folder", async () => {
     process.stdout.write = write;
   }
   try {
-    assert.match(lines.join(""), /^Wrote .*\/m \(like tiny, seed 4, [\d.]+ MB of weights\) in [\d.]+ s\n$/);
+    assert.match(
+      lines.join(""),
+      /^Wrote .*\/m \(like tiny, seed 4, f32, [\d.]+ MB of weights\) in [\d.]+ s\n$/,
+    );
     assert.equal(loadModel(join(dir, "m")).config.vocabSize, MODEL_SHAPES.tiny?.vocabSize);
   } finally {
     rmSync(dir, { recursive: true, force: true });

@@ -393,7 +393,7 @@ function readTensor(
   if (options.quantize === undefined) return m;
   const q = convertMatrix(m, shape, options.quantize);
   if (q instanceof Float32Array) return q;
-  if (!options.shared) return q;
+  if (!options.shared || q.bytes.buffer instanceof SharedArrayBuffer) return q;
   const bytes = new Uint8Array(new SharedArrayBuffer(matrixBytes(q).byteLength));
   bytes.set(matrixBytes(q));
   return { ...q, bytes };

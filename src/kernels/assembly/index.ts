@@ -483,13 +483,30 @@ function dotW(w: v128): v128 {
   return w;
 }
 
+/** [Σa, Σb, Σc, Σd] of four i32 accumulators. */
+@inline
+function reduce4i(a: v128, b: v128, c: v128, d: v128): v128 {
+  const ab = i32x4.add(v128.shuffle<i32>(a, b, 0, 4, 1, 5), v128.shuffle<i32>(a, b, 2, 6, 3, 7));
+  const cd = i32x4.add(v128.shuffle<i32>(c, d, 0, 4, 1, 5), v128.shuffle<i32>(c, d, 2, 6, 3, 7));
+  return i32x4.add(v128.shuffle<i32>(ab, cd, 0, 1, 4, 5), v128.shuffle<i32>(ab, cd, 2, 3, 6, 7));
+}
+
+/** The f32 at p, p + s1, p + s2, p + s3 in lanes 0–3. */
+@inline
+function gather4(p: usize, s1: usize, s2: usize, s3: usize): v128 {
+  let v = v128.load32_zero(p);
+  v = v128.load32_lane(p + s1, v, 1);
+  v = v128.load32_lane(p + s2, v, 2);
+  return v128.load32_lane(p + s3, v, 3);
+}
+
 /**
  * out[r][j] for up to 4 rows (`nrows`) of quantised activations (xq, xd, xc from `quantizeRowsQ8`,
- * already offset to the first row; `rs` the row count the scales were laid out for) against weight
- * rows [c0, c1) in blocks Q (i8: Q8_0 34-byte blocks, u8: Q4_0 18-byte blocks). Each weight block is
- * loaded (and its nibbles unpacked, or its |q| and sign taken) once for the 4 rows; each row
- * accumulates its blocks' dot products times dw·dx in f32 lanes. Missing rows repeat row 0 and are
- * not stored.
+ * already offset to the first row) against weight rows [c0, c1) in blocks Q (i8: Q8_0 34-byte
+ * blocks, u8: Q4_0 18-byte blocks). Each weight block is loaded (and its nibbles unpacked, or its
+ * |q| and sign taken) once for the 4 rows; the 4 rows' integer block sums are reduced into one
+ * vector, so a block costs one convert and one scale multiply (d_w times the 4 rows' d_x) for all
+ * 4 rows, accumulated in the lanes of one f32 vector. Missing rows repeat row 0 and are not stored.
  */
 function qTile4<Q>(
   out: usize, xq: usize, xd: usize, xc: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32,
@@ -508,11 +525,10 @@ function qTile4<Q>(
   const zero = i8x16.splat(0);
   for (let j = c0; j < c1; j++) {
     const w0 = w + <usize>j * wsb;
-    let f0 = f32x4.splat(0), f1 = f32x4.splat(0), f2 = f32x4.splat(0), f3 = f32x4.splat(0);
-    let e0: f32 = 0, e1: f32 = 0, e2: f32 = 0, e3: f32 = 0;
+    let f = f32x4.splat(0);
+    let e = f32x4.splat(0);
     for (let b: usize = 0; b < nb; b++) {
       const bp = w0 + b * bs;
-      const dw = f16ToF32(<u32>load<u16>(bp));
       let wa: v128, wb: v128, na: v128, nbm: v128;
       if (isSigned<Q>()) {
         const ra = v128.load(bp, 2);
@@ -529,32 +545,21 @@ function qTile4<Q>(
         nbm = zero;
       }
       const xb = xq + (b << 5);
-      const db = xd + (b << 2);
-      let a = idot(i32x4.splat(0), signTo(v128.load(xb), na), wa);
-      a = idot(a, signTo(v128.load(xb, 16), nbm), wb);
-      f0 = fma(f0, f32x4.convert_i32x4_s(a), f32x4.splat(dw * load<f32>(db)));
-      a = idot(i32x4.splat(0), signTo(v128.load(xb + xs1), na), wa);
-      a = idot(a, signTo(v128.load(xb + xs1, 16), nbm), wb);
-      f1 = fma(f1, f32x4.convert_i32x4_s(a), f32x4.splat(dw * load<f32>(db + ds1)));
-      a = idot(i32x4.splat(0), signTo(v128.load(xb + xs2), na), wa);
-      a = idot(a, signTo(v128.load(xb + xs2, 16), nbm), wb);
-      f2 = fma(f2, f32x4.convert_i32x4_s(a), f32x4.splat(dw * load<f32>(db + ds2)));
-      a = idot(i32x4.splat(0), signTo(v128.load(xb + xs3), na), wa);
-      a = idot(a, signTo(v128.load(xb + xs3, 16), nbm), wb);
-      f3 = fma(f3, f32x4.convert_i32x4_s(a), f32x4.splat(dw * load<f32>(db + ds3)));
-      if (!isSigned<Q>()) {
-        const cb = xc + (b << 2);
-        e0 += dw * load<f32>(cb);
-        e1 += dw * load<f32>(cb + ds1);
-        e2 += dw * load<f32>(cb + ds2);
-        e3 += dw * load<f32>(cb + ds3);
-      }
+      const a0 = idot(idot(i32x4.splat(0), signTo(v128.load(xb), na), wa), signTo(v128.load(xb, 16), nbm), wb);
+      const a1 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs1), na), wa), signTo(v128.load(xb + xs1, 16), nbm), wb);
+      const a2 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs2), na), wa), signTo(v128.load(xb + xs2, 16), nbm), wb);
+      const a3 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs3), na), wa), signTo(v128.load(xb + xs3, 16), nbm), wb);
+      const dw = f32x4.splat(f16ToF32(<u32>load<u16>(bp)));
+      const scale = f32x4.mul(dw, gather4(xd + (b << 2), ds1, ds2, ds3));
+      f = fma(f, f32x4.convert_i32x4_s(reduce4i(a0, a1, a2, a3)), scale);
+      if (!isSigned<Q>()) e = fma(e, dw, gather4(xc + (b << 2), ds1, ds2, ds3));
     }
+    const r = isSigned<Q>() ? f : f32x4.sub(f, e);
     const o = out + ((<usize>j) << 2);
-    store<f32>(o, hsum(f0) - e0);
-    if (nrows > 1) store<f32>(o + os, hsum(f1) - e1);
-    if (nrows > 2) store<f32>(o + 2 * os, hsum(f2) - e2);
-    if (nrows > 3) store<f32>(o + 3 * os, hsum(f3) - e3);
+    store<f32>(o, f32x4.extract_lane(r, 0));
+    if (nrows > 1) store<f32>(o + os, f32x4.extract_lane(r, 1));
+    if (nrows > 2) store<f32>(o + 2 * os, f32x4.extract_lane(r, 2));
+    if (nrows > 3) store<f32>(o + 3 * os, f32x4.extract_lane(r, 3));
   }
 }
 

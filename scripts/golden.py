@@ -11,6 +11,19 @@ tokens, and writes them as JSON with logits as base64 little-endian f32 [positio
 Run with Debian's torch (1.13):
     /usr/bin/python3 scripts/golden.py models/kvfence-tiny testing/fixtures/golden-kvfence-tiny.json
 
+Other weight formats (docs/weights.md): a folder written by `kvfence quantize IN OUT --type T`
+holds bf16/f16 tensors, or Q8_0/Q4_0 blocks as U8 tensors named in the `kvfence.weight_formats`
+metadata; this script dequantises those blocks itself (scale f16 d, then 32 int8 q: q*d; or 16
+bytes of nibbles, low nibbles elements 0-15: (q-8)*d) and runs the same float64 model on them, so
+the fixture is the reference for exactly the weights kvfence reads:
+    node dist/src/cli/main.js quantize models/kvfence-tiny /tmp/t-q8 --type q8_0
+    /usr/bin/python3 scripts/golden.py /tmp/t-q8 testing/fixtures/golden-kvfence-tiny-q8_0.json \
+        --lengths 1,7,33 --continuation 16 --min-margin 0.5 --seed 15
+The committed fixtures: kvfence-tiny in bf16 and f16 with --lengths 1,7,33 --continuation 32;
+kvfence-tiny in q8_0 and q4_0 as above; tiny-qwen2 in q8_0 and q4_0 with --lengths 1,7,33
+--continuation 8 --min-margin 0.2. The wider margins are for the int8-activation kernels, whose
+logits move by up to the tolerances in src/model/parity-formats.test.ts.
+
 Nothing here shares code with the TypeScript side: RoPE uses HF's cat(freqs, freqs) tables and
 rotate_half, attention a dense causal mask with repeat_interleave over KV heads.
 """
@@ -29,6 +42,19 @@ torch.set_num_threads(1)
 DTYPES = {"F32": (torch.float32, 4), "BF16": (None, 2), "F16": (torch.float16, 2), "F64": (torch.float64, 8)}
 
 
+def dequantize_blocks(buf, fmt, shape):
+    """llama.cpp's Q8_0 / Q4_0 blocks (32 weights each along a row) as a float64 tensor of `shape`."""
+    block = {"q8_0": 34, "q4_0": 18}[fmt]
+    raw = torch.frombuffer(buf, dtype=torch.uint8).reshape(-1, block)
+    d = raw[:, :2].contiguous().view(torch.float16).to(torch.float64)  # [blocks, 1]
+    if fmt == "q8_0":
+        q = raw[:, 2:].contiguous().view(torch.int8).to(torch.float64)
+    else:
+        nib = raw[:, 2:].to(torch.int64)
+        q = torch.cat((nib & 0x0F, nib >> 4), dim=1).to(torch.float64) - 8
+    return (q * d).reshape(shape)
+
+
 def read_safetensors(path):
     """All tensors of one .safetensors file as float64 torch tensors."""
     with open(path, "rb") as f:
@@ -36,9 +62,14 @@ def read_safetensors(path):
     (header_len,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + header_len].decode("utf-8"))
     base = 8 + header_len
+    blocks = json.loads(header.get("__metadata__", {}).get("kvfence.weight_formats", "{}"))
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
+            continue
+        if name in blocks:
+            start, end = info["data_offsets"]
+            out[name] = dequantize_blocks(bytearray(raw[base + start : base + end]), blocks[name]["dtype"], blocks[name]["shape"])
             continue
         dtype = info["dtype"]
         if dtype not in DTYPES:

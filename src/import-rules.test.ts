@@ -26,7 +26,7 @@ interface Rule {
 
 /** For each folder under src/ (most specific wins), what it may import. */
 export const RULES: Record<string, Rule> = {
-  kernels: { src: ["kernels"] },
+  kernels: { src: ["kernels", "model/weight-format.ts"] },
   lib: { src: ["lib"] },
   model: { src: ["model", "kernels", "lib", "kvcache/kv-layout.ts"] },
   kvcache: { src: ["kvcache", "lib"] },
@@ -59,6 +59,7 @@ export const RULES: Record<string, Rule> = {
       "topology",
       "node",
       "cluster/cluster-router.ts",
+      "engine/engine-memory.ts",
       "transfer/tls-config.ts",
       "kvcache/kv-layout.ts",
       "model",

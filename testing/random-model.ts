@@ -4,6 +4,7 @@
  */
 import { Prng } from "../src/lib/prng.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "../src/model/model-config.js";
+import { decodeMatrix, type Matrix } from "../src/model/weight-format.js";
 
 export interface RandomModelOptions {
   architecture?: "llama" | "qwen2";
@@ -99,7 +100,8 @@ export function naiveForward(
 ): Float64Array[] {
   const { hiddenSize: h, numHeads, numKvHeads, headDim: hd, intermediateSize: inter, vocabSize } = config;
   const n = tokens.length;
-  const lin = (x: Float64Array, w: Float32Array, outDim: number, bias: Float32Array | null): Float64Array => {
+  const lin = (x: Float64Array, m: Matrix, outDim: number, bias: Float32Array | null): Float64Array => {
+    const w = decodeMatrix(m);
     const inDim = x.length;
     const y = new Float64Array(outDim);
     for (let j = 0; j < outDim; j++) {
@@ -130,7 +132,9 @@ export function naiveForward(
   let xs: Float64Array[] = [];
   for (let t = 0; t < n; t++)
     xs.push(
-      Float64Array.from(weights.embed.subarray((tokens[t] as number) * h, ((tokens[t] as number) + 1) * h)),
+      Float64Array.from(
+        decodeMatrix(weights.embed).subarray((tokens[t] as number) * h, ((tokens[t] as number) + 1) * h),
+      ),
     );
   for (const w of weights.layers) {
     const qs: Float64Array[] = [];

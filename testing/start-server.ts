@@ -43,6 +43,8 @@ export interface TestServerOptions {
   readonly kernelThreads?: 1 | 2;
   /** `--max-prompt-bytes`. */
   readonly maxPromptBytes?: number;
+  /** true: the default topology (prefill and decode nodes in threads); default false (one engine). */
+  readonly disaggregation?: boolean;
   /** `--operator-key` (default TEST_OPERATOR_KEY); null: none, so /metrics is on the operator listener. */
   readonly operatorKey?: string | null;
   /** `--metrics-tenant-names`. */
@@ -70,7 +72,7 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     model: options.model,
     pageSize: String(options.pageSize ?? 16),
     scrubOnFree: false,
-    disaggregation: false,
+    disaggregation: options.disaggregation ?? false,
     logLevel: "silent",
     ...(options.kvPages === undefined ? {} : { kvPages: String(options.kvPages) }),
     ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),

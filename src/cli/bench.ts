@@ -10,6 +10,7 @@ import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
 import { bundledModelDir } from "../lib/package-root.js";
+import { WEIGHT_DTYPES, type WeightDType } from "../model/weight-format.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
 import { fairShareCommand } from "../tools/bench/fair-share.js";
 import { linkFloodCommand } from "../tools/bench/link-flood.js";
@@ -58,6 +59,17 @@ function kvCacheDtypeList(value: string): KvDtype[] {
   return names as KvDtype[];
 }
 
+function dtypeList(value: string): WeightDType[] {
+  const names = value.split(",").map((v) => v.trim());
+  const bad = names.filter((n) => !(WEIGHT_DTYPES as readonly string[]).includes(n));
+  if (names.length === 0 || bad.length > 0) {
+    throw new InvalidArgumentError(
+      `Expected a comma-separated list of weight formats (${WEIGHT_DTYPES.join(", ")}): ${value}`,
+    );
+  }
+  return names as WeightDType[];
+}
+
 function threadCount(value: string): 1 | 2 {
   if (value === "1" || value === "2") return Number(value) as 1 | 2;
   throw new InvalidArgumentError(`Expected 1 or 2 threads: ${value}`);
@@ -69,6 +81,7 @@ function nonNegativeInteger(value: string): number {
 
 interface ModelCliOptions {
   model?: string;
+  dtype?: WeightDType[];
   kernels: BenchKernels[];
   threads: 1 | 2;
   longContext: number;
@@ -101,6 +114,11 @@ function modelCommand(): Command {
       )
         .argParser(kernelsChoice)
         .default([...d.kernels], "both"),
+    )
+    .option(
+      "--dtype <list>",
+      `weight formats to compare in the same interleaved run, comma-separated (${WEIGHT_DTYPES.join(", ")}); the folder's weights are converted in memory to each (default: as stored)`,
+      dtypeList,
     )
     .option(
       "--threads <n>",
@@ -153,6 +171,7 @@ function modelCommand(): Command {
       try {
         const result = await runModelBench({
           modelDir: opts.model ?? bundledModelDir(),
+          ...(opts.dtype === undefined ? {} : { dtypes: opts.dtype }),
           kernels: opts.kernels,
           threads: opts.threads,
           longContextTokens: opts.longContext,

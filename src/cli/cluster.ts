@@ -32,7 +32,7 @@ export function command(): Command {
     .option("--prefill <n>", "prefill node processes", "1")
     .option("--decode <n>", "decode node processes", "1")
     .option("--port <port>", "router port", "8000")
-    .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
+    .option("--model <dir|file.gguf>", "Hugging Face model folder or llama.cpp GGUF file", BUNDLED_MODEL_DIR)
     .option("--kv-pages <n>", "KV pool size of each node in pages")
     .option("--kv-cache-dtype <dtype>", "KV cache element type of every node: f32, f16 (default) or bf16")
     .option("--api-keys <file>", "API keys file for the router")

@@ -12,7 +12,7 @@ function integer(value: string): number {
 export function command(): Command {
   return new Command("gen-model")
     .description(
-      "Write a random-weight f32 model folder with the exact shapes of a known model (for benchmarks; not trained)",
+      "Write a random-weight model folder (f32, bf16 or f16) with the exact shapes of a known model (for benchmarks; not trained)",
     )
     .argument("<dir>", "folder to write (created if missing)")
     .addOption(
@@ -21,7 +21,12 @@ export function command(): Command {
         .default("smollm2-135m"),
     )
     .option("--seed <n>", "seed of the weights", integer, 0)
-    .action((dir: string, opts: { like: string; seed: number }) => {
+    .addOption(
+      new Option("--dtype <dtype>", "format of the weights in model.safetensors")
+        .choices(["f32", "bf16", "f16"])
+        .default("f32"),
+    )
+    .action((dir: string, opts: { like: string; seed: number; dtype: "f32" | "bf16" | "f16" }) => {
       const started = performance.now();
       const tty = process.stderr.isTTY === true;
       let shown = -1;
@@ -29,6 +34,7 @@ export function command(): Command {
         const { bytes } = genModel(dir, {
           like: opts.like,
           seed: opts.seed,
+          dtype: opts.dtype.toUpperCase() as "F32" | "F16" | "BF16",
           onProgress: (written, total) => {
             const percent = Math.floor((written / total) * 100);
             // A TTY gets a line redrawn per percent; logs get one line per 10%.
@@ -43,7 +49,7 @@ export function command(): Command {
         if (tty) process.stderr.write("\n");
         const seconds = (performance.now() - started) / 1000;
         process.stdout.write(
-          `Wrote ${dir} (like ${opts.like}, seed ${opts.seed}, ${(bytes / 1e6).toFixed(1)} MB of weights) in ${seconds.toFixed(2)} s\n`,
+          `Wrote ${dir} (like ${opts.like}, seed ${opts.seed}, ${opts.dtype}, ${(bytes / 1e6).toFixed(1)} MB of weights) in ${seconds.toFixed(2)} s\n`,
         );
       } catch (err) {
         process.stderr.write(

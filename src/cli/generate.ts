@@ -3,14 +3,14 @@
  * paged forward pass and sampler the server uses (a contiguous block table over a pool sized for
  * the prompt plus `--max-tokens`). The chat template is applied unless `--raw`.
  */
-import { Command, InvalidArgumentError } from "commander";
+import { Command, InvalidArgumentError, Option } from "commander";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { bundledModelDir } from "../lib/package-root.js";
 import { Prng } from "../lib/prng.js";
 import { ForwardPass } from "../model/forward.js";
-import { type LoadedModel, loadModel } from "../model/load-model.js";
+import { type LoadedModel, openModel, QUANTIZE_TYPES } from "../model/load-model.js";
 import { Sampler, type SamplingParams } from "../model/sampler.js";
 
 const PAGE_SIZE = 16;
@@ -131,6 +131,7 @@ interface CliOptions {
   seed: number;
   kvCacheDtype: KvDtype;
   stats?: boolean;
+  quantize?: "q8_0" | "q4_0";
 }
 
 function kvCacheDtype(value: string): KvDtype {
@@ -142,7 +143,10 @@ export function command(): Command {
   return new Command("generate")
     .description("Stream a completion of a prompt to the terminal (chat template applied unless --raw)")
     .argument("<prompt>", "the user message (or the raw text with --raw)")
-    .option("--model <dir>", "Hugging Face model folder (default: the bundled models/kvfence-tiny)")
+    .option(
+      "--model <dir|file.gguf>",
+      "Hugging Face model folder or GGUF file (default: the bundled models/kvfence-tiny)",
+    )
     .option("--raw", "feed the prompt as plain text, without the chat template")
     .option(
       "--max-tokens <n>",
@@ -168,9 +172,17 @@ export function command(): Command {
       DEFAULT_KV_CACHE_DTYPE,
     )
     .option("--stats", "print token counts and speeds to stderr at the end")
-    .action((prompt: string, opts: CliOptions) => {
+    .addOption(
+      new Option("--quantize <type>", "quantise the weight matrices at load into llama.cpp's blocks").choices(
+        [...QUANTIZE_TYPES],
+      ),
+    )
+    .action(async (prompt: string, opts: CliOptions) => {
       try {
-        const model = loadModel(opts.model ?? bundledModelDir());
+        const model = await openModel(
+          opts.model ?? bundledModelDir(),
+          opts.quantize === undefined ? {} : { quantize: opts.quantize },
+        );
         const { tokenizer, chatTemplate, generationDefaults: defaults, config } = model;
         const stop = new Set<number>([...config.eosTokenIds, ...defaults.eosTokenIds]);
         let text = prompt;

@@ -20,6 +20,7 @@ const commands: Array<() => Promise<{ command(): Command }>> = [
   () => import("./generate.js"),
   () => import("./preflight.js"),
   () => import("./probe.js"),
+  () => import("./quantize.js"),
   () => import("./serve.js"),
   // cli-commands:end
 ];

@@ -159,7 +159,9 @@ test("kvfence serve prints its URL when ready and exits 0 on SIGTERM", { timeout
     });
     const health = await fetch(`${url}/health`);
     assert.equal(health.status, 200);
-    assert.match(stderr, /Loading weights: \d+% /);
+    // The bundled model loads in well under a second: no progress bar, only the summary line.
+    assert.doesNotMatch(stderr, /Loading weights/);
+    assert.match(stderr, /Loaded tiny-qwen2: \d+ layers/);
     assert.match(stderr, /no API keys configured .*anonymous tenant/);
     const exited = once(child, "exit");
     child.kill("SIGTERM");
@@ -341,5 +343,15 @@ test("startServer() refuses --max-model-len above the model's window, and --gene
   assert.throws(
     () => parseServeConfig({ ...defaults, generationConfig: tmpdir() }),
     /--generation-config: must be auto, vllm, or a folder holding a generation_config.json/,
+  );
+});
+
+test("--quantize takes q8_0 or q4_0 (default: keep the folder's format) and names itself when wrong", () => {
+  assert.equal(parseServeConfig(defaults).quantize, undefined);
+  assert.equal(parseServeConfig({ ...defaults, quantize: "q4_0" }).quantize, "q4_0");
+  assert.throws(
+    () => parseServeConfig({ ...defaults, quantize: "q5_k" }),
+    (err: unknown) =>
+      err instanceof KvfenceError && /--quantize: /.test(err.message) && /q8_0/.test(err.message),
   );
 });

@@ -21,7 +21,7 @@ export function command(): Command {
     .argument("[model]", "Hugging Face model folder (as --model; vLLM's and SGLang's positional form)")
     .option("--host <host>", "address to listen on", "127.0.0.1")
     .option("--port <port>", "port to listen on (0 = any free port)", "8000")
-    .option("--model <dir>", "Hugging Face model folder", BUNDLED_MODEL_DIR)
+    .option("--model <dir|file.gguf>", "Hugging Face model folder or llama.cpp GGUF file", BUNDLED_MODEL_DIR)
     .option("--kv-memory <size>", "KV pool size, e.g. 256MiB (default 256MiB)")
     .option("--kv-pages <n>", "KV pool size in pages (instead of --kv-memory)")
     .option("--page-size <tokens>", "tokens per KV page", "16")
@@ -73,6 +73,10 @@ export function command(): Command {
       "--kernels <kind>",
       "forward-pass kernels: wasm (WebAssembly SIMD) or ts (TypeScript reference)",
       "wasm",
+    )
+    .option(
+      "--quantize <type>",
+      "quantise the weight matrices at load into llama.cpp's q8_0 or q4_0 blocks (default: keep the folder's format)",
     )
     .option(
       "--kernel-threads <n>",

@@ -4,18 +4,19 @@
  * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
  * their engines here, one way.
  */
-import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, type KvLayout } from "../kvcache/kv-layout.js";
+import type { KvDtype } from "../kvcache/kv-layout.js";
 import type { PagePool } from "../kvcache/page-pool.js";
-import { loadModelConfig } from "../model/config-loader.js";
-import { loadWeights } from "../model/load-model.js";
+import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
 import { Engine } from "./engine.js";
+import type { MemoryRegion } from "./engine-memory.js";
+import { ENGINE_DEFAULTS, layoutOf } from "./engine-memory.js";
 import { createForward } from "./forward-setup.js";
 
 /** What an engine is built from: plain data, so it crosses a thread boundary as a worker's `workerData`. */
 export interface EngineBuildOptions {
-  /** A Hugging Face model folder, or a model already in memory (weights in SharedArrayBuffers are not copied). */
+  /** A Hugging Face model folder or GGUF file, or a model already in memory (weights in SharedArrayBuffers are not copied). */
   readonly model: { readonly dir: string } | { readonly config: ModelConfig; readonly weights: ModelWeights };
   /** Pages in the KV pool. */
   readonly numPages: number;
@@ -39,6 +40,12 @@ export interface EngineBuildOptions {
   readonly kernels?: "ts" | "wasm";
   /** Threads of the WebAssembly kernels: 1 (default, this thread only) or 2 (plus one spinning worker). */
   readonly kernelThreads?: 1 | 2;
+  /**
+   * WebAssembly kernels: the process's shared memory, which holds `model`'s weights, and this
+   * engine's region of it (src/engine/engine-memory.ts). Absent: the engine makes its own memory
+   * and copies the weights in.
+   */
+  readonly memory?: { readonly memory: WebAssembly.Memory; readonly region: MemoryRegion };
 }
 
 /**
@@ -50,26 +57,22 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
   let config: ModelConfig;
   let weights: ModelWeights;
   if ("dir" in options.model) {
-    config = loadModelConfig(options.model.dir);
-    weights = loadWeights(options.model.dir, config, { shared: true });
+    const meta = await openModelMeta(options.model.dir);
+    config = meta.config;
+    weights = loadModelWeights(meta, { shared: true });
   } else {
     config = options.model.config;
     weights = options.model.weights;
   }
-  const layout: KvLayout = {
-    numLayers: config.numLayers,
-    numKvHeads: config.numKvHeads,
-    headDim: config.headDim,
-    pageSize: options.pageSize ?? 16,
-    dtype: options.kvCacheDtype ?? DEFAULT_KV_CACHE_DTYPE,
-  };
+  const layout = layoutOf(config, options);
   const { forward, pools } = await createForward(config, weights, layout, {
     kernels: options.kernels ?? "wasm",
     kernelThreads: options.kernelThreads ?? 1,
-    maxBatchTokens: options.maxBatchTokens ?? 256,
-    maxSequences: options.maxSequences ?? 16,
+    maxBatchTokens: options.maxBatchTokens ?? ENGINE_DEFAULTS.maxBatchTokens,
+    maxSequences: options.maxSequences ?? ENGINE_DEFAULTS.maxSequences,
     poolPages: [options.numPages],
     scrubOnFree: options.scrubOnFree ?? false,
+    ...(options.memory === undefined || options.kernels === "ts" ? {} : { shared: options.memory }),
   });
   return new Engine(forward, pools[0] as PagePool, {
     ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: options.maxPrefillTokens }),

@@ -252,6 +252,8 @@ class Sequence {
 export class Engine {
   readonly capacity: EngineCapacity;
   readonly pool: PagePool;
+  /** The model's config (the forward pass's). */
+  readonly modelConfig: ModelConfig;
   readonly #model: StepModel;
   readonly #cost: StepCost;
   readonly #maxPrefillTokens: number;
@@ -328,6 +330,7 @@ export class Engine {
 
   constructor(model: StepModel, pool: PagePool, options: EngineOptions = {}) {
     const config = model.config;
+    this.modelConfig = config;
     if (
       pool.layout.numLayers !== config.numLayers ||
       pool.layout.numKvHeads !== config.numKvHeads ||

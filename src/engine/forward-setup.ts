@@ -13,12 +13,14 @@
  */
 import type { Kernels } from "../kernels/kernels.js";
 import { referenceKernels } from "../kernels/kernels.js";
-import { WasmKernels } from "../kernels/wasm-kernels.js";
+import { type MemoryRegion, WasmKernels } from "../kernels/wasm-kernels.js";
 import type { KvLayout } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { ForwardPass } from "../model/forward.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import { type Matrix, matrixBytes } from "../model/weight-format.js";
+import { attentionStagingBytes } from "./engine-memory.js";
 
 /** Which kernels a forward pass runs on. */
 export type KernelsName = "ts" | "wasm";
@@ -34,6 +36,12 @@ export interface ForwardSetupOptions {
   /** Pages of each KV pool to create (one pool per entry). */
   readonly poolPages: readonly number[];
   readonly scrubOnFree?: boolean;
+  /**
+   * WebAssembly kernels: a memory shared with the process's other engines, holding the weights
+   * already (src/engine/engine-memory.ts), and this engine's region of it; the weights are then
+   * used in place, not copied.
+   */
+  readonly shared?: { readonly memory: WebAssembly.Memory; readonly region: MemoryRegion };
 }
 
 export interface ForwardSetup {
@@ -73,7 +81,7 @@ export async function createForward(
     ForwardPass.bufferBytes(config, passOptions) +
     poolBytes.reduce((a, b) => a + b, 0) +
     attentionStagingBytes(config, totalPages);
-  if (bytes > WASM_MEMORY_LIMIT_BYTES) {
+  if (options.shared === undefined && bytes > WASM_MEMORY_LIMIT_BYTES) {
     throw new KvfenceError(
       "config_invalid",
       `The WebAssembly kernels address at most 4 GiB and this model plus its KV pool needs more: ${bytes} bytes; use a smaller --kv-memory or --kv-pages, or --kernels ts`,
@@ -83,6 +91,7 @@ export async function createForward(
     threads: options.kernelThreads ?? 1,
     initialBytes: bytes,
     fma: options.wasmFma ?? true,
+    ...(options.shared === undefined ? {} : { shared: options.shared }),
   });
   await k.ready();
   const placed = k.placeWeights(weights);
@@ -104,7 +113,7 @@ function aligned(bytes: number): number {
 
 /** Bytes of every weight tensor (a tied LM head once), as `placeWeights` copies them. */
 function modelBytes(w: ModelWeights): number {
-  const size = (a: Float32Array | null): number => (a === null ? 0 : aligned(a.byteLength));
+  const size = (a: Matrix | null): number => (a === null ? 0 : aligned(matrixBytes(a).byteLength));
   let bytes = size(w.embed) + size(w.finalNorm) + (w.lmHead === w.embed ? 0 : size(w.lmHead));
   for (const l of w.layers) {
     for (const a of [l.inputNorm, l.q, l.k, l.v, l.qBias, l.kBias, l.vBias, l.o, l.postNorm])
@@ -112,16 +121,4 @@ function modelBytes(w: ModelWeights): number {
     bytes += size(l.gate) + size(l.up) + size(l.down);
   }
   return bytes;
-}
-
-/**
- * What `WasmKernels.pagedAttentionBatch` stages on demand at the longest context: the block
- * tables, two score scratches and the split partials, twice over (they grow by doubling), plus 1 MiB
- * of slack for the control block, the per-sequence records and alignment.
- */
-function attentionStagingBytes(config: ModelConfig, numPages: number): number {
-  const group = config.numHeads / config.numKvHeads;
-  const ctx = config.maxPositionEmbeddings;
-  const partials = config.numHeads * 8 * (config.headDim + 2);
-  return 2 * (4 * numPages + 2 * 4 * group * ctx + 4 * partials) + (1 << 20);
 }

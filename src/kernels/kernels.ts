@@ -22,6 +22,11 @@ import {
 export interface Kernels {
   /** "ts" or "wasm", for logs and benchmarks. */
   readonly name: string;
+  /**
+   * Throws unless `pool` is a KV pool this kernel set may read and write (the WebAssembly kernels
+   * over a memory shared by several engines: inside this engine's region). Absent: any pool.
+   */
+  checkPool?(pool: Float32Array | Uint16Array): void;
   /** A zeroed Float32Array of n floats the kernels can operate on; call at construction only. */
   allocF32(n: number): Float32Array;
   allocF64(n: number): Float64Array;

@@ -16,8 +16,11 @@
  * write's rounding and `kvWidening` the read's exact widening, written here from the IEEE formats
  * so the WebAssembly kernels' bit tricks are checked against an independent implementation.
  *
- * This module imports nothing.
+ * Weights may be any format of src/model/weight-format.ts (the only module this one imports): a
+ * matrix that is not a Float32Array is dequantised to f32, a block of rows at a time, and then
+ * multiplied exactly as an f32 one — the independent reference every fast kernel is compared with.
  */
+import { decodeMatrixRange, type Matrix } from "../model/weight-format.js";
 
 /**
  * out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ.
@@ -26,11 +29,15 @@
 export function matmul(
   out: Float32Array,
   x: Float32Array,
-  w: Float32Array,
+  w: Matrix,
   rows: number,
   inDim: number,
   outDim: number,
 ): void {
+  if (!(w instanceof Float32Array)) {
+    matmulDecoded(out, x, w, rows, inDim, outDim);
+    return;
+  }
   let r = 0;
   for (; r + 4 <= rows; r += 4) matmulTile4(out, x, w, r, inDim, outDim);
   for (; r < rows; r++) matvecRow(out, x, w, r, inDim, outDim);
@@ -43,13 +50,43 @@ export function matmul(
 export function matmulEach(
   outs: readonly Float32Array[],
   x: Float32Array,
-  ws: readonly Float32Array[],
+  ws: readonly Matrix[],
   rows: number,
   inDim: number,
   outDims: readonly number[],
 ): void {
   for (let i = 0; i < ws.length; i++) {
-    matmul(outs[i] as Float32Array, x, ws[i] as Float32Array, rows, inDim, outDims[i] as number);
+    matmul(outs[i] as Float32Array, x, ws[i] as Matrix, rows, inDim, outDims[i] as number);
+  }
+}
+
+/** Weight rows dequantised per block of `matmulDecoded`, and its scratch (grown once, kept). */
+const DECODED_ROWS = 64;
+let decoded = new Float32Array(0);
+
+/** `matmul` of a weight in another format: DECODED_ROWS weight rows at a time widened to f32. */
+function matmulDecoded(
+  out: Float32Array,
+  x: Float32Array,
+  w: Matrix,
+  rows: number,
+  inDim: number,
+  outDim: number,
+): void {
+  if (decoded.length < DECODED_ROWS * inDim) decoded = new Float32Array(DECODED_ROWS * inDim);
+  const wd = decoded;
+  for (let j0 = 0; j0 < outDim; j0 += DECODED_ROWS) {
+    const n = Math.min(DECODED_ROWS, outDim - j0);
+    decodeMatrixRange(w, j0 * inDim, n * inDim, wd);
+    for (let r = 0; r < rows; r++) {
+      const xr = r * inDim;
+      for (let j = 0; j < n; j++) {
+        const wr = j * inDim;
+        let s = 0;
+        for (let k = 0; k < inDim; k++) s += (x[xr + k] as number) * (wd[wr + k] as number);
+        out[r * outDim + j0 + j] = s;
+      }
+    }
   }
 }
 

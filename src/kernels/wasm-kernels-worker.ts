@@ -54,7 +54,7 @@ for (;;) {
   if (Atomics.compareExchange(ctl, CTL_TICKET, 2 * s, 2 * s + 1) !== 2 * s) continue; // cancelled
   const op = ctl[CTL_OP];
   if (op === OP_MATMUL) {
-    x.matmulPar(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], 1);
+    x.matmulPar(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], 1, a[9]);
   } else if (op === OP_ATTENTION) {
     x.attentionPar(
       a[0],

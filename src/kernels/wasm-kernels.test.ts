@@ -378,3 +378,16 @@ describe("WasmKernels memory", () => {
     }
   });
 });
+
+describe("the relaxed-SIMD build on each Node version", () => {
+  it("validates without any V8 flag from Node 22 on (Node 20 needs --experimental-wasm-relaxed-simd)", async () => {
+    const { spawnSync } = await import("node:child_process");
+    // A fresh process: this one may have set the flag already (wasmModule(true) does on Node 20).
+    const script = `const b = require("node:fs").readFileSync(${JSON.stringify(new URL("./kernels-fma.wasm", import.meta.url).pathname)});
+process.stdout.write(String(WebAssembly.validate(b)));`;
+    const run = spawnSync(process.execPath, ["-e", script], { encoding: "utf8" });
+    assert.equal(run.status, 0, run.stderr);
+    const major = Number(process.versions.node.split(".")[0]);
+    assert.equal(run.stdout, String(major >= 22), `Node ${process.version}`);
+  });
+});

@@ -35,6 +35,7 @@
  * are tested against the reference kernels and the golden logits.
  */
 import { Worker } from "node:worker_threads";
+import { type Matrix, matrixDType, type WeightDType } from "../model/weight-format.js";
 import type { Kernels } from "./kernels.js";
 import type { AttentionSequence } from "./reference.js";
 import * as ref from "./reference.js";
@@ -108,7 +109,9 @@ export interface WasmExports {
     colChunk: number,
     rowChunk: number,
     first: number,
+    dtype: number,
   ): void;
+  quantizeRowsQ8(xq: number, x: number, rows: number, inDim: number): void;
   add(out: number, a: number, b: number, n: number): void;
   addBias(out: number, bias: number, rows: number, n: number): void;
   rmsnorm(out: number, x: number, weight: number, n: number, eps: number, rows: number): void;
@@ -161,10 +164,11 @@ const compiled = new Map<boolean, Promise<WebAssembly.Module | null>>();
 /**
  * The compiled kernels (built by scripts/build-wasm.mjs next to this file in dist/): with `fma`,
  * kernels-fma.wasm, whose multiply-adds are relaxed-SIMD `f32x4.relaxed_madd`, or null where the
- * engine rejects relaxed SIMD; else kernels.wasm (multiply, then add). Node 20's V8 validates
- * relaxed SIMD only behind --experimental-wasm-relaxed-simd (later V8 versions turn it on by
- * default), so a module that fails validation turns that flag on once and tries again. The flag
- * only lets the validator accept those opcodes; V8 11.3 compiles them (FMA where the CPU has it).
+ * engine rejects relaxed SIMD; else kernels.wasm (multiply, then add). Node 20's V8 (11.3)
+ * validates relaxed SIMD only behind --experimental-wasm-relaxed-simd; Node 22 and 24 accept it
+ * with no flag (tested in wasm-kernels.test.ts), so only on Node 20 does a module that fails
+ * validation turn that flag on once and try again. The flag only lets the validator accept those
+ * opcodes; V8 11.3 compiles them (FMA where the CPU has it).
  */
 export function wasmModule(fma: true): Promise<WebAssembly.Module | null>;
 export function wasmModule(fma?: false): Promise<WebAssembly.Module>;
@@ -204,24 +208,27 @@ export function instantiate(module: WebAssembly.Module, memory: WebAssembly.Memo
 
 /** The weight tensors of a model (structurally the model's `ModelWeights`). */
 export interface WeightsLike {
-  readonly embed: Float32Array;
+  readonly embed: Matrix;
   readonly layers: readonly {
     readonly inputNorm: Float32Array;
-    readonly q: Float32Array;
-    readonly k: Float32Array;
-    readonly v: Float32Array;
+    readonly q: Matrix;
+    readonly k: Matrix;
+    readonly v: Matrix;
     readonly qBias: Float32Array | null;
     readonly kBias: Float32Array | null;
     readonly vBias: Float32Array | null;
-    readonly o: Float32Array;
+    readonly o: Matrix;
     readonly postNorm: Float32Array;
-    readonly gate: Float32Array;
-    readonly up: Float32Array;
-    readonly down: Float32Array;
+    readonly gate: Matrix;
+    readonly up: Matrix;
+    readonly down: Matrix;
   }[];
   readonly finalNorm: Float32Array;
-  readonly lmHead: Float32Array;
+  readonly lmHead: Matrix;
 }
+
+/** The kernels' code for each weight format (DT_* in src/kernels/assembly/index.ts). */
+const DTYPE_CODE: Readonly<Record<WeightDType, number>> = { f32: 0, f16: 1, bf16: 2, q8_0: 3, q4_0: 4 };
 
 export interface WasmKernelsOptions {
   /** 1: main thread only; 2 (default): main thread plus one worker. */
@@ -243,6 +250,18 @@ export interface WasmKernelsOptions {
    * false runs the plain SIMD128 build, as `kvfence bench model --kernels wasm-mul-add` does.
    */
   readonly fma?: boolean;
+  /**
+   * A memory shared with other kernel sets of the process (src/engine/engine-memory.ts): the
+   * weights sit in it already, and this set's arena is `region` of it (it never grows it). Without
+   * one the kernels make their own memory and arena.
+   */
+  readonly shared?: { readonly memory: WebAssembly.Memory; readonly region: MemoryRegion };
+}
+
+/** A byte range [start, end) of a memory: one kernel set's arena. */
+export interface MemoryRegion {
+  readonly start: number;
+  readonly end: number;
 }
 
 export class WasmKernels implements Kernels {
@@ -258,6 +277,11 @@ export class WasmKernels implements Kernels {
   #buffers = new WeakSet<ArrayBufferLike>();
   #buf0: ArrayBufferLike;
   #top = ARENA_START;
+  /** This set's arena [#arenaStart, #arenaEnd): everything it allocates and every kernel output. */
+  #arenaStart = ARENA_START;
+  #arenaEnd = MAX_PAGES * PAGE_BYTES;
+  /** The word `owns` writes through this memory (in this set's arena: sets sharing a memory race otherwise). */
+  #probe = PROBE_BYTE;
   #ctl: Int32Array;
   #args: Uint32Array;
   #ctlBase: number;
@@ -282,15 +306,28 @@ export class WasmKernels implements Kernels {
 
   private constructor(module: WebAssembly.Module, fma: boolean, options: WasmKernelsOptions) {
     this.fma = fma;
-    const initialBytes = options.initialBytes ?? 64 * 1024 * 1024;
-    const pages = Math.min(MAX_PAGES, Math.max(2, Math.ceil(initialBytes / PAGE_BYTES)));
-    this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
+    if (options.shared === undefined) {
+      const initialBytes = options.initialBytes ?? 64 * 1024 * 1024;
+      const pages = Math.min(MAX_PAGES, Math.max(2, Math.ceil(initialBytes / PAGE_BYTES)));
+      this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
+    } else {
+      const { memory, region } = options.shared;
+      if (region.start < ARENA_START || region.start % 64 !== 0 || region.end > memory.buffer.byteLength) {
+        throw new RangeError(
+          `kernel arena [${region.start}, ${region.end}) is not inside the memory (${memory.buffer.byteLength} bytes, 64-byte aligned, above ${ARENA_START})`,
+        );
+      }
+      this.memory = memory;
+      this.#top = this.#arenaStart = region.start;
+      this.#arenaEnd = region.end;
+    }
     this.#x = instantiate(module, this.memory);
     this.#buf0 = this.memory.buffer;
     this.#buffers.add(this.#buf0);
     this.threads = options.threads ?? 2;
     this.#parallelMinWork = options.parallelMinWork ?? 32768;
     this.#matvecChunk = options.matvecChunk ?? 0;
+    if (options.shared !== undefined) this.#probe = this.allocBytes(64);
     this.#ctlBase = this.allocBytes(CTL_BYTES);
     this.#ctl = new Int32Array(this.memory.buffer, this.#ctlBase, CTL_BYTES / 4);
     this.#args = new Uint32Array(this.memory.buffer, this.#ctlBase + CTL_ARGS * 4, 32);
@@ -366,6 +403,11 @@ export class WasmKernels implements Kernels {
   allocBytes(bytes: number): number {
     const at = this.#top;
     const end = at + Math.ceil(bytes / 64) * 64;
+    if (end > this.#arenaEnd) {
+      throw new RangeError(
+        `WebAssembly memory region is full: ${end - this.#arenaStart} bytes needed, the region holds ${this.#arenaEnd - this.#arenaStart}; the memory plan (src/engine/engine-memory.ts) undercounts`,
+      );
+    }
     const have = this.memory.buffer.byteLength;
     if (end > have) {
       const pages = Math.ceil((end - have) / PAGE_BYTES);
@@ -395,37 +437,48 @@ export class WasmKernels implements Kernels {
     return new Int32Array(this.buffer(), at, n);
   }
 
-  /** A copy of `src` inside the memory. */
+  /** `src` inside the memory: itself when it is there already (weights read into a shared memory), else a copy. */
   placeF32(src: Float32Array): Float32Array {
+    if (this.owns(src)) return src;
     const dst = this.allocF32(src.length);
     dst.set(src);
     return dst;
   }
 
+  /** A weight matrix inside the memory, in its own format: itself when it is there already, else a copy. */
+  placeMatrix(src: Matrix): Matrix {
+    if (src instanceof Float32Array) return this.placeF32(src);
+    if (this.owns(src.bytes)) return src;
+    const at = this.allocBytes(src.bytes.byteLength);
+    const bytes = new Uint8Array(this.buffer(), at, src.bytes.byteLength);
+    bytes.set(src.bytes);
+    return { dtype: src.dtype, shape: src.shape, bytes };
+  }
+
   /** Copies every weight tensor into the memory (a tied lmHead stays the same array as embed). */
   placeWeights<W extends WeightsLike>(w: W): W {
     const opt = (a: Float32Array | null): Float32Array | null => (a === null ? null : this.placeF32(a));
-    const embed = this.placeF32(w.embed);
+    const embed = this.placeMatrix(w.embed);
     return {
       ...w,
       embed,
       layers: w.layers.map((l) => ({
         ...l,
         inputNorm: this.placeF32(l.inputNorm),
-        q: this.placeF32(l.q),
-        k: this.placeF32(l.k),
-        v: this.placeF32(l.v),
+        q: this.placeMatrix(l.q),
+        k: this.placeMatrix(l.k),
+        v: this.placeMatrix(l.v),
         qBias: opt(l.qBias),
         kBias: opt(l.kBias),
         vBias: opt(l.vBias),
-        o: this.placeF32(l.o),
+        o: this.placeMatrix(l.o),
         postNorm: this.placeF32(l.postNorm),
-        gate: this.placeF32(l.gate),
-        up: this.placeF32(l.up),
-        down: this.placeF32(l.down),
+        gate: this.placeMatrix(l.gate),
+        up: this.placeMatrix(l.up),
+        down: this.placeMatrix(l.down),
       })),
       finalNorm: this.placeF32(w.finalNorm),
-      lmHead: w.lmHead === w.embed ? embed : this.placeF32(w.lmHead),
+      lmHead: w.lmHead === w.embed ? embed : this.placeMatrix(w.lmHead),
     };
   }
 
@@ -453,9 +506,9 @@ export class WasmKernels implements Kernels {
   owns(a: ArrayBufferView): boolean {
     const b = a.buffer;
     if (b === this.#buf0 || this.#buffers.has(b)) return true;
-    if (!(b instanceof SharedArrayBuffer) || b.byteLength < ARENA_START) return false;
-    const mine = new Int32Array(this.memory.buffer, PROBE_BYTE, 1);
-    const theirs = new Int32Array(b, PROBE_BYTE, 1);
+    if (!(b instanceof SharedArrayBuffer) || b.byteLength < this.#probe + 4) return false;
+    const mine = new Int32Array(this.memory.buffer, this.#probe, 1);
+    const theirs = new Int32Array(b, this.#probe, 1);
     const v = (Math.random() * 0x7fffffff) | 0;
     mine[0] = v;
     if (theirs[0] !== v) return false;
@@ -465,37 +518,56 @@ export class WasmKernels implements Kernels {
     return true;
   }
 
+  /**
+   * The fence between kernel sets sharing a memory: what a kernel writes, and the KV pool attention
+   * reads, must lie in this set's arena — never the shared weights, never another engine's pool or
+   * activations. A view of this memory outside it is a bug, so it throws rather than computing.
+   */
+  #fence(a: ArrayBufferView, what: string): void {
+    if (a.byteOffset < this.#arenaStart || a.byteOffset + a.byteLength > this.#arenaEnd) {
+      throw new RangeError(
+        `${what} [${a.byteOffset}, ${a.byteOffset + a.byteLength}) lies outside this engine's region [${this.#arenaStart}, ${this.#arenaEnd}) of the shared memory`,
+      );
+    }
+  }
+
+  /** Throws unless `pool` lies in this set's region (`#fence`); a pool outside the memory is the caller's own. */
+  checkPool(pool: Float32Array | Uint16Array): void {
+    if (this.owns(pool)) this.#fence(pool, "KV pool");
+  }
+
   // -------------------------------------------------------------------------------------------
   // kernels (signatures of reference.ts)
 
-  matmul(
-    out: Float32Array,
-    x: Float32Array,
-    w: Float32Array,
-    rows: number,
-    inDim: number,
-    outDim: number,
-  ): void {
-    if (!(this.owns(out) && this.owns(x) && this.owns(w))) {
+  matmul(out: Float32Array, x: Float32Array, w: Matrix, rows: number, inDim: number, outDim: number): void {
+    if (!(this.owns(out) && this.owns(x) && this.#ownsMatrix(w) && this.#runs(w, inDim))) {
       this.fallbackCalls++;
       ref.matmul(out, x, w, rows, inDim, outDim);
       return;
     }
+    this.#fence(out, "matmul output");
     this.#segment(0, out, w, outDim);
-    this.#matmulSegments(x, rows, inDim, 1, outDim);
+    this.#matmulSegments(x, rows, inDim, 1, outDim, DTYPE_CODE[matrixDType(w)]);
   }
 
   matmulEach(
     outs: readonly Float32Array[],
     x: Float32Array,
-    ws: readonly Float32Array[],
+    ws: readonly Matrix[],
     rows: number,
     inDim: number,
     outDims: readonly number[],
   ): void {
     let owned = this.owns(x);
+    const dtype = ws.length === 0 ? "f32" : matrixDType(ws[0] as Matrix);
     for (let i = 0; i < ws.length; i++) {
-      owned = owned && this.owns(outs[i] as Float32Array) && this.owns(ws[i] as Float32Array);
+      const w = ws[i] as Matrix;
+      owned =
+        owned &&
+        this.owns(outs[i] as Float32Array) &&
+        this.#ownsMatrix(w) &&
+        matrixDType(w) === dtype &&
+        this.#runs(w, inDim);
     }
     if (!owned) {
       this.fallbackCalls++;
@@ -505,17 +577,29 @@ export class WasmKernels implements Kernels {
     if (this.#segRecords.length < 4 * ws.length) this.#segRecords = this.allocI32(4 * ws.length);
     let total = 0;
     for (let i = 0; i < ws.length; i++) {
-      this.#segment(i, outs[i] as Float32Array, ws[i] as Float32Array, outDims[i] as number);
+      this.#fence(outs[i] as Float32Array, "matmul output");
+      this.#segment(i, outs[i] as Float32Array, ws[i] as Matrix, outDims[i] as number);
       total += outDims[i] as number;
     }
-    this.#matmulSegments(x, rows, inDim, ws.length, total);
+    this.#matmulSegments(x, rows, inDim, ws.length, total, DTYPE_CODE[dtype]);
+  }
+
+  /** `owns` for a weight matrix (no view made: a step must not allocate). */
+  #ownsMatrix(w: Matrix): boolean {
+    return this.owns(w instanceof Float32Array ? w : w.bytes);
+  }
+
+  /** Whether the kernels take this weight: every format, the block ones with whole blocks per row. */
+  #runs(w: Matrix, inDim: number): boolean {
+    const dtype = matrixDType(w);
+    return !(dtype === "q8_0" || dtype === "q4_0") || inDim % 32 === 0;
   }
 
   /** Stages matmul segment i (see matmulPar in the kernels) for #matmulSegments. */
-  #segment(i: number, out: Float32Array, w: Float32Array, outDim: number): void {
+  #segment(i: number, out: Float32Array, w: Matrix, outDim: number): void {
     const r = this.#segRecords;
     r[4 * i] = out.byteOffset;
-    r[4 * i + 1] = w.byteOffset;
+    r[4 * i + 1] = w instanceof Float32Array ? w.byteOffset : w.bytes.byteOffset;
     r[4 * i + 2] = outDim;
   }
 
@@ -524,7 +608,14 @@ export class WasmKernels implements Kernels {
    * MATMUL_COL_CHUNK columns. One to three rows (decode): chunks of whole weight rows, or, on this
    * thread alone, each segment in one piece (one unbroken weight stream).
    */
-  #matmulSegments(x: Float32Array, rows: number, inDim: number, numSegs: number, totalOut: number): void {
+  #matmulSegments(
+    x: Float32Array,
+    rows: number,
+    inDim: number,
+    numSegs: number,
+    totalOut: number,
+    dtype: number,
+  ): void {
     const big = rows > STREAMED_ROWS;
     const solo = this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork;
     const colChunk = big
@@ -541,7 +632,8 @@ export class WasmKernels implements Kernels {
       r[4 * i + 3] = chunks;
       chunks += Math.ceil((r[4 * i + 2] as number) / colChunk);
     }
-    const xp = big ? this.#pack(x, rows, inDim) : 0;
+    const xp =
+      dtype >= DTYPE_CODE.q8_0 ? this.#quantize(x, rows, inDim) : big ? this.#pack(x, rows, inDim) : 0;
     let job = 0;
     if (solo) {
       this.#resetCounters();
@@ -556,6 +648,7 @@ export class WasmKernels implements Kernels {
       a[6] = this.#counter;
       a[7] = colChunk;
       a[8] = rowChunk;
+      a[9] = dtype;
       job = this.#publish(OP_MATMUL);
     }
     this.#x.matmulPar(
@@ -569,8 +662,20 @@ export class WasmKernels implements Kernels {
       colChunk,
       rowChunk,
       0,
+      dtype,
     );
     if (!solo) this.#join(job);
+  }
+
+  /** Quantises x's rows to int8 blocks for the Q8_0/Q4_0 kernels (quantizeRowsQ8); returns their address. */
+  #quantize(x: Float32Array, rows: number, inDim: number): number {
+    const bytes = Math.ceil((rows * inDim) / 16) * 16 + rows * (inDim / 32) * 8;
+    if (bytes > this.#packedBytes) {
+      this.#packedBytes = Math.max(bytes, this.#packedBytes * 2);
+      this.#packed = this.allocBytes(this.#packedBytes);
+    }
+    this.#x.quantizeRowsQ8(this.#packed, x.byteOffset, rows, inDim);
+    return this.#packed;
   }
 
   /** Packs x in groups of 8 rows for the matmul tile; returns their address. */
@@ -690,6 +795,8 @@ export class WasmKernels implements Kernels {
       );
       return;
     }
+    this.#fence(out, "attention output");
+    this.#fence(pool, "KV pool");
     // Stage the block tables one after another and a record of 5 i32 per sequence (see attentionPar).
     let seqCount = 0;
     let tablePages = 0;

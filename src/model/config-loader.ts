@@ -131,7 +131,19 @@ export function readGenerationConfig(dir: string): GenerationConfigJson | undefi
  */
 export function loadModelConfig(dir: string): ModelConfig {
   const path = join(dir, "config.json");
-  const raw = readJsonFile(path);
+  return parseModelConfig(readJsonFile(path), path, readGenerationConfig(dir));
+}
+
+/**
+ * Checks a parsed config.json (`path` names it in errors; `generation` is generation_config.json,
+ * whose eos ids join the config's) into a frozen `ModelConfig`. A GGUF file's metadata comes here
+ * as the config.json it stands for (src/model/gguf.ts).
+ */
+export function parseModelConfig(
+  raw: unknown,
+  path: string,
+  generation: GenerationConfigJson | undefined,
+): ModelConfig {
   const parsed = configSchema.safeParse(raw);
   if (!parsed.success) throw badModelFolder(path, describeIssues(parsed.error));
   const c = parsed.data;
@@ -149,7 +161,7 @@ export function loadModelConfig(dir: string): ModelConfig {
   if (c.mlp_bias === true) throw unsupportedModel(path, "mlp_bias true is not implemented");
   const attentionBias = attentionBiasOf(path, c, architecture);
   const { numHeads, numKvHeads, headDim } = headsOf(path, c);
-  const { eos, bosTokenId } = specialTokensOf(path, dir, c);
+  const { eos, bosTokenId } = specialTokensOf(path, generation, c);
 
   const config: ModelConfig = {
     architecture,
@@ -267,11 +279,10 @@ function headsOf(path: string, c: ConfigJson): { numHeads: number; numKvHeads: n
 /** The eos ids of config.json and generation_config.json, and the bos id, all inside the vocabulary. */
 function specialTokensOf(
   path: string,
-  dir: string,
+  generation: GenerationConfigJson | undefined,
   c: ConfigJson,
 ): { eos: number[]; bosTokenId: number | null } {
   const eos = idList(c.eos_token_id);
-  const generation = readGenerationConfig(dir);
   for (const id of idList(generation?.eos_token_id)) if (!eos.includes(id)) eos.push(id);
   const bosTokenId = c.bos_token_id ?? null;
   for (const id of [...eos, ...(bosTokenId === null ? [] : [bosTokenId])]) {

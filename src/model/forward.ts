@@ -25,6 +25,7 @@ import { type AttentionSequence, ropeTables } from "../kernels/reference.js";
 import { type KvLayout, kvDtypeCode, kvDtypeOf, pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
+import { decodeMatrixRange, type Matrix, matrixElements } from "./weight-format.js";
 
 /** A step's attention record of one sequence, rewritten in place every step (no allocation). */
 type MutableAttentionSequence = { -readonly [K in keyof AttentionSequence]: AttentionSequence[K] };
@@ -91,10 +92,10 @@ export class ForwardPass {
   #attention: MutableAttentionSequence[]; // [S], for pagedAttentionBatch
   #qkv: Float32Array[];
   #qkvDims: number[];
-  #qkvWeights: Float32Array[][]; // [layer]: q, k, v
+  #qkvWeights: Matrix[][]; // [layer]: q, k, v
   #gateUp: Float32Array[];
   #gateUpDims: number[];
-  #gateUpWeights: Float32Array[][]; // [layer]: gate, up
+  #gateUpWeights: Matrix[][]; // [layer]: gate, up
 
   /**
    * Bytes of the buffers the constructor takes from `kernels.alloc*` for `config` and `options`
@@ -213,6 +214,8 @@ export class ForwardPass {
     const numSeqs = sequences.length;
     const total = this.#checkStep(pool, sequences);
     if (total === 0) return;
+    // Before this step writes K and V into the pool: is it this engine's (a shared memory's fence)?
+    this.#kernels.checkPool?.(pool);
     const { add, addBias, matmul, matmulEach, rmsnorm, rope, swiglu } = this.#kernels;
 
     // Embeddings and positions.
@@ -230,9 +233,8 @@ export class ForwardPass {
       a.rows = tokens.length;
       a.startPos = seq.startPos;
       for (let i = 0; i < tokens.length; i++) {
-        const src = (tokens[i] as number) * hidden;
-        const dst = row * hidden;
-        for (let j = 0; j < hidden; j++) x[dst + j] = embed[src + j] as number;
+        // One row of the table, widened or dequantised if it is stored so (as llama.cpp's get_rows).
+        decodeMatrixRange(embed, (tokens[i] as number) * hidden, hidden, x, row * hidden);
         positions[row] = seq.startPos + i;
         row++;
       }
@@ -253,7 +255,7 @@ export class ForwardPass {
     for (let l = 0; l < cfg.numLayers; l++) {
       const w = layers[l] as (typeof layers)[number];
       rmsnorm(xn, x, w.inputNorm, hidden, eps, total);
-      matmulEach(this.#qkv, xn, this.#qkvWeights[l] as Float32Array[], total, hidden, this.#qkvDims);
+      matmulEach(this.#qkv, xn, this.#qkvWeights[l] as Matrix[], total, hidden, this.#qkvDims);
       if (w.qBias !== null) addBias(q, w.qBias, total, qDim);
       if (w.kBias !== null) addBias(k, w.kBias, total, kvDim);
       if (w.vBias !== null) addBias(v, w.vBias, total, kvDim);
@@ -263,7 +265,7 @@ export class ForwardPass {
       matmul(proj, this.#attn, w.o, total, qDim, hidden);
       add(x, x, proj, total * hidden);
       rmsnorm(xn, x, w.postNorm, hidden, eps, total);
-      matmulEach(this.#gateUp, xn, this.#gateUpWeights[l] as Float32Array[], total, hidden, this.#gateUpDims);
+      matmulEach(this.#gateUp, xn, this.#gateUpWeights[l] as Matrix[], total, hidden, this.#gateUpDims);
       swiglu(gate, gate, up, total * inter);
       matmul(proj, gate, w.down, total, inter, hidden);
       add(x, x, proj, total * hidden);
@@ -442,11 +444,11 @@ export class ForwardPass {
 
 function checkWeights(config: ModelConfig, w: ModelWeights): void {
   const { hiddenSize: h, numHeads, numKvHeads, headDim, intermediateSize: inter, vocabSize } = config;
-  const expect = (name: string, arr: Float32Array | null, n: number): void => {
-    if (arr === null || arr.length !== n) {
+  const expect = (name: string, arr: Matrix | null, n: number): void => {
+    if (arr === null || matrixElements(arr) !== n) {
       throw new KvfenceError(
         "bad_model_folder",
-        `Weight ${name} has the wrong size: ${arr?.length ?? "missing"}, expected ${n}`,
+        `Weight ${name} has the wrong size: ${arr === null ? "missing" : matrixElements(arr)}, expected ${n}`,
       );
     }
   };

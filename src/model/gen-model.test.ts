@@ -14,6 +14,7 @@ import {
   MODEL_SHAPES,
 } from "./gen-model.js";
 import { loadModel } from "./load-model.js";
+import { decodeMatrix } from "./weight-format.js";
 
 function withTempDir<T>(fn: (dir: string) => T): T {
   const dir = mkdtempSync(join(tmpdir(), "kvfence-gen-"));
@@ -105,9 +106,9 @@ test("genModel() writes a folder loadModel() loads, with distinct data in every 
         l.down,
       ]),
     ];
-    const heads = new Set(all.map((t) => Array.from(t.subarray(0, 4)).join(",")));
+    const heads = new Set(all.map((t) => Array.from(decodeMatrix(t).subarray(0, 4)).join(",")));
     assert.equal(heads.size, all.length, "every tensor starts with different values");
-    const q = stats(model.weights.layers[0]?.q ?? new Float32Array());
+    const q = stats(decodeMatrix(model.weights.layers[0]?.q ?? new Float32Array()));
     assert.ok(Math.abs(q.std - 0.02) < 0.003 && Math.abs(q.mean) < 0.003, JSON.stringify(q));
     const norm = stats(model.weights.finalNorm);
     assert.ok(Math.abs(norm.mean - 1) < 0.05, JSON.stringify(norm));
@@ -136,7 +137,7 @@ test("genModel() is deterministic for a seed and differs across seeds", () => {
 test("genModel() refuses an unknown model and a non-integer seed", () => {
   assert.throws(() => genModel("/nonexistent", { like: "gpt5", seed: 1 }), {
     code: "invalid_request",
-    message: /^Unknown model to imitate: gpt5; choose one of smollm2-135m, tiny$/,
+    message: /^Unknown model to imitate: gpt5; choose one of smollm2-135m, smollm2-1.7b, tiny$/,
   });
   assert.throws(() => genModel("/dev/null/model", { like: "tiny", seed: 1 }), {
     code: "invalid_request",
@@ -168,7 +169,10 @@ test("kvfence gen-model --like tiny writes a loadable folder", async () => {
     process.stdout.write = write;
   }
   try {
-    assert.match(lines.join(""), /^Wrote .*\/m \(like tiny, seed 4, [\d.]+ MB of weights\) in [\d.]+ s\n$/);
+    assert.match(
+      lines.join(""),
+      /^Wrote .*\/m \(like tiny, seed 4, f32, [\d.]+ MB of weights\) in [\d.]+ s\n$/,
+    );
     assert.equal(loadModel(join(dir, "m")).config.vocabSize, MODEL_SHAPES.tiny?.vocabSize);
   } finally {
     rmSync(dir, { recursive: true, force: true });

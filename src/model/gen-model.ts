@@ -4,7 +4,7 @@
  *
  * The folder is a complete Hugging Face-style Llama folder: config.json, generation_config.json, a
  * byte-level BPE tokenizer.json with ChatML special tokens, tokenizer_config.json with a ChatML
- * chat template, and model.safetensors in f32. Every tensor gets its own data from one seeded
+ * chat template, and model.safetensors in f32 (or f16/bf16 with `dtype`, rounded to nearest even). Every tensor gets its own data from one seeded
  * xorshift32 stream (splitmix32-seeded per tensor): linear weights uniform with std 0.02, norms
  * 1 ± 0.05, biases std 0.02. The tokenizer is the one of kvfence-tiny and tiny-qwen2
  * (scripts/tokenizer_files.py): ids 0–255 are the bytes, 256–258 `<|endoftext|>`, `<|im_start|>`,
@@ -46,6 +46,20 @@ export const MODEL_SHAPES: Readonly<Record<string, ModelShape>> = {
     vocabSize: 49152,
     tieWordEmbeddings: true,
     ropeTheta: 100000,
+    maxPositionEmbeddings: 8192,
+    rmsNormEps: 1e-5,
+  },
+  // SmolLM2-1.7B's config.json: 1.71 B parameters, 3.42 GB in bf16.
+  "smollm2-1.7b": {
+    hiddenSize: 2048,
+    numLayers: 24,
+    numHeads: 32,
+    numKvHeads: 32,
+    headDim: 64,
+    intermediateSize: 8192,
+    vocabSize: 49152,
+    tieWordEmbeddings: true,
+    ropeTheta: 130000,
     maxPositionEmbeddings: 8192,
     rmsNormEps: 1e-5,
   },
@@ -252,6 +266,8 @@ export interface GenModelOptions {
   /** A key of MODEL_SHAPES. */
   readonly like: string;
   readonly seed: number;
+  /** Format of the weights: F32 (default), F16 or BF16 (norms too, as a Hugging Face checkpoint). */
+  readonly dtype?: "F32" | "F16" | "BF16";
   /** Called after each tensor is written. */
   readonly onProgress?: (bytesWritten: number, totalBytes: number) => void;
 }
@@ -291,11 +307,11 @@ export function genModel(dir: string, options: GenModelOptions): { bytes: number
   const tensors = [...expectedTensors(shapeToConfig(shape))].map(([name, dims]) => ({
     name,
     shape: dims,
-    dtype: "F32",
+    dtype: options.dtype ?? "F32",
   }));
   const { header, dataBytes } = safetensorsHeader(tensors, {
     format: "pt",
-    generator: `kvfence gen-model --like ${options.like} --seed ${options.seed}`,
+    generator: `kvfence gen-model --like ${options.like} --seed ${options.seed} --dtype ${(options.dtype ?? "F32").toLowerCase()}`,
   });
   const totalBytes = header.byteLength + dataBytes;
   const fd = openSync(join(dir, "model.safetensors"), "w");
@@ -317,7 +333,7 @@ export function genModel(dir: string, options: GenModelOptions): { bytes: number
       if (t.name.endsWith("norm.weight"))
         fillRandom(data, { seed: options.seed, stream: index, mean: 1, std: 0.05 });
       else fillRandom(data, { seed: options.seed, stream: index, mean: 0, std: 0.02 });
-      const bytes = encodeTensorData(data, "F32");
+      const bytes = encodeTensorData(data, options.dtype ?? "F32");
       writeAllSync(fd, bytes);
       written += bytes.byteLength;
       options.onProgress?.(written, totalBytes);

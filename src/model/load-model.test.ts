@@ -6,8 +6,9 @@ import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { type ModelFolderOptions, rawSafetensors, writeModelFolder } from "../../testing/model-folder.js";
 import { KvfenceError } from "../lib/errors.js";
-import { formatLoadProgress, type LoadProgress, loadModel } from "./load-model.js";
+import { delayedProgress, formatLoadProgress, type LoadProgress, loadModel } from "./load-model.js";
 import { encodeTensorData, type TensorToWrite } from "./safetensors.js";
+import { decodeMatrix, matrixBytes, matrixElements } from "./weight-format.js";
 
 /** Builds a folder, runs `fn` on it, and removes it. */
 function withFolder<T>(
@@ -117,7 +118,7 @@ test("loadModel() loads sharded BF16 Qwen2 with q/k/v biases", () => {
       roundTrip(byName.get("model.layers.0.self_attn.q_proj.bias") as Float32Array, "BF16"),
     );
     assert.deepEqual(
-      Array.from(model.weights.lmHead),
+      Array.from(decodeMatrix(model.weights.lmHead)),
       roundTrip(byName.get("lm_head.weight") as Float32Array, "BF16"),
     );
   });
@@ -129,7 +130,7 @@ test("loadModel() loads F16 Mistral weights", () => {
     assert.equal(model.config.architecture, "mistral");
     const up = tensors.find((t) => t.name === "model.layers.0.mlp.up_proj.weight");
     assert.deepEqual(
-      Array.from(model.weights.layers[0]?.up ?? []),
+      Array.from(decodeMatrix(model.weights.layers[0]?.up ?? new Float32Array())),
       roundTrip(up?.data ?? new Float32Array(), "F16"),
     );
   });
@@ -145,7 +146,10 @@ test("loadModel() reports progress per chunk and tensor up to the totals", () =>
     assert.equal(last.tensorsTotal, 1 + 2 * 9 + 2);
     assert.equal(last.bytesRead, last.totalBytes);
     assert.equal(new Set(events.map((e) => e.file)).size, 2);
-    assert.match(formatLoadProgress(last), /^loading weights: 100% \([\d.]+ of [\d.]+ MB, 21\/21 tensors\)$/);
+    assert.match(
+      formatLoadProgress(last),
+      /^Loading weights: 100% \[#{24}\] [\d.]+ of [\d.]+ MB, 21\/21 tensors$/,
+    );
     for (let i = 1; i < events.length; i++) {
       assert.ok((events[i]?.tensorsLoaded ?? 0) >= (events[i - 1]?.tensorsLoaded ?? 0));
       assert.ok((events[i]?.bytesRead ?? 0) >= (events[i - 1]?.bytesRead ?? 0));
@@ -156,8 +160,10 @@ test("loadModel() reports progress per chunk and tensor up to the totals", () =>
 test("loadModel() puts weights in SharedArrayBuffers when shared", () => {
   withFolder({ dtype: "BF16" }, (dir) => {
     const model = loadModel(dir, { shared: true });
-    assert.ok(model.weights.embed.buffer instanceof SharedArrayBuffer);
-    assert.ok(model.weights.layers[0]?.gate.buffer instanceof SharedArrayBuffer);
+    assert.ok(matrixBytes(model.weights.embed).buffer instanceof SharedArrayBuffer);
+    assert.ok(
+      matrixBytes(model.weights.layers[0]?.gate ?? new Float32Array()).buffer instanceof SharedArrayBuffer,
+    );
   });
 });
 
@@ -426,7 +432,7 @@ test("loadModel() loads the bundled models/tiny-qwen2 (BF16, two shards, q/k/v b
   assert.equal(model.weights.layers.length, json.num_hidden_layers);
   assert.equal(model.weights.layers[0]?.qBias?.length, model.config.numHeads * model.config.headDim);
   assert.notEqual(model.weights.lmHead, model.weights.embed);
-  assert.ok(model.weights.embed.some((x) => x !== 0));
+  assert.ok(decodeMatrix(model.weights.embed).some((x) => x !== 0));
   const prompt = model.chatTemplate?.render([{ role: "user", content: "hé" }]) ?? "";
   const ids = Array.from(model.tokenizer.encode(prompt, { addSpecialTokens: false }));
   const bytes = (text: string) => Array.from(new TextEncoder().encode(text));
@@ -444,9 +450,9 @@ test("loadModel() loads the bundled models/kvfence-tiny (Llama, F32, its own LM 
   assert.equal(model.config.headDim, json.head_dim);
   assert.equal(model.weights.layers.length, json.num_hidden_layers);
   assert.notEqual(model.weights.lmHead, model.weights.embed);
-  assert.equal(model.weights.lmHead.length, model.config.vocabSize * model.config.hiddenSize);
+  assert.equal(matrixElements(model.weights.lmHead), model.config.vocabSize * model.config.hiddenSize);
   assert.equal(model.weights.layers[0]?.qBias, null);
-  assert.ok(model.weights.layers.every((l) => l.q.some((x) => x !== 0)));
+  assert.ok(model.weights.layers.every((l) => decodeMatrix(l.q).some((x) => x !== 0)));
   assert.ok(model.config.eosTokenIds.includes(258));
   const prompt = model.chatTemplate?.render([{ role: "user", content: "ok" }]) ?? "";
   assert.equal(prompt, "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n");
@@ -456,4 +462,28 @@ test("loadModel() loads the bundled models/kvfence-tiny (Llama, F32, its own LM 
     }),
     prompt,
   );
+});
+
+test("delayedProgress() shows nothing during the first second, then a bar at each new percent", () => {
+  let t = 0;
+  const lines: string[] = [];
+  const onProgress = delayedProgress((line) => lines.push(line), { now: () => t });
+  const at = (bytesRead: number): LoadProgress => ({
+    file: "f",
+    bytesRead,
+    totalBytes: 1000,
+    tensorsLoaded: 1,
+    tensorsTotal: 4,
+  });
+  t = 999;
+  onProgress(at(500));
+  assert.deepEqual(lines, [], "a load that takes under a second shows no bar");
+  t = 1000;
+  onProgress(at(500));
+  onProgress(at(504));
+  onProgress(at(1000));
+  assert.deepEqual(lines, [
+    "Loading weights: 50% [############            ] 0.0 of 0.0 MB, 1/4 tensors",
+    "Loading weights: 100% [########################] 0.0 of 0.0 MB, 1/4 tensors",
+  ]);
 });

@@ -12,16 +12,19 @@
  */
 import { statSync } from "node:fs";
 import { basename, join, resolve } from "node:path";
-import { badModelFolder, loadModelConfig, readJsonFile } from "./config-loader.js";
+import { badModelFolder, loadModelConfig, parseModelConfig, readJsonFile } from "./config-loader.js";
+import { type GgufModel, ggufMatrix, isGgufPath, readGgufModel } from "./gguf.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
-import { SafetensorsFile } from "./safetensors.js";
+import { readWholeFile, SafetensorsFile } from "./safetensors.js";
 import {
   type ChatTemplate,
   type GenerationDefaults,
+  ggufTokenizer,
   loadChatTemplate,
   loadGenerationDefaults,
   ModelTokenizer,
 } from "./tokenizer.js";
+import { convertMatrix, type Matrix, matrixBytes, type WeightDType } from "./weight-format.js";
 
 export interface LoadProgress {
   /** The weights file being read or converted. */
@@ -34,11 +37,37 @@ export interface LoadProgress {
   readonly tensorsTotal: number;
 }
 
-/** A one-line progress text, e.g. `loading weights: 42% (226.0 of 538.1 MB, 120/272 tensors)`. */
+const BAR_WIDTH = 24;
+
+/** A one-line progress bar, e.g. `Loading weights: 42% [##########              ] 226.0 of 538.1 MB, 120/272 tensors`. */
 export function formatLoadProgress(p: LoadProgress): string {
-  const percent = p.totalBytes === 0 ? 100 : Math.floor((p.bytesRead / p.totalBytes) * 100);
+  const share = p.totalBytes === 0 ? 1 : Math.min(1, p.bytesRead / p.totalBytes);
+  const percent = Math.floor(share * 100);
+  const filled = Math.floor(share * BAR_WIDTH);
+  const bar = `[${"#".repeat(filled)}${" ".repeat(BAR_WIDTH - filled)}]`;
   const mb = (bytes: number) => (bytes / 1e6).toFixed(1);
-  return `loading weights: ${percent}% (${mb(p.bytesRead)} of ${mb(p.totalBytes)} MB, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`;
+  return `Loading weights: ${percent}% ${bar} ${mb(p.bytesRead)} of ${mb(p.totalBytes)} MB, ${p.tensorsLoaded}/${p.tensorsTotal} tensors`;
+}
+
+/**
+ * An `onProgress` that shows the bar only once loading has taken `delayMs` (default 1 s: a fast
+ * load shows nothing), then at each new percent; `now` is the clock in ms (tests give their own).
+ */
+export function delayedProgress(
+  show: (line: string) => void,
+  options?: { readonly delayMs?: number; readonly now?: () => number },
+): (p: LoadProgress) => void {
+  const now = options?.now ?? (() => performance.now());
+  const start = now();
+  const delay = options?.delayMs ?? 1000;
+  let lastPercent = -1;
+  return (p) => {
+    if (now() - start < delay) return;
+    const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
+    if (percent === lastPercent) return;
+    lastPercent = percent;
+    show(formatLoadProgress(p));
+  };
 }
 
 export interface LoadModelOptions {
@@ -46,13 +75,30 @@ export interface LoadModelOptions {
   readonly onProgress?: (progress: LoadProgress) => void;
   /** Put the weights in SharedArrayBuffers so worker threads can use them without copies. */
   readonly shared?: boolean;
+  /**
+   * Quantise every weight matrix (embeddings and LM head included, as llama.cpp's q8_0/q4_0 files
+   * do) from its stored f32/f16/bf16 into these blocks (`--quantize`); norms and biases stay f32.
+   */
+  readonly quantize?: "q8_0" | "q4_0";
+  /**
+   * Where each weight file's bytes go (a window of the engines' shared WebAssembly memory,
+   * src/engine/engine-memory.ts): the file is read straight into it and its tensors are views of
+   * it, so no other copy of the file exists. Absent: a fresh (Shared)ArrayBuffer per file.
+   */
+  readonly into?: (bytes: number) => Uint8Array;
 }
+
+/** The formats `--quantize` makes at load. */
+export const QUANTIZE_TYPES: readonly ("q8_0" | "q4_0")[] = ["q8_0", "q4_0"];
 
 /** Everything of a model folder but its weights: what a router needs to tokenize and admit. */
 export interface ModelMeta {
-  /** The folder's base name. */
+  /** The folder's base name (a GGUF file's without `.gguf`). */
   readonly name: string;
+  /** The folder, or the GGUF file. */
   readonly dir: string;
+  /** A GGUF file's parsed header (its tensor table), absent for a folder. */
+  readonly gguf?: GgufModel;
   readonly config: ModelConfig;
   readonly tokenizer: ModelTokenizer;
   /** Null when the folder has no chat template. */
@@ -99,7 +145,7 @@ function isIgnorable(name: string, config: ModelConfig): boolean {
 }
 
 /** Finds the weight files: the single file, or the shards of the index (each must exist). */
-function weightFiles(dir: string): { files: string[]; label: string } {
+export function weightFiles(dir: string): { files: string[]; label: string } {
   const single = join(dir, "model.safetensors");
   if (isFile(single)) return { files: [single], label: single };
   const indexPath = join(dir, "model.safetensors.index.json");
@@ -154,6 +200,100 @@ export function loadModel(dir: string, options?: LoadModelOptions): LoadedModel 
   return Object.freeze({ ...meta, weights: loadWeights(meta.dir, meta.config, options) });
 }
 
+/** `loadModel` for a folder or a GGUF file (`FILE.gguf`, src/model/gguf.ts). */
+export async function openModel(path: string, options?: LoadModelOptions): Promise<LoadedModel> {
+  const meta = await openModelMeta(path);
+  return Object.freeze({ ...meta, weights: loadModelWeights(meta, options) });
+}
+
+/** `loadModelMeta` for a folder or a GGUF file. */
+export async function openModelMeta(path: string): Promise<ModelMeta> {
+  if (!isGgufPath(path)) return loadModelMeta(path);
+  const gguf = await readGgufModel(resolve(path));
+  const config = parseModelConfig(gguf.configJson, gguf.path, undefined);
+  const { tokenizer, chatTemplate } = ggufTokenizer(gguf);
+  checkVocabulary(gguf.path, tokenizer, config, "the token embedding");
+  return Object.freeze({
+    name: gguf.name,
+    dir: gguf.path,
+    gguf,
+    config,
+    tokenizer,
+    chatTemplate,
+    generationDefaults: Object.freeze({ eosTokenIds: config.eosTokenIds }),
+  });
+}
+
+/** The weights of a model whose meta is loaded: its folder's safetensors or its GGUF tensors. */
+export function loadModelWeights(meta: ModelMeta, options?: LoadModelOptions): ModelWeights {
+  return meta.gguf === undefined
+    ? loadWeights(meta.dir, meta.config, options)
+    : loadGgufWeights(meta.gguf, meta.config, options);
+}
+
+function checkVocabulary(
+  label: string,
+  tokenizer: ModelTokenizer,
+  config: ModelConfig,
+  source: string,
+): void {
+  const numIds = tokenizer.numIds;
+  if (numIds > config.vocabSize) {
+    throw badModelFolder(
+      label,
+      `tokenizer has token ids up to ${numIds - 1} but ${source} has vocab_size ${config.vocabSize}; the tokenizer does not belong to this model`,
+    );
+  }
+}
+
+/**
+ * A GGUF file's tensors (already listed by `readGgufModel`), each checked against the config like
+ * a folder's: the file is read whole (into `options.into`'s memory when given) and the tensors are
+ * views of it in their stored format (src/model/gguf.ts), Llama's Q/K rows un-permuted in place;
+ * `quantize` converts the matrices as for a folder.
+ */
+export function loadGgufWeights(
+  model: GgufModel,
+  config: ModelConfig,
+  options?: LoadModelOptions,
+): ModelWeights {
+  const expected = expectedTensors(config);
+  const file = model.path;
+  const bytes = readWholeFile(file, {
+    shared: options?.shared ?? false,
+    ...(options?.into === undefined ? {} : { into: options.into }),
+    onBytes: (bytesRead, totalBytes) =>
+      options?.onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: 0, tensorsTotal: expected.size }),
+  });
+  const tensors = new Map<string, Matrix>();
+  for (const t of model.tensors) {
+    const shape = expected.get(t.name);
+    if (shape === undefined) {
+      checkUnexpected({ file, name: `${t.name} (${t.ggufName})`, shape: t.shape }, config);
+      continue;
+    }
+    if (tensors.has(t.name)) throw badModelFolder(file, `tensor ${t.ggufName} appears twice`);
+    if (!sameShape(t.shape, shape)) {
+      throw badModelFolder(
+        file,
+        `tensor ${t.ggufName} has shape ${shapeText(t.shape)}, expected ${shapeText(shape)} from the GGUF metadata`,
+      );
+    }
+    if (t.fileOffset + t.byteLength > bytes.byteLength)
+      throw badModelFolder(file, `tensor ${t.ggufName} runs past the end of the file; the file is truncated`);
+    const m = ggufMatrix(bytes, t, options?.shared ?? false);
+    tensors.set(
+      t.name,
+      shape.length === 2 && options?.quantize !== undefined ? convertMatrix(m, shape, options.quantize) : m,
+    );
+  }
+  for (const [name, shape] of expected) {
+    if (!tensors.has(name))
+      throw badModelFolder(file, `tensor ${name} is missing (expected shape ${shapeText(shape)})`);
+  }
+  return assembleWeights(config, tensors);
+}
+
 /** Loads and validates a model folder's config, tokenizer, chat template and defaults, not its weights. */
 export function loadModelMeta(dir: string): ModelMeta {
   const root = resolve(dir);
@@ -168,13 +308,7 @@ export function loadModelMeta(dir: string): ModelMeta {
 
   const config = loadModelConfig(root);
   const tokenizer = ModelTokenizer.fromFolder(root);
-  const numIds = tokenizer.numIds;
-  if (numIds > config.vocabSize) {
-    throw badModelFolder(
-      join(root, "tokenizer.json"),
-      `tokenizer has token ids up to ${numIds - 1} but config.json has vocab_size ${config.vocabSize}; the tokenizer does not belong to this model`,
-    );
-  }
+  checkVocabulary(join(root, "tokenizer.json"), tokenizer, config, "config.json");
   return Object.freeze({
     name: basename(root),
     dir: root,
@@ -190,8 +324,10 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
   const { files, label } = weightFiles(dir);
   const expected = expectedTensors(config);
   const totalBytes = files.reduce((sum, f) => sum + statSync(f).size, 0);
-  const tensors = new Map<string, Float32Array>();
+  const tensors = new Map<string, Matrix>();
   const onProgress = options?.onProgress;
+  const shared = options?.shared ?? false;
+  const quantize = options?.quantize;
   let bytesBefore = 0;
   let bytesRead = 0;
 
@@ -200,6 +336,7 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
       onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
     const st = SafetensorsFile.open(file, {
       shared: options?.shared ?? false,
+      ...(options?.into === undefined ? {} : { into: options.into }),
       onBytes: (done) => {
         bytesRead = bytesBefore + done;
         report();
@@ -207,22 +344,22 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
     });
     bytesBefore = bytesRead;
     for (const name of st.names()) {
-      const info = st.info(name);
-      if (info === undefined) continue;
+      const stored = st.logicalShape(name);
+      if (stored === undefined) continue;
       const shape = expected.get(name);
       if (shape === undefined) {
-        checkUnexpected({ file, name, shape: info.shape }, config);
+        checkUnexpected({ file, name, shape: stored }, config);
         continue;
       }
       if (tensors.has(name))
         throw badModelFolder(file, `tensor ${name} appears in more than one weight file`);
-      if (!sameShape(info.shape, shape)) {
+      if (!sameShape(stored, shape)) {
         throw badModelFolder(
           file,
-          `tensor ${name} has shape ${shapeText(info.shape)}, expected ${shapeText(shape)} from config.json`,
+          `tensor ${name} has shape ${shapeText(stored)}, expected ${shapeText(shape)} from config.json`,
         );
       }
-      tensors.set(name, st.toFloat32(name));
+      tensors.set(name, readTensor(st, name, shape, { shared, quantize }));
       report();
     }
   }
@@ -235,6 +372,37 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
   }
 
   return assembleWeights(config, tensors);
+}
+
+/**
+ * One checked tensor: a matrix in its stored format (or quantised), a vector (norm, bias) as f32.
+ * Quantising copies the small f32 vectors out of the file's buffer too, so the file's bytes do not
+ * stay alive beside the quantised copies.
+ */
+function readTensor(
+  st: SafetensorsFile,
+  name: string,
+  shape: readonly number[],
+  options: { shared: boolean; quantize: WeightDType | undefined },
+): Matrix {
+  if (shape.length !== 2) {
+    const v = st.toFloat32(name);
+    return options.quantize === undefined ? v : ownCopy(v, options.shared);
+  }
+  const m = st.toMatrix(name);
+  if (options.quantize === undefined) return m;
+  const q = convertMatrix(m, shape, options.quantize);
+  if (q instanceof Float32Array) return q;
+  if (!options.shared || q.bytes.buffer instanceof SharedArrayBuffer) return q;
+  const bytes = new Uint8Array(new SharedArrayBuffer(matrixBytes(q).byteLength));
+  bytes.set(matrixBytes(q));
+  return { ...q, bytes };
+}
+
+function ownCopy(v: Float32Array, shared: boolean): Float32Array {
+  const out = new Float32Array(shared ? new SharedArrayBuffer(v.byteLength) : new ArrayBuffer(v.byteLength));
+  out.set(v);
+  return out;
 }
 
 /** A tensor config.json does not expect: ignorable (rotary caches and the like), or refused. */
@@ -257,15 +425,16 @@ function checkUnexpected(
 }
 
 /** The frozen `ModelWeights` over a complete set of checked tensors. */
-function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float32Array>): ModelWeights {
-  const get = (name: string): Float32Array => tensors.get(name) as Float32Array;
-  const bias = (name: string): Float32Array | null => (config.attentionBias ? get(name) : null);
+function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Matrix>): ModelWeights {
+  const get = (name: string): Matrix => tensors.get(name) as Matrix;
+  const vec = (name: string): Float32Array => tensors.get(name) as Float32Array;
+  const bias = (name: string): Float32Array | null => (config.attentionBias ? vec(name) : null);
   const layers: LayerWeights[] = [];
   for (let i = 0; i < config.numLayers; i++) {
     const p = `model.layers.${i}`;
     layers.push(
       Object.freeze({
-        inputNorm: get(`${p}.input_layernorm.weight`),
+        inputNorm: vec(`${p}.input_layernorm.weight`),
         q: get(`${p}.self_attn.q_proj.weight`),
         k: get(`${p}.self_attn.k_proj.weight`),
         v: get(`${p}.self_attn.v_proj.weight`),
@@ -273,7 +442,7 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float
         kBias: bias(`${p}.self_attn.k_proj.bias`),
         vBias: bias(`${p}.self_attn.v_proj.bias`),
         o: get(`${p}.self_attn.o_proj.weight`),
-        postNorm: get(`${p}.post_attention_layernorm.weight`),
+        postNorm: vec(`${p}.post_attention_layernorm.weight`),
         gate: get(`${p}.mlp.gate_proj.weight`),
         up: get(`${p}.mlp.up_proj.weight`),
         down: get(`${p}.mlp.down_proj.weight`),
@@ -284,7 +453,12 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Float
   return Object.freeze({
     embed,
     layers: Object.freeze(layers),
-    finalNorm: get("model.norm.weight"),
+    finalNorm: vec("model.norm.weight"),
     lmHead: config.tieWordEmbeddings ? embed : get("lm_head.weight"),
   });
+}
+
+/** The files `loadModelWeights` reads for `meta`: the GGUF file, or the folder's safetensors. */
+export function weightFilesOf(meta: ModelMeta): string[] {
+  return meta.gguf === undefined ? weightFiles(meta.dir).files : [meta.gguf.path];
 }

@@ -3,6 +3,7 @@
  * config-loader.ts) turns a Hugging Face `config.json` (Llama, Mistral, Qwen2) into this, refusing
  * anything it does not implement.
  */
+import type { Matrix } from "./weight-format.js";
 export interface ModelConfig {
   readonly architecture: "llama" | "mistral" | "qwen2";
   readonly hiddenSize: number;
@@ -23,27 +24,29 @@ export interface ModelConfig {
 }
 
 /**
- * Weights in f32, row-major `[out][in]` exactly as stored in safetensors (a Linear's weight).
- * When embeddings are tied, `lmHead` is the same array as `embed`.
+ * Weights row-major `[out][in]` exactly as stored in safetensors (a Linear's weight). The matrices
+ * are in their stored format (src/model/weight-format.ts: a Float32Array for f32, a `WeightTensor`
+ * for f16, bf16, Q8_0, Q4_0); norms and biases are always f32, as llama.cpp keeps them. When
+ * embeddings are tied, `lmHead` is the same object as `embed`.
  */
 export interface LayerWeights {
   readonly inputNorm: Float32Array; // [hidden]
-  readonly q: Float32Array; // [numHeads*headDim][hidden]
-  readonly k: Float32Array; // [numKvHeads*headDim][hidden]
-  readonly v: Float32Array; // [numKvHeads*headDim][hidden]
+  readonly q: Matrix; // [numHeads*headDim][hidden]
+  readonly k: Matrix; // [numKvHeads*headDim][hidden]
+  readonly v: Matrix; // [numKvHeads*headDim][hidden]
   readonly qBias: Float32Array | null;
   readonly kBias: Float32Array | null;
   readonly vBias: Float32Array | null;
-  readonly o: Float32Array; // [hidden][numHeads*headDim]
+  readonly o: Matrix; // [hidden][numHeads*headDim]
   readonly postNorm: Float32Array; // [hidden]
-  readonly gate: Float32Array; // [intermediate][hidden]
-  readonly up: Float32Array; // [intermediate][hidden]
-  readonly down: Float32Array; // [hidden][intermediate]
+  readonly gate: Matrix; // [intermediate][hidden]
+  readonly up: Matrix; // [intermediate][hidden]
+  readonly down: Matrix; // [hidden][intermediate]
 }
 
 export interface ModelWeights {
-  readonly embed: Float32Array; // [vocab][hidden]
+  readonly embed: Matrix; // [vocab][hidden]
   readonly layers: readonly LayerWeights[];
   readonly finalNorm: Float32Array; // [hidden]
-  readonly lmHead: Float32Array; // [vocab][hidden]
+  readonly lmHead: Matrix; // [vocab][hidden]
 }

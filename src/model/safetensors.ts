@@ -5,13 +5,32 @@
  *
  * The whole file is read into one buffer (optionally a SharedArrayBuffer, so worker threads can
  * share the weights) in large chunks. F32 tensors whose data is 4-byte aligned are returned as views
- * into that buffer (no copy); F16 and BF16 are widened to f32 with tight loops over 16-bit views.
+ * into that buffer (no copy). `toMatrix` keeps F16 and BF16 at 2 bytes (a `WeightTensor` over the
+ * same buffer, src/model/weight-format.ts); `toFloat32` widens them with tight loops over 16-bit
+ * views (norms and biases, which stay f32).
  * Every offset is taken relative to the Uint8Array's own `byteOffset`, so parsing is correct for
  * pooled Node Buffers too. Parsing checks the header length, the JSON, each tensor's offsets
  * against the data actually present, and shape × dtype size against each byte range.
  */
 import { closeSync, fstatSync, openSync, readSync, writeSync } from "node:fs";
 import { KvfenceError } from "../lib/errors.js";
+import {
+  f32ToBf16Bits,
+  f32ToF16Bits,
+  type Matrix,
+  QK,
+  WEIGHT_DTYPES,
+  type WeightDType,
+  weightBytes,
+} from "./weight-format.js";
+
+/**
+ * The `__metadata__` key naming the tensors stored in a block format (written by `kvfence
+ * quantize`, docs/weights.md): a JSON object `{tensor name: {"dtype": "q8_0"|"q4_0", "shape":
+ * [rows, cols]}}`. Such a tensor is stored as U8 of shape [rows, bytes per row] holding llama.cpp's
+ * GGUF blocks, so any safetensors reader still reads the file.
+ */
+export const WEIGHT_FORMATS_KEY = "kvfence.weight_formats";
 
 /** Element sizes of every dtype the format defines (used to validate byte ranges). */
 const DTYPE_BYTES: Readonly<Record<string, number>> = {
@@ -61,7 +80,12 @@ function bad(file: string, problem: string, cause?: unknown): KvfenceError {
  */
 export function readWholeFile(
   path: string,
-  options?: { shared?: boolean; onBytes?: (bytesRead: number, totalBytes: number) => void },
+  options?: {
+    shared?: boolean;
+    onBytes?: (bytesRead: number, totalBytes: number) => void;
+    /** Where the bytes go (a window of a shared WebAssembly memory); else a fresh buffer. */
+    into?: (bytes: number) => Uint8Array;
+  },
 ): Uint8Array {
   let fd: number;
   try {
@@ -72,9 +96,9 @@ export function readWholeFile(
   }
   try {
     const size = fstatSync(fd).size;
-    const bytes = new Uint8Array(
-      options?.shared === true ? new SharedArrayBuffer(size) : new ArrayBuffer(size),
-    );
+    const bytes =
+      options?.into?.(size) ??
+      new Uint8Array(options?.shared === true ? new SharedArrayBuffer(size) : new ArrayBuffer(size));
     let done = 0;
     while (done < size) {
       const n = readSync(fd, bytes, done, Math.min(READ_CHUNK_BYTES, size - done), done);
@@ -95,6 +119,8 @@ export class SafetensorsFile {
   readonly metadata: Readonly<Record<string, string>>;
   readonly #bytes: Uint8Array;
   readonly #tensors: ReadonlyMap<string, TensorInfo>;
+  /** Block-format tensors named by the WEIGHT_FORMATS_KEY metadata. */
+  readonly #blocks: ReadonlyMap<string, { dtype: WeightDType; shape: readonly number[] }>;
 
   private constructor(
     path: string,
@@ -106,13 +132,11 @@ export class SafetensorsFile {
     this.#bytes = bytes;
     this.#tensors = tensors;
     this.metadata = metadata;
+    this.#blocks = parseBlockFormats(path, metadata, tensors);
   }
 
   /** Reads and parses a file; `shared` puts the bytes in a SharedArrayBuffer. */
-  static open(
-    path: string,
-    options?: { shared?: boolean; onBytes?: (bytesRead: number, totalBytes: number) => void },
-  ): SafetensorsFile {
+  static open(path: string, options?: Parameters<typeof readWholeFile>[1]): SafetensorsFile {
     return SafetensorsFile.parse(readWholeFile(path, options), path);
   }
 
@@ -170,6 +194,37 @@ export class SafetensorsFile {
     return this.#tensors.get(name);
   }
 
+  /** The tensor's shape as a matrix of weights (a block-format tensor's logical shape, not its U8 one). */
+  logicalShape(name: string): readonly number[] | undefined {
+    return this.#blocks.get(name)?.shape ?? this.#tensors.get(name)?.shape;
+  }
+
+  /**
+   * The tensor in its stored format: F32 as `toFloat32`, F16 and BF16 as a 2-byte `WeightTensor`
+   * over the file's buffer (copied only when not 2-byte aligned). Throws like `toFloat32` for
+   * other dtypes.
+   */
+  toMatrix(name: string): Matrix {
+    const t = this.#tensors.get(name);
+    if (t === undefined) throw bad(this.path, `tensor ${name} is missing`);
+    const block = this.#blocks.get(name);
+    if (block !== undefined) {
+      const start = this.#bytes.byteOffset + t.fileOffset;
+      return {
+        dtype: block.dtype,
+        shape: block.shape,
+        bytes: new Uint8Array(this.#bytes.buffer, start, t.byteLength),
+      };
+    }
+    if (t.dtype !== "F16" && t.dtype !== "BF16") return this.toFloat32(name);
+    const halves = halfView(this.#bytes, t);
+    return {
+      dtype: t.dtype === "F16" ? "f16" : "bf16",
+      shape: t.shape,
+      bytes: new Uint8Array(halves.buffer, halves.byteOffset, halves.byteLength),
+    };
+  }
+
   /**
    * The tensor as f32, row-major. F32 data aligned to 4 bytes is a view into the file's buffer (a
    * SharedArrayBuffer when the file was opened shared); anything converted gets a fresh buffer of
@@ -208,6 +263,59 @@ export class SafetensorsFile {
         );
     }
   }
+}
+
+/** The block-format tensors the metadata names, each checked against its U8 entry. */
+function parseBlockFormats(
+  path: string,
+  metadata: Readonly<Record<string, string>>,
+  tensors: ReadonlyMap<string, TensorInfo>,
+): Map<string, { dtype: WeightDType; shape: readonly number[] }> {
+  const out = new Map<string, { dtype: WeightDType; shape: readonly number[] }>();
+  const text = metadata[WEIGHT_FORMATS_KEY];
+  if (text === undefined) return out;
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(text);
+  } catch (err) {
+    throw bad(path, `metadata ${WEIGHT_FORMATS_KEY} is not valid JSON: ${(err as Error).message}`, err);
+  }
+  if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed))
+    throw bad(path, `metadata ${WEIGHT_FORMATS_KEY} is not a JSON object`);
+  for (const [name, entry] of Object.entries(parsed)) {
+    const e = entry as { dtype?: unknown; shape?: unknown } | null;
+    const t = tensors.get(name);
+    if (t === undefined)
+      throw bad(path, `metadata ${WEIGHT_FORMATS_KEY} names tensor ${name}, which the file does not hold`);
+    const dtype = e?.dtype;
+    if (dtype !== "q8_0" && dtype !== "q4_0") {
+      throw new KvfenceError(
+        "unsupported_model",
+        `Unsupported model: ${path}: tensor ${name} has weight format ${JSON.stringify(dtype)}; supported: ${WEIGHT_DTYPES.filter((d) => d.startsWith("q")).join(", ")}`,
+      );
+    }
+    const shape = e?.shape;
+    if (!Array.isArray(shape) || shape.length !== 2 || !shape.every((d) => Number.isSafeInteger(d) && d > 0))
+      throw bad(
+        path,
+        `tensor ${name} has an invalid ${dtype} shape in ${WEIGHT_FORMATS_KEY}: ${JSON.stringify(shape)}`,
+      );
+    const [rows, cols] = shape as [number, number];
+    if (cols % QK !== 0)
+      throw bad(
+        path,
+        `tensor ${name}: ${dtype} rows of ${cols} values are not a whole number of ${QK}-value blocks`,
+      );
+    const want = weightBytes(dtype, rows * cols);
+    if (t.dtype !== "U8" || t.byteLength !== want) {
+      throw bad(
+        path,
+        `tensor ${name} is ${dtype} [${rows},${cols}] (${want} bytes) but is stored as ${t.dtype} of ${t.byteLength} bytes`,
+      );
+    }
+    out.set(name, { dtype, shape: Object.freeze([rows, cols]) });
+  }
+  return out;
 }
 
 /** One header entry of the file `path`, whose data section starts at `dataStart` and holds `dataBytes`. */
@@ -345,33 +453,12 @@ export function safetensorsHeader(
 export function encodeTensorData(data: Float32Array, dtype: "F32" | "F16" | "BF16"): Uint8Array {
   if (dtype === "F32") return new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
   const out = new Uint16Array(data.length);
-  const bits = new Uint32Array(data.buffer, data.byteOffset, data.length);
   if (dtype === "BF16") {
-    for (let i = 0; i < data.length; i++) {
-      const b = bits[i] as number;
-      out[i] = (b + 0x7fff + ((b >>> 16) & 1)) >>> 16;
-    }
+    for (let i = 0; i < data.length; i++) out[i] = f32ToBf16Bits(data[i] as number);
   } else {
-    for (let i = 0; i < data.length; i++) out[i] = f32ToF16(data[i] as number);
+    for (let i = 0; i < data.length; i++) out[i] = f32ToF16Bits(data[i] as number);
   }
   return new Uint8Array(out.buffer);
-}
-
-function f32ToF16(value: number): number {
-  const sign = value < 0 || Object.is(value, -0) ? 0x8000 : 0;
-  const a = Math.abs(value);
-  if (Number.isNaN(value)) return 0x7e00;
-  if (a >= 65520) return sign | 0x7c00;
-  if (a < 2 ** -24 / 2) return sign;
-  if (a < 2 ** -14) return sign | Math.round(a / 2 ** -24);
-  const exp = Math.floor(Math.log2(a));
-  let frac = Math.round((a / 2 ** exp - 1) * 1024);
-  let e = exp + 15;
-  if (frac === 1024) {
-    frac = 0;
-    e += 1;
-  }
-  return sign | (e << 10) | frac;
 }
 
 /** Writes tensors to a safetensors file (used by tests and `kvfence gen-model`). */

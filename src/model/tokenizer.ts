@@ -18,6 +18,7 @@ import { Template } from "@huggingface/jinja";
 import { Tokenizer } from "@huggingface/tokenizers";
 import { KvfenceError } from "../lib/errors.js";
 import { badModelFolder, readGenerationConfig, readJsonFile } from "./config-loader.js";
+import { type GgufModel, isGgufPath, readGgufModel } from "./gguf.js";
 
 /** GPT-2's byte ↔ printable-character map used by byte-level BPE vocabularies. */
 export const BYTE_TO_CHAR: readonly string[] = (() => {
@@ -345,6 +346,34 @@ export function loadChatTemplate(dir: string, tokenizer: ModelTokenizer, file?: 
     configPath,
     'chat_template must be a string or a list containing a template named "default"',
   );
+}
+
+/** A model's tokenizer and chat template (null without one). */
+export interface TokenizerAndTemplate {
+  readonly tokenizer: ModelTokenizer;
+  readonly chatTemplate: ChatTemplate | null;
+}
+
+/** The tokenizer and chat template of a model folder or a GGUF file (src/model/gguf.ts). */
+export async function openTokenizer(path: string): Promise<TokenizerAndTemplate> {
+  if (isGgufPath(path)) return ggufTokenizer(await readGgufModel(path));
+  const tokenizer = ModelTokenizer.fromFolder(path);
+  return { tokenizer, chatTemplate: loadChatTemplate(path, tokenizer) };
+}
+
+/** The tokenizer and chat template a GGUF file's metadata describes. */
+export function ggufTokenizer(model: GgufModel): TokenizerAndTemplate {
+  const tokenizer = new ModelTokenizer(model.tokenizerJson, model.tokenizerConfig, { label: model.path });
+  const source = model.tokenizerConfig.chat_template;
+  const chatTemplate =
+    typeof source === "string"
+      ? new ChatTemplate(source, {
+          bosToken: tokenizer.bosToken,
+          eosToken: tokenizer.eosToken,
+          label: `${model.path} (tokenizer.chat_template)`,
+        })
+      : null;
+  return { tokenizer, chatTemplate };
 }
 
 /** Sampling defaults from generation_config.json (absent fields stay undefined). */

@@ -8,7 +8,6 @@ import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { buildEngine } from "../engine/build-engine.js";
 import type { Engine } from "../engine/engine.js";
 import { layoutSignature } from "../kvcache/kv-layout.js";
-import { loadModelConfig } from "../model/config-loader.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { makeSafety, type Safety } from "../protocol/safety.js";
 import { DecodeNode } from "./decode-node.js";
@@ -48,8 +47,7 @@ export async function buildNode(
     faults: options.faults ?? [],
     disabledGuards: options.engine.disabledGuards ?? [],
   });
-  const model = options.engine.model;
-  const signature = nodeLayoutSignature(engine, "dir" in model ? loadModelConfig(model.dir) : model.config);
+  const signature = nodeLayoutSignature(engine, engine.modelConfig);
   const incarnation = randomInt(1, 0x7fff_ffff);
   const hello: NodeHello = {
     kind: "hello",

@@ -7,7 +7,7 @@
 import { parentPort, workerData } from "node:worker_threads";
 import { KvfenceError } from "../lib/errors.js";
 import { lowerThreadPriority } from "../lib/thread-priority.js";
-import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
+import { loadChatTemplate, openTokenizer } from "../model/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
 import {
   type FromPrepareWorker,
@@ -21,10 +21,16 @@ const data = workerData as PrepareWorkerData;
 const port = parentPort!;
 // The large lane's workers prepare big bodies: they yield the CPU to the threads serving requests.
 if (data.lane === "large") lowerThreadPriority(LARGE_LANE_NICE);
-const tokenizer = ModelTokenizer.fromFolder(data.modelDir);
+const { tokenizer, chatTemplate } = await openTokenizer(data.modelDir);
 const context = {
   modelId: data.modelId,
-  tokenizer: routerTokenizer(tokenizer, loadChatTemplate(data.modelDir, tokenizer, data.chatTemplateFile)),
+  // `--chat-template FILE` replaces the model's own.
+  tokenizer: routerTokenizer(
+    tokenizer,
+    data.chatTemplateFile === undefined
+      ? chatTemplate
+      : loadChatTemplate(data.modelDir, tokenizer, data.chatTemplateFile),
+  ),
   limits: data.limits,
 };
 

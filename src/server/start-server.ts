@@ -9,12 +9,12 @@
  * template, never the weights. Used by `kvfence serve` and the incident tool.
  */
 import net from "node:net";
+import { loadEngineMemory, type MemoryRegion, regionBytesOf } from "../engine/engine-memory.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
-import { loadModelConfig } from "../model/config-loader.js";
-import { loadModel, loadModelMeta, loadWeights, type ModelMeta } from "../model/load-model.js";
+import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { type GenerationDefaults, loadChatTemplate, loadGenerationDefaults } from "../model/tokenizer.js";
 import { startNodeServer } from "../node/node-server.js";
@@ -93,7 +93,9 @@ export async function startServer(
   const tls = serveTls(config);
   if (tls.frontDoor === undefined) warnPlaintextFrontDoor(config.host, log);
 
-  const modelConfig = loadModelConfig(config.model);
+  // The config, tokenizer and chat template (of a folder or a GGUF file's header), not the weights.
+  const model = await openModelMeta(config.model);
+  const modelConfig = model.config;
   const bytesPerPage = pageBytes(layoutOf(config, modelConfig));
   const numPages = config.kvPages ?? Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / bytesPerPage);
   const poolTokens = numPages * config.pageSize;
@@ -108,31 +110,17 @@ export async function startServer(
   // So does a missing or weak cluster secret (the router connects only once the weights loaded).
   if (config.role === "router") clusterSecret(config.clusterSecret);
 
-  // A router process tokenizes and admits; the nodes it connects to hold the weights.
-  const model = loadModelMeta(config.model);
-  const weights = config.role === "router" ? null : loadWeightsWithProgress(model, options.progress);
-  options.progress?.(
-    `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
-    true,
-  );
   const tenants = loadTenants(config, log);
-
-  const served = await startServeEngine({
-    role: config.role,
-    disaggregation: config.disaggregation,
-    model: weights === null ? null : { config: model.config, weights },
-    engine: engineOptionsOf(config, { numPages, contextLength }),
-    ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
-    disabledGuards: config.unsafeDisableGuard,
-    maxModelLen: contextLength,
-    prefill: config.prefill,
-    decode: config.decode,
-    clusterSecret: config.clusterSecret,
-    ...(tls.links === undefined ? {} : { linkTls: tls.links }),
-    faults: config.unsafeFault,
-    fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
-    ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+  const limits = limitsOf(config, contextLength);
+  const { served, preparer } = await startEnginesAndPreparer(config, {
+    model,
+    tenants,
+    limits,
+    engineOptions: engineOptionsOf(config, { numPages, contextLength }),
+    contextLength,
+    tls,
     log,
+    ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
   const engine = served.engine;
   log.info(
@@ -149,18 +137,7 @@ export async function startServer(
     "engine ready",
   );
 
-  // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
-  const limits = limitsOf(config, contextLength);
   const card = modelCard(model, config);
-  const template = config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate };
-  const preparer = await PreparePool.start({
-    ...{ modelDir: model.dir, modelId: [card.id, ...card.aliases], limits, ...template },
-    threads: config.tokenizerThreads,
-    onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
-  }).catch(async (err: unknown) => {
-    await served.close();
-    throw err;
-  });
   const router = new RouterServer({
     engine,
     tokenizer: tokenizerOf(model, config),
@@ -222,8 +199,81 @@ function limitsOf(config: ServeConfig, contextLength: number) {
 }
 
 /** What the router knows of the model: its id, window, end-of-sequence ids and sampling defaults. */
+/**
+ * The weights and the engines (none for a router process, which tokenizes and admits while the
+ * nodes it connects to hold the weights), and the router's preparation workers, which load the
+ * tokenizer while the weights load and the engines start.
+ */
+async function startEnginesAndPreparer(
+  config: ServeConfig,
+  parts: {
+    readonly model: ModelMeta;
+    readonly tenants: TenantDirectory;
+    readonly limits: ReturnType<typeof limitsOf>;
+    readonly engineOptions: ServeEngineOptions["engine"];
+    readonly contextLength: number;
+    readonly tls: ReturnType<typeof serveTls>;
+    readonly log: Logger;
+    readonly progress?: (line: string, done: boolean) => void;
+  },
+): Promise<{ served: Awaited<ReturnType<typeof startServeEngine>>; preparer: PreparePool }> {
+  const { model, tenants, engineOptions, log } = parts;
+  // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
+  const card = modelCard(model, config);
+  const preparing = PreparePool.start({
+    modelDir: model.dir,
+    modelId: [card.id, ...card.aliases],
+    limits: parts.limits,
+    ...(config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate }),
+    threads: config.tokenizerThreads,
+    onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
+  });
+  preparing.catch(() => {}); // awaited below, after the engines (no unhandled rejection meanwhile)
+  const prefillOptions = {
+    ...engineOptions,
+    ...(config.prefillKvPages === undefined ? {} : { numPages: config.prefillKvPages }),
+  };
+  const engines =
+    config.role === "router" ? [] : config.disaggregation ? [prefillOptions, engineOptions] : [engineOptions];
+  let served: Awaited<ReturnType<typeof startServeEngine>>;
+  try {
+    const loaded =
+      engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress, config.quantize);
+    parts.progress?.(
+      `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
+      true,
+    );
+    served = await startServeEngine({
+      role: config.role,
+      disaggregation: config.disaggregation,
+      model: loaded === null ? null : { config: model.config, ...loaded },
+      engine: engineOptions,
+      ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
+      disabledGuards: config.unsafeDisableGuard,
+      maxModelLen: parts.contextLength,
+      prefill: config.prefill,
+      decode: config.decode,
+      clusterSecret: config.clusterSecret,
+      ...(parts.tls.links === undefined ? {} : { linkTls: parts.tls.links }),
+      faults: config.unsafeFault,
+      fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
+      ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+      log,
+    });
+  } catch (err) {
+    await preparing.then((p) => p.close()).catch(() => {});
+    throw err;
+  }
+  try {
+    return { served, preparer: await preparing };
+  } catch (err) {
+    await served.close();
+    throw err;
+  }
+}
+
 /** The router's tokenizer, with `--chat-template FILE` in place of the folder's template when given. */
-function tokenizerOf(model: ReturnType<typeof loadModelMeta>, config: ServeConfig) {
+function tokenizerOf(model: ModelMeta, config: ServeConfig) {
   const template =
     config.chatTemplate === undefined
       ? model.chatTemplate
@@ -232,7 +282,7 @@ function tokenizerOf(model: ReturnType<typeof loadModelMeta>, config: ServeConfi
 }
 
 /** The served model as the router shows it: its names, window, EOS ids and sampling defaults. */
-function modelCard(model: ReturnType<typeof loadModelMeta>, config: ServeConfig) {
+function modelCard(model: ModelMeta, config: ServeConfig) {
   // --generation-config: auto (the folder's), vllm (none, as vLLM's), or another folder's.
   const source = config.generationConfig;
   const d: Partial<GenerationDefaults> =
@@ -264,7 +314,8 @@ export async function startNode(
   const tls = serveTls(config);
   // Before the weights load: a missing or weak cluster secret fails now.
   const secret = clusterSecret(config.clusterSecret);
-  const modelConfig = loadModelConfig(config.model);
+  const meta = await openModelMeta(config.model);
+  const modelConfig = meta.config;
   const numPages =
     (role === "prefill" ? config.prefillKvPages : undefined) ??
     config.kvPages ??
@@ -281,7 +332,8 @@ export async function startNode(
       `The ${role} node's KV pool cannot hold one full-context request: ${numPages * config.pageSize} tokens for a context of ${contextLength}; fix: --kv-pages ${verdict.neededTokens / config.pageSize} or --max-model-len ${verdict.maxContextThatFits}`,
     );
   }
-  const model = loadModel(config.model, { shared: true });
+  const engine = engineOptionsOf(config, { numPages, contextLength });
+  const loaded = loadWeightsWithProgress(meta, [engine], undefined, config.quantize);
   const node = await startNodeServer({
     role,
     host: config.host,
@@ -289,8 +341,11 @@ export async function startNode(
     secret,
     ...(tls.links === undefined ? {} : { tls: tls.links }),
     engine: {
-      model: { config: model.config, weights: model.weights },
-      ...engineOptionsOf(config, { numPages, contextLength }),
+      ...engine,
+      model: { config: meta.config, weights: loaded.weights },
+      ...(loaded.memory === undefined
+        ? {}
+        : { memory: { memory: loaded.memory.memory, region: loaded.memory.regions[0]! } }),
     },
     faults: config.unsafeFault,
     log: (line) => options.logger.info(line),
@@ -309,7 +364,6 @@ function layoutOf(config: ServeConfig, modelConfig: ModelConfig): KvLayout {
   };
 }
 
-/** The longest request served: the model's window, or less with --max-model-len. */
 /** `--max-model-len`, or the model's window; above the window it is an error, never a silent clamp. */
 function contextLengthOf(config: ServeConfig, modelConfig: ModelConfig): number {
   const window = modelConfig.maxPositionEmbeddings;
@@ -371,24 +425,27 @@ function checkServerPool(
   );
 }
 
-/** The weights, with a progress line each time the loaded share moves by a percent. */
+/**
+ * The weights, with a progress line each time the loaded share moves by a percent. On the
+ * WebAssembly kernels they are read straight into one shared memory laid out for them and one
+ * region per engine of `engines` (src/engine/engine-memory.ts): one copy for the whole process.
+ */
 function loadWeightsWithProgress(
   model: ModelMeta,
+  engines: readonly ServeEngineOptions["engine"][],
   progress: ((line: string, done: boolean) => void) | undefined,
-): ModelWeights {
-  let lastPercent = -1;
-  return loadWeights(model.dir, model.config, {
-    shared: true,
-    onProgress: (p) => {
-      const percent = p.totalBytes === 0 ? 100 : Math.floor((100 * p.bytesRead) / p.totalBytes);
-      if (percent === lastPercent) return;
-      lastPercent = percent;
-      progress?.(
-        `Loading weights: ${percent}% (${formatBytes(p.bytesRead)} of ${formatBytes(p.totalBytes)}, ${p.tensorsLoaded}/${p.tensorsTotal} tensors)`,
-        false,
-      );
-    },
-  });
+  quantize: "q8_0" | "q4_0" | undefined,
+): {
+  weights: ModelWeights;
+  memory?: { readonly memory: WebAssembly.Memory; readonly regions: readonly MemoryRegion[] };
+} {
+  const onProgress = delayedProgress((line) => progress?.(line, false));
+  const options = { onProgress, ...(quantize === undefined ? {} : { quantize }) };
+  if (engines.some((e) => e.kernels === "ts"))
+    return { weights: loadModelWeights(model, { shared: true, ...options }) };
+  const regions = engines.map((e) => regionBytesOf(model.config, e));
+  const loaded = loadEngineMemory(model, regions, options);
+  return { weights: loaded.weights, memory: { memory: loaded.memory, regions: loaded.regions } };
 }
 
 /** The API keys (--api-keys or KVFENCE_API_KEYS); none is one anonymous tenant, said loudly. */

@@ -11,6 +11,7 @@ import { registerClusterMetrics } from "../cluster/cluster-metrics.js";
 import { connectCluster } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
+import type { MemoryRegion } from "../engine/engine-memory.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { FairShareConfig } from "../lib/fair-share.js";
 import type { Logger } from "../lib/logger.js";
@@ -28,7 +29,15 @@ export type ServeRole = "all" | "router" | "prefill" | "decode";
 export interface ServeEngineOptions {
   readonly role: ServeRole;
   readonly disaggregation: boolean;
-  readonly model: { readonly config: ModelConfig; readonly weights: ModelWeights } | null;
+  /**
+   * The model; with `memory`, its weights live in that shared WebAssembly memory and each engine
+   * gets one of its regions (the one engine or prefill the first, decode the second).
+   */
+  readonly model: {
+    readonly config: ModelConfig;
+    readonly weights: ModelWeights;
+    readonly memory?: { readonly memory: WebAssembly.Memory; readonly regions: readonly MemoryRegion[] };
+  } | null;
   /** Engine options of each node (or of the one engine), without the model. */
   readonly engine: Omit<EngineBuildOptions, "model">;
   readonly maxModelLen: number;
@@ -97,17 +106,23 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
   }
   if (options.model === null)
     throw new KvfenceError("config_invalid", "The server needs a model: none loaded");
-  const engineOptions: EngineBuildOptions = { ...options.engine, model: options.model };
+  const { memory, ...model } = options.model;
+  const engineOptions: EngineBuildOptions = { ...options.engine, model };
+  const region = (i: number): Pick<EngineBuildOptions, "memory"> => {
+    const r = memory?.regions[i];
+    return memory === undefined || r === undefined ? {} : { memory: { memory: memory.memory, region: r } };
+  };
   if (!options.disaggregation) {
-    const engine = await EngineClient.start(engineOptions, shared(options));
+    const engine = await EngineClient.start({ ...engineOptions, ...region(0) }, shared(options));
     return { engine, topology: "single", registerMetrics: () => {}, close: () => engine.close() };
   }
   const topo = await startThreadedTopology({
-    prefill:
-      options.prefillNumPages === undefined
-        ? engineOptions
-        : { ...engineOptions, numPages: options.prefillNumPages },
-    decode: engineOptions,
+    prefill: {
+      ...engineOptions,
+      ...region(0),
+      ...(options.prefillNumPages === undefined ? {} : { numPages: options.prefillNumPages }),
+    },
+    decode: { ...engineOptions, ...region(1) },
     maxModelLen: options.maxModelLen,
     safety,
     faults: options.faults,

@@ -70,31 +70,77 @@ function exps(x: f32): f32 {
 // ---------------------------------------------------------------------------------------------
 // matmul
 
+// Weight formats (src/model/weight-format.ts). The f32 and half kernels are one generic source
+// over W: f32 (4-byte floats), u16 (bf16) or i16 (f16, a marker type: the bits are IEEE halves);
+// sizeof<W>() and isSigned<W>() are compile-time constants, so each instance is its own loop.
+export const DT_F32: i32 = 0;
+export const DT_F16: i32 = 1;
+export const DT_BF16: i32 = 2;
+export const DT_Q8_0: i32 = 3;
+export const DT_Q4_0: i32 = 4;
+
+/** 2^112: an f16's exponent and mantissa shifted into an f32's, times this, is its value (subnormals too). */
+const F16_SCALE: f32 = 5.192296858534828e33;
+
+/** Four weights at p widened to f32 lanes (halves: one zero-extending load, then shifts). */
+@inline
+function wload4<W>(p: usize): v128 {
+  if (sizeof<W>() == 4) return v128.load(p);
+  const h = v128.load16x4_u(p);
+  if (!isSigned<W>()) return i32x4.shl(h, 16);
+  const mag = f32x4.mul(i32x4.shl(v128.and(h, i32x4.splat(0x7fff)), 13), f32x4.splat(F16_SCALE));
+  return v128.or(mag, i32x4.shl(v128.and(h, i32x4.splat(0x8000)), 16));
+}
+
+/** One weight at p as f32 (for tails). Infinities and NaNs of f16 weights are not kept (no model has them). */
+@inline
+function wload1<W>(p: usize): f32 {
+  if (sizeof<W>() == 4) return load<f32>(p);
+  const h = <u32>load<u16>(p);
+  if (!isSigned<W>()) return reinterpret<f32>(h << 16);
+  return f16ToF32(h);
+}
+
+@inline
+function f16ToF32(h: u32): f32 {
+  const mag = reinterpret<f32>((h & 0x7fff) << 13) * F16_SCALE;
+  return reinterpret<f32>(reinterpret<u32>(mag) | ((h & 0x8000) << 16));
+}
+
+/** Byte offset into a W weight row of the x byte offset k (4 bytes a value). */
+@inline
+function wk<W>(k: usize): usize {
+  return sizeof<W>() == 4 ? k : k >> 1;
+}
+
 /**
  * out[r][j] for one row r, columns j in [c0, c1): one weight row at a time with 4 accumulators, so a
  * chunk of columns is one sequential read stream (x stays in L1). Reading 4 or 8 weight rows at once
  * (as many streams) was slower: the bare decode weight pass on the 135M shape went from 36 to 55
  * passes/s on 2 threads and from 24 to 43 on 1 (src/tools/bench/kernels.ts --parts pass, interleaved).
  */
-function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+function matvecRow<W>(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
   const xs = (<usize>inDim) << 2;
+  const ws = <usize>inDim * sizeof<W>();
   const xr = x + <usize>r * xs;
   const orow = out + ((<usize>r * <usize>outDim) << 2);
   const k16 = (<usize>(inDim & ~15)) << 2;
   const k4 = (<usize>(inDim & ~3)) << 2;
+  const h = sizeof<W>() << 2; // bytes of four weights
   for (let j = c0; j < c1; j++) {
-    const w0 = w + <usize>j * xs;
+    const w0 = w + <usize>j * ws;
     let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0), a3 = f32x4.splat(0);
     let k: usize = 0;
     for (; k < k16; k += 64) {
-      a0 = fma(a0, v128.load(xr + k), v128.load(w0 + k));
-      a1 = fma(a1, v128.load(xr + k, 16), v128.load(w0 + k, 16));
-      a2 = fma(a2, v128.load(xr + k, 32), v128.load(w0 + k, 32));
-      a3 = fma(a3, v128.load(xr + k, 48), v128.load(w0 + k, 48));
+      const p = w0 + wk<W>(k);
+      a0 = fma(a0, v128.load(xr + k), wload4<W>(p));
+      a1 = fma(a1, v128.load(xr + k, 16), wload4<W>(p + h));
+      a2 = fma(a2, v128.load(xr + k, 32), wload4<W>(p + 2 * h));
+      a3 = fma(a3, v128.load(xr + k, 48), wload4<W>(p + 3 * h));
     }
-    for (; k < k4; k += 16) a0 = fma(a0, v128.load(xr + k), v128.load(w0 + k));
+    for (; k < k4; k += 16) a0 = fma(a0, v128.load(xr + k), wload4<W>(w0 + wk<W>(k)));
     let s0 = hsum(f32x4.add(f32x4.add(a0, a1), f32x4.add(a2, a3)));
-    for (; k < xs; k += 4) s0 += load<f32>(xr + k) * load<f32>(w0 + k);
+    for (; k < xs; k += 4) s0 += load<f32>(xr + k) * wload1<W>(w0 + wk<W>(k));
     store<f32>(orow + ((<usize>j) << 2), s0);
   }
 }
@@ -103,33 +149,35 @@ function matvecRow(out: usize, x: usize, w: usize, r: i32, inDim: i32, outDim: i
  * `matvecRow` for rows 0 and 1 in one pass: each weight vector is loaded once for both rows (8
  * accumulators), so two decode rows read the weights once from DRAM, as one does.
  */
-function matvecRows2(out: usize, x: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
+function matvecRows2<W>(out: usize, x: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32): void {
   const xs = (<usize>inDim) << 2;
+  const ws = <usize>inDim * sizeof<W>();
+  const h = sizeof<W>() << 2;
   const x1 = x + xs;
   const o1 = out + ((<usize>outDim) << 2);
   const k8 = (<usize>(inDim & ~7)) << 2;
   const k4 = (<usize>(inDim & ~3)) << 2;
   for (let j = c0; j < c1; j++) {
-    const w0 = w + <usize>j * xs;
+    const w0 = w + <usize>j * ws;
     let a0 = f32x4.splat(0), a1 = f32x4.splat(0), b0 = f32x4.splat(0), b1 = f32x4.splat(0);
     let k: usize = 0;
     for (; k < k8; k += 32) {
-      const u = v128.load(w0 + k);
-      const v = v128.load(w0 + k, 16);
+      const u = wload4<W>(w0 + wk<W>(k));
+      const v = wload4<W>(w0 + wk<W>(k) + h);
       a0 = fma(a0, v128.load(x + k), u);
       a1 = fma(a1, v128.load(x + k, 16), v);
       b0 = fma(b0, v128.load(x1 + k), u);
       b1 = fma(b1, v128.load(x1 + k, 16), v);
     }
     for (; k < k4; k += 16) {
-      const u = v128.load(w0 + k);
+      const u = wload4<W>(w0 + wk<W>(k));
       a0 = fma(a0, v128.load(x + k), u);
       b0 = fma(b0, v128.load(x1 + k), u);
     }
     let s0 = hsum(f32x4.add(a0, a1));
     let s1 = hsum(f32x4.add(b0, b1));
     for (; k < xs; k += 4) {
-      const u = load<f32>(w0 + k);
+      const u = wload1<W>(w0 + wk<W>(k));
       s0 += load<f32>(x + k) * u;
       s1 += load<f32>(x1 + k) * u;
     }
@@ -204,22 +252,23 @@ function touch(a: usize, b: usize): void {
  * weight row against 8 rows. Padding rows are computed and not stored; an odd last column is
  * computed as a pair with itself and stored once.
  */
-function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32): void {
+function tile8<W>(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32): void {
   const xs = (<usize>inDim) << 2;
+  const ws = <usize>inDim * sizeof<W>();
   const os = (<usize>outDim) << 2;
   const k4 = (<usize>(inDim & ~3)) << 2;
   const hEnd = <usize>nrows;
   for (let j = c0; j < c1; j += 2) {
-    const w0 = w + <usize>j * xs;
+    const w0 = w + <usize>j * ws;
     const pair = j + 1 < c1;
-    const w1 = pair ? w0 + xs : w0;
+    const w1 = pair ? w0 + ws : w0;
     for (let h: usize = 0; h < hEnd; h += 4) {
       let a00 = f32x4.splat(0), a10 = f32x4.splat(0), a20 = f32x4.splat(0), a30 = f32x4.splat(0);
       let a01 = f32x4.splat(0), a11 = f32x4.splat(0), a21 = f32x4.splat(0), a31 = f32x4.splat(0);
       let p = xp + (h << 4);
       for (let k: usize = 0; k < k4; k += 16) {
-        const b0 = v128.load(w0 + k);
-        const b1 = v128.load(w1 + k);
+        const b0 = wload4<W>(w0 + wk<W>(k));
+        const b1 = wload4<W>(w1 + wk<W>(k));
         let v = v128.load(p);
         a00 = fma(a00, v, b0);
         a01 = fma(a01, v, b1);
@@ -250,8 +299,8 @@ function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32
       }
       // The last k % 4 values: p is at the zero-padded quad.
       for (let k = k4; k < xs; k += 4) {
-        const bb0 = load<f32>(w0 + k);
-        const bb1 = load<f32>(w1 + k);
+        const bb0 = wload1<W>(w0 + wk<W>(k));
+        const bb1 = wload1<W>(w1 + wk<W>(k));
         const at = p + (k - k4);
         for (let i: usize = 0; i < 4 && i < live; i++) {
           const o = jo + i * os;
@@ -271,22 +320,22 @@ function tile8(out: usize, xp: usize, w: usize, inDim: i32, outDim: i32, c0: i32
  * group of 2–7 rows computes 4 or 8; with 4- and 3-row tiles that spilled registers, decode
  * batches of 4–7 rows made fewer tokens/s than batches of 8).
  */
-function matmulCols(
+function matmulCols<W>(
   out: usize, x: usize, xp: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32,
 ): void {
   if (rows == 1) {
-    matvecRow(out, x, w, 0, inDim, outDim, c0, c1);
+    matvecRow<W>(out, x, w, 0, inDim, outDim, c0, c1);
     return;
   }
   if (rows <= 3) {
     // Streamed (STREAMED_ROWS in wasm-kernels.ts): two rows in one pass, a third from L2 (the
     // chunk is ≤ 128 weight rows).
-    matvecRows2(out, x, w, inDim, outDim, c0, c1);
-    if (rows == 3) matvecRow(out, x, w, 2, inDim, outDim, c0, c1);
+    matvecRows2<W>(out, x, w, inDim, outDim, c0, c1);
+    if (rows == 3) matvecRow<W>(out, x, w, 2, inDim, outDim, c0, c1);
     return;
   }
-  const xs = (<usize>inDim) << 2;
-  touch(w + <usize>c0 * xs, w + <usize>c1 * xs);
+  const ws = <usize>inDim * sizeof<W>();
+  touch(w + <usize>c0 * ws, w + <usize>c1 * ws);
   const os = (<usize>outDim) << 2;
   const gs = packedGroupBytes(inDim);
   for (let r = 0; r < rows; r += 8) {
@@ -294,8 +343,8 @@ function matmulCols(
     // A row past a multiple of 4 would cost the tile a padded half: a matvec over the chunk, now
     // in L2, is a quarter of that.
     const tiled = (n & 3) == 1 ? n - 1 : n;
-    if (tiled > 0) tile8(out + <usize>r * os, xp + (<usize>(r >> 3)) * gs, w, inDim, outDim, c0, c1, tiled);
-    if (tiled < n) matvecRow(out, x, w, r + tiled, inDim, outDim, c0, c1);
+    if (tiled > 0) tile8<W>(out + <usize>r * os, xp + (<usize>(r >> 3)) * gs, w, inDim, outDim, c0, c1, tiled);
+    if (tiled < n) matvecRow<W>(out, x, w, r + tiled, inDim, outDim, c0, c1);
   }
 }
 
@@ -310,7 +359,7 @@ function matmulCols(
  */
 export function matmulPar(
   x: usize, xp: usize, rows: i32, inDim: i32, segs: usize, numSegs: i32, counter: usize, colChunk: i32, rowChunk: i32,
-  first: i32,
+  first: i32, dtype: i32,
 ): void {
   const last = segs + (<usize>(numSegs - 1) << 4);
   const perBlock = load<i32>(last, 12) + (load<i32>(last, 8) + colChunk - 1) / colChunk;
@@ -327,10 +376,247 @@ export function matmulPar(
     const c0 = (k - load<i32>(sg, 12)) * colChunk;
     const c1 = min(c0 + colChunk, outDim);
     const rn = min(rowChunk, rows - r0);
-    matmulCols(
-      <usize>load<i32>(sg) + ((<usize>r0 * <usize>outDim) << 2), x + ((<usize>r0 * <usize>inDim) << 2),
-      xp + (<usize>(r0 >> 3)) * gs, <usize>load<i32>(sg, 4), rn, inDim, outDim, c0, c1,
-    );
+    const o = <usize>load<i32>(sg) + ((<usize>r0 * <usize>outDim) << 2);
+    const w = <usize>load<i32>(sg, 4);
+    if (dtype >= DT_Q8_0) {
+      const nb4 = (<usize>(r0 * (inDim >> 5))) << 2;
+      const xd = qScalesAt(xp, rows, inDim);
+      const xc = xd + ((<usize>(rows * (inDim >> 5))) << 2);
+      const xq = xp + <usize>r0 * <usize>inDim;
+      if (dtype == DT_Q8_0) matmulColsQ<i8>(o, xq, xd + nb4, xc + nb4, w, rn, inDim, outDim, c0, c1);
+      else matmulColsQ<u8>(o, xq, xd + nb4, xc + nb4, w, rn, inDim, outDim, c0, c1);
+      continue;
+    }
+    const xr = x + ((<usize>r0 * <usize>inDim) << 2);
+    const p = xp + (<usize>(r0 >> 3)) * gs;
+    if (dtype == DT_F32) matmulCols<f32>(o, xr, p, w, rn, inDim, outDim, c0, c1);
+    else if (dtype == DT_BF16) matmulCols<u16>(o, xr, p, w, rn, inDim, outDim, c0, c1);
+    else matmulCols<i16>(o, xr, p, w, rn, inDim, outDim, c0, c1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// quantised weights: int8 dot products against Q8_0-quantised activations (as llama.cpp on CPUs)
+
+/**
+ * Quantises rows of x[rows][inDim] (inDim a multiple of 32) for the Q8_0/Q4_0 matmul, at xq: the
+ * int8 quants [rows][inDim], then (from `qScalesAt`) each 32-block's scale d = amax/127 as f32
+ * [rows][inDim/32], then d·8·Σq per block [rows][inDim/32] (the Q4_0 offset's share). Quants are
+ * x·(1/d) rounded to nearest even (f32x4.nearest, as ggml's AVX quantize_row_q8_0).
+ */
+export function quantizeRowsQ8(xq: usize, x: usize, rows: i32, inDim: i32): void {
+  const nb = inDim >> 5;
+  const xd = qScalesAt(xq, rows, inDim);
+  const xc = xd + ((<usize>(rows * nb)) << 2);
+  for (let r = 0; r < rows; r++) {
+    for (let b = 0; b < nb; b++) {
+      const i = r * nb + b;
+      const p = x + ((<usize>i) << 7);
+      let m = f32x4.abs(v128.load(p));
+      m = f32x4.pmax(m, f32x4.abs(v128.load(p, 16)));
+      m = f32x4.pmax(m, f32x4.abs(v128.load(p, 32)));
+      m = f32x4.pmax(m, f32x4.abs(v128.load(p, 48)));
+      m = f32x4.pmax(m, f32x4.abs(v128.load(p, 64)));
+      m = f32x4.pmax(m, f32x4.abs(v128.load(p, 80)));
+      m = f32x4.pmax(m, f32x4.abs(v128.load(p, 96)));
+      m = f32x4.pmax(m, f32x4.abs(v128.load(p, 112)));
+      const amax = max(max(f32x4.extract_lane(m, 0), f32x4.extract_lane(m, 1)), max(f32x4.extract_lane(m, 2), f32x4.extract_lane(m, 3)));
+      const d: f32 = amax / 127;
+      const iv = f32x4.splat(d != 0 ? <f32>1 / d : 0);
+      const q0 = i32x4.trunc_sat_f32x4_s(f32x4.nearest(f32x4.mul(v128.load(p), iv)));
+      const q1 = i32x4.trunc_sat_f32x4_s(f32x4.nearest(f32x4.mul(v128.load(p, 16), iv)));
+      const q2 = i32x4.trunc_sat_f32x4_s(f32x4.nearest(f32x4.mul(v128.load(p, 32), iv)));
+      const q3 = i32x4.trunc_sat_f32x4_s(f32x4.nearest(f32x4.mul(v128.load(p, 48), iv)));
+      const q4 = i32x4.trunc_sat_f32x4_s(f32x4.nearest(f32x4.mul(v128.load(p, 64), iv)));
+      const q5 = i32x4.trunc_sat_f32x4_s(f32x4.nearest(f32x4.mul(v128.load(p, 80), iv)));
+      const q6 = i32x4.trunc_sat_f32x4_s(f32x4.nearest(f32x4.mul(v128.load(p, 96), iv)));
+      const q7 = i32x4.trunc_sat_f32x4_s(f32x4.nearest(f32x4.mul(v128.load(p, 112), iv)));
+      const b0 = i8x16.narrow_i16x8_s(i16x8.narrow_i32x4_s(q0, q1), i16x8.narrow_i32x4_s(q2, q3));
+      const b1 = i8x16.narrow_i16x8_s(i16x8.narrow_i32x4_s(q4, q5), i16x8.narrow_i32x4_s(q6, q7));
+      const o = xq + ((<usize>i) << 5);
+      v128.store(o, b0);
+      v128.store(o, b1, 16);
+      const sq = i32x4.add(
+        i32x4.extadd_pairwise_i16x8_s(i16x8.extadd_pairwise_i8x16_s(b0)),
+        i32x4.extadd_pairwise_i16x8_s(i16x8.extadd_pairwise_i8x16_s(b1)),
+      );
+      const sum = i32x4.extract_lane(sq, 0) + i32x4.extract_lane(sq, 1) + i32x4.extract_lane(sq, 2) + i32x4.extract_lane(sq, 3);
+      store<f32>(xd + ((<usize>i) << 2), d);
+      store<f32>(xc + ((<usize>i) << 2), d * 8 * <f32>sum);
+    }
+  }
+}
+
+/** Where `quantizeRowsQ8` puts the scales: after the quants, rounded up to 16 bytes. */
+@inline
+function qScalesAt(xq: usize, rows: i32, inDim: i32): usize {
+  return xq + ((<usize>(rows * inDim) + 15) & ~(<usize>15));
+}
+
+/**
+ * acc + the int8 dot product of a and b in i32 lanes (each lane the sum of four products). In the
+ * relaxed-SIMD build `i16x8.relaxed_dot_i8x16_i7x16_s` (pairs of products, at most 2·127·127, so
+ * no saturation) and one pairwise add, exact because b is always in [0, 127] (Q4_0 nibbles, or |q|
+ * of Q8_0 with q's sign moved onto a: `signTo`). Not `i32x4.relaxed_dot_i8x16_i7x16_add_s`: Node
+ * 20's V8 (11.3, behind its flag) returns twice the dot product from it (docs/weights.md). In the
+ * plain build two widening multiplies and two pairwise adds (products ≤ 127·127 fit i16).
+ */
+@inline
+function idot(acc: v128, a: v128, b: v128): v128 {
+  if (ASC_FEATURE_RELAXED_SIMD) return i32x4.add(acc, i32x4.extadd_pairwise_i16x8_s(i16x8.relaxed_dot_i8x16_i7x16_s(a, b)));
+  const lo = i32x4.extadd_pairwise_i16x8_s(i16x8.extmul_low_i8x16_s(a, b));
+  const hi = i32x4.extadd_pairwise_i16x8_s(i16x8.extmul_high_i8x16_s(a, b));
+  return i32x4.add(acc, i32x4.add(lo, hi));
+}
+
+/** For the relaxed dot: x with the sign of the weights `neg` marks (lanes < 0), so x·|w| = x·w. */
+@inline
+function signTo(x: v128, neg: v128): v128 {
+  if (ASC_FEATURE_RELAXED_SIMD) return v128.bitselect(i8x16.neg(x), x, neg);
+  return x;
+}
+
+/** The weight operand of `idot`: |w| for Q8_0 in the relaxed build (see `signTo`), else w. */
+@inline
+function dotW(w: v128): v128 {
+  if (ASC_FEATURE_RELAXED_SIMD) return i8x16.abs(w);
+  return w;
+}
+
+/** [Σa, Σb, Σc, Σd] of four i32 accumulators. */
+@inline
+function reduce4i(a: v128, b: v128, c: v128, d: v128): v128 {
+  const ab = i32x4.add(v128.shuffle<i32>(a, b, 0, 4, 1, 5), v128.shuffle<i32>(a, b, 2, 6, 3, 7));
+  const cd = i32x4.add(v128.shuffle<i32>(c, d, 0, 4, 1, 5), v128.shuffle<i32>(c, d, 2, 6, 3, 7));
+  return i32x4.add(v128.shuffle<i32>(ab, cd, 0, 1, 4, 5), v128.shuffle<i32>(ab, cd, 2, 3, 6, 7));
+}
+
+/** The f32 at p, p + s1, p + s2, p + s3 in lanes 0–3. */
+@inline
+function gather4(p: usize, s1: usize, s2: usize, s3: usize): v128 {
+  let v = v128.load32_zero(p);
+  v = v128.load32_lane(p + s1, v, 1);
+  v = v128.load32_lane(p + s2, v, 2);
+  return v128.load32_lane(p + s3, v, 3);
+}
+
+/**
+ * out[r][j] for up to 4 rows (`nrows`) of quantised activations (xq, xd, xc from `quantizeRowsQ8`,
+ * already offset to the first row) against weight rows [c0, c1) in blocks Q (i8: Q8_0 34-byte
+ * blocks, u8: Q4_0 18-byte blocks). Each weight block is loaded (and its nibbles unpacked, or its
+ * |q| and sign taken) once for the 4 rows; the 4 rows' integer block sums are reduced into one
+ * vector, so a block costs one convert and one scale multiply (d_w times the 4 rows' d_x) for all
+ * 4 rows, accumulated in the lanes of one f32 vector. Missing rows repeat row 0 and are not stored.
+ */
+function qTile4<Q>(
+  out: usize, xq: usize, xd: usize, xc: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32,
+): void {
+  const nb = <usize>(inDim >> 5);
+  const bs: usize = isSigned<Q>() ? 34 : 18;
+  const wsb = nb * bs;
+  const os = (<usize>outDim) << 2;
+  const xs1: usize = nrows > 1 ? <usize>inDim : 0;
+  const xs2: usize = nrows > 2 ? <usize>(2 * inDim) : 0;
+  const xs3: usize = nrows > 3 ? <usize>(3 * inDim) : 0;
+  const ds1: usize = nrows > 1 ? nb << 2 : 0;
+  const ds2: usize = nrows > 2 ? nb << 3 : 0;
+  const ds3: usize = nrows > 3 ? (nb << 3) + (nb << 2) : 0;
+  const nib = i8x16.splat(0x0f);
+  const zero = i8x16.splat(0);
+  for (let j = c0; j < c1; j++) {
+    const w0 = w + <usize>j * wsb;
+    let f = f32x4.splat(0);
+    let e = f32x4.splat(0);
+    for (let b: usize = 0; b < nb; b++) {
+      const bp = w0 + b * bs;
+      let wa: v128, wb: v128, na: v128, nbm: v128;
+      if (isSigned<Q>()) {
+        const ra = v128.load(bp, 2);
+        const rb = v128.load(bp, 18);
+        na = i8x16.lt_s(ra, zero);
+        nbm = i8x16.lt_s(rb, zero);
+        wa = dotW(ra);
+        wb = dotW(rb);
+      } else {
+        const v = v128.load(bp, 2);
+        wa = v128.and(v, nib);
+        wb = i8x16.shr_u(v, 4);
+        na = zero;
+        nbm = zero;
+      }
+      const xb = xq + (b << 5);
+      const a0 = idot(idot(i32x4.splat(0), signTo(v128.load(xb), na), wa), signTo(v128.load(xb, 16), nbm), wb);
+      const a1 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs1), na), wa), signTo(v128.load(xb + xs1, 16), nbm), wb);
+      const a2 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs2), na), wa), signTo(v128.load(xb + xs2, 16), nbm), wb);
+      const a3 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs3), na), wa), signTo(v128.load(xb + xs3, 16), nbm), wb);
+      const dw = f32x4.splat(f16ToF32(<u32>load<u16>(bp)));
+      const scale = f32x4.mul(dw, gather4(xd + (b << 2), ds1, ds2, ds3));
+      f = fma(f, f32x4.convert_i32x4_s(reduce4i(a0, a1, a2, a3)), scale);
+      if (!isSigned<Q>()) e = fma(e, dw, gather4(xc + (b << 2), ds1, ds2, ds3));
+    }
+    const r = isSigned<Q>() ? f : f32x4.sub(f, e);
+    const o = out + ((<usize>j) << 2);
+    store<f32>(o, f32x4.extract_lane(r, 0));
+    if (nrows > 1) store<f32>(o + os, f32x4.extract_lane(r, 1));
+    if (nrows > 2) store<f32>(o + 2 * os, f32x4.extract_lane(r, 2));
+    if (nrows > 3) store<f32>(o + 3 * os, f32x4.extract_lane(r, 3));
+  }
+}
+
+/** `qTile4` for one row: the batch-1 matvec, one weight stream, two independent accumulators. */
+function qRow<Q>(out: usize, xq: usize, xd: usize, xc: usize, w: usize, inDim: i32, c0: i32, c1: i32): void {
+  const nb = <usize>(inDim >> 5);
+  const bs: usize = isSigned<Q>() ? 34 : 18;
+  const wsb = nb * bs;
+  const nib = i8x16.splat(0x0f);
+  const zero = i8x16.splat(0);
+  for (let j = c0; j < c1; j++) {
+    const w0 = w + <usize>j * wsb;
+    let f0 = f32x4.splat(0);
+    let e0: f32 = 0;
+    for (let b: usize = 0; b < nb; b++) {
+      const bp = w0 + b * bs;
+      const xb = xq + (b << 5);
+      let a: v128;
+      if (isSigned<Q>()) {
+        const ra = v128.load(bp, 2);
+        const rb = v128.load(bp, 18);
+        a = idot(i32x4.splat(0), signTo(v128.load(xb), i8x16.lt_s(ra, zero)), dotW(ra));
+        a = idot(a, signTo(v128.load(xb, 16), i8x16.lt_s(rb, zero)), dotW(rb));
+      } else {
+        const v = v128.load(bp, 2);
+        a = idot(i32x4.splat(0), v128.load(xb), v128.and(v, nib));
+        a = idot(a, v128.load(xb, 16), i8x16.shr_u(v, 4));
+      }
+      const dw = f16ToF32(<u32>load<u16>(bp));
+      f0 = fma(f0, f32x4.convert_i32x4_s(a), f32x4.splat(dw * load<f32>(xd + (b << 2))));
+      if (!isSigned<Q>()) e0 += dw * load<f32>(xc + (b << 2));
+    }
+    store<f32>(out + ((<usize>j) << 2), hsum(f0) - e0);
+  }
+}
+
+/**
+ * `matmulCols` for quantised weights: rows of activations quantised by `quantizeRowsQ8` (xq, xd,
+ * xc offset to this chunk's first row). One row streams the weights (`qRow`); more read the
+ * chunk of weight rows into L2 first and run `qTile4` over 4 rows at a time.
+ */
+function matmulColsQ<Q>(
+  out: usize, xq: usize, xd: usize, xc: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32,
+): void {
+  if (rows == 1) {
+    qRow<Q>(out, xq, xd, xc, w, inDim, c0, c1);
+    return;
+  }
+  const nb = <usize>(inDim >> 5);
+  const wsb = nb * (isSigned<Q>() ? 34 : 18);
+  touch(w + <usize>c0 * wsb, w + <usize>c1 * wsb);
+  const os = (<usize>outDim) << 2;
+  for (let r = 0; r < rows; r += 4) {
+    const n = min(4, rows - r);
+    const ru = <usize>r;
+    if (n == 1) qRow<Q>(out + ru * os, xq + ru * <usize>inDim, xd + ((ru * nb) << 2), xc + ((ru * nb) << 2), w, inDim, c0, c1);
+    else qTile4<Q>(out + ru * os, xq + ru * <usize>inDim, xd + ((ru * nb) << 2), xc + ((ru * nb) << 2), w, inDim, outDim, c0, c1, n);
   }
 }
 

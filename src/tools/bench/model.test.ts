@@ -2,6 +2,7 @@ import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { randomModel } from "../../../testing/random-model.js";
 import { bundledModelDir } from "../../lib/package-root.js";
+import { matrixBytes } from "../../model/weight-format.js";
 import { MODEL_BENCH_DEFAULTS, prefillFlops, runModelBench, weightBytes } from "./model.js";
 import { BandwidthProbe } from "./roofline.js";
 
@@ -26,16 +27,18 @@ describe("bench model helpers", () => {
             l.gate,
             l.up,
             l.down,
-          ].reduce((s, a) => s + (a?.byteLength ?? 0), 0),
+          ].reduce((s, a) => s + (a === null ? 0 : matrixBytes(a).byteLength), 0),
         0,
       );
     assert.equal(
       weightBytes(tied.weights),
-      layerBytes(tied) + tied.weights.embed.byteLength + tied.weights.finalNorm.byteLength,
+      layerBytes(tied) + matrixBytes(tied.weights.embed).byteLength + tied.weights.finalNorm.byteLength,
     );
     assert.equal(
       weightBytes(untied.weights),
-      layerBytes(untied) + untied.weights.lmHead.byteLength + untied.weights.finalNorm.byteLength,
+      layerBytes(untied) +
+        matrixBytes(untied.weights.lmHead).byteLength +
+        untied.weights.finalNorm.byteLength,
     );
   });
 

@@ -23,6 +23,11 @@
  *
  * Every arm of every kernel set runs once per repeat, interleaved with the bandwidth probe, and the
  * report gives the median, the range and a bootstrap 95% CI of the median.
+ *
+ * Weight formats (`dtypes`, `--dtype f32,bf16,q8_0,q4_0`): the folder's weights are converted in
+ * memory to each format (src/model/weight-format.ts: halves rounded to nearest even, blocks as
+ * llama-quantize makes them) and every kernel set runs on each, all in the same interleaved rounds;
+ * each format's roofline counts its own weight bytes.
  */
 import { readFileSync } from "node:fs";
 import { createForward, type ForwardSetup, type KernelsName } from "../../engine/forward-setup.js";
@@ -31,9 +36,11 @@ import { WasmKernels } from "../../kernels/wasm-kernels.js";
 import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, kvDtypeCode, pageFloats } from "../../kvcache/kv-layout.js";
 import { Prng } from "../../lib/prng.js";
 import { bootstrapInterval, type Interval, type Summary, summarize } from "../../lib/stats.js";
+import { convertWeights } from "../../model/convert-model.js";
 import type { StepSequence } from "../../model/forward.js";
-import { loadModel } from "../../model/load-model.js";
+import { openModel } from "../../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
+import { type Matrix, matrixBytes, type WeightDType } from "../../model/weight-format.js";
 import { BandwidthProbe } from "./roofline.js";
 
 /** The largest CPU cache of cpu0 in bytes (Linux sysfs), or null where it cannot be read. */
@@ -62,6 +69,8 @@ export type BenchKernels = KernelsName | "wasm-mul-add";
 
 export interface ModelBenchOptions {
   readonly modelDir: string;
+  /** Weight formats to run each kernel set on (default: the folder's own). */
+  readonly dtypes?: readonly WeightDType[];
   /** Kernel sets to run, side by side. */
   readonly kernels: readonly BenchKernels[];
   /** Threads of the WebAssembly kernels (the reference runs on 1). */
@@ -114,6 +123,10 @@ export interface DecodeResult {
 export interface KernelsRun {
   readonly kernels: BenchKernels;
   readonly kvCacheDtype: KvDtype;
+  /** The weight format of this run ("as stored" when the folder's formats were kept). */
+  readonly dtype: WeightDType | "stored";
+  /** Bytes of distinct weights one decode step reads in this format (its roofline's). */
+  readonly weightBytes: number;
   /** For WebAssembly runs: whether the kernels used fused multiply-add (relaxed SIMD). */
   readonly fma: boolean | null;
   readonly threads: 1 | 2;
@@ -138,8 +151,8 @@ export interface ModelBenchResult {
 
 /** Bytes of distinct weights one decode step reads (a tied LM head counts once). */
 export function weightBytes(weights: ModelWeights): number {
-  const seen = new Set<Float32Array>();
-  const add = (a: Float32Array | null): void => {
+  const seen = new Set<Matrix>();
+  const add = (a: Matrix | null): void => {
     if (a !== null) seen.add(a);
   };
   add(weights.embed);
@@ -163,9 +176,9 @@ export function weightBytes(weights: ModelWeights): number {
       add(a);
   }
   let bytes = 0;
-  for (const a of seen) bytes += a.byteLength;
+  for (const a of seen) bytes += matrixBytes(a).byteLength;
   // The embedding table is not streamed by decode (one row per token), unless it is the LM head.
-  if (weights.embed !== weights.lmHead) bytes -= weights.embed.byteLength;
+  if (weights.embed !== weights.lmHead) bytes -= matrixBytes(weights.embed).byteLength;
   return bytes;
 }
 
@@ -187,6 +200,8 @@ function measured(values: number[], seed: number): Measured {
 interface Arms {
   readonly name: BenchKernels;
   readonly kvDtype: KvDtype;
+  readonly dtype: WeightDType | "stored";
+  readonly weightBytes: number;
   readonly threads: 1 | 2;
   readonly setup: ForwardSetup;
   prefill(): number;
@@ -207,8 +222,10 @@ async function prepareArms(
   kvDtype: KvDtype,
   options: ModelBenchOptions,
   model: ArmModel,
+  dtype: WeightDType | "stored",
 ): Promise<Arms> {
-  const { config, weights, longContext } = model;
+  const { config, longContext } = model;
+  const weights = dtype === "stored" ? model.weights : convertWeights(model.weights, config, dtype);
   const threads: 1 | 2 = name === "ts" ? 1 : options.threads;
   const rng = new Prng(options.seed);
   const pageSize = options.pageSize;
@@ -298,6 +315,8 @@ async function prepareArms(
   return {
     name,
     kvDtype,
+    dtype,
+    weightBytes: weightBytes(weights),
     threads,
     setup,
     prefill() {
@@ -313,7 +332,7 @@ async function prepareArms(
 export async function runModelBench(options: ModelBenchOptions): Promise<ModelBenchResult> {
   const log = options.log ?? (() => {});
   const tLoad = performance.now();
-  const model = loadModel(options.modelDir);
+  const model = await openModel(options.modelDir);
   const loadSeconds = (performance.now() - tLoad) / 1000;
   const { config, weights } = model;
   const bytes = weightBytes(weights);
@@ -330,10 +349,13 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
 
   const kernelSets = [...new Set(options.kernels)];
   const kvDtypes = [...new Set(options.kvCacheDtypes ?? [DEFAULT_KV_CACHE_DTYPE])];
+  const dtypes: (WeightDType | "stored")[] =
+    options.dtypes === undefined ? ["stored"] : [...new Set(options.dtypes)];
   const arms: Arms[] = [];
-  for (const name of kernelSets) {
-    for (const kvDtype of kvDtypes)
-      arms.push(await prepareArms(name, kvDtype, options, { config, weights, longContext }));
+  for (const dtype of dtypes) {
+    for (const name of kernelSets)
+      for (const kvDtype of kvDtypes)
+        arms.push(await prepareArms(name, kvDtype, options, { config, weights, longContext }, dtype));
   }
   const twoThreads = arms.some((a) => a.threads === 2);
   log(
@@ -346,10 +368,15 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
       1: measured(gbps1, options.seed),
       2: twoThreads ? measured(gbps2, options.seed) : null,
     };
-    const roofline = (threads: 1 | 2, batch: number): number =>
-      (batch * ((threads === 2 ? readGbps[2] : readGbps[1]) ?? readGbps[1]).summary.median * 1e9) / bytes;
+    const roofline =
+      (a: Arms) =>
+      (threads: 1 | 2, batch: number): number =>
+        (batch * ((threads === 2 ? readGbps[2] : readGbps[1]) ?? readGbps[1]).summary.median * 1e9) /
+        a.weightBytes;
     const flops = prefillFlops(config, options.promptTokens);
-    const runs = arms.map((a, k) => kernelsRun(a, samples[k]!, { options, k, flops, longContext, roofline }));
+    const runs = arms.map((a, k) =>
+      kernelsRun(a, samples[k]!, { options, k, flops, longContext, roofline: roofline(a) }),
+    );
     const { log: _log, ...rest } = options;
     return {
       model: model.name,
@@ -413,7 +440,7 @@ function sampleArms(
       });
       if (a.long !== null) s.long.push(a.long());
       parts.push(
-        `${a.name} kv ${a.kvDtype}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
+        `${armLabel(a.name, a.dtype)} kv ${a.kvDtype}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
           options.batchSizes
             .map((b, i) => `decode@${b} ${((s.decode[i] as number[]).at(-1) as number).toFixed(1)}`)
             .join(", ") +
@@ -444,6 +471,8 @@ function kernelsRun(
   return {
     kernels: a.name,
     kvCacheDtype: a.kvDtype,
+    dtype: a.dtype,
+    weightBytes: a.weightBytes,
     fma: kernels instanceof WasmKernels ? kernels.fma : null,
     threads: a.threads,
     prefillTokensPerSecond: measured(s.prefill, seed),
@@ -477,6 +506,11 @@ function kernelsRun(
   };
 }
 
+/** "wasm", or "wasm q8_0" when formats are compared. */
+function armLabel(kernels: BenchKernels, dtype: WeightDType | "stored"): string {
+  return dtype === "stored" ? kernels : `${kernels} ${dtype}`;
+}
+
 export function formatModelBench(r: ModelBenchResult): string {
   const c = r.config;
   const m = (x: Measured, digits = 1): string =>
@@ -484,29 +518,35 @@ export function formatModelBench(r: ModelBenchResult): string {
   const bandwidth = `1 thread ${m(r.readGbps[1], 2)}${r.readGbps[2] === null ? "" : `, 2 threads ${m(r.readGbps[2], 2)}`}`;
   const lines = [
     `model bench: ${r.model} (${c.architecture}, ${c.numLayers} layers, hidden ${c.hiddenSize}, heads ${c.numHeads}/${c.numKvHeads}, vocab ${c.vocabSize}); Node ${r.node}`,
-    `  weights read per decode step: ${(r.weightBytes / 1e6).toFixed(1)} MB (f32); KV pages of ${r.options.pageSize} tokens; ${r.options.repeats} interleaved repeats, medians`,
+    `  weights read per decode step: ${(r.weightBytes / 1e6).toFixed(1)} MB as stored${formatBytesByDtype(r)}; KV pages of ${r.options.pageSize} tokens; ${r.options.repeats} interleaved repeats, medians`,
     `  read bandwidth (native memchr over ${(r.options.bandwidthBytes / 2 ** 30).toFixed(2)} GiB): ${bandwidth} GB/s`,
   ];
   const l3 = lastLevelCacheBytes();
-  const decodeLine = (d: DecodeResult): string => {
+  const decodeLine = (d: DecodeResult & { weightBytes?: number }): string => {
     const pct = (d.tokensPerSecond.summary.median / d.rooflineTokensPerSecond) * 100;
+    const weightBytesOfRun = d.weightBytes ?? r.weightBytes;
     const speedup = d.vsBatch1 === null ? "" : `; ×${m(d.vsBatch1, 2)} of batch 1 (paired by repeat)`;
     const cached =
-      pct > 100 && l3 !== null && r.weightBytes <= l3
+      pct > 100 && l3 !== null && weightBytesOfRun <= l3
         ? `; the weights fit in the ${(l3 / 2 ** 20).toFixed(0)} MiB last-level cache, so they need not come from DRAM`
         : "";
     return `    decode batch ${d.batch} (context ${d.contextTokens}, ${r.options.decodeSteps} steps): ${m(d.tokensPerSecond)} tok/s; roofline ${d.rooflineTokensPerSecond.toFixed(1)} tok/s (${pct.toFixed(1)}% of it${cached})${speedup}`;
   };
   for (const run of r.runs) {
     const build = run.fma === null ? "" : run.fma ? " (fused multiply-add)" : " (multiply, then add)";
+    const format =
+      run.dtype === "stored"
+        ? ""
+        : ` on ${run.dtype} weights (${(run.weightBytes / 1e6).toFixed(1)} MB per step)`;
     lines.push(
-      `  ${run.kernels} kernels${build}, ${run.threads} thread${run.threads > 1 ? "s" : ""}, KV cache ${run.kvCacheDtype}:`,
+      `  ${run.kernels} kernels${build}${format}, ${run.threads} thread${run.threads > 1 ? "s" : ""}, KV cache ${run.kvCacheDtype}:`,
     );
     lines.push(
       `    prefill (${r.options.promptTokens}-token prompt, one chunk): ${m(run.prefillTokensPerSecond)} tok/s = ${m(run.prefillGflopsPerCore)} GFLOP/s per core`,
     );
-    for (const d of run.decode) lines.push(decodeLine(d));
-    if (run.longContext !== null) lines.push(decodeLine(run.longContext));
+    for (const d of run.decode) lines.push(decodeLine({ ...d, weightBytes: run.weightBytes }));
+    if (run.longContext !== null)
+      lines.push(decodeLine({ ...run.longContext, weightBytes: run.weightBytes }));
   }
   if (r.runs.length > 1) {
     lines.push("  side by side (medians):");
@@ -521,9 +561,16 @@ export function formatModelBench(r: ModelBenchResult): string {
         ...(run.longContext === null ? [] : [run.longContext.tokensPerSecond.summary.median.toFixed(1)]),
       ];
       lines.push(
-        `    ${`${run.kernels} ${run.threads}t ${run.kvCacheDtype}`.padEnd(16)} | ${cells.join(" | ")}`,
+        `    ${`${armLabel(run.kernels, run.dtype)} ${run.threads}t ${run.kvCacheDtype}`.padEnd(16)} | ${cells.join(" | ")}`,
       );
     }
   }
   return lines.join("\n");
+}
+
+/** ", bf16 270.0 MB, q8_0 143.4 MB" for the formats compared (empty without --dtype). */
+function formatBytesByDtype(r: ModelBenchResult): string {
+  const seen = new Map<string, number>();
+  for (const run of r.runs) if (run.dtype !== "stored") seen.set(run.dtype, run.weightBytes);
+  return [...seen].map(([d, b]) => `, ${d} ${(b / 1e6).toFixed(1)} MB`).join("");
 }

@@ -1,0 +1,193 @@
+/**
+ * One shared memory for the weights and every engine (src/engine/engine-memory.ts): the weights are
+ * read into it and used in place by two engines' forward passes (no copy), each engine's pool and
+ * activations lie in its own region and never grow out of it, the logits are those of an engine
+ * with its own memory, a kernel set refuses to write into or attend over another engine's region,
+ * and a plan beyond 4 GiB is refused with its numbers before anything is read.
+ */
+import assert from "node:assert/strict";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { describe, it } from "node:test";
+import { writeGgufFromFolder } from "../../testing/gguf-writer.js";
+import { modelDir } from "../../testing/start-server.js";
+import type { WasmKernels } from "../kernels/wasm-kernels.js";
+import { KvfenceError } from "../lib/errors.js";
+import type { StepSequence } from "../model/forward.js";
+import { openModel, openModelMeta } from "../model/load-model.js";
+import { type Matrix, matrixBytes, matrixDType } from "../model/weight-format.js";
+import { engineRegionBytes, layoutOf, loadEngineMemory } from "./engine-memory.js";
+import { createForward } from "./forward-setup.js";
+
+describe("loadEngineMemory()", async () => {
+  const meta = await openModelMeta(modelDir("tiny-qwen2"));
+  const config = meta.config;
+  const layout = layoutOf(config, { pageSize: 16 });
+  const sizing = { maxBatchTokens: 32, maxSequences: 2, poolPages: [config.maxPositionEmbeddings / 16] };
+  const regionBytes = engineRegionBytes(config, layout, sizing);
+
+  async function twoEngines() {
+    const shared = loadEngineMemory(meta, [regionBytes, regionBytes]);
+    const setups = await Promise.all(
+      shared.regions.map((region) =>
+        createForward(config, shared.weights, layout, {
+          kernels: "wasm",
+          ...sizing,
+          shared: { memory: shared.memory, region },
+        }),
+      ),
+    );
+    return { shared, setups };
+  }
+
+  const step = (setup: Awaited<ReturnType<typeof createForward>>): Float32Array => {
+    const logits = new Float32Array(config.vocabSize);
+    const pool = setup.pools[0]?.data as Float32Array;
+    const seq: StepSequence = {
+      tokens: Int32Array.of(3, 9, 1, 7, 2),
+      startPos: 0,
+      blockTable: Int32Array.of(2, 0),
+      logits,
+    };
+    setup.forward.step(pool, [seq]);
+    return logits;
+  };
+
+  it("both engines use the weights where they were read, each pool in its own region, the memory never grows", async () => {
+    const { shared, setups } = await twoEngines();
+    const bytes = shared.memory.buffer.byteLength;
+    for (const [i, setup] of setups.entries()) {
+      const k = setup.kernels as WasmKernels;
+      assert.equal(k.memory, shared.memory);
+      const region = shared.regions[i]!;
+      for (const [a, b] of [
+        [setup.weights.embed, shared.weights.embed],
+        [setup.weights.layers[1]!.down, shared.weights.layers[1]!.down],
+        [setup.weights.layers[0]!.qBias, shared.weights.layers[0]!.qBias],
+      ] as const) {
+        const [x, y] = [matrixBytes(a as Matrix), matrixBytes(b as Matrix)];
+        assert.equal(x.byteOffset, y.byteOffset, "the same bytes, not a copy");
+        assert.equal(x.buffer.byteLength, shared.memory.buffer.byteLength, "in the shared memory");
+        assert.ok(x.byteOffset + x.byteLength <= shared.regions[0]!.start, "weights below the regions");
+      }
+      const pool = setup.pools[0]!.data;
+      assert.ok(
+        pool.byteOffset >= region.start && pool.byteOffset + pool.byteLength <= region.end,
+        "pool in its region",
+      );
+      step(setup);
+      assert.equal(k.fallbackCalls, 0);
+    }
+    assert.equal(shared.memory.buffer.byteLength, bytes, "the memory did not grow");
+    await Promise.all(setups.map((s) => s.close()));
+  });
+
+  it("gives the logits of an engine with its own memory and its own copy of the weights", async () => {
+    const { setups } = await twoEngines();
+    const own = await createForward(config, (await openModel(modelDir("tiny-qwen2"))).weights, layout, {
+      kernels: "wasm",
+      ...sizing,
+    });
+    const expected = step(own);
+    for (const setup of setups) assert.deepEqual(step(setup), expected);
+    await Promise.all([...setups, own].map((s) => s.close()));
+  });
+
+  it("a kernel set refuses to write into, or attend over the KV pool of, another engine's region", async () => {
+    const { shared, setups } = await twoEngines();
+    const [a, b] = setups as [
+      Awaited<ReturnType<typeof createForward>>,
+      Awaited<ReturnType<typeof createForward>>,
+    ];
+    const ka = a.kernels as WasmKernels;
+    const poolB = b.pools[0]!.data;
+    const h = config.hiddenSize;
+    const x = ka.allocF32(h);
+    // Another engine's pool as a matmul output, and the shared weights as one: refused.
+    assert.throws(
+      () =>
+        ka.matmul(
+          new Float32Array(poolB.buffer, poolB.byteOffset, h),
+          x,
+          shared.weights.layers[0]!.q,
+          1,
+          h,
+          h,
+        ),
+      /matmul output .* lies outside this engine's region/,
+    );
+    assert.throws(
+      () =>
+        ka.matmul(
+          shared.weights.layers[0]!.inputNorm.subarray(0, h),
+          x,
+          shared.weights.layers[0]!.q,
+          1,
+          h,
+          h,
+        ),
+      /matmul output .* lies outside this engine's region/,
+    );
+    // Decode through engine a's forward pass, handed b's pool: refused before any read or write.
+    poolB.fill(0.5);
+    const logits = new Float32Array(config.vocabSize);
+    assert.throws(
+      () =>
+        a.forward.step(poolB, [
+          { tokens: Int32Array.of(3), startPos: 0, blockTable: Int32Array.of(0), logits },
+        ]),
+      /KV pool .* lies outside this engine's region/,
+    );
+    assert.ok(
+      poolB.every((v) => v === 0.5),
+      "nothing was written into the other engine's pool",
+    );
+    await Promise.all(setups.map((s) => s.close()));
+  });
+
+  it("takes a GGUF Q8_0 file whole: its blocks are used in place by the engines, as Q8_0", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "kvfence-mem-gguf-"));
+    try {
+      const path = join(dir, "m.gguf");
+      writeGgufFromFolder(modelDir("tiny-qwen2"), path, { dtype: "q8_0" });
+      const g = await openModelMeta(path);
+      const shared = loadEngineMemory(g, [regionBytes]);
+      const q = shared.weights.layers[0]!.q;
+      assert.equal(matrixDType(q), "q8_0", "kept as blocks, not dequantised");
+      assert.equal(matrixBytes(q).buffer, shared.memory.buffer, "a view of the file in the memory");
+      const setup = await createForward(config, shared.weights, layout, {
+        kernels: "wasm",
+        ...sizing,
+        shared: { memory: shared.memory, region: shared.regions[0]! },
+      });
+      assert.equal(
+        matrixBytes(setup.weights.layers[0]!.q).byteOffset,
+        matrixBytes(q).byteOffset,
+        "not copied",
+      );
+      const own = await createForward(config, (await openModel(path)).weights, layout, {
+        kernels: "wasm",
+        ...sizing,
+      });
+      assert.deepEqual(step(setup), step(own));
+      await Promise.all([setup.close(), own.close()]);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("refuses weights plus regions beyond 4 GiB with the numbers, before reading a byte", () => {
+    let read = 0;
+    assert.throws(
+      () => loadEngineMemory(meta, [3 * 1024 ** 3, 1024 ** 3], { onProgress: () => read++ }),
+      (err: unknown) =>
+        err instanceof KvfenceError &&
+        err.code === "config_invalid" &&
+        /need 4\.00 GiB \(weights 0\.00 GiB, 2 engine region\(s\) of 3\.00 GiB and 1\.00 GiB\) but WebAssembly addresses at most 4 GiB/.test(
+          err.message,
+        ),
+    );
+    assert.equal(read, 0);
+  });
+});

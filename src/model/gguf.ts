@@ -1,0 +1,441 @@
+/**
+ * llama.cpp's GGUF files (`--model FILE.gguf`): the header parsed by `@huggingface/gguf`, turned
+ * into what a Hugging Face folder gives the rest of the server — a config.json object (checked by
+ * the same code as a folder's, src/model/config-loader.ts), a tokenizer.json and a
+ * tokenizer_config.json built from the `tokenizer.ggml.*` metadata, the chat template from
+ * `tokenizer.chat_template` — and the tensors under their Hugging Face names, read straight from
+ * the file into the memory the caller hands out (src/model/load-model.ts).
+ *
+ * Served: the `llama` and `qwen2` architectures, tensors in F32, F16, BF16, Q8_0 and Q4_0 (the
+ * block layouts are llama.cpp's: 34-byte Q8_0 blocks of an f16 scale and 32 int8, 18-byte Q4_0
+ * blocks of an f16 scale and 32 nibbles, low nibbles first), and the byte-level BPE tokenizer
+ * (`tokenizer.ggml.model` "gpt2") with the pre-tokenizers llama.cpp names gpt2/default, llama-bpe
+ * (Llama 3), qwen2 and smollm. Anything else is refused with a one-line `unsupported_model` error
+ * naming the architecture, tensor type or tokenizer. The tensors stay in their stored format: the
+ * file is read whole (into the engines' shared memory when serving) and each matrix is a view of
+ * it, widened or dequantised inside the kernels (src/model/weight-format.ts).
+ *
+ * llama.cpp's converter permutes the rows of Llama's Q and K projections (`permute` in
+ * convert_hf_to_gguf.py: within each head, the two halves of the rotary dimensions are
+ * interleaved, because ggml's Llama RoPE rotates adjacent pairs); the loader undoes it so the
+ * weights are the Hugging Face model's and the forward pass (rotate-half RoPE) computes the same
+ * numbers. Qwen2 is converted without a permutation (llama.cpp runs it with NeoX RoPE).
+ */
+import { basename } from "node:path";
+import { badModelFolder, unsupportedModel } from "./config-loader.js";
+import { decodeRange, type Matrix, type WeightDType } from "./weight-format.js";
+
+/** Architectures served, with the Hugging Face class each stands for. */
+const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
+  llama: "LlamaForCausalLM",
+  qwen2: "Qwen2ForCausalLM",
+};
+
+/**
+ * Tensor types served (by their `ggml_type` ids, `GGMLQuantizationType` in @huggingface/gguf), with
+ * bytes per block and weights per block.
+ */
+const GGUF_TYPES: ReadonlyMap<number, { name: string; blockBytes: number; blockWeights: number }> = new Map([
+  [0, { name: "F32", blockBytes: 4, blockWeights: 1 }],
+  [1, { name: "F16", blockBytes: 2, blockWeights: 1 }],
+  [30, { name: "BF16", blockBytes: 2, blockWeights: 1 }],
+  [8, { name: "Q8_0", blockBytes: 34, blockWeights: 32 }],
+  [2, { name: "Q4_0", blockBytes: 18, blockWeights: 32 }],
+]);
+
+const SERVED_TYPES = [...GGUF_TYPES.values()].map((t) => t.name).join(", ");
+
+/** GGUF token types (llama.cpp's `llama_token_type`). */
+const TOKEN_CONTROL = 3;
+const TOKEN_USER_DEFINED = 4;
+
+type Metadata = Readonly<Record<string, unknown>>;
+
+/** One tensor of a GGUF file under its Hugging Face name. */
+export interface GgufTensor {
+  /** Hugging Face name, e.g. `model.layers.0.self_attn.q_proj.weight`. */
+  readonly name: string;
+  /** GGUF name, e.g. `blk.0.attn_q.weight`. */
+  readonly ggufName: string;
+  /** Row-major shape as Hugging Face states it (GGUF lists dimensions innermost first). */
+  readonly shape: readonly number[];
+  /** `F32`, `F16`, `BF16`, `Q8_0` or `Q4_0`. */
+  readonly type: string;
+  readonly fileOffset: number;
+  readonly byteLength: number;
+  /** Rows to un-permute (Llama's Q and K): the number of heads, else 0. */
+  readonly unpermuteHeads: number;
+}
+
+/** What a GGUF file holds, parsed: everything the server needs but the tensor bytes. */
+export interface GgufModel {
+  readonly path: string;
+  /** The file's base name without `.gguf` (the served model's name). */
+  readonly name: string;
+  /** A Hugging Face config.json equivalent (checked by config-loader's parseModelConfig). */
+  readonly configJson: Record<string, unknown>;
+  /** A tokenizer.json equivalent for `@huggingface/tokenizers`. */
+  readonly tokenizerJson: Record<string, unknown>;
+  /** A tokenizer_config.json equivalent (bos/eos text, the chat template). */
+  readonly tokenizerConfig: Record<string, unknown>;
+  readonly tensors: readonly GgufTensor[];
+}
+
+export function isGgufPath(path: string): boolean {
+  return path.toLowerCase().endsWith(".gguf");
+}
+
+/**
+ * Parses a GGUF file's header (metadata and tensor table) with `@huggingface/gguf`, imported on
+ * first use (with its dependency it costs each thread about 12 MB, which a folder never needs).
+ */
+export async function readGgufModel(path: string): Promise<GgufModel> {
+  const { GGMLQuantizationType, gguf } = await import("@huggingface/gguf");
+  let parsed: Awaited<ReturnType<typeof gguf>>;
+  try {
+    parsed = await gguf(path, { allowLocalFile: true });
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    if (code === "ENOENT") throw badModelFolder(path, "file is missing", err);
+    throw badModelFolder(path, `not a readable GGUF file: ${(err as Error).message}`, err);
+  }
+  const meta = parsed.metadata as unknown as Metadata;
+  const arch = meta["general.architecture"];
+  if (typeof arch !== "string" || GGUF_ARCHITECTURES[arch] === undefined) {
+    throw unsupportedModel(
+      path,
+      `GGUF architecture ${JSON.stringify(arch ?? null)} is not served; supported: ${Object.keys(GGUF_ARCHITECTURES).join(", ")}`,
+    );
+  }
+  const dataOffset = Number(parsed.tensorDataOffset);
+  const byName = new Map(parsed.tensorInfos.map((t) => [t.name, t]));
+  const configJson = ggufConfigJson(path, arch, meta, byName);
+  const numHeads = configJson.num_attention_heads as number;
+  const numKvHeads = configJson.num_key_value_heads as number;
+  const tensors = parsed.tensorInfos.map((info): GgufTensor => {
+    const type = GGUF_TYPES.get(info.dtype);
+    if (type === undefined) {
+      const typeName = GGMLQuantizationType[info.dtype] ?? `type ${info.dtype}`;
+      throw unsupportedModel(
+        path,
+        `tensor ${info.name} is ${typeName}; kvfence serves GGUF tensors in ${SERVED_TYPES} (requantize with llama-quantize, e.g. to Q8_0)`,
+      );
+    }
+    const shape = info.shape.map(Number).reverse();
+    const elements = shape.reduce((a, b) => a * b, 1);
+    const cols = shape[shape.length - 1] ?? 1;
+    if (cols % type.blockWeights !== 0)
+      throw badModelFolder(path, `tensor ${info.name} rows of ${cols} are not whole ${type.name} blocks`);
+    const name = hfTensorName(info.name);
+    let unpermuteHeads = 0;
+    if (arch === "llama" && name.endsWith("self_attn.q_proj.weight")) unpermuteHeads = numHeads;
+    if (arch === "llama" && name.endsWith("self_attn.k_proj.weight")) unpermuteHeads = numKvHeads;
+    return {
+      name,
+      ggufName: info.name,
+      shape,
+      type: type.name,
+      fileOffset: dataOffset + Number(info.offset),
+      byteLength: (elements / type.blockWeights) * type.blockBytes,
+      unpermuteHeads,
+    };
+  });
+  const { tokenizerJson, tokenizerConfig } = ggufTokenizer(path, meta);
+  return {
+    path,
+    name: basename(path).replace(/\.gguf$/i, ""),
+    configJson,
+    tokenizerJson,
+    tokenizerConfig,
+    tensors,
+  };
+}
+
+/** llama.cpp tensor names → Hugging Face names (unknown ones keep their GGUF name, to be refused). */
+function hfTensorName(name: string): string {
+  const fixed: Record<string, string> = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+  };
+  const whole = fixed[name];
+  if (whole !== undefined) return whole;
+  const m = /^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$/.exec(name);
+  if (m === null) return name;
+  const parts: Record<string, string> = {
+    attn_norm: "input_layernorm",
+    attn_q: "self_attn.q_proj",
+    attn_k: "self_attn.k_proj",
+    attn_v: "self_attn.v_proj",
+    attn_output: "self_attn.o_proj",
+    ffn_norm: "post_attention_layernorm",
+    ffn_gate: "mlp.gate_proj",
+    ffn_up: "mlp.up_proj",
+    ffn_down: "mlp.down_proj",
+  };
+  const part = parts[m[2] as string];
+  return part === undefined ? name : `model.layers.${m[1]}.${part}.${m[3]}`;
+}
+
+function num(meta: Metadata, key: string): number | undefined {
+  const v = meta[key];
+  if (typeof v === "number") return v;
+  if (typeof v === "bigint") return Number(v);
+  return undefined;
+}
+
+/** The config.json a GGUF's `ARCH.*` metadata stands for. */
+function ggufConfigJson(
+  path: string,
+  arch: string,
+  meta: Metadata,
+  tensors: ReadonlyMap<string, { shape: bigint[] }>,
+): Record<string, unknown> {
+  const need = (key: string): number => {
+    const v = num(meta, `${arch}.${key}`);
+    if (v === undefined) throw badModelFolder(path, `GGUF metadata ${arch}.${key} is missing`);
+    return v;
+  };
+  const hidden = need("embedding_length");
+  const numHeads = need("attention.head_count");
+  const headDim = num(meta, `${arch}.attention.key_length`) ?? hidden / numHeads;
+  const ropeDims = num(meta, `${arch}.rope.dimension_count`);
+  if (ropeDims !== undefined && ropeDims !== headDim) {
+    throw unsupportedModel(
+      path,
+      `partial RoPE (${arch}.rope.dimension_count ${ropeDims} of ${headDim}) is not implemented`,
+    );
+  }
+  const scaling = meta[`${arch}.rope.scaling.type`];
+  const experts = num(meta, `${arch}.expert_count`) ?? 0;
+  if (experts > 0)
+    throw unsupportedModel(path, `mixture of experts (${arch}.expert_count ${experts}) is not implemented`);
+  const embed = tensors.get("token_embd.weight");
+  if (embed === undefined) throw badModelFolder(path, "tensor token_embd.weight is missing");
+  const eos = [
+    meta["tokenizer.ggml.eos_token_id"],
+    meta["tokenizer.ggml.eot_token_id"],
+    meta["tokenizer.ggml.eom_token_id"],
+  ]
+    .filter((v) => typeof v === "number")
+    .concat(endOfTurnIds(meta));
+  return {
+    architectures: [GGUF_ARCHITECTURES[arch]],
+    model_type: arch,
+    hidden_size: hidden,
+    num_attention_heads: numHeads,
+    num_key_value_heads: num(meta, `${arch}.attention.head_count_kv`) ?? numHeads,
+    head_dim: headDim,
+    intermediate_size: need("feed_forward_length"),
+    num_hidden_layers: need("block_count"),
+    rms_norm_eps: need("attention.layer_norm_rms_epsilon"),
+    rope_theta: num(meta, `${arch}.rope.freq_base`) ?? 10000,
+    rope_scaling: scaling === undefined || scaling === "none" ? null : { type: scaling },
+    tie_word_embeddings: !tensors.has("output.weight"),
+    max_position_embeddings: need("context_length"),
+    vocab_size: Number(embed.shape[1]),
+    bos_token_id: num(meta, "tokenizer.ggml.bos_token_id") ?? null,
+    eos_token_id: [...new Set(eos)],
+  };
+}
+
+/** Control tokens that end a turn by their text, as llama.cpp's end-of-generation set has them. */
+function endOfTurnIds(meta: Metadata): number[] {
+  const tokens = meta["tokenizer.ggml.tokens"];
+  const types = meta["tokenizer.ggml.token_type"];
+  if (!Array.isArray(tokens) || !Array.isArray(types)) return [];
+  const ends = ["<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>", "<|eom_id|>", "<end_of_turn>"];
+  const out: number[] = [];
+  for (const text of ends) {
+    const id = tokens.indexOf(text);
+    if (id >= 0 && types[id] === TOKEN_CONTROL) out.push(id);
+  }
+  return out;
+}
+
+/**
+ * llama.cpp's pre-tokenizers (`tokenizer.ggml.pre`) as Hugging Face pre_tokenizer objects: the
+ * regexes are llama.cpp's (llama-vocab.cpp), spelled without inline `(?i:` groups.
+ */
+const LLAMA3_SPLIT =
+  "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const QWEN2_SPLIT =
+  "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const byteLevel = (useRegex: boolean) => ({
+  type: "ByteLevel",
+  add_prefix_space: false,
+  trim_offsets: false,
+  use_regex: useRegex,
+});
+const splitThenBytes = (regex: string) => ({
+  type: "Sequence",
+  pretokenizers: [
+    { type: "Split", pattern: { Regex: regex }, behavior: "Isolated", invert: false },
+    byteLevel(false),
+  ],
+});
+const PRE_TOKENIZERS: Readonly<Record<string, { pre: unknown; ignoreMerges: boolean }>> = {
+  default: { pre: byteLevel(true), ignoreMerges: false },
+  gpt2: { pre: byteLevel(true), ignoreMerges: false },
+  "llama-bpe": { pre: splitThenBytes(LLAMA3_SPLIT), ignoreMerges: true },
+  llama3: { pre: splitThenBytes(LLAMA3_SPLIT), ignoreMerges: true },
+  qwen2: { pre: splitThenBytes(QWEN2_SPLIT), ignoreMerges: false },
+  smollm: {
+    pre: { type: "Sequence", pretokenizers: [{ type: "Digits", individual_digits: true }, byteLevel(true)] },
+    ignoreMerges: false,
+  },
+};
+
+function stringArray(path: string, meta: Metadata, key: string): string[] {
+  const v = meta[key];
+  if (!Array.isArray(v) || !v.every((s) => typeof s === "string"))
+    throw badModelFolder(path, `GGUF metadata ${key} is missing or not a list of strings`);
+  return v as string[];
+}
+
+/** tokenizer.json and tokenizer_config.json from `tokenizer.ggml.*` and `tokenizer.chat_template`. */
+function ggufTokenizer(
+  path: string,
+  meta: Metadata,
+): { tokenizerJson: Record<string, unknown>; tokenizerConfig: Record<string, unknown> } {
+  const model = meta["tokenizer.ggml.model"];
+  if (model !== "gpt2") {
+    throw unsupportedModel(
+      path,
+      `GGUF tokenizer ${JSON.stringify(model ?? null)} is not served; supported: "gpt2" (byte-level BPE)`,
+    );
+  }
+  const preName =
+    typeof meta["tokenizer.ggml.pre"] === "string" ? (meta["tokenizer.ggml.pre"] as string) : "default";
+  const pre = PRE_TOKENIZERS[preName];
+  if (pre === undefined) {
+    throw unsupportedModel(
+      path,
+      `GGUF pre-tokenizer ${JSON.stringify(preName)} is not served; supported: ${Object.keys(PRE_TOKENIZERS).join(", ")}`,
+    );
+  }
+  const tokens = stringArray(path, meta, "tokenizer.ggml.tokens");
+  const merges =
+    meta["tokenizer.ggml.merges"] === undefined ? [] : stringArray(path, meta, "tokenizer.ggml.merges");
+  const types = meta["tokenizer.ggml.token_type"];
+  const vocab: Record<string, number> = {};
+  const added: Record<string, unknown>[] = [];
+  tokens.forEach((token, id) => {
+    if (!Object.hasOwn(vocab, token)) vocab[token] = id;
+    const type = Array.isArray(types) ? types[id] : undefined;
+    if (type === TOKEN_CONTROL || type === TOKEN_USER_DEFINED) {
+      added.push({
+        id,
+        content: token,
+        single_word: false,
+        lstrip: false,
+        rstrip: false,
+        normalized: false,
+        special: type === TOKEN_CONTROL,
+      });
+    }
+  });
+  const text = (key: string): string | null => {
+    const id = num(meta, key);
+    return id === undefined ? null : (tokens[id] ?? null);
+  };
+  const bos = text("tokenizer.ggml.bos_token_id");
+  const addBos = meta["tokenizer.ggml.add_bos_token"] === true && bos !== null;
+  const bosId = num(meta, "tokenizer.ggml.bos_token_id");
+  const tokenizerJson = {
+    version: "1.0",
+    truncation: null,
+    padding: null,
+    added_tokens: added,
+    normalizer: null,
+    pre_tokenizer: pre.pre,
+    post_processor: addBos
+      ? {
+          type: "TemplateProcessing",
+          single: [{ SpecialToken: { id: bos, type_id: 0 } }, { Sequence: { id: "A", type_id: 0 } }],
+          pair: [
+            { SpecialToken: { id: bos, type_id: 0 } },
+            { Sequence: { id: "A", type_id: 0 } },
+            { Sequence: { id: "B", type_id: 1 } },
+          ],
+          special_tokens: { [bos as string]: { id: bos, ids: [bosId], tokens: [bos] } },
+        }
+      : null,
+    decoder: byteLevel(true),
+    model: {
+      type: "BPE",
+      dropout: null,
+      unk_token: null,
+      continuing_subword_prefix: null,
+      end_of_word_suffix: null,
+      fuse_unk: false,
+      byte_fallback: false,
+      ignore_merges: pre.ignoreMerges,
+      vocab,
+      merges,
+    },
+  };
+  const template = meta["tokenizer.chat_template"];
+  const tokenizerConfig = {
+    bos_token: bos,
+    eos_token: text("tokenizer.ggml.eos_token_id"),
+    add_bos_token: addBos,
+    ...(typeof template === "string" ? { chat_template: template } : {}),
+  };
+  return { tokenizerJson, tokenizerConfig };
+}
+
+// -----------------------------------------------------------------------------------------------
+// tensor data
+
+const DTYPES: Readonly<Record<string, WeightDType>> = {
+  F32: "f32",
+  F16: "f16",
+  BF16: "bf16",
+  Q8_0: "q8_0",
+  Q4_0: "q4_0",
+};
+
+/**
+ * Tensor `t` of the GGUF file held in `file` (its bytes, read whole), as the weights take it: a
+ * matrix in its stored format as a view of `file` (an F32 one a Float32Array), Llama's Q/K rows
+ * un-permuted in place; a 1-D tensor (norm, bias) as f32, a view when it is F32 (else widened into
+ * a fresh buffer, a SharedArrayBuffer when `shared`).
+ */
+export function ggufMatrix(file: Uint8Array, t: GgufTensor, shared: boolean): Matrix {
+  const bytes = file.subarray(t.fileOffset, t.fileOffset + t.byteLength);
+  const dtype = DTYPES[t.type] as WeightDType;
+  const elements = t.shape.reduce((a, b) => a * b, 1);
+  if (t.unpermuteHeads > 0) unpermuteRows(bytes, t.shape[0] as number, t.unpermuteHeads);
+  const f32View = (): Float32Array | null =>
+    dtype === "f32" && bytes.byteOffset % 4 === 0
+      ? new Float32Array(bytes.buffer, bytes.byteOffset, elements)
+      : null;
+  if (t.shape.length === 2) return f32View() ?? { dtype, shape: t.shape, bytes };
+  const view = f32View();
+  if (view !== null) return view;
+  const out = new Float32Array(shared ? new SharedArrayBuffer(4 * elements) : new ArrayBuffer(4 * elements));
+  return decodeRange({ dtype, shape: t.shape, bytes }, 0, elements, out);
+}
+
+/**
+ * Undoes convert_hf_to_gguf.py's `permute` on the rows (each `bytes.length / rows` bytes, in any
+ * format: a row is whole blocks) of a [heads·headDim][cols] matrix: the file holds, for head h,
+ * row h·hd + 2i + j = the model's row h·hd + j·hd/2 + i (i < hd/2, j ∈ {0, 1}).
+ */
+export function unpermuteRows(bytes: Uint8Array, rows: number, heads: number): void {
+  const row = bytes.length / rows;
+  const hd = rows / heads;
+  const half = hd / 2;
+  const head = new Uint8Array(hd * row);
+  for (let h = 0; h < heads; h++) {
+    const base = h * hd * row;
+    head.set(bytes.subarray(base, base + hd * row));
+    for (let i = 0; i < half; i++) {
+      for (let j = 0; j < 2; j++) {
+        const from = (2 * i + j) * row;
+        bytes.set(head.subarray(from, from + row), base + (j * half + i) * row);
+      }
+    }
+  }
+}

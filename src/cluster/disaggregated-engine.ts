@@ -35,6 +35,7 @@
 
 import type { WireError } from "../lib/errors.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
+import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
@@ -78,6 +79,8 @@ export interface DisaggregatedEngineOptions {
   readonly fairShare?: FairShareConfig;
   /** A node whose pong takes longer is not answering (not ready). Default 500 ms. */
   readonly pingTimeoutMs?: number;
+  /** Record the router's per-phase histograms (src/lib/phase-histograms.ts). Default true. */
+  readonly phaseMetrics?: boolean;
 }
 
 /** A node's place in the router: the node of its current incarnation, and what the router knows of it. */
@@ -128,6 +131,10 @@ interface Pending {
   completionTokens: number;
   stopped: boolean;
   silenced: boolean;
+  /** `performance.now()` at submit, at the last `reserve` sent (0: none), and whether a token reached the client. */
+  readonly submittedAt: number;
+  reserveSentAt: number;
+  firstToken: boolean;
 }
 
 const STATS_TIMEOUT_MS = 5000;
@@ -174,6 +181,8 @@ export class DisaggregatedEngine implements EngineHandle {
   /** Requests aborted by the router (`abort` of a live or waiting request). */
   #aborts = 0;
   #nextInternalRid = FIRST_INTERNAL_RID;
+  /** The router's phases: queue wait (submit to dispatch), reservation (reserve to lease), first token. */
+  readonly phases: PhaseRecorder;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.prefill.length === 0 || options.decode.length === 0) {
@@ -181,6 +190,7 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     this.#safety = options.safety;
     this.#pingTimeoutMs = options.pingTimeoutMs ?? DEFAULT_PING_TIMEOUT_MS;
+    this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
     const nodes = [...options.prefill, ...options.decode];
     const min = (f: (n: RouterNode) => number, list: readonly RouterNode[]) => Math.min(...list.map(f));
     const pageSize = options.decode[0]!.hello.pageSize;
@@ -393,6 +403,9 @@ export class DisaggregatedEngine implements EngineHandle {
       completionTokens: 0,
       stopped: false,
       silenced: false,
+      submittedAt: performance.now(),
+      reserveSentAt: 0,
+      firstToken: false,
     };
     this.#open.set(request.rid, pending);
     const refusal = this.#share.offer(pending);
@@ -526,6 +539,7 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     if (pair === null) return false;
     let rid = p.request.rid;
+    if (!p.dispatched) this.phases.since(PHASE.queue_wait, p.submittedAt);
     if (p.dispatched) {
       rid = this.#nextInternalRid;
       this.#nextInternalRid = rid >= LAST_INTERNAL_RID ? FIRST_INTERNAL_RID : rid + 1;
@@ -646,6 +660,10 @@ export class DisaggregatedEngine implements EngineHandle {
     const pair = pending.pair;
     if (slot !== pair.prefill && slot !== pair.decode) return;
     if (msg.type === "finished") pending.completionTokens = msg.completionTokens;
+    if (msg.type === "lease" && pending.reserveSentAt > 0) {
+      this.phases.since(PHASE.reservation, pending.reserveSentAt);
+      pending.reserveSentAt = 0;
+    }
     if (msg.type === "rejected") pending.refusedForPages = msg.error.code === "pool_exhausted" ? slot : null;
     this.#step(pair, { type: "message", msg });
     // Prefill frees its source pages at decode's release, right after the commit.
@@ -752,6 +770,10 @@ export class DisaggregatedEngine implements EngineHandle {
     let n = 0;
     while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
     if (n < effect.tokens.length) pending.stopped = true;
+    if (n > 0 && !pending.firstToken) {
+      pending.firstToken = true;
+      this.phases.since(PHASE.first_token, pending.submittedAt);
+    }
     if (n > 0)
       pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
   }
@@ -811,6 +833,7 @@ export class DisaggregatedEngine implements EngineHandle {
         ...(pending === undefined ? {} : { sampling: pending.sampling }),
       };
     } else if (msg.type === "reserve" && pending !== undefined) {
+      pending.reserveSentAt = performance.now();
       message = { kind: "protocol", prefill: pair.prefill.id, msg, sampling: pending.sampling };
     } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
     try {

@@ -10,6 +10,8 @@
  * releases exactly its own quarantined pages).
  */
 import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { PhaseSnapshot } from "../lib/phase-histograms.js";
+import type { PageMap } from "../protocol/engine-api.js";
 import type { ControlMessage } from "../protocol/wire.js";
 
 /** Sampling parameters of one request, as the engine's `GenerationRequest` has them. */
@@ -93,6 +95,10 @@ export interface NodeStats {
   /** Observations since the previous poll (drained by each poll): GB/s per transfer, ABORT_ACK latency in seconds. */
   readonly transferGbps: readonly number[];
   readonly abortAckSeconds: readonly number[];
+  /** The node's per-phase histograms so far (cumulative; src/lib/phase-histograms.ts). */
+  readonly phases?: PhaseSnapshot;
+  /** Every page's state and tenant, for the operator's dashboard. */
+  readonly pageMap?: PageMap;
   /** Process topology: connections refused before admission, by port and reason (link-guard.ts). */
   readonly linkAuthFailures?: {
     readonly control?: Readonly<Record<string, number>>;

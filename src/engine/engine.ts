@@ -50,11 +50,13 @@
  */
 
 import { BlockTable } from "../kvcache/block-table.js";
+import { type OwnershipTable, PAGE_STATE_NAMES, PageState } from "../kvcache/ownership-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import { Deque } from "../lib/deque.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
+import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
 import { Prng } from "../lib/prng.js";
 import type { StepSequence } from "../model/forward.js";
 import type { ModelConfig } from "../model/model-config.js";
@@ -64,6 +66,7 @@ import type {
   EngineStats,
   GenerationEvents,
   GenerationRequest,
+  PageMap,
 } from "../protocol/engine-api.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
 
@@ -88,6 +91,8 @@ export interface EngineOptions {
   readonly safety?: Safety;
   /** Seed for requests that bring none. Default: from `Math.random`. */
   readonly seed?: number;
+  /** Record the per-phase histograms (src/lib/phase-histograms.ts). Default true. */
+  readonly phaseMetrics?: boolean;
 }
 
 /**
@@ -164,6 +169,10 @@ class Sequence {
   ownership: PageOwnership = "local";
   /** The host's check of each step (`ExternalPages.checkStep`), or null: the engine checks. */
   hostCheck: (() => boolean) | null = null;
+  /** `performance.now()` when queued, when first admitted (0: not yet), at its last sampled token (0: none). */
+  queuedAt = performance.now();
+  startedAt = 0;
+  lastTokenAt = 0;
   /** The one token of a decode step, fed to the forward pass (reused: no view per step). */
   readonly decodeInput = new Int32Array(1);
   /** The array `onTokens` receives a sampled token in (reused: listeners copy what they keep). */
@@ -203,6 +212,8 @@ class Sequence {
 export class Engine {
   readonly capacity: EngineCapacity;
   readonly pool: PagePool;
+  /** This engine's per-phase histograms (queue wait, prefill, first token, inter-token); a node adds its own phases. */
+  readonly phases: PhaseRecorder;
   readonly #model: StepModel;
   readonly #maxPrefillTokens: number;
   readonly #maxBatchTokens: number;
@@ -299,6 +310,7 @@ export class Engine {
     this.#maxSequences = model.maxSequences;
     this.#contextTokens = Math.min(maxModelLen, pool.capacityTokens);
     this.#tagCheck = guardOn(options.safety ?? SAFE, "page-tags");
+    this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
     this.#sampler = new Sampler(config.vocabSize);
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
     this.capacity = Object.freeze({
@@ -433,6 +445,8 @@ export class Engine {
       pages: this.pool.counts(),
       queue: { waiting: this.#waiting.length + preempted, running: this.#running.length, preempted },
       counters: { ...this.#counters },
+      phases: this.phases.snapshot(),
+      pageMap: pageMapOf(this.pool.table),
     };
   }
 
@@ -591,6 +605,10 @@ export class Engine {
         break;
       if (seq.preempted) this.#preempted.popFront();
       else this.#waiting.take();
+      if (seq.startedAt === 0) {
+        seq.startedAt = performance.now();
+        this.phases.observe(PHASE.queue_wait, (seq.startedAt - seq.queuedAt) / 1000);
+      }
       seq.state = "running";
       seq.preempted = false;
       running.push(seq);
@@ -677,6 +695,7 @@ export class Engine {
       seq.generated++;
       this.#counters.completionTokens++;
       seq.sampled[0] = token;
+      this.#timeToken(seq);
       if (seq.ownership === "prefill-only") {
         this.#end(seq);
         seq.events.onTokens(seq.sampled);
@@ -693,6 +712,16 @@ export class Engine {
       if (done)
         seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
     }
+  }
+
+  /** The phases a sampled token ends: prefill and first token (the first), or inter-token. */
+  #timeToken(seq: Sequence): void {
+    const now = performance.now();
+    if (seq.ownership !== "decode-external" && seq.generated === 1) {
+      this.phases.observe(PHASE.prefill, (now - seq.startedAt) / 1000);
+      if (seq.ownership === "local") this.phases.observe(PHASE.first_token, (now - seq.queuedAt) / 1000);
+    } else if (seq.lastTokenAt > 0) this.phases.observe(PHASE.inter_token, (now - seq.lastTokenAt) / 1000);
+    seq.lastTokenAt = now;
   }
 
   /** After the step: nobody is in the batch any more. */
@@ -867,4 +896,19 @@ export class Engine {
     const i = this.#running.indexOf(seq);
     if (i >= 0) this.#running.splice(i, 1);
   }
+}
+
+/**
+ * Every page's state (one digit per page: the index in `PAGE_STATE_NAMES`) and its tenant (0 for
+ * a free page), for the operator's dashboard (`/kvfence/state`).
+ */
+function pageMapOf(table: OwnershipTable): PageMap {
+  let states = "";
+  const tenants: number[] = new Array(table.numPages);
+  for (let page = 0; page < table.numPages; page++) {
+    const state = table.state(page);
+    states += String(state);
+    tenants[page] = state === PageState.FREE ? 0 : table.tenant(page);
+  }
+  return { states, stateNames: PAGE_STATE_NAMES, tenants };
 }

@@ -33,6 +33,7 @@
  * its table entry (another writer stamped it, it was freed or reallocated) is hashed again then.
  */
 
+import { PHASE } from "../lib/phase-histograms.js";
 import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
 import {
@@ -320,6 +321,7 @@ export class DecodeNode {
     const out = this.#out;
     const start = out.length;
     const freeBefore = this.#core.freePages();
+    const stepStart = event.type === "message" ? performance.now() : 0;
     decodeStep(peer.state, event, this.#context);
     const freeAfter = this.#core.freePages();
     // Effects [start, end) are this event's; a call nested in their handling (a router message
@@ -353,7 +355,10 @@ export class DecodeNode {
     // After the machine's own messages (a `finished` before its pages' news): requests the router
     // holds back for want of pages may try again.
     this.#core.reportFreed(freeBefore, freeAfter);
-    if (commits !== null) for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
+    if (commits === null) return;
+    // The machine's commit check (coverage, checksums, tags) ran in that step: its time.
+    this.#core.engine.phases.since(PHASE.commit, stepStart);
+    for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
   }
 
   /** An ABORT_ACK came: its latency since the abort was relayed. */

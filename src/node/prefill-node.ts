@@ -25,6 +25,7 @@
  * drain) — as a prefill that hangs mid-transfer; decode's pages wait for the fence.
  */
 
+import { PHASE } from "../lib/phase-histograms.js";
 import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
 import type { ComputeEffect, Effects, WriteEffect } from "../protocol/effects.js";
@@ -339,6 +340,8 @@ export class PrefillNode {
           () => {
             const seconds = Number(process.hrtime.bigint() - started) / 1e9;
             if (seconds > 0) this.#core.recordGbps(bytesSent / seconds / 1e9);
+            this.#core.engine.phases.observe(PHASE.transfer, seconds);
+            this.#core.engine.phases.observeBytes(bytesSent);
             // Under stall-transfer the unwritten pages never drain: no manifest, no ABORT_ACK.
             for (const w of writes) this.#step(peer, { type: "write_done", rid, epoch, index: w.index });
           },

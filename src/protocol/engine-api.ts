@@ -5,6 +5,7 @@
  * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
  */
 import type { WireError } from "../lib/errors.js";
+import type { PhaseSnapshot } from "../lib/phase-histograms.js";
 import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
@@ -56,6 +57,17 @@ export interface EngineStats {
     promptTokens: number;
     completionTokens: number;
   };
+  /** The engine's per-phase histograms so far (absent from a handle that keeps none). */
+  phases?: PhaseSnapshot;
+  /** Every page's state and tenant (absent from a handle that sums several pools). */
+  pageMap?: PageMap;
+}
+
+/** A pool's pages for the operator's dashboard: one digit per page (an index in `stateNames`), and each page's tenant (0: free). */
+export interface PageMap {
+  readonly states: string;
+  readonly stateNames: readonly string[];
+  readonly tenants: readonly number[];
 }
 
 /** Readiness of one role's nodes: how many answer now, of how many. */

@@ -121,7 +121,15 @@ function routerOptions(cmd: Command): Command {
       "--metrics-port <port>",
       "port of the operator listener (default: --port + 1 when no --operator-key is given, else none)",
     )
-    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false);
+    .option("--metrics-tenant-names", "label metrics with tenant names instead of opaque ids", false)
+    .option(
+      "--no-phase-metrics",
+      "do not record the per-phase histograms (kvfence_phase_seconds; only for measuring what they cost)",
+    )
+    .option(
+      "--otlp-endpoint <url>",
+      "export OpenTelemetry spans of each request's phases over OTLP/HTTP (JSON) to this receiver, e.g. http://127.0.0.1:4318 (default: off, no SDK loaded)",
+    );
 }
 
 /** The fair-share and readiness flags (docs/api.md, "Fair sharing"). */

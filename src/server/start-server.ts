@@ -305,6 +305,7 @@ function engineOptionsOf(
     pageSize: config.pageSize,
     maxModelLen: pool.contextLength,
     scrubOnFree: config.scrubOnFree,
+    ...(config.phaseMetrics ? {} : { phaseMetrics: false }),
     ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
     ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
     ...kernelOptions(config),

@@ -35,6 +35,8 @@ export interface ThreadedTopologyOptions {
   readonly fairShare?: FairShareConfig;
   /** A node whose readiness ping takes longer is not ready. */
   readonly pingTimeoutMs?: number;
+  /** The router's per-phase histograms (default on; `--no-phase-metrics`). */
+  readonly phaseMetrics?: boolean;
 }
 
 export interface ThreadedTopology {
@@ -108,6 +110,7 @@ export async function startThreadedTopology(options: ThreadedTopologyOptions): P
     safety: options.safety ?? SAFE,
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
+    ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
   });
   const prefillWorker = p.value.worker;
   const decodeWorker = d.value.worker;

@@ -36,6 +36,7 @@
 import type { WireError } from "../lib/errors.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
+import { epochOf, traceSpan } from "../lib/tracing.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
@@ -539,7 +540,10 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     if (pair === null) return false;
     let rid = p.request.rid;
-    if (!p.dispatched) this.phases.since(PHASE.queue_wait, p.submittedAt);
+    if (!p.dispatched) {
+      this.phases.since(PHASE.queue_wait, p.submittedAt);
+      traceSince(p, "queue_wait", p.submittedAt);
+    }
     if (p.dispatched) {
       rid = this.#nextInternalRid;
       this.#nextInternalRid = rid >= LAST_INTERNAL_RID ? FIRST_INTERNAL_RID : rid + 1;
@@ -662,6 +666,7 @@ export class DisaggregatedEngine implements EngineHandle {
     if (msg.type === "finished") pending.completionTokens = msg.completionTokens;
     if (msg.type === "lease" && pending.reserveSentAt > 0) {
       this.phases.since(PHASE.reservation, pending.reserveSentAt);
+      traceSince(pending, "reservation", pending.reserveSentAt);
       pending.reserveSentAt = 0;
     }
     if (msg.type === "rejected") pending.refusedForPages = msg.error.code === "pool_exhausted" ? slot : null;
@@ -773,6 +778,7 @@ export class DisaggregatedEngine implements EngineHandle {
     if (n > 0 && !pending.firstToken) {
       pending.firstToken = true;
       this.phases.since(PHASE.first_token, pending.submittedAt);
+      traceSince(pending, "first_token", pending.submittedAt);
     }
     if (n > 0)
       pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
@@ -825,16 +831,24 @@ export class DisaggregatedEngine implements EngineHandle {
     if (slot.lost) return;
     const pending = this.#requests.get(msg.rid);
     let message: ToNode;
+    const trace = pending?.request.trace;
     if (msg.type === "prefill") {
       message = {
         kind: "protocol",
         prefill: pair.prefill.id,
         msg: pending === undefined ? msg : { ...msg, promptTokens: pending.promptTokens },
         ...(pending === undefined ? {} : { sampling: pending.sampling }),
+        ...(trace === undefined ? {} : { trace }),
       };
     } else if (msg.type === "reserve" && pending !== undefined) {
       pending.reserveSentAt = performance.now();
-      message = { kind: "protocol", prefill: pair.prefill.id, msg, sampling: pending.sampling };
+      message = {
+        kind: "protocol",
+        prefill: pair.prefill.id,
+        msg,
+        sampling: pending.sampling,
+        ...(trace === undefined ? {} : { trace }),
+      };
     } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
     try {
       slot.node.link.send(message);
@@ -842,4 +856,9 @@ export class DisaggregatedEngine implements EngineHandle {
       // The link is closing; its close event fails the request.
     }
   }
+}
+
+/** A router phase of `p` that began at `startMs` (`performance.now()`) and ends now, as a span (tracing on). */
+function traceSince(p: Pending, name: string, startMs: number): void {
+  traceSpan(p.request.trace, name, epochOf(startMs));
 }

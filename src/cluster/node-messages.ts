@@ -11,6 +11,7 @@
  */
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { PhaseSnapshot } from "../lib/phase-histograms.js";
+import type { RequestTrace } from "../lib/tracing.js";
 import type { PageMap } from "../protocol/engine-api.js";
 import type { ControlMessage } from "../protocol/wire.js";
 
@@ -31,6 +32,8 @@ export type ToNode =
       readonly prefill: string;
       readonly msg: ControlMessage;
       readonly sampling?: SamplingParams;
+      /** On `reserve` and `prefill`: the request's id and trace context, for the node's spans. */
+      readonly trace?: RequestTrace;
     }
   | { readonly kind: "stats"; readonly id: number }
   /** Readiness: answer `pong` with the same id at once (the router's deadline says the node turns). */

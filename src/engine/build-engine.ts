@@ -35,6 +35,8 @@ export interface EngineBuildOptions {
   readonly seed?: number;
   /** Record the per-phase histograms (default true; off only for the overhead benchmark's baseline). */
   readonly phaseMetrics?: boolean;
+  /** `--otlp-endpoint`: the node built around this engine exports its spans there (the engine itself ignores it). */
+  readonly otlpEndpoint?: string;
   /** The forward pass's kernels: "wasm" (default, WebAssembly SIMD) or "ts" (the TypeScript reference). */
   readonly kernels?: "ts" | "wasm";
   /** Threads of the WebAssembly kernels: 1 (default, this thread only) or 2 (plus one spinning worker). */

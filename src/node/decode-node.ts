@@ -33,9 +33,10 @@
  * its table entry (another writer stamped it, it was freed or reallocated) is hashed again then.
  */
 
-import { PHASE } from "../lib/phase-histograms.js";
 import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
+import { PHASE } from "../lib/phase-histograms.js";
+import { epochNow, epochOf, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
 import {
   type DecodeContext,
   type DecodeEvent,
@@ -102,6 +103,8 @@ export class DecodeNode {
   readonly #safety;
   readonly #peers = new Map<string, PrefillPeer>();
   readonly #sampling = new Map<string, SamplingParams>();
+  /** Tracing on: each attempt's request trace, and when it committed (epoch ms; 0: not yet). */
+  readonly #traces = new Map<string, { readonly trace: RequestTrace; committedAt: number }>();
   /** rid → epoch of the attempt the engine runs now. */
   readonly #running = new Map<number, number>();
   /** Attempts whose abort was relayed to prefill, with the time, for the ABORT_ACK latency. */
@@ -262,6 +265,8 @@ export class DecodeNode {
         return;
       }
       this.#sampling.set(attemptKey(msg.rid, msg.epoch), message.sampling ?? GREEDY);
+      if (message.trace !== undefined && tracing() !== null)
+        this.#traces.set(attemptKey(msg.rid, msg.epoch), { trace: message.trace, committedAt: 0 });
     }
     this.#step(peer, { type: "message", msg });
   }
@@ -358,7 +363,19 @@ export class DecodeNode {
     if (commits === null) return;
     // The machine's commit check (coverage, checksums, tags) ran in that step: its time.
     this.#core.engine.phases.since(PHASE.commit, stepStart);
+    if (this.#traces.size > 0) this.#traceCommits(commits, stepStart);
     for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
+  }
+
+  /** Tracing on: each commit's check as a span; the attempt's decode span starts now. */
+  #traceCommits(commits: readonly [CommitEffect, number][], stepStart: number): void {
+    const now = epochNow();
+    for (const [effect] of commits) {
+      const t = this.#traces.get(attemptKey(effect.rid, effect.epoch));
+      if (t === undefined) continue;
+      traceSpan(t.trace, "commit", epochOf(stepStart), { "kvfence.pages": effect.pages.length });
+      t.committedAt = now;
+    }
   }
 
   /** An ABORT_ACK came: its latency since the abort was relayed. */
@@ -382,7 +399,15 @@ export class DecodeNode {
       if (msg.error.code === "page_tag_mismatch") this.#machineTagFailures++;
     }
     if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
-      this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
+      const key = attemptKey(msg.rid, msg.epoch);
+      this.#sampling.delete(key);
+      const t = this.#traces.get(key);
+      if (t !== undefined && t.committedAt > 0)
+        traceSpan(t.trace, "decode", t.committedAt, {
+          "kvfence.outcome": msg.type,
+          ...(msg.type === "finished" ? { "kvfence.completion_tokens": msg.completionTokens } : {}),
+        });
+      this.#traces.delete(key);
     }
     this.#core.toRouter({ kind: "protocol", msg });
   }
@@ -404,6 +429,7 @@ export class DecodeNode {
       if (this.#checking !== rid) this.#engine.abort(rid);
     }
     this.#sampling.delete(attemptKey(rid, epoch));
+    this.#traces.delete(attemptKey(rid, epoch));
   }
 
   /**

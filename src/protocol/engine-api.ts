@@ -6,6 +6,7 @@
  */
 import type { WireError } from "../lib/errors.js";
 import type { PhaseSnapshot } from "../lib/phase-histograms.js";
+import type { RequestTrace } from "../lib/tracing.js";
 import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
@@ -24,6 +25,8 @@ export interface GenerationRequest {
   readonly seed: number | null;
   /** EOS ids; stop *strings* are matched by the router, which then aborts. */
   readonly stopTokenIds: readonly number[];
+  /** The HTTP request's id and trace context (logs and spans; src/lib/tracing.ts). */
+  readonly trace?: RequestTrace;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */

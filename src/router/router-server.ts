@@ -20,6 +20,7 @@ import { performance } from "node:perf_hooks";
 import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
+import { epochOf, type RequestSpan, tracing } from "../lib/tracing.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
@@ -49,6 +50,7 @@ import {
   type PromptTokenizer,
 } from "./prepare-request.js";
 import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
+import { requestIdOf } from "./request-id.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
 import { SseWriter, sseFrame } from "./sse.js";
@@ -475,6 +477,12 @@ export class RouterServer {
     const rid = this.#nextRid;
     this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
     const defaults = this.#model.defaults ?? {};
+    const requestId = requestIdOf(ctx.req, ctx.res);
+    const span = tracing()?.startRequest(
+      "request",
+      { "kvfence.request_id": requestId, "kvfence.endpoint": kind.endpoint },
+      epochOf(ctx.receivedAt),
+    );
     const request: GenerationRequest = {
       rid,
       tenant: ctx.tenant!.index,
@@ -485,8 +493,9 @@ export class RouterServer {
       topK: parsed.topK === null ? (defaults.topK ?? 0) : Math.max(0, parsed.topK),
       seed: parsed.seed,
       stopTokenIds: this.#model.eosTokenIds,
+      trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
     };
-    this.#serve(ctx, kind, parsed, request);
+    this.#serve(ctx, kind, parsed, request, span);
   }
 
   /** Runs an admitted request's generation and answers it, streamed or whole. */
@@ -495,6 +504,7 @@ export class RouterServer {
     kind: GenerateEndpoint,
     parsed: SamplingRequest,
     request: GenerationRequest,
+    span?: RequestSpan,
   ): void {
     const { res } = ctx;
     const { endpoint, responses } = kind;
@@ -526,9 +536,15 @@ export class RouterServer {
         this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
         this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
       }
+      span?.end({
+        "http.response.status_code": status,
+        "kvfence.prompt_tokens": request.promptTokens.length,
+        ...(usage === null ? {} : { "kvfence.completion_tokens": usage.completionTokens }),
+      });
       this.#log.info(
         {
           rid: request.rid,
+          request_id: request.trace?.requestId,
           tenant: tenant.name,
           endpoint,
           status,
@@ -572,7 +588,12 @@ export class RouterServer {
         const error = publicError(internal);
         if (error !== internal) {
           this.#log.warn(
-            { rid: request.rid, code: internal.code, message: internal.message },
+            {
+              rid: request.rid,
+              request_id: request.trace?.requestId,
+              code: internal.code,
+              message: internal.message,
+            },
             "request failed in the engine",
           );
         }

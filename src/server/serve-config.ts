@@ -115,7 +115,12 @@ export const serveConfigSchema = z
     metricsPort: intText(0, 65535).optional(),
     metricsTenantNames: z.boolean().default(false),
     phaseMetrics: z.boolean().default(true),
-    otlpEndpoint: z.url({ protocol: /^https?$/, error: "must be an http:// or https:// URL (an OTLP/HTTP receiver, e.g. http://127.0.0.1:4318)" }).optional(),
+    otlpEndpoint: z
+      .url({
+        protocol: /^https?$/,
+        error: "must be an http:// or https:// URL (an OTLP/HTTP receiver, e.g. http://127.0.0.1:4318)",
+      })
+      .optional(),
     scrubOnFree: z.boolean(),
     disaggregation: z.boolean(),
     role: z.enum(["all", "router", "prefill", "decode"]).default("all"),

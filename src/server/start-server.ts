@@ -8,11 +8,13 @@
  * topology's engines → start the HTTP server. A router process loads the tokenizer and chat
  * template, never the weights. Used by `kvfence serve` and the incident tool.
  */
+
 import net from "node:net";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
+import { startTracing, tracing } from "../lib/tracing.js";
 import { loadModelConfig } from "../model/config-loader.js";
 import { loadModel, loadModelMeta, loadWeights, type ModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
@@ -115,6 +117,7 @@ export async function startServer(
     true,
   );
   const tenants = loadTenants(config, log);
+  await startRouterTracing(config, log);
 
   const served = await startServeEngine({
     role: config.role,
@@ -202,10 +205,18 @@ export async function startServer(
         await router.close(graceMs);
         await preparer.close();
         await served.close();
+        await tracing()?.shutdown();
       })();
       return closing;
     },
   };
+}
+
+/** `--otlp-endpoint`: the router's spans (the nodes start their own); without it no SDK is loaded. */
+async function startRouterTracing(config: ServeConfig, log: Logger): Promise<void> {
+  if (config.otlpEndpoint === undefined) return;
+  await startTracing(config.otlpEndpoint, "kvfence-router");
+  log.info({ endpoint: config.otlpEndpoint }, "exporting request spans over OTLP/HTTP");
 }
 
 /** The router's request limits: the flags given, defaults from the context length (request-limits.ts). */
@@ -306,6 +317,7 @@ function engineOptionsOf(
     maxModelLen: pool.contextLength,
     scrubOnFree: config.scrubOnFree,
     ...(config.phaseMetrics ? {} : { phaseMetrics: false }),
+    ...(config.otlpEndpoint === undefined ? {} : { otlpEndpoint: config.otlpEndpoint }),
     ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
     ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
     ...kernelOptions(config),

@@ -166,10 +166,7 @@ describe("topologies give identical greedy outputs", { timeout: 110_000 }, () =>
           assert.ok(count(phase, "prefill") >= requests, `${name}: prefill ${phase}`);
         for (const phase of ["commit", "inter_token"])
           assert.ok(count(phase, "decode") >= requests, `${name}: decode ${phase}`);
-        assert.ok(
-          text.includes("kvfence_phase_transfer_bytes_count{"),
-          `${name}: transfer bytes histogram`,
-        );
+        assert.ok(text.includes("kvfence_phase_transfer_bytes_count{"), `${name}: transfer bytes histogram`);
       }
       for (const line of text.split("\n").filter((l) => l.startsWith("kvfence_phase_"))) {
         assert.doesNotMatch(line, /tenant|alpha|beta|gamma/, `${name}: no tenant in ${line}`);

@@ -31,7 +31,7 @@ type AnyValue = {
   boolValue?: boolean;
 };
 
-function valueOf(v: AnyValue): string | number | boolean {
+function anyValue(v: AnyValue): string | number | boolean {
   if (v.stringValue !== undefined) return v.stringValue;
   if (v.intValue !== undefined) return Number(v.intValue);
   if (v.doubleValue !== undefined) return v.doubleValue;
@@ -41,7 +41,7 @@ function valueOf(v: AnyValue): string | number | boolean {
 function attributesOf(
   list: { key: string; value: AnyValue }[] | undefined,
 ): Record<string, string | number | boolean> {
-  return Object.fromEntries((list ?? []).map((a) => [a.key, valueOf(a.value)]));
+  return Object.fromEntries((list ?? []).map((a) => [a.key, anyValue(a.value)]));
 }
 
 interface ExportRequest {

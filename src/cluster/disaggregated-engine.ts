@@ -47,6 +47,8 @@ import type {
   EngineStats,
   GenerationEvents,
   GenerationRequest,
+  NodeView,
+  NodeViews,
 } from "../protocol/engine-api.js";
 import {
   initialRouterState,
@@ -447,6 +449,33 @@ export class DisaggregatedEngine implements EngineHandle {
       this.#ackSeconds.push(...stats.abortAckSeconds);
     }
     return all;
+  }
+
+  /** Each node's stats and guard counters, and the router's phases, for the dashboard. */
+  async nodeViews(): Promise<NodeViews> {
+    const all = await this.nodeStats();
+    const nodes = all.map(({ node, stats }): NodeView => {
+      const t = stats?.transfer;
+      let linkAuth = 0;
+      for (const reasons of Object.values(stats?.linkAuthFailures ?? {}))
+        for (const n of Object.values(reasons ?? {})) linkAuth += n;
+      return {
+        id: node.id,
+        role: node.hello.role,
+        up: stats !== null,
+        stats,
+        transferBytes: t?.bytes ?? 0,
+        guards: {
+          tag_check_failures: stats?.counters.tagCheckFailures ?? 0,
+          checksum_failures: t?.checksumFailures ?? 0,
+          coverage_failures: t?.coverageFailures ?? 0,
+          dropped_stale_writes: t?.droppedStaleWrites ?? 0,
+          dropped_misaddressed_writes: t?.droppedMisaddressedWrites ?? 0,
+          link_auth_failures: linkAuth,
+        },
+      };
+    });
+    return { nodes, routerPhases: this.phases.snapshot(), waiting: this.#share.waiting };
   }
 
   /** The per-transfer GB/s and ABORT_ACK latencies (seconds) observed since the last call. */

@@ -106,4 +106,27 @@ export interface EngineHandle {
   nodes?(): NodeInfo[];
   /** Liveness and readiness now, without waiting (absent: always live and ready). */
   health?(): EngineHealth;
+  /** Each node's stats for the operator's dashboard (the disaggregated topology; absent: one engine). */
+  nodeViews?(): Promise<NodeViews>;
+}
+
+/** One node as the dashboard shows it (`/kvfence/state`). */
+export interface NodeView {
+  readonly id: string;
+  readonly role: "prefill" | "decode" | "engine";
+  /** False once lost or while it does not answer (then `stats` is null). */
+  readonly up: boolean;
+  readonly stats: EngineStats | null;
+  /** KV bytes this node applied (decode) or wrote (prefill) so far. */
+  readonly transferBytes: number;
+  /** Its guard counters so far, by name (`checksum_failures`, ...). */
+  readonly guards: Readonly<Record<string, number>>;
+}
+
+export interface NodeViews {
+  readonly nodes: readonly NodeView[];
+  /** The router's own per-phase histograms. */
+  readonly routerPhases: PhaseSnapshot;
+  /** Requests waiting at the router. */
+  readonly waiting: number;
 }

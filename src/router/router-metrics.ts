@@ -8,7 +8,17 @@ import { exponentialBuckets, MetricsRegistry } from "../lib/metrics.js";
 import { type PhaseSource, renderPhaseMetrics } from "../lib/phase-histograms.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 
-export type Endpoint = "chat" | "completions" | "models" | "health" | "ready" | "metrics" | "nodes" | "other";
+export type Endpoint =
+  | "chat"
+  | "completions"
+  | "models"
+  | "health"
+  | "ready"
+  | "metrics"
+  | "nodes"
+  | "state"
+  | "ui"
+  | "other";
 
 export class RouterMetrics {
   readonly registry: MetricsRegistry;

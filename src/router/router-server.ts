@@ -26,6 +26,7 @@ import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js"
 import { admit, effectiveContextLength } from "./admission.js";
 import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
 import { answerClientError } from "./client-error.js";
+import { DASHBOARD_HEADERS, dashboardAsset, dashboardState, tenantColour } from "./dashboard.js";
 import {
   type FinishReason,
   Generation,
@@ -113,7 +114,15 @@ interface Route {
 type Listener = "front" | "operator";
 
 /** The routes of the operator listener: the operator endpoints and /health. */
-const OPERATOR_LISTENER_PATHS = new Set(["/metrics", "/kvfence/nodes", "/health"]);
+const OPERATOR_LISTENER_PATHS = new Set([
+  "/metrics",
+  "/kvfence/nodes",
+  "/health",
+  "/kvfence/state",
+  "/kvfence/ui",
+  "/kvfence/ui/dashboard.js",
+  "/kvfence/ui/dashboard.css",
+]);
 
 interface RequestContext {
   readonly req: IncomingMessage;
@@ -241,6 +250,14 @@ export class RouterServer {
         "/kvfence/nodes",
         { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c), operator: true },
       ],
+      [
+        "/kvfence/state",
+        { endpoint: "state", methods: ["GET"], handler: (c) => this.#state(c), operator: true },
+      ],
+      ...["", "/dashboard.js", "/dashboard.css"].map((file): [string, Route] => [
+        `/kvfence/ui${file}`,
+        { endpoint: "ui", methods: ["GET"], handler: (c) => this.#ui(c, file.slice(1)), operator: true },
+      ]),
     ]);
     const handle = (req: IncomingMessage, res: ServerResponse): void => {
       // #handle answers every error itself; this only keeps a bug from becoming a crash.
@@ -413,6 +430,29 @@ export class RouterServer {
         ? "This endpoint needs the operator key: send it in the Authorization header as: Bearer OPERATOR_KEY"
         : "Incorrect operator key: send the server's --operator-key (or KVFENCE_OPERATOR_KEY) as: Bearer OPERATOR_KEY",
     );
+  }
+
+  /** `/kvfence/state`: the dashboard's JSON (src/router/dashboard.ts). */
+  async #state(ctx: RequestContext): Promise<void> {
+    const colour = (tenant: number) => tenantColour(this.#tenantLabel(`tenant#${tenant}`));
+    const state = await dashboardState(this.#engine, colour, this.#active.size);
+    this.#sendJson(ctx.res, 200, state, { "Cache-Control": "no-store" });
+  }
+
+  /** `/kvfence/ui` and its files, as built into dist/ui/. */
+  #ui(ctx: RequestContext, name: string): void {
+    const asset = dashboardAsset(name);
+    if (asset === null)
+      throw new KvfenceError(
+        "not_found",
+        "The dashboard was not built: run npm run build (it bundles ui/ into dist/ui/)",
+      );
+    ctx.res.writeHead(200, {
+      ...DASHBOARD_HEADERS,
+      "Content-Type": asset.type,
+      "Content-Length": String(asset.body.length),
+    });
+    ctx.res.end(asset.body);
   }
 
   #authenticate(req: IncomingMessage): Tenant {

@@ -76,6 +76,8 @@ const UNCAPPED = ["--tenant-max-concurrency", "0", "--tenant-max-pages", "0", "-
 
 export interface Server {
   readonly url: string;
+  /** The server's processes (router and nodes), for their CPU time. */
+  readonly pids: readonly number[];
   close(): Promise<void>;
 }
 
@@ -131,7 +133,11 @@ export async function startArm(
         {},
       );
       children.push(s.child);
-      return { url: s.url, close: async () => void (await Promise.all(children.map(stopProcess))) };
+      return {
+        url: s.url,
+        pids: pidsOf(children),
+        close: async () => void (await Promise.all(children.map(stopProcess))),
+      };
     }
     const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
     const [p, d] = await Promise.all([
@@ -145,11 +151,19 @@ export async function startArm(
       env,
     );
     children.push(r.child);
-    return { url: r.url, close: async () => void (await Promise.all(children.reverse().map(stopProcess))) };
+    return {
+      url: r.url,
+      pids: pidsOf(children),
+      close: async () => void (await Promise.all(children.reverse().map(stopProcess))),
+    };
   } catch (err) {
     await Promise.all(children.map(stopProcess));
     throw err;
   }
+}
+
+function pidsOf(children: readonly ChildProcess[]): number[] {
+  return children.flatMap((c) => (c.pid === undefined ? [] : [c.pid]));
 }
 
 /** The options given, with defaults for the rest. */

@@ -16,6 +16,7 @@
  * per-round paired ratios with a 95% confidence interval; both arms must give the same answers.
  */
 import { randomBytes } from "node:crypto";
+import { readFileSync } from "node:fs";
 import { createServer, type Server as HttpServer } from "node:http";
 import os from "node:os";
 import { fileURLToPath } from "node:url";
@@ -56,6 +57,11 @@ export interface ObservabilityBenchResult {
   readonly off: { readonly tokensPerSecond: Summary; readonly outputTokens: number };
   /** Throughput of on over off, paired by round. */
   readonly onOverOff: RatioInterval;
+  /**
+   * The servers' CPU time per output token, on over off, paired by round (Linux /proc; null
+   * elsewhere): what the observability costs in work, less moved by other jobs than wall time.
+   */
+  readonly cpuOnOverOff: RatioInterval | null;
   /** What the on arm's observers saw (proof they ran): spans received, state polls, scrapes. */
   readonly observed: { readonly spans: number; readonly statePolls: number; readonly scrapes: number };
   readonly failures: readonly string[];
@@ -144,6 +150,7 @@ export async function runObservabilityBench(
   const tps: Record<Arm, number[]> = { on: [], off: [] };
   const ns: Record<Arm, number[]> = { on: [], off: [] };
   const outputTokens: Record<Arm, number> = { on: 0, off: 0 };
+  const cpuPerToken: Record<Arm, number[]> = { on: [], off: [] };
   const failures: string[] = [];
   try {
     s.log(`starting two ${s.topology} servers: on (${s.what}) and off (--no-phase-metrics)`);
@@ -157,11 +164,13 @@ export async function runObservabilityBench(
     for (let r = -s.warmup; r < s.rounds; r++) {
       const order: readonly Arm[] = ((r % 2) + 2) % 2 === 0 ? ["on", "off"] : ["off", "on"];
       for (const arm of order) {
+        const cpu0 = cpuSeconds(servers[arm]!.pids);
         const result = await round(
           { url: servers[arm]!.url, model, maxTokens: s.maxTokens },
           prompts,
           s.concurrency,
         );
+        const cpu = cpuSeconds(servers[arm]!.pids) - cpu0;
         const ref: string[] = reference ?? result.texts;
         reference = ref;
         if (result.texts.some((t, i) => t !== ref[i]) && failures.length < 5)
@@ -170,6 +179,7 @@ export async function runObservabilityBench(
         ns[arm].push(result.ns);
         tps[arm].push(result.tokens / (result.ns / 1e9));
         outputTokens[arm] += result.tokens;
+        if (!Number.isNaN(cpu)) cpuPerToken[arm].push(cpu / result.tokens);
       }
       if (r >= 0)
         s.log(
@@ -194,6 +204,10 @@ export async function runObservabilityBench(
     off: { tokensPerSecond: summarize(tps.off), outputTokens: outputTokens.off },
     // Throughput ratio = time ratio off / on (the same tokens in both arms).
     onOverOff: pairedRatio(ns.off, ns.on),
+    cpuOnOverOff:
+      cpuPerToken.on.length === s.rounds && cpuPerToken.off.length === s.rounds
+        ? pairedRatio(cpuPerToken.on, cpuPerToken.off)
+        : null,
     observed: {
       spans: sink?.spans() ?? 0,
       statePolls: watch?.counts.statePolls ?? 0,
@@ -203,6 +217,25 @@ export async function runObservabilityBench(
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   };
 }
+
+/** CPU seconds (user + system) the processes used so far, from /proc; NaN where that cannot be read. */
+function cpuSeconds(pids: readonly number[]): number {
+  let ticks = 0;
+  try {
+    for (const pid of pids) {
+      // Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
+      const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+      ticks += Number(fields[11]) + Number(fields[12]);
+    }
+  } catch {
+    return Number.NaN;
+  }
+  return ticks / CLOCK_TICKS;
+}
+
+/** Linux's USER_HZ: /proc reports CPU time in these ticks per second. */
+const CLOCK_TICKS = 100;
 
 async function modelOf(url: string): Promise<string> {
   const models = (await (await fetch(`${url}/v1/models`)).json()) as { data: { id: string }[] };
@@ -237,6 +270,11 @@ export function formatObservabilityReport(r: ObservabilityBenchResult): string {
         ]
       : []),
     `on throughput / off: ${pct(t.ratio)} [95% CI ${pct(t.low)}–${pct(t.high)}]: ${verdict}`,
+    ...(r.cpuOnOverOff === null
+      ? []
+      : [
+          `servers' CPU time per output token, on / off: ${pct(r.cpuOnOverOff.ratio)} [95% CI ${pct(r.cpuOnOverOff.low)}–${pct(r.cpuOnOverOff.high)}]`,
+        ]),
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");
 }

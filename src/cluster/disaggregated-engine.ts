@@ -138,6 +138,8 @@ interface Pending {
   readonly submittedAt: number;
   reserveSentAt: number;
   firstToken: boolean;
+  /** `performance.now()` when tokens last reached the client (0: none yet). */
+  lastTokenAt: number;
 }
 
 const STATS_TIMEOUT_MS = 5000;
@@ -409,6 +411,7 @@ export class DisaggregatedEngine implements EngineHandle {
       submittedAt: performance.now(),
       reserveSentAt: 0,
       firstToken: false,
+      lastTokenAt: 0,
     };
     this.#open.set(request.rid, pending);
     const refusal = this.#share.offer(pending);
@@ -804,13 +807,20 @@ export class DisaggregatedEngine implements EngineHandle {
     let n = 0;
     while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
     if (n < effect.tokens.length) pending.stopped = true;
-    if (n > 0 && !pending.firstToken) {
+    if (n > 0) this.#timeTokens(pending, n);
+    if (n > 0)
+      pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+  }
+
+  /** `n` tokens reach the client now: the first token's time, or each token's share of the gap. */
+  #timeTokens(pending: Pending, n: number): void {
+    const now = performance.now();
+    if (!pending.firstToken) {
       pending.firstToken = true;
       this.phases.since(PHASE.first_token, pending.submittedAt);
       traceSince(pending, "first_token", pending.submittedAt);
-    }
-    if (n > 0)
-      pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
+    } else this.phases.observeMany(PHASE.inter_token, (now - pending.lastTokenAt) / 1000 / n, n);
+    pending.lastTokenAt = now;
   }
 
   /**

@@ -79,6 +79,13 @@ export class PhaseRecorder {
     this.#sums[phase]! += seconds;
   }
 
+  /** `count` observations of `phase`, each `seconds` (a window's mean, one per token it covers). */
+  observeMany(phase: number, seconds: number, count: number): void {
+    if (!this.enabled || !(seconds >= 0) || !(count > 0)) return;
+    this.#seconds[phase * NB + bucketOf(PHASE_BUCKETS, seconds)]! += count;
+    this.#sums[phase]! += seconds * count;
+  }
+
   /** Time since `startMs` (a `performance.now()` reading) as one observation of `phase`. */
   since(phase: number, startMs: number): void {
     this.observe(phase, (performance.now() - startMs) / 1000);

@@ -434,7 +434,15 @@ export class RouterServer {
 
   /** `/kvfence/state`: the dashboard's JSON (src/router/dashboard.ts). */
   async #state(ctx: RequestContext): Promise<void> {
-    const colour = (tenant: number) => tenantColour(this.#tenantLabel(`tenant#${tenant}`));
+    // One HMAC per tenant, not per page.
+    const colours = new Map<number, number>();
+    const colour = (tenant: number) => {
+      const known = colours.get(tenant);
+      if (known !== undefined) return known;
+      const c = tenantColour(this.#tenantLabel(`tenant#${tenant}`));
+      colours.set(tenant, c);
+      return c;
+    };
     const state = await dashboardState(this.#engine, colour, this.#active.size);
     this.#sendJson(ctx.res, 200, state, { "Cache-Control": "no-store" });
   }

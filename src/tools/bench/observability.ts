@@ -147,11 +147,8 @@ export async function runObservabilityBench(
   const sink = s.what === "all" ? await spanSink() : null;
   const servers: Partial<Record<Arm, Server>> = {};
   let watch: ReturnType<typeof observers> | null = null;
-  const tps: Record<Arm, number[]> = { on: [], off: [] };
-  const ns: Record<Arm, number[]> = { on: [], off: [] };
-  const outputTokens: Record<Arm, number> = { on: 0, off: 0 };
-  const cpuPerToken: Record<Arm, number[]> = { on: [], off: [] };
-  const failures: string[] = [];
+  const tally = newTally();
+  const { tps, ns, outputTokens, cpuPerToken, failures } = tally;
   try {
     s.log(`starting two ${s.topology} servers: on (${s.what}) and off (--no-phase-metrics)`);
     const onArgs = sink === null ? s.common : [...s.common, "--otlp-endpoint", sink.url];
@@ -159,33 +156,7 @@ export async function runObservabilityBench(
     servers.off = await startArm(THIS_MAIN, s.topology, [...s.common, "--no-phase-metrics"], operator);
     if (s.what === "all") watch = observers(servers.on.url, key, s.pollMs);
     const model = await modelOf(servers.on.url);
-    const prompts = Array.from({ length: s.requests }, (_, i) => prompt(i, s.promptChars));
-    let reference: string[] | null = null;
-    for (let r = -s.warmup; r < s.rounds; r++) {
-      const order: readonly Arm[] = ((r % 2) + 2) % 2 === 0 ? ["on", "off"] : ["off", "on"];
-      for (const arm of order) {
-        const cpu0 = cpuSeconds(servers[arm]!.pids);
-        const result = await round(
-          { url: servers[arm]!.url, model, maxTokens: s.maxTokens },
-          prompts,
-          s.concurrency,
-        );
-        const cpu = cpuSeconds(servers[arm]!.pids) - cpu0;
-        const ref: string[] = reference ?? result.texts;
-        reference = ref;
-        if (result.texts.some((t, i) => t !== ref[i]) && failures.length < 5)
-          failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
-        if (r < 0) continue;
-        ns[arm].push(result.ns);
-        tps[arm].push(result.tokens / (result.ns / 1e9));
-        outputTokens[arm] += result.tokens;
-        if (!Number.isNaN(cpu)) cpuPerToken[arm].push(cpu / result.tokens);
-      }
-      if (r >= 0)
-        s.log(
-          `round ${r + 1}/${s.rounds}: on ${tps.on.at(-1)!.toFixed(0)} tok/s, off ${tps.off.at(-1)!.toFixed(0)} tok/s`,
-        );
-    }
+    await runRounds(s, servers as Record<Arm, Server>, model, tally);
     // The last spans leave in the exporters' next batch (every 500 ms).
     if (sink !== null) await new Promise((r) => setTimeout(r, 1500));
   } finally {
@@ -216,6 +187,53 @@ export async function runObservabilityBench(
     failures,
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   };
+}
+
+function newTally() {
+  return {
+    tps: { on: [], off: [] } as Record<Arm, number[]>,
+    ns: { on: [], off: [] } as Record<Arm, number[]>,
+    outputTokens: { on: 0, off: 0 } as Record<Arm, number>,
+    cpuPerToken: { on: [], off: [] } as Record<Arm, number[]>,
+    failures: [] as string[],
+  };
+}
+
+/** The warm-up and measured rounds, the two arms in alternating order. */
+async function runRounds(
+  s: ReturnType<typeof settingsOf>,
+  servers: Record<Arm, Server>,
+  model: string,
+  tally: ReturnType<typeof newTally>,
+): Promise<void> {
+  const { tps, ns, outputTokens, cpuPerToken, failures } = tally;
+  const prompts = Array.from({ length: s.requests }, (_, i) => prompt(i, s.promptChars));
+  let reference: string[] | null = null;
+  for (let r = -s.warmup; r < s.rounds; r++) {
+    const order: readonly Arm[] = ((r % 2) + 2) % 2 === 0 ? ["on", "off"] : ["off", "on"];
+    for (const arm of order) {
+      const cpu0 = cpuSeconds(servers[arm].pids);
+      const result = await round(
+        { url: servers[arm].url, model, maxTokens: s.maxTokens },
+        prompts,
+        s.concurrency,
+      );
+      const cpu = cpuSeconds(servers[arm].pids) - cpu0;
+      const ref: string[] = reference ?? result.texts;
+      reference = ref;
+      if (result.texts.some((t, i) => t !== ref[i]) && failures.length < 5)
+        failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
+      if (r < 0) continue;
+      ns[arm].push(result.ns);
+      tps[arm].push(result.tokens / (result.ns / 1e9));
+      outputTokens[arm] += result.tokens;
+      if (!Number.isNaN(cpu)) cpuPerToken[arm].push(cpu / result.tokens);
+    }
+    if (r >= 0)
+      s.log(
+        `round ${r + 1}/${s.rounds}: on ${tps.on.at(-1)!.toFixed(0)} tok/s, off ${tps.off.at(-1)!.toFixed(0)} tok/s`,
+      );
+  }
 }
 
 /** CPU seconds (user + system) the processes used so far, from /proc; NaN where that cannot be read. */

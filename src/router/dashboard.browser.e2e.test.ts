@@ -155,7 +155,7 @@ describe("the dashboard in chromium", { timeout: 180_000 }, () => {
     );
     assert.ok(busy["decode-0"]! > 0);
     assert.ok((await heldPixels(page, "decode-0")) > 0, "held pages are drawn");
-    await page.locator('tr[data-phase="decode/inter_token"]').waitFor({ timeout: 20_000 });
+    await page.locator('tr[data-phase="decode/commit"]').waitFor({ timeout: 20_000 });
     const shot = await page.screenshot({ fullPage: true });
     writeFileSync(join(shots, "dashboard.png"), shot);
     if (WRITE) writeFileSync(join(DOCS, "dashboard.png"), shot);
@@ -166,6 +166,9 @@ describe("the dashboard in chromium", { timeout: 180_000 }, () => {
       (b) => Object.values(b).every((n) => n === 0),
     );
     assert.equal(await heldPixels(page, "decode-0"), 0, "the map is all free again");
+    // Decode's inter-token window closes when it goes idle (src/engine/engine.ts, ITL_WINDOW).
+    await page.locator('tr[data-phase="decode/inter_token"]').waitFor({ timeout: 20_000 });
+    await page.locator('tr[data-phase="router/inter_token"]').waitFor({ timeout: 20_000 });
     assert.equal(await page.locator(".guard.fired").count(), 0, "no guard fired on the default server");
     await page.context().close();
   });

@@ -152,8 +152,16 @@ export async function runObservabilityBench(
   try {
     s.log(`starting two ${s.topology} servers: on (${s.what}) and off (--no-phase-metrics)`);
     const onArgs = sink === null ? s.common : [...s.common, "--otlp-endpoint", sink.url];
-    servers.on = await startArm(THIS_MAIN, s.topology, onArgs, operator);
-    servers.off = await startArm(THIS_MAIN, s.topology, [...s.common, "--no-phase-metrics"], operator);
+    // Started together, so neither is systematically the first (its threads placed first).
+    const [on, off] = await Promise.allSettled([
+      startArm(THIS_MAIN, s.topology, onArgs, operator),
+      startArm(THIS_MAIN, s.topology, [...s.common, "--no-phase-metrics"], operator),
+    ]);
+    if (on.status === "fulfilled") servers.on = on.value;
+    if (off.status === "fulfilled") servers.off = off.value;
+    if (on.status === "rejected") throw on.reason;
+    if (off.status === "rejected") throw off.reason;
+    if (servers.on === undefined || servers.off === undefined) throw new Error("a server did not start");
     if (s.what === "all") watch = observers(servers.on.url, key, s.pollMs);
     const model = await modelOf(servers.on.url);
     await runRounds(s, servers as Record<Arm, Server>, model, tally);

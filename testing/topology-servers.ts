@@ -32,6 +32,8 @@ export interface TopologyOptions {
   readonly faults?: readonly string[];
   /** Cluster only: mutual TLS on every link, with testing/fixtures/tls (docs/tls.md). */
   readonly linkTls?: boolean;
+  /** `--otlp-endpoint` for the router and every node. */
+  readonly otlpEndpoint?: string;
 }
 
 function keysFile(keys: Readonly<Record<string, string>>): { path: string; dir: string } {
@@ -62,6 +64,7 @@ export async function startInProcess(
       unsafeFault: [...(options.faults ?? [])],
       iUnderstandThisLeaksData: (options.faults ?? []).length > 0,
       ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
+      ...(options.otlpEndpoint === undefined ? {} : { otlpEndpoint: options.otlpEndpoint }),
       ...(options.maxPrefillTokens === undefined
         ? {}
         : { maxPrefillTokens: String(options.maxPrefillTokens) }),
@@ -96,6 +99,8 @@ export async function startCluster(
   for (const f of options.faults ?? []) nodeArgs.push("--unsafe-fault", f);
   if ((options.faults ?? []).length > 0) nodeArgs.push("--i-understand-this-leaks-data");
   nodeArgs.push(...linkTlsArgs(options.linkTls === true));
+  const otlp = options.otlpEndpoint === undefined ? [] : ["--otlp-endpoint", options.otlpEndpoint];
+  nodeArgs.push(...otlp); // the router process gets nodeArgs too
   try {
     const cluster = await startLocalCluster({
       prefill,

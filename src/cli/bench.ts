@@ -20,6 +20,7 @@ import {
   MODEL_BENCH_DEFAULTS,
   runModelBench,
 } from "../tools/bench/model.js";
+import { observabilityCommand } from "../tools/bench/observability.js";
 import { serveCommand } from "../tools/bench/serve.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
@@ -207,6 +208,7 @@ export function command(): Command {
   group.addCommand(linkFloodCommand());
   group.addCommand(serveCommand());
   group.addCommand(fairShareCommand());
+  group.addCommand(observabilityCommand());
   // bench-commands:end
   return group;
 }

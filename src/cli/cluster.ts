@@ -77,6 +77,11 @@ export function command(): Command {
       "the router's operator listener port (default: --port + 1 without an operator key)",
     )
     .option("--metrics-tenant-names", "label the router's metrics with tenant names, not opaque ids")
+    .option(
+      "--otlp-endpoint <url>",
+      "every process exports its request spans over OTLP/HTTP (JSON) there (default: off)",
+    )
+    .option("--no-phase-metrics", "no per-phase histograms (only for measuring what they cost)")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -146,7 +151,9 @@ async function runCluster(raw: RawOptions): Promise<void> {
       ["--tls-cert", "tlsCert"],
       ["--tls-key", "tlsKey"],
       ["--tls-ca", "tlsCa"],
+      ["--otlp-endpoint", "otlpEndpoint"],
     ]),
+    ...((raw.phaseMetrics as unknown) === false ? ["--no-phase-metrics"] : []),
   ];
   const routerArgs = routerArgsOf(raw);
   const cluster = await startLocalCluster({

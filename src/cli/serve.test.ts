@@ -65,6 +65,24 @@ test("kernelOptions() defaults to wasm with 1 thread per node, 2 on one engine; 
   );
 });
 
+test("--otlp-endpoint takes an http(s) URL, --no-phase-metrics turns the histograms off; both off by default", () => {
+  const plain = parseServeConfig(defaults);
+  assert.equal(plain.otlpEndpoint, undefined);
+  assert.equal(plain.phaseMetrics, true);
+  const on = parseServeConfig({ ...defaults, otlpEndpoint: "http://127.0.0.1:4318", phaseMetrics: false });
+  assert.equal(on.otlpEndpoint, "http://127.0.0.1:4318");
+  assert.equal(on.phaseMetrics, false);
+  for (const bad of ["127.0.0.1:4318", "ftp://collector/", "not a url"]) {
+    assert.throws(
+      () => parseServeConfig({ ...defaults, otlpEndpoint: bad }),
+      (err: unknown) =>
+        err instanceof KvfenceError &&
+        /--otlp-endpoint: must be an http:\/\/ or https:\/\/ URL/.test(err.message),
+      bad,
+    );
+  }
+});
+
 test("parseServeConfig() reports every problem with its flag", () => {
   assert.throws(
     () => parseServeConfig({ ...defaults, port: "http", pageSize: "0", kvMemory: "lots", kvPages: "9" }),

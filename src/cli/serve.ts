@@ -145,6 +145,14 @@ function routerOptions(cmd: Command): Command {
     .option(
       "--allowed-origins <origin...>",
       'browser origins answered with CORS headers and preflights (repeatable or comma-separated; "*" for any; default none)',
+    )
+    .option(
+      "--no-phase-metrics",
+      "do not record the per-phase histograms (kvfence_phase_seconds; only for measuring what they cost)",
+    )
+    .option(
+      "--otlp-endpoint <url>",
+      "export OpenTelemetry spans of each request's phases over OTLP/HTTP (JSON) to this receiver, e.g. http://127.0.0.1:4318 (default: off, no SDK loaded)",
     );
 }
 

@@ -5,6 +5,7 @@
  * and queue gauges per node and role.
  */
 import { exponentialBuckets, type MetricsRegistry } from "../lib/metrics.js";
+import { type PhaseSource, renderPhaseMetrics } from "../lib/phase-histograms.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import type { NodeStats } from "./node-messages.js";
 
@@ -12,12 +13,17 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
   const metrics = clusterMetrics(registry);
   // The last counts of each decode node, so a lost node's transfers stay in the totals.
   const lastTransfer = new Map<string, NodeStats["transfer"]>();
+  // The per-phase histograms of the router and of each node that answered this scrape.
+  let phases: PhaseSource[] = [];
+  registry.onExpose(() => renderPhaseMetrics(phases));
   registry.onCollect(async () => {
+    phases = [{ node: "router", role: "router", snapshot: engine.phases.snapshot() }];
     const queue: Queues = { prefill: { waiting: 0, running: 0 }, decode: { waiting: 0, running: 0 } };
     for (const { node, stats } of await engine.nodeStats()) {
       const role = node.hello.role;
       metrics.nodeUp.set(stats === null ? 0 : 1, { node: node.id, role });
       if (stats === null) continue;
+      if (stats.phases !== undefined) phases.push({ node: node.id, role, snapshot: stats.phases });
       collectNode(metrics, { id: node.id, role }, stats);
       queue[role].waiting += stats.queue.waiting;
       queue[role].running += stats.queue.running;

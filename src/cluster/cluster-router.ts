@@ -43,6 +43,8 @@ export interface ClusterRouterOptions {
   readonly fairShare?: FairShareConfig;
   /** A node whose readiness ping takes longer is not ready. */
   readonly pingTimeoutMs?: number;
+  /** The router's per-phase histograms (default on; `--no-phase-metrics`). */
+  readonly phaseMetrics?: boolean;
   /** Lost nodes, re-dials and refusals. */
   readonly log?: Logger;
 }
@@ -212,6 +214,7 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
     safety: options.safety ?? SAFE,
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
+    ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
   });
   superviseNodes(engine, options);
   for (const d of decode) for (const p of prefill) connectPrefill(d, p);

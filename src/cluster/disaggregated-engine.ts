@@ -35,6 +35,8 @@
 
 import type { WireError } from "../lib/errors.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
+import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
+import { epochOf, traceSpan } from "../lib/tracing.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
@@ -45,6 +47,8 @@ import type {
   EngineStats,
   GenerationEvents,
   GenerationRequest,
+  NodeView,
+  NodeViews,
 } from "../protocol/engine-api.js";
 import {
   initialRouterState,
@@ -78,6 +82,8 @@ export interface DisaggregatedEngineOptions {
   readonly fairShare?: FairShareConfig;
   /** A node whose pong takes longer is not answering (not ready). Default 500 ms. */
   readonly pingTimeoutMs?: number;
+  /** Record the router's per-phase histograms (src/lib/phase-histograms.ts). Default true. */
+  readonly phaseMetrics?: boolean;
 }
 
 /** A node's place in the router: the node of its current incarnation, and what the router knows of it. */
@@ -128,6 +134,12 @@ interface Pending {
   completionTokens: number;
   stopped: boolean;
   silenced: boolean;
+  /** `performance.now()` at submit, at the last `reserve` sent (0: none), and whether a token reached the client. */
+  readonly submittedAt: number;
+  reserveSentAt: number;
+  firstToken: boolean;
+  /** `performance.now()` when tokens last reached the client (0: none yet). */
+  lastTokenAt: number;
 }
 
 const STATS_TIMEOUT_MS = 5000;
@@ -176,6 +188,8 @@ export class DisaggregatedEngine implements EngineHandle {
   /** Requests aborted by the router (`abort` of a live or waiting request). */
   #aborts = 0;
   #nextInternalRid = FIRST_INTERNAL_RID;
+  /** The router's phases: queue wait (submit to dispatch), reservation (reserve to lease), first token. */
+  readonly phases: PhaseRecorder;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.prefill.length === 0 || options.decode.length === 0) {
@@ -183,6 +197,7 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     this.#safety = options.safety;
     this.#pingTimeoutMs = options.pingTimeoutMs ?? DEFAULT_PING_TIMEOUT_MS;
+    this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
     const nodes = [...options.prefill, ...options.decode];
     const min = (f: (n: RouterNode) => number, list: readonly RouterNode[]) => Math.min(...list.map(f));
     const pageSize = options.decode[0]!.hello.pageSize;
@@ -398,6 +413,10 @@ export class DisaggregatedEngine implements EngineHandle {
       completionTokens: 0,
       stopped: false,
       silenced: false,
+      submittedAt: performance.now(),
+      reserveSentAt: 0,
+      firstToken: false,
+      lastTokenAt: 0,
     };
     this.#open.set(request.rid, pending);
     const refusal = this.#share.offer(pending);
@@ -438,6 +457,33 @@ export class DisaggregatedEngine implements EngineHandle {
       this.#ackSeconds.push(...stats.abortAckSeconds);
     }
     return all;
+  }
+
+  /** Each node's stats and guard counters, and the router's phases, for the dashboard. */
+  async nodeViews(): Promise<NodeViews> {
+    const all = await this.nodeStats();
+    const nodes = all.map(({ node, stats }): NodeView => {
+      const t = stats?.transfer;
+      let linkAuth = 0;
+      for (const reasons of Object.values(stats?.linkAuthFailures ?? {}))
+        for (const n of Object.values(reasons ?? {})) linkAuth += n;
+      return {
+        id: node.id,
+        role: node.hello.role,
+        up: stats !== null,
+        stats,
+        transferBytes: t?.bytes ?? 0,
+        guards: {
+          tag_check_failures: stats?.counters.tagCheckFailures ?? 0,
+          checksum_failures: t?.checksumFailures ?? 0,
+          coverage_failures: t?.coverageFailures ?? 0,
+          dropped_stale_writes: t?.droppedStaleWrites ?? 0,
+          dropped_misaddressed_writes: t?.droppedMisaddressedWrites ?? 0,
+          link_auth_failures: linkAuth,
+        },
+      };
+    });
+    return { nodes, routerPhases: this.phases.snapshot(), waiting: this.#share.waiting };
   }
 
   /** The per-transfer GB/s and ABORT_ACK latencies (seconds) observed since the last call. */
@@ -531,6 +577,10 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     if (pair === null) return false;
     let rid = p.request.rid;
+    if (!p.dispatched) {
+      this.phases.since(PHASE.queue_wait, p.submittedAt);
+      traceSince(p, "queue_wait", p.submittedAt);
+    }
     if (p.dispatched) {
       rid = this.#nextInternalRid;
       this.#nextInternalRid = rid >= LAST_INTERNAL_RID ? FIRST_INTERNAL_RID : rid + 1;
@@ -656,6 +706,11 @@ export class DisaggregatedEngine implements EngineHandle {
     const pair = pending.pair;
     if (slot !== pair.prefill && slot !== pair.decode) return;
     if (msg.type === "finished") pending.completionTokens = msg.completionTokens;
+    if (msg.type === "lease" && pending.reserveSentAt > 0) {
+      this.phases.since(PHASE.reservation, pending.reserveSentAt);
+      traceSince(pending, "reservation", pending.reserveSentAt);
+      pending.reserveSentAt = 0;
+    }
     if (msg.type === "rejected") pending.refusedForPages = msg.error.code === "pool_exhausted" ? slot : null;
     this.#step(pair, { type: "message", msg });
     // Prefill frees its source pages at decode's release, right after the commit.
@@ -767,12 +822,24 @@ export class DisaggregatedEngine implements EngineHandle {
     while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
     if (n < effect.tokens.length) pending.stopped = true;
     if (n > 0) {
+      this.#timeTokens(pending, n);
       const all = n === effect.tokens.length;
       pending.events.onTokens(
         all ? effect.tokens : effect.tokens.slice(0, n),
         lp === undefined || lp.length < n ? undefined : all ? lp : lp.slice(0, n),
       );
     }
+  }
+
+  /** `n` tokens reach the client now: the first token's time, or each token's share of the gap. */
+  #timeTokens(pending: Pending, n: number): void {
+    const now = performance.now();
+    if (!pending.firstToken) {
+      pending.firstToken = true;
+      this.phases.since(PHASE.first_token, pending.submittedAt);
+      traceSince(pending, "first_token", pending.submittedAt);
+    } else this.phases.observeMany(PHASE.inter_token, (now - pending.lastTokenAt) / 1000 / n, n);
+    pending.lastTokenAt = now;
   }
 
   /**
@@ -824,21 +891,25 @@ export class DisaggregatedEngine implements EngineHandle {
     if (slot.lost) return;
     const pending = this.#requests.get(msg.rid);
     let message: ToNode;
+    const trace = pending?.request.trace;
     if (msg.type === "prefill") {
       message = {
         kind: "protocol",
         prefill: pair.prefill.id,
         msg: pending === undefined ? msg : { ...msg, promptTokens: pending.promptTokens },
         ...(pending === undefined ? {} : { sampling: pending.sampling }),
+        ...(trace === undefined ? {} : { trace }),
       };
     } else if (msg.type === "reserve" && pending !== undefined) {
       const sampling = pending.sampling;
       const readsPrompt = (sampling.controls?.repetitionPenalty ?? 1) !== 1;
+      pending.reserveSentAt = performance.now();
       message = {
         kind: "protocol",
         prefill: pair.prefill.id,
         msg,
         sampling: readsPrompt ? { ...sampling, prompt: pending.promptTokens } : sampling,
+        ...(trace === undefined ? {} : { trace }),
       };
     } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
     try {
@@ -847,4 +918,9 @@ export class DisaggregatedEngine implements EngineHandle {
       // The link is closing; its close event fails the request.
     }
   }
+}
+
+/** A router phase of `p` that began at `startMs` (`performance.now()`) and ends now, as a span (tracing on). */
+function traceSince(p: Pending, name: string, startMs: number): void {
+  traceSpan(p.request.trace, name, epochOf(startMs));
 }

@@ -11,7 +11,10 @@
  */
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { LogitControls } from "../lib/logit-controls.js";
+import type { PhaseSnapshot } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
+import type { RequestTrace } from "../lib/tracing.js";
+import type { PageMap } from "../protocol/engine-api.js";
 import type { ControlMessage } from "../protocol/wire.js";
 
 /** Sampling parameters of one request, as the engine's `GenerationRequest` has them. */
@@ -40,6 +43,8 @@ export type ToNode =
       readonly prefill: string;
       readonly msg: ControlMessage;
       readonly sampling?: SamplingParams;
+      /** On `reserve` and `prefill`: the request's id and trace context, for the node's spans. */
+      readonly trace?: RequestTrace;
     }
   | { readonly kind: "stats"; readonly id: number }
   /** Readiness: answer `pong` with the same id at once (the router's deadline says the node turns). */
@@ -104,6 +109,10 @@ export interface NodeStats {
   /** Observations since the previous poll (drained by each poll): GB/s per transfer, ABORT_ACK latency in seconds. */
   readonly transferGbps: readonly number[];
   readonly abortAckSeconds: readonly number[];
+  /** The node's per-phase histograms so far (cumulative; src/lib/phase-histograms.ts). */
+  readonly phases?: PhaseSnapshot;
+  /** Every page's state and tenant, for the operator's dashboard. */
+  readonly pageMap?: PageMap;
   /** Process topology: connections refused before admission, by port and reason (link-guard.ts). */
   readonly linkAuthFailures?: {
     readonly control?: Readonly<Record<string, number>>;

@@ -36,6 +36,10 @@ export interface EngineBuildOptions {
   /** Guards to switch off (names from `src/protocol/safety.ts`; the engine honours `page-tags`). */
   readonly disabledGuards?: readonly string[];
   readonly seed?: number;
+  /** Record the per-phase histograms (default true; off only for the overhead benchmark's baseline). */
+  readonly phaseMetrics?: boolean;
+  /** `--otlp-endpoint`: the node built around this engine exports its spans there (the engine itself ignores it). */
+  readonly otlpEndpoint?: string;
   /** The forward pass's kernels: "wasm" (default, WebAssembly SIMD) or "ts" (the TypeScript reference). */
   readonly kernels?: "ts" | "wasm";
   /** Threads of the WebAssembly kernels: 1 (default, this thread only) or 2 (plus one spinning worker). */
@@ -79,5 +83,6 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
     ...(options.maxModelLen === undefined ? {} : { maxModelLen: options.maxModelLen }),
     safety: makeSafety({ disabledGuards: options.disabledGuards ?? [] }),
     ...(options.seed === undefined ? {} : { seed: options.seed }),
+    ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
   });
 }

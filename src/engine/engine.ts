@@ -61,11 +61,13 @@
  */
 
 import { BlockTable } from "../kvcache/block-table.js";
+import { type OwnershipTable, PAGE_STATE_NAMES, PageState } from "../kvcache/ownership-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import { Deque } from "../lib/deque.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
+import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
 import { Prng } from "../lib/prng.js";
 import { MAX_TOP_LOGPROBS, type TokenLogprobs } from "../lib/token-logprobs.js";
 import type { StepSequence } from "../model/forward.js";
@@ -77,6 +79,7 @@ import type {
   EngineStats,
   GenerationEvents,
   GenerationRequest,
+  PageMap,
 } from "../protocol/engine-api.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
 import { StepCost } from "./step-cost.js";
@@ -102,6 +105,8 @@ export interface EngineOptions {
   readonly safety?: Safety;
   /** Seed for requests that bring none. Default: from `Math.random`. */
   readonly seed?: number;
+  /** Record the per-phase histograms (src/lib/phase-histograms.ts). Default true. */
+  readonly phaseMetrics?: boolean;
 }
 
 /**
@@ -130,6 +135,16 @@ interface TenantService {
   /** `#scheduleDecodes` listed it in step `orderStep`. */
   orderStep: number;
 }
+
+/**
+ * Decode steps timed together for the inter-token latency: the clock is read once per window, not
+ * per token, because every clock read allocates (measured: 100–750 bytes a read inside a decode
+ * step) and a decode token allocates nothing (src/node/decode-node.test.ts). Each token of the
+ * window is observed at the window's mean step period — the time between two tokens of every
+ * request decoding through it; a step without decode tokens, or the engine going idle, closes a
+ * window early. The router observes each token's own gap as the client sees it.
+ */
+const ITL_WINDOW = 1024;
 
 /** Where a request is: queued for admission, in the running set, or ended (pages freed, silenced). */
 type SequenceState = "waiting" | "running" | "done";
@@ -203,6 +218,9 @@ class Sequence {
   ownership: PageOwnership = "local";
   /** The host's check of each step (`ExternalPages.checkStep`), or null: the engine checks. */
   hostCheck: (() => boolean) | null = null;
+  /** `performance.now()` when queued, and when first admitted (0: not yet). */
+  queuedAt = performance.now();
+  startedAt = 0;
   /** The one token of a decode step, fed to the forward pass (reused: no view per step). */
   readonly decodeInput = new Int32Array(1);
   /** The array `onTokens` receives a sampled token in (reused: listeners copy what they keep). */
@@ -254,6 +272,8 @@ export class Engine {
   readonly pool: PagePool;
   /** The model's config (the forward pass's). */
   readonly modelConfig: ModelConfig;
+  /** This engine's per-phase histograms (queue wait, prefill, first token, inter-token); a node adds its own phases. */
+  readonly phases: PhaseRecorder;
   readonly #model: StepModel;
   readonly #cost: StepCost;
   readonly #maxPrefillTokens: number;
@@ -314,6 +334,12 @@ export class Engine {
   readonly #mayCompute = (front: Sequence): boolean => this.#chunk(front, 1) > 0;
   readonly #mayComputeFlow = (_tenant: number, front: Sequence): boolean => this.#mayCompute(front);
   #preemptedThisStep = false;
+  /** The inter-token window: its start (`performance.now()`, 0: none), its steps and decode tokens. */
+  readonly #itlStart = new Float64Array(1);
+  #itlSteps = 0;
+  #itlTokens = 0;
+  /** Decode tokens (not a request's first) sampled this step. */
+  #stepDecodeTokens = 0;
   readonly #counters = {
     tagCheckFailures: 0,
     preemptions: 0,
@@ -367,6 +393,7 @@ export class Engine {
     this.#maxSequences = model.maxSequences;
     this.#contextTokens = Math.min(maxModelLen, pool.capacityTokens);
     this.#tagCheck = guardOn(options.safety ?? SAFE, "page-tags");
+    this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
     this.#sampler = new Sampler(config.vocabSize);
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
     this.capacity = Object.freeze({
@@ -548,6 +575,8 @@ export class Engine {
       pages: this.pool.counts(),
       queue: { waiting: this.#waiting.length + preempted, running: this.#running.length, preempted },
       counters: { ...this.#counters },
+      phases: this.phases.snapshot(),
+      pageMap: pageMapOf(this.pool.table),
     };
   }
 
@@ -576,11 +605,13 @@ export class Engine {
     this.#admitWaiting(true);
     this.#schedulePrefills();
     this.#admitWaiting(false);
+    this.#stepDecodeTokens = 0;
     if (this.#checkBatch() > 0) {
       this.#forward();
       this.#sample();
     }
     this.#endStep();
+    this.#timeDecodeStep();
     return this.#byRid.size > 0;
   }
 
@@ -769,6 +800,10 @@ export class Engine {
         break;
       if (seq.preempted) this.#preempted.popFront();
       else this.#waiting.take();
+      if (seq.startedAt === 0) {
+        seq.startedAt = performance.now();
+        this.phases.observe(PHASE.queue_wait, (seq.startedAt - seq.queuedAt) / 1000);
+      }
       seq.state = "running";
       seq.preempted = false;
       running.push(seq);
@@ -890,11 +925,48 @@ export class Engine {
       pool.recordStep(seq.blockTable, seq.rid, seq.epoch, 0, seq.promptLength);
       seq.computed = seq.promptLength;
       seq.state = "running";
+      // Its prompt was computed with the first sample's: the same prefill phase.
+      seq.startedAt = first.startedAt;
       this.#running.push(seq);
       this.#counters.forkedSamples++;
       this.#forkLogits.set(logits);
       this.#sampleOne(seq, this.#forkLogits);
     }
+  }
+
+  /** The phases a sampled token ends: prefill and first token (the first), or inter-token. */
+  #timeToken(seq: Sequence): void {
+    if (seq.ownership !== "decode-external" && seq.generated === 1) {
+      const now = performance.now();
+      this.phases.observe(PHASE.prefill, (now - seq.startedAt) / 1000);
+      if (seq.ownership === "local") this.phases.observe(PHASE.first_token, (now - seq.queuedAt) / 1000);
+    } else this.#stepDecodeTokens++;
+  }
+
+  /**
+   * After a step: a window of `ITL_WINDOW` decode steps observes its tokens' inter-token latency; a
+   * step without decode tokens, or the engine going idle, closes the window early.
+   */
+  #timeDecodeStep(): void {
+    if (!this.phases.enabled) return;
+    const start = this.#itlStart;
+    if (this.#stepDecodeTokens > 0 && start[0] === 0) {
+      // A window opens at the end of its first decode step (that step's tokens have no timed gap).
+      start[0] = performance.now();
+      return;
+    }
+    if (this.#stepDecodeTokens > 0) {
+      this.#itlSteps++;
+      this.#itlTokens += this.#stepDecodeTokens;
+      if (this.#itlSteps < ITL_WINDOW && this.#byRid.size > 0) return;
+    } else if (start[0] === 0) return;
+    if (this.#itlSteps > 0) {
+      const now = performance.now();
+      this.phases.observeMany(PHASE.inter_token, (now - start[0]!) / 1000 / this.#itlSteps, this.#itlTokens);
+      start[0] = this.#stepDecodeTokens > 0 && this.#byRid.size > 0 ? now : 0;
+    } else start[0] = 0;
+    this.#itlSteps = 0;
+    this.#itlTokens = 0;
   }
 
   /** Draws `seq`'s next token from `logits` (its step's, changed in place by its controls); reports. */
@@ -907,6 +979,7 @@ export class Engine {
     seq.generated++;
     this.#counters.completionTokens++;
     seq.sampled[0] = token;
+    this.#timeToken(seq);
     const lp = this.#logprobsOf(seq, token);
     if (seq.promptEntries !== null && !seq.promptReported) {
       seq.promptReported = true;
@@ -1154,4 +1227,19 @@ function promptRows(seq: Sequence): ((index: number, logits: Float32Array, offse
 function keepRaw(seq: Sequence, logits: Float32Array): void {
   if (seq.raw === null) seq.raw = new Float32Array(logits.length);
   seq.raw.set(logits);
+}
+
+/**
+ * Every page's state (one digit per page: the index in `PAGE_STATE_NAMES`) and its tenant (0 for
+ * a free page), for the operator's dashboard (`/kvfence/state`).
+ */
+function pageMapOf(table: OwnershipTable): PageMap {
+  let states = "";
+  const tenants: number[] = new Array(table.numPages);
+  for (let page = 0; page < table.numPages; page++) {
+    const state = table.state(page);
+    states += String(state);
+    tenants[page] = state === PageState.FREE ? 0 : table.tenant(page);
+  }
+  return { states, stateNames: PAGE_STATE_NAMES, tenants };
 }

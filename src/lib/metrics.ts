@@ -204,6 +204,7 @@ export function exponentialBuckets(start: number, factor: number, count: number)
 export class MetricsRegistry {
   #metrics = new Map<string, Metric>();
   #collectors: Array<() => void | Promise<void>> = [];
+  #expositions: Array<() => string | Promise<string>> = [];
 
   counter(name: string, help: string, labelNames: readonly string[] = []): Counter {
     return this.#add(new Counter(name, help, labelNames));
@@ -226,11 +227,20 @@ export class MetricsRegistry {
     this.#collectors.push(collect);
   }
 
+  /**
+   * Append `expose`'s text exposition after this registry's own metrics (metrics rendered by
+   * another library: the per-phase histograms, src/lib/phase-histograms.ts), after the collectors.
+   */
+  onExpose(expose: () => string | Promise<string>): void {
+    this.#expositions.push(expose);
+  }
+
   /** The text exposition of every metric, after running the collectors. */
   async render(): Promise<string> {
     for (const collect of this.#collectors) await collect();
     let out = "";
     for (const metric of this.#metrics.values()) out += metric.render();
+    for (const expose of this.#expositions) out += await expose();
     return out;
   }
 

@@ -35,7 +35,9 @@
 
 import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
+import { PHASE } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
+import { epochNow, epochOf, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
 import {
   type DecodeContext,
   type DecodeEvent,
@@ -102,6 +104,8 @@ export class DecodeNode {
   readonly #safety;
   readonly #peers = new Map<string, PrefillPeer>();
   readonly #sampling = new Map<string, SamplingParams>();
+  /** Tracing on: each attempt's request trace, and when it committed (epoch ms; 0: not yet). */
+  readonly #traces = new Map<string, { readonly trace: RequestTrace; committedAt: number }>();
   /** rid → epoch of the attempt the engine runs now. */
   readonly #running = new Map<number, number>();
   /** Attempts whose abort was relayed to prefill, with the time, for the ABORT_ACK latency. */
@@ -269,6 +273,8 @@ export class DecodeNode {
         return;
       }
       this.#sampling.set(attemptKey(msg.rid, msg.epoch), message.sampling ?? GREEDY);
+      if (message.trace !== undefined && tracing() !== null)
+        this.#traces.set(attemptKey(msg.rid, msg.epoch), { trace: message.trace, committedAt: 0 });
     }
     this.#step(peer, { type: "message", msg });
   }
@@ -328,6 +334,7 @@ export class DecodeNode {
     const out = this.#out;
     const start = out.length;
     const freeBefore = this.#core.freePages();
+    const stepStart = event.type === "message" ? performance.now() : 0;
     decodeStep(peer.state, event, this.#context);
     const freeAfter = this.#core.freePages();
     // Effects [start, end) are this event's; a call nested in their handling (a router message
@@ -361,7 +368,22 @@ export class DecodeNode {
     // After the machine's own messages (a `finished` before its pages' news): requests the router
     // holds back for want of pages may try again.
     this.#core.reportFreed(freeBefore, freeAfter);
-    if (commits !== null) for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
+    if (commits === null) return;
+    // The machine's commit check (coverage, checksums, tags) ran in that step: its time.
+    this.#core.engine.phases.since(PHASE.commit, stepStart);
+    if (this.#traces.size > 0) this.#traceCommits(commits, stepStart);
+    for (const [effect, firstToken] of commits) this.#commit(peer, effect, firstToken);
+  }
+
+  /** Tracing on: each commit's check as a span; the attempt's decode span starts now. */
+  #traceCommits(commits: readonly [CommitEffect, number][], stepStart: number): void {
+    const now = epochNow();
+    for (const [effect] of commits) {
+      const t = this.#traces.get(attemptKey(effect.rid, effect.epoch));
+      if (t === undefined) continue;
+      traceSpan(t.trace, "commit", epochOf(stepStart), { "kvfence.pages": effect.pages.length });
+      t.committedAt = now;
+    }
   }
 
   /** An ABORT_ACK came: its latency since the abort was relayed. */
@@ -397,20 +419,30 @@ export class DecodeNode {
         return;
       }
     }
-    if (msg.type === "finished" && msg.tokens.length > 0 && this.#stepLogprobs !== null) {
-      this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
-      this.#core.toRouter({ kind: "protocol", msg, logprobs: this.#stepLogprobs });
-      return;
-    }
     if (msg.type === "failed") {
       this.#countFailure(msg.error);
       if (msg.error.code === "page_tag_mismatch") this.#machineTagFailures++;
     }
-    if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") {
-      this.#sampling.delete(attemptKey(msg.rid, msg.epoch));
-      this.#firstLogprobs.delete(attemptKey(msg.rid, msg.epoch));
+    if (msg.type === "finished" || msg.type === "failed" || msg.type === "rejected") this.#ended(msg);
+    if (msg.type === "finished" && msg.tokens.length > 0 && this.#stepLogprobs !== null) {
+      this.#core.toRouter({ kind: "protocol", msg, logprobs: this.#stepLogprobs });
+      return;
     }
     this.#core.toRouter({ kind: "protocol", msg });
+  }
+
+  /** An attempt ended: forget its sampling, log-probabilities and trace (ending its decode span). */
+  #ended(msg: Extract<ControlMessage, { type: "finished" | "failed" | "rejected" }>): void {
+    const key = attemptKey(msg.rid, msg.epoch);
+    this.#sampling.delete(key);
+    this.#firstLogprobs.delete(key);
+    const t = this.#traces.get(key);
+    if (t !== undefined && t.committedAt > 0)
+      traceSpan(t.trace, "decode", t.committedAt, {
+        "kvfence.outcome": msg.type,
+        ...(msg.type === "finished" ? { "kvfence.completion_tokens": msg.completionTokens } : {}),
+      });
+    this.#traces.delete(key);
   }
 
   #sendPrefill(peer: PrefillPeer, msg: ControlMessage): void {
@@ -430,6 +462,7 @@ export class DecodeNode {
       if (this.#checking !== rid) this.#engine.abort(rid);
     }
     this.#sampling.delete(attemptKey(rid, epoch));
+    this.#traces.delete(attemptKey(rid, epoch));
   }
 
   /**

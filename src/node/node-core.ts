@@ -126,6 +126,8 @@ export class NodeCore {
       checksums: this.checksums.counts(),
       transferGbps: gbps,
       abortAckSeconds: [],
+      ...(engine.phases === undefined ? {} : { phases: engine.phases }),
+      ...(engine.pageMap === undefined ? {} : { pageMap: engine.pageMap }),
     };
   }
 }

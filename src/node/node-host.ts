@@ -8,6 +8,8 @@ import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { buildEngine } from "../engine/build-engine.js";
 import type { Engine } from "../engine/engine.js";
 import { layoutSignature } from "../kvcache/kv-layout.js";
+import { startTracing } from "../lib/tracing.js";
+import { loadModelConfig } from "../model/config-loader.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { makeSafety, type Safety } from "../protocol/safety.js";
 import { DecodeNode } from "./decode-node.js";
@@ -43,6 +45,9 @@ export async function buildNode(
   toRouter: (message: FromNode) => void,
 ): Promise<BuiltNode> {
   const engine = await buildEngine(options.engine);
+  // This thread's or process's spans (src/lib/tracing.ts): only with --otlp-endpoint is the SDK loaded.
+  if (options.engine.otlpEndpoint !== undefined)
+    await startTracing(options.engine.otlpEndpoint, `kvfence-${options.role}`);
   const safety: Safety = makeSafety({
     faults: options.faults ?? [],
     disabledGuards: options.engine.disabledGuards ?? [],

@@ -27,6 +27,8 @@
 
 import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
+import { PHASE } from "../lib/phase-histograms.js";
+import { epochNow, type RequestTrace, traceSpan } from "../lib/tracing.js";
 import type { ComputeEffect, Effects, WriteEffect } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import {
@@ -79,7 +81,7 @@ export class PrefillNode {
   /** Per attempt: the peer it writes to, and the prompt and sampling the router sent. */
   readonly #inputs = new Map<
     string,
-    { peer: DecodePeer; tokens: readonly number[]; sampling: SamplingParams }
+    { peer: DecodePeer; tokens: readonly number[]; sampling: SamplingParams; trace?: RequestTrace }
   >();
   readonly #out: Effects = [];
   readonly #context: PrefillContext;
@@ -163,7 +165,12 @@ export class PrefillNode {
       return;
     }
     if (!this.#inputs.has(key))
-      this.#inputs.set(key, { peer, tokens: msg.promptTokens, sampling: message.sampling ?? GREEDY });
+      this.#inputs.set(key, {
+        peer,
+        tokens: msg.promptTokens,
+        sampling: message.sampling ?? GREEDY,
+        ...(message.trace === undefined ? {} : { trace: message.trace }),
+      });
     this.#step(peer, { type: "message", msg });
   }
 
@@ -298,6 +305,7 @@ export class PrefillNode {
       promptLogprobs: sampling.promptLogprobs,
     };
     let done = false;
+    const submittedAt = epochNow();
     this.#engine.submitPrefill(
       request,
       { epoch, pages },
@@ -309,6 +317,7 @@ export class PrefillNode {
           if (done) return;
           done = true;
           if (lp?.[0] !== undefined) this.#logprobs.set(key, { ...this.#logprobs.get(key), first: lp[0] });
+          traceSpan(input?.trace, "prefill", submittedAt, { "kvfence.prompt_tokens": promptLen });
           this.#step(peer, { type: "computed", rid, epoch, firstToken: ids[0]! });
         },
         onFinish: () => {},
@@ -359,6 +368,8 @@ export class PrefillNode {
       for (let i = 0; i < pages.length; i++) pages[i] ??= { page: -1, generation: 0 };
       const lease = { rid, epoch, pages };
       const started = process.hrtime.bigint();
+      const startedAt = epochNow();
+      const trace = this.#inputs.get(attemptKey(rid, epoch))?.trace;
       let bytesSent = 0;
       for (const w of writes) bytesSent += w.bytes.length;
       peer.writer
@@ -368,6 +379,12 @@ export class PrefillNode {
           () => {
             const seconds = Number(process.hrtime.bigint() - started) / 1e9;
             if (seconds > 0) this.#core.recordGbps(bytesSent / seconds / 1e9);
+            this.#core.engine.phases.observe(PHASE.transfer, seconds);
+            this.#core.engine.phases.observeBytes(bytesSent);
+            traceSpan(trace, "transfer", startedAt, {
+              "kvfence.bytes": bytesSent,
+              "kvfence.pages": writes.length,
+            });
             // Under stall-transfer the unwritten pages never drain: no manifest, no ABORT_ACK.
             for (const w of writes) this.#step(peer, { type: "write_done", rid, epoch, index: w.index });
           },

@@ -6,7 +6,9 @@
  */
 import type { WireError } from "../lib/errors.js";
 import type { LogitControls } from "../lib/logit-controls.js";
+import type { PhaseSnapshot } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
+import type { RequestTrace } from "../lib/tracing.js";
 import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
@@ -38,6 +40,8 @@ export interface GenerationRequest {
    * instead of computing it again; otherwise it is an ordinary request.
    */
   readonly sample?: { readonly of: number; readonly index: number } | undefined;
+  /** The HTTP request's id and trace context (logs and spans; src/lib/tracing.ts). */
+  readonly trace?: RequestTrace;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */
@@ -81,6 +85,17 @@ export interface EngineStats {
     /** Samples of n > 1 forked from their first sample's prompt KV (one engine). */
     forkedSamples?: number;
   };
+  /** The engine's per-phase histograms so far (absent from a handle that keeps none). */
+  phases?: PhaseSnapshot;
+  /** Every page's state and tenant (absent from a handle that sums several pools). */
+  pageMap?: PageMap;
+}
+
+/** A pool's pages for the operator's dashboard: one digit per page (an index in `stateNames`), and each page's tenant (0: free). */
+export interface PageMap {
+  readonly states: string;
+  readonly stateNames: readonly string[];
+  readonly tenants: readonly number[];
 }
 
 /** Readiness of one role's nodes: how many answer now, of how many. */
@@ -116,4 +131,27 @@ export interface EngineHandle {
   nodes?(): NodeInfo[];
   /** Liveness and readiness now, without waiting (absent: always live and ready). */
   health?(): EngineHealth;
+  /** Each node's stats for the operator's dashboard (the disaggregated topology; absent: one engine). */
+  nodeViews?(): Promise<NodeViews>;
+}
+
+/** One node as the dashboard shows it (`/kvfence/state`). */
+export interface NodeView {
+  readonly id: string;
+  readonly role: "prefill" | "decode" | "engine";
+  /** False once lost or while it does not answer (then `stats` is null). */
+  readonly up: boolean;
+  readonly stats: EngineStats | null;
+  /** KV bytes this node applied (decode) or wrote (prefill) so far. */
+  readonly transferBytes: number;
+  /** Its guard counters so far, by name (`checksum_failures`, ...). */
+  readonly guards: Readonly<Record<string, number>>;
+}
+
+export interface NodeViews {
+  readonly nodes: readonly NodeView[];
+  /** The router's own per-phase histograms. */
+  readonly routerPhases: PhaseSnapshot;
+  /** Requests waiting at the router. */
+  readonly waiting: number;
 }

@@ -5,6 +5,7 @@
  */
 
 import { exponentialBuckets, MetricsRegistry } from "../lib/metrics.js";
+import { type PhaseSource, renderPhaseMetrics } from "../lib/phase-histograms.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 
 export type Endpoint =
@@ -16,6 +17,8 @@ export type Endpoint =
   | "ready"
   | "metrics"
   | "nodes"
+  | "state"
+  | "ui"
   | "other";
 
 export class RouterMetrics {
@@ -108,8 +111,12 @@ export class RouterMetrics {
       this.admissionRejections.inc({ reason }, 0);
     for (const endpoint of ["chat", "completions"]) this.clientDisconnects.inc({ endpoint }, 0);
 
+    // One engine's per-phase histograms (the disaggregated topology's come from its nodes: cluster-metrics.ts).
+    let phases: PhaseSource[] = [];
+    registry.onExpose(() => renderPhaseMetrics(phases));
     registry.onCollect(async () => {
       const stats = await engine.stats();
+      phases = stats.phases === undefined ? [] : [{ node: "engine", role: "engine", snapshot: stats.phases }];
       for (const state of ["free", "reserved", "ready", "quarantined"] as const) {
         this.poolPages.set(stats.pages[state], { state });
       }

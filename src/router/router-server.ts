@@ -21,11 +21,13 @@ import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import type { TokenLogprobs as LogprobsEntry } from "../lib/token-logprobs.js";
+import { epochOf, type RequestSpan, tracing } from "../lib/tracing.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
 import { answerClientError } from "./client-error.js";
+import { DASHBOARD_HEADERS, dashboardAsset, dashboardState, tenantColour } from "./dashboard.js";
 import {
   type FinishReason,
   Generation,
@@ -126,7 +128,15 @@ interface Route {
 type Listener = "front" | "operator";
 
 /** The routes of the operator listener: the operator endpoints and /health. */
-const OPERATOR_LISTENER_PATHS = new Set(["/metrics", "/kvfence/nodes", "/health"]);
+const OPERATOR_LISTENER_PATHS = new Set([
+  "/metrics",
+  "/kvfence/nodes",
+  "/health",
+  "/kvfence/state",
+  "/kvfence/ui",
+  "/kvfence/ui/dashboard.js",
+  "/kvfence/ui/dashboard.css",
+]);
 
 interface RequestContext {
   readonly req: IncomingMessage;
@@ -280,6 +290,14 @@ export class RouterServer {
         "/kvfence/nodes",
         { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c), operator: true },
       ],
+      [
+        "/kvfence/state",
+        { endpoint: "state", methods: ["GET"], handler: (c) => this.#state(c), operator: true },
+      ],
+      ...["", "/dashboard.js", "/dashboard.css"].map((file): [string, Route] => [
+        `/kvfence/ui${file}`,
+        { endpoint: "ui", methods: ["GET"], handler: (c) => this.#ui(c, file.slice(1)), operator: true },
+      ]),
     ]);
     const handle = (req: IncomingMessage, res: ServerResponse): void => {
       // #handle answers every error itself; this only keeps a bug from becoming a crash.
@@ -491,6 +509,37 @@ export class RouterServer {
     );
   }
 
+  /** `/kvfence/state`: the dashboard's JSON (src/router/dashboard.ts). */
+  async #state(ctx: RequestContext): Promise<void> {
+    // One HMAC per tenant, not per page.
+    const colours = new Map<number, number>();
+    const colour = (tenant: number) => {
+      const known = colours.get(tenant);
+      if (known !== undefined) return known;
+      const c = tenantColour(this.#tenantLabel(`tenant#${tenant}`));
+      colours.set(tenant, c);
+      return c;
+    };
+    const state = await dashboardState(this.#engine, colour, this.#active.size);
+    this.#sendJson(ctx.res, 200, state, { "Cache-Control": "no-store" });
+  }
+
+  /** `/kvfence/ui` and its files, as built into dist/ui/. */
+  #ui(ctx: RequestContext, name: string): void {
+    const asset = dashboardAsset(name);
+    if (asset === null)
+      throw new KvfenceError(
+        "not_found",
+        "The dashboard was not built: run npm run build (it bundles ui/ into dist/ui/)",
+      );
+    ctx.res.writeHead(200, {
+      ...DASHBOARD_HEADERS,
+      "Content-Type": asset.type,
+      "Content-Length": String(asset.body.length),
+    });
+    ctx.res.end(asset.body);
+  }
+
   #authenticate(req: IncomingMessage): Tenant {
     const header = req.headers.authorization;
     const tenant = this.#tenants.authenticate(header);
@@ -558,6 +607,12 @@ export class RouterServer {
       return;
     }
     const defaults = this.#model.defaults ?? {};
+    const requestId = ctx.requestId;
+    const span = tracing()?.startRequest(
+      "request",
+      { "kvfence.request_id": requestId, "kvfence.endpoint": kind.endpoint },
+      epochOf(ctx.receivedAt),
+    );
     const base: Omit<GenerationRequest, "rid" | "promptTokens" | "maxTokens"> = {
       tenant: ctx.tenant!.index,
       temperature: parsed.temperature ?? defaults.temperature ?? 1,
@@ -569,6 +624,7 @@ export class RouterServer {
       ...(parsed.controls === undefined ? {} : { controls: parsed.controls }),
       ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
       ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
+      trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
     };
     // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
     // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).
@@ -595,7 +651,7 @@ export class RouterServer {
         });
       }
     });
-    this.#serve(ctx, kind, parsed, planned);
+    this.#serve(ctx, kind, parsed, planned, span);
   }
 
   /**
@@ -609,6 +665,7 @@ export class RouterServer {
     kind: GenerateEndpoint,
     parsed: SamplingRequest,
     planned: readonly PlannedChoice[],
+    span?: RequestSpan,
   ): void {
     const { res } = ctx;
     const { endpoint, responses } = kind;
@@ -655,6 +712,11 @@ export class RouterServer {
       for (const generation of generations) this.#active.delete(generation);
       this.metrics.inFlight.set(this.#active.size);
       this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
+      span?.end({
+        "http.response.status_code": status,
+        "kvfence.prompt_tokens": planned[0]!.request.promptTokens.length,
+        ...(usage === null ? {} : { "kvfence.completion_tokens": usage.completionTokens }),
+      });
       this.#logDone(ctx, planned[0]!.request, endpoint, status, usage);
     };
     const finished = () => {

@@ -162,6 +162,13 @@ export const serveConfigSchema = z
         }
         return origins;
       }),
+    phaseMetrics: z.boolean().default(true),
+    otlpEndpoint: z
+      .url({
+        protocol: /^https?$/,
+        error: "must be an http:// or https:// URL (an OTLP/HTTP receiver, e.g. http://127.0.0.1:4318)",
+      })
+      .optional(),
     scrubOnFree: z.boolean(),
     disaggregation: z.boolean(),
     role: z.enum(["all", "router", "prefill", "decode"]).default("all"),
@@ -234,6 +241,8 @@ const FLAG: Record<string, string> = {
   metricsPort: "--metrics-port",
   metricsTenantNames: "--metrics-tenant-names",
   allowedOrigins: "--allowed-origins",
+  phaseMetrics: "--no-phase-metrics",
+  otlpEndpoint: "--otlp-endpoint",
   logLevel: "--log-level",
   role: "--role",
   prefill: "--prefill",

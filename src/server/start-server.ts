@@ -8,12 +8,14 @@
  * topology's engines → start the HTTP server. A router process loads the tokenizer and chat
  * template, never the weights. Used by `kvfence serve` and the incident tool.
  */
+
 import net from "node:net";
 import { loadEngineMemory, type MemoryRegion, regionBytesOf } from "../engine/engine-memory.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
+import { startTracing, tracing } from "../lib/tracing.js";
 import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { type GenerationDefaults, loadChatTemplate, loadGenerationDefaults } from "../model/tokenizer.js";
@@ -111,6 +113,7 @@ export async function startServer(
   if (config.role === "router") clusterSecret(config.clusterSecret);
 
   const tenants = loadTenants(config, log);
+  await startRouterTracing(config, log);
   const limits = limitsOf(config, contextLength);
   const { served, preparer } = await startEnginesAndPreparer(config, {
     model,
@@ -182,10 +185,18 @@ export async function startServer(
         await router.close(graceMs);
         await preparer.close();
         await served.close();
+        await tracing()?.shutdown();
       })();
       return closing;
     },
   };
+}
+
+/** `--otlp-endpoint`: the router's spans (the nodes start their own); without it no SDK is loaded. */
+async function startRouterTracing(config: ServeConfig, log: Logger): Promise<void> {
+  if (config.otlpEndpoint === undefined) return;
+  await startTracing(config.otlpEndpoint, "kvfence-router");
+  log.info({ endpoint: config.otlpEndpoint }, "exporting request spans over OTLP/HTTP");
 }
 
 /** The router's request limits: the flags given, defaults from the context length (request-limits.ts). */
@@ -387,6 +398,8 @@ function engineOptionsOf(
     kvCacheDtype: config.kvCacheDtype,
     maxModelLen: pool.contextLength,
     scrubOnFree: config.scrubOnFree,
+    ...(config.phaseMetrics ? {} : { phaseMetrics: false }),
+    ...(config.otlpEndpoint === undefined ? {} : { otlpEndpoint: config.otlpEndpoint }),
     ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
     ...(config.maxNumSeqs === undefined ? {} : { maxSequences: config.maxNumSeqs }),
     ...(config.seed === undefined ? {} : { seed: config.seed }),

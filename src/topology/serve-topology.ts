@@ -133,10 +133,15 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
 }
 
 /** The fair share and the readiness deadline, as every topology takes them. */
-function shared(options: ServeEngineOptions): { fairShare?: FairShareConfig; pingTimeoutMs?: number } {
+function shared(options: ServeEngineOptions): {
+  fairShare?: FairShareConfig;
+  pingTimeoutMs?: number;
+  phaseMetrics?: boolean;
+} {
   return {
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
+    ...(options.engine.phaseMetrics === undefined ? {} : { phaseMetrics: options.engine.phaseMetrics }),
   };
 }
 

@@ -46,6 +46,8 @@ export interface ThreadedTopologyOptions {
   readonly pingTimeoutMs?: number;
   /** Lost workers and their restarts. */
   readonly log?: Logger;
+  /** The router's per-phase histograms (default on; `--no-phase-metrics`). */
+  readonly phaseMetrics?: boolean;
 }
 
 export interface ThreadedTopology {
@@ -130,6 +132,7 @@ export async function startThreadedTopology(options: ThreadedTopologyOptions): P
     safety: options.safety ?? SAFE,
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
+    ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
   });
   const current: Record<Role, NodeWorker> = { prefill: p.value, decode: d.value };
   let closing = false;

@@ -145,6 +145,36 @@ describe("topologies give identical greedy outputs", { timeout: 110_000 }, () =>
     }
   });
 
+  test("per-phase histograms in every topology, labelled by node and role only (issue #18 item 2)", async () => {
+    for (const { name, server } of servers) {
+      const text = await (await operatorGet(server.url, "/metrics")).text();
+      const series = text.split("\n").filter((l) => l.startsWith("kvfence_phase_seconds_count{"));
+      const count = (phase: string, role: string) =>
+        series
+          .filter((l) => l.includes(`phase="${phase}"`) && l.includes(`role="${role}"`))
+          .reduce((s, l) => s + Number(l.slice(l.lastIndexOf(" ") + 1)), 0);
+      // The earlier tests ran at least the prompts one at a time and 16 concurrent requests.
+      const requests = PROMPTS.length + 16;
+      if (name === "single") {
+        for (const phase of ["queue_wait", "prefill", "first_token"])
+          assert.ok(count(phase, "engine") >= requests, `${name}: ${phase}`);
+        assert.ok(count("inter_token", "engine") > requests, `${name}: inter_token`);
+      } else {
+        for (const phase of ["queue_wait", "reservation", "first_token"])
+          assert.ok(count(phase, "router") >= requests, `${name}: router ${phase}`);
+        for (const phase of ["queue_wait", "prefill", "transfer"])
+          assert.ok(count(phase, "prefill") >= requests, `${name}: prefill ${phase}`);
+        for (const phase of ["commit", "inter_token"])
+          assert.ok(count(phase, "decode") >= requests, `${name}: decode ${phase}`);
+        assert.ok(text.includes("kvfence_phase_transfer_bytes_count{"), `${name}: transfer bytes histogram`);
+      }
+      for (const line of text.split("\n").filter((l) => l.startsWith("kvfence_phase_"))) {
+        assert.doesNotMatch(line, /tenant|alpha|beta|gamma/, `${name}: no tenant in ${line}`);
+        assert.match(line, /node="[^"]+".*role="[^"]+"|role="[^"]+".*node="[^"]+"|node="[^"]+",role=/, line);
+      }
+    }
+  });
+
   test("/kvfence/nodes lists the prefill and decode nodes with their pools", async () => {
     for (const { name, server } of servers) {
       const body = (await (await operatorGet(server.url, "/kvfence/nodes")).json()) as {

@@ -98,9 +98,9 @@ const THIS_MAIN = fileURLToPath(new URL("../../cli/main.js", import.meta.url));
 const KEY = "sk-bench-tenant-alone-1";
 const UNCAPPED = ["--tenant-max-concurrency", "0", "--tenant-max-pages", "0", "--tenant-max-queue", "0"];
 
-interface Server {
+export interface Server {
   readonly url: string;
-  /** Its processes (router, and nodes of a cluster). */
+  /** The server's processes (router and nodes), for their CPU time. */
   readonly pids: readonly number[];
   close(): Promise<void>;
 }
@@ -175,8 +175,8 @@ function serve(
   });
 }
 
-/** A server of `topology` from the build whose CLI is `main`, with `routerArgs` on its front door. */
-async function startArm(
+/** A server of `topology` from the build whose CLI is `main`, with `routerArgs` on its front door (also bench observability's). */
+export async function startArm(
   main: string,
   topology: FairBenchTopology,
   common: readonly string[],
@@ -193,7 +193,7 @@ async function startArm(
       children.push(s.child);
       return {
         url: s.url,
-        pids: [s.child.pid!],
+        pids: pidsOf(children),
         close: async () => void (await Promise.all(children.map(stopProcess))),
       };
     }
@@ -211,13 +211,17 @@ async function startArm(
     children.push(r.child);
     return {
       url: r.url,
-      pids: children.map((c) => c.pid!),
+      pids: pidsOf(children),
       close: async () => void (await Promise.all(children.reverse().map(stopProcess))),
     };
   } catch (err) {
     await Promise.all(children.map(stopProcess));
     throw err;
   }
+}
+
+function pidsOf(children: readonly ChildProcess[]): number[] {
+  return children.flatMap((c) => (c.pid === undefined ? [] : [c.pid]));
 }
 
 /** The options given, with defaults for the rest. */

@@ -19,6 +19,7 @@ import {
   runModelBench,
 } from "../tools/bench/model.js";
 import { serveCommand } from "../tools/bench/serve.js";
+import { soakCommand } from "../tools/bench/soak.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
 
@@ -170,6 +171,7 @@ export function command(): Command {
   group.addCommand(linkFloodCommand());
   group.addCommand(serveCommand());
   group.addCommand(fairShareCommand());
+  group.addCommand(soakCommand());
   // bench-commands:end
   return group;
 }

@@ -34,8 +34,12 @@ class FakeLink implements Link<ToNode, FromNode> {
   die(): void {
     this.#onClose();
   }
+  /** The protocol messages sent, watermarks left out (see `watermarks`). */
   protocol(): ControlMessage[] {
-    return this.sent.flatMap((m) => (m.kind === "protocol" ? [m.msg] : []));
+    return this.sent.flatMap((m) => (m.kind === "protocol" && m.msg.type !== "watermark" ? [m.msg] : []));
+  }
+  watermarks(): ToNode[] {
+    return this.sent.filter((m) => m.kind === "protocol" && m.msg.type === "watermark");
   }
 }
 
@@ -356,7 +360,38 @@ test("DisaggregatedEngine shares the nodes fairly: a tenant's flood waits at its
     msg: { type: "finished", rid: 1, epoch: 1, reason: "length", tokens: [], completionTokens: 80 },
   });
   assert.equal(flood[0]!.out.finish, "length");
-  assert.deepEqual(reserved(), [1, 10, 11, 12, 2]);
+  // Tenant 0's second request goes out under the next rid: attempts leave in serial rid order.
+  assert.deepEqual(reserved(), [1, 10, 11, 12, 13]);
+});
+
+test("DisaggregatedEngine tells both nodes of a pair its watermark once its requests ended, and again when the pair is back", () => {
+  const { p, d, engine } = setup();
+  const a = record();
+  const b = record();
+  engine.submit(request(1), a.events);
+  engine.submit(request(2), b.events);
+  const finish = (rid: number) => {
+    d.link.deliver({ kind: "protocol", msg: { type: "committed", rid, epoch: 1, firstToken: 40 } });
+    d.link.deliver({
+      kind: "protocol",
+      msg: { type: "finished", rid, epoch: 1, reason: "length", tokens: [], completionTokens: 1 },
+    });
+  };
+  for (const rid of [1, 2]) {
+    d.link.deliver({ kind: "protocol", msg: lease(rid) });
+  }
+  finish(2);
+  // Request 1 is still in flight: the watermark (1) has not moved.
+  assert.deepEqual(d.link.watermarks(), []);
+  finish(1);
+  const mark = { type: "watermark", rid: 0, epoch: 0, below: 3 };
+  assert.deepEqual(d.link.watermarks(), [{ kind: "protocol", prefill: "prefill-0", msg: mark }]);
+  // Prefill is told which decode incarnation's machine it is for.
+  assert.deepEqual(p.link.watermarks(), [{ kind: "protocol", prefill: "prefill-0", msg: mark, decode: 22 }]);
+  // The pair comes up again (a new incarnation of either node): both hear the watermark again.
+  engine.pairUp("prefill-0", "decode-0");
+  assert.equal(d.link.watermarks().length, 2);
+  assert.equal(p.link.watermarks().length, 2);
 });
 
 test("DisaggregatedEngine readiness: a node that stops answering pings is not ready and gets no new request until it answers", async () => {

@@ -55,7 +55,7 @@ import {
   routerStep,
 } from "../protocol/router-machine.js";
 import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
-import type { ControlMessage } from "../protocol/wire.js";
+import { type ControlMessage, nextRid, ridBefore } from "../protocol/wire.js";
 import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
 
 /** One node as the router holds it. */
@@ -142,9 +142,6 @@ const DEFAULT_SLOTS = 16;
  * fair order, rather than in the node's own first-come queue.
  */
 export const DECODE_WINDOW = 2;
-/** Internal request ids of re-submitted requests, above the router's own (which count from 1). */
-const FIRST_INTERNAL_RID = 0x8000_0000;
-const LAST_INTERNAL_RID = 0xffff_fff0;
 
 const poolPages = (slot: Slot): number => Math.floor(slot.node.hello.poolTokens / slot.node.hello.pageSize);
 
@@ -173,7 +170,8 @@ export class DisaggregatedEngine implements EngineHandle {
   #closed = false;
   /** Requests aborted by the router (`abort` of a live or waiting request). */
   #aborts = 0;
-  #nextInternalRid = FIRST_INTERNAL_RID;
+  /** The newest rid an attempt went out under (0: none yet). */
+  #lastRid = 0;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.prefill.length === 0 || options.decode.length === 0) {
@@ -255,8 +253,15 @@ export class DisaggregatedEngine implements EngineHandle {
 
   /** Marks the transfer channel of a (prefill, decode) pair up (the decode node connected to the prefill node). */
   pairUp(prefillId: string, decodeId: string, up = true): void {
-    for (const pair of this.#pairs)
-      if (pair.prefill.id === prefillId && pair.decode.id === decodeId) pair.up = up;
+    for (const pair of this.#pairs) {
+      if (pair.prefill.id !== prefillId || pair.decode.id !== decodeId) continue;
+      pair.up = up;
+      if (!up) continue;
+      // Both ends may be new incarnations: they hear the pair's watermark (their tombstones of
+      // older rids can go).
+      this.#step(pair, { type: "peer_up", role: "decode" });
+      this.#step(pair, { type: "peer_up", role: "prefill" });
+    }
     if (up) this.#share.pump();
   }
 
@@ -525,11 +530,12 @@ export class DisaggregatedEngine implements EngineHandle {
       }
     }
     if (pair === null) return false;
+    // Attempts go out under rids in serial order (the pairs' watermarks rely on it): the client's
+    // rid when it is the newest yet, else the next one after the newest.
     let rid = p.request.rid;
-    if (p.dispatched) {
-      rid = this.#nextInternalRid;
-      this.#nextInternalRid = rid >= LAST_INTERNAL_RID ? FIRST_INTERNAL_RID : rid + 1;
-    }
+    if (p.dispatched || rid === 0 || (this.#lastRid !== 0 && !ridBefore(this.#lastRid, rid)))
+      rid = nextRid(this.#lastRid);
+    this.#lastRid = rid;
     p.dispatched = true;
     p.pair = pair;
     p.rid = rid;
@@ -812,6 +818,14 @@ export class DisaggregatedEngine implements EngineHandle {
       };
     } else if (msg.type === "reserve" && pending !== undefined) {
       message = { kind: "protocol", prefill: pair.prefill.id, msg, sampling: pending.sampling };
+    } else if (msg.type === "watermark" && slot === pair.prefill) {
+      // Prefill runs one machine per decode incarnation: the pair's is named.
+      message = {
+        kind: "protocol",
+        prefill: pair.prefill.id,
+        msg,
+        decode: pair.decode.node.hello.incarnation,
+      };
     } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
     try {
       slot.node.link.send(message);

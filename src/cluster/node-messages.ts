@@ -29,6 +29,8 @@ export type ToNode =
       readonly prefill: string;
       readonly msg: ControlMessage;
       readonly sampling?: SamplingParams;
+      /** Prefill, on a watermark: the incarnation of the decode node of the pair (selects its machine). */
+      readonly decode?: number;
     }
   | { readonly kind: "stats"; readonly id: number }
   /** Readiness: answer `pong` with the same id at once (the router's deadline says the node turns). */
@@ -76,6 +78,13 @@ export interface NodeStats {
   readonly attempts: number;
   /** Protocol messages ignored because their (rid, epoch) was not current. */
   readonly staleMessages: number;
+  /**
+   * Records of ended attempts the machines keep (tombstones, early ABORT_ACKs): those of rids at or
+   * above each pair's watermark, so it returns to 0 when the node is idle (docs/protocol.md).
+   */
+  readonly tombstones?: number;
+  /** V8 heap in use by the node's isolate, bytes (garbage not yet collected included). */
+  readonly heapUsedBytes?: number;
   readonly transfer: {
     readonly bytes: number;
     readonly pages: number;

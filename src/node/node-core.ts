@@ -6,6 +6,7 @@
  * stale messages of every peer's machine; transfer totals of the open channels and of the closed
  * ones, kept so that totals never go down; the GB/s observations drained by each poll).
  */
+import v8 from "node:v8";
 import type { FromNode, NodeStats, SamplingParams } from "../cluster/node-messages.js";
 import type { Engine } from "../engine/engine.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
@@ -44,6 +45,8 @@ export interface TransferTotals {
 /** What a peer's machine state tells the statistics. */
 interface PeerState {
   readonly attempts: object;
+  readonly ended: object;
+  readonly acks?: object;
   readonly stale: number;
 }
 
@@ -106,10 +109,13 @@ export class NodeCore {
     const engine = this.engine.stats();
     let attempts = 0;
     let stale = 0;
+    let tombstones = 0;
     const transfer = { ...this.closedTotals };
     for (const peer of peers) {
       attempts += Object.keys(peer.state.attempts).length;
       stale += peer.state.stale;
+      tombstones +=
+        countKeys(peer.state.ended) + (peer.state.acks === undefined ? 0 : countKeys(peer.state.acks));
       const m = metricsOf(peer);
       if (m !== undefined) addTransfer(transfer, m);
     }
@@ -122,12 +128,20 @@ export class NodeCore {
       counters: engine.counters,
       attempts,
       staleMessages: stale,
+      tombstones,
+      heapUsedBytes: v8.getHeapStatistics().used_heap_size,
       transfer: { ...transfer, checksumFailures: 0, coverageFailures: 0 },
       checksums: this.checksums.counts(),
       transferGbps: gbps,
       abortAckSeconds: [],
     };
   }
+}
+
+function countKeys(record: object): number {
+  let n = 0;
+  for (const _ in record) n++;
+  return n;
 }
 
 function emptyTotals(): TransferTotals {

@@ -214,6 +214,7 @@ export class ModelWorld {
       prefillPoolTokens: config.prefillPages * config.pageSize,
       decodePoolTokens: config.decodePages * config.pageSize,
       maxAttempts: config.maxAttempts,
+      watermarkStep: 1,
     };
     this.#nodeConfig = {
       maxModelLen: config.maxModelLen,
@@ -262,13 +263,19 @@ export class ModelWorld {
   /** A deep copy of `w`, several times faster than a JSON round trip. */
   clone(w: World): World {
     return {
-      router: { requests: cloneRecord(w.router.requests), stale: 0 },
+      router: {
+        requests: cloneRecord(w.router.requests),
+        stale: 0,
+        next: w.router.next,
+        watermark: w.router.watermark,
+      },
       prefill: {
         incarnation: w.prefill.incarnation,
         decodeIncarnation: w.prefill.decodeIncarnation,
         decodeLost: w.prefill.decodeLost,
         attempts: cloneRecord(w.prefill.attempts),
         ended: { ...w.prefill.ended },
+        watermark: w.prefill.watermark,
         stale: 0,
       },
       decode: {
@@ -278,6 +285,7 @@ export class ModelWorld {
         attempts: cloneRecord(w.decode.attempts),
         ended: { ...w.decode.ended },
         acks: { ...w.decode.acks },
+        watermark: w.decode.watermark,
         stale: 0,
         tagFailures: 0,
       },
@@ -331,8 +339,13 @@ export class ModelWorld {
 
   /** What the environment may do: submit, abort, time out, crash a node, duplicate or lose a message. */
   #environmentEvents(w: World, events: EnvEvent[]): void {
+    // The router hands out rids in serial order (its watermark relies on it): the next request only.
     const reqs = this.config.requests;
-    for (let i = 0; i < reqs.length; i++) if ((w.submitted & (1 << i)) === 0) events.push({ k: "submit", i });
+    for (let i = 0; i < reqs.length; i++) {
+      if ((w.submitted & (1 << i)) !== 0) continue;
+      events.push({ k: "submit", i });
+      break;
+    }
     for (const key in w.router.requests) {
       const r = w.router.requests[key]!;
       if (r.phase === "done") continue;
@@ -442,10 +455,32 @@ export class ModelWorld {
     const p = this.#countStates(w.pTable, this.config.prefillPages);
     if (d.free !== this.config.decodePages) busy.push(`decode pool not all FREE (${describeCounts(d)})`);
     if (p.free !== this.config.prefillPages) busy.push(`prefill pool not all FREE (${describeCounts(p)})`);
-    if (busy.length === 0) return null;
+    if (busy.length === 0) return this.#checkBound(w);
     return {
       invariant: "liveness",
       message: `The system is stuck with no message, write or step left to make progress: ${busy.join("; ")}`,
+    };
+  }
+
+  /**
+   * Bounded protocol state: with every request answered and nothing in flight, the node machines
+   * hold no attempt and no record of one (the router's watermark reached both and pruned them).
+   */
+  #checkBound(w: World): Violation | null {
+    const held: string[] = [];
+    const count = (what: string, record: object) => {
+      const n = Object.keys(record).length;
+      if (n > 0) held.push(`${what} ${n} (${Object.keys(record).join(", ")})`);
+    };
+    count("decode attempts", w.decode.attempts);
+    count("decode tombstones", w.decode.ended);
+    count("decode early acks", w.decode.acks);
+    count("prefill attempts", w.prefill.attempts);
+    count("prefill tombstones", w.prefill.ended);
+    if (held.length === 0) return null;
+    return {
+      invariant: "bound",
+      message: `The system is idle but the node machines still hold protocol state: ${held.join("; ")}`,
     };
   }
 
@@ -592,6 +627,7 @@ export class ModelWorld {
       );
     }
     this.#router(w, { type: "peer_lost", role });
+    this.#router(w, { type: "peer_up", role });
   }
 
   #effects(w: World, from: NodeRole, out: readonly Effect[]): void {

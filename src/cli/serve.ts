@@ -40,6 +40,22 @@ export function command(): Command {
       "--cluster-secret <secret>",
       "secret shared by the router and nodes (or env KVFENCE_CLUSTER_SECRET)",
     )
+    .option(
+      "--registry <url>",
+      "membership in etcd, etcd://host:port[,host:port…]: nodes register, routers watch (instead of --prefill/--decode)",
+    )
+    .option("--registry-prefix <key>", "the cluster's key prefix in etcd", "/kvfence")
+    .option("--registry-ca <file>", "TLS to etcd: the CA (PEM)")
+    .option(
+      "--registry-cert <file>",
+      "TLS to etcd: this process's client certificate (PEM; with --registry-key)",
+    )
+    .option("--registry-key <file>", "TLS to etcd: the private key of --registry-cert (PEM)")
+    .option("--registry-user <name>", "etcd user (its password from env KVFENCE_REGISTRY_PASSWORD)")
+    .option(
+      "--advertise <host:port>",
+      "node with --registry: the control address routers dial (default --host:--port)",
+    )
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",

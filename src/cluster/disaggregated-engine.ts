@@ -97,6 +97,12 @@ interface Slot {
   running: number;
   /** It refused a request for want of pages: nothing more until it reports `pages_freed`. */
   full: boolean;
+  /**
+   * In the cluster's membership: always with static lists; with a registry, while its entry is
+   * there and not draining. A node out of it takes no new request; its requests in flight go on
+   * and nothing of it is freed (only the fence, its link's close, does that).
+   */
+  member: boolean;
 }
 
 interface Pair {
@@ -216,6 +222,7 @@ export class DisaggregatedEngine implements EngineHandle {
       usedPages: 0,
       running: 0,
       full: false,
+      member: true,
     });
     const prefill = options.prefill.map(slot);
     const decode = options.decode.map(slot);
@@ -308,6 +315,7 @@ export class DisaggregatedEngine implements EngineHandle {
       page_size: s.node.hello.pageSize,
       max_model_len: s.node.hello.maxModelLen,
       up: !s.lost,
+      member: s.member,
     }));
   }
 
@@ -358,6 +366,70 @@ export class DisaggregatedEngine implements EngineHandle {
     slot.full = false;
     this.#listen(slot, node);
     return null;
+  }
+
+  /**
+   * A node joins the running cluster (a registry entry whose node proved the cluster secret):
+   * it is paired with every node of the other role; its pairs come up with decode's transfer
+   * channel (`prefill_up`). The pre-flight of every join: returns why it cannot (an id already
+   * here, another KV layout or page size, a pool or context below what the router admits).
+   */
+  addNode(node: RouterNode): string | null {
+    if (this.#slots.some((s) => s.id === node.id)) return `a node ${node.id} is already in this cluster`;
+    const refused = this.#admits(node.hello);
+    if (refused !== null) return refused;
+    const slot: Slot = {
+      id: node.id,
+      role: node.hello.role,
+      node,
+      lost: false,
+      answering: true,
+      ping: null,
+      usedPages: 0,
+      running: 0,
+      full: false,
+      member: true,
+    };
+    this.#slots.push(slot);
+    for (const other of this.#slots) {
+      if (other.role === slot.role) continue;
+      const [prefill, decode] = slot.role === "prefill" ? [slot, other] : [other, slot];
+      this.#pairs.push({
+        key: `${prefill.id}|${decode.id}`,
+        prefill,
+        decode,
+        state: initialRouterState(),
+        up: false,
+      });
+    }
+    this.#listen(slot, node);
+    return null;
+  }
+
+  /** Whether a node with `hello` fits what this router admits (null), or why not. */
+  #admits(hello: NodeHello): string | null {
+    const like = this.#slots[0]!.node.hello;
+    if (hello.layoutSignature !== like.layoutSignature || hello.pageSize !== like.pageSize)
+      return `its KV layout (${hello.layoutSignature}, page ${hello.pageSize}) differs from the cluster's (${like.layoutSignature}, page ${like.pageSize})`;
+    if (hello.poolTokens < this.capacity.poolTokens || hello.maxModelLen < this.capacity.maxModelLen)
+      return `its pool (${hello.poolTokens} tokens) or context (${hello.maxModelLen}) is below what the router admits (${this.capacity.poolTokens}, ${this.capacity.maxModelLen})`;
+    return null;
+  }
+
+  /**
+   * Node `id` is in the membership (a registry entry, not draining) or not: out of it, it takes no
+   * new request; nothing in flight is touched.
+   */
+  setMember(id: string, member: boolean): void {
+    const slot = this.#slots.find((s) => s.id === id);
+    if (slot === undefined || slot.member === member) return;
+    slot.member = member;
+    if (member) this.#share.pump();
+  }
+
+  /** The pre-flight a node that wants to join runs against (null: it would be admitted). */
+  admissionRefusal(hello: NodeHello): string | null {
+    return this.#admits(hello);
   }
 
   submit(request: GenerationRequest, events: GenerationEvents): void {
@@ -500,10 +572,18 @@ export class DisaggregatedEngine implements EngineHandle {
     });
   }
 
-  /** A pair that can take a request now: up, both nodes there and answering. */
+  /** A pair that can take a request now: up, both nodes there, answering and members. */
   #usable(pair: Pair): boolean {
     const { prefill, decode } = pair;
-    return pair.up && !prefill.lost && !decode.lost && prefill.answering && decode.answering;
+    return (
+      pair.up &&
+      !prefill.lost &&
+      !decode.lost &&
+      prefill.answering &&
+      decode.answering &&
+      prefill.member &&
+      decode.member
+    );
   }
 
   /** Whether `pair`'s nodes have room for `p` by the router's ledger. */

@@ -42,6 +42,15 @@ export interface NodeServer {
   readonly role: "prefill" | "decode";
   readonly port: number;
   readonly transferPort: number | undefined;
+  /** What the node registers (`--registry`), its address aside: its hello's incarnation, layout and capacity. */
+  readonly registration: {
+    readonly role: "prefill" | "decode";
+    readonly incarnation: number;
+    readonly layoutSignature: string;
+    readonly poolTokens: number;
+    readonly pageSize: number;
+    readonly maxModelLen: number;
+  };
   close(): Promise<void>;
 }
 
@@ -273,6 +282,14 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     role: built.role,
     port: control.port,
     transferPort: transfer?.port,
+    registration: {
+      role: built.role,
+      incarnation: hello.incarnation,
+      layoutSignature: hello.layoutSignature,
+      poolTokens: hello.poolTokens,
+      pageSize: hello.pageSize,
+      maxModelLen: hello.maxModelLen,
+    },
     async close() {
       prefill?.close();
       built.node.close();

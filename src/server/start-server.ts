@@ -9,6 +9,7 @@
  * template, never the weights. Used by `kvfence serve` and the incident tool.
  */
 import net from "node:net";
+import { parseRegistryUrl, type RegistryOptions, registerNode } from "../cluster/registry.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
@@ -127,6 +128,8 @@ export async function startServer(
     prefill: config.prefill,
     decode: config.decode,
     clusterSecret: config.clusterSecret,
+    ...(config.registry === undefined ? {} : { registry: registryOf(config) }),
+    insecurePlaintextLinks: config.insecurePlaintextLinks,
     ...(tls.links === undefined ? {} : { linkTls: tls.links }),
     faults: config.unsafeFault,
     fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
@@ -278,7 +281,37 @@ export async function startNode(
     log: (line) => options.logger.info(line),
     warn: (line) => options.logger.warn(line),
   });
-  return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
+  if (config.registry === undefined)
+    return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
+  // --registry: the node's entry (its lease kept alive) names where routers dial it.
+  const address = config.advertise ?? `${config.host}:${node.port}`;
+  const registration = await registerNode(registryOf(config), { ...node.registration, address }, (line) =>
+    options.logger.warn(line),
+  ).catch(async (err: unknown) => {
+    await node.close();
+    throw err;
+  });
+  return {
+    url: `http://${config.host}:${node.port}`,
+    close: async () => {
+      await registration.close();
+      await node.close();
+    },
+  };
+}
+
+/** `--registry` and its TLS files and credentials (the password from env KVFENCE_REGISTRY_PASSWORD). */
+function registryOf(config: ServeConfig): RegistryOptions {
+  const tls = config.registryCa !== undefined;
+  const password = process.env.KVFENCE_REGISTRY_PASSWORD;
+  return {
+    endpoints: parseRegistryUrl(config.registry!, tls),
+    prefix: config.registryPrefix,
+    ...(config.registryCa === undefined ? {} : { ca: config.registryCa }),
+    ...(config.registryCert === undefined ? {} : { cert: config.registryCert, key: config.registryKey! }),
+    ...(config.registryUser === undefined ? {} : { user: config.registryUser }),
+    ...(password === undefined ? {} : { password }),
+  };
 }
 
 function layoutOf(config: ServeConfig, modelConfig: ModelConfig): KvLayout {

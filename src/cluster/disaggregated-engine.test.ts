@@ -456,3 +456,26 @@ test("DisaggregatedEngine.nodeBack() puts a lost node's new incarnation in its p
   p.link.deliver({ kind: "pong", id: 1 }); // the old link's messages are ignored
   void engine.close();
 });
+
+test("DisaggregatedEngine runs a request again on another pair when its node is lost before the first token, never after", () => {
+  const p = node("prefill-0", "prefill", 512);
+  const d0 = node("decode-0", "decode", 1024);
+  const d1 = node("decode-1", "decode", 1024);
+  const engine = new DisaggregatedEngine({ prefill: [p], decode: [d0, d1], maxModelLen: 2048, safety: SAFE });
+  for (const d of [d0, d1]) d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  const moved = record();
+  engine.submit(request(1), moved.events);
+  assert.equal(d0.link.protocol().length, 1, "the first pair is (prefill-0, decode-0)");
+  d0.link.deliver({ kind: "protocol", msg: lease(1) });
+  d0.link.die();
+  assert.equal(moved.out.events, 0, "no 503: it runs again");
+  const retry = d1.link.protocol().at(-1)!;
+  assert.ok(retry.type === "reserve" && retry.rid !== 1, "a fresh attempt on the other pair");
+  d1.link.deliver({ kind: "protocol", msg: lease(retry.rid) });
+  d1.link.deliver({ kind: "protocol", msg: { type: "committed", rid: retry.rid, epoch: 1, firstToken: 40 } });
+  // Streaming now: a loss after the first token ends the request with 503.
+  d1.link.die();
+  assert.deepEqual(moved.out.tokens, [40]);
+  assert.equal(moved.out.error?.code, "node_unavailable");
+  assert.equal(engine.inFlight, 0);
+});

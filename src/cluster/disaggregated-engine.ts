@@ -134,6 +134,10 @@ interface Pending {
   completionTokens: number;
   stopped: boolean;
   silenced: boolean;
+  /** A token reached the client (no retry on another pair after that). */
+  streamed: boolean;
+  /** Times it went back to the queue because its pair lost a node before its first token. */
+  moved: number;
 }
 
 const STATS_TIMEOUT_MS = 5000;
@@ -148,6 +152,8 @@ const DEFAULT_SLOTS = 16;
  * fair order, rather than in the node's own first-come queue.
  */
 export const DECODE_WINDOW = 2;
+/** A request whose pair lost a node before its first token runs again on another pair, once. */
+const MAX_MOVES = 1;
 
 const poolPages = (slot: Slot): number => Math.floor(slot.node.hello.poolTokens / slot.node.hello.pageSize);
 
@@ -470,6 +476,8 @@ export class DisaggregatedEngine implements EngineHandle {
       completionTokens: 0,
       stopped: false,
       silenced: false,
+      streamed: false,
+      moved: 0,
     };
     this.#open.set(request.rid, pending);
     const refusal = this.#share.offer(pending);
@@ -838,6 +846,7 @@ export class DisaggregatedEngine implements EngineHandle {
     let n = 0;
     while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
     if (n < effect.tokens.length) pending.stopped = true;
+    pending.streamed = true;
     if (n > 0)
       pending.events.onTokens(n === effect.tokens.length ? effect.tokens : effect.tokens.slice(0, n));
   }
@@ -855,6 +864,7 @@ export class DisaggregatedEngine implements EngineHandle {
     const mayWait =
       !pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages !== null;
     if (mayWait && this.#waitForPages(pending)) return;
+    if (effect.error?.code === "node_unavailable" && this.#moveToAnotherPair(pending)) return;
     this.#open.delete(pending.request.rid);
     this.#share.finished(pending);
     if (pending.silenced) return;
@@ -879,6 +889,22 @@ export class DisaggregatedEngine implements EngineHandle {
     const needed = slot.role === "decode" ? pending.decodePages : pending.prefillPages;
     if (this.#closed || needed > poolPages(slot) || pending.pair === null || !pending.pair.up) return false;
     slot.full = true;
+    pending.pair = null;
+    if (!this.#share.returned(pending)) return false;
+    this.#share.pump();
+    return true;
+  }
+
+  /**
+   * Its pair lost a node before the request's first token: it goes back to the front of its
+   * tenant's queue, to run as a fresh attempt on a pair that is up (once; false when it cannot:
+   * a token already streamed, aborted, moved before, or no other pair is usable).
+   */
+  #moveToAnotherPair(pending: Pending): boolean {
+    if (pending.silenced || pending.streamed || pending.moved >= MAX_MOVES || this.#closed) return false;
+    const from = pending.pair;
+    if (!this.#pairs.some((p) => p !== from && this.#usable(p))) return false;
+    pending.moved++;
     pending.pair = null;
     if (!this.#share.returned(pending)) return false;
     this.#share.pump();

@@ -96,7 +96,20 @@ export const RULES: Record<string, Rule> = {
   },
   "tools/preflight": { src: ["tools/preflight", "protocol/admin-wire.ts", "lib"], packages: [] },
   "tools/probe": { src: ["tools/probe", "protocol/admin-wire.ts", "lib"], packages: [] },
-  cli: { src: ["cli", "server", "tools", "topology", "node", "model", "kvcache", "protocol", "lib"] },
+  cli: {
+    src: [
+      "cli",
+      "server",
+      "tools",
+      "topology",
+      "node",
+      "cluster/registry.ts",
+      "model",
+      "kvcache",
+      "protocol",
+      "lib",
+    ],
+  },
 };
 
 function sourceFiles(dir: string): string[] {

@@ -187,9 +187,10 @@ async function serve(raw: Record<string, unknown>): Promise<void> {
 /** `--role prefill|decode`: one node in this process, until a signal. */
 async function serveNode(config: ServeConfig, log: Logger): Promise<void> {
   try {
-    const node = await startNode(config, { logger: log });
+    let stop = () => {};
+    const node = await startNode(config, { logger: log, onDrained: () => stop() });
     process.stdout.write(`kvfence ${config.role} node listening at ${node.url}\n`);
-    const stop = () => void node.close().then(() => process.exit(0));
+    stop = () => void node.close().then(() => process.exit(0));
     process.on("SIGINT", stop);
     process.on("SIGTERM", stop);
   } catch (err) {

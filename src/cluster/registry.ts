@@ -250,3 +250,75 @@ export async function watchRegistry(
     },
   };
 }
+
+/** The key `kvfence drain` puts to ask the node at `address` to drain. */
+export function drainKey(options: RegistryOptions, reg: Pick<Registration, "role" | "address">): string {
+  return `${options.prefix ?? DEFAULT_REGISTRY_PREFIX}/drain/${reg.role}/${reg.address}`;
+}
+
+/**
+ * Calls `onDrain` once when a drain of the node `reg` is asked (`requestDrain`): the node then
+ * marks its entry draining (no new requests), lets its requests in flight finish and leaves.
+ */
+export async function watchDrain(
+  options: RegistryOptions,
+  reg: Pick<Registration, "role" | "address">,
+  onDrain: () => void,
+): Promise<RegistryWatch> {
+  const client = new Etcd3(clientOptions(options));
+  const key = drainKey(options, reg);
+  let fired = false;
+  const fire = () => {
+    if (fired) return;
+    fired = true;
+    void client
+      .delete()
+      .key(key)
+      .exec()
+      .catch(() => {});
+    onDrain();
+  };
+  const watcher = await client.watch().key(key).create();
+  watcher.on("put", fire);
+  watcher.on("error", () => {});
+  if ((await client.get(key).string()) !== null) fire();
+  return {
+    close() {
+      void watcher.cancel().catch(() => {});
+      client.close();
+    },
+  };
+}
+
+/**
+ * `kvfence drain NODE`: asks node `id` (`role@host:port`, as `/kvfence/nodes` lists it) to drain,
+ * then waits until its entry is gone (it finished its requests and left) or `timeoutMs` passed.
+ * Returns the milliseconds it took; throws when there is no such node or it did not leave in time.
+ */
+export async function requestDrain(options: RegistryOptions, id: string, timeoutMs: number): Promise<number> {
+  const match = /^(prefill|decode)@(.+)$/.exec(id);
+  if (match === null)
+    throw new KvfenceError(
+      "invalid_request",
+      `A node is named role@host:port, e.g. decode@10.0.0.21:9002: ${id}`,
+    );
+  const reg = { role: match[1] as "prefill" | "decode", address: match[2]! };
+  const client = new Etcd3(clientOptions(options));
+  const t0 = Date.now();
+  try {
+    const key = registrationKey(options, reg);
+    if ((await client.get(key).string()) === null)
+      throw new KvfenceError("invalid_request", `No node ${id} is registered under ${prefixOf(options)}`);
+    await client.put(drainKey(options, reg)).value(String(Date.now()));
+    while (Date.now() - t0 < timeoutMs) {
+      if ((await client.get(key).string()) === null) return Date.now() - t0;
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    throw new KvfenceError(
+      "node_unavailable",
+      `Node ${id} is draining but still registered after ${timeoutMs} ms (requests still in flight?): timeout`,
+    );
+  } finally {
+    client.close();
+  }
+}

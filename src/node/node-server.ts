@@ -51,6 +51,8 @@ export interface NodeServer {
     readonly pageSize: number;
     readonly maxModelLen: number;
   };
+  /** Nothing in flight: every page of the pool FREE (a drained node may leave). */
+  idle(): boolean;
   close(): Promise<void>;
 }
 
@@ -289,6 +291,10 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       poolTokens: hello.poolTokens,
       pageSize: hello.pageSize,
       maxModelLen: hello.maxModelLen,
+    },
+    idle() {
+      const pages = built.engine.pool.table.counts();
+      return pages.free === pages.total;
     },
     async close() {
       prefill?.close();

@@ -9,7 +9,7 @@
  * template, never the weights. Used by `kvfence serve` and the incident tool.
  */
 import net from "node:net";
-import { parseRegistryUrl, type RegistryOptions, registerNode } from "../cluster/registry.js";
+import { parseRegistryUrl, type RegistryOptions, registerNode, watchDrain } from "../cluster/registry.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { poolCapacityVerdict } from "../lib/kv-capacity.js";
@@ -242,7 +242,7 @@ function modelCard(model: ReturnType<typeof loadModelMeta>) {
  */
 export async function startNode(
   config: ServeConfig,
-  options: { logger: Logger },
+  options: { logger: Logger; onDrained?: () => void },
 ): Promise<{ url: string; close(): Promise<void> }> {
   const role = config.role === "prefill" ? "prefill" : "decode";
   warnUnsafe(config, role, options.logger);
@@ -291,9 +291,21 @@ export async function startNode(
     await node.close();
     throw err;
   });
+  // `kvfence drain`: draining in the registry (no new requests), then, once nothing is in flight,
+  // out of it; the process ends by `onDrained`.
+  const drain = await watchDrain(registryOf(config), { role, address }, () => {
+    options.logger.warn("draining: no new requests; leaving once the requests in flight finished");
+    void registration.drain().then(async () => {
+      while (!node.idle()) await new Promise((r) => setTimeout(r, 100));
+      await registration.close();
+      options.logger.warn("drained: left the registry");
+      options.onDrained?.();
+    });
+  });
   return {
     url: `http://${config.host}:${node.port}`,
     close: async () => {
+      drain.close();
       await registration.close();
       await node.close();
     },
@@ -301,7 +313,12 @@ export async function startNode(
 }
 
 /** `--registry` and its TLS files and credentials (the password from env KVFENCE_REGISTRY_PASSWORD). */
-function registryOf(config: ServeConfig): RegistryOptions {
+export function registryOf(
+  config: Pick<
+    ServeConfig,
+    "registry" | "registryPrefix" | "registryCa" | "registryCert" | "registryKey" | "registryUser"
+  >,
+): RegistryOptions {
   const tls = config.registryCa !== undefined;
   const password = process.env.KVFENCE_REGISTRY_PASSWORD;
   return {

@@ -7,9 +7,11 @@
  * its address) never gets traffic; the cluster serves through an etcd restart.
  */
 import assert from "node:assert/strict";
+import { spawn, spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import net from "node:net";
 import { after, before, describe, test } from "node:test";
+import { fileURLToPath } from "node:url";
 import { Etcd3 } from "etcd3";
 import OpenAI from "openai";
 import { etcdAvailable, startEtcd, type TestEtcd } from "../../testing/etcd.js";
@@ -18,6 +20,7 @@ import { assertPoolIdle, modelDir, operatorGet, TEST_OPERATOR_KEY } from "../../
 import type { NodesInfo } from "../protocol/admin-wire.js";
 
 const MODEL = "tiny-qwen2";
+const MAIN = fileURLToPath(new URL("../cli/main.js", import.meta.url));
 const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
 
 describe("a cluster whose membership is in etcd", () => {
@@ -131,6 +134,35 @@ describe("a cluster whose membership is in etcd", () => {
     );
     for (let i = 0; i < 3; i++) assert.ok((await chat()).length > 0);
     await assertPoolIdle(router.url, { key: TEST_OPERATOR_KEY });
+  });
+
+  test("kvfence drain NODE: no new requests, the ones in flight finish, then it leaves and exits", async () => {
+    const drained = await node("decode");
+    const id = `decode@127.0.0.1:${drained.port}`;
+    await until("the node to drain joined", (l) => l.some((x) => x.id === id && x.up && x.member));
+    const exited = new Promise<number | null>((r) => drained.process.once("exit", (code) => r(code)));
+    const inFlight = Array.from({ length: 4 }, () => chat());
+    const cli = spawn(process.execPath, [MAIN, "drain", id, "--registry", etcd.url, "--timeout", "60"], {
+      stdio: ["ignore", "pipe", "pipe"],
+    });
+    let out = "";
+    cli.stdout.on("data", (d: Buffer) => {
+      out += d.toString();
+    });
+    cli.stderr.on("data", (d: Buffer) => {
+      out += d.toString();
+    });
+    const code = await new Promise((r) => cli.once("exit", r));
+    assert.equal(code, 0, out);
+    assert.match(out, new RegExp(`${id} drained and left the cluster`));
+    for (const text of await Promise.all(inFlight)) assert.ok(text.length > 0);
+    assert.equal(await exited, 0, "the drained node exits by itself");
+    await until("the drained node is out", (l) => l.some((x) => x.id === id && !x.member && !x.up));
+    for (let i = 0; i < 3; i++) assert.ok((await chat()).length > 0);
+    // A node that is not registered: a clear error.
+    const bad = spawnSync(process.execPath, [MAIN, "drain", "decode@127.0.0.1:1", "--registry", etcd.url]);
+    assert.equal(bad.status, 1);
+    assert.match(bad.stderr.toString(), /No node decode@127\.0\.0\.1:1 is registered/);
   });
 
   test("the cluster serves through an etcd restart, and its members stay", async () => {

@@ -479,3 +479,21 @@ test("DisaggregatedEngine runs a request again on another pair when its node is 
   assert.equal(moved.out.error?.code, "node_unavailable");
   assert.equal(engine.inFlight, 0);
 });
+
+test("DisaggregatedEngine hands out rids after its nodes' rid floor (a restarted router never reuses an older one's rids)", () => {
+  const p = node("prefill-0", "prefill", 512);
+  const d = node("decode-0", "decode", 1024);
+  const engine = new DisaggregatedEngine({
+    prefill: [p],
+    decode: [{ ...d, hello: { ...d.hello, ridFloor: 500 } }],
+    maxModelLen: 2048,
+    safety: SAFE,
+  });
+  d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  engine.submit(request(1), record().events);
+  engine.submit(request(900), record().events);
+  assert.deepEqual(
+    d.link.protocol().map((m) => m.rid),
+    [500, 900],
+  );
+});

@@ -259,7 +259,10 @@ export class DisaggregatedEngine implements EngineHandle {
         },
       },
     );
-    for (const s of this.#slots) this.#listen(s, s.node);
+    for (const s of this.#slots) {
+      this.#listen(s, s.node);
+      this.#raiseRidFloor(s.node.hello);
+    }
     this.#pingTimer = setInterval(() => this.#pingAll(), PING_INTERVAL_MS);
     this.#pingTimer.unref();
   }
@@ -366,6 +369,7 @@ export class DisaggregatedEngine implements EngineHandle {
       return `its pool (${now.poolTokens} tokens) or context (${now.maxModelLen}) is below what the router admits (${this.capacity.poolTokens}, ${this.capacity.maxModelLen})`;
     if (slot.ping !== null) clearTimeout(slot.ping.timer);
     slot.node = node;
+    this.#raiseRidFloor(node.hello);
     slot.lost = false;
     slot.answering = true;
     slot.ping = null;
@@ -397,6 +401,7 @@ export class DisaggregatedEngine implements EngineHandle {
       member: true,
     };
     this.#slots.push(slot);
+    this.#raiseRidFloor(node.hello);
     for (const other of this.#slots) {
       if (other.role === slot.role) continue;
       const [prefill, decode] = slot.role === "prefill" ? [slot, other] : [other, slot];
@@ -410,6 +415,14 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     this.#listen(slot, node);
     return null;
+  }
+
+  /** Rids go out after every rid an earlier router sent this node (its hello's floor). */
+  #raiseRidFloor(hello: NodeHello): void {
+    const floor = hello.ridFloor ?? 0;
+    if (floor === 0) return;
+    const last = floor === 1 ? 0xffff_ffff : (floor - 1) >>> 0;
+    if (this.#lastRid === 0 || ridBefore(this.#lastRid, last)) this.#lastRid = last;
   }
 
   /** Whether a node with `hello` fits what this router admits (null), or why not. */

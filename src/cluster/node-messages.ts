@@ -60,6 +60,11 @@ export interface NodeHello {
   readonly incarnation: number;
   /** Requests its engine batches per step (its sequence slots). */
   readonly maxSequences?: number;
+  /**
+   * The rid after the newest one any router sent it (0 or absent: none): a router hands out rids
+   * after the floors of its nodes, so a restarted router never reuses an older one's rids.
+   */
+  readonly ridFloor?: number;
 }
 
 /** One node's counters, polled by the router for /metrics and /kvfence/nodes. */

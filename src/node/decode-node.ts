@@ -242,6 +242,7 @@ export class DecodeNode {
     }
     if (message.kind !== "protocol") return;
     const msg = message.msg;
+    this.#core.seeRouter(msg);
     const peer = this.#peer(message.prefill);
     if (msg.type === "reserve") {
       if (peer.channel === null) {
@@ -263,6 +264,11 @@ export class DecodeNode {
       this.#sampling.set(attemptKey(msg.rid, msg.epoch), message.sampling ?? GREEDY);
     }
     this.#step(peer, { type: "message", msg });
+  }
+
+  /** See `NodeCore.ridFloor`. */
+  get ridFloor(): number {
+    return this.#core.ridFloor;
   }
 
   stats(): NodeStats {

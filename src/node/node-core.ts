@@ -12,6 +12,7 @@ import type { Engine } from "../engine/engine.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { KvPool } from "../protocol/effects.js";
 import type { Safety } from "../protocol/safety.js";
+import { nextRid, ridBefore } from "../protocol/wire.js";
 import type { PageChecksums } from "../transfer/page-checksum.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import { pageChecksumsOf, protocolPool } from "./node-pool.js";
@@ -62,6 +63,12 @@ export class NodeCore {
   /** Transfer counters of channels that closed (kept so totals never go down). */
   readonly closedTotals: TransferTotals = emptyTotals();
   readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
+  /**
+   * The rid after the newest one any router sent this node (0: none), for its hello: a router that
+   * (re)connects hands out rids after it, so they never meet an older router's tombstones or
+   * watermark (docs/protocol.md §3, item 8).
+   */
+  #ridFloor = 0;
   #gbps: number[] = [];
 
   /** `afterStep` runs after every engine step of the step loop. */
@@ -77,6 +84,18 @@ export class NodeCore {
     this.safety = options.safety;
     this.toRouter = options.toRouter;
     this.loop = new StepLoop(options.engine, afterStep);
+  }
+
+  /** A router message: its rid (or a watermark's) moves the floor (see `ridFloor`). */
+  seeRouter(msg: { readonly type: string; readonly rid: number; readonly below?: number }): void {
+    const rid = msg.type === "watermark" ? (msg.below ?? 0) : msg.rid;
+    if (rid === 0) return;
+    const after = nextRid(rid);
+    if (this.#ridFloor === 0 || ridBefore(this.#ridFloor, after)) this.#ridFloor = after;
+  }
+
+  get ridFloor(): number {
+    return this.#ridFloor;
   }
 
   /** FREE pages of the pool now (counts into a reused object: nothing allocates). */

@@ -153,6 +153,7 @@ export class PrefillNode {
   onRouter(message: ToNode): void {
     if (message.kind !== "protocol") return;
     const msg = message.msg;
+    this.#core.seeRouter(msg);
     if (msg.type === "watermark") {
       this.#watermark(message.decode ?? 0, msg);
       return;
@@ -197,6 +198,11 @@ export class PrefillNode {
       if (this.#early.size <= EARLY_WATERMARKS) break;
       this.#early.delete(old);
     }
+  }
+
+  /** See `NodeCore.ridFloor`. */
+  get ridFloor(): number {
+    return this.#core.ridFloor;
   }
 
   stats(): NodeStats {

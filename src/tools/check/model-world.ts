@@ -129,6 +129,12 @@ export interface World {
   writes: string[];
   /** Bit i: request i was submitted. */
   submitted: number;
+  /**
+   * The requests (indices into the config's) in the order they were submitted: the k-th submitted
+   * goes out under rid k, as the real router hands out rids in serial order (its watermark relies
+   * on it), whichever request it is.
+   */
+  order: number[];
   /** Boot counts of the nodes. */
   dIncarnation: number;
   pIncarnation: number;
@@ -200,7 +206,6 @@ export class ModelWorld {
   readonly #prefillPool: ModelPool;
   readonly #routerConfig: RouterConfig;
   readonly #nodeConfig: DecodeConfig & PrefillConfig;
-  readonly #byRid = new Map<number, CheckRequest>();
   readonly #effectiveContext: number;
   #violations: Violation[] = [];
   #current: World | null = null;
@@ -220,7 +225,6 @@ export class ModelWorld {
       maxModelLen: config.maxModelLen,
       layoutSignature: `kvfence-check|f32|page=${config.pageSize}`,
     };
-    for (const r of config.requests) this.#byRid.set(r.rid, r);
     this.#decodePool.onRead = (attempt, count, fresh) =>
       this.#ghostRead(this.#current!, { attempt, count, fresh });
     this.#effectiveContext = Math.min(
@@ -244,6 +248,7 @@ export class ModelWorld {
       chans: CHANNELS.map(() => []),
       writes: [],
       submitted: 0,
+      order: [],
       dIncarnation: 1,
       pIncarnation: 1,
       fences: [],
@@ -296,6 +301,7 @@ export class ModelWorld {
       chans: w.chans.map((c) => c.slice()),
       writes: w.writes.slice(),
       submitted: w.submitted,
+      order: w.order.slice(),
       dIncarnation: w.dIncarnation,
       pIncarnation: w.pIncarnation,
       fences: w.fences.slice(),
@@ -339,13 +345,8 @@ export class ModelWorld {
 
   /** What the environment may do: submit, abort, time out, crash a node, duplicate or lose a message. */
   #environmentEvents(w: World, events: EnvEvent[]): void {
-    // The router hands out rids in serial order (its watermark relies on it): the next request only.
     const reqs = this.config.requests;
-    for (let i = 0; i < reqs.length; i++) {
-      if ((w.submitted & (1 << i)) !== 0) continue;
-      events.push({ k: "submit", i });
-      break;
-    }
+    for (let i = 0; i < reqs.length; i++) if ((w.submitted & (1 << i)) === 0) events.push({ k: "submit", i });
     for (const key in w.router.requests) {
       const r = w.router.requests[key]!;
       if (r.phase === "done") continue;
@@ -378,9 +379,10 @@ export class ModelWorld {
       case "submit": {
         const r = this.config.requests[event.i]!;
         w.submitted |= 1 << event.i;
+        w.order.push(event.i);
         this.#router(w, {
           type: "submit",
-          rid: r.rid,
+          rid: w.order.length,
           tenant: r.tenant,
           promptLen: r.promptLen,
           maxTokens: r.maxTokens,
@@ -732,7 +734,7 @@ export class ModelWorld {
     w: World,
     { rid, epoch, status, code }: { rid: number; epoch: number; status: number; code: string | null },
   ): void {
-    const r = this.#byRid.get(rid)!;
+    const r = this.config.requests[w.order[rid - 1]!]!;
     const oversized = r.promptLen + r.maxTokens > this.#effectiveContext;
     if (status === 200 && !w.good.includes(attemptKey(rid, epoch))) {
       this.#violations.push({
@@ -823,7 +825,7 @@ export class ModelWorld {
     switch (event.k) {
       case "submit": {
         const r = this.config.requests[event.i]!;
-        return `client submits request ${r.rid} (tenant ${r.tenant}, prompt ${r.promptLen}, max_tokens ${r.maxTokens})`;
+        return `client submits request ${w.order.length + 1} (tenant ${r.tenant}, prompt ${r.promptLen}, max_tokens ${r.maxTokens})`;
       }
       case "deliver":
         return `deliver ${this.#describeMessage(w, event.c, event.j)}`;

@@ -68,8 +68,8 @@ export const DEFAULT_BOUND = {
 } as const;
 
 /**
- * The default check: two bounds that together explore about 814,000 states in about 62 s of one
- * core — retries with a duplicated message (stale epochs), and a crash of either node (fences,
+ * The default check: two bounds that together explore about 1,481,000 states in about 117 s of
+ * one core — retries with a duplicated message (stale epochs), and a crash of either node (fences,
  * restarts, stale leases), each with the router's watermarks (docs/protocol.md §3, item 8).
  */
 export const DEFAULT_SUITE: readonly { readonly name: string; readonly options: CheckOptions }[] = [

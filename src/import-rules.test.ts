@@ -60,6 +60,7 @@ export const RULES: Record<string, Rule> = {
       "node",
       "cluster/cluster-router.ts",
       "engine/engine-memory.ts",
+      "cluster/registry.ts",
       "transfer/tls-config.ts",
       "kvcache/kv-layout.ts",
       "model",
@@ -72,6 +73,7 @@ export const RULES: Record<string, Rule> = {
       "tools/bench",
       "tools/probe",
       "topology",
+      "cluster",
       "engine",
       "model",
       "kvcache",
@@ -95,7 +97,20 @@ export const RULES: Record<string, Rule> = {
   },
   "tools/preflight": { src: ["tools/preflight", "protocol/admin-wire.ts", "lib"], packages: [] },
   "tools/probe": { src: ["tools/probe", "protocol/admin-wire.ts", "lib"], packages: [] },
-  cli: { src: ["cli", "server", "tools", "topology", "node", "model", "kvcache", "protocol", "lib"] },
+  cli: {
+    src: [
+      "cli",
+      "server",
+      "tools",
+      "topology",
+      "node",
+      "cluster/registry.ts",
+      "model",
+      "kvcache",
+      "protocol",
+      "lib",
+    ],
+  },
 };
 
 function sourceFiles(dir: string): string[] {

@@ -22,6 +22,7 @@ import {
 } from "../tools/bench/model.js";
 import { observabilityCommand } from "../tools/bench/observability.js";
 import { serveCommand } from "../tools/bench/serve.js";
+import { soakCommand } from "../tools/bench/soak.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
 
@@ -209,6 +210,7 @@ export function command(): Command {
   group.addCommand(serveCommand());
   group.addCommand(fairShareCommand());
   group.addCommand(observabilityCommand());
+  group.addCommand(soakCommand());
   // bench-commands:end
   return group;
 }

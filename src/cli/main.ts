@@ -16,6 +16,7 @@ const commands: Array<() => Promise<{ command(): Command }>> = [
   () => import("./bench.js"),
   () => import("./check.js"),
   () => import("./cluster.js"),
+  () => import("./drain.js"),
   () => import("./gen-model.js"),
   () => import("./generate.js"),
   () => import("./preflight.js"),

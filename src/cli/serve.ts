@@ -46,7 +46,7 @@ export function command(): Command {
       "auto",
     )
     .option("--chat-template <file>", "a Jinja chat template file in place of the model folder's");
-  routerOptions(cmd)
+  registryOptions(routerOptions(cmd))
     .option("--scrub-on-free", "zero KV pages when they are freed", false)
     .option("--no-disaggregation", "run prefill and decode on one engine")
     .option("--role <role>", "all (router + prefill + decode threads), router, prefill or decode", "all")
@@ -156,6 +156,27 @@ function routerOptions(cmd: Command): Command {
     );
 }
 
+/** Membership in etcd (docs/topologies.md, "Membership in etcd"). */
+function registryOptions(cmd: Command): Command {
+  return cmd
+    .option(
+      "--registry <url>",
+      "membership in etcd, etcd://host:port[,host:port…]: nodes register, routers watch (instead of --prefill/--decode)",
+    )
+    .option("--registry-prefix <key>", "the cluster's key prefix in etcd", "/kvfence")
+    .option("--registry-ca <file>", "TLS to etcd: the CA (PEM)")
+    .option(
+      "--registry-cert <file>",
+      "TLS to etcd: this process's client certificate (PEM; with --registry-key)",
+    )
+    .option("--registry-key <file>", "TLS to etcd: the private key of --registry-cert (PEM)")
+    .option("--registry-user <name>", "etcd user (its password from env KVFENCE_REGISTRY_PASSWORD)")
+    .option(
+      "--advertise <host:port>",
+      "node with --registry: the control address routers dial (default --host:--port)",
+    );
+}
+
 /** The fair-share and readiness flags (docs/api.md, "Fair sharing"). */
 function fairShareOptions(cmd: Command): Command {
   return cmd
@@ -233,9 +254,10 @@ function positionalModel(
 /** `--role prefill|decode`: one node in this process, until a signal. */
 async function serveNode(config: ServeConfig, log: Logger): Promise<void> {
   try {
-    const node = await startNode(config, { logger: log });
+    let stop = () => {};
+    const node = await startNode(config, { logger: log, onDrained: () => stop() });
     process.stdout.write(`kvfence ${config.role} node listening at ${node.url}\n`);
-    const stop = () => void node.close().then(() => process.exit(0));
+    stop = () => void node.close().then(() => process.exit(0));
     process.on("SIGINT", stop);
     process.on("SIGTERM", stop);
   } catch (err) {

@@ -22,6 +22,7 @@ import type { LinkTls } from "../transfer/tls-config.js";
 import { type ControlLink, connectControlLink } from "./control-link.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
 import type { FromNode, NodeHello, ToNode } from "./node-messages.js";
+import { type Registration, type RegistryOptions, watchRegistry } from "./registry.js";
 
 /**
  * This router process's incarnation, sent in its control-link hello: a node admits a newer router
@@ -119,8 +120,14 @@ function connectPrefill(decode: RouterNode, prefill: RouterNode): void {
   }
 }
 
-/** Re-dials every node whose link closes, and pairs it again when it answers. */
-function superviseNodes(engine: DisaggregatedEngine, options: ClusterRouterOptions): void {
+/**
+ * Re-dials every node whose link closes, and pairs it again when it answers. Returns `watch`, for
+ * a node that joins later (the registry's).
+ */
+function superviseNodes(
+  engine: DisaggregatedEngine,
+  options: Pick<ClusterRouterOptions, "secret" | "tls" | "log">,
+): (node: RouterNode) => void {
   const log = options.log;
   const watch = (node: RouterNode): void => {
     node.link.onClose(() => {
@@ -147,6 +154,7 @@ function superviseNodes(engine: DisaggregatedEngine, options: ClusterRouterOptio
     timer.unref();
   };
   for (const node of engine.currentNodes) watch(node);
+  return watch;
 }
 
 /**
@@ -230,4 +238,201 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
     await new Promise((r) => setTimeout(r, 20));
   }
   return engine;
+}
+
+export interface RegistryRouterOptions extends Omit<ClusterRouterOptions, "prefill" | "decode"> {
+  readonly registry: RegistryOptions;
+  /** Dial registered nodes beyond loopback without TLS (`--insecure-plaintext-links`). */
+  readonly plaintextBeyondLoopback?: boolean;
+}
+
+const isLoopback = (host: string): boolean => /^(127\.\d+\.\d+\.\d+|::1|localhost)$/.test(host);
+
+/** A registry entry's node id: its role and control address (stable across its restarts). */
+export const registryNodeId = (reg: Pick<Registration, "role" | "address">): string =>
+  `${reg.role}@${reg.address}`;
+
+/** Why a node's hello does not say what its registry entry says (null: it does). */
+function helloMismatch(reg: Registration, hello: NodeHello): string | null {
+  const fields = ["role", "incarnation", "layoutSignature", "poolTokens", "pageSize", "maxModelLen"] as const;
+  for (const f of fields) {
+    if (reg[f] !== hello[f])
+      return `its registry entry says ${f} ${String(reg[f])}, its hello ${String(hello[f])}`;
+  }
+  return null;
+}
+
+/**
+ * The router over a registry (`--registry etcd://…`): watches the cluster's entries, dials each
+ * node an entry names and believes the entry only when the node proves the cluster secret on its
+ * own control link and its hello matches the entry (a forged entry pointing elsewhere fails the
+ * handshake; one that misstates the node is refused). The engine starts with the first prefill
+ * and decode node that pass; each later one joins through `DisaggregatedEngine.addNode` (the
+ * pre-flight of every join: layout, page size, pool and context against what the router admits).
+ * An entry that goes or drains takes its node out of the membership (no new requests; nothing is
+ * freed); one that comes back (a restarted node, a new incarnation) is paired again by the
+ * re-dial of its address. Resolves once a pair is up.
+ */
+export async function connectClusterFromRegistry(
+  options: RegistryRouterOptions,
+): Promise<DisaggregatedEngine> {
+  const membership = new RegistryMembership(options);
+  const watch = await watchRegistry(
+    options.registry,
+    (entries) => membership.reconcile(entries),
+    (m) => options.log?.warn(m),
+  );
+  let e: DisaggregatedEngine;
+  try {
+    e = await membership.started(options.connectTimeoutMs ?? 30_000);
+  } catch (err) {
+    watch.close();
+    throw err;
+  }
+  const close = e.close.bind(e);
+  e.close = async () => {
+    watch.close();
+    await close();
+  };
+  const until = Date.now() + (options.connectTimeoutMs ?? 30_000);
+  while (!e.allPairsUp && Date.now() < until) await new Promise((r) => setTimeout(r, 20));
+  return e;
+}
+
+/** The registry's entries turned into the engine's nodes (see `connectClusterFromRegistry`). */
+class RegistryMembership {
+  #engine: DisaggregatedEngine | null = null;
+  #watchNode: ((node: RouterNode) => void) | null = null;
+  /** Nodes admitted before the engine exists (it starts with a prefill and a decode node). */
+  readonly #first: RouterNode[] = [];
+  /** Ids being dialled, and the incarnation a refusal was logged for (not dialled again). */
+  readonly #dialling = new Set<string>();
+  readonly #refused = new Map<string, number>();
+  #latest: ReadonlyMap<string, Registration> = new Map();
+  #ready: (e: DisaggregatedEngine) => void = () => {};
+  readonly #start: Promise<DisaggregatedEngine>;
+
+  constructor(private readonly options: RegistryRouterOptions) {
+    this.#start = new Promise((resolve) => {
+      this.#ready = resolve;
+    });
+  }
+
+  /** The engine, once a prefill and a decode node joined; rejects after `timeoutMs`. */
+  started(timeoutMs: number): Promise<DisaggregatedEngine> {
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(
+        () =>
+          reject(
+            new KvfenceError(
+              "node_unavailable",
+              "No prefill and decode node of the registry joined; check the nodes' --registry, their logs and --cluster-secret: timeout",
+            ),
+          ),
+        timeoutMs,
+      );
+    });
+    return Promise.race([this.#start, timeout]).finally(() => clearTimeout(timer));
+  }
+
+  /** The entries now: dial the new ones, set every known node's membership. */
+  reconcile(entries: ReadonlyMap<string, Registration>): void {
+    this.#latest = new Map(entries);
+    const members = new Set<string>();
+    for (const reg of entries.values()) {
+      const id = registryNodeId(reg);
+      if (!reg.draining) members.add(id);
+      if (this.#known(id) || this.#dialling.has(id) || this.#refused.get(id) === reg.incarnation) continue;
+      this.#join(reg);
+    }
+    const engine = this.#engine;
+    if (engine !== null) for (const n of engine.nodes()) engine.setMember(n.id, members.has(n.id));
+  }
+
+  #known(id: string): boolean {
+    return this.#engine?.nodes().some((n) => n.id === id) ?? this.#first.some((n) => n.id === id);
+  }
+
+  #refuse(id: string, reg: Registration, why: string): void {
+    if (this.#refused.get(id) !== reg.incarnation)
+      this.options.log?.error(
+        { node: id, url: reg.address, why },
+        "a registered node cannot join the cluster",
+      );
+    this.#refused.set(id, reg.incarnation);
+  }
+
+  /** Why the router will not dial `reg`'s address at all (null: it dials). */
+  #undialable(reg: Registration): string | null {
+    let host: string;
+    try {
+      host = parseNodeUrl(reg.address).host;
+    } catch {
+      return "its address is not host:port";
+    }
+    if (this.options.tls === undefined && this.options.plaintextBeyondLoopback !== true && !isLoopback(host))
+      return "it is beyond loopback and the links have no TLS (give --tls-cert/--tls-key/--tls-ca, or --insecure-plaintext-links)";
+    return null;
+  }
+
+  #join(reg: Registration): void {
+    const id = registryNodeId(reg);
+    const undialable = this.#undialable(reg);
+    if (undialable !== null) {
+      this.#refuse(id, reg, undialable);
+      return;
+    }
+    this.#dialling.add(id);
+    connectNode({ id, url: reg.address, role: reg.role }, this.options).then(
+      (node) => {
+        this.#dialling.delete(id);
+        this.#admit(reg, node);
+      },
+      (err: Error) => {
+        this.#dialling.delete(id);
+        // Not the node the entry says (no secret), or not there: never believed.
+        this.#refuse(id, reg, `its control link failed: ${err.message}`);
+      },
+    );
+  }
+
+  /** `node` proved the secret at `reg`'s address: it joins, if its hello is the entry's and it fits. */
+  #admit(reg: Registration, node: RouterNode): void {
+    const engine = this.#engine;
+    const why = helloMismatch(reg, node.hello) ?? (engine === null ? null : engine.addNode(node));
+    if (why !== null || (engine?.closed ?? false)) {
+      node.link.close();
+      if (why !== null) this.#refuse(node.id, reg, why);
+      return;
+    }
+    if (engine === null) {
+      this.#first.push(node);
+      this.#startEngine();
+      return;
+    }
+    this.#watchNode!(node);
+    remakeChannels(engine, node, this.options.log);
+    this.reconcile(this.#latest);
+  }
+
+  #startEngine(): void {
+    const prefill = this.#first.filter((n) => n.hello.role === "prefill");
+    const decode = this.#first.filter((n) => n.hello.role === "decode");
+    if (prefill.length === 0 || decode.length === 0) return;
+    const o = this.options;
+    const engine = new DisaggregatedEngine({
+      prefill,
+      decode,
+      maxModelLen: o.maxModelLen,
+      safety: o.safety ?? SAFE,
+      ...(o.fairShare === undefined ? {} : { fairShare: o.fairShare }),
+      ...(o.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: o.pingTimeoutMs }),
+    });
+    this.#engine = engine;
+    this.#watchNode = superviseNodes(engine, o);
+    for (const d of decode) for (const p of prefill) connectPrefill(d, p);
+    this.#ready(engine);
+    this.reconcile(this.#latest);
+  }
 }

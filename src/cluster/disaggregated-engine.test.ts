@@ -34,8 +34,12 @@ class FakeLink implements Link<ToNode, FromNode> {
   die(): void {
     this.#onClose();
   }
+  /** The protocol messages sent, watermarks left out (see `watermarks`). */
   protocol(): ControlMessage[] {
-    return this.sent.flatMap((m) => (m.kind === "protocol" ? [m.msg] : []));
+    return this.sent.flatMap((m) => (m.kind === "protocol" && m.msg.type !== "watermark" ? [m.msg] : []));
+  }
+  watermarks(): ToNode[] {
+    return this.sent.filter((m) => m.kind === "protocol" && m.msg.type === "watermark");
   }
 }
 
@@ -356,7 +360,38 @@ test("DisaggregatedEngine shares the nodes fairly: a tenant's flood waits at its
     msg: { type: "finished", rid: 1, epoch: 1, reason: "length", tokens: [], completionTokens: 80 },
   });
   assert.equal(flood[0]!.out.finish, "length");
-  assert.deepEqual(reserved(), [1, 10, 11, 12, 2]);
+  // Tenant 0's second request goes out under the next rid: attempts leave in serial rid order.
+  assert.deepEqual(reserved(), [1, 10, 11, 12, 13]);
+});
+
+test("DisaggregatedEngine tells both nodes of a pair its watermark once its requests ended, and again when the pair is back", () => {
+  const { p, d, engine } = setup();
+  const a = record();
+  const b = record();
+  engine.submit(request(1), a.events);
+  engine.submit(request(2), b.events);
+  const finish = (rid: number) => {
+    d.link.deliver({ kind: "protocol", msg: { type: "committed", rid, epoch: 1, firstToken: 40 } });
+    d.link.deliver({
+      kind: "protocol",
+      msg: { type: "finished", rid, epoch: 1, reason: "length", tokens: [], completionTokens: 1 },
+    });
+  };
+  for (const rid of [1, 2]) {
+    d.link.deliver({ kind: "protocol", msg: lease(rid) });
+  }
+  finish(2);
+  // Request 1 is still in flight: the watermark (1) has not moved.
+  assert.deepEqual(d.link.watermarks(), []);
+  finish(1);
+  const mark = { type: "watermark", rid: 0, epoch: 0, below: 3 };
+  assert.deepEqual(d.link.watermarks(), [{ kind: "protocol", prefill: "prefill-0", msg: mark }]);
+  // Prefill is told which decode incarnation's machine it is for.
+  assert.deepEqual(p.link.watermarks(), [{ kind: "protocol", prefill: "prefill-0", msg: mark, decode: 22 }]);
+  // The pair comes up again (a new incarnation of either node): both hear the watermark again.
+  engine.pairUp("prefill-0", "decode-0");
+  assert.equal(d.link.watermarks().length, 2);
+  assert.equal(p.link.watermarks().length, 2);
 });
 
 test("DisaggregatedEngine readiness: a node that stops answering pings is not ready and gets no new request until it answers", async () => {
@@ -420,4 +455,45 @@ test("DisaggregatedEngine.nodeBack() puts a lost node's new incarnation in its p
   assert.equal(back.link.protocol()[0]?.type, "prefill", "the prompt goes to the new incarnation");
   p.link.deliver({ kind: "pong", id: 1 }); // the old link's messages are ignored
   void engine.close();
+});
+
+test("DisaggregatedEngine runs a request again on another pair when its node is lost before the first token, never after", () => {
+  const p = node("prefill-0", "prefill", 512);
+  const d0 = node("decode-0", "decode", 1024);
+  const d1 = node("decode-1", "decode", 1024);
+  const engine = new DisaggregatedEngine({ prefill: [p], decode: [d0, d1], maxModelLen: 2048, safety: SAFE });
+  for (const d of [d0, d1]) d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  const moved = record();
+  engine.submit(request(1), moved.events);
+  assert.equal(d0.link.protocol().length, 1, "the first pair is (prefill-0, decode-0)");
+  d0.link.deliver({ kind: "protocol", msg: lease(1) });
+  d0.link.die();
+  assert.equal(moved.out.events, 0, "no 503: it runs again");
+  const retry = d1.link.protocol().at(-1)!;
+  assert.ok(retry.type === "reserve" && retry.rid !== 1, "a fresh attempt on the other pair");
+  d1.link.deliver({ kind: "protocol", msg: lease(retry.rid) });
+  d1.link.deliver({ kind: "protocol", msg: { type: "committed", rid: retry.rid, epoch: 1, firstToken: 40 } });
+  // Streaming now: a loss after the first token ends the request with 503.
+  d1.link.die();
+  assert.deepEqual(moved.out.tokens, [40]);
+  assert.equal(moved.out.error?.code, "node_unavailable");
+  assert.equal(engine.inFlight, 0);
+});
+
+test("DisaggregatedEngine hands out rids after its nodes' rid floor (a restarted router never reuses an older one's rids)", () => {
+  const p = node("prefill-0", "prefill", 512);
+  const d = node("decode-0", "decode", 1024);
+  const engine = new DisaggregatedEngine({
+    prefill: [p],
+    decode: [{ ...d, hello: { ...d.hello, ridFloor: 500 } }],
+    maxModelLen: 2048,
+    safety: SAFE,
+  });
+  d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
+  engine.submit(request(1), record().events);
+  engine.submit(request(900), record().events);
+  assert.deepEqual(
+    d.link.protocol().map((m) => m.rid),
+    [500, 900],
+  );
 });

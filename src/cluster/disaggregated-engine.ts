@@ -59,7 +59,7 @@ import {
   routerStep,
 } from "../protocol/router-machine.js";
 import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
-import type { ControlMessage } from "../protocol/wire.js";
+import { type ControlMessage, nextRid, ridBefore } from "../protocol/wire.js";
 import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
 
 /** One node as the router holds it. */
@@ -103,6 +103,12 @@ interface Slot {
   running: number;
   /** It refused a request for want of pages: nothing more until it reports `pages_freed`. */
   full: boolean;
+  /**
+   * In the cluster's membership: always with static lists; with a registry, while its entry is
+   * there and not draining. A node out of it takes no new request; its requests in flight go on
+   * and nothing of it is freed (only the fence, its link's close, does that).
+   */
+  member: boolean;
 }
 
 interface Pair {
@@ -134,12 +140,14 @@ interface Pending {
   completionTokens: number;
   stopped: boolean;
   silenced: boolean;
-  /** `performance.now()` at submit, at the last `reserve` sent (0: none), and whether a token reached the client. */
+  /** `performance.now()` at submit, at the last `reserve` sent (0: none), and whether a token reached the client (no retry on another pair after that). */
   readonly submittedAt: number;
   reserveSentAt: number;
   firstToken: boolean;
   /** `performance.now()` when tokens last reached the client (0: none yet). */
   lastTokenAt: number;
+  /** Times it went back to the queue because its pair lost a node before its first token. */
+  moved: number;
 }
 
 const STATS_TIMEOUT_MS = 5000;
@@ -154,9 +162,8 @@ const DEFAULT_SLOTS = 16;
  * fair order, rather than in the node's own first-come queue.
  */
 export const DECODE_WINDOW = 2;
-/** Internal request ids of re-submitted requests, above the router's own (which count from 1). */
-const FIRST_INTERNAL_RID = 0x8000_0000;
-const LAST_INTERNAL_RID = 0xffff_fff0;
+/** A request whose pair lost a node before its first token runs again on another pair, once. */
+const MAX_MOVES = 1;
 
 const poolPages = (slot: Slot): number => Math.floor(slot.node.hello.poolTokens / slot.node.hello.pageSize);
 
@@ -187,9 +194,10 @@ export class DisaggregatedEngine implements EngineHandle {
   #closed = false;
   /** Requests aborted by the router (`abort` of a live or waiting request). */
   #aborts = 0;
-  #nextInternalRid = FIRST_INTERNAL_RID;
   /** The router's phases: queue wait (submit to dispatch), reservation (reserve to lease), first token. */
   readonly phases: PhaseRecorder;
+  /** The newest rid an attempt went out under (0: none yet). */
+  #lastRid = 0;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.prefill.length === 0 || options.decode.length === 0) {
@@ -235,6 +243,7 @@ export class DisaggregatedEngine implements EngineHandle {
       usedPages: 0,
       running: 0,
       full: false,
+      member: true,
     });
     const prefill = options.prefill.map(slot);
     const decode = options.decode.map(slot);
@@ -265,15 +274,25 @@ export class DisaggregatedEngine implements EngineHandle {
         },
       },
     );
-    for (const s of this.#slots) this.#listen(s, s.node);
+    for (const s of this.#slots) {
+      this.#listen(s, s.node);
+      this.#raiseRidFloor(s.node.hello);
+    }
     this.#pingTimer = setInterval(() => this.#pingAll(), PING_INTERVAL_MS);
     this.#pingTimer.unref();
   }
 
   /** Marks the transfer channel of a (prefill, decode) pair up (the decode node connected to the prefill node). */
   pairUp(prefillId: string, decodeId: string, up = true): void {
-    for (const pair of this.#pairs)
-      if (pair.prefill.id === prefillId && pair.decode.id === decodeId) pair.up = up;
+    for (const pair of this.#pairs) {
+      if (pair.prefill.id !== prefillId || pair.decode.id !== decodeId) continue;
+      pair.up = up;
+      if (!up) continue;
+      // Both ends may be new incarnations: they hear the pair's watermark (their tombstones of
+      // older rids can go).
+      this.#step(pair, { type: "peer_up", role: "decode" });
+      this.#step(pair, { type: "peer_up", role: "prefill" });
+    }
     if (up) this.#share.pump();
   }
 
@@ -320,6 +339,7 @@ export class DisaggregatedEngine implements EngineHandle {
       page_size: s.node.hello.pageSize,
       max_model_len: s.node.hello.maxModelLen,
       up: !s.lost,
+      member: s.member,
     }));
   }
 
@@ -364,12 +384,86 @@ export class DisaggregatedEngine implements EngineHandle {
       return `its pool (${now.poolTokens} tokens) or context (${now.maxModelLen}) is below what the router admits (${this.capacity.poolTokens}, ${this.capacity.maxModelLen})`;
     if (slot.ping !== null) clearTimeout(slot.ping.timer);
     slot.node = node;
+    this.#raiseRidFloor(node.hello);
     slot.lost = false;
     slot.answering = true;
     slot.ping = null;
     slot.full = false;
     this.#listen(slot, node);
     return null;
+  }
+
+  /**
+   * A node joins the running cluster (a registry entry whose node proved the cluster secret):
+   * it is paired with every node of the other role; its pairs come up with decode's transfer
+   * channel (`prefill_up`). The pre-flight of every join: returns why it cannot (an id already
+   * here, another KV layout or page size, a pool or context below what the router admits).
+   */
+  addNode(node: RouterNode): string | null {
+    if (this.#slots.some((s) => s.id === node.id)) return `a node ${node.id} is already in this cluster`;
+    const refused = this.#admits(node.hello);
+    if (refused !== null) return refused;
+    const slot: Slot = {
+      id: node.id,
+      role: node.hello.role,
+      node,
+      lost: false,
+      answering: true,
+      ping: null,
+      usedPages: 0,
+      running: 0,
+      full: false,
+      member: true,
+    };
+    this.#slots.push(slot);
+    this.#raiseRidFloor(node.hello);
+    for (const other of this.#slots) {
+      if (other.role === slot.role) continue;
+      const [prefill, decode] = slot.role === "prefill" ? [slot, other] : [other, slot];
+      this.#pairs.push({
+        key: `${prefill.id}|${decode.id}`,
+        prefill,
+        decode,
+        state: initialRouterState(),
+        up: false,
+      });
+    }
+    this.#listen(slot, node);
+    return null;
+  }
+
+  /** Rids go out after every rid an earlier router sent this node (its hello's floor). */
+  #raiseRidFloor(hello: NodeHello): void {
+    const floor = hello.ridFloor ?? 0;
+    if (floor === 0) return;
+    const last = floor === 1 ? 0xffff_ffff : (floor - 1) >>> 0;
+    if (this.#lastRid === 0 || ridBefore(this.#lastRid, last)) this.#lastRid = last;
+  }
+
+  /** Whether a node with `hello` fits what this router admits (null), or why not. */
+  #admits(hello: NodeHello): string | null {
+    const like = this.#slots[0]!.node.hello;
+    if (hello.layoutSignature !== like.layoutSignature || hello.pageSize !== like.pageSize)
+      return `its KV layout (${hello.layoutSignature}, page ${hello.pageSize}) differs from the cluster's (${like.layoutSignature}, page ${like.pageSize})`;
+    if (hello.poolTokens < this.capacity.poolTokens || hello.maxModelLen < this.capacity.maxModelLen)
+      return `its pool (${hello.poolTokens} tokens) or context (${hello.maxModelLen}) is below what the router admits (${this.capacity.poolTokens}, ${this.capacity.maxModelLen})`;
+    return null;
+  }
+
+  /**
+   * Node `id` is in the membership (a registry entry, not draining) or not: out of it, it takes no
+   * new request; nothing in flight is touched.
+   */
+  setMember(id: string, member: boolean): void {
+    const slot = this.#slots.find((s) => s.id === id);
+    if (slot === undefined || slot.member === member) return;
+    slot.member = member;
+    if (member) this.#share.pump();
+  }
+
+  /** The pre-flight a node that wants to join runs against (null: it would be admitted). */
+  admissionRefusal(hello: NodeHello): string | null {
+    return this.#admits(hello);
   }
 
   submit(request: GenerationRequest, events: GenerationEvents): void {
@@ -417,6 +511,7 @@ export class DisaggregatedEngine implements EngineHandle {
       reserveSentAt: 0,
       firstToken: false,
       lastTokenAt: 0,
+      moved: 0,
     };
     this.#open.set(request.rid, pending);
     const refusal = this.#share.offer(pending);
@@ -546,10 +641,18 @@ export class DisaggregatedEngine implements EngineHandle {
     });
   }
 
-  /** A pair that can take a request now: up, both nodes there and answering. */
+  /** A pair that can take a request now: up, both nodes there, answering and members. */
   #usable(pair: Pair): boolean {
     const { prefill, decode } = pair;
-    return pair.up && !prefill.lost && !decode.lost && prefill.answering && decode.answering;
+    return (
+      pair.up &&
+      !prefill.lost &&
+      !decode.lost &&
+      prefill.answering &&
+      decode.answering &&
+      prefill.member &&
+      decode.member
+    );
   }
 
   /** Whether `pair`'s nodes have room for `p` by the router's ledger. */
@@ -576,15 +679,16 @@ export class DisaggregatedEngine implements EngineHandle {
       }
     }
     if (pair === null) return false;
+    // Attempts go out under rids in serial order (the pairs' watermarks rely on it): the client's
+    // rid when it is the newest yet, else the next one after the newest.
     let rid = p.request.rid;
     if (!p.dispatched) {
       this.phases.since(PHASE.queue_wait, p.submittedAt);
       traceSince(p, "queue_wait", p.submittedAt);
     }
-    if (p.dispatched) {
-      rid = this.#nextInternalRid;
-      this.#nextInternalRid = rid >= LAST_INTERNAL_RID ? FIRST_INTERNAL_RID : rid + 1;
-    }
+    if (p.dispatched || rid === 0 || (this.#lastRid !== 0 && !ridBefore(this.#lastRid, rid)))
+      rid = nextRid(this.#lastRid);
+    this.#lastRid = rid;
     p.dispatched = true;
     p.pair = pair;
     p.rid = rid;
@@ -855,6 +959,7 @@ export class DisaggregatedEngine implements EngineHandle {
     const mayWait =
       !pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages !== null;
     if (mayWait && this.#waitForPages(pending)) return;
+    if (effect.error?.code === "node_unavailable" && this.#moveToAnotherPair(pending)) return;
     this.#open.delete(pending.request.rid);
     this.#share.finished(pending);
     if (pending.silenced) return;
@@ -887,6 +992,22 @@ export class DisaggregatedEngine implements EngineHandle {
     return true;
   }
 
+  /**
+   * Its pair lost a node before the request's first token: it goes back to the front of its
+   * tenant's queue, to run as a fresh attempt on a pair that is up (once; false when it cannot:
+   * a token already streamed, aborted, moved before, or no other pair is usable).
+   */
+  #moveToAnotherPair(pending: Pending): boolean {
+    if (pending.silenced || pending.firstToken || pending.moved >= MAX_MOVES || this.#closed) return false;
+    const from = pending.pair;
+    if (!this.#pairs.some((p) => p !== from && this.#usable(p))) return false;
+    pending.moved++;
+    pending.pair = null;
+    if (!this.#share.returned(pending)) return false;
+    this.#share.pump();
+    return true;
+  }
+
   #send(pair: Pair, slot: Slot, msg: ControlMessage): void {
     if (slot.lost) return;
     const pending = this.#requests.get(msg.rid);
@@ -910,6 +1031,14 @@ export class DisaggregatedEngine implements EngineHandle {
         msg,
         sampling: readsPrompt ? { ...sampling, prompt: pending.promptTokens } : sampling,
         ...(trace === undefined ? {} : { trace }),
+      };
+    } else if (msg.type === "watermark" && slot === pair.prefill) {
+      // Prefill runs one machine per decode incarnation: the pair's is named.
+      message = {
+        kind: "protocol",
+        prefill: pair.prefill.id,
+        msg,
+        decode: pair.decode.node.hello.incarnation,
       };
     } else message = { kind: "protocol", prefill: pair.prefill.id, msg };
     try {

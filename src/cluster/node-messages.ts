@@ -45,6 +45,8 @@ export type ToNode =
       readonly sampling?: SamplingParams;
       /** On `reserve` and `prefill`: the request's id and trace context, for the node's spans. */
       readonly trace?: RequestTrace;
+      /** Prefill, on a watermark: the incarnation of the decode node of the pair (selects its machine). */
+      readonly decode?: number;
     }
   | { readonly kind: "stats"; readonly id: number }
   /** Readiness: answer `pong` with the same id at once (the router's deadline says the node turns). */
@@ -74,6 +76,11 @@ export interface NodeHello {
   readonly incarnation: number;
   /** Requests its engine batches per step (its sequence slots). */
   readonly maxSequences?: number;
+  /**
+   * The rid after the newest one any router sent it (0 or absent: none): a router hands out rids
+   * after the floors of its nodes, so a restarted router never reuses an older one's rids.
+   */
+  readonly ridFloor?: number;
 }
 
 /** One node's counters, polled by the router for /metrics and /kvfence/nodes. */
@@ -92,6 +99,13 @@ export interface NodeStats {
   readonly attempts: number;
   /** Protocol messages ignored because their (rid, epoch) was not current. */
   readonly staleMessages: number;
+  /**
+   * Records of ended attempts the machines keep (tombstones, early ABORT_ACKs): those of rids at or
+   * above each pair's watermark, so it returns to 0 when the node is idle (docs/protocol.md).
+   */
+  readonly tombstones?: number;
+  /** V8 heap in use by the node's isolate, bytes (garbage not yet collected included). */
+  readonly heapUsedBytes?: number;
   readonly transfer: {
     readonly bytes: number;
     readonly pages: number;

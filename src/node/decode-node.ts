@@ -254,6 +254,7 @@ export class DecodeNode {
     }
     if (message.kind !== "protocol") return;
     const msg = message.msg;
+    this.#core.seeRouter(msg);
     const peer = this.#peer(message.prefill);
     if (msg.type === "reserve") {
       if (peer.channel === null) {
@@ -277,6 +278,11 @@ export class DecodeNode {
         this.#traces.set(attemptKey(msg.rid, msg.epoch), { trace: message.trace, committedAt: 0 });
     }
     this.#step(peer, { type: "message", msg });
+  }
+
+  /** See `NodeCore.ridFloor`. */
+  get ridFloor(): number {
+    return this.#core.ridFloor;
   }
 
   stats(): NodeStats {

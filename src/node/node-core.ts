@@ -6,11 +6,13 @@
  * stale messages of every peer's machine; transfer totals of the open channels and of the closed
  * ones, kept so that totals never go down; the GB/s observations drained by each poll).
  */
+import v8 from "node:v8";
 import type { FromNode, NodeStats, SamplingParams } from "../cluster/node-messages.js";
 import type { Engine } from "../engine/engine.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { KvPool } from "../protocol/effects.js";
 import type { Safety } from "../protocol/safety.js";
+import { nextRid, ridBefore } from "../protocol/wire.js";
 import type { PageChecksums } from "../transfer/page-checksum.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import { pageChecksumsOf, protocolPool } from "./node-pool.js";
@@ -44,6 +46,8 @@ export interface TransferTotals {
 /** What a peer's machine state tells the statistics. */
 interface PeerState {
   readonly attempts: object;
+  readonly ended: object;
+  readonly acks?: object;
   readonly stale: number;
 }
 
@@ -59,6 +63,12 @@ export class NodeCore {
   /** Transfer counters of channels that closed (kept so totals never go down). */
   readonly closedTotals: TransferTotals = emptyTotals();
   readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
+  /**
+   * The rid after the newest one any router sent this node (0: none), for its hello: a router that
+   * (re)connects hands out rids after it, so they never meet an older router's tombstones or
+   * watermark (docs/protocol.md §3, item 8).
+   */
+  #ridFloor = 0;
   #gbps: number[] = [];
 
   /** `afterStep` runs after every engine step of the step loop. */
@@ -74,6 +84,18 @@ export class NodeCore {
     this.safety = options.safety;
     this.toRouter = options.toRouter;
     this.loop = new StepLoop(options.engine, afterStep);
+  }
+
+  /** A router message: its rid (or a watermark's) moves the floor (see `ridFloor`). */
+  seeRouter(msg: { readonly type: string; readonly rid: number; readonly below?: number }): void {
+    const rid = msg.type === "watermark" ? (msg.below ?? 0) : msg.rid;
+    if (rid === 0) return;
+    const after = nextRid(rid);
+    if (this.#ridFloor === 0 || ridBefore(this.#ridFloor, after)) this.#ridFloor = after;
+  }
+
+  get ridFloor(): number {
+    return this.#ridFloor;
   }
 
   /** FREE pages of the pool now (counts into a reused object: nothing allocates). */
@@ -106,10 +128,13 @@ export class NodeCore {
     const engine = this.engine.stats();
     let attempts = 0;
     let stale = 0;
+    let tombstones = 0;
     const transfer = { ...this.closedTotals };
     for (const peer of peers) {
       attempts += Object.keys(peer.state.attempts).length;
       stale += peer.state.stale;
+      tombstones +=
+        countKeys(peer.state.ended) + (peer.state.acks === undefined ? 0 : countKeys(peer.state.acks));
       const m = metricsOf(peer);
       if (m !== undefined) addTransfer(transfer, m);
     }
@@ -122,6 +147,8 @@ export class NodeCore {
       counters: engine.counters,
       attempts,
       staleMessages: stale,
+      tombstones,
+      heapUsedBytes: v8.getHeapStatistics().used_heap_size,
       transfer: { ...transfer, checksumFailures: 0, coverageFailures: 0 },
       checksums: this.checksums.counts(),
       transferGbps: gbps,
@@ -130,6 +157,12 @@ export class NodeCore {
       ...(engine.pageMap === undefined ? {} : { pageMap: engine.pageMap }),
     };
   }
+}
+
+function countKeys(record: object): number {
+  let n = 0;
+  for (const _ in record) n++;
+  return n;
 }
 
 function emptyTotals(): TransferTotals {

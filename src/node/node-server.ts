@@ -42,6 +42,17 @@ export interface NodeServer {
   readonly role: "prefill" | "decode";
   readonly port: number;
   readonly transferPort: number | undefined;
+  /** What the node registers (`--registry`), its address aside: its hello's incarnation, layout and capacity. */
+  readonly registration: {
+    readonly role: "prefill" | "decode";
+    readonly incarnation: number;
+    readonly layoutSignature: string;
+    readonly poolTokens: number;
+    readonly pageSize: number;
+    readonly maxModelLen: number;
+  };
+  /** Nothing in flight: every page of the pool FREE (a drained node may leave). */
+  idle(): boolean;
   close(): Promise<void>;
 }
 
@@ -140,6 +151,8 @@ function listenForDecode(
 class PrefillConnector {
   /** The newest `connect_prefill` per prefill id: a reconnect loop of an older one stops. */
   readonly #targets = new Map<string, ConnectPrefill>();
+  /** Prefill ids whose channel is up now. */
+  readonly #up = new Set<string>();
   #closing = false;
 
   constructor(
@@ -154,6 +167,18 @@ class PrefillConnector {
   }
 
   connect(target: ConnectPrefill, since?: number): void {
+    // A router that (re)connected names a prefill node whose channel is already up (the same
+    // incarnation): the channel stays, the router hears it is up.
+    const current = this.#targets.get(target.prefill);
+    if (
+      since === undefined &&
+      current !== undefined &&
+      current.incarnation === target.incarnation &&
+      this.#up.has(target.prefill)
+    ) {
+      this.toRouter({ kind: "prefill_up", prefill: target.prefill });
+      return;
+    }
     this.#targets.set(target.prefill, target);
     const { node, engine, layoutSignature } = this.built;
     const pool = engine.pool;
@@ -179,6 +204,7 @@ class PrefillConnector {
         closed: (error) => {
           if (!up) return;
           up = false;
+          if (this.#targets.get(target.prefill) === target) this.#up.delete(target.prefill);
           node.prefillLost(target.prefill);
           this.toRouter({ kind: "prefill_down", prefill: target.prefill });
           const why = error?.message ?? "closed";
@@ -193,10 +219,12 @@ class PrefillConnector {
           return;
         }
         up = true;
+        this.#up.add(target.prefill);
         const channel = {
           sendControl: (m: Parameters<typeof r.sendControl>[0]) => r.sendControl(m),
           close: () => {
             up = false;
+            if (this.#targets.get(target.prefill) === target) this.#up.delete(target.prefill);
             return r.close();
           },
           metrics: r.metrics,
@@ -261,7 +289,9 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     ...(options.tls === undefined ? {} : { tls: options.tls }),
     admit: router.admit,
     onRefused: (reason, detail) => warn(`control port: refused a connection (${reason}): ${detail}`),
-    onLink: (link, incarnation) => router.attach(link, incarnation, onRouterMessage, hello),
+    // The hello names the rid floor now: this router's rids go after every earlier router's.
+    onLink: (link, incarnation) =>
+      router.attach(link, incarnation, onRouterMessage, { ...hello, ridFloor: built.node.ridFloor }),
   }).catch((err: Error) => {
     throw new KvfenceError(
       "config_invalid",
@@ -273,6 +303,18 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     role: built.role,
     port: control.port,
     transferPort: transfer?.port,
+    registration: {
+      role: built.role,
+      incarnation: hello.incarnation,
+      layoutSignature: hello.layoutSignature,
+      poolTokens: hello.poolTokens,
+      pageSize: hello.pageSize,
+      maxModelLen: hello.maxModelLen,
+    },
+    idle() {
+      const pages = built.engine.pool.table.counts();
+      return pages.free === pages.total;
+    },
     async close() {
       prefill?.close();
       built.node.close();

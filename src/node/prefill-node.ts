@@ -45,6 +45,7 @@ import {
   type FirstLogprobs,
   type LeasePage,
   type PrefillRequest,
+  type Watermark,
 } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { PageWrite, TransferHandlers, TransferWriter } from "../transfer/transport.js";
@@ -52,6 +53,9 @@ import { addTransfer, GREEDY, NodeCore, type NodeOptions } from "./node-core.js"
 import { pageBytesOf } from "./node-pool.js";
 
 export type PrefillNodeOptions = NodeOptions;
+
+/** Watermarks kept for decode incarnations that have not connected yet (the newest ones). */
+const EARLY_WATERMARKS = 8;
 
 /** A writer to a decode peer: the transport's, with the metrics of its channel. */
 export type DecodeWriter = TransferWriter & { readonly metrics?: TransferMetrics };
@@ -87,6 +91,8 @@ export class PrefillNode {
   readonly #context: PrefillContext;
   /** Per attempt that asked: the first token's and the prompt's log-probabilities, for its manifest. */
   readonly #logprobs = new Map<string, FirstLogprobs>();
+  /** Watermarks for decode incarnations not attached yet (see `#watermark`). */
+  readonly #early = new Map<number, Watermark>();
 
   constructor(options: PrefillNodeOptions) {
     this.#core = new NodeCore(options, () => this.#hashProduced());
@@ -129,6 +135,11 @@ export class PrefillNode {
       open: true,
     };
     this.#peers.set(incarnation, peer);
+    const early = this.#early.get(incarnation);
+    if (early !== undefined) {
+      this.#early.delete(incarnation);
+      this.#step(peer, { type: "message", msg: early });
+    }
     return (message) => {
       if (peer.open) this.#step(peer, { type: "message", msg: message });
     };
@@ -147,6 +158,11 @@ export class PrefillNode {
   onRouter(message: ToNode): void {
     if (message.kind !== "protocol") return;
     const msg = message.msg;
+    this.#core.seeRouter(msg);
+    if (msg.type === "watermark") {
+      this.#watermark(message.decode ?? 0, msg);
+      return;
+    }
     if (msg.type !== "prefill") return;
     const peer = this.#peers.get(msg.lease.incarnation);
     if (peer === undefined) {
@@ -172,6 +188,31 @@ export class PrefillNode {
         ...(message.trace === undefined ? {} : { trace: message.trace }),
       });
     this.#step(peer, { type: "message", msg });
+  }
+
+  /**
+   * The router's watermark for the pair with decode `incarnation`: to that peer's machine, or kept
+   * for it if its transfer connection is not attached yet (the router sends it when the pair comes
+   * up, which can be before this node admitted decode's connection).
+   */
+  #watermark(incarnation: number, msg: Watermark): void {
+    const peer = this.#peers.get(incarnation);
+    if (peer !== undefined) {
+      this.#step(peer, { type: "message", msg });
+      return;
+    }
+    this.#early.delete(incarnation);
+    this.#early.set(incarnation, msg);
+    // Incarnations that never connect: keep only the newest few.
+    for (const old of this.#early.keys()) {
+      if (this.#early.size <= EARLY_WATERMARKS) break;
+      this.#early.delete(old);
+    }
+  }
+
+  /** See `NodeCore.ridFloor`. */
+  get ridFloor(): number {
+    return this.#core.ridFloor;
   }
 
   stats(): NodeStats {
@@ -275,9 +316,10 @@ export class PrefillNode {
     }
     if (writes !== null) this.#write(peer, writes);
     this.#core.reportFreed(freeBefore, freeAfter);
-    // Attempts that ended here (released, acknowledged, fenced) need no inputs any more.
+    // Attempts that ended here (released, acknowledged, fenced, refused as stale) need no inputs
+    // any more.
     for (const [key, input] of this.#inputs) {
-      if (input.peer === peer && peer.state.ended[key] !== undefined) {
+      if (input.peer === peer && peer.state.attempts[key] === undefined) {
         this.#inputs.delete(key);
         this.#logprobs.delete(key);
       }

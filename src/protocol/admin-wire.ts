@@ -25,6 +25,8 @@ export const nodeInfoSchema = z.object({
   max_model_len: positiveInt,
   /** False once the router lost the node (its link closed); it takes no new requests. */
   up: z.boolean().optional(),
+  /** False while the node is out of the registry's membership (gone or draining): no new requests. */
+  member: z.boolean().optional(),
 });
 
 export const nodesInfoSchema = z.object({

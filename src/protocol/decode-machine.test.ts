@@ -341,3 +341,47 @@ test("decodeStep() frees at once on abort when the lease's prefill incarnation i
   h.msg({ type: "abort", rid: 1, epoch: 1 });
   assert.equal(h.pool.table.counts().free, 4);
 });
+
+test("decodeStep() forgets tombstones and early acks below the router's watermark, and records nothing below it", () => {
+  const h = harness();
+  const lease = reserve(h, 1);
+  writeLease(h, lease);
+  h.msg(goodManifest(lease));
+  h.decode(1, 1, 9);
+  h.msg({ type: "abort", rid: 2, epoch: 1 });
+  h.msg({ type: "abort_ack", rid: 3, epoch: 1 });
+  h.msg({ type: "abort", rid: 5, epoch: 1 });
+  assert.deepEqual(Object.keys(h.state.ended).sort(), ["1:1", "2:1", "5:1"]);
+  assert.deepEqual(Object.keys(h.state.acks), ["3:1"]);
+  // Still in flight at or above the watermark: rid 4 keeps its lease, rid 5 its tombstone.
+  reserve(h, 4, 1, 1, 1);
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 4 });
+  assert.deepEqual(Object.keys(h.state.ended), ["5:1"]);
+  assert.deepEqual(h.state.acks, {});
+  assert.ok(h.state.attempts["4:1"] !== undefined);
+  // Below it: stale, and no record is left.
+  const stale = h.state.stale;
+  assert.deepEqual(h.msg({ type: "reserve", rid: 3, epoch: 2, tenant: 0, promptLen: 1, maxTokens: 1 }), []);
+  h.msg({ type: "abort_ack", rid: 2, epoch: 2 });
+  h.msg({ type: "abort", rid: 3, epoch: 3 });
+  assert.equal(h.state.stale, stale + 2);
+  assert.deepEqual(Object.keys(h.state.ended), ["5:1"]);
+  assert.deepEqual(h.state.acks, {});
+  // An attempt below it that ends leaves no tombstone; an older watermark is stale.
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 6 });
+  h.msg({ type: "abort", rid: 4, epoch: 1 });
+  h.msg({ type: "abort_ack", rid: 4, epoch: 1 });
+  assert.deepEqual(h.state.attempts, {});
+  assert.deepEqual(h.state.ended, {});
+  assert.equal(h.pool.table.counts().free, 4);
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 5 });
+  assert.equal(h.state.watermark, 6);
+});
+
+test("decodeStep() compares rids across the u32 wrap (serial order)", () => {
+  const h = harness();
+  h.msg({ type: "abort", rid: 0xffff_fffe, epoch: 1 });
+  h.msg({ type: "abort", rid: 2, epoch: 1 });
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 1 });
+  assert.deepEqual(Object.keys(h.state.ended), ["2:1"]);
+});

@@ -30,7 +30,10 @@
  *   guard disabled, to reproduce the timeout release of SGLang #35049/#38961.)
  *
  * Attempts that ended leave a tombstone so a late or duplicated message for them (a reserve
- * overtaken by its abort, a stale manifest) is ignored and counted, never acted on.
+ * overtaken by its abort, a stale manifest) is ignored and counted, never acted on. The router's
+ * **watermark** (sent after its last message for every rid below it) forgets the tombstones and
+ * early acknowledgements below it; a message below it is stale and leaves none. So the state
+ * holds the attempts in flight and the records of rids at or above the watermark, nothing older.
  */
 import type { WireError } from "../lib/errors.js";
 import { type Effects, type KvPool, leasePages, poolExhausted, type SendEffect } from "./effects.js";
@@ -42,6 +45,8 @@ import {
   type LeasePage,
   type Manifest,
   type ReserveRequest,
+  ridBefore,
+  ridOf,
 } from "./wire.js";
 
 export interface DecodeConfig {
@@ -115,6 +120,8 @@ export interface DecodeState {
   ended: Record<string, 1>;
   /** ABORT_ACKs that arrived before the abort they answer. */
   acks: Record<string, 1>;
+  /** The router's watermark (0: none yet): every rid before it is over at the router. */
+  watermark: number;
   stale: number;
   tagFailures: number;
 }
@@ -161,6 +168,7 @@ export function initialDecodeState(incarnation: number, prefillIncarnation: numb
     attempts: {},
     ended: {},
     acks: {},
+    watermark: 0,
     stale: 0,
     tagFailures: 0,
   };
@@ -174,6 +182,7 @@ export function decodeStep(state: DecodeState, event: DecodeEvent, ctx: DecodeCo
       else if (msg.type === "manifest") manifest(state, msg, ctx);
       else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), ctx);
       else if (msg.type === "abort_ack") abortAck(state, attemptKey(msg.rid, msg.epoch), ctx.pool);
+      else if (msg.type === "watermark") watermark(state, msg.below);
       else state.stale++;
       return;
     }
@@ -218,7 +227,7 @@ export function decodeStep(state: DecodeState, event: DecodeEvent, ctx: DecodeCo
 function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): void {
   const { pool, config, safety, out } = ctx;
   const key = attemptKey(msg.rid, msg.epoch);
-  if (state.ended[key] !== undefined || state.attempts[key] !== undefined) {
+  if (state.ended[key] !== undefined || state.attempts[key] !== undefined || below(state, msg.rid)) {
     state.stale++;
     return;
   }
@@ -270,7 +279,7 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
 }
 
 function reject(state: DecodeState, msg: ReserveRequest, error: WireError, out: Effects): void {
-  state.ended[attemptKey(msg.rid, msg.epoch)] = 1;
+  if (!below(state, msg.rid)) state.ended[attemptKey(msg.rid, msg.epoch)] = 1;
   out.push({
     kind: "send",
     to: "router",
@@ -501,7 +510,7 @@ function abort(state: DecodeState, key: string, ctx: DecodeContext): void {
   const a = state.attempts[key];
   if (a === undefined) {
     // Aborted before its reserve arrived (or after it ended): refuse a late reserve.
-    state.ended[key] = 1;
+    if (!below(state, ridOf(key))) state.ended[key] = 1;
     return;
   }
   if (a.phase === "quarantined") return;
@@ -539,7 +548,7 @@ function quarantineOrFree(state: DecodeState, key: string, a: DecodeAttempt, poo
 function abortAck(state: DecodeState, key: string, pool: KvPool): void {
   const a = state.attempts[key];
   if (a === undefined) {
-    if (state.ended[key] === undefined) state.acks[key] = 1;
+    if (state.ended[key] === undefined && !below(state, ridOf(key))) state.acks[key] = 1;
     else state.stale++;
     return;
   }
@@ -560,7 +569,25 @@ function freeAll(a: DecodeAttempt, pool: KvPool): void {
 }
 
 function end(state: DecodeState, key: string): void {
+  const a = state.attempts[key];
   delete state.attempts[key];
   delete state.acks[key];
-  state.ended[key] = 1;
+  if (a === undefined || !below(state, a.rid)) state.ended[key] = 1;
+}
+
+/** Whether `rid` is below the router's watermark: over at the router, no message of it to wait for. */
+function below(state: DecodeState, rid: number): boolean {
+  return state.watermark !== 0 && ridBefore(rid, state.watermark);
+}
+
+/** The router's watermark moved to `to`: forget the tombstones and early acks below it. */
+function watermark(state: DecodeState, to: number): void {
+  if (to === state.watermark) return;
+  if (to === 0 || (state.watermark !== 0 && !ridBefore(state.watermark, to))) {
+    state.stale++;
+    return;
+  }
+  state.watermark = to;
+  for (const key in state.ended) if (ridBefore(ridOf(key), to)) delete state.ended[key];
+  for (const key in state.acks) if (ridBefore(ridOf(key), to)) delete state.acks[key];
 }

@@ -16,12 +16,23 @@
  * - **peer_lost** (a decode incarnation gone): its pool and connection are gone with it; free the
  *   attempts whose lease it granted. A lease from another decode incarnation than the one this
  *   node is connected to, or for another prefill incarnation than this one, is refused.
+ * - **watermark** (from the router, after its last message for every rid below it): tombstones
+ *   below it are forgotten, and a message below it is stale without leaving one (an abort there is
+ *   still acknowledged: no `prefill` for it can come any more). So the state holds the attempts in
+ *   flight and the tombstones of rids at or above the watermark, nothing older.
  */
 import type { WireError } from "../lib/errors.js";
 import { type Effects, type KvPool, leasePages, poolExhausted } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
-import { attemptKey, type ControlMessage, type LeasePage, type PrefillRequest } from "./wire.js";
+import {
+  attemptKey,
+  type ControlMessage,
+  type LeasePage,
+  type PrefillRequest,
+  ridBefore,
+  ridOf,
+} from "./wire.js";
 
 export interface PrefillConfig {
   readonly maxModelLen: number;
@@ -57,7 +68,10 @@ export interface PrefillState {
   /** The newest decode incarnation known to be gone (0: none); its leases are refused. */
   decodeLost: number;
   attempts: Record<string, PrefillAttempt>;
+  /** Tombstones of attempts that ended here (or were aborted before they arrived), at or above `watermark`. */
   ended: Record<string, 1>;
+  /** The router's watermark (0: none yet): every rid before it is over at the router. */
+  watermark: number;
   stale: number;
 }
 
@@ -81,7 +95,7 @@ export interface PrefillContext {
 }
 
 export function initialPrefillState(incarnation: number, decodeIncarnation: number): PrefillState {
-  return { incarnation, decodeIncarnation, decodeLost: 0, attempts: {}, ended: {}, stale: 0 };
+  return { incarnation, decodeIncarnation, decodeLost: 0, attempts: {}, ended: {}, watermark: 0, stale: 0 };
 }
 
 export function prefillStep(state: PrefillState, event: PrefillEvent, ctx: PrefillContext): void {
@@ -92,6 +106,7 @@ export function prefillStep(state: PrefillState, event: PrefillEvent, ctx: Prefi
       if (msg.type === "prefill") prefill(state, msg, ctx);
       else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), ctx);
       else if (msg.type === "release") release(state, attemptKey(msg.rid, msg.epoch), pool);
+      else if (msg.type === "watermark") watermark(state, msg.below);
       else state.stale++;
       return;
     }
@@ -146,7 +161,7 @@ export function prefillStep(state: PrefillState, event: PrefillEvent, ctx: Prefi
 function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext): void {
   const { pool, config, safety, out } = ctx;
   const key = attemptKey(msg.rid, msg.epoch);
-  if (state.ended[key] !== undefined || state.attempts[key] !== undefined) {
+  if (state.ended[key] !== undefined || state.attempts[key] !== undefined || below(state, msg.rid)) {
     state.stale++;
     return;
   }
@@ -278,8 +293,8 @@ function abort(state: PrefillState, key: string, ctx: PrefillContext): void {
   const a = state.attempts[key];
   if (a === undefined) {
     // Never seen here, or already ended: nothing in flight, acknowledge at once.
-    state.ended[key] = 1;
     const [rid, epoch] = key.split(":").map(Number) as [number, number];
+    if (!below(state, rid)) state.ended[key] = 1;
     sendAck({ rid, epoch }, ctx);
     return;
   }
@@ -323,7 +338,7 @@ function release(state: PrefillState, key: string, pool: KvPool): void {
 }
 
 function reject(state: PrefillState, msg: PrefillRequest, error: WireError, out: Effects): void {
-  state.ended[attemptKey(msg.rid, msg.epoch)] = 1;
+  if (!below(state, msg.rid)) state.ended[attemptKey(msg.rid, msg.epoch)] = 1;
   out.push({
     kind: "send",
     to: "router",
@@ -336,6 +351,23 @@ function freeSource(a: PrefillAttempt, pool: KvPool): void {
 }
 
 function end(state: PrefillState, key: string): void {
+  const a = state.attempts[key];
   delete state.attempts[key];
-  state.ended[key] = 1;
+  if (a === undefined || !below(state, a.rid)) state.ended[key] = 1;
+}
+
+/** Whether `rid` is below the router's watermark: over at the router, no message of it to wait for. */
+function below(state: PrefillState, rid: number): boolean {
+  return state.watermark !== 0 && ridBefore(rid, state.watermark);
+}
+
+/** The router's watermark moved to `to`: forget the tombstones below it. */
+function watermark(state: PrefillState, to: number): void {
+  if (to === state.watermark) return;
+  if (to === 0 || (state.watermark !== 0 && !ridBefore(state.watermark, to))) {
+    state.stale++;
+    return;
+  }
+  state.watermark = to;
+  for (const key in state.ended) if (ridBefore(ridOf(key), to)) delete state.ended[key];
 }

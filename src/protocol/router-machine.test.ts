@@ -7,12 +7,13 @@ import type { ControlMessage } from "./wire.js";
 
 const CONFIG = { maxModelLen: 16, prefillPoolTokens: 6, decodePoolTokens: 8, maxAttempts: 2 };
 
+/** Runs the router machine; its effects without the watermarks (their own test below). */
 function harness(safety: Safety = SAFE) {
   const state = initialRouterState();
   const run = (event: RouterEvent): Effect[] => {
     const out: Effect[] = [];
     routerStep(state, event, { config: CONFIG, safety, out });
-    return out;
+    return out.filter((e) => e.kind !== "send" || e.msg.type !== "watermark");
   };
   const msg = (m: ControlMessage) => run({ type: "message", msg: m });
   return { state, run, msg };
@@ -114,4 +115,32 @@ test("routerStep() aborts at decode after a prefill rejection, so decode can rel
     ["send", "respond"],
   );
   assert.ok(out[1]?.kind === "respond" && out[1].error?.message === "Too long at prefill: 6");
+});
+
+test("routerStep() sends the pair's watermark (the lowest rid in flight) to both nodes as requests end", () => {
+  const state = initialRouterState();
+  const run = (event: RouterEvent, watermarkStep?: number): ControlMessage[] => {
+    const out: Effect[] = [];
+    const config = watermarkStep === undefined ? CONFIG : { ...CONFIG, watermarkStep };
+    routerStep(state, event, { config, safety: SAFE, out });
+    return out.flatMap((e) => (e.kind === "send" && e.msg.type === "watermark" ? [e.msg] : []));
+  };
+  const submit = (rid: number) => run({ type: "submit", rid, tenant: 0, promptLen: 1, maxTokens: 1 });
+  for (const rid of [1, 2, 3]) assert.deepEqual(submit(rid), []);
+  // Request 2 ends first: rid 1 is still in flight, so the watermark stays (batched by the step).
+  assert.deepEqual(run({ type: "client_abort", rid: 2 }), []);
+  assert.deepEqual(run({ type: "client_abort", rid: 1 }, 1), [
+    { type: "watermark", rid: 0, epoch: 0, below: 3 },
+    { type: "watermark", rid: 0, epoch: 0, below: 3 },
+  ]);
+  // Nothing in flight: the watermark is the next rid, sent at once.
+  assert.equal(run({ type: "client_abort", rid: 3 }).length, 2);
+  assert.equal(state.watermark, 4);
+  // A node back (a new incarnation) hears it again; a rid before the watermark is never taken.
+  assert.deepEqual(run({ type: "peer_up", role: "prefill" }), [
+    { type: "watermark", rid: 0, epoch: 0, below: 4 },
+  ]);
+  submit(2);
+  assert.equal(state.requests["2"]?.phase, "done");
+  assert.equal(state.stale, 1);
 });

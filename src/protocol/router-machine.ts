@@ -15,7 +15,7 @@
 import { ERROR_TABLE, type WireError } from "../lib/errors.js";
 import type { Effects } from "./effects.js";
 import { faultOn, type Safety } from "./safety.js";
-import type { ControlMessage } from "./wire.js";
+import { type ControlMessage, nextRid, ridBefore } from "./wire.js";
 
 export interface RouterConfig {
   /** The model's context window (tokens). */
@@ -25,6 +25,8 @@ export interface RouterConfig {
   readonly decodePoolTokens: number;
   /** Attempts per request (1 = no retry). */
   readonly maxAttempts: number;
+  /** See `WATERMARK_STEP` (the default); the model checker sends every move (1). */
+  readonly watermarkStep?: number;
 }
 
 /** Everything `routerStep` works with besides its state and event: config, guards and faults, effects sink. */
@@ -52,7 +54,18 @@ export interface RouterState {
   requests: Record<string, RouterRequest>;
   /** Messages ignored because their (rid, epoch) was not current. */
   stale: number;
+  /** The rid after the newest one submitted (0: none yet). Rids are submitted in serial order. */
+  next: number;
+  /** The last watermark sent to the pair's nodes (0: none yet). */
+  watermark: number;
 }
+
+/**
+ * While requests are in flight a watermark is sent once it moved this many rids (batched, so a
+ * busy pair sends one per this many requests); with none in flight it is sent at once, so idle
+ * nodes hold no tombstone.
+ */
+export const WATERMARK_STEP = 16;
 
 export type RouterEvent =
   | {
@@ -67,10 +80,12 @@ export type RouterEvent =
   /** The transfer phase of the current attempt took too long: abort it, retry if attempts remain. */
   | { readonly type: "attempt_timeout"; readonly rid: number }
   /** A node's connection closed or its worker terminated. */
-  | { readonly type: "peer_lost"; readonly role: "prefill" | "decode" };
+  | { readonly type: "peer_lost"; readonly role: "prefill" | "decode" }
+  /** A node of the pair is connected (again, possibly a new incarnation): it hears the watermark. */
+  | { readonly type: "peer_up"; readonly role: "prefill" | "decode" };
 
 export function initialRouterState(): RouterState {
-  return { requests: {}, stale: 0 };
+  return { requests: {}, stale: 0, next: 0, watermark: 0 };
 }
 
 /**
@@ -92,6 +107,45 @@ export function contextLengthError(promptLen: number, maxTokens: number, limit: 
 }
 
 export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterContext): void {
+  const start = ctx.out.length;
+  step(state, event, ctx);
+  // A request refused at the door touched no node: the watermark can wait for the next ending.
+  if (event.type === "submit") return;
+  for (let i = start; i < ctx.out.length; i++) {
+    if (ctx.out[i]!.kind === "respond") {
+      advanceWatermark(state, ctx);
+      return;
+    }
+  }
+}
+
+/**
+ * A request ended: the lowest rid still in flight (or the next one, with none) is the pair's
+ * watermark; tell both nodes when it moved far enough (see `WATERMARK_STEP`).
+ */
+function advanceWatermark(state: RouterState, { config, out }: RouterContext): void {
+  let low = state.next;
+  let live = false;
+  for (const key in state.requests) {
+    const req = state.requests[key]!;
+    if (req.phase === "done") continue;
+    if (!live || ridBefore(req.rid, low)) low = req.rid;
+    live = true;
+  }
+  if (low === 0 || low === state.watermark) return;
+  if (state.watermark !== 0 && !ridBefore(state.watermark, low)) return;
+  const step = config.watermarkStep ?? WATERMARK_STEP;
+  if (live && (low - state.watermark) >>> 0 < step) return;
+  state.watermark = low;
+  sendWatermark(state, "decode", out);
+  sendWatermark(state, "prefill", out);
+}
+
+function sendWatermark(state: RouterState, to: "prefill" | "decode", out: Effects): void {
+  out.push({ kind: "send", to, msg: { type: "watermark", rid: 0, epoch: 0, below: state.watermark } });
+}
+
+function step(state: RouterState, event: RouterEvent, ctx: RouterContext): void {
   const { out } = ctx;
   switch (event.type) {
     case "submit":
@@ -121,6 +175,11 @@ export function routerStep(state: RouterState, event: RouterEvent, ctx: RouterCo
       );
       return;
     }
+    case "peer_up":
+      // A new incarnation (or a new link) heard nothing the router sent before; no message of a
+      // rid below the watermark will follow.
+      if (state.watermark !== 0) sendWatermark(state, event.role, out);
+      return;
     case "peer_lost": {
       for (const key in state.requests) {
         const req = state.requests[key]!;
@@ -145,10 +204,16 @@ function submit(
   ctx: RouterContext,
 ): void {
   const { config, safety, out } = ctx;
-  if (state.requests[event.rid] !== undefined) {
+  if (
+    state.requests[event.rid] !== undefined ||
+    (state.next !== 0 && ridBefore(event.rid, state.next)) ||
+    event.rid === 0
+  ) {
+    // A rid reused, or out of serial order: the nodes may have forgotten it (below the watermark).
     state.stale++;
     return;
   }
+  state.next = nextRid(event.rid);
   const req: RouterRequest = {
     rid: event.rid,
     tenant: event.tenant,

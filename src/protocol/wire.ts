@@ -169,6 +169,20 @@ export interface Release {
   readonly epoch: number;
 }
 
+/**
+ * Router → decode and prefill, on the same FIFO link as the pair's other router messages: every
+ * attempt of a request id before `below` (in serial order, `ridBefore`) is over at the router,
+ * which will send nothing more for it. A node machine forgets its tombstones below it and treats
+ * any later message below it as stale, so its protocol memory is bounded by the work in flight.
+ */
+export interface Watermark {
+  readonly type: "watermark";
+  /** Always 0: a watermark is not about one request. */
+  readonly rid: 0;
+  readonly epoch: 0;
+  readonly below: number;
+}
+
 export type ControlMessage =
   | ReserveRequest
   | TransferLease
@@ -181,11 +195,31 @@ export type ControlMessage =
   | Failed
   | Abort
   | AbortAck
-  | Release;
+  | Release
+  | Watermark;
 
 export type ControlMessageType = ControlMessage["type"];
 
 /** `"rid:epoch"`, the key under which nodes keep per-attempt state. */
 export function attemptKey(rid: number, epoch: number): string {
   return `${rid}:${epoch}`;
+}
+
+/**
+ * Request ids are u32 and wrap (0 is never used): `a` comes before `b` in serial-number order
+ * (RFC 1982), which holds while the ids in flight span less than 2^31.
+ */
+export function ridBefore(a: number, b: number): boolean {
+  return a !== b && (b - a) >>> 0 < 0x8000_0000;
+}
+
+/** The request id after `rid`, skipping 0. */
+export function nextRid(rid: number): number {
+  const next = (rid + 1) >>> 0;
+  return next === 0 ? 1 : next;
+}
+
+/** The rid of an attempt key `"rid:epoch"`. */
+export function ridOf(key: string): number {
+  return Number(key.slice(0, key.indexOf(":")));
 }

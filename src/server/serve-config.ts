@@ -175,6 +175,16 @@ export const serveConfigSchema = z
     prefill: z.array(z.string().min(1)).default([]),
     decode: z.array(z.string().min(1)).default([]),
     clusterSecret: z.string().min(1).optional(),
+    registry: z.string().min(1).optional(),
+    registryPrefix: z
+      .string()
+      .regex(/^\/\S*[^/]$/, { error: "must start with / and not end with /" })
+      .default("/kvfence"),
+    registryCa: z.string().min(1).optional(),
+    registryCert: z.string().min(1).optional(),
+    registryKey: z.string().min(1).optional(),
+    registryUser: z.string().min(1).optional(),
+    advertise: z.string().min(1).optional(),
     unsafeFault: z.array(z.string().min(1)).default([]),
     unsafeDisableGuard: z.array(z.string().min(1)).default([]),
     iUnderstandThisLeaksData: z.boolean().default(false),
@@ -206,6 +216,18 @@ export const serveConfigSchema = z
       [c.tlsCert, c.tlsKey, c.tlsCa].every((f) => f === undefined) ||
       [c.tlsCert, c.tlsKey, c.tlsCa].every((f) => f !== undefined),
     { message: "give --tls-cert, --tls-key and --tls-ca together (docs/tls.md)", path: ["tlsCert"] },
+  )
+  .refine((c) => (c.registryCert === undefined) === (c.registryKey === undefined), {
+    message: "give --registry-cert and --registry-key together",
+    path: ["registryCert"],
+  })
+  .refine(
+    (c) =>
+      c.role !== "router" || c.registry === undefined || (c.prefill.length === 0 && c.decode.length === 0),
+    {
+      message: "give either --registry or the --prefill/--decode lists, not both",
+      path: ["registry"],
+    },
   )
   .refine((c) => (c.httpsCert === undefined) === (c.httpsKey === undefined), {
     message: "give --https-cert and --https-key together (docs/tls.md)",
@@ -248,6 +270,13 @@ const FLAG: Record<string, string> = {
   prefill: "--prefill",
   decode: "--decode",
   clusterSecret: "--cluster-secret",
+  registry: "--registry",
+  registryPrefix: "--registry-prefix",
+  registryCa: "--registry-ca",
+  registryCert: "--registry-cert",
+  registryKey: "--registry-key",
+  registryUser: "--registry-user",
+  advertise: "--advertise",
   unsafeFault: "--unsafe-fault",
   unsafeDisableGuard: "--unsafe-disable-guard",
   iUnderstandThisLeaksData: UNSAFE_OPT_IN_FLAG,

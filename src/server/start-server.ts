@@ -10,6 +10,7 @@
  */
 
 import net from "node:net";
+import { parseRegistryUrl, type RegistryOptions, registerNode, watchDrain } from "../cluster/registry.js";
 import { loadEngineMemory, type MemoryRegion, regionBytesOf } from "../engine/engine-memory.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
@@ -265,6 +266,8 @@ async function startEnginesAndPreparer(
       prefill: config.prefill,
       decode: config.decode,
       clusterSecret: config.clusterSecret,
+      ...(config.registry === undefined ? {} : { registry: registryOf(config) }),
+      insecurePlaintextLinks: config.insecurePlaintextLinks,
       ...(parts.tls.links === undefined ? {} : { linkTls: parts.tls.links }),
       faults: config.unsafeFault,
       fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
@@ -318,7 +321,7 @@ function modelCard(model: ModelMeta, config: ServeConfig) {
  */
 export async function startNode(
   config: ServeConfig,
-  options: { logger: Logger },
+  options: { logger: Logger; onDrained?: () => void },
 ): Promise<{ url: string; close(): Promise<void> }> {
   const role = config.role === "prefill" ? "prefill" : "decode";
   warnUnsafe(config, role, options.logger);
@@ -362,7 +365,54 @@ export async function startNode(
     log: (line) => options.logger.info(line),
     warn: (line) => options.logger.warn(line),
   });
-  return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
+  if (config.registry === undefined)
+    return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
+  // --registry: the node's entry (its lease kept alive) names where routers dial it.
+  const address = config.advertise ?? `${config.host}:${node.port}`;
+  const registration = await registerNode(registryOf(config), { ...node.registration, address }, (line) =>
+    options.logger.warn(line),
+  ).catch(async (err: unknown) => {
+    await node.close();
+    throw err;
+  });
+  // `kvfence drain`: draining in the registry (no new requests), then, once nothing is in flight,
+  // out of it; the process ends by `onDrained`.
+  const drain = await watchDrain(registryOf(config), { role, address }, () => {
+    options.logger.warn("draining: no new requests; leaving once the requests in flight finished");
+    void registration.drain().then(async () => {
+      while (!node.idle()) await new Promise((r) => setTimeout(r, 100));
+      await registration.close();
+      options.logger.warn("drained: left the registry");
+      options.onDrained?.();
+    });
+  });
+  return {
+    url: `http://${config.host}:${node.port}`,
+    close: async () => {
+      drain.close();
+      await registration.close();
+      await node.close();
+    },
+  };
+}
+
+/** `--registry` and its TLS files and credentials (the password from env KVFENCE_REGISTRY_PASSWORD). */
+export function registryOf(
+  config: Pick<
+    ServeConfig,
+    "registry" | "registryPrefix" | "registryCa" | "registryCert" | "registryKey" | "registryUser"
+  >,
+): RegistryOptions {
+  const tls = config.registryCa !== undefined;
+  const password = process.env.KVFENCE_REGISTRY_PASSWORD;
+  return {
+    endpoints: parseRegistryUrl(config.registry!, tls),
+    prefix: config.registryPrefix,
+    ...(config.registryCa === undefined ? {} : { ca: config.registryCa }),
+    ...(config.registryCert === undefined ? {} : { cert: config.registryCert, key: config.registryKey! }),
+    ...(config.registryUser === undefined ? {} : { user: config.registryUser }),
+    ...(password === undefined ? {} : { password }),
+  };
 }
 
 function layoutOf(config: ServeConfig, modelConfig: ModelConfig): KvLayout {

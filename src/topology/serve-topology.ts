@@ -8,8 +8,9 @@
  */
 
 import { registerClusterMetrics } from "../cluster/cluster-metrics.js";
-import { connectCluster } from "../cluster/cluster-router.js";
+import { connectCluster, connectClusterFromRegistry } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
+import type { RegistryOptions } from "../cluster/registry.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import type { MemoryRegion } from "../engine/engine-memory.js";
 import { KvfenceError } from "../lib/errors.js";
@@ -44,6 +45,10 @@ export interface ServeEngineOptions {
   readonly prefill: readonly string[];
   readonly decode: readonly string[];
   readonly clusterSecret: string | undefined;
+  /** `--registry`: the router watches etcd instead of static lists. */
+  readonly registry?: RegistryOptions;
+  /** `--insecure-plaintext-links`: dial registered nodes beyond loopback without TLS. */
+  readonly insecurePlaintextLinks?: boolean;
   /** `--tls-cert/--tls-key/--tls-ca`, loaded: mutual TLS on the router's control links. */
   readonly linkTls?: LinkTls;
   readonly faults: readonly string[];
@@ -85,6 +90,19 @@ export function clusterSecret(flag: string | undefined): string {
 
 export async function startServeEngine(options: ServeEngineOptions): Promise<ServeEngine> {
   const safety = makeSafety({ faults: options.faults, disabledGuards: options.disabledGuards ?? [] });
+  if (options.role === "router" && options.registry !== undefined) {
+    const engine = await connectClusterFromRegistry({
+      registry: options.registry,
+      secret: clusterSecret(options.clusterSecret),
+      ...(options.linkTls === undefined ? {} : { tls: options.linkTls }),
+      plaintextBeyondLoopback: options.insecurePlaintextLinks === true,
+      maxModelLen: options.maxModelLen,
+      safety,
+      ...shared(options),
+      ...(options.log === undefined ? {} : { log: options.log }),
+    });
+    return disaggregated(engine, "processes", () => engine.close());
+  }
   if (options.role === "router") {
     if (options.prefill.length === 0 || options.decode.length === 0) {
       throw new KvfenceError(

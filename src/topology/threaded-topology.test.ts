@@ -251,3 +251,47 @@ test("A node worker thread that is terminated or throws: its requests fail with 
     await t.close();
   }
 });
+
+test("DisaggregatedEngine: the nodes' protocol state returns to empty when idle (watermarks prune every tombstone)", async () => {
+  const t = await startThreadedTopology({
+    prefill: { ...shared, numPages: 64 },
+    decode: { ...shared, numPages: 64 },
+    maxModelLen: 1024,
+  });
+  try {
+    const tombstones = async () => {
+      const nodes = await t.engine.nodeStats();
+      return nodes.map((n) => ({
+        role: n.node.hello.role,
+        attempts: n.stats!.attempts,
+        tombstones: n.stats!.tombstones,
+      }));
+    };
+    const idle = [
+      { role: "prefill", attempts: 0, tombstones: 0 },
+      { role: "decode", attempts: 0, tombstones: 0 },
+    ];
+    for (let round = 0; round < 2; round++) {
+      // 40 short requests at once, every fourth aborted by its client (silenced: it ends unseen)
+      // at some point of its run, from waiting to decoding.
+      const runs: Promise<unknown>[] = [];
+      for (let i = 0; i < 40; i++) {
+        const rid = round * 100 + i + 1;
+        const r = run(t.engine, request(rid, 20, 3));
+        if (i % 4 === 3) setTimeout(() => t.engine.abort(rid), i);
+        else runs.push(r);
+      }
+      for (const r of await Promise.all(runs)) assert.equal((r as { error: unknown }).error, null);
+      await assertIdle(t.engine);
+      const deadline = Date.now() + 10_000;
+      let seen = await tombstones();
+      while (JSON.stringify(seen) !== JSON.stringify(idle) && Date.now() < deadline) {
+        await new Promise((r) => setTimeout(r, 10));
+        seen = await tombstones();
+      }
+      assert.deepEqual(seen, idle, `round ${round}: no attempt and no tombstone left on either node`);
+    }
+  } finally {
+    await t.close();
+  }
+});

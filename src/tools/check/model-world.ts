@@ -129,6 +129,12 @@ export interface World {
   writes: string[];
   /** Bit i: request i was submitted. */
   submitted: number;
+  /**
+   * The requests (indices into the config's) in the order they were submitted: the k-th submitted
+   * goes out under rid k, as the real router hands out rids in serial order (its watermark relies
+   * on it), whichever request it is.
+   */
+  order: number[];
   /** Boot counts of the nodes. */
   dIncarnation: number;
   pIncarnation: number;
@@ -200,7 +206,6 @@ export class ModelWorld {
   readonly #prefillPool: ModelPool;
   readonly #routerConfig: RouterConfig;
   readonly #nodeConfig: DecodeConfig & PrefillConfig;
-  readonly #byRid = new Map<number, CheckRequest>();
   readonly #effectiveContext: number;
   #violations: Violation[] = [];
   #current: World | null = null;
@@ -214,12 +219,12 @@ export class ModelWorld {
       prefillPoolTokens: config.prefillPages * config.pageSize,
       decodePoolTokens: config.decodePages * config.pageSize,
       maxAttempts: config.maxAttempts,
+      watermarkStep: 1,
     };
     this.#nodeConfig = {
       maxModelLen: config.maxModelLen,
       layoutSignature: `kvfence-check|f32|page=${config.pageSize}`,
     };
-    for (const r of config.requests) this.#byRid.set(r.rid, r);
     this.#decodePool.onRead = (attempt, count, fresh) =>
       this.#ghostRead(this.#current!, { attempt, count, fresh });
     this.#effectiveContext = Math.min(
@@ -243,6 +248,7 @@ export class ModelWorld {
       chans: CHANNELS.map(() => []),
       writes: [],
       submitted: 0,
+      order: [],
       dIncarnation: 1,
       pIncarnation: 1,
       fences: [],
@@ -262,13 +268,19 @@ export class ModelWorld {
   /** A deep copy of `w`, several times faster than a JSON round trip. */
   clone(w: World): World {
     return {
-      router: { requests: cloneRecord(w.router.requests), stale: 0 },
+      router: {
+        requests: cloneRecord(w.router.requests),
+        stale: 0,
+        next: w.router.next,
+        watermark: w.router.watermark,
+      },
       prefill: {
         incarnation: w.prefill.incarnation,
         decodeIncarnation: w.prefill.decodeIncarnation,
         decodeLost: w.prefill.decodeLost,
         attempts: cloneRecord(w.prefill.attempts),
         ended: { ...w.prefill.ended },
+        watermark: w.prefill.watermark,
         stale: 0,
       },
       decode: {
@@ -278,6 +290,7 @@ export class ModelWorld {
         attempts: cloneRecord(w.decode.attempts),
         ended: { ...w.decode.ended },
         acks: { ...w.decode.acks },
+        watermark: w.decode.watermark,
         stale: 0,
         tagFailures: 0,
       },
@@ -288,6 +301,7 @@ export class ModelWorld {
       chans: w.chans.map((c) => c.slice()),
       writes: w.writes.slice(),
       submitted: w.submitted,
+      order: w.order.slice(),
       dIncarnation: w.dIncarnation,
       pIncarnation: w.pIncarnation,
       fences: w.fences.slice(),
@@ -365,9 +379,10 @@ export class ModelWorld {
       case "submit": {
         const r = this.config.requests[event.i]!;
         w.submitted |= 1 << event.i;
+        w.order.push(event.i);
         this.#router(w, {
           type: "submit",
-          rid: r.rid,
+          rid: w.order.length,
           tenant: r.tenant,
           promptLen: r.promptLen,
           maxTokens: r.maxTokens,
@@ -442,10 +457,32 @@ export class ModelWorld {
     const p = this.#countStates(w.pTable, this.config.prefillPages);
     if (d.free !== this.config.decodePages) busy.push(`decode pool not all FREE (${describeCounts(d)})`);
     if (p.free !== this.config.prefillPages) busy.push(`prefill pool not all FREE (${describeCounts(p)})`);
-    if (busy.length === 0) return null;
+    if (busy.length === 0) return this.#checkBound(w);
     return {
       invariant: "liveness",
       message: `The system is stuck with no message, write or step left to make progress: ${busy.join("; ")}`,
+    };
+  }
+
+  /**
+   * Bounded protocol state: with every request answered and nothing in flight, the node machines
+   * hold no attempt and no record of one (the router's watermark reached both and pruned them).
+   */
+  #checkBound(w: World): Violation | null {
+    const held: string[] = [];
+    const count = (what: string, record: object) => {
+      const n = Object.keys(record).length;
+      if (n > 0) held.push(`${what} ${n} (${Object.keys(record).join(", ")})`);
+    };
+    count("decode attempts", w.decode.attempts);
+    count("decode tombstones", w.decode.ended);
+    count("decode early acks", w.decode.acks);
+    count("prefill attempts", w.prefill.attempts);
+    count("prefill tombstones", w.prefill.ended);
+    if (held.length === 0) return null;
+    return {
+      invariant: "bound",
+      message: `The system is idle but the node machines still hold protocol state: ${held.join("; ")}`,
     };
   }
 
@@ -592,6 +629,7 @@ export class ModelWorld {
       );
     }
     this.#router(w, { type: "peer_lost", role });
+    this.#router(w, { type: "peer_up", role });
   }
 
   #effects(w: World, from: NodeRole, out: readonly Effect[]): void {
@@ -696,7 +734,7 @@ export class ModelWorld {
     w: World,
     { rid, epoch, status, code }: { rid: number; epoch: number; status: number; code: string | null },
   ): void {
-    const r = this.#byRid.get(rid)!;
+    const r = this.config.requests[w.order[rid - 1]!]!;
     const oversized = r.promptLen + r.maxTokens > this.#effectiveContext;
     if (status === 200 && !w.good.includes(attemptKey(rid, epoch))) {
       this.#violations.push({
@@ -787,7 +825,7 @@ export class ModelWorld {
     switch (event.k) {
       case "submit": {
         const r = this.config.requests[event.i]!;
-        return `client submits request ${r.rid} (tenant ${r.tenant}, prompt ${r.promptLen}, max_tokens ${r.maxTokens})`;
+        return `client submits request ${w.order.length + 1} (tenant ${r.tenant}, prompt ${r.promptLen}, max_tokens ${r.maxTokens})`;
       }
       case "deliver":
         return `deliver ${this.#describeMessage(w, event.c, event.j)}`;

@@ -65,6 +65,8 @@ import type {
   GenerationEvents,
   GenerationRequest,
 } from "../protocol/engine-api.js";
+import { PrefixCache, type PrefixCacheCounters } from "../protocol/prefix-cache.js";
+import { prefixCacheSalt } from "../protocol/prefix-key.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
 
 /** What the engine needs from the forward pass (`ForwardPass` implements it). */
@@ -88,6 +90,12 @@ export interface EngineOptions {
   readonly safety?: Safety;
   /** Seed for requests that bring none. Default: from `Math.random`. */
   readonly seed?: number;
+  /**
+   * Keep the full pages of finished prefills as a tenant-fenced prefix cache (`PrefixCache`) and
+   * reuse them for requests whose prompt starts with them. Default false (the server's
+   * `--prefix-cache` is on by default and sets it).
+   */
+  readonly prefixCache?: boolean;
 }
 
 /**
@@ -168,6 +176,10 @@ class Sequence {
   readonly decodeInput = new Int32Array(1);
   /** The array `onTokens` receives a sampled token in (reused: listeners copy what they keep). */
   readonly sampled: number[] = [0];
+  /** The salt of its prefix-cache keys (null: the cache is off for it). */
+  cacheSalt: string | null = null;
+  /** Prompt tokens this attempt reused from the prefix cache. */
+  cachedTokens = 0;
   #pagesView: Int32Array;
 
   constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {
@@ -209,6 +221,9 @@ export class Engine {
   readonly #maxSequences: number;
   readonly #contextTokens: number;
   readonly #tagCheck: boolean;
+  readonly #safety: Safety;
+  /** The prefix cache of this engine's pool (local requests only), or null when off. */
+  readonly #cache: PrefixCache | null;
   readonly #seeds: Prng;
   readonly #sampler: Sampler;
   readonly #byRid = new Map<number, Sequence>();
@@ -298,7 +313,9 @@ export class Engine {
     this.#maxBatchTokens = model.maxBatchTokens;
     this.#maxSequences = model.maxSequences;
     this.#contextTokens = Math.min(maxModelLen, pool.capacityTokens);
-    this.#tagCheck = guardOn(options.safety ?? SAFE, "page-tags");
+    this.#safety = options.safety ?? SAFE;
+    this.#tagCheck = guardOn(this.#safety, "page-tags");
+    this.#cache = options.prefixCache === true ? new PrefixCache(pool.table, pool.pageSize, this.#safety) : null;
     this.#sampler = new Sampler(config.vocabSize);
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
     this.capacity = Object.freeze({
@@ -340,7 +357,15 @@ export class Engine {
       return null;
     }
     const seed = request.seed ?? this.#seeds.nextUint32();
-    return new Sequence(request, events, this.pool.pageSize, seed);
+    const seq = new Sequence(request, events, this.pool.pageSize, seed);
+    if (this.#cache !== null)
+      seq.cacheSalt = prefixCacheSalt(
+        this.#safety,
+        request.tenant,
+        request.cacheSalt ?? null,
+        request.cacheScope ?? "",
+      );
+    return seq;
   }
 
   #enqueue(seq: Sequence): void {
@@ -429,11 +454,20 @@ export class Engine {
 
   stats(): EngineStats {
     const preempted = this.#preempted.length;
-    return {
+    const stats: EngineStats = {
       pages: this.pool.counts(),
       queue: { waiting: this.#waiting.length + preempted, running: this.#running.length, preempted },
       counters: { ...this.#counters },
     };
+    if (this.#cache !== null) stats.prefixCache = this.prefixCacheStats()!;
+    return stats;
+  }
+
+  /** The prefix cache's counters and pages, or null when it is off. */
+  prefixCacheStats(): (PrefixCacheCounters & { sharedPages: number; evictablePages: number }) | null {
+    const cache = this.#cache;
+    if (cache === null) return null;
+    return { ...cache.counters, sharedPages: cache.size, evictablePages: cache.evictable() };
   }
 
   /** The running requests' block tables (read-only use: diagnostics and the tag-check benchmark). */
@@ -580,15 +614,14 @@ export class Engine {
         ? this.#waiting.peek(this.#fresh)
         : (this.#preempted.peekFront() ?? this.#waiting.peek());
       if (seq === undefined) break;
+      if (seq.cacheSalt !== null && seq.ownership === "local") this.#lookupPrefix(seq);
       const remaining = seq.length - seq.computed;
       const prefill = remaining > 1;
       const n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
-      if (n <= 0) break;
-      if (
-        seq.ownership === "local" &&
-        !this.pool.allocate(Math.ceil(n / this.pool.pageSize), seq.rid, seq.epoch, seq.tenant, seq.blockTable)
-      )
+      if (n <= 0 || (seq.ownership === "local" && !this.#allocateFor(seq, seq.computed + n))) {
+        if (seq.cachedTokens > 0) this.#releasePrefix(seq);
         break;
+      }
       if (seq.preempted) this.#preempted.popFront();
       else this.#waiting.take();
       seq.state = "running";
@@ -617,7 +650,14 @@ export class Engine {
         }
         if (seq.state !== "running") continue;
       } else if (this.#tagCheck) {
-        const bad = this.pool.checkStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
+        const bad = this.pool.checkStep(
+          seq.blockTable,
+          seq.rid,
+          seq.epoch,
+          seq.stepStart,
+          seq.stepEnd,
+          seq.tenant,
+        );
         if (bad >= 0) {
           this.#counters.tagCheckFailures++;
           this.#fail(seq, this.#tagError(seq, bad));
@@ -661,6 +701,8 @@ export class Engine {
       if (seq.ownership !== "decode-external")
         this.pool.recordStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
       seq.computed = seq.stepEnd;
+      if (seq.cacheSalt !== null && seq.stepStart < seq.promptLength && seq.stepEnd >= seq.promptLength)
+        this.#insertPrefix(seq, seq.promptLength);
     }
   }
 
@@ -688,10 +730,9 @@ export class Engine {
         continue;
       }
       const done = seq.generated >= r.maxTokens;
-      if (done) this.#end(seq);
+      if (done) this.#end(seq, true);
       seq.events.onTokens(seq.sampled);
-      if (done)
-        seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
+      if (done) seq.events.onFinish("length", this.#usage(seq));
     }
   }
 
@@ -721,7 +762,7 @@ export class Engine {
       seq.ownership === "local"
         ? Math.ceil((seq.computed + n) / this.pool.pageSize) - seq.blockTable.length
         : 0;
-    while (!this.pool.allocate(pagesNeeded, seq.rid, seq.epoch, seq.tenant, seq.blockTable)) {
+    while (!this.#allocatePages(pagesNeeded, seq)) {
       const victim = running[running.length - 1]!;
       if ((victim === seq && running.length === 1) || victim.ownership !== "local") {
         this.#fail(seq, {
@@ -735,6 +776,53 @@ export class Engine {
     }
     this.#addToBatch(seq, n, prefill);
     return "scheduled";
+  }
+
+  /** Leases the pages `seq` needs to hold `tokens` tokens (evicting unreferenced cached pages if short). */
+  #allocateFor(seq: Sequence, tokens: number): boolean {
+    return this.#allocatePages(Math.ceil(tokens / this.pool.pageSize) - seq.blockTable.length, seq);
+  }
+
+  /**
+   * Leases `count` more pages to `seq`; when the pool is short, first evicts cached pages no
+   * request references (least recently used), before the caller preempts anyone.
+   */
+  #allocatePages(count: number, seq: Sequence): boolean {
+    const pool = this.pool;
+    if (pool.allocate(count, seq.rid, seq.epoch, seq.tenant, seq.blockTable)) return true;
+    const cache = this.#cache;
+    if (cache === null || cache.size === 0) return false;
+    if (cache.evict(count - pool.table.counts().free) === 0) return false;
+    return pool.allocate(count, seq.rid, seq.epoch, seq.tenant, seq.blockTable);
+  }
+
+  /**
+   * A request about to start computing from its first token: reuse the cached full pages its
+   * prompt starts with (never its last prompt token, whose logits the first sample needs).
+   */
+  #lookupPrefix(seq: Sequence): void {
+    if (seq.computed !== 0 || seq.blockTable.length !== 0) return;
+    const P = this.pool.pageSize;
+    const hit = this.#cache!.lookup(
+      seq.cacheSalt!,
+      seq.tokens,
+      Math.floor((seq.promptLength - 1) / P),
+      seq.blockTable,
+    );
+    seq.computed = hit * P;
+    seq.cachedTokens = hit * P;
+  }
+
+  /** Gives back a hit that could not be admitted this step (the references; it looks up again later). */
+  #releasePrefix(seq: Sequence): void {
+    this.pool.free(seq.blockTable, seq.rid, seq.epoch);
+    seq.computed = 0;
+    seq.cachedTokens = 0;
+  }
+
+  /** Caches `seq`'s full pages of its first `tokens` computed tokens. */
+  #insertPrefix(seq: Sequence, tokens: number): void {
+    this.#cache!.insert(seq.cacheSalt!, seq.tokens, Math.floor(tokens / this.pool.pageSize), seq.blockTable, seq);
   }
 
   #addToBatch(seq: Sequence, n: number, prefill: boolean): void {
@@ -843,8 +931,13 @@ export class Engine {
   }
 
   #finish(seq: Sequence, reason: "stop" | "length"): void {
-    this.#end(seq);
-    seq.events.onFinish(reason, { promptTokens: seq.promptLength, completionTokens: seq.generated });
+    this.#end(seq, true);
+    seq.events.onFinish(reason, this.#usage(seq));
+  }
+
+  #usage(seq: Sequence): { promptTokens: number; completionTokens: number; cachedTokens?: number } {
+    const usage = { promptTokens: seq.promptLength, completionTokens: seq.generated };
+    return this.#cache === null ? usage : { ...usage, cachedTokens: seq.cachedTokens };
   }
 
   #fail(seq: Sequence, error: WireError): void {
@@ -852,9 +945,14 @@ export class Engine {
     seq.events.onError(error);
   }
 
-  /** Frees the request's pages and forgets it; later calls for the same request do nothing. */
-  #end(seq: Sequence): void {
+  /**
+   * Frees the request's pages and forgets it; later calls for the same request do nothing. A
+   * request that `finished` first caches its full pages (prompt and generated tokens: the next
+   * turn of a chat starts with them).
+   */
+  #end(seq: Sequence, finished = false): void {
     if (seq.state === "done") return;
+    if (finished && seq.cacheSalt !== null && seq.ownership === "local") this.#insertPrefix(seq, seq.computed);
     if (seq.ownership === "local") this.pool.free(seq.blockTable, seq.rid, seq.epoch);
     else seq.blockTable.clear();
     if (seq.state === "running") this.#removeRunning(seq);

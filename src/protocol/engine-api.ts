@@ -23,6 +23,24 @@ export interface GenerationRequest {
   readonly seed: number | null;
   /** EOS ids; stop *strings* are matched by the router, which then aborts. */
   readonly stopTokenIds: readonly number[];
+  /**
+   * The client's `cache_salt` (narrows the prefix-cache namespace; never replaces the tenant's).
+   * Absent or null: none.
+   */
+  readonly cacheSalt?: string | null;
+  /**
+   * The server's prefix-cache namespace within the tenant (`--prefix-cache-scope key`: the API
+   * key's; absent or "": the tenant's).
+   */
+  readonly cacheScope?: string;
+}
+
+/** Token counts of a finished request. */
+export interface GenerationUsage {
+  promptTokens: number;
+  completionTokens: number;
+  /** Prompt tokens served from the prefix cache (present when the cache is on). */
+  cachedTokens?: number;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */
@@ -32,7 +50,7 @@ export interface GenerationEvents {
    * is not reported here; it counts in `usage.completionTokens`.
    */
   onTokens(tokenIds: readonly number[]): void;
-  onFinish(reason: "stop" | "length", usage: { promptTokens: number; completionTokens: number }): void;
+  onFinish(reason: "stop" | "length", usage: GenerationUsage): void;
   /** E.g. `context_length_exceeded` at the engine's door, `page_tag_mismatch`. */
   onError(error: WireError): void;
 }
@@ -55,6 +73,16 @@ export interface EngineStats {
     aborts: number;
     promptTokens: number;
     completionTokens: number;
+  };
+  /** The prefix cache's counters and pages (present when it is on). */
+  prefixCache?: {
+    hits: number;
+    misses: number;
+    hitTokens: number;
+    evictions: number;
+    collisions: number;
+    sharedPages: number;
+    evictablePages: number;
   };
 }
 

@@ -13,7 +13,8 @@ const EXPECTED: Record<FaultName, string> = {
   "misaddressed-write": "3",
   "drop-abort-ack": "3",
   "stale-commit": "1",
-  "shared-prefix": "1",
+  "shared-prefix": "P1",
+  "prefix-collision": "P1",
 };
 
 for (const fault of FAULT_NAMES) {

@@ -63,6 +63,8 @@ export function command(): Command {
       "the router's operator listener port (default: --port + 1 without an operator key)",
     )
     .option("--metrics-tenant-names", "label the router's metrics with tenant names, not opaque ids")
+    .option("--prefix-cache <on|off>", "the nodes' tenant-fenced prefix cache (default on)")
+    .option("--prefix-cache-scope <tenant|key>", "the router's prefix-cache namespace (default tenant)")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -101,6 +103,7 @@ async function runCluster(raw: RawOptions): Promise<void> {
       ["--max-model-len", "maxModelLen"],
       ["--kernels", "kernels"],
       ["--kernel-threads", "kernelThreads"],
+      ["--prefix-cache", "prefixCache"],
     ]),
     ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
     ...passOn(raw, [
@@ -121,6 +124,7 @@ async function runCluster(raw: RawOptions): Promise<void> {
     ["--max-queue", "maxQueue"],
     ["--queue-timeout", "queueTimeout"],
     ["--ready-timeout", "readyTimeout"],
+    ["--prefix-cache-scope", "prefixCacheScope"],
   ]);
   if (raw.metricsTenantNames !== undefined) routerArgs.push("--metrics-tenant-names");
   const cluster = await startLocalCluster({

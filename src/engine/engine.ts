@@ -315,7 +315,8 @@ export class Engine {
     this.#contextTokens = Math.min(maxModelLen, pool.capacityTokens);
     this.#safety = options.safety ?? SAFE;
     this.#tagCheck = guardOn(this.#safety, "page-tags");
-    this.#cache = options.prefixCache === true ? new PrefixCache(pool.table, pool.pageSize, this.#safety) : null;
+    this.#cache =
+      options.prefixCache === true ? new PrefixCache(pool.table, pool.pageSize, this.#safety) : null;
     this.#sampler = new Sampler(config.vocabSize);
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
     this.capacity = Object.freeze({
@@ -822,7 +823,13 @@ export class Engine {
 
   /** Caches `seq`'s full pages of its first `tokens` computed tokens. */
   #insertPrefix(seq: Sequence, tokens: number): void {
-    this.#cache!.insert(seq.cacheSalt!, seq.tokens, Math.floor(tokens / this.pool.pageSize), seq.blockTable, seq);
+    this.#cache!.insert(
+      seq.cacheSalt!,
+      seq.tokens,
+      Math.floor(tokens / this.pool.pageSize),
+      seq.blockTable,
+      seq,
+    );
   }
 
   #addToBatch(seq: Sequence, n: number, prefill: boolean): void {
@@ -952,7 +959,8 @@ export class Engine {
    */
   #end(seq: Sequence, finished = false): void {
     if (seq.state === "done") return;
-    if (finished && seq.cacheSalt !== null && seq.ownership === "local") this.#insertPrefix(seq, seq.computed);
+    if (finished && seq.cacheSalt !== null && seq.ownership === "local")
+      this.#insertPrefix(seq, seq.computed);
     if (seq.ownership === "local") this.pool.free(seq.blockTable, seq.rid, seq.epoch);
     else seq.blockTable.clear();
     if (seq.state === "running") this.#removeRunning(seq);

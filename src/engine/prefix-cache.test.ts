@@ -60,9 +60,17 @@ test("prefix cache: another tenant's identical prefix is a miss; so is another c
   const [other] = runAll(engine, [request(2, withTail([1]), 3, { tenant: 1 })]);
   assert.equal((other!.usage as { cachedTokens?: number }).cachedTokens, 0);
   const [forged] = runAll(engine, [request(3, withTail([1]), 3, { tenant: 1, cacheSalt: "tenant:0" })]);
-  assert.equal((forged!.usage as { cachedTokens?: number }).cachedTokens, 0, "a client salt cannot reach another tenant");
+  assert.equal(
+    (forged!.usage as { cachedTokens?: number }).cachedTokens,
+    0,
+    "a client salt cannot reach another tenant",
+  );
   const [salted] = runAll(engine, [request(4, withTail([1]), 3, { cacheSalt: "s1" })]);
-  assert.equal((salted!.usage as { cachedTokens?: number }).cachedTokens, 0, "a client salt narrows the namespace");
+  assert.equal(
+    (salted!.usage as { cachedTokens?: number }).cachedTokens,
+    0,
+    "a client salt narrows the namespace",
+  );
   const [same] = runAll(engine, [request(5, withTail([1]), 3)]);
   assert.ok((same!.usage as { cachedTokens?: number }).cachedTokens! > 0);
   const [scoped] = runAll(engine, [request(6, withTail([1]), 3, { cacheScope: "key:1" })]);

@@ -322,9 +322,7 @@ export class OwnershipTable {
       if (page < 0 || page >= this.numPages) return j;
       const first = j * P;
       if (first < start) {
-        if (shared !== undefined && shared[j] === 1) {
-          if (!this.checkShared(page, generation, tenant ?? -1)) return j;
-        } else if (!this.checkRead(page, generation, rid, epoch)) return j;
+        if (!this.#readable(page, generation, rid, epoch, shared?.[j] === 1, tenant ?? -1)) return j;
         if (this.#filledTokens[page]! < Math.min(start - first, P)) return j;
       } else if (first < end) {
         if (!this.checkWrite(page, generation, rid, epoch)) return j;
@@ -347,8 +345,16 @@ export class OwnershipTable {
    * in its block table. Generation, tenant and writer stamp unchanged. False (nothing changed) when
    * the page is not that attempt's full READY page.
    */
-  share(page: number, generation: number, rid: number, epoch: number, entry: number, fullTokens: number): boolean {
-    if (!this.checkRead(page, generation, rid, epoch) || this.#filledTokens[page] !== fullTokens) return false;
+  share(
+    page: number,
+    generation: number,
+    rid: number,
+    epoch: number,
+    entry: number,
+    fullTokens: number,
+  ): boolean {
+    if (!this.checkRead(page, generation, rid, epoch) || this.#filledTokens[page] !== fullTokens)
+      return false;
     this.#state[page] = PageState.SHARED;
     this.#owner[page] = entry;
     this.#ownerEpoch[page] = NO_WRITER;
@@ -404,6 +410,18 @@ export class OwnershipTable {
   /** SHARED pages right now (O(1)). */
   sharedPages(): number {
     return this.#header[H_SHARED]!;
+  }
+
+  /** `checkShared` for a page the reader holds as a shared reference, else `checkRead`. */
+  #readable(
+    page: number,
+    generation: number,
+    rid: number,
+    epoch: number,
+    shared: boolean,
+    tenant: number,
+  ): boolean {
+    return shared ? this.checkShared(page, generation, tenant) : this.checkRead(page, generation, rid, epoch);
   }
 
   #isShared(page: number, generation: number): boolean {

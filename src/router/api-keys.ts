@@ -21,6 +21,8 @@ export interface Tenant {
   /** Index used on the engine side (page tags, metrics labels stay by name). */
   readonly index: number;
   readonly name: string;
+  /** The API key's own index (for `--prefix-cache-scope key`); absent for the anonymous tenant. */
+  readonly keyIndex?: number;
 }
 
 export const ANONYMOUS_TENANT: Tenant = Object.freeze({ index: 0, name: "anonymous" });
@@ -64,7 +66,7 @@ export class TenantDirectory {
         tenant = Object.freeze({ index: byName.size, name });
         byName.set(name, tenant);
       }
-      entries.push({ digest: digest(key), tenant });
+      entries.push({ digest: digest(key), tenant: Object.freeze({ ...tenant, keyIndex: entries.length }) });
       if (set !== undefined) limits.set(tenant.index, Object.freeze({ ...limits.get(tenant.index), ...set }));
     }
     this.#entries = entries;

@@ -18,6 +18,8 @@ export interface TextStreamDecoder {
 export interface Usage {
   readonly promptTokens: number;
   readonly completionTokens: number;
+  /** Prompt tokens served from the prefix cache (absent: the cache is off). */
+  readonly cachedTokens?: number;
 }
 
 export type FinishReason = "stop" | "length";
@@ -112,6 +114,7 @@ export class Generation {
     this.#sink.finish(step.stopped ? "stop" : reason, {
       promptTokens: usage.promptTokens,
       completionTokens: Math.max(usage.completionTokens, this.#completionTokens),
+      ...(usage.cachedTokens === undefined ? {} : { cachedTokens: usage.cachedTokens }),
     });
   }
 

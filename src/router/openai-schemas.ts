@@ -50,6 +50,8 @@ const samplingFields = {
   /** Not in OpenAI's API; vLLM and SGLang accept it. 0 or -1 = off. */
   top_k: z.number().int().min(-1).nullable().optional(),
   seed: z.number().int().nullable().optional(),
+  /** vLLM's field: narrows the prefix-cache namespace within the tenant (never widens it). */
+  cache_salt: z.string().min(1).max(256).nullable().optional(),
   stop,
   n: z.number().int().nullable().optional(),
   user: z.string().optional(),
@@ -104,6 +106,8 @@ export interface SamplingRequest {
   readonly topK: number | null;
   readonly seed: number | null;
   readonly stop: readonly string[];
+  /** The client's `cache_salt`, or null. */
+  readonly cacheSalt: string | null;
 }
 
 export interface ParsedChatRequest extends SamplingRequest {
@@ -241,6 +245,7 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
     topK: req.top_k ?? null,
     seed: req.seed ?? null,
     stop: stopList(req.stop),
+    cacheSalt: req.cache_salt ?? null,
   };
 }
 

@@ -95,6 +95,8 @@ export interface RouterServerOptions {
   readonly operatorKey?: string | undefined;
   /** `--metrics-tenant-names`: label metrics with tenant names, not opaque ids. */
   readonly metricsTenantNames?: boolean;
+  /** `--prefix-cache-scope`: the prefix cache's namespace, per tenant (default) or per API key. */
+  readonly prefixCacheScope?: "tenant" | "key";
 }
 
 type Handler = (ctx: RequestContext) => Promise<void> | void;
@@ -161,6 +163,7 @@ export class RouterServer {
   readonly #operatorKey: Buffer | null;
   /** Tenant name → its label in metrics. */
   readonly #tenantLabel: (name: string) => string;
+  readonly #prefixCacheScope: "tenant" | "key";
   #operatorServer: Server | null = null;
   #nextRid = 1;
   #url: string | null = null;
@@ -173,6 +176,7 @@ export class RouterServer {
     this.#tokenizer = options.tokenizer;
     this.#model = options.model;
     this.#tenants = options.tenants;
+    this.#prefixCacheScope = options.prefixCacheScope ?? "tenant";
     this.#log = options.logger;
     this.contextLength = Math.min(
       effectiveContextLength({
@@ -485,6 +489,11 @@ export class RouterServer {
       topK: parsed.topK === null ? (defaults.topK ?? 0) : Math.max(0, parsed.topK),
       seed: parsed.seed,
       stopTokenIds: this.#model.eosTokenIds,
+      cacheSalt: parsed.cacheSalt,
+      cacheScope:
+        this.#prefixCacheScope === "key" && ctx.tenant!.keyIndex !== undefined
+          ? `key:${ctx.tenant!.keyIndex}`
+          : "",
     };
     this.#serve(ctx, kind, parsed, request);
   }

@@ -171,6 +171,7 @@ export async function startServer(
     unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
     operatorKey: config.operatorKey,
     metricsTenantNames: config.metricsTenantNames,
+    prefixCacheScope: config.prefixCacheScope,
     ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   });
   served.registerMetrics(router.metrics.registry);
@@ -305,6 +306,8 @@ function engineOptionsOf(
     pageSize: config.pageSize,
     maxModelLen: pool.contextLength,
     scrubOnFree: config.scrubOnFree,
+    prefixCache: config.prefixCache === "on",
+    ...(config.unsafeFault.length === 0 ? {} : { faults: config.unsafeFault }),
     ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
     ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
     ...kernelOptions(config),

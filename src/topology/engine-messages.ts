@@ -22,7 +22,10 @@ export interface EngineEventsMessage {
   readonly type: "events";
   /** Runs of `rid, count, token × count`. */
   readonly tokens: number[];
-  /** Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens`; after the tokens. */
+  /**
+   * Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens, cachedTokens`
+   * (cachedTokens -1: the prefix cache is off); after the tokens.
+   */
   readonly finishes: number[];
   readonly errors: { rid: number; error: WireError }[];
 }

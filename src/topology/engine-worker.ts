@@ -43,7 +43,13 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
       for (const id of ids) tokens.push(id);
     },
     onFinish(reason, usage) {
-      finishes.push(rid, FINISH_REASONS.indexOf(reason), usage.promptTokens, usage.completionTokens);
+      finishes.push(
+        rid,
+        FINISH_REASONS.indexOf(reason),
+        usage.promptTokens,
+        usage.completionTokens,
+        usage.cachedTokens ?? -1,
+      );
     },
     onError(error) {
       errors.push({ rid, error });

@@ -127,7 +127,18 @@ class PrefixWorld {
     // The read check of the first step (page tags), then the compute of its own pages.
     if (
       guardOn(this.safety, "page-tags") &&
-      this.table.checkStep(PAGE_SIZE, t.pages, t.generations, t.length, r, 0, hit * PAGE_SIZE, tokens.length, t.shared, q.tenant) >= 0
+      this.table.checkStep(
+        PAGE_SIZE,
+        t.pages,
+        t.generations,
+        t.length,
+        r,
+        0,
+        hit * PAGE_SIZE,
+        tokens.length,
+        t.shared,
+        q.tenant,
+      ) >= 0
     ) {
       this.#release(r, t);
       this.ended.add(r);
@@ -140,7 +151,11 @@ class PrefixWorld {
       this.table.stampWriter(page, r, 0, filled);
       this.table.markReady(page, t.generations[j]!, r, 0);
     }
-    this.cache.insert(this.#salt(r), tokens, Math.floor(tokens.length / PAGE_SIZE), t, { rid: r, epoch: 0, tenant: q.tenant });
+    this.cache.insert(this.#salt(r), tokens, Math.floor(tokens.length / PAGE_SIZE), t, {
+      rid: r,
+      epoch: 0,
+      tenant: q.tenant,
+    });
     const seen: string[] = [];
     for (let j = 0; j < t.length; j++) seen.push(this.content[t.pages[j]!]!);
     this.live.set(r, { table: t, seen });
@@ -176,7 +191,12 @@ class PrefixWorld {
             invariant: "P1",
             message: `tenant ${q.tenant}'s request ${r} reads shared page ${page} of tenant ${this.table.tenant(page)}: another tenant's KV (and a hit's timing) serves it`,
           };
-        if (t.shared[j] === 1 && (this.table.state(page) !== PageState.SHARED || this.table.generation(page) !== t.generations[j] || this.content[page] !== live.seen[j]))
+        if (
+          t.shared[j] === 1 &&
+          (this.table.state(page) !== PageState.SHARED ||
+            this.table.generation(page) !== t.generations[j] ||
+            this.content[page] !== live.seen[j])
+        )
           return {
             invariant: "P2",
             message: `request ${r} holds a reference to page ${page}, which was freed, rewritten or handed out`,
@@ -205,7 +225,9 @@ class PrefixWorld {
     for (let p = 0; p < POOL_PAGES; p++) {
       const s = this.table.state(p);
       const tag = ["F", "R", "Y", "Q", "S"][s]!;
-      parts.push(`${tag}${s === PageState.SHARED ? `:t${this.table.tenant(p)}x${this.table.refcount(p)}` : ""}(${this.content[p]})`);
+      parts.push(
+        `${tag}${s === PageState.SHARED ? `:t${this.table.tenant(p)}x${this.table.refcount(p)}` : ""}(${this.content[p]})`,
+      );
     }
     return parts.join(" ");
   }
@@ -220,9 +242,11 @@ function prefixOf(q: ModelRequest, n: number): string {
  * Explores every order of the actions, breadth first (shortest counterexample first), up to
  * `maxStates` action sequences; the world is rebuilt from each sequence.
  */
-export function explorePrefixCache(
-  options: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[]; readonly maxStates?: number },
-): ExploreResult {
+export function explorePrefixCache(options: {
+  readonly faults: readonly string[];
+  readonly disabledGuards: readonly string[];
+  readonly maxStates?: number;
+}): ExploreResult {
   const started = performance.now();
   const safety = makeSafety({ faults: options.faults, disabledGuards: options.disabledGuards });
   const maxStates = options.maxStates ?? 200_000;
@@ -255,14 +279,28 @@ export function explorePrefixCache(
         seen.add(key);
         states++;
         if (states >= maxStates)
-          return { states, transitions, depth, elapsedMs: performance.now() - started, complete: false, counterexample: null };
+          return {
+            states,
+            transitions,
+            depth,
+            elapsedMs: performance.now() - started,
+            complete: false,
+            counterexample: null,
+          };
         next.push(extended);
       }
     }
     frontier = next;
     if (next.length > 0) depth++;
   }
-  return { states, transitions, depth, elapsedMs: performance.now() - started, complete: true, counterexample: null };
+  return {
+    states,
+    transitions,
+    depth,
+    elapsedMs: performance.now() - started,
+    complete: true,
+    counterexample: null,
+  };
 }
 
 function replay(path: readonly Action[], safety: Safety): PrefixWorld {
@@ -271,7 +309,11 @@ function replay(path: readonly Action[], safety: Safety): PrefixWorld {
   return world;
 }
 
-function trace(path: readonly Action[], safety: Safety, v: { invariant: string; message: string }): Counterexample {
+function trace(
+  path: readonly Action[],
+  safety: Safety,
+  v: { invariant: string; message: string },
+): Counterexample {
   const world = new PrefixWorld(safety);
   const initialPools = `pool of ${POOL_PAGES} pages (page size ${PAGE_SIZE}): ${world.describe()}`;
   const steps = path.map((a) => {

@@ -116,7 +116,11 @@ export const FAULT_SCENARIOS: Readonly<Record<FaultName, Scenario>> = {
     bound: { requests: 1, duplicates: 0, clientAborts: false, timeouts: true },
   },
   "shared-prefix": { faults: ["shared-prefix"], disabledGuards: ["tenant-salt", "page-tags"], bound: {} },
-  "prefix-collision": { faults: ["prefix-collision"], disabledGuards: ["prefix-tokens", "page-tags"], bound: {} },
+  "prefix-collision": {
+    faults: ["prefix-collision"],
+    disabledGuards: ["prefix-tokens", "page-tags"],
+    bound: {},
+  },
 };
 
 /** The faults the prefix cache's own model explores (src/tools/check/prefix-model.ts). */

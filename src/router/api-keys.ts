@@ -21,8 +21,6 @@ export interface Tenant {
   /** Index used on the engine side (page tags, metrics labels stay by name). */
   readonly index: number;
   readonly name: string;
-  /** The API key's own index (for `--prefix-cache-scope key`); absent for the anonymous tenant. */
-  readonly keyIndex?: number;
 }
 
 export const ANONYMOUS_TENANT: Tenant = Object.freeze({ index: 0, name: "anonymous" });
@@ -66,7 +64,7 @@ export class TenantDirectory {
         tenant = Object.freeze({ index: byName.size, name });
         byName.set(name, tenant);
       }
-      entries.push({ digest: digest(key), tenant: Object.freeze({ ...tenant, keyIndex: entries.length }) });
+      entries.push({ digest: digest(key), tenant });
       if (set !== undefined) limits.set(tenant.index, Object.freeze({ ...limits.get(tenant.index), ...set }));
     }
     this.#entries = entries;
@@ -81,14 +79,22 @@ export class TenantDirectory {
 
   /** The tenant for an `Authorization` header value, or null when the key is wrong or missing. */
   authenticate(authorization: string | undefined): Tenant | null {
-    if (this.anonymous) return ANONYMOUS_TENANT;
+    return this.authenticateKey(authorization)?.tenant ?? null;
+  }
+
+  /**
+   * The tenant and the key's own index (the prefix cache's `key` scope; -1 for the anonymous
+   * tenant) for an `Authorization` header value, or null when the key is wrong or missing.
+   */
+  authenticateKey(authorization: string | undefined): { tenant: Tenant; keyIndex: number } | null {
+    if (this.anonymous) return { tenant: ANONYMOUS_TENANT, keyIndex: -1 };
     const match = /^Bearer\s+(\S+)\s*$/i.exec(authorization ?? "");
     if (match === null) return null;
     const given = digest(match[1]!);
-    let found: Tenant | null = null;
-    for (const entry of this.#entries) {
-      if (timingSafeEqual(entry.digest, given)) found = entry.tenant;
-    }
+    let found: { tenant: Tenant; keyIndex: number } | null = null;
+    this.#entries.forEach((entry, keyIndex) => {
+      if (timingSafeEqual(entry.digest, given)) found = { tenant: entry.tenant, keyIndex };
+    });
     return found;
   }
 

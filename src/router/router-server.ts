@@ -121,6 +121,8 @@ interface RequestContext {
   readonly url: URL;
   readonly receivedAt: number;
   tenant: Tenant | null;
+  /** The API key's index in the key file (-1: anonymous), for `--prefix-cache-scope key`. */
+  keyIndex: number;
 }
 
 /** What differs between the two generation endpoints; the router never branches on the endpoint. */
@@ -335,6 +337,7 @@ export class RouterServer {
       url: new URL(valid ? target : "/", "http://localhost"),
       receivedAt: performance.now(),
       tenant: null,
+      keyIndex: -1,
     };
     const route = valid ? this.#route(ctx.url.pathname, listener) : undefined;
     const endpoint: Endpoint = route?.endpoint ?? "other";
@@ -372,7 +375,11 @@ export class RouterServer {
         );
       }
       if (route.operator === true) this.#authorizeOperator(req, listener);
-      else if (ctx.url.pathname.startsWith("/v1/")) ctx.tenant = this.#authenticate(req);
+      else if (ctx.url.pathname.startsWith("/v1/")) {
+        const found = this.#authenticate(req);
+        ctx.tenant = found.tenant;
+        ctx.keyIndex = found.keyIndex;
+      }
       await route.handler(ctx);
     } catch (err) {
       this.#sendError(res, err);
@@ -417,10 +424,10 @@ export class RouterServer {
     );
   }
 
-  #authenticate(req: IncomingMessage): Tenant {
+  #authenticate(req: IncomingMessage): { tenant: Tenant; keyIndex: number } {
     const header = req.headers.authorization;
-    const tenant = this.#tenants.authenticate(header);
-    if (tenant !== null) return tenant;
+    const found = this.#tenants.authenticateKey(header);
+    if (found !== null) return found;
     if (header === undefined || header.trim() === "") {
       throw new KvfenceError(
         "invalid_api_key",
@@ -490,10 +497,7 @@ export class RouterServer {
       seed: parsed.seed,
       stopTokenIds: this.#model.eosTokenIds,
       cacheSalt: parsed.cacheSalt,
-      cacheScope:
-        this.#prefixCacheScope === "key" && ctx.tenant!.keyIndex !== undefined
-          ? `key:${ctx.tenant!.keyIndex}`
-          : "",
+      cacheScope: this.#prefixCacheScope === "key" && ctx.keyIndex >= 0 ? `key:${ctx.keyIndex}` : "",
     };
     this.#serve(ctx, kind, parsed, request);
   }

@@ -10,6 +10,7 @@
  * releases exactly its own quarantined pages).
  */
 import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { EngineStats } from "../protocol/engine-api.js";
 import type { ControlMessage } from "../protocol/wire.js";
 
 /** Sampling parameters of one request, as the engine's `GenerationRequest` has them. */
@@ -58,6 +59,8 @@ export interface NodeHello {
   readonly incarnation: number;
   /** Requests its engine batches per step (its sequence slots). */
   readonly maxSequences?: number;
+  /** Prefill: it keeps a prefix cache (the router routes a prompt to the node likely to hold its prefix). */
+  readonly prefixCache?: boolean;
 }
 
 /** One node's counters, polled by the router for /metrics and /kvfence/nodes. */
@@ -74,6 +77,8 @@ export interface NodeStats {
   };
   /** Attempts the node's state machines hold now (reserved, quarantined, computing, held, ...). */
   readonly attempts: number;
+  /** Its prefix cache's counters and pages (absent without a cache). */
+  readonly prefixCache?: EngineStats["prefixCache"];
   /** Protocol messages ignored because their (rid, epoch) was not current. */
   readonly staleMessages: number;
   readonly transfer: {
@@ -105,12 +110,20 @@ export type FromNode =
   | NodeHello
   | { readonly kind: "protocol"; readonly msg: ControlMessage }
   | { readonly kind: "stats"; readonly id: number; readonly stats: NodeStats }
-  | { readonly kind: "pong"; readonly id: number }
+  /** `cachedPages`: the pages its prefix cache holds now (absent without a cache). */
+  | { readonly kind: "pong"; readonly id: number; readonly cachedPages?: number }
   /** Decode: the transfer channel to this prefill node is up / went down (the fence). */
   | { readonly kind: "prefill_up"; readonly prefill: string }
   | { readonly kind: "prefill_down"; readonly prefill: string }
   /** Either role: its state machines freed pages (now `free` pages are FREE); waiting requests may retry. */
-  | { readonly kind: "pages_freed"; readonly free: number };
+  | { readonly kind: "pages_freed"; readonly free: number }
+  /** Prefill, prefix cache on: this attempt's prompt tokens served from the cache (before its compute). */
+  | {
+      readonly kind: "prefix_cached";
+      readonly rid: number;
+      readonly epoch: number;
+      readonly cachedTokens: number;
+    };
 
 /** A bidirectional message channel (a MessagePort or an authenticated TCP link). */
 export interface Link<Out, In> {

@@ -140,6 +140,11 @@ export interface ExternalPages {
    * the engine checks the pages itself.
    */
   readonly checkStep?: () => boolean;
+  /**
+   * Prefill only: the first `cachedPages` pages are prefix-cache references (SHARED, computed
+   * already, read-only); the engine computes from the first page after them. Default 0.
+   */
+  readonly cachedPages?: number;
 }
 
 /** One request inside the engine. */
@@ -424,7 +429,14 @@ export class Engine {
     }
     seq.ownership = ownership;
     seq.epoch = pages.epoch;
-    for (const p of pages.pages) seq.blockTable.push(p.page, p.generation);
+    // The host owns the pages and its cache: this engine's cache never takes them.
+    seq.cacheSalt = null;
+    const cached = ownership === "prefill-only" ? (pages.cachedPages ?? 0) : 0;
+    pages.pages.forEach((p, i) => {
+      seq.blockTable.push(p.page, p.generation, i < cached);
+    });
+    seq.computed = cached * this.pool.pageSize;
+    seq.cachedTokens = seq.computed;
     if (ownership === "decode-external") {
       seq.hostCheck = pages.checkStep ?? null;
       seq.computed = seq.promptLength;
@@ -462,6 +474,11 @@ export class Engine {
     };
     if (this.#cache !== null) stats.prefixCache = this.prefixCacheStats()!;
     return stats;
+  }
+
+  /** The prefix cache of this engine's pool (a prefill node's host drives it too), or null when off. */
+  get prefixCache(): PrefixCache | null {
+    return this.#cache;
   }
 
   /** The prefix cache's counters and pages, or null when it is off. */

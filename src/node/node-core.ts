@@ -120,6 +120,7 @@ export class NodeCore {
       pages: engine.pages,
       queue: engine.queue,
       counters: engine.counters,
+      ...(engine.prefixCache === undefined ? {} : { prefixCache: engine.prefixCache }),
       attempts,
       staleMessages: stale,
       transfer: { ...transfer, checksumFailures: 0, coverageFailures: 0 },

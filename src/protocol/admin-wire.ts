@@ -25,6 +25,8 @@ export const nodeInfoSchema = z.object({
   max_model_len: positiveInt,
   /** False once the router lost the node (its link closed); it takes no new requests. */
   up: z.boolean().optional(),
+  /** Pages its prefix cache holds (shared, referenced or not); absent without a cache. */
+  cached_pages: positiveInt.optional(),
 });
 
 export const nodesInfoSchema = z.object({

@@ -687,8 +687,10 @@ export class RouterServer {
     ctx.res.end(text);
   }
 
-  #nodes(ctx: RequestContext): void {
+  async #nodes(ctx: RequestContext): Promise<void> {
     const capacity = this.#engine.capacity;
+    const cachedPages =
+      this.#engine.nodes === undefined ? (await this.#engine.stats()).prefixCache?.sharedPages : undefined;
     const body: NodesInfo = {
       max_model_len: this.contextLength,
       nodes: this.#engine.nodes?.() ?? [
@@ -700,6 +702,7 @@ export class RouterServer {
           page_size: capacity.pageSize,
           max_model_len: capacity.maxModelLen,
           up: true,
+          ...(cachedPages === undefined ? {} : { cached_pages: cachedPages }),
         },
       ],
     };

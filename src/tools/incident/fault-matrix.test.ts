@@ -19,7 +19,7 @@ test("MATRIX_SCENARIOS and NOT_IN_MATRIX together name every fault of docs/desig
 });
 
 test("runMatrix() shows each fault's bug with its guards off and each guard alone catching it", {
-  timeout: 180_000,
+  timeout: 360_000,
 }, async () => {
   // The TCP rows run over TLS links unless KVFENCE_TEST_LINK_TLS=off (the guards sit above the link).
   const cells = await runMatrix({ linkTlsArgs: linkTlsArgs(linkTlsInTests(true)) });

@@ -637,7 +637,7 @@ export class Engine {
       const prefill = remaining > 1;
       const n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
       if (n <= 0 || (seq.ownership === "local" && !this.#allocateFor(seq, seq.computed + n))) {
-        if (seq.cachedTokens > 0) this.#releasePrefix(seq);
+        if (seq.cachedTokens > 0 && seq.ownership === "local") this.#releasePrefix(seq);
         break;
       }
       if (seq.preempted) this.#preempted.popFront();

@@ -1,6 +1,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { makeEngine, prompt, request, runAll } from "../../testing/engine-harness.js";
+import { makeEngine, prompt, recorder, request, runAll, runUntilIdle } from "../../testing/engine-harness.js";
+import { BlockTable } from "../kvcache/block-table.js";
 import { PageState } from "../kvcache/ownership-table.js";
 import { makeSafety } from "../protocol/safety.js";
 import type { Engine } from "./engine.js";
@@ -154,4 +155,34 @@ test("prefix cache: truncated keys collide; the stored token ids turn a collisio
   const [wrong] = runAll(open, [request(2, prompt(30, 3), 4)]);
   assert.ok((wrong!.usage as { cachedTokens?: number }).cachedTokens! > 0, "served from a colliding page");
   assertIdle(engine);
+});
+
+test("prefix cache: a prefill node's request computes only after its cached pages, also when it waits for budget", () => {
+  // 4 tokens per step: the second request waits a step with its references held by the host.
+  const engine = makeEngine({ prefixCache: true, maxBatchTokens: 4 });
+  const tokens = withTail([3, 4]);
+  const [local] = runAll(engine, [request(1, tokens, 1)]);
+  const cache = engine.prefixCache!;
+  const hosts = [10, 11].map((rid) => {
+    const table = new BlockTable(16);
+    const hit = cache.lookup("tenant:0", Int32Array.from(tokens), Math.floor((tokens.length - 1) / 4), table);
+    const own = Math.ceil(tokens.length / 4) - hit;
+    const pages = new Int32Array(own);
+    const generations = new Uint32Array(own);
+    assert.ok(engine.pool.table.allocate(own, rid, 0, 0, pages, generations));
+    const all = [
+      ...Array.from(table.pages.subarray(0, hit), (page, i) => ({ page, generation: table.generations[i]! })),
+      ...Array.from(pages, (page, i) => ({ page, generation: generations[i]! })),
+    ];
+    const r = recorder();
+    engine.submitPrefill(request(rid, tokens, 1), { epoch: 0, pages: all, cachedPages: hit }, r.events);
+    return { hit, all, outcome: r.outcome };
+  });
+  runUntilIdle(engine);
+  for (const h of hosts) {
+    assert.ok(h.hit > 0);
+    assert.equal(h.outcome.error, null);
+    assert.deepEqual(h.outcome.tokens, local!.tokens, "the first token of a miss");
+    for (let i = 0; i < h.hit; i++) assert.equal(engine.pool.table.refcount(h.all[i]!.page) > 0, true);
+  }
 });

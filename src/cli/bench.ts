@@ -18,6 +18,7 @@ import {
   MODEL_BENCH_DEFAULTS,
   runModelBench,
 } from "../tools/bench/model.js";
+import { prefixCacheCommand } from "../tools/bench/prefix-cache.js";
 import { serveCommand } from "../tools/bench/serve.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
@@ -170,6 +171,7 @@ export function command(): Command {
   group.addCommand(linkFloodCommand());
   group.addCommand(serveCommand());
   group.addCommand(fairShareCommand());
+  group.addCommand(prefixCacheCommand());
   // bench-commands:end
   return group;
 }

@@ -140,7 +140,7 @@ interface Pending {
 const STATS_TIMEOUT_MS = 5000;
 /** Adds one node's prefix-cache counters and pages to the sum of every node's. */
 function addPrefixCache(sum: EngineStats, c: NonNullable<EngineStats["prefixCache"]>): void {
-  const to = (sum.prefixCache ??= {
+  sum.prefixCache ??= {
     hits: 0,
     misses: 0,
     hitTokens: 0,
@@ -148,7 +148,8 @@ function addPrefixCache(sum: EngineStats, c: NonNullable<EngineStats["prefixCach
     collisions: 0,
     sharedPages: 0,
     evictablePages: 0,
-  });
+  };
+  const to = sum.prefixCache;
   for (const k of Object.keys(to) as (keyof typeof to)[]) to[k] += c[k];
 }
 

@@ -632,14 +632,9 @@ export class Engine {
         ? this.#waiting.peek(this.#fresh)
         : (this.#preempted.peekFront() ?? this.#waiting.peek());
       if (seq === undefined) break;
-      if (seq.cacheSalt !== null && seq.ownership === "local") this.#lookupPrefix(seq);
-      const remaining = seq.length - seq.computed;
-      const prefill = remaining > 1;
-      const n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
-      if (n <= 0 || (seq.ownership === "local" && !this.#allocateFor(seq, seq.computed + n))) {
-        if (seq.cachedTokens > 0 && seq.ownership === "local") this.#releasePrefix(seq);
-        break;
-      }
+      const n = this.#firstChunk(seq);
+      if (n <= 0) break;
+      const prefill = seq.length - seq.computed > 1;
       if (seq.preempted) this.#preempted.popFront();
       else this.#waiting.take();
       seq.state = "running";
@@ -794,6 +789,21 @@ export class Engine {
     }
     this.#addToBatch(seq, n, prefill);
     return "scheduled";
+  }
+
+  /**
+   * The tokens waiting `seq` computes in its first step if admitted now (after its prefix-cache
+   * hit), its pages leased; 0 when the budget or the pool has no room for it (a local request then
+   * gives its hit back, to look it up again when admitted).
+   */
+  #firstChunk(seq: Sequence): number {
+    const local = seq.ownership === "local";
+    if (seq.cacheSalt !== null && local) this.#lookupPrefix(seq);
+    const remaining = seq.length - seq.computed;
+    const n = Math.min(remaining, this.#tokenBudget, remaining > 1 ? this.#prefillBudget : remaining);
+    if (n > 0 && (!local || this.#allocateFor(seq, seq.computed + n))) return n;
+    if (seq.cachedTokens > 0 && local) this.#releasePrefix(seq);
+    return 0;
   }
 
   /** Leases the pages `seq` needs to hold `tokens` tokens (evicting unreferenced cached pages if short). */

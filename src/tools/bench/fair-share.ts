@@ -74,7 +74,7 @@ const THIS_MAIN = fileURLToPath(new URL("../../cli/main.js", import.meta.url));
 const KEY = "sk-bench-tenant-alone-1";
 const UNCAPPED = ["--tenant-max-concurrency", "0", "--tenant-max-pages", "0", "--tenant-max-queue", "0"];
 
-interface Server {
+export interface Server {
   readonly url: string;
   close(): Promise<void>;
 }
@@ -116,7 +116,7 @@ function serve(
 }
 
 /** A server of `topology` from the build whose CLI is `main`, with `routerArgs` on its front door. */
-async function startArm(
+export async function startArm(
   main: string,
   topology: FairBenchTopology,
   common: readonly string[],

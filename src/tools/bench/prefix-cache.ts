@@ -3,8 +3,9 @@
  * #16's acceptance). Starts two servers of the same topology (`--topology single`, `threads` — the
  * default `kvfence serve` — or `cluster`), one with `--prefix-cache on` and one with `off`, each
  * with an API keys file of `--tenants` tenants. Each round builds `bench serve`'s multi-turn
- * dataset (src/tools/bench/serve-datasets.ts: sessions of `--turns` turns, each turn resending the
- * whole history with the answers the server gave) and runs its sessions concurrently, session s as
+ * dataset (src/tools/bench/serve-datasets.ts: sessions of `--turns` turns, the first starting with
+ * a document of the session's own, each turn resending the whole history with the answers the
+ * server gave) and runs its sessions concurrently, session s as
  * tenant s mod T, through each server, the two arms in alternating order (interleaved A/B).
  *
  * Reported per arm: the mean time to first token of turns 2..N (and of turn 1), with its spread
@@ -35,6 +36,8 @@ export interface PrefixBenchOptions {
   readonly sessions?: number;
   readonly turns?: number;
   readonly rounds?: number;
+  /** Tokens of the document each session's first turn starts with. */
+  readonly documentLen?: number;
   /** Tokens of each new user turn, and each answer's max_tokens. */
   readonly inputLen?: number;
   readonly outputLen?: number;
@@ -148,7 +151,8 @@ function settingsOf(options: PrefixBenchOptions) {
     sessions: options.sessions ?? 6,
     turns: options.turns ?? 8,
     rounds: options.rounds ?? 3,
-    inputLen: options.inputLen ?? 96,
+    documentLen: options.documentLen ?? 512,
+    inputLen: options.inputLen ?? 64,
     outputLen: options.outputLen ?? 32,
     seed: options.seed ?? 1,
     common: ["--model", options.model ?? bundledModelDir(), "--kv-pages", String(options.kvPages ?? 1024)],
@@ -200,6 +204,7 @@ export async function runPrefixCacheBench(options: PrefixBenchOptions = {}): Pro
         prefixGroups: 1,
         prefixLen: 0,
         turns: st.turns,
+        sessionPrefixLen: st.documentLen,
       });
       const order: ArmName[] = r % 2 === 0 ? ["on", "off"] : ["off", "on"];
       const results: Partial<Record<ArmName, RoundResult>> = {};
@@ -264,10 +269,15 @@ interface PrefixCliOptions {
   sessions: number;
   turns: number;
   rounds: number;
+  documentLen: number;
   inputLen: number;
   outputLen: number;
   seed: number;
   json?: boolean;
+}
+
+function nonNegativeInt(value: string): number {
+  return value.trim() === "0" ? 0 : positiveInt("--document-len")(value);
 }
 
 /** `kvfence bench prefix-cache`. */
@@ -292,7 +302,13 @@ export function prefixCacheCommand(): Command {
     .option("--sessions <n>", "concurrent chat sessions per round", positiveInt("--sessions"), 6)
     .option("--turns <n>", "turns per session", positiveInt("--turns"), 8)
     .option("--rounds <n>", "interleaved rounds (each runs both arms)", positiveInt("--rounds"), 3)
-    .option("--input-len <tokens>", "tokens of each new user turn", positiveInt("--input-len"), 96)
+    .option(
+      "--document-len <tokens>",
+      "tokens of the document each session's first turn starts with (0: none)",
+      nonNegativeInt,
+      512,
+    )
+    .option("--input-len <tokens>", "tokens of each new user turn", positiveInt("--input-len"), 64)
     .option("--output-len <tokens>", "max_tokens of each answer", positiveInt("--output-len"), 32)
     .option("--seed <n>", "dataset seed (round r uses seed + r)", positiveInt("--seed"), 1)
     .option("--json", "print the result as JSON")

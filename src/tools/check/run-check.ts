@@ -231,7 +231,12 @@ function prefixReport(options: CheckOptions, fault: FaultName): CheckReport {
   // The prefix cache is checked by its own model (src/tools/check/prefix-model.ts).
   const { report } = resolveOptions({ ...options, fault: "early-free" });
   const scenario = FAULT_SCENARIOS[fault];
-  const disabledGuards = options.keepGuards === true ? [] : [...scenario.disabledGuards];
+  const disabledGuards = [
+    ...new Set([
+      ...(options.keepGuards === true ? [] : scenario.disabledGuards),
+      ...(options.disabledGuards ?? []),
+    ]),
+  ];
   return {
     ...report,
     fault,
@@ -276,7 +281,9 @@ export function formatReport(report: CheckReport): string {
   if (r.counterexample === null) {
     lines.push(
       r.complete
-        ? "all invariants hold (1-5 of docs/design.md §7, and bounded liveness)"
+        ? prefixModel
+          ? "all invariants hold (P1-P3 of docs/protocol.md §5a)"
+          : "all invariants hold (1-5 of docs/design.md §7, and bounded liveness)"
         : "no violation found within the bound",
     );
     return lines.join("\n");

@@ -5,14 +5,23 @@
  * computes only the uncached suffix; decode receives every page as without a cache. A same-tenant
  * repeat is a hit (cached_tokens > 0) with the output of the miss (and of one engine); another
  * tenant's identical prompt is a miss; prefix affinity sends the repeat to the prefill node that
- * holds the prefix. Every pool is idle afterwards (FREE, or cached with no reference).
+ * holds the prefix. Every pool is idle afterwards (FREE, or cached with no reference). And the
+ * canary probe stays clean with the cache on, under load, with aborts alongside, on a pool small
+ * enough that the cache must evict.
  */
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { assertPoolIdle, modelDir, operatorGet } from "../../testing/start-server.js";
+import {
+  assertPoolIdle,
+  modelDir,
+  operatorGet,
+  scrape,
+  TEST_OPERATOR_KEY,
+} from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
+import { runProbe } from "../tools/probe/probe.js";
 
 const KEYS = { "sk-prefix-alpha-01": "alpha", "sk-prefix-beta-002": "beta" } as const;
 const PROMPT =
@@ -82,3 +91,58 @@ for (const topology of ["threads", "tcp"] as const) {
     });
   });
 }
+
+describe("canary probe with the prefix cache on: load, aborts, a pool that forces evictions", {
+  timeout: 180_000,
+}, () => {
+  let server: TopologyServer;
+  before(async () => {
+    // 64 pages of 16 tokens on each node: the probe's plants and prompts overflow the cache.
+    server = await startInProcess("threads", {
+      model: modelDir("kvfence-tiny"),
+      kvPages: 64,
+      maxModelLen: 1024,
+      apiKeys: KEYS,
+    });
+  });
+  after(() => server.close());
+
+  test("runProbe() reports clean while other requests are aborted mid-flight", async () => {
+    let stop = false;
+    const aborts = (async () => {
+      for (let i = 0; !stop && i < 200; i++) {
+        const controller = new AbortController();
+        const sent = fetch(`${server.baseURL}/chat/completions`, {
+          method: "POST",
+          signal: controller.signal,
+          headers: { "content-type": "application/json", authorization: "Bearer sk-prefix-alpha-01" },
+          body: JSON.stringify({
+            model: "kvfence-tiny",
+            messages: [{ role: "user", content: `${PROMPT} ${i % 3}` }],
+            max_tokens: 64,
+            stream: true,
+          }),
+        }).catch(() => null);
+        await new Promise((r) => setTimeout(r, 15 + (i % 4) * 10));
+        controller.abort();
+        await sent;
+      }
+    })();
+    const report = await runProbe({
+      baseUrl: server.baseURL,
+      apiKeyA: "sk-prefix-alpha-01",
+      apiKeyB: "sk-prefix-beta-002",
+      operatorKey: TEST_OPERATOR_KEY,
+      requests: 24,
+      concurrency: 6,
+      seed: 16,
+    });
+    stop = true;
+    await aborts;
+    assert.equal(report.outcome, "clean", JSON.stringify(report.findings.slice(0, 3)));
+    const m = await scrape(server.url);
+    assert.ok((m.get("kvfence_prefix_cache_evictions_total") ?? 0) > 0, "the small pool forced evictions");
+    assert.ok((m.get('kvfence_prefix_cache_lookups_total{result="hit"}') ?? 0) > 0, "the cache served hits");
+    await assertPoolIdle(server.url);
+  });
+});

@@ -129,7 +129,7 @@ class Tally {
         this.prompt[arm] += o.promptTokens ?? 0;
         this.computed[arm] += (o.promptTokens ?? 0) - (o.cachedTokens ?? 0);
         const twin = other?.outcomes[s]?.[t];
-        if (twin !== undefined && twin.ok && o.ok && twin.text !== o.text)
+        if (twin?.ok && o.ok && twin.text !== o.text)
           this.#fail(
             `round ${r + 1} session ${s + 1} turn ${t + 1}: the answers with and without the cache differ`,
           );

@@ -10,7 +10,7 @@ import { modelDir, startTestServer } from "../../../testing/start-server.js";
 import { startIncidentServer } from "../incident/incident.js";
 import { renderTimingReport, runTimingProbe, type TimingReport } from "./timing.js";
 
-const TRIALS = 16;
+const TRIALS = 10;
 
 /**
  * No leak; and A's own repeat is faster (the median: on a loaded machine its test may miss the
@@ -24,7 +24,7 @@ function assertNoLeak(report: TimingReport): void {
 }
 
 test("the timing probe finds no leak on kvfence (threaded, tenant scope); A's own repeat is faster", {
-  timeout: 180_000,
+  timeout: 240_000,
 }, async () => {
   const server = await startIncidentServer({ faults: [], disabledGuards: [], undersizedPrefill: false });
   try {
@@ -43,7 +43,7 @@ test("the timing probe finds no leak on kvfence (threaded, tenant scope); A's ow
 });
 
 test("the timing probe finds no leak between two keys of one tenant in the key scope", {
-  timeout: 180_000,
+  timeout: 240_000,
 }, async () => {
   const server = await startTestServer({
     model: modelDir("kvfence-tiny"),
@@ -66,7 +66,7 @@ test("the timing probe finds no leak between two keys of one tenant in the key s
 });
 
 test("the timing probe catches a prefix cache shared across tenants (shared-prefix, guards off)", {
-  timeout: 180_000,
+  timeout: 240_000,
 }, async () => {
   const server = await startIncidentServer({
     faults: ["shared-prefix"],

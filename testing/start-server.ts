@@ -51,6 +51,9 @@ export interface TestServerOptions {
   readonly metricsTenantNames?: boolean;
   /** key → tenant name; written to a temp `--api-keys` file. */
   readonly apiKeys?: Readonly<Record<string, string>>;
+  /** `--prefix-cache` (default on) and `--prefix-cache-scope` (default tenant). */
+  readonly prefixCache?: "on" | "off";
+  readonly prefixCacheScope?: "tenant" | "key";
 }
 
 export interface TestServer extends RunningServer {
@@ -82,6 +85,8 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(options.maxPromptBytes === undefined ? {} : { maxPromptBytes: String(options.maxPromptBytes) }),
     ...(options.operatorKey === null ? {} : { operatorKey: options.operatorKey ?? TEST_OPERATOR_KEY }),
     ...(options.metricsTenantNames === true ? { metricsTenantNames: true } : {}),
+    ...(options.prefixCache === undefined ? {} : { prefixCache: options.prefixCache }),
+    ...(options.prefixCacheScope === undefined ? {} : { prefixCacheScope: options.prefixCacheScope }),
   });
   try {
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });
@@ -108,7 +113,8 @@ export async function scrape(url: string, key = TEST_OPERATOR_KEY): Promise<Map<
 
 /**
  * Wait until the engine is idle (nothing waiting or running), then assert that every page of the
- * pool is FREE. Returns the final metrics.
+ * pool is FREE or cached by the prefix cache with no reference (SHARED: the cache keeps them until
+ * it evicts them). Returns the final metrics.
  */
 export async function assertPoolIdle(
   url: string,
@@ -123,9 +129,12 @@ export async function assertPoolIdle(
       (m.get('kvfence_engine_requests{state="preempted"}') ?? 0);
     const total = m.get("kvfence_kv_pool_pages_total") ?? -1;
     const free = m.get('kvfence_kv_pool_pages{state="free"}') ?? -2;
-    if ((busy === 0 && free === total) || Date.now() > deadline) {
+    const cached = m.get('kvfence_prefix_cache_pages{state="unreferenced"}') ?? 0;
+    const referenced = m.get('kvfence_prefix_cache_pages{state="referenced"}') ?? 0;
+    if ((busy === 0 && free + cached === total && referenced === 0) || Date.now() > deadline) {
       assert.equal(busy, 0, "the engine is idle");
-      assert.equal(free, total, "every page of the pool is FREE when idle");
+      assert.equal(referenced, 0, "no cached page is referenced when idle");
+      assert.equal(free + cached, total, "every page of the pool is FREE or cached when idle");
       for (const state of ["reserved", "ready", "quarantined"]) {
         assert.equal(m.get(`kvfence_kv_pool_pages{state="${state}"}`), 0, `no ${state} pages when idle`);
       }

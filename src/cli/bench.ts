@@ -21,6 +21,7 @@ import {
   runModelBench,
 } from "../tools/bench/model.js";
 import { observabilityCommand } from "../tools/bench/observability.js";
+import { prefixCacheCommand } from "../tools/bench/prefix-cache.js";
 import { serveCommand } from "../tools/bench/serve.js";
 import { soakCommand } from "../tools/bench/soak.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
@@ -211,6 +212,7 @@ export function command(): Command {
   group.addCommand(fairShareCommand());
   group.addCommand(observabilityCommand());
   group.addCommand(soakCommand());
+  group.addCommand(prefixCacheCommand());
   // bench-commands:end
   return group;
 }

@@ -82,6 +82,8 @@ export function command(): Command {
       "every process exports its request spans over OTLP/HTTP (JSON) there (default: off)",
     )
     .option("--no-phase-metrics", "no per-phase histograms (only for measuring what they cost)")
+    .option("--prefix-cache <on|off>", "the nodes' tenant-fenced prefix cache (default on)")
+    .option("--prefix-cache-scope <tenant|key>", "the router's prefix-cache namespace (default tenant)")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -122,6 +124,7 @@ export function routerArgsOf(raw: RawOptions): string[] {
     ["--max-queue", "maxQueue"],
     ["--queue-timeout", "queueTimeout"],
     ["--ready-timeout", "readyTimeout"],
+    ["--prefix-cache-scope", "prefixCacheScope"],
   ]);
   if (raw.metricsTenantNames !== undefined) args.push("--metrics-tenant-names");
   return args;
@@ -145,6 +148,7 @@ async function runCluster(raw: RawOptions): Promise<void> {
       ["--max-model-len", "maxModelLen"],
       ["--kernels", "kernels"],
       ["--kernel-threads", "kernelThreads"],
+      ["--prefix-cache", "prefixCache"],
     ]),
     ...unsafeArgs(opts.unsafeFault, opts.unsafeDisableGuard),
     ...passOn(raw, [

@@ -1,9 +1,10 @@
 /** `kvfence probe BASE_URL`: canary leak test for any OpenAI-compatible endpoint (thin wrapper). */
 import { writeFile } from "node:fs/promises";
 import { Command, InvalidArgumentError } from "commander";
-import { runProbe } from "../tools/probe/probe.js";
+import { normalizeBaseUrl, runProbe } from "../tools/probe/probe.js";
 import { exitCodeOf, renderProbeSummary } from "../tools/probe/probe-report.js";
 import type { ProbeOptions } from "../tools/probe/probe-run.js";
+import { renderTimingReport, runTimingProbe } from "../tools/probe/timing.js";
 
 interface ProbeCliOptions {
   apiKey?: string;
@@ -24,6 +25,9 @@ interface ProbeCliOptions {
   maxTokens: number;
   plants: number;
   quiet?: boolean;
+  timing?: boolean;
+  trials: number;
+  prefixChars: number;
 }
 
 export function command(): Command {
@@ -66,17 +70,51 @@ export function command(): Command {
     .option("--max-tokens <n>", "max_tokens of every request", int(1), 48)
     .option("--plants <n>", "plant prompts sent by tenant A", int(1), 8)
     .option("--quiet", "no progress on stderr")
-    .action(async (baseUrl: string, opts: ProbeCliOptions) => {
-      try {
-        const report = await runProbe(probeOptions(baseUrl, opts));
-        if (opts.json !== undefined) await writeFile(opts.json, `${JSON.stringify(report, null, 2)}\n`);
-        process.stdout.write(`${renderProbeSummary(report)}\n`);
-        process.exitCode = exitCodeOf(report);
-      } catch (err) {
-        process.stderr.write(`kvfence probe: ${err instanceof Error ? err.message : String(err)}\n`);
-        process.exitCode = 2;
-      }
+    .option(
+      "--timing",
+      "instead: the prefix-cache timing audit — is tenant B's first token faster after tenant A planted the prefix? (exit 1 on a leak)",
+    )
+    .option("--trials <n>", "--timing: paired trials", int(8), 40)
+    .option("--prefix-chars <n>", "--timing: characters of each planted prefix", int(16), 1500)
+    .action((baseUrl: string, opts: ProbeCliOptions) =>
+      opts.timing === true ? runTiming(baseUrl, opts) : runCanary(baseUrl, opts),
+    );
+}
+
+/** The canary leak probe. */
+async function runCanary(baseUrl: string, opts: ProbeCliOptions): Promise<void> {
+  try {
+    const report = await runProbe(probeOptions(baseUrl, opts));
+    if (opts.json !== undefined) await writeFile(opts.json, `${JSON.stringify(report, null, 2)}\n`);
+    process.stdout.write(`${renderProbeSummary(report)}\n`);
+    process.exitCode = exitCodeOf(report);
+  } catch (err) {
+    process.stderr.write(`kvfence probe: ${err instanceof Error ? err.message : String(err)}\n`);
+    process.exitCode = 2;
+  }
+}
+
+/** `kvfence probe --timing`. */
+async function runTiming(baseUrl: string, opts: ProbeCliOptions): Promise<void> {
+  try {
+    const report = await runTimingProbe({
+      baseUrl: normalizeBaseUrl(baseUrl),
+      trials: opts.trials,
+      prefixChars: opts.prefixChars,
+      timeoutMs: opts.timeout * 1000,
+      ...(opts.apiKey === undefined ? {} : { apiKeyA: opts.apiKey }),
+      ...(opts.apiKeyB === undefined ? {} : { apiKeyB: opts.apiKeyB }),
+      ...(opts.model === undefined ? {} : { model: opts.model }),
+      ...(opts.seed === undefined ? {} : { seed: opts.seed }),
+      ...(opts.quiet === true ? {} : { onProgress: (line: string) => process.stderr.write(`${line}\n`) }),
     });
+    if (opts.json !== undefined) await writeFile(opts.json, `${JSON.stringify(report, null, 2)}\n`);
+    process.stdout.write(`${renderTimingReport(report)}\n`);
+    process.exitCode = report.verdict === "leak" ? 1 : 0;
+  } catch (err) {
+    process.stderr.write(`kvfence probe --timing: ${err instanceof Error ? err.message : String(err)}\n`);
+    process.exitCode = 2;
+  }
 }
 
 /** The probe's options from the command line (absent flags left out). */

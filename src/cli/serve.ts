@@ -48,6 +48,12 @@ export function command(): Command {
     .option("--chat-template <file>", "a Jinja chat template file in place of the model folder's");
   registryOptions(routerOptions(cmd))
     .option("--scrub-on-free", "zero KV pages when they are freed", false)
+    .option("--prefix-cache <on|off>", "keep a tenant-fenced prefix cache of full KV pages", "on")
+    .option(
+      "--prefix-cache-scope <tenant|key>",
+      "prefix-cache namespace: per tenant, or narrower, per API key",
+      "tenant",
+    )
     .option("--no-disaggregation", "run prefill and decode on one engine")
     .option("--role <role>", "all (router + prefill + decode threads), router, prefill or decode", "all")
     .option("--prefill <url...>", "router: the prefill nodes' addresses (host:port)", [])

@@ -33,6 +33,7 @@
  * fence). Ready means a pair is up with both its nodes answering.
  */
 
+import { createHash } from "node:crypto";
 import type { WireError } from "../lib/errors.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
@@ -109,6 +110,8 @@ interface Slot {
    * and nothing of it is freed (only the fence, its link's close, does that).
    */
   member: boolean;
+  /** Pages its prefix cache held at its last pong (null: no cache). */
+  cachedPages: number | null;
 }
 
 interface Pair {
@@ -137,6 +140,10 @@ interface Pending {
   readonly prefillPages: number;
   /** The prefill node's pages still count in the ledger (until the commit). */
   prefillHeld: boolean;
+  /** Prompt tokens the prefill node served from its prefix cache (null: it has none, or not told). */
+  cachedTokens: number | null;
+  /** The per-tenant key of its prompt's first full pages (prefix affinity), or null (none full). */
+  readonly affinityKey: string | null;
   completionTokens: number;
   stopped: boolean;
   silenced: boolean;
@@ -151,6 +158,42 @@ interface Pending {
 }
 
 const STATS_TIMEOUT_MS = 5000;
+/** Adds one node's prefix-cache counters and pages to the sum of every node's. */
+function addPrefixCache(sum: EngineStats, c: NonNullable<EngineStats["prefixCache"]>): void {
+  sum.prefixCache ??= {
+    hits: 0,
+    misses: 0,
+    hitTokens: 0,
+    evictions: 0,
+    collisions: 0,
+    sharedPages: 0,
+    evictablePages: 0,
+  };
+  const to = sum.prefixCache;
+  for (const k of Object.keys(to) as (keyof typeof to)[]) to[k] += c[k];
+}
+
+/** Prefix-affinity keys remembered (the oldest is forgotten first). */
+const AFFINITY_ENTRIES = 10_000;
+/** Full pages of a prompt its prefix-affinity key covers. */
+const AFFINITY_PAGES = 4;
+
+/**
+ * The prefix-affinity key of `request`: its tenant, cache namespace and the token ids of its first
+ * full pages (at most `AFFINITY_PAGES`, never the last prompt token, as a cache hit), hashed; null
+ * when the prompt has no full page to reuse.
+ */
+function prefixAffinityKey(request: GenerationRequest, pageSize: number): string | null {
+  const pages = Math.min(AFFINITY_PAGES, Math.floor((request.promptTokens.length - 1) / pageSize));
+  if (pages <= 0) return null;
+  const hash = createHash("sha256").update(
+    `${request.tenant}\u0000${request.cacheScope ?? ""}\u0000${request.cacheSalt ?? ""}\u0000`,
+  );
+  hash.update(
+    new Uint8Array(request.promptTokens.buffer, request.promptTokens.byteOffset, pages * pageSize * 4),
+  );
+  return hash.digest("base64");
+}
 /** Readiness pings: one per node in flight at most, every this often. */
 export const PING_INTERVAL_MS = 200;
 export const DEFAULT_PING_TIMEOUT_MS = 500;
@@ -189,6 +232,8 @@ export class DisaggregatedEngine implements EngineHandle {
   readonly #pingTimeoutMs: number;
   readonly #pingTimer: NodeJS.Timeout;
   #nextPair = 0;
+  /** Prefix affinity: a prompt's first-pages key → the prefill node that last took it (oldest first). */
+  readonly #affinity = new Map<string, string>();
   #nextStatsId = 1;
   #nextPingId = 1;
   #closed = false;
@@ -244,6 +289,7 @@ export class DisaggregatedEngine implements EngineHandle {
       running: 0,
       full: false,
       member: true,
+      cachedPages: null,
     });
     const prefill = options.prefill.map(slot);
     const decode = options.decode.map(slot);
@@ -340,6 +386,7 @@ export class DisaggregatedEngine implements EngineHandle {
       max_model_len: s.node.hello.maxModelLen,
       up: !s.lost,
       member: s.member,
+      ...(s.cachedPages === null ? {} : { cached_pages: s.cachedPages }),
     }));
   }
 
@@ -414,6 +461,7 @@ export class DisaggregatedEngine implements EngineHandle {
       running: 0,
       full: false,
       member: true,
+      cachedPages: null,
     };
     this.#slots.push(slot);
     this.#raiseRidFloor(node.hello);
@@ -504,6 +552,8 @@ export class DisaggregatedEngine implements EngineHandle {
       decodePages: decodeReservationPages(request.promptTokens.length, request.maxTokens, pageSize),
       prefillPages: Math.ceil(request.promptTokens.length / pageSize),
       prefillHeld: false,
+      cachedTokens: null,
+      affinityKey: prefixAffinityKey(request, pageSize),
       completionTokens: 0,
       stopped: false,
       silenced: false,
@@ -604,6 +654,7 @@ export class DisaggregatedEngine implements EngineHandle {
         sum.pages[k] += stats.pages[k];
       for (const k of ["waiting", "running", "preempted"] as const) sum.queue[k] += stats.queue[k];
       for (const k of ["tagCheckFailures", "preemptions"] as const) sum.counters[k] += stats.counters[k];
+      if (stats.prefixCache !== undefined) addPrefixCache(sum, stats.prefixCache);
     }
     if (answered === 0) throw new Error("No node answers");
     // Aborts are the router's (a client gone, a stop string matched), as on one engine; the nodes'
@@ -666,18 +717,44 @@ export class DisaggregatedEngine implements EngineHandle {
     return room(decode, p.decodePages) && room(prefill, p.prefillPages);
   }
 
-  /** The FairShare's dispatch: start `p` on a pair with room, round-robin; false when none has. */
-  #dispatch(p: Pending): boolean {
+  /**
+   * The pair for `p` among those with room: with prefix-caching prefill nodes, the one whose
+   * prefill node last took a prompt with the same first pages of the same tenant (prefix
+   * affinity), else the one whose prefill node holds the fewest pages by the ledger; without,
+   * round-robin. Null when none has room.
+   */
+  #choosePair(p: Pending): Pair | null {
     const n = this.#pairs.length;
+    const preferred = p.affinityKey === null ? undefined : this.#affinity.get(p.affinityKey);
     let pair: Pair | null = null;
+    let at = -1;
     for (let i = 0; i < n; i++) {
       const candidate = this.#pairs[(this.#nextPair + i) % n]!;
-      if (this.#usable(candidate) && this.#fits(candidate, p)) {
-        this.#nextPair = (this.#nextPair + i + 1) % n;
+      if (!this.#usable(candidate) || !this.#fits(candidate, p)) continue;
+      const caching = candidate.prefill.node.hello.prefixCache === true;
+      if (pair === null || (caching && candidate.prefill.usedPages < pair.prefill.usedPages)) {
         pair = candidate;
+        at = i;
+      }
+      if (!caching || candidate.prefill.id === preferred) {
+        pair = candidate;
+        at = i;
         break;
       }
     }
+    if (pair === null) return null;
+    this.#nextPair = (this.#nextPair + at + 1) % n;
+    if (p.affinityKey !== null && pair.prefill.node.hello.prefixCache === true) {
+      this.#affinity.delete(p.affinityKey);
+      this.#affinity.set(p.affinityKey, pair.prefill.id);
+      if (this.#affinity.size > AFFINITY_ENTRIES) this.#affinity.delete(this.#affinity.keys().next().value!);
+    }
+    return pair;
+  }
+
+  /** The FairShare's dispatch: start `p` on a pair with room (`#choosePair`); false when none has. */
+  #dispatch(p: Pending): boolean {
+    const pair = this.#choosePair(p);
     if (pair === null) return false;
     // Attempts go out under rids in serial order (the pairs' watermarks rely on it): the client's
     // rid when it is the newest yet, else the next one after the newest.
@@ -779,6 +856,7 @@ export class DisaggregatedEngine implements EngineHandle {
         }
         return;
       case "pong":
+        if (message.cachedPages !== undefined) slot.cachedPages = message.cachedPages;
         this.#pong(slot, message.id);
         return;
       case "stats": {
@@ -798,6 +876,11 @@ export class DisaggregatedEngine implements EngineHandle {
         slot.full = false;
         this.#share.pump();
         return;
+      case "prefix_cached": {
+        const pending = this.#requests.get(message.rid);
+        if (pending !== undefined && pending.rid === message.rid) pending.cachedTokens = message.cachedTokens;
+        return;
+      }
       default:
         return;
     }
@@ -969,6 +1052,7 @@ export class DisaggregatedEngine implements EngineHandle {
       pending.events.onFinish(pending.stopped ? "stop" : (effect.finishReason ?? "length"), {
         promptTokens: pending.promptTokens.length,
         completionTokens: pending.completionTokens,
+        ...(pending.cachedTokens === null ? {} : { cachedTokens: pending.cachedTokens }),
       });
     } else pending.events.onError(effect.error);
   }
@@ -1017,7 +1101,15 @@ export class DisaggregatedEngine implements EngineHandle {
       message = {
         kind: "protocol",
         prefill: pair.prefill.id,
-        msg: pending === undefined ? msg : { ...msg, promptTokens: pending.promptTokens },
+        msg:
+          pending === undefined
+            ? msg
+            : {
+                ...msg,
+                promptTokens: pending.promptTokens,
+                cacheSalt: pending.request.cacheSalt ?? null,
+                cacheScope: pending.request.cacheScope ?? "",
+              },
         ...(pending === undefined ? {} : { sampling: pending.sampling }),
         ...(trace === undefined ? {} : { trace }),
       };

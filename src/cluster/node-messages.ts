@@ -14,7 +14,7 @@ import type { LogitControls } from "../lib/logit-controls.js";
 import type { PhaseSnapshot } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { RequestTrace } from "../lib/tracing.js";
-import type { PageMap } from "../protocol/engine-api.js";
+import type { EngineStats, PageMap } from "../protocol/engine-api.js";
 import type { ControlMessage } from "../protocol/wire.js";
 
 /** Sampling parameters of one request, as the engine's `GenerationRequest` has them. */
@@ -81,6 +81,8 @@ export interface NodeHello {
    * after the floors of its nodes, so a restarted router never reuses an older one's rids.
    */
   readonly ridFloor?: number;
+  /** Prefill: it keeps a prefix cache (the router routes a prompt to the node likely to hold its prefix). */
+  readonly prefixCache?: boolean;
 }
 
 /** One node's counters, polled by the router for /metrics and /kvfence/nodes. */
@@ -97,6 +99,8 @@ export interface NodeStats {
   };
   /** Attempts the node's state machines hold now (reserved, quarantined, computing, held, ...). */
   readonly attempts: number;
+  /** Its prefix cache's counters and pages (absent without a cache). */
+  readonly prefixCache?: NonNullable<EngineStats["prefixCache"]>;
   /** Protocol messages ignored because their (rid, epoch) was not current. */
   readonly staleMessages: number;
   /**
@@ -146,12 +150,20 @@ export type FromNode =
       readonly promptLogprobs?: readonly (TokenLogprobs | null)[] | undefined;
     }
   | { readonly kind: "stats"; readonly id: number; readonly stats: NodeStats }
-  | { readonly kind: "pong"; readonly id: number }
+  /** `cachedPages`: the pages its prefix cache holds now (absent without a cache). */
+  | { readonly kind: "pong"; readonly id: number; readonly cachedPages?: number }
   /** Decode: the transfer channel to this prefill node is up / went down (the fence). */
   | { readonly kind: "prefill_up"; readonly prefill: string }
   | { readonly kind: "prefill_down"; readonly prefill: string }
   /** Either role: its state machines freed pages (now `free` pages are FREE); waiting requests may retry. */
-  | { readonly kind: "pages_freed"; readonly free: number };
+  | { readonly kind: "pages_freed"; readonly free: number }
+  /** Prefill, prefix cache on: this attempt's prompt tokens served from the cache (before its compute). */
+  | {
+      readonly kind: "prefix_cached";
+      readonly rid: number;
+      readonly epoch: number;
+      readonly cachedTokens: number;
+    };
 
 /** A bidirectional message channel (a MessagePort or an authenticated TCP link). */
 export interface Link<Out, In> {

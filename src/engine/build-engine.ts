@@ -35,6 +35,10 @@ export interface EngineBuildOptions {
   readonly scrubOnFree?: boolean;
   /** Guards to switch off (names from `src/protocol/safety.ts`; the engine honours `page-tags`). */
   readonly disabledGuards?: readonly string[];
+  /** Faults to switch on (the engine honours the prefix cache's: `shared-prefix`, `prefix-collision`). */
+  readonly faults?: readonly string[];
+  /** Keep a tenant-fenced prefix cache (requests the engine serves end to end). Default false. */
+  readonly prefixCache?: boolean;
   readonly seed?: number;
   /** Record the per-phase histograms (default true; off only for the overhead benchmark's baseline). */
   readonly phaseMetrics?: boolean;
@@ -81,7 +85,8 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
   return new Engine(forward, pools[0] as PagePool, {
     ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: options.maxPrefillTokens }),
     ...(options.maxModelLen === undefined ? {} : { maxModelLen: options.maxModelLen }),
-    safety: makeSafety({ disabledGuards: options.disabledGuards ?? [] }),
+    safety: makeSafety({ disabledGuards: options.disabledGuards ?? [], faults: options.faults ?? [] }),
+    prefixCache: options.prefixCache ?? false,
     ...(options.seed === undefined ? {} : { seed: options.seed }),
     ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
   });

@@ -81,6 +81,8 @@ import type {
   GenerationRequest,
   PageMap,
 } from "../protocol/engine-api.js";
+import { PrefixCache, type PrefixCacheCounters } from "../protocol/prefix-cache.js";
+import { prefixCacheSalt } from "../protocol/prefix-key.js";
 import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
 import { StepCost } from "./step-cost.js";
 
@@ -107,6 +109,12 @@ export interface EngineOptions {
   readonly seed?: number;
   /** Record the per-phase histograms (src/lib/phase-histograms.ts). Default true. */
   readonly phaseMetrics?: boolean;
+  /**
+   * Keep the full pages of finished prefills as a tenant-fenced prefix cache (`PrefixCache`) and
+   * reuse them for requests whose prompt starts with them. Default false (the server's
+   * `--prefix-cache` is on by default and sets it).
+   */
+  readonly prefixCache?: boolean;
 }
 
 /**
@@ -182,6 +190,11 @@ export interface ExternalPages {
    * the engine checks the pages itself.
    */
   readonly checkStep?: () => boolean;
+  /**
+   * Prefill only: the first `cachedPages` pages are prefix-cache references (SHARED, computed
+   * already, read-only); the engine computes from the first page after them. Default 0.
+   */
+  readonly cachedPages?: number;
 }
 
 /** One request inside the engine. */
@@ -235,6 +248,10 @@ class Sequence {
   forkOf = -1;
   /** The forward pass's per-row callback that fills `promptEntries` (null: not asked). */
   rowLogits: ((index: number, logits: Float32Array, offset: number) => void) | null = null;
+  /** The salt of its prefix-cache keys (null: the cache is off for it). */
+  cacheSalt: string | null = null;
+  /** Prompt tokens this attempt reused from the prefix cache. */
+  cachedTokens = 0;
   #pagesView: Int32Array;
 
   constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {
@@ -281,6 +298,9 @@ export class Engine {
   readonly #maxSequences: number;
   readonly #contextTokens: number;
   readonly #tagCheck: boolean;
+  readonly #safety: Safety;
+  /** The prefix cache of this engine's pool (local requests only), or null when off. */
+  readonly #cache: PrefixCache | null;
   readonly #seeds: Prng;
   readonly #sampler: Sampler;
   readonly #byRid = new Map<number, Sequence>();
@@ -394,6 +414,10 @@ export class Engine {
     this.#contextTokens = Math.min(maxModelLen, pool.capacityTokens);
     this.#tagCheck = guardOn(options.safety ?? SAFE, "page-tags");
     this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
+    this.#safety = options.safety ?? SAFE;
+    this.#tagCheck = guardOn(this.#safety, "page-tags");
+    this.#cache =
+      options.prefixCache === true ? new PrefixCache(pool.table, pool.pageSize, this.#safety) : null;
     this.#sampler = new Sampler(config.vocabSize);
     this.#seeds = new Prng(options.seed ?? Math.floor(Math.random() * 0x1_0000_0000));
     this.capacity = Object.freeze({
@@ -462,6 +486,13 @@ export class Engine {
           entries[next] = tokenLogprobs(logits, seq.tokens[next]!, k, offset, vocab);
       };
     }
+    if (this.#cache !== null)
+      seq.cacheSalt = prefixCacheSalt(
+        this.#safety,
+        request.tenant,
+        request.cacheSalt ?? null,
+        request.cacheScope ?? "",
+      );
     return seq;
   }
 
@@ -540,7 +571,14 @@ export class Engine {
     }
     seq.ownership = ownership;
     seq.epoch = pages.epoch;
-    for (const p of pages.pages) seq.blockTable.push(p.page, p.generation);
+    // The host owns the pages and its cache: this engine's cache never takes them.
+    seq.cacheSalt = null;
+    const cached = ownership === "prefill-only" ? (pages.cachedPages ?? 0) : 0;
+    pages.pages.forEach((p, i) => {
+      seq.blockTable.push(p.page, p.generation, i < cached);
+    });
+    seq.computed = cached * this.pool.pageSize;
+    seq.cachedTokens = seq.computed;
     if (ownership === "decode-external") {
       seq.hostCheck = pages.checkStep ?? null;
       seq.computed = seq.promptLength;
@@ -571,13 +609,27 @@ export class Engine {
 
   stats(): EngineStats {
     const preempted = this.#preempted.length;
-    return {
+    const stats: EngineStats = {
       pages: this.pool.counts(),
       queue: { waiting: this.#waiting.length + preempted, running: this.#running.length, preempted },
       counters: { ...this.#counters },
       phases: this.phases.snapshot(),
       pageMap: pageMapOf(this.pool.table),
     };
+    if (this.#cache !== null) stats.prefixCache = this.prefixCacheStats()!;
+    return stats;
+  }
+
+  /** The prefix cache of this engine's pool (a prefill node's host drives it too), or null when off. */
+  get prefixCache(): PrefixCache | null {
+    return this.#cache;
+  }
+
+  /** The prefix cache's counters and pages, or null when it is off. */
+  prefixCacheStats(): (PrefixCacheCounters & { sharedPages: number; evictablePages: number }) | null {
+    const cache = this.#cache;
+    if (cache === null) return null;
+    return { ...cache.counters, sharedPages: cache.size, evictablePages: cache.evictable() };
   }
 
   /** The running requests' block tables (read-only use: diagnostics and the tag-check benchmark). */
@@ -788,16 +840,9 @@ export class Engine {
         ? this.#waiting.peek(this.#fresh)
         : (this.#preempted.peekFront() ?? this.#waiting.peek(this.#mayComputeFlow));
       if (seq === undefined) break;
-      const remaining = seq.length - seq.computed;
-      const prefill = remaining > 1;
-      let n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
-      if (prefill && n > 0) n = this.#chunk(seq, n);
+      const n = this.#firstChunk(seq);
       if (n <= 0) break;
-      if (
-        seq.ownership === "local" &&
-        !this.pool.allocate(Math.ceil(n / this.pool.pageSize), seq.rid, seq.epoch, seq.tenant, seq.blockTable)
-      )
-        break;
+      const prefill = seq.length - seq.computed > 1;
       if (seq.preempted) this.#preempted.popFront();
       else this.#waiting.take();
       if (seq.startedAt === 0) {
@@ -830,7 +875,14 @@ export class Engine {
         }
         if (seq.state !== "running") continue;
       } else if (this.#tagCheck) {
-        const bad = this.pool.checkStep(seq.blockTable, seq.rid, seq.epoch, seq.stepStart, seq.stepEnd);
+        const bad = this.pool.checkStep(
+          seq.blockTable,
+          seq.rid,
+          seq.epoch,
+          seq.stepStart,
+          seq.stepEnd,
+          seq.tenant,
+        );
         if (bad >= 0) {
           this.#counters.tagCheckFailures++;
           this.#fail(seq, this.#tagError(seq, bad));
@@ -877,6 +929,8 @@ export class Engine {
       if (seq.stepStart < seq.promptLength)
         this.#counters.prefillTokens += Math.min(seq.stepEnd, seq.promptLength) - seq.stepStart;
       seq.computed = seq.stepEnd;
+      if (seq.cacheSalt !== null && seq.stepStart < seq.promptLength && seq.stepEnd >= seq.promptLength)
+        this.#insertPrefix(seq, seq.promptLength);
     }
   }
 
@@ -996,10 +1050,9 @@ export class Engine {
       return;
     }
     const done = seq.generated >= r.maxTokens;
-    if (done) this.#end(seq);
+    if (done) this.#end(seq, true);
     seq.events.onTokens(seq.sampled, lp);
-    if (done)
-      seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: seq.generated });
+    if (done) seq.events.onFinish("length", this.#usage(seq));
   }
 
   /** The sampled token's log-probabilities when the request asked (one entry, reused array), else undefined. */
@@ -1046,7 +1099,7 @@ export class Engine {
       seq.ownership === "local"
         ? Math.ceil((seq.computed + n) / this.pool.pageSize) - seq.blockTable.length
         : 0;
-    while (!this.pool.allocate(pagesNeeded, seq.rid, seq.epoch, seq.tenant, seq.blockTable)) {
+    while (!this.#allocatePages(pagesNeeded, seq)) {
       const victim = running[running.length - 1]!;
       if ((victim === seq && running.length === 1) || victim.ownership !== "local") {
         this.#fail(seq, {
@@ -1060,6 +1113,77 @@ export class Engine {
     }
     this.#addToBatch(seq, n, prefill);
     return "scheduled";
+  }
+
+  /**
+   * The tokens waiting `seq` computes in its first step if admitted now (after its prefix-cache
+   * hit), its pages leased; 0 when the budget or the pool has no room for it (a local request then
+   * gives its hit back, to look it up again when admitted).
+   */
+  #firstChunk(seq: Sequence): number {
+    const local = seq.ownership === "local";
+    if (seq.cacheSalt !== null && local) this.#lookupPrefix(seq);
+    const remaining = seq.length - seq.computed;
+    const prefill = remaining > 1;
+    let n = Math.min(remaining, this.#tokenBudget, prefill ? this.#prefillBudget : remaining);
+    // A prompt's first chunk is bounded by its tenant's share of the step, as running prompts' are.
+    if (prefill && n > 0) n = this.#chunk(seq, n);
+    if (n > 0 && (!local || this.#allocateFor(seq, seq.computed + n))) return n;
+    if (seq.cachedTokens > 0 && local) this.#releasePrefix(seq);
+    return 0;
+  }
+
+  /** Leases the pages `seq` needs to hold `tokens` tokens (evicting unreferenced cached pages if short). */
+  #allocateFor(seq: Sequence, tokens: number): boolean {
+    return this.#allocatePages(Math.ceil(tokens / this.pool.pageSize) - seq.blockTable.length, seq);
+  }
+
+  /**
+   * Leases `count` more pages to `seq`; when the pool is short, first evicts cached pages no
+   * request references (least recently used), before the caller preempts anyone.
+   */
+  #allocatePages(count: number, seq: Sequence): boolean {
+    const pool = this.pool;
+    if (pool.allocate(count, seq.rid, seq.epoch, seq.tenant, seq.blockTable)) return true;
+    const cache = this.#cache;
+    if (cache === null || cache.size === 0) return false;
+    if (cache.evict(count - pool.table.counts().free) === 0) return false;
+    return pool.allocate(count, seq.rid, seq.epoch, seq.tenant, seq.blockTable);
+  }
+
+  /**
+   * A request about to start computing from its first token: reuse the cached full pages its
+   * prompt starts with (never its last prompt token, whose logits the first sample needs).
+   */
+  #lookupPrefix(seq: Sequence): void {
+    if (seq.computed !== 0 || seq.blockTable.length !== 0) return;
+    const P = this.pool.pageSize;
+    const hit = this.#cache!.lookup(
+      seq.cacheSalt!,
+      seq.tokens,
+      Math.floor((seq.promptLength - 1) / P),
+      seq.blockTable,
+    );
+    seq.computed = hit * P;
+    seq.cachedTokens = hit * P;
+  }
+
+  /** Gives back a hit that could not be admitted this step (the references; it looks up again later). */
+  #releasePrefix(seq: Sequence): void {
+    this.pool.free(seq.blockTable, seq.rid, seq.epoch);
+    seq.computed = 0;
+    seq.cachedTokens = 0;
+  }
+
+  /** Caches `seq`'s full pages of its first `tokens` computed tokens. */
+  #insertPrefix(seq: Sequence, tokens: number): void {
+    this.#cache!.insert(
+      seq.cacheSalt!,
+      seq.tokens,
+      Math.floor(tokens / this.pool.pageSize),
+      seq.blockTable,
+      seq,
+    );
   }
 
   #addToBatch(seq: Sequence, n: number, prefill: boolean): void {
@@ -1179,8 +1303,13 @@ export class Engine {
   }
 
   #finish(seq: Sequence, reason: "stop" | "length"): void {
-    this.#end(seq);
-    seq.events.onFinish(reason, { promptTokens: seq.promptLength, completionTokens: seq.generated });
+    this.#end(seq, true);
+    seq.events.onFinish(reason, this.#usage(seq));
+  }
+
+  #usage(seq: Sequence): { promptTokens: number; completionTokens: number; cachedTokens?: number } {
+    const usage = { promptTokens: seq.promptLength, completionTokens: seq.generated };
+    return this.#cache === null ? usage : { ...usage, cachedTokens: seq.cachedTokens };
   }
 
   #fail(seq: Sequence, error: WireError): void {
@@ -1188,9 +1317,15 @@ export class Engine {
     seq.events.onError(error);
   }
 
-  /** Frees the request's pages and forgets it; later calls for the same request do nothing. */
-  #end(seq: Sequence): void {
+  /**
+   * Frees the request's pages and forgets it; later calls for the same request do nothing. A
+   * request that `finished` first caches its full pages (prompt and generated tokens: the next
+   * turn of a chat starts with them).
+   */
+  #end(seq: Sequence, finished = false): void {
     if (seq.state === "done") return;
+    if (finished && seq.cacheSalt !== null && seq.ownership === "local")
+      this.#insertPrefix(seq, seq.computed);
     if (seq.ownership === "local") this.pool.free(seq.blockTable, seq.rid, seq.epoch);
     else seq.blockTable.clear();
     if (seq.forkOf >= 0) {

@@ -11,14 +11,24 @@
  * stamp of the earlier request whose data it holds, so `checkRead` catches a read of stale KV even
  * when every other guard is off.
  *
+ * **Shared pages** (the prefix cache, `src/protocol/prefix-cache.ts`): a full READY page can be handed
+ * to a cache entry (`share`): state SHARED, `owner` = the entry's id, `tenant` kept, generation
+ * unchanged, and a **reference count** (`refcount`) of the requests reading it. A request that
+ * hits takes a reference (`ref`) and records it in its block table; `unref` drops it; only a
+ * SHARED page with no reference leaves, through `evict` (→ FREE, generation bumped). A SHARED page
+ * is never writable (`checkWrite` wants RESERVED), never freed or quarantined by a lease holder
+ * (`free`/`quarantine` want RESERVED or READY), and never handed out (it is not on the free stack).
+ * `checkShared` is the read guard's rule for it: SHARED at the generation, of the reader's tenant,
+ * referenced.
+ *
  * Free pages sit on a stack inside the same buffer, so `allocate` is O(count), and the counters of
  * each state sit in a small header, so `countsInto` is O(1). Every operation is integer compares
  * and stores; nothing allocates.
  *
  * Buffer layout (all 32-bit words, little-endian host order):
- *   header[4]: freeTop, reserved, ready, quarantined
+ *   header[5]: freeTop, reserved, ready, quarantined, shared
  *   generation[n], owner[n], ownerEpoch[n], tenant[n], state[n], filledTokens[n],
- *   writerRid[n], writerEpoch[n], freeStack[n]
+ *   writerRid[n], writerEpoch[n], refcount[n], freeStack[n]
  *
  * Positional integer parameters (page, generation, rid, epoch) on purpose: these are per-page,
  * per-step calls that must not allocate an options object.
@@ -34,11 +44,13 @@ export const PageState = {
   RESERVED: 1,
   READY: 2,
   QUARANTINED: 3,
+  /** A full page owned by a prefix-cache entry, read-only, reference-counted. */
+  SHARED: 4,
 } as const;
 export type PageState = (typeof PageState)[keyof typeof PageState];
 
 /** Names of the page states, indexed by state, for logs and traces. */
-export const PAGE_STATE_NAMES = ["FREE", "RESERVED", "READY", "QUARANTINED"] as const;
+export const PAGE_STATE_NAMES = ["FREE", "RESERVED", "READY", "QUARANTINED", "SHARED"] as const;
 
 /** Page counts per state, for metrics and idle-pool checks. */
 export interface PageCounts {
@@ -52,12 +64,13 @@ export interface PageCounts {
 /** Writer stamp value of a page never written since the table was created. */
 export const NO_WRITER = 0xffffffff;
 
-const HEADER_WORDS = 4;
+const HEADER_WORDS = 5;
 const H_FREE_TOP = 0;
 const H_RESERVED = 1;
 const H_READY = 2;
 const H_QUARANTINED = 3;
-const PAGE_ARRAYS = 9;
+const H_SHARED = 4;
+const PAGE_ARRAYS = 10;
 
 export interface OwnershipTableOptions {
   /** Buffer to lay the table over; a fresh `ArrayBuffer` when omitted. */
@@ -82,6 +95,7 @@ export class OwnershipTable {
   readonly #filledTokens: Uint32Array;
   readonly #writerRid: Uint32Array;
   readonly #writerEpoch: Uint32Array;
+  readonly #refcount: Uint32Array;
   readonly #freeStack: Int32Array;
   readonly #bytes: Uint8Array;
 
@@ -129,6 +143,7 @@ export class OwnershipTable {
     this.#filledTokens = u32();
     this.#writerRid = u32();
     this.#writerEpoch = u32();
+    this.#refcount = u32();
     this.#freeStack = new Int32Array(buffer, at, numPages);
     if (options.attach !== true) this.reset();
   }
@@ -279,7 +294,8 @@ export class OwnershipTable {
    * machine's per-token check both call it (the rule is spelled out in `page-pool.ts`):
    *
    * - a page holding earlier tokens (`j·P < start`) passes `checkRead` and its stamped filled tokens
-   *   cover every slot of it the step reads but does not write;
+   *   cover every slot of it the step reads but does not write; a page the block table marks as a
+   *   shared reference (`shared[j] === 1`) passes `checkShared` for `tenant` instead;
    * - a page the step writes first (`start ≤ j·P < end`) passes `checkWrite` (RESERVED at the leased
    *   generation for `(rid, epoch)`);
    * - a page past `end` is leased to `(rid, epoch)` at its generation, RESERVED or READY.
@@ -295,6 +311,8 @@ export class OwnershipTable {
     epoch: number,
     start: number,
     end: number,
+    shared?: Uint8Array,
+    tenant?: number,
   ): number {
     const P = pageSize;
     if (count * P < end) return count; // the step would write past the leased pages
@@ -304,7 +322,7 @@ export class OwnershipTable {
       if (page < 0 || page >= this.numPages) return j;
       const first = j * P;
       if (first < start) {
-        if (!this.checkRead(page, generation, rid, epoch)) return j;
+        if (!this.#readable(page, generation, rid, epoch, shared?.[j] === 1, tenant ?? -1)) return j;
         if (this.#filledTokens[page]! < Math.min(start - first, P)) return j;
       } else if (first < end) {
         if (!this.checkWrite(page, generation, rid, epoch)) return j;
@@ -321,11 +339,105 @@ export class OwnershipTable {
     return -1;
   }
 
+  /**
+   * READY → SHARED: a full page of `(rid, epoch)` (its own data, `fullTokens` filled) is handed to
+   * the prefix-cache entry `entry`; the holder keeps one reference (refcount 1) and must record it
+   * in its block table. Generation, tenant and writer stamp unchanged. False (nothing changed) when
+   * the page is not that attempt's full READY page.
+   */
+  share(
+    page: number,
+    generation: number,
+    rid: number,
+    epoch: number,
+    entry: number,
+    fullTokens: number,
+  ): boolean {
+    if (!this.checkRead(page, generation, rid, epoch) || this.#filledTokens[page] !== fullTokens)
+      return false;
+    this.#state[page] = PageState.SHARED;
+    this.#owner[page] = entry;
+    this.#ownerEpoch[page] = NO_WRITER;
+    this.#refcount[page] = 1;
+    this.#header[H_READY] = this.#header[H_READY]! - 1;
+    this.#header[H_SHARED] = this.#header[H_SHARED]! + 1;
+    return true;
+  }
+
+  /**
+   * One more reference to SHARED `page` at `generation` (a prefix-cache hit). The tenant is not
+   * checked here: the read guard (`checkShared`) checks it before every read.
+   */
+  ref(page: number, generation: number): boolean {
+    if (!this.#isShared(page, generation)) return false;
+    this.#refcount[page] = this.#refcount[page]! + 1;
+    return true;
+  }
+
+  /** Drops one reference to SHARED `page` at `generation`; false when it holds none. */
+  unref(page: number, generation: number): boolean {
+    if (!this.#isShared(page, generation) || this.#refcount[page] === 0) return false;
+    this.#refcount[page] = this.#refcount[page]! - 1;
+    return true;
+  }
+
+  /** SHARED with no reference → FREE (generation bumped): the prefix cache evicts it. */
+  evict(page: number, generation: number): boolean {
+    if (!this.#isShared(page, generation) || this.#refcount[page] !== 0) return false;
+    this.#header[H_SHARED] = this.#header[H_SHARED]! - 1;
+    this.#pushFree(page);
+    return true;
+  }
+
+  /**
+   * The read guard's rule for a shared page: SHARED at `generation`, of `tenant`, and referenced
+   * (the reader's own reference is in its block table). Integer compares only.
+   */
+  checkShared(page: number, generation: number, tenant: number): boolean {
+    return (
+      this.#generation[page] === generation &&
+      this.#state[page] === PageState.SHARED &&
+      this.#tenant[page] === tenant &&
+      this.#refcount[page]! > 0
+    );
+  }
+
+  /** References held on `page` (0 unless SHARED). */
+  refcount(page: number): number {
+    return this.#refcount[page]!;
+  }
+
+  /** SHARED pages right now (O(1)). */
+  sharedPages(): number {
+    return this.#header[H_SHARED]!;
+  }
+
+  /** `checkShared` for a page the reader holds as a shared reference, else `checkRead`. */
+  #readable(
+    page: number,
+    generation: number,
+    rid: number,
+    epoch: number,
+    shared: boolean,
+    tenant: number,
+  ): boolean {
+    return shared ? this.checkShared(page, generation, tenant) : this.checkRead(page, generation, rid, epoch);
+  }
+
+  #isShared(page: number, generation: number): boolean {
+    return (
+      page >= 0 &&
+      page < this.numPages &&
+      this.#generation[page] === generation &&
+      this.#state[page] === PageState.SHARED
+    );
+  }
+
   /** What the table says of `page`, for the error of a failed check (allocates: not for hot paths). */
   describe(page: number): string {
     if (page < 0 || page >= this.numPages)
       return `page ${page} is outside the pool of ${this.numPages} pages`;
-    return `physical page ${page} has generation ${this.generation(page)}, owner ${this.owner(page)}/${this.ownerEpoch(page)}, state ${PAGE_STATE_NAMES[this.state(page)]}, writer ${this.writerRid(page)}/${this.writerEpoch(page)} filling ${this.filledTokens(page)} tokens`;
+    return `physical page ${page} has generation ${this.generation(page)}, owner ${this.owner(page)}/${this.ownerEpoch(page)}, state ${PAGE_STATE_NAMES[this.state(page)]}, writer ${this.writerRid(page)}/${this.writerEpoch(page)} filling ${this.filledTokens(page)} tokens${this.state(page) === PageState.SHARED ? `, tenant ${this.tenant(page)}, ${this.refcount(page)} references` : ""}`;
   }
 
   /** Writes the page count of each state into `out` (no allocation). */

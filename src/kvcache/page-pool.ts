@@ -35,6 +35,12 @@
  * A page reserved but never written keeps an earlier request's stamp and never turns READY through
  * this path, so a read of it fails the check.
  *
+ * **Shared pages** (a prefix-cache hit, `src/protocol/prefix-cache.ts`): pages the block table
+ * marks as shared references must pass `OwnershipTable.checkShared` instead of `checkRead`: SHARED
+ * at the generation, of the reader's tenant, referenced. They are always full and always before
+ * `start` (a hit covers whole pages of the prompt and the step computes after them), so a step
+ * never writes one.
+ *
  * The rule is written once, in `OwnershipTable.checkStep`: this pool's `checkStep` (the engine's
  * guard for the requests whose pages it owns or computes) and the decode state machine's per-token
  * check (the decode node's committed requests, see `src/protocol/decode-machine.ts`) both call it,
@@ -166,9 +172,10 @@ export class PagePool {
   }
 
   /**
-   * Frees every page of `blockTable` still leased to `(rid, epoch)` at its generation and clears
-   * the table. A page not held any more (freed already, re-leased to someone else) is left alone,
-   * so calling this twice frees nothing the second time. Returns the number of pages freed.
+   * Frees every page of `blockTable` still leased to `(rid, epoch)` at its generation, drops the
+   * table's references to shared prefix-cache pages (`unref`: they stay cached), and clears the
+   * table. A page not held any more (freed already, re-leased to someone else) is left alone, so
+   * calling this twice frees nothing the second time. Returns the number of pages freed.
    */
   free(blockTable: BlockTable, rid: number, epoch: number): number {
     const table = this.table;
@@ -176,7 +183,10 @@ export class PagePool {
     let freed = 0;
     for (let i = 0; i < blockTable.length; i++) {
       const page = blockTable.pages[i]!;
-      if (table.free(page, blockTable.generations[i]!, rid, epoch)) {
+      if (blockTable.shared[i] === 1) {
+        table.unref(page, blockTable.generations[i]!);
+        blockTable.shared[i] = 0;
+      } else if (table.free(page, blockTable.generations[i]!, rid, epoch)) {
         freed++;
         if (this.scrubOnFree) this.data.fill(0, page * pf, (page + 1) * pf);
       }
@@ -190,7 +200,14 @@ export class PagePool {
    * header for the rule. Returns -1 when every page of `blockTable` passes, else the index of the
    * first page that fails. Integer compares only; allocates nothing.
    */
-  checkStep(blockTable: BlockTable, rid: number, epoch: number, start: number, end: number): StepCheck {
+  checkStep(
+    blockTable: BlockTable,
+    rid: number,
+    epoch: number,
+    start: number,
+    end: number,
+    tenant = 0,
+  ): StepCheck {
     return this.table.checkStep(
       this.pageSize,
       blockTable.pages,
@@ -200,6 +217,8 @@ export class PagePool {
       epoch,
       start,
       end,
+      blockTable.shared,
+      tenant,
     );
   }
 

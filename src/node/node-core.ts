@@ -145,6 +145,7 @@ export class NodeCore {
       pages: engine.pages,
       queue: engine.queue,
       counters: engine.counters,
+      ...(engine.prefixCache === undefined ? {} : { prefixCache: engine.prefixCache }),
       attempts,
       staleMessages: stale,
       tombstones,

@@ -62,10 +62,17 @@ export async function buildNode(
     maxModelLen: engine.capacity.maxModelLen,
     layoutSignature: signature,
     ...(engine.capacity.maxSequences === undefined ? {} : { maxSequences: engine.capacity.maxSequences }),
+    ...(options.role === "prefill" && engine.prefixCache !== null ? { prefixCache: true } : {}),
   };
   const parts = { engine, hello, layoutSignature: signature };
   const nodeOptions = { engine, layoutSignature: signature, safety, incarnation, toRouter };
   return options.role === "prefill"
     ? { ...parts, role: "prefill", node: new PrefillNode(nodeOptions) }
     : { ...parts, role: "decode", node: new DecodeNode(nodeOptions) };
+}
+
+/** The answer to a readiness ping, with the pages the node's prefix cache holds. */
+export function pong(id: number, engine: Engine): FromNode {
+  const cache = engine.prefixCache;
+  return cache === null ? { kind: "pong", id } : { kind: "pong", id, cachedPages: cache.size };
 }

@@ -13,7 +13,7 @@ import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
 import type { LinkTls } from "../transfer/tls-config.js";
-import { buildNode } from "./node-host.js";
+import { buildNode, pong } from "./node-host.js";
 import { pageByteLength } from "./node-pool.js";
 
 /** Decode's reconnect to a live prefill node: every RECONNECT_MS, for RECONNECT_WINDOW_MS. */
@@ -270,7 +270,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
   const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
 
   const onRouterMessage = (message: ToNode): void => {
-    if (message.kind === "ping") router.send({ kind: "pong", id: message.id });
+    if (message.kind === "ping") router.send(pong(message.id, built.engine));
     else if (message.kind === "stats") {
       const linkAuthFailures = {
         control: { ...control.failures },

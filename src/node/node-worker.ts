@@ -19,7 +19,7 @@ import {
   ShmTransferReceiver,
   ShmTransferWriter,
 } from "../transfer/shm-transport.js";
-import { buildNode, type NodeHostOptions } from "./node-host.js";
+import { buildNode, type NodeHostOptions, pong } from "./node-host.js";
 import { pageByteLength } from "./node-pool.js";
 
 export const NODE_WORKER_TAG = "kvfence-node-worker";
@@ -60,7 +60,7 @@ async function main(port: MessagePort, options: NodeHostOptions): Promise<void> 
   }
   port.on("message", (message: ToNode | NodeWorkerSetup) => {
     if (message.kind === "ping") {
-      toRouter({ kind: "pong", id: message.id });
+      toRouter(pong(message.id, built.engine));
       return;
     }
     if (message.kind === "stats") {

@@ -20,6 +20,11 @@
  * machine builds the manifest at `computed` it reads recorded values — only the pages of the last
  * chunk (the last, partial page included) are hashed then, as they were produced in that step.
  *
+ * With the engine's prefix cache on, the machine's `prefix` is `PrefillPrefix` (prefill-prefix.ts):
+ * a prompt's cached full pages are the attempt's first source pages and only the rest is computed;
+ * the node tells the router how many prompt tokens came from the cache (`prefix_cached`, for the
+ * response's `usage.prompt_tokens_details.cached_tokens`).
+ *
  * The `stall-transfer` node fault (tests only): prefill writes the first half of a lease's pages,
  * ends the lease there and stops — no further writes, no manifest, no ABORT_ACK (its writes never
  * drain) — as a prefill that hangs mid-transfer; decode's pages wait for the fence.
@@ -51,6 +56,7 @@ import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { PageWrite, TransferHandlers, TransferWriter } from "../transfer/transport.js";
 import { addTransfer, GREEDY, NodeCore, type NodeOptions } from "./node-core.js";
 import { pageBytesOf } from "./node-pool.js";
+import { PrefillPrefix } from "./prefill-prefix.js";
 
 export type PrefillNodeOptions = NodeOptions;
 
@@ -93,13 +99,22 @@ export class PrefillNode {
   readonly #logprobs = new Map<string, FirstLogprobs>();
   /** Watermarks for decode incarnations not attached yet (see `#watermark`). */
   readonly #early = new Map<number, Watermark>();
+  readonly #prefix: PrefillPrefix | null;
 
   constructor(options: PrefillNodeOptions) {
     this.#core = new NodeCore(options, () => this.#hashProduced());
     this.incarnation = options.incarnation;
     this.#engine = options.engine;
     const core = this.#core;
-    this.#context = { pool: core.pool, config: core.config, safety: core.safety, out: this.#out };
+    const cache = options.engine.prefixCache;
+    this.#prefix = cache === null ? null : new PrefillPrefix(cache, core.safety, core.pool.pageSize);
+    this.#context = {
+      pool: core.pool,
+      config: core.config,
+      safety: core.safety,
+      out: this.#out,
+      ...(this.#prefix === null ? {} : { prefix: this.#prefix }),
+    };
   }
 
   /**
@@ -245,7 +260,7 @@ export class PrefillNode {
       for (const key in peer.state.attempts) {
         const a = peer.state.attempts[key]!;
         if (a.phase !== "computing") continue;
-        let i = produced.get(key) ?? 0;
+        let i = produced.get(key) ?? firstOwnPage(a.shared);
         for (; i < a.pages.length; i++) {
           const page = a.pages[i]!;
           if (
@@ -288,9 +303,9 @@ export class PrefillNode {
     if (!peer.open && !force) return;
     const out = this.#out;
     const start = out.length;
-    const freeBefore = this.#core.freePages();
+    const freeBefore = this.#reclaimablePages();
     prefillStep(peer.state, event, this.#context);
-    const freeAfter = this.#core.freePages();
+    const freeAfter = this.#reclaimablePages();
     const effects = out.splice(start);
     let writes: WriteEffect[] | null = null;
     for (const effect of effects) {
@@ -319,14 +334,21 @@ export class PrefillNode {
     // Attempts that ended here (released, acknowledged, fenced, refused as stale) need no inputs
     // any more.
     for (const [key, input] of this.#inputs) {
-      if (input.peer === peer && peer.state.attempts[key] === undefined) {
-        this.#inputs.delete(key);
-        this.#logprobs.delete(key);
-      }
+      if (input.peer !== peer || peer.state.attempts[key] !== undefined) continue;
+      this.#inputs.delete(key);
+      this.#logprobs.delete(key);
+      const [rid, epoch] = key.split(":").map(Number) as [number, number];
+      this.#prefix?.forget(rid, epoch);
     }
   }
 
-  #compute(peer: DecodePeer, { rid, epoch, tenant, promptLen, pages }: ComputeEffect): void {
+  /** FREE pages, plus cached pages no one references (the machine evicts them when short). */
+  #reclaimablePages(): number {
+    const cache = this.#engine.prefixCache;
+    return this.#core.freePages() + (cache === null || cache.size === 0 ? 0 : cache.evictable());
+  }
+
+  #compute(peer: DecodePeer, { rid, epoch, tenant, promptLen, pages, cachedPages }: ComputeEffect): void {
     const key = attemptKey(rid, epoch);
     const input = this.#inputs.get(key);
     const tokens = input?.tokens ?? [];
@@ -348,9 +370,13 @@ export class PrefillNode {
     };
     let done = false;
     const submittedAt = epochNow();
+    if (this.#prefix !== null) {
+      const cachedTokens = (cachedPages ?? 0) * this.#core.pool.pageSize;
+      this.#core.toRouter({ kind: "prefix_cached", rid, epoch, cachedTokens });
+    }
     this.#engine.submitPrefill(
       request,
-      { epoch, pages },
+      { epoch, pages, ...(cachedPages === undefined ? {} : { cachedPages }) },
       {
         onPromptLogprobs: (entries) => {
           this.#logprobs.set(key, { ...this.#logprobs.get(key), prompt: [...entries] });
@@ -436,4 +462,10 @@ export class PrefillNode {
         );
     }
   }
+}
+
+/** The first source page that is the attempt's own (computed by it), after its cached references. */
+function firstOwnPage(shared: readonly number[]): number {
+  const i = shared.indexOf(0);
+  return i < 0 ? shared.length : i;
 }

@@ -27,6 +27,8 @@ export const nodeInfoSchema = z.object({
   up: z.boolean().optional(),
   /** False while the node is out of the registry's membership (gone or draining): no new requests. */
   member: z.boolean().optional(),
+  /** Pages its prefix cache holds (shared, referenced or not); absent without a cache. */
+  cached_pages: positiveInt.optional(),
 });
 
 export const nodesInfoSchema = z.object({

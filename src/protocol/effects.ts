@@ -103,6 +103,8 @@ export interface ComputeEffect {
   readonly tenant: number;
   readonly promptLen: number;
   readonly pages: readonly LeasePage[];
+  /** Leading pages that are prefix-cache references (already computed, read-only); 0 without a hit. */
+  readonly cachedPages?: number;
 }
 
 /**

@@ -42,6 +42,24 @@ export interface GenerationRequest {
   readonly sample?: { readonly of: number; readonly index: number } | undefined;
   /** The HTTP request's id and trace context (logs and spans; src/lib/tracing.ts). */
   readonly trace?: RequestTrace;
+  /**
+   * The client's `cache_salt` (narrows the prefix-cache namespace; never replaces the tenant's).
+   * Absent or null: none.
+   */
+  readonly cacheSalt?: string | null;
+  /**
+   * The server's prefix-cache namespace within the tenant (`--prefix-cache-scope key`: the API
+   * key's; absent or "": the tenant's).
+   */
+  readonly cacheScope?: string;
+}
+
+/** Token counts of a finished request. */
+export interface GenerationUsage {
+  promptTokens: number;
+  completionTokens: number;
+  /** Prompt tokens served from the prefix cache (present when the cache is on). */
+  cachedTokens?: number;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */
@@ -57,7 +75,7 @@ export interface GenerationEvents {
    * token i, null for the first (nothing precedes it). Once, before the first `onTokens`.
    */
   onPromptLogprobs?(entries: readonly (TokenLogprobs | null)[]): void;
-  onFinish(reason: "stop" | "length", usage: { promptTokens: number; completionTokens: number }): void;
+  onFinish(reason: "stop" | "length", usage: GenerationUsage): void;
   /** E.g. `context_length_exceeded` at the engine's door, `page_tag_mismatch`. */
   onError(error: WireError): void;
 }
@@ -84,6 +102,16 @@ export interface EngineStats {
     prefillTokens?: number;
     /** Samples of n > 1 forked from their first sample's prompt KV (one engine). */
     forkedSamples?: number;
+  };
+  /** The prefix cache's counters and pages (present when it is on). */
+  prefixCache?: {
+    hits: number;
+    misses: number;
+    hitTokens: number;
+    evictions: number;
+    collisions: number;
+    sharedPages: number;
+    evictablePages: number;
   };
   /** The engine's per-phase histograms so far (absent from a handle that keeps none). */
   phases?: PhaseSnapshot;

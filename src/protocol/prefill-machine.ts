@@ -13,6 +13,12 @@
  *   drained, then free the source pages. An abort for an attempt this node never saw (or already
  *   ended) is acknowledged at once — it has nothing in flight — and leaves a tombstone so a late
  *   `prefill` for it is refused. ABORT_ACK is never dropped.
+ * - **The prefix cache** (optional, `PrefillContext.prefix`): at `prefill` the source pages start
+ *   with the cached full pages of the prompt — references, read-only, computed already — and only
+ *   the rest is leased and computed (the `compute` effect says how many are cached); at `computed`
+ *   the attempt's full pages are offered to the cache (they turn SHARED, the attempt keeps its
+ *   reference). Decode still receives every page: the writes, checksums and coverage are the same.
+ *   Freeing the source pages drops the references (`unref`) and frees the rest.
  * - **peer_lost** (a decode incarnation gone): its pool and connection are gone with it; free the
  *   attempts whose lease it granted. A lease from another decode incarnation than the one this
  *   node is connected to, or for another prefill incarnation than this one, is refused.
@@ -58,6 +64,8 @@ export interface PrefillAttempt {
   outstanding: number;
   firstToken: number;
   checksums: string[];
+  /** 1 where the source page is a prefix-cache reference (SHARED), 0 for the attempt's own page. */
+  shared: number[];
 }
 
 export interface PrefillState {
@@ -92,6 +100,21 @@ export interface PrefillContext {
   readonly config: PrefillConfig;
   readonly safety: Safety;
   readonly out: Effects;
+  /** The node's prefix cache; absent: none (the model checker's transfer model, `--prefix-cache off`). */
+  readonly prefix?: PrefillPrefixCache;
+}
+
+/** What the prefill machine asks of its node's prefix cache (`src/protocol/prefix-cache.ts`). */
+export interface PrefillPrefixCache {
+  /**
+   * Takes a reference on each cached full page `msg`'s prompt starts with (at most `maxPages`) and
+   * returns them in order.
+   */
+  lookup(msg: PrefillRequest, maxPages: number): { pages: number[]; generations: number[] };
+  /** Offers the computed attempt's full pages to the cache, setting `shared[i]` for each it took. */
+  insert(attempt: PrefillAttempt): void;
+  /** Evicts up to `count` unreferenced cached pages (the pool is short); returns how many. */
+  evict(count: number): number;
 }
 
 export function initialPrefillState(incarnation: number, decodeIncarnation: number): PrefillState {
@@ -218,12 +241,20 @@ function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext):
     );
     return;
   }
-  const leased = leasePages(pool, count, msg);
+  // The prefix cache's full pages this prompt starts with (never its last token: its logits are needed).
+  const hit =
+    ctx.prefix !== undefined && promptLen === msg.promptLen
+      ? ctx.prefix.lookup(msg, Math.floor((promptLen - 1) / P))
+      : { pages: [], generations: [] };
+  const cached = hit.pages.length;
+  const leased = leaseOrEvict(ctx, count - cached, msg);
   if (leased === null) {
+    for (let i = 0; i < cached; i++) pool.table.unref(hit.pages[i]!, hit.generations[i]!);
     reject(state, msg, poolExhausted("prefill", msg.rid, count), out);
     return;
   }
-  const { pages, generations } = leased;
+  const pages = [...hit.pages, ...leased.pages];
+  const generations = [...hit.generations, ...leased.generations];
   state.attempts[key] = {
     rid: msg.rid,
     epoch: msg.epoch,
@@ -237,10 +268,32 @@ function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext):
     outstanding: 0,
     firstToken: 0,
     checksums: [],
+    shared: pages.map((_, i) => (i < cached ? 1 : 0)),
   };
   const source: LeasePage[] = [];
   for (let i = 0; i < count; i++) source.push({ page: pages[i]!, generation: generations[i]! });
-  out.push({ kind: "compute", rid: msg.rid, epoch: msg.epoch, tenant: msg.tenant, promptLen, pages: source });
+  out.push({
+    kind: "compute",
+    rid: msg.rid,
+    epoch: msg.epoch,
+    tenant: msg.tenant,
+    promptLen,
+    pages: source,
+    ...(cached > 0 ? { cachedPages: cached } : {}),
+  });
+}
+
+/** Leases `count` pages, evicting unreferenced cached pages first when the pool is short. */
+function leaseOrEvict(
+  ctx: PrefillContext,
+  count: number,
+  msg: PrefillRequest,
+): { pages: number[]; generations: number[] } | null {
+  const leased = leasePages(ctx.pool, count, msg);
+  if (leased !== null || ctx.prefix === undefined) return leased;
+  const free = ctx.pool.table.counts().free;
+  if (ctx.prefix.evict(count - free) === 0) return null;
+  return leasePages(ctx.pool, count, msg);
 }
 
 function computed(
@@ -263,6 +316,7 @@ function computed(
     finishAbort(state, key, a, ctx);
     return;
   }
+  ctx.prefix?.insert(a);
   a.phase = "writing";
   a.outstanding = n;
   const misaddress = faultOn(safety, "misaddressed-write");
@@ -347,7 +401,10 @@ function reject(state: PrefillState, msg: PrefillRequest, error: WireError, out:
 }
 
 function freeSource(a: PrefillAttempt, pool: KvPool): void {
-  for (let i = 0; i < a.pages.length; i++) pool.table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+  for (let i = 0; i < a.pages.length; i++) {
+    if (a.shared[i] === 1) pool.table.unref(a.pages[i]!, a.generations[i]!);
+    else pool.table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+  }
 }
 
 function end(state: PrefillState, key: string): void {

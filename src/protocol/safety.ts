@@ -20,6 +20,7 @@ export const FAULT_NAMES = [
   "drop-abort-ack",
   "stale-commit",
   "shared-prefix",
+  "prefix-collision",
 ] as const;
 export type FaultName = (typeof FAULT_NAMES)[number];
 
@@ -40,6 +41,7 @@ export const GUARD_NAMES = [
   "quarantine",
   "lease-check",
   "tenant-salt",
+  "prefix-tokens",
 ] as const;
 export type GuardName = (typeof GUARD_NAMES)[number];
 
@@ -83,7 +85,12 @@ export const FAULT_TABLE: Readonly<
   },
   "shared-prefix": {
     reproduces: "prefix-cache keys ignore the tenant, so one tenant's cached KV serves another's prompt",
-    caughtBy: ["tenant-salt"],
+    caughtBy: ["tenant-salt", "page-tags"],
+  },
+  "prefix-collision": {
+    reproduces:
+      "prefix-cache keys are cut to a few bits, so another prefix's cached page has the same key (weak block hashes)",
+    caughtBy: ["prefix-tokens", "page-tags"],
   },
 });
 

@@ -63,6 +63,9 @@ export interface PrefillRequest {
   readonly maxTokens: number;
   /** The prompt's token ids (servers); absent in the model checker, which abstracts tokens. */
   readonly promptTokens?: readonly number[];
+  /** The client's `cache_salt` and the server's namespace within the tenant (the prefix cache). */
+  readonly cacheSalt?: string | null;
+  readonly cacheScope?: string;
   readonly lease: TransferLease;
 }
 

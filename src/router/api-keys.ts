@@ -82,14 +82,22 @@ export class TenantDirectory {
 
   /** The tenant for an `Authorization` header value, or null when the key is wrong or missing. */
   authenticate(authorization: string | undefined): Tenant | null {
-    if (this.anonymous) return ANONYMOUS_TENANT;
+    return this.authenticateKey(authorization)?.tenant ?? null;
+  }
+
+  /**
+   * The tenant and the key's own index (the prefix cache's `key` scope; -1 for the anonymous
+   * tenant) for an `Authorization` header value, or null when the key is wrong or missing.
+   */
+  authenticateKey(authorization: string | undefined): { tenant: Tenant; keyIndex: number } | null {
+    if (this.anonymous) return { tenant: ANONYMOUS_TENANT, keyIndex: -1 };
     const match = /^Bearer\s+(\S+)\s*$/i.exec(authorization ?? "");
     if (match === null) return null;
     const given = digest(match[1]!);
-    let found: Tenant | null = null;
-    for (const entry of this.#entries) {
-      if (timingSafeEqual(entry.digest, given)) found = entry.tenant;
-    }
+    let found: { tenant: Tenant; keyIndex: number } | null = null;
+    this.#entries.forEach((entry, keyIndex) => {
+      if (timingSafeEqual(entry.digest, given)) found = { tenant: entry.tenant, keyIndex };
+    });
     return found;
   }
 

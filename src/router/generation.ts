@@ -21,6 +21,8 @@ export interface TextStreamDecoder {
 export interface Usage {
   readonly promptTokens: number;
   readonly completionTokens: number;
+  /** Prompt tokens served from the prefix cache (absent: the cache is off). */
+  readonly cachedTokens?: number;
 }
 
 export type FinishReason = "stop" | "length";
@@ -172,6 +174,7 @@ export class Generation {
       {
         promptTokens: usage.promptTokens,
         completionTokens: Math.max(usage.completionTokens, this.#completionTokens),
+        ...(usage.cachedTokens === undefined ? {} : { cachedTokens: usage.cachedTokens }),
       },
       step.stopped ? (step.matched ?? null) : null,
     );

@@ -21,14 +21,18 @@ export interface UsageWire {
   prompt_tokens: number;
   completion_tokens: number;
   total_tokens: number;
+  /** OpenAI's field: prompt tokens served from the prefix cache (when the cache is on). */
+  prompt_tokens_details?: { cached_tokens: number };
 }
 
 export function usageWire(usage: Usage): UsageWire {
-  return {
+  const wire: UsageWire = {
     prompt_tokens: usage.promptTokens,
     completion_tokens: usage.completionTokens,
     total_tokens: usage.promptTokens + usage.completionTokens,
   };
+  if (usage.cachedTokens !== undefined) wire.prompt_tokens_details = { cached_tokens: usage.cachedTokens };
+  return wire;
 }
 
 /** `chatcmpl-…` or `cmpl-…` followed by 24 random alphanumerics. */

@@ -67,6 +67,8 @@ const samplingFields = {
   /** Not in OpenAI's API; vLLM and SGLang accept it. 0 or -1 = off. */
   top_k: z.number().int().min(-1).nullable().optional(),
   seed: z.number().int().nullable().optional(),
+  /** vLLM's field: narrows the prefix-cache namespace within the tenant (never widens it). */
+  cache_salt: z.string().min(1).max(256).nullable().optional(),
   stop,
   n: z.number().int().min(1).max(MAX_N).nullable().optional(),
   user: z.string().optional(),
@@ -178,6 +180,8 @@ export interface SamplingRequest {
    * logprobs); else null.
    */
   readonly echoPrompts: readonly string[] | null;
+  /** The client's `cache_salt`, or null. */
+  readonly cacheSalt: string | null;
 }
 
 export interface ParsedChatRequest extends SamplingRequest {
@@ -434,6 +438,7 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
     topK: req.top_k ?? null,
     seed: req.seed ?? null,
     stop: stopList(req.stop),
+    cacheSalt: req.cache_salt ?? null,
   };
 }
 

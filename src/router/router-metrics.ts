@@ -1,12 +1,13 @@
 /**
  * The router's Prometheus metrics. Request and token counts are labelled by tenant (name, from the
  * API key), endpoint and status; pool pages, queue depths and engine counters are read from the
- * engine once per scrape (`EngineHandle.stats()`), so /metrics shows the pool as the engine sees it.
+ * engine once per scrape (`EngineHandle.stats()`), so /metrics shows the pool as the engine sees it;
+ * with the prefix cache on, its lookups, hit tokens, evictions, collisions and pages too.
  */
 
 import { exponentialBuckets, MetricsRegistry } from "../lib/metrics.js";
 import { type PhaseSource, renderPhaseMetrics } from "../lib/phase-histograms.js";
-import type { EngineHandle } from "../protocol/engine-api.js";
+import type { EngineHandle, EngineStats } from "../protocol/engine-api.js";
 
 export type Endpoint =
   | "chat"
@@ -129,6 +130,47 @@ export class RouterMetrics {
       this.engineAborts.setTotal(stats.counters.aborts);
       this.prefillTokens.setTotal(stats.counters.prefillTokens ?? 0);
       this.forkedSamples.setTotal(stats.counters.forkedSamples ?? 0);
+      if (stats.prefixCache !== undefined) {
+        this.poolPages.set(stats.prefixCache.sharedPages, { state: "shared" });
+        prefix ??= prefixCacheMetrics(registry);
+        prefix.update(stats.prefixCache);
+      }
     });
+    let prefix: ReturnType<typeof prefixCacheMetrics> | undefined;
   }
+}
+
+/** The prefix cache's series (registered on the first scrape that finds the cache on). */
+function prefixCacheMetrics(registry: MetricsRegistry) {
+  const lookups = registry.counter(
+    "kvfence_prefix_cache_lookups_total",
+    "Prefix-cache lookups of prompts, by result (hit: at least one page reused)",
+    ["result"],
+  );
+  const hitTokens = registry.counter(
+    "kvfence_prefix_cache_hit_tokens_total",
+    "Prompt tokens served from the prefix cache instead of computed",
+  );
+  const evictions = registry.counter(
+    "kvfence_prefix_cache_evictions_total",
+    "Cached pages evicted (least recently used, unreferenced) to make room",
+  );
+  const collisions = registry.counter(
+    "kvfence_prefix_cache_collisions_total",
+    "Prefix-cache keys that matched but whose stored tokens differ (served as a miss)",
+  );
+  const pages = registry.gauge("kvfence_prefix_cache_pages", "Pages held by the prefix cache, by reference", [
+    "state",
+  ]);
+  return {
+    update(c: NonNullable<EngineStats["prefixCache"]>): void {
+      lookups.setTotal(c.hits, { result: "hit" });
+      lookups.setTotal(c.misses, { result: "miss" });
+      hitTokens.setTotal(c.hitTokens);
+      evictions.setTotal(c.evictions);
+      collisions.setTotal(c.collisions);
+      pages.set(c.sharedPages - c.evictablePages, { state: "referenced" });
+      pages.set(c.evictablePages, { state: "unreferenced" });
+    },
+  };
 }

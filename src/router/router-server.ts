@@ -112,6 +112,8 @@ export interface RouterServerOptions {
    * CORS headers, their preflights (OPTIONS) included. Absent or empty: no CORS headers.
    */
   readonly allowedOrigins?: readonly string[];
+  /** `--prefix-cache-scope`: the prefix cache's namespace, per tenant (default) or per API key. */
+  readonly prefixCacheScope?: "tenant" | "key";
 }
 
 type Handler = (ctx: RequestContext) => Promise<void> | void;
@@ -146,6 +148,8 @@ interface RequestContext {
   /** The client's `x-request-id` (printable ASCII, at most 128 characters), else a fresh UUID. */
   readonly requestId: string;
   tenant: Tenant | null;
+  /** The API key's index in the key file (-1: anonymous), for `--prefix-cache-scope key`. */
+  keyIndex: number;
 }
 
 /** A client's `x-request-id` kept as it is: printable ASCII, 1 to 128 characters. */
@@ -197,6 +201,7 @@ export class RouterServer {
   readonly #operatorKey: Buffer | null;
   /** Tenant name → its label in metrics. */
   readonly #tenantLabel: (name: string) => string;
+  readonly #prefixCacheScope: "tenant" | "key";
   #operatorServer: Server | null = null;
   readonly #allowedOrigins: ReadonlySet<string>;
   #nextRid = 1;
@@ -210,6 +215,7 @@ export class RouterServer {
     this.#tokenizer = options.tokenizer;
     this.#model = options.model;
     this.#tenants = options.tenants;
+    this.#prefixCacheScope = options.prefixCacheScope ?? "tenant";
     this.#log = options.logger;
     this.#allowedOrigins = new Set(options.allowedOrigins ?? []);
     this.contextLength = Math.min(
@@ -391,6 +397,7 @@ export class RouterServer {
       receivedAt: performance.now(),
       requestId: requestIdOf(req),
       tenant: null,
+      keyIndex: -1,
     };
     // On every response (errors and streams included): a client or proxy correlates it with the logs.
     res.setHeader("x-request-id", ctx.requestId);
@@ -432,8 +439,11 @@ export class RouterServer {
         );
       }
       if (route.operator === true) this.#authorizeOperator(req, listener);
-      else if (ctx.url.pathname.startsWith("/v1/") || route.endpoint === "tokenize")
-        ctx.tenant = this.#authenticate(req);
+      else if (ctx.url.pathname.startsWith("/v1/") || route.endpoint === "tokenize") {
+        const found = this.#authenticate(req);
+        ctx.tenant = found.tenant;
+        ctx.keyIndex = found.keyIndex;
+      }
       await route.handler(ctx);
     } catch (err) {
       this.#sendError(res, err);
@@ -540,10 +550,10 @@ export class RouterServer {
     ctx.res.end(asset.body);
   }
 
-  #authenticate(req: IncomingMessage): Tenant {
+  #authenticate(req: IncomingMessage): { tenant: Tenant; keyIndex: number } {
     const header = req.headers.authorization;
-    const tenant = this.#tenants.authenticate(header);
-    if (tenant !== null) return tenant;
+    const found = this.#tenants.authenticateKey(header);
+    if (found !== null) return found;
     if (header === undefined || header.trim() === "") {
       throw new KvfenceError(
         "invalid_api_key",
@@ -625,6 +635,8 @@ export class RouterServer {
       ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
       ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
       trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
+      cacheSalt: parsed.cacheSalt,
+      cacheScope: this.#prefixCacheScope === "key" && ctx.keyIndex >= 0 ? `key:${ctx.keyIndex}` : "",
     };
     // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
     // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).
@@ -949,8 +961,10 @@ export class RouterServer {
     ctx.res.end(text);
   }
 
-  #nodes(ctx: RequestContext): void {
+  async #nodes(ctx: RequestContext): Promise<void> {
     const capacity = this.#engine.capacity;
+    const cachedPages =
+      this.#engine.nodes === undefined ? (await this.#engine.stats()).prefixCache?.sharedPages : undefined;
     const body: NodesInfo = {
       max_model_len: this.contextLength,
       nodes: this.#engine.nodes?.() ?? [
@@ -962,6 +976,7 @@ export class RouterServer {
           page_size: capacity.pageSize,
           max_model_len: capacity.maxModelLen,
           up: true,
+          ...(cachedPages === undefined ? {} : { cached_pages: cachedPages }),
         },
       ],
     };

@@ -112,7 +112,12 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", { timeout: 120_00
     assert.equal(role, "assistant");
     assert.equal(content, whole.choices[0]?.message.content);
     assert.equal(finish, whole.choices[0]?.finish_reason);
-    assert.deepEqual(usage, whole.usage);
+    // The same prompt again: the streamed request reuses the first one's cached pages.
+    const { prompt_tokens_details: streamedCache, ...streamed } = usage as OpenAI.CompletionUsage;
+    const { prompt_tokens_details: wholeCache, ...counted } = whole.usage!;
+    assert.deepEqual(streamed, counted);
+    assert.equal(wholeCache?.cached_tokens, 0);
+    assert.ok((streamedCache?.cached_tokens ?? 0) > 0);
   });
 
   test("completions, streamed and not, agree; max_tokens truncates with finish_reason length", async () => {
@@ -227,7 +232,8 @@ describe("kvfence serve end to end (tiny-qwen2, real engine)", { timeout: 120_00
       2,
     );
     assert.equal(
-      afterwards.get('kvfence_kv_pool_pages{state="free"}'),
+      afterwards.get('kvfence_kv_pool_pages{state="free"}')! +
+        afterwards.get('kvfence_prefix_cache_pages{state="unreferenced"}')!,
       afterwards.get("kvfence_kv_pool_pages_total"),
     );
     assert.equal(afterwards.get("kvfence_engine_aborts_total"), before.get("kvfence_engine_aborts_total"));

@@ -169,6 +169,8 @@ export const serveConfigSchema = z
         error: "must be an http:// or https:// URL (an OTLP/HTTP receiver, e.g. http://127.0.0.1:4318)",
       })
       .optional(),
+    prefixCache: z.enum(["on", "off"]).default("on"),
+    prefixCacheScope: z.enum(["tenant", "key"]).default("tenant"),
     scrubOnFree: z.boolean(),
     disaggregation: z.boolean(),
     role: z.enum(["all", "router", "prefill", "decode"]).default("all"),
@@ -265,6 +267,8 @@ const FLAG: Record<string, string> = {
   allowedOrigins: "--allowed-origins",
   phaseMetrics: "--no-phase-metrics",
   otlpEndpoint: "--otlp-endpoint",
+  prefixCache: "--prefix-cache",
+  prefixCacheScope: "--prefix-cache-scope",
   logLevel: "--log-level",
   role: "--role",
   prefill: "--prefill",

@@ -155,6 +155,7 @@ export async function startServer(
     operatorKey: config.operatorKey,
     metricsTenantNames: config.metricsTenantNames,
     allowedOrigins: config.allowedOrigins,
+    prefixCacheScope: config.prefixCacheScope,
     ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   });
   served.registerMetrics(router.metrics.registry);
@@ -450,6 +451,8 @@ function engineOptionsOf(
     scrubOnFree: config.scrubOnFree,
     ...(config.phaseMetrics ? {} : { phaseMetrics: false }),
     ...(config.otlpEndpoint === undefined ? {} : { otlpEndpoint: config.otlpEndpoint }),
+    prefixCache: config.prefixCache === "on",
+    ...(config.unsafeFault.length === 0 ? {} : { faults: config.unsafeFault }),
     ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
     ...(config.maxNumSeqs === undefined ? {} : { maxSequences: config.maxNumSeqs }),
     ...(config.seed === undefined ? {} : { seed: config.seed }),

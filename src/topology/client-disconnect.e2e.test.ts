@@ -144,22 +144,30 @@ async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
     reasons.map(() => "length"),
     "the normal requests alongside all finish",
   );
-  // Idle: nothing in flight, no attempt open on any node, every page FREE.
+  // Idle: nothing in flight, no attempt open on any node, every page FREE (or cached by the
+  // prefill node's prefix cache with no reference).
   const deadline = Date.now() + 20_000;
   for (;;) {
     const stats = await engine.stats();
     const nodes = await engine.nodeStats();
     const attempts = nodes.reduce((sum, n) => sum + (n.stats?.attempts ?? 0), 0);
-    const idle = engine.inFlight === 0 && attempts === 0 && stats.pages.free === stats.pages.total;
+    const cached = stats.prefixCache?.evictablePages ?? 0;
+    const referenced = (stats.prefixCache?.sharedPages ?? 0) - cached;
+    const idle =
+      engine.inFlight === 0 &&
+      attempts === 0 &&
+      referenced === 0 &&
+      stats.pages.free + cached === stats.pages.total;
     if (idle || Date.now() > deadline) {
       assert.equal(engine.inFlight, 0, "no request in flight");
       assert.equal(attempts, 0, "no protocol attempt open on any node");
+      assert.equal(referenced, 0, "no cached page referenced");
       assert.deepEqual(stats.pages, {
         ...stats.pages,
         reserved: 0,
         ready: 0,
         quarantined: 0,
-        free: stats.pages.total,
+        free: stats.pages.total - cached,
       });
       assert.ok(
         nodes.every((n) => n.stats !== null),

@@ -324,14 +324,19 @@ export class EngineClient implements EngineHandle {
       const lp = logprobs?.[run] ?? undefined;
       if (open !== undefined) call(() => open.events.onTokens(ids, lp));
     }
-    for (let i = 0; i < finishes.length; i += 4) {
+    for (let i = 0; i < finishes.length; i += 5) {
       const rid = finishes[i]!;
       const open = this.#open.get(rid);
       if (open === undefined) continue;
       this.#open.delete(rid);
       this.#share.finished(open);
       const reason = FINISH_REASONS[finishes[i + 1]!]!;
-      const usage = { promptTokens: finishes[i + 2]!, completionTokens: finishes[i + 3]! };
+      const cached = finishes[i + 4]!;
+      const usage = {
+        promptTokens: finishes[i + 2]!,
+        completionTokens: finishes[i + 3]!,
+        ...(cached < 0 ? {} : { cachedTokens: cached }),
+      };
       call(() => open.events.onFinish(reason, usage));
     }
     for (const { rid, error } of errors) {

@@ -32,7 +32,10 @@ export interface EngineEventsMessage {
   readonly logprobs?: (TokenLogprobs[] | null)[];
   /** Prompt log-probabilities, before the tokens. */
   readonly prompts?: { rid: number; entries: readonly (TokenLogprobs | null)[] }[];
-  /** Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens`; after the tokens. */
+  /**
+   * Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens, cachedTokens`
+   * (cachedTokens -1: the prefix cache is off); after the tokens.
+   */
   readonly finishes: number[];
   readonly errors: { rid: number; error: WireError }[];
 }

@@ -20,7 +20,7 @@ test("serveEngine() sends one message per step carrying every request's new toke
     port1.on("message", (m: FromEngineWorker) => {
       if (m.type !== "events") return;
       messages.push(m);
-      done += m.finishes.length / 4;
+      done += m.finishes.length / 5;
       if (done === requests.length) resolve();
     });
   });

@@ -68,7 +68,13 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
       prompts.push({ rid, entries });
     },
     onFinish(reason, usage) {
-      finishes.push(rid, FINISH_REASONS.indexOf(reason), usage.promptTokens, usage.completionTokens);
+      finishes.push(
+        rid,
+        FINISH_REASONS.indexOf(reason),
+        usage.promptTokens,
+        usage.completionTokens,
+        usage.cachedTokens ?? -1,
+      );
     },
     onError(error) {
       errors.push({ rid, error });

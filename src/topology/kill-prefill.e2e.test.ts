@@ -86,7 +86,17 @@ describe("kill -9 of a prefill process mid-transfer", { timeout: 120_000 }, () =
       decode: 1,
       model: modelDir(MODEL),
       // TLS links unless KVFENCE_TEST_LINK_TLS=off: a killed TLS peer is fenced like a TCP one.
-      nodeArgs: ["--kv-pages", "512", "--max-model-len", "2048", ...linkTlsArgs(linkTlsInTests(true))],
+      // No prefix cache: its affinity would send the repeated prompt back to the stalled prefill-0
+      // (this test pins the round-robin order).
+      nodeArgs: [
+        "--kv-pages",
+        "512",
+        "--max-model-len",
+        "2048",
+        "--prefix-cache",
+        "off",
+        ...linkTlsArgs(linkTlsInTests(true)),
+      ],
       prefillArgsAt: (i) => (i === 0 ? ["--unsafe-fault", "stall-transfer", UNSAFE_OPT_IN_FLAG] : []),
       routerArgs: ["--api-keys", keys, "--operator-key", TEST_OPERATOR_KEY],
     });

@@ -32,6 +32,8 @@ export interface StreamOutcome {
   /** `usage` of the final chunk, when the server sent one. */
   readonly promptTokens: number | null;
   readonly completionTokens: number | null;
+  /** `usage.prompt_tokens_details.cached_tokens` (prompt tokens from a prefix cache), when sent. */
+  readonly cachedTokens: number | null;
 }
 
 export interface StreamRequest {
@@ -52,6 +54,7 @@ export async function streamRequest(request: StreamRequest): Promise<StreamOutco
   let text = "";
   let promptTokens: number | null = null;
   let completionTokens: number | null = null;
+  let cachedTokens: number | null = null;
   let inBandError: string | null = null;
   let done = false;
   let status = 0;
@@ -68,6 +71,7 @@ export async function streamRequest(request: StreamRequest): Promise<StreamOutco
     text,
     promptTokens,
     completionTokens,
+    cachedTokens,
   });
   try {
     const res = await fetch(`${request.baseUrl}${request.endpoint}`, {
@@ -106,6 +110,8 @@ export async function streamRequest(request: StreamRequest): Promise<StreamOutco
         const c = field(usage, "completion_tokens");
         if (typeof p === "number") promptTokens = p;
         if (typeof c === "number") completionTokens = c;
+        const cached = field(field(usage, "prompt_tokens_details"), "cached_tokens");
+        if (typeof cached === "number") cachedTokens = cached;
       },
     });
     const decoder = new TextDecoder();

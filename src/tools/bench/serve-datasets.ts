@@ -7,7 +7,8 @@
  * - `shared-prefix`: requests in `groups` groups; every request of a group starts with the same
  *   long prefix and ends with its own suffix (the shape a prefix cache serves).
  * - `multi-turn`: sessions of `turns` turns; each turn resends the whole history (earlier user
- *   turns and the answers the server actually gave) plus a new user turn.
+ *   turns and the answers the server actually gave) plus a new user turn; optionally the first turn
+ *   starts with a document of the session's own (`sessionPrefixLen`).
  * - `sharegpt`: the first human turn of each conversation of a ShareGPT file (JSON array or JSON
  *   lines of `{"conversations":[{"from":"human","value":…},{"from":"gpt","value":…}]}`), the gpt
  *   turn's length as the output length.
@@ -54,6 +55,11 @@ export interface DatasetOptions {
   readonly prefixLen: number;
   /** multi-turn: turns per session. */
   readonly turns: number;
+  /**
+   * multi-turn: tokens of a document of its own each session's first turn starts with (a system
+   * prompt or a pasted file the later turns keep resending); default 0, none.
+   */
+  readonly sessionPrefixLen?: number;
   /** sharegpt: the file, and a fixed output length (default: each gpt turn's length). */
   readonly datasetPath?: string;
   readonly sharegptOutputLen?: number;
@@ -119,8 +125,17 @@ export function buildDataset(options: DatasetOptions): Dataset {
     case "multi-turn": {
       const count = Math.ceil(options.numPrompts / options.turns);
       sessions = Array.from({ length: count }, (_, s) => ({
-        turns: Array.from({ length: Math.min(options.turns, options.numPrompts - s * options.turns) }, () =>
-          randomTurn(options, rng, nonces, ""),
+        turns: Array.from(
+          { length: Math.min(options.turns, options.numPrompts - s * options.turns) },
+          (_, t) =>
+            randomTurn(
+              options,
+              rng,
+              nonces,
+              t === 0 && (options.sessionPrefixLen ?? 0) > 0
+                ? filler(Math.round(options.sessionPrefixLen! * options.charsPerToken), rng)
+                : "",
+            ),
         ),
       }));
       break;

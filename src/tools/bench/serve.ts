@@ -244,7 +244,8 @@ async function warmUp(ctx: RunContext, nonce: NonceStyle): Promise<void> {
   }
 }
 
-interface RunContext {
+/** What one run's requests share (the server, the dataset, the sampling); `sendTurn` takes it. */
+export interface RunContext {
   readonly baseUrl: string;
   readonly endpoint: ServeEndpoint;
   readonly apiKey: string | undefined;
@@ -305,7 +306,7 @@ async function runOnce(
 }
 
 /** Send turn `turn` of a session with the history so far (earlier turns and their answers). */
-async function sendTurn(
+export async function sendTurn(
   ctx: RunContext,
   session: number,
   turn: number,

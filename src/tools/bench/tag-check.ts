@@ -18,6 +18,12 @@
  * 1 or 2; or `--kernels ts`), built as the server builds it (`createForward`): on wasm both pools
  * live in the one WebAssembly memory beside the weights.
  *
+ * With `--arms prefix-cache` the two engines both check tags and differ in the prefix cache (on vs
+ * off) instead: the batch's prompts are all different, so nothing hits, but with the cache on
+ * their full prompt pages are cached after the prefill (SHARED, referenced by their requests) and
+ * every decode step checks them as shared pages — the cache's no-hit cost on decode throughput
+ * (issue #16: ≤ 1%).
+ *
  * Run: `node dist/src/tools/bench/tag-check.js [--model DIR | --like smollm2-135m|tiny] [--kernels wasm|ts]
  * [--threads 2] [--pairs 10] [--batch 8] [--prompt 16] [--steps 1] [--json]`, or
  * `kvfence bench tag-check` with the same options. Without `--model`, a random model with the
@@ -57,11 +63,14 @@ export interface TagCheckBenchOptions {
   readonly pageSize?: number;
   /** The KV cache element type (`--kv-cache-dtype`, default f16). */
   readonly kvCacheDtype?: KvDtype;
+  /** What the arms differ in: the page-tag check (default) or the prefix cache (tags on in both). */
+  readonly arms?: "tags" | "prefix-cache";
   /** Progress lines go here. */
   readonly log?: (line: string) => void;
 }
 
 export interface TagCheckBenchReport {
+  readonly arms: "tags" | "prefix-cache";
   readonly model: string;
   readonly kernels: KernelsName;
   readonly threads: 1 | 2;
@@ -117,7 +126,8 @@ export async function runTagCheckBench(options: TagCheckBenchOptions = {}): Prom
     pageSize: options.pageSize ?? 16,
     kvCacheDtype: options.kvCacheDtype ?? DEFAULT_KV_CACHE_DTYPE,
   };
-  const { setup, engines } = await prefilledEngines({ dir, kernels, threads, log }, shape);
+  const arms = options.arms ?? "tags";
+  const { setup, engines } = await prefilledEngines({ dir, kernels, threads, log, arms }, shape);
   const results = timePairs(engines, { pairs, steps, log });
   const check = timeCheckAlone(engines[0]);
   for (const engine of engines) for (const t of engine.liveBlockTables()) engine.abort(t.rid);
@@ -135,6 +145,7 @@ export async function runTagCheckBench(options: TagCheckBenchOptions = {}): Prom
   const tokensPerSecondOn = median(results.map((r) => r.on.wall));
   const cpuStepSeconds = batch / median(results.map((r) => r.on.cpu));
   return {
+    arms,
     model: dir,
     kernels,
     threads,
@@ -171,6 +182,7 @@ async function prefilledEngines(
     readonly kernels: KernelsName;
     readonly threads: 1 | 2;
     readonly log: (line: string) => void;
+    readonly arms: "tags" | "prefix-cache";
   },
   shape: BatchShape,
 ): Promise<{ setup: Awaited<ReturnType<typeof createForward>>; engines: [Engine, Engine] }> {
@@ -196,9 +208,11 @@ async function prefilledEngines(
     poolPages: [numPages, numPages],
   });
   log(`kernels ${run.kernels}, ${run.threads} thread${run.threads > 1 ? "s" : ""}`);
-  const engineOf = (tagCheck: boolean, pool: PagePool): Engine =>
+  const cacheArms = run.arms === "prefix-cache";
+  const engineOf = (on: boolean, pool: PagePool): Engine =>
     new Engine(setup.forward, pool, {
-      safety: makeSafety({ disabledGuards: tagCheck ? [] : ["page-tags"] }),
+      safety: makeSafety({ disabledGuards: on || cacheArms ? [] : ["page-tags"] }),
+      prefixCache: cacheArms && on,
       seed: 1,
       maxModelLen: Math.min(config.maxPositionEmbeddings, perRequest + 1),
     });
@@ -302,6 +316,9 @@ export function formatTagCheckReport(r: TagCheckBenchReport): string {
   const line = (name: string, q: RatioInterval) =>
     `  ratio on/off (${name}): ${q.ratio.toFixed(4)} (95% CI ${q.low.toFixed(4)} – ${q.high.toFixed(4)}); cost ${pct(1 - q.ratio)} (CI ${pct(1 - q.high)} – ${pct(1 - q.low)})`;
   return [
+    ...(r.arms === "prefix-cache"
+      ? ["arms: prefix cache on vs off (page tags on in both; nothing hits, the prompt pages are cached)"]
+      : []),
     `tag-check bench: ${r.model} on the ${r.kernels} kernels, ${r.threads} thread${r.threads > 1 ? "s" : ""}`,
     `  batch ${r.batch}, prompt ${r.promptTokens} tokens, ${r.stepsPerArm} decode step(s) per arm, ${r.pairs.length} interleaved pairs`,
     `  decode throughput (median, wall): check on ${r.tokensPerSecondOn.toFixed(2)} tok/s, off ${r.tokensPerSecondOff.toFixed(2)} tok/s`,
@@ -334,6 +351,11 @@ export function tagCheckCommand(): Command {
     .option("--prompt <n>", "prompt tokens per request", integer, 16)
     .option("--steps <n>", "timed decode steps per arm", integer, 1)
     .option("--kv-cache-dtype <dtype>", "KV cache element type: f32, f16 or bf16", DEFAULT_KV_CACHE_DTYPE)
+    .option(
+      "--arms <kind>",
+      "tags (the check on vs off) or prefix-cache (the cache on vs off, no hit)",
+      "tags",
+    )
     .option("--json", "print the report as JSON", false)
     .action(
       async (opts: {
@@ -346,16 +368,18 @@ export function tagCheckCommand(): Command {
         prompt: number;
         steps: number;
         kvCacheDtype: string;
+        arms: string;
         json: boolean;
       }) => {
         if (!isKvDtype(opts.kvCacheDtype))
           throw new InvalidArgumentError(`--kv-cache-dtype must be f32, f16 or bf16: ${opts.kvCacheDtype}`);
         if (
           (opts.kernels !== "ts" && opts.kernels !== "wasm") ||
-          (opts.threads !== "1" && opts.threads !== "2")
+          (opts.threads !== "1" && opts.threads !== "2") ||
+          (opts.arms !== "tags" && opts.arms !== "prefix-cache")
         ) {
           throw new InvalidArgumentError(
-            `--kernels must be ts or wasm and --threads 1 or 2: ${opts.kernels}, ${opts.threads}`,
+            `--kernels must be ts or wasm, --threads 1 or 2, --arms tags or prefix-cache: ${opts.kernels}, ${opts.threads}, ${opts.arms}`,
           );
         }
         const report = await runTagCheckBench({
@@ -368,6 +392,7 @@ export function tagCheckCommand(): Command {
           promptTokens: opts.prompt,
           steps: opts.steps,
           kvCacheDtype: opts.kvCacheDtype,
+          arms: opts.arms,
           log: (line) => process.stderr.write(`${line}\n`),
         });
         process.stdout.write(

@@ -884,7 +884,7 @@ function sortRecord<T>(record: Record<string, T>): Record<string, T> {
   return out;
 }
 
-const SHORT_STATE = ["F", "R", "Y", "Q"] as const;
+const SHORT_STATE = ["F", "R", "Y", "Q", "S"] as const;
 
 function describeTable(pool: ModelPool): string {
   const t = pool.table;

@@ -1,58 +1,294 @@
 /**
- * The prefix cache's tenant fence, checked by a small explicit-state model of its own (the transfer
- * protocol model has no prefix cache): two tenants send prompts that share their first block, in
- * every order, each with or without a client-supplied cache salt (tenant 1 forging tenant 0's salt
- * too). A lookup hits only blocks whose key the same salt produced; the invariant is that **a hit
- * never serves a block cached for another tenant** (docs/design.md §3, docs/prior-art.md H9).
+ * The prefix cache's model (docs/protocol.md §5a): the real `PrefixCache` over a real
+ * `OwnershipTable` of a small pool (5 pages of 2 tokens), explored in every order of three requests of two
+ * tenants — each arrives (looks its prompt up, leases its own pages, computes them, caches its full
+ * pages, reads every page it holds), finishes (drops its references, frees its own pages) or is
+ * aborted mid-way — interleaved with evictions under pool pressure. The pool's page contents are
+ * modelled as the prefix each page's KV was computed from (KV of a position depends on every token
+ * before it) and the tenant that computed it.
+ *
+ * Invariants, checked after every step, on every page a live request's block table holds:
+ * - **P1** a shared page is read only by a request of its tenant that holds a reference;
+ * - **P2** a referenced shared page is never freed, rewritten or handed out (it stays SHARED at the
+ *   generation the reader holds, with the content it had);
+ * - **P3** a hit serves exactly the request's own prefix (never another prompt's KV).
+ * The read check of the engine (`OwnershipTable.checkStep`, the `page-tags` guard) runs before the
+ * read: a request it refuses ends with an error and reads nothing.
+ *
+ * Faults: `shared-prefix` (the salt is the client's field alone, `tenant-salt` off) breaks P1;
+ * `prefix-collision` (keys cut to 2 bits, `prefix-tokens` off) breaks P3. With the guards kept the
+ * search is complete and clean.
  */
 
-import { prefixBlockKey, prefixCacheSalt } from "../../protocol/prefix-key.js";
-import { makeSafety, type Safety } from "../../protocol/safety.js";
+import { OwnershipTable, PageState } from "../../kvcache/ownership-table.js";
+import { PrefixCache } from "../../protocol/prefix-cache.js";
+import { prefixCacheSalt } from "../../protocol/prefix-key.js";
+import { guardOn, makeSafety, type Safety } from "../../protocol/safety.js";
 import type { Counterexample, ExploreResult } from "./explore.js";
 
-interface PrefixRequest {
+const PAGE_SIZE = 2;
+const POOL_PAGES = 5;
+
+interface ModelRequest {
   readonly tenant: number;
   readonly clientSalt: string | null;
   readonly tokens: readonly number[];
 }
 
-const PREFIX_REQUESTS: readonly PrefixRequest[] = [
-  { tenant: 0, clientSalt: null, tokens: [11, 12] },
-  { tenant: 1, clientSalt: null, tokens: [11, 12] },
-  { tenant: 1, clientSalt: "tenant:0", tokens: [11, 12] },
+/** Requests whose prompts share pages across and within tenants. */
+const REQUESTS: readonly ModelRequest[] = [
+  { tenant: 0, clientSalt: null, tokens: [11, 12, 13, 14, 15] },
+  { tenant: 1, clientSalt: null, tokens: [11, 12, 13, 14, 16] },
+  // Its second page collides with request 0's under 2-bit keys (prefix-collision).
+  { tenant: 0, clientSalt: null, tokens: [11, 12, 21, 22, 26] },
 ];
 
-/** Explores every order of the requests; stops at the first cross-tenant hit. */
-export function explorePrefixCache(keepGuards: boolean): ExploreResult {
+type Action =
+  | { readonly kind: "arrive"; readonly r: number }
+  | { readonly kind: "finish"; readonly r: number }
+  | { readonly kind: "abort"; readonly r: number }
+  | { readonly kind: "evict" };
+
+/** One request's block table (the cache's `CacheBlockTable`). */
+class Table {
+  readonly pages = new Int32Array(8);
+  readonly generations = new Uint32Array(8);
+  readonly shared = new Uint8Array(8);
+  length = 0;
+  push(page: number, generation: number, shared = false): void {
+    this.pages[this.length] = page;
+    this.generations[this.length] = generation;
+    this.shared[this.length] = shared ? 1 : 0;
+    this.length++;
+  }
+}
+
+interface Live {
+  readonly table: Table;
+  /** What each held page's content was when the request read it. */
+  readonly seen: string[];
+}
+
+/** The world after a sequence of actions (rebuilt from scratch: the state is the action list). */
+class PrefixWorld {
+  readonly table = new OwnershipTable(POOL_PAGES);
+  readonly cache: PrefixCache;
+  /** The prefix (tenant:tokens) each page's KV was computed from. */
+  readonly content: string[] = new Array<string>(POOL_PAGES).fill("-");
+  readonly live = new Map<number, Live>();
+  readonly ended = new Set<number>();
+  readonly safety: Safety;
+  readonly #out = { pages: new Int32Array(8), generations: new Uint32Array(8) };
+
+  constructor(safety: Safety) {
+    this.safety = safety;
+    this.cache = new PrefixCache(this.table, PAGE_SIZE, safety);
+  }
+
+  enabled(): Action[] {
+    const out: Action[] = [];
+    REQUESTS.forEach((_, r) => {
+      if (this.live.has(r)) out.push({ kind: "finish", r }, { kind: "abort", r });
+      else if (!this.ended.has(r)) out.push({ kind: "arrive", r });
+    });
+    if (this.cache.evictable() > 0) out.push({ kind: "evict" });
+    return out;
+  }
+
+  apply(a: Action): string {
+    if (a.kind === "evict") return `evict: ${this.cache.evict(1)} page`;
+    if (a.kind === "arrive") return this.#arrive(a.r);
+    const live = this.live.get(a.r)!;
+    if (a.kind === "finish") this.#cacheAll(a.r, live.table);
+    this.#release(a.r, live.table);
+    this.live.delete(a.r);
+    this.ended.add(a.r);
+    return `request ${a.r} ${a.kind === "finish" ? "finishes (caches its full pages, drops its references)" : "is aborted"}`;
+  }
+
+  #salt(r: number): string {
+    const q = REQUESTS[r]!;
+    return prefixCacheSalt(this.safety, q.tenant, q.clientSalt);
+  }
+
+  #arrive(r: number): string {
+    const q = REQUESTS[r]!;
+    const t = new Table();
+    const tokens = Int32Array.from(q.tokens);
+    const hit = this.cache.lookup(this.#salt(r), tokens, Math.floor((tokens.length - 1) / PAGE_SIZE), t);
+    const need = Math.ceil(tokens.length / PAGE_SIZE) - hit;
+    const label = `tenant ${q.tenant} request ${r} [${q.tokens.join(",")}]${q.clientSalt === null ? "" : ` cache_salt "${q.clientSalt}"`}: hits ${hit} page(s)`;
+    if (need > this.table.counts().free) this.cache.evict(need - this.table.counts().free);
+    if (!this.table.allocate(need, r, 0, q.tenant, this.#out.pages, this.#out.generations)) {
+      this.#release(r, t);
+      this.ended.add(r);
+      return `${label}, pool exhausted: refused`;
+    }
+    for (let i = 0; i < need; i++) t.push(this.#out.pages[i]!, this.#out.generations[i]!);
+    // The read check of the first step (page tags), then the compute of its own pages.
+    if (
+      guardOn(this.safety, "page-tags") &&
+      this.table.checkStep(
+        PAGE_SIZE,
+        t.pages,
+        t.generations,
+        t.length,
+        r,
+        0,
+        hit * PAGE_SIZE,
+        tokens.length,
+        t.shared,
+        q.tenant,
+      ) >= 0
+    ) {
+      this.#release(r, t);
+      this.ended.add(r);
+      return `${label}; the page-tag check refuses a page: request fails, reads nothing`;
+    }
+    for (let j = hit; j < t.length; j++) {
+      const page = t.pages[j]!;
+      const filled = Math.min(PAGE_SIZE, tokens.length - j * PAGE_SIZE);
+      this.content[page] = prefixOf(q, (j + 1) * PAGE_SIZE);
+      this.table.stampWriter(page, r, 0, filled);
+      this.table.markReady(page, t.generations[j]!, r, 0);
+    }
+    this.cache.insert(this.#salt(r), tokens, Math.floor(tokens.length / PAGE_SIZE), t, {
+      rid: r,
+      epoch: 0,
+      tenant: q.tenant,
+    });
+    const seen: string[] = [];
+    for (let j = 0; j < t.length; j++) seen.push(this.content[t.pages[j]!]!);
+    this.live.set(r, { table: t, seen });
+    return label;
+  }
+
+  #cacheAll(r: number, t: Table): void {
+    const q = REQUESTS[r]!;
+    this.cache.insert(this.#salt(r), Int32Array.from(q.tokens), Math.floor(q.tokens.length / PAGE_SIZE), t, {
+      rid: r,
+      epoch: 0,
+      tenant: q.tenant,
+    });
+  }
+
+  #release(r: number, t: Table): void {
+    for (let j = 0; j < t.length; j++) {
+      if (t.shared[j] === 1) this.table.unref(t.pages[j]!, t.generations[j]!);
+      else this.table.free(t.pages[j]!, t.generations[j]!, r, 0);
+    }
+    t.length = 0;
+  }
+
+  /** The first invariant a live request breaks, or null. */
+  violation(): { invariant: string; message: string } | null {
+    for (const [r, live] of this.live) {
+      const q = REQUESTS[r]!;
+      const t = live.table;
+      for (let j = 0; j < t.length; j++) {
+        const page = t.pages[j]!;
+        if (t.shared[j] === 1 && this.table.tenant(page) !== q.tenant)
+          return {
+            invariant: "P1",
+            message: `tenant ${q.tenant}'s request ${r} reads shared page ${page} of tenant ${this.table.tenant(page)}: another tenant's KV (and a hit's timing) serves it`,
+          };
+        if (
+          t.shared[j] === 1 &&
+          (this.table.state(page) !== PageState.SHARED ||
+            this.table.generation(page) !== t.generations[j] ||
+            this.content[page] !== live.seen[j])
+        )
+          return {
+            invariant: "P2",
+            message: `request ${r} holds a reference to page ${page}, which was freed, rewritten or handed out`,
+          };
+        const want = prefixOf(q, (j + 1) * PAGE_SIZE);
+        if (live.seen[j]!.split("|")[1] !== want.split("|")[1])
+          return {
+            invariant: "P3",
+            message: `request ${r}'s page ${j} holds the KV of prefix ${live.seen[j]}, not of its own ${want}: another prompt's KV serves it`,
+          };
+      }
+    }
+    return null;
+  }
+
+  /** Everything the future depends on: pages, contents, live and ended requests, the cache's LRU. */
+  signature(): string {
+    const live = [...this.live.entries()]
+      .sort((a, b) => a[0] - b[0])
+      .map(([r, l]) => `${r}:${Array.from(l.table.pages.subarray(0, l.table.length)).join(".")}`);
+    return `${this.describe()}|${Array.from(this.table.bytes).join(",")}|${live.join(";")}|${[...this.ended].sort().join(",")}|${this.cache.snapshot()}`;
+  }
+
+  describe(): string {
+    const parts: string[] = [];
+    for (let p = 0; p < POOL_PAGES; p++) {
+      const s = this.table.state(p);
+      const tag = ["F", "R", "Y", "Q", "S"][s]!;
+      parts.push(
+        `${tag}${s === PageState.SHARED ? `:t${this.table.tenant(p)}x${this.table.refcount(p)}` : ""}(${this.content[p]})`,
+      );
+    }
+    return parts.join(" ");
+  }
+}
+
+/** `tenant|tokens` of the first `n` tokens (clipped to the prompt). */
+function prefixOf(q: ModelRequest, n: number): string {
+  return `t${q.tenant}|${q.tokens.slice(0, Math.min(n, q.tokens.length)).join(",")}`;
+}
+
+/**
+ * Explores every order of the actions, breadth first (shortest counterexample first), up to
+ * `maxStates` action sequences; the world is rebuilt from each sequence.
+ */
+export function explorePrefixCache(options: {
+  readonly faults: readonly string[];
+  readonly disabledGuards: readonly string[];
+  readonly maxStates?: number;
+}): ExploreResult {
   const started = performance.now();
-  const safety: Safety = keepGuards
-    ? makeSafety({ faults: ["shared-prefix"] })
-    : makeSafety({ faults: ["shared-prefix"], disabledGuards: ["tenant-salt"] });
-  // State: the order of requests served so far (the cache is a function of it).
-  let frontier: number[][] = [[]];
+  const safety = makeSafety({ faults: options.faults, disabledGuards: options.disabledGuards });
+  const maxStates = options.maxStates ?? 200_000;
+  let frontier: Action[][] = [[]];
+  const seen = new Set<string>();
   let states = 1;
   let transitions = 0;
   let depth = 0;
   while (frontier.length > 0) {
-    const next: number[][] = [];
-    for (const order of frontier) {
-      for (let i = 0; i < PREFIX_REQUESTS.length; i++) {
-        if (order.includes(i)) continue;
+    const next: Action[][] = [];
+    for (const path of frontier) {
+      const world = replay(path, safety);
+      for (const a of world.enabled()) {
         transitions++;
-        const path = [...order, i];
-        const cex = serve(path, safety);
-        if (cex !== null) {
+        const extended = [...path, a];
+        const after = replay(extended, safety);
+        const v = after.violation();
+        if (v !== null) {
           return {
             states,
             transitions,
             depth: depth + 1,
             elapsedMs: performance.now() - started,
             complete: false,
-            counterexample: cex,
+            counterexample: trace(extended, safety, v),
           };
         }
-        next.push(path);
+        const key = after.signature();
+        if (seen.has(key)) continue;
+        seen.add(key);
         states++;
+        if (states >= maxStates)
+          return {
+            states,
+            transitions,
+            depth,
+            elapsedMs: performance.now() - started,
+            complete: false,
+            counterexample: null,
+          };
+        next.push(extended);
       }
     }
     frontier = next;
@@ -68,35 +304,22 @@ export function explorePrefixCache(keepGuards: boolean): ExploreResult {
   };
 }
 
-function serve(order: readonly number[], safety: Safety): Counterexample | null {
-  const cache = new Map<string, number>();
-  const steps: { event: string; pools: string }[] = [];
-  for (const i of order) {
-    const r = PREFIX_REQUESTS[i]!;
-    const salt = prefixCacheSalt(safety, r.tenant, r.clientSalt);
-    const key = prefixBlockKey(salt, r.tokens);
-    const owner = cache.get(key);
-    const label = `tenant ${r.tenant} sends prompt [${r.tokens.join(",")}]${r.clientSalt === null ? "" : ` with cache_salt "${r.clientSalt}"`}: block key ${key}`;
-    if (owner !== undefined && owner !== r.tenant) {
-      steps.push({ event: `${label} HITS the block cached for tenant ${owner}`, pools: describe(cache) });
-      return {
-        violation: {
-          invariant: "1",
-          message: `Tenant ${r.tenant}'s prompt hit a prefix-cache block of tenant ${owner}: another tenant's KV (and the timing of a hit) serves it`,
-        },
-        initialPools: "prefix cache: empty",
-        steps,
-      };
-    }
-    if (owner === undefined) cache.set(key, r.tenant);
-    steps.push({
-      event: `${label} ${owner === undefined ? "misses, caches it" : "hits its own tenant's block"}`,
-      pools: describe(cache),
-    });
-  }
-  return null;
+function replay(path: readonly Action[], safety: Safety): PrefixWorld {
+  const world = new PrefixWorld(safety);
+  for (const a of path) world.apply(a);
+  return world;
 }
 
-function describe(cache: Map<string, number>): string {
-  return `prefix cache: ${[...cache].map(([k, t]) => `${k}→tenant ${t}`).join(", ")}`;
+function trace(
+  path: readonly Action[],
+  safety: Safety,
+  v: { invariant: string; message: string },
+): Counterexample {
+  const world = new PrefixWorld(safety);
+  const initialPools = `pool of ${POOL_PAGES} pages (page size ${PAGE_SIZE}): ${world.describe()}`;
+  const steps = path.map((a) => {
+    const event = world.apply(a);
+    return { event, pools: world.describe() };
+  });
+  return { violation: v, initialPools, steps };
 }

@@ -13,7 +13,8 @@ const EXPECTED: Record<FaultName, string> = {
   "misaddressed-write": "3",
   "drop-abort-ack": "3",
   "stale-commit": "1",
-  "shared-prefix": "1",
+  "shared-prefix": "P1",
+  "prefix-collision": "P1",
 };
 
 for (const fault of FAULT_NAMES) {
@@ -53,6 +54,24 @@ test("runCheck() with a dropped abort ack keeps pages quarantined rather than fr
   const report = runCheck({ fault: "drop-abort-ack", keepGuards: true, requests: 1 });
   assert.equal(report.result.counterexample?.violation.invariant, "liveness");
   assert.match(report.result.counterexample?.violation.message ?? "", /quarantined 1/);
+});
+
+test("runCheck() explores the prefix cache completely with its guards kept, and finds each fault's leak without them", () => {
+  for (const fault of ["shared-prefix", "prefix-collision"] as const) {
+    const report = runCheck({ fault, keepGuards: true });
+    assert.equal(report.result.counterexample, null, fault);
+    assert.equal(report.result.complete, true, fault);
+    assert.match(formatReport(report), /P1-P3/);
+  }
+  // The page tags stop a cross-tenant read, but not a collision within a tenant: the stored tokens do.
+  const withTags = runCheck({ fault: "shared-prefix", keepGuards: true, disabledGuards: ["tenant-salt"] });
+  assert.equal(withTags.result.counterexample, null);
+  const collision = runCheck({
+    fault: "prefix-collision",
+    keepGuards: true,
+    disabledGuards: ["prefix-tokens"],
+  });
+  assert.equal(collision.result.counterexample?.violation.invariant, "P3");
 });
 
 test("counterexampleToDot() renders a trace as a Graphviz digraph", () => {

@@ -114,8 +114,16 @@ export const FAULT_SCENARIOS: Readonly<Record<FaultName, Scenario>> = {
     disabledGuards: ["checksum", "page-tags"],
     bound: { requests: 1, duplicates: 0, clientAborts: false, timeouts: true },
   },
-  "shared-prefix": { faults: ["shared-prefix"], disabledGuards: ["tenant-salt"], bound: {} },
+  "shared-prefix": { faults: ["shared-prefix"], disabledGuards: ["tenant-salt", "page-tags"], bound: {} },
+  "prefix-collision": {
+    faults: ["prefix-collision"],
+    disabledGuards: ["prefix-tokens", "page-tags"],
+    bound: {},
+  },
 };
+
+/** The faults the prefix cache's own model explores (src/tools/check/prefix-model.ts). */
+const PREFIX_FAULTS: readonly FaultName[] = ["shared-prefix", "prefix-collision"];
 
 export interface CheckReport {
   readonly fault: FaultName | null;
@@ -206,7 +214,8 @@ export function runCheck(options: CheckOptions = {}): CheckReport {
       },
     );
   }
-  if (options.fault === "shared-prefix") return { ...sharedPrefixReport(options) };
+  if (options.fault !== undefined && PREFIX_FAULTS.includes(options.fault))
+    return prefixReport(options, options.fault);
   const { config, report } = resolveOptions(options);
   const model = new ModelWorld(config);
   const result = explore(model, {
@@ -217,15 +226,26 @@ export function runCheck(options: CheckOptions = {}): CheckReport {
   return { ...report, result };
 }
 
-function sharedPrefixReport(options: CheckOptions): CheckReport {
-  // The prefix cache is checked by its own small model (src/tools/check/prefix-model.ts).
+function prefixReport(options: CheckOptions, fault: FaultName): CheckReport {
+  // The prefix cache is checked by its own model (src/tools/check/prefix-model.ts).
   const { report } = resolveOptions({ ...options, fault: "early-free" });
+  const scenario = FAULT_SCENARIOS[fault];
+  const disabledGuards = [
+    ...new Set([
+      ...(options.keepGuards === true ? [] : scenario.disabledGuards),
+      ...(options.disabledGuards ?? []),
+    ]),
+  ];
   return {
     ...report,
-    fault: "shared-prefix",
-    faults: ["shared-prefix"],
-    disabledGuards: options.keepGuards === true ? [] : ["tenant-salt"],
-    result: explorePrefixCache(options.keepGuards === true),
+    fault,
+    faults: [fault],
+    disabledGuards,
+    result: explorePrefixCache({
+      faults: [fault],
+      disabledGuards,
+      ...(options.maxStates === undefined ? {} : { maxStates: options.maxStates }),
+    }),
   };
 }
 
@@ -240,14 +260,16 @@ export function formatReport(report: CheckReport): string {
   const r = report.result;
   const b = report.bound;
   const lines: string[] = [];
-  const prefixModel = report.fault === "shared-prefix";
+  const prefixModel = report.fault !== null && PREFIX_FAULTS.includes(report.fault);
   lines.push(
     report.fault === null
       ? "kvfence check: the real protocol, every guard on"
       : `kvfence check: fault ${report.faults.join(" + ")}, guards off: ${report.disabledGuards.length === 0 ? "none" : report.disabledGuards.join(", ")}`,
   );
   if (prefixModel)
-    lines.push("model: the prefix cache's block keys, two tenants, every order of three prompts");
+    lines.push(
+      "model: the prefix cache over a 5-page pool (page size 2), two tenants, every order of three prompts' arrivals, finishes, aborts and evictions",
+    );
   else
     lines.push(
       `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}`,
@@ -258,7 +280,9 @@ export function formatReport(report: CheckReport): string {
   if (r.counterexample === null) {
     lines.push(
       r.complete
-        ? "all invariants hold (1-5 of docs/design.md §7, bounded liveness and bounded protocol state)"
+        ? prefixModel
+          ? "all invariants hold (P1-P3 of docs/protocol.md §5a)"
+          : "all invariants hold (1-5 of docs/design.md §7, and bounded liveness)"
         : "no violation found within the bound",
     );
     return lines.join("\n");
@@ -279,7 +303,7 @@ export function formatCounterexample(cex: Counterexample, legend = true): string
   });
   if (legend)
     lines.push(
-      "   pages: F free, R reserved, Y ready, Q quarantined; :rR#E owner request R epoch E; (rR#E.I) the data held: page I of request R epoch E, - never written, ! corrupted",
+      "   pages: F free, R reserved, Y ready, Q quarantined, S shared; :rR#E owner request R epoch E; (rR#E.I) the data held: page I of request R epoch E, - never written, ! corrupted",
     );
   return lines;
 }

@@ -7,8 +7,12 @@
  * in /metrics goes up.
  *
  * Each cell plants tenant A's access codes first (their KV lands in the decode pool, whose pages
- * are not zeroed on free), then sends tenant B's request and classifies the answer. `renderMatrix`
- * turns the outcomes into `docs/fault-matrix.md`.
+ * are not zeroed on free), then sends tenant B's request and classifies the answer. The prefix-cache
+ * rows (`victim: "prefix"`) plant A's prompts in the cache and show the bug as B's request served
+ * from A's cached pages (`usage.prompt_tokens_details.cached_tokens` > 0); the key guards catch it
+ * as a miss (`tenant-salt`: B's keys differ; `prefix-tokens`: the stored tokens differ, counted in
+ * `kvfence_prefix_cache_collisions_total`), the page tags as a 500. `renderMatrix` turns the
+ * outcomes into `docs/fault-matrix.md`.
  */
 import type { FaultName, GuardName } from "../../protocol/safety.js";
 import { GUARD_COUNTERS, metricSum, startIncidentServer } from "./incident.js";
@@ -22,10 +26,13 @@ export interface MatrixScenario {
   readonly guards: readonly GuardName[];
   /** Prefill pool smaller than the window (the incident's shape). */
   readonly undersizedPrefill: boolean;
-  /** B's prompt: over the prefill pool (under the window), or an ordinary one. */
-  readonly victim: "over-pool" | "ordinary" | "aborted";
-  /** Worker threads + shared memory, or node processes + TCP (where the guard is TCP-only). */
-  readonly topology: "threads" | "tcp";
+  /**
+   * B's prompt: over the prefill pool (under the window), an ordinary one, one aborted, or (the
+   * prefix cache) A's own prompt (`shared-prefix`) or B's own after A's plants (`prefix-collision`).
+   */
+  readonly victim: "over-pool" | "ordinary" | "aborted" | "prefix";
+  /** Worker threads + shared memory, node processes + TCP (where the guard is TCP-only), or one engine. */
+  readonly topology: "threads" | "tcp" | "single";
 }
 
 export const MATRIX_SCENARIOS: readonly MatrixScenario[] = [
@@ -87,6 +94,24 @@ export const MATRIX_SCENARIOS: readonly MatrixScenario[] = [
     victim: "ordinary",
     topology: "tcp",
   },
+  {
+    // B sends A's prompt; with the salt from the client alone both tenants share its keys.
+    fault: "shared-prefix",
+    faults: ["shared-prefix"],
+    guards: ["tenant-salt", "page-tags"],
+    undersizedPrefill: false,
+    victim: "prefix",
+    topology: "single",
+  },
+  {
+    // Keys cut to 2 bits: B's own prompt's keys collide with A's cached pages.
+    fault: "prefix-collision",
+    faults: ["prefix-collision"],
+    guards: ["prefix-tokens", "page-tags"],
+    undersizedPrefill: false,
+    victim: "prefix",
+    topology: "single",
+  },
 ];
 
 /** Faults of docs/design.md §5 this matrix does not run end to end, and why (see `kvfence check`). */
@@ -97,14 +122,12 @@ export const NOT_IN_MATRIX: Readonly<Partial<Record<FaultName, string>>> = {
     "same window as early-free (plus the TCP receiver lease check); `kvfence check --fault late-write [--transport tcp]`",
   "stale-commit":
     "needs a retried attempt (a second epoch); the servers run one attempt per request; `kvfence check --fault stale-commit`",
-  "shared-prefix":
-    "the serving path has no prefix cache yet, so there is nothing to share; `kvfence check --fault shared-prefix`",
 };
 
 export interface CellOutcome {
   readonly fault: FaultName;
   readonly faults: readonly FaultName[];
-  readonly topology: "threads" | "tcp";
+  readonly topology: "threads" | "tcp" | "single";
   /** The guard switched on alone, or null for the all-off row. */
   readonly guardOn: GuardName | null;
   readonly disabledGuards: readonly GuardName[];
@@ -123,6 +146,8 @@ export interface CellOutcome {
   readonly differsFromBaseline: boolean | null;
   /** What shows the bug (or the catch), in words. */
   readonly symptom: string;
+  /** The guard caught the fault by serving a correct miss (HTTP 200, nothing reused), not an error. */
+  readonly caughtAsMiss: boolean;
   readonly ok: boolean;
 }
 
@@ -161,6 +186,8 @@ interface ChatResult {
   status: number;
   content: string;
   promptTokens: number | null;
+  /** `usage.prompt_tokens_details.cached_tokens` (null: absent). */
+  cachedTokens: number | null;
   errorCode: string | null;
 }
 
@@ -180,13 +207,14 @@ async function chat(url: string, key: string, content: string): Promise<ChatResu
   });
   const body = (await res.json()) as {
     choices?: { message?: { content?: string } }[];
-    usage?: { prompt_tokens?: number };
+    usage?: { prompt_tokens?: number; prompt_tokens_details?: { cached_tokens?: number } };
     error?: { code?: string };
   };
   return {
     status: res.status,
     content: body.choices?.[0]?.message?.content ?? "",
     promptTokens: body.usage?.prompt_tokens ?? null,
+    cachedTokens: body.usage?.prompt_tokens_details?.cached_tokens ?? null,
     errorCode: body.error?.code ?? null,
   };
 }
@@ -260,6 +288,58 @@ async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutc
       expect === "bug shows"
         ? `no ABORT_ACK, yet the ${early} quarantined pages were released by a timer (${quarantined} left) while prefill is alive`
         : `no ABORT_ACK: ${quarantined} pages stay quarantined (kvfence_quarantined_pages) until the ack or a fence`,
+    caughtAsMiss: false,
+    ok,
+  };
+}
+
+/**
+ * The prefix-cache victim: A plants its prompts (each twice, so they are cached and hit), then B
+ * sends A's first prompt (`shared-prefix`) or its own (`prefix-collision`). The bug: B's answer is
+ * computed from A's cached pages (cached_tokens > 0, HTTP 200). Caught: a miss (cached_tokens 0;
+ * for `prefix-tokens` with the collision counted) or a 500 from the page tags.
+ */
+async function prefixCell(cell: Cell, server: IncidentServer, baseline: string | null): Promise<CellOutcome> {
+  const { scenario, guardOn } = cell;
+  for (let i = 0; i < 3; i++) await chat(server.url, server.keyA, plantPrompt(i, 400));
+  const before = await guardCounterSum(() => server.metrics());
+  const shared = scenario.fault === "shared-prefix";
+  const b = await chat(server.url, server.keyB, shared ? plantPrompt(0, 400) : victimPrompt(200));
+  const delta = (await guardCounterSum(() => server.metrics())) - before;
+  const crossHit = (b.cachedTokens ?? 0) > 0;
+  const differs = shared || baseline === null || b.status !== 200 ? null : b.content !== baseline;
+  const expect = guardOn === null ? "bug shows" : "caught";
+  const missed = b.status === 200 && b.cachedTokens === 0;
+  const caughtAsMiss = expect === "caught" && missed;
+  let ok: boolean;
+  let symptom: string;
+  if (expect === "bug shows") {
+    ok = b.status === 200 && crossHit && delta === 0;
+    symptom = `HTTP 200 with ${b.cachedTokens} prompt tokens served from tenant A's cached pages${differs === true ? "; answer differs from its isolated baseline" : ""}`;
+  } else if (guardOn === "page-tags") {
+    ok = b.status >= 400 && delta > 0;
+    symptom = `HTTP ${b.status} ${b.errorCode ?? ""}, guard counters +${delta}`;
+  } else {
+    // The key guards make it a miss: nothing of A's is reused (a collision is counted).
+    ok = missed && (guardOn !== "prefix-tokens" || delta > 0);
+    symptom = `a miss: HTTP ${b.status}, cached_tokens ${b.cachedTokens}${guardOn === "prefix-tokens" ? `, ${delta} collisions counted` : ", B's keys differ from A's"}`;
+  }
+  return {
+    fault: scenario.fault,
+    faults: scenario.faults,
+    topology: scenario.topology,
+    guardOn,
+    disabledGuards: cell.disabledGuards,
+    expect,
+    status: b.status,
+    errorCode: b.errorCode,
+    promptTokensReported: b.promptTokens,
+    leakedCode: expect === "caught" && crossHit,
+    answer: b.status === 200 ? b.content.slice(0, 40) : "",
+    guardCounterDelta: delta,
+    differsFromBaseline: differs,
+    symptom,
+    caughtAsMiss,
     ok,
   };
 }
@@ -290,6 +370,7 @@ export async function runCell(
   try {
     const cell = { scenario, guardOn, disabledGuards };
     if (scenario.victim === "aborted") return await abortedCell(cell, server);
+    if (scenario.victim === "prefix") return await prefixCell(cell, server, options.baseline ?? null);
     return await victimCell(cell, server, options.baseline ?? null);
   } finally {
     await server.close();
@@ -354,6 +435,7 @@ async function victimCell(cell: Cell, server: IncidentServer, baseline: string |
     guardCounterDelta: delta,
     differsFromBaseline: differs,
     symptom,
+    caughtAsMiss: false,
     ok,
   };
 }
@@ -402,7 +484,7 @@ export async function runMatrix(
   options: {
     readonly model?: string;
     /** Only the rows of this topology. */
-    readonly topology?: "threads" | "tcp";
+    readonly topology?: "threads" | "tcp" | "single";
     /** TLS flags for the processes of the TCP rows (docs/tls.md). */
     readonly linkTlsArgs?: readonly string[];
     readonly onCell?: (cell: CellOutcome) => void;
@@ -415,7 +497,7 @@ export async function runMatrix(
     for (const guard of [null, ...scenario.guards]) {
       const cell = await runCell(scenario, guard, {
         ...options,
-        baseline: scenario.victim === "ordinary" ? baseline : null,
+        baseline: scenario.victim === "ordinary" || scenario.victim === "prefix" ? baseline : null,
       });
       options.onCell?.(cell);
       cells.push(cell);
@@ -423,6 +505,12 @@ export async function runMatrix(
   }
   return cells;
 }
+
+const TOPOLOGY_LABEL = {
+  threads: "threads, shared memory",
+  tcp: "processes, TCP",
+  single: "one engine",
+} as const;
 
 /** The matrix as Markdown (docs/fault-matrix.md). */
 export function renderMatrix(cells: readonly CellOutcome[], command: string, when: string): string {
@@ -436,14 +524,18 @@ export function renderMatrix(cells: readonly CellOutcome[], command: string, whe
     "KV stays in the decode pool's freed (never zeroed) pages. For `drop-abort-ack`, tenant A",
     "disconnects while prefill computes a long prompt (HTTP 0: the client aborted); the catch is",
     "`kvfence_quarantined_pages` staying up with no ABORT_ACK, the bug a timer releasing them",
-    "(`--unsafe-disable-guard quarantine`: the node releases quarantined pages after 2 s).",
+    "(`--unsafe-disable-guard quarantine`: the node releases quarantined pages after 2 s). The",
+    "prefix-cache rows run on one engine (`--no-disaggregation`): tenant A's prompts are cached, then",
+    "B sends A's prompt (`shared-prefix`) or its own (`prefix-collision`); the bug is B served from",
+    "A's cached pages (`cached_tokens` > 0), a key guard catches it as a miss (HTTP 200, nothing",
+    "reused; collisions counted in `kvfence_prefix_cache_collisions_total`), the page tags as a 500.",
     "",
     "| fault (switched on) | topology | guard on | expected | HTTP | error code | symptom / catch | B's answer | pass |",
     "|---|---|---|---|---|---|---|---|---|",
   ];
   for (const c of cells) {
     lines.push(
-      `| ${c.faults.join(" + ")} | ${c.topology === "tcp" ? "processes, TCP" : "threads, shared memory"} | ${c.guardOn ?? "none (all off)"} | ${c.expect} | ${c.status} | ${c.errorCode ?? "-"} | ${c.symptom} | ${c.answer === "" ? "-" : `\`${c.answer.replace(/[`|\n]/g, " ")}\``} | ${c.ok ? "yes" : "**NO**"} |`,
+      `| ${c.faults.join(" + ")} | ${TOPOLOGY_LABEL[c.topology]} | ${c.guardOn ?? "none (all off)"} | ${c.expect} | ${c.status} | ${c.errorCode ?? "-"} | ${c.symptom} | ${c.answer === "" ? "-" : `\`${c.answer.replace(/[`|\n]/g, " ")}\``} | ${c.ok ? "yes" : "**NO**"} |`,
     );
   }
   lines.push("", "## Faults not run end to end here", "");

@@ -58,8 +58,11 @@ export interface IncidentServerOptions {
   readonly undersizedPrefill?: boolean;
   /** `kvfence serve`'s defaults (pool, window) instead of the incident's shape; no switches. */
   readonly defaults?: boolean;
-  /** Worker threads and shared memory (default), or node processes and TCP (`kvfence cluster`). */
-  readonly topology?: "threads" | "tcp";
+  /**
+   * Worker threads and shared memory (default), node processes and TCP (`kvfence cluster`), or one
+   * engine (`--no-disaggregation`).
+   */
+  readonly topology?: "threads" | "tcp" | "single";
   /** The forward pass's kernels (default: `kvfence serve`'s, WebAssembly). */
   readonly kernels?: "ts" | "wasm";
   /** TCP only: `--tls-cert/--tls-key/--tls-ca` flags for every process (TLS links, docs/tls.md). */
@@ -109,7 +112,7 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
           }),
       scrubOnFree: false,
       ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
-      disaggregation: true,
+      disaggregation: options.topology !== "single",
       logLevel: "silent",
       apiKeys: keys,
       operatorKey,
@@ -207,6 +210,7 @@ export const GUARD_COUNTERS = [
   "kvfence_tag_check_failures_total",
   "kvfence_transfer_dropped_misaddressed_writes_total",
   "kvfence_transfer_dropped_stale_writes_total",
+  "kvfence_prefix_cache_collisions_total",
 ] as const;
 
 /** Starts a server with the switches, runs the canary probe against it, and stops it. */

@@ -1,9 +1,11 @@
 import assert from "node:assert/strict";
-import { describe, it } from "node:test";
+import { describe, it, test } from "node:test";
 import {
   bootstrapInterval,
+  mannWhitneyLess,
   mean,
   median,
+  normalCdf,
   pairedRatio,
   populationStddev,
   quantile,
@@ -68,4 +70,15 @@ describe("stats", () => {
     assert.ok(a.low <= median(values) && median(values) <= a.high);
     assert.ok(a.high < 30);
   });
+});
+
+test("mannWhitneyLess() is small when a is below b, near 1/2 when they mix, 1 when a is above", () => {
+  const low = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
+  const high = low.map((x) => x + 100);
+  assert.ok(mannWhitneyLess(low, high).p < 1e-3);
+  assert.ok(mannWhitneyLess(high, low).p > 0.999);
+  const mixed = mannWhitneyLess([1, 4, 5, 8, 9], [2, 3, 6, 7, 10]);
+  assert.ok(mixed.p > 0.2 && mixed.p < 0.8, `p ${mixed.p}`);
+  assert.equal(mannWhitneyLess([5, 5, 5], [5, 5, 5]).p, 1, "all tied: no evidence");
+  assert.ok(Math.abs(normalCdf(1.959964) - 0.975) < 1e-6);
 });

@@ -34,6 +34,10 @@ export interface TopologyOptions {
   readonly linkTls?: boolean;
   /** `--otlp-endpoint` for the router and every node. */
   readonly otlpEndpoint?: string;
+  /** In-process only: `--prefix-cache` (default on, as `kvfence serve`). */
+  readonly prefixCache?: "on" | "off";
+  /** `--kv-cache-dtype` (default f16, as `kvfence serve`). */
+  readonly kvCacheDtype?: "f32" | "f16" | "bf16";
 }
 
 function keysFile(keys: Readonly<Record<string, string>>): { path: string; dir: string } {
@@ -65,6 +69,8 @@ export async function startInProcess(
       iUnderstandThisLeaksData: (options.faults ?? []).length > 0,
       ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
       ...(options.otlpEndpoint === undefined ? {} : { otlpEndpoint: options.otlpEndpoint }),
+      ...(options.prefixCache === undefined ? {} : { prefixCache: options.prefixCache }),
+      ...(options.kvCacheDtype === undefined ? {} : { kvCacheDtype: options.kvCacheDtype }),
       ...(options.maxPrefillTokens === undefined
         ? {}
         : { maxPrefillTokens: String(options.maxPrefillTokens) }),
@@ -93,6 +99,7 @@ export async function startCluster(
 ): Promise<TopologyServer> {
   const keys = keysFile(options.apiKeys);
   const nodeArgs = ["--kv-pages", String(options.kvPages)];
+  if (options.kvCacheDtype !== undefined) nodeArgs.push("--kv-cache-dtype", options.kvCacheDtype);
   if (options.maxModelLen !== undefined) nodeArgs.push("--max-model-len", String(options.maxModelLen));
   if (options.maxPrefillTokens !== undefined)
     nodeArgs.push("--max-prefill-tokens", String(options.maxPrefillTokens));

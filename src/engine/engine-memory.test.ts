@@ -130,7 +130,9 @@ describe("loadEngineMemory()", async () => {
       /matmul output .* lies outside this engine's region/,
     );
     // Decode through engine a's forward pass, handed b's pool: refused before any read or write.
-    poolB.fill(0.5);
+    // A mark in the pool's element type (f16 pages hold raw bits: 0x3800 is 0.5).
+    const mark = poolB instanceof Float32Array ? 0.5 : 0x3800;
+    poolB.fill(mark);
     const logits = new Float32Array(config.vocabSize);
     assert.throws(
       () =>
@@ -140,7 +142,7 @@ describe("loadEngineMemory()", async () => {
       /KV pool .* lies outside this engine's region/,
     );
     assert.ok(
-      poolB.every((v) => v === 0.5),
+      poolB.every((v) => v === mark),
       "nothing was written into the other engine's pool",
     );
     await Promise.all(setups.map((s) => s.close()));

@@ -1156,7 +1156,8 @@ export class Engine {
    * prompt starts with (never its last prompt token, whose logits the first sample needs).
    */
   #lookupPrefix(seq: Sequence): void {
-    if (seq.computed !== 0 || seq.blockTable.length !== 0) return;
+    // A prompt whose log-probabilities were asked is computed whole (a hit would skip its rows).
+    if (seq.computed !== 0 || seq.blockTable.length !== 0 || seq.promptEntries !== null) return;
     const P = this.pool.pageSize;
     const hit = this.#cache!.lookup(
       seq.cacheSalt!,

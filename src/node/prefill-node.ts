@@ -107,7 +107,15 @@ export class PrefillNode {
     this.#engine = options.engine;
     const core = this.#core;
     const cache = options.engine.prefixCache;
-    this.#prefix = cache === null ? null : new PrefillPrefix(cache, core.safety, core.pool.pageSize);
+    this.#prefix =
+      cache === null
+        ? null
+        : new PrefillPrefix(
+            cache,
+            core.safety,
+            core.pool.pageSize,
+            (key) => this.#inputs.get(key)?.sampling.promptLogprobs !== undefined,
+          );
     this.#context = {
       pool: core.pool,
       config: core.config,

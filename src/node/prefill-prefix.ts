@@ -26,18 +26,25 @@ export class PrefillPrefix implements PrefillPrefixCache {
   readonly #pageSize: number;
   readonly #inputs = new Map<string, CacheInput>();
 
-  constructor(cache: PrefixCache, safety: Safety, pageSize: number) {
+  /** Whether an attempt computes its whole prompt (it asked for the prompt's log-probabilities). */
+  readonly #wholePrompt: (key: string) => boolean;
+
+  constructor(cache: PrefixCache, safety: Safety, pageSize: number, wholePrompt: (key: string) => boolean) {
     this.#cache = cache;
     this.#safety = safety;
     this.#pageSize = pageSize;
+    this.#wholePrompt = wholePrompt;
   }
 
   lookup(msg: PrefillRequest, maxPages: number): { pages: number[]; generations: number[] } {
     const tokens = Int32Array.from(msg.promptTokens ?? []);
     const salt = prefixCacheSalt(this.#safety, msg.tenant, msg.cacheSalt ?? null, msg.cacheScope ?? "");
-    this.#inputs.set(attemptKey(msg.rid, msg.epoch), { tokens, salt });
+    const key = attemptKey(msg.rid, msg.epoch);
+    this.#inputs.set(key, { tokens, salt });
     const table = new BlockTable(Math.max(1, maxPages));
-    if (tokens.length === msg.promptLen) this.#cache.lookup(salt, tokens, maxPages, table);
+    // A prompt whose log-probabilities were asked is computed whole (a hit would skip its rows).
+    if (tokens.length === msg.promptLen && !this.#wholePrompt(key))
+      this.#cache.lookup(salt, tokens, maxPages, table);
     return {
       pages: Array.from(table.pages.subarray(0, table.length)),
       generations: Array.from(table.generations.subarray(0, table.length)),

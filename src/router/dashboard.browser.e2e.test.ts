@@ -85,7 +85,14 @@ describe("the dashboard in chromium", { timeout: 180_000 }, () => {
       existsSync(CHROMIUM),
       `no chromium at ${CHROMIUM}: install Debian's (apt-get install -y chromium; .ci/run does) or set KVFENCE_CHROMIUM`,
     );
-    const options = { model: modelDir("kvfence-tiny"), kvPages: 128, apiKeys: KEYS };
+    // The prefix cache off: its cached pages would stay held (shared) after the requests end, and
+    // this test watches the map return to all free.
+    const options = {
+      model: modelDir("kvfence-tiny"),
+      kvPages: 128,
+      apiKeys: KEYS,
+      prefixCache: "off" as const,
+    };
     [server, faulty, browser] = await Promise.all([
       startInProcess("threads", options),
       startInProcess("threads", { ...options, faults: ["corrupt-transfer"] }),

@@ -1004,11 +1004,19 @@ interface DoneChoice {
 function totalUsage(choices: readonly DoneChoice[]): Usage {
   let promptTokens = 0;
   let completionTokens = 0;
+  let cachedTokens: number | undefined;
   for (const c of choices) {
-    if (c.firstOfPrompt) promptTokens += c.result!.usage.promptTokens;
-    completionTokens += c.result!.usage.completionTokens;
+    const usage = c.result!.usage;
+    if (c.firstOfPrompt) {
+      promptTokens += usage.promptTokens;
+      // The prompt's tokens served from the prefix cache (its first sample's; absent with the cache off).
+      if (usage.cachedTokens !== undefined) cachedTokens = (cachedTokens ?? 0) + usage.cachedTokens;
+    }
+    completionTokens += usage.completionTokens;
   }
-  return { promptTokens, completionTokens };
+  return cachedTokens === undefined
+    ? { promptTokens, completionTokens }
+    : { promptTokens, completionTokens, cachedTokens };
 }
 
 /** The whole (non-streamed) answer of every choice. */

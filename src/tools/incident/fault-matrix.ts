@@ -226,6 +226,23 @@ async function guardCounterSum(metrics: () => Promise<Map<string, number>>): Pro
   return sum;
 }
 
+/** Polls the server's metrics until a decode node holds reserved pages (or `timeoutMs` passes). */
+async function untilDecodeReserved(server: IncidentServer, timeoutMs: number): Promise<void> {
+  const deadline = Date.now() + timeoutMs;
+  while (Date.now() < deadline) {
+    for (const [key, value] of await server.metrics()) {
+      if (
+        key.startsWith("kvfence_node_kv_pages{") &&
+        key.includes('role="decode"') &&
+        key.includes('state="reserved"') &&
+        value > 0
+      )
+        return;
+    }
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+}
+
 /**
  * The `aborted` victim: A sends a long prompt and disconnects while prefill computes it; decode
  * quarantines the leased pages and relays the abort; the fault drops prefill's ABORT_ACK. With the
@@ -251,8 +268,10 @@ async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutc
     (res) => res.status,
     () => 0,
   );
-  // Prefill computes this prompt for well over a second here; abort in the middle of it.
-  await new Promise((resolve) => setTimeout(resolve, 400));
+  // Abort while prefill computes the prompt (about 0.6 s here): once decode has reserved its pages
+  // (so the abort finds a lease to quarantine), not at a fixed time, which a loaded machine's
+  // queueing and tokenization would overrun.
+  await untilDecodeReserved(server, 10_000);
   controller.abort();
   const status = await sent;
   // Right after the abort (before the release timer of a server without the guard) the leased

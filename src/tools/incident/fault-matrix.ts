@@ -14,6 +14,7 @@
  * `kvfence_prefix_cache_collisions_total`), the page tags as a 500. `renderMatrix` turns the
  * outcomes into `docs/fault-matrix.md`.
  */
+import { randomBytes } from "node:crypto";
 import type { FaultName, GuardName } from "../../protocol/safety.js";
 import { GUARD_COUNTERS, metricSum, startIncidentServer } from "./incident.js";
 
@@ -252,7 +253,10 @@ async function untilDecodeReserved(server: IncidentServer, timeoutMs: number): P
 async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutcome> {
   const { scenario, guardOn, disabledGuards } = cell;
   const controller = new AbortController();
-  const content = `${recordText(A_ACCOUNTS[0]!, A_CODES[0]!)} `.repeat(21);
+  // A prompt of its own from its first token: no page of it can be in the prefix cache (a hit
+  // would compute it in a few milliseconds, before any abort).
+  const nonce = randomBytes(6).toString("hex");
+  const content = `case ${nonce}: ${`${recordText(A_ACCOUNTS[0]!, A_CODES[0]!)} `.repeat(21)}`;
   const sent = fetch(`${server.url}/v1/chat/completions`, {
     method: "POST",
     signal: controller.signal,
@@ -274,16 +278,27 @@ async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutc
   await untilDecodeReserved(server, 10_000);
   controller.abort();
   const status = await sent;
-  // Right after the abort (before the release timer of a server without the guard) the leased
-  // pages are quarantined: the abort really overtook the transfer.
-  await new Promise((resolve) => setTimeout(resolve, 50));
-  const early = metricSum(await server.metrics(), "kvfence_quarantined_pages");
+  // Right after the abort (within 1 s, before the 2 s release timer of a server without the guard)
+  // the leased pages are quarantined: the abort really overtook the transfer. Scraped until seen:
+  // on a loaded machine one scrape may come before the nodes' stats do.
+  const quarantinedNow = async () => metricSum(await server.metrics(), "kvfence_quarantined_pages");
+  let early = 0;
+  for (const until = Date.now() + 1000; early === 0 && Date.now() < until; ) {
+    early = await quarantinedNow();
+    if (early === 0) await new Promise((resolve) => setTimeout(resolve, 50));
+  }
   // Past the release timer of a server without the quarantine guard (QUARANTINE_TIMEOUT_MS, 2 s).
   await new Promise((resolve) => setTimeout(resolve, 3500));
-  const m = await server.metrics();
-  const quarantined = metricSum(m, "kvfence_quarantined_pages");
-  const acks = metricSum(m, "kvfence_abort_ack_latency_seconds_count");
   const expect = guardOn === null ? "bug shows" : "caught";
+  // Three scrapes 300 ms apart, the one that speaks for the guard taken (the most pages still
+  // quarantined when it should hold them, the fewest when the bug releases them).
+  const scrapes: number[] = [];
+  for (let i = 0; i < 3; i++) {
+    if (i > 0) await new Promise((resolve) => setTimeout(resolve, 300));
+    scrapes.push(await quarantinedNow());
+  }
+  const quarantined = expect === "caught" ? Math.max(...scrapes) : Math.min(...scrapes);
+  const acks = metricSum(await server.metrics(), "kvfence_abort_ack_latency_seconds_count");
   const ok =
     status !== 200 &&
     early > 0 &&

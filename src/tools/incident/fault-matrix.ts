@@ -275,7 +275,9 @@ async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutc
   // Abort while prefill computes the prompt (about 0.6 s here): once decode has reserved its pages
   // (so the abort finds a lease to quarantine), not at a fixed time, which a loaded machine's
   // queueing and tokenization would overrun.
+  const t0 = Date.now();
   await untilDecodeReserved(server, 10_000);
+  const waited = Date.now() - t0;
   controller.abort();
   const status = await sent;
   // Right after the abort (within 1 s, before the 2 s release timer of a server without the guard)
@@ -321,7 +323,7 @@ async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutc
     symptom:
       expect === "bug shows"
         ? `no ABORT_ACK, yet the ${early} quarantined pages were released by a timer (${quarantined} left) while prefill is alive`
-        : `no ABORT_ACK: ${quarantined} pages stay quarantined (kvfence_quarantined_pages) until the ack or a fence`,
+        : `no ABORT_ACK: ${quarantined} pages stay quarantined (kvfence_quarantined_pages) until the ack or a fence (right after the abort ${early}; the abort ${waited} ms after the request; HTTP ${status}; scrapes ${scrapes.join("/")})`,
     caughtAsMiss: false,
     ok,
   };

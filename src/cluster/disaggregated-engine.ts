@@ -278,21 +278,8 @@ export class DisaggregatedEngine implements EngineHandle {
       maxModelLen: trustWindow ? this.#config.maxModelLen : Math.min(options.maxModelLen, nodeLimit),
       maxSequences: slots,
     });
-    const slot = (node: RouterNode): Slot => ({
-      id: node.id,
-      role: node.hello.role,
-      node,
-      lost: false,
-      answering: true,
-      ping: null,
-      usedPages: 0,
-      running: 0,
-      full: false,
-      member: true,
-      cachedPages: null,
-    });
-    const prefill = options.prefill.map(slot);
-    const decode = options.decode.map(slot);
+    const prefill = options.prefill.map(newSlot);
+    const decode = options.decode.map(newSlot);
     this.#slots = [...prefill, ...decode];
     for (const p of prefill) {
       for (const d of decode) {
@@ -450,19 +437,7 @@ export class DisaggregatedEngine implements EngineHandle {
     if (this.#slots.some((s) => s.id === node.id)) return `a node ${node.id} is already in this cluster`;
     const refused = this.#admits(node.hello);
     if (refused !== null) return refused;
-    const slot: Slot = {
-      id: node.id,
-      role: node.hello.role,
-      node,
-      lost: false,
-      answering: true,
-      ping: null,
-      usedPages: 0,
-      running: 0,
-      full: false,
-      member: true,
-      cachedPages: null,
-    };
+    const slot = newSlot(node);
     this.#slots.push(slot);
     this.#raiseRidFloor(node.hello);
     for (const other of this.#slots) {
@@ -1139,6 +1114,23 @@ export class DisaggregatedEngine implements EngineHandle {
       // The link is closing; its close event fails the request.
     }
   }
+}
+
+/** A node's slot as it joins: up, answering, nothing booked on it, in the membership. */
+function newSlot(node: RouterNode): Slot {
+  return {
+    id: node.id,
+    role: node.hello.role,
+    node,
+    lost: false,
+    answering: true,
+    ping: null,
+    usedPages: 0,
+    running: 0,
+    full: false,
+    member: true,
+    cachedPages: null,
+  };
 }
 
 /** A router phase of `p` that began at `startMs` (`performance.now()`) and ends now, as a span (tracing on). */

@@ -402,9 +402,39 @@ interface FairCliOptions {
   json?: boolean;
 }
 
+/**
+ * The options of a bench that loads two server arms with the same chats (fair-share,
+ * observability): the model and pool, rounds and warm-up, and each round's requests; `--json`.
+ */
+export function armLoadOptions(
+  cmd: Command,
+  defaults: { rounds: number; warmup: number; requests: number; promptChars: number },
+): Command {
+  return cmd
+    .option("--model <dir>", "Hugging Face model folder (default: bundled kvfence-tiny)")
+    .option("--kv-pages <n>", "KV pool of each engine or node in pages", positiveInt("--kv-pages"), 600)
+    .option("--rounds <n>", "measured rounds (each runs both arms)", positiveInt("--rounds"), defaults.rounds)
+    .option(
+      "--warmup <n>",
+      "warm-up rounds",
+      (v) => (v === "0" ? 0 : positiveInt("--warmup")(v)),
+      defaults.warmup,
+    )
+    .option("--requests <n>", "chat requests per arm per round", positiveInt("--requests"), defaults.requests)
+    .option("--concurrency <n>", "requests in flight", positiveInt("--concurrency"), 16)
+    .option("--max-tokens <n>", "max_tokens of each request", positiveInt("--max-tokens"), 64)
+    .option(
+      "--prompt-chars <n>",
+      "characters per prompt",
+      positiveInt("--prompt-chars"),
+      defaults.promptChars,
+    )
+    .option("--json", "print the result as JSON");
+}
+
 /** `kvfence bench fair-share`. */
 export function fairShareCommand(): Command {
-  return new Command("fair-share")
+  const cmd = new Command("fair-share")
     .description(
       "Chat throughput of one tenant alone with fair sharing vs first-come (an older build, or this one with the caps off): interleaved rounds, 95% CI of the ratio",
     )
@@ -424,17 +454,9 @@ export function fairShareCommand(): Command {
     .option(
       "--baseline <dir>",
       "a built kvfence checkout whose serve is the fifo arm (e.g. the commit before fair sharing)",
-    )
-    .option("--model <dir>", "Hugging Face model folder (default: bundled kvfence-tiny)")
-    .option("--kv-pages <n>", "KV pool of each engine or node in pages", positiveInt("--kv-pages"), 600)
-    .option("--rounds <n>", "measured rounds (each runs both arms)", positiveInt("--rounds"), 20)
-    .option("--warmup <n>", "warm-up rounds", (v) => (v === "0" ? 0 : positiveInt("--warmup")(v)), 2)
-    .option("--requests <n>", "chat requests per arm per round", positiveInt("--requests"), 64)
-    .option("--concurrency <n>", "requests in flight", positiveInt("--concurrency"), 16)
-    .option("--max-tokens <n>", "max_tokens of each request", positiveInt("--max-tokens"), 64)
-    .option("--prompt-chars <n>", "characters per prompt", positiveInt("--prompt-chars"), 400)
-    .option("--json", "print the result as JSON")
-    .action(async (o: FairCliOptions) => {
+    );
+  return armLoadOptions(cmd, { rounds: 20, warmup: 2, requests: 64, promptChars: 400 }).action(
+    async (o: FairCliOptions) => {
       try {
         const result = await runFairShareBench({
           topology: o.topology,
@@ -460,5 +482,6 @@ export function fairShareCommand(): Command {
         );
         process.exitCode = 1;
       }
-    });
+    },
+  );
 }

@@ -24,7 +24,7 @@ import { Command, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
 import { prompt, round } from "./cluster.js";
-import { type FairBenchTopology, type Server, startArm } from "./fair-share.js";
+import { armLoadOptions, type FairBenchTopology, type Server, startArm } from "./fair-share.js";
 import { positiveInt } from "./transfer.js";
 
 export type ObservabilityWhat = "histograms" | "all";
@@ -322,7 +322,7 @@ interface CliOptions {
 
 /** `kvfence bench observability`. */
 export function observabilityCommand(): Command {
-  return new Command("observability")
+  const cmd = new Command("observability")
     .description(
       "Chat throughput with the per-phase histograms (and traces and the dashboard's polling) on vs off: interleaved rounds, 95% CI of the ratio",
     )
@@ -339,17 +339,9 @@ export function observabilityCommand(): Command {
         .choices(["histograms", "all"])
         .default("all"),
     )
-    .option("--model <dir>", "Hugging Face model folder (default: bundled kvfence-tiny)")
-    .option("--kv-pages <n>", "KV pool of each engine or node in pages", positiveInt("--kv-pages"), 600)
-    .option("--rounds <n>", "measured rounds (each runs both arms)", positiveInt("--rounds"), 10)
-    .option("--warmup <n>", "warm-up rounds", (v) => (v === "0" ? 0 : positiveInt("--warmup")(v)), 1)
-    .option("--requests <n>", "chat requests per arm per round", positiveInt("--requests"), 32)
-    .option("--concurrency <n>", "requests in flight", positiveInt("--concurrency"), 16)
-    .option("--max-tokens <n>", "max_tokens of each request", positiveInt("--max-tokens"), 64)
-    .option("--prompt-chars <n>", "characters per prompt", positiveInt("--prompt-chars"), 200)
-    .option("--poll-ms <n>", "the dashboard poller's interval", positiveInt("--poll-ms"), 500)
-    .option("--json", "print the result as JSON")
-    .action(async (o: CliOptions) => {
+    .option("--poll-ms <n>", "the dashboard poller's interval", positiveInt("--poll-ms"), 500);
+  return armLoadOptions(cmd, { rounds: 10, warmup: 1, requests: 32, promptChars: 200 }).action(
+    async (o: CliOptions) => {
       try {
         const result = await runObservabilityBench({
           ...o,
@@ -365,5 +357,6 @@ export function observabilityCommand(): Command {
         );
         process.exitCode = 1;
       }
-    });
+    },
+  );
 }

@@ -46,6 +46,8 @@ export interface ClusterRouterOptions {
   readonly pingTimeoutMs?: number;
   /** The router's per-phase histograms (default on; `--no-phase-metrics`). */
   readonly phaseMetrics?: boolean;
+  /** This router's slot (`--router-slot`, default 0): each router over the same nodes needs its own. */
+  readonly routerSlot?: number;
   /** Lost nodes, re-dials and refusals. */
   readonly log?: Logger;
 }
@@ -70,7 +72,7 @@ export function parseNodeUrl(url: string): { host: string; port: number } {
 /** Connects the router's control link to one node (`--prefill` or `--decode` `url`) and awaits its hello. */
 async function connectNode(
   node: { readonly id: string; readonly url: string; readonly role: "prefill" | "decode" },
-  { secret, tls }: Pick<ClusterRouterOptions, "secret" | "tls">,
+  { secret, tls, routerSlot }: Pick<ClusterRouterOptions, "secret" | "tls" | "routerSlot">,
 ): Promise<RouterNode> {
   const { id, url, role } = node;
   const { host, port } = parseNodeUrl(url);
@@ -80,6 +82,7 @@ async function connectNode(
     secret,
     ...(tls === undefined ? {} : { tls }),
     incarnation: ROUTER_INCARNATION,
+    ...(routerSlot === undefined ? {} : { routerSlot }),
   });
   const hello = await new Promise<NodeHello>((resolve, reject) => {
     link.onMessage((m) => {
@@ -126,7 +129,7 @@ function connectPrefill(decode: RouterNode, prefill: RouterNode): void {
  */
 function superviseNodes(
   engine: DisaggregatedEngine,
-  options: Pick<ClusterRouterOptions, "secret" | "tls" | "log">,
+  options: Pick<ClusterRouterOptions, "secret" | "tls" | "log" | "routerSlot">,
 ): (node: RouterNode) => void {
   const log = options.log;
   const watch = (node: RouterNode): void => {
@@ -223,6 +226,7 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
     ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
+    ...(options.routerSlot === undefined ? {} : { routerSlot: options.routerSlot }),
   });
   superviseNodes(engine, options);
   for (const d of decode) for (const p of prefill) connectPrefill(d, p);
@@ -428,6 +432,8 @@ class RegistryMembership {
       safety: o.safety ?? SAFE,
       ...(o.fairShare === undefined ? {} : { fairShare: o.fairShare }),
       ...(o.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: o.pingTimeoutMs }),
+      ...(o.phaseMetrics === undefined ? {} : { phaseMetrics: o.phaseMetrics }),
+      ...(o.routerSlot === undefined ? {} : { routerSlot: o.routerSlot }),
     });
     this.#engine = engine;
     this.#watchNode = superviseNodes(engine, o);

@@ -45,6 +45,11 @@ export interface CheckOptions {
   readonly timeouts?: boolean;
   readonly transport?: "shm" | "tcp";
   readonly reorder?: boolean;
+  /**
+   * Routers over the one prefill/decode pair (1 or 2, default 1): with 2, the requests alternate
+   * between router slot 0 and router slot 1 (docs/protocol.md §3, item 13).
+   */
+  readonly routers?: number;
   readonly maxStates?: number;
   readonly maxDepth?: number;
   readonly timeLimitMs?: number;
@@ -64,6 +69,7 @@ export const DEFAULT_BOUND = {
   timeouts: false,
   transport: "shm",
   reorder: false,
+  routers: 1,
   maxStates: 3_000_000,
 } as const;
 
@@ -162,12 +168,18 @@ export function resolveOptions(options: CheckOptions): {
       { param: "pages" },
     );
   }
+  if (merged.routers !== 1 && merged.routers !== 2) {
+    throw new KvfenceError("invalid_request", `The checker models 1 or 2 routers: ${merged.routers}`, {
+      param: "routers",
+    });
+  }
+  const requests = CHECK_REQUESTS.slice(0, merged.requests);
   const config: ModelConfig = {
     decodePages: merged.pages,
     prefillPages: merged.prefillPages,
     pageSize: 1,
     maxModelLen: merged.maxModelLen,
-    requests: CHECK_REQUESTS.slice(0, merged.requests),
+    requests: merged.routers === 1 ? requests : requests.map((r, i) => ({ ...r, router: i % 2 })),
     maxAttempts: merged.maxAttempts,
     crashes: merged.crashes,
     duplicates: merged.duplicates,
@@ -176,6 +188,7 @@ export function resolveOptions(options: CheckOptions): {
     timeouts: merged.timeouts,
     transport: merged.transport,
     reorder: merged.reorder,
+    routers: merged.routers,
     safety: makeSafety({ faults, disabledGuards }),
   };
   return {
@@ -197,6 +210,7 @@ export function resolveOptions(options: CheckOptions): {
         timeouts: merged.timeouts,
         transport: merged.transport,
         reorder: merged.reorder,
+        routers: merged.routers,
         maxStates: merged.maxStates,
       },
     },
@@ -272,7 +286,7 @@ export function formatReport(report: CheckReport): string {
     );
   else
     lines.push(
-      `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}`,
+      `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}, routers ${b.routers}`,
     );
   lines.push(
     `explored ${r.states} states, ${r.transitions} transitions, depth ${r.depth}, in ${(r.elapsedMs / 1000).toFixed(1)} s${r.complete ? " (complete)" : r.counterexample === null ? " (stopped at the bound: incomplete)" : ""}`,

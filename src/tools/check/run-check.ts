@@ -76,11 +76,14 @@ export const DEFAULT_BOUND = {
 /**
  * The default check: two bounds that together explore about 1,481,000 states in about 117 s of
  * one core — retries with a duplicated message (stale epochs), and a crash of either node (fences,
- * restarts, stale leases), each with the router's watermarks (docs/protocol.md §3, item 8).
+ * restarts, stale leases), each with the router's watermarks (docs/protocol.md §3, item 8); and
+ * two routers over the one pair on a small bound (item 13; about 6,700 states).
  */
 export const DEFAULT_SUITE: readonly { readonly name: string; readonly options: CheckOptions }[] = [
   { name: "retries and duplicates", options: {} },
   { name: "crashes", options: { maxAttempts: 1, crashes: 1, duplicates: 0 } },
+  // Two routers over the pair (router slots 0 and 1): a small bound, under a second.
+  { name: "two routers", options: { routers: 2, duplicates: 0, clientAborts: false } },
 ];
 
 interface Scenario {

@@ -18,11 +18,12 @@ import { KvfenceError } from "../lib/errors.js";
 import type { FairShareConfig } from "../lib/fair-share.js";
 import type { Logger } from "../lib/logger.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
+import { ROUTER_SLOTS } from "../protocol/wire.js";
 import type { LinkTls } from "../transfer/tls-config.js";
 import { type ControlLink, connectControlLink } from "./control-link.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
 import type { FromNode, NodeHello, ToNode } from "./node-messages.js";
-import { type Registration, type RegistryOptions, watchRegistry } from "./registry.js";
+import { claimRouterSlot, type Registration, type RegistryOptions, watchRegistry } from "./registry.js";
 
 /**
  * This router process's incarnation, sent in its control-link hello: a node admits a newer router
@@ -277,26 +278,42 @@ function helloMismatch(reg: Registration, hello: NodeHello): string | null {
  * freed); one that comes back (a restarted node, a new incarnation) is paired again by the
  * re-dial of its address. Resolves once a pair is up.
  */
-export async function connectClusterFromRegistry(
-  options: RegistryRouterOptions,
-): Promise<DisaggregatedEngine> {
-  const membership = new RegistryMembership(options);
-  const watch = await watchRegistry(
-    options.registry,
-    (entries) => membership.reconcile(entries),
-    (m) => options.log?.warn(m),
+export async function connectClusterFromRegistry(given: RegistryRouterOptions): Promise<DisaggregatedEngine> {
+  // Its router slot first: `--router-slot`, or the lowest one no router of the cluster holds.
+  const claim = await claimRouterSlot(
+    given.registry,
+    given.routerSlot,
+    ROUTER_SLOTS,
+    ROUTER_INCARNATION,
+    (m) => given.log?.warn(m),
   );
+  const options = { ...given, routerSlot: claim.slot };
+  options.log?.info({ routerSlot: claim.slot }, "router slot claimed in the registry");
+  const membership = new RegistryMembership(options);
+  let watch: { close(): void };
   let e: DisaggregatedEngine;
+  try {
+    watch = await watchRegistry(
+      options.registry,
+      (entries) => membership.reconcile(entries),
+      (m) => options.log?.warn(m),
+    );
+  } catch (err) {
+    await claim.close();
+    throw err;
+  }
   try {
     e = await membership.started(options.connectTimeoutMs ?? 30_000);
   } catch (err) {
     watch.close();
+    await claim.close();
     throw err;
   }
   const close = e.close.bind(e);
   e.close = async () => {
     watch.close();
     await close();
+    await claim.close();
   };
   const until = Date.now() + (options.connectTimeoutMs ?? 30_000);
   while (!e.allPairsUp && Date.now() < until) await new Promise((r) => setTimeout(r, 20));

@@ -1,7 +1,7 @@
 /**
  * Several routers over the same nodes (issue #19 item 3), with real processes: an etcd of its own,
  * one prefill and one decode node that register with `--registry`, and two router processes that
- * watch it, in router slots 0 and 1 (`--router-slot`, docs/topologies.md). Two tenants' concurrent
+ * watch it, each in a router slot it claimed in etcd (0 and 1; docs/topologies.md). Two tenants' concurrent
  * traffic goes through both routers with the official `openai` client; the decode pool is small,
  * so the two routers' ledgers together overbook it and decode's own admission (`pool_exhausted`,
  * retried when it frees pages) is what keeps them apart. Every answer equals the single engine's
@@ -53,11 +53,13 @@ describe("two routers over the same nodes, membership in etcd", () => {
     nodes.push(p);
     return p;
   };
-  const router = (slot: number) =>
+  /** A router; without `slot` it claims the lowest free router slot in etcd. */
+  const router = (slot?: number) =>
     spawnServe(
       [
         ...["--role", "router", "--port", "0", "--model", modelDir(MODEL), "--registry", etcd.url],
-        ...["--router-slot", String(slot), "--api-keys", path.join(dir, "keys.json")],
+        ...(slot === undefined ? [] : ["--router-slot", String(slot)]),
+        ...["--api-keys", path.join(dir, "keys.json")],
       ],
       { env: { ...env, KVFENCE_OPERATOR_KEY: TEST_OPERATOR_KEY } },
     );
@@ -145,7 +147,8 @@ describe("two routers over the same nodes, membership in etcd", () => {
       });
       reference.set(prompt, r.choices[0]!.message.content ?? "");
     }
-    routers.push(...(await Promise.all([router(0), router(1)])));
+    // Both claim a router slot in etcd (0 and 1, in either order).
+    routers.push(...(await Promise.all([router(), router()])));
   });
   after(async () => {
     await Promise.all(routers.map((r) => r.stop()));
@@ -164,6 +167,13 @@ describe("two routers over the same nodes, membership in etcd", () => {
     await traffic();
     assert.equal(await guardCounts(), guards, "no guard counter moved");
     for (const r of routers) await assertPoolIdle(r.url, { key: TEST_OPERATOR_KEY });
+  });
+
+  test("a third router given a router slot the others hold is refused at startup, with the fix", async () => {
+    await assert.rejects(
+      router(1),
+      /Router slot 1 is held by another running router of this cluster; give each router its own --router-slot/,
+    );
   });
 
   test("a node that leaves and one that joins show on both routers within a second of each other", async () => {

@@ -206,7 +206,7 @@ function fairShareOptions(cmd: Command): Command {
     )
     .option(
       "--router-slot <n>",
-      "router: this router's slot, 0-15 (default 0); each router over the same nodes needs its own (docs/topologies.md)",
+      "router: this router's slot, 0-15; each router over the same nodes needs its own (default: with --registry the lowest free slot in etcd, else 0; docs/topologies.md)",
     );
 }
 

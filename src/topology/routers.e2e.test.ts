@@ -48,7 +48,7 @@ describe("two routers over the same nodes, membership in etcd", () => {
   let decode: ServeProcess;
   const node = async (role: "prefill" | "decode", pages: number) => {
     const args = ["--role", role, "--port", "0", "--model", modelDir(MODEL), "--kv-pages", String(pages)];
-    args.push("--max-model-len", "192");
+    args.push("--max-model-len", "128");
     const p = await spawnServe([...args, "--registry", etcd.url], { env });
     nodes.push(p);
     return p;
@@ -135,8 +135,8 @@ describe("two routers over the same nodes, membership in etcd", () => {
     writeFileSync(path.join(dir, "keys.json"), JSON.stringify(KEYS));
     etcd = await startEtcd();
     single = await spawnServe(["--port", "0", "--model", modelDir(MODEL), "--no-disaggregation"]);
-    // A decode pool of 12 pages (16 tokens each): one router alone may fill it, two overbook it.
-    [, decode] = await Promise.all([node("prefill", 64), node("decode", 12)]);
+    // A decode pool of 8 pages (16 tokens each): one router alone may fill it, two overbook it.
+    [, decode] = await Promise.all([node("prefill", 64), node("decode", 8)]);
     const client = new OpenAI({ baseURL: `${single.url}/v1`, apiKey: "unused", maxRetries: 0 });
     for (const prompt of PROMPTS) {
       const r = await client.chat.completions.create({
@@ -183,7 +183,7 @@ describe("two routers over the same nodes, membership in etcd", () => {
       m.includes(`decode@${gone} up=false member=false node_up=0`),
     );
     assert.ok(apart < 1000, `both routers saw the node go within a second of each other: ${apart} ms`);
-    const joined = await node("decode", 12);
+    const joined = await node("decode", 8);
     const at = joined.url.replace(/^\w+:\/\//, "");
     const apartJoin = await agree("the new decode node is in on both", (m) =>
       m.includes(`decode@${at} up=true member=true node_up=1`),

@@ -28,6 +28,7 @@ interface CheckCliOptions {
   timeouts?: boolean;
   transport?: "shm" | "tcp";
   reorder?: boolean;
+  routers?: number;
   maxStates?: number;
   maxDepth?: number;
   dot?: string;
@@ -88,6 +89,11 @@ export function command(): Command {
     .addOption(new Option("--transport <kind>", "page write transport").choices(["shm", "tcp"]))
     .option("--reorder", "let any message overtake any other (default: FIFO per connection)")
     .option(
+      "--routers <n>",
+      `routers over the one prefill/decode pair, 1-2; with 2 the requests alternate between them (default ${DEFAULT_BOUND.routers})`,
+      nonNegativeInt,
+    )
+    .option(
       "--max-states <n>",
       `stop after this many states (default ${DEFAULT_BOUND.maxStates})`,
       nonNegativeInt,
@@ -108,6 +114,7 @@ function boundOf(opts: CheckCliOptions): CheckOptions {
     crashes: opts.crashes,
     duplicates: opts.duplicates,
     losses: opts.losses,
+    routers: opts.routers,
   };
   const given = Object.fromEntries(Object.entries(numbers).filter(([, v]) => v !== undefined));
   return {

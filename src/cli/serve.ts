@@ -203,6 +203,10 @@ function fairShareOptions(cmd: Command): Command {
     .option(
       "--ready-timeout <seconds>",
       "/ready: a node (or the engine) that does not answer a ping within this is not ready (default 0.5)",
+    )
+    .option(
+      "--router-slot <n>",
+      "router: this router's slot, 0-15; each router over the same nodes needs its own (default: with --registry the lowest free slot in etcd, else 0; docs/topologies.md)",
     );
 }
 

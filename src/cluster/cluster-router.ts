@@ -18,11 +18,12 @@ import { KvfenceError } from "../lib/errors.js";
 import type { FairShareConfig } from "../lib/fair-share.js";
 import type { Logger } from "../lib/logger.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
+import { ROUTER_SLOTS } from "../protocol/wire.js";
 import type { LinkTls } from "../transfer/tls-config.js";
 import { type ControlLink, connectControlLink } from "./control-link.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
 import type { FromNode, NodeHello, ToNode } from "./node-messages.js";
-import { type Registration, type RegistryOptions, watchRegistry } from "./registry.js";
+import { claimRouterSlot, type Registration, type RegistryOptions, watchRegistry } from "./registry.js";
 
 /**
  * This router process's incarnation, sent in its control-link hello: a node admits a newer router
@@ -46,6 +47,8 @@ export interface ClusterRouterOptions {
   readonly pingTimeoutMs?: number;
   /** The router's per-phase histograms (default on; `--no-phase-metrics`). */
   readonly phaseMetrics?: boolean;
+  /** This router's slot (`--router-slot`, default 0): each router over the same nodes needs its own. */
+  readonly routerSlot?: number;
   /** Lost nodes, re-dials and refusals. */
   readonly log?: Logger;
 }
@@ -70,7 +73,7 @@ export function parseNodeUrl(url: string): { host: string; port: number } {
 /** Connects the router's control link to one node (`--prefill` or `--decode` `url`) and awaits its hello. */
 async function connectNode(
   node: { readonly id: string; readonly url: string; readonly role: "prefill" | "decode" },
-  { secret, tls }: Pick<ClusterRouterOptions, "secret" | "tls">,
+  { secret, tls, routerSlot }: Pick<ClusterRouterOptions, "secret" | "tls" | "routerSlot">,
 ): Promise<RouterNode> {
   const { id, url, role } = node;
   const { host, port } = parseNodeUrl(url);
@@ -80,6 +83,7 @@ async function connectNode(
     secret,
     ...(tls === undefined ? {} : { tls }),
     incarnation: ROUTER_INCARNATION,
+    ...(routerSlot === undefined ? {} : { routerSlot }),
   });
   const hello = await new Promise<NodeHello>((resolve, reject) => {
     link.onMessage((m) => {
@@ -126,7 +130,7 @@ function connectPrefill(decode: RouterNode, prefill: RouterNode): void {
  */
 function superviseNodes(
   engine: DisaggregatedEngine,
-  options: Pick<ClusterRouterOptions, "secret" | "tls" | "log">,
+  options: Pick<ClusterRouterOptions, "secret" | "tls" | "log" | "routerSlot">,
 ): (node: RouterNode) => void {
   const log = options.log;
   const watch = (node: RouterNode): void => {
@@ -223,6 +227,7 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
     ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
+    ...(options.routerSlot === undefined ? {} : { routerSlot: options.routerSlot }),
   });
   superviseNodes(engine, options);
   for (const d of decode) for (const p of prefill) connectPrefill(d, p);
@@ -273,26 +278,42 @@ function helloMismatch(reg: Registration, hello: NodeHello): string | null {
  * freed); one that comes back (a restarted node, a new incarnation) is paired again by the
  * re-dial of its address. Resolves once a pair is up.
  */
-export async function connectClusterFromRegistry(
-  options: RegistryRouterOptions,
-): Promise<DisaggregatedEngine> {
-  const membership = new RegistryMembership(options);
-  const watch = await watchRegistry(
-    options.registry,
-    (entries) => membership.reconcile(entries),
-    (m) => options.log?.warn(m),
+export async function connectClusterFromRegistry(given: RegistryRouterOptions): Promise<DisaggregatedEngine> {
+  // Its router slot first: `--router-slot`, or the lowest one no router of the cluster holds.
+  const claim = await claimRouterSlot(
+    given.registry,
+    given.routerSlot,
+    ROUTER_SLOTS,
+    ROUTER_INCARNATION,
+    (m) => given.log?.warn(m),
   );
+  const options = { ...given, routerSlot: claim.slot };
+  options.log?.info({ routerSlot: claim.slot }, "router slot claimed in the registry");
+  const membership = new RegistryMembership(options);
+  let watch: { close(): void };
   let e: DisaggregatedEngine;
+  try {
+    watch = await watchRegistry(
+      options.registry,
+      (entries) => membership.reconcile(entries),
+      (m) => options.log?.warn(m),
+    );
+  } catch (err) {
+    await claim.close();
+    throw err;
+  }
   try {
     e = await membership.started(options.connectTimeoutMs ?? 30_000);
   } catch (err) {
     watch.close();
+    await claim.close();
     throw err;
   }
   const close = e.close.bind(e);
   e.close = async () => {
     watch.close();
     await close();
+    await claim.close();
   };
   const until = Date.now() + (options.connectTimeoutMs ?? 30_000);
   while (!e.allPairsUp && Date.now() < until) await new Promise((r) => setTimeout(r, 20));
@@ -428,6 +449,8 @@ class RegistryMembership {
       safety: o.safety ?? SAFE,
       ...(o.fairShare === undefined ? {} : { fairShare: o.fairShare }),
       ...(o.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: o.pingTimeoutMs }),
+      ...(o.phaseMetrics === undefined ? {} : { phaseMetrics: o.phaseMetrics }),
+      ...(o.routerSlot === undefined ? {} : { routerSlot: o.routerSlot }),
     });
     this.#engine = engine;
     this.#watchNode = superviseNodes(engine, o);

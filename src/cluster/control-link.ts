@@ -16,6 +16,7 @@
 import { randomBytes } from "node:crypto";
 import type net from "node:net";
 import { KvfenceError } from "../lib/errors.js";
+import { ROUTER_SLOTS } from "../protocol/wire.js";
 import {
   clusterSecretBytes,
   hmac,
@@ -222,6 +223,8 @@ export async function connectControlLink<Out, In>(options: {
   readonly secret: string | Uint8Array;
   /** This router's incarnation (its start time), sent in the hello: a newer one may replace an older. */
   readonly incarnation?: number;
+  /** This router's slot (`--router-slot`), sent in the hello: the node keeps one router per slot. */
+  readonly routerSlot?: number;
   /** Mutual TLS (docs/tls.md); plain TCP without. */
   readonly tls?: LinkTls;
 }): Promise<ControlLink<Out, In>> {
@@ -254,6 +257,7 @@ export async function connectControlLink<Out, In>(options: {
     JSON.stringify({
       nonce: nonce.toString("hex"),
       ...(options.incarnation === undefined ? {} : { incarnation: options.incarnation }),
+      ...(options.routerSlot === undefined ? {} : { routerSlot: options.routerSlot }),
     }),
   );
   socket.write(line(hello, hmac(secret, HELLO, hello)));
@@ -291,13 +295,14 @@ export interface ControlListenOptions<Out, In> {
   readonly host: string;
   readonly port: number;
   readonly secret: string | Uint8Array;
-  readonly onLink: (link: ControlLink<Out, In>, incarnation: number | undefined) => void;
+  readonly onLink: (link: ControlLink<Out, In>, incarnation: number | undefined, routerSlot?: number) => void;
   /**
    * Called for a peer that proved itself, with the incarnation from its hello (a router's start
    * time): false refuses it (`peer_connected`) — while an admitted peer holds the link, a new one
-   * must not silently replace it — true admits it. Default: admit.
+   * must not silently replace it — true admits it. `routerSlot` is the router's slot from its
+   * hello (0 when it names none). Default: admit.
    */
-  readonly admit?: (incarnation: number | undefined) => boolean;
+  readonly admit?: (incarnation: number | undefined, routerSlot: number) => boolean;
   readonly handshakeTimeoutMs?: number;
   readonly maxPending?: number;
   readonly reportWindowMs?: number;
@@ -347,12 +352,26 @@ export async function listenControlLinks<Out, In>(
       );
     }
     const incarnation = Number.isSafeInteger(body.incarnation) ? (body.incarnation as number) : undefined;
-    if (options.admit?.(incarnation) === false) {
-      throw new HandshakeError("peer_connected", "a router is connected on this port already");
+    const routerSlot = body.routerSlot ?? 0;
+    if (
+      !Number.isInteger(routerSlot) ||
+      (routerSlot as number) < 0 ||
+      (routerSlot as number) >= ROUTER_SLOTS
+    ) {
+      throw new HandshakeError(
+        "malformed",
+        `router slot out of range 0-${ROUTER_SLOTS - 1}: ${String(routerSlot)}`,
+      );
+    }
+    if (options.admit?.(incarnation, routerSlot as number) === false) {
+      throw new HandshakeError(
+        "peer_connected",
+        `a router is connected in router slot ${routerSlot} already; give each router its own --router-slot`,
+      );
     }
     guard.admitted(socket);
     const link = new ControlLink<Out, In>(socket, keys.serverToClient, keys.clientToServer, proof.rest);
-    options.onLink(link, incarnation);
+    options.onLink(link, incarnation, routerSlot as number);
   };
   const onTlsRefused = (error: KvfenceError, socket: net.Socket): void => {
     guard.count(socket, "tls_handshake", error.message);

@@ -123,20 +123,20 @@ test("DisaggregatedEngine admits by the least pool and sends the prompt and samp
   const { p, d, engine } = setup();
   assert.equal(engine.capacity.maxModelLen, 512);
   const r = record();
-  engine.submit(request(1), r.events);
+  engine.submit(request(16), r.events);
   const reserve = d.link.sent.find((m) => m.kind === "protocol");
   assert.ok(
     reserve?.kind === "protocol" && reserve.msg.type === "reserve" && reserve.sampling?.stopTokenIds[0] === 9,
   );
-  d.link.deliver({ kind: "protocol", msg: lease(1) });
+  d.link.deliver({ kind: "protocol", msg: lease(16) });
   const prefill = p.link.protocol()[0]!;
   assert.ok(prefill.type === "prefill");
   assert.deepEqual(prefill.promptTokens, [5, 6, 7]);
-  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 1, epoch: 1, firstToken: 40 } });
-  d.link.deliver({ kind: "protocol", msg: { type: "tokens", rid: 1, epoch: 1, tokens: [41] } });
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 16, epoch: 1, firstToken: 40 } });
+  d.link.deliver({ kind: "protocol", msg: { type: "tokens", rid: 16, epoch: 1, tokens: [41] } });
   d.link.deliver({
     kind: "protocol",
-    msg: { type: "finished", rid: 1, epoch: 1, reason: "length", tokens: [42, 43], completionTokens: 4 },
+    msg: { type: "finished", rid: 16, epoch: 1, reason: "length", tokens: [42, 43], completionTokens: 4 },
   });
   assert.deepEqual(r.out, { tokens: [40, 41, 42, 43], finish: "length", error: null, events: 4 });
   assert.equal(engine.inFlight, 0);
@@ -145,12 +145,12 @@ test("DisaggregatedEngine admits by the least pool and sends the prompt and samp
 test("DisaggregatedEngine streams nothing of a stop token prefill sampled first", () => {
   const { d, engine } = setup();
   const r = record();
-  engine.submit(request(1), r.events);
-  d.link.deliver({ kind: "protocol", msg: lease(1) });
-  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 1, epoch: 1, firstToken: 9 } });
+  engine.submit(request(16), r.events);
+  d.link.deliver({ kind: "protocol", msg: lease(16) });
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 16, epoch: 1, firstToken: 9 } });
   d.link.deliver({
     kind: "protocol",
-    msg: { type: "finished", rid: 1, epoch: 1, reason: "stop", tokens: [], completionTokens: 1 },
+    msg: { type: "finished", rid: 16, epoch: 1, reason: "stop", tokens: [], completionTokens: 1 },
   });
   assert.deepEqual(r.out, { tokens: [], finish: "stop", error: null, events: 1 });
 });
@@ -158,11 +158,11 @@ test("DisaggregatedEngine streams nothing of a stop token prefill sampled first"
 test("DisaggregatedEngine.abort() sends ABORT to decode and silences the request", () => {
   const { d, engine } = setup();
   const r = record();
-  engine.submit(request(1), r.events);
-  d.link.deliver({ kind: "protocol", msg: lease(1) });
-  engine.abort(1);
-  assert.deepEqual(d.link.protocol().at(-1), { type: "abort", rid: 1, epoch: 1 });
-  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 1, epoch: 1, firstToken: 40 } });
+  engine.submit(request(16), r.events);
+  d.link.deliver({ kind: "protocol", msg: lease(16) });
+  engine.abort(16);
+  assert.deepEqual(d.link.protocol().at(-1), { type: "abort", rid: 16, epoch: 1 });
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 16, epoch: 1, firstToken: 40 } });
   assert.equal(r.out.events, 0);
   assert.equal(engine.inFlight, 0);
 });
@@ -170,18 +170,18 @@ test("DisaggregatedEngine.abort() sends ABORT to decode and silences the request
 test("DisaggregatedEngine fails requests with 503 when a pair's transfer channel goes down or a node is lost", () => {
   const { d, engine } = setup();
   const a = record();
-  engine.submit(request(1), a.events);
-  d.link.deliver({ kind: "protocol", msg: lease(1) });
+  engine.submit(request(16), a.events);
+  d.link.deliver({ kind: "protocol", msg: lease(16) });
   d.link.deliver({ kind: "prefill_down", prefill: "prefill-0" });
   assert.equal(a.out.error?.code, "node_unavailable");
   const b = record();
-  engine.submit(request(2), b.events);
+  engine.submit(request(32), b.events);
   assert.equal(b.out.error?.code, "node_unavailable", "no pair is up");
 
   const { p: p2, d: d2, engine: e2 } = setup();
   const c = record();
-  e2.submit(request(3), c.events);
-  d2.link.deliver({ kind: "protocol", msg: lease(3) });
+  e2.submit(request(48), c.events);
+  d2.link.deliver({ kind: "protocol", msg: lease(48) });
   p2.link.die();
   assert.equal(c.out.error?.code, "node_unavailable");
   assert.ok(
@@ -193,14 +193,14 @@ test("DisaggregatedEngine fails requests with 503 when a pair's transfer channel
 test("DisaggregatedEngine passes a node's rejection to the client unchanged", () => {
   const { d, engine } = setup();
   const r = record();
-  engine.submit(request(1), r.events);
+  engine.submit(request(16), r.events);
   const error: WireError = {
     code: "context_length_exceeded",
     message:
       "Prompt of 3 tokens plus max_tokens 4 exceeds the context length: 6; shorten the prompt or lower max_tokens",
     param: "messages",
   };
-  d.link.deliver({ kind: "protocol", msg: { type: "rejected", rid: 1, epoch: 1, from: "decode", error } });
+  d.link.deliver({ kind: "protocol", msg: { type: "rejected", rid: 16, epoch: 1, from: "decode", error } });
   assert.deepEqual(r.out.error, error);
 });
 
@@ -221,8 +221,8 @@ const poolFull = (rid: number): FromNode => ({
 test("DisaggregatedEngine holds a request the full decode pool refused until decode frees pages", () => {
   const { p, d, engine } = setup();
   const r = record();
-  engine.submit(request(1), r.events);
-  d.link.deliver(poolFull(1));
+  engine.submit(request(16), r.events);
+  d.link.deliver(poolFull(16));
   assert.equal(r.out.events, 0, "no 503: the request waits");
   assert.equal(engine.waiting, 1);
   assert.equal(engine.inFlight, 1);
@@ -259,14 +259,14 @@ test("DisaggregatedEngine answers 503 only when its queue is full, and passes th
   d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
   const a = record();
   const b = record();
-  engine.submit(request(1), a.events);
-  engine.submit(request(2), b.events);
-  d.link.deliver(poolFull(1));
-  d.link.deliver(poolFull(2));
+  engine.submit(request(16), a.events);
+  engine.submit(request(32), b.events);
+  d.link.deliver(poolFull(16));
+  d.link.deliver(poolFull(32));
   assert.equal(a.out.events + b.out.events, 0, "both refused requests wait: they were admitted");
   assert.equal(engine.waiting, 2);
   const c = record();
-  engine.submit(request(3), c.events);
+  engine.submit(request(48), c.events);
   assert.equal(c.out.error?.code, "server_busy", "the queue is full: 503");
   assert.equal(c.out.error?.retryAfter, 1);
 
@@ -281,11 +281,11 @@ test("DisaggregatedEngine answers 503 only when its queue is full, and passes th
   });
   d0.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
   const r = record();
-  none.submit(request(1), r.events);
-  d0.link.deliver(poolFull(1));
+  none.submit(request(16), r.events);
+  d0.link.deliver(poolFull(16));
   assert.equal(r.out.error?.code, "pool_exhausted", "no queue: the refusal reaches the client");
   const s = record();
-  none.submit(request(2), s.events);
+  none.submit(request(32), s.events);
   assert.equal(s.out.error?.code, "server_busy", "decode is full and nothing may wait");
 });
 
@@ -302,8 +302,8 @@ test("DisaggregatedEngine never holds back a request larger than the whole decod
   });
   d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
   const r = record();
-  engine.submit(request(1, { promptTokens: new Int32Array(1020), maxTokens: 10 }), r.events);
-  d.link.deliver(poolFull(1));
+  engine.submit(request(16, { promptTokens: new Int32Array(1020), maxTokens: 10 }), r.events);
+  d.link.deliver(poolFull(16));
   assert.equal(r.out.error?.code, "pool_exhausted");
   assert.equal(engine.waiting, 0);
 });
@@ -312,19 +312,19 @@ test("DisaggregatedEngine drops a waiting request on abort and fails waiting one
   const { d, engine } = setup();
   const a = record();
   const b = record();
-  engine.submit(request(1), a.events);
-  engine.submit(request(2), b.events);
-  d.link.deliver(poolFull(1));
-  d.link.deliver(poolFull(2));
-  engine.abort(1);
+  engine.submit(request(16), a.events);
+  engine.submit(request(32), b.events);
+  d.link.deliver(poolFull(16));
+  d.link.deliver(poolFull(32));
+  engine.abort(16);
   assert.equal(engine.waiting, 1);
   assert.equal(a.out.events, 0, "an aborted request is silent");
   d.link.deliver({ kind: "pages_freed", free: 12 });
   const retries = d.link.protocol().filter((m) => m.type === "reserve");
   assert.equal(retries.length, 3, "only the request still waiting is submitted again");
   const c = record();
-  engine.submit(request(3), c.events);
-  d.link.deliver(poolFull(3));
+  engine.submit(request(48), c.events);
+  d.link.deliver(poolFull(48));
   assert.equal(engine.waiting, 1);
   d.link.die();
   assert.equal(c.out.error?.code, "node_unavailable");
@@ -345,31 +345,31 @@ test("DisaggregatedEngine shares the nodes fairly: a tenant's flood waits at its
   // 400 prompt tokens + 80: 30 of decode's 64 pages; two tenants: a cap of 32 pages each.
   const big = (rid: number) => request(rid, { tenant: 0, promptTokens: new Int32Array(400), maxTokens: 80 });
   const flood = Array.from({ length: 5 }, () => record());
-  for (const [i, r] of flood.entries()) engine.submit(big(i + 1), r.events);
+  for (const [i, r] of flood.entries()) engine.submit(big(16 * (i + 1)), r.events);
   const small = Array.from({ length: 3 }, () => record());
-  for (const [i, r] of small.entries()) engine.submit(request(10 + i, { tenant: 1 }), r.events);
+  for (const [i, r] of small.entries()) engine.submit(request(160 + 16 * i, { tenant: 1 }), r.events);
   const reserved = () => d.link.protocol().flatMap((m) => (m.type === "reserve" ? [m.rid] : []));
-  assert.deepEqual(reserved(), [1, 10, 11, 12], "one of tenant 0's, then all of tenant 1's");
+  assert.deepEqual(reserved(), [16, 160, 176, 192], "one of tenant 0's, then all of tenant 1's");
   assert.equal(engine.fairShare.waitingOf(0), 4);
   assert.equal(engine.fairShare.pagesOf(0), 30);
   // Tenant 0's first request ends: its next one goes.
-  d.link.deliver({ kind: "protocol", msg: lease(1) });
-  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 1, epoch: 1, firstToken: 40 } });
+  d.link.deliver({ kind: "protocol", msg: lease(16) });
+  d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 16, epoch: 1, firstToken: 40 } });
   d.link.deliver({
     kind: "protocol",
-    msg: { type: "finished", rid: 1, epoch: 1, reason: "length", tokens: [], completionTokens: 80 },
+    msg: { type: "finished", rid: 16, epoch: 1, reason: "length", tokens: [], completionTokens: 80 },
   });
   assert.equal(flood[0]!.out.finish, "length");
   // Tenant 0's second request goes out under the next rid: attempts leave in serial rid order.
-  assert.deepEqual(reserved(), [1, 10, 11, 12, 13]);
+  assert.deepEqual(reserved(), [16, 160, 176, 192, 208]);
 });
 
 test("DisaggregatedEngine tells both nodes of a pair its watermark once its requests ended, and again when the pair is back", () => {
   const { p, d, engine } = setup();
   const a = record();
   const b = record();
-  engine.submit(request(1), a.events);
-  engine.submit(request(2), b.events);
+  engine.submit(request(16), a.events);
+  engine.submit(request(32), b.events);
   const finish = (rid: number) => {
     d.link.deliver({ kind: "protocol", msg: { type: "committed", rid, epoch: 1, firstToken: 40 } });
     d.link.deliver({
@@ -377,14 +377,14 @@ test("DisaggregatedEngine tells both nodes of a pair its watermark once its requ
       msg: { type: "finished", rid, epoch: 1, reason: "length", tokens: [], completionTokens: 1 },
     });
   };
-  for (const rid of [1, 2]) {
+  for (const rid of [16, 32]) {
     d.link.deliver({ kind: "protocol", msg: lease(rid) });
   }
-  finish(2);
-  // Request 1 is still in flight: the watermark (1) has not moved.
+  finish(32);
+  // Request 16 is still in flight: the watermark (16) has not moved.
   assert.deepEqual(d.link.watermarks(), []);
-  finish(1);
-  const mark = { type: "watermark", rid: 0, epoch: 0, below: 3 };
+  finish(16);
+  const mark = { type: "watermark", rid: 0, epoch: 0, below: 48 };
   assert.deepEqual(d.link.watermarks(), [{ kind: "protocol", prefill: "prefill-0", msg: mark }]);
   // Prefill is told which decode incarnation's machine it is for.
   assert.deepEqual(p.link.watermarks(), [{ kind: "protocol", prefill: "prefill-0", msg: mark, decode: 22 }]);
@@ -421,7 +421,7 @@ test("DisaggregatedEngine readiness: a node that stops answering pings is not re
     assert.equal(h.ready, false);
     assert.equal(h.reason, "no decode node answers (0 of 1)");
     const r = record();
-    engine.submit(request(1), r.events);
+    engine.submit(request(16), r.events);
     assert.equal(d.link.protocol().length, 0, "nothing is sent to a node that does not answer");
     assert.equal(engine.waiting, 1, "the request waits (no 503: the node may answer again)");
     d.link.answers = true;
@@ -439,7 +439,7 @@ test("DisaggregatedEngine.nodeBack() puts a lost node's new incarnation in its p
   p.link.die();
   assert.equal(engine.health().ready, false);
   const refused = record();
-  engine.submit(request(1), refused.events);
+  engine.submit(request(16), refused.events);
   assert.equal(refused.out.error?.code, "node_unavailable");
   const back = node("prefill-0", "prefill", 512);
   const wrong = node("prefill-0", "decode", 512);
@@ -450,8 +450,8 @@ test("DisaggregatedEngine.nodeBack() puts a lost node's new incarnation in its p
   assert.equal(engine.health().ready, false, "the pair is down until decode's channel is up");
   d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
   const r = record();
-  engine.submit(request(2), r.events);
-  d.link.deliver({ kind: "protocol", msg: lease(2) });
+  engine.submit(request(32), r.events);
+  d.link.deliver({ kind: "protocol", msg: lease(32) });
   assert.equal(back.link.protocol()[0]?.type, "prefill", "the prompt goes to the new incarnation");
   p.link.deliver({ kind: "pong", id: 1 }); // the old link's messages are ignored
   void engine.close();
@@ -464,9 +464,9 @@ test("DisaggregatedEngine runs a request again on another pair when its node is 
   const engine = new DisaggregatedEngine({ prefill: [p], decode: [d0, d1], maxModelLen: 2048, safety: SAFE });
   for (const d of [d0, d1]) d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
   const moved = record();
-  engine.submit(request(1), moved.events);
+  engine.submit(request(16), moved.events);
   assert.equal(d0.link.protocol().length, 1, "the first pair is (prefill-0, decode-0)");
-  d0.link.deliver({ kind: "protocol", msg: lease(1) });
+  d0.link.deliver({ kind: "protocol", msg: lease(16) });
   d0.link.die();
   assert.equal(moved.out.events, 0, "no 503: it runs again");
   const retry = d1.link.protocol().at(-1)!;
@@ -485,15 +485,17 @@ test("DisaggregatedEngine hands out rids after its nodes' rid floor (a restarted
   const d = node("decode-0", "decode", 1024);
   const engine = new DisaggregatedEngine({
     prefill: [p],
-    decode: [{ ...d, hello: { ...d.hello, ridFloor: 500 } }],
+    decode: [{ ...d, hello: { ...d.hello, ridFloor: 512 } }],
     maxModelLen: 2048,
     safety: SAFE,
   });
   d.link.deliver({ kind: "prefill_up", prefill: "prefill-0" });
-  engine.submit(request(1), record().events);
-  engine.submit(request(900), record().events);
+  engine.submit(request(16), record().events);
+  engine.submit(request(14400), record().events);
+  // A client rid of another router slot (0 is this router's) is never taken as it is.
+  engine.submit(request(14401), record().events);
   assert.deepEqual(
     d.link.protocol().map((m) => m.rid),
-    [500, 900],
+    [512, 14400, 14416],
   );
 });

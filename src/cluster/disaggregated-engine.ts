@@ -60,7 +60,7 @@ import {
   routerStep,
 } from "../protocol/router-machine.js";
 import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
-import { type ControlMessage, nextRid, ridBefore } from "../protocol/wire.js";
+import { type ControlMessage, nextRidIn, ridBefore, routerSlotOf } from "../protocol/wire.js";
 import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
 import { NodeTotals } from "./node-totals.js";
 
@@ -86,6 +86,12 @@ export interface DisaggregatedEngineOptions {
   readonly pingTimeoutMs?: number;
   /** Record the router's per-phase histograms (src/lib/phase-histograms.ts). Default true. */
   readonly phaseMetrics?: boolean;
+  /**
+   * This router's slot (`--router-slot`, 0 to `ROUTER_SLOTS - 1`, default 0): its attempts go out
+   * under rids of that slot only, so several routers over the same nodes never share a rid
+   * (docs/protocol.md §3, item 13).
+   */
+  readonly routerSlot?: number;
 }
 
 /** A node's place in the router: the node of its current incarnation, and what the router knows of it. */
@@ -253,12 +259,15 @@ export class DisaggregatedEngine implements EngineHandle {
   readonly phases: PhaseRecorder;
   /** The newest rid an attempt went out under (0: none yet). */
   #lastRid = 0;
+  /** See `DisaggregatedEngineOptions.routerSlot`. */
+  readonly #routerSlot: number;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.prefill.length === 0 || options.decode.length === 0) {
       throw new Error("A disaggregated engine needs at least one prefill node and one decode node");
     }
     this.#safety = options.safety;
+    this.#routerSlot = options.routerSlot ?? 0;
     this.#pingTimeoutMs = options.pingTimeoutMs ?? DEFAULT_PING_TIMEOUT_MS;
     this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
     const nodes = [...options.prefill, ...options.decode];
@@ -465,7 +474,7 @@ export class DisaggregatedEngine implements EngineHandle {
     return null;
   }
 
-  /** Rids go out after every rid an earlier router sent this node (its hello's floor). */
+  /** Rids go out after every rid an earlier router of this slot sent this node (its hello's floor). */
   #raiseRidFloor(hello: NodeHello): void {
     const floor = hello.ridFloor ?? 0;
     if (floor === 0) return;
@@ -760,15 +769,20 @@ export class DisaggregatedEngine implements EngineHandle {
   #dispatch(p: Pending): boolean {
     const pair = this.#choosePair(p);
     if (pair === null) return false;
-    // Attempts go out under rids in serial order (the pairs' watermarks rely on it): the client's
-    // rid when it is the newest yet, else the next one after the newest.
+    // Attempts go out under rids of this router's slot in serial order (the pairs' watermarks rely
+    // on it): the client's rid when it is of the slot and the newest yet, else the next one.
     let rid = p.request.rid;
     if (!p.dispatched) {
       this.phases.since(PHASE.queue_wait, p.submittedAt);
       traceSince(p, "queue_wait", p.submittedAt);
     }
-    if (p.dispatched || rid === 0 || (this.#lastRid !== 0 && !ridBefore(this.#lastRid, rid)))
-      rid = nextRid(this.#lastRid);
+    if (
+      p.dispatched ||
+      rid === 0 ||
+      routerSlotOf(rid) !== this.#routerSlot ||
+      (this.#lastRid !== 0 && !ridBefore(this.#lastRid, rid))
+    )
+      rid = nextRidIn(this.#lastRid, this.#routerSlot);
     this.#lastRid = rid;
     p.dispatched = true;
     p.pair = pair;

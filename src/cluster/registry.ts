@@ -168,6 +168,106 @@ export async function registerNode(
   };
 }
 
+/** A router's claim on its router slot in the registry, held until `close`. */
+export interface RouterSlotClaim {
+  readonly slot: number;
+  close(): Promise<void>;
+}
+
+/** The key of router slot `slot`'s claim: `<prefix>/routers/<slot>`. */
+export function routerSlotKey(options: RegistryOptions, slot: number): string {
+  return `${options.prefix ?? DEFAULT_REGISTRY_PREFIX}/routers/${slot}`;
+}
+
+/**
+ * Claims a router slot (docs/topologies.md, "Several routers"): `wanted` (`--router-slot`) or,
+ * without one, the lowest of `0 … slots - 1` no router holds, each by an etcd transaction that puts
+ * `<prefix>/routers/<slot>` only if it does not exist, under a lease kept alive like a node's entry.
+ * A slot another router holds is refused at startup with the fix. The claim only keeps two routers
+ * of one cluster from starting in one slot by mistake: safety never rests on it (a node admits one
+ * router per slot, a newer incarnation fencing the older, docs/protocol.md §3, item 13). A lost
+ * lease is claimed again for the same slot (logged loudly if another router took it meanwhile).
+ */
+export async function claimRouterSlot(
+  options: RegistryOptions,
+  wanted: number | undefined,
+  slots: number,
+  incarnation: number,
+  log: (message: string) => void = () => {},
+): Promise<RouterSlotClaim> {
+  const client = new Etcd3(clientOptions(options));
+  const value = JSON.stringify({ incarnation });
+  let closed = false;
+  let lease: Lease | null = null;
+  const tryClaim = async (slot: number, l: Lease): Promise<boolean> => {
+    const key = routerSlotKey(options, slot);
+    const r = await client
+      .if(key, "Create", "==", 0)
+      .then(client.put(key).value(value).lease(l.grant()))
+      .commit();
+    return r.succeeded;
+  };
+  const grant = (slot: number | null): Lease => {
+    const l = client.lease(options.ttlSeconds ?? DEFAULT_LEASE_TTL_SECONDS, { autoKeepAlive: true });
+    lease = l;
+    l.on("lost", (err) => {
+      if (closed || lease !== l || slot === null) return;
+      log(`registry: router slot lease lost (${err.message}); claiming router slot ${slot} again`);
+      void reclaim(slot);
+    });
+    return l;
+  };
+  const reclaim = async (slot: number): Promise<void> => {
+    while (!closed) {
+      try {
+        if (!(await tryClaim(slot, grant(slot))))
+          log(
+            `registry: router slot ${slot} is held by another router now; give each router its own --router-slot`,
+          );
+        return;
+      } catch (err) {
+        log(`registry: cannot claim router slot ${slot} (${(err as Error).message}); retrying`);
+        await new Promise((r) => setTimeout(r, 1000).unref());
+      }
+    }
+  };
+  const candidates = wanted === undefined ? Array.from({ length: slots }, (_, i) => i) : [wanted];
+  try {
+    for (const slot of candidates) {
+      if (await tryClaim(slot, grant(slot))) {
+        return {
+          slot,
+          async close() {
+            closed = true;
+            try {
+              await lease?.revoke();
+            } catch {
+              // The lease expires by itself.
+            }
+            client.close();
+          },
+        };
+      }
+      await (lease as Lease | null)?.revoke().catch(() => {});
+    }
+  } catch (err) {
+    closed = true;
+    client.close();
+    throw new KvfenceError(
+      "config_invalid",
+      `Cannot claim a router slot in the etcd registry at ${options.endpoints.join(",")}: ${(err as Error).message}`,
+    );
+  }
+  closed = true;
+  client.close();
+  throw new KvfenceError(
+    "config_invalid",
+    wanted === undefined
+      ? `Every router slot (0-${slots - 1}) is held by a running router of this cluster: ${slots} routers at most`
+      : `Router slot ${wanted} is held by another running router of this cluster; give each router its own --router-slot, or leave it out to claim a free one: ${wanted}`,
+  );
+}
+
 /** The entries under the prefix now, by key; called on every change. */
 export type RegistryListener = (entries: ReadonlyMap<string, Registration>) => void;
 

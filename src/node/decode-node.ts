@@ -281,8 +281,16 @@ export class DecodeNode {
   }
 
   /** See `NodeCore.ridFloor`. */
-  get ridFloor(): number {
-    return this.#core.ridFloor;
+  ridFloor(slot: number): number {
+    return this.#core.ridFloor(slot);
+  }
+
+  /**
+   * The link of the router of `slot` closed (its fence): each of its attempts is aborted as its
+   * ABORT would (docs/protocol.md §3, item 13); other routers' attempts go on.
+   */
+  routerLost(slot: number): void {
+    for (const peer of this.#peers.values()) this.#step(peer, { type: "router_lost", slot });
   }
 
   stats(): NodeStats {

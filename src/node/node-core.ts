@@ -12,7 +12,7 @@ import type { Engine } from "../engine/engine.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { KvPool } from "../protocol/effects.js";
 import type { Safety } from "../protocol/safety.js";
-import { nextRid, ridBefore } from "../protocol/wire.js";
+import { nextRidIn, ROUTER_SLOTS, ridBefore, routerSlotOf } from "../protocol/wire.js";
 import type { PageChecksums } from "../transfer/page-checksum.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import { pageChecksumsOf, protocolPool } from "./node-pool.js";
@@ -64,11 +64,11 @@ export class NodeCore {
   readonly closedTotals: TransferTotals = emptyTotals();
   readonly #counts: PageCounts = { free: 0, reserved: 0, ready: 0, quarantined: 0, total: 0 };
   /**
-   * The rid after the newest one any router sent this node (0: none), for its hello: a router that
-   * (re)connects hands out rids after it, so they never meet an older router's tombstones or
-   * watermark (docs/protocol.md §3, item 8).
+   * Per router slot, the rid of that slot after the newest one any router of it sent this node (0:
+   * none), for its hello: a router that (re)connects in that slot hands out rids after it, so they
+   * never meet an older router's tombstones or watermark (docs/protocol.md §3, items 8 and 13).
    */
-  #ridFloor = 0;
+  readonly #ridFloors: number[] = new Array<number>(ROUTER_SLOTS).fill(0);
   #gbps: number[] = [];
 
   /** `afterStep` runs after every engine step of the step loop. */
@@ -86,16 +86,19 @@ export class NodeCore {
     this.loop = new StepLoop(options.engine, afterStep);
   }
 
-  /** A router message: its rid (or a watermark's) moves the floor (see `ridFloor`). */
+  /** A router message: its rid (or a watermark's) moves its slot's floor (see `ridFloor`). */
   seeRouter(msg: { readonly type: string; readonly rid: number; readonly below?: number }): void {
     const rid = msg.type === "watermark" ? (msg.below ?? 0) : msg.rid;
     if (rid === 0) return;
-    const after = nextRid(rid);
-    if (this.#ridFloor === 0 || ridBefore(this.#ridFloor, after)) this.#ridFloor = after;
+    const slot = routerSlotOf(rid);
+    const after = nextRidIn(rid, slot);
+    const floor = this.#ridFloors[slot]!;
+    if (floor === 0 || ridBefore(floor, after)) this.#ridFloors[slot] = after;
   }
 
-  get ridFloor(): number {
-    return this.#ridFloor;
+  /** The rid floor of router slot `slot`, for the hello to a router of that slot. */
+  ridFloor(slot: number): number {
+    return this.#ridFloors[slot] ?? 0;
   }
 
   /** FREE pages of the pool now (counts into a reused object: nothing allocates). */

@@ -11,8 +11,10 @@ import { type ControlLink, listenControlLinks } from "../cluster/control-link.js
 import type { FromNode, ToNode } from "../cluster/node-messages.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
+import { routerSlotOf } from "../protocol/wire.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
 import type { LinkTls } from "../transfer/tls-config.js";
+import { DecodeNode } from "./decode-node.js";
 import { buildNode, pong } from "./node-host.js";
 import { pageByteLength } from "./node-pool.js";
 
@@ -57,41 +59,54 @@ export interface NodeServer {
 }
 
 /**
- * The node's one router link. One router at a time: another one (even with the secret) is refused
- * while it is connected, unless it is a newer incarnation (a restarted router whose old link the
- * node has not seen close yet, e.g. its host vanished): then the old link is closed, loudly.
+ * The node's router links, one per router slot (docs/protocol.md §3, item 13): several routers
+ * share the node, each in its own slot (`--router-slot`, in its hello), so their rids never meet.
+ * A second router in a slot that is connected is refused (even with the secret), unless it is a
+ * newer incarnation (a restarted router whose old link the node has not seen close yet, e.g. its
+ * host vanished): then the old link is closed, loudly. A router's link that closes, or is
+ * replaced, is that router's fence: `onLost(slot)` aborts its attempts, nobody else's.
  */
-class RouterSlot {
-  #link: ControlLink<FromNode, ToNode> | null = null;
-  /** The connected router's incarnation (its start time, from its hello). */
-  #incarnation: number | undefined;
+class RouterLinks {
+  readonly #links = new Map<
+    number,
+    { link: ControlLink<FromNode, ToNode>; incarnation: number | undefined }
+  >();
   readonly #warn: (message: string) => void;
+  /** Set once the node is built: the fence of the router of `slot`. */
+  onLost: (slot: number) => void = () => {};
 
   constructor(warn: (message: string) => void) {
     this.#warn = warn;
   }
 
-  /** Sends to the connected router; nothing when there is none (it fails its requests itself). */
+  /**
+   * Sends to the router the message is for: a protocol message (or `prefix_cached`) to the router
+   * of its rid's slot, anything else (pages freed, a transfer channel up or down) to every router.
+   * Nothing when that router is gone (it fails its requests itself).
+   */
   readonly send = (message: FromNode): void => {
-    if (this.#link === null || this.#link.closed) return;
-    try {
-      this.#link.send(message);
-    } catch {
-      // The router went away; it fails its requests itself.
+    const rid =
+      message.kind === "protocol" ? message.msg.rid : message.kind === "prefix_cached" ? message.rid : 0;
+    if (rid !== 0) {
+      const to = this.#links.get(routerSlotOf(rid));
+      if (to !== undefined) sendOn(to.link, message);
+      return;
     }
+    for (const to of this.#links.values()) sendOn(to.link, message);
   };
 
-  /** Whether a router that proved itself with `incarnation` may have the link. */
-  readonly admit = (incarnation: number | undefined): boolean => {
-    const current = this.#link;
-    if (current === null || current.closed) return true;
-    const known = this.#incarnation;
+  /** Whether a router that proved itself with `incarnation` in `slot` may have that slot's link. */
+  readonly admit = (incarnation: number | undefined, slot = 0): boolean => {
+    const current = this.#links.get(slot);
+    if (current === undefined || current.link.closed) return true;
+    const known = current.incarnation;
     if (incarnation === undefined || known === undefined || incarnation <= known) return false;
     this.#warn(
-      `control port: a newer router (incarnation ${incarnation}) replaces the connected one (${known})`,
+      `control port: a newer router (incarnation ${incarnation}) replaces the connected one (${known}) in router slot ${slot}`,
     );
-    current.close();
-    this.#link = null;
+    this.#links.delete(slot);
+    current.link.close();
+    this.onLost(slot);
     return true;
   };
 
@@ -99,16 +114,28 @@ class RouterSlot {
   attach(
     link: ControlLink<FromNode, ToNode>,
     incarnation: number | undefined,
-    onMessage: (message: ToNode) => void,
+    slot: number,
+    onMessage: (message: ToNode, reply: (message: FromNode) => void) => void,
     hello: FromNode,
   ): void {
-    this.#link = link;
-    this.#incarnation = incarnation;
-    link.onMessage(onMessage);
+    this.#links.set(slot, { link, incarnation });
+    const reply = (message: FromNode): void => sendOn(link, message);
+    link.onMessage((message) => onMessage(message, reply));
     link.onClose(() => {
-      if (this.#link === link) this.#link = null;
+      if (this.#links.get(slot)?.link !== link) return;
+      this.#links.delete(slot);
+      this.onLost(slot);
     });
     link.send(hello);
+  }
+}
+
+function sendOn(link: ControlLink<FromNode, ToNode>, message: FromNode): void {
+  if (link.closed) return;
+  try {
+    link.send(message);
+  } catch {
+    // The router went away; it fails its requests itself.
   }
 }
 
@@ -153,6 +180,8 @@ class PrefillConnector {
   readonly #targets = new Map<string, ConnectPrefill>();
   /** Prefill ids whose channel is up now. */
   readonly #up = new Set<string>();
+  /** Prefill ids whose first connect (not a reconnect) is under way. */
+  readonly #connecting = new Set<string>();
   #closing = false;
 
   constructor(
@@ -169,15 +198,14 @@ class PrefillConnector {
   connect(target: ConnectPrefill, since?: number): void {
     // A router that (re)connected names a prefill node whose channel is already up (the same
     // incarnation): the channel stays, the router hears it is up.
+    // Another router names one that is being connected: every router hears its `prefill_up`.
     const current = this.#targets.get(target.prefill);
-    if (
-      since === undefined &&
-      current !== undefined &&
-      current.incarnation === target.incarnation &&
-      this.#up.has(target.prefill)
-    ) {
-      this.toRouter({ kind: "prefill_up", prefill: target.prefill });
-      return;
+    if (since === undefined && current !== undefined && current.incarnation === target.incarnation) {
+      if (this.#up.has(target.prefill)) {
+        this.toRouter({ kind: "prefill_up", prefill: target.prefill });
+        return;
+      }
+      if (this.#connecting.has(target.prefill)) return;
     }
     this.#targets.set(target.prefill, target);
     const { node, engine, layoutSignature } = this.built;
@@ -185,6 +213,11 @@ class PrefillConnector {
     const link = node.prefillLink(target.prefill);
     /** True while the channel is up and not closed by this node (a local close is no drop). */
     let up = false;
+    if (since === undefined) this.#connecting.add(target.prefill);
+    const settled = (): void => {
+      if (since === undefined && this.#targets.get(target.prefill) === target)
+        this.#connecting.delete(target.prefill);
+    };
     connectTcpReceiver({
       host: target.host,
       port: target.port,
@@ -214,6 +247,7 @@ class PrefillConnector {
       },
     }).then(
       (r) => {
+        settled();
         if (!this.#current(target)) {
           void r.close();
           return;
@@ -234,6 +268,7 @@ class PrefillConnector {
         this.log(`transfer channel to ${target.prefill} up${since === undefined ? "" : " again"}`);
       },
       (err: Error) => {
+        settled();
         this.log(`cannot connect to ${target.prefill} at ${target.host}:${target.port}: ${err.message}`);
         if (since === undefined) this.toRouter({ kind: "prefill_down", prefill: target.prefill });
         // A restarted prefill node (another incarnation) is the router's to announce.
@@ -260,7 +295,7 @@ class PrefillConnector {
 export async function startNodeServer(options: NodeServerOptions): Promise<NodeServer> {
   const log = options.log ?? (() => {});
   const warn = options.warn ?? log;
-  const router = new RouterSlot(warn);
+  const router = new RouterLinks(warn);
   const built = await buildNode(
     { role: options.role, engine: options.engine, faults: options.faults ?? [] },
     router.send,
@@ -269,14 +304,16 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
   const prefill = built.role === "decode" ? new PrefillConnector(options, built, router.send, log) : null;
   const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
 
-  const onRouterMessage = (message: ToNode): void => {
-    if (message.kind === "ping") router.send(pong(message.id, built.engine));
+  const node = built.node;
+  if (node instanceof DecodeNode) router.onLost = (slot) => node.routerLost(slot);
+  const onRouterMessage = (message: ToNode, reply: (message: FromNode) => void): void => {
+    if (message.kind === "ping") reply(pong(message.id, built.engine));
     else if (message.kind === "stats") {
       const linkAuthFailures = {
         control: { ...control.failures },
         ...(transfer === null ? {} : { transfer: { ...transfer.failures } }),
       };
-      router.send({ kind: "stats", id: message.id, stats: { ...built.node.stats(), linkAuthFailures } });
+      reply({ kind: "stats", id: message.id, stats: { ...built.node.stats(), linkAuthFailures } });
     } else if (built.role === "prefill") built.node.onRouter(message);
     else if (message.kind === "connect_prefill") prefill!.connect(message);
     else built.node.onRouter(message);
@@ -289,9 +326,13 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     ...(options.tls === undefined ? {} : { tls: options.tls }),
     admit: router.admit,
     onRefused: (reason, detail) => warn(`control port: refused a connection (${reason}): ${detail}`),
-    // The hello names the rid floor now: this router's rids go after every earlier router's.
-    onLink: (link, incarnation) =>
-      router.attach(link, incarnation, onRouterMessage, { ...hello, ridFloor: built.node.ridFloor }),
+    // The hello names the rid floor of the router's slot now: its rids go after every earlier
+    // router's of that slot.
+    onLink: (link, incarnation, slot = 0) =>
+      router.attach(link, incarnation, slot, onRouterMessage, {
+        ...hello,
+        ridFloor: built.node.ridFloor(slot),
+      }),
   }).catch((err: Error) => {
     throw new KvfenceError(
       "config_invalid",

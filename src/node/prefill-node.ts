@@ -234,8 +234,8 @@ export class PrefillNode {
   }
 
   /** See `NodeCore.ridFloor`. */
-  get ridFloor(): number {
-    return this.#core.ridFloor;
+  ridFloor(slot: number): number {
+    return this.#core.ridFloor(slot);
   }
 
   stats(): NodeStats {

@@ -344,44 +344,73 @@ test("decodeStep() frees at once on abort when the lease's prefill incarnation i
 
 test("decodeStep() forgets tombstones and early acks below the router's watermark, and records nothing below it", () => {
   const h = harness();
-  const lease = reserve(h, 1);
+  const lease = reserve(h, 16);
   writeLease(h, lease);
   h.msg(goodManifest(lease));
-  h.decode(1, 1, 9);
-  h.msg({ type: "abort", rid: 2, epoch: 1 });
-  h.msg({ type: "abort_ack", rid: 3, epoch: 1 });
-  h.msg({ type: "abort", rid: 5, epoch: 1 });
-  assert.deepEqual(Object.keys(h.state.ended).sort(), ["1:1", "2:1", "5:1"]);
-  assert.deepEqual(Object.keys(h.state.acks), ["3:1"]);
-  // Still in flight at or above the watermark: rid 4 keeps its lease, rid 5 its tombstone.
-  reserve(h, 4, 1, 1, 1);
-  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 4 });
-  assert.deepEqual(Object.keys(h.state.ended), ["5:1"]);
+  h.decode(16, 1, 9);
+  h.msg({ type: "abort", rid: 32, epoch: 1 });
+  h.msg({ type: "abort_ack", rid: 48, epoch: 1 });
+  h.msg({ type: "abort", rid: 80, epoch: 1 });
+  assert.deepEqual(Object.keys(h.state.ended).sort(), ["16:1", "32:1", "80:1"]);
+  assert.deepEqual(Object.keys(h.state.acks), ["48:1"]);
+  // Still in flight at or above the watermark: rid 64 keeps its lease, rid 80 its tombstone.
+  reserve(h, 64, 1, 1, 1);
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 64 });
+  assert.deepEqual(Object.keys(h.state.ended), ["80:1"]);
   assert.deepEqual(h.state.acks, {});
-  assert.ok(h.state.attempts["4:1"] !== undefined);
+  assert.ok(h.state.attempts["64:1"] !== undefined);
   // Below it: stale, and no record is left.
   const stale = h.state.stale;
-  assert.deepEqual(h.msg({ type: "reserve", rid: 3, epoch: 2, tenant: 0, promptLen: 1, maxTokens: 1 }), []);
-  h.msg({ type: "abort_ack", rid: 2, epoch: 2 });
-  h.msg({ type: "abort", rid: 3, epoch: 3 });
+  assert.deepEqual(h.msg({ type: "reserve", rid: 48, epoch: 2, tenant: 0, promptLen: 1, maxTokens: 1 }), []);
+  h.msg({ type: "abort_ack", rid: 32, epoch: 2 });
+  h.msg({ type: "abort", rid: 48, epoch: 3 });
   assert.equal(h.state.stale, stale + 2);
-  assert.deepEqual(Object.keys(h.state.ended), ["5:1"]);
+  assert.deepEqual(Object.keys(h.state.ended), ["80:1"]);
   assert.deepEqual(h.state.acks, {});
   // An attempt below it that ends leaves no tombstone; an older watermark is stale.
-  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 6 });
-  h.msg({ type: "abort", rid: 4, epoch: 1 });
-  h.msg({ type: "abort_ack", rid: 4, epoch: 1 });
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 96 });
+  h.msg({ type: "abort", rid: 64, epoch: 1 });
+  h.msg({ type: "abort_ack", rid: 64, epoch: 1 });
   assert.deepEqual(h.state.attempts, {});
   assert.deepEqual(h.state.ended, {});
   assert.equal(h.pool.table.counts().free, 4);
-  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 5 });
-  assert.equal(h.state.watermark, 6);
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 80 });
+  assert.deepEqual(h.state.watermarks, { 0: 96 });
 });
 
 test("decodeStep() compares rids across the u32 wrap (serial order)", () => {
   const h = harness();
-  h.msg({ type: "abort", rid: 0xffff_fffe, epoch: 1 });
-  h.msg({ type: "abort", rid: 2, epoch: 1 });
-  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 1 });
-  assert.deepEqual(Object.keys(h.state.ended), ["2:1"]);
+  h.msg({ type: "abort", rid: 0xffff_ffe0, epoch: 1 });
+  h.msg({ type: "abort", rid: 32, epoch: 1 });
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 16 });
+  assert.deepEqual(Object.keys(h.state.ended), ["32:1"]);
+});
+
+test("decodeStep() keeps two routers apart: a router's loss aborts only its attempts, watermarks are per router slot", () => {
+  const h = harness(8);
+  // Router slot 0 hands out rids 16, 32, …; router slot 1 rids 17, 33, ….
+  const a = reserve(h, 16, 1, 2, 2);
+  const b = reserve(h, 17, 1, 2, 1);
+  const out = h.run({ type: "router_lost", slot: 1 });
+  // Router 1's attempt: the abort relayed to prefill, its lease quarantined until the ABORT_ACK.
+  assert.deepEqual(
+    out.filter((e) => e.kind === "send"),
+    [{ kind: "send", to: "prefill", msg: { type: "abort", rid: 17, epoch: 1 } }],
+  );
+  assert.equal(h.state.attempts["17:1"]?.phase, "quarantined");
+  assert.equal(h.state.attempts["16:1"]?.phase, "reserved");
+  assert.equal(h.pool.table.counts().quarantined, b.pages.length);
+  h.msg({ type: "abort_ack", rid: 17, epoch: 1 });
+  assert.equal(h.state.attempts["17:1"], undefined);
+  // Router 0's watermark does not reach router 1's records (17 < 48 in serial order).
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 48 });
+  assert.deepEqual(Object.keys(h.state.ended), ["17:1"]);
+  assert.ok(h.state.attempts["16:1"] !== undefined, "in flight: untouched");
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 33 });
+  assert.deepEqual(h.state.ended, {});
+  assert.deepEqual(h.state.watermarks, { 0: 48, 1: 33 });
+  // Router 0's attempt still commits.
+  writeLease(h, a);
+  h.msg(goodManifest(a));
+  assert.equal(h.state.attempts["16:1"]?.phase, "decoding");
 });

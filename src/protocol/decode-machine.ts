@@ -41,12 +41,16 @@ import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
   attemptKey,
+  belowWatermark,
   type ControlMessage,
   type LeasePage,
   type Manifest,
+  moveWatermark,
+  prunable,
   type ReserveRequest,
-  ridBefore,
   ridOf,
+  routerSlotOf,
+  type Watermarks,
 } from "./wire.js";
 
 export interface DecodeConfig {
@@ -120,8 +124,11 @@ export interface DecodeState {
   ended: Record<string, 1>;
   /** ABORT_ACKs that arrived before the abort they answer. */
   acks: Record<string, 1>;
-  /** The router's watermark (0: none yet): every rid before it is over at the router. */
-  watermark: number;
+  /**
+   * The routers' watermarks, one per router slot (none yet: absent): every rid of that slot before
+   * it is over at its router (`belowWatermark`).
+   */
+  watermarks: Watermarks;
   stale: number;
   tagFailures: number;
 }
@@ -139,6 +146,12 @@ export type DecodeEvent =
   | { readonly type: "peer_lost"; readonly role: "prefill"; readonly incarnation: number }
   /** Connected to a prefill node of this incarnation (it may arrive before the old one's loss). */
   | { readonly type: "peer_up"; readonly role: "prefill"; readonly incarnation: number }
+  /**
+   * The link of the router of `slot` closed (its fence, docs/protocol.md §3, item 13): each of its
+   * attempts here is aborted as its ABORT would (relayed to prefill, the lease quarantined until
+   * the ABORT_ACK or prefill's fence); no other router's attempt is touched.
+   */
+  | { readonly type: "router_lost"; readonly slot: number }
   /** Only with the `quarantine` guard disabled: the deferred-release timer fired. */
   | { readonly type: "quarantine_timeout"; readonly rid: number; readonly epoch: number };
 
@@ -168,7 +181,7 @@ export function initialDecodeState(incarnation: number, prefillIncarnation: numb
     attempts: {},
     ended: {},
     acks: {},
-    watermark: 0,
+    watermarks: {},
     stale: 0,
     tagFailures: 0,
   };
@@ -211,6 +224,11 @@ export function decodeStep(state: DecodeState, event: DecodeEvent, ctx: DecodeCo
           ctx.out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
         }
         end(state, key);
+      }
+      return;
+    case "router_lost":
+      for (const key in state.attempts) {
+        if (routerSlotOf(state.attempts[key]!.rid) === event.slot) abort(state, key, ctx);
       }
       return;
     case "quarantine_timeout": {
@@ -577,17 +595,15 @@ function end(state: DecodeState, key: string): void {
 
 /** Whether `rid` is below the router's watermark: over at the router, no message of it to wait for. */
 function below(state: DecodeState, rid: number): boolean {
-  return state.watermark !== 0 && ridBefore(rid, state.watermark);
+  return belowWatermark(state.watermarks, rid);
 }
 
 /** The router's watermark moved to `to`: forget the tombstones and early acks below it. */
 function watermark(state: DecodeState, to: number): void {
-  if (to === state.watermark) return;
-  if (to === 0 || (state.watermark !== 0 && !ridBefore(state.watermark, to))) {
-    state.stale++;
+  if (!moveWatermark(state.watermarks, to)) {
+    if (to === 0 || state.watermarks[routerSlotOf(to)] !== to) state.stale++;
     return;
   }
-  state.watermark = to;
-  for (const key in state.ended) if (ridBefore(ridOf(key), to)) delete state.ended[key];
-  for (const key in state.acks) if (ridBefore(ridOf(key), to)) delete state.acks[key];
+  for (const key in state.ended) if (prunable(key, to)) delete state.ended[key];
+  for (const key in state.acks) if (prunable(key, to)) delete state.acks[key];
 }

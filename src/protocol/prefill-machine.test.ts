@@ -179,24 +179,24 @@ test("prefillStep() refuses a lease of a decode incarnation it saw go, before th
 
 test("prefillStep() forgets tombstones below the router's watermark; below it an abort is acknowledged and leaves none", () => {
   const h = harness();
-  h.msg({ type: "abort", rid: 1, epoch: 1 });
-  h.msg({ type: "abort", rid: 3, epoch: 1 });
-  h.msg({ type: "release", rid: 2, epoch: 1 });
-  assert.deepEqual(Object.keys(h.state.ended).sort(), ["1:1", "3:1"]);
-  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 3 });
-  assert.deepEqual(Object.keys(h.state.ended), ["3:1"]);
+  h.msg({ type: "abort", rid: 16, epoch: 1 });
+  h.msg({ type: "abort", rid: 48, epoch: 1 });
+  h.msg({ type: "release", rid: 32, epoch: 1 });
+  assert.deepEqual(Object.keys(h.state.ended).sort(), ["16:1", "48:1"]);
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 48 });
+  assert.deepEqual(Object.keys(h.state.ended), ["48:1"]);
   // A late relayed abort below the watermark: acknowledged at once, nothing kept.
-  const out = h.msg({ type: "abort", rid: 2, epoch: 1 });
-  assert.deepEqual(sent(out), [{ type: "abort_ack", rid: 2, epoch: 1 }]);
-  assert.deepEqual(Object.keys(h.state.ended), ["3:1"]);
+  const out = h.msg({ type: "abort", rid: 32, epoch: 1 });
+  assert.deepEqual(sent(out), [{ type: "abort_ack", rid: 32, epoch: 1 }]);
+  assert.deepEqual(Object.keys(h.state.ended), ["48:1"]);
   // A prefill below it (a duplicate: the router sends none after its watermark) is stale.
-  assert.deepEqual(h.msg(request(2, 2)), []);
+  assert.deepEqual(h.msg(request(32, 2)), []);
   assert.equal(h.pool.table.counts().free, 3);
   // An attempt in flight across the watermark ends without a tombstone.
-  const writes = startWriting(h, request(4, 1));
-  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 5 });
-  for (const w of writes) h.run({ type: "write_done", rid: 4, epoch: 1, index: w.header.index });
-  h.msg({ type: "release", rid: 4, epoch: 1 });
+  const writes = startWriting(h, request(64, 1));
+  h.msg({ type: "watermark", rid: 0, epoch: 0, below: 80 });
+  for (const w of writes) h.run({ type: "write_done", rid: 64, epoch: 1, index: w.header.index });
+  h.msg({ type: "release", rid: 64, epoch: 1 });
   assert.deepEqual(h.state.attempts, {});
   assert.deepEqual(h.state.ended, {});
   assert.equal(h.pool.table.counts().free, 3);

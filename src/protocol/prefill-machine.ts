@@ -33,11 +33,14 @@ import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
   attemptKey,
+  belowWatermark,
   type ControlMessage,
   type LeasePage,
+  moveWatermark,
   type PrefillRequest,
-  ridBefore,
-  ridOf,
+  prunable,
+  routerSlotOf,
+  type Watermarks,
 } from "./wire.js";
 
 export interface PrefillConfig {
@@ -78,8 +81,11 @@ export interface PrefillState {
   attempts: Record<string, PrefillAttempt>;
   /** Tombstones of attempts that ended here (or were aborted before they arrived), at or above `watermark`. */
   ended: Record<string, 1>;
-  /** The router's watermark (0: none yet): every rid before it is over at the router. */
-  watermark: number;
+  /**
+   * The routers' watermarks, one per router slot (none yet: absent): every rid of that slot before
+   * it is over at its router (`belowWatermark`).
+   */
+  watermarks: Watermarks;
   stale: number;
 }
 
@@ -118,7 +124,7 @@ export interface PrefillPrefixCache {
 }
 
 export function initialPrefillState(incarnation: number, decodeIncarnation: number): PrefillState {
-  return { incarnation, decodeIncarnation, decodeLost: 0, attempts: {}, ended: {}, watermark: 0, stale: 0 };
+  return { incarnation, decodeIncarnation, decodeLost: 0, attempts: {}, ended: {}, watermarks: {}, stale: 0 };
 }
 
 export function prefillStep(state: PrefillState, event: PrefillEvent, ctx: PrefillContext): void {
@@ -415,16 +421,14 @@ function end(state: PrefillState, key: string): void {
 
 /** Whether `rid` is below the router's watermark: over at the router, no message of it to wait for. */
 function below(state: PrefillState, rid: number): boolean {
-  return state.watermark !== 0 && ridBefore(rid, state.watermark);
+  return belowWatermark(state.watermarks, rid);
 }
 
 /** The router's watermark moved to `to`: forget the tombstones below it. */
 function watermark(state: PrefillState, to: number): void {
-  if (to === state.watermark) return;
-  if (to === 0 || (state.watermark !== 0 && !ridBefore(state.watermark, to))) {
-    state.stale++;
+  if (!moveWatermark(state.watermarks, to)) {
+    if (to === 0 || state.watermarks[routerSlotOf(to)] !== to) state.stale++;
     return;
   }
-  state.watermark = to;
-  for (const key in state.ended) if (ridBefore(ridOf(key), to)) delete state.ended[key];
+  for (const key in state.ended) if (prunable(key, to)) delete state.ended[key];
 }

@@ -126,21 +126,26 @@ test("routerStep() sends the pair's watermark (the lowest rid in flight) to both
     return out.flatMap((e) => (e.kind === "send" && e.msg.type === "watermark" ? [e.msg] : []));
   };
   const submit = (rid: number) => run({ type: "submit", rid, tenant: 0, promptLen: 1, maxTokens: 1 });
-  for (const rid of [1, 2, 3]) assert.deepEqual(submit(rid), []);
-  // Request 2 ends first: rid 1 is still in flight, so the watermark stays (batched by the step).
-  assert.deepEqual(run({ type: "client_abort", rid: 2 }), []);
-  assert.deepEqual(run({ type: "client_abort", rid: 1 }, 1), [
-    { type: "watermark", rid: 0, epoch: 0, below: 3 },
-    { type: "watermark", rid: 0, epoch: 0, below: 3 },
+  // The rids of one router slot (slot 0): 16, 32, 48.
+  for (const rid of [16, 32, 48]) assert.deepEqual(submit(rid), []);
+  // Request 32 ends first: rid 16 is still in flight, so the watermark stays (batched by the step).
+  assert.deepEqual(run({ type: "client_abort", rid: 32 }), []);
+  assert.deepEqual(run({ type: "client_abort", rid: 16 }, 1), [
+    { type: "watermark", rid: 0, epoch: 0, below: 48 },
+    { type: "watermark", rid: 0, epoch: 0, below: 48 },
   ]);
   // Nothing in flight: the watermark is the next rid, sent at once.
-  assert.equal(run({ type: "client_abort", rid: 3 }).length, 2);
-  assert.equal(state.watermark, 4);
+  assert.equal(run({ type: "client_abort", rid: 48 }).length, 2);
+  assert.equal(state.watermark, 64);
   // A node back (a new incarnation) hears it again; a rid before the watermark is never taken.
   assert.deepEqual(run({ type: "peer_up", role: "prefill" }), [
-    { type: "watermark", rid: 0, epoch: 0, below: 4 },
+    { type: "watermark", rid: 0, epoch: 0, below: 64 },
   ]);
-  submit(2);
-  assert.equal(state.requests["2"]?.phase, "done");
+  submit(32);
+  assert.equal(state.requests["32"]?.phase, "done");
   assert.equal(state.stale, 1);
+  // A rid of another router's slot is never taken either (nodes keep one watermark per slot).
+  submit(65);
+  assert.equal(state.requests["65"], undefined);
+  assert.equal(state.stale, 2);
 });

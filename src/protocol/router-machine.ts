@@ -15,7 +15,7 @@
 import { ERROR_TABLE, type WireError } from "../lib/errors.js";
 import type { Effects } from "./effects.js";
 import { faultOn, type Safety } from "./safety.js";
-import { type ControlMessage, nextRid, ridBefore } from "./wire.js";
+import { type ControlMessage, nextRidIn, ROUTER_SLOTS, ridBefore, routerSlotOf } from "./wire.js";
 
 export interface RouterConfig {
   /** The model's context window (tokens). */
@@ -54,7 +54,10 @@ export interface RouterState {
   requests: Record<string, RouterRequest>;
   /** Messages ignored because their (rid, epoch) was not current. */
   stale: number;
-  /** The rid after the newest one submitted (0: none yet). Rids are submitted in serial order. */
+  /**
+   * The rid of its router slot after the newest one submitted (0: none yet). Rids are submitted in
+   * serial order, all of one router slot (`routerSlotOf`, docs/protocol.md §3, item 13).
+   */
   next: number;
   /** The last watermark sent to the pair's nodes (0: none yet). */
   watermark: number;
@@ -135,7 +138,8 @@ function advanceWatermark(state: RouterState, { config, out }: RouterContext): v
   if (low === 0 || low === state.watermark) return;
   if (state.watermark !== 0 && !ridBefore(state.watermark, low)) return;
   const step = config.watermarkStep ?? WATERMARK_STEP;
-  if (live && (low - state.watermark) >>> 0 < step) return;
+  // A router hands out the rids of its own slot only (`nextRidIn`): `step` counts those.
+  if (live && (low - state.watermark) >>> 0 < step * ROUTER_SLOTS) return;
   state.watermark = low;
   sendWatermark(state, "decode", out);
   sendWatermark(state, "prefill", out);
@@ -207,13 +211,14 @@ function submit(
   if (
     state.requests[event.rid] !== undefined ||
     (state.next !== 0 && ridBefore(event.rid, state.next)) ||
+    (state.next !== 0 && routerSlotOf(event.rid) !== routerSlotOf(state.next)) ||
     event.rid === 0
   ) {
-    // A rid reused, or out of serial order: the nodes may have forgotten it (below the watermark).
+    // A rid reused, out of serial order or of another router's slot: the nodes may have forgotten it (below the watermark).
     state.stale++;
     return;
   }
-  state.next = nextRid(event.rid);
+  state.next = nextRidIn(event.rid, routerSlotOf(event.rid));
   const req: RouterRequest = {
     rid: event.rid,
     tenant: event.tenant,

@@ -222,6 +222,55 @@ export function nextRid(rid: number): number {
   return next === 0 ? 1 : next;
 }
 
+/**
+ * Several routers share a node (docs/protocol.md §3, item 13): the low bits of a rid name the
+ * router slot that handed it out (`--router-slot`, 0 to `ROUTER_SLOTS - 1`), so the attempts of
+ * two routers are distinct at the nodes, in their page tags and on the decode ⇄ prefill link
+ * without any message naming a router. A router hands out only rids of its own slot, in serial
+ * order (`nextRidIn`); the nodes keep one watermark and one rid floor per slot.
+ */
+export const ROUTER_SLOTS = 16;
+
+/** The router slot of `rid` (its low bits). */
+export function routerSlotOf(rid: number): number {
+  return rid & (ROUTER_SLOTS - 1);
+}
+
+/** The first rid of router slot `slot` after `rid` in serial order (0: the first one), skipping 0. */
+export function nextRidIn(rid: number, slot: number): number {
+  let next = ((rid & ~(ROUTER_SLOTS - 1)) | slot) >>> 0;
+  if (!ridBefore(rid, next)) next = (next + ROUTER_SLOTS) >>> 0;
+  return next === 0 ? ROUTER_SLOTS : next;
+}
+
+/** A node machine's watermarks, one per router slot (decimal string keys, so the state stays JSON). */
+export type Watermarks = Record<string, number>;
+
+/** Whether `rid` is below its router slot's watermark: over at that router, no message of it to wait for. */
+export function belowWatermark(marks: Watermarks, rid: number): boolean {
+  const w = marks[routerSlotOf(rid)];
+  return w !== undefined && ridBefore(rid, w);
+}
+
+/**
+ * Moves the watermark of `to`'s router slot to `to`: false (nothing moved) when `to` is 0 or not
+ * after the slot's current one. The caller then forgets its records below it (`prunable`).
+ */
+export function moveWatermark(marks: Watermarks, to: number): boolean {
+  if (to === 0) return false;
+  const slot = routerSlotOf(to);
+  const w = marks[slot];
+  if (w !== undefined && !ridBefore(w, to)) return false;
+  marks[slot] = to;
+  return true;
+}
+
+/** Whether the record of attempt key `key` lies below watermark `to` (of `to`'s router slot). */
+export function prunable(key: string, to: number): boolean {
+  const rid = ridOf(key);
+  return routerSlotOf(rid) === routerSlotOf(to) && ridBefore(rid, to);
+}
+
 /** The rid of an attempt key `"rid:epoch"`. */
 export function ridOf(key: string): number {
   return Number(key.slice(0, key.indexOf(":")));

@@ -14,6 +14,7 @@ import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { FairShareConfig, TenantOverrides } from "../lib/fair-share.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
+import { ROUTER_SLOTS } from "../protocol/wire.js";
 import {
   type FrontDoorTls,
   isLoopback,
@@ -207,6 +208,7 @@ export const serveConfigSchema = z
     maxQueue: intText(0).optional(),
     queueTimeout: secondsText.optional(),
     readyTimeout: secondsText.optional(),
+    routerSlot: intText(0, ROUTER_SLOTS - 1).optional(),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   })
   .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
@@ -300,6 +302,7 @@ const FLAG: Record<string, string> = {
   maxQueue: "--max-queue",
   queueTimeout: "--queue-timeout",
   readyTimeout: "--ready-timeout",
+  routerSlot: "--router-slot",
 };
 
 /** Parse raw options once; every problem is reported with its flag. */

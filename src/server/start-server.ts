@@ -273,6 +273,7 @@ async function startEnginesAndPreparer(
       faults: config.unsafeFault,
       fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
       ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+      ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
       log,
     });
   } catch (err) {

@@ -60,6 +60,8 @@ export interface ServeEngineOptions {
   readonly fairShare?: FairShareConfig;
   /** `--ready-timeout`: a node (or the engine) whose readiness ping takes longer is not ready. */
   readonly pingTimeoutMs?: number;
+  /** `--router-slot`: this router's slot among the routers over the same nodes (default 0). */
+  readonly routerSlot?: number;
   /** The router process: lost nodes re-dialled, refused ones. */
   readonly log?: Logger;
 }
@@ -155,8 +157,10 @@ function shared(options: ServeEngineOptions): {
   fairShare?: FairShareConfig;
   pingTimeoutMs?: number;
   phaseMetrics?: boolean;
+  routerSlot?: number;
 } {
   return {
+    ...(options.routerSlot === undefined ? {} : { routerSlot: options.routerSlot }),
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
     ...(options.engine.phaseMetrics === undefined ? {} : { phaseMetrics: options.engine.phaseMetrics }),

@@ -48,10 +48,19 @@ import {
   routerStep,
 } from "../../protocol/router-machine.js";
 import { guardOn, type Safety } from "../../protocol/safety.js";
-import { attemptKey, type ControlMessage, type NodeRole, type PageWriteHeader } from "../../protocol/wire.js";
+import {
+  attemptKey,
+  type ControlMessage,
+  type NodeRole,
+  type PageWriteHeader,
+  ROUTER_SLOTS,
+  routerSlotOf,
+} from "../../protocol/wire.js";
 
 export interface CheckRequest {
   readonly rid: number;
+  /** Which router submits it (0 default; 1 only in a two-router world, `ModelConfig.routers`). */
+  readonly router?: number;
   readonly tenant: number;
   readonly promptLen: number;
   readonly maxTokens: number;
@@ -77,10 +86,18 @@ export interface ModelConfig {
    */
   readonly reorder: boolean;
   readonly safety: Safety;
+  /**
+   * Routers over the one prefill/decode pair (default 1): with 2, router i is router slot i and
+   * hands out rids of that slot (docs/protocol.md §3, item 13); each has its own FIFO channels.
+   */
+  readonly routers?: number;
 }
 
+/** A party of the world: a node role, or the second router (`router1`, router slot 1). */
+export type Party = NodeRole | "router1";
+
 /** The directed control channels, one per ordered pair of roles. */
-export const CHANNELS: readonly (readonly [NodeRole, NodeRole])[] = [
+export const CHANNELS: readonly (readonly [Party, Party])[] = [
   ["router", "decode"],
   ["router", "prefill"],
   ["decode", "router"],
@@ -89,13 +106,23 @@ export const CHANNELS: readonly (readonly [NodeRole, NodeRole])[] = [
   ["prefill", "decode"],
 ];
 
-function channelIndex(from: NodeRole, to: NodeRole): number {
-  return CHANNELS.findIndex(([f, t]) => f === from && t === to);
+/** The channels of a two-router world: `CHANNELS`, then the second router's four. */
+export const CHANNELS_2: readonly (readonly [Party, Party])[] = [
+  ...CHANNELS,
+  ["router1", "decode"],
+  ["router1", "prefill"],
+  ["decode", "router1"],
+  ["prefill", "router1"],
+];
+
+/** The router of router slot `slot` in the world. */
+function routerParty(slot: number): "router" | "router1" {
+  return slot === 0 ? "router" : "router1";
 }
 
 interface Envelope {
-  readonly from: NodeRole;
-  readonly to: NodeRole;
+  readonly from: Party;
+  readonly to: Party;
   readonly msg: ControlMessage;
 }
 
@@ -111,7 +138,8 @@ interface InflightWrite {
 }
 
 export interface World {
-  router: RouterState;
+  /** The routers' machines; router i is router slot i. */
+  routers: RouterState[];
   prefill: PrefillState;
   decode: DecodeState;
   /** The ownership tables' 32-bit words. */
@@ -131,8 +159,8 @@ export interface World {
   submitted: number;
   /**
    * The requests (indices into the config's) in the order they were submitted: the k-th submitted
-   * goes out under rid k, as the real router hands out rids in serial order (its watermark relies
-   * on it), whichever request it is.
+   * goes out under rid k of its router's slot (`k * ROUTER_SLOTS + slot`), as the real router hands
+   * out rids in serial order (its watermark relies on it), whichever request it is.
    */
   order: number[];
   /** Boot counts of the nodes. */
@@ -209,9 +237,12 @@ export class ModelWorld {
   readonly #effectiveContext: number;
   #violations: Violation[] = [];
   #current: World | null = null;
+  /** `CHANNELS`, or `CHANNELS_2` in a two-router world. */
+  readonly channels: readonly (readonly [Party, Party])[];
 
   constructor(config: ModelConfig) {
     this.config = config;
+    this.channels = (config.routers ?? 1) === 2 ? CHANNELS_2 : CHANNELS;
     this.#decodePool = new ModelPool(config.decodePages, config.pageSize);
     this.#prefillPool = new ModelPool(config.prefillPages, config.pageSize);
     this.#routerConfig = {
@@ -238,14 +269,14 @@ export class ModelWorld {
     this.#decodePool.table.reset();
     this.#prefillPool.table.reset();
     return {
-      router: initialRouterState(),
+      routers: Array.from({ length: this.config.routers ?? 1 }, () => initialRouterState()),
       prefill: initialPrefillState(1, 1),
       decode: initialDecodeState(1, 1),
       dTable: Array.from(this.#decodePool.words),
       pTable: Array.from(this.#prefillPool.words),
       dContent: new Array(this.config.decodePages * 4).fill(-1),
       pContent: new Array(this.config.prefillPages * 4).fill(-1),
-      chans: CHANNELS.map(() => []),
+      chans: this.channels.map(() => []),
       writes: [],
       submitted: 0,
       order: [],
@@ -268,19 +299,19 @@ export class ModelWorld {
   /** A deep copy of `w`, several times faster than a JSON round trip. */
   clone(w: World): World {
     return {
-      router: {
-        requests: cloneRecord(w.router.requests),
+      routers: w.routers.map((r) => ({
+        requests: cloneRecord(r.requests),
         stale: 0,
-        next: w.router.next,
-        watermark: w.router.watermark,
-      },
+        next: r.next,
+        watermark: r.watermark,
+      })),
       prefill: {
         incarnation: w.prefill.incarnation,
         decodeIncarnation: w.prefill.decodeIncarnation,
         decodeLost: w.prefill.decodeLost,
         attempts: cloneRecord(w.prefill.attempts),
         ended: { ...w.prefill.ended },
-        watermark: w.prefill.watermark,
+        watermarks: { ...w.prefill.watermarks },
         stale: 0,
       },
       decode: {
@@ -290,7 +321,7 @@ export class ModelWorld {
         attempts: cloneRecord(w.decode.attempts),
         ended: { ...w.decode.ended },
         acks: { ...w.decode.acks },
-        watermark: w.decode.watermark,
+        watermarks: { ...w.decode.watermarks },
         stale: 0,
         tagFailures: 0,
       },
@@ -347,12 +378,14 @@ export class ModelWorld {
   #environmentEvents(w: World, events: EnvEvent[]): void {
     const reqs = this.config.requests;
     for (let i = 0; i < reqs.length; i++) if ((w.submitted & (1 << i)) === 0) events.push({ k: "submit", i });
-    for (const key in w.router.requests) {
-      const r = w.router.requests[key]!;
-      if (r.phase === "done") continue;
-      if (this.config.clientAborts) events.push({ k: "client_abort", rid: r.rid });
-      if (this.config.timeouts && r.phase !== "decoding" && r.epoch < this.config.maxAttempts) {
-        events.push({ k: "timeout", rid: r.rid });
+    for (const router of w.routers) {
+      for (const key in router.requests) {
+        const r = router.requests[key]!;
+        if (r.phase === "done") continue;
+        if (this.config.clientAborts) events.push({ k: "client_abort", rid: r.rid });
+        if (this.config.timeouts && r.phase !== "decoding" && r.epoch < this.config.maxAttempts) {
+          events.push({ k: "timeout", rid: r.rid });
+        }
       }
     }
     // A crash matters only while the node holds or awaits something (else it is a no-op restart).
@@ -380,9 +413,10 @@ export class ModelWorld {
         const r = this.config.requests[event.i]!;
         w.submitted |= 1 << event.i;
         w.order.push(event.i);
-        this.#router(w, {
+        const slot = r.router ?? 0;
+        this.#router(w, slot, {
           type: "submit",
-          rid: w.order.length,
+          rid: w.order.length * ROUTER_SLOTS + slot,
           tenant: r.tenant,
           promptLen: r.promptLen,
           maxTokens: r.maxTokens,
@@ -392,7 +426,7 @@ export class ModelWorld {
       case "deliver": {
         const msg = JSON.parse(w.chans[event.c]![event.j]!) as ControlMessage;
         w.chans[event.c]!.splice(event.j, 1);
-        this.#deliver(w, CHANNELS[event.c]![1], msg);
+        this.#deliver(w, this.channels[event.c]![1], msg);
         break;
       }
       case "land": {
@@ -417,10 +451,10 @@ export class ModelWorld {
         break;
       }
       case "client_abort":
-        this.#router(w, { type: "client_abort", rid: event.rid });
+        this.#router(w, routerSlotOf(event.rid), { type: "client_abort", rid: event.rid });
         break;
       case "timeout":
-        this.#router(w, { type: "attempt_timeout", rid: event.rid });
+        this.#router(w, routerSlotOf(event.rid), { type: "attempt_timeout", rid: event.rid });
         break;
       case "quarantine_timeout":
         this.#decode(w, { type: "quarantine_timeout", rid: event.rid, epoch: event.epoch });
@@ -450,11 +484,13 @@ export class ModelWorld {
   checkQuiescent(w: World): Violation | null {
     if (w.lossy === 1) return null;
     const busy: string[] = [];
-    for (const key in w.router.requests) {
-      if (w.router.requests[key]!.phase !== "done") busy.push(`request ${key} never answered`);
+    for (const router of w.routers) {
+      for (const key in router.requests) {
+        if (router.requests[key]!.phase !== "done") busy.push(`request ${key} never answered`);
+      }
     }
-    const d = this.#countStates(w.dTable, this.config.decodePages);
-    const p = this.#countStates(w.pTable, this.config.prefillPages);
+    const d = this.#countStates(w.dTable, this.#decodePool);
+    const p = this.#countStates(w.pTable, this.#prefillPool);
     if (d.free !== this.config.decodePages) busy.push(`decode pool not all FREE (${describeCounts(d)})`);
     if (p.free !== this.config.prefillPages) busy.push(`prefill pool not all FREE (${describeCounts(p)})`);
     if (busy.length === 0) return this.#checkBound(w);
@@ -486,24 +522,17 @@ export class ModelWorld {
     };
   }
 
-  #countStates(words: readonly number[], numPages: number) {
-    const stateAt = 4 + 4 * numPages;
-    const counts = { free: 0, reserved: 0, ready: 0, quarantined: 0 };
-    for (let p = 0; p < numPages; p++) {
-      const s = words[stateAt + p];
-      if (s === PageState.FREE) counts.free++;
-      else if (s === PageState.RESERVED) counts.reserved++;
-      else if (s === PageState.READY) counts.ready++;
-      else counts.quarantined++;
-    }
-    return counts;
+  /** The page counts of a world's table, read by the real table (its layout is its own). */
+  #countStates(words: readonly number[], pool: ModelPool) {
+    pool.words.set(words);
+    return pool.table.counts();
   }
 
   // --- dispatch -------------------------------------------------------------------------------
 
-  #router(w: World, event: RouterEvent): void {
+  #router(w: World, slot: number, event: RouterEvent): void {
     const out: Effect[] = [];
-    routerStep(w.router, event, { config: this.#routerConfig, safety: this.config.safety, out });
+    routerStep(w.routers[slot]!, event, { config: this.#routerConfig, safety: this.config.safety, out });
     if (
       event.type === "submit" &&
       out.some((e) => e.kind === "respond") &&
@@ -514,7 +543,7 @@ export class ModelWorld {
         message: `The router rejected request ${event.rid} at its door but still contacted a node`,
       });
     }
-    this.#effects(w, "router", out);
+    this.#effects(w, routerParty(slot), out);
   }
 
   #decode(w: World, event: DecodeEvent): void {
@@ -534,9 +563,9 @@ export class ModelWorld {
     this.#effects(w, "prefill", out);
   }
 
-  #deliver(w: World, to: NodeRole, msg: ControlMessage): void {
+  #deliver(w: World, to: Party, msg: ControlMessage): void {
     const event = { type: "message" as const, msg };
-    if (to === "router") this.#router(w, event);
+    if (to === "router" || to === "router1") this.#router(w, to === "router" ? 0 : 1, event);
     else if (to === "decode") this.#decode(w, event);
     else this.#prefill(w, event);
   }
@@ -545,8 +574,8 @@ export class ModelWorld {
     const attempts = role === "prefill" ? w.prefill.attempts : w.decode.attempts;
     for (const _ in attempts) return true;
     if (w.writes.length > 0) return true;
-    for (let c = 0; c < CHANNELS.length; c++) {
-      const [from, to] = CHANNELS[c]!;
+    for (let c = 0; c < this.channels.length; c++) {
+      const [from, to] = this.channels[c]!;
       if ((from === role || to === role) && w.chans[c]!.length > 0) return true;
     }
     return false;
@@ -563,7 +592,7 @@ export class ModelWorld {
   }
 
   #describeMessage(w: World, c: number, j: number): string {
-    const [from, to] = CHANNELS[c]!;
+    const [from, to] = this.channels[c]!;
     return describeEnvelope({ from, to, msg: JSON.parse(w.chans[c]![j]!) as ControlMessage });
   }
 
@@ -595,8 +624,8 @@ export class ModelWorld {
 
   #crash(w: World, role: "prefill" | "decode"): void {
     // The node restarts empty; its connections close, so everything in flight to or from it is gone.
-    for (let c = 0; c < CHANNELS.length; c++) {
-      const [from, to] = CHANNELS[c]!;
+    for (let c = 0; c < this.channels.length; c++) {
+      const [from, to] = this.channels[c]!;
       if (from === role || to === role) w.chans[c] = [];
     }
     w.writes = [];
@@ -628,16 +657,25 @@ export class ModelWorld {
         }),
       );
     }
-    this.#router(w, { type: "peer_lost", role });
-    this.#router(w, { type: "peer_up", role });
+    for (let slot = 0; slot < w.routers.length; slot++) {
+      this.#router(w, slot, { type: "peer_lost", role });
+      this.#router(w, slot, { type: "peer_up", role });
+    }
   }
 
-  #effects(w: World, from: NodeRole, out: readonly Effect[]): void {
+  #channelIndex(from: Party, to: Party): number {
+    return this.channels.findIndex(([f, t]) => f === from && t === to);
+  }
+
+  #effects(w: World, from: Party, out: readonly Effect[]): void {
     for (const e of out) {
       switch (e.kind) {
-        case "send":
-          w.chans[channelIndex(from, e.to)]!.push(JSON.stringify(e.msg));
+        case "send": {
+          // A node's message to "the router" goes to the router of its rid's slot.
+          const to = e.to === "router" ? routerParty(routerSlotOf(e.msg.rid)) : e.to;
+          w.chans[this.#channelIndex(from, to)]!.push(JSON.stringify(e.msg));
           break;
+        }
         case "write":
           w.writes.push(JSON.stringify({ header: e.header, sourcePage: e.sourcePage, corrupt: e.corrupt }));
           break;
@@ -734,7 +772,7 @@ export class ModelWorld {
     w: World,
     { rid, epoch, status, code }: { rid: number; epoch: number; status: number; code: string | null },
   ): void {
-    const r = this.config.requests[w.order[rid - 1]!]!;
+    const r = this.config.requests[w.order[Math.floor(rid / ROUTER_SLOTS) - 1]!]!;
     const oversized = r.promptLen + r.maxTokens > this.#effectiveContext;
     if (status === 200 && !w.good.includes(attemptKey(rid, epoch))) {
       this.#violations.push({
@@ -800,7 +838,7 @@ export class ModelWorld {
     w.writes.sort();
     w.fences.sort();
     w.good.sort();
-    w.router.stale = 0;
+    for (const router of w.routers) router.stale = 0;
     w.decode.stale = 0;
     w.decode.tagFailures = 0;
     w.prefill.stale = 0;

@@ -82,6 +82,20 @@ test("counterexampleToDot() renders a trace as a Graphviz digraph", () => {
   assert.equal((dot.match(/ -> s\d+/g) ?? []).length, cex.steps.length);
 });
 
+test("runCheck() with two routers over the pair: a small bound holds completely, and every fault still has its counterexample", () => {
+  const report = runCheck({ routers: 2, requests: 2, duplicates: 0, clientAborts: false });
+  assert.equal(report.result.counterexample, null);
+  assert.equal(report.result.complete, true);
+  assert.ok(report.result.states > 1000);
+  assert.match(formatReport(report), /routers 2/);
+  // The shortest trace may differ (placeholder-reject's is its companion fault's, invariant 4).
+  for (const fault of FAULT_NAMES) {
+    const cex = runCheck({ fault, routers: 2, maxStates: 50_000 }).result.counterexample;
+    assert.ok(cex !== null, `no counterexample for ${fault} with two routers`);
+  }
+  assert.throws(() => runCheck({ routers: 3 }), /1 or 2 routers: 3/);
+});
+
 test("runCheck() rejects a request count outside the model", () => {
   assert.throws(() => runCheck({ requests: 9 }), /1 to 3 requests: 9/);
 });

@@ -45,6 +45,11 @@ export interface CheckOptions {
   readonly timeouts?: boolean;
   readonly transport?: "shm" | "tcp";
   readonly reorder?: boolean;
+  /**
+   * Routers over the one prefill/decode pair (1 or 2, default 1): with 2, the requests alternate
+   * between router slot 0 and router slot 1 (docs/protocol.md §3, item 13).
+   */
+  readonly routers?: number;
   readonly maxStates?: number;
   readonly maxDepth?: number;
   readonly timeLimitMs?: number;
@@ -64,17 +69,21 @@ export const DEFAULT_BOUND = {
   timeouts: false,
   transport: "shm",
   reorder: false,
+  routers: 1,
   maxStates: 3_000_000,
 } as const;
 
 /**
  * The default check: two bounds that together explore about 1,481,000 states in about 117 s of
  * one core — retries with a duplicated message (stale epochs), and a crash of either node (fences,
- * restarts, stale leases), each with the router's watermarks (docs/protocol.md §3, item 8).
+ * restarts, stale leases), each with the router's watermarks (docs/protocol.md §3, item 8); and
+ * two routers over the one pair on a small bound (item 13; about 6,700 states).
  */
 export const DEFAULT_SUITE: readonly { readonly name: string; readonly options: CheckOptions }[] = [
   { name: "retries and duplicates", options: {} },
   { name: "crashes", options: { maxAttempts: 1, crashes: 1, duplicates: 0 } },
+  // Two routers over the pair (router slots 0 and 1): a small bound, under a second.
+  { name: "two routers", options: { routers: 2, duplicates: 0, clientAborts: false } },
 ];
 
 interface Scenario {
@@ -162,12 +171,18 @@ export function resolveOptions(options: CheckOptions): {
       { param: "pages" },
     );
   }
+  if (merged.routers !== 1 && merged.routers !== 2) {
+    throw new KvfenceError("invalid_request", `The checker models 1 or 2 routers: ${merged.routers}`, {
+      param: "routers",
+    });
+  }
+  const requests = CHECK_REQUESTS.slice(0, merged.requests);
   const config: ModelConfig = {
     decodePages: merged.pages,
     prefillPages: merged.prefillPages,
     pageSize: 1,
     maxModelLen: merged.maxModelLen,
-    requests: CHECK_REQUESTS.slice(0, merged.requests),
+    requests: merged.routers === 1 ? requests : requests.map((r, i) => ({ ...r, router: i % 2 })),
     maxAttempts: merged.maxAttempts,
     crashes: merged.crashes,
     duplicates: merged.duplicates,
@@ -176,6 +191,7 @@ export function resolveOptions(options: CheckOptions): {
     timeouts: merged.timeouts,
     transport: merged.transport,
     reorder: merged.reorder,
+    routers: merged.routers,
     safety: makeSafety({ faults, disabledGuards }),
   };
   return {
@@ -197,6 +213,7 @@ export function resolveOptions(options: CheckOptions): {
         timeouts: merged.timeouts,
         transport: merged.transport,
         reorder: merged.reorder,
+        routers: merged.routers,
         maxStates: merged.maxStates,
       },
     },
@@ -272,7 +289,7 @@ export function formatReport(report: CheckReport): string {
     );
   else
     lines.push(
-      `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}`,
+      `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}, routers ${b.routers}`,
     );
   lines.push(
     `explored ${r.states} states, ${r.transitions} transitions, depth ${r.depth}, in ${(r.elapsedMs / 1000).toFixed(1)} s${r.complete ? " (complete)" : r.counterexample === null ? " (stopped at the bound: incomplete)" : ""}`,

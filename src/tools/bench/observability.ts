@@ -18,9 +18,9 @@
  * Each round drives the same batch of greedy chat requests (`--concurrency` in flight: the server
  * saturated, the highest rate it serves) through each arm in turn, the order rotated every round
  * so each arm takes each place equally often. An arm's round is its requests and then a settle
- * time (`--settle-ms`; by default the servers' span export delay, set to 1 s here, plus the 1 s
- * spans wait to be built, src/lib/tracing.ts), so the spans a round made are exported inside its
- * own window and not during the next arm's round. Measured per arm and round: output tokens per second of the
+ * time (`--settle-ms`; by default the span exporter's 5 s batch delay plus the 1 s spans wait to
+ * be built, src/lib/tracing.ts), so the spans a round made are exported inside its own window and
+ * not during the next arm's round. Measured per arm and round: output tokens per second of the
  * requests' wall time, and the server processes' CPU time (every thread, from /proc) over the
  * whole window per output token. Reported: each feature arm over `off` as the geometric mean of
  * the per-round paired ratios with a 95% confidence interval, for throughput and for CPU per
@@ -59,13 +59,15 @@ export const BOUND: Readonly<Partial<Record<ObservabilityFeature, number>>> = {
 };
 
 /**
- * The servers' span export delay here (`OTEL_BSP_SCHEDULE_DELAY`, unless already set): 1 s, not
- * the SDK's 5 s, so an arm's spans leave within a short settle time (idle CPU counted in a long
- * one would blur the figures); exporting 5× as often costs more, not less, than the default.
+ * The settle time of a traced arm: the span exporter's batch delay (the SDK's 5 s, or
+ * OTEL_BSP_SCHEDULE_DELAY from this command's environment, which the servers inherit) plus the
+ * 1 s before spans are built (src/lib/tracing.ts) and a margin. A server's idle CPU over it is
+ * counted in every arm alike (~2 ms a second on this VM, against seconds of CPU a round).
  */
-const EXPORT_DELAY_MS = 1000;
-/** The export delay plus the wait before spans are built (1 s, src/lib/tracing.ts), and a margin. */
-const TRACED_SETTLE_MS = 2500;
+function tracedSettleMs(): number {
+  const delay = Number(process.env.OTEL_BSP_SCHEDULE_DELAY);
+  return (Number.isFinite(delay) && delay > 0 ? delay : 5000) + 1500;
+}
 const UNTRACED_SETTLE_MS = 500;
 
 export interface ObservabilityBenchOptions {
@@ -208,7 +210,7 @@ function settingsOf(options: ObservabilityBenchOptions) {
     promptChars: options.promptChars ?? 200,
     pollMs: options.pollMs ?? 1000,
     scrapeMs: options.scrapeMs ?? 1000,
-    settleMs: options.settleMs ?? (traced ? TRACED_SETTLE_MS : UNTRACED_SETTLE_MS),
+    settleMs: options.settleMs ?? (traced ? tracedSettleMs() : UNTRACED_SETTLE_MS),
     common: ["--model", options.model ?? bundledModelDir(), "--kv-pages", String(options.kvPages ?? 600)],
     log: options.log ?? (() => {}),
   };
@@ -238,12 +240,8 @@ export async function runObservabilityBench(
   const failures: string[] = [];
   try {
     s.log(`starting ${arms.length} ${s.topology} servers: ${arms.join(", ")}`);
-    // The servers inherit this process's environment (an OTEL_BSP_SCHEDULE_DELAY given is kept).
-    const delay = process.env.OTEL_BSP_SCHEDULE_DELAY;
-    process.env.OTEL_BSP_SCHEDULE_DELAY = delay ?? String(EXPORT_DELAY_MS);
     // Started together, so none is systematically the first (its threads placed first).
     const started = await Promise.allSettled(arms.map((arm) => startOne(s, arm, key)));
-    if (delay === undefined) delete process.env.OTEL_BSP_SCHEDULE_DELAY;
     for (const r of started) if (r.status === "fulfilled") running.push(r.value);
     const failed = started.find((r) => r.status === "rejected");
     if (failed !== undefined) throw failed.reason;
@@ -488,7 +486,7 @@ export function observabilityCommand(): Command {
     .option("--scrape-ms <n>", "every arm's /metrics scrape interval", positiveInt("--scrape-ms"), 1000)
     .option(
       "--settle-ms <n>",
-      `wait after each arm's requests, counted to its CPU (default ${TRACED_SETTLE_MS} with a traced arm: the spans' export delay; else ${UNTRACED_SETTLE_MS})`,
+      `wait after each arm's requests, counted to its CPU (default with a traced arm: the spans' export delay, 5 s or OTEL_BSP_SCHEDULE_DELAY, + 1.5 s; else ${UNTRACED_SETTLE_MS})`,
       (v) => (v === "0" ? 0 : positiveInt("--settle-ms")(v)),
     );
   return armLoadOptions(cmd, { rounds: 10, warmup: 1, requests: 64, promptChars: 200 }).action(

@@ -54,7 +54,7 @@ const TENANT_COLOURS = [
 const HISTORY = 120;
 
 const params = new URLSearchParams(location.search);
-const intervalMs = Math.max(100, Number(params.get("interval") ?? 500));
+const intervalMs = Math.max(100, Number(params.get("interval") ?? 1000));
 const keyFromHash = /(?:^#|&)key=([^&]+)/.exec(location.hash)?.[1];
 if (keyFromHash !== undefined) {
   sessionStorage.setItem("kvfence-operator-key", decodeURIComponent(keyFromHash));

@@ -37,7 +37,7 @@ import { createHash } from "node:crypto";
 import type { WireError } from "../lib/errors.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
-import { epochOf, traceSpan } from "../lib/tracing.js";
+import { epochOf, traceSpan, tracing } from "../lib/tracing.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
@@ -1178,5 +1178,5 @@ function newSlot(node: RouterNode): Slot {
 
 /** A router phase of `p` that began at `startMs` (`performance.now()`) and ends now, as a span (tracing on). */
 function traceSince(p: Pending, name: string, startMs: number): void {
-  traceSpan(p.request.trace, name, epochOf(startMs));
+  if (tracing() !== null) traceSpan(p.request.trace, name, epochOf(startMs));
 }

@@ -195,7 +195,7 @@ export async function claimRouterSlot(
   incarnation: number,
   log: (message: string) => void = () => {},
 ): Promise<RouterSlotClaim> {
-  const client = new Etcd3(clientOptions(options));
+  const client = await etcdClient(options);
   const value = JSON.stringify({ incarnation });
   let closed = false;
   let lease: Lease | null = null;

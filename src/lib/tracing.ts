@@ -10,7 +10,8 @@
  * (`GenerationRequest.trace`, and the node envelopes of `reserve` and `prefill`): the router
  * records `request` with `queue_wait`, `reservation` and `first_token` under it, the prefill node
  * `prefill` and `transfer`, the decode node `commit` and `decode`. A phase's span is recorded when
- * the phase ends, with the times it started and ended, so nothing is kept open per request.
+ * the phase ends, with the times it started and ended, so nothing is kept open per request; the
+ * SDK builds the recorded spans in batches (`startTracing`), not on the step that ended the phase.
  * Spans carry the request id (the `x-request-id`) and never the tenant or the prompt.
  */
 
@@ -86,8 +87,37 @@ export function tracesUrl(endpoint: string): string {
 const TRACEPARENT_RE = /^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$/;
 
 /**
+ * How long a finished span waits in this thread's buffer before the SDK builds it (ms), and how
+ * many make it build at once. Building spans one at a time, where each phase ends, cost 60–200 µs
+ * of CPU a span on a busy node (the SDK's code runs cold between two spans); built in a batch it
+ * costs a fraction of that (docs/benchmarks.md §8).
+ */
+export const SPAN_BUILD_DELAY_MS = 1000;
+export const SPAN_BUILD_BATCH = 256;
+
+/** A finished span waiting to be built: its times, attributes, and its parent (or its own ids, for a root). */
+interface FinishedSpan {
+  readonly name: string;
+  readonly startEpochMs: number;
+  readonly endEpochMs: number;
+  readonly attributes: SpanAttributes;
+  /** The parent's W3C traceparent; "" for a root span. */
+  readonly parent: string;
+  /** A root span's ids, chosen when it opened (its traceparent went out with the request). */
+  readonly ids: { readonly traceId: string; readonly spanId: string } | null;
+}
+
+/**
  * Starts this thread's tracer exporting to `endpoint` as service `serviceName` (idempotent: a
  * second call returns the first tracer). Loads the OpenTelemetry SDK now, not before.
+ *
+ * A phase's span is buffered when the phase ends (its name, times and attributes: one small
+ * object) and the SDK builds the buffered spans together, `SPAN_BUILD_DELAY_MS` later or every
+ * `SPAN_BUILD_BATCH` spans, off the step that ended the phase. A request span's ids are chosen
+ * when it opens, since its `traceparent` travels with the request; the SDK is handed them through
+ * its `idGenerator` hook when it builds that span. Every request is traced (`AlwaysOnSampler`:
+ * a phase's parent is always a sampled request span). The batch exporter keeps the SDK's defaults
+ * (a batch of up to 512 spans every 5 s) and its standard `OTEL_BSP_*` environment variables.
  */
 export async function startTracing(endpoint: string, serviceName: string): Promise<Tracing> {
   if (active !== null) return active;
@@ -97,10 +127,19 @@ export async function startTracing(endpoint: string, serviceName: string): Promi
     import("@opentelemetry/exporter-trace-otlp-http"),
     import("@opentelemetry/resources"),
   ]);
+  const random = new sdk.RandomIdGenerator();
+  // The ids the SDK gives the span it is building: a root's own, else random.
+  let preset: FinishedSpan["ids"] = null;
+  const idGenerator = {
+    generateTraceId: () => preset?.traceId ?? random.generateTraceId(),
+    generateSpanId: () => preset?.spanId ?? random.generateSpanId(),
+  };
   const exporter = new exporterModule.OTLPTraceExporter({ url: tracesUrl(endpoint) });
   const provider = new sdk.BasicTracerProvider({
     resource: resources.resourceFromAttributes({ "service.name": serviceName }),
-    spanProcessors: [new sdk.BatchSpanProcessor(exporter, { scheduledDelayMillis: 500 })],
+    sampler: new sdk.AlwaysOnSampler(),
+    idGenerator,
+    spanProcessors: [new sdk.BatchSpanProcessor(exporter)],
   });
   const tracer = provider.getTracer("kvfence");
   const parentOf = (traceparent: string) => {
@@ -113,32 +152,79 @@ export async function startTracing(endpoint: string, serviceName: string): Promi
       isRemote: true,
     });
   };
-  const traceparentOf = (span: {
-    spanContext(): { traceId: string; spanId: string; traceFlags: number };
-  }) => {
-    const c = span.spanContext();
-    return `00-${c.traceId}-${c.spanId}-${c.traceFlags.toString(16).padStart(2, "0")}`;
+  let buffer: FinishedSpan[] = [];
+  let timer: ReturnType<typeof setTimeout> | null = null;
+  const build = (): void => {
+    if (timer !== null) clearTimeout(timer);
+    timer = null;
+    const spans = buffer;
+    buffer = [];
+    // A request's phases share its traceparent: one parsed context for them.
+    const contexts = new Map<string, ReturnType<typeof parentOf>>();
+    for (const s of spans) {
+      let context = api.ROOT_CONTEXT;
+      if (s.parent !== "") {
+        context = contexts.get(s.parent) ?? parentOf(s.parent);
+        contexts.set(s.parent, context);
+      }
+      preset = s.ids;
+      try {
+        tracer
+          .startSpan(
+            s.name,
+            {
+              startTime: s.startEpochMs,
+              attributes: s.attributes,
+              kind: s.ids === null ? api.SpanKind.INTERNAL : api.SpanKind.SERVER,
+            },
+            context,
+          )
+          .end(s.endEpochMs);
+      } finally {
+        preset = null;
+      }
+    }
+  };
+  const finish = (span: FinishedSpan): void => {
+    buffer.push(span);
+    if (buffer.length >= SPAN_BUILD_BATCH) build();
+    else if (timer === null) {
+      timer = setTimeout(build, SPAN_BUILD_DELAY_MS);
+      timer.unref();
+    }
   };
   active = {
     startRequest(name, attributes, startEpochMs) {
-      const span = tracer.startSpan(name, { startTime: startEpochMs, attributes, kind: api.SpanKind.SERVER });
+      const ids = { traceId: random.generateTraceId(), spanId: random.generateSpanId() };
+      let ended = false;
       return {
-        traceparent: traceparentOf(span),
+        traceparent: `00-${ids.traceId}-${ids.spanId}-01`,
         end(endAttributes, endEpochMs) {
-          if (endAttributes !== undefined) span.setAttributes(endAttributes);
-          span.end(endEpochMs ?? epochNow());
+          if (ended) return;
+          ended = true;
+          finish({
+            name,
+            startEpochMs,
+            endEpochMs: endEpochMs ?? epochNow(),
+            attributes: endAttributes === undefined ? attributes : { ...attributes, ...endAttributes },
+            parent: "",
+            ids,
+          });
         },
       };
     },
     phase(name, traceparent, startEpochMs, endEpochMs, attributes) {
-      const span = tracer.startSpan(
+      finish({
         name,
-        { startTime: startEpochMs, ...(attributes === undefined ? {} : { attributes }) },
-        parentOf(traceparent),
-      );
-      span.end(endEpochMs);
+        startEpochMs,
+        endEpochMs,
+        attributes: attributes ?? {},
+        parent: traceparent,
+        ids: null,
+      });
     },
     async shutdown() {
+      build();
       await provider.shutdown();
       active = null;
     },

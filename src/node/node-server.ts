@@ -11,6 +11,7 @@ import { type ControlLink, listenControlLinks } from "../cluster/control-link.js
 import type { FromNode, ToNode } from "../cluster/node-messages.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
+import { tracing } from "../lib/tracing.js";
 import { routerSlotOf } from "../protocol/wire.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
 import type { LinkTls } from "../transfer/tls-config.js";
@@ -361,6 +362,8 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       built.node.close();
       await control.close();
       await transfer?.close();
+      // The spans still buffered (src/lib/tracing.ts) leave before the process does.
+      await tracing()?.shutdown();
     },
   };
 }

@@ -33,7 +33,7 @@
 import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
 import { PHASE } from "../lib/phase-histograms.js";
-import { epochNow, type RequestTrace, traceSpan } from "../lib/tracing.js";
+import { epochNow, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
 import type { ComputeEffect, Effects, WriteEffect } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import {
@@ -377,7 +377,8 @@ export class PrefillNode {
       promptLogprobs: sampling.promptLogprobs,
     };
     let done = false;
-    const submittedAt = epochNow();
+    // The clock is read for a span only (tracing off: nothing).
+    const submittedAt = tracing() === null ? 0 : epochNow();
     if (this.#prefix !== null) {
       const cachedTokens = (cachedPages ?? 0) * this.#core.pool.pageSize;
       this.#core.toRouter({ kind: "prefix_cached", rid, epoch, cachedTokens });
@@ -444,7 +445,7 @@ export class PrefillNode {
       for (let i = 0; i < pages.length; i++) pages[i] ??= { page: -1, generation: 0 };
       const lease = { rid, epoch, pages };
       const started = process.hrtime.bigint();
-      const startedAt = epochNow();
+      const startedAt = tracing() === null ? 0 : epochNow();
       const trace = this.#inputs.get(attemptKey(rid, epoch))?.trace;
       let bytesSent = 0;
       for (const w of writes) bytesSent += w.bytes.length;

@@ -13,6 +13,12 @@ import { packageRoot } from "../lib/package-root.js";
 import { addSnapshots, PHASES, type PhaseSnapshot, phasePercentiles } from "../lib/phase-histograms.js";
 import type { EngineHandle, EngineStats, NodeView } from "../protocol/engine-api.js";
 
+/**
+ * A /kvfence/state snapshot younger than this is served again (ms): several dashboards open, or a
+ * page polling faster than its 1 s default, cost the nodes one poll per this interval.
+ */
+export const STATE_REUSE_MS = 250;
+
 /** Colours the page offers tenants (index 1..TENANT_COLOURS; 0 is a free page). */
 export const TENANT_COLOURS = 12;
 

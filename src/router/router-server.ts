@@ -27,7 +27,14 @@ import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js"
 import { admit, effectiveContextLength } from "./admission.js";
 import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
 import { answerClientError } from "./client-error.js";
-import { DASHBOARD_HEADERS, dashboardAsset, dashboardState, tenantColour } from "./dashboard.js";
+import {
+  DASHBOARD_HEADERS,
+  type DashboardState,
+  dashboardAsset,
+  dashboardState,
+  STATE_REUSE_MS,
+  tenantColour,
+} from "./dashboard.js";
 import {
   type FinishReason,
   Generation,
@@ -205,6 +212,8 @@ export class RouterServer {
   #operatorServer: Server | null = null;
   readonly #allowedOrigins: ReadonlySet<string>;
   #nextRid = 1;
+  /** The last /kvfence/state snapshot (`#state`). */
+  #lastState: { readonly at: number; readonly state: Promise<DashboardState> } | null = null;
   #url: string | null = null;
   /** The longest request (prompt + max_tokens) admitted. */
   readonly contextLength: number;
@@ -519,19 +528,31 @@ export class RouterServer {
     );
   }
 
-  /** `/kvfence/state`: the dashboard's JSON (src/router/dashboard.ts). */
+  /**
+   * `/kvfence/state`: the dashboard's JSON (src/router/dashboard.ts). Polls within
+   * `STATE_REUSE_MS` of the last one share its snapshot: one poll of the nodes however many
+   * dashboards are open.
+   */
   async #state(ctx: RequestContext): Promise<void> {
-    // One HMAC per tenant, not per page.
-    const colours = new Map<number, number>();
-    const colour = (tenant: number) => {
-      const known = colours.get(tenant);
-      if (known !== undefined) return known;
-      const c = tenantColour(this.#tenantLabel(`tenant#${tenant}`));
-      colours.set(tenant, c);
-      return c;
-    };
-    const state = await dashboardState(this.#engine, colour, this.#active.size);
-    this.#sendJson(ctx.res, 200, state, { "Cache-Control": "no-store" });
+    const now = performance.now();
+    let last = this.#lastState;
+    if (last === null || now - last.at >= STATE_REUSE_MS) {
+      // One HMAC per tenant, not per page.
+      const colours = new Map<number, number>();
+      const colour = (tenant: number) => {
+        const known = colours.get(tenant);
+        if (known !== undefined) return known;
+        const c = tenantColour(this.#tenantLabel(`tenant#${tenant}`));
+        colours.set(tenant, c);
+        return c;
+      };
+      const taken = { at: now, state: dashboardState(this.#engine, colour, this.#active.size) };
+      taken.state.catch(() => {
+        if (this.#lastState === taken) this.#lastState = null;
+      });
+      this.#lastState = last = taken;
+    }
+    this.#sendJson(ctx.res, 200, await last.state, { "Cache-Control": "no-store" });
   }
 
   /** `/kvfence/ui` and its files, as built into dist/ui/. */

@@ -15,7 +15,6 @@ import os from "node:os";
 import path from "node:path";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { etcdAvailable, startEtcd, type TestEtcd } from "../../testing/etcd.js";
 import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
 import {
   assertPoolIdle,
@@ -25,6 +24,7 @@ import {
   TEST_OPERATOR_KEY,
 } from "../../testing/start-server.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
+import { etcdAvailable, type LocalEtcd, startEtcd } from "./local-etcd.js";
 
 const MODEL = "tiny-qwen2";
 const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
@@ -39,7 +39,7 @@ const PROMPTS = [
 const GUARDS = /checksum_failures|coverage_failures|tag_check_failures|misaddressed/;
 
 describe("two routers over the same nodes, membership in etcd", () => {
-  let etcd: TestEtcd;
+  let etcd: LocalEtcd;
   let dir: string;
   let single: ServeProcess;
   const routers: ServeProcess[] = [];

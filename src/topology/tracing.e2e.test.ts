@@ -17,6 +17,8 @@ import { modelDir } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 
 const MODEL = "tiny-qwen2";
+// The batch exporter's delay (the SDK's 5 s by default), for this test's servers and node processes.
+process.env.OTEL_BSP_SCHEDULE_DELAY = "200";
 const KEYS = { "sk-tenant-alpha-0001": "alpha" };
 const TREE: readonly [string, string][] = [
   ["kvfence-router", "queue_wait"],
@@ -48,7 +50,7 @@ async function ask(server: TopologyServer, requestId: string, stream: boolean): 
   } else await client.chat.completions.create(body);
 }
 
-/** The spans of `requestId` once all eight arrived (the exporters batch every 500 ms). */
+/** The spans of `requestId` once all eight arrived (built 1 s after they end, exported in batches). */
 async function spansOf(receiver: OtlpReceiver, requestId: string): Promise<ReceivedSpan[]> {
   const deadline = Date.now() + 20_000;
   for (;;) {

@@ -10,7 +10,7 @@ import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import OpenAI from "openai";
 import { modelDir } from "../../testing/start-server.js";
-import { command, type RawOptions, routerArgsOf } from "./cluster.js";
+import { command, nodeArgsOf, type RawOptions, routerArgsOf } from "./cluster.js";
 import { command as serveCommand } from "./serve.js";
 
 const MAIN = fileURLToPath(new URL("./main.js", import.meta.url));
@@ -48,6 +48,27 @@ test("kvfence cluster forwards the limits, the tokenizer pool and the fair-share
   const none = command().action(() => {});
   none.parse([], { from: "user" });
   assert.deepEqual(routerArgsOf(none.opts() as RawOptions), [], "nothing given, nothing forwarded");
+});
+
+test("kvfence cluster forwards the model and pool flags to every node", () => {
+  const given: [string, string][] = [
+    ["--quantize", "q8_0"],
+    ["--kv-cache-dtype", "bf16"],
+    ["--kv-pages", "64"],
+    ["--kernels", "ts"],
+    ["--prefix-cache", "off"],
+  ];
+  const cmd = command().action(() => {});
+  cmd.parse(given.flat(), { from: "user" });
+  const raw = cmd.opts() as RawOptions;
+  const args = nodeArgsOf(raw, { unsafeFault: [], unsafeDisableGuard: [] });
+  const serveFlags = new Set(serveCommand().options.map((o) => o.long));
+  for (const [flag, value] of given) {
+    const at = args.indexOf(flag);
+    assert.ok(at >= 0, `${flag} reaches the nodes`);
+    assert.equal(args[at + 1], value, `${flag} keeps its value`);
+    assert.ok(serveFlags.has(flag), `${flag} is a kvfence serve flag`);
+  }
 });
 
 /** `kvfence cluster` as a child process; resolves with its router's URL once it printed it. */

@@ -6,7 +6,9 @@
  * (`--operator-key`, `--metrics-port`, `--metrics-tenant-names`; docs/api.md), the request limits
  * and the tokenizer pool (`--max-body-bytes`, `--max-prompt-bytes`, `--max-messages`,
  * `--max-json-depth`, `--tokenizer-threads`), and the fair-share and readiness flags
- * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`) to the router.
+ * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`) to the router; the
+ * model and pool flags (`--quantize`, `--kv-cache-dtype`, `--kv-pages`, `--kernels`, ...) to every
+ * node (`nodeArgsOf`).
  */
 import { Command } from "commander";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
@@ -35,6 +37,7 @@ export function command(): Command {
     .option("--model <dir|file.gguf>", "Hugging Face model folder or llama.cpp GGUF file", BUNDLED_MODEL_DIR)
     .option("--kv-pages <n>", "KV pool size of each node in pages")
     .option("--kv-cache-dtype <dtype>", "KV cache element type of every node: f32, f16 (default) or bf16")
+    .option("--quantize <type>", "every node quantises the weight matrices at load: q8_0 or q4_0")
     .option("--api-keys <file>", "API keys file for the router")
     .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")
     .option("--prefill-kv-pages <n>", "the prefill nodes' KV pool in pages, when it differs from --kv-pages")
@@ -130,21 +133,16 @@ export function routerArgsOf(raw: RawOptions): string[] {
   return args;
 }
 
-async function runCluster(raw: RawOptions): Promise<void> {
-  const opts = raw as unknown as {
-    unsafeFault: string[];
-    unsafeDisableGuard: string[];
-    iUnderstandThisLeaksData: boolean;
-  };
-  const problem = unsafeSwitchesProblem(opts);
-  if (problem !== null) {
-    process.stderr.write(`kvfence cluster: ${problem}\n`);
-    process.exit(2);
-  }
-  const nodeArgs = [
+/** The `kvfence serve --role prefill|decode` flags `kvfence cluster` passes on to every node. */
+export function nodeArgsOf(
+  raw: RawOptions,
+  opts: { readonly unsafeFault: string[]; readonly unsafeDisableGuard: string[] },
+): string[] {
+  return [
     ...passOn(raw, [
       ["--kv-pages", "kvPages"],
       ["--kv-cache-dtype", "kvCacheDtype"],
+      ["--quantize", "quantize"],
       ["--max-model-len", "maxModelLen"],
       ["--kernels", "kernels"],
       ["--kernel-threads", "kernelThreads"],
@@ -159,6 +157,20 @@ async function runCluster(raw: RawOptions): Promise<void> {
     ]),
     ...((raw.phaseMetrics as unknown) === false ? ["--no-phase-metrics"] : []),
   ];
+}
+
+async function runCluster(raw: RawOptions): Promise<void> {
+  const opts = raw as unknown as {
+    unsafeFault: string[];
+    unsafeDisableGuard: string[];
+    iUnderstandThisLeaksData: boolean;
+  };
+  const problem = unsafeSwitchesProblem(opts);
+  if (problem !== null) {
+    process.stderr.write(`kvfence cluster: ${problem}\n`);
+    process.exit(2);
+  }
+  const nodeArgs = nodeArgsOf(raw, opts);
   const routerArgs = routerArgsOf(raw);
   const cluster = await startLocalCluster({
     prefill: count("--prefill", raw.prefill ?? "1"),

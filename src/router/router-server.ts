@@ -41,13 +41,13 @@ import {
   CHAT_RESPONSES,
   type ChoiceExtras,
   completionId,
+  RESPONSES_API,
   type ResponseMeta,
   type ResponseStrategy,
   TEXT_RESPONSES,
-  usageChunk,
   usageWire,
 } from "./openai-responses.js";
-import type { SamplingRequest } from "./openai-schemas.js";
+import type { ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
 import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
 import {
   checkModel,
@@ -59,7 +59,7 @@ import {
 import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
-import { SseWriter, sseFrame } from "./sse.js";
+import { SseWriter } from "./sse.js";
 
 /** What the router needs from the tokenizer: no model weights, ever. */
 export interface RouterTokenizer extends PromptTokenizer {
@@ -161,7 +161,7 @@ function requestIdOf(req: IncomingMessage): string {
   return typeof given === "string" && REQUEST_ID.test(given) ? given : randomUUID();
 }
 
-/** What differs between the two generation endpoints; the router never branches on the endpoint. */
+/** What differs between the generation endpoints; the router never branches on the endpoint. */
 interface GenerateEndpoint {
   readonly endpoint: GenerateEndpointName;
   /** The request field a prompt-length error names. */
@@ -179,6 +179,13 @@ const COMPLETIONS: GenerateEndpoint = {
   endpoint: "completions",
   param: PROMPT_KINDS.completions.param,
   responses: TEXT_RESPONSES,
+};
+
+/** OpenAI's Responses API: a chat (its template), answered as a `response` object or its events. */
+const RESPONSES: GenerateEndpoint = {
+  endpoint: "responses",
+  param: PROMPT_KINDS.responses.param,
+  responses: RESPONSES_API,
 };
 
 const U32_MAX = 0xffff_ffff;
@@ -275,6 +282,10 @@ export class RouterServer {
       [
         "/v1/completions",
         { endpoint: "completions", methods: ["POST"], handler: (c) => this.#generate(c, COMPLETIONS) },
+      ],
+      [
+        "/v1/responses",
+        { endpoint: "responses", methods: ["POST"], handler: (c) => this.#generate(c, RESPONSES) },
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
       // vLLM's, outside /v1 as there (and behind the API key, as every tenant endpoint here).
@@ -682,11 +693,7 @@ export class RouterServer {
     const { res } = ctx;
     const { endpoint, responses } = kind;
     const labels = { endpoint };
-    const meta: ResponseMeta = {
-      id: completionId(responses.idKind),
-      created: Math.floor(Date.now() / 1000),
-      model: this.#model.id,
-    };
+    const meta = this.#responseMeta(responses, parsed, planned[0]!.request);
     const includeUsage = parsed.includeUsage;
     const piece = (id: number) => this.#tokenizer.tokenPiece(id);
     let lastTokenAt = 0;
@@ -706,11 +713,11 @@ export class RouterServer {
     const generations: Generation[] = [];
 
     const stream = (choice: Choice): SseWriter => {
-      sse ??= new SseWriter(res);
+      sse ??= new SseWriter(res, 200, responses.framing);
       if (!choice.opened) {
         choice.opened = true;
-        const opening = responses.opening(meta, includeUsage);
-        if (opening !== null) sse.send(withIndex(opening, choice.index));
+        for (const opening of responses.opening(meta, includeUsage))
+          sse.send(withIndex(opening, choice.index));
         if (choice.echo !== null) {
           const delta = responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed());
           sse.send(withIndex(delta, choice.index));
@@ -734,11 +741,12 @@ export class RouterServer {
     const finished = () => {
       const usage = totalUsage(choices);
       end(200, usage);
+      const whole = () => wholeAnswer(responses, meta, choices, usage);
       if (!parsed.stream) {
-        this.#sendJson(res, 200, wholeAnswer(responses, meta, choices, usage));
+        this.#sendJson(res, 200, whole());
         return;
       }
-      if (includeUsage) sse!.send(usageChunk(meta, responses.chunkObject, usage));
+      for (const closing of responses.closing(meta, includeUsage, usage, whole)) sse!.send(closing);
       sse!.done();
     };
 
@@ -762,17 +770,17 @@ export class RouterServer {
       // Sample 0 of a prompt computes its log-probabilities; every choice of that prompt shows them.
       promptLogprobs: (entries) => sharePrompt(choices, choice.request.promptTokens, entries),
       text: (delta) => {
-        if (!parsed.stream) {
-          choice.text += delta;
-          return;
-        }
-        send(choice, responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
+        choice.text += delta;
+        if (parsed.stream) send(choice, responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
       },
       finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
         if (ended) return;
         choice.result = { reason, usage, stopReason };
-        if (parsed.stream)
-          send(choice, responses.finish(meta, reason, includeUsage, stopReason, choice.logprobs.take()));
+        if (parsed.stream) {
+          const logprobs = choice.logprobs.take();
+          for (const chunk of responses.finish(meta, reason, includeUsage, stopReason, logprobs, choice.text))
+            send(choice, chunk);
+        }
         if (choices.every((c) => c.result !== null)) finished();
       },
       fail: (internal) => {
@@ -788,7 +796,7 @@ export class RouterServer {
           return;
         }
         // Headers are out: report the error in the stream, as OpenAI does, then end it.
-        if (!res.writableEnded) res.write(sseFrame(body));
+        (sse as SseWriter).send(responses.streamError(body));
         (sse as SseWriter).done();
       },
     });
@@ -802,6 +810,22 @@ export class RouterServer {
       end(499, null);
     });
     for (const generation of generations) generation.start();
+  }
+
+  /** What every payload of one response repeats: its id, time, model, the settings in effect. */
+  #responseMeta(
+    responses: ResponseStrategy,
+    parsed: SamplingRequest,
+    first: GenerationRequest,
+  ): ResponseMeta {
+    const echo = (parsed as { responses?: ResponsesEcho }).responses;
+    return {
+      id: completionId(responses.idKind),
+      created: Math.floor(Date.now() / 1000),
+      model: this.#model.id,
+      sampling: { temperature: first.temperature, topP: first.topP },
+      ...(echo === undefined ? {} : { responses: echo }),
+    };
   }
 
   /** Time to first token, or between tokens, of `count` new ones; returns now. */

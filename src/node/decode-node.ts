@@ -361,8 +361,15 @@ export class DecodeNode {
         case "commit":
           // The committed message (with prefill's first token) follows in the same batch.
           commits ??= [];
-          commits.push([effect, committedToken(out, i + 1, end)]);
+          commits.push([effect, committedToken(out, effect.rid, i + 1, end)]);
           break;
+        case "copy": {
+          // n > 1: a later sample's copy of the prompt's partial last page, before any of its steps.
+          const pool = this.#engine.pool;
+          const pf = pool.pageFloats;
+          pool.data.copyWithin(effect.to * pf, effect.from * pf, (effect.from + 1) * pf);
+          break;
+        }
         case "stop":
           this.#stop(effect.rid, effect.epoch);
           break;
@@ -566,12 +573,11 @@ export class DecodeNode {
   }
 }
 
-/** Prefill's first token: the `committed` message's among effects `[from, end)`, or 0. */
-function committedToken(out: Effects, from: number, end: number): number {
-  let firstToken = 0;
+/** Prefill's first token of `rid`: its `committed` message's among effects `[from, end)`, or 0. */
+function committedToken(out: Effects, rid: number, from: number, end: number): number {
   for (let j = from; j < end; j++) {
     const e = out[j]!;
-    if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
+    if (e.kind === "send" && e.msg.type === "committed" && e.msg.rid === rid) return e.msg.firstToken;
   }
-  return firstToken;
+  return 0;
 }

@@ -671,6 +671,10 @@ export class ModelWorld {
         case "respond":
           this.#ghostAnswer(w, { rid: e.rid, epoch: e.epoch, status: e.status, code: e.error?.code ?? null });
           break;
+        case "copy":
+          // n > 1 (not explored here): the copied page holds the source page's data.
+          for (let k = 0; k < 4; k++) w.dContent[e.to * 4 + k] = w.dContent[e.from * 4 + k]!;
+          break;
         case "stop":
           break;
       }

@@ -18,7 +18,7 @@ import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { assertPoolIdle, modelDir, operatorGet } from "../../testing/start-server.js";
+import { assertPoolIdle, modelDir, operatorGet, scrape } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
 
@@ -466,25 +466,46 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
       }
     });
 
-    test("one engine: n=8 computes the prompt once and forks it into 8 samples", async () => {
-      const { client, server } = servers[0]!;
+    test("n=8 computes the prompt once and forks it into 8 samples, in every topology (one transfer when split)", async () => {
       const prompt = "The KV cache of one request must never serve another request.";
-      const before = await counter(server.url, "kvfence_prefill_tokens_total");
-      const forkedBefore = await counter(server.url, "kvfence_forked_samples_total");
-      const res = await client.completions.create({
-        model: MODEL,
-        prompt,
-        max_tokens: 5,
-        temperature: 0.8,
-        n: 8,
-      });
-      assert.equal(res.choices.length, 8);
-      assert.equal(
-        (await counter(server.url, "kvfence_prefill_tokens_total")) - before,
-        res.usage!.prompt_tokens,
+      const ask = { model: MODEL, prompt, max_tokens: 5, temperature: 0.8, seed: 11 };
+      const alone = await Promise.all(
+        [0, 1, 2, 3, 4, 5, 6, 7].map((j) => servers[0]!.client.completions.create({ ...ask, seed: 11 + j })),
       );
-      assert.equal((await counter(server.url, "kvfence_forked_samples_total")) - forkedBefore, 7);
-      await assertPoolIdle(server.url);
+      for (const { name, client, server } of servers) {
+        const before = await counter(server.url, "kvfence_prefill_tokens_total");
+        const forkedBefore = await counter(server.url, "kvfence_forked_samples_total");
+        const transfers = async () => (await scrape(server.url)).get("kvfence_transfer_gbps_count") ?? 0;
+        const transfersBefore = await transfers();
+        const res = await client.completions.create({ ...ask, n: 8 });
+        assert.equal(res.choices.length, 8, name);
+        // Each sample as it would be alone with seed + j (vLLM's rule), in every topology.
+        assert.deepEqual(
+          res.choices.map((c) => c.text),
+          alone.map((a) => a.choices[0]!.text),
+          name,
+        );
+        // (The prompt's pages the answers alone left in the prefix cache are not computed again.)
+        const cached = res.usage!.prompt_tokens_details?.cached_tokens ?? 0;
+        assert.equal(
+          (await counter(server.url, "kvfence_prefill_tokens_total")) - before,
+          res.usage!.prompt_tokens - cached,
+          `${name}: the prompt computed once`,
+        );
+        assert.equal(
+          (await counter(server.url, "kvfence_forked_samples_total")) - forkedBefore,
+          7,
+          `${name}: seven samples forked`,
+        );
+        if (name !== "single") {
+          assert.equal((await transfers()) - transfersBefore, 1, `${name}: one transfer`);
+        }
+        assert.equal(
+          res.usage!.completion_tokens,
+          alone.reduce((sum, a) => sum + a.usage!.completion_tokens, 0),
+        );
+        await assertPoolIdle(server.url);
+      }
     });
 
     test("chat, streamed: chunks name their choice; each stream equals the whole answer", async () => {

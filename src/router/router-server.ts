@@ -652,16 +652,25 @@ export class RouterServer {
     // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
     // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).
     const planned: PlannedChoice[] = [];
+    // The disaggregated topologies run the samples as one group (one prefill, forked on decode),
+    // unless log-probabilities are asked (each sample then computes its own prompt).
+    const grouped = parsed.n > 1 && base.logprobs === undefined && base.promptLogprobs === undefined;
     admitted.forEach(({ tokens, maxTokens }, p) => {
       const first = this.#nextRid;
-      for (let j = 0; j < parsed.n; j++) {
+      const rids = Array.from({ length: parsed.n }, () => {
         const rid = this.#nextRid;
         this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
+        return rid;
+      });
+      for (let j = 0; j < parsed.n; j++) {
+        const rid = rids[j]!;
         const own = { ...base, rid, promptTokens: tokens, maxTokens };
         planned.push({
           request:
             j === 0
-              ? own
+              ? grouped
+                ? { ...own, samples: rids.slice(1) }
+                : own
               : {
                   ...own,
                   seed: parsed.seed === null ? null : parsed.seed + j,

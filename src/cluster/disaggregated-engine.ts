@@ -235,6 +235,9 @@ export class DisaggregatedEngine implements EngineHandle {
   #incoming: (FromNode & { kind: "protocol" }) | null = null;
   /** Every open request by the client's rid: waiting or dispatched. */
   readonly #open = new Map<number, Pending>();
+  /** The nodes' counters the router sums into totals that never go down (`#countGrowth`). */
+  readonly #grown = { prefillTokens: 0, forkedSamples: 0 };
+  readonly #counted = new Map<string, number>();
   /** Groups of n > 1 whose first sample came and whose riders are still coming (by its rid). */
   readonly #assembling = new Map<number, Pending>();
   readonly #statsWaiters = new Map<number, { node: string; resolve: (s: NodeStats | null) => void }>();
@@ -679,23 +682,39 @@ export class DisaggregatedEngine implements EngineHandle {
       counters: { tagCheckFailures: 0, preemptions: 0, aborts: 0, promptTokens: 0, completionTokens: 0 },
     };
     let answered = 0;
-    for (const { stats } of all) {
+    for (const { node, stats } of all) {
       if (stats === null) continue;
       answered++;
+      this.#countGrowth(node, stats);
       for (const k of ["free", "reserved", "ready", "quarantined", "total"] as const)
         sum.pages[k] += stats.pages[k];
       for (const k of ["waiting", "running", "preempted"] as const) sum.queue[k] += stats.queue[k];
       for (const k of ["tagCheckFailures", "preemptions"] as const) sum.counters[k] += stats.counters[k];
-      // Prompt tokens computed (the prefill nodes'), samples forked from one transfer (the decode nodes').
-      for (const k of ["prefillTokens", "forkedSamples"] as const)
-        sum.counters[k] = (sum.counters[k] ?? 0) + (stats.counters[k] ?? 0);
       if (stats.prefixCache !== undefined) addPrefixCache(sum, stats.prefixCache);
     }
     if (answered === 0) throw new Error("No node answers");
     // Aborts are the router's (a client gone, a stop string matched), as on one engine; the nodes'
     // own counts would miss a request aborted before decode ran it and count some twice.
     sum.counters.aborts = this.#aborts;
+    sum.counters.prefillTokens = this.#grown.prefillTokens;
+    sum.counters.forkedSamples = this.#grown.forkedSamples;
     return sum;
+  }
+
+  /**
+   * Prompt tokens computed (the prefill nodes') and samples forked from one transfer (the decode
+   * nodes'), as totals that never go down: each node incarnation's growth since its last stats is
+   * added, so a lost or restarted node takes nothing back.
+   */
+  #countGrowth(node: RouterNode, stats: NodeStats): void {
+    for (const k of ["prefillTokens", "forkedSamples"] as const) {
+      const key = `${node.id}/${node.hello.incarnation}/${k}`;
+      const value = stats.counters[k] ?? 0;
+      const last = this.#counted.get(key) ?? 0;
+      if (value <= last) continue;
+      this.#grown[k] += value - last;
+      this.#counted.set(key, value);
+    }
   }
 
   async close(): Promise<void> {
@@ -1089,9 +1108,13 @@ export class DisaggregatedEngine implements EngineHandle {
     if (pending === undefined) return;
     this.#requests.delete(effect.rid);
     const group = pending.group;
-    if (group !== null && group.pair === null && this.#open.has(group.request.rid)) {
-      // Its group went back to wait (for pages, or for another pair): the rider waits with it.
-      pending.pair = null;
+    if (
+      group !== null &&
+      (pending.rid !== effect.rid || (group.pair === null && this.#open.has(group.request.rid)))
+    ) {
+      // Its group went back to wait (for pages, or for another pair; it may already be out again,
+      // the rider with it under a new rid): the rider goes on with it.
+      if (pending.rid === effect.rid) pending.pair = null;
       return;
     }
     this.#release(pending);

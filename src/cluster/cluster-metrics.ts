@@ -8,11 +8,14 @@ import { exponentialBuckets, type MetricsRegistry } from "../lib/metrics.js";
 import { type PhaseSource, renderPhaseMetrics } from "../lib/phase-histograms.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import type { NodeStats } from "./node-messages.js";
+import { NodeTotals } from "./node-totals.js";
 
 export function registerClusterMetrics(registry: MetricsRegistry, engine: DisaggregatedEngine): void {
   const metrics = clusterMetrics(registry);
-  // The last counts of each decode node, so a lost node's transfers stay in the totals.
-  const lastTransfer = new Map<string, NodeStats["transfer"]>();
+  // Each decode node's transfer counts and each node's link refusals, kept while a node misses a
+  // scrape, is lost or restarts, so no counter goes down.
+  const transfers = new NodeTotals();
+  const linkAuth = new NodeTotals();
   // The per-phase histograms of the router and of each node that answered this scrape.
   let phases: PhaseSource[] = [];
   registry.onExpose(() => renderPhaseMetrics(phases));
@@ -24,10 +27,11 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
       metrics.nodeUp.set(stats === null ? 0 : 1, { node: node.id, role });
       if (stats === null) continue;
       if (stats.phases !== undefined) phases.push({ node: node.id, role, snapshot: stats.phases });
-      collectNode(metrics, { id: node.id, role }, stats);
+      linkAuth.see(node.id, node.hello.incarnation, linkAuthCounts(stats));
+      collectNode(metrics, { id: node.id, role }, stats, linkAuth.of(node.id));
       queue[role].waiting += stats.queue.waiting;
       queue[role].running += stats.queue.running;
-      if (role === "decode") lastTransfer.set(node.id, stats.transfer);
+      if (role === "decode") transfers.see(node.id, node.hello.incarnation, { ...stats.transfer });
     }
     const observed = engine.takeObservations();
     for (const v of observed.gbps) metrics.gbps.observe(v);
@@ -36,49 +40,56 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
       for (const state of ["waiting", "running"] as const)
         metrics.nodeQueue.set(queue[role][state], { role, state });
     }
-    collectTransfers(metrics, lastTransfer.values());
+    collectTransfers(metrics, transfers);
   });
 }
 
 type Queues = Record<"prefill" | "decode", { waiting: number; running: number }>;
 type ClusterMetrics = ReturnType<typeof clusterMetrics>;
 
-/** One live node's gauges: pages by state, protocol attempts, refused connections, quarantine. */
+/** One live node's gauges (pages by state, protocol attempts, quarantine) and its link refusals. */
 function collectNode(
   metrics: ClusterMetrics,
   node: { readonly id: string; readonly role: "prefill" | "decode" },
   stats: NodeStats,
+  linkAuth: Readonly<Record<string, number>>,
 ): void {
   const { id, role } = node;
+  for (const [key, n] of Object.entries(linkAuth)) {
+    const [port, reason] = key.split("/") as [string, string];
+    metrics.linkAuth.setTotal(n, { node: id, port, reason });
+  }
   for (const state of ["free", "reserved", "ready", "quarantined"] as const) {
     metrics.nodePages.set(stats.pages[state], { node: id, role, state });
   }
   metrics.attempts.set(stats.attempts, { node: id, role });
-  for (const [port, reasons] of Object.entries(stats.linkAuthFailures ?? {})) {
-    for (const [reason, n] of Object.entries(reasons ?? {})) {
-      metrics.linkAuth.setTotal(n, { node: id, port, reason });
-    }
-  }
   if (role === "decode") metrics.quarantined.set(stats.pages.quarantined, { node: id });
 }
 
-/** The transfer totals over every decode node's last counts. */
-function collectTransfers(metrics: ClusterMetrics, last: Iterable<NodeStats["transfer"]>): void {
-  const total = { bytes: 0, pages: 0, checksum: 0, coverage: 0, stale: 0, misaddressed: 0 };
-  for (const t of last) {
-    total.bytes += t.bytes;
-    total.pages += t.pages;
-    total.checksum += t.checksumFailures;
-    total.coverage += t.coverageFailures;
-    total.stale += t.droppedStaleWrites;
-    total.misaddressed += t.droppedMisaddressedWrites;
-  }
+/** A node's link refusals as `port/reason` counts. */
+function linkAuthCounts(stats: NodeStats): Record<string, number> {
+  const counts: Record<string, number> = {};
+  for (const [port, reasons] of Object.entries(stats.linkAuthFailures ?? {}))
+    for (const [reason, n] of Object.entries(reasons ?? {})) counts[`${port}/${reason}`] = n;
+  return counts;
+}
+
+/** The transfer totals over every decode node's counts (`NodeTotals`: lost and restarted ones too). */
+function collectTransfers(metrics: ClusterMetrics, transfers: NodeTotals): void {
+  const total = transfers.total([
+    "bytes",
+    "pages",
+    "checksumFailures",
+    "coverageFailures",
+    "droppedStaleWrites",
+    "droppedMisaddressedWrites",
+  ]);
   metrics.bytes.setTotal(total.bytes);
   metrics.pages.setTotal(total.pages);
-  metrics.checksum.setTotal(total.checksum);
-  metrics.coverage.setTotal(total.coverage);
-  metrics.stale.setTotal(total.stale);
-  metrics.misaddressed.setTotal(total.misaddressed);
+  metrics.checksum.setTotal(total.checksumFailures);
+  metrics.coverage.setTotal(total.coverageFailures);
+  metrics.stale.setTotal(total.droppedStaleWrites);
+  metrics.misaddressed.setTotal(total.droppedMisaddressedWrites);
 }
 
 function clusterMetrics(registry: MetricsRegistry) {

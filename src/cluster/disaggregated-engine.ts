@@ -62,6 +62,7 @@ import {
 import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
 import { type ControlMessage, nextRid, ridBefore } from "../protocol/wire.js";
 import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
+import { NodeTotals } from "./node-totals.js";
 
 /** One node as the router holds it. */
 export interface RouterNode {
@@ -173,19 +174,28 @@ interface Pending {
 
 const STATS_TIMEOUT_MS = 5000;
 /** Adds one node's prefix-cache counters and pages to the sum of every node's. */
-function addPrefixCache(sum: EngineStats, c: NonNullable<EngineStats["prefixCache"]>): void {
-  sum.prefixCache ??= {
-    hits: 0,
-    misses: 0,
-    hitTokens: 0,
-    evictions: 0,
-    collisions: 0,
-    sharedPages: 0,
-    evictablePages: 0,
-  };
-  const to = sum.prefixCache;
-  for (const k of Object.keys(to) as (keyof typeof to)[]) to[k] += c[k];
-}
+const NO_PREFIX_CACHE = {
+  hits: 0,
+  misses: 0,
+  hitTokens: 0,
+  evictions: 0,
+  collisions: 0,
+  sharedPages: 0,
+  evictablePages: 0,
+};
+
+/** The node counters `stats()` sums over every node that ever answered (`NodeTotals`). */
+const COUNTED = [
+  "tagCheckFailures",
+  "preemptions",
+  "prefillTokens",
+  "forkedSamples",
+  "hits",
+  "misses",
+  "hitTokens",
+  "evictions",
+  "collisions",
+] as const;
 
 /** Prefix-affinity keys remembered (the oldest is forgotten first). */
 const AFFINITY_ENTRIES = 10_000;
@@ -235,12 +245,11 @@ export class DisaggregatedEngine implements EngineHandle {
   #incoming: (FromNode & { kind: "protocol" }) | null = null;
   /** Every open request by the client's rid: waiting or dispatched. */
   readonly #open = new Map<number, Pending>();
-  /** The nodes' counters the router sums into totals that never go down (`#countGrowth`). */
-  readonly #grown = { prefillTokens: 0, forkedSamples: 0 };
-  readonly #counted = new Map<string, number>();
   /** Groups of n > 1 whose first sample came and whose riders are still coming (by its rid). */
   readonly #assembling = new Map<number, Pending>();
   readonly #statsWaiters = new Map<number, { node: string; resolve: (s: NodeStats | null) => void }>();
+  /** The nodes' counters for `stats()`, kept while a node misses a poll or restarts (never going down). */
+  readonly #counted = new NodeTotals();
   readonly #out: Effects = [];
   readonly #routerContext: RouterContext;
   readonly #share: FairShare<Pending>;
@@ -682,39 +691,44 @@ export class DisaggregatedEngine implements EngineHandle {
       counters: { tagCheckFailures: 0, preemptions: 0, aborts: 0, promptTokens: 0, completionTokens: 0 },
     };
     let answered = 0;
+    let prefixCache = false;
     for (const { node, stats } of all) {
       if (stats === null) continue;
       answered++;
-      this.#countGrowth(node, stats);
       for (const k of ["free", "reserved", "ready", "quarantined", "total"] as const)
         sum.pages[k] += stats.pages[k];
       for (const k of ["waiting", "running", "preempted"] as const) sum.queue[k] += stats.queue[k];
-      for (const k of ["tagCheckFailures", "preemptions"] as const) sum.counters[k] += stats.counters[k];
-      if (stats.prefixCache !== undefined) addPrefixCache(sum, stats.prefixCache);
+      const c = stats.prefixCache;
+      this.#counted.see(node.id, node.hello.incarnation, {
+        tagCheckFailures: stats.counters.tagCheckFailures,
+        preemptions: stats.counters.preemptions,
+        // Prompt tokens computed (the prefill nodes'), samples forked from one transfer (the decode nodes').
+        prefillTokens: stats.counters.prefillTokens ?? 0,
+        forkedSamples: stats.counters.forkedSamples ?? 0,
+        ...(c === undefined ? {} : { hits: c.hits, misses: c.misses, hitTokens: c.hitTokens }),
+        ...(c === undefined ? {} : { evictions: c.evictions, collisions: c.collisions }),
+      });
+      if (c === undefined) continue;
+      prefixCache = true;
+      sum.prefixCache ??= { ...NO_PREFIX_CACHE };
+      sum.prefixCache.sharedPages += c.sharedPages;
+      sum.prefixCache.evictablePages += c.evictablePages;
     }
     if (answered === 0) throw new Error("No node answers");
+    // Counters over every node that ever answered: one that misses this poll keeps its last counts.
+    const counted = this.#counted.total(COUNTED);
+    sum.counters.tagCheckFailures = counted.tagCheckFailures;
+    sum.counters.preemptions = counted.preemptions;
+    if (prefixCache && sum.prefixCache !== undefined) {
+      for (const k of ["hits", "misses", "hitTokens", "evictions", "collisions"] as const)
+        sum.prefixCache[k] = counted[k];
+    }
     // Aborts are the router's (a client gone, a stop string matched), as on one engine; the nodes'
     // own counts would miss a request aborted before decode ran it and count some twice.
     sum.counters.aborts = this.#aborts;
-    sum.counters.prefillTokens = this.#grown.prefillTokens;
-    sum.counters.forkedSamples = this.#grown.forkedSamples;
+    sum.counters.prefillTokens = counted.prefillTokens;
+    sum.counters.forkedSamples = counted.forkedSamples;
     return sum;
-  }
-
-  /**
-   * Prompt tokens computed (the prefill nodes') and samples forked from one transfer (the decode
-   * nodes'), as totals that never go down: each node incarnation's growth since its last stats is
-   * added, so a lost or restarted node takes nothing back.
-   */
-  #countGrowth(node: RouterNode, stats: NodeStats): void {
-    for (const k of ["prefillTokens", "forkedSamples"] as const) {
-      const key = `${node.id}/${node.hello.incarnation}/${k}`;
-      const value = stats.counters[k] ?? 0;
-      const last = this.#counted.get(key) ?? 0;
-      if (value <= last) continue;
-      this.#grown[k] += value - last;
-      this.#counted.set(key, value);
-    }
   }
 
   async close(): Promise<void> {

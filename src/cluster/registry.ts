@@ -15,7 +15,7 @@
  * (docs/protocol.md).
  */
 import { readFileSync } from "node:fs";
-import { Etcd3, type IOptions, type Lease } from "etcd3";
+import type { Etcd3, IOptions, Lease } from "etcd3";
 import { KvfenceError } from "../lib/errors.js";
 
 /** What a node says about itself in the registry. */
@@ -61,6 +61,12 @@ export function parseRegistryUrl(url: string, tls: boolean): string[] {
     );
   }
   return hosts.map((h) => `${tls ? "https" : "http"}://${h}`);
+}
+
+/** An etcd client. The library (with its gRPC stack) loads only when a registry is used, not at every start. */
+async function etcdClient(options: RegistryOptions): Promise<Etcd3> {
+  const { Etcd3 } = await import("etcd3");
+  return new Etcd3(clientOptions(options));
 }
 
 function clientOptions(options: RegistryOptions): IOptions {
@@ -110,7 +116,7 @@ export async function registerNode(
   reg: Registration,
   log: (message: string) => void = () => {},
 ): Promise<NodeRegistration> {
-  const client = new Etcd3(clientOptions(options));
+  const client = await etcdClient(options);
   const key = registrationKey(options, reg);
   let value = reg;
   let lease: Lease | null = null;
@@ -199,7 +205,7 @@ export async function watchRegistry(
   onChange: RegistryListener,
   log: (message: string) => void = () => {},
 ): Promise<RegistryWatch> {
-  const client = new Etcd3(clientOptions(options));
+  const client = await etcdClient(options);
   const prefix = prefixOf(options);
   const entries = new Map<string, Registration>();
   let closed = false;
@@ -265,7 +271,7 @@ export async function watchDrain(
   reg: Pick<Registration, "role" | "address">,
   onDrain: () => void,
 ): Promise<RegistryWatch> {
-  const client = new Etcd3(clientOptions(options));
+  const client = await etcdClient(options);
   const key = drainKey(options, reg);
   let fired = false;
   const fire = () => {
@@ -303,7 +309,7 @@ export async function requestDrain(options: RegistryOptions, id: string, timeout
       `A node is named role@host:port, e.g. decode@10.0.0.21:9002: ${id}`,
     );
   const reg = { role: match[1] as "prefill" | "decode", address: match[2]! };
-  const client = new Etcd3(clientOptions(options));
+  const client = await etcdClient(options);
   const t0 = Date.now();
   try {
     const key = registrationKey(options, reg);

@@ -9,7 +9,8 @@
  * (the state is kept in the background; the handler never waits on a node). `kill -9` of a node
  * makes `/ready` 503 within a second; so does a SIGSTOP. SIGCONT, or the node restarted on its
  * port (a new incarnation), makes it 200 again and requests are served — without restarting the
- * router: it re-dials a lost node and pairs it again.
+ * router: it re-dials a lost node and pairs it again. Throughout, /metrics answers 200 and no
+ * counter goes down (a frozen, lost or restarted node keeps its counts in the totals).
  */
 import assert from "node:assert/strict";
 import { randomBytes } from "node:crypto";
@@ -17,9 +18,11 @@ import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
 import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
 import { modelDir } from "../../testing/start-server.js";
+import { parsePrometheusText } from "../lib/metrics.js";
 
 const MODEL = "tiny-qwen2";
 const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
+const OPERATOR_KEY = randomBytes(16).toString("hex");
 const nodeArgs = (role: "prefill" | "decode", port: number) => [
   "--role",
   role,
@@ -50,6 +53,25 @@ async function readyBecomes(url: string, status: number, timeoutMs: number) {
     if (performance.now() - t0 > timeoutMs) assert.fail(`/ready did not become ${status} in ${timeoutMs} ms`);
     await new Promise((res) => setTimeout(res, 10));
   }
+}
+
+/**
+ * /metrics answers 200 whatever the nodes do, and no counter (`*_total`) is below its value in
+ * `before`: a node that misses the scrape, is lost or comes back as a new incarnation keeps its
+ * counts in the totals. The counters now.
+ */
+async function countersHold(url: string, before: Map<string, number>, what: string) {
+  const res = await fetch(`${url}/metrics`, {
+    headers: { authorization: `Bearer ${OPERATOR_KEY}` },
+    signal: AbortSignal.timeout(10_000),
+  });
+  const text = await res.text();
+  assert.equal(res.status, 200, `/metrics ${what}: ${text.slice(0, 200)}`);
+  const counters = new Set([...text.matchAll(/^# TYPE (\S+) counter$/gm)].map((m) => m[1]!));
+  const now = new Map([...parsePrometheusText(text)].filter(([k]) => counters.has(k.split("{")[0]!)));
+  for (const [k, v] of before)
+    assert.ok((now.get(k) ?? 0) >= v, `${k} went down ${what}: ${v} -> ${now.get(k)}`);
+  return now;
 }
 
 async function served(url: string, what: string): Promise<void> {
@@ -85,6 +107,8 @@ describe("/health and /ready tell the truth about the nodes", { timeout: 180_000
         prefill.url,
         "--decode",
         decode.url,
+        "--operator-key",
+        OPERATOR_KEY,
       ],
       { env },
     );
@@ -102,6 +126,12 @@ describe("/health and /ready tell the truth about the nodes", { timeout: 180_000
       decode: { ready: 1, total: 1 },
     });
     await served(url, "startup");
+    let counters = await countersHold(url, new Map(), "at startup");
+    const lookups = [...counters].filter(([k]) => k.startsWith("kvfence_prefix_cache_lookups_total"));
+    assert.ok(
+      lookups.some(([, v]) => v > 0),
+      "prefill's counters are in /metrics",
+    );
 
     for (const role of ["prefill", "decode"] as const) {
       const node = role === "prefill" ? prefill : decode;
@@ -127,6 +157,7 @@ describe("/health and /ready tell the truth about the nodes", { timeout: 180_000
       assert.doesNotMatch(body.error.message, /127\.0\.0\.1|prefill-0|decode-0/, "no internal address or id");
       const health = await get(url, "/health");
       assert.equal(health.status, 200, "liveness: the router itself is fine");
+      counters = await countersHold(url, counters, `with ${role} killed`);
 
       // The node comes back on its port as a new incarnation; the router re-dials and re-pairs it.
       const again = await spawnServe(nodeArgs(role, node.port), { env });
@@ -135,12 +166,15 @@ describe("/health and /ready tell the truth about the nodes", { timeout: 180_000
       const back = await readyBecomes(url, 200, 20_000);
       t.diagnostic(`${role} restarted: /ready 200 ${back.after.toFixed(0)} ms after it listened`);
       await served(url, `${role} restarted`);
+      counters = await countersHold(url, counters, `with ${role} restarted (its counts start at 0)`);
     }
   });
 
   test("SIGSTOP of a node → 503 within about a second, /ready still answering at once; SIGCONT → 200 and served", async (t) => {
     const url = router.url;
     await readyBecomes(url, 200, 10_000);
+    await served(url, "before SIGSTOP");
+    let counters = await countersHold(url, new Map(), "before SIGSTOP");
     for (const [role, node] of [
       ["decode", decode],
       ["prefill", prefill],
@@ -168,6 +202,7 @@ describe("/health and /ready tell the truth about the nodes", { timeout: 180_000
         const health = await get(url, "/health");
         assert.equal(health.status, 200);
         assert.ok(health.ms < 250, `/health answers at once: ${health.ms.toFixed(1)} ms`);
+        counters = await countersHold(url, counters, `with ${role} frozen`);
       } finally {
         node.process.kill("SIGCONT");
       }

@@ -1,8 +1,8 @@
 /**
  * A local multi-process cluster on 127.0.0.1 (`kvfence cluster`, and the acceptance tests): N
  * prefill and M decode node processes (`kvfence serve --role prefill|decode --port 0`), then a
- * router process (`--role router --prefill … --decode …`), all sharing a fresh random cluster
- * secret through the environment. Each child prints its address on stdout; `close()` stops them
+ * router process (`--role router --prefill … --decode …`, or all of them with `--registry` when
+ * membership is in etcd), all sharing a fresh random cluster secret through the environment. Each child prints its address on stdout; `close()` stops them
  * all (SIGTERM, then SIGKILL for any that linger).
  */
 import { type ChildProcess, spawn } from "node:child_process";
@@ -25,6 +25,11 @@ export interface LocalClusterOptions {
   /** Extra arguments for prefill node `index` only (after `prefillArgs`), e.g. a fault on one node. */
   readonly prefillArgsAt?: (index: number) => readonly string[];
   readonly host?: string;
+  /**
+   * `etcd://host:port`: membership in etcd (every process gets `--registry`; the router pairs the
+   * nodes as they register) instead of the router's static `--prefill`/`--decode` lists.
+   */
+  readonly registry?: string;
   /** Router port (default 0: any free port). */
   readonly port?: number;
   /** Child stderr goes here (default: discarded). */
@@ -142,6 +147,7 @@ function startNode(
       "--log-level",
       "warn",
       ...(options.nodeArgs ?? []),
+      ...(options.registry === undefined ? [] : ["--registry", options.registry]),
       ...(role === "prefill" ? (options.prefillArgs ?? []) : []),
       ...(role === "prefill" ? (options.prefillArgsAt?.(index) ?? []) : []),
     ],
@@ -207,10 +213,9 @@ export async function startLocalCluster(options: LocalClusterOptions): Promise<L
         "warn",
         ...(options.nodeArgs ?? []),
         ...(options.routerArgs ?? []),
-        "--prefill",
-        ...prefill.map((p) => p.url),
-        "--decode",
-        ...decode.map((d) => d.url),
+        ...(options.registry === undefined
+          ? ["--prefill", ...prefill.map((p) => p.url), "--decode", ...decode.map((d) => d.url)]
+          : ["--registry", options.registry]),
       ],
       {
         env,

@@ -14,17 +14,17 @@ import { after, before, describe, test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { Etcd3 } from "etcd3";
 import OpenAI from "openai";
-import { etcdAvailable, startEtcd, type TestEtcd } from "../../testing/etcd.js";
 import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
 import { assertPoolIdle, modelDir, operatorGet, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
+import { etcdAvailable, type LocalEtcd, startEtcd } from "./local-etcd.js";
 
 const MODEL = "tiny-qwen2";
 const MAIN = fileURLToPath(new URL("../cli/main.js", import.meta.url));
 const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
 
 describe("a cluster whose membership is in etcd", () => {
-  let etcd: TestEtcd;
+  let etcd: LocalEtcd;
   let router: ServeProcess;
   const nodes: ServeProcess[] = [];
   let outsider: net.Server;

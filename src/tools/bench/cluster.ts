@@ -1,23 +1,29 @@
 /**
- * `kvfence bench cluster`: what TLS on the cluster links costs a whole cluster (docs/tls.md). Starts
- * two local multi-process clusters of the same shape (`--prefill N --decode M`, default 2+2, the
- * bundled model): one with plaintext links, one with mutual TLS on every link (the test
- * certificates unless `--tls-cert/--tls-key/--tls-ca`). Each round drives the same batch of chat
- * requests (greedy, fixed prompts and `max_tokens`, `--concurrency` in flight) through each
- * cluster's router, the two arms in alternating order, and measures output tokens per second of
- * wall time. Reported: each arm's median [min–max], and the TLS/plaintext throughput ratio as the
- * geometric mean of the per-round paired ratios with a 95% confidence interval (`pairedRatio`),
- * beside the raw loopback socket's bandwidth measured in the same rounds (the ceiling every TCP link
- * shares). Both arms must give the same answers (greedy), else the run reports a failure.
+ * `kvfence bench cluster`: what a cluster feature costs a whole cluster. Starts two local
+ * multi-process clusters of the same shape (`--prefill N --decode M`, default 2+2, the bundled
+ * model). The baseline has plaintext links and the router's static `--prefill/--decode` lists; the
+ * variant (`--compare`) differs in one thing:
  *
- * The issue's acceptance: TLS within 5% of plaintext, i.e. the CI's low end ≥ 95%. Run it on a
- * quiet machine; on a shared one the CI says how much to trust the ratio.
+ * - `tls`: mutual TLS on every link (docs/tls.md; the test certificates unless
+ *   `--tls-cert/--tls-key/--tls-ca`). The goal: within 5% of plaintext.
+ * - `registry`: membership in etcd (`--registry`, docs/topologies.md) on a throwaway etcd started
+ *   for the run (Debian's etcd-server). The goal: within 2% of the static lists.
+ *
+ * Each round drives the same batch of chat requests (greedy, fixed prompts and `max_tokens`,
+ * `--concurrency` in flight) through each cluster's router, the two arms in alternating order, and
+ * measures output tokens per second of wall time. Reported: each arm's median [min–max], and the
+ * variant/baseline throughput ratio as the geometric mean of the per-round paired ratios with a 95%
+ * confidence interval (`pairedRatio`), beside the raw loopback socket's bandwidth measured in the
+ * same rounds (the ceiling every TCP link shares). Both arms must give the same answers (greedy),
+ * else the run reports a failure. Run it on a quiet machine; on a shared one the CI says how much
+ * to trust the ratio.
  */
 import net from "node:net";
 import os from "node:os";
-import { Command } from "commander";
+import { Command, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { type LocalCluster, startLocalCluster } from "../../topology/local-cluster.js";
+import { etcdAvailable, type LocalEtcd, startEtcd } from "../../topology/local-etcd.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
 import {
   defaultBenchTlsFiles,
@@ -28,7 +34,18 @@ import {
   summarize,
 } from "./transfer.js";
 
+/** What the variant arm changes against the static plaintext baseline. */
+export type ClusterComparison = "tls" | "registry";
+
+/** Each comparison's variant label and goal (the CI's low end at least this ratio). */
+const COMPARISONS: Record<ClusterComparison, { readonly variant: string; readonly goal: number }> = {
+  tls: { variant: "TLS links", goal: 0.95 },
+  registry: { variant: "etcd membership", goal: 0.98 },
+};
+
 export interface ClusterBenchOptions {
+  /** The variant arm (default `tls`). */
+  readonly compare?: ClusterComparison;
   readonly prefill?: number;
   readonly decode?: number;
   readonly model?: string;
@@ -57,15 +74,18 @@ export interface ArmResult {
 }
 
 export interface ClusterBenchResult {
+  readonly compare: ClusterComparison;
   readonly shape: { readonly prefill: number; readonly decode: number };
   readonly rounds: number;
   readonly requests: number;
   readonly concurrency: number;
   readonly maxTokens: number;
-  readonly plaintext: ArmResult;
-  readonly tls: ArmResult;
-  /** Throughput with TLS over without (paired by round). */
-  readonly tlsOverPlaintext: RatioInterval;
+  /** Plaintext links, static node lists. */
+  readonly baseline: ArmResult;
+  /** The baseline with `compare` changed. */
+  readonly variant: ArmResult;
+  /** Throughput of the variant over the baseline (paired by round). */
+  readonly variantOverBaseline: RatioInterval;
   /** The raw loopback socket, GB/s, one 64 MiB transfer per round. */
   readonly rawLoopbackGbps: Summary;
   readonly failures: readonly string[];
@@ -175,6 +195,7 @@ export async function rawLoopbackGbps(bytes = 64 << 20): Promise<number> {
 }
 
 export async function runClusterBench(options: ClusterBenchOptions = {}): Promise<ClusterBenchResult> {
+  const compare = options.compare ?? "tls";
   const prefill = options.prefill ?? 2;
   const decode = options.decode ?? 2;
   const rounds = options.rounds ?? 10;
@@ -190,44 +211,69 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
   const tlsArgs = ["--tls-cert", tlsFiles.cert, "--tls-key", tlsFiles.key, "--tls-ca", tlsFiles.ca];
   const prompts = Array.from({ length: requests }, (_, i) => prompt(i, options.promptChars ?? 400));
 
-  const clusters: { plaintext?: LocalCluster; tls?: LocalCluster } = {};
+  const clusters: { baseline?: LocalCluster; variant?: LocalCluster } = {};
+  let etcd: LocalEtcd | undefined;
   let measured: Measured;
   try {
-    log(`starting two ${prefill}+${decode} clusters (plaintext and TLS links)`);
-    clusters.plaintext = await startLocalCluster(base);
-    clusters.tls = await startLocalCluster({ ...base, nodeArgs: [...nodeArgs, ...tlsArgs] });
-    const models = (await (await fetch(`${clusters.plaintext.url}/v1/models`)).json()) as {
+    log(`starting two ${prefill}+${decode} clusters (static plaintext, and ${COMPARISONS[compare].variant})`);
+    clusters.baseline = await startLocalCluster(base);
+    if (compare === "tls") {
+      clusters.variant = await startLocalCluster({ ...base, nodeArgs: [...nodeArgs, ...tlsArgs] });
+    } else {
+      if (!etcdAvailable()) throw new Error("etcd is not installed: apt-get install -y etcd-server");
+      etcd = await startEtcd();
+      clusters.variant = await startLocalCluster({ ...base, registry: etcd.url });
+      await untilAllReady(clusters.variant.url, prefill, decode);
+    }
+    const models = (await (await fetch(`${clusters.baseline.url}/v1/models`)).json()) as {
       data: { id: string }[];
     };
-    const arms = { plaintext: clusters.plaintext.url, tls: clusters.tls.url };
+    const arms = { baseline: clusters.baseline.url, variant: clusters.variant.url };
     const run = { model: models.data[0]!.id, prompts, concurrency, maxTokens, rounds, warmup, log };
     measured = await measureArms(arms, run);
   } finally {
-    await Promise.all([clusters.plaintext?.close(), clusters.tls?.close()]);
+    await Promise.all([clusters.baseline?.close(), clusters.variant?.close()]);
+    await etcd?.stop();
   }
   const { ns, tps, outputTokens, raw, failures } = measured;
-  const arm = (name: "plaintext" | "tls"): ArmResult => ({
+  const arm = (name: ArmName): ArmResult => ({
     tokensPerSecond: summarize(tps[name]),
     ms: summarize(ns[name].map((t) => t / 1e6)),
     outputTokens: outputTokens[name],
   });
   return {
+    compare,
     shape: { prefill, decode },
     rounds,
     requests,
     concurrency,
     maxTokens,
-    plaintext: arm("plaintext"),
-    tls: arm("tls"),
-    // Throughput ratio = time ratio plaintext / TLS (the same tokens in both arms).
-    tlsOverPlaintext: pairedRatio(ns.plaintext, ns.tls),
+    baseline: arm("baseline"),
+    variant: arm("variant"),
+    // Throughput ratio = time ratio baseline / variant (the same tokens in both arms).
+    variantOverBaseline: pairedRatio(ns.baseline, ns.variant),
     rawLoopbackGbps: summarize(raw),
     failures,
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   };
 }
 
-type ArmName = "plaintext" | "tls";
+type ArmName = "baseline" | "variant";
+
+/** Waits until the router of a registry cluster has paired every node (its /ready counts them). */
+async function untilAllReady(url: string, prefill: number, decode: number): Promise<void> {
+  const deadline = Date.now() + 30_000;
+  for (;;) {
+    const body = (await fetch(`${url}/ready`).then(
+      (r) => r.json(),
+      () => null,
+    )) as { prefill?: { ready: number }; decode?: { ready: number } } | null;
+    if (body?.prefill?.ready === prefill && body.decode?.ready === decode) return;
+    if (Date.now() > deadline)
+      throw new Error(`the registry cluster's router did not pair ${prefill}+${decode} nodes in 30 s`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
 
 /** Per arm, per measured round: wall time, output tokens/s; the raw loopback per round; failures. */
 interface Measured {
@@ -255,15 +301,16 @@ async function measureArms(
   },
 ): Promise<Measured> {
   const m: Measured = {
-    ns: { plaintext: [], tls: [] },
-    tps: { plaintext: [], tls: [] },
-    outputTokens: { plaintext: 0, tls: 0 },
+    ns: { baseline: [], variant: [] },
+    tps: { baseline: [], variant: [] },
+    outputTokens: { baseline: 0, variant: 0 },
     raw: [],
     failures: [],
   };
   let reference: string[] | null = null;
   for (let r = -run.warmup; r < run.rounds; r++) {
-    const order: readonly ArmName[] = ((r % 2) + 2) % 2 === 0 ? ["plaintext", "tls"] : ["tls", "plaintext"];
+    const order: readonly ArmName[] =
+      ((r % 2) + 2) % 2 === 0 ? ["baseline", "variant"] : ["variant", "baseline"];
     for (const arm of order) {
       const target = { url: arms[arm], model: run.model, maxTokens: run.maxTokens };
       const result = await round(target, run.prompts, run.concurrency);
@@ -280,7 +327,7 @@ async function measureArms(
     if (r >= 0) {
       m.raw.push(await rawLoopbackGbps());
       run.log(
-        `round ${r + 1}/${run.rounds}: plaintext ${m.tps.plaintext.at(-1)!.toFixed(0)} tok/s, TLS ${m.tps.tls.at(-1)!.toFixed(0)} tok/s, raw loopback ${m.raw.at(-1)!.toFixed(2)} GB/s`,
+        `round ${r + 1}/${run.rounds}: baseline ${m.tps.baseline.at(-1)!.toFixed(0)} tok/s, variant ${m.tps.variant.at(-1)!.toFixed(0)} tok/s, raw loopback ${m.raw.at(-1)!.toFixed(2)} GB/s`,
       );
     }
   }
@@ -292,26 +339,29 @@ export function formatClusterReport(r: ClusterBenchResult): string {
   const pct = (x: number): string => `${(x * 100).toFixed(1)}%`;
   const arm = (name: string, a: ArmResult): string =>
     `${name.padEnd(10)} ${a.tokensPerSecond.median.toFixed(0).padStart(6)} tok/s [${a.tokensPerSecond.min.toFixed(0)}–${a.tokensPerSecond.max.toFixed(0)}]   round ${a.ms.median.toFixed(0)} ms median   ${a.outputTokens} output tokens`;
-  const t = r.tlsOverPlaintext;
+  const t = r.variantOverBaseline;
+  const { variant, goal } = COMPARISONS[r.compare];
+  const within = `within ${((1 - goal) * 100).toFixed(0)}%`;
   const verdict = Number.isNaN(t.low)
     ? "too few rounds for a CI"
-    : t.low >= 0.95
-      ? "within 5% (CI low end ≥ 95%)"
-      : t.high < 0.95
-        ? "NOT within 5% (CI high end < 95%)"
-        : "undecided: the CI straddles 95% (more rounds, a quieter machine)";
+    : t.low >= goal
+      ? `${within} (CI low end ≥ ${pct(goal)})`
+      : t.high < goal
+        ? `NOT ${within} (CI high end < ${pct(goal)})`
+        : `undecided: the CI straddles ${pct(goal)} (more rounds, a quieter machine)`;
   return [
-    `kvfence cluster ${r.shape.prefill}+${r.shape.decode}, plaintext vs TLS links: ${r.rounds} interleaved rounds of ${r.requests} chat requests (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
+    `kvfence cluster ${r.shape.prefill}+${r.shape.decode}, static plaintext vs ${variant}: ${r.rounds} interleaved rounds of ${r.requests} chat requests (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
     `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
-    arm("plaintext", r.plaintext),
-    arm("TLS", r.tls),
-    `TLS throughput / plaintext: ${pct(t.ratio)} [95% CI ${pct(t.low)}–${pct(t.high)}]: ${verdict}`,
+    arm("static", r.baseline),
+    arm(r.compare === "tls" ? "TLS" : "etcd", r.variant),
+    `${variant} throughput / static plaintext: ${pct(t.ratio)} [95% CI ${pct(t.low)}–${pct(t.high)}]: ${verdict}`,
     `raw loopback socket: ${r.rawLoopbackGbps.median.toFixed(2)} GB/s [${r.rawLoopbackGbps.min.toFixed(2)}–${r.rawLoopbackGbps.max.toFixed(2)}]`,
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");
 }
 
 interface ClusterCliOptions {
+  compare: ClusterComparison;
   prefill: number;
   decode: number;
   model?: string;
@@ -332,7 +382,12 @@ interface ClusterCliOptions {
 export function clusterCommand(): Command {
   return new Command("cluster")
     .description(
-      "Chat throughput of a local multi-process cluster with TLS links vs plaintext links (interleaved rounds, 95% CI of the ratio), beside the raw loopback socket",
+      "Chat throughput of a local multi-process cluster with TLS links (or etcd membership) vs plaintext links and static node lists (interleaved rounds, 95% CI of the ratio), beside the raw loopback socket",
+    )
+    .addOption(
+      new Option("--compare <what>", "the variant arm: TLS on every link, or membership in etcd")
+        .choices(["tls", "registry"])
+        .default("tls"),
     )
     .option("--prefill <n>", "prefill node processes per cluster", positiveInt("--prefill"), 2)
     .option("--decode <n>", "decode node processes per cluster", positiveInt("--decode"), 2)
@@ -355,6 +410,7 @@ export function clusterCommand(): Command {
       try {
         const d = defaultBenchTlsFiles();
         const result = await runClusterBench({
+          compare: o.compare,
           prefill: o.prefill,
           decode: o.decode,
           ...(o.model === undefined ? {} : { model: o.model }),

@@ -49,6 +49,11 @@ export interface FairBenchOptions {
   readonly topology?: FairBenchTopology;
   /** A kvfence checkout (built) whose `kvfence serve` is the fifo arm; absent: this build uncapped. */
   readonly baseline?: string;
+  /**
+   * Extra `kvfence serve` flags of the fair arm only (every role), e.g. `--kv-cache-dtype f32
+   * --prefix-cache off` to switch off what a `baseline` build lacks, so the ratio is the queue's.
+   */
+  readonly fairArgs?: readonly string[];
   /** Tenants in the keys file (only the first sends): 2 puts the default caps on, 1 leaves them off. */
   readonly tenants?: 1 | 2;
   readonly model?: string;
@@ -237,6 +242,7 @@ function settingsOf(options: FairBenchOptions) {
     tenants: options.tenants ?? 2,
     common: ["--model", options.model ?? bundledModelDir(), "--kv-pages", String(options.kvPages ?? 600)],
     baselineMain: options.baseline === undefined ? null : join(options.baseline, "dist/src/cli/main.js"),
+    fairArgs: options.fairArgs ?? [],
     promptChars: options.promptChars ?? 400,
     log: options.log ?? (() => {}),
   };
@@ -314,13 +320,16 @@ export async function runFairShareBench(options: FairBenchOptions = {}): Promise
   const prompts = Array.from({ length: requests }, (_, i) => prompt(i, settings.promptChars));
   const servers: { fair?: Server; fifo?: Server } = {};
   const labels = {
-    fair: "fair (this build)",
+    fair:
+      settings.fairArgs.length === 0
+        ? "fair (this build)"
+        : `fair (this build, ${settings.fairArgs.join(" ")})`,
     fifo: baselineMain === null ? "fifo (this build, caps off)" : `fifo (${options.baseline})`,
   };
   let tally: Tally;
   try {
     settings.log(`starting two ${topology} servers: ${labels.fair} and ${labels.fifo}`);
-    const fair = await startArm(THIS_MAIN, topology, common, ["--api-keys", keys]);
+    const fair = await startArm(THIS_MAIN, topology, [...common, ...settings.fairArgs], ["--api-keys", keys]);
     servers.fair = fair;
     servers.fifo = await startArm(baselineMain ?? THIS_MAIN, topology, common, [
       "--api-keys",
@@ -391,6 +400,7 @@ interface FairCliOptions {
   topology: FairBenchTopology;
   tenants: "1" | "2";
   baseline?: string;
+  fairArgs?: string;
   model?: string;
   kvPages: number;
   rounds: number;
@@ -454,6 +464,10 @@ export function fairShareCommand(): Command {
     .option(
       "--baseline <dir>",
       "a built kvfence checkout whose serve is the fifo arm (e.g. the commit before fair sharing)",
+    )
+    .option(
+      "--fair-args <flags>",
+      'extra serve flags of the fair arm only, e.g. "--kv-cache-dtype f32 --prefix-cache off" (what the baseline lacks)',
     );
   return armLoadOptions(cmd, { rounds: 20, warmup: 2, requests: 64, promptChars: 400 }).action(
     async (o: FairCliOptions) => {
@@ -462,6 +476,7 @@ export function fairShareCommand(): Command {
           topology: o.topology,
           tenants: o.tenants === "1" ? 1 : 2,
           ...(o.baseline === undefined ? {} : { baseline: o.baseline }),
+          ...(o.fairArgs === undefined ? {} : { fairArgs: o.fairArgs.split(/\s+/).filter((a) => a !== "") }),
           ...(o.model === undefined ? {} : { model: o.model }),
           kvPages: o.kvPages,
           rounds: o.rounds,

@@ -175,7 +175,10 @@ function incidentServer(
     operatorKey,
     async metrics() {
       const res = await fetch(`${url}/metrics`, { headers: { authorization: `Bearer ${operatorKey}` } });
-      return parsePrometheusText(await res.text());
+      const text = await res.text();
+      // A failed scrape must not read as zeros (a guard counter of 0, no pages quarantined).
+      if (res.status !== 200) throw new Error(`/metrics answered ${res.status}: ${text.slice(0, 300)}`);
+      return parsePrometheusText(text);
     },
     async close() {
       await stop();

@@ -1,7 +1,8 @@
 /**
- * A throwaway etcd for tests: Debian's `etcd` binary (package etcd-server, installed by .ci/run) on
- * free 127.0.0.1 ports with a temporary data dir, stopped and removed by `stop`. `restart` stops
- * it and starts it again on the same ports and data (etcd itself restarted).
+ * A throwaway etcd for tests and `kvfence bench cluster --compare registry`: Debian's `etcd` binary
+ * (package etcd-server, installed by .ci/run) on free 127.0.0.1 ports with a temporary data dir,
+ * stopped and removed by `stop`. `restart` stops it and starts it again on the same ports and data
+ * (etcd itself restarted).
  */
 import { type ChildProcess, spawn, spawnSync } from "node:child_process";
 import { mkdtempSync, rmSync } from "node:fs";
@@ -9,7 +10,7 @@ import net from "node:net";
 import os from "node:os";
 import path from "node:path";
 
-export interface TestEtcd {
+export interface LocalEtcd {
   /** `etcd://127.0.0.1:port`, for `--registry`. */
   readonly url: string;
   readonly endpoint: string;
@@ -30,7 +31,7 @@ async function freePort(): Promise<number> {
   return port;
 }
 
-export async function startEtcd(): Promise<TestEtcd> {
+export async function startEtcd(): Promise<LocalEtcd> {
   const dir = mkdtempSync(path.join(os.tmpdir(), "kvfence-etcd-"));
   const client = await freePort();
   const peer = await freePort();

@@ -544,3 +544,22 @@ test("DisaggregatedEngine runs n > 1 as one group: one reserve naming the sample
   assert.equal(engine.inFlight, 0);
   assert.equal(engine.waiting, 0);
 });
+
+test("DisaggregatedEngine sends the samples of a group too large for a decode pool alone, each its own request", () => {
+  const { d, engine } = setup();
+  const rs = [record(), record(), record()];
+  // 3 samples of prompt 3 + max_tokens 500: 32 pages each, 96 together, over decode's 64.
+  engine.submit(request(1, { maxTokens: 500, samples: [2, 3] }), rs[0]!.events);
+  engine.submit(request(2, { maxTokens: 500, sample: { of: 1, index: 1 } }), rs[1]!.events);
+  engine.submit(request(3, { maxTokens: 500, sample: { of: 1, index: 2 } }), rs[2]!.events);
+  const reserves = d.link.protocol().filter((m) => m.type === "reserve");
+  assert.deepEqual(
+    reserves.map((m) => (m.type === "reserve" ? [m.rid, m.samples ?? null] : [])),
+    [
+      [1, null],
+      [2, null],
+    ],
+    "one at a time as the ledger has room (two fit the pool), none as a group",
+  );
+  assert.equal(engine.inFlight, 3);
+});

@@ -167,7 +167,7 @@ interface Pending {
    */
   riders: Pending[];
   /** A rider: its group's first sample; else null. */
-  readonly group: Pending | null;
+  group: Pending | null;
   /** A group being assembled: riders not submitted yet (they follow their first sample at once). */
   awaiting: number;
 }
@@ -590,12 +590,20 @@ export class DisaggregatedEngine implements EngineHandle {
     if (pending.riders.length > 0) {
       const { promptTokens, request } = pending;
       const samples = 1 + pending.riders.length;
-      pending.decodePages = decodeGroupPages(
-        promptTokens.length,
-        request.maxTokens,
-        this.capacity.pageSize,
-        samples,
-      );
+      const pages = decodeGroupPages(promptTokens.length, request.maxTokens, this.capacity.pageSize, samples);
+      const smallest = Math.min(...this.#slots.filter((s) => s.role === "decode").map(poolPages));
+      if (pages > smallest) {
+        // The group would not fit a decode pool at once: its samples go alone (each its own prefill).
+        const riders = pending.riders;
+        pending.riders = [];
+        this.#offer(pending);
+        for (const r of riders) {
+          r.group = null;
+          if (!r.silenced) this.#offer(r);
+        }
+        return;
+      }
+      pending.decodePages = pages;
     }
     const refusal = this.#share.offer(pending);
     if (refusal === null) return;

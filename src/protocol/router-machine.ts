@@ -167,7 +167,7 @@ function step(state: RouterState, event: RouterEvent, ctx: RouterContext): void 
       const req = state.requests[event.rid];
       if (
         req === undefined ||
-        req.of !== undefined ||
+        riding(state, req) ||
         (req.phase !== "reserving" && req.phase !== "prefilling")
       )
         return;
@@ -212,8 +212,8 @@ function peerLost(state: RouterState, role: "prefill" | "decode", ctx: RouterCon
     if (req.phase === "done") continue;
     // A decoding request no longer needs prefill: its KV is committed at decode.
     if (req.phase === "decoding" && role === "prefill") continue;
-    // A sample not forked yet ends with its group's attempt.
-    if (req.of !== undefined && req.phase !== "decoding") continue;
+    // A sample its group's attempt still carries ends with it.
+    if (riding(state, req)) continue;
     abortAttempt(req, ctx.out);
     retryOrFail(
       state,
@@ -371,6 +371,17 @@ function sendReserve(req: RouterRequest, out: Effects): void {
       ...(req.samples === undefined ? {} : { samples: req.samples }),
     },
   });
+}
+
+/**
+ * Whether `req` is a later sample its group's attempt still carries (the group before its commit):
+ * the group's fate is its own. A sample whose group ended or committed is a request on its own,
+ * even before its own `committed` arrives.
+ */
+function riding(state: RouterState, req: RouterRequest): boolean {
+  if (req.of === undefined || req.phase === "decoding") return false;
+  const group = state.requests[req.of];
+  return group !== undefined && (group.phase === "reserving" || group.phase === "prefilling");
 }
 
 /** The later samples of group `req` still riding on its attempt (before the commit forks them). */

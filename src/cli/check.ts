@@ -18,6 +18,7 @@ interface CheckCliOptions {
   keepGuards?: boolean;
   disableGuard?: GuardName[];
   requests?: number;
+  samples?: number;
   pages?: number;
   prefillPages?: number;
   attempts?: number;
@@ -66,6 +67,11 @@ export function command(): Command {
       `requests in the model, 1-3 (default ${DEFAULT_BOUND.requests})`,
       nonNegativeInt,
     )
+    .option(
+      "--samples <n>",
+      `n > 1: the first request's samples after its first, as one group (default ${DEFAULT_BOUND.samples})`,
+      nonNegativeInt,
+    )
     .option("--pages <n>", `decode pool pages (default ${DEFAULT_BOUND.pages})`, nonNegativeInt)
     .option(
       "--prefill-pages <n>",
@@ -108,6 +114,7 @@ export function command(): Command {
 function boundOf(opts: CheckCliOptions): CheckOptions {
   const numbers = {
     requests: opts.requests,
+    samples: opts.samples,
     pages: opts.pages,
     prefillPages: opts.prefillPages,
     maxAttempts: opts.attempts,

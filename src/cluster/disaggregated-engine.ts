@@ -39,7 +39,7 @@ import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-s
 import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
 import { epochOf, traceSpan, tracing } from "../lib/tracing.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
-import { decodeReservationPages } from "../protocol/decode-machine.js";
+import { decodeGroupPages, decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
 import type {
   EngineCapacity,
@@ -140,10 +140,14 @@ interface Pending {
   refusedForPages: Slot | null;
   readonly request: GenerationRequest;
   readonly events: GenerationEvents;
-  readonly sampling: SamplingParams;
+  /** Its sampling parameters (a group's: with its riders' seeds, set at each dispatch). */
+  sampling: SamplingParams;
   readonly promptTokens: number[];
-  /** What the attempt reserves: on decode (prompt + max_tokens) and on prefill (the prompt). */
-  readonly decodePages: number;
+  /**
+   * What the attempt reserves: on decode (prompt + max_tokens; a group: every sample's, the full
+   * prompt pages once) and on prefill (the prompt).
+   */
+  decodePages: number;
   readonly prefillPages: number;
   /** The prefill node's pages still count in the ledger (until the commit). */
   prefillHeld: boolean;
@@ -162,6 +166,16 @@ interface Pending {
   lastTokenAt: number;
   /** Times it went back to the queue because its pair lost a node before its first token. */
   moved: number;
+  /**
+   * n > 1 as one group (the request names its `samples`): the later samples, which ride on this
+   * one's attempt — one reserve, one prefill, one transfer; decode forks them at the commit
+   * (docs/protocol.md §3, item 13). They wait, dispatch and retry with it, each its own rid and events.
+   */
+  riders: Pending[];
+  /** A rider: its group's first sample; else null. */
+  group: Pending | null;
+  /** A group being assembled: riders not submitted yet (they follow their first sample at once). */
+  awaiting: number;
 }
 
 const STATS_TIMEOUT_MS = 5000;
@@ -180,6 +194,8 @@ const NO_PREFIX_CACHE = {
 const COUNTED = [
   "tagCheckFailures",
   "preemptions",
+  "prefillTokens",
+  "forkedSamples",
   "hits",
   "misses",
   "hitTokens",
@@ -235,6 +251,8 @@ export class DisaggregatedEngine implements EngineHandle {
   #incoming: (FromNode & { kind: "protocol" }) | null = null;
   /** Every open request by the client's rid: waiting or dispatched. */
   readonly #open = new Map<number, Pending>();
+  /** Groups of n > 1 whose first sample came and whose riders are still coming (by its rid). */
+  readonly #assembling = new Map<number, Pending>();
   readonly #statsWaiters = new Map<number, { node: string; resolve: (s: NodeStats | null) => void }>();
   /** The nodes' counters for `stats()`, kept while a node misses a poll or restarts (never going down). */
   readonly #counted = new NodeTotals();
@@ -321,8 +339,10 @@ export class DisaggregatedEngine implements EngineHandle {
         pages: (p) => p.decodePages,
         dispatch: (p) => this.#dispatch(p),
         expire: (p, error) => {
-          this.#open.delete(p.request.rid);
-          p.events.onError(error);
+          for (const x of [p, ...p.riders]) {
+            this.#open.delete(x.request.rid);
+            if (!x.silenced) x.events.onError(error);
+          }
         },
       },
     );
@@ -525,6 +545,7 @@ export class DisaggregatedEngine implements EngineHandle {
       return;
     }
     const pageSize = this.capacity.pageSize;
+    const group = request.sample === undefined ? undefined : this.#assembling.get(request.sample.of);
     const pending: Pending = {
       pair: null,
       rid: request.rid,
@@ -556,21 +577,67 @@ export class DisaggregatedEngine implements EngineHandle {
       firstToken: false,
       lastTokenAt: 0,
       moved: 0,
+      riders: [],
+      group: group ?? null,
+      awaiting: request.samples?.length ?? 0,
     };
     this.#open.set(request.rid, pending);
+    if (group !== undefined) {
+      // A later sample of a group being assembled: it rides on its first sample's attempt.
+      group.riders.push(pending);
+      if (--group.awaiting > 0) return;
+      this.#assembling.delete(group.request.rid);
+      this.#offer(group);
+      return;
+    }
+    if (pending.awaiting > 0) this.#assembling.set(request.rid, pending);
+    else this.#offer(pending);
+  }
+
+  /** Into the fair share (a group with its riders, its reservation every sample's); refused: every one learns why. */
+  #offer(pending: Pending): void {
+    if (pending.riders.length > 0) {
+      const { promptTokens, request } = pending;
+      const samples = 1 + pending.riders.length;
+      const pages = decodeGroupPages(promptTokens.length, request.maxTokens, this.capacity.pageSize, samples);
+      const smallest = Math.min(...this.#slots.filter((s) => s.role === "decode").map(poolPages));
+      if (pages > smallest) {
+        // The group would not fit a decode pool at once: its samples go alone (each its own prefill).
+        const riders = pending.riders;
+        pending.riders = [];
+        this.#offer(pending);
+        for (const r of riders) {
+          r.group = null;
+          if (!r.silenced) this.#offer(r);
+        }
+        return;
+      }
+      pending.decodePages = pages;
+    }
     const refusal = this.#share.offer(pending);
-    if (refusal !== null) {
-      this.#open.delete(request.rid);
-      events.onError(refusal);
+    if (refusal === null) return;
+    for (const x of [pending, ...pending.riders]) {
+      this.#open.delete(x.request.rid);
+      x.events.onError(refusal);
     }
   }
 
   abort(rid: number): void {
     const pending = this.#open.get(rid);
     if (pending === undefined) return;
-    if (this.#share.cancel(pending)) {
-      // Waiting: it holds nothing anywhere, so it just leaves the queue.
+    if (pending.group !== null && pending.pair === null) {
+      // A rider while its group waits: it leaves the group (it holds nothing anywhere).
+      pending.silenced = true;
       this.#open.delete(rid);
+      this.#aborts++;
+      return;
+    }
+    if (this.#share.cancel(pending)) {
+      // Waiting: it holds nothing anywhere, so it just leaves the queue, and its riders with it.
+      for (const x of [pending, ...pending.riders]) {
+        x.silenced = true;
+        this.#open.delete(x.request.rid);
+      }
       this.#aborts++;
       return;
     }
@@ -652,6 +719,9 @@ export class DisaggregatedEngine implements EngineHandle {
       this.#counted.see(node.id, node.hello.incarnation, {
         tagCheckFailures: stats.counters.tagCheckFailures,
         preemptions: stats.counters.preemptions,
+        // Prompt tokens computed (the prefill nodes'), samples forked from one transfer (the decode nodes').
+        prefillTokens: stats.counters.prefillTokens ?? 0,
+        forkedSamples: stats.counters.forkedSamples ?? 0,
         ...(c === undefined ? {} : { hits: c.hits, misses: c.misses, hitTokens: c.hitTokens }),
         ...(c === undefined ? {} : { evictions: c.evictions, collisions: c.collisions }),
       });
@@ -673,6 +743,8 @@ export class DisaggregatedEngine implements EngineHandle {
     // Aborts are the router's (a client gone, a stop string matched), as on one engine; the nodes'
     // own counts would miss a request aborted before decode ran it and count some twice.
     sum.counters.aborts = this.#aborts;
+    sum.counters.prefillTokens = counted.prefillTokens;
+    sum.counters.forkedSamples = counted.forkedSamples;
     return sum;
   }
 
@@ -783,21 +855,35 @@ export class DisaggregatedEngine implements EngineHandle {
       (this.#lastRid !== 0 && !ridBefore(this.#lastRid, rid))
     )
       rid = nextRidIn(this.#lastRid, this.#routerSlot);
-    this.#lastRid = rid;
     p.dispatched = true;
     p.pair = pair;
     p.rid = rid;
+    // A group's riders (those not aborted while it waited) take the rids after its own.
+    p.riders = p.riders.filter((r) => !r.silenced);
+    for (const r of p.riders) {
+      rid = nextRidIn(rid, this.#routerSlot);
+      r.rid = rid;
+      r.pair = pair;
+      r.dispatched = true;
+      this.#requests.set(rid, r);
+    }
+    this.#lastRid = rid;
+    if (p.riders.length > 0) {
+      const { sampleSeeds: _, ...base } = p.sampling;
+      p.sampling = { ...base, sampleSeeds: p.riders.map((r) => r.request.seed) };
+    }
     pair.decode.usedPages += p.decodePages;
     pair.decode.running++;
     pair.prefill.usedPages += p.prefillPages;
     p.prefillHeld = true;
-    this.#requests.set(rid, p);
+    this.#requests.set(p.rid, p);
     this.#step(pair, {
       type: "submit",
-      rid,
+      rid: p.rid,
       tenant: p.request.tenant,
       promptLen: p.promptTokens.length,
       maxTokens: p.request.maxTokens,
+      ...(p.riders.length === 0 ? {} : { samples: p.riders.map((r) => r.rid) }),
     });
     return true;
   }
@@ -805,7 +891,8 @@ export class DisaggregatedEngine implements EngineHandle {
   /** The attempt of `p` ended: its reservations leave the ledger. */
   #release(p: Pending): void {
     const pair = p.pair;
-    if (pair === null) return;
+    // A rider's pages are in its group's reservation.
+    if (pair === null || p.group !== null) return;
     pair.decode.usedPages -= p.decodePages;
     pair.decode.running--;
     this.#releasePrefill(p);
@@ -1056,13 +1143,23 @@ export class DisaggregatedEngine implements EngineHandle {
     delete pair.state.requests[effect.rid];
     if (pending === undefined) return;
     this.#requests.delete(effect.rid);
+    const group = pending.group;
+    if (
+      group !== null &&
+      (pending.rid !== effect.rid || (group.pair === null && this.#open.has(group.request.rid)))
+    ) {
+      // Its group went back to wait (for pages, or for another pair; it may already be out again,
+      // the rider with it under a new rid): the rider goes on with it.
+      if (pending.rid === effect.rid) pending.pair = null;
+      return;
+    }
     this.#release(pending);
     const mayWait =
       !pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages !== null;
     if (mayWait && this.#waitForPages(pending)) return;
     if (effect.error?.code === "node_unavailable" && this.#moveToAnotherPair(pending)) return;
     this.#open.delete(pending.request.rid);
-    this.#share.finished(pending);
+    if (group === null) this.#share.finished(pending);
     if (pending.silenced) return;
     if (effect.error === null) {
       // A stop token ends it with `stop` even as its last allowed token (max_tokens 1: decode

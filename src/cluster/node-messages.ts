@@ -33,6 +33,11 @@ export interface SamplingParams {
    * penalty); decode otherwise knows only the prompt's length.
    */
   readonly prompt?: readonly number[] | undefined;
+  /**
+   * n > 1 as one group (the reserve's `samples`): each later sample's seed, in the same order
+   * (null: random). Prefill draws their first tokens from the same logits; decode runs each with its own.
+   */
+  readonly sampleSeeds?: readonly (number | null)[] | undefined;
 }
 
 /** Router → node. */
@@ -96,6 +101,10 @@ export interface NodeStats {
     readonly aborts: number;
     readonly promptTokens: number;
     readonly completionTokens: number;
+    /** Prompt tokens its engine computed (prefill nodes). */
+    readonly prefillTokens?: number;
+    /** Samples of n > 1 forked from their group's one transfer (decode nodes). */
+    readonly forkedSamples?: number;
   };
   /** Attempts the node's state machines hold now (reserved, quarantined, computing, held, ...). */
   readonly attempts: number;

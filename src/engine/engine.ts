@@ -1026,6 +1026,11 @@ export class Engine {
   /** Draws `seq`'s next token from `logits` (its step's, changed in place by its controls); reports. */
   #sampleOne(seq: Sequence, logits: Float32Array): void {
     const r = seq.request;
+    // A prefill node's group of n > 1: the later samples draw their first tokens from these logits too.
+    const siblings =
+      seq.ownership === "prefill-only" && r.sampleSeeds !== undefined
+        ? this.#sampleSiblings(seq, logits, r.sampleSeeds)
+        : null;
     if (r.logprobs !== undefined) keepRaw(seq, logits);
     if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
     const token = this.#sampler.sample(logits, r, seq.rng);
@@ -1041,7 +1046,7 @@ export class Engine {
     }
     if (seq.ownership === "prefill-only") {
       this.#end(seq);
-      seq.events.onTokens(seq.sampled, lp);
+      seq.events.onTokens(siblings === null ? seq.sampled : [token, ...siblings], lp);
       seq.events.onFinish("length", { promptTokens: seq.promptLength, completionTokens: 1 });
       return;
     }
@@ -1053,6 +1058,24 @@ export class Engine {
     if (done) this.#end(seq, true);
     seq.events.onTokens(seq.sampled, lp);
     if (done) seq.events.onFinish("length", this.#usage(seq));
+  }
+
+  /**
+   * The first tokens of a prefill-only request's later samples (n > 1 as one group): each from a
+   * copy of `logits` as they are before any sample's controls, under the same controls and
+   * sampling parameters, with a generator of its own seed (null: one from this engine's seeds) —
+   * as each sample would draw its first token alone. Runs once per group, not per token.
+   */
+  #sampleSiblings(seq: Sequence, logits: Float32Array, seeds: readonly (number | null)[]): number[] {
+    const r = seq.request;
+    const tokens: number[] = [];
+    for (const seed of seeds) {
+      const copy = this.#forkLogits;
+      copy.set(logits);
+      if (r.controls !== undefined) this.#sampler.process(copy, r.controls, seq, r.stopTokenIds);
+      tokens.push(this.#sampler.sample(copy, r, new Prng(seed ?? this.#seeds.nextUint32())));
+    }
+    return tokens;
   }
 
   /** The sampled token's log-probabilities when the request asked (one entry, reused array), else undefined. */

@@ -251,3 +251,42 @@ test("OwnershipTable keeps its invariants over random operation sequences", () =
     { numRuns: 300 },
   );
 });
+
+test("OwnershipTable sibling pages: shared by one request's samples, read by them only, freed by the last", () => {
+  const table = new OwnershipTable(4);
+  const a = lease(table, 2, 7, 3);
+  const [page, generation] = [a.pages[0]!, a.generations[0]!];
+  assert.equal(table.shareSiblings(page, generation, 7, 3, 2, 4), false, "not READY yet");
+  table.stampWriter(page, 7, 3, 4);
+  table.markReady(page, generation, 7, 3);
+  assert.equal(table.shareSiblings(page, generation, 7, 3, 2, 8), false, "not full");
+  assert.equal(table.shareSiblings(page, generation, 8, 3, 2, 4), false, "another request's page");
+  assert.equal(table.shareSiblings(page, generation, 7, 3, 2, 4), true);
+  assert.equal(table.state(page), PageState.SHARED);
+  assert.equal(table.refcount(page), 2);
+  assert.ok(table.checkSibling(page, generation, 7, 3));
+  assert.ok(!table.checkSibling(page, generation, 8, 3));
+  assert.ok(!table.checkSibling(page, generation, 7, 4));
+  assert.ok(!table.checkSibling(page, generation + 1, 7, 3));
+  // Not a prefix-cache page: the cache's read rule and its operations refuse it.
+  assert.ok(!table.checkShared(page, generation, 0));
+  assert.equal(table.ref(page, generation), false);
+  assert.equal(table.unref(page, generation), false);
+  assert.equal(table.free(page, generation, 7, 3), false, "never freed as a lease");
+  assert.equal(table.dropSibling(page, generation, 8, 3), false);
+  assert.equal(table.dropSibling(page, generation, 7, 3), true);
+  assert.equal(table.state(page), PageState.SHARED);
+  assert.equal(table.dropSibling(page, generation, 7, 3), true);
+  assert.equal(table.state(page), PageState.FREE);
+  assert.equal(table.generation(page), generation + 1);
+  assert.equal(table.dropSibling(page, generation, 7, 3), false);
+  assert.equal(table.sharedPages(), 0);
+  // A prefix-cache page is not a sibling page.
+  const b = lease(table, 1, 9, 1);
+  table.stampWriter(b.pages[0]!, 9, 1, 4);
+  table.markReady(b.pages[0]!, b.generations[0]!, 9, 1);
+  table.share(b.pages[0]!, b.generations[0]!, 9, 1, 5, 4);
+  assert.ok(table.checkShared(b.pages[0]!, b.generations[0]!, 0));
+  assert.ok(!table.checkSibling(b.pages[0]!, b.generations[0]!, 5, NO_WRITER));
+  assert.equal(table.dropSibling(b.pages[0]!, b.generations[0]!, 5, NO_WRITER), false);
+});

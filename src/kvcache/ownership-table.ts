@@ -18,8 +18,18 @@
  * SHARED page with no reference leaves, through `evict` (→ FREE, generation bumped). A SHARED page
  * is never writable (`checkWrite` wants RESERVED), never freed or quarantined by a lease holder
  * (`free`/`quarantine` want RESERVED or READY), and never handed out (it is not on the free stack).
- * `checkShared` is the read guard's rule for it: SHARED at the generation, of the reader's tenant,
- * referenced.
+ * `checkShared` is the read guard's rule for it: SHARED at the generation, a cache entry's (owner
+ * epoch `NO_WRITER`), of the reader's tenant, referenced.
+ *
+ * **Sibling pages** (`n` > 1 on a decode node, `src/protocol/decode-machine.ts`): the full prompt
+ * pages one transfer brought are shared by the request's samples, and by nobody else. `shareSiblings`
+ * turns a full READY page of `(rid, epoch)` — the request's first sample, whose attempt the transfer
+ * was — SHARED with owner `(rid, epoch)` kept and a reference per sample; `checkSibling` is the read
+ * guard's rule for it: SHARED at the generation, owned by and holding the data of exactly the
+ * reader's group `(rid, epoch)`, referenced. A prefix-cache reader's `checkShared` never accepts a
+ * sibling page (its owner epoch is a real epoch), and a sibling read never accepts a cache page, nor
+ * another request's sibling page. `dropSibling` drops a sample's reference; the last one frees the
+ * page (→ FREE, generation bumped).
  *
  * Free pages sit on a stack inside the same buffer, so `allocate` is O(count), and the counters of
  * each state sit in a small header, so `countsInto` is O(1). Every operation is integer compares
@@ -295,7 +305,9 @@ export class OwnershipTable {
    *
    * - a page holding earlier tokens (`j·P < start`) passes `checkRead` and its stamped filled tokens
    *   cover every slot of it the step reads but does not write; a page the block table marks as a
-   *   shared reference (`shared[j] === 1`) passes `checkShared` for `tenant` instead;
+   *   shared reference (`shared[j] === 1`) passes `checkShared` for `tenant` instead, and one of the
+   *   first `siblings` pages (a sample of `n` > 1 on a decode node) passes `checkSibling` for the
+   *   request's group `(groupRid, epoch)` instead;
    * - a page the step writes first (`start ≤ j·P < end`) passes `checkWrite` (RESERVED at the leased
    *   generation for `(rid, epoch)`);
    * - a page past `end` is leased to `(rid, epoch)` at its generation, RESERVED or READY.
@@ -313,6 +325,8 @@ export class OwnershipTable {
     end: number,
     shared?: Uint8Array,
     tenant?: number,
+    siblings = 0,
+    groupRid = -1,
   ): number {
     const P = pageSize;
     if (count * P < end) return count; // the step would write past the leased pages
@@ -321,20 +335,15 @@ export class OwnershipTable {
       const generation = generations[j]!;
       if (page < 0 || page >= this.numPages) return j;
       const first = j * P;
-      if (first < start) {
-        if (!this.#readable(page, generation, rid, epoch, shared?.[j] === 1, tenant ?? -1)) return j;
+      if (j < siblings) {
+        // A full prompt page shared by the request's samples: read-only, never written by a step.
+        if (!this.#fullSibling(page, generation, groupRid, epoch, P, first < start)) return j;
+      } else if (first < start) {
+        if (!this.#readable(page, generation, rid, epoch, shared, j, tenant)) return j;
         if (this.#filledTokens[page]! < Math.min(start - first, P)) return j;
       } else if (first < end) {
         if (!this.checkWrite(page, generation, rid, epoch)) return j;
-      } else {
-        const state = this.#state[page];
-        if (
-          !this.#holds(page, generation, rid, epoch) ||
-          (state !== PageState.RESERVED && state !== PageState.READY)
-        ) {
-          return j;
-        }
-      }
+      } else if (!this.#leasedAhead(page, generation, rid, epoch)) return j;
     }
     return -1;
   }
@@ -369,21 +378,21 @@ export class OwnershipTable {
    * checked here: the read guard (`checkShared`) checks it before every read.
    */
   ref(page: number, generation: number): boolean {
-    if (!this.#isShared(page, generation)) return false;
+    if (!this.#isCachePage(page, generation)) return false;
     this.#refcount[page] = this.#refcount[page]! + 1;
     return true;
   }
 
   /** Drops one reference to SHARED `page` at `generation`; false when it holds none. */
   unref(page: number, generation: number): boolean {
-    if (!this.#isShared(page, generation) || this.#refcount[page] === 0) return false;
+    if (!this.#isCachePage(page, generation) || this.#refcount[page] === 0) return false;
     this.#refcount[page] = this.#refcount[page]! - 1;
     return true;
   }
 
   /** SHARED with no reference → FREE (generation bumped): the prefix cache evicts it. */
   evict(page: number, generation: number): boolean {
-    if (!this.#isShared(page, generation) || this.#refcount[page] !== 0) return false;
+    if (!this.#isCachePage(page, generation) || this.#refcount[page] !== 0) return false;
     this.#header[H_SHARED] = this.#header[H_SHARED]! - 1;
     this.#pushFree(page);
     return true;
@@ -397,9 +406,73 @@ export class OwnershipTable {
     return (
       this.#generation[page] === generation &&
       this.#state[page] === PageState.SHARED &&
+      this.#ownerEpoch[page] === NO_WRITER &&
       this.#tenant[page] === tenant &&
       this.#refcount[page]! > 0
     );
+  }
+
+  /**
+   * READY → SHARED between the `samples` samples of request `(rid, epoch)`: a full page of its own
+   * data (`fullTokens` filled), owner `(rid, epoch)` kept, one reference per sample. False (nothing
+   * changed) when the page is not that attempt's full READY page, or `samples` < 1.
+   */
+  shareSiblings(
+    page: number,
+    generation: number,
+    rid: number,
+    epoch: number,
+    samples: number,
+    fullTokens: number,
+  ): boolean {
+    if (samples < 1 || epoch === NO_WRITER) return false;
+    if (!this.checkRead(page, generation, rid, epoch) || this.#filledTokens[page] !== fullTokens)
+      return false;
+    this.#state[page] = PageState.SHARED;
+    this.#refcount[page] = samples;
+    this.#header[H_READY] = this.#header[H_READY]! - 1;
+    this.#header[H_SHARED] = this.#header[H_SHARED]! + 1;
+    return true;
+  }
+
+  /**
+   * The read guard's rule for a sibling page: SHARED at `generation` between the samples of exactly
+   * `(groupRid, groupEpoch)` — owned by it and holding its data (writer stamp) — and referenced.
+   * Integer compares only.
+   */
+  checkSibling(page: number, generation: number, groupRid: number, groupEpoch: number): boolean {
+    return (
+      this.#generation[page] === generation &&
+      this.#state[page] === PageState.SHARED &&
+      this.#owner[page] === groupRid &&
+      this.#ownerEpoch[page] === groupEpoch &&
+      this.#writerRid[page] === groupRid &&
+      this.#writerEpoch[page] === groupEpoch &&
+      this.#refcount[page]! > 0
+    );
+  }
+
+  /**
+   * One sample of `(groupRid, groupEpoch)` is done with its sibling page: drops its reference, and
+   * the last one frees the page (→ FREE, generation bumped). False when the page is not that
+   * group's sibling page at `generation`, or holds no reference.
+   */
+  dropSibling(page: number, generation: number, groupRid: number, groupEpoch: number): boolean {
+    if (
+      !this.#isShared(page, generation) ||
+      this.#owner[page] !== groupRid ||
+      this.#ownerEpoch[page] !== groupEpoch ||
+      groupEpoch === NO_WRITER ||
+      this.#refcount[page] === 0
+    )
+      return false;
+    const left = this.#refcount[page]! - 1;
+    this.#refcount[page] = left;
+    if (left === 0) {
+      this.#header[H_SHARED] = this.#header[H_SHARED]! - 1;
+      this.#pushFree(page);
+    }
+    return true;
   }
 
   /** References held on `page` (0 unless SHARED). */
@@ -412,16 +485,46 @@ export class OwnershipTable {
     return this.#header[H_SHARED]!;
   }
 
-  /** `checkShared` for a page the reader holds as a shared reference, else `checkRead`. */
+  /** `checkShared` for a page the reader's block table marks as a shared reference (`shared[j]`), else `checkRead`. */
   #readable(
     page: number,
     generation: number,
     rid: number,
     epoch: number,
-    shared: boolean,
-    tenant: number,
+    shared: Uint8Array | undefined,
+    j: number,
+    tenant: number | undefined,
   ): boolean {
-    return shared ? this.checkShared(page, generation, tenant) : this.checkRead(page, generation, rid, epoch);
+    return shared?.[j] === 1
+      ? this.checkShared(page, generation, tenant ?? -1)
+      : this.checkRead(page, generation, rid, epoch);
+  }
+
+  /** A page past a step's end: leased to `(rid, epoch)` at `generation`, RESERVED or READY. */
+  #leasedAhead(page: number, generation: number, rid: number, epoch: number): boolean {
+    const state = this.#state[page];
+    return (
+      this.#holds(page, generation, rid, epoch) && (state === PageState.RESERVED || state === PageState.READY)
+    );
+  }
+
+  /** A sibling page a step reads (`before` its start): `checkSibling`, all its `pageSize` tokens filled. */
+  #fullSibling(
+    page: number,
+    generation: number,
+    groupRid: number,
+    epoch: number,
+    pageSize: number,
+    before: boolean,
+  ): boolean {
+    return (
+      before && this.checkSibling(page, generation, groupRid, epoch) && this.#filledTokens[page]! >= pageSize
+    );
+  }
+
+  /** SHARED at `generation` and a prefix-cache entry's (never a request's sibling page). */
+  #isCachePage(page: number, generation: number): boolean {
+    return this.#isShared(page, generation) && this.#ownerEpoch[page] === NO_WRITER;
   }
 
   #isShared(page: number, generation: number): boolean {

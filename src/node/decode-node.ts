@@ -104,6 +104,10 @@ export class DecodeNode {
   readonly #safety;
   readonly #peers = new Map<string, PrefillPeer>();
   readonly #sampling = new Map<string, SamplingParams>();
+  /** n > 1 as one group, until its first sample ends: the later samples' rids, by the group's attempt key. */
+  readonly #groups = new Map<string, readonly number[]>();
+  /** Samples of n > 1 that started from their group's one transfer (forked at its commit). */
+  #forkedSamples = 0;
   /** Tracing on: each attempt's request trace, and when it committed (epoch ms; 0: not yet). */
   readonly #traces = new Map<string, { readonly trace: RequestTrace; committedAt: number }>();
   /** rid → epoch of the attempt the engine runs now. */
@@ -273,7 +277,11 @@ export class DecodeNode {
         });
         return;
       }
-      this.#sampling.set(attemptKey(msg.rid, msg.epoch), message.sampling ?? GREEDY);
+      const sampling = message.sampling ?? GREEDY;
+      this.#sampling.set(attemptKey(msg.rid, msg.epoch), sampling);
+      // n > 1 as one group: its later samples decode with their own seeds once the commit forks them.
+      if (msg.samples !== undefined && msg.samples.length > 0)
+        this.#groups.set(attemptKey(msg.rid, msg.epoch), msg.samples);
       if (message.trace !== undefined && tracing() !== null)
         this.#traces.set(attemptKey(msg.rid, msg.epoch), { trace: message.trace, committedAt: 0 });
     }
@@ -302,6 +310,7 @@ export class DecodeNode {
       counters: {
         ...stats.counters,
         tagCheckFailures: stats.counters.tagCheckFailures + this.#machineTagFailures,
+        forkedSamples: this.#forkedSamples,
       },
       transfer: {
         ...stats.transfer,
@@ -369,8 +378,15 @@ export class DecodeNode {
         case "commit":
           // The committed message (with prefill's first token) follows in the same batch.
           commits ??= [];
-          commits.push([effect, committedToken(out, i + 1, end)]);
+          commits.push([effect, committedToken(out, effect.rid, i + 1, end)]);
           break;
+        case "copy": {
+          // n > 1: a later sample's copy of the prompt's partial last page, before any of its steps.
+          const pool = this.#engine.pool;
+          const pf = pool.pageFloats;
+          pool.data.copyWithin(effect.to * pf, effect.from * pf, (effect.from + 1) * pf);
+          break;
+        }
         case "stop":
           this.#stop(effect.rid, effect.epoch);
           break;
@@ -449,6 +465,7 @@ export class DecodeNode {
   #ended(msg: Extract<ControlMessage, { type: "finished" | "failed" | "rejected" }>): void {
     const key = attemptKey(msg.rid, msg.epoch);
     this.#sampling.delete(key);
+    this.#groups.delete(key);
     this.#firstLogprobs.delete(key);
     const t = this.#traces.get(key);
     if (t !== undefined && t.committedAt > 0)
@@ -476,7 +493,23 @@ export class DecodeNode {
       if (this.#checking !== rid) this.#engine.abort(rid);
     }
     this.#sampling.delete(attemptKey(rid, epoch));
+    this.#groups.delete(attemptKey(rid, epoch));
     this.#traces.delete(attemptKey(rid, epoch));
+  }
+
+  /**
+   * A later sample's sampling, as its commit forks it: its group's with the sample's own seed (and
+   * kept under its own key from now on, until it ends). Undefined when it is no such sample.
+   */
+  #sampleSampling(group: number | undefined, rid: number, epoch: number): SamplingParams | undefined {
+    if (group === undefined || group === rid) return undefined;
+    const groupKey = attemptKey(group, epoch);
+    const base = this.#sampling.get(groupKey);
+    const j = this.#groups.get(groupKey)?.indexOf(rid) ?? -1;
+    if (base === undefined || j < 0) return undefined;
+    const own = { ...base, seed: base.sampleSeeds?.[j] ?? null };
+    this.#sampling.set(attemptKey(rid, epoch), own);
+    return own;
   }
 
   /**
@@ -501,7 +534,8 @@ export class DecodeNode {
     const attempt = peer.state.attempts[key];
     // max_tokens 1: the machine finished the request at commit.
     if (attempt === undefined || attempt.phase !== "decoding") return;
-    const sampling = this.#sampling.get(key) ?? GREEDY;
+    if (attempt.group !== undefined && attempt.group !== rid) this.#forkedSamples++;
+    const sampling = this.#sampling.get(key) ?? this.#sampleSampling(attempt.group, rid, epoch) ?? GREEDY;
     if (sampling.stopTokenIds.includes(firstToken)) {
       this.#endStopped(peer, rid, epoch, 1);
       return;
@@ -574,12 +608,11 @@ export class DecodeNode {
   }
 }
 
-/** Prefill's first token: the `committed` message's among effects `[from, end)`, or 0. */
-function committedToken(out: Effects, from: number, end: number): number {
-  let firstToken = 0;
+/** Prefill's first token of `rid`: its `committed` message's among effects `[from, end)`, or 0. */
+function committedToken(out: Effects, rid: number, from: number, end: number): number {
   for (let j = from; j < end; j++) {
     const e = out[j]!;
-    if (e.kind === "send" && e.msg.type === "committed") firstToken = e.msg.firstToken;
+    if (e.kind === "send" && e.msg.type === "committed" && e.msg.rid === rid) return e.msg.firstToken;
   }
-  return firstToken;
+  return 0;
 }

@@ -95,6 +95,8 @@ export class PrefillNode {
   >();
   readonly #out: Effects = [];
   readonly #context: PrefillContext;
+  /** n > 1 as one group: per attempt, its later samples' first tokens, for its manifest. */
+  readonly #sampleFirst = new Map<string, number[]>();
   /** Per attempt that asked: the first token's and the prompt's log-probabilities, for its manifest. */
   readonly #logprobs = new Map<string, FirstLogprobs>();
   /** Watermarks for decode incarnations not attached yet (see `#watermark`). */
@@ -302,9 +304,15 @@ export class PrefillNode {
     if (msg.type !== "manifest") return msg;
     const key = attemptKey(msg.rid, msg.epoch);
     const logprobs = this.#logprobs.get(key);
-    if (logprobs === undefined) return msg;
+    const sampleFirstTokens = this.#sampleFirst.get(key);
+    if (logprobs === undefined && sampleFirstTokens === undefined) return msg;
     this.#logprobs.delete(key);
-    return { ...msg, logprobs };
+    this.#sampleFirst.delete(key);
+    return {
+      ...msg,
+      ...(logprobs === undefined ? {} : { logprobs }),
+      ...(sampleFirstTokens === undefined ? {} : { sampleFirstTokens }),
+    };
   }
 
   #step(peer: DecodePeer, event: PrefillEvent, force = false): void {
@@ -324,6 +332,7 @@ export class PrefillNode {
           if (effect.msg.type === "abort_ack" || effect.msg.type === "rejected") {
             this.#inputs.delete(attemptKey(effect.msg.rid, effect.msg.epoch));
             this.#logprobs.delete(attemptKey(effect.msg.rid, effect.msg.epoch));
+            this.#sampleFirst.delete(attemptKey(effect.msg.rid, effect.msg.epoch));
           }
           break;
         case "compute":
@@ -345,6 +354,7 @@ export class PrefillNode {
       if (input.peer !== peer || peer.state.attempts[key] !== undefined) continue;
       this.#inputs.delete(key);
       this.#logprobs.delete(key);
+      this.#sampleFirst.delete(key);
       const [rid, epoch] = key.split(":").map(Number) as [number, number];
       this.#prefix?.forget(rid, epoch);
     }
@@ -375,6 +385,7 @@ export class PrefillNode {
       controls: sampling.controls,
       logprobs: sampling.logprobs,
       promptLogprobs: sampling.promptLogprobs,
+      sampleSeeds: sampling.sampleSeeds,
     };
     let done = false;
     // The clock is read for a span only (tracing off: nothing).
@@ -394,6 +405,8 @@ export class PrefillNode {
           if (done) return;
           done = true;
           if (lp?.[0] !== undefined) this.#logprobs.set(key, { ...this.#logprobs.get(key), first: lp[0] });
+          // n > 1 as one group: the later samples' first tokens ride with the manifest.
+          if (ids.length > 1) this.#sampleFirst.set(key, ids.slice(1));
           traceSpan(input?.trace, "prefill", submittedAt, { "kvfence.prompt_tokens": promptLen });
           this.#step(peer, { type: "computed", rid, epoch, firstToken: ids[0]! });
         },

@@ -26,6 +26,16 @@
  *   connection closed or worker gone). An ack that arrives before the abort is remembered: it means
  *   prefill will never write for that attempt. After commit every write has drained (prefill sends
  *   the manifest last), so pages are freed at once.
+ * - **n > 1** (a reserve with `samples`): one transfer for the request's prompt, into the first
+ *   sample's lease; decode also reserves each later sample's own pages (its copy of the prompt's
+ *   partial last page and its tail). At the commit it forks the attempt: the prompt's full pages
+ *   turn SHARED between the samples (`OwnershipTable.shareSiblings`, a reference each), the partial
+ *   page is copied into each later sample's own page (a `copy` effect; the machine stamps the copy as
+ *   that sample's), and each sample becomes an attempt of its own (its rid, the same epoch) that
+ *   commits, steps, finishes and aborts alone. Its per-token check reads the shared pages under
+ *   `checkSibling` for the request's group, so they pass for its samples and nobody else; its own
+ *   pages under the usual rules. A sample that ends drops its references; the last one frees the
+ *   shared pages.
  * - **Nothing is released on a timer.** (`quarantine_timeout` is honoured only with the `quarantine`
  *   guard disabled, to reproduce the timeout release of SGLang #35049/#38961.)
  *
@@ -110,6 +120,19 @@ export interface DecodeAttempt {
   writer: number;
   /** A `check` passed for the next step (a `step` consumes it; with the guard off it is not needed). */
   checked: boolean;
+  /** n > 1, until the commit: the own pages reserved for each later sample (its rid, the same epoch). */
+  siblings?: SiblingReservation[];
+  /** n > 1, after the commit: the first `shared` pages are the request's sibling pages (read-only). */
+  shared?: number;
+  /** n > 1: the rid of the request's first sample, whose attempt `(group, epoch)` owns the sibling pages. */
+  group?: number;
+}
+
+/** A later sample's own pages (its copy of the partial last prompt page, then its tail), leased to `(rid, epoch)`. */
+export interface SiblingReservation {
+  rid: number;
+  pages: number[];
+  generations: number[];
 }
 
 export interface DecodeState {
@@ -171,6 +194,20 @@ export function leasedPage(state: DecodeState, rid: number, epoch: number, index
  */
 export function decodeReservationPages(promptLen: number, maxTokens: number, pageSize: number): number {
   return Math.ceil(Math.max(promptLen, promptLen + maxTokens - 1) / pageSize);
+}
+
+/**
+ * Pages decode reserves for a request of `samples` samples: the first sample's (as for one), and
+ * for each later one its own pages past the prompt's full pages (which the samples share).
+ */
+export function decodeGroupPages(
+  promptLen: number,
+  maxTokens: number,
+  pageSize: number,
+  samples: number,
+): number {
+  const one = decodeReservationPages(promptLen, maxTokens, pageSize);
+  return one + (samples - 1) * (one - Math.floor(promptLen / pageSize));
 }
 
 export function initialDecodeState(incarnation: number, prefillIncarnation: number): DecodeState {
@@ -258,9 +295,22 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
   const P = pool.pageSize;
   const leaseCount = Math.ceil(msg.promptLen / P);
   const count = decodeReservationPages(msg.promptLen, msg.maxTokens, P);
+  const samples = msg.samples ?? [];
+  if (samples.some((r, i) => r === msg.rid || samples.indexOf(r) !== i)) {
+    reject(
+      state,
+      msg,
+      { code: "internal", message: `The samples of request ${msg.rid} are not distinct` },
+      out,
+    );
+    return;
+  }
   const leased = leasePages(pool, count, msg);
-  if (leased === null) {
-    reject(state, msg, poolExhausted("decode", msg.rid, count), out);
+  const siblings = leased === null ? null : reserveSiblings(pool, msg, count - Math.floor(msg.promptLen / P));
+  if (leased === null || siblings === null) {
+    if (leased !== null) freePages(pool, leased.pages, leased.generations, msg.rid, msg.epoch);
+    const total = decodeGroupPages(msg.promptLen, msg.maxTokens, P, 1 + samples.length);
+    reject(state, msg, poolExhausted("decode", msg.rid, total), out);
     return;
   }
   const { pages, generations } = leased;
@@ -277,6 +327,7 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
     generated: 0,
     writer: state.prefillIncarnation,
     checked: false,
+    ...(siblings.length === 0 ? {} : { siblings }),
   };
   const lease: LeasePage[] = [];
   for (let i = 0; i < leaseCount; i++) lease.push({ page: pages[i]!, generation: generations[i]! });
@@ -294,6 +345,20 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
       writerIncarnation: state.prefillIncarnation,
     },
   });
+}
+
+/** Each later sample's `own` pages, leased to its rid; null (nothing kept) when the pool has too few. */
+function reserveSiblings(pool: KvPool, msg: ReserveRequest, own: number): SiblingReservation[] | null {
+  const siblings: SiblingReservation[] = [];
+  for (const rid of msg.samples ?? []) {
+    const leased = leasePages(pool, own, { rid, epoch: msg.epoch, tenant: msg.tenant });
+    if (leased === null) {
+      for (const s of siblings) freePages(pool, s.pages, s.generations, s.rid, msg.epoch);
+      return null;
+    }
+    siblings.push({ rid, ...leased });
+  }
+  return siblings;
 }
 
 function reject(state: DecodeState, msg: ReserveRequest, error: WireError, out: Effects): void {
@@ -333,23 +398,92 @@ function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
   for (let i = 0; i < a.leaseCount; i++) pool.table.markReady(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
   a.phase = "decoding";
   a.generated = 1;
+  const siblings = a.siblings;
+  delete a.siblings;
+  const coverage = msg.tokenEnd - msg.tokenStart;
+  if (siblings !== undefined) shareSiblingPages(a, siblings.length, pool);
+  commitSample(a, coverage, msg.firstToken, out);
+  out.push({ kind: "send", to: "prefill", msg: { type: "release", rid: msg.rid, epoch: msg.epoch } });
+  const forked = siblings === undefined ? [] : fork(state, a, siblings, msg, ctx);
+  if (a.generated >= a.maxTokens) finish(state, key, a, [], ctx);
+  for (const sample of forked) {
+    if (sample.generated >= sample.maxTokens)
+      finish(state, attemptKey(sample.rid, sample.epoch), sample, [], ctx);
+  }
+}
+
+/** The `commit` effect and the router's `committed` of one (sample's) attempt. */
+function commitSample(a: DecodeAttempt, coverage: number, firstToken: number, out: Effects): void {
   const pages: LeasePage[] = [];
   for (let i = 0; i < a.pages.length; i++) pages.push({ page: a.pages[i]!, generation: a.generations[i]! });
-  out.push({
-    kind: "commit",
-    rid: a.rid,
-    epoch: a.epoch,
-    promptLen: a.promptLen,
-    coverage: msg.tokenEnd - msg.tokenStart,
-    pages,
-  });
+  out.push({ kind: "commit", rid: a.rid, epoch: a.epoch, promptLen: a.promptLen, coverage, pages });
   out.push({
     kind: "send",
     to: "router",
-    msg: { type: "committed", rid: a.rid, epoch: a.epoch, firstToken: msg.firstToken },
+    msg: { type: "committed", rid: a.rid, epoch: a.epoch, firstToken },
   });
-  out.push({ kind: "send", to: "prefill", msg: { type: "release", rid: msg.rid, epoch: msg.epoch } });
-  if (a.generated >= a.maxTokens) finish(state, key, a, [], ctx);
+}
+
+/** The prompt's full pages of the first sample `a` become the request's sibling pages, a reference per sample. */
+function shareSiblingPages(a: DecodeAttempt, later: number, pool: KvPool): void {
+  const P = pool.pageSize;
+  const full = Math.floor(a.promptLen / P);
+  for (let i = 0; i < full; i++)
+    pool.table.shareSiblings(a.pages[i]!, a.generations[i]!, a.rid, a.epoch, 1 + later, P);
+  a.shared = full;
+  a.group = a.rid;
+}
+
+/**
+ * The commit of a request of n > 1 samples forks it: each later sample gets its copy of the partial
+ * last prompt page (stamped as its own) and becomes an attempt of its own over the sibling pages and
+ * its own, committed with its first token. A sample aborted before the commit gets nothing (its
+ * pages and its sibling references are dropped). Returns the samples forked.
+ */
+function fork(
+  state: DecodeState,
+  a: DecodeAttempt,
+  siblings: readonly SiblingReservation[],
+  msg: Manifest,
+  ctx: DecodeContext,
+): DecodeAttempt[] {
+  const { pool, out } = ctx;
+  const table = pool.table;
+  const full = a.shared ?? 0;
+  const partial = a.promptLen - full * pool.pageSize;
+  const forked: DecodeAttempt[] = [];
+  siblings.forEach((s, j) => {
+    const key = attemptKey(s.rid, a.epoch);
+    const sample: DecodeAttempt = {
+      rid: s.rid,
+      epoch: a.epoch,
+      tenant: a.tenant,
+      promptLen: a.promptLen,
+      maxTokens: a.maxTokens,
+      phase: "decoding",
+      pages: [...a.pages.slice(0, full), ...s.pages],
+      generations: [...a.generations.slice(0, full), ...s.generations],
+      leaseCount: a.leaseCount,
+      generated: 1,
+      writer: a.writer,
+      checked: false,
+      shared: full,
+      group: a.rid,
+    };
+    if (state.ended[key] !== undefined || state.attempts[key] !== undefined || below(state, s.rid)) {
+      freeAll(sample, pool);
+      return;
+    }
+    if (partial > 0) {
+      out.push({ kind: "copy", from: a.pages[full]!, to: s.pages[0]!, tokens: partial });
+      table.stampWriter(s.pages[0]!, s.rid, a.epoch, partial);
+      table.markReady(s.pages[0]!, s.generations[0]!, s.rid, a.epoch);
+    }
+    state.attempts[key] = sample;
+    commitSample(sample, msg.tokenEnd - msg.tokenStart, msg.sampleFirstTokens?.[j] ?? msg.firstToken, out);
+    forked.push(sample);
+  });
+  return forked;
 }
 
 /** The commit check: coverage equals the reservation exactly, and every checksum matches. */
@@ -425,6 +559,10 @@ function check(state: DecodeState, key: string, ctx: DecodeContext): void {
       a.epoch,
       position,
       position + 1,
+      undefined,
+      undefined,
+      a.shared ?? 0,
+      a.group ?? -1,
     );
     if (bad >= 0) {
       state.tagFailures++;
@@ -560,6 +698,9 @@ function quarantineOrFree(state: DecodeState, key: string, a: DecodeAttempt, poo
     if (i < a.leaseCount) table.quarantine(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
     else table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
   }
+  // The later samples' own pages were never leased to prefill: nothing can write them.
+  for (const s of a.siblings ?? []) freePages(pool, s.pages, s.generations, s.rid, a.epoch);
+  delete a.siblings;
   a.phase = "quarantined";
 }
 
@@ -582,8 +723,24 @@ function releaseQuarantined(a: DecodeAttempt, pool: KvPool): void {
   for (let i = 0; i < a.leaseCount; i++) pool.table.releaseQuarantine(a.pages[i]!, a.generations[i]!);
 }
 
+/** Frees an attempt's pages: its own ones, its references to sibling pages, its later samples' reservations. */
 function freeAll(a: DecodeAttempt, pool: KvPool): void {
-  for (let i = 0; i < a.pages.length; i++) pool.table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+  const shared = a.shared ?? 0;
+  for (let i = 0; i < a.pages.length; i++) {
+    if (i < shared) pool.table.dropSibling(a.pages[i]!, a.generations[i]!, a.group!, a.epoch);
+    else pool.table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+  }
+  for (const s of a.siblings ?? []) freePages(pool, s.pages, s.generations, s.rid, a.epoch);
+}
+
+function freePages(
+  pool: KvPool,
+  pages: readonly number[],
+  generations: readonly number[],
+  rid: number,
+  epoch: number,
+): void {
+  for (let i = 0; i < pages.length; i++) pool.table.free(pages[i]!, generations[i]!, rid, epoch);
 }
 
 function end(state: DecodeState, key: string): void {

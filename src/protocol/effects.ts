@@ -120,6 +120,19 @@ export interface CommitEffect {
   readonly pages: readonly LeasePage[];
 }
 
+/**
+ * Decode, at the commit of a request of `n` > 1 samples: copy the first `tokens` token slots of
+ * page `from` (the prompt's partial last page, the first sample's) into page `to` (a later sample's
+ * own page). The machine has already stamped `to` as that sample's and marked it READY: the host
+ * copies the bytes while it handles this step's effects, before any step of the sample runs.
+ */
+export interface CopyEffect {
+  readonly kind: "copy";
+  readonly from: number;
+  readonly to: number;
+  readonly tokens: number;
+}
+
 /** Decode: stop running `(rid, epoch)` (abort or failure); its pages were freed or quarantined. */
 export interface StopEffect {
   readonly kind: "stop";
@@ -150,6 +163,7 @@ export type Effect =
   | WriteEffect
   | ComputeEffect
   | CommitEffect
+  | CopyEffect
   | StopEffect
   | TokensEffect
   | RespondEffect;

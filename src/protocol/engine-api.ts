@@ -40,6 +40,18 @@ export interface GenerationRequest {
    * instead of computing it again; otherwise it is an ordinary request.
    */
   readonly sample?: { readonly of: number; readonly index: number } | undefined;
+  /**
+   * The first sample of a request of `n` > 1 whose samples run as one group on a prefill and a
+   * decode node: the rids of its later samples, in order (each `rid` + j; the decode machine forks
+   * them after the one transfer, docs/protocol.md §3, item 14). An engine that runs it alone ignores it.
+   */
+  readonly samples?: readonly number[] | undefined;
+  /**
+   * A prefill-only request of such a group: also draw each later sample's first token from the
+   * same logits, each with its own generator (its seed; null: a random one), reported after this
+   * one's in `onTokens`.
+   */
+  readonly sampleSeeds?: readonly (number | null)[] | undefined;
   /** The HTTP request's id and trace context (logs and spans; src/lib/tracing.ts). */
   readonly trace?: RequestTrace;
   /**

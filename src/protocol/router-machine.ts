@@ -47,6 +47,10 @@ export interface RouterRequest {
   phase: RouterPhase;
   /** Tokens streamed so far. */
   streamed: number;
+  /** n > 1 as one group, on its first sample: the later samples' rids (each its own request here). */
+  samples?: number[];
+  /** A later sample of a group: the group's (first sample's) rid, whose attempt carries it until the commit. */
+  of?: number;
 }
 
 export interface RouterState {
@@ -77,6 +81,8 @@ export type RouterEvent =
       readonly tenant: number;
       readonly promptLen: number;
       readonly maxTokens: number;
+      /** n > 1 as one group: the later samples' rids, after `rid` in serial order (docs/protocol.md §3, item 13). */
+      readonly samples?: readonly number[];
     }
   | { readonly type: "message"; readonly msg: ControlMessage }
   | { readonly type: "client_abort"; readonly rid: number }
@@ -158,18 +164,20 @@ function step(state: RouterState, event: RouterEvent, ctx: RouterContext): void 
     case "message":
       onMessage(state, event.msg, ctx);
       return;
-    case "client_abort": {
-      const req = state.requests[event.rid];
-      if (req === undefined || req.phase === "done") return;
-      abortAttempt(req, out);
-      respondError(req, { code: "aborted", message: "The client closed the request" }, out);
+    case "client_abort":
+      clientAbort(state, event.rid, out);
       return;
-    }
     case "attempt_timeout": {
       const req = state.requests[event.rid];
-      if (req === undefined || (req.phase !== "reserving" && req.phase !== "prefilling")) return;
+      if (
+        req === undefined ||
+        riding(state, req) ||
+        (req.phase !== "reserving" && req.phase !== "prefilling")
+      )
+        return;
       abortAttempt(req, out);
       retryOrFail(
+        state,
         req,
         {
           code: "transfer_failed",
@@ -184,21 +192,39 @@ function step(state: RouterState, event: RouterEvent, ctx: RouterContext): void 
       // rid below the watermark will follow.
       if (state.watermark !== 0) sendWatermark(state, event.role, out);
       return;
-    case "peer_lost": {
-      for (const key in state.requests) {
-        const req = state.requests[key]!;
-        if (req.phase === "done") continue;
-        // A decoding request no longer needs prefill: its KV is committed at decode.
-        if (req.phase === "decoding" && event.role === "prefill") continue;
-        abortAttempt(req, out);
-        retryOrFail(
-          req,
-          { code: "node_unavailable", message: `The ${event.role} node went away during request ${req.rid}` },
-          ctx,
-        );
-      }
+    case "peer_lost":
+      peerLost(state, event.role, ctx);
       return;
-    }
+  }
+}
+
+/** The client went away: the attempt ends; a group's samples before the commit go with it (decode frees them with it). */
+function clientAbort(state: RouterState, rid: number, out: Effects): void {
+  const req = state.requests[rid];
+  if (req === undefined || req.phase === "done") return;
+  const error = { code: "aborted" as const, message: "The client closed the request" };
+  const samples = req.phase === "decoding" ? [] : carried(state, req);
+  abortAttempt(req, out);
+  respondError(req, error, out);
+  for (const sample of samples) respondError(sample, error, out);
+}
+
+/** A node of the pair is gone: every attempt that needs it ends, or is tried again. */
+function peerLost(state: RouterState, role: "prefill" | "decode", ctx: RouterContext): void {
+  for (const key in state.requests) {
+    const req = state.requests[key]!;
+    if (req.phase === "done") continue;
+    // A decoding request no longer needs prefill: its KV is committed at decode.
+    if (req.phase === "decoding" && role === "prefill") continue;
+    // A sample its group's attempt still carries ends with it.
+    if (riding(state, req)) continue;
+    abortAttempt(req, ctx.out);
+    retryOrFail(
+      state,
+      req,
+      { code: "node_unavailable", message: `The ${role} node went away during request ${req.rid}` },
+      ctx,
+    );
   }
 }
 
@@ -218,7 +244,22 @@ function submit(
     state.stale++;
     return;
   }
-  state.next = nextRidIn(event.rid, routerSlotOf(event.rid));
+  // A group's later samples: rids of the same slot, each after the one before.
+  const samples = event.samples ?? [];
+  let last = event.rid;
+  for (const rid of samples) {
+    if (
+      state.requests[rid] !== undefined ||
+      rid === 0 ||
+      routerSlotOf(rid) !== routerSlotOf(event.rid) ||
+      !ridBefore(last, rid)
+    ) {
+      state.stale++;
+      return;
+    }
+    last = rid;
+  }
+  state.next = nextRidIn(last, routerSlotOf(last));
   const req: RouterRequest = {
     rid: event.rid,
     tenant: event.tenant,
@@ -227,12 +268,28 @@ function submit(
     epoch: 1,
     phase: "reserving",
     streamed: 0,
+    ...(samples.length === 0 ? {} : { samples: [...samples] }),
   };
   state.requests[event.rid] = req;
+  // Each later sample is a request of its own from the commit on; until then the group's attempt carries it.
+  for (const rid of samples) {
+    state.requests[rid] = {
+      rid,
+      tenant: event.tenant,
+      promptLen: event.promptLen,
+      maxTokens: event.maxTokens,
+      epoch: 1,
+      phase: "reserving",
+      streamed: 0,
+      of: event.rid,
+    };
+  }
   const limit = effectiveContext(config, safety);
   if (event.promptLen + event.maxTokens > limit) {
     // Door 1: nothing allocated, no node contacted.
-    respondError(req, contextLengthError(event.promptLen, event.maxTokens, limit), out);
+    const error = contextLengthError(event.promptLen, event.maxTokens, limit);
+    respondError(req, error, out);
+    for (const sample of carried(state, req)) respondError(sample, error, out);
     return;
   }
   sendReserve(req, out);
@@ -247,8 +304,9 @@ function onMessage(state: RouterState, msg: ControlMessage, ctx: RouterContext):
   }
   switch (msg.type) {
     case "lease":
-      if (req.phase !== "reserving") break;
+      if (req.phase !== "reserving" || req.of !== undefined) break;
       req.phase = "prefilling";
+      for (const sample of carried(state, req)) sample.phase = "prefilling";
       out.push({
         kind: "send",
         to: "prefill",
@@ -267,7 +325,7 @@ function onMessage(state: RouterState, msg: ControlMessage, ctx: RouterContext):
       if (req.phase !== "reserving" && req.phase !== "prefilling") break;
       // Decode holds a reservation; it relays the abort so prefill acknowledges (it wrote nothing).
       if (msg.from === "prefill") abortAttempt(req, out);
-      retryOrFail(req, msg.error, ctx);
+      retryOrFail(state, req, msg.error, ctx);
       return;
     case "committed":
       if (req.phase !== "prefilling") break;
@@ -302,7 +360,7 @@ function onMessage(state: RouterState, msg: ControlMessage, ctx: RouterContext):
         return;
       }
       if (req.phase !== "prefilling") break;
-      retryOrFail(req, msg.error, ctx);
+      retryOrFail(state, req, msg.error, ctx);
       return;
     default:
       break;
@@ -321,8 +379,31 @@ function sendReserve(req: RouterRequest, out: Effects): void {
       tenant: req.tenant,
       promptLen: req.promptLen,
       maxTokens: req.maxTokens,
+      ...(req.samples === undefined ? {} : { samples: req.samples }),
     },
   });
+}
+
+/**
+ * Whether `req` is a later sample its group's attempt still carries (the group before its commit):
+ * the group's fate is its own. A sample whose group ended or committed is a request on its own,
+ * even before its own `committed` arrives.
+ */
+function riding(state: RouterState, req: RouterRequest): boolean {
+  if (req.of === undefined || req.phase === "decoding") return false;
+  const group = state.requests[req.of];
+  return group !== undefined && (group.phase === "reserving" || group.phase === "prefilling");
+}
+
+/** The later samples of group `req` still riding on its attempt (before the commit forks them). */
+function carried(state: RouterState, req: RouterRequest): RouterRequest[] {
+  const out: RouterRequest[] = [];
+  for (const rid of req.samples ?? []) {
+    const sample = state.requests[rid];
+    if (sample !== undefined && (sample.phase === "reserving" || sample.phase === "prefilling"))
+      out.push(sample);
+  }
+  return out;
 }
 
 /**
@@ -335,7 +416,22 @@ function abortAttempt(req: RouterRequest, out: Effects): void {
   out.push({ kind: "send", to: "decode", msg: { type: "abort", rid: req.rid, epoch: req.epoch } });
 }
 
-function retryOrFail(req: RouterRequest, error: WireError, { config, out }: RouterContext): void {
+function retryOrFail(
+  state: RouterState,
+  req: RouterRequest,
+  error: WireError,
+  { config, out }: RouterContext,
+): void {
+  if (req.samples !== undefined || req.of !== undefined) {
+    // A group of samples is not retried: the attempt ends for every sample it still carries.
+    respondError(req, error, out);
+    for (const rid of req.samples ?? []) {
+      const sample = state.requests[rid];
+      if (sample !== undefined && sample.phase !== "done" && sample.phase !== "decoding")
+        respondError(sample, error, out);
+    }
+    return;
+  }
   if (ERROR_TABLE[error.code].retryable && req.epoch < config.maxAttempts && req.streamed === 0) {
     req.epoch++;
     req.phase = "reserving";

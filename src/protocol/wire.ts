@@ -27,6 +27,13 @@ export interface ReserveRequest {
   readonly tenant: number;
   readonly promptLen: number;
   readonly maxTokens: number;
+  /**
+   * `n` > 1: the request ids of its samples after the first (which is `rid`). Decode reserves each
+   * sample's own pages (its copy of the prompt's partial last page and its tail) beside the one
+   * transfer lease, and at the commit forks the attempt into the samples, which share the prompt's
+   * full pages read-only (docs/protocol.md §3, item 14). Absent: one sample.
+   */
+  readonly samples?: readonly number[];
 }
 
 /** Decode → router: the reservation, forwarded by the router to prefill inside `PrefillRequest`. */
@@ -102,6 +109,12 @@ export interface Manifest {
   readonly tokenStart: number;
   readonly tokenEnd: number;
   readonly firstToken: number;
+  /**
+   * `n` > 1: the first token of each sample after the first, in the order of the reserve's
+   * `samples` (prefill draws each from the same logits with the sample's own generator). A sample
+   * without one here starts from `firstToken`.
+   */
+  readonly sampleFirstTokens?: readonly number[];
   /** One checksum per written page keyed by (rid, epoch, logical page index), in logical order. */
   readonly checksums: readonly string[];
   /**

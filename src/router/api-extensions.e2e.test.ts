@@ -9,13 +9,16 @@
  *   fixture of scripts/golden.py) within 1e-4, their top lists ordered and complete, for the prompt
  *   (echo, vLLM's prompt_logprobs, computed on prefill) and for the output (decode), alike
  *   everywhere, streamed and not.
+ * - `/v1/responses` (OpenAI's Responses API, text in and out) answers as chat does for the same
+ *   messages — the same template, the same tokens — as a `response` object or its event stream
+ *   (`client.responses.create`, `client.responses.stream`), and refuses what it does not serve.
  */
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
-import { assertPoolIdle, modelDir, operatorGet } from "../../testing/start-server.js";
+import { assertPoolIdle, modelDir, operatorGet, scrape } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
 
@@ -463,25 +466,46 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
       }
     });
 
-    test("one engine: n=8 computes the prompt once and forks it into 8 samples", async () => {
-      const { client, server } = servers[0]!;
+    test("n=8 computes the prompt once and forks it into 8 samples, in every topology (one transfer when split)", async () => {
       const prompt = "The KV cache of one request must never serve another request.";
-      const before = await counter(server.url, "kvfence_prefill_tokens_total");
-      const forkedBefore = await counter(server.url, "kvfence_forked_samples_total");
-      const res = await client.completions.create({
-        model: MODEL,
-        prompt,
-        max_tokens: 5,
-        temperature: 0.8,
-        n: 8,
-      });
-      assert.equal(res.choices.length, 8);
-      assert.equal(
-        (await counter(server.url, "kvfence_prefill_tokens_total")) - before,
-        res.usage!.prompt_tokens,
+      const ask = { model: MODEL, prompt, max_tokens: 5, temperature: 0.8, seed: 11 };
+      const alone = await Promise.all(
+        [0, 1, 2, 3, 4, 5, 6, 7].map((j) => servers[0]!.client.completions.create({ ...ask, seed: 11 + j })),
       );
-      assert.equal((await counter(server.url, "kvfence_forked_samples_total")) - forkedBefore, 7);
-      await assertPoolIdle(server.url);
+      for (const { name, client, server } of servers) {
+        const before = await counter(server.url, "kvfence_prefill_tokens_total");
+        const forkedBefore = await counter(server.url, "kvfence_forked_samples_total");
+        const transfers = async () => (await scrape(server.url)).get("kvfence_transfer_gbps_count") ?? 0;
+        const transfersBefore = await transfers();
+        const res = await client.completions.create({ ...ask, n: 8 });
+        assert.equal(res.choices.length, 8, name);
+        // Each sample as it would be alone with seed + j (vLLM's rule), in every topology.
+        assert.deepEqual(
+          res.choices.map((c) => c.text),
+          alone.map((a) => a.choices[0]!.text),
+          name,
+        );
+        // (The prompt's pages the answers alone left in the prefix cache are not computed again.)
+        const cached = res.usage!.prompt_tokens_details?.cached_tokens ?? 0;
+        assert.equal(
+          (await counter(server.url, "kvfence_prefill_tokens_total")) - before,
+          res.usage!.prompt_tokens - cached,
+          `${name}: the prompt computed once`,
+        );
+        assert.equal(
+          (await counter(server.url, "kvfence_forked_samples_total")) - forkedBefore,
+          7,
+          `${name}: seven samples forked`,
+        );
+        if (name !== "single") {
+          assert.equal((await transfers()) - transfersBefore, 1, `${name}: one transfer`);
+        }
+        assert.equal(
+          res.usage!.completion_tokens,
+          alone.reduce((sum, a) => sum + a.usage!.completion_tokens, 0),
+        );
+        await assertPoolIdle(server.url);
+      }
     });
 
     test("chat, streamed: chunks name their choice; each stream equals the whole answer", async () => {
@@ -564,6 +588,179 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
       );
       await assertPoolIdle(server.url);
     }
+  });
+
+  describe("/v1/responses", () => {
+    const input: OpenAI.Responses.ResponseInput = [
+      { role: "user", content: "Say hello" },
+      // An earlier answer passed back as it came (an output message item).
+      {
+        id: "msg_earlier",
+        type: "message",
+        role: "assistant",
+        status: "completed",
+        content: [{ type: "output_text", text: "Hello", annotations: [] }],
+      },
+      { type: "message", role: "user", content: [{ type: "input_text", text: "again, about the sea" }] },
+    ];
+    const instructions = "You answer in one line.";
+    const chatMessages: OpenAI.ChatCompletionMessageParam[] = [
+      { role: "system", content: instructions },
+      { role: "user", content: "Say hello" },
+      { role: "assistant", content: "Hello" },
+      { role: "user", content: "again, about the sea" },
+    ];
+
+    /** A response and the chat answer to the same messages agree: text, status, usage, and the echoed fields. */
+    function sameAsChat(
+      res: OpenAI.Responses.Response,
+      chat: OpenAI.ChatCompletion,
+      max: number,
+      instructed: boolean,
+      what: string,
+    ): void {
+      assert.match(res.id, /^resp_[A-Za-z0-9]{24}$/, what);
+      assert.equal(res.object, "response", what);
+      assert.equal(res.output_text, chat.choices[0]!.message.content, what);
+      assert.equal(res.output.length, 1, what);
+      const item = res.output[0]! as OpenAI.Responses.ResponseOutputMessage;
+      assert.deepEqual([item.type, item.role], ["message", "assistant"], what);
+      assert.deepEqual(
+        item.content.map((p) => p.type),
+        ["output_text"],
+        what,
+      );
+      const length = chat.choices[0]!.finish_reason === "length";
+      assert.equal(res.status, length ? "incomplete" : "completed", what);
+      assert.equal(item.status, res.status, what);
+      assert.deepEqual(res.incomplete_details, length ? { reason: "max_output_tokens" } : null, what);
+      assert.equal(res.max_output_tokens, max, what);
+      assert.equal(res.instructions, instructed ? instructions : null, what);
+      assert.equal(res.usage!.input_tokens, chat.usage!.prompt_tokens, what);
+      assert.equal(res.usage!.output_tokens, chat.usage!.completion_tokens, what);
+      assert.equal(res.usage!.total_tokens, chat.usage!.total_tokens, what);
+    }
+
+    test("a response object with the chat path's answer (its template), usage, incomplete at max_output_tokens", async () => {
+      for (const { name, client, server } of servers) {
+        for (const [max, extra] of [
+          [12, { input, instructions }],
+          [2, { input, instructions }],
+          [6, { input: "the access code of account 4821 is" }],
+        ] as const) {
+          const messages =
+            typeof extra.input === "string"
+              ? [{ role: "user" as const, content: extra.input }]
+              : chatMessages;
+          const chat = await client.chat.completions.create({
+            model: MODEL,
+            messages,
+            max_tokens: max,
+            temperature: 0,
+          });
+          const res = await client.responses.create({
+            model: MODEL,
+            ...extra,
+            max_output_tokens: max,
+            temperature: 0,
+          });
+          const what = `${name}, max ${max}`;
+          sameAsChat(res, chat, max, "instructions" in extra, what);
+          if (max === 2) assert.equal(res.status, "incomplete", `${what}: two tokens end no answer here`);
+        }
+        await assertPoolIdle(server.url);
+      }
+    });
+
+    test("streamed: the Responses event sequence, numbered, its deltas the whole answer", async () => {
+      for (const { name, client, server } of servers) {
+        for (const max of [10, 2]) {
+          const ask = { model: MODEL, input, instructions, max_output_tokens: max, temperature: 0 };
+          const whole = await client.responses.create(ask);
+          const events: OpenAI.Responses.ResponseStreamEvent[] = [];
+          for await (const event of await client.responses.create({ ...ask, stream: true }))
+            events.push(event);
+          const what = `${name}, max ${max}`;
+          const types = events.map((e) => e.type);
+          const deltas = types.filter((t) => t === "response.output_text.delta").length;
+          assert.ok(deltas > 0, what);
+          assert.deepEqual(
+            types,
+            [
+              "response.created",
+              "response.in_progress",
+              "response.output_item.added",
+              "response.content_part.added",
+              ...Array(deltas).fill("response.output_text.delta"),
+              "response.output_text.done",
+              "response.content_part.done",
+              "response.output_item.done",
+              whole.status === "incomplete" ? "response.incomplete" : "response.completed",
+            ],
+            what,
+          );
+          assert.deepEqual(
+            events.map((e) => e.sequence_number),
+            events.map((_, i) => i),
+            what,
+          );
+          const text = events
+            .filter((e) => e.type === "response.output_text.delta")
+            .map((e) => (e as OpenAI.Responses.ResponseTextDeltaEvent).delta)
+            .join("");
+          assert.equal(text, whole.output_text, what);
+          const done = events.find((e) => e.type === "response.output_text.done");
+          assert.equal((done as OpenAI.Responses.ResponseTextDoneEvent).text, text, what);
+          const last = events.at(-1) as OpenAI.Responses.ResponseCompletedEvent;
+          assert.equal(last.response.status, whole.status, what);
+          // (cached_tokens may differ: the stream's prompt can hit pages the first answer cached.)
+          assert.deepEqual(
+            [last.response.usage?.input_tokens, last.response.usage?.output_tokens],
+            [whole.usage?.input_tokens, whole.usage?.output_tokens],
+            what,
+          );
+          assert.equal(
+            last.response.id,
+            events[0]!.type === "response.created" ? events[0].response.id : "",
+            what,
+          );
+          // The client's own accumulator of the events builds the same response.
+          const final = await client.responses.stream(ask).finalResponse();
+          assert.equal(final.output_text, whole.output_text, what);
+          assert.equal(final.status, whole.status, what);
+        }
+        await assertPoolIdle(server.url);
+      }
+    });
+
+    test("what /v1/responses does not serve is refused, naming the field", async () => {
+      const { client } = servers[1]!;
+      const cases: [Extra, string][] = [
+        [{ tools: [{ type: "function", name: "f", parameters: {}, strict: false }] }, "tools"],
+        [{ previous_response_id: "resp_abc" }, "previous_response_id"],
+        [{ store: true }, "store"],
+        [{ reasoning: { effort: "high" } }, "reasoning"],
+        [{ background: true }, "background"],
+        [{ text: { format: { type: "json_object" } } }, "text.format"],
+        [{ top_logprobs: 3 }, "top_logprobs"],
+        [{ truncation: "auto" }, "truncation"],
+        [
+          { input: [{ role: "user", content: [{ type: "input_image", image_url: "data:," }] }] },
+          "input[0].content",
+        ],
+        [{ input: [{ type: "function_call_output", call_id: "c", output: "x" }] }, "input[0].type"],
+      ];
+      for (const [extra, param] of cases) {
+        await assert.rejects(
+          client.responses.create({ model: MODEL, input: "hi", max_output_tokens: 2, ...extra } as never),
+          (err: unknown) => {
+            assert.ok(err instanceof OpenAI.BadRequestError, `${param}: ${String(err)}`);
+            assert.equal((err.error as { param?: string }).param, param, JSON.stringify(err.error));
+            return true;
+          },
+        );
+      }
+    });
   });
 
   test("chat template controls: add_generation_prompt, continue_final_message, chat_template_kwargs", async () => {

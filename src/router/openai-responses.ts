@@ -4,17 +4,25 @@
  * tokens, and the usage-only chunk (empty `choices`) that `stream_options.include_usage` asks for.
  * A choice that finished also says what stopped it as vLLM (`stop_reason`) and SGLang
  * (`matched_stop`) do: the stop string or stop token id, null for EOS and `length`.
- * Each endpoint's shapes are gathered in one `ResponseStrategy` (chat or text), which is all the
- * router needs to know about the difference between the two.
+ * Each endpoint's shapes are gathered in one `ResponseStrategy` (chat, text, or OpenAI's Responses
+ * API: a `response` object, and a stream of named events each with its `sequence_number`), which is
+ * all the router needs to know about the difference between them.
  */
 import { randomBytes } from "node:crypto";
 import type { FinishReason, StopReason, Usage } from "./generation.js";
 import { chatLogprobs, type LogprobItem, type PieceOf, textLogprobs } from "./logprobs-wire.js";
+import type { ResponsesEcho } from "./openai-schemas.js";
+import type { SseFraming } from "./sse.js";
 
 /** What a choice carries besides its text: log-probabilities in the endpoint's shape, vLLM's prompt_logprobs. */
 export interface ChoiceExtras {
   readonly logprobs?: object | null;
   readonly promptLogprobs?: unknown;
+}
+
+/** An OpenAI error envelope (src/lib/errors.ts, `toOpenAiError`). */
+export interface OpenAiErrorBody {
+  readonly error: { message: string; type: string; param: string | null; code: string };
 }
 
 export interface UsageWire {
@@ -35,19 +43,29 @@ export function usageWire(usage: Usage): UsageWire {
   return wire;
 }
 
-/** `chatcmpl-…` or `cmpl-…` followed by 24 random alphanumerics. */
-export function completionId(kind: "chat" | "text"): string {
+const ID_PREFIX = { chat: "chatcmpl-", text: "cmpl-", response: "resp_" } as const;
+
+/** `count` random alphanumerics. */
+function randomAlphanumerics(count: number): string {
   const alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-  const bytes = randomBytes(24);
-  let out = kind === "chat" ? "chatcmpl-" : "cmpl-";
-  for (const b of bytes) out += alphabet[b % alphabet.length];
+  let out = "";
+  for (const b of randomBytes(count)) out += alphabet[b % alphabet.length];
   return out;
+}
+
+/** `chatcmpl-…`, `cmpl-…` or `resp_…` followed by 24 random alphanumerics. */
+export function completionId(kind: keyof typeof ID_PREFIX): string {
+  return ID_PREFIX[kind] + randomAlphanumerics(24);
 }
 
 export interface ResponseMeta {
   readonly id: string;
   readonly created: number;
   readonly model: string;
+  /** The sampling settings in effect (the Responses object repeats them). */
+  readonly sampling?: { readonly temperature: number; readonly topP: number };
+  /** A Responses request's fields its answer repeats. */
+  readonly responses?: ResponsesEcho;
 }
 
 export function chatCompletion(
@@ -170,30 +188,41 @@ export function usageChunk(
 
 /**
  * How one endpoint's answers look, so the router builds them without branching on the endpoint:
- * `CHAT_RESPONSES` for /v1/chat/completions, `TEXT_RESPONSES` for /v1/completions.
+ * `CHAT_RESPONSES` for /v1/chat/completions, `TEXT_RESPONSES` for /v1/completions,
+ * `RESPONSES_API` for /v1/responses.
  */
 export interface ResponseStrategy {
-  /** The id prefix (`chatcmpl-` or `cmpl-`). */
-  readonly idKind: "chat" | "text";
-  /** The `object` of a streamed chunk (and of the usage-only chunk). */
-  readonly chunkObject: "chat.completion.chunk" | "text_completion";
-  /** The chunk a stream opens with before any text (chat's role chunk), or null. */
-  opening(meta: ResponseMeta, includeUsage: boolean): Record<string, unknown> | null;
-  /** A chunk carrying new text (and the log-probabilities of its tokens, when asked). */
+  /** The id prefix (`chatcmpl-`, `cmpl-` or `resp_`). */
+  readonly idKind: keyof typeof ID_PREFIX;
+  /** How its stream is framed: `data:` chunks ending with `[DONE]`, or named events with sequence numbers. */
+  readonly framing: SseFraming;
+  /** The payloads a stream opens with before any text (chat's role chunk, the Responses lifecycle events). */
+  opening(meta: ResponseMeta, includeUsage: boolean): Record<string, unknown>[];
+  /** A payload carrying new text (and the log-probabilities of its tokens, when asked). */
   delta(
     meta: ResponseMeta,
     text: string,
     includeUsage: boolean,
     logprobs?: object | null,
   ): Record<string, unknown>;
-  /** The chunk with the finish reason and no new text (and the last tokens' log-probabilities). */
+  /** The payloads that end one choice: its finish reason (and the last tokens' log-probabilities); `text` is the choice's whole text. */
   finish(
     meta: ResponseMeta,
     reason: FinishReason,
     includeUsage: boolean,
     stopReason: StopReason,
-    logprobs?: object | null,
-  ): Record<string, unknown>;
+    logprobs: object | null | undefined,
+    text: string,
+  ): Record<string, unknown>[];
+  /** The payloads once every choice finished; `whole` builds the non-streamed answer. */
+  closing(
+    meta: ResponseMeta,
+    includeUsage: boolean,
+    usage: Usage,
+    whole: () => object,
+  ): Record<string, unknown>[];
+  /** The payload of an error after the stream's headers went out. */
+  streamError(body: OpenAiErrorBody): Record<string, unknown>;
   /** The whole non-streamed answer. */
   completion(
     meta: ResponseMeta,
@@ -207,26 +236,177 @@ export interface ResponseStrategy {
   logprobs(items: readonly LogprobItem[], piece: PieceOf, offset: { value: number }): object;
 }
 
+/** The usage-only chunk when `stream_options.include_usage` asks for it. */
+function usageClosing(object: "chat.completion.chunk" | "text_completion") {
+  return (meta: ResponseMeta, includeUsage: boolean, usage: Usage) =>
+    includeUsage ? [usageChunk(meta, object, usage)] : [];
+}
+
 export const CHAT_RESPONSES: ResponseStrategy = {
   idKind: "chat",
-  chunkObject: "chat.completion.chunk",
-  opening: (meta, includeUsage) => chatChunk(meta, { role: "assistant", content: "" }, null, includeUsage),
+  framing: "data",
+  opening: (meta, includeUsage) => [chatChunk(meta, { role: "assistant", content: "" }, null, includeUsage)],
   delta: (meta, text, includeUsage, logprobs) =>
     chatChunk(meta, { content: text }, null, includeUsage, undefined, logprobs ?? null),
-  finish: (meta, reason, includeUsage, stopReason, logprobs) =>
+  finish: (meta, reason, includeUsage, stopReason, logprobs) => [
     chatChunk(meta, {}, reason, includeUsage, stopReason, logprobs ?? null),
+  ],
+  closing: usageClosing("chat.completion.chunk"),
+  streamError: (body) => ({ ...body }),
   completion: chatCompletion,
   logprobs: (items, piece) => chatLogprobs(items, piece),
 };
 
 export const TEXT_RESPONSES: ResponseStrategy = {
   idKind: "text",
-  chunkObject: "text_completion",
-  opening: () => null,
+  framing: "data",
+  opening: () => [],
   delta: (meta, text, includeUsage, logprobs) =>
     textChunk(meta, text, null, includeUsage, undefined, logprobs ?? null),
-  finish: (meta, reason, includeUsage, stopReason, logprobs) =>
+  finish: (meta, reason, includeUsage, stopReason, logprobs) => [
     textChunk(meta, "", reason, includeUsage, stopReason, logprobs ?? null),
+  ],
+  closing: usageClosing("text_completion"),
+  streamError: (body) => ({ ...body }),
   completion: textCompletion,
   logprobs: textLogprobs,
+};
+
+/** The Responses API's usage: input, output and total tokens, with their details. */
+export function responsesUsage(usage: Usage) {
+  return {
+    input_tokens: usage.promptTokens,
+    input_tokens_details: { cached_tokens: usage.cachedTokens ?? 0 },
+    output_tokens: usage.completionTokens,
+    output_tokens_details: { reasoning_tokens: 0 },
+    total_tokens: usage.promptTokens + usage.completionTokens,
+  };
+}
+
+/** The one output message's id: `msg_` and the response id's random part. */
+function messageId(meta: ResponseMeta): string {
+  return `msg_${meta.id.slice(ID_PREFIX.response.length)}`;
+}
+
+type ResponseStatus = "in_progress" | "completed" | "incomplete";
+
+/** The assistant message item of a response. */
+function messageItem(meta: ResponseMeta, status: ResponseStatus, text: string | null) {
+  return {
+    id: messageId(meta),
+    type: "message" as const,
+    status,
+    role: "assistant" as const,
+    content: text === null ? [] : [outputText(text)],
+  };
+}
+
+function outputText(text: string) {
+  return { type: "output_text" as const, text, annotations: [], logprobs: [] };
+}
+
+/**
+ * A `response` object: its status, its output (the message once there is one), the request's
+ * settings it repeats, and the usage once finished. A response cut by `max_output_tokens` (or the
+ * context) is `incomplete`, with `incomplete_details.reason` `max_output_tokens`, as OpenAI's.
+ */
+function responseObject(
+  meta: ResponseMeta,
+  status: ResponseStatus,
+  output: ReturnType<typeof messageItem>[],
+  usage: Usage | null,
+) {
+  const echo = meta.responses;
+  return {
+    id: meta.id,
+    object: "response" as const,
+    created_at: meta.created,
+    status,
+    ...(status === "in_progress" ? {} : { completed_at: Math.floor(Date.now() / 1000) }),
+    background: false,
+    error: null,
+    incomplete_details: status === "incomplete" ? { reason: "max_output_tokens" as const } : null,
+    instructions: echo?.instructions ?? null,
+    max_output_tokens: echo?.maxOutputTokens ?? null,
+    metadata: echo?.metadata ?? {},
+    model: meta.model,
+    output,
+    parallel_tool_calls: false,
+    previous_response_id: null,
+    reasoning: { effort: null, summary: null },
+    service_tier: "default" as const,
+    store: false,
+    temperature: meta.sampling?.temperature ?? null,
+    text: { format: { type: "text" as const } },
+    tool_choice: "none" as const,
+    tools: [],
+    top_logprobs: 0,
+    top_p: meta.sampling?.topP ?? null,
+    truncation: "disabled" as const,
+    usage: usage === null ? null : responsesUsage(usage),
+    user: echo?.user ?? null,
+  };
+}
+
+/** The status a finished response reports. */
+function finishedStatus(reason: FinishReason): ResponseStatus {
+  return reason === "length" ? "incomplete" : "completed";
+}
+
+/**
+ * OpenAI's `obfuscation` field of a streamed delta: random characters so that a delta's size
+ * tells an onlooker nothing about the token's length (on unless `stream_options.include_obfuscation` is false).
+ */
+function obfuscation(meta: ResponseMeta): { obfuscation?: string } {
+  if (meta.responses?.obfuscate !== true) return {};
+  return { obfuscation: randomAlphanumerics(1 + (randomBytes(1)[0]! % 16)) };
+}
+
+/** The place of the message's text in a response: output 0, content part 0. */
+const PART = { output_index: 0, content_index: 0 } as const;
+
+export const RESPONSES_API: ResponseStrategy = {
+  idKind: "response",
+  framing: "events",
+  opening: (meta) => [
+    { type: "response.created", response: responseObject(meta, "in_progress", [], null) },
+    { type: "response.in_progress", response: responseObject(meta, "in_progress", [], null) },
+    { type: "response.output_item.added", output_index: 0, item: messageItem(meta, "in_progress", null) },
+    { type: "response.content_part.added", item_id: messageId(meta), ...PART, part: outputText("") },
+  ],
+  delta: (meta, text) => ({
+    type: "response.output_text.delta",
+    item_id: messageId(meta),
+    ...PART,
+    delta: text,
+    logprobs: [],
+    ...obfuscation(meta),
+  }),
+  finish: (meta, reason, _includeUsage, _stopReason, _logprobs, text) => [
+    { type: "response.output_text.done", item_id: messageId(meta), ...PART, text, logprobs: [] },
+    { type: "response.content_part.done", item_id: messageId(meta), ...PART, part: outputText(text) },
+    {
+      type: "response.output_item.done",
+      output_index: 0,
+      item: messageItem(meta, finishedStatus(reason), text),
+    },
+  ],
+  closing: (_meta, _includeUsage, _usage, whole) => {
+    const response = whole() as { status: ResponseStatus };
+    return [
+      { type: response.status === "incomplete" ? "response.incomplete" : "response.completed", response },
+    ];
+  },
+  // OpenAI's error event of a stream.
+  streamError: ({ error }) => ({
+    type: "error",
+    code: error.code,
+    message: error.message,
+    param: error.param,
+  }),
+  completion: (meta, text, reason, usage) => {
+    const status = finishedStatus(reason);
+    return responseObject(meta, status, [messageItem(meta, status, text)], usage);
+  },
+  logprobs: () => ({}),
 };

@@ -132,8 +132,62 @@ export const completionRequestSchema = z.object({
   best_of: z.number().int().nullable().optional(),
 });
 
+/** A text part of a Responses input message: the user's (`input_text`) or an earlier answer's (`output_text`). */
+const responsesTextPart = z.object({
+  type: z.enum(["input_text", "output_text"], {
+    error:
+      'expected a text part ({"type": "input_text", "text": "…"}); image, audio and file parts are not supported',
+  }),
+  text: z.string(),
+});
+
+/** A message item of a Responses `input` (`type: "message"` or no type, as OpenAI's easy input). */
+const responsesMessage = z.object({
+  type: z
+    .literal("message", {
+      error:
+        'only message items are supported ({"role": …, "content": …}): no function calls, tool outputs, reasoning or item references',
+    })
+    .optional(),
+  role: z.enum(["user", "assistant", "system", "developer"]),
+  content: z.union([z.string(), z.array(responsesTextPart)], {
+    error: 'expected a string or a list of text parts ({"type": "input_text", "text": "…"})',
+  }),
+});
+
+/**
+ * OpenAI's Responses API (`/v1/responses`) for text in and text out: the same sampling path as chat
+ * (its template, its admission), one answer. Fields that would change the answer and are not
+ * served — tools, stored state (`store`, `previous_response_id`, `conversation`, `background`),
+ * reasoning, structured output, log-probabilities, truncation — are refused (`responsesRefusals`).
+ */
+export const responsesRequestSchema = z.object({
+  model: z.string().min(1),
+  // Items are checked one by one (`inputItems`), so that an error names the item's own field.
+  input: z.union([z.string(), z.array(z.unknown()).min(1)], {
+    error: "expected a string or a list of message items",
+  }),
+  instructions: z.string().nullable().optional(),
+  max_output_tokens: maxTokens,
+  temperature: samplingFields.temperature,
+  top_p: samplingFields.top_p,
+  stream: samplingFields.stream,
+  stream_options: z.object({ include_obfuscation: z.boolean().nullable().optional() }).nullable().optional(),
+  text: z
+    .object({
+      format: z.object({ type: z.string() }).nullable().optional(),
+      verbosity: z.string().nullable().optional(),
+    })
+    .nullable()
+    .optional(),
+  tools: z.array(z.unknown()).nullable().optional(),
+  tool_choice: z.unknown().optional(),
+  top_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
+});
+
 export type ChatCompletionRequest = z.infer<typeof chatCompletionRequestSchema>;
 export type CompletionRequest = z.infer<typeof completionRequestSchema>;
+export type ResponsesRequest = z.infer<typeof responsesRequestSchema>;
 
 /** One chat message as the chat template sees it. */
 export interface ChatMessage {
@@ -537,5 +591,136 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
     promptLogprobs:
       echo && logprobs !== null ? Math.max(logprobs, base.promptLogprobs ?? 0) : base.promptLogprobs,
     prompts,
+  };
+}
+
+/** The fields of a Responses request the response object repeats (OpenAI's echo of the request). */
+export interface ResponsesEcho {
+  readonly instructions: string | null;
+  readonly maxOutputTokens: number | null;
+  readonly metadata: Readonly<Record<string, unknown>>;
+  readonly user: string | null;
+  /** Every streamed delta carries an `obfuscation` field (OpenAI's default; `stream_options.include_obfuscation: false` turns it off). */
+  readonly obfuscate: boolean;
+}
+
+export interface ParsedResponsesRequest extends ParsedChatRequest {
+  readonly responses: ResponsesEcho;
+}
+
+/**
+ * Responses fields that never change the answer here, accepted and not used (the field walk of
+ * request-fields.test.ts reads it). `store` is not one of them: OpenAI stores a response by default
+ * and serves it later (`GET /v1/responses/{id}`, `previous_response_id`); nothing is stored here, so
+ * `store: true` is refused rather than answered as if it were kept.
+ */
+export const RESPONSES_NEUTRAL: Readonly<Record<string, string>> = {
+  user: NEUTRAL.user!,
+  metadata: NEUTRAL.metadata!,
+  service_tier: NEUTRAL.service_tier!,
+  safety_identifier: NEUTRAL.safety_identifier!,
+  prompt_cache_key: NEUTRAL.prompt_cache_key!,
+  prompt_cache_retention: "OpenAI's cache lifetime hint",
+  prompt_cache_options: "OpenAI's cache breakpoints and lifetime",
+  parallel_tool_calls: NEUTRAL.parallel_tool_calls!,
+};
+
+/**
+ * Responses fields that change the answer and are not served, with the values that do not and
+ * what to send instead: refused with a 400 naming the field.
+ */
+const RESPONSES_REFUSED: Readonly<Record<string, { neutral: (v: unknown) => boolean; fix: string }>> = {
+  store: {
+    neutral: equals(false),
+    fix: "nothing is stored on this server (no GET /v1/responses/{id}): send store false or leave it unset",
+  },
+  previous_response_id: {
+    neutral: unset,
+    fix: "responses are not stored: send the whole conversation in input instead",
+  },
+  conversation: { neutral: unset, fix: "conversations are not stored: send the whole conversation in input" },
+  background: {
+    neutral: equals(false),
+    fix: "background responses are not supported: leave it unset or false",
+  },
+  prompt: { neutral: unset, fix: "stored prompt templates are not supported: send the text in input" },
+  reasoning: { neutral: (v) => emptyObject(v), fix: "this model has no reasoning controls: leave it unset" },
+  include: { neutral: empty, fix: "no additional output data is served: leave it unset or []" },
+  truncation: {
+    neutral: equals("disabled"),
+    fix: 'the input is never truncated (a too long one gets 400): leave it unset or "disabled"',
+  },
+  context_management: { neutral: empty, fix: "context compaction is not supported: leave it unset" },
+  moderation: { neutral: unset, fix: "moderation is not run here: leave it unset" },
+};
+
+/** The message items of a Responses `input`, each validated; an error names `input[i].…`. */
+function inputItems(items: readonly unknown[]): z.infer<typeof responsesMessage>[] {
+  return items.map((item, i) => {
+    const result = responsesMessage.safeParse(item);
+    if (result.success) return result.data;
+    const issue = result.error.issues[0]!;
+    const param = pathOf(["input", i, ...issue.path]);
+    throw new KvfenceError("invalid_request", `Invalid request: ${param}: ${issue.message}`, { param });
+  });
+}
+
+/** Validate a `/v1/responses` body into a chat request (the same template); throws `invalid_request` naming the field. */
+export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
+  const req = parseWith(responsesRequestSchema, body);
+  const raw = body as Record<string, unknown>;
+  for (const [name, { neutral, fix }] of Object.entries(RESPONSES_REFUSED)) {
+    if (!neutral(raw[name]))
+      refuse(name, `${name} is not supported on /v1/responses: ${fix}; got ${preview(raw[name])}`);
+  }
+  if ((req.tools?.length ?? 0) > 0)
+    refuse("tools", "tools (function calling, built-in tools) are not supported: leave tools unset or []");
+  if (req.tool_choice != null && req.tool_choice !== "none" && req.tool_choice !== "auto")
+    refuse("tool_choice", 'tool_choice is not supported without tools: leave it unset, "none" or "auto"');
+  if (req.text?.format != null && req.text.format.type !== "text") {
+    refuse(
+      "text.format",
+      `text.format ${preview(req.text.format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
+    );
+  }
+  if (req.text?.verbosity != null)
+    refuse("text.verbosity", "text.verbosity is not supported: leave it unset");
+  if (req.top_logprobs != null && req.top_logprobs > 0)
+    refuse(
+      "top_logprobs",
+      "top_logprobs is not served on /v1/responses (it is on /v1/chat/completions): leave it unset or 0",
+    );
+  if (req.stream_options != null && req.stream !== true)
+    refuse("stream_options", "stream_options is only allowed when stream is true: set stream to true");
+  const input: ChatMessage[] =
+    typeof req.input === "string"
+      ? [{ role: "user", content: req.input }]
+      : inputItems(req.input).map((item) => ({
+          role: item.role === "developer" ? "system" : item.role,
+          content: typeof item.content === "string" ? item.content : item.content.map((p) => p.text).join(""),
+        }));
+  const instructions = req.instructions ?? null;
+  const messages = instructions === null ? input : [{ role: "system", content: instructions }, ...input];
+  const maxTokens = req.max_output_tokens ?? null;
+  const chat = parseChatRequest({
+    model: req.model,
+    messages,
+    stream: req.stream ?? null,
+    max_tokens: maxTokens,
+    temperature: req.temperature ?? null,
+    top_p: req.top_p ?? null,
+  });
+  return {
+    ...chat,
+    responses: {
+      instructions,
+      maxOutputTokens: maxTokens,
+      metadata:
+        typeof raw.metadata === "object" && raw.metadata !== null
+          ? (raw.metadata as Record<string, unknown>)
+          : {},
+      user: typeof raw.user === "string" ? raw.user : null,
+      obfuscate: req.stream === true && req.stream_options?.include_obfuscation !== false,
+    },
   };
 }

@@ -19,6 +19,7 @@ import {
   type ChatTemplateOptions,
   parseChatRequest,
   parseCompletionRequest,
+  parseResponsesRequest,
   type SamplingRequest,
 } from "./openai-schemas.js";
 import { parseJsonBody } from "./read-body.js";
@@ -36,7 +37,8 @@ export interface PromptTokenizer {
   decode(ids: ArrayLike<number>): string;
 }
 
-export type GenerateEndpointName = "chat" | "completions";
+/** The generation endpoints: /v1/chat/completions, /v1/completions and /v1/responses (a chat, in OpenAI's newer shapes). */
+export type GenerateEndpointName = "chat" | "completions" | "responses";
 
 /** vLLM's /tokenize and /detokenize, answered by the same workers. */
 export type UtilityEndpointName = "tokenize" | "detokenize";
@@ -57,7 +59,7 @@ export interface PrepareContext {
 
 interface PromptKind {
   /** The request field a prompt error names. */
-  readonly param: "messages" | "prompt";
+  readonly param: "messages" | "prompt" | "input";
   /** The error message for a prompt of no tokens. */
   readonly emptyPrompt: string;
   /** Checks on the parsed JSON before it is validated. */
@@ -80,6 +82,22 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
     precheck: (body, limits) => checkMessageCount(body, limits.maxMessages),
     parse(body) {
       const parsed = parseChatRequest(body);
+      return {
+        parsed,
+        promptBytes: () => parsed.messages.reduce((sum, m) => sum + Buffer.byteLength(m.content), 0),
+        encode: (tokenizer) => [tokenizer.encodeChat(parsed.messages, parsed.template)],
+      };
+    },
+  },
+  // The same chat template as chat: its input items (and instructions) are the messages.
+  responses: {
+    param: "input",
+    emptyPrompt: "The chat template rendered the input as no tokens: send an input with text",
+    precheck: (body, limits) => {
+      checkMessageCount(body, limits.maxMessages, "input");
+    },
+    parse(body) {
+      const parsed = parseResponsesRequest(body);
       return {
         parsed,
         promptBytes: () => parsed.messages.reduce((sum, m) => sum + Buffer.byteLength(m.content), 0),

@@ -4,7 +4,9 @@
  * from their API reference and protocol sources) is either implemented — a value that would change
  * the answer changes the validated request — or refused with a 400 naming it, or neutral (it never
  * changes the answer: `NEUTRAL`, with the reason). A field accepted without effect fails, and so
- * does a field the table in docs/api.md classifies otherwise than the server behaves.
+ * does a field the table in docs/api.md classifies otherwise than the server behaves. The same for
+ * OpenAI's `/v1/responses` fields (their own neutral list, `RESPONSES_NEUTRAL`: there `store: true`
+ * is refused, since nothing is stored) and docs/api.md's table of them.
  */
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
@@ -12,7 +14,13 @@ import { join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { KvfenceError } from "../lib/errors.js";
-import { NEUTRAL, parseChatRequest, parseCompletionRequest } from "./openai-schemas.js";
+import {
+  NEUTRAL,
+  parseChatRequest,
+  parseCompletionRequest,
+  parseResponsesRequest,
+  RESPONSES_NEUTRAL,
+} from "./openai-schemas.js";
 
 /** The repository (the compiled test runs from dist/). */
 const ROOT = fileURLToPath(
@@ -20,18 +28,25 @@ const ROOT = fileURLToPath(
 );
 const FIELDS = JSON.parse(
   readFileSync(join(ROOT, "testing", "fixtures", "request-fields.json"), "utf8"),
-) as Record<"chat" | "completions", Record<"openai" | "vllm" | "sglang", string[]>>;
+) as Record<Endpoint, Record<"openai" | "vllm" | "sglang", string[]>>;
 
-type Endpoint = "chat" | "completions";
+type Endpoint = "chat" | "completions" | "responses";
 type Kind = "implemented" | "refused" | "neutral";
 
 const BASE: Record<Endpoint, Record<string, unknown>> = {
   chat: { model: "m", messages: [{ role: "user", content: "hi" }], max_tokens: 8 },
   completions: { model: "m", prompt: "hi", max_tokens: 8 },
+  responses: { model: "m", input: "hi", max_output_tokens: 8 },
 };
 const PARSE: Record<Endpoint, (body: unknown) => unknown> = {
   chat: parseChatRequest,
   completions: parseCompletionRequest,
+  responses: parseResponsesRequest,
+};
+const NEUTRAL_OF: Record<Endpoint, Readonly<Record<string, string>>> = {
+  chat: NEUTRAL,
+  completions: NEUTRAL,
+  responses: RESPONSES_NEUTRAL,
 };
 
 const tool = { type: "function", function: { name: "f", parameters: {} } };
@@ -132,6 +147,27 @@ const PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }>
   verbosity: { value: "low" },
 };
 
+/** The /v1/responses values of its own fields (and of shared names whose shape differs there). */
+const RESPONSES_PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }> = {
+  input: { value: [{ role: "user", content: [{ type: "input_text", text: "other" }] }] },
+  instructions: { value: "Answer in French." },
+  max_output_tokens: { value: 3 },
+  stream_options: { value: { include_obfuscation: false }, with: { stream: true } },
+  text: { value: { format: { type: "json_object" } } },
+  tools: { value: [{ type: "function", name: "f", parameters: {}, strict: false }] },
+  tool_choice: { value: "required" },
+  top_logprobs: { value: 2 },
+  store: { value: true },
+  previous_response_id: { value: "resp_abc" },
+  conversation: { value: "conv_abc" },
+  background: { value: true },
+  prompt: { value: { id: "pmpt_abc" } },
+  include: { value: ["message.output_text.logprobs"] },
+  truncation: { value: "auto" },
+  context_management: { value: [{ type: "compaction" }] },
+  moderation: { value: { model: "omni-moderation-latest" } },
+};
+
 function refusedParam(fn: () => unknown): string | null {
   try {
     fn();
@@ -146,7 +182,7 @@ function refusedParam(fn: () => unknown): string | null {
 /** How the server treats `field` on `endpoint`. Throws when it is accepted without effect. */
 function classify(endpoint: Endpoint, field: string): Kind {
   const parse = PARSE[endpoint];
-  if (NEUTRAL[field] !== undefined) {
+  if (NEUTRAL_OF[endpoint][field] !== undefined) {
     // Neutral fields are accepted as they come.
     assert.equal(
       refusedParam(() => parse({ ...BASE[endpoint], [field]: "x" })),
@@ -155,7 +191,7 @@ function classify(endpoint: Endpoint, field: string): Kind {
     );
     return "neutral";
   }
-  const probe = PROBES[field];
+  const probe = (endpoint === "responses" ? RESPONSES_PROBES[field] : undefined) ?? PROBES[field];
   assert.ok(
     probe !== undefined,
     `${endpoint}: no probe for ${field}: classify it (implement, refuse, or NEUTRAL)`,
@@ -231,4 +267,37 @@ test("docs/api.md lists every field with what the server does with it", () => {
     }
   }
   assert.deepEqual(wrong, [], `docs/api.md's field table should have these rows:\n${wrong.join("\n")}`);
+});
+
+/** docs/api.md's table of /v1/responses fields: `| \`field\` | kind | why neutral |`, in its section. */
+function responsesDocsTable(): Map<string, string> {
+  const text = readFileSync(join(ROOT, "docs", "api.md"), "utf8");
+  const start = text.indexOf("## Every /v1/responses field");
+  assert.ok(start >= 0, "docs/api.md has a section: ## Every /v1/responses field");
+  const section = text.slice(start, text.indexOf("\n## ", start + 1));
+  const rows = new Map<string, string>();
+  for (const line of section.split("\n")) {
+    const m = /^\| `([a-z_]+)` \| (implemented|refused|neutral) \|/.exec(line);
+    if (m !== null) rows.set(m[1]!, m[2]!);
+  }
+  return rows;
+}
+
+test("every /v1/responses field of OpenAI is implemented, refused or neutral, as docs/api.md's table says", () => {
+  const fields = fieldsOf("responses");
+  assert.ok(fields.length >= 30, `responses: ${fields.length} fields`);
+  const table = responsesDocsTable();
+  const problems: string[] = [];
+  for (const field of fields) {
+    try {
+      const kind = classify("responses", field);
+      if (table.get(field) !== kind)
+        problems.push(
+          `docs/api.md should have: | \`${field}\` | ${kind} | ${NEUTRAL_OF.responses[field] ?? ""} |`,
+        );
+    } catch (err) {
+      problems.push((err as Error).message);
+    }
+  }
+  assert.deepEqual(problems, []);
 });

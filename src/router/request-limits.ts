@@ -95,15 +95,19 @@ export function checkJsonDepth(body: Uint8Array, maxDepth: number): void {
 }
 
 /** Refuses a chat body with more than `maxMessages` messages, before it is validated. */
-export function checkMessageCount(body: unknown, maxMessages: number): void {
+export function checkMessageCount(
+  body: unknown,
+  maxMessages: number,
+  field: "messages" | "input" = "messages",
+): void {
   if (typeof body !== "object" || body === null) return;
-  const messages = (body as { messages?: unknown }).messages;
+  const messages = (body as Record<string, unknown>)[field];
   if (Array.isArray(messages) && messages.length > maxMessages) {
     throw new KvfenceError(
       "array_above_max_length",
       `Too many messages: ${messages.length}, over this server's limit of ${maxMessages}; ` +
         "send fewer (the operator sets the limit with --max-messages)",
-      { param: "messages" },
+      { param: field },
     );
   }
 }
@@ -113,7 +117,7 @@ export function checkPromptBytes(bytes: number, maxPromptBytes: number, param: s
   if (bytes > maxPromptBytes) {
     throw new KvfenceError(
       "string_above_max_length",
-      `The ${param === "prompt" ? "prompt" : "messages' content"} is ${bytes} bytes, over this server's limit of ` +
+      `The ${param === "prompt" ? "prompt" : param === "input" ? "input's text" : "messages' content"} is ${bytes} bytes, over this server's limit of ` +
         `${maxPromptBytes} bytes: shorten it (the operator sets the limit with --max-prompt-bytes)`,
       { param },
     );

@@ -12,6 +12,7 @@ import type { EngineHandle, EngineStats } from "../protocol/engine-api.js";
 export type Endpoint =
   | "chat"
   | "completions"
+  | "responses"
   | "tokenize"
   | "models"
   | "health"

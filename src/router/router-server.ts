@@ -48,13 +48,13 @@ import {
   CHAT_RESPONSES,
   type ChoiceExtras,
   completionId,
+  RESPONSES_API,
   type ResponseMeta,
   type ResponseStrategy,
   TEXT_RESPONSES,
-  usageChunk,
   usageWire,
 } from "./openai-responses.js";
-import type { SamplingRequest } from "./openai-schemas.js";
+import type { ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
 import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
 import {
   checkModel,
@@ -66,7 +66,7 @@ import {
 import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
-import { SseWriter, sseFrame } from "./sse.js";
+import { SseWriter } from "./sse.js";
 
 /** What the router needs from the tokenizer: no model weights, ever. */
 export interface RouterTokenizer extends PromptTokenizer {
@@ -168,7 +168,7 @@ function requestIdOf(req: IncomingMessage): string {
   return typeof given === "string" && REQUEST_ID.test(given) ? given : randomUUID();
 }
 
-/** What differs between the two generation endpoints; the router never branches on the endpoint. */
+/** What differs between the generation endpoints; the router never branches on the endpoint. */
 interface GenerateEndpoint {
   readonly endpoint: GenerateEndpointName;
   /** The request field a prompt-length error names. */
@@ -186,6 +186,13 @@ const COMPLETIONS: GenerateEndpoint = {
   endpoint: "completions",
   param: PROMPT_KINDS.completions.param,
   responses: TEXT_RESPONSES,
+};
+
+/** OpenAI's Responses API: a chat (its template), answered as a `response` object or its events. */
+const RESPONSES: GenerateEndpoint = {
+  endpoint: "responses",
+  param: PROMPT_KINDS.responses.param,
+  responses: RESPONSES_API,
 };
 
 const U32_MAX = 0xffff_ffff;
@@ -284,6 +291,10 @@ export class RouterServer {
       [
         "/v1/completions",
         { endpoint: "completions", methods: ["POST"], handler: (c) => this.#generate(c, COMPLETIONS) },
+      ],
+      [
+        "/v1/responses",
+        { endpoint: "responses", methods: ["POST"], handler: (c) => this.#generate(c, RESPONSES) },
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
       // vLLM's, outside /v1 as there (and behind the API key, as every tenant endpoint here).
@@ -662,16 +673,25 @@ export class RouterServer {
     // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
     // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).
     const planned: PlannedChoice[] = [];
+    // The disaggregated topologies run the samples as one group (one prefill, forked on decode),
+    // unless log-probabilities are asked (each sample then computes its own prompt).
+    const grouped = parsed.n > 1 && base.logprobs === undefined && base.promptLogprobs === undefined;
     admitted.forEach(({ tokens, maxTokens }, p) => {
       const first = this.#nextRid;
-      for (let j = 0; j < parsed.n; j++) {
+      const rids = Array.from({ length: parsed.n }, () => {
         const rid = this.#nextRid;
         this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
+        return rid;
+      });
+      for (let j = 0; j < parsed.n; j++) {
+        const rid = rids[j]!;
         const own = { ...base, rid, promptTokens: tokens, maxTokens };
         planned.push({
           request:
             j === 0
-              ? own
+              ? grouped
+                ? { ...own, samples: rids.slice(1) }
+                : own
               : {
                   ...own,
                   seed: parsed.seed === null ? null : parsed.seed + j,
@@ -703,11 +723,7 @@ export class RouterServer {
     const { res } = ctx;
     const { endpoint, responses } = kind;
     const labels = { endpoint };
-    const meta: ResponseMeta = {
-      id: completionId(responses.idKind),
-      created: Math.floor(Date.now() / 1000),
-      model: this.#model.id,
-    };
+    const meta = this.#responseMeta(responses, parsed, planned[0]!.request);
     const includeUsage = parsed.includeUsage;
     const piece = (id: number) => this.#tokenizer.tokenPiece(id);
     let lastTokenAt = 0;
@@ -727,11 +743,11 @@ export class RouterServer {
     const generations: Generation[] = [];
 
     const stream = (choice: Choice): SseWriter => {
-      sse ??= new SseWriter(res);
+      sse ??= new SseWriter(res, 200, responses.framing);
       if (!choice.opened) {
         choice.opened = true;
-        const opening = responses.opening(meta, includeUsage);
-        if (opening !== null) sse.send(withIndex(opening, choice.index));
+        for (const opening of responses.opening(meta, includeUsage))
+          sse.send(withIndex(opening, choice.index));
         if (choice.echo !== null) {
           const delta = responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed());
           sse.send(withIndex(delta, choice.index));
@@ -755,11 +771,12 @@ export class RouterServer {
     const finished = () => {
       const usage = totalUsage(choices);
       end(200, usage);
+      const whole = () => wholeAnswer(responses, meta, choices, usage);
       if (!parsed.stream) {
-        this.#sendJson(res, 200, wholeAnswer(responses, meta, choices, usage));
+        this.#sendJson(res, 200, whole());
         return;
       }
-      if (includeUsage) sse!.send(usageChunk(meta, responses.chunkObject, usage));
+      for (const closing of responses.closing(meta, includeUsage, usage, whole)) sse!.send(closing);
       sse!.done();
     };
 
@@ -783,17 +800,17 @@ export class RouterServer {
       // Sample 0 of a prompt computes its log-probabilities; every choice of that prompt shows them.
       promptLogprobs: (entries) => sharePrompt(choices, choice.request.promptTokens, entries),
       text: (delta) => {
-        if (!parsed.stream) {
-          choice.text += delta;
-          return;
-        }
-        send(choice, responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
+        choice.text += delta;
+        if (parsed.stream) send(choice, responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
       },
       finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
         if (ended) return;
         choice.result = { reason, usage, stopReason };
-        if (parsed.stream)
-          send(choice, responses.finish(meta, reason, includeUsage, stopReason, choice.logprobs.take()));
+        if (parsed.stream) {
+          const logprobs = choice.logprobs.take();
+          for (const chunk of responses.finish(meta, reason, includeUsage, stopReason, logprobs, choice.text))
+            send(choice, chunk);
+        }
         if (choices.every((c) => c.result !== null)) finished();
       },
       fail: (internal) => {
@@ -809,7 +826,7 @@ export class RouterServer {
           return;
         }
         // Headers are out: report the error in the stream, as OpenAI does, then end it.
-        if (!res.writableEnded) res.write(sseFrame(body));
+        (sse as SseWriter).send(responses.streamError(body));
         (sse as SseWriter).done();
       },
     });
@@ -823,6 +840,22 @@ export class RouterServer {
       end(499, null);
     });
     for (const generation of generations) generation.start();
+  }
+
+  /** What every payload of one response repeats: its id, time, model, the settings in effect. */
+  #responseMeta(
+    responses: ResponseStrategy,
+    parsed: SamplingRequest,
+    first: GenerationRequest,
+  ): ResponseMeta {
+    const echo = (parsed as { responses?: ResponsesEcho }).responses;
+    return {
+      id: completionId(responses.idKind),
+      created: Math.floor(Date.now() / 1000),
+      model: this.#model.id,
+      sampling: { temperature: first.temperature, topP: first.topP },
+      ...(echo === undefined ? {} : { responses: echo }),
+    };
   }
 
   /** Time to first token, or between tokens, of `count` new ones; returns now. */

@@ -1,6 +1,9 @@
 /**
- * Server-sent events as OpenAI frames them: each event is one `data: {json}` line followed by a
- * blank line, and the stream ends with `data: [DONE]`. No `event:` or `id:` fields.
+ * Server-sent events as OpenAI frames them. Chat and completions (`data` framing): each event is
+ * one `data: {json}` line followed by a blank line, and the stream ends with `data: [DONE]`; no
+ * `event:` or `id:` fields. The Responses API (`events` framing): each event is an `event: TYPE`
+ * line (the payload's `type`) and its `data:` line, each payload stamped with its
+ * `sequence_number` (0, 1, …), and the stream ends after its last event, without `[DONE]`.
  */
 import type { ServerResponse } from "node:http";
 
@@ -18,12 +21,18 @@ export function sseFrame(payload: unknown): string {
 
 export const SSE_DONE = "data: [DONE]\n\n";
 
+/** How a stream is framed (see above). */
+export type SseFraming = "data" | "events";
+
 /** Writes frames to a response once the headers are out; silently stops once the client is gone. */
 export class SseWriter {
   readonly #res: ServerResponse;
+  readonly #framing: SseFraming;
+  #sequence = 0;
 
-  constructor(res: ServerResponse, status = 200) {
+  constructor(res: ServerResponse, status = 200, framing: SseFraming = "data") {
     this.#res = res;
+    this.#framing = framing;
     res.writeHead(status, SSE_HEADERS);
     res.flushHeaders();
   }
@@ -32,12 +41,18 @@ export class SseWriter {
     return this.#res.destroyed || this.#res.writableEnded;
   }
 
-  send(payload: unknown): void {
-    if (!this.closed) this.#res.write(sseFrame(payload));
+  send(payload: Record<string, unknown>): void {
+    if (this.closed) return;
+    if (this.#framing === "data") {
+      this.#res.write(sseFrame(payload));
+      return;
+    }
+    payload.sequence_number = this.#sequence++;
+    this.#res.write(`event: ${String(payload.type)}\n${sseFrame(payload)}`);
   }
 
-  /** Write `data: [DONE]` and end the response. */
+  /** End the response (after `data: [DONE]` in the `data` framing). */
   done(): void {
-    if (!this.closed) this.#res.end(SSE_DONE);
+    if (!this.closed) this.#res.end(this.#framing === "data" ? SSE_DONE : undefined);
   }
 }

@@ -64,6 +64,8 @@ export interface CheckRequest {
   readonly tenant: number;
   readonly promptLen: number;
   readonly maxTokens: number;
+  /** n > 1: samples after the first, as one group (docs/protocol.md §3, item 13); absent: none. */
+  readonly samples?: number;
 }
 
 export interface ModelConfig {
@@ -158,9 +160,10 @@ export interface World {
   /** Bit i: request i was submitted. */
   submitted: number;
   /**
-   * The requests (indices into the config's) in the order they were submitted: the k-th submitted
-   * goes out under rid k of its router's slot (`k * ROUTER_SLOTS + slot`), as the real router hands
-   * out rids in serial order (its watermark relies on it), whichever request it is.
+   * The request (an index into the config's) of each rid, in the order they went out: the k-th
+   * goes out under rid k of its router's slot (`k * ROUTER_SLOTS + slot`) and is `order[k - 1]`, as
+   * the real router hands out rids in serial order (its watermark relies on it), whichever request
+   * it is; a group's later samples take the rids of its slot after its first's.
    */
   order: number[];
   /** Boot counts of the nodes. */
@@ -412,14 +415,17 @@ export class ModelWorld {
       case "submit": {
         const r = this.config.requests[event.i]!;
         w.submitted |= 1 << event.i;
-        w.order.push(event.i);
         const slot = r.router ?? 0;
+        const rid = (w.order.length + 1) * ROUTER_SLOTS + slot;
+        const samples = Array.from({ length: r.samples ?? 0 }, (_, j) => rid + (1 + j) * ROUTER_SLOTS);
+        for (let j = 0; j <= samples.length; j++) w.order.push(event.i);
         this.#router(w, slot, {
           type: "submit",
-          rid: w.order.length * ROUTER_SLOTS + slot,
+          rid,
           tenant: r.tenant,
           promptLen: r.promptLen,
           maxTokens: r.maxTokens,
+          ...(samples.length === 0 ? {} : { samples }),
         });
         break;
       }
@@ -701,13 +707,17 @@ export class ModelWorld {
           break;
         }
         case "commit":
-          this.#ghostCommit(w, e);
+          this.#ghostCommit(w, e, w.decode.attempts[attemptKey(e.rid, e.epoch)]?.group ?? e.rid);
           break;
         case "tokens":
           this.#ghostAnswer(w, { rid: e.rid, epoch: e.epoch, status: 200, code: null });
           break;
         case "respond":
           this.#ghostAnswer(w, { rid: e.rid, epoch: e.epoch, status: e.status, code: e.error?.code ?? null });
+          break;
+        case "copy":
+          // n > 1 (not explored here): the copied page holds the source page's data.
+          for (let k = 0; k < 4; k++) w.dContent[e.to * 4 + k] = w.dContent[e.from * 4 + k]!;
           break;
         case "stop":
           break;
@@ -717,13 +727,14 @@ export class ModelWorld {
 
   // --- invariants -----------------------------------------------------------------------------
 
-  #ghostCommit(w: World, { rid, epoch, promptLen, coverage, pages }: CommitEffect): void {
+  /** A commit is good when its prompt pages hold its request's transfer (a sample's: its group's). */
+  #ghostCommit(w: World, { rid, epoch, promptLen, coverage, pages }: CommitEffect, group: number): void {
     const leaseCount = Math.ceil(promptLen / this.config.pageSize);
     let good = coverage === promptLen;
     for (let i = 0; i < leaseCount && good; i++) {
       const at = pages[i]!.page * 4;
       const c = w.dContent;
-      good = c[at] === rid && c[at + 1] === epoch && c[at + 2] === i && c[at + 3] === 0;
+      good = c[at] === group && c[at + 1] === epoch && c[at + 2] === i && c[at + 3] === 0;
     }
     if (good) w.good.push(attemptKey(rid, epoch));
   }
@@ -733,6 +744,9 @@ export class ModelWorld {
     { attempt, count, fresh }: { attempt: ReadingAttempt; count: number; fresh: number },
   ): void {
     const { rid, epoch, pages, generations } = attempt;
+    // A sample of n > 1 reads its group's sibling pages (the first `shared`), and its group's data
+    // in them and in its copy of the partial page; never another request's, nor another sample's.
+    const { group = rid, shared = 0 } = attempt as { group?: number; shared?: number };
     const table = this.#decodePool.table;
     if (fresh >= 0) {
       const at = pages[fresh]! * 4;
@@ -746,12 +760,13 @@ export class ModelWorld {
       const generation = generations[i]!;
       const at = page * 4;
       const c = w.dContent;
+      const owner = i < shared ? group : rid;
       const ok =
-        table.state(page) === PageState.READY &&
+        table.state(page) === (i < shared ? PageState.SHARED : PageState.READY) &&
         table.generation(page) === generation &&
-        table.owner(page) === rid &&
+        table.owner(page) === owner &&
         table.ownerEpoch(page) === epoch &&
-        c[at] === rid &&
+        (c[at] === owner || c[at] === group) &&
         c[at + 1] === epoch &&
         c[at + 2] === i;
       if (!ok) {

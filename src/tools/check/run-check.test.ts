@@ -35,6 +35,15 @@ test("runCheck() holds every invariant of the real protocol on a small bound wit
   assert.ok(report.result.states > 1000);
 });
 
+test("runCheck() holds every invariant with a request of two samples forked on decode, through a crash of either node", () => {
+  // Found a stuck sample before the router machine let a sample whose group already ended (its
+  // client gone after the commit) fail on its own when decode crashed before its `committed` came.
+  const report = runCheck({ requests: 1, samples: 1, crashes: 1 });
+  assert.equal(report.result.counterexample, null);
+  assert.equal(report.result.complete, true);
+  assert.ok(report.result.states > 10_000);
+});
+
 test("runCheck() with guards kept shows the checksum and the epoch keys catch their faults", () => {
   for (const fault of ["corrupt-transfer", "stale-commit"] as const) {
     const report = runCheck({ fault, keepGuards: true, requests: 1, clientAborts: false });

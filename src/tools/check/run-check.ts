@@ -34,6 +34,8 @@ export interface CheckOptions {
   readonly keepGuards?: boolean;
   readonly disabledGuards?: readonly GuardName[];
   readonly requests?: number;
+  /** n > 1: the first request's samples after its first, as one group (0: none). */
+  readonly samples?: number;
   readonly pages?: number;
   readonly prefillPages?: number;
   readonly maxModelLen?: number;
@@ -58,6 +60,7 @@ export interface CheckOptions {
 /** The base bound; `kvfence check` with no bound options runs `DEFAULT_SUITE` over it. */
 export const DEFAULT_BOUND = {
   requests: 2,
+  samples: 0,
   pages: 4,
   prefillPages: 3,
   maxModelLen: 8,
@@ -182,7 +185,11 @@ export function resolveOptions(options: CheckOptions): {
     prefillPages: merged.prefillPages,
     pageSize: 1,
     maxModelLen: merged.maxModelLen,
-    requests: merged.routers === 1 ? requests : requests.map((r, i) => ({ ...r, router: i % 2 })),
+    requests: requests.map((r, i) => ({
+      ...r,
+      ...(merged.routers === 1 ? {} : { router: i % 2 }),
+      ...(i === 0 && merged.samples > 0 ? { samples: merged.samples } : {}),
+    })),
     maxAttempts: merged.maxAttempts,
     crashes: merged.crashes,
     duplicates: merged.duplicates,
@@ -202,6 +209,7 @@ export function resolveOptions(options: CheckOptions): {
       disabledGuards,
       bound: {
         requests: merged.requests,
+        samples: merged.samples,
         pages: merged.pages,
         prefillPages: merged.prefillPages,
         maxModelLen: merged.maxModelLen,
@@ -289,7 +297,7 @@ export function formatReport(report: CheckReport): string {
     );
   else
     lines.push(
-      `bound: ${b.requests} requests, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}, routers ${b.routers}`,
+      `bound: ${b.requests} requests${b.samples > 0 ? ` (the first with ${b.samples + 1} samples as one group)` : ""}, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}, routers ${b.routers}`,
     );
   lines.push(
     `explored ${r.states} states, ${r.transitions} transitions, depth ${r.depth}, in ${(r.elapsedMs / 1000).toFixed(1)} s${r.complete ? " (complete)" : r.counterexample === null ? " (stopped at the bound: incomplete)" : ""}`,

@@ -503,16 +503,17 @@ test("DisaggregatedEngine hands out rids after its nodes' rid floor (a restarted
 test("DisaggregatedEngine runs n > 1 as one group: one reserve naming the samples, each sample's tokens to its own events; a refused group waits and goes again whole", () => {
   const { p, d, engine } = setup();
   const rs = [record(), record(), record()];
-  engine.submit(request(1, { seed: 7, samples: [2, 3] }), rs[0]!.events);
+  // Client rids of this router's slot (0): 16, 32, 48; a group's samples take the next ones.
+  engine.submit(request(16, { seed: 7, samples: [32, 48] }), rs[0]!.events);
   assert.equal(d.link.protocol().length, 0, "the group waits for its samples");
-  engine.submit(request(2, { seed: 8, sample: { of: 1, index: 1 } }), rs[1]!.events);
-  engine.submit(request(3, { seed: 9, sample: { of: 1, index: 2 } }), rs[2]!.events);
+  engine.submit(request(32, { seed: 8, sample: { of: 16, index: 1 } }), rs[1]!.events);
+  engine.submit(request(48, { seed: 9, sample: { of: 16, index: 2 } }), rs[2]!.events);
   const first = d.link.protocol();
   assert.equal(first.length, 1, "one reserve for the three samples");
   assert.ok(first[0]!.type === "reserve");
-  assert.deepEqual(first[0]!.samples, [2, 3]);
+  assert.deepEqual(first[0]!.samples, [32, 48]);
   // Decode's pool is full: the whole group waits, and nobody hears of it.
-  d.link.deliver(poolFull(1));
+  d.link.deliver(poolFull(16));
   assert.deepEqual(
     rs.map((r) => r.out.events),
     [0, 0, 0],
@@ -520,9 +521,9 @@ test("DisaggregatedEngine runs n > 1 as one group: one reserve naming the sample
   assert.equal(engine.inFlight, 3);
   d.link.deliver({ kind: "pages_freed", free: 40 });
   const retry = d.link.protocol().at(-1)!;
-  assert.ok(retry.type === "reserve" && retry.rid !== 1);
+  assert.ok(retry.type === "reserve" && retry.rid !== 16);
   const rid = retry.rid;
-  assert.deepEqual(retry.samples, [rid + 1, rid + 2], "the samples take the rids after the group's");
+  assert.deepEqual(retry.samples, [rid + 16, rid + 32], "the samples take the slot's rids after the group's");
   const reserveEnvelope = d.link.sent.at(-1)!;
   assert.ok(reserveEnvelope.kind === "protocol");
   assert.deepEqual(reserveEnvelope.sampling?.sampleSeeds, [8, 9]);
@@ -530,10 +531,10 @@ test("DisaggregatedEngine runs n > 1 as one group: one reserve naming the sample
   const prefill = p.link.protocol().at(-1)!;
   assert.ok(prefill.type === "prefill" && prefill.rid === rid);
   // Decode's commit forks the samples: each committed, decoded and finished on its own.
-  for (const [j, r] of [rid, rid + 1, rid + 2].entries()) {
+  for (const [j, r] of [rid, rid + 16, rid + 32].entries()) {
     d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: r, epoch: 1, firstToken: 40 + j } });
   }
-  for (const [j, r] of [rid, rid + 1, rid + 2].entries()) {
+  for (const [j, r] of [rid, rid + 16, rid + 32].entries()) {
     d.link.deliver({
       kind: "protocol",
       msg: { type: "finished", rid: r, epoch: 1, reason: "length", tokens: [50 + j], completionTokens: 2 },
@@ -551,15 +552,15 @@ test("DisaggregatedEngine sends the samples of a group too large for a decode po
   const { d, engine } = setup();
   const rs = [record(), record(), record()];
   // 3 samples of prompt 3 + max_tokens 500: 32 pages each, 96 together, over decode's 64.
-  engine.submit(request(1, { maxTokens: 500, samples: [2, 3] }), rs[0]!.events);
-  engine.submit(request(2, { maxTokens: 500, sample: { of: 1, index: 1 } }), rs[1]!.events);
-  engine.submit(request(3, { maxTokens: 500, sample: { of: 1, index: 2 } }), rs[2]!.events);
+  engine.submit(request(16, { maxTokens: 500, samples: [32, 48] }), rs[0]!.events);
+  engine.submit(request(32, { maxTokens: 500, sample: { of: 16, index: 1 } }), rs[1]!.events);
+  engine.submit(request(48, { maxTokens: 500, sample: { of: 16, index: 2 } }), rs[2]!.events);
   const reserves = d.link.protocol().filter((m) => m.type === "reserve");
   assert.deepEqual(
     reserves.map((m) => (m.type === "reserve" ? [m.rid, m.samples ?? null] : [])),
     [
-      [1, null],
-      [2, null],
+      [16, null],
+      [32, null],
     ],
     "one at a time as the ledger has room (two fit the pool), none as a group",
   );

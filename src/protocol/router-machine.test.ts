@@ -151,18 +151,19 @@ test("routerStep() sends the pair's watermark (the lowest rid in flight) to both
 });
 
 test("routerStep() carries a group's samples on one attempt until decode's commit forks them; a failure before it ends them all, unretried", () => {
+  // Rids of router slot 1 (1, 17, 33, …): a group's samples take the next rids of its slot.
   const h = harness();
-  const out = h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 2, maxTokens: 2, samples: [2, 3] });
+  const out = h.run({ type: "submit", rid: 1, tenant: 0, promptLen: 2, maxTokens: 2, samples: [17, 33] });
   const reserves = out.flatMap((e) => (e.kind === "send" && e.msg.type === "reserve" ? [e.msg] : []));
   assert.equal(reserves.length, 1, "one reserve for the group");
-  assert.deepEqual(reserves[0]!.samples, [2, 3]);
+  assert.deepEqual(reserves[0]!.samples, [17, 33]);
   const prefill = h.msg(LEASE);
   assert.deepEqual(
     prefill.map((e) => (e.kind === "send" ? e.msg.type : e.kind)),
     ["prefill"],
   );
   // The commit forks them: each sample's tokens and finish are its own.
-  for (const rid of [1, 2, 3]) {
+  for (const rid of [1, 17, 33]) {
     const tokens = h.msg({ type: "committed", rid, epoch: 1, firstToken: 10 + rid });
     assert.deepEqual(
       tokens.map((e) => (e.kind === "tokens" ? [e.rid, ...e.tokens] : e.kind)),
@@ -171,7 +172,7 @@ test("routerStep() carries a group's samples on one attempt until decode's commi
   }
   const done = h.msg({
     type: "finished",
-    rid: 2,
+    rid: 17,
     epoch: 1,
     reason: "length",
     tokens: [7],
@@ -179,17 +180,17 @@ test("routerStep() carries a group's samples on one attempt until decode's commi
   });
   assert.deepEqual(
     done.map((e) => (e.kind === "respond" ? `${e.rid} ${e.status}` : e.kind)),
-    ["tokens", "2 200"],
+    ["tokens", "17 200"],
   );
   assert.equal(h.state.requests[1]!.phase, "decoding", "the others go on");
 
   // Another group, refused by prefill before its commit (retryable, and attempts remain): no retry,
   // every sample it carries ends with the refusal.
-  h.run({ type: "submit", rid: 5, tenant: 0, promptLen: 2, maxTokens: 2, samples: [6] });
-  h.msg({ ...LEASE, rid: 5 });
+  h.run({ type: "submit", rid: 49, tenant: 0, promptLen: 2, maxTokens: 2, samples: [65] });
+  h.msg({ ...LEASE, rid: 49 });
   const refused = h.msg({
     type: "rejected",
-    rid: 5,
+    rid: 49,
     epoch: 1,
     from: "prefill",
     error: { code: "node_unavailable", message: "gone" },
@@ -198,15 +199,24 @@ test("routerStep() carries a group's samples on one attempt until decode's commi
     refused.map((e) =>
       e.kind === "respond" ? `${e.rid} ${e.status}` : e.kind === "send" ? e.msg.type : e.kind,
     ),
-    ["abort", "5 503", "6 503"],
+    ["abort", "49 503", "65 503"],
   );
   // A client abort of a group before its commit ends the samples it carries too.
-  h.run({ type: "submit", rid: 7, tenant: 0, promptLen: 2, maxTokens: 2, samples: [8] });
-  const aborted = h.run({ type: "client_abort", rid: 7 });
+  h.run({ type: "submit", rid: 81, tenant: 0, promptLen: 2, maxTokens: 2, samples: [97] });
+  const aborted = h.run({ type: "client_abort", rid: 81 });
   assert.deepEqual(
     aborted.map((e) =>
       e.kind === "respond" ? `${e.rid} ${e.error?.code}` : e.kind === "send" ? e.msg.type : e.kind,
     ),
-    ["abort", "7 aborted", "8 aborted"],
+    ["abort", "81 aborted", "97 aborted"],
   );
+  // A sample's rid of another router slot (the nodes would track it under that router's watermark)
+  // makes the submit stale: nothing is sent.
+  const stale = h.state.stale;
+  assert.deepEqual(
+    h.run({ type: "submit", rid: 113, tenant: 0, promptLen: 2, maxTokens: 2, samples: [114] }),
+    [],
+  );
+  assert.equal(h.state.stale, stale + 1);
+  assert.equal(h.state.requests[113], undefined);
 });

@@ -18,7 +18,7 @@ import { connectCluster } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import { loadModel } from "../model/load-model.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
-import type { ControlMessage } from "../protocol/wire.js";
+import { type ControlMessage, ROUTER_SLOTS } from "../protocol/wire.js";
 import { type NodeProcesses, startNodeProcesses } from "./local-cluster.js";
 import { startThreadedTopology, type ThreadedTopology } from "./threaded-topology.js";
 
@@ -78,14 +78,17 @@ function firesOn(trigger: Trigger, msg: ControlMessage, streamed: number): boole
 async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
   const onMessage = new Map<number, (msg: ControlMessage) => void>();
   engine.observe((_node, msg) => onMessage.get(msg.rid)?.(msg));
-  let rid = 1000;
+  // Rids of router slot 0 (every 16th), so the router keeps them as given and the observed
+  // messages carry them.
+  let rid = 1000 * ROUTER_SLOTS;
   const lateEvents: string[] = [];
   const fired: string[] = [];
   const normal: Promise<string>[] = [];
   const aborted: Promise<void>[] = [];
   for (const trigger of TRIGGERS) {
     // A normal request alongside each aborted one.
-    const n = rid++;
+    const n = rid;
+    rid += ROUTER_SLOTS;
     normal.push(
       new Promise((resolve) => {
         engine.submit(request(n, 40), {
@@ -95,7 +98,8 @@ async function runScenarios(engine: DisaggregatedEngine): Promise<void> {
         });
       }),
     );
-    const r = rid++;
+    const r = rid;
+    rid += ROUTER_SLOTS;
     let done = false;
     let streamed = 0;
     aborted.push(

@@ -196,6 +196,7 @@ const COUNTED = [
   "preemptions",
   "prefillTokens",
   "forkedSamples",
+  "decodeSteps",
   "hits",
   "misses",
   "hitTokens",
@@ -722,6 +723,7 @@ export class DisaggregatedEngine implements EngineHandle {
         // Prompt tokens computed (the prefill nodes'), samples forked from one transfer (the decode nodes').
         prefillTokens: stats.counters.prefillTokens ?? 0,
         forkedSamples: stats.counters.forkedSamples ?? 0,
+        decodeSteps: stats.role === "decode" ? (stats.counters.decodeSteps ?? 0) : 0,
         ...(c === undefined ? {} : { hits: c.hits, misses: c.misses, hitTokens: c.hitTokens }),
         ...(c === undefined ? {} : { evictions: c.evictions, collisions: c.collisions }),
       });
@@ -745,6 +747,7 @@ export class DisaggregatedEngine implements EngineHandle {
     sum.counters.aborts = this.#aborts;
     sum.counters.prefillTokens = counted.prefillTokens;
     sum.counters.forkedSamples = counted.forkedSamples;
+    sum.counters.decodeSteps = counted.decodeSteps;
     return sum;
   }
 

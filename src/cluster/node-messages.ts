@@ -105,6 +105,8 @@ export interface NodeStats {
     readonly prefillTokens?: number;
     /** Samples of n > 1 forked from their group's one transfer (decode nodes). */
     readonly forkedSamples?: number;
+    /** Engine steps that decoded at least one token (decode nodes). */
+    readonly decodeSteps?: number;
   };
   /** Attempts the node's state machines hold now (reserved, quarantined, computing, held, ...). */
   readonly attempts: number;

@@ -368,6 +368,7 @@ export class Engine {
     completionTokens: 0,
     prefillTokens: 0,
     forkedSamples: 0,
+    decodeSteps: 0,
   };
   /** Samples of n > 1 waiting for their first sample's prompt (by its rid), to fork it. */
   readonly #forks = new Map<number, Sequence[]>();
@@ -663,6 +664,7 @@ export class Engine {
       this.#sample();
     }
     this.#endStep();
+    if (this.#stepDecodeTokens > 0) this.#counters.decodeSteps++;
     this.#timeDecodeStep();
     return this.#byRid.size > 0;
   }

@@ -114,6 +114,8 @@ export interface EngineStats {
     prefillTokens?: number;
     /** Samples of n > 1 forked from their first sample's prompt KV (one engine). */
     forkedSamples?: number;
+    /** Engine steps that decoded at least one token (a batch of B decodes B tokens in one step). */
+    decodeSteps?: number;
   };
   /** The prefix cache's counters and pages (present when it is on). */
   prefixCache?: {

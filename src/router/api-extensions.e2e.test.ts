@@ -475,6 +475,7 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
       for (const { name, client, server } of servers) {
         const before = await counter(server.url, "kvfence_prefill_tokens_total");
         const forkedBefore = await counter(server.url, "kvfence_forked_samples_total");
+        const stepsBefore = await counter(server.url, "kvfence_decode_steps_total");
         const transfers = async () => (await scrape(server.url)).get("kvfence_transfer_gbps_count") ?? 0;
         const transfersBefore = await transfers();
         const res = await client.completions.create({ ...ask, n: 8 });
@@ -496,6 +497,13 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
           (await counter(server.url, "kvfence_forked_samples_total")) - forkedBefore,
           7,
           `${name}: seven samples forked`,
+        );
+        // Decoded as one batch: the samples' tokens after their first share steps (one sample at a
+        // time would take up to 8 × 4 steps).
+        const steps = (await counter(server.url, "kvfence_decode_steps_total")) - stepsBefore;
+        assert.ok(
+          steps > 0 && steps <= ask.max_tokens,
+          `${name}: ${steps} decode steps for 8 samples of ${ask.max_tokens} tokens`,
         );
         if (name !== "single") {
           assert.equal((await transfers()) - transfersBefore, 1, `${name}: one transfer`);

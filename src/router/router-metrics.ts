@@ -40,6 +40,7 @@ export class RouterMetrics {
   readonly preemptions;
   readonly prefillTokens;
   readonly forkedSamples;
+  readonly decodeSteps;
   readonly engineAborts;
   readonly clientDisconnects;
 
@@ -98,6 +99,10 @@ export class RouterMetrics {
       "kvfence_prefill_tokens_total",
       "Prompt tokens the engine computed (a forked sample of n > 1 computes none)",
     );
+    this.decodeSteps = registry.counter(
+      "kvfence_decode_steps_total",
+      "Engine steps that decoded at least one token (decode tokens over steps is the mean decode batch)",
+    );
     this.forkedSamples = registry.counter(
       "kvfence_forked_samples_total",
       "Samples of n > 1 that started from a copy of their first sample's prompt KV",
@@ -131,6 +136,7 @@ export class RouterMetrics {
       this.engineAborts.setTotal(stats.counters.aborts);
       this.prefillTokens.setTotal(stats.counters.prefillTokens ?? 0);
       this.forkedSamples.setTotal(stats.counters.forkedSamples ?? 0);
+      this.decodeSteps.setTotal(stats.counters.decodeSteps ?? 0);
       if (stats.prefixCache !== undefined) {
         this.poolPages.set(stats.prefixCache.sharedPages, { state: "shared" });
         prefix ??= prefixCacheMetrics(registry);

@@ -69,6 +69,16 @@ async function etcdClient(options: RegistryOptions): Promise<Etcd3> {
   return new Etcd3(clientOptions(options));
 }
 
+/** Revokes `lease` (its keys go at once) and closes the client; a lease etcd cannot revoke now expires by itself. */
+async function revokeAndClose(client: Etcd3, lease: Lease | null): Promise<void> {
+  try {
+    await lease?.revoke();
+  } catch {
+    // The lease expires by itself.
+  }
+  client.close();
+}
+
 function clientOptions(options: RegistryOptions): IOptions {
   const read = (file: string) => readFileSync(file);
   return {
@@ -158,12 +168,7 @@ export async function registerNode(
     },
     async close() {
       closed = true;
-      try {
-        await lease?.revoke();
-      } catch {
-        // The lease expires by itself.
-      }
-      client.close();
+      await revokeAndClose(client, lease);
     },
   };
 }
@@ -239,12 +244,7 @@ export async function claimRouterSlot(
           slot,
           async close() {
             closed = true;
-            try {
-              await lease?.revoke();
-            } catch {
-              // The lease expires by itself.
-            }
-            client.close();
+            await revokeAndClose(client, lease);
           },
         };
       }

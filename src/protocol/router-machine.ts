@@ -260,30 +260,22 @@ function submit(
     last = rid;
   }
   state.next = nextRidIn(last, routerSlotOf(last));
-  const req: RouterRequest = {
-    rid: event.rid,
+  const fresh = (rid: number): RouterRequest => ({
+    rid,
     tenant: event.tenant,
     promptLen: event.promptLen,
     maxTokens: event.maxTokens,
     epoch: 1,
     phase: "reserving",
     streamed: 0,
+  });
+  const req: RouterRequest = {
+    ...fresh(event.rid),
     ...(samples.length === 0 ? {} : { samples: [...samples] }),
   };
   state.requests[event.rid] = req;
   // Each later sample is a request of its own from the commit on; until then the group's attempt carries it.
-  for (const rid of samples) {
-    state.requests[rid] = {
-      rid,
-      tenant: event.tenant,
-      promptLen: event.promptLen,
-      maxTokens: event.maxTokens,
-      epoch: 1,
-      phase: "reserving",
-      streamed: 0,
-      of: event.rid,
-    };
-  }
+  for (const rid of samples) state.requests[rid] = { ...fresh(rid), of: event.rid };
   const limit = effectiveContext(config, safety);
   if (event.promptLen + event.maxTokens > limit) {
     // Door 1: nothing allocated, no node contacted.

@@ -30,6 +30,7 @@ import {
   pairedRatio,
   positiveInt,
   type RatioInterval,
+  runBenchCli,
   type Summary,
   summarize,
 } from "./transfer.js";
@@ -406,31 +407,28 @@ export function clusterCommand(): Command {
     .option("--tls-key <file>", "TLS arm: its private key (default testing/fixtures/tls/node.key)")
     .option("--tls-ca <file>", "TLS arm: the CA (default testing/fixtures/tls/ca.crt)")
     .option("--json", "print the result as JSON")
-    .action(async (o: ClusterCliOptions) => {
-      try {
-        const d = defaultBenchTlsFiles();
-        const result = await runClusterBench({
-          compare: o.compare,
-          prefill: o.prefill,
-          decode: o.decode,
-          ...(o.model === undefined ? {} : { model: o.model }),
-          kvPages: o.kvPages,
-          rounds: o.rounds,
-          warmup: o.warmup,
-          requests: o.requests,
-          concurrency: o.concurrency,
-          maxTokens: o.maxTokens,
-          promptChars: o.promptChars,
-          tlsFiles: { cert: o.tlsCert ?? d.cert, key: o.tlsKey ?? d.key, ca: o.tlsCa ?? d.ca },
-          log: o.json === true ? () => {} : (line) => process.stderr.write(`${line}\n`),
-        });
-        process.stdout.write(
-          `${o.json === true ? JSON.stringify(result, null, 2) : formatClusterReport(result)}\n`,
-        );
-        if (result.failures.length > 0) process.exitCode = 1;
-      } catch (err) {
-        process.stderr.write(`kvfence bench cluster: ${err instanceof Error ? err.message : String(err)}\n`);
-        process.exitCode = 1;
-      }
+    .action((o: ClusterCliOptions) => {
+      const d = defaultBenchTlsFiles();
+      return runBenchCli(
+        "cluster",
+        o.json,
+        (log) =>
+          runClusterBench({
+            compare: o.compare,
+            prefill: o.prefill,
+            decode: o.decode,
+            ...(o.model === undefined ? {} : { model: o.model }),
+            kvPages: o.kvPages,
+            rounds: o.rounds,
+            warmup: o.warmup,
+            requests: o.requests,
+            concurrency: o.concurrency,
+            maxTokens: o.maxTokens,
+            promptChars: o.promptChars,
+            tlsFiles: { cert: o.tlsCert ?? d.cert, key: o.tlsKey ?? d.key, ca: o.tlsCa ?? d.ca },
+            log,
+          }),
+        formatClusterReport,
+      );
     });
 }

@@ -41,7 +41,7 @@ import {
 } from "../../lib/stats.js";
 import { stopProcess } from "../../topology/local-cluster.js";
 import { prompt, round } from "./cluster.js";
-import { positiveInt } from "./transfer.js";
+import { positiveInt, runBenchCli } from "./transfer.js";
 
 export type FairBenchTopology = "single" | "threads" | "cluster";
 
@@ -412,6 +412,16 @@ interface FairCliOptions {
   json?: boolean;
 }
 
+/** `--topology` of a bench whose arms are servers (`startArm`). */
+export function topologyOption(): Option {
+  return new Option(
+    "--topology <kind>",
+    "single (--no-disaggregation), threads (the default serve) or cluster",
+  )
+    .choices(["single", "threads", "cluster"])
+    .default("threads");
+}
+
 /**
  * The options of a bench that loads two server arms with the same chats (fair-share,
  * observability): the model and pool, rounds and warm-up, and each round's requests; `--json`.
@@ -448,11 +458,7 @@ export function fairShareCommand(): Command {
     .description(
       "Chat throughput of one tenant alone with fair sharing vs first-come (an older build, or this one with the caps off): interleaved rounds, 95% CI of the ratio",
     )
-    .addOption(
-      new Option("--topology <kind>", "single (--no-disaggregation), threads (the default serve) or cluster")
-        .choices(["single", "threads", "cluster"])
-        .default("threads"),
-    )
+    .addOption(topologyOption())
     .addOption(
       new Option(
         "--tenants <n>",
@@ -470,33 +476,29 @@ export function fairShareCommand(): Command {
       'extra serve flags of the fair arm only, e.g. "--kv-cache-dtype f32 --prefix-cache off" (what the baseline lacks)',
     );
   return armLoadOptions(cmd, { rounds: 20, warmup: 2, requests: 64, promptChars: 400 }).action(
-    async (o: FairCliOptions) => {
-      try {
-        const result = await runFairShareBench({
-          topology: o.topology,
-          tenants: o.tenants === "1" ? 1 : 2,
-          ...(o.baseline === undefined ? {} : { baseline: o.baseline }),
-          ...(o.fairArgs === undefined ? {} : { fairArgs: o.fairArgs.split(/\s+/).filter((a) => a !== "") }),
-          ...(o.model === undefined ? {} : { model: o.model }),
-          kvPages: o.kvPages,
-          rounds: o.rounds,
-          warmup: o.warmup,
-          requests: o.requests,
-          concurrency: o.concurrency,
-          maxTokens: o.maxTokens,
-          promptChars: o.promptChars,
-          log: o.json === true ? () => {} : (line) => process.stderr.write(`${line}\n`),
-        });
-        process.stdout.write(
-          `${o.json === true ? JSON.stringify(result, null, 2) : formatFairShareReport(result)}\n`,
-        );
-        if (result.failures.length > 0) process.exitCode = 1;
-      } catch (err) {
-        process.stderr.write(
-          `kvfence bench fair-share: ${err instanceof Error ? err.message : String(err)}\n`,
-        );
-        process.exitCode = 1;
-      }
-    },
+    (o: FairCliOptions) =>
+      runBenchCli(
+        "fair-share",
+        o.json,
+        (log) =>
+          runFairShareBench({
+            topology: o.topology,
+            tenants: o.tenants === "1" ? 1 : 2,
+            ...(o.baseline === undefined ? {} : { baseline: o.baseline }),
+            ...(o.fairArgs === undefined
+              ? {}
+              : { fairArgs: o.fairArgs.split(/\s+/).filter((a) => a !== "") }),
+            ...(o.model === undefined ? {} : { model: o.model }),
+            kvPages: o.kvPages,
+            rounds: o.rounds,
+            warmup: o.warmup,
+            requests: o.requests,
+            concurrency: o.concurrency,
+            maxTokens: o.maxTokens,
+            promptChars: o.promptChars,
+            log,
+          }),
+        formatFairShareReport,
+      ),
   );
 }

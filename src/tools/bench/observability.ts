@@ -35,8 +35,14 @@ import { Command, InvalidArgumentError, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
 import { prompt, round } from "./cluster.js";
-import { armLoadOptions, type FairBenchTopology, type Server, startArm } from "./fair-share.js";
-import { positiveInt } from "./transfer.js";
+import {
+  armLoadOptions,
+  type FairBenchTopology,
+  type Server,
+  startArm,
+  topologyOption,
+} from "./fair-share.js";
+import { positiveInt, runBenchCli } from "./transfer.js";
 
 /** A feature arm (each is compared with `off`). */
 export type ObservabilityFeature = "histograms" | "traces" | "dashboard" | "all";
@@ -458,11 +464,7 @@ export function observabilityCommand(): Command {
     .description(
       "Chat throughput and CPU per token with the per-phase histograms, the traces and the dashboard's polling each on, and all together, vs all off: interleaved rounds, 95% CIs of the ratios",
     )
-    .addOption(
-      new Option("--topology <kind>", "single (--no-disaggregation), threads (the default serve) or cluster")
-        .choices(["single", "threads", "cluster"])
-        .default("threads"),
-    )
+    .addOption(topologyOption())
     .addOption(
       new Option(
         "--what <features>",
@@ -490,22 +492,12 @@ export function observabilityCommand(): Command {
       (v) => (v === "0" ? 0 : positiveInt("--settle-ms")(v)),
     );
   return armLoadOptions(cmd, { rounds: 10, warmup: 1, requests: 64, promptChars: 200 }).action(
-    async (o: CliOptions) => {
-      try {
-        const result = await runObservabilityBench({
-          ...o,
-          log: o.json === true ? () => {} : (line) => process.stderr.write(`${line}\n`),
-        });
-        process.stdout.write(
-          `${o.json === true ? JSON.stringify(result, null, 2) : formatObservabilityReport(result)}\n`,
-        );
-        if (result.failures.length > 0) process.exitCode = 1;
-      } catch (err) {
-        process.stderr.write(
-          `kvfence bench observability: ${err instanceof Error ? err.message : String(err)}\n`,
-        );
-        process.exitCode = 1;
-      }
-    },
+    (o: CliOptions) =>
+      runBenchCli(
+        "observability",
+        o.json,
+        (log) => runObservabilityBench({ ...o, log }),
+        formatObservabilityReport,
+      ),
   );
 }

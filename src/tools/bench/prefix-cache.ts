@@ -18,10 +18,10 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import os from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
-import { Command, Option } from "commander";
+import { Command } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { mean, pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
-import { type FairBenchTopology, type Server, startArm } from "./fair-share.js";
+import { type FairBenchTopology, type Server, startArm, topologyOption } from "./fair-share.js";
 import { type RunContext, sendTurn } from "./serve.js";
 import type { StreamOutcome } from "./serve-client.js";
 import { buildDataset, type Dataset } from "./serve-datasets.js";
@@ -294,11 +294,7 @@ export function prefixCacheCommand(): Command {
     .description(
       "Multi-turn chat TTFT and prompt tokens computed with the prefix cache on vs off: two servers, interleaved rounds, 95% CI of the TTFT ratio",
     )
-    .addOption(
-      new Option("--topology <kind>", "single (--no-disaggregation), threads (the default serve) or cluster")
-        .choices(["single", "threads", "cluster"])
-        .default("threads"),
-    )
+    .addOption(topologyOption())
     .option("--model <dir>", "model folder (default: the bundled kvfence-tiny)")
     .option("--kv-pages <n>", "KV pool of each engine or node in pages", positiveInt("--kv-pages"), 1024)
     .option(

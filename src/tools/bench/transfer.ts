@@ -325,6 +325,26 @@ export function positiveInt(name: string): (value: string) => number {
   };
 }
 
+/**
+ * A bench command's action: runs it with its progress on stderr (none with `--json`), prints the
+ * result as JSON or as `format` gives it, and exits 1 on a failure it reports or an error it throws.
+ */
+export async function runBenchCli<R extends { readonly failures: readonly string[] }>(
+  name: string,
+  json: boolean | undefined,
+  run: (log: (line: string) => void) => Promise<R>,
+  format: (result: R) => string,
+): Promise<void> {
+  try {
+    const result = await run(json === true ? () => {} : (line) => process.stderr.write(`${line}\n`));
+    process.stdout.write(`${json === true ? JSON.stringify(result, null, 2) : format(result)}\n`);
+    if (result.failures.length > 0) process.exitCode = 1;
+  } catch (err) {
+    process.stderr.write(`kvfence bench ${name}: ${err instanceof Error ? err.message : String(err)}\n`);
+    process.exitCode = 1;
+  }
+}
+
 interface TransferCliOptions {
   pages: number;
   reps: number;
@@ -389,35 +409,33 @@ export function transferCommand(): Command {
     .option("--tls-key <file>", "tcp+tls: its private key (default testing/fixtures/tls/node.key)")
     .option("--tls-ca <file>", "tcp+tls: the CA both ends trust (default testing/fixtures/tls/ca.crt)")
     .option("--json", "print the result as JSON")
-    .action(async (o: TransferCliOptions) => {
-      try {
-        if (!isKvDtype(o.kvCacheDtype))
-          throw new Error(`--kv-cache-dtype must be f32, f16 or bf16: ${o.kvCacheDtype}`);
-        const result = await runTransferBench({
-          layout: { ...SMOLLM2_LAYOUT, dtype: o.kvCacheDtype },
-          pages: o.pages,
-          reps: o.reps,
-          warmup: o.warmup,
-          signalBytes: o.signalKib * 1024,
-          chunkPages: o.chunkPages,
-          directReads: o.directReads,
-          tlsFiles: {
-            cert: o.tlsCert ?? defaultBenchTlsFiles().cert,
-            key: o.tlsKey ?? defaultBenchTlsFiles().key,
-            ca: o.tlsCa ?? defaultBenchTlsFiles().ca,
-          },
-          ...(o.paths === undefined ? {} : { paths: o.paths }),
-          log: o.json === true ? () => {} : (line) => process.stderr.write(`${line}\n`),
-        });
-        process.stdout.write(
-          `${o.json === true ? JSON.stringify(result, null, 2) : formatTransferReport(result)}\n`,
-        );
-        if (result.failures.length > 0) process.exitCode = 1;
-      } catch (err) {
-        process.stderr.write(`kvfence bench transfer: ${err instanceof Error ? err.message : String(err)}\n`);
-        process.exitCode = 1;
-      }
-    });
+    .action((o: TransferCliOptions) =>
+      runBenchCli(
+        "transfer",
+        o.json,
+        (log) => {
+          if (!isKvDtype(o.kvCacheDtype))
+            throw new Error(`--kv-cache-dtype must be f32, f16 or bf16: ${o.kvCacheDtype}`);
+          return runTransferBench({
+            layout: { ...SMOLLM2_LAYOUT, dtype: o.kvCacheDtype },
+            pages: o.pages,
+            reps: o.reps,
+            warmup: o.warmup,
+            signalBytes: o.signalKib * 1024,
+            chunkPages: o.chunkPages,
+            directReads: o.directReads,
+            tlsFiles: {
+              cert: o.tlsCert ?? defaultBenchTlsFiles().cert,
+              key: o.tlsKey ?? defaultBenchTlsFiles().key,
+              ca: o.tlsCa ?? defaultBenchTlsFiles().ca,
+            },
+            ...(o.paths === undefined ? {} : { paths: o.paths }),
+            log,
+          });
+        },
+        formatTransferReport,
+      ),
+    );
 }
 
 if (import.meta.url === `file://${process.argv[1]}`) await transferCommand().parseAsync(process.argv);

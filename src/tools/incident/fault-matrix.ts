@@ -251,7 +251,7 @@ async function untilDecodeReserved(server: IncidentServer, timeoutMs: number): P
  * them — while the writer never acknowledged that its writes drained.
  */
 async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutcome> {
-  const { scenario, guardOn, disabledGuards } = cell;
+  const { guardOn } = cell;
   const controller = new AbortController();
   // A prompt of its own from its first token: no page of it can be in the prefix cache (a hit
   // would compute it in a few milliseconds, before any abort).
@@ -307,12 +307,7 @@ async function abortedCell(cell: Cell, server: IncidentServer): Promise<CellOutc
     acks === 0 &&
     (expect === "bug shows" ? quarantined === 0 : quarantined > 0);
   return {
-    fault: scenario.fault,
-    faults: scenario.faults,
-    topology: scenario.topology,
-    guardOn,
-    disabledGuards,
-    expect,
+    ...cellOf(cell, expect),
     status,
     errorCode: status === 0 ? "client aborted" : null,
     promptTokensReported: null,
@@ -361,12 +356,7 @@ async function prefixCell(cell: Cell, server: IncidentServer, baseline: string |
     symptom = `a miss: HTTP ${b.status}, cached_tokens ${b.cachedTokens}${guardOn === "prefix-tokens" ? `, ${delta} collisions counted` : ", B's keys differ from A's"}`;
   }
   return {
-    fault: scenario.fault,
-    faults: scenario.faults,
-    topology: scenario.topology,
-    guardOn,
-    disabledGuards: cell.disabledGuards,
-    expect,
+    ...cellOf(cell, expect),
     status: b.status,
     errorCode: b.errorCode,
     promptTokensReported: b.promptTokens,
@@ -415,6 +405,19 @@ export async function runCell(
 
 type IncidentServer = Awaited<ReturnType<typeof startIncidentServer>>;
 
+/** The fields of a cell's outcome that say which cell it is and what it expects. */
+function cellOf(cell: Cell, expect: CellOutcome["expect"]) {
+  const { scenario, guardOn, disabledGuards } = cell;
+  return {
+    fault: scenario.fault,
+    faults: scenario.faults,
+    topology: scenario.topology,
+    guardOn,
+    disabledGuards,
+    expect,
+  };
+}
+
 /** One cell of the matrix: its row's scenario and the guard on alone (null: none), the others off. */
 interface Cell {
   readonly scenario: MatrixScenario;
@@ -457,12 +460,7 @@ async function victimCell(cell: Cell, server: IncidentServer, baseline: string |
           symptom: `HTTP ${b.status} ${b.errorCode ?? ""}, guard counters +${delta}`,
         };
   return {
-    fault: scenario.fault,
-    faults: scenario.faults,
-    topology: scenario.topology,
-    guardOn,
-    disabledGuards: cell.disabledGuards,
-    expect,
+    ...cellOf(cell, expect),
     status: b.status,
     errorCode: b.errorCode,
     promptTokensReported: b.promptTokens,

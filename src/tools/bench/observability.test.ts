@@ -27,8 +27,14 @@ test("--what: a list of features in a fixed order, each for all of them, a clear
 });
 
 test("the verdict: within the bound, beyond it, undecided, too few rounds", () => {
-  assert.match(verdict({ ratio: 1, low: 0.992, high: 1.01, n: 10 }, 0.99), /costs at most 1\.0%/);
-  assert.match(verdict({ ratio: 0.95, low: 0.93, high: 0.97, n: 10 }, 0.99), /costs MORE than 1\.0%/);
-  assert.match(verdict({ ratio: 0.99, low: 0.97, high: 1.01, n: 10 }, 0.99), /undecided/);
-  assert.match(verdict({ ratio: 1, low: Number.NaN, high: Number.NaN, n: 1 }, 0.99), /too few rounds/);
+  assert.match(verdict({ ratio: 1, low: 0.992, high: 1.01, n: 10, logs: [] }, 0.99), /costs at most 1\.0%/);
+  assert.match(
+    verdict({ ratio: 0.95, low: 0.93, high: 0.97, n: 10, logs: [] }, 0.99),
+    /costs MORE than 1\.0%/,
+  );
+  assert.match(verdict({ ratio: 0.99, low: 0.97, high: 1.01, n: 10, logs: [] }, 0.99), /undecided/);
+  assert.match(
+    verdict({ ratio: 1, low: Number.NaN, high: Number.NaN, n: 1, logs: [] }, 0.99),
+    /too few rounds/,
+  );
 });

@@ -22,18 +22,11 @@ import net from "node:net";
 import os from "node:os";
 import { Command, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
+import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
 import { type LocalCluster, startLocalCluster } from "../../topology/local-cluster.js";
 import { etcdAvailable, type LocalEtcd, startEtcd } from "../../topology/local-etcd.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
-import {
-  defaultBenchTlsFiles,
-  pairedRatio,
-  positiveInt,
-  type RatioInterval,
-  runBenchCli,
-  type Summary,
-  summarize,
-} from "./transfer.js";
+import { defaultBenchTlsFiles, positiveInt, runBenchCli } from "./transfer.js";
 
 /** What the variant arm changes against the static plaintext baseline. */
 export type ClusterComparison = "tls" | "registry";

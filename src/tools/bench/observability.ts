@@ -27,7 +27,6 @@
  * token; every arm must give the same answers.
  */
 import { randomBytes } from "node:crypto";
-import { readFileSync } from "node:fs";
 import { createServer, type Server as HttpServer } from "node:http";
 import os from "node:os";
 import { fileURLToPath } from "node:url";
@@ -42,6 +41,7 @@ import {
   startArm,
   topologyOption,
 } from "./fair-share.js";
+import { cpuSeconds } from "./process-cpu.js";
 import { positiveInt, runBenchCli } from "./transfer.js";
 
 /** A feature arm (each is compared with `off`). */
@@ -360,25 +360,6 @@ async function runRounds(
       );
   }
 }
-
-/** CPU seconds (user + system, every thread) the processes used so far, from /proc; NaN where that cannot be read. */
-function cpuSeconds(pids: readonly number[]): number {
-  let ticks = 0;
-  try {
-    for (const pid of pids) {
-      // Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
-      const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
-      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-      ticks += Number(fields[11]) + Number(fields[12]);
-    }
-  } catch {
-    return Number.NaN;
-  }
-  return ticks / CLOCK_TICKS;
-}
-
-/** Linux's USER_HZ: /proc reports CPU time in these ticks per second. */
-const CLOCK_TICKS = 100;
 
 async function modelOf(url: string): Promise<string> {
   const models = (await (await fetch(`${url}/v1/models`)).json()) as { data: { id: string }[] };

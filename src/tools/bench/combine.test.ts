@@ -20,7 +20,11 @@ test("pooling two chunks' pairs gives the interval of one run over all the pairs
   assert.ok(Math.abs(pooled!.pooled.ratio - whole.ratio) < 1e-12);
   assert.ok(Math.abs(pooled!.pooled.low - whole.low) < 1e-12);
   assert.ok(Math.abs(pooled!.pooled.high - whole.high) < 1e-12);
-  assert.match(formatPooled([pooled!], 0.9), /arms\.0\.ratio: .* over 8 pairs.*\n {2}≥ 90\.0%: holds/);
+  assert.match(
+    formatPooled([pooled!], { atLeast: 0.9 }),
+    /arms\.0\.ratio: .* over 8 pairs.*\n {2}≥ 90\.0%: holds$/,
+  );
+  assert.match(formatPooled([pooled!], { atMost: 0.9 }), /\n {2}≤ 90\.0%: FAILS$/);
 });
 
 test("results of different benchmarks, or without logs, are refused", () => {

@@ -49,19 +49,34 @@ export function poolRatios(results: readonly unknown[]): PooledRatio[] {
 
 const pct = (x: number): string => `${(x * 100).toFixed(1)}%`;
 
-export function formatPooled(pooled: readonly PooledRatio[], goal?: number): string {
+/** What to check of the pooled intervals: the lower end at or above `atLeast`, the upper at or below `atMost`. */
+export interface PooledGoal {
+  readonly atLeast?: number;
+  readonly atMost?: number;
+}
+
+export function formatPooled(pooled: readonly PooledRatio[], goal: PooledGoal = {}): string {
+  const verdict = (p: RatioInterval, bound: number, above: boolean): string => {
+    const holds = above ? p.low >= bound : p.high <= bound;
+    const fails = above ? p.high < bound : p.low > bound;
+    return `\n  ${above ? "≥" : "≤"} ${pct(bound)}: ${holds ? "holds" : fails ? "FAILS" : "undecided"}`;
+  };
   return pooled
     .map(({ path, perFile, pooled: p }) => {
       const files = perFile.map((r) => `${pct(r!.ratio)} (n ${r!.n})`).join(", ");
       let line = `${path}: ${pct(p.ratio)} [95% CI ${pct(p.low)}–${pct(p.high)}] over ${p.n} pairs; per file ${files}`;
-      if (goal !== undefined) {
-        const verdict = p.low >= goal ? "holds" : p.high < goal ? "FAILS" : "undecided";
-        line += `\n  ≥ ${pct(goal)}: ${verdict}`;
-      }
+      if (goal.atLeast !== undefined) line += verdict(p, goal.atLeast, true);
+      if (goal.atMost !== undefined) line += verdict(p, goal.atMost, false);
       return line;
     })
     .join("\n");
 }
+
+const ratioOption = (v: string): number => {
+  const x = Number(v);
+  if (!(x > 0)) throw new InvalidArgumentError("give a positive ratio, e.g. 0.98");
+  return x;
+};
 
 export function combineCommand(): Command {
   return new Command("combine")
@@ -69,17 +84,19 @@ export function combineCommand(): Command {
       "Pools the paired A/B ratios of several --json results of one benchmark (runs made in chunks)",
     )
     .argument("<files...>", "JSON results of the same benchmark (`kvfence bench … --json > chunk1.json`)")
+    .option("--path <path>", "only the ratio at this path of the results (e.g. variantOverBaseline)")
     .option(
-      "--goal <ratio>",
-      "print whether the pooled CI's lower end is at or above this ratio (e.g. 0.98)",
-      (v) => {
-        const x = Number(v);
-        if (!(x > 0)) throw new InvalidArgumentError("give a positive ratio, e.g. 0.98");
-        return x;
-      },
+      "--at-least <ratio>",
+      "whether each pooled CI's lower end is at or above this (a throughput goal: 0.98)",
+      ratioOption,
+    )
+    .option(
+      "--at-most <ratio>",
+      "whether each pooled CI's upper end is at or below this (a cost goal: 1.02)",
+      ratioOption,
     )
     .option("--json", "print the pooled ratios as JSON")
-    .action((files: string[], o: { goal?: number; json?: boolean }) => {
+    .action((files: string[], o: { path?: string; atLeast?: number; atMost?: number; json?: boolean }) => {
       try {
         const results = files.map((f) => {
           try {
@@ -88,9 +105,12 @@ export function combineCommand(): Command {
             throw new Error(`${f}: ${err instanceof Error ? err.message : String(err)}`);
           }
         });
-        const pooled = poolRatios(results);
+        const all = poolRatios(results);
+        const pooled = o.path === undefined ? all : all.filter((p) => p.path === o.path);
+        if (pooled.length === 0)
+          throw new Error(`no ratio at "${o.path}"; the results have ${all.map((p) => p.path).join(", ")}`);
         process.stdout.write(
-          `${o.json === true ? JSON.stringify(pooled, null, 2) : formatPooled(pooled, o.goal)}\n`,
+          `${o.json === true ? JSON.stringify(pooled, null, 2) : formatPooled(pooled, o)}\n`,
         );
       } catch (err) {
         process.stderr.write(`kvfence bench combine: ${err instanceof Error ? err.message : String(err)}\n`);

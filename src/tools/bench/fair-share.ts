@@ -16,9 +16,9 @@
  * Default: `baseline` with `--baseline`, else `caps`. `--fair-args` go to every arm of this build.
  *
  * Each round drives the same batch of chat requests (greedy, fixed prompts and `max_tokens`,
- * `--concurrency` in flight) from the one tenant through each server, the arms back to back, in
- * order on even rounds and reversed on odd ones (ABBA, ABCCBA: a drift of the machine's load falls
- * on all alike), and measures two things per arm and round: output tokens per second of wall time,
+ * `--concurrency` in flight) from the one tenant through each server, the arms back to back, two
+ * arms alternating (ABBA) and three rotating (ABC, BCA, CAB): a drift of the machine's load falls
+ * on all alike, and measures two things per arm and round: output tokens per second of wall time,
  * and output tokens per CPU second of the arm's server processes (all their threads, from
  * /proc/PID/stat). The first is the throughput; the second is the work each token costs, which
  * another program's load on a shared machine disturbs far less (it takes our cores, not our
@@ -354,7 +354,20 @@ class Tally {
 const tokensPerSecond = (r: ArmRounds): number[] => r.tokens.map((t, i) => t / (r.ns[i]! / 1e9));
 const tokensPerCpuSecond = (r: ArmRounds): number[] => r.tokens.map((t, i) => t / r.cpuSeconds[i]!);
 
-/** The warm-up and measured rounds, the arms in order on even rounds and reversed on odd ones. */
+/**
+ * The arms' order in round `r`: two arms alternate (ABBA); three or more rotate (ABC, BCA, CAB),
+ * so each arm takes each place equally often and no arm runs twice in a row — with ABC/CBA the
+ * middle arm would always run between two others, and the end arms twice in a row every other
+ * round (a server idle between its rounds collects its garbage then, one run back to back does not).
+ */
+export function orderOf<T>(names: readonly T[], r: number): T[] {
+  const k = names.length;
+  const i = ((r % (k === 2 ? 2 : k)) + k) % k;
+  if (k === 2) return i === 0 ? [...names] : [...names].reverse();
+  return [...names.slice(i), ...names.slice(0, i)];
+}
+
+/** The warm-up and measured rounds, the arms' order changing every round (`orderOf`). */
 async function runRounds(
   settings: Settings,
   servers: ReadonlyMap<ArmName, Server>,
@@ -370,7 +383,7 @@ async function runRounds(
   const modelId = models.data[0]!.id;
   const tally = new Tally();
   for (let r = -warmup; r < rounds; r++) {
-    const order = ((r % 2) + 2) % 2 === 0 ? names : [...names].reverse();
+    const order = orderOf(names, r);
     for (const arm of order) {
       const server = servers.get(arm)!;
       const target = { url: server.url, model: modelId, maxTokens, apiKey: KEY };
@@ -547,7 +560,7 @@ export function formatFairShareReport(r: FairBenchResult): string {
   ];
   const labelOf = (name: ArmName): string => r.arms.find((a) => a.name === name)!.label;
   return [
-    `kvfence ${r.topology}, one tenant sending of ${r.tenants} in the keys file${r.tenants === 2 ? " (default caps: half the server each)" : " (no cap)"}: ${r.rounds} rounds of ${r.requests} chat requests per arm${r.runs > 1 ? ` (${r.runs} runs combined)` : ""}, the arms back to back, the order reversed every other round (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
+    `kvfence ${r.topology}, one tenant sending of ${r.tenants} in the keys file${r.tenants === 2 ? " (default caps: half the server each)" : " (no cap)"}: ${r.rounds} rounds of ${r.requests} chat requests per arm${r.runs > 1 ? ` (${r.runs} runs combined)` : ""}, the arms back to back, their order changing every round (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
     `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end${r.load.start > 0.5 * r.load.cpus ? " (others are running: trust the per-CPU-second figure more, or rerun on a quiet machine)" : ""}`,
     ...r.arms.map(arm),
     ...r.comparisons.flatMap((c) => [

@@ -47,7 +47,7 @@ import {
   summarize,
 } from "../../lib/stats.js";
 import { stopProcess } from "../../topology/local-cluster.js";
-import { prompt, round } from "./cluster.js";
+import { type ArmLoadCliOptions, armLoadOf, prompt, round } from "./cluster.js";
 import { positiveInt, runBenchCli } from "./transfer.js";
 
 export type FairBenchTopology = "single" | "threads" | "cluster";
@@ -572,21 +572,13 @@ export function formatFairShareReport(r: FairBenchResult): string {
   ].join("\n");
 }
 
-interface FairCliOptions {
+interface FairCliOptions extends ArmLoadCliOptions {
   topology: FairBenchTopology;
   tenants: "1" | "2";
   compare?: string;
   baseline?: string;
   fairArgs?: string;
   combine?: string[];
-  model?: string;
-  kvPages: number;
-  rounds: number;
-  warmup: number;
-  requests: number;
-  concurrency: number;
-  maxTokens: number;
-  promptChars: number;
   json?: boolean;
 }
 
@@ -688,14 +680,7 @@ export function fairShareCommand(): Command {
                 ...(o.fairArgs === undefined
                   ? {}
                   : { fairArgs: o.fairArgs.split(/\s+/).filter((a) => a !== "") }),
-                ...(o.model === undefined ? {} : { model: o.model }),
-                kvPages: o.kvPages,
-                rounds: o.rounds,
-                warmup: o.warmup,
-                requests: o.requests,
-                concurrency: o.concurrency,
-                maxTokens: o.maxTokens,
-                promptChars: o.promptChars,
+                ...armLoadOf(o),
                 log,
               }),
         formatFairShareReport,

@@ -132,7 +132,7 @@ export interface FairBenchResult {
   /** Every measured round of each arm (the arms' order of `arms`). */
   readonly perRound: Readonly<Partial<Record<ArmName, ArmRounds>>>;
   readonly failures: readonly string[];
-  /** The load average at the start and end of each run (several when combined). */
+  /** The 1-minute load average at the start and end of the run (combined: of the first and the last). */
   readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
   /** Runs combined into this result (1 for a run). */
   readonly runs: number;
@@ -525,11 +525,8 @@ export function combineFairShareResults(results: readonly FairBenchResult[]): Fa
       requests: first.requests,
       concurrency: first.concurrency,
       maxTokens: first.maxTokens,
-      load: {
-        start: Math.min(...results.map((r) => r.load.start)),
-        end: Math.max(...results.map((r) => r.load.end)),
-        cpus: first.load.cpus,
-      },
+      // At the start of the first run and the end of the last.
+      load: { start: first.load.start, end: results.at(-1)!.load.end, cpus: first.load.cpus },
       runs: results.reduce((n, r) => n + r.runs, 0),
     },
     new Map(first.arms.map((a) => [a.name, a.label] as const)),

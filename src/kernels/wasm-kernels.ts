@@ -112,6 +112,7 @@ export interface WasmExports {
     dtype: number,
   ): void;
   quantizeRowsQ8(xq: number, x: number, rows: number, inDim: number): void;
+  quantizedBytes(rows: number, inDim: number): number;
   add(out: number, a: number, b: number, n: number): void;
   addBias(out: number, bias: number, rows: number, n: number): void;
   rmsnorm(out: number, x: number, weight: number, n: number, eps: number, rows: number): void;
@@ -669,7 +670,7 @@ export class WasmKernels implements Kernels {
 
   /** Quantises x's rows to int8 blocks for the Q8_0/Q4_0 kernels (quantizeRowsQ8); returns their address. */
   #quantize(x: Float32Array, rows: number, inDim: number): number {
-    const bytes = Math.ceil((rows * inDim) / 16) * 16 + rows * (inDim / 32) * 8;
+    const bytes = this.#x.quantizedBytes(rows, inDim);
     if (bytes > this.#packedBytes) {
       this.#packedBytes = Math.max(bytes, this.#packedBytes * 2);
       this.#packed = this.allocBytes(this.#packedBytes);

@@ -171,6 +171,8 @@ const QUANT_SHAPES: [number, number, number][] = [
   [13, 576, 35],
   [64, 128, 200],
   [131, 64, 101],
+  // qTile16's groups of 4, 8 and 16 rows, their padding and the row chunks (64) they meet
+  ...[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 31, 33, 70].map((rows): [number, number, number] => [rows, 96, 11]),
 ];
 
 for (const [threads, fma] of [

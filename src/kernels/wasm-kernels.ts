@@ -111,7 +111,9 @@ export interface WasmExports {
     first: number,
     dtype: number,
   ): void;
-  quantizeRowsQ8(xq: number, x: number, rows: number, inDim: number): void;
+  quantizeRowsQ8(xq: number, x: number, rows: number, inDim: number, quads: number): void;
+  quantizedBytes(rows: number, inDim: number): number;
+  dotAddExact(p: number): number;
   add(out: number, a: number, b: number, n: number): void;
   addBias(out: number, bias: number, rows: number, n: number): void;
   rmsnorm(out: number, x: number, weight: number, n: number, eps: number, rows: number): void;
@@ -229,6 +231,8 @@ export interface WeightsLike {
 
 /** The kernels' code for each weight format (DT_* in src/kernels/assembly/index.ts). */
 const DTYPE_CODE: Readonly<Record<WeightDType, number>> = { f32: 0, f16: 1, bf16: 2, q8_0: 3, q4_0: 4 };
+/** Flag on a block format's code: batches run the relaxed int8 dot with accumulate (DT_DOT_ADD in the kernels). */
+const DT_DOT_ADD = 8;
 
 export interface WasmKernelsOptions {
   /** 1: main thread only; 2 (default): main thread plus one worker. */
@@ -251,6 +255,11 @@ export interface WasmKernelsOptions {
    */
   readonly fma?: boolean;
   /**
+   * Run batches on Q8_0/Q4_0 weights on the relaxed int8 dot with accumulate where the engine
+   * computes it exactly (see `dotAdd`). Default true; false keeps them on the i16 tile everywhere.
+   */
+  readonly dotAdd?: boolean;
+  /**
    * A memory shared with other kernel sets of the process (src/engine/engine-memory.ts): the
    * weights sit in it already, and this set's arena is `region` of it (it never grows it). Without
    * one the kernels make their own memory and arena.
@@ -270,6 +279,14 @@ export class WasmKernels implements Kernels {
   readonly threads: 1 | 2;
   /** Whether the kernels are the relaxed-SIMD build (fused multiply-add). */
   readonly fma: boolean;
+  /**
+   * Whether batches (2+ rows) on Q8_0/Q4_0 weights run `qTileDot16` in the kernels, on
+   * `i32x4.relaxed_dot_i8x16_i7x16_add_s` (16 multiply-adds an instruction; one vpdpbusd where
+   * Node 22/24's V8 has AVX-VNNI): only where the relaxed build runs and the engine returns the
+   * exact sum (`dotAddExact`; Node 20's V8 11.3 does not). Otherwise the i16 tile (`qTile16`).
+   * Both give the same integer sums, so the same results.
+   */
+  readonly dotAdd: boolean;
   /** Calls that ran the reference kernel because an operand was outside the memory. */
   fallbackCalls = 0;
   #x: WasmExports;
@@ -335,6 +352,7 @@ export class WasmKernels implements Kernels {
     this.#table = this.allocI32(1024);
     this.#seqRecords = this.allocI32(5 * 64);
     this.#segRecords = this.allocI32(4 * 4);
+    this.dotAdd = (options.dotAdd ?? true) && this.#x.dotAddExact(this.allocBytes(48)) === 1;
     // Bound, so a caller may destructure the kernels (as ForwardPass.step() does).
     this.allocF32 = this.allocF32.bind(this);
     this.allocF64 = this.allocF64.bind(this);
@@ -614,9 +632,10 @@ export class WasmKernels implements Kernels {
     inDim: number,
     numSegs: number,
     totalOut: number,
-    dtype: number,
+    format: number,
   ): void {
     const big = rows > STREAMED_ROWS;
+    const dtype = format >= DTYPE_CODE.q8_0 && this.dotAdd ? format | DT_DOT_ADD : format;
     const solo = this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork;
     const colChunk = big
       ? MATMUL_COL_CHUNK
@@ -633,7 +652,7 @@ export class WasmKernels implements Kernels {
       chunks += Math.ceil((r[4 * i + 2] as number) / colChunk);
     }
     const xp =
-      dtype >= DTYPE_CODE.q8_0 ? this.#quantize(x, rows, inDim) : big ? this.#pack(x, rows, inDim) : 0;
+      format >= DTYPE_CODE.q8_0 ? this.#quantize(x, rows, inDim) : big ? this.#pack(x, rows, inDim) : 0;
     let job = 0;
     if (solo) {
       this.#resetCounters();
@@ -669,12 +688,12 @@ export class WasmKernels implements Kernels {
 
   /** Quantises x's rows to int8 blocks for the Q8_0/Q4_0 kernels (quantizeRowsQ8); returns their address. */
   #quantize(x: Float32Array, rows: number, inDim: number): number {
-    const bytes = Math.ceil((rows * inDim) / 16) * 16 + rows * (inDim / 32) * 8;
+    const bytes = this.#x.quantizedBytes(rows, inDim);
     if (bytes > this.#packedBytes) {
       this.#packedBytes = Math.max(bytes, this.#packedBytes * 2);
       this.#packed = this.allocBytes(this.#packedBytes);
     }
-    this.#x.quantizeRowsQ8(this.#packed, x.byteOffset, rows, inDim);
+    this.#x.quantizeRowsQ8(this.#packed, x.byteOffset, rows, inDim, this.dotAdd ? 1 : 0);
     return this.#packed;
   }
 

@@ -158,6 +158,9 @@ const HALF_SHAPES: [number, number, number][] = [
   [131, 40, 101],
 ];
 
+/** Batch sizes 1–9 and the edges of qTile16's 16-row groups and of the 64-row chunks. */
+const TILE_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 31, 33, 70];
+
 const QUANT_SHAPES: [number, number, number][] = [
   [1, 32, 5],
   [1, 576, 193],
@@ -171,6 +174,8 @@ const QUANT_SHAPES: [number, number, number][] = [
   [13, 576, 35],
   [64, 128, 200],
   [131, 64, 101],
+  // qTile16's groups of 4, 8 and 16 rows, their padding and the row chunks (64) they meet
+  ...TILE_ROWS.map((r): [number, number, number] => [r, 96, 11]),
 ];
 
 for (const [threads, fma] of [
@@ -288,3 +293,44 @@ for (const [threads, fma] of [
     });
   });
 }
+
+describe("WasmKernels' two int8 tiles for batches on Q8_0/Q4_0 weights", () => {
+  // qTileDot16 (relaxed int8 dot with accumulate, where the engine computes it exactly) and qTile16
+  // (i16 dot products) form the same integer block sums and scale them in the same order.
+  const major = Number(process.versions.node.split(".")[0]);
+  let dot: WasmKernels;
+  let i16: WasmKernels;
+  before(async () => {
+    dot = await WasmKernels.create({ threads: 2, parallelMinWork: 0, initialBytes: 1 << 20 });
+    i16 = await WasmKernels.create({ threads: 2, parallelMinWork: 0, initialBytes: 1 << 20, dotAdd: false });
+    await Promise.all([dot.ready(), i16.ready()]);
+  });
+  after(async () => {
+    await Promise.all([dot.close(), i16.close()]);
+  });
+
+  it("the dot-with-accumulate tile runs where the engine gets the instruction right (not Node 20's V8)", () => {
+    assert.equal(i16.dotAdd, false);
+    if (major === 20) assert.equal(dot.dotAdd, false);
+    if (major >= 24 && dot.fma) assert.equal(dot.dotAdd, true);
+  });
+
+  for (const dtype of ["q8_0", "q4_0"] as const) {
+    it(`on ${dtype} weights both give bit-identical outputs (batch sizes 1–9, 16-row groups, row chunks)`, () => {
+      for (const [rows, inDim, outDim] of QUANT_SHAPES) {
+        const x = fill(dot.allocF32(rows * inDim), rows * 3 + inDim, 2);
+        const xi = i16.allocF32(rows * inDim);
+        xi.set(x);
+        const seed = outDim * 7 + 1;
+        const w = weight(dot, outDim, inDim, dtype, seed);
+        const wi = weight(i16, outDim, inDim, dtype, seed);
+        const got = dot.allocF32(rows * outDim);
+        const want = i16.allocF32(rows * outDim);
+        dot.matmul(got, x, w, rows, inDim, outDim);
+        i16.matmul(want, xi, wi, rows, inDim, outDim);
+        assert.deepEqual(got, want, `${dtype} ${rows}x${inDim}x${outDim}`);
+      }
+      assert.equal(dot.fallbackCalls + i16.fallbackCalls, 0);
+    });
+  }
+});

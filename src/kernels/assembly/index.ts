@@ -78,6 +78,8 @@ export const DT_F16: i32 = 1;
 export const DT_BF16: i32 = 2;
 export const DT_Q8_0: i32 = 3;
 export const DT_Q4_0: i32 = 4;
+/** Flag on DT_Q8_0/DT_Q4_0: batches run `qTileDot16` (the loader sets it where `dotAddExact`). */
+export const DT_DOT_ADD: i32 = 8;
 
 /** 2^112: an f16's exponent and mantissa shifted into an f32's, times this, is its value (subnormals too). */
 const F16_SCALE: f32 = 5.192296858534828e33;
@@ -379,12 +381,9 @@ export function matmulPar(
     const o = <usize>load<i32>(sg) + ((<usize>r0 * <usize>outDim) << 2);
     const w = <usize>load<i32>(sg, 4);
     if (dtype >= DT_Q8_0) {
-      const nb4 = (<usize>(r0 * (inDim >> 5))) << 2;
-      const xd = qScalesAt(xp, rows, inDim);
-      const xc = xd + ((<usize>(rows * (inDim >> 5))) << 2);
-      const xq = xp + <usize>r0 * <usize>inDim;
-      if (dtype == DT_Q8_0) matmulColsQ<i8>(o, xq, xd + nb4, xc + nb4, w, rn, inDim, outDim, c0, c1);
-      else matmulColsQ<u8>(o, xq, xd + nb4, xc + nb4, w, rn, inDim, outDim, c0, c1);
+      const quads = (dtype & DT_DOT_ADD) != 0;
+      if ((dtype & 7) == DT_Q8_0) matmulColsQ<i8>(o, xp, rows, r0, rn, w, inDim, outDim, c0, c1, quads);
+      else matmulColsQ<u8>(o, xp, rows, r0, rn, w, inDim, outDim, c0, c1, quads);
       continue;
     }
     const xr = x + ((<usize>r0 * <usize>inDim) << 2);
@@ -401,10 +400,14 @@ export function matmulPar(
 /**
  * Quantises rows of x[rows][inDim] (inDim a multiple of 32) for the Q8_0/Q4_0 matmul, at xq: the
  * int8 quants [rows][inDim], then (from `qScalesAt`) each 32-block's scale d = amax/127 as f32
- * [rows][inDim/32], then d·8·Σq per block [rows][inDim/32] (the Q4_0 offset's share). Quants are
- * x·(1/d) rounded to nearest even (f32x4.nearest, as ggml's AVX quantize_row_q8_0).
+ * [rows][inDim/32], then d·8·Σq per block [rows][inDim/32] (the Q4_0 offset's share); these are
+ * what `qRow` reads. Quants are x·(1/d) rounded to nearest even (f32x4.nearest, as ggml's AVX
+ * quantize_row_q8_0). For two or more rows the same quants and scales are also laid out for
+ * `qTile16` (from `qTileAt`): per group of 16 rows (the last one zero-padded), the quants as i16
+ * [inDim/2][16][2] (each pair of values k, k+1 of the 16 rows next to each other, 64 bytes, so
+ * one load gives 4 rows' pairs) and then, after all groups' quants, the scales [nb][16] per group.
  */
-export function quantizeRowsQ8(xq: usize, x: usize, rows: i32, inDim: i32): void {
+export function quantizeRowsQ8(xq: usize, x: usize, rows: i32, inDim: i32, quads: i32): void {
   const nb = inDim >> 5;
   const xd = qScalesAt(xq, rows, inDim);
   const xc = xd + ((<usize>(rows * nb)) << 2);
@@ -445,6 +448,76 @@ export function quantizeRowsQ8(xq: usize, x: usize, rows: i32, inDim: i32): void
       store<f32>(xc + ((<usize>i) << 2), d * 8 * <f32>sum);
     }
   }
+  if (rows > 1) qTileLayout(xq, rows, inDim, quads != 0);
+}
+
+/** Bytes `quantizeRowsQ8` writes for rows × inDim (the loader sizes its buffer by it). */
+export function quantizedBytes(rows: i32, inDim: i32): i32 {
+  const end = qTileAt(0, rows, inDim);
+  if (rows == 1) return <i32>end;
+  return <i32>(end + (<usize>((rows + 15) >> 4)) * (((<usize>inDim) << 5) + ((<usize>(inDim >> 5)) << 7)));
+}
+
+/** Where `quantizeRowsQ8` puts the `qTile16` layout: after the Σ terms, at 16 bytes. */
+@inline
+function qTileAt(xq: usize, rows: i32, inDim: i32): usize {
+  return (qScalesAt(xq, rows, inDim) + ((<usize>(rows * (inDim >> 5))) << 3) + 15) & ~(<usize>15);
+}
+
+/**
+ * Copies the int8 quants and scales of `quantizeRowsQ8` into the tile layout: per 16-row group
+ * (inDim·32 bytes apart) the quants as i16 pairs for `qTile16` [inDim/2][16][2] or, with `quads`,
+ * as int8 quads for `qTileDot16` [inDim/4][16][4]; after all groups the scales [nb][16] f32 of
+ * each group, then −8·Σq [nb][16] i32 of each group (Q4_0's offset in `qTileDot16`).
+ */
+function qTileLayout(xq: usize, rows: i32, inDim: i32, quads: bool): void {
+  const nb = inDim >> 5;
+  const xd = qScalesAt(xq, rows, inDim);
+  const t = qTileAt(xq, rows, inDim);
+  const groups = (rows + 15) >> 4;
+  const qs = (<usize>inDim) << 5; // one group's quants
+  const ss = (<usize>nb) << 6; // one group's scales (or offsets)
+  const sAt = t + <usize>groups * qs;
+  const cAt = sAt + <usize>groups * ss;
+  for (let r = 0; r < groups << 4; r++) {
+    const live = r < rows;
+    const rr = (<usize>(r & 15)) << 2;
+    const dq = t + <usize>(r >> 4) * qs + rr;
+    const ds = sAt + <usize>(r >> 4) * ss + rr;
+    const dc = cAt + <usize>(r >> 4) * ss + rr;
+    for (let b = 0; b < nb; b++) {
+      const src = xq + <usize>r * <usize>inDim + ((<usize>b) << 5);
+      const lo = live ? v128.load(src) : i8x16.splat(0);
+      const hi = live ? v128.load(src, 16) : i8x16.splat(0);
+      if (quads) {
+        const o = dq + ((<usize>b) << 9);
+        qStorePairs(o, lo);
+        qStorePairs(o + 256, hi);
+      } else {
+        const o = dq + ((<usize>b) << 10);
+        qStorePairs(o, i16x8.extend_low_i8x16_s(lo));
+        qStorePairs(o + 256, i16x8.extend_high_i8x16_s(lo));
+        qStorePairs(o + 512, i16x8.extend_low_i8x16_s(hi));
+        qStorePairs(o + 768, i16x8.extend_high_i8x16_s(hi));
+      }
+      const sq = i32x4.add(
+        i32x4.extadd_pairwise_i16x8_s(i16x8.extadd_pairwise_i8x16_s(lo)),
+        i32x4.extadd_pairwise_i16x8_s(i16x8.extadd_pairwise_i8x16_s(hi)),
+      );
+      const sum = i32x4.extract_lane(sq, 0) + i32x4.extract_lane(sq, 1) + i32x4.extract_lane(sq, 2) + i32x4.extract_lane(sq, 3);
+      store<f32>(ds + ((<usize>b) << 6), live ? load<f32>(xd + ((<usize>(r * nb + b)) << 2)) : 0);
+      store<i32>(dc + ((<usize>b) << 6), -8 * sum);
+    }
+  }
+}
+
+/** The four i32 lanes of v (i16 pairs or int8 quads) at o, o + 64, o + 128, o + 192 (one row's slots). */
+@inline
+function qStorePairs(o: usize, v: v128): void {
+  v128.store32_lane(o, v, 0);
+  v128.store32_lane(o, v, 1, 64);
+  v128.store32_lane(o, v, 2, 128);
+  v128.store32_lane(o, v, 3, 192);
 }
 
 /** Where `quantizeRowsQ8` puts the scales: after the quants, rounded up to 16 bytes. */
@@ -469,10 +542,14 @@ function idot(acc: v128, a: v128, b: v128): v128 {
   return i32x4.add(acc, i32x4.add(lo, hi));
 }
 
-/** For the relaxed dot: x with the sign of the weights `neg` marks (lanes < 0), so x·|w| = x·w. */
+/**
+ * For the relaxed dot: x with the sign of the weights `neg` marks (lanes all ones where w < 0), so
+ * x·|w| = x·w: (x ^ m) − m negates where m = −1 (x is never −128). Two single-instruction ops; a
+ * negate and a bitselect were about five x86 instructions.
+ */
 @inline
 function signTo(x: v128, neg: v128): v128 {
-  if (ASC_FEATURE_RELAXED_SIMD) return v128.bitselect(i8x16.neg(x), x, neg);
+  if (ASC_FEATURE_RELAXED_SIMD) return i8x16.sub(v128.xor(x, neg), neg);
   return x;
 }
 
@@ -483,83 +560,307 @@ function dotW(w: v128): v128 {
   return w;
 }
 
-/** [Σa, Σb, Σc, Σd] of four i32 accumulators. */
+/**
+ * The 16 weights of half h (0 or 1) of the block at bp as int8 values: Q8_0's quants 16h…16h+15;
+ * Q4_0's low (h = 0) or high nibbles minus 8, which are values 0–15 or 16–31 of its block.
+ */
 @inline
-function reduce4i(a: v128, b: v128, c: v128, d: v128): v128 {
-  const ab = i32x4.add(v128.shuffle<i32>(a, b, 0, 4, 1, 5), v128.shuffle<i32>(a, b, 2, 6, 3, 7));
-  const cd = i32x4.add(v128.shuffle<i32>(c, d, 0, 4, 1, 5), v128.shuffle<i32>(c, d, 2, 6, 3, 7));
-  return i32x4.add(v128.shuffle<i32>(ab, cd, 0, 1, 4, 5), v128.shuffle<i32>(ab, cd, 2, 3, 6, 7));
-}
-
-/** The f32 at p, p + s1, p + s2, p + s3 in lanes 0–3. */
-@inline
-function gather4(p: usize, s1: usize, s2: usize, s3: usize): v128 {
-  let v = v128.load32_zero(p);
-  v = v128.load32_lane(p + s1, v, 1);
-  v = v128.load32_lane(p + s2, v, 2);
-  return v128.load32_lane(p + s3, v, 3);
+function qHalf<Q>(bp: usize, h: i32): v128 {
+  if (isSigned<Q>()) return h == 0 ? v128.load(bp, 2) : v128.load(bp, 18);
+  const v = v128.load(bp, 2);
+  const n = h == 0 ? v128.and(v, i8x16.splat(0x0f)) : i8x16.shr_u(v, 4);
+  return i8x16.sub(n, i8x16.splat(8));
 }
 
 /**
- * out[r][j] for up to 4 rows (`nrows`) of quantised activations (xq, xd, xc from `quantizeRowsQ8`,
- * already offset to the first row) against weight rows [c0, c1) in blocks Q (i8: Q8_0 34-byte
- * blocks, u8: Q4_0 18-byte blocks). Each weight block is loaded (and its nibbles unpacked, or its
- * |q| and sign taken) once for the 4 rows; the 4 rows' integer block sums are reduced into one
- * vector, so a block costs one convert and one scale multiply (d_w times the 4 rows' d_x) for all
- * 4 rows, accumulated in the lanes of one f32 vector. Missing rows repeat row 0 and are not stored.
+ * out[r][j] for the `nrows` (2–16) rows of one 16-row group of quantised activations (xt: the
+ * group's i16 quants, xs: its scales, from `qTileLayout`) against weight rows [c0, c1) in blocks Q
+ * (i8: Q8_0 34-byte blocks, u8: Q4_0 18-byte blocks); 4·sizeof<N>() rows are computed (N: u8, u16
+ * or u32 for 4, 8 or 16), padding rows are zeros and not stored. The lanes of each accumulator are
+ * 4 activation rows: each weight block is widened to i16 once, each pair of its values broadcast
+ * (one shuffle) and multiplied against 4 rows' pairs by `i32x4.dot_i16x8_s` (pmaddwd: 8 exact
+ * multiply-adds, no sign handling), so a block needs no horizontal sum: one convert and one
+ * multiply-add by d_w·d_x per 4 rows. Per block and 16 rows: 64 dot products and 60 adds, 16
+ * shuffles, 4 widenings; the loads of x have constant offsets (hence the block written out).
  */
-function qTile4<Q>(
-  out: usize, xq: usize, xd: usize, xc: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32,
+function qTile16<Q, N>(
+  out: usize, xt: usize, xs: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32,
 ): void {
   const nb = <usize>(inDim >> 5);
   const bs: usize = isSigned<Q>() ? 34 : 18;
   const wsb = nb * bs;
   const os = (<usize>outDim) << 2;
-  const xs1: usize = nrows > 1 ? <usize>inDim : 0;
-  const xs2: usize = nrows > 2 ? <usize>(2 * inDim) : 0;
-  const xs3: usize = nrows > 3 ? <usize>(3 * inDim) : 0;
-  const ds1: usize = nrows > 1 ? nb << 2 : 0;
-  const ds2: usize = nrows > 2 ? nb << 3 : 0;
-  const ds3: usize = nrows > 3 ? (nb << 3) + (nb << 2) : 0;
-  const nib = i8x16.splat(0x0f);
-  const zero = i8x16.splat(0);
   for (let j = c0; j < c1; j++) {
     const w0 = w + <usize>j * wsb;
-    let f = f32x4.splat(0);
-    let e = f32x4.splat(0);
+    let f0 = f32x4.splat(0), f1 = f32x4.splat(0), f2 = f32x4.splat(0), f3 = f32x4.splat(0);
+    let p = xt;
+    let sp = xs;
     for (let b: usize = 0; b < nb; b++) {
       const bp = w0 + b * bs;
-      let wa: v128, wb: v128, na: v128, nbm: v128;
-      if (isSigned<Q>()) {
-        const ra = v128.load(bp, 2);
-        const rb = v128.load(bp, 18);
-        na = i8x16.lt_s(ra, zero);
-        nbm = i8x16.lt_s(rb, zero);
-        wa = dotW(ra);
-        wb = dotW(rb);
-      } else {
-        const v = v128.load(bp, 2);
-        wa = v128.and(v, nib);
-        wb = i8x16.shr_u(v, 4);
-        na = zero;
-        nbm = zero;
-      }
-      const xb = xq + (b << 5);
-      const a0 = idot(idot(i32x4.splat(0), signTo(v128.load(xb), na), wa), signTo(v128.load(xb, 16), nbm), wb);
-      const a1 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs1), na), wa), signTo(v128.load(xb + xs1, 16), nbm), wb);
-      const a2 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs2), na), wa), signTo(v128.load(xb + xs2, 16), nbm), wb);
-      const a3 = idot(idot(i32x4.splat(0), signTo(v128.load(xb + xs3), na), wa), signTo(v128.load(xb + xs3, 16), nbm), wb);
+      let i0 = i32x4.splat(0), i1 = i32x4.splat(0), i2 = i32x4.splat(0), i3 = i32x4.splat(0);
+      let n: v128, e: v128, s: v128;
+      n = qHalf<Q>(bp, 0);
+      e = i16x8.extend_low_i8x16_s(n);
+      s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+      i0 = i32x4.dot_i16x8_s(v128.load(p, 0), s);
+      if (sizeof<N>() >= 2) i1 = i32x4.dot_i16x8_s(v128.load(p, 16), s);
+      if (sizeof<N>() >= 4) i2 = i32x4.dot_i16x8_s(v128.load(p, 32), s);
+      if (sizeof<N>() >= 4) i3 = i32x4.dot_i16x8_s(v128.load(p, 48), s);
+      s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 64), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 80), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 96), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 112), s));
+      s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 128), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 144), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 160), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 176), s));
+      s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 192), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 208), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 224), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 240), s));
+      e = i16x8.extend_high_i8x16_s(n);
+      s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 256), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 272), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 288), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 304), s));
+      s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 320), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 336), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 352), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 368), s));
+      s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 384), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 400), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 416), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 432), s));
+      s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 448), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 464), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 480), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 496), s));
+      n = qHalf<Q>(bp, 1);
+      e = i16x8.extend_low_i8x16_s(n);
+      s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 512), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 528), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 544), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 560), s));
+      s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 576), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 592), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 608), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 624), s));
+      s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 640), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 656), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 672), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 688), s));
+      s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 704), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 720), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 736), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 752), s));
+      e = i16x8.extend_high_i8x16_s(n);
+      s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 768), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 784), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 800), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 816), s));
+      s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 832), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 848), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 864), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 880), s));
+      s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 896), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 912), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 928), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 944), s));
+      s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 960), s));
+      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 976), s));
+      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 992), s));
+      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 1008), s));
       const dw = f32x4.splat(f16ToF32(<u32>load<u16>(bp)));
-      const scale = f32x4.mul(dw, gather4(xd + (b << 2), ds1, ds2, ds3));
-      f = fma(f, f32x4.convert_i32x4_s(reduce4i(a0, a1, a2, a3)), scale);
-      if (!isSigned<Q>()) e = fma(e, dw, gather4(xc + (b << 2), ds1, ds2, ds3));
+      f0 = fma(f0, f32x4.convert_i32x4_s(i0), f32x4.mul(dw, v128.load(sp)));
+      if (sizeof<N>() >= 2) f1 = fma(f1, f32x4.convert_i32x4_s(i1), f32x4.mul(dw, v128.load(sp, 16)));
+      if (sizeof<N>() >= 4) f2 = fma(f2, f32x4.convert_i32x4_s(i2), f32x4.mul(dw, v128.load(sp, 32)));
+      if (sizeof<N>() >= 4) f3 = fma(f3, f32x4.convert_i32x4_s(i3), f32x4.mul(dw, v128.load(sp, 48)));
+      p += 1024;
+      sp += 64;
     }
-    const r = isSigned<Q>() ? f : f32x4.sub(f, e);
     const o = out + ((<usize>j) << 2);
-    store<f32>(o, f32x4.extract_lane(r, 0));
-    if (nrows > 1) store<f32>(o + os, f32x4.extract_lane(r, 1));
-    if (nrows > 2) store<f32>(o + 2 * os, f32x4.extract_lane(r, 2));
-    if (nrows > 3) store<f32>(o + 3 * os, f32x4.extract_lane(r, 3));
+    qStoreRows(o, os, f0, nrows);
+    if (sizeof<N>() >= 2) qStoreRows(o + 4 * os, os, f1, nrows - 4);
+    if (sizeof<N>() >= 4) qStoreRows(o + 8 * os, os, f2, nrows - 8);
+    if (sizeof<N>() >= 4) qStoreRows(o + 12 * os, os, f3, nrows - 12);
+  }
+}
+
+/** The first `live` (up to 4) lanes of v at o, o + os, o + 2·os, o + 3·os. */
+@inline
+function qStoreRows(o: usize, os: usize, v: v128, live: i32): void {
+  if (live > 0) store<f32>(o, f32x4.extract_lane(v, 0));
+  if (live > 1) store<f32>(o + os, f32x4.extract_lane(v, 1));
+  if (live > 2) store<f32>(o + 2 * os, f32x4.extract_lane(v, 2));
+  if (live > 3) store<f32>(o + 3 * os, f32x4.extract_lane(v, 3));
+}
+
+/**
+ * acc + the int8 dot products of a and b (b in [0, 127]) in i32 lanes, four products a lane:
+ * `i32x4.relaxed_dot_i8x16_i7x16_add_s`, one vpdpbusd on a CPU with AVX-VNNI where V8 12+ (Node
+ * 22, 24) compiles it so. Node 20's V8 returns a wrong sum (twice the products, no acc), so the
+ * loader runs `qTileDot16` only where `dotAddExact` says the engine gets it right. The plain build
+ * (never chosen: `dotAddExact` is 0 there) computes it with `idot`.
+ */
+@inline
+function dotAdd(a: v128, b: v128, acc: v128): v128 {
+  if (ASC_FEATURE_RELAXED_SIMD) return i32x4.relaxed_dot_i8x16_i7x16_add_s(a, b, acc);
+  return idot(acc, a, b);
+}
+
+/** 1 where this engine's `i32x4.relaxed_dot_i8x16_i7x16_add_s` is the exact dot product plus acc (p: 48 scratch bytes). */
+export function dotAddExact(p: usize): i32 {
+  if (!ASC_FEATURE_RELAXED_SIMD) return 0;
+  for (let i: usize = 0; i < 16; i++) {
+    store<i8>(p + i, <i8>(<i32>i * 17 - 128));
+    store<u8>(p + 16 + i, <u8>((<i32>i * 29) & 127));
+  }
+  v128.store(p, i32x4.splat(100000), 32);
+  const r = dotAdd(v128.load(p), v128.load(p, 16), v128.load(p, 32));
+  for (let l = 0; l < 4; l++) {
+    let want = 100000;
+    for (let i = 0; i < 4; i++) want += <i32>load<i8>(p + <usize>(4 * l + i)) * <i32>load<u8>(p + 16 + <usize>(4 * l + i));
+    if (laneI32(r, l) != want) return 0;
+  }
+  return 1;
+}
+
+@inline
+function laneI32(v: v128, l: i32): i32 {
+  return l == 0 ? i32x4.extract_lane(v, 0) : l == 1 ? i32x4.extract_lane(v, 1) : l == 2 ? i32x4.extract_lane(v, 2) : i32x4.extract_lane(v, 3);
+}
+
+/** |w| of half h of a weight block for `qTileDot16`: Q8_0's |q| (in [0, 127]), Q4_0's raw nibbles (0–15). */
+@inline
+function qAbsHalf<Q>(bp: usize, h: i32): v128 {
+  if (isSigned<Q>()) return i8x16.abs(h == 0 ? v128.load(bp, 2) : v128.load(bp, 18));
+  const v = v128.load(bp, 2);
+  return h == 0 ? v128.and(v, i8x16.splat(0x0f)) : i8x16.shr_u(v, 4);
+}
+
+/** Q8_0's sign mask of half h (lanes all ones where q < 0); Q4_0 has none. */
+@inline
+function qNegHalf<Q>(bp: usize, h: i32): v128 {
+  if (isSigned<Q>()) return i8x16.lt_s(h == 0 ? v128.load(bp, 2) : v128.load(bp, 18), i8x16.splat(0));
+  return i8x16.splat(0);
+}
+
+/** x with Q8_0's weight signs moved onto it (`signTo`); Q4_0's x as it is. */
+@inline
+function qSign<Q>(x: v128, m: v128): v128 {
+  if (isSigned<Q>()) return i8x16.sub(v128.xor(x, m), m);
+  return x;
+}
+
+/**
+ * `qTile16` on the relaxed int8 dot with accumulate (`dotAdd`), over the int8-quad layout of
+ * `qTileLayout`: each quad of 4 weights, |w| broadcast to the 4 lanes, against 4 rows' quads
+ * (16 multiply-adds an instruction, accumulated in it); Q8_0's signs go onto x (`qSign`, two ops),
+ * Q4_0's nibbles need none: its −8 offset starts each block's integer sum at −8·Σq_x. The
+ * integer sums, and so the results, equal `qTile16`'s.
+ */
+function qTileDot16<Q, N>(
+  out: usize, xt: usize, xs: usize, xc: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32,
+): void {
+  const nb = <usize>(inDim >> 5);
+  const bs: usize = isSigned<Q>() ? 34 : 18;
+  const wsb = nb * bs;
+  const os = (<usize>outDim) << 2;
+  for (let j = c0; j < c1; j++) {
+    const w0 = w + <usize>j * wsb;
+    let f0 = f32x4.splat(0), f1 = f32x4.splat(0), f2 = f32x4.splat(0), f3 = f32x4.splat(0);
+    let p = xt;
+    let sp = xs;
+    let cp = xc;
+    for (let b: usize = 0; b < nb; b++) {
+      const bp = w0 + b * bs;
+      let i0 = isSigned<Q>() ? i32x4.splat(0) : v128.load(cp);
+      let i1 = isSigned<Q>() ? i32x4.splat(0) : v128.load(cp, 16);
+      let i2 = isSigned<Q>() ? i32x4.splat(0) : v128.load(cp, 32);
+      let i3 = isSigned<Q>() ? i32x4.splat(0) : v128.load(cp, 48);
+      let a: v128, m: v128, s: v128;
+      let sm = i8x16.splat(0);
+      a = qAbsHalf<Q>(bp, 0);
+      m = qNegHalf<Q>(bp, 0);
+      s = v128.shuffle<i32>(a, a, 0, 0, 0, 0);
+      if (isSigned<Q>()) sm = v128.shuffle<i32>(m, m, 0, 0, 0, 0);
+      i0 = dotAdd(qSign<Q>(v128.load(p, 0), sm), s, i0);
+      if (sizeof<N>() >= 2) i1 = dotAdd(qSign<Q>(v128.load(p, 16), sm), s, i1);
+      if (sizeof<N>() >= 4) i2 = dotAdd(qSign<Q>(v128.load(p, 32), sm), s, i2);
+      if (sizeof<N>() >= 4) i3 = dotAdd(qSign<Q>(v128.load(p, 48), sm), s, i3);
+      s = v128.shuffle<i32>(a, a, 1, 1, 1, 1);
+      if (isSigned<Q>()) sm = v128.shuffle<i32>(m, m, 1, 1, 1, 1);
+      i0 = dotAdd(qSign<Q>(v128.load(p, 64), sm), s, i0);
+      if (sizeof<N>() >= 2) i1 = dotAdd(qSign<Q>(v128.load(p, 80), sm), s, i1);
+      if (sizeof<N>() >= 4) i2 = dotAdd(qSign<Q>(v128.load(p, 96), sm), s, i2);
+      if (sizeof<N>() >= 4) i3 = dotAdd(qSign<Q>(v128.load(p, 112), sm), s, i3);
+      s = v128.shuffle<i32>(a, a, 2, 2, 2, 2);
+      if (isSigned<Q>()) sm = v128.shuffle<i32>(m, m, 2, 2, 2, 2);
+      i0 = dotAdd(qSign<Q>(v128.load(p, 128), sm), s, i0);
+      if (sizeof<N>() >= 2) i1 = dotAdd(qSign<Q>(v128.load(p, 144), sm), s, i1);
+      if (sizeof<N>() >= 4) i2 = dotAdd(qSign<Q>(v128.load(p, 160), sm), s, i2);
+      if (sizeof<N>() >= 4) i3 = dotAdd(qSign<Q>(v128.load(p, 176), sm), s, i3);
+      s = v128.shuffle<i32>(a, a, 3, 3, 3, 3);
+      if (isSigned<Q>()) sm = v128.shuffle<i32>(m, m, 3, 3, 3, 3);
+      i0 = dotAdd(qSign<Q>(v128.load(p, 192), sm), s, i0);
+      if (sizeof<N>() >= 2) i1 = dotAdd(qSign<Q>(v128.load(p, 208), sm), s, i1);
+      if (sizeof<N>() >= 4) i2 = dotAdd(qSign<Q>(v128.load(p, 224), sm), s, i2);
+      if (sizeof<N>() >= 4) i3 = dotAdd(qSign<Q>(v128.load(p, 240), sm), s, i3);
+      a = qAbsHalf<Q>(bp, 1);
+      m = qNegHalf<Q>(bp, 1);
+      s = v128.shuffle<i32>(a, a, 0, 0, 0, 0);
+      if (isSigned<Q>()) sm = v128.shuffle<i32>(m, m, 0, 0, 0, 0);
+      i0 = dotAdd(qSign<Q>(v128.load(p, 256), sm), s, i0);
+      if (sizeof<N>() >= 2) i1 = dotAdd(qSign<Q>(v128.load(p, 272), sm), s, i1);
+      if (sizeof<N>() >= 4) i2 = dotAdd(qSign<Q>(v128.load(p, 288), sm), s, i2);
+      if (sizeof<N>() >= 4) i3 = dotAdd(qSign<Q>(v128.load(p, 304), sm), s, i3);
+      s = v128.shuffle<i32>(a, a, 1, 1, 1, 1);
+      if (isSigned<Q>()) sm = v128.shuffle<i32>(m, m, 1, 1, 1, 1);
+      i0 = dotAdd(qSign<Q>(v128.load(p, 320), sm), s, i0);
+      if (sizeof<N>() >= 2) i1 = dotAdd(qSign<Q>(v128.load(p, 336), sm), s, i1);
+      if (sizeof<N>() >= 4) i2 = dotAdd(qSign<Q>(v128.load(p, 352), sm), s, i2);
+      if (sizeof<N>() >= 4) i3 = dotAdd(qSign<Q>(v128.load(p, 368), sm), s, i3);
+      s = v128.shuffle<i32>(a, a, 2, 2, 2, 2);
+      if (isSigned<Q>()) sm = v128.shuffle<i32>(m, m, 2, 2, 2, 2);
+      i0 = dotAdd(qSign<Q>(v128.load(p, 384), sm), s, i0);
+      if (sizeof<N>() >= 2) i1 = dotAdd(qSign<Q>(v128.load(p, 400), sm), s, i1);
+      if (sizeof<N>() >= 4) i2 = dotAdd(qSign<Q>(v128.load(p, 416), sm), s, i2);
+      if (sizeof<N>() >= 4) i3 = dotAdd(qSign<Q>(v128.load(p, 432), sm), s, i3);
+      s = v128.shuffle<i32>(a, a, 3, 3, 3, 3);
+      if (isSigned<Q>()) sm = v128.shuffle<i32>(m, m, 3, 3, 3, 3);
+      i0 = dotAdd(qSign<Q>(v128.load(p, 448), sm), s, i0);
+      if (sizeof<N>() >= 2) i1 = dotAdd(qSign<Q>(v128.load(p, 464), sm), s, i1);
+      if (sizeof<N>() >= 4) i2 = dotAdd(qSign<Q>(v128.load(p, 480), sm), s, i2);
+      if (sizeof<N>() >= 4) i3 = dotAdd(qSign<Q>(v128.load(p, 496), sm), s, i3);
+      const dw = f32x4.splat(f16ToF32(<u32>load<u16>(bp)));
+      f0 = fma(f0, f32x4.convert_i32x4_s(i0), f32x4.mul(dw, v128.load(sp)));
+      if (sizeof<N>() >= 2) f1 = fma(f1, f32x4.convert_i32x4_s(i1), f32x4.mul(dw, v128.load(sp, 16)));
+      if (sizeof<N>() >= 4) f2 = fma(f2, f32x4.convert_i32x4_s(i2), f32x4.mul(dw, v128.load(sp, 32)));
+      if (sizeof<N>() >= 4) f3 = fma(f3, f32x4.convert_i32x4_s(i3), f32x4.mul(dw, v128.load(sp, 48)));
+      p += 512;
+      sp += 64;
+      cp += 64;
+    }
+    const o = out + ((<usize>j) << 2);
+    qStoreRows(o, os, f0, nrows);
+    if (sizeof<N>() >= 2) qStoreRows(o + 4 * os, os, f1, nrows - 4);
+    if (sizeof<N>() >= 4) qStoreRows(o + 8 * os, os, f2, nrows - 8);
+    if (sizeof<N>() >= 4) qStoreRows(o + 12 * os, os, f3, nrows - 12);
   }
 }
 
@@ -597,26 +898,46 @@ function qRow<Q>(out: usize, xq: usize, xd: usize, xc: usize, w: usize, inDim: i
 }
 
 /**
- * `matmulCols` for quantised weights: rows of activations quantised by `quantizeRowsQ8` (xq, xd,
- * xc offset to this chunk's first row). One row streams the weights (`qRow`); more read the
- * chunk of weight rows into L2 first and run `qTile4` over 4 rows at a time.
+ * `matmulCols` for quantised weights: rows [r0, r0 + rn) of the `rows` activation rows quantised
+ * by `quantizeRowsQ8` at xq (r0 a multiple of 16). One row streams the weights (`qRow`); more read
+ * the chunk of weight rows into L2 first and run `qTile16` over 16 rows at a time (a last group of
+ * up to 4 or 8 rows computes 4 or 8; a single row left over runs `qRow`, from L2).
  */
 function matmulColsQ<Q>(
-  out: usize, xq: usize, xd: usize, xc: usize, w: usize, rows: i32, inDim: i32, outDim: i32, c0: i32, c1: i32,
+  out: usize, xq: usize, rows: i32, r0: i32, rn: i32, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, quads: bool,
 ): void {
-  if (rows == 1) {
-    qRow<Q>(out, xq, xd, xc, w, inDim, c0, c1);
-    return;
-  }
   const nb = <usize>(inDim >> 5);
-  const wsb = nb * (isSigned<Q>() ? 34 : 18);
-  touch(w + <usize>c0 * wsb, w + <usize>c1 * wsb);
+  const xd = qScalesAt(xq, rows, inDim);
+  const xc = xd + ((<usize>rows * nb) << 2);
   const os = (<usize>outDim) << 2;
-  for (let r = 0; r < rows; r += 4) {
-    const n = min(4, rows - r);
+  if (rn > 1) {
+    const wsb = nb * (isSigned<Q>() ? 34 : 18);
+    touch(w + <usize>c0 * wsb, w + <usize>c1 * wsb);
+  }
+  const t = qTileAt(xq, rows, inDim);
+  const groups = <usize>((rows + 15) >> 4);
+  const sAt = t + groups * ((<usize>inDim) << 5);
+  const cAt = sAt + groups * (nb << 6);
+  for (let r = r0; r < r0 + rn; r += 16) {
+    const n = min(16, r0 + rn - r);
     const ru = <usize>r;
-    if (n == 1) qRow<Q>(out + ru * os, xq + ru * <usize>inDim, xd + ((ru * nb) << 2), xc + ((ru * nb) << 2), w, inDim, c0, c1);
-    else qTile4<Q>(out + ru * os, xq + ru * <usize>inDim, xd + ((ru * nb) << 2), xc + ((ru * nb) << 2), w, inDim, outDim, c0, c1, n);
+    const o = out + <usize>(r - r0) * os;
+    if (n == 1) {
+      qRow<Q>(o, xq + ru * <usize>inDim, xd + ((ru * nb) << 2), xc + ((ru * nb) << 2), w, inDim, c0, c1);
+      continue;
+    }
+    const xt = t + (ru >> 4) * ((<usize>inDim) << 5);
+    const xs = sAt + (ru >> 4) * (nb << 6);
+    if (quads) {
+      const xc = cAt + (ru >> 4) * (nb << 6);
+      if (n <= 4) qTileDot16<Q, u8>(o, xt, xs, xc, w, inDim, outDim, c0, c1, n);
+      else if (n <= 8) qTileDot16<Q, u16>(o, xt, xs, xc, w, inDim, outDim, c0, c1, n);
+      else qTileDot16<Q, u32>(o, xt, xs, xc, w, inDim, outDim, c0, c1, n);
+      continue;
+    }
+    if (n <= 4) qTile16<Q, u8>(o, xt, xs, w, inDim, outDim, c0, c1, n);
+    else if (n <= 8) qTile16<Q, u16>(o, xt, xs, w, inDim, outDim, c0, c1, n);
+    else qTile16<Q, u32>(o, xt, xs, w, inDim, outDim, c0, c1, n);
   }
 }
 

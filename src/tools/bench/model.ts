@@ -129,6 +129,8 @@ export interface KernelsRun {
   readonly weightBytes: number;
   /** For WebAssembly runs: whether the kernels used fused multiply-add (relaxed SIMD). */
   readonly fma: boolean | null;
+  /** For WebAssembly runs: whether batches on Q8_0/Q4_0 ran the int8 dot with accumulate (`WasmKernels.dotAdd`). */
+  readonly dotAdd: boolean | null;
   readonly threads: 1 | 2;
   readonly prefillTokensPerSecond: Measured;
   readonly prefillGflopsPerCore: Measured;
@@ -474,6 +476,7 @@ function kernelsRun(
     dtype: a.dtype,
     weightBytes: a.weightBytes,
     fma: kernels instanceof WasmKernels ? kernels.fma : null,
+    dotAdd: kernels instanceof WasmKernels ? kernels.dotAdd : null,
     threads: a.threads,
     prefillTokensPerSecond: measured(s.prefill, seed),
     prefillGflopsPerCore: measured(
@@ -511,6 +514,16 @@ function armLabel(kernels: BenchKernels, dtype: WeightDType | "stored"): string 
   return dtype === "stored" ? kernels : `${kernels} ${dtype}`;
 }
 
+/** The WebAssembly build a run used, for its report line ("" for the TypeScript kernels). */
+function buildLabel(run: KernelsRun): string {
+  if (run.fma === null) return "";
+  if (!run.fma) return " (multiply, then add)";
+  const int8 = run.dtype === "q8_0" || run.dtype === "q4_0";
+  return run.dotAdd === true && int8
+    ? " (fused multiply-add, int8 dot with accumulate)"
+    : " (fused multiply-add)";
+}
+
 export function formatModelBench(r: ModelBenchResult): string {
   const c = r.config;
   const m = (x: Measured, digits = 1): string =>
@@ -533,7 +546,7 @@ export function formatModelBench(r: ModelBenchResult): string {
     return `    decode batch ${d.batch} (context ${d.contextTokens}, ${r.options.decodeSteps} steps): ${m(d.tokensPerSecond)} tok/s; roofline ${d.rooflineTokensPerSecond.toFixed(1)} tok/s (${pct.toFixed(1)}% of it${cached})${speedup}`;
   };
   for (const run of r.runs) {
-    const build = run.fma === null ? "" : run.fma ? " (fused multiply-add)" : " (multiply, then add)";
+    const build = buildLabel(run);
     const format =
       run.dtype === "stored"
         ? ""

@@ -129,6 +129,8 @@ test("--what: a list of features in a fixed order, each for all of them, a clear
   assert.deepEqual(parseWhat("all,histograms"), ["histograms", "all"]);
   assert.deepEqual(parseWhat("each"), [...FEATURES]);
   assert.deepEqual(parseWhat("traces, traces"), ["traces"]);
+  assert.deepEqual(parseWhat("all,control"), ["control", "all"], "the A/A arm first, only when asked for");
+  assert.ok(!parseWhat("each").includes("control"));
   assert.throws(() => parseWhat("histogram"), /"histogram" is not a feature; give a comma-separated list/);
 });
 

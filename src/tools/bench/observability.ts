@@ -11,7 +11,9 @@
  *   (it counts the spans it is sent and drops them);
  * - `dashboard`: `--no-phase-metrics`, and `/kvfence/state` polled every `--poll-ms` (the page's
  *   default, 1 s);
- * - `all`: histograms, traces and the dashboard's polling together.
+ * - `all`: histograms, traces and the dashboard's polling together;
+ * - `control` (only when asked for): a second server exactly as `off`, so control / off shows what
+ *   the bench reads between two identical servers (an A/A check).
  *
  * Every arm's `/metrics` is scraped every `--scrape-ms`, as Prometheus would (the counters and
  * gauges are there in every arm; what the histograms add to a scrape is theirs). Scrapes and
@@ -52,13 +54,17 @@ import {
 import { positiveInt, runBenchCli } from "./transfer.js";
 
 /** A feature arm (each is compared with `off`). */
-export type ObservabilityFeature = "histograms" | "traces" | "dashboard" | "all";
+export type ObservabilityFeature = "control" | "histograms" | "traces" | "dashboard" | "all";
+/** What `each` measures: every feature alone and all together. */
 export const FEATURES: readonly ObservabilityFeature[] = ["histograms", "traces", "dashboard", "all"];
+/** Every arm `--what` names, in the order they are reported: `control` is a second `off` (an A/A check). */
+const WHAT: readonly ObservabilityFeature[] = ["control", ...FEATURES];
 type Arm = "off" | ObservabilityFeature;
 
 /** What each arm switches on. */
 const ARM: Readonly<Record<Arm, { histograms: boolean; traces: boolean; dashboard: boolean }>> = {
   off: { histograms: false, traces: false, dashboard: false },
+  control: { histograms: false, traces: false, dashboard: false },
   histograms: { histograms: true, traces: false, dashboard: false },
   traces: { histograms: false, traces: true, dashboard: false },
   dashboard: { histograms: false, traces: false, dashboard: true },
@@ -259,13 +265,13 @@ export function parseWhat(value: string): ObservabilityFeature[] {
   const out: ObservabilityFeature[] = [];
   for (const part of value.split(",").map((p) => p.trim())) {
     if (part === "each") out.push(...FEATURES);
-    else if ((FEATURES as readonly string[]).includes(part)) out.push(part as ObservabilityFeature);
+    else if ((WHAT as readonly string[]).includes(part)) out.push(part as ObservabilityFeature);
     else
       throw new Error(
-        `--what: "${part}" is not a feature; give a comma-separated list of ${FEATURES.join(", ")}, or each`,
+        `--what: "${part}" is not a feature; give a comma-separated list of ${WHAT.join(", ")}, or each`,
       );
   }
-  return FEATURES.filter((f) => out.includes(f));
+  return WHAT.filter((f) => out.includes(f));
 }
 
 function evenRequests(n: number): number {
@@ -516,6 +522,7 @@ export function cpuVerdict(c: RatioInterval, bound: number): string {
 
 const LABEL: Readonly<Record<Arm, string>> = {
   off: "off (--no-phase-metrics)",
+  control: "control (a second off server)",
   histograms: "histograms (the default)",
   traces: "traces (--otlp-endpoint)",
   dashboard: "dashboard (/kvfence/state polled)",
@@ -588,7 +595,7 @@ export function observabilityCommand(): Command {
     .addOption(
       new Option(
         "--what <features>",
-        "the arms measured against off, comma-separated: histograms, traces, dashboard, all (together), or each (every one)",
+        "the arms measured against off, comma-separated: histograms, traces, dashboard, all (together), each (those four), control (a second off server: an A/A check of the bench)",
       )
         .argParser((v: string) => {
           try {

@@ -11,7 +11,6 @@ import {
   analyse,
   burstOrder,
   combineRuns,
-  cpuVerdict,
   FEATURES,
   type ObservabilityRun,
   parseWhat,
@@ -140,6 +139,16 @@ test("the verdict: within the bound, beyond it, undecided, too few rounds", () =
   assert.match(verdict({ ratio: 0.99, low: 0.97, high: 1.01, n: 10 }, 0.99), /undecided/);
   assert.match(verdict({ ratio: 1, low: Number.NaN, high: Number.NaN, n: 1 }, 0.99), /too few rounds/);
   // CPU per token is the inverse: 100.5% [100.2–100.9%] of off's CPU is within 1%, 101.5% [101.2–101.8%] beyond.
-  assert.match(cpuVerdict({ ratio: 1.005, low: 1.002, high: 1.009, n: 10 }, 0.99), /costs at most 1\.0%/);
-  assert.match(cpuVerdict({ ratio: 1.015, low: 1.012, high: 1.018, n: 10 }, 0.99), /costs MORE than 1\.0%/);
+  assert.match(
+    verdict({ ratio: 1.005, low: 1.002, high: 1.009, n: 10 }, 0.99, true),
+    /costs at most 1\.0% \(CI high end ≤ 101\.0%\)/,
+  );
+  assert.match(
+    verdict({ ratio: 1.015, low: 1.012, high: 1.018, n: 10 }, 0.99, true),
+    /costs MORE than 1\.0% \(CI low end > 101\.0%\)/,
+  );
+  assert.match(
+    verdict({ ratio: 1.01, low: 1.005, high: 1.015, n: 10 }, 0.99, true),
+    /undecided against 1\.0%: the CI straddles 101\.0%/,
+  );
 });

@@ -507,17 +507,19 @@ async function modelOf(url: string): Promise<string> {
 const pct = (x: number): string => `${(x * 100).toFixed(1)}%`;
 const pct2 = (x: number): string => `${(x * 100).toFixed(2)}%`;
 
-/** What a throughput interval says against a bound (the least fraction of off's throughput allowed). */
-export function verdict(t: RatioInterval, bound: number): string {
+/**
+ * What an interval of a feature / off ratio says against a bound (the least fraction of off's
+ * throughput allowed): of throughput as given, of CPU per token (`cpu`) against its inverse, the
+ * most CPU per token allowed (1 / 0.99 = 101.0% for a 1% bound).
+ */
+export function verdict(t: RatioInterval, bound: number, cpu = false): string {
   if (Number.isNaN(t.low)) return "too few rounds for a CI";
-  if (t.low >= bound) return `costs at most ${pct(1 - bound)} (CI low end ≥ ${pct(bound)})`;
-  if (t.high < bound) return `costs MORE than ${pct(1 - bound)} (CI high end < ${pct(bound)})`;
-  return `undecided against ${pct(1 - bound)}: the CI straddles ${pct(bound)} (more rounds, a quieter machine)`;
-}
-
-/** The verdict of a CPU-per-token interval against a bound: the same test on throughput's inverse. */
-export function cpuVerdict(c: RatioInterval, bound: number): string {
-  return verdict({ ratio: 1 / c.ratio, low: 1 / c.high, high: 1 / c.low, n: c.n }, bound);
+  const limit = cpu ? 1 / bound : bound;
+  const [within, beyond] = cpu ? [t.high <= limit, t.low > limit] : [t.low >= limit, t.high < limit];
+  const [near, far] = cpu ? ["high", "low"] : ["low", "high"];
+  if (within) return `costs at most ${pct(1 - bound)} (CI ${near} end ${cpu ? "≤" : "≥"} ${pct(limit)})`;
+  if (beyond) return `costs MORE than ${pct(1 - bound)} (CI ${far} end ${cpu ? ">" : "<"} ${pct(limit)})`;
+  return `undecided against ${pct(1 - bound)}: the CI straddles ${pct(limit)} (more rounds, a quieter machine)`;
 }
 
 const LABEL: Readonly<Record<Arm, string>> = {
@@ -552,7 +554,7 @@ export function formatObservabilityReport(r: ObservabilityBenchResult): string {
     if (ratio.cpuPerToken !== null) {
       const c = ratio.cpuPerToken;
       lines.push(
-        `${f} / off: CPU per token ${pct2(c.ratio)} [95% CI ${pct2(c.low)}–${pct2(c.high)}]${bound === undefined ? "" : `: ${cpuVerdict(c, bound)}`}`,
+        `${f} / off: CPU per token ${pct2(c.ratio)} [95% CI ${pct2(c.low)}–${pct2(c.high)}]${bound === undefined ? "" : `: ${verdict(c, bound, true)}`}`,
       );
     }
     const t = ratio.throughput;

@@ -12,6 +12,7 @@ import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../k
 import { bundledModelDir } from "../lib/package-root.js";
 import { WEIGHT_DTYPES, type WeightDType } from "../model/weight-format.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
+import { combineCommand } from "../tools/bench/combine.js";
 import { fairShareCommand } from "../tools/bench/fair-share.js";
 import { linkFloodCommand } from "../tools/bench/link-flood.js";
 import {
@@ -213,6 +214,7 @@ export function command(): Command {
   group.addCommand(observabilityCommand());
   group.addCommand(soakCommand());
   group.addCommand(prefixCacheCommand());
+  group.addCommand(combineCommand());
   // bench-commands:end
   return group;
 }

@@ -107,6 +107,11 @@ export interface RatioInterval {
   readonly high: number;
   /** Number of pairs. */
   readonly n: number;
+  /**
+   * The pairs' log ratios, ln(a[i] / b[i]): a bench's JSON result carries them, so runs made in
+   * chunks can be pooled into one interval (`ratioOfLogs`, `kvfence bench combine`).
+   */
+  readonly logs: readonly number[];
 }
 
 /**
@@ -117,10 +122,16 @@ export function pairedRatio(a: readonly number[], b: readonly number[]): RatioIn
   const n = Math.min(a.length, b.length);
   const logs: number[] = [];
   for (let i = 0; i < n; i++) logs.push(Math.log((a[i] as number) / (b[i] as number)));
+  return ratioOfLogs(logs);
+}
+
+/** `pairedRatio` from the pairs' log ratios (e.g. those of several runs pooled). */
+export function ratioOfLogs(logs: readonly number[]): RatioInterval {
+  const n = logs.length;
   const m = mean(logs);
-  if (n < 2) return { ratio: Math.exp(m), low: Number.NaN, high: Number.NaN, n };
+  if (n < 2) return { ratio: Math.exp(m), low: Number.NaN, high: Number.NaN, n, logs };
   const half = (t975(n - 1) * stddev(logs)) / Math.sqrt(n);
-  return { ratio: Math.exp(m), low: Math.exp(m - half), high: Math.exp(m + half), n };
+  return { ratio: Math.exp(m), low: Math.exp(m - half), high: Math.exp(m + half), n, logs };
 }
 
 /** 95% confidence interval of the mean by Student's t. */

@@ -5,7 +5,7 @@
  * the pages "land" by stamping them as a receiver does, and the prefill channel records what the
  * node sends it.
  *
- * - A token allocates nothing (heap growth ~0 over 2,000 tokens at 1,000–7,000 tokens of context,
+ * - A token allocates nothing (~0 bytes over 2,000 tokens at 1,000–7,000 tokens of context,
  *   as `ForwardPass.step()` is measured in forward.test.ts): the engine's check hook, the machine's
  *   `check` and `step`, the token to the router.
  * - The page-tag check of a token is the machine's, once, before the forward pass: a page of the
@@ -14,7 +14,7 @@
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { heapGrowthPerRound } from "../../testing/heap-growth.js";
+import { allocationPerRound, leastAllocation } from "../../testing/heap-growth.js";
 import { randomModel } from "../../testing/random-model.js";
 import type { FromNode } from "../cluster/node-messages.js";
 import { Engine } from "../engine/engine.js";
@@ -90,31 +90,28 @@ function committedDecode(options: {
   return { engine, node, seen, lease };
 }
 
-test("DecodeNode allocates nothing per token (heap growth ~0 over 2000 decode tokens)", async () => {
+test("DecodeNode allocates nothing per token (~0 bytes over 2000 decode tokens)", async () => {
   // One request decoding from 16 prompt tokens to 7,000 tokens of context (hundreds of pages checked
   // per token). One 12-byte HeapNumber per token would show as 24 KB per round of 2000; a LeasePage
-  // per page per token as megabytes (and a GC in every round).
+  // per page per token as megabytes.
   const d = committedDecode({ promptLen: 16, maxTokens: 8000, numPages: 512, window: 8192 });
   try {
-    const growths = await heapGrowthPerRound(
-      () => {
-        d.engine.step();
-      },
-      { warmup: 1000, steps: 2000, rounds: 3 },
+    const least = leastAllocation(
+      await allocationPerRound(
+        () => {
+          d.engine.step();
+        },
+        { warmup: 1000, steps: 2000, rounds: 3 },
+      ),
     );
-    // (The node's own step loop, kicked at commit, may have run a few more steps while the
-    // measurement waited for its GC records.)
+    // (The node's own step loop, kicked at commit, may have run a few more steps between rounds.)
     assert.ok(d.seen.tokens >= 7000, `one token to the router per step: ${d.seen.tokens}`);
     assert.deepEqual(d.seen.other, [], "no failure, nothing else sent");
-    assert.ok(growths.length > 0, "a GC ran during every measured round");
-    // The bound is half of one HeapNumber per token (24 KB a round). The merged build of
-    // 2026-12-01 shows ~5 KB a round on Node 20 (about 2.6 bytes a token, found by heap sampling in
-    // the engine's scheduling and its inter-token window and in the reference attention, and
-    // dependent on what V8 optimizes); Node 24's Maglev tier allocates far more (README, Limits).
-    assert.ok(
-      Math.min(...growths) < 12_000,
-      `heap grew by ${growths.join(", ")} bytes over 2000 decode tokens`,
-    );
+    // The bound is half of one HeapNumber per token. On Node 20 the sampler finds 3–6 KB a round
+    // (V8 boxes a few doubles in the reference attention and the engine's inter-token window);
+    // Node 22/24 box a few numbers a token where V8's inlining budget runs out in the engine's
+    // step and scheduling methods (about 110 KB a round, README "Node versions").
+    assert.ok(least.bytes < 12_000, `${least.bytes} bytes allocated over 2000 decode tokens: ${least.sites}`);
   } finally {
     d.node.close();
   }

@@ -14,6 +14,8 @@ export interface LocalEtcd {
   /** `etcd://127.0.0.1:port`, for `--registry`. */
   readonly url: string;
   readonly endpoint: string;
+  /** The running etcd's process id (a new one after `restart`), for CPU accounting. */
+  pid(): number | undefined;
   restart(): Promise<void>;
   stop(): Promise<void>;
 }
@@ -86,6 +88,7 @@ export async function startEtcd(): Promise<LocalEtcd> {
   return {
     url: `etcd://127.0.0.1:${client}`,
     endpoint,
+    pid: () => (child as ChildProcess | null)?.pid,
     async restart() {
       await kill();
       await launch();

@@ -22,18 +22,12 @@ import net from "node:net";
 import os from "node:os";
 import { Command, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
+import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
 import { type LocalCluster, startLocalCluster } from "../../topology/local-cluster.js";
 import { etcdAvailable, type LocalEtcd, startEtcd } from "../../topology/local-etcd.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
-import {
-  defaultBenchTlsFiles,
-  pairedRatio,
-  positiveInt,
-  type RatioInterval,
-  runBenchCli,
-  type Summary,
-  summarize,
-} from "./transfer.js";
+import { cpuSeconds } from "./process-cpu.js";
+import { defaultBenchTlsFiles, positiveInt, runBenchCli } from "./transfer.js";
 
 /** What the variant arm changes against the static plaintext baseline. */
 export type ClusterComparison = "tls" | "registry";
@@ -69,6 +63,8 @@ export interface ClusterBenchOptions {
 export interface ArmResult {
   /** Output tokens per second of wall time, per round. */
   readonly tokensPerSecond: Summary;
+  /** Output tokens per CPU second of the arm's processes, per round. */
+  readonly tokensPerCpuSecond: Summary;
   /** Wall time of a round, ms. */
   readonly ms: Summary;
   readonly outputTokens: number;
@@ -87,6 +83,11 @@ export interface ClusterBenchResult {
   readonly variant: ArmResult;
   /** Throughput of the variant over the baseline (paired by round). */
   readonly variantOverBaseline: RatioInterval;
+  /**
+   * CPU seconds per output token of the variant over the baseline (paired by round): every process
+   * of the arm's cluster during its own round, and for etcd membership the etcd server's too.
+   */
+  readonly cpuPerTokenVariantOverBaseline: RatioInterval;
   /** The raw loopback socket, GB/s, one 64 MiB transfer per round. */
   readonly rawLoopbackGbps: Summary;
   readonly failures: readonly string[];
@@ -229,16 +230,33 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
     const models = (await (await fetch(`${clusters.baseline.url}/v1/models`)).json()) as {
       data: { id: string }[];
     };
-    const arms = { baseline: clusters.baseline.url, variant: clusters.variant.url };
+    const pidsOf = (c: LocalCluster): number[] =>
+      [c.router, ...c.prefill.map((p) => p.process), ...c.decode.map((d) => d.process)].flatMap((p) =>
+        p.pid === undefined ? [] : [p.pid],
+      );
+    const { baseline, variant } = clusters;
+    const arms: Record<ArmName, Arm> = {
+      baseline: { url: baseline.url, pids: () => pidsOf(baseline) },
+      variant: {
+        url: variant.url,
+        pids: () => {
+          const e = etcd?.pid();
+          return e === undefined ? pidsOf(variant) : [...pidsOf(variant), e];
+        },
+      },
+    };
     const run = { model: models.data[0]!.id, prompts, concurrency, maxTokens, rounds, warmup, log };
     measured = await measureArms(arms, run);
   } finally {
     await Promise.all([clusters.baseline?.close(), clusters.variant?.close()]);
     await etcd?.stop();
   }
-  const { ns, tps, outputTokens, raw, failures } = measured;
+  const { ns, tps, cpu, outputTokens, raw, failures } = measured;
+  const tokens = (name: ArmName): number[] => tps[name].map((t, i) => (t * ns[name][i]!) / 1e9);
+  const perCpu = (name: ArmName): number[] => tokens(name).map((t, i) => t / cpu[name][i]!);
   const arm = (name: ArmName): ArmResult => ({
     tokensPerSecond: summarize(tps[name]),
+    tokensPerCpuSecond: summarize(perCpu(name)),
     ms: summarize(ns[name].map((t) => t / 1e6)),
     outputTokens: outputTokens[name],
   });
@@ -253,6 +271,7 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
     variant: arm("variant"),
     // Throughput ratio = time ratio baseline / variant (the same tokens in both arms).
     variantOverBaseline: pairedRatio(ns.baseline, ns.variant),
+    cpuPerTokenVariantOverBaseline: pairedRatio(perCpu("baseline"), perCpu("variant")),
     rawLoopbackGbps: summarize(raw),
     failures,
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
@@ -260,6 +279,12 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
 }
 
 type ArmName = "baseline" | "variant";
+
+/** An arm: its router's URL and the processes whose CPU it uses. */
+interface Arm {
+  readonly url: string;
+  readonly pids: () => readonly number[];
+}
 
 /** Waits until the router of a registry cluster has paired every node (its /ready counts them). */
 async function untilAllReady(url: string, prefill: number, decode: number): Promise<void> {
@@ -276,10 +301,11 @@ async function untilAllReady(url: string, prefill: number, decode: number): Prom
   }
 }
 
-/** Per arm, per measured round: wall time, output tokens/s; the raw loopback per round; failures. */
+/** Per arm, per measured round: wall time, output tokens/s, CPU seconds; the raw loopback per round; failures. */
 interface Measured {
   readonly ns: Record<ArmName, number[]>;
   readonly tps: Record<ArmName, number[]>;
+  readonly cpu: Record<ArmName, number[]>;
   readonly outputTokens: Record<ArmName, number>;
   readonly raw: number[];
   readonly failures: string[];
@@ -290,7 +316,7 @@ interface Measured {
  * through each (every answer must equal the first round's), then the raw loopback socket.
  */
 async function measureArms(
-  arms: Record<ArmName, string>,
+  arms: Record<ArmName, Arm>,
   run: {
     readonly model: string;
     readonly prompts: readonly string[];
@@ -304,6 +330,7 @@ async function measureArms(
   const m: Measured = {
     ns: { baseline: [], variant: [] },
     tps: { baseline: [], variant: [] },
+    cpu: { baseline: [], variant: [] },
     outputTokens: { baseline: 0, variant: 0 },
     raw: [],
     failures: [],
@@ -313,14 +340,17 @@ async function measureArms(
     const order: readonly ArmName[] =
       ((r % 2) + 2) % 2 === 0 ? ["baseline", "variant"] : ["variant", "baseline"];
     for (const arm of order) {
-      const target = { url: arms[arm], model: run.model, maxTokens: run.maxTokens };
+      const target = { url: arms[arm].url, model: run.model, maxTokens: run.maxTokens };
+      const cpu0 = cpuSeconds(arms[arm].pids());
       const result = await round(target, run.prompts, run.concurrency);
+      const cpu = cpuSeconds(arms[arm].pids()) - cpu0;
       if (reference === null) reference = result.texts;
       else if (result.texts.some((t, i) => t !== reference![i]) && m.failures.length < 5) {
         m.failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
       }
       if (r >= 0) {
         m.ns[arm].push(result.ns);
+        m.cpu[arm].push(cpu);
         m.tps[arm].push(result.tokens / (result.ns / 1e9));
         m.outputTokens[arm] += result.tokens;
       }
@@ -341,6 +371,7 @@ export function formatClusterReport(r: ClusterBenchResult): string {
   const arm = (name: string, a: ArmResult): string =>
     `${name.padEnd(10)} ${a.tokensPerSecond.median.toFixed(0).padStart(6)} tok/s [${a.tokensPerSecond.min.toFixed(0)}–${a.tokensPerSecond.max.toFixed(0)}]   round ${a.ms.median.toFixed(0)} ms median   ${a.outputTokens} output tokens`;
   const t = r.variantOverBaseline;
+  const c = r.cpuPerTokenVariantOverBaseline;
   const { variant, goal } = COMPARISONS[r.compare];
   const within = `within ${((1 - goal) * 100).toFixed(0)}%`;
   const verdict = Number.isNaN(t.low)
@@ -356,6 +387,7 @@ export function formatClusterReport(r: ClusterBenchResult): string {
     arm("static", r.baseline),
     arm(r.compare === "tls" ? "TLS" : "etcd", r.variant),
     `${variant} throughput / static plaintext: ${pct(t.ratio)} [95% CI ${pct(t.low)}–${pct(t.high)}]: ${verdict}`,
+    `${variant} CPU per token / static plaintext: ${pct(c.ratio)} [95% CI ${pct(c.low)}–${pct(c.high)}] (every process of the arm during its rounds${r.compare === "registry" ? ", etcd's included" : ""})`,
     `raw loopback socket: ${r.rawLoopbackGbps.median.toFixed(2)} GB/s [${r.rawLoopbackGbps.min.toFixed(2)}–${r.rawLoopbackGbps.max.toFixed(2)}]`,
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");

@@ -22,9 +22,9 @@
  * round — the geometric mean with a 95% Student t interval on the logs, and the median with a 95%
  * bootstrap interval (robust to a round a burst of load hit). Both arms must give the same answers.
  */
-import { type ChildProcess, spawn, spawnSync } from "node:child_process";
+import { type ChildProcess, spawn } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import os from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -41,6 +41,7 @@ import {
 } from "../../lib/stats.js";
 import { stopProcess } from "../../topology/local-cluster.js";
 import { prompt, round } from "./cluster.js";
+import { cpuSeconds } from "./process-cpu.js";
 import { positiveInt, runBenchCli } from "./transfer.js";
 
 export type FairBenchTopology = "single" | "threads" | "cluster";
@@ -108,30 +109,6 @@ export interface Server {
   /** The server's processes (router and nodes), for their CPU time. */
   readonly pids: readonly number[];
   close(): Promise<void>;
-}
-
-/** Clock ticks per second of /proc/PID/stat's times (`getconf CLK_TCK`; 100 where it cannot say). */
-const CLOCK_TICKS = (() => {
-  const out = spawnSync("getconf", ["CLK_TCK"], { encoding: "utf8" });
-  const n = Number.parseInt(out.stdout ?? "", 10);
-  return Number.isInteger(n) && n > 0 ? n : 100;
-})();
-
-/** CPU seconds (user + system, every thread) the processes used so far; NaN without /proc. */
-export function cpuSeconds(pids: readonly number[]): number {
-  let ticks = 0;
-  for (const pid of pids) {
-    let stat: string;
-    try {
-      stat = readFileSync(`/proc/${pid}/stat`, "utf8");
-    } catch {
-      return Number.NaN;
-    }
-    // Fields after the command name (which may hold spaces, in parentheses): utime, stime are 14, 15.
-    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-    ticks += Number(fields[11]) + Number(fields[12]);
-  }
-  return ticks / CLOCK_TICKS;
 }
 
 /** The paired fair/fifo ratio of per-round measurements `fair[i] / fifo[i]`. */

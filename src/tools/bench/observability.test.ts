@@ -10,7 +10,6 @@ import {
   activeTimer,
   analyse,
   burstOrder,
-  combineRuns,
   FEATURES,
   type ObservabilityRun,
   parseWhat,
@@ -108,22 +107,6 @@ test("the ratios pair each round's arms, so a drift both arms share cancels", ()
   assert.equal(r.arms.off!.outputTokens, 40 * 4096);
 });
 
-test("--combine pools the rounds of runs of one setup, and refuses runs of another", () => {
-  const a = fakeRun(20, 1.02, 1);
-  const b = fakeRun(20, 1.02, 2);
-  const pooled = combineRuns([a, b]);
-  assert.equal(pooled.n, 40);
-  assert.deepEqual(pooled.rounds.off, [...a.rounds.off!, ...b.rounds.off!]);
-  assert.equal(pooled.arms.all!.observed.spans, 200);
-  assert.equal(pooled.load.length, 2);
-  assert.ok(
-    pooled.ratios.all!.cpuPerToken!.high - pooled.ratios.all!.cpuPerToken!.low <
-      analyse(a).ratios.all!.cpuPerToken!.high - analyse(a).ratios.all!.cpuPerToken!.low,
-  );
-  assert.throws(() => combineRuns([a, { ...b, maxTokens: 32 }]), /result 2 has maxTokens 32, the first 64/);
-  assert.throws(() => combineRuns([]), /no results/);
-});
-
 test("--what: a list of features in a fixed order, each for all of them, a clear error otherwise", () => {
   assert.deepEqual(parseWhat("all,histograms"), ["histograms", "all"]);
   assert.deepEqual(parseWhat("each"), [...FEATURES]);
@@ -134,21 +117,27 @@ test("--what: a list of features in a fixed order, each for all of them, a clear
 });
 
 test("the verdict: within the bound, beyond it, undecided, too few rounds", () => {
-  assert.match(verdict({ ratio: 1, low: 0.992, high: 1.01, n: 10 }, 0.99), /costs at most 1\.0%/);
-  assert.match(verdict({ ratio: 0.95, low: 0.93, high: 0.97, n: 10 }, 0.99), /costs MORE than 1\.0%/);
-  assert.match(verdict({ ratio: 0.99, low: 0.97, high: 1.01, n: 10 }, 0.99), /undecided/);
-  assert.match(verdict({ ratio: 1, low: Number.NaN, high: Number.NaN, n: 1 }, 0.99), /too few rounds/);
+  assert.match(verdict({ ratio: 1, low: 0.992, high: 1.01, n: 10, logs: [] }, 0.99), /costs at most 1\.0%/);
+  assert.match(
+    verdict({ ratio: 0.95, low: 0.93, high: 0.97, n: 10, logs: [] }, 0.99),
+    /costs MORE than 1\.0%/,
+  );
+  assert.match(verdict({ ratio: 0.99, low: 0.97, high: 1.01, n: 10, logs: [] }, 0.99), /undecided/);
+  assert.match(
+    verdict({ ratio: 1, low: Number.NaN, high: Number.NaN, n: 1, logs: [] }, 0.99),
+    /too few rounds/,
+  );
   // CPU per token is the inverse: 100.5% [100.2–100.9%] of off's CPU is within 1%, 101.5% [101.2–101.8%] beyond.
   assert.match(
-    verdict({ ratio: 1.005, low: 1.002, high: 1.009, n: 10 }, 0.99, true),
+    verdict({ ratio: 1.005, low: 1.002, high: 1.009, n: 10, logs: [] }, 0.99, true),
     /costs at most 1\.0% \(CI high end ≤ 101\.0%\)/,
   );
   assert.match(
-    verdict({ ratio: 1.015, low: 1.012, high: 1.018, n: 10 }, 0.99, true),
+    verdict({ ratio: 1.015, low: 1.012, high: 1.018, n: 10, logs: [] }, 0.99, true),
     /costs MORE than 1\.0% \(CI low end > 101\.0%\)/,
   );
   assert.match(
-    verdict({ ratio: 1.01, low: 1.005, high: 1.015, n: 10 }, 0.99, true),
+    verdict({ ratio: 1.01, low: 1.005, high: 1.015, n: 10, logs: [] }, 0.99, true),
     /undecided against 1\.0%: the CI straddles 101\.0%/,
   );
 });

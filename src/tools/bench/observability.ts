@@ -32,10 +32,10 @@
  * by the other arms' deferred work running beside a burst; CPU per token is not). Reported: each
  * feature arm over `off` as the geometric mean of the per-round paired ratios with a 95%
  * confidence interval; every arm must give the same answers. `--json` keeps every round's raw
- * figures, and `--combine` pools the rounds of several runs (chunks of a long measurement).
+ * figures and each ratio's per-round logs, so `kvfence bench combine` pools the chunks of a long
+ * measurement (src/tools/bench/combine.ts).
  */
 import { randomBytes } from "node:crypto";
-import { readFileSync } from "node:fs";
 import { createServer, type Server as HttpServer } from "node:http";
 import os from "node:os";
 import { fileURLToPath } from "node:url";
@@ -45,12 +45,12 @@ import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../
 import { prompt, round } from "./cluster.js";
 import {
   armLoadOptions,
-  cpuSeconds,
   type FairBenchTopology,
   type Server,
   startArm,
   topologyOption,
 } from "./fair-share.js";
+import { cpuSeconds } from "./process-cpu.js";
 import { positiveInt, runBenchCli } from "./transfer.js";
 
 /** A feature arm (each is compared with `off`). */
@@ -374,57 +374,6 @@ export function analyse(run: ObservabilityRun): ObservabilityBenchResult {
   return { ...run, n: off.length, arms, ratios };
 }
 
-const SETUP_FIELDS = [
-  "topology",
-  "what",
-  "requests",
-  "concurrency",
-  "maxTokens",
-  "promptChars",
-  "pollMs",
-  "scrapeMs",
-] as const satisfies readonly (keyof ObservabilitySetup)[];
-
-/** Pools the rounds of several runs of the same setup (`--json` results, e.g. ≤ 10-minute chunks of one measurement). */
-export function combineRuns(runs: readonly ObservabilityRun[]): ObservabilityBenchResult {
-  const first = runs[0];
-  if (first === undefined) throw new Error("--combine: no results given");
-  for (const [i, r] of runs.entries())
-    for (const field of SETUP_FIELDS)
-      if (JSON.stringify(r[field]) !== JSON.stringify(first[field]))
-        throw new Error(
-          `--combine: result ${i + 1} has ${field} ${JSON.stringify(r[field])}, the first ${JSON.stringify(first[field])}: only runs of one setup pool`,
-        );
-  const arms: Arm[] = ["off", ...first.what];
-  const rounds: Partial<Record<Arm, RoundSample[]>> = {};
-  const observed: Partial<Record<Arm, Observed>> = {};
-  for (const arm of arms) {
-    rounds[arm] = runs.flatMap((r) => r.rounds[arm] ?? []);
-    observed[arm] = runs.reduce(
-      (sum, r) => {
-        const o = r.observed[arm];
-        return o === undefined
-          ? sum
-          : {
-              spans: sum.spans + o.spans,
-              statePolls: sum.statePolls + o.statePolls,
-              scrapes: sum.scrapes + o.scrapes,
-            };
-      },
-      { spans: 0, statePolls: 0, scrapes: 0 },
-    );
-  }
-  const setup = Object.fromEntries(SETUP_FIELDS.map((f) => [f, first[f]])) as unknown as ObservabilitySetup;
-  return analyse({
-    ...setup,
-    rounds,
-    observed,
-    failures: runs.flatMap((r) => r.failures),
-    load: runs.flatMap((r) => r.load),
-    cpus: first.cpus,
-  });
-}
-
 async function startOne(s: Settings, arm: Arm, key: string): Promise<Running> {
   const on = ARM[arm];
   const sink = on.traces ? await spanSink() : null;
@@ -583,7 +532,6 @@ interface CliOptions {
   promptChars: number;
   pollMs: number;
   scrapeMs: number;
-  combine?: string[];
   json?: boolean;
 }
 
@@ -614,22 +562,13 @@ export function observabilityCommand(): Command {
       positiveInt("--poll-ms"),
       1000,
     )
-    .option("--scrape-ms <n>", "every arm's /metrics scrape interval", positiveInt("--scrape-ms"), 1000)
-    .option(
-      "--combine <files...>",
-      "measure nothing: pool the rounds of these --json results (runs of one setup) and report them",
-    );
+    .option("--scrape-ms <n>", "every arm's /metrics scrape interval", positiveInt("--scrape-ms"), 1000);
   return armLoadOptions(cmd, { rounds: 60, warmup: 2, requests: 64, promptChars: 200 }).action(
     (o: CliOptions) =>
       runBenchCli(
         "observability",
         o.json,
-        async (log) =>
-          o.combine === undefined
-            ? runObservabilityBench({ ...o, log })
-            : combineRuns(
-                o.combine.map((f) => JSON.parse(readFileSync(f, "utf8")) as ObservabilityBenchResult),
-              ),
+        (log) => runObservabilityBench({ ...o, log }),
         formatObservabilityReport,
       ),
   );

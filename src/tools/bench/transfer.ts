@@ -30,7 +30,7 @@ import { Command, InvalidArgumentError } from "commander";
 import xxhashWasm from "xxhash-wasm";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, type KvLayout } from "../../kvcache/kv-layout.js";
 import { packageRoot } from "../../lib/package-root.js";
-import { mean, quantile, tInterval95 } from "../../lib/stats.js";
+import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
 import { now, TransferRig } from "./transfer-rig.js";
 
@@ -114,33 +114,6 @@ export interface TransferBenchResult {
   readonly failures: readonly string[];
   /** 1-minute load average at the start and the end, and the CPU count: how shared the machine was. */
   readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
-}
-
-export interface Summary {
-  readonly n: number;
-  readonly median: number;
-  readonly min: number;
-  readonly max: number;
-}
-
-export function summarize(xs: readonly number[]): Summary {
-  return { n: xs.length, median: quantile(xs, 0.5), min: quantile(xs, 0), max: quantile(xs, 1) };
-}
-
-export interface RatioInterval {
-  readonly n: number;
-  /** Geometric mean of the paired ratios a[i] / b[i]. */
-  readonly ratio: number;
-  /** Its 95% confidence interval: Student's t on the log ratios, exponentiated. */
-  readonly low: number;
-  readonly high: number;
-}
-
-/** The ratio of paired, interleaved measurements `a[i] / b[i]` with a 95% confidence interval. */
-export function pairedRatio(a: readonly number[], b: readonly number[]): RatioInterval {
-  const logs = a.map((x, i) => Math.log(x / b[i]!));
-  const ci = tInterval95(logs);
-  return { n: logs.length, ratio: Math.exp(mean(logs)), low: Math.exp(ci.low), high: Math.exp(ci.high) };
 }
 
 /** The committed test certificates (scripts/make-test-certs.sh), for the tcp+tls path. */

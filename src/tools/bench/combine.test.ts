@@ -1,0 +1,34 @@
+import assert from "node:assert/strict";
+import test from "node:test";
+import { pairedRatio } from "../../lib/stats.js";
+import { formatPooled, poolRatios } from "./combine.js";
+
+test("pooling two chunks' pairs gives the interval of one run over all the pairs", () => {
+  const a = [100, 103, 98, 101, 99, 102, 97, 104];
+  const b = [101, 102, 99, 103, 100, 101, 99, 103];
+  const whole = pairedRatio(a, b);
+  const chunk = (lo: number, hi: number) => ({
+    other: { ratio: 5 },
+    arms: [{ name: "x", ratio: pairedRatio(a.slice(lo, hi), b.slice(lo, hi)) }],
+  });
+  const [pooled] = poolRatios([
+    JSON.parse(JSON.stringify(chunk(0, 3))),
+    JSON.parse(JSON.stringify(chunk(3, 8))),
+  ]);
+  assert.equal(pooled!.path, "arms.0.ratio");
+  assert.equal(pooled!.pooled.n, 8);
+  assert.ok(Math.abs(pooled!.pooled.ratio - whole.ratio) < 1e-12);
+  assert.ok(Math.abs(pooled!.pooled.low - whole.low) < 1e-12);
+  assert.ok(Math.abs(pooled!.pooled.high - whole.high) < 1e-12);
+  assert.match(
+    formatPooled([pooled!], { atLeast: 0.9 }),
+    /arms\.0\.ratio: .* over 8 pairs.*\n {2}≥ 90\.0%: holds$/,
+  );
+  assert.match(formatPooled([pooled!], { atMost: 0.9 }), /\n {2}≤ 90\.0%: FAILS$/);
+});
+
+test("results of different benchmarks, or without logs, are refused", () => {
+  const r = { variantOverBaseline: pairedRatio([1, 2], [2, 1]) };
+  assert.throws(() => poolRatios([r, { other: pairedRatio([1, 2], [2, 1]) }]), /has no paired ratio at "/);
+  assert.throws(() => poolRatios([{ ratio: 1, low: 0, high: 2, n: 3 }]), /no paired ratios with their logs/);
+});

@@ -1,7 +1,7 @@
 /**
  * The pure parts of `kvfence bench observability` (src/tools/bench/observability.ts): the arms'
  * bursts of a round run in a palindromic order, rotated so each arm takes each place equally often; a paused timer keeps its time; the
- * per-round ratios pair the arms and runs pool, `--what` parses, and the verdict
+ * per-round ratios pair the arms, `--what` parses, and the verdict
  * reads a confidence interval against a bound.
  */
 import assert from "node:assert/strict";
@@ -91,8 +91,7 @@ function fakeRun(rounds: number, cpuFactor: number, seed: number): Observability
     rounds: { off, all },
     observed: { all: { spans: 100, statePolls: 10, scrapes: 10 } },
     failures: [],
-    load: [{ start: 1, end: 1 }],
-    cpus: 2,
+    load: { start: 1, end: 1, cpus: 2 },
   };
 }
 

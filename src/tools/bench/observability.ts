@@ -128,7 +128,7 @@ export interface FeatureRatio {
   readonly cpuPerToken: RatioInterval | null;
 }
 
-/** The settings a run's rounds share (runs are pooled only when they match). */
+/** The settings a run's rounds share. */
 export interface ObservabilitySetup {
   readonly topology: FairBenchTopology;
   readonly what: readonly ObservabilityFeature[];
@@ -145,9 +145,7 @@ export interface ObservabilityRun extends ObservabilitySetup {
   readonly rounds: Readonly<Partial<Record<Arm, readonly RoundSample[]>>>;
   readonly observed: Readonly<Partial<Record<Arm, Observed>>>;
   readonly failures: readonly string[];
-  /** 1-minute load average at the start and end of each run pooled. */
-  readonly load: readonly { readonly start: number; readonly end: number }[];
-  readonly cpus: number;
+  readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
 }
 
 export interface ObservabilityBenchResult extends ObservabilityRun {
@@ -343,12 +341,11 @@ export async function runObservabilityBench(
     rounds,
     observed,
     failures,
-    load: [{ start: loadStart, end: os.loadavg()[0]! }],
-    cpus: os.cpus().length,
+    load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
   });
 }
 
-/** The summaries and paired ratios of a run's (or pooled runs') rounds. */
+/** The summaries and paired ratios of a run's rounds. */
 export function analyse(run: ObservabilityRun): ObservabilityBenchResult {
   const off = run.rounds.off ?? [];
   const perToken = (r: readonly RoundSample[]) => r.map((x) => x.cpuSeconds / x.tokens);
@@ -482,11 +479,10 @@ const LABEL: Readonly<Record<Arm, string>> = {
 
 /** The human-readable report of a run. */
 export function formatObservabilityReport(r: ObservabilityBenchResult): string {
-  const runs = r.load.length === 1 ? "" : ` pooled from ${r.load.length} runs`;
   const lines = [
-    `kvfence ${r.topology}, observability features vs off: ${r.n} rounds${runs}, each a burst of ${r.requests / 2} chat requests per arm and the same in reverse order, back to back (${r.concurrency} in flight: saturated; max_tokens ${r.maxTokens}, greedy)`,
+    `kvfence ${r.topology}, observability features vs off: ${r.n} rounds, each a burst of ${r.requests / 2} chat requests per arm and the same in reverse order, back to back (${r.concurrency} in flight: saturated; max_tokens ${r.maxTokens}, greedy)`,
     `every arm's /metrics scraped every ${r.scrapeMs} ms of its loaded time; /kvfence/state polled every ${r.pollMs} ms in dashboard and all; CPU per token: the servers' CPU over each whole round`,
-    `machine: ${r.cpus} CPUs, 1-min load average ${r.load.map((l) => `${l.start.toFixed(1)} → ${l.end.toFixed(1)}`).join(", ")}`,
+    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
   ];
   for (const [arm, a] of Object.entries(r.arms) as [Arm, ArmResult][]) {
     const x = a.tokensPerSecond;

@@ -1,6 +1,3 @@
-import type { SpanContext, SpanKind } from "@opentelemetry/api";
-import type { ReadableSpan } from "@opentelemetry/sdk-trace-base";
-
 /**
  * OpenTelemetry spans of a request's phases (docs/api.md, "Traces"), exported over OTLP/HTTP
  * (JSON) when `--otlp-endpoint URL` is given, and nothing at all otherwise: `startTracing` loads
@@ -13,8 +10,8 @@ import type { ReadableSpan } from "@opentelemetry/sdk-trace-base";
  * (`GenerationRequest.trace`, and the node envelopes of `reserve` and `prefill`): the router
  * records `request` with `queue_wait`, `reservation` and `first_token` under it, the prefill node
  * `prefill` and `transfer`, the decode node `commit` and `decode`. A phase's span is recorded when
- * the phase ends, with the times it started and ended, so nothing is kept open per request, and
- * handed to the SDK's batch span processor as a finished span (`startTracing`).
+ * the phase ends, with the times it started and ended, so nothing is kept open per request; the
+ * SDK builds the recorded spans in batches (`startTracing`), not on the step that ended the phase.
  * Spans carry the request id (the `x-request-id`) and never the tenant or the prompt.
  */
 
@@ -89,27 +86,38 @@ export function tracesUrl(endpoint: string): string {
 
 const TRACEPARENT_RE = /^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$/;
 
-/** Milliseconds since the epoch as OpenTelemetry's HrTime, [seconds, nanoseconds]. */
-export function hrTimeOf(epochMs: number): [number, number] {
-  const seconds = Math.floor(epochMs / 1000);
-  const nanos = Math.round((epochMs - seconds * 1000) * 1e6);
-  return nanos >= 1e9 ? [seconds + 1, nanos - 1e9] : [seconds, nanos];
+/**
+ * How long a finished span waits in this thread's buffer before the SDK builds it (ms), and how
+ * many make it build at once. Building spans one at a time, where each phase ends, cost 60–200 µs
+ * of CPU a span on a busy node (the SDK's code runs cold between two spans); built in a batch it
+ * costs a fraction of that (docs/benchmarks.md §8).
+ */
+export const SPAN_BUILD_DELAY_MS = 1000;
+export const SPAN_BUILD_BATCH = 256;
+
+/** A finished span waiting to be built: its times, attributes, and its parent (or its own ids, for a root). */
+interface FinishedSpan {
+  readonly name: string;
+  readonly startEpochMs: number;
+  readonly endEpochMs: number;
+  readonly attributes: SpanAttributes;
+  /** The parent's W3C traceparent; "" for a root span. */
+  readonly parent: string;
+  /** A root span's ids, chosen when it opened (its traceparent went out with the request). */
+  readonly ids: { readonly traceId: string; readonly spanId: string } | null;
 }
 
 /**
  * Starts this thread's tracer exporting to `endpoint` as service `serviceName` (idempotent: a
  * second call returns the first tracer). Loads the OpenTelemetry SDK now, not before.
  *
- * A phase is recorded once it has ended, with the times it started and ended, so each span is
- * handed to the SDK's batch span processor finished: a `ReadableSpan` (the processor's and the
- * exporter's own interface) of its name, ids, parent, times and attributes, and not built by the
- * SDK's tracer, which would start a live span (sampler, attribute checks, clock reads, its span
- * metrics) only to end it at once. Built by the tracer, a span cost 12 µs of CPU in a loop and
- * 60–200 µs between two model steps (docs/benchmarks.md §8). Every request is traced (a phase's
- * parent is always a sampled request span; the W3C flags say sampled). A request span's ids are
- * chosen when it opens, since its `traceparent` travels with the request. The batch exporter
- * keeps the SDK's defaults (a batch of up to 512 spans every 5 s) and its standard `OTEL_BSP_*`
- * environment variables.
+ * A phase's span is buffered when the phase ends (its name, times and attributes: one small
+ * object) and the SDK builds the buffered spans together, `SPAN_BUILD_DELAY_MS` later or every
+ * `SPAN_BUILD_BATCH` spans, off the step that ended the phase. A request span's ids are chosen
+ * when it opens, since its `traceparent` travels with the request; the SDK is handed them through
+ * its `idGenerator` hook when it builds that span. Every request is traced (`AlwaysOnSampler`:
+ * a phase's parent is always a sampled request span). The batch exporter keeps the SDK's defaults
+ * (a batch of up to 512 spans every 5 s) and its standard `OTEL_BSP_*` environment variables.
  */
 export async function startTracing(endpoint: string, serviceName: string): Promise<Tracing> {
   if (active !== null) return active;
@@ -119,82 +127,105 @@ export async function startTracing(endpoint: string, serviceName: string): Promi
     import("@opentelemetry/exporter-trace-otlp-http"),
     import("@opentelemetry/resources"),
   ]);
-  const ids = new sdk.RandomIdGenerator();
-  const processor = new sdk.BatchSpanProcessor(
-    new exporterModule.OTLPTraceExporter({ url: tracesUrl(endpoint) }),
-  );
-  const resource = resources.resourceFromAttributes({ "service.name": serviceName });
-  const instrumentationScope = { name: "kvfence" };
-  const status = { code: api.SpanStatusCode.UNSET };
-  const parentOf = (traceparent: string): SpanContext | undefined => {
-    const m = TRACEPARENT_RE.exec(traceparent);
-    if (m === null) return undefined;
-    return { traceId: m[1]!, spanId: m[2]!, traceFlags: Number.parseInt(m[3]!, 16), isRemote: true };
+  const random = new sdk.RandomIdGenerator();
+  // The ids the SDK gives the span it is building: a root's own, else random.
+  let preset: FinishedSpan["ids"] = null;
+  const idGenerator = {
+    generateTraceId: () => preset?.traceId ?? random.generateTraceId(),
+    generateSpanId: () => preset?.spanId ?? random.generateSpanId(),
   };
-  const record = (
-    name: string,
-    kind: SpanKind,
-    context: SpanContext,
-    parent: SpanContext | undefined,
-    startEpochMs: number,
-    endEpochMs: number,
-    attributes: SpanAttributes,
-  ): void => {
-    const startTime = hrTimeOf(startEpochMs);
-    const endTime = hrTimeOf(endEpochMs);
-    const span: ReadableSpan = {
-      name,
-      kind,
-      spanContext: () => context,
-      ...(parent === undefined ? {} : { parentSpanContext: parent }),
-      startTime,
-      endTime,
-      duration: hrTimeOf(Math.max(0, endEpochMs - startEpochMs)),
-      status,
-      attributes,
-      links: [],
-      events: [],
-      ended: true,
-      resource,
-      instrumentationScope,
-      droppedAttributesCount: 0,
-      droppedEventsCount: 0,
-      droppedLinksCount: 0,
-    };
-    processor.onEnd(span);
+  const exporter = new exporterModule.OTLPTraceExporter({ url: tracesUrl(endpoint) });
+  const provider = new sdk.BasicTracerProvider({
+    resource: resources.resourceFromAttributes({ "service.name": serviceName }),
+    sampler: new sdk.AlwaysOnSampler(),
+    idGenerator,
+    spanProcessors: [new sdk.BatchSpanProcessor(exporter)],
+  });
+  const tracer = provider.getTracer("kvfence");
+  const parentOf = (traceparent: string) => {
+    const m = TRACEPARENT_RE.exec(traceparent);
+    if (m === null) return api.ROOT_CONTEXT;
+    return api.trace.setSpanContext(api.ROOT_CONTEXT, {
+      traceId: m[1]!,
+      spanId: m[2]!,
+      traceFlags: Number.parseInt(m[3]!, 16),
+      isRemote: true,
+    });
+  };
+  let buffer: FinishedSpan[] = [];
+  let timer: ReturnType<typeof setTimeout> | null = null;
+  const build = (): void => {
+    if (timer !== null) clearTimeout(timer);
+    timer = null;
+    const spans = buffer;
+    buffer = [];
+    // A request's phases share its traceparent: one parsed context for them.
+    const contexts = new Map<string, ReturnType<typeof parentOf>>();
+    for (const s of spans) {
+      let context = api.ROOT_CONTEXT;
+      if (s.parent !== "") {
+        context = contexts.get(s.parent) ?? parentOf(s.parent);
+        contexts.set(s.parent, context);
+      }
+      preset = s.ids;
+      try {
+        tracer
+          .startSpan(
+            s.name,
+            {
+              startTime: s.startEpochMs,
+              attributes: s.attributes,
+              kind: s.ids === null ? api.SpanKind.INTERNAL : api.SpanKind.SERVER,
+            },
+            context,
+          )
+          .end(s.endEpochMs);
+      } finally {
+        preset = null;
+      }
+    }
+  };
+  const finish = (span: FinishedSpan): void => {
+    buffer.push(span);
+    if (buffer.length >= SPAN_BUILD_BATCH) build();
+    else if (timer === null) {
+      timer = setTimeout(build, SPAN_BUILD_DELAY_MS);
+      timer.unref();
+    }
   };
   active = {
     startRequest(name, attributes, startEpochMs) {
-      const context = { traceId: ids.generateTraceId(), spanId: ids.generateSpanId(), traceFlags: 1 };
+      const ids = { traceId: random.generateTraceId(), spanId: random.generateSpanId() };
       let ended = false;
       return {
-        traceparent: `00-${context.traceId}-${context.spanId}-01`,
+        traceparent: `00-${ids.traceId}-${ids.spanId}-01`,
         end(endAttributes, endEpochMs) {
           if (ended) return;
           ended = true;
-          record(
+          finish({
             name,
-            api.SpanKind.SERVER,
-            context,
-            undefined,
             startEpochMs,
-            endEpochMs ?? epochNow(),
-            endAttributes === undefined ? attributes : { ...attributes, ...endAttributes },
-          );
+            endEpochMs: endEpochMs ?? epochNow(),
+            attributes: endAttributes === undefined ? attributes : { ...attributes, ...endAttributes },
+            parent: "",
+            ids,
+          });
         },
       };
     },
     phase(name, traceparent, startEpochMs, endEpochMs, attributes) {
-      const parent = parentOf(traceparent);
-      const context = {
-        traceId: parent?.traceId ?? ids.generateTraceId(),
-        spanId: ids.generateSpanId(),
-        traceFlags: 1,
-      };
-      record(name, api.SpanKind.INTERNAL, context, parent, startEpochMs, endEpochMs, attributes ?? {});
+      finish({
+        name,
+        startEpochMs,
+        endEpochMs,
+        attributes: attributes ?? {},
+        parent: traceparent,
+        ids: null,
+      });
     },
     async shutdown() {
-      await processor.shutdown();
+      build();
+      await provider.shutdown();
       active = null;
     },
   };

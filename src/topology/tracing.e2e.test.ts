@@ -50,7 +50,7 @@ async function ask(server: TopologyServer, requestId: string, stream: boolean): 
   } else await client.chat.completions.create(body);
 }
 
-/** The spans of `requestId` once all eight arrived (exported in batches). */
+/** The spans of `requestId` once all eight arrived (built 1 s after they end, exported in batches). */
 async function spansOf(receiver: OtlpReceiver, requestId: string): Promise<ReceivedSpan[]> {
   const deadline = Date.now() + 20_000;
   for (;;) {

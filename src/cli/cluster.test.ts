@@ -30,6 +30,7 @@ const FORWARDED: ReadonlyArray<[flag: string, value: string]> = [
   ["--tenant-max-queue", "4"],
   ["--max-queue", "16"],
   ["--queue-timeout", "5"],
+  ["--scheduling-policy", "fcfs"],
   ["--ready-timeout", "0.25"],
 ];
 

@@ -6,7 +6,8 @@
  * (`--operator-key`, `--metrics-port`, `--metrics-tenant-names`; docs/api.md), the request limits
  * and the tokenizer pool (`--max-body-bytes`, `--max-prompt-bytes`, `--max-messages`,
  * `--max-json-depth`, `--tokenizer-threads`), and the fair-share and readiness flags
- * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--ready-timeout`) to the router; the
+ * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--scheduling-policy`, `--ready-timeout`) to
+ * the router; the
  * model and pool flags (`--quantize`, `--kv-cache-dtype`, `--kv-pages`, `--kernels`, ...) to every
  * node (`nodeArgsOf`).
  */
@@ -67,6 +68,7 @@ export function command(): Command {
     .option("--tenant-max-queue <n>", "router: requests one tenant may have waiting (0: no cap)")
     .option("--max-queue <n>", "router: requests waiting over all tenants (default 256)")
     .option("--queue-timeout <seconds>", "router: a request waiting longer gets 429 or 503 (default 30)")
+    .option("--scheduling-policy <policy>", "router: fair (default) or fcfs, arrival order across tenants")
     .option(
       "--ready-timeout <seconds>",
       "router: a node that does not answer a ping within this is not ready (default 0.5)",
@@ -126,6 +128,7 @@ export function routerArgsOf(raw: RawOptions): string[] {
     ["--tenant-max-queue", "tenantMaxQueue"],
     ["--max-queue", "maxQueue"],
     ["--queue-timeout", "queueTimeout"],
+    ["--scheduling-policy", "schedulingPolicy"],
     ["--ready-timeout", "readyTimeout"],
     ["--prefix-cache-scope", "prefixCacheScope"],
   ]);

@@ -108,6 +108,7 @@ test("parseServeConfig() reads the fair-share and readiness flags; fairShareOf()
     tenantMaxPages: "0",
     maxQueue: "32",
     queueTimeout: "2.5",
+    schedulingPolicy: "fcfs",
     readyTimeout: "0.25",
   });
   assert.deepEqual(fairShareOf(config, { count: 3, limits: new Map([[1, { weight: 2 }]]) }), {
@@ -117,10 +118,13 @@ test("parseServeConfig() reads the fair-share and readiness flags; fairShareOf()
     tenantMaxQueue: undefined,
     maxQueue: 32,
     queueTimeoutMs: 2500,
+    schedulingPolicy: "fcfs",
     overrides: new Map([[1, { weight: 2 }]]),
   });
   assert.equal(config.readyTimeout, 0.25);
   assert.equal(fairShareOf(parseServeConfig(defaults), { count: 0, limits: new Map() }).tenants, 1);
+  assert.equal(parseServeConfig(defaults).schedulingPolicy, "fair");
+  assert.throws(() => parseServeConfig({ ...defaults, schedulingPolicy: "lifo" }), /--scheduling-policy/);
   assert.throws(
     () => parseServeConfig({ ...defaults, tenantMaxQueue: "-1", queueTimeout: "soon", readyTimeout: "0" }),
     (err: unknown) =>

@@ -201,6 +201,10 @@ function fairShareOptions(cmd: Command): Command {
     .option("--max-queue <n>", "requests waiting over all tenants; more get 503 (default 256)")
     .option("--queue-timeout <seconds>", "a request waiting longer gets 429 or 503 (default 30)")
     .option(
+      "--scheduling-policy <policy>",
+      "fair: waiting requests served by weighted fair queuing between tenants; fcfs: in arrival order across tenants (the caps and queue bounds still apply; default fair)",
+    )
+    .option(
       "--ready-timeout <seconds>",
       "/ready: a node (or the engine) that does not answer a ping within this is not ready (default 0.5)",
     )

@@ -52,6 +52,25 @@ test("FairQueue: a flow's backlog of 100 delays another flow's items by one item
   assert.equal(order.length, 102);
 });
 
+test("FairQueue in arrival order: one queue over flows (fcfs), a flow skipped by `eligible` keeps its places", () => {
+  const q = new FairQueue<Item>({ flow: (i) => i.flow, cost: (i) => i.cost, order: "arrival" });
+  for (const i of items(0, 100)) q.push(i);
+  q.peek();
+  q.take();
+  for (const i of items(1, 3)) q.push(i);
+  const order = drain(q).map((i) => i.flow);
+  assert.deepEqual(order.slice(0, 99), new Array(99).fill(0), "flow 1 waits behind all of flow 0");
+  assert.deepEqual(order.slice(99), [1, 1, 1]);
+
+  for (const i of [...items(0, 2, 50), ...items(1, 2, 1), ...items(0, 1, 50)]) q.push(i);
+  const skipped = drain(q, (flow) => flow === 1).map((i) => `${i.flow}:${i.n}`);
+  assert.deepEqual(skipped, ["1:0", "1:1"]);
+  assert.deepEqual(
+    drain(q).map((i) => `${i.flow}:${i.n}`),
+    ["0:0", "0:1", "0:0"],
+  );
+});
+
 test("FairQueue serves flows by cost: one 10-page item against ten 1-page ones", () => {
   const q = queue();
   for (const i of items(0, 5, 10)) q.push(i);

@@ -21,6 +21,11 @@
  * dispatched item that comes back (its backend refused it for now) goes to the front of its flow
  * with `pushFront`, tagged with the present, so it is served before that flow's later items. With
  * one flow the queue is FIFO.
+ *
+ * Order `"arrival"` (`--scheduling-policy fcfs`) tags each item with its push order instead: one
+ * queue in arrival order across flows, as vLLM's `fcfs`, where a flood delays a later flow's item
+ * behind all of it. The per-flow queues, `eligible` (a flow at its cap is skipped, its items keep
+ * their places) and `pushFront` stay as they are.
  */
 import { Deque } from "./deque.js";
 
@@ -31,7 +36,12 @@ export interface FairQueueOptions<T> {
   readonly cost: (item: T) => number;
   /** A flow's weight, positive (default 1): its share is proportional to it. */
   readonly weight?: (flow: number) => number;
+  /** "fair" (default): virtual finish tags; "arrival": push order over all flows (first come, first served). */
+  readonly order?: QueueOrder;
 }
+
+/** How a `FairQueue` orders items of different flows. */
+export type QueueOrder = "fair" | "arrival";
 
 interface Flow<T> {
   readonly id: number;
@@ -44,6 +54,7 @@ export class FairQueue<T> {
   readonly #flowOf: (item: T) => number;
   readonly #costOf: (item: T) => number;
   readonly #weight: (flow: number) => number;
+  readonly #arrival: boolean;
   readonly #flows = new Map<number, Flow<T>>();
   /** Each waiting item's finish tag and push order. */
   readonly #tags = new Map<T, { tag: number; seq: number }>();
@@ -60,6 +71,7 @@ export class FairQueue<T> {
     this.#flowOf = options.flow;
     this.#costOf = options.cost;
     this.#weight = options.weight ?? (() => 1);
+    this.#arrival = options.order === "arrival";
   }
 
   /** Items waiting, over all flows. */
@@ -80,9 +92,11 @@ export class FairQueue<T> {
   /** Appends `item` to the back of its flow's queue. */
   push(item: T): void {
     const flow = this.#flow(this.#flowOf(item));
-    const start = Math.max(this.#clock, flow.lastTag);
-    flow.lastTag = start + this.#cost(item) / this.#weightOf(flow.id);
-    this.#tags.set(item, { tag: flow.lastTag, seq: this.#seq++ });
+    const seq = this.#seq++;
+    flow.lastTag = this.#arrival
+      ? seq
+      : Math.max(this.#clock, flow.lastTag) + this.#cost(item) / this.#weightOf(flow.id);
+    this.#tags.set(item, { tag: flow.lastTag, seq });
     flow.queue.pushBack(item);
     this.#added();
   }

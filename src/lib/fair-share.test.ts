@@ -71,6 +71,39 @@ test("FairShare serves waiting tenants in turn when the backend frees room", () 
   );
 });
 
+test("FairShare with --scheduling-policy fcfs serves in arrival order across tenants; the caps still apply", () => {
+  const order = (policy: "fair" | "fcfs"): string[] => {
+    const { share, started, end } = setup(
+      { tenants: 2, tenantMaxConcurrency: 0, schedulingPolicy: policy },
+      2,
+    );
+    for (let n = 0; n < 10; n++) share.offer(req(0, n));
+    for (let n = 0; n < 3; n++) share.offer(req(1, n));
+    for (let i = 0; i < 8; i++) end(started[i]!);
+    return started.slice(2).map((r) => `${r.tenant}:${r.n}`);
+  };
+  assert.deepEqual(order("fair"), ["0:2", "1:0", "0:3", "1:1", "0:4", "1:2", "0:5", "0:6"]);
+  assert.deepEqual(order("fcfs"), ["0:2", "0:3", "0:4", "0:5", "0:6", "0:7", "0:8", "0:9"]);
+  assert.equal(resolveFairShare({ tenants: 2 }, { pages: 100, slots: 2 }).policy, "fair");
+
+  // A tenant at its cap is passed over; its requests keep their places for when it has room.
+  const { share, started, end } = setup({ tenants: 2, tenantMaxConcurrency: 1, schedulingPolicy: "fcfs" }, 2);
+  for (let n = 0; n < 3; n++) share.offer(req(0, n));
+  share.offer(req(1, 0));
+  share.offer(req(1, 1));
+  assert.deepEqual(
+    started.map((r) => `${r.tenant}:${r.n}`),
+    ["0:0", "1:0"],
+  );
+  end(started[1]!); // tenant 1 has room again; tenant 0 is still at its cap of 1
+  end(started[0]!);
+  end(started[3]!);
+  assert.deepEqual(
+    started.map((r) => `${r.tenant}:${r.n}`),
+    ["0:0", "1:0", "1:1", "0:1", "0:2"],
+  );
+});
+
 test("FairShare caps a tenant's pages; a tenant with nothing running may still start one larger request", () => {
   const { share, started, end } = setup({ tenants: 1, tenantMaxPages: 15 }, 8);
   share.offer(req(0, 0, 10));

@@ -7,7 +7,8 @@
  * A request is *offered*; it is dispatched at once when its tenant is under its caps and the
  * backend has room, else it waits in its tenant's queue. Waiting requests are served by weighted
  * fair queuing over tenants (`fair-queue.ts`), costed by the KV pages each request may hold, so a
- * tenant with a thousand queued requests delays another tenant's request by about one of them. Per tenant, at most `maxConcurrency` requests and `maxPages` KV pages (the
+ * tenant with a thousand queued requests delays another tenant's request by about one of them
+ * (`--scheduling-policy fcfs`: in arrival order across tenants instead, `SchedulingPolicy`). Per tenant, at most `maxConcurrency` requests and `maxPages` KV pages (the
  * most each request may hold: its prompt plus `max_tokens`) are dispatched at once; a tenant with
  * nothing dispatched may always start one request, so a cap below one request's pages only
  * serialises that tenant. The backend says whether it has room (`dispatch` returns false when it
@@ -27,6 +28,14 @@
  */
 import type { WireError } from "./errors.js";
 import { FairQueue } from "./fair-queue.js";
+
+/**
+ * `--scheduling-policy`: `fair` (default) serves the tenants' queues by weighted fair queuing;
+ * `fcfs` serves one queue in arrival order across tenants (as vLLM's `--scheduling-policy fcfs`).
+ * The caps, the queue bounds and the timeout apply under both.
+ */
+export const SCHEDULING_POLICIES = ["fair", "fcfs"] as const;
+export type SchedulingPolicy = (typeof SCHEDULING_POLICIES)[number];
 
 /** What one tenant may hold and queue. `Infinity`: no cap. */
 export interface TenantLimits {
@@ -62,6 +71,8 @@ export interface FairShareConfig {
   readonly maxQueue?: number | undefined;
   /** `--queue-timeout` in ms. Default 30 s. */
   readonly queueTimeoutMs?: number | undefined;
+  /** `--scheduling-policy`. Default fair. */
+  readonly schedulingPolicy?: SchedulingPolicy | undefined;
   /** By tenant index. */
   readonly overrides?: ReadonlyMap<number, TenantOverrides>;
 }
@@ -83,6 +94,7 @@ export interface ResolvedFairShare {
   readonly limits: (tenant: number) => TenantLimits;
   readonly maxQueue: number;
   readonly queueTimeoutMs: number;
+  readonly policy: SchedulingPolicy;
 }
 
 const cap = (n: number): number => (n === 0 ? Number.POSITIVE_INFINITY : n);
@@ -129,6 +141,7 @@ export function resolveFairShare(config: FairShareConfig, capacity: BackendCapac
     limits: (tenant) => byTenant.get(tenant) ?? base,
     maxQueue,
     queueTimeoutMs: config.queueTimeoutMs ?? DEFAULT_QUEUE_TIMEOUT_MS,
+    policy: config.schedulingPolicy ?? "fair",
   };
 }
 
@@ -181,6 +194,7 @@ export class FairShare<T> {
       flow: (item) => hooks.tenant(item),
       cost: (item) => hooks.pages(item),
       weight: (tenant) => settings.limits(tenant).weight,
+      order: settings.policy === "fcfs" ? "arrival" : "fair",
     });
   }
 

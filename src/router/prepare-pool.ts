@@ -10,12 +10,13 @@
  * Each lane is fair between tenants (`src/lib/fair-queue.ts`, costed by body bytes): one tenant's
  * hundred queued prompts delay another tenant's body by about one of them, not all (issue #22:
  * a flood's bodies held every other tenant's first request behind their tokenization). With one
- * tenant a lane is first-come. Each worker prepares one body at a time. A worker that dies fails its body with `internal` and is
+ * tenant, or `--scheduling-policy fcfs`, a lane is first-come. Each worker prepares one body at a time. A worker that dies fails its body with `internal` and is
  * replaced; nothing else is lost.
  */
 import { Worker } from "node:worker_threads";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
+import type { SchedulingPolicy } from "../lib/fair-share.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import {
   answerUtility,
@@ -103,6 +104,8 @@ export function inThreadPreparer(context: PrepareContext): RequestPreparer {
 export interface PreparePoolOptions extends PoolData {
   /** Worker threads (1 or more). */
   readonly threads: number;
+  /** `--scheduling-policy`: fcfs serves each lane in arrival order across tenants (default fair). */
+  readonly policy?: SchedulingPolicy;
   /** Told about a worker that failed (its body got `internal`). */
   readonly onWorkerError?: (detail: string) => void;
 }
@@ -111,8 +114,8 @@ export class PreparePool implements RequestPreparer {
   readonly #data: PoolData;
   readonly #onWorkerError: (detail: string) => void;
   readonly #slots: Slot[] = [];
-  readonly #small = PreparePool.#lane();
-  readonly #large = PreparePool.#lane();
+  readonly #small: FairQueue<Job>;
+  readonly #large: FairQueue<Job>;
   readonly #size: number;
   #nextId = 1;
   #closed = false;
@@ -126,11 +129,17 @@ export class PreparePool implements RequestPreparer {
     };
     this.#onWorkerError = options.onWorkerError ?? (() => {});
     this.#size = Math.max(1, options.threads);
+    this.#small = PreparePool.#lane(options.policy);
+    this.#large = PreparePool.#lane(options.policy);
   }
 
-  /** A lane's queue: fair between tenants, each body costed by its bytes. */
-  static #lane(): FairQueue<Job> {
-    return new FairQueue<Job>({ flow: (job) => job.tenant, cost: (job) => job.body.byteLength });
+  /** A lane's queue: fair between tenants, each body costed by its bytes (or first-come: fcfs). */
+  static #lane(policy: SchedulingPolicy = "fair"): FairQueue<Job> {
+    return new FairQueue<Job>({
+      flow: (job) => job.tenant,
+      cost: (job) => job.body.byteLength,
+      order: policy === "fcfs" ? "arrival" : "fair",
+    });
   }
 
   /** Starts `threads` workers and resolves once each has loaded the tokenizer. */

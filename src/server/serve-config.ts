@@ -12,7 +12,7 @@ import { z } from "zod";
 import { parseNodeUrl } from "../cluster/cluster-router.js";
 import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
-import type { FairShareConfig, TenantOverrides } from "../lib/fair-share.js";
+import { type FairShareConfig, SCHEDULING_POLICIES, type TenantOverrides } from "../lib/fair-share.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
 import {
@@ -207,6 +207,7 @@ export const serveConfigSchema = z
     tenantMaxQueue: intText(0).optional(),
     maxQueue: intText(0).optional(),
     queueTimeout: secondsText.optional(),
+    schedulingPolicy: z.enum(SCHEDULING_POLICIES).default("fair"),
     readyTimeout: secondsText.optional(),
     routerSlot: intText(0, ROUTER_SLOTS - 1).optional(),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
@@ -301,6 +302,7 @@ const FLAG: Record<string, string> = {
   tenantMaxQueue: "--tenant-max-queue",
   maxQueue: "--max-queue",
   queueTimeout: "--queue-timeout",
+  schedulingPolicy: "--scheduling-policy",
   readyTimeout: "--ready-timeout",
   routerSlot: "--router-slot",
 };
@@ -403,6 +405,7 @@ export function fairShareOf(
     tenantMaxQueue: config.tenantMaxQueue,
     maxQueue: config.maxQueue,
     queueTimeoutMs: config.queueTimeout === undefined ? undefined : Math.round(config.queueTimeout * 1000),
+    schedulingPolicy: config.schedulingPolicy,
     overrides: tenants.limits,
   };
 }

@@ -239,6 +239,7 @@ async function startEnginesAndPreparer(
     limits: parts.limits,
     ...(config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate }),
     threads: config.tokenizerThreads,
+    policy: config.schedulingPolicy,
     onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
   });
   preparing.catch(() => {}); // awaited below, after the engines (no unhandled rejection meanwhile)

@@ -393,10 +393,8 @@ export function formatClusterReport(r: ClusterBenchResult): string {
   ].join("\n");
 }
 
-interface ClusterCliOptions {
-  compare: ClusterComparison;
-  prefill: number;
-  decode: number;
+/** The load options of a bench whose arms are servers (cluster, fair-share), as commander gives them. */
+export interface ArmLoadCliOptions {
   model?: string;
   kvPages: number;
   rounds: number;
@@ -405,6 +403,26 @@ interface ClusterCliOptions {
   concurrency: number;
   maxTokens: number;
   promptChars: number;
+}
+
+/** Those options as the bench's run options take them (no `model`: the bundled one). */
+export function armLoadOf(o: ArmLoadCliOptions) {
+  return {
+    ...(o.model === undefined ? {} : { model: o.model }),
+    kvPages: o.kvPages,
+    rounds: o.rounds,
+    warmup: o.warmup,
+    requests: o.requests,
+    concurrency: o.concurrency,
+    maxTokens: o.maxTokens,
+    promptChars: o.promptChars,
+  };
+}
+
+interface ClusterCliOptions extends ArmLoadCliOptions {
+  compare: ClusterComparison;
+  prefill: number;
+  decode: number;
   tlsCert?: string;
   tlsKey?: string;
   tlsCa?: string;
@@ -449,14 +467,7 @@ export function clusterCommand(): Command {
             compare: o.compare,
             prefill: o.prefill,
             decode: o.decode,
-            ...(o.model === undefined ? {} : { model: o.model }),
-            kvPages: o.kvPages,
-            rounds: o.rounds,
-            warmup: o.warmup,
-            requests: o.requests,
-            concurrency: o.concurrency,
-            maxTokens: o.maxTokens,
-            promptChars: o.promptChars,
+            ...armLoadOf(o),
             tlsFiles: { cert: o.tlsCert ?? d.cert, key: o.tlsKey ?? d.key, ca: o.tlsCa ?? d.ca },
             log,
           }),

@@ -1,30 +1,37 @@
 /**
  * `kvfence bench fair-share`: what fair sharing costs one tenant that runs alone (issue #22: within
- * 2% of first-come-first-served). Starts two servers of the same topology (`--topology single`,
- * `threads` — the default `kvfence serve` — or `cluster`: router, prefill and decode processes),
- * each with an API keys file of `--tenants` tenants (default 2: the per-tenant default caps are on,
- * half the server each; 1: no cap, what the fair queue itself costs):
+ * 2% of first-come-first-served). Starts servers of one topology (`--topology single`, `threads` —
+ * the default `kvfence serve` — or `cluster`: router, prefill and decode processes), each with an
+ * API keys file of `--tenants` tenants (default 2: the per-tenant default caps are on, half the
+ * server each; 1: no cap, what the fair queue itself costs). The arm `fair` is this build with its
+ * defaults; `--compare` names the arms it is measured against:
  *
- * - `fair`: this build, default flags;
- * - `fifo`: the build at `--baseline DIR` (a checkout of an older kvfence, built: its first-come
- *   queue), or without it this build with every per-tenant cap off (`--tenant-max-concurrency 0
- *   --tenant-max-pages 0 --tenant-max-queue 0`), where one tenant's fair queue is first-come.
+ * - `policy`: this build with `--scheduling-policy fcfs` (one queue in arrival order across
+ *   tenants): fair queuing's own cost, every other line of code the same;
+ * - `baseline`: the build at `--baseline DIR` (a checkout of an older kvfence, built: e.g. db989fb,
+ *   the commit before fair sharing, whose queue was first-come);
+ * - `caps`: this build with every per-tenant cap off (`--tenant-max-concurrency 0
+ *   --tenant-max-pages 0 --tenant-max-queue 0`).
+ *
+ * Default: `baseline` with `--baseline`, else `caps`. `--fair-args` go to every arm of this build.
  *
  * Each round drives the same batch of chat requests (greedy, fixed prompts and `max_tokens`,
- * `--concurrency` in flight) from the one tenant through each server, the two arms back to back in
- * alternating order (ABBA: a drift of the machine's load falls on both alike), and measures two
- * things per arm and round: output tokens per second of wall time, and output tokens per CPU
- * second of the arm's server processes (all their threads, from /proc/PID/stat). The first is the
- * throughput; the second is the work each token costs, which another program's load on a shared
- * machine disturbs far less (it takes our cores, not our instructions) — a fair queue doing extra
- * work per request or step shows there, and a cap leaving the engine idle shows in the first.
- * Reported: each arm's median with its quartiles and range, and each fair/fifo ratio paired by
- * round — the geometric mean with a 95% Student t interval on the logs, and the median with a 95%
- * bootstrap interval (robust to a round a burst of load hit). Both arms must give the same answers.
+ * `--concurrency` in flight) from the one tenant through each server, the arms back to back, two
+ * arms alternating (ABBA) and three rotating (ABC, BCA, CAB): a drift of the machine's load falls
+ * on all alike, and measures two things per arm and round: output tokens per second of wall time,
+ * and output tokens per CPU second of the arm's server processes (all their threads, from
+ * /proc/PID/stat). The first is the throughput; the second is the work each token costs, which
+ * another program's load on a shared machine disturbs far less (it takes our cores, not our
+ * instructions) — a fair queue doing extra work per request or step shows there, and a cap leaving
+ * the engine idle shows in the first. Reported: each arm's median with its quartiles and range, and
+ * each fair/other ratio paired by round — the geometric mean with a 95% Student t interval on the
+ * logs, and the median with a 95% bootstrap interval (robust to a round a burst of load hit). All
+ * arms must give the same answers. The JSON result (`--json`) keeps every round's measurements, so
+ * runs split into chunks (the bench lock's 10 minutes) combine into one: `--combine a.json b.json`.
  */
 import { type ChildProcess, spawn } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import os from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -40,18 +47,24 @@ import {
   summarize,
 } from "../../lib/stats.js";
 import { stopProcess } from "../../topology/local-cluster.js";
-import { prompt, round } from "./cluster.js";
+import { type ArmLoadCliOptions, armLoadOf, prompt, round } from "./cluster.js";
 import { cpuSeconds } from "./process-cpu.js";
 import { positiveInt, runBenchCli } from "./transfer.js";
 
 export type FairBenchTopology = "single" | "threads" | "cluster";
 
+/** What the fair arm is measured against (see the module header). */
+export type FairCompare = "policy" | "baseline" | "caps";
+export const FAIR_COMPARES: readonly FairCompare[] = ["policy", "baseline", "caps"];
+
 export interface FairBenchOptions {
   readonly topology?: FairBenchTopology;
-  /** A kvfence checkout (built) whose `kvfence serve` is the fifo arm; absent: this build uncapped. */
+  /** The arms beside `fair` (default: baseline with `baseline`, else caps). */
+  readonly compare?: readonly FairCompare[];
+  /** A kvfence checkout (built) whose `kvfence serve` is the `baseline` arm. */
   readonly baseline?: string;
   /**
-   * Extra `kvfence serve` flags of the fair arm only (every role), e.g. `--kv-cache-dtype f32
+   * Extra `kvfence serve` flags of this build's arms (every role), e.g. `--kv-cache-dtype f32
    * --prefix-cache off` to switch off what a `baseline` build lacks, so the ratio is the queue's.
    */
   readonly fairArgs?: readonly string[];
@@ -69,7 +82,21 @@ export interface FairBenchOptions {
   readonly log?: (line: string) => void;
 }
 
+/** An arm's name: `fair`, or what it is compared with. */
+export type ArmName = "fair" | FairCompare;
+
+/** One arm's measured rounds, in round order: what `--combine` joins. */
+export interface ArmRounds {
+  /** Wall time of each round, ns. */
+  readonly ns: number[];
+  /** Output tokens of each round. */
+  readonly tokens: number[];
+  /** CPU seconds of the arm's server processes in each round (NaN without /proc). */
+  readonly cpuSeconds: number[];
+}
+
 export interface FairArm {
+  readonly name: ArmName;
   readonly label: string;
   readonly tokensPerSecond: Summary;
   /** Output tokens per CPU second of the arm's server processes (NaN without /proc). */
@@ -77,27 +104,39 @@ export interface FairArm {
   readonly outputTokens: number;
 }
 
-/** A fair/fifo ratio paired by round: geometric mean with its t interval, median with its bootstrap interval. */
+/** A fair/other ratio paired by round: geometric mean with its t interval, median with its bootstrap interval. */
 export interface PairedFigure extends RatioInterval {
   readonly median: number;
   readonly medianInterval: Interval;
 }
 
+/** The fair arm against one other. */
+export interface FairComparison {
+  readonly against: FairCompare;
+  /** Throughput (wall time) of fair over the other arm, paired by round. */
+  readonly throughput: PairedFigure;
+  /** Tokens per CPU second of the servers, fair over the other arm, paired by round. */
+  readonly cpu: PairedFigure;
+}
+
 export interface FairBenchResult {
   readonly topology: FairBenchTopology;
   readonly tenants: 1 | 2;
+  /** Measured rounds (over every chunk, when combined). */
   readonly rounds: number;
   readonly requests: number;
   readonly concurrency: number;
   readonly maxTokens: number;
-  readonly fair: FairArm;
-  readonly fifo: FairArm;
-  /** Throughput (wall time) of fair over fifo, paired by round. */
-  readonly fairOverFifo: PairedFigure;
-  /** Tokens per CPU second of the servers, fair over fifo, paired by round (NaN without /proc). */
-  readonly cpuFairOverFifo: PairedFigure;
+  /** `fair` first, then the compared arms. */
+  readonly arms: readonly FairArm[];
+  readonly comparisons: readonly FairComparison[];
+  /** Every measured round of each arm (the arms' order of `arms`). */
+  readonly perRound: Readonly<Partial<Record<ArmName, ArmRounds>>>;
   readonly failures: readonly string[];
+  /** The 1-minute load average at the start and end of the run (combined: of the first and the last). */
   readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
+  /** Runs combined into this result (1 for a run). */
+  readonly runs: number;
 }
 
 const THIS_MAIN = fileURLToPath(new URL("../../cli/main.js", import.meta.url));
@@ -111,11 +150,11 @@ export interface Server {
   close(): Promise<void>;
 }
 
-/** The paired fair/fifo ratio of per-round measurements `fair[i] / fifo[i]`. */
-function paired(fair: readonly number[], fifo: readonly number[]): PairedFigure {
-  const ratios = fair.map((f, i) => f / fifo[i]!);
+/** The paired fair/other ratio of per-round measurements `fair[i] / other[i]`. */
+function paired(fair: readonly number[], other: readonly number[]): PairedFigure {
+  const ratios = fair.map((f, i) => f / other[i]!);
   return {
-    ...pairedRatio(fair, fifo),
+    ...pairedRatio(fair, other),
     median: median(ratios),
     medianInterval: ratios.length < 2 ? { low: Number.NaN, high: Number.NaN } : bootstrapInterval(ratios),
   };
@@ -208,8 +247,13 @@ function pidsOf(children: readonly ChildProcess[]): number[] {
 
 /** The options given, with defaults for the rest. */
 function settingsOf(options: FairBenchOptions) {
+  const compare = options.compare ?? [options.baseline === undefined ? "caps" : "baseline"];
+  if (compare.length === 0) throw new Error("--compare: name at least one arm (policy, baseline, caps)");
+  if (compare.includes("baseline") && options.baseline === undefined)
+    throw new Error("--compare baseline needs --baseline DIR (a built kvfence checkout)");
   return {
     topology: options.topology ?? "threads",
+    compare: [...new Set(compare)],
     rounds: options.rounds ?? 20,
     warmup: options.warmup ?? 2,
     requests: options.requests ?? 64,
@@ -218,7 +262,7 @@ function settingsOf(options: FairBenchOptions) {
     // With two tenants the default per-tenant caps apply; only the first one sends.
     tenants: options.tenants ?? 2,
     common: ["--model", options.model ?? bundledModelDir(), "--kv-pages", String(options.kvPages ?? 600)],
-    baselineMain: options.baseline === undefined ? null : join(options.baseline, "dist/src/cli/main.js"),
+    baseline: options.baseline ?? null,
     fairArgs: options.fairArgs ?? [],
     promptChars: options.promptChars ?? 400,
     log: options.log ?? (() => {}),
@@ -226,15 +270,47 @@ function settingsOf(options: FairBenchOptions) {
 }
 
 type Settings = ReturnType<typeof settingsOf>;
-type ArmName = "fair" | "fifo";
+
+/** An arm's build, its flags for every role and for the front door only, and its label. */
+function armOf(
+  settings: Settings,
+  name: ArmName,
+): { main: string; args: readonly string[]; routerArgs: readonly string[]; label: string } {
+  const extra = settings.fairArgs.length === 0 ? "" : `, ${settings.fairArgs.join(" ")}`;
+  const ours = (routerArgs: readonly string[], label: string) => ({
+    main: THIS_MAIN,
+    args: settings.fairArgs,
+    routerArgs,
+    label: `${label} (this build${extra})`,
+  });
+  switch (name) {
+    case "fair":
+      return ours([], "fair");
+    case "policy":
+      return ours(["--scheduling-policy", "fcfs"], "fcfs");
+    case "caps":
+      return ours(UNCAPPED, "caps off");
+    case "baseline":
+      return {
+        main: join(settings.baseline!, "dist/src/cli/main.js"),
+        args: [],
+        routerArgs: [],
+        label: `first-come (${settings.baseline})`,
+      };
+  }
+}
+
+/** `rounds[arm]`, made empty when absent. */
+function roundsOf(rounds: Partial<Record<ArmName, ArmRounds>>, arm: ArmName): ArmRounds {
+  const found = rounds[arm] ?? { ns: [], tokens: [], cpuSeconds: [] };
+  rounds[arm] = found;
+  return found;
+}
 
 /** What the measured rounds found, per arm. */
 class Tally {
   readonly failures: string[] = [];
-  readonly tps = { fair: [] as number[], fifo: [] as number[] };
-  readonly cpuTps = { fair: [] as number[], fifo: [] as number[] };
-  readonly ns = { fair: [] as number[], fifo: [] as number[] };
-  readonly outputTokens = { fair: 0, fifo: 0 };
+  readonly rounds: Partial<Record<ArmName, ArmRounds>> = {};
   #reference: string[] | null = null;
 
   /** One arm's round `r` (negative: a warm-up round, checked but not counted). */
@@ -245,48 +321,105 @@ class Tally {
       this.failures.push(`${arm} round ${r + 1}: answers differ from the first round's (greedy decoding)`);
     }
     if (r < 0) return;
-    this.ns[arm].push(result.ns);
-    this.tps[arm].push(result.tokens / (result.ns / 1e9));
-    this.cpuTps[arm].push(result.tokens / cpu);
-    this.outputTokens[arm] += result.tokens;
+    const rounds = roundsOf(this.rounds, arm);
+    rounds.ns.push(result.ns);
+    rounds.tokens.push(result.tokens);
+    rounds.cpuSeconds.push(cpu);
   }
 }
 
-/** The warm-up and measured rounds, the two arms in alternating order (ABBA). */
+const tokensPerSecond = (r: ArmRounds): number[] => r.tokens.map((t, i) => t / (r.ns[i]! / 1e9));
+const tokensPerCpuSecond = (r: ArmRounds): number[] => r.tokens.map((t, i) => t / r.cpuSeconds[i]!);
+
+/**
+ * The arms' order in round `r`: two arms alternate (ABBA); three or more rotate (ABC, BCA, CAB),
+ * so each arm takes each place equally often and no arm runs twice in a row — with ABC/CBA the
+ * middle arm would always run between two others, and the end arms twice in a row every other
+ * round (a server idle between its rounds collects its garbage then, one run back to back does not).
+ */
+export function orderOf<T>(names: readonly T[], r: number): T[] {
+  const k = names.length;
+  const i = ((r % (k === 2 ? 2 : k)) + k) % k;
+  if (k === 2) return i === 0 ? [...names] : [...names].reverse();
+  return [...names.slice(i), ...names.slice(0, i)];
+}
+
+/** The warm-up and measured rounds, the arms' order changing every round (`orderOf`). */
 async function runRounds(
   settings: Settings,
-  servers: Record<ArmName, Server>,
+  servers: ReadonlyMap<ArmName, Server>,
   prompts: readonly string[],
 ): Promise<Tally> {
   const { rounds, warmup, maxTokens, concurrency, log } = settings;
+  const names = [...servers.keys()];
   const models = (await (
-    await fetch(`${servers.fair.url}/v1/models`, { headers: { authorization: `Bearer ${KEY}` } })
+    await fetch(`${servers.get("fair")!.url}/v1/models`, { headers: { authorization: `Bearer ${KEY}` } })
   ).json()) as {
     data: { id: string }[];
   };
   const modelId = models.data[0]!.id;
   const tally = new Tally();
   for (let r = -warmup; r < rounds; r++) {
-    const order = ((r % 2) + 2) % 2 === 0 ? (["fair", "fifo"] as const) : (["fifo", "fair"] as const);
+    const order = orderOf(names, r);
     for (const arm of order) {
-      const target = { url: servers[arm].url, model: modelId, maxTokens, apiKey: KEY };
-      const cpu0 = cpuSeconds(servers[arm].pids);
+      const server = servers.get(arm)!;
+      const target = { url: server.url, model: modelId, maxTokens, apiKey: KEY };
+      const cpu0 = cpuSeconds(server.pids);
       const result = await round(target, prompts, concurrency);
-      tally.add(arm, r, result, cpuSeconds(servers[arm].pids) - cpu0);
+      tally.add(arm, r, result, cpuSeconds(server.pids) - cpu0);
     }
     if (r >= 0) {
       const last = (xs: number[]): string => xs.at(-1)!.toFixed(0);
-      log(
-        `round ${r + 1}/${rounds}: fair ${last(tally.tps.fair)} tok/s (${last(tally.cpuTps.fair)} per CPU s), fifo ${last(tally.tps.fifo)} tok/s (${last(tally.cpuTps.fifo)} per CPU s)`,
-      );
+      const parts = names.map((n) => {
+        const a = tally.rounds[n]!;
+        return `${n} ${last(tokensPerSecond(a))} tok/s (${last(tokensPerCpuSecond(a))} per CPU s)`;
+      });
+      log(`round ${r + 1}/${rounds}: ${parts.join(", ")}`);
     }
   }
   return tally;
 }
 
+/** The result of measured rounds: each arm's summaries and the fair arm against each other arm. */
+function resultOf(
+  meta: Pick<
+    FairBenchResult,
+    "topology" | "tenants" | "requests" | "concurrency" | "maxTokens" | "load" | "runs"
+  >,
+  labels: ReadonlyMap<ArmName, string>,
+  perRound: Partial<Record<ArmName, ArmRounds>>,
+  failures: readonly string[],
+): FairBenchResult {
+  const names = [...labels.keys()];
+  const fair = perRound.fair!;
+  return {
+    ...meta,
+    rounds: fair.ns.length,
+    arms: names.map((name) => {
+      const r = perRound[name]!;
+      return {
+        name,
+        label: labels.get(name)!,
+        tokensPerSecond: summarize(tokensPerSecond(r)),
+        tokensPerCpuSecond: summarize(tokensPerCpuSecond(r)),
+        outputTokens: r.tokens.reduce((a, b) => a + b, 0),
+      };
+    }),
+    comparisons: names
+      .filter((n): n is FairCompare => n !== "fair")
+      .map((against) => ({
+        against,
+        throughput: paired(tokensPerSecond(fair), tokensPerSecond(perRound[against]!)),
+        cpu: paired(tokensPerCpuSecond(fair), tokensPerCpuSecond(perRound[against]!)),
+      })),
+    perRound,
+    failures,
+  };
+}
+
 export async function runFairShareBench(options: FairBenchOptions = {}): Promise<FairBenchResult> {
   const settings = settingsOf(options);
-  const { topology, rounds, requests, concurrency, maxTokens, tenants, common, baselineMain } = settings;
+  const { topology, requests, concurrency, maxTokens, tenants, common } = settings;
   const loadStart = os.loadavg()[0]!;
   const dir = mkdtempSync(join(os.tmpdir(), "kvfence-bench-keys-"));
   const keys = join(dir, "keys.json");
@@ -295,50 +428,88 @@ export async function runFairShareBench(options: FairBenchOptions = {}): Promise
     JSON.stringify(tenants === 2 ? { [KEY]: "alone", "sk-bench-tenant-idle-2": "idle" } : { [KEY]: "alone" }),
   );
   const prompts = Array.from({ length: requests }, (_, i) => prompt(i, settings.promptChars));
-  const servers: { fair?: Server; fifo?: Server } = {};
-  const labels = {
-    fair:
-      settings.fairArgs.length === 0
-        ? "fair (this build)"
-        : `fair (this build, ${settings.fairArgs.join(" ")})`,
-    fifo: baselineMain === null ? "fifo (this build, caps off)" : `fifo (${options.baseline})`,
-  };
+  const names: ArmName[] = ["fair", ...settings.compare];
+  const arms = new Map(names.map((n) => [n, armOf(settings, n)] as const));
+  const labels = new Map(names.map((n) => [n, arms.get(n)!.label] as const));
+  const servers = new Map<ArmName, Server>();
   let tally: Tally;
   try {
-    settings.log(`starting two ${topology} servers: ${labels.fair} and ${labels.fifo}`);
-    const fair = await startArm(THIS_MAIN, topology, [...common, ...settings.fairArgs], ["--api-keys", keys]);
-    servers.fair = fair;
-    servers.fifo = await startArm(baselineMain ?? THIS_MAIN, topology, common, [
-      "--api-keys",
-      keys,
-      ...(baselineMain === null ? UNCAPPED : []),
-    ]);
-    tally = await runRounds(settings, { fair, fifo: servers.fifo }, prompts);
+    settings.log(`starting ${names.length} ${topology} servers: ${[...labels.values()].join("; ")}`);
+    for (const [name, arm] of arms) {
+      servers.set(
+        name,
+        await startArm(arm.main, topology, [...common, ...arm.args], ["--api-keys", keys, ...arm.routerArgs]),
+      );
+    }
+    tally = await runRounds(settings, servers, prompts);
   } finally {
-    await Promise.all([servers.fair?.close(), servers.fifo?.close()]);
+    await Promise.all([...servers.values()].map((s) => s.close()));
     rmSync(dir, { recursive: true, force: true });
   }
-  const arm = (name: ArmName): FairArm => ({
-    label: labels[name],
-    tokensPerSecond: summarize(tally.tps[name]),
-    tokensPerCpuSecond: summarize(tally.cpuTps[name]),
-    outputTokens: tally.outputTokens[name],
-  });
-  return {
-    topology,
-    tenants,
-    rounds,
-    requests,
-    concurrency,
-    maxTokens,
-    fair: arm("fair"),
-    fifo: arm("fifo"),
-    // Throughput ratio = time ratio fifo / fair (the same tokens in both arms).
-    fairOverFifo: paired(tally.ns.fifo, tally.ns.fair),
-    cpuFairOverFifo: paired(tally.cpuTps.fair, tally.cpuTps.fifo),
-    failures: tally.failures,
-    load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
-  };
+  return resultOf(
+    {
+      topology,
+      tenants,
+      requests,
+      concurrency,
+      maxTokens,
+      load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
+      runs: 1,
+    },
+    labels,
+    tally.rounds,
+    tally.failures,
+  );
+}
+
+/**
+ * Several runs' JSON results (`--json`) as one: their rounds joined arm by arm and the figures
+ * computed over all of them. The runs must have measured the same arms with the same load.
+ */
+export function combineFairShareResults(results: readonly FairBenchResult[]): FairBenchResult {
+  const first = results[0];
+  if (first === undefined) throw new Error("--combine: no results given");
+  const key = (r: FairBenchResult): string =>
+    JSON.stringify([
+      r.topology,
+      r.tenants,
+      r.requests,
+      r.concurrency,
+      r.maxTokens,
+      r.arms.map((a) => a.label),
+    ]);
+  const perRound: Partial<Record<ArmName, ArmRounds>> = {};
+  for (const r of results) {
+    if (key(r) !== key(first))
+      throw new Error(
+        `--combine: the runs differ (topology, tenants, load or arms): ${key(r)} against ${key(first)}`,
+      );
+    for (const arm of r.arms) {
+      const from = r.perRound[arm.name];
+      if (from === undefined)
+        throw new Error(`--combine: a result without its per-round figures (${arm.name})`);
+      const to = roundsOf(perRound, arm.name);
+      to.ns.push(...from.ns);
+      to.tokens.push(...from.tokens);
+      // JSON writes NaN as null.
+      to.cpuSeconds.push(...from.cpuSeconds.map((c) => c ?? Number.NaN));
+    }
+  }
+  return resultOf(
+    {
+      topology: first.topology,
+      tenants: first.tenants,
+      requests: first.requests,
+      concurrency: first.concurrency,
+      maxTokens: first.maxTokens,
+      // At the start of the first run and the end of the last.
+      load: { start: first.load.start, end: results.at(-1)!.load.end, cpus: first.load.cpus },
+      runs: results.reduce((n, r) => n + r.runs, 0),
+    },
+    new Map(first.arms.map((a) => [a.name, a.label] as const)),
+    perRound,
+    results.flatMap((r) => r.failures),
+  );
 }
 
 /** Whether a paired ratio shows "within 2%": its interval's low end at 98% or more. */
@@ -361,32 +532,37 @@ export function formatFairShareReport(r: FairBenchResult): string {
     `${name}: geometric mean ${pct(f.ratio)} [95% t CI ${pct(f.low)}–${pct(f.high)}]: ${verdict(f.low, f.high)}`,
     `${" ".repeat(name.length)}  median ${pct(f.median)} [95% bootstrap CI ${pct(f.medianInterval.low)}–${pct(f.medianInterval.high)}]: ${verdict(f.medianInterval.low, f.medianInterval.high)}`,
   ];
+  const labelOf = (name: ArmName): string => r.arms.find((a) => a.name === name)!.label;
   return [
-    `kvfence ${r.topology}, one tenant sending of ${r.tenants} in the keys file${r.tenants === 2 ? " (default caps: half the server each)" : " (no cap)"}, fair sharing vs first-come: ${r.rounds} rounds of ${r.requests} chat requests per arm, the arms back to back in ABBA order (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
+    `kvfence ${r.topology}, one tenant sending of ${r.tenants} in the keys file${r.tenants === 2 ? " (default caps: half the server each)" : " (no cap)"}: ${r.rounds} rounds of ${r.requests} chat requests per arm${r.runs > 1 ? ` (${r.runs} runs combined)` : ""}, the arms back to back, their order changing every round (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
     `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end${r.load.start > 0.5 * r.load.cpus ? " (others are running: trust the per-CPU-second figure more, or rerun on a quiet machine)" : ""}`,
-    arm(r.fair),
-    arm(r.fifo),
-    "fair / fifo, paired by round (the goal: fair at 98% or more):",
-    ...figure("  throughput (tokens per wall second)", r.fairOverFifo),
-    ...figure("  work per token (tokens per CPU second of the servers)", r.cpuFairOverFifo),
+    ...r.arms.map(arm),
+    ...r.comparisons.flatMap((c) => [
+      `fair / ${labelOf(c.against)}, paired by round (the goal: fair at 98% or more):`,
+      ...figure("  throughput (tokens per wall second)", c.throughput),
+      ...figure("  work per token (tokens per CPU second of the servers)", c.cpu),
+    ]),
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");
 }
 
-interface FairCliOptions {
+interface FairCliOptions extends ArmLoadCliOptions {
   topology: FairBenchTopology;
   tenants: "1" | "2";
+  compare?: string;
   baseline?: string;
   fairArgs?: string;
-  model?: string;
-  kvPages: number;
-  rounds: number;
-  warmup: number;
-  requests: number;
-  concurrency: number;
-  maxTokens: number;
-  promptChars: number;
+  combine?: string[];
   json?: boolean;
+}
+
+/** `--compare a,b`: each a known arm. */
+function compareOf(text: string): FairCompare[] {
+  const names = text.split(",").map((s) => s.trim());
+  for (const n of names)
+    if (!(FAIR_COMPARES as readonly string[]).includes(n))
+      throw new Error(`--compare: ${JSON.stringify(n)} is not one of ${FAIR_COMPARES.join(", ")}`);
+  return names as FairCompare[];
 }
 
 /** `--topology` of a bench whose arms are servers (`startArm`). */
@@ -433,7 +609,7 @@ export function armLoadOptions(
 export function fairShareCommand(): Command {
   const cmd = new Command("fair-share")
     .description(
-      "Chat throughput of one tenant alone with fair sharing vs first-come (an older build, or this one with the caps off): interleaved rounds, 95% CI of the ratio",
+      "Chat throughput of one tenant alone with fair sharing vs first-come (this build's fcfs policy, an older build, or this one with the caps off): interleaved rounds, 95% CI of each ratio",
     )
     .addOption(topologyOption())
     .addOption(
@@ -445,36 +621,42 @@ export function fairShareCommand(): Command {
         .default("2"),
     )
     .option(
+      "--compare <arms>",
+      "the arms fair is measured against, comma-separated: policy (this build, --scheduling-policy fcfs), baseline (the --baseline build), caps (this build, caps off); default baseline with --baseline, else caps",
+    )
+    .option(
       "--baseline <dir>",
-      "a built kvfence checkout whose serve is the fifo arm (e.g. the commit before fair sharing)",
+      "a built kvfence checkout whose serve is the baseline arm (e.g. the commit before fair sharing)",
     )
     .option(
       "--fair-args <flags>",
-      'extra serve flags of the fair arm only, e.g. "--kv-cache-dtype f32 --prefix-cache off" (what the baseline lacks)',
+      'extra serve flags of this build\'s arms, e.g. "--kv-cache-dtype f32 --prefix-cache off" (what the baseline lacks)',
+    )
+    .option(
+      "--combine <files...>",
+      "run nothing: report the rounds of these --json results (runs of the same arms and load) as one",
     );
   return armLoadOptions(cmd, { rounds: 20, warmup: 2, requests: 64, promptChars: 400 }).action(
     (o: FairCliOptions) =>
       runBenchCli(
         "fair-share",
         o.json,
-        (log) =>
-          runFairShareBench({
-            topology: o.topology,
-            tenants: o.tenants === "1" ? 1 : 2,
-            ...(o.baseline === undefined ? {} : { baseline: o.baseline }),
-            ...(o.fairArgs === undefined
-              ? {}
-              : { fairArgs: o.fairArgs.split(/\s+/).filter((a) => a !== "") }),
-            ...(o.model === undefined ? {} : { model: o.model }),
-            kvPages: o.kvPages,
-            rounds: o.rounds,
-            warmup: o.warmup,
-            requests: o.requests,
-            concurrency: o.concurrency,
-            maxTokens: o.maxTokens,
-            promptChars: o.promptChars,
-            log,
-          }),
+        async (log) =>
+          o.combine !== undefined
+            ? combineFairShareResults(
+                o.combine.map((f) => JSON.parse(readFileSync(f, "utf8")) as FairBenchResult),
+              )
+            : runFairShareBench({
+                topology: o.topology,
+                tenants: o.tenants === "1" ? 1 : 2,
+                ...(o.compare === undefined ? {} : { compare: compareOf(o.compare) }),
+                ...(o.baseline === undefined ? {} : { baseline: o.baseline }),
+                ...(o.fairArgs === undefined
+                  ? {}
+                  : { fairArgs: o.fairArgs.split(/\s+/).filter((a) => a !== "") }),
+                ...armLoadOf(o),
+                log,
+              }),
         formatFairShareReport,
       ),
   );

@@ -5,7 +5,7 @@
 // decode workers) with the mode's features (hist: the default; off, traces and dash add
 // --no-phase-metrics; traces and all export spans to a receiver in this script; dash and all poll
 // /kvfence/state every pollMs), scrapes /metrics every second in every mode, sends a warm-up batch
-// and waits 7 s (the first span export and its module loading fall before the window), then sends
+// (64 chats, or `requests` if fewer) and waits 7 s (the first span export and its module loading fall before the window), then sends
 // `requests` greedy chats and counts, in that window only, each thread's samples that are not idle
 // and those whose stack holds observability code (the outermost such frame decides): traces (the
 // OpenTelemetry packages, src/lib/tracing.ts), histograms (src/lib/phase-histograms.ts,
@@ -13,6 +13,15 @@
 // src/router/dashboard.ts). Samples, not time: a thread descheduled on a loaded machine shows as one
 // long sample. KVFENCE_MAIN=path/to/main.js profiles another build (a before/after). Prints one JSON
 // line per thread and a total; the profiles stay in $TMPDIR/kvfence-profile-MODE/.
+//
+// KVFENCE_PROFILER=callgrind counts instructions instead, which do not depend on the machine's
+// load or speed: the server runs under `valgrind --tool=callgrind` with instrumentation off until
+// the window opens (`callgrind_control -i on`); the window is the batch and then 7 s more, so the
+// spans the batch made are built and exported inside it (the warm-up's were before), and it
+// closes with a dump (`callgrind_control -d`); /metrics is scraped (and /kvfence/state polled, in
+// dash and all) once every KVFENCE_CALLGRIND_PER_SCRAPE (30) chats, about a second of load, not
+// every second of the slowed wall time; the chats are streamed. Prints the window's instructions (every thread, user
+// space only: not the kernel's share of the HTTP posts), in total and per output token.
 import { spawn } from "node:child_process";
 import { mkdirSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { createServer } from "node:http";
@@ -29,7 +38,8 @@ if (!MODES.includes(mode)) {
   process.exit(2);
 }
 const main = process.env.KVFENCE_MAIN ?? fileURLToPath(new URL("../dist/src/cli/main.js", import.meta.url));
-const dir = join(tmpdir(), `kvfence-profile-${mode}`);
+const callgrind = process.env.KVFENCE_PROFILER === "callgrind";
+const dir = join(tmpdir(), `kvfence-${callgrind ? "callgrind" : "profile"}-${mode}`);
 rmSync(dir, { recursive: true, force: true });
 mkdirSync(dir, { recursive: true });
 
@@ -48,12 +58,26 @@ const sink = createServer((req, res) => {
 await new Promise((resolve) => sink.listen(0, "127.0.0.1", resolve));
 
 const key = "kvfence-profile-operator-key-0001";
-const args = ["--cpu-prof", `--cpu-prof-dir=${dir}`, main, "serve", "--host", "127.0.0.1", "--port", "0"];
+const args = [main, "serve", "--host", "127.0.0.1", "--port", "0"];
 args.push("--log-level", "warn", "--kv-pages", "600", "--operator-key", key);
 if (mode === "off" || mode === "traces" || mode === "dash") args.push("--no-phase-metrics");
 if (mode === "traces" || mode === "all")
   args.push("--otlp-endpoint", `http://127.0.0.1:${sink.address().port}`);
-const child = spawn(process.execPath, args, { stdio: ["ignore", "pipe", "inherit"] });
+const child = callgrind
+  ? spawn(
+      "valgrind",
+      [
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        `--callgrind-out-file=${join(dir, "callgrind.out")}`,
+        process.execPath,
+        ...args,
+      ],
+      { stdio: ["ignore", "pipe", "ignore"] },
+    )
+  : spawn(process.execPath, ["--cpu-prof", `--cpu-prof-dir=${dir}`, ...args], {
+      stdio: ["ignore", "pipe", "inherit"],
+    });
 const url = await new Promise((resolve, reject) => {
   let out = "";
   child.on("exit", (code) => reject(new Error(`the server exited (${code})`)));
@@ -74,13 +98,18 @@ const get = async (path, field) => {
     // stopping
   }
 };
-const timers = [setInterval(() => void get("/metrics", "scrapes"), 1000)];
-if (mode === "dash" || mode === "all")
+const dashboard = mode === "dash" || mode === "all";
+// Under valgrind a second of wall time is a fraction of a second of load: scrape (and poll) after
+// every KVFENCE_CALLGRIND_PER_SCRAPE chats instead (30: about a second of this server's load).
+const perScrape = Number(process.env.KVFENCE_CALLGRIND_PER_SCRAPE ?? 30);
+const timers = callgrind ? [] : [setInterval(() => void get("/metrics", "scrapes"), 1000)];
+if (dashboard && !callgrind)
   timers.push(setInterval(() => void get("/kvfence/state", "polls"), Number(pollMs)));
 
 async function batch(n) {
   let next = 0;
   let tokens = 0;
+  let done = 0;
   const one = async () => {
     while (next < n) {
       const i = next++;
@@ -94,25 +123,51 @@ async function batch(n) {
           messages: [{ role: "user", content }],
           max_tokens: Number(maxTokens),
           temperature: 0,
+          // Streamed under valgrind, where a whole answer takes longer than fetch waits for headers (300 s).
+          ...(callgrind ? { stream: true, stream_options: { include_usage: true } } : {}),
         }),
       });
-      tokens += (await res.json()).usage?.completion_tokens ?? 0;
+      if (callgrind) {
+        const events = await res.text();
+        tokens += Number(/"completion_tokens":(\d+)/.exec(events.slice(events.lastIndexOf('"usage"')))?.[1] ?? 0);
+      } else tokens += (await res.json()).usage?.completion_tokens ?? 0;
+      if (callgrind && ++done % perScrape === 0)
+        await Promise.all([get("/metrics", "scrapes"), dashboard ? get("/kvfence/state", "polls") : null]);
     }
   };
   await Promise.all(Array.from({ length: Number(concurrency) }, one));
   return tokens;
 }
-await batch(64);
+await batch(Math.min(64, Number(requests)));
 await new Promise((resolve) => setTimeout(resolve, 7000));
+const control = (...a) =>
+  new Promise((resolve, reject) =>
+    spawn("callgrind_control", [...a, String(child.pid)], { stdio: "ignore" }).on("exit", (code) =>
+      code === 0 ? resolve() : reject(new Error(`callgrind_control ${a.join(" ")}: exit ${code}`)),
+    ),
+  );
+if (callgrind) await control("-i", "on");
 // V8's profile times and process.hrtime are the same monotonic clock, in µs here.
 const start = Number(process.hrtime.bigint() / 1000n);
 const tokens = await batch(Number(requests));
 const end = Number(process.hrtime.bigint() / 1000n);
+if (callgrind) {
+  await new Promise((resolve) => setTimeout(resolve, 7000));
+  await control("-d");
+}
 for (const t of timers) clearInterval(t);
 child.removeAllListeners("exit");
 child.kill("SIGTERM");
 await new Promise((resolve) => child.on("exit", resolve));
 sink.close();
+
+if (callgrind) {
+  // The dump of the window (callgrind.out.1; the one at exit, of nothing since, is callgrind.out).
+  const dump = readFileSync(join(dir, "callgrind.out.1"), "utf8");
+  const ir = Number(/^(?:summary|totals): (\d+)/m.exec(dump)[1]);
+  console.log(JSON.stringify({ mode, tokens, spans, ...counts, instructions: ir, perToken: Math.round(ir / tokens) }));
+  process.exit(0);
+}
 
 const CATEGORIES = [
   ["traces", (f, u) => u.includes("@opentelemetry") || u.includes("lib/tracing")],

@@ -31,4 +31,12 @@ test("results of different benchmarks, or without logs, are refused", () => {
   const r = { variantOverBaseline: pairedRatio([1, 2], [2, 1]) };
   assert.throws(() => poolRatios([r, { other: pairedRatio([1, 2], [2, 1]) }]), /has no paired ratio at "/);
   assert.throws(() => poolRatios([{ ratio: 1, low: 0, high: 2, n: 3 }]), /no paired ratios with their logs/);
+  // With a path, results of different arm sets pool on the ratio they share.
+  const other = { variantOverBaseline: pairedRatio([1, 2], [2, 1]), control: pairedRatio([1, 1], [1, 1]) };
+  assert.equal(poolRatios([r, other], "variantOverBaseline")[0]!.pooled.n, 4);
+  assert.throws(() => poolRatios([r, other], "control"), /has no paired ratio at "control"/);
+  assert.throws(
+    () => poolRatios([r], "nothing"),
+    /no ratio at "nothing"; the results have variantOverBaseline/,
+  );
 });

@@ -32,10 +32,16 @@ export function pairedRatiosIn(value: unknown, path = ""): Map<string, RatioInte
   return found;
 }
 
-/** Pools the ratios found at the same path in every result; a path some results lack is an error. */
-export function poolRatios(results: readonly unknown[]): PooledRatio[] {
+/**
+ * Pools the ratios found at the same path in every result (or at `only`, so runs of different arm
+ * sets pool on what they share); a path some results lack is an error.
+ */
+export function poolRatios(results: readonly unknown[], only?: string): PooledRatio[] {
   const maps = results.map((r) => pairedRatiosIn(r));
-  const paths = [...new Set(maps.flatMap((m) => [...m.keys()]))];
+  const found = [...new Set(maps.flatMap((m) => [...m.keys()]))];
+  if (only !== undefined && !found.includes(only))
+    throw new Error(`no ratio at "${only}"; the results have ${found.join(", ")}`);
+  const paths = only === undefined ? found : [only];
   if (paths.length === 0)
     throw new Error("no paired ratios with their logs in these results (run the bench with --json)");
   return paths.map((path) => {
@@ -105,10 +111,7 @@ export function combineCommand(): Command {
             throw new Error(`${f}: ${err instanceof Error ? err.message : String(err)}`);
           }
         });
-        const all = poolRatios(results);
-        const pooled = o.path === undefined ? all : all.filter((p) => p.path === o.path);
-        if (pooled.length === 0)
-          throw new Error(`no ratio at "${o.path}"; the results have ${all.map((p) => p.path).join(", ")}`);
+        const pooled = poolRatios(results, o.path);
         process.stdout.write(
           `${o.json === true ? JSON.stringify(pooled, null, 2) : formatPooled(pooled, o)}\n`,
         );

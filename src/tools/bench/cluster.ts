@@ -251,12 +251,10 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
     await Promise.all([clusters.baseline?.close(), clusters.variant?.close()]);
     await etcd?.stop();
   }
-  const { ns, tps, cpu, outputTokens, raw, failures } = measured;
-  const tokens = (name: ArmName): number[] => tps[name].map((t, i) => (t * ns[name][i]!) / 1e9);
-  const perCpu = (name: ArmName): number[] => tokens(name).map((t, i) => t / cpu[name][i]!);
+  const { ns, tps, perCpu, outputTokens, raw, failures } = measured;
   const arm = (name: ArmName): ArmResult => ({
     tokensPerSecond: summarize(tps[name]),
-    tokensPerCpuSecond: summarize(perCpu(name)),
+    tokensPerCpuSecond: summarize(perCpu[name]),
     ms: summarize(ns[name].map((t) => t / 1e6)),
     outputTokens: outputTokens[name],
   });
@@ -271,7 +269,7 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
     variant: arm("variant"),
     // Throughput ratio = time ratio baseline / variant (the same tokens in both arms).
     variantOverBaseline: pairedRatio(ns.baseline, ns.variant),
-    cpuPerTokenVariantOverBaseline: pairedRatio(perCpu("baseline"), perCpu("variant")),
+    cpuPerTokenVariantOverBaseline: pairedRatio(perCpu.baseline, perCpu.variant),
     rawLoopbackGbps: summarize(raw),
     failures,
     load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
@@ -301,11 +299,12 @@ async function untilAllReady(url: string, prefill: number, decode: number): Prom
   }
 }
 
-/** Per arm, per measured round: wall time, output tokens/s, CPU seconds; the raw loopback per round; failures. */
+/** Per arm, per measured round: wall time, output tokens per wall and per CPU second; the raw loopback per round; failures. */
 interface Measured {
   readonly ns: Record<ArmName, number[]>;
   readonly tps: Record<ArmName, number[]>;
-  readonly cpu: Record<ArmName, number[]>;
+  /** Output tokens per CPU second of the arm's processes. */
+  readonly perCpu: Record<ArmName, number[]>;
   readonly outputTokens: Record<ArmName, number>;
   readonly raw: number[];
   readonly failures: string[];
@@ -330,7 +329,7 @@ async function measureArms(
   const m: Measured = {
     ns: { baseline: [], variant: [] },
     tps: { baseline: [], variant: [] },
-    cpu: { baseline: [], variant: [] },
+    perCpu: { baseline: [], variant: [] },
     outputTokens: { baseline: 0, variant: 0 },
     raw: [],
     failures: [],
@@ -350,7 +349,7 @@ async function measureArms(
       }
       if (r >= 0) {
         m.ns[arm].push(result.ns);
-        m.cpu[arm].push(cpu);
+        m.perCpu[arm].push(result.tokens / cpu);
         m.tps[arm].push(result.tokens / (result.ns / 1e9));
         m.outputTokens[arm] += result.tokens;
       }

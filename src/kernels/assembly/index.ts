@@ -246,6 +246,18 @@ function touch(a: usize, b: usize): void {
 }
 
 /**
+ * `touch` with one load per 64-byte line: a quarter of its instructions, so the out-of-order
+ * window holds four times as many lines in flight.
+ */
+@inline
+function touchLines(a: usize, b: usize): void {
+  let s: u32 = 0;
+  let p = a;
+  for (; p + 256 <= b; p += 256) s |= load<u32>(p) | load<u32>(p, 64) | load<u32>(p, 128) | load<u32>(p, 192);
+  for (; p < b; p += 64) s |= load<u32>(p);
+}
+
+/**
  * out[r][j] for the first `nrows` (1–8) rows of one packed group (xp, from `pack8`; out points at
  * the group's first output row), columns j in [c0, c1): two weight rows at a time against 4 rows and
  * then, for more than 4, the other 4 (8 accumulators, 6 loads per 8 multiply-adds; the pair of weight
@@ -1180,6 +1192,12 @@ function attendRange<K>(
   }
   const tiled3 = (headDim & 3) == 0 ? group - group % 3 : 0;
 
+  // Where the range's K and V rows fit in a core's L2 together (a context split of 512 tokens:
+  // 384 KB at the 135M shape in f16), the V rows are read in with the K rows, page by page: one
+  // sweep over each page's contiguous K|V block, rather than a second sweep over V after the
+  // softmax (docs/benchmarks.md §5a).
+  const vEarly = <usize>n * rowBytes * 2 <= 512 << 10;
+
   // Scores: page by page, every KV head of the range per page, every query head of the group per
   // K vector; query heads in register tiles of 3.
   let t = ta;
@@ -1189,7 +1207,11 @@ function attendRange<K>(
     const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
     const pageOff = (<usize>(t - p * pageSize)) * rowBytes;
     const kRows = pool + kBase + page * pageBytes + pageOff;
-    touch(kRows, kRows + <usize>(end - t) * rowBytes);
+    touchLines(kRows, kRows + <usize>(end - t) * rowBytes);
+    if (vEarly) {
+      const vRows = pool + vBase + page * pageBytes + pageOff;
+      touchLines(vRows, vRows + <usize>(end - t) * rowBytes);
+    }
     for (let g = g0; g < g1; g++) {
       const kb = pool + kBase + kvAt<K>((<usize>(g * headDim)) << 2);
       const hg = (g - g0) * group;
@@ -1254,8 +1276,10 @@ function attendRange<K>(
     const end = min(tb, (p + 1) * pageSize);
     const page = <usize>load<i32>(blockTable + ((<usize>p) << 2));
     const pageOff = (<usize>(t - p * pageSize)) * rowBytes;
-    const vRows = pool + vBase + page * pageBytes + pageOff;
-    touch(vRows, vRows + <usize>(end - t) * rowBytes);
+    if (!vEarly) {
+      const vRows = pool + vBase + page * pageBytes + pageOff;
+      touchLines(vRows, vRows + <usize>(end - t) * rowBytes);
+    }
     for (let g = g0; g < g1; g++) {
       const vb = pool + vBase + kvAt<K>((<usize>(g * headDim)) << 2);
       const hg = (g - g0) * group;
@@ -1303,34 +1327,34 @@ function scoresTile3<K>(
     const p = t / pageSize;
     const end = min(tb, (p + 1) * pageSize);
     let k0 = kb + <usize>load<i32>(blockTable + ((<usize>p) << 2)) * pageBytes + <usize>(t - p * pageSize) * rowBytes;
-    for (; t + 3 <= end; t += 3) {
+    for (; t + 2 <= end; t += 2) {
       const k1 = k0 + rowBytes;
-      const k2 = k1 + rowBytes;
-      let a00 = f32x4.splat(0), a01 = f32x4.splat(0), a02 = f32x4.splat(0);
-      let a10 = f32x4.splat(0), a11 = f32x4.splat(0), a12 = f32x4.splat(0);
-      let a20 = f32x4.splat(0), a21 = f32x4.splat(0), a22 = f32x4.splat(0);
+      let a00 = f32x4.splat(0), a01 = f32x4.splat(0);
+      let a10 = f32x4.splat(0), a11 = f32x4.splat(0);
+      let a20 = f32x4.splat(0), a21 = f32x4.splat(0);
       for (let d: usize = 0; d < hd; d += 16) {
         const c0 = kvLoad4<K>(k0 + kvAt<K>(d));
         const c1 = kvLoad4<K>(k1 + kvAt<K>(d));
-        const c2 = kvLoad4<K>(k2 + kvAt<K>(d));
         let v = v128.load(q + d);
         a00 = fma(a00, v, c0);
         a01 = fma(a01, v, c1);
-        a02 = fma(a02, v, c2);
         v = v128.load(q1 + d);
         a10 = fma(a10, v, c0);
         a11 = fma(a11, v, c1);
-        a12 = fma(a12, v, c2);
         v = v128.load(q2 + d);
         a20 = fma(a20, v, c0);
         a21 = fma(a21, v, c1);
-        a22 = fma(a22, v, c2);
       }
       const so = s + ((<usize>(t - ta)) << 2);
-      store3(so, f32x4.mul(reduce4(a00, a01, a02, a02), sc));
-      store3(so + sStride, f32x4.mul(reduce4(a10, a11, a12, a12), sc));
-      store3(so + 2 * sStride, f32x4.mul(reduce4(a20, a21, a22, a22), sc));
-      k0 = k2 + rowBytes;
+      const r0 = f32x4.mul(reduce4(a00, a01, a10, a11), sc);
+      const r1 = f32x4.mul(reduce4(a20, a21, a20, a21), sc);
+      store<f32>(so, f32x4.extract_lane(r0, 0));
+      store<f32>(so, f32x4.extract_lane(r0, 1), 4);
+      store<f32>(so + sStride, f32x4.extract_lane(r0, 2));
+      store<f32>(so + sStride, f32x4.extract_lane(r0, 3), 4);
+      store<f32>(so + 2 * sStride, f32x4.extract_lane(r1, 0));
+      store<f32>(so + 2 * sStride, f32x4.extract_lane(r1, 1), 4);
+      k0 = k1 + rowBytes;
     }
     // The page's last 1-2 tokens: the same sums in the same order as in the tile, so a score does
     // not depend on where its token falls in a page (the golden parity test sits within a few 1e-5

@@ -98,6 +98,7 @@ interface ModelCliOptions {
   repeats: number;
   bandwidthMib: number;
   seed: number;
+  baseline?: string;
   json?: string;
 }
 
@@ -170,6 +171,10 @@ function modelCommand(): Command {
       d.bandwidthBytes / 2 ** 20,
     )
     .option("--seed <n>", "seed of the random prompts", positiveInteger, d.seed)
+    .option(
+      "--baseline <dir>",
+      "a kvfence checkout built at another commit: each arm also runs on its forward pass in the same repeats, and the report gives this build / baseline with 95% CIs",
+    )
     .option("--json <file>", "also write the full result as JSON")
     .action(async (opts: ModelCliOptions) => {
       try {
@@ -188,6 +193,7 @@ function modelCommand(): Command {
           repeats: opts.repeats,
           bandwidthBytes: opts.bandwidthMib * 2 ** 20,
           seed: opts.seed,
+          ...(opts.baseline === undefined ? {} : { baseline: opts.baseline }),
           log: (line) => process.stderr.write(`${line}\n`),
         });
         process.stdout.write(`${formatModelBench(result)}\n`);

@@ -1,9 +1,9 @@
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { randomModel } from "../../../testing/random-model.js";
-import { bundledModelDir } from "../../lib/package-root.js";
+import { bundledModelDir, packageRoot } from "../../lib/package-root.js";
 import { matrixBytes } from "../../model/weight-format.js";
-import { MODEL_BENCH_DEFAULTS, prefillFlops, runModelBench, weightBytes } from "./model.js";
+import { formatModelBench, MODEL_BENCH_DEFAULTS, prefillFlops, runModelBench, weightBytes } from "./model.js";
 import { BandwidthProbe } from "./roofline.js";
 
 describe("bench model helpers", () => {
@@ -98,5 +98,43 @@ describe("bench model helpers", () => {
       assert.ok((roof[0] as number) > 0);
       assert.ok(Math.abs((roof[1] as number) - 3 * (roof[0] as number)) < 1e-6 * (roof[1] as number));
     }
+  });
+
+  it("runModelBench({ baseline }) runs each arm's twin on that checkout's forward pass and pairs them by repeat", async () => {
+    // This checkout as its own baseline: the twin loads dist/ through the baseline's path.
+    const root = packageRoot();
+    const r = await runModelBench({
+      ...MODEL_BENCH_DEFAULTS,
+      modelDir: bundledModelDir(),
+      kernels: ["wasm"],
+      promptTokens: 12,
+      contextTokens: 8,
+      longContextTokens: 32,
+      decodeSteps: 2,
+      batchSizes: [1, 2],
+      repeats: 3,
+      bandwidthBytes: 1 << 20,
+      baseline: root,
+    });
+    assert.deepEqual(
+      r.runs.map((run) => [run.kernels, run.build]),
+      [
+        ["wasm", "this"],
+        ["wasm", "baseline"],
+      ],
+    );
+    assert.equal(r.vsBaseline.length, 1);
+    const v = r.vsBaseline[0];
+    assert.ok(v !== undefined);
+    for (const ratio of [v.prefill, ...v.decode.map((d) => d.ratio), v.longContext]) {
+      assert.ok(ratio !== null);
+      assert.equal(ratio.n, 3);
+      assert.ok(ratio.ratio > 0 && ratio.low <= ratio.ratio && ratio.ratio <= ratio.high);
+    }
+    assert.match(formatModelBench(r), /this build \/ baseline/);
+    await assert.rejects(
+      runModelBench({ ...MODEL_BENCH_DEFAULTS, modelDir: bundledModelDir(), baseline: "/nonexistent" }),
+      /--baseline \/nonexistent: no .*forward-setup\.js; give a kvfence checkout built with npm ci/,
+    );
   });
 });

@@ -29,13 +29,22 @@
  * llama-quantize makes them) and every kernel set runs on each, all in the same interleaved rounds;
  * each format's roofline counts its own weight bytes.
  */
-import { readFileSync } from "node:fs";
+import { existsSync, readFileSync } from "node:fs";
+import { join, resolve } from "node:path";
+import { pathToFileURL } from "node:url";
 import { createForward, type ForwardSetup, type KernelsName } from "../../engine/forward-setup.js";
 import { roundKv } from "../../kernels/reference.js";
 import { WasmKernels } from "../../kernels/wasm-kernels.js";
 import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, kvDtypeCode, pageFloats } from "../../kvcache/kv-layout.js";
 import { Prng } from "../../lib/prng.js";
-import { bootstrapInterval, type Interval, type Summary, summarize } from "../../lib/stats.js";
+import {
+  bootstrapInterval,
+  type Interval,
+  pairedRatio,
+  type RatioInterval,
+  type Summary,
+  summarize,
+} from "../../lib/stats.js";
 import { convertWeights } from "../../model/convert-model.js";
 import type { StepSequence } from "../../model/forward.js";
 import { openModel } from "../../model/load-model.js";
@@ -88,6 +97,12 @@ export interface ModelBenchOptions {
   readonly repeats: number;
   readonly bandwidthBytes: number;
   readonly seed: number;
+  /**
+   * A kvfence checkout (built) whose forward pass runs beside this build's: every arm gets a twin
+   * on that build's `createForward`, in the same repeats (the order of the arms reversed every
+   * other repeat), and the report gives this build / baseline as paired ratios with 95% CIs.
+   */
+  readonly baseline?: string;
   readonly log?: (line: string) => void;
 }
 
@@ -122,6 +137,8 @@ export interface DecodeResult {
 
 export interface KernelsRun {
   readonly kernels: BenchKernels;
+  /** "baseline" for an arm on the `--baseline` build's forward pass. */
+  readonly build: ArmBuild;
   readonly kvCacheDtype: KvDtype;
   /** The weight format of this run ("as stored" when the folder's formats were kept). */
   readonly dtype: WeightDType | "stored";
@@ -139,6 +156,16 @@ export interface KernelsRun {
   readonly longContext: DecodeResult | null;
 }
 
+/** This build / the baseline's twin of one arm, each figure a paired ratio by repeat. */
+export interface BaselineRatio {
+  readonly kernels: BenchKernels;
+  readonly kvCacheDtype: KvDtype;
+  readonly dtype: WeightDType | "stored";
+  readonly prefill: RatioInterval;
+  readonly decode: readonly { readonly batch: number; readonly ratio: RatioInterval }[];
+  readonly longContext: RatioInterval | null;
+}
+
 export interface ModelBenchResult {
   readonly model: string;
   readonly config: ModelConfig;
@@ -148,6 +175,8 @@ export interface ModelBenchResult {
   /** Read bandwidth in GB/s on 1 and (when a run uses 2) on 2 threads. */
   readonly readGbps: { readonly 1: Measured; readonly 2: Measured | null };
   readonly runs: readonly KernelsRun[];
+  /** With `baseline`: one entry per arm of this build. */
+  readonly vsBaseline: readonly BaselineRatio[];
   readonly node: string;
 }
 
@@ -198,9 +227,12 @@ function measured(values: number[], seed: number): Measured {
   return { summary: summarize(values), ci95: bootstrapInterval(values, { seed }) };
 }
 
+type ArmBuild = "this" | "baseline";
+
 /** One kernel set's forward pass, its sequences and its timed arms. */
 interface Arms {
   readonly name: BenchKernels;
+  readonly build: ArmBuild;
   readonly kvDtype: KvDtype;
   readonly dtype: WeightDType | "stored";
   readonly weightBytes: number;
@@ -219,12 +251,25 @@ interface ArmModel {
   readonly longContext: number;
 }
 
+/** The `createForward` of this build or of the checkout at `baseline`. */
+async function forwardOf(baseline: string | undefined): Promise<typeof createForward> {
+  if (baseline === undefined) return createForward;
+  const file = join(resolve(baseline), "dist", "src", "engine", "forward-setup.js");
+  if (!existsSync(file))
+    throw new Error(`--baseline ${baseline}: no ${file}; give a kvfence checkout built with npm ci`);
+  const mod = (await import(pathToFileURL(file).href)) as { createForward?: typeof createForward };
+  if (typeof mod.createForward !== "function")
+    throw new Error(`--baseline ${baseline}: ${file} has no createForward`);
+  return mod.createForward;
+}
+
 async function prepareArms(
   name: BenchKernels,
   kvDtype: KvDtype,
   options: ModelBenchOptions,
   model: ArmModel,
   dtype: WeightDType | "stored",
+  build: ArmBuild,
 ): Promise<Arms> {
   const { config, longContext } = model;
   const weights = dtype === "stored" ? model.weights : convertWeights(model.weights, config, dtype);
@@ -243,7 +288,8 @@ async function prepareArms(
   const prefillPages = Math.ceil(options.promptTokens / pageSize);
   const longPages = longContext > 0 ? Math.ceil((longContext + options.decodeSteps) / pageSize) : 0;
   const decodePages = maxBatch * pagesPerDecodeSeq;
-  const setup = await createForward(config, weights, layout, {
+  const forward = await forwardOf(build === "baseline" ? options.baseline : undefined);
+  const setup = await forward(config, weights, layout, {
     kernels: name === "ts" ? "ts" : "wasm",
     wasmFma: name !== "wasm-mul-add",
     kernelThreads: threads,
@@ -316,6 +362,7 @@ async function prepareArms(
   ];
   return {
     name,
+    build,
     kvDtype,
     dtype,
     weightBytes: weightBytes(weights),
@@ -354,10 +401,14 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
   const dtypes: (WeightDType | "stored")[] =
     options.dtypes === undefined ? ["stored"] : [...new Set(options.dtypes)];
   const arms: Arms[] = [];
+  const builds: ArmBuild[] = options.baseline === undefined ? ["this"] : ["this", "baseline"];
   for (const dtype of dtypes) {
     for (const name of kernelSets)
       for (const kvDtype of kvDtypes)
-        arms.push(await prepareArms(name, kvDtype, options, { config, weights, longContext }, dtype));
+        for (const build of builds)
+          arms.push(
+            await prepareArms(name, kvDtype, options, { config, weights, longContext }, dtype, build),
+          );
   }
   const twoThreads = arms.some((a) => a.threads === 2);
   log(
@@ -379,6 +430,25 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
     const runs = arms.map((a, k) =>
       kernelsRun(a, samples[k]!, { options, k, flops, longContext, roofline: roofline(a) }),
     );
+    const vsBaseline = arms.flatMap((a, k): BaselineRatio[] => {
+      if (a.build !== "this" || options.baseline === undefined) return [];
+      // The twin comes right after its arm (see `builds` above).
+      const mine = samples[k] as ArmSamples;
+      const twin = samples[k + 1] as ArmSamples;
+      return [
+        {
+          kernels: a.name,
+          kvCacheDtype: a.kvDtype,
+          dtype: a.dtype,
+          prefill: pairedRatio(mine.prefill, twin.prefill),
+          decode: options.batchSizes.map((batch, i) => ({
+            batch,
+            ratio: pairedRatio(mine.decode[i] as number[], twin.decode[i] as number[]),
+          })),
+          longContext: a.long === null ? null : pairedRatio(mine.long, twin.long),
+        },
+      ];
+    });
     const { log: _log, ...rest } = options;
     return {
       model: model.name,
@@ -388,6 +458,7 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
       options: rest,
       readGbps,
       runs,
+      vsBaseline,
       node: process.version,
     };
   } finally {
@@ -434,21 +505,24 @@ function sampleArms(
     const parts = [
       `read ${(gbps1.at(-1) as number).toFixed(1)}${twoThreads ? `/${(gbps2.at(-1) as number).toFixed(1)}` : ""} GB/s`,
     ];
-    arms.forEach((a, k) => {
+    // Every other repeat runs the arms in reverse, so no arm always follows the bandwidth probe.
+    const order = arms.map((_, k) => (r % 2 === 0 ? k : arms.length - 1 - k));
+    const parts0 = parts.length;
+    for (const k of order) {
+      const a = arms[k] as Arms;
       const s = samples[k]!;
       s.prefill.push(a.prefill());
       options.batchSizes.forEach((_, i) => {
         (s.decode[i] as number[]).push(a.decode(i));
       });
       if (a.long !== null) s.long.push(a.long());
-      parts.push(
-        `${armLabel(a.name, a.dtype)} kv ${a.kvDtype}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
-          options.batchSizes
-            .map((b, i) => `decode@${b} ${((s.decode[i] as number[]).at(-1) as number).toFixed(1)}`)
-            .join(", ") +
-          (a.long === null ? "" : `, decode@ctx${longContext} ${(s.long.at(-1) as number).toFixed(1)}`),
-      );
-    });
+      parts[parts0 + k] =
+        `${armLabel(a.name, a.dtype, a.build)} kv ${a.kvDtype}: prefill ${(s.prefill.at(-1) as number).toFixed(1)} tok/s, ` +
+        options.batchSizes
+          .map((b, i) => `decode@${b} ${((s.decode[i] as number[]).at(-1) as number).toFixed(1)}`)
+          .join(", ") +
+        (a.long === null ? "" : `, decode@ctx${longContext} ${(s.long.at(-1) as number).toFixed(1)}`);
+    }
     log(`repeat ${r + 1}/${options.repeats}: ${parts.join("; ")}`);
   }
   return { gbps1, gbps2, samples };
@@ -472,6 +546,7 @@ function kernelsRun(
   const kernels = a.setup.kernels;
   return {
     kernels: a.name,
+    build: a.build,
     kvCacheDtype: a.kvDtype,
     dtype: a.dtype,
     weightBytes: a.weightBytes,
@@ -509,9 +584,10 @@ function kernelsRun(
   };
 }
 
-/** "wasm", or "wasm q8_0" when formats are compared. */
-function armLabel(kernels: BenchKernels, dtype: WeightDType | "stored"): string {
-  return dtype === "stored" ? kernels : `${kernels} ${dtype}`;
+/** "wasm", or "wasm q8_0" when formats are compared; "… (baseline)" for the baseline's twin. */
+function armLabel(kernels: BenchKernels, dtype: WeightDType | "stored", build: ArmBuild = "this"): string {
+  const label = dtype === "stored" ? kernels : `${kernels} ${dtype}`;
+  return build === "baseline" ? `${label} (baseline)` : label;
 }
 
 /** The WebAssembly build a run used, for its report line ("" for the TypeScript kernels). */
@@ -551,8 +627,9 @@ export function formatModelBench(r: ModelBenchResult): string {
       run.dtype === "stored"
         ? ""
         : ` on ${run.dtype} weights (${(run.weightBytes / 1e6).toFixed(1)} MB per step)`;
+    const of = run.build === "baseline" ? ` of the baseline (${r.options.baseline})` : "";
     lines.push(
-      `  ${run.kernels} kernels${build}${format}, ${run.threads} thread${run.threads > 1 ? "s" : ""}, KV cache ${run.kvCacheDtype}:`,
+      `  ${run.kernels} kernels${of}${build}${format}, ${run.threads} thread${run.threads > 1 ? "s" : ""}, KV cache ${run.kvCacheDtype}:`,
     );
     lines.push(
       `    prefill (${r.options.promptTokens}-token prompt, one chunk): ${m(run.prefillTokensPerSecond)} tok/s = ${m(run.prefillGflopsPerCore)} GFLOP/s per core`,
@@ -574,11 +651,33 @@ export function formatModelBench(r: ModelBenchResult): string {
         ...(run.longContext === null ? [] : [run.longContext.tokensPerSecond.summary.median.toFixed(1)]),
       ];
       lines.push(
-        `    ${`${armLabel(run.kernels, run.dtype)} ${run.threads}t ${run.kvCacheDtype}`.padEnd(16)} | ${cells.join(" | ")}`,
+        `    ${`${armLabel(run.kernels, run.dtype, run.build)} ${run.threads}t ${run.kvCacheDtype}`.padEnd(16)} | ${cells.join(" | ")}`,
       );
     }
   }
+  lines.push(...formatVsBaseline(r));
   return lines.join("\n");
+}
+
+/** The lines of this build / baseline (none without a baseline). */
+function formatVsBaseline(r: ModelBenchResult): string[] {
+  if (r.vsBaseline.length === 0) return [];
+  const pct = (x: RatioInterval): string =>
+    `${(100 * x.ratio).toFixed(1)}% [${(100 * x.low).toFixed(1)}–${(100 * x.high).toFixed(1)}]`;
+  const lines = [
+    `  this build / baseline (tok/s, geometric mean of the ${r.options.repeats} paired repeats, 95% CI):`,
+  ];
+  for (const v of r.vsBaseline) {
+    const cells = [
+      `prefill ${pct(v.prefill)}`,
+      ...v.decode.map((d) => `b${d.batch} ${pct(d.ratio)}`),
+      ...(v.longContext === null ? [] : [`@${r.options.longContextTokens} ${pct(v.longContext)}`]),
+    ];
+    lines.push(
+      `    ${`${armLabel(v.kernels, v.dtype)} ${v.kvCacheDtype}`.padEnd(16)} | ${cells.join(" | ")}`,
+    );
+  }
+  return lines;
 }
 
 /** ", bf16 270.0 MB, q8_0 143.4 MB" for the formats compared (empty without --dtype). */

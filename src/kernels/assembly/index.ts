@@ -1309,10 +1309,12 @@ function reduce4(a: v128, b: v128, c: v128, d: v128): v128 {
 }
 
 /**
- * Scores of 3 query heads (q at q, q+qStride, q+2·qStride) against K rows [ta, tb), 3 tokens at a
- * time (a 3×3 tile of dot products over headDim, which must be a multiple of 4); score of head h,
- * token t goes to s + h·sStride + (t−ta)·4. 9 accumulators + 3 K + 1 q fit V8's 15 SIMD registers
- * (a 3×4 tile needs 17 and spilled 4 accumulators to the stack on every step).
+ * Scores of 3 query heads (q at q, q+qStride, q+2·qStride) against K rows [ta, tb), 2 tokens at a
+ * time (a 3×2 tile of dot products over headDim, which must be a multiple of 4); score of head h,
+ * token t goes to s + h·sStride + (t−ta)·4. 6 accumulators, 2 K, the 3 query vectors V8 loads up
+ * front and the f16 widening's mask fit its 15 SIMD registers; a 3×3 tile did not with an f16 pool
+ * and kept an accumulator on the stack, loaded and stored on every step (×0.85 the attention's
+ * time at 4,096 tokens with 3×2, docs/benchmarks.md §5a; a 3×4 tile spilled 4).
  */
 function scoresTile3<K>(
   s: usize, sStride: usize, q: usize, qStride: usize, kb: usize, blockTable: usize,

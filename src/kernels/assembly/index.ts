@@ -1358,7 +1358,7 @@ function scoresTile3<K>(
       store<f32>(so + 2 * sStride, f32x4.extract_lane(r1, 1), 4);
       k0 = k1 + rowBytes;
     }
-    // The page's last 1-2 tokens: the same sums in the same order as in the tile, so a score does
+    // A page's odd last token: the same sums in the same order as in the tile, so a score does
     // not depend on where its token falls in a page (the golden parity test sits within a few 1e-5
     // of its bound on kvfence-tiny, whose attention scores run to several hundred).
     for (; t < end; t++) {

@@ -19,6 +19,8 @@
  */
 
 import { randomBytes } from "node:crypto";
+import type { SpanContext } from "@opentelemetry/api";
+import type { ReadableSpan } from "@opentelemetry/sdk-trace-base";
 
 /** A request's identity on its way through the nodes. */
 export interface RequestTrace {
@@ -174,6 +176,13 @@ export interface FinishedSpan {
   readonly ids: { readonly traceId: string; readonly spanId: string } | null;
 }
 
+/** Milliseconds since the epoch as OpenTelemetry's HrTime, [seconds, nanoseconds]. */
+export function hrTimeOf(epochMs: number): [number, number] {
+  const seconds = Math.floor(epochMs / 1000);
+  const nanos = Math.round((epochMs - seconds * 1000) * 1e6);
+  return nanos >= 1e9 ? [seconds + 1, nanos - 1e9] : [seconds, nanos];
+}
+
 /**
  * The recording half of a tracer: a phase's span is one small record when the phase ends (its
  * name, times and attributes), handed to `finish`; the SDK builds it later, in a batch, off the
@@ -221,15 +230,17 @@ function recorder(
  * second call returns the first tracer). Loads the OpenTelemetry SDK now, not before.
  *
  * Phases are recorded as `recorder` says, this thread's and the ones worker threads forward
- * (`adopt`) alike, and kept as records until the batch span processor would export (`batchSettings`:
- * a batch of up to 512 spans, or 5 s after the first); then the SDK builds them together, so its
- * code runs warm, and the processor is flushed. A request span's ids are chosen when it opens,
- * since its `traceparent` travels with the request; the SDK is handed them through its
- * `idGenerator` hook when it builds that span. Every request is traced (`AlwaysOnSampler`: a
- * phase's parent is always a sampled request span). A forwarded span is built by a tracer of its
- * own service name (one provider per service, all sharing this tracer's one batch processor and
- * exporter, which groups them by service in each post). The batch processor keeps the SDK's
- * defaults and its standard `OTEL_BSP_*` environment variables.
+ * (`adopt`) alike, and kept as records until the batch span processor would export
+ * (`batchSettings`: a batch of up to 512 spans, or 5 s after the first); then they are handed to
+ * the SDK's `BatchSpanProcessor` together, each as a finished `ReadableSpan` (the interface the
+ * processor and the OTLP exporter read) with its own service's resource, and the processor is
+ * flushed, so the exporter groups them by service in one post. They are not built by the SDK's
+ * tracer, which would start a live span (sampler, attribute checks, clock conversions, its span
+ * metrics) only to end it at once: the tracer took ~4.5 µs more a span of the ~16 µs the exporting
+ * thread spends on one (records to OTLP post, docs/benchmarks.md §8). A request span's ids are
+ * chosen when it opens, since its `traceparent` travels with the request. Every request is traced
+ * (a phase's parent is always a sampled request span; the W3C flags say sampled). The batch
+ * processor keeps the SDK's defaults and its standard `OTEL_BSP_*` environment variables.
  */
 export async function startTracing(endpoint: string, serviceName: string): Promise<ExportingTracing> {
   if (active !== null) {
@@ -243,68 +254,62 @@ export async function startTracing(endpoint: string, serviceName: string): Promi
     import("@opentelemetry/resources"),
   ]);
   const random = new sdk.RandomIdGenerator();
-  // The ids the SDK gives the span it is building: a root's own, else random.
-  let preset: FinishedSpan["ids"] = null;
-  const idGenerator = {
-    generateTraceId: () => preset?.traceId ?? random.generateTraceId(),
-    generateSpanId: () => preset?.spanId ?? random.generateSpanId(),
-  };
-  const exporter = new exporterModule.OTLPTraceExporter({ url: tracesUrl(endpoint) });
-  const processor = new sdk.BatchSpanProcessor(exporter);
-  const providers = new Map<string, InstanceType<typeof sdk.BasicTracerProvider>>();
-  const tracers = new Map<string, ReturnType<InstanceType<typeof sdk.BasicTracerProvider>["getTracer"]>>();
-  const tracerOf = (service: string) => {
-    let tracer = tracers.get(service);
-    if (tracer === undefined) {
-      const provider = new sdk.BasicTracerProvider({
-        resource: resources.resourceFromAttributes({ "service.name": service }),
-        sampler: new sdk.AlwaysOnSampler(),
-        idGenerator,
-        spanProcessors: [processor],
-      });
-      providers.set(service, provider);
-      tracer = provider.getTracer("kvfence");
-      tracers.set(service, tracer);
-    }
-    return tracer;
-  };
-  tracerOf(serviceName);
-  const parentOf = (traceparent: string) => {
+  const processor = new sdk.BatchSpanProcessor(
+    new exporterModule.OTLPTraceExporter({ url: tracesUrl(endpoint) }),
+  );
+  const scope = { name: "kvfence" };
+  const status = { code: api.SpanStatusCode.UNSET };
+  const resourcesByService = new Map<string, ReturnType<typeof resources.resourceFromAttributes>>();
+  const contextOf = (traceparent: string): SpanContext | undefined => {
     const m = TRACEPARENT_RE.exec(traceparent);
-    if (m === null) return api.ROOT_CONTEXT;
-    return api.trace.setSpanContext(api.ROOT_CONTEXT, {
-      traceId: m[1]!,
-      spanId: m[2]!,
-      traceFlags: Number.parseInt(m[3]!, 16),
-      isRemote: true,
-    });
+    if (m === null) return undefined;
+    return { traceId: m[1]!, spanId: m[2]!, traceFlags: Number.parseInt(m[3]!, 16), isRemote: true };
   };
+  // A batch of records as finished spans, handed to the processor as the SDK's tracer would end them.
   const build = (service: string, spans: readonly FinishedSpan[]): void => {
-    const tracer = tracerOf(service);
+    let resource = resourcesByService.get(service);
+    if (resource === undefined) {
+      resource = resources.resourceFromAttributes({ "service.name": service });
+      resourcesByService.set(service, resource);
+    }
     // A request's phases share its traceparent: one parsed context for them.
-    const contexts = new Map<string, ReturnType<typeof parentOf>>();
+    const parents = new Map<string, SpanContext | undefined>();
     for (const s of spans) {
-      let context = api.ROOT_CONTEXT;
-      if (s.parent !== "") {
-        context = contexts.get(s.parent) ?? parentOf(s.parent);
-        contexts.set(s.parent, context);
+      let parent: SpanContext | undefined;
+      let context: SpanContext;
+      if (s.ids !== null) context = { traceId: s.ids.traceId, spanId: s.ids.spanId, traceFlags: 1 };
+      else {
+        parent = parents.get(s.parent);
+        if (parent === undefined) {
+          parent = contextOf(s.parent);
+          parents.set(s.parent, parent);
+        }
+        context = {
+          traceId: parent?.traceId ?? random.generateTraceId(),
+          spanId: random.generateSpanId(),
+          traceFlags: 1,
+        };
       }
-      preset = s.ids;
-      try {
-        tracer
-          .startSpan(
-            s.name,
-            {
-              startTime: s.startEpochMs,
-              attributes: s.attributes,
-              kind: s.ids === null ? api.SpanKind.INTERNAL : api.SpanKind.SERVER,
-            },
-            context,
-          )
-          .end(s.endEpochMs);
-      } finally {
-        preset = null;
-      }
+      const span: ReadableSpan = {
+        name: s.name,
+        kind: s.ids === null ? api.SpanKind.INTERNAL : api.SpanKind.SERVER,
+        spanContext: () => context,
+        ...(parent === undefined ? {} : { parentSpanContext: parent }),
+        startTime: hrTimeOf(s.startEpochMs),
+        endTime: hrTimeOf(s.endEpochMs),
+        duration: hrTimeOf(Math.max(0, s.endEpochMs - s.startEpochMs)),
+        status,
+        attributes: s.attributes,
+        links: [],
+        events: [],
+        ended: true,
+        resource,
+        instrumentationScope: scope,
+        droppedAttributesCount: 0,
+        droppedEventsCount: 0,
+        droppedLinksCount: 0,
+      };
+      processor.onEnd(span);
     }
   };
   // This thread's records (as a one-span group) and forwarded groups, in the order they came.
@@ -329,7 +334,7 @@ export async function startTracing(endpoint: string, serviceName: string): Promi
     },
     async shutdown() {
       pending.flushNow();
-      await Promise.all([...providers.values()].map((p) => p.shutdown()));
+      await processor.shutdown();
       active = null;
     },
   };

@@ -1,8 +1,10 @@
 /**
  * A `Link` to a node worker thread: messages are structured-cloned over the worker's port, and the
- * worker's exit is the link's close (the node's fence).
+ * worker's exit is the link's close (the node's fence). The node's finished spans, when tracing is
+ * on, come on the same port and go to this thread's exporter, not to the link's handlers.
  */
 import type { Worker } from "node:worker_threads";
+import { adoptSpans, type ForwardedSpans } from "../lib/tracing.js";
 import type { FromNode, Link, ToNode } from "./node-messages.js";
 
 export class WorkerLink implements Link<ToNode, FromNode> {
@@ -14,7 +16,11 @@ export class WorkerLink implements Link<ToNode, FromNode> {
 
   constructor(worker: Worker) {
     this.worker = worker;
-    worker.on("message", (m: FromNode) => {
+    worker.on("message", (m: FromNode | ForwardedSpans) => {
+      if (m.kind === "spans") {
+        adoptSpans(m);
+        return;
+      }
       for (const h of this.#handlers) h(m);
     });
     worker.on("error", (err) => {

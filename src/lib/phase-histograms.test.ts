@@ -26,15 +26,26 @@ test("a recorder's observations render through prom-client with node and role la
   const labels = 'phase="inter_token",node="decode-0",role="decode"';
   assert.equal(m.get(`kvfence_phase_seconds_count{${labels}}`), 2);
   assert.ok(Math.abs(m.get(`kvfence_phase_seconds_sum{${labels}}`)! - 0.004) < 1e-12);
-  assert.equal(m.get(`kvfence_phase_seconds_bucket{${labels},le="0.0008"}`), 0);
-  assert.equal(m.get(`kvfence_phase_seconds_bucket{${labels},le="0.0016"}`), 1);
-  assert.equal(m.get(`kvfence_phase_seconds_bucket{${labels},le="+Inf"}`), 2);
+  // A bucket's `le` comes first, as in prom-client's own histograms (the place labels are shared).
+  assert.equal(m.get(`kvfence_phase_seconds_bucket{le="0.0008",${labels}}`), 0);
+  assert.equal(m.get(`kvfence_phase_seconds_bucket{le="0.0016",${labels}}`), 1);
+  assert.equal(m.get(`kvfence_phase_seconds_bucket{le="+Inf",${labels}}`), 2);
   const other = 'phase="inter_token",node="decode-1",role="decode"';
-  assert.equal(m.get(`kvfence_phase_seconds_bucket{${other},le="${PHASE_BUCKETS.at(-1)}"}`), 0);
-  assert.equal(m.get(`kvfence_phase_seconds_bucket{${other},le="+Inf"}`), 1);
+  assert.equal(m.get(`kvfence_phase_seconds_bucket{le="${PHASE_BUCKETS.at(-1)}",${other}}`), 0);
+  assert.equal(m.get(`kvfence_phase_seconds_bucket{le="+Inf",${other}}`), 1);
   assert.equal(m.get('kvfence_phase_transfer_bytes_count{node="decode-0",role="decode"}'), 1);
   // Phases with no observation have no series.
   assert.ok(![...m.keys()].some((k) => k.includes('phase="prefill"')));
+  // Two snapshots of one node and role are summed (prom-client's aggregator).
+  const twice = parsePrometheusText(
+    await renderPhaseMetrics([
+      { node: "decode-0", role: "decode", snapshot: a.snapshot() },
+      { node: "decode-0", role: "decode", snapshot: a.snapshot() },
+    ]),
+  );
+  assert.equal(twice.get(`kvfence_phase_seconds_count{${labels}}`), 4);
+  assert.equal(twice.get(`kvfence_phase_seconds_bucket{${labels},le="0.0016"}`), 2);
+  assert.equal(twice.get('kvfence_phase_transfer_bytes_count{node="decode-0",role="decode"}'), 2);
 });
 
 test("a disabled recorder records nothing; bytes and negative or NaN values are refused quietly", () => {

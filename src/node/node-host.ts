@@ -8,7 +8,7 @@ import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { buildEngine } from "../engine/build-engine.js";
 import type { Engine } from "../engine/engine.js";
 import { layoutSignature } from "../kvcache/kv-layout.js";
-import { startTracing } from "../lib/tracing.js";
+import { type ForwardedSpans, startForwardedTracing, startTracing } from "../lib/tracing.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { makeSafety, type Safety } from "../protocol/safety.js";
 import { DecodeNode } from "./decode-node.js";
@@ -39,14 +39,23 @@ export function nodeLayoutSignature(engine: Engine, config: ModelConfig): string
   );
 }
 
+/**
+ * `forwardSpans`: a worker thread's way to its process's main thread, which exports this node's
+ * spans with its own (src/lib/tracing.ts); without it (a node process) the node exports them itself.
+ */
 export async function buildNode(
   options: NodeHostOptions,
   toRouter: (message: FromNode) => void,
+  forwardSpans?: (spans: ForwardedSpans) => void,
 ): Promise<BuiltNode> {
   const engine = await buildEngine(options.engine);
-  // This thread's or process's spans (src/lib/tracing.ts): only with --otlp-endpoint is the SDK loaded.
-  if (options.engine.otlpEndpoint !== undefined)
-    await startTracing(options.engine.otlpEndpoint, `kvfence-${options.role}`);
+  // This node's spans (src/lib/tracing.ts): only with --otlp-endpoint are they recorded, and only
+  // a node process loads the SDK.
+  if (options.engine.otlpEndpoint !== undefined) {
+    const service = `kvfence-${options.role}`;
+    if (forwardSpans !== undefined) startForwardedTracing(service, forwardSpans);
+    else await startTracing(options.engine.otlpEndpoint, service);
+  }
   const safety: Safety = makeSafety({
     faults: options.faults ?? [],
     disabledGuards: options.engine.disabledGuards ?? [],

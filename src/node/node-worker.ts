@@ -13,6 +13,7 @@
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
 import type { FromNode, ToNode } from "../cluster/node-messages.js";
 import { KvfenceError } from "../lib/errors.js";
+import type { ForwardedSpans } from "../lib/tracing.js";
 import {
   createShmChannel,
   type ShmChannel,
@@ -43,13 +44,15 @@ export type NodeWorkerSetup =
 /** Thread-only replies, node worker → main thread. */
 export type NodeWorkerReply =
   | { readonly kind: "shm_channel"; readonly prefill: string; readonly channel: ShmChannel }
+  /** The node's finished spans, for the main thread's exporter (`WorkerLink` hands them on). */
+  | ForwardedSpans
   | { readonly kind: "failed"; readonly error: { code: string; message: string } };
 
 async function main(port: MessagePort, options: NodeHostOptions): Promise<void> {
   const toRouter = (message: FromNode | NodeWorkerReply): void => port.postMessage(message);
   let built: Awaited<ReturnType<typeof buildNode>>;
   try {
-    built = await buildNode(options, toRouter);
+    built = await buildNode(options, toRouter, toRouter);
   } catch (err) {
     const error =
       err instanceof KvfenceError

@@ -25,9 +25,9 @@
  * arm's burst in a rotated order and then in the reverse order (ABBA for two arms), so a drift of
  * the machine within the round weighs on every arm alike; rounds follow each other with no pause.
  * At each round's edges every arm's server CPU (every thread, /proc/PID/stat) is read, so all of
- * an arm's CPU falls in some round, wherever it runs: the spans a burst made are built a second
- * later and exported on the exporter's 5 s timer, during later bursts, and still count to their
- * own server. Measured per arm and round: output tokens per second of its bursts' wall time, and
+ * an arm's CPU falls in some round, wherever it runs: the spans a burst made are built and
+ * exported when a batch of 512 is full or 5 s later (src/lib/tracing.ts), during later bursts,
+ * and still count to their own server. Measured per arm and round: output tokens per second of its bursts' wall time, and
  * its servers' CPU over the round per output token, the primary figure (throughput is also moved
  * by the other arms' deferred work running beside a burst; CPU per token is not). Reported: each
  * feature arm over `off` as the geometric mean of the per-round paired ratios with a 95%

@@ -13,14 +13,13 @@
 // order, are the main thread, V8's four platform threads, the two request-preparation workers,
 // then the prefill and the decode worker). OUT=file.json keeps every round.
 import { randomBytes } from "node:crypto";
-import { readdirSync, readFileSync, writeFileSync } from "node:fs";
-import { createServer } from "node:http";
+import { writeFileSync } from "node:fs";
 
 const D = new URL("../dist/src/", import.meta.url).pathname;
 const { startArm } = await import(`${D}tools/bench/fair-share.js`);
 const { round, prompt } = await import(`${D}tools/bench/cluster.js`);
-const { cpuSeconds } = await import(`${D}tools/bench/process-cpu.js`);
-const { activeTimer } = await import(`${D}tools/bench/observability.js`);
+const { cpuSeconds, threadCpuSeconds } = await import(`${D}tools/bench/process-cpu.js`);
+const { activeTimer, spanSink } = await import(`${D}tools/bench/observability.js`);
 const { pairedRatio } = await import(`${D}lib/stats.js`);
 const { bundledModelDir } = await import(`${D}lib/package-root.js`);
 
@@ -32,42 +31,6 @@ if (!(rounds > 0) || specs.length < 2) {
 }
 const key = randomBytes(24).toString("hex");
 
-function sink() {
-  let spans = 0;
-  const server = createServer((req, res) => {
-    let body = "";
-    req.setEncoding("utf8");
-    req.on("data", (c) => {
-      body += c;
-    });
-    req.on("end", () => {
-      spans += body.split('"spanId"').length - 1;
-      res.end("{}");
-    });
-  });
-  return new Promise((resolve) =>
-    server.listen(0, "127.0.0.1", () =>
-      resolve({ url: `http://127.0.0.1:${server.address().port}`, spans: () => spans, close: () => server.close() }),
-    ),
-  );
-}
-
-/** CPU seconds of every thread of `pids`, by pid:tid. */
-function threads(pids) {
-  const out = new Map();
-  for (const pid of pids)
-    for (const tid of readdirSync(`/proc/${pid}/task`)) {
-      try {
-        const stat = readFileSync(`/proc/${pid}/task/${tid}/stat`, "utf8");
-        const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-        out.set(`${pid}:${tid}`, (Number(f[11]) + Number(f[12])) / 100);
-      } catch {
-        // the thread ended
-      }
-    }
-  return out;
-}
-
 const arms = [];
 for (const spec of specs) {
   const [name, rest] = spec.split("=");
@@ -75,7 +38,7 @@ for (const spec of specs) {
   const on = new Set(features.split(",").filter(Boolean));
   const args = ["--model", bundledModelDir(), "--kv-pages", "600", "--log-level", "warn"];
   if (on.has("nohist")) args.push("--no-phase-metrics");
-  const spans = on.has("traces") ? await sink() : null;
+  const spans = on.has("traces") ? await spanSink() : null;
   if (spans !== null) args.push("--otlp-endpoint", spans.url);
   arms.push({ name, main, args, spans, dash: on.has("dash"), samples: [] });
 }
@@ -105,7 +68,7 @@ for (let r = -2; r < rounds; r++) {
     burst.get(a).tokens += res.tokens;
   }
   const cpu1 = arms.map((a) => cpuSeconds(a.server.pids));
-  if (r === -1) for (const a of arms) a.threads0 = threads(a.server.pids);
+  if (r === -1) for (const a of arms) a.threads0 = threadCpuSeconds(a.server.pids);
   if (r >= 0) arms.forEach((a, i) => a.samples.push({ ...burst.get(a), cpuSeconds: cpu1[i] - cpu0[i] }));
   cpu0 = cpu1;
 }
@@ -114,7 +77,7 @@ const out = { rounds, arms: {}, ratios: {} };
 for (const a of arms) {
   const tokens = a.samples.reduce((s, x) => s + x.tokens, 0);
   const perThread = [];
-  for (const [id, t] of threads(a.server.pids)) {
+  for (const [id, t] of threadCpuSeconds(a.server.pids)) {
     const d = t - (a.threads0.get(id) ?? 0);
     if (d > 0) perThread.push(+((1000 * d) / tokens).toFixed(4));
   }
@@ -142,4 +105,4 @@ for (let i = 1; i < arms.length; i++)
   }
 if (process.env.OUT) writeFileSync(process.env.OUT, JSON.stringify(out));
 await Promise.all(arms.map((a) => a.server.close()));
-for (const a of arms) a.spans?.close();
+for (const a of arms) await a.spans?.close();

@@ -158,7 +158,7 @@ export interface ObservabilityBenchResult extends ObservabilityRun {
 const THIS_MAIN = fileURLToPath(new URL("../../cli/main.js", import.meta.url));
 
 /** An OTLP/HTTP receiver that counts the spans posted to it (JSON) and keeps nothing. */
-async function spanSink(): Promise<{ url: string; spans: () => number; close(): Promise<void> }> {
+export async function spanSink(): Promise<{ url: string; spans: () => number; close(): Promise<void> }> {
   let spans = 0;
   const server: HttpServer = createServer((req, res) => {
     let body = "";

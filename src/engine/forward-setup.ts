@@ -31,6 +31,11 @@ export interface ForwardSetupOptions {
   readonly kernelThreads?: 1 | 2;
   /** WebAssembly kernels: the fused multiply-add build where the engine has it (default true). */
   readonly wasmFma?: boolean;
+  /**
+   * WebAssembly kernels: batches on Q8_0/Q4_0 may take the int8 dot with accumulate where the
+   * engine computes it exactly (default true; false: the i16 tile, `WasmKernels.dotAdd`).
+   */
+  readonly wasmDotAdd?: boolean;
   readonly maxBatchTokens: number;
   readonly maxSequences: number;
   /** Pages of each KV pool to create (one pool per entry). */
@@ -91,6 +96,7 @@ export async function createForward(
     threads: options.kernelThreads ?? 1,
     initialBytes: bytes,
     fma: options.wasmFma ?? true,
+    dotAdd: options.wasmDotAdd ?? true,
     ...(options.shared === undefined ? {} : { shared: options.shared }),
   });
   await k.ready();

@@ -100,6 +100,34 @@ describe("bench model helpers", () => {
     }
   });
 
+  it("runModelBench() runs --kernels wasm-i16 beside wasm: Q8_0 batches on the i16 tile", async () => {
+    const r = await runModelBench({
+      ...MODEL_BENCH_DEFAULTS,
+      modelDir: bundledModelDir(),
+      kernels: ["wasm", "wasm-i16"],
+      dtypes: ["q8_0"],
+      promptTokens: 12,
+      contextTokens: 8,
+      decodeSteps: 2,
+      batchSizes: [2],
+      repeats: 1,
+      bandwidthBytes: 1 << 20,
+    });
+    const [dot, i16] = r.runs;
+    assert.deepEqual(
+      r.runs.map((run) => [run.kernels, run.dtype]),
+      [
+        ["wasm", "q8_0"],
+        ["wasm-i16", "q8_0"],
+      ],
+    );
+    assert.equal(i16?.dotAdd, false);
+    // The int8 dot with accumulate runs where the engine computes it exactly: not Node 20's V8.
+    if (Number(process.versions.node.split(".")[0]) === 20) assert.equal(dot?.dotAdd, false);
+    else if (dot?.fma === true) assert.equal(dot.dotAdd, true);
+    assert.match(formatModelBench(r), /wasm-i16 q8_0/);
+  });
+
   it("runModelBench({ baseline }) runs each arm's twin on that checkout's forward pass and pairs them by repeat", async () => {
     // This checkout as its own baseline: the twin loads dist/ through the baseline's path.
     const root = packageRoot();

@@ -74,7 +74,7 @@ function lastLevelCacheBytes(): number | null {
  * (the fused multiply-add build where the engine has it), or the WebAssembly build without relaxed
  * SIMD (a multiply, then an add), for an A/B of the two in one process.
  */
-export type BenchKernels = KernelsName | "wasm-mul-add";
+export type BenchKernels = KernelsName | "wasm-mul-add" | "wasm-i16";
 
 export interface ModelBenchOptions {
   readonly modelDir: string;
@@ -292,6 +292,7 @@ async function prepareArms(
   const setup = await forward(config, weights, layout, {
     kernels: name === "ts" ? "ts" : "wasm",
     wasmFma: name !== "wasm-mul-add",
+    wasmDotAdd: name !== "wasm-i16",
     kernelThreads: threads,
     maxBatchTokens: Math.max(options.promptTokens, maxBatch * options.contextTokens),
     maxSequences: maxBatch,

@@ -101,7 +101,7 @@ test("DecodeNode allocates nothing per token (~0 bytes over 2000 decode tokens)"
         () => {
           d.engine.step();
         },
-        // The kernels and the sampler are not counted here: they have allocation tests of their own
+        // The kernels and the token sampler are not counted here: they have allocation tests of their own
         // (forward.test.ts, sampler.test.ts). Run inside this long loop, Node 24's Maglev tier boxes
         // a number in them now and then (8–20 KB a round of the TypeScript reference matmul).
         { warmup: 1000, steps: 2000, rounds: 3, notIn: /\/kernels\/|\/model\/sampler\.js$/ },

@@ -593,7 +593,12 @@ function qHalf<Q>(bp: usize, h: i32): v128 {
  * (one shuffle) and multiplied against 4 rows' pairs by `i32x4.dot_i16x8_s` (pmaddwd: 8 exact
  * multiply-adds, no sign handling), so a block needs no horizontal sum: one convert and one
  * multiply-add by d_w·d_x per 4 rows. Per block and 16 rows: 64 dot products and 60 adds, 16
- * shuffles, 4 widenings; the loads of x have constant offsets (hence the block written out).
+ * shuffles, 4 widenings. A block goes in quarters (4 weight pairs), each row group's sum in turn:
+ * written out whole, with every pair's dot for the 4 row groups side by side, V8's TurboFan ran
+ * each row group's 16 dots in one chain, so it held all 16 broadcasts and read all 64 x vectors
+ * ahead, spilling them to the stack (`perf annotate`: a 1 KB frame, a reload for most dots);
+ * a quarter needs 4 broadcasts, 4 sums and 4 accumulators in registers. A loop, not written out
+ * four times: written out, TurboFan merged the quarters again (docs/benchmarks.md §5a).
  */
 function qTile16<Q, N>(
   out: usize, xt: usize, xs: usize, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, nrows: i32,
@@ -610,93 +615,79 @@ function qTile16<Q, N>(
     for (let b: usize = 0; b < nb; b++) {
       const bp = w0 + b * bs;
       let i0 = i32x4.splat(0), i1 = i32x4.splat(0), i2 = i32x4.splat(0), i3 = i32x4.splat(0);
-      let n: v128, e: v128, s: v128;
-      n = qHalf<Q>(bp, 0);
-      e = i16x8.extend_low_i8x16_s(n);
-      s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
-      i0 = i32x4.dot_i16x8_s(v128.load(p, 0), s);
-      if (sizeof<N>() >= 2) i1 = i32x4.dot_i16x8_s(v128.load(p, 16), s);
-      if (sizeof<N>() >= 4) i2 = i32x4.dot_i16x8_s(v128.load(p, 32), s);
-      if (sizeof<N>() >= 4) i3 = i32x4.dot_i16x8_s(v128.load(p, 48), s);
-      s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 64), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 80), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 96), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 112), s));
-      s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 128), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 144), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 160), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 176), s));
-      s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 192), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 208), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 224), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 240), s));
-      e = i16x8.extend_high_i8x16_s(n);
-      s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 256), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 272), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 288), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 304), s));
-      s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 320), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 336), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 352), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 368), s));
-      s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 384), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 400), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 416), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 432), s));
-      s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 448), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 464), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 480), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 496), s));
-      n = qHalf<Q>(bp, 1);
-      e = i16x8.extend_low_i8x16_s(n);
-      s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 512), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 528), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 544), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 560), s));
-      s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 576), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 592), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 608), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 624), s));
-      s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 640), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 656), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 672), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 688), s));
-      s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 704), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 720), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 736), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 752), s));
-      e = i16x8.extend_high_i8x16_s(n);
-      s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 768), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 784), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 800), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 816), s));
-      s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 832), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 848), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 864), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 880), s));
-      s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 896), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 912), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 928), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 944), s));
-      s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
-      i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 960), s));
-      if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 976), s));
-      if (sizeof<N>() >= 4) i2 = i32x4.add(i2, i32x4.dot_i16x8_s(v128.load(p, 992), s));
-      if (sizeof<N>() >= 4) i3 = i32x4.add(i3, i32x4.dot_i16x8_s(v128.load(p, 1008), s));
+      if (sizeof<N>() >= 4) {
+        // 16 rows: the block in quarters, each row group's sum in turn (see above).
+        for (let q = 0; q < 4; q++) {
+          const n = qHalf<Q>(bp, q >> 1);
+          const e = (q & 1) == 0 ? i16x8.extend_low_i8x16_s(n) : i16x8.extend_high_i8x16_s(n);
+          const s0 = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+          const s1 = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+          const s2 = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+          const s3 = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+          const pq = p + ((<usize>q) << 8);
+          i0 = i32x4.add(i0, qDot4(pq, s0, s1, s2, s3));
+          i1 = i32x4.add(i1, qDot4(pq + 16, s0, s1, s2, s3));
+          i2 = i32x4.add(i2, qDot4(pq + 32, s0, s1, s2, s3));
+          i3 = i32x4.add(i3, qDot4(pq + 48, s0, s1, s2, s3));
+        }
+      } else {
+        // 4 or 8 rows: written out (in quarters they were 0.85× as fast on Node 24 at 8 rows).
+        let n: v128, e: v128, s: v128;
+        n = qHalf<Q>(bp, 0);
+        e = i16x8.extend_low_i8x16_s(n);
+        s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+        i0 = i32x4.dot_i16x8_s(v128.load(p, 0), s);
+        if (sizeof<N>() >= 2) i1 = i32x4.dot_i16x8_s(v128.load(p, 16), s);
+        s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 64), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 80), s));
+        s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 128), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 144), s));
+        s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 192), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 208), s));
+        e = i16x8.extend_high_i8x16_s(n);
+        s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 256), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 272), s));
+        s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 320), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 336), s));
+        s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 384), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 400), s));
+        s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 448), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 464), s));
+        n = qHalf<Q>(bp, 1);
+        e = i16x8.extend_low_i8x16_s(n);
+        s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 512), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 528), s));
+        s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 576), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 592), s));
+        s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 640), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 656), s));
+        s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 704), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 720), s));
+        e = i16x8.extend_high_i8x16_s(n);
+        s = v128.shuffle<i32>(e, e, 0, 0, 0, 0);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 768), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 784), s));
+        s = v128.shuffle<i32>(e, e, 1, 1, 1, 1);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 832), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 848), s));
+        s = v128.shuffle<i32>(e, e, 2, 2, 2, 2);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 896), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 912), s));
+        s = v128.shuffle<i32>(e, e, 3, 3, 3, 3);
+        i0 = i32x4.add(i0, i32x4.dot_i16x8_s(v128.load(p, 960), s));
+        if (sizeof<N>() >= 2) i1 = i32x4.add(i1, i32x4.dot_i16x8_s(v128.load(p, 976), s));
+      }
       const dw = f32x4.splat(f16ToF32(<u32>load<u16>(bp)));
       f0 = fma(f0, f32x4.convert_i32x4_s(i0), f32x4.mul(dw, v128.load(sp)));
       if (sizeof<N>() >= 2) f1 = fma(f1, f32x4.convert_i32x4_s(i1), f32x4.mul(dw, v128.load(sp, 16)));
@@ -711,6 +702,14 @@ function qTile16<Q, N>(
     if (sizeof<N>() >= 4) qStoreRows(o + 8 * os, os, f2, nrows - 8);
     if (sizeof<N>() >= 4) qStoreRows(o + 12 * os, os, f3, nrows - 12);
   }
+}
+
+/** Four weight pairs' dot products with one row group's pairs at p, p + 64, p + 128, p + 192, summed. */
+@inline
+function qDot4(p: usize, s0: v128, s1: v128, s2: v128, s3: v128): v128 {
+  const a = i32x4.add(i32x4.dot_i16x8_s(v128.load(p), s0), i32x4.dot_i16x8_s(v128.load(p, 64), s1));
+  const b = i32x4.add(i32x4.dot_i16x8_s(v128.load(p, 128), s2), i32x4.dot_i16x8_s(v128.load(p, 192), s3));
+  return i32x4.add(a, b);
 }
 
 /** The first `live` (up to 4) lanes of v at o, o + os, o + 2·os, o + 3·os. */

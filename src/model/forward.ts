@@ -386,7 +386,7 @@ export class ForwardPass {
         `KV pool length is not a whole number of pages: ${pool.length} elements, page ${this.#pageFloats}; size it with pageFloats(layout)`,
       );
     }
-    const numPages = pool.length / this.#pageFloats;
+    const numPages = (pool.length / this.#pageFloats) | 0; // whole (checked above), so an int32
     const pageSize = this.layout.pageSize;
     let total = 0;
     for (let s = 0; s < sequences.length; s++) {
@@ -399,7 +399,7 @@ export class ForwardPass {
           `Sequence ${s} spans positions beyond the model window: [${seq.startPos}, ${end}) with maxPositionEmbeddings ${cfg.maxPositionEmbeddings}`,
         );
       }
-      const pagesNeeded = Math.ceil(end / pageSize);
+      const pagesNeeded = ((end + pageSize - 1) / pageSize) | 0;
       if (seq.blockTable.length < pagesNeeded) {
         throw new KvfenceError(
           "internal",

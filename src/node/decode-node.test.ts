@@ -101,18 +101,21 @@ test("DecodeNode allocates nothing per token (~0 bytes over 2000 decode tokens)"
         () => {
           d.engine.step();
         },
-        // The kernels and the token sampler are not counted here: they have allocation tests of their own
-        // (forward.test.ts, sampler.test.ts). Run inside this long loop, Node 24's Maglev tier boxes
-        // a number in them now and then (8–20 KB a round of the TypeScript reference matmul).
-        { warmup: 1000, steps: 2000, rounds: 3, notIn: /\/kernels\/|\/model\/sampler\.js$/ },
+        // The forward pass (its kernels and its step check) and the token sampler are not counted
+        // here: they have allocation tests of their own (forward.test.ts, sampler.test.ts). Run
+        // inside this long loop, Node 24's Maglev tier boxes a number in them now and then (8–20 KB
+        // a round in the TypeScript reference matmul; 8.5 KB once in the step check, in CI).
+        { warmup: 1000, steps: 2000, rounds: 3, notIn: /\/kernels\/|\/model\/(sampler|forward)\.js$/ },
       ),
     );
     // (The node's own step loop, kicked at commit, may have run a few more steps between rounds.)
     assert.ok(d.seen.tokens >= 7000, `one token to the router per step: ${d.seen.tokens}`);
     assert.deepEqual(d.seen.other, [], "no failure, nothing else sent");
-    // The bound is half of one HeapNumber per token. What is left is the inter-token window's clock
-    // reads (two a round) and the histogram's observation of them: about 2–3 KB a round.
-    assert.ok(least.bytes < 12_000, `${least.bytes} bytes allocated over 2000 decode tokens: ${least.sites}`);
+    // One 12-byte HeapNumber per token is 24 KB a round: the bound is below it. What is left is the
+    // inter-token window's clock reads (two a round) and the histogram's observation of them, about
+    // 2–4 KB a round, and on a loaded machine on Node 24 now and then a number boxed by a function
+    // not yet optimized (8 KB once, in a builtin's frame).
+    assert.ok(least.bytes < 20_000, `${least.bytes} bytes allocated over 2000 decode tokens: ${least.sites}`);
   } finally {
     d.node.close();
   }

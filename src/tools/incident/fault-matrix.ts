@@ -15,6 +15,7 @@
  * outcomes into `docs/fault-matrix.md`.
  */
 import { randomBytes } from "node:crypto";
+import { PHASE_SECONDS_METRIC } from "../../lib/phase-histograms.js";
 import type { FaultName, GuardName } from "../../protocol/safety.js";
 import { GUARD_COUNTERS, metricSum, startIncidentServer } from "./incident.js";
 
@@ -248,7 +249,7 @@ async function untilDecodeReserved(server: IncidentServer, timeoutMs: number): P
 function commits(metrics: Map<string, number>): number {
   let n = 0;
   for (const [key, value] of metrics)
-    if (key.startsWith("kvfence_phase_seconds_count{") && key.includes('phase="commit"')) n += value;
+    if (key.startsWith(`${PHASE_SECONDS_METRIC}_count{`) && key.includes('phase="commit"')) n += value;
   return n;
 }
 

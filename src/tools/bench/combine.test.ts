@@ -27,6 +27,30 @@ test("pooling two chunks' pairs gives the interval of one run over all the pairs
   assert.match(formatPooled([pooled!], { atMost: 0.9 }), /\n {2}≤ 90\.0%: FAILS$/);
 });
 
+test("with three or more files, each file is also one unit: the interval of the files' mean logs", () => {
+  // Three chunks whose pairs agree within each chunk and differ between chunks (a draw per chunk):
+  // the pooled interval is narrow, the files' interval is not.
+  const chunk = (shift: number) => ({
+    r: pairedRatio(
+      [100, 100.2, 99.8, 100.1, 99.9].map((x) => x * shift),
+      [100, 100, 100, 100, 100],
+    ),
+  });
+  const shifts = [0.99, 1.0, 1.02];
+  const [pooled] = poolRatios(shifts.map(chunk));
+  const byFile = pooled!.byFile!;
+  assert.equal(byFile.n, 3);
+  const means = shifts.map((s) => Math.log(chunk(s).r.ratio));
+  assert.ok(Math.abs(Math.log(byFile.ratio) - means.reduce((a, b) => a + b) / 3) < 1e-12);
+  assert.ok(byFile.high - byFile.low > 3 * (pooled!.pooled.high - pooled!.pooled.low));
+  assert.ok(byFile.low < 0.99 && pooled!.pooled.low > 0.99);
+  assert.match(
+    formatPooled([pooled!], { atLeast: 0.99 }),
+    /over 15 pairs.*\n {2}≥ 99\.0%: holds\n {2}each file one unit: .* over 3 files\n {4}≥ 99\.0%: undecided$/,
+  );
+  assert.equal(poolRatios([chunk(1), chunk(1)])[0]!.byFile, null);
+});
+
 test("results of different benchmarks, or without logs, are refused", () => {
   const r = { variantOverBaseline: pairedRatio([1, 2], [2, 1]) };
   assert.throws(() => poolRatios([r, { other: pairedRatio([1, 2], [2, 1]) }]), /has no paired ratio at "/);

@@ -3,7 +3,11 @@
  * `--json` results), so a long A/B comparison can run in chunks. Every paired ratio in a result
  * (an object with a `ratio` and the pairs' `logs`, `src/lib/stats.ts`) is found by its path in the
  * JSON; the same path's logs from every file are concatenated and the interval computed again, as
- * if the pairs had come from one run.
+ * if the pairs had come from one run. With three or more files it also gives the interval with each
+ * file one unit (`byFile`: the mean of the files' mean logs, Student's t over the files): where each
+ * chunk runs on fresh servers and two servers of one build differ by a draw (docs/benchmarks.md §8),
+ * the pairs of one chunk share their servers' draw, the pooled interval leaves that out and this one
+ * does not.
  */
 import { readFileSync } from "node:fs";
 import { Command, InvalidArgumentError } from "commander";
@@ -14,6 +18,8 @@ export interface PooledRatio {
   readonly path: string;
   readonly perFile: readonly (RatioInterval | null)[];
   readonly pooled: RatioInterval;
+  /** Each file one unit: the interval of the files' mean log ratios (null under three files). */
+  readonly byFile: RatioInterval | null;
 }
 
 /** The paired ratios in a bench's JSON result, by path (e.g. `variantOverBaseline`, `arms.0.ratio`). */
@@ -49,7 +55,13 @@ export function poolRatios(results: readonly unknown[], only?: string): PooledRa
     const missing = perFile.indexOf(null);
     if (missing >= 0)
       throw new Error(`result ${missing + 1} has no paired ratio at "${path}": not the same benchmark`);
-    return { path, perFile, pooled: ratioOfLogs(perFile.flatMap((r) => r?.logs ?? [])) };
+    const means = perFile.map((r) => Math.log(r!.ratio));
+    return {
+      path,
+      perFile,
+      pooled: ratioOfLogs(perFile.flatMap((r) => r?.logs ?? [])),
+      byFile: means.length >= 3 ? ratioOfLogs(means) : null,
+    };
   });
 }
 
@@ -68,11 +80,16 @@ export function formatPooled(pooled: readonly PooledRatio[], goal: PooledGoal = 
     return `\n  ${above ? "≥" : "≤"} ${pct(bound)}: ${holds ? "holds" : fails ? "FAILS" : "undecided"}`;
   };
   return pooled
-    .map(({ path, perFile, pooled: p }) => {
+    .map(({ path, perFile, pooled: p, byFile }) => {
       const files = perFile.map((r) => `${pct(r!.ratio)} (n ${r!.n})`).join(", ");
       let line = `${path}: ${pct(p.ratio)} [95% CI ${pct(p.low)}–${pct(p.high)}] over ${p.n} pairs; per file ${files}`;
       if (goal.atLeast !== undefined) line += verdict(p, goal.atLeast, true);
       if (goal.atMost !== undefined) line += verdict(p, goal.atMost, false);
+      if (byFile !== null) {
+        line += `\n  each file one unit: ${pct(byFile.ratio)} [95% CI ${pct(byFile.low)}–${pct(byFile.high)}] over ${byFile.n} files`;
+        if (goal.atLeast !== undefined) line += verdict(byFile, goal.atLeast, true).replace("\n ", "\n   ");
+        if (goal.atMost !== undefined) line += verdict(byFile, goal.atMost, false).replace("\n ", "\n   ");
+      }
       return line;
     })
     .join("\n");

@@ -433,6 +433,7 @@ async function runRounds(
       for (const [i, a] of running.entries())
         a.rounds.push({ ...burst.get(a.arm)!, cpuSeconds: cpu1[i]! - cpu0[i]! });
     cpu0 = cpu1;
+    if (r < 0 && (r + 1) % 10 === 0) s.log(`warm-up: ${s.warmup + r + 1} of ${s.warmup} rounds`);
     if (r >= 0 && ((r + 1) % 10 === 0 || r + 1 === s.rounds))
       s.log(
         `round ${r + 1}/${s.rounds}: ${running

@@ -299,8 +299,9 @@ export function positiveInt(name: string): (value: string) => number {
 }
 
 /**
- * A bench command's action: runs it with its progress on stderr (none with `--json`), prints the
- * result as JSON or as `format` gives it, and exits 1 on a failure it reports or an error it throws.
+ * A bench command's action: runs it with its progress on stderr (with `--json` too: a run of
+ * minutes shows how far it is, and stdout holds only the JSON), prints the result as JSON or as
+ * `format` gives it, and exits 1 on a failure it reports or an error it throws.
  */
 export async function runBenchCli<R extends { readonly failures: readonly string[] }>(
   name: string,
@@ -309,7 +310,7 @@ export async function runBenchCli<R extends { readonly failures: readonly string
   format: (result: R) => string,
 ): Promise<void> {
   try {
-    const result = await run(json === true ? () => {} : (line) => process.stderr.write(`${line}\n`));
+    const result = await run((line) => process.stderr.write(`${line}\n`));
     process.stdout.write(`${json === true ? JSON.stringify(result, null, 2) : format(result)}\n`);
     if (result.failures.length > 0) process.exitCode = 1;
   } catch (err) {

@@ -74,10 +74,10 @@ export interface PooledGoal {
 }
 
 export function formatPooled(pooled: readonly PooledRatio[], goal: PooledGoal = {}): string {
-  const verdict = (p: RatioInterval, bound: number, above: boolean): string => {
+  const verdict = (p: RatioInterval, bound: number, above: boolean, indent = "  "): string => {
     const holds = above ? p.low >= bound : p.high <= bound;
     const fails = above ? p.high < bound : p.low > bound;
-    return `\n  ${above ? "≥" : "≤"} ${pct(bound)}: ${holds ? "holds" : fails ? "FAILS" : "undecided"}`;
+    return `\n${indent}${above ? "≥" : "≤"} ${pct(bound)}: ${holds ? "holds" : fails ? "FAILS" : "undecided"}`;
   };
   return pooled
     .map(({ path, perFile, pooled: p, byFile }) => {
@@ -87,8 +87,8 @@ export function formatPooled(pooled: readonly PooledRatio[], goal: PooledGoal = 
       if (goal.atMost !== undefined) line += verdict(p, goal.atMost, false);
       if (byFile !== null) {
         line += `\n  each file one unit: ${pct(byFile.ratio)} [95% CI ${pct(byFile.low)}–${pct(byFile.high)}] over ${byFile.n} files`;
-        if (goal.atLeast !== undefined) line += verdict(byFile, goal.atLeast, true).replace("\n ", "\n   ");
-        if (goal.atMost !== undefined) line += verdict(byFile, goal.atMost, false).replace("\n ", "\n   ");
+        if (goal.atLeast !== undefined) line += verdict(byFile, goal.atLeast, true, "    ");
+        if (goal.atMost !== undefined) line += verdict(byFile, goal.atMost, false, "    ");
       }
       return line;
     })

@@ -28,7 +28,11 @@ export const NONCE_BYTES = 16;
 export const MIN_SECRET_BYTES = 16;
 /** Fewest distinct byte values a secret may have. */
 export const MIN_SECRET_DISTINCT = 6;
-/** Longest run of one repeated byte a secret may have. */
+/**
+ * Longest run of one repeated byte a secret may have: 6, or a quarter of its length when that is
+ * more, so that a random value is refused only with a negligible probability (a 48-character
+ * `openssl rand -hex 24` holds a run of 7 once in about 400,000 draws; of 13, once in 10^13).
+ */
 export const MAX_SECRET_RUN = 6;
 /** Smallest estimated entropy (bits): byte-frequency Shannon entropy times length. */
 export const MIN_SECRET_ENTROPY_BITS = 32;
@@ -42,11 +46,14 @@ export function weakSecretReason(bytes: Uint8Array): string | null {
   if (counts.size < MIN_SECRET_DISTINCT) {
     return `too few distinct characters, ${MIN_SECRET_DISTINCT} at least: ${counts.size}`;
   }
+  const maxRun = Math.max(MAX_SECRET_RUN, Math.floor(n / 4));
   let run = 1;
+  let longest = 1;
   for (let i = 1; i < n; i++) {
     run = bytes[i] === bytes[i - 1] ? run + 1 : 1;
-    if (run > MAX_SECRET_RUN) return `a character repeats more than ${MAX_SECRET_RUN} times in a row: ${run}`;
+    longest = Math.max(longest, run);
   }
+  if (longest > maxRun) return `a character repeats more than ${maxRun} times in a row: ${longest}`;
   const steps = new Map<number, number>();
   for (let i = 1; i < n; i++) {
     const d = (bytes[i]! - bytes[i - 1]! + 256) & 255;

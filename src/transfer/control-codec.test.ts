@@ -62,7 +62,8 @@ test("clusterSecretBytes() refuses a trivially guessable secret and says which r
     ["abcdefghijklmnop", /arithmetic sequence/],
     ["0123456789abcdef", /arithmetic sequence/],
     ["k3x9q7w2k3x9q7w2k3x9q7w2", /repeats a 8-character pattern$/],
-    ["secret-zzzzzzzz-value", /repeats more than 6 times in a row: 7$/],
+    ["secret-zzzzzzzz-value", /repeats more than 6 times in a row: 8$/],
+    ["a-long-cluster-secret-0000000000000000", /repeats more than 9 times in a row: 16$/],
     ["aaaefbaeabcaaaad", /estimated entropy under 32 bits: 31.5 bits$/],
   ];
   for (const [secret, message] of weak) {
@@ -73,4 +74,12 @@ test("clusterSecretBytes() refuses a trivially guessable secret and says which r
     assert.ok(clusterSecretBytes(randomBytes(24).toString("hex")));
     assert.equal(weakSecretReason(randomBytes(16)), null);
   }
+  // A random hex secret may hold a run of 7 (about once in 400,000 draws; it once failed CI): the
+  // longest run allowed grows with the length, a quarter of it (12 characters here).
+  const hex = randomBytes(24).toString("hex");
+  assert.equal(weakSecretReason(Buffer.from(`${hex.slice(0, 20)}7777777${hex.slice(27)}`)), null);
+  assert.match(
+    weakSecretReason(Buffer.from(`${hex.slice(0, 20)}7777777777777${hex.slice(33)}`)) ?? "",
+    /more than 12 times in a row/,
+  );
 });

@@ -11,6 +11,7 @@
  */
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
+import { setTimeout as sleep } from "node:timers/promises";
 import OpenAI from "openai";
 import {
   assertPoolIdle,
@@ -20,6 +21,7 @@ import {
   TEST_OPERATOR_KEY,
 } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
+import { PING_INTERVAL_MS } from "../cluster/disaggregated-engine.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import { runProbe } from "../tools/probe/probe.js";
 
@@ -81,8 +83,15 @@ for (const topology of ["threads", "tcp"] as const) {
       const other = await ask(server, "sk-prefix-beta-002");
       assert.equal(cached(other.usage), 0, "another tenant's identical prompt is a miss");
       assert.equal(other.choices[0]!.message.content, reference);
-      const nodes = (await (await operatorGet(server.url, "/kvfence/nodes")).json()) as NodesInfo;
-      const prefillCached = nodes.nodes.filter((n) => n.role === "prefill").map((n) => n.cached_pages ?? 0);
+      // `cached_pages` is as of each node's last readiness ping (docs/api.md), and the requests
+      // above can all finish within one ping interval: read it until a ping has come since.
+      const deadline = Date.now() + 10 * PING_INTERVAL_MS;
+      let prefillCached: number[] = [];
+      do {
+        if (prefillCached.length > 0) await sleep(PING_INTERVAL_MS / 4);
+        const nodes = (await (await operatorGet(server.url, "/kvfence/nodes")).json()) as NodesInfo;
+        prefillCached = nodes.nodes.filter((n) => n.role === "prefill").map((n) => n.cached_pages ?? 0);
+      } while (!prefillCached.some((c) => c > 0) && Date.now() < deadline);
       assert.ok(
         prefillCached.some((c) => c > 0),
         `cached pages on a prefill node: ${JSON.stringify(prefillCached)}`,

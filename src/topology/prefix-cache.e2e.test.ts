@@ -85,13 +85,16 @@ for (const topology of ["threads", "tcp"] as const) {
       assert.equal(other.choices[0]!.message.content, reference);
       // `cached_pages` is as of each node's last readiness ping (docs/api.md), and the requests
       // above can all finish within one ping interval: read it until a ping has come since.
-      const deadline = Date.now() + 10 * PING_INTERVAL_MS;
-      let prefillCached: number[] = [];
-      do {
-        if (prefillCached.length > 0) await sleep(PING_INTERVAL_MS / 4);
+      const readPrefillCached = async () => {
         const nodes = (await (await operatorGet(server.url, "/kvfence/nodes")).json()) as NodesInfo;
-        prefillCached = nodes.nodes.filter((n) => n.role === "prefill").map((n) => n.cached_pages ?? 0);
-      } while (!prefillCached.some((c) => c > 0) && Date.now() < deadline);
+        return nodes.nodes.filter((n) => n.role === "prefill").map((n) => n.cached_pages ?? 0);
+      };
+      const deadline = Date.now() + 10 * PING_INTERVAL_MS;
+      let prefillCached = await readPrefillCached();
+      while (!prefillCached.some((c) => c > 0) && Date.now() < deadline) {
+        await sleep(PING_INTERVAL_MS / 4);
+        prefillCached = await readPrefillCached();
+      }
       assert.ok(
         prefillCached.some((c) => c > 0),
         `cached pages on a prefill node: ${JSON.stringify(prefillCached)}`,

@@ -74,21 +74,23 @@ export interface PooledGoal {
 }
 
 export function formatPooled(pooled: readonly PooledRatio[], goal: PooledGoal = {}): string {
-  const verdict = (p: RatioInterval, bound: number, above: boolean, indent = "  "): string => {
+  const verdict = (p: RatioInterval, bound: number, above: boolean, indent: string): string => {
     const holds = above ? p.low >= bound : p.high <= bound;
     const fails = above ? p.high < bound : p.low > bound;
     return `\n${indent}${above ? "≥" : "≤"} ${pct(bound)}: ${holds ? "holds" : fails ? "FAILS" : "undecided"}`;
   };
+  /** The goal's verdicts on `p`, one line each. */
+  const verdicts = (p: RatioInterval, indent: string): string =>
+    (goal.atLeast === undefined ? "" : verdict(p, goal.atLeast, true, indent)) +
+    (goal.atMost === undefined ? "" : verdict(p, goal.atMost, false, indent));
   return pooled
     .map(({ path, perFile, pooled: p, byFile }) => {
       const files = perFile.map((r) => `${pct(r!.ratio)} (n ${r!.n})`).join(", ");
       let line = `${path}: ${pct(p.ratio)} [95% CI ${pct(p.low)}–${pct(p.high)}] over ${p.n} pairs; per file ${files}`;
-      if (goal.atLeast !== undefined) line += verdict(p, goal.atLeast, true);
-      if (goal.atMost !== undefined) line += verdict(p, goal.atMost, false);
+      line += verdicts(p, "  ");
       if (byFile !== null) {
         line += `\n  each file one unit: ${pct(byFile.ratio)} [95% CI ${pct(byFile.low)}–${pct(byFile.high)}] over ${byFile.n} files`;
-        if (goal.atLeast !== undefined) line += verdict(byFile, goal.atLeast, true, "    ");
-        if (goal.atMost !== undefined) line += verdict(byFile, goal.atMost, false, "    ");
+        line += verdicts(byFile, "    ");
       }
       return line;
     })

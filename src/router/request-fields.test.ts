@@ -4,7 +4,10 @@
  * from their API reference and protocol sources) is either implemented — a value that would change
  * the answer changes the validated request — or refused with a 400 naming it, or neutral (it never
  * changes the answer: `NEUTRAL`, with the reason). A field accepted without effect fails, and so
- * does a field the table in docs/api.md classifies otherwise than the server behaves. The same for
+ * does a field the table in docs/api.md classifies otherwise than the server behaves. A field is
+ * refused only when the error names it as not supported (or not served); a probe value refused for
+ * what it is (a wrong type, out of range, disagreeing with another field) is a wrong probe, and
+ * fails, so that a field that works is never tabled as refused. The same for
  * OpenAI's `/v1/responses` fields (their own neutral list, `RESPONSES_NEUTRAL`: there `store: true`
  * is refused, since nothing is stored) and docs/api.md's table of them.
  */
@@ -60,7 +63,7 @@ const PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }>
   prompt: { value: "other" },
   model: { value: "other-model" },
   max_tokens: { value: 3 },
-  max_completion_tokens: { value: 3 },
+  max_completion_tokens: { value: 3, with: { max_tokens: null } },
   temperature: { value: 0.5 },
   top_p: { value: 0.5 },
   top_k: { value: 5 },
@@ -147,6 +150,11 @@ const PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }>
   verbosity: { value: "low" },
 };
 
+/** The /v1/completions values of fields whose shape differs there: its `logprobs` is a count. */
+const COMPLETIONS_PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }> = {
+  logprobs: { value: 2 },
+};
+
 /** The /v1/responses values of its own fields (and of shared names whose shape differs there). */
 const RESPONSES_PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }> = {
   input: { value: [{ role: "user", content: [{ type: "input_text", text: "other" }] }] },
@@ -168,16 +176,38 @@ const RESPONSES_PROBES: Record<string, { value: unknown; with?: Record<string, u
   moderation: { value: { model: "omni-moderation-latest" } },
 };
 
-function refusedParam(fn: () => unknown): string | null {
+/** The refusal of a request: the field its error names, and the message. */
+interface Refusal {
+  readonly param: string;
+  readonly message: string;
+}
+
+function refusal(fn: () => unknown): Refusal | null {
   try {
     fn();
     return null;
   } catch (err) {
     assert.ok(err instanceof KvfenceError, String(err));
     assert.equal(err.code, "invalid_request");
-    return err.param ?? "";
+    return { param: err.param ?? "", message: err.message };
   }
 }
+
+function refusedParam(fn: () => unknown): string | null {
+  return refusal(fn)?.param ?? null;
+}
+
+/** Whether an error refuses `field` as a field the server does not serve, not for its value. */
+function refusesAsUnsupported(field: string, { param, message }: Refusal): boolean {
+  const names = param === field || param.startsWith(`${field}.`) || param.startsWith(`${field}[`);
+  return names && message.includes(field) && /\bnot (?:supported|served)\b/.test(message);
+}
+
+const OWN_PROBES: Record<Endpoint, Record<string, { value: unknown; with?: Record<string, unknown> }>> = {
+  chat: {},
+  completions: COMPLETIONS_PROBES,
+  responses: RESPONSES_PROBES,
+};
 
 /** How the server treats `field` on `endpoint`. Throws when it is accepted without effect. */
 function classify(endpoint: Endpoint, field: string): Kind {
@@ -191,17 +221,18 @@ function classify(endpoint: Endpoint, field: string): Kind {
     );
     return "neutral";
   }
-  const probe = (endpoint === "responses" ? RESPONSES_PROBES[field] : undefined) ?? PROBES[field];
+  const probe = OWN_PROBES[endpoint][field] ?? PROBES[field];
   assert.ok(
     probe !== undefined,
     `${endpoint}: no probe for ${field}: classify it (implement, refuse, or NEUTRAL)`,
   );
   const base = { ...BASE[endpoint], ...probe.with };
-  const param = refusedParam(() => parse({ ...base, [field]: probe.value }));
-  if (param !== null) {
+  const refused = refusal(() => parse({ ...base, [field]: probe.value }));
+  if (refused !== null) {
     assert.ok(
-      param === field || param.startsWith(`${field}.`) || param.startsWith(`${field}[`),
-      `${endpoint}: ${field} is refused, but the error names ${JSON.stringify(param)}`,
+      refusesAsUnsupported(field, refused),
+      `${endpoint}: ${field} = ${JSON.stringify(probe.value)} is refused for its value, not as unsupported ` +
+        `(param ${JSON.stringify(refused.param)}: ${refused.message}): probe it with a value the server accepts`,
     );
     return "refused";
   }
@@ -247,6 +278,25 @@ test("every chat and completions field of OpenAI, vLLM and SGLang is implemented
     }
   }
   assert.deepEqual(problems, []);
+});
+
+test("refusesAsUnsupported() tells a field refused as unsupported from a value refused for what it is", () => {
+  const chat = (extra: Record<string, unknown>) => () => parseChatRequest({ ...BASE.chat, ...extra });
+  const completions = (extra: Record<string, unknown>) => () =>
+    parseCompletionRequest({ ...BASE.completions, ...extra });
+  const cases: [string, () => unknown, boolean][] = [
+    ["tools", chat({ tools: [tool] }), true],
+    ["suffix", completions({ suffix: "tail" }), true],
+    ["use_beam_search", completions({ use_beam_search: true }), true],
+    ["logprobs", completions({ logprobs: true }), false], // a count, not a boolean
+    ["logprobs", completions({ logprobs: 99 }), false], // out of range
+    ["max_completion_tokens", chat({ max_completion_tokens: 3 }), false], // disagrees with max_tokens 8
+  ];
+  for (const [field, request, unsupported] of cases) {
+    const refused = refusal(request);
+    assert.ok(refused !== null, `${field}: refused`);
+    assert.equal(refusesAsUnsupported(field, refused), unsupported, `${field}: ${refused.message}`);
+  }
 });
 
 test("docs/api.md lists every field with what the server does with it", () => {

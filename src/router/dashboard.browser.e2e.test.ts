@@ -1,6 +1,6 @@
 /**
  * The dashboard in a real browser (issue #18 item 5): playwright-core drives Debian's chromium
- * (/usr/bin/chromium, installed by .ci/run) against real servers — the threaded topology on the
+ * (/usr/bin/chromium, installed by npm test's pretest step) against real servers — the threaded topology on the
  * bundled model — with the operator key. Under load from the official `openai` client the page
  * map changes (pages held on both nodes, drawn on the canvas), and it returns to all free when the
  * requests end; a server started with the corrupt-transfer fault (its checksum guard on, as in
@@ -83,7 +83,7 @@ describe("the dashboard in chromium", { timeout: 180_000 }, () => {
   before(async () => {
     assert.ok(
       existsSync(CHROMIUM),
-      `no chromium at ${CHROMIUM}: install Debian's (apt-get install -y chromium; .ci/run does) or set KVFENCE_CHROMIUM`,
+      `no chromium at ${CHROMIUM}: install Debian's (apt-get install -y chromium; npm test's pretest step does) or set KVFENCE_CHROMIUM`,
     );
     // The prefix cache off: its cached pages would stay held (shared) after the requests end, and
     // this test watches the map return to all free.

@@ -1,6 +1,6 @@
 /**
  * A throwaway etcd for tests and `kvfence bench cluster --compare registry`: Debian's `etcd` binary
- * (package etcd-server, installed by .ci/run) on free 127.0.0.1 ports with a temporary data dir,
+ * (package etcd-server, installed by npm test's pretest step) on free 127.0.0.1 ports with a temporary data dir,
  * stopped and removed by `stop`. `restart` stops it and starts it again on the same ports and data
  * (etcd itself restarted).
  */

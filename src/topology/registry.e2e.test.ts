@@ -1,6 +1,6 @@
 /**
  * Membership in etcd (issue #19 items 1 and 6), with real processes: an etcd of its own (Debian's
- * etcd-server, installed by .ci/run), node processes that register with `--registry`, a router
+ * etcd-server, installed by npm test's pretest step), node processes that register with `--registry`, a router
  * process that watches it, and the official `openai` client. Nodes join and leave a running
  * cluster; a node whose layout differs from the cluster's is refused at its join; a forged entry
  * (an address that does not prove the cluster secret, or an entry that misstates the node behind
@@ -59,7 +59,10 @@ describe("a cluster whose membership is in etcd", () => {
   };
 
   before(async () => {
-    assert.ok(etcdAvailable(), "etcd is not installed: apt-get install -y etcd-server (.ci/run does)");
+    assert.ok(
+      etcdAvailable(),
+      "etcd is not installed: apt-get install -y etcd-server (npm test's pretest step does)",
+    );
     etcd = await startEtcd();
     await Promise.all([node("prefill"), node("decode")]);
     router = await spawnServe(

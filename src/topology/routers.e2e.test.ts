@@ -130,7 +130,10 @@ describe("two routers over the same nodes, membership in etcd", () => {
   };
 
   before(async () => {
-    assert.ok(etcdAvailable(), "etcd is not installed: apt-get install -y etcd-server (.ci/run does)");
+    assert.ok(
+      etcdAvailable(),
+      "etcd is not installed: apt-get install -y etcd-server (npm test's pretest step does)",
+    );
     dir = mkdtempSync(path.join(os.tmpdir(), "kvfence-routers-"));
     writeFileSync(path.join(dir, "keys.json"), JSON.stringify(KEYS));
     etcd = await startEtcd();

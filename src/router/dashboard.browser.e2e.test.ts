@@ -6,7 +6,7 @@
  * requests end; a server started with the corrupt-transfer fault (its checksum guard on, as in
  * docs/fault-matrix.md) shows its checksum guard counter, standing out, after one request. Without
  * the operator key the page is refused. With KVFENCE_WRITE_SCREENSHOTS=1 the screenshots the
- * README shows are written to docs/ (docs/dashboard.png, docs/dashboard-guard.png).
+ * README and docs/api.md show are written to docs/ (docs/dashboard.png, docs/dashboard-guard.png).
  */
 import assert from "node:assert/strict";
 import { existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";

@@ -13,7 +13,7 @@
  * (Llama 3), qwen2 and smollm. Anything else is refused with a one-line `unsupported_model` error
  * naming the architecture, tensor type or tokenizer. The tensors stay in their stored format: the
  * file is read whole (into the engines' shared memory when serving) and each matrix is a view of
- * it, widened or dequantised inside the kernels (src/model/weight-format.ts).
+ * it, widened or dequantised inside the kernels (src/kernels/weight-format.ts).
  *
  * llama.cpp's converter permutes the rows of Llama's Q and K projections (`permute` in
  * convert_hf_to_gguf.py: within each head, the two halves of the rotary dimensions are
@@ -22,8 +22,8 @@
  * numbers. Qwen2 is converted without a permutation (llama.cpp runs it with NeoX RoPE).
  */
 import { basename } from "node:path";
+import { decodeRange, type Matrix, type WeightDType } from "../kernels/weight-format.js";
 import { badModelFolder, unsupportedModel } from "./config-loader.js";
-import { decodeRange, type Matrix, type WeightDType } from "./weight-format.js";
 
 /** Architectures served, with the Hugging Face class each stands for. */
 const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {

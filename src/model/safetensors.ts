@@ -6,14 +6,13 @@
  * The whole file is read into one buffer (optionally a SharedArrayBuffer, so worker threads can
  * share the weights) in large chunks. F32 tensors whose data is 4-byte aligned are returned as views
  * into that buffer (no copy). `toMatrix` keeps F16 and BF16 at 2 bytes (a `WeightTensor` over the
- * same buffer, src/model/weight-format.ts); `toFloat32` widens them with tight loops over 16-bit
+ * same buffer, src/kernels/weight-format.ts); `toFloat32` widens them with tight loops over 16-bit
  * views (norms and biases, which stay f32).
  * Every offset is taken relative to the Uint8Array's own `byteOffset`, so parsing is correct for
  * pooled Node Buffers too. Parsing checks the header length, the JSON, each tensor's offsets
  * against the data actually present, and shape × dtype size against each byte range.
  */
 import { closeSync, fstatSync, openSync, readSync, writeSync } from "node:fs";
-import { KvfenceError } from "../lib/errors.js";
 import {
   f32ToBf16Bits,
   f32ToF16Bits,
@@ -22,7 +21,8 @@ import {
   WEIGHT_DTYPES,
   type WeightDType,
   weightBytes,
-} from "./weight-format.js";
+} from "../kernels/weight-format.js";
+import { KvfenceError } from "../lib/errors.js";
 
 /**
  * The `__metadata__` key naming the tensors stored in a block format (written by `kvfence

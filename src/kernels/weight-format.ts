@@ -200,45 +200,6 @@ export function quantizeQ4_0(x: Float32Array, out?: Uint8Array): Uint8Array {
   return y;
 }
 
-/** Dequantises `n` weights of Q8_0 blocks starting at block `block0` into out[0..n). */
-export function dequantizeQ8_0(
-  bytes: Uint8Array,
-  out: Float32Array,
-  n = out.length,
-  block0 = 0,
-): Float32Array {
-  checkBlocks(n, "dequantizeQ8_0");
-  const table = f16ValueTable();
-  for (let i = 0; i < n / QK; i++) {
-    const o = (block0 + i) * Q8_0_BLOCK_BYTES;
-    const d = table[(bytes[o] as number) | ((bytes[o + 1] as number) << 8)] as number;
-    for (let j = 0; j < QK; j++)
-      out[i * QK + j] = ((((bytes[o + 2 + j] as number) << 24) >> 24) * d) as number;
-  }
-  return out;
-}
-
-/** Dequantises `n` weights of Q4_0 blocks starting at block `block0` into out[0..n). */
-export function dequantizeQ4_0(
-  bytes: Uint8Array,
-  out: Float32Array,
-  n = out.length,
-  block0 = 0,
-): Float32Array {
-  checkBlocks(n, "dequantizeQ4_0");
-  const table = f16ValueTable();
-  for (let i = 0; i < n / QK; i++) {
-    const o = (block0 + i) * Q4_0_BLOCK_BYTES;
-    const d = table[(bytes[o] as number) | ((bytes[o + 1] as number) << 8)] as number;
-    for (let j = 0; j < QK / 2; j++) {
-      const q = bytes[o + 2 + j] as number;
-      out[i * QK + j] = ((q & 15) - 8) * d;
-      out[i * QK + QK / 2 + j] = ((q >> 4) - 8) * d;
-    }
-  }
-  return out;
-}
-
 // -----------------------------------------------------------------------------------------------
 // tensors
 

@@ -14,6 +14,7 @@
  */
 import { closeSync, fstatSync, openSync, readSync, writeSync } from "node:fs";
 import {
+  f16ValueTable,
   f32ToBf16Bits,
   f32ToF16Bits,
   type Matrix,
@@ -391,27 +392,11 @@ export function bf16ToF32(src: Uint16Array, dst: Uint32Array): void {
   for (let i = 0; i < n; i++) dst[i] = (src[i] as number) << 16;
 }
 
-let f16Table: Float32Array | undefined;
-
 /** IEEE half → f32 through a 65536-entry table (256 KiB, built on first use). */
 export function f16ToF32(src: Uint16Array, dst: Float32Array): void {
-  f16Table ??= buildF16Table();
-  const table = f16Table;
+  const table = f16ValueTable();
   const n = src.length;
   for (let i = 0; i < n; i++) dst[i] = table[src[i] as number] as number;
-}
-
-function buildF16Table(): Float32Array {
-  const table = new Float32Array(65536);
-  for (let h = 0; h < 65536; h++) {
-    const sign = h & 0x8000 ? -1 : 1;
-    const exp = (h >> 10) & 0x1f;
-    const frac = h & 0x3ff;
-    if (exp === 0) table[h] = sign * frac * 2 ** -24;
-    else if (exp === 31) table[h] = frac === 0 ? sign * Number.POSITIVE_INFINITY : Number.NaN;
-    else table[h] = sign * (1 + frac / 1024) * 2 ** (exp - 15);
-  }
-  return table;
 }
 
 /** One tensor to write: f32 data is stored as the given dtype (F32, F16 or BF16). */

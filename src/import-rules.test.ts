@@ -7,6 +7,7 @@
  * tools and cli on top. The router never touches weights or the forward pass (it tokenizes only),
  * and the probe and the pre-flight import only protocol wire types and lib helpers, so that they
  * work against any server. Tests may import anything; a folder with no rule is itself a failure.
+ * No source files import one another in a circle, not even through a type-only import.
  */
 import assert from "node:assert/strict";
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -26,7 +27,7 @@ interface Rule {
 
 /** For each folder under src/ (most specific wins), what it may import. */
 export const RULES: Record<string, Rule> = {
-  kernels: { src: ["kernels", "model/weight-format.ts"] },
+  kernels: { src: ["kernels"] },
   lib: { src: ["lib"] },
   model: { src: ["model", "kernels", "lib", "kvcache/kv-layout.ts"] },
   kvcache: { src: ["kvcache", "lib"] },
@@ -190,6 +191,47 @@ function checkPackageImport(rel: string, rule: Rule, spec: string): { violation?
   return {};
 }
 
+/** Each set of files under `srcDir` that import one another in a circle (type-only imports count). */
+export function importCircles(srcDir: string): string[] {
+  const graph = new Map<string, string[]>();
+  for (const file of sourceFiles(srcDir)) {
+    const targets = [...readFileSync(file, "utf8").matchAll(IMPORT)]
+      .map((m) => m[1] ?? m[2] ?? "")
+      .filter((spec) => spec.startsWith("."))
+      .map((spec) => relative(srcDir, resolve(dirname(file), spec.replace(/\.js$/, ".ts"))));
+    graph.set(relative(srcDir, file), targets);
+  }
+  return stronglyConnected(graph)
+    .filter((files) => files.length > 1)
+    .map((files) => files.sort().join(" ⇄ "))
+    .sort();
+}
+
+/** The strongly connected components of `graph` (Tarjan's algorithm); edges to unknown nodes are passed over. */
+function stronglyConnected(graph: ReadonlyMap<string, readonly string[]>): string[][] {
+  const index = new Map<string, number>();
+  const low = new Map<string, number>();
+  const stack: string[] = [];
+  const components: string[][] = [];
+  const visit = (v: string): void => {
+    index.set(v, index.size);
+    low.set(v, index.size - 1);
+    stack.push(v);
+    for (const w of graph.get(v) ?? []) {
+      if (!graph.has(w)) continue;
+      if (!index.has(w)) {
+        visit(w);
+        low.set(v, Math.min(low.get(v) as number, low.get(w) as number));
+      } else if (stack.includes(w)) {
+        low.set(v, Math.min(low.get(v) as number, index.get(w) as number));
+      }
+    }
+    if (low.get(v) === index.get(v)) components.push(stack.splice(stack.indexOf(v)));
+  };
+  for (const v of graph.keys()) if (!index.has(v)) visit(v);
+  return components;
+}
+
 test("src/ imports follow the layering, every folder has a rule", () => {
   assert.deepEqual(layeringViolations(join(ROOT, "src")), []);
 });
@@ -220,6 +262,24 @@ test("the layering check fails on planted violations: an upward import, a forbid
       "router/bad.ts imports model/forward.ts",
       "tools/probe/pkg.ts imports openai",
     ]);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+test("no files under src/ import one another in a circle, type-only imports included", () => {
+  assert.deepEqual(importCircles(join(ROOT, "src")), []);
+});
+
+test("the circle check finds a planted circle closed by a type-only import, and nothing outside it", () => {
+  const dir = mkdtempSync(join(tmpdir(), "kvfence-circles-"));
+  try {
+    mkdirSync(join(dir, "engine"));
+    writeFileSync(join(dir, "engine/a.ts"), 'import { b } from "./b.js";\n');
+    writeFileSync(join(dir, "engine/b.ts"), 'import { c } from "./c.js";\n');
+    writeFileSync(join(dir, "engine/c.ts"), 'import type { A } from "./a.js";\n');
+    writeFileSync(join(dir, "engine/d.ts"), 'import { a } from "./a.js";\n');
+    assert.deepEqual(importCircles(dir), ["engine/a.ts ⇄ engine/b.ts ⇄ engine/c.ts"]);
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }

@@ -8,16 +8,16 @@
  * innermost first, type, offset) and the data (each tensor 32-byte aligned) are written here, since
  * the library writes only the metadata. As the converter does: Llama's Q and K rows are permuted
  * (`permute`), 1-D tensors stay F32, every matrix takes the requested type (Q8_0/Q4_0 blocks by
- * ggml's reference quantisation, src/model/weight-format.ts), special added tokens are CONTROL and
+ * ggml's reference quantisation, src/kernels/weight-format.ts), special added tokens are CONTROL and
  * other added tokens USER_DEFINED, ids beyond the tokenizer are `[PADn]`. The pre-tokenizer is
  * written as "gpt2" (the byte-level one; the test tokenizers have no merges, so any split encodes the same).
  */
 import { closeSync, openSync, readFileSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { GGMLQuantizationType, GGUFValueType, serializeGgufMetadata } from "@huggingface/gguf";
+import { decodeMatrix, encodeWeight, type Matrix, type WeightDType } from "../src/kernels/weight-format.js";
 import { loadModel } from "../src/model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
-import { decodeMatrix, encodeWeight, type Matrix, type WeightDType } from "../src/model/weight-format.js";
 
 const GGUF_TYPE: Record<WeightDType, GGMLQuantizationType> = {
   f32: GGMLQuantizationType.F32,

@@ -2,9 +2,10 @@
  * Seeded random Llama/Qwen2 models for tests (no files): a small `ModelConfig` and matching f32
  * `ModelWeights`, plus a naive dense float64 forward pass to compare the paged one against.
  */
+
+import { decodeMatrix, type Matrix } from "../src/kernels/weight-format.js";
 import { Prng } from "../src/lib/prng.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "../src/model/model-config.js";
-import { decodeMatrix, type Matrix } from "../src/model/weight-format.js";
 
 export interface RandomModelOptions {
   architecture?: "llama" | "qwen2";

@@ -4,30 +4,19 @@
  * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
  * their engines here, one way.
  */
-import type { KvDtype } from "../kvcache/kv-layout.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
 import { Engine } from "./engine.js";
-import type { MemoryRegion } from "./engine-memory.js";
+import type { EngineLimits, MemoryRegion } from "./engine-memory.js";
 import { ENGINE_DEFAULTS, layoutOf } from "./engine-memory.js";
 import { createForward } from "./forward-setup.js";
 
 /** What an engine is built from: plain data, so it crosses a thread boundary as a worker's `workerData`. */
-export interface EngineBuildOptions {
+export interface EngineBuildOptions extends EngineLimits {
   /** A Hugging Face model folder or GGUF file, or a model already in memory (weights in SharedArrayBuffers are not copied). */
   readonly model: { readonly dir: string } | { readonly config: ModelConfig; readonly weights: ModelWeights };
-  /** Pages in the KV pool. */
-  readonly numPages: number;
-  /** Tokens per page. Default 16. */
-  readonly pageSize?: number;
-  /** The KV cache element type (`--kv-cache-dtype`). Default f16. */
-  readonly kvCacheDtype?: KvDtype;
-  /** Tokens per forward step. Default 256. */
-  readonly maxBatchTokens?: number;
-  /** Requests per forward step. Default 16. */
-  readonly maxSequences?: number;
   /** Prefill tokens per step. Default `maxBatchTokens`. */
   readonly maxPrefillTokens?: number;
   /** Context length to serve. Default: the model's window. */

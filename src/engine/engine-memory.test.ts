@@ -13,10 +13,10 @@ import { describe, it } from "node:test";
 import { writeGgufFromFolder } from "../../testing/gguf-writer.js";
 import { modelDir } from "../../testing/start-server.js";
 import type { WasmKernels } from "../kernels/wasm-kernels.js";
+import { type Matrix, matrixBytes, matrixDType } from "../kernels/weight-format.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { StepSequence } from "../model/forward.js";
 import { openModel, openModelMeta } from "../model/load-model.js";
-import { type Matrix, matrixBytes, matrixDType } from "../model/weight-format.js";
 import { engineRegionBytes, layoutOf, loadEngineMemory } from "./engine-memory.js";
 import { createForward } from "./forward-setup.js";
 

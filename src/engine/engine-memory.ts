@@ -6,7 +6,7 @@
  *
  * — then the weight files are read straight into it (fs.readSync into views of the memory's
  * buffer: no JavaScript copy of a file exists at any point; the tensors are views of it in their
- * stored format, src/model/weight-format.ts), and each engine thread
+ * stored format, src/kernels/weight-format.ts), and each engine thread
  * (the prefill and decode nodes of the default topology, or the one engine) runs its own kernel
  * set over the same memory with its region as its arena: its control block, activations, staging
  * and its own KV pool. The regions never overlap and the kernels refuse to write or to read a KV
@@ -20,6 +20,7 @@
  */
 import { statSync } from "node:fs";
 import type { MemoryRegion } from "../kernels/wasm-kernels.js";
+import { type Matrix, matrixBytes, type WeightTensor, weightBytes } from "../kernels/weight-format.js";
 import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, type KvLayout } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
@@ -32,8 +33,6 @@ import {
   weightFilesOf,
 } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { type Matrix, matrixBytes, type WeightTensor, weightBytes } from "../model/weight-format.js";
-import type { EngineBuildOptions } from "./build-engine.js";
 
 const PAGE_BYTES = 65536;
 /** What wasm32 addresses, in 64 KiB pages. */
@@ -48,8 +47,22 @@ export type { MemoryRegion };
 /** The step limits an engine gets by default (`maxBatchTokens`, `maxSequences`, `pageSize`). */
 export const ENGINE_DEFAULTS = { maxBatchTokens: 256, maxSequences: 16, pageSize: 16 } as const;
 
+/** The limits and pool an engine is built with (part of its build options, src/engine/build-engine.ts). */
+export interface EngineLimits {
+  /** Pages in the KV pool. */
+  readonly numPages: number;
+  /** Tokens per page. Default 16. */
+  readonly pageSize?: number;
+  /** The KV cache element type (`--kv-cache-dtype`). Default f16. */
+  readonly kvCacheDtype?: KvDtype;
+  /** Tokens per forward step. Default 256. */
+  readonly maxBatchTokens?: number;
+  /** Requests per forward step. Default 16. */
+  readonly maxSequences?: number;
+}
+
 /** Bytes of an engine's region in a shared memory, from its build options' limits and pool. */
-export function regionBytesOf(config: ModelConfig, options: Omit<EngineBuildOptions, "model">): number {
+export function regionBytesOf(config: ModelConfig, options: EngineLimits): number {
   return engineRegionBytes(config, layoutOf(config, options), {
     maxBatchTokens: options.maxBatchTokens ?? ENGINE_DEFAULTS.maxBatchTokens,
     maxSequences: options.maxSequences ?? ENGINE_DEFAULTS.maxSequences,

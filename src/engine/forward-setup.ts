@@ -14,12 +14,12 @@
 import type { Kernels } from "../kernels/kernels.js";
 import { referenceKernels } from "../kernels/kernels.js";
 import { type MemoryRegion, WasmKernels } from "../kernels/wasm-kernels.js";
+import { type Matrix, matrixBytes } from "../kernels/weight-format.js";
 import type { KvLayout } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { ForwardPass } from "../model/forward.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { type Matrix, matrixBytes } from "../model/weight-format.js";
 import { attentionStagingBytes } from "./engine-memory.js";
 
 /** Which kernels a forward pass runs on. */

@@ -16,11 +16,11 @@
  * write's rounding and `kvWidening` the read's exact widening, written here from the IEEE formats
  * so the WebAssembly kernels' bit tricks are checked against an independent implementation.
  *
- * Weights may be any format of src/model/weight-format.ts (the only module this one imports): a
+ * Weights may be any format of weight-format.ts (the only module this one imports): a
  * matrix that is not a Float32Array is dequantised to f32, a block of rows at a time, and then
  * multiplied exactly as an f32 one — the independent reference every fast kernel is compared with.
  */
-import { decodeMatrixRange, type Matrix } from "../model/weight-format.js";
+import { decodeMatrixRange, type Matrix } from "./weight-format.js";
 
 /**
  * out[rows][outDim] = x[rows][inDim] · w[outDim][inDim]ᵀ.

@@ -35,10 +35,10 @@
  * are tested against the reference kernels and the golden logits.
  */
 import { Worker } from "node:worker_threads";
-import { type Matrix, matrixDType, type WeightDType } from "../model/weight-format.js";
 import type { Kernels } from "./kernels.js";
 import type { AttentionSequence } from "./reference.js";
 import * as ref from "./reference.js";
+import { type Matrix, matrixDType, type WeightDType } from "./weight-format.js";
 
 // The WebAssembly JS API as far as this module uses it (lib "ES2023" and @types/node 20 omit it).
 declare global {

@@ -1,6 +1,6 @@
 /**
  * The WebAssembly matmul on every weight format against the reference kernels, which dequantise to
- * f32 (src/model/weight-format.ts) and multiply in doubles.
+ * f32 (src/kernels/weight-format.ts) and multiply in doubles.
  *
  * f16 and bf16 weights are widened inside the kernel, so the result is the f32 one: rtol 1e-4.
  * Q8_0 and Q4_0 weights are multiplied as int8 against Q8_0-quantised activations (as llama.cpp
@@ -10,10 +10,10 @@
  */
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
-import { decodeMatrix, encodeWeight, type WeightDType, type WeightTensor } from "../model/weight-format.js";
 import { assertAllClose } from "./assert-all-close.js";
 import * as ref from "./reference.js";
 import { WasmKernels } from "./wasm-kernels.js";
+import { decodeMatrix, encodeWeight, type WeightDType, type WeightTensor } from "./weight-format.js";
 
 function fill(a: Float32Array, seed: number, scale = 1): Float32Array {
   let s = seed >>> 0 || 1;

@@ -48,6 +48,7 @@
  * after the data. Generations are u32 and wrap after 2^31 allocate/free pairs of one page.
  */
 import { KvfenceError } from "../lib/errors.js";
+import { checkBufferRange } from "./buffer-range.js";
 
 export const PageState = {
   FREE: 0,
@@ -124,18 +125,13 @@ export class OwnershipTable {
     const byteOffset = options.byteOffset ?? 0;
     const bytes = OwnershipTable.bytesFor(numPages);
     const buffer = options.buffer ?? new ArrayBuffer(bytes);
-    if (!Number.isInteger(byteOffset) || byteOffset < 0 || byteOffset % 4 !== 0) {
-      throw new KvfenceError(
-        "config_invalid",
-        `Ownership table byte offset must be a non-negative multiple of 4: ${byteOffset}`,
-      );
-    }
-    if (byteOffset + bytes > buffer.byteLength) {
-      throw new KvfenceError(
-        "config_invalid",
-        `Ownership table of ${numPages} pages needs ${bytes} bytes at offset ${byteOffset}, buffer has: ${buffer.byteLength}; size it with OwnershipTable.bytesFor()`,
-      );
-    }
+    checkBufferRange("Ownership table", {
+      numPages,
+      bytes,
+      byteOffset,
+      buffer,
+      sizedBy: "OwnershipTable.bytesFor",
+    });
     this.numPages = numPages;
     this.#bytes = new Uint8Array(buffer, byteOffset, bytes);
     this.#header = new Int32Array(buffer, byteOffset, HEADER_WORDS);
@@ -244,11 +240,7 @@ export class OwnershipTable {
    * page leaves only through `releaseQuarantine`.
    */
   free(page: number, generation: number, rid: number, epoch: number): boolean {
-    if (!this.#holds(page, generation, rid, epoch)) return false;
-    const state = this.#state[page]!;
-    if (state === PageState.RESERVED) this.#header[H_RESERVED] = this.#header[H_RESERVED]! - 1;
-    else if (state === PageState.READY) this.#header[H_READY] = this.#header[H_READY]! - 1;
-    else return false;
+    if (!this.#leaveLease(page, generation, rid, epoch)) return false;
     this.#pushFree(page);
     return true;
   }
@@ -259,13 +251,23 @@ export class OwnershipTable {
    * `releaseQuarantine`.
    */
   quarantine(page: number, generation: number, rid: number, epoch: number): boolean {
+    if (!this.#leaveLease(page, generation, rid, epoch)) return false;
+    this.#state[page] = PageState.QUARANTINED;
+    this.#header[H_QUARANTINED] = this.#header[H_QUARANTINED]! + 1;
+    return true;
+  }
+
+  /**
+   * The first half of `free` and `quarantine`: for the lease holder of a RESERVED or READY page,
+   * takes the page out of its state's count and returns true (the caller sets the next state);
+   * false, changing nothing, for anyone else or any other state.
+   */
+  #leaveLease(page: number, generation: number, rid: number, epoch: number): boolean {
     if (!this.#holds(page, generation, rid, epoch)) return false;
     const state = this.#state[page]!;
     if (state === PageState.RESERVED) this.#header[H_RESERVED] = this.#header[H_RESERVED]! - 1;
     else if (state === PageState.READY) this.#header[H_READY] = this.#header[H_READY]! - 1;
     else return false;
-    this.#state[page] = PageState.QUARANTINED;
-    this.#header[H_QUARANTINED] = this.#header[H_QUARANTINED]! + 1;
     return true;
   }
 
@@ -286,14 +288,7 @@ export class OwnershipTable {
    * `(rid, epoch)`'s own data (writer stamp). Integer compares only.
    */
   checkRead(page: number, generation: number, rid: number, epoch: number): boolean {
-    return (
-      this.#generation[page] === generation &&
-      this.#state[page] === PageState.READY &&
-      this.#owner[page] === rid &&
-      this.#ownerEpoch[page] === epoch &&
-      this.#writerRid[page] === rid &&
-      this.#writerEpoch[page] === epoch
-    );
+    return this.#ownWritten(page, generation, PageState.READY, rid, epoch);
   }
 
   /**
@@ -442,13 +437,7 @@ export class OwnershipTable {
    */
   checkSibling(page: number, generation: number, groupRid: number, groupEpoch: number): boolean {
     return (
-      this.#generation[page] === generation &&
-      this.#state[page] === PageState.SHARED &&
-      this.#owner[page] === groupRid &&
-      this.#ownerEpoch[page] === groupEpoch &&
-      this.#writerRid[page] === groupRid &&
-      this.#writerEpoch[page] === groupEpoch &&
-      this.#refcount[page]! > 0
+      this.#ownWritten(page, generation, PageState.SHARED, groupRid, groupEpoch) && this.#refcount[page]! > 0
     );
   }
 
@@ -582,6 +571,18 @@ export class OwnershipTable {
   }
   writerEpoch(page: number): number {
     return this.#writerEpoch[page]!;
+  }
+
+  /** `page` is in `state` at `generation`, leased to `(rid, epoch)` and holding its data (writer stamp). */
+  #ownWritten(page: number, generation: number, state: PageState, rid: number, epoch: number): boolean {
+    return (
+      this.#generation[page] === generation &&
+      this.#state[page] === state &&
+      this.#owner[page] === rid &&
+      this.#ownerEpoch[page] === epoch &&
+      this.#writerRid[page] === rid &&
+      this.#writerEpoch[page] === epoch
+    );
   }
 
   #holds(page: number, generation: number, rid: number, epoch: number): boolean {

@@ -49,6 +49,7 @@
 
 import { KvfenceError } from "../lib/errors.js";
 import type { BlockTable } from "./block-table.js";
+import { checkBufferRange } from "./buffer-range.js";
 import type { KvDtype, KvLayout } from "./kv-layout.js";
 import { kvDtypeOf, kvElementBytes, pageBytes, pageFloats } from "./kv-layout.js";
 import { OwnershipTable, type PageCounts, PageState } from "./ownership-table.js";
@@ -112,18 +113,13 @@ export class PagePool {
     const dataBytes = PagePool.dataBytesFor(layout, numPages);
     const dataOffset = options.dataByteOffset ?? 0;
     const dataBuffer = options.dataBuffer ?? new SharedArrayBuffer(dataBytes);
-    if (!Number.isInteger(dataOffset) || dataOffset < 0 || dataOffset % 4 !== 0) {
-      throw new KvfenceError(
-        "config_invalid",
-        `KV pool byte offset must be a non-negative multiple of 4: ${dataOffset}`,
-      );
-    }
-    if (dataOffset + dataBytes > dataBuffer.byteLength) {
-      throw new KvfenceError(
-        "config_invalid",
-        `KV pool of ${numPages} pages needs ${dataBytes} bytes at offset ${dataOffset}, buffer has: ${dataBuffer.byteLength}; size it with PagePool.dataBytesFor()`,
-      );
-    }
+    checkBufferRange("KV pool", {
+      numPages,
+      bytes: dataBytes,
+      byteOffset: dataOffset,
+      buffer: dataBuffer,
+      sizedBy: "PagePool.dataBytesFor",
+    });
     this.data =
       kvElementBytes(this.dtype) === 4
         ? new Float32Array(dataBuffer, dataOffset, numPages * this.pageFloats)

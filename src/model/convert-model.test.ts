@@ -8,13 +8,13 @@ import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { test } from "node:test";
+import { matrixBytes, matrixDType, type WeightDType } from "../kernels/weight-format.js";
 import { KvfenceError } from "../lib/errors.js";
 import { packageRoot } from "../lib/package-root.js";
 import { convertModelFolder, convertWeights } from "./convert-model.js";
 import { genModel } from "./gen-model.js";
 import { loadModel } from "./load-model.js";
 import { WEIGHT_FORMATS_KEY } from "./safetensors.js";
-import { matrixBytes, matrixDType, type WeightDType } from "./weight-format.js";
 
 const tiny = (): string => join(packageRoot(), "models", "kvfence-tiny");
 

@@ -11,11 +11,17 @@
  */
 import { closeSync, copyFileSync, existsSync, mkdirSync, openSync } from "node:fs";
 import { join, resolve } from "node:path";
+import {
+  convertMatrix,
+  type Matrix,
+  matrixBytes,
+  matrixDType,
+  type WeightDType,
+} from "../kernels/weight-format.js";
 import { KvfenceError } from "../lib/errors.js";
 import { expectedTensors, loadModel } from "./load-model.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
 import { safetensorsHeader, WEIGHT_FORMATS_KEY, writeAllSync } from "./safetensors.js";
-import { convertMatrix, type Matrix, matrixBytes, matrixDType, type WeightDType } from "./weight-format.js";
 
 /** The model's weight matrices in `dtype` (norms and biases stay f32); a tied LM head stays tied. */
 export function convertWeights(w: ModelWeights, config: ModelConfig, dtype: WeightDType): ModelWeights {

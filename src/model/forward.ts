@@ -22,10 +22,10 @@
  */
 import { type Kernels, referenceKernels } from "../kernels/kernels.js";
 import { type AttentionSequence, ropeTables } from "../kernels/reference.js";
+import { decodeMatrixRange, type Matrix, matrixElements } from "../kernels/weight-format.js";
 import { type KvLayout, kvDtypeCode, kvDtypeOf, pageFloats } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ModelConfig, ModelWeights } from "./model-config.js";
-import { decodeMatrixRange, type Matrix, matrixElements } from "./weight-format.js";
 
 /** A step's attention record of one sequence, rewritten in place every step (no allocation). */
 type MutableAttentionSequence = { -readonly [K in keyof AttentionSequence]: AttentionSequence[K] };

@@ -5,6 +5,7 @@ import { join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { command } from "../cli/gen-model.js";
+import { decodeMatrix } from "../kernels/weight-format.js";
 import {
   byteLevelTokenizerJson,
   chatmlTokenizerConfig,
@@ -14,7 +15,6 @@ import {
   MODEL_SHAPES,
 } from "./gen-model.js";
 import { loadModel } from "./load-model.js";
-import { decodeMatrix } from "./weight-format.js";
 
 function withTempDir<T>(fn: (dir: string) => T): T {
   const dir = mkdtempSync(join(tmpdir(), "kvfence-gen-"));

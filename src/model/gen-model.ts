@@ -18,6 +18,7 @@ import { expectedTensors } from "./load-model.js";
 import type { ModelConfig } from "./model-config.js";
 import { encodeTensorData, safetensorsHeader, writeAllSync } from "./safetensors.js";
 import { BYTE_TO_CHAR } from "./tokenizer.js";
+import { addedToken, bpeTokenizerJson, byteLevel } from "./tokenizer-json.js";
 
 /** Shapes of a Llama-family model, as config.json states them. */
 export interface ModelShape {
@@ -140,36 +141,15 @@ export function byteLevelTokenizerJson(vocabSize: number): Record<string, unknow
   const vocab: Record<string, number> = {};
   for (let b = 0; b < 256; b++) vocab[BYTE_TO_CHAR[b] as string] = b;
   for (let id = BYTE_TOKENIZER_BASE; id < vocabSize; id++) vocab[fillerToken(id - BYTE_TOKENIZER_BASE)] = id;
-  return {
-    version: "1.0",
-    truncation: null,
-    padding: null,
-    added_tokens: SPECIAL_TOKENS.map((content, i) => ({
-      id: FIRST_SPECIAL_ID + i,
-      content,
-      single_word: false,
-      lstrip: false,
-      rstrip: false,
-      normalized: false,
-      special: true,
-    })),
-    normalizer: null,
-    pre_tokenizer: { type: "ByteLevel", add_prefix_space: false, trim_offsets: false, use_regex: false },
-    post_processor: null,
-    decoder: { type: "ByteLevel", add_prefix_space: false, trim_offsets: false, use_regex: false },
-    model: {
-      type: "BPE",
-      dropout: null,
-      unk_token: null,
-      continuing_subword_prefix: null,
-      end_of_word_suffix: null,
-      fuse_unk: false,
-      byte_fallback: false,
-      ignore_merges: false,
-      vocab,
-      merges: [],
-    },
-  };
+  return bpeTokenizerJson({
+    vocab,
+    merges: [],
+    addedTokens: SPECIAL_TOKENS.map((content, i) => addedToken(FIRST_SPECIAL_ID + i, content, true)),
+    preTokenizer: byteLevel(false),
+    postProcessor: null,
+    decoder: byteLevel(false),
+    ignoreMerges: false,
+  });
 }
 
 /** tokenizer_config.json for the byte-level ChatML tokenizer (as kvfence-tiny's). */

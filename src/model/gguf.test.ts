@@ -13,9 +13,6 @@ import { after, test } from "node:test";
 import { GGMLQuantizationType, GGUFValueType } from "@huggingface/gguf";
 import { type WriteGgufOptions, writeGgufFromFolder } from "../../testing/gguf-writer.js";
 import { modelDir } from "../../testing/start-server.js";
-import { KvfenceError } from "../lib/errors.js";
-import { loadModel, openModel } from "./load-model.js";
-import type { ModelConfig, ModelWeights } from "./model-config.js";
 import {
   decodeMatrix,
   decodeWeight,
@@ -23,7 +20,10 @@ import {
   type Matrix,
   matrixDType,
   WEIGHT_DTYPES,
-} from "./weight-format.js";
+} from "../kernels/weight-format.js";
+import { KvfenceError } from "../lib/errors.js";
+import { loadModel, openModel } from "./load-model.js";
+import type { ModelConfig, ModelWeights } from "./model-config.js";
 
 const tmp = mkdtempSync(join(tmpdir(), "kvfence-gguf-"));
 after(() => rmSync(tmp, { recursive: true, force: true }));

@@ -13,7 +13,7 @@
  * (Llama 3), qwen2 and smollm. Anything else is refused with a one-line `unsupported_model` error
  * naming the architecture, tensor type or tokenizer. The tensors stay in their stored format: the
  * file is read whole (into the engines' shared memory when serving) and each matrix is a view of
- * it, widened or dequantised inside the kernels (src/model/weight-format.ts).
+ * it, widened or dequantised inside the kernels (src/kernels/weight-format.ts).
  *
  * llama.cpp's converter permutes the rows of Llama's Q and K projections (`permute` in
  * convert_hf_to_gguf.py: within each head, the two halves of the rotary dimensions are
@@ -22,8 +22,9 @@
  * numbers. Qwen2 is converted without a permutation (llama.cpp runs it with NeoX RoPE).
  */
 import { basename } from "node:path";
+import { decodeRange, type Matrix, type WeightDType } from "../kernels/weight-format.js";
 import { badModelFolder, unsupportedModel } from "./config-loader.js";
-import { decodeRange, type Matrix, type WeightDType } from "./weight-format.js";
+import { addedToken, bpeTokenizerJson, byteLevel } from "./tokenizer-json.js";
 
 /** Architectures served, with the Hugging Face class each stands for. */
 const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
@@ -261,12 +262,6 @@ const LLAMA3_SPLIT =
   "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 const QWEN2_SPLIT =
   "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-const byteLevel = (useRegex: boolean) => ({
-  type: "ByteLevel",
-  add_prefix_space: false,
-  trim_offsets: false,
-  use_regex: useRegex,
-});
 const splitThenBytes = (regex: string) => ({
   type: "Sequence",
   pretokenizers: [
@@ -324,15 +319,7 @@ function ggufTokenizer(
     if (!Object.hasOwn(vocab, token)) vocab[token] = id;
     const type = Array.isArray(types) ? types[id] : undefined;
     if (type === TOKEN_CONTROL || type === TOKEN_USER_DEFINED) {
-      added.push({
-        id,
-        content: token,
-        single_word: false,
-        lstrip: false,
-        rstrip: false,
-        normalized: false,
-        special: type === TOKEN_CONTROL,
-      });
+      added.push(addedToken(id, token, type === TOKEN_CONTROL));
     }
   });
   const text = (key: string): string | null => {
@@ -342,14 +329,12 @@ function ggufTokenizer(
   const bos = text("tokenizer.ggml.bos_token_id");
   const addBos = meta["tokenizer.ggml.add_bos_token"] === true && bos !== null;
   const bosId = num(meta, "tokenizer.ggml.bos_token_id");
-  const tokenizerJson = {
-    version: "1.0",
-    truncation: null,
-    padding: null,
-    added_tokens: added,
-    normalizer: null,
-    pre_tokenizer: pre.pre,
-    post_processor: addBos
+  const tokenizerJson = bpeTokenizerJson({
+    vocab,
+    merges,
+    addedTokens: added,
+    preTokenizer: pre.pre,
+    postProcessor: addBos
       ? {
           type: "TemplateProcessing",
           single: [{ SpecialToken: { id: bos, type_id: 0 } }, { Sequence: { id: "A", type_id: 0 } }],
@@ -362,19 +347,8 @@ function ggufTokenizer(
         }
       : null,
     decoder: byteLevel(true),
-    model: {
-      type: "BPE",
-      dropout: null,
-      unk_token: null,
-      continuing_subword_prefix: null,
-      end_of_word_suffix: null,
-      fuse_unk: false,
-      byte_fallback: false,
-      ignore_merges: pre.ignoreMerges,
-      vocab,
-      merges,
-    },
-  };
+    ignoreMerges: pre.ignoreMerges,
+  });
   const template = meta["tokenizer.chat_template"];
   const tokenizerConfig = {
     bos_token: bos,

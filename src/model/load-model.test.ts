@@ -5,10 +5,10 @@ import { join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { type ModelFolderOptions, rawSafetensors, writeModelFolder } from "../../testing/model-folder.js";
+import { decodeMatrix, matrixBytes, matrixElements } from "../kernels/weight-format.js";
 import { KvfenceError } from "../lib/errors.js";
 import { delayedProgress, formatLoadProgress, type LoadProgress, loadModel } from "./load-model.js";
 import { encodeTensorData, type TensorToWrite } from "./safetensors.js";
-import { decodeMatrix, matrixBytes, matrixElements } from "./weight-format.js";
 
 /** Builds a folder, runs `fn` on it, and removes it. */
 function withFolder<T>(

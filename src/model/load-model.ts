@@ -12,6 +12,7 @@
  */
 import { statSync } from "node:fs";
 import { basename, join, resolve } from "node:path";
+import { convertMatrix, type Matrix, matrixBytes, type WeightDType } from "../kernels/weight-format.js";
 import { badModelFolder, loadModelConfig, parseModelConfig, readJsonFile } from "./config-loader.js";
 import { type GgufModel, ggufMatrix, isGgufPath, readGgufModel } from "./gguf.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
@@ -24,7 +25,6 @@ import {
   loadGenerationDefaults,
   ModelTokenizer,
 } from "./tokenizer.js";
-import { convertMatrix, type Matrix, matrixBytes, type WeightDType } from "./weight-format.js";
 
 export interface LoadProgress {
   /** The weights file being read or converted. */

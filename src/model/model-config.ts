@@ -3,7 +3,7 @@
  * config-loader.ts) turns a Hugging Face `config.json` (Llama, Mistral, Qwen2) into this, refusing
  * anything it does not implement.
  */
-import type { Matrix } from "./weight-format.js";
+import type { Matrix } from "../kernels/weight-format.js";
 export interface ModelConfig {
   readonly architecture: "llama" | "mistral" | "qwen2";
   readonly hiddenSize: number;
@@ -25,7 +25,7 @@ export interface ModelConfig {
 
 /**
  * Weights row-major `[out][in]` exactly as stored in safetensors (a Linear's weight). The matrices
- * are in their stored format (src/model/weight-format.ts: a Float32Array for f32, a `WeightTensor`
+ * are in their stored format (src/kernels/weight-format.ts: a Float32Array for f32, a `WeightTensor`
  * for f16, bf16, Q8_0, Q4_0); norms and biases are always f32, as llama.cpp keeps them. When
  * embeddings are tied, `lmHead` is the same object as `embed`.
  */

@@ -27,11 +27,11 @@ import {
 import { maxAbsDiff } from "../kernels/assert-all-close.js";
 import type { Kernels } from "../kernels/kernels.js";
 import { WasmKernels } from "../kernels/wasm-kernels.js";
+import { matrixDType, type WeightDType } from "../kernels/weight-format.js";
 import { packageRoot } from "../lib/package-root.js";
 import { convertModelFolder } from "./convert-model.js";
 import { ForwardPass } from "./forward.js";
 import { type LoadedModel, loadModel } from "./load-model.js";
-import { matrixDType, type WeightDType } from "./weight-format.js";
 
 interface Golden {
   vocabSize: number;

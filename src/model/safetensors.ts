@@ -6,15 +6,15 @@
  * The whole file is read into one buffer (optionally a SharedArrayBuffer, so worker threads can
  * share the weights) in large chunks. F32 tensors whose data is 4-byte aligned are returned as views
  * into that buffer (no copy). `toMatrix` keeps F16 and BF16 at 2 bytes (a `WeightTensor` over the
- * same buffer, src/model/weight-format.ts); `toFloat32` widens them with tight loops over 16-bit
+ * same buffer, src/kernels/weight-format.ts); `toFloat32` widens them with tight loops over 16-bit
  * views (norms and biases, which stay f32).
  * Every offset is taken relative to the Uint8Array's own `byteOffset`, so parsing is correct for
  * pooled Node Buffers too. Parsing checks the header length, the JSON, each tensor's offsets
  * against the data actually present, and shape × dtype size against each byte range.
  */
 import { closeSync, fstatSync, openSync, readSync, writeSync } from "node:fs";
-import { KvfenceError } from "../lib/errors.js";
 import {
+  f16ValueTable,
   f32ToBf16Bits,
   f32ToF16Bits,
   type Matrix,
@@ -22,7 +22,8 @@ import {
   WEIGHT_DTYPES,
   type WeightDType,
   weightBytes,
-} from "./weight-format.js";
+} from "../kernels/weight-format.js";
+import { KvfenceError } from "../lib/errors.js";
 
 /**
  * The `__metadata__` key naming the tensors stored in a block format (written by `kvfence
@@ -391,27 +392,11 @@ export function bf16ToF32(src: Uint16Array, dst: Uint32Array): void {
   for (let i = 0; i < n; i++) dst[i] = (src[i] as number) << 16;
 }
 
-let f16Table: Float32Array | undefined;
-
 /** IEEE half → f32 through a 65536-entry table (256 KiB, built on first use). */
 export function f16ToF32(src: Uint16Array, dst: Float32Array): void {
-  f16Table ??= buildF16Table();
-  const table = f16Table;
+  const table = f16ValueTable();
   const n = src.length;
   for (let i = 0; i < n; i++) dst[i] = table[src[i] as number] as number;
-}
-
-function buildF16Table(): Float32Array {
-  const table = new Float32Array(65536);
-  for (let h = 0; h < 65536; h++) {
-    const sign = h & 0x8000 ? -1 : 1;
-    const exp = (h >> 10) & 0x1f;
-    const frac = h & 0x3ff;
-    if (exp === 0) table[h] = sign * frac * 2 ** -24;
-    else if (exp === 31) table[h] = frac === 0 ? sign * Number.POSITIVE_INFINITY : Number.NaN;
-    else table[h] = sign * (1 + frac / 1024) * 2 ** (exp - 15);
-  }
-  return table;
 }
 
 /** One tensor to write: f32 data is stored as the given dtype (F32, F16 or BF16). */

@@ -53,7 +53,7 @@ import { guardOn } from "../protocol/safety.js";
 import { attemptKey, type ControlMessage, type FirstLogprobs } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { TransferHandlers } from "../transfer/transport.js";
-import { addTransfer, GREEDY, NodeCore, type NodeOptions } from "./node-core.js";
+import { addTransfer, GREEDY, NodeCore, type NodeOptions, requestSampling } from "./node-core.js";
 
 /** `toRouter` must send a message on before it returns and never keep it: the node reuses the one carrying each token. */
 export type DecodeNodeOptions = NodeOptions;
@@ -549,13 +549,7 @@ export class DecodeNode {
           ? Int32Array.from(sampling.prompt)
           : new Int32Array(effect.promptLen),
       maxTokens: attempt.maxTokens,
-      temperature: sampling.temperature,
-      topP: sampling.topP,
-      topK: sampling.topK,
-      seed: sampling.seed,
-      stopTokenIds: sampling.stopTokenIds,
-      controls: sampling.controls,
-      logprobs: sampling.logprobs,
+      ...requestSampling(sampling),
     };
     this.#running.set(rid, epoch);
     // This attempt's events, built once: a token reuses them (the key is the attempt's own string).

@@ -11,6 +11,7 @@ import type { FromNode, NodeStats, SamplingParams } from "../cluster/node-messag
 import type { Engine } from "../engine/engine.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
 import type { KvPool } from "../protocol/effects.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
 import type { Safety } from "../protocol/safety.js";
 import { nextRidIn, ROUTER_SLOTS, ridBefore, routerSlotOf } from "../protocol/wire.js";
 import type { PageChecksums } from "../transfer/page-checksum.js";
@@ -33,6 +34,24 @@ export interface NodeOptions {
 
 /** The sampling of a request the router sent none for. */
 export const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
+
+/** The sampling fields of the engine's request both nodes build, from the router's `SamplingParams`. */
+export function requestSampling(
+  s: SamplingParams,
+): Pick<
+  GenerationRequest,
+  "temperature" | "topP" | "topK" | "seed" | "stopTokenIds" | "controls" | "logprobs"
+> {
+  return {
+    temperature: s.temperature,
+    topP: s.topP,
+    topK: s.topK,
+    seed: s.seed,
+    stopTokenIds: s.stopTokenIds,
+    controls: s.controls,
+    logprobs: s.logprobs,
+  };
+}
 
 /** Transfer counters summed over channels. */
 export interface TransferTotals {

@@ -8,7 +8,7 @@
  * source pages.
  */
 import { type ControlLink, listenControlLinks } from "../cluster/control-link.js";
-import type { FromNode, ToNode } from "../cluster/node-messages.js";
+import type { FromNode, NodeHello, ToNode } from "../cluster/node-messages.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import { tracing } from "../lib/tracing.js";
@@ -46,14 +46,10 @@ export interface NodeServer {
   readonly port: number;
   readonly transferPort: number | undefined;
   /** What the node registers (`--registry`), its address aside: its hello's incarnation, layout and capacity. */
-  readonly registration: {
-    readonly role: "prefill" | "decode";
-    readonly incarnation: number;
-    readonly layoutSignature: string;
-    readonly poolTokens: number;
-    readonly pageSize: number;
-    readonly maxModelLen: number;
-  };
+  readonly registration: Pick<
+    NodeHello,
+    "role" | "incarnation" | "layoutSignature" | "poolTokens" | "pageSize" | "maxModelLen"
+  >;
   /** Nothing in flight: every page of the pool FREE (a drained node may leave). */
   idle(): boolean;
   close(): Promise<void>;

@@ -54,7 +54,7 @@ import {
 } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { PageWrite, TransferHandlers, TransferWriter } from "../transfer/transport.js";
-import { addTransfer, GREEDY, NodeCore, type NodeOptions } from "./node-core.js";
+import { addTransfer, GREEDY, NodeCore, type NodeOptions, requestSampling } from "./node-core.js";
 import { pageBytesOf } from "./node-pool.js";
 import { PrefillPrefix } from "./prefill-prefix.js";
 
@@ -377,13 +377,7 @@ export class PrefillNode {
       // promptLen is 1 only under the placeholder-reject fault: the placeholder is the first token.
       promptTokens: Int32Array.from(tokens.slice(0, Math.max(1, promptLen))),
       maxTokens: 1,
-      temperature: sampling.temperature,
-      topP: sampling.topP,
-      topK: sampling.topK,
-      seed: sampling.seed,
-      stopTokenIds: sampling.stopTokenIds,
-      controls: sampling.controls,
-      logprobs: sampling.logprobs,
+      ...requestSampling(sampling),
       promptLogprobs: sampling.promptLogprobs,
       sampleSeeds: sampling.sampleSeeds,
     };

@@ -70,7 +70,7 @@ function exps(x: f32): f32 {
 // ---------------------------------------------------------------------------------------------
 // matmul
 
-// Weight formats (src/model/weight-format.ts). The f32 and half kernels are one generic source
+// Weight formats (src/kernels/weight-format.ts). The f32 and half kernels are one generic source
 // over W: f32 (4-byte floats), u16 (bf16) or i16 (f16, a marker type: the bits are IEEE halves);
 // sizeof<W>() and isSigned<W>() are compile-time constants, so each instance is its own loop.
 export const DT_F32: i32 = 0;

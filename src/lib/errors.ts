@@ -15,6 +15,7 @@ export const ERROR_TABLE = {
     publicMessage: "The server refused the request it built from yours: this is a bug, tell the operator",
   },
   context_length_exceeded: { status: 400, type: "invalid_request_error", retryable: false },
+  request_exceeds_capacity: { status: 400, type: "invalid_request_error", retryable: false },
   invalid_json: { status: 400, type: "invalid_request_error", retryable: false },
   json_too_deep: { status: 400, type: "invalid_request_error", retryable: false },
   array_above_max_length: { status: 400, type: "invalid_request_error", retryable: false },

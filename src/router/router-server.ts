@@ -669,6 +669,10 @@ export class RouterServer {
       trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
       cacheSalt: parsed.cacheSalt,
       cacheScope: this.#prefixCacheScope === "key" && ctx.keyIndex >= 0 ? `key:${ctx.keyIndex}` : "",
+      // Several generations are admitted as one, or refused whole (src/lib/fair-share.ts).
+      ...(admitted.length * parsed.n > 1
+        ? { group: { first: this.#nextRid, size: admitted.length * parsed.n } }
+        : {}),
     };
     // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
     // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).

@@ -26,6 +26,7 @@ export const ERROR_TABLE = {
   method_not_allowed: { status: 405, type: "invalid_request_error", retryable: false },
   payload_too_large: { status: 413, type: "invalid_request_error", retryable: false },
   unsupported_content_type: { status: 415, type: "invalid_request_error", retryable: false },
+  misdirected_request: { status: 421, type: "invalid_request_error", retryable: false },
   headers_too_large: { status: 431, type: "invalid_request_error", retryable: false },
   request_timeout: { status: 408, type: "invalid_request_error", retryable: false },
   rate_limit_exceeded: { status: 429, type: "requests", retryable: true },

@@ -338,6 +338,9 @@ export class DisaggregatedEngine implements EngineHandle {
       {
         tenant: (p) => p.request.tenant,
         pages: (p) => p.decodePages,
+        // A group forked on decode runs each of its samples: they count against the tenant's cap.
+        size: (p) => 1 + p.riders.length,
+        group: (p) => p.request.group,
         dispatch: (p) => this.#dispatch(p),
         expire: (p, error) => {
           for (const x of [p, ...p.riders]) {

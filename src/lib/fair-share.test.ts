@@ -7,6 +7,8 @@ interface Req {
   readonly tenant: number;
   readonly n: number;
   readonly pages: number;
+  /** One of an HTTP request's several generations. */
+  readonly group?: { readonly first: number; readonly size: number };
 }
 
 /** A backend with `slots` places; it records what started and what expired. */
@@ -19,6 +21,7 @@ function setup(config: Partial<FairShareConfig> & { tenants: number }, slots = 4
     {
       tenant: (r) => r.tenant,
       pages: (r) => r.pages,
+      group: (r) => r.group,
       dispatch: (r) => {
         if (room === 0) return false;
         room--;
@@ -42,6 +45,10 @@ function setup(config: Partial<FairShareConfig> & { tenants: number }, slots = 4
 }
 
 const req = (tenant: number, n: number, pages = 1): Req => ({ tenant, n, pages });
+
+/** The `size` generations of one HTTP request (`first`: its first rid), each of `pages` pages. */
+const group = (tenant: number, first: number, size: number, pages = 1): Req[] =>
+  Array.from({ length: size }, (_, j) => ({ tenant, n: first + j, pages, group: { first, size } }));
 
 test("FairShare: a flood of one tenant leaves room for another, whose requests start at once", () => {
   const { share, started } = setup({ tenants: 2 }, 8);
@@ -225,4 +232,97 @@ test("resolveFairShare: half the backend per tenant with two or more tenants, no
     maxQueue: 128,
     weight: 2,
   });
+});
+
+test("FairShare.offer() admits a group whole: it waits until every generation fits its tenant's cap, then all start", () => {
+  const { share, started, end } = setup({ tenants: 2 }, 8); // two tenants: a cap of 4 each
+  share.offer(req(0, 0));
+  share.offer(req(0, 1));
+  const three = group(0, 10, 3);
+  for (const r of three) assert.equal(share.offer(r), null);
+  assert.equal(started.length, 2, "2 running + 3 are over the cap of 4: none of the group starts");
+  assert.equal(share.waitingOf(0), 3);
+  assert.equal(share.runningOf(0), 2);
+  end(started[0]!);
+  assert.deepEqual(started.slice(2), three, "with room for all three, they start together");
+  assert.equal(share.runningOf(0), 4);
+  assert.equal(share.waiting, 0);
+});
+
+test("FairShare.offer() refuses at once a group that could never run at once: its tenant's concurrency, pages, the pool", () => {
+  const { share, started, expired } = setup({ tenants: 2 }, 8); // caps: 4 requests, 50 pages
+  const five = group(0, 1, 5);
+  for (const r of five.slice(0, 4)) assert.equal(share.offer(r), null, "held until the group is complete");
+  const refusal = share.offer(five[4]!);
+  assert.equal(refusal?.code, "request_exceeds_capacity");
+  assert.equal(refusal?.param, "n");
+  assert.equal(refusal?.retryAfter, undefined, "not a retryable refusal");
+  assert.match(refusal!.message, /5 generations .*at once.*: 5 > 4; lower n to at most 4/);
+  assert.deepEqual(
+    expired.map((e) => [e.req, e.error]),
+    five.slice(0, 4).map((r) => [r, refusal]),
+    "the others of the group get the same refusal",
+  );
+  assert.equal(started.length, 0, "nothing of it ran");
+  assert.equal(share.waiting, 0);
+
+  const pages = group(1, 10, 2, 30);
+  share.offer(pages[0]!);
+  assert.match(
+    share.offer(pages[1]!)!.message,
+    /may hold 60 KV pages .*tenant may hold at once.*: 60 > 50 pages; lower n or max_tokens/,
+  );
+  const pool = setup({ tenants: 1 }, 8); // no tenant caps; the pool holds 100 pages
+  const big = group(0, 1, 2, 60);
+  pool.share.offer(big[0]!);
+  assert.match(pool.share.offer(big[1]!)!.message, /the server's KV pool holds: 120 > 100 pages/);
+  assert.equal(pool.share.offer(req(0, 9, 100)), null, "a single request keeps its rule: alone, it runs");
+});
+
+test("FairShare: the generations of an admitted group that the backend has no room for wait first, never expired", () => {
+  const clock = { now: 0 };
+  const { share, started, expired, end } = setup({ tenants: 1, queueTimeoutMs: 1000 }, 2, clock);
+  const three = group(0, 1, 3);
+  for (const r of three) share.offer(r);
+  const other = req(0, 9);
+  share.offer(other);
+  assert.deepEqual(started, three.slice(0, 2), "the backend has room for two");
+  assert.equal(share.runningOf(0), 3, "the third holds its share, admitted");
+  assert.equal(share.isWaiting(three[2]!), true);
+  clock.now = 5000;
+  share.expireWaiting();
+  assert.deepEqual(
+    expired.map((e) => e.req),
+    [other],
+    "only the request in the queue times out",
+  );
+  end(three[0]!);
+  assert.deepEqual(started, three, "the admitted one goes first when room frees");
+  end(three[1]!);
+  end(three[2]!);
+  assert.equal(share.runningOf(0), 0);
+
+  // A dispatched generation of a group that the backend gives back keeps its share; cancel frees it.
+  const b = setup({ tenants: 1 }, 2);
+  const two = group(0, 1, 2);
+  for (const r of two) b.share.offer(r);
+  assert.equal(b.refuse(two[1]!), true);
+  assert.equal(b.share.runningOf(0), 2);
+  assert.equal(b.share.cancel(two[1]!), true);
+  assert.equal(b.share.runningOf(0), 1);
+  assert.equal(b.share.cancel(two[1]!), false);
+});
+
+test("FairShare.cancel() takes a generation out of a group still coming, which then waits for one fewer", () => {
+  const { share, started } = setup({ tenants: 1 }, 8);
+  const three = group(0, 1, 3);
+  share.offer(three[0]!);
+  share.offer(three[1]!);
+  assert.equal(share.cancel(three[1]!), true);
+  share.offer(three[2]!);
+  assert.deepEqual(started, [three[0], three[2]]);
+  const gone = group(0, 10, 2);
+  share.offer(gone[0]!);
+  assert.equal(share.cancel(gone[0]!), true);
+  share.close({ code: "node_unavailable", message: "closing" });
 });

@@ -99,6 +99,8 @@ export class Generation {
   }
 
   start(): void {
+    // Another choice of its response failed while they were being submitted: this one never runs.
+    if (this.#done) return;
     this.#engine.submit(this.#request, {
       onTokens: (ids, logprobs) => this.#onTokens(ids, logprobs),
       onPromptLogprobs: (entries) => {

@@ -55,6 +55,7 @@ import {
   usageWire,
 } from "./openai-responses.js";
 import type { ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
+import { checkOperatorHost } from "./operator-host.js";
 import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
 import {
   checkModel,
@@ -354,8 +355,8 @@ export class RouterServer {
 
   /**
    * Open the operator listener on `host:port`: /metrics, /kvfence/nodes and /health only, plain
-   * HTTP (the server config keeps it on loopback unless an operator key guards it). Resolves to its
-   * base URL.
+   * HTTP (the server config keeps it on loopback unless an operator key guards it; without a key it
+   * answers loopback `Host` names only, operator-host.ts). Resolves to its base URL.
    */
   listenOperator(port: number, host: string): Promise<string> {
     const server = createServer({ noDelay: true, keepAliveTimeout: 5000 }, (req, res) => {
@@ -430,6 +431,8 @@ export class RouterServer {
       this.metrics.requests.inc({ tenant, endpoint, status });
     });
     try {
+      // Keyless, the operator listener answers loopback Host names only (DNS rebinding).
+      if (listener === "operator" && this.#operatorKey === null) checkOperatorHost(req.headers.host);
       if (!valid) {
         throw new KvfenceError(
           "invalid_request",
@@ -669,6 +672,10 @@ export class RouterServer {
       trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
       cacheSalt: parsed.cacheSalt,
       cacheScope: this.#prefixCacheScope === "key" && ctx.keyIndex >= 0 ? `key:${ctx.keyIndex}` : "",
+      // Several generations are admitted as one, or refused whole (src/lib/fair-share.ts).
+      ...(admitted.length * parsed.n > 1
+        ? { group: { first: this.#nextRid, size: admitted.length * parsed.n } }
+        : {}),
     };
     // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
     // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).

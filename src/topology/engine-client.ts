@@ -88,6 +88,7 @@ export class EngineClient implements EngineHandle {
       {
         tenant: (o) => o.request.tenant,
         pages: (o) => o.pages,
+        group: (o) => o.request.group,
         dispatch: (o) => {
           this.#submit(o.request);
           return true;

@@ -25,6 +25,9 @@ import { readFileSync } from "node:fs";
 import net from "node:net";
 import tls from "node:tls";
 import { KvfenceError } from "../lib/errors.js";
+import { isLoopback } from "../lib/loopback.js";
+
+export { isLoopback };
 
 /** Paths of the PEM files given on the command line. */
 export interface TlsFiles {
@@ -150,15 +153,6 @@ export function connectLink(
 ): { socket: net.Socket; ready: "connect" | "secureConnect" } {
   if (linkTls === undefined) return { socket: net.connect(options), ready: "connect" };
   return { socket: tls.connect({ ...linkTls.client, ...options }), ready: "secureConnect" };
-}
-
-/** True for an address only this host can reach (127.0.0.0/8, ::1, localhost). */
-export function isLoopback(host: string): boolean {
-  const h = host.replace(/^\[|\]$/g, "").toLowerCase();
-  if (h === "localhost" || h === "::1") return true;
-  if (net.isIPv4(h)) return h.startsWith("127.");
-  if (h.startsWith("::ffff:")) return net.isIPv4(h.slice(7)) && h.slice(7).startsWith("127.");
-  return false;
 }
 
 /**

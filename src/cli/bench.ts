@@ -11,6 +11,7 @@ import { Command, InvalidArgumentError, Option } from "commander";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
 import { bundledModelDir } from "../lib/package-root.js";
 import { WEIGHT_DTYPES, type WeightDType } from "../model/weight-format.js";
+import { positiveInteger } from "../tools/bench/bench-cli.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
 import { combineCommand } from "../tools/bench/combine.js";
 import { fairShareCommand } from "../tools/bench/fair-share.js";
@@ -27,14 +28,6 @@ import { serveCommand } from "../tools/bench/serve.js";
 import { soakCommand } from "../tools/bench/soak.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
-
-function positiveInteger(value: string): number {
-  const n = Number(value);
-  if (value.trim() === "" || !Number.isSafeInteger(n) || n < 1) {
-    throw new InvalidArgumentError(`Expected a positive integer: ${value}`);
-  }
-  return n;
-}
 
 function integerList(value: string): number[] {
   return value.split(",").map((v) => positiveInteger(v.trim()));
@@ -176,33 +169,36 @@ function modelCommand(): Command {
       "a kvfence checkout built at another commit: each arm also runs on its forward pass in the same repeats, and the report gives this build / baseline with 95% CIs",
     )
     .option("--json <file>", "also write the full result as JSON")
-    .action(async (opts: ModelCliOptions) => {
-      try {
-        const result = await runModelBench({
-          modelDir: opts.model ?? bundledModelDir(),
-          ...(opts.dtype === undefined ? {} : { dtypes: opts.dtype }),
-          kernels: opts.kernels,
-          threads: opts.threads,
-          longContextTokens: opts.longContext,
-          promptTokens: opts.promptTokens,
-          contextTokens: opts.contextTokens,
-          decodeSteps: opts.decodeSteps,
-          pageSize: opts.pageSize,
-          kvCacheDtypes: opts.kvCacheDtype,
-          batchSizes: opts.batch,
-          repeats: opts.repeats,
-          bandwidthBytes: opts.bandwidthMib * 2 ** 20,
-          seed: opts.seed,
-          ...(opts.baseline === undefined ? {} : { baseline: opts.baseline }),
-          log: (line) => process.stderr.write(`${line}\n`),
-        });
-        process.stdout.write(`${formatModelBench(result)}\n`);
-        if (opts.json !== undefined) writeFileSync(opts.json, `${JSON.stringify(result, null, 2)}\n`);
-      } catch (err) {
-        process.stderr.write(`kvfence bench model: ${err instanceof Error ? err.message : String(err)}\n`);
-        process.exitCode = 1;
-      }
+    .action(runModelCli);
+}
+
+/** The action of `kvfence bench model`: runs the bench, prints its report, writes the JSON if asked. */
+async function runModelCli(opts: ModelCliOptions): Promise<void> {
+  try {
+    const result = await runModelBench({
+      modelDir: opts.model ?? bundledModelDir(),
+      ...(opts.dtype === undefined ? {} : { dtypes: opts.dtype }),
+      kernels: opts.kernels,
+      threads: opts.threads,
+      longContextTokens: opts.longContext,
+      promptTokens: opts.promptTokens,
+      contextTokens: opts.contextTokens,
+      decodeSteps: opts.decodeSteps,
+      pageSize: opts.pageSize,
+      kvCacheDtypes: opts.kvCacheDtype,
+      batchSizes: opts.batch,
+      repeats: opts.repeats,
+      bandwidthBytes: opts.bandwidthMib * 2 ** 20,
+      seed: opts.seed,
+      ...(opts.baseline === undefined ? {} : { baseline: opts.baseline }),
+      log: (line) => process.stderr.write(`${line}\n`),
     });
+    process.stdout.write(`${formatModelBench(result)}\n`);
+    if (opts.json !== undefined) writeFileSync(opts.json, `${JSON.stringify(result, null, 2)}\n`);
+  } catch (err) {
+    process.stderr.write(`kvfence bench model: ${err instanceof Error ? err.message : String(err)}\n`);
+    process.exitCode = 1;
+  }
 }
 
 export function command(): Command {

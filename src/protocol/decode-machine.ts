@@ -50,13 +50,12 @@ import { type Effects, type KvPool, leasePages, poolExhausted, type SendEffect }
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
+  applyWatermark,
   attemptKey,
   belowWatermark,
   type ControlMessage,
   type LeasePage,
   type Manifest,
-  moveWatermark,
-  prunable,
   type ReserveRequest,
   ridOf,
   routerSlotOf,
@@ -232,7 +231,8 @@ export function decodeStep(state: DecodeState, event: DecodeEvent, ctx: DecodeCo
       else if (msg.type === "manifest") manifest(state, msg, ctx);
       else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), ctx);
       else if (msg.type === "abort_ack") abortAck(state, attemptKey(msg.rid, msg.epoch), ctx.pool);
-      else if (msg.type === "watermark") watermark(state, msg.below);
+      // The router's watermark moved: forget the tombstones and early acks below it.
+      else if (msg.type === "watermark") applyWatermark(state, msg.below, [state.ended, state.acks]);
       else state.stale++;
       return;
     }
@@ -753,14 +753,4 @@ function end(state: DecodeState, key: string): void {
 /** Whether `rid` is below the router's watermark: over at the router, no message of it to wait for. */
 function below(state: DecodeState, rid: number): boolean {
   return belowWatermark(state.watermarks, rid);
-}
-
-/** The router's watermark moved to `to`: forget the tombstones and early acks below it. */
-function watermark(state: DecodeState, to: number): void {
-  if (!moveWatermark(state.watermarks, to)) {
-    if (to === 0 || state.watermarks[routerSlotOf(to)] !== to) state.stale++;
-    return;
-  }
-  for (const key in state.ended) if (prunable(key, to)) delete state.ended[key];
-  for (const key in state.acks) if (prunable(key, to)) delete state.acks[key];
 }

@@ -32,14 +32,12 @@ import { type Effects, type KvPool, leasePages, poolExhausted } from "./effects.
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
+  applyWatermark,
   attemptKey,
   belowWatermark,
   type ControlMessage,
   type LeasePage,
-  moveWatermark,
   type PrefillRequest,
-  prunable,
-  routerSlotOf,
   type Watermarks,
 } from "./wire.js";
 
@@ -135,7 +133,8 @@ export function prefillStep(state: PrefillState, event: PrefillEvent, ctx: Prefi
       if (msg.type === "prefill") prefill(state, msg, ctx);
       else if (msg.type === "abort") abort(state, attemptKey(msg.rid, msg.epoch), ctx);
       else if (msg.type === "release") release(state, attemptKey(msg.rid, msg.epoch), pool);
-      else if (msg.type === "watermark") watermark(state, msg.below);
+      // The router's watermark moved: forget the tombstones below it.
+      else if (msg.type === "watermark") applyWatermark(state, msg.below, [state.ended]);
       else state.stale++;
       return;
     }
@@ -188,79 +187,23 @@ export function prefillStep(state: PrefillState, event: PrefillEvent, ctx: Prefi
 }
 
 function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext): void {
-  const { pool, config, safety, out } = ctx;
   const key = attemptKey(msg.rid, msg.epoch);
   if (state.ended[key] !== undefined || state.attempts[key] !== undefined || below(state, msg.rid)) {
     state.stale++;
     return;
   }
-  const P = pool.pageSize;
-  if (msg.lease.layoutSignature !== config.layoutSignature || msg.lease.pageSize !== P) {
-    reject(
-      state,
-      msg,
-      {
-        code: "layout_mismatch",
-        message: `The decode node's KV layout differs from this prefill node's (${config.layoutSignature}, page ${P}): ${msg.lease.layoutSignature}, page ${msg.lease.pageSize}`,
-      },
-      out,
-    );
+  const admitted = leaseRefusal(state, msg, ctx) ?? admit(msg, ctx);
+  if ("code" in admitted) {
+    reject(state, msg, admitted, ctx.out);
     return;
   }
-  if (
-    msg.lease.incarnation !== state.decodeIncarnation ||
-    msg.lease.incarnation <= state.decodeLost ||
-    (msg.lease.writerIncarnation !== undefined && msg.lease.writerIncarnation !== state.incarnation)
-  ) {
-    reject(
-      state,
-      msg,
-      {
-        code: "node_unavailable",
-        message: `The lease of request ${msg.rid} is from before a restart: decode ${msg.lease.incarnation} for prefill ${msg.lease.writerIncarnation}, now decode ${state.decodeIncarnation} and prefill ${state.incarnation}`,
-      },
-      out,
-    );
+  const { promptLen, count } = admitted;
+  const source = sourcePages(msg, promptLen, count, ctx);
+  if (source === null) {
+    reject(state, msg, poolExhausted("prefill", msg.rid, count), ctx.out);
     return;
   }
-  let promptLen = msg.promptLen;
-  const limit = Math.min(config.maxModelLen, pool.table.numPages * P);
-  if (msg.promptLen + msg.maxTokens > limit) {
-    if (faultOn(safety, "placeholder-reject")) {
-      // The fault (SGLang #30233): mark it rejected, swap in a one-token placeholder, carry on.
-      promptLen = 1;
-    } else if (guardOn(safety, "admission-doors")) {
-      reject(state, msg, contextLengthError(msg.promptLen, msg.maxTokens, limit), out);
-      return;
-    }
-  }
-  const count = Math.ceil(promptLen / P);
-  if (msg.lease.pages.length < count) {
-    reject(
-      state,
-      msg,
-      {
-        code: "transfer_failed",
-        message: `The lease of request ${msg.rid} has ${msg.lease.pages.length} pages, the prompt needs: ${count}`,
-      },
-      out,
-    );
-    return;
-  }
-  // The prefix cache's full pages this prompt starts with (never its last token: its logits are needed).
-  const hit =
-    ctx.prefix !== undefined && promptLen === msg.promptLen
-      ? ctx.prefix.lookup(msg, Math.floor((promptLen - 1) / P))
-      : { pages: [], generations: [] };
-  const cached = hit.pages.length;
-  const leased = leaseOrEvict(ctx, count - cached, msg);
-  if (leased === null) {
-    for (let i = 0; i < cached; i++) pool.table.unref(hit.pages[i]!, hit.generations[i]!);
-    reject(state, msg, poolExhausted("prefill", msg.rid, count), out);
-    return;
-  }
-  const pages = [...hit.pages, ...leased.pages];
-  const generations = [...hit.generations, ...leased.generations];
+  const { pages, generations, cached } = source;
   state.attempts[key] = {
     rid: msg.rid,
     epoch: msg.epoch,
@@ -276,17 +219,100 @@ function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext):
     checksums: [],
     shared: pages.map((_, i) => (i < cached ? 1 : 0)),
   };
-  const source: LeasePage[] = [];
-  for (let i = 0; i < count; i++) source.push({ page: pages[i]!, generation: generations[i]! });
-  out.push({
+  const computePages: LeasePage[] = [];
+  for (let i = 0; i < count; i++) computePages.push({ page: pages[i]!, generation: generations[i]! });
+  ctx.out.push({
     kind: "compute",
     rid: msg.rid,
     epoch: msg.epoch,
     tenant: msg.tenant,
     promptLen,
-    pages: source,
+    pages: computePages,
     ...(cached > 0 ? { cachedPages: cached } : {}),
   });
+}
+
+/**
+ * Why the lease `msg` carries cannot be written here: decode's KV layout differs from this node's,
+ * or the lease is from before a restart (of decode, or of this node); null when it can.
+ */
+function leaseRefusal(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext): WireError | null {
+  const { config } = ctx;
+  const P = ctx.pool.pageSize;
+  if (msg.lease.layoutSignature !== config.layoutSignature || msg.lease.pageSize !== P) {
+    return {
+      code: "layout_mismatch",
+      message: `The decode node's KV layout differs from this prefill node's (${config.layoutSignature}, page ${P}): ${msg.lease.layoutSignature}, page ${msg.lease.pageSize}`,
+    };
+  }
+  if (
+    msg.lease.incarnation !== state.decodeIncarnation ||
+    msg.lease.incarnation <= state.decodeLost ||
+    (msg.lease.writerIncarnation !== undefined && msg.lease.writerIncarnation !== state.incarnation)
+  ) {
+    return {
+      code: "node_unavailable",
+      message: `The lease of request ${msg.rid} is from before a restart: decode ${msg.lease.incarnation} for prefill ${msg.lease.writerIncarnation}, now decode ${state.decodeIncarnation} and prefill ${state.incarnation}`,
+    };
+  }
+  return null;
+}
+
+/**
+ * Admission against this pool and the window: the tokens this node computes for `msg` and the
+ * pages they take, or why it refuses — the request does not fit (its original error; under the
+ * `placeholder-reject` fault a one-token placeholder is computed instead), or the lease is too
+ * short for those pages.
+ */
+function admit(msg: PrefillRequest, ctx: PrefillContext): { promptLen: number; count: number } | WireError {
+  const { pool, config, safety } = ctx;
+  const P = pool.pageSize;
+  let promptLen = msg.promptLen;
+  const limit = Math.min(config.maxModelLen, pool.table.numPages * P);
+  if (msg.promptLen + msg.maxTokens > limit) {
+    if (faultOn(safety, "placeholder-reject")) {
+      // The fault (SGLang #30233): mark it rejected, swap in a one-token placeholder, carry on.
+      promptLen = 1;
+    } else if (guardOn(safety, "admission-doors")) {
+      return contextLengthError(msg.promptLen, msg.maxTokens, limit);
+    }
+  }
+  const count = Math.ceil(promptLen / P);
+  if (msg.lease.pages.length < count) {
+    return {
+      code: "transfer_failed",
+      message: `The lease of request ${msg.rid} has ${msg.lease.pages.length} pages, the prompt needs: ${count}`,
+    };
+  }
+  return { promptLen, count };
+}
+
+/**
+ * The attempt's `count` source pages: the prefix cache's full pages the prompt starts with (never
+ * its last token: its logits are needed; `cached` of them), then freshly leased ones. Null when
+ * the pool has no room (the cache references taken are dropped again).
+ */
+function sourcePages(
+  msg: PrefillRequest,
+  promptLen: number,
+  count: number,
+  ctx: PrefillContext,
+): { pages: number[]; generations: number[]; cached: number } | null {
+  const hit =
+    ctx.prefix !== undefined && promptLen === msg.promptLen
+      ? ctx.prefix.lookup(msg, Math.floor((promptLen - 1) / ctx.pool.pageSize))
+      : { pages: [], generations: [] };
+  const cached = hit.pages.length;
+  const leased = leaseOrEvict(ctx, count - cached, msg);
+  if (leased === null) {
+    for (let i = 0; i < cached; i++) ctx.pool.table.unref(hit.pages[i]!, hit.generations[i]!);
+    return null;
+  }
+  return {
+    pages: [...hit.pages, ...leased.pages],
+    generations: [...hit.generations, ...leased.generations],
+    cached,
+  };
 }
 
 /** Leases `count` pages, evicting unreferenced cached pages first when the pool is short. */
@@ -422,13 +448,4 @@ function end(state: PrefillState, key: string): void {
 /** Whether `rid` is below the router's watermark: over at the router, no message of it to wait for. */
 function below(state: PrefillState, rid: number): boolean {
   return belowWatermark(state.watermarks, rid);
-}
-
-/** The router's watermark moved to `to`: forget the tombstones below it. */
-function watermark(state: PrefillState, to: number): void {
-  if (!moveWatermark(state.watermarks, to)) {
-    if (to === 0 || state.watermarks[routerSlotOf(to)] !== to) state.stale++;
-    return;
-  }
-  for (const key in state.ended) if (prunable(key, to)) delete state.ended[key];
 }

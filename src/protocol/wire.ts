@@ -284,6 +284,23 @@ export function prunable(key: string, to: number): boolean {
   return routerSlotOf(rid) === routerSlotOf(to) && ridBefore(rid, to);
 }
 
+/**
+ * A node machine's `watermark` message: moves `state.watermarks` to `to` and forgets the records
+ * of each of `records` below it (keyed by attempt key). One that moves nothing is stale, unless it
+ * repeats the slot's current watermark.
+ */
+export function applyWatermark(
+  state: { readonly watermarks: Watermarks; stale: number },
+  to: number,
+  records: readonly Record<string, unknown>[],
+): void {
+  if (!moveWatermark(state.watermarks, to)) {
+    if (to === 0 || state.watermarks[routerSlotOf(to)] !== to) state.stale++;
+    return;
+  }
+  for (const record of records) for (const key in record) if (prunable(key, to)) delete record[key];
+}
+
 /** The rid of an attempt key `"rid:epoch"`. */
 export function ridOf(key: string): number {
   return Number(key.slice(0, key.indexOf(":")));

@@ -27,10 +27,10 @@ import type {
   GenerationEvents,
   GenerationRequest,
 } from "../protocol/engine-api.js";
+import { readEngineEvents } from "./engine-events.js";
 import {
   ENGINE_WORKER_TAG,
   type EngineEventsMessage,
-  FINISH_REASONS,
   type FromEngineWorker,
   type ToEngineWorker,
 } from "./engine-messages.js";
@@ -311,43 +311,34 @@ export class EngineClient implements EngineHandle {
         failed = true;
       }
     };
-    const { tokens, finishes, errors, logprobs, prompts } = message;
-    for (const { rid, entries } of prompts ?? []) {
-      const open = this.#open.get(rid);
-      if (open !== undefined) call(() => open.events.onPromptLogprobs?.(entries));
-    }
-    for (let i = 0, run = 0; i < tokens.length; run++) {
-      const rid = tokens[i]!;
-      const count = tokens[i + 1]!;
-      const ids = tokens.slice(i + 2, i + 2 + count);
-      i += 2 + count;
-      const open = this.#open.get(rid);
-      const lp = logprobs?.[run] ?? undefined;
-      if (open !== undefined) call(() => open.events.onTokens(ids, lp));
-    }
-    for (let i = 0; i < finishes.length; i += 5) {
-      const rid = finishes[i]!;
-      const open = this.#open.get(rid);
-      if (open === undefined) continue;
-      this.#open.delete(rid);
-      this.#share.finished(open);
-      const reason = FINISH_REASONS[finishes[i + 1]!]!;
-      const cached = finishes[i + 4]!;
-      const usage = {
-        promptTokens: finishes[i + 2]!,
-        completionTokens: finishes[i + 3]!,
-        ...(cached < 0 ? {} : { cachedTokens: cached }),
-      };
-      call(() => open.events.onFinish(reason, usage));
-    }
-    for (const { rid, error } of errors) {
-      const open = this.#open.get(rid);
-      if (open === undefined) continue;
-      this.#open.delete(rid);
-      this.#share.finished(open);
-      call(() => open.events.onError(error));
-    }
+    readEngineEvents(message, {
+      promptLogprobs: (rid, entries) => {
+        const open = this.#open.get(rid);
+        if (open !== undefined) call(() => open.events.onPromptLogprobs?.(entries));
+      },
+      tokens: (rid, ids, lp) => {
+        const open = this.#open.get(rid);
+        if (open !== undefined) call(() => open.events.onTokens(ids, lp));
+      },
+      finish: (rid, reason, usage) => {
+        const open = this.#end(rid);
+        if (open !== undefined) call(() => open.events.onFinish(reason, usage));
+      },
+      error: (rid, error) => {
+        const open = this.#end(rid);
+        if (open !== undefined) call(() => open.events.onError(error));
+      },
+    });
     if (failed) throw firstError;
+  }
+
+  /** Request `rid` ended in the worker: out of the open ones and the fair share (undefined: not open). */
+  #end(rid: number): Open | undefined {
+    const open = this.#open.get(rid);
+    if (open === undefined) return undefined;
+    this.#open.delete(rid);
+    this.#share.finished(open);
+    return open;
   }
 
   /** The worker is gone: every open request and stats call ends with `node_unavailable`. */

@@ -23,7 +23,7 @@ export type ToEngineWorker =
 /** Finish reasons as numbers in `EngineEventsMessage.finishes`. */
 export const FINISH_REASONS = ["stop", "length"] as const;
 
-/** Everything one step (or one message) produced, batched into one message. */
+/** Everything one step (or one message) produced, batched into one message (packed and unpacked by engine-events.ts). */
 export interface EngineEventsMessage {
   readonly type: "events";
   /** Runs of `rid, count, token × count`. */

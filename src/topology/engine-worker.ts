@@ -10,76 +10,21 @@
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
 import { buildEngine, type EngineBuildOptions } from "../engine/build-engine.js";
 import type { Engine } from "../engine/engine.js";
-import { KvfenceError, type WireError } from "../lib/errors.js";
-import type { TokenLogprobs } from "../lib/token-logprobs.js";
-import type { GenerationEvents } from "../protocol/engine-api.js";
-import {
-  ENGINE_WORKER_TAG,
-  type EngineEventsMessage,
-  FINISH_REASONS,
-  type FromEngineWorker,
-  type ToEngineWorker,
-} from "./engine-messages.js";
+import { KvfenceError } from "../lib/errors.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
+import { EngineEventsBatch } from "./engine-events.js";
+import { ENGINE_WORKER_TAG, type FromEngineWorker, type ToEngineWorker } from "./engine-messages.js";
 
 /** Serves `engine` over `port` until a `close` message. */
 export function serveEngine(engine: Engine, port: MessagePort): void {
-  let tokens: number[] = [];
-  let runs = 0;
-  /** Per run of `tokens`, its log-probabilities; null until some request asked for them. */
-  let logprobs: (TokenLogprobs[] | null)[] | null = null;
-  let prompts: { rid: number; entries: readonly (TokenLogprobs | null)[] }[] | null = null;
-  let finishes: number[] = [];
-  let errors: { rid: number; error: WireError }[] = [];
+  const batch = new EngineEventsBatch();
   let scheduled = false;
   let closed = false;
 
   const flush = (): void => {
-    if (tokens.length === 0 && finishes.length === 0 && errors.length === 0) return;
-    const message: EngineEventsMessage = {
-      type: "events",
-      tokens,
-      finishes,
-      errors,
-      ...(logprobs === null ? {} : { logprobs }),
-      ...(prompts === null ? {} : { prompts }),
-    };
-    port.postMessage(message);
-    tokens = [];
-    runs = 0;
-    logprobs = null;
-    prompts = null;
-    finishes = [];
-    errors = [];
+    const message = batch.take();
+    if (message !== null) port.postMessage(message);
   };
-
-  const eventsFor = (rid: number): GenerationEvents => ({
-    onTokens(ids, lp) {
-      tokens.push(rid, ids.length);
-      for (const id of ids) tokens.push(id);
-      if (lp !== undefined) {
-        logprobs ??= new Array<TokenLogprobs[] | null>(runs).fill(null);
-        logprobs.length = runs;
-        logprobs.push([...lp]);
-      } else if (logprobs !== null) logprobs.push(null);
-      runs++;
-    },
-    onPromptLogprobs(entries) {
-      prompts ??= [];
-      prompts.push({ rid, entries });
-    },
-    onFinish(reason, usage) {
-      finishes.push(
-        rid,
-        FINISH_REASONS.indexOf(reason),
-        usage.promptTokens,
-        usage.completionTokens,
-        usage.cachedTokens ?? -1,
-      );
-    },
-    onError(error) {
-      errors.push({ rid, error });
-    },
-  });
 
   const tick = (): void => {
     scheduled = false;
@@ -105,21 +50,10 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
   port.on("message", (message: ToEngineWorker) => {
     if (closed) return;
     switch (message.type) {
-      case "submit": {
-        for (const request of message.requests) {
-          const events = eventsFor(request.rid);
-          try {
-            engine.submit(request, events);
-          } catch (err) {
-            events.onError({
-              code: "invalid_request",
-              message: `Request could not be queued: ${err instanceof Error ? err.message : String(err)}`,
-            });
-          }
-        }
+      case "submit":
+        submitAll(engine, message.requests, batch);
         kick();
         break;
-      }
       case "abort":
         engine.abort(message.rid);
         break;
@@ -142,6 +76,21 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
     }
     flush();
   });
+}
+
+/** Queues each request in the engine, its events packed into `batch`; one it refuses ends with an error. */
+function submitAll(engine: Engine, requests: readonly GenerationRequest[], batch: EngineEventsBatch): void {
+  for (const request of requests) {
+    const events = batch.eventsFor(request.rid);
+    try {
+      engine.submit(request, events);
+    } catch (err) {
+      events.onError({
+        code: "invalid_request",
+        message: `Request could not be queued: ${err instanceof Error ? err.message : String(err)}`,
+      });
+    }
+  }
 }
 
 async function main(port: MessagePort, options: EngineBuildOptions): Promise<void> {

@@ -19,15 +19,17 @@
  * to trust the ratio.
  */
 import net from "node:net";
-import os from "node:os";
 import { Command, Option } from "commander";
 import { bundledModelDir } from "../../lib/package-root.js";
 import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
 import { type LocalCluster, startLocalCluster } from "../../topology/local-cluster.js";
 import { etcdAvailable, type LocalEtcd, startEtcd } from "../../topology/local-etcd.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
+import { type ArmLoadCliOptions, type ArmLoadOptions, armLoadOf, armLoadOptions } from "./arm-load.js";
+import { positiveInt, runBenchCli } from "./bench-cli.js";
+import { describeLoad, loadAverage, type MachineLoad, machineLoad } from "./machine-load.js";
 import { cpuSeconds } from "./process-cpu.js";
-import { defaultBenchTlsFiles, positiveInt, runBenchCli } from "./transfer.js";
+import { defaultBenchTlsFiles } from "./transfer.js";
 
 /** What the variant arm changes against the static plaintext baseline. */
 export type ClusterComparison = "tls" | "registry";
@@ -38,26 +40,13 @@ const COMPARISONS: Record<ClusterComparison, { readonly variant: string; readonl
   registry: { variant: "etcd membership", goal: 0.98 },
 };
 
-export interface ClusterBenchOptions {
+/** A run: each round runs both arms once, in alternating order; each node's pool 256 pages by default. */
+export interface ClusterBenchOptions extends ArmLoadOptions {
   /** The variant arm (default `tls`). */
   readonly compare?: ClusterComparison;
   readonly prefill?: number;
   readonly decode?: number;
-  readonly model?: string;
-  /** KV pool of each node in pages (default 256). */
-  readonly kvPages?: number;
-  /** Measured rounds (each runs both arms once, in alternating order). */
-  readonly rounds?: number;
-  readonly warmup?: number;
-  /** Requests per arm per round. */
-  readonly requests?: number;
-  /** Requests in flight at once. */
-  readonly concurrency?: number;
-  readonly maxTokens?: number;
-  /** Characters per prompt (the bundled model: about one token each). */
-  readonly promptChars?: number;
   readonly tlsFiles?: TlsFiles;
-  readonly log?: (line: string) => void;
 }
 
 export interface ArmResult {
@@ -91,7 +80,7 @@ export interface ClusterBenchResult {
   /** The raw loopback socket, GB/s, one 64 MiB transfer per round. */
   readonly rawLoopbackGbps: Summary;
   readonly failures: readonly string[];
-  readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
+  readonly load: MachineLoad;
 }
 
 const now = (): bigint => process.hrtime.bigint();
@@ -207,7 +196,7 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
   const maxTokens = options.maxTokens ?? 64;
   const log = options.log ?? (() => {});
   const tlsFiles = options.tlsFiles ?? defaultBenchTlsFiles();
-  const loadStart = os.loadavg()[0]!;
+  const loadStart = loadAverage();
   const nodeArgs = ["--kv-pages", String(options.kvPages ?? 256)];
   const base = { prefill, decode, model: options.model ?? bundledModelDir(), nodeArgs };
   const tlsArgs = ["--tls-cert", tlsFiles.cert, "--tls-key", tlsFiles.key, "--tls-ca", tlsFiles.ca];
@@ -272,7 +261,7 @@ export async function runClusterBench(options: ClusterBenchOptions = {}): Promis
     cpuPerTokenVariantOverBaseline: pairedRatio(perCpu.baseline, perCpu.variant),
     rawLoopbackGbps: summarize(raw),
     failures,
-    load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
+    load: machineLoad(loadStart),
   };
 }
 
@@ -382,7 +371,7 @@ export function formatClusterReport(r: ClusterBenchResult): string {
         : `undecided: the CI straddles ${pct(goal)} (more rounds, a quieter machine)`;
   return [
     `kvfence cluster ${r.shape.prefill}+${r.shape.decode}, static plaintext vs ${variant}: ${r.rounds} interleaved rounds of ${r.requests} chat requests (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
-    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
+    describeLoad(r.load),
     arm("static", r.baseline),
     arm(r.compare === "tls" ? "TLS" : "etcd", r.variant),
     `${variant} throughput / static plaintext: ${pct(t.ratio)} [95% CI ${pct(t.low)}–${pct(t.high)}]: ${verdict}`,
@@ -390,32 +379,6 @@ export function formatClusterReport(r: ClusterBenchResult): string {
     `raw loopback socket: ${r.rawLoopbackGbps.median.toFixed(2)} GB/s [${r.rawLoopbackGbps.min.toFixed(2)}–${r.rawLoopbackGbps.max.toFixed(2)}]`,
     ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
   ].join("\n");
-}
-
-/** The load options of a bench whose arms are servers (cluster, fair-share), as commander gives them. */
-export interface ArmLoadCliOptions {
-  model?: string;
-  kvPages: number;
-  rounds: number;
-  warmup: number;
-  requests: number;
-  concurrency: number;
-  maxTokens: number;
-  promptChars: number;
-}
-
-/** Those options as the bench's run options take them (no `model`: the bundled one). */
-export function armLoadOf(o: ArmLoadCliOptions) {
-  return {
-    ...(o.model === undefined ? {} : { model: o.model }),
-    kvPages: o.kvPages,
-    rounds: o.rounds,
-    warmup: o.warmup,
-    requests: o.requests,
-    concurrency: o.concurrency,
-    maxTokens: o.maxTokens,
-    promptChars: o.promptChars,
-  };
 }
 
 interface ClusterCliOptions extends ArmLoadCliOptions {
@@ -430,7 +393,7 @@ interface ClusterCliOptions extends ArmLoadCliOptions {
 
 /** `kvfence bench cluster`. */
 export function clusterCommand(): Command {
-  return new Command("cluster")
+  const cmd = new Command("cluster")
     .description(
       "Chat throughput of a local multi-process cluster with TLS links (or etcd membership) vs plaintext links and static node lists (interleaved rounds, 95% CI of the ratio), beside the raw loopback socket",
     )
@@ -441,36 +404,28 @@ export function clusterCommand(): Command {
     )
     .option("--prefill <n>", "prefill node processes per cluster", positiveInt("--prefill"), 2)
     .option("--decode <n>", "decode node processes per cluster", positiveInt("--decode"), 2)
-    .option("--model <dir>", "Hugging Face model folder (default: bundled kvfence-tiny)")
-    .option("--kv-pages <n>", "KV pool of each node in pages", positiveInt("--kv-pages"), 256)
-    .option("--rounds <n>", "measured rounds (each runs both arms)", positiveInt("--rounds"), 10)
-    .option("--warmup <n>", "warm-up rounds", (v) => (v === "0" ? 0 : positiveInt("--warmup")(v)), 1)
-    .option("--requests <n>", "chat requests per arm per round", positiveInt("--requests"), 16)
-    .option("--concurrency <n>", "requests in flight", positiveInt("--concurrency"), 8)
-    .option("--max-tokens <n>", "max_tokens of each request", positiveInt("--max-tokens"), 64)
-    .option("--prompt-chars <n>", "characters per prompt", positiveInt("--prompt-chars"), 400)
     .option(
       "--tls-cert <file>",
       "TLS arm: every process's certificate (default testing/fixtures/tls/node.crt)",
     )
     .option("--tls-key <file>", "TLS arm: its private key (default testing/fixtures/tls/node.key)")
-    .option("--tls-ca <file>", "TLS arm: the CA (default testing/fixtures/tls/ca.crt)")
-    .option("--json", "print the result as JSON")
-    .action((o: ClusterCliOptions) => {
-      const d = defaultBenchTlsFiles();
-      return runBenchCli(
-        "cluster",
-        o.json,
-        (log) =>
-          runClusterBench({
-            compare: o.compare,
-            prefill: o.prefill,
-            decode: o.decode,
-            ...armLoadOf(o),
-            tlsFiles: { cert: o.tlsCert ?? d.cert, key: o.tlsKey ?? d.key, ca: o.tlsCa ?? d.ca },
-            log,
-          }),
-        formatClusterReport,
-      );
-    });
+    .option("--tls-ca <file>", "TLS arm: the CA (default testing/fixtures/tls/ca.crt)");
+  const defaults = { kvPages: 256, rounds: 10, warmup: 1, requests: 16, concurrency: 8, promptChars: 400 };
+  return armLoadOptions(cmd, defaults).action((o: ClusterCliOptions) => {
+    const d = defaultBenchTlsFiles();
+    return runBenchCli(
+      "cluster",
+      o.json,
+      (log) =>
+        runClusterBench({
+          compare: o.compare,
+          prefill: o.prefill,
+          decode: o.decode,
+          ...armLoadOf(o),
+          tlsFiles: { cert: o.tlsCert ?? d.cert, key: o.tlsKey ?? d.key, ca: o.tlsCa ?? d.ca },
+          log,
+        }),
+      formatClusterReport,
+    );
+  });
 }

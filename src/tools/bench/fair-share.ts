@@ -36,7 +36,6 @@ import os from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { Command, Option } from "commander";
-import { bundledModelDir } from "../../lib/package-root.js";
 import {
   bootstrapInterval,
   type Interval,
@@ -47,9 +46,17 @@ import {
   summarize,
 } from "../../lib/stats.js";
 import { stopProcess } from "../../topology/local-cluster.js";
-import { type ArmLoadCliOptions, armLoadOf, prompt, round } from "./cluster.js";
+import {
+  type ArmLoadCliOptions,
+  type ArmLoadOptions,
+  armLoadOf,
+  armLoadOptions,
+  serveArgsOf,
+} from "./arm-load.js";
+import { runBenchCli } from "./bench-cli.js";
+import { prompt, round } from "./cluster.js";
+import { describeLoad, loadAverage, type MachineLoad, machineLoad } from "./machine-load.js";
 import { cpuSeconds } from "./process-cpu.js";
-import { positiveInt, runBenchCli } from "./transfer.js";
 
 export type FairBenchTopology = "single" | "threads" | "cluster";
 
@@ -57,7 +64,8 @@ export type FairBenchTopology = "single" | "threads" | "cluster";
 export type FairCompare = "policy" | "baseline" | "caps";
 export const FAIR_COMPARES: readonly FairCompare[] = ["policy", "baseline", "caps"];
 
-export interface FairBenchOptions {
+/** A run: each engine's or node's pool 600 pages by default. */
+export interface FairBenchOptions extends ArmLoadOptions {
   readonly topology?: FairBenchTopology;
   /** The arms beside `fair` (default: baseline with `baseline`, else caps). */
   readonly compare?: readonly FairCompare[];
@@ -70,16 +78,6 @@ export interface FairBenchOptions {
   readonly fairArgs?: readonly string[];
   /** Tenants in the keys file (only the first sends): 2 puts the default caps on, 1 leaves them off. */
   readonly tenants?: 1 | 2;
-  readonly model?: string;
-  /** KV pool of each engine or node in pages (default 600). */
-  readonly kvPages?: number;
-  readonly rounds?: number;
-  readonly warmup?: number;
-  readonly requests?: number;
-  readonly concurrency?: number;
-  readonly maxTokens?: number;
-  readonly promptChars?: number;
-  readonly log?: (line: string) => void;
 }
 
 /** An arm's name: `fair`, or what it is compared with. */
@@ -134,7 +132,7 @@ export interface FairBenchResult {
   readonly perRound: Readonly<Partial<Record<ArmName, ArmRounds>>>;
   readonly failures: readonly string[];
   /** The 1-minute load average at the start and end of the run (combined: of the first and the last). */
-  readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
+  readonly load: MachineLoad;
   /** Runs combined into this result (1 for a run). */
   readonly runs: number;
 }
@@ -261,7 +259,7 @@ function settingsOf(options: FairBenchOptions) {
     maxTokens: options.maxTokens ?? 64,
     // With two tenants the default per-tenant caps apply; only the first one sends.
     tenants: options.tenants ?? 2,
-    common: ["--model", options.model ?? bundledModelDir(), "--kv-pages", String(options.kvPages ?? 600)],
+    common: serveArgsOf(options, 600),
     baseline: options.baseline ?? null,
     fairArgs: options.fairArgs ?? [],
     promptChars: options.promptChars ?? 400,
@@ -420,7 +418,7 @@ function resultOf(
 export async function runFairShareBench(options: FairBenchOptions = {}): Promise<FairBenchResult> {
   const settings = settingsOf(options);
   const { topology, requests, concurrency, maxTokens, tenants, common } = settings;
-  const loadStart = os.loadavg()[0]!;
+  const loadStart = loadAverage();
   const dir = mkdtempSync(join(os.tmpdir(), "kvfence-bench-keys-"));
   const keys = join(dir, "keys.json");
   writeFileSync(
@@ -453,7 +451,7 @@ export async function runFairShareBench(options: FairBenchOptions = {}): Promise
       requests,
       concurrency,
       maxTokens,
-      load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
+      load: machineLoad(loadStart),
       runs: 1,
     },
     labels,
@@ -535,7 +533,7 @@ export function formatFairShareReport(r: FairBenchResult): string {
   const labelOf = (name: ArmName): string => r.arms.find((a) => a.name === name)!.label;
   return [
     `kvfence ${r.topology}, one tenant sending of ${r.tenants} in the keys file${r.tenants === 2 ? " (default caps: half the server each)" : " (no cap)"}: ${r.rounds} rounds of ${r.requests} chat requests per arm${r.runs > 1 ? ` (${r.runs} runs combined)` : ""}, the arms back to back, their order changing every round (${r.concurrency} in flight, max_tokens ${r.maxTokens}, greedy)`,
-    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end${r.load.start > 0.5 * r.load.cpus ? " (others are running: trust the per-CPU-second figure more, or rerun on a quiet machine)" : ""}`,
+    `${describeLoad(r.load)}${r.load.start > 0.5 * r.load.cpus ? " (others are running: trust the per-CPU-second figure more, or rerun on a quiet machine)" : ""}`,
     ...r.arms.map(arm),
     ...r.comparisons.flatMap((c) => [
       `fair / ${labelOf(c.against)}, paired by round (the goal: fair at 98% or more):`,
@@ -575,36 +573,6 @@ export function topologyOption(): Option {
     .default("threads");
 }
 
-/**
- * The options of a bench that loads two server arms with the same chats (fair-share,
- * observability): the model and pool, rounds and warm-up, and each round's requests; `--json`.
- */
-export function armLoadOptions(
-  cmd: Command,
-  defaults: { rounds: number; warmup: number; requests: number; promptChars: number },
-): Command {
-  return cmd
-    .option("--model <dir>", "Hugging Face model folder (default: bundled kvfence-tiny)")
-    .option("--kv-pages <n>", "KV pool of each engine or node in pages", positiveInt("--kv-pages"), 600)
-    .option("--rounds <n>", "measured rounds (each runs both arms)", positiveInt("--rounds"), defaults.rounds)
-    .option(
-      "--warmup <n>",
-      "warm-up rounds",
-      (v) => (v === "0" ? 0 : positiveInt("--warmup")(v)),
-      defaults.warmup,
-    )
-    .option("--requests <n>", "chat requests per arm per round", positiveInt("--requests"), defaults.requests)
-    .option("--concurrency <n>", "requests in flight", positiveInt("--concurrency"), 16)
-    .option("--max-tokens <n>", "max_tokens of each request", positiveInt("--max-tokens"), 64)
-    .option(
-      "--prompt-chars <n>",
-      "characters per prompt",
-      positiveInt("--prompt-chars"),
-      defaults.promptChars,
-    )
-    .option("--json", "print the result as JSON");
-}
-
 /** `kvfence bench fair-share`. */
 export function fairShareCommand(): Command {
   const cmd = new Command("fair-share")
@@ -636,28 +604,34 @@ export function fairShareCommand(): Command {
       "--combine <files...>",
       "run nothing: report the rounds of these --json results (runs of the same arms and load) as one",
     );
-  return armLoadOptions(cmd, { rounds: 20, warmup: 2, requests: 64, promptChars: 400 }).action(
-    (o: FairCliOptions) =>
-      runBenchCli(
-        "fair-share",
-        o.json,
-        async (log) =>
-          o.combine !== undefined
-            ? combineFairShareResults(
-                o.combine.map((f) => JSON.parse(readFileSync(f, "utf8")) as FairBenchResult),
-              )
-            : runFairShareBench({
-                topology: o.topology,
-                tenants: o.tenants === "1" ? 1 : 2,
-                ...(o.compare === undefined ? {} : { compare: compareOf(o.compare) }),
-                ...(o.baseline === undefined ? {} : { baseline: o.baseline }),
-                ...(o.fairArgs === undefined
-                  ? {}
-                  : { fairArgs: o.fairArgs.split(/\s+/).filter((a) => a !== "") }),
-                ...armLoadOf(o),
-                log,
-              }),
-        formatFairShareReport,
-      ),
+  return armLoadOptions(cmd, {
+    kvPages: 600,
+    rounds: 20,
+    warmup: 2,
+    requests: 64,
+    concurrency: 16,
+    promptChars: 400,
+  }).action((o: FairCliOptions) =>
+    runBenchCli(
+      "fair-share",
+      o.json,
+      async (log) =>
+        o.combine !== undefined
+          ? combineFairShareResults(
+              o.combine.map((f) => JSON.parse(readFileSync(f, "utf8")) as FairBenchResult),
+            )
+          : runFairShareBench({
+              topology: o.topology,
+              tenants: o.tenants === "1" ? 1 : 2,
+              ...(o.compare === undefined ? {} : { compare: compareOf(o.compare) }),
+              ...(o.baseline === undefined ? {} : { baseline: o.baseline }),
+              ...(o.fairArgs === undefined
+                ? {}
+                : { fairArgs: o.fairArgs.split(/\s+/).filter((a) => a !== "") }),
+              ...armLoadOf(o),
+              log,
+            }),
+      formatFairShareReport,
+    ),
   );
 }

@@ -35,7 +35,14 @@ import { pathToFileURL } from "node:url";
 import { createForward, type ForwardSetup, type KernelsName } from "../../engine/forward-setup.js";
 import { roundKv } from "../../kernels/reference.js";
 import { WasmKernels } from "../../kernels/wasm-kernels.js";
-import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, kvDtypeCode, pageFloats } from "../../kvcache/kv-layout.js";
+import {
+  DEFAULT_KV_CACHE_DTYPE,
+  type KvDtype,
+  type KvLayout,
+  kvDtypeCode,
+  kvDtypeOf,
+  pageFloats,
+} from "../../kvcache/kv-layout.js";
 import { Prng } from "../../lib/prng.js";
 import {
   bootstrapInterval,
@@ -275,92 +282,50 @@ async function prepareArms(
   const weights = dtype === "stored" ? model.weights : convertWeights(model.weights, config, dtype);
   const threads: 1 | 2 = name === "ts" ? 1 : options.threads;
   const rng = new Prng(options.seed);
-  const pageSize = options.pageSize;
   const layout = {
     numLayers: config.numLayers,
     numKvHeads: config.numKvHeads,
     headDim: config.headDim,
-    pageSize,
+    pageSize: options.pageSize,
     dtype: kvDtype,
   };
-  const maxBatch = Math.max(...options.batchSizes);
-  const pagesPerDecodeSeq = Math.ceil((options.contextTokens + options.decodeSteps) / pageSize);
-  const prefillPages = Math.ceil(options.promptTokens / pageSize);
-  const longPages = longContext > 0 ? Math.ceil((longContext + options.decodeSteps) / pageSize) : 0;
-  const decodePages = maxBatch * pagesPerDecodeSeq;
+  const n = armPages(options, longContext);
   const forward = await forwardOf(build === "baseline" ? options.baseline : undefined);
   const setup = await forward(config, weights, layout, {
     kernels: name === "ts" ? "ts" : "wasm",
     wasmFma: name !== "wasm-mul-add",
     wasmDotAdd: name !== "wasm-i16",
     kernelThreads: threads,
-    maxBatchTokens: Math.max(options.promptTokens, maxBatch * options.contextTokens),
-    maxSequences: maxBatch,
-    poolPages: [decodePages + prefillPages + longPages],
+    maxBatchTokens: Math.max(options.promptTokens, n.maxBatch * options.contextTokens),
+    maxSequences: n.maxBatch,
+    poolPages: [n.decode + n.prefill + n.long],
   });
   const { forward: fp } = setup;
   const pool = (setup.pools[0] as (typeof setup.pools)[number]).data;
-  const pages = (first: number, n: number): Int32Array => Int32Array.from({ length: n }, (_, i) => first + i);
-  const randomTokens = (n: number): Int32Array =>
-    Int32Array.from({ length: n }, () => rng.nextInt(config.vocabSize));
+  const vocab = config.vocabSize;
+  const randomTokens = (count: number): Int32Array =>
+    Int32Array.from({ length: count }, () => rng.nextInt(vocab));
 
   // Decode: maxBatch sequences whose contexts are prefilled once; every run restarts at
   // position contextTokens and rewrites the same slots.
   const decodeSeqs: StepSequence[] = [];
-  for (let s = 0; s < maxBatch; s++) {
-    decodeSeqs.push({
-      tokens: randomTokens(options.contextTokens),
-      startPos: 0,
-      blockTable: pages(s * pagesPerDecodeSeq, pagesPerDecodeSeq),
-      logits: new Float32Array(config.vocabSize),
-    });
+  for (let s = 0; s < n.maxBatch; s++) {
+    decodeSeqs.push(
+      benchSequence(randomTokens(options.contextTokens), 0, s * n.perDecodeSeq, n.perDecodeSeq, vocab),
+    );
   }
   fp.step(pool, decodeSeqs);
   decodeSeqs.forEach((s, i) => {
-    s.tokens = Int32Array.of(i % config.vocabSize);
+    s.tokens = Int32Array.of(i % vocab);
   });
-  const prefillSeq: StepSequence = {
-    tokens: randomTokens(options.promptTokens),
-    startPos: 0,
-    blockTable: pages(decodePages, prefillPages),
-    logits: new Float32Array(config.vocabSize),
-  };
-  const prefillBatch = [prefillSeq];
+  const prefillBatch = [benchSequence(randomTokens(options.promptTokens), 0, n.decode, n.prefill, vocab)];
   const decodeBatches = options.batchSizes.map((b) => decodeSeqs.slice(0, b));
-  const run = (batch: StepSequence[], start: number): number => {
-    for (const s of batch) s.startPos = start;
-    const t0 = process.hrtime.bigint();
-    for (let step = 0; step < options.decodeSteps; step++) {
-      fp.step(pool, batch);
-      for (let i = 0; i < batch.length; i++) (batch[i] as StepSequence).startPos++;
-    }
-    return (batch.length * options.decodeSteps) / (Number(process.hrtime.bigint() - t0) / 1e9);
-  };
-  // The long arm's KV must be resident, as a served sequence's is: pages never written would be
-  // read from the kernel's shared zero page, all of it cache-hot (which once measured 27-28 tok/s
-  // at 4,096 tokens where resident KV gives ~20).
-  if (longPages > 0) {
-    const floats = pageFloats(layout);
-    const longKv = pool.subarray(
-      (decodePages + prefillPages) * floats,
-      (decodePages + prefillPages + longPages) * floats,
-    );
-    if (longKv instanceof Float32Array) rng.fillGaussian(longKv, 0.5);
-    else {
-      const values = new Float32Array(longKv.length);
-      rng.fillGaussian(values, 0.5);
-      const code = kvDtypeCode(kvDtype);
-      for (let i = 0; i < values.length; i++) longKv[i] = roundKv(values[i] as number, code);
-    }
-  }
-  const longBatch: StepSequence[] = [
-    {
-      tokens: Int32Array.of(1 % config.vocabSize),
-      startPos: longContext,
-      blockTable: pages(decodePages + prefillPages, longPages),
-      logits: new Float32Array(config.vocabSize),
-    },
+  if (n.long > 0) fillResidentKv(pool, layout, n.decode + n.prefill, n.long, rng);
+  const longBatch = [
+    benchSequence(Int32Array.of(1 % vocab), longContext, n.decode + n.prefill, n.long, vocab),
   ];
+  const run = (batch: StepSequence[], start: number): number =>
+    decodeTokensPerSecond(fp, pool, batch, start, options.decodeSteps);
   return {
     name,
     build,
@@ -377,6 +342,78 @@ async function prepareArms(
     decode: (i) => run(decodeBatches[i] as StepSequence[], options.contextTokens),
     long: longContext > 0 ? () => run(longBatch, longContext) : null,
   };
+}
+
+/** The pages of an arm's pool: every decode sequence's, then the prefill prompt's, then the long arm's. */
+function armPages(options: ModelBenchOptions, longContext: number) {
+  const maxBatch = Math.max(...options.batchSizes);
+  const perDecodeSeq = Math.ceil((options.contextTokens + options.decodeSteps) / options.pageSize);
+  return {
+    maxBatch,
+    perDecodeSeq,
+    decode: maxBatch * perDecodeSeq,
+    prefill: Math.ceil(options.promptTokens / options.pageSize),
+    long: longContext > 0 ? Math.ceil((longContext + options.decodeSteps) / options.pageSize) : 0,
+  };
+}
+
+/** A sequence of `tokens` at `startPos` over the `count` pages from `firstPage` on, with a logits row. */
+function benchSequence(
+  tokens: Int32Array,
+  startPos: number,
+  firstPage: number,
+  count: number,
+  vocabSize: number,
+): StepSequence {
+  return {
+    tokens,
+    startPos,
+    blockTable: Int32Array.from({ length: count }, (_, i) => firstPage + i),
+    logits: new Float32Array(vocabSize),
+  };
+}
+
+type BenchPool = ForwardSetup["pools"][number]["data"];
+
+/** Decode tokens/s of `batch` stepping `steps` times together from position `start`. */
+function decodeTokensPerSecond(
+  fp: ForwardSetup["forward"],
+  pool: BenchPool,
+  batch: StepSequence[],
+  start: number,
+  steps: number,
+): number {
+  for (const s of batch) s.startPos = start;
+  const t0 = process.hrtime.bigint();
+  for (let step = 0; step < steps; step++) {
+    fp.step(pool, batch);
+    for (let i = 0; i < batch.length; i++) (batch[i] as StepSequence).startPos++;
+  }
+  return (batch.length * steps) / (Number(process.hrtime.bigint() - t0) / 1e9);
+}
+
+/**
+ * Fills `count` pages of `pool` from `firstPage` on with random KV (rounded to the pool's dtype).
+ * The long arm's KV must be resident, as a served sequence's is: pages never written would be read
+ * from the kernel's shared zero page, all of it cache-hot (which once measured 27-28 tok/s at 4,096
+ * tokens where resident KV gives ~20).
+ */
+function fillResidentKv(
+  pool: BenchPool,
+  layout: KvLayout,
+  firstPage: number,
+  count: number,
+  rng: Prng,
+): void {
+  const floats = pageFloats(layout);
+  const kv = pool.subarray(firstPage * floats, (firstPage + count) * floats);
+  if (kv instanceof Float32Array) rng.fillGaussian(kv, 0.5);
+  else {
+    const values = new Float32Array(kv.length);
+    rng.fillGaussian(values, 0.5);
+    const code = kvDtypeCode(kvDtypeOf(layout));
+    for (let i = 0; i < values.length; i++) kv[i] = roundKv(values[i] as number, code);
+  }
 }
 
 export async function runModelBench(options: ModelBenchOptions): Promise<ModelBenchResult> {

@@ -37,21 +37,15 @@
  */
 import { randomBytes } from "node:crypto";
 import { createServer, type Server as HttpServer } from "node:http";
-import os from "node:os";
 import { fileURLToPath } from "node:url";
 import { Command, InvalidArgumentError, Option } from "commander";
-import { bundledModelDir } from "../../lib/package-root.js";
 import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
+import { type ArmLoadCliOptions, type ArmLoadOptions, armLoadOptions, serveArgsOf } from "./arm-load.js";
+import { positiveInt, runBenchCli } from "./bench-cli.js";
 import { prompt, round } from "./cluster.js";
-import {
-  armLoadOptions,
-  type FairBenchTopology,
-  type Server,
-  startArm,
-  topologyOption,
-} from "./fair-share.js";
+import { type FairBenchTopology, type Server, startArm, topologyOption } from "./fair-share.js";
+import { describeLoad, loadAverage, type MachineLoad, machineLoad } from "./machine-load.js";
 import { cpuSeconds } from "./process-cpu.js";
-import { positiveInt, runBenchCli } from "./transfer.js";
 
 /** A feature arm (each is compared with `off`). */
 export type ObservabilityFeature = "control" | "histograms" | "traces" | "dashboard" | "all";
@@ -77,25 +71,18 @@ export const BOUND: Readonly<Partial<Record<ObservabilityFeature, number>>> = {
   all: 0.99,
 };
 
-export interface ObservabilityBenchOptions {
+/**
+ * A run: each round is every arm's burst, then again in the reverse order, so `requests` (per arm
+ * per round) must be even: two bursts of half as many.
+ */
+export interface ObservabilityBenchOptions extends ArmLoadOptions {
   readonly topology?: FairBenchTopology;
   /** The feature arms to measure against `off` (default: each alone and all together). */
   readonly what?: readonly ObservabilityFeature[];
-  readonly model?: string;
-  readonly kvPages?: number;
-  /** Measured rounds (each: every arm's burst, then again in the reverse order). */
-  readonly rounds?: number;
-  readonly warmup?: number;
-  /** Chat requests per arm per round (even: two bursts of half as many). */
-  readonly requests?: number;
-  readonly concurrency?: number;
-  readonly maxTokens?: number;
-  readonly promptChars?: number;
   /** How often the dashboard poller reads /kvfence/state (ms of the arm's loaded time). */
   readonly pollMs?: number;
   /** How often every arm's /metrics is scraped (ms of the arm's loaded time). */
   readonly scrapeMs?: number;
-  readonly log?: (line: string) => void;
 }
 
 /** One arm's figures in one round: its bursts' wall time and output tokens, its servers' CPU over the round. */
@@ -145,7 +132,7 @@ export interface ObservabilityRun extends ObservabilitySetup {
   readonly rounds: Readonly<Partial<Record<Arm, readonly RoundSample[]>>>;
   readonly observed: Readonly<Partial<Record<Arm, Observed>>>;
   readonly failures: readonly string[];
-  readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
+  readonly load: MachineLoad;
 }
 
 export interface ObservabilityBenchResult extends ObservabilityRun {
@@ -292,7 +279,7 @@ function settingsOf(options: ObservabilityBenchOptions) {
     } satisfies ObservabilitySetup,
     rounds: options.rounds ?? 60,
     warmup: options.warmup ?? 2,
-    common: ["--model", options.model ?? bundledModelDir(), "--kv-pages", String(options.kvPages ?? 600)],
+    common: serveArgsOf(options, 600),
     log: options.log ?? (() => {}),
   };
 }
@@ -312,7 +299,7 @@ export async function runObservabilityBench(
   options: ObservabilityBenchOptions = {},
 ): Promise<ObservabilityBenchResult> {
   const s = settingsOf(options);
-  const loadStart = os.loadavg()[0]!;
+  const loadStart = loadAverage();
   const key = randomBytes(24).toString("hex");
   const arms: Arm[] = ["off", ...s.setup.what];
   const running: Running[] = [];
@@ -341,7 +328,7 @@ export async function runObservabilityBench(
     rounds,
     observed,
     failures,
-    load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
+    load: machineLoad(loadStart),
   });
 }
 
@@ -483,7 +470,7 @@ export function formatObservabilityReport(r: ObservabilityBenchResult): string {
   const lines = [
     `kvfence ${r.topology}, observability features vs off: ${r.n} rounds, each a burst of ${r.requests / 2} chat requests per arm and the same in reverse order, back to back (${r.concurrency} in flight: saturated; max_tokens ${r.maxTokens}, greedy)`,
     `every arm's /metrics scraped every ${r.scrapeMs} ms of its loaded time; /kvfence/state polled every ${r.pollMs} ms in dashboard and all; CPU per token: the servers' CPU over each whole round`,
-    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
+    describeLoad(r.load),
   ];
   for (const [arm, a] of Object.entries(r.arms) as [Arm, ArmResult][]) {
     const x = a.tokensPerSecond;
@@ -516,17 +503,9 @@ function observed(o: Observed): string {
   return `${o.spans} spans exported, ${o.statePolls} dashboard polls, ${o.scrapes} scrapes`;
 }
 
-interface CliOptions {
+interface CliOptions extends ArmLoadCliOptions {
   topology: FairBenchTopology;
   what: ObservabilityFeature[];
-  model?: string;
-  kvPages: number;
-  rounds: number;
-  warmup: number;
-  requests: number;
-  concurrency: number;
-  maxTokens: number;
-  promptChars: number;
   pollMs: number;
   scrapeMs: number;
   json?: boolean;
@@ -560,13 +539,19 @@ export function observabilityCommand(): Command {
       1000,
     )
     .option("--scrape-ms <n>", "every arm's /metrics scrape interval", positiveInt("--scrape-ms"), 1000);
-  return armLoadOptions(cmd, { rounds: 60, warmup: 2, requests: 64, promptChars: 200 }).action(
-    (o: CliOptions) =>
-      runBenchCli(
-        "observability",
-        o.json,
-        (log) => runObservabilityBench({ ...o, log }),
-        formatObservabilityReport,
-      ),
+  return armLoadOptions(cmd, {
+    kvPages: 600,
+    rounds: 60,
+    warmup: 2,
+    requests: 64,
+    concurrency: 16,
+    promptChars: 200,
+  }).action((o: CliOptions) =>
+    runBenchCli(
+      "observability",
+      o.json,
+      (log) => runObservabilityBench({ ...o, log }),
+      formatObservabilityReport,
+    ),
   );
 }

@@ -19,13 +19,14 @@ import os from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { Command } from "commander";
-import { bundledModelDir } from "../../lib/package-root.js";
 import { mean, pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
+import { serveArgsOf } from "./arm-load.js";
+import { positiveInt } from "./bench-cli.js";
 import { type FairBenchTopology, type Server, startArm, topologyOption } from "./fair-share.js";
+import { describeLoad, loadAverage, type MachineLoad, machineLoad } from "./machine-load.js";
 import { type RunContext, sendTurn } from "./serve.js";
 import type { StreamOutcome } from "./serve-client.js";
 import { buildDataset, type Dataset } from "./serve-datasets.js";
-import { positiveInt } from "./transfer.js";
 
 export interface PrefixBenchOptions {
   readonly topology?: FairBenchTopology;
@@ -70,7 +71,7 @@ export interface PrefixBenchResult {
   /** Prompt tokens computed, on / off. */
   readonly computedRatio: number;
   readonly failures: readonly string[];
-  readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
+  readonly load: MachineLoad;
 }
 
 const THIS_MAIN = fileURLToPath(new URL("../../cli/main.js", import.meta.url));
@@ -155,14 +156,14 @@ function settingsOf(options: PrefixBenchOptions) {
     inputLen: options.inputLen ?? 64,
     outputLen: options.outputLen ?? 32,
     seed: options.seed ?? 1,
-    common: ["--model", options.model ?? bundledModelDir(), "--kv-pages", String(options.kvPages ?? 1024)],
+    common: serveArgsOf(options, 1024),
     log: options.log ?? (() => {}),
   };
 }
 
 export async function runPrefixCacheBench(options: PrefixBenchOptions = {}): Promise<PrefixBenchResult> {
   const st = settingsOf(options);
-  const loadStart = os.loadavg()[0]!;
+  const loadStart = loadAverage();
   const dir = mkdtempSync(join(os.tmpdir(), "kvfence-bench-keys-"));
   const keys = join(dir, "keys.json");
   writeFileSync(
@@ -239,7 +240,7 @@ export async function runPrefixCacheBench(options: PrefixBenchOptions = {}): Pro
     ttftRatio: pairedRatio(tally.later.on, tally.later.off),
     computedRatio: tally.computed.on / Math.max(1, tally.computed.off),
     failures: tally.failures,
-    load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
+    load: machineLoad(loadStart),
   };
 }
 
@@ -252,7 +253,7 @@ export function formatPrefixCacheReport(r: PrefixBenchResult): string {
   const pass = (x: number): string => (x <= 1 / 3 ? "≤ 1/3: pass" : "> 1/3: FAIL");
   return [
     `kvfence ${r.topology}, prefix cache on vs off: ${r.rounds} interleaved rounds of ${r.sessions} concurrent ${r.turns}-turn chat sessions over ${r.tenants} tenants (bench serve's multi-turn dataset, greedy)`,
-    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
+    describeLoad(r.load),
     arm(r.on),
     arm(r.off),
     `mean TTFT of turns 2-${r.turns}, on / off: ${t.ratio.toFixed(3)} [95% CI ${Number.isNaN(t.low) ? "-" : `${t.low.toFixed(3)}–${t.high.toFixed(3)}`}] ${ttftVerdict(t)}`,

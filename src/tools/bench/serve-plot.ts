@@ -9,7 +9,14 @@
 import { readFileSync } from "node:fs";
 import { createRequire } from "node:module";
 import { quantiles } from "../../lib/stats.js";
-import { LATENCY_METRICS, type LatencyMetric, type ServeRunResult, tpotOf } from "./serve-report.js";
+import {
+  LATENCY_METRICS,
+  type LatencyMetric,
+  type ServeRunResult,
+  SWEEP_COLUMNS,
+  sweepRow,
+  tpotOf,
+} from "./serve-report.js";
 
 const require = createRequire(import.meta.url);
 
@@ -68,16 +75,47 @@ function rateLabel(r: ServeRunResult): string {
 
 /** The page for the runs of one `bench serve` (one run, or a sweep in the order run). */
 export function renderServePlot(runs: readonly ServeRunResult[]): string {
+  const data = plotData(runs);
+  const js = readFileSync(require.resolve("uplot/dist/uPlot.iife.min.js"), "utf8");
+  const css = readFileSync(require.resolve("uplot/dist/uPlot.min.css"), "utf8");
+  // Nothing in the inlined text may close its element early.
+  const safe = (s: string) => s.replace(/<\/(script|style)/gi, "<\\/$1");
+  const json = JSON.stringify(data).replace(/</g, "\\u003c");
+  return `<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>${escapeHtml(data.title)}</title>
+<style>${safe(css)}</style>
+<style>
+${PAGE_STYLE}</style>
+</head>
+<body>
+<h1 id="title"></h1>
+<table id="summary"></table>
+<h2>Latency distributions (percentile curves, one line per offered rate)</h2>
+<div class="grid" id="latency"></div>
+<div id="sweep-section"><h2>Against the offered rate</h2><div class="grid" id="sweep"></div></div>
+<script>${safe(js)}</script>
+<script type="application/json" id="data">${json}</script>
+<script>
+${PAGE_SCRIPT}</script>
+</body>
+</html>
+`;
+}
+
+/** The numbers and labels the page draws: its title, each run's curves, the sweep, the table. */
+function plotData(runs: readonly ServeRunResult[]): PlotData {
   const first = runs[0];
   const title =
     first === undefined
       ? "kvfence bench serve"
       : `kvfence bench serve — ${first.model_id} at ${first.base_url}${first.endpoint}, ${first.dataset_name}, ${first.num_prompts} requests per rate${first.max_concurrency === null ? "" : `, max concurrency ${first.max_concurrency}`}, ${first.date}`;
-  const f = (v: number) => v.toFixed(2);
   const rateOf = (r: ServeRunResult) =>
     r.request_rate === "inf" ? Number.POSITIVE_INFINITY : r.request_rate;
   const byRate = [...runs].sort((a, b) => rateOf(a) - rateOf(b));
-  const data: PlotData = {
+  return {
     title,
     pcts: CURVE,
     runs: runs.map((r) => ({
@@ -94,46 +132,12 @@ export function renderServePlot(runs: readonly ServeRunResult[]): string {
       p50Ttft: byRate.map((r) => r.median_ttft_ms),
       p99Ttft: byRate.map((r) => r.p99_ttft_ms),
     },
-    table: [
-      [
-        "offered rate (req/s)",
-        "completed / failed",
-        "req/s",
-        "output tok/s",
-        "goodput (req/s)",
-        "TTFT p50 / p99 (ms)",
-        "TPOT mean (ms)",
-        "ITL p99 (ms)",
-        "E2EL p50 / p99 (ms)",
-        "contaminated",
-      ],
-      ...runs.map((r) => [
-        rateLabel(r),
-        `${r.completed} / ${r.failed}`,
-        f(r.request_throughput),
-        f(r.output_throughput),
-        r.request_goodput === null ? "–" : f(r.request_goodput),
-        `${f(r.median_ttft_ms)} / ${f(r.p99_ttft_ms)}`,
-        f(r.mean_tpot_ms),
-        f(r.p99_itl_ms),
-        `${f(r.median_e2el_ms)} / ${f(r.p99_e2el_ms)}`,
-        `${r.contamination.contaminated_responses} of ${r.contamination.responses}`,
-      ]),
-    ],
+    table: [SWEEP_COLUMNS, ...runs.map(sweepRow)],
   };
-  const js = readFileSync(require.resolve("uplot/dist/uPlot.iife.min.js"), "utf8");
-  const css = readFileSync(require.resolve("uplot/dist/uPlot.min.css"), "utf8");
-  // Nothing in the inlined text may close its element early.
-  const safe = (s: string) => s.replace(/<\/(script|style)/gi, "<\\/$1");
-  const json = JSON.stringify(data).replace(/</g, "\\u003c");
-  return `<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>${escapeHtml(title)}</title>
-<style>${safe(css)}</style>
-<style>
-body { font: 14px system-ui, sans-serif; margin: 16px; color: #222; }
+}
+
+/** The page's own stylesheet. */
+const PAGE_STYLE = `body { font: 14px system-ui, sans-serif; margin: 16px; color: #222; }
 h1 { font-size: 16px; font-weight: 600; }
 h2 { font-size: 14px; font-weight: 600; margin: 20px 0 4px; }
 .grid { display: flex; flex-wrap: wrap; gap: 12px; }
@@ -141,18 +145,10 @@ table { border-collapse: collapse; margin-top: 8px; }
 td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
 th { background: #f4f4f4; }
 .bad { color: #b00; font-weight: 600; }
-</style>
-</head>
-<body>
-<h1 id="title"></h1>
-<table id="summary"></table>
-<h2>Latency distributions (percentile curves, one line per offered rate)</h2>
-<div class="grid" id="latency"></div>
-<div id="sweep-section"><h2>Against the offered rate</h2><div class="grid" id="sweep"></div></div>
-<script>${safe(js)}</script>
-<script type="application/json" id="data">${json}</script>
-<script>
-const D = JSON.parse(document.getElementById("data").textContent);
+`;
+
+/** The page's script: fills the table and draws the charts from the inlined data (no generated text). */
+const PAGE_SCRIPT = `const D = JSON.parse(document.getElementById("data").textContent);
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 document.getElementById("title").textContent = D.title;
 const table = document.getElementById("summary");
@@ -213,11 +209,7 @@ if (D.sweep.labels.length < 2) {
     axes: [xAxis, { label: "ms" }],
   }, [xs, D.sweep.p50Ttft, D.sweep.p99Ttft], el2);
 }
-</script>
-</body>
-</html>
 `;
-}
 
 function escapeHtml(s: string): string {
   return s.replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);

@@ -334,25 +334,44 @@ export function formatRun(r: ServeRunResult): string {
   return lines.join("\n");
 }
 
+/** The columns of the sweep's summary table (`formatSweep`, and the chart page's table). */
+export const SWEEP_COLUMNS: readonly string[] = [
+  "offered rate (req/s)",
+  "completed / failed",
+  "req/s",
+  "output tok/s",
+  "goodput (req/s)",
+  "TTFT p50 / p99 (ms)",
+  "TPOT mean (ms)",
+  "ITL p99 (ms)",
+  "E2EL p50 / p99 (ms)",
+  "contaminated",
+];
+
+/** A run's row of the sweep's summary table, one cell per `SWEEP_COLUMNS`. */
+export function sweepRow(r: ServeRunResult): string[] {
+  return [
+    String(r.request_rate),
+    `${r.completed} / ${r.failed}`,
+    fmt(r.request_throughput),
+    fmt(r.output_throughput),
+    r.request_goodput === null ? "–" : fmt(r.request_goodput),
+    `${fmt(r.median_ttft_ms)} / ${fmt(r.p99_ttft_ms)}`,
+    fmt(r.mean_tpot_ms),
+    fmt(r.p99_itl_ms),
+    `${fmt(r.median_e2el_ms)} / ${fmt(r.p99_e2el_ms)}`,
+    `${r.contamination.contaminated_responses} of ${r.contamination.responses}`,
+  ];
+}
+
 /** One Markdown row per rate: the sweep at a glance. */
 export function formatSweep(runs: readonly ServeRunResult[]): string {
-  const head =
-    "| offered rate (req/s) | completed / failed | req/s | output tok/s | goodput (req/s) | TTFT p50 / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | E2EL p50 / p99 (ms) | contaminated |";
-  const rows = runs.map((r) =>
-    [
-      String(r.request_rate),
-      `${r.completed} / ${r.failed}`,
-      fmt(r.request_throughput),
-      fmt(r.output_throughput),
-      r.request_goodput === null ? "–" : fmt(r.request_goodput),
-      `${fmt(r.median_ttft_ms)} / ${fmt(r.p99_ttft_ms)}`,
-      fmt(r.mean_tpot_ms),
-      fmt(r.p99_itl_ms),
-      `${fmt(r.median_e2el_ms)} / ${fmt(r.p99_e2el_ms)}`,
-      `${r.contamination.contaminated_responses} of ${r.contamination.responses}`,
-    ].join(" | "),
-  );
-  return [head, `|${" --- |".repeat(10)}`, ...rows.map((r) => `| ${r} |`)].join("\n");
+  const row = (cells: readonly string[]): string => `| ${cells.join(" | ")} |`;
+  return [
+    row(SWEEP_COLUMNS),
+    `|${" --- |".repeat(SWEEP_COLUMNS.length)}`,
+    ...runs.map((r) => row(sweepRow(r))),
+  ].join("\n");
 }
 
 /** `text` centred in 50 columns of `fill`, as Python's `"{:fill^50}"`. */

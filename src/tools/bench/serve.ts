@@ -22,6 +22,7 @@ import { Command, InvalidArgumentError, Option } from "commander";
 import { KvfenceError } from "../../lib/errors.js";
 import { CanaryIndex, Rng } from "../probe/canary.js";
 import { normalizeBaseUrl } from "../probe/probe.js";
+import { positiveInteger } from "./bench-cli.js";
 import { type ServeEndpoint, type StreamOutcome, streamRequest } from "./serve-client.js";
 import {
   buildDataset,
@@ -501,14 +502,6 @@ export function formatRate(rate: number): string {
 }
 
 // ---- the command ----
-
-function positiveInteger(value: string): number {
-  const n = Number(value);
-  if (value.trim() === "" || !Number.isSafeInteger(n) || n < 1) {
-    throw new InvalidArgumentError(`Expected a positive integer: ${value}`);
-  }
-  return n;
-}
 
 function nonNegativeNumber(value: string): number {
   const n = Number(value);

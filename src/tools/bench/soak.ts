@@ -17,7 +17,7 @@ import type { DisaggregatedEngine } from "../../cluster/disaggregated-engine.js"
 import { bundledModelDir } from "../../lib/package-root.js";
 import type { GenerationRequest } from "../../protocol/engine-api.js";
 import { startNodeProcesses } from "../../topology/local-cluster.js";
-import { positiveInt } from "./transfer.js";
+import { positiveInt } from "./bench-cli.js";
 
 export interface SoakOptions {
   readonly requests?: number;

@@ -43,6 +43,7 @@ import { genModel } from "../../model/gen-model.js";
 import { loadWeights } from "../../model/load-model.js";
 import type { GenerationEvents } from "../../protocol/engine-api.js";
 import { makeSafety } from "../../protocol/safety.js";
+import { positiveInteger } from "./bench-cli.js";
 
 export interface TagCheckBenchOptions {
   /** A model folder; when absent, a random model shaped like `like` is generated (once) in a temp folder. */
@@ -328,14 +329,6 @@ export function formatTagCheckReport(r: TagCheckBenchReport): string {
   ].join("\n");
 }
 
-function integer(value: string): number {
-  const n = Number(value);
-  if (value.trim() === "" || !Number.isSafeInteger(n) || n < 1) {
-    throw new InvalidArgumentError(`Expected a positive integer: ${value}`);
-  }
-  return n;
-}
-
 /** `kvfence bench tag-check`: the same benchmark as a subcommand of the `bench` group. */
 export function tagCheckCommand(): Command {
   return new Command("tag-check")
@@ -346,10 +339,10 @@ export function tagCheckCommand(): Command {
     .option("--like <model>", "shape of the generated model: smollm2-135m or tiny", "smollm2-135m")
     .option("--kernels <kind>", "forward-pass kernels: wasm (the server's default) or ts", "wasm")
     .option("--threads <n>", "threads of the wasm kernels: 1 or 2", "2")
-    .option("--pairs <n>", "interleaved on/off pairs", integer, 10)
-    .option("--batch <n>", "concurrent decoding requests", integer, 8)
-    .option("--prompt <n>", "prompt tokens per request", integer, 16)
-    .option("--steps <n>", "timed decode steps per arm", integer, 1)
+    .option("--pairs <n>", "interleaved on/off pairs", positiveInteger, 10)
+    .option("--batch <n>", "concurrent decoding requests", positiveInteger, 8)
+    .option("--prompt <n>", "prompt tokens per request", positiveInteger, 16)
+    .option("--steps <n>", "timed decode steps per arm", positiveInteger, 1)
     .option("--kv-cache-dtype <dtype>", "KV cache element type: f32, f16 or bf16", DEFAULT_KV_CACHE_DTYPE)
     .option(
       "--arms <kind>",

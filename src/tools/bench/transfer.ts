@@ -23,7 +23,6 @@
  * interleaved ratio of transfer times with and without checksums; raise `--reps` to narrow its CI.
  */
 
-import os from "node:os";
 import { join } from "node:path";
 import { xxh64 } from "@node-rs/xxhash";
 import { Command, InvalidArgumentError } from "commander";
@@ -32,6 +31,8 @@ import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, type KvLayout } from "../../kvcache/
 import { packageRoot } from "../../lib/package-root.js";
 import { pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
 import type { TlsFiles } from "../../transfer/tls-config.js";
+import { positiveInt, runBenchCli } from "./bench-cli.js";
+import { describeLoad, loadAverage, type MachineLoad, machineLoad } from "./machine-load.js";
 import { now, TransferRig } from "./transfer-rig.js";
 
 /**
@@ -113,7 +114,7 @@ export interface TransferBenchResult {
   readonly hashGbps: { readonly nativeXxh64: Summary; readonly wasmH64Raw: Summary };
   readonly failures: readonly string[];
   /** 1-minute load average at the start and the end, and the CPU count: how shared the machine was. */
-  readonly load: { readonly start: number; readonly end: number; readonly cpus: number };
+  readonly load: MachineLoad;
 }
 
 /** The committed test certificates (scripts/make-test-certs.sh), for the tcp+tls path. */
@@ -128,7 +129,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
   const signalBytes = options.signalBytes ?? 1 << 20;
   const chunkPages = options.chunkPages ?? 16;
   const withTls = options.paths === undefined || options.paths.includes("tcp+tls");
-  const loadStart = os.loadavg()[0]!;
+  const loadStart = loadAverage();
   const rig = await TransferRig.start({
     layout: options.layout ?? SMOLLM2_LAYOUT,
     numPages,
@@ -185,7 +186,7 @@ export async function runTransferBench(options: TransferBenchOptions = {}): Prom
       wasmH64Raw: summarize(hashNs.wasm.map((t) => bytes / t)),
     },
     failures: rig.failures,
-    load: { start: loadStart, end: os.loadavg()[0]!, cpus: os.cpus().length },
+    load: machineLoad(loadStart),
   };
 }
 
@@ -252,9 +253,7 @@ export function formatTransferReport(r: TransferBenchResult): string {
     `KV transfer: ${r.pages} pages × ${(r.pageBytes / 1024).toFixed(0)} KiB = ${(r.bytes / 1e6).toFixed(1)} MB per transfer, ` +
       `${r.reps} interleaved reps, ${r.chunkPages} pages per write call, shm signal every ${(r.signalBytes / 1024).toFixed(0)} KiB`,
   );
-  lines.push(
-    `machine: ${r.load.cpus} CPUs, 1-min load average ${r.load.start.toFixed(1)} at start, ${r.load.end.toFixed(1)} at end`,
-  );
+  lines.push(describeLoad(r.load));
   lines.push("path               median ms   GB/s median [min–max]     pages/s   CPU ms (all threads)");
   for (const p of PATHS) {
     const x = r.paths[p];
@@ -286,37 +285,6 @@ export function formatTransferReport(r: TransferBenchResult): string {
   );
   if (r.failures.length > 0) lines.push(`FAILURES: ${r.failures.join("; ")}`);
   return lines.join("\n");
-}
-
-/** A commander parser of a positive integer option, naming `name` in its error. */
-export function positiveInt(name: string): (value: string) => number {
-  return (value) => {
-    const n = Number(value);
-    if (!Number.isInteger(n) || n < 1)
-      throw new InvalidArgumentError(`${name} must be a positive integer: ${value}`);
-    return n;
-  };
-}
-
-/**
- * A bench command's action: runs it with its progress on stderr (with `--json` too: a run of
- * minutes shows how far it is, and stdout holds only the JSON), prints the result as JSON or as
- * `format` gives it, and exits 1 on a failure it reports or an error it throws.
- */
-export async function runBenchCli<R extends { readonly failures: readonly string[] }>(
-  name: string,
-  json: boolean | undefined,
-  run: (log: (line: string) => void) => Promise<R>,
-  format: (result: R) => string,
-): Promise<void> {
-  try {
-    const result = await run((line) => process.stderr.write(`${line}\n`));
-    process.stdout.write(`${json === true ? JSON.stringify(result, null, 2) : format(result)}\n`);
-    if (result.failures.length > 0) process.exitCode = 1;
-  } catch (err) {
-    process.stderr.write(`kvfence bench ${name}: ${err instanceof Error ? err.message : String(err)}\n`);
-    process.exitCode = 1;
-  }
 }
 
 interface TransferCliOptions {

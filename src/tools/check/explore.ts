@@ -6,7 +6,8 @@
  * reached it, so a counterexample is rebuilt by replaying events from the initial world — and
  * because the search is breadth-first, the first violation found has a shortest trace.
  */
-import type { EnvEvent, ModelWorld, Violation, World } from "./model-world.js";
+import type { ModelWorld } from "./model-world.js";
+import type { EnvEvent, Violation, World } from "./world-state.js";
 
 export interface ExploreOptions {
   /** Stop (incomplete) after this many distinct states. */

@@ -17,8 +17,9 @@ import {
   makeSafety,
 } from "../../protocol/safety.js";
 import { type Counterexample, type ExploreResult, explore } from "./explore.js";
-import { type CheckRequest, type ModelConfig, ModelWorld } from "./model-world.js";
+import { ModelWorld } from "./model-world.js";
 import { explorePrefixCache } from "./prefix-model.js";
+import type { CheckRequest, ModelConfig } from "./world-state.js";
 
 /** The request pool the bound draws from; `--requests N` takes the first N. */
 export const CHECK_REQUESTS: readonly CheckRequest[] = [
@@ -154,12 +155,7 @@ export function resolveOptions(options: CheckOptions): {
   const scenario = options.fault === undefined ? null : FAULT_SCENARIOS[options.fault];
   const merged = { ...DEFAULT_BOUND, ...(scenario?.bound ?? {}), ...stripUndefined(options) };
   const faults = scenario?.faults ?? [];
-  const disabledGuards = [
-    ...new Set([
-      ...(options.keepGuards === true ? [] : (scenario?.disabledGuards ?? [])),
-      ...(options.disabledGuards ?? []),
-    ]),
-  ];
+  const disabledGuards = disabledGuardsOf(options, scenario);
   if (merged.requests < 1 || merged.requests > CHECK_REQUESTS.length) {
     throw new KvfenceError(
       "invalid_request",
@@ -179,53 +175,31 @@ export function resolveOptions(options: CheckOptions): {
       param: "routers",
     });
   }
-  const requests = CHECK_REQUESTS.slice(0, merged.requests);
+  const bound = Object.fromEntries(
+    Object.keys(DEFAULT_BOUND).map((k) => [k, merged[k as keyof typeof DEFAULT_BOUND]]),
+  ) as CheckReport["bound"];
   const config: ModelConfig = {
-    decodePages: merged.pages,
-    prefillPages: merged.prefillPages,
+    decodePages: bound.pages,
+    prefillPages: bound.prefillPages,
     pageSize: 1,
-    maxModelLen: merged.maxModelLen,
-    requests: requests.map((r, i) => ({
+    maxModelLen: bound.maxModelLen,
+    requests: CHECK_REQUESTS.slice(0, bound.requests).map((r, i) => ({
       ...r,
-      ...(merged.routers === 1 ? {} : { router: i % 2 }),
-      ...(i === 0 && merged.samples > 0 ? { samples: merged.samples } : {}),
+      ...(bound.routers === 1 ? {} : { router: i % 2 }),
+      ...(i === 0 && bound.samples > 0 ? { samples: bound.samples } : {}),
     })),
-    maxAttempts: merged.maxAttempts,
-    crashes: merged.crashes,
-    duplicates: merged.duplicates,
-    losses: merged.losses,
-    clientAborts: merged.clientAborts,
-    timeouts: merged.timeouts,
-    transport: merged.transport,
-    reorder: merged.reorder,
-    routers: merged.routers,
+    maxAttempts: bound.maxAttempts,
+    crashes: bound.crashes,
+    duplicates: bound.duplicates,
+    losses: bound.losses,
+    clientAborts: bound.clientAborts,
+    timeouts: bound.timeouts,
+    transport: bound.transport,
+    reorder: bound.reorder,
+    routers: bound.routers,
     safety: makeSafety({ faults, disabledGuards }),
   };
-  return {
-    config,
-    report: {
-      fault: options.fault ?? null,
-      faults,
-      disabledGuards,
-      bound: {
-        requests: merged.requests,
-        samples: merged.samples,
-        pages: merged.pages,
-        prefillPages: merged.prefillPages,
-        maxModelLen: merged.maxModelLen,
-        maxAttempts: merged.maxAttempts,
-        crashes: merged.crashes,
-        duplicates: merged.duplicates,
-        losses: merged.losses,
-        clientAborts: merged.clientAborts,
-        timeouts: merged.timeouts,
-        transport: merged.transport,
-        reorder: merged.reorder,
-        routers: merged.routers,
-        maxStates: merged.maxStates,
-      },
-    },
-  };
+  return { config, report: { fault: options.fault ?? null, faults, disabledGuards, bound } };
 }
 
 /** Runs the checker. Never throws for a violation: the report carries the counterexample. */
@@ -254,13 +228,7 @@ export function runCheck(options: CheckOptions = {}): CheckReport {
 function prefixReport(options: CheckOptions, fault: FaultName): CheckReport {
   // The prefix cache is checked by its own model (src/tools/check/prefix-model.ts).
   const { report } = resolveOptions({ ...options, fault: "early-free" });
-  const scenario = FAULT_SCENARIOS[fault];
-  const disabledGuards = [
-    ...new Set([
-      ...(options.keepGuards === true ? [] : scenario.disabledGuards),
-      ...(options.disabledGuards ?? []),
-    ]),
-  ];
+  const disabledGuards = disabledGuardsOf(options, FAULT_SCENARIOS[fault]);
   return {
     ...report,
     fault,
@@ -272,6 +240,16 @@ function prefixReport(options: CheckOptions, fault: FaultName): CheckReport {
       ...(options.maxStates === undefined ? {} : { maxStates: options.maxStates }),
     }),
   };
+}
+
+/** The guards switched off: the scenario's (unless `keepGuards`), and those the options name. */
+function disabledGuardsOf(options: CheckOptions, scenario: Scenario | null): GuardName[] {
+  return [
+    ...new Set([
+      ...(options.keepGuards === true ? [] : (scenario?.disabledGuards ?? [])),
+      ...(options.disabledGuards ?? []),
+    ]),
+  ];
 }
 
 function stripUndefined<T extends object>(o: T): Partial<T> {

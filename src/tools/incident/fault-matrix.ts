@@ -36,23 +36,18 @@ export interface MatrixScenario {
   readonly topology: "threads" | "tcp" | "single";
 }
 
+/** The incident's row, run over worker threads and again over node processes and TCP. */
+const INCIDENT: Omit<MatrixScenario, "topology"> = {
+  fault: "placeholder-reject",
+  faults: ["undersized-pool", "placeholder-reject"],
+  guards: ["admission-doors", "coverage", "checksum", "page-tags"],
+  undersizedPrefill: true,
+  victim: "over-pool",
+};
+
 export const MATRIX_SCENARIOS: readonly MatrixScenario[] = [
-  {
-    fault: "placeholder-reject",
-    faults: ["undersized-pool", "placeholder-reject"],
-    guards: ["admission-doors", "coverage", "checksum", "page-tags"],
-    undersizedPrefill: true,
-    victim: "over-pool",
-    topology: "threads",
-  },
-  {
-    fault: "placeholder-reject",
-    faults: ["undersized-pool", "placeholder-reject"],
-    guards: ["admission-doors", "coverage", "checksum", "page-tags"],
-    undersizedPrefill: true,
-    victim: "over-pool",
-    topology: "tcp",
-  },
+  { ...INCIDENT, topology: "threads" },
+  { ...INCIDENT, topology: "tcp" },
   {
     fault: "undersized-pool",
     faults: ["undersized-pool"],

@@ -107,6 +107,7 @@ export const RULES: Record<string, Rule> = {
       "node",
       "cluster/registry.ts",
       "model",
+      "kernels",
       "kvcache",
       "protocol",
       "lib",

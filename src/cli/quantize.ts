@@ -4,7 +4,7 @@
  */
 import { Command, Option } from "commander";
 import { convertModelFolder } from "../model/convert-model.js";
-import { WEIGHT_DTYPES, type WeightDType } from "../model/weight-format.js";
+import { WEIGHT_DTYPES, type WeightDType } from "../kernels/weight-format.js";
 
 export function command(): Command {
   return new Command("quantize")

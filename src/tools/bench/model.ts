@@ -25,7 +25,7 @@
  * report gives the median, the range and a bootstrap 95% CI of the median.
  *
  * Weight formats (`dtypes`, `--dtype f32,bf16,q8_0,q4_0`): the folder's weights are converted in
- * memory to each format (src/model/weight-format.ts: halves rounded to nearest even, blocks as
+ * memory to each format (src/kernels/weight-format.ts: halves rounded to nearest even, blocks as
  * llama-quantize makes them) and every kernel set runs on each, all in the same interleaved rounds;
  * each format's roofline counts its own weight bytes.
  */
@@ -56,7 +56,7 @@ import { convertWeights } from "../../model/convert-model.js";
 import type { StepSequence } from "../../model/forward.js";
 import { openModel } from "../../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
-import { type Matrix, matrixBytes, type WeightDType } from "../../model/weight-format.js";
+import { type Matrix, matrixBytes, type WeightDType } from "../../kernels/weight-format.js";
 import { BandwidthProbe } from "./roofline.js";
 
 /** The largest CPU cache of cpu0 in bytes (Linux sysfs), or null where it cannot be read. */

@@ -8,9 +8,9 @@
  */
 import { writeFileSync } from "node:fs";
 import { Command, InvalidArgumentError, Option } from "commander";
+import { WEIGHT_DTYPES, type WeightDType } from "../kernels/weight-format.js";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, KV_DTYPES, type KvDtype } from "../kvcache/kv-layout.js";
 import { bundledModelDir } from "../lib/package-root.js";
-import { WEIGHT_DTYPES, type WeightDType } from "../kernels/weight-format.js";
 import { positiveInteger } from "../tools/bench/bench-cli.js";
 import { clusterCommand } from "../tools/bench/cluster.js";
 import { combineCommand } from "../tools/bench/combine.js";

@@ -3,8 +3,8 @@
  * another format (src/model/convert-model.ts; the on-disk format is docs/weights.md's).
  */
 import { Command, Option } from "commander";
-import { convertModelFolder } from "../model/convert-model.js";
 import { WEIGHT_DTYPES, type WeightDType } from "../kernels/weight-format.js";
+import { convertModelFolder } from "../model/convert-model.js";
 
 export function command(): Command {
   return new Command("quantize")

@@ -1,8 +1,8 @@
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { randomModel } from "../../../testing/random-model.js";
-import { bundledModelDir, packageRoot } from "../../lib/package-root.js";
 import { matrixBytes } from "../../kernels/weight-format.js";
+import { bundledModelDir, packageRoot } from "../../lib/package-root.js";
 import { formatModelBench, MODEL_BENCH_DEFAULTS, prefillFlops, runModelBench, weightBytes } from "./model.js";
 import { BandwidthProbe } from "./roofline.js";
 

@@ -35,6 +35,7 @@ import { pathToFileURL } from "node:url";
 import { createForward, type ForwardSetup, type KernelsName } from "../../engine/forward-setup.js";
 import { roundKv } from "../../kernels/reference.js";
 import { WasmKernels } from "../../kernels/wasm-kernels.js";
+import { type Matrix, matrixBytes, type WeightDType } from "../../kernels/weight-format.js";
 import {
   DEFAULT_KV_CACHE_DTYPE,
   type KvDtype,
@@ -56,7 +57,6 @@ import { convertWeights } from "../../model/convert-model.js";
 import type { StepSequence } from "../../model/forward.js";
 import { openModel } from "../../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
-import { type Matrix, matrixBytes, type WeightDType } from "../../kernels/weight-format.js";
 import { BandwidthProbe } from "./roofline.js";
 
 /** The largest CPU cache of cpu0 in bytes (Linux sysfs), or null where it cannot be read. */

@@ -63,6 +63,7 @@ export const RULES: Record<string, Rule> = {
       "engine/engine-memory.ts",
       "cluster/registry.ts",
       "transfer/tls-config.ts",
+      "transfer/link-address.ts",
       "kvcache/kv-layout.ts",
       "model",
       "protocol",

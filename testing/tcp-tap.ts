@@ -2,6 +2,12 @@
  * A recording TCP relay on 127.0.0.1 for the replay tests: clients connect to `port`, every byte is
  * relayed to `target` and back unchanged, and the bytes each client sent are kept in order
  * (`sent(i)`, connection `i`). What an eavesdropper on the wire would capture, without the secret.
+ *
+ * The links bind the address dialled (src/transfer/link-address.ts), so a server reached through a
+ * tap must advertise the tap's address (`advertise: { port: tap.port }`, a node's `--advertise`),
+ * as behind any port-forward; `target` may be a function for that, read at each connection, so the
+ * tap can start before the server it forwards to. The tap listens on `listen` (default
+ * 127.0.0.1, any free port) and forwards to 127.0.0.1.
  */
 import net from "node:net";
 
@@ -14,7 +20,10 @@ export interface TcpTap {
   close(): Promise<void>;
 }
 
-export async function startTcpTap(targetPort: number): Promise<TcpTap> {
+export async function startTcpTap(
+  target: number | (() => number),
+  listen: { readonly host?: string; readonly port?: number } = {},
+): Promise<TcpTap> {
   const recorded: Buffer[][] = [];
   const answered: Buffer[][] = [];
   const sockets = new Set<net.Socket>();
@@ -23,7 +32,7 @@ export async function startTcpTap(targetPort: number): Promise<TcpTap> {
     const back: Buffer[] = [];
     recorded.push(chunks);
     answered.push(back);
-    const upstream = net.connect({ host: "127.0.0.1", port: targetPort });
+    const upstream = net.connect({ host: "127.0.0.1", port: typeof target === "number" ? target : target() });
     for (const s of [client, upstream]) {
       sockets.add(s);
       s.on("close", () => sockets.delete(s));
@@ -40,7 +49,10 @@ export async function startTcpTap(targetPort: number): Promise<TcpTap> {
     client.on("close", () => upstream.destroy());
     upstream.on("close", () => client.destroy());
   });
-  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  await new Promise<void>((resolve, reject) => {
+    server.once("error", reject);
+    server.listen(listen.port ?? 0, listen.host ?? "127.0.0.1", resolve);
+  });
   return {
     port: (server.address() as net.AddressInfo).port,
     sent: (index) => Buffer.concat(recorded[index] ?? []),

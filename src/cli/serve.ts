@@ -179,7 +179,7 @@ function registryOptions(cmd: Command): Command {
     .option("--registry-user <name>", "etcd user (its password from env KVFENCE_REGISTRY_PASSWORD)")
     .option(
       "--advertise <host:port>",
-      "node with --registry: the control address routers dial (default --host:--port)",
+      "node: the host:port routers dial it at, when not --host:--port (NAT, a pod IP, a proxy); registered with --registry and bound by the link handshakes (default --host:--port)",
     );
 }
 

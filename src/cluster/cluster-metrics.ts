@@ -2,7 +2,7 @@
  * The disaggregated topology's metrics in the router's /metrics, aggregated from the nodes on each
  * scrape (`NodeStats`): bytes transferred and a GB/s histogram per transfer, checksum and coverage
  * failures, dropped stale and misaddressed writes, quarantined pages, ABORT_ACK latency, and pages
- * and queue gauges per node and role.
+ * and queue gauges per node and role; and the router's own refusals of nodes it dialled.
  */
 import { exponentialBuckets, type MetricsRegistry } from "../lib/metrics.js";
 import { type PhaseSource, renderPhaseMetrics } from "../lib/phase-histograms.js";
@@ -41,6 +41,8 @@ export function registerClusterMetrics(registry: MetricsRegistry, engine: Disagg
         metrics.nodeQueue.set(queue[role][state], { role, state });
     }
     collectTransfers(metrics, transfers);
+    for (const [reason, n] of Object.entries(engine.dialRefusals))
+      metrics.dialRefusals.setTotal(n, { reason });
   });
 }
 
@@ -157,8 +159,13 @@ function clusterMetrics(registry: MetricsRegistry) {
 
   const linkAuth = registry.counter(
     "kvfence_link_auth_failures_total",
-    "Connections to a node's control or transfer port refused before admission, by reason (bad_hello, bad_proof: a replayed handshake, malformed, oversized, timeout, too_many_pending, peer_connected, layout_mismatch)",
+    "Connections to a node's control or transfer port refused before admission, by reason (bad_hello, bad_proof: a replayed handshake, malformed, oversized, timeout, too_many_pending, peer_connected, layout_mismatch, address_mismatch: dialled through a relay)",
     ["node", "port", "reason"],
+  );
+  const dialRefusals = registry.counter(
+    "kvfence_router_link_refusals_total",
+    "Nodes the router dialled and refused in the handshake, by reason (address_mismatch: the node answers to another address than the one dialled, i.e. a relay, e.g. at a registry entry copied to its address)",
+    ["reason"],
   );
 
   return {
@@ -176,5 +183,6 @@ function clusterMetrics(registry: MetricsRegistry) {
     nodeUp,
     attempts,
     linkAuth,
+    dialRefusals,
   };
 }

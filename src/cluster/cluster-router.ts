@@ -12,6 +12,11 @@
  * that is back is announced to every decode node (`connect_prefill` with its new transfer port and
  * incarnation), a decode node that is back is told to connect to every prefill node. No router
  * restart.
+ *
+ * Every dial binds the address dialled (src/transfer/link-address.ts): a node that answers to
+ * another address — reached through a relay, e.g. at a registry entry copied to the relay's
+ * address — is refused and counted (`DisaggregatedEngine.dialRefusals`,
+ * `kvfence_router_link_refusals_total`).
  */
 
 import { KvfenceError } from "../lib/errors.js";
@@ -19,8 +24,9 @@ import type { FairShareConfig } from "../lib/fair-share.js";
 import type { Logger } from "../lib/logger.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
+import type { LinkAuthFailures } from "../transfer/link-guard.js";
 import type { LinkTls } from "../transfer/tls-config.js";
-import { type ControlLink, connectControlLink } from "./control-link.js";
+import { type ControlLink, connectControlLink, HandshakeError } from "./control-link.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
 import type { FromNode, NodeHello, ToNode } from "./node-messages.js";
 import { claimRouterSlot, type Registration, type RegistryOptions, watchRegistry } from "./registry.js";
@@ -70,10 +76,19 @@ export function parseNodeUrl(url: string): { host: string; port: number } {
   return { host: match[1]!.replace(/^\[|\]$/g, ""), port };
 }
 
-/** Connects the router's control link to one node (`--prefill` or `--decode` `url`) and awaits its hello. */
+/** What dialling a node needs: the secret, TLS, the router slot, and where its refusals are counted. */
+type DialOptions = Pick<ClusterRouterOptions, "secret" | "tls" | "routerSlot"> & {
+  readonly refusals: LinkAuthFailures;
+};
+
+/**
+ * Connects the router's control link to one node (`--prefill` or `--decode` `url`) and awaits its
+ * hello; a handshake the router refuses (the node answers to another address) is counted in
+ * `refusals` by reason.
+ */
 async function connectNode(
   node: { readonly id: string; readonly url: string; readonly role: "prefill" | "decode" },
-  { secret, tls, routerSlot }: Pick<ClusterRouterOptions, "secret" | "tls" | "routerSlot">,
+  { secret, tls, routerSlot, refusals }: DialOptions,
 ): Promise<RouterNode> {
   const { id, url, role } = node;
   const { host, port } = parseNodeUrl(url);
@@ -84,6 +99,9 @@ async function connectNode(
     ...(tls === undefined ? {} : { tls }),
     incarnation: ROUTER_INCARNATION,
     ...(routerSlot === undefined ? {} : { routerSlot }),
+  }).catch((err: Error) => {
+    if (err instanceof HandshakeError) refusals[err.reason] = (refusals[err.reason] ?? 0) + 1;
+    throw err;
   });
   const hello = await new Promise<NodeHello>((resolve, reject) => {
     link.onMessage((m) => {
@@ -143,7 +161,10 @@ function superviseNodes(
   const redial = (lost: RouterNode, delayMs: number): void => {
     const timer = setTimeout(() => {
       if (engine.closed) return;
-      connectNode({ id: lost.id, url: lost.url, role: lost.hello.role }, options).then(
+      connectNode(
+        { id: lost.id, url: lost.url, role: lost.hello.role },
+        { ...options, refusals: engine.dialRefusals },
+      ).then(
         (node) => {
           if (!takeBack(engine, node, log)) {
             if (!engine.closed) redial(lost, REDIAL_MAX_MS);
@@ -208,11 +229,12 @@ export function layoutDisagreement(nodes: readonly RouterNode[]): string | null 
 }
 
 export async function connectCluster(options: ClusterRouterOptions): Promise<DisaggregatedEngine> {
+  const dial = { ...options, refusals: {} };
   const prefill = await Promise.all(
-    options.prefill.map((url, i) => connectNode({ id: `prefill-${i}`, url, role: "prefill" }, options)),
+    options.prefill.map((url, i) => connectNode({ id: `prefill-${i}`, url, role: "prefill" }, dial)),
   );
   const decode = await Promise.all(
-    options.decode.map((url, i) => connectNode({ id: `decode-${i}`, url, role: "decode" }, options)),
+    options.decode.map((url, i) => connectNode({ id: `decode-${i}`, url, role: "decode" }, dial)),
   );
   const disagreement = layoutDisagreement([...prefill, ...decode]);
   if (disagreement !== null) {
@@ -228,6 +250,7 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
     ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
     ...(options.routerSlot === undefined ? {} : { routerSlot: options.routerSlot }),
+    dialRefusals: dial.refusals,
   });
   superviseNodes(engine, options);
   for (const d of decode) for (const p of prefill) connectPrefill(d, p);
@@ -270,8 +293,9 @@ function helloMismatch(reg: Registration, hello: NodeHello): string | null {
 /**
  * The router over a registry (`--registry etcd://…`): watches the cluster's entries, dials each
  * node an entry names and believes the entry only when the node proves the cluster secret on its
- * own control link and its hello matches the entry (a forged entry pointing elsewhere fails the
- * handshake; one that misstates the node is refused). The engine starts with the first prefill
+ * own control link, at the entry's very address, and its hello matches the entry (a forged entry
+ * pointing elsewhere fails the handshake, a relay to the real node included; one that misstates
+ * the node is refused). The engine starts with the first prefill
  * and decode node that pass; each later one joins through `DisaggregatedEngine.addNode` (the
  * pre-flight of every join: layout, page size, pool and context against what the router admits).
  * An entry that goes or drains takes its node out of the membership (no new requests; nothing is
@@ -329,6 +353,8 @@ class RegistryMembership {
   /** Ids being dialled, and the incarnation a refusal was logged for (not dialled again). */
   readonly #dialling = new Set<string>();
   readonly #refused = new Map<string, number>();
+  /** The router's own handshake refusals (before and after the engine starts). */
+  readonly #refusals: LinkAuthFailures = {};
   #latest: ReadonlyMap<string, Registration> = new Map();
   #ready: (e: DisaggregatedEngine) => void = () => {};
   readonly #start: Promise<DisaggregatedEngine>;
@@ -405,7 +431,7 @@ class RegistryMembership {
       return;
     }
     this.#dialling.add(id);
-    connectNode({ id, url: reg.address, role: reg.role }, this.options).then(
+    connectNode({ id, url: reg.address, role: reg.role }, { ...this.options, refusals: this.#refusals }).then(
       (node) => {
         this.#dialling.delete(id);
         this.#admit(reg, node);
@@ -451,6 +477,7 @@ class RegistryMembership {
       ...(o.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: o.pingTimeoutMs }),
       ...(o.phaseMetrics === undefined ? {} : { phaseMetrics: o.phaseMetrics }),
       ...(o.routerSlot === undefined ? {} : { routerSlot: o.routerSlot }),
+      dialRefusals: this.#refusals,
     });
     this.#engine = engine;
     this.#watchNode = superviseNodes(engine, o);

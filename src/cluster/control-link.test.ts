@@ -2,7 +2,9 @@ import assert from "node:assert/strict";
 import net from "node:net";
 import { test } from "node:test";
 import { replay, startTcpTap } from "../../testing/tcp-tap.js";
-import { type ControlLink, connectControlLink, listenControlLinks } from "./control-link.js";
+import { clusterTls } from "../../testing/tls-fixtures.js";
+import { hmac } from "../transfer/control-auth.js";
+import { type ControlLink, connectControlLink, HandshakeError, listenControlLinks } from "./control-link.js";
 
 const SECRET = "a-cluster-secret-of-some-length";
 
@@ -80,9 +82,14 @@ test("ControlLink closes on a line whose MAC does not verify", async (t) => {
 test("listenControlLinks() refuses a recorded router handshake replayed byte for byte, counts and logs it", async (t) => {
   const links: ControlLink<{ n: number }, { n: number }>[] = [];
   const refused: string[] = [];
+  // The router reaches the node through a recording tap, the address the node advertises.
+  let serverPort = 0;
+  const tap = await startTcpTap(() => serverPort);
+  t.after(() => tap.close());
   const server = await listenControlLinks<{ n: number }, { n: number }>({
     host: "127.0.0.1",
     port: 0,
+    advertise: { port: tap.port },
     secret: SECRET,
     onLink: (l) => {
       links.push(l);
@@ -92,8 +99,7 @@ test("listenControlLinks() refuses a recorded router handshake replayed byte for
     onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
   });
   t.after(() => server.close());
-  const tap = await startTcpTap(server.port);
-  t.after(() => tap.close());
+  serverPort = server.port;
   const router = await connectControlLink<{ n: number }, { n: number }>({
     host: "127.0.0.1",
     port: tap.port,
@@ -184,4 +190,81 @@ test("listenControlLinks() holds unauthenticated connections to a deadline, a li
   });
   while (links.length < 1) await new Promise((r) => setTimeout(r, 10));
   link.close();
+});
+
+for (const tls of [undefined, clusterTls()]) {
+  const links = tls === undefined ? "plaintext" : "TLS";
+  test(`listenControlLinks() and connectControlLink() refuse a link relayed from another address, on ${links} links`, async (t) => {
+    const admitted: ControlLink<{ n: number }, { n: number }>[] = [];
+    const refused: string[] = [];
+    const server = await listenControlLinks<{ n: number }, { n: number }>({
+      host: "127.0.0.1",
+      port: 0,
+      secret: SECRET,
+      ...(tls === undefined ? {} : { tls }),
+      onLink: (l) => admitted.push(l),
+      onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
+    });
+    t.after(() => server.close());
+    // A relay without the secret (a registry entry copied to its address sends the router there):
+    // it forwards every byte both ways, unchanged. With TLS the node's certificate names 127.0.0.1
+    // and so passes for the relay's address too: only the address binding tells them apart.
+    const relay = await startTcpTap(server.port);
+    t.after(() => relay.close());
+    await assert.rejects(
+      connectControlLink<{ n: number }, { n: number }>({
+        host: "127.0.0.1",
+        port: relay.port,
+        secret: SECRET,
+        ...(tls === undefined ? {} : { tls }),
+      }),
+      (err: Error) => {
+        assert.ok(err instanceof HandshakeError, err.message);
+        assert.equal(err.reason, "address_mismatch");
+        assert.match(
+          err.message,
+          new RegExp(`dialled at 127\\.0\\.0\\.1:${relay.port} answers to 127\\.0\\.0\\.1:${server.port}`),
+        );
+        return true;
+      },
+    );
+    for (let i = 0; i < 100 && server.failures.address_mismatch === undefined; i++)
+      await new Promise((r) => setTimeout(r, 10));
+    assert.deepEqual(server.failures, { address_mismatch: 1 });
+    assert.match(
+      refused.join("\n"),
+      new RegExp(`^address_mismatch: the peer dialled 127\\.0\\.0\\.1:${relay.port}`),
+    );
+    assert.equal(admitted.length, 0, "the node admitted no link");
+    // The router sent its hello and nothing after it: no proof, no control line.
+    if (tls === undefined) assert.equal(relay.sent(0).toString().split("\n").filter(Boolean).length, 1);
+    // The node's own address still works.
+    const direct = await connectControlLink<{ n: number }, { n: number }>({
+      host: "127.0.0.1",
+      port: server.port,
+      secret: SECRET,
+      ...(tls === undefined ? {} : { tls }),
+    });
+    while (admitted.length < 1) await new Promise((r) => setTimeout(r, 10));
+    direct.close();
+  });
+}
+
+test("listenControlLinks() refuses a hello of an older handshake version, saying so", async (t) => {
+  const refused: string[] = [];
+  const server = await listenControlLinks<{ n: number }, { n: number }>({
+    host: "127.0.0.1",
+    port: 0,
+    secret: SECRET,
+    onLink: () => assert.fail("no link"),
+    onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
+  });
+  t.after(() => server.close());
+  // A version-1 router's hello, with the secret: a nonce and no `v`, no dialled address.
+  const hello = Buffer.from(JSON.stringify({ nonce: "00112233445566778899aabbccddeeff" }));
+  const mac = hmac(Buffer.from(SECRET), Buffer.from("kvfence link hello"), hello);
+  const result = await replay(server.port, Buffer.from(`${hello}\t${mac.toString("hex")}\n`), 3000);
+  assert.equal(result.open, false);
+  assert.deepEqual(server.failures, { malformed: 1 });
+  assert.match(refused.join("\n"), /handshake version 1, this process 2; run the same kvfence version/);
 });

@@ -2,11 +2,14 @@
  * The router ↔ node control link of the multi-process topology: one TCP connection per node,
  * newline-delimited JSON, every line authenticated with the cluster secret.
  *
- * Handshake (control-auth.ts, docs/protocol.md): the router sends `{nonce}` MACed with the secret;
- * the node answers the challenge `{nonce, peerNonce}` MACed with its session key over both lines;
- * the router answers the proof `{}` MACed with its session key over both lines, and only then does
- * the node admit the link (and send anything on it). A recorded handshake replayed to the node fails
- * at the proof: the node's nonce is new. Until admitted, a connection is held to the pre-handshake
+ * Handshake (control-auth.ts, docs/protocol.md): the router sends `{v, nonce, dialled}` MACed with
+ * the secret; the node answers the challenge `{nonce, peerNonce, advertised}` MACed with its session
+ * key over both lines; the router answers the proof `{}` MACed with its session key over both lines,
+ * and only then does the node admit the link (and send anything on it). A recorded handshake
+ * replayed to the node fails at the proof: the node's nonce is new. The address the router dialled
+ * and the one the node advertises must be the same (link-address.ts): through a relay elsewhere
+ * the node answers its challenge and closes, and the router refuses that challenge
+ * (`address_mismatch` on both sides). Until admitted, a connection is held to the pre-handshake
  * limits (link-guard.ts: a deadline, a cap on pending connections, 4 KiB per line), and the node
  * decides whether a proven router may have the link (`admit`: not while another one holds it,
  * unless it is a newer incarnation, i.e. a restarted router). After it, every line carries an
@@ -19,12 +22,15 @@ import { KvfenceError } from "../lib/errors.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
 import {
   clusterSecretBytes,
+  HANDSHAKE_VERSION,
+  handshakeVersionMismatch,
   hmac,
   NONCE_BYTES,
   sessionKeys,
   transcript,
   verifyHmac,
 } from "../transfer/control-auth.js";
+import { advertisedMismatch, dialledMismatch, linkAddress } from "../transfer/link-address.js";
 import {
   type LinkAuthFailures,
   type LinkAuthReason,
@@ -154,10 +160,15 @@ function line(payload: Buffer, mac: Buffer): Buffer {
   return Buffer.concat([payload, Buffer.from(`\t${mac.toString("hex")}\n`)]);
 }
 
-class HandshakeError extends KvfenceError {
+/**
+ * A link refused during its handshake, with the reason it is counted under; the node sends `last`
+ * (if any) before closing.
+ */
+export class HandshakeError extends KvfenceError {
   constructor(
     readonly reason: LinkAuthReason,
     message: string,
+    readonly last?: Buffer,
   ) {
     super("transfer_failed", message);
   }
@@ -253,9 +264,13 @@ export async function connectControlLink<Out, In>(options: {
     );
   });
   const nonce = randomBytes(NONCE_BYTES);
+  // The address as this router knows it (the registry entry's, the --prefill/--decode URL's).
+  const dialled = linkAddress(options.host, options.port);
   const hello = Buffer.from(
     JSON.stringify({
+      v: HANDSHAKE_VERSION,
       nonce: nonce.toString("hex"),
+      dialled,
       ...(options.incarnation === undefined ? {} : { incarnation: options.incarnation }),
       ...(options.routerSlot === undefined ? {} : { routerSlot: options.routerSlot }),
     }),
@@ -287,6 +302,11 @@ export async function connectControlLink<Out, In>(options: {
   if (!verifyHmac(keys.serverToClient, challenge.mac, transcript(CHALLENGE, hello, challenge.payload))) {
     fail("bad challenge MAC");
   }
+  const mismatch = advertisedMismatch(body!.advertised, dialled);
+  if (mismatch !== null) {
+    socket.destroy();
+    throw new HandshakeError("address_mismatch", `Refused the node's control link: ${mismatch}`);
+  }
   socket.write(line(PROOF_PAYLOAD, hmac(keys.clientToServer, transcript(PROOF, hello, challenge.payload))));
   return new ControlLink<Out, In>(socket, keys.clientToServer, keys.serverToClient, challenge.rest);
 }
@@ -306,6 +326,11 @@ export interface ControlListenOptions<Out, In> {
   readonly handshakeTimeoutMs?: number;
   readonly maxPending?: number;
   readonly reportWindowMs?: number;
+  /**
+   * The address routers dial this node at (`--advertise`), each part defaulting to `host` and the
+   * port listened on: a router's hello must name it (link-address.ts).
+   */
+  readonly advertise?: { readonly host?: string; readonly port?: number };
   /** A connection was refused (counted in `failures`). */
   readonly onRefused?: (reason: LinkAuthReason, detail: string) => void;
   /** Mutual TLS (docs/tls.md); plain TCP without. A failed TLS handshake counts as `tls_handshake`. */
@@ -314,6 +339,8 @@ export interface ControlListenOptions<Out, In> {
 
 export interface ControlListener {
   readonly port: number;
+  /** The address routers must have dialled (`linkAddress` form). */
+  readonly advertised: string;
   /** Refused connections by reason. */
   readonly failures: LinkAuthFailures;
   close(): Promise<void>;
@@ -331,6 +358,8 @@ export async function listenControlLinks<Out, In>(
     ...(options.reportWindowMs === undefined ? {} : { reportWindowMs: options.reportWindowMs }),
     ...(options.onRefused === undefined ? {} : { onRefused: options.onRefused }),
   });
+  /** Set once listening (the port may be the one the system chose). */
+  let advertised = "";
   const accept = async (socket: net.Socket): Promise<void> => {
     const hello = await readLine(socket, Buffer.alloc(0));
     if (!verifyHmac(secret, hello.mac, HELLO, hello.payload)) {
@@ -340,10 +369,22 @@ export async function listenControlLinks<Out, In>(
     if (body === null || typeof body.nonce !== "string" || !NONCE_HEX.test(body.nonce)) {
       throw new HandshakeError("malformed", "hello without a nonce");
     }
+    const version = handshakeVersionMismatch(body.v);
+    if (version !== null) throw new HandshakeError("malformed", version);
     const nonce = randomBytes(NONCE_BYTES);
     const keys = sessionKeys(secret, Buffer.from(body.nonce, "hex"), nonce);
-    const challenge = Buffer.from(JSON.stringify({ nonce: nonce.toString("hex"), peerNonce: body.nonce }));
-    socket.write(line(challenge, hmac(keys.serverToClient, transcript(CHALLENGE, hello.payload, challenge))));
+    const challenge = Buffer.from(
+      JSON.stringify({ nonce: nonce.toString("hex"), peerNonce: body.nonce, advertised }),
+    );
+    const answer = line(
+      challenge,
+      hmac(keys.serverToClient, transcript(CHALLENGE, hello.payload, challenge)),
+    );
+    // A router that dialled another address reached this node through a relay: the challenge tells
+    // it so (under the MAC, so the relay cannot hide it), and the node closes.
+    const mismatch = dialledMismatch(body.dialled, advertised);
+    if (mismatch !== null) throw new HandshakeError("address_mismatch", mismatch, answer);
+    socket.write(answer);
     const proof = await readLine(socket, hello.rest);
     if (!verifyHmac(keys.clientToServer, proof.mac, transcript(PROOF, hello.payload, challenge))) {
       throw new HandshakeError(
@@ -383,7 +424,8 @@ export async function listenControlLinks<Out, In>(
     const remote = `${socket.remoteAddress}:${socket.remotePort}`;
     guard.accepted(socket, remote);
     accept(socket).catch((err: Error) => {
-      if (err instanceof HandshakeError) guard.refuse(socket, err.reason, `${err.message} from ${remote}`);
+      if (err instanceof HandshakeError)
+        guard.refuse(socket, err.reason, `${err.message} from ${remote}`, err.last);
       else socket.destroy();
     });
   });
@@ -394,8 +436,11 @@ export async function listenControlLinks<Out, In>(
       resolve();
     });
   });
+  const port = (server.address() as net.AddressInfo).port;
+  advertised = linkAddress(options.advertise?.host ?? options.host, options.advertise?.port ?? port);
   return {
-    port: (server.address() as net.AddressInfo).port,
+    port,
+    advertised,
     failures: guard.failures,
     close: () =>
       new Promise<void>((resolve) => {

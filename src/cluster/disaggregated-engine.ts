@@ -61,6 +61,7 @@ import {
 } from "../protocol/router-machine.js";
 import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
 import { type ControlMessage, nextRidIn, ridBefore, routerSlotOf } from "../protocol/wire.js";
+import type { LinkAuthFailures } from "../transfer/link-guard.js";
 import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
 import { NodeTotals } from "./node-totals.js";
 
@@ -92,6 +93,8 @@ export interface DisaggregatedEngineOptions {
    * (docs/protocol.md §3, item 13).
    */
   readonly routerSlot?: number;
+  /** The router's own refusals of nodes it dialled, by reason (cluster-router.ts); kept, not copied. */
+  readonly dialRefusals?: LinkAuthFailures;
 }
 
 /** A node's place in the router: the node of its current incarnation, and what the router knows of it. */
@@ -280,6 +283,8 @@ export class DisaggregatedEngine implements EngineHandle {
   #lastRid = 0;
   /** See `DisaggregatedEngineOptions.routerSlot`. */
   readonly #routerSlot: number;
+  /** See `DisaggregatedEngineOptions.dialRefusals` (`kvfence_router_link_refusals_total`). */
+  readonly dialRefusals: LinkAuthFailures;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.prefill.length === 0 || options.decode.length === 0) {
@@ -287,6 +292,7 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     this.#safety = options.safety;
     this.#routerSlot = options.routerSlot ?? 0;
+    this.dialRefusals = options.dialRefusals ?? {};
     this.#pingTimeoutMs = options.pingTimeoutMs ?? DEFAULT_PING_TIMEOUT_MS;
     this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
     const nodes = [...options.prefill, ...options.decode];

@@ -8,8 +8,11 @@
  * never misses an entry.
  *
  * The registry is only a directory. An entry is believed only once the node at its address proved
- * the cluster secret on its own control link and its hello says what the entry says
- * (`cluster-router.ts`), so a forged entry cannot pull traffic to an outsider. And an entry that
+ * the cluster secret on its own control link, in a handshake that binds that address
+ * (src/transfer/link-address.ts), and its hello says what the entry says (`cluster-router.ts`), so
+ * a forged entry cannot pull traffic to an outsider — not even one copying a real node's entry to
+ * the outsider's address, with a relay there to the real node. An etcd writer can deny service,
+ * not read or steer traffic (docs/security.md, "The registry"). And an entry that
  * goes (lease expired, node drained) only stops new requests: nothing is freed for it — pages are
  * freed by an ABORT_ACK or the fence (the link's close), never by a lease expiry
  * (docs/protocol.md).

@@ -10,8 +10,11 @@
  * The nodes are real `kvfence serve --role prefill|decode` processes; the router runs in this
  * process (real HTTP, the official `openai` client) and reaches the nodes through recording relays
  * (testing/tcp-tap.ts), which is how the test holds the captures an eavesdropper would have. The
- * decode → prefill capture is a real handshake made with the secret by this process, claiming the
- * real decode node's incarnation (read off the wire from its hello).
+ * links bind the address dialled (src/transfer/link-address.ts), so the relays sit at the nodes'
+ * advertised addresses, as port-forwards would: the prefill node advertises 127.0.0.2 (`--advertise
+ * 127.0.0.2:<its tap>`) and listens on 127.0.0.1, so decode reaches its transfer port through a
+ * relay on 127.0.0.2 at the same port, whose capture is the real decode node's handshake. A relay
+ * at any other address is refused (`address_mismatch`).
  */
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
@@ -21,6 +24,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
+import { listeningSockets } from "../../testing/listening-sockets.js";
 import { modelDir, operatorGet, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
 import { replay, startTcpTap, type TcpTap } from "../../testing/tcp-tap.js";
 import { transferFixture } from "../../testing/transfer-fixture.js";
@@ -34,6 +38,8 @@ import { FrameType, frameHeaderBytes } from "../transfer/frame-codec.js";
 import { connectTcpReceiver } from "../transfer/tcp-transport.js";
 
 const MODEL = "kvfence-tiny";
+/** The prefill node's advertised host: another loopback address than the one it listens on. */
+const PREFILL_HOST = "127.0.0.2";
 const KEY = "sk-tenant-alpha-0001";
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
@@ -52,12 +58,14 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
   let nodes: NodeProcesses;
   let prefillTap: TcpTap;
   let decodeTap: TcpTap;
+  /** At the prefill node's advertised transfer address, PREFILL_HOST: the transfer port. */
+  let transferTap: TcpTap;
   let router: { url: string; close(): Promise<void> };
   let keysDir: string;
   let baseline = "";
   /** The node processes' stderr (their log, warn level and above). */
   const logs: string[] = [];
-  /** Decode → prefill handshake bytes recorded by the transfer test. */
+  /** Decode → prefill handshake bytes: the real decode node's, recorded by `transferTap`. */
   let transferCapture: Buffer = Buffer.alloc(0);
   const ports = { prefillControl: 0, decodeControl: 0, transfer: 0 };
 
@@ -92,17 +100,24 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
   };
 
   before(async () => {
+    prefillTap = await startTcpTap(() => ports.prefillControl, { host: PREFILL_HOST });
+    decodeTap = await startTcpTap(() => ports.decodeControl);
     nodes = await startNodeProcesses({
       prefill: 1,
       decode: 1,
       model: modelDir(MODEL),
       nodeArgs: ["--kv-pages", "256"],
+      prefillArgs: ["--advertise", `${PREFILL_HOST}:${prefillTap.port}`],
+      decodeArgs: ["--advertise", `127.0.0.1:${decodeTap.port}`],
       stderr: (line) => logs.push(line),
     });
     ports.prefillControl = Number(new URL(nodes.prefill[0]!.url).port);
     ports.decodeControl = Number(new URL(nodes.decode[0]!.url).port);
-    prefillTap = await startTcpTap(ports.prefillControl);
-    decodeTap = await startTcpTap(ports.decodeControl);
+    // Prefill's other listening port is its transfer port; decode dials it at PREFILL_HOST.
+    ports.transfer = listeningSockets(nodes.prefill[0]!.process.pid!).find(
+      (l) => l.port !== ports.prefillControl,
+    )!.port;
+    transferTap = await startTcpTap(ports.transfer, { host: PREFILL_HOST, port: ports.transfer });
     keysDir = mkdtempSync(join(tmpdir(), "kvfence-keys-"));
     writeFileSync(join(keysDir, "keys.json"), JSON.stringify({ [KEY]: "alpha" }));
     const config = parseServeConfig({
@@ -114,14 +129,14 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
       disaggregation: true,
       logLevel: "silent",
       role: "router",
-      prefill: [`127.0.0.1:${prefillTap.port}`],
+      prefill: [`${PREFILL_HOST}:${prefillTap.port}`],
       decode: [`127.0.0.1:${decodeTap.port}`],
       clusterSecret: nodes.secret,
       apiKeys: join(keysDir, "keys.json"),
       operatorKey: TEST_OPERATOR_KEY,
     });
     router = await startServer(config, { logger: createLogger({ level: "silent" }) });
-    ports.transfer = nodeHello(prefillTap.received(0)).transferPort!;
+    assert.equal(nodeHello(prefillTap.received(0)).transferPort, ports.transfer);
     baseline = await ask();
     assert.match(baseline, /^(stop|length): /);
   });
@@ -129,6 +144,7 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
     await router?.close();
     await prefillTap?.close();
     await decodeTap?.close();
+    await transferTap?.close();
     await nodes?.close();
     if (keysDir !== undefined) rmSync(keysDir, { recursive: true, force: true });
   });
@@ -147,16 +163,13 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
     }
   });
 
-  test("decode's recorded transfer handshake, replayed to prefill's transfer port, is refused; decode keeps its link", async () => {
+  test("decode's recorded transfer handshake, replayed to prefill's transfer port, is refused; so are a second connection for its incarnation and a relay; decode keeps its link", async () => {
     const decodeHello = nodeHello(decodeTap.received(0));
-    const tap = await startTcpTap(ports.transfer);
-    try {
-      const fx = transferFixture(4, 4096);
-      let was = await failures();
-      // A real handshake with the secret claiming the live decode node's incarnation: prefill
-      // admits no second connection for it (no takeover) …
-      const receiver = await connectTcpReceiver({
-        port: tap.port,
+    const fx = transferFixture(4, 4096);
+    const connect = (host: string, port: number) =>
+      connectTcpReceiver({
+        host,
+        port,
         secret: nodes.secret,
         layoutSignature: decodeHello.layoutSignature,
         pool: fx.pool,
@@ -165,17 +178,29 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
         incarnation: decodeHello.incarnation,
         handlers: {},
       });
-      await expectRefusedAndServing("prefill-0 transfer peer_connected", was);
-      await receiver.close();
-      // … and its capture replayed byte for byte fails at the proof.
+    // A real handshake with the secret at prefill's transfer address, claiming the live decode
+    // node's incarnation: prefill admits no second connection for it (no takeover) …
+    let was = await failures();
+    const receiver = await connect(PREFILL_HOST, ports.transfer);
+    await expectRefusedAndServing("prefill-0 transfer peer_connected", was);
+    await receiver.close();
+    // … the real decode node's handshake, recorded off the wire and replayed byte for byte, fails
+    // at the proof …
+    was = await failures();
+    transferCapture = transferTap.sent(0);
+    const result = await replay(ports.transfer, transferCapture, 10_000);
+    assert.equal(result.open, false);
+    await expectRefusedAndServing("prefill-0 transfer bad_proof", was);
+    assert.match(logs.join("\n"), /transfer port: refused a connection \(bad_proof\)/);
+    // … and a relay at another address, even one of a secret holder, is refused at the challenge.
+    const relay = await startTcpTap(ports.transfer);
+    try {
       was = await failures();
-      transferCapture = tap.sent(0);
-      const result = await replay(ports.transfer, transferCapture, 10_000);
-      assert.equal(result.open, false);
-      await expectRefusedAndServing("prefill-0 transfer bad_proof", was);
-      assert.match(logs.join("\n"), /transfer port: refused a connection \(bad_proof\)/);
+      await assert.rejects(connect("127.0.0.1", relay.port), /answers to 127\.0\.0\.2:/);
+      await expectRefusedAndServing("prefill-0 transfer address_mismatch", was);
+      assert.match(logs.join("\n"), /transfer port: refused a connection \(address_mismatch\)/);
     } finally {
-      await tap.close();
+      await relay.close();
     }
   });
 
@@ -263,19 +288,19 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
   test("decode reconnects by itself when its transfer connection to the live prefill node drops", async () => {
     assert.equal(await ask(), baseline);
     // Abort decode's end of the connection (a network fault; `ss -K` needs CAP_NET_ADMIN): the
-    // kernel resets it and both nodes see it close.
+    // kernel resets it, the tap closes its side to prefill, and both nodes see it close.
     const killed = execFileSync("ss", [
       "-K",
       "-tn",
       "dst",
-      "127.0.0.1",
+      PREFILL_HOST,
       "dport",
       "=",
       `:${ports.transfer}`,
     ]).toString();
     assert.match(
       killed,
-      new RegExp(`127\\.0\\.0\\.1:${ports.transfer}`),
+      new RegExp(`127\\.0\\.0\\.2:${ports.transfer}`),
       `no connection was reset: ${killed}`,
     );
     // No restart of anything: decode fences the connection, reconnects, and the pair serves again.
@@ -292,7 +317,7 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
       "state",
       "established",
       "dst",
-      "127.0.0.1",
+      PREFILL_HOST,
       "dport",
       "=",
       `:${ports.transfer}`,
@@ -307,9 +332,10 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
   test("a second router with the secret is refused while the router is connected; a newer incarnation replaces it, loudly", async () => {
     let was = await failures();
     // An older (or equal) incarnation: refused after its proof, the router keeps the node.
+    // At the node's advertised address: its tap.
     const older = await connectControlLink<ToNode, FromNode>({
       host: "127.0.0.1",
-      port: ports.decodeControl,
+      port: decodeTap.port,
       secret: nodes.secret,
       incarnation: 1,
     });
@@ -320,7 +346,7 @@ describe("TCP cluster under attack on every port: refused, counted, still servin
     was = await failures();
     const newer = await connectControlLink<ToNode, FromNode>({
       host: "127.0.0.1",
-      port: ports.decodeControl,
+      port: decodeTap.port,
       secret: nodes.secret,
       incarnation: Date.now() + 1,
     });

@@ -5,7 +5,9 @@
  * `transferPort`, announced in its hello), and a decode node connects its transfer receiver to each
  * prefill node the router names (`connect_prefill`). A transfer connection that closes is the
  * peer's fence: decode releases that peer's quarantined pages only then, prefill frees that peer's
- * source pages.
+ * source pages. Both ports are bound to the node's advertised address (`advertise`, default
+ * `host:port`; the transfer port at its host): a router or decode node that dialled another
+ * address — a relay — is refused in the handshake (src/transfer/link-address.ts).
  */
 import { type ControlLink, listenControlLinks } from "../cluster/control-link.js";
 import type { FromNode, NodeHello, ToNode } from "../cluster/node-messages.js";
@@ -13,6 +15,7 @@ import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import { tracing } from "../lib/tracing.js";
 import { routerSlotOf } from "../protocol/wire.js";
+import { parseLinkAddress } from "../transfer/link-address.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
 import type { LinkTls } from "../transfer/tls-config.js";
 import { DecodeNode } from "./decode-node.js";
@@ -29,6 +32,11 @@ export interface NodeServerOptions {
   readonly role: "prefill" | "decode";
   readonly host: string;
   readonly port: number;
+  /**
+   * `--advertise`: the host:port routers dial this node at, when it is not `host:port` (NAT, a pod
+   * IP, a proxy). The handshakes of both ports bind it (the transfer port at its host).
+   */
+  readonly advertise?: string;
   readonly secret: string;
   /** Mutual TLS on the control port and the transfer connections (docs/tls.md); plain TCP without. */
   readonly tls?: LinkTls;
@@ -44,6 +52,8 @@ export interface NodeServerOptions {
 export interface NodeServer {
   readonly role: "prefill" | "decode";
   readonly port: number;
+  /** The address routers must dial (`--advertise`, or `host:port`), as the handshake compares it. */
+  readonly advertised: string;
   readonly transferPort: number | undefined;
   /** What the node registers (`--registry`), its address aside: its hello's incarnation, layout and capacity. */
   readonly registration: Pick<
@@ -141,7 +151,7 @@ type BuiltDecode = Extract<BuiltNode, { role: "decode" }>;
 
 /** Prefill's transfer server: each decode node that proves itself gets a writer wired to its link. */
 function listenForDecode(
-  options: NodeServerOptions,
+  options: NodeServerOptions & { readonly advertisedHost: string | undefined },
   built: Extract<BuiltNode, { role: "prefill" }>,
   log: (message: string) => void,
   warn: (message: string) => void,
@@ -150,6 +160,7 @@ function listenForDecode(
   return TcpTransferServer.listen({
     host: options.host,
     port: options.transferPort ?? 0,
+    ...(options.advertisedHost === undefined ? {} : { advertise: { host: options.advertisedHost } }),
     secret: options.secret,
     ...(options.tls === undefined ? {} : { tls: options.tls }),
     layoutSignature: built.layoutSignature,
@@ -292,12 +303,21 @@ class PrefillConnector {
 export async function startNodeServer(options: NodeServerOptions): Promise<NodeServer> {
   const log = options.log ?? (() => {});
   const warn = options.warn ?? log;
+  const advertise = options.advertise === undefined ? undefined : parseLinkAddress(options.advertise);
+  if (advertise === null)
+    throw new KvfenceError(
+      "config_invalid",
+      `--advertise must be host:port, e.g. 10.0.0.11:9001: ${JSON.stringify(options.advertise)}`,
+    );
   const router = new RouterLinks(warn);
   const built = await buildNode(
     { role: options.role, engine: options.engine, faults: options.faults ?? [] },
     router.send,
   );
-  const transfer = built.role === "prefill" ? await listenForDecode(options, built, log, warn) : null;
+  const transfer =
+    built.role === "prefill"
+      ? await listenForDecode({ ...options, advertisedHost: advertise?.host }, built, log, warn)
+      : null;
   const prefill = built.role === "decode" ? new PrefillConnector(options, built, router.send, log) : null;
   const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
 
@@ -319,6 +339,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
   const control = await listenControlLinks<FromNode, ToNode>({
     host: options.host,
     port: options.port,
+    ...(advertise === undefined ? {} : { advertise }),
     secret: options.secret,
     ...(options.tls === undefined ? {} : { tls: options.tls }),
     admit: router.admit,
@@ -340,6 +361,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
   return {
     role: built.role,
     port: control.port,
+    advertised: control.advertised,
     transferPort: transfer?.port,
     registration: {
       role: built.role,

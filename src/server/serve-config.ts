@@ -15,6 +15,7 @@ import { KvfenceError } from "../lib/errors.js";
 import { type FairShareConfig, SCHEDULING_POLICIES, type TenantOverrides } from "../lib/fair-share.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
+import { parseLinkAddress } from "../transfer/link-address.js";
 import {
   type FrontDoorTls,
   isLoopback,
@@ -187,7 +188,10 @@ export const serveConfigSchema = z
     registryCert: z.string().min(1).optional(),
     registryKey: z.string().min(1).optional(),
     registryUser: z.string().min(1).optional(),
-    advertise: z.string().min(1).optional(),
+    advertise: z
+      .string()
+      .refine((a) => parseLinkAddress(a) !== null, "must be host:port, e.g. 10.0.0.11:9001")
+      .optional(),
     unsafeFault: z.array(z.string().min(1)).default([]),
     unsafeDisableGuard: z.array(z.string().min(1)).default([]),
     iUnderstandThisLeaksData: z.boolean().default(false),

@@ -355,6 +355,7 @@ export async function startNode(
     role,
     host: config.host,
     port: config.port,
+    ...(config.advertise === undefined ? {} : { advertise: config.advertise }),
     secret,
     ...(tls.links === undefined ? {} : { tls: tls.links }),
     engine: {
@@ -370,8 +371,9 @@ export async function startNode(
   });
   if (config.registry === undefined)
     return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
-  // --registry: the node's entry (its lease kept alive) names where routers dial it.
-  const address = config.advertise ?? `${config.host}:${node.port}`;
+  // --registry: the node's entry (its lease kept alive) names where routers dial it: the address
+  // its handshakes bind (--advertise, or --host:--port).
+  const address = node.advertised;
   const registration = await registerNode(registryOf(config), { ...node.registration, address }, (line) =>
     options.logger.warn(line),
   ).catch(async (err: unknown) => {

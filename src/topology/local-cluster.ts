@@ -24,6 +24,8 @@ export interface LocalClusterOptions {
   readonly prefillArgs?: readonly string[];
   /** Extra arguments for prefill node `index` only (after `prefillArgs`), e.g. a fault on one node. */
   readonly prefillArgsAt?: (index: number) => readonly string[];
+  /** Extra arguments for the decode nodes only (after `nodeArgs`). */
+  readonly decodeArgs?: readonly string[];
   readonly host?: string;
   /**
    * `etcd://host:port`: membership in etcd (every process gets `--registry`; the router pairs the
@@ -126,7 +128,7 @@ export interface NodeProcesses {
 
 /**
  * One node process, `--port 0` on `host`: every node gets `nodeArgs`, prefill node `index` also
- * `prefillArgs` and `prefillArgsAt(index)`.
+ * `prefillArgs` and `prefillArgsAt(index)`, a decode node `decodeArgs`.
  */
 function startNode(
   options: Omit<LocalClusterOptions, "routerArgs" | "port">,
@@ -150,6 +152,7 @@ function startNode(
       ...(options.registry === undefined ? [] : ["--registry", options.registry]),
       ...(role === "prefill" ? (options.prefillArgs ?? []) : []),
       ...(role === "prefill" ? (options.prefillArgsAt?.(index) ?? []) : []),
+      ...(role === "decode" ? (options.decodeArgs ?? []) : []),
     ],
     {
       env: node.env,

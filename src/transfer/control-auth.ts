@@ -5,9 +5,9 @@
  * Every link opens with the same three-message handshake (docs/protocol.md, "Handshake"), so a
  * handshake recorded off the wire is worth nothing when replayed:
  *
- *   1. initiator → acceptor  HELLO      {nonceA, …}        MAC(secret)        (a wrong secret is told apart here)
- *   2. acceptor → initiator  CHALLENGE  {nonceB, peerNonce: nonceA, …}   MAC(s2c key, transcript)
- *   3. initiator → acceptor  PROOF                          MAC(c2s key, transcript)
+ *   1. initiator → acceptor  HELLO      {v, nonceA, dialled, …}        MAC(secret)        (a wrong secret is told apart here)
+ *   2. acceptor → initiator  CHALLENGE  {nonceB, peerNonce: nonceA, advertised, …}   MAC(s2c key, transcript)
+ *   3. initiator → acceptor  PROOF                                      MAC(c2s key, transcript)
  *
  * The session keys are `HMAC(secret, direction | nonceA | nonceB)` (`sessionKeys`); the transcript
  * is both messages (`transcript`). The initiator admits the acceptor only after a MAC over its own
@@ -15,13 +15,29 @@
  * MAC over its own fresh nonceB. After it every control frame's MAC covers its header (with a
  * per-direction sequence number) and payload, so a frame cannot be altered, replayed, reordered or
  * moved to another connection. Page bodies are not MACed (hot path): the per-page checksums of the
- * manifest cover them.
+ * manifest cover them. `dialled` (the address the initiator dialled) and `advertised` (the one the
+ * acceptor answers to) bind the link to its two ends' addresses (link-address.ts): a relay elsewhere
+ * is refused by both.
  *
  * `clusterSecretBytes` also refuses a secret that is short or trivially guessable (see
  * docs/security.md for the rule).
  */
 import { createHmac, timingSafeEqual } from "node:crypto";
 import { KvfenceError } from "../lib/errors.js";
+
+/**
+ * The handshake's version, `v` in every HELLO: 2 since the HELLO names the dialled address and the
+ * CHALLENGE the advertised one. A HELLO of another version (none at all: 1) is refused
+ * (`malformed`), saying to run one kvfence version on every process.
+ */
+export const HANDSHAKE_VERSION = 2;
+
+/** Why a HELLO's `v` is not this handshake's version, or null when it is. */
+export function handshakeVersionMismatch(v: unknown): string | null {
+  if (v === HANDSHAKE_VERSION) return null;
+  const theirs = v === undefined ? 1 : String(v);
+  return `the peer speaks handshake version ${theirs}, this process ${HANDSHAKE_VERSION}; run the same kvfence version on every process: ${theirs}`;
+}
 
 export const MAC_BYTES = 32;
 export const NONCE_BYTES = 16;

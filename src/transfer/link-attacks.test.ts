@@ -1,8 +1,8 @@
 /**
  * Attacks on prefill's transfer port by someone who reaches it without the cluster secret (issue
  * #21): a recorded handshake replayed byte for byte, a recorded control frame, garbage, a half
- * frame, a huge declared length, page frames for a live lease, a flood of half-open connections.
- * Each is refused and counted by reason, and the real decode connection keeps carrying its lease
+ * frame, a huge declared length, page frames for a live lease, a flood of half-open connections,
+ * a relay at another address (on plaintext and TLS links). Each is refused and counted by reason, and the real decode connection keeps carrying its lease
  * with every page as prefill wrote it. The same attacks against whole clusters are in
  * src/node/link-attacks.e2e.test.ts.
  */
@@ -10,6 +10,7 @@ import assert from "node:assert/strict";
 import type net from "node:net";
 import { test } from "node:test";
 import { replay, startTcpTap } from "../../testing/tcp-tap.js";
+import { clusterTls } from "../../testing/tls-fixtures.js";
 import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
 import { halfOpenHello } from "../tools/bench/link-flood.js";
 import { FrameType, frameHeaderBytes } from "./frame-codec.js";
@@ -33,7 +34,10 @@ async function until(what: string, condition: () => boolean, timeoutMs = 60_000)
   }
 }
 
-/** A prefill transfer server reached through a recording tap, and one real decode connected through it. */
+/**
+ * A prefill transfer server reached through a recording tap (the address it advertises), and one
+ * real decode connected through it.
+ */
 async function setup(
   t: { after(fn: () => Promise<void>): void },
   serverOptions: Partial<TcpServerOptions> = {},
@@ -41,14 +45,17 @@ async function setup(
   const fx = transferFixture(16, PAGE_BYTES);
   const writers: TcpTransferWriter[] = [];
   const refused: string[] = [];
+  let serverPort = 0;
+  const tap = await startTcpTap(() => serverPort);
   const server = await TcpTransferServer.listen({
     secret: SECRET,
     layoutSignature: "sig",
+    advertise: { port: tap.port },
     onWriter: (w) => writers.push(w),
     onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
     ...serverOptions,
   });
-  const tap = await startTcpTap(server.port);
+  serverPort = server.port;
   const events: string[] = [];
   const receiver = await connectTcpReceiver({
     port: tap.port,
@@ -110,7 +117,7 @@ test("TcpTransferServer refuses a second decode of the same incarnation while th
   const s = await setup(t);
   const fx = transferFixture(4, PAGE_BYTES);
   const second = await connectTcpReceiver({
-    port: s.server.port,
+    port: s.tap.port,
     secret: SECRET,
     layoutSignature: "sig",
     pool: fx.pool,
@@ -210,3 +217,57 @@ test("TcpTransferServer under 400 half-open connections with half-sent big frame
   assert.equal(s.writers[0]!.closed, false);
   assert.ok(await s.transfer(34));
 });
+
+for (const tls of [undefined, clusterTls()]) {
+  const links = tls === undefined ? "plaintext" : "TLS";
+  test(`TcpTransferServer and connectTcpReceiver refuse a transfer connection relayed from another address, on ${links} links`, async (t) => {
+    const writers: TcpTransferWriter[] = [];
+    const refused: string[] = [];
+    const server = await TcpTransferServer.listen({
+      secret: SECRET,
+      layoutSignature: "sig",
+      ...(tls === undefined ? {} : { tls }),
+      onWriter: (w) => writers.push(w),
+      onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
+    });
+    t.after(() => server.close());
+    // A relay without the secret in front of the transfer port (decode told to dial it): it
+    // forwards every byte both ways, unchanged, and would carry the KV pages.
+    const relay = await startTcpTap(server.port);
+    t.after(() => relay.close());
+    const fx = transferFixture(4, PAGE_BYTES);
+    const receiver = (port: number) =>
+      connectTcpReceiver({
+        port,
+        secret: SECRET,
+        layoutSignature: "sig",
+        ...(tls === undefined ? {} : { tls }),
+        pool: fx.pool,
+        table: fx.table,
+        pageBytes: PAGE_BYTES,
+        incarnation: 3,
+        handlers: {},
+      });
+    await assert.rejects(
+      receiver(relay.port),
+      new RegExp(`dialled at 127\\.0\\.0\\.1:${relay.port} answers to 127\\.0\\.0\\.1:${server.port}`),
+    );
+    await until("the refusal", () => server.failures.address_mismatch === 1);
+    assert.deepEqual(server.failures, { address_mismatch: 1 });
+    assert.match(
+      refused.join("\n"),
+      new RegExp(`^address_mismatch: .*the peer dialled 127\\.0\\.0\\.1:${relay.port}`),
+    );
+    assert.equal(writers.length, 0, "prefill made no writer: no page can go through the relay");
+    // Decode sent its HELLO and nothing after it: no PROOF.
+    if (tls === undefined) {
+      const sent = relay.sent(0);
+      assert.equal(sent[3], FrameType.HELLO);
+      assert.equal(sent.length, 32 + sent.readUInt32LE(28), "one frame, the HELLO");
+    }
+    // The transfer port's own address still works.
+    const direct = await receiver(server.port);
+    await until("the writer", () => writers.length === 1);
+    await direct.close();
+  });
+}

@@ -25,6 +25,8 @@ export const DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000;
 export const DEFAULT_MAX_PENDING = 64;
 export const REPORTS_PER_WINDOW = 20;
 export const REPORT_WINDOW_MS = 10_000;
+/** A refused connection that was sent a last message is closed outright after this (its peer may never close it). */
+export const REFUSAL_LINGER_MS = 1000;
 
 /** Why a connection was refused before (or instead of) admission. */
 export type LinkAuthReason =
@@ -44,6 +46,11 @@ export type LinkAuthReason =
   | "peer_connected"
   /** The peer runs another model, dtype or page size. */
   | "layout_mismatch"
+  /**
+   * The address the initiator dialled is not the one the acceptor advertises (link-address.ts): a
+   * relay, or a registry entry copied to another address. Counted by the side that refuses.
+   */
+  | "address_mismatch"
   /** The TLS handshake failed: no certificate, one of another CA, or a plaintext peer (docs/tls.md). */
   | "tls_handshake";
 
@@ -103,9 +110,19 @@ export class PreAuthGuard {
     this.#forget(socket);
   }
 
-  /** Counts and reports the refusal of `socket` and closes it (once; later calls do nothing). */
-  refuse(socket: net.Socket, reason: LinkAuthReason, detail: string): void {
-    if (this.count(socket, reason, detail)) socket.destroy();
+  /**
+   * Counts and reports the refusal of `socket` and closes it (once; later calls do nothing): at
+   * once, or after sending `last` (a REFUSE frame, a challenge naming the advertised address) and
+   * at most `REFUSAL_LINGER_MS` later. False when it was refused already.
+   */
+  refuse(socket: net.Socket, reason: LinkAuthReason, detail: string, last?: Uint8Array): boolean {
+    if (!this.count(socket, reason, detail)) return false;
+    if (last === undefined || socket.destroyed) socket.destroy();
+    else {
+      socket.end(last);
+      setTimeout(() => socket.destroy(), REFUSAL_LINGER_MS).unref();
+    }
+    return true;
   }
 
   /**

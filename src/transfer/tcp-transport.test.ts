@@ -3,9 +3,9 @@ import { test } from "node:test";
 import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
 import { NO_WRITER } from "../kvcache/ownership-table.js";
 import { FRAME_HEADER_BYTES, type FrameHeader, FrameType } from "./frame-codec.js";
+import { MacChannel } from "./mac-channel.js";
 import {
   connectTcpReceiver,
-  MacChannel,
   type TcpReceiverOptions,
   TcpTransferServer,
   type TcpTransferWriter,

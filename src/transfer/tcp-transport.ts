@@ -3,13 +3,15 @@
  * bootstrap server on prefill); each decode node connects (`connectTcpReceiver`) and reads into one
  * reused buffer (`onread`, docs/benchmarks.md §3.4: the default `'data'` receiver allocates per chunk).
  *
- * Handshake (control-auth.ts, docs/protocol.md §3a): decode sends HELLO `{layoutSignature, nonce,
- * incarnation}` MACed with the cluster secret; prefill answers the challenge, a HELLO
- * `{layoutSignature, nonce, peerNonce, incarnation}` MACed with its session key over both, or
- * REFUSE `{code, message}` and closes; decode answers PROOF, MACed with its session key over both,
- * and only then does prefill create the writer. A replayed handshake fails at the PROOF; a second
- * connection for a connected decode incarnation is refused after it (no takeover). Either side
- * refuses a different layout signature (docs/prior-art.md H8). Until the PROOF a connection is held to the
+ * Handshake (control-auth.ts, docs/protocol.md §3a): decode sends HELLO `{v, layoutSignature, nonce,
+ * incarnation, dialled}` MACed with the cluster secret; prefill answers the challenge, a HELLO
+ * `{layoutSignature, nonce, peerNonce, incarnation, advertised}` MACed with its session key over
+ * both, or REFUSE `{code, message}` and closes; decode answers PROOF, MACed with its session key over
+ * both, and only then does prefill create the writer. A replayed handshake fails at the PROOF; a
+ * second connection for a connected decode incarnation is refused after it (no takeover). Either
+ * side refuses a different layout signature (docs/prior-art.md H8), and a dialled address that is
+ * not the advertised one (link-address.ts: a relay; prefill closes after its challenge, decode
+ * refuses it). Until the PROOF a connection is held to the
  * pre-handshake limits (link-guard.ts): a deadline, a cap on pending connections, 4 KiB frames.
  * After it, control frames (CONTROL, LEASE_END) carry an HMAC-SHA256 under per-direction session
  * keys and a sequence number; page bodies do not (the manifest checksums cover them).
@@ -35,12 +37,12 @@ import type { OwnershipTable } from "../kvcache/ownership-table.js";
 import { KvfenceError } from "../lib/errors.js";
 import {
   clusterSecretBytes,
-  hmac,
+  HANDSHAKE_VERSION,
+  handshakeVersionMismatch,
   MAC_BYTES,
   NONCE_BYTES,
   sessionKeys,
   transcript,
-  verifyHmac,
 } from "./control-auth.js";
 import { decodeControl, decodeJsonObject, encodeControl } from "./control-codec.js";
 import {
@@ -52,7 +54,9 @@ import {
   FrameType,
   frameHeaderBytes,
 } from "./frame-codec.js";
+import { advertisedMismatch, dialledMismatch, linkAddress } from "./link-address.js";
 import { type LinkAuthFailures, type LinkAuthReason, MAX_PREAUTH_BYTES, PreAuthGuard } from "./link-guard.js";
+import { MacChannel } from "./mac-channel.js";
 import { layoutMismatch } from "./shm-transport.js";
 import { connectLink, createLinkServer, type LinkTls } from "./tls-config.js";
 import { TransferClock, TransferMetrics } from "./transfer-metrics.js";
@@ -69,61 +73,11 @@ interface HelloPayload {
   readonly peerNonce?: string;
   /** Decode's incarnation (boot count), so prefill knows which leases it may write. */
   readonly incarnation?: number;
-}
-
-/** @internal MACs and sequence numbers of the control frames of one connection (exported for tests). */
-export class MacChannel {
-  sendKey: Buffer;
-  recvKey: Buffer;
-  #sendSeq = 0;
-  #recvSeq = 0;
-
-  constructor(key: Buffer) {
-    this.sendKey = key;
-    this.recvKey = key;
-  }
-
-  /** Header + payload + MAC of a control-type frame, as one buffer. */
-  frame(
-    type: FrameType,
-    rid: number,
-    epoch: number,
-    tokens: number,
-    payload: Uint8Array,
-    prefix?: Buffer,
-  ): Buffer {
-    const header: FrameHeader = {
-      type,
-      rid,
-      epoch,
-      page: 0,
-      generation: 0,
-      index: this.#sendSeq++ >>> 0,
-      tokens,
-      length: payload.length + MAC_BYTES,
-    };
-    const headerBytes = frameHeaderBytes(header);
-    const mac =
-      prefix === undefined
-        ? hmac(this.sendKey, headerBytes, payload)
-        : hmac(this.sendKey, prefix, headerBytes, payload);
-    return Buffer.concat([headerBytes, payload, mac]);
-  }
-
-  /** The payload of a MACed frame, or null when the MAC or the sequence number is wrong. */
-  open(header: FrameHeader, body: Uint8Array, prefix?: Buffer): Uint8Array | null {
-    if (body.length < MAC_BYTES || header.index !== this.#recvSeq >>> 0) return null;
-    const headerBytes = frameHeaderBytes(header);
-    const payload = body.subarray(0, body.length - MAC_BYTES);
-    const mac = body.subarray(body.length - MAC_BYTES);
-    const ok =
-      prefix === undefined
-        ? verifyHmac(this.recvKey, mac, headerBytes, payload)
-        : verifyHmac(this.recvKey, mac, prefix, headerBytes, payload);
-    if (!ok) return null;
-    this.#recvSeq++;
-    return payload;
-  }
+  /** Decode's HELLO: the handshake version and the address it dialled (checked by prefill). */
+  readonly v?: unknown;
+  readonly dialled?: unknown;
+  /** Prefill's challenge: the address it advertises (checked by decode). */
+  readonly advertised?: unknown;
 }
 
 function parseHello(payload: Uint8Array): HelloPayload | null {
@@ -136,6 +90,18 @@ function parseHello(payload: Uint8Array): HelloPayload | null {
   } catch {
     return null;
   }
+}
+
+/** A REFUSE frame `{code, message}` of `error` (MACed with `prefix` before the session keys exist). */
+function refuseFrame(mac: MacChannel, error: KvfenceError, prefix?: Buffer): Buffer {
+  return mac.frame(
+    FrameType.REFUSE,
+    0,
+    0,
+    0,
+    encodeControl({ code: error.code, message: error.message }),
+    prefix,
+  );
 }
 
 function authError(side: string): KvfenceError {
@@ -160,6 +126,11 @@ export interface TcpServerOptions {
   readonly batchBytes?: number;
   /** This prefill node's incarnation, sent in the challenge (decode checks it on a reconnect). */
   readonly incarnation?: number;
+  /**
+   * The address decode dials this server at, each part defaulting to `host` and the port listened
+   * on (a node's is its `--advertise` host): decode's HELLO must name it (link-address.ts).
+   */
+  readonly advertise?: { readonly host?: string; readonly port?: number };
   /** Pre-handshake limits (link-guard.ts). */
   readonly handshakeTimeoutMs?: number;
   readonly maxPending?: number;
@@ -175,6 +146,8 @@ export class TcpTransferServer {
   readonly #writers = new Set<TcpTransferWriter>();
   readonly #sockets = new Set<net.Socket>();
   readonly #guard: PreAuthGuard;
+  /** Set once listening (the port may be the one the system chose). */
+  #advertised = "";
 
   private constructor(server: net.Server, guard: PreAuthGuard) {
     this.#server = server;
@@ -212,11 +185,20 @@ export class TcpTransferServer {
         resolve();
       });
     });
+    self.#advertised = linkAddress(
+      options.advertise?.host ?? options.host ?? "127.0.0.1",
+      options.advertise?.port ?? self.port,
+    );
     return self;
   }
 
   get port(): number {
     return (this.#server.address() as net.AddressInfo).port;
+  }
+
+  /** The address decode must have dialled (`linkAddress` form). */
+  get advertised(): string {
+    return this.#advertised;
   }
 
   /** Stops listening and closes every connection. */
@@ -236,21 +218,11 @@ export class TcpTransferServer {
     /** The hello's payload and body once it verified, and the challenge sent back. */
     let hello: { payload: Buffer; body: HelloPayload; challenge: Buffer } | null = null;
     const refuse = (reason: LinkAuthReason, error: KvfenceError, frame?: Buffer): undefined => {
-      if (!this.#guard.count(socket, reason, `${error.message} from ${remote}`)) return;
-      if (frame !== undefined && !socket.destroyed) socket.end(frame);
-      else socket.destroy();
-      options.onError?.(error);
+      if (this.#guard.refuse(socket, reason, `${error.message} from ${remote}`, frame))
+        options.onError?.(error);
     };
     /** A REFUSE frame before the session keys exist: MACed with the secret. */
-    const refusal = (error: KvfenceError): Buffer =>
-      mac.frame(
-        FrameType.REFUSE,
-        0,
-        0,
-        0,
-        encodeControl({ code: error.code, message: error.message }),
-        HELLO_CONTEXT,
-      );
+    const refusal = (error: KvfenceError): Buffer => refuseFrame(mac, error, HELLO_CONTEXT);
     const onHello = (header: FrameHeader, body: Uint8Array): undefined => {
       if (header.type !== FrameType.HELLO) {
         return refuse("malformed", authError(`expected HELLO first, got frame type ${header.type}`));
@@ -264,6 +236,11 @@ export class TcpTransferServer {
         );
       const parsed = parseHello(payload);
       if (parsed === null) return refuse("malformed", authError("malformed HELLO from decode"));
+      const version = handshakeVersionMismatch(parsed.v);
+      if (version !== null) {
+        const error = new KvfenceError("transfer_failed", version);
+        return refuse("malformed", error, refusal(error));
+      }
       if (parsed.layoutSignature !== options.layoutSignature) {
         const error = layoutMismatch(options.layoutSignature, parsed.layoutSignature);
         return refuse("layout_mismatch", error, refusal(error));
@@ -278,8 +255,14 @@ export class TcpTransferServer {
         nonce: nonce.toString("hex"),
         peerNonce: parsed.nonce,
         ...(options.incarnation === undefined ? {} : { incarnation: options.incarnation }),
+        advertised: this.#advertised,
       });
-      socket.write(mac.frame(FrameType.HELLO, 0, 0, 0, challenge, transcript(CHALLENGE, helloPayload)));
+      const answer = mac.frame(FrameType.HELLO, 0, 0, 0, challenge, transcript(CHALLENGE, helloPayload));
+      // A decode node that dialled another address reached prefill through a relay: the challenge
+      // tells it so (under the MAC), and prefill closes.
+      const mismatch = dialledMismatch(parsed.dialled, this.#advertised);
+      if (mismatch !== null) return refuse("address_mismatch", authError(mismatch), answer);
+      socket.write(answer);
       hello = { payload: helloPayload, body: parsed, challenge };
     };
     const onProof = (header: FrameHeader, body: Uint8Array): undefined => {
@@ -301,14 +284,7 @@ export class TcpTransferServer {
             "transfer_failed",
             `Prefill refused the transfer connection: decode incarnation ${incarnation} is connected already`,
           );
-          const frame = mac.frame(
-            FrameType.REFUSE,
-            0,
-            0,
-            0,
-            encodeControl({ code: error.code, message: error.message }),
-          );
-          return refuse("peer_connected", error, frame);
+          return refuse("peer_connected", error, refuseFrame(mac, error));
         }
       }
       this.#guard.admitted(socket);
@@ -576,6 +552,8 @@ export class TcpTransferReceiver {
   readonly #secret: Buffer;
   readonly #layoutSignature: string;
   readonly #peerIncarnation: number | undefined;
+  /** The address dialled, as `linkAddress` writes it: prefill's challenge must name it. */
+  readonly #dialled: string;
   /** The HELLO payload sent (the handshake transcript's first message). */
   #hello: Buffer = Buffer.alloc(0);
   #ready = false;
@@ -595,6 +573,7 @@ export class TcpTransferReceiver {
     this.#secret = secret;
     this.#layoutSignature = options.layoutSignature;
     this.#peerIncarnation = options.peerIncarnation;
+    this.#dialled = linkAddress(options.host ?? "127.0.0.1", options.port);
     this.#pool = new Uint8Array(options.pool.buffer, options.pool.byteOffset, options.pool.byteLength);
     this.#table = options.table;
     this.#leaseCheck = options.leaseCheck ?? true;
@@ -639,9 +618,11 @@ export class TcpTransferReceiver {
     this.#socket = socket;
     this.#socket.on(ready, () => {
       this.#hello = encodeControl({
+        v: HANDSHAKE_VERSION,
         layoutSignature: options.layoutSignature,
         nonce: this.#nonce.toString("hex"),
         ...(options.incarnation === undefined ? {} : { incarnation: options.incarnation }),
+        dialled: this.#dialled,
       });
       this.#socket.write(this.#mac.frame(FrameType.HELLO, 0, 0, 0, this.#hello, HELLO_CONTEXT));
     });
@@ -767,6 +748,8 @@ export class TcpTransferReceiver {
     this.#mac.recvKey = keys.serverToClient;
     const challenge = this.#mac.open(h, body, transcript(CHALLENGE, this.#hello));
     if (challenge === null) return this.#fail(authError("bad challenge MAC from prefill"));
+    const mismatch = advertisedMismatch(hello.advertised, this.#dialled);
+    if (mismatch !== null) return this.#fail(authError(mismatch));
     if (hello.layoutSignature !== this.#layoutSignature) {
       return this.#fail(layoutMismatch(this.#layoutSignature, hello.layoutSignature));
     }

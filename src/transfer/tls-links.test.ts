@@ -5,8 +5,8 @@
  * fails cleanly; and the bytes on the wire carry neither a known prompt string nor a page body.
  */
 import assert from "node:assert/strict";
-import net from "node:net";
 import { test } from "node:test";
+import { startTcpTap, type TcpTap } from "../../testing/tcp-tap.js";
 import { clusterTls, noCertTls, otherCaTls } from "../../testing/tls-fixtures.js";
 import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
 import { connectControlLink, listenControlLinks } from "../cluster/control-link.js";
@@ -18,10 +18,12 @@ const SECRET = "a-cluster-secret-of-some-length";
 const PAGE_BYTES = 4096;
 type Msg = { text: string };
 
-async function controlServer(tls: LinkTls | undefined, refused: string[] = []) {
+/** A node's control port; `advertise`: the address routers dial it at, when not its own (a tap). */
+async function controlServer(tls: LinkTls | undefined, refused: string[] = [], advertise?: { port: number }) {
   return listenControlLinks<Msg, Msg>({
     host: "127.0.0.1",
     port: 0,
+    ...(advertise === undefined ? {} : { advertise }),
     secret: SECRET,
     ...(tls === undefined ? {} : { tls }),
     onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
@@ -90,8 +92,11 @@ test("control link: a plaintext router against a TLS node fails cleanly", async 
   assert.equal(await controlRoundTrip(server.port, clusterTls()), "echo hello");
 });
 
-/** A transfer server, and a receiver connecting with `receiverTls`, optionally through `viaPort`. */
-async function transfer(serverTls: LinkTls | undefined) {
+/**
+ * A transfer server (advertising `advertise` when decode dials it elsewhere: a tap), and a receiver
+ * connecting with `receiverTls`, optionally through another port.
+ */
+async function transfer(serverTls: LinkTls | undefined, advertise?: { port: number }) {
   const errors: KvfenceError[] = [];
   const refused: string[] = [];
   let resolveWriter: (w: TcpTransferWriter) => void = () => {};
@@ -105,6 +110,7 @@ async function transfer(serverTls: LinkTls | undefined) {
     onError: (e) => errors.push(e),
     onRefused: (reason, detail) => refused.push(`${reason}: ${detail}`),
     ...(serverTls === undefined ? {} : { tls: serverTls }),
+    ...(advertise === undefined ? {} : { advertise }),
   });
   const fx = transferFixture(8, PAGE_BYTES);
   const controls: string[] = [];
@@ -177,41 +183,6 @@ test("transfer: a plaintext decode node against a TLS prefill port fails cleanly
   assert.deepEqual(x.server.failures, { tls_handshake: 1 });
 });
 
-/** A TCP proxy on 127.0.0.1 that records every byte in both directions. */
-async function recordingProxy(targetPort: number) {
-  const chunks: Buffer[] = [];
-  const sockets = new Set<net.Socket>();
-  const server = net.createServer((client) => {
-    const upstream = net.connect({ host: "127.0.0.1", port: targetPort });
-    for (const s of [client, upstream]) {
-      sockets.add(s);
-      s.on("error", () => {});
-      s.on("close", () => {
-        client.destroy();
-        upstream.destroy();
-      });
-    }
-    client.on("data", (d: Buffer) => {
-      chunks.push(Buffer.from(d));
-      upstream.write(d);
-    });
-    upstream.on("data", (d: Buffer) => {
-      chunks.push(Buffer.from(d));
-      client.write(d);
-    });
-  });
-  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
-  return {
-    port: (server.address() as net.AddressInfo).port,
-    bytes: () => Buffer.concat(chunks),
-    close: () =>
-      new Promise<void>((resolve) => {
-        for (const s of sockets) s.destroy();
-        server.close(() => resolve());
-      }),
-  };
-}
-
 const PROMPT = "The secret launch code is";
 
 for (const encrypted of [true, false]) {
@@ -220,18 +191,23 @@ for (const encrypted of [true, false]) {
     : "plaintext (the control case): the same bytes show the prompt string, so the check can fail";
   test(name, async (t) => {
     const tls = encrypted ? clusterTls() : undefined;
-    // Control link through the proxy: a prompt string in a message each way.
-    const control = await controlServer(tls);
+    // Control link through a recording tap (the node advertises the tap's address): a prompt
+    // string in a message each way.
+    let controlPort = 0;
+    const controlTap = await startTcpTap(() => controlPort);
+    t.after(() => controlTap.close());
+    const control = await controlServer(tls, [], { port: controlTap.port });
     t.after(() => control.close());
-    const controlProxy = await recordingProxy(control.port);
-    t.after(() => controlProxy.close());
-    assert.equal(await controlRoundTrip(controlProxy.port, tls, PROMPT), `echo ${PROMPT}`);
-    // Transfer through the proxy: a page body and a manifest-like control message.
-    const x = await transfer(tls);
+    controlPort = control.port;
+    assert.equal(await controlRoundTrip(controlTap.port, tls, PROMPT), `echo ${PROMPT}`);
+    // Transfer through a tap: a page body and a manifest-like control message.
+    let transferPort = 0;
+    const transferTap = await startTcpTap(() => transferPort);
+    t.after(() => transferTap.close());
+    const x = await transfer(tls, { port: transferTap.port });
     t.after(() => x.server.close());
-    const transferProxy = await recordingProxy(x.server.port);
-    t.after(() => transferProxy.close());
-    const receiver = await x.connect(tls, transferProxy.port);
+    transferPort = x.server.port;
+    const receiver = await x.connect(tls, transferTap.port);
     t.after(() => receiver.close());
     const page = Buffer.alloc(PAGE_BYTES);
     page.write(`${PROMPT} `.repeat(100));
@@ -241,8 +217,9 @@ for (const encrypted of [true, false]) {
       { index: 1, bytes: page, filledTokens: 16 },
     ]);
     await x.allLanded;
-    const wire = Buffer.concat([controlProxy.bytes(), transferProxy.bytes()]);
-    assert.ok(wire.length > 2 * PAGE_BYTES, `the proxies saw the traffic: ${wire.length} bytes`);
+    const both = (tap: TcpTap) => [tap.sent(0), tap.received(0)];
+    const wire = Buffer.concat([...both(controlTap), ...both(transferTap)]);
+    assert.ok(wire.length > 2 * PAGE_BYTES, `the taps saw the traffic: ${wire.length} bytes`);
     assert.equal(wire.includes(PROMPT), !encrypted);
   });
 }

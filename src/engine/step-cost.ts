@@ -1,11 +1,11 @@
 /**
  * What a step's work costs, estimated from the model's shape: the multiply-adds of computing
  * tokens [start, start + n) of one sequence. The engine's scheduler uses it to share each step's
- * compute fairly between tenants (`src/engine/engine.ts`, "Admission, and prompts, fairly"): on
- * this CPU engine a step's time grows with the work in it, so a tenant's prompt chunk that costs
- * as much as a hundred decode tokens makes another tenant's token wait as long as a hundred of its
- * own steps. Counting tokens alone is not enough: attention over a long context costs more per
- * token than the matrices (the tiny test model's decode at 1,600 positions costs twice one at 500).
+ * compute fairly between tenants (`src/engine/tenant-shares.ts`): on this CPU engine a step's time
+ * grows with the work in it, so a tenant's prompt chunk that costs as much as a hundred decode
+ * tokens makes another tenant's token wait as long as a hundred of its own steps. Counting tokens
+ * alone is not enough: attention over a long context costs more per token than the matrices (the
+ * tiny test model's decode at 1,600 positions costs twice one at 500).
  *
  * Per token: the layers' projections and MLP (`linear`), plus attention over every position up to
  * it (`attention` per position: the query's dot products and the weighted sum of values, all

@@ -45,7 +45,7 @@ const QUIET = "the ".repeat(100);
  * the cluster B's prompt goes before A's next chunk at prefill and its tokens share decode's batch
  * with A's few. One engine runs A's prompt chunks in the very steps that make B's tokens: its
  * scheduler holds each of A's chunks to about the compute of B's work in the step
- * (`src/engine/engine.ts`), so a step of B's costs at most about twice its own (before that, one
+ * (`src/engine/scheduler.ts`, `src/engine/tenant-shares.ts`), so a step of B's costs at most about twice its own (before that, one
  * engine measured up to 2.8x, and a step with A's chunk cost B up to 8x).
  */
 const BOUND = { cluster: 2, threads: 2, single: 2 } as const;

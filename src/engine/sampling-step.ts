@@ -1,0 +1,164 @@
+/**
+ * The sampling step of the engine: turning a step's logits into tokens. For every request whose
+ * step reached its last token, its logit controls (`Sampler.process`) apply, then its per-request
+ * seeded generator draws the next token (`Sampler.sample`). A request that asked for
+ * log-probabilities gets them with each token (from the raw logits, before the controls), and the
+ * prompt's once, before its first token (computed row by row as its prompt's chunks run, through
+ * the forward pass's `StepSequence.rowLogits`).
+ *
+ * n > 1: a prefill node's first sample of a group also draws each later sample's first token from
+ * the same logits (`siblings`, each with a generator of its own seed), and a sample forked on one
+ * engine draws from a copy of its first sample's logits (`copyOf`).
+ *
+ * This is the one place in the engine that reads a request's sampling parameters (temperature, top
+ * p and k, seed, stop token ids, logit controls, log-probabilities, the group's seeds); the engine
+ * reports what it returns (`Engine`'s step: counters, timing, events, the end of a request).
+ * Nothing here allocates per token: a token's log-probabilities go in the request's own reused
+ * array, its raw logits in a buffer made on its first token.
+ */
+import type { WireError } from "../lib/errors.js";
+import { KvfenceError } from "../lib/errors.js";
+import { Prng } from "../lib/prng.js";
+import { MAX_TOP_LOGPROBS, type TokenLogprobs } from "../lib/token-logprobs.js";
+import { tokenLogprobs } from "../model/logprobs.js";
+import { Sampler } from "../model/sampler.js";
+import type { GenerationRequest } from "../protocol/engine-api.js";
+import type { Sequence } from "./sequence.js";
+
+/** The forward pass's per-row callback for a step of a sequence (see `StepSequence.rowLogits`). */
+type RowLogits = (index: number, logits: Float32Array, offset: number) => void;
+
+export class SamplingStep {
+  readonly #sampler: Sampler;
+  readonly #vocabSize: number;
+  /** Seeds for requests that bring none. */
+  readonly #seeds: Prng;
+  /** A copy of a step's logits: a sibling's or a forked sample's to draw from. */
+  readonly #copy: Float32Array;
+
+  constructor(vocabSize: number, seed: number) {
+    this.#vocabSize = vocabSize;
+    this.#sampler = new Sampler(vocabSize);
+    this.#seeds = new Prng(seed);
+    this.#copy = new Float32Array(vocabSize);
+  }
+
+  /** The seed of a request's generator: its own, else one drawn from this engine's seeds. */
+  seedOf(request: GenerationRequest): number {
+    return request.seed ?? this.#seeds.nextUint32();
+  }
+
+  /**
+   * Readies a new sequence: when its request asked for the prompt's log-probabilities, the
+   * entries to fill and the forward pass's per-row callback that fills them (made once per request).
+   */
+  prepare(seq: Sequence): void {
+    const k = seq.request.promptLogprobs;
+    if (k === undefined) return;
+    const entries: (TokenLogprobs | null)[] = new Array(seq.promptLength).fill(null);
+    const vocab = this.#vocabSize;
+    seq.promptEntries = entries;
+    // Row `index` of a step at position p predicts the prompt's token p + 1.
+    seq.rowLogits = (index, logits, offset) => {
+      const next = seq.stepStart + index + 1;
+      if (next < seq.promptLength) entries[next] = tokenLogprobs(logits, seq.tokens[next]!, k, offset, vocab);
+    };
+  }
+
+  /**
+   * A decode node's sequence whose first token prefill sampled from the same seeded generator:
+   * skips that draw, so a seeded request samples the same tokens as on one engine (the sampler
+   * draws once per token).
+   */
+  skipFirstDraw(seq: Sequence): void {
+    if (Sampler.draws(seq.request)) seq.rng.next();
+  }
+
+  /**
+   * The first tokens of a prefill-only request's later samples (n > 1 as one group), else null:
+   * each from a copy of `logits` as they are before any sample's controls, under the same controls
+   * and sampling parameters, with a generator of its own seed (null: one from this engine's seeds)
+   * — as each sample would draw its first token alone. Call before `sample`. Runs once per group,
+   * not per token.
+   */
+  siblings(seq: Sequence, logits: Float32Array): number[] | null {
+    const r = seq.request;
+    const seeds = r.sampleSeeds;
+    if (seq.ownership !== "prefill-only" || seeds === undefined) return null;
+    const tokens: number[] = [];
+    for (const seed of seeds) {
+      const copy = this.#copy;
+      copy.set(logits);
+      if (r.controls !== undefined) this.#sampler.process(copy, r.controls, seq, r.stopTokenIds);
+      tokens.push(this.#sampler.sample(copy, r, new Prng(seed ?? this.#seeds.nextUint32())));
+    }
+    return tokens;
+  }
+
+  /**
+   * Draws `seq`'s next token from `logits` (its step's, changed in place by its controls), keeping
+   * the raw logits first when it asked for log-probabilities.
+   */
+  sample(seq: Sequence, logits: Float32Array): number {
+    const r = seq.request;
+    if (r.logprobs !== undefined) keepRaw(seq, logits);
+    if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
+    return this.#sampler.sample(logits, r, seq.rng);
+  }
+
+  /** `logits` copied into this step's reused buffer: a forked sample draws from the copy. */
+  copyOf(logits: Float32Array): Float32Array {
+    this.#copy.set(logits);
+    return this.#copy;
+  }
+
+  /** The sampled token's log-probabilities when the request asked (one entry, reused array), else undefined. */
+  logprobs(seq: Sequence, token: number): TokenLogprobs[] | undefined {
+    const k = seq.request.logprobs;
+    if (k === undefined || seq.raw === null) return undefined;
+    seq.sampledLogprobs[0] = tokenLogprobs(seq.raw, token, k);
+    return seq.sampledLogprobs;
+  }
+
+  /** True when `token` is one of the request's stop tokens (it ends the request with `stop`). */
+  stops(seq: Sequence, token: number): boolean {
+    return seq.request.stopTokenIds.includes(token);
+  }
+}
+
+/**
+ * What is wrong with a request's sampling parameters for a vocabulary of `vocabSize` (as a
+ * `WireError`), or null: the sampler's own rules, then the log-probability counts.
+ */
+export function samplingRefusal(r: GenerationRequest, vocabSize: number): WireError | null {
+  try {
+    Sampler.validate(r, vocabSize);
+  } catch (err) {
+    if (err instanceof KvfenceError) return err.toWire();
+    throw err;
+  }
+  for (const [param, k] of [
+    ["logprobs", r.logprobs],
+    ["prompt_logprobs", r.promptLogprobs],
+  ] as const) {
+    if (k !== undefined && !(Number.isInteger(k) && k >= 0 && k <= MAX_TOP_LOGPROBS)) {
+      return {
+        code: "invalid_request",
+        message: `${param} must be an integer from 0 to ${MAX_TOP_LOGPROBS}: ${k}`,
+        param,
+      };
+    }
+  }
+  return null;
+}
+
+/** The forward pass's per-row callback for `seq`'s step when it asked for the prompt's log-probabilities and the step holds prompt rows, else null. */
+export function promptRows(seq: Sequence): RowLogits | null {
+  return seq.rowLogits !== null && seq.stepStart < seq.promptLength - 1 ? seq.rowLogits : null;
+}
+
+/** Keeps the step's raw logits of `seq` (the controls change them in place) for its log-probabilities. */
+function keepRaw(seq: Sequence, logits: Float32Array): void {
+  if (seq.raw === null) seq.raw = new Float32Array(logits.length);
+  seq.raw.set(logits);
+}

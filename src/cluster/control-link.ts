@@ -346,6 +346,36 @@ export interface ControlListener {
   close(): Promise<void>;
 }
 
+/**
+ * The router slot a proven hello names (absent: 0), or the refusal: out of range, or the node's
+ * `admit` says a router holds that slot already.
+ */
+function admittedRouterSlot(
+  slot: unknown,
+  incarnation: number | undefined,
+  admit: ((incarnation: number | undefined, routerSlot: number) => boolean) | undefined,
+): number {
+  const routerSlot = slot ?? 0;
+  if (
+    typeof routerSlot !== "number" ||
+    !Number.isInteger(routerSlot) ||
+    routerSlot < 0 ||
+    routerSlot >= ROUTER_SLOTS
+  ) {
+    throw new HandshakeError(
+      "malformed",
+      `router slot out of range 0-${ROUTER_SLOTS - 1}: ${String(routerSlot)}`,
+    );
+  }
+  if (admit?.(incarnation, routerSlot) === false) {
+    throw new HandshakeError(
+      "peer_connected",
+      `a router is connected in router slot ${routerSlot} already; give each router its own --router-slot`,
+    );
+  }
+  return routerSlot;
+}
+
 /** Listens for router links (the node side); `onLink` gets each authenticated link. */
 export async function listenControlLinks<Out, In>(
   options: ControlListenOptions<Out, In>,
@@ -393,26 +423,10 @@ export async function listenControlLinks<Out, In>(
       );
     }
     const incarnation = Number.isSafeInteger(body.incarnation) ? (body.incarnation as number) : undefined;
-    const routerSlot = body.routerSlot ?? 0;
-    if (
-      !Number.isInteger(routerSlot) ||
-      (routerSlot as number) < 0 ||
-      (routerSlot as number) >= ROUTER_SLOTS
-    ) {
-      throw new HandshakeError(
-        "malformed",
-        `router slot out of range 0-${ROUTER_SLOTS - 1}: ${String(routerSlot)}`,
-      );
-    }
-    if (options.admit?.(incarnation, routerSlot as number) === false) {
-      throw new HandshakeError(
-        "peer_connected",
-        `a router is connected in router slot ${routerSlot} already; give each router its own --router-slot`,
-      );
-    }
+    const routerSlot = admittedRouterSlot(body.routerSlot, incarnation, options.admit);
     guard.admitted(socket);
     const link = new ControlLink<Out, In>(socket, keys.serverToClient, keys.clientToServer, proof.rest);
-    options.onLink(link, incarnation, routerSlot as number);
+    options.onLink(link, incarnation, routerSlot);
   };
   const onTlsRefused = (error: KvfenceError, socket: net.Socket): void => {
     guard.count(socket, "tls_handshake", error.message);

@@ -208,6 +208,19 @@ export class TcpTransferServer {
     await new Promise<void>((resolve) => this.#server.close(() => resolve()));
   }
 
+  /** The refusal of a connection for a decode incarnation that is connected already, or null. */
+  #duplicateRefusal(incarnation: number | undefined): KvfenceError | null {
+    for (const w of this.#writers) {
+      if (w.peerIncarnation === incarnation && !w.closed) {
+        return new KvfenceError(
+          "transfer_failed",
+          `Prefill refused the transfer connection: decode incarnation ${incarnation} is connected already`,
+        );
+      }
+    }
+    return null;
+  }
+
   #accept(socket: net.Socket, secret: Buffer, options: TcpServerOptions): void {
     this.#sockets.add(socket);
     socket.on("close", () => this.#sockets.delete(socket));
@@ -228,23 +241,14 @@ export class TcpTransferServer {
         return refuse("malformed", authError(`expected HELLO first, got frame type ${header.type}`));
       }
       const payload = mac.open(header, body, HELLO_CONTEXT);
-      if (payload === null)
-        return refuse(
-          "bad_hello",
-          authError("bad HELLO from decode"),
-          refusal(authError("bad HELLO from decode")),
-        );
+      if (payload === null) {
+        const error = authError("bad HELLO from decode");
+        return refuse("bad_hello", error, refusal(error));
+      }
       const parsed = parseHello(payload);
       if (parsed === null) return refuse("malformed", authError("malformed HELLO from decode"));
-      const version = handshakeVersionMismatch(parsed.v);
-      if (version !== null) {
-        const error = new KvfenceError("transfer_failed", version);
-        return refuse("malformed", error, refusal(error));
-      }
-      if (parsed.layoutSignature !== options.layoutSignature) {
-        const error = layoutMismatch(options.layoutSignature, parsed.layoutSignature);
-        return refuse("layout_mismatch", error, refusal(error));
-      }
+      const refused = helloRefusal(parsed, options.layoutSignature);
+      if (refused !== null) return refuse(refused.reason, refused.error, refusal(refused.error));
       const nonce = randomBytes(NONCE_BYTES);
       const keys = sessionKeys(secret, Buffer.from(parsed.nonce, "hex"), nonce);
       mac.sendKey = keys.serverToClient;
@@ -278,15 +282,8 @@ export class TcpTransferServer {
         );
       }
       const incarnation = h.body.incarnation;
-      for (const w of this.#writers) {
-        if (w.peerIncarnation === incarnation && !w.closed) {
-          const error = new KvfenceError(
-            "transfer_failed",
-            `Prefill refused the transfer connection: decode incarnation ${incarnation} is connected already`,
-          );
-          return refuse("peer_connected", error, refuseFrame(mac, error));
-        }
-      }
+      const duplicate = this.#duplicateRefusal(incarnation);
+      if (duplicate !== null) return refuse("peer_connected", duplicate, refuseFrame(mac, duplicate));
       this.#guard.admitted(socket);
       decoder.setMaxControlBytes(MAX_CONTROL_BYTES);
       const w = new TcpTransferWriter(socket, mac, options.batchBytes ?? 1 << 20, incarnation);
@@ -319,6 +316,19 @@ export class TcpTransferServer {
     });
     socket.on("error", (error) => writer?.fail(error));
   }
+}
+
+/** Why prefill refuses a verified HELLO before its challenge (another version or layout), or null. */
+function helloRefusal(
+  hello: HelloPayload,
+  layoutSignature: string,
+): { reason: LinkAuthReason; error: KvfenceError } | null {
+  const version = handshakeVersionMismatch(hello.v);
+  if (version !== null) return { reason: "malformed", error: new KvfenceError("transfer_failed", version) };
+  if (hello.layoutSignature !== layoutSignature) {
+    return { reason: "layout_mismatch", error: layoutMismatch(layoutSignature, hello.layoutSignature) };
+  }
+  return null;
 }
 
 /** The prefill end of one TCP connection (created by `TcpTransferServer`). */

@@ -227,6 +227,18 @@ function parseJson(payload: Buffer): Record<string, unknown> | null {
 
 const NONCE_HEX = /^[0-9a-f]{32}$/;
 
+/** The router slot a router's hello names (absent: 0); a handshake error when out of range. */
+function helloRouterSlot(body: Record<string, unknown>): number {
+  const routerSlot = body.routerSlot ?? 0;
+  if (!Number.isInteger(routerSlot) || (routerSlot as number) < 0 || (routerSlot as number) >= ROUTER_SLOTS) {
+    throw new HandshakeError(
+      "malformed",
+      `router slot out of range 0-${ROUTER_SLOTS - 1}: ${String(routerSlot)}`,
+    );
+  }
+  return routerSlot as number;
+}
+
 /** Connects to a node's control port (the router side); resolves once the node proved itself. */
 export async function connectControlLink<Out, In>(options: {
   readonly host: string;
@@ -393,18 +405,8 @@ export async function listenControlLinks<Out, In>(
       );
     }
     const incarnation = Number.isSafeInteger(body.incarnation) ? (body.incarnation as number) : undefined;
-    const routerSlot = body.routerSlot ?? 0;
-    if (
-      !Number.isInteger(routerSlot) ||
-      (routerSlot as number) < 0 ||
-      (routerSlot as number) >= ROUTER_SLOTS
-    ) {
-      throw new HandshakeError(
-        "malformed",
-        `router slot out of range 0-${ROUTER_SLOTS - 1}: ${String(routerSlot)}`,
-      );
-    }
-    if (options.admit?.(incarnation, routerSlot as number) === false) {
+    const routerSlot = helloRouterSlot(body);
+    if (options.admit?.(incarnation, routerSlot) === false) {
       throw new HandshakeError(
         "peer_connected",
         `a router is connected in router slot ${routerSlot} already; give each router its own --router-slot`,
@@ -412,7 +414,7 @@ export async function listenControlLinks<Out, In>(
     }
     guard.admitted(socket);
     const link = new ControlLink<Out, In>(socket, keys.serverToClient, keys.clientToServer, proof.rest);
-    options.onLink(link, incarnation, routerSlot as number);
+    options.onLink(link, incarnation, routerSlot);
   };
   const onTlsRefused = (error: KvfenceError, socket: net.Socket): void => {
     guard.count(socket, "tls_handshake", error.message);

@@ -480,6 +480,30 @@ test("DisaggregatedEngine runs a request again on another pair when its node is 
   assert.equal(engine.inFlight, 0);
 });
 
+test("DisaggregatedEngine hands each request to the pair its pairPolicy picks", () => {
+  const p0 = node("prefill-0", "prefill", 512);
+  const p1 = node("prefill-1", "prefill", 512);
+  const d = node("decode-0", "decode", 1024);
+  const offered: string[][] = [];
+  const engine = new DisaggregatedEngine({
+    prefill: [p0, p1],
+    decode: [d],
+    maxModelLen: 2048,
+    safety: SAFE,
+    pairPolicy: {
+      pick: (candidates) => {
+        offered.push(candidates.map((c) => c.key));
+        return candidates.at(-1) ?? null;
+      },
+    },
+  });
+  for (const prefill of ["prefill-0", "prefill-1"]) d.link.deliver({ kind: "prefill_up", prefill });
+  engine.submit(request(16), record().events);
+  assert.deepEqual(offered, [["prefill-0|decode-0", "prefill-1|decode-0"]]);
+  const reserve = d.link.sent.find((m) => m.kind === "protocol" && m.msg.type === "reserve");
+  assert.ok(reserve?.kind === "protocol" && reserve.prefill === "prefill-1", "the pair the policy picked");
+});
+
 test("DisaggregatedEngine hands out rids after its nodes' rid floor (a restarted router never reuses an older one's rids)", () => {
   const p = node("prefill-0", "prefill", 512);
   const d = node("decode-0", "decode", 1024);

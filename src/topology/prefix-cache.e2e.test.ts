@@ -21,7 +21,7 @@ import {
   TEST_OPERATOR_KEY,
 } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
-import { PING_INTERVAL_MS } from "../cluster/disaggregated-engine.js";
+import { PING_INTERVAL_MS } from "../cluster/node-pings.js";
 import type { NodesInfo } from "../protocol/admin-wire.js";
 import { runProbe } from "../tools/probe/probe.js";
 

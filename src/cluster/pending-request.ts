@@ -1,0 +1,95 @@
+/**
+ * One request as the router holds it, from `submit` to its end (vLLM's `Request`): the client's
+ * request and events, its current attempt (the rid it goes out under, its pair), what it reserves
+ * by the router's ledger (`PairDemand`), its n > 1 group (`GroupSample`), and what the router
+ * times and counts of it.
+ */
+
+import { decodeReservationPages } from "../protocol/decode-machine.js";
+import type { GenerationEvents, GenerationRequest } from "../protocol/engine-api.js";
+import type { SamplingParams } from "./node-messages.js";
+import type { NodePair, NodeSlot, PairDemand } from "./pair-pool.js";
+import type { GroupSample, SampleGroup } from "./sample-group.js";
+
+export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> {
+  /** The pair of the current attempt; null while it waits. */
+  pair: NodePair | null;
+  /** The rid of the current attempt: `request.rid`, or an internal one after waiting for pages. */
+  rid: number;
+  /** Dispatched at least once (a later attempt needs a fresh rid). */
+  dispatched: boolean;
+  /** The node of its pair that refused the attempt for want of pages, if one did. */
+  refusedForPages: NodeSlot | null;
+  readonly request: GenerationRequest;
+  readonly events: GenerationEvents;
+  /** Its sampling parameters (a group's: with its riders' seeds, set at each dispatch). */
+  sampling: SamplingParams;
+  readonly promptTokens: number[];
+  /**
+   * What the attempt reserves: on decode (prompt + max_tokens; a group: every sample's, the full
+   * prompt pages once) and on prefill (the prompt).
+   */
+  decodePages: number;
+  readonly prefillPages: number;
+  /** The prefill node's pages still count in the ledger (until the commit). */
+  prefillHeld: boolean;
+  /** Prompt tokens the prefill node served from its prefix cache (null: it has none, or not told). */
+  cachedTokens: number | null;
+  /** The pair policy's key of its prompt (prefix affinity: its first full pages), or null. */
+  readonly affinityKey: string | null;
+  completionTokens: number;
+  stopped: boolean;
+  silenced: boolean;
+  /** `performance.now()` at submit, at the last `reserve` sent (0: none), and whether a token reached the client (no retry on another pair after that). */
+  readonly submittedAt: number;
+  reserveSentAt: number;
+  firstToken: boolean;
+  /** `performance.now()` when tokens last reached the client (0: none yet). */
+  lastTokenAt: number;
+  /** Times it went back to the queue because its pair lost a node before its first token. */
+  moved: number;
+  /** n > 1 as one group (src/cluster/sample-group.ts), its first sample's or a rider's; null: alone. */
+  group: SampleGroup<PendingRequest> | null;
+}
+
+/** A request just submitted: waiting, alone, nothing reserved, reached, timed or counted yet. */
+export function pendingRequest(
+  request: GenerationRequest,
+  events: GenerationEvents,
+  reservation: { readonly pageSize: number; readonly affinityKey: string | null },
+): PendingRequest {
+  const { pageSize, affinityKey } = reservation;
+  return {
+    pair: null,
+    rid: request.rid,
+    dispatched: false,
+    refusedForPages: null,
+    request,
+    events,
+    sampling: {
+      temperature: request.temperature,
+      topP: request.topP,
+      topK: request.topK,
+      seed: request.seed,
+      stopTokenIds: request.stopTokenIds,
+      ...(request.controls === undefined ? {} : { controls: request.controls }),
+      ...(request.logprobs === undefined ? {} : { logprobs: request.logprobs }),
+      ...(request.promptLogprobs === undefined ? {} : { promptLogprobs: request.promptLogprobs }),
+    },
+    promptTokens: Array.from(request.promptTokens),
+    decodePages: decodeReservationPages(request.promptTokens.length, request.maxTokens, pageSize),
+    prefillPages: Math.ceil(request.promptTokens.length / pageSize),
+    prefillHeld: false,
+    cachedTokens: null,
+    affinityKey,
+    completionTokens: 0,
+    stopped: false,
+    silenced: false,
+    submittedAt: performance.now(),
+    reserveSentAt: 0,
+    firstToken: false,
+    lastTokenAt: 0,
+    moved: 0,
+    group: null,
+  };
+}

@@ -1,8 +1,9 @@
 /**
  * The layering of src/, enforced for every folder. From the bottom: kernels and lib; model;
  * kvcache; protocol (the sans-IO machines and the wire and engine contracts); transfer and engine;
- * cluster (the router-side driver of the protocol: pairing, control links, cluster metrics); node
- * (the prefill and decode nodes and their hosts); topology (threaded, local cluster, serve
+ * links (the router ↔ node messages and the links that carry them, which both sides use); cluster
+ * (the router-side driver of the protocol: pairing, cluster metrics); node (the prefill and decode
+ * nodes and their hosts); topology (threaded, local cluster, serve
  * topology, the single-engine worker); router (HTTP); server (boot: config, topology, router);
  * tools and cli on top. The router never touches weights or the forward pass (it tokenizes only),
  * and the probe and the pre-flight import only protocol wire types and lib helpers, so that they
@@ -34,21 +35,12 @@ export const RULES: Record<string, Rule> = {
   protocol: { src: ["protocol", "lib", "kvcache/ownership-table.ts"] },
   transfer: { src: ["transfer", "protocol", "kvcache", "lib"] },
   engine: { src: ["engine", "model", "kvcache", "kernels", "protocol", "lib"] },
-  cluster: { src: ["cluster", "protocol", "transfer", "kvcache", "lib"] },
-  node: {
-    src: [
-      "node",
-      "cluster/node-messages.ts",
-      "cluster/control-link.ts",
-      "engine",
-      "model",
-      "kvcache",
-      "protocol",
-      "transfer",
-      "lib",
-    ],
+  links: { src: ["links", "transfer", "protocol", "kvcache", "lib"] },
+  cluster: { src: ["cluster", "links", "protocol", "transfer", "lib"] },
+  node: { src: ["node", "links", "engine", "model", "kvcache", "protocol", "transfer", "lib"] },
+  topology: {
+    src: ["topology", "cluster", "node", "links", "engine", "model", "protocol", "transfer", "lib"],
   },
-  topology: { src: ["topology", "cluster", "node", "engine", "model", "protocol", "transfer", "lib"] },
   router: {
     src: ["router", "protocol", "lib", "model/tokenizer.ts"],
     packages: ["zod", "content-type"],

@@ -38,6 +38,7 @@ import type { WireError } from "../lib/errors.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
 import { epochOf, traceSpan, tracing } from "../lib/tracing.js";
+import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "../links/node-messages.js";
 import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeGroupPages, decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
@@ -62,7 +63,6 @@ import {
 import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
 import { type ControlMessage, nextRidIn, ridBefore, routerSlotOf } from "../protocol/wire.js";
 import type { LinkAuthFailures } from "../transfer/link-guard.js";
-import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "./node-messages.js";
 import { NodeTotals } from "./node-totals.js";
 
 /** One node as the router holds it. */

@@ -19,8 +19,8 @@
  * `kvfence_router_link_refusals_total`).
  */
 
+import type { FairShareConfig } from "../fair-share/fair-share.js";
 import { KvfenceError } from "../lib/errors.js";
-import type { FairShareConfig } from "../lib/fair-share.js";
 import type { Logger } from "../lib/logger.js";
 import { type ControlLink, connectControlLink, HandshakeError } from "../links/control-link.js";
 import type { FromNode, NodeHello, ToNode } from "../links/node-messages.js";

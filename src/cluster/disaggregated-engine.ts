@@ -34,8 +34,8 @@
  */
 
 import { createHash } from "node:crypto";
+import { FairShare, type FairShareConfig, resolveFairShare } from "../fair-share/fair-share.js";
 import type { WireError } from "../lib/errors.js";
-import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
 import { epochOf, traceSpan, tracing } from "../lib/tracing.js";
 import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "../links/node-messages.js";

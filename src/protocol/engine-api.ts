@@ -49,7 +49,7 @@ export interface GenerationRequest {
   /**
    * Its HTTP request's generations, when there are several (`n` > 1, several prompts): the first
    * one's rid and how many. They are submitted one after the other in the same turn; the engine
-   * admits them as one (src/lib/fair-share.ts): all start or none does, and a group that could
+   * admits them as one (src/fair-share/fair-share.ts): all start or none does, and a group that could
    * never run at once under its tenant's caps or in the pool is refused whole. Absent: on its own.
    */
   readonly group?: { readonly first: number; readonly size: number } | undefined;

@@ -30,10 +30,10 @@ interface Rule {
 export const RULES: Record<string, Rule> = {
   kernels: { src: ["kernels"] },
   lib: { src: ["lib"] },
-  model: { src: ["model", "kernels", "lib", "kvcache/kv-layout.ts"] },
+  model: { src: ["model", "kernels", "kvcache", "lib"] },
   kvcache: { src: ["kvcache", "lib"] },
   "fair-share": { src: ["fair-share", "lib"] },
-  protocol: { src: ["protocol", "lib", "kvcache/ownership-table.ts"] },
+  protocol: { src: ["protocol", "kvcache", "lib"] },
   transfer: { src: ["transfer", "protocol", "kvcache", "lib"] },
   engine: { src: ["engine", "model", "kvcache", "kernels", "protocol", "lib"] },
   links: { src: ["links", "transfer", "protocol", "kvcache", "lib"] },
@@ -68,7 +68,7 @@ export const RULES: Record<string, Rule> = {
       "cluster/registry.ts",
       "transfer/tls-config.ts",
       "transfer/link-address.ts",
-      "kvcache/kv-layout.ts",
+      "kvcache",
       "model",
       "fair-share",
       "protocol",
@@ -90,7 +90,7 @@ export const RULES: Record<string, Rule> = {
       "lib",
     ],
   },
-  "tools/check": { src: ["tools/check", "protocol", "kvcache/ownership-table.ts", "lib"] },
+  "tools/check": { src: ["tools/check", "protocol", "kvcache", "lib"] },
   "tools/incident": {
     src: [
       "tools/incident",
@@ -102,7 +102,7 @@ export const RULES: Record<string, Rule> = {
       "lib",
     ],
   },
-  "tools/preflight": { src: ["tools/preflight", "protocol/admin-wire.ts", "lib"], packages: [] },
+  "tools/preflight": { src: ["tools/preflight", "protocol/admin-wire.ts", "kvcache", "lib"], packages: [] },
   "tools/probe": { src: ["tools/probe", "protocol/admin-wire.ts", "lib"], packages: [] },
   cli: {
     src: [

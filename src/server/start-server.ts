@@ -12,9 +12,9 @@
 import net from "node:net";
 import { parseRegistryUrl, type RegistryOptions, registerNode, watchDrain } from "../cluster/registry.js";
 import { loadEngineMemory, type MemoryRegion, regionBytesOf } from "../engine/engine-memory.js";
+import { poolCapacityVerdict } from "../kvcache/kv-capacity.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
-import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
 import { startTracing, tracing } from "../lib/tracing.js";
 import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";

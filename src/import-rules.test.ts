@@ -90,32 +90,12 @@ export const RULES: Record<string, Rule> = {
   },
   "tools/check": { src: ["tools/check", "protocol", "kvcache", "lib"] },
   "tools/incident": {
-    src: [
-      "tools/incident",
-      "tools/probe",
-      "server",
-      "topology",
-      "node/unsafe-switches.ts",
-      "protocol",
-      "lib",
-    ],
+    src: ["tools/incident", "tools/probe", "server", "topology", "protocol", "lib"],
   },
   "tools/preflight": { src: ["tools/preflight", "protocol/admin-wire.ts", "kvcache", "lib"], packages: [] },
   "tools/probe": { src: ["tools/probe", "protocol/admin-wire.ts", "lib"], packages: [] },
   cli: {
-    src: [
-      "cli",
-      "server",
-      "tools",
-      "topology",
-      "node",
-      "cluster",
-      "model",
-      "kernels",
-      "kvcache",
-      "protocol",
-      "lib",
-    ],
+    src: ["cli", "server", "tools", "topology", "cluster", "model", "kernels", "kvcache", "protocol", "lib"],
   },
 };
 

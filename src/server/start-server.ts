@@ -21,7 +21,6 @@ import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { type GenerationDefaults, loadChatTemplate, loadGenerationDefaults } from "../model/tokenizer.js";
 import { startNodeServer } from "../node/node-server.js";
-import { unsafeWarning } from "../node/unsafe-switches.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
@@ -38,6 +37,7 @@ import {
   type ServeConfig,
   serveTls,
 } from "./serve-config.js";
+import { unsafeWarning } from "./unsafe-switches.js";
 
 export interface RunningServer {
   readonly url: string;

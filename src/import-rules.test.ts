@@ -33,11 +33,12 @@ export const RULES: Record<string, Rule> = {
   model: { src: ["model", "kernels", "kvcache", "lib"] },
   kvcache: { src: ["kvcache", "lib"] },
   "fair-share": { src: ["fair-share", "lib"] },
-  protocol: { src: ["protocol", "kvcache", "lib"] },
+  "admin-api": { src: ["admin-api"], packages: ["zod"] },
+  protocol: { src: ["protocol", "admin-api", "kvcache", "lib"] },
   transfer: { src: ["transfer", "protocol", "kvcache", "lib"] },
   engine: { src: ["engine", "model", "kvcache", "kernels", "protocol", "lib"] },
   links: { src: ["links", "transfer", "protocol", "kvcache", "lib"] },
-  cluster: { src: ["cluster", "links", "fair-share", "protocol", "transfer", "lib"] },
+  cluster: { src: ["cluster", "links", "fair-share", "admin-api", "protocol", "transfer", "lib"] },
   node: { src: ["node", "links", "engine", "model", "kvcache", "protocol", "transfer", "lib"] },
   topology: {
     src: [
@@ -54,7 +55,7 @@ export const RULES: Record<string, Rule> = {
     ],
   },
   router: {
-    src: ["router", "fair-share", "protocol", "lib", "model/tokenizer.ts"],
+    src: ["router", "fair-share", "admin-api", "protocol", "lib", "model/tokenizer.ts"],
     packages: ["zod", "content-type"],
   },
   server: {
@@ -92,8 +93,8 @@ export const RULES: Record<string, Rule> = {
   "tools/incident": {
     src: ["tools/incident", "tools/probe", "server", "topology", "protocol", "lib"],
   },
-  "tools/preflight": { src: ["tools/preflight", "protocol/admin-wire.ts", "kvcache", "lib"], packages: [] },
-  "tools/probe": { src: ["tools/probe", "protocol/admin-wire.ts", "lib"], packages: [] },
+  "tools/preflight": { src: ["tools/preflight", "admin-api", "kvcache", "lib"], packages: [] },
+  "tools/probe": { src: ["tools/probe", "admin-api", "lib"], packages: [] },
   cli: {
     src: ["cli", "server", "tools", "topology", "cluster", "model", "kernels", "kvcache", "protocol", "lib"],
   },

@@ -34,12 +34,12 @@
  */
 
 import { createHash } from "node:crypto";
+import type { NodeInfo } from "../admin-api/admin-wire.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../fair-share/fair-share.js";
 import type { WireError } from "../lib/errors.js";
 import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
 import { epochOf, traceSpan, tracing } from "../lib/tracing.js";
 import type { FromNode, Link, NodeHello, NodeStats, SamplingParams, ToNode } from "../links/node-messages.js";
-import type { NodeInfo } from "../protocol/admin-wire.js";
 import { decodeGroupPages, decodeReservationPages } from "../protocol/decode-machine.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
 import type {

@@ -4,12 +4,13 @@
  * engine runs in a worker thread (`src/topology/engine-worker.ts`); `src/topology/engine-client.ts` is the
  * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
  */
+
+import type { NodeInfo } from "../admin-api/admin-wire.js";
 import type { WireError } from "../lib/errors.js";
 import type { LogitControls } from "../lib/logit-controls.js";
 import type { PhaseSnapshot } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { RequestTrace } from "../lib/tracing.js";
-import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
 export interface GenerationRequest {

@@ -17,12 +17,12 @@ import { createServer, type IncomingMessage, type Server, type ServerResponse } 
 import { createServer as createHttpsServer } from "node:https";
 import type { AddressInfo } from "node:net";
 import { performance } from "node:perf_hooks";
+import type { NodesInfo } from "../admin-api/admin-wire.js";
 import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import type { TokenLogprobs as LogprobsEntry } from "../lib/token-logprobs.js";
 import { epochOf, type RequestSpan, tracing } from "../lib/tracing.js";
-import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";

@@ -30,7 +30,11 @@ interface Rule {
 export const RULES: Record<string, Rule> = {
   kernels: { src: ["kernels"] },
   lib: { src: ["lib"] },
-  model: { src: ["model", "kernels", "kvcache", "lib"] },
+  tokenizer: {
+    src: ["tokenizer", "lib"],
+    packages: ["@huggingface/tokenizers", "@huggingface/jinja", "@huggingface/gguf"],
+  },
+  model: { src: ["model", "tokenizer", "kernels", "kvcache", "lib"] },
   kvcache: { src: ["kvcache", "lib"] },
   "fair-share": { src: ["fair-share", "lib"] },
   "admin-api": { src: ["admin-api"], packages: ["zod"] },
@@ -55,7 +59,7 @@ export const RULES: Record<string, Rule> = {
     ],
   },
   router: {
-    src: ["router", "fair-share", "admin-api", "protocol", "lib", "model/tokenizer.ts"],
+    src: ["router", "tokenizer", "fair-share", "admin-api", "protocol", "lib"],
     packages: ["zod", "content-type"],
   },
   server: {
@@ -69,6 +73,7 @@ export const RULES: Record<string, Rule> = {
       "transfer",
       "kvcache",
       "model",
+      "tokenizer",
       "fair-share",
       "protocol",
       "lib",

@@ -19,7 +19,7 @@ import {
   type TestServer,
 } from "../../testing/start-server.js";
 import { nodesInfoSchema } from "../admin-api/admin-wire.js";
-import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
+import { loadChatTemplate, ModelTokenizer } from "../tokenizer/tokenizer.js";
 
 const MODEL = "tiny-qwen2";
 const KEYS = { "sk-alpha-tenant-1": "alpha", "sk-beta-tenant-22": "beta" } as const;

@@ -17,9 +17,9 @@ import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { startTracing, tracing } from "../lib/tracing.js";
+import { type GenerationDefaults, loadGenerationDefaults } from "../model/config-loader.js";
 import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { type GenerationDefaults, loadChatTemplate, loadGenerationDefaults } from "../model/tokenizer.js";
 import { startNodeServer } from "../node/node-server.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
@@ -27,6 +27,7 @@ import { routerTokenizer } from "../router/model-tokenizer.js";
 import { PreparePool } from "../router/prepare-pool.js";
 import { requestLimits } from "../router/request-limits.js";
 import { RouterServer } from "../router/router-server.js";
+import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
 import { isLoopback } from "../transfer/tls-config.js";
 import {

@@ -1,17 +1,22 @@
 /**
- * The layering of src/, enforced for every folder. From the bottom: kernels and lib; model;
- * kvcache; protocol (the sans-IO machines and the wire and engine contracts); transfer and engine;
- * links (the router ↔ node messages and the links that carry them, which both sides use); cluster
- * (the router-side driver of the protocol: pairing, cluster metrics); node (the prefill and decode
- * nodes and their hosts); topology (threaded, local cluster, serve
- * topology, the single-engine worker); router (HTTP); server (boot: config, topology, router);
- * tools and cli on top. The router never touches weights or the forward pass (it tokenizes only),
- * and the probe and the pre-flight import only protocol wire types and lib helpers, so that they
- * work against any server. Tests may import anything; a folder with no rule is itself a failure.
- * No source files import one another in a circle, not even through a type-only import.
+ * The layering of src/, enforced for every folder. From the bottom: kernels and lib; the folders
+ * over lib alone — kvcache, tokenizer (a model's text side: tokenizer, chat template, the GGUF
+ * header), fair-share (per-tenant fair admission) and admin-api (the operator endpoints' wire
+ * types); model (config, weights, the forward pass); protocol (the sans-IO machines and the wire and
+ * engine contracts); transfer and engine; links (the router ↔ node messages and the links that
+ * carry them, which both sides use); cluster (the router-side driver of the protocol: pairing,
+ * cluster metrics); node (the prefill and decode nodes and their hosts); topology (threaded, local
+ * cluster, serve topology, the single-engine worker); router (HTTP); server (boot: config, the
+ * unsafe switches, topology, router); tools and cli on top. The router never touches weights or
+ * the forward pass: of a model it imports the tokenizer folder only. The probe and the pre-flight
+ * import only the admin-api wire types, lib helpers and (the pre-flight) kvcache's pure capacity
+ * arithmetic, so that they work against any server. Every allowance is a folder: code that only
+ * part of a folder may import lives in a folder of its own. Tests may import anything; a folder
+ * with no rule is itself a failure. No source files import one another in a circle, not even
+ * through a type-only import.
  */
 import assert from "node:assert/strict";
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { dirname, join, relative, resolve } from "node:path";
 import { test } from "node:test";
@@ -20,7 +25,7 @@ import { fileURLToPath } from "node:url";
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "../..");
 
 interface Rule {
-  /** The src/ paths (folders or files) the folder may import. */
+  /** The src/ folders the folder may import (folders only: a test below says so). */
   readonly src: readonly string[];
   /** The npm packages it may import (`node:` builtins always). Absent: any declared dependency. */
   readonly packages?: readonly string[];
@@ -229,6 +234,15 @@ test("src/ imports follow the layering, every folder has a rule", () => {
 
 test("every allowance in the layering rules is used by some import (none left over from a move)", () => {
   assert.deepEqual(unusedAllowances(join(ROOT, "src")), []);
+});
+
+test("every allowance in the layering rules is a folder under src/, none a single file", () => {
+  const notFolders = Object.entries(RULES).flatMap(([folder, rule]) =>
+    rule.src
+      .filter((a) => statSync(join(ROOT, "src", a), { throwIfNoEntry: false })?.isDirectory() !== true)
+      .map((a) => `${folder} -> ${a}`),
+  );
+  assert.deepEqual(notFolders, []);
 });
 
 test("the layering check fails on planted violations: an upward import, a forbidden package, a folder with no rule", () => {

@@ -12,8 +12,8 @@
  * node (`nodeArgsOf`).
  */
 import { Command } from "commander";
-import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
 import { BUNDLED_MODEL_DIR } from "../server/serve-config.js";
+import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../server/unsafe-switches.js";
 import { startLocalCluster } from "../topology/local-cluster.js";
 
 const collect = (value: string, previous: string[] = []): string[] => [...previous, value];

@@ -1,8 +1,8 @@
 /** `kvfence preflight`: does every node's KV pool hold one full-context request? */
 import { readFile } from "node:fs/promises";
 import { Command, InvalidArgumentError } from "commander";
+import { type HfModelConfig, parseBytes } from "../kvcache/kv-capacity.js";
 import { KvfenceError } from "../lib/errors.js";
-import { type HfModelConfig, parseBytes } from "../lib/kv-capacity.js";
 import { type OfflineInputs, renderPreflightTable, runPreflight } from "../tools/preflight/preflight.js";
 
 interface PreflightCliOptions {

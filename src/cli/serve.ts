@@ -9,9 +9,9 @@
 import { Command } from "commander";
 import { KvfenceError } from "../lib/errors.js";
 import { createLogger, type Logger, type LogLevel } from "../lib/logger.js";
-import { UNSAFE_OPT_IN_FLAG } from "../node/unsafe-switches.js";
 import { BUNDLED_MODEL_DIR, parseServeConfig, type ServeConfig, serveTls } from "../server/serve-config.js";
 import { type RunningServer, startNode, startServer } from "../server/start-server.js";
+import { UNSAFE_OPT_IN_FLAG } from "../server/unsafe-switches.js";
 
 const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
 

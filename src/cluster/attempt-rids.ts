@@ -5,8 +5,8 @@
  * its slot sent any of its nodes (each node's hello says its floor), so it never reuses one.
  */
 
+import type { NodeHello } from "../links/node-messages.js";
 import { nextRidIn, ridBefore, routerSlotOf } from "../protocol/wire.js";
-import type { NodeHello } from "./node-messages.js";
 
 export class AttemptRids {
   readonly #routerSlot: number;

@@ -6,8 +6,8 @@
  */
 import { exponentialBuckets, type MetricsRegistry } from "../lib/metrics.js";
 import { type PhaseSource, renderPhaseMetrics } from "../lib/phase-histograms.js";
+import type { NodeStats } from "../links/node-messages.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
-import type { NodeStats } from "./node-messages.js";
 import { NodeTotals } from "./node-totals.js";
 
 export function registerClusterMetrics(registry: MetricsRegistry, engine: DisaggregatedEngine): void {

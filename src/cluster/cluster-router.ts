@@ -19,16 +19,16 @@
  * `kvfence_router_link_refusals_total`).
  */
 
+import type { FairShareConfig } from "../fair-share/fair-share.js";
 import { KvfenceError } from "../lib/errors.js";
-import type { FairShareConfig } from "../lib/fair-share.js";
 import type { Logger } from "../lib/logger.js";
+import { type ControlLink, connectControlLink, HandshakeError } from "../links/control-link.js";
+import type { FromNode, NodeHello, ToNode } from "../links/node-messages.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
 import type { LinkAuthFailures } from "../transfer/link-guard.js";
 import type { LinkTls } from "../transfer/tls-config.js";
-import { type ControlLink, connectControlLink, HandshakeError } from "./control-link.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
-import type { FromNode, NodeHello, ToNode } from "./node-messages.js";
 import { claimRouterSlot, type Registration, type RegistryOptions, watchRegistry } from "./registry.js";
 
 /**

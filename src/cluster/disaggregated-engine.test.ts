@@ -5,11 +5,11 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import type { WireError } from "../lib/errors.js";
+import type { FromNode, Link, NodeHello, ToNode } from "../links/node-messages.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import { makeSafety, SAFE } from "../protocol/safety.js";
 import type { ControlMessage } from "../protocol/wire.js";
 import { DisaggregatedEngine, type RouterNode } from "./disaggregated-engine.js";
-import type { FromNode, Link, NodeHello, ToNode } from "./node-messages.js";
 
 class FakeLink implements Link<ToNode, FromNode> {
   readonly sent: ToNode[] = [];

@@ -6,7 +6,7 @@
  *
  * - `PairPool` (pair-pool.ts): the nodes, their (prefill, decode) pairs and the router's page
  *   ledger; a `PairPolicy` picks the pair (prefix-affinity-policy.ts by default).
- * - `FairShare` (src/lib/fair-share.ts): where requests wait, fairly between tenants.
+ * - `FairShare` (src/fair-share/fair-share.ts): where requests wait, fairly between tenants.
  * - `SampleGroups` (sample-group.ts): n > 1 as one group riding on its first sample's attempt.
  * - `NodePings` (node-pings.ts) readiness, `NodeStatsPoller` (node-stats.ts) statistics,
  *   `AttemptRids` (attempt-rids.ts) the rids attempts go out under.
@@ -34,11 +34,12 @@
  * no new requests until it answers again; ready means a pair is up with both its nodes answering.
  */
 
+import type { NodeInfo } from "../admin-api/admin-wire.js";
+import { FairShare, type FairShareConfig, resolveFairShare } from "../fair-share/fair-share.js";
 import type { WireError } from "../lib/errors.js";
-import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
 import { epochOf, traceSpan, tracing } from "../lib/tracing.js";
-import type { NodeInfo } from "../protocol/admin-wire.js";
+import type { FromNode, NodeHello, NodeStats, ToNode } from "../links/node-messages.js";
 import type { Effects, RespondEffect, TokensEffect } from "../protocol/effects.js";
 import type {
   EngineCapacity,
@@ -59,7 +60,6 @@ import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
 import type { ControlMessage } from "../protocol/wire.js";
 import type { LinkAuthFailures } from "../transfer/link-guard.js";
 import { AttemptRids } from "./attempt-rids.js";
-import type { FromNode, NodeHello, NodeStats, ToNode } from "./node-messages.js";
 import { NodePings } from "./node-pings.js";
 import { NodeStatsPoller, nodeView } from "./node-stats.js";
 import {

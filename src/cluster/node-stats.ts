@@ -6,8 +6,8 @@
  * never go down (`NodeTotals`) — and each node as the dashboard shows it.
  */
 
+import type { NodeStats } from "../links/node-messages.js";
 import type { EngineStats, NodeView } from "../protocol/engine-api.js";
-import type { NodeStats } from "./node-messages.js";
 import { NodeTotals } from "./node-totals.js";
 import type { NodeSlot, RouterNode } from "./pair-pool.js";
 

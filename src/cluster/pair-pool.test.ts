@@ -4,8 +4,8 @@
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
+import type { NodeHello } from "../links/node-messages.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
-import type { NodeHello } from "./node-messages.js";
 import { type NodePair, type PairDemand, type PairPolicy, PairPool, type RouterNode } from "./pair-pool.js";
 import { PrefixAffinityPolicy } from "./prefix-affinity-policy.js";
 

@@ -22,10 +22,10 @@
  * taken, go to the policy; the pair it picks has the request's pages booked.
  */
 
-import type { NodeInfo } from "../protocol/admin-wire.js";
+import type { NodeInfo } from "../admin-api/admin-wire.js";
+import type { FromNode, Link, NodeHello, ToNode } from "../links/node-messages.js";
 import type { EngineCapacity, EngineHealth, GenerationRequest } from "../protocol/engine-api.js";
 import { initialRouterState, type RouterState } from "../protocol/router-machine.js";
-import type { FromNode, Link, NodeHello, ToNode } from "./node-messages.js";
 
 /** One node as the router holds it. */
 export interface RouterNode {

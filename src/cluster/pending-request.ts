@@ -5,9 +5,9 @@
  * times and counts of it.
  */
 
+import type { SamplingParams } from "../links/node-messages.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { GenerationEvents, GenerationRequest } from "../protocol/engine-api.js";
-import type { SamplingParams } from "./node-messages.js";
 import type { NodePair, NodeSlot, PairDemand } from "./pair-pool.js";
 import type { GroupSample, SampleGroup } from "./sample-group.js";
 

@@ -12,9 +12,9 @@
  * pool splits: each sample goes alone, with its own prefill.
  */
 
+import type { SamplingParams } from "../links/node-messages.js";
 import { decodeGroupPages } from "../protocol/decode-machine.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
-import type { SamplingParams } from "./node-messages.js";
 
 /** What a group needs of each of its samples (the router's record of one request). */
 export interface GroupSample<S extends GroupSample<S>> {

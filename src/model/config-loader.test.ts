@@ -4,7 +4,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { test } from "node:test";
 import { KvfenceError } from "../lib/errors.js";
-import { loadModelConfig } from "./config-loader.js";
+import { loadGenerationDefaults, loadModelConfig } from "./config-loader.js";
 
 const LLAMA = {
   architectures: ["LlamaForCausalLM"],
@@ -226,6 +226,29 @@ test("loadModelConfig() reports a missing config.json and invalid JSON with the 
     writeFileSync(join(dir, "config.json"), JSON.stringify(LLAMA));
     writeFileSync(join(dir, "generation_config.json"), JSON.stringify({ top_p: 2 }));
     assert.throws(() => loadModelConfig(dir), /generation_config\.json: top_p: /);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+test("loadGenerationDefaults() reads sampling defaults and maps do_sample false to greedy", () => {
+  const dir = mkdtempSync(join(tmpdir(), "kvfence-cfg-"));
+  try {
+    assert.deepEqual(loadGenerationDefaults(dir), { eosTokenIds: [] });
+    const path = join(dir, "generation_config.json");
+    writeFileSync(
+      path,
+      JSON.stringify({ temperature: 0.6, top_p: 0.95, top_k: 20, max_new_tokens: 64, eos_token_id: [2, 0] }),
+    );
+    assert.deepEqual(loadGenerationDefaults(dir), {
+      temperature: 0.6,
+      topP: 0.95,
+      topK: 20,
+      maxNewTokens: 64,
+      eosTokenIds: [2, 0],
+    });
+    writeFileSync(path, JSON.stringify({ temperature: 0.6, do_sample: false, eos_token_id: 2 }));
+    assert.deepEqual(loadGenerationDefaults(dir), { temperature: 0, eosTokenIds: [2] });
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }

@@ -1,6 +1,6 @@
 /**
  * Reads a Hugging Face `config.json` (plus the eos ids of `generation_config.json`) into the frozen
- * `ModelConfig` every other module uses.
+ * `ModelConfig` every other module uses, and `generation_config.json`'s sampling defaults.
  *
  * Supported: Llama (`LlamaForCausalLM`), Mistral (`MistralForCausalLM`) and Qwen2
  * (`Qwen2ForCausalLM`) with SiLU MLPs, plain RoPE and full attention. Everything this server does
@@ -8,10 +8,9 @@
  * ignored: any `rope_scaling` (linear, dynamic, yarn, llama3, ...), sliding-window attention,
  * `mlp_bias`, activations other than SiLU, and an `attention_bias` that would need an o_proj bias.
  */
-import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { z } from "zod";
-import { KvfenceError } from "../lib/errors.js";
+import { badModelFolder, readJsonFile, unsupportedModel } from "../tokenizer/model-files.js";
 import type { ModelConfig } from "./model-config.js";
 
 const ARCHITECTURES = {
@@ -62,47 +61,6 @@ const generationConfigSchema = z.object({
 
 export type GenerationConfigJson = z.infer<typeof generationConfigSchema>;
 
-/** `Bad model folder: FILE: PROBLEM` as a KvfenceError. */
-export function badModelFolder(file: string, problem: string, cause?: unknown): KvfenceError {
-  return new KvfenceError(
-    "bad_model_folder",
-    `Bad model folder: ${file}: ${problem}`,
-    cause === undefined ? {} : { cause },
-  );
-}
-
-/** `Unsupported model: FILE: PROBLEM` as a KvfenceError. */
-export function unsupportedModel(file: string, problem: string): KvfenceError {
-  return new KvfenceError("unsupported_model", `Unsupported model: ${file}: ${problem}`);
-}
-
-/**
- * Reads and parses a JSON file of a model folder. Returns undefined when the file is absent and
- * `optional` is set; a missing required file, an unreadable file or invalid JSON throws
- * `bad_model_folder` naming the file.
- */
-export function readJsonFile(path: string, options: { optional: true }): unknown;
-export function readJsonFile(path: string, options?: { optional?: false }): unknown;
-export function readJsonFile(path: string, options?: { optional?: boolean }): unknown {
-  let text: string;
-  try {
-    text = readFileSync(path, "utf8");
-  } catch (err) {
-    const code = (err as NodeJS.ErrnoException).code;
-    if (code === "ENOENT" && options?.optional === true) return undefined;
-    throw badModelFolder(
-      path,
-      code === "ENOENT" ? "file is missing" : `cannot read the file: ${String(err)}`,
-      err,
-    );
-  }
-  try {
-    return JSON.parse(text) as unknown;
-  } catch (err) {
-    throw badModelFolder(path, `not valid JSON: ${(err as Error).message}`, err);
-  }
-}
-
 function describeIssues(error: z.ZodError): string {
   return error.issues
     .map((issue) => `${issue.path.length > 0 ? issue.path.join(".") : "(root)"}: ${issue.message}`)
@@ -122,6 +80,37 @@ export function readGenerationConfig(dir: string): GenerationConfigJson | undefi
   const parsed = generationConfigSchema.safeParse(raw);
   if (!parsed.success) throw badModelFolder(path, describeIssues(parsed.error));
   return parsed.data;
+}
+
+/** Sampling defaults from generation_config.json (absent fields stay undefined). */
+export interface GenerationDefaults {
+  readonly temperature?: number;
+  readonly topP?: number;
+  readonly topK?: number;
+  readonly maxNewTokens?: number;
+  /** eos ids of generation_config.json (the config's merged list is in ModelConfig.eosTokenIds). */
+  readonly eosTokenIds: readonly number[];
+}
+
+/**
+ * Reads generation_config.json's defaults. `do_sample: false` means greedy in Hugging Face, so it
+ * maps to temperature 0.
+ */
+export function loadGenerationDefaults(dir: string): GenerationDefaults {
+  const g = readGenerationConfig(dir);
+  if (g === undefined) return Object.freeze({ eosTokenIds: Object.freeze([]) });
+  const eos = g.eos_token_id;
+  const out: { -readonly [K in keyof GenerationDefaults]: GenerationDefaults[K] } = {
+    eosTokenIds: Object.freeze(
+      eos === null || eos === undefined ? [] : typeof eos === "number" ? [eos] : [...eos],
+    ),
+  };
+  if (g.do_sample === false) out.temperature = 0;
+  else if (g.temperature !== null && g.temperature !== undefined) out.temperature = g.temperature;
+  if (g.top_p !== null && g.top_p !== undefined) out.topP = g.top_p;
+  if (g.top_k !== null && g.top_k !== undefined) out.topK = g.top_k;
+  if (g.max_new_tokens !== null && g.max_new_tokens !== undefined) out.maxNewTokens = g.max_new_tokens;
+  return Object.freeze(out);
 }
 
 /**

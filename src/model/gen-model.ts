@@ -14,11 +14,11 @@
 import { closeSync, mkdirSync, openSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { KvfenceError } from "../lib/errors.js";
+import { BYTE_TO_CHAR } from "../tokenizer/tokenizer.js";
+import { addedToken, bpeTokenizerJson, byteLevel } from "../tokenizer/tokenizer-json.js";
 import { expectedTensors } from "./load-model.js";
 import type { ModelConfig } from "./model-config.js";
 import { encodeTensorData, safetensorsHeader, writeAllSync } from "./safetensors.js";
-import { BYTE_TO_CHAR } from "./tokenizer.js";
-import { addedToken, bpeTokenizerJson, byteLevel } from "./tokenizer-json.js";
 
 /** Shapes of a Llama-family model, as config.json states them. */
 export interface ModelShape {

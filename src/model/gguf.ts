@@ -2,15 +2,14 @@
  * llama.cpp's GGUF files (`--model FILE.gguf`): the header parsed by `@huggingface/gguf`, turned
  * into what a Hugging Face folder gives the rest of the server — a config.json object (checked by
  * the same code as a folder's, src/model/config-loader.ts), a tokenizer.json and a
- * tokenizer_config.json built from the `tokenizer.ggml.*` metadata, the chat template from
- * `tokenizer.chat_template` — and the tensors under their Hugging Face names, read straight from
- * the file into the memory the caller hands out (src/model/load-model.ts).
+ * tokenizer_config.json with the chat template (src/tokenizer/gguf-tokenizer.ts, which also reads
+ * the header) — and the tensors under their Hugging Face names, read straight from the file into
+ * the memory the caller hands out (src/model/load-model.ts).
  *
  * Served: the `llama` and `qwen2` architectures, tensors in F32, F16, BF16, Q8_0 and Q4_0 (the
  * block layouts are llama.cpp's: 34-byte Q8_0 blocks of an f16 scale and 32 int8, 18-byte Q4_0
- * blocks of an f16 scale and 32 nibbles, low nibbles first), and the byte-level BPE tokenizer
- * (`tokenizer.ggml.model` "gpt2") with the pre-tokenizers llama.cpp names gpt2/default, llama-bpe
- * (Llama 3), qwen2 and smollm. Anything else is refused with a one-line `unsupported_model` error
+ * blocks of an f16 scale and 32 nibbles, low nibbles first), and the tokenizers
+ * gguf-tokenizer.ts serves. Anything else is refused with a one-line `unsupported_model` error
  * naming the architecture, tensor type or tokenizer. The tensors stay in their stored format: the
  * file is read whole (into the engines' shared memory when serving) and each matrix is a view of
  * it, widened or dequantised inside the kernels (src/kernels/weight-format.ts).
@@ -23,8 +22,15 @@
  */
 import { basename } from "node:path";
 import { decodeRange, type Matrix, type WeightDType } from "../kernels/weight-format.js";
-import { badModelFolder, unsupportedModel } from "./config-loader.js";
-import { addedToken, bpeTokenizerJson, byteLevel } from "./tokenizer-json.js";
+import {
+  endOfTurnIds,
+  type GgufMetadata,
+  ggufNumber,
+  ggufTokenizerFiles,
+  readGgufHeader,
+  type TokenizerFiles,
+} from "../tokenizer/gguf-tokenizer.js";
+import { badModelFolder, unsupportedModel } from "../tokenizer/model-files.js";
 
 /** Architectures served, with the Hugging Face class each stands for. */
 const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
@@ -46,12 +52,6 @@ const GGUF_TYPES: ReadonlyMap<number, { name: string; blockBytes: number; blockW
 
 const SERVED_TYPES = [...GGUF_TYPES.values()].map((t) => t.name).join(", ");
 
-/** GGUF token types (llama.cpp's `llama_token_type`). */
-const TOKEN_CONTROL = 3;
-const TOKEN_USER_DEFINED = 4;
-
-type Metadata = Readonly<Record<string, unknown>>;
-
 /** One tensor of a GGUF file under its Hugging Face name. */
 export interface GgufTensor {
   /** Hugging Face name, e.g. `model.layers.0.self_attn.q_proj.weight`. */
@@ -68,39 +68,23 @@ export interface GgufTensor {
   readonly unpermuteHeads: number;
 }
 
-/** What a GGUF file holds, parsed: everything the server needs but the tensor bytes. */
-export interface GgufModel {
-  readonly path: string;
+/**
+ * What a GGUF file holds, parsed: everything the server needs but the tensor bytes (the tokenizer
+ * files by src/tokenizer/gguf-tokenizer.ts).
+ */
+export interface GgufModel extends TokenizerFiles {
   /** The file's base name without `.gguf` (the served model's name). */
   readonly name: string;
   /** A Hugging Face config.json equivalent (checked by config-loader's parseModelConfig). */
   readonly configJson: Record<string, unknown>;
-  /** A tokenizer.json equivalent for `@huggingface/tokenizers`. */
-  readonly tokenizerJson: Record<string, unknown>;
-  /** A tokenizer_config.json equivalent (bos/eos text, the chat template). */
-  readonly tokenizerConfig: Record<string, unknown>;
   readonly tensors: readonly GgufTensor[];
 }
 
-export function isGgufPath(path: string): boolean {
-  return path.toLowerCase().endsWith(".gguf");
-}
-
-/**
- * Parses a GGUF file's header (metadata and tensor table) with `@huggingface/gguf`, imported on
- * first use (with its dependency it costs each thread about 12 MB, which a folder never needs).
- */
+/** Reads a GGUF file's header: its config, tokenizer and tensor table, every part checked. */
 export async function readGgufModel(path: string): Promise<GgufModel> {
-  const { GGMLQuantizationType, gguf } = await import("@huggingface/gguf");
-  let parsed: Awaited<ReturnType<typeof gguf>>;
-  try {
-    parsed = await gguf(path, { allowLocalFile: true });
-  } catch (err) {
-    const code = (err as NodeJS.ErrnoException).code;
-    if (code === "ENOENT") throw badModelFolder(path, "file is missing", err);
-    throw badModelFolder(path, `not a readable GGUF file: ${(err as Error).message}`, err);
-  }
-  const meta = parsed.metadata as unknown as Metadata;
+  const header = await readGgufHeader(path);
+  const { GGMLQuantizationType } = await import("@huggingface/gguf");
+  const meta = header.metadata;
   const arch = meta["general.architecture"];
   if (typeof arch !== "string" || GGUF_ARCHITECTURES[arch] === undefined) {
     throw unsupportedModel(
@@ -108,12 +92,12 @@ export async function readGgufModel(path: string): Promise<GgufModel> {
       `GGUF architecture ${JSON.stringify(arch ?? null)} is not served; supported: ${Object.keys(GGUF_ARCHITECTURES).join(", ")}`,
     );
   }
-  const dataOffset = Number(parsed.tensorDataOffset);
-  const byName = new Map(parsed.tensorInfos.map((t) => [t.name, t]));
+  const dataOffset = header.tensorDataOffset;
+  const byName = new Map(header.tensorInfos.map((t) => [t.name, t]));
   const configJson = ggufConfigJson(path, arch, meta, byName);
   const numHeads = configJson.num_attention_heads as number;
   const numKvHeads = configJson.num_key_value_heads as number;
-  const tensors = parsed.tensorInfos.map((info): GgufTensor => {
+  const tensors = header.tensorInfos.map((info): GgufTensor => {
     const type = GGUF_TYPES.get(info.dtype);
     if (type === undefined) {
       const typeName = GGMLQuantizationType[info.dtype] ?? `type ${info.dtype}`;
@@ -141,7 +125,7 @@ export async function readGgufModel(path: string): Promise<GgufModel> {
       unpermuteHeads,
     };
   });
-  const { tokenizerJson, tokenizerConfig } = ggufTokenizer(path, meta);
+  const { tokenizerJson, tokenizerConfig } = ggufTokenizerFiles(path, meta);
   return {
     path,
     name: basename(path).replace(/\.gguf$/i, ""),
@@ -178,29 +162,22 @@ function hfTensorName(name: string): string {
   return part === undefined ? name : `model.layers.${m[1]}.${part}.${m[3]}`;
 }
 
-function num(meta: Metadata, key: string): number | undefined {
-  const v = meta[key];
-  if (typeof v === "number") return v;
-  if (typeof v === "bigint") return Number(v);
-  return undefined;
-}
-
 /** The config.json a GGUF's `ARCH.*` metadata stands for. */
 function ggufConfigJson(
   path: string,
   arch: string,
-  meta: Metadata,
+  meta: GgufMetadata,
   tensors: ReadonlyMap<string, { shape: bigint[] }>,
 ): Record<string, unknown> {
   const need = (key: string): number => {
-    const v = num(meta, `${arch}.${key}`);
+    const v = ggufNumber(meta, `${arch}.${key}`);
     if (v === undefined) throw badModelFolder(path, `GGUF metadata ${arch}.${key} is missing`);
     return v;
   };
   const hidden = need("embedding_length");
   const numHeads = need("attention.head_count");
-  const headDim = num(meta, `${arch}.attention.key_length`) ?? hidden / numHeads;
-  const ropeDims = num(meta, `${arch}.rope.dimension_count`);
+  const headDim = ggufNumber(meta, `${arch}.attention.key_length`) ?? hidden / numHeads;
+  const ropeDims = ggufNumber(meta, `${arch}.rope.dimension_count`);
   if (ropeDims !== undefined && ropeDims !== headDim) {
     throw unsupportedModel(
       path,
@@ -208,7 +185,7 @@ function ggufConfigJson(
     );
   }
   const scaling = meta[`${arch}.rope.scaling.type`];
-  const experts = num(meta, `${arch}.expert_count`) ?? 0;
+  const experts = ggufNumber(meta, `${arch}.expert_count`) ?? 0;
   if (experts > 0)
     throw unsupportedModel(path, `mixture of experts (${arch}.expert_count ${experts}) is not implemented`);
   const embed = tensors.get("token_embd.weight");
@@ -225,138 +202,19 @@ function ggufConfigJson(
     model_type: arch,
     hidden_size: hidden,
     num_attention_heads: numHeads,
-    num_key_value_heads: num(meta, `${arch}.attention.head_count_kv`) ?? numHeads,
+    num_key_value_heads: ggufNumber(meta, `${arch}.attention.head_count_kv`) ?? numHeads,
     head_dim: headDim,
     intermediate_size: need("feed_forward_length"),
     num_hidden_layers: need("block_count"),
     rms_norm_eps: need("attention.layer_norm_rms_epsilon"),
-    rope_theta: num(meta, `${arch}.rope.freq_base`) ?? 10000,
+    rope_theta: ggufNumber(meta, `${arch}.rope.freq_base`) ?? 10000,
     rope_scaling: scaling === undefined || scaling === "none" ? null : { type: scaling },
     tie_word_embeddings: !tensors.has("output.weight"),
     max_position_embeddings: need("context_length"),
     vocab_size: Number(embed.shape[1]),
-    bos_token_id: num(meta, "tokenizer.ggml.bos_token_id") ?? null,
+    bos_token_id: ggufNumber(meta, "tokenizer.ggml.bos_token_id") ?? null,
     eos_token_id: [...new Set(eos)],
   };
-}
-
-/** Control tokens that end a turn by their text, as llama.cpp's end-of-generation set has them. */
-function endOfTurnIds(meta: Metadata): number[] {
-  const tokens = meta["tokenizer.ggml.tokens"];
-  const types = meta["tokenizer.ggml.token_type"];
-  if (!Array.isArray(tokens) || !Array.isArray(types)) return [];
-  const ends = ["<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>", "<|eom_id|>", "<end_of_turn>"];
-  const out: number[] = [];
-  for (const text of ends) {
-    const id = tokens.indexOf(text);
-    if (id >= 0 && types[id] === TOKEN_CONTROL) out.push(id);
-  }
-  return out;
-}
-
-/**
- * llama.cpp's pre-tokenizers (`tokenizer.ggml.pre`) as Hugging Face pre_tokenizer objects: the
- * regexes are llama.cpp's (llama-vocab.cpp), spelled without inline `(?i:` groups.
- */
-const LLAMA3_SPLIT =
-  "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-const QWEN2_SPLIT =
-  "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-const splitThenBytes = (regex: string) => ({
-  type: "Sequence",
-  pretokenizers: [
-    { type: "Split", pattern: { Regex: regex }, behavior: "Isolated", invert: false },
-    byteLevel(false),
-  ],
-});
-const PRE_TOKENIZERS: Readonly<Record<string, { pre: unknown; ignoreMerges: boolean }>> = {
-  default: { pre: byteLevel(true), ignoreMerges: false },
-  gpt2: { pre: byteLevel(true), ignoreMerges: false },
-  "llama-bpe": { pre: splitThenBytes(LLAMA3_SPLIT), ignoreMerges: true },
-  llama3: { pre: splitThenBytes(LLAMA3_SPLIT), ignoreMerges: true },
-  qwen2: { pre: splitThenBytes(QWEN2_SPLIT), ignoreMerges: false },
-  smollm: {
-    pre: { type: "Sequence", pretokenizers: [{ type: "Digits", individual_digits: true }, byteLevel(true)] },
-    ignoreMerges: false,
-  },
-};
-
-function stringArray(path: string, meta: Metadata, key: string): string[] {
-  const v = meta[key];
-  if (!Array.isArray(v) || !v.every((s) => typeof s === "string"))
-    throw badModelFolder(path, `GGUF metadata ${key} is missing or not a list of strings`);
-  return v as string[];
-}
-
-/** tokenizer.json and tokenizer_config.json from `tokenizer.ggml.*` and `tokenizer.chat_template`. */
-function ggufTokenizer(
-  path: string,
-  meta: Metadata,
-): { tokenizerJson: Record<string, unknown>; tokenizerConfig: Record<string, unknown> } {
-  const model = meta["tokenizer.ggml.model"];
-  if (model !== "gpt2") {
-    throw unsupportedModel(
-      path,
-      `GGUF tokenizer ${JSON.stringify(model ?? null)} is not served; supported: "gpt2" (byte-level BPE)`,
-    );
-  }
-  const preName =
-    typeof meta["tokenizer.ggml.pre"] === "string" ? (meta["tokenizer.ggml.pre"] as string) : "default";
-  const pre = PRE_TOKENIZERS[preName];
-  if (pre === undefined) {
-    throw unsupportedModel(
-      path,
-      `GGUF pre-tokenizer ${JSON.stringify(preName)} is not served; supported: ${Object.keys(PRE_TOKENIZERS).join(", ")}`,
-    );
-  }
-  const tokens = stringArray(path, meta, "tokenizer.ggml.tokens");
-  const merges =
-    meta["tokenizer.ggml.merges"] === undefined ? [] : stringArray(path, meta, "tokenizer.ggml.merges");
-  const types = meta["tokenizer.ggml.token_type"];
-  const vocab: Record<string, number> = {};
-  const added: Record<string, unknown>[] = [];
-  tokens.forEach((token, id) => {
-    if (!Object.hasOwn(vocab, token)) vocab[token] = id;
-    const type = Array.isArray(types) ? types[id] : undefined;
-    if (type === TOKEN_CONTROL || type === TOKEN_USER_DEFINED) {
-      added.push(addedToken(id, token, type === TOKEN_CONTROL));
-    }
-  });
-  const text = (key: string): string | null => {
-    const id = num(meta, key);
-    return id === undefined ? null : (tokens[id] ?? null);
-  };
-  const bos = text("tokenizer.ggml.bos_token_id");
-  const addBos = meta["tokenizer.ggml.add_bos_token"] === true && bos !== null;
-  const bosId = num(meta, "tokenizer.ggml.bos_token_id");
-  const tokenizerJson = bpeTokenizerJson({
-    vocab,
-    merges,
-    addedTokens: added,
-    preTokenizer: pre.pre,
-    postProcessor: addBos
-      ? {
-          type: "TemplateProcessing",
-          single: [{ SpecialToken: { id: bos, type_id: 0 } }, { Sequence: { id: "A", type_id: 0 } }],
-          pair: [
-            { SpecialToken: { id: bos, type_id: 0 } },
-            { Sequence: { id: "A", type_id: 0 } },
-            { Sequence: { id: "B", type_id: 1 } },
-          ],
-          special_tokens: { [bos as string]: { id: bos, ids: [bosId], tokens: [bos] } },
-        }
-      : null,
-    decoder: byteLevel(true),
-    ignoreMerges: pre.ignoreMerges,
-  });
-  const template = meta["tokenizer.chat_template"];
-  const tokenizerConfig = {
-    bos_token: bos,
-    eos_token: text("tokenizer.ggml.eos_token_id"),
-    add_bos_token: addBos,
-    ...(typeof template === "string" ? { chat_template: template } : {}),
-  };
-  return { tokenizerJson, tokenizerConfig };
 }
 
 // -----------------------------------------------------------------------------------------------

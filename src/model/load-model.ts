@@ -13,18 +13,23 @@
 import { statSync } from "node:fs";
 import { basename, join, resolve } from "node:path";
 import { convertMatrix, type Matrix, matrixBytes, type WeightDType } from "../kernels/weight-format.js";
-import { badModelFolder, loadModelConfig, parseModelConfig, readJsonFile } from "./config-loader.js";
-import { type GgufModel, ggufMatrix, isGgufPath, readGgufModel } from "./gguf.js";
-import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
-import { readWholeFile, SafetensorsFile } from "./safetensors.js";
+import { isGgufPath } from "../tokenizer/gguf-tokenizer.js";
+import { badModelFolder, readJsonFile } from "../tokenizer/model-files.js";
 import {
   type ChatTemplate,
-  type GenerationDefaults,
   ggufTokenizer,
   loadChatTemplate,
-  loadGenerationDefaults,
   ModelTokenizer,
-} from "./tokenizer.js";
+} from "../tokenizer/tokenizer.js";
+import {
+  type GenerationDefaults,
+  loadGenerationDefaults,
+  loadModelConfig,
+  parseModelConfig,
+} from "./config-loader.js";
+import { type GgufModel, ggufMatrix, readGgufModel } from "./gguf.js";
+import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
+import { readWholeFile, SafetensorsFile } from "./safetensors.js";
 
 export interface LoadProgress {
   /** The weights file being read or converted. */

@@ -15,10 +15,10 @@ import { layoutFor } from "../../testing/forward-driver.js";
 import { WasmKernels } from "../kernels/wasm-kernels.js";
 import { pageFloats } from "../kvcache/kv-layout.js";
 import { bundledModelDir, packageRoot } from "../lib/package-root.js";
+import type { ChatMessage } from "../tokenizer/tokenizer.js";
 import { ForwardPass, type StepSequence } from "./forward.js";
 import { loadModel } from "./load-model.js";
 import { argmax } from "./sampler.js";
-import type { ChatMessage } from "./tokenizer.js";
 
 interface RecallPrompt {
   messages: ChatMessage[];

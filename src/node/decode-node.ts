@@ -33,11 +33,11 @@
  * its table entry (another writer stamped it, it was freed or reallocated) is hashed again then.
  */
 
-import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
 import { PHASE } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import { epochNow, epochOf, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
+import type { NodeStats, SamplingParams, ToNode } from "../links/node-messages.js";
 import {
   type DecodeContext,
   type DecodeEvent,

@@ -7,9 +7,9 @@
  * ones, kept so that totals never go down; the GB/s observations drained by each poll).
  */
 import v8 from "node:v8";
-import type { FromNode, NodeStats, SamplingParams } from "../cluster/node-messages.js";
 import type { Engine } from "../engine/engine.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
+import type { FromNode, NodeStats, SamplingParams } from "../links/node-messages.js";
 import type { KvPool } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import type { Safety } from "../protocol/safety.js";

@@ -3,12 +3,12 @@
  * the worker thread (`node-worker.ts`) and the process (`node-server.ts`).
  */
 import { randomInt } from "node:crypto";
-import type { FromNode, NodeHello } from "../cluster/node-messages.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { buildEngine } from "../engine/build-engine.js";
 import type { Engine } from "../engine/engine.js";
 import { layoutSignature } from "../kvcache/kv-layout.js";
 import { type ForwardedSpans, startForwardedTracing, startTracing } from "../lib/tracing.js";
+import type { FromNode, NodeHello } from "../links/node-messages.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { makeSafety, type Safety } from "../protocol/safety.js";
 import { DecodeNode } from "./decode-node.js";

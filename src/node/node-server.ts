@@ -9,11 +9,12 @@
  * `host:port`; the transfer port at its host): a router or decode node that dialled another
  * address — a relay — is refused in the handshake (src/transfer/link-address.ts).
  */
-import { type ControlLink, listenControlLinks } from "../cluster/control-link.js";
-import type { FromNode, NodeHello, ToNode } from "../cluster/node-messages.js";
+
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import { tracing } from "../lib/tracing.js";
+import { type ControlLink, listenControlLinks } from "../links/control-link.js";
+import type { FromNode, NodeHello, ToNode } from "../links/node-messages.js";
 import { routerSlotOf } from "../protocol/wire.js";
 import { parseLinkAddress } from "../transfer/link-address.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";

@@ -11,9 +11,9 @@
  * transfer port closes with it.
  */
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
-import type { FromNode, ToNode } from "../cluster/node-messages.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ForwardedSpans } from "../lib/tracing.js";
+import type { FromNode, ToNode } from "../links/node-messages.js";
 import {
   createShmChannel,
   type ShmChannel,

@@ -30,10 +30,10 @@
  * drain) — as a prefill that hangs mid-transfer; decode's pages wait for the fence.
  */
 
-import type { NodeStats, SamplingParams, ToNode } from "../cluster/node-messages.js";
 import type { WireError } from "../lib/errors.js";
 import { PHASE } from "../lib/phase-histograms.js";
 import { epochNow, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
+import type { NodeStats, SamplingParams, ToNode } from "../links/node-messages.js";
 import type { ComputeEffect, Effects, WriteEffect } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import {

@@ -4,12 +4,13 @@
  * engine runs in a worker thread (`src/topology/engine-worker.ts`); `src/topology/engine-client.ts` is the
  * main-thread `EngineHandle` that proxies it over a MessagePort, batching tokens per step.
  */
+
+import type { NodeInfo } from "../admin-api/admin-wire.js";
 import type { WireError } from "../lib/errors.js";
 import type { LogitControls } from "../lib/logit-controls.js";
 import type { PhaseSnapshot } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { RequestTrace } from "../lib/tracing.js";
-import type { NodeInfo } from "./admin-wire.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
 export interface GenerationRequest {
@@ -49,7 +50,7 @@ export interface GenerationRequest {
   /**
    * Its HTTP request's generations, when there are several (`n` > 1, several prompts): the first
    * one's rid and how many. They are submitted one after the other in the same turn; the engine
-   * admits them as one (src/lib/fair-share.ts): all start or none does, and a group that could
+   * admits them as one (src/fair-share/fair-share.ts): all start or none does, and a group that could
    * never run at once under its tenant's caps or in the pool is refused whole. Absent: on its own.
    */
   readonly group?: { readonly first: number; readonly size: number } | undefined;

@@ -20,7 +20,7 @@ import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
 import { assertPoolIdle, modelDir, operatorGet, scrape } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
-import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
+import { loadChatTemplate, ModelTokenizer } from "../tokenizer/tokenizer.js";
 
 const MODEL = "tiny-qwen2";
 const KEY = "sk-sampling-controls-1";

@@ -14,8 +14,8 @@
  */
 import { createHash, timingSafeEqual } from "node:crypto";
 import { readFileSync } from "node:fs";
+import type { TenantOverrides } from "../fair-share/fair-share.js";
 import { KvfenceError } from "../lib/errors.js";
-import type { TenantOverrides } from "../lib/fair-share.js";
 
 export interface Tenant {
   /** Index used on the engine side (page tags, metrics labels stay by name). */

@@ -1,10 +1,10 @@
 /**
- * Adapts the model folder's tokenizer and chat template (src/model/tokenizer.ts) to the narrow
+ * Adapts the model folder's tokenizer and chat template (src/tokenizer/tokenizer.ts) to the narrow
  * `RouterTokenizer` the HTTP layer uses. The router imports tokenization only, never weights or
  * the forward pass.
  */
 import { KvfenceError } from "../lib/errors.js";
-import type { ChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
+import type { ChatTemplate, ModelTokenizer } from "../tokenizer/tokenizer.js";
 import type { TextStreamDecoder } from "./generation.js";
 import type { TokenPiece } from "./logprobs-wire.js";
 import type { ChatMessage, ChatTemplateOptions } from "./openai-schemas.js";

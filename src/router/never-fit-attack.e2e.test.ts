@@ -10,7 +10,7 @@
  *
  * Now, in every topology — one engine (`EngineClient`), the threaded and the TCP cluster
  * (`DisaggregatedEngine`) — the request's generations are admitted as one group
- * (src/lib/fair-share.ts): such a request gets 400 `request_exceeds_capacity` at once, naming the
+ * (src/fair-share/fair-share.ts): such a request gets 400 `request_exceeds_capacity` at once, naming the
  * limit, sent once by the official client (a 400 is not retried), and no prompt token is computed
  * and no token decoded for it (the servers' counters do not move). A group that fits is admitted
  * whole: behind one running request of its tenant, `n: 8` waits until all 8 can run, so none of its

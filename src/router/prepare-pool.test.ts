@@ -8,7 +8,7 @@ import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 import { modelDir } from "../../testing/start-server.js";
 import { KvfenceError } from "../lib/errors.js";
-import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
+import { loadChatTemplate, ModelTokenizer } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
 import { LARGE_BODY_BYTES, PreparePool } from "./prepare-pool.js";
 import { prepareRequest } from "./prepare-request.js";

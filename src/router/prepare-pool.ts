@@ -14,9 +14,9 @@
  * replaced; nothing else is lost.
  */
 import { Worker } from "node:worker_threads";
+import type { SchedulingPolicy } from "../fair-share/fair-share.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
-import type { SchedulingPolicy } from "../lib/fair-share.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import {
   answerUtility,

@@ -7,7 +7,7 @@
 import { parentPort, workerData } from "node:worker_threads";
 import { KvfenceError } from "../lib/errors.js";
 import { lowerThreadPriority } from "../lib/thread-priority.js";
-import { loadChatTemplate, openTokenizer } from "../model/tokenizer.js";
+import { loadChatTemplate, openTokenizer } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
 import {
   type FromPrepareWorker,

@@ -14,10 +14,10 @@ import {
   type ScriptedEngineOptions,
 } from "../../testing/scripted-engine.js";
 import { operatorGet, operatorHeaders, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
+import { nodesInfoSchema } from "../admin-api/admin-wire.js";
 import { ERROR_TABLE } from "../lib/errors.js";
 import { createLogger } from "../lib/logger.js";
 import { parsePrometheusText } from "../lib/metrics.js";
-import { nodesInfoSchema } from "../protocol/admin-wire.js";
 import { TenantDirectory } from "./api-keys.js";
 import { RouterServer } from "./router-server.js";
 

@@ -17,12 +17,12 @@ import { createServer, type IncomingMessage, type Server, type ServerResponse } 
 import { createServer as createHttpsServer } from "node:https";
 import type { AddressInfo } from "node:net";
 import { performance } from "node:perf_hooks";
+import type { NodesInfo } from "../admin-api/admin-wire.js";
 import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import type { TokenLogprobs as LogprobsEntry } from "../lib/token-logprobs.js";
 import { epochOf, type RequestSpan, tracing } from "../lib/tracing.js";
-import type { NodesInfo } from "../protocol/admin-wire.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
@@ -672,7 +672,7 @@ export class RouterServer {
       trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
       cacheSalt: parsed.cacheSalt,
       cacheScope: this.#prefixCacheScope === "key" && ctx.keyIndex >= 0 ? `key:${ctx.keyIndex}` : "",
-      // Several generations are admitted as one, or refused whole (src/lib/fair-share.ts).
+      // Several generations are admitted as one, or refused whole (src/fair-share/fair-share.ts).
       ...(admitted.length * parsed.n > 1
         ? { group: { first: this.#nextRid, size: admitted.length * parsed.n } }
         : {}),

@@ -18,8 +18,8 @@ import {
   startTestServer,
   type TestServer,
 } from "../../testing/start-server.js";
-import { loadChatTemplate, ModelTokenizer } from "../model/tokenizer.js";
-import { nodesInfoSchema } from "../protocol/admin-wire.js";
+import { nodesInfoSchema } from "../admin-api/admin-wire.js";
+import { loadChatTemplate, ModelTokenizer } from "../tokenizer/tokenizer.js";
 
 const MODEL = "tiny-qwen2";
 const KEYS = { "sk-alpha-tenant-1": "alpha", "sk-beta-tenant-22": "beta" } as const;

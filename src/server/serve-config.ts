@@ -10,10 +10,9 @@ import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { z } from "zod";
 import { parseNodeUrl } from "../cluster/cluster-router.js";
+import { type FairShareConfig, SCHEDULING_POLICIES, type TenantOverrides } from "../fair-share/fair-share.js";
 import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
-import { type FairShareConfig, SCHEDULING_POLICIES, type TenantOverrides } from "../lib/fair-share.js";
-import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "../node/unsafe-switches.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
 import { parseLinkAddress } from "../transfer/link-address.js";
 import {
@@ -24,6 +23,7 @@ import {
   loadFrontDoorTls,
   loadLinkTls,
 } from "../transfer/tls-config.js";
+import { UNSAFE_OPT_IN_FLAG, unsafeSwitchesProblem } from "./unsafe-switches.js";
 
 /** The bundled model, relative to this file in both src/ and dist/src/. */
 export const BUNDLED_MODEL_DIR = (() => {

@@ -12,22 +12,22 @@
 import net from "node:net";
 import { parseRegistryUrl, type RegistryOptions, registerNode, watchDrain } from "../cluster/registry.js";
 import { loadEngineMemory, type MemoryRegion, regionBytesOf } from "../engine/engine-memory.js";
+import { poolCapacityVerdict } from "../kvcache/kv-capacity.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
-import { poolCapacityVerdict } from "../lib/kv-capacity.js";
 import type { Logger } from "../lib/logger.js";
 import { startTracing, tracing } from "../lib/tracing.js";
+import { type GenerationDefaults, loadGenerationDefaults } from "../model/config-loader.js";
 import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { type GenerationDefaults, loadChatTemplate, loadGenerationDefaults } from "../model/tokenizer.js";
 import { startNodeServer } from "../node/node-server.js";
-import { unsafeWarning } from "../node/unsafe-switches.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
 import { PreparePool } from "../router/prepare-pool.js";
 import { requestLimits } from "../router/request-limits.js";
 import { RouterServer } from "../router/router-server.js";
+import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
 import { isLoopback } from "../transfer/tls-config.js";
 import {
@@ -38,6 +38,7 @@ import {
   type ServeConfig,
   serveTls,
 } from "./serve-config.js";
+import { unsafeWarning } from "./unsafe-switches.js";
 
 export interface RunningServer {
   readonly url: string;

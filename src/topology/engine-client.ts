@@ -3,7 +3,7 @@
  * `stats` and `close` to `engine-worker.ts` over its port and turns the worker's per-step event
  * messages back into each request's `GenerationEvents`.
  *
- * Requests wait here, fairly, not in the engine: a `FairShare` (src/lib/fair-share.ts) holds each
+ * Requests wait here, fairly, not in the engine: a `FairShare` (src/fair-share/fair-share.ts) holds each
  * tenant's queue, caps what each tenant may hold and bounds the queue, and posts a request to the
  * worker only while fewer than `ENGINE_WINDOW` times the engine's sequence slots are there. So the
  * engine's own first-come queue (which preemption needs) stays short and in fair order.
@@ -17,8 +17,8 @@
  */
 import { Worker } from "node:worker_threads";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
+import { FairShare, type FairShareConfig, resolveFairShare } from "../fair-share/fair-share.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
-import { FairShare, type FairShareConfig, resolveFairShare } from "../lib/fair-share.js";
 import type {
   EngineCapacity,
   EngineHandle,

@@ -28,8 +28,8 @@ import {
   TEST_OPERATOR_KEY,
 } from "../../testing/start-server.js";
 import { linkTlsArgs, linkTlsInTests } from "../../testing/tls-fixtures.js";
-import { UNSAFE_OPT_IN_FLAG } from "../node/unsafe-switches.js";
-import type { NodesInfo } from "../protocol/admin-wire.js";
+import type { NodesInfo } from "../admin-api/admin-wire.js";
+import { UNSAFE_OPT_IN_FLAG } from "../server/unsafe-switches.js";
 import { type LocalCluster, startLocalCluster } from "./local-cluster.js";
 
 const MODEL = "tiny-qwen2";

@@ -23,7 +23,7 @@ import OpenAI from "openai";
 import { type Host, Hosts, netnsUnavailable } from "../../testing/netns.js";
 import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
 import { assertPoolIdle, modelDir, operatorGet, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
-import type { NodesInfo } from "../protocol/admin-wire.js";
+import type { NodesInfo } from "../admin-api/admin-wire.js";
 
 const MODEL = "tiny-qwen2";
 const MAIN = fileURLToPath(new URL("../cli/main.js", import.meta.url));

@@ -21,8 +21,8 @@ import {
   TEST_OPERATOR_KEY,
 } from "../../testing/start-server.js";
 import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
+import type { NodesInfo } from "../admin-api/admin-wire.js";
 import { PING_INTERVAL_MS } from "../cluster/node-pings.js";
-import type { NodesInfo } from "../protocol/admin-wire.js";
 import { runProbe } from "../tools/probe/probe.js";
 
 const KEYS = { "sk-prefix-alpha-01": "alpha", "sk-prefix-beta-002": "beta" } as const;

@@ -16,7 +16,7 @@ import { Etcd3 } from "etcd3";
 import OpenAI from "openai";
 import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
 import { assertPoolIdle, modelDir, operatorGet, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
-import type { NodesInfo } from "../protocol/admin-wire.js";
+import type { NodesInfo } from "../admin-api/admin-wire.js";
 import { etcdAvailable, type LocalEtcd, startEtcd } from "./local-etcd.js";
 
 const MODEL = "tiny-qwen2";

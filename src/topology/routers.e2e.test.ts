@@ -23,7 +23,7 @@ import {
   scrape,
   TEST_OPERATOR_KEY,
 } from "../../testing/start-server.js";
-import type { NodesInfo } from "../protocol/admin-wire.js";
+import type { NodesInfo } from "../admin-api/admin-wire.js";
 import { etcdAvailable, type LocalEtcd, startEtcd } from "./local-etcd.js";
 
 const MODEL = "tiny-qwen2";

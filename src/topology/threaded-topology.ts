@@ -18,12 +18,12 @@
  */
 import { MessageChannel, Worker } from "node:worker_threads";
 import { DisaggregatedEngine, type RouterNode } from "../cluster/disaggregated-engine.js";
-import type { FromNode, NodeHello } from "../cluster/node-messages.js";
-import { WorkerLink } from "../cluster/worker-link.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
+import type { FairShareConfig } from "../fair-share/fair-share.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
-import type { FairShareConfig } from "../lib/fair-share.js";
 import type { Logger } from "../lib/logger.js";
+import type { FromNode, NodeHello } from "../links/node-messages.js";
+import { WorkerLink } from "../links/worker-link.js";
 import type { NodeHostOptions } from "../node/node-host.js";
 import { NODE_WORKER_TAG, type NodeWorkerReply, type NodeWorkerSetup } from "../node/node-worker.js";
 import { SAFE, type Safety } from "../protocol/safety.js";

@@ -9,8 +9,8 @@ import { test } from "node:test";
 import { startTcpTap, type TcpTap } from "../../testing/tcp-tap.js";
 import { clusterTls, noCertTls, otherCaTls } from "../../testing/tls-fixtures.js";
 import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
-import { connectControlLink, listenControlLinks } from "../cluster/control-link.js";
 import type { KvfenceError } from "../lib/errors.js";
+import { connectControlLink, listenControlLinks } from "../links/control-link.js";
 import { connectTcpReceiver, TcpTransferServer, type TcpTransferWriter } from "./tcp-transport.js";
 import { isLoopback, type LinkTls, linksExposure } from "./tls-config.js";
 

@@ -1,6 +1,7 @@
-/** Reads `GET URL/kvfence/nodes` from a kvfence router (shape in src/protocol/admin-wire.ts). */
+/** Reads `GET URL/kvfence/nodes` from a kvfence router (shape in src/admin-api/admin-wire.ts). */
+
+import { NODES_INFO_PATH, nodesInfoSchema } from "../../admin-api/admin-wire.js";
 import { KvfenceError } from "../../lib/errors.js";
-import { NODES_INFO_PATH, nodesInfoSchema } from "../../protocol/admin-wire.js";
 import { httpGet, parseJsonBody } from "./http-get.js";
 import type { NodeCapacity } from "./node-capacity.js";
 

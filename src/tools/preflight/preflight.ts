@@ -4,7 +4,7 @@
  * `poolCapacityVerdict`, and render a verdict table. The CLI in src/cli/preflight.ts is a thin
  * wrapper; exit 1 when any node fails, 2 when a node could not be read.
  */
-import { KvfenceError } from "../../lib/errors.js";
+
 import {
   type CapacityVerdict,
   dtypeBytes,
@@ -13,7 +13,8 @@ import {
   kvBytesPerToken,
   poolCapacityVerdict,
   poolTokensFromMemory,
-} from "../../lib/kv-capacity.js";
+} from "../../kvcache/kv-capacity.js";
+import { KvfenceError } from "../../lib/errors.js";
 import { readKvfenceNodes } from "./kvfence-nodes.js";
 import type { NodeCapacity } from "./node-capacity.js";
 import { readSglangServer } from "./sglang-info.js";

@@ -4,8 +4,9 @@
  * card on /v1/models, kvfence's /kvfence/nodes (the smallest node pool), or SGLang's server info —
  * and the limit over-limit prompts are judged against, min(context length, pool).
  */
+
+import { NODES_INFO_PATH, nodesInfoSchema } from "../../admin-api/admin-wire.js";
 import { KvfenceError } from "../../lib/errors.js";
-import { NODES_INFO_PATH, nodesInfoSchema } from "../../protocol/admin-wire.js";
 import { getJson, type ProbeOptions, type ProbeRun } from "./probe-run.js";
 
 export interface Discovery {

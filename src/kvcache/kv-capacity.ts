@@ -8,7 +8,7 @@
  * replicated on every rank: (kv_lora_rank + qk_rope_head_dim) × layers × element size. Pool tokens
  * = (GPU memory × memory fraction − weights per rank) ÷ bytes per token.
  */
-import { KvfenceError } from "./errors.js";
+import { KvfenceError } from "../lib/errors.js";
 
 /** Result of comparing one node's KV pool with the context length it must serve. */
 export interface CapacityVerdict {

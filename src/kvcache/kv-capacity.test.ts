@@ -1,6 +1,6 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { KvfenceError } from "./errors.js";
+import { KvfenceError } from "../lib/errors.js";
 import {
   dtypeBytes,
   estimateParameterCount,

@@ -1,5 +1,7 @@
 /**
- * Tokenizer, chat template and generation defaults of a Hugging Face model folder.
+ * Tokenizer and chat template of a Hugging Face model folder or a GGUF file: a model's text side.
+ * This folder (src/tokenizer/) reads nothing of a model's weights and runs no forward pass, so the
+ * router, which tokenizes only, may import it; src/model builds on it.
  *
  * `ModelTokenizer` wraps `@huggingface/tokenizers` (tokenizer.json + tokenizer_config.json) with an
  * Int32Array API and a streaming detokenizer. Byte-level BPE tokens can split a multibyte UTF-8
@@ -17,8 +19,8 @@ import { join } from "node:path";
 import { Template } from "@huggingface/jinja";
 import { Tokenizer } from "@huggingface/tokenizers";
 import { KvfenceError } from "../lib/errors.js";
-import { badModelFolder, readGenerationConfig, readJsonFile } from "./config-loader.js";
-import { type GgufModel, isGgufPath, readGgufModel } from "./gguf.js";
+import { isGgufPath, readGgufTokenizerFiles, type TokenizerFiles } from "./gguf-tokenizer.js";
+import { badModelFolder, readJsonFile } from "./model-files.js";
 
 /** GPT-2's byte ↔ printable-character map used by byte-level BPE vocabularies. */
 export const BYTE_TO_CHAR: readonly string[] = (() => {
@@ -354,15 +356,15 @@ export interface TokenizerAndTemplate {
   readonly chatTemplate: ChatTemplate | null;
 }
 
-/** The tokenizer and chat template of a model folder or a GGUF file (src/model/gguf.ts). */
+/** The tokenizer and chat template of a model folder or a GGUF file (gguf-tokenizer.ts). */
 export async function openTokenizer(path: string): Promise<TokenizerAndTemplate> {
-  if (isGgufPath(path)) return ggufTokenizer(await readGgufModel(path));
+  if (isGgufPath(path)) return ggufTokenizer(await readGgufTokenizerFiles(path));
   const tokenizer = ModelTokenizer.fromFolder(path);
   return { tokenizer, chatTemplate: loadChatTemplate(path, tokenizer) };
 }
 
 /** The tokenizer and chat template a GGUF file's metadata describes. */
-export function ggufTokenizer(model: GgufModel): TokenizerAndTemplate {
+export function ggufTokenizer(model: TokenizerFiles): TokenizerAndTemplate {
   const tokenizer = new ModelTokenizer(model.tokenizerJson, model.tokenizerConfig, { label: model.path });
   const source = model.tokenizerConfig.chat_template;
   const chatTemplate =
@@ -374,35 +376,4 @@ export function ggufTokenizer(model: GgufModel): TokenizerAndTemplate {
         })
       : null;
   return { tokenizer, chatTemplate };
-}
-
-/** Sampling defaults from generation_config.json (absent fields stay undefined). */
-export interface GenerationDefaults {
-  readonly temperature?: number;
-  readonly topP?: number;
-  readonly topK?: number;
-  readonly maxNewTokens?: number;
-  /** eos ids of generation_config.json (the config's merged list is in ModelConfig.eosTokenIds). */
-  readonly eosTokenIds: readonly number[];
-}
-
-/**
- * Reads generation_config.json's defaults. `do_sample: false` means greedy in Hugging Face, so it
- * maps to temperature 0.
- */
-export function loadGenerationDefaults(dir: string): GenerationDefaults {
-  const g = readGenerationConfig(dir);
-  if (g === undefined) return Object.freeze({ eosTokenIds: Object.freeze([]) });
-  const eos = g.eos_token_id;
-  const out: { -readonly [K in keyof GenerationDefaults]: GenerationDefaults[K] } = {
-    eosTokenIds: Object.freeze(
-      eos === null || eos === undefined ? [] : typeof eos === "number" ? [eos] : [...eos],
-    ),
-  };
-  if (g.do_sample === false) out.temperature = 0;
-  else if (g.temperature !== null && g.temperature !== undefined) out.temperature = g.temperature;
-  if (g.top_p !== null && g.top_p !== undefined) out.topP = g.top_p;
-  if (g.top_k !== null && g.top_k !== undefined) out.topK = g.top_k;
-  if (g.max_new_tokens !== null && g.max_new_tokens !== undefined) out.maxNewTokens = g.max_new_tokens;
-  return Object.freeze(out);
 }

@@ -2,7 +2,9 @@
  * Wire shape of kvfence's node-info endpoint, `GET /kvfence/nodes` on a router. The router reports
  * the effective context length it admits (`max_model_len`, already reduced to what every node's
  * pool can hold) and, per node, the KV pool size and the node's own configured context length.
- * `kvfence preflight --url` reads it; the server fills it. Types and a zod schema, no I/O.
+ * `kvfence preflight --url` and `kvfence probe` read it; the server fills it. Types and a zod
+ * schema, no I/O, in a folder of their own (it imports nothing of src/) so that the probe and the
+ * pre-flight, which import these wire types and no server code, work against any server.
  */
 import { z } from "zod";
 

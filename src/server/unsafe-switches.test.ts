@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
-import { parseServeConfig } from "../server/serve-config.js";
+import { parseServeConfig } from "./serve-config.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem, unsafeWarning } from "./unsafe-switches.js";
 
 const MAIN = fileURLToPath(new URL("../cli/main.js", import.meta.url));

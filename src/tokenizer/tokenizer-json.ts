@@ -1,8 +1,8 @@
 /**
  * The tokenizer.json of a byte-level BPE model, in Hugging Face's format, for the two places that
- * write one: the random-weight model folders (gen-model.ts) and the GGUF reader, which builds a
- * folder's files from a file's `tokenizer.ggml.*` metadata (gguf.ts). Keys come in the order
- * Hugging Face writes them, so a folder's file reads as one written by `tokenizers`.
+ * write one: the random-weight model folders (src/model/gen-model.ts) and the GGUF reader, which
+ * builds a folder's files from a file's `tokenizer.ggml.*` metadata (gguf-tokenizer.ts). Keys come
+ * in the order Hugging Face writes them, so a folder's file reads as one written by `tokenizers`.
  */
 
 /** The ByteLevel pre-tokenizer or decoder; `useRegex` splits on GPT-2's regex first. */

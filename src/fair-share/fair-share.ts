@@ -6,7 +6,7 @@
  *
  * A request is *offered*; it is dispatched at once when its tenant is under its caps and the
  * backend has room, else it waits in its tenant's queue. Waiting requests are served by weighted
- * fair queuing over tenants (`fair-queue.ts`), costed by the KV pages each request may hold, so a
+ * fair queuing over tenants (`src/lib/fair-queue.ts`), costed by the KV pages each request may hold, so a
  * tenant with a thousand queued requests delays another tenant's request by about one of them
  * (`--scheduling-policy fcfs`: in arrival order across tenants instead, `SchedulingPolicy`). Per tenant, at most `maxConcurrency` requests and `maxPages` KV pages (the
  * most each request may hold: its prompt plus `max_tokens`) are dispatched at once; a tenant with
@@ -35,8 +35,8 @@
  * `--tenant-max-concurrency`, `--tenant-max-pages` and `--tenant-max-queue` set them for every
  * tenant (0: no cap), and the API keys file per tenant (`src/router/api-keys.ts`).
  */
-import type { WireError } from "./errors.js";
-import { FairQueue } from "./fair-queue.js";
+import type { WireError } from "../lib/errors.js";
+import { FairQueue } from "../lib/fair-queue.js";
 
 /**
  * `--scheduling-policy`: `fair` (default) serves the tenants' queues by weighted fair queuing;

@@ -1,6 +1,6 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import type { WireError } from "./errors.js";
+import type { WireError } from "../lib/errors.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "./fair-share.js";
 
 interface Req {

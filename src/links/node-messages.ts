@@ -1,7 +1,9 @@
 /**
- * The messages between the router-side driver (`disaggregated-engine.ts`) and the prefill and
- * decode nodes, in both topologies: posted on a `MessagePort` (worker threads) or sent as
- * authenticated lines over TCP (`control-link.ts`, processes). Plain JSON-able data only.
+ * The messages between the router-side driver (`src/cluster/disaggregated-engine.ts`) and the
+ * prefill and decode nodes, in both topologies: posted on a `MessagePort` (worker threads,
+ * `worker-link.ts`) or sent as authenticated lines over TCP (`control-link.ts`, processes). Plain
+ * JSON-able data only. This folder is the link code both sides use: the router (src/cluster) and
+ * the nodes (src/node) import it, it imports neither.
  *
  * A protocol message (`src/protocol/wire.ts`) travels inside an envelope that adds what the
  * servers need and the state machines abstract away: the prompt's token ids (on `prefill`), the

@@ -4,14 +4,8 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { test } from "node:test";
 import { KvfenceError } from "../lib/errors.js";
-import { byteLevelTokenizerJson, CHATML_TEMPLATE, chatmlTokenizerConfig } from "./gen-model.js";
-import {
-  ChatTemplate,
-  loadChatTemplate,
-  loadGenerationDefaults,
-  ModelTokenizer,
-  type StreamDecoder,
-} from "./tokenizer.js";
+import { byteLevelTokenizerJson, CHATML_TEMPLATE, chatmlTokenizerConfig } from "../model/gen-model.js";
+import { ChatTemplate, loadChatTemplate, ModelTokenizer, type StreamDecoder } from "./tokenizer.js";
 
 const MULTIBYTE = "héllo 世界 🎉 ok";
 
@@ -255,29 +249,6 @@ test("loadChatTemplate() prefers chat_template.jinja, reads named template lists
     assert.equal(loadChatTemplate(dir, tok), null);
     writeFileSync(join(dir, "tokenizer_config.json"), JSON.stringify({ ...config, chat_template: 5 }));
     assert.throws(() => loadChatTemplate(dir, tok), /chat_template must be a string/);
-  } finally {
-    rmSync(dir, { recursive: true, force: true });
-  }
-});
-
-test("loadGenerationDefaults() reads sampling defaults and maps do_sample false to greedy", () => {
-  const dir = mkdtempSync(join(tmpdir(), "kvfence-tok-"));
-  try {
-    assert.deepEqual(loadGenerationDefaults(dir), { eosTokenIds: [] });
-    const path = join(dir, "generation_config.json");
-    writeFileSync(
-      path,
-      JSON.stringify({ temperature: 0.6, top_p: 0.95, top_k: 20, max_new_tokens: 64, eos_token_id: [2, 0] }),
-    );
-    assert.deepEqual(loadGenerationDefaults(dir), {
-      temperature: 0.6,
-      topP: 0.95,
-      topK: 20,
-      maxNewTokens: 64,
-      eosTokenIds: [2, 0],
-    });
-    writeFileSync(path, JSON.stringify({ temperature: 0.6, do_sample: false, eos_token_id: 2 }));
-    assert.deepEqual(loadGenerationDefaults(dir), { temperature: 0, eosTokenIds: [2] });
   } finally {
     rmSync(dir, { recursive: true, force: true });
   }

@@ -8,6 +8,7 @@ import type { WireError } from "../src/lib/errors.js";
 import { ForwardPass } from "../src/model/forward.js";
 import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
 import type { GenerationEvents, GenerationRequest } from "../src/protocol/engine-api.js";
+import { GREEDY_SAMPLING, type SamplingParams } from "../src/protocol/sampling-params.js";
 import { randomModel } from "./random-model.js";
 
 export interface TestEngineOptions extends EngineOptions {
@@ -53,13 +54,14 @@ export function request(
     tenant: 0,
     promptTokens: Int32Array.from(prompt),
     maxTokens,
-    temperature: 0,
-    topP: 1,
-    topK: 0,
-    seed: null,
-    stopTokenIds: [],
+    sampling: GREEDY_SAMPLING,
     ...extra,
   };
+}
+
+/** A request's `sampling` field: greedy, with `params` over it (for `request`'s `extra`). */
+export function withSampling(params: Partial<SamplingParams>): { sampling: SamplingParams } {
+  return { sampling: { ...GREEDY_SAMPLING, ...params } };
 }
 
 /** A deterministic prompt of `length` token ids below `vocab`. */

@@ -152,7 +152,7 @@ export class ScriptedEngine implements EngineHandle {
     run.pages = pages;
     run.events.onTokens([token]);
     if (!this.#running.has(run.request.rid)) return; // aborted from inside onTokens
-    if (run.request.stopTokenIds.includes(token)) this.#finish(run, "stop");
+    if (run.request.sampling.stopTokenIds.includes(token)) this.#finish(run, "stop");
     else if (run.sent >= run.request.maxTokens) this.#finish(run, "length");
     else this.#schedule(run);
   }

@@ -66,17 +66,18 @@ function setup() {
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
-function request(rid: number, extra: Partial<GenerationRequest> = {}): GenerationRequest {
+/** A request; `seed`: its sampling's (the rest greedy, stopping on 9). */
+function request(
+  rid: number,
+  extra: Partial<GenerationRequest> = {},
+  seed: number | null = null,
+): GenerationRequest {
   return {
     rid,
     tenant: 2,
     promptTokens: Int32Array.from([5, 6, 7]),
     maxTokens: 4,
-    temperature: 0,
-    topP: 1,
-    topK: 0,
-    seed: null,
-    stopTokenIds: [9],
+    sampling: { temperature: 0, topP: 1, topK: 0, seed, stopTokenIds: [9] },
     ...extra,
   };
 }
@@ -131,7 +132,7 @@ test("DisaggregatedEngine admits by the least pool and sends the prompt and samp
   d.link.deliver({ kind: "protocol", msg: lease(16) });
   const prefill = p.link.protocol()[0]!;
   assert.ok(prefill.type === "prefill");
-  assert.deepEqual(prefill.promptTokens, [5, 6, 7]);
+  assert.deepEqual(prefill.promptTokens, Int32Array.from([5, 6, 7]));
   d.link.deliver({ kind: "protocol", msg: { type: "committed", rid: 16, epoch: 1, firstToken: 40 } });
   d.link.deliver({ kind: "protocol", msg: { type: "tokens", rid: 16, epoch: 1, tokens: [41] } });
   d.link.deliver({
@@ -236,7 +237,7 @@ test("DisaggregatedEngine holds a request the full decode pool refused until dec
   d.link.deliver({ kind: "protocol", msg: lease(rid) });
   const prefill = p.link.protocol().at(-1)!;
   assert.ok(prefill.type === "prefill" && prefill.rid === rid);
-  assert.deepEqual(prefill.promptTokens, [5, 6, 7]);
+  assert.deepEqual(prefill.promptTokens, Int32Array.from([5, 6, 7]));
   d.link.deliver({ kind: "protocol", msg: { type: "committed", rid, epoch: 1, firstToken: 40 } });
   d.link.deliver({
     kind: "protocol",
@@ -528,10 +529,10 @@ test("DisaggregatedEngine runs n > 1 as one group: one reserve naming the sample
   const { p, d, engine } = setup();
   const rs = [record(), record(), record()];
   // Client rids of this router's slot (0): 16, 32, 48; a group's samples take the next ones.
-  engine.submit(request(16, { seed: 7, samples: [32, 48] }), rs[0]!.events);
+  engine.submit(request(16, { samples: [32, 48] }, 7), rs[0]!.events);
   assert.equal(d.link.protocol().length, 0, "the group waits for its samples");
-  engine.submit(request(32, { seed: 8, sample: { of: 16, index: 1 } }), rs[1]!.events);
-  engine.submit(request(48, { seed: 9, sample: { of: 16, index: 2 } }), rs[2]!.events);
+  engine.submit(request(32, { sample: { of: 16, index: 1 } }, 8), rs[1]!.events);
+  engine.submit(request(48, { sample: { of: 16, index: 2 } }, 9), rs[2]!.events);
   const first = d.link.protocol();
   assert.equal(first.length, 1, "one reserve for the three samples");
   assert.ok(first[0]!.type === "reserve");

@@ -442,14 +442,14 @@ export class DisaggregatedEngine implements EngineHandle {
       r.dispatched = true;
       this.#requests.set(r.rid, r);
     }
-    if (group !== null && group.riders.length > 0) p.sampling = group.sampling(p.sampling);
+    if (group !== null && group.riders.length > 0) p.sampling = group.sampling(p.request.sampling);
     p.prefillHeld = true;
     this.#requests.set(p.rid, p);
     this.#step(pair, {
       type: "submit",
       rid: p.rid,
       tenant: p.request.tenant,
-      promptLen: p.promptTokens.length,
+      promptLen: p.request.promptTokens.length,
       maxTokens: p.request.maxTokens,
       ...(group === null || group.riders.length === 0 ? {} : { samples: group.rids() }),
     });
@@ -664,7 +664,7 @@ export class DisaggregatedEngine implements EngineHandle {
       // A stop token ends it with `stop` even as its last allowed token (max_tokens 1: decode
       // finished the request at commit, by its length).
       pending.events.onFinish(pending.stopped ? "stop" : (effect.finishReason ?? "length"), {
-        promptTokens: pending.promptTokens.length,
+        promptTokens: pending.request.promptTokens.length,
         completionTokens: pending.completionTokens,
         ...(pending.cachedTokens === null ? {} : { cachedTokens: pending.cachedTokens }),
       });
@@ -720,7 +720,7 @@ export class DisaggregatedEngine implements EngineHandle {
             ? msg
             : {
                 ...msg,
-                promptTokens: pending.promptTokens,
+                promptTokens: pending.request.promptTokens,
                 cacheSalt: pending.request.cacheSalt ?? null,
                 cacheScope: pending.request.cacheScope ?? "",
               },
@@ -729,13 +729,14 @@ export class DisaggregatedEngine implements EngineHandle {
       };
     } else if (msg.type === "reserve" && pending !== undefined) {
       const sampling = pending.sampling;
+      // Decode's sampling reads the prompt's ids only for a repetition penalty.
       const readsPrompt = (sampling.controls?.repetitionPenalty ?? 1) !== 1;
       pending.reserveSentAt = performance.now();
       message = {
         kind: "protocol",
         prefill: pair.prefill.id,
-        msg,
-        sampling: readsPrompt ? { ...sampling, prompt: pending.promptTokens } : sampling,
+        msg: readsPrompt ? { ...msg, promptTokens: pending.request.promptTokens } : msg,
+        sampling,
         ...(trace === undefined ? {} : { trace }),
       };
     } else if (msg.type === "watermark" && slot === pair.prefill) {

@@ -6,6 +6,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 import type { NodeHello } from "../links/node-messages.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
+import { GREEDY_SAMPLING } from "../protocol/sampling-params.js";
 import { type NodePair, type PairDemand, type PairPolicy, PairPool, type RouterNode } from "./pair-pool.js";
 import { PrefixAffinityPolicy } from "./prefix-affinity-policy.js";
 
@@ -105,11 +106,7 @@ test("PrefixAffinityPolicy.pick() sends a prompt's prefix back to its prefill no
     tenant,
     promptTokens: Int32Array.from({ length: 40 }, (_, i) => i),
     maxTokens: 4,
-    temperature: 0,
-    topP: 1,
-    topK: 0,
-    seed: null,
-    stopTokenIds: [],
+    sampling: GREEDY_SAMPLING,
   });
   const key = policy.affinityKey(request(0), 16);
   assert.notEqual(key, null);

@@ -5,9 +5,9 @@
  * times and counts of it.
  */
 
-import type { SamplingParams } from "../links/node-messages.js";
 import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { GenerationEvents, GenerationRequest } from "../protocol/engine-api.js";
+import type { SamplingParams } from "../protocol/sampling-params.js";
 import type { NodePair, NodeSlot, PairDemand } from "./pair-pool.js";
 import type { GroupSample, SampleGroup } from "./sample-group.js";
 
@@ -22,9 +22,8 @@ export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> 
   refusedForPages: NodeSlot | null;
   readonly request: GenerationRequest;
   readonly events: GenerationEvents;
-  /** Its sampling parameters (a group's: with its riders' seeds, set at each dispatch). */
+  /** Its request's sampling, as is; a group's first sample's: with its riders' seeds, set at each dispatch. */
   sampling: SamplingParams;
-  readonly promptTokens: number[];
   /**
    * What the attempt reserves: on decode (prompt + max_tokens; a group: every sample's, the full
    * prompt pages once) and on prefill (the prompt).
@@ -66,17 +65,7 @@ export function pendingRequest(
     refusedForPages: null,
     request,
     events,
-    sampling: {
-      temperature: request.temperature,
-      topP: request.topP,
-      topK: request.topK,
-      seed: request.seed,
-      stopTokenIds: request.stopTokenIds,
-      ...(request.controls === undefined ? {} : { controls: request.controls }),
-      ...(request.logprobs === undefined ? {} : { logprobs: request.logprobs }),
-      ...(request.promptLogprobs === undefined ? {} : { promptLogprobs: request.promptLogprobs }),
-    },
-    promptTokens: Array.from(request.promptTokens),
+    sampling: request.sampling,
     decodePages: decodeReservationPages(request.promptTokens.length, request.maxTokens, pageSize),
     prefillPages: Math.ceil(request.promptTokens.length / pageSize),
     prefillHeld: false,

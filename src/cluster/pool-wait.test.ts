@@ -9,6 +9,7 @@ import { modelDir } from "../../testing/start-server.js";
 import type { WireError } from "../lib/errors.js";
 import { loadModel } from "../model/load-model.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
+import { GREEDY_SAMPLING } from "../protocol/sampling-params.js";
 import { startThreadedTopology } from "../topology/threaded-topology.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 
@@ -21,11 +22,7 @@ function request(rid: number, seed: number): GenerationRequest {
     tenant: 0,
     promptTokens: Int32Array.from({ length: 150 }, (_, i) => (i * 11 + seed) % 250),
     maxTokens: 20,
-    temperature: 0,
-    topP: 1,
-    topK: 0,
-    seed: null,
-    stopTokenIds: [],
+    sampling: GREEDY_SAMPLING,
   };
 }
 

@@ -17,11 +17,7 @@ function sample(rid: number, extra: Partial<GenerationRequest> = {}): Sample {
     tenant: 0,
     promptTokens: Int32Array.from({ length: 40 }, (_, i) => i),
     maxTokens: 8,
-    temperature: 1,
-    topP: 1,
-    topK: 0,
-    seed: rid * 10,
-    stopTokenIds: [],
+    sampling: { temperature: 1, topP: 1, topK: 0, seed: rid * 10, stopTokenIds: [] },
     ...extra,
   };
   return { request, rid, silenced: false, group: null };

@@ -12,9 +12,9 @@
  * pool splits: each sample goes alone, with its own prefill.
  */
 
-import type { SamplingParams } from "../links/node-messages.js";
 import { decodeGroupPages } from "../protocol/decode-machine.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
+import type { SamplingParams } from "../protocol/sampling-params.js";
 
 /** What a group needs of each of its samples (the router's record of one request). */
 export interface GroupSample<S extends GroupSample<S>> {
@@ -75,8 +75,7 @@ export class SampleGroup<S extends GroupSample<S>> {
 
   /** The first sample's sampling parameters for its attempt: `base` with each rider's seed, in order. */
   sampling(base: SamplingParams): SamplingParams {
-    const { sampleSeeds: _, ...rest } = base;
-    return { ...rest, sampleSeeds: this.riders.map((r) => r.request.seed) };
+    return { ...base, sampleSeeds: this.riders.map((r) => r.request.sampling.seed) };
   }
 
   /** The riders' rids, in order (the machine's `submit` names them). */

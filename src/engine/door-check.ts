@@ -46,7 +46,7 @@ export function doorCheck(r: GenerationRequest, ridInUse: boolean, limits: DoorL
       param: "messages",
     };
   }
-  const sampling = samplingRefusal(r, limits.vocabSize);
+  const sampling = samplingRefusal(r.sampling, limits.vocabSize);
   if (sampling !== null) return sampling;
   const vocab = limits.vocabSize;
   for (let i = 0; i < promptLength; i++) {

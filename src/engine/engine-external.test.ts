@@ -6,7 +6,15 @@
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { makeEngine, prompt, recorder, request, runAll, runUntilIdle } from "../../testing/engine-harness.js";
+import {
+  makeEngine,
+  prompt,
+  recorder,
+  request,
+  runAll,
+  runUntilIdle,
+  withSampling,
+} from "../../testing/engine-harness.js";
 import { PageState } from "../kvcache/ownership-table.js";
 import type { Engine } from "./engine.js";
 
@@ -89,7 +97,7 @@ for (const length of [1, 4, 9, 13]) {
 
 test("Engine.submitPrefill + submitDecode reproduce seeded sampling of the local engine", () => {
   const p = prompt(6, 4);
-  const sampled = { temperature: 1.3, topP: 0.95, seed: 1234 };
+  const sampled = withSampling({ temperature: 1.3, topP: 0.95, seed: 1234 });
   const [local] = runAll(makeEngine({ pageSize: P }), [request(7, p, 8, sampled)]);
   const prefill = makeEngine({ pageSize: P });
   const decode = makeEngine({ pageSize: P });

@@ -9,6 +9,7 @@ import {
   runAll,
   runUntilIdle,
   testModel,
+  withSampling,
 } from "../../testing/engine-harness.js";
 import { naiveForward } from "../../testing/random-model.js";
 import { PageState } from "../kvcache/ownership-table.js";
@@ -106,7 +107,7 @@ test("Engine preemption under a tiny pool gives the same output as without", () 
 
 test("Engine seeded sampling is reproducible alone, batched and preempted", () => {
   const sampled = PROMPTS.map((p, i) =>
-    request(i + 1, p, 12, { temperature: 1, topP: 0.9, topK: 20, seed: 1000 + i }),
+    request(i + 1, p, 12, withSampling({ temperature: 1, topP: 0.9, topK: 20, seed: 1000 + i })),
   );
   const alone = aloneOutputs(sampled);
   assert.deepEqual(
@@ -119,7 +120,9 @@ test("Engine seeded sampling is reproducible alone, batched and preempted", () =
     alone,
   );
   assert.ok(tiny.stats().counters.preemptions > 0);
-  const reseeded = runAll(makeEngine(), [{ ...sampled[4]!, seed: 7 }])[0]!.tokens;
+  const reseeded = runAll(makeEngine(), [
+    { ...sampled[4]!, sampling: { ...sampled[4]!.sampling, seed: 7 } },
+  ])[0]!.tokens;
   assert.notDeepEqual(reseeded, alone[4], "a different seed samples differently");
 });
 
@@ -194,8 +197,8 @@ test("Engine refuses bad requests: duplicate rid, empty prompt, token out of voc
     request(2, [], 2),
     request(3, [1, 64], 2),
     request(4, [1], 0),
-    request(5, [1], 2, { temperature: -1 }),
-    request(6, [1], 2, { topP: 0 }),
+    request(5, [1], 2, withSampling({ temperature: -1 })),
+    request(6, [1], 2, withSampling({ topP: 0 })),
   ];
   for (const r of cases) {
     const rec = recorder();
@@ -213,7 +216,7 @@ test("Engine finishes with stop on a stop token id, counted in usage but not rep
   const stopAt = free!.tokens.findIndex((t, i) => i >= 2 && free!.tokens.indexOf(t) === i);
   assert.ok(stopAt >= 2, "need a token that first appears at index 2 or later");
   const stopId = free!.tokens[stopAt]!;
-  const [o] = runAll(makeEngine(), [request(1, p, 10, { stopTokenIds: [stopId] })]);
+  const [o] = runAll(makeEngine(), [request(1, p, 10, withSampling({ stopTokenIds: [stopId] }))]);
   assert.equal(o!.finish, "stop");
   assert.deepEqual(o!.tokens, free!.tokens.slice(0, stopAt));
   assert.deepEqual(o!.usage, { promptTokens: p.length, completionTokens: stopAt + 1 });
@@ -492,8 +495,7 @@ test("Engine: a heavier tenant's prompt adds no more compute to a step than a li
 function samples(n: number, p: readonly number[], maxTokens: number, ridBase = 1): GenerationRequest[] {
   return Array.from({ length: n }, (_, index) =>
     request(ridBase + index, p, maxTokens, {
-      temperature: 1,
-      seed: 500 + index,
+      ...withSampling({ temperature: 1, seed: 500 + index }),
       ...(index === 0 ? {} : { sample: { of: ridBase, index } }),
     }),
   );

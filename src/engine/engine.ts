@@ -254,6 +254,7 @@ export class Engine {
   submit(request: GenerationRequest, events: GenerationEvents): void {
     const seq = this.#admit(request, events);
     if (seq === null) return;
+    this.#sampling.prepare(seq);
     if (!this.#scheduler.awaitFork(seq)) this.#scheduler.enqueue(seq);
   }
 
@@ -265,7 +266,6 @@ export class Engine {
       return null;
     }
     const seq = new Sequence(request, events, this.pool.pageSize, this.#sampling.seedOf(request));
-    this.#sampling.prepare(seq);
     if (this.#cache !== null)
       seq.cacheSalt = prefixCacheSalt(
         this.#safety,
@@ -324,6 +324,7 @@ export class Engine {
       return;
     }
     seq.ownership = ownership;
+    this.#sampling.prepare(seq);
     seq.epoch = pages.epoch;
     // The host owns the pages and its cache: this engine's cache never takes them.
     seq.cacheSalt = null;

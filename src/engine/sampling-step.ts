@@ -23,6 +23,7 @@ import { MAX_TOP_LOGPROBS, type TokenLogprobs } from "../lib/token-logprobs.js";
 import { tokenLogprobs } from "../model/logprobs.js";
 import { Sampler } from "../model/sampler.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
+import type { SamplingParams } from "../protocol/sampling-params.js";
 import type { Sequence } from "./sequence.js";
 
 /** The forward pass's per-row callback for a step of a sequence (see `StepSequence.rowLogits`). */
@@ -45,16 +46,17 @@ export class SamplingStep {
 
   /** The seed of a request's generator: its own, else one drawn from this engine's seeds. */
   seedOf(request: GenerationRequest): number {
-    return request.seed ?? this.#seeds.nextUint32();
+    return request.sampling.seed ?? this.#seeds.nextUint32();
   }
 
   /**
-   * Readies a new sequence: when its request asked for the prompt's log-probabilities, the
-   * entries to fill and the forward pass's per-row callback that fills them (made once per request).
+   * Readies a new sequence (its ownership set): when its request asked for the prompt's
+   * log-probabilities and it computes its prompt (a decode node's does not: prefill reported them),
+   * the entries to fill and the forward pass's per-row callback that fills them (made once per request).
    */
   prepare(seq: Sequence): void {
-    const k = seq.request.promptLogprobs;
-    if (k === undefined) return;
+    const k = seq.request.sampling.promptLogprobs;
+    if (k === undefined || seq.ownership === "decode-external") return;
     const entries: (TokenLogprobs | null)[] = new Array(seq.promptLength).fill(null);
     const vocab = this.#vocabSize;
     seq.promptEntries = entries;
@@ -71,7 +73,7 @@ export class SamplingStep {
    * draws once per token).
    */
   skipFirstDraw(seq: Sequence): void {
-    if (Sampler.draws(seq.request)) seq.rng.next();
+    if (Sampler.draws(seq.request.sampling)) seq.rng.next();
   }
 
   /**
@@ -82,7 +84,7 @@ export class SamplingStep {
    * not per token.
    */
   siblings(seq: Sequence, logits: Float32Array): number[] | null {
-    const r = seq.request;
+    const r = seq.request.sampling;
     const seeds = r.sampleSeeds;
     if (seq.ownership !== "prefill-only" || seeds === undefined) return null;
     const tokens: number[] = [];
@@ -100,7 +102,7 @@ export class SamplingStep {
    * the raw logits first when it asked for log-probabilities.
    */
   sample(seq: Sequence, logits: Float32Array): number {
-    const r = seq.request;
+    const r = seq.request.sampling;
     if (r.logprobs !== undefined) keepRaw(seq, logits);
     if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
     return this.#sampler.sample(logits, r, seq.rng);
@@ -114,7 +116,7 @@ export class SamplingStep {
 
   /** The sampled token's log-probabilities when the request asked (one entry, reused array), else undefined. */
   logprobs(seq: Sequence, token: number): TokenLogprobs[] | undefined {
-    const k = seq.request.logprobs;
+    const k = seq.request.sampling.logprobs;
     if (k === undefined || seq.raw === null) return undefined;
     seq.sampledLogprobs[0] = tokenLogprobs(seq.raw, token, k);
     return seq.sampledLogprobs;
@@ -122,7 +124,7 @@ export class SamplingStep {
 
   /** True when `token` is one of the request's stop tokens (it ends the request with `stop`). */
   stops(seq: Sequence, token: number): boolean {
-    return seq.request.stopTokenIds.includes(token);
+    return seq.request.sampling.stopTokenIds.includes(token);
   }
 }
 
@@ -130,7 +132,7 @@ export class SamplingStep {
  * What is wrong with a request's sampling parameters for a vocabulary of `vocabSize` (as a
  * `WireError`), or null: the sampler's own rules, then the log-probability counts.
  */
-export function samplingRefusal(r: GenerationRequest, vocabSize: number): WireError | null {
+export function samplingRefusal(r: SamplingParams, vocabSize: number): WireError | null {
   try {
     Sampler.validate(r, vocabSize);
   } catch (err) {

@@ -52,6 +52,36 @@ test("ControlLink round trip: node echoes the router's messages", async (t) => {
   await closed;
 });
 
+test("ControlLink.send() carries the router's Int32Array to the node as an Int32Array", async (t) => {
+  type Prompt = { prompt: Int32Array };
+  const received: Prompt[] = [];
+  let arrived = (): void => {};
+  const done = new Promise<void>((resolve) => {
+    arrived = resolve;
+  });
+  const server = await listenControlLinks<never, Prompt>({
+    host: "127.0.0.1",
+    port: 0,
+    secret: SECRET,
+    onLink: (l) =>
+      l.onMessage((m) => {
+        received.push(m);
+        arrived();
+      }),
+  });
+  t.after(() => server.close());
+  const link = await connectControlLink<Prompt, never>({
+    host: "127.0.0.1",
+    port: server.port,
+    secret: SECRET,
+  });
+  t.after(() => link.close());
+  // A view into a larger buffer: only its own ids travel.
+  link.send({ prompt: Int32Array.from([9, -1, 2 ** 31 - 1, 151_643, 0]).subarray(1, 4) });
+  await done;
+  assert.deepEqual(received, [{ prompt: Int32Array.from([-1, 2 ** 31 - 1, 151_643]) }]);
+});
+
 test("connectControlLink() refuses a node with another cluster secret", async (t) => {
   const { server, client, links } = await pair("another-secret-entirely-1234");
   t.after(() => server.close());

@@ -15,6 +15,8 @@
  * unless it is a newer incarnation, i.e. a restarted router). After it, every line carries an
  * HMAC-SHA256 over its sequence number and payload, so a line cannot be forged, replayed or
  * reordered. Any bad line closes the connection; a closed connection is the peer's loss (the fence).
+ * The router's lines may hold a prompt's ids as an `Int32Array`, written in base64 and read back
+ * as one (src/transfer/control-codec.ts); the node's, one per token, are plain JSON.
  */
 import { randomBytes } from "node:crypto";
 import type net from "node:net";
@@ -30,6 +32,7 @@ import {
   transcript,
   verifyHmac,
 } from "../transfer/control-auth.js";
+import { parseWithInt32Arrays, stringifyWithInt32Arrays } from "../transfer/control-codec.js";
 import { advertisedMismatch, dialledMismatch, linkAddress } from "../transfer/link-address.js";
 import {
   type LinkAuthFailures,
@@ -54,6 +57,7 @@ export class ControlLink<Out, In> implements Link<Out, In> {
   readonly #socket: net.Socket;
   readonly #sendKey: Buffer;
   readonly #recvKey: Buffer;
+  readonly #encode: (message: Out) => string;
   #sendSeq = 0;
   #recvSeq = 0;
   readonly #handlers: ((m: In) => void)[] = [];
@@ -62,9 +66,19 @@ export class ControlLink<Out, In> implements Link<Out, In> {
   #closed = false;
   #error: Error | undefined;
 
-  /** @internal Use `connectControlLink` or `listenControlLinks`. */
-  constructor(socket: net.Socket, sendKey: Buffer, recvKey: Buffer, rest: Buffer) {
+  /**
+   * @internal Use `connectControlLink` or `listenControlLinks`. `encode` writes a message's line
+   * (the router's: with its `Int32Array`s; the node's: plain JSON).
+   */
+  constructor(
+    socket: net.Socket,
+    sendKey: Buffer,
+    recvKey: Buffer,
+    rest: Buffer,
+    encode: (message: Out) => string,
+  ) {
     this.#socket = socket;
+    this.#encode = encode;
     // A peer host that vanishes without closing the connection is detected by TCP keepalive.
     socket.setKeepAlive(true, 5000);
     this.#sendKey = sendKey;
@@ -98,7 +112,7 @@ export class ControlLink<Out, In> implements Link<Out, In> {
 
   send(message: Out): void {
     if (this.#closed || this.#socket.destroyed) throw new Error("Control link is closed");
-    const payload = Buffer.from(JSON.stringify(message));
+    const payload = Buffer.from(this.#encode(message));
     const mac = hmac(this.#sendKey, seqBytes(this.#sendSeq++), payload);
     this.#socket.write(Buffer.concat([payload, Buffer.from(`\t${mac.toString("hex")}\n`)]));
   }
@@ -135,7 +149,7 @@ export class ControlLink<Out, In> implements Link<Out, In> {
     this.#recvSeq++;
     let message: In;
     try {
-      message = JSON.parse(payload.toString()) as In;
+      message = parseWithInt32Arrays(payload.toString()) as In;
     } catch {
       return this.#fail(new Error("Control line is not JSON"));
     }
@@ -308,7 +322,13 @@ export async function connectControlLink<Out, In>(options: {
     throw new HandshakeError("address_mismatch", `Refused the node's control link: ${mismatch}`);
   }
   socket.write(line(PROOF_PAYLOAD, hmac(keys.clientToServer, transcript(PROOF, hello, challenge.payload))));
-  return new ControlLink<Out, In>(socket, keys.clientToServer, keys.serverToClient, challenge.rest);
+  return new ControlLink<Out, In>(
+    socket,
+    keys.clientToServer,
+    keys.serverToClient,
+    challenge.rest,
+    stringifyWithInt32Arrays,
+  );
 }
 
 export interface ControlListenOptions<Out, In> {
@@ -425,7 +445,13 @@ export async function listenControlLinks<Out, In>(
     const incarnation = Number.isSafeInteger(body.incarnation) ? (body.incarnation as number) : undefined;
     const routerSlot = admittedRouterSlot(body.routerSlot, incarnation, options.admit);
     guard.admitted(socket);
-    const link = new ControlLink<Out, In>(socket, keys.serverToClient, keys.clientToServer, proof.rest);
+    const link = new ControlLink<Out, In>(
+      socket,
+      keys.serverToClient,
+      keys.clientToServer,
+      proof.rest,
+      JSON.stringify,
+    );
     options.onLink(link, incarnation, routerSlot);
   };
   const onTlsRefused = (error: KvfenceError, socket: net.Socket): void => {

@@ -2,45 +2,26 @@
  * The messages between the router-side driver (`src/cluster/disaggregated-engine.ts`) and the
  * prefill and decode nodes, in both topologies: posted on a `MessagePort` (worker threads,
  * `worker-link.ts`) or sent as authenticated lines over TCP (`control-link.ts`, processes). Plain
- * JSON-able data only. This folder is the link code both sides use: the router (src/cluster) and
+ * data only: JSON-able, and `Int32Array`s (below). This folder is the link code both sides use: the router (src/cluster) and
  * the nodes (src/node) import it, it imports neither.
  *
  * A protocol message (`src/protocol/wire.ts`) travels inside an envelope that adds what the
- * servers need and the state machines abstract away: the prompt's token ids (on `prefill`), the
- * sampling parameters (on `reserve` and `prefill`), and which prefill node a decode attempt is
- * paired with (a decode node runs one decode state machine per prefill peer, so that peer's fence
- * releases exactly its own quarantined pages).
+ * servers need and the state machines abstract away: the request's `SamplingParams`
+ * (src/protocol/sampling-params.ts, the engine's own, whole; on `reserve` and `prefill`), and
+ * which prefill node a decode attempt is paired with (a decode node runs one decode state machine
+ * per prefill peer, so that peer's fence releases exactly its own quarantined pages). The prompt's
+ * token ids ride in the protocol message itself (`promptTokens` of `prefill`, and of `reserve`
+ * when decode's sampling reads them), one `Int32Array` from the router's tokenizer to the node's
+ * engine: a MessagePort clones it, the TCP link's JSON carries its bytes in base64
+ * (src/transfer/control-codec.ts).
  */
 import type { PageCounts } from "../kvcache/ownership-table.js";
-import type { LogitControls } from "../lib/logit-controls.js";
 import type { PhaseSnapshot } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { RequestTrace } from "../lib/tracing.js";
 import type { EngineStats, PageMap } from "../protocol/engine-api.js";
+import type { SamplingParams } from "../protocol/sampling-params.js";
 import type { ControlMessage } from "../protocol/wire.js";
-
-/** Sampling parameters of one request, as the engine's `GenerationRequest` has them. */
-export interface SamplingParams {
-  readonly temperature: number;
-  readonly topP: number;
-  readonly topK: number;
-  readonly seed: number | null;
-  readonly stopTokenIds: readonly number[];
-  readonly controls?: LogitControls | undefined;
-  /** As `GenerationRequest.logprobs` and `.promptLogprobs`. */
-  readonly logprobs?: number | undefined;
-  readonly promptLogprobs?: number | undefined;
-  /**
-   * The prompt's ids, on `reserve` only when the decode side's sampling reads them (a repetition
-   * penalty); decode otherwise knows only the prompt's length.
-   */
-  readonly prompt?: readonly number[] | undefined;
-  /**
-   * n > 1 as one group (the reserve's `samples`): each later sample's seed, in the same order
-   * (null: random). Prefill draws their first tokens from the same logits; decode runs each with its own.
-   */
-  readonly sampleSeeds?: readonly (number | null)[] | undefined;
-}
 
 /** Router → node. */
 export type ToNode =
@@ -49,6 +30,7 @@ export type ToNode =
       /** The prefill node this attempt is paired with (decode: selects its state machine). */
       readonly prefill: string;
       readonly msg: ControlMessage;
+      /** On `reserve` and `prefill`: the request's sampling, as the router's parser built it. */
       readonly sampling?: SamplingParams;
       /** On `reserve` and `prefill`: the request's id and trace context, for the node's spans. */
       readonly trace?: RequestTrace;

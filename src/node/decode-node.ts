@@ -37,7 +37,7 @@ import type { WireError } from "../lib/errors.js";
 import { PHASE } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import { epochNow, epochOf, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
-import type { NodeStats, SamplingParams, ToNode } from "../links/node-messages.js";
+import type { NodeStats, ToNode } from "../links/node-messages.js";
 import {
   type DecodeContext,
   type DecodeEvent,
@@ -50,10 +50,18 @@ import {
 import type { CommitEffect, Effects } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import { guardOn } from "../protocol/safety.js";
+import { GREEDY_SAMPLING, type SamplingParams } from "../protocol/sampling-params.js";
 import { attemptKey, type ControlMessage, type FirstLogprobs } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { TransferHandlers } from "../transfer/transport.js";
-import { addTransfer, GREEDY, NodeCore, type NodeOptions, requestSampling } from "./node-core.js";
+import { addTransfer, NodeCore, type NodeOptions } from "./node-core.js";
+
+/** What the router sent for an attempt that its engine request needs. */
+interface AttemptInput {
+  readonly sampling: SamplingParams;
+  /** The prompt's ids, sent only when the sampling reads them (a repetition penalty). */
+  readonly prompt: Int32Array | undefined;
+}
 
 /** `toRouter` must send a message on before it returns and never keep it: the node reuses the one carrying each token. */
 export type DecodeNodeOptions = NodeOptions;
@@ -103,7 +111,8 @@ export class DecodeNode {
   readonly #engine;
   readonly #safety;
   readonly #peers = new Map<string, PrefillPeer>();
-  readonly #sampling = new Map<string, SamplingParams>();
+  /** Per attempt: the sampling the router sent, and the prompt's ids when that sampling reads them. */
+  readonly #inputs = new Map<string, AttemptInput>();
   /** n > 1 as one group, until its first sample ends: the later samples' rids, by the group's attempt key. */
   readonly #groups = new Map<string, readonly number[]>();
   /** Samples of n > 1 that started from their group's one transfer (forked at its commit). */
@@ -277,8 +286,10 @@ export class DecodeNode {
         });
         return;
       }
-      const sampling = message.sampling ?? GREEDY;
-      this.#sampling.set(attemptKey(msg.rid, msg.epoch), sampling);
+      this.#inputs.set(attemptKey(msg.rid, msg.epoch), {
+        sampling: message.sampling ?? GREEDY_SAMPLING,
+        prompt: msg.promptTokens,
+      });
       // n > 1 as one group: its later samples decode with their own seeds once the commit forks them.
       if (msg.samples !== undefined && msg.samples.length > 0)
         this.#groups.set(attemptKey(msg.rid, msg.epoch), msg.samples);
@@ -464,7 +475,7 @@ export class DecodeNode {
   /** An attempt ended: forget its sampling, log-probabilities and trace (ending its decode span). */
   #ended(msg: Extract<ControlMessage, { type: "finished" | "failed" | "rejected" }>): void {
     const key = attemptKey(msg.rid, msg.epoch);
-    this.#sampling.delete(key);
+    this.#inputs.delete(key);
     this.#groups.delete(key);
     this.#firstLogprobs.delete(key);
     const t = this.#traces.get(key);
@@ -492,23 +503,25 @@ export class DecodeNode {
       // A failed page check ends the request in the engine that asked for it.
       if (this.#checking !== rid) this.#engine.abort(rid);
     }
-    this.#sampling.delete(attemptKey(rid, epoch));
+    this.#inputs.delete(attemptKey(rid, epoch));
     this.#groups.delete(attemptKey(rid, epoch));
     this.#traces.delete(attemptKey(rid, epoch));
   }
 
   /**
-   * A later sample's sampling, as its commit forks it: its group's with the sample's own seed (and
-   * kept under its own key from now on, until it ends). Undefined when it is no such sample.
+   * A later sample's input, as its commit forks it: its group's prompt and sampling, with the
+   * sample's own seed (kept under its own key from now on, until it ends). Undefined when it is no
+   * such sample.
    */
-  #sampleSampling(group: number | undefined, rid: number, epoch: number): SamplingParams | undefined {
+  #sampleInput(group: number | undefined, rid: number, epoch: number): AttemptInput | undefined {
     if (group === undefined || group === rid) return undefined;
     const groupKey = attemptKey(group, epoch);
-    const base = this.#sampling.get(groupKey);
+    const base = this.#inputs.get(groupKey);
     const j = this.#groups.get(groupKey)?.indexOf(rid) ?? -1;
     if (base === undefined || j < 0) return undefined;
-    const own = { ...base, seed: base.sampleSeeds?.[j] ?? null };
-    this.#sampling.set(attemptKey(rid, epoch), own);
+    const seed = base.sampling.sampleSeeds?.[j] ?? null;
+    const own = { sampling: { ...base.sampling, seed }, prompt: base.prompt };
+    this.#inputs.set(attemptKey(rid, epoch), own);
     return own;
   }
 
@@ -535,7 +548,8 @@ export class DecodeNode {
     // max_tokens 1: the machine finished the request at commit.
     if (attempt === undefined || attempt.phase !== "decoding") return;
     if (attempt.group !== undefined && attempt.group !== rid) this.#forkedSamples++;
-    const sampling = this.#sampling.get(key) ?? this.#sampleSampling(attempt.group, rid, epoch) ?? GREEDY;
+    const { sampling, prompt } = this.#inputs.get(key) ??
+      this.#sampleInput(attempt.group, rid, epoch) ?? { sampling: GREEDY_SAMPLING, prompt: undefined };
     if (sampling.stopTokenIds.includes(firstToken)) {
       this.#endStopped(peer, rid, epoch, 1);
       return;
@@ -544,12 +558,9 @@ export class DecodeNode {
       rid,
       tenant: attempt.tenant,
       // The ids only when the sampling reads them (a repetition penalty); else the length.
-      promptTokens:
-        sampling.prompt?.length === effect.promptLen
-          ? Int32Array.from(sampling.prompt)
-          : new Int32Array(effect.promptLen),
+      promptTokens: prompt?.length === effect.promptLen ? prompt : new Int32Array(effect.promptLen),
       maxTokens: attempt.maxTokens,
-      ...requestSampling(sampling),
+      sampling,
     };
     this.#running.set(rid, epoch);
     // This attempt's events, built once: a token reuses them (the key is the attempt's own string).

@@ -9,9 +9,8 @@
 import v8 from "node:v8";
 import type { Engine } from "../engine/engine.js";
 import type { PageCounts } from "../kvcache/ownership-table.js";
-import type { FromNode, NodeStats, SamplingParams } from "../links/node-messages.js";
+import type { FromNode, NodeStats } from "../links/node-messages.js";
 import type { KvPool } from "../protocol/effects.js";
-import type { GenerationRequest } from "../protocol/engine-api.js";
 import type { Safety } from "../protocol/safety.js";
 import { nextRidIn, ROUTER_SLOTS, ridBefore, routerSlotOf } from "../protocol/wire.js";
 import type { PageChecksums } from "../transfer/page-checksum.js";
@@ -30,27 +29,6 @@ export interface NodeOptions {
    * node reuses the one carrying each token.
    */
   readonly toRouter: (message: FromNode) => void;
-}
-
-/** The sampling of a request the router sent none for. */
-export const GREEDY: SamplingParams = { temperature: 0, topP: 1, topK: 0, seed: null, stopTokenIds: [] };
-
-/** The sampling fields of the engine's request both nodes build, from the router's `SamplingParams`. */
-export function requestSampling(
-  s: SamplingParams,
-): Pick<
-  GenerationRequest,
-  "temperature" | "topP" | "topK" | "seed" | "stopTokenIds" | "controls" | "logprobs"
-> {
-  return {
-    temperature: s.temperature,
-    topP: s.topP,
-    topK: s.topK,
-    seed: s.seed,
-    stopTokenIds: s.stopTokenIds,
-    controls: s.controls,
-    logprobs: s.logprobs,
-  };
 }
 
 /** Transfer counters summed over channels. */

@@ -33,7 +33,7 @@
 import type { WireError } from "../lib/errors.js";
 import { PHASE } from "../lib/phase-histograms.js";
 import { epochNow, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
-import type { NodeStats, SamplingParams, ToNode } from "../links/node-messages.js";
+import type { NodeStats, ToNode } from "../links/node-messages.js";
 import type { ComputeEffect, Effects, WriteEffect } from "../protocol/effects.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import {
@@ -44,6 +44,7 @@ import {
   prefillStep,
 } from "../protocol/prefill-machine.js";
 import { faultOn } from "../protocol/safety.js";
+import { GREEDY_SAMPLING, type SamplingParams } from "../protocol/sampling-params.js";
 import {
   attemptKey,
   type ControlMessage,
@@ -54,7 +55,7 @@ import {
 } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { PageWrite, TransferHandlers, TransferWriter } from "../transfer/transport.js";
-import { addTransfer, GREEDY, NodeCore, type NodeOptions, requestSampling } from "./node-core.js";
+import { addTransfer, NodeCore, type NodeOptions } from "./node-core.js";
 import { pageBytesOf } from "./node-pool.js";
 import { PrefillPrefix } from "./prefill-prefix.js";
 
@@ -91,7 +92,7 @@ export class PrefillNode {
   /** Per attempt: the peer it writes to, and the prompt and sampling the router sent. */
   readonly #inputs = new Map<
     string,
-    { peer: DecodePeer; tokens: readonly number[]; sampling: SamplingParams; trace?: RequestTrace }
+    { peer: DecodePeer; tokens: Int32Array; sampling: SamplingParams; trace?: RequestTrace }
   >();
   readonly #out: Effects = [];
   readonly #context: PrefillContext;
@@ -198,18 +199,27 @@ export class PrefillNode {
       return;
     }
     const key = attemptKey(msg.rid, msg.epoch);
-    if (msg.promptTokens === undefined || msg.promptTokens.length !== msg.promptLen) {
+    const tokens = msg.promptTokens;
+    if (tokens !== undefined && !(tokens instanceof Int32Array)) {
+      // A router of another kvfence version: it sent the ids in another form.
       this.#reject(msg, {
         code: "invalid_request",
-        message: `The prefill request ${msg.rid} carries ${msg.promptTokens?.length ?? 0} prompt tokens, its promptLen is: ${msg.promptLen}`,
+        message: `The prefill request ${msg.rid} carries its prompt tokens in another form than an Int32Array; run the same kvfence version on every process: ${Array.isArray(tokens) ? "array" : typeof tokens}`,
+      });
+      return;
+    }
+    if (tokens === undefined || tokens.length !== msg.promptLen) {
+      this.#reject(msg, {
+        code: "invalid_request",
+        message: `The prefill request ${msg.rid} carries ${tokens?.length ?? 0} prompt tokens, its promptLen is: ${msg.promptLen}`,
       });
       return;
     }
     if (!this.#inputs.has(key))
       this.#inputs.set(key, {
         peer,
-        tokens: msg.promptTokens,
-        sampling: message.sampling ?? GREEDY,
+        tokens,
+        sampling: message.sampling ?? GREEDY_SAMPLING,
         ...(message.trace === undefined ? {} : { trace: message.trace }),
       });
     this.#step(peer, { type: "message", msg });
@@ -369,17 +379,14 @@ export class PrefillNode {
   #compute(peer: DecodePeer, { rid, epoch, tenant, promptLen, pages, cachedPages }: ComputeEffect): void {
     const key = attemptKey(rid, epoch);
     const input = this.#inputs.get(key);
-    const tokens = input?.tokens ?? [];
-    const sampling = input?.sampling ?? GREEDY;
+    const tokens = input?.tokens ?? new Int32Array(0);
     const request: GenerationRequest = {
       rid,
       tenant,
       // promptLen is 1 only under the placeholder-reject fault: the placeholder is the first token.
-      promptTokens: Int32Array.from(tokens.slice(0, Math.max(1, promptLen))),
+      promptTokens: tokens.subarray(0, Math.max(1, promptLen)),
       maxTokens: 1,
-      ...requestSampling(sampling),
-      promptLogprobs: sampling.promptLogprobs,
-      sampleSeeds: sampling.sampleSeeds,
+      sampling: input?.sampling ?? GREEDY_SAMPLING,
     };
     let done = false;
     // The clock is read for a span only (tracing off: nothing).

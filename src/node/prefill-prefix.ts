@@ -37,7 +37,7 @@ export class PrefillPrefix implements PrefillPrefixCache {
   }
 
   lookup(msg: PrefillRequest, maxPages: number): { pages: number[]; generations: number[] } {
-    const tokens = Int32Array.from(msg.promptTokens ?? []);
+    const tokens = msg.promptTokens ?? new Int32Array(0);
     const salt = prefixCacheSalt(this.#safety, msg.tenant, msg.cacheSalt ?? null, msg.cacheScope ?? "");
     const key = attemptKey(msg.rid, msg.epoch);
     this.#inputs.set(key, { tokens, salt });

@@ -7,10 +7,10 @@
 
 import type { NodeInfo } from "../admin-api/admin-wire.js";
 import type { WireError } from "../lib/errors.js";
-import type { LogitControls } from "../lib/logit-controls.js";
 import type { PhaseSnapshot } from "../lib/phase-histograms.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { RequestTrace } from "../lib/tracing.js";
+import type { SamplingParams } from "./sampling-params.js";
 
 /** One generation request, as the engine sees it (already tokenized and validated by the router). */
 export interface GenerationRequest {
@@ -20,20 +20,8 @@ export interface GenerationRequest {
   readonly tenant: number;
   readonly promptTokens: Int32Array;
   readonly maxTokens: number;
-  /** 0 = greedy. */
-  readonly temperature: number;
-  readonly topP: number;
-  /** 0 = off. */
-  readonly topK: number;
-  readonly seed: number | null;
-  /** EOS ids; stop *strings* are matched by the router, which then aborts. */
-  readonly stopTokenIds: readonly number[];
-  /** Logit bias, min_tokens, penalties, min-p (absent: none); applied where the token is sampled. */
-  readonly controls?: LogitControls | undefined;
-  /** Report each sampled token's log-probability and this many top ones (0 to 20); absent: none. */
-  readonly logprobs?: number | undefined;
-  /** Report the prompt's log-probabilities (each token given the ones before) and this many top ones. */
-  readonly promptLogprobs?: number | undefined;
+  /** How its tokens are drawn and reported, as the router's parser built it (carried whole). */
+  readonly sampling: SamplingParams;
   /**
    * One of a request's `n` samples other than the first (`index` ≥ 1; `of`: the first's rid, submitted
    * before it). An engine that runs the first may fork its computed prompt for this one (copy its
@@ -54,12 +42,6 @@ export interface GenerationRequest {
    * never run at once under its tenant's caps or in the pool is refused whole. Absent: on its own.
    */
   readonly group?: { readonly first: number; readonly size: number } | undefined;
-  /**
-   * A prefill-only request of such a group: also draw each later sample's first token from the
-   * same logits, each with its own generator (its seed; null: a random one), reported after this
-   * one's in `onTokens`.
-   */
-  readonly sampleSeeds?: readonly (number | null)[] | undefined;
   /** The HTTP request's id and trace context (logs and spans; src/lib/tracing.ts). */
   readonly trace?: RequestTrace;
   /**

@@ -5,7 +5,9 @@
  * router's u32 request id, `epoch` the attempt (a retry is a new epoch with new pages); a receiver
  * ignores (and counts) any message whose key is not the one it expects.
  *
- * Checksums travel as 16-digit lowercase hex strings (xxhash64), because JSON has no bigint.
+ * Checksums travel as 16-digit lowercase hex strings (xxhash64), because JSON has no bigint. A
+ * prompt's token ids (`promptTokens`, servers only) are one `Int32Array`: cloned by a MessagePort,
+ * written as base64 by the router's TCP control link (src/transfer/control-codec.ts).
  */
 import type { WireError } from "../lib/errors.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
@@ -34,6 +36,11 @@ export interface ReserveRequest {
    * full pages read-only (docs/protocol.md §3, item 14). Absent: one sample.
    */
   readonly samples?: readonly number[];
+  /**
+   * The prompt's token ids (servers), only when decode's sampling reads them (a repetition
+   * penalty); otherwise decode knows only the prompt's length.
+   */
+  readonly promptTokens?: Int32Array;
 }
 
 /** Decode → router: the reservation, forwarded by the router to prefill inside `PrefillRequest`. */
@@ -69,7 +76,7 @@ export interface PrefillRequest {
   readonly promptLen: number;
   readonly maxTokens: number;
   /** The prompt's token ids (servers); absent in the model checker, which abstracts tokens. */
-  readonly promptTokens?: readonly number[];
+  readonly promptTokens?: Int32Array;
   /** The client's `cache_salt` and the server's namespace within the tenant (the prefix cache). */
   readonly cacheSalt?: string | null;
   readonly cacheScope?: string;

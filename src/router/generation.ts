@@ -83,7 +83,7 @@ export class Generation {
     this.#includeStop = options.includeStopStr === true;
     this.#stop = new StopMatcher(options.stop, this.#includeStop);
     this.#sink = sink;
-    this.#skip = new Set(request.stopTokenIds);
+    this.#skip = new Set(request.sampling.stopTokenIds);
     this.#stopIds = new Set(options.stopTokenIds ?? []);
     this.#minTokens = options.minTokens ?? 0;
     this.#perToken = this.#stopIds.size > 0 || this.#minTokens > 0 || options.logprobs === true;

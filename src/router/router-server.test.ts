@@ -95,7 +95,7 @@ describe("RouterServer with a scripted engine", () => {
       completion_tokens: 14,
       total_tokens: promptTokens + 14,
     });
-    assert.equal(ctx.engine.submitted.at(-1)?.temperature, 0, "generation_config default applies");
+    assert.equal(ctx.engine.submitted.at(-1)?.sampling.temperature, 0, "generation_config default applies");
   });
 
   test("RouterServer streams chat chunks framed exactly as OpenAI does, with include_usage", async () => {

@@ -66,6 +66,7 @@ import {
 } from "./prepare-request.js";
 import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
+import { laterSampleSampling, samplingParams } from "./request-sampling.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
 import { SseWriter } from "./sse.js";
 
@@ -651,7 +652,6 @@ export class RouterServer {
       this.metrics.clientDisconnects.inc({ endpoint: kind.endpoint });
       return;
     }
-    const defaults = this.#model.defaults ?? {};
     const requestId = ctx.requestId;
     const span = tracing()?.startRequest(
       "request",
@@ -660,15 +660,7 @@ export class RouterServer {
     );
     const base: Omit<GenerationRequest, "rid" | "promptTokens" | "maxTokens"> = {
       tenant: ctx.tenant!.index,
-      temperature: parsed.temperature ?? defaults.temperature ?? 1,
-      topP: parsed.topP ?? defaults.topP ?? 1,
-      topK: parsed.topK === null ? (defaults.topK ?? 0) : Math.max(0, parsed.topK),
-      seed: parsed.seed,
-      // ignore_eos: EOS ends nothing; the client's stop_token_ids are the router's to match.
-      stopTokenIds: parsed.ignoreEos ? [] : this.#model.eosTokenIds,
-      ...(parsed.controls === undefined ? {} : { controls: parsed.controls }),
-      ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
-      ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
+      sampling: samplingParams(parsed, this.#model),
       trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
       cacheSalt: parsed.cacheSalt,
       cacheScope: this.#prefixCacheScope === "key" && ctx.keyIndex >= 0 ? `key:${ctx.keyIndex}` : "",
@@ -682,7 +674,8 @@ export class RouterServer {
     const planned: PlannedChoice[] = [];
     // The disaggregated topologies run the samples as one group (one prefill, forked on decode),
     // unless log-probabilities are asked (each sample then computes its own prompt).
-    const grouped = parsed.n > 1 && base.logprobs === undefined && base.promptLogprobs === undefined;
+    const grouped =
+      parsed.n > 1 && base.sampling.logprobs === undefined && base.sampling.promptLogprobs === undefined;
     admitted.forEach(({ tokens, maxTokens }, p) => {
       const first = this.#nextRid;
       const rids = Array.from({ length: parsed.n }, () => {
@@ -699,13 +692,7 @@ export class RouterServer {
               ? grouped
                 ? { ...own, samples: rids.slice(1) }
                 : own
-              : {
-                  ...own,
-                  seed: parsed.seed === null ? null : parsed.seed + j,
-                  sample: { of: first, index: j },
-                  // The prompt's log-probabilities are computed once, by sample 0.
-                  promptLogprobs: undefined,
-                },
+              : { ...own, sampling: laterSampleSampling(base.sampling, j), sample: { of: first, index: j } },
           echo: parsed.echoPrompts?.[p] ?? null,
           firstOfPrompt: j === 0,
         });
@@ -860,7 +847,7 @@ export class RouterServer {
       id: completionId(responses.idKind),
       created: Math.floor(Date.now() / 1000),
       model: this.#model.id,
-      sampling: { temperature: first.temperature, topP: first.topP },
+      sampling: { temperature: first.sampling.temperature, topP: first.sampling.topP },
       ...(echo === undefined ? {} : { responses: echo }),
     };
   }

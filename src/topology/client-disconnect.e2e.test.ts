@@ -18,6 +18,7 @@ import { connectCluster } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import { loadModel } from "../model/load-model.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
+import { GREEDY_SAMPLING } from "../protocol/sampling-params.js";
 import { type ControlMessage, ROUTER_SLOTS } from "../protocol/wire.js";
 import { type NodeProcesses, startNodeProcesses } from "./local-cluster.js";
 import { startThreadedTopology, type ThreadedTopology } from "./threaded-topology.js";
@@ -50,11 +51,7 @@ function request(rid: number, promptLen: number): GenerationRequest {
     tenant: rid % 3,
     promptTokens: Int32Array.from({ length: promptLen }, (_, i) => (i * 31 + rid) % 250),
     maxTokens: MAX_TOKENS,
-    temperature: 0,
-    topP: 1,
-    topK: 0,
-    seed: null,
-    stopTokenIds: [],
+    sampling: GREEDY_SAMPLING,
   };
 }
 

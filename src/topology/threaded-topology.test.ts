@@ -15,6 +15,7 @@ import { loadModel } from "../model/load-model.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import { contextLengthError } from "../protocol/router-machine.js";
 import { makeSafety } from "../protocol/safety.js";
+import { GREEDY_SAMPLING } from "../protocol/sampling-params.js";
 import { startThreadedTopology } from "./threaded-topology.js";
 
 const model = loadModel(modelDir("tiny-qwen2"), { shared: true });
@@ -26,11 +27,7 @@ function request(rid: number, promptLen: number, maxTokens: number): GenerationR
     tenant: 0,
     promptTokens: Int32Array.from({ length: promptLen }, (_, i) => (i * 13 + rid) % 250),
     maxTokens,
-    temperature: 0,
-    topP: 1,
-    topK: 0,
-    seed: null,
-    stopTokenIds: [],
+    sampling: GREEDY_SAMPLING,
   };
 }
 
@@ -123,7 +120,11 @@ test("DisaggregatedEngine finishes a request whose first token (prefill's) is a 
       new Promise<{ reason: string; tokens: number[] }>((resolve, reject) => {
         const tokens: number[] = [];
         topo.engine.submit(
-          { ...request(6, 30, 5), promptTokens: request(5, 30, 1).promptTokens, stopTokenIds: [first] },
+          {
+            ...request(6, 30, 5),
+            promptTokens: request(5, 30, 1).promptTokens,
+            sampling: { ...GREEDY_SAMPLING, stopTokenIds: [first] },
+          },
           {
             onTokens: (ids) => tokens.push(...ids),
             onFinish: (reason) => resolve({ reason, tokens }),

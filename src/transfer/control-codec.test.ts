@@ -2,7 +2,12 @@ import assert from "node:assert/strict";
 import { randomBytes } from "node:crypto";
 import { test } from "node:test";
 import { clusterSecretBytes, hmac, sessionKeys, verifyHmac, weakSecretReason } from "./control-auth.js";
-import { decodeControl, encodeControl } from "./control-codec.js";
+import {
+  decodeControl,
+  encodeControl,
+  parseWithInt32Arrays,
+  stringifyWithInt32Arrays,
+} from "./control-codec.js";
 
 test("encodeControl() round-trips a manifest through decodeControl()", () => {
   const message = {
@@ -23,6 +28,26 @@ test("decodeControl() rejects non-objects and bad JSON with transfer_failed", ()
   assert.throws(() => decodeControl(Buffer.from('{"type":3}')), {
     code: "transfer_failed",
     message: /no string type/,
+  });
+});
+
+test("stringifyWithInt32Arrays() writes an Int32Array as base64 that parseWithInt32Arrays() reads back", () => {
+  const prompt = Int32Array.from([0, 1, -5, 2 ** 31 - 1, -(2 ** 31), 151_643]);
+  const message = { kind: "protocol", msg: { type: "prefill", rid: 3, promptTokens: prompt } };
+  const text = stringifyWithInt32Arrays(message);
+  assert.match(text, /"promptTokens":\{"\$i32":"[A-Za-z0-9+/=]+"\}/);
+  assert.deepEqual(parseWithInt32Arrays(text), message);
+  // An empty one, and a message without any: plain JSON either way.
+  assert.deepEqual(parseWithInt32Arrays(stringifyWithInt32Arrays({ ids: new Int32Array(0) })), {
+    ids: new Int32Array(0),
+  });
+  assert.deepEqual(parseWithInt32Arrays('{"tokens":[1,2],"note":"$i32"}'), { tokens: [1, 2], note: "$i32" });
+});
+
+test("parseWithInt32Arrays() refuses an Int32Array whose bytes are not whole int32s, with transfer_failed", () => {
+  assert.throws(() => parseWithInt32Arrays('{"p":{"$i32":"AQID"}}'), {
+    code: "transfer_failed",
+    message: /not a multiple of 4: 3/,
   });
 });
 

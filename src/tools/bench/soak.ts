@@ -16,6 +16,7 @@ import { connectCluster } from "../../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../../cluster/disaggregated-engine.js";
 import { bundledModelDir } from "../../lib/package-root.js";
 import type { GenerationRequest } from "../../protocol/engine-api.js";
+import { GREEDY_SAMPLING } from "../../protocol/sampling-params.js";
 import { startNodeProcesses } from "../../topology/local-cluster.js";
 import { positiveInt } from "./bench-cli.js";
 
@@ -132,11 +133,7 @@ function soakRequest(rid: number, promptTokens: number, maxTokens: number): Gene
     tenant: 0,
     promptTokens: Int32Array.from({ length: promptTokens }, (_, i) => 3 + ((rid * 7 + i * 13) % 200)),
     maxTokens,
-    temperature: 0,
-    topP: 1,
-    topK: 0,
-    seed: null,
-    stopTokenIds: [],
+    sampling: GREEDY_SAMPLING,
   };
 }
 

@@ -43,6 +43,7 @@ import { genModel } from "../../model/gen-model.js";
 import { loadWeights } from "../../model/load-model.js";
 import type { GenerationEvents } from "../../protocol/engine-api.js";
 import { makeSafety } from "../../protocol/safety.js";
+import { GREEDY_SAMPLING } from "../../protocol/sampling-params.js";
 import { positiveInteger } from "./bench-cli.js";
 
 export interface TagCheckBenchOptions {
@@ -238,11 +239,7 @@ function prefill(engine: Engine, shape: BatchShape, vocabSize: number): void {
         tenant: 0,
         promptTokens: prompt,
         maxTokens: shape.decodeTokens,
-        temperature: 0,
-        topP: 1,
-        topK: 0,
-        seed: null,
-        stopTokenIds: [],
+        sampling: GREEDY_SAMPLING,
       },
       IGNORE,
     );

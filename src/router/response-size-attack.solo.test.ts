@@ -10,7 +10,8 @@
  *
  * Here the server's `--max-response-bytes` is raised to 512 MiB so that the answer is admitted and
  * written (its worst case is 323 MB; with the default cap the same request gets a 400 before any
- * work: src/router/response-size.e2e.test.ts), and tenant "victor"'s small requests — `GET
+ * work: src/router/response-size.e2e.test.ts), the server has room for the 64 samples at once (no
+ * tenant caps, 80 sequence slots, 8,192 pages), and tenant "victor"'s small requests — `GET
  * /v1/models` with its key, through the official `openai` client, and `/health` — keep their p99
  * within 100 ms of their own when alone, measured in turns with the attack
  * (testing/latency-under-attack.ts). Victor's requests stay in the router: the finding is the
@@ -38,6 +39,12 @@ before(async () => {
     // One kernel thread: a second one spins between matrices and would take the router's core.
     kernelThreads: 1,
     maxResponseBytes: 512 * 1024 * 1024,
+    // Room for mallory's 64 samples at once (each 1,900 tokens: 119 pages), so that the request
+    // fits the tenant's caps and the pool whole.
+    kvPages: 8192,
+    maxNumSeqs: 80,
+    tenantMaxConcurrency: 0,
+    tenantMaxPages: 0,
   });
 });
 after(() => server?.close());

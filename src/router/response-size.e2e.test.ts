@@ -33,7 +33,14 @@ const PREFILLED = "kvfence_prefill_tokens_total";
 
 let server: TestServer;
 before(async () => {
-  server = await startTestServer({ model: modelDir(MODEL), apiKeys: { [KEY]: "alpha" } });
+  // Room for the 64 samples at once (each 1,900 tokens: 119 pages), so that nothing but the
+  // answer's size refuses it.
+  server = await startTestServer({
+    model: modelDir(MODEL),
+    apiKeys: { [KEY]: "alpha" },
+    kvPages: 8192,
+    maxNumSeqs: 80,
+  });
 });
 after(() => server?.close());
 

@@ -15,6 +15,7 @@ import type {
 } from "../src/protocol/engine-api.js";
 import type { TextStreamDecoder } from "../src/router/generation.js";
 import type { ChatMessage } from "../src/router/openai-schemas.js";
+import { tokenBounds } from "../src/router/response-size.js";
 import type { RouterTokenizer } from "../src/router/router-server.js";
 
 export const BYTE_EOS = 258; // <|im_end|>
@@ -171,6 +172,9 @@ export class ScriptedEngine implements EngineHandle {
 /** ChatML over UTF-8 bytes: ids 0-255 are bytes, 257 `<|im_start|>`, 258 `<|im_end|>`. */
 export const byteTokenizer: RouterTokenizer = {
   vocabSize: 259,
+  get tokenBounds() {
+    return tokenBounds(259, (id) => byteTokenizer.tokenPiece(id));
+  },
   decode: (ids) => Buffer.from(Array.from(ids).filter((id) => id < 256)).toString("utf8"),
   tokenPiece(id: number) {
     const bytes = id < 256 ? [id] : [...Buffer.from(id === IM_START ? "<|im_start|>" : "<|im_end|>")];

@@ -43,6 +43,12 @@ export interface TestServerOptions {
   readonly kernelThreads?: 1 | 2;
   /** `--max-prompt-bytes`. */
   readonly maxPromptBytes?: number;
+  /** `--max-response-bytes`. */
+  readonly maxResponseBytes?: number;
+  /** `--max-num-seqs`, `--tenant-max-concurrency` and `--tenant-max-pages` (0: no cap). */
+  readonly maxNumSeqs?: number;
+  readonly tenantMaxConcurrency?: number;
+  readonly tenantMaxPages?: number;
   /** true: the default topology (prefill and decode nodes in threads); default false (one engine). */
   readonly disaggregation?: boolean;
   /** `--operator-key` (default TEST_OPERATOR_KEY); null: none, so /metrics is on the operator listener. */
@@ -83,6 +89,12 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(apiKeys === undefined ? {} : { apiKeys }),
     ...(options.kernelThreads === undefined ? {} : { kernelThreads: String(options.kernelThreads) }),
     ...(options.maxPromptBytes === undefined ? {} : { maxPromptBytes: String(options.maxPromptBytes) }),
+    ...(options.maxResponseBytes === undefined ? {} : { maxResponseBytes: String(options.maxResponseBytes) }),
+    ...(options.maxNumSeqs === undefined ? {} : { maxNumSeqs: String(options.maxNumSeqs) }),
+    ...(options.tenantMaxConcurrency === undefined
+      ? {}
+      : { tenantMaxConcurrency: String(options.tenantMaxConcurrency) }),
+    ...(options.tenantMaxPages === undefined ? {} : { tenantMaxPages: String(options.tenantMaxPages) }),
     ...(options.operatorKey === null ? {} : { operatorKey: options.operatorKey ?? TEST_OPERATOR_KEY }),
     ...(options.metricsTenantNames === true ? { metricsTenantNames: true } : {}),
     ...(options.prefixCache === undefined ? {} : { prefixCache: options.prefixCache }),

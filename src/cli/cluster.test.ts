@@ -22,6 +22,7 @@ const FORWARDED: ReadonlyArray<[flag: string, value: string]> = [
   ["--metrics-port", "9100"],
   ["--max-body-bytes", "8KiB"],
   ["--max-prompt-bytes", "2000"],
+  ["--max-response-bytes", "16MiB"],
   ["--max-messages", "3"],
   ["--max-json-depth", "8"],
   ["--tokenizer-threads", "1"],

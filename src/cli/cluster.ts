@@ -4,8 +4,8 @@
  * stops every process. `--tls-cert/--tls-key/--tls-ca` go to every process (mutual TLS on every
  * cluster link), `--https-cert/--https-key` (docs/tls.md), the operator endpoints' flags
  * (`--operator-key`, `--metrics-port`, `--metrics-tenant-names`; docs/api.md), the request limits
- * and the tokenizer pool (`--max-body-bytes`, `--max-prompt-bytes`, `--max-messages`,
- * `--max-json-depth`, `--tokenizer-threads`), and the fair-share and readiness flags
+ * and the tokenizer pool (`--max-body-bytes`, `--max-prompt-bytes`, `--max-response-bytes`,
+ * `--max-messages`, `--max-json-depth`, `--tokenizer-threads`), and the fair-share and readiness flags
  * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--scheduling-policy`, `--ready-timeout`) to
  * the router; the
  * model and pool flags (`--quantize`, `--kv-cache-dtype`, `--kv-pages`, `--kernels`, ...) to every
@@ -56,6 +56,10 @@ export function command(): Command {
     .option(
       "--max-prompt-bytes <size>",
       "router: prompts over this many UTF-8 bytes get 400 before tokenization",
+    )
+    .option(
+      "--max-response-bytes <size>",
+      "router: requests whose answer could be larger get 400 before any work (default 1KiB per token of the context, at least 64MiB)",
     )
     .option("--max-messages <n>", "router: chat requests with more messages get 400 (default 2048)")
     .option("--max-json-depth <n>", "router: bodies nesting deeper get 400 before parsing (default 64)")
@@ -120,6 +124,7 @@ export function routerArgsOf(raw: RawOptions): string[] {
     ["--metrics-port", "metricsPort"],
     ["--max-body-bytes", "maxBodyBytes"],
     ["--max-prompt-bytes", "maxPromptBytes"],
+    ["--max-response-bytes", "maxResponseBytes"],
     ["--max-messages", "maxMessages"],
     ["--max-json-depth", "maxJsonDepth"],
     ["--tokenizer-threads", "tokenizerThreads"],

@@ -124,6 +124,10 @@ function routerOptions(cmd: Command): Command {
       "--max-prompt-bytes <size>",
       "prompts (a chat's message contents, summed) over this many UTF-8 bytes get 400 before tokenization (default 32 bytes per token of the context, at least 64KiB)",
     )
+    .option(
+      "--max-response-bytes <size>",
+      "requests whose answer could be larger (worst case from n, max_tokens, logprobs, echo and the prompt) get 400 before any work (default 1KiB per token of the context, at least 64MiB)",
+    )
     .option("--max-messages <n>", "chat requests with more messages get 400 (default 2048)")
     .option(
       "--max-json-depth <n>",

@@ -20,6 +20,7 @@ export const ERROR_TABLE = {
   json_too_deep: { status: 400, type: "invalid_request_error", retryable: false },
   array_above_max_length: { status: 400, type: "invalid_request_error", retryable: false },
   string_above_max_length: { status: 400, type: "invalid_request_error", retryable: false },
+  response_too_large: { status: 400, type: "invalid_request_error", retryable: false },
   model_not_found: { status: 404, type: "invalid_request_error", retryable: false },
   invalid_api_key: { status: 401, type: "authentication_error", retryable: false },
   not_found: { status: 404, type: "invalid_request_error", retryable: false },

@@ -8,6 +8,7 @@ import type { ChatTemplate, ModelTokenizer } from "../tokenizer/tokenizer.js";
 import type { TextStreamDecoder } from "./generation.js";
 import type { TokenPiece } from "./logprobs-wire.js";
 import type { ChatMessage, ChatTemplateOptions } from "./openai-schemas.js";
+import { type TokenBounds, tokenBounds } from "./response-size.js";
 import type { RouterTokenizer } from "./router-server.js";
 
 /** Token pieces kept once made (log-probabilities name the same tokens over and over). */
@@ -19,8 +20,14 @@ export function routerTokenizer(
 ): RouterTokenizer {
   const vocabSize = tokenizer.numIds;
   const pieces = new Map<number, TokenPiece>();
+  let bounds: TokenBounds | null = null;
   return {
     vocabSize,
+    // Walks the vocabulary once, when first read (the router reads it at startup), past the piece cache.
+    get tokenBounds(): TokenBounds {
+      bounds ??= tokenBounds(vocabSize, (id) => tokenizer.tokenPiece(id));
+      return bounds;
+    },
     encodeChat(messages: readonly ChatMessage[], options?: ChatTemplateOptions): Int32Array {
       if (chatTemplate === null) {
         throw new KvfenceError(

@@ -10,15 +10,16 @@
  *
  * Real server on 127.0.0.1; victor uses the official `openai` client on a fixed schedule (open
  * loop, so that a stall counts against every request it delays); mallory's client runs in a thread
- * of its own at the lowest priority (testing/flood-worker.ts), standing in for another machine.
+ * of its own at the lowest priority (testing/flood-worker.ts), standing in for another machine
+ * (the measurement: testing/latency-under-attack.ts).
  * Before the fix the router tokenized on its event loop: the 15 MiB prompt alone held every other
  * request for seconds.
  */
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
-import { Worker } from "node:worker_threads";
 import OpenAI from "openai";
-import type { FloodAnswer, FloodOptions } from "../../testing/flood-worker.js";
+import type { FloodAnswer } from "../../testing/flood-worker.js";
+import { compareLatency, startFlood } from "../../testing/latency-under-attack.js";
 import { modelDir, startTestServer, type TestServer } from "../../testing/start-server.js";
 import { requestLimits } from "./request-limits.js";
 
@@ -46,11 +47,6 @@ before(async () => {
   });
 });
 after(() => server?.close());
-
-function p99(samples: number[]): number {
-  const sorted = [...samples].sort((a, b) => a - b);
-  return sorted[Math.min(sorted.length - 1, Math.ceil(0.99 * sorted.length) - 1)]!;
-}
 
 interface Attack {
   readonly name: string;
@@ -122,129 +118,39 @@ function attacks(): Attack[] {
   ];
 }
 
-/** Mallory's client in a thread of its own: `round()` sends every attack at once. */
-async function startFlood(list: readonly Attack[]) {
-  const options: FloodOptions = {
-    url: server.url,
-    apiKey: MALLORY,
-    requests: list.map(({ name, path, body }) => ({ name, path, body })),
-  };
-  const worker = new Worker(new URL("../../testing/flood-worker.js", import.meta.url), {
-    workerData: options,
-    transferList: list.map((a) => a.body.buffer as ArrayBuffer),
-  });
-  await new Promise((resolve) => worker.once("online", resolve));
-  return {
-    round: () =>
-      new Promise<FloodAnswer[]>((resolve, reject) => {
-        worker.once("message", resolve);
-        worker.once("error", reject);
-        worker.postMessage("go");
-      }),
-    close: () => worker.terminate(),
-  };
-}
-
 const ROUNDS = 6;
-const ATTEMPTS = 3;
-const INTERVAL_MS = 40;
-const MAX_IN_FLIGHT = 100;
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 test("a tenant's 15 MiB prompt, 300,000 messages and 10 MB of nested JSON leave another tenant's p99 within 100 ms of its baseline", {
   timeout: 240_000,
 }, async (t) => {
   const list = attacks();
   const expected = new Map(list.map((a) => [a.name, a]));
-  const mallory = await startFlood(list);
+  const mallory = await startFlood(
+    server.url,
+    MALLORY,
+    list.map(({ name, path, body }) => ({ name, path, body })),
+  );
   t.after(() => mallory.close());
   const victor = new OpenAI({ baseURL: server.baseURL, apiKey: VICTOR, maxRetries: 0, timeout: 120_000 });
-  const ask = async (): Promise<void> => {
-    const res = await victor.chat.completions.create({
-      model: MODEL,
-      messages: [{ role: "user", content: "What is the access code of account 4242?" }],
-      max_tokens: 1,
-      temperature: 0,
-    });
-    assert.equal(res.choices.length, 1);
-  };
-  /**
-   * Victor's load: one request every INTERVAL_MS on a fixed schedule that does not wait for the
-   * answers (so a stall counts against every request it delays, not just one), each latency
-   * counted from the request's scheduled time, until `more()` is false and at least `min` were sent.
-   */
-  const measure = async (more: () => boolean, min: number): Promise<number[]> => {
-    const latencies: number[] = [];
-    const pending: Promise<void>[] = [];
-    let inFlight = 0;
-    const start = performance.now();
-    for (let i = 0; more() || i < min; i++) {
-      const due = start + i * INTERVAL_MS;
-      const wait = due - performance.now();
-      if (wait > 0) await sleep(wait);
-      if (inFlight >= MAX_IN_FLIGHT) {
-        // Too far behind to send: the slot counts with the time it has waited already.
-        latencies.push(performance.now() - due);
-        continue;
-      }
-      inFlight++;
-      pending.push(
-        ask().then(
-          () => {
-            inFlight--;
-            latencies.push(performance.now() - due);
-          },
-          (err: Error) => {
-            // A failed request counts as infinitely slow (and is named in the report).
-            inFlight--;
-            failures.push(err.message);
-            latencies.push(Number.POSITIVE_INFINITY);
-          },
-        ),
-      );
-    }
-    await Promise.all(pending);
-    return latencies;
-  };
-  const failures: string[] = [];
-  await measure(() => false, 10); // warm-up
-
   const answered: FloodAnswer[] = [];
-  /** Alone and under attack, in turns, so that a change in the machine's load hits both alike. */
-  const attempt = async () => {
-    const alone: number[] = [];
-    const underAttack: number[] = [];
-    for (let round = 0; round < ROUNDS; round++) {
-      alone.push(...(await measure(() => false, 20)));
-      let attacking = true;
-      const answers = mallory.round().finally(() => {
-        attacking = false;
+  const { passed, reports } = await compareLatency({
+    ask: async () => {
+      const res = await victor.chat.completions.create({
+        model: MODEL,
+        messages: [{ role: "user", content: "What is the access code of account 4242?" }],
+        max_tokens: 1,
+        temperature: 0,
       });
-      underAttack.push(...(await measure(() => attacking, 20)));
-      answered.push(...(await answers));
-    }
-    const slowest = (xs: number[]) =>
-      [...xs]
-        .sort((a, b) => b - a)
-        .slice(0, 5)
-        .map((x) => x.toFixed(0))
-        .join(", ");
-    const report =
-      `victor's p99 ${p99(underAttack).toFixed(1)} ms under attack (${underAttack.length} requests; slowest ${slowest(underAttack)}), ` +
-      `${p99(alone).toFixed(1)} ms alone (${alone.length}; slowest ${slowest(alone)})` +
-      (failures.length === 0 ? "" : `; ${failures.length} failed: ${[...new Set(failures)].join("; ")}`);
-    t.diagnostic(report);
-    return { ok: p99(underAttack) <= p99(alone) + 100, report };
-  };
-  // A machine shared with other work can stall this process for its own reasons: the measurement
-  // gets up to three attempts, and must pass one (a router that stalls fails every one).
-  const reports: string[] = [];
-  let passed = false;
-  for (let i = 0; i < ATTEMPTS && !passed; i++) {
-    const { ok, report } = await attempt();
-    reports.push(report);
-    passed = ok;
-  }
+      assert.equal(res.choices.length, 1);
+    },
+    attack: async () => {
+      answered.push(...(await mallory.round()));
+    },
+    rounds: ROUNDS,
+    attempts: 3,
+    boundMs: 100,
+    report: (line) => t.diagnostic(line),
+  });
   assert.ok(passed, `over 100 ms above the baseline in every attempt:\n${reports.join("\n")}`);
   // Each abusive body got its 4xx, naming the limit it broke.
   assert.equal(answered.length % (ROUNDS * list.length), 0);

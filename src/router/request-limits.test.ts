@@ -93,7 +93,7 @@ test("checkMessageCount() and checkPromptBytes() refuse with the OpenAI codes, n
   );
 });
 
-test("requestLimits() derives the prompt limit from the context and the body limit from the prompt limit", () => {
+test("requestLimits() derives the prompt and answer limits from the context and the body limit from the prompt limit", () => {
   assert.equal(defaultMaxPromptBytes(2048), 64 * 1024);
   assert.equal(defaultMaxPromptBytes(131_072), 32 * 131_072);
   assert.equal(defaultMaxBodyBytes(64 * 1024), 2 * 64 * 1024 + 1024 * 1024);
@@ -102,7 +102,9 @@ test("requestLimits() derives the prompt limit from the context and the body lim
     maxJsonDepth: 64,
     maxMessages: 2048,
     maxPromptBytes: 64 * 1024,
+    maxResponseBytes: 64 * 1024 * 1024,
   });
+  assert.equal(requestLimits(131_072).maxResponseBytes, 128 * 1024 * 1024);
   assert.equal(requestLimits(2048, { maxPromptBytes: 1000 }).maxBodyBytes, defaultMaxBodyBytes(1000));
   assert.equal(requestLimits(2048, { maxBodyBytes: 5 }).maxBodyBytes, 5);
 });

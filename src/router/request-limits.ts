@@ -3,7 +3,9 @@
  * it is read, read-body.ts), the JSON nesting depth (a byte scan before `JSON.parse`), the number of
  * chat messages (before validation and the chat template) and the prompt in bytes (before
  * tokenization). Together they bound the time and memory one request can cost the router, so that
- * no request, however built, keeps other tenants waiting (docs/api.md, "Request limits").
+ * no request, however built, keeps other tenants waiting (docs/api.md, "Request limits"). The answer
+ * is bounded too: its worst case is checked against `maxResponseBytes` once the prompt is
+ * tokenized, before the engine sees it (response-size.ts).
  *
  * Each refusal is a 4xx that names the limit, the request's size and the `kvfence serve` flag that
  * raises it.
@@ -19,6 +21,8 @@ export interface RequestLimits {
   readonly maxMessages: number;
   /** `--max-prompt-bytes`: UTF-8 bytes of the prompt (a chat's message contents, summed). */
   readonly maxPromptBytes: number;
+  /** `--max-response-bytes`: the worst case of a request's answer (400 past it, before any work). */
+  readonly maxResponseBytes: number;
 }
 
 export const DEFAULT_MAX_JSON_DEPTH = 64;
@@ -46,6 +50,19 @@ export function defaultMaxBodyBytes(maxPromptBytes: number): number {
   return 2 * maxPromptBytes + 1024 * 1024;
 }
 
+/** The floor of the default answer limit. */
+const MIN_DEFAULT_RESPONSE_BYTES = 64 * 1024 * 1024;
+/** Bytes per token of the context the default answer limit allows. */
+const DEFAULT_RESPONSE_BYTES_PER_TOKEN = 1024;
+
+/**
+ * The default `--max-response-bytes` for a context of `contextLength` tokens: 1 KiB per token, at
+ * least 64 MiB — room for any answer of one choice without log-probabilities, streamed or not.
+ */
+export function defaultMaxResponseBytes(contextLength: number): number {
+  return Math.max(MIN_DEFAULT_RESPONSE_BYTES, DEFAULT_RESPONSE_BYTES_PER_TOKEN * contextLength);
+}
+
 /** The limits for a context of `contextLength` tokens: each one given, else its default. */
 export function requestLimits(contextLength: number, given: Partial<RequestLimits> = {}): RequestLimits {
   const maxPromptBytes = given.maxPromptBytes ?? defaultMaxPromptBytes(contextLength);
@@ -54,6 +71,7 @@ export function requestLimits(contextLength: number, given: Partial<RequestLimit
     maxJsonDepth: given.maxJsonDepth ?? DEFAULT_MAX_JSON_DEPTH,
     maxMessages: given.maxMessages ?? DEFAULT_MAX_MESSAGES,
     maxPromptBytes,
+    maxResponseBytes: given.maxResponseBytes ?? defaultMaxResponseBytes(contextLength),
   };
 }
 

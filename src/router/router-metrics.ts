@@ -114,7 +114,7 @@ export class RouterMetrics {
     );
 
     // Series that should read 0 (not be absent) before the first event.
-    for (const reason of ["context_length_exceeded", "engine_door"])
+    for (const reason of ["context_length_exceeded", "engine_door", "response_too_large"])
       this.admissionRejections.inc({ reason }, 0);
     for (const endpoint of ["chat", "completions"]) this.clientDisconnects.inc({ endpoint }, 0);
 

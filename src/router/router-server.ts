@@ -4,13 +4,16 @@
  * request's KV pages.
  *
  * Per request: route → method → API key (tenant) → body (Content-Type, size limit, strict UTF-8,
- * JSON) → zod validation → model → chat template + tokenize → admission → engine. Every failure on
+ * JSON) → zod validation → model → chat template + tokenize → admission (the context length, then
+ * the answer's worst case in bytes: response-size.ts) → engine. Every failure on
  * that path is a KvfenceError rendered once, by `#sendError`, through `toOpenAiError`. A request
  * refused at admission never reaches the engine, so nothing is allocated for it.
  *
  * Streaming responses write their headers on the first engine event, not before: an error the
  * engine raises before the first token (its own admission door, a page-tag mismatch) still reaches
- * the client as a real 4xx/5xx status rather than an error inside a 200 stream.
+ * the client as a real 4xx/5xx status rather than an error inside a 200 stream. Answers, whole or
+ * streamed, are serialised and written a chunk at a time (json-writer.ts), never in one call that
+ * would hold the event loop.
  */
 import { createHash, createHmac, randomBytes, randomUUID, timingSafeEqual } from "node:crypto";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
@@ -21,11 +24,11 @@ import type { NodesInfo } from "../admin-api/admin-wire.js";
 import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
-import type { TokenLogprobs as LogprobsEntry } from "../lib/token-logprobs.js";
 import { epochOf, type RequestSpan, tracing } from "../lib/tracing.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
 import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
+import { type ChoiceLogprobs, choicesLogprobs } from "./choice-logprobs.js";
 import { answerClientError } from "./client-error.js";
 import {
   DASHBOARD_HEADERS,
@@ -43,10 +46,10 @@ import {
   type TextStreamDecoder,
   type Usage,
 } from "./generation.js";
-import { type LogprobItem, type TokenPiece, vllmPromptLogprobs } from "./logprobs-wire.js";
+import { sendJson } from "./json-writer.js";
+import type { TokenPiece } from "./logprobs-wire.js";
 import {
   CHAT_RESPONSES,
-  type ChoiceExtras,
   completionId,
   RESPONSES_API,
   type ResponseMeta,
@@ -67,6 +70,7 @@ import {
 import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
 import { laterSampleSampling, samplingParams } from "./request-sampling.js";
+import { responseSizeRefusal, type TokenBounds } from "./response-size.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
 import { SseWriter } from "./sse.js";
 
@@ -76,6 +80,8 @@ export interface RouterTokenizer extends PromptTokenizer {
   tokenPiece(id: number): TokenPiece;
   /** A fresh UTF-8-safe streaming detokenizer, one per response (special tokens skipped by default). */
   createDecoder(options?: { readonly skipSpecialTokens?: boolean }): TextStreamDecoder;
+  /** What the vocabulary's longest tokens take in an answer (response-size.ts), computed once. */
+  readonly tokenBounds: TokenBounds;
 }
 
 export interface ServedModel {
@@ -206,6 +212,9 @@ export class RouterServer {
   readonly #tenants: TenantDirectory;
   readonly #log: Logger;
   readonly #maxBodyBytes: number;
+  readonly #maxResponseBytes: number;
+  /** The vocabulary's longest tokens, for the worst case of an answer (response-size.ts). */
+  readonly #tokenBounds: TokenBounds;
   readonly #preparer: RequestPreparer;
   readonly #routes: Map<string, Route>;
   readonly #server: Server;
@@ -246,6 +255,9 @@ export class RouterServer {
     );
     const limits = requestLimits(this.contextLength, options.limits);
     this.#maxBodyBytes = limits.maxBodyBytes;
+    this.#maxResponseBytes = limits.maxResponseBytes;
+    // Once, at startup: the first request's admission must not walk the vocabulary.
+    this.#tokenBounds = options.tokenizer.tokenBounds;
     this.#preparer =
       options.preparer ??
       inThreadPreparer({
@@ -609,13 +621,13 @@ export class RouterServer {
       if (!res.writableEnded) res.end();
       return;
     }
-    const text = JSON.stringify(body);
-    res.writeHead(status, {
-      ...headers,
-      "Content-Type": "application/json; charset=utf-8",
-      "Content-Length": String(Buffer.byteLength(text)),
-    });
-    res.end(text);
+    // A large answer goes out a chunk at a time, yielding to the event loop (json-writer.ts).
+    sendJson(res, status, body, headers, this.#serialiseFailed(res.getHeader("x-request-id")));
+  }
+
+  /** Logs an answer that could not be serialised (a bug; its response is cut). */
+  #serialiseFailed(requestId: unknown): (err: unknown) => void {
+    return (err) => this.#log.error({ err, requestId }, "an answer could not be serialised");
   }
 
   /** The one place a thrown value becomes an HTTP response. */
@@ -647,6 +659,18 @@ export class RouterServer {
       }
       return { tokens, maxTokens: admission.maxTokens };
     });
+    const plan = {
+      endpoint: kind.endpoint,
+      parsed,
+      prompts: admitted.map((a) => ({ tokens: a.tokens.length, maxTokens: a.maxTokens })),
+      bodyBytes: body.length,
+      modelId: this.#model.id,
+    };
+    const tooLarge = responseSizeRefusal(plan, this.#tokenBounds, this.#maxResponseBytes);
+    if (tooLarge !== null) {
+      this.metrics.admissionRejections.inc({ reason: "response_too_large" });
+      throw tooLarge;
+    }
     if (ctx.res.destroyed) {
       // The client left while its body was read: nothing to serve, nothing to allocate.
       this.metrics.clientDisconnects.inc({ endpoint: kind.endpoint });
@@ -723,6 +747,8 @@ export class RouterServer {
     let lastTokenAt = 0;
     let sse: SseWriter | null = null;
     let ended = false;
+    // Each prompt's log-probabilities are rendered once, for all its choices (choice-logprobs.ts).
+    const logprobs = choicesLogprobs(planned, { parsed, piece, responses });
     const choices = planned.map(({ request, echo, firstOfPrompt }, index) => ({
       request,
       echo,
@@ -730,14 +756,14 @@ export class RouterServer {
       index,
       text: "",
       opened: false,
-      logprobs: new LogprobsCollector(request, parsed, echo !== null, piece, responses),
+      ...logprobs[index]!,
       result: null as { reason: FinishReason; usage: Usage; stopReason: StopReason } | null,
     }));
     type Choice = (typeof choices)[number];
     const generations: Generation[] = [];
 
     const stream = (choice: Choice): SseWriter => {
-      sse ??= new SseWriter(res, 200, responses.framing);
+      sse ??= new SseWriter(res, 200, responses.framing, this.#serialiseFailed(ctx.requestId));
       if (!choice.opened) {
         choice.opened = true;
         for (const opening of responses.opening(meta, includeUsage))
@@ -792,7 +818,7 @@ export class RouterServer {
       },
       logprobs: (entry) => choice.logprobs.push(entry),
       // Sample 0 of a prompt computes its log-probabilities; every choice of that prompt shows them.
-      promptLogprobs: (entries) => sharePrompt(choices, choice.request.promptTokens, entries),
+      promptLogprobs: (entries) => choice.prompt.set(entries),
       text: (delta) => {
         choice.text += delta;
         if (parsed.stream) send(choice, responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
@@ -1044,7 +1070,7 @@ interface DoneChoice {
   readonly echo: string | null;
   readonly text: string;
   readonly firstOfPrompt: boolean;
-  readonly logprobs: LogprobsCollector;
+  readonly logprobs: ChoiceLogprobs;
   readonly result: { reason: FinishReason; usage: Usage; stopReason: StopReason } | null;
 }
 
@@ -1088,15 +1114,6 @@ function wholeAnswer(
   );
 }
 
-/** The prompt's log-probabilities to every choice of that prompt. */
-function sharePrompt(
-  choices: readonly { readonly request: GenerationRequest; readonly logprobs: LogprobsCollector }[],
-  prompt: Int32Array,
-  entries: readonly (LogprobsEntry | null)[],
-): void {
-  for (const c of choices) if (c.request.promptTokens === prompt) c.logprobs.prompt(entries);
-}
-
 /** A chunk of one choice: the strategies build choice 0's; `n` > 1 names each. */
 function withIndex(chunk: Record<string, unknown>, index: number): Record<string, unknown> {
   if (index !== 0) (chunk.choices as { index: number }[])[0]!.index = index;
@@ -1109,91 +1126,6 @@ function mergeChoices(answers: readonly object[]): object {
   if (answers.length === 1) return first;
   const choices = answers.map((a, index) => ({ ...(a as typeof first).choices[0]!, index }));
   return { ...first, choices };
-}
-
-/**
- * One response's log-probabilities as they arrive: the prompt's (for echo and vLLM's
- * `prompt_logprobs`) and each output token's, rendered in the endpoint's shape all at once (a whole
- * answer) or chunk by chunk (a stream: `take` returns those not sent yet), `text_offset` running on.
- */
-class LogprobsCollector {
-  readonly #parsed: SamplingRequest;
-  readonly #promptTokens: Int32Array;
-  readonly #echo: boolean;
-  readonly #piece: (id: number) => TokenPiece;
-  readonly #responses: ResponseStrategy;
-  readonly #offset = { value: 0 };
-  #promptEntries: readonly (LogprobsEntry | null)[] | null = null;
-  readonly #items: LogprobItem[] = [];
-  #sent = 0;
-
-  constructor(
-    request: GenerationRequest,
-    parsed: SamplingRequest,
-    echo: boolean,
-    piece: (id: number) => TokenPiece,
-    responses: ResponseStrategy,
-  ) {
-    this.#parsed = parsed;
-    this.#echo = echo;
-    this.#promptTokens = request.promptTokens;
-    this.#piece = piece;
-    this.#responses = responses;
-  }
-
-  prompt(entries: readonly (LogprobsEntry | null)[]): void {
-    this.#promptEntries = entries;
-  }
-
-  push(entry: LogprobsEntry): void {
-    this.#items.push({ token: entry.token, entry });
-  }
-
-  /** Echo's prompt tokens with their log-probabilities (their top lists cut to `logprobs`), or null. */
-  echoed(): object | null {
-    const k = this.#parsed.logprobs;
-    if (k === null || !this.#echo) return null;
-    const entries = this.#promptEntries;
-    const items = Array.from(this.#promptTokens, (token, i) => {
-      const e = entries?.[i] ?? null;
-      return { token, entry: e === null ? null : { ...e, top: e.top.slice(0, k) } };
-    });
-    return this.#responses.logprobs(items, this.#piece, this.#offset);
-  }
-
-  /** The output tokens' log-probabilities not sent yet (a stream), or null when none were asked. */
-  take(): object | null {
-    if (this.#parsed.logprobs === null) return null;
-    const items = this.#items.slice(this.#sent);
-    this.#sent = this.#items.length;
-    return this.#responses.logprobs(items, this.#piece, this.#offset);
-  }
-
-  /** A whole answer's: echo's and the output's in one object, and vLLM's prompt_logprobs. */
-  all(): ChoiceExtras {
-    let logprobs: object | null = null;
-    if (this.#parsed.logprobs !== null) {
-      const echoed = this.#echo ? (this.echoed() as Record<string, unknown[]>) : null;
-      const out = this.take() as Record<string, unknown[]>;
-      logprobs =
-        echoed === null || !("tokens" in out)
-          ? out
-          : Object.fromEntries(Object.keys(out).map((key) => [key, [...echoed[key]!, ...out[key]!]]));
-    }
-    const k = this.#parsed.vllmPromptLogprobs;
-    const entries = this.#promptEntries;
-    return {
-      logprobs,
-      ...(k === null || entries === null
-        ? {}
-        : {
-            promptLogprobs: vllmPromptLogprobs(
-              entries.map((e) => (e === null ? null : { ...e, top: e.top.slice(0, k) })),
-              this.#piece,
-            ),
-          }),
-    };
-  }
 }
 
 /** A percent-encoded path segment, or `invalid_request` when it is not valid percent-encoding. */

@@ -4,8 +4,12 @@
  * `event:` or `id:` fields. The Responses API (`events` framing): each event is an `event: TYPE`
  * line (the payload's `type`) and its `data:` line, each payload stamped with its
  * `sequence_number` (0, 1, …), and the stream ends after its last event, without `[DONE]`.
+ *
+ * Frames are written by a `JsonWriter` (json-writer.ts): a large one (echo's prompt with its
+ * log-probabilities) a chunk at a time, the next ones after it.
  */
 import type { ServerResponse } from "node:http";
+import { JsonWriter } from "./json-writer.js";
 
 export const SSE_HEADERS = {
   "Content-Type": "text/event-stream; charset=utf-8",
@@ -13,11 +17,6 @@ export const SSE_HEADERS = {
   Connection: "keep-alive",
   "X-Accel-Buffering": "no",
 } as const;
-
-/** One SSE frame for a JSON payload. */
-export function sseFrame(payload: unknown): string {
-  return `data: ${JSON.stringify(payload)}\n\n`;
-}
 
 export const SSE_DONE = "data: [DONE]\n\n";
 
@@ -28,31 +27,42 @@ export type SseFraming = "data" | "events";
 export class SseWriter {
   readonly #res: ServerResponse;
   readonly #framing: SseFraming;
+  readonly #body: JsonWriter;
   #sequence = 0;
+  #done = false;
 
-  constructor(res: ServerResponse, status = 200, framing: SseFraming = "data") {
+  /** `onError`: a payload could not be serialised (a bug); the stream is then cut. */
+  constructor(
+    res: ServerResponse,
+    status = 200,
+    framing: SseFraming = "data",
+    onError: (err: unknown) => void = () => {},
+  ) {
     this.#res = res;
     this.#framing = framing;
+    this.#body = new JsonWriter(res, onError);
     res.writeHead(status, SSE_HEADERS);
     res.flushHeaders();
   }
 
   get closed(): boolean {
-    return this.#res.destroyed || this.#res.writableEnded;
+    return this.#done || this.#res.destroyed || this.#res.writableEnded;
   }
 
   send(payload: Record<string, unknown>): void {
     if (this.closed) return;
     if (this.#framing === "data") {
-      this.#res.write(sseFrame(payload));
+      this.#body.write(payload, "data: ", "\n\n");
       return;
     }
     payload.sequence_number = this.#sequence++;
-    this.#res.write(`event: ${String(payload.type)}\n${sseFrame(payload)}`);
+    this.#body.write(payload, `event: ${String(payload.type)}\ndata: `, "\n\n");
   }
 
-  /** End the response (after `data: [DONE]` in the `data` framing). */
+  /** End the response (after `data: [DONE]` in the `data` framing), once every frame is written. */
   done(): void {
-    if (!this.closed) this.#res.end(this.#framing === "data" ? SSE_DONE : undefined);
+    if (this.closed) return;
+    this.#done = true;
+    this.#body.end(this.#framing === "data" ? SSE_DONE : undefined);
   }
 }

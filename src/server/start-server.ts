@@ -207,6 +207,7 @@ function limitsOf(config: ServeConfig, contextLength: number) {
   return requestLimits(contextLength, {
     ...(config.maxBodyBytes === undefined ? {} : { maxBodyBytes: config.maxBodyBytes }),
     ...(config.maxPromptBytes === undefined ? {} : { maxPromptBytes: config.maxPromptBytes }),
+    ...(config.maxResponseBytes === undefined ? {} : { maxResponseBytes: config.maxResponseBytes }),
     ...(config.maxMessages === undefined ? {} : { maxMessages: config.maxMessages }),
     ...(config.maxJsonDepth === undefined ? {} : { maxJsonDepth: config.maxJsonDepth }),
   });

@@ -11,12 +11,12 @@ import { bundledModelDir } from "../lib/package-root.js";
 import { Prng } from "../lib/prng.js";
 import { ForwardPass } from "../model/forward.js";
 import { type LoadedModel, openModel, QUANTIZE_TYPES } from "../model/load-model.js";
-import { Sampler, type SamplingParams } from "../model/sampler.js";
+import { Sampler, type SamplerSettings } from "../model/sampler.js";
 
 const PAGE_SIZE = 16;
 const PREFILL_CHUNK = 256;
 
-export interface GenerateOptions extends SamplingParams {
+export interface GenerateOptions extends SamplerSettings {
   readonly maxTokens: number;
   readonly seed: number;
   /** Token ids that end generation (not emitted). */

@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { allocationPerRound, leastAllocation } from "../../testing/heap-growth.js";
 import { Prng } from "../lib/prng.js";
-import { argmax, GREEDY, MIN_TEMPERATURE, Sampler, type SamplingParams } from "./sampler.js";
+import { argmax, GREEDY, MIN_TEMPERATURE, Sampler, type SamplerSettings } from "./sampler.js";
 
 function logitsOf(probs: number[]): Float32Array {
   return Float32Array.from(probs.map((p) => Math.log(p)));
@@ -11,7 +11,7 @@ function logitsOf(probs: number[]): Float32Array {
 function histogram(
   sampler: Sampler,
   logits: Float32Array,
-  params: SamplingParams,
+  params: SamplerSettings,
   n: number,
   seed = 1,
 ): number[] {

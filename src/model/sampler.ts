@@ -19,7 +19,11 @@ import type { Prng } from "../lib/prng.js";
 
 export type { LogitControls } from "../lib/logit-controls.js";
 
-export interface SamplingParams {
+/**
+ * What the sampler reads of a request's `SamplingParams` (src/protocol/sampling-params.ts, which
+ * the model layer does not import): a `SamplingParams` is one.
+ */
+export interface SamplerSettings {
   /** Below `MIN_TEMPERATURE` (0 included) means greedy. */
   readonly temperature: number;
   /** Keep only the k most likely tokens; 0 disables. */
@@ -46,7 +50,7 @@ export interface TokenHistory {
  */
 export const MIN_TEMPERATURE = 1e-5;
 
-export const GREEDY: SamplingParams = Object.freeze({ temperature: 0, topK: 0, topP: 1 });
+export const GREEDY: SamplerSettings = Object.freeze({ temperature: 0, topK: 0, topP: 1 });
 
 /** Index of the largest logit (the lowest index among ties). */
 export function argmax(logits: Float32Array): number {
@@ -85,7 +89,7 @@ export class Sampler {
   }
 
   /** True when a draw with `params` takes a number from the generator (it is not greedy). */
-  static draws(params: SamplingParams): boolean {
+  static draws(params: SamplerSettings): boolean {
     return params.temperature >= MIN_TEMPERATURE && params.topK !== 1;
   }
 
@@ -114,7 +118,7 @@ export class Sampler {
   }
 
   /** Checks sampling parameters once per request (not per token). */
-  static validate(params: SamplingParams, vocabSize?: number): void {
+  static validate(params: SamplerSettings, vocabSize?: number): void {
     const { temperature, topK, topP } = params;
     if (!Number.isFinite(temperature) || temperature < 0) {
       throw new KvfenceError("invalid_request", `Temperature must be a finite number ≥ 0: ${temperature}`, {
@@ -162,7 +166,7 @@ export class Sampler {
   }
 
   /** Draws one token id from `logits` (length vocabSize). Uses `rng` only when not greedy. */
-  sample(logits: Float32Array, params: SamplingParams, rng: Prng): number {
+  sample(logits: Float32Array, params: SamplerSettings, rng: Prng): number {
     const vocab = this.vocabSize;
     let topK = params.topK;
     if (params.temperature < MIN_TEMPERATURE || topK === 1) return argmax(logits);
@@ -217,7 +221,7 @@ interface Scratch {
  * The candidates (the top `topK` ids, or every id) into `s.idx[0..n)`, their unnormalised
  * probabilities at the request's temperature into `s.probs` and their sum into `s.mass`; returns n.
  */
-function weigh(s: Scratch, logits: Float32Array, topK: number, params: SamplingParams): number {
+function weigh(s: Scratch, logits: Float32Array, topK: number, params: SamplerSettings): number {
   const { idx, probs } = s;
   const vocab = probs.length;
   const invT = 1 / params.temperature;
@@ -246,7 +250,7 @@ function weigh(s: Scratch, logits: Float32Array, topK: number, params: SamplingP
  * Top-p over the whole vocabulary without sorting it: gathers into `s.idx` the tokens above a
  * threshold, lowered tenfold until their mass reaches top_p of `s.mass`; returns how many.
  */
-function gather(s: Scratch, params: SamplingParams): number {
+function gather(s: Scratch, params: SamplerSettings): number {
   const { idx, probs } = s;
   const vocab = probs.length;
   const mass = s.mass[0] as number;
@@ -317,7 +321,7 @@ function outputPenalties(
  * Min-p on the logits: a token's probability at temperature T over the top token's is
  * exp((l − max) / T), so those under `minP` are the logits below max + T·ln(minP); they go to −∞.
  */
-function applyMinP(logits: Float32Array, params: SamplingParams): void {
+function applyMinP(logits: Float32Array, params: SamplerSettings): void {
   const minP = params.controls?.minP ?? 0;
   if (minP <= 0) return;
   const floor = (logits[argmax(logits)] as number) + params.temperature * Math.log(minP);

@@ -6,80 +6,45 @@
  * Per request: route → method → API key (tenant) → body (Content-Type, size limit, strict UTF-8,
  * JSON) → zod validation → model → chat template + tokenize → admission (the context length, then
  * the answer's worst case in bytes: response-size.ts) → engine. Every failure on
- * that path is a KvfenceError rendered once, by `#sendError`, through `toOpenAiError`. A request
- * refused at admission never reaches the engine, so nothing is allocated for it.
+ * that path is a KvfenceError rendered once, by `AnswerWriter.error` (answer-writer.ts), through
+ * `toOpenAiError`. A request refused at admission never reaches the engine, so nothing is
+ * allocated for it.
  *
- * Streaming responses write their headers on the first engine event, not before: an error the
- * engine raises before the first token (its own admission door, a page-tag mismatch) still reaches
- * the client as a real 4xx/5xx status rather than an error inside a 200 stream. Answers, whole or
- * streamed, are serialised and written a chunk at a time (json-writer.ts), never in one call that
- * would hold the event loop.
+ * A generation endpoint's handler returns a `GenerationReply` (generation-reply.ts: its choices,
+ * run in the engine and turned into the endpoint's payloads) and the HTTP layer pumps it
+ * (`AnswerWriter.reply`). Streaming responses write their headers on the first engine event, not
+ * before: an error the engine raises before the first token (its own admission door, a page-tag
+ * mismatch) still reaches the client as a real 4xx/5xx status rather than an error inside a 200
+ * stream. Answers, whole or streamed, are serialised and written a chunk at a time
+ * (json-writer.ts), never in one call that would hold the event loop.
  */
-import { createHash, createHmac, randomBytes, randomUUID, timingSafeEqual } from "node:crypto";
+import { randomUUID } from "node:crypto";
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import { createServer as createHttpsServer } from "node:https";
 import type { AddressInfo } from "node:net";
 import { performance } from "node:perf_hooks";
-import type { NodesInfo } from "../admin-api/admin-wire.js";
-import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
+import { KvfenceError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
-import { epochOf, type RequestSpan, tracing } from "../lib/tracing.js";
-import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
-import { admit, effectiveContextLength } from "./admission.js";
+import type { EngineHandle } from "../protocol/engine-api.js";
+import { effectiveContextLength } from "./admission.js";
+import { AnswerWriter } from "./answer-writer.js";
 import { ANONYMOUS_TENANT, type Tenant, type TenantDirectory } from "./api-keys.js";
-import { type ChoiceLogprobs, choicesLogprobs } from "./choice-logprobs.js";
 import { answerClientError } from "./client-error.js";
-import {
-  DASHBOARD_HEADERS,
-  type DashboardState,
-  dashboardAsset,
-  dashboardState,
-  STATE_REUSE_MS,
-  tenantColour,
-} from "./dashboard.js";
-import {
-  type FinishReason,
-  Generation,
-  type GenerationSink,
-  type StopReason,
-  type TextStreamDecoder,
-  type Usage,
-} from "./generation.js";
-import { sendJson } from "./json-writer.js";
-import type { TokenPiece } from "./logprobs-wire.js";
-import {
-  CHAT_RESPONSES,
-  completionId,
-  RESPONSES_API,
-  type ResponseMeta,
-  type ResponseStrategy,
-  TEXT_RESPONSES,
-  usageWire,
-} from "./openai-responses.js";
-import type { ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
-import { checkOperatorHost } from "./operator-host.js";
+import { CHAT, COMPLETIONS, GenerateHandler, RESPONSES } from "./generate-handler.js";
+import type { Generation } from "./generation.js";
+import type { GenerationReply, ReplyTokenizer } from "./generation-reply.js";
+import { type Listener, OPERATOR_LISTENER_PATHS, OperatorEndpoints } from "./operator-endpoints.js";
 import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
-import {
-  checkModel,
-  type GenerateEndpointName,
-  PROMPT_KINDS,
-  type PromptTokenizer,
-  type UtilityEndpointName,
-} from "./prepare-request.js";
-import { boundUnreadBody, checkJsonContentType, readBody } from "./read-body.js";
+import { checkModel, type PromptTokenizer, type UtilityEndpointName } from "./prepare-request.js";
+import { checkJsonContentType, readBody } from "./read-body.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
-import { laterSampleSampling, samplingParams } from "./request-sampling.js";
-import { responseSizeRefusal, type TokenBounds } from "./response-size.js";
+import type { TokenBounds } from "./response-size.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
-import { SseWriter } from "./sse.js";
+import { tenantLabels } from "./tenant-labels.js";
 
 /** What the router needs from the tokenizer: no model weights, ever. */
-export interface RouterTokenizer extends PromptTokenizer {
-  /** One token's own text and bytes (log-probabilities name tokens by them). */
-  tokenPiece(id: number): TokenPiece;
-  /** A fresh UTF-8-safe streaming detokenizer, one per response (special tokens skipped by default). */
-  createDecoder(options?: { readonly skipSpecialTokens?: boolean }): TextStreamDecoder;
+export interface RouterTokenizer extends PromptTokenizer, ReplyTokenizer {
   /** What the vocabulary's longest tokens take in an answer (response-size.ts), computed once. */
   readonly tokenBounds: TokenBounds;
 }
@@ -131,29 +96,19 @@ export interface RouterServerOptions {
   readonly prefixCacheScope?: "tenant" | "key";
 }
 
-type Handler = (ctx: RequestContext) => Promise<void> | void;
-
-interface Route {
+/**
+ * A route answers the request itself (`handler`), or, a generation endpoint, returns its reply
+ * (`reply`; undefined: the client already left) for the HTTP layer to pump.
+ */
+type Route = {
   readonly endpoint: Endpoint;
   readonly methods: readonly string[];
-  readonly handler: Handler;
   /** For the operator only: the operator key, or the operator listener (docs/api.md). */
   readonly operator?: true;
-}
-
-/** Which listener a request came in on: the front door, or the operator listener. */
-type Listener = "front" | "operator";
-
-/** The routes of the operator listener: the operator endpoints and /health. */
-const OPERATOR_LISTENER_PATHS = new Set([
-  "/metrics",
-  "/kvfence/nodes",
-  "/health",
-  "/kvfence/state",
-  "/kvfence/ui",
-  "/kvfence/ui/dashboard.js",
-  "/kvfence/ui/dashboard.css",
-]);
+} & (
+  | { readonly handler: (ctx: RequestContext) => Promise<void> | void }
+  | { readonly reply: (ctx: RequestContext) => Promise<GenerationReply | undefined> }
+);
 
 interface RequestContext {
   readonly req: IncomingMessage;
@@ -176,45 +131,11 @@ function requestIdOf(req: IncomingMessage): string {
   return typeof given === "string" && REQUEST_ID.test(given) ? given : randomUUID();
 }
 
-/** What differs between the generation endpoints; the router never branches on the endpoint. */
-interface GenerateEndpoint {
-  readonly endpoint: GenerateEndpointName;
-  /** The request field a prompt-length error names. */
-  readonly param: string;
-  /** The shapes of its answers. */
-  readonly responses: ResponseStrategy;
-}
-
-const CHAT: GenerateEndpoint = {
-  endpoint: "chat",
-  param: PROMPT_KINDS.chat.param,
-  responses: CHAT_RESPONSES,
-};
-const COMPLETIONS: GenerateEndpoint = {
-  endpoint: "completions",
-  param: PROMPT_KINDS.completions.param,
-  responses: TEXT_RESPONSES,
-};
-
-/** OpenAI's Responses API: a chat (its template), answered as a `response` object or its events. */
-const RESPONSES: GenerateEndpoint = {
-  endpoint: "responses",
-  param: PROMPT_KINDS.responses.param,
-  responses: RESPONSES_API,
-};
-
-const U32_MAX = 0xffff_ffff;
-
 export class RouterServer {
   readonly #engine: EngineHandle;
-  readonly #tokenizer: RouterTokenizer;
   readonly #model: ServedModel;
   readonly #tenants: TenantDirectory;
-  readonly #log: Logger;
   readonly #maxBodyBytes: number;
-  readonly #maxResponseBytes: number;
-  /** The vocabulary's longest tokens, for the worst case of an answer (response-size.ts). */
-  readonly #tokenBounds: TokenBounds;
   readonly #preparer: RequestPreparer;
   readonly #routes: Map<string, Route>;
   readonly #server: Server;
@@ -222,16 +143,14 @@ export class RouterServer {
   readonly #active = new Set<Generation>();
   readonly #created = Math.floor(Date.now() / 1000);
   readonly #unsafe: { readonly faults: readonly string[]; readonly disabledGuards: readonly string[] } | null;
-  /** SHA-256 of the operator key, or null. */
-  readonly #operatorKey: Buffer | null;
   /** Tenant name → its label in metrics. */
   readonly #tenantLabel: (name: string) => string;
-  readonly #prefixCacheScope: "tenant" | "key";
+  readonly #answers: AnswerWriter;
+  readonly #operator: OperatorEndpoints;
+  /** The generation endpoints: a request → its reply. */
+  readonly #generate: GenerateHandler;
   #operatorServer: Server | null = null;
   readonly #allowedOrigins: ReadonlySet<string>;
-  #nextRid = 1;
-  /** The last /kvfence/state snapshot (`#state`). */
-  #lastState: { readonly at: number; readonly state: Promise<DashboardState> } | null = null;
   #url: string | null = null;
   /** The longest request (prompt + max_tokens) admitted. */
   readonly contextLength: number;
@@ -239,11 +158,9 @@ export class RouterServer {
 
   constructor(options: RouterServerOptions) {
     this.#engine = options.engine;
-    this.#tokenizer = options.tokenizer;
     this.#model = options.model;
     this.#tenants = options.tenants;
-    this.#prefixCacheScope = options.prefixCacheScope ?? "tenant";
-    this.#log = options.logger;
+    this.#answers = new AnswerWriter(options.logger);
     this.#allowedOrigins = new Set(options.allowedOrigins ?? []);
     this.contextLength = Math.min(
       effectiveContextLength({
@@ -255,9 +172,6 @@ export class RouterServer {
     );
     const limits = requestLimits(this.contextLength, options.limits);
     this.#maxBodyBytes = limits.maxBodyBytes;
-    this.#maxResponseBytes = limits.maxResponseBytes;
-    // Once, at startup: the first request's admission must not walk the vocabulary.
-    this.#tokenBounds = options.tokenizer.tokenBounds;
     this.#preparer =
       options.preparer ??
       inThreadPreparer({
@@ -266,20 +180,41 @@ export class RouterServer {
         limits,
       });
     this.metrics = new RouterMetrics(options.engine);
-    this.#operatorKey = options.operatorKey === undefined ? null : sha256(options.operatorKey);
-    this.#tenantLabel =
-      options.metricsTenantNames === true
-        ? (name) => name
-        : opaqueTenantLabels(options.operatorKey ?? randomBytes(32).toString("hex"));
-    if (options.metricsTenantNames !== true) {
-      const names = options.tenants.anonymous
-        ? [ANONYMOUS_TENANT.name]
-        : options.tenants.tenants.map((t) => t.name);
-      this.#log.info(
-        { labels: Object.fromEntries(names.map((name) => [name, this.#tenantLabel(name)])) },
-        "tenants are labelled in /metrics by these opaque ids (--metrics-tenant-names shows names)",
-      );
-    }
+    this.#tenantLabel = tenantLabels(
+      {
+        names: options.tenants.anonymous
+          ? [ANONYMOUS_TENANT.name]
+          : options.tenants.tenants.map((t) => t.name),
+        byName: options.metricsTenantNames === true,
+        operatorKey: options.operatorKey,
+      },
+      options.logger,
+    );
+    this.#operator = new OperatorEndpoints({
+      engine: options.engine,
+      answers: this.#answers,
+      operatorKey: options.operatorKey,
+      tenantLabel: this.#tenantLabel,
+      contextLength: this.contextLength,
+      activeRequests: () => this.#active.size,
+      url: () => this.#url,
+    });
+    this.#generate = new GenerateHandler({
+      engine: options.engine,
+      tokenizer: options.tokenizer,
+      // Once, at startup: the first request's admission must not walk the vocabulary.
+      tokenBounds: options.tokenizer.tokenBounds,
+      model: options.model,
+      preparer: this.#preparer,
+      maxBodyBytes: limits.maxBodyBytes,
+      maxResponseBytes: limits.maxResponseBytes,
+      contextLength: this.contextLength,
+      prefixCacheScope: options.prefixCacheScope ?? "tenant",
+      metrics: this.metrics,
+      logger: options.logger,
+      tenantLabel: this.#tenantLabel,
+      active: this.#active,
+    });
     const unsafe = options.unsafe;
     this.#unsafe =
       unsafe !== undefined && (unsafe.faults.length > 0 || unsafe.disabledGuards.length > 0) ? unsafe : null;
@@ -297,18 +232,33 @@ export class RouterServer {
       );
       for (const name of this.#unsafe.disabledGuards) guard.set(1, { name });
     }
-    this.#routes = new Map<string, Route>([
+    this.#routes = this.#routeTable();
+    const handle = (req: IncomingMessage, res: ServerResponse): void => {
+      // #handle answers every error itself; this only keeps a bug from becoming a crash.
+      this.#handle(req, res, "front").catch((err: unknown) => this.#answers.error(res, err));
+    };
+    this.#scheme = options.https === undefined ? "http" : "https";
+    this.#server =
+      options.https === undefined
+        ? createServer({ noDelay: true, keepAliveTimeout: 5000 }, handle)
+        : createHttpsServer({ ...options.https, noDelay: true, keepAliveTimeout: 5000 }, handle);
+    this.#server.on("clientError", answerClientError);
+  }
+
+  /** Every route of the front door by path (`#route` adds /v1/models/{id}, and serves the operator listener's). */
+  #routeTable(): Map<string, Route> {
+    return new Map<string, Route>([
       [
         "/v1/chat/completions",
-        { endpoint: "chat", methods: ["POST"], handler: (c) => this.#generate(c, CHAT) },
+        { endpoint: "chat", methods: ["POST"], reply: (c) => this.#generate.reply(c, CHAT) },
       ],
       [
         "/v1/completions",
-        { endpoint: "completions", methods: ["POST"], handler: (c) => this.#generate(c, COMPLETIONS) },
+        { endpoint: "completions", methods: ["POST"], reply: (c) => this.#generate.reply(c, COMPLETIONS) },
       ],
       [
         "/v1/responses",
-        { endpoint: "responses", methods: ["POST"], handler: (c) => this.#generate(c, RESPONSES) },
+        { endpoint: "responses", methods: ["POST"], reply: (c) => this.#generate.reply(c, RESPONSES) },
       ],
       ["/v1/models", { endpoint: "models", methods: ["GET"], handler: (c) => this.#models(c) }],
       // vLLM's, outside /v1 as there (and behind the API key, as every tenant endpoint here).
@@ -328,27 +278,22 @@ export class RouterServer {
       ],
       [
         "/kvfence/nodes",
-        { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#nodes(c), operator: true },
+        { endpoint: "nodes", methods: ["GET"], handler: (c) => this.#operator.nodes(c.res), operator: true },
       ],
       [
         "/kvfence/state",
-        { endpoint: "state", methods: ["GET"], handler: (c) => this.#state(c), operator: true },
+        { endpoint: "state", methods: ["GET"], handler: (c) => this.#operator.state(c.res), operator: true },
       ],
       ...["", "/dashboard.js", "/dashboard.css"].map((file): [string, Route] => [
         `/kvfence/ui${file}`,
-        { endpoint: "ui", methods: ["GET"], handler: (c) => this.#ui(c, file.slice(1)), operator: true },
+        {
+          endpoint: "ui",
+          methods: ["GET"],
+          handler: (c) => this.#operator.ui(c.res, file.slice(1)),
+          operator: true,
+        },
       ]),
     ]);
-    const handle = (req: IncomingMessage, res: ServerResponse): void => {
-      // #handle answers every error itself; this only keeps a bug from becoming a crash.
-      this.#handle(req, res, "front").catch((err: unknown) => this.#sendError(res, err));
-    };
-    this.#scheme = options.https === undefined ? "http" : "https";
-    this.#server =
-      options.https === undefined
-        ? createServer({ noDelay: true, keepAliveTimeout: 5000 }, handle)
-        : createHttpsServer({ ...options.https, noDelay: true, keepAliveTimeout: 5000 }, handle);
-    this.#server.on("clientError", answerClientError);
   }
 
   /** Listen on `host:port` (port 0 = any free port); resolves to the base URL. */
@@ -373,7 +318,7 @@ export class RouterServer {
    */
   listenOperator(port: number, host: string): Promise<string> {
     const server = createServer({ noDelay: true, keepAliveTimeout: 5000 }, (req, res) => {
-      this.#handle(req, res, "operator").catch((err: unknown) => this.#sendError(res, err));
+      this.#handle(req, res, "operator").catch((err: unknown) => this.#answers.error(res, err));
     });
     server.on("clientError", answerClientError);
     this.#operatorServer = server;
@@ -444,8 +389,7 @@ export class RouterServer {
       this.metrics.requests.inc({ tenant, endpoint, status });
     });
     try {
-      // Keyless, the operator listener answers loopback Host names only (DNS rebinding).
-      if (listener === "operator" && this.#operatorKey === null) checkOperatorHost(req.headers.host);
+      this.#operator.checkListener(req, listener);
       if (!valid) {
         throw new KvfenceError(
           "invalid_request",
@@ -474,15 +418,20 @@ export class RouterServer {
           `Method not allowed on ${ctx.url.pathname}: ${req.method}; use ${route.methods.join(" or ")}`,
         );
       }
-      if (route.operator === true) this.#authorizeOperator(req, listener);
+      if (route.operator === true) this.#operator.authorize(req, listener);
       else if (ctx.url.pathname.startsWith("/v1/") || route.endpoint === "tokenize") {
         const found = this.#authenticate(req);
         ctx.tenant = found.tenant;
         ctx.keyIndex = found.keyIndex;
       }
-      await route.handler(ctx);
+      if ("handler" in route) {
+        await route.handler(ctx);
+        return;
+      }
+      const reply = await route.reply(ctx);
+      if (reply !== undefined) this.#answers.reply(res, reply);
     } catch (err) {
-      this.#sendError(res, err);
+      this.#answers.error(res, err);
     }
   }
 
@@ -533,71 +482,6 @@ export class RouterServer {
     return undefined;
   }
 
-  /**
-   * The operator endpoints: with an operator key configured, the request must carry it (on either
-   * listener); without one, only the operator listener serves them.
-   */
-  #authorizeOperator(req: IncomingMessage, listener: Listener): void {
-    if (this.#operatorKey === null) {
-      if (listener === "operator") return;
-      throw new KvfenceError(
-        "invalid_api_key",
-        "This endpoint is for the server's operator: without --operator-key it is served only on the operator listener (--metrics-host, --metrics-port; docs/api.md)",
-      );
-    }
-    const match = /^Bearer\s+(\S+)\s*$/i.exec(req.headers.authorization ?? "");
-    if (match !== null && timingSafeEqual(sha256(match[1]!), this.#operatorKey)) return;
-    throw new KvfenceError(
-      "invalid_api_key",
-      match === null
-        ? "This endpoint needs the operator key: send it in the Authorization header as: Bearer OPERATOR_KEY"
-        : "Incorrect operator key: send the server's --operator-key (or KVFENCE_OPERATOR_KEY) as: Bearer OPERATOR_KEY",
-    );
-  }
-
-  /**
-   * `/kvfence/state`: the dashboard's JSON (src/router/dashboard.ts). Polls within
-   * `STATE_REUSE_MS` of the last one share its snapshot: one poll of the nodes however many
-   * dashboards are open.
-   */
-  async #state(ctx: RequestContext): Promise<void> {
-    const now = performance.now();
-    let last = this.#lastState;
-    if (last === null || now - last.at >= STATE_REUSE_MS) {
-      // One HMAC per tenant, not per page.
-      const colours = new Map<number, number>();
-      const colour = (tenant: number) => {
-        const known = colours.get(tenant);
-        if (known !== undefined) return known;
-        const c = tenantColour(this.#tenantLabel(`tenant#${tenant}`));
-        colours.set(tenant, c);
-        return c;
-      };
-      const taken = { at: now, state: dashboardState(this.#engine, colour, this.#active.size) };
-      taken.state.catch(() => {
-        if (this.#lastState === taken) this.#lastState = null;
-      });
-      this.#lastState = last = taken;
-    }
-    this.#sendJson(ctx.res, 200, await last.state, { "Cache-Control": "no-store" });
-  }
-
-  /** `/kvfence/ui` and its files, as built into dist/ui/. */
-  #ui(ctx: RequestContext, name: string): void {
-    const asset = dashboardAsset(name);
-    if (asset === null)
-      throw new KvfenceError(
-        "not_found",
-        "The dashboard was not built: run npm run build (it bundles ui/ into dist/ui/)",
-      );
-    ctx.res.writeHead(200, {
-      ...DASHBOARD_HEADERS,
-      "Content-Type": asset.type,
-      "Content-Length": String(asset.body.length),
-    });
-    ctx.res.end(asset.body);
-  }
-
   #authenticate(req: IncomingMessage): { tenant: Tenant; keyIndex: number } {
     const header = req.headers.authorization;
     const found = this.#tenants.authenticateKey(header);
@@ -616,349 +500,12 @@ export class RouterServer {
     );
   }
 
-  #sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
-    if (res.headersSent) {
-      if (!res.writableEnded) res.end();
-      return;
-    }
-    // A large answer goes out a chunk at a time, yielding to the event loop (json-writer.ts).
-    sendJson(res, status, body, headers, this.#serialiseFailed(res.getHeader("x-request-id")));
-  }
-
-  /** Logs an answer that could not be serialised (a bug; its response is cut). */
-  #serialiseFailed(requestId: unknown): (err: unknown) => void {
-    return (err) => this.#log.error({ err, requestId }, "an answer could not be serialised");
-  }
-
-  /** The one place a thrown value becomes an HTTP response. */
-  #sendError(res: ServerResponse, err: unknown): void {
-    const { status, body } = toOpenAiError(err);
-    if (!(err instanceof KvfenceError))
-      this.#log.error(
-        { err, requestId: res.getHeader("x-request-id") },
-        "internal error while serving a request",
-      );
-    const headers: Record<string, string> = {};
-    if (status === 401) headers["WWW-Authenticate"] = "Bearer";
-    if (err instanceof KvfenceError && err.retryAfter !== undefined)
-      headers["Retry-After"] = String(err.retryAfter);
-    boundUnreadBody(res.req, res);
-    this.#sendJson(res, status, body, headers);
-  }
-
-  /** A generation endpoint: body → prompt → admission → engine, answered in `kind`'s shapes. */
-  async #generate(ctx: RequestContext, kind: GenerateEndpoint): Promise<void> {
-    checkJsonContentType(ctx.req.headers["content-type"]);
-    const body = await readBody(ctx.req, this.#maxBodyBytes);
-    const { parsed, prompts } = await this.#preparer.prepare(kind.endpoint, body, ctx.tenant?.index);
-    const admitted = prompts.map((tokens) => {
-      const admission = admit(tokens.length, parsed.maxTokens, this.contextLength, kind.param);
-      if (!admission.ok) {
-        this.metrics.admissionRejections.inc({ reason: admission.reason });
-        throw admission.error;
-      }
-      return { tokens, maxTokens: admission.maxTokens };
-    });
-    const plan = {
-      endpoint: kind.endpoint,
-      parsed,
-      prompts: admitted.map((a) => ({ tokens: a.tokens.length, maxTokens: a.maxTokens })),
-      bodyBytes: body.length,
-      modelId: this.#model.id,
-    };
-    const tooLarge = responseSizeRefusal(plan, this.#tokenBounds, this.#maxResponseBytes);
-    if (tooLarge !== null) {
-      this.metrics.admissionRejections.inc({ reason: "response_too_large" });
-      throw tooLarge;
-    }
-    if (ctx.res.destroyed) {
-      // The client left while its body was read: nothing to serve, nothing to allocate.
-      this.metrics.clientDisconnects.inc({ endpoint: kind.endpoint });
-      return;
-    }
-    const requestId = ctx.requestId;
-    const span = tracing()?.startRequest(
-      "request",
-      { "kvfence.request_id": requestId, "kvfence.endpoint": kind.endpoint },
-      epochOf(ctx.receivedAt),
-    );
-    const base: Omit<GenerationRequest, "rid" | "promptTokens" | "maxTokens"> = {
-      tenant: ctx.tenant!.index,
-      sampling: samplingParams(parsed, this.#model),
-      trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
-      cacheSalt: parsed.cacheSalt,
-      cacheScope: this.#prefixCacheScope === "key" && ctx.keyIndex >= 0 ? `key:${ctx.keyIndex}` : "",
-      // Several generations are admitted as one, or refused whole (src/fair-share/fair-share.ts).
-      ...(admitted.length * parsed.n > 1
-        ? { group: { first: this.#nextRid, size: admitted.length * parsed.n } }
-        : {}),
-    };
-    // Per prompt, n samples (choice p·n + j): sample 0 computes the prompt, the others fork its KV
-    // (one engine) — each its own request id and, with a seed, seed + j (as vLLM).
-    const planned: PlannedChoice[] = [];
-    // The disaggregated topologies run the samples as one group (one prefill, forked on decode),
-    // unless log-probabilities are asked (each sample then computes its own prompt).
-    const grouped =
-      parsed.n > 1 && base.sampling.logprobs === undefined && base.sampling.promptLogprobs === undefined;
-    admitted.forEach(({ tokens, maxTokens }, p) => {
-      const first = this.#nextRid;
-      const rids = Array.from({ length: parsed.n }, () => {
-        const rid = this.#nextRid;
-        this.#nextRid = rid >= U32_MAX ? 1 : rid + 1;
-        return rid;
-      });
-      for (let j = 0; j < parsed.n; j++) {
-        const rid = rids[j]!;
-        const own = { ...base, rid, promptTokens: tokens, maxTokens };
-        planned.push({
-          request:
-            j === 0
-              ? grouped
-                ? { ...own, samples: rids.slice(1) }
-                : own
-              : { ...own, sampling: laterSampleSampling(base.sampling, j), sample: { of: first, index: j } },
-          echo: parsed.echoPrompts?.[p] ?? null,
-          firstOfPrompt: j === 0,
-        });
-      }
-    });
-    this.#serve(ctx, kind, parsed, planned, span);
-  }
-
-  /**
-   * Runs an admitted request's generations — one per choice (`n`), sample 0 first — and answers
-   * them, streamed (each chunk names its choice's index) or whole (every choice, usage summed over
-   * them). One choice failing fails the response and stops the others. With echo, a streamed
-   * choice opens with the prompt (and its log-probabilities when asked).
-   */
-  #serve(
-    ctx: RequestContext,
-    kind: GenerateEndpoint,
-    parsed: SamplingRequest,
-    planned: readonly PlannedChoice[],
-    span?: RequestSpan,
-  ): void {
-    const { res } = ctx;
-    const { endpoint, responses } = kind;
-    const labels = { endpoint };
-    const meta = this.#responseMeta(responses, parsed, planned[0]!.request);
-    const includeUsage = parsed.includeUsage;
-    const piece = (id: number) => this.#tokenizer.tokenPiece(id);
-    let lastTokenAt = 0;
-    let sse: SseWriter | null = null;
-    let ended = false;
-    // Each prompt's log-probabilities are rendered once, for all its choices (choice-logprobs.ts).
-    const logprobs = choicesLogprobs(planned, { parsed, piece, responses });
-    const choices = planned.map(({ request, echo, firstOfPrompt }, index) => ({
-      request,
-      echo,
-      firstOfPrompt,
-      index,
-      text: "",
-      opened: false,
-      ...logprobs[index]!,
-      result: null as { reason: FinishReason; usage: Usage; stopReason: StopReason } | null,
-    }));
-    type Choice = (typeof choices)[number];
-    const generations: Generation[] = [];
-
-    const stream = (choice: Choice): SseWriter => {
-      sse ??= new SseWriter(res, 200, responses.framing, this.#serialiseFailed(ctx.requestId));
-      if (!choice.opened) {
-        choice.opened = true;
-        for (const opening of responses.opening(meta, includeUsage))
-          sse.send(withIndex(opening, choice.index));
-        if (choice.echo !== null) {
-          const delta = responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed());
-          sse.send(withIndex(delta, choice.index));
-        }
-      }
-      return sse;
-    };
-    const end = (status: number, usage: Usage | null) => {
-      if (ended) return;
-      ended = true;
-      for (const generation of generations) this.#active.delete(generation);
-      this.metrics.inFlight.set(this.#active.size);
-      this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
-      span?.end({
-        "http.response.status_code": status,
-        "kvfence.prompt_tokens": planned[0]!.request.promptTokens.length,
-        ...(usage === null ? {} : { "kvfence.completion_tokens": usage.completionTokens }),
-      });
-      this.#logDone(ctx, planned[0]!.request, endpoint, status, usage);
-    };
-    const finished = () => {
-      const usage = totalUsage(choices);
-      end(200, usage);
-      const whole = () => wholeAnswer(responses, meta, choices, usage);
-      if (!parsed.stream) {
-        this.#sendJson(res, 200, whole());
-        return;
-      }
-      for (const closing of responses.closing(meta, includeUsage, usage, whole)) sse!.send(closing);
-      sse!.done();
-    };
-
-    // vLLM's continuous_usage_stats: every chunk with the usage so far.
-    const promptTokens = planned.reduce(
-      (n, p) => n + (p.firstOfPrompt ? p.request.promptTokens.length : 0),
-      0,
-    );
-    let generated = 0;
-    const send = (choice: Choice, chunk: Record<string, unknown>) => {
-      if (parsed.continuousUsage) chunk.usage = usageWire({ promptTokens, completionTokens: generated });
-      stream(choice).send(withIndex(chunk, choice.index));
-    };
-    const sinkOf = (choice: Choice): GenerationSink => ({
-      tokens: (count) => {
-        generated += count;
-        lastTokenAt = this.#observeTokens(ctx, labels, count, lastTokenAt);
-        if (parsed.stream) stream(choice);
-      },
-      logprobs: (entry) => choice.logprobs.push(entry),
-      // Sample 0 of a prompt computes its log-probabilities; every choice of that prompt shows them.
-      promptLogprobs: (entries) => choice.prompt.set(entries),
-      text: (delta) => {
-        choice.text += delta;
-        if (parsed.stream) send(choice, responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
-      },
-      finish: (reason: FinishReason, usage: Usage, stopReason: StopReason) => {
-        if (ended) return;
-        choice.result = { reason, usage, stopReason };
-        if (parsed.stream) {
-          const logprobs = choice.logprobs.take();
-          for (const chunk of responses.finish(meta, reason, includeUsage, stopReason, logprobs, choice.text))
-            send(choice, chunk);
-        }
-        if (choices.every((c) => c.result !== null)) finished();
-      },
-      fail: (internal) => {
-        if (ended) return;
-        for (const generation of generations) generation.abort();
-        const error = this.#publicEngineError(ctx.requestId, choice.request.rid, internal);
-        const { status, body } = toOpenAiError(error);
-        end(status, null);
-        if (error.code === "context_length_exceeded")
-          this.metrics.admissionRejections.inc({ reason: "engine_door" });
-        if (sse === null) {
-          this.#sendError(res, error);
-          return;
-        }
-        // Headers are out: report the error in the stream, as OpenAI does, then end it.
-        (sse as SseWriter).send(responses.streamError(body));
-        (sse as SseWriter).done();
-      },
-    });
-    for (const choice of choices) generations.push(this.#generation(choice.request, parsed, sinkOf(choice)));
-    for (const generation of generations) this.#active.add(generation);
-    this.metrics.inFlight.set(this.#active.size);
-    res.on("close", () => {
-      if (ended) return;
-      for (const generation of generations) generation.abort();
-      this.metrics.clientDisconnects.inc(labels);
-      end(499, null);
-    });
-    for (const generation of generations) generation.start();
-  }
-
-  /** What every payload of one response repeats: its id, time, model, the settings in effect. */
-  #responseMeta(
-    responses: ResponseStrategy,
-    parsed: SamplingRequest,
-    first: GenerationRequest,
-  ): ResponseMeta {
-    const echo = (parsed as { responses?: ResponsesEcho }).responses;
-    return {
-      id: completionId(responses.idKind),
-      created: Math.floor(Date.now() / 1000),
-      model: this.#model.id,
-      sampling: { temperature: first.sampling.temperature, topP: first.sampling.topP },
-      ...(echo === undefined ? {} : { responses: echo }),
-    };
-  }
-
-  /** Time to first token, or between tokens, of `count` new ones; returns now. */
-  #observeTokens(
-    ctx: RequestContext,
-    labels: { endpoint: Endpoint },
-    count: number,
-    lastTokenAt: number,
-  ): number {
-    const now = performance.now();
-    if (lastTokenAt === 0) {
-      this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
-    } else {
-      const perToken = (now - lastTokenAt) / 1000 / count;
-      for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
-    }
-    return now;
-  }
-
-  #generation(request: GenerationRequest, parsed: SamplingRequest, sink: GenerationSink): Generation {
-    return new Generation(
-      this.#engine,
-      request,
-      {
-        logprobs: parsed.logprobs !== null,
-        decoder: this.#tokenizer.createDecoder({ skipSpecialTokens: parsed.skipSpecialTokens }),
-        stop: parsed.stop,
-        stopTokenIds: parsed.stopTokenIds,
-        minTokens: parsed.minTokens,
-        includeStopStr: parsed.includeStopStr,
-      },
-      sink,
-    );
-  }
-
-  /**
-   * What the engine and the nodes say names request ids, pages and nodes: the log gets it, the
-   * client the table's public message.
-   */
-  #publicEngineError(requestId: string, rid: number, internal: KvfenceError): KvfenceError {
-    const error = publicError(internal);
-    if (error !== internal) {
-      this.#log.warn(
-        { requestId, rid, code: internal.code, message: internal.message },
-        "request failed in the engine",
-      );
-    }
-    return error;
-  }
-
-  #logDone(
-    ctx: RequestContext,
-    request: GenerationRequest,
-    endpoint: Endpoint,
-    status: number,
-    usage: Usage | null,
-  ): void {
-    const tenant = ctx.tenant!;
-    if (usage !== null) {
-      const label = this.#tenantLabel(tenant.name);
-      this.metrics.promptTokens.inc({ tenant: label, endpoint }, usage.promptTokens);
-      this.metrics.completionTokens.inc({ tenant: label, endpoint }, usage.completionTokens);
-    }
-    this.#log.info(
-      {
-        requestId: ctx.requestId,
-        rid: request.rid,
-        tenant: tenant.name,
-        endpoint,
-        status,
-        promptTokens: request.promptTokens.length,
-        completionTokens: usage?.completionTokens,
-      },
-      "request done",
-    );
-  }
-
   /** /tokenize and /detokenize, prepared by the same workers as a generation request. */
   async #utility(ctx: RequestContext, endpoint: UtilityEndpointName): Promise<void> {
     checkJsonContentType(ctx.req.headers["content-type"]);
     const body = await readBody(ctx.req, this.#maxBodyBytes);
     const answer = await this.#preparer.answer(endpoint, body, ctx.tenant?.index);
-    this.#sendJson(
+    this.#answers.json(
       ctx.res,
       200,
       endpoint === "tokenize" ? { ...answer, max_model_len: this.contextLength } : answer,
@@ -977,13 +524,13 @@ export class RouterServer {
 
   #models(ctx: RequestContext): void {
     const names = [this.#model.id, ...(this.#model.aliases ?? [])];
-    this.#sendJson(ctx.res, 200, { object: "list", data: names.map((id) => this.#modelObject(id)) });
+    this.#answers.json(ctx.res, 200, { object: "list", data: names.map((id) => this.#modelObject(id)) });
   }
 
   #model_(ctx: RequestContext, id: string): void {
     const name = decodePathSegment(id);
     checkModel(name, [this.#model.id, ...(this.#model.aliases ?? [])]);
-    this.#sendJson(ctx.res, 200, this.#modelObject(name));
+    this.#answers.json(ctx.res, 200, this.#modelObject(name));
   }
 
   /** Liveness: this process answers (and its engine can still serve); never waits on a node. */
@@ -995,7 +542,7 @@ export class RouterServer {
         `The server can no longer serve: ${health.reason}; restart it`,
       );
     }
-    this.#sendJson(
+    this.#answers.json(
       ctx.res,
       200,
       this.#unsafe === null
@@ -1019,7 +566,7 @@ export class RouterServer {
         retryAfter: 1,
       });
     }
-    this.#sendJson(ctx.res, 200, {
+    this.#answers.json(ctx.res, 200, {
       status: "ready",
       ...(health?.prefill === undefined ? {} : { prefill: health.prefill }),
       ...(health?.decode === undefined ? {} : { decode: health.decode }),
@@ -1034,98 +581,6 @@ export class RouterServer {
     });
     ctx.res.end(text);
   }
-
-  async #nodes(ctx: RequestContext): Promise<void> {
-    const capacity = this.#engine.capacity;
-    const cachedPages =
-      this.#engine.nodes === undefined ? (await this.#engine.stats()).prefixCache?.sharedPages : undefined;
-    const body: NodesInfo = {
-      max_model_len: this.contextLength,
-      nodes: this.#engine.nodes?.() ?? [
-        {
-          id: "engine-0",
-          role: "engine",
-          url: this.#url ?? "",
-          pool_tokens: capacity.poolTokens,
-          page_size: capacity.pageSize,
-          max_model_len: capacity.maxModelLen,
-          up: true,
-          ...(cachedPages === undefined ? {} : { cached_pages: cachedPages }),
-        },
-      ],
-    };
-    this.#sendJson(ctx.res, 200, body);
-  }
-}
-
-/** One choice to generate: its request, echo's text of its prompt, and whether it is its prompt's sample 0. */
-interface PlannedChoice {
-  readonly request: GenerationRequest;
-  readonly echo: string | null;
-  readonly firstOfPrompt: boolean;
-}
-
-/** A finished choice, as the whole answer needs it. */
-interface DoneChoice {
-  readonly echo: string | null;
-  readonly text: string;
-  readonly firstOfPrompt: boolean;
-  readonly logprobs: ChoiceLogprobs;
-  readonly result: { reason: FinishReason; usage: Usage; stopReason: StopReason } | null;
-}
-
-/** Usage over the choices: each prompt once, every choice's completion tokens. */
-function totalUsage(choices: readonly DoneChoice[]): Usage {
-  let promptTokens = 0;
-  let completionTokens = 0;
-  let cachedTokens: number | undefined;
-  for (const c of choices) {
-    const usage = c.result!.usage;
-    if (c.firstOfPrompt) {
-      promptTokens += usage.promptTokens;
-      // The prompt's tokens served from the prefix cache (its first sample's; absent with the cache off).
-      if (usage.cachedTokens !== undefined) cachedTokens = (cachedTokens ?? 0) + usage.cachedTokens;
-    }
-    completionTokens += usage.completionTokens;
-  }
-  return cachedTokens === undefined
-    ? { promptTokens, completionTokens }
-    : { promptTokens, completionTokens, cachedTokens };
-}
-
-/** The whole (non-streamed) answer of every choice. */
-function wholeAnswer(
-  responses: ResponseStrategy,
-  meta: ResponseMeta,
-  choices: readonly DoneChoice[],
-  usage: Usage,
-): object {
-  return mergeChoices(
-    choices.map((c) =>
-      responses.completion(
-        meta,
-        (c.echo ?? "") + c.text,
-        c.result!.reason,
-        usage,
-        c.result!.stopReason,
-        c.logprobs.all(),
-      ),
-    ),
-  );
-}
-
-/** A chunk of one choice: the strategies build choice 0's; `n` > 1 names each. */
-function withIndex(chunk: Record<string, unknown>, index: number): Record<string, unknown> {
-  if (index !== 0) (chunk.choices as { index: number }[])[0]!.index = index;
-  return chunk;
-}
-
-/** The whole answer of several choices: the first one's object with every choice, each its index. */
-function mergeChoices(answers: readonly object[]): object {
-  const first = answers[0] as { choices: { index: number }[] };
-  if (answers.length === 1) return first;
-  const choices = answers.map((a, index) => ({ ...(a as typeof first).choices[0]!, index }));
-  return { ...first, choices };
 }
 
 /** A percent-encoded path segment, or `invalid_request` when it is not valid percent-encoding. */
@@ -1138,24 +593,4 @@ function decodePathSegment(segment: string): string {
       "The path is not valid percent-encoded UTF-8: encode the model id with encodeURIComponent",
     );
   }
-}
-
-function sha256(text: string): Buffer {
-  return createHash("sha256").update(text, "utf8").digest();
-}
-
-/**
- * Tenant names → opaque metric labels: `t-` and 12 hex digits of an HMAC-SHA256 of the name keyed
- * with `key` (the operator key when there is one, so that labels stay the same across restarts).
- */
-function opaqueTenantLabels(key: string): (name: string) => string {
-  const labels = new Map<string, string>();
-  return (name) => {
-    let label = labels.get(name);
-    if (label === undefined) {
-      label = `t-${createHmac("sha256", key).update(`kvfence tenant label\0${name}`).digest("hex").slice(0, 12)}`;
-      labels.set(name, label);
-    }
-    return label;
-  };
 }

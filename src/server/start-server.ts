@@ -26,7 +26,7 @@ import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
 import { PreparePool } from "../router/prepare-pool.js";
 import { requestLimits } from "../router/request-limits.js";
-import { RouterServer } from "../router/router-server.js";
+import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
 import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
 import { isLoopback } from "../transfer/tls-config.js";
@@ -142,23 +142,9 @@ export async function startServer(
     "engine ready",
   );
 
-  const card = modelCard(model, config);
-  const router = new RouterServer({
-    engine,
-    tokenizer: tokenizerOf(model, config),
-    preparer,
-    limits,
-    model: card,
-    tenants,
-    logger: log,
-    maxModelLen: config.maxModelLen,
-    unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
-    operatorKey: config.operatorKey,
-    metricsTenantNames: config.metricsTenantNames,
-    allowedOrigins: config.allowedOrigins,
-    prefixCacheScope: config.prefixCacheScope,
-    ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
-  });
+  const router = new RouterServer(
+    routerOptions(config, { engine, model, preparer, limits, tenants, tls, log }),
+  );
   served.registerMetrics(router.metrics.registry);
   const closeAll = async (): Promise<void> => {
     await router.close();
@@ -192,6 +178,38 @@ export async function startServer(
       })();
       return closing;
     },
+  };
+}
+
+/** The router's options: the engine and the parts booted before it, and the config's flags. */
+function routerOptions(
+  config: ServeConfig,
+  parts: {
+    readonly engine: EngineHandle;
+    readonly model: ModelMeta;
+    readonly preparer: PreparePool;
+    readonly limits: ReturnType<typeof limitsOf>;
+    readonly tenants: TenantDirectory;
+    readonly tls: ReturnType<typeof serveTls>;
+    readonly log: Logger;
+  },
+): RouterServerOptions {
+  const { model, tls } = parts;
+  return {
+    engine: parts.engine,
+    tokenizer: tokenizerOf(model, config),
+    preparer: parts.preparer,
+    limits: parts.limits,
+    model: modelCard(model, config),
+    tenants: parts.tenants,
+    logger: parts.log,
+    maxModelLen: config.maxModelLen,
+    unsafe: { faults: config.unsafeFault, disabledGuards: config.unsafeDisableGuard },
+    operatorKey: config.operatorKey,
+    metricsTenantNames: config.metricsTenantNames,
+    allowedOrigins: config.allowedOrigins,
+    prefixCacheScope: config.prefixCacheScope,
+    ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   };
 }
 

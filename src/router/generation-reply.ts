@@ -1,0 +1,368 @@
+/**
+ * One generation request's answer, as the handler of a generation endpoint returns it and the HTTP
+ * layer pumps it (the model: llama.cpp's server, whose handlers return a response object whose
+ * `next()` yields the stream's chunks). A `GenerationReply` runs one `Generation` per choice (`n`
+ * per prompt, sample 0 of each prompt first) and keeps the choices' state: their text, their
+ * log-probabilities (choice-logprobs.ts), how each finished. From the engine's events it makes the
+ * endpoint's payloads (openai-responses.ts): a stream's chunks, each naming its choice's index (a
+ * choice opens with the endpoint's opening payloads and, with echo, its prompt), then the closing
+ * ones once every choice finished; or, not streamed, the whole answer of every choice with the
+ * usage summed over them. One choice failing fails the reply and stops the others.
+ *
+ * It knows nothing of HTTP. The HTTP layer (answer-writer.ts) calls `start` with a wake-up; on each
+ * wake-up it writes the stream's headers once they are due (`streaming`: the engine's first event,
+ * so that an error before it is still a real 4xx/5xx), takes the payloads queued (`next`) and, once
+ * there is one, the `outcome`. A wake-up follows every engine event that queued something, in the
+ * same call, so nothing waits in the queue; the writing itself (json-writer.ts) has the
+ * backpressure. What the router records of the request goes to its `ReplyHooks`.
+ */
+
+import { Deque } from "../lib/deque.js";
+import { type KvfenceError, toOpenAiError } from "../lib/errors.js";
+import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
+import { type ChoiceLogprobs, choicesLogprobs, type PromptLogprobs } from "./choice-logprobs.js";
+import {
+  type FinishReason,
+  Generation,
+  type GenerationSink,
+  type StopReason,
+  type TextStreamDecoder,
+  type Usage,
+} from "./generation.js";
+import type { TokenPiece } from "./logprobs-wire.js";
+import { completionId, type ResponseMeta, type ResponseStrategy, usageWire } from "./openai-responses.js";
+import type { ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
+import type { SseFraming } from "./sse.js";
+
+/** What a reply needs of the tokenizer. */
+export interface ReplyTokenizer {
+  /** One token's own text and bytes (log-probabilities name tokens by them). */
+  tokenPiece(id: number): TokenPiece;
+  /** A fresh UTF-8-safe streaming detokenizer, one per response (special tokens skipped by default). */
+  createDecoder(options?: { readonly skipSpecialTokens?: boolean }): TextStreamDecoder;
+}
+
+/** One choice to generate: its request, echo's text of its prompt, and whether it is its prompt's sample 0. */
+export interface PlannedChoice {
+  readonly request: GenerationRequest;
+  readonly echo: string | null;
+  readonly firstOfPrompt: boolean;
+}
+
+/** What the router records of a reply (metrics, logs, spans); called in the engine's events. */
+export interface ReplyHooks {
+  /** `count` new tokens of one choice. */
+  tokens(count: number): void;
+  /** A choice failed in the engine: the error the client is shown (the log keeps `internal`). */
+  failed(rid: number, internal: KvfenceError): KvfenceError;
+  /** The client went away before the reply ended (`abort`). */
+  clientGone(): void;
+  /** The reply ended, once: 200 with the usage, an error's status, or 499 (the client went away). */
+  ended(status: number, usage: Usage | null): void;
+}
+
+/** How a reply ended, for the HTTP layer. */
+export type ReplyOutcome =
+  /** The whole (non-streamed) answer. */
+  | { readonly kind: "answer"; readonly body: object }
+  /** The stream's last payload is queued: end it. */
+  | { readonly kind: "end" }
+  /** Failed before the stream's headers went out: an error response. */
+  | { readonly kind: "error"; readonly error: KvfenceError };
+
+const STREAM_END: ReplyOutcome = { kind: "end" };
+
+interface ChoiceResult {
+  readonly reason: FinishReason;
+  readonly usage: Usage;
+  readonly stopReason: StopReason;
+}
+
+/** A choice as the reply keeps it. */
+interface Choice extends PlannedChoice {
+  readonly index: number;
+  readonly prompt: PromptLogprobs;
+  readonly logprobs: ChoiceLogprobs;
+  text: string;
+  /** Its stream opened (its opening payloads are queued). */
+  opened: boolean;
+  result: ChoiceResult | null;
+}
+
+export interface ReplyParts {
+  readonly engine: EngineHandle;
+  readonly tokenizer: ReplyTokenizer;
+  /** The `model` its answers name. */
+  readonly modelId: string;
+  readonly parsed: SamplingRequest;
+  /** The endpoint's shapes. */
+  readonly responses: ResponseStrategy;
+  readonly planned: readonly PlannedChoice[];
+  readonly hooks: ReplyHooks;
+}
+
+export class GenerationReply {
+  readonly #parsed: SamplingRequest;
+  readonly #responses: ResponseStrategy;
+  readonly #meta: ResponseMeta;
+  readonly #hooks: ReplyHooks;
+  readonly #choices: readonly Choice[];
+  readonly #generations: readonly Generation[];
+  /** Payloads not taken yet (`next`). */
+  readonly #queue = new Deque<Record<string, unknown>>(4);
+  /** vLLM's continuous_usage_stats: the prompts' tokens (each prompt once), and the tokens so far. */
+  readonly #promptTokens: number;
+  #generated = 0;
+  #streaming = false;
+  #ended = false;
+  #outcome: ReplyOutcome | null = null;
+  #wake: () => void = () => {};
+
+  constructor(parts: ReplyParts) {
+    const { parsed, responses, planned, tokenizer } = parts;
+    this.#parsed = parsed;
+    this.#responses = responses;
+    this.#hooks = parts.hooks;
+    this.#meta = responseMeta(responses, parsed, planned[0]!.request, parts.modelId);
+    this.#promptTokens = planned.reduce(
+      (n, p) => n + (p.firstOfPrompt ? p.request.promptTokens.length : 0),
+      0,
+    );
+    // Each prompt's log-probabilities are rendered once, for all its choices (choice-logprobs.ts).
+    const piece = (id: number) => tokenizer.tokenPiece(id);
+    const logprobs = choicesLogprobs(planned, { parsed, piece, responses });
+    this.#choices = planned.map(({ request, echo, firstOfPrompt }, index) => ({
+      request,
+      echo,
+      firstOfPrompt,
+      index,
+      text: "",
+      opened: false,
+      ...logprobs[index]!,
+      result: null,
+    }));
+    const options = {
+      logprobs: parsed.logprobs !== null,
+      stop: parsed.stop,
+      stopTokenIds: parsed.stopTokenIds,
+      minTokens: parsed.minTokens,
+      includeStopStr: parsed.includeStopStr,
+    };
+    this.#generations = this.#choices.map((choice) => {
+      const decoder = tokenizer.createDecoder({ skipSpecialTokens: parsed.skipSpecialTokens });
+      return new Generation(parts.engine, choice.request, { ...options, decoder }, this.#sink(choice));
+    });
+  }
+
+  /** One per choice, sample 0 of each prompt first. */
+  get generations(): readonly Generation[] {
+    return this.#generations;
+  }
+
+  /** How its stream is framed. */
+  get framing(): SseFraming {
+    return this.#responses.framing;
+  }
+
+  /** True once a streamed reply's headers are due (its first engine event came). */
+  get streaming(): boolean {
+    return this.#streaming;
+  }
+
+  /** How it ended, once it did (after the payloads still queued). */
+  get outcome(): ReplyOutcome | null {
+    return this.#outcome;
+  }
+
+  /** The next stream payload queued, or undefined. */
+  next(): Record<string, unknown> | undefined {
+    return this.#queue.popFront();
+  }
+
+  /** Submits every choice to the engine; `wake` is called whenever there is something to write. */
+  start(wake: () => void): void {
+    this.#wake = wake;
+    for (const generation of this.#generations) generation.start();
+  }
+
+  /** The client went away: every choice stops, no payload follows. */
+  abort(): void {
+    if (this.#ended) return;
+    for (const generation of this.#generations) generation.abort();
+    this.#hooks.clientGone();
+    this.#end(499, null);
+  }
+
+  #sink(choice: Choice): GenerationSink {
+    const stream = this.#parsed.stream;
+    const meta = this.#meta;
+    const includeUsage = this.#parsed.includeUsage;
+    return {
+      tokens: (count) => {
+        this.#generated += count;
+        this.#hooks.tokens(count);
+        if (stream && !choice.opened) {
+          this.#open(choice);
+          this.#wake();
+        }
+      },
+      logprobs: (entry) => choice.logprobs.push(entry),
+      // Sample 0 of a prompt computes its log-probabilities; every choice of that prompt shows them.
+      promptLogprobs: (entries) => choice.prompt.set(entries),
+      text: (delta) => {
+        choice.text += delta;
+        if (!stream) return;
+        this.#send(choice, this.#responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
+        this.#wake();
+      },
+      finish: (reason, usage, stopReason) => {
+        if (this.#ended) return;
+        choice.result = { reason, usage, stopReason };
+        if (stream) {
+          const logprobs = choice.logprobs.take();
+          for (const chunk of this.#responses.finish(
+            meta,
+            reason,
+            includeUsage,
+            stopReason,
+            logprobs,
+            choice.text,
+          ))
+            this.#send(choice, chunk);
+        }
+        if (this.#choices.every((c) => c.result !== null)) this.#finished();
+        this.#wake();
+      },
+      fail: (internal) => {
+        if (this.#ended) return;
+        for (const generation of this.#generations) generation.abort();
+        const error = this.#hooks.failed(choice.request.rid, internal);
+        const { status, body } = toOpenAiError(error);
+        this.#end(status, null);
+        if (this.#streaming) {
+          // Headers are out: the error goes in the stream, as OpenAI does, and ends it.
+          this.#queue.pushBack(this.#responses.streamError(body));
+          this.#outcome = STREAM_END;
+        } else {
+          this.#outcome = { kind: "error", error };
+        }
+        this.#wake();
+      },
+    };
+  }
+
+  /** Makes the stream's headers due and queues, once per choice, its opening payloads (and echo's prompt). */
+  #open(choice: Choice): void {
+    this.#streaming = true;
+    if (choice.opened) return;
+    choice.opened = true;
+    const meta = this.#meta;
+    const includeUsage = this.#parsed.includeUsage;
+    for (const opening of this.#responses.opening(meta, includeUsage))
+      this.#queue.pushBack(withIndex(opening, choice.index));
+    if (choice.echo !== null) {
+      const delta = this.#responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed());
+      this.#queue.pushBack(withIndex(delta, choice.index));
+    }
+  }
+
+  /** Queues one chunk of `choice` (its stream opened first), with the usage so far when asked. */
+  #send(choice: Choice, chunk: Record<string, unknown>): void {
+    if (this.#parsed.continuousUsage)
+      chunk.usage = usageWire({ promptTokens: this.#promptTokens, completionTokens: this.#generated });
+    this.#open(choice);
+    this.#queue.pushBack(withIndex(chunk, choice.index));
+  }
+
+  /** Every choice finished: the whole answer, or the stream's closing payloads. */
+  #finished(): void {
+    const choices = this.#choices;
+    const usage = totalUsage(choices);
+    this.#end(200, usage);
+    const whole = () => wholeAnswer(this.#responses, this.#meta, choices, usage);
+    if (!this.#parsed.stream) {
+      this.#outcome = { kind: "answer", body: whole() };
+      return;
+    }
+    for (const closing of this.#responses.closing(this.#meta, this.#parsed.includeUsage, usage, whole))
+      this.#queue.pushBack(closing);
+    this.#outcome = STREAM_END;
+  }
+
+  #end(status: number, usage: Usage | null): void {
+    if (this.#ended) return;
+    this.#ended = true;
+    this.#hooks.ended(status, usage);
+  }
+}
+
+/** What every payload of one response repeats: its id, time, model, the settings in effect. */
+function responseMeta(
+  responses: ResponseStrategy,
+  parsed: SamplingRequest,
+  first: GenerationRequest,
+  model: string,
+): ResponseMeta {
+  const echo = (parsed as { responses?: ResponsesEcho }).responses;
+  return {
+    id: completionId(responses.idKind),
+    created: Math.floor(Date.now() / 1000),
+    model,
+    sampling: { temperature: first.sampling.temperature, topP: first.sampling.topP },
+    ...(echo === undefined ? {} : { responses: echo }),
+  };
+}
+
+/** Usage over the choices: each prompt once, every choice's completion tokens. */
+function totalUsage(choices: readonly Choice[]): Usage {
+  let promptTokens = 0;
+  let completionTokens = 0;
+  let cachedTokens: number | undefined;
+  for (const c of choices) {
+    const usage = c.result!.usage;
+    if (c.firstOfPrompt) {
+      promptTokens += usage.promptTokens;
+      // The prompt's tokens served from the prefix cache (its first sample's; absent with the cache off).
+      if (usage.cachedTokens !== undefined) cachedTokens = (cachedTokens ?? 0) + usage.cachedTokens;
+    }
+    completionTokens += usage.completionTokens;
+  }
+  return cachedTokens === undefined
+    ? { promptTokens, completionTokens }
+    : { promptTokens, completionTokens, cachedTokens };
+}
+
+/** The whole (non-streamed) answer of every choice. */
+function wholeAnswer(
+  responses: ResponseStrategy,
+  meta: ResponseMeta,
+  choices: readonly Choice[],
+  usage: Usage,
+): object {
+  return mergeChoices(
+    choices.map((c) =>
+      responses.completion(
+        meta,
+        (c.echo ?? "") + c.text,
+        c.result!.reason,
+        usage,
+        c.result!.stopReason,
+        c.logprobs.all(),
+      ),
+    ),
+  );
+}
+
+/** A chunk of one choice: the strategies build choice 0's; `n` > 1 names each. */
+function withIndex(chunk: Record<string, unknown>, index: number): Record<string, unknown> {
+  if (index !== 0) (chunk.choices as { index: number }[])[0]!.index = index;
+  return chunk;
+}
+
+/** The whole answer of several choices: the first one's object with every choice, each its index. */
+function mergeChoices(answers: readonly object[]): object {
+  const first = answers[0] as { choices: { index: number }[] };
+  if (answers.length === 1) return first;
+  const choices = answers.map((a, index) => ({ ...(a as typeof first).choices[0]!, index }));
+  return { ...first, choices };
+}

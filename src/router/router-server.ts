@@ -23,7 +23,6 @@ import { performance } from "node:perf_hooks";
 import type { NodesInfo } from "../admin-api/admin-wire.js";
 import { KvfenceError, publicError, toOpenAiError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
-import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import { epochOf, type RequestSpan, tracing } from "../lib/tracing.js";
 import type { EngineHandle, GenerationRequest } from "../protocol/engine-api.js";
 import { admit, effectiveContextLength } from "./admission.js";
@@ -283,20 +282,7 @@ export class RouterServer {
     const unsafe = options.unsafe;
     this.#unsafe =
       unsafe !== undefined && (unsafe.faults.length > 0 || unsafe.disabledGuards.length > 0) ? unsafe : null;
-    if (this.#unsafe !== null) {
-      const fault = this.metrics.registry.gauge(
-        "kvfence_unsafe_fault",
-        "1 for each fault injected with --unsafe-fault (tests and demos only)",
-        ["name"],
-      );
-      for (const name of this.#unsafe.faults) fault.set(1, { name });
-      const guard = this.metrics.registry.gauge(
-        "kvfence_guard_disabled",
-        "1 for each guard switched off with --unsafe-disable-guard (tests and demos only)",
-        ["name"],
-      );
-      for (const name of this.#unsafe.disabledGuards) guard.set(1, { name });
-    }
+    if (this.#unsafe !== null) this.metrics.showUnsafe(this.#unsafe);
     this.#routes = new Map<string, Route>([
       [
         "/v1/chat/completions",
@@ -780,7 +766,7 @@ export class RouterServer {
       ended = true;
       for (const generation of generations) this.#active.delete(generation);
       this.metrics.inFlight.set(this.#active.size);
-      this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
+      this.metrics.requestDuration.observe(labels, (performance.now() - ctx.receivedAt) / 1000);
       span?.end({
         "http.response.status_code": status,
         "kvfence.prompt_tokens": planned[0]!.request.promptTokens.length,
@@ -887,10 +873,9 @@ export class RouterServer {
   ): number {
     const now = performance.now();
     if (lastTokenAt === 0) {
-      this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
+      this.metrics.timeToFirstToken.observe(labels, (now - ctx.receivedAt) / 1000);
     } else {
-      const perToken = (now - lastTokenAt) / 1000 / count;
-      for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
+      this.metrics.interTokenLatency.observeMany(labels, (now - lastTokenAt) / 1000 / count, count);
     }
     return now;
   }
@@ -1027,9 +1012,9 @@ export class RouterServer {
   }
 
   async #metrics(ctx: RequestContext): Promise<void> {
-    const text = await this.metrics.registry.render();
+    const text = await this.metrics.registry.metrics();
     ctx.res.writeHead(200, {
-      "Content-Type": PROMETHEUS_CONTENT_TYPE,
+      "Content-Type": this.metrics.registry.contentType,
       "Content-Length": String(Buffer.byteLength(text)),
     });
     ctx.res.end(text);

@@ -159,7 +159,7 @@ export async function startServer(
     prefixCacheScope: config.prefixCacheScope,
     ...(tls.frontDoor === undefined ? {} : { https: tls.frontDoor }),
   });
-  served.registerMetrics(router.metrics.registry);
+  served.registerMetrics(router.metrics);
   const closeAll = async (): Promise<void> => {
     await router.close();
     await preparer.close();

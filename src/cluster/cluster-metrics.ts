@@ -14,14 +14,14 @@ import type { NodeStats } from "../links/node-messages.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import { NodeTotals } from "./node-totals.js";
 
-/** A router's registry, as the cluster's metrics join it (`RouterMetrics`). */
-export interface RouterRegistry {
+/** Where the cluster's metrics join the router's (`RouterMetrics`): its scrape's reads and per-phase families. */
+export interface ScrapeTarget {
   /** The reads of each scrape: the cluster's is added after the engine's. */
   readonly scrape: MetricsScrape;
   readonly phases: PhaseMetrics;
 }
 
-export function registerClusterMetrics(router: RouterRegistry, engine: DisaggregatedEngine): void {
+export function registerClusterMetrics(router: ScrapeTarget, engine: DisaggregatedEngine): void {
   const metrics = clusterMetrics(router.scrape);
   // Each decode node's transfer counts and each node's link refusals, kept while a node misses a
   // scrape, is lost or restarts, so no counter goes down.

@@ -7,7 +7,7 @@
  * `--role prefill|decode` runs a node process instead of a router (`startNodeServer`).
  */
 
-import { type RouterRegistry, registerClusterMetrics } from "../cluster/cluster-metrics.js";
+import { registerClusterMetrics, type ScrapeTarget } from "../cluster/cluster-metrics.js";
 import { connectCluster, connectClusterFromRegistry } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import type { RegistryOptions } from "../cluster/registry.js";
@@ -69,7 +69,7 @@ export interface ServeEngine {
   readonly engine: EngineHandle;
   readonly topology: "single" | "threads" | "processes";
   /** Adds the disaggregated metrics to the router's registry (no-op for one engine). */
-  registerMetrics(router: RouterRegistry): void;
+  registerMetrics(router: ScrapeTarget): void;
   close(): Promise<void>;
 }
 

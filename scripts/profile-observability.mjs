@@ -171,7 +171,10 @@ if (callgrind) {
 
 const CATEGORIES = [
   ["traces", (f, u) => u.includes("@opentelemetry") || u.includes("lib/tracing")],
-  ["histograms", (f, u) => u.includes("phase-histograms") || u.includes("prom-client")],
+  [
+    "histograms",
+    (f, u) => u.includes("phase-histograms") || u.includes("histogram-recorder") || u.includes("prom-client"),
+  ],
   [
     "stats",
     (f, u) =>

@@ -9,9 +9,9 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { createLogger } from "../src/lib/logger.js";
-import { parsePrometheusText } from "../src/lib/metrics.js";
 import { parseServeConfig } from "../src/server/serve-config.js";
 import { type RunningServer, startServer } from "../src/server/start-server.js";
+import { parsePrometheusText } from "../src/tools/incident/prometheus-text.js";
 
 const ROOT = fileURLToPath(new URL(import.meta.url.includes("/dist/") ? "../../" : "../", import.meta.url));
 

@@ -3,7 +3,7 @@
  * the router only when it answers a poll, and start from zero when it restarts. Summing the
  * answers of one poll would make a counter drop whenever a node misses that poll (busy computing a
  * long prefill, frozen, lost) or comes back as a new incarnation. Prometheus would read the drop as
- * a counter reset, and the registry refuses a counter that goes down (it fails the scrape).
+ * a counter reset.
  *
  * So this keeps, per node id, its last answered counts and what its earlier incarnations counted:
  * a node that misses a poll keeps its last counts in the totals, and a restarted node's counts

@@ -1,13 +1,18 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { parsePrometheusText } from "./metrics.js";
+import { Registry } from "prom-client";
+import { parsePrometheusText } from "../tools/incident/prometheus-text.js";
+import { MetricsScrape } from "./metrics-scrape.js";
 import {
   addSnapshots,
   PHASE,
   PHASE_BUCKETS,
+  PhaseMetrics,
   PhaseRecorder,
+  type PhaseSource,
   phasePercentiles,
   renderPhaseMetrics,
+  TRANSFER_BYTES_BUCKETS,
 } from "./phase-histograms.js";
 
 test("a recorder's observations render through prom-client with node and role labels, summed per node", async () => {
@@ -69,4 +74,32 @@ test("percentiles from the buckets fall in the bucket of the true value; snapsho
   assert.ok(quantiles[1]! > 0.0512 && quantiles[1]! <= 0.1024, String(quantiles[1]));
   const sum = addSnapshots([r.snapshot(), r.snapshot()]);
   assert.equal(phasePercentiles(sum, "first_token").count, 200);
+});
+
+test("PhaseMetrics renders every place's snapshots as read by the scrape, with no series before any", async () => {
+  const scrape = new MetricsScrape(new Registry());
+  const phases = new PhaseMetrics(scrape.registry, scrape);
+  const engine = new PhaseRecorder();
+  const router = new PhaseRecorder();
+  let read: PhaseSource[] = [];
+  scrape.add(async () => {
+    await new Promise((resolve) => setTimeout(resolve, 10));
+    read = [{ node: "engine", role: "engine", snapshot: engine.snapshot() }];
+  });
+  phases.add(() => read);
+  phases.add(() => [{ node: "router", role: "router", snapshot: router.snapshot() }]);
+  const idle = await scrape.registry.metrics();
+  assert.equal(parsePrometheusText(idle).size, 0);
+  assert.match(
+    idle,
+    /# TYPE kvfence_phase_seconds histogram\n[\s\S]*# TYPE kvfence_phase_transfer_bytes histogram/,
+  );
+  engine.observe(PHASE.prefill, 0.01);
+  router.observeBytes(2_000_000);
+  const m = parsePrometheusText(await scrape.registry.metrics());
+  assert.equal(m.get('kvfence_phase_seconds_count{phase="prefill",node="engine",role="engine"}'), 1);
+  assert.equal(m.get('kvfence_phase_transfer_bytes_count{node="router",role="router"}'), 1);
+  // The byte buckets' bounds keep their 6 significant digits (4 MiB reads 4194300).
+  assert.equal(TRANSFER_BYTES_BUCKETS[5], 4194300);
+  assert.equal(m.get('kvfence_phase_transfer_bytes_bucket{le="4194300",node="router",role="router"}'), 1);
 });

@@ -7,16 +7,15 @@
  *
  * Recording is a `PhaseRecorder`: fixed buckets in one `Float64Array`, so an observation (one per
  * generated token for inter-token latency) is a bucket search and three additions, with nothing
- * allocated. prom-client's own `Histogram.observe` allocates an object and a label-hash string on
- * every call (measured on this VM: ≈ 450–660 ns and a scavenge every ~6,000 observations, against
- * ≈ 4 ns here), which is why the hot path is not prom-client's. A recorder's cumulative
- * `snapshot()` is plain data that crosses a MessagePort or a control line inside the node's stats;
- * the router turns each snapshot into prom-client's metric JSON with the node's labels and lets
- * prom-client aggregate and render them (`AggregatorRegistry.aggregate`, its cluster path), so
- * the exposition format is prom-client's.
+ * allocated (histogram-recorder.ts says why the hot path is not prom-client's). A recorder's
+ * cumulative `snapshot()` is plain data that crosses a MessagePort or a control line inside the
+ * node's stats; at each scrape the router turns each snapshot into prom-client's metric JSON with
+ * the node's labels (`PhaseMetrics`) and lets prom-client aggregate and render them
+ * (`AggregatorRegistry.aggregate`, its cluster path), so the exposition format is prom-client's.
  */
-import { AggregatorRegistry, type Metric, Registry } from "prom-client";
-import { exponentialBuckets } from "./metrics.js";
+import { AggregatorRegistry, exponentialBuckets, type Metric, Registry } from "prom-client";
+import { bucketOf, histogramRows, type MetricJson } from "./histogram-recorder.js";
+import { type MetricsScrape, onePerScrape } from "./metrics-scrape.js";
 
 /** The phases, in a request's order. */
 export const PHASES = [
@@ -37,8 +36,13 @@ export const PHASE: { readonly [P in Phase]: number } = Object.freeze(
 
 /** Seconds: 50 µs to ~26 s, doubling. */
 export const PHASE_BUCKETS: readonly number[] = exponentialBuckets(0.00005, 2, 20);
-/** Bytes of one transfer: 4 KiB to 4 GiB, ×4. */
-export const TRANSFER_BYTES_BUCKETS: readonly number[] = exponentialBuckets(4096, 4, 11);
+/**
+ * Bytes of one transfer: 4 KiB to 4 GiB, ×4, each bound rounded to 6 significant digits (1048580,
+ * …, 4294970000), as the series' `le` labels have always read.
+ */
+export const TRANSFER_BYTES_BUCKETS: readonly number[] = exponentialBuckets(4096, 4, 11).map((b) =>
+  Number(b.toPrecision(6)),
+);
 
 /** Cumulative counts of one recorder (JSON-able): per phase, non-cumulative bucket counts (+Inf last). */
 export interface PhaseSnapshot {
@@ -52,12 +56,6 @@ export interface PhaseSnapshot {
 
 const NB = PHASE_BUCKETS.length + 1;
 const NBYTES = TRANSFER_BYTES_BUCKETS.length + 1;
-
-function bucketOf(bounds: readonly number[], value: number): number {
-  let i = 0;
-  while (i < bounds.length && value > bounds[i]!) i++;
-  return i;
-}
 
 /** Allocation-free per-phase histograms of one place (a node, the router, the engine). */
 export class PhaseRecorder {
@@ -118,62 +116,26 @@ export interface PhaseSource {
 
 export const PHASE_SECONDS_METRIC = "kvfence_phase_seconds";
 export const TRANSFER_BYTES_METRIC = "kvfence_phase_transfer_bytes";
+const HELP: { readonly [name: string]: string } = {
+  [PHASE_SECONDS_METRIC]:
+    "Time a request spent in each phase (queue_wait, reservation, prefill, transfer, commit, first_token, inter_token), by node and role",
+  [TRANSFER_BYTES_METRIC]: "Bytes of each KV transfer, by node and role",
+};
 
-/**
- * One row of prom-client's metric JSON (`Registry.getMetricsAsJSON`). A bucket row's `le` is in
- * `labels` and its place's labels in `sharedLabels`, one object for all of a histogram's buckets,
- * as prom-client's own `Histogram` gives them: the registry formats a shared object once a render.
- */
-interface MetricRow {
-  readonly metricName: string;
-  readonly labels: Record<string, string | number>;
-  readonly sharedLabels?: Record<string, string>;
-  readonly value: number;
-}
-
-/** One metric of prom-client's metric JSON, as `AggregatorRegistry.aggregate` takes it. */
-export interface MetricJson {
-  readonly name: string;
-  readonly help: string;
-  readonly type: "histogram";
-  readonly values: MetricRow[];
-  readonly aggregator: "sum";
-}
-
-/** Histogram rows in prom-client's metric JSON (cumulative buckets, sum, count). */
-function histogramValues(
-  name: string,
-  labels: Record<string, string>,
-  bounds: readonly number[],
-  counts: ArrayLike<number>,
-  offset: number,
-  sum: number,
-): MetricRow[] {
-  const out: MetricRow[] = [];
-  let cumulative = 0;
-  for (let i = 0; i <= bounds.length; i++) {
-    cumulative += counts[offset + i]!;
-    out.push({
-      metricName: `${name}_bucket`,
-      labels: { le: i < bounds.length ? bounds[i]! : "+Inf" },
-      sharedLabels: labels,
-      value: cumulative,
-    });
-  }
-  out.push({ metricName: `${name}_sum`, labels, value: sum });
-  out.push({ metricName: `${name}_count`, labels, value: cumulative });
-  return out;
+/** A family with no series (what a registry renders before any source has observations). */
+function emptyFamily(name: string): MetricJson {
+  return { name, help: HELP[name]!, type: "histogram", values: [], aggregator: "sum" };
 }
 
 /** One source's snapshot as prom-client metric JSON, labelled with its node and role. */
 export function phaseMetricsJson(source: PhaseSource): MetricJson[] {
   const { node, role, snapshot } = source;
-  const seconds: MetricRow[] = [];
+  const seconds = emptyFamily(PHASE_SECONDS_METRIC);
   PHASES.forEach((phase, p) => {
     const count = rowCount(snapshot.seconds, p * NB, NB);
     if (count === 0) return;
-    seconds.push(
-      ...histogramValues(
+    seconds.values.push(
+      ...histogramRows(
         PHASE_SECONDS_METRIC,
         { phase, node, role },
         PHASE_BUCKETS,
@@ -183,21 +145,11 @@ export function phaseMetricsJson(source: PhaseSource): MetricJson[] {
       ),
     );
   });
-  const out: MetricJson[] = [
-    {
-      name: PHASE_SECONDS_METRIC,
-      help: "Time a request spent in each phase (queue_wait, reservation, prefill, transfer, commit, first_token, inter_token), by node and role",
-      type: "histogram",
-      values: seconds,
-      aggregator: "sum",
-    },
-  ];
+  const out = [seconds];
   if (rowCount(snapshot.bytes, 0, NBYTES) > 0) {
-    out.push({
-      name: TRANSFER_BYTES_METRIC,
-      help: "Bytes of each KV transfer, by node and role",
-      type: "histogram",
-      values: histogramValues(
+    const bytes = emptyFamily(TRANSFER_BYTES_METRIC);
+    bytes.values.push(
+      ...histogramRows(
         TRANSFER_BYTES_METRIC,
         { node, role },
         TRANSFER_BYTES_BUCKETS,
@@ -205,8 +157,8 @@ export function phaseMetricsJson(source: PhaseSource): MetricJson[] {
         0,
         snapshot.bytesSum,
       ),
-      aggregator: "sum",
-    });
+    );
+    out.push(bytes);
   }
   return out;
 }
@@ -218,16 +170,15 @@ function rowCount(counts: readonly number[], offset: number, n: number): number 
 }
 
 /**
- * The text exposition of every source's histograms, rendered by prom-client. Sources of distinct
+ * Every source's histograms as prom-client metric JSON, one entry per metric. Sources of distinct
  * node and role (always, from one router) have disjoint label sets, so their rows are joined per
- * metric and rendered as they are; prom-client's `AggregatorRegistry.aggregate`, which sums rows of
- * equal labels by hashing every row's labels, gives the same text and is used only when two sources
- * share a node and role. With the bucket rows' place labels shared (`MetricRow`), a render of
- * three busy sources (router, prefill, decode: 48 KB) took 0.5–0.7 ms of CPU on this VM, against
- * 2.3–2.9 ms through the aggregator with every row's labels whole (docs/benchmarks.md §8).
+ * metric as they are; prom-client's `AggregatorRegistry.aggregate`, which sums rows of equal labels
+ * by hashing every row's labels, gives the same text and is used only when two sources share a
+ * node and role. With the bucket rows' place labels shared (`MetricRow`), a render of three busy
+ * sources (router, prefill, decode: 48 KB) took 0.5–0.7 ms of CPU on this VM, against 2.3–2.9 ms
+ * through the aggregator with every row's labels whole (docs/benchmarks.md §8).
  */
-export async function renderPhaseMetrics(sources: readonly PhaseSource[]): Promise<string> {
-  if (sources.length === 0) return "";
+async function phaseFamilies(sources: readonly PhaseSource[]): Promise<MetricJson[]> {
   const json = sources.map(phaseMetricsJson);
   const places = new Set(sources.map((s) => `${s.node}\u0000${s.role}`));
   if (places.size < sources.length) {
@@ -241,7 +192,7 @@ export async function renderPhaseMetrics(sources: readonly PhaseSource[]): Promi
         })),
       })),
     );
-    return AggregatorRegistry.aggregate(whole).metrics();
+    return (await AggregatorRegistry.aggregate(whole).getMetricsAsJSON()) as unknown as MetricJson[];
   }
   const byName = new Map<string, MetricJson>();
   for (const metrics of json)
@@ -250,9 +201,46 @@ export async function renderPhaseMetrics(sources: readonly PhaseSource[]): Promi
       if (joined === undefined) byName.set(m.name, { ...m, values: [...m.values] });
       else joined.values.push(...m.values);
     }
+  return [...byName.values()];
+}
+
+/** The text exposition of the sources' histograms alone, rendered by prom-client. */
+export async function renderPhaseMetrics(sources: readonly PhaseSource[]): Promise<string> {
   const registry = new Registry();
-  for (const m of byName.values()) registry.registerMetric({ ...m, get: () => m } as unknown as Metric);
+  for (const m of await phaseFamilies(sources))
+    registry.registerMetric({ ...m, get: () => m } as unknown as Metric);
   return registry.metrics();
+}
+
+/**
+ * The per-phase families in a router's registry, from the snapshots each place gives at a scrape:
+ * the one engine's (router-metrics.ts), or the router's and each node's (cluster-metrics.ts). Both
+ * families are registered up front (prom-client renders the metrics registered when a scrape
+ * starts) and have no series until a source has observations.
+ */
+export class PhaseMetrics {
+  readonly #sources: Array<() => readonly PhaseSource[]> = [];
+
+  constructor(registry: Registry, scrape: MetricsScrape) {
+    // One conversion a scrape, after its reads, for both families.
+    const families = onePerScrape(async () => {
+      await scrape.read();
+      return phaseFamilies(this.#sources.flatMap((sources) => sources()));
+    });
+    for (const name of [PHASE_SECONDS_METRIC, TRANSFER_BYTES_METRIC]) {
+      const family = {
+        ...emptyFamily(name),
+        get: async () => (await families()).find((m) => m.name === name) ?? emptyFamily(name),
+        reset: () => {},
+      };
+      registry.registerMetric(family as unknown as Metric);
+    }
+  }
+
+  /** Adds the snapshots a place gives at each scrape, read after the scrape's reads. */
+  add(sources: () => readonly PhaseSource[]): void {
+    this.#sources.push(sources);
+  }
 }
 
 /** Percentiles of one phase of a snapshot, estimated from its buckets (linear within a bucket). */

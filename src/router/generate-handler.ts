@@ -216,7 +216,7 @@ export class GenerateHandler {
         ended: (status, usage) => {
           for (const generation of reply.generations) this.#active.delete(generation);
           this.metrics.inFlight.set(this.#active.size);
-          this.metrics.requestDuration.observe((performance.now() - ctx.receivedAt) / 1000, labels);
+          this.metrics.requestDuration.observe(labels, (performance.now() - ctx.receivedAt) / 1000);
           span?.end({
             "http.response.status_code": status,
             "kvfence.prompt_tokens": first.promptTokens.length,
@@ -240,10 +240,9 @@ export class GenerateHandler {
   ): number {
     const now = performance.now();
     if (lastTokenAt === 0) {
-      this.metrics.timeToFirstToken.observe((now - ctx.receivedAt) / 1000, labels);
+      this.metrics.timeToFirstToken.observe(labels, (now - ctx.receivedAt) / 1000);
     } else {
-      const perToken = (now - lastTokenAt) / 1000 / count;
-      for (let i = 0; i < count; i++) this.metrics.interTokenLatency.observe(perToken, labels);
+      this.metrics.interTokenLatency.observeMany(labels, (now - lastTokenAt) / 1000 / count, count);
     }
     return now;
   }

@@ -16,7 +16,7 @@ import assert from "node:assert/strict";
 import net from "node:net";
 import { after, before, describe, test } from "node:test";
 import { modelDir, startTestServer, type TestServer } from "../../testing/start-server.js";
-import { parsePrometheusText } from "../lib/metrics.js";
+import { parsePrometheusText } from "../tools/incident/prometheus-text.js";
 import { isLoopbackHost } from "./operator-host.js";
 
 /** Every route of the operator listener. */

@@ -17,7 +17,7 @@ import { operatorGet, operatorHeaders, TEST_OPERATOR_KEY } from "../../testing/s
 import { nodesInfoSchema } from "../admin-api/admin-wire.js";
 import { ERROR_TABLE } from "../lib/errors.js";
 import { createLogger } from "../lib/logger.js";
-import { parsePrometheusText } from "../lib/metrics.js";
+import { parsePrometheusText } from "../tools/incident/prometheus-text.js";
 import { TenantDirectory } from "./api-keys.js";
 import { RouterServer } from "./router-server.js";
 

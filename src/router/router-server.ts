@@ -25,7 +25,6 @@ import type { AddressInfo } from "node:net";
 import { performance } from "node:perf_hooks";
 import { KvfenceError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
-import { PROMETHEUS_CONTENT_TYPE } from "../lib/metrics.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { effectiveContextLength } from "./admission.js";
 import { AnswerWriter } from "./answer-writer.js";
@@ -218,20 +217,7 @@ export class RouterServer {
     const unsafe = options.unsafe;
     this.#unsafe =
       unsafe !== undefined && (unsafe.faults.length > 0 || unsafe.disabledGuards.length > 0) ? unsafe : null;
-    if (this.#unsafe !== null) {
-      const fault = this.metrics.registry.gauge(
-        "kvfence_unsafe_fault",
-        "1 for each fault injected with --unsafe-fault (tests and demos only)",
-        ["name"],
-      );
-      for (const name of this.#unsafe.faults) fault.set(1, { name });
-      const guard = this.metrics.registry.gauge(
-        "kvfence_guard_disabled",
-        "1 for each guard switched off with --unsafe-disable-guard (tests and demos only)",
-        ["name"],
-      );
-      for (const name of this.#unsafe.disabledGuards) guard.set(1, { name });
-    }
+    if (this.#unsafe !== null) this.metrics.showUnsafe(this.#unsafe);
     this.#routes = this.#routeTable();
     const handle = (req: IncomingMessage, res: ServerResponse): void => {
       // #handle answers every error itself; this only keeps a bug from becoming a crash.
@@ -574,9 +560,9 @@ export class RouterServer {
   }
 
   async #metrics(ctx: RequestContext): Promise<void> {
-    const text = await this.metrics.registry.render();
+    const text = await this.metrics.registry.metrics();
     ctx.res.writeHead(200, {
-      "Content-Type": PROMETHEUS_CONTENT_TYPE,
+      "Content-Type": this.metrics.registry.contentType,
       "Content-Length": String(Buffer.byteLength(text)),
     });
     ctx.res.end(text);

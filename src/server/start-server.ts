@@ -145,7 +145,7 @@ export async function startServer(
   const router = new RouterServer(
     routerOptions(config, { engine, model, preparer, limits, tenants, tls, log }),
   );
-  served.registerMetrics(router.metrics.registry);
+  served.registerMetrics(router.metrics);
   const closeAll = async (): Promise<void> => {
     await router.close();
     await preparer.close();

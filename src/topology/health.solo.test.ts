@@ -18,7 +18,7 @@ import { after, before, describe, test } from "node:test";
 import OpenAI from "openai";
 import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
 import { modelDir } from "../../testing/start-server.js";
-import { parsePrometheusText } from "../lib/metrics.js";
+import { parsePrometheusText } from "../tools/incident/prometheus-text.js";
 
 const MODEL = "tiny-qwen2";
 const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };

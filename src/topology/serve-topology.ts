@@ -7,7 +7,7 @@
  * `--role prefill|decode` runs a node process instead of a router (`startNodeServer`).
  */
 
-import { registerClusterMetrics } from "../cluster/cluster-metrics.js";
+import { registerClusterMetrics, type ScrapeTarget } from "../cluster/cluster-metrics.js";
 import { connectCluster, connectClusterFromRegistry } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import type { RegistryOptions } from "../cluster/registry.js";
@@ -16,7 +16,6 @@ import type { MemoryRegion } from "../engine/engine-memory.js";
 import type { FairShareConfig } from "../fair-share/fair-share.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
-import type { MetricsRegistry } from "../lib/metrics.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { makeSafety } from "../protocol/safety.js";
@@ -70,7 +69,7 @@ export interface ServeEngine {
   readonly engine: EngineHandle;
   readonly topology: "single" | "threads" | "processes";
   /** Adds the disaggregated metrics to the router's registry (no-op for one engine). */
-  registerMetrics(registry: MetricsRegistry): void;
+  registerMetrics(router: ScrapeTarget): void;
   close(): Promise<void>;
 }
 
@@ -175,7 +174,7 @@ function disaggregated(
   return {
     engine,
     topology,
-    registerMetrics: (registry) => registerClusterMetrics(registry, engine),
+    registerMetrics: (router) => registerClusterMetrics(router, engine),
     close,
   };
 }

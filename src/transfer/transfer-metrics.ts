@@ -1,6 +1,7 @@
 /**
- * Counters of one transport endpoint, plain numbers the node glue exports (for example through an
- * `onCollect` hook of `src/lib/metrics.ts`). Updating them is a field increment; nothing allocates.
+ * Counters of one transport endpoint, plain numbers the node glue exports (in its stats, which the
+ * router reads at each scrape of /metrics: src/cluster/cluster-metrics.ts). Updating them is a
+ * field increment; nothing allocates.
  */
 export class TransferMetrics {
   /** Page bytes written (writer) or applied (receiver). */

@@ -20,7 +20,6 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { createLogger } from "../../lib/logger.js";
-import { parsePrometheusText } from "../../lib/metrics.js";
 import type { FaultName, GuardName } from "../../protocol/safety.js";
 import { BUNDLED_MODEL_DIR, parseServeConfig } from "../../server/serve-config.js";
 import { startServer } from "../../server/start-server.js";
@@ -28,6 +27,7 @@ import { unsafeArgs } from "../../server/unsafe-switches.js";
 import { startLocalCluster } from "../../topology/local-cluster.js";
 import { runProbe } from "../probe/probe.js";
 import type { ProbeReport } from "../probe/probe-report.js";
+import { parsePrometheusText } from "./prometheus-text.js";
 
 /** The guards that stop the incident, each on its own (docs/design.md §5, `placeholder-reject`). */
 export const INCIDENT_GUARDS = [

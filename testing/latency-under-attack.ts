@@ -29,10 +29,13 @@ export async function startFlood(
   apiKey: string,
   requests: readonly FloodRequest[],
 ): Promise<Flood> {
-  const options: FloodOptions = { url, apiKey, requests };
+  // Each body in an ArrayBuffer of its own: a small Buffer lies in Node's shared pool, which Node
+  // 22 and later refuse to transfer (DataCloneError).
+  const own = requests.map((r) => ({ ...r, body: new Uint8Array(r.body) }));
+  const options: FloodOptions = { url, apiKey, requests: own };
   const worker = new Worker(new URL("./flood-worker.js", import.meta.url), {
     workerData: options,
-    transferList: requests.map((r) => r.body.buffer as ArrayBuffer),
+    transferList: own.map((r) => r.body.buffer),
   });
   await new Promise((resolve) => worker.once("online", resolve));
   return {

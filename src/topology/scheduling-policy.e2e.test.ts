@@ -11,10 +11,11 @@
  */
 import assert from "node:assert/strict";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { type AddressInfo, createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, describe, test } from "node:test";
-import { spawnServe } from "../../testing/serve-process.js";
+import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
 import { modelDir } from "../../testing/start-server.js";
 
 const KEY_A = "sk-policy-tenant-a-0001";
@@ -39,14 +40,36 @@ async function chat(url: string, key: string, label: string, maxTokens: number):
   return label;
 }
 
+/** A port no one listens on now (the system's choice, released at once), for an operator listener. */
+async function freePort(): Promise<number> {
+  const server = createServer();
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const { port } = server.address() as AddressInfo;
+  await new Promise((resolve) => server.close(resolve));
+  return port;
+}
+
+/** The router's `kvfence_requests_in_flight` (requests it holds: running or queued), from its operator listener. */
+async function inFlight(metricsUrl: string): Promise<number> {
+  const text = await (await fetch(`${metricsUrl}/metrics`)).text();
+  const match = /^kvfence_requests_in_flight (\d+)$/m.exec(text);
+  assert.ok(match !== null, "kvfence_requests_in_flight in /metrics");
+  return Number(match[1]);
+}
+
 /** The order in which A's six and then B's two requests finish on the server at `url`. */
-async function finishOrder(url: string): Promise<string[]> {
+async function finishOrder(url: string, metricsUrl: string): Promise<string[]> {
   const order: string[] = [];
   const done = (p: Promise<string>) => p.then((label) => void order.push(label));
   const sent: Promise<void>[] = [];
   for (let i = 0; i < 6; i++) sent.push(done(chat(url, KEY_A, `A${i}`, 500)));
-  // A's bodies are prepared and queued at the router before B's arrive (and A's first is running).
-  await new Promise((r) => setTimeout(r, 300));
+  // B's are sent once the router holds all six of A's (prepared and queued, A's first running):
+  // on a loaded machine a fixed pause once let one of A's bodies arrive after B's first.
+  const deadline = Date.now() + 30_000;
+  while ((await inFlight(metricsUrl)) < 6) {
+    assert.ok(Date.now() < deadline, "the router holds A's six requests within 30 s");
+    await new Promise((r) => setTimeout(r, 20));
+  }
   for (let i = 0; i < 2; i++) {
     sent.push(done(chat(url, KEY_B, `B${i}`, 50)));
     await new Promise((r) => setTimeout(r, 30));
@@ -60,16 +83,18 @@ for (const topology of ["single", "threads"] as const) {
     timeout: 180_000,
   }, () => {
     let keysDir: string;
-    const servers = new Map<"fair" | "fcfs", Awaited<ReturnType<typeof spawnServe>>>();
+    const servers = new Map<"fair" | "fcfs", ServeProcess & { metricsUrl: string }>();
 
     before(async () => {
       keysDir = mkdtempSync(join(tmpdir(), "kvfence-keys-"));
       const keys = join(keysDir, "keys.json");
       writeFileSync(keys, JSON.stringify({ [KEY_A]: "a", [KEY_B]: "b" }));
-      const args = (policy: string) => [
+      const args = (policy: string, metricsPort: number) => [
         ...(topology === "single" ? ["--no-disaggregation", "--kernel-threads", "1"] : []),
         "--port",
         "0",
+        "--metrics-port",
+        String(metricsPort),
         "--model",
         modelDir("kvfence-tiny"),
         "--kv-pages",
@@ -85,9 +110,13 @@ for (const topology of ["single", "threads"] as const) {
         "--scheduling-policy",
         policy,
       ];
-      const [fair, fcfs] = await Promise.all([spawnServe(args("fair")), spawnServe(args("fcfs"))]);
-      servers.set("fair", fair);
-      servers.set("fcfs", fcfs);
+      const [fairPort, fcfsPort] = [await freePort(), await freePort()];
+      const [fair, fcfs] = await Promise.all([
+        spawnServe(args("fair", fairPort)),
+        spawnServe(args("fcfs", fcfsPort)),
+      ]);
+      servers.set("fair", { ...fair, metricsUrl: `http://127.0.0.1:${fairPort}` });
+      servers.set("fcfs", { ...fcfs, metricsUrl: `http://127.0.0.1:${fcfsPort}` });
     });
     after(async () => {
       await Promise.all([...servers.values()].map((s) => s.stop()));
@@ -95,8 +124,8 @@ for (const topology of ["single", "threads"] as const) {
     });
 
     test("the order served follows the policy", async (t) => {
-      const fair = await finishOrder(servers.get("fair")!.url);
-      const fcfs = await finishOrder(servers.get("fcfs")!.url);
+      const fair = await finishOrder(servers.get("fair")!.url, servers.get("fair")!.metricsUrl);
+      const fcfs = await finishOrder(servers.get("fcfs")!.url, servers.get("fcfs")!.metricsUrl);
       t.diagnostic(`fair: ${fair.join(" ")}; fcfs: ${fcfs.join(" ")}`);
       const lastA = Math.max(...fair.map((label, i) => (label.startsWith("A") ? i : -1)));
       assert.ok(

@@ -13,11 +13,11 @@ import { parseNodeUrl } from "../cluster/cluster-router.js";
 import { type FairShareConfig, SCHEDULING_POLICIES, type TenantOverrides } from "../fair-share/fair-share.js";
 import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
+import { isLoopback } from "../lib/loopback.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
 import { parseLinkAddress } from "../transfer/link-address.js";
 import {
   type FrontDoorTls,
-  isLoopback,
   type LinkTls,
   linksExposure,
   loadFrontDoorTls,

@@ -16,6 +16,7 @@ import { poolCapacityVerdict } from "../kvcache/kv-capacity.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
+import { isLoopback } from "../lib/loopback.js";
 import { startTracing, tracing } from "../lib/tracing.js";
 import { type GenerationDefaults, loadGenerationDefaults } from "../model/config-loader.js";
 import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
@@ -29,7 +30,6 @@ import { requestLimits } from "../router/request-limits.js";
 import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
 import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
-import { isLoopback } from "../transfer/tls-config.js";
 import {
   DEFAULT_KV_MEMORY_BYTES,
   fairShareOf,

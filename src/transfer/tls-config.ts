@@ -27,8 +27,6 @@ import tls from "node:tls";
 import { KvfenceError } from "../lib/errors.js";
 import { isLoopback } from "../lib/loopback.js";
 
-export { isLoopback };
-
 /** Paths of the PEM files given on the command line. */
 export interface TlsFiles {
   readonly cert: string;

@@ -10,9 +10,10 @@ import { startTcpTap, type TcpTap } from "../../testing/tcp-tap.js";
 import { clusterTls, noCertTls, otherCaTls } from "../../testing/tls-fixtures.js";
 import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
 import type { KvfenceError } from "../lib/errors.js";
+import { isLoopback } from "../lib/loopback.js";
 import { connectControlLink, listenControlLinks } from "../links/control-link.js";
 import { connectTcpReceiver, TcpTransferServer, type TcpTransferWriter } from "./tcp-transport.js";
-import { isLoopback, type LinkTls, linksExposure } from "./tls-config.js";
+import { type LinkTls, linksExposure } from "./tls-config.js";
 
 const SECRET = "a-cluster-secret-of-some-length";
 const PAGE_BYTES = 4096;

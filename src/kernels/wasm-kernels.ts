@@ -38,7 +38,7 @@ import { Worker } from "node:worker_threads";
 import type { Kernels } from "./kernels.js";
 import type { AttentionSequence } from "./reference.js";
 import * as ref from "./reference.js";
-import { type Matrix, matrixDType, type WeightDType } from "./weight-format.js";
+import { blockWeights, type Matrix, matrixDType, type WeightDType } from "./weight-format.js";
 
 // The WebAssembly JS API as far as this module uses it (lib "ES2023" and @types/node 20 omit it).
 declare global {
@@ -230,7 +230,16 @@ export interface WeightsLike {
 }
 
 /** The kernels' code for each weight format (DT_* in src/kernels/assembly/index.ts). */
-const DTYPE_CODE: Readonly<Record<WeightDType, number>> = { f32: 0, f16: 1, bf16: 2, q8_0: 3, q4_0: 4 };
+const DTYPE_CODE: Readonly<Record<WeightDType, number>> = {
+  f32: 0,
+  f16: 1,
+  bf16: 2,
+  q8_0: 3,
+  q4_0: 4,
+  q4_K: 5,
+  q5_K: 6,
+  q6_K: 7,
+};
 /** Flag on a block format's code: batches run the relaxed int8 dot with accumulate (DT_DOT_ADD in the kernels). */
 const DT_DOT_ADD = 8;
 
@@ -578,14 +587,17 @@ export class WasmKernels implements Kernels {
   ): void {
     let owned = this.owns(x);
     const dtype = ws.length === 0 ? "f32" : matrixDType(ws[0] as Matrix);
+    let mixed = false;
     for (let i = 0; i < ws.length; i++) {
       const w = ws[i] as Matrix;
-      owned =
-        owned &&
-        this.owns(outs[i] as Float32Array) &&
-        this.#ownsMatrix(w) &&
-        matrixDType(w) === dtype &&
-        this.#runs(w, inDim);
+      owned = owned && this.owns(outs[i] as Float32Array) && this.#ownsMatrix(w) && this.#runs(w, inDim);
+      mixed ||= matrixDType(w) !== dtype;
+    }
+    if (owned && mixed) {
+      // A job has one weight format; GGUF mixes them (Q4_K_M: Q6_K attn_v beside Q4_K q and k).
+      for (let i = 0; i < ws.length; i++)
+        this.matmul(outs[i] as Float32Array, x, ws[i] as Matrix, rows, inDim, outDims[i] as number);
+      return;
     }
     if (!owned) {
       this.fallbackCalls++;
@@ -609,8 +621,7 @@ export class WasmKernels implements Kernels {
 
   /** Whether the kernels take this weight: every format, the block ones with whole blocks per row. */
   #runs(w: Matrix, inDim: number): boolean {
-    const dtype = matrixDType(w);
-    return !(dtype === "q8_0" || dtype === "q4_0") || inDim % 32 === 0;
+    return inDim % blockWeights(matrixDType(w)) === 0;
   }
 
   /** Stages matmul segment i (see matmulPar in the kernels) for #matmulSegments. */

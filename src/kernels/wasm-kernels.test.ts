@@ -48,21 +48,26 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [131, 40, 101], // several row blocks of 64, a partial column chunk
 ];
 
-for (const [threads, fma] of [
-  [1, true],
-  [2, true],
-  [2, false],
+for (const [threads, fma, backend] of [
+  [1, true, "wasm"],
+  [2, true, "wasm"],
+  [2, false, "wasm"],
+  [1, false, "native"],
+  [2, false, "native"],
 ] as const) {
-  const build = fma ? "fused multiply-add" : "multiply, then add";
+  const build = backend === "native" ? "native" : fma ? "fused multiply-add" : "multiply, then add";
   describe(`WasmKernels (${threads} thread${threads === 1 ? "" : "s"}, ${build})`, () => {
     let k: WasmKernels;
     before(async () => {
-      // parallelMinWork 0: every matmul/attention goes through the two-thread job protocol.
-      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 20, fma });
+      // parallelMinWork 0: every matmul/attention goes through the two-thread job protocol. The
+      // native memory does not grow: it is made big enough at once.
+      const initialBytes = backend === "native" ? 64 << 20 : 1 << 20;
+      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes, fma, backend });
       await k.ready();
+      assert.equal(k.name, backend);
       // Node 20 takes the relaxed-SIMD build after turning on its flag; a build that silently fell
       // back would leave the fused kernels untested.
-      assert.equal(k.fma, fma);
+      if (backend === "wasm") assert.equal(k.fma, fma);
     });
     after(async () => {
       await k.close();

@@ -42,10 +42,10 @@ static void kf_attend(const kf_attention_job *j, const kf_attn_seq *seq, float *
       for (int32_t t = ta; t < tb; t++) {
         const uint8_t *k = j->pool + (int64_t)seq->table[t / j->page_size] * page_bytes + k_base +
                            (t % j->page_size) * row_bytes + (int64_t)g * hd * el;
-        float s = 0;
-        for (int32_t d = 0; d < hd; d++) s += q[d] * kf_kv_load(k, d, j->kv_dtype);
-        scores[t - ta] = s * scale;
-        m = fmaxf(m, s * scale);
+        double s = 0; /* doubles, as the reference */
+        for (int32_t d = 0; d < hd; d++) s += (double)q[d] * kf_kv_load(k, d, j->kv_dtype);
+        scores[t - ta] = (float)(s * scale);
+        m = fmaxf(m, scores[t - ta]);
       }
       for (int32_t t = 0; t < n; t++) {
         scores[t] = expf(scores[t] - m);

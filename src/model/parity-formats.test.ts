@@ -110,6 +110,10 @@ for (const [name, dtype] of CASES) {
     const numPages = pagesNeeded * 2 + 3;
     const int8 = dtype === "q8_0" || dtype === "q4_0";
 
+    const fastKernels: Partial<Record<string, () => WasmKernels>> = {
+      wasm: () => wasm,
+      native: () => native,
+    };
     for (const kernelsName of ["ts", "wasm", "native"] as const) {
       const bar = kernelsName !== "ts" && int8 ? (INT8_TOLERANCE[`${name} ${dtype}`] as number) : TOLERANCE;
       it(`${kernelsName} kernels: logits within ${bar} of the float64 reference on the same weights, greedy continuations identical`, () => {
@@ -119,7 +123,7 @@ for (const [name, dtype] of CASES) {
           dtype,
           "the folder loads in its format",
         );
-        const fast = kernelsName === "wasm" ? wasm : kernelsName === "native" ? native : undefined;
+        const fast = fastKernels[kernelsName]?.();
         const kernels: Kernels | undefined = fast;
         const weights = fast === undefined ? model.weights : fast.placeWeights(model.weights);
         const layout = layoutFor(config, PAGE_SIZE);

@@ -23,6 +23,7 @@ const outDir = `${root}dist/native`;
 const sanitize = process.env.KVFENCE_NATIVE_SANITIZE === "1";
 const output = `${outDir}/${sanitize ? "kvfence-kernels-asan.node" : "kvfence-kernels.node"}`;
 const cc = process.env.CC ?? "gcc";
+const objDir = `${outDir}/obj${sanitize ? "-asan" : ""}`;
 
 /** The ISA levels and their flags (the table in native/include/kvfence-kernels.h). */
 const LEVELS = {
@@ -66,6 +67,7 @@ if (existsSync(output) && inputs.every((f) => mtime(f) < mtime(output))) process
 /** Says why there is no native addon, removes any old one, and leaves the build successful. */
 function giveUp(why) {
   rmSync(output, { force: true });
+  rmSync(objDir, { recursive: true, force: true });
   console.error(`build-native: ${why}; kvfence will run on the WebAssembly kernels`);
   process.exit(0);
 }
@@ -89,7 +91,6 @@ const common = [
   "-DNAPI_VERSION=8",
   ...(sanitize ? ["-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"] : ["-O3"]),
 ];
-const objDir = `${outDir}/obj${sanitize ? "-asan" : ""}`;
 rmSync(objDir, { recursive: true, force: true });
 mkdirSync(objDir, { recursive: true });
 

@@ -13,6 +13,9 @@
  * pool outside their own region (`WasmKernels`' fence), so the pools stay separate and fenced as
  * when each engine had its own memory; what they share is read-only weights.
  *
+ * On the native kernels (`kernels: "native"`, docs/kernels.md) the memory is a plain
+ * SharedArrayBuffer of the same layout (`{ buffer }`), which has no 4 GiB limit.
+ *
  * A region's size is planned here from the engine's limits (`engineRegionBytes`) and is fixed: the
  * memory never grows (a grow by one thread while another runs would race with the plan). wasm32
  * addresses 4 GiB, so weights plus every region must fit; the plan says so with the numbers before

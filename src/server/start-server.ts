@@ -489,7 +489,8 @@ function engineOptionsOf(
     ...(config.maxNumSeqs === undefined ? {} : { maxSequences: config.maxNumSeqs }),
     ...(config.seed === undefined ? {} : { seed: config.seed }),
     ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
-    ...kernelOptions(config),
+    // A router runs no engine: its --kernels (auto unresolved) is its nodes' business.
+    ...(config.role === "router" ? {} : kernelOptions(config)),
   };
 }
 

@@ -422,11 +422,7 @@ static napi_value kf_kv_store(napi_env env, napi_callback_info info) {
 /* ---------------------------------------------------------------------------------------------- */
 /* matmul */
 
-#ifdef KF_HAS_KQUANTS
-#define KF_MAX_DTYPE KF_Q6_K
-#else
-#define KF_MAX_DTYPE KF_Q4_0
-#endif
+#define KF_MAX_DTYPE KF_Q6_K /* the k-quants: kquants.c */
 
 /* Checks rows, inDim and dtype (arguments ri, ii, di); the row bytes of a weight. */
 static bool kf_shape(kf_call *c, size_t ri, size_t ii, size_t di, int64_t *rows, int64_t *in_dim, int64_t *dtype) {

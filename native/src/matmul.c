@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "kvfence-kernels.h"
+#include "kquants.h" /* k-quants: kquants.c */
 
 static inline float kf_f16_to_f32(uint16_t h) {
   uint32_t bits = (uint32_t)(h & 0x7fff) << 13;
@@ -25,11 +26,16 @@ static inline float kf_bf16_to_f32(uint16_t h) {
 }
 
 int64_t KF_FN(prepare_bytes)(int32_t rows, int32_t in_dim, int dtype) {
+  if (dtype >= KF_Q4_K) return KF_FN(kq_prepare_bytes)(rows, in_dim); /* k-quants: kquants.c */
   if (dtype != KF_Q8_0 && dtype != KF_Q4_0) return 0;
   return (int64_t)rows * in_dim + (int64_t)rows * (in_dim / 32) * 4;
 }
 
 void KF_FN(prepare)(uint8_t *xp, const float *x, int32_t rows, int32_t in_dim, int dtype) {
+  if (dtype >= KF_Q4_K) { /* k-quants: kquants.c */
+    KF_FN(kq_prepare)(xp, x, rows, in_dim);
+    return;
+  }
   if (dtype != KF_Q8_0 && dtype != KF_Q4_0) return;
   const int64_t nb = (int64_t)rows * (in_dim / 32);
   int8_t *q = (int8_t *)xp;
@@ -98,6 +104,10 @@ void KF_FN(matmul_par)(const float *x, const uint8_t *xp, int32_t rows, int32_t 
     const int32_t c0 = (k - sg->first_chunk) * col_chunk;
     const int32_t c1 = c0 + col_chunk < sg->out_dim ? c0 + col_chunk : sg->out_dim;
     const int32_t r1 = r0 + row_chunk < rows ? r0 + row_chunk : rows;
+    if (dtype >= KF_Q4_K) { /* k-quants: kquants.c */
+      KF_FN(kq_cols)(sg->out + (int64_t)r0 * sg->out_dim, xp, rows, r0, r1 - r0, sg->w, in_dim, sg->out_dim, c0, c1, dtype);
+      continue;
+    }
     for (int32_t r = r0; r < r1; r++) {
       for (int32_t j = c0; j < c1; j++) {
         sg->out[(int64_t)r * sg->out_dim + j] =

@@ -131,6 +131,17 @@ describe("native kernel glue checks", () => {
       [x, 0, 2, 33, segs, 2, counter, 8, 2, 0, 3],
       /^Native matmulPar: inDim must be a multiple of 32 for dtype 3: 33/,
     );
+    // The k-quants (dtypes 5–7) take whole 256-weight blocks; no dtype past Q6_K.
+    refused(
+      "matmulPar",
+      [x, 0, 2, 32, segs, 2, counter, 8, 2, 0, 5],
+      /^Native matmulPar: inDim must be a multiple of 256 for dtype 5: 32/,
+    );
+    refused(
+      "matmulPar",
+      [x, 0, 2, 256, segs, 2, counter, 8, 2, 0, 8],
+      /^Native matmulPar: dtype must be an integer in \[0, 7\]/,
+    );
   });
 
   it("attentionPar() refuses a block-table page past the pool, an output outside the region and a small scratch", () => {

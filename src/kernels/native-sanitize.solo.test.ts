@@ -5,7 +5,7 @@
  * (LD_PRELOAD=$(gcc -print-file-name=libasan.so)), leak checks off (V8's own allocations) and UBSan
  * stopping at the first report. An out-of-bounds read or write of a malloc'd or stack object (the
  * glue's checked records, a kernel's locals) or undefined behaviour (a misaligned load, a signed
- * overflow) fails the run. Solo: the child runs four test files at -O1 with shadow memory.
+ * overflow) fails the run. Solo: the child runs five test files at -O1 with shadow memory.
  */
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
@@ -26,7 +26,7 @@ it("the native kernel tests pass under AddressSanitizer and UBSan", () => {
   assert.ok(build.status === 0 && existsSync(addon), `the sanitizer build failed: ${build.stderr}`);
   const asan = spawnSync("gcc", ["-print-file-name=libasan.so"], { encoding: "utf8" }).stdout.trim();
   assert.ok(existsSync(asan), `gcc has no libasan.so: ${asan}`);
-  const tests = ["native-guards", "wasm-kernels", "wasm-weights", "kv-dtype"].map((f) =>
+  const tests = ["native-guards", "wasm-kernels", "wasm-weights", "wasm-kquants", "kv-dtype"].map((f) =>
     join(root, "dist", "src", "kernels", `${f}.test.js`),
   );
   // Without NODE_TEST_CONTEXT, which would make the child report to this runner, not print TAP.

@@ -31,3 +31,37 @@ export function q8Activations(
   }
   return { q, d };
 }
+
+/**
+ * x [rows][inDim] (inDim a multiple of 256) as ggml's `block_q8_K` quantises it for the k-quant dot
+ * products (quantize_row_q8_K_ref; the native kernels, native/src/kquants.c): per 256 values
+ * max = the value of largest |x| (the first of equals), iscale = −127/max in f32,
+ * q = min(127, round-to-nearest-even(iscale·x)), d = 1/iscale; an all-zero block has d = 0.
+ */
+export function q8KActivations(
+  x: Float32Array,
+  rows: number,
+  inDim: number,
+): { q: Int8Array; d: Float64Array } {
+  const fr = Math.fround;
+  const nb = inDim / 256;
+  const q = new Int8Array(rows * inDim);
+  const d = new Float64Array(rows * nb);
+  for (let b = 0; b < rows * nb; b++) {
+    let amax = 0;
+    let max = 0;
+    for (let j = 0; j < 256; j++) {
+      const v = x[b * 256 + j] as number;
+      if (Math.abs(v) > amax) {
+        amax = Math.abs(v);
+        max = v;
+      }
+    }
+    if (amax === 0) continue;
+    const iscale = fr(-127 / max);
+    for (let j = 0; j < 256; j++)
+      q[b * 256 + j] = Math.min(127, nearestEven(fr(iscale * (x[b * 256 + j] as number))));
+    d[b] = fr(1 / iscale);
+  }
+  return { q, d };
+}

@@ -1,19 +1,21 @@
 /**
- * The WebAssembly matmul on llama.cpp's k-quant weights (Q4_K, Q5_K, Q6_K; `matmulColsK` in the
- * kernels) against an independent emulation of what it computes: the activations quantised to
- * 32-value int8 blocks as documented (q8-activations.ts) times the weights dequantised by
- * k-quants.ts (which equals ggml's bit for bit), summed in doubles. The kernel forms the same sum
- * from integer block dots, so the two agree to f32 rounding (1e-5 of Σ|w·x|).
+ * The fast matmul on llama.cpp's k-quant weights (Q4_K, Q5_K, Q6_K), on both kernel sets: the
+ * WebAssembly kernels (`matmulColsK`, activations in 32-value int8 blocks) and the native ones
+ * (native/src/kquants.c, activations as ggml's 256-value q8_K), each against an independent
+ * emulation of what it computes: the activations quantised as documented (q8-activations.ts)
+ * times the weights dequantised by k-quants.ts (which equals ggml's bit for bit), summed in
+ * doubles. The kernels form the same sum from integer block dots, so the two agree to f32 rounding
+ * (1e-5 of Σ|w·x|).
  *
  * Weights: ggml's own blocks (testing/fixtures/kquant-blocks.json) and, for every shape, random
  * block bytes with sane f16 scales (any bytes are a valid block). Shapes: batch sizes 1–9, the
- * kernel's groups of 4 rows and their last partial group, the 64-row chunks, rows of 1–3 blocks.
+ * kernels' groups of 4 rows and their last partial group, the 64-row chunks, rows of 1–3 blocks.
  */
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { after, before, describe, it } from "node:test";
 import { K_BLOCK_BYTES, type KQuantDType, QK_K } from "./k-quants.js";
-import { q8Activations } from "./q8-activations.js";
+import { q8Activations, q8KActivations } from "./q8-activations.js";
 import { WasmKernels } from "./wasm-kernels.js";
 import { decodeMatrix, f32ToF16Bits, type WeightTensor } from "./weight-format.js";
 
@@ -55,10 +57,21 @@ function randomKQuant(dtype: KQuantDType, outDim: number, inDim: number, seed: n
   return { dtype, shape: [outDim, inDim], bytes };
 }
 
-/** Σ_k w[j][k]·(q_x·d_x)[r][k] in doubles, and Σ |w·x| (the scale of f32 rounding). */
-function emulate(x: Float32Array, w: WeightTensor, rows: number, inDim: number, outDim: number) {
+/**
+ * Σ_k w[j][k]·(q_x·d_x)[r][k] in doubles, and Σ |w·x| (the scale of f32 rounding); x quantised in
+ * 32-value blocks (the WebAssembly kernels) or as ggml's q8_K (the native ones).
+ */
+function emulate(
+  x: Float32Array,
+  w: WeightTensor,
+  rows: number,
+  inDim: number,
+  outDim: number,
+  q8K: boolean,
+) {
   const wf = decodeMatrix(w);
-  const { q, d } = q8Activations(x, rows, inDim);
+  const { q, d } = (q8K ? q8KActivations : q8Activations)(x, rows, inDim);
+  const shift = q8K ? 8 : 5;
   const out = new Float64Array(rows * outDim);
   const mag = new Float64Array(rows * outDim);
   for (let r = 0; r < rows; r++) {
@@ -67,7 +80,9 @@ function emulate(x: Float32Array, w: WeightTensor, rows: number, inDim: number, 
       let m = 0;
       for (let k = 0; k < inDim; k++) {
         const t =
-          (wf[j * inDim + k] as number) * (q[r * inDim + k] as number) * (d[(r * inDim + k) >> 5] as number);
+          (wf[j * inDim + k] as number) *
+          (q[r * inDim + k] as number) *
+          (d[(r * inDim + k) >> shift] as number);
         s += t;
         m += Math.abs(t);
       }
@@ -79,6 +94,7 @@ function emulate(x: Float32Array, w: WeightTensor, rows: number, inDim: number, 
 }
 
 function assertEmulated(
+  k: WasmKernels,
   got: Float32Array,
   x: Float32Array,
   w: WeightTensor,
@@ -86,7 +102,7 @@ function assertEmulated(
   label: string,
 ): void {
   const [outDim, inDim] = w.shape as [number, number];
-  const { out, mag } = emulate(x, w, rows, inDim, outDim);
+  const { out, mag } = emulate(x, w, rows, inDim, outDim, k.name === "native");
   for (let i = 0; i < rows * outDim; i++) {
     const diff = Math.abs((got[i] as number) - (out[i] as number));
     if (!(diff <= 1e-5 * (mag[i] as number) + 1e-6))
@@ -114,18 +130,23 @@ const fixture = JSON.parse(
   readFileSync(new URL("../../../testing/fixtures/kquant-blocks.json", import.meta.url), "utf8"),
 ) as { cases: { dtype: KQuantDType; rows: number; cols: number; blocks: string }[] };
 
-for (const [threads, fma] of [
-  [1, true],
-  [2, true],
-  [2, false],
+for (const [threads, fma, backend] of [
+  [1, true, "wasm"],
+  [2, true, "wasm"],
+  [2, false, "wasm"],
+  [1, false, "native"],
+  [2, false, "native"],
 ] as const) {
-  const build = fma ? "relaxed SIMD" : "plain SIMD";
+  const build = backend === "native" ? "native" : fma ? "relaxed SIMD" : "plain SIMD";
   describe(`WasmKernels on Q4_K/Q5_K/Q6_K weights (${threads} thread${threads === 1 ? "" : "s"}, ${build})`, () => {
     let k: WasmKernels;
     before(async () => {
-      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 22, fma });
+      // The native memory does not grow: it is made big enough at once.
+      const initialBytes = backend === "native" ? 64 << 20 : 1 << 22;
+      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes, fma, backend });
       await k.ready();
-      assert.equal(k.fma, fma);
+      assert.equal(k.name, backend);
+      if (backend === "wasm") assert.equal(k.fma, fma);
     });
     after(async () => {
       await k.close();
@@ -139,7 +160,7 @@ for (const [threads, fma] of [
           const w = k.placeMatrix(randomKQuant(dtype, outDim, inDim, outDim * 17 + rows)) as WeightTensor;
           const got = k.allocF32(rows * outDim);
           k.matmul(got, x, w, rows, inDim, outDim);
-          assertEmulated(got, x, w, rows, `${dtype} ${rows}x${inDim}x${outDim}`);
+          assertEmulated(k, got, x, w, rows, `${dtype} ${rows}x${inDim}x${outDim}`);
         }
         assert.equal(k.fallbackCalls, 0);
       });
@@ -153,7 +174,7 @@ for (const [threads, fma] of [
           const x = fill(k.allocF32(rows * c.cols), rows + 5, 2);
           const got = k.allocF32(rows * c.rows);
           k.matmul(got, x, w, rows, c.cols, c.rows);
-          assertEmulated(got, x, w, rows, `ggml ${dtype} rows ${rows}`);
+          assertEmulated(k, got, x, w, rows, `ggml ${dtype} rows ${rows}`);
         }
         assert.equal(k.fallbackCalls, 0);
       });
@@ -171,7 +192,7 @@ for (const [threads, fma] of [
           const outs = outDims.map((o) => k.allocF32(rows * o));
           k.matmulEach(outs, x, ws, rows, inDim, outDims);
           ws.forEach((w, i) => {
-            assertEmulated(outs[i] as Float32Array, x, w, rows, `${dtype} rows ${rows} segment ${i}`);
+            assertEmulated(k, outs[i] as Float32Array, x, w, rows, `${dtype} rows ${rows} segment ${i}`);
           });
         }
       }
@@ -193,7 +214,7 @@ for (const [threads, fma] of [
         k.matmulEach(outs, x, ws, rows, inDim, outDims);
         assert.equal(k.fallbackCalls, before, "no segment fell back to the reference");
         ws.forEach((w, i) => {
-          assertEmulated(outs[i] as Float32Array, x, w, rows, `mixed rows ${rows} segment ${i}`);
+          assertEmulated(k, outs[i] as Float32Array, x, w, rows, `mixed rows ${rows} segment ${i}`);
         });
       }
     });

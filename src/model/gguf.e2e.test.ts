@@ -63,8 +63,13 @@ after(async () => {
   rmSync(tmp, { recursive: true, force: true });
 });
 
-async function serve(model: string): Promise<{ client: OpenAI; id: string }> {
-  const server = await startTestServer({ model, kvPages: 128, disaggregation: true });
+async function serve(model: string, kernels?: "wasm" | "native"): Promise<{ client: OpenAI; id: string }> {
+  const server = await startTestServer({
+    model,
+    kvPages: 128,
+    disaggregation: true,
+    ...(kernels === undefined ? {} : { kernels }),
+  });
   servers.push(server);
   const client = new OpenAI({ baseURL: server.baseURL, apiKey: "unused", maxRetries: 0 });
   const models = await client.models.list();
@@ -100,15 +105,19 @@ test("a Q8_0 GGUF serves: the recall prompt is answered from its context", async
   assert.ok(first?.includes("QX7-PL2"), `Q8_0 answer: ${first}`);
 });
 
-for (const file of ["kvfence-tiny-q4_k_m.gguf", "kvfence-tiny-q5_k_m.gguf"]) {
+for (const [file, kernels] of [
+  ["kvfence-tiny-q4_k_m.gguf", "native"],
+  ["kvfence-tiny-q4_k_m.gguf", "wasm"],
+  ["kvfence-tiny-q5_k_m.gguf", "native"],
+] as const) {
   // kvfence-tiny, a character-level model, mostly no longer recalls at 4–5 bits (nor in Q4_0): the
   // answers checked are the same file's on one engine, token for token (parity-kquant.test.ts
   // checks the numbers against the dequantised reference).
-  test(`${file} (ggml's Q4_K/Q5_K/Q6_K mix) serves in the default topology as on one engine`, async () => {
+  test(`${file} (ggml's Q4_K/Q5_K/Q6_K mix) serves on the ${kernels} kernels in the default topology as on one engine`, async () => {
     const path = join(packageRoot(), "testing", "fixtures", file);
-    const split = await serve(path);
+    const split = await serve(path, kernels);
     assert.equal(split.id, file.replace(/\.gguf$/, ""), "the model card names the GGUF file");
-    const server = await startTestServer({ model: path, kvPages: 128 });
+    const server = await startTestServer({ model: path, kvPages: 128, kernels });
     servers.push(server);
     const one = new OpenAI({ baseURL: server.baseURL, apiKey: "unused", maxRetries: 0 });
     const expected = await answers(one, split.id);

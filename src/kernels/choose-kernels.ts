@@ -14,7 +14,18 @@
 import { loadNativeAddon } from "./kernel-backend.js";
 import * as ref from "./reference.js";
 import { WasmKernels } from "./wasm-kernels.js";
-import { encodeWeight, type Matrix, WEIGHT_DTYPES, type WeightDType } from "./weight-format.js";
+import {
+  encodeWeight,
+  f32ToF16Bits,
+  isKQuant,
+  type KQuantDType,
+  type Matrix,
+  QK_K,
+  WEIGHT_DTYPES,
+  type WeightDType,
+  type WeightTensor,
+  weightBytes,
+} from "./weight-format.js";
 
 export type KernelsRequest = "native" | "wasm" | "auto" | "ts";
 
@@ -107,6 +118,19 @@ function checkKernels(k: WasmKernels): string | null {
       if (failure !== null) return failure;
     }
   }
+  // The k-quants (read from GGUF files, never encoded: made from bytes), rows of one 256-weight block.
+  const kx = spread(k.allocF32(rows * QK_K), 9);
+  for (const dtype of ["q4_K", "q5_K", "q6_K"] as const) {
+    const w = k.placeMatrix(kQuantWeight(dtype, outDim));
+    for (const r of [1, rows]) {
+      const got = k.allocF32(r * outDim);
+      const want = new Float32Array(r * outDim);
+      k.matmul(got, kx, w, r, QK_K, outDim);
+      ref.matmul(want, kx, w, r, QK_K, outDim);
+      const failure = checkMatmul(got, want, kx, w, dtype, { rows: r, inDim: QK_K, outDim });
+      if (failure !== null) return failure;
+    }
+  }
   const n = 40;
   const a = spread(k.allocF32(2 * n), 3, 3);
   const weight = spread(k.allocF32(n), 4);
@@ -161,7 +185,32 @@ function checkAttention(k: WasmKernels): string | null {
   return far(got, want, 1e-4, 1e-5, "attention on an f16 KV");
 }
 
-/** f32/f16/bf16: rtol 1e-4; Q8_0/Q4_0: the bound activation quantisation implies (wasm-weights.test.ts). */
+/** [outDim][256] k-quant blocks: deterministic bytes, then d (and dmin) set to 0.01 (and 0.005). */
+function kQuantWeight(dtype: KQuantDType, outDim: number): WeightTensor {
+  const bytes = Uint8Array.from(spread(new Float32Array(weightBytes(dtype, outDim * QK_K)), 10), (v) =>
+    Math.floor((v + 1) * 128),
+  );
+  const size = weightBytes(dtype, QK_K);
+  for (let o = 0; o < bytes.length; o += size) {
+    for (const [at, v] of dtype === "q6_K"
+      ? [[208, 0.01]]
+      : [
+          [0, 0.01],
+          [2, 0.005],
+        ]) {
+      const h = f32ToF16Bits(v as number);
+      bytes[o + (at as number)] = h & 255;
+      bytes[o + (at as number) + 1] = h >> 8;
+    }
+  }
+  return { dtype, shape: [outDim, QK_K], bytes };
+}
+
+/**
+ * f32/f16/bf16: rtol 1e-4; the block formats: the bound activation quantisation implies
+ * (wasm-weights.test.ts), over the activation blocks of 32 values, or 256 for the k-quants (the
+ * native kernels quantise their activations as ggml's q8_K).
+ */
 function checkMatmul(
   got: Float32Array,
   want: Float32Array,
@@ -171,16 +220,17 @@ function checkMatmul(
   dims: { rows: number; inDim: number; outDim: number },
 ): string | null {
   const what = `matmul on ${dtype} weights, ${dims.rows} row(s)`;
-  if (dtype !== "q8_0" && dtype !== "q4_0") return far(got, want, 1e-4, 1e-5, what);
+  if (dtype !== "q8_0" && dtype !== "q4_0" && !isKQuant(dtype)) return far(got, want, 1e-4, 1e-5, what);
+  const block = isKQuant(dtype) ? QK_K : 32;
   const wf = new Float32Array(dims.outDim * dims.inDim);
   ref.matmul(wf, eye(dims.inDim), w, dims.inDim, dims.inDim, dims.outDim);
   for (let r = 0; r < dims.rows; r++) {
     for (let j = 0; j < dims.outDim; j++) {
       let bound = 1e-6;
-      for (let b = 0; b < dims.inDim; b += 32) {
+      for (let b = 0; b < dims.inDim; b += block) {
         let amax = 0;
-        for (let i = b; i < b + 32; i++) amax = Math.max(amax, Math.abs(x[r * dims.inDim + i] as number));
-        for (let i = b; i < b + 32; i++) {
+        for (let i = b; i < b + block; i++) amax = Math.max(amax, Math.abs(x[r * dims.inDim + i] as number));
+        for (let i = b; i < b + block; i++) {
           const wv = Math.abs(wf[i * dims.outDim + j] as number);
           bound += (wv * amax) / 254 + 1e-5 * wv * Math.abs(x[r * dims.inDim + i] as number);
         }

@@ -11,8 +11,8 @@
  * but moves each product by up to 2^-9 of it: far outside the parity tests' rtol 1e-4.) The tile
  * is a dot product along k: MR rows of x × NR weight rows, MR·NR vector accumulators summed across
  * lanes at the end, so neither x nor the weights are transposed. Up to STREAMED_ROWS rows (decode)
- * stream each weight row once, widening as they read; more rows widen a block of NR weight rows ×
- * KC values into an L1 scratch on the stack once and run every row group over it.
+ * stream each weight row once, widening as they read; more rows widen (f32: copy) a block of NR
+ * weight rows × KC values into an L1 scratch on the stack once and run every row group over it.
  *
  * Q8_0/Q4_0 weights are multiplied as integers against x quantised per 32-block as quantizeRowsQ8
  * in the WebAssembly kernels (d = amax/127, q = x·(1/d) rounded to nearest even), with vpdpbusd
@@ -88,26 +88,6 @@ static inline uint16_t load_u16(const uint8_t *p) {
 
 /* The byte offset that `prepare` stores per block: minus the shift the unsigned weights add. */
 static inline int32_t q_offset(int dtype, int vnni) { return dtype == KF_Q4_0 ? -8 : vnni ? -128 : 0; }
-
-/*
- * Quantises one 32-block of x as quantizeRowsQ8: q[32], returns d; *sum gets Σq. Scalar, exactly
- * the rounding of the vector versions (x·(1/d) to nearest, ties to even).
- */
-static float quantize_block(int8_t *q, const float *x, int32_t *sum) {
-  float amax = 0;
-  for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(x[k]));
-  const float d = amax / 127;
-  const float iv = d != 0 ? 1.0f / d : 0;
-  int32_t s = 0;
-  for (int k = 0; k < 32; k++) {
-    float v = nearbyintf(x[k] * iv);
-    int32_t i = v > 127 ? 127 : v < -127 ? -127 : (int32_t)v;
-    q[k] = (int8_t)i;
-    s += i;
-  }
-  *sum = s;
-  return d;
-}
 
 /* The chunk claimed as `c` of matmul_par: the segment and column range; 0 when it is empty. */
 static int item_columns(const kf_segment *segs, int32_t num_segs, int32_t k, int32_t col_chunk,
@@ -259,6 +239,8 @@ KF_INLINE float hsum8(__m256 a) {
 #endif
 /* Largest K block of the widened-weight scratch (floats per weight row). */
 #define F_KC 1024
+/* Weight rows ahead that the streamed tiles prefetch. */
+#define FS_AHEAD 8
 
 /* MM_W weights of row `row` from index k, widened to f32 (n < MM_W: the first n, the rest 0). */
 KF_INLINE vf wload(const int dt, const uint8_t *row, int32_t k) {
@@ -288,10 +270,11 @@ KF_INLINE void store_sums(float *o, const vf *a, const int n, int add) {
 /*
  * out[r][c] (+)= Σ_k x[r][k]·w[c][k] for r < MR, c < NR over k < K: x rows xs floats apart, weight
  * rows wsb bytes apart in format dt, out rows os floats apart; `add` adds to out (a K block after
- * the first).
+ * the first). PF: prefetch each weight row pfd bytes ahead as it is read (streamed weights).
  */
-KF_INLINE void ftile(const int MR, const int NR, const int dt, const float *x, int64_t xs, const uint8_t *w,
-                     int64_t wsb, int32_t K, float *out, int64_t os, int add) {
+KF_INLINE void ftile(const int MR, const int NR, const int dt, const int PF, const float *x, int64_t xs,
+                     const uint8_t *w, int64_t wsb, int32_t K, float *out, int64_t os, int add, int64_t pfd) {
+  const int es = dt == KF_F32 ? 4 : 2;
   vf acc[4][8];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; r++)
@@ -304,6 +287,7 @@ KF_INLINE void ftile(const int MR, const int NR, const int dt, const float *x, i
     for (int r = 0; r < MR; r++) xv[r] = vf_load(x + r * xs + k);
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++) {
+      if (PF && (es == 4 || (k & MM_W) == 0)) _mm_prefetch((const char *)w + c * wsb + (int64_t)k * es + pfd, _MM_HINT_T0);
       vf wv = wload(dt, w + c * wsb, k);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; r++) acc[r][c] = vf_fma(xv[r], wv, acc[r][c]);
@@ -325,41 +309,64 @@ KF_INLINE void ftile(const int MR, const int NR, const int dt, const float *x, i
   for (int r = 0; r < MR; r++) store_sums(out + r * os, acc[r], NR, add);
 }
 
-/* Decode: rows (1–3) of x against weight rows [c0, c1), each weight row read once. */
+/* Decode: rows (1–3) of x against weight rows [c0, c1), each weight row read once (and prefetched
+   a group of weight rows ahead: the rows of a chunk are one stretch of memory). */
 KF_INLINE void fcols_streamed(const int dt, const float *x, int32_t rows, int32_t K, const uint8_t *w, int64_t wsb,
                               float *out, int64_t os, int32_t c0, int32_t c1) {
   int32_t j = c0;
+#define FS_CASE(MR, NR)                                                                                     \
+  for (; j + NR <= c1; j += NR) ftile(MR, NR, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, FS_AHEAD * wsb); \
+  for (; j < c1; j++) ftile(MR, 1, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, FS_AHEAD * wsb);
   if (rows == 1) {
-    for (; j + FS_NR1 <= c1; j += FS_NR1) ftile(1, FS_NR1, dt, x, K, w + j * wsb, wsb, K, out + j, os, 0);
-    for (; j < c1; j++) ftile(1, 1, dt, x, K, w + j * wsb, wsb, K, out + j, os, 0);
+    FS_CASE(1, FS_NR1)
   } else if (rows == 2) {
-    for (; j + FS_NR2 <= c1; j += FS_NR2) ftile(2, FS_NR2, dt, x, K, w + j * wsb, wsb, K, out + j, os, 0);
-    for (; j < c1; j++) ftile(2, 1, dt, x, K, w + j * wsb, wsb, K, out + j, os, 0);
+    FS_CASE(2, FS_NR2)
   } else {
-    for (; j + FS_NR3 <= c1; j += FS_NR3) ftile(3, FS_NR3, dt, x, K, w + j * wsb, wsb, K, out + j, os, 0);
-    for (; j < c1; j++) ftile(3, 1, dt, x, K, w + j * wsb, wsb, K, out + j, os, 0);
+    FS_CASE(3, FS_NR3)
   }
+#undef FS_CASE
 }
 
-/* Rows [0, rn) of x (f32, rows K apart) against nr (≤ F_NR) weight rows w (f32, wsb bytes apart). */
-static void frows_block(const float *x, int32_t rn, int64_t xs, const uint8_t *w, int64_t wsb, int nr, int32_t K,
+/* Rows [0, rn) of x (f32, rows xs apart) against nr (≤ F_NR) widened weight rows (ws floats apart). */
+static void frows_block(const float *x, int32_t rn, int64_t xs, const float *w, int64_t ws, int nr, int32_t K,
                         float *out, int64_t os, int add) {
+  const uint8_t *wb = (const uint8_t *)w;
+  const int64_t wsb = ws * 4;
   int32_t r = 0;
   if (nr == F_NR) {
-    for (; r + F_MR <= rn; r += F_MR) ftile(F_MR, F_NR, KF_F32, x + r * xs, xs, w, wsb, K, out + r * os, os, add);
-    for (; r < rn; r++) ftile(1, F_NR, KF_F32, x + r * xs, xs, w, wsb, K, out + r * os, os, add);
+    for (; r + F_MR <= rn; r += F_MR) ftile(F_MR, F_NR, KF_F32, 0, x + r * xs, xs, wb, wsb, K, out + r * os, os, add, 0);
+    for (; r < rn; r++) ftile(1, F_NR, KF_F32, 0, x + r * xs, xs, wb, wsb, K, out + r * os, os, add, 0);
     return;
   }
   for (int c = 0; c < nr; c++) {
-    const uint8_t *wc = w + c * wsb;
-    for (r = 0; r + F_MR <= rn; r += F_MR) ftile(F_MR, 1, KF_F32, x + r * xs, xs, wc, wsb, K, out + r * os + c, os, add);
-    for (; r < rn; r++) ftile(1, 1, KF_F32, x + r * xs, xs, wc, wsb, K, out + r * os + c, os, add);
+    const uint8_t *wc = wb + c * wsb;
+    for (r = 0; r + F_MR <= rn; r += F_MR)
+      ftile(F_MR, 1, KF_F32, 0, x + r * xs, xs, wc, wsb, K, out + r * os + c, os, add, 0);
+    for (; r < rn; r++) ftile(1, 1, KF_F32, 0, x + r * xs, xs, wc, wsb, K, out + r * os + c, os, add, 0);
+  }
+}
+
+/* Weight rows [j, j + nr), values [kb, kb + kn), widened to f32 rows of kc at dst; the next nr rows
+   are prefetched meanwhile (the weights of a chunk are one stretch of memory). */
+KF_INLINE void fwiden(const int dt, float *dst, int32_t kc, const uint8_t *w, int64_t wsb, int32_t j, int nr,
+                      int32_t kb, int32_t kn) {
+  const int es = dt == KF_F32 ? 4 : 2;
+  for (int c = 0; c < nr; c++) {
+    const uint8_t *src = w + (j + c) * wsb + (int64_t)kb * es;
+    float *d = dst + c * kc;
+    int32_t k = 0;
+    for (; k + MM_W <= kn; k += MM_W) {
+      if (es == 4 || (k & MM_W) == 0) _mm_prefetch((const char *)src + (int64_t)k * es + F_NR * wsb, _MM_HINT_T0);
+      vf_store(d + k, wload(dt, src, k));
+    }
+    if (k < kn) vf_store(d + k, wload_n(dt, src, k, kn - k));
   }
 }
 
 /*
  * Batches: rn rows of x against weight rows [c0, c1), in K blocks of up to F_KC; per block of F_NR
- * weight rows, f16/bf16 are widened into an L1 scratch once, then every row group runs over it.
+ * weight rows, the weights are widened (or copied) into an L1 scratch once, then every row group
+ * runs over it.
  */
 static void fcols_batched(int dt, const float *x, int32_t rn, int32_t K, const uint8_t *w, int64_t wsb, float *out,
                           int64_t os, int32_t c0, int32_t c1) {
@@ -370,21 +377,10 @@ static void fcols_batched(int dt, const float *x, int32_t rn, int32_t K, const u
     const int32_t kn = imin(kc, K - kb);
     for (int32_t j = c0; j < c1; j += F_NR) {
       const int nr = imin(F_NR, c1 - j);
-      if (dt == KF_F32) {
-        frows_block(x + kb, rn, K, w + j * wsb + (int64_t)kb * 4, wsb, nr, kn, out + j, os, kb > 0);
-        continue;
-      }
-      for (int c = 0; c < nr; c++) {
-        const uint8_t *src = w + (j + c) * wsb + (int64_t)kb * 2;
-        float *dst = scratch + c * kc;
-        int32_t k = 0;
-        if (dt == KF_F16)
-          for (; k + MM_W <= kn; k += MM_W) vf_store(dst + k, vf_f16(src + 2 * k));
-        else
-          for (; k + MM_W <= kn; k += MM_W) vf_store(dst + k, vf_bf16(src + 2 * k));
-        if (k < kn) vf_store(dst + k, dt == KF_F16 ? vf_f16_n(src + 2 * k, kn - k) : vf_bf16_n(src + 2 * k, kn - k));
-      }
-      frows_block(x + kb, rn, K, (const uint8_t *)scratch, (int64_t)kc * 4, nr, kn, out + j, os, kb > 0);
+      if (dt == KF_F32) fwiden(KF_F32, scratch, kc, w, wsb, j, nr, kb, kn);
+      else if (dt == KF_F16) fwiden(KF_F16, scratch, kc, w, wsb, j, nr, kb, kn);
+      else fwiden(KF_BF16, scratch, kc, w, wsb, j, nr, kb, kn);
+      frows_block(x + kb, rn, K, scratch, kc, nr, kn, out + j, os, kb > 0);
     }
   }
 }
@@ -405,34 +401,86 @@ static void fcols_streamed_bf16(const float *x, int32_t rows, int32_t K, const u
 /* ============================================================================================= */
 /* Quantised weights                                                                             */
 
+/* Blocks of a weight row that one streamed step reads: AVX-512 Q8_0 2 (64 quants, one vector),
+   Q4_0 4 (their 4 × 16 nibble bytes, low and high nibbles two vectors); 8-lane levels 1. */
+#if MM_W == 16
+#define QG(dt) ((dt) == KF_Q8_0 ? 2 : 4)
+#else
+#define QG(dt) 1
+#endif
+
 /*
- * `prepare`'s layout. Streamed (rows ≤ STREAMED_ROWS): the quants [rows][K] int8, then from
- * q_scales_at the scales d [rows][nb] f32, then the block offsets [rows][nb] i32 per lane (the
- * block's offset / 8: an 8-lane dot product spreads a block over 8 lanes). Tiled: per group of
- * MM_W rows (the last zero-padded) and block, a record of Q_REC bytes: the quants as quads
- * [8][MM_W][4] int8 (quad q of every row next to each other: one vector), the scales [MM_W] f32,
- * the offsets [MM_W] i32.
+ * `prepare`'s layout. Streamed (rows ≤ STREAMED_ROWS): per row its K quants in the order the
+ * streamed tile reads them (per group of QG blocks: Q8_0 in order; Q4_0 values 0–15 of the 4
+ * blocks, then values 16–31; blocks after the last whole group in order), then from
+ * q_lanes_at [rows][K/4] f32: each accumulator lane's d_x, then [rows][K/4] i32: its share of the
+ * block's offset. Tiled (more rows): per group of MM_W rows (the last zero-padded) and block, a
+ * record of Q_REC bytes: the quants as quads [8][MM_W][4] int8 (quad q of every row next to each
+ * other: one vector), the scales [MM_W] f32, the offsets [MM_W] i32.
  */
 #define Q_REC (40 * MM_W)
-#define Q_QUADS (32 * MM_W)
 #define Q_SCALES (32 * MM_W)
 #define Q_OFFSETS (36 * MM_W)
-static inline int64_t q_scales_at(int32_t rows, int32_t K) { return ((int64_t)rows * K + 63) & ~(int64_t)63; }
+static inline int64_t q_lanes_at(int32_t rows, int32_t K) { return ((int64_t)rows * K + 63) & ~(int64_t)63; }
 
-/* Columns × blocks of the tile's weight scratch, and activation vectors (MM_W rows each) of a tile. */
+/* Columns of the tiles' weight scratch (Q_NS); the tiles over it: Q_MV activation vectors (MM_W
+   rows each) × Q_NR columns, or one vector × Q_NS columns (at least 8 accumulators either way);
+   then blocks of the scratch and weight rows of the streamed tile. */
 #if MM_W == 16
+#define Q_NS 8
 #define Q_NR 4
 #define Q_MV 2
 #else
+#define Q_NS 4
 #define Q_NR 4
 #define Q_MV 1
 #endif
 #define Q_KB 64
 #define QS_NR 4
+/* Weight rows ahead that the streamed tile prefetches. */
+#define QS_AHEAD 8
+
+/* Quantises one 32-block of x as quantizeRowsQ8 into q[32]; returns d, *sum gets Σq. */
+KF_INLINE float quantize32(int8_t *q, const float *x, int32_t *sum) {
+#if MM_W == 16
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = amax / 127;
+  const __m512 iv = _mm512_set1_ps(d != 0 ? 1.0f / d : 0);
+  const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  return d;
+#else
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+                           _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float d = _mm_cvtss_f32(h) / 127;
+  const __m256 iv = _mm256_set1_ps(d != 0 ? 1.0f / d : 0);
+  __m256i qi[4];
+  for (int i = 0; i < 4; i++)
+    qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  *sum = _mm_cvtsi128_si32(t);
+  return d;
+#endif
+}
 
 /*
- * Block b of weight row j as 32 unsigned bytes for vi_dp: Q8_0 q + 128 (VNNI) or q itself (the
- * sign trick without VNNI), Q4_0's nibbles in value order (low nibbles are values 0–15).
+ * Block at bp as 32 unsigned bytes for vi_dp: Q8_0 q + 128 (VNNI) or q itself (the sign trick
+ * without VNNI), Q4_0's nibbles in value order (low nibbles are values 0–15).
  */
 KF_INLINE __m256i q_block_bytes(const int dt, const uint8_t *bp) {
   if (dt == KF_Q8_0) {
@@ -445,56 +493,117 @@ KF_INLINE __m256i q_block_bytes(const int dt, const uint8_t *bp) {
 }
 
 /*
- * Decode (1–3 rows): out[r][c] for c in [c0, c1), streaming the weights: per block, one 8-lane
- * vpdpbusd per row and weight row (starting at the row's block offset), then × d_w·d_x into f32.
+ * Decode (1–3 rows): out[r][c] for MR rows and NR weight rows, streaming the weights: per group of
+ * QG blocks one vpdpbusd per row and weight row (two for Q4_0's nibble halves), started at the
+ * lanes' offsets, then × d_w·d_x into f32 lanes; blocks after the last whole group 8 lanes at a
+ * time. xq: row 0's quants (rows K apart), xl/xo: row 0's lane scales/offsets (rows K/4 apart).
  */
-KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const int8_t *xq, const float *xd,
+KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const int8_t *xq, const float *xl,
                               const int32_t *xo, int32_t K, const uint8_t *w, int64_t wsb, float *out, int64_t os) {
   const int32_t nb = K / 32;
   const int64_t bs = dt == KF_Q8_0 ? 34 : 18;
-  __m256 acc[3][QS_NR];
+  const int64_t ls = K / 4;
+  const int32_t ng = nb / QG(dt);
+  int32_t b = 0, lane = 0;
+  float part[3][QS_NR] = {{0}};
+#if MM_W == 16
+  {
+    __m512 acc[3][QS_NR];
 #pragma GCC unroll 3
-  for (int r = 0; r < MR; r++)
+    for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
-    for (int c = 0; c < NR; c++) acc[r][c] = _mm256_setzero_ps();
-  for (int32_t b = 0; b < nb; b++) {
-    __m256i xv[3];
-    __m256i off[3];
-#pragma GCC unroll 3
-    for (int r = 0; r < MR; r++) {
-      xv[r] = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)r * K + 32 * b));
-      off[r] = _mm256_set1_epi32(xo[r * nb + b]);
-    }
+      for (int c = 0; c < NR; c++) acc[r][c] = _mm512_setzero_ps();
+    /* the f16 scales of a group as 16 lanes (words of the group's first 64 bytes) */
+    const __m512i dsel = dt == KF_Q8_0 ? _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 17, 17, 17,
+                                                          17, 17, 17, 17, 17, 0, 0, 0, 0, 0, 0, 0, 0)
+                                       : _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 27, 27, 27,
+                                                          27, 18, 18, 18, 18, 9, 9, 9, 9, 0, 0, 0, 0);
+    /* Q4_0: the 4 blocks' 16 quant bytes (words 1–8, 10–17, 19–26, 28–35 of the group) from the
+       group's bytes [0, 64) and [8, 72) */
+    const __m512i qsel = _mm512_set_epi16(63, 62, 61, 60, 31, 30, 29, 28, 26, 25, 24, 23, 22, 21, 20, 19, 17, 16, 15,
+                                          14, 13, 12, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    for (int32_t g = 0; g < ng; g++, b += QG(dt), lane += 16) {
 #pragma GCC unroll 4
-    for (int c = 0; c < NR; c++) {
-      const uint8_t *bp = w + c * wsb + b * bs;
-      const __m256i u = q_block_bytes(dt, bp);
-      const __m256 dw = _mm256_set1_ps(_cvtsh_ss(load_u16(bp)));
+      for (int c = 0; c < NR; c++) {
+        const uint8_t *bp = w + c * wsb + b * bs;
+        _mm_prefetch((const char *)bp + QS_AHEAD * wsb, _MM_HINT_T0);
+        const __m512i head = _mm512_loadu_si512((const void *)bp);
+        const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(dsel, head)));
+        __m512i u0, u1 = _mm512_setzero_si512();
+        if (dt == KF_Q8_0) {
+          u0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(bp + 2))),
+                                  _mm256_loadu_si256((const __m256i *)(bp + 36)), 1);
+          u0 = _mm512_xor_si512(u0, _mm512_set1_epi8((char)0x80));
+        } else {
+          const __m512i q = _mm512_permutex2var_epi16(head, qsel, _mm512_loadu_si512((const void *)(bp + 8)));
+          u0 = _mm512_and_si512(q, nib);
+          u1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), nib);
+        }
 #pragma GCC unroll 3
-      for (int r = 0; r < MR; r++) {
-        __m256i s;
-        if (dt == KF_Q8_0 && !MM_VNNI) s = dp8(off[r], _mm256_abs_epi8(u), _mm256_sign_epi8(xv[r], u));
-        else s = dp8(off[r], u, xv[r]);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b])), acc[r][c]);
+        for (int r = 0; r < MR; r++) {
+          const int8_t *xr = xq + r * K + 32 * b;
+          __m512i s = _mm512_loadu_si512((const void *)(xo + r * ls + lane));
+          s = _mm512_dpbusd_epi32(s, u0, _mm512_loadu_si512((const void *)xr));
+          if (dt == KF_Q4_0) s = _mm512_dpbusd_epi32(s, u1, _mm512_loadu_si512((const void *)(xr + 64)));
+          const __m512 sc = _mm512_mul_ps(dw, _mm512_loadu_ps(xl + r * ls + lane));
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[r][c]);
+        }
       }
     }
+#pragma GCC unroll 3
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+      for (int c = 0; c < NR; c++) part[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+  }
+#else
+  (void)ng;
+#endif
+  if (b < nb) {
+    __m256 acc[3][QS_NR];
+#pragma GCC unroll 3
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+      for (int c = 0; c < NR; c++) acc[r][c] = _mm256_setzero_ps();
+    for (; b < nb; b++, lane += 8) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NR; c++) {
+        const uint8_t *bp = w + c * wsb + b * bs;
+        _mm_prefetch((const char *)bp + QS_AHEAD * wsb, _MM_HINT_T0);
+        const __m256i u = q_block_bytes(dt, bp);
+        const __m256 dw = _mm256_set1_ps(_cvtsh_ss(load_u16(bp)));
+#pragma GCC unroll 3
+        for (int r = 0; r < MR; r++) {
+          const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * b));
+          const __m256i o = _mm256_loadu_si256((const __m256i *)(xo + r * ls + lane));
+          __m256i s;
+          if (dt == KF_Q8_0 && !MM_VNNI) s = dp8(o, _mm256_abs_epi8(u), _mm256_sign_epi8(xv, u));
+          else s = dp8(o, u, xv);
+          const __m256 sc = _mm256_mul_ps(dw, _mm256_loadu_ps(xl + r * ls + lane));
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[r][c]);
+        }
+      }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+      for (int c = 0; c < NR; c++) part[r][c] += hsum8(acc[r][c]);
   }
 #pragma GCC unroll 3
   for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
-    for (int c = 0; c < NR; c++) out[r * os + c] = hsum8(acc[r][c]);
+    for (int c = 0; c < NR; c++) out[r * os + c] = part[r][c];
 }
 
 KF_INLINE void qcols_streamed(const int dt, const uint8_t *xp, int32_t rows, int32_t r0, int32_t rn, int32_t K,
                               const uint8_t *w, int64_t wsb, float *out, int64_t os, int32_t c0, int32_t c1) {
-  const int32_t nb = K / 32;
   const int8_t *xq = (const int8_t *)xp + (int64_t)r0 * K;
-  const float *xd = (const float *)(xp + q_scales_at(rows, K)) + (int64_t)r0 * nb;
-  const int32_t *xo = (const int32_t *)(xp + q_scales_at(rows, K) + (int64_t)rows * nb * 4) + (int64_t)r0 * nb;
+  const float *xl = (const float *)(xp + q_lanes_at(rows, K)) + (int64_t)r0 * (K / 4);
+  const int32_t *xo = (const int32_t *)(xp + q_lanes_at(rows, K)) + (int64_t)(rows + r0) * (K / 4);
   int32_t j = c0;
 #define QS_CASE(MR)                                                                                     \
-  for (; j + QS_NR <= c1; j += QS_NR) qtile_streamed(MR, QS_NR, dt, xq, xd, xo, K, w + j * wsb, wsb, out + j, os); \
-  for (; j < c1; j++) qtile_streamed(MR, 1, dt, xq, xd, xo, K, w + j * wsb, wsb, out + j, os);
+  for (; j + QS_NR <= c1; j += QS_NR) qtile_streamed(MR, QS_NR, dt, xq, xl, xo, K, w + j * wsb, wsb, out + j, os); \
+  for (; j < c1; j++) qtile_streamed(MR, 1, dt, xq, xl, xo, K, w + j * wsb, wsb, out + j, os);
   if (rn == 1) {
     QS_CASE(1)
   } else if (rn == 2) {
@@ -511,20 +620,20 @@ KF_INLINE void qcols_streamed(const int dt, const uint8_t *xp, int32_t rows, int
  * group v.
  */
 KF_INLINE void qtile(const int MV, const int NR, const int sgn, const uint8_t *xr, int64_t gs, const uint8_t *ws,
-                     const float *dws, int32_t nbk, vf res[][Q_NR]) {
-  vf fa[Q_MV][Q_NR];
+                     const float *dws, int32_t nbk, vf res[][Q_NS]) {
+  vf fa[Q_MV][Q_NS];
 #pragma GCC unroll 2
   for (int v = 0; v < MV; v++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int c = 0; c < NR; c++) fa[v][c] = vf_zero();
   for (int32_t b = 0; b < nbk; b++) {
-    vi ia[Q_MV][Q_NR];
+    vi ia[Q_MV][Q_NS];
     const uint8_t *rec[Q_MV];
 #pragma GCC unroll 2
     for (int v = 0; v < MV; v++) {
       rec[v] = xr + v * gs + (int64_t)b * Q_REC;
       const vi o = vi_load(rec[v] + Q_OFFSETS);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int c = 0; c < NR; c++) ia[v][c] = o;
     }
 #pragma GCC unroll 8
@@ -532,7 +641,7 @@ KF_INLINE void qtile(const int MV, const int NR, const int sgn, const uint8_t *x
       vi xv[Q_MV];
 #pragma GCC unroll 2
       for (int v = 0; v < MV; v++) xv[v] = vi_load(rec[v] + q * 4 * MM_W);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int c = 0; c < NR; c++) {
         const vi wb = vi_bcast32(ws + ((int64_t)c * Q_KB + b) * 32 + q * 4);
 #if MM_W == 8 && !MM_VNNI
@@ -547,7 +656,7 @@ KF_INLINE void qtile(const int MV, const int NR, const int sgn, const uint8_t *x
         for (int v = 0; v < MV; v++) ia[v][c] = vi_dp(ia[v][c], wb, xv[v]);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int c = 0; c < NR; c++) {
       const vf dw = vf_set1(dws[c * Q_KB + b]);
 #pragma GCC unroll 2
@@ -559,12 +668,12 @@ KF_INLINE void qtile(const int MV, const int NR, const int sgn, const uint8_t *x
   }
 #pragma GCC unroll 2
   for (int v = 0; v < MV; v++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int c = 0; c < NR; c++) res[v][c] = fa[v][c];
 }
 
 /* out rows [lo, hi) of group v (rows relative to the group's first, g0) (+)= res lanes. */
-static void qstore(float *out, int64_t os, int32_t row0, int32_t lo, int32_t hi, vf res[][Q_NR], int mv, int nr,
+static void qstore(float *out, int64_t os, int32_t row0, int32_t lo, int32_t hi, vf res[][Q_NS], int mv, int nr,
                    int add) {
   float lanes[MM_W] __attribute__((aligned(64)));
   for (int v = 0; v < mv; v++)
@@ -586,43 +695,52 @@ static void qstore(float *out, int64_t os, int32_t row0, int32_t lo, int32_t hi,
  */
 static void qcols_batched(int dt, const uint8_t *xp, int32_t r0, int32_t rn, int32_t K, const uint8_t *w, int64_t wsb,
                           float *out, int64_t os, int32_t c0, int32_t c1) {
-  uint8_t ws[Q_NR * Q_KB * 32] __attribute__((aligned(64)));
-  float dws[Q_NR * Q_KB];
-  vf res[Q_MV][Q_NR];
+  uint8_t ws[Q_NS * Q_KB * 32] __attribute__((aligned(64)));
+  float dws[Q_NS * Q_KB];
+  vf res[Q_MV][Q_NS];
   const int32_t nb = K / 32;
   const int64_t bs = dt == KF_Q8_0 ? 34 : 18;
   const int64_t gs = (int64_t)nb * Q_REC;
   const int sgn = dt == KF_Q8_0 && !MM_VNNI;
   const int32_t g0 = r0 / MM_W, g1 = (r0 + rn + MM_W - 1) / MM_W;
+#define Q_TILE(MV, NR, xr, c) \
+  (sgn ? qtile(MV, NR, 1, xr, gs, ws + (c) * Q_KB * 32, dws + (c) * Q_KB, nbk, res) \
+       : qtile(MV, NR, 0, xr, gs, ws + (c) * Q_KB * 32, dws + (c) * Q_KB, nbk, res))
   for (int32_t kb = 0; kb < nb; kb += Q_KB) {
     const int32_t nbk = imin(Q_KB, nb - kb);
-    for (int32_t j = c0; j < c1; j += Q_NR) {
-      const int nr = imin(Q_NR, c1 - j);
+    for (int32_t j = c0; j < c1; j += Q_NS) {
+      const int nr = imin(Q_NS, c1 - j);
       for (int c = 0; c < nr; c++)
         for (int32_t b = 0; b < nbk; b++) {
           const uint8_t *bp = w + (j + c) * wsb + (kb + b) * bs;
+          _mm_prefetch((const char *)bp + Q_NS * wsb, _MM_HINT_T0);
           _mm256_store_si256((__m256i *)(ws + ((int64_t)c * Q_KB + b) * 32), q_block_bytes(dt, bp));
           dws[c * Q_KB + b] = _cvtsh_ss(load_u16(bp));
         }
       for (int32_t g = g0; g < g1; g += Q_MV) {
         const uint8_t *xr = xp + g * gs + (int64_t)kb * Q_REC;
         const int mv = imin(Q_MV, g1 - g);
-        if (nr == Q_NR && mv == Q_MV) {
-          if (sgn) qtile(Q_MV, Q_NR, 1, xr, gs, ws, dws, nbk, res);
-          else qtile(Q_MV, Q_NR, 0, xr, gs, ws, dws, nbk, res);
-          qstore(out + j, os, g * MM_W, r0, r0 + rn, res, Q_MV, Q_NR, kb > 0);
-          continue;
-        }
-        for (int v = 0; v < mv; v++)
-          for (int c = 0; c < nr; c++) {
-            vf one[Q_MV][Q_NR];
-            if (sgn) qtile(1, 1, 1, xr + v * gs, gs, ws + (int64_t)c * Q_KB * 32, dws + c * Q_KB, nbk, one);
-            else qtile(1, 1, 0, xr + v * gs, gs, ws + (int64_t)c * Q_KB * 32, dws + c * Q_KB, nbk, one);
-            qstore(out + j + c, os, (g + v) * MM_W, r0, r0 + rn, one, 1, 1, kb > 0);
+        if (nr == Q_NS && mv == Q_MV && Q_MV > 1) {
+          for (int c = 0; c < Q_NS; c += Q_NR) {
+            Q_TILE(Q_MV, Q_NR, xr, c);
+            qstore(out + j + c, os, g * MM_W, r0, r0 + rn, res, Q_MV, Q_NR, kb > 0);
           }
+        } else if (nr == Q_NS) {
+          for (int v = 0; v < mv; v++) {
+            Q_TILE(1, Q_NS, xr + v * gs, 0);
+            qstore(out + j, os, (g + v) * MM_W, r0, r0 + rn, res, 1, Q_NS, kb > 0);
+          }
+        } else {
+          for (int v = 0; v < mv; v++)
+            for (int c = 0; c < nr; c++) {
+              Q_TILE(1, 1, xr + v * gs, c);
+              qstore(out + j + c, os, (g + v) * MM_W, r0, r0 + rn, res, 1, 1, kb > 0);
+            }
+        }
       }
     }
   }
+#undef Q_TILE
 }
 
 static void qcols_streamed_q8(const uint8_t *xp, int32_t rows, int32_t r0, int32_t rn, int32_t K, const uint8_t *w,
@@ -634,17 +752,44 @@ static void qcols_streamed_q4(const uint8_t *xp, int32_t rows, int32_t r0, int32
   qcols_streamed(KF_Q4_0, xp, rows, r0, rn, K, w, wsb, out, os, c0, c1);
 }
 
-/* Quantises one row's blocks: quants to q, scale and Σq per block via callbacks of the layout. */
+/* Quantises x [rows][K] into `prepare`'s layout for `dtype` (see q_lanes_at). */
 static void quantize_rows(uint8_t *xp, const float *x, int32_t rows, int32_t K, int dtype) {
   const int32_t nb = K / 32;
   const int32_t offset = q_offset(dtype, MM_VNNI);
   if (rows <= STREAMED_ROWS) {
-    float *xd = (float *)(xp + q_scales_at(rows, K));
-    int32_t *xo = (int32_t *)(xd + (int64_t)rows * nb);
-    for (int64_t i = 0; i < (int64_t)rows * nb; i++) {
-      int32_t sum;
-      xd[i] = quantize_block((int8_t *)xp + i * 32, x + i * 32, &sum);
-      xo[i] = offset * sum / 8;
+    const int G = QG(dtype);
+    for (int32_t r = 0; r < rows; r++) {
+      int8_t *xq = (int8_t *)xp + (int64_t)r * K;
+      float *xl = (float *)(xp + q_lanes_at(rows, K)) + (int64_t)r * (K / 4);
+      int32_t *xo = (int32_t *)(xp + q_lanes_at(rows, K)) + (int64_t)(rows + r) * (K / 4);
+      int32_t b = 0, lane = 0;
+      for (; b + G <= nb && G > 1; b += G) {
+        /* a group of G blocks: G·32 quants, 16 lanes (Q8_0: 8 a block; Q4_0: 4 a block) */
+        for (int i = 0; i < G; i++) {
+          int8_t q[32];
+          int32_t sum;
+          const float d = quantize32(q, x + (int64_t)r * K + 32 * (b + i), &sum);
+          if (G == 2) {
+            memcpy(xq + 32 * (b + i), q, 32);
+          } else {
+            memcpy(xq + 32 * b + 16 * i, q, 16);
+            memcpy(xq + 32 * b + 64 + 16 * i, q + 16, 16);
+          }
+          for (int l = 0; l < 16 / G; l++) {
+            xl[lane + i * (16 / G) + l] = d;
+            xo[lane + i * (16 / G) + l] = offset * sum / (16 / G);
+          }
+        }
+        lane += 16;
+      }
+      for (; b < nb; b++, lane += 8) {
+        int32_t sum;
+        const float d = quantize32(xq + 32 * b, x + (int64_t)r * K + 32 * b, &sum);
+        for (int l = 0; l < 8; l++) {
+          xl[lane + l] = d;
+          xo[lane + l] = offset * sum / 8;
+        }
+      }
     }
     return;
   }
@@ -657,7 +802,7 @@ static void quantize_rows(uint8_t *xp, const float *x, int32_t rows, int32_t K, 
         int8_t q[32] = {0};
         int32_t sum = 0;
         float d = 0;
-        if (r < rows) d = quantize_block(q, x + (int64_t)r * K + 32 * b, &sum);
+        if (r < rows) d = quantize32(q, x + (int64_t)r * K + 32 * b, &sum);
         for (int qd = 0; qd < 8; qd++) memcpy(rec + (qd * MM_W + l) * 4, q + 4 * qd, 4);
         memcpy(rec + Q_SCALES + 4 * l, &d, 4);
         const int32_t o = offset * sum;
@@ -667,7 +812,7 @@ static void quantize_rows(uint8_t *xp, const float *x, int32_t rows, int32_t K, 
 }
 
 static int64_t quantized_bytes(int32_t rows, int32_t K) {
-  if (rows <= STREAMED_ROWS) return q_scales_at(rows, K) + (int64_t)rows * (K / 32) * 8;
+  if (rows <= STREAMED_ROWS) return q_lanes_at(rows, K) + (int64_t)rows * (K / 4) * 8;
   return (int64_t)((rows + MM_W - 1) / MM_W) * (K / 32) * Q_REC;
 }
 
@@ -698,6 +843,26 @@ static void run_item(int dtype, const float *x, const uint8_t *xp, int32_t rows,
 
 #else /* MM_W == 0: plain C */
 /* ============================================================================================= */
+
+/*
+ * Quantises one 32-block of x as quantizeRowsQ8: q[32], returns d; *sum gets Σq (x·(1/d) to
+ * nearest, ties to even, as the vector levels' quantize32).
+ */
+static float quantize_block(int8_t *q, const float *x, int32_t *sum) {
+  float amax = 0;
+  for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(x[k]));
+  const float d = amax / 127;
+  const float iv = d != 0 ? 1.0f / d : 0;
+  int32_t s = 0;
+  for (int k = 0; k < 32; k++) {
+    float v = nearbyintf(x[k] * iv);
+    int32_t i = v > 127 ? 127 : v < -127 ? -127 : (int32_t)v;
+    q[k] = (int8_t)i;
+    s += i;
+  }
+  *sum = s;
+  return d;
+}
 
 /* Weights per block of the generic float path's widened scratch. */
 #define G_KC 256

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Builds native/src/matmul.c at every ISA level (the flags of native/include/kvfence-kernels.h) with
 # the standalone driver native/test/matmul-driver.c and runs it: sh native/test/matmul-driver.sh
-# [check|bench|all] [level]. SANITIZE=1 builds with ASan + UBSan (every buffer is malloc'd at its
+# [check|bench|all] [level|-] [format|-] [rows in out]. SANITIZE=1 builds with ASan + UBSan (every buffer is malloc'd at its
 # exact size, so a read past one is reported).
 set -e
 root=$(cd "$(dirname "$0")/../.." && pwd)

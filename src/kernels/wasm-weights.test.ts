@@ -178,18 +178,23 @@ const QUANT_SHAPES: [number, number, number][] = [
   ...TILE_ROWS.map((r): [number, number, number] => [r, 96, 11]),
 ];
 
-for (const [threads, fma] of [
-  [1, true],
-  [2, true],
-  [2, false],
+for (const [threads, fma, backend] of [
+  [1, true, "wasm"],
+  [2, true, "wasm"],
+  [2, false, "wasm"],
+  [1, false, "native"],
+  [2, false, "native"],
 ] as const) {
-  const build = fma ? "relaxed SIMD" : "plain SIMD";
+  const build = backend === "native" ? "native" : fma ? "relaxed SIMD" : "plain SIMD";
   describe(`WasmKernels on f16/bf16/Q8_0/Q4_0 weights (${threads} thread${threads === 1 ? "" : "s"}, ${build})`, () => {
     let k: WasmKernels;
     before(async () => {
-      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 20, fma });
+      // The native memory does not grow: it is made big enough at once.
+      const initialBytes = backend === "native" ? 64 << 20 : 1 << 20;
+      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes, fma, backend });
       await k.ready();
-      assert.equal(k.fma, fma);
+      assert.equal(k.name, backend);
+      if (backend === "wasm") assert.equal(k.fma, fma);
     });
     after(async () => {
       await k.close();

@@ -237,6 +237,9 @@ KF_INLINE float hsum8(__m256 a) {
 #define FS_NR2 4
 #define FS_NR3 3
 #endif
+/* Bounds of the tiles' MR and NR (array sizes). */
+#define F_MAX_MR 6
+#define F_MAX_NR 8
 /* Largest K block of the widened-weight scratch (floats per weight row). */
 #define F_KC 1024
 /* Weight rows ahead that the streamed tiles prefetch. */
@@ -275,37 +278,37 @@ KF_INLINE void store_sums(float *o, const vf *a, const int n, int add) {
 KF_INLINE void ftile(const int MR, const int NR, const int dt, const int PF, const float *x, int64_t xs,
                      const uint8_t *w, int64_t wsb, int32_t K, float *out, int64_t os, int add, int64_t pfd) {
   const int es = dt == KF_F32 ? 4 : 2;
-  vf acc[4][8];
-#pragma GCC unroll 4
+  vf acc[F_MAX_MR][F_MAX_NR];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; r++)
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++) acc[r][c] = vf_zero();
   int32_t k = 0;
   for (; k + MM_W <= K; k += MM_W) {
-    vf xv[4];
-#pragma GCC unroll 4
+    vf xv[F_MAX_MR];
+#pragma GCC unroll 8
     for (int r = 0; r < MR; r++) xv[r] = vf_load(x + r * xs + k);
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++) {
       if (PF && (es == 4 || (k & MM_W) == 0)) _mm_prefetch((const char *)w + c * wsb + (int64_t)k * es + pfd, _MM_HINT_T0);
       vf wv = wload(dt, w + c * wsb, k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; r++) acc[r][c] = vf_fma(xv[r], wv, acc[r][c]);
     }
   }
   if (k < K) {
     const int n = K - k;
-    vf xv[4];
-#pragma GCC unroll 4
+    vf xv[F_MAX_MR];
+#pragma GCC unroll 8
     for (int r = 0; r < MR; r++) xv[r] = vf_load_n(x + r * xs + k, n);
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++) {
       vf wv = wload_n(dt, w + c * wsb, k, n);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; r++) acc[r][c] = vf_fma(xv[r], wv, acc[r][c]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; r++) store_sums(out + r * os, acc[r], NR, add);
 }
 
@@ -327,22 +330,32 @@ KF_INLINE void fcols_streamed(const int dt, const float *x, int32_t rows, int32_
 #undef FS_CASE
 }
 
-/* Rows [0, rn) of x (f32, rows xs apart) against nr (≤ F_NR) widened weight rows (ws floats apart). */
+/* Rows [0, rn) of x (f32, rows xs apart) against nr (≤ F_NR) widened weight rows (ws floats apart):
+   tiles of F_MR rows, then one of the rows left. */
 static void frows_block(const float *x, int32_t rn, int64_t xs, const float *w, int64_t ws, int nr, int32_t K,
                         float *out, int64_t os, int add) {
   const uint8_t *wb = (const uint8_t *)w;
   const int64_t wsb = ws * 4;
-  int32_t r = 0;
-  if (nr == F_NR) {
-    for (; r + F_MR <= rn; r += F_MR) ftile(F_MR, F_NR, KF_F32, 0, x + r * xs, xs, wb, wsb, K, out + r * os, os, add, 0);
-    for (; r < rn; r++) ftile(1, F_NR, KF_F32, 0, x + r * xs, xs, wb, wsb, K, out + r * os, os, add, 0);
-    return;
-  }
-  for (int c = 0; c < nr; c++) {
+  for (int c = 0; c < nr; c += nr == F_NR ? F_NR : 1) {
     const uint8_t *wc = wb + c * wsb;
-    for (r = 0; r + F_MR <= rn; r += F_MR)
-      ftile(F_MR, 1, KF_F32, 0, x + r * xs, xs, wc, wsb, K, out + r * os + c, os, add, 0);
-    for (; r < rn; r++) ftile(1, 1, KF_F32, 0, x + r * xs, xs, wc, wsb, K, out + r * os + c, os, add, 0);
+    int32_t r = 0;
+#define FB_TILE(MR)                                                                                          \
+  (nr == F_NR ? ftile(MR, F_NR, KF_F32, 0, x + r * xs, xs, wc, wsb, K, out + r * os + c, os, add, 0)        \
+              : ftile(MR, 1, KF_F32, 0, x + r * xs, xs, wc, wsb, K, out + r * os + c, os, add, 0))
+    for (; r + F_MR <= rn; r += F_MR) FB_TILE(F_MR);
+    switch (rn - r) {
+      case 1: FB_TILE(1); break;
+      case 2: FB_TILE(2); break;
+      case 3: FB_TILE(3); break;
+#if F_MR > 4
+      case 4: FB_TILE(4); break;
+#endif
+#if F_MR > 5
+      case 5: FB_TILE(5); break;
+#endif
+      default: break;
+    }
+#undef FB_TILE
   }
 }
 

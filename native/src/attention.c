@@ -132,11 +132,12 @@ KF_INLINE vf vfold4(vf a, vf b, vf c, vf d) {
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
 /* The VL/4 results of vfold4 (tokens 4k..4k+3 in r[k]) into one vector: lane j = token j's sum. */
-KF_INLINE vf vfold_blocks(const vf *r) {
-  const vf y1 = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const vf y2 = _mm512_add_ps(_mm512_shuffle_f32x4(r[2], r[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(r[2], r[3], _MM_SHUFFLE(3, 1, 3, 1)));
+KF_INLINE vf vfold_blocks(const float *rq) {
+  const vf r0 = vload(rq), r1 = vload(rq + VL), r2 = vload(rq + 2 * VL), r3 = vload(rq + 3 * VL);
+  const vf y1 = _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const vf y2 = _mm512_add_ps(_mm512_shuffle_f32x4(r2, r3, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(r2, r3, _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(y1, y2, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(y1, y2, _MM_SHUFFLE(3, 1, 3, 1)));
 }
@@ -194,8 +195,9 @@ KF_INLINE vf vfold4(vf a, vf b, vf c, vf d) {
   const __m256d x = _mm256_castps_pd(ab), y = _mm256_castps_pd(cd);
   return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
 }
-KF_INLINE vf vfold_blocks(const vf *r) {
-  return _mm256_add_ps(_mm256_permute2f128_ps(r[0], r[1], 0x20), _mm256_permute2f128_ps(r[0], r[1], 0x31));
+KF_INLINE vf vfold_blocks(const float *rq) {
+  const vf r0 = vload(rq), r1 = vload(rq + VL);
+  return _mm256_add_ps(_mm256_permute2f128_ps(r0, r1, 0x20), _mm256_permute2f128_ps(r0, r1, 0x31));
 }
 KF_INLINE vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 KF_INLINE vf vpow2(vf y, vf n) {
@@ -236,96 +238,102 @@ KF_INLINE vf vexp(vf x) {
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
 #endif
+#ifndef V_ROWS
+#define V_ROWS VL
+#endif
 
 /*
- * s[h·VL + j] = q_h · K_j for H query heads (q_h at q + h·hd) and tokens j < VL of a chunk (K_j at
- * k + min(j, n−1)·rb: rows past the chunk's n repeat its last). Unscaled.
+ * The dot products of H query heads (q_h at q + h·hd) with 4 K rows (row j at k + min(j, n−1)·rb),
+ * folded by vfold4: head h's vector to rq + h·(VL/4)·VL. Unscaled.
  */
-KF_INLINE void scores_tile(float *s, const float *q, int32_t hd, const uint8_t *k, int64_t rb, int n, int dt,
+KF_INLINE void scores_quad(float *rq, const float *q, int32_t hd, const uint8_t *k, int64_t rb, int n, int dt,
                            const int H) {
   const int64_t es = kv_elem_bytes(dt);
   const int32_t full = hd / VL * VL, tail = hd - full;
-  vf r[HTILE][VL / 4];
+  const int64_t s1 = 1 < n ? rb : 0, s2 = 2 < n ? 2 * rb : s1, s3 = 3 < n ? 3 * rb : s2;
+  vf a[HTILE][4];
 #pragma GCC unroll 4
-  for (int j0 = 0; j0 < VL; j0 += 4) {
-    if (j0 >= n) {
+  for (int h = 0; h < H; h++) a[h][0] = a[h][1] = a[h][2] = a[h][3] = vzero();
+#pragma GCC unroll 8
+  for (int32_t d = 0; d < full; d += VL) {
+    const uint8_t *kd = k + d * es;
+    const vf c0 = kv_load(kd, dt), c1 = kv_load(kd + s1, dt), c2 = kv_load(kd + s2, dt), c3 = kv_load(kd + s3, dt);
 #pragma GCC unroll 4
-      for (int h = 0; h < H; h++) r[h][j0 / 4] = vzero();
-      continue;
+    for (int h = 0; h < H; h++) {
+      const vf qv = vload(q + h * hd + d);
+      a[h][0] = vfma(qv, c0, a[h][0]);
+      a[h][1] = vfma(qv, c1, a[h][1]);
+      a[h][2] = vfma(qv, c2, a[h][2]);
+      a[h][3] = vfma(qv, c3, a[h][3]);
     }
-    const uint8_t *k0 = k + j0 * rb;
-    const int64_t s1 = j0 + 1 < n ? rb : 0, s2 = j0 + 2 < n ? 2 * rb : s1, s3 = j0 + 3 < n ? 3 * rb : s2;
-    vf a[HTILE][4];
+  }
+  if (tail) {
+    const uint8_t *kd = k + full * es;
+    const vf c0 = kv_load_n(kd, dt, tail), c1 = kv_load_n(kd + s1, dt, tail);
+    const vf c2 = kv_load_n(kd + s2, dt, tail), c3 = kv_load_n(kd + s3, dt, tail);
 #pragma GCC unroll 4
-    for (int h = 0; h < H; h++) a[h][0] = a[h][1] = a[h][2] = a[h][3] = vzero();
-    for (int32_t d = 0; d < full; d += VL) {
-      const uint8_t *kd = k0 + d * es;
-      const vf c0 = kv_load(kd, dt), c1 = kv_load(kd + s1, dt), c2 = kv_load(kd + s2, dt), c3 = kv_load(kd + s3, dt);
-#pragma GCC unroll 4
-      for (int h = 0; h < H; h++) {
-        const vf qv = vload(q + h * hd + d);
-        a[h][0] = vfma(qv, c0, a[h][0]);
-        a[h][1] = vfma(qv, c1, a[h][1]);
-        a[h][2] = vfma(qv, c2, a[h][2]);
-        a[h][3] = vfma(qv, c3, a[h][3]);
-      }
+    for (int h = 0; h < H; h++) {
+      const vf qv = vload_n(q + h * hd + full, tail);
+      a[h][0] = vfma(qv, c0, a[h][0]);
+      a[h][1] = vfma(qv, c1, a[h][1]);
+      a[h][2] = vfma(qv, c2, a[h][2]);
+      a[h][3] = vfma(qv, c3, a[h][3]);
     }
-    if (tail) {
-      const uint8_t *kd = k0 + full * es;
-      const vf c0 = kv_load_n(kd, dt, tail), c1 = kv_load_n(kd + s1, dt, tail);
-      const vf c2 = kv_load_n(kd + s2, dt, tail), c3 = kv_load_n(kd + s3, dt, tail);
-#pragma GCC unroll 4
-      for (int h = 0; h < H; h++) {
-        const vf qv = vload_n(q + h * hd + full, tail);
-        a[h][0] = vfma(qv, c0, a[h][0]);
-        a[h][1] = vfma(qv, c1, a[h][1]);
-        a[h][2] = vfma(qv, c2, a[h][2]);
-        a[h][3] = vfma(qv, c3, a[h][3]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int h = 0; h < H; h++) r[h][j0 / 4] = vfold4(a[h][0], a[h][1], a[h][2], a[h][3]);
   }
 #pragma GCC unroll 4
-  for (int h = 0; h < H; h++) vstore(s + h * VL, vfold_blocks(r[h]));
+  for (int h = 0; h < H; h++) vstore(rq + h * (VL / 4) * VL, vfold4(a[h][0], a[h][1], a[h][2], a[h][3]));
 }
 
-/* Rows to prefetch while a chunk's V rows are read: token j's K and V bytes [k + j·rb, + seg). */
+/* scores_quad for the query heads of one KV head, in tiles of HTILE (the tile sizes as constants). */
+KF_INLINE void scores_heads(float *rq, const float *q, int32_t hd, const uint8_t *k, int64_t rb, int n, int dt,
+                            int32_t heads) {
+  int32_t h = 0;
+  for (; h + HTILE <= heads; h += HTILE) scores_quad(rq + h * (VL / 4) * VL, q + h * hd, hd, k, rb, n, dt, HTILE);
+  switch (heads - h) {
+    case 1: scores_quad(rq + h * (VL / 4) * VL, q + h * hd, hd, k, rb, n, dt, 1); break;
+    case 2: scores_quad(rq + h * (VL / 4) * VL, q + h * hd, hd, k, rb, n, dt, 2); break;
+#if HTILE > 3
+    case 3: scores_quad(rq + h * (VL / 4) * VL, q + h * hd, hd, k, rb, n, dt, 3); break;
+#endif
+    default: break;
+  }
+}
+
+/* A span of lines to prefetch, a few at a time, each at a and a + v_off (a chunk's K and V rows). */
 typedef struct {
-  const uint8_t *k;
-  int64_t rb, v_off, seg;
-  int n;
+  const uint8_t *a, *end;
+  int64_t v_off;
 } kf_pf;
 
-KF_INLINE void prefetch_row(const kf_pf *pf, int j) {
-  const uint8_t *x = pf->k + j * pf->rb;
-  for (uintptr_t a = (uintptr_t)x & ~(uintptr_t)63; a < (uintptr_t)x + (uintptr_t)pf->seg; a += 64) {
-    _mm_prefetch((const char *)a, PF_HINT);
-    _mm_prefetch((const char *)a + pf->v_off, PF_HINT);
+KF_INLINE void prefetch_lines(kf_pf *pf, int lines) {
+  for (int i = 0; i < lines && pf->a < pf->end; i++, pf->a += 64) {
+    _mm_prefetch((const char *)pf->a, PF_HINT);
+    _mm_prefetch((const char *)pf->a + pf->v_off, PF_HINT);
   }
 }
 
 /*
- * o_h ← o_h·alpha_h + Σ_j p[h·VL + j]·V_j for H query heads (o_h at o + h·os), the chunk's n tokens
- * (V_j at v + j·rb), head-dim vectors [d0, d0 + NB·VL) (NB ≤ VBLOCK; the last one `tail` lanes
- * when tail > 0).
+ * o_h ← o_h·alpha_h (alpha NULL: 1) + Σ_j p[h·VL + j]·V_j for H query heads (o_h at o + h·os), n
+ * tokens (V_j at v + j·rb), head-dim vectors [d0, d0 + NB·VL) (NB ≤ VBLOCK; the last one `tail`
+ * lanes when tail > 0); `pf_lines` lines of pf prefetched per token (pf NULL: none).
  */
 KF_INLINE void values_block(float *o, int64_t os, const float *alpha, const float *p, const uint8_t *v, int64_t rb,
-                            int n, int32_t d0, int dt, const int H, const int NB, const int tail, const kf_pf *pf) {
+                            int n, int32_t d0, int dt, const int H, const int NB, const int tail, kf_pf *pf,
+                            int pf_lines) {
   const int64_t es = kv_elem_bytes(dt);
   vf acc[HTILE][VBLOCK];
 #pragma GCC unroll 4
   for (int h = 0; h < H; h++) {
-    const vf a = vset1(alpha[h]);
 #pragma GCC unroll 4
     for (int b = 0; b < NB; b++) {
       const float *src = o + h * os + d0 + b * VL;
-      acc[h][b] = vmul(tail && b == NB - 1 ? vload_n(src, tail) : vload(src), a);
+      acc[h][b] = tail && b == NB - 1 ? vload_n(src, tail) : vload(src);
+      if (alpha != NULL) acc[h][b] = vmul(acc[h][b], vset1(alpha[h]));
     }
   }
   v += d0 * es;
   for (int j = 0; j < n; j++, v += rb) {
-    if (pf != NULL && j < pf->n) prefetch_row(pf, j);
+    if (pf != NULL) prefetch_lines(pf, pf_lines);
     vf x[VBLOCK];
 #pragma GCC unroll 4
     for (int b = 0; b < NB; b++) x[b] = tail && b == NB - 1 ? kv_load_n(v + b * VL * es, dt, tail) : kv_load(v + b * VL * es, dt);
@@ -347,43 +355,30 @@ KF_INLINE void values_block(float *o, int64_t os, const float *alpha, const floa
   }
 }
 
-/* values_block over the whole head dim. */
+/* values_block over the whole head dim (the prefetch with the first block). */
 KF_INLINE void values_tile(float *o, int64_t os, const float *alpha, const float *p, const uint8_t *v, int64_t rb,
-                           int n, int32_t hd, int dt, const int H, const kf_pf *pf) {
+                           int n, int32_t hd, int dt, const int H, kf_pf *pf, int pf_lines) {
   const int32_t step = VBLOCK * VL;
   const int32_t blocks = hd / step * step;
   int32_t d = 0;
-  for (; d < blocks; d += step, pf = NULL) values_block(o, os, alpha, p, v, rb, n, d, dt, H, VBLOCK, 0, pf);
-  for (; d + VL <= hd; d += VL, pf = NULL) values_block(o, os, alpha, p, v, rb, n, d, dt, H, 1, 0, pf);
-  if (d < hd) values_block(o, os, alpha, p, v, rb, n, d, dt, H, 1, hd - d, pf);
+  for (; d < blocks; d += step, pf = NULL) values_block(o, os, alpha, p, v, rb, n, d, dt, H, VBLOCK, 0, pf, pf_lines);
+  for (; d + VL <= hd; d += VL, pf = NULL) values_block(o, os, alpha, p, v, rb, n, d, dt, H, 1, 0, pf, pf_lines);
+  if (d < hd) values_block(o, os, alpha, p, v, rb, n, d, dt, H, 1, hd - d, pf, pf_lines);
 }
 
-/* The query heads of one KV head for one chunk, in tiles of HTILE (the tile sizes as constants). */
-KF_INLINE void scores_heads(float *s, const float *q, int32_t hd, const uint8_t *k, int64_t rb, int n, int dt,
-                            int32_t heads) {
-  int32_t h = 0;
-  for (; h + HTILE <= heads; h += HTILE) scores_tile(s + h * VL, q + h * hd, hd, k, rb, n, dt, HTILE);
-  switch (heads - h) {
-    case 1: scores_tile(s + h * VL, q + h * hd, hd, k, rb, n, dt, 1); break;
-    case 2: scores_tile(s + h * VL, q + h * hd, hd, k, rb, n, dt, 2); break;
-#if HTILE > 3
-    case 3: scores_tile(s + h * VL, q + h * hd, hd, k, rb, n, dt, 3); break;
-#endif
-    default: break;
-  }
-}
-
+/* values_tile for the query heads of one KV head, in tiles of HTILE. */
 KF_INLINE void values_heads(float *o, int64_t os, const float *alpha, const float *p, const uint8_t *v, int64_t rb,
-                            int n, int32_t hd, int dt, int32_t heads, const kf_pf *pf) {
+                            int n, int32_t hd, int dt, int32_t heads, kf_pf *pf, int pf_lines) {
   int32_t h = 0;
   for (; h + HTILE <= heads; h += HTILE, pf = NULL) {
-    values_tile(o + h * os, os, alpha + h, p + h * VL, v, rb, n, hd, dt, HTILE, pf);
+    values_tile(o + h * os, os, alpha ? alpha + h : NULL, p + h * VL, v, rb, n, hd, dt, HTILE, pf, pf_lines);
   }
+  const float *a = alpha ? alpha + h : NULL;
   switch (heads - h) {
-    case 1: values_tile(o + h * os, os, alpha + h, p + h * VL, v, rb, n, hd, dt, 1, pf); break;
-    case 2: values_tile(o + h * os, os, alpha + h, p + h * VL, v, rb, n, hd, dt, 2, pf); break;
+    case 1: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 1, pf, pf_lines); break;
+    case 2: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 2, pf, pf_lines); break;
 #if HTILE > 3
-    case 3: values_tile(o + h * os, os, alpha + h, p + h * VL, v, rb, n, hd, dt, 3, pf); break;
+    case 3: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 3, pf, pf_lines); break;
 #endif
     default: break;
   }
@@ -397,69 +392,96 @@ KF_INLINE const uint8_t *chunk_at(const kf_range *r, int32_t t, int64_t head_off
          head_off;
 }
 
-/* One item (attendRange): query heads of KV heads [g0, g1) over tokens [ta, tb). */
-KF_INLINE void attend_simd(const kf_range *r, int dt) {
-  const int32_t hd = r->head_dim, group = r->group;
+/* The online softmax of one chunk: scores of head h from rq (folded), weights to p, alpha, m, l. */
+KF_INLINE void softmax_chunk(float *p, float *alpha, float *m, vf *l, const float *rq, int32_t heads, int n, vf scale) {
+  for (int32_t h = 0; h < heads; h++) {
+    vf s = vmul(vfold_blocks(rq + (int64_t)h * (VL / 4) * VL), scale);
+    if (n < VL) s = vkeep(s, n, -INFINITY);
+    const float mc = vhmax(s);
+    const float mn = mc > m[h] ? mc : m[h];
+    alpha[h] = mn == m[h] ? 1.0f : m[h] == -INFINITY ? 0.0f : vfirst(vexp(vset1(m[h] - mn)));
+    vf e = vexp(vsub(s, vset1(mn)));
+    if (n < VL) e = vkeep(e, n, 0.0f);
+    l[h] = vfma(l[h], vset1(alpha[h]), e);
+    vstore(p + h * VL, e);
+    m[h] = mn;
+  }
+}
+
+/*
+ * One item (attendRange): query heads of KV heads [g0, g1) over tokens [ta, tb). HD: the head dim
+ * as a constant (0: r->head_dim), so the common ones get their own unrolled copy.
+ */
+KF_INLINE void attend_simd(const kf_range *r, int dt, const int HD) {
+  const int32_t hd = HD ? HD : r->head_dim, group = r->group;
   const int64_t es = kv_elem_bytes(dt), rb = r->row_bytes;
   const int32_t sweep_kv = group >= SWEEP_HEADS ? 1 : SWEEP_HEADS / group;
   const vf scale = vset1(r->scale);
   float m[SWEEP_HEADS], alpha[SWEEP_HEADS];
   vf l[SWEEP_HEADS];
   float p[SWEEP_HEADS * VL] __attribute__((aligned(64)));
+  float rq[SWEEP_HEADS * (VL / 4) * VL] __attribute__((aligned(64))); /* scores_quad's folded quads */
   for (int32_t gb = r->g0; gb < r->g1; gb += sweep_kv) {
     const int32_t kv_heads = gb + sweep_kv < r->g1 ? sweep_kv : r->g1 - gb;
     const int32_t h0 = (gb - r->g0) * group; /* first query head of the sweep, counted from the item's */
     const int32_t heads = kv_heads * group;
-    const int64_t head_off = (int64_t)gb * hd * es;
+    const int64_t head_off = (int64_t)gb * hd * es, sweep_bytes = (int64_t)kv_heads * hd * es;
     float *o = r->o + h0 * r->o_stride;
     const float *q = r->q + (int64_t)h0 * hd;
     for (int32_t h = 0; h < heads; h++) {
       memset(o + h * r->o_stride, 0, (size_t)hd * 4);
       m[h] = -INFINITY;
       l[h] = vzero();
+      for (int j0 = 0; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
     }
-    /* The chunk PF_CHUNKS ahead is prefetched while a chunk's V rows are read, a KV head's part
-     * of a row for each V row; the first PF_CHUNKS chunks up front. */
-    kf_pf pf = {NULL, rb, r->v_off, hd * es, 0};
+    /* The chunk PF_CHUNKS ahead is prefetched while a chunk's V rows are read (the sweep's bytes of
+     * its K rows and V rows, in ascending order); the first PF_CHUNKS chunks up front. */
+    kf_pf pf = {NULL, NULL, r->v_off};
     int32_t pt = r->ta;
     for (int c = 0; c < PF_CHUNKS && pt < r->tb; c++) {
-      pf.k = chunk_at(r, pt, head_off, &pf.n);
-      for (int32_t g = 0; g < kv_heads; g++) {
-        kf_pf one = pf;
-        one.k += g * hd * es;
-        for (int j = 0; j < pf.n; j++) prefetch_row(&one, j);
-      }
-      pt += pf.n;
+      int pn;
+      pf.a = chunk_at(r, pt, head_off, &pn);
+      pf.end = pf.a + (pn - 1) * rb + sweep_bytes;
+      prefetch_lines(&pf, 1 << 30);
+      pt += pn;
     }
     int32_t t = r->ta;
     while (t < r->tb) {
       int n;
       const uint8_t *row = chunk_at(r, t, head_off, &n);
-      const int ahead = pt < r->tb;
-      if (ahead) pf.k = chunk_at(r, pt, head_off, &pf.n);
-      for (int32_t g = 0; g < kv_heads; g++) {
-        scores_heads(p + g * group * VL, q + (int64_t)g * group * hd, hd, row + g * hd * es, rb, n, dt, group);
+      kf_pf *ahead = NULL;
+      int pf_lines = 0;
+      if (pt < r->tb) {
+        int pn;
+        pf.a = chunk_at(r, pt, head_off, &pn);
+        pf.end = pf.a + (pn - 1) * rb + sweep_bytes;
+        pf_lines = (int)(((pf.end - pf.a) / 64 + 1 + kv_heads * n - 1) / (kv_heads * n));
+        pt += pn;
+        ahead = &pf;
       }
-      for (int32_t h = 0; h < heads; h++) {
-        vf s = vmul(vload(p + h * VL), scale);
-        if (n < VL) s = vkeep(s, n, -INFINITY);
-        const float mc = vhmax(s);
-        const float mn = mc > m[h] ? mc : m[h];
-        alpha[h] = mn == m[h] ? 1.0f : m[h] == -INFINITY ? 0.0f : vfirst(vexp(vset1(m[h] - mn)));
-        vf e = vexp(vsub(s, vset1(mn)));
-        if (n < VL) e = vkeep(e, n, 0.0f);
-        l[h] = vfma(l[h], vset1(alpha[h]), e);
-        vstore(p + h * VL, e);
-        m[h] = mn;
+      /* Scores 4 tokens at a time, every KV head of the sweep per 4 rows (the rows read in order). */
+      for (int j0 = 0; j0 < n; j0 += 4) {
+        for (int32_t g = 0; g < kv_heads; g++) {
+          scores_heads(rq + ((int64_t)g * group * (VL / 4) + j0 / 4) * VL, q + (int64_t)g * group * hd, hd,
+                       row + j0 * rb + g * hd * es, rb, n - j0, dt, group);
+        }
       }
-      for (int32_t g = 0; g < kv_heads; g++) {
-        kf_pf one = pf;
-        one.k += g * hd * es;
-        values_heads(o + g * group * r->o_stride, r->o_stride, alpha + g * group, p + g * group * VL,
-                     row + r->v_off + g * hd * es, rb, n, hd, dt, group, ahead ? &one : NULL);
+      if (n < VL) {
+        for (int32_t h = 0; h < heads; h++) {
+          for (int j0 = (n + 3) / 4 * 4; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
+        }
+      }
+      softmax_chunk(p, alpha, m, l, rq, heads, n, scale);
+      /* Σ p·V, V_ROWS tokens at a time, every KV head of the sweep per V_ROWS rows. */
+      for (int j0 = 0; j0 < n; j0 += V_ROWS) {
+        const int nr = n - j0 < V_ROWS ? n - j0 : V_ROWS;
+        for (int32_t g = 0; g < kv_heads; g++) {
+          values_heads(o + g * group * r->o_stride, r->o_stride, j0 == 0 ? alpha + g * group : NULL,
+                       p + g * group * VL + j0, row + r->v_off + j0 * rb + g * hd * es, rb, nr, hd, dt, group, ahead,
+                       pf_lines);
+        }
       }
       t += n;
-      if (ahead) pt += pf.n;
     }
     for (int32_t h = 0; h < heads; h++) {
       const float sum = vhsum(l[h]);
@@ -474,6 +496,23 @@ KF_INLINE void attend_simd(const kf_range *r, int dt) {
       }
     }
   }
+}
+
+/* attend_simd with the head dims of the common models as constants. */
+static __attribute__((noinline)) void attend_f32(const kf_range *r) {
+  if (r->head_dim == 64) attend_simd(r, KF_KV_F32, 64);
+  else if (r->head_dim == 128) attend_simd(r, KF_KV_F32, 128);
+  else attend_simd(r, KF_KV_F32, 0);
+}
+static __attribute__((noinline)) void attend_f16(const kf_range *r) {
+  if (r->head_dim == 64) attend_simd(r, KF_KV_F16, 64);
+  else if (r->head_dim == 128) attend_simd(r, KF_KV_F16, 128);
+  else attend_simd(r, KF_KV_F16, 0);
+}
+static __attribute__((noinline)) void attend_bf16(const kf_range *r) {
+  if (r->head_dim == 64) attend_simd(r, KF_KV_BF16, 64);
+  else if (r->head_dim == 128) attend_simd(r, KF_KV_BF16, 128);
+  else attend_simd(r, KF_KV_BF16, 0);
 }
 #endif
 
@@ -492,9 +531,9 @@ static void attend_generic(const kf_range *r, int dt, float *scores) {
         const int32_t pg = t / r->page_size;
         const uint8_t *k = r->pool + (int64_t)r->table[pg] * r->page_bytes + r->k_base +
                            (int64_t)(t - pg * r->page_size) * r->row_bytes + (int64_t)g * hd * es;
-        float s = 0;
-        for (int32_t d = 0; d < hd; d++) s += q[d] * kv_load1(k + d * es, dt);
-        s *= r->scale;
+        double dot = 0; /* in doubles: the generic level has time to spare, and long sums gain most */
+        for (int32_t d = 0; d < hd; d++) dot += (double)q[d] * kv_load1(k + d * es, dt);
+        const float s = (float)dot * r->scale;
         scores[t - r->ta] = s;
         if (s > m) m = s;
       }
@@ -567,7 +606,9 @@ KF_INLINE void attention_items(const kf_attention_job *j, int dt) {
       r.tb = (int32_t)((int64_t)ctx * (sp + 1) / splits);
     }
 #if defined(__AVX512F__) || defined(__AVX2__)
-    attend_simd(&r, dt);
+    if (dt == KF_KV_F16) attend_f16(&r);
+    else if (dt == KF_KV_BF16) attend_bf16(&r);
+    else attend_f32(&r);
 #else
     attend_generic(&r, dt, j->scratch);
 #endif

@@ -87,9 +87,13 @@ static void pool_make(pool_t *p, int64_t num_pages, double amp) {
   p->page_elems = (int64_t)p->num_layers * 2 * p->page_size * p->num_kv_heads * p->head_dim;
   p->num_pages = num_pages;
   const int64_t n = num_pages * p->page_elems, es = p->dt == KF_KV_F32 ? 4 : 2;
+#ifdef __SANITIZE_ADDRESS__
+  p->pool = malloc((size_t)(n * es)); /* exactly: a read past the last page trips */
+#else
   const size_t bytes = (size_t)((n * es + (2 << 20) - 1) / (2 << 20) * (2 << 20));
   p->pool = aligned_alloc(2 << 20, bytes);
   if (getenv("HUGE") != NULL) madvise(p->pool, bytes, MADV_HUGEPAGE);
+#endif
   for (int64_t i = 0; i < n; i++) {
     const float x = (float)((urand() * 2 - 1) * amp);
     if (p->dt == KF_KV_F32) ((float *)p->pool)[i] = x;
@@ -269,10 +273,15 @@ static void run_case(const char *level, int dt, int num_heads, int num_kv_heads,
     pages_total += (s[i].start_pos + s[i].rows + page_size - 1) / page_size;
     total_rows += s[i].rows;
   }
-  pool_make(&p, pages_total + 3, amp);
+#ifdef __SANITIZE_ADDRESS__
+  const int spare = 0; /* every page read, the pool's last one too */
+#else
+  const int spare = 3;
+#endif
+  pool_make(&p, pages_total + spare, amp);
   int32_t **tables = malloc(sizeof(int32_t *) * (size_t)num_seqs);
   {
-    int32_t *perm = shuffled_table(pages_total + 3, p.num_pages);
+    int32_t *perm = shuffled_table(pages_total + spare, p.num_pages);
     int at = 0;
     for (int i = 0; i < num_seqs; i++) {
       const int n = (s[i].start_pos + s[i].rows + page_size - 1) / page_size;
@@ -283,7 +292,7 @@ static void run_case(const char *level, int dt, int num_heads, int num_kv_heads,
     free(perm);
   }
   const int64_t qn = (int64_t)total_rows * num_heads * head_dim;
-  float *q = malloc((size_t)qn * 4 + 4), *out = malloc((size_t)qn * 4 + 4);
+  float *q = malloc((size_t)qn * 4), *out = malloc((size_t)qn * 4);
   double *want = malloc((size_t)qn * 8 + 8);
   for (int64_t i = 0; i < qn; i++) q[i] = (float)((urand() * 2 - 1) * amp);
   for (int layer = 0; layer < p.num_layers; layer++) {
@@ -306,8 +315,8 @@ static void run_case(const char *level, int dt, int num_heads, int num_kv_heads,
       cases++;
       if (err > worst_err) worst_err = err;
       if (ratio > worst_ratio) worst_ratio = ratio;
-      if (!(ratio <= 1)) {
-        failures++;
+      if (!(ratio <= 1) || (getenv("WORST") && ratio > atof(getenv("WORST")))) {
+        failures += !(ratio <= 1);
         printf("FAIL %s threads %d dt %d heads %d/%d hd %d page %d seqs %d (rows %d start %d) kvParts %d splits %d "
                "layer %d: max err %.3g (%.3g of the bound)\n",
                level, vs[vi].threads, dt, num_heads, num_kv_heads, head_dim, page_size, num_seqs, s[0].rows,

@@ -242,8 +242,9 @@ KF_INLINE float hsum8(__m256 a) {
 #define F_MAX_NR 8
 /* Largest K block of the widened-weight scratch (floats per weight row). */
 #define F_KC 1024
-/* Weight rows ahead that the streamed tiles prefetch. */
-#define FS_AHEAD 8
+/* Bytes ahead (rounded up to whole weight rows) that the streamed tiles prefetch. */
+#define PF_BYTES 8192
+static inline int64_t prefetch_ahead(int64_t wsb) { return (PF_BYTES + wsb - 1) / wsb * wsb; }
 
 /* MM_W weights of row `row` from index k, widened to f32 (n < MM_W: the first n, the rest 0). */
 KF_INLINE vf wload(const int dt, const uint8_t *row, int32_t k) {
@@ -316,10 +317,11 @@ KF_INLINE void ftile(const int MR, const int NR, const int dt, const int PF, con
    a group of weight rows ahead: the rows of a chunk are one stretch of memory). */
 KF_INLINE void fcols_streamed(const int dt, const float *x, int32_t rows, int32_t K, const uint8_t *w, int64_t wsb,
                               float *out, int64_t os, int32_t c0, int32_t c1) {
+  const int64_t pfd = prefetch_ahead(wsb);
   int32_t j = c0;
 #define FS_CASE(MR, NR)                                                                                     \
-  for (; j + NR <= c1; j += NR) ftile(MR, NR, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, FS_AHEAD * wsb); \
-  for (; j < c1; j++) ftile(MR, 1, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, FS_AHEAD * wsb);
+  for (; j + NR <= c1; j += NR) ftile(MR, NR, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, pfd); \
+  for (; j < c1; j++) ftile(MR, 1, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, pfd);
   if (rows == 1) {
     FS_CASE(1, FS_NR1)
   } else if (rows == 2) {
@@ -450,8 +452,6 @@ static inline int64_t q_lanes_at(int32_t rows, int32_t K) { return ((int64_t)row
 #endif
 #define Q_KB 64
 #define QS_NR 4
-/* Weight rows ahead that the streamed tile prefetches. */
-#define QS_AHEAD 8
 
 /* Quantises one 32-block of x as quantizeRowsQ8 into q[32]; returns d, *sum gets Σq. */
 KF_INLINE float quantize32(int8_t *q, const float *x, int32_t *sum) {
@@ -517,6 +517,7 @@ KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const in
   const int64_t bs = dt == KF_Q8_0 ? 34 : 18;
   const int64_t ls = K / 4;
   const int32_t ng = nb / QG(dt);
+  const int64_t pfd = prefetch_ahead(wsb);
   int32_t b = 0, lane = 0;
   float part[3][QS_NR] = {{0}};
 #if MM_W == 16
@@ -540,7 +541,7 @@ KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const in
 #pragma GCC unroll 4
       for (int c = 0; c < NR; c++) {
         const uint8_t *bp = w + c * wsb + b * bs;
-        _mm_prefetch((const char *)bp + QS_AHEAD * wsb, _MM_HINT_T0);
+        _mm_prefetch((const char *)bp + pfd, _MM_HINT_T0);
         const __m512i head = _mm512_loadu_si512((const void *)bp);
         const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(dsel, head)));
         __m512i u0, u1 = _mm512_setzero_si512();
@@ -582,7 +583,7 @@ KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const in
 #pragma GCC unroll 4
       for (int c = 0; c < NR; c++) {
         const uint8_t *bp = w + c * wsb + b * bs;
-        _mm_prefetch((const char *)bp + QS_AHEAD * wsb, _MM_HINT_T0);
+        _mm_prefetch((const char *)bp + pfd, _MM_HINT_T0);
         const __m256i u = q_block_bytes(dt, bp);
         const __m256 dw = _mm256_set1_ps(_cvtsh_ss(load_u16(bp)));
 #pragma GCC unroll 3

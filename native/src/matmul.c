@@ -7,12 +7,15 @@
  *
  * Float weights (f32, f16, bf16) are multiplied exactly as the reference does: each weight widened
  * to f32 (bf16 by a shift, f16 by vcvtph2ps) and fused-multiply-added with f32 x, so results match
- * src/kernels/reference.ts to f32 rounding. (vdpbf16ps on x rounded to bf16 would double the rate
- * but moves each product by up to 2^-9 of it: far outside the parity tests' rtol 1e-4.) The tile
- * is a dot product along k: MR rows of x × NR weight rows, MR·NR vector accumulators summed across
- * lanes at the end, so neither x nor the weights are transposed. Up to STREAMED_ROWS rows (decode)
- * stream each weight row once, widening as they read; more rows widen (f32: copy) a block of NR
- * weight rows × KC values into an L1 scratch on the stack once and run every row group over it.
+ * src/kernels/reference.ts to f32 rounding. (vdpbf16ps on x rounded to bf16 would double the peak,
+ * but on random rows of 576 and 1536 values 96% of the outputs then miss the parity tests' rtol
+ * 1e-4/atol 1e-5; x split into two bf16 halves still misses 0.2–0.5% and gains nothing over FMA.)
+ * The tile is a dot product along k: MR rows of x × NR weight rows, MR·NR vector accumulators summed
+ * across lanes at the end, so neither x nor the weights are transposed. Up to STREAMED_ROWS rows
+ * (decode) stream each weight row once, widening as they read; more rows widen (f32: copy) a block
+ * of NR weight rows × KC values into an L1 scratch on the stack once and run every row group over
+ * it. The streamed tiles prefetch the weights PF_BYTES ahead (the rows of a chunk are one stretch
+ * of memory): without it decode read 19 GB/s of bf16 on one core, with it 28.
  *
  * Q8_0/Q4_0 weights are multiplied as integers against x quantised per 32-block as quantizeRowsQ8
  * in the WebAssembly kernels (d = amax/127, q = x·(1/d) rounded to nearest even), with vpdpbusd
@@ -20,11 +23,13 @@
  * nibbles) and each block's integer sum starts at the offset that removes the shift (−128·Σq_x or
  * −8·Σq_x, from `prepare`). Without VNNI (the avx2 level) Q8_0 puts |q_w| on the unsigned side and
  * q_w's sign onto x (vpsignb) and vpmaddubsw + vpmaddwd do the four products. Up to STREAMED_ROWS
- * rows stream the weights block by block (one block of one row per 8-lane vector); more rows put
- * W activation rows in the lanes of a vector (`prepare` lays them out so): each weight quad is
- * broadcast and multiplied against W rows' quads at once, then each block's sum is scaled by
- * d_w·d_x into f32 accumulators. The weights of NQ columns are unpacked to bytes in a stack scratch
- * first, once per column block.
+ * rows stream the weights: on AVX-512 two Q8_0 blocks (one 64-byte vector) or four Q4_0 blocks
+ * (their 64 nibble bytes gathered by one vpermt2w) a step, the blocks' f16 scales picked into
+ * lanes by vpermw, x laid out by `prepare` in the same order with each lane's d_x and offset; 8
+ * lanes (one block) a step elsewhere. More rows put MM_W activation rows in the lanes of a vector
+ * (`prepare` lays them out so): each weight quad is broadcast and multiplied against MM_W rows'
+ * quads at once, then each block's sum is scaled by d_w·d_x into f32 accumulators; the weights of
+ * Q_NS columns are unpacked to bytes in a stack scratch first, once per column block.
  *
  * Work: the items of matmul_par (row block × column chunk, see the header) claimed with kf_claim
  * by both of the engine's threads; matmul_chunks picks their size.
@@ -53,9 +58,8 @@
 
 /* Rows up to which x is streamed against each weight row (decode); more rows run the tiles. */
 #define STREAMED_ROWS 3
-/* Rows of a row chunk and columns of a column chunk for batches (matmul_chunks). */
+/* Rows of a work item for batches (matmul_chunks): a multiple of every tile's rows (4, 16). */
 #define BATCH_ROW_CHUNK 64
-#define BATCH_COL_CHUNK 48
 
 static inline int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
 static inline int32_t imax(int32_t a, int32_t b) { return a > b ? a : b; }
@@ -87,7 +91,8 @@ static inline uint16_t load_u16(const uint8_t *p) {
   return v;
 }
 
-/* The byte offset that `prepare` stores per block: minus the shift the unsigned weights add. */
+/* The multiple of a block's Σq_x that `prepare` stores as its offset: what the unsigned weights
+   add to the block's integer sum, negated (Q4_0 nibbles are q + 8, VNNI's Q8_0 bytes q + 128). */
 static inline int32_t q_offset(int dtype, int vnni) { return dtype == KF_Q4_0 ? -8 : vnni ? -128 : 0; }
 
 /* The chunk claimed as `c` of matmul_par: the segment and column range; 0 when it is empty. */
@@ -243,10 +248,11 @@ KF_INLINE float hsum8(__m256 a) {
 #define F_MAX_NR 8
 /* Largest K block of the widened-weight scratch (floats per weight row). */
 #define F_KC 1024
-/* Weight rows ahead that the streamed tiles prefetch. */
-#define FS_AHEAD 8
+/* Bytes ahead (rounded up to whole weight rows) that the streamed tiles prefetch. */
+#define PF_BYTES 8192
+static inline int64_t prefetch_ahead(int64_t wsb) { return (PF_BYTES + wsb - 1) / wsb * wsb; }
 
-/* MM_W weights of row `row` from index k, widened to f32 (n < MM_W: the first n, the rest 0). */
+/* MM_W weights of row `row` from index k, widened to f32; wload_n: the first n (< MM_W), the rest 0. */
 KF_INLINE vf wload(const int dt, const uint8_t *row, int32_t k) {
   if (dt == KF_F32) return vf_load((const float *)row + k);
   if (dt == KF_F16) return vf_f16(row + 2 * (int64_t)k);
@@ -313,14 +319,14 @@ KF_INLINE void ftile(const int MR, const int NR, const int dt, const int PF, con
   for (int r = 0; r < MR; r++) store_sums(out + r * os, acc[r], NR, add);
 }
 
-/* Decode: rows (1–3) of x against weight rows [c0, c1), each weight row read once (and prefetched
-   a group of weight rows ahead: the rows of a chunk are one stretch of memory). */
+/* Decode: rows (1–3) of x against weight rows [c0, c1), each weight row read once. */
 KF_INLINE void fcols_streamed(const int dt, const float *x, int32_t rows, int32_t K, const uint8_t *w, int64_t wsb,
                               float *out, int64_t os, int32_t c0, int32_t c1) {
+  const int64_t pfd = prefetch_ahead(wsb);
   int32_t j = c0;
 #define FS_CASE(MR, NR)                                                                                     \
-  for (; j + NR <= c1; j += NR) ftile(MR, NR, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, FS_AHEAD * wsb); \
-  for (; j < c1; j++) ftile(MR, 1, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, FS_AHEAD * wsb);
+  for (; j + NR <= c1; j += NR) ftile(MR, NR, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, pfd); \
+  for (; j < c1; j++) ftile(MR, 1, dt, 1, x, K, w + j * wsb, wsb, K, out + j, os, 0, pfd);
   if (rows == 1) {
     FS_CASE(1, FS_NR1)
   } else if (rows == 2) {
@@ -438,8 +444,9 @@ static void fcols_streamed_bf16(const float *x, int32_t rows, int32_t K, const u
 static inline int64_t q_lanes_at(int32_t rows, int32_t K) { return ((int64_t)rows * K + 63) & ~(int64_t)63; }
 
 /* Columns of the tiles' weight scratch (Q_NS); the tiles over it: Q_MV activation vectors (MM_W
-   rows each) × Q_NR columns, or one vector × Q_NS columns (at least 8 accumulators either way);
-   then blocks of the scratch and weight rows of the streamed tile. */
+   rows each) × Q_NR columns, or one vector × Q_NS columns (at least 8 accumulators, 8 dependent
+   vpdpbusd each a block, on AVX-512); then blocks of the scratch and weight rows of the streamed
+   tile. */
 #if MM_W == 16
 #define Q_NS 8
 #define Q_NR 4
@@ -451,8 +458,6 @@ static inline int64_t q_lanes_at(int32_t rows, int32_t K) { return ((int64_t)row
 #endif
 #define Q_KB 64
 #define QS_NR 4
-/* Weight rows ahead that the streamed tile prefetches. */
-#define QS_AHEAD 8
 
 /* Quantises one 32-block of x as quantizeRowsQ8 into q[32]; returns d, *sum gets Σq. */
 KF_INLINE float quantize32(int8_t *q, const float *x, int32_t *sum) {
@@ -518,6 +523,7 @@ KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const in
   const int64_t bs = dt == KF_Q8_0 ? 34 : 18;
   const int64_t ls = K / 4;
   const int32_t ng = nb / QG(dt);
+  const int64_t pfd = prefetch_ahead(wsb);
   int32_t b = 0, lane = 0;
   float part[3][QS_NR] = {{0}};
 #if MM_W == 16
@@ -541,7 +547,7 @@ KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const in
 #pragma GCC unroll 4
       for (int c = 0; c < NR; c++) {
         const uint8_t *bp = w + c * wsb + b * bs;
-        _mm_prefetch((const char *)bp + QS_AHEAD * wsb, _MM_HINT_T0);
+        _mm_prefetch((const char *)bp + pfd, _MM_HINT_T0);
         const __m512i head = _mm512_loadu_si512((const void *)bp);
         const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(dsel, head)));
         __m512i u0, u1 = _mm512_setzero_si512();
@@ -583,7 +589,7 @@ KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const in
 #pragma GCC unroll 4
       for (int c = 0; c < NR; c++) {
         const uint8_t *bp = w + c * wsb + b * bs;
-        _mm_prefetch((const char *)bp + QS_AHEAD * wsb, _MM_HINT_T0);
+        _mm_prefetch((const char *)bp + pfd, _MM_HINT_T0);
         const __m256i u = q_block_bytes(dt, bp);
         const __m256 dw = _mm256_set1_ps(_cvtsh_ss(load_u16(bp)));
 #pragma GCC unroll 3
@@ -686,7 +692,8 @@ KF_INLINE void qtile(const int MV, const int NR, const int sgn, const uint8_t *x
     for (int c = 0; c < NR; c++) res[v][c] = fa[v][c];
 }
 
-/* out rows [lo, hi) of group v (rows relative to the group's first, g0) (+)= res lanes. */
+/* The rows of res (lane l of vector v: row row0 + v·MM_W + l) that lie in [lo, hi) into out, whose
+   first row is lo: out[r − lo][c] (+)= res[v][c] lane l. */
 static void qstore(float *out, int64_t os, int32_t row0, int32_t lo, int32_t hi, vf res[][Q_NS], int mv, int nr,
                    int add) {
   float lanes[MM_W] __attribute__((aligned(64)));
@@ -704,8 +711,8 @@ static void qstore(float *out, int64_t os, int32_t row0, int32_t lo, int32_t hi,
 
 /*
  * Batches: rows [r0, r0 + rn) of the tiled x against weight rows [c0, c1): per K block of up to
- * Q_KB blocks and per Q_NR weight rows, the blocks are unpacked into the stack scratch, then every
- * row group in the chunk runs over them.
+ * Q_KB blocks and per Q_NS weight rows, the blocks are unpacked into the stack scratch (the next
+ * Q_NS rows prefetched meanwhile), then every row group in the chunk runs over them.
  */
 static void qcols_batched(int dt, const uint8_t *xp, int32_t r0, int32_t rn, int32_t K, const uint8_t *w, int64_t wsb,
                           float *out, int64_t os, int32_t c0, int32_t c1) {
@@ -995,13 +1002,24 @@ void KF_FN(matmul_par)(const float *x, const uint8_t *xp, int32_t rows, int32_t 
   }
 }
 
+/*
+ * Decode (up to STREAMED_ROWS rows): on one thread each segment in one piece (one unbroken weight
+ * stream); on two about 32 chunks of 16–128 weight rows (a multiple of 8, every streamed tile's
+ * width), so the faster thread takes more. Batches: BATCH_ROW_CHUNK rows (their x stays in L2)
+ * × 48 columns (a multiple of every batch tile's width: 6 and 8 on AVX-512, 4 on the int8 tile of
+ * AVX2), 40 for AVX2's 5-wide float tile.
+ */
 void KF_FN(matmul_chunks)(int32_t rows, int32_t in_dim, int32_t total_out, int dtype, int threads,
                           int32_t *col_chunk, int32_t *row_chunk) {
   if (rows <= STREAMED_ROWS) {
     *row_chunk = imax(rows, 1);
-    *col_chunk = threads <= 1 ? imax(total_out, 1) : imin(128, imax(16, (total_out + 63) / 64 * 4 / 8 * 8));
+    *col_chunk = threads <= 1 ? imax(total_out, 1) : imin(128, imax(16, (total_out + 255) / 256 * 8));
     return;
   }
   *row_chunk = BATCH_ROW_CHUNK;
-  *col_chunk = BATCH_COL_CHUNK;
+#if MM_W == 8
+  *col_chunk = dtype == KF_Q8_0 || dtype == KF_Q4_0 ? 48 : 40;
+#else
+  *col_chunk = 48;
+#endif
 }

@@ -33,7 +33,6 @@ const LEVELS = {
     "-mavx512vl",
     "-mavx512dq",
     "-mavx512vnni",
-    "-mavx512bf16",
     "-mfma",
     "-mf16c",
     "-mavx2",

@@ -16,7 +16,7 @@
  * picks one level at load time from the CPU (kf_detect_isa) and calls that copy.
  *
  *   level      flags
- *   avx512     -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16 -mfma -mf16c -mavx2
+ *   avx512     -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mfma -mf16c -mavx2
  *   avxvnni    -mavx2 -mfma -mf16c -mavxvnni
  *   avx2       -mavx2 -mfma -mf16c
  *   generic    (none: x86-64 baseline, or any other architecture)

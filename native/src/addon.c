@@ -25,7 +25,7 @@
  *
  * ## Dispatch
  * Each kernel file is compiled per ISA level (scripts/build-native.mjs); `isa()` names the best
- * level this CPU runs (__builtin_cpu_supports: avx512 = avx512f+bw+vl+dq+vnni+bf16, avxvnni,
+ * level this CPU runs (__builtin_cpu_supports: avx512 = avx512f+bw+vl+dq+vnni, avxvnni,
  * avx2 = avx2+fma+f16c, else generic).
  */
 #include <node_api.h>
@@ -92,7 +92,7 @@ static bool kf_cpu_runs(int i) {
   if (strcmp(n, "avx512") == 0) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512vnni") &&
            __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }
   if (strcmp(n, "avxvnni") == 0) {

@@ -36,6 +36,7 @@ import {
   weightFilesOf,
 } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import { type FileBytes, fileView } from "../model/safetensors.js";
 
 const PAGE_BYTES = 65536;
 /** What wasm32 addresses, in 64 KiB pages. */
@@ -192,10 +193,11 @@ export function loadEngineMemory(
     : new WebAssembly.Memory({ initial: pages, maximum: pages, shared: true });
   const buffer = memory.buffer as SharedArrayBuffer;
   let next = WEIGHTS_START;
-  const into = (bytes: number): Uint8Array => {
-    const view = new Uint8Array(buffer, next, bytes);
+  // A byte range, not a view: a weight file may pass 4 GiB (the loader reads it in pieces).
+  const into = (bytes: number): FileBytes => {
+    const range = { buffer, byteOffset: next, byteLength: bytes };
     next += aligned(bytes);
-    return view;
+    return range;
   };
   const loaded = loadModelWeights(meta, {
     into,
@@ -206,7 +208,7 @@ export function loadEngineMemory(
   const gather = <M extends Matrix>(m: M): M => {
     const src = matrixBytes(m);
     if (src.buffer === buffer || next + src.byteLength > tailEnd) return m;
-    const dst = into(src.byteLength);
+    const dst = fileView(into(src.byteLength), 0, src.byteLength);
     dst.set(src);
     if (m instanceof Float32Array) return new Float32Array(buffer, dst.byteOffset, m.length) as M;
     return { ...(m as WeightTensor), bytes: dst } as M;

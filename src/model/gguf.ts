@@ -31,6 +31,7 @@ import {
   type TokenizerFiles,
 } from "../tokenizer/gguf-tokenizer.js";
 import { badModelFolder, unsupportedModel } from "../tokenizer/model-files.js";
+import { type FileBytes, fileView } from "./safetensors.js";
 
 /** Architectures served, with the Hugging Face class each stands for. */
 const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
@@ -229,13 +230,13 @@ const DTYPES: Readonly<Record<string, WeightDType>> = {
 };
 
 /**
- * Tensor `t` of the GGUF file held in `file` (its bytes, read whole), as the weights take it: a
+ * Tensor `t` of the GGUF file held in `file` (its bytes, read whole; it may pass 4 GiB), as the weights take it: a
  * matrix in its stored format as a view of `file` (an F32 one a Float32Array), Llama's Q/K rows
  * un-permuted in place; a 1-D tensor (norm, bias) as f32, a view when it is F32 (else widened into
  * a fresh buffer, a SharedArrayBuffer when `shared`).
  */
-export function ggufMatrix(file: Uint8Array, t: GgufTensor, shared: boolean): Matrix {
-  const bytes = file.subarray(t.fileOffset, t.fileOffset + t.byteLength);
+export function ggufMatrix(file: FileBytes, t: GgufTensor, shared: boolean): Matrix {
+  const bytes = fileView(file, t.fileOffset, t.byteLength);
   const dtype = DTYPES[t.type] as WeightDType;
   const elements = t.shape.reduce((a, b) => a * b, 1);
   if (t.unpermuteHeads > 0) unpermuteRows(bytes, t.shape[0] as number, t.unpermuteHeads);

@@ -29,7 +29,7 @@ import {
 } from "./config-loader.js";
 import { type GgufModel, ggufMatrix, readGgufModel } from "./gguf.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
-import { readWholeFile, SafetensorsFile } from "./safetensors.js";
+import { type FileBytes, readWholeFile, SafetensorsFile } from "./safetensors.js";
 
 export interface LoadProgress {
   /** The weights file being read or converted. */
@@ -86,11 +86,12 @@ export interface LoadModelOptions {
    */
   readonly quantize?: "q8_0" | "q4_0";
   /**
-   * Where each weight file's bytes go (a window of the engines' shared WebAssembly memory,
-   * src/engine/engine-memory.ts): the file is read straight into it and its tensors are views of
-   * it, so no other copy of the file exists. Absent: a fresh (Shared)ArrayBuffer per file.
+   * Where each weight file's bytes go (a window of the engines' shared memory,
+   * src/engine/engine-memory.ts): the file is read straight into it in pieces and its tensors are
+   * views of it, so no other copy of the file exists. A byte range, not a Uint8Array: a file may
+   * pass 4 GiB, more than one typed array holds. Absent: a fresh (Shared)ArrayBuffer per file.
    */
-  readonly into?: (bytes: number) => Uint8Array;
+  readonly into?: (bytes: number) => FileBytes;
 }
 
 /** The formats `--quantize` makes at load. */
@@ -341,6 +342,8 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
       onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
     const st = SafetensorsFile.open(file, {
       shared: options?.shared ?? false,
+      // What the config ignores is not read (a tied checkpoint's saved lm_head.weight: vocab × hidden).
+      skip: (name) => isIgnorable(name, config),
       ...(options?.into === undefined ? {} : { into: options.into }),
       onBytes: (done) => {
         bytesRead = bytesBefore + done;

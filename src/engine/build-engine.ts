@@ -10,7 +10,7 @@ import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
 import { Engine } from "./engine.js";
 import type { EngineLimits, KernelMemory, MemoryRegion } from "./engine-memory.js";
-import { ENGINE_DEFAULTS, layoutOf } from "./engine-memory.js";
+import { ENGINE_DEFAULTS, layoutOf, servedConfig } from "./engine-memory.js";
 import { createForward, type KernelsName } from "./forward-setup.js";
 import { fromPortable, type PortableWeights } from "./portable-weights.js";
 
@@ -28,8 +28,6 @@ export interface EngineBuildOptions extends EngineLimits {
     | { readonly config: ModelConfig; readonly weights: ModelWeights | PortableWeights };
   /** Prefill tokens per step. Default `maxBatchTokens`. */
   readonly maxPrefillTokens?: number;
-  /** Context length to serve. Default: the model's window. */
-  readonly maxModelLen?: number;
   readonly scrubOnFree?: boolean;
   /** Guards to switch off (names from `src/protocol/safety.ts`; the engine honours `page-tags`). */
   readonly disabledGuards?: readonly string[];
@@ -75,6 +73,7 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
     const w = options.model.weights;
     weights = "portable" in w ? fromPortable(w) : w;
   }
+  config = servedConfig(config, options.maxModelLen);
   const layout = layoutOf(config, options);
   const { forward, pools } = await createForward(config, weights, layout, {
     kernels: options.kernels ?? "wasm",

@@ -10,13 +10,11 @@
  * `buildEngine` takes either form.
  */
 import type { Matrix, WeightDType } from "../kernels/weight-format.js";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 import type { LayerWeights, ModelWeights } from "../model/model-config.js";
 
 /** A tensor as plain numbers over its buffer: a Float32Array when `dtype` is absent, else a `WeightTensor`. */
-export interface TensorRef {
-  readonly buffer: ArrayBufferLike;
-  readonly byteOffset: number;
-  readonly byteLength: number;
+export interface TensorRef extends ByteRange {
   readonly dtype?: WeightDType;
   readonly shape?: readonly number[];
 }
@@ -60,7 +58,7 @@ function fromRef(r: TensorRef): Matrix {
   return {
     dtype: r.dtype,
     shape: r.shape ?? [],
-    bytes: new Uint8Array(r.buffer, r.byteOffset, r.byteLength),
+    bytes: byteView(r, 0, r.byteLength),
   };
 }
 

@@ -22,6 +22,7 @@
  */
 import { basename } from "node:path";
 import { decodeRange, type Matrix, type WeightDType } from "../kernels/weight-format.js";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 import {
   endOfTurnIds,
   type GgufMetadata,
@@ -31,7 +32,6 @@ import {
   type TokenizerFiles,
 } from "../tokenizer/gguf-tokenizer.js";
 import { badModelFolder, unsupportedModel } from "../tokenizer/model-files.js";
-import { type FileBytes, fileView } from "./safetensors.js";
 
 /** Architectures served, with the Hugging Face class each stands for. */
 const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
@@ -235,8 +235,8 @@ const DTYPES: Readonly<Record<string, WeightDType>> = {
  * un-permuted in place; a 1-D tensor (norm, bias) as f32, a view when it is F32 (else widened into
  * a fresh buffer, a SharedArrayBuffer when `shared`).
  */
-export function ggufMatrix(file: FileBytes, t: GgufTensor, shared: boolean): Matrix {
-  const bytes = fileView(file, t.fileOffset, t.byteLength);
+export function ggufMatrix(file: ByteRange, t: GgufTensor, shared: boolean): Matrix {
+  const bytes = byteView(file, t.fileOffset, t.byteLength);
   const dtype = DTYPES[t.type] as WeightDType;
   const elements = t.shape.reduce((a, b) => a * b, 1);
   if (t.unpermuteHeads > 0) unpermuteRows(bytes, t.shape[0] as number, t.unpermuteHeads);

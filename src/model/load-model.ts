@@ -13,6 +13,7 @@
 import { statSync } from "node:fs";
 import { basename, join, resolve } from "node:path";
 import { convertMatrix, type Matrix, matrixBytes, type WeightDType } from "../kernels/weight-format.js";
+import type { ByteRange } from "../lib/byte-range.js";
 import { isGgufPath } from "../tokenizer/gguf-tokenizer.js";
 import { badModelFolder, readJsonFile } from "../tokenizer/model-files.js";
 import {
@@ -29,7 +30,7 @@ import {
 } from "./config-loader.js";
 import { type GgufModel, ggufMatrix, readGgufModel } from "./gguf.js";
 import type { LayerWeights, ModelConfig, ModelWeights } from "./model-config.js";
-import { type FileBytes, readWholeFile, SafetensorsFile } from "./safetensors.js";
+import { readWholeFile, SafetensorsFile } from "./safetensors.js";
 
 export interface LoadProgress {
   /** The weights file being read or converted. */
@@ -91,7 +92,7 @@ export interface LoadModelOptions {
    * views of it, so no other copy of the file exists. A byte range, not a Uint8Array: a file may
    * pass 4 GiB, more than one typed array holds. Absent: a fresh (Shared)ArrayBuffer per file.
    */
-  readonly into?: (bytes: number) => FileBytes;
+  readonly into?: (bytes: number) => ByteRange;
 }
 
 /** The formats `--quantize` makes at load. */

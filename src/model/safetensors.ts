@@ -5,7 +5,7 @@
  *
  * The whole file is read into one buffer (optionally a SharedArrayBuffer, so worker threads can
  * share the weights) in large chunks, each through its own view: the file's bytes are a byte range
- * of the buffer (`FileBytes`), not one Uint8Array, because a typed array holds at most 2^32
+ * of the buffer (`ByteRange`), not one Uint8Array, because a typed array holds at most 2^32
  * elements and a file may pass 4 GiB (a 3B model in bf16); every tensor is a view of its own range.
  * F32 tensors whose data is 4-byte aligned are returned as views into that buffer (no copy). `toMatrix` keeps F16 and BF16 at 2 bytes (a `WeightTensor` over the
  * same buffer, src/kernels/weight-format.ts); `toFloat32` widens them with tight loops over 16-bit
@@ -25,6 +25,7 @@ import {
   type WeightDType,
   weightBytes,
 } from "../kernels/weight-format.js";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 import { KvfenceError } from "../lib/errors.js";
 
 /**
@@ -77,21 +78,6 @@ function bad(file: string, problem: string, cause?: unknown): KvfenceError {
   );
 }
 
-/**
- * A file's bytes in memory: a byte range of a buffer. A Uint8Array is one; a file past 4 GiB is
- * not (a typed array holds at most 2^32 elements), so readers make views of parts (`fileView`).
- */
-export interface FileBytes {
-  readonly buffer: ArrayBufferLike;
-  readonly byteOffset: number;
-  readonly byteLength: number;
-}
-
-/** Bytes [offset, offset + length) of `file` as a Uint8Array (the caller keeps it inside the file). */
-export function fileView(file: FileBytes, offset: number, length: number): Uint8Array {
-  return new Uint8Array(file.buffer, file.byteOffset + offset, length);
-}
-
 /** Where a file's bytes go when it is read (`readWholeFile`, `SafetensorsFile.open`). */
 export interface ReadFileOptions {
   /** A fresh SharedArrayBuffer (not an ArrayBuffer) when there is no `into`. */
@@ -99,7 +85,7 @@ export interface ReadFileOptions {
   /** Called after each chunk with the file position reached and the file's size. */
   readonly onBytes?: (bytesRead: number, totalBytes: number) => void;
   /** Where the bytes go (a window of the engines' shared memory); else a fresh buffer. */
-  readonly into?: (bytes: number) => FileBytes;
+  readonly into?: (bytes: number) => ByteRange;
 }
 
 /** Opens `path`, hands its descriptor and size to `read`, closes it. */
@@ -119,7 +105,7 @@ function withFile<T>(path: string, read: (fd: number, size: number) => T): T {
 }
 
 /** The window a file of `size` bytes is read into: `into`'s, or a fresh buffer. */
-function destination(size: number, options: ReadFileOptions | undefined): FileBytes {
+function destination(size: number, options: ReadFileOptions | undefined): ByteRange {
   return (
     options?.into?.(size) ?? {
       buffer: options?.shared === true ? new SharedArrayBuffer(size) : new ArrayBuffer(size),
@@ -136,7 +122,7 @@ function destination(size: number, options: ReadFileOptions | undefined): FileBy
  */
 function readRange(
   fd: number,
-  file: { readonly path: string; readonly size: number; readonly bytes: FileBytes },
+  file: { readonly path: string; readonly size: number; readonly bytes: ByteRange },
   from: number,
   to: number,
   onBytes?: (bytesRead: number, totalBytes: number) => void,
@@ -144,7 +130,7 @@ function readRange(
   let done = from;
   while (done < to) {
     const want = Math.min(READ_CHUNK_BYTES, to - done);
-    const n = readSync(fd, fileView(file.bytes, done, want), 0, want, done);
+    const n = readSync(fd, byteView(file.bytes, done, want), 0, want, done);
     if (n === 0) throw bad(file.path, `file shrank while reading: got ${done} of ${file.size} bytes`);
     done += n;
     onBytes?.(done, file.size);
@@ -155,7 +141,7 @@ function readRange(
  * Reads a whole file into memory (so it may pass 4 GiB: see `readRange`), into a SharedArrayBuffer
  * when `shared` is set.
  */
-export function readWholeFile(path: string, options?: ReadFileOptions): FileBytes {
+export function readWholeFile(path: string, options?: ReadFileOptions): ByteRange {
   return withFile(path, (fd, size) => {
     const bytes = destination(size, options);
     readRange(fd, { path, size, bytes }, 0, size, options?.onBytes);
@@ -168,14 +154,14 @@ export function readWholeFile(path: string, options?: ReadFileOptions): FileByte
 export class SafetensorsFile {
   readonly path: string;
   readonly metadata: Readonly<Record<string, string>>;
-  readonly #bytes: FileBytes;
+  readonly #bytes: ByteRange;
   readonly #tensors: ReadonlyMap<string, TensorInfo>;
   /** Block-format tensors named by the WEIGHT_FORMATS_KEY metadata. */
   readonly #blocks: ReadonlyMap<string, { dtype: WeightDType; shape: readonly number[] }>;
 
   private constructor(
     path: string,
-    bytes: FileBytes,
+    bytes: ByteRange,
     tensors: Map<string, TensorInfo>,
     metadata: Record<string, string>,
   ) {
@@ -225,8 +211,8 @@ export class SafetensorsFile {
     });
   }
 
-  /** Parses safetensors bytes (any Uint8Array, including a pooled Buffer, or `FileBytes`); `path` names it in errors. */
-  static parse(bytes: FileBytes, path: string): SafetensorsFile {
+  /** Parses safetensors bytes (any Uint8Array, including a pooled Buffer, or `ByteRange`); `path` names it in errors. */
+  static parse(bytes: ByteRange, path: string): SafetensorsFile {
     if (bytes.byteLength < 8)
       throw bad(path, `file is ${bytes.byteLength} bytes, too short for the 8-byte header length`);
     const view = new DataView(bytes.buffer, bytes.byteOffset, 8);
@@ -243,7 +229,7 @@ export class SafetensorsFile {
       throw bad(path, `header length ${headerLength} exceeds the ${MAX_HEADER_BYTES}-byte limit`);
     let header: unknown;
     try {
-      header = JSON.parse(new TextDecoder("utf-8", { fatal: true }).decode(fileView(bytes, 8, headerLength)));
+      header = JSON.parse(new TextDecoder("utf-8", { fatal: true }).decode(byteView(bytes, 8, headerLength)));
     } catch (err) {
       throw bad(path, `header is not valid JSON: ${(err as Error).message}`, err);
     }
@@ -325,7 +311,7 @@ export class SafetensorsFile {
         if (start % 4 === 0) return new Float32Array(buffer, start, count);
         const out = allocFloat32(count, shared);
         new Uint8Array(out.buffer, out.byteOffset, out.byteLength).set(
-          fileView(this.#bytes, t.fileOffset, t.byteLength),
+          byteView(this.#bytes, t.fileOffset, t.byteLength),
         );
         return out;
       }
@@ -459,12 +445,12 @@ function allocFloat32(count: number, shared: boolean): Float32Array {
 }
 
 /** A Uint16Array over a 16-bit tensor, copying only when the data is not 2-byte aligned. */
-function halfView(bytes: FileBytes, t: TensorInfo): Uint16Array {
+function halfView(bytes: ByteRange, t: TensorInfo): Uint16Array {
   const start = bytes.byteOffset + t.fileOffset;
   const count = t.byteLength / 2;
   if (start % 2 === 0) return new Uint16Array(bytes.buffer, start, count);
   const copy = new Uint16Array(count);
-  new Uint8Array(copy.buffer).set(fileView(bytes, t.fileOffset, t.byteLength));
+  new Uint8Array(copy.buffer).set(byteView(bytes, t.fileOffset, t.byteLength));
   return copy;
 }
 

@@ -4,7 +4,16 @@
  * sharded with an index, in F32/F16/BF16). Options override config fields, edit the tensor list
  * and replace or delete any file, so each test can build exactly the broken folder it needs.
  */
-import { mkdtempSync, rmSync, unlinkSync, writeFileSync } from "node:fs";
+import {
+  closeSync,
+  ftruncateSync,
+  mkdtempSync,
+  openSync,
+  rmSync,
+  unlinkSync,
+  writeFileSync,
+  writeSync,
+} from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import {
@@ -21,6 +30,7 @@ import {
   encodeTensorData,
   safetensorsHeader,
   type TensorToWrite,
+  writeAllSync,
   writeSafetensors,
 } from "../src/model/safetensors.js";
 
@@ -46,6 +56,12 @@ export interface ModelFolderOptions {
   readonly dtype?: "F32" | "F16" | "BF16";
   /** More than 1 writes model-0000i-of-0000n.safetensors shards and model.safetensors.index.json. */
   readonly shards?: number;
+  /**
+   * One file whose data starts with a tensor the loader ignores (a RoPE `inv_freq` buffer) of this
+   * many bytes (a multiple of 4), written as a hole: a sparse file past 4 GiB costs no disk, and
+   * every weight lies past it (`writeSparseSafetensors`).
+   */
+  readonly holeBytes?: number;
   /** Edits the tensor list before it is written. */
   readonly editTensors?: (tensors: TensorToWrite[]) => TensorToWrite[];
   /** Replaces (string) or deletes (null) files after everything is written. */
@@ -104,7 +120,9 @@ export function writeModelFolder(options: ModelFolderOptions = {}): ModelFolder 
   writeJson("tokenizer_config.json", chatmlTokenizerConfig());
 
   const shards = options.shards ?? 1;
-  if (shards <= 1) {
+  if (options.holeBytes !== undefined) {
+    writeSparseSafetensors(join(dir, "model.safetensors"), tensors, options.holeBytes);
+  } else if (shards <= 1) {
     writeSafetensors(join(dir, "model.safetensors"), tensors, { format: "pt" });
   } else {
     const weightMap: Record<string, string> = {};
@@ -123,6 +141,36 @@ export function writeModelFolder(options: ModelFolderOptions = {}): ModelFolder 
     else writeFileSync(join(dir, name), content);
   }
   return { dir, config, tensors, remove: () => rmSync(dir, { recursive: true, force: true }) };
+}
+
+/**
+ * A safetensors file of `tensors` after an F32 `model.rotary_emb.inv_freq` of `holeBytes` zero
+ * bytes that are never written (ftruncate): the file is sparse.
+ */
+export function writeSparseSafetensors(
+  path: string,
+  tensors: readonly TensorToWrite[],
+  holeBytes: number,
+): void {
+  const hole = { name: "model.rotary_emb.inv_freq", shape: [holeBytes / 4], dtype: "F32" };
+  const { header } = safetensorsHeader(
+    [hole, ...tensors.map((t) => ({ name: t.name, shape: t.shape, dtype: t.dtype ?? "F32" }))],
+    { format: "pt" },
+  );
+  const fd = openSync(path, "w");
+  try {
+    writeAllSync(fd, header);
+    let at = header.byteLength + holeBytes;
+    ftruncateSync(fd, at);
+    for (const t of tensors) {
+      const bytes = encodeTensorData(t.data, t.dtype ?? "F32");
+      for (let done = 0; done < bytes.byteLength; )
+        done += writeSync(fd, bytes, done, bytes.byteLength - done, at + done);
+      at += bytes.byteLength;
+    }
+  } finally {
+    closeSync(fd);
+  }
 }
 
 /** Raw safetensors bytes for arbitrary dtypes (e.g. I8, F64) from a header and given data bytes. */

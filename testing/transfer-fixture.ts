@@ -6,7 +6,7 @@ import { OwnershipTable } from "../src/kvcache/ownership-table.js";
 import type { TransferLease } from "../src/transfer/transport.js";
 
 export interface TransferFixture {
-  readonly pool: Uint8Array;
+  readonly pool: Uint8Array | Uint16Array;
   readonly table: OwnershipTable;
   readonly pageBytes: number;
   readonly numPages: number;
@@ -17,6 +17,23 @@ export function transferFixture(numPages: number, pageBytes: number): TransferFi
   const table = new OwnershipTable(numPages, {
     buffer: new SharedArrayBuffer(OwnershipTable.bytesFor(numPages)),
   });
+  return { pool, table, pageBytes, numPages };
+}
+
+/**
+ * A pool past 4 GiB — more than one Uint8Array holds on Node 20, so its data is a Uint16Array, as
+ * an f16 PagePool's — whose pages below 4 GiB all belong to request 1 already: the next lease lies
+ * past 2^32. The memory is only reserved; a test touches the pages it writes.
+ */
+export function transferFixturePast4GiB(pageBytes: number): TransferFixture {
+  const below = 2 ** 32 / pageBytes;
+  const numPages = below + 4;
+  const pool = new Uint16Array(new SharedArrayBuffer(numPages * pageBytes));
+  const table = new OwnershipTable(numPages, {
+    buffer: new SharedArrayBuffer(OwnershipTable.bytesFor(numPages)),
+  });
+  if (!table.allocate(below, 1, 1, 0, new Int32Array(below), new Uint32Array(below)))
+    throw new Error(`Pool full: ${below}`);
   return { pool, table, pageBytes, numPages };
 }
 

@@ -10,17 +10,24 @@ import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
 import { Engine } from "./engine.js";
 import type { EngineLimits, KernelMemory, MemoryRegion } from "./engine-memory.js";
-import { ENGINE_DEFAULTS, layoutOf } from "./engine-memory.js";
+import { ENGINE_DEFAULTS, layoutOf, servedConfig } from "./engine-memory.js";
 import { createForward, type KernelsName } from "./forward-setup.js";
+import { fromPortable, type PortableWeights } from "./portable-weights.js";
 
-/** What an engine is built from: plain data, so it crosses a thread boundary as a worker's `workerData`. */
+/**
+ * What an engine is built from: plain data, so it crosses a thread boundary as a worker's
+ * `workerData` (with its weights made portable first: `portableOptions`, src/engine/portable-weights.ts).
+ */
 export interface EngineBuildOptions extends EngineLimits {
-  /** A Hugging Face model folder or GGUF file, or a model already in memory (weights in SharedArrayBuffers are not copied). */
-  readonly model: { readonly dir: string } | { readonly config: ModelConfig; readonly weights: ModelWeights };
+  /**
+   * A Hugging Face model folder or GGUF file, or a model already in memory (weights in
+   * SharedArrayBuffers are not copied), its weights as views or, posted to a worker, portable.
+   */
+  readonly model:
+    | { readonly dir: string }
+    | { readonly config: ModelConfig; readonly weights: ModelWeights | PortableWeights };
   /** Prefill tokens per step. Default `maxBatchTokens`. */
   readonly maxPrefillTokens?: number;
-  /** Context length to serve. Default: the model's window. */
-  readonly maxModelLen?: number;
   readonly scrubOnFree?: boolean;
   /** Guards to switch off (names from `src/protocol/safety.ts`; the engine honours `page-tags`). */
   readonly disabledGuards?: readonly string[];
@@ -63,8 +70,10 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
     weights = loadModelWeights(meta, { shared: true });
   } else {
     config = options.model.config;
-    weights = options.model.weights;
+    const w = options.model.weights;
+    weights = "portable" in w ? fromPortable(w) : w;
   }
+  config = servedConfig(config, options.maxModelLen);
   const layout = layoutOf(config, options);
   const { forward, pools } = await createForward(config, weights, layout, {
     kernels: options.kernels ?? "wasm",

@@ -11,13 +11,15 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { describe, it } from "node:test";
 import { writeGgufFromFolder } from "../../testing/gguf-writer.js";
+import { writeModelFolder } from "../../testing/model-folder.js";
 import { modelDir } from "../../testing/start-server.js";
 import type { WasmKernels } from "../kernels/wasm-kernels.js";
 import { type Matrix, matrixBytes, matrixDType } from "../kernels/weight-format.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { StepSequence } from "../model/forward.js";
 import { openModel, openModelMeta } from "../model/load-model.js";
-import { engineRegionBytes, layoutOf, loadEngineMemory } from "./engine-memory.js";
+import { buildEngine } from "./build-engine.js";
+import { engineRegionBytes, layoutOf, loadEngineMemory, regionBytesOf } from "./engine-memory.js";
 import { createForward } from "./forward-setup.js";
 
 describe("loadEngineMemory()", async () => {
@@ -191,5 +193,33 @@ describe("loadEngineMemory()", async () => {
         ),
     );
     assert.equal(read, 0);
+  });
+
+  it("an engine serving a shorter context than the model's window sizes its RoPE tables and staging by it, in its planned region", async () => {
+    // A 65,536-position window of 64-dim heads: 32 MiB of RoPE tables an engine at the full window.
+    const folder = writeModelFolder({
+      shape: { headDim: 64, numHeads: 2, numKvHeads: 1, maxPositionEmbeddings: 65536 },
+    });
+    try {
+      const m = await openModelMeta(folder.dir);
+      const limits = { numPages: 8, pageSize: 16, maxModelLen: 1024 };
+      const served = regionBytesOf(m.config, limits);
+      const full = regionBytesOf(m.config, { numPages: 8, pageSize: 16 });
+      assert.ok(
+        full - served > 32 * 1024 ** 2,
+        `${full} - ${served}: the full window's RoPE tables are not planned`,
+      );
+      const shared = loadEngineMemory(m, [served], { kernels: "native" });
+      // Built at the full window, the forward pass outgrew the planned region ("memory region is full").
+      const engine = await buildEngine({
+        ...limits,
+        kernels: "native",
+        model: { config: m.config, weights: shared.weights },
+        memory: { memory: shared.memory, region: shared.regions[0]! },
+      });
+      assert.equal(engine.contextTokens, 128, "8 pages of 16");
+    } finally {
+      folder.remove();
+    }
   });
 });

@@ -26,6 +26,7 @@ import type { KernelMemory, MemoryRegion } from "../kernels/wasm-kernels.js";
 import { type Matrix, matrixBytes, type WeightTensor, weightBytes } from "../kernels/weight-format.js";
 import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, type KvLayout } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 import { KvfenceError } from "../lib/errors.js";
 import { ForwardPass } from "../model/forward.js";
 import {
@@ -62,10 +63,23 @@ export interface EngineLimits {
   readonly maxBatchTokens?: number;
   /** Requests per forward step. Default 16. */
   readonly maxSequences?: number;
+  /** Context length to serve. Default: the model's window. */
+  readonly maxModelLen?: number;
+}
+
+/**
+ * The model's config as an engine serving at most `maxModelLen` tokens sees it: its window is the
+ * served context, so the RoPE tables and the attention staging are sized by it, not by the model's
+ * window (Llama-3.2-3B's 131,072 positions: 128 MiB of RoPE tables an engine).
+ */
+export function servedConfig(config: ModelConfig, maxModelLen: number | undefined): ModelConfig {
+  if (maxModelLen === undefined || maxModelLen >= config.maxPositionEmbeddings) return config;
+  return { ...config, maxPositionEmbeddings: maxModelLen };
 }
 
 /** Bytes of an engine's region in a shared memory, from its build options' limits and pool. */
-export function regionBytesOf(config: ModelConfig, options: EngineLimits): number {
+export function regionBytesOf(model: ModelConfig, options: EngineLimits): number {
+  const config = servedConfig(model, options.maxModelLen);
   return engineRegionBytes(config, layoutOf(config, options), {
     maxBatchTokens: options.maxBatchTokens ?? ENGINE_DEFAULTS.maxBatchTokens,
     maxSequences: options.maxSequences ?? ENGINE_DEFAULTS.maxSequences,
@@ -147,6 +161,20 @@ export function attentionStagingBytes(config: ModelConfig, numPages: number): nu
 }
 
 /**
+ * Bytes the weights of `meta` take in the engines' memory: the weight files whole, and a tail for
+ * what cannot be a view of them (the norms widened to f32, the matrices `quantize` converts).
+ */
+export function weightMemoryBytes(meta: ModelMeta, quantize?: "q8_0" | "q4_0"): number {
+  const fileBytes = weightFilesOf(meta).reduce((sum, f) => sum + aligned(statSync(f).size), 0);
+  const tailBytes = [...expectedTensors(meta.config).values()].reduce((sum, shape) => {
+    const n = shape.reduce((a, b) => a * b, 1);
+    if (shape.length !== 2) return sum + aligned(4 * n);
+    return quantize === undefined ? sum : sum + aligned(weightBytes(quantize, n));
+  }, 0);
+  return fileBytes + tailBytes;
+}
+
+/**
  * Lays out the memory for the weights of `meta` and one region of each size in `regionBytes`,
  * creates it and reads the weight files into it whole: every tensor is a view of them, in its
  * stored format. What cannot be a view — a norm stored as bf16 (widened to f32), a matrix
@@ -165,13 +193,7 @@ export function loadEngineMemory(
     readonly kernels?: "wasm" | "native";
   },
 ): EngineMemory {
-  const fileBytes = weightFilesOf(meta).reduce((sum, f) => sum + aligned(statSync(f).size), 0);
-  const tailBytes = [...expectedTensors(meta.config).values()].reduce((sum, shape) => {
-    const n = shape.reduce((a, b) => a * b, 1);
-    if (shape.length !== 2) return sum + aligned(4 * n);
-    return options?.quantize === undefined ? sum : sum + aligned(weightBytes(options.quantize, n));
-  }, 0);
-  const weightBytesTotal = fileBytes + tailBytes;
+  const weightBytesTotal = weightMemoryBytes(meta, options?.quantize);
   const regions: MemoryRegion[] = [];
   let at = WEIGHTS_START + weightBytesTotal;
   for (const bytes of regionBytes) {
@@ -192,10 +214,11 @@ export function loadEngineMemory(
     : new WebAssembly.Memory({ initial: pages, maximum: pages, shared: true });
   const buffer = memory.buffer as SharedArrayBuffer;
   let next = WEIGHTS_START;
-  const into = (bytes: number): Uint8Array => {
-    const view = new Uint8Array(buffer, next, bytes);
+  // A byte range, not a view: a weight file may pass 4 GiB (the loader reads it in pieces).
+  const into = (bytes: number): ByteRange => {
+    const range = { buffer, byteOffset: next, byteLength: bytes };
     next += aligned(bytes);
-    return view;
+    return range;
   };
   const loaded = loadModelWeights(meta, {
     into,
@@ -206,7 +229,7 @@ export function loadEngineMemory(
   const gather = <M extends Matrix>(m: M): M => {
     const src = matrixBytes(m);
     if (src.buffer === buffer || next + src.byteLength > tailEnd) return m;
-    const dst = into(src.byteLength);
+    const dst = byteView(into(src.byteLength), 0, src.byteLength);
     dst.set(src);
     if (m instanceof Float32Array) return new Float32Array(buffer, dst.byteOffset, m.length) as M;
     return { ...(m as WeightTensor), bytes: dst } as M;

@@ -1,6 +1,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import fc from "fast-check";
+import { KvfenceError } from "../lib/errors.js";
 import { BlockTable } from "./block-table.js";
 import type { KvLayout } from "./kv-layout.js";
 import { PageState } from "./ownership-table.js";
@@ -21,6 +22,21 @@ test("PagePool keeps its data in a SharedArrayBuffer cut into page-major pages",
   assert.equal(pool.pageFloats, 2 * 2 * 4 * 2 * 4);
   assert.equal(pool.capacityTokens, 20);
   assert.deepEqual(pool.counts(), { free: 5, reserved: 0, ready: 0, quarantined: 0, total: 5 });
+});
+
+test("PagePool refuses more pages than one typed array holds (2^32 elements), before allocating", () => {
+  // 2^31 f16 elements a page: two pages are 2^32 elements, three are past what a typed array holds on Node 20.
+  const huge: KvLayout = { numLayers: 1, numKvHeads: 1, headDim: 2 ** 20, pageSize: 1024, dtype: "f16" };
+  assert.equal(PagePool.maxPages(huge), 2);
+  assert.throws(
+    () => new PagePool(huge, 3),
+    (err: unknown) =>
+      err instanceof KvfenceError &&
+      err.code === "config_invalid" &&
+      /A KV pool holds at most 2\^32 elements \(2 pages of this layout\) but 3 pages were asked for/.test(
+        err.message,
+      ),
+  );
 });
 
 test("PagePool lays its data over a caller-supplied buffer at an offset", () => {

@@ -96,11 +96,25 @@ export class PagePool {
     return pageBytes(layout) * numPages;
   }
 
+  /**
+   * The most pages a pool of `layout` holds: its data is one typed array, and a typed array holds
+   * at most 2^32 elements on Node 20 (8 GiB of f16 or bf16, 16 GiB of f32).
+   */
+  static maxPages(layout: KvLayout): number {
+    return Math.floor(2 ** 32 / pageFloats(layout));
+  }
+
   constructor(layout: KvLayout, numPages: number, options: PagePoolOptions = {}) {
     if (!Number.isInteger(numPages) || numPages < 1) {
       throw new KvfenceError(
         "config_invalid",
         `KV pool size must be a positive integer number of pages: ${numPages}`,
+      );
+    }
+    if (numPages > PagePool.maxPages(layout)) {
+      throw new KvfenceError(
+        "config_invalid",
+        `A KV pool holds at most 2^32 elements (${PagePool.maxPages(layout)} pages of this layout) but ${numPages} pages were asked for; use a smaller --kv-memory or --kv-pages, or a smaller --max-model-len`,
       );
     }
     this.layout = layout;

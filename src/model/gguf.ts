@@ -24,6 +24,7 @@
  */
 import { basename } from "node:path";
 import { decodeRange, type Matrix, type WeightDType } from "../kernels/weight-format.js";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 import {
   endOfTurnIds,
   type GgufMetadata,
@@ -241,13 +242,13 @@ const DTYPES: Readonly<Record<string, WeightDType>> = {
 };
 
 /**
- * Tensor `t` of the GGUF file held in `file` (its bytes, read whole), as the weights take it: a
+ * Tensor `t` of the GGUF file held in `file` (its bytes, read whole; it may pass 4 GiB), as the weights take it: a
  * matrix in its stored format as a view of `file` (an F32 one a Float32Array), Llama's Q/K rows
  * un-permuted in place; a 1-D tensor (norm, bias) as f32, a view when it is F32 (else widened into
  * a fresh buffer, a SharedArrayBuffer when `shared`).
  */
-export function ggufMatrix(file: Uint8Array, t: GgufTensor, shared: boolean): Matrix {
-  const bytes = file.subarray(t.fileOffset, t.fileOffset + t.byteLength);
+export function ggufMatrix(file: ByteRange, t: GgufTensor, shared: boolean): Matrix {
+  const bytes = byteView(file, t.fileOffset, t.byteLength);
   const dtype = DTYPES[t.type] as WeightDType;
   const elements = t.shape.reduce((a, b) => a * b, 1);
   if (t.unpermuteHeads > 0) unpermuteRows(bytes, t.shape[0] as number, t.unpermuteHeads);

@@ -13,6 +13,7 @@
 import { statSync } from "node:fs";
 import { basename, join, resolve } from "node:path";
 import { convertMatrix, type Matrix, matrixBytes, type WeightDType } from "../kernels/weight-format.js";
+import type { ByteRange } from "../lib/byte-range.js";
 import { isGgufPath } from "../tokenizer/gguf-tokenizer.js";
 import { badModelFolder, readJsonFile } from "../tokenizer/model-files.js";
 import {
@@ -86,11 +87,12 @@ export interface LoadModelOptions {
    */
   readonly quantize?: "q8_0" | "q4_0";
   /**
-   * Where each weight file's bytes go (a window of the engines' shared WebAssembly memory,
-   * src/engine/engine-memory.ts): the file is read straight into it and its tensors are views of
-   * it, so no other copy of the file exists. Absent: a fresh (Shared)ArrayBuffer per file.
+   * Where each weight file's bytes go (a window of the engines' shared memory,
+   * src/engine/engine-memory.ts): the file is read straight into it in pieces and its tensors are
+   * views of it, so no other copy of the file exists. A byte range, not a Uint8Array: a file may
+   * pass 4 GiB, more than one typed array holds. Absent: a fresh (Shared)ArrayBuffer per file.
    */
-  readonly into?: (bytes: number) => Uint8Array;
+  readonly into?: (bytes: number) => ByteRange;
 }
 
 /** The formats `--quantize` makes at load. */
@@ -341,6 +343,8 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
       onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: tensors.size, tensorsTotal: expected.size });
     const st = SafetensorsFile.open(file, {
       shared: options?.shared ?? false,
+      // What the config ignores is not read (a tied checkpoint's saved lm_head.weight: vocab × hidden).
+      skip: (name) => isIgnorable(name, config),
       ...(options?.into === undefined ? {} : { into: options.into }),
       onBytes: (done) => {
         bytesRead = bytesBefore + done;

@@ -4,8 +4,10 @@
  * with offsets relative to the end of the header.
  *
  * The whole file is read into one buffer (optionally a SharedArrayBuffer, so worker threads can
- * share the weights) in large chunks. F32 tensors whose data is 4-byte aligned are returned as views
- * into that buffer (no copy). `toMatrix` keeps F16 and BF16 at 2 bytes (a `WeightTensor` over the
+ * share the weights) in large chunks, each through its own view: the file's bytes are a byte range
+ * of the buffer (`ByteRange`), not one Uint8Array, because a typed array holds at most 2^32
+ * elements and a file may pass 4 GiB (a 3B model in bf16); every tensor is a view of its own range.
+ * F32 tensors whose data is 4-byte aligned are returned as views into that buffer (no copy). `toMatrix` keeps F16 and BF16 at 2 bytes (a `WeightTensor` over the
  * same buffer, src/kernels/weight-format.ts); `toFloat32` widens them with tight loops over 16-bit
  * views (norms and biases, which stay f32).
  * Every offset is taken relative to the Uint8Array's own `byteOffset`, so parsing is correct for
@@ -23,6 +25,7 @@ import {
   type WeightDType,
   weightBytes,
 } from "../kernels/weight-format.js";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 import { KvfenceError } from "../lib/errors.js";
 
 /**
@@ -75,19 +78,18 @@ function bad(file: string, problem: string, cause?: unknown): KvfenceError {
   );
 }
 
-/**
- * Reads a whole file into memory in large chunks, into a SharedArrayBuffer when `shared` is set.
- * `onBytes(bytesRead, totalBytes)` is called after each chunk.
- */
-export function readWholeFile(
-  path: string,
-  options?: {
-    shared?: boolean;
-    onBytes?: (bytesRead: number, totalBytes: number) => void;
-    /** Where the bytes go (a window of a shared WebAssembly memory); else a fresh buffer. */
-    into?: (bytes: number) => Uint8Array;
-  },
-): Uint8Array {
+/** Where a file's bytes go when it is read (`readWholeFile`, `SafetensorsFile.open`). */
+export interface ReadFileOptions {
+  /** A fresh SharedArrayBuffer (not an ArrayBuffer) when there is no `into`. */
+  readonly shared?: boolean;
+  /** Called after each chunk with the file position reached and the file's size. */
+  readonly onBytes?: (bytesRead: number, totalBytes: number) => void;
+  /** Where the bytes go (a window of the engines' shared memory); else a fresh buffer. */
+  readonly into?: (bytes: number) => ByteRange;
+}
+
+/** Opens `path`, hands its descriptor and size to `read`, closes it. */
+function withFile<T>(path: string, read: (fd: number, size: number) => T): T {
   let fd: number;
   try {
     fd = openSync(path, "r");
@@ -96,36 +98,70 @@ export function readWholeFile(
     throw bad(path, code === "ENOENT" ? "file is missing" : `cannot open the file: ${String(err)}`, err);
   }
   try {
-    const size = fstatSync(fd).size;
-    const bytes =
-      options?.into?.(size) ??
-      new Uint8Array(options?.shared === true ? new SharedArrayBuffer(size) : new ArrayBuffer(size));
-    let done = 0;
-    while (done < size) {
-      const n = readSync(fd, bytes, done, Math.min(READ_CHUNK_BYTES, size - done), done);
-      if (n === 0) throw bad(path, `file shrank while reading: got ${done} of ${size} bytes`);
-      done += n;
-      options?.onBytes?.(done, size);
-    }
-    if (size === 0) options?.onBytes?.(0, 0);
-    return bytes;
+    return read(fd, fstatSync(fd).size);
   } finally {
     closeSync(fd);
   }
+}
+
+/** The window a file of `size` bytes is read into: `into`'s, or a fresh buffer. */
+function destination(size: number, options: ReadFileOptions | undefined): ByteRange {
+  return (
+    options?.into?.(size) ?? {
+      buffer: options?.shared === true ? new SharedArrayBuffer(size) : new ArrayBuffer(size),
+      byteOffset: 0,
+      byteLength: size,
+    }
+  );
+}
+
+/**
+ * Reads bytes [from, to) of the open file into the same range of `bytes`, in chunks of
+ * READ_CHUNK_BYTES each through its own view (a typed array holds at most 2^32 elements, and
+ * readSync takes at most 2^31 - 1 bytes); `onBytes(end, size)` after each chunk.
+ */
+function readRange(
+  fd: number,
+  file: { readonly path: string; readonly size: number; readonly bytes: ByteRange },
+  from: number,
+  to: number,
+  onBytes?: (bytesRead: number, totalBytes: number) => void,
+): void {
+  let done = from;
+  while (done < to) {
+    const want = Math.min(READ_CHUNK_BYTES, to - done);
+    const n = readSync(fd, byteView(file.bytes, done, want), 0, want, done);
+    if (n === 0) throw bad(file.path, `file shrank while reading: got ${done} of ${file.size} bytes`);
+    done += n;
+    onBytes?.(done, file.size);
+  }
+}
+
+/**
+ * Reads a whole file into memory (so it may pass 4 GiB: see `readRange`), into a SharedArrayBuffer
+ * when `shared` is set.
+ */
+export function readWholeFile(path: string, options?: ReadFileOptions): ByteRange {
+  return withFile(path, (fd, size) => {
+    const bytes = destination(size, options);
+    readRange(fd, { path, size, bytes }, 0, size, options?.onBytes);
+    if (size === 0) options?.onBytes?.(0, 0);
+    return bytes;
+  });
 }
 
 /** A parsed safetensors file held in memory. */
 export class SafetensorsFile {
   readonly path: string;
   readonly metadata: Readonly<Record<string, string>>;
-  readonly #bytes: Uint8Array;
+  readonly #bytes: ByteRange;
   readonly #tensors: ReadonlyMap<string, TensorInfo>;
   /** Block-format tensors named by the WEIGHT_FORMATS_KEY metadata. */
   readonly #blocks: ReadonlyMap<string, { dtype: WeightDType; shape: readonly number[] }>;
 
   private constructor(
     path: string,
-    bytes: Uint8Array,
+    bytes: ByteRange,
     tensors: Map<string, TensorInfo>,
     metadata: Record<string, string>,
   ) {
@@ -136,16 +172,50 @@ export class SafetensorsFile {
     this.#blocks = parseBlockFormats(path, metadata, tensors);
   }
 
-  /** Reads and parses a file; `shared` puts the bytes in a SharedArrayBuffer. */
-  static open(path: string, options?: Parameters<typeof readWholeFile>[1]): SafetensorsFile {
-    return SafetensorsFile.parse(readWholeFile(path, options), path);
+  /**
+   * Reads and parses a file: the header, then the data of every tensor `skip` does not name (all
+   * by default; adjacent tensors in one read). A skipped tensor's bytes are not read (its range of
+   * the window stays as it was: zeros in a fresh memory, untouched); the loader skips what it
+   * ignores (a RoPE `inv_freq` buffer, an `lm_head.weight` saved beside tied embeddings).
+   */
+  static open(
+    path: string,
+    options?: ReadFileOptions & { readonly skip?: (name: string) => boolean },
+  ): SafetensorsFile {
+    return withFile(path, (fd, size) => {
+      const file = { path, size, bytes: destination(size, options) };
+      readRange(fd, file, 0, Math.min(size, 8));
+      if (size >= 8) {
+        const declared = new DataView(file.bytes.buffer, file.bytes.byteOffset, 8).getBigUint64(0, true);
+        const header = Number(declared > BigInt(MAX_HEADER_BYTES) ? MAX_HEADER_BYTES : declared);
+        readRange(fd, file, 8, Math.min(size, 8 + header));
+      }
+      const st = SafetensorsFile.parse(file.bytes, path);
+      const ranges = st
+        .names()
+        .filter((name) => options?.skip?.(name) !== true)
+        .map((name) => st.info(name) as TensorInfo)
+        .sort((a, b) => a.fileOffset - b.fileOffset);
+      let at = 0;
+      let end = 0;
+      for (const t of ranges) {
+        if (t.fileOffset > end) {
+          readRange(fd, file, at, end, options?.onBytes);
+          at = t.fileOffset;
+        }
+        end = Math.max(end, t.fileOffset + t.byteLength);
+      }
+      readRange(fd, file, at, end, options?.onBytes);
+      options?.onBytes?.(size, size);
+      return st;
+    });
   }
 
-  /** Parses safetensors bytes (any Uint8Array, including a pooled Buffer); `path` names it in errors. */
-  static parse(bytes: Uint8Array, path: string): SafetensorsFile {
+  /** Parses safetensors bytes (any Uint8Array, including a pooled Buffer, or `ByteRange`); `path` names it in errors. */
+  static parse(bytes: ByteRange, path: string): SafetensorsFile {
     if (bytes.byteLength < 8)
       throw bad(path, `file is ${bytes.byteLength} bytes, too short for the 8-byte header length`);
-    const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    const view = new DataView(bytes.buffer, bytes.byteOffset, 8);
     const headerLength64 = view.getBigUint64(0, true);
     const available = bytes.byteLength - 8;
     if (headerLength64 > BigInt(available)) {
@@ -159,9 +229,7 @@ export class SafetensorsFile {
       throw bad(path, `header length ${headerLength} exceeds the ${MAX_HEADER_BYTES}-byte limit`);
     let header: unknown;
     try {
-      header = JSON.parse(
-        new TextDecoder("utf-8", { fatal: true }).decode(bytes.subarray(8, 8 + headerLength)),
-      );
+      header = JSON.parse(new TextDecoder("utf-8", { fatal: true }).decode(byteView(bytes, 8, headerLength)));
     } catch (err) {
       throw bad(path, `header is not valid JSON: ${(err as Error).message}`, err);
     }
@@ -243,7 +311,7 @@ export class SafetensorsFile {
         if (start % 4 === 0) return new Float32Array(buffer, start, count);
         const out = allocFloat32(count, shared);
         new Uint8Array(out.buffer, out.byteOffset, out.byteLength).set(
-          this.#bytes.subarray(t.fileOffset, t.fileOffset + t.byteLength),
+          byteView(this.#bytes, t.fileOffset, t.byteLength),
         );
         return out;
       }
@@ -377,12 +445,12 @@ function allocFloat32(count: number, shared: boolean): Float32Array {
 }
 
 /** A Uint16Array over a 16-bit tensor, copying only when the data is not 2-byte aligned. */
-function halfView(bytes: Uint8Array, t: TensorInfo): Uint16Array {
+function halfView(bytes: ByteRange, t: TensorInfo): Uint16Array {
   const start = bytes.byteOffset + t.fileOffset;
   const count = t.byteLength / 2;
   if (start % 2 === 0) return new Uint16Array(bytes.buffer, start, count);
   const copy = new Uint16Array(count);
-  new Uint8Array(copy.buffer).set(bytes.subarray(t.fileOffset, t.fileOffset + t.byteLength));
+  new Uint8Array(copy.buffer).set(byteView(bytes, t.fileOffset, t.byteLength));
   return copy;
 }
 

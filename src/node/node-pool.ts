@@ -19,10 +19,9 @@ export function pageBytesOf(pool: PagePool, page: number): Uint8Array {
   return new Uint8Array(pool.data.buffer, pool.data.byteOffset + page * n, n);
 }
 
-/** A checksum cache over the whole of `pool` and its ownership table. */
+/** A checksum cache over the whole of `pool` (its data as a byte range) and its ownership table. */
 export function pageChecksumsOf(pool: PagePool): PageChecksums {
-  const bytes = new Uint8Array(pool.data.buffer, pool.data.byteOffset, pool.data.byteLength);
-  return new PageChecksums(bytes, pageByteLength(pool), pool.table);
+  return new PageChecksums(pool.data, pageByteLength(pool), pool.table);
 }
 
 /** The protocol pool of `pool`; `checksums` (default: a fresh cache) serves `pageChecksum`. */

@@ -2,9 +2,10 @@
  * Boots a server from a parsed `ServeConfig` (serve-config.ts): a router over a topology
  * (`startServer`), or one prefill or decode node process (`startNode`).
  *
- * Boot order: check the port can be bound → read the model's config → size the KV pool and run the
- * capacity check shared with `kvfence preflight` (a pool that cannot hold one full-context request
- * stops the server with the two fixes) → load the weights with a progress line → start the
+ * Boot order: check the port can be bound → read the model's config → size the KV pool (by default
+ * one request of the context, src/server/kv-sizing.ts) and run the capacity check shared with
+ * `kvfence preflight` (a pool that cannot hold one full-context request stops the server with the
+ * two fixes) → check the weights and every engine's pool fit the memory available → load the weights with a progress line → start the
  * topology's engines → start the HTTP server. A router process loads the tokenizer and chat
  * template, never the weights. Used by `kvfence serve` and the incident tool.
  */
@@ -16,6 +17,7 @@ import {
   loadEngineMemory,
   type MemoryRegion,
   regionBytesOf,
+  weightMemoryBytes,
 } from "../engine/engine-memory.js";
 import { poolCapacityVerdict } from "../kvcache/kv-capacity.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
@@ -35,8 +37,8 @@ import { requestLimits } from "../router/request-limits.js";
 import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
 import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
+import { availableMemoryBytes, checkMemoryFits, poolPagesOf } from "./kv-sizing.js";
 import {
-  DEFAULT_KV_MEMORY_BYTES,
   fairShareOf,
   kernelOptions,
   operatorListener,
@@ -107,11 +109,23 @@ export async function startServer(
   // The config, tokenizer and chat template (of a folder or a GGUF file's header), not the weights.
   const model = await openModelMeta(config.model);
   const modelConfig = model.config;
-  const bytesPerPage = pageBytes(layoutOf(config, modelConfig));
-  const numPages = config.kvPages ?? Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / bytesPerPage);
-  const poolTokens = numPages * config.pageSize;
+  const layout = layoutOf(config, modelConfig);
+  const bytesPerPage = pageBytes(layout);
   const contextLength = contextLengthOf(config, modelConfig);
+  const numPages = poolPagesOf(config, layout, contextLength);
+  const poolTokens = numPages * config.pageSize;
   checkServerPool(config, { numPages, bytesPerPage, contextLength });
+  const engineOptions = engineOptionsOf(config, { numPages, contextLength });
+  if (config.role !== "router") {
+    const prefill = { ...engineOptions, numPages: config.prefillKvPages ?? numPages };
+    checkEnginesFit(
+      model,
+      config,
+      layout,
+      contextLength,
+      config.disaggregation ? [prefill, engineOptions] : [engineOptions],
+    );
+  }
 
   // Before the weights load (minutes for a big model): a port already taken fails now.
   if (config.port !== 0) await assertCanListen(config.host, config.port);
@@ -128,7 +142,7 @@ export async function startServer(
     model,
     tenants,
     limits,
-    engineOptions: engineOptionsOf(config, { numPages, contextLength }),
+    engineOptions,
     contextLength,
     tls,
     log,
@@ -361,11 +375,10 @@ export async function startNode(
   const secret = clusterSecret(config.clusterSecret);
   const meta = await openModelMeta(config.model);
   const modelConfig = meta.config;
-  const numPages =
-    (role === "prefill" ? config.prefillKvPages : undefined) ??
-    config.kvPages ??
-    Math.floor((config.kvMemory ?? DEFAULT_KV_MEMORY_BYTES) / pageBytes(layoutOf(config, modelConfig)));
+  const layout = layoutOf(config, modelConfig);
   const contextLength = contextLengthOf(config, modelConfig);
+  const numPages =
+    (role === "prefill" ? config.prefillKvPages : undefined) ?? poolPagesOf(config, layout, contextLength);
   const verdict = poolCapacityVerdict({
     poolTokens: numPages * config.pageSize,
     contextLength,
@@ -378,6 +391,7 @@ export async function startNode(
     );
   }
   const engine = engineOptionsOf(config, { numPages, contextLength });
+  checkEnginesFit(meta, config, layout, contextLength, [engine]);
   const loaded = loadWeightsWithProgress(meta, [engine], undefined, config.quantize);
   const node = await startNodeServer({
     role,
@@ -522,6 +536,37 @@ function checkServerPool(
       `(${checkedPages} pages of ${config.pageSize}, ${formatBytes(checkedPages * bytesPerPage)}) but the context length is ` +
       `${contextLength} tokens; fix: a bigger pool (${fix}), or a smaller context (--max-model-len ${verdict.maxContextThatFits})`,
   );
+}
+
+/**
+ * `checkMemoryFits` for the engines of this process, before the weights load (src/server/kv-sizing.ts):
+ * at another context, a context-sized pool follows it.
+ */
+function checkEnginesFit(
+  model: ModelMeta,
+  config: ServeConfig,
+  layout: KvLayout,
+  contextLength: number,
+  engines: readonly ServeEngineOptions["engine"][],
+): void {
+  const contextSized = config.kvPages === undefined && config.kvMemory === undefined;
+  checkMemoryFits({
+    weightBytes: weightMemoryBytes(model, config.quantize),
+    engines: (context) =>
+      engines.map((e) => {
+        // A pool the flags sized (--prefill-kv-pages too) stays; a default one follows the context.
+        const sized = !contextSized || e.numPages !== poolPagesOf(config, layout, contextLength);
+        const numPages = sized ? e.numPages : poolPagesOf(config, layout, context);
+        return {
+          numPages,
+          regionBytes: regionBytesOf(model.config, { ...e, numPages, maxModelLen: context }),
+        };
+      }),
+    layout,
+    contextLength,
+    contextSized,
+    availableBytes: availableMemoryBytes(),
+  });
 }
 
 /**

@@ -17,6 +17,7 @@
  */
 import { Worker } from "node:worker_threads";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
+import { portableOptions } from "../engine/portable-weights.js";
 import { FairShare, type FairShareConfig, resolveFairShare } from "../fair-share/fair-share.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import type {
@@ -115,7 +116,10 @@ export class EngineClient implements EngineHandle {
 
   /** Starts an engine worker and resolves once its model and pool are ready. */
   static start(options: EngineBuildOptions, client: EngineClientOptions = {}): Promise<EngineClient> {
-    const worker = new Worker(WORKER_URL, { workerData: { tag: ENGINE_WORKER_TAG, options } });
+    // Weights as numbers: a view past 4 GiB of the shared memory does not survive the structured clone.
+    const worker = new Worker(WORKER_URL, {
+      workerData: { tag: ENGINE_WORKER_TAG, options: portableOptions(options) },
+    });
     return new Promise((resolve, reject) => {
       const onMessage = (message: FromEngineWorker): void => {
         cleanup();

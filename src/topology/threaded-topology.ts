@@ -19,6 +19,7 @@
 import { MessageChannel, Worker } from "node:worker_threads";
 import { DisaggregatedEngine, type RouterNode } from "../cluster/disaggregated-engine.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
+import { portableOptions } from "../engine/portable-weights.js";
 import type { FairShareConfig } from "../fair-share/fair-share.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
@@ -82,7 +83,11 @@ function routerNode(role: Role, w: NodeWorker): RouterNode {
 function startWorker(
   options: NodeHostOptions,
 ): Promise<{ worker: Worker; link: WorkerLink; hello: NodeHello }> {
-  const worker = new Worker(WORKER_URL, { workerData: { tag: NODE_WORKER_TAG, options } });
+  // Weights as numbers: a view past 4 GiB of the shared memory does not survive the structured clone.
+  const engine = portableOptions(options.engine);
+  const worker = new Worker(WORKER_URL, {
+    workerData: { tag: NODE_WORKER_TAG, options: { ...options, engine } },
+  });
   const link = new WorkerLink(worker);
   return new Promise((resolve, reject) => {
     const onMessage = (m: FromNode | NodeWorkerReply): void => {

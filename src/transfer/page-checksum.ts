@@ -14,6 +14,7 @@
  * still arriving), so the manifest and the commit check only read recorded strings.
  */
 import { xxh64 } from "@node-rs/xxhash";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 
 const keyBytes = new Uint8Array(12);
 const keyView = new DataView(keyBytes.buffer);
@@ -50,19 +51,20 @@ export interface ChecksumLease {
 
 /**
  * Hex checksums of logical pages `[from, to)` of a lease, read from `poolBytes` (the whole pool,
- * page p at `p * pageBytes`), into `out[from..to)`. Decode calls this over its own copy.
+ * page p at `p * pageBytes`; a range, as a pool may pass 4 GiB), into `out[from..to)`. Decode calls
+ * this over its own copy.
  */
 export function checksumLeasePages(
   out: string[],
-  poolBytes: Uint8Array,
+  poolBytes: ByteRange,
   pageBytes: number,
   lease: ChecksumLease,
   from: number,
   to: number,
 ): void {
   for (let i = from; i < to; i++) {
-    const start = lease.pages[i]!.page * pageBytes;
-    out[i] = pageChecksumHex(poolBytes.subarray(start, start + pageBytes), lease.rid, lease.epoch, i);
+    const page = byteView(poolBytes, lease.pages[i]!.page * pageBytes, pageBytes);
+    out[i] = pageChecksumHex(page, lease.rid, lease.epoch, i);
   }
 }
 
@@ -90,7 +92,7 @@ export interface PageStamps {
  * reported (see docs/protocol.md, "Checksums off the critical path").
  */
 export class PageChecksums {
-  readonly #poolBytes: Uint8Array;
+  readonly #poolBytes: ByteRange;
   readonly #pageBytes: number;
   readonly #stamps: PageStamps;
   readonly #hex: string[];
@@ -104,9 +106,12 @@ export class PageChecksums {
   misses = 0;
   recorded = 0;
 
-  /** `poolBytes`: the whole pool, page p at `p * pageBytes`; `stamps`: its ownership table. */
-  constructor(poolBytes: Uint8Array, pageBytes: number, stamps: PageStamps) {
-    const numPages = Math.floor(poolBytes.length / pageBytes);
+  /**
+   * `poolBytes`: the whole pool, page p at `p * pageBytes` (a range: a pool may pass 4 GiB, more
+   * than one Uint8Array holds); `stamps`: its ownership table.
+   */
+  constructor(poolBytes: ByteRange, pageBytes: number, stamps: PageStamps) {
+    const numPages = Math.floor(poolBytes.byteLength / pageBytes);
     this.#poolBytes = poolBytes;
     this.#pageBytes = pageBytes;
     this.#stamps = stamps;
@@ -171,7 +176,7 @@ export class PageChecksums {
   }
 
   #hash(page: number, rid: number, epoch: number, index: number): string {
-    const start = page * this.#pageBytes;
-    return pageChecksumHex(this.#poolBytes.subarray(start, start + this.#pageBytes), rid, epoch, index);
+    const bytes = byteView(this.#poolBytes, page * this.#pageBytes, this.#pageBytes);
+    return pageChecksumHex(bytes, rid, epoch, index);
   }
 }

@@ -1,9 +1,15 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { MessageChannel, Worker } from "node:worker_threads";
-import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
+import {
+  reserveLease,
+  sourcePage,
+  type TransferFixture,
+  transferFixture,
+  transferFixturePast4GiB,
+} from "../../testing/transfer-fixture.js";
 import { NO_WRITER } from "../kvcache/ownership-table.js";
-import { checksumLeasePages } from "./page-checksum.js";
+import { checksumLeasePages, PageChecksums, pageChecksumHex } from "./page-checksum.js";
 import { createShmChannel, ShmTransferReceiver, ShmTransferWriter } from "./shm-transport.js";
 import type { Manifest, TransferHandlers } from "./transport.js";
 import { verifyManifest } from "./verify-manifest.js";
@@ -11,13 +17,19 @@ import { verifyManifest } from "./verify-manifest.js";
 const PAGE_BYTES = 1024;
 
 function setup(
-  options: { numPages?: number; signalBytes?: number; checkLease?: boolean; ringCapacity?: number } = {},
+  options: {
+    numPages?: number;
+    signalBytes?: number;
+    checkLease?: boolean;
+    ringCapacity?: number;
+    fixture?: TransferFixture;
+  } = {},
 ) {
-  const fx = transferFixture(options.numPages ?? 16, PAGE_BYTES);
+  const fx = options.fixture ?? transferFixture(options.numPages ?? 16, PAGE_BYTES);
   const channel = createShmChannel({
     pool: fx.pool,
     table: fx.table,
-    pageBytes: PAGE_BYTES,
+    pageBytes: fx.pageBytes,
     layoutSignature: "sig",
     ringCapacity: options.ringCapacity ?? 1024,
   });
@@ -88,6 +100,29 @@ test("ShmTransferWriter.writePages() lands pages with their writer stamp and sig
   assert.equal(writer.metrics.bytesTransferred, 6 * PAGE_BYTES);
   assert.equal(receiver.metrics.pagesTransferred, 6);
   assert.equal(receiver.metrics.transfers, 1);
+  receiver.close();
+});
+
+test("ShmTransferWriter.writePages() writes into a pool past 4 GiB, where the page checksums read it", async () => {
+  // More than one Uint8Array holds on Node 20: the writer, PageChecksums and checksumLeasePages
+  // make a view per page (a whole-pool view threw RangeError: Invalid typed array length).
+  const { fx, writer, receiver, leaseArrived } = setup({ fixture: transferFixturePast4GiB(1 << 20) });
+  const lease = reserveLease(fx, 7, 2, 2);
+  const writes = [0, 1].map((i) => ({ index: i, bytes: sourcePage(fx.pageBytes, 7, i), filledTokens: 16 }));
+  await writer.writePages(lease, writes);
+  await writer.endLease(lease, 2);
+  await leaseArrived;
+  const sums = new PageChecksums(fx.pool, fx.pageBytes, fx.table);
+  const local: string[] = [];
+  checksumLeasePages(local, fx.pool, fx.pageBytes, lease, 0, 2);
+  for (const [i, { page }] of lease.pages.entries()) {
+    assert.ok(page * fx.pageBytes >= 2 ** 32, "the page lies past 4 GiB");
+    const landed = new Uint8Array(fx.pool.buffer, page * fx.pageBytes, fx.pageBytes);
+    assert.equal(Buffer.compare(landed, writes[i]!.bytes), 0, `page ${i} landed`);
+    const want = pageChecksumHex(writes[i]!.bytes, 7, 2, i);
+    assert.equal(sums.get(page, 7, 2, i), want);
+    assert.equal(local[i], want);
+  }
   receiver.close();
 });
 

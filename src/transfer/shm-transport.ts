@@ -19,6 +19,7 @@
  */
 import type { MessagePort } from "node:worker_threads";
 import { OwnershipTable } from "../kvcache/ownership-table.js";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 import { KvfenceError } from "../lib/errors.js";
 import { SignalKind, SignalRing } from "./signal-ring.js";
 import { TransferClock, TransferMetrics } from "./transfer-metrics.js";
@@ -77,8 +78,13 @@ export function createShmChannel(options: CreateShmChannelOptions): ShmChannel {
   };
 }
 
-function poolView(channel: ShmChannel): Uint8Array {
-  return new Uint8Array(channel.poolBuffer, channel.poolByteOffset, channel.numPages * channel.pageBytes);
+/** The pool as a range (it may pass 4 GiB, more than one Uint8Array holds): the writer makes a view per page. */
+function poolRange(channel: ShmChannel): ByteRange {
+  return {
+    buffer: channel.poolBuffer,
+    byteOffset: channel.poolByteOffset,
+    byteLength: channel.numPages * channel.pageBytes,
+  };
 }
 
 function attachTable(channel: ShmChannel): OwnershipTable {
@@ -110,7 +116,7 @@ export interface ShmWriterOptions {
 export class ShmTransferWriter implements TransferWriter {
   readonly kind = "shm";
   readonly metrics: TransferMetrics;
-  readonly #pool: Uint8Array;
+  readonly #pool: ByteRange;
   readonly #table: OwnershipTable;
   readonly #ring: SignalRing;
   readonly #port: MessagePort;
@@ -130,7 +136,7 @@ export class ShmTransferWriter implements TransferWriter {
     if (options.layoutSignature !== channel.layoutSignature) {
       throw layoutMismatch(options.layoutSignature, channel.layoutSignature);
     }
-    this.#pool = poolView(channel);
+    this.#pool = poolRange(channel);
     this.#table = attachTable(channel);
     this.#ring = new SignalRing(channel.ringBuffer);
     this.#port = options.port;
@@ -205,7 +211,7 @@ export class ShmTransferWriter implements TransferWriter {
         this.metrics.droppedStaleWrites++;
         continue;
       }
-      pool.set(w.bytes, dest.page * pageBytes);
+      byteView(pool, dest.page * pageBytes, pageBytes).set(w.bytes);
       table.stampWriter(dest.page, rid, epoch, w.filledTokens);
       this.metrics.bytesTransferred += pageBytes;
       this.metrics.pagesTransferred++;

@@ -1,6 +1,11 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { reserveLease, sourcePage, transferFixture } from "../../testing/transfer-fixture.js";
+import {
+  reserveLease,
+  sourcePage,
+  transferFixture,
+  transferFixturePast4GiB,
+} from "../../testing/transfer-fixture.js";
 import { NO_WRITER } from "../kvcache/ownership-table.js";
 import { FRAME_HEADER_BYTES, type FrameHeader, FrameType } from "./frame-codec.js";
 import { MacChannel } from "./mac-channel.js";
@@ -116,6 +121,26 @@ test("TcpTransferWriter.writePages() lands pages in the pool with stamps, then t
   }
   assert.equal(h.receiver.metrics.bytesTransferred, 5 * PAGE_BYTES);
   assert.equal(h.receiver.metrics.transfers, 1);
+});
+
+test("TcpTransferReceiver lands pages in a pool past 4 GiB (more than one Uint8Array holds)", async (t) => {
+  const big = transferFixturePast4GiB(PAGE_BYTES);
+  const h = await harness(t, 16, { pool: big.pool, table: big.table });
+  const lease = reserveLease(big, 12, 1, 2);
+  const writes = lease.pages.map((_, i) => ({
+    index: i,
+    bytes: sourcePage(PAGE_BYTES, 12, i),
+    filledTokens: 16,
+  }));
+  await h.writer.writePages(lease, writes);
+  await h.writer.endLease(lease, 2);
+  await h.next(/^lease 12\/1/);
+  assert.deepEqual(h.drops, []);
+  for (const [i, { page }] of lease.pages.entries()) {
+    assert.ok(page * PAGE_BYTES >= 2 ** 32, "the page lies past 4 GiB");
+    assert.deepEqual(new Uint8Array(big.pool.buffer, page * PAGE_BYTES, PAGE_BYTES), writes[i]!.bytes);
+    assert.equal(big.table.writerRid(page), 12);
+  }
 });
 
 test("TcpTransferWriter.writePages() of two leases at once: every frame carries its own lease's (rid, epoch)", async (t) => {

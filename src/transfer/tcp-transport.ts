@@ -34,6 +34,7 @@
 import { randomBytes } from "node:crypto";
 import type net from "node:net";
 import type { OwnershipTable } from "../kvcache/ownership-table.js";
+import { type ByteRange, byteView } from "../lib/byte-range.js";
 import { KvfenceError } from "../lib/errors.js";
 import {
   clusterSecretBytes,
@@ -551,7 +552,8 @@ export class TcpTransferReceiver {
   readonly #socket: net.Socket;
   readonly #mac: MacChannel;
   readonly #decoder: FrameDecoder;
-  readonly #pool: Uint8Array;
+  /** The pool as a range (it may pass 4 GiB, more than one Uint8Array holds): a view per page. */
+  readonly #pool: ByteRange;
   readonly #table: OwnershipTable;
   readonly #leaseCheck: boolean;
   readonly #leasedPage: ((rid: number, epoch: number, index: number) => number) | undefined;
@@ -584,7 +586,7 @@ export class TcpTransferReceiver {
     this.#layoutSignature = options.layoutSignature;
     this.#peerIncarnation = options.peerIncarnation;
     this.#dialled = linkAddress(options.host ?? "127.0.0.1", options.port);
-    this.#pool = new Uint8Array(options.pool.buffer, options.pool.byteOffset, options.pool.byteLength);
+    this.#pool = options.pool;
     this.#table = options.table;
     this.#leaseCheck = options.leaseCheck ?? true;
     this.#leasedPage = options.leasedPage;
@@ -698,8 +700,7 @@ export class TcpTransferReceiver {
         this.#leasedPage(h.rid, h.epoch, h.index) !== h.page
       )
         return this.#drop(h, "misaddressed");
-      const start = h.page * this.#pageBytes;
-      return this.#pool.subarray(start, start + this.#pageBytes);
+      return byteView(this.#pool, h.page * this.#pageBytes, this.#pageBytes);
     },
     onFrame: (h, body) => {
       if (h.type === FrameType.PAGE) {

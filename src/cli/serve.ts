@@ -22,7 +22,10 @@ export function command(): Command {
     .option("--host <host>", "address to listen on", "127.0.0.1")
     .option("--port <port>", "port to listen on (0 = any free port)", "8000")
     .option("--model <dir|file.gguf>", "Hugging Face model folder or llama.cpp GGUF file", BUNDLED_MODEL_DIR)
-    .option("--kv-memory <size>", "KV pool size of each engine, e.g. 896MiB (default: one request of the context, at least 256MiB)")
+    .option(
+      "--kv-memory <size>",
+      "KV pool size of each engine, e.g. 896MiB (default: one request of the context, at least 256MiB)",
+    )
     .option("--kv-pages <n>", "KV pool size in pages (instead of --kv-memory)")
     .option("--page-size <tokens>", "tokens per KV page", "16")
     .option("--kv-cache-dtype <dtype>", "KV cache element type: f32, f16 (default) or bf16")

@@ -108,24 +108,8 @@ export async function startServer(
 
   // The config, tokenizer and chat template (of a folder or a GGUF file's header), not the weights.
   const model = await openModelMeta(config.model);
-  const modelConfig = model.config;
-  const layout = layoutOf(config, modelConfig);
-  const bytesPerPage = pageBytes(layout);
-  const contextLength = contextLengthOf(config, modelConfig);
-  const numPages = poolPagesOf(config, layout, contextLength);
+  const { numPages, bytesPerPage, contextLength, engineOptions } = sizeServerPools(config, model);
   const poolTokens = numPages * config.pageSize;
-  checkServerPool(config, { numPages, bytesPerPage, contextLength });
-  const engineOptions = engineOptionsOf(config, { numPages, contextLength });
-  if (config.role !== "router") {
-    const prefill = { ...engineOptions, numPages: config.prefillKvPages ?? numPages };
-    checkEnginesFit(
-      model,
-      config,
-      layout,
-      contextLength,
-      config.disaggregation ? [prefill, engineOptions] : [engineOptions],
-    );
-  }
 
   // Before the weights load (minutes for a big model): a port already taken fails now.
   if (config.port !== 0) await assertCanListen(config.host, config.port);
@@ -536,6 +520,25 @@ function checkServerPool(
       `(${checkedPages} pages of ${config.pageSize}, ${formatBytes(checkedPages * bytesPerPage)}) but the context length is ` +
       `${contextLength} tokens; fix: a bigger pool (${fix}), or a smaller context (--max-model-len ${verdict.maxContextThatFits})`,
   );
+}
+
+/**
+ * The context and each engine's pool (src/server/kv-sizing.ts), checked before anything loads:
+ * the pool holds one full-context request, and the weights and the engines fit the memory.
+ */
+function sizeServerPools(config: ServeConfig, model: ModelMeta) {
+  const layout = layoutOf(config, model.config);
+  const bytesPerPage = pageBytes(layout);
+  const contextLength = contextLengthOf(config, model.config);
+  const numPages = poolPagesOf(config, layout, contextLength);
+  checkServerPool(config, { numPages, bytesPerPage, contextLength });
+  const engineOptions = engineOptionsOf(config, { numPages, contextLength });
+  if (config.role !== "router") {
+    const prefill = { ...engineOptions, numPages: config.prefillKvPages ?? numPages };
+    const engines = config.disaggregation ? [prefill, engineOptions] : [engineOptions];
+    checkEnginesFit(model, config, layout, contextLength, engines);
+  }
+  return { numPages, bytesPerPage, contextLength, engineOptions };
 }
 
 /**

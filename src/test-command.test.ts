@@ -8,7 +8,7 @@
  */
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
-import { chmodSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { chmodSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { test } from "node:test";
@@ -22,6 +22,13 @@ const isRoot = process.getuid?.() === 0;
 function executable(path: string, text: string): void {
   writeFileSync(path, text);
   chmodSync(path, 0o755);
+}
+
+/** The machine's gcc (the suite needs it: scripts/ensure-test-deps.mjs). */
+function realGcc(): string {
+  const r = spawnSync("sh", ["-c", "command -v gcc"], { encoding: "utf8" });
+  assert.equal(r.status, 0, "gcc is on PATH");
+  return r.stdout.trim();
 }
 
 /** Runs the pretest script with only `bin` on PATH and `chromium` as KVFENCE_CHROMIUM. */
@@ -55,7 +62,8 @@ test("ensure-test-deps.mjs names each missing program and how to install it, and
     assert.equal(r.status, 1, r.stderr);
     assert.match(r.stderr, /chromium \(KVFENCE_CHROMIUM=.*no-chromium\), for the dashboard's browser test/);
     assert.match(r.stderr, /etcd \(etcd on PATH\), for the registry tests/);
-    assert.match(r.stderr, /apt-get install -y chromium etcd-server/);
+    assert.match(r.stderr, /gcc \(gcc on PATH with libasan\), for the native kernels/);
+    assert.match(r.stderr, /apt-get install -y chromium gcc etcd-server/);
     assert.equal(r.stdout, "", "nothing was installed");
   } finally {
     rmSync(bin, { recursive: true, force: true });
@@ -68,6 +76,7 @@ test("ensure-test-deps.mjs installs a missing etcd with apt-get as root, one upd
     const log = join(bin, "apt-get.log");
     const chromium = join(bin, "chromium");
     executable(chromium, "#!/bin/sh\nexit 0\n");
+    symlinkSync(realGcc(), join(bin, "gcc")); // present: only etcd is missing
     executable(
       join(bin, "apt-get"),
       `#!/bin/sh\necho "$*" >> ${log}\n` +

@@ -1,7 +1,8 @@
 // What the test suite needs beyond npm packages, checked before it builds (npm test's pretest
 // step, so `npm ci && npm test` is the whole command on a fresh machine and in .ci/run): Debian's
 // chromium for the dashboard's browser test (src/router/dashboard.browser.e2e.test.ts, at
-// /usr/bin/chromium or $KVFENCE_CHROMIUM) and etcd on PATH for the registry tests
+// /usr/bin/chromium or $KVFENCE_CHROMIUM), gcc with libasan for the native kernels and their
+// sanitizer test (src/kernels/native-sanitize.solo.test.ts), and etcd on PATH for the registry tests
 // (src/topology/registry.e2e.test.ts, src/topology/routers.e2e.test.ts; Debian's etcd-server).
 // Where one is missing and this runs as root with apt-get, it says in one line what it installs and
 // why, runs `apt-get update` once and installs the packages. Otherwise it names what is missing and
@@ -23,6 +24,14 @@ const NEEDS = [
     installable: () => process.env.KVFENCE_CHROMIUM === undefined,
   },
   {
+    name: "gcc",
+    debian: "gcc",
+    why: "the native kernels (scripts/build-native.mjs: the suite runs on them) and their sanitizer test (libasan)",
+    where: "gcc on PATH with libasan",
+    present: () => runs("gcc", ["--version"]) && asanPresent(),
+    installable: () => true,
+  },
+  {
     name: "etcd",
     debian: "etcd-server",
     why: "the registry tests",
@@ -39,6 +48,11 @@ function isExecutable(path) {
   } catch {
     return false;
   }
+}
+
+function asanPresent() {
+  const r = spawnSync("gcc", ["-print-file-name=libasan.so"], { encoding: "utf8" });
+  return r.status === 0 && r.stdout.trim().startsWith("/");
 }
 
 function runs(command, args) {

@@ -8,7 +8,8 @@
  * innermost first, type, offset) and the data (each tensor 32-byte aligned) are written here, since
  * the library writes only the metadata. As the converter does: Llama's Q and K rows are permuted
  * (`permute`), 1-D tensors stay F32, every matrix takes the requested type (Q8_0/Q4_0 blocks by
- * ggml's reference quantisation, src/kernels/weight-format.ts), special added tokens are CONTROL and
+ * ggml's reference quantisation, src/kernels/weight-format.ts) or the type and bytes an `encode`
+ * hook gives it (ggml's own k-quants, scripts/kquant-fixtures.mjs), special added tokens are CONTROL and
  * other added tokens USER_DEFINED, ids beyond the tokenizer are `[PADn]`. The pre-tokenizer is
  * written as "gpt2" (the byte-level one; the test tokenizers have no merges, so any split encodes the same).
  */
@@ -25,6 +26,9 @@ const GGUF_TYPE: Record<WeightDType, GGMLQuantizationType> = {
   bf16: GGMLQuantizationType.BF16,
   q8_0: GGMLQuantizationType.Q8_0,
   q4_0: GGMLQuantizationType.Q4_0,
+  q4_K: GGMLQuantizationType.Q4_K,
+  q5_K: GGMLQuantizationType.Q5_K,
+  q6_K: GGMLQuantizationType.Q6_K,
 };
 const ALIGN = 32;
 
@@ -42,9 +46,20 @@ interface OutTensor {
   bytes: Uint8Array;
 }
 
+/** A matrix's stored form: its type and its bytes in that type's layout. */
+export interface EncodedMatrix {
+  readonly dtype: WeightDType;
+  readonly bytes: Uint8Array;
+}
+
 export interface WriteGgufOptions {
   /** Type of every matrix (1-D tensors stay F32). */
   readonly dtype: WeightDType;
+  /**
+   * Encodes each matrix instead (by GGUF name; `data` [rows][cols] f32 as the file holds it, Llama's
+   * Q/K rows permuted): a mix of types, or bytes made by another quantiser.
+   */
+  readonly encode?: (ggufName: string, data: Float32Array, rows: number, cols: number) => EncodedMatrix;
   /** Metadata to add or override (tests of refusals), by key. */
   readonly extraMetadata?: Record<string, Entry>;
   /** Leave these keys out. */
@@ -69,17 +84,13 @@ export function permuteRows(w: Float32Array, rows: number, cols: number, heads: 
   return out;
 }
 
-function tensorsOf(config: ModelConfig, w: ModelWeights, dtype: WeightDType): OutTensor[] {
+function tensorsOf(config: ModelConfig, w: ModelWeights, options: WriteGgufOptions): OutTensor[] {
   const h = config.hiddenSize;
   const out: OutTensor[] = [];
   const matrix = (name: string, m: Matrix, rows: number, cols: number): void => {
     const data = decodeMatrix(m);
-    out.push({
-      name,
-      shape: [rows, cols],
-      type: GGUF_TYPE[dtype],
-      bytes: encodeWeight(data, [rows, cols], dtype).bytes,
-    });
+    const e = options.encode?.(name, data, rows, cols) ?? encodeWeight(data, [rows, cols], options.dtype);
+    out.push({ name, shape: [rows, cols], type: GGUF_TYPE[e.dtype], bytes: e.bytes });
   };
   const vector = (name: string, data: Float32Array): void => {
     out.push({
@@ -159,7 +170,7 @@ export function writeGgufFromFolder(dir: string, path: string, options: WriteGgu
   const model = loadModel(dir);
   const config = model.config;
   const arch = config.architecture === "qwen2" ? "qwen2" : "llama";
-  const tensors = tensorsOf(config, model.weights, options.dtype);
+  const tensors = tensorsOf(config, model.weights, options);
   const f32 = GGUFValueType.FLOAT32;
   const u32 = GGUFValueType.UINT32;
   let meta: Record<string, Entry> = {

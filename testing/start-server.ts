@@ -49,6 +49,8 @@ export interface TestServerOptions {
   readonly maxNumSeqs?: number;
   readonly tenantMaxConcurrency?: number;
   readonly tenantMaxPages?: number;
+  /** `--kernels` (default auto: native where it loads and passes its self-test, else wasm). */
+  readonly kernels?: "ts" | "wasm" | "native" | "auto";
   /** true: the default topology (prefill and decode nodes in threads); default false (one engine). */
   readonly disaggregation?: boolean;
   /** `--operator-key` (default TEST_OPERATOR_KEY); null: none, so /metrics is on the operator listener. */
@@ -88,6 +90,7 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: String(options.maxPrefillTokens) }),
     ...(apiKeys === undefined ? {} : { apiKeys }),
     ...(options.kernelThreads === undefined ? {} : { kernelThreads: String(options.kernelThreads) }),
+    ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
     ...(options.maxPromptBytes === undefined ? {} : { maxPromptBytes: String(options.maxPromptBytes) }),
     ...(options.maxResponseBytes === undefined ? {} : { maxResponseBytes: String(options.maxResponseBytes) }),
     ...(options.maxNumSeqs === undefined ? {} : { maxNumSeqs: String(options.maxNumSeqs) }),

@@ -147,4 +147,28 @@ typedef struct {
                           int32_t num_heads, int32_t head_dim, int32_t splits);
 } kf_attention_table;
 
+/*
+ * The element-wise kernels (native/src/ops.c), same semantics as the WebAssembly kernels of the
+ * same names. out may alias an input where the WebAssembly kernel allows it (rmsnorm, swiglu).
+ */
+typedef struct {
+  void (*add)(float *out, const float *a, const float *b, int32_t n);
+  void (*add_bias)(float *out, const float *bias, int32_t rows, int32_t n);
+  void (*rmsnorm)(float *out, const float *x, const float *weight, int32_t n, double eps, int32_t rows);
+  /* positions were checked: each row's [pos·head_dim/2, (pos+1)·head_dim/2) lies in cos and sin. */
+  void (*rope)(float *x, const int32_t *positions, const double *cos, const double *sin, int32_t rows,
+               int32_t num_heads, int32_t head_dim);
+  void (*swiglu)(float *out, const float *gate, const float *up, int32_t n);
+  /* swiglu over chunks of `chunk` floats claimed from one counter (atomic add, as swigluPar). */
+  void (*swiglu_par)(float *out, const float *gate, const float *up, int32_t n, int32_t *counter, int32_t chunk);
+  /* n f32 at src into the pool at dst as kv_dtype (f16/bf16: nearest, ties to even; f16 saturates). */
+  void (*kv_store)(uint8_t *dst, const float *src, int32_t n, int kv_dtype);
+} kf_ops_table;
+
+/*
+ * Each table entry is a function named KF_FN(<field>) in its kernel file: matmul.c defines
+ * prepare_bytes, prepare, matmul_par, matmul_chunks; attention.c attention_par, attention_merge;
+ * ops.c the fields of kf_ops_table. The glue (addon.c) declares them per level and builds the tables.
+ */
+
 #endif

@@ -33,7 +33,7 @@ function integerList(value: string): number[] {
   return value.split(",").map((v) => positiveInteger(v.trim()));
 }
 
-const BENCH_KERNELS: readonly BenchKernels[] = ["ts", "wasm", "wasm-mul-add", "wasm-i16"];
+const BENCH_KERNELS: readonly BenchKernels[] = ["ts", "wasm", "native", "auto", "wasm-mul-add", "wasm-i16"];
 
 function kernelsChoice(value: string): BenchKernels[] {
   if (value === "both") return ["ts", "wasm"];
@@ -108,7 +108,7 @@ function modelCommand(): Command {
     .addOption(
       new Option(
         "--kernels <which>",
-        "ts, wasm, wasm-mul-add (the WebAssembly build without fused multiply-add), wasm-i16 (the i16 tile for Q8_0/Q4_0 batches, not the int8 dot with accumulate), a comma-separated list of them, or both (ts,wasm); side by side",
+        "ts, wasm, native (the C kernels, docs/kernels.md), auto (what the server picks: native where it passes its self-test, else wasm), wasm-mul-add (the WebAssembly build without fused multiply-add), wasm-i16 (the i16 tile for Q8_0/Q4_0 batches, not the int8 dot with accumulate), a comma-separated list of them, or both (ts,wasm); side by side",
       )
         .argParser(kernelsChoice)
         .default([...d.kernels], "both"),

@@ -42,7 +42,7 @@ export function command(): Command {
     .option("--api-keys <file>", "API keys file for the router")
     .option("--max-model-len <tokens>", "longest request served (prompt + max_tokens)")
     .option("--prefill-kv-pages <n>", "the prefill nodes' KV pool in pages, when it differs from --kv-pages")
-    .option("--kernels <kind>", "forward-pass kernels of every node: wasm (default) or ts")
+    .option("--kernels <kind>", "forward-pass kernels of every node: auto (default), native, wasm or ts")
     .option("--kernel-threads <n>", "threads of the wasm kernels per node: 1 (default) or 2")
     .option("--tls-cert <file>", "cluster links: every process's TLS certificate (PEM, SANs 127.0.0.1)")
     .option("--tls-key <file>", "cluster links: the private key of --tls-cert (PEM)")

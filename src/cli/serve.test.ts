@@ -42,13 +42,21 @@ test("parseServeConfig() returns a frozen typed config", () => {
   assert.ok(Object.isFrozen(config));
 });
 
-test("kernelOptions() defaults to wasm with 1 thread per node, 2 on one engine; flags override", () => {
-  assert.deepEqual(kernelOptions(parseServeConfig(defaults)), { kernels: "wasm", kernelThreads: 1 });
-  assert.deepEqual(kernelOptions(parseServeConfig({ ...defaults, disaggregation: false })), {
+test("kernelOptions() takes the resolved kernels with 1 thread per node, 2 on one engine; --kernels defaults to auto; flags override", () => {
+  // auto is resolved at start-up (withChosenKernels) before any engine options are made.
+  assert.equal(parseServeConfig(defaults).kernels, "auto");
+  assert.throws(() => kernelOptions(parseServeConfig(defaults)), /--kernels auto is resolved first/);
+  const wasm = { ...defaults, kernels: "wasm" };
+  assert.deepEqual(kernelOptions(parseServeConfig(wasm)), { kernels: "wasm", kernelThreads: 1 });
+  assert.deepEqual(kernelOptions(parseServeConfig({ ...wasm, disaggregation: false })), {
     kernels: "wasm",
     kernelThreads: 2,
   });
-  assert.deepEqual(kernelOptions(parseServeConfig({ ...defaults, role: "decode" })), {
+  assert.deepEqual(kernelOptions(parseServeConfig({ ...defaults, kernels: "native" })), {
+    kernels: "native",
+    kernelThreads: 1,
+  });
+  assert.deepEqual(kernelOptions(parseServeConfig({ ...wasm, role: "decode" })), {
     kernels: "wasm",
     kernelThreads: 1,
   });

@@ -77,8 +77,8 @@ export function command(): Command {
     .option("--prefill-kv-pages <n>", "the prefill node's KV pool in pages, when it differs from --kv-pages")
     .option(
       "--kernels <kind>",
-      "forward-pass kernels: wasm (WebAssembly SIMD) or ts (TypeScript reference)",
-      "wasm",
+      "forward-pass kernels: auto (native where the addon is built and passes its start-up self-test, else wasm), native (C, docs/kernels.md), wasm (WebAssembly SIMD) or ts (TypeScript reference)",
+      "auto",
     )
     .option(
       "--quantize <type>",

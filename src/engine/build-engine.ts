@@ -9,9 +9,9 @@ import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
 import { Engine } from "./engine.js";
-import type { EngineLimits, MemoryRegion } from "./engine-memory.js";
+import type { EngineLimits, KernelMemory, MemoryRegion } from "./engine-memory.js";
 import { ENGINE_DEFAULTS, layoutOf } from "./engine-memory.js";
-import { createForward } from "./forward-setup.js";
+import { createForward, type KernelsName } from "./forward-setup.js";
 
 /** What an engine is built from: plain data, so it crosses a thread boundary as a worker's `workerData`. */
 export interface EngineBuildOptions extends EngineLimits {
@@ -33,8 +33,12 @@ export interface EngineBuildOptions extends EngineLimits {
   readonly phaseMetrics?: boolean;
   /** `--otlp-endpoint`: the node built around this engine exports its spans there (the engine itself ignores it). */
   readonly otlpEndpoint?: string;
-  /** The forward pass's kernels: "wasm" (default, WebAssembly SIMD) or "ts" (the TypeScript reference). */
-  readonly kernels?: "ts" | "wasm";
+  /**
+   * The forward pass's kernels: "wasm" (default, WebAssembly SIMD), "native" (the Node-API addon,
+   * docs/kernels.md) or "ts" (the TypeScript reference). `--kernels auto` is resolved before this
+   * (src/kernels/choose-kernels.ts).
+   */
+  readonly kernels?: KernelsName;
   /** Threads of the WebAssembly kernels: 1 (default, this thread only) or 2 (plus one spinning worker). */
   readonly kernelThreads?: 1 | 2;
   /**
@@ -42,7 +46,7 @@ export interface EngineBuildOptions extends EngineLimits {
    * engine's region of it (src/engine/engine-memory.ts). Absent: the engine makes its own memory
    * and copies the weights in.
    */
-  readonly memory?: { readonly memory: WebAssembly.Memory; readonly region: MemoryRegion };
+  readonly memory?: { readonly memory: KernelMemory; readonly region: MemoryRegion };
 }
 
 /**

@@ -13,13 +13,16 @@
  * pool outside their own region (`WasmKernels`' fence), so the pools stay separate and fenced as
  * when each engine had its own memory; what they share is read-only weights.
  *
+ * On the native kernels (`kernels: "native"`, docs/kernels.md) the memory is a plain
+ * SharedArrayBuffer of the same layout (`{ buffer }`), which has no 4 GiB limit.
+ *
  * A region's size is planned here from the engine's limits (`engineRegionBytes`) and is fixed: the
  * memory never grows (a grow by one thread while another runs would race with the plan). wasm32
  * addresses 4 GiB, so weights plus every region must fit; the plan says so with the numbers before
  * a byte is read.
  */
 import { statSync } from "node:fs";
-import type { MemoryRegion } from "../kernels/wasm-kernels.js";
+import type { KernelMemory, MemoryRegion } from "../kernels/wasm-kernels.js";
 import { type Matrix, matrixBytes, type WeightTensor, weightBytes } from "../kernels/weight-format.js";
 import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, type KvLayout } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
@@ -42,7 +45,7 @@ const WEIGHTS_START = 65536;
 
 const aligned = (bytes: number): number => Math.ceil(bytes / 64) * 64;
 
-export type { MemoryRegion };
+export type { KernelMemory, MemoryRegion };
 
 /** The step limits an engine gets by default (`maxBatchTokens`, `maxSequences`, `pageSize`). */
 export const ENGINE_DEFAULTS = { maxBatchTokens: 256, maxSequences: 16, pageSize: 16 } as const;
@@ -80,7 +83,8 @@ export interface EngineSizing {
 
 /** A shared memory holding the weights, with one region per engine. */
 export interface EngineMemory {
-  readonly memory: WebAssembly.Memory;
+  /** A `WebAssembly.Memory` (wasm kernels) or `{ buffer }` over a plain SharedArrayBuffer (native). */
+  readonly memory: KernelMemory;
   /** The weights as views of the memory's buffer. */
   readonly weights: ModelWeights;
   readonly regions: readonly MemoryRegion[];
@@ -110,16 +114,24 @@ export function layoutOf(
 export function engineRegionBytes(config: ModelConfig, layout: KvLayout, sizing: EngineSizing): number {
   const pools = sizing.poolPages.reduce((sum, n) => sum + aligned(PagePool.dataBytesFor(layout, n)), 0);
   const totalPages = sizing.poolPages.reduce((a, b) => a + b, 0);
-  const maxIn = Math.max(config.hiddenSize, config.numHeads * config.headDim, config.intermediateSize);
-  const packed = 2 * Math.ceil(sizing.maxBatchTokens / 8) * Math.ceil(maxIn / 4) * 128;
   return aligned(
     64 * 1024 +
       ForwardPass.bufferBytes(config, sizing) +
       pools +
       attentionStagingBytes(config, totalPages) +
-      packed +
+      matmulScratchBytes(config, sizing.maxBatchTokens) +
       (1 << 20),
   );
+}
+
+/**
+ * What a matmul's prepared x (packed rows, or quantised activations with their scales) takes at
+ * most, twice over (it grows by doubling): the largest of rows·inDim·4 floats' worth, a generous
+ * bound for both kernel sets' `prepare`.
+ */
+export function matmulScratchBytes(config: ModelConfig, maxBatchTokens: number): number {
+  const maxIn = Math.max(config.hiddenSize, config.numHeads * config.headDim, config.intermediateSize);
+  return 2 * Math.ceil(maxBatchTokens / 8) * Math.ceil(maxIn / 4) * 128;
 }
 
 /**
@@ -146,7 +158,12 @@ export function attentionStagingBytes(config: ModelConfig, numPages: number): nu
 export function loadEngineMemory(
   meta: ModelMeta,
   regionBytes: readonly number[],
-  options?: { readonly onProgress?: (progress: LoadProgress) => void; readonly quantize?: "q8_0" | "q4_0" },
+  options?: {
+    readonly onProgress?: (progress: LoadProgress) => void;
+    readonly quantize?: "q8_0" | "q4_0";
+    /** "native": a plain SharedArrayBuffer, no 4 GiB limit; else (default) a WebAssembly.Memory. */
+    readonly kernels?: "wasm" | "native";
+  },
 ): EngineMemory {
   const fileBytes = weightFilesOf(meta).reduce((sum, f) => sum + aligned(statSync(f).size), 0);
   const tailBytes = [...expectedTensors(meta.config).values()].reduce((sum, shape) => {
@@ -162,14 +179,17 @@ export function loadEngineMemory(
     at += aligned(bytes);
   }
   const pages = Math.ceil(at / PAGE_BYTES);
-  if (pages > MAX_PAGES) {
+  const native = options?.kernels === "native";
+  if (!native && pages > MAX_PAGES) {
     const gib = (b: number): string => `${(b / 1024 ** 3).toFixed(2)} GiB`;
     throw new KvfenceError(
       "config_invalid",
-      `The weights and the engines' memory need ${gib(at)} (weights ${gib(weightBytesTotal)}, ${regionBytes.length} engine region(s) of ${regionBytes.map(gib).join(" and ")}) but WebAssembly addresses at most 4 GiB; use a smaller --kv-memory or --kv-pages, --max-model-len, a smaller weight format, or --kernels ts`,
+      `The weights and the engines' memory need ${gib(at)} (weights ${gib(weightBytesTotal)}, ${regionBytes.length} engine region(s) of ${regionBytes.map(gib).join(" and ")}) but WebAssembly addresses at most 4 GiB; use --kernels native, a smaller --kv-memory or --kv-pages, --max-model-len, a smaller weight format, or --kernels ts`,
     );
   }
-  const memory = new WebAssembly.Memory({ initial: pages, maximum: pages, shared: true });
+  const memory: KernelMemory = native
+    ? { buffer: new SharedArrayBuffer(pages * PAGE_BYTES) }
+    : new WebAssembly.Memory({ initial: pages, maximum: pages, shared: true });
   const buffer = memory.buffer as SharedArrayBuffer;
   let next = WEIGHTS_START;
   const into = (bytes: number): Uint8Array => {

@@ -13,41 +13,42 @@ describe("createForward()", () => {
   const layout = layoutFor(config, 8);
   const pagesPerSeq = config.maxPositionEmbeddings / 8;
 
-  it("createForward() on wasm puts every pool in the kernels' memory, which no step up to the full window grows", async () => {
-    const setup = await createForward(config, weights, layout, {
-      kernels: "wasm",
-      kernelThreads: 2,
-      maxBatchTokens: 64,
-      maxSequences: 3,
-      poolPages: [3 * pagesPerSeq, 5],
+  for (const kernels of ["wasm", "native"] as const)
+    it(`createForward() on ${kernels} puts every pool in the kernels' memory, which no step up to the full window grows`, async () => {
+      const setup = await createForward(config, weights, layout, {
+        kernels,
+        kernelThreads: 2,
+        maxBatchTokens: 64,
+        maxSequences: 3,
+        poolPages: [3 * pagesPerSeq, 5],
+      });
+      try {
+        const k = setup.kernels;
+        assert.ok(k instanceof WasmKernels);
+        const buffer = k.memory.buffer;
+        for (const pool of setup.pools) assert.equal(pool.data.buffer, buffer);
+        const [a, b] = setup.pools;
+        assert.ok(a !== undefined && b !== undefined);
+        assert.ok(b.data.byteOffset >= a.data.byteOffset + a.data.byteLength, "the pools do not overlap");
+        // Three sequences decode at the last position of the window: the attention staging is at its largest.
+        const last = config.maxPositionEmbeddings - 1;
+        const seqs: StepSequence[] = [0, 1, 2].map((s) => ({
+          tokens: Int32Array.of(s + 1),
+          startPos: last,
+          blockTable: Int32Array.from({ length: pagesPerSeq }, (_, i) => s * pagesPerSeq + i),
+          logits: new Float32Array(config.vocabSize),
+        }));
+        setup.forward.step(a.data, seqs);
+        assert.equal(k.memory.buffer.byteLength, buffer.byteLength, "the memory did not grow");
+        assert.equal(k.fallbackCalls, 0);
+      } finally {
+        await setup.close();
+      }
     });
-    try {
-      const k = setup.kernels;
-      assert.ok(k instanceof WasmKernels);
-      const buffer = k.memory.buffer;
-      for (const pool of setup.pools) assert.equal(pool.data.buffer, buffer);
-      const [a, b] = setup.pools;
-      assert.ok(a !== undefined && b !== undefined);
-      assert.ok(b.data.byteOffset >= a.data.byteOffset + a.data.byteLength, "the pools do not overlap");
-      // Three sequences decode at the last position of the window: the attention staging is at its largest.
-      const last = config.maxPositionEmbeddings - 1;
-      const seqs: StepSequence[] = [0, 1, 2].map((s) => ({
-        tokens: Int32Array.of(s + 1),
-        startPos: last,
-        blockTable: Int32Array.from({ length: pagesPerSeq }, (_, i) => s * pagesPerSeq + i),
-        logits: new Float32Array(config.vocabSize),
-      }));
-      setup.forward.step(a.data, seqs);
-      assert.equal(k.memory.buffer.byteLength, buffer.byteLength, "the memory did not grow");
-      assert.equal(k.fallbackCalls, 0);
-    } finally {
-      await setup.close();
-    }
-  });
 
-  it("createForward() gives the same logits on ts and wasm", async () => {
+  it("createForward() gives the same logits on ts, wasm and native", async () => {
     const logits: Float32Array[] = [];
-    for (const kernels of ["ts", "wasm"] as const) {
+    for (const kernels of ["ts", "wasm", "native"] as const) {
       const setup = await createForward(config, weights, layout, {
         kernels,
         maxBatchTokens: 32,
@@ -63,6 +64,7 @@ describe("createForward()", () => {
       await setup.close();
     }
     assert.ok(maxAbsDiff(logits[0] as Float32Array, logits[1] as Float32Array) < 1e-4);
+    assert.ok(maxAbsDiff(logits[0] as Float32Array, logits[2] as Float32Array) < 1e-4);
   });
 
   it("createForward() refuses a wasm memory beyond 4 GiB, naming --kernels ts", async () => {

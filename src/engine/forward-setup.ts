@@ -9,21 +9,25 @@
  *   model, the step limits and the pools, so it does not grow while serving; each pool is a window
  *   of the memory's `SharedArrayBuffer` (the buffer the shared-memory transport hands to a prefill
  *   node, which then writes straight into the decode node's pages). A model plus pools beyond
- *   wasm32's 4 GiB is refused with a `KvfenceError` that names `--kernels ts`.
+ *   wasm32's 4 GiB is refused with a `KvfenceError` that names `--kernels native` and `ts`.
+ * - `"native"`: the same class over the native addon (docs/kernels.md) and a plain
+ *   SharedArrayBuffer sized here once, fixed (it never grows), which may pass 4 GiB.
  */
 import type { Kernels } from "../kernels/kernels.js";
 import { referenceKernels } from "../kernels/kernels.js";
-import { type MemoryRegion, WasmKernels } from "../kernels/wasm-kernels.js";
+import { type KernelMemory, type MemoryRegion, WasmKernels } from "../kernels/wasm-kernels.js";
 import { type Matrix, matrixBytes } from "../kernels/weight-format.js";
 import type { KvLayout } from "../kvcache/kv-layout.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { ForwardPass } from "../model/forward.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { attentionStagingBytes } from "./engine-memory.js";
+import { attentionStagingBytes, matmulScratchBytes } from "./engine-memory.js";
 
-/** Which kernels a forward pass runs on. */
-export type KernelsName = "ts" | "wasm";
+export { chooseKernels, type KernelsChoice, type KernelsRequest } from "../kernels/choose-kernels.js";
+
+/** Which kernels a forward pass runs on (`--kernels auto` resolved first: `chooseKernels`). */
+export type KernelsName = "ts" | "wasm" | "native";
 
 export interface ForwardSetupOptions {
   readonly kernels: KernelsName;
@@ -46,7 +50,7 @@ export interface ForwardSetupOptions {
    * already (src/engine/engine-memory.ts), and this engine's region of it; the weights are then
    * used in place, not copied.
    */
-  readonly shared?: { readonly memory: WebAssembly.Memory; readonly region: MemoryRegion };
+  readonly shared?: { readonly memory: KernelMemory; readonly region: MemoryRegion };
 }
 
 export interface ForwardSetup {
@@ -86,15 +90,18 @@ export async function createForward(
     ForwardPass.bufferBytes(config, passOptions) +
     poolBytes.reduce((a, b) => a + b, 0) +
     attentionStagingBytes(config, totalPages);
-  if (options.shared === undefined && bytes > WASM_MEMORY_LIMIT_BYTES) {
+  const native = options.kernels === "native";
+  if (!native && options.shared === undefined && bytes > WASM_MEMORY_LIMIT_BYTES) {
     throw new KvfenceError(
       "config_invalid",
-      `The WebAssembly kernels address at most 4 GiB and this model plus its KV pool needs more: ${bytes} bytes; use a smaller --kv-memory or --kv-pages, or --kernels ts`,
+      `The WebAssembly kernels address at most 4 GiB and this model plus its KV pool needs more: ${bytes} bytes; use a smaller --kv-memory or --kv-pages, --kernels native, or --kernels ts`,
     );
   }
   const k = await WasmKernels.create({
+    backend: native ? "native" : "wasm",
     threads: options.kernelThreads ?? 1,
-    initialBytes: bytes,
+    // The native memory never grows: room for the matmul's scratch and the control block too.
+    initialBytes: native ? bytes + matmulScratchBytes(config, options.maxBatchTokens) + (1 << 20) : bytes,
     fma: options.wasmFma ?? true,
     dotAdd: options.wasmDotAdd ?? true,
     ...(options.shared === undefined ? {} : { shared: options.shared }),

@@ -116,12 +116,19 @@ describe("KV dtype rounding (reference)", () => {
   });
 });
 
-for (const threads of [1, 2] as const) {
-  describe(`KV dtype on WasmKernels (${threads} thread${threads === 1 ? "" : "s"})`, () => {
+for (const [threads, backend] of [
+  [1, "wasm"],
+  [2, "wasm"],
+  [1, "native"],
+  [2, "native"],
+] as const) {
+  describe(`KV dtype on WasmKernels (${threads} thread${threads === 1 ? "" : "s"}, ${backend})`, () => {
     let k: WasmKernels;
     before(async () => {
-      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 20 });
+      const initialBytes = backend === "native" ? 64 << 20 : 1 << 20;
+      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes, backend });
       await k.ready();
+      assert.equal(k.name, backend);
     });
     after(async () => {
       await k.close();

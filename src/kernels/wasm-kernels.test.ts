@@ -48,21 +48,26 @@ const MATMUL_SHAPES: [number, number, number][] = [
   [131, 40, 101], // several row blocks of 64, a partial column chunk
 ];
 
-for (const [threads, fma] of [
-  [1, true],
-  [2, true],
-  [2, false],
+for (const [threads, fma, backend] of [
+  [1, true, "wasm"],
+  [2, true, "wasm"],
+  [2, false, "wasm"],
+  [1, false, "native"],
+  [2, false, "native"],
 ] as const) {
-  const build = fma ? "fused multiply-add" : "multiply, then add";
+  const build = backend === "native" ? "native" : fma ? "fused multiply-add" : "multiply, then add";
   describe(`WasmKernels (${threads} thread${threads === 1 ? "" : "s"}, ${build})`, () => {
     let k: WasmKernels;
     before(async () => {
-      // parallelMinWork 0: every matmul/attention goes through the two-thread job protocol.
-      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 20, fma });
+      // parallelMinWork 0: every matmul/attention goes through the two-thread job protocol. The
+      // native memory does not grow: it is made big enough at once.
+      const initialBytes = backend === "native" ? 64 << 20 : 1 << 20;
+      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes, fma, backend });
       await k.ready();
+      assert.equal(k.name, backend);
       // Node 20 takes the relaxed-SIMD build after turning on its flag; a build that silently fell
       // back would leave the fused kernels untested.
-      assert.equal(k.fma, fma);
+      if (backend === "wasm") assert.equal(k.fma, fma);
     });
     after(async () => {
       await k.close();
@@ -373,6 +378,80 @@ describe("WasmKernels memory", () => {
       for (let i = 0; i < 50 && k.workerJobs === 0; i++) k.matmul(out, x, w, rows, inDim, outDim);
       assert.ok(k.workerJobs > 0, "the worker never took a job");
       assertAllClose(out, want, { rtol: 1e-4, atol: 1e-5 });
+    } finally {
+      await k.close();
+    }
+  });
+});
+
+describe("WasmKernels on native past 4 GiB", () => {
+  it("WasmKernels on native runs matmul, attention and the KV write on buffers past 4 GiB, on two threads", async () => {
+    // The memory is 4 GiB + 64 MiB; only the pages used are touched (committed).
+    const k = await WasmKernels.create({
+      backend: "native",
+      threads: 2,
+      parallelMinWork: 0,
+      initialBytes: 2 ** 32 + (64 << 20),
+    });
+    try {
+      await k.ready();
+      k.allocBytes(2 ** 32);
+      const [rows, inDim, outDim] = [16, 256, 1024];
+      const x = fill(k.allocF32(rows * inDim), 3);
+      const w = fill(k.allocF32(outDim * inDim), 4);
+      const got = k.allocF32(rows * outDim);
+      assert.ok(x.byteOffset > 2 ** 32 && got.byteOffset > 2 ** 32);
+      const want = new Float32Array(rows * outDim);
+      ref.matmul(want, x, w, rows, inDim, outDim);
+      // Until the worker took a job: its arguments (offsets past 2^32) come through the control block.
+      for (let i = 0; i < 50 && k.workerJobs === 0; i++) k.matmul(got, x, w, rows, inDim, outDim);
+      assertAllClose(got, want, { rtol: 1e-4, atol: 1e-5, message: "matmul past 4 GiB" });
+      const [numHeads, numKvHeads, headDim, pageSize] = [4, 2, 8, 4];
+      const pool = new Uint16Array(
+        k.buffer(),
+        k.allocBytes(6 * 2 * pageSize * numKvHeads * headDim * 2),
+        6 * 2 * pageSize * numKvHeads * headDim,
+      );
+      const seq = { blockTable: Int32Array.of(5, 1, 3), rowStart: 0, rows: 9, startPos: 0 };
+      const kv = fill(k.allocF32(9 * numKvHeads * headDim), 5);
+      k.storeKv(pool, kv, kv, [seq], 1, 0, 1, numKvHeads, headDim, pageSize, 1);
+      const q = fill(k.allocF32(9 * numHeads * headDim), 6);
+      const out = k.allocF32(q.length);
+      const wantOut = new Float32Array(q.length);
+      const scratch = new Float64Array(64);
+      k.pagedAttentionBatch(
+        out,
+        q,
+        pool,
+        [seq],
+        1,
+        scratch,
+        0,
+        1,
+        numHeads,
+        numKvHeads,
+        headDim,
+        pageSize,
+        1,
+      );
+      ref.pagedAttentionBatch(
+        wantOut,
+        q,
+        pool,
+        [seq],
+        1,
+        scratch,
+        0,
+        1,
+        numHeads,
+        numKvHeads,
+        headDim,
+        pageSize,
+        1,
+      );
+      assertAllClose(out, wantOut, { rtol: 1e-4, atol: 1e-5, message: "attention past 4 GiB" });
+      assert.equal(k.fallbackCalls, 0);
+      assert.ok(k.workerJobs > 0, "the worker took part");
     } finally {
       await k.close();
     }

@@ -28,6 +28,14 @@
  * every chunk is cancelled (a ticket compare-and-swap), so a descheduled or sleeping worker never
  * delays the main thread by more than the chunk it is running.
  *
+ * ## Two backends
+ * The same class, arena, fence, staging and job protocol serve two backends (kernel-backend.ts):
+ * the WebAssembly kernels over a `WebAssembly.Memory` (`name` "wasm") and the native kernels, a
+ * Node-API addon over a plain SharedArrayBuffer of fixed size (`name` "native", `backend:
+ * "native"`; docs/kernels.md), whose C glue checks every offset and length it is handed against
+ * the memory and this set's region. The native memory may pass 4 GiB, so staging records and job
+ * arguments are Float64Array there (Int32Array records for wasm).
+ *
  * ## Two builds
  * One AssemblyScript source is built twice: kernels-fma.wasm, whose multiply-adds are relaxed-SIMD
  * fused multiply-adds, and kernels.wasm, a multiply and an add. `create()` takes the first where the
@@ -35,10 +43,11 @@
  * are tested against the reference kernels and the golden logits.
  */
 import { Worker } from "node:worker_threads";
+import { type KernelBackend, type MemoryRegion, nativeBackend, wasmBackend } from "./kernel-backend.js";
 import type { Kernels } from "./kernels.js";
 import type { AttentionSequence } from "./reference.js";
 import * as ref from "./reference.js";
-import { type Matrix, matrixDType, type WeightDType } from "./weight-format.js";
+import { blockWeights, type Matrix, matrixDType, type WeightDType } from "./weight-format.js";
 
 // The WebAssembly JS API as far as this module uses it (lib "ES2023" and @types/node 20 omit it).
 declare global {
@@ -68,7 +77,7 @@ const MAX_PAGES = 65536;
 const ARENA_START = 65536;
 /** A word in that unused first 64 KiB, for `owns` to tell whether a buffer is this memory. */
 const PROBE_BYTE = 1024;
-const CTL_BYTES = 512;
+const CTL_BYTES = 1024;
 
 // Control block (Int32 indices); hot words on separate 64-byte lines.
 export const CTL_SEQ = 0;
@@ -81,85 +90,12 @@ export const CTL_WORKER_JOBS = 36;
 export const CTL_OP = 40;
 /** Two work counters, a cache line apart (see `claim` in the kernels). */
 export const CTL_COUNTER = 96;
-export const CTL_ARGS = 64;
+/** The job's arguments: 24 doubles from this Int32 index (addresses may pass 2^32 on native). */
+export const CTL_ARGS = 128;
 
 export const OP_MATMUL = 1;
-/**
- * Work chunk of a matmul over 4 or more rows: 64 rows (a multiple of the 8-row packed groups; the x
- * block stays in L2) × 48 columns (a multiple of the 3-column tile, so no column takes the slow path).
- */
-const MATMUL_ROW_CHUNK = 64;
-/** Up to this many rows, `matmulCols` in the kernels streams the weights (no packed x, no tile). */
-const STREAMED_ROWS = 3;
-const MATMUL_COL_CHUNK = 48;
 export const OP_ATTENTION = 2;
 export const OP_SWIGLU = 3;
-
-/** The kernel exports of kernels.wasm (addresses are byte offsets into the shared memory). */
-export interface WasmExports {
-  pack8(xp: number, x: number, rows: number, inDim: number): void;
-  matmulPar(
-    x: number,
-    xp: number,
-    rows: number,
-    inDim: number,
-    segs: number,
-    numSegs: number,
-    counter: number,
-    colChunk: number,
-    rowChunk: number,
-    first: number,
-    dtype: number,
-  ): void;
-  quantizeRowsQ8(xq: number, x: number, rows: number, inDim: number, quads: number): void;
-  quantizedBytes(rows: number, inDim: number): number;
-  dotAddExact(p: number): number;
-  add(out: number, a: number, b: number, n: number): void;
-  addBias(out: number, bias: number, rows: number, n: number): void;
-  rmsnorm(out: number, x: number, weight: number, n: number, eps: number, rows: number): void;
-  rope(
-    x: number,
-    positions: number,
-    cos: number,
-    sin: number,
-    rows: number,
-    numHeads: number,
-    headDim: number,
-  ): void;
-  swiglu(out: number, gate: number, up: number, n: number): void;
-  swigluPar(out: number, gate: number, up: number, n: number, counter: number, chunk: number): void;
-  attentionPar(
-    out: number,
-    q: number,
-    pool: number,
-    seqs: number,
-    numSeqs: number,
-    scratch: number,
-    layer: number,
-    numLayers: number,
-    numHeads: number,
-    numKvHeads: number,
-    headDim: number,
-    pageSize: number,
-    counter: number,
-    splits: number,
-    partial: number,
-    ml: number,
-    kvParts: number,
-    kvDtype: number,
-  ): void;
-  kvStore(dst: number, src: number, n: number, kvDtype: number): void;
-  attentionMerge(
-    out: number,
-    partial: number,
-    ml: number,
-    rowStart: number,
-    rows: number,
-    numHeads: number,
-    headDim: number,
-    splits: number,
-  ): void;
-}
 
 const compiled = new Map<boolean, Promise<WebAssembly.Module | null>>();
 
@@ -203,9 +139,30 @@ async function compileKernels(file: string, relaxed: boolean): Promise<WebAssemb
   return WebAssembly.compile(bytes);
 }
 
-export function instantiate(module: WebAssembly.Module, memory: WebAssembly.Memory): WasmExports {
-  const instance = new WebAssembly.Instance(module, { env: { memory } });
-  return instance.exports as unknown as WasmExports;
+export function instantiate(module: WebAssembly.Module, memory: WebAssembly.Memory): Record<string, unknown> {
+  return new WebAssembly.Instance(module, { env: { memory } }).exports;
+}
+
+/** The memory of a kernel set: a `WebAssembly.Memory`, or for native a plain SharedArrayBuffer (`{ buffer }`, fixed size). */
+export interface KernelMemory {
+  readonly buffer: ArrayBufferLike;
+  grow?(deltaPages: number): number;
+}
+
+/** Where a kernel set's worker finds its backend (wasm-kernels-worker.ts). */
+export type BackendSpec =
+  | { readonly kind: "wasm"; readonly module: WebAssembly.Module; readonly memory: WebAssembly.Memory }
+  | {
+      readonly kind: "native";
+      readonly buffer: SharedArrayBuffer;
+      readonly region: MemoryRegion;
+      readonly level?: string;
+    };
+
+/** The backend a spec describes, over its memory. */
+export function backendOf(spec: BackendSpec, matvecChunk: number): KernelBackend {
+  if (spec.kind === "wasm") return wasmBackend(instantiate(spec.module, spec.memory), matvecChunk);
+  return nativeBackend(spec.buffer, spec.region, spec.level);
 }
 
 /** The weight tensors of a model (structurally the model's `ModelWeights`). */
@@ -230,14 +187,27 @@ export interface WeightsLike {
 }
 
 /** The kernels' code for each weight format (DT_* in src/kernels/assembly/index.ts). */
-const DTYPE_CODE: Readonly<Record<WeightDType, number>> = { f32: 0, f16: 1, bf16: 2, q8_0: 3, q4_0: 4 };
+const DTYPE_CODE: Readonly<Record<WeightDType, number>> = {
+  f32: 0,
+  f16: 1,
+  bf16: 2,
+  q8_0: 3,
+  q4_0: 4,
+  q4_K: 5,
+  q5_K: 6,
+  q6_K: 7,
+};
 /** Flag on a block format's code: batches run the relaxed int8 dot with accumulate (DT_DOT_ADD in the kernels). */
 const DT_DOT_ADD = 8;
+const CHUNK_SCALE = 16777216;
 
 export interface WasmKernelsOptions {
   /** 1: main thread only; 2 (default): main thread plus one worker. */
   readonly threads?: 1 | 2;
-  /** Initial memory size in bytes (grows on demand up to 4 GiB). Default 64 MiB. */
+  /**
+   * Initial memory size in bytes (wasm: grows on demand up to 4 GiB; native: the fixed size, which
+   * may pass 4 GiB). Default 64 MiB.
+   */
   readonly initialBytes?: number;
   /** How long the idle worker spins before sleeping in Atomics.wait. Default 2 ms. */
   readonly workerSpinMs?: number;
@@ -264,18 +234,27 @@ export interface WasmKernelsOptions {
    * weights sit in it already, and this set's arena is `region` of it (it never grows it). Without
    * one the kernels make their own memory and arena.
    */
-  readonly shared?: { readonly memory: WebAssembly.Memory; readonly region: MemoryRegion };
+  readonly shared?: { readonly memory: KernelMemory; readonly region: MemoryRegion };
+  /**
+   * "wasm" (default): the WebAssembly kernels; "native": the Node-API addon (throws where it is not
+   * built or does not load: see `loadNativeAddon`). A shared memory must be of the same kind.
+   */
+  readonly backend?: "wasm" | "native";
+  /** Native: an ISA level below the CPU's best (avx512, avxvnni, avx2, generic), for tests and benchmarks. */
+  readonly isa?: string;
 }
 
-/** A byte range [start, end) of a memory: one kernel set's arena. */
-export interface MemoryRegion {
-  readonly start: number;
-  readonly end: number;
-}
+export type { MemoryRegion };
 
+/**
+ * The fast kernel set (named for its first backend): the WebAssembly kernels, or the native ones
+ * (`backend: "native"`) — same arena, fence, staging and worker, see the module header.
+ */
 export class WasmKernels implements Kernels {
-  readonly name = "wasm";
-  readonly memory: WebAssembly.Memory;
+  readonly name: "wasm" | "native";
+  /** Native: the ISA level the addon dispatched to; wasm: "simd128". */
+  readonly isa: string;
+  readonly memory: KernelMemory;
   readonly threads: 1 | 2;
   /** Whether the kernels are the relaxed-SIMD build (fused multiply-add). */
   readonly fma: boolean;
@@ -289,7 +268,7 @@ export class WasmKernels implements Kernels {
   readonly dotAdd: boolean;
   /** Calls that ran the reference kernel because an operand was outside the memory. */
   fallbackCalls = 0;
-  #x: WasmExports;
+  #x: KernelBackend;
   /** Every buffer object known to be this memory (see `owns`). */
   #buffers = new WeakSet<ArrayBufferLike>();
   #buf0: ArrayBufferLike;
@@ -300,18 +279,17 @@ export class WasmKernels implements Kernels {
   /** The word `owns` writes through this memory (in this set's arena: sets sharing a memory race otherwise). */
   #probe = PROBE_BYTE;
   #ctl: Int32Array;
-  #args: Uint32Array;
+  #args: Float64Array;
   #ctlBase: number;
   #counter: number;
   #seq = 0;
   #worker: Worker | null = null;
   #ready: Promise<void>;
   #parallelMinWork: number;
-  #matvecChunk: number;
   // Attention staging: the block table and one scratch per thread (grown on demand).
   #table: Int32Array;
-  #seqRecords: Int32Array;
-  #segRecords: Int32Array;
+  #seqRecords: Int32Array | Float64Array;
+  #segRecords: Int32Array | Float64Array;
   #scratchMain = 0;
   #scratchWorker = 0;
   #scratchFloats = 0;
@@ -321,12 +299,22 @@ export class WasmKernels implements Kernels {
   #packed = 0;
   #packedBytes = 0;
 
-  private constructor(module: WebAssembly.Module, fma: boolean, options: WasmKernelsOptions) {
+  private constructor(module: WebAssembly.Module | null, fma: boolean, options: WasmKernelsOptions) {
     this.fma = fma;
+    const native = module === null;
+    this.name = native ? "native" : "wasm";
+    const limit = native ? Number.MAX_SAFE_INTEGER : MAX_PAGES * PAGE_BYTES;
     if (options.shared === undefined) {
       const initialBytes = options.initialBytes ?? 64 * 1024 * 1024;
-      const pages = Math.min(MAX_PAGES, Math.max(2, Math.ceil(initialBytes / PAGE_BYTES)));
-      this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
+      if (native) {
+        this.memory = {
+          buffer: new SharedArrayBuffer(Math.max(2 * PAGE_BYTES, Math.ceil(initialBytes / 64) * 64)),
+        };
+      } else {
+        const pages = Math.min(MAX_PAGES, Math.max(2, Math.ceil(initialBytes / PAGE_BYTES)));
+        this.memory = new WebAssembly.Memory({ initial: pages, maximum: MAX_PAGES, shared: true });
+      }
+      this.#arenaEnd = Math.min(limit, native ? this.memory.buffer.byteLength : limit);
     } else {
       const { memory, region } = options.shared;
       if (region.start < ARENA_START || region.start % 64 !== 0 || region.end > memory.buffer.byteLength) {
@@ -334,25 +322,39 @@ export class WasmKernels implements Kernels {
           `kernel arena [${region.start}, ${region.end}) is not inside the memory (${memory.buffer.byteLength} bytes, 64-byte aligned, above ${ARENA_START})`,
         );
       }
+      if ((memory.grow === undefined) !== native) {
+        throw new TypeError(
+          `The ${this.name} kernels need a ${native ? "SharedArrayBuffer" : "WebAssembly.Memory"} as their shared memory`,
+        );
+      }
       this.memory = memory;
       this.#top = this.#arenaStart = region.start;
       this.#arenaEnd = region.end;
     }
-    this.#x = instantiate(module, this.memory);
-    this.#buf0 = this.memory.buffer;
-    this.#buffers.add(this.#buf0);
     this.threads = options.threads ?? 2;
     this.#parallelMinWork = options.parallelMinWork ?? 32768;
-    this.#matvecChunk = options.matvecChunk ?? 0;
+    const spec: BackendSpec = native
+      ? {
+          kind: "native",
+          buffer: this.memory.buffer as SharedArrayBuffer,
+          region: { start: this.#arenaStart, end: this.#arenaEnd },
+          ...(options.isa === undefined ? {} : { level: options.isa }),
+        }
+      : { kind: "wasm", module, memory: this.memory as WebAssembly.Memory };
+    this.#x = backendOf(spec, options.matvecChunk ?? 0);
+    this.isa = this.#x.isa;
+    this.#buf0 = this.memory.buffer;
+    this.#buffers.add(this.#buf0);
     if (options.shared !== undefined) this.#probe = this.allocBytes(64);
     this.#ctlBase = this.allocBytes(CTL_BYTES);
     this.#ctl = new Int32Array(this.memory.buffer, this.#ctlBase, CTL_BYTES / 4);
-    this.#args = new Uint32Array(this.memory.buffer, this.#ctlBase + CTL_ARGS * 4, 32);
+    this.#args = new Float64Array(this.memory.buffer, this.#ctlBase + CTL_ARGS * 4, 24);
     this.#counter = this.#ctlBase + CTL_COUNTER * 4;
     this.#table = this.allocI32(1024);
-    this.#seqRecords = this.allocI32(5 * 64);
-    this.#segRecords = this.allocI32(4 * 4);
-    this.dotAdd = (options.dotAdd ?? true) && this.#x.dotAddExact(this.allocBytes(48)) === 1;
+    this.#seqRecords = this.#records(5 * 64);
+    this.#segRecords = this.#records(4 * 4);
+    const exact = this.#x.dotAddExact;
+    this.dotAdd = (options.dotAdd ?? true) && exact !== undefined && exact(this.allocBytes(48)) === 1;
     // Bound, so a caller may destructure the kernels (as ForwardPass.step() does).
     this.allocF32 = this.allocF32.bind(this);
     this.allocF64 = this.allocF64.bind(this);
@@ -369,10 +371,10 @@ export class WasmKernels implements Kernels {
     if (this.threads === 2) {
       const worker = new Worker(new URL("./wasm-kernels-worker.js", import.meta.url), {
         workerData: {
-          module,
-          memory: this.memory,
+          spec: native ? { ...spec, level: this.isa } : spec,
           ctlByteOffset: this.#ctlBase,
           spinMs: options.workerSpinMs ?? 2,
+          matvecChunk: options.matvecChunk ?? 0,
         },
       });
       worker.unref();
@@ -388,6 +390,7 @@ export class WasmKernels implements Kernels {
 
   /** Compiles (once per process) and instantiates the kernels; starts the worker when threads is 2. */
   static async create(options: WasmKernelsOptions = {}): Promise<WasmKernels> {
+    if (options.backend === "native") return new WasmKernels(null, false, options);
     const fused = options.fma === false ? null : await wasmModule(true);
     if (fused !== null) return new WasmKernels(fused, true, options);
     return new WasmKernels(await wasmModule(), false, options);
@@ -423,11 +426,11 @@ export class WasmKernels implements Kernels {
     const end = at + Math.ceil(bytes / 64) * 64;
     if (end > this.#arenaEnd) {
       throw new RangeError(
-        `WebAssembly memory region is full: ${end - this.#arenaStart} bytes needed, the region holds ${this.#arenaEnd - this.#arenaStart}; the memory plan (src/engine/engine-memory.ts) undercounts`,
+        `${this.name === "native" ? "Native kernel" : "WebAssembly"} memory region is full: ${end - this.#arenaStart} bytes needed, the region holds ${this.#arenaEnd - this.#arenaStart}; the memory plan (src/engine/engine-memory.ts) undercounts`,
       );
     }
     const have = this.memory.buffer.byteLength;
-    if (end > have) {
+    if (end > have && this.memory.grow !== undefined) {
       const pages = Math.ceil((end - have) / PAGE_BYTES);
       if (have / PAGE_BYTES + pages > MAX_PAGES) {
         throw new RangeError(
@@ -438,6 +441,11 @@ export class WasmKernels implements Kernels {
     }
     this.#top = end;
     return at;
+  }
+
+  /** Staging records of n entries: Float64Array on native (addresses past 2^32), Int32Array on wasm. */
+  #records(n: number): Int32Array | Float64Array {
+    return this.#x.wideRecords ? this.allocF64(n) : this.allocI32(n);
   }
 
   allocF32(n: number): Float32Array {
@@ -578,21 +586,24 @@ export class WasmKernels implements Kernels {
   ): void {
     let owned = this.owns(x);
     const dtype = ws.length === 0 ? "f32" : matrixDType(ws[0] as Matrix);
+    let mixed = false;
     for (let i = 0; i < ws.length; i++) {
       const w = ws[i] as Matrix;
-      owned =
-        owned &&
-        this.owns(outs[i] as Float32Array) &&
-        this.#ownsMatrix(w) &&
-        matrixDType(w) === dtype &&
-        this.#runs(w, inDim);
+      owned = owned && this.owns(outs[i] as Float32Array) && this.#ownsMatrix(w) && this.#runs(w, inDim);
+      mixed ||= matrixDType(w) !== dtype;
+    }
+    if (owned && mixed) {
+      // A job has one weight format; GGUF mixes them (Q4_K_M: Q6_K attn_v beside Q4_K q and k).
+      for (let i = 0; i < ws.length; i++)
+        this.matmul(outs[i] as Float32Array, x, ws[i] as Matrix, rows, inDim, outDims[i] as number);
+      return;
     }
     if (!owned) {
       this.fallbackCalls++;
       ref.matmulEach(outs, x, ws, rows, inDim, outDims);
       return;
     }
-    if (this.#segRecords.length < 4 * ws.length) this.#segRecords = this.allocI32(4 * ws.length);
+    if (this.#segRecords.length < 4 * ws.length) this.#segRecords = this.#records(4 * ws.length);
     let total = 0;
     for (let i = 0; i < ws.length; i++) {
       this.#fence(outs[i] as Float32Array, "matmul output");
@@ -609,8 +620,7 @@ export class WasmKernels implements Kernels {
 
   /** Whether the kernels take this weight: every format, the block ones with whole blocks per row. */
   #runs(w: Matrix, inDim: number): boolean {
-    const dtype = matrixDType(w);
-    return !(dtype === "q8_0" || dtype === "q4_0") || inDim % 32 === 0;
+    return inDim % blockWeights(matrixDType(w)) === 0;
   }
 
   /** Stages matmul segment i (see matmulPar in the kernels) for #matmulSegments. */
@@ -634,25 +644,18 @@ export class WasmKernels implements Kernels {
     totalOut: number,
     format: number,
   ): void {
-    const big = rows > STREAMED_ROWS;
     const dtype = format >= DTYPE_CODE.q8_0 && this.dotAdd ? format | DT_DOT_ADD : format;
     const solo = this.#worker === null || rows * inDim * totalOut < this.#parallelMinWork;
-    const colChunk = big
-      ? MATMUL_COL_CHUNK
-      : solo
-        ? totalOut
-        : this.#matvecChunk > 0
-          ? this.#matvecChunk
-          : Math.min(128, Math.max(16, Math.ceil(totalOut / 64) * 4));
-    const rowChunk = big ? MATMUL_ROW_CHUNK : rows;
+    const chunks = this.#x.matmulChunks(rows, inDim, totalOut, dtype, solo ? 1 : 2);
+    const colChunk = Math.floor(chunks / CHUNK_SCALE);
+    const rowChunk = chunks % CHUNK_SCALE;
     const r = this.#segRecords;
-    let chunks = 0;
+    let n = 0;
     for (let i = 0; i < numSegs; i++) {
-      r[4 * i + 3] = chunks;
-      chunks += Math.ceil((r[4 * i + 2] as number) / colChunk);
+      r[4 * i + 3] = n;
+      n += Math.ceil((r[4 * i + 2] as number) / colChunk);
     }
-    const xp =
-      format >= DTYPE_CODE.q8_0 ? this.#quantize(x, rows, inDim) : big ? this.#pack(x, rows, inDim) : 0;
+    const xp = this.#prepare(x, rows, inDim, dtype);
     let job = 0;
     if (solo) {
       this.#resetCounters();
@@ -670,42 +673,37 @@ export class WasmKernels implements Kernels {
       a[9] = dtype;
       job = this.#publish(OP_MATMUL);
     }
-    this.#x.matmulPar(
-      x.byteOffset,
-      xp,
-      rows,
-      inDim,
-      r.byteOffset,
-      numSegs,
-      this.#counter,
-      colChunk,
-      rowChunk,
-      0,
-      dtype,
-    );
-    if (!solo) this.#join(job);
+    try {
+      this.#x.matmulPar(
+        x.byteOffset,
+        xp,
+        rows,
+        inDim,
+        r.byteOffset,
+        numSegs,
+        this.#counter,
+        colChunk,
+        rowChunk,
+        0,
+        dtype,
+      );
+    } finally {
+      if (!solo) this.#join(job);
+    }
   }
 
-  /** Quantises x's rows to int8 blocks for the Q8_0/Q4_0 kernels (quantizeRowsQ8); returns their address. */
-  #quantize(x: Float32Array, rows: number, inDim: number): number {
-    const bytes = this.#x.quantizedBytes(rows, inDim);
+  /**
+   * x prepared for the matmul (quantised to int8 blocks for Q8_0/Q4_0, packed in groups of 8 rows
+   * for a wasm batch, ...: the backend's `prepare`) in a scratch grown on demand; its address, or 0.
+   */
+  #prepare(x: Float32Array, rows: number, inDim: number, dtype: number): number {
+    const bytes = this.#x.prepareBytes(rows, inDim, dtype);
+    if (bytes === 0) return 0;
     if (bytes > this.#packedBytes) {
       this.#packedBytes = Math.max(bytes, this.#packedBytes * 2);
       this.#packed = this.allocBytes(this.#packedBytes);
     }
-    this.#x.quantizeRowsQ8(this.#packed, x.byteOffset, rows, inDim, this.dotAdd ? 1 : 0);
-    return this.#packed;
-  }
-
-  /** Packs x in groups of 8 rows for the matmul tile; returns their address. */
-  #pack(x: Float32Array, rows: number, inDim: number): number {
-    const groups = Math.ceil(rows / 8);
-    const bytes = groups * Math.ceil(inDim / 4) * 128;
-    if (bytes > this.#packedBytes) {
-      this.#packedBytes = Math.max(bytes, this.#packedBytes * 2);
-      this.#packed = this.allocBytes(this.#packedBytes);
-    }
-    this.#x.pack8(this.#packed, x.byteOffset, rows, inDim);
+    this.#x.prepare(this.#packed, x.byteOffset, rows, inDim, dtype);
     return this.#packed;
   }
 
@@ -750,7 +748,16 @@ export class WasmKernels implements Kernels {
       ref.rope(x, positions, cos, sin, rows, numHeads, headDim);
       return;
     }
-    this.#x.rope(x.byteOffset, positions.byteOffset, cos.byteOffset, sin.byteOffset, rows, numHeads, headDim);
+    this.#x.rope(
+      x.byteOffset,
+      positions.byteOffset,
+      cos.byteOffset,
+      sin.byteOffset,
+      rows,
+      numHeads,
+      headDim,
+      Math.min(cos.byteLength, sin.byteLength),
+    );
   }
 
   swiglu(out: Float32Array, gate: Float32Array, up: Float32Array, n: number): void {
@@ -772,8 +779,11 @@ export class WasmKernels implements Kernels {
     a[4] = this.#counter;
     a[5] = 4096;
     const s = this.#publish(OP_SWIGLU);
-    this.#x.swigluPar(out.byteOffset, gate.byteOffset, up.byteOffset, n, this.#counter, 4096);
-    this.#join(s);
+    try {
+      this.#x.swigluPar(out.byteOffset, gate.byteOffset, up.byteOffset, n, this.#counter, 4096);
+    } finally {
+      this.#join(s);
+    }
   }
 
   /**
@@ -838,7 +848,7 @@ export class WasmKernels implements Kernels {
     if (this.#table.length < tablePages)
       this.#table = this.allocI32(Math.max(tablePages, this.#table.length * 2));
     if (this.#seqRecords.length < 5 * seqCount) {
-      this.#seqRecords = this.allocI32(5 * Math.max(seqCount, (this.#seqRecords.length / 5) * 2));
+      this.#seqRecords = this.#records(5 * Math.max(seqCount, (this.#seqRecords.length / 5) * 2));
     }
     const table = this.#table;
     const records = this.#seqRecords;
@@ -911,30 +921,38 @@ export class WasmKernels implements Kernels {
       a[15] = ml;
       a[16] = kvParts;
       a[17] = kvDtype;
+      a[18] = pool.byteLength;
+      a[19] = this.#scratchFloats * 4;
       job = this.#publish(OP_ATTENTION);
     }
-    this.#x.attentionPar(
-      out.byteOffset,
-      q.byteOffset,
-      pool.byteOffset,
-      records.byteOffset,
-      seqCount,
-      this.#scratchMain,
-      layer,
-      numLayers,
-      numHeads,
-      numKvHeads,
-      headDim,
-      pageSize,
-      counter,
-      splits,
-      partial,
-      ml,
-      kvParts,
-      kvDtype,
-    );
+    try {
+      this.#x.attentionPar(
+        out.byteOffset,
+        q.byteOffset,
+        pool.byteOffset,
+        records.byteOffset,
+        seqCount,
+        this.#scratchMain,
+        layer,
+        numLayers,
+        numHeads,
+        numKvHeads,
+        headDim,
+        pageSize,
+        counter,
+        splits,
+        partial,
+        ml,
+        kvParts,
+        kvDtype,
+        pool.byteLength,
+        this.#scratchFloats * 4,
+        0,
+      );
+    } finally {
+      if (!solo) this.#join(job);
+    }
     if (solo) return;
-    this.#join(job);
     if (splits > 1) {
       this.#x.attentionMerge(
         out.byteOffset,

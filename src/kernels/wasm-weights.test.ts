@@ -11,6 +11,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
 import { assertAllClose } from "./assert-all-close.js";
+import { q8Activations } from "./q8-activations.js";
 import * as ref from "./reference.js";
 import { WasmKernels } from "./wasm-kernels.js";
 import { decodeMatrix, encodeWeight, type WeightDType, type WeightTensor } from "./weight-format.js";
@@ -79,12 +80,6 @@ function assertQuantClose(
   }
 }
 
-/** Round to nearest, ties to even (f32x4.nearest). */
-function nearestEven(v: number): number {
-  const r = Math.round(v);
-  return Math.abs(v - Math.trunc(v)) === 0.5 && r % 2 !== 0 ? r - 1 : r;
-}
-
 /**
  * The int8 algorithm written out independently: each 32-block of x quantised as the kernels
  * document (d = amax/127 in f32, q = nearest-even(x·(1/d))), each weight block read from its bytes
@@ -98,18 +93,8 @@ function int8Reference(
   inDim: number,
   outDim: number,
 ): { out: Float64Array; scale: Float64Array } {
-  const fr = Math.fround;
   const nb = inDim / 32;
-  const qx = new Int8Array(rows * inDim);
-  const dx = new Float64Array(rows * nb);
-  for (let b = 0; b < rows * nb; b++) {
-    let amax = 0;
-    for (let j = 0; j < 32; j++) amax = Math.max(amax, Math.abs(x[b * 32 + j] as number));
-    const d = fr(amax / 127);
-    const id = d !== 0 ? fr(1 / d) : 0;
-    dx[b] = d;
-    for (let j = 0; j < 32; j++) qx[b * 32 + j] = nearestEven(fr((x[b * 32 + j] as number) * id));
-  }
+  const { q: qx, d: dx } = q8Activations(x, rows, inDim);
   const q8 = w.dtype === "q8_0";
   const bs = q8 ? 34 : 18;
   const bytes = w.bytes;
@@ -178,18 +163,23 @@ const QUANT_SHAPES: [number, number, number][] = [
   ...TILE_ROWS.map((r): [number, number, number] => [r, 96, 11]),
 ];
 
-for (const [threads, fma] of [
-  [1, true],
-  [2, true],
-  [2, false],
+for (const [threads, fma, backend] of [
+  [1, true, "wasm"],
+  [2, true, "wasm"],
+  [2, false, "wasm"],
+  [1, false, "native"],
+  [2, false, "native"],
 ] as const) {
-  const build = fma ? "relaxed SIMD" : "plain SIMD";
+  const build = backend === "native" ? "native" : fma ? "relaxed SIMD" : "plain SIMD";
   describe(`WasmKernels on f16/bf16/Q8_0/Q4_0 weights (${threads} thread${threads === 1 ? "" : "s"}, ${build})`, () => {
     let k: WasmKernels;
     before(async () => {
-      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes: 1 << 20, fma });
+      // The native memory does not grow: it is made big enough at once.
+      const initialBytes = backend === "native" ? 64 << 20 : 1 << 20;
+      k = await WasmKernels.create({ threads, parallelMinWork: 0, initialBytes, fma, backend });
       await k.ready();
-      assert.equal(k.fma, fma);
+      assert.equal(k.name, backend);
+      if (backend === "wasm") assert.equal(k.fma, fma);
     });
     after(async () => {
       await k.close();

@@ -19,10 +19,18 @@
  *   q = min(15, trunc(x·id + 8.5)).
  * The scale stored is d rounded to f16, while the quants were computed with the f32 d (as ggml
  * does). Dequantisation (q·d with d widened from f16) is exact in f32.
+ *
+ * - `q4_K`, `q5_K`, `q6_K`: llama.cpp's k-quants in blocks of 256 weights along a row (k-quants.ts),
+ *   read from GGUF files and dequantised exactly as ggml; kvfence never quantises to them, so
+ *   `encodeWeight` (and `kvfence quantize`, `--quantize`) refuse them.
  */
+import { decodeKQuantBlocks, isKQuant, K_BLOCK_BYTES, type KQuantDType, QK_K } from "./k-quants.js";
 
-export type WeightDType = "f32" | "f16" | "bf16" | "q8_0" | "q4_0";
+export { isKQuant, type KQuantDType, QK_K } from "./k-quants.js";
 
+export type WeightDType = "f32" | "f16" | "bf16" | "q8_0" | "q4_0" | KQuantDType;
+
+/** The formats kvfence converts weights to (`encodeWeight`): every `WeightDType` but the k-quants. */
 export const WEIGHT_DTYPES: readonly WeightDType[] = ["f32", "f16", "bf16", "q8_0", "q4_0"];
 
 /** A weight tensor in its stored format, row-major `[out][in]` for a matrix. */
@@ -42,7 +50,12 @@ export function isQuantized(dtype: WeightDType): dtype is "q8_0" | "q4_0" {
   return dtype === "q8_0" || dtype === "q4_0";
 }
 
-/** Bytes of `elements` weights in `dtype` (a multiple of 32 for the block formats). */
+/** Weights per block of `dtype`: 1, 32 (q8_0, q4_0) or 256 (the k-quants); rows hold whole blocks. */
+export function blockWeights(dtype: WeightDType): number {
+  return isKQuant(dtype) ? QK_K : dtype === "q8_0" || dtype === "q4_0" ? QK : 1;
+}
+
+/** Bytes of `elements` weights in `dtype` (a multiple of `blockWeights(dtype)`). */
 export function weightBytes(dtype: WeightDType, elements: number): number {
   switch (dtype) {
     case "f32":
@@ -54,6 +67,10 @@ export function weightBytes(dtype: WeightDType, elements: number): number {
       return (elements / QK) * Q8_0_BLOCK_BYTES;
     case "q4_0":
       return (elements / QK) * Q4_0_BLOCK_BYTES;
+    case "q4_K":
+    case "q5_K":
+    case "q6_K":
+      return (elements / QK_K) * K_BLOCK_BYTES[dtype];
   }
 }
 
@@ -136,9 +153,9 @@ export function bf16BitsToF32(h: number): number {
 // -----------------------------------------------------------------------------------------------
 // blocks
 
-function checkBlocks(n: number, what: string): void {
-  if (n % QK !== 0) {
-    throw new RangeError(`${what}: ${n} values is not a whole number of ${QK}-value blocks`);
+function checkBlocks(n: number, what: string, block = QK): void {
+  if (n % block !== 0) {
+    throw new RangeError(`${what}: ${n} values is not a whole number of ${block}-value blocks`);
   }
 }
 
@@ -229,12 +246,19 @@ export function encodeWeight(data: Float32Array, shape: readonly number[], dtype
         );
       }
       return { dtype, shape: frozen, bytes: dtype === "q8_0" ? quantizeQ8_0(data) : quantizeQ4_0(data) };
+    case "q4_K":
+    case "q5_K":
+    case "q6_K":
+      throw new RangeError(
+        `encodeWeight: kvfence reads ${dtype} from GGUF files but does not quantise to it; choose one of ${WEIGHT_DTYPES.join(", ")}`,
+      );
   }
 }
 
 /**
  * Values [start, start + n) of the tensor (flat, row-major) widened/dequantised into
- * out[at..at + n); for the block formats start and n must be multiples of 32. Allocates nothing.
+ * out[at..at + n); for the block formats start and n must be multiples of the block (32, or 256
+ * for the k-quants). Allocates nothing.
  */
 export function decodeRange(
   t: WeightTensor,
@@ -293,6 +317,21 @@ export function decodeRange(
       }
       return out;
     }
+    case "q4_K":
+    case "q5_K":
+    case "q6_K":
+      checkBlocks(start, "decodeRange", QK_K);
+      checkBlocks(n, "decodeRange", QK_K);
+      decodeKQuantBlocks(
+        t.dtype,
+        b,
+        (start / QK_K) * K_BLOCK_BYTES[t.dtype],
+        n / QK_K,
+        out,
+        at,
+        f16ValueTable(),
+      );
+      return out;
   }
 }
 

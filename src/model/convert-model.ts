@@ -58,6 +58,10 @@ const FILE_DTYPE: Readonly<Record<WeightDType, string>> = {
   bf16: "BF16",
   q8_0: "U8",
   q4_0: "U8",
+  // Never written: kvfence does not quantise to the k-quants (encodeWeight refuses them).
+  q4_K: "U8",
+  q5_K: "U8",
+  q6_K: "U8",
 };
 
 /** Every tensor of the weights by its Hugging Face name, in load order (a tied LM head omitted). */

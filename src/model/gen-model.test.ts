@@ -72,6 +72,17 @@ test("MODEL_SHAPES['smollm2-135m'] writes SmolLM2-135M's exact config", () => {
   );
 });
 
+test("MODEL_SHAPES['llama-3.2-3b'] has Llama-3.2-3B's 3,212,749,824 parameters", () => {
+  const s = MODEL_SHAPES["llama-3.2-3b"];
+  assert.ok(s !== undefined);
+  const kv = s.numKvHeads * s.headDim;
+  const perLayer =
+    2 * s.hiddenSize * s.numHeads * s.headDim + 2 * s.hiddenSize * kv + 3 * s.hiddenSize * s.intermediateSize;
+  const params = s.vocabSize * s.hiddenSize + s.numLayers * (perLayer + 2 * s.hiddenSize) + s.hiddenSize;
+  assert.equal(params, 3_212_749_824); // the count Meta publishes for the tied-embedding model
+  assert.equal(s.tieWordEmbeddings, true);
+});
+
 test("genModel() writes a folder loadModel() loads, with distinct data in every tensor", () => {
   withTempDir((dir) => {
     let lastWritten = 0;
@@ -137,7 +148,7 @@ test("genModel() is deterministic for a seed and differs across seeds", () => {
 test("genModel() refuses an unknown model and a non-integer seed", () => {
   assert.throws(() => genModel("/nonexistent", { like: "gpt5", seed: 1 }), {
     code: "invalid_request",
-    message: /^Unknown model to imitate: gpt5; choose one of smollm2-135m, smollm2-1.7b, tiny$/,
+    message: /^Unknown model to imitate: gpt5; choose one of smollm2-135m, smollm2-1.7b, llama-3.2-3b, tiny$/,
   });
   assert.throws(() => genModel("/dev/null/model", { like: "tiny", seed: 1 }), {
     code: "invalid_request",

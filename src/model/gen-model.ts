@@ -64,6 +64,21 @@ export const MODEL_SHAPES: Readonly<Record<string, ModelShape>> = {
     maxPositionEmbeddings: 8192,
     rmsNormEps: 1e-5,
   },
+  // Llama-3.2-3B's config.json (its rope_scaling left out): 3.21 B parameters, 6.43 GB in bf16 —
+  // past what a wasm32 memory addresses (issue #33 item 4).
+  "llama-3.2-3b": {
+    hiddenSize: 3072,
+    numLayers: 28,
+    numHeads: 24,
+    numKvHeads: 8,
+    headDim: 128,
+    intermediateSize: 8192,
+    vocabSize: 128256,
+    tieWordEmbeddings: true,
+    ropeTheta: 500000,
+    maxPositionEmbeddings: 131072,
+    rmsNormEps: 1e-5,
+  },
   tiny: {
     hiddenSize: 64,
     numLayers: 2,

@@ -139,15 +139,28 @@ test("an architecture other than llama and qwen2 is refused, named", async () =>
   assert.match(err.message, /GGUF architecture "phi3" is not served; supported: llama, qwen2/);
 });
 
-test("a tensor type other than F32, F16, BF16, Q8_0, Q4_0 is refused, named with its tensor", async () => {
+test("a tensor type other than F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K is refused, named with its tensor", async () => {
   const err = await refusal({
     dtype: "f32",
-    tensorTypeOverride: { "blk.1.ffn_down.weight": GGMLQuantizationType.Q4_K },
+    tensorTypeOverride: { "blk.1.ffn_down.weight": GGMLQuantizationType.Q5_0 },
   });
   assert.equal(err.code, "unsupported_model");
   assert.match(
     err.message,
-    /tensor blk\.1\.ffn_down\.weight is Q4_K; kvfence serves GGUF tensors in F32, F16, BF16, Q8_0, Q4_0/,
+    /tensor blk\.1\.ffn_down\.weight is Q5_0; kvfence serves GGUF tensors in F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K/,
+  );
+});
+
+test("a k-quant tensor whose rows are not a multiple of 256 weights is refused, named", async () => {
+  // tiny-qwen2's rows are 64 and 128 weights: whole Q8_0 blocks, never whole k-quant blocks.
+  const err = await refusal(
+    { dtype: "q8_0", tensorTypeOverride: { "blk.0.attn_q.weight": GGMLQuantizationType.Q4_K } },
+    "tiny-qwen2",
+  );
+  assert.equal(err.code, "bad_model_folder");
+  assert.match(
+    err.message,
+    /tensor blk\.0\.attn_q\.weight is Q4_K with rows of 64 weights, not a multiple of Q4_K's 256-weight blocks/,
   );
 });
 

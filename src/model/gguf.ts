@@ -6,9 +6,11 @@
  * the header) — and the tensors under their Hugging Face names, read straight from the file into
  * the memory the caller hands out (src/model/load-model.ts).
  *
- * Served: the `llama` and `qwen2` architectures, tensors in F32, F16, BF16, Q8_0 and Q4_0 (the
- * block layouts are llama.cpp's: 34-byte Q8_0 blocks of an f16 scale and 32 int8, 18-byte Q4_0
- * blocks of an f16 scale and 32 nibbles, low nibbles first), and the tokenizers
+ * Served: the `llama` and `qwen2` architectures, tensors in F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K
+ * and Q6_K (the block layouts are llama.cpp's: 34-byte Q8_0 blocks of an f16 scale and 32 int8,
+ * 18-byte Q4_0 blocks of an f16 scale and 32 nibbles, low nibbles first; the k-quants' 256-weight
+ * blocks of src/kernels/k-quants.ts, so a Q4_K_M or Q5_K_M file, which mixes them with F32 norms,
+ * serves as it is), and the tokenizers
  * gguf-tokenizer.ts serves. Anything else is refused with a one-line `unsupported_model` error
  * naming the architecture, tensor type or tokenizer. The tensors stay in their stored format: the
  * file is read whole (into the engines' shared memory when serving) and each matrix is a view of
@@ -48,6 +50,9 @@ const GGUF_TYPES: ReadonlyMap<number, { name: string; blockBytes: number; blockW
   [30, { name: "BF16", blockBytes: 2, blockWeights: 1 }],
   [8, { name: "Q8_0", blockBytes: 34, blockWeights: 32 }],
   [2, { name: "Q4_0", blockBytes: 18, blockWeights: 32 }],
+  [12, { name: "Q4_K", blockBytes: 144, blockWeights: 256 }],
+  [13, { name: "Q5_K", blockBytes: 176, blockWeights: 256 }],
+  [14, { name: "Q6_K", blockBytes: 210, blockWeights: 256 }],
 ]);
 
 const SERVED_TYPES = [...GGUF_TYPES.values()].map((t) => t.name).join(", ");
@@ -60,7 +65,7 @@ export interface GgufTensor {
   readonly ggufName: string;
   /** Row-major shape as Hugging Face states it (GGUF lists dimensions innermost first). */
   readonly shape: readonly number[];
-  /** `F32`, `F16`, `BF16`, `Q8_0` or `Q4_0`. */
+  /** A name of GGUF_TYPES: `F32`, `F16`, `BF16`, `Q8_0`, `Q4_0`, `Q4_K`, `Q5_K` or `Q6_K`. */
   readonly type: string;
   readonly fileOffset: number;
   readonly byteLength: number;
@@ -109,8 +114,12 @@ export async function readGgufModel(path: string): Promise<GgufModel> {
     const shape = info.shape.map(Number).reverse();
     const elements = shape.reduce((a, b) => a * b, 1);
     const cols = shape[shape.length - 1] ?? 1;
-    if (cols % type.blockWeights !== 0)
-      throw badModelFolder(path, `tensor ${info.name} rows of ${cols} are not whole ${type.name} blocks`);
+    if (cols % type.blockWeights !== 0) {
+      throw badModelFolder(
+        path,
+        `tensor ${info.name} is ${type.name} with rows of ${cols} weights, not a multiple of ${type.name}'s ${type.blockWeights}-weight blocks`,
+      );
+    }
     const name = hfTensorName(info.name);
     let unpermuteHeads = 0;
     if (arch === "llama" && name.endsWith("self_attn.q_proj.weight")) unpermuteHeads = numHeads;
@@ -226,6 +235,9 @@ const DTYPES: Readonly<Record<string, WeightDType>> = {
   BF16: "bf16",
   Q8_0: "q8_0",
   Q4_0: "q4_0",
+  Q4_K: "q4_K",
+  Q5_K: "q5_K",
+  Q6_K: "q6_K",
 };
 
 /**

@@ -84,15 +84,24 @@ for (const [name, dtype] of CASES) {
     let dir: string;
     let model: LoadedModel;
     let wasm: WasmKernels;
+    let native: WasmKernels;
     before(async () => {
       dir = mkdtempSync(join(tmpdir(), `kvfence-${dtype}-`));
       convertModelFolder(join(root, "models", name), dir, dtype);
       model = loadModel(dir);
       wasm = await WasmKernels.create({ threads: 2, parallelMinWork: 0 });
       await wasm.ready();
+      native = await WasmKernels.create({
+        threads: 2,
+        parallelMinWork: 0,
+        backend: "native",
+        initialBytes: 256 << 20,
+      });
+      await native.ready();
     });
     after(async () => {
       await wasm.close();
+      await native.close();
       rmSync(dir, { recursive: true, force: true });
     });
 
@@ -101,8 +110,12 @@ for (const [name, dtype] of CASES) {
     const numPages = pagesNeeded * 2 + 3;
     const int8 = dtype === "q8_0" || dtype === "q4_0";
 
-    for (const kernelsName of ["ts", "wasm"] as const) {
-      const bar = kernelsName === "wasm" && int8 ? (INT8_TOLERANCE[`${name} ${dtype}`] as number) : TOLERANCE;
+    const fastKernels: Partial<Record<string, () => WasmKernels>> = {
+      wasm: () => wasm,
+      native: () => native,
+    };
+    for (const kernelsName of ["ts", "wasm", "native"] as const) {
+      const bar = kernelsName !== "ts" && int8 ? (INT8_TOLERANCE[`${name} ${dtype}`] as number) : TOLERANCE;
       it(`${kernelsName} kernels: logits within ${bar} of the float64 reference on the same weights, greedy continuations identical`, () => {
         const { config } = model;
         assert.equal(
@@ -110,8 +123,9 @@ for (const [name, dtype] of CASES) {
           dtype,
           "the folder loads in its format",
         );
-        const kernels: Kernels | undefined = kernelsName === "wasm" ? wasm : undefined;
-        const weights = kernelsName === "wasm" ? wasm.placeWeights(model.weights) : model.weights;
+        const fast = fastKernels[kernelsName]?.();
+        const kernels: Kernels | undefined = fast;
+        const weights = fast === undefined ? model.weights : fast.placeWeights(model.weights);
         const layout = layoutFor(config, PAGE_SIZE);
         const fp = new ForwardPass(config, weights, layout, {
           maxBatchTokens: 128,
@@ -120,7 +134,7 @@ for (const [name, dtype] of CASES) {
         });
         const pool = (): Float32Array => {
           const p = makePool(layout, numPages);
-          return kernelsName === "wasm" ? wasm.placeF32(p) : p;
+          return fast === undefined ? p : fast.placeF32(p);
         };
         let worst = 0;
         for (const prompt of golden.prompts) {
@@ -142,8 +156,8 @@ for (const [name, dtype] of CASES) {
           const greedy = greedyContinuation(fp, pool(), table, tokens, golden.continuation);
           assert.deepEqual(greedy, prompt.greedy, `greedy continuation of the ${tokens.length}-token prompt`);
         }
-        if (kernelsName === "wasm")
-          assert.equal(wasm.fallbackCalls, 0, "every kernel call ran in WebAssembly");
+        if (fast !== undefined)
+          assert.equal(fast.fallbackCalls, 0, `every kernel call ran in the ${kernelsName} kernels`);
         console.log(`${name} ${dtype} on ${kernelsName}: max |Δlogit| ${worst.toExponential(2)}`);
       });
     }

@@ -70,10 +70,18 @@ for (const name of ["kvfence-tiny", "tiny-qwen2"]) {
       const layout = layoutFor(config, PAGE_SIZE, dtype);
       const tolerance = (TOLERANCE[name] as Record<"f16" | "bf16", number>)[dtype];
       let k: WasmKernels;
+      let n: WasmKernels;
       const passes: { kernels: string; fp: ForwardPass; pool: () => PoolData }[] = [];
       before(async () => {
         k = await WasmKernels.create({ threads: 2, parallelMinWork: 0 });
         await k.ready();
+        n = await WasmKernels.create({
+          threads: 2,
+          parallelMinWork: 0,
+          backend: "native",
+          initialBytes: 256 << 20,
+        });
+        await n.ready();
         passes.push({
           kernels: "ts",
           fp: new ForwardPass(config, weights, layout, { maxBatchTokens: 128, maxSequences: 4 }),
@@ -94,12 +102,28 @@ for (const name of ["kvfence-tiny", "tiny-qwen2"]) {
             return placed;
           },
         });
+        passes.push({
+          kernels: "native",
+          fp: new ForwardPass(config, n.placeWeights(weights), layout, {
+            maxBatchTokens: 128,
+            maxSequences: 4,
+            kernels: n,
+          }),
+          pool: () => {
+            const src = makeKvPool(layout, numPages) as Uint16Array;
+            const at = n.allocBytes(src.byteLength);
+            const placed = new Uint16Array(n.buffer(), at, src.length);
+            placed.set(src);
+            return placed;
+          },
+        });
       });
       after(async () => {
         await k.close();
+        await n.close();
       });
 
-      it(`logits within ${tolerance} of the float64 reference at every position, on the ts and wasm kernels`, () => {
+      it(`logits within ${tolerance} of the float64 reference at every position, on the ts, wasm and native kernels`, () => {
         for (const { kernels, fp, pool } of passes) {
           let worst = 0;
           for (const prompt of golden.prompts) {
@@ -121,9 +145,10 @@ for (const name of ["kvfence-tiny", "tiny-qwen2"]) {
           console.log(`${name}, ${dtype} KV, ${kernels} kernels: max |Δlogit| ${worst.toExponential(2)}`);
         }
         assert.equal(k.fallbackCalls, 0, "every wasm kernel call ran in WebAssembly");
+        assert.equal(n.fallbackCalls, 0, "every native kernel call ran in the native kernels");
       });
 
-      it(`the ${golden.continuation}-token greedy continuations are the reference's (as with an f32 cache), on the ts and wasm kernels`, () => {
+      it(`the ${golden.continuation}-token greedy continuations are the reference's (as with an f32 cache), on the ts, wasm and native kernels`, () => {
         for (const { kernels, fp, pool } of passes) {
           for (const prompt of golden.prompts) {
             const table = blockTable(pagesNeeded, numPages, true, 99 + prompt.tokens.length);

@@ -45,13 +45,16 @@ function decodeLogits(b64: string, vocab: number): Float32Array[] {
 
 // Both builds: the fused multiply-add one the server takes where the engine has relaxed SIMD, and
 // the plain one it falls back to.
-for (const [name, fma] of [
-  ["kvfence-tiny", true],
-  ["tiny-qwen2", true],
-  ["kvfence-tiny", false],
-  ["tiny-qwen2", false],
+// And the native kernels (src/kernels/kernel-backend.ts), the same class over the addon.
+for (const [name, fma, backend] of [
+  ["kvfence-tiny", true, "wasm"],
+  ["tiny-qwen2", true, "wasm"],
+  ["kvfence-tiny", false, "wasm"],
+  ["tiny-qwen2", false, "wasm"],
+  ["kvfence-tiny", false, "native"],
+  ["tiny-qwen2", false, "native"],
 ] as const) {
-  const build = fma ? "fused multiply-add" : "multiply, then add";
+  const build = backend === "native" ? "native" : fma ? "fused multiply-add" : "multiply, then add";
   describe(`golden parity on WasmKernels (${build}): ${name}`, () => {
     const root = packageRoot();
     const golden = JSON.parse(
@@ -65,9 +68,10 @@ for (const [name, fma] of [
     let k: WasmKernels;
     let fp: ForwardPass;
     before(async () => {
-      k = await WasmKernels.create({ threads: 2, parallelMinWork: 0, fma });
+      k = await WasmKernels.create({ threads: 2, parallelMinWork: 0, fma, backend, initialBytes: 256 << 20 });
       await k.ready();
-      assert.equal(k.fma, fma);
+      assert.equal(k.name, backend);
+      if (backend === "wasm") assert.equal(k.fma, fma);
       fp = new ForwardPass(config, k.placeWeights(weights), layout, {
         maxBatchTokens: 128,
         maxSequences: 4,

@@ -10,6 +10,7 @@ import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { z } from "zod";
 import { parseNodeUrl } from "../cluster/cluster-router.js";
+import { chooseKernels, type KernelsName } from "../engine/forward-setup.js";
 import { type FairShareConfig, SCHEDULING_POLICIES, type TenantOverrides } from "../fair-share/fair-share.js";
 import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
@@ -198,7 +199,7 @@ export const serveConfigSchema = z
     iUnderstandThisLeaksData: z.boolean().default(false),
     /** The prefill node's pool in pages when it differs from `--kv-pages` (the incident's shape). */
     prefillKvPages: intText(1).optional(),
-    kernels: z.enum(["ts", "wasm"]).default("wasm"),
+    kernels: z.enum(["ts", "wasm", "native", "auto"]).default("auto"),
     kernelThreads: intText(1, 2).optional(),
     quantize: z.enum(["q8_0", "q4_0"]).optional(),
     tlsCert: z.string().min(1).optional(),
@@ -388,12 +389,33 @@ export function serveTls(config: ServeConfig): { links?: LinkTls; frontDoor?: Fr
  * pays where a core is free for it: 2 threads on the one engine of `--no-disaggregation`; 1 where
  * the prefill and decode nodes already take both cores (the threaded topology, node processes).
  */
-export function kernelOptions(config: ServeConfig): { kernels: "ts" | "wasm"; kernelThreads: 1 | 2 } {
+export function kernelOptions(config: ServeConfig): { kernels: KernelsName; kernelThreads: 1 | 2 } {
   const single = config.role === "all" && !config.disaggregation;
+  if (config.kernels === "auto")
+    throw new Error("kernelOptions(): --kernels auto is resolved first (withChosenKernels)");
   return {
     kernels: config.kernels,
     kernelThreads: (config.kernelThreads ?? (single ? 2 : 1)) as 1 | 2,
   };
+}
+
+/**
+ * The config with `--kernels auto` resolved (native where the addon loads and passes its
+ * self-test, else wasm: src/kernels/choose-kernels.ts), after one log line saying which kernels
+ * this process runs and why. `--kernels native` that cannot run stops the server with the reason.
+ */
+export async function withChosenKernels(
+  config: ServeConfig,
+  log: { info(obj: object, msg: string): void },
+): Promise<ServeConfig> {
+  let choice: Awaited<ReturnType<typeof chooseKernels>>;
+  try {
+    choice = await chooseKernels(config.kernels);
+  } catch (err) {
+    throw new KvfenceError("config_invalid", `${(err as Error).message}; use --kernels wasm or auto`);
+  }
+  log.info({ kernels: choice.kernels, isa: choice.isa }, choice.message);
+  return { ...config, kernels: choice.kernels };
 }
 
 /**

@@ -11,7 +11,12 @@
 
 import net from "node:net";
 import { parseRegistryUrl, type RegistryOptions, registerNode, watchDrain } from "../cluster/registry.js";
-import { loadEngineMemory, type MemoryRegion, regionBytesOf } from "../engine/engine-memory.js";
+import {
+  type KernelMemory,
+  loadEngineMemory,
+  type MemoryRegion,
+  regionBytesOf,
+} from "../engine/engine-memory.js";
 import { poolCapacityVerdict } from "../kvcache/kv-capacity.js";
 import { type KvLayout, pageBytes } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
@@ -37,6 +42,7 @@ import {
   operatorListener,
   type ServeConfig,
   serveTls,
+  withChosenKernels,
 } from "./serve-config.js";
 import { unsafeWarning } from "./unsafe-switches.js";
 
@@ -94,6 +100,7 @@ export async function startServer(
 ): Promise<RunningServer> {
   const log = options.logger;
   warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
+  if (config.role !== "router") config = await withChosenKernels(config, log);
   const tls = serveTls(config);
   if (tls.frontDoor === undefined) warnPlaintextFrontDoor(config.host, log);
 
@@ -348,6 +355,7 @@ export async function startNode(
 ): Promise<{ url: string; close(): Promise<void> }> {
   const role = config.role === "prefill" ? "prefill" : "decode";
   warnUnsafe(config, role, options.logger);
+  config = await withChosenKernels(config, options.logger);
   const tls = serveTls(config);
   // Before the weights load: a missing or weak cluster secret fails now.
   const secret = clusterSecret(config.clusterSecret);
@@ -481,7 +489,8 @@ function engineOptionsOf(
     ...(config.maxNumSeqs === undefined ? {} : { maxSequences: config.maxNumSeqs }),
     ...(config.seed === undefined ? {} : { seed: config.seed }),
     ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
-    ...kernelOptions(config),
+    // A router runs no engine: its --kernels (auto unresolved) is its nodes' business.
+    ...(config.role === "router" ? {} : kernelOptions(config)),
   };
 }
 
@@ -527,14 +536,15 @@ function loadWeightsWithProgress(
   quantize: "q8_0" | "q4_0" | undefined,
 ): {
   weights: ModelWeights;
-  memory?: { readonly memory: WebAssembly.Memory; readonly regions: readonly MemoryRegion[] };
+  memory?: { readonly memory: KernelMemory; readonly regions: readonly MemoryRegion[] };
 } {
   const onProgress = delayedProgress((line) => progress?.(line, false));
   const options = { onProgress, ...(quantize === undefined ? {} : { quantize }) };
   if (engines.some((e) => e.kernels === "ts"))
     return { weights: loadModelWeights(model, { shared: true, ...options }) };
   const regions = engines.map((e) => regionBytesOf(model.config, e));
-  const loaded = loadEngineMemory(model, regions, options);
+  const kernels = engines[0]?.kernels === "native" ? "native" : "wasm";
+  const loaded = loadEngineMemory(model, regions, { ...options, kernels });
   return { weights: loaded.weights, memory: { memory: loaded.memory, regions: loaded.regions } };
 }
 

@@ -12,7 +12,7 @@ import { connectCluster, connectClusterFromRegistry } from "../cluster/cluster-r
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import type { RegistryOptions } from "../cluster/registry.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
-import type { MemoryRegion } from "../engine/engine-memory.js";
+import type { KernelMemory, MemoryRegion } from "../engine/engine-memory.js";
 import type { FairShareConfig } from "../fair-share/fair-share.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
@@ -36,7 +36,7 @@ export interface ServeEngineOptions {
   readonly model: {
     readonly config: ModelConfig;
     readonly weights: ModelWeights;
-    readonly memory?: { readonly memory: WebAssembly.Memory; readonly regions: readonly MemoryRegion[] };
+    readonly memory?: { readonly memory: KernelMemory; readonly regions: readonly MemoryRegion[] };
   } | null;
   /** Engine options of each node (or of the one engine), without the model. */
   readonly engine: Omit<EngineBuildOptions, "model">;

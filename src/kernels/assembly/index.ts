@@ -78,7 +78,11 @@ export const DT_F16: i32 = 1;
 export const DT_BF16: i32 = 2;
 export const DT_Q8_0: i32 = 3;
 export const DT_Q4_0: i32 = 4;
-/** Flag on DT_Q8_0/DT_Q4_0: batches run `qTileDot16` (the loader sets it where `dotAddExact`). */
+/** llama.cpp's k-quants (`matmulColsK`). */
+export const DT_Q4_K: i32 = 5;
+export const DT_Q5_K: i32 = 6;
+export const DT_Q6_K: i32 = 7;
+/** Flag on DT_Q8_0/DT_Q4_0 (ignored on the k-quants): batches run `qTileDot16` (the loader sets it where `dotAddExact`). */
 export const DT_DOT_ADD: i32 = 8;
 
 /** 2^112: an f16's exponent and mantissa shifted into an f32's, times this, is its value (subnormals too). */
@@ -392,6 +396,10 @@ export function matmulPar(
     const rn = min(rowChunk, rows - r0);
     const o = <usize>load<i32>(sg) + ((<usize>r0 * <usize>outDim) << 2);
     const w = <usize>load<i32>(sg, 4);
+    if ((dtype & 7) >= DT_Q4_K) {
+      matmulColsK(o, xp, rows, r0, rn, w, inDim, outDim, c0, c1, dtype & 7);
+      continue;
+    }
     if (dtype >= DT_Q8_0) {
       const quads = (dtype & DT_DOT_ADD) != 0;
       if ((dtype & 7) == DT_Q8_0) matmulColsQ<i8>(o, xp, rows, r0, rn, w, inDim, outDim, c0, c1, quads);
@@ -967,6 +975,249 @@ function claim(counter: usize, n: i32, first: i32): i32 {
     if (c < (half == 0 ? mid : n)) return c;
   }
   return -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// k-quants: llama.cpp's Q4_K, Q5_K and Q6_K (256-weight blocks, src/kernels/k-quants.ts has the
+// layouts) against the activations `quantizeRowsQ8` quantised in 32-value blocks, as for Q4_0
+
+/** Q4_K/Q5_K's 6-bit scale (m = 0) or min (m = 4) of sub-block s, from the 12 scale bytes at p. */
+@inline
+function kScale(p: usize, s: i32, m: i32): f32 {
+  if (s < 4) return <f32>(<i32>load<u8>(p + <usize>(s + m)) & 63);
+  const lo = <i32>load<u8>(p + <usize>(s + 4));
+  const hi = <i32>load<u8>(p + <usize>(s - 4 + m)) >> 6;
+  return <f32>((m == 0 ? lo & 15 : lo >> 4) | (hi << 4));
+}
+
+/** Q5_K's fifth bits for sub-block s: bit s of each of the 16 qh bytes in h, as 16 (or 0). */
+@inline
+function kHigh(h: v128, s: i32): v128 {
+  return i8x16.shl(v128.and(i8x16.shr_u(h, <u32>s), i8x16.splat(1)), 4);
+}
+
+/**
+ * out[i][j] (rows i < nrows, output stride os) for columns j in [c0, c1) of Q4_K (B: u8) or Q5_K
+ * (B: u16) weights at w, against rows of quantised activations: quants at xq (a row every inDim
+ * bytes), 32-block scales d_x at xd and d_x·8·Σq at xc (a row every inDim/32 floats). N: u8 for one
+ * row, u32 for four (rows past nrows repeat the last and are not stored). Each 32-weight sub-block
+ * is one activation block: its integer dot (nibbles, with Q5_K's fifth bit, are in [0, 31], so
+ * `idot`'s relaxed form is exact) times d·sc·d_x, less dmin·m·d_x·Σq for its min. The weight
+ * vectors are decoded once per sub-block for all the rows.
+ */
+function kq45Cols<B, N>(
+  out: usize, os: usize, xq: usize, xd: usize, xc: usize, w: usize, inDim: i32, c0: i32, c1: i32, nrows: i32,
+): void {
+  const five = sizeof<B>() == 2;
+  const bs: usize = five ? 176 : 144;
+  const nbk = <usize>(inDim >> 8);
+  const xs = <usize>inDim;
+  const ds = (<usize>(inDim >> 5)) << 2;
+  const r1: usize = sizeof<N>() == 4 ? <usize>min(1, nrows - 1) : 0;
+  const r2: usize = sizeof<N>() == 4 ? <usize>min(2, nrows - 1) : 0;
+  const r3: usize = sizeof<N>() == 4 ? <usize>min(3, nrows - 1) : 0;
+  const nib = i8x16.splat(0x0f);
+  const zero = i32x4.splat(0);
+  for (let j = c0; j < c1; j++) {
+    let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0), a3 = f32x4.splat(0);
+    let e0: f32 = 0, e1: f32 = 0, e2: f32 = 0, e3: f32 = 0;
+    const wj = w + <usize>j * nbk * bs;
+    for (let b: usize = 0; b < nbk; b++) {
+      const bp = wj + b * bs;
+      const d = f16ToF32(<u32>load<u16>(bp));
+      const dmin = f16ToF32(<u32>load<u16>(bp, 2)) * 0.125;
+      const qs = bp + (five ? 48 : 16);
+      for (let g = 0; g < 4; g++) {
+        const v0 = v128.load(qs + <usize>(g << 5));
+        const v1 = v128.load(qs + <usize>(g << 5), 16);
+        let lo0 = v128.and(v0, nib), lo1 = v128.and(v1, nib);
+        let hi0 = i8x16.shr_u(v0, 4), hi1 = i8x16.shr_u(v1, 4);
+        if (five) {
+          const h0 = v128.load(bp, 16);
+          const h1 = v128.load(bp, 32);
+          lo0 = v128.or(lo0, kHigh(h0, 2 * g));
+          lo1 = v128.or(lo1, kHigh(h1, 2 * g));
+          hi0 = v128.or(hi0, kHigh(h0, 2 * g + 1));
+          hi1 = v128.or(hi1, kHigh(h1, 2 * g + 1));
+        }
+        const ds1 = d * kScale(bp + 4, 2 * g, 0);
+        const ds2 = d * kScale(bp + 4, 2 * g + 1, 0);
+        const dm1 = dmin * kScale(bp + 4, 2 * g, 4);
+        const dm2 = dmin * kScale(bp + 4, 2 * g + 1, 4);
+        const kb = (b << 3) + <usize>(2 * g); // the first activation block of the pair
+        const xo = kb << 5;
+        const so = kb << 2;
+        // Row 0, then (N = u32) rows 1–3: the same code on each row's pointers.
+        let x = xq + xo;
+        let s = xd + so;
+        let c = xc + so;
+        let p = idot(idot(zero, v128.load(x), lo0), v128.load(x, 16), lo1);
+        let q = idot(idot(zero, v128.load(x, 32), hi0), v128.load(x, 48), hi1);
+        a0 = fma(a0, f32x4.convert_i32x4_s(p), f32x4.splat(ds1 * load<f32>(s)));
+        a0 = fma(a0, f32x4.convert_i32x4_s(q), f32x4.splat(ds2 * load<f32>(s, 4)));
+        e0 += dm1 * load<f32>(c) + dm2 * load<f32>(c, 4);
+        if (sizeof<N>() == 4) {
+          x = xq + r1 * xs + xo;
+          s = xd + r1 * ds + so;
+          c = xc + r1 * ds + so;
+          p = idot(idot(zero, v128.load(x), lo0), v128.load(x, 16), lo1);
+          q = idot(idot(zero, v128.load(x, 32), hi0), v128.load(x, 48), hi1);
+          a1 = fma(a1, f32x4.convert_i32x4_s(p), f32x4.splat(ds1 * load<f32>(s)));
+          a1 = fma(a1, f32x4.convert_i32x4_s(q), f32x4.splat(ds2 * load<f32>(s, 4)));
+          e1 += dm1 * load<f32>(c) + dm2 * load<f32>(c, 4);
+          x = xq + r2 * xs + xo;
+          s = xd + r2 * ds + so;
+          c = xc + r2 * ds + so;
+          p = idot(idot(zero, v128.load(x), lo0), v128.load(x, 16), lo1);
+          q = idot(idot(zero, v128.load(x, 32), hi0), v128.load(x, 48), hi1);
+          a2 = fma(a2, f32x4.convert_i32x4_s(p), f32x4.splat(ds1 * load<f32>(s)));
+          a2 = fma(a2, f32x4.convert_i32x4_s(q), f32x4.splat(ds2 * load<f32>(s, 4)));
+          e2 += dm1 * load<f32>(c) + dm2 * load<f32>(c, 4);
+          x = xq + r3 * xs + xo;
+          s = xd + r3 * ds + so;
+          c = xc + r3 * ds + so;
+          p = idot(idot(zero, v128.load(x), lo0), v128.load(x, 16), lo1);
+          q = idot(idot(zero, v128.load(x, 32), hi0), v128.load(x, 48), hi1);
+          a3 = fma(a3, f32x4.convert_i32x4_s(p), f32x4.splat(ds1 * load<f32>(s)));
+          a3 = fma(a3, f32x4.convert_i32x4_s(q), f32x4.splat(ds2 * load<f32>(s, 4)));
+          e3 += dm1 * load<f32>(c) + dm2 * load<f32>(c, 4);
+        }
+      }
+    }
+    kStore<N>(out + ((<usize>j) << 2), os, nrows, hsum(a0) - e0, hsum(a1) - e1, hsum(a2) - e2, hsum(a3) - e3);
+  }
+}
+
+/** Stores the column's sums of the first nrows rows (one for N: u8). */
+@inline
+function kStore<N>(o: usize, os: usize, nrows: i32, s0: f32, s1: f32, s2: f32, s3: f32): void {
+  store<f32>(o, s0);
+  if (sizeof<N>() == 1) return;
+  if (nrows > 1) store<f32>(o + os, s1);
+  if (nrows > 2) store<f32>(o + 2 * os, s2);
+  if (nrows > 3) store<f32>(o + 3 * os, s3);
+}
+
+/**
+ * `kq45Cols` for Q6_K weights: per 128-weight half, each quarter (32 weights: one activation
+ * block) takes 4 low bits from ql and 2 high bits from qh, minus 32, so weights are in [−32, 31];
+ * its two 16-weight sub-blocks' integer dots are scaled by their int8 scales and added as integers,
+ * then times d·d_x. In the relaxed build the weights' signs move onto the activations (`signTo`, as
+ * for Q8_0), so `idot`'s second operand |q − 32| is in [0, 32].
+ */
+function kq6Cols<N>(
+  out: usize, os: usize, xq: usize, xd: usize, w: usize, inDim: i32, c0: i32, c1: i32, nrows: i32,
+): void {
+  const nbk = <usize>(inDim >> 8);
+  const xs = <usize>inDim;
+  const ds = (<usize>(inDim >> 5)) << 2;
+  const r1: usize = sizeof<N>() == 4 ? <usize>min(1, nrows - 1) : 0;
+  const r2: usize = sizeof<N>() == 4 ? <usize>min(2, nrows - 1) : 0;
+  const r3: usize = sizeof<N>() == 4 ? <usize>min(3, nrows - 1) : 0;
+  const nib = i8x16.splat(0x0f);
+  const three = i8x16.splat(3);
+  const off = i8x16.splat(32);
+  const zero = i32x4.splat(0);
+  for (let j = c0; j < c1; j++) {
+    let a0 = f32x4.splat(0), a1 = f32x4.splat(0), a2 = f32x4.splat(0), a3 = f32x4.splat(0);
+    const wj = w + <usize>j * nbk * 210;
+    for (let b: usize = 0; b < nbk; b++) {
+      const bp = wj + b * 210;
+      const d = f16ToF32(<u32>load<u16>(bp, 208));
+      for (let n = 0; n < 2; n++) {
+        const ql = bp + <usize>(n << 6);
+        const qh = bp + 128 + <usize>(n << 5);
+        const sc = bp + 192 + <usize>(n << 3);
+        const h0 = v128.load(qh);
+        const h1 = v128.load(qh, 16);
+        for (let k = 0; k < 4; k++) {
+          const l0 = v128.load(ql + <usize>((k & 1) << 5));
+          const l1 = v128.load(ql + <usize>((k & 1) << 5), 16);
+          const w0 = i8x16.sub(
+            v128.or(k < 2 ? v128.and(l0, nib) : i8x16.shr_u(l0, 4), i8x16.shl(v128.and(i8x16.shr_u(h0, <u32>(2 * k)), three), 4)),
+            off,
+          );
+          const w1 = i8x16.sub(
+            v128.or(k < 2 ? v128.and(l1, nib) : i8x16.shr_u(l1, 4), i8x16.shl(v128.and(i8x16.shr_u(h1, <u32>(2 * k)), three), 4)),
+            off,
+          );
+          const n0 = i8x16.lt_s(w0, i8x16.splat(0));
+          const n1 = i8x16.lt_s(w1, i8x16.splat(0));
+          const u0 = dotW(w0);
+          const u1 = dotW(w1);
+          const s0 = i32x4.splat(<i32>load<i8>(sc + <usize>(2 * k)));
+          const s1 = i32x4.splat(<i32>load<i8>(sc + <usize>(2 * k + 1)));
+          const kb = (b << 3) + <usize>((n << 2) + k);
+          const xo = kb << 5;
+          const so = kb << 2;
+          let x = xq + xo;
+          let dot = i32x4.add(
+            i32x4.mul(idot(zero, signTo(v128.load(x), n0), u0), s0),
+            i32x4.mul(idot(zero, signTo(v128.load(x, 16), n1), u1), s1),
+          );
+          a0 = fma(a0, f32x4.convert_i32x4_s(dot), f32x4.splat(d * load<f32>(xd + so)));
+          if (sizeof<N>() == 4) {
+            x = xq + r1 * xs + xo;
+            dot = i32x4.add(
+              i32x4.mul(idot(zero, signTo(v128.load(x), n0), u0), s0),
+              i32x4.mul(idot(zero, signTo(v128.load(x, 16), n1), u1), s1),
+            );
+            a1 = fma(a1, f32x4.convert_i32x4_s(dot), f32x4.splat(d * load<f32>(xd + r1 * ds + so)));
+            x = xq + r2 * xs + xo;
+            dot = i32x4.add(
+              i32x4.mul(idot(zero, signTo(v128.load(x), n0), u0), s0),
+              i32x4.mul(idot(zero, signTo(v128.load(x, 16), n1), u1), s1),
+            );
+            a2 = fma(a2, f32x4.convert_i32x4_s(dot), f32x4.splat(d * load<f32>(xd + r2 * ds + so)));
+            x = xq + r3 * xs + xo;
+            dot = i32x4.add(
+              i32x4.mul(idot(zero, signTo(v128.load(x), n0), u0), s0),
+              i32x4.mul(idot(zero, signTo(v128.load(x, 16), n1), u1), s1),
+            );
+            a3 = fma(a3, f32x4.convert_i32x4_s(dot), f32x4.splat(d * load<f32>(xd + r3 * ds + so)));
+          }
+        }
+      }
+    }
+    kStore<N>(out + ((<usize>j) << 2), os, nrows, hsum(a0), hsum(a1), hsum(a2), hsum(a3));
+  }
+}
+
+/**
+ * `matmulColsQ` for the k-quants (dtype DT_Q4_K, DT_Q5_K or DT_Q6_K): rows [r0, r0 + rn) of the
+ * `rows` activation rows `quantizeRowsQ8` quantised at xq, four at a time (each weight sub-block
+ * decoded once for the four; a single row streams the weights), columns [c0, c1). Batches first
+ * read the chunk of weight rows into L2, as `matmulColsQ`.
+ */
+function matmulColsK(
+  out: usize, xq: usize, rows: i32, r0: i32, rn: i32, w: usize, inDim: i32, outDim: i32, c0: i32, c1: i32, dtype: i32,
+): void {
+  const nb = <usize>(inDim >> 5);
+  const xd = qScalesAt(xq, rows, inDim);
+  const xc = xd + ((<usize>rows * nb) << 2);
+  const os = (<usize>outDim) << 2;
+  if (rn > 1) {
+    const wsb = <usize>(inDim >> 8) * (dtype == DT_Q4_K ? 144 : dtype == DT_Q5_K ? 176 : 210);
+    touch(w + <usize>c0 * wsb, w + <usize>c1 * wsb);
+  }
+  for (let r = r0; r < r0 + rn; r += 4) {
+    const n = min(4, r0 + rn - r);
+    const ru = <usize>r;
+    const o = out + <usize>(r - r0) * os;
+    const q = xq + ru * <usize>inDim;
+    const s = xd + ((ru * nb) << 2);
+    const c = xc + ((ru * nb) << 2);
+    if (dtype == DT_Q6_K) {
+      if (n == 1) kq6Cols<u8>(o, os, q, s, w, inDim, c0, c1, n);
+      else kq6Cols<u32>(o, os, q, s, w, inDim, c0, c1, n);
+    } else if (dtype == DT_Q5_K) {
+      if (n == 1) kq45Cols<u16, u8>(o, os, q, s, c, w, inDim, c0, c1, n);
+      else kq45Cols<u16, u32>(o, os, q, s, c, w, inDim, c0, c1, n);
+    } else {
+      if (n == 1) kq45Cols<u8, u8>(o, os, q, s, c, w, inDim, c0, c1, n);
+      else kq45Cols<u8, u32>(o, os, q, s, c, w, inDim, c0, c1, n);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

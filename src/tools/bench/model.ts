@@ -32,7 +32,12 @@
 import { existsSync, readFileSync } from "node:fs";
 import { join, resolve } from "node:path";
 import { pathToFileURL } from "node:url";
-import { createForward, type ForwardSetup, type KernelsName } from "../../engine/forward-setup.js";
+import {
+  chooseKernels,
+  createForward,
+  type ForwardSetup,
+  type KernelsName,
+} from "../../engine/forward-setup.js";
 import { roundKv } from "../../kernels/reference.js";
 import { WasmKernels } from "../../kernels/wasm-kernels.js";
 import { type Matrix, matrixBytes, type WeightDType } from "../../kernels/weight-format.js";
@@ -81,7 +86,7 @@ function lastLevelCacheBytes(): number | null {
  * (the fused multiply-add build where the engine has it), or the WebAssembly build without relaxed
  * SIMD (a multiply, then an add), for an A/B of the two in one process.
  */
-export type BenchKernels = KernelsName | "wasm-mul-add" | "wasm-i16";
+export type BenchKernels = KernelsName | "auto" | "wasm-mul-add" | "wasm-i16";
 
 export interface ModelBenchOptions {
   readonly modelDir: string;
@@ -292,7 +297,7 @@ async function prepareArms(
   const n = armPages(options, longContext);
   const forward = await forwardOf(build === "baseline" ? options.baseline : undefined);
   const setup = await forward(config, weights, layout, {
-    kernels: name === "ts" ? "ts" : "wasm",
+    kernels: name === "ts" || name === "native" ? name : "wasm",
     wasmFma: name !== "wasm-mul-add",
     wasmDotAdd: name !== "wasm-i16",
     kernelThreads: threads,
@@ -434,7 +439,9 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
     longContext = 0;
   }
 
-  const kernelSets = [...new Set(options.kernels)];
+  // auto: what the server would run here (native where the addon passes its self-test, else wasm).
+  const auto = options.kernels.includes("auto") ? (await chooseKernels("auto")).kernels : "wasm";
+  const kernelSets = [...new Set(options.kernels.map((k) => (k === "auto" ? auto : k)))];
   const kvDtypes = [...new Set(options.kvCacheDtypes ?? [DEFAULT_KV_CACHE_DTYPE])];
   const dtypes: (WeightDType | "stored")[] =
     options.dtypes === undefined ? ["stored"] : [...new Set(options.dtypes)];

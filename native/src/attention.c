@@ -35,8 +35,9 @@
  * The vector layer below is written three times: AVX-512 (16 lanes, masked tails), AVX2 + FMA +
  * F16C (8 lanes), and the generic level in GCC's vector extensions (4 lanes: SSE2 on a bare
  * x86-64, NEON on arm64; f16 widened by integer shifts and a multiply by 2^112, exact). The
- * kernel above it is one source. Nothing here uses the job's scratch: the per-chunk state lives
- * on the stack (a few KB, SWEEP_HEADS query heads at a time).
+ * kernel above it is one source. The running sums live in the thread's scratch (the job's, at
+ * most numHeads·headDim of its numHeads·(maxCtx + headDim) floats), the rest of the per-chunk
+ * state on the stack (a few KB, SWEEP_HEADS query heads at a time).
  */
 #include <math.h>
 #include <stdint.h>
@@ -59,6 +60,7 @@ typedef struct {
   const int32_t *table;
   const float *q;  /* the query row's first head of the item (head g0·group) */
   float *o;        /* output of that head; head h at o + h·o_stride */
+  float *acc;      /* the thread's scratch: a sweep's running sums, head h at acc + h·head_dim */
   int64_t o_stride;
   float *ml;       /* NULL, or the range's (max, exp-sum) of head h at ml + h·ml_stride */
   int64_t ml_stride;
@@ -288,21 +290,14 @@ KF_INLINE vf vexp(vf x) {
 
 /* Query heads of one sweep (the stack arrays below); an item with more sweeps over its KV heads in groups. */
 #define SWEEP_HEADS 32
-/* How far ahead (in chunks) the K and V rows are prefetched. */
-#ifndef PF_CHUNKS
+/*
+ * How far ahead (in chunks) the K and V rows are prefetched, into L1. At 4,096 tokens, one thread,
+ * f16 (native/test/attention-driver.c): none 310-434 us a call, 1 chunk 202-209, 2 chunks 185-187,
+ * 3 chunks 186-187, 2 chunks into L2 (T1) 191-194; a second, far prefetch into L2 (6-10 chunks)
+ * cost more in instructions than it saved.
+ */
 #define PF_CHUNKS 2
-#endif
-#if defined(__AVX512F__) || defined(__AVX2__)
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-#define PREFETCH(a) _mm_prefetch((const char *)(a), PF_HINT)
-#else
 #define PREFETCH(a) __builtin_prefetch((a), 0, 3)
-#endif
-#ifndef V_ROWS
-#define V_ROWS VL
-#endif
 
 /*
  * The dot products of H query heads (q_h at q + h·hd) with 4 K rows (row j at k + min(j, n−1)·rb),
@@ -378,7 +373,7 @@ KF_INLINE void prefetch_row(const kf_pf *pf, int j) {
 }
 
 /*
- * o_h ← o_h·alpha_h (alpha NULL: 1) + Σ_j p[h·VL + j]·V_j for H query heads (o_h at o + h·os), n
+ * o_h ← o_h·alpha_h + Σ_j p[h·VL + j]·V_j for H query heads (o_h at o + h·os), n
  * tokens (V_j at v + j·rb), head-dim vectors [d0, d0 + NB·VL) (NB ≤ VBLOCK; the last one `tail`
  * lanes when tail > 0); with each token j, row j of pf prefetched (pf NULL: none).
  */
@@ -391,8 +386,7 @@ KF_INLINE void values_block(float *o, int64_t os, const float *alpha, const floa
 #pragma GCC unroll 4
     for (int b = 0; b < NB; b++) {
       const float *src = o + h * os + d0 + b * VL;
-      acc[h][b] = tail && b == NB - 1 ? vload_n(src, tail) : vload(src);
-      if (alpha != NULL) acc[h][b] = vmul(acc[h][b], vset1(alpha[h]));
+      acc[h][b] = vmul(tail && b == NB - 1 ? vload_n(src, tail) : vload(src), vset1(alpha[h]));
     }
   }
   v += d0 * es;
@@ -435,9 +429,9 @@ KF_INLINE void values_heads(float *o, int64_t os, const float *alpha, const floa
                             int n, int32_t hd, int dt, int32_t heads, const kf_pf *pf) {
   int32_t h = 0;
   for (; h + HTILE <= heads; h += HTILE, pf = NULL) {
-    values_tile(o + h * os, os, alpha ? alpha + h : NULL, p + h * VL, v, rb, n, hd, dt, HTILE, pf);
+    values_tile(o + h * os, os, alpha + h, p + h * VL, v, rb, n, hd, dt, HTILE, pf);
   }
-  const float *a = alpha ? alpha + h : NULL;
+  const float *a = alpha + h;
   switch (heads - h) {
     case 1: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 1, pf); break;
     case 2: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 2, pf); break;
@@ -490,10 +484,12 @@ KF_INLINE void attend_simd(const kf_range *r, int dt, const int HD) {
     const int32_t h0 = (gb - r->g0) * group; /* first query head of the sweep, counted from the item's */
     const int32_t heads = kv_heads * group;
     const int64_t head_off = (int64_t)gb * hd * es;
-    float *o = r->o + h0 * r->o_stride;
+    /* The sums accumulate in the thread's own scratch (heads rows of hd), so the two threads never
+     * write near each other's output rows while they work; the result goes to o once, at the end. */
+    float *acc = r->acc;
     const float *q = r->q + (int64_t)h0 * hd;
     for (int32_t h = 0; h < heads; h++) {
-      memset(o + h * r->o_stride, 0, (size_t)hd * 4);
+      memset(acc + h * hd, 0, (size_t)hd * 4);
       m[h] = -INFINITY;
       l[h] = vzero();
       for (int j0 = 0; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
@@ -531,15 +527,11 @@ KF_INLINE void attend_simd(const kf_range *r, int dt, const int HD) {
         }
       }
       softmax_chunk(p, alpha, m, l, rq, heads, n, scale);
-      /* Σ p·V, V_ROWS tokens at a time, every KV head of the sweep per V_ROWS rows. */
-      for (int j0 = 0; j0 < n; j0 += V_ROWS) {
-        const int nr = n - j0 < V_ROWS ? n - j0 : V_ROWS;
-        for (int32_t g = 0; g < kv_heads; g++) {
-          const kf_pf pg = {pf.k + j0 * rb + g * hd * es, rb, r->v_off, hd * es, pf.n - j0};
-          values_heads(o + g * group * r->o_stride, r->o_stride, j0 == 0 ? alpha + g * group : NULL,
-                       p + g * group * VL + j0, row + r->v_off + j0 * rb + g * hd * es, rb, nr, hd, dt, group,
-                       ahead ? &pg : NULL);
-        }
+      /* Σ p·V, a KV head at a time; with each V row, that head's part of a row of the chunk ahead. */
+      for (int32_t g = 0; g < kv_heads; g++) {
+        const kf_pf pg = {pf.k + g * hd * es, rb, r->v_off, hd * es, pf.n};
+        values_heads(acc + g * group * hd, hd, alpha + g * group, p + g * group * VL, row + r->v_off + g * hd * es, rb,
+                     n, hd, dt, group, ahead ? &pg : NULL);
       }
       if (ahead && pf.n > n) { /* the rows of a longer chunk ahead that no V row of this one took */
         kf_pf pg = pf;
@@ -551,11 +543,12 @@ KF_INLINE void attend_simd(const kf_range *r, int dt, const int HD) {
     }
     for (int32_t h = 0; h < heads; h++) {
       const float sum = vhsum(l[h]);
-      const vf inv = vset1(sum > 0 ? 1.0f / sum : 0.0f); /* an empty range: o stays 0 */
-      float *oh = o + h * r->o_stride;
+      const vf inv = vset1(sum > 0 ? 1.0f / sum : 0.0f); /* an empty range: o = 0 */
+      const float *ah = acc + h * hd;
+      float *oh = r->o + (h0 + h) * r->o_stride;
       int32_t d = 0;
-      for (; d + VL <= hd; d += VL) vstore(oh + d, vmul(vload(oh + d), inv));
-      if (d < hd) vstore_n(oh + d, vmul(vload_n(oh + d, hd - d), inv), hd - d);
+      for (; d + VL <= hd; d += VL) vstore(oh + d, vmul(vload(ah + d), inv));
+      if (d < hd) vstore_n(oh + d, vmul(vload_n(ah + d, hd - d), inv), hd - d);
       if (r->ml != NULL) {
         r->ml[(h0 + h) * r->ml_stride] = m[h];
         r->ml[(h0 + h) * r->ml_stride + 1] = sum;
@@ -589,6 +582,7 @@ KF_INLINE void attention_items(const kf_attention_job *j, int dt) {
   const int32_t n = last->first_item + last->rows * per_row;
   kf_range r;
   r.pool = j->pool;
+  r.acc = j->scratch;
   r.group = group;
   r.head_dim = hd;
   r.page_size = j->page_size;

@@ -473,85 +473,91 @@ KF_INLINE void softmax_chunk(float *p, float *alpha, float *m, vf *l, const floa
 KF_INLINE void attend_simd(const kf_range *r, int dt, const int HD) {
   const int32_t hd = HD ? HD : r->head_dim, group = r->group;
   const int64_t es = kv_elem_bytes(dt), rb = r->row_bytes;
+  /* A sweep: kv_heads whole groups, or (a group wider than SWEEP_HEADS) a slice of one group. */
   const int32_t sweep_kv = group >= SWEEP_HEADS ? 1 : SWEEP_HEADS / group;
+  const int32_t slice = group < SWEEP_HEADS ? group : SWEEP_HEADS;
   const vf scale = vset1(r->scale);
   float m[SWEEP_HEADS], alpha[SWEEP_HEADS];
   vf l[SWEEP_HEADS];
   float p[SWEEP_HEADS * VL] __attribute__((aligned(64)));
   float rq[SWEEP_HEADS * (VL / 4) * VL] __attribute__((aligned(64))); /* scores_quad's folded quads */
   for (int32_t gb = r->g0; gb < r->g1; gb += sweep_kv) {
-    const int32_t kv_heads = gb + sweep_kv < r->g1 ? sweep_kv : r->g1 - gb;
-    const int32_t h0 = (gb - r->g0) * group; /* first query head of the sweep, counted from the item's */
-    const int32_t heads = kv_heads * group;
-    const int64_t head_off = (int64_t)gb * hd * es;
-    /* The sums accumulate in the thread's own scratch (heads rows of hd), so the two threads never
-     * write near each other's output rows while they work; the result goes to o once, at the end. */
-    float *acc = r->acc;
-    const float *q = r->q + (int64_t)h0 * hd;
-    for (int32_t h = 0; h < heads; h++) {
-      memset(acc + h * hd, 0, (size_t)hd * 4);
-      m[h] = -INFINITY;
-      l[h] = vzero();
-      for (int j0 = 0; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
-    }
-    /* The chunk PF_CHUNKS ahead is prefetched while a chunk's V rows are read (each KV head's
-     * part of a row with that head's V rows); the first PF_CHUNKS chunks up front. */
-    kf_pf pf = {NULL, rb, r->v_off, hd * es, 0};
-    int32_t pt = r->ta;
-    for (int c = 0; c < PF_CHUNKS && pt < r->tb; c++) {
-      pf.k = chunk_at(r, pt, head_off, &pf.n);
-      for (int32_t g = 0; g < kv_heads; g++, pf.k += hd * es) {
-        for (int j = 0; j < pf.n; j++) prefetch_row(&pf, j);
+    for (int32_t hs = 0; hs < group; hs += slice) {
+      const int32_t kv_heads = gb + sweep_kv < r->g1 ? sweep_kv : r->g1 - gb;
+      const int32_t hn = group - hs < slice ? group - hs : slice; /* query heads per KV head */
+      const int32_t heads = kv_heads * hn;
+      /* Item head of sweep head g·hn + i (g counted from gb): (gb − g0 + g)·group + hs + i. */
+      const int32_t h0 = (gb - r->g0) * group + hs;
+      const int64_t head_off = (int64_t)gb * hd * es;
+      /* The sums accumulate in the thread's own scratch (heads rows of hd), so the two threads
+       * never write near each other's output rows while they work; o gets the result at the end. */
+      float *acc = r->acc;
+      for (int32_t h = 0; h < heads; h++) {
+        memset(acc + h * hd, 0, (size_t)hd * 4);
+        m[h] = -INFINITY;
+        l[h] = vzero();
+        for (int j0 = 0; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
       }
-      pt += pf.n;
-    }
-    int32_t t = r->ta;
-    while (t < r->tb) {
-      int n;
-      const uint8_t *row = chunk_at(r, t, head_off, &n);
-      const int ahead = pt < r->tb;
-      if (ahead) {
+      /* The chunk PF_CHUNKS ahead is prefetched while a chunk's V rows are read (each KV head's
+       * part of a row with that head's V rows); the first PF_CHUNKS chunks up front. */
+      kf_pf pf = {NULL, rb, r->v_off, hd * es, 0};
+      int32_t pt = r->ta;
+      for (int c = 0; c < PF_CHUNKS && pt < r->tb; c++) {
         pf.k = chunk_at(r, pt, head_off, &pf.n);
+        for (int32_t g = 0; g < kv_heads; g++, pf.k += hd * es) {
+          for (int j = 0; j < pf.n; j++) prefetch_row(&pf, j);
+        }
         pt += pf.n;
       }
-      /* Scores 4 tokens at a time, every KV head of the sweep per 4 rows (the rows read in order). */
-      for (int j0 = 0; j0 < n; j0 += 4) {
+      int32_t t = r->ta;
+      while (t < r->tb) {
+        int n;
+        const uint8_t *row = chunk_at(r, t, head_off, &n);
+        const int ahead = pt < r->tb;
+        if (ahead) {
+          pf.k = chunk_at(r, pt, head_off, &pf.n);
+          pt += pf.n;
+        }
+        /* Scores 4 tokens at a time, every KV head of the sweep per 4 rows (rows read in order). */
+        for (int j0 = 0; j0 < n; j0 += 4) {
+          for (int32_t g = 0; g < kv_heads; g++) {
+            scores_heads(rq + ((int64_t)g * hn * (VL / 4) + j0 / 4) * VL, r->q + (int64_t)(h0 + g * group) * hd, hd,
+                         row + j0 * rb + g * hd * es, rb, n - j0, dt, hn);
+          }
+        }
+        if (n < VL) {
+          for (int32_t h = 0; h < heads; h++) {
+            for (int j0 = (n + 3) / 4 * 4; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
+          }
+        }
+        softmax_chunk(p, alpha, m, l, rq, heads, n, scale);
+        /* Σ p·V, a KV head at a time; with each V row, that head's part of a row of the chunk ahead. */
         for (int32_t g = 0; g < kv_heads; g++) {
-          scores_heads(rq + ((int64_t)g * group * (VL / 4) + j0 / 4) * VL, q + (int64_t)g * group * hd, hd,
-                       row + j0 * rb + g * hd * es, rb, n - j0, dt, group);
+          const kf_pf pg = {pf.k + g * hd * es, rb, r->v_off, hd * es, pf.n};
+          values_heads(acc + g * hn * hd, hd, alpha + g * hn, p + g * hn * VL, row + r->v_off + g * hd * es, rb, n, hd,
+                       dt, hn, ahead ? &pg : NULL);
         }
-      }
-      if (n < VL) {
-        for (int32_t h = 0; h < heads; h++) {
-          for (int j0 = (n + 3) / 4 * 4; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
+        if (ahead && pf.n > n) { /* the rows of a longer chunk ahead that no V row of this one took */
+          kf_pf pg = pf;
+          for (int32_t g = 0; g < kv_heads; g++, pg.k += hd * es) {
+            for (int j = n; j < pf.n; j++) prefetch_row(&pg, j);
+          }
         }
+        t += n;
       }
-      softmax_chunk(p, alpha, m, l, rq, heads, n, scale);
-      /* Σ p·V, a KV head at a time; with each V row, that head's part of a row of the chunk ahead. */
-      for (int32_t g = 0; g < kv_heads; g++) {
-        const kf_pf pg = {pf.k + g * hd * es, rb, r->v_off, hd * es, pf.n};
-        values_heads(acc + g * group * hd, hd, alpha + g * group, p + g * group * VL, row + r->v_off + g * hd * es, rb,
-                     n, hd, dt, group, ahead ? &pg : NULL);
-      }
-      if (ahead && pf.n > n) { /* the rows of a longer chunk ahead that no V row of this one took */
-        kf_pf pg = pf;
-        for (int32_t g = 0; g < kv_heads; g++, pg.k += hd * es) {
-          for (int j = n; j < pf.n; j++) prefetch_row(&pg, j);
+      for (int32_t h = 0; h < heads; h++) {
+        const float sum = vhsum(l[h]);
+        const vf inv = vset1(sum > 0 ? 1.0f / sum : 0.0f); /* an empty range: o = 0 */
+        const float *ah = acc + h * hd;
+        const int32_t item_head = h0 + h / hn * group + h % hn;
+        float *oh = r->o + item_head * r->o_stride;
+        int32_t d = 0;
+        for (; d + VL <= hd; d += VL) vstore(oh + d, vmul(vload(ah + d), inv));
+        if (d < hd) vstore_n(oh + d, vmul(vload_n(ah + d, hd - d), inv), hd - d);
+        if (r->ml != NULL) {
+          r->ml[item_head * r->ml_stride] = m[h];
+          r->ml[item_head * r->ml_stride + 1] = sum;
         }
-      }
-      t += n;
-    }
-    for (int32_t h = 0; h < heads; h++) {
-      const float sum = vhsum(l[h]);
-      const vf inv = vset1(sum > 0 ? 1.0f / sum : 0.0f); /* an empty range: o = 0 */
-      const float *ah = acc + h * hd;
-      float *oh = r->o + (h0 + h) * r->o_stride;
-      int32_t d = 0;
-      for (; d + VL <= hd; d += VL) vstore(oh + d, vmul(vload(ah + d), inv));
-      if (d < hd) vstore_n(oh + d, vmul(vload_n(ah + d, hd - d), inv), hd - d);
-      if (r->ml != NULL) {
-        r->ml[(h0 + h) * r->ml_stride] = m[h];
-        r->ml[(h0 + h) * r->ml_stride + 1] = sum;
       }
     }
   }

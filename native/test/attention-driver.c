@@ -361,6 +361,7 @@ static int test(const char *level) {
       /* heads, kv heads, head dim, page size */
       {9, 3, 64, 16}, {3, 3, 8, 4}, {8, 2, 10, 3}, {4, 1, 6, 5}, {12, 3, 64, 16}, {6, 1, 10, 4},
       {8, 2, 12, 16}, {24, 8, 128, 16}, {32, 4, 64, 7}, {64, 2, 16, 16}, {7, 7, 33, 9}, {1, 1, 2048, 1},
+      {71, 1, 64, 16}, {96, 2, 8, 4},
   };
   static const int contexts[] = {1, 2, 15, 16, 17, 100, 511, 512, 1000, 4096};
   for (int dt = 0; dt < 3; dt++) {
@@ -370,7 +371,7 @@ static int test(const char *level) {
       for (size_t ci = 0; ci < sizeof contexts / sizeof contexts[0]; ci++) {
         const int ctx = contexts[ci];
         /* the long contexts on the 135M shape, a 3B-like and a wide one */
-        if (ctx >= 1000 && !(si == 0 || si == 7 || si == 8 || si == 11)) continue;
+        if (ctx >= 1000 && !(si == 0 || si == 7 || si == 8 || si == 11 || si == 12)) continue;
         for (int rows_i = 0; rows_i < 3; rows_i++) {
           const int rows = rows_i == 0 ? 1 : rows_i == 1 ? 8 : 512;
           if (rows > ctx) continue;

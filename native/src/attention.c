@@ -9,28 +9,35 @@
  * `ml`, and attention_merge combines them. K and V are read only through each sequence's block
  * table, at page·pageBytes + the layer's offset, as the WebAssembly kernels read them.
  *
- * ## One sweep over the K and V rows (the SIMD paths)
- * An item walks its context range once, in chunks of VL tokens (16 with AVX-512, 8 with AVX2),
- * with an online softmax: per query head a running max m, a running exp-sum l (kept in VL lanes)
- * and the output row itself as the accumulator, rescaled by exp(m_old − m_new) when a chunk raises
- * the max. Each chunk reads its tokens' K rows (every KV head of the item, all query heads of a
- * group sharing each loaded K vector), then the same tokens' V rows, while they are still in L1;
- * the rows VL·2 tokens ahead are prefetched (pages are scattered over the pool, so the hardware's
- * stream prefetchers cannot run ahead across a page boundary).
+ * ## One sweep over the K and V rows
+ * An item walks its context range once, in chunks of up to VL tokens within one page (VL = 16
+ * with AVX-512, 8 with AVX2, 4 on the generic level), with an online softmax: per query head a
+ * running max m, a running exp-sum l (kept in VL lanes) and the output row itself as the
+ * accumulator, rescaled by exp(m_old − m_new) when a chunk raises the max. A chunk's K rows are
+ * read 4 rows at a time over every KV head of the item (so a page is read in address order, all
+ * query heads of a group sharing each loaded K vector), then its V rows, while still in L1. The
+ * chunk two ahead is prefetched while the V rows are read: pages lie scattered over the pool, and
+ * the hardware's prefetchers do not follow a jump to the next page.
  *
  * Scores: for 4 tokens at a time, the dot products over the head dim accumulate in one vector per
  * (query head, token) (f16 widened with vcvtph2ps, bf16 by a shift), and two shuffle-and-add steps
  * fold the 4 vectors into one whose 128-bit blocks hold the 4 tokens' partial sums; two more fold
  * the chunk's VL/4 such vectors into one vector of VL scores. V: each query head's output row is
- * held in registers over a chunk (head dim blocks of 4 vectors with AVX-512, 2 with AVX2), each
- * token's softmax weight broadcast into FMAs against the widened V vectors.
+ * held in registers over a chunk (head-dim blocks of 4 vectors with AVX-512, 2 otherwise), each
+ * token's softmax weight broadcast into FMAs against the widened V vectors. Head dims 64 and 128
+ * get their own copies with the head dim a constant.
  *
  * Sums accumulate in f32 (the reference uses doubles); exp is a Cephes-style polynomial, as in the
  * WebAssembly kernels. Widening is exact for every finite f16 (subnormals too) and every bf16, so
  * one token of context returns V bit for bit.
  *
- * The generic level (no SIMD) computes each query head on its own: scores into the scratch, the
- * softmax, then the V sum — plain C the compiler may vectorise.
+ * ## Levels
+ * The vector layer below is written three times: AVX-512 (16 lanes, masked tails), AVX2 + FMA +
+ * F16C (8 lanes), and the generic level in GCC's vector extensions (4 lanes: SSE2 on a bare
+ * x86-64, NEON on arm64; f16 widened by integer shifts and a multiply by 2^112, exact). The
+ * kernel above it is one source. The running sums live in the thread's scratch (the job's, at
+ * most numHeads·headDim of its numHeads·(maxCtx + headDim) floats), the rest of the per-chunk
+ * state on the stack (a few KB, SWEEP_HEADS query heads at a time).
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,34 +54,13 @@
 /* Bytes of one KV element. */
 KF_INLINE int64_t kv_elem_bytes(int dt) { return dt == KF_KV_F32 ? 4 : 2; }
 
-/* One KV element widened to f32: exact for every finite f16 (subnormals too) and every bf16. */
-KF_INLINE float kv_load1(const uint8_t *p, int dt) {
-  float f;
-  uint32_t bits;
-  if (dt == KF_KV_F32) {
-    memcpy(&f, p, 4);
-    return f;
-  }
-  uint16_t h;
-  memcpy(&h, p, 2);
-  if (dt == KF_KV_BF16) {
-    bits = (uint32_t)h << 16;
-    memcpy(&f, &bits, 4);
-    return f;
-  }
-  /* f16: exponent and mantissa shifted into an f32's, times 2^112 (exact); then the sign. */
-  bits = (uint32_t)(h & 0x7fff) << 13;
-  memcpy(&f, &bits, 4);
-  f *= 5.192296858534828e33f;
-  return (h & 0x8000) ? -f : f;
-}
-
 /* Where one item's K and V rows are and what it computes (the arguments of attendRange). */
 typedef struct {
   const uint8_t *pool;
   const int32_t *table;
   const float *q;  /* the query row's first head of the item (head g0·group) */
   float *o;        /* output of that head; head h at o + h·o_stride */
+  float *acc;      /* the thread's scratch: a sweep's running sums, head h at acc + h·head_dim */
   int64_t o_stride;
   float *ml;       /* NULL, or the range's (max, exp-sum) of head h at ml + h·ml_stride */
   int64_t ml_stride;
@@ -87,7 +73,6 @@ typedef struct {
   float scale;
 } kf_range;
 
-#if defined(__AVX512F__) || defined(__AVX2__)
 /* ---------------------------------------------------------------------------------------------
  * The vector layer: VL f32 lanes. */
 
@@ -146,7 +131,7 @@ KF_INLINE vf vpow2(vf y, vf n) { return _mm512_scalef_ps(y, n); }
 KF_INLINE vf vclamp(vf x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset1(lo)), vset1(hi)); }
 KF_INLINE float vfirst(vf v) { return _mm512_cvtss_f32(v); }
 
-#else /* AVX2 + FMA + F16C */
+#elif defined(__AVX2__) /* AVX2 + FMA + F16C */
 #define VL 8
 #define VBLOCK 2
 #define HTILE 3
@@ -206,6 +191,82 @@ KF_INLINE vf vpow2(vf y, vf n) {
 }
 KF_INLINE vf vclamp(vf x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset1(lo)), vset1(hi)); }
 KF_INLINE float vfirst(vf v) { return _mm256_cvtss_f32(v); }
+
+#else /* generic: GCC's vector extensions, 4 lanes (SSE2 on x86-64, NEON on arm64) */
+#define VL 4
+#define VBLOCK 2
+#define HTILE 3
+typedef float vf __attribute__((vector_size(16)));
+typedef int32_t vi __attribute__((vector_size(16)));
+typedef uint32_t vu __attribute__((vector_size(16)));
+KF_INLINE vf vzero(void) { return (vf){0, 0, 0, 0}; }
+KF_INLINE vf vset1(float x) { return (vf){x, x, x, x}; }
+KF_INLINE vf vload(const float *p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+KF_INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+KF_INLINE vf vfma(vf a, vf b, vf c) { return a * b + c; }
+KF_INLINE vf vmul(vf a, vf b) { return a * b; }
+KF_INLINE vf vsub(vf a, vf b) { return a - b; }
+KF_INLINE vf vadd(vf a, vf b) { return a + b; }
+KF_INLINE float vhsum(vf v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+KF_INLINE float vhmax(vf v) {
+  const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
+  return a > b ? a : b;
+}
+/* Lanes where m is all ones from a, the others from b. */
+KF_INLINE vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+KF_INLINE vi lanes(int n) { return (vi){0, 1, 2, 3} < (vi){n, n, n, n}; }
+KF_INLINE vf vload_n(const float *p, int n) {
+  vf v = vzero();
+  memcpy(&v, p, (size_t)n * 4);
+  return v;
+}
+KF_INLINE void vstore_n(float *p, vf v, int n) { memcpy(p, &v, (size_t)n * 4); }
+KF_INLINE vf vkeep(vf v, int n, float x) { return vselect(lanes(n), v, vset1(x)); }
+KF_INLINE vf widen_halves(const uint16_t *h, int dt) {
+  const vu u = {h[0], h[1], h[2], h[3]};
+  if (dt == KF_KV_BF16) return (vf)(u << 16);
+  const vf mag = (vf)((u & 0x7fff) << 13) * vset1(5.192296858534828e33f); /* 2^112 */
+  return (vf)((vu)mag | ((u & 0x8000) << 16));
+}
+KF_INLINE vf kv_load(const uint8_t *p, int dt) {
+  if (dt == KF_KV_F32) return vload((const float *)p);
+  uint16_t h[4];
+  memcpy(h, p, sizeof h);
+  return widen_halves(h, dt);
+}
+KF_INLINE vf kv_load_n(const uint8_t *p, int dt, int n) {
+  if (dt == KF_KV_F32) return vload_n((const float *)p, n);
+  uint16_t h[4] = {0, 0, 0, 0};
+  memcpy(h, p, (size_t)n * 2);
+  return widen_halves(h, dt);
+}
+/* [Σa, Σb, Σc, Σd]: with 4 lanes the one block is the whole vector. */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE4(a, b, i, j, k, l) __builtin_shufflevector(a, b, i, j, k, l)
+#else
+#define SHUFFLE4(a, b, i, j, k, l) __builtin_shuffle(a, b, (vi){i, j, k, l})
+#endif
+KF_INLINE vf vfold4(vf a, vf b, vf c, vf d) {
+  const vf ab = SHUFFLE4(a, b, 0, 4, 1, 5) + SHUFFLE4(a, b, 2, 6, 3, 7);
+  const vf cd = SHUFFLE4(c, d, 0, 4, 1, 5) + SHUFFLE4(c, d, 2, 6, 3, 7);
+  return SHUFFLE4(ab, cd, 0, 1, 4, 5) + SHUFFLE4(ab, cd, 2, 3, 6, 7);
+}
+KF_INLINE vf vfold_blocks(const float *rq) { return vload(rq); }
+/* Nearest integer (ties to even) of |x| < 2^22: adding and subtracting 1.5·2^23 rounds in the FPU's mode. */
+KF_INLINE vf vround(vf x) {
+  const vf magic = vset1(12582912.0f);
+  return (x + magic) - magic;
+}
+KF_INLINE vf vpow2(vf y, vf n) { return y * (vf)((__builtin_convertvector(n, vi) + 127) << 23); }
+KF_INLINE vf vclamp(vf x, float lo, float hi) {
+  x = vselect(x > vset1(lo), x, vset1(lo));
+  return vselect(x < vset1(hi), x, vset1(hi));
+}
+KF_INLINE float vfirst(vf v) { return v[0]; }
 #endif
 
 /* exp on every lane (Cephes expf: range reduction to [-ln2/2, ln2/2], a degree-6 polynomial). */
@@ -223,24 +284,20 @@ KF_INLINE vf vexp(vf x) {
   const vf y = vfma(vmul(p, r), r, r);
   return vpow2(vadd(y, vset1(1.0f)), n);
 }
-#endif
 
-#if defined(__AVX512F__) || defined(__AVX2__)
 /* ---------------------------------------------------------------------------------------------
- * The SIMD paths: one sweep, chunks of up to VL tokens within a page, online softmax. */
+ * The kernel: one sweep, chunks of up to VL tokens within a page, online softmax. */
 
 /* Query heads of one sweep (the stack arrays below); an item with more sweeps over its KV heads in groups. */
 #define SWEEP_HEADS 32
-/* How far ahead (in chunks) the K and V rows are prefetched. */
-#ifndef PF_CHUNKS
+/*
+ * How far ahead (in chunks) the K and V rows are prefetched, into L1. At 4,096 tokens, one thread,
+ * f16 (native/test/attention-driver.c): none 310-434 us a call, 1 chunk 202-209, 2 chunks 185-187,
+ * 3 chunks 186-187, 2 chunks into L2 (T1) 191-194; a second, far prefetch into L2 (6-10 chunks)
+ * cost more in instructions than it saved.
+ */
 #define PF_CHUNKS 2
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-#ifndef V_ROWS
-#define V_ROWS VL
-#endif
+#define PREFETCH(a) __builtin_prefetch((a), 0, 3)
 
 /*
  * The dot products of H query heads (q_h at q + h·hd) with 4 K rows (row j at k + min(j, n−1)·rb),
@@ -299,27 +356,29 @@ KF_INLINE void scores_heads(float *rq, const float *q, int32_t hd, const uint8_t
   }
 }
 
-/* A span of lines to prefetch, a few at a time, each at a and a + v_off (a chunk's K and V rows). */
+/* Rows of a later chunk to prefetch: row j's bytes [k + j·rb, + seg) and the same at + v_off. */
 typedef struct {
-  const uint8_t *a, *end;
-  int64_t v_off;
+  const uint8_t *k;
+  int64_t rb, v_off, seg;
+  int n;
 } kf_pf;
 
-KF_INLINE void prefetch_lines(kf_pf *pf, int lines) {
-  for (int i = 0; i < lines && pf->a < pf->end; i++, pf->a += 64) {
-    _mm_prefetch((const char *)pf->a, PF_HINT);
-    _mm_prefetch((const char *)pf->a + pf->v_off, PF_HINT);
+KF_INLINE void prefetch_row(const kf_pf *pf, int j) {
+  const uint8_t *x = pf->k + j * pf->rb;
+  const uintptr_t end = (uintptr_t)x + (uintptr_t)pf->seg;
+  for (uintptr_t a = (uintptr_t)x & ~(uintptr_t)63; a < end; a += 64) {
+    PREFETCH((const uint8_t *)a);
+    PREFETCH((const uint8_t *)a + pf->v_off);
   }
 }
 
 /*
- * o_h ← o_h·alpha_h (alpha NULL: 1) + Σ_j p[h·VL + j]·V_j for H query heads (o_h at o + h·os), n
+ * o_h ← o_h·alpha_h + Σ_j p[h·VL + j]·V_j for H query heads (o_h at o + h·os), n
  * tokens (V_j at v + j·rb), head-dim vectors [d0, d0 + NB·VL) (NB ≤ VBLOCK; the last one `tail`
- * lanes when tail > 0); `pf_lines` lines of pf prefetched per token (pf NULL: none).
+ * lanes when tail > 0); with each token j, row j of pf prefetched (pf NULL: none).
  */
 KF_INLINE void values_block(float *o, int64_t os, const float *alpha, const float *p, const uint8_t *v, int64_t rb,
-                            int n, int32_t d0, int dt, const int H, const int NB, const int tail, kf_pf *pf,
-                            int pf_lines) {
+                            int n, int32_t d0, int dt, const int H, const int NB, const int tail, const kf_pf *pf) {
   const int64_t es = kv_elem_bytes(dt);
   vf acc[HTILE][VBLOCK];
 #pragma GCC unroll 4
@@ -327,13 +386,12 @@ KF_INLINE void values_block(float *o, int64_t os, const float *alpha, const floa
 #pragma GCC unroll 4
     for (int b = 0; b < NB; b++) {
       const float *src = o + h * os + d0 + b * VL;
-      acc[h][b] = tail && b == NB - 1 ? vload_n(src, tail) : vload(src);
-      if (alpha != NULL) acc[h][b] = vmul(acc[h][b], vset1(alpha[h]));
+      acc[h][b] = vmul(tail && b == NB - 1 ? vload_n(src, tail) : vload(src), vset1(alpha[h]));
     }
   }
   v += d0 * es;
   for (int j = 0; j < n; j++, v += rb) {
-    if (pf != NULL) prefetch_lines(pf, pf_lines);
+    if (pf != NULL && j < pf->n) prefetch_row(pf, j);
     vf x[VBLOCK];
 #pragma GCC unroll 4
     for (int b = 0; b < NB; b++) x[b] = tail && b == NB - 1 ? kv_load_n(v + b * VL * es, dt, tail) : kv_load(v + b * VL * es, dt);
@@ -357,28 +415,28 @@ KF_INLINE void values_block(float *o, int64_t os, const float *alpha, const floa
 
 /* values_block over the whole head dim (the prefetch with the first block). */
 KF_INLINE void values_tile(float *o, int64_t os, const float *alpha, const float *p, const uint8_t *v, int64_t rb,
-                           int n, int32_t hd, int dt, const int H, kf_pf *pf, int pf_lines) {
+                           int n, int32_t hd, int dt, const int H, const kf_pf *pf) {
   const int32_t step = VBLOCK * VL;
   const int32_t blocks = hd / step * step;
   int32_t d = 0;
-  for (; d < blocks; d += step, pf = NULL) values_block(o, os, alpha, p, v, rb, n, d, dt, H, VBLOCK, 0, pf, pf_lines);
-  for (; d + VL <= hd; d += VL, pf = NULL) values_block(o, os, alpha, p, v, rb, n, d, dt, H, 1, 0, pf, pf_lines);
-  if (d < hd) values_block(o, os, alpha, p, v, rb, n, d, dt, H, 1, hd - d, pf, pf_lines);
+  for (; d < blocks; d += step, pf = NULL) values_block(o, os, alpha, p, v, rb, n, d, dt, H, VBLOCK, 0, pf);
+  for (; d + VL <= hd; d += VL, pf = NULL) values_block(o, os, alpha, p, v, rb, n, d, dt, H, 1, 0, pf);
+  if (d < hd) values_block(o, os, alpha, p, v, rb, n, d, dt, H, 1, hd - d, pf);
 }
 
 /* values_tile for the query heads of one KV head, in tiles of HTILE. */
 KF_INLINE void values_heads(float *o, int64_t os, const float *alpha, const float *p, const uint8_t *v, int64_t rb,
-                            int n, int32_t hd, int dt, int32_t heads, kf_pf *pf, int pf_lines) {
+                            int n, int32_t hd, int dt, int32_t heads, const kf_pf *pf) {
   int32_t h = 0;
   for (; h + HTILE <= heads; h += HTILE, pf = NULL) {
-    values_tile(o + h * os, os, alpha ? alpha + h : NULL, p + h * VL, v, rb, n, hd, dt, HTILE, pf, pf_lines);
+    values_tile(o + h * os, os, alpha + h, p + h * VL, v, rb, n, hd, dt, HTILE, pf);
   }
-  const float *a = alpha ? alpha + h : NULL;
+  const float *a = alpha + h;
   switch (heads - h) {
-    case 1: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 1, pf, pf_lines); break;
-    case 2: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 2, pf, pf_lines); break;
+    case 1: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 1, pf); break;
+    case 2: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 2, pf); break;
 #if HTILE > 3
-    case 3: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 3, pf, pf_lines); break;
+    case 3: values_tile(o + h * os, os, a, p + h * VL, v, rb, n, hd, dt, 3, pf); break;
 #endif
     default: break;
   }
@@ -415,84 +473,91 @@ KF_INLINE void softmax_chunk(float *p, float *alpha, float *m, vf *l, const floa
 KF_INLINE void attend_simd(const kf_range *r, int dt, const int HD) {
   const int32_t hd = HD ? HD : r->head_dim, group = r->group;
   const int64_t es = kv_elem_bytes(dt), rb = r->row_bytes;
+  /* A sweep: kv_heads whole groups, or (a group wider than SWEEP_HEADS) a slice of one group. */
   const int32_t sweep_kv = group >= SWEEP_HEADS ? 1 : SWEEP_HEADS / group;
+  const int32_t slice = group < SWEEP_HEADS ? group : SWEEP_HEADS;
   const vf scale = vset1(r->scale);
   float m[SWEEP_HEADS], alpha[SWEEP_HEADS];
   vf l[SWEEP_HEADS];
   float p[SWEEP_HEADS * VL] __attribute__((aligned(64)));
   float rq[SWEEP_HEADS * (VL / 4) * VL] __attribute__((aligned(64))); /* scores_quad's folded quads */
   for (int32_t gb = r->g0; gb < r->g1; gb += sweep_kv) {
-    const int32_t kv_heads = gb + sweep_kv < r->g1 ? sweep_kv : r->g1 - gb;
-    const int32_t h0 = (gb - r->g0) * group; /* first query head of the sweep, counted from the item's */
-    const int32_t heads = kv_heads * group;
-    const int64_t head_off = (int64_t)gb * hd * es, sweep_bytes = (int64_t)kv_heads * hd * es;
-    float *o = r->o + h0 * r->o_stride;
-    const float *q = r->q + (int64_t)h0 * hd;
-    for (int32_t h = 0; h < heads; h++) {
-      memset(o + h * r->o_stride, 0, (size_t)hd * 4);
-      m[h] = -INFINITY;
-      l[h] = vzero();
-      for (int j0 = 0; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
-    }
-    /* The chunk PF_CHUNKS ahead is prefetched while a chunk's V rows are read (the sweep's bytes of
-     * its K rows and V rows, in ascending order); the first PF_CHUNKS chunks up front. */
-    kf_pf pf = {NULL, NULL, r->v_off};
-    int32_t pt = r->ta;
-    for (int c = 0; c < PF_CHUNKS && pt < r->tb; c++) {
-      int pn;
-      pf.a = chunk_at(r, pt, head_off, &pn);
-      pf.end = pf.a + (pn - 1) * rb + sweep_bytes;
-      prefetch_lines(&pf, 1 << 30);
-      pt += pn;
-    }
-    int32_t t = r->ta;
-    while (t < r->tb) {
-      int n;
-      const uint8_t *row = chunk_at(r, t, head_off, &n);
-      kf_pf *ahead = NULL;
-      int pf_lines = 0;
-      if (pt < r->tb) {
-        int pn;
-        pf.a = chunk_at(r, pt, head_off, &pn);
-        pf.end = pf.a + (pn - 1) * rb + sweep_bytes;
-        pf_lines = (int)(((pf.end - pf.a) / 64 + 1 + kv_heads * n - 1) / (kv_heads * n));
-        pt += pn;
-        ahead = &pf;
+    for (int32_t hs = 0; hs < group; hs += slice) {
+      const int32_t kv_heads = gb + sweep_kv < r->g1 ? sweep_kv : r->g1 - gb;
+      const int32_t hn = group - hs < slice ? group - hs : slice; /* query heads per KV head */
+      const int32_t heads = kv_heads * hn;
+      /* Item head of sweep head g·hn + i (g counted from gb): (gb − g0 + g)·group + hs + i. */
+      const int32_t h0 = (gb - r->g0) * group + hs;
+      const int64_t head_off = (int64_t)gb * hd * es;
+      /* The sums accumulate in the thread's own scratch (heads rows of hd), so the two threads
+       * never write near each other's output rows while they work; o gets the result at the end. */
+      float *acc = r->acc;
+      for (int32_t h = 0; h < heads; h++) {
+        memset(acc + h * hd, 0, (size_t)hd * 4);
+        m[h] = -INFINITY;
+        l[h] = vzero();
+        for (int j0 = 0; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
       }
-      /* Scores 4 tokens at a time, every KV head of the sweep per 4 rows (the rows read in order). */
-      for (int j0 = 0; j0 < n; j0 += 4) {
+      /* The chunk PF_CHUNKS ahead is prefetched while a chunk's V rows are read (each KV head's
+       * part of a row with that head's V rows); the first PF_CHUNKS chunks up front. */
+      kf_pf pf = {NULL, rb, r->v_off, hd * es, 0};
+      int32_t pt = r->ta;
+      for (int c = 0; c < PF_CHUNKS && pt < r->tb; c++) {
+        pf.k = chunk_at(r, pt, head_off, &pf.n);
+        for (int32_t g = 0; g < kv_heads; g++, pf.k += hd * es) {
+          for (int j = 0; j < pf.n; j++) prefetch_row(&pf, j);
+        }
+        pt += pf.n;
+      }
+      int32_t t = r->ta;
+      while (t < r->tb) {
+        int n;
+        const uint8_t *row = chunk_at(r, t, head_off, &n);
+        const int ahead = pt < r->tb;
+        if (ahead) {
+          pf.k = chunk_at(r, pt, head_off, &pf.n);
+          pt += pf.n;
+        }
+        /* Scores 4 tokens at a time, every KV head of the sweep per 4 rows (rows read in order). */
+        for (int j0 = 0; j0 < n; j0 += 4) {
+          for (int32_t g = 0; g < kv_heads; g++) {
+            scores_heads(rq + ((int64_t)g * hn * (VL / 4) + j0 / 4) * VL, r->q + (int64_t)(h0 + g * group) * hd, hd,
+                         row + j0 * rb + g * hd * es, rb, n - j0, dt, hn);
+          }
+        }
+        if (n < VL) {
+          for (int32_t h = 0; h < heads; h++) {
+            for (int j0 = (n + 3) / 4 * 4; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
+          }
+        }
+        softmax_chunk(p, alpha, m, l, rq, heads, n, scale);
+        /* Σ p·V, a KV head at a time; with each V row, that head's part of a row of the chunk ahead. */
         for (int32_t g = 0; g < kv_heads; g++) {
-          scores_heads(rq + ((int64_t)g * group * (VL / 4) + j0 / 4) * VL, q + (int64_t)g * group * hd, hd,
-                       row + j0 * rb + g * hd * es, rb, n - j0, dt, group);
+          const kf_pf pg = {pf.k + g * hd * es, rb, r->v_off, hd * es, pf.n};
+          values_heads(acc + g * hn * hd, hd, alpha + g * hn, p + g * hn * VL, row + r->v_off + g * hd * es, rb, n, hd,
+                       dt, hn, ahead ? &pg : NULL);
         }
-      }
-      if (n < VL) {
-        for (int32_t h = 0; h < heads; h++) {
-          for (int j0 = (n + 3) / 4 * 4; j0 < VL; j0 += 4) vstore(rq + ((int64_t)h * (VL / 4) + j0 / 4) * VL, vzero());
+        if (ahead && pf.n > n) { /* the rows of a longer chunk ahead that no V row of this one took */
+          kf_pf pg = pf;
+          for (int32_t g = 0; g < kv_heads; g++, pg.k += hd * es) {
+            for (int j = n; j < pf.n; j++) prefetch_row(&pg, j);
+          }
         }
+        t += n;
       }
-      softmax_chunk(p, alpha, m, l, rq, heads, n, scale);
-      /* Σ p·V, V_ROWS tokens at a time, every KV head of the sweep per V_ROWS rows. */
-      for (int j0 = 0; j0 < n; j0 += V_ROWS) {
-        const int nr = n - j0 < V_ROWS ? n - j0 : V_ROWS;
-        for (int32_t g = 0; g < kv_heads; g++) {
-          values_heads(o + g * group * r->o_stride, r->o_stride, j0 == 0 ? alpha + g * group : NULL,
-                       p + g * group * VL + j0, row + r->v_off + j0 * rb + g * hd * es, rb, nr, hd, dt, group, ahead,
-                       pf_lines);
+      for (int32_t h = 0; h < heads; h++) {
+        const float sum = vhsum(l[h]);
+        const vf inv = vset1(sum > 0 ? 1.0f / sum : 0.0f); /* an empty range: o = 0 */
+        const float *ah = acc + h * hd;
+        const int32_t item_head = h0 + h / hn * group + h % hn;
+        float *oh = r->o + item_head * r->o_stride;
+        int32_t d = 0;
+        for (; d + VL <= hd; d += VL) vstore(oh + d, vmul(vload(ah + d), inv));
+        if (d < hd) vstore_n(oh + d, vmul(vload_n(ah + d, hd - d), inv), hd - d);
+        if (r->ml != NULL) {
+          r->ml[item_head * r->ml_stride] = m[h];
+          r->ml[item_head * r->ml_stride + 1] = sum;
         }
-      }
-      t += n;
-    }
-    for (int32_t h = 0; h < heads; h++) {
-      const float sum = vhsum(l[h]);
-      const vf inv = vset1(sum > 0 ? 1.0f / sum : 0.0f); /* an empty range: o stays 0 */
-      float *oh = o + h * r->o_stride;
-      int32_t d = 0;
-      for (; d + VL <= hd; d += VL) vstore(oh + d, vmul(vload(oh + d), inv));
-      if (d < hd) vstore_n(oh + d, vmul(vload_n(oh + d, hd - d), inv), hd - d);
-      if (r->ml != NULL) {
-        r->ml[(h0 + h) * r->ml_stride] = m[h];
-        r->ml[(h0 + h) * r->ml_stride + 1] = sum;
       }
     }
   }
@@ -514,51 +579,6 @@ static __attribute__((noinline)) void attend_bf16(const kf_range *r) {
   else if (r->head_dim == 128) attend_simd(r, KF_KV_BF16, 128);
   else attend_simd(r, KF_KV_BF16, 0);
 }
-#endif
-
-#if !(defined(__AVX512F__) || defined(__AVX2__))
-/* The generic level: each query head on its own, scores in the scratch (n floats). */
-static void attend_generic(const kf_range *r, int dt, float *scores) {
-  const int32_t hd = r->head_dim, n = r->tb - r->ta;
-  const int64_t es = kv_elem_bytes(dt);
-  for (int32_t g = r->g0; g < r->g1; g++) {
-    for (int32_t hh = 0; hh < r->group; hh++) {
-      const int32_t h = (g - r->g0) * r->group + hh;
-      const float *q = r->q + (int64_t)h * hd;
-      float *o = r->o + h * r->o_stride;
-      float m = -INFINITY, sum = 0;
-      for (int32_t t = r->ta; t < r->tb; t++) {
-        const int32_t pg = t / r->page_size;
-        const uint8_t *k = r->pool + (int64_t)r->table[pg] * r->page_bytes + r->k_base +
-                           (int64_t)(t - pg * r->page_size) * r->row_bytes + (int64_t)g * hd * es;
-        double dot = 0; /* in doubles: the generic level has time to spare, and long sums gain most */
-        for (int32_t d = 0; d < hd; d++) dot += (double)q[d] * kv_load1(k + d * es, dt);
-        const float s = (float)dot * r->scale;
-        scores[t - r->ta] = s;
-        if (s > m) m = s;
-      }
-      for (int32_t u = 0; u < n; u++) {
-        scores[u] = expf(scores[u] - m);
-        sum += scores[u];
-      }
-      memset(o, 0, (size_t)hd * 4);
-      for (int32_t t = r->ta; t < r->tb; t++) {
-        const int32_t pg = t / r->page_size;
-        const uint8_t *v = r->pool + (int64_t)r->table[pg] * r->page_bytes + r->k_base + r->v_off +
-                           (int64_t)(t - pg * r->page_size) * r->row_bytes + (int64_t)g * hd * es;
-        const float w = scores[t - r->ta];
-        for (int32_t d = 0; d < hd; d++) o[d] += w * kv_load1(v + d * es, dt);
-      }
-      const float inv = sum > 0 ? 1.0f / sum : 0.0f;
-      for (int32_t d = 0; d < hd; d++) o[d] *= inv;
-      if (r->ml != NULL) {
-        r->ml[h * r->ml_stride] = m;
-        r->ml[h * r->ml_stride + 1] = sum;
-      }
-    }
-  }
-}
-#endif
 
 /* The work items of one job (attentionItems), for one KV element type. */
 KF_INLINE void attention_items(const kf_attention_job *j, int dt) {
@@ -568,6 +588,7 @@ KF_INLINE void attention_items(const kf_attention_job *j, int dt) {
   const int32_t n = last->first_item + last->rows * per_row;
   kf_range r;
   r.pool = j->pool;
+  r.acc = j->scratch;
   r.group = group;
   r.head_dim = hd;
   r.page_size = j->page_size;
@@ -605,13 +626,9 @@ KF_INLINE void attention_items(const kf_attention_job *j, int dt) {
       r.ta = (int32_t)((int64_t)ctx * sp / splits);
       r.tb = (int32_t)((int64_t)ctx * (sp + 1) / splits);
     }
-#if defined(__AVX512F__) || defined(__AVX2__)
     if (dt == KF_KV_F16) attend_f16(&r);
     else if (dt == KF_KV_BF16) attend_bf16(&r);
     else attend_f32(&r);
-#else
-    attend_generic(&r, dt, j->scratch);
-#endif
   }
 }
 

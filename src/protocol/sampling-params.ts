@@ -8,6 +8,7 @@
  * threads by structured clone and processes as JSON.
  */
 import type { LogitControls } from "../lib/logit-controls.js";
+import type { OutputConstraint } from "./output-constraint.js";
 
 export interface SamplingParams {
   /** 0 = greedy. */
@@ -33,6 +34,8 @@ export interface SamplingParams {
    * with its own seed.
    */
   readonly sampleSeeds?: readonly (number | null)[] | undefined;
+  /** What the output must match (structured output, tool_choice required or named); absent: anything. */
+  readonly constraint?: OutputConstraint | undefined;
 }
 
 /** The sampling of a request that names none (a node's attempt the router sent none for). */

@@ -92,6 +92,7 @@ interface ModelCliOptions {
   bandwidthMib: number;
   seed: number;
   baseline?: string;
+  profile?: boolean;
   json?: string;
 }
 
@@ -168,6 +169,10 @@ function modelCommand(): Command {
       "--baseline <dir>",
       "a kvfence checkout built at another commit: each arm also runs on its forward pass in the same repeats, and the report gives this build / baseline with 95% CIs",
     )
+    .option(
+      "--profile",
+      "after the timed repeats, show where each phase's step time goes, kernel by kernel (and matmul shape)",
+    )
     .option("--json <file>", "also write the full result as JSON")
     .action(runModelCli);
 }
@@ -191,6 +196,7 @@ async function runModelCli(opts: ModelCliOptions): Promise<void> {
       bandwidthBytes: opts.bandwidthMib * 2 ** 20,
       seed: opts.seed,
       ...(opts.baseline === undefined ? {} : { baseline: opts.baseline }),
+      ...(opts.profile === true ? { profile: true } : {}),
       log: (line) => process.stderr.write(`${line}\n`),
     });
     process.stdout.write(`${formatModelBench(result)}\n`);

@@ -13,6 +13,7 @@
  * - `"native"`: the same class over the native addon (docs/kernels.md) and a plain
  *   SharedArrayBuffer sized here once, fixed (it never grows), which may pass 4 GiB.
  */
+import type { KernelProfile } from "../kernels/kernel-profile.js";
 import type { Kernels } from "../kernels/kernels.js";
 import { referenceKernels } from "../kernels/kernels.js";
 import { type KernelMemory, type MemoryRegion, WasmKernels } from "../kernels/wasm-kernels.js";
@@ -31,6 +32,8 @@ export type KernelsName = "ts" | "wasm" | "native";
 
 export interface ForwardSetupOptions {
   readonly kernels: KernelsName;
+  /** Times every kernel call of the forward pass into this profile (`bench model --profile`); absent: none. */
+  readonly profile?: KernelProfile;
   /** Threads of the WebAssembly kernels: 1 (this thread) or 2 (plus a spinning worker). Default 1. */
   readonly kernelThreads?: 1 | 2;
   /** WebAssembly kernels: the fused multiply-add build where the engine has it (default true). */
@@ -76,7 +79,10 @@ export async function createForward(
   const scrubOnFree = options.scrubOnFree ?? false;
   if (options.kernels === "ts") {
     return {
-      forward: new ForwardPass(config, weights, layout, passOptions),
+      forward: new ForwardPass(config, weights, layout, {
+        ...passOptions,
+        ...(options.profile === undefined ? {} : { kernels: options.profile.wrap(referenceKernels) }),
+      }),
       pools: options.poolPages.map((n) => new PagePool(layout, n, { scrubOnFree })),
       kernels: referenceKernels,
       weights,
@@ -108,7 +114,8 @@ export async function createForward(
   });
   await k.ready();
   const placed = k.placeWeights(weights);
-  const forward = new ForwardPass(config, placed, layout, { ...passOptions, kernels: k });
+  const kernels = options.profile === undefined ? k : options.profile.wrap(k);
+  const forward = new ForwardPass(config, placed, layout, { ...passOptions, kernels });
   const pools = options.poolPages.map((n, i) => {
     const at = k.allocBytes(poolBytes[i] as number);
     return new PagePool(layout, n, {

@@ -100,6 +100,46 @@ describe("bench model helpers", () => {
     }
   });
 
+  it("runModelBench() with profile times each phase's kernels: every layer's calls, each matmul shape, the LM head", async () => {
+    const r = await runModelBench({
+      ...MODEL_BENCH_DEFAULTS,
+      modelDir: bundledModelDir(),
+      kernels: ["ts", "wasm"],
+      promptTokens: 12,
+      contextTokens: 8,
+      decodeSteps: 3,
+      batchSizes: [2],
+      repeats: 1,
+      bandwidthBytes: 1 << 20,
+      profile: true,
+    });
+    const { numLayers, hiddenSize, vocabSize } = r.config;
+    for (const run of r.runs) {
+      const phases = run.profile ?? assert.fail(`${run.kernels}: no profile`);
+      assert.deepEqual(
+        phases.map((p) => [p.phase, p.steps]),
+        [
+          ["prefill (12-token prompt)", 1],
+          ["decode batch 2 (context 8)", 3],
+        ],
+      );
+      for (const p of phases) {
+        const calls = new Map(p.rows.map((row) => [row.kernel, row.calls / p.steps]));
+        assert.equal(calls.get("attention"), numLayers, `${run.kernels} ${p.phase}: ${[...calls.keys()]}`);
+        assert.equal(calls.get(`matmul ${hiddenSize}→${vocabSize} f32`), 1);
+        const inKernels = p.rows.reduce((sum, row) => sum + row.ms, 0);
+        assert.ok(
+          inKernels > 0 && inKernels <= p.stepMs * p.steps,
+          `${inKernels} ms of ${p.stepMs * p.steps}`,
+        );
+      }
+    }
+    assert.match(
+      formatModelBench(r),
+      /where a step's time goes, decode batch 2 \(context 8\): [\d.]+ ms a step\n {6}\S/,
+    );
+  });
+
   it("runModelBench() runs --kernels wasm-i16 beside wasm: Q8_0 batches on the i16 tile", async () => {
     const r = await runModelBench({
       ...MODEL_BENCH_DEFAULTS,

@@ -38,6 +38,7 @@ import {
   type ForwardSetup,
   type KernelsName,
 } from "../../engine/forward-setup.js";
+import { KernelProfile } from "../../kernels/kernel-profile.js";
 import { roundKv } from "../../kernels/reference.js";
 import { WasmKernels } from "../../kernels/wasm-kernels.js";
 import { type Matrix, matrixBytes, type WeightDType } from "../../kernels/weight-format.js";
@@ -62,6 +63,7 @@ import { convertWeights } from "../../model/convert-model.js";
 import type { StepSequence } from "../../model/forward.js";
 import { openModel } from "../../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../../model/model-config.js";
+import { formatProfile, type PhaseProfile, profilePhases } from "./model-profile.js";
 import { BandwidthProbe } from "./roofline.js";
 
 /** The largest CPU cache of cpu0 in bytes (Linux sysfs), or null where it cannot be read. */
@@ -115,6 +117,8 @@ export interface ModelBenchOptions {
    * other repeat), and the report gives this build / baseline as paired ratios with 95% CIs.
    */
   readonly baseline?: string;
+  /** After the timed repeats, run each phase once more with every kernel call timed (`--profile`). */
+  readonly profile?: boolean;
   readonly log?: (line: string) => void;
 }
 
@@ -166,6 +170,8 @@ export interface KernelsRun {
   readonly decode: readonly DecodeResult[];
   /** The long-context arm, or null when skipped. */
   readonly longContext: DecodeResult | null;
+  /** With `profile`: where each phase's step time goes, kernel by kernel (null without). */
+  readonly profile: readonly PhaseProfile[] | null;
 }
 
 /** This build / the baseline's twin of one arm, each figure a paired ratio by repeat. */
@@ -250,6 +256,8 @@ interface Arms {
   readonly weightBytes: number;
   readonly threads: 1 | 2;
   readonly setup: ForwardSetup;
+  /** With `--profile` (this build's arms only): the profile its kernels are timed into. */
+  readonly profile: KernelProfile | null;
   prefill(): number;
   decode(batchIndex: number): number;
   /** null when the arm is skipped. */
@@ -296,7 +304,9 @@ async function prepareArms(
   };
   const n = armPages(options, longContext);
   const forward = await forwardOf(build === "baseline" ? options.baseline : undefined);
+  const profile = options.profile === true && build === "this" ? new KernelProfile() : null;
   const setup = await forward(config, weights, layout, {
+    ...(profile === null ? {} : { profile }),
     kernels: name === "ts" || name === "native" ? name : "wasm",
     wasmFma: name !== "wasm-mul-add",
     wasmDotAdd: name !== "wasm-i16",
@@ -339,6 +349,7 @@ async function prepareArms(
     weightBytes: weightBytes(weights),
     threads,
     setup,
+    profile,
     prefill() {
       const t0 = process.hrtime.bigint();
       fp.step(pool, prefillBatch);
@@ -472,9 +483,11 @@ export async function runModelBench(options: ModelBenchOptions): Promise<ModelBe
         (batch * ((threads === 2 ? readGbps[2] : readGbps[1]) ?? readGbps[1]).summary.median * 1e9) /
         a.weightBytes;
     const flops = prefillFlops(config, options.promptTokens);
-    const runs = arms.map((a, k) =>
-      kernelsRun(a, samples[k]!, { options, k, flops, longContext, roofline: roofline(a) }),
-    );
+    const runs = arms.map((a, k) => ({
+      ...kernelsRun(a, samples[k]!, { options, k, flops, longContext, roofline: roofline(a) }),
+      profile:
+        a.profile === null ? null : profilePhases({ ...a, profile: a.profile }, { ...options, longContext }),
+    }));
     const vsBaseline = arms.flatMap((a, k): BaselineRatio[] => {
       if (a.build !== "this" || options.baseline === undefined) return [];
       // The twin comes right after its arm (see `builds` above).
@@ -584,7 +597,7 @@ function kernelsRun(
     readonly longContext: number;
     readonly roofline: (threads: 1 | 2, batch: number) => number;
   },
-): KernelsRun {
+): Omit<KernelsRun, "profile"> {
   const { options, roofline } = run;
   const seed = options.seed + 10 * (run.k + 1);
   const b1 = options.batchSizes.indexOf(1);
@@ -635,9 +648,9 @@ function armLabel(kernels: BenchKernels, dtype: WeightDType | "stored", build: A
   return build === "baseline" ? `${label} (baseline)` : label;
 }
 
-/** The WebAssembly build a run used, for its report line ("" for the TypeScript kernels). */
+/** The WebAssembly build a run used, for its report line ("" for the TypeScript and native kernels). */
 function buildLabel(run: KernelsRun): string {
-  if (run.fma === null) return "";
+  if (run.fma === null || run.kernels === "native") return "";
   if (!run.fma) return " (multiply, then add)";
   const int8 = run.dtype === "q8_0" || run.dtype === "q4_0";
   return run.dotAdd === true && int8
@@ -682,6 +695,7 @@ export function formatModelBench(r: ModelBenchResult): string {
     for (const d of run.decode) lines.push(decodeLine({ ...d, weightBytes: run.weightBytes }));
     if (run.longContext !== null)
       lines.push(decodeLine({ ...run.longContext, weightBytes: run.weightBytes }));
+    if (run.profile !== null) lines.push(...formatProfile(run.profile));
   }
   if (r.runs.length > 1) {
     lines.push("  side by side (medians):");

@@ -12,14 +12,15 @@
 // quantises f32 rows with ggml_quantize_chunk (no importance matrix, as llama-quantize without
 // --imatrix) and dequantises the blocks with ggml's to_float, and writes:
 //
-// - testing/fixtures/kquant-blocks.json: for Q4_K, Q5_K and Q6_K, 8 rows of 512 seeded values
+// - testing/fixtures/kquant-blocks.json: for Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1, 8 rows of 512 seeded values
 //   (gaussians of several widths, outliers, zero and constant blocks, all-negative rows, values
 //   small enough for subnormal f16 scales, large ones): ggml's blocks and ggml's dequantised f32,
 //   base64 (src/kernels/k-quants.test.ts checks the TypeScript dequantisation against them).
 // - testing/fixtures/kvfence-tiny-q4_k_m.gguf and -q5_k_m.gguf: models/kvfence-tiny written by
 //   testing/gguf-writer.ts with every matrix quantised by ggml in llama.cpp's Q4_K_M / Q5_K_M mix
 //   (llama_tensor_get_type in llama-quant.cpp): output.weight Q6_K; attn_v and ffn_down Q6_K in
-//   the layers `use_more_bits` picks (here the last of three); every other matrix Q4_K (Q5_K);
+//   the layers `use_more_bits` picks (here the last of three); ffn_gate in llama.cpp's fallback
+//   type for rows that are not whole 256-blocks, Q5_0 (Q5_1); every other matrix Q4_K (Q5_K);
 //   norms F32.
 import { execFileSync, spawnSync } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
@@ -47,7 +48,8 @@ const C_SOURCE = `
 int main(int argc, char **argv) {
   if (argc != 4) return 2;
   enum ggml_type t = !strcmp(argv[1], "q4_K") ? GGML_TYPE_Q4_K : !strcmp(argv[1], "q5_K") ? GGML_TYPE_Q5_K
-                   : !strcmp(argv[1], "q6_K") ? GGML_TYPE_Q6_K : GGML_TYPE_COUNT;
+                   : !strcmp(argv[1], "q6_K") ? GGML_TYPE_Q6_K : !strcmp(argv[1], "q5_0") ? GGML_TYPE_Q5_0
+                   : !strcmp(argv[1], "q5_1") ? GGML_TYPE_Q5_1 : GGML_TYPE_COUNT;
   if (t == GGML_TYPE_COUNT) return 2;
   long rows = atol(argv[2]), cols = atol(argv[3]), n = rows * cols;
   float *x = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
@@ -87,7 +89,8 @@ function ggmlQuantize(dtype, x, rows, cols) {
     maxBuffer: 1 << 28,
     stdio: ["pipe", "pipe", "ignore"],
   });
-  const size = weightBytes(dtype, rows * cols);
+  // Q5_0 / Q5_1: 22 / 24 bytes a 32-weight block (kvfence widens them at load, so no weight format has them).
+  const size = dtype === "q5_0" ? (rows * cols * 22) / 32 : dtype === "q5_1" ? (rows * cols * 24) / 32 : weightBytes(dtype, rows * cols);
   const bytes = new Uint8Array(out.subarray(0, size));
   const values = new Float32Array(new Uint8Array(out.subarray(size)).buffer);
   return { bytes, values };
@@ -118,7 +121,7 @@ function blockInputs() {
 
 const commit = ggmlCommit ?? spawnSync(tool, ["q4_K", "1", "256"], { input: Buffer.alloc(1024) }).stderr.toString();
 const x = blockInputs();
-const cases = ["q4_K", "q5_K", "q6_K"].map((dtype) => {
+const cases = ["q4_K", "q5_K", "q6_K", "q5_0", "q5_1"].map((dtype) => {
   const { bytes, values } = ggmlQuantize(dtype, x, ROWS, COLS);
   return {
     dtype,
@@ -139,16 +142,19 @@ writeFileSync(
 const NUM_LAYERS = 3; // models/kvfence-tiny
 const useMoreBits = (i, n) => i < Math.floor(n / 8) || i >= Math.floor((7 * n) / 8) || (i - Math.floor(n / 8)) % 3 === 2;
 
-for (const [file, base] of [
-  ["kvfence-tiny-q4_k_m.gguf", "q4_K"],
-  ["kvfence-tiny-q5_k_m.gguf", "q5_K"],
+// llama.cpp writes a matrix whose rows are not whole 256-weight blocks (SmolLM2's hidden size 576,
+// Qwen2.5-0.5B's 896) in its fallback type: Q5_0 in a Q4_K_M file, Q5_1 in a Q5_K_M one. kvfence-tiny's
+// rows are whole blocks, so its ffn_gate matrices stand in for such matrices here.
+for (const [file, base, fallback] of [
+  ["kvfence-tiny-q4_k_m.gguf", "q4_K", "q5_0"],
+  ["kvfence-tiny-q5_k_m.gguf", "q5_K", "q5_1"],
 ]) {
   const types = {};
   const encode = (name, data, rows, cols) => {
     const layer = /^blk\.(\d+)\./.exec(name);
     const more = layer !== null && useMoreBits(Number(layer[1]), NUM_LAYERS);
     const six = name === "output.weight" || (more && /attn_v|ffn_down/.test(name));
-    const dtype = six ? "q6_K" : base;
+    const dtype = six ? "q6_K" : /ffn_gate/.test(name) ? fallback : base;
     types[dtype] = (types[dtype] ?? 0) + 1;
     return { dtype, bytes: ggmlQuantize(dtype, data, rows, cols).bytes };
   };

@@ -100,13 +100,17 @@ export function logitsAtEveryPosition(
   return result;
 }
 
-/** Greedy continuation of `prompt` by `count` tokens (prompt prefilled in one chunk). */
+/**
+ * Greedy continuation of `prompt` by `count` tokens (prompt prefilled in one chunk). `margins`, when
+ * given, receives each step's top-1 minus top-2 logit.
+ */
 export function greedyContinuation(
   fp: ForwardPass,
   pool: PoolData,
   table: Int32Array,
   prompt: Int32Array,
   count: number,
+  margins?: number[],
 ): number[] {
   const logits = new Float32Array(fp.config.vocabSize);
   const out: number[] = [];
@@ -114,8 +118,16 @@ export function greedyContinuation(
   const one = new Int32Array(1);
   for (let i = 0; i < count; i++) {
     let best = 0;
-    for (let j = 1; j < logits.length; j++) if ((logits[j] as number) > (logits[best] as number)) best = j;
+    let second = -Infinity;
+    for (let j = 1; j < logits.length; j++) {
+      const v = logits[j] as number;
+      if (v > (logits[best] as number)) {
+        second = logits[best] as number;
+        best = j;
+      } else if (v > second) second = v;
+    }
     out.push(best);
+    margins?.push((logits[best] as number) - second);
     if (i === count - 1) break;
     one[0] = best;
     fp.step(pool, [{ tokens: one, startPos: prompt.length + i, blockTable: table, logits }]);

@@ -20,7 +20,10 @@ import { decodeMatrix, encodeWeight, type Matrix, type WeightDType } from "../sr
 import { loadModel } from "../src/model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../src/model/model-config.js";
 
-const GGUF_TYPE: Record<WeightDType, GGMLQuantizationType> = {
+/** Types a matrix may be written in: the weight formats, and llama.cpp's Q5_0 / Q5_1 (kvfence widens them at load). */
+export type GgufMatrixType = WeightDType | "q5_0" | "q5_1";
+
+const GGUF_TYPE: Record<GgufMatrixType, GGMLQuantizationType> = {
   f32: GGMLQuantizationType.F32,
   f16: GGMLQuantizationType.F16,
   bf16: GGMLQuantizationType.BF16,
@@ -29,6 +32,8 @@ const GGUF_TYPE: Record<WeightDType, GGMLQuantizationType> = {
   q4_K: GGMLQuantizationType.Q4_K,
   q5_K: GGMLQuantizationType.Q5_K,
   q6_K: GGMLQuantizationType.Q6_K,
+  q5_0: GGMLQuantizationType.Q5_0,
+  q5_1: GGMLQuantizationType.Q5_1,
 };
 const ALIGN = 32;
 
@@ -48,7 +53,7 @@ interface OutTensor {
 
 /** A matrix's stored form: its type and its bytes in that type's layout. */
 export interface EncodedMatrix {
-  readonly dtype: WeightDType;
+  readonly dtype: GgufMatrixType;
   readonly bytes: Uint8Array;
 }
 

@@ -139,15 +139,15 @@ test("an architecture other than llama and qwen2 is refused, named", async () =>
   assert.match(err.message, /GGUF architecture "phi3" is not served; supported: llama, qwen2/);
 });
 
-test("a tensor type other than F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K is refused, named with its tensor", async () => {
+test("a tensor type other than F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 is refused, named with its tensor", async () => {
   const err = await refusal({
     dtype: "f32",
-    tensorTypeOverride: { "blk.1.ffn_down.weight": GGMLQuantizationType.Q5_0 },
+    tensorTypeOverride: { "blk.1.ffn_down.weight": GGMLQuantizationType.Q4_1 },
   });
   assert.equal(err.code, "unsupported_model");
   assert.match(
     err.message,
-    /tensor blk\.1\.ffn_down\.weight is Q5_0; kvfence serves GGUF tensors in F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K/,
+    /tensor blk\.1\.ffn_down\.weight is Q4_1; kvfence serves GGUF tensors in F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1/,
   );
 });
 

@@ -10,7 +10,8 @@
  * and Q6_K (the block layouts are llama.cpp's: 34-byte Q8_0 blocks of an f16 scale and 32 int8,
  * 18-byte Q4_0 blocks of an f16 scale and 32 nibbles, low nibbles first; the k-quants' 256-weight
  * blocks of src/kernels/k-quants.ts, so a Q4_K_M or Q5_K_M file, which mixes them with F32 norms,
- * serves as it is), and the tokenizers
+ * serves as it is) and Q5_0 / Q5_1 (llama.cpp's fallback for rows that are not whole 256-blocks in
+ * those files; widened exactly at load by gguf-q5.ts), and the tokenizers
  * gguf-tokenizer.ts serves. Anything else is refused with a one-line `unsupported_model` error
  * naming the architecture, tensor type or tokenizer. The tensors stay in their stored format: the
  * file is read whole (into the engines' shared memory when serving) and each matrix is a view of
@@ -34,6 +35,7 @@ import {
   type TokenizerFiles,
 } from "../tokenizer/gguf-tokenizer.js";
 import { badModelFolder, unsupportedModel } from "../tokenizer/model-files.js";
+import { Q5_BLOCK_BYTES, q5_0ToQ8_0, q5_1ToF32 } from "./gguf-q5.js";
 
 /** Architectures served, with the Hugging Face class each stands for. */
 const GGUF_ARCHITECTURES: Readonly<Record<string, string>> = {
@@ -54,6 +56,9 @@ const GGUF_TYPES: ReadonlyMap<number, { name: string; blockBytes: number; blockW
   [12, { name: "Q4_K", blockBytes: 144, blockWeights: 256 }],
   [13, { name: "Q5_K", blockBytes: 176, blockWeights: 256 }],
   [14, { name: "Q6_K", blockBytes: 210, blockWeights: 256 }],
+  // Widened exactly at load (gguf-q5.ts): Q5_0 to Q8_0, Q5_1 to F32.
+  [6, { name: "Q5_0", blockBytes: Q5_BLOCK_BYTES.Q5_0, blockWeights: 32 }],
+  [7, { name: "Q5_1", blockBytes: Q5_BLOCK_BYTES.Q5_1, blockWeights: 32 }],
 ]);
 
 const SERVED_TYPES = [...GGUF_TYPES.values()].map((t) => t.name).join(", ");
@@ -66,7 +71,7 @@ export interface GgufTensor {
   readonly ggufName: string;
   /** Row-major shape as Hugging Face states it (GGUF lists dimensions innermost first). */
   readonly shape: readonly number[];
-  /** A name of GGUF_TYPES: `F32`, `F16`, `BF16`, `Q8_0`, `Q4_0`, `Q4_K`, `Q5_K` or `Q6_K`. */
+  /** A name of GGUF_TYPES: `F32`, `F16`, `BF16`, `Q8_0`, `Q4_0`, `Q4_K`, `Q5_K`, `Q6_K`, `Q5_0` or `Q5_1`. */
   readonly type: string;
   readonly fileOffset: number;
   readonly byteLength: number;
@@ -239,6 +244,8 @@ const DTYPES: Readonly<Record<string, WeightDType>> = {
   Q4_K: "q4_K",
   Q5_K: "q5_K",
   Q6_K: "q6_K",
+  Q5_0: "q8_0",
+  Q5_1: "f32",
 };
 
 /**
@@ -248,9 +255,16 @@ const DTYPES: Readonly<Record<string, WeightDType>> = {
  * a fresh buffer, a SharedArrayBuffer when `shared`).
  */
 export function ggufMatrix(file: ByteRange, t: GgufTensor, shared: boolean): Matrix {
-  const bytes = byteView(file, t.fileOffset, t.byteLength);
-  const dtype = DTYPES[t.type] as WeightDType;
   const elements = t.shape.reduce((a, b) => a * b, 1);
+  const stored = byteView(file, t.fileOffset, t.byteLength);
+  const widened =
+    t.type === "Q5_0"
+      ? q5_0ToQ8_0(stored, elements, shared)
+      : t.type === "Q5_1"
+        ? new Uint8Array(q5_1ToF32(stored, elements, shared).buffer)
+        : null;
+  const bytes = widened ?? stored;
+  const dtype = DTYPES[t.type] as WeightDType;
   if (t.unpermuteHeads > 0) unpermuteRows(bytes, t.shape[0] as number, t.unpermuteHeads);
   const f32View = (): Float32Array | null =>
     dtype === "f32" && bytes.byteOffset % 4 === 0

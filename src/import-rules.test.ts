@@ -40,6 +40,7 @@ export const RULES: Record<string, Rule> = {
     packages: ["@huggingface/tokenizers", "@huggingface/jinja", "@huggingface/gguf"],
   },
   model: { src: ["model", "tokenizer", "kernels", "kvcache", "lib"] },
+  grammar: { src: ["grammar", "tokenizer", "protocol", "lib"], packages: ["@mlc-ai/web-xgrammar"] },
   kvcache: { src: ["kvcache", "lib"] },
   "fair-share": { src: ["fair-share", "lib"] },
   "admin-api": { src: ["admin-api"], packages: ["zod"] },

@@ -46,7 +46,7 @@ export const RULES: Record<string, Rule> = {
   "admin-api": { src: ["admin-api"], packages: ["zod"] },
   protocol: { src: ["protocol", "admin-api", "kvcache", "lib"] },
   transfer: { src: ["transfer", "protocol", "kvcache", "lib"] },
-  engine: { src: ["engine", "model", "kvcache", "kernels", "protocol", "lib"] },
+  engine: { src: ["engine", "grammar", "model", "tokenizer", "kvcache", "kernels", "protocol", "lib"] },
   links: { src: ["links", "transfer", "protocol", "kvcache", "lib"] },
   cluster: { src: ["cluster", "links", "fair-share", "admin-api", "protocol", "transfer", "lib"] },
   node: { src: ["node", "links", "engine", "model", "kvcache", "protocol", "transfer", "lib"] },

@@ -104,17 +104,18 @@ export class GrammarEngine {
           // Any JSON object (xgrammar's builtin JSON grammar allows arrays too).
           return compiler.CompileJSONSchema(
             '{"type":"object"}',
-            true,
+            false,
             undefined,
             undefined,
             false,
             undefined,
           );
         case "json_schema":
-          // Any whitespace, no indentation rule, default separators; strict: no extra properties.
+          // One line, ", " and ": " between items: no free whitespace (a model left free to emit
+          // whitespace may emit nothing else until max_tokens); strict: no extra properties.
           return compiler.CompileJSONSchema(
             constraint.schema,
-            true,
+            false,
             undefined,
             undefined,
             constraint.strict,
@@ -161,7 +162,11 @@ export class GrammarEngine {
     const stops = stopTokenIds.length === 0 ? undefined : binding.vecIntFromJSArray([...stopTokenIds]);
     const handle = new binding.GrammarMatcher(compiled, stops, false, -1);
     stops?.delete();
-    return new ConstraintMatcher(handle, binding, this.vocabSize);
+    const matcher = new ConstraintMatcher(handle, binding, this.vocabSize);
+    // A sequence ends on many paths (finish, abort, preemption, failure): its matcher's wasm
+    // object is freed when the matcher is collected.
+    released.register(matcher, handle);
+    return matcher;
   }
 
   /** Compiled grammars held for `tenant` (tests). */
@@ -202,10 +207,6 @@ export class ConstraintMatcher {
   get terminated(): boolean {
     return this.#handle.IsTerminated() as boolean;
   }
-
-  dispose(): void {
-    this.#handle.delete();
-  }
 }
 
 /** Sets the logits whose bit in `bitmask` (32 ids a word, 1: allowed) is 0 to −∞. */
@@ -219,6 +220,8 @@ export function maskLogits(logits: Float32Array, bitmask: Int32Array, vocabSize:
     for (let b = 0; b < end; b++) if ((bits & (1 << b)) === 0) logits[base + b] = Number.NEGATIVE_INFINITY;
   }
 }
+
+const released = new FinalizationRegistry<Handle>((handle) => handle.delete());
 
 const checkers = new WeakMap<GrammarVocab, Promise<GrammarEngine>>();
 

@@ -63,7 +63,7 @@ export const RULES: Record<string, Rule> = {
       "lib",
     ],
   },
-  grammar: { src: ["grammar", "protocol", "lib"], packages: ["regjsparser"] },
+  grammar: { src: ["grammar", "lib"], packages: ["regjsparser"] },
   router: {
     src: ["router", "tokenizer", "fair-share", "admin-api", "protocol", "lib"],
     packages: ["zod", "content-type", "prom-client"],

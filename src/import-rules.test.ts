@@ -65,7 +65,7 @@ export const RULES: Record<string, Rule> = {
   },
   grammar: { src: ["grammar", "lib"], packages: ["regjsparser"] },
   router: {
-    src: ["router", "tokenizer", "fair-share", "admin-api", "protocol", "lib"],
+    src: ["router", "grammar", "tokenizer", "fair-share", "admin-api", "protocol", "lib"],
     packages: ["zod", "content-type", "prom-client"],
   },
   server: {

@@ -64,6 +64,7 @@ export const RULES: Record<string, Rule> = {
       "lib",
     ],
   },
+  grammar: { src: ["grammar", "lib"], packages: ["regjsparser"] },
   router: {
     src: ["router", "grammar", "tokenizer", "fair-share", "admin-api", "protocol", "lib"],
     packages: ["zod", "content-type", "prom-client"],

@@ -40,7 +40,10 @@ export const RULES: Record<string, Rule> = {
     packages: ["@huggingface/tokenizers", "@huggingface/jinja", "@huggingface/gguf"],
   },
   model: { src: ["model", "tokenizer", "kernels", "kvcache", "lib"] },
-  grammar: { src: ["grammar", "tokenizer", "protocol", "lib"], packages: ["@mlc-ai/web-xgrammar"] },
+  grammar: {
+    src: ["grammar", "tokenizer", "protocol", "lib"],
+    packages: ["@mlc-ai/web-xgrammar", "regjsparser"],
+  },
   kvcache: { src: ["kvcache", "lib"] },
   "fair-share": { src: ["fair-share", "lib"] },
   "admin-api": { src: ["admin-api"], packages: ["zod"] },
@@ -64,7 +67,6 @@ export const RULES: Record<string, Rule> = {
       "lib",
     ],
   },
-  grammar: { src: ["grammar", "lib"], packages: ["regjsparser"] },
   router: {
     src: ["router", "grammar", "tokenizer", "fair-share", "admin-api", "protocol", "lib"],
     packages: ["zod", "content-type", "prom-client"],

@@ -1,7 +1,7 @@
 /**
  * Structured output at the engine (issue #34's acceptance): 1,000 samples at temperature 1 from a
  * random-weight model with a real byte-level BPE tokenizer (models/kvfence-tiny), for a nested JSON
- * schema and for a GBNF grammar; every output parses and validates — the JSON with ajv, not with
+ * schema, a GBNF grammar, a regex and a choice list; every output parses and validates — the JSON with ajv, not with
  * the grammar engine. Also the decode node's path (its matcher first accepts prefill's token) and
  * a prefill node's n > 1 siblings.
  */
@@ -104,6 +104,21 @@ describe("structured output", () => {
     const texts = await samples({ kind: "grammar", ebnf: GBNF }, SAMPLES, 16);
     const bad = texts.filter((t) => !/^[a-c][0-9](,[a-c][0-9]){0,3}$/.test(t));
     assert.deepEqual(bad.slice(0, 5), [], `${bad.length} of ${texts.length} outputs do not match`);
+  });
+
+  it("Engine.step() masks 1,000 samples of a regex: every one matches it", async () => {
+    const pattern = "[A-Z][a-z]{1,3}-(0|[1-9][0-9]?)(\\.[0-9])?";
+    const texts = await samples({ kind: "regex", pattern }, SAMPLES, 16);
+    const bad = texts.filter((t) => !new RegExp(`^(?:${pattern})$`).test(t));
+    assert.deepEqual(bad.slice(0, 5), [], `${bad.length} of ${texts.length} outputs do not match`);
+  });
+
+  it("Engine.step() masks 1,000 samples of a choice list: every one is one of the choices", async () => {
+    const choices = ["yes", "no", "maybe", "n/a", "yes please"];
+    const texts = await samples({ kind: "choice", choices }, SAMPLES, 16);
+    const bad = texts.filter((t) => !choices.includes(t));
+    assert.deepEqual(bad.slice(0, 5), [], `${bad.length} of ${texts.length} outputs are not choices`);
+    assert.ok(new Set(texts).size > 1, "temperature 1 picks different choices");
   });
 
   it("Engine.submitDecode() advances the matcher past prefill's first token", async () => {

@@ -5,8 +5,8 @@
  * - `GrammarEngine` (one per thread and vocabulary, `GrammarEngine.create`): compiles a constraint
  *   — `json_object` as the schema `{"type": "object"}`, `json_schema` with xgrammar's strict mode
  *   when `strict` (no properties or items beyond the schema's), `grammar` as GBNF / EBNF (start
- *   rule `root`), `regex` and `choice` through `regexToEbnf` / `choiceToEbnf` (not on this branch
- *   yet: refused by name) — into its tenant's cache (`TenantGrammarCache`), and makes matchers.
+ *   rule `root`), `regex` and `choice` through `regexToEbnf` / `choiceToEbnf` (regex-to-ebnf.ts) —
+ *   into its tenant's cache (`TenantGrammarCache`), and makes matchers.
  *   Compilation is synchronous wasm: who calls it decides which thread waits (docs/structured-output.md).
  * - `ConstraintMatcher`: `mask(logits)` sets every token the grammar forbids next to −∞ (the stop
  *   tokens are the only ones left once the grammar is complete); `accept(token)` advances it.
@@ -19,6 +19,7 @@ import { KvfenceError } from "../lib/errors.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 import { TenantGrammarCache } from "./grammar-cache.js";
 import type { GrammarVocab } from "./grammar-vocab.js";
+import { choiceToEbnf, regexToEbnf } from "./regex-to-ebnf.js";
 import { loadXgrammar, takeXgrammarError, type XgrammarBinding } from "./xgrammar-binding.js";
 
 // biome-ignore lint/suspicious/noExplicitAny: embind objects are untyped.
@@ -124,12 +125,9 @@ export class GrammarEngine {
         case "grammar":
           return this.#compileEbnf(constraint.ebnf);
         case "regex":
+          return this.#compileEbnf(regexToEbnf(constraint.pattern));
         case "choice":
-          throw new KvfenceError(
-            "invalid_request",
-            `Structured output by ${constraint.kind} is not supported yet: use a JSON schema or a grammar`,
-            { param: PARAM[constraint.kind] },
-          );
+          return this.#compileEbnf(choiceToEbnf(constraint.choices));
       }
     } catch (err) {
       if (err instanceof KvfenceError) throw err;

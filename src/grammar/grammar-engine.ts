@@ -234,10 +234,15 @@ const checkers = new WeakMap<GrammarVocab, Promise<GrammarEngine>>();
  * construct xgrammar refused.
  */
 export async function compileCheck(constraint: OutputConstraint, vocab: GrammarVocab): Promise<void> {
+  (await checkerFor(vocab)).compileUncached(constraint).delete();
+}
+
+/** The grammar engine `compileCheck` uses for `vocab` in this thread (made once: xgrammar loaded, the vocabulary prepared). */
+export function checkerFor(vocab: GrammarVocab): Promise<GrammarEngine> {
   let engine = checkers.get(vocab);
   if (engine === undefined) {
     engine = GrammarEngine.create(vocab, vocab.tokens.length);
     checkers.set(vocab, engine);
   }
-  (await engine).compileUncached(constraint).delete();
+  return engine;
 }

@@ -166,9 +166,8 @@ export class GrammarEngine {
     const handle = new binding.GrammarMatcher(compiled, stops, false, -1);
     stops?.delete();
     const matcher = new ConstraintMatcher(handle, binding, this.vocabSize);
-    // A sequence ends on many paths (finish, abort, preemption, failure): its matcher's wasm
-    // object is freed when the matcher is collected.
-    released.register(matcher, handle);
+    // Its sequence's end disposes it; one that is dropped without is freed when collected.
+    released.register(matcher, handle, matcher);
     return matcher;
   }
 
@@ -204,6 +203,11 @@ export class ConstraintMatcher {
   /** Advances past `token`; false when the grammar does not allow it (the matcher is unchanged). */
   accept(token: number): boolean {
     return this.#handle.AcceptToken(token, false) as boolean;
+  }
+
+  /** Frees its wasm object (once; the matcher is unusable after). */
+  dispose(): void {
+    if (released.unregister(this)) this.#handle.delete();
   }
 
   /** True once a stop token was accepted. */

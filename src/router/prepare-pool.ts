@@ -12,11 +12,19 @@
  * a flood's bodies held every other tenant's first request behind their tokenization). With one
  * tenant, or `--scheduling-policy fcfs`, a lane is first-come. Each worker prepares one body at a time. A worker that dies fails its body with `internal` and is
  * replaced; nothing else is lost.
+ *
+ * A prepared body with an output constraint is not answered yet: its constraint (as JSON) queues
+ * as a "compile" job of the large lane — the first worker, free for small bodies, never compiles —
+ * whose worker compiles it (structured output's check, src/grammar/). Compiling can take minutes (a
+ * 1 MB JSON schema of optional properties: 230 s) and cannot be interrupted, so a compilation past
+ * `GRAMMAR_COMPILE_MS` is refused with `invalid_request` and its worker replaced: no worker, and no
+ * engine later, spends longer on one.
  */
 import { Worker } from "node:worker_threads";
 import type { SchedulingPolicy } from "../fair-share/fair-share.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
+import type { OutputConstraint } from "../protocol/output-constraint.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import {
   answerUtility,
@@ -40,6 +48,9 @@ export interface RequestPreparer {
 /** Bodies over this go to the large lane. */
 export const LARGE_BODY_BYTES = 16 * 1024;
 
+/** How long the check of a request's output constraint may compile before it is refused. */
+export const GRAMMAR_COMPILE_MS = 1000;
+
 /** The nice value of the large lane's workers (Linux; lib/thread-priority.ts). */
 export const LARGE_LANE_NICE = 10;
 
@@ -57,9 +68,12 @@ export interface PrepareWorkerData extends PoolData {
   readonly lane: "small" | "large";
 }
 
+/** A job's kind: a body of an endpoint, or a prepared request's constraint to compile. */
+type JobKind = GenerateEndpointName | UtilityEndpointName | "compile";
+
 export interface ToPrepareWorker {
   readonly id: number;
-  readonly endpoint: GenerateEndpointName | UtilityEndpointName;
+  readonly endpoint: JobKind;
   readonly body: Uint8Array;
 }
 
@@ -72,6 +86,8 @@ export type FromPrepareWorker =
       readonly prompts: readonly Int32Array[];
     }
   | { readonly id: number; readonly ok: true; readonly answer: object }
+  /** The body's constraint is compiling now (`compiling` names it, `param` its field): time it. */
+  | { readonly id: number; readonly compiling: string; readonly param: string }
   /** `error` null: not a KvfenceError (a bug); `detail` is for the log only. */
   | { readonly id: number; readonly ok: false; readonly error: WireError | null; readonly detail?: string };
 
@@ -80,7 +96,7 @@ const WORKER_URL = new URL("./prepare-worker.js", import.meta.url);
 interface Job {
   readonly id: number;
   readonly tenant: number;
-  readonly endpoint: GenerateEndpointName | UtilityEndpointName;
+  readonly endpoint: JobKind;
   readonly body: Uint8Array;
   readonly large: boolean;
   resolve(result: PreparedRequest | object): void;
@@ -90,6 +106,10 @@ interface Job {
 interface Slot {
   worker: Worker;
   job: Job | null;
+  /** The deadline of its job's constraint compiling, if it is. */
+  compiling: ReturnType<typeof setTimeout> | null;
+  /** Replaced on purpose (a compilation overran): its exit is no failure. */
+  retired: boolean;
 }
 
 /** Prepares in the caller's thread: for routers over a tokenizer that cannot move to a worker (tests). */
@@ -167,11 +187,7 @@ export class PreparePool implements RequestPreparer {
     return this.#run(endpoint, body, tenant) as Promise<object>;
   }
 
-  #run(
-    endpoint: GenerateEndpointName | UtilityEndpointName,
-    body: Uint8Array,
-    tenant: number,
-  ): Promise<PreparedRequest | object> {
+  #run(endpoint: JobKind, body: Uint8Array, tenant: number): Promise<PreparedRequest | object> {
     if (this.#closed)
       return Promise.reject(new KvfenceError("node_unavailable", "The server is shutting down"));
     return new Promise((resolve, reject) => {
@@ -180,13 +196,20 @@ export class PreparePool implements RequestPreparer {
         tenant,
         endpoint,
         body,
-        large: body.byteLength > LARGE_BODY_BYTES,
+        // A constraint compiles in the large lane whatever its size (it may take up to GRAMMAR_COMPILE_MS).
+        large: endpoint === "compile" || body.byteLength > LARGE_BODY_BYTES,
         resolve,
         reject,
       };
       (job.large ? this.#large : this.#small).push(job);
       this.#dispatch();
     });
+  }
+
+  /** A prepared request with a constraint: answered once its constraint compiled (a job of its own). */
+  #compileThen(job: Job, prepared: PreparedRequest, constraint: OutputConstraint): void {
+    const body = new TextEncoder().encode(JSON.stringify(constraint));
+    this.#run("compile", body, job.tenant).then(() => job.resolve(prepared), job.reject);
   }
 
   async close(): Promise<void> {
@@ -208,7 +231,7 @@ export class PreparePool implements RequestPreparer {
     const lane = index === 0 || this.#size === 1 ? "small" : "large";
     const workerData: PrepareWorkerData = { ...this.#data, lane };
     const worker = new Worker(WORKER_URL, { workerData });
-    const slot: Slot = { worker, job: null };
+    const slot: Slot = { worker, job: null, compiling: null, retired: false };
     this.#slots[index] = slot;
     return new Promise((resolve, reject) => {
       let ready = false;
@@ -219,7 +242,8 @@ export class PreparePool implements RequestPreparer {
           this.#dispatch();
           return;
         }
-        this.#finish(slot, message);
+        if ("compiling" in message) this.#timeCompile(slot, message);
+        else this.#finish(slot, message);
       });
       worker.on("error", (err) => {
         if (!ready) reject(err);
@@ -232,25 +256,51 @@ export class PreparePool implements RequestPreparer {
     });
   }
 
-  /** A worker died: fail its body, replace it. */
+  /**
+   * Refuses the job of `slot` if its constraint is still compiling after `GRAMMAR_COMPILE_MS`,
+   * and replaces the worker (a wasm call cannot be stopped).
+   */
+  #timeCompile(slot: Slot, message: { id: number; compiling: string; param: string }): void {
+    const job = slot.job;
+    if (job === null || job.id !== message.id) return;
+    slot.compiling = setTimeout(() => {
+      if (slot.job !== job || this.#closed) return;
+      slot.job = null;
+      slot.retired = true;
+      job.reject(
+        new KvfenceError(
+          "invalid_request",
+          `${message.compiling} takes over ${GRAMMAR_COMPILE_MS} ms to compile: send a simpler one (fewer optional properties, alternatives or repetitions)`,
+          { param: message.param },
+        ),
+      );
+      void slot.worker.terminate();
+    }, GRAMMAR_COMPILE_MS);
+  }
+
+  /** A worker died (or was retired): fail its body, replace it. */
   #lost(slot: Slot, index: number, detail: string): void {
     if (this.#slots[index] !== slot || this.#closed) return;
-    this.#onWorkerError(detail);
+    if (!slot.retired) this.#onWorkerError(detail);
     const job = slot.job;
     slot.job = null;
     job?.reject(new KvfenceError("internal", "Internal server error"));
     void this.#spawn(index).catch((err: unknown) => this.#onWorkerError(String(err)));
   }
 
-  #finish(slot: Slot, message: Exclude<FromPrepareWorker, { ready: true }>): void {
+  #finish(slot: Slot, message: Exclude<FromPrepareWorker, { ready: true } | { compiling: string }>): void {
+    if (slot.compiling !== null) clearTimeout(slot.compiling);
+    slot.compiling = null;
     const job = slot.job;
     slot.job = null;
     if (job !== null && job.id === message.id) {
-      if (message.ok)
-        job.resolve(
-          "answer" in message ? message.answer : { parsed: message.parsed, prompts: message.prompts },
-        );
-      else if (message.error !== null) job.reject(KvfenceError.fromWire(message.error));
+      if (message.ok && "answer" in message) job.resolve(message.answer);
+      else if (message.ok) {
+        const prepared = { parsed: message.parsed, prompts: message.prompts };
+        const constraint = message.parsed.constraint;
+        if (constraint === undefined) job.resolve(prepared);
+        else this.#compileThen(job, prepared, constraint);
+      } else if (message.error !== null) job.reject(KvfenceError.fromWire(message.error));
       else {
         this.#onWorkerError(message.detail ?? "unknown");
         job.reject(new KvfenceError("internal", "Internal server error"));
@@ -269,7 +319,7 @@ export class PreparePool implements RequestPreparer {
     const shared = this.#size === 1;
     for (let i = 0; i < this.#slots.length; i++) {
       const slot = this.#slots[i];
-      if (slot === undefined || slot.job !== null) continue;
+      if (slot === undefined || slot.job !== null || slot.retired) continue;
       // The first worker takes small bodies only (unless it is alone); the others large ones first.
       const job =
         i === 0 && !shared

@@ -26,6 +26,7 @@ export function samplingParams(parsed: SamplingRequest, model: SamplingModel): S
     ...(parsed.controls === undefined ? {} : { controls: parsed.controls }),
     ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
     ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
+    ...(parsed.constraint === undefined ? {} : { constraint: parsed.constraint }),
   };
 }
 

@@ -37,7 +37,7 @@ class Compiled {
 }
 
 /** The request field a constraint's refusal names (the router's vendors all fold into these). */
-const PARAM: Readonly<Record<OutputConstraint["kind"], string>> = {
+export const CONSTRAINT_PARAM: Readonly<Record<OutputConstraint["kind"], string>> = {
   json_object: "response_format",
   json_schema: "response_format.json_schema.schema",
   regex: "regex",
@@ -45,7 +45,8 @@ const PARAM: Readonly<Record<OutputConstraint["kind"], string>> = {
   choice: "choice",
 };
 
-const NAME: Readonly<Record<OutputConstraint["kind"], string>> = {
+/** What a refusal calls a constraint of each kind. */
+export const CONSTRAINT_NAME: Readonly<Record<OutputConstraint["kind"], string>> = {
   json_object: "The JSON grammar",
   json_schema: "The JSON schema",
   regex: "The regex",
@@ -134,10 +135,14 @@ export class GrammarEngine {
       const said = takeXgrammarError();
       // A misuse of the binding (its BindingError) is ours, not the request's.
       if (said === "") throw err;
-      throw new KvfenceError("invalid_request", `${NAME[constraint.kind]} cannot be compiled: ${said}`, {
-        param: PARAM[constraint.kind],
-        cause: err,
-      });
+      throw new KvfenceError(
+        "invalid_request",
+        `${CONSTRAINT_NAME[constraint.kind]} cannot be compiled: ${said}`,
+        {
+          param: CONSTRAINT_PARAM[constraint.kind],
+          cause: err,
+        },
+      );
     }
   }
 

@@ -7,7 +7,7 @@
  * with a 400 before anything is allocated, and never on the router's event loop.
  */
 import { parentPort, workerData } from "node:worker_threads";
-import { compileCheck } from "../grammar/grammar-engine.js";
+import { CONSTRAINT_NAME, CONSTRAINT_PARAM, compileCheck } from "../grammar/grammar-engine.js";
 import { type GrammarVocab, grammarVocab } from "../grammar/grammar-vocab.js";
 import { KvfenceError } from "../lib/errors.js";
 import { lowerThreadPriority } from "../lib/thread-priority.js";
@@ -53,6 +53,9 @@ port.on("message", async (job: ToPrepareWorker) => {
     const constraint = (parsed as { readonly constraint?: OutputConstraint }).constraint;
     if (constraint !== undefined) {
       vocab ??= grammarVocab(tokenizer);
+      // The pool times the compilation (xgrammar cannot be interrupted: it replaces a worker that overruns).
+      const { kind } = constraint;
+      port.postMessage({ id: job.id, compiling: CONSTRAINT_NAME[kind], param: CONSTRAINT_PARAM[kind] });
       await compileCheck(constraint, vocab);
     }
     reply = { id: job.id, ok: true, parsed, prompts };

@@ -49,14 +49,23 @@ port.on("message", async (job: ToPrepareWorker) => {
       return;
     }
     const { parsed, prompts } = prepareRequest(job.endpoint, job.body, context);
-    // The parsed request's constraint (set by the request parser when the body asks for one).
-    const constraint = (parsed as { readonly constraint?: OutputConstraint }).constraint;
+    // The parsed request's constraint and the client's field it came from (set by the request parser).
+    const { constraint, constraintParam } = parsed as {
+      readonly constraint?: OutputConstraint;
+      readonly constraintParam?: string;
+    };
     if (constraint !== undefined) {
       vocab ??= grammarVocab(tokenizer);
       // The pool times the compilation (xgrammar cannot be interrupted: it replaces a worker that overruns).
       const { kind } = constraint;
-      port.postMessage({ id: job.id, compiling: CONSTRAINT_NAME[kind], param: CONSTRAINT_PARAM[kind] });
-      await compileCheck(constraint, vocab);
+      const param = constraintParam ?? CONSTRAINT_PARAM[kind];
+      port.postMessage({ id: job.id, compiling: CONSTRAINT_NAME[kind], param });
+      await compileCheck(constraint, vocab).catch((err: unknown) => {
+        // A refusal names the field the client sent (`guided_grammar`, `ebnf`, …).
+        throw err instanceof KvfenceError && err.code === "invalid_request"
+          ? new KvfenceError(err.code, err.message, { param, cause: err })
+          : err;
+      });
     }
     reply = { id: job.id, ok: true, parsed, prompts };
     port.postMessage(

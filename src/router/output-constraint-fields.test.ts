@@ -56,7 +56,12 @@ test("parseChatRequest() and parseCompletionRequest() read every vendor's struct
   for (const [extra, want] of cases) {
     const field = Object.keys(extra).find((k) => k !== "guided_decoding_backend")!;
     const inner = Object.keys((extra.structured_outputs as object | undefined) ?? {})[0];
-    const param = inner === undefined ? field : `${field}.${inner}`;
+    const schemaField = field === "response_format" && want?.kind === "json_schema";
+    const param = schemaField
+      ? "response_format.json_schema.schema"
+      : inner === undefined
+        ? field
+        : `${field}.${inner}`;
     for (const parsed of [
       parseChatRequest({ ...chat, ...extra }),
       parseCompletionRequest({ ...completion, ...extra }),
@@ -83,7 +88,8 @@ test("parseResponsesRequest() reads text.format (the schema's fields flat)", () 
   for (const [format, want] of cases) {
     const parsed = parseResponsesRequest({ ...base, text: { format } });
     assert.deepEqual(parsed.constraint, want, JSON.stringify(format));
-    assert.equal(parsed.constraintParam, want === undefined ? undefined : "text.format");
+    const param = want?.kind === "json_schema" ? "text.format.schema" : "text.format";
+    assert.equal(parsed.constraintParam, want === undefined ? undefined : param);
   }
   const err = refusal(() =>
     parseResponsesRequest({ ...base, text: { format: { type: "json_schema", name: "a" } } }),

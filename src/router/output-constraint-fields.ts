@@ -188,7 +188,17 @@ function single(found: readonly Found[]): ConstraintFields {
     refuse(b!.param, `${a!.param} and ${b!.param} both constrain the output: send only one of them`);
   }
   const [first] = found;
-  return first === undefined ? {} : { constraint: first.constraint, constraintParam: first.param };
+  return first === undefined ? {} : constrained(first.param, first.constraint);
+}
+
+/** The constraint with the field a refusal to compile it names: an OpenAI schema's own, else its field. */
+function constrained(param: string, constraint: OutputConstraint): ConstraintFields {
+  const schemaOf: Readonly<Record<string, string>> = {
+    response_format: "response_format.json_schema.schema",
+    "text.format": "text.format.schema",
+  };
+  const at = constraint.kind === "json_schema" ? (schemaOf[param] ?? param) : param;
+  return { constraint, constraintParam: at };
 }
 
 /** The constraint of a chat or completions body (its fields as the client sent them). */
@@ -218,5 +228,5 @@ export function requestConstraint(body: Readonly<Record<string, unknown>>): Cons
 export function responsesConstraint(body: Readonly<Record<string, unknown>>): ConstraintFields {
   const format = isObject(body.text) ? body.text.format : undefined;
   const constraint = format == null ? null : openAiFormat("text.format", format, true);
-  return constraint === null ? {} : { constraint, constraintParam: "text.format" };
+  return constraint === null ? {} : constrained("text.format", constraint);
 }

@@ -1,27 +1,10 @@
 import assert from "node:assert/strict";
-import { readFileSync } from "node:fs";
-import { createRequire } from "node:module";
 import { test } from "node:test";
 import { KvfenceError } from "../lib/errors.js";
 import { choiceToEbnf, ebnfString, MAX_REGEX_CHARS, regexToEbnf } from "./regex-to-ebnf.js";
+import { loadXgrammar } from "./xgrammar-binding.js";
 
-// xgrammar's bundle is a UMD script in an ES package: evaluated as the CommonJS module it is.
-// biome-ignore lint/suspicious/noExplicitAny: the bundle's classes are untyped here.
-function loadXgrammarApi(): any {
-  const require = createRequire(import.meta.url);
-  const file = require.resolve("@mlc-ai/web-xgrammar");
-  const module = { exports: {} };
-  new Function("exports", "module", "require", "__filename", "__dirname", readFileSync(file, "utf8"))(
-    module.exports,
-    module,
-    require,
-    file,
-    file.slice(0, file.lastIndexOf("/")),
-  );
-  return module.exports;
-}
-
-const xg = loadXgrammarApi();
+const xg = (await loadXgrammar()).api;
 
 async function accepts(ebnf: string, text: string): Promise<boolean> {
   const grammar = await xg.Grammar.fromEBNF(ebnf);

@@ -241,6 +241,8 @@ export interface SamplingRequest {
   readonly cacheSalt: string | null;
   /** What the output must match (structured output), absent when nothing constrains it. */
   readonly constraint?: OutputConstraint | undefined;
+  /** The request field `constraint` came from (what a refusal to compile it names). */
+  readonly constraintParam?: string | undefined;
 }
 
 export interface ParsedChatRequest extends SamplingRequest {
@@ -539,10 +541,9 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
       "continue_final_message and add_generation_prompt cannot both be true (as in vLLM): set add_generation_prompt to false",
     );
   }
-  const constraint = requestConstraint(body as Record<string, unknown>);
   return {
     ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null),
-    ...(constraint === undefined ? {} : { constraint }),
+    ...requestConstraint(body as Record<string, unknown>),
     logprobs: req.logprobs === true ? (req.top_logprobs ?? 0) : null,
     messages,
     template: {
@@ -577,10 +578,9 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   const base = sampling(req, req.max_tokens ?? COMPLETIONS_DEFAULT_MAX_TOKENS);
   const echo = req.echo === true;
   const logprobs = req.logprobs ?? null;
-  const constraint = requestConstraint(body as Record<string, unknown>);
   return {
     ...base,
-    ...(constraint === undefined ? {} : { constraint }),
+    ...requestConstraint(body as Record<string, unknown>),
     logprobs,
     // Token-id prompts: their text comes from the tokenizer (prepare-request.ts).
     echoPrompts: echo ? prompts.map((q) => (typeof q === "string" ? q : "")) : null,
@@ -674,7 +674,7 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
     refuse("tools", "tools (function calling, built-in tools) are not supported: leave tools unset or []");
   if (req.tool_choice != null && req.tool_choice !== "none" && req.tool_choice !== "auto")
     refuse("tool_choice", 'tool_choice is not supported without tools: leave it unset, "none" or "auto"');
-  const constraint = responsesConstraint(raw);
+  const constrained = responsesConstraint(raw);
   if (req.text?.verbosity != null)
     refuse("text.verbosity", "text.verbosity is not supported: leave it unset");
   if (req.top_logprobs != null && req.top_logprobs > 0)
@@ -704,7 +704,7 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
   });
   return {
     ...chat,
-    ...(constraint === undefined ? {} : { constraint }),
+    ...constrained,
     responses: {
       instructions,
       maxOutputTokens: maxTokens,

@@ -54,11 +54,21 @@ test("parseChatRequest() and parseCompletionRequest() read every vendor's struct
     ],
   ];
   for (const [extra, want] of cases) {
+    const field = Object.keys(extra).find((k) => k !== "guided_decoding_backend")!;
+    const inner = Object.keys((extra.structured_outputs as object | undefined) ?? {})[0];
+    const schemaField = field === "response_format" && want?.kind === "json_schema";
+    const param = schemaField
+      ? "response_format.json_schema.schema"
+      : inner === undefined
+        ? field
+        : `${field}.${inner}`;
     for (const parsed of [
       parseChatRequest({ ...chat, ...extra }),
       parseCompletionRequest({ ...completion, ...extra }),
     ]) {
       assert.deepEqual(parsed.constraint, want, JSON.stringify(extra));
+      // The field a refusal to compile it names.
+      assert.equal(parsed.constraintParam, want === undefined ? undefined : param, JSON.stringify(extra));
       // The sampling every node receives carries it.
       assert.deepEqual(samplingParams(parsed, { eosTokenIds: [2] }).constraint, want, JSON.stringify(extra));
     }
@@ -75,12 +85,12 @@ test("parseResponsesRequest() reads text.format (the schema's fields flat)", () 
       { kind: "json_schema", schema: schemaJson, strict: true },
     ],
   ];
-  for (const [format, want] of cases)
-    assert.deepEqual(
-      parseResponsesRequest({ ...base, text: { format } }).constraint,
-      want,
-      JSON.stringify(format),
-    );
+  for (const [format, want] of cases) {
+    const parsed = parseResponsesRequest({ ...base, text: { format } });
+    assert.deepEqual(parsed.constraint, want, JSON.stringify(format));
+    const param = want?.kind === "json_schema" ? "text.format.schema" : "text.format";
+    assert.equal(parsed.constraintParam, want === undefined ? undefined : param);
+  }
   const err = refusal(() =>
     parseResponsesRequest({ ...base, text: { format: { type: "json_schema", name: "a" } } }),
   );

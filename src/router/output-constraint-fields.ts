@@ -173,17 +173,36 @@ function structuredOutputs(value: unknown): Found[] {
   return found;
 }
 
-/** One request's constraint, or undefined; two or more are refused naming the first two fields. */
-function single(found: readonly Found[]): OutputConstraint | undefined {
+/**
+ * A request's constraint and the field it came from (`constraintParam`: what an error compiling it
+ * names), spread into the parsed request; empty when nothing constrains the output.
+ */
+export type ConstraintFields =
+  | { readonly constraint: OutputConstraint; readonly constraintParam: string }
+  | { readonly constraint?: undefined; readonly constraintParam?: undefined };
+
+/** One request's constraint; two or more are refused naming the first two fields. */
+function single(found: readonly Found[]): ConstraintFields {
   if (found.length > 1) {
     const [a, b] = found;
     refuse(b!.param, `${a!.param} and ${b!.param} both constrain the output: send only one of them`);
   }
-  return found[0]?.constraint;
+  const [first] = found;
+  return first === undefined ? {} : constrained(first.param, first.constraint);
+}
+
+/** The constraint with the field a refusal to compile it names: an OpenAI schema's own, else its field. */
+function constrained(param: string, constraint: OutputConstraint): ConstraintFields {
+  const schemaOf: Readonly<Record<string, string>> = {
+    response_format: "response_format.json_schema.schema",
+    "text.format": "text.format.schema",
+  };
+  const at = constraint.kind === "json_schema" ? (schemaOf[param] ?? param) : param;
+  return { constraint, constraintParam: at };
 }
 
 /** The constraint of a chat or completions body (its fields as the client sent them). */
-export function requestConstraint(body: Readonly<Record<string, unknown>>): OutputConstraint | undefined {
+export function requestConstraint(body: Readonly<Record<string, unknown>>): ConstraintFields {
   const found: Found[] = [];
   const take = (param: string, read: (param: string, value: unknown) => OutputConstraint | null): void => {
     const value = body[param];
@@ -206,8 +225,8 @@ export function requestConstraint(body: Readonly<Record<string, unknown>>): Outp
 }
 
 /** The constraint of a /v1/responses body: its `text.format`. */
-export function responsesConstraint(body: Readonly<Record<string, unknown>>): OutputConstraint | undefined {
+export function responsesConstraint(body: Readonly<Record<string, unknown>>): ConstraintFields {
   const format = isObject(body.text) ? body.text.format : undefined;
-  if (format == null) return undefined;
-  return openAiFormat("text.format", format, true) ?? undefined;
+  const constraint = format == null ? null : openAiFormat("text.format", format, true);
+  return constraint === null ? {} : constrained("text.format", constraint);
 }

@@ -208,7 +208,8 @@ export class PreparePool implements RequestPreparer {
 
   /** A prepared request with a constraint: answered once its constraint compiled (a job of its own). */
   #compileThen(job: Job, prepared: PreparedRequest, constraint: OutputConstraint): void {
-    const body = new TextEncoder().encode(JSON.stringify(constraint));
+    const param = prepared.parsed.constraintParam;
+    const body = new TextEncoder().encode(JSON.stringify({ constraint, param }));
     this.#run("compile", body, job.tenant).then(() => job.resolve(prepared), job.reject);
   }
 

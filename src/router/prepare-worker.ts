@@ -53,14 +53,24 @@ port.on("message", async (job: ToPrepareWorker) => {
       return;
     }
     if (job.endpoint === "compile") {
-      const constraint = JSON.parse(utf8.decode(job.body)) as OutputConstraint;
+      // The constraint and the client's field it came from (`guided_grammar`, `ebnf`, …), as the pool sends them.
+      const { constraint, param: clientParam } = JSON.parse(utf8.decode(job.body)) as {
+        readonly constraint: OutputConstraint;
+        readonly param?: string;
+      };
       vocab ??= grammarVocab(tokenizer);
       // This thread's first compilation loads xgrammar first: not the constraint's time.
       await checkerFor(vocab);
       // The pool times the compilation (xgrammar cannot be interrupted: it replaces a worker that overruns).
       const { kind } = constraint;
-      port.postMessage({ id: job.id, compiling: CONSTRAINT_NAME[kind], param: CONSTRAINT_PARAM[kind] });
-      await compileCheck(constraint, vocab);
+      const param = clientParam ?? CONSTRAINT_PARAM[kind];
+      port.postMessage({ id: job.id, compiling: CONSTRAINT_NAME[kind], param });
+      await compileCheck(constraint, vocab).catch((err: unknown) => {
+        // A refusal names the field the client sent.
+        throw err instanceof KvfenceError && err.code === "invalid_request"
+          ? new KvfenceError(err.code, err.message, { param, cause: err })
+          : err;
+      });
       port.postMessage({ id: job.id, ok: true, answer: {} });
       return;
     }

@@ -14,15 +14,13 @@
  * compilation (unless cached) plus the first token. A one-sided Mann–Whitney U test on each pair
  * of samples; the verdict is the prefix audit's (`verdictOf`).
  */
-import { Prng } from "../../lib/prng.js";
-import type { ClientOptions } from "./chat-client.js";
+import type { Prng } from "../../lib/prng.js";
 import {
   compare,
   comparisonLine,
-  firstModel,
-  Timer,
   type TimingComparison,
   type TimingOptions,
+  timingRun,
   verdictOf,
 } from "./timing.js";
 
@@ -75,13 +73,8 @@ function constrainedBy(schema: Record<string, unknown>): Record<string, unknown>
 }
 
 export async function runGrammarTimingProbe(options: GrammarTimingOptions): Promise<GrammarTimingReport> {
-  const trials = options.trials ?? 40;
   const properties = options.schemaProperties ?? 24;
-  const alpha = options.alpha ?? 0.01;
-  const rng = new Prng(options.seed ?? 1);
-  const client: ClientOptions = { baseUrl: options.baseUrl, timeoutMs: options.timeoutMs ?? 120_000 };
-  const model = options.model ?? (await firstModel(options.baseUrl, options.apiKeyA));
-  const timer = new Timer(client, model);
+  const { trials, alpha, rng, timer } = await timingRun(options);
   const time = (key: string | undefined, schema: Record<string, unknown>) => () =>
     timer.time(key, QUESTION, constrainedBy(schema));
   const cross = { planted: [] as number[], fresh: [] as number[] };

@@ -20,7 +20,7 @@
  *
  * Trials run one request at a time (no load of our own). It imports only lib helpers and its own
  * client, so it works against any server. The same design audits the grammar cache
- * (grammar-timing.ts), over this module's `Timer`, `compare` and `verdictOf`.
+ * (grammar-timing.ts), over this module's `timingRun`, `Timer`, `compare` and `verdictOf`.
  */
 import { Prng } from "../../lib/prng.js";
 import { mannWhitneyLess, median, type RankTest } from "../../lib/stats.js";
@@ -95,14 +95,23 @@ function randomPrefix(rng: Prng, chars: number): string {
   return text.slice(0, chars);
 }
 
-export async function runTimingProbe(options: TimingOptions): Promise<TimingReport> {
-  const trials = options.trials ?? 40;
-  const chars = options.prefixChars ?? 1500;
-  const alpha = options.alpha ?? 0.01;
-  const rng = new Prng(options.seed ?? 1);
+/** What every timing audit starts from: its trials, level, generator and timer (the model resolved). */
+export async function timingRun(
+  options: Omit<TimingOptions, "prefixChars">,
+): Promise<{ trials: number; alpha: number; rng: Prng; timer: Timer }> {
   const client: ClientOptions = { baseUrl: options.baseUrl, timeoutMs: options.timeoutMs ?? 120_000 };
   const model = options.model ?? (await firstModel(options.baseUrl, options.apiKeyA));
-  const timer = new Timer(client, model);
+  return {
+    trials: options.trials ?? 40,
+    alpha: options.alpha ?? 0.01,
+    rng: new Prng(options.seed ?? 1),
+    timer: new Timer(client, model),
+  };
+}
+
+export async function runTimingProbe(options: TimingOptions): Promise<TimingReport> {
+  const chars = options.prefixChars ?? 1500;
+  const { trials, alpha, rng, timer } = await timingRun(options);
   const cross = { planted: [] as number[], fresh: [] as number[] };
   const same = { planted: [] as number[], fresh: [] as number[] };
   // One request before the trials, outside the figures (first-use costs of the server).
@@ -204,7 +213,7 @@ export class Timer {
   }
 }
 
-export async function firstModel(baseUrl: string, key: string | undefined): Promise<string> {
+async function firstModel(baseUrl: string, key: string | undefined): Promise<string> {
   const res = await fetch(`${baseUrl}/v1/models`, {
     headers: key === undefined ? {} : { authorization: `Bearer ${key}` },
     signal: AbortSignal.timeout(30_000),

@@ -69,7 +69,7 @@ describe("grammar engine", () => {
     });
     await assert.rejects(
       compileCheck({ kind: "json_schema", schema: lookbehind, strict: true }, vocab),
-      /The JSON schema cannot be compiled: .*Lookbehind is not supported/,
+      /The JSON schema's pattern .*: Regex lookbehind \(\?<=a\) is not supported/,
     );
     await compileCheck({ kind: "json_object" }, vocab);
   });

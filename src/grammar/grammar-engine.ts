@@ -19,6 +19,7 @@ import { KvfenceError } from "../lib/errors.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 import { TenantGrammarCache } from "./grammar-cache.js";
 import type { GrammarVocab } from "./grammar-vocab.js";
+import { jsonSchemaEbnf } from "./json-schema-ebnf.js";
 import { choiceToEbnf, regexToEbnf } from "./regex-to-ebnf.js";
 import { loadXgrammar, takeXgrammarError, type XgrammarBinding } from "./xgrammar-binding.js";
 
@@ -77,6 +78,10 @@ export class GrammarEngine {
       vocab.vocabType,
       vocab.prependSpace,
       vocabSize,
+      // No stop tokens of its own: each matcher gets its request's. Left to guess them, xgrammar
+      // takes `<|endoftext|>` for one, and a matcher whose request stops elsewhere then allows it
+      // anywhere (an empty-text token that is neither a stop nor special) but refuses to accept it.
+      [],
     );
     // xgrammar's own compile cache is keyed by the grammar alone (shared by tenants): off.
     const compiler = new binding.GrammarCompiler(info.handle, 1, false);
@@ -114,14 +119,10 @@ export class GrammarEngine {
           );
         case "json_schema":
           // One line, ", " and ": " between items: no free whitespace (a model left free to emit
-          // whitespace may emit nothing else until max_tokens); strict: no extra properties.
-          return compiler.CompileJSONSchema(
-            constraint.schema,
-            false,
-            undefined,
-            undefined,
-            constraint.strict,
-            undefined,
+          // whitespace may emit nothing else until max_tokens); strict: no extra properties. Through
+          // EBNF, so that bounded and patterned strings stay valid JSON (json-schema-ebnf.ts).
+          return this.#compileEbnf(
+            jsonSchemaEbnf(this.#binding, constraint.schema, constraint.strict, CONSTRAINT_PARAM.json_schema),
           );
         case "grammar":
           return this.#compileEbnf(constraint.ebnf);

@@ -36,6 +36,14 @@ type Ranges = readonly (readonly [number, number])[];
 interface Options {
   /** The request field the regex came from, for the error's `param` (default `regex`). */
   readonly param?: string;
+  /**
+   * The regex is a JSON schema's `pattern`: it matches the string's value, and the grammar writes
+   * the string's JSON text. A literal that JSON escapes (`"`, `\`, U+0000–U+001F) is written
+   * escaped; a class or `.` keeps only its printable ASCII members other than `"` and `\` (the
+   * value still matches the regex: xgrammar lets a non-ASCII class member be any byte sequence, not
+   * valid UTF-8, where the value's pattern needs whole characters).
+   */
+  readonly jsonString?: boolean;
 }
 
 /** The EBNF grammar (start rule `root`) accepting exactly the strings `pattern` fully matches. */
@@ -57,7 +65,12 @@ export function regexToEbnf(pattern: string, options: Options = {}): string {
     const detail = reason.startsWith("character at position") ? `expected ${reason}` : reason;
     throw new KvfenceError("invalid_request", `Invalid regex: ${detail}`, { param });
   }
-  return `root ::= ${new Printer(param).top(ast)}\n`;
+  return `root ::= ${new Printer(param, options.jsonString === true).top(ast)}\n`;
+}
+
+/** `regexToEbnf`'s expression alone (its `root` rule's right side), to embed in another grammar. */
+export function regexToEbnfExpression(pattern: string, options: Options = {}): string {
+  return regexToEbnf(pattern, options).slice("root ::= ".length, -1);
 }
 
 /** The EBNF grammar (start rule `root`) accepting exactly one of `choices`. */
@@ -129,6 +142,12 @@ const LINE_TERMINATORS: Ranges = [
   [0x0a, 0x0a],
   [0x0d, 0x0d],
   [0x2028, 0x2029],
+];
+/** What a class keeps in a JSON string: printable ASCII but `"` and `\\` (which JSON escapes). */
+const JSON_STRING_CHARS: Ranges = [
+  [0x20, 0x21],
+  [0x23, 0x5b],
+  [0x5d, 0x7e],
 ];
 /** Every code point UTF-8 can carry beyond ASCII (no surrogates). */
 const NON_ASCII: Ranges = [
@@ -202,7 +221,10 @@ function joinSurrogates(codes: readonly number[]): number[] {
 
 /** Prints a regex AST as one EBNF expression. */
 class Printer {
-  constructor(private readonly param: string) {}
+  constructor(
+    private readonly param: string,
+    private readonly jsonString: boolean,
+  ) {}
 
   private refuse(construct: string, fix: string): never {
     throw new KvfenceError("invalid_request", `Regex ${construct} is not supported: ${fix}`, {
@@ -233,7 +255,8 @@ class Printer {
       const cps = joinSurrogates(run);
       run = [];
       for (const cp of cps) if (cp >= 0xd800 && cp <= 0xdfff) this.loneSurrogate(cp);
-      parts.push(ebnfString(String.fromCodePoint(...cps)));
+      const text = String.fromCodePoint(...cps);
+      parts.push(ebnfString(this.jsonString ? JSON.stringify(text).slice(1, -1) : text));
     };
     for (const node of nodes) {
       if (node.type === "value") {
@@ -334,7 +357,8 @@ class Printer {
   }
 
   /** A set of code points as EBNF, from the forms xgrammar matches (see the header). */
-  private set(set: Ranges, raw: string): string {
+  private set(all: Ranges, raw: string): string {
+    const set = this.jsonString ? intersect(all, JSON_STRING_CHARS) : all;
     const ascii = intersect(set, [[0, 0x7f]]);
     const nonAscii = intersect(set, NON_ASCII);
     if (ascii.length === 0 && nonAscii.length === 0) {

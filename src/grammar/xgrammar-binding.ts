@@ -51,6 +51,17 @@ export interface XgrammarBinding {
   ) => Handle;
   readonly Grammar: Handle;
   readonly VocabType: Handle;
+  readonly JSONFormat: { readonly kJSON: Handle };
+  /** xgrammar's JSON-schema-to-EBNF converter (behind `CompileJSONSchema`). */
+  _JSONSchemaToEBNF(
+    schema: string,
+    anyWhitespace: boolean,
+    indent: number | undefined,
+    separators: Handle,
+    strictMode: boolean,
+    maxWhitespaceCnt: number | undefined,
+    format: Handle,
+  ): string;
   vecIntFromJSArray(values: readonly number[]): Handle;
   vecStringFromJSArray(values: readonly string[]): Handle;
   vecIntToView(vector: Handle): Int32Array;

@@ -13,11 +13,21 @@ import type { FinishReason, StopReason, Usage } from "./generation.js";
 import { chatLogprobs, type LogprobItem, type PieceOf, textLogprobs } from "./logprobs-wire.js";
 import type { ResponsesEcho } from "./openai-schemas.js";
 import type { SseFraming } from "./sse.js";
+import type { ParsedToolCall, ToolCallDelta } from "./tool-call-parser.js";
+import {
+  chatToolCallDelta,
+  chatToolCalls,
+  functionCallEvents,
+  functionCallItem,
+  functionCallsDone,
+} from "./tool-call-wire.js";
 
 /** What a choice carries besides its text: log-probabilities in the endpoint's shape, vLLM's prompt_logprobs. */
 export interface ChoiceExtras {
   readonly logprobs?: object | null;
   readonly promptLogprobs?: unknown;
+  /** The tool calls parsed from the text (tool-call-parser.ts); absent: the request has no tool parsing. */
+  readonly toolCalls?: readonly ParsedToolCall[];
 }
 
 /** An OpenAI error envelope (src/lib/errors.ts, `toOpenAiError`). */
@@ -85,7 +95,7 @@ export function chatCompletion(
     choices: [
       {
         index: 0,
-        message: { role: "assistant" as const, content, refusal: null },
+        message: chatMessage(content, extras.toolCalls),
         logprobs: extras.logprobs ?? null,
         finish_reason: finish,
         stop_reason: stopReason,
@@ -93,6 +103,18 @@ export function chatCompletion(
       },
     ],
     usage: usageWire(usage),
+  };
+}
+
+/** A chat answer's message: its calls, if any (content null when they are all it says). */
+function chatMessage(content: string, calls: readonly ParsedToolCall[] | undefined) {
+  if (calls === undefined || calls.length === 0)
+    return { role: "assistant" as const, content, refusal: null };
+  return {
+    role: "assistant" as const,
+    content: content === "" ? null : content,
+    refusal: null,
+    tool_calls: chatToolCalls(calls),
   };
 }
 
@@ -124,7 +146,7 @@ export function textCompletion(
   };
 }
 
-type ChatDelta = { role?: "assistant"; content?: string };
+type ChatDelta = { role?: "assistant"; content?: string; tool_calls?: Record<string, unknown>[] };
 
 /** A `chat.completion.chunk`; `usage: null` is present on every chunk when usage was requested. */
 export function chatChunk(
@@ -221,6 +243,15 @@ export interface ResponseStrategy {
     usage: Usage,
     whole: () => object,
   ): Record<string, unknown>[];
+  /** The payloads of one piece of a tool call (`calls`: every call so far); absent: no tools on this endpoint. */
+  toolCall?(
+    meta: ResponseMeta,
+    delta: ToolCallDelta,
+    calls: readonly ParsedToolCall[],
+    includeUsage: boolean,
+  ): Record<string, unknown>[];
+  /** The payloads that close the calls, before the choice's finish payloads. */
+  toolCallsDone?(calls: readonly ParsedToolCall[]): Record<string, unknown>[];
   /** The payload of an error after the stream's headers went out. */
   streamError(body: OpenAiErrorBody): Record<string, unknown>;
   /** The whole non-streamed answer. */
@@ -250,6 +281,9 @@ export const CHAT_RESPONSES: ResponseStrategy = {
     chatChunk(meta, { content: text }, null, includeUsage, undefined, logprobs ?? null),
   finish: (meta, reason, includeUsage, stopReason, logprobs) => [
     chatChunk(meta, {}, reason, includeUsage, stopReason, logprobs ?? null),
+  ],
+  toolCall: (meta, delta, _calls, includeUsage) => [
+    chatChunk(meta, { tool_calls: [chatToolCallDelta(delta)] }, null, includeUsage),
   ],
   closing: usageClosing("chat.completion.chunk"),
   streamError: (body) => ({ ...body }),
@@ -310,12 +344,7 @@ function outputText(text: string) {
  * settings it repeats, and the usage once finished. A response cut by `max_output_tokens` (or the
  * context) is `incomplete`, with `incomplete_details.reason` `max_output_tokens`, as OpenAI's.
  */
-function responseObject(
-  meta: ResponseMeta,
-  status: ResponseStatus,
-  output: ReturnType<typeof messageItem>[],
-  usage: Usage | null,
-) {
+function responseObject(meta: ResponseMeta, status: ResponseStatus, output: object[], usage: Usage | null) {
   const echo = meta.responses;
   return {
     id: meta.id,
@@ -397,6 +426,8 @@ export const RESPONSES_API: ResponseStrategy = {
       { type: response.status === "incomplete" ? "response.incomplete" : "response.completed", response },
     ];
   },
+  toolCall: (_meta, delta, calls) => functionCallEvents(delta, calls),
+  toolCallsDone: functionCallsDone,
   // OpenAI's error event of a stream.
   streamError: ({ error }) => ({
     type: "error",
@@ -404,9 +435,10 @@ export const RESPONSES_API: ResponseStrategy = {
     message: error.message,
     param: error.param,
   }),
-  completion: (meta, text, reason, usage) => {
+  completion: (meta, text, reason, usage, _stopReason, extras) => {
     const status = finishedStatus(reason);
-    return responseObject(meta, status, [messageItem(meta, status, text)], usage);
+    const calls = (extras?.toolCalls ?? []).map((call) => functionCallItem(call, "completed"));
+    return responseObject(meta, status, [messageItem(meta, status, text), ...calls], usage);
   },
   logprobs: () => ({}),
 };

@@ -74,10 +74,14 @@ test("parseCompletionRequest() takes prompt lists and echo; prompts × n is boun
 test("fields that would change the answer and are not implemented are refused, naming the field", () => {
   const tool = { type: "function", function: { name: "f", parameters: {} } };
   const cases: [object, string, RegExp][] = [
-    [{ tools: [tool] }, "tools", /function calling\) are not supported/],
-    [{ tools: [tool], tool_choice: "none" }, "tools", /not supported/],
-    [{ functions: [{ name: "f" }] }, "functions", /not supported/],
-    [{ tool_choice: "auto" }, "tool_choice", /leave it unset or "none"/],
+    // Tools are served (tool-request.test.ts); OpenAI's deprecated functions are not.
+    [{ functions: [{ name: "f" }] }, "functions", /not supported: send tools instead/],
+    [{ tool_choice: "required" }, "tool_choice", /tool_choice needs tools/],
+    [
+      { tools: [tool], tool_choice: { type: "function", function: { name: "g" } } },
+      "tool_choice.function.name",
+      /not in tools: g/,
+    ],
     [{ function_call: { name: "f" } }, "function_call", /not supported/],
     [{ response_format: { type: "json_object" } }, "response_format", /"json_object" is not supported/],
     [{ response_format: { type: "json_schema" } }, "response_format", /constrained decoding/],

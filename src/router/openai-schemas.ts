@@ -630,6 +630,12 @@ export interface ResponsesEcho {
   readonly user: string | null;
   /** Every streamed delta carries an `obfuscation` field (OpenAI's default; `stream_options.include_obfuscation: false` turns it off). */
   readonly obfuscate: boolean;
+  /** The function tools, tool_choice and parallel_tool_calls in effect (absent: no tools). */
+  readonly tools?: {
+    readonly tools: readonly object[];
+    readonly choice: unknown;
+    readonly parallel: boolean;
+  };
 }
 
 export interface ParsedResponsesRequest extends ParsedChatRequest {
@@ -768,6 +774,15 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
           : {},
       user: typeof raw.user === "string" ? raw.user : null,
       obfuscate: req.stream === true && req.stream_options?.include_obfuscation !== false,
+      ...(chat.tools == null
+        ? {}
+        : {
+            tools: {
+              tools: req.tools ?? [],
+              choice: req.tool_choice ?? "auto",
+              parallel: chat.tools.parallel,
+            },
+          }),
     },
   };
 }

@@ -140,5 +140,7 @@ describe("tool calls through the router (scripted engine, openai client)", () =>
       whole.output.filter((item) => item.type === "function_call").map((item) => item.name),
       ["get_weather", "get_weather"],
     );
+    // The response repeats the tools in effect, as OpenAI's does.
+    assert.deepEqual([whole.tool_choice, whole.parallel_tool_calls, whole.tools.length], ["auto", true, 1]);
   });
 });

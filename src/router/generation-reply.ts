@@ -281,7 +281,8 @@ export class GenerationReply {
     this.#toolText(choice, tools.end());
     if (this.#parsed.stream && tools.calls.length > 0)
       for (const chunk of this.#responses.toolCallsDone?.(tools.calls) ?? []) this.#send(choice, chunk);
-    return reason === "stop" && tools.calls.length > 0 ? "tool_calls" : reason;
+    if (reason !== "stop" || tools.calls.length === 0) return reason;
+    return this.#parsed.tools?.legacy === true ? "function_call" : "tool_calls";
   }
 
   /** Makes the stream's headers due and queues, once per choice, its opening payloads (and echo's prompt). */
@@ -342,6 +343,7 @@ function responseMeta(
     created: Math.floor(Date.now() / 1000),
     model,
     sampling: { temperature: first.sampling.temperature, topP: first.sampling.topP },
+    ...(parsed.tools?.legacy === true ? { legacyFunctions: true } : {}),
     ...(echo === undefined ? {} : { responses: echo }),
   };
 }

@@ -76,6 +76,8 @@ export interface ResponseMeta {
   readonly sampling?: { readonly temperature: number; readonly topP: number };
   /** A Responses request's fields its answer repeats. */
   readonly responses?: ResponsesEcho;
+  /** The request used OpenAI's deprecated `functions`: calls answer as `function_call`. */
+  readonly legacyFunctions?: boolean;
 }
 
 export function chatCompletion(
@@ -95,7 +97,7 @@ export function chatCompletion(
     choices: [
       {
         index: 0,
-        message: chatMessage(content, extras.toolCalls),
+        message: chatMessage(content, extras.toolCalls, meta.legacyFunctions === true),
         logprobs: extras.logprobs ?? null,
         finish_reason: finish,
         stop_reason: stopReason,
@@ -107,14 +109,17 @@ export function chatCompletion(
 }
 
 /** A chat answer's message: its calls, if any (content null when they are all it says). */
-function chatMessage(content: string, calls: readonly ParsedToolCall[] | undefined) {
+function chatMessage(content: string, calls: readonly ParsedToolCall[] | undefined, legacy: boolean) {
   if (calls === undefined || calls.length === 0)
     return { role: "assistant" as const, content, refusal: null };
+  const call = calls[0]!;
   return {
     role: "assistant" as const,
     content: content === "" ? null : content,
     refusal: null,
-    tool_calls: chatToolCalls(calls),
+    ...(legacy
+      ? { function_call: { name: call.name, arguments: call.arguments } }
+      : { tool_calls: chatToolCalls(calls) }),
   };
 }
 
@@ -146,7 +151,12 @@ export function textCompletion(
   };
 }
 
-type ChatDelta = { role?: "assistant"; content?: string; tool_calls?: Record<string, unknown>[] };
+type ChatDelta = {
+  role?: "assistant";
+  content?: string;
+  tool_calls?: Record<string, unknown>[];
+  function_call?: { name?: string; arguments: string };
+};
 
 /** A `chat.completion.chunk`; `usage: null` is present on every chunk when usage was requested. */
 export function chatChunk(
@@ -267,6 +277,15 @@ export interface ResponseStrategy {
   logprobs(items: readonly LogprobItem[], piece: PieceOf, offset: { value: number }): object;
 }
 
+/** A chat chunk's delta of one call's piece: `tool_calls`, or the deprecated `function_call`. */
+function chatCallDelta(meta: ResponseMeta, delta: ToolCallDelta): ChatDelta {
+  if (meta.legacyFunctions !== true) return { tool_calls: [chatToolCallDelta(delta)] };
+  return {
+    function_call:
+      delta.name === undefined ? { arguments: delta.arguments } : { name: delta.name, arguments: "" },
+  };
+}
+
 /** The usage-only chunk when `stream_options.include_usage` asks for it. */
 function usageClosing(object: "chat.completion.chunk" | "text_completion") {
   return (meta: ResponseMeta, includeUsage: boolean, usage: Usage) =>
@@ -283,7 +302,7 @@ export const CHAT_RESPONSES: ResponseStrategy = {
     chatChunk(meta, {}, reason, includeUsage, stopReason, logprobs ?? null),
   ],
   toolCall: (meta, delta, _calls, includeUsage) => [
-    chatChunk(meta, { tool_calls: [chatToolCallDelta(delta)] }, null, includeUsage),
+    chatChunk(meta, chatCallDelta(meta, delta), null, includeUsage),
   ],
   closing: usageClosing("chat.completion.chunk"),
   streamError: (body) => ({ ...body }),

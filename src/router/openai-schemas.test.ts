@@ -74,15 +74,15 @@ test("parseCompletionRequest() takes prompt lists and echo; prompts × n is boun
 test("fields that would change the answer and are not implemented are refused, naming the field", () => {
   const tool = { type: "function", function: { name: "f", parameters: {} } };
   const cases: [object, string, RegExp][] = [
-    // Tools are served (tool-request.test.ts); OpenAI's deprecated functions are not.
-    [{ functions: [{ name: "f" }] }, "functions", /not supported: send tools instead/],
+    // Tools and OpenAI's deprecated functions are served (tool-request.test.ts), not both at once.
+    [{ tools: [tool], functions: [{ name: "f" }] }, "functions", /not both/],
     [{ tool_choice: "required" }, "tool_choice", /tool_choice needs tools/],
     [
       { tools: [tool], tool_choice: { type: "function", function: { name: "g" } } },
       "tool_choice.function.name",
       /not in tools: g/,
     ],
-    [{ function_call: { name: "f" } }, "function_call", /not supported/],
+    [{ function_call: { name: "f" } }, "function_call", /there are no functions/],
     [{ response_format: { type: "json_object" } }, "response_format", /"json_object" is not supported/],
     [{ response_format: { type: "json_schema" } }, "response_format", /constrained decoding/],
     [{ logprobs: false, top_logprobs: 2 }, "top_logprobs", /needs logprobs/],

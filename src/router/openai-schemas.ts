@@ -18,6 +18,11 @@ import {
   chatToolChoice,
   functionCallItem,
   functionCallOutputItem,
+  legacyFunctionCall,
+  legacyFunctions,
+  legacyMessage,
+  legacyMessageCall,
+  legacyToolRequest,
   messageToolCall,
   responsesTool,
   responsesToolChoice,
@@ -35,13 +40,15 @@ const messageContent = z.union([z.string(), z.array(textPart)], {
 });
 
 const chatMessage = z.object({
-  role: z.enum(["system", "developer", "user", "assistant", "tool"]),
+  role: z.enum(["system", "developer", "user", "assistant", "tool", "function"]),
   content: messageContent.nullable().optional(),
   name: z.string().optional(),
   /** An assistant's calls (tool-request.ts); its content may then be null. */
   tool_calls: z.array(messageToolCall).nullable().optional(),
   /** A tool message's answer to this call. */
   tool_call_id: z.string().optional(),
+  /** An assistant's call in OpenAI's deprecated shape. */
+  function_call: legacyMessageCall.nullable().optional(),
 });
 
 /**
@@ -124,8 +131,8 @@ export const chatCompletionRequestSchema = z.object({
   tools: z.array(chatTool).nullable().optional(),
   tool_choice: chatToolChoice.nullable().optional(),
   parallel_tool_calls: z.boolean().nullable().optional(),
-  functions: z.array(z.unknown()).nullable().optional(),
-  function_call: z.unknown().optional(),
+  functions: legacyFunctions.nullable().optional(),
+  function_call: legacyFunctionCall.nullable().optional(),
   // vLLM's chat template controls.
   add_generation_prompt: z.boolean().nullable().optional(),
   continue_final_message: z.boolean().nullable().optional(),
@@ -528,15 +535,9 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   commonChecks(req, body as object);
   if (req.top_logprobs != null && req.top_logprobs > 0 && req.logprobs !== true)
     refuse("top_logprobs", "top_logprobs needs logprobs: set logprobs to true, or leave top_logprobs unset");
-  const tools = toolRequest(req.tools, req.tool_choice, req.parallel_tool_calls);
-  // OpenAI's deprecated function calling answers in its own shape (`function_call`): not served.
-  if ((req.functions?.length ?? 0) > 0)
-    refuse("functions", "functions (deprecated function calling) is not supported: send tools instead");
-  if (req.function_call != null && req.function_call !== "none")
-    refuse(
-      "function_call",
-      'function_call (deprecated function calling) is not supported: send tool_choice instead, or leave it unset or "none"',
-    );
+  const tools =
+    legacyToolRequest(req.functions, req.function_call, (req.tools?.length ?? 0) > 0) ??
+    toolRequest(req.tools, req.tool_choice, req.parallel_tool_calls);
   if (
     req.max_tokens != null &&
     req.max_completion_tokens != null &&
@@ -547,7 +548,7 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
       `max_tokens and max_completion_tokens disagree: ${req.max_tokens} vs ${req.max_completion_tokens}; send only one`,
     );
   }
-  const messages = req.messages.map(
+  const messages = req.messages.map(legacyMessage).map(
     (m): ChatMessage => ({
       role: m.role === "developer" ? "system" : m.role,
       content:

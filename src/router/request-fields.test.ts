@@ -88,7 +88,7 @@ const PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }>
   tool_choice: { value: "required", with: { tools: [tool] } },
   parallel_tool_calls: { value: false, with: { tools: [tool] } },
   functions: { value: [{ name: "f" }] },
-  function_call: { value: "auto" },
+  function_call: { value: { name: "f" }, with: { functions: [{ name: "f" }] } },
   min_tokens: { value: 2 },
   ignore_eos: { value: true },
   stop_token_ids: { value: [7] },
@@ -287,7 +287,7 @@ test("refusesAsUnsupported() tells a field refused as unsupported from a value r
   const completions = (extra: Record<string, unknown>) => () =>
     parseCompletionRequest({ ...BASE.completions, ...extra });
   const cases: [string, () => unknown, boolean][] = [
-    ["functions", chat({ functions: [{ name: "f" }] }), true],
+    ["chat_template", chat({ chat_template: "{{ messages }}" }), true],
     ["suffix", completions({ suffix: "tail" }), true],
     ["use_beam_search", completions({ use_beam_search: true }), true],
     ["logprobs", completions({ logprobs: true }), false], // a count, not a boolean

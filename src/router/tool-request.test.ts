@@ -153,3 +153,39 @@ test("parseChatRequest() validates tools and tool messages, naming the field", (
     { role: "tool", content: "3", tool_call_id: "c1" },
   ]);
 });
+
+test("parseChatRequest() takes the deprecated functions, function_call and function messages as tools", () => {
+  const parsed = parseChatRequest({
+    model: "m",
+    functions: [ADD.function],
+    function_call: { name: "add" },
+    messages: [
+      { role: "user", content: "1 + 2?" },
+      { role: "assistant", content: null, function_call: { name: "add", arguments: '{"a": 1, "b": 2}' } },
+      { role: "function", name: "add", content: "3" },
+    ],
+  });
+  assert.equal(parsed.tools?.legacy, true);
+  assert.deepEqual(parsed.tools?.choice, { name: "add" });
+  assert.equal(parsed.tools?.parallel, false);
+  assert.deepEqual(parsed.messages.slice(1), [
+    {
+      role: "assistant",
+      content: "",
+      tool_calls: [
+        { id: "call_legacy_1", type: "function", function: { name: "add", arguments: { a: 1, b: 2 } } },
+      ],
+    },
+    { role: "tool", content: "3", tool_call_id: "call_legacy_1", name: "add" },
+  ]);
+  assert.throws(
+    () =>
+      parseChatRequest({
+        model: "m",
+        messages: [{ role: "user", content: "x" }],
+        functions: [ADD.function],
+        function_call: { name: "sub" },
+      }),
+    (err: KvfenceError) => err.param === "function_call.name",
+  );
+});

@@ -90,6 +90,8 @@ export interface ToolRequest {
   readonly parallel: boolean;
   /** Filled in where the template is at hand (prepare-request.ts); null: nothing is parsed. */
   readonly parsing: ToolParsing | null;
+  /** Asked with OpenAI's deprecated `functions`: answered as `message.function_call`. */
+  readonly legacy?: boolean;
 }
 
 function refuse(param: string, message: string): never {
@@ -237,4 +239,74 @@ export function responsesToolFields(req: {
         : { type: "function", function: { name: choice.name } },
     parallel_tool_calls: req.parallel_tool_calls ?? null,
   };
+}
+
+/** OpenAI's deprecated `functions`: each a function's fields, as a tool's. */
+export const legacyFunctions = z.array(z.object(functionFields));
+
+/** OpenAI's deprecated `function_call`: `none`, `auto`, or `{"name": …}`. */
+export const legacyFunctionCall = z.union([z.enum(["none", "auto"]), z.object({ name: z.string() })], {
+  error: 'expected "none", "auto" or {"name": …}',
+});
+
+/** An assistant's call in the deprecated shape (`message.function_call`). */
+export const legacyMessageCall = z.object({ name: z.string(), arguments: z.string() });
+
+/**
+ * The tool fields of a request that uses OpenAI's deprecated function calling (`functions`,
+ * `function_call`): the same tools, one call at most, answered in the deprecated shape
+ * (`message.function_call`, `finish_reason: "function_call"`); null when it does not use it.
+ */
+export function legacyToolRequest(
+  functions: z.infer<typeof legacyFunctions> | null | undefined,
+  functionCall: z.infer<typeof legacyFunctionCall> | null | undefined,
+  hasTools: boolean,
+): ToolRequest | null {
+  if ((functions?.length ?? 0) === 0) {
+    if (functionCall != null && functionCall !== "none" && functionCall !== "auto")
+      refuse("function_call", "function_call names a function but there are no functions: send functions");
+    return null;
+  }
+  if (hasTools) refuse("functions", "Send tools or the deprecated functions, not both: send tools");
+  const tools = functions!.map((fn) => ({ type: "function" as const, function: fn }));
+  const choice =
+    functionCall == null || typeof functionCall === "string"
+      ? functionCall
+      : { type: "function" as const, function: { name: functionCall.name } };
+  try {
+    const request = toolRequest(tools, choice, false)!;
+    return { ...request, legacy: true };
+  } catch (err) {
+    // The same checks, named by the deprecated fields.
+    if (err instanceof KvfenceError && err.param !== undefined)
+      throw new KvfenceError("invalid_request", err.message, {
+        param: err.param
+          .replace(/^tools/, "functions")
+          .replace(".function.name", ".name")
+          .replace(/^tool_choice/, "function_call"),
+      });
+    throw err;
+  }
+}
+
+/**
+ * A message of the deprecated function calling in today's shape: an assistant's `function_call`
+ * becomes its one tool call (id `call_legacy_<i>`, answered by the next `function` message), a
+ * `function` message a `tool` message naming the function.
+ */
+export function legacyMessage<
+  M extends {
+    role: string;
+    name?: string | undefined;
+    function_call?: z.infer<typeof legacyMessageCall> | null | undefined;
+    tool_calls?: MessageToolCall[] | null | undefined;
+    tool_call_id?: string | undefined;
+  },
+>(m: M, i: number, all: readonly M[]): M {
+  if (m.role === "assistant" && m.function_call != null && m.tool_calls == null)
+    return { ...m, tool_calls: [{ id: `call_legacy_${i}`, type: "function", function: m.function_call }] };
+  if (m.role !== "function") return m;
+  let call = i - 1;
+  while (call >= 0 && all[call]!.function_call == null) call--;
+  return { ...m, role: "tool", ...(call < 0 ? {} : { tool_call_id: `call_legacy_${call}` }) };
 }

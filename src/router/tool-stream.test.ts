@@ -144,3 +144,43 @@ describe("tool calls through the router (scripted engine, openai client)", () =>
     assert.deepEqual([whole.tool_choice, whole.parallel_tool_calls, whole.tools.length], ["auto", true, 1]);
   });
 });
+
+describe("OpenAI's deprecated functions through the router (scripted engine, openai client)", () => {
+  let server: RouterServer;
+  let client: OpenAI;
+  before(async () => {
+    server = new RouterServer({
+      engine: new ScriptedEngine({ script: () => [...Buffer.from(QWEN_OUTPUT), BYTE_EOS] }),
+      tokenizer: { ...byteTokenizer, toolSupport: { usesTools: true, format: "hermes" } },
+      model: {
+        id: MODEL,
+        maxPositionEmbeddings: 2048,
+        eosTokenIds: [BYTE_EOS],
+        defaults: { temperature: 0 },
+      },
+      tenants: TenantDirectory.anonymous(),
+      logger: createLogger({ level: "silent" }),
+    });
+    const url = await server.listen(0, "127.0.0.1");
+    client = new OpenAI({ baseURL: `${url}/v1`, apiKey: "none", maxRetries: 0 });
+  });
+  after(() => server.close());
+
+  test("functions are answered with message.function_call (the first call) and finish_reason function_call", async () => {
+    const body = {
+      model: MODEL,
+      messages: MESSAGES,
+      functions: [WEATHER.function],
+      function_call: "auto" as const,
+    };
+    const answer = await client.chat.completions.create(body);
+    const choice = answer.choices[0]!;
+    assert.equal(choice.finish_reason, "function_call");
+    assert.equal(choice.message.tool_calls, undefined);
+    assert.equal(choice.message.function_call?.name, "get_weather");
+    assert.deepEqual(JSON.parse(choice.message.function_call!.arguments), { city: "Paris" });
+    const streamed = await client.chat.completions.stream(body).finalChatCompletion();
+    assert.equal(streamed.choices[0]!.finish_reason, "function_call");
+    assert.deepEqual(streamed.choices[0]!.message.function_call, choice.message.function_call);
+  });
+});

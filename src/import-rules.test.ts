@@ -40,12 +40,16 @@ export const RULES: Record<string, Rule> = {
     packages: ["@huggingface/tokenizers", "@huggingface/jinja", "@huggingface/gguf"],
   },
   model: { src: ["model", "tokenizer", "kernels", "kvcache", "lib"] },
+  grammar: {
+    src: ["grammar", "tokenizer", "protocol", "lib"],
+    packages: ["@mlc-ai/web-xgrammar", "regjsparser"],
+  },
   kvcache: { src: ["kvcache", "lib"] },
   "fair-share": { src: ["fair-share", "lib"] },
   "admin-api": { src: ["admin-api"], packages: ["zod"] },
   protocol: { src: ["protocol", "admin-api", "kvcache", "lib"] },
   transfer: { src: ["transfer", "protocol", "kvcache", "lib"] },
-  engine: { src: ["engine", "model", "kvcache", "kernels", "protocol", "lib"] },
+  engine: { src: ["engine", "grammar", "model", "tokenizer", "kvcache", "kernels", "protocol", "lib"] },
   links: { src: ["links", "transfer", "protocol", "kvcache", "lib"] },
   cluster: { src: ["cluster", "links", "fair-share", "admin-api", "protocol", "transfer", "lib"] },
   node: { src: ["node", "links", "engine", "model", "kvcache", "protocol", "transfer", "lib"] },
@@ -64,7 +68,7 @@ export const RULES: Record<string, Rule> = {
     ],
   },
   router: {
-    src: ["router", "tokenizer", "fair-share", "admin-api", "protocol", "lib"],
+    src: ["router", "grammar", "tokenizer", "fair-share", "admin-api", "protocol", "lib"],
     packages: ["zod", "content-type", "prom-client"],
   },
   server: {

@@ -22,6 +22,10 @@
  * - `accept-malformed`: malformed requests get 200.
  * - `cross-request`: every other answer is the code of the previous request's first record,
  *   whoever sent it (a server that mixes requests' context).
+ *
+ * `grammarCache` gives it a cache of compiled JSON schemas (`response_format` json_schema), shared
+ * by every key or one per key: a schema not in it costs `compileMs` more (`probe --timing
+ * --timing-case grammar` tells the two apart).
  */
 import { createServer, type IncomingMessage, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
@@ -58,6 +62,10 @@ export interface FakeOpenAiServerOptions {
   readonly tokenDelayMs?: number;
   /** Streams: honour `stream_options.include_usage` (default true). */
   readonly streamUsage?: boolean;
+  /** A compiled-schema cache: one for all keys (`shared`, the leak) or one per key (`per-key`). */
+  readonly grammarCache?: "shared" | "per-key";
+  /** What compiling a schema not in the cache costs (default 40 ms). */
+  readonly compileMs?: number;
 }
 
 /** When a streamed request arrived and when each of its content chunks was written. */
@@ -170,6 +178,8 @@ class FakeOpenAi {
   readonly #seen = new Map<string, { code: string; key: string }>();
   /** The first record of the previous request (for `cross-request`). */
   #previousCode: string | null = null;
+  /** The schemas compiled, each with its key unless the cache is shared. */
+  readonly #grammars = new Set<string>();
   readonly streams: StreamLog[] = [];
   chatRequests = 0;
   inFlight = 0;
@@ -247,6 +257,7 @@ class FakeOpenAi {
     // Remember every record (what pages of a shared pool would hold).
     for (const m of prompt.text.matchAll(RECORD_RE))
       if (!this.#seen.has(m[1]!)) this.#seen.set(m[1]!, { code: m[2]!, key: from.key });
+    await this.#compile(raw, from.key);
     await sleep(this.#options.latencyMs ?? 3);
     return this.#sendCompletion(res, this.#answer(prompt, from), prompt.tokens, {
       stream: parsed.stream,
@@ -254,6 +265,19 @@ class FakeOpenAi {
       includeUsage: parsed.includeUsage && this.#options.streamUsage !== false,
       receivedAt: from.receivedAt,
     });
+  }
+
+  /** A constrained request's schema "compiled", unless the grammar cache (shared or the key's) holds it. */
+  async #compile(raw: string, key: string): Promise<void> {
+    const cache = this.#options.grammarCache;
+    if (cache === undefined) return;
+    const body = JSON.parse(raw) as { response_format?: { json_schema?: { schema?: unknown } } };
+    const schema = body.response_format?.json_schema?.schema;
+    if (schema === undefined) return;
+    const id = `${cache === "per-key" ? key : ""}\n${JSON.stringify(schema)}`;
+    if (this.#grammars.has(id)) return;
+    this.#grammars.add(id);
+    await sleep(this.#options.compileMs ?? 40);
   }
 
   /** The prompt as served: refused over the limit (null, answered), or what a misbehaviour makes of it. */

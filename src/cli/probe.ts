@@ -1,6 +1,7 @@
 /** `kvfence probe BASE_URL`: canary leak test for any OpenAI-compatible endpoint (thin wrapper). */
 import { writeFile } from "node:fs/promises";
 import { Command, InvalidArgumentError } from "commander";
+import { renderGrammarTimingReport, runGrammarTimingProbe } from "../tools/probe/grammar-timing.js";
 import { normalizeBaseUrl, runProbe } from "../tools/probe/probe.js";
 import { exitCodeOf, renderProbeSummary } from "../tools/probe/probe-report.js";
 import type { ProbeOptions } from "../tools/probe/probe-run.js";
@@ -28,6 +29,8 @@ interface ProbeCliOptions {
   timing?: boolean;
   trials: number;
   prefixChars: number;
+  timingCase: "prefix" | "grammar";
+  schemaProperties: number;
 }
 
 export function command(): Command {
@@ -76,9 +79,22 @@ export function command(): Command {
     )
     .option("--trials <n>", "--timing: paired trials", int(8), 40)
     .option("--prefix-chars <n>", "--timing: characters of each planted prefix", int(16), 1500)
+    .option(
+      "--timing-case <case>",
+      "--timing: which cache to audit: prefix (the prefix cache) or grammar (compiled JSON schemas)",
+      timingCase,
+      "prefix",
+    )
+    .option("--schema-properties <n>", "--timing-case grammar: properties of each planted schema", int(1), 24)
     .action((baseUrl: string, opts: ProbeCliOptions) =>
       opts.timing === true ? runTiming(baseUrl, opts) : runCanary(baseUrl, opts),
     );
+}
+
+function timingCase(value: string): "prefix" | "grammar" {
+  if (value !== "prefix" && value !== "grammar")
+    throw new InvalidArgumentError(`expected prefix or grammar: got ${JSON.stringify(value)}`);
+  return value;
 }
 
 /** The canary leak probe. */
@@ -94,22 +110,29 @@ async function runCanary(baseUrl: string, opts: ProbeCliOptions): Promise<void> 
   }
 }
 
-/** `kvfence probe --timing`. */
+/** `kvfence probe --timing`: the prefix-cache or the grammar-cache audit. */
 async function runTiming(baseUrl: string, opts: ProbeCliOptions): Promise<void> {
+  const common = {
+    baseUrl: normalizeBaseUrl(baseUrl),
+    trials: opts.trials,
+    timeoutMs: opts.timeout * 1000,
+    ...(opts.apiKey === undefined ? {} : { apiKeyA: opts.apiKey }),
+    ...(opts.apiKeyB === undefined ? {} : { apiKeyB: opts.apiKeyB }),
+    ...(opts.model === undefined ? {} : { model: opts.model }),
+    ...(opts.seed === undefined ? {} : { seed: opts.seed }),
+    ...(opts.quiet === true ? {} : { onProgress: (line: string) => process.stderr.write(`${line}\n`) }),
+  };
   try {
-    const report = await runTimingProbe({
-      baseUrl: normalizeBaseUrl(baseUrl),
-      trials: opts.trials,
-      prefixChars: opts.prefixChars,
-      timeoutMs: opts.timeout * 1000,
-      ...(opts.apiKey === undefined ? {} : { apiKeyA: opts.apiKey }),
-      ...(opts.apiKeyB === undefined ? {} : { apiKeyB: opts.apiKeyB }),
-      ...(opts.model === undefined ? {} : { model: opts.model }),
-      ...(opts.seed === undefined ? {} : { seed: opts.seed }),
-      ...(opts.quiet === true ? {} : { onProgress: (line: string) => process.stderr.write(`${line}\n`) }),
-    });
+    const [report, text] =
+      opts.timingCase === "grammar"
+        ? await runGrammarTimingProbe({ ...common, schemaProperties: opts.schemaProperties }).then(
+            (r) => [r, renderGrammarTimingReport(r)] as const,
+          )
+        : await runTimingProbe({ ...common, prefixChars: opts.prefixChars }).then(
+            (r) => [r, renderTimingReport(r)] as const,
+          );
     if (opts.json !== undefined) await writeFile(opts.json, `${JSON.stringify(report, null, 2)}\n`);
-    process.stdout.write(`${renderTimingReport(report)}\n`);
+    process.stdout.write(`${text}\n`);
     process.exitCode = report.verdict === "leak" ? 1 : 0;
   } catch (err) {
     process.stderr.write(`kvfence probe --timing: ${err instanceof Error ? err.message : String(err)}\n`);

@@ -4,10 +4,13 @@
  * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
  * their engines here, one way.
  */
+import { GrammarEngine } from "../grammar/grammar-engine.js";
+import { grammarVocab } from "../grammar/grammar-vocab.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
+import { openTokenizer } from "../tokenizer/tokenizer.js";
 import { Engine } from "./engine.js";
 import type { EngineLimits, KernelMemory, MemoryRegion } from "./engine-memory.js";
 import { ENGINE_DEFAULTS, layoutOf, servedConfig } from "./engine-memory.js";
@@ -38,6 +41,11 @@ export interface EngineBuildOptions extends EngineLimits {
   readonly seed?: number;
   /** Record the per-phase histograms (default true; off only for the overhead benchmark's baseline). */
   readonly phaseMetrics?: boolean;
+  /**
+   * The model folder or GGUF file whose tokenizer structured output masks by (default: `model.dir`);
+   * read on the first constrained request. Absent with an in-memory model: such requests are refused.
+   */
+  readonly tokenizer?: string;
   /** `--otlp-endpoint`: the node built around this engine exports its spans there (the engine itself ignores it). */
   readonly otlpEndpoint?: string;
   /**
@@ -64,6 +72,7 @@ export interface EngineBuildOptions extends EngineLimits {
 export async function buildEngine(options: EngineBuildOptions): Promise<Engine> {
   let config: ModelConfig;
   let weights: ModelWeights;
+  const tokenizerPath = options.tokenizer ?? ("dir" in options.model ? options.model.dir : undefined);
   if ("dir" in options.model) {
     const meta = await openModelMeta(options.model.dir);
     config = meta.config;
@@ -91,5 +100,11 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
     prefixCache: options.prefixCache ?? false,
     ...(options.seed === undefined ? {} : { seed: options.seed }),
     ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
+    ...(tokenizerPath === undefined ? {} : { grammar: grammarOf(tokenizerPath, config.vocabSize) }),
   });
+}
+
+/** Structured output's grammar engine for the tokenizer at `path` (made when first called). */
+function grammarOf(path: string, vocabSize: number): () => Promise<GrammarEngine> {
+  return async () => GrammarEngine.create(grammarVocab((await openTokenizer(path)).tokenizer), vocabSize);
 }

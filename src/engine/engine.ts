@@ -36,6 +36,7 @@
  * computation is per row, and recompute reproduces the same positions.
  */
 
+import type { GrammarEngine } from "../grammar/grammar-engine.js";
 import type { BlockTable } from "../kvcache/block-table.js";
 import { type OwnershipTable, PAGE_STATE_NAMES, PageState } from "../kvcache/ownership-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
@@ -89,6 +90,11 @@ export interface EngineOptions {
    * `--prefix-cache` is on by default and sets it).
    */
   readonly prefixCache?: boolean;
+  /**
+   * Structured output's grammar engine for this model's vocabulary, made on the first request
+   * with a constraint (src/grammar/); absent: such requests are refused.
+   */
+  readonly grammar?: () => Promise<GrammarEngine>;
 }
 
 /**
@@ -224,6 +230,7 @@ export class Engine {
     this.#sampling = new SamplingStep(
       config.vocabSize,
       options.seed ?? Math.floor(Math.random() * 0x1_0000_0000),
+      options.grammar ?? null,
     );
     this.capacity = Object.freeze({
       poolTokens: pool.capacityTokens,
@@ -241,9 +248,9 @@ export class Engine {
     return this.#contextTokens;
   }
 
-  /** True while any request is waiting or running. */
+  /** True while any request is waiting for its grammar, waiting or running. */
   get busy(): boolean {
-    return this.#scheduler.requests.size > 0;
+    return this.#scheduler.requests.size > 0 || this.#sampling.constraining > 0;
   }
 
   /**
@@ -255,7 +262,9 @@ export class Engine {
     const seq = this.#admit(request, events);
     if (seq === null) return;
     this.#sampling.prepare(seq);
-    if (!this.#scheduler.awaitFork(seq)) this.#scheduler.enqueue(seq);
+    this.#sampling.constrain(seq, () => {
+      if (!this.#scheduler.awaitFork(seq)) this.#scheduler.enqueue(seq);
+    });
   }
 
   /** The door check, then the request's sequence (its seed drawn if it has none); null when refused. */
@@ -341,19 +350,23 @@ export class Engine {
       seq.generated = 1;
       this.#sampling.skipFirstDraw(seq);
     }
-    this.#scheduler.enqueue(seq);
+    this.#sampling.constrain(seq, () => this.#scheduler.enqueue(seq));
   }
 
   /** Ends a request wherever it is, freeing its pages exactly once; unknown or finished rids are ignored. */
   abort(rid: number): void {
     const seq = this.#scheduler.requests.get(rid);
-    if (seq === undefined) return;
+    if (seq === undefined) {
+      if (this.#sampling.dropConstraining(rid)) this.#counters.aborts++;
+      return;
+    }
     this.#counters.aborts++;
     this.#scheduler.end(seq);
   }
 
   /** Ends every request with `error` (shutdown). */
   failAll(error: WireError): void {
+    this.#sampling.failConstraining(error);
     for (const seq of [...this.#scheduler.requests.values()]) {
       this.#scheduler.end(seq);
       seq.events.onError(error);
@@ -401,7 +414,8 @@ export class Engine {
    */
   step(): boolean {
     const scheduler = this.#scheduler;
-    if (scheduler.requests.size === 0) return false;
+    // Waiting only for grammars: the loop keeps turning until they are compiled.
+    if (scheduler.requests.size === 0) return this.#sampling.constraining > 0;
     scheduler.schedule();
     this.#stepDecodeTokens = 0;
     if (this.#checkBatch() > 0) {
@@ -411,7 +425,7 @@ export class Engine {
     this.#endStep();
     if (this.#stepDecodeTokens > 0) this.#counters.decodeSteps++;
     this.#timeDecodeStep();
-    return scheduler.requests.size > 0;
+    return this.busy;
   }
 
   /**

@@ -10,12 +10,19 @@
  * the same logits (`siblings`, each with a generator of its own seed), and a sample forked on one
  * engine draws from a copy of its first sample's logits (`copyOf`).
  *
+ * Structured output (`SamplingParams.constraint`): a request waits outside the scheduler until its
+ * grammar is compiled (`constrain`, per tenant, src/grammar/); then before each draw its matcher
+ * masks the logits the grammar forbids — after the logit controls, while its log-probabilities stay
+ * the raw logits' — and the drawn token advances it. A decode node's matcher first accepts the
+ * tokens prefill sampled; a prefill node's siblings draw under the same first mask.
+ *
  * This is the one place in the engine that reads a request's sampling parameters (temperature, top
  * p and k, seed, stop token ids, logit controls, log-probabilities, the group's seeds); the engine
  * reports what it returns (`Engine`'s step: counters, timing, events, the end of a request).
  * Nothing here allocates per token: a token's log-probabilities go in the request's own reused
  * array, its raw logits in a buffer made on its first token.
  */
+import type { GrammarEngine } from "../grammar/grammar-engine.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
 import { Prng } from "../lib/prng.js";
@@ -36,9 +43,15 @@ export class SamplingStep {
   readonly #seeds: Prng;
   /** A copy of a step's logits: a sibling's or a forked sample's to draw from. */
   readonly #copy: Float32Array;
+  /** The grammar engine, made on first use (null: structured output refused). */
+  readonly #grammar: (() => Promise<GrammarEngine>) | null;
+  #grammarEngine: Promise<GrammarEngine> | null = null;
+  /** Sequences waiting for their grammar, by rid. */
+  readonly #waiting = new Map<number, Sequence>();
 
-  constructor(vocabSize: number, seed: number) {
+  constructor(vocabSize: number, seed: number, grammar: (() => Promise<GrammarEngine>) | null = null) {
     this.#vocabSize = vocabSize;
+    this.#grammar = grammar;
     this.#sampler = new Sampler(vocabSize);
     this.#seeds = new Prng(seed);
     this.#copy = new Float32Array(vocabSize);
@@ -67,6 +80,69 @@ export class SamplingStep {
     };
   }
 
+  /** Sequences waiting for their grammar. */
+  get constraining(): number {
+    return this.#waiting.size;
+  }
+
+  /**
+   * Runs `then` now for an unconstrained sequence; a constrained one waits (outside the scheduler)
+   * for its matcher — its tenant's compiled grammar, then the tokens it already has (a decode
+   * node's first token) accepted — and runs `then` unless it was dropped meanwhile; a constraint
+   * that does not compile, or an engine without a grammar engine, ends it with `onError`.
+   */
+  constrain(seq: Sequence, then: () => void): void {
+    const constraint = seq.request.sampling.constraint;
+    if (constraint === undefined) {
+      then();
+      return;
+    }
+    this.#waiting.set(seq.rid, seq);
+    const grammar = this.#grammar;
+    if (grammar === null) {
+      this.#fail(seq, {
+        code: "invalid_request",
+        message: "Structured output needs the model's tokenizer, which this engine was built without",
+        param: "response_format",
+      });
+      return;
+    }
+    this.#grammarEngine ??= grammar();
+    this.#grammarEngine.then(
+      (engine) => {
+        if (this.#waiting.get(seq.rid) !== seq) return;
+        try {
+          const matcher = engine.matcher(seq.tenant, constraint, seq.request.sampling.stopTokenIds);
+          for (let i = seq.promptLength; i < seq.length; i++) matcher.accept(seq.tokens[i] as number);
+          seq.matcher = matcher;
+        } catch (err) {
+          this.#fail(seq, wireOf(err));
+          return;
+        }
+        this.#waiting.delete(seq.rid);
+        then();
+      },
+      (err: unknown) => this.#fail(seq, wireOf(err)),
+    );
+  }
+
+  /** Drops a sequence waiting for its grammar (aborted); true when one was. */
+  dropConstraining(rid: number): boolean {
+    return this.#waiting.delete(rid);
+  }
+
+  /** Ends every sequence waiting for its grammar with `error`. */
+  failConstraining(error: WireError): void {
+    for (const seq of [...this.#waiting.values()]) this.#fail(seq, error);
+  }
+
+  #fail(seq: Sequence, error: WireError): void {
+    if (this.#waiting.get(seq.rid) !== seq) return;
+    this.#waiting.delete(seq.rid);
+    seq.state = "done";
+    seq.events.onError(error);
+  }
+
   /**
    * A decode node's sequence whose first token prefill sampled from the same seeded generator:
    * skips that draw, so a seeded request samples the same tokens as on one engine (the sampler
@@ -92,20 +168,28 @@ export class SamplingStep {
       const copy = this.#copy;
       copy.set(logits);
       if (r.controls !== undefined) this.#sampler.process(copy, r.controls, seq, r.stopTokenIds);
+      // Every sample starts at the grammar's start: the first sample's matcher has accepted nothing yet.
+      seq.matcher?.mask(copy);
       tokens.push(this.#sampler.sample(copy, r, new Prng(seed ?? this.#seeds.nextUint32())));
     }
     return tokens;
   }
 
   /**
-   * Draws `seq`'s next token from `logits` (its step's, changed in place by its controls), keeping
-   * the raw logits first when it asked for log-probabilities.
+   * Draws `seq`'s next token from `logits` (its step's, changed in place by its controls and its
+   * grammar's mask), keeping the raw logits first when it asked for log-probabilities; the token
+   * advances its matcher.
    */
   sample(seq: Sequence, logits: Float32Array): number {
     const r = seq.request.sampling;
     if (r.logprobs !== undefined) keepRaw(seq, logits);
     if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
-    return this.#sampler.sample(logits, r, seq.rng);
+    const matcher = seq.matcher;
+    if (matcher === null) return this.#sampler.sample(logits, r, seq.rng);
+    matcher.mask(logits);
+    const token = this.#sampler.sample(logits, r, seq.rng);
+    matcher.accept(token);
+    return token;
   }
 
   /** `logits` copied into this step's reused buffer: a forked sample draws from the copy. */
@@ -157,6 +241,12 @@ export function samplingRefusal(r: SamplingParams, vocabSize: number): WireError
 /** The forward pass's per-row callback for `seq`'s step when it asked for the prompt's log-probabilities and the step holds prompt rows, else null. */
 export function promptRows(seq: Sequence): RowLogits | null {
   return seq.rowLogits !== null && seq.stepStart < seq.promptLength - 1 ? seq.rowLogits : null;
+}
+
+/** A failure as the wire carries it (a KvfenceError's own; anything else internal). */
+function wireOf(err: unknown): WireError {
+  if (err instanceof KvfenceError) return err.toWire();
+  return { code: "internal", message: `Structured output failed: ${(err as Error)?.message ?? String(err)}` };
 }
 
 /** Keeps the step's raw logits of `seq` (the controls change them in place) for its log-probabilities. */

@@ -750,7 +750,7 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
         [{ store: true }, "store"],
         [{ reasoning: { effort: "high" } }, "reasoning"],
         [{ background: true }, "background"],
-        [{ text: { format: { type: "json_object" } } }, "text.format"],
+        [{ text: { verbosity: "low" } }, "text.verbosity"],
         [{ top_logprobs: 3 }, "top_logprobs"],
         [{ truncation: "auto" }, "truncation"],
         [

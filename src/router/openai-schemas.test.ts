@@ -83,8 +83,17 @@ test("fields that would change the answer and are not implemented are refused, n
       /not in tools: g/,
     ],
     [{ function_call: { name: "f" } }, "function_call", /there are no functions/],
-    [{ response_format: { type: "json_object" } }, "response_format", /"json_object" is not supported/],
-    [{ response_format: { type: "json_schema" } }, "response_format", /constrained decoding/],
+    [
+      { tools: [tool], tool_choice: "required", response_format: { type: "json_object" } },
+      "tool_choice",
+      /cannot be combined with a structured output format/,
+    ],
+    [
+      { response_format: { type: "structural_tag" } },
+      "response_format.type",
+      /"structural_tag" is not supported/,
+    ],
+    [{ response_format: { type: "json_schema" } }, "response_format.json_schema", /must be an object/],
     [{ logprobs: false, top_logprobs: 2 }, "top_logprobs", /needs logprobs/],
   ];
   for (const [extra, param, message] of cases) {
@@ -186,8 +195,9 @@ test("other extensions of vLLM and SGLang are refused unless neutral; unknown fi
   for (const [extra, param] of [
     [{ use_beam_search: true }, "use_beam_search"],
     [{ bad_words: ["x"] }, "bad_words"],
-    [{ guided_json: { type: "object" } }, "guided_json"],
-    [{ regex: "[a-z]+" }, "regex"],
+    [{ structural_tag: "{}" }, "structural_tag"],
+    [{ guided_decoding_backend: "outlines" }, "guided_decoding_backend"],
+    [{ guided_whitespace_pattern: " " }, "guided_whitespace_pattern"],
   ] as const) {
     const err = refusal(() => parseChatRequest({ ...chat, ...extra }));
     assert.equal(err.param, param);
@@ -214,7 +224,7 @@ test("parseChatRequest() refuses a 100,000-deep guided_json with a short message
   const err = refusal(() => parseChatRequest({ ...chat, guided_json: deep }));
   assert.equal(err.code, "invalid_request");
   assert.equal(err.param, "guided_json");
-  assert.match(err.message, /got an object$/);
+  assert.match(err.message, /^guided_json nests too deep to be a JSON Schema: got an object$/);
   const long = refusal(() => parseChatRequest({ ...chat, guided_regex: "x".repeat(100_000) }));
   assert.ok(long.message.length < 200, long.message);
 });

@@ -3,8 +3,9 @@
  * problem is reported with its JSON path as an `invalid_request` KvfenceError whose `param` is the
  * path, so a client sees exactly which field is wrong. The sampling controls of OpenAI, vLLM and
  * SGLang (penalties, logit_bias, min_p, min_tokens, ignore_eos, stop_token_ids, ...) become the
- * request's `LogitControls` and router-side options. Fields we know but do not implement (tools,
- * JSON response formats, suffix, ...) are refused rather than silently ignored when they would
+ * request's `LogitControls` and router-side options; the structured-output fields of every vendor
+ * its `OutputConstraint` (output-constraint-fields.ts). Fields we know but do not implement (tools,
+ * suffix, ...) are refused rather than silently ignored when they would
  * change the output, and so are the extensions of vLLM and SGLang that clients of those servers
  * send (`EXTENSIONS`). Other unknown fields are ignored, as
  * vLLM and SGLang do (OpenAI refuses them), so that clients adding new harmless fields keep working.
@@ -13,6 +14,8 @@ import { z } from "zod";
 import { KvfenceError } from "../lib/errors.js";
 import type { LogitControls } from "../lib/logit-controls.js";
 import { MAX_TOP_LOGPROBS } from "../lib/token-logprobs.js";
+import type { OutputConstraint } from "../protocol/output-constraint.js";
+import { requestConstraint, responsesConstraint } from "./output-constraint-fields.js";
 import {
   chatTool,
   chatToolChoice,
@@ -30,6 +33,7 @@ import {
   type ToolRequest,
   templateToolCalls,
   toolRequest,
+  withToolConstraint,
 } from "./tool-request.js";
 
 const textPart = z.object({ type: z.literal("text"), text: z.string() });
@@ -184,7 +188,7 @@ const responsesMessage = z.object({
  * OpenAI's Responses API (`/v1/responses`) for text in and text out: the same sampling path as chat
  * (its template, its admission), one answer. Fields that would change the answer and are not
  * served — tools, stored state (`store`, `previous_response_id`, `conversation`, `background`),
- * reasoning, structured output, log-probabilities, truncation — are refused (`responsesRefusals`).
+ * reasoning, log-probabilities, truncation — are refused (`responsesRefusals`).
  */
 export const responsesRequestSchema = z.object({
   model: z.string().min(1),
@@ -268,6 +272,8 @@ export interface SamplingRequest {
   readonly cacheSalt: string | null;
   /** Chat's tools (tool-request.ts); absent or null: none. */
   readonly tools?: ToolRequest | null;
+  /** What the output must match (structured output), absent when nothing constrains it. */
+  readonly constraint?: OutputConstraint | undefined;
 }
 
 export interface ParsedChatRequest extends SamplingRequest {
@@ -356,14 +362,6 @@ export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   length_penalty: equals(1),
   use_beam_search: equals(false),
   bad_words: empty,
-  guided_json: unset,
-  guided_regex: unset,
-  guided_choice: unset,
-  guided_grammar: unset,
-  structured_outputs: unset,
-  regex: unset,
-  json_schema: unset,
-  ebnf: unset,
   truncate_prompt_tokens: unset,
   /** A per-request template: not taken from clients here (the operator's --chat-template is). */
   chat_template: unset,
@@ -374,7 +372,9 @@ export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   documents: empty,
   mm_processor_kwargs: emptyObject,
   structural_tag: unset,
-  guided_decoding_backend: unset,
+  /** Every constraint is compiled by xgrammar here: other backends (and their options) are not served. */
+  guided_decoding_backend: (v) => v == null || v === "" || v === "auto" || v === "xgrammar",
+  /** xgrammar's JSON grammars take any whitespace between tokens: no pattern of the client's. */
   guided_whitespace_pattern: unset,
   logits_processors: empty,
   return_tokens_as_token_ids: equals(false),
@@ -458,12 +458,6 @@ function commonChecks(req: ChatCompletionRequest | CompletionRequest, body: obje
     refuse(
       "min_tokens",
       `min_tokens (${req.min_tokens}) is above max_tokens (${maxTokens}): lower min_tokens or raise max_tokens`,
-    );
-  }
-  if (req.response_format != null && req.response_format.type !== "text") {
-    refuse(
-      "response_format",
-      `response_format ${preview(req.response_format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
     );
   }
   if (req.prompt_logprobs != null && req.stream === true) {
@@ -573,8 +567,11 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
       "continue_final_message and add_generation_prompt cannot both be true (as in vLLM): set add_generation_prompt to false",
     );
   }
+  // tool_choice required or a named function: the calls' JSON array (tool-request.ts).
+  const constraint = withToolConstraint(requestConstraint(body as Record<string, unknown>), tools);
   return {
     ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null),
+    ...(constraint === undefined ? {} : { constraint }),
     logprobs: req.logprobs === true ? (req.top_logprobs ?? 0) : null,
     messages,
     tools,
@@ -611,8 +608,10 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
   const base = sampling(req, req.max_tokens ?? COMPLETIONS_DEFAULT_MAX_TOKENS);
   const echo = req.echo === true;
   const logprobs = req.logprobs ?? null;
+  const constraint = requestConstraint(body as Record<string, unknown>);
   return {
     ...base,
+    ...(constraint === undefined ? {} : { constraint }),
     logprobs,
     // Token-id prompts: their text comes from the tokenizer (prepare-request.ts).
     echoPrompts: echo ? prompts.map((q) => (typeof q === "string" ? q : "")) : null,
@@ -735,12 +734,7 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
     if (!neutral(raw[name]))
       refuse(name, `${name} is not supported on /v1/responses: ${fix}; got ${preview(raw[name])}`);
   }
-  if (req.text?.format != null && req.text.format.type !== "text") {
-    refuse(
-      "text.format",
-      `text.format ${preview(req.text.format.type)} is not supported (this server has no constrained decoding): leave it unset or {"type": "text"}`,
-    );
-  }
+  const format = responsesConstraint(raw);
   if (req.text?.verbosity != null)
     refuse("text.verbosity", "text.verbosity is not supported: leave it unset");
   if (req.top_logprobs != null && req.top_logprobs > 0)
@@ -764,8 +758,10 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
     top_p: req.top_p ?? null,
     ...responsesToolFields(req),
   });
+  const constraint = withToolConstraint(format, chat.tools ?? null);
   return {
     ...chat,
+    ...(constraint === undefined ? {} : { constraint }),
     responses: {
       instructions,
       maxOutputTokens: maxTokens,

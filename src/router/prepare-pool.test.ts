@@ -97,3 +97,49 @@ test("PreparePool serves another tenant's body before a tenant's backlog of them
     await one.close();
   }
 });
+
+test("PreparePool refuses a schema still compiling after GRAMMAR_COMPILE_MS, and a small body meanwhile is served at once", async () => {
+  // 3,000 optional properties: xgrammar takes seconds (a 1 MB one: minutes), in the large lane.
+  const properties = Object.fromEntries(
+    Array.from({ length: 3000 }, (_, i) => [`field_${i}`, { type: "string" }]),
+  );
+  const schema = { type: "object", properties };
+  const heavy = body({
+    model: MODEL,
+    messages: [{ role: "user", content: "fill the form" }],
+    response_format: { type: "json_schema", json_schema: { name: "form", schema } },
+  });
+  assert.ok(heavy.byteLength > LARGE_BODY_BYTES);
+  const started = performance.now();
+  const refused = assert.rejects(pool.prepare("chat", heavy, 1), (err: unknown) => {
+    assert.ok(err instanceof KvfenceError);
+    assert.equal(err.code, "invalid_request");
+    assert.equal(err.param, "response_format.json_schema.schema");
+    assert.match(err.message, /^The JSON schema takes over \d+ ms to compile: send a simpler one/);
+    return true;
+  });
+  const small = await pool.prepare("completions", body({ model: MODEL, prompt: "hi", max_tokens: 2 }), 2);
+  assert.ok(small.prompts[0]!.length > 0);
+  const smallMs = performance.now() - started;
+  await refused;
+  const refusedMs = performance.now() - started;
+  assert.ok(smallMs < 1000, `a small body waited ${smallMs.toFixed(0)} ms`);
+  assert.ok(refusedMs < 5000, `the refusal took ${refusedMs.toFixed(0)} ms`);
+  // The replaced worker serves again.
+  const again = await pool.prepare(
+    "chat",
+    body({ model: MODEL, messages: [{ role: "user", content: "x" }] }),
+    1,
+  );
+  assert.ok(again.prompts[0]!.length > 0);
+});
+
+test("PreparePool refuses a grammar xgrammar cannot compile, naming the construct", async () => {
+  await assert.rejects(
+    pool.prepare("completions", body({ model: MODEL, prompt: "a", guided_grammar: "root ::= missing" })),
+    (err: unknown) =>
+      err instanceof KvfenceError &&
+      err.code === "invalid_request" &&
+      /^The grammar cannot be compiled: .*Rule "missing" is not defined/.test(err.message),
+  );
+});

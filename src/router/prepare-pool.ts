@@ -12,6 +12,11 @@
  * a flood's bodies held every other tenant's first request behind their tokenization). With one
  * tenant, or `--scheduling-policy fcfs`, a lane is first-come. Each worker prepares one body at a time. A worker that dies fails its body with `internal` and is
  * replaced; nothing else is lost.
+ *
+ * A body with an output constraint has it compiled by its worker (structured output's check,
+ * src/grammar/); compiling can take minutes (a 1 MB JSON schema of optional properties: 230 s)
+ * and cannot be interrupted, so a compilation past `GRAMMAR_COMPILE_MS` is refused with
+ * `invalid_request` and its worker replaced: no worker, and no engine later, spends longer on one.
  */
 import { Worker } from "node:worker_threads";
 import type { SchedulingPolicy } from "../fair-share/fair-share.js";
@@ -40,6 +45,9 @@ export interface RequestPreparer {
 
 /** Bodies over this go to the large lane. */
 export const LARGE_BODY_BYTES = 16 * 1024;
+
+/** How long the check of a request's output constraint may compile before it is refused. */
+export const GRAMMAR_COMPILE_MS = 1000;
 
 /** The nice value of the large lane's workers (Linux; lib/thread-priority.ts). */
 export const LARGE_LANE_NICE = 10;
@@ -75,6 +83,8 @@ export type FromPrepareWorker =
       readonly prompts: readonly Int32Array[];
     }
   | { readonly id: number; readonly ok: true; readonly answer: object }
+  /** The body's constraint is compiling now (`compiling` names it, `param` its field): time it. */
+  | { readonly id: number; readonly compiling: string; readonly param: string }
   /** `error` null: not a KvfenceError (a bug); `detail` is for the log only. */
   | { readonly id: number; readonly ok: false; readonly error: WireError | null; readonly detail?: string };
 
@@ -93,6 +103,10 @@ interface Job {
 interface Slot {
   worker: Worker;
   job: Job | null;
+  /** The deadline of its job's constraint compiling, if it is. */
+  compiling: ReturnType<typeof setTimeout> | null;
+  /** Replaced on purpose (a compilation overran): its exit is no failure. */
+  retired: boolean;
 }
 
 /** Prepares in the caller's thread: for routers over a tokenizer that cannot move to a worker (tests). */
@@ -212,7 +226,7 @@ export class PreparePool implements RequestPreparer {
     const lane = index === 0 || this.#size === 1 ? "small" : "large";
     const workerData: PrepareWorkerData = { ...this.#data, lane };
     const worker = new Worker(WORKER_URL, { workerData });
-    const slot: Slot = { worker, job: null };
+    const slot: Slot = { worker, job: null, compiling: null, retired: false };
     this.#slots[index] = slot;
     return new Promise((resolve, reject) => {
       let ready = false;
@@ -223,7 +237,8 @@ export class PreparePool implements RequestPreparer {
           this.#dispatch();
           return;
         }
-        this.#finish(slot, message);
+        if ("compiling" in message) this.#timeCompile(slot, message);
+        else this.#finish(slot, message);
       });
       worker.on("error", (err) => {
         if (!ready) reject(err);
@@ -236,17 +251,41 @@ export class PreparePool implements RequestPreparer {
     });
   }
 
-  /** A worker died: fail its body, replace it. */
+  /**
+   * Refuses the job of `slot` if its constraint is still compiling after `GRAMMAR_COMPILE_MS`,
+   * and replaces the worker (a wasm call cannot be stopped).
+   */
+  #timeCompile(slot: Slot, message: { id: number; compiling: string; param: string }): void {
+    const job = slot.job;
+    if (job === null || job.id !== message.id) return;
+    slot.compiling = setTimeout(() => {
+      if (slot.job !== job || this.#closed) return;
+      slot.job = null;
+      slot.retired = true;
+      job.reject(
+        new KvfenceError(
+          "invalid_request",
+          `${message.compiling} takes over ${GRAMMAR_COMPILE_MS} ms to compile: send a simpler one (fewer optional properties, alternatives or repetitions)`,
+          { param: message.param },
+        ),
+      );
+      void slot.worker.terminate();
+    }, GRAMMAR_COMPILE_MS);
+  }
+
+  /** A worker died (or was retired): fail its body, replace it. */
   #lost(slot: Slot, index: number, detail: string): void {
     if (this.#slots[index] !== slot || this.#closed) return;
-    this.#onWorkerError(detail);
+    if (!slot.retired) this.#onWorkerError(detail);
     const job = slot.job;
     slot.job = null;
     job?.reject(new KvfenceError("internal", "Internal server error"));
     void this.#spawn(index).catch((err: unknown) => this.#onWorkerError(String(err)));
   }
 
-  #finish(slot: Slot, message: Exclude<FromPrepareWorker, { ready: true }>): void {
+  #finish(slot: Slot, message: Exclude<FromPrepareWorker, { ready: true } | { compiling: string }>): void {
+    if (slot.compiling !== null) clearTimeout(slot.compiling);
+    slot.compiling = null;
     const job = slot.job;
     slot.job = null;
     if (job !== null && job.id === message.id) {
@@ -273,7 +312,7 @@ export class PreparePool implements RequestPreparer {
     const shared = this.#size === 1;
     for (let i = 0; i < this.#slots.length; i++) {
       const slot = this.#slots[i];
-      if (slot === undefined || slot.job !== null) continue;
+      if (slot === undefined || slot.job !== null || slot.retired) continue;
       // The first worker takes small bodies only (unless it is alone); the others large ones first.
       const job =
         i === 0 && !shared

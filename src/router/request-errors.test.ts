@@ -252,7 +252,7 @@ test("a refused extension nested 100,000 deep gets its 400 naming the value's ki
     [{ type: "object" }, "got an object"],
   ] as const) {
     for (const parse of [
-      () => parseChatRequest({ ...chat, guided_json: value }),
+      () => parseChatRequest({ ...chat, structural_tag: value }),
       () => parseCompletionRequest({ model: MODEL, prompt: "x", guided_regex: value }),
     ]) {
       let caught: unknown;
@@ -267,7 +267,7 @@ test("a refused extension nested 100,000 deep gets its 400 naming the value's ki
       assert.ok(caught.message.length < 200, caught.message);
     }
   }
-  const long = refusalMessage(() => parseChatRequest({ ...chat, regex: "x".repeat(10_000) }));
+  const long = refusalMessage(() => parseChatRequest({ ...chat, structural_tag: "x".repeat(10_000) }));
   assert.ok(long.endsWith(`got "${"x".repeat(39)}…`), long);
 });
 

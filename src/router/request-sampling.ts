@@ -6,7 +6,6 @@
  */
 import type { SamplingParams } from "../protocol/sampling-params.js";
 import type { SamplingRequest } from "./openai-schemas.js";
-import { toolConstraint } from "./tool-request.js";
 
 /** What the served model contributes: its EOS ids and its generation_config defaults. */
 export interface SamplingModel {
@@ -17,8 +16,6 @@ export interface SamplingModel {
 /** The sampling of a request's first sample (of each prompt). */
 export function samplingParams(parsed: SamplingRequest, model: SamplingModel): SamplingParams {
   const defaults = model.defaults ?? {};
-  // tool_choice required or a named function: the calls' JSON array (tool-request.ts).
-  const constraint = parsed.tools == null ? null : toolConstraint(parsed.tools);
   return {
     temperature: parsed.temperature ?? defaults.temperature ?? 1,
     topP: parsed.topP ?? defaults.topP ?? 1,
@@ -29,7 +26,7 @@ export function samplingParams(parsed: SamplingRequest, model: SamplingModel): S
     ...(parsed.controls === undefined ? {} : { controls: parsed.controls }),
     ...(parsed.logprobs === null ? {} : { logprobs: parsed.logprobs }),
     ...(parsed.promptLogprobs === null ? {} : { promptLogprobs: parsed.promptLogprobs }),
-    ...(constraint === null ? {} : { constraint }),
+    ...(parsed.constraint === undefined ? {} : { constraint: parsed.constraint }),
   };
 }
 

@@ -205,6 +205,25 @@ export function toolConstraint(tools: ToolRequest): OutputConstraint | null {
   return { kind: "json_schema", schema: JSON.stringify(schema), strict: false };
 }
 
+/**
+ * The request's output constraint with its tools': `required` or a named function constrain the
+ * output to the calls' array, which a structured-output format (`response_format`, `guided_*`,
+ * `text.format`) cannot also constrain — the two together are refused.
+ */
+export function withToolConstraint(
+  format: OutputConstraint | undefined,
+  tools: ToolRequest | null,
+): OutputConstraint | undefined {
+  const calls = tools === null ? null : toolConstraint(tools);
+  if (calls === null) return format;
+  if (format !== undefined && JSON.stringify(format) !== JSON.stringify(calls))
+    refuse(
+      "tool_choice",
+      'tool_choice "required" or a named function constrains the output to the calls, so it cannot be combined with a structured output format: send one of them',
+    );
+  return calls;
+}
+
 /** A /v1/responses input item: an earlier call of the model. */
 export const functionCallItem = z.object({
   type: z.literal("function_call"),

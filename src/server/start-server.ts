@@ -480,6 +480,8 @@ function engineOptionsOf(
     kvCacheDtype: config.kvCacheDtype,
     maxModelLen: pool.contextLength,
     scrubOnFree: config.scrubOnFree,
+    // Structured output masks by the model's tokenizer (the engine gets the weights in memory).
+    tokenizer: config.model,
     ...(config.phaseMetrics ? {} : { phaseMetrics: false }),
     ...(config.otlpEndpoint === undefined ? {} : { otlpEndpoint: config.otlpEndpoint }),
     prefixCache: config.prefixCache === "on",

@@ -39,6 +39,8 @@ const EMPTY_BYTES = new Uint8Array(0);
 
 interface TokenizerJson {
   decoder?: { type?: string } | null;
+  pre_tokenizer?: unknown;
+  normalizer?: unknown;
 }
 
 interface TokenizerConfigJson {
@@ -63,6 +65,11 @@ function tokenContent(value: unknown): string | null {
 export class ModelTokenizer {
   readonly bosToken: string | null;
   readonly eosToken: string | null;
+  /** tokenizer.json's `decoder` (how ids become text: `ByteLevel`, a `Sequence` with `ByteFallback`, ...). */
+  readonly decoderJson: unknown;
+  /** tokenizer.json's `pre_tokenizer` and `normalizer` (where a SentencePiece model prepends its space). */
+  readonly preTokenizerJson: unknown;
+  readonly normalizerJson: unknown;
   readonly #tokenizer: Tokenizer;
   readonly #byteLevel: boolean;
   readonly #specialIds: ReadonlySet<number>;
@@ -82,6 +89,9 @@ export class ModelTokenizer {
       throw badModelFolder(label, `cannot build the tokenizer: ${(err as Error).message}`, err);
     }
     this.#byteLevel = (tokenizerJson as TokenizerJson).decoder?.type === "ByteLevel";
+    this.decoderJson = (tokenizerJson as TokenizerJson).decoder ?? null;
+    this.preTokenizerJson = (tokenizerJson as TokenizerJson).pre_tokenizer ?? null;
+    this.normalizerJson = (tokenizerJson as TokenizerJson).normalizer ?? null;
     this.bosToken = tokenContent(config.bos_token);
     this.eosToken = tokenContent(config.eos_token);
     const special = new Set<number>();
@@ -124,6 +134,13 @@ export class ModelTokenizer {
     let max = -1;
     for (const id of this.#tokenizer.get_vocab(true).values()) if (id > max) max = id;
     return max + 1;
+  }
+
+  /** Every token's string as the vocabulary spells it (byte-level or SentencePiece pieces), by id ("" for an unused id). */
+  vocabulary(): string[] {
+    const list: string[] = new Array(this.numIds).fill("");
+    for (const [token, id] of this.#tokenizer.get_vocab(true)) list[id] = token;
+    return list;
   }
 
   /** The id of a token string (e.g. "<|im_end|>"), or undefined. */

@@ -19,7 +19,8 @@
  *   short a prefix to see one; the audit cannot tell.
  *
  * Trials run one request at a time (no load of our own). It imports only lib helpers and its own
- * client, so it works against any server.
+ * client, so it works against any server. The same design audits the grammar cache
+ * (grammar-timing.ts), over this module's `Timer`, `compare` and `verdictOf`.
  */
 import { Prng } from "../../lib/prng.js";
 import { mannWhitneyLess, median, type RankTest } from "../../lib/stats.js";
@@ -115,12 +116,20 @@ export async function runTimingProbe(options: TimingOptions): Promise<TimingRepo
   }
   const crossTenant = compare(cross);
   const sameTenant = compare(same);
-  const verdict =
-    crossTenant.test.p < alpha ? "leak" : sameTenant.test.p < alpha ? "no-leak" : "inconclusive";
+  const verdict = verdictOf(crossTenant, sameTenant, alpha);
   return { trials, prefixChars: chars, alpha, crossTenant, sameTenant, failures: timer.failures, verdict };
 }
 
-function compare(c: { planted: number[]; fresh: number[] }): TimingComparison {
+/** A leak when B is faster after A's plant; else no leak when A's own repeat is faster; else inconclusive. */
+export function verdictOf(
+  crossTenant: TimingComparison,
+  sameTenant: TimingComparison,
+  alpha: number,
+): TimingReport["verdict"] {
+  return crossTenant.test.p < alpha ? "leak" : sameTenant.test.p < alpha ? "no-leak" : "inconclusive";
+}
+
+export function compare(c: { planted: number[]; fresh: number[] }): TimingComparison {
   return {
     plantedMs: c.planted,
     freshMs: c.fresh,
@@ -131,7 +140,7 @@ function compare(c: { planted: number[]; fresh: number[] }): TimingComparison {
 }
 
 /** One-token requests, timed; failures counted. */
-class Timer {
+export class Timer {
   readonly #client: ClientOptions;
   readonly #model: string;
   failures = 0;
@@ -141,13 +150,18 @@ class Timer {
     this.#model = model;
   }
 
-  /** The time (ms) of one greedy one-token chat, or null when it failed. */
-  async time(key: string | undefined, content: string): Promise<number | null> {
+  /** The time (ms) of one greedy one-token chat (with `extra` fields), or null when it failed. */
+  async time(
+    key: string | undefined,
+    content: string,
+    extra: Record<string, unknown> = {},
+  ): Promise<number | null> {
     const o = await postChat(this.#client, key, {
       model: this.#model,
       messages: [{ role: "user", content }],
       max_tokens: 1,
       temperature: 0,
+      ...extra,
     });
     if (o.status !== 200) {
       this.failures++;
@@ -165,9 +179,24 @@ class Timer {
     rng: Prng,
     into: { planted: number[]; fresh: number[] },
   ): Promise<void> {
+    await this.pairOf(
+      () => this.time(key, `${planted}\n${question}`),
+      () => this.time(key, `${fresh}\n${question}`),
+      rng,
+      into,
+    );
+  }
+
+  /** Two timed requests, the planted one and the fresh one, in a random order, into `into`. */
+  async pairOf(
+    planted: () => Promise<number | null>,
+    fresh: () => Promise<number | null>,
+    rng: Prng,
+    into: { planted: number[]; fresh: number[] },
+  ): Promise<void> {
     const plantedFirst = rng.nextInt(2) === 0;
-    const first = await this.time(key, `${plantedFirst ? planted : fresh}\n${question}`);
-    const second = await this.time(key, `${plantedFirst ? fresh : planted}\n${question}`);
+    const first = await (plantedFirst ? planted : fresh)();
+    const second = await (plantedFirst ? fresh : planted)();
     const [p, f] = plantedFirst ? [first, second] : [second, first];
     if (p === null || f === null) return;
     into.planted.push(p);
@@ -175,7 +204,7 @@ class Timer {
   }
 }
 
-async function firstModel(baseUrl: string, key: string | undefined): Promise<string> {
+export async function firstModel(baseUrl: string, key: string | undefined): Promise<string> {
   const res = await fetch(`${baseUrl}/v1/models`, {
     headers: key === undefined ? {} : { authorization: `Bearer ${key}` },
     signal: AbortSignal.timeout(30_000),
@@ -187,10 +216,14 @@ async function firstModel(baseUrl: string, key: string | undefined): Promise<str
   return id;
 }
 
+/** One comparison's line of a report. */
+export function comparisonLine(label: string, c: TimingComparison): string {
+  return `${label}: median ${c.medianPlantedMs.toFixed(1)} ms after the plant vs ${c.medianFreshMs.toFixed(1)} ms fresh (${c.plantedMs.length} pairs), Mann–Whitney one-sided p = ${c.test.p.toPrecision(3)}`;
+}
+
 /** The human-readable report. */
 export function renderTimingReport(r: TimingReport): string {
-  const line = (label: string, c: TimingComparison): string =>
-    `${label}: median ${c.medianPlantedMs.toFixed(1)} ms after the plant vs ${c.medianFreshMs.toFixed(1)} ms fresh (${c.plantedMs.length} pairs), Mann–Whitney one-sided p = ${c.test.p.toPrecision(3)}`;
+  const line = comparisonLine;
   const verdict = {
     leak: `LEAK: tenant B's first token is faster after tenant A planted the prefix (p < ${r.alpha}): another tenant's prompts reach B's timing (a prefix cache shared across tenants)`,
     "no-leak": `no timing leak: tenant B is not measurably faster after A's plant, while A's own repeat is (the prefix cache works and is fenced per tenant)`,

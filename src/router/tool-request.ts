@@ -202,7 +202,8 @@ export function toolConstraint(tools: ToolRequest): OutputConstraint | null {
   const items = chosen.length === 1 ? item(chosen[0]!) : { anyOf: chosen.map(item) };
   const one = typeof choice === "object" || !tools.parallel;
   const schema = { type: "array", items, minItems: 1, ...(one ? { maxItems: 1 } : {}) };
-  return { kind: "json_schema", schema: JSON.stringify(schema), strict: false };
+  // Strict, as vLLM compiles it with xgrammar (strict mode): no properties beyond each schema's.
+  return { kind: "json_schema", schema: JSON.stringify(schema), strict: true };
 }
 
 /**

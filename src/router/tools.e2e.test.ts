@@ -4,8 +4,9 @@
  * tool conversation (tools, an assistant's tool_calls, the tool's result) reaches the model as the
  * template renders it (the prompt's token count is the local rendering's), streamed and not, on
  * chat and /v1/responses; a template without tools is refused for tool_choice auto. A random-weight
- * model does not write calls by itself: the parsing of calls is tested on the models' own text in
- * tool-call-parser.test.ts.
+ * model does not write calls by itself: with `auto`, vLLM's `guided_regex` makes it write the
+ * `<tool_call>` block its template teaches, which the router parses as it streams and the client's
+ * stream helper assembles; the parsers are tested on the models' own text in tool-call-parser.test.ts.
  */
 import assert from "node:assert/strict";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
@@ -120,6 +121,46 @@ describe("tool calling end to end (tiny-qwen2, real engine, openai client)", { t
     assert.equal(final.usage!.prompt_tokens, rendered);
     assert.equal(final.choices[0]!.message.content ?? "", whole.choices[0]!.message.content ?? "");
     assert.deepEqual(final.choices[0]!.message.tool_calls ?? [], whole.choices[0]!.message.tool_calls ?? []);
+  });
+
+  test("tool_choice auto: a streamed <tool_call> block is parsed and assembled by the client, then answered in a second turn", async () => {
+    // A random-weight model writes no call by itself: vLLM's guided_regex makes it write the
+    // Hermes block its template teaches, which the auto parser reads as it streams.
+    const regex =
+      '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "(Paris|Lyon|Oslo)"\\}\\}\\n</tool_call>';
+    const first = await client.chat.completions
+      .stream({
+        model: MODEL,
+        messages: [{ role: "user", content: "Weather in Paris?" }],
+        tools: [WEATHER],
+        max_tokens: 120,
+        temperature: 1,
+        stream_options: { include_usage: true },
+        guided_regex: regex,
+      } as Parameters<typeof client.chat.completions.stream>[0])
+      .finalChatCompletion();
+    const choice = first.choices[0]!;
+    assert.equal(choice.finish_reason, "tool_calls");
+    assert.equal(choice.message.content, null);
+    const call = choice.message.tool_calls![0] as OpenAI.Chat.ChatCompletionMessageFunctionToolCall;
+    assert.equal(call.function.name, "get_weather");
+    assert.match((JSON.parse(call.function.arguments) as { city: string }).city, /^(Paris|Lyon|Oslo)$/);
+    // The second turn: the call and its result go back; the model answers.
+    const second = await client.chat.completions.create({
+      model: MODEL,
+      messages: [
+        { role: "user", content: "Weather in Paris?" },
+        choice.message as OpenAI.Chat.ChatCompletionMessageParam,
+        { role: "tool", tool_call_id: call.id, content: "18 C, sunny" },
+      ],
+      tools: [WEATHER],
+      max_tokens: 4,
+    });
+    assert.ok(second.choices[0]!.message.role === "assistant");
+    assert.ok(
+      second.usage!.prompt_tokens > first.usage!.prompt_tokens,
+      "the call and its result are in the prompt",
+    );
   });
 
   test("/v1/responses takes function tools and function_call / function_call_output items", async () => {

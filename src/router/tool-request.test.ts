@@ -2,8 +2,10 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 import { Ajv } from "ajv";
 import type { KvfenceError } from "../lib/errors.js";
+import { CHATML_TEMPLATE } from "../model/gen-model.js";
+import { ChatTemplate } from "../tokenizer/tokenizer.js";
 import { parseChatRequest } from "./openai-schemas.js";
-import { ToolCallStream } from "./tool-call-parser.js";
+import { detectToolCallFormat, ToolCallStream } from "./tool-call-parser.js";
 import { resolveToolParsing, type ToolRequest, toolConstraint } from "./tool-request.js";
 
 const ADD = {
@@ -187,5 +189,46 @@ test("parseChatRequest() takes the deprecated functions, function_call and funct
         function_call: { name: "sub" },
       }),
     (err: KvfenceError) => err.param === "function_call.name",
+  );
+});
+
+test("CHATML_TEMPLATE renders tools, earlier calls and their results in Qwen2.5's format, plain ChatML without them", () => {
+  const template = new ChatTemplate(CHATML_TEMPLATE, {
+    bosToken: null,
+    eosToken: "<|im_end|>",
+    label: "chatml",
+  });
+  const parsed = parseChatRequest({
+    model: "m",
+    tools: [ADD],
+    messages: [
+      { role: "user", content: "1 + 2?" },
+      {
+        role: "assistant",
+        content: null,
+        tool_calls: [
+          { id: "c1", type: "function", function: { name: "add", arguments: '{"a": 1, "b": 2}' } },
+        ],
+      },
+      { role: "tool", tool_call_id: "c1", content: "3" },
+    ],
+  });
+  const text = template.render(parsed.messages, { tools: parsed.template.tools! });
+  assert.ok(text.startsWith("<|im_start|>system\n# Tools\n"), text);
+  assert.ok(
+    text.includes(`<tools>\n${JSON.stringify(ADD).replaceAll(",", ", ").replaceAll(":", ": ")}\n</tools>`),
+    text,
+  );
+  assert.ok(
+    text.endsWith(
+      '<|im_start|>user\n1 + 2?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>\n' +
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    ),
+    text,
+  );
+  assert.equal(detectToolCallFormat(CHATML_TEMPLATE), "hermes");
+  assert.equal(
+    template.render([{ role: "user", content: "hi" }]),
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
   );
 });

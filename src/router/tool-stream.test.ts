@@ -88,16 +88,21 @@ describe("tool calls through the router (scripted engine, openai client)", () =>
     assert.ok(pieces.filter((p) => p === "args0").length > 1, "arguments in fragments");
   });
 
-  test("the same answer not streamed: message.tool_calls, content, finish_reason tool_calls", async () => {
+  test("the same answer not streamed, each of n=2 choices: message.tool_calls, content, finish_reason tool_calls", async () => {
     const answer = await client.chat.completions.create({
       model: MODEL,
       messages: MESSAGES,
       tools: [WEATHER],
+      n: 2,
     });
-    const choice = answer.choices[0]!;
-    assert.equal(choice.finish_reason, "tool_calls");
-    assert.equal(choice.message.content, "Let me check.\n");
-    assert.deepEqual(calls(choice.message), expected);
+    assert.equal(answer.choices.length, 2);
+    for (const choice of answer.choices) {
+      assert.equal(choice.finish_reason, "tool_calls");
+      assert.equal(choice.message.content, "Let me check.\n");
+      assert.deepEqual(calls(choice.message), expected);
+    }
+    const ids = answer.choices.flatMap((c) => (c.message.tool_calls ?? []).map((t) => t.id));
+    assert.equal(new Set(ids).size, 4, "every call its own id");
   });
 
   test('tool_choice "required" sends the calls\' schema as the constraint and parses the array it makes', async () => {

@@ -95,6 +95,8 @@ export const RULES: Record<string, Rule> = {
       "topology",
       "cluster",
       "engine",
+      "grammar",
+      "tokenizer",
       "model",
       "kvcache",
       "kernels",

@@ -541,6 +541,9 @@ export class Scheduler {
       }
     }
     seq.state = "done";
+    // Its grammar matcher (structured output) lives in xgrammar's wasm memory: freed now.
+    seq.matcher?.dispose();
+    seq.matcher = null;
     this.requests.delete(seq.rid);
   }
 

@@ -40,6 +40,8 @@ describe("grammar engine", () => {
     assert.equal(m.accept(a), false, "a token the grammar forbids is refused");
     assert.equal(m.accept(EOS), true);
     assert.equal(m.terminated, true);
+    m.dispose();
+    m.dispose(); // a second dispose frees nothing twice
   });
 
   it("GrammarEngine.compile() caches per tenant: another tenant's identical schema is its own entry", async () => {

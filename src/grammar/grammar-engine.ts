@@ -166,9 +166,8 @@ export class GrammarEngine {
     const handle = new binding.GrammarMatcher(compiled, stops, false, -1);
     stops?.delete();
     const matcher = new ConstraintMatcher(handle, binding, this.vocabSize);
-    // A sequence ends on many paths (finish, abort, preemption, failure): its matcher's wasm
-    // object is freed when the matcher is collected.
-    released.register(matcher, handle);
+    // Its sequence's end disposes it; one that is dropped without is freed when collected.
+    released.register(matcher, handle, matcher);
     return matcher;
   }
 
@@ -206,6 +205,11 @@ export class ConstraintMatcher {
     return this.#handle.AcceptToken(token, false) as boolean;
   }
 
+  /** Frees its wasm object (once; the matcher is unusable after). */
+  dispose(): void {
+    if (released.unregister(this)) this.#handle.delete();
+  }
+
   /** True once a stop token was accepted. */
   get terminated(): boolean {
     return this.#handle.IsTerminated() as boolean;
@@ -234,10 +238,15 @@ const checkers = new WeakMap<GrammarVocab, Promise<GrammarEngine>>();
  * construct xgrammar refused.
  */
 export async function compileCheck(constraint: OutputConstraint, vocab: GrammarVocab): Promise<void> {
+  (await checkerFor(vocab)).compileUncached(constraint).delete();
+}
+
+/** The grammar engine `compileCheck` uses for `vocab` in this thread (made once: xgrammar loaded, the vocabulary prepared). */
+export function checkerFor(vocab: GrammarVocab): Promise<GrammarEngine> {
   let engine = checkers.get(vocab);
   if (engine === undefined) {
     engine = GrammarEngine.create(vocab, vocab.tokens.length);
     checkers.set(vocab, engine);
   }
-  (await engine).compileUncached(constraint).delete();
+  return engine;
 }

@@ -13,15 +13,18 @@
  * tenant, or `--scheduling-policy fcfs`, a lane is first-come. Each worker prepares one body at a time. A worker that dies fails its body with `internal` and is
  * replaced; nothing else is lost.
  *
- * A body with an output constraint has it compiled by its worker (structured output's check,
- * src/grammar/); compiling can take minutes (a 1 MB JSON schema of optional properties: 230 s)
- * and cannot be interrupted, so a compilation past `GRAMMAR_COMPILE_MS` is refused with
- * `invalid_request` and its worker replaced: no worker, and no engine later, spends longer on one.
+ * A prepared body with an output constraint is not answered yet: its constraint (as JSON) queues
+ * as a "compile" job of the large lane — the first worker, free for small bodies, never compiles —
+ * whose worker compiles it (structured output's check, src/grammar/). Compiling can take minutes (a
+ * 1 MB JSON schema of optional properties: 230 s) and cannot be interrupted, so a compilation past
+ * `GRAMMAR_COMPILE_MS` is refused with `invalid_request` and its worker replaced: no worker, and no
+ * engine later, spends longer on one.
  */
 import { Worker } from "node:worker_threads";
 import type { SchedulingPolicy } from "../fair-share/fair-share.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
+import type { OutputConstraint } from "../protocol/output-constraint.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import {
   answerUtility,
@@ -68,9 +71,12 @@ export interface PrepareWorkerData extends PoolData {
   readonly lane: "small" | "large";
 }
 
+/** A job's kind: a body of an endpoint, or a prepared request's constraint to compile. */
+type JobKind = GenerateEndpointName | UtilityEndpointName | "compile";
+
 export interface ToPrepareWorker {
   readonly id: number;
-  readonly endpoint: GenerateEndpointName | UtilityEndpointName;
+  readonly endpoint: JobKind;
   readonly body: Uint8Array;
 }
 
@@ -93,7 +99,7 @@ const WORKER_URL = new URL("./prepare-worker.js", import.meta.url);
 interface Job {
   readonly id: number;
   readonly tenant: number;
-  readonly endpoint: GenerateEndpointName | UtilityEndpointName;
+  readonly endpoint: JobKind;
   readonly body: Uint8Array;
   readonly large: boolean;
   resolve(result: PreparedRequest | object): void;
@@ -185,11 +191,7 @@ export class PreparePool implements RequestPreparer {
     return this.#run(endpoint, body, tenant) as Promise<object>;
   }
 
-  #run(
-    endpoint: GenerateEndpointName | UtilityEndpointName,
-    body: Uint8Array,
-    tenant: number,
-  ): Promise<PreparedRequest | object> {
+  #run(endpoint: JobKind, body: Uint8Array, tenant: number): Promise<PreparedRequest | object> {
     if (this.#closed)
       return Promise.reject(new KvfenceError("node_unavailable", "The server is shutting down"));
     return new Promise((resolve, reject) => {
@@ -198,13 +200,20 @@ export class PreparePool implements RequestPreparer {
         tenant,
         endpoint,
         body,
-        large: body.byteLength > LARGE_BODY_BYTES,
+        // A constraint compiles in the large lane whatever its size (it may take up to GRAMMAR_COMPILE_MS).
+        large: endpoint === "compile" || body.byteLength > LARGE_BODY_BYTES,
         resolve,
         reject,
       };
       (job.large ? this.#large : this.#small).push(job);
       this.#dispatch();
     });
+  }
+
+  /** A prepared request with a constraint: answered once its constraint compiled (a job of its own). */
+  #compileThen(job: Job, prepared: PreparedRequest, constraint: OutputConstraint): void {
+    const body = new TextEncoder().encode(JSON.stringify(constraint));
+    this.#run("compile", body, job.tenant).then(() => job.resolve(prepared), job.reject);
   }
 
   async close(): Promise<void> {
@@ -289,11 +298,13 @@ export class PreparePool implements RequestPreparer {
     const job = slot.job;
     slot.job = null;
     if (job !== null && job.id === message.id) {
-      if (message.ok)
-        job.resolve(
-          "answer" in message ? message.answer : { parsed: message.parsed, prompts: message.prompts },
-        );
-      else if (message.error !== null) job.reject(KvfenceError.fromWire(message.error));
+      if (message.ok && "answer" in message) job.resolve(message.answer);
+      else if (message.ok) {
+        const prepared = { parsed: message.parsed, prompts: message.prompts };
+        const constraint = message.parsed.constraint;
+        if (constraint === undefined) job.resolve(prepared);
+        else this.#compileThen(job, prepared, constraint);
+      } else if (message.error !== null) job.reject(KvfenceError.fromWire(message.error));
       else {
         this.#onWorkerError(message.detail ?? "unknown");
         job.reject(new KvfenceError("internal", "Internal server error"));

@@ -2,16 +2,20 @@
  * A preparation worker thread (prepare-pool.ts): loads the model folder's tokenizer and chat
  * template (never its weights), then turns each posted request body into its sampling fields and
  * prompt tokens with `prepareRequest`, one at a time, answering with the tokens (transferred) or
- * the refusal as plain error data. A request with an output constraint (structured output) has it
- * compiled here first (`compileCheck`, src/grammar/), so what xgrammar cannot compile is refused
- * with a 400 before anything is allocated, and never on the router's event loop.
+ * the refusal as plain error data. A request's output constraint (structured output) comes back as
+ * a job of its own ("compile", its JSON), which compiles it (`compileCheck`, src/grammar/): what
+ * xgrammar cannot compile is refused with a 400 before anything is allocated, and never on the
+ * router's event loop.
  */
 import { parentPort, workerData } from "node:worker_threads";
-import { CONSTRAINT_NAME, CONSTRAINT_PARAM, compileCheck } from "../grammar/grammar-engine.js";
+import { CONSTRAINT_NAME, CONSTRAINT_PARAM, checkerFor, compileCheck } from "../grammar/grammar-engine.js";
 import { type GrammarVocab, grammarVocab } from "../grammar/grammar-vocab.js";
 import { KvfenceError } from "../lib/errors.js";
 import { lowerThreadPriority } from "../lib/thread-priority.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
+
+const utf8 = new TextDecoder();
+
 import { loadChatTemplate, openTokenizer } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
 import {
@@ -49,16 +53,19 @@ port.on("message", async (job: ToPrepareWorker) => {
       port.postMessage({ id: job.id, ok: true, answer: answerUtility(job.endpoint, job.body, context) });
       return;
     }
-    const { parsed, prompts } = prepareRequest(job.endpoint, job.body, context);
-    // The parsed request's constraint (set by the request parser when the body asks for one).
-    const constraint = (parsed as { readonly constraint?: OutputConstraint }).constraint;
-    if (constraint !== undefined) {
+    if (job.endpoint === "compile") {
+      const constraint = JSON.parse(utf8.decode(job.body)) as OutputConstraint;
       vocab ??= grammarVocab(tokenizer);
+      // This thread's first compilation loads xgrammar first: not the constraint's time.
+      await checkerFor(vocab);
       // The pool times the compilation (xgrammar cannot be interrupted: it replaces a worker that overruns).
       const { kind } = constraint;
       port.postMessage({ id: job.id, compiling: CONSTRAINT_NAME[kind], param: CONSTRAINT_PARAM[kind] });
       await compileCheck(constraint, vocab);
+      port.postMessage({ id: job.id, ok: true, answer: {} });
+      return;
     }
+    const { parsed, prompts } = prepareRequest(job.endpoint, job.body, context);
     reply = { id: job.id, ok: true, parsed, prompts };
     port.postMessage(
       reply,

@@ -24,6 +24,12 @@
  * every decode step checks them as shared pages — the cache's no-hit cost on decode throughput
  * (issue #16: ≤ 1%).
  *
+ * With `--arms grammar` the two engines differ in structured output (issue #34): the same batch
+ * decodes at temperature 1 under a JSON schema (an object of one free string, so no request ends
+ * within the run) versus unconstrained — the grammar's cost per decode step (target ≤ 10%); with
+ * `--arms grammar-idle` both run unconstrained, one with a grammar engine wired and one without
+ * (target 0%). Page tags are on in both.
+ *
  * Run: `node dist/src/tools/bench/tag-check.js [--model DIR | --like smollm2-135m|tiny] [--kernels wasm|ts]
  * [--threads 2] [--pairs 10] [--batch 8] [--prompt 16] [--steps 1] [--json]`, or
  * `kvfence bench tag-check` with the same options. Without `--model`, a random model with the
@@ -35,6 +41,8 @@ import { join } from "node:path";
 import { Command, InvalidArgumentError } from "commander";
 import { Engine } from "../../engine/engine.js";
 import { createForward, type KernelsName } from "../../engine/forward-setup.js";
+import { GrammarEngine } from "../../grammar/grammar-engine.js";
+import { grammarVocab } from "../../grammar/grammar-vocab.js";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, type KvDtype, type KvLayout } from "../../kvcache/kv-layout.js";
 import type { PagePool } from "../../kvcache/page-pool.js";
 import { pairedRatio, quantile, type RatioInterval } from "../../lib/stats.js";
@@ -42,8 +50,10 @@ import { loadModelConfig } from "../../model/config-loader.js";
 import { genModel } from "../../model/gen-model.js";
 import { loadWeights } from "../../model/load-model.js";
 import type { GenerationEvents } from "../../protocol/engine-api.js";
+import type { OutputConstraint } from "../../protocol/output-constraint.js";
 import { makeSafety } from "../../protocol/safety.js";
-import { GREEDY_SAMPLING } from "../../protocol/sampling-params.js";
+import { GREEDY_SAMPLING, type SamplingParams } from "../../protocol/sampling-params.js";
+import { ModelTokenizer } from "../../tokenizer/tokenizer.js";
 import { positiveInteger } from "./bench-cli.js";
 
 export interface TagCheckBenchOptions {
@@ -65,14 +75,24 @@ export interface TagCheckBenchOptions {
   readonly pageSize?: number;
   /** The KV cache element type (`--kv-cache-dtype`, default f16). */
   readonly kvCacheDtype?: KvDtype;
-  /** What the arms differ in: the page-tag check (default) or the prefix cache (tags on in both). */
-  readonly arms?: "tags" | "prefix-cache";
+  /** What the arms differ in: the page-tag check (default), the prefix cache or structured output (tags on). */
+  readonly arms?: ArmsKind;
   /** Progress lines go here. */
   readonly log?: (line: string) => void;
 }
 
+export type ArmsKind = "tags" | "prefix-cache" | "grammar" | "grammar-idle";
+const ARMS_KINDS: readonly string[] = ["tags", "prefix-cache", "grammar", "grammar-idle"];
+
+/** The "on" arm's constraint of `--arms grammar`: a JSON object of one free string. */
+const BENCH_SCHEMA: OutputConstraint = {
+  kind: "json_schema",
+  schema: '{"type":"object","properties":{"text":{"type":"string"}},"required":["text"]}',
+  strict: true,
+};
+
 export interface TagCheckBenchReport {
-  readonly arms: "tags" | "prefix-cache";
+  readonly arms: ArmsKind;
   readonly model: string;
   readonly kernels: KernelsName;
   readonly threads: 1 | 2;
@@ -184,7 +204,7 @@ async function prefilledEngines(
     readonly kernels: KernelsName;
     readonly threads: 1 | 2;
     readonly log: (line: string) => void;
-    readonly arms: "tags" | "prefix-cache";
+    readonly arms: ArmsKind;
   },
   shape: BatchShape,
 ): Promise<{ setup: Awaited<ReturnType<typeof createForward>>; engines: [Engine, Engine] }> {
@@ -211,25 +231,40 @@ async function prefilledEngines(
   });
   log(`kernels ${run.kernels}, ${run.threads} thread${run.threads > 1 ? "s" : ""}`);
   const cacheArms = run.arms === "prefix-cache";
+  const grammarArms = run.arms === "grammar" || run.arms === "grammar-idle";
+  const grammar = grammarArms
+    ? await GrammarEngine.create(grammarVocab(ModelTokenizer.fromFolder(dir)), config.vocabSize)
+    : null;
   const engineOf = (on: boolean, pool: PagePool): Engine =>
     new Engine(setup.forward, pool, {
-      safety: makeSafety({ disabledGuards: on || cacheArms ? [] : ["page-tags"] }),
+      safety: makeSafety({ disabledGuards: on || cacheArms || grammarArms ? [] : ["page-tags"] }),
       prefixCache: cacheArms && on,
       seed: 1,
       maxModelLen: Math.min(config.maxPositionEmbeddings, perRequest + 1),
+      ...(grammar !== null && (on || run.arms === "grammar") ? { grammar: async () => grammar } : {}),
     });
   const engines: [Engine, Engine] = [
     engineOf(true, setup.pools[0] as PagePool),
     engineOf(false, setup.pools[1] as PagePool),
   ];
-  for (const engine of engines) prefill(engine, shape, config.vocabSize);
+  const sampling: SamplingParams = grammarArms
+    ? { ...GREEDY_SAMPLING, temperature: 1, seed: 1 }
+    : GREEDY_SAMPLING;
+  const constrained = run.arms === "grammar" ? { ...sampling, constraint: BENCH_SCHEMA } : sampling;
+  await prefill(engines[0], shape, config.vocabSize, constrained);
+  await prefill(engines[1], shape, config.vocabSize, sampling);
   log(`prefilled ${batch} × ${promptTokens} tokens in both engines`);
   for (const engine of engines) engine.step(); // one untimed decode step each: warm the JIT
   return { setup, engines };
 }
 
-/** Submits the batch and prefills all of it in one step. */
-function prefill(engine: Engine, shape: BatchShape, vocabSize: number): void {
+/** Submits the batch and prefills all of it in one step (after a constrained batch's grammars are bound). */
+async function prefill(
+  engine: Engine,
+  shape: BatchShape,
+  vocabSize: number,
+  sampling: SamplingParams,
+): Promise<void> {
   const { batch, promptTokens } = shape;
   for (let r = 0; r < batch; r++) {
     const prompt = Int32Array.from({ length: promptTokens }, (_, i) => (r * 131 + i * 17 + 3) % vocabSize);
@@ -239,11 +274,12 @@ function prefill(engine: Engine, shape: BatchShape, vocabSize: number): void {
         tenant: 0,
         promptTokens: prompt,
         maxTokens: shape.decodeTokens,
-        sampling: GREEDY_SAMPLING,
+        sampling,
       },
       IGNORE,
     );
   }
+  await new Promise((resolve) => setImmediate(resolve));
   engine.step(); // the whole batch's prefill in one step
   const s = engine.stats();
   if (s.queue.running !== batch || s.counters.completionTokens !== batch) {
@@ -309,14 +345,19 @@ function timeCheckAlone(checked: Engine): { micros: number; pages: number } {
   return { micros: (cpu.user + cpu.system) / reps, pages };
 }
 
+const ARMS_LINE: Readonly<Record<Exclude<ArmsKind, "tags">, string>> = {
+  "prefix-cache":
+    "arms: prefix cache on vs off (page tags on in both; nothing hits, the prompt pages are cached)",
+  grammar: "arms: a JSON schema on vs unconstrained (temperature 1; page tags on in both)",
+  "grammar-idle": "arms: a grammar engine wired vs none, every request unconstrained (page tags on in both)",
+};
+
 export function formatTagCheckReport(r: TagCheckBenchReport): string {
   const pct = (x: number) => `${(x * 100).toFixed(2)}%`;
   const line = (name: string, q: RatioInterval) =>
     `  ratio on/off (${name}): ${q.ratio.toFixed(4)} (95% CI ${q.low.toFixed(4)} – ${q.high.toFixed(4)}); cost ${pct(1 - q.ratio)} (CI ${pct(1 - q.high)} – ${pct(1 - q.low)})`;
   return [
-    ...(r.arms === "prefix-cache"
-      ? ["arms: prefix cache on vs off (page tags on in both; nothing hits, the prompt pages are cached)"]
-      : []),
+    ...(r.arms === "tags" ? [] : [ARMS_LINE[r.arms]]),
     `tag-check bench: ${r.model} on the ${r.kernels} kernels, ${r.threads} thread${r.threads > 1 ? "s" : ""}`,
     `  batch ${r.batch}, prompt ${r.promptTokens} tokens, ${r.stepsPerArm} decode step(s) per arm, ${r.pairs.length} interleaved pairs`,
     `  decode throughput (median, wall): check on ${r.tokensPerSecondOn.toFixed(2)} tok/s, off ${r.tokensPerSecondOff.toFixed(2)} tok/s`,
@@ -343,7 +384,7 @@ export function tagCheckCommand(): Command {
     .option("--kv-cache-dtype <dtype>", "KV cache element type: f32, f16 or bf16", DEFAULT_KV_CACHE_DTYPE)
     .option(
       "--arms <kind>",
-      "tags (the check on vs off) or prefix-cache (the cache on vs off, no hit)",
+      "tags (the check on vs off), prefix-cache (the cache on vs off, no hit), grammar (a JSON schema vs none) or grammar-idle (a grammar engine wired vs none)",
       "tags",
     )
     .option("--json", "print the report as JSON", false)
@@ -366,10 +407,10 @@ export function tagCheckCommand(): Command {
         if (
           (opts.kernels !== "ts" && opts.kernels !== "wasm") ||
           (opts.threads !== "1" && opts.threads !== "2") ||
-          (opts.arms !== "tags" && opts.arms !== "prefix-cache")
+          !ARMS_KINDS.includes(opts.arms)
         ) {
           throw new InvalidArgumentError(
-            `--kernels must be ts or wasm, --threads 1 or 2, --arms tags or prefix-cache: ${opts.kernels}, ${opts.threads}, ${opts.arms}`,
+            `--kernels must be ts or wasm, --threads 1 or 2, --arms tags, prefix-cache, grammar or grammar-idle: ${opts.kernels}, ${opts.threads}, ${opts.arms}`,
           );
         }
         const report = await runTagCheckBench({
@@ -382,7 +423,7 @@ export function tagCheckCommand(): Command {
           promptTokens: opts.prompt,
           steps: opts.steps,
           kvCacheDtype: opts.kvCacheDtype,
-          arms: opts.arms,
+          arms: opts.arms as ArmsKind,
           log: (line) => process.stderr.write(`${line}\n`),
         });
         process.stdout.write(

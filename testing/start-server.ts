@@ -62,6 +62,9 @@ export interface TestServerOptions {
   /** `--prefix-cache` (default on) and `--prefix-cache-scope` (default tenant). */
   readonly prefixCache?: "on" | "off";
   readonly prefixCacheScope?: "tenant" | "key";
+  /** `--chat-template FILE` and `--tool-call-parser`. */
+  readonly chatTemplate?: string;
+  readonly toolCallParser?: string;
 }
 
 export interface TestServer extends RunningServer {
@@ -102,6 +105,8 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(options.metricsTenantNames === true ? { metricsTenantNames: true } : {}),
     ...(options.prefixCache === undefined ? {} : { prefixCache: options.prefixCache }),
     ...(options.prefixCacheScope === undefined ? {} : { prefixCacheScope: options.prefixCacheScope }),
+    ...(options.chatTemplate === undefined ? {} : { chatTemplate: options.chatTemplate }),
+    ...(options.toolCallParser === undefined ? {} : { toolCallParser: options.toolCallParser }),
   });
   try {
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });

@@ -33,6 +33,8 @@ const FORWARDED: ReadonlyArray<[flag: string, value: string]> = [
   ["--queue-timeout", "5"],
   ["--scheduling-policy", "fcfs"],
   ["--ready-timeout", "0.25"],
+  ["--chat-template", "tools.jinja"],
+  ["--tool-call-parser", "llama3_json"],
 ];
 
 test("kvfence cluster forwards the limits, the tokenizer pool and the fair-share flags to its router", () => {

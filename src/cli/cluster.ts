@@ -5,7 +5,8 @@
  * cluster link), `--https-cert/--https-key` (docs/tls.md), the operator endpoints' flags
  * (`--operator-key`, `--metrics-port`, `--metrics-tenant-names`; docs/api.md), the request limits
  * and the tokenizer pool (`--max-body-bytes`, `--max-prompt-bytes`, `--max-response-bytes`,
- * `--max-messages`, `--max-json-depth`, `--tokenizer-threads`), and the fair-share and readiness flags
+ * `--max-messages`, `--max-json-depth`, `--tokenizer-threads`), the chat template and tool-call parser
+ * (`--chat-template`, `--tool-call-parser`), and the fair-share and readiness flags
  * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--scheduling-policy`, `--ready-timeout`) to
  * the router; the
  * model and pool flags (`--quantize`, `--kv-cache-dtype`, `--kv-pages`, `--kernels`, ...) to every
@@ -62,6 +63,8 @@ export function command(): Command {
       "router: requests whose answer could be larger get 400 before any work (default 1KiB per token of the context, at least 64MiB)",
     )
     .option("--max-messages <n>", "router: chat requests with more messages get 400 (default 2048)")
+    .option("--chat-template <file>", "router: a Jinja chat template file in place of the model folder's")
+    .option("--tool-call-parser <format>", "router: tool-call format (hermes, llama3_json, mistral)")
     .option("--max-json-depth <n>", "router: bodies nesting deeper get 400 before parsing (default 64)")
     .option("--tokenizer-threads <n>", "router: worker threads that parse, template and tokenize (default 2)")
     .option(
@@ -126,6 +129,8 @@ export function routerArgsOf(raw: RawOptions): string[] {
     ["--max-prompt-bytes", "maxPromptBytes"],
     ["--max-response-bytes", "maxResponseBytes"],
     ["--max-messages", "maxMessages"],
+    ["--chat-template", "chatTemplate"],
+    ["--tool-call-parser", "toolCallParser"],
     ["--max-json-depth", "maxJsonDepth"],
     ["--tokenizer-threads", "tokenizerThreads"],
     ["--tenant-max-concurrency", "tenantMaxConcurrency"],

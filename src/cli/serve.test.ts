@@ -270,12 +270,16 @@ test("startNode() and startServer(--role router) refuse a weak cluster secret be
   }
 });
 
-test("kvfence serve MODEL with vLLM's serving flags: names, keys, seed, generation config, chat template", {
+test("kvfence serve MODEL with vLLM's serving flags: names, keys, seed, generation config, chat template, tool-call parser", {
   timeout: 60_000,
 }, async () => {
   const dir = mkdtempSync(join(tmpdir(), "kvfence-serve-flags-"));
   const template = join(dir, "template.jinja");
-  writeFileSync(template, "{% for m in messages %}[{{ m.content }}]{% endfor %}");
+  // It renders tools but names no tool-call format: --tool-call-parser names it.
+  writeFileSync(
+    template,
+    "{% for m in messages %}[{{ m.content }}]{% endfor %}{% if tools %}{{ tools | length }}{% endif %}",
+  );
   const child = spawn(
     process.execPath,
     [
@@ -304,6 +308,8 @@ test("kvfence serve MODEL with vLLM's serving flags: names, keys, seed, generati
       "vllm",
       "--chat-template",
       template,
+      "--tool-call-parser",
+      "llama3_json",
     ],
     { stdio: "pipe", env: { ...process.env, KVFENCE_LOG_LEVEL: "warn" } },
   );
@@ -350,6 +356,17 @@ test("kvfence serve MODEL with vLLM's serving flags: names, keys, seed, generati
     ).json()) as { model: string; choices: unknown[] };
     assert.equal(answer.model, "tiny");
     assert.equal(answer.choices.length, 1);
+    const tool = {
+      type: "function",
+      function: { name: "f", parameters: { type: "object", properties: {} } },
+    };
+    const withTools = await post("/v1/chat/completions", {
+      model: "tiny",
+      messages: [{ role: "user", content: "hi" }],
+      tools: [tool],
+      max_tokens: 2,
+    });
+    assert.equal(withTools.status, 200, await withTools.clone().text());
   } finally {
     if (child.exitCode === null) child.kill("SIGKILL");
     rmSync(dir, { recursive: true, force: true });

@@ -120,6 +120,10 @@ export function command(): Command {
 function routerOptions(cmd: Command): Command {
   return cmd
     .option(
+      "--tool-call-parser <format>",
+      "how tool calls are read from the output: hermes, llama3_json or mistral (default: the chat template's)",
+    )
+    .option(
       "--max-body-bytes <size>",
       "request bodies over this get 413, before they are read (default 2 x --max-prompt-bytes + 1MiB)",
     )

@@ -100,10 +100,37 @@ export const FIRST_SPECIAL_ID = 256;
 /** Number of ids before the filler tokens: the 256 byte tokens and the specials. */
 export const BYTE_TOKENIZER_BASE = 256 + SPECIAL_TOKENS.length;
 
-/** ChatML, as used by SmolLM2-Instruct and kvfence-tiny. */
+/**
+ * ChatML, as used by SmolLM2-Instruct and kvfence-tiny, with tools in Qwen2.5's prompt format
+ * (issue #34): the `tools` variable listed in the system turn inside `<tools></tools>`, earlier
+ * calls as `<tool_call>{"name": …, "arguments": …}</tool_call>` blocks (arguments a mapping or a
+ * string), tool results as `<tool_response>` blocks of one user turn. Without tools it renders
+ * exactly as plain ChatML; the `<tool_call>` marker names the `hermes` parser (tool-call-parser.ts).
+ */
 export const CHATML_TEMPLATE =
-  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}" +
-  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+  "{%- if tools %}{{- '<|im_start|>system\\n' }}" +
+  "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}" +
+  "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}" +
+  "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}" +
+  '{{- \'\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}' +
+  "{%- endif %}" +
+  "{%- for message in messages %}" +
+  "{%- if tools and loop.first and message['role'] == 'system' %}" +
+  "{%- elif message['role'] == 'assistant' and message.tool_calls %}" +
+  "{{- '<|im_start|>assistant\\n' + message['content'] }}" +
+  "{%- for call in message.tool_calls %}" +
+  "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}" +
+  '{{- \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' }}' +
+  "{%- if call.function.arguments is string %}{{- call.function.arguments }}{%- else %}{{- call.function.arguments | tojson }}{%- endif %}" +
+  "{{- '}\\n</tool_call>' }}" +
+  "{%- endfor %}{{- '<|im_end|>\\n' }}" +
+  "{%- elif message['role'] == 'tool' %}" +
+  "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}" +
+  "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}" +
+  "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}" +
+  "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}" +
+  "{%- endif %}{%- endfor %}" +
+  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 
 /** config.json of a Llama model with `shape`. */
 export function llamaConfigJson(shape: ModelShape): Record<string, unknown> {

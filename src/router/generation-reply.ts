@@ -33,6 +33,7 @@ import type { TokenPiece } from "./logprobs-wire.js";
 import { completionId, type ResponseMeta, type ResponseStrategy, usageWire } from "./openai-responses.js";
 import type { ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
 import type { SseFraming } from "./sse.js";
+import { ToolCallStream, type ToolStreamDelta } from "./tool-call-parser.js";
 
 /** What a reply needs of the tokenizer. */
 export interface ReplyTokenizer {
@@ -84,6 +85,8 @@ interface Choice extends PlannedChoice {
   readonly prompt: PromptLogprobs;
   readonly logprobs: ChoiceLogprobs;
   text: string;
+  /** Reads tool calls out of its text (the request's tools are parsed); else null. */
+  readonly tools: ToolCallStream | null;
   /** Its stream opened (its opening payloads are queued). */
   opened: boolean;
   result: ChoiceResult | null;
@@ -131,12 +134,14 @@ export class GenerationReply {
     // Each prompt's log-probabilities are rendered once, for all its choices (choice-logprobs.ts).
     const piece = (id: number) => tokenizer.tokenPiece(id);
     const logprobs = choicesLogprobs(planned, { parsed, piece, responses });
+    const parsing = parsed.tools?.parsing ?? null;
     this.#choices = planned.map(({ request, echo, firstOfPrompt }, index) => ({
       request,
       echo,
       firstOfPrompt,
       index,
       text: "",
+      tools: parsing === null ? null : new ToolCallStream(parsing.format, { maxCalls: parsing.maxCalls }),
       opened: false,
       ...logprobs[index]!,
       result: null,
@@ -210,13 +215,18 @@ export class GenerationReply {
       // Sample 0 of a prompt computes its log-probabilities; every choice of that prompt shows them.
       promptLogprobs: (entries) => choice.prompt.set(entries),
       text: (delta) => {
+        if (choice.tools !== null) {
+          this.#toolText(choice, choice.tools.push(delta));
+          return;
+        }
         choice.text += delta;
         if (!stream) return;
         this.#send(choice, this.#responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
         this.#wake();
       },
-      finish: (reason, usage, stopReason) => {
+      finish: (engineReason, usage, stopReason) => {
         if (this.#ended) return;
+        const reason = choice.tools === null ? engineReason : this.#endTools(choice, engineReason);
         choice.result = { reason, usage, stopReason };
         if (stream) {
           const logprobs = choice.logprobs.take();
@@ -249,6 +259,30 @@ export class GenerationReply {
         this.#wake();
       },
     };
+  }
+
+  /** The content and tool-call pieces of a choice with tools: kept, and streamed when streaming. */
+  #toolText(choice: Choice, delta: ToolStreamDelta): void {
+    choice.text += delta.content;
+    if (!this.#parsed.stream) return;
+    const { meta, includeUsage } = { meta: this.#meta, includeUsage: this.#parsed.includeUsage };
+    if (delta.content !== "")
+      this.#send(choice, this.#responses.delta(meta, delta.content, includeUsage, choice.logprobs.take()));
+    const calls = choice.tools!.calls;
+    for (const piece of delta.calls)
+      for (const chunk of this.#responses.toolCall?.(meta, piece, calls, includeUsage) ?? [])
+        this.#send(choice, chunk);
+    if (delta.content !== "" || delta.calls.length > 0) this.#wake();
+  }
+
+  /** A choice with tools ended: the text held back goes out; `tool_calls` when it stopped on calls. */
+  #endTools(choice: Choice, reason: FinishReason): FinishReason {
+    const tools = choice.tools!;
+    this.#toolText(choice, tools.end());
+    if (this.#parsed.stream && tools.calls.length > 0)
+      for (const chunk of this.#responses.toolCallsDone?.(tools.calls) ?? []) this.#send(choice, chunk);
+    if (reason !== "stop" || tools.calls.length === 0) return reason;
+    return this.#parsed.tools?.legacy === true ? "function_call" : "tool_calls";
   }
 
   /** Makes the stream's headers due and queues, once per choice, its opening payloads (and echo's prompt). */
@@ -309,6 +343,7 @@ function responseMeta(
     created: Math.floor(Date.now() / 1000),
     model,
     sampling: { temperature: first.sampling.temperature, topP: first.sampling.topP },
+    ...(parsed.tools?.legacy === true ? { legacyFunctions: true } : {}),
     ...(echo === undefined ? {} : { responses: echo }),
   };
 }
@@ -347,7 +382,7 @@ function wholeAnswer(
         c.result!.reason,
         usage,
         c.result!.stopReason,
-        c.logprobs.all(),
+        c.tools === null ? c.logprobs.all() : { ...c.logprobs.all(), toolCalls: c.tools.calls },
       ),
     ),
   );

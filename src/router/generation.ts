@@ -25,7 +25,11 @@ export interface Usage {
   readonly cachedTokens?: number;
 }
 
-export type FinishReason = "stop" | "length";
+/**
+ * `tool_calls` (`function_call` for the deprecated `functions`): a `stop` whose output held tool
+ * calls (set by the reply, never by the engine).
+ */
+export type FinishReason = "stop" | "length" | "tool_calls" | "function_call";
 
 /** What ended a `stop` finish other than EOS: the stop string or the stop token id; else null. */
 export type StopReason = string | number | null;

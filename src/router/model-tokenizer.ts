@@ -10,6 +10,8 @@ import type { TokenPiece } from "./logprobs-wire.js";
 import type { ChatMessage, ChatTemplateOptions } from "./openai-schemas.js";
 import { type TokenBounds, tokenBounds } from "./response-size.js";
 import type { RouterTokenizer } from "./router-server.js";
+import type { ToolCallFormat } from "./tool-call-parser.js";
+import { templateToolSupport } from "./tool-request.js";
 
 /** Token pieces kept once made (log-probabilities name the same tokens over and over). */
 const MAX_CACHED_PIECES = 1 << 16;
@@ -17,12 +19,15 @@ const MAX_CACHED_PIECES = 1 << 16;
 export function routerTokenizer(
   tokenizer: ModelTokenizer,
   chatTemplate: ChatTemplate | null,
+  /** `--tool-call-parser`: the format of tool calls in the output, in place of the template's. */
+  toolCallParser?: ToolCallFormat,
 ): RouterTokenizer {
   const vocabSize = tokenizer.numIds;
   const pieces = new Map<number, TokenPiece>();
   let bounds: TokenBounds | null = null;
   return {
     vocabSize,
+    toolSupport: templateToolSupport(chatTemplate?.source ?? null, toolCallParser),
     // Walks the vocabulary once, when first read (the router reads it at startup), past the piece cache.
     get tokenBounds(): TokenBounds {
       bounds ??= tokenBounds(vocabSize, (id) => tokenizer.tokenPiece(id));

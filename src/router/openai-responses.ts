@@ -13,11 +13,21 @@ import type { FinishReason, StopReason, Usage } from "./generation.js";
 import { chatLogprobs, type LogprobItem, type PieceOf, textLogprobs } from "./logprobs-wire.js";
 import type { ResponsesEcho } from "./openai-schemas.js";
 import type { SseFraming } from "./sse.js";
+import type { ParsedToolCall, ToolCallDelta } from "./tool-call-parser.js";
+import {
+  chatToolCallDelta,
+  chatToolCalls,
+  functionCallEvents,
+  functionCallItem,
+  functionCallsDone,
+} from "./tool-call-wire.js";
 
 /** What a choice carries besides its text: log-probabilities in the endpoint's shape, vLLM's prompt_logprobs. */
 export interface ChoiceExtras {
   readonly logprobs?: object | null;
   readonly promptLogprobs?: unknown;
+  /** The tool calls parsed from the text (tool-call-parser.ts); absent: the request has no tool parsing. */
+  readonly toolCalls?: readonly ParsedToolCall[];
 }
 
 /** An OpenAI error envelope (src/lib/errors.ts, `toOpenAiError`). */
@@ -66,6 +76,8 @@ export interface ResponseMeta {
   readonly sampling?: { readonly temperature: number; readonly topP: number };
   /** A Responses request's fields its answer repeats. */
   readonly responses?: ResponsesEcho;
+  /** The request used OpenAI's deprecated `functions`: calls answer as `function_call`. */
+  readonly legacyFunctions?: boolean;
 }
 
 export function chatCompletion(
@@ -85,7 +97,7 @@ export function chatCompletion(
     choices: [
       {
         index: 0,
-        message: { role: "assistant" as const, content, refusal: null },
+        message: chatMessage(content, extras.toolCalls, meta.legacyFunctions === true),
         logprobs: extras.logprobs ?? null,
         finish_reason: finish,
         stop_reason: stopReason,
@@ -93,6 +105,21 @@ export function chatCompletion(
       },
     ],
     usage: usageWire(usage),
+  };
+}
+
+/** A chat answer's message: its calls, if any (content null when they are all it says). */
+function chatMessage(content: string, calls: readonly ParsedToolCall[] | undefined, legacy: boolean) {
+  if (calls === undefined || calls.length === 0)
+    return { role: "assistant" as const, content, refusal: null };
+  const call = calls[0]!;
+  return {
+    role: "assistant" as const,
+    content: content === "" ? null : content,
+    refusal: null,
+    ...(legacy
+      ? { function_call: { name: call.name, arguments: call.arguments } }
+      : { tool_calls: chatToolCalls(calls) }),
   };
 }
 
@@ -124,7 +151,12 @@ export function textCompletion(
   };
 }
 
-type ChatDelta = { role?: "assistant"; content?: string };
+type ChatDelta = {
+  role?: "assistant";
+  content?: string;
+  tool_calls?: Record<string, unknown>[];
+  function_call?: { name?: string; arguments: string };
+};
 
 /** A `chat.completion.chunk`; `usage: null` is present on every chunk when usage was requested. */
 export function chatChunk(
@@ -221,6 +253,15 @@ export interface ResponseStrategy {
     usage: Usage,
     whole: () => object,
   ): Record<string, unknown>[];
+  /** The payloads of one piece of a tool call (`calls`: every call so far); absent: no tools on this endpoint. */
+  toolCall?(
+    meta: ResponseMeta,
+    delta: ToolCallDelta,
+    calls: readonly ParsedToolCall[],
+    includeUsage: boolean,
+  ): Record<string, unknown>[];
+  /** The payloads that close the calls, before the choice's finish payloads. */
+  toolCallsDone?(calls: readonly ParsedToolCall[]): Record<string, unknown>[];
   /** The payload of an error after the stream's headers went out. */
   streamError(body: OpenAiErrorBody): Record<string, unknown>;
   /** The whole non-streamed answer. */
@@ -234,6 +275,15 @@ export interface ResponseStrategy {
   ): object;
   /** Log-probabilities of `items` in this endpoint's shape; `offset`: the text before them (completions). */
   logprobs(items: readonly LogprobItem[], piece: PieceOf, offset: { value: number }): object;
+}
+
+/** A chat chunk's delta of one call's piece: `tool_calls`, or the deprecated `function_call`. */
+function chatCallDelta(meta: ResponseMeta, delta: ToolCallDelta): ChatDelta {
+  if (meta.legacyFunctions !== true) return { tool_calls: [chatToolCallDelta(delta)] };
+  return {
+    function_call:
+      delta.name === undefined ? { arguments: delta.arguments } : { name: delta.name, arguments: "" },
+  };
 }
 
 /** The usage-only chunk when `stream_options.include_usage` asks for it. */
@@ -250,6 +300,9 @@ export const CHAT_RESPONSES: ResponseStrategy = {
     chatChunk(meta, { content: text }, null, includeUsage, undefined, logprobs ?? null),
   finish: (meta, reason, includeUsage, stopReason, logprobs) => [
     chatChunk(meta, {}, reason, includeUsage, stopReason, logprobs ?? null),
+  ],
+  toolCall: (meta, delta, _calls, includeUsage) => [
+    chatChunk(meta, chatCallDelta(meta, delta), null, includeUsage),
   ],
   closing: usageClosing("chat.completion.chunk"),
   streamError: (body) => ({ ...body }),
@@ -310,12 +363,7 @@ function outputText(text: string) {
  * settings it repeats, and the usage once finished. A response cut by `max_output_tokens` (or the
  * context) is `incomplete`, with `incomplete_details.reason` `max_output_tokens`, as OpenAI's.
  */
-function responseObject(
-  meta: ResponseMeta,
-  status: ResponseStatus,
-  output: ReturnType<typeof messageItem>[],
-  usage: Usage | null,
-) {
+function responseObject(meta: ResponseMeta, status: ResponseStatus, output: object[], usage: Usage | null) {
   const echo = meta.responses;
   return {
     id: meta.id,
@@ -331,15 +379,15 @@ function responseObject(
     metadata: echo?.metadata ?? {},
     model: meta.model,
     output,
-    parallel_tool_calls: false,
+    parallel_tool_calls: echo?.tools?.parallel ?? false,
     previous_response_id: null,
     reasoning: { effort: null, summary: null },
     service_tier: "default" as const,
     store: false,
     temperature: meta.sampling?.temperature ?? null,
     text: { format: { type: "text" as const } },
-    tool_choice: "none" as const,
-    tools: [],
+    tool_choice: echo?.tools?.choice ?? "none",
+    tools: echo?.tools?.tools ?? [],
     top_logprobs: 0,
     top_p: meta.sampling?.topP ?? null,
     truncation: "disabled" as const,
@@ -397,6 +445,8 @@ export const RESPONSES_API: ResponseStrategy = {
       { type: response.status === "incomplete" ? "response.incomplete" : "response.completed", response },
     ];
   },
+  toolCall: (_meta, delta, calls) => functionCallEvents(delta, calls),
+  toolCallsDone: functionCallsDone,
   // OpenAI's error event of a stream.
   streamError: ({ error }) => ({
     type: "error",
@@ -404,9 +454,10 @@ export const RESPONSES_API: ResponseStrategy = {
     message: error.message,
     param: error.param,
   }),
-  completion: (meta, text, reason, usage) => {
+  completion: (meta, text, reason, usage, _stopReason, extras) => {
     const status = finishedStatus(reason);
-    return responseObject(meta, status, [messageItem(meta, status, text)], usage);
+    const calls = (extras?.toolCalls ?? []).map((call) => functionCallItem(call, "completed"));
+    return responseObject(meta, status, [messageItem(meta, status, text), ...calls], usage);
   },
   logprobs: () => ({}),
 };

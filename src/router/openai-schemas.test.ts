@@ -74,11 +74,20 @@ test("parseCompletionRequest() takes prompt lists and echo; prompts × n is boun
 test("fields that would change the answer and are not implemented are refused, naming the field", () => {
   const tool = { type: "function", function: { name: "f", parameters: {} } };
   const cases: [object, string, RegExp][] = [
-    [{ tools: [tool] }, "tools", /function calling\) are not supported/],
-    [{ tools: [tool], tool_choice: "none" }, "tools", /not supported/],
-    [{ functions: [{ name: "f" }] }, "functions", /not supported/],
-    [{ tool_choice: "auto" }, "tool_choice", /leave it unset or "none"/],
-    [{ function_call: { name: "f" } }, "function_call", /not supported/],
+    // Tools and OpenAI's deprecated functions are served (tool-request.test.ts), not both at once.
+    [{ tools: [tool], functions: [{ name: "f" }] }, "functions", /not both/],
+    [{ tool_choice: "required" }, "tool_choice", /tool_choice needs tools/],
+    [
+      { tools: [tool], tool_choice: { type: "function", function: { name: "g" } } },
+      "tool_choice.function.name",
+      /not in tools: g/,
+    ],
+    [{ function_call: { name: "f" } }, "function_call", /there are no functions/],
+    [
+      { tools: [tool], tool_choice: "required", response_format: { type: "json_object" } },
+      "tool_choice",
+      /cannot be combined with a structured output format/,
+    ],
     [
       { response_format: { type: "structural_tag" } },
       "response_format.type",

@@ -16,6 +16,25 @@ import type { LogitControls } from "../lib/logit-controls.js";
 import { MAX_TOP_LOGPROBS } from "../lib/token-logprobs.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 import { requestConstraint, responsesConstraint } from "./output-constraint-fields.js";
+import {
+  chatTool,
+  chatToolChoice,
+  functionCallItem,
+  functionCallOutputItem,
+  legacyFunctionCall,
+  legacyFunctions,
+  legacyMessage,
+  legacyMessageCall,
+  legacyToolRequest,
+  messageToolCall,
+  responsesTool,
+  responsesToolChoice,
+  responsesToolFields,
+  type ToolRequest,
+  templateToolCalls,
+  toolRequest,
+  withToolConstraint,
+} from "./tool-request.js";
 
 const textPart = z.object({ type: z.literal("text"), text: z.string() });
 
@@ -25,9 +44,15 @@ const messageContent = z.union([z.string(), z.array(textPart)], {
 });
 
 const chatMessage = z.object({
-  role: z.enum(["system", "developer", "user", "assistant", "tool"]),
+  role: z.enum(["system", "developer", "user", "assistant", "tool", "function"]),
   content: messageContent.nullable().optional(),
   name: z.string().optional(),
+  /** An assistant's calls (tool-request.ts); its content may then be null. */
+  tool_calls: z.array(messageToolCall).nullable().optional(),
+  /** A tool message's answer to this call. */
+  tool_call_id: z.string().optional(),
+  /** An assistant's call in OpenAI's deprecated shape. */
+  function_call: legacyMessageCall.nullable().optional(),
 });
 
 /**
@@ -107,10 +132,11 @@ export const chatCompletionRequestSchema = z.object({
   max_completion_tokens: maxTokens,
   logprobs: z.boolean().nullable().optional(),
   top_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
-  tools: z.array(z.unknown()).nullable().optional(),
-  tool_choice: z.unknown().optional(),
-  functions: z.array(z.unknown()).nullable().optional(),
-  function_call: z.unknown().optional(),
+  tools: z.array(chatTool).nullable().optional(),
+  tool_choice: chatToolChoice.nullable().optional(),
+  parallel_tool_calls: z.boolean().nullable().optional(),
+  functions: legacyFunctions.nullable().optional(),
+  function_call: legacyFunctionCall.nullable().optional(),
   // vLLM's chat template controls.
   add_generation_prompt: z.boolean().nullable().optional(),
   continue_final_message: z.boolean().nullable().optional(),
@@ -149,7 +175,7 @@ const responsesMessage = z.object({
   type: z
     .literal("message", {
       error:
-        'only message items are supported ({"role": …, "content": …}): no function calls, tool outputs, reasoning or item references',
+        'expected a message item ({"role": …, "content": …}), a function_call or a function_call_output: no reasoning items or item references',
     })
     .optional(),
   role: z.enum(["user", "assistant", "system", "developer"]),
@@ -183,8 +209,9 @@ export const responsesRequestSchema = z.object({
     })
     .nullable()
     .optional(),
-  tools: z.array(z.unknown()).nullable().optional(),
-  tool_choice: z.unknown().optional(),
+  tools: z.array(responsesTool).nullable().optional(),
+  tool_choice: responsesToolChoice.nullable().optional(),
+  parallel_tool_calls: z.boolean().nullable().optional(),
   top_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
 });
 
@@ -196,6 +223,10 @@ export type ResponsesRequest = z.infer<typeof responsesRequestSchema>;
 export interface ChatMessage {
   readonly role: string;
   readonly content: string;
+  /** An assistant's calls, their arguments a mapping when JSON (tool-request.ts `templateToolCalls`). */
+  readonly tool_calls?: readonly object[];
+  readonly tool_call_id?: string;
+  readonly name?: string;
 }
 
 /** What the router needs from either endpoint once it is validated. */
@@ -239,6 +270,8 @@ export interface SamplingRequest {
   readonly echoPrompts: readonly string[] | null;
   /** The client's `cache_salt`, or null. */
   readonly cacheSalt: string | null;
+  /** Chat's tools (tool-request.ts); absent or null: none. */
+  readonly tools?: ToolRequest | null;
   /** What the output must match (structured output), absent when nothing constrains it. */
   readonly constraint?: OutputConstraint | undefined;
   /** The request field `constraint` came from (what a refusal to compile it names). */
@@ -257,6 +290,8 @@ export interface ChatTemplateOptions {
   readonly kwargs: Readonly<Record<string, unknown>>;
   /** Add the tokenizer's special tokens (BOS) on top of the template's (vLLM's, default false). */
   readonly addSpecialTokens: boolean;
+  /** The template's `tools` variable (OpenAI's chat tool objects); absent: none. */
+  readonly tools?: readonly object[];
 }
 
 export interface ParsedCompletionRequest extends SamplingRequest {
@@ -391,7 +426,6 @@ export const NEUTRAL: Readonly<Record<string, string>> = {
   service_tier: "OpenAI's billing tier",
   safety_identifier: "OpenAI's abuse-monitoring id",
   prompt_cache_key: "OpenAI's cache routing hint",
-  parallel_tool_calls: "no tools are served",
   include_reasoning: "no reasoning parser: the text is the whole answer",
   separate_reasoning: "no reasoning parser: the text is the whole answer",
   stream_reasoning: "no reasoning parser: the text is the whole answer",
@@ -497,20 +531,9 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
   commonChecks(req, body as object);
   if (req.top_logprobs != null && req.top_logprobs > 0 && req.logprobs !== true)
     refuse("top_logprobs", "top_logprobs needs logprobs: set logprobs to true, or leave top_logprobs unset");
-  // The chat templates here do not render tool definitions and nothing parses a tool call out of
-  // the answer, so tools would be dropped without a word: refused, even with tool_choice "none".
-  if ((req.tools?.length ?? 0) > 0 || (req.functions?.length ?? 0) > 0) {
-    refuse(
-      req.tools?.length ? "tools" : "functions",
-      "tools (function calling) are not supported: leave tools and functions unset",
-    );
-  }
-  if (req.tool_choice != null && req.tool_choice !== "none") {
-    refuse("tool_choice", 'tool_choice is not supported: leave it unset or "none"');
-  }
-  if (req.function_call != null && req.function_call !== "none") {
-    refuse("function_call", 'function_call is not supported: leave it unset or "none"');
-  }
+  const tools =
+    legacyToolRequest(req.functions, req.function_call, (req.tools?.length ?? 0) > 0) ??
+    toolRequest(req.tools, req.tool_choice, req.parallel_tool_calls);
   if (
     req.max_tokens != null &&
     req.max_completion_tokens != null &&
@@ -521,15 +544,20 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
       `max_tokens and max_completion_tokens disagree: ${req.max_tokens} vs ${req.max_completion_tokens}; send only one`,
     );
   }
-  const messages = req.messages.map((m) => ({
-    role: m.role === "developer" ? "system" : m.role,
-    content:
-      m.content == null
-        ? ""
-        : typeof m.content === "string"
-          ? m.content
-          : m.content.map((p) => p.text).join(""),
-  }));
+  const messages = req.messages.map(legacyMessage).map(
+    (m): ChatMessage => ({
+      role: m.role === "developer" ? "system" : m.role,
+      content:
+        m.content == null
+          ? ""
+          : typeof m.content === "string"
+            ? m.content
+            : m.content.map((p) => p.text).join(""),
+      ...(m.tool_calls == null ? {} : { tool_calls: templateToolCalls(m.tool_calls) }),
+      ...(m.tool_call_id === undefined ? {} : { tool_call_id: m.tool_call_id }),
+      ...(m.name === undefined ? {} : { name: m.name }),
+    }),
+  );
   // vLLM's chat echo (the reply prefixed with the last message of its role) is not served.
   const echo = (body as { echo?: unknown }).echo;
   if (echo != null && echo !== false)
@@ -541,16 +569,20 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
       "continue_final_message and add_generation_prompt cannot both be true (as in vLLM): set add_generation_prompt to false",
     );
   }
+  // tool_choice required or a named function: the calls' JSON array (tool-request.ts).
+  const constrained = withToolConstraint(requestConstraint(body as Record<string, unknown>), tools);
   return {
     ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null),
-    ...requestConstraint(body as Record<string, unknown>),
+    ...constrained,
     logprobs: req.logprobs === true ? (req.top_logprobs ?? 0) : null,
     messages,
+    tools,
     template: {
       addGenerationPrompt: req.add_generation_prompt !== false,
       continueFinalMessage,
       kwargs: req.chat_template_kwargs ?? {},
       addSpecialTokens: req.add_special_tokens === true,
+      ...(tools === null ? {} : { tools: tools.tools }),
     },
   };
 }
@@ -599,6 +631,12 @@ export interface ResponsesEcho {
   readonly user: string | null;
   /** Every streamed delta carries an `obfuscation` field (OpenAI's default; `stream_options.include_obfuscation: false` turns it off). */
   readonly obfuscate: boolean;
+  /** The function tools, tool_choice and parallel_tool_calls in effect (absent: no tools). */
+  readonly tools?: {
+    readonly tools: readonly object[];
+    readonly choice: unknown;
+    readonly parallel: boolean;
+  };
 }
 
 export interface ParsedResponsesRequest extends ParsedChatRequest {
@@ -619,7 +657,6 @@ export const RESPONSES_NEUTRAL: Readonly<Record<string, string>> = {
   prompt_cache_key: NEUTRAL.prompt_cache_key!,
   prompt_cache_retention: "OpenAI's cache lifetime hint",
   prompt_cache_options: "OpenAI's cache breakpoints and lifetime",
-  parallel_tool_calls: NEUTRAL.parallel_tool_calls!,
 };
 
 /**
@@ -651,15 +688,43 @@ const RESPONSES_REFUSED: Readonly<Record<string, { neutral: (v: unknown) => bool
   moderation: { neutral: unset, fix: "moderation is not run here: leave it unset" },
 };
 
-/** The message items of a Responses `input`, each validated; an error names `input[i].…`. */
-function inputItems(items: readonly unknown[]): z.infer<typeof responsesMessage>[] {
-  return items.map((item, i) => {
-    const result = responsesMessage.safeParse(item);
-    if (result.success) return result.data;
-    const issue = result.error.issues[0]!;
-    const param = pathOf(["input", i, ...issue.path]);
-    throw new KvfenceError("invalid_request", `Invalid request: ${param}: ${issue.message}`, { param });
+/** One item of a Responses `input`, validated with `schema`; an error names `input[i].…`. */
+function inputItem<T>(schema: z.ZodType<T>, item: unknown, i: number): T {
+  const result = schema.safeParse(item);
+  if (result.success) return result.data;
+  const issue = result.error.issues[0]!;
+  const param = pathOf(["input", i, ...issue.path]);
+  throw new KvfenceError("invalid_request", `Invalid request: ${param}: ${issue.message}`, { param });
+}
+
+/** The items of a Responses `input` as chat messages: function calls join the assistant's message, their outputs are tool messages. */
+function inputMessages(items: readonly unknown[]): Record<string, unknown>[] {
+  const messages: Record<string, unknown>[] = [];
+  items.forEach((item, i) => {
+    const type = (item as { type?: unknown } | null)?.type;
+    if (type === "function_call") {
+      const call = inputItem(functionCallItem, item, i);
+      const wire = {
+        id: call.call_id,
+        type: "function",
+        function: { name: call.name, arguments: call.arguments },
+      };
+      const last = messages.at(-1);
+      if (last?.role === "assistant")
+        last.tool_calls = [...((last.tool_calls as object[] | undefined) ?? []), wire];
+      else messages.push({ role: "assistant", content: null, tool_calls: [wire] });
+    } else if (type === "function_call_output") {
+      const output = inputItem(functionCallOutputItem, item, i);
+      messages.push({ role: "tool", tool_call_id: output.call_id, content: output.output });
+    } else {
+      const m = inputItem(responsesMessage, item, i);
+      messages.push({
+        role: m.role === "developer" ? "system" : m.role,
+        content: typeof m.content === "string" ? m.content : m.content.map((p) => p.text).join(""),
+      });
+    }
   });
+  return messages;
 }
 
 /** Validate a `/v1/responses` body into a chat request (the same template); throws `invalid_request` naming the field. */
@@ -670,11 +735,7 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
     if (!neutral(raw[name]))
       refuse(name, `${name} is not supported on /v1/responses: ${fix}; got ${preview(raw[name])}`);
   }
-  if ((req.tools?.length ?? 0) > 0)
-    refuse("tools", "tools (function calling, built-in tools) are not supported: leave tools unset or []");
-  if (req.tool_choice != null && req.tool_choice !== "none" && req.tool_choice !== "auto")
-    refuse("tool_choice", 'tool_choice is not supported without tools: leave it unset, "none" or "auto"');
-  const constrained = responsesConstraint(raw);
+  const format = responsesConstraint(raw);
   if (req.text?.verbosity != null)
     refuse("text.verbosity", "text.verbosity is not supported: leave it unset");
   if (req.top_logprobs != null && req.top_logprobs > 0)
@@ -684,13 +745,8 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
     );
   if (req.stream_options != null && req.stream !== true)
     refuse("stream_options", "stream_options is only allowed when stream is true: set stream to true");
-  const input: ChatMessage[] =
-    typeof req.input === "string"
-      ? [{ role: "user", content: req.input }]
-      : inputItems(req.input).map((item) => ({
-          role: item.role === "developer" ? "system" : item.role,
-          content: typeof item.content === "string" ? item.content : item.content.map((p) => p.text).join(""),
-        }));
+  const input =
+    typeof req.input === "string" ? [{ role: "user", content: req.input }] : inputMessages(req.input);
   const instructions = req.instructions ?? null;
   const messages = instructions === null ? input : [{ role: "system", content: instructions }, ...input];
   const maxTokens = req.max_output_tokens ?? null;
@@ -701,7 +757,9 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
     max_tokens: maxTokens,
     temperature: req.temperature ?? null,
     top_p: req.top_p ?? null,
+    ...responsesToolFields(req),
   });
+  const constrained = withToolConstraint(format, chat.tools ?? null);
   return {
     ...chat,
     ...constrained,
@@ -714,6 +772,15 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
           : {},
       user: typeof raw.user === "string" ? raw.user : null,
       obfuscate: req.stream === true && req.stream_options?.include_obfuscation !== false,
+      ...(chat.tools == null
+        ? {}
+        : {
+            tools: {
+              tools: req.tools ?? [],
+              choice: req.tool_choice ?? "auto",
+              parallel: chat.tools.parallel,
+            },
+          }),
     },
   };
 }

@@ -35,6 +35,7 @@ import {
   type UtilityEndpointName,
 } from "./prepare-request.js";
 import type { RequestLimits } from "./request-limits.js";
+import type { ToolCallFormat } from "./tool-call-parser.js";
 
 /** Turns a generation body into a request ready for admission, off the caller's event loop or not. */
 export interface RequestPreparer {
@@ -61,6 +62,8 @@ interface PoolData {
   readonly limits: RequestLimits;
   /** `--chat-template FILE`, in place of the model folder's template. */
   readonly chatTemplateFile?: string;
+  /** `--tool-call-parser`, in place of the format the template names. */
+  readonly toolCallParser?: ToolCallFormat;
 }
 
 export interface PrepareWorkerData extends PoolData {
@@ -146,6 +149,7 @@ export class PreparePool implements RequestPreparer {
       modelId: options.modelId,
       limits: options.limits,
       ...(options.chatTemplateFile === undefined ? {} : { chatTemplateFile: options.chatTemplateFile }),
+      ...(options.toolCallParser === undefined ? {} : { toolCallParser: options.toolCallParser }),
     };
     this.#onWorkerError = options.onWorkerError ?? (() => {});
     this.#size = Math.max(1, options.threads);

@@ -24,6 +24,7 @@ import {
 } from "./openai-schemas.js";
 import { parseJsonBody } from "./read-body.js";
 import { checkJsonDepth, checkMessageCount, checkPromptBytes, type RequestLimits } from "./request-limits.js";
+import { resolveToolParsing, type TemplateToolSupport } from "./tool-request.js";
 
 /** The tokenizer work a prompt needs: no model weights, ever. */
 export interface PromptTokenizer {
@@ -35,6 +36,8 @@ export interface PromptTokenizer {
   readonly vocabSize: number;
   /** The text of `ids` (special tokens skipped). */
   decode(ids: ArrayLike<number>): string;
+  /** Whether the chat template renders tools, and the tool-call format to parse; absent: none. */
+  readonly toolSupport?: TemplateToolSupport;
 }
 
 /** The generation endpoints: /v1/chat/completions, /v1/completions and /v1/responses (a chat, in OpenAI's newer shapes). */
@@ -186,8 +189,9 @@ export function prepareRequest(
   checkJsonDepth(body, context.limits.maxJsonDepth);
   const json = parseJsonBody(body);
   kind.precheck(json, context.limits);
-  const { parsed, promptBytes, encode, echoTexts } = kind.parse(json);
-  checkModel(parsed.model, context.modelId);
+  const { parsed: validated, promptBytes, encode, echoTexts } = kind.parse(json);
+  checkModel(validated.model, context.modelId);
+  const parsed = withToolParsing(validated, context.tokenizer);
   checkTokenIds(parsed, context.tokenizer.vocabSize);
   checkPromptBytes(promptBytes(), context.limits.maxPromptBytes, kind.param);
   const prompts = encode(context.tokenizer);
@@ -198,6 +202,18 @@ export function prepareRequest(
     return { parsed: { ...parsed, echoPrompts: echoTexts(context.tokenizer, prompts) }, prompts };
   }
   return { parsed, prompts };
+}
+
+/**
+ * A request with tools, with how its answer is read under the served template (or a refusal).
+ * Mistral's `[TOOL_CALLS]` is a special token: its output keeps special tokens, as vLLM's does.
+ */
+function withToolParsing(parsed: SamplingRequest, tokenizer: PromptTokenizer): SamplingRequest {
+  if (parsed.tools == null) return parsed;
+  const support = tokenizer.toolSupport ?? { usesTools: false, format: null };
+  const tools = resolveToolParsing(parsed.tools, support);
+  const keepSpecial = tools.parsing?.format === "mistral";
+  return { ...parsed, tools, ...(keepSpecial ? { skipSpecialTokens: false } : {}) };
 }
 
 const tokenizeTextSchema = z.object({

@@ -39,6 +39,7 @@ const context = {
     data.chatTemplateFile === undefined
       ? chatTemplate
       : loadChatTemplate(data.modelDir, tokenizer, data.chatTemplateFile),
+    data.toolCallParser,
   ),
   limits: data.limits,
 };

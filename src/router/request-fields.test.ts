@@ -85,9 +85,10 @@ const PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }>
   suffix: { value: "tail" },
   response_format: { value: { type: "json_object" } },
   tools: { value: [tool] },
-  tool_choice: { value: "required" },
+  tool_choice: { value: "required", with: { tools: [tool] } },
+  parallel_tool_calls: { value: false, with: { tools: [tool] } },
   functions: { value: [{ name: "f" }] },
-  function_call: { value: "auto" },
+  function_call: { value: { name: "f" }, with: { functions: [{ name: "f" }] } },
   min_tokens: { value: 2 },
   ignore_eos: { value: true },
   stop_token_ids: { value: [7] },
@@ -163,7 +164,8 @@ const RESPONSES_PROBES: Record<string, { value: unknown; with?: Record<string, u
   stream_options: { value: { include_obfuscation: false }, with: { stream: true } },
   text: { value: { format: { type: "json_object" } } },
   tools: { value: [{ type: "function", name: "f", parameters: {}, strict: false }] },
-  tool_choice: { value: "required" },
+  tool_choice: { value: "required", with: { tools: [{ type: "function", name: "f", parameters: {} }] } },
+  parallel_tool_calls: { value: false, with: { tools: [{ type: "function", name: "f", parameters: {} }] } },
   top_logprobs: { value: 2 },
   store: { value: true },
   previous_response_id: { value: "resp_abc" },
@@ -285,7 +287,7 @@ test("refusesAsUnsupported() tells a field refused as unsupported from a value r
   const completions = (extra: Record<string, unknown>) => () =>
     parseCompletionRequest({ ...BASE.completions, ...extra });
   const cases: [string, () => unknown, boolean][] = [
-    ["tools", chat({ tools: [tool] }), true],
+    ["chat_template", chat({ chat_template: "{{ messages }}" }), true],
     ["suffix", completions({ suffix: "tail" }), true],
     ["use_beam_search", completions({ use_beam_search: true }), true],
     ["logprobs", completions({ logprobs: true }), false], // a count, not a boolean

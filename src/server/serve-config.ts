@@ -16,6 +16,7 @@ import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { isLoopback } from "../lib/loopback.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
+import { TOOL_CALL_PARSERS } from "../router/tool-call-parser.js";
 import { parseLinkAddress } from "../transfer/link-address.js";
 import {
   type FrontDoorTls,
@@ -125,6 +126,8 @@ export const serveConfigSchema = z
       .min(1)
       .refine((f) => existsSync(f), { error: "no such file" })
       .optional(),
+    /** vLLM's `--tool-call-parser`: the tool-call format of the output, in place of the one the template names. */
+    toolCallParser: z.enum(TOOL_CALL_PARSERS).optional(),
     maxBodyBytes: byteSizeText.optional(),
     maxPromptBytes: byteSizeText.optional(),
     maxResponseBytes: byteSizeText.optional(),
@@ -264,6 +267,7 @@ const FLAG: Record<string, string> = {
   seed: "--seed",
   generationConfig: "--generation-config",
   chatTemplate: "--chat-template",
+  toolCallParser: "--tool-call-parser",
   maxBodyBytes: "--max-body-bytes",
   maxPromptBytes: "--max-prompt-bytes",
   maxResponseBytes: "--max-response-bytes",

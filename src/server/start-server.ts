@@ -263,6 +263,7 @@ async function startEnginesAndPreparer(
     modelId: [card.id, ...card.aliases],
     limits: parts.limits,
     ...(config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate }),
+    ...(config.toolCallParser === undefined ? {} : { toolCallParser: config.toolCallParser }),
     threads: config.tokenizerThreads,
     policy: config.schedulingPolicy,
     onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
@@ -320,7 +321,7 @@ function tokenizerOf(model: ModelMeta, config: ServeConfig) {
     config.chatTemplate === undefined
       ? model.chatTemplate
       : loadChatTemplate(model.dir, model.tokenizer, config.chatTemplate);
-  return routerTokenizer(model.tokenizer, template);
+  return routerTokenizer(model.tokenizer, template, config.toolCallParser);
 }
 
 /** The served model as the router shows it: its names, window, EOS ids and sampling defaults. */

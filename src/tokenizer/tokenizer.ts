@@ -262,6 +262,20 @@ class WindowStreamDecoder implements StreamDecoder {
 export interface ChatMessage {
   readonly role: string;
   readonly content: string;
+  /** An assistant's tool calls (OpenAI's shape, each call's arguments a mapping when JSON). */
+  readonly tool_calls?: readonly object[];
+  /** A tool message: the call it answers, and the function's name. */
+  readonly tool_call_id?: string;
+  readonly name?: string;
+}
+
+/** A message as templates read it: role and content, and the tool fields only when present. */
+function templateMessage(m: ChatMessage): Record<string, unknown> {
+  const out: Record<string, unknown> = { role: m.role, content: m.content };
+  if (m.tool_calls !== undefined) out.tool_calls = m.tool_calls;
+  if (m.tool_call_id !== undefined) out.tool_call_id = m.tool_call_id;
+  if (m.name !== undefined) out.name = m.name;
+  return out;
 }
 
 /** A chat template from tokenizer_config.json, parsed once. */
@@ -292,7 +306,8 @@ export class ChatTemplate {
    * (default), or, with `continueFinalMessage`, right after the final message's content, left open
    * for the model to continue (as Hugging Face's and vLLM's `continue_final_message`). `kwargs` are
    * further template variables (vLLM's `chat_template_kwargs`); they cannot replace the messages or
-   * the special tokens.
+   * the special tokens. `tools` is the template's `tools` variable (absent: undefined, as Hugging
+   * Face leaves it without tools).
    */
   render(
     messages: readonly ChatMessage[],
@@ -300,6 +315,7 @@ export class ChatTemplate {
       addGenerationPrompt?: boolean;
       continueFinalMessage?: boolean;
       kwargs?: Readonly<Record<string, unknown>>;
+      tools?: readonly object[];
     },
   ): string {
     const continueFinal = options?.continueFinalMessage === true;
@@ -307,7 +323,8 @@ export class ChatTemplate {
     try {
       text = this.#template.render({
         ...options?.kwargs,
-        messages: messages.map((m) => ({ role: m.role, content: m.content })),
+        messages: messages.map(templateMessage),
+        ...(options?.tools === undefined ? {} : { tools: options.tools }),
         add_generation_prompt: continueFinal ? false : (options?.addGenerationPrompt ?? true),
         bos_token: this.#bosToken,
         eos_token: this.#eosToken,

@@ -9,12 +9,18 @@
  * ones once every choice finished; or, not streamed, the whole answer of every choice with the
  * usage summed over them. One choice failing fails the reply and stops the others.
  *
+ * A choice's finish goes on the chunk of its last token when that chunk is still queued (as vLLM
+ * and SGLang send it; the EOS token has a chunk of its own, without text), else on a chunk of its
+ * own (OpenAI's way).
+ *
  * It knows nothing of HTTP. The HTTP layer (answer-writer.ts) calls `start` with a wake-up; on each
  * wake-up it writes the stream's headers once they are due (`streaming`: the engine's first event,
  * so that an error before it is still a real 4xx/5xx), takes the payloads queued (`next`) and, once
- * there is one, the `outcome`. A wake-up follows every engine event that queued something, in the
- * same call, so nothing waits in the queue; the writing itself (json-writer.ts) has the
- * backpressure. What the router records of the request goes to its `ReplyHooks`.
+ * there is one, the `outcome`. A wake-up follows the engine events that queued something, once per
+ * call of the engine (a microtask later: a last token and its finish, reported in one call, go out
+ * as one chunk), so nothing waits in the queue past that call; the writing itself
+ * (json-writer.ts) has the backpressure. What the router records of the request goes to its
+ * `ReplyHooks`.
  */
 
 import { Deque } from "../lib/deque.js";
@@ -84,6 +90,8 @@ interface Choice extends PlannedChoice {
   readonly prompt: PromptLogprobs;
   readonly logprobs: ChoiceLogprobs;
   text: string;
+  /** Its last text chunk (its finish may go on it while it is still queued). */
+  lastChunk: Record<string, unknown> | null;
   /** Its stream opened (its opening payloads are queued). */
   opened: boolean;
   result: ChoiceResult | null;
@@ -110,6 +118,8 @@ export class GenerationReply {
   readonly #generations: readonly Generation[];
   /** Payloads not taken yet (`next`). */
   readonly #queue = new Deque<Record<string, unknown>>(4);
+  /** The choices' last text chunks still in the queue. */
+  readonly #queuedText = new Set<Record<string, unknown>>();
   /** vLLM's continuous_usage_stats: the prompts' tokens (each prompt once), and the tokens so far. */
   readonly #promptTokens: number;
   #generated = 0;
@@ -117,6 +127,7 @@ export class GenerationReply {
   #ended = false;
   #outcome: ReplyOutcome | null = null;
   #wake: () => void = () => {};
+  #wakeDue = false;
 
   constructor(parts: ReplyParts) {
     const { parsed, responses, planned, tokenizer } = parts;
@@ -137,6 +148,7 @@ export class GenerationReply {
       firstOfPrompt,
       index,
       text: "",
+      lastChunk: null,
       opened: false,
       ...logprobs[index]!,
       result: null,
@@ -176,13 +188,25 @@ export class GenerationReply {
 
   /** The next stream payload queued, or undefined. */
   next(): Record<string, unknown> | undefined {
-    return this.#queue.popFront();
+    const payload = this.#queue.popFront();
+    if (payload !== undefined) this.#queuedText.delete(payload);
+    return payload;
   }
 
   /** Submits every choice to the engine; `wake` is called whenever there is something to write. */
   start(wake: () => void): void {
     this.#wake = wake;
     for (const generation of this.#generations) generation.start();
+  }
+
+  /** Wakes the writer once the engine's current call returns (see above). */
+  #wakeSoon(): void {
+    if (this.#wakeDue) return;
+    this.#wakeDue = true;
+    queueMicrotask(() => {
+      this.#wakeDue = false;
+      this.#wake();
+    });
   }
 
   /** The client went away: every choice stops, no payload follows. */
@@ -203,7 +227,7 @@ export class GenerationReply {
         this.#hooks.tokens(count);
         if (stream && !choice.opened) {
           this.#open(choice);
-          this.#wake();
+          this.#wakeSoon();
         }
       },
       logprobs: (entry) => choice.logprobs.push(entry),
@@ -212,26 +236,32 @@ export class GenerationReply {
       text: (delta) => {
         choice.text += delta;
         if (!stream) return;
-        this.#send(choice, this.#responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
-        this.#wake();
+        const chunk = this.#responses.delta(meta, delta, includeUsage, choice.logprobs.take());
+        this.#send(choice, chunk);
+        choice.lastChunk = chunk;
+        this.#queuedText.add(chunk);
+        this.#wakeSoon();
       },
       finish: (reason, usage, stopReason) => {
         if (this.#ended) return;
         choice.result = { reason, usage, stopReason };
         if (stream) {
+          const last = choice.lastChunk;
+          const onLast = last !== null && this.#queuedText.has(last) && !choice.logprobs.pending;
           const logprobs = choice.logprobs.take();
-          for (const chunk of this.#responses.finish(
+          const chunks = this.#responses.finish(
             meta,
             reason,
             includeUsage,
             stopReason,
             logprobs,
             choice.text,
-          ))
-            this.#send(choice, chunk);
+          );
+          if (onLast && this.framing === "data" && chunks.length === 1) this.#finishOn(last, chunks[0]!);
+          else for (const chunk of chunks) this.#send(choice, chunk);
         }
         if (this.#choices.every((c) => c.result !== null)) this.#finished();
-        this.#wake();
+        this.#wakeSoon();
       },
       fail: (internal) => {
         if (this.#ended) return;
@@ -246,7 +276,7 @@ export class GenerationReply {
         } else {
           this.#outcome = { kind: "error", error };
         }
-        this.#wake();
+        this.#wakeSoon();
       },
     };
   }
@@ -258,11 +288,14 @@ export class GenerationReply {
     choice.opened = true;
     const meta = this.#meta;
     const includeUsage = this.#parsed.includeUsage;
-    for (const opening of this.#responses.opening(meta, includeUsage))
+    const openings = this.#responses.opening(meta, includeUsage);
+    if (choice.echo !== null)
+      openings.push(this.#responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed()));
+    for (const opening of openings) {
+      // vLLM's continuous usage: the first chunk too, before any token is counted.
+      if (this.#parsed.continuousUsage)
+        opening.usage = usageWire({ promptTokens: this.#promptTokens, completionTokens: 0 });
       this.#queue.pushBack(withIndex(opening, choice.index));
-    if (choice.echo !== null) {
-      const delta = this.#responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed());
-      this.#queue.pushBack(withIndex(delta, choice.index));
     }
   }
 
@@ -272,6 +305,16 @@ export class GenerationReply {
       chunk.usage = usageWire({ promptTokens: this.#promptTokens, completionTokens: this.#generated });
     this.#open(choice);
     this.#queue.pushBack(withIndex(chunk, choice.index));
+  }
+
+  /** Moves the finish fields of `finish` onto the queued chunk `last` (and the usage so far, when continuous). */
+  #finishOn(last: Record<string, unknown>, finish: Record<string, unknown>): void {
+    const into = (last.choices as Record<string, unknown>[])[0]!;
+    const from = (finish.choices as Record<string, unknown>[])[0]!;
+    for (const [key, value] of Object.entries(from))
+      if (key !== "index" && key !== "delta" && key !== "text" && key !== "logprobs") into[key] = value;
+    if (this.#parsed.continuousUsage)
+      last.usage = usageWire({ promptTokens: this.#promptTokens, completionTokens: this.#generated });
   }
 
   /** Every choice finished: the whole answer, or the stream's closing payloads. */

@@ -3,7 +3,8 @@
  * `chat.completion.chunk` and `text_completion` objects, `usage` with prompt, completion and total
  * tokens, and the usage-only chunk (empty `choices`) that `stream_options.include_usage` asks for.
  * A choice that finished also says what stopped it as vLLM (`stop_reason`) and SGLang
- * (`matched_stop`) do: the stop string or stop token id, null for EOS and `length`.
+ * (`matched_stop`) do: the stop string or stop token id; for EOS, vLLM's null and SGLang's EOS
+ * token id; null for `length`.
  * Each endpoint's shapes are gathered in one `ResponseStrategy` (chat, text, or OpenAI's Responses
  * API: a `response` object, and a stream of named events each with its `sequence_number`), which is
  * all the router needs to know about the difference between them.
@@ -68,6 +69,13 @@ export interface ResponseMeta {
   readonly responses?: ResponsesEcho;
 }
 
+/** vLLM's `stop_reason` and SGLang's `matched_stop` of a finished choice (they differ only for EOS). */
+function stopFields(stopReason: StopReason) {
+  if (stopReason !== null && typeof stopReason === "object")
+    return { stop_reason: null, matched_stop: stopReason.eos };
+  return { stop_reason: stopReason, matched_stop: stopReason };
+}
+
 export function chatCompletion(
   meta: ResponseMeta,
   content: string,
@@ -88,8 +96,7 @@ export function chatCompletion(
         message: { role: "assistant" as const, content, refusal: null },
         logprobs: extras.logprobs ?? null,
         finish_reason: finish,
-        stop_reason: stopReason,
-        matched_stop: stopReason,
+        ...stopFields(stopReason),
       },
     ],
     usage: usageWire(usage),
@@ -115,8 +122,7 @@ export function textCompletion(
         text,
         logprobs: extras.logprobs ?? null,
         finish_reason: finish,
-        stop_reason: stopReason,
-        matched_stop: stopReason,
+        ...stopFields(stopReason),
         ...(extras.promptLogprobs === undefined ? {} : { prompt_logprobs: extras.promptLogprobs }),
       },
     ],
@@ -136,7 +142,7 @@ export function chatChunk(
   logprobs: object | null = null,
 ) {
   const choice: Record<string, unknown> = { index: 0, delta, logprobs, finish_reason: finish };
-  if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
+  if (stopReason !== undefined) Object.assign(choice, stopFields(stopReason));
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "chat.completion.chunk",
@@ -158,7 +164,7 @@ export function textChunk(
   logprobs: object | null = null,
 ) {
   const choice: Record<string, unknown> = { index: 0, text, logprobs, finish_reason: finish };
-  if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
+  if (stopReason !== undefined) Object.assign(choice, stopFields(stopReason));
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "text_completion",

@@ -200,7 +200,7 @@ export interface SamplingRequest {
   readonly model: string;
   readonly stream: boolean;
   readonly includeUsage: boolean;
-  /** vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far. */
+  /** vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries the usage so far. */
   readonly continuousUsage: boolean;
   /** null = as many as fit in the context. */
   readonly maxTokens: number | null;
@@ -485,7 +485,9 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
     model: req.model,
     stream: req.stream === true,
     includeUsage: req.stream_options?.include_usage === true,
-    continuousUsage: req.stream_options?.continuous_usage_stats === true,
+    // vLLM: only with include_usage.
+    continuousUsage:
+      req.stream_options?.include_usage === true && req.stream_options.continuous_usage_stats === true,
     maxTokens,
     temperature: req.temperature ?? null,
     topP: req.top_p ?? null,

@@ -120,6 +120,10 @@ export function command(): Command {
 function routerOptions(cmd: Command): Command {
   return cmd
     .option(
+      "--reasoning-parser <name>",
+      "split the <think> block out of chat and /v1/responses answers: deepseek_r1 or qwen3 (vLLM's flag)",
+    )
+    .option(
       "--max-body-bytes <size>",
       "request bodies over this get 413, before they are read (default 2 x --max-prompt-bytes + 1MiB)",
     )

@@ -9,6 +9,10 @@
  * ones once every choice finished; or, not streamed, the whole answer of every choice with the
  * usage summed over them. One choice failing fails the reply and stops the others.
  *
+ * With a reasoning parser (`--reasoning-parser`, reasoning-parser.ts), chat and the Responses API
+ * split each choice's `<think>` block out of its text: streamed as the endpoint streams reasoning
+ * (`ResponseStrategy.reasoning`), and in the whole answer as its `reasoning`.
+ *
  * A choice's finish goes on the chunk of its last token when that chunk is still queued (as vLLM
  * and SGLang send it; the EOS token has a chunk of its own, without text), else on a chunk of its
  * own (OpenAI's way).
@@ -37,7 +41,13 @@ import {
 } from "./generation.js";
 import type { TokenPiece } from "./logprobs-wire.js";
 import { completionId, type ResponseMeta, type ResponseStrategy, usageWire } from "./openai-responses.js";
-import type { ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
+import type { ReasoningOutput, ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
+import {
+  type ReasoningParserName,
+  type ReasoningPiece,
+  ReasoningSplitter,
+  splitReasoning,
+} from "./reasoning-parser.js";
 import type { SseFraming } from "./sse.js";
 
 /** What a reply needs of the tokenizer. */
@@ -90,6 +100,9 @@ interface Choice extends PlannedChoice {
   readonly prompt: PromptLogprobs;
   readonly logprobs: ChoiceLogprobs;
   text: string;
+  /** With a reasoning parser: its text's split so far, and whether its content began. */
+  readonly splitter: ReasoningSplitter | null;
+  contentBegan: boolean;
   /** Its last text chunk (its finish may go on it while it is still queued). */
   lastChunk: Record<string, unknown> | null;
   /** Its stream opened (its opening payloads are queued). */
@@ -107,11 +120,17 @@ export interface ReplyParts {
   readonly responses: ResponseStrategy;
   readonly planned: readonly PlannedChoice[];
   readonly hooks: ReplyHooks;
+  /** `--reasoning-parser` (absent: none); endpoints without reasoning shapes ignore it. */
+  readonly reasoningParser?: ReasoningParserName | null;
 }
 
 export class GenerationReply {
   readonly #parsed: SamplingRequest;
   readonly #responses: ResponseStrategy;
+  /** The parser, when the endpoint streams reasoning. */
+  readonly #parser: ReasoningParserName | null;
+  /** vLLM's `include_reasoning`: false drops the reasoning the parser splits out. */
+  readonly #includeReasoning: boolean;
   readonly #meta: ResponseMeta;
   readonly #hooks: ReplyHooks;
   readonly #choices: readonly Choice[];
@@ -134,7 +153,14 @@ export class GenerationReply {
     this.#parsed = parsed;
     this.#responses = responses;
     this.#hooks = parts.hooks;
-    this.#meta = responseMeta(responses, parsed, planned[0]!.request, parts.modelId);
+    const output = (parsed as { reasoningOutput?: ReasoningOutput }).reasoningOutput;
+    const parser =
+      responses.reasoning === undefined || output?.separate === false
+        ? null
+        : (parts.reasoningParser ?? null);
+    this.#parser = parser;
+    this.#includeReasoning = output?.include !== false;
+    this.#meta = responseMeta(responses, parsed, planned[0]!.request, parts.modelId, parser !== null);
     this.#promptTokens = planned.reduce(
       (n, p) => n + (p.firstOfPrompt ? p.request.promptTokens.length : 0),
       0,
@@ -148,6 +174,8 @@ export class GenerationReply {
       firstOfPrompt,
       index,
       text: "",
+      splitter: parser === null || !parsed.stream ? null : new ReasoningSplitter(parser),
+      contentBegan: false,
       lastChunk: null,
       opened: false,
       ...logprobs[index]!,
@@ -236,16 +264,15 @@ export class GenerationReply {
       text: (delta) => {
         choice.text += delta;
         if (!stream) return;
-        const chunk = this.#responses.delta(meta, delta, includeUsage, choice.logprobs.take());
-        this.#send(choice, chunk);
-        choice.lastChunk = chunk;
-        this.#queuedText.add(chunk);
+        if (choice.splitter === null) this.#sendText(choice, { reasoning: "", content: delta });
+        else this.#sendText(choice, choice.splitter.push(delta));
         this.#wakeSoon();
       },
       finish: (reason, usage, stopReason) => {
         if (this.#ended) return;
         choice.result = { reason, usage, stopReason };
         if (stream) {
+          if (choice.splitter !== null) this.#sendText(choice, choice.splitter.flush(), true);
           const last = choice.lastChunk;
           const onLast = last !== null && this.#queuedText.has(last) && !choice.logprobs.pending;
           const logprobs = choice.logprobs.take();
@@ -255,7 +282,7 @@ export class GenerationReply {
             includeUsage,
             stopReason,
             logprobs,
-            choice.text,
+            this.#parser === null ? choice.text : splitReasoning(this.#parser, choice.text).content,
           );
           if (onLast && this.framing === "data" && chunks.length === 1) this.#finishOn(last, chunks[0]!);
           else for (const chunk of chunks) this.#send(choice, chunk);
@@ -307,6 +334,35 @@ export class GenerationReply {
     this.#queue.pushBack(withIndex(chunk, choice.index));
   }
 
+  /**
+   * Queues a piece of `choice`'s text: its reasoning (with a parser), the payloads between the
+   * reasoning and the content once the content begins (or the choice ends), its content.
+   */
+  #sendText(choice: Choice, piece: ReasoningPiece, ending = false): void {
+    const meta = this.#meta;
+    const includeUsage = this.#parsed.includeUsage;
+    const shapes = this.#responses.reasoning;
+    if (piece.reasoning !== "" && this.#includeReasoning)
+      for (const chunk of shapes!.delta(meta, piece.reasoning, includeUsage, choice.logprobs.take()))
+        this.#sendLast(choice, chunk);
+    if (choice.splitter !== null && !choice.contentBegan && (ending || choice.splitter.inContent)) {
+      choice.contentBegan = true;
+      for (const chunk of shapes!.toContent(meta)) this.#send(choice, chunk);
+    }
+    if (piece.content !== "")
+      this.#sendLast(
+        choice,
+        this.#responses.delta(meta, piece.content, includeUsage, choice.logprobs.take()),
+      );
+  }
+
+  /** Queues a chunk of text of `choice`: its finish may go on it while it is still queued. */
+  #sendLast(choice: Choice, chunk: Record<string, unknown>): void {
+    this.#send(choice, chunk);
+    choice.lastChunk = chunk;
+    this.#queuedText.add(chunk);
+  }
+
   /** Moves the finish fields of `finish` onto the queued chunk `last` (and the usage so far, when continuous). */
   #finishOn(last: Record<string, unknown>, finish: Record<string, unknown>): void {
     const into = (last.choices as Record<string, unknown>[])[0]!;
@@ -322,7 +378,8 @@ export class GenerationReply {
     const choices = this.#choices;
     const usage = totalUsage(choices);
     this.#end(200, usage);
-    const whole = () => wholeAnswer(this.#responses, this.#meta, choices, usage);
+    const whole = () =>
+      wholeAnswer(this.#responses, this.#meta, choices, usage, this.#parser, this.#includeReasoning);
     if (!this.#parsed.stream) {
       this.#outcome = { kind: "answer", body: whole() };
       return;
@@ -345,6 +402,7 @@ function responseMeta(
   parsed: SamplingRequest,
   first: GenerationRequest,
   model: string,
+  reasoning: boolean,
 ): ResponseMeta {
   const echo = (parsed as { responses?: ResponsesEcho }).responses;
   return {
@@ -353,6 +411,7 @@ function responseMeta(
     model,
     sampling: { temperature: first.sampling.temperature, topP: first.sampling.topP },
     ...(echo === undefined ? {} : { responses: echo }),
+    ...(reasoning ? { reasoning: { text: null, messageIndex: 0 } } : {}),
   };
 }
 
@@ -381,18 +440,23 @@ function wholeAnswer(
   meta: ResponseMeta,
   choices: readonly Choice[],
   usage: Usage,
+  parser: ReasoningParserName | null,
+  includeReasoning: boolean,
 ): object {
   return mergeChoices(
-    choices.map((c) =>
-      responses.completion(
+    choices.map((c) => {
+      const text = (c.echo ?? "") + c.text;
+      const split = parser === null ? null : splitReasoning(parser, text);
+      const extras = c.logprobs.all();
+      return responses.completion(
         meta,
-        (c.echo ?? "") + c.text,
+        split === null ? text : split.content,
         c.result!.reason,
         usage,
         c.result!.stopReason,
-        c.logprobs.all(),
-      ),
-    ),
+        split === null ? extras : { ...extras, reasoning: includeReasoning ? split.reasoning : null },
+      );
+    }),
   );
 }
 

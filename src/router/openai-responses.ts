@@ -19,6 +19,8 @@ import type { SseFraming } from "./sse.js";
 export interface ChoiceExtras {
   readonly logprobs?: object | null;
   readonly promptLogprobs?: unknown;
+  /** With a reasoning parser: the reasoning split out of the text (null: none). */
+  readonly reasoning?: string | null;
 }
 
 /** An OpenAI error envelope (src/lib/errors.ts, `toOpenAiError`). */
@@ -67,6 +69,27 @@ export interface ResponseMeta {
   readonly sampling?: { readonly temperature: number; readonly topP: number };
   /** A Responses request's fields its answer repeats. */
   readonly responses?: ResponsesEcho;
+  /** With a reasoning parser, a stream's reasoning so far (the Responses API's items follow it). */
+  readonly reasoning?: ReasoningTrack;
+}
+
+/** A streamed response's reasoning: its text so far (null: none yet), and where the message goes. */
+export interface ReasoningTrack {
+  text: string | null;
+  messageIndex: number;
+}
+
+/** How an endpoint streams the reasoning a reasoning parser splits out (reasoning-parser.ts). */
+export interface ReasoningShapes {
+  /** The payloads of a piece of reasoning. */
+  delta(
+    meta: ResponseMeta,
+    text: string,
+    includeUsage: boolean,
+    logprobs: object | null,
+  ): Record<string, unknown>[];
+  /** The payloads between the reasoning and the content: once, before the first content or the finish. */
+  toContent(meta: ResponseMeta): Record<string, unknown>[];
 }
 
 /** vLLM's `stop_reason` and SGLang's `matched_stop` of a finished choice (they differ only for EOS). */
@@ -93,7 +116,12 @@ export function chatCompletion(
     choices: [
       {
         index: 0,
-        message: { role: "assistant" as const, content, refusal: null },
+        message: {
+          role: "assistant" as const,
+          content,
+          refusal: null,
+          ...(extras.reasoning === undefined ? {} : { reasoning_content: extras.reasoning }),
+        },
         logprobs: extras.logprobs ?? null,
         finish_reason: finish,
         ...stopFields(stopReason),
@@ -130,7 +158,7 @@ export function textCompletion(
   };
 }
 
-type ChatDelta = { role?: "assistant"; content?: string };
+type ChatDelta = { role?: "assistant"; content?: string; reasoning_content?: string };
 
 /** A `chat.completion.chunk`; `usage: null` is present on every chunk when usage was requested. */
 export function chatChunk(
@@ -240,6 +268,8 @@ export interface ResponseStrategy {
   ): object;
   /** Log-probabilities of `items` in this endpoint's shape; `offset`: the text before them (completions). */
   logprobs(items: readonly LogprobItem[], piece: PieceOf, offset: { value: number }): object;
+  /** How it streams reasoning (absent: the endpoint splits none out, as completions). */
+  readonly reasoning?: ReasoningShapes;
 }
 
 /** The usage-only chunk when `stream_options.include_usage` asks for it. */
@@ -261,6 +291,13 @@ export const CHAT_RESPONSES: ResponseStrategy = {
   streamError: (body) => ({ ...body }),
   completion: chatCompletion,
   logprobs: (items, piece) => chatLogprobs(items, piece),
+  // vLLM's: reasoning deltas carry `reasoning_content`, then content deltas follow.
+  reasoning: {
+    delta: (meta, text, includeUsage, logprobs) => [
+      chatChunk(meta, { reasoning_content: text }, null, includeUsage, undefined, logprobs),
+    ],
+    toContent: () => [],
+  },
 };
 
 export const TEXT_RESPONSES: ResponseStrategy = {
@@ -294,6 +331,22 @@ function messageId(meta: ResponseMeta): string {
   return `msg_${meta.id.slice(ID_PREFIX.response.length)}`;
 }
 
+/** The reasoning item's id: `rs_` and the response id's random part. */
+function reasoningId(meta: ResponseMeta): string {
+  return `rs_${meta.id.slice(ID_PREFIX.response.length)}`;
+}
+
+/** The reasoning item of a response (OpenAI's shape: its text as one `reasoning_text` part). */
+function reasoningItem(meta: ResponseMeta, status: ResponseStatus, text: string | null) {
+  return {
+    id: reasoningId(meta),
+    type: "reasoning" as const,
+    status,
+    summary: [],
+    content: text === null ? [] : [{ type: "reasoning_text" as const, text }],
+  };
+}
+
 type ResponseStatus = "in_progress" | "completed" | "incomplete";
 
 /** The assistant message item of a response. */
@@ -319,7 +372,7 @@ function outputText(text: string) {
 function responseObject(
   meta: ResponseMeta,
   status: ResponseStatus,
-  output: ReturnType<typeof messageItem>[],
+  output: (ReturnType<typeof messageItem> | ReturnType<typeof reasoningItem>)[],
   usage: Usage | null,
 ) {
   const echo = meta.responses;
@@ -339,7 +392,7 @@ function responseObject(
     output,
     parallel_tool_calls: false,
     previous_response_id: null,
-    reasoning: { effort: null, summary: null },
+    reasoning: { effort: echo?.reasoningEffort ?? null, summary: null },
     service_tier: "default" as const,
     store: false,
     temperature: meta.sampling?.temperature ?? null,
@@ -368,8 +421,57 @@ function obfuscation(meta: ResponseMeta): { obfuscation?: string } {
   return { obfuscation: randomAlphanumerics(1 + (randomBytes(1)[0]! % 16)) };
 }
 
-/** The place of the message's text in a response: output 0, content part 0. */
-const PART = { output_index: 0, content_index: 0 } as const;
+/** The place of the message's text in a response: output 0 (1 after a reasoning item), content part 0. */
+function part(meta: ResponseMeta) {
+  return { output_index: meta.reasoning?.messageIndex ?? 0, content_index: 0 };
+}
+
+/** The events that open the message item and its text part. */
+function messageOpening(meta: ResponseMeta): Record<string, unknown>[] {
+  return [
+    {
+      type: "response.output_item.added",
+      output_index: part(meta).output_index,
+      item: messageItem(meta, "in_progress", null),
+    },
+    { type: "response.content_part.added", item_id: messageId(meta), ...part(meta), part: outputText("") },
+  ];
+}
+
+/** OpenAI's reasoning events: the reasoning item (output 0) and its `reasoning_text` deltas, then the message item. */
+const RESPONSES_REASONING: ReasoningShapes = {
+  delta: (meta, text) => {
+    const track = meta.reasoning!;
+    const opening =
+      track.text === null
+        ? [
+            {
+              type: "response.output_item.added",
+              output_index: 0,
+              item: reasoningItem(meta, "in_progress", null),
+            },
+          ]
+        : [];
+    track.text = (track.text ?? "") + text;
+    const item_id = reasoningId(meta);
+    return [
+      ...opening,
+      { type: "response.reasoning_text.delta", item_id, output_index: 0, content_index: 0, delta: text },
+    ];
+  },
+  toContent: (meta) => {
+    const track = meta.reasoning!;
+    const text = track.text;
+    if (text === null) return messageOpening(meta);
+    track.messageIndex = 1;
+    const item_id = reasoningId(meta);
+    return [
+      { type: "response.reasoning_text.done", item_id, output_index: 0, content_index: 0, text },
+      { type: "response.output_item.done", output_index: 0, item: reasoningItem(meta, "completed", text) },
+      ...messageOpening(meta),
+    ];
+  },
+};
 
 export const RESPONSES_API: ResponseStrategy = {
   idKind: "response",
@@ -377,23 +479,23 @@ export const RESPONSES_API: ResponseStrategy = {
   opening: (meta) => [
     { type: "response.created", response: responseObject(meta, "in_progress", [], null) },
     { type: "response.in_progress", response: responseObject(meta, "in_progress", [], null) },
-    { type: "response.output_item.added", output_index: 0, item: messageItem(meta, "in_progress", null) },
-    { type: "response.content_part.added", item_id: messageId(meta), ...PART, part: outputText("") },
+    // With a reasoning parser, the message opens after the reasoning (RESPONSES_REASONING).
+    ...(meta.reasoning === undefined ? messageOpening(meta) : []),
   ],
   delta: (meta, text) => ({
     type: "response.output_text.delta",
     item_id: messageId(meta),
-    ...PART,
+    ...part(meta),
     delta: text,
     logprobs: [],
     ...obfuscation(meta),
   }),
   finish: (meta, reason, _includeUsage, _stopReason, _logprobs, text) => [
-    { type: "response.output_text.done", item_id: messageId(meta), ...PART, text, logprobs: [] },
-    { type: "response.content_part.done", item_id: messageId(meta), ...PART, part: outputText(text) },
+    { type: "response.output_text.done", item_id: messageId(meta), ...part(meta), text, logprobs: [] },
+    { type: "response.content_part.done", item_id: messageId(meta), ...part(meta), part: outputText(text) },
     {
       type: "response.output_item.done",
-      output_index: 0,
+      output_index: part(meta).output_index,
       item: messageItem(meta, finishedStatus(reason), text),
     },
   ],
@@ -410,9 +512,13 @@ export const RESPONSES_API: ResponseStrategy = {
     message: error.message,
     param: error.param,
   }),
-  completion: (meta, text, reason, usage) => {
+  completion: (meta, text, reason, usage, _stopReason, extras) => {
     const status = finishedStatus(reason);
-    return responseObject(meta, status, [messageItem(meta, status, text)], usage);
+    const message = messageItem(meta, status, text);
+    const reasoning = extras?.reasoning ?? null;
+    const output = reasoning === null ? [message] : [reasoningItem(meta, "completed", reasoning), message];
+    return responseObject(meta, status, output, usage);
   },
   logprobs: () => ({}),
+  reasoning: RESPONSES_REASONING,
 };

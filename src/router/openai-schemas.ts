@@ -98,6 +98,9 @@ const samplingFields = {
   prompt_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
 };
 
+/** OpenAI's reasoning efforts. */
+const reasoningEffort = z.enum(["none", "minimal", "low", "medium", "high", "xhigh"]).nullable().optional();
+
 export const chatCompletionRequestSchema = z.object({
   ...samplingFields,
   messages: z.array(chatMessage).min(1),
@@ -112,6 +115,12 @@ export const chatCompletionRequestSchema = z.object({
   add_generation_prompt: z.boolean().nullable().optional(),
   continue_final_message: z.boolean().nullable().optional(),
   chat_template_kwargs: z.record(z.string(), z.unknown()).nullable().optional(),
+  // OpenAI's: passed to the chat template (as vLLM does), refused when the template never reads it.
+  reasoning_effort: reasoningEffort,
+  // With --reasoning-parser (reasoning-parser.ts): vLLM's and SGLang's switches.
+  include_reasoning: z.boolean().nullable().optional(),
+  separate_reasoning: z.boolean().nullable().optional(),
+  stream_reasoning: z.boolean().nullable().optional(),
 });
 
 /** A prompt given as token ids (checked against the vocabulary once the tokenizer is at hand). */
@@ -173,6 +182,15 @@ export const responsesRequestSchema = z.object({
   top_p: samplingFields.top_p,
   stream: samplingFields.stream,
   stream_options: z.object({ include_obfuscation: z.boolean().nullable().optional() }).nullable().optional(),
+  // `effort` goes to the chat template (as chat's reasoning_effort); summaries are not made.
+  reasoning: z
+    .object({
+      effort: reasoningEffort,
+      summary: z.null().optional(),
+      generate_summary: z.null().optional(),
+    })
+    .nullable()
+    .optional(),
   text: z
     .object({
       format: z.object({ type: z.string() }).nullable().optional(),
@@ -241,6 +259,16 @@ export interface SamplingRequest {
 export interface ParsedChatRequest extends SamplingRequest {
   readonly messages: readonly ChatMessage[];
   readonly template: ChatTemplateOptions;
+  /** With a reasoning parser: vLLM's `include_reasoning` and SGLang's `separate_reasoning` (absent: both true). */
+  readonly reasoningOutput?: ReasoningOutput;
+}
+
+/** What a request wants of the reasoning a parser splits out. */
+export interface ReasoningOutput {
+  /** SGLang's `separate_reasoning`: false leaves the reasoning in the content. */
+  readonly separate: boolean;
+  /** vLLM's `include_reasoning`: false drops the reasoning from the answer. */
+  readonly include: boolean;
 }
 
 /** How the chat template renders a request's messages (vLLM's controls). */
@@ -250,6 +278,8 @@ export interface ChatTemplateOptions {
   readonly kwargs: Readonly<Record<string, unknown>>;
   /** Add the tokenizer's special tokens (BOS) on top of the template's (vLLM's, default false). */
   readonly addSpecialTokens: boolean;
+  /** Template variables the template must read, each with the request field that set it (else 400). */
+  readonly mustRead?: Readonly<Record<string, string>>;
 }
 
 export interface ParsedCompletionRequest extends SamplingRequest {
@@ -374,13 +404,11 @@ export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   prediction: unset,
   web_search_options: unset,
   verbosity: unset,
-  reasoning_effort: unset,
 };
 
 /**
  * Fields that never change the answer, accepted and not used: bookkeeping (`user`, `metadata`,
- * `store`, request ids), routing and scheduling hints of other servers, reasoning-parser switches
- * (this server parses no reasoning). Listed so that the field walk (request-fields.test.ts) and
+ * `store`, request ids), routing and scheduling hints of other servers. Listed so that the field walk (request-fields.test.ts) and
  * docs/api.md know every field a client may send.
  */
 export const NEUTRAL: Readonly<Record<string, string>> = {
@@ -391,9 +419,6 @@ export const NEUTRAL: Readonly<Record<string, string>> = {
   safety_identifier: "OpenAI's abuse-monitoring id",
   prompt_cache_key: "OpenAI's cache routing hint",
   parallel_tool_calls: "no tools are served",
-  include_reasoning: "no reasoning parser: the text is the whole answer",
-  separate_reasoning: "no reasoning parser: the text is the whole answer",
-  stream_reasoning: "no reasoning parser: the text is the whole answer",
   priority: "a scheduling hint (fair sharing between tenants decides the order here)",
   request_id: "a request id (x-request-id is this server's)",
   rid: "a request id (x-request-id is this server's)",
@@ -552,13 +577,36 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
     ...sampling(req, req.max_completion_tokens ?? req.max_tokens ?? null),
     logprobs: req.logprobs === true ? (req.top_logprobs ?? 0) : null,
     messages,
+    ...reasoningOutput(req),
     template: {
       addGenerationPrompt: req.add_generation_prompt !== false,
       continueFinalMessage,
-      kwargs: req.chat_template_kwargs ?? {},
       addSpecialTokens: req.add_special_tokens === true,
+      ...templateKwargs(req),
     },
   };
+}
+
+/** The template's variables: `chat_template_kwargs` over `reasoning_effort`, which the template must read. */
+function templateKwargs(req: ChatCompletionRequest): Pick<ChatTemplateOptions, "kwargs" | "mustRead"> {
+  const kwargs = req.chat_template_kwargs ?? {};
+  if (req.reasoning_effort == null) return { kwargs };
+  return {
+    kwargs: { reasoning_effort: req.reasoning_effort, ...kwargs },
+    mustRead: { reasoning_effort: "reasoning_effort" },
+  };
+}
+
+/** What a chat request wants of the reasoning (--reasoning-parser); `stream_reasoning: false` is refused. */
+function reasoningOutput(req: ChatCompletionRequest): { reasoningOutput?: ReasoningOutput } {
+  if (req.stream_reasoning === false)
+    refuse(
+      "stream_reasoning",
+      "stream_reasoning false is not supported: reasoning streams as it is generated; leave it unset or true",
+    );
+  const separate = req.separate_reasoning !== false;
+  const include = req.include_reasoning !== false;
+  return separate && include ? {} : { reasoningOutput: { separate, include } };
 }
 
 /** Validate a `/v1/completions` body; throws `invalid_request` naming the offending field. */
@@ -604,6 +652,8 @@ export interface ResponsesEcho {
   readonly user: string | null;
   /** Every streamed delta carries an `obfuscation` field (OpenAI's default; `stream_options.include_obfuscation: false` turns it off). */
   readonly obfuscate: boolean;
+  /** `reasoning.effort`, repeated in the answer's `reasoning`. */
+  readonly reasoningEffort?: string | null;
 }
 
 export interface ParsedResponsesRequest extends ParsedChatRequest {
@@ -646,7 +696,6 @@ const RESPONSES_REFUSED: Readonly<Record<string, { neutral: (v: unknown) => bool
     fix: "background responses are not supported: leave it unset or false",
   },
   prompt: { neutral: unset, fix: "stored prompt templates are not supported: send the text in input" },
-  reasoning: { neutral: (v) => emptyObject(v), fix: "this model has no reasoning controls: leave it unset" },
   include: { neutral: empty, fix: "no additional output data is served: leave it unset or []" },
   truncation: {
     neutral: equals("disabled"),
@@ -665,6 +714,17 @@ function inputItems(items: readonly unknown[]): z.infer<typeof responsesMessage>
     const param = pathOf(["input", i, ...issue.path]);
     throw new KvfenceError("invalid_request", `Invalid request: ${param}: ${issue.message}`, { param });
   });
+}
+
+/** A Responses request's `reasoning.effort`, or null. */
+function effortOf(req: ResponsesRequest): string | null {
+  return req.reasoning?.effort ?? null;
+}
+
+/** A Responses request's template options: its `reasoning.effort` named as such in a refusal. */
+function effortAsResponses(template: ChatTemplateOptions): ChatTemplateOptions {
+  if (template.mustRead === undefined) return template;
+  return { ...template, mustRead: { reasoning_effort: "reasoning.effort" } };
 }
 
 /** Validate a `/v1/responses` body into a chat request (the same template); throws `invalid_request` naming the field. */
@@ -704,6 +764,7 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
   const instructions = req.instructions ?? null;
   const messages = instructions === null ? input : [{ role: "system", content: instructions }, ...input];
   const maxTokens = req.max_output_tokens ?? null;
+  const effort = effortOf(req);
   const chat = parseChatRequest({
     model: req.model,
     messages,
@@ -711,9 +772,11 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
     max_tokens: maxTokens,
     temperature: req.temperature ?? null,
     top_p: req.top_p ?? null,
+    reasoning_effort: effort,
   });
   return {
     ...chat,
+    template: effortAsResponses(chat.template),
     responses: {
       instructions,
       maxOutputTokens: maxTokens,
@@ -723,6 +786,7 @@ export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
           : {},
       user: typeof raw.user === "string" ? raw.user : null,
       obfuscate: req.stream === true && req.stream_options?.include_obfuscation !== false,
+      reasoningEffort: effort,
     },
   };
 }

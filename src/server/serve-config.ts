@@ -16,6 +16,7 @@ import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { isLoopback } from "../lib/loopback.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
+import { REASONING_PARSERS } from "../router/reasoning-parser.js";
 import { parseLinkAddress } from "../transfer/link-address.js";
 import {
   type FrontDoorTls,
@@ -125,6 +126,7 @@ export const serveConfigSchema = z
       .min(1)
       .refine((f) => existsSync(f), { error: "no such file" })
       .optional(),
+    reasoningParser: z.enum(REASONING_PARSERS).optional(),
     maxBodyBytes: byteSizeText.optional(),
     maxPromptBytes: byteSizeText.optional(),
     maxResponseBytes: byteSizeText.optional(),
@@ -264,6 +266,7 @@ const FLAG: Record<string, string> = {
   seed: "--seed",
   generationConfig: "--generation-config",
   chatTemplate: "--chat-template",
+  reasoningParser: "--reasoning-parser",
   maxBodyBytes: "--max-body-bytes",
   maxPromptBytes: "--max-prompt-bytes",
   maxResponseBytes: "--max-response-bytes",

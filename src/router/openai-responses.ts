@@ -343,8 +343,12 @@ function reasoningItem(meta: ResponseMeta, status: ResponseStatus, text: string 
     type: "reasoning" as const,
     status,
     summary: [],
-    content: text === null ? [] : [{ type: "reasoning_text" as const, text }],
+    content: text === null ? [] : [reasoningText(text)],
   };
+}
+
+function reasoningText(text: string) {
+  return { type: "reasoning_text" as const, text };
 }
 
 type ResponseStatus = "in_progress" | "completed" | "incomplete";
@@ -442,6 +446,8 @@ function messageOpening(meta: ResponseMeta): Record<string, unknown>[] {
 const RESPONSES_REASONING: ReasoningShapes = {
   delta: (meta, text) => {
     const track = meta.reasoning!;
+    const item_id = reasoningId(meta);
+    const at = { item_id, output_index: 0, content_index: 0 };
     const opening =
       track.text === null
         ? [
@@ -450,23 +456,21 @@ const RESPONSES_REASONING: ReasoningShapes = {
               output_index: 0,
               item: reasoningItem(meta, "in_progress", null),
             },
+            { type: "response.content_part.added", ...at, part: reasoningText("") },
           ]
         : [];
     track.text = (track.text ?? "") + text;
-    const item_id = reasoningId(meta);
-    return [
-      ...opening,
-      { type: "response.reasoning_text.delta", item_id, output_index: 0, content_index: 0, delta: text },
-    ];
+    return [...opening, { type: "response.reasoning_text.delta", ...at, delta: text }];
   },
   toContent: (meta) => {
     const track = meta.reasoning!;
     const text = track.text;
     if (text === null) return messageOpening(meta);
     track.messageIndex = 1;
-    const item_id = reasoningId(meta);
+    const at = { item_id: reasoningId(meta), output_index: 0, content_index: 0 };
     return [
-      { type: "response.reasoning_text.done", item_id, output_index: 0, content_index: 0, text },
+      { type: "response.reasoning_text.done", ...at, text },
+      { type: "response.content_part.done", ...at, part: reasoningText(text) },
       { type: "response.output_item.done", output_index: 0, item: reasoningItem(meta, "completed", text) },
       ...messageOpening(meta),
     ];

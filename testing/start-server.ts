@@ -62,6 +62,9 @@ export interface TestServerOptions {
   /** `--prefix-cache` (default on) and `--prefix-cache-scope` (default tenant). */
   readonly prefixCache?: "on" | "off";
   readonly prefixCacheScope?: "tenant" | "key";
+  /** `--reasoning-parser` and `--chat-template`. */
+  readonly reasoningParser?: "deepseek_r1" | "qwen3";
+  readonly chatTemplate?: string;
 }
 
 export interface TestServer extends RunningServer {
@@ -102,6 +105,8 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(options.metricsTenantNames === true ? { metricsTenantNames: true } : {}),
     ...(options.prefixCache === undefined ? {} : { prefixCache: options.prefixCache }),
     ...(options.prefixCacheScope === undefined ? {} : { prefixCacheScope: options.prefixCacheScope }),
+    ...(options.reasoningParser === undefined ? {} : { reasoningParser: options.reasoningParser }),
+    ...(options.chatTemplate === undefined ? {} : { chatTemplate: options.chatTemplate }),
   });
   try {
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });

@@ -78,7 +78,7 @@ export class Generation {
   readonly #includeStop: boolean;
   /** Token by token (the client's stop ids, min_tokens), or whole batches. */
   readonly #perToken: boolean;
-  /** An EOS token the engine reported (the real engines report none: then the model's only EOS id). */
+  /** An EOS seen among the tokens, else the model's only EOS id (the engine's finish may name it instead). */
   #eos: number | null;
   #completionTokens = 0;
   #done = false;
@@ -184,12 +184,13 @@ export class Generation {
     );
   }
 
-  #onFinish(reason: FinishReason, usage: Usage): void {
+  #onFinish(reason: FinishReason, usage: Usage & { readonly stopTokenId?: number }): void {
     if (this.#done) return;
     const step = this.#stop.push(this.#decoder.flush(), this.#completionTokens >= this.#minTokens);
     const tail = step.stopped ? step.text : step.text + this.#stop.flush();
     this.#done = true;
-    const eos = reason === "stop" && this.#eos !== null ? { eos: this.#eos } : null;
+    const eosId = usage.stopTokenId ?? this.#eos;
+    const eos = reason === "stop" && eosId !== null ? { eos: eosId } : null;
     if (tail !== "") this.#sink.text(tail);
     this.#sink.finish(
       step.stopped ? "stop" : reason,

@@ -172,6 +172,7 @@ export class GenerateHandler {
       prompts: admitted.map((a) => ({ tokens: a.tokens.length, maxTokens: a.maxTokens })),
       bodyBytes,
       modelId: this.#model.id,
+      reasoning: this.#model.reasoningParser !== undefined,
     };
     const tooLarge = responseSizeRefusal(plan, this.#tokenBounds, this.#maxResponseBytes);
     if (tooLarge !== null) {

@@ -13,6 +13,8 @@ import { BYTE_EOS, byteTokenizer, ScriptedEngine } from "../../testing/scripted-
 import { TEST_OPERATOR_KEY } from "../../testing/start-server.js";
 import { createLogger } from "../lib/logger.js";
 import { TenantDirectory } from "./api-keys.js";
+import { parseChatRequest, parseResponsesRequest } from "./openai-schemas.js";
+import { worstCaseResponseBytes } from "./response-size.js";
 import { RouterServer } from "./router-server.js";
 
 const MODEL = "tiny-test";
@@ -26,6 +28,7 @@ type Delta = { content?: string | null; reasoning_content?: string };
 describe("reasoning parser through the router (qwen3)", () => {
   let server: RouterServer;
   let client: OpenAI;
+  let url: string;
 
   before(async () => {
     // A prompt that says "plain" gets an answer without a think block.
@@ -47,7 +50,7 @@ describe("reasoning parser through the router (qwen3)", () => {
       logger: createLogger({ level: "silent" }),
       operatorKey: TEST_OPERATOR_KEY,
     });
-    const url = await server.listen(0, "127.0.0.1");
+    url = await server.listen(0, "127.0.0.1");
     client = new OpenAI({ baseURL: `${url}/v1`, apiKey: KEY, maxRetries: 0 });
   });
   after(() => server.close());
@@ -157,5 +160,35 @@ describe("reasoning parser through the router (qwen3)", () => {
       plain.output.map((o) => o.type),
       ["message"],
     );
+  });
+
+  test("worstCaseResponseBytes() bounds a streamed answer with reasoning, a token a frame", async () => {
+    // Every token of the answer is a frame (the byte tokenizer); the tag's end splits one in two.
+    const maxTokens = Buffer.byteLength(THINKING);
+    const bodies = {
+      chat: { ...ask(), max_tokens: maxTokens, stream: true },
+      responses: { model: MODEL, input: "hi", max_output_tokens: maxTokens, stream: true },
+    } as const;
+    for (const endpoint of ["chat", "responses"] as const) {
+      const body = bodies[endpoint];
+      const path = endpoint === "chat" ? "/v1/chat/completions" : "/v1/responses";
+      const res = await fetch(`${url}${path}`, {
+        method: "POST",
+        headers: { "content-type": "application/json", authorization: `Bearer ${KEY}` },
+        body: JSON.stringify(body),
+      });
+      const bytes = Buffer.byteLength(await res.text());
+      const parsed = endpoint === "chat" ? parseChatRequest(body) : parseResponsesRequest(body);
+      const plan = {
+        endpoint,
+        parsed,
+        prompts: [{ tokens: 16, maxTokens }],
+        bodyBytes: JSON.stringify(body).length,
+        modelId: MODEL,
+      };
+      const worst = worstCaseResponseBytes({ ...plan, reasoning: true }, byteTokenizer.tokenBounds);
+      assert.ok(bytes <= worst, `${endpoint}: ${bytes} bytes, worst case ${worst}`);
+      assert.ok(worstCaseResponseBytes(plan, byteTokenizer.tokenBounds) < worst);
+    }
   });
 });

@@ -747,7 +747,7 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
         [{ tools: [{ type: "function", name: "f", parameters: {}, strict: false }] }, "tools"],
         [{ previous_response_id: "resp_abc" }, "previous_response_id"],
         [{ store: true }, "store"],
-        [{ reasoning: { effort: "high" } }, "reasoning"],
+        [{ reasoning: { effort: "high" } }, "reasoning.effort"],
         [{ background: true }, "background"],
         [{ text: { format: { type: "json_object" } } }, "text.format"],
         [{ top_logprobs: 3 }, "top_logprobs"],

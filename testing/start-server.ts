@@ -65,6 +65,8 @@ export interface TestServerOptions {
   /** `--chat-template FILE` and `--tool-call-parser`. */
   readonly chatTemplate?: string;
   readonly toolCallParser?: string;
+  /** `--reasoning-parser`. */
+  readonly reasoningParser?: "deepseek_r1" | "qwen3";
 }
 
 export interface TestServer extends RunningServer {
@@ -107,6 +109,7 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(options.prefixCacheScope === undefined ? {} : { prefixCacheScope: options.prefixCacheScope }),
     ...(options.chatTemplate === undefined ? {} : { chatTemplate: options.chatTemplate }),
     ...(options.toolCallParser === undefined ? {} : { toolCallParser: options.toolCallParser }),
+    ...(options.reasoningParser === undefined ? {} : { reasoningParser: options.reasoningParser }),
   });
   try {
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });

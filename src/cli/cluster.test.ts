@@ -26,6 +26,7 @@ const FORWARDED: ReadonlyArray<[flag: string, value: string]> = [
   ["--max-messages", "3"],
   ["--max-json-depth", "8"],
   ["--tokenizer-threads", "1"],
+  ["--reasoning-parser", "qwen3"],
   ["--tenant-max-concurrency", "2"],
   ["--tenant-max-pages", "50"],
   ["--tenant-max-queue", "4"],

@@ -68,6 +68,10 @@ export function command(): Command {
     .option("--max-json-depth <n>", "router: bodies nesting deeper get 400 before parsing (default 64)")
     .option("--tokenizer-threads <n>", "router: worker threads that parse, template and tokenize (default 2)")
     .option(
+      "--reasoning-parser <name>",
+      "router: split the <think> block out of answers: deepseek_r1 or qwen3",
+    )
+    .option(
       "--tenant-max-concurrency <n>",
       "router: requests one tenant may have running at once (0: no cap)",
     )
@@ -133,6 +137,7 @@ export function routerArgsOf(raw: RawOptions): string[] {
     ["--tool-call-parser", "toolCallParser"],
     ["--max-json-depth", "maxJsonDepth"],
     ["--tokenizer-threads", "tokenizerThreads"],
+    ["--reasoning-parser", "reasoningParser"],
     ["--tenant-max-concurrency", "tenantMaxConcurrency"],
     ["--tenant-max-pages", "tenantMaxPages"],
     ["--tenant-max-queue", "tenantMaxQueue"],

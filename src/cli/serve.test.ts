@@ -133,6 +133,11 @@ test("parseServeConfig() reads the fair-share and readiness flags; fairShareOf()
   assert.equal(fairShareOf(parseServeConfig(defaults), { count: 0, limits: new Map() }).tenants, 1);
   assert.equal(parseServeConfig(defaults).schedulingPolicy, "fair");
   assert.throws(() => parseServeConfig({ ...defaults, schedulingPolicy: "lifo" }), /--scheduling-policy/);
+  assert.throws(() => parseServeConfig({ ...defaults, reasoningParser: "r1" }), /--reasoning-parser/);
+  assert.equal(
+    parseServeConfig({ ...defaults, reasoningParser: "deepseek_r1" }).reasoningParser,
+    "deepseek_r1",
+  );
   assert.throws(
     () => parseServeConfig({ ...defaults, tenantMaxQueue: "-1", queueTimeout: "soon", readyTimeout: "0" }),
     (err: unknown) =>

@@ -124,6 +124,10 @@ function routerOptions(cmd: Command): Command {
       "how tool calls are read from the output: hermes, llama3_json or mistral (default: the chat template's)",
     )
     .option(
+      "--reasoning-parser <name>",
+      "split the <think> block out of chat and /v1/responses answers: deepseek_r1 or qwen3 (vLLM's flag)",
+    )
+    .option(
       "--max-body-bytes <size>",
       "request bodies over this get 413, before they are read (default 2 x --max-prompt-bytes + 1MiB)",
     )

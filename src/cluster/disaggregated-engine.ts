@@ -513,7 +513,10 @@ export class DisaggregatedEngine implements EngineHandle {
     if (pending === undefined || pending.pair === null) return;
     const pair = pending.pair;
     if (slot !== pair.prefill && slot !== pair.decode) return;
-    if (msg.type === "finished") pending.completionTokens = msg.completionTokens;
+    if (msg.type === "finished") {
+      pending.completionTokens = msg.completionTokens;
+      if (msg.stopTokenId !== undefined) pending.stopTokenId = msg.stopTokenId;
+    }
     if (msg.type === "lease" && pending.reserveSentAt > 0) {
       this.phases.since(PHASE.reservation, pending.reserveSentAt);
       traceSince(pending, "reservation", pending.reserveSentAt);
@@ -611,7 +614,10 @@ export class DisaggregatedEngine implements EngineHandle {
     // A stop token ends the stream; decode reports the finish.
     let n = 0;
     while (n < effect.tokens.length && !pending.sampling.stopTokenIds.includes(effect.tokens[n]!)) n++;
-    if (n < effect.tokens.length) pending.stopped = true;
+    if (n < effect.tokens.length) {
+      pending.stopped = true;
+      pending.stopTokenId = effect.tokens[n]!;
+    }
     if (n > 0) {
       this.#timeTokens(pending, n);
       const all = n === effect.tokens.length;
@@ -667,6 +673,7 @@ export class DisaggregatedEngine implements EngineHandle {
         promptTokens: pending.request.promptTokens.length,
         completionTokens: pending.completionTokens,
         ...(pending.cachedTokens === null ? {} : { cachedTokens: pending.cachedTokens }),
+        ...(pending.stopTokenId === null ? {} : { stopTokenId: pending.stopTokenId }),
       });
     } else pending.events.onError(effect.error);
   }

@@ -38,6 +38,8 @@ export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> 
   readonly affinityKey: string | null;
   completionTokens: number;
   stopped: boolean;
+  /** The stop token (EOS) that ended it, when known (SGLang's matched_stop). */
+  stopTokenId: number | null;
   silenced: boolean;
   /** `performance.now()` at submit, at the last `reserve` sent (0: none), and whether a token reached the client (no retry on another pair after that). */
   readonly submittedAt: number;
@@ -72,6 +74,7 @@ export function pendingRequest(
     cachedTokens: null,
     affinityKey,
     completionTokens: 0,
+    stopTokenId: null,
     stopped: false,
     silenced: false,
     submittedAt: performance.now(),

@@ -210,7 +210,7 @@ test("Engine refuses bad requests: duplicate rid, empty prompt, token out of voc
   assertIdle(engine);
 });
 
-test("Engine finishes with stop on a stop token id, counted in usage but not reported", () => {
+test("Engine finishes with stop on a stop token id, counted and named in usage but not reported", () => {
   const p = PROMPTS[3]!;
   const [free] = runAll(makeEngine(), [request(1, p, 10)]);
   const stopAt = free!.tokens.findIndex((t, i) => i >= 2 && free!.tokens.indexOf(t) === i);
@@ -219,7 +219,8 @@ test("Engine finishes with stop on a stop token id, counted in usage but not rep
   const [o] = runAll(makeEngine(), [request(1, p, 10, withSampling({ stopTokenIds: [stopId] }))]);
   assert.equal(o!.finish, "stop");
   assert.deepEqual(o!.tokens, free!.tokens.slice(0, stopAt));
-  assert.deepEqual(o!.usage, { promptTokens: p.length, completionTokens: stopAt + 1 });
+  // The finish names the stop token (SGLang's matched_stop, issue #34).
+  assert.deepEqual(o!.usage, { promptTokens: p.length, completionTokens: stopAt + 1, stopTokenId: stopId });
 });
 
 test("Engine tag check fails a request whose page carries another request's stamp; the rest go on", () => {

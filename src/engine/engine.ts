@@ -597,7 +597,7 @@ export class Engine {
       return;
     }
     if (sampling.stops(seq, token)) {
-      this.#finish(seq, "stop");
+      this.#finish(seq, "stop", token);
       return;
     }
     const done = seq.generated >= seq.request.maxTokens;
@@ -637,9 +637,10 @@ export class Engine {
     };
   }
 
-  #finish(seq: Sequence, reason: "stop" | "length"): void {
+  #finish(seq: Sequence, reason: "stop" | "length", stopTokenId?: number): void {
     this.#scheduler.end(seq, true);
-    seq.events.onFinish(reason, this.#usage(seq));
+    const usage = this.#usage(seq);
+    seq.events.onFinish(reason, stopTokenId === undefined ? usage : { ...usage, stopTokenId });
   }
 
   #usage(seq: Sequence): { promptTokens: number; completionTokens: number; cachedTokens?: number } {

@@ -551,7 +551,7 @@ export class DecodeNode {
     const { sampling, prompt } = this.#inputs.get(key) ??
       this.#sampleInput(attempt.group, rid, epoch) ?? { sampling: GREEDY_SAMPLING, prompt: undefined };
     if (sampling.stopTokenIds.includes(firstToken)) {
-      this.#endStopped(peer, rid, epoch, 1);
+      this.#endStopped(peer, rid, epoch, 1, firstToken);
       return;
     }
     const request: GenerationRequest = {
@@ -583,7 +583,7 @@ export class DecodeNode {
       },
       onFinish: (reason, usage) => {
         if (this.#running.get(rid) === epoch) this.#running.delete(rid);
-        if (reason === "stop") this.#endStopped(peer, rid, epoch, usage.completionTokens);
+        if (reason === "stop") this.#endStopped(peer, rid, epoch, usage.completionTokens, usage.stopTokenId);
       },
       onError: (error) => {
         if (this.#running.get(rid) !== epoch) return;
@@ -597,13 +597,20 @@ export class DecodeNode {
     this.#core.loop.kick();
   }
 
-  /** A stop token ended a committed attempt: end it in the machine (it frees the pages), report it. */
-  #endStopped(peer: PrefillPeer, rid: number, epoch: number, completionTokens: number): void {
+  /** A stop token (`stopTokenId`, when known) ended a committed attempt: end it in the machine (it frees the pages), report it. */
+  #endStopped(
+    peer: PrefillPeer,
+    rid: number,
+    epoch: number,
+    completionTokens: number,
+    stopTokenId: number | undefined,
+  ): void {
     this.#running.delete(rid);
     this.#step(peer, { type: "message", msg: { type: "abort", rid, epoch } });
+    const stop = stopTokenId === undefined ? {} : { stopTokenId };
     this.#core.toRouter({
       kind: "protocol",
-      msg: { type: "finished", rid, epoch, reason: "stop", tokens: [], completionTokens },
+      msg: { type: "finished", rid, epoch, reason: "stop", tokens: [], completionTokens, ...stop },
     });
   }
 

@@ -62,6 +62,8 @@ export interface GenerationUsage {
   completionTokens: number;
   /** Prompt tokens served from the prefix cache (present when the cache is on). */
   cachedTokens?: number;
+  /** The stop token (EOS) that ended a `stop` finish, when the engine knows it (SGLang's matched_stop). */
+  stopTokenId?: number;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */

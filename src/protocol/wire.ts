@@ -161,6 +161,8 @@ export interface Finished {
   readonly reason: "stop" | "length";
   readonly tokens: readonly number[];
   readonly completionTokens: number;
+  /** The stop token (EOS) that ended a `stop` finish, when the decode engine named it. */
+  readonly stopTokenId?: number;
 }
 
 /** Decode → router: the attempt failed after the reservation (commit check, page tags, pool). */

@@ -748,7 +748,7 @@ describe("issue 17: the API clients expect, in every topology", { timeout: 180_0
         [{ tools: [{ type: "web_search" }] }, "tools[0].type"],
         [{ previous_response_id: "resp_abc" }, "previous_response_id"],
         [{ store: true }, "store"],
-        [{ reasoning: { effort: "high" } }, "reasoning"],
+        [{ reasoning: { effort: "high" } }, "reasoning.effort"],
         [{ background: true }, "background"],
         [{ text: { verbosity: "low" } }, "text.verbosity"],
         [{ top_logprobs: 3 }, "top_logprobs"],

@@ -118,6 +118,11 @@ export class ChoiceLogprobs {
     return echoed.wire;
   }
 
+  /** Output tokens' log-probabilities are waiting to be sent (`take`). */
+  get pending(): boolean {
+    return this.#items.length > this.#sent;
+  }
+
   /** The output tokens' log-probabilities not sent yet (a stream), or null when none were asked. */
   take(): object | null {
     const { parsed, responses, piece } = this.#rendering;

@@ -23,6 +23,7 @@ import type { SamplingRequest } from "./openai-schemas.js";
 import type { RequestPreparer } from "./prepare-pool.js";
 import { type GenerateEndpointName, PROMPT_KINDS } from "./prepare-request.js";
 import { checkJsonContentType, readBody } from "./read-body.js";
+import type { ReasoningParserName } from "./reasoning-parser.js";
 import { type SamplingModel, samplingParams } from "./request-sampling.js";
 import { responseSizeRefusal, type TokenBounds } from "./response-size.js";
 import type { Endpoint, RouterMetrics } from "./router-metrics.js";
@@ -71,8 +72,8 @@ export interface GenerateHandlerOptions {
   readonly tokenizer: ReplyTokenizer;
   /** The vocabulary's longest tokens, for the worst case of an answer (response-size.ts). */
   readonly tokenBounds: TokenBounds;
-  /** The served model: the id its answers name, its sampling defaults. */
-  readonly model: SamplingModel & { readonly id: string };
+  /** The served model: the id its answers name, its sampling defaults, its reasoning parser. */
+  readonly model: SamplingModel & { readonly id: string; readonly reasoningParser?: ReasoningParserName };
   readonly preparer: RequestPreparer;
   readonly maxBodyBytes: number;
   readonly maxResponseBytes: number;
@@ -91,7 +92,7 @@ export class GenerateHandler {
   readonly #engine: EngineHandle;
   readonly #tokenizer: ReplyTokenizer;
   readonly #tokenBounds: TokenBounds;
-  readonly #model: SamplingModel & { readonly id: string };
+  readonly #model: SamplingModel & { readonly id: string; readonly reasoningParser?: ReasoningParserName };
   readonly #preparer: RequestPreparer;
   readonly #maxBodyBytes: number;
   readonly #maxResponseBytes: number;
@@ -171,6 +172,7 @@ export class GenerateHandler {
       prompts: admitted.map((a) => ({ tokens: a.tokens.length, maxTokens: a.maxTokens })),
       bodyBytes,
       modelId: this.#model.id,
+      reasoning: this.#model.reasoningParser !== undefined,
     };
     const tooLarge = responseSizeRefusal(plan, this.#tokenBounds, this.#maxResponseBytes);
     if (tooLarge !== null) {
@@ -202,6 +204,7 @@ export class GenerateHandler {
       parsed,
       responses: kind.responses,
       planned,
+      reasoningParser: this.#model.reasoningParser ?? null,
       hooks: {
         tokens: (count) => {
           lastTokenAt = this.#observeTokens(ctx, labels, count, lastTokenAt);

@@ -9,12 +9,22 @@
  * ones once every choice finished; or, not streamed, the whole answer of every choice with the
  * usage summed over them. One choice failing fails the reply and stops the others.
  *
+ * With a reasoning parser (`--reasoning-parser`, reasoning-parser.ts), chat and the Responses API
+ * split each choice's `<think>` block out of its text: streamed as the endpoint streams reasoning
+ * (`ResponseStrategy.reasoning`), and in the whole answer as its `reasoning`.
+ *
+ * A choice's finish goes on the chunk of its last token when that chunk is still queued (as vLLM
+ * and SGLang send it; the EOS token has a chunk of its own, without text), else on a chunk of its
+ * own (OpenAI's way).
+ *
  * It knows nothing of HTTP. The HTTP layer (answer-writer.ts) calls `start` with a wake-up; on each
  * wake-up it writes the stream's headers once they are due (`streaming`: the engine's first event,
  * so that an error before it is still a real 4xx/5xx), takes the payloads queued (`next`) and, once
- * there is one, the `outcome`. A wake-up follows every engine event that queued something, in the
- * same call, so nothing waits in the queue; the writing itself (json-writer.ts) has the
- * backpressure. What the router records of the request goes to its `ReplyHooks`.
+ * there is one, the `outcome`. A wake-up follows the engine events that queued something, once per
+ * call of the engine (a microtask later: a last token and its finish, reported in one call, go out
+ * as one chunk), so nothing waits in the queue past that call; the writing itself
+ * (json-writer.ts) has the backpressure. What the router records of the request goes to its
+ * `ReplyHooks`.
  */
 
 import { Deque } from "../lib/deque.js";
@@ -31,7 +41,14 @@ import {
 } from "./generation.js";
 import type { TokenPiece } from "./logprobs-wire.js";
 import { completionId, type ResponseMeta, type ResponseStrategy, usageWire } from "./openai-responses.js";
-import type { ResponsesEcho, SamplingRequest } from "./openai-schemas.js";
+import type { ReasoningOutput, SamplingRequest } from "./openai-schemas.js";
+import {
+  type ReasoningParserName,
+  type ReasoningPiece,
+  ReasoningSplitter,
+  splitReasoning,
+} from "./reasoning-parser.js";
+import type { ResponsesEcho } from "./responses-request.js";
 import type { SseFraming } from "./sse.js";
 import { ToolCallStream, type ToolStreamDelta } from "./tool-call-parser.js";
 
@@ -87,6 +104,11 @@ interface Choice extends PlannedChoice {
   text: string;
   /** Reads tool calls out of its text (the request's tools are parsed); else null. */
   readonly tools: ToolCallStream | null;
+  /** With a reasoning parser: its text's split so far, and whether its content began. */
+  readonly splitter: ReasoningSplitter | null;
+  contentBegan: boolean;
+  /** Its last text chunk (its finish may go on it while it is still queued). */
+  lastChunk: Record<string, unknown> | null;
   /** Its stream opened (its opening payloads are queued). */
   opened: boolean;
   result: ChoiceResult | null;
@@ -102,17 +124,25 @@ export interface ReplyParts {
   readonly responses: ResponseStrategy;
   readonly planned: readonly PlannedChoice[];
   readonly hooks: ReplyHooks;
+  /** `--reasoning-parser` (absent: none); endpoints without reasoning shapes ignore it. */
+  readonly reasoningParser?: ReasoningParserName | null;
 }
 
 export class GenerationReply {
   readonly #parsed: SamplingRequest;
   readonly #responses: ResponseStrategy;
+  /** The parser, when the endpoint streams reasoning. */
+  readonly #parser: ReasoningParserName | null;
+  /** vLLM's `include_reasoning`: false drops the reasoning the parser splits out. */
+  readonly #includeReasoning: boolean;
   readonly #meta: ResponseMeta;
   readonly #hooks: ReplyHooks;
   readonly #choices: readonly Choice[];
   readonly #generations: readonly Generation[];
   /** Payloads not taken yet (`next`). */
   readonly #queue = new Deque<Record<string, unknown>>(4);
+  /** The choices' last text chunks still in the queue. */
+  readonly #queuedText = new Set<Record<string, unknown>>();
   /** vLLM's continuous_usage_stats: the prompts' tokens (each prompt once), and the tokens so far. */
   readonly #promptTokens: number;
   #generated = 0;
@@ -120,13 +150,21 @@ export class GenerationReply {
   #ended = false;
   #outcome: ReplyOutcome | null = null;
   #wake: () => void = () => {};
+  #wakeDue = false;
 
   constructor(parts: ReplyParts) {
     const { parsed, responses, planned, tokenizer } = parts;
     this.#parsed = parsed;
     this.#responses = responses;
     this.#hooks = parts.hooks;
-    this.#meta = responseMeta(responses, parsed, planned[0]!.request, parts.modelId);
+    const output = (parsed as { reasoningOutput?: ReasoningOutput }).reasoningOutput;
+    const parser =
+      responses.reasoning === undefined || output?.separate === false
+        ? null
+        : (parts.reasoningParser ?? null);
+    this.#parser = parser;
+    this.#includeReasoning = output?.include !== false;
+    this.#meta = responseMeta(responses, parsed, planned[0]!.request, parts.modelId, parser !== null);
     this.#promptTokens = planned.reduce(
       (n, p) => n + (p.firstOfPrompt ? p.request.promptTokens.length : 0),
       0,
@@ -142,6 +180,9 @@ export class GenerationReply {
       index,
       text: "",
       tools: parsing === null ? null : new ToolCallStream(parsing.format, { maxCalls: parsing.maxCalls }),
+      splitter: parser === null || !parsed.stream ? null : new ReasoningSplitter(parser),
+      contentBegan: false,
+      lastChunk: null,
       opened: false,
       ...logprobs[index]!,
       result: null,
@@ -181,13 +222,25 @@ export class GenerationReply {
 
   /** The next stream payload queued, or undefined. */
   next(): Record<string, unknown> | undefined {
-    return this.#queue.popFront();
+    const payload = this.#queue.popFront();
+    if (payload !== undefined) this.#queuedText.delete(payload);
+    return payload;
   }
 
   /** Submits every choice to the engine; `wake` is called whenever there is something to write. */
   start(wake: () => void): void {
     this.#wake = wake;
     for (const generation of this.#generations) generation.start();
+  }
+
+  /** Wakes the writer once the engine's current call returns (see above). */
+  #wakeSoon(): void {
+    if (this.#wakeDue) return;
+    this.#wakeDue = true;
+    queueMicrotask(() => {
+      this.#wakeDue = false;
+      this.#wake();
+    });
   }
 
   /** The client went away: every choice stops, no payload follows. */
@@ -208,7 +261,7 @@ export class GenerationReply {
         this.#hooks.tokens(count);
         if (stream && !choice.opened) {
           this.#open(choice);
-          this.#wake();
+          this.#wakeSoon();
         }
       },
       logprobs: (entry) => choice.logprobs.push(entry),
@@ -221,27 +274,32 @@ export class GenerationReply {
         }
         choice.text += delta;
         if (!stream) return;
-        this.#send(choice, this.#responses.delta(meta, delta, includeUsage, choice.logprobs.take()));
-        this.#wake();
+        if (choice.splitter === null) this.#sendText(choice, { reasoning: "", content: delta });
+        else this.#sendText(choice, choice.splitter.push(delta));
+        this.#wakeSoon();
       },
       finish: (engineReason, usage, stopReason) => {
         if (this.#ended) return;
         const reason = choice.tools === null ? engineReason : this.#endTools(choice, engineReason);
         choice.result = { reason, usage, stopReason };
         if (stream) {
+          if (choice.splitter !== null) this.#sendText(choice, choice.splitter.flush(), true);
+          const last = choice.lastChunk;
+          const onLast = last !== null && this.#queuedText.has(last) && !choice.logprobs.pending;
           const logprobs = choice.logprobs.take();
-          for (const chunk of this.#responses.finish(
+          const chunks = this.#responses.finish(
             meta,
             reason,
             includeUsage,
             stopReason,
             logprobs,
-            choice.text,
-          ))
-            this.#send(choice, chunk);
+            this.#parser === null ? choice.text : splitReasoning(this.#parser, choice.text).content,
+          );
+          if (onLast && this.framing === "data" && chunks.length === 1) this.#finishOn(last, chunks[0]!);
+          else for (const chunk of chunks) this.#send(choice, chunk);
         }
         if (this.#choices.every((c) => c.result !== null)) this.#finished();
-        this.#wake();
+        this.#wakeSoon();
       },
       fail: (internal) => {
         if (this.#ended) return;
@@ -256,7 +314,7 @@ export class GenerationReply {
         } else {
           this.#outcome = { kind: "error", error };
         }
-        this.#wake();
+        this.#wakeSoon();
       },
     };
   }
@@ -292,11 +350,14 @@ export class GenerationReply {
     choice.opened = true;
     const meta = this.#meta;
     const includeUsage = this.#parsed.includeUsage;
-    for (const opening of this.#responses.opening(meta, includeUsage))
+    const openings = this.#responses.opening(meta, includeUsage);
+    if (choice.echo !== null)
+      openings.push(this.#responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed()));
+    for (const opening of openings) {
+      // vLLM's continuous usage: the first chunk too, before any token is counted.
+      if (this.#parsed.continuousUsage)
+        opening.usage = usageWire({ promptTokens: this.#promptTokens, completionTokens: 0 });
       this.#queue.pushBack(withIndex(opening, choice.index));
-    if (choice.echo !== null) {
-      const delta = this.#responses.delta(meta, choice.echo, includeUsage, choice.logprobs.echoed());
-      this.#queue.pushBack(withIndex(delta, choice.index));
     }
   }
 
@@ -308,12 +369,52 @@ export class GenerationReply {
     this.#queue.pushBack(withIndex(chunk, choice.index));
   }
 
+  /**
+   * Queues a piece of `choice`'s text: its reasoning (with a parser), the payloads between the
+   * reasoning and the content once the content begins (or the choice ends), its content.
+   */
+  #sendText(choice: Choice, piece: ReasoningPiece, ending = false): void {
+    const meta = this.#meta;
+    const includeUsage = this.#parsed.includeUsage;
+    const shapes = this.#responses.reasoning;
+    if (piece.reasoning !== "" && this.#includeReasoning)
+      for (const chunk of shapes!.delta(meta, piece.reasoning, includeUsage, choice.logprobs.take()))
+        this.#sendLast(choice, chunk);
+    if (choice.splitter !== null && !choice.contentBegan && (ending || choice.splitter.inContent)) {
+      choice.contentBegan = true;
+      for (const chunk of shapes!.toContent(meta)) this.#send(choice, chunk);
+    }
+    if (piece.content !== "")
+      this.#sendLast(
+        choice,
+        this.#responses.delta(meta, piece.content, includeUsage, choice.logprobs.take()),
+      );
+  }
+
+  /** Queues a chunk of text of `choice`: its finish may go on it while it is still queued. */
+  #sendLast(choice: Choice, chunk: Record<string, unknown>): void {
+    this.#send(choice, chunk);
+    choice.lastChunk = chunk;
+    this.#queuedText.add(chunk);
+  }
+
+  /** Moves the finish fields of `finish` onto the queued chunk `last` (and the usage so far, when continuous). */
+  #finishOn(last: Record<string, unknown>, finish: Record<string, unknown>): void {
+    const into = (last.choices as Record<string, unknown>[])[0]!;
+    const from = (finish.choices as Record<string, unknown>[])[0]!;
+    for (const [key, value] of Object.entries(from))
+      if (key !== "index" && key !== "delta" && key !== "text" && key !== "logprobs") into[key] = value;
+    if (this.#parsed.continuousUsage)
+      last.usage = usageWire({ promptTokens: this.#promptTokens, completionTokens: this.#generated });
+  }
+
   /** Every choice finished: the whole answer, or the stream's closing payloads. */
   #finished(): void {
     const choices = this.#choices;
     const usage = totalUsage(choices);
     this.#end(200, usage);
-    const whole = () => wholeAnswer(this.#responses, this.#meta, choices, usage);
+    const whole = () =>
+      wholeAnswer(this.#responses, this.#meta, choices, usage, this.#parser, this.#includeReasoning);
     if (!this.#parsed.stream) {
       this.#outcome = { kind: "answer", body: whole() };
       return;
@@ -336,6 +437,7 @@ function responseMeta(
   parsed: SamplingRequest,
   first: GenerationRequest,
   model: string,
+  reasoning: boolean,
 ): ResponseMeta {
   const echo = (parsed as { responses?: ResponsesEcho }).responses;
   return {
@@ -345,6 +447,7 @@ function responseMeta(
     sampling: { temperature: first.sampling.temperature, topP: first.sampling.topP },
     ...(parsed.tools?.legacy === true ? { legacyFunctions: true } : {}),
     ...(echo === undefined ? {} : { responses: echo }),
+    ...(reasoning ? { reasoning: { text: null, messageIndex: 0 } } : {}),
   };
 }
 
@@ -373,18 +476,23 @@ function wholeAnswer(
   meta: ResponseMeta,
   choices: readonly Choice[],
   usage: Usage,
+  parser: ReasoningParserName | null,
+  includeReasoning: boolean,
 ): object {
   return mergeChoices(
-    choices.map((c) =>
-      responses.completion(
+    choices.map((c) => {
+      const text = (c.echo ?? "") + c.text;
+      const split = parser === null ? null : splitReasoning(parser, text);
+      const extras = c.tools === null ? c.logprobs.all() : { ...c.logprobs.all(), toolCalls: c.tools.calls };
+      return responses.completion(
         meta,
-        (c.echo ?? "") + c.text,
+        split === null ? text : split.content,
         c.result!.reason,
         usage,
         c.result!.stopReason,
-        c.tools === null ? c.logprobs.all() : { ...c.logprobs.all(), toolCalls: c.tools.calls },
-      ),
-    ),
+        split === null ? extras : { ...extras, reasoning: includeReasoning ? split.reasoning : null },
+      );
+    }),
   );
 }
 

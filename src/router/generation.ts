@@ -3,8 +3,9 @@
  * text with a UTF-8-safe streaming decoder, matches stop strings and the client's stop token ids
  * (aborting the engine request on a match; stop strings only once `minTokens` were generated, as
  * vLLM does — the engine holds stop tokens back until then), and reports to a sink exactly once at
- * the end (`finish` or `fail`, with vLLM's `stop_reason`: the stop string or token id that matched). `abort()` (client
- * gone) ends it silently; the engine frees the request's pages and sends nothing more.
+ * the end (`finish` or `fail`, with vLLM's `stop_reason`: the stop string or token id that matched,
+ * or the EOS token that ended it). `abort()` (client gone) ends it silently; the engine frees the
+ * request's pages and sends nothing more.
  */
 
 import { KvfenceError, type WireError } from "../lib/errors.js";
@@ -31,8 +32,17 @@ export interface Usage {
  */
 export type FinishReason = "stop" | "length" | "tool_calls" | "function_call";
 
-/** What ended a `stop` finish other than EOS: the stop string or the stop token id; else null. */
-export type StopReason = string | number | null;
+/**
+ * What ended a `stop` finish: the stop string or the client's stop token id (vLLM's `stop_reason`
+ * and SGLang's `matched_stop`), or the EOS token (SGLang's `matched_stop` only: vLLM says null);
+ * null for `length`, or an EOS the router cannot name (several EOS ids, none reported).
+ */
+export type StopReason = string | number | EosStop | null;
+
+/** Generation ended on the model's EOS token `eos`. */
+export interface EosStop {
+  readonly eos: number;
+}
 
 export interface GenerationSink {
   /** Tokens arrived (even if they produced no text yet); `count` new ones. */
@@ -72,6 +82,8 @@ export class Generation {
   readonly #includeStop: boolean;
   /** Token by token (the client's stop ids, min_tokens), or whole batches. */
   readonly #perToken: boolean;
+  /** An EOS seen among the tokens, else the model's only EOS id (the engine's finish may name it instead). */
+  #eos: number | null;
   #completionTokens = 0;
   #done = false;
 
@@ -91,6 +103,8 @@ export class Generation {
     this.#stopIds = new Set(options.stopTokenIds ?? []);
     this.#minTokens = options.minTokens ?? 0;
     this.#perToken = this.#stopIds.size > 0 || this.#minTokens > 0 || options.logprobs === true;
+    const eos = request.sampling.stopTokenIds;
+    this.#eos = eos.length === 1 ? eos[0]! : null;
   }
 
   get rid(): number {
@@ -130,14 +144,19 @@ export class Generation {
       return;
     }
     this.#completionTokens += ids.length;
-    const visible = ids.some((id) => this.#skip.has(id)) ? ids.filter((id) => !this.#skip.has(id)) : ids;
+    const eos = ids.find((id) => this.#skip.has(id));
+    if (eos !== undefined) this.#eos = eos;
+    const visible = eos === undefined ? ids : ids.filter((id) => !this.#skip.has(id));
     this.#emit(visible.length === 0 ? "" : this.#decoder.push(visible), true);
   }
 
   /** One token, when the client's stop ids or min_tokens need them one by one. */
   #onToken(id: number, logprobs: TokenLogprobs | undefined): void {
     this.#completionTokens++;
-    if (this.#skip.has(id)) return;
+    if (this.#skip.has(id)) {
+      this.#eos = id;
+      return;
+    }
     if (logprobs !== undefined && (this.#includeStop || !this.#stopIds.has(id)))
       this.#sink.logprobs?.(logprobs);
     if (this.#stopIds.has(id)) {
@@ -169,11 +188,13 @@ export class Generation {
     );
   }
 
-  #onFinish(reason: FinishReason, usage: Usage): void {
+  #onFinish(reason: FinishReason, usage: Usage & { readonly stopTokenId?: number }): void {
     if (this.#done) return;
     const step = this.#stop.push(this.#decoder.flush(), this.#completionTokens >= this.#minTokens);
     const tail = step.stopped ? step.text : step.text + this.#stop.flush();
     this.#done = true;
+    const eosId = usage.stopTokenId ?? this.#eos;
+    const eos = reason === "stop" && eosId !== null ? { eos: eosId } : null;
     if (tail !== "") this.#sink.text(tail);
     this.#sink.finish(
       step.stopped ? "stop" : reason,
@@ -182,7 +203,7 @@ export class Generation {
         completionTokens: Math.max(usage.completionTokens, this.#completionTokens),
         ...(usage.cachedTokens === undefined ? {} : { cachedTokens: usage.cachedTokens }),
       },
-      step.stopped ? (step.matched ?? null) : null,
+      step.stopped ? (step.matched ?? null) : eos,
     );
   }
 

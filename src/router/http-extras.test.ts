@@ -178,7 +178,8 @@ describe("HTTP additions (issue #17)", () => {
     });
     const usages: (number | undefined)[] = [];
     for await (const chunk of stream) usages.push(chunk.usage?.completion_tokens);
-    // The role chunk goes before any token; each later chunk counts the tokens so far, then the total.
-    assert.deepEqual(usages.slice(1), [1, 2, 3, 4, 4, 4]);
+    // The role chunk counts 0 tokens (vLLM's first chunk); each later chunk counts the tokens so far
+    // (the 4th carries the finish, issue #34), then the total.
+    assert.deepEqual(usages, [0, 1, 2, 3, 4, 4]);
   });
 });

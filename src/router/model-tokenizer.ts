@@ -41,6 +41,14 @@ export function routerTokenizer(
           { param: "messages" },
         );
       }
+      // A field that sets a template variable (reasoning_effort) needs a template that reads it.
+      for (const [variable, param] of Object.entries(options?.mustRead ?? {}))
+        if (!chatTemplate.source.includes(variable))
+          throw new KvfenceError(
+            "invalid_request",
+            `${param} is not supported by this model: its chat template never reads ${variable}; leave ${param} unset`,
+            { param },
+          );
       // The rendered text already carries the template's special tokens (BOS, <|im_start|>, ...).
       return tokenizer.encode(chatTemplate.render(messages, options ?? { addGenerationPrompt: true }), {
         addSpecialTokens: options?.addSpecialTokens === true,

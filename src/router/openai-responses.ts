@@ -3,7 +3,8 @@
  * `chat.completion.chunk` and `text_completion` objects, `usage` with prompt, completion and total
  * tokens, and the usage-only chunk (empty `choices`) that `stream_options.include_usage` asks for.
  * A choice that finished also says what stopped it as vLLM (`stop_reason`) and SGLang
- * (`matched_stop`) do: the stop string or stop token id, null for EOS and `length`.
+ * (`matched_stop`) do: the stop string or stop token id; for EOS, vLLM's null and SGLang's EOS
+ * token id; null for `length`.
  * Each endpoint's shapes are gathered in one `ResponseStrategy` (chat, text, or OpenAI's Responses
  * API: a `response` object, and a stream of named events each with its `sequence_number`), which is
  * all the router needs to know about the difference between them.
@@ -11,7 +12,7 @@
 import { randomBytes } from "node:crypto";
 import type { FinishReason, StopReason, Usage } from "./generation.js";
 import { chatLogprobs, type LogprobItem, type PieceOf, textLogprobs } from "./logprobs-wire.js";
-import type { ResponsesEcho } from "./openai-schemas.js";
+import type { ResponsesEcho } from "./responses-request.js";
 import type { SseFraming } from "./sse.js";
 import type { ParsedToolCall, ToolCallDelta } from "./tool-call-parser.js";
 import {
@@ -28,6 +29,8 @@ export interface ChoiceExtras {
   readonly promptLogprobs?: unknown;
   /** The tool calls parsed from the text (tool-call-parser.ts); absent: the request has no tool parsing. */
   readonly toolCalls?: readonly ParsedToolCall[];
+  /** With a reasoning parser: the reasoning split out of the text (null: none). */
+  readonly reasoning?: string | null;
 }
 
 /** An OpenAI error envelope (src/lib/errors.ts, `toOpenAiError`). */
@@ -78,6 +81,34 @@ export interface ResponseMeta {
   readonly responses?: ResponsesEcho;
   /** The request used OpenAI's deprecated `functions`: calls answer as `function_call`. */
   readonly legacyFunctions?: boolean;
+  /** With a reasoning parser, a stream's reasoning so far (the Responses API's items follow it). */
+  readonly reasoning?: ReasoningTrack;
+}
+
+/** A streamed response's reasoning: its text so far (null: none yet), and where the message goes. */
+export interface ReasoningTrack {
+  text: string | null;
+  messageIndex: number;
+}
+
+/** How an endpoint streams the reasoning a reasoning parser splits out (reasoning-parser.ts). */
+export interface ReasoningShapes {
+  /** The payloads of a piece of reasoning. */
+  delta(
+    meta: ResponseMeta,
+    text: string,
+    includeUsage: boolean,
+    logprobs: object | null,
+  ): Record<string, unknown>[];
+  /** The payloads between the reasoning and the content: once, before the first content or the finish. */
+  toContent(meta: ResponseMeta): Record<string, unknown>[];
+}
+
+/** vLLM's `stop_reason` and SGLang's `matched_stop` of a finished choice (they differ only for EOS). */
+function stopFields(stopReason: StopReason) {
+  if (stopReason !== null && typeof stopReason === "object")
+    return { stop_reason: null, matched_stop: stopReason.eos };
+  return { stop_reason: stopReason, matched_stop: stopReason };
 }
 
 export function chatCompletion(
@@ -97,11 +128,13 @@ export function chatCompletion(
     choices: [
       {
         index: 0,
-        message: chatMessage(content, extras.toolCalls, meta.legacyFunctions === true),
+        message: {
+          ...chatMessage(content, extras.toolCalls, meta.legacyFunctions === true),
+          ...(extras.reasoning === undefined ? {} : { reasoning_content: extras.reasoning }),
+        },
         logprobs: extras.logprobs ?? null,
         finish_reason: finish,
-        stop_reason: stopReason,
-        matched_stop: stopReason,
+        ...stopFields(stopReason),
       },
     ],
     usage: usageWire(usage),
@@ -142,8 +175,7 @@ export function textCompletion(
         text,
         logprobs: extras.logprobs ?? null,
         finish_reason: finish,
-        stop_reason: stopReason,
-        matched_stop: stopReason,
+        ...stopFields(stopReason),
         ...(extras.promptLogprobs === undefined ? {} : { prompt_logprobs: extras.promptLogprobs }),
       },
     ],
@@ -154,6 +186,7 @@ export function textCompletion(
 type ChatDelta = {
   role?: "assistant";
   content?: string;
+  reasoning_content?: string;
   tool_calls?: Record<string, unknown>[];
   function_call?: { name?: string; arguments: string };
 };
@@ -168,7 +201,7 @@ export function chatChunk(
   logprobs: object | null = null,
 ) {
   const choice: Record<string, unknown> = { index: 0, delta, logprobs, finish_reason: finish };
-  if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
+  if (stopReason !== undefined) Object.assign(choice, stopFields(stopReason));
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "chat.completion.chunk",
@@ -190,7 +223,7 @@ export function textChunk(
   logprobs: object | null = null,
 ) {
   const choice: Record<string, unknown> = { index: 0, text, logprobs, finish_reason: finish };
-  if (stopReason !== undefined) Object.assign(choice, { stop_reason: stopReason, matched_stop: stopReason });
+  if (stopReason !== undefined) Object.assign(choice, stopFields(stopReason));
   const chunk: Record<string, unknown> = {
     id: meta.id,
     object: "text_completion",
@@ -275,6 +308,8 @@ export interface ResponseStrategy {
   ): object;
   /** Log-probabilities of `items` in this endpoint's shape; `offset`: the text before them (completions). */
   logprobs(items: readonly LogprobItem[], piece: PieceOf, offset: { value: number }): object;
+  /** How it streams reasoning (absent: the endpoint splits none out, as completions). */
+  readonly reasoning?: ReasoningShapes;
 }
 
 /** A chat chunk's delta of one call's piece: `tool_calls`, or the deprecated `function_call`. */
@@ -308,6 +343,13 @@ export const CHAT_RESPONSES: ResponseStrategy = {
   streamError: (body) => ({ ...body }),
   completion: chatCompletion,
   logprobs: (items, piece) => chatLogprobs(items, piece),
+  // vLLM's: reasoning deltas carry `reasoning_content`, then content deltas follow.
+  reasoning: {
+    delta: (meta, text, includeUsage, logprobs) => [
+      chatChunk(meta, { reasoning_content: text }, null, includeUsage, undefined, logprobs),
+    ],
+    toContent: () => [],
+  },
 };
 
 export const TEXT_RESPONSES: ResponseStrategy = {
@@ -339,6 +381,26 @@ export function responsesUsage(usage: Usage) {
 /** The one output message's id: `msg_` and the response id's random part. */
 function messageId(meta: ResponseMeta): string {
   return `msg_${meta.id.slice(ID_PREFIX.response.length)}`;
+}
+
+/** The reasoning item's id: `rs_` and the response id's random part. */
+function reasoningId(meta: ResponseMeta): string {
+  return `rs_${meta.id.slice(ID_PREFIX.response.length)}`;
+}
+
+/** The reasoning item of a response (OpenAI's shape: its text as one `reasoning_text` part). */
+function reasoningItem(meta: ResponseMeta, status: ResponseStatus, text: string | null) {
+  return {
+    id: reasoningId(meta),
+    type: "reasoning" as const,
+    status,
+    summary: [],
+    content: text === null ? [] : [reasoningText(text)],
+  };
+}
+
+function reasoningText(text: string) {
+  return { type: "reasoning_text" as const, text };
 }
 
 type ResponseStatus = "in_progress" | "completed" | "incomplete";
@@ -381,7 +443,7 @@ function responseObject(meta: ResponseMeta, status: ResponseStatus, output: obje
     output,
     parallel_tool_calls: echo?.tools?.parallel ?? false,
     previous_response_id: null,
-    reasoning: { effort: null, summary: null },
+    reasoning: { effort: echo?.reasoningEffort ?? null, summary: null },
     service_tier: "default" as const,
     store: false,
     temperature: meta.sampling?.temperature ?? null,
@@ -410,8 +472,57 @@ function obfuscation(meta: ResponseMeta): { obfuscation?: string } {
   return { obfuscation: randomAlphanumerics(1 + (randomBytes(1)[0]! % 16)) };
 }
 
-/** The place of the message's text in a response: output 0, content part 0. */
-const PART = { output_index: 0, content_index: 0 } as const;
+/** The place of the message's text in a response: output 0 (1 after a reasoning item), content part 0. */
+function part(meta: ResponseMeta) {
+  return { output_index: meta.reasoning?.messageIndex ?? 0, content_index: 0 };
+}
+
+/** The events that open the message item and its text part. */
+function messageOpening(meta: ResponseMeta): Record<string, unknown>[] {
+  return [
+    {
+      type: "response.output_item.added",
+      output_index: part(meta).output_index,
+      item: messageItem(meta, "in_progress", null),
+    },
+    { type: "response.content_part.added", item_id: messageId(meta), ...part(meta), part: outputText("") },
+  ];
+}
+
+/** OpenAI's reasoning events: the reasoning item (output 0) and its `reasoning_text` deltas, then the message item. */
+const RESPONSES_REASONING: ReasoningShapes = {
+  delta: (meta, text) => {
+    const track = meta.reasoning!;
+    const item_id = reasoningId(meta);
+    const at = { item_id, output_index: 0, content_index: 0 };
+    const opening =
+      track.text === null
+        ? [
+            {
+              type: "response.output_item.added",
+              output_index: 0,
+              item: reasoningItem(meta, "in_progress", null),
+            },
+            { type: "response.content_part.added", ...at, part: reasoningText("") },
+          ]
+        : [];
+    track.text = (track.text ?? "") + text;
+    return [...opening, { type: "response.reasoning_text.delta", ...at, delta: text }];
+  },
+  toContent: (meta) => {
+    const track = meta.reasoning!;
+    const text = track.text;
+    if (text === null) return messageOpening(meta);
+    track.messageIndex = 1;
+    const at = { item_id: reasoningId(meta), output_index: 0, content_index: 0 };
+    return [
+      { type: "response.reasoning_text.done", ...at, text },
+      { type: "response.content_part.done", ...at, part: reasoningText(text) },
+      { type: "response.output_item.done", output_index: 0, item: reasoningItem(meta, "completed", text) },
+      ...messageOpening(meta),
+    ];
+  },
+};
 
 export const RESPONSES_API: ResponseStrategy = {
   idKind: "response",
@@ -419,23 +530,23 @@ export const RESPONSES_API: ResponseStrategy = {
   opening: (meta) => [
     { type: "response.created", response: responseObject(meta, "in_progress", [], null) },
     { type: "response.in_progress", response: responseObject(meta, "in_progress", [], null) },
-    { type: "response.output_item.added", output_index: 0, item: messageItem(meta, "in_progress", null) },
-    { type: "response.content_part.added", item_id: messageId(meta), ...PART, part: outputText("") },
+    // With a reasoning parser, the message opens after the reasoning (RESPONSES_REASONING).
+    ...(meta.reasoning === undefined ? messageOpening(meta) : []),
   ],
   delta: (meta, text) => ({
     type: "response.output_text.delta",
     item_id: messageId(meta),
-    ...PART,
+    ...part(meta),
     delta: text,
     logprobs: [],
     ...obfuscation(meta),
   }),
   finish: (meta, reason, _includeUsage, _stopReason, _logprobs, text) => [
-    { type: "response.output_text.done", item_id: messageId(meta), ...PART, text, logprobs: [] },
-    { type: "response.content_part.done", item_id: messageId(meta), ...PART, part: outputText(text) },
+    { type: "response.output_text.done", item_id: messageId(meta), ...part(meta), text, logprobs: [] },
+    { type: "response.content_part.done", item_id: messageId(meta), ...part(meta), part: outputText(text) },
     {
       type: "response.output_item.done",
-      output_index: 0,
+      output_index: part(meta).output_index,
       item: messageItem(meta, finishedStatus(reason), text),
     },
   ],
@@ -456,8 +567,12 @@ export const RESPONSES_API: ResponseStrategy = {
   }),
   completion: (meta, text, reason, usage, _stopReason, extras) => {
     const status = finishedStatus(reason);
+    const message = messageItem(meta, status, text);
+    const reasoning = extras?.reasoning ?? null;
     const calls = (extras?.toolCalls ?? []).map((call) => functionCallItem(call, "completed"));
-    return responseObject(meta, status, [messageItem(meta, status, text), ...calls], usage);
+    const output = reasoning === null ? [message] : [reasoningItem(meta, "completed", reasoning), message];
+    return responseObject(meta, status, [...output, ...calls], usage);
   },
   logprobs: () => ({}),
+  reasoning: RESPONSES_REASONING,
 };

@@ -15,21 +15,16 @@ import { KvfenceError } from "../lib/errors.js";
 import type { LogitControls } from "../lib/logit-controls.js";
 import { MAX_TOP_LOGPROBS } from "../lib/token-logprobs.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
-import { requestConstraint, responsesConstraint } from "./output-constraint-fields.js";
+import { requestConstraint } from "./output-constraint-fields.js";
 import {
   chatTool,
   chatToolChoice,
-  functionCallItem,
-  functionCallOutputItem,
   legacyFunctionCall,
   legacyFunctions,
   legacyMessage,
   legacyMessageCall,
   legacyToolRequest,
   messageToolCall,
-  responsesTool,
-  responsesToolChoice,
-  responsesToolFields,
   type ToolRequest,
   templateToolCalls,
   toolRequest,
@@ -68,7 +63,7 @@ const stop = z
   .nullable()
   .optional();
 
-const maxTokens = z.number().int().positive().nullable().optional();
+export const maxTokens = z.number().int().positive().nullable().optional();
 
 const streamOptions = z
   .object({
@@ -85,7 +80,7 @@ export const COMPLETIONS_DEFAULT_MAX_TOKENS = 16;
 /** The most choices (`n`) one request may ask for. */
 export const MAX_N = 64;
 
-const samplingFields = {
+export const samplingFields = {
   model: z.string().min(1),
   stream: z.boolean().nullable().optional(),
   stream_options: streamOptions,
@@ -126,6 +121,12 @@ const samplingFields = {
   prompt_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
 };
 
+/** OpenAI's reasoning efforts. */
+export const reasoningEffort = z
+  .enum(["none", "minimal", "low", "medium", "high", "xhigh"])
+  .nullable()
+  .optional();
+
 export const chatCompletionRequestSchema = z.object({
   ...samplingFields,
   messages: z.array(chatMessage).min(1),
@@ -141,6 +142,12 @@ export const chatCompletionRequestSchema = z.object({
   add_generation_prompt: z.boolean().nullable().optional(),
   continue_final_message: z.boolean().nullable().optional(),
   chat_template_kwargs: z.record(z.string(), z.unknown()).nullable().optional(),
+  // OpenAI's: passed to the chat template (as vLLM does), refused when the template never reads it.
+  reasoning_effort: reasoningEffort,
+  // With --reasoning-parser (reasoning-parser.ts): vLLM's and SGLang's switches.
+  include_reasoning: z.boolean().nullable().optional(),
+  separate_reasoning: z.boolean().nullable().optional(),
+  stream_reasoning: z.boolean().nullable().optional(),
 });
 
 /** A prompt given as token ids (checked against the vocabulary once the tokenizer is at hand). */
@@ -161,63 +168,8 @@ export const completionRequestSchema = z.object({
   best_of: z.number().int().nullable().optional(),
 });
 
-/** A text part of a Responses input message: the user's (`input_text`) or an earlier answer's (`output_text`). */
-const responsesTextPart = z.object({
-  type: z.enum(["input_text", "output_text"], {
-    error:
-      'expected a text part ({"type": "input_text", "text": "…"}); image, audio and file parts are not supported',
-  }),
-  text: z.string(),
-});
-
-/** A message item of a Responses `input` (`type: "message"` or no type, as OpenAI's easy input). */
-const responsesMessage = z.object({
-  type: z
-    .literal("message", {
-      error:
-        'expected a message item ({"role": …, "content": …}), a function_call or a function_call_output: no reasoning items or item references',
-    })
-    .optional(),
-  role: z.enum(["user", "assistant", "system", "developer"]),
-  content: z.union([z.string(), z.array(responsesTextPart)], {
-    error: 'expected a string or a list of text parts ({"type": "input_text", "text": "…"})',
-  }),
-});
-
-/**
- * OpenAI's Responses API (`/v1/responses`) for text in and text out: the same sampling path as chat
- * (its template, its admission), one answer. Fields that would change the answer and are not
- * served — tools, stored state (`store`, `previous_response_id`, `conversation`, `background`),
- * reasoning, log-probabilities, truncation — are refused (`responsesRefusals`).
- */
-export const responsesRequestSchema = z.object({
-  model: z.string().min(1),
-  // Items are checked one by one (`inputItems`), so that an error names the item's own field.
-  input: z.union([z.string(), z.array(z.unknown()).min(1)], {
-    error: "expected a string or a list of message items",
-  }),
-  instructions: z.string().nullable().optional(),
-  max_output_tokens: maxTokens,
-  temperature: samplingFields.temperature,
-  top_p: samplingFields.top_p,
-  stream: samplingFields.stream,
-  stream_options: z.object({ include_obfuscation: z.boolean().nullable().optional() }).nullable().optional(),
-  text: z
-    .object({
-      format: z.object({ type: z.string() }).nullable().optional(),
-      verbosity: z.string().nullable().optional(),
-    })
-    .nullable()
-    .optional(),
-  tools: z.array(responsesTool).nullable().optional(),
-  tool_choice: responsesToolChoice.nullable().optional(),
-  parallel_tool_calls: z.boolean().nullable().optional(),
-  top_logprobs: z.number().int().min(0).max(MAX_TOP_LOGPROBS).nullable().optional(),
-});
-
 export type ChatCompletionRequest = z.infer<typeof chatCompletionRequestSchema>;
 export type CompletionRequest = z.infer<typeof completionRequestSchema>;
-export type ResponsesRequest = z.infer<typeof responsesRequestSchema>;
 
 /** One chat message as the chat template sees it. */
 export interface ChatMessage {
@@ -234,7 +186,7 @@ export interface SamplingRequest {
   readonly model: string;
   readonly stream: boolean;
   readonly includeUsage: boolean;
-  /** vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far. */
+  /** vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries the usage so far. */
   readonly continuousUsage: boolean;
   /** null = as many as fit in the context. */
   readonly maxTokens: number | null;
@@ -281,6 +233,16 @@ export interface SamplingRequest {
 export interface ParsedChatRequest extends SamplingRequest {
   readonly messages: readonly ChatMessage[];
   readonly template: ChatTemplateOptions;
+  /** With a reasoning parser: vLLM's `include_reasoning` and SGLang's `separate_reasoning` (absent: both true). */
+  readonly reasoningOutput?: ReasoningOutput;
+}
+
+/** What a request wants of the reasoning a parser splits out. */
+export interface ReasoningOutput {
+  /** SGLang's `separate_reasoning`: false leaves the reasoning in the content. */
+  readonly separate: boolean;
+  /** vLLM's `include_reasoning`: false drops the reasoning from the answer. */
+  readonly include: boolean;
 }
 
 /** How the chat template renders a request's messages (vLLM's controls). */
@@ -292,6 +254,8 @@ export interface ChatTemplateOptions {
   readonly addSpecialTokens: boolean;
   /** The template's `tools` variable (OpenAI's chat tool objects); absent: none. */
   readonly tools?: readonly object[];
+  /** Template variables the template must read, each with the request field that set it (else 400). */
+  readonly mustRead?: Readonly<Record<string, string>>;
 }
 
 export interface ParsedCompletionRequest extends SamplingRequest {
@@ -299,7 +263,7 @@ export interface ParsedCompletionRequest extends SamplingRequest {
   readonly prompts: readonly (string | readonly number[])[];
 }
 
-function pathOf(path: readonly PropertyKey[]): string {
+export function pathOf(path: readonly PropertyKey[]): string {
   let out = "";
   for (const part of path) {
     if (typeof part === "number") out += `[${part}]`;
@@ -311,7 +275,7 @@ function pathOf(path: readonly PropertyKey[]): string {
 /** A refusal names this many problems of a body at most. */
 const MAX_ISSUES_SHOWN = 5;
 
-function parseWith<T>(schema: z.ZodType<T>, body: unknown): T {
+export function parseWith<T>(schema: z.ZodType<T>, body: unknown): T {
   if (typeof body !== "object" || body === null || Array.isArray(body)) {
     throw new KvfenceError("invalid_request", `Request body must be a JSON object: got ${describe(body)}`);
   }
@@ -329,7 +293,7 @@ function parseWith<T>(schema: z.ZodType<T>, body: unknown): T {
  * A short picture of a client's value for an error message: a primitive as JSON (cut to 40
  * characters), a container by its kind. Never serializes a container, whose nesting a client chooses.
  */
-function preview(value: unknown): string {
+export function preview(value: unknown): string {
   if (value === null || typeof value !== "object") {
     const text = JSON.stringify(value) ?? String(value);
     return text.length > 40 ? `${text.slice(0, 40)}…` : text;
@@ -343,17 +307,17 @@ function describe(value: unknown): string {
   return typeof value === "object" ? "an object" : `a ${typeof value}`;
 }
 
-function refuse(param: string, message: string): never {
+export function refuse(param: string, message: string): never {
   throw new KvfenceError("invalid_request", message, { param });
 }
 
-const unset = (v: unknown): boolean => v == null;
-const equals =
+export const unset = (v: unknown): boolean => v == null;
+export const equals =
   (neutral: unknown) =>
   (v: unknown): boolean =>
     v == null || v === neutral;
-const empty = (v: unknown): boolean => v == null || (Array.isArray(v) && v.length === 0);
-const emptyObject = (v: unknown): boolean =>
+export const empty = (v: unknown): boolean => v == null || (Array.isArray(v) && v.length === 0);
+export const emptyObject = (v: unknown): boolean =>
   v == null || (typeof v === "object" && !Array.isArray(v) && Object.keys(v).length === 0);
 
 /**
@@ -410,13 +374,11 @@ export const EXTENSIONS: Readonly<Record<string, (v: unknown) => boolean>> = {
   prediction: unset,
   web_search_options: unset,
   verbosity: unset,
-  reasoning_effort: unset,
 };
 
 /**
  * Fields that never change the answer, accepted and not used: bookkeeping (`user`, `metadata`,
- * `store`, request ids), routing and scheduling hints of other servers, reasoning-parser switches
- * (this server parses no reasoning). Listed so that the field walk (request-fields.test.ts) and
+ * `store`, request ids), routing and scheduling hints of other servers. Listed so that the field walk (request-fields.test.ts) and
  * docs/api.md know every field a client may send.
  */
 export const NEUTRAL: Readonly<Record<string, string>> = {
@@ -426,9 +388,6 @@ export const NEUTRAL: Readonly<Record<string, string>> = {
   service_tier: "OpenAI's billing tier",
   safety_identifier: "OpenAI's abuse-monitoring id",
   prompt_cache_key: "OpenAI's cache routing hint",
-  include_reasoning: "no reasoning parser: the text is the whole answer",
-  separate_reasoning: "no reasoning parser: the text is the whole answer",
-  stream_reasoning: "no reasoning parser: the text is the whole answer",
   priority: "a scheduling hint (fair sharing between tenants decides the order here)",
   request_id: "a request id (x-request-id is this server's)",
   rid: "a request id (x-request-id is this server's)",
@@ -514,7 +473,9 @@ function sampling(req: ChatCompletionRequest | CompletionRequest, maxTokens: num
     model: req.model,
     stream: req.stream === true,
     includeUsage: req.stream_options?.include_usage === true,
-    continuousUsage: req.stream_options?.continuous_usage_stats === true,
+    // vLLM: only with include_usage.
+    continuousUsage:
+      req.stream_options?.include_usage === true && req.stream_options.continuous_usage_stats === true,
     maxTokens,
     temperature: req.temperature ?? null,
     topP: req.top_p ?? null,
@@ -577,14 +538,37 @@ export function parseChatRequest(body: unknown): ParsedChatRequest {
     logprobs: req.logprobs === true ? (req.top_logprobs ?? 0) : null,
     messages,
     tools,
+    ...reasoningOutput(req),
     template: {
       addGenerationPrompt: req.add_generation_prompt !== false,
       continueFinalMessage,
-      kwargs: req.chat_template_kwargs ?? {},
       addSpecialTokens: req.add_special_tokens === true,
       ...(tools === null ? {} : { tools: tools.tools }),
+      ...templateKwargs(req),
     },
   };
+}
+
+/** The template's variables: `chat_template_kwargs` over `reasoning_effort`, which the template must read. */
+function templateKwargs(req: ChatCompletionRequest): Pick<ChatTemplateOptions, "kwargs" | "mustRead"> {
+  const kwargs = req.chat_template_kwargs ?? {};
+  if (req.reasoning_effort == null) return { kwargs };
+  return {
+    kwargs: { reasoning_effort: req.reasoning_effort, ...kwargs },
+    mustRead: { reasoning_effort: "reasoning_effort" },
+  };
+}
+
+/** What a chat request wants of the reasoning (--reasoning-parser); `stream_reasoning: false` is refused. */
+function reasoningOutput(req: ChatCompletionRequest): { reasoningOutput?: ReasoningOutput } {
+  if (req.stream_reasoning === false)
+    refuse(
+      "stream_reasoning",
+      "stream_reasoning false is not supported: reasoning streams as it is generated; leave it unset or true",
+    );
+  const separate = req.separate_reasoning !== false;
+  const include = req.include_reasoning !== false;
+  return separate && include ? {} : { reasoningOutput: { separate, include } };
 }
 
 /** Validate a `/v1/completions` body; throws `invalid_request` naming the offending field. */
@@ -620,167 +604,5 @@ export function parseCompletionRequest(body: unknown): ParsedCompletionRequest {
     promptLogprobs:
       echo && logprobs !== null ? Math.max(logprobs, base.promptLogprobs ?? 0) : base.promptLogprobs,
     prompts,
-  };
-}
-
-/** The fields of a Responses request the response object repeats (OpenAI's echo of the request). */
-export interface ResponsesEcho {
-  readonly instructions: string | null;
-  readonly maxOutputTokens: number | null;
-  readonly metadata: Readonly<Record<string, unknown>>;
-  readonly user: string | null;
-  /** Every streamed delta carries an `obfuscation` field (OpenAI's default; `stream_options.include_obfuscation: false` turns it off). */
-  readonly obfuscate: boolean;
-  /** The function tools, tool_choice and parallel_tool_calls in effect (absent: no tools). */
-  readonly tools?: {
-    readonly tools: readonly object[];
-    readonly choice: unknown;
-    readonly parallel: boolean;
-  };
-}
-
-export interface ParsedResponsesRequest extends ParsedChatRequest {
-  readonly responses: ResponsesEcho;
-}
-
-/**
- * Responses fields that never change the answer here, accepted and not used (the field walk of
- * request-fields.test.ts reads it). `store` is not one of them: OpenAI stores a response by default
- * and serves it later (`GET /v1/responses/{id}`, `previous_response_id`); nothing is stored here, so
- * `store: true` is refused rather than answered as if it were kept.
- */
-export const RESPONSES_NEUTRAL: Readonly<Record<string, string>> = {
-  user: NEUTRAL.user!,
-  metadata: NEUTRAL.metadata!,
-  service_tier: NEUTRAL.service_tier!,
-  safety_identifier: NEUTRAL.safety_identifier!,
-  prompt_cache_key: NEUTRAL.prompt_cache_key!,
-  prompt_cache_retention: "OpenAI's cache lifetime hint",
-  prompt_cache_options: "OpenAI's cache breakpoints and lifetime",
-};
-
-/**
- * Responses fields that change the answer and are not served, with the values that do not and
- * what to send instead: refused with a 400 naming the field.
- */
-const RESPONSES_REFUSED: Readonly<Record<string, { neutral: (v: unknown) => boolean; fix: string }>> = {
-  store: {
-    neutral: equals(false),
-    fix: "nothing is stored on this server (no GET /v1/responses/{id}): send store false or leave it unset",
-  },
-  previous_response_id: {
-    neutral: unset,
-    fix: "responses are not stored: send the whole conversation in input instead",
-  },
-  conversation: { neutral: unset, fix: "conversations are not stored: send the whole conversation in input" },
-  background: {
-    neutral: equals(false),
-    fix: "background responses are not supported: leave it unset or false",
-  },
-  prompt: { neutral: unset, fix: "stored prompt templates are not supported: send the text in input" },
-  reasoning: { neutral: (v) => emptyObject(v), fix: "this model has no reasoning controls: leave it unset" },
-  include: { neutral: empty, fix: "no additional output data is served: leave it unset or []" },
-  truncation: {
-    neutral: equals("disabled"),
-    fix: 'the input is never truncated (a too long one gets 400): leave it unset or "disabled"',
-  },
-  context_management: { neutral: empty, fix: "context compaction is not supported: leave it unset" },
-  moderation: { neutral: unset, fix: "moderation is not run here: leave it unset" },
-};
-
-/** One item of a Responses `input`, validated with `schema`; an error names `input[i].…`. */
-function inputItem<T>(schema: z.ZodType<T>, item: unknown, i: number): T {
-  const result = schema.safeParse(item);
-  if (result.success) return result.data;
-  const issue = result.error.issues[0]!;
-  const param = pathOf(["input", i, ...issue.path]);
-  throw new KvfenceError("invalid_request", `Invalid request: ${param}: ${issue.message}`, { param });
-}
-
-/** The items of a Responses `input` as chat messages: function calls join the assistant's message, their outputs are tool messages. */
-function inputMessages(items: readonly unknown[]): Record<string, unknown>[] {
-  const messages: Record<string, unknown>[] = [];
-  items.forEach((item, i) => {
-    const type = (item as { type?: unknown } | null)?.type;
-    if (type === "function_call") {
-      const call = inputItem(functionCallItem, item, i);
-      const wire = {
-        id: call.call_id,
-        type: "function",
-        function: { name: call.name, arguments: call.arguments },
-      };
-      const last = messages.at(-1);
-      if (last?.role === "assistant")
-        last.tool_calls = [...((last.tool_calls as object[] | undefined) ?? []), wire];
-      else messages.push({ role: "assistant", content: null, tool_calls: [wire] });
-    } else if (type === "function_call_output") {
-      const output = inputItem(functionCallOutputItem, item, i);
-      messages.push({ role: "tool", tool_call_id: output.call_id, content: output.output });
-    } else {
-      const m = inputItem(responsesMessage, item, i);
-      messages.push({
-        role: m.role === "developer" ? "system" : m.role,
-        content: typeof m.content === "string" ? m.content : m.content.map((p) => p.text).join(""),
-      });
-    }
-  });
-  return messages;
-}
-
-/** Validate a `/v1/responses` body into a chat request (the same template); throws `invalid_request` naming the field. */
-export function parseResponsesRequest(body: unknown): ParsedResponsesRequest {
-  const req = parseWith(responsesRequestSchema, body);
-  const raw = body as Record<string, unknown>;
-  for (const [name, { neutral, fix }] of Object.entries(RESPONSES_REFUSED)) {
-    if (!neutral(raw[name]))
-      refuse(name, `${name} is not supported on /v1/responses: ${fix}; got ${preview(raw[name])}`);
-  }
-  const format = responsesConstraint(raw);
-  if (req.text?.verbosity != null)
-    refuse("text.verbosity", "text.verbosity is not supported: leave it unset");
-  if (req.top_logprobs != null && req.top_logprobs > 0)
-    refuse(
-      "top_logprobs",
-      "top_logprobs is not served on /v1/responses (it is on /v1/chat/completions): leave it unset or 0",
-    );
-  if (req.stream_options != null && req.stream !== true)
-    refuse("stream_options", "stream_options is only allowed when stream is true: set stream to true");
-  const input =
-    typeof req.input === "string" ? [{ role: "user", content: req.input }] : inputMessages(req.input);
-  const instructions = req.instructions ?? null;
-  const messages = instructions === null ? input : [{ role: "system", content: instructions }, ...input];
-  const maxTokens = req.max_output_tokens ?? null;
-  const chat = parseChatRequest({
-    model: req.model,
-    messages,
-    stream: req.stream ?? null,
-    max_tokens: maxTokens,
-    temperature: req.temperature ?? null,
-    top_p: req.top_p ?? null,
-    ...responsesToolFields(req),
-  });
-  const constrained = withToolConstraint(format, chat.tools ?? null);
-  return {
-    ...chat,
-    ...constrained,
-    responses: {
-      instructions,
-      maxOutputTokens: maxTokens,
-      metadata:
-        typeof raw.metadata === "object" && raw.metadata !== null
-          ? (raw.metadata as Record<string, unknown>)
-          : {},
-      user: typeof raw.user === "string" ? raw.user : null,
-      obfuscate: req.stream === true && req.stream_options?.include_obfuscation !== false,
-      ...(chat.tools == null
-        ? {}
-        : {
-            tools: {
-              tools: req.tools ?? [],
-              choice: req.tool_choice ?? "auto",
-              parallel: chat.tools.parallel,
-            },
-          }),
-    },
   };
 }

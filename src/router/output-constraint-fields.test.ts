@@ -2,8 +2,9 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 import { KvfenceError } from "../lib/errors.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
-import { parseChatRequest, parseCompletionRequest, parseResponsesRequest } from "./openai-schemas.js";
+import { parseChatRequest, parseCompletionRequest } from "./openai-schemas.js";
 import { samplingParams } from "./request-sampling.js";
+import { parseResponsesRequest } from "./responses-request.js";
 
 const chat = { model: "m", messages: [{ role: "user", content: "hi" }] };
 const completion = { model: "m", prompt: "hi" };

@@ -19,11 +19,11 @@ import {
   type ChatTemplateOptions,
   parseChatRequest,
   parseCompletionRequest,
-  parseResponsesRequest,
   type SamplingRequest,
 } from "./openai-schemas.js";
 import { parseJsonBody } from "./read-body.js";
 import { checkJsonDepth, checkMessageCount, checkPromptBytes, type RequestLimits } from "./request-limits.js";
+import { parseResponsesRequest } from "./responses-request.js";
 import { resolveToolParsing, type TemplateToolSupport } from "./tool-request.js";
 
 /** The tokenizer work a prompt needs: no model weights, ever. */

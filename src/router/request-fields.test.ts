@@ -17,13 +17,8 @@ import { join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { KvfenceError } from "../lib/errors.js";
-import {
-  NEUTRAL,
-  parseChatRequest,
-  parseCompletionRequest,
-  parseResponsesRequest,
-  RESPONSES_NEUTRAL,
-} from "./openai-schemas.js";
+import { NEUTRAL, parseChatRequest, parseCompletionRequest } from "./openai-schemas.js";
+import { parseResponsesRequest, RESPONSES_NEUTRAL } from "./responses-request.js";
 
 /** The repository (the compiled test runs from dist/). */
 const ROOT = fileURLToPath(
@@ -134,6 +129,9 @@ const PROBES: Record<string, { value: unknown; with?: Record<string, unknown> }>
   task: { value: "title" },
   reasoning: { value: { effort: "high" } },
   reasoning_effort: { value: "high" },
+  include_reasoning: { value: false },
+  separate_reasoning: { value: false },
+  stream_reasoning: { value: false },
   lora_path: { value: "adapter" },
   session_id: { value: "s" },
   session_params: { value: { id: "s" } },

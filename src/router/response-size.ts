@@ -82,6 +82,12 @@ const FRAME_BYTES = 448;
 const USAGE_BYTES = 192;
 /** A Responses `response` object without its text and the request fields it repeats. */
 const RESPONSE_OBJECT_BYTES = 2048;
+/**
+ * The frames a reasoning parser adds to a stream: the token that ends the block also opens the
+ * content (two frames), the held-back tail, and the Responses API's reasoning item events (added,
+ * part added, text done, part done, item done; their repeated text is counted with the message's).
+ */
+const REASONING_FRAMES = 7;
 /** A JSON text re-serialised is at most this many times its length (`1e20` is 21 digits). */
 const REWRITE_FACTOR = 6;
 
@@ -114,6 +120,8 @@ export interface ResponsePlan {
   /** The request body's bytes: the most the fields an answer repeats (stop strings, instructions, metadata) can take, rewritten. */
   readonly bodyBytes: number;
   readonly modelId: string;
+  /** A reasoning parser splits the answer (`--reasoning-parser`): a stream's reasoning frames and events. */
+  readonly reasoning?: boolean;
 }
 
 /** The most bytes the answer to `plan` can take (body only, not the HTTP headers). */
@@ -142,7 +150,8 @@ export function worstCaseResponseBytes(plan: ResponsePlan, bounds: TokenBounds):
     if (parsed.stream) {
       // A frame per token, and the opening, echo and finishing ones, each with its own logprobs object;
       // the Responses API repeats the text in its last four events.
-      choice += (maxTokens + 4) * (frame + (k === null ? 0 : LOGPROBS_BYTES));
+      const frames = maxTokens + 4 + (plan.reasoning === true ? REASONING_FRAMES : 0);
+      choice += frames * (frame + (k === null ? 0 : LOGPROBS_BYTES));
       if (endpoint === "responses") choice += 4 * text;
     } else if (vllm !== null && endpoint === "completions") {
       choice += 2 + tokens * vllmEntryBytes(vllm, bounds);

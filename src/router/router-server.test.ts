@@ -125,9 +125,10 @@ describe("RouterServer with a scripted engine", () => {
       .map((c) => c.choices[0].delta.content)
       .join("");
     assert.equal(content, "Hello, world!");
-    // OpenAI's finish chunk, plus what stopped it as vLLM (stop_reason) and SGLang (matched_stop) say.
+    // The EOS token's chunk, plus what stopped it as vLLM (stop_reason: null for EOS) and SGLang
+    // (matched_stop: the EOS id) say.
     assert.deepEqual(chunks.at(-2).choices, [
-      { index: 0, delta: {}, logprobs: null, finish_reason: "stop", stop_reason: null, matched_stop: null },
+      { index: 0, delta: {}, logprobs: null, finish_reason: "stop", stop_reason: null, matched_stop: 258 },
     ]);
     assert.equal(chunks.at(-2).usage, null);
     assert.deepEqual(chunks.at(-1).choices, []);

@@ -37,6 +37,7 @@ import { type Listener, OPERATOR_LISTENER_PATHS, OperatorEndpoints } from "./ope
 import { inThreadPreparer, type RequestPreparer } from "./prepare-pool.js";
 import { checkModel, type PromptTokenizer, type UtilityEndpointName } from "./prepare-request.js";
 import { checkJsonContentType, readBody } from "./read-body.js";
+import type { ReasoningParserName } from "./reasoning-parser.js";
 import { type RequestLimits, requestLimits } from "./request-limits.js";
 import type { TokenBounds } from "./response-size.js";
 import { type Endpoint, RouterMetrics } from "./router-metrics.js";
@@ -57,6 +58,8 @@ export interface ServedModel {
   readonly eosTokenIds: readonly number[];
   /** From generation_config.json; used when a request leaves a field out. */
   readonly defaults?: { readonly temperature?: number; readonly topP?: number; readonly topK?: number };
+  /** `--reasoning-parser`: chat and /v1/responses split the answer's `<think>` block out. */
+  readonly reasoningParser?: ReasoningParserName;
 }
 
 export interface RouterServerOptions {

@@ -16,6 +16,7 @@ import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
 import { isLoopback } from "../lib/loopback.js";
 import { ROUTER_SLOTS } from "../protocol/wire.js";
+import { REASONING_PARSERS } from "../router/reasoning-parser.js";
 import { TOOL_CALL_PARSERS } from "../router/tool-call-parser.js";
 import { parseLinkAddress } from "../transfer/link-address.js";
 import {
@@ -128,6 +129,7 @@ export const serveConfigSchema = z
       .optional(),
     /** vLLM's `--tool-call-parser`: the tool-call format of the output, in place of the one the template names. */
     toolCallParser: z.enum(TOOL_CALL_PARSERS).optional(),
+    reasoningParser: z.enum(REASONING_PARSERS).optional(),
     maxBodyBytes: byteSizeText.optional(),
     maxPromptBytes: byteSizeText.optional(),
     maxResponseBytes: byteSizeText.optional(),
@@ -268,6 +270,7 @@ const FLAG: Record<string, string> = {
   generationConfig: "--generation-config",
   chatTemplate: "--chat-template",
   toolCallParser: "--tool-call-parser",
+  reasoningParser: "--reasoning-parser",
   maxBodyBytes: "--max-body-bytes",
   maxPromptBytes: "--max-prompt-bytes",
   maxResponseBytes: "--max-response-bytes",

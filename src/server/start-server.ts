@@ -336,6 +336,7 @@ function modelCard(model: ModelMeta, config: ServeConfig) {
     aliases,
     maxPositionEmbeddings: model.config.maxPositionEmbeddings,
     eosTokenIds: model.config.eosTokenIds,
+    ...(config.reasoningParser === undefined ? {} : { reasoningParser: config.reasoningParser }),
     defaults: {
       ...(d.temperature === undefined ? {} : { temperature: d.temperature }),
       ...(d.topP === undefined ? {} : { topP: d.topP }),

@@ -9,7 +9,7 @@
 import type { WireError } from "../lib/errors.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { GenerationEvents, GenerationUsage } from "../protocol/engine-api.js";
-import { type EngineEventsMessage, FINISH_REASONS } from "./engine-messages.js";
+import { type EngineEventsMessage, FINISH_REASONS, FINISH_STRIDE } from "./engine-messages.js";
 
 /** What the engine reported since the last `take()`, packed as `EngineEventsMessage` holds it. */
 export class EngineEventsBatch {
@@ -45,6 +45,7 @@ export class EngineEventsBatch {
           usage.promptTokens,
           usage.completionTokens,
           usage.cachedTokens ?? -1,
+          usage.stopTokenId ?? -1,
         );
       },
       onError: (error) => {
@@ -93,12 +94,14 @@ export function readEngineEvents(message: EngineEventsMessage, reader: EngineEve
     i += 2 + count;
     reader.tokens(rid, ids, logprobs?.[run] ?? undefined);
   }
-  for (let i = 0; i < finishes.length; i += 5) {
+  for (let i = 0; i < finishes.length; i += FINISH_STRIDE) {
     const cached = finishes[i + 4]!;
+    const stop = finishes[i + 5]!;
     reader.finish(finishes[i]!, FINISH_REASONS[finishes[i + 1]!]!, {
       promptTokens: finishes[i + 2]!,
       completionTokens: finishes[i + 3]!,
       ...(cached < 0 ? {} : { cachedTokens: cached }),
+      ...(stop < 0 ? {} : { stopTokenId: stop }),
     });
   }
   for (const { rid, error } of errors) reader.error(rid, error);

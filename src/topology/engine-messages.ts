@@ -23,6 +23,9 @@ export type ToEngineWorker =
 /** Finish reasons as numbers in `EngineEventsMessage.finishes`. */
 export const FINISH_REASONS = ["stop", "length"] as const;
 
+/** Numbers per finish in `EngineEventsMessage.finishes`. */
+export const FINISH_STRIDE = 6;
+
 /** Everything one step (or one message) produced, batched into one message (packed and unpacked by engine-events.ts). */
 export interface EngineEventsMessage {
   readonly type: "events";
@@ -33,8 +36,8 @@ export interface EngineEventsMessage {
   /** Prompt log-probabilities, before the tokens. */
   readonly prompts?: { rid: number; entries: readonly (TokenLogprobs | null)[] }[];
   /**
-   * Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens, cachedTokens`
-   * (cachedTokens -1: the prefix cache is off); after the tokens.
+   * Runs of `rid, reason index (FINISH_REASONS), promptTokens, completionTokens, cachedTokens,
+   * stopTokenId` (cachedTokens -1: the prefix cache is off; stopTokenId -1: none); after the tokens.
    */
   readonly finishes: number[];
   readonly errors: { rid: number; error: WireError }[];

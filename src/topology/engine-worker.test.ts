@@ -5,7 +5,12 @@ import { makeEngine, prompt, request, runAll, testModel } from "../../testing/en
 import { buildEngine } from "../engine/build-engine.js";
 import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
-import type { EngineEventsMessage, FromEngineWorker, ToEngineWorker } from "./engine-messages.js";
+import {
+  type EngineEventsMessage,
+  FINISH_STRIDE,
+  type FromEngineWorker,
+  type ToEngineWorker,
+} from "./engine-messages.js";
 import { serveEngine } from "./engine-worker.js";
 
 test("serveEngine() sends one message per step carrying every request's new token", async () => {
@@ -20,7 +25,7 @@ test("serveEngine() sends one message per step carrying every request's new toke
     port1.on("message", (m: FromEngineWorker) => {
       if (m.type !== "events") return;
       messages.push(m);
-      done += m.finishes.length / 5;
+      done += m.finishes.length / FINISH_STRIDE;
       if (done === requests.length) resolve();
     });
   });

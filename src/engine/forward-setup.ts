@@ -115,6 +115,7 @@ export async function createForward(
       scrubOnFree,
       dataBuffer: k.buffer(),
       dataByteOffset: at,
+      zeroed: k.freshArena,
     });
   });
   return { forward, pools, kernels: k, weights: placed, close: () => k.close() };

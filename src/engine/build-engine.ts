@@ -5,12 +5,11 @@
  * their engines here, one way.
  */
 import type { PagePool } from "../kvcache/page-pool.js";
-import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
 import { Engine } from "./engine.js";
-import type { EngineLimits, KernelMemory, MemoryRegion } from "./engine-memory.js";
-import { ENGINE_DEFAULTS, layoutOf, servedConfig } from "./engine-memory.js";
+import type { KernelMemory, MemoryRegion } from "./engine-memory.js";
+import { ENGINE_DEFAULTS, type EngineLimits, layoutOf, servedConfig } from "./engine-sizing.js";
 import { createForward, type KernelsName } from "./forward-setup.js";
 import { fromPortable, type PortableWeights } from "./portable-weights.js";
 
@@ -65,6 +64,8 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
   let config: ModelConfig;
   let weights: ModelWeights;
   if ("dir" in options.model) {
+    // Loaded here only: an engine thread given weights in memory never loads the model readers.
+    const { loadModelWeights, openModelMeta } = await import("../model/load-model.js");
     const meta = await openModelMeta(options.model.dir);
     config = meta.config;
     weights = loadModelWeights(meta, { shared: true });

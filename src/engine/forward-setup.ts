@@ -22,7 +22,7 @@ import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { ForwardPass } from "../model/forward.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { attentionStagingBytes, matmulScratchBytes } from "./engine-memory.js";
+import { attentionStagingBytes, matmulScratchBytes } from "./engine-sizing.js";
 
 export { chooseKernels, type KernelsChoice, type KernelsRequest } from "../kernels/choose-kernels.js";
 

@@ -122,6 +122,7 @@ export async function startServer(
   const tenants = loadTenants(config, log);
   await startRouterTracing(config, log);
   const limits = limitsOf(config, contextLength);
+  const tokenizer = tokenizerOf(model, config);
   const { served, preparer } = await startEnginesAndPreparer(config, {
     model,
     tenants,
@@ -130,6 +131,9 @@ export async function startServer(
     contextLength,
     tls,
     log,
+    // The router's one walk of the vocabulary (its answer-size bounds), while the engine threads
+    // start and this thread would wait idle, not after.
+    meanwhile: () => void tokenizer.tokenBounds,
     ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
   const engine = served.engine;
@@ -148,7 +152,7 @@ export async function startServer(
   );
 
   const router = new RouterServer(
-    routerOptions(config, { engine, model, preparer, limits, tenants, tls, log }),
+    routerOptions(config, { engine, model, tokenizer, preparer, limits, tenants, tls, log }),
   );
   served.registerMetrics(router.metrics);
   const closeAll = async (): Promise<void> => {
@@ -192,6 +196,7 @@ function routerOptions(
   parts: {
     readonly engine: EngineHandle;
     readonly model: ModelMeta;
+    readonly tokenizer: ReturnType<typeof tokenizerOf>;
     readonly preparer: PreparePool;
     readonly limits: ReturnType<typeof limitsOf>;
     readonly tenants: TenantDirectory;
@@ -202,7 +207,7 @@ function routerOptions(
   const { model, tls } = parts;
   return {
     engine: parts.engine,
-    tokenizer: tokenizerOf(model, config),
+    tokenizer: parts.tokenizer,
     preparer: parts.preparer,
     limits: parts.limits,
     model: modelCard(model, config),
@@ -253,6 +258,8 @@ async function startEnginesAndPreparer(
     readonly tls: ReturnType<typeof serveTls>;
     readonly log: Logger;
     readonly progress?: (line: string, done: boolean) => void;
+    /** Work for this thread once the engines are starting (in their own threads or processes). */
+    readonly meanwhile?: () => void;
   },
 ): Promise<{ served: Awaited<ReturnType<typeof startServeEngine>>; preparer: PreparePool }> {
   const { model, tenants, engineOptions, log } = parts;
@@ -282,7 +289,7 @@ async function startEnginesAndPreparer(
       `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
       true,
     );
-    served = await startServeEngine({
+    const starting = startServeEngine({
       role: config.role,
       disaggregation: config.disaggregation,
       model: loaded === null ? null : { config: model.config, ...loaded },
@@ -302,6 +309,8 @@ async function startEnginesAndPreparer(
       ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
       log,
     });
+    parts.meanwhile?.();
+    served = await starting;
   } catch (err) {
     await preparing.then((p) => p.close()).catch(() => {});
     throw err;

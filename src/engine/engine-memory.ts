@@ -14,7 +14,9 @@
  * when each engine had its own memory; what they share is read-only weights.
  *
  * On the native kernels (`kernels: "native"`, docs/kernels.md) the memory is a plain
- * SharedArrayBuffer of the same layout (`{ buffer }`), which has no 4 GiB limit.
+ * SharedArrayBuffer of the same layout (`{ buffer }`), which has no 4 GiB limit, and each weight
+ * file is mapped over its window (copy-on-write, each on a page boundary) instead of read into it:
+ * the page cache's pages, faulted in as first read, no copy (the file is read where that fails).
  *
  * A region's size is planned here from the engine's limits (`engineRegionBytes`) and is fixed: the
  * memory never grows (a grow by one thread while another runs would race with the plan). wasm32

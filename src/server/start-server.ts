@@ -37,6 +37,7 @@ import { requestLimits } from "../router/request-limits.js";
 import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
 import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
+import { type PrestartedWorkers, prestartNodeWorkers } from "../topology/threaded-topology.js";
 import { availableMemoryBytes, checkMemoryFits, poolPagesOf } from "./kv-sizing.js";
 import {
   fairShareOf,
@@ -100,6 +101,22 @@ export async function startServer(
   config: ServeConfig,
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
 ): Promise<RunningServer> {
+  // The default topology's node threads start first and load their modules while this thread
+  // loads the model; they get their options (the weights' memory) once it is there.
+  const prestarted = config.role === "all" && config.disaggregation ? prestartNodeWorkers() : undefined;
+  try {
+    return await bootServer(config, options, prestarted);
+  } catch (err) {
+    await prestarted?.terminate();
+    throw err;
+  }
+}
+
+async function bootServer(
+  config: ServeConfig,
+  options: { logger: Logger; progress?: (line: string, done: boolean) => void },
+  prestarted: PrestartedWorkers | undefined,
+): Promise<RunningServer> {
   const log = options.logger;
   warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
   if (config.role !== "router") config = await withChosenKernels(config, log);
@@ -134,6 +151,7 @@ export async function startServer(
     // The router's one walk of the vocabulary (its answer-size bounds), while the engine threads
     // start and this thread would wait idle, not after.
     meanwhile: () => void tokenizer.tokenBounds,
+    prestarted,
     ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
   const engine = served.engine;
@@ -260,6 +278,8 @@ async function startEnginesAndPreparer(
     readonly progress?: (line: string, done: boolean) => void;
     /** Work for this thread once the engines are starting (in their own threads or processes). */
     readonly meanwhile?: () => void;
+    /** The default topology's node threads, started before the model loaded. */
+    readonly prestarted: PrestartedWorkers | undefined;
   },
 ): Promise<{ served: Awaited<ReturnType<typeof startServeEngine>>; preparer: PreparePool }> {
   const { model, tenants, engineOptions, log } = parts;
@@ -282,6 +302,7 @@ async function startEnginesAndPreparer(
   const engines =
     config.role === "router" ? [] : config.disaggregation ? [prefillOptions, engineOptions] : [engineOptions];
   let served: Awaited<ReturnType<typeof startServeEngine>>;
+  const { prestarted } = parts;
   try {
     const loaded =
       engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress, config.quantize);
@@ -307,6 +328,7 @@ async function startEnginesAndPreparer(
       fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
       ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
       ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
+      ...(prestarted === undefined ? {} : { prestarted }),
       log,
     });
     parts.meanwhile?.();

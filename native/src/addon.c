@@ -34,6 +34,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#define KF_MMAP 1
+#endif
 
 #include "kvfence-kernels.h"
 
@@ -302,6 +307,90 @@ static napi_value kf_isa(napi_env env, napi_callback_info info) {
     name = c.h->level->name;
   }
   napi_create_string_utf8(env, name, NAPI_AUTO_LENGTH, &r);
+  return r;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* mapping a weight file into the memory */
+
+static int64_t kf_page_bytes(void) {
+#ifdef KF_MMAP
+  const long page = sysconf(_SC_PAGESIZE);
+  return page > 0 ? page : 4096;
+#else
+  return 4096;
+#endif
+}
+
+/* pageOffset(view): where the memory's first byte (view: a Uint8Array at offset 0) sits in its
+ * page, so the caller can place a file's window on a page boundary (mapFile). */
+static napi_value kf_page_offset(napi_env env, napi_callback_info info) {
+  napi_value argv[1], r;
+  size_t argc = 1;
+  kf_call c = {.env = env, .fn = "pageOffset"};
+  napi_typedarray_type type;
+  size_t length, offset;
+  void *data = NULL;
+  napi_value ab;
+  bool is_ta = false;
+  if (napi_get_cb_info(env, info, &argc, argv, NULL, NULL) != napi_ok) return NULL;
+  if (argc >= 1) napi_is_typedarray(env, argv[0], &is_ta);
+  if (!is_ta || napi_get_typedarray_info(env, argv[0], &type, &length, &data, &ab, &offset) != napi_ok ||
+      type != napi_uint8_array || offset != 0 || data == NULL) {
+    return (kf_throw(&c, "view must be a Uint8Array at offset 0 of the memory"), NULL);
+  }
+  napi_create_double(env, (double)((uintptr_t)data % (uintptr_t)kf_page_bytes()), &r);
+  return r;
+}
+
+/* mapFile(view, byteLength, byteOffset, fd, fileBytes): maps the first fileBytes bytes of the open
+ * file fd copy-on-write over [byteOffset, byteOffset + fileBytes) of the memory (view: a Uint8Array
+ * at offset 0 of it; byteLength: the memory's size), in place of its fresh anonymous pages: the
+ * weights are the page cache's pages until written, faulted in as first read, with no copy (what
+ * reading them cost: a fault per 4 KiB page of the destination, then a slow first touch of each on
+ * this VM). The last page's bytes past the end of the file are zeros. Returns false, with the range
+ * as it was (fresh zeros), where the address is not page-aligned, the pages would pass the memory's
+ * end, or the system refuses; the caller then reads the file. Throws on bad arguments. */
+static napi_value kf_map_file(napi_env env, napi_callback_info info) {
+  napi_value argv[5], r;
+  size_t argc = 5;
+  kf_call c = {.env = env, .fn = "mapFile"};
+  if (napi_get_cb_info(env, info, &argc, argv, NULL, NULL) != napi_ok) return NULL;
+  if (argc < 5) return (kf_throw(&c, "takes (view, byteLength, byteOffset, fd, fileBytes)"), NULL);
+  napi_typedarray_type type;
+  size_t length, offset;
+  void *data = NULL;
+  napi_value ab;
+  bool is_ta = false;
+  napi_is_typedarray(env, argv[0], &is_ta);
+  if (!is_ta || napi_get_typedarray_info(env, argv[0], &type, &length, &data, &ab, &offset) != napi_ok ||
+      type != napi_uint8_array || offset != 0 || data == NULL) {
+    return (kf_throw(&c, "view must be a Uint8Array at offset 0 of the memory"), NULL);
+  }
+  for (int i = 0; i < 4; i++) {
+    if (napi_get_value_double(env, argv[i + 1], &c.v[i]) != napi_ok) return (kf_throw(&c, "arguments must be numbers"), NULL);
+  }
+  int64_t len = 0, at = 0, fd = 0, n = 0;
+  if (!kf_int(&c, 0, "byteLength", 1, KF_MAX_OFFSET, &len) || !kf_int(&c, 1, "byteOffset", 0, len, &at) ||
+      !kf_int(&c, 2, "fd", 0, KF_I32, &fd) || !kf_int(&c, 3, "fileBytes", 0, len - at, &n)) {
+    return NULL;
+  }
+  bool mapped = false;
+#ifdef KF_MMAP
+  const int64_t page = kf_page_bytes();
+  const uintptr_t addr = (uintptr_t)data + (uintptr_t)at;
+  const int64_t span = (n + page - 1) / page * page;
+  if (n > 0 && addr % (uintptr_t)page == 0 && at + span <= len) {
+    void *p = mmap((void *)addr, (size_t)span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, (int)fd, 0);
+    mapped = p == (void *)addr;
+    if (!mapped) {
+      /* A failed MAP_FIXED may have unmapped the range: put fresh zero pages back (or stop). */
+      void *z = mmap((void *)addr, (size_t)span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+      if (z != (void *)addr) abort();
+    }
+  }
+#endif
+  napi_get_boolean(env, mapped, &r);
   return r;
 }
 
@@ -690,6 +779,8 @@ NAPI_MODULE_INIT(/* napi_env env, napi_value exports */) {
       {"matmulPar", kf_matmul_par},
       {"attentionPar", kf_attention_par},
       {"attentionMerge", kf_attention_merge},
+      {"pageOffset", kf_page_offset},
+      {"mapFile", kf_map_file},
   };
   for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) {
     napi_value f;

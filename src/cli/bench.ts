@@ -26,6 +26,7 @@ import { observabilityCommand } from "../tools/bench/observability.js";
 import { prefixCacheCommand } from "../tools/bench/prefix-cache.js";
 import { serveCommand } from "../tools/bench/serve.js";
 import { soakCommand } from "../tools/bench/soak.js";
+import { startupCommand } from "../tools/bench/startup.js";
 import { tagCheckCommand } from "../tools/bench/tag-check.js";
 import { transferCommand } from "../tools/bench/transfer.js";
 
@@ -223,6 +224,7 @@ export function command(): Command {
   group.addCommand(soakCommand());
   group.addCommand(prefixCacheCommand());
   group.addCommand(combineCommand());
+  group.addCommand(startupCommand());
   // bench-commands:end
   return group;
 }

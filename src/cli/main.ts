@@ -10,23 +10,31 @@ const program = new Command("kvfence")
   .description("A disaggregated LLM inference server whose KV cache is fenced to its owner")
   .version("0.1.0");
 
-// One line per subcommand file (kept sorted). Each module exports `command(): Command`.
-const commands: Array<() => Promise<{ command(): Command }>> = [
+// One line per subcommand file (kept sorted): its name and its module, which exports
+// `command(): Command`. Only the subcommand named on the command line is loaded (`serve` starts
+// without importing the benchmarks, the cluster tools and their packages); without one (help, a
+// misspelt name) all are, for commander to list them.
+const commands: ReadonlyArray<readonly [string, () => Promise<{ command(): Command }>]> = [
   // cli-commands:begin
-  () => import("./bench.js"),
-  () => import("./check.js"),
-  () => import("./cluster.js"),
-  () => import("./drain.js"),
-  () => import("./gen-model.js"),
-  () => import("./generate.js"),
-  () => import("./preflight.js"),
-  () => import("./probe.js"),
-  () => import("./quantize.js"),
-  () => import("./serve.js"),
+  ["bench", () => import("./bench.js")],
+  ["check", () => import("./check.js")],
+  ["cluster", () => import("./cluster.js")],
+  ["drain", () => import("./drain.js")],
+  ["gen-model", () => import("./gen-model.js")],
+  ["generate", () => import("./generate.js")],
+  ["preflight", () => import("./preflight.js")],
+  ["probe", () => import("./probe.js")],
+  ["quantize", () => import("./quantize.js")],
+  ["serve", () => import("./serve.js")],
   // cli-commands:end
 ];
 
-for (const load of commands) program.addCommand((await load()).command());
+const named = commands.filter(([name]) => name === process.argv[2]);
+for (const [name, load] of named.length === 1 ? named : commands) {
+  const cmd = (await load()).command();
+  if (cmd.name() !== name) throw new Error(`src/cli/main.ts lists ${name} for the command: ${cmd.name()}`);
+  program.addCommand(cmd);
+}
 
 try {
   await program.parseAsync(process.argv);

@@ -238,6 +238,29 @@ test("startServer() refuses a port that is taken before it loads the weights", a
   }
 });
 
+test("kvfence serve on a taken port exits 1, its node threads (started before the model loads) stopped", {
+  timeout: 60_000,
+}, async () => {
+  const holder = net.createServer();
+  await new Promise<void>((resolve) => holder.listen(0, "127.0.0.1", resolve));
+  const port = (holder.address() as net.AddressInfo).port;
+  try {
+    const child = spawn(process.execPath, [MAIN, "serve", modelDir("kvfence-tiny"), "--port", String(port)], {
+      stdio: "pipe",
+    });
+    let stderr = "";
+    child.stderr.on("data", (d: Buffer) => {
+      stderr += d.toString();
+    });
+    // A worker thread left running would keep the process alive past its refusal.
+    const [code] = await once(child, "exit");
+    assert.equal(code, 1);
+    assert.match(stderr, /Cannot listen on 127\.0\.0\.1:\d+: .*EADDRINUSE/);
+  } finally {
+    holder.close();
+  }
+});
+
 test("startNode() and startServer(--role router) refuse a weak cluster secret before they load the weights", async () => {
   // A model folder with its config but no weights: loading the weights would fail differently.
   const dir = mkdtempSync(join(tmpdir(), "kvfence-noweights-"));

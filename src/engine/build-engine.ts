@@ -4,16 +4,13 @@
  * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
  * their engines here, one way.
  */
-import { GrammarEngine } from "../grammar/grammar-engine.js";
-import { grammarVocab } from "../grammar/grammar-vocab.js";
+import type { GrammarEngine } from "../grammar/grammar-engine.js";
 import type { PagePool } from "../kvcache/page-pool.js";
-import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
-import { openTokenizer } from "../tokenizer/tokenizer.js";
 import { Engine } from "./engine.js";
-import type { EngineLimits, KernelMemory, MemoryRegion } from "./engine-memory.js";
-import { ENGINE_DEFAULTS, layoutOf, servedConfig } from "./engine-memory.js";
+import type { KernelMemory, MemoryRegion } from "./engine-memory.js";
+import { ENGINE_DEFAULTS, type EngineLimits, layoutOf, servedConfig } from "./engine-sizing.js";
 import { createForward, type KernelsName } from "./forward-setup.js";
 import { fromPortable, type PortableWeights } from "./portable-weights.js";
 
@@ -74,6 +71,8 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
   let weights: ModelWeights;
   const tokenizerPath = options.tokenizer ?? ("dir" in options.model ? options.model.dir : undefined);
   if ("dir" in options.model) {
+    // Loaded here only: an engine thread given weights in memory never loads the model readers.
+    const { loadModelWeights, openModelMeta } = await import("../model/load-model.js");
     const meta = await openModelMeta(options.model.dir);
     config = meta.config;
     weights = loadModelWeights(meta, { shared: true });
@@ -104,7 +103,18 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
   });
 }
 
-/** Structured output's grammar engine for the tokenizer at `path` (made when first called). */
+/**
+ * Structured output's grammar engine for the tokenizer at `path` (made when first called). Its
+ * modules (xgrammar, the tokenizer) load then too: an engine thread that serves no constrained
+ * request never loads them (src/node/node-worker-imports.test.ts).
+ */
 function grammarOf(path: string, vocabSize: number): () => Promise<GrammarEngine> {
-  return async () => GrammarEngine.create(grammarVocab((await openTokenizer(path)).tokenizer), vocabSize);
+  return async () => {
+    const [{ GrammarEngine }, { grammarVocab }, { openTokenizer }] = await Promise.all([
+      import("../grammar/grammar-engine.js"),
+      import("../grammar/grammar-vocab.js"),
+      import("../tokenizer/tokenizer.js"),
+    ]);
+    return GrammarEngine.create(grammarVocab((await openTokenizer(path)).tokenizer), vocabSize);
+  };
 }

@@ -6,20 +6,27 @@
  * and a plan beyond 4 GiB is refused with its numbers before anything is read.
  */
 import assert from "node:assert/strict";
-import { mkdtempSync, rmSync } from "node:fs";
+import { closeSync, mkdtempSync, openSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { describe, it } from "node:test";
 import { writeGgufFromFolder } from "../../testing/gguf-writer.js";
 import { writeModelFolder } from "../../testing/model-folder.js";
 import { modelDir } from "../../testing/start-server.js";
+import { nativeAddon } from "../kernels/kernel-backend.js";
 import type { WasmKernels } from "../kernels/wasm-kernels.js";
 import { type Matrix, matrixBytes, matrixDType } from "../kernels/weight-format.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { StepSequence } from "../model/forward.js";
-import { openModel, openModelMeta } from "../model/load-model.js";
+import { openModel, openModelMeta, weightFilesOf } from "../model/load-model.js";
 import { buildEngine } from "./build-engine.js";
-import { engineRegionBytes, layoutOf, loadEngineMemory, regionBytesOf } from "./engine-memory.js";
+import {
+  engineRegionBytes,
+  layoutOf,
+  loadEngineMemory,
+  regionBytesOf,
+  weightMemoryBytes,
+} from "./engine-memory.js";
 import { createForward } from "./forward-setup.js";
 
 describe("loadEngineMemory()", async () => {
@@ -220,6 +227,56 @@ describe("loadEngineMemory()", async () => {
       assert.equal(engine.contextTokens, 128, "8 pages of 16");
     } finally {
       folder.remove();
+    }
+  });
+
+  it("loadEngineMemory() on native maps each weight file over its window, copy-on-write: the file's bytes, no copy, the file never written", async () => {
+    const files = weightFilesOf(meta);
+    assert.equal(files.length, 2, "two shards, each mapped on its own page boundary");
+    const fileBytes = files.map((f) => readFileSync(f));
+    const shared = loadEngineMemory(meta, [regionBytes], { kernels: "native" });
+    // The mapping is the kernel's own record of it (Linux): each weight file lies in this process's maps.
+    const maps = readFileSync("/proc/self/maps", "utf8");
+    for (const f of files) assert.ok(maps.includes(f), `${f} is mapped`);
+    const openRead = await openModel(meta.dir);
+    const embed = matrixBytes(shared.weights.embed);
+    assert.deepEqual(embed, matrixBytes(openRead.weights.embed), "the embeddings are the file's");
+    assert.ok(
+      embed.byteOffset + embed.byteLength <= 65536 + weightMemoryBytes(meta),
+      "inside the weights' plan",
+    );
+    embed.fill(0x55); // copy-on-write: the memory changes, the file does not
+    assert.deepEqual(
+      files.map((f) => readFileSync(f)),
+      fileBytes,
+    );
+    assert.equal(matrixBytes(shared.weights.embed)[0], 0x55);
+  });
+
+  it("the addon's mapFile() refuses a range past the memory and declines a misaligned one, leaving it zeros", () => {
+    const addon = nativeAddon();
+    const weightFile = weightFilesOf(meta)[0]!;
+    const buffer = new SharedArrayBuffer(1 << 20);
+    const view = new Uint8Array(buffer, 0, 16);
+    const aligned = (4096 - (addon.pageOffset(view) % 4096)) % 4096;
+    const fd = openSync(weightFile, "r");
+    try {
+      assert.throws(
+        () => addon.mapFile(view, buffer.byteLength, buffer.byteLength - 8, fd, 64),
+        /fileBytes must be/,
+      );
+      assert.equal(addon.mapFile(view, buffer.byteLength, aligned + 64, fd, 4096), false);
+      assert.ok(
+        new Uint8Array(buffer).every((b) => b === 0),
+        "nothing mapped or written",
+      );
+      assert.equal(addon.mapFile(view, buffer.byteLength, aligned + 4096, fd, 4096), true);
+      assert.deepEqual(
+        new Uint8Array(buffer, aligned + 4096, 4096),
+        new Uint8Array(readFileSync(weightFile).subarray(0, 4096)),
+      );
+    } finally {
+      closeSync(fd);
     }
   });
 });

@@ -14,7 +14,9 @@
  * when each engine had its own memory; what they share is read-only weights.
  *
  * On the native kernels (`kernels: "native"`, docs/kernels.md) the memory is a plain
- * SharedArrayBuffer of the same layout (`{ buffer }`), which has no 4 GiB limit.
+ * SharedArrayBuffer of the same layout (`{ buffer }`), which has no 4 GiB limit, and each weight
+ * file is mapped over its window (copy-on-write, each on a page boundary) instead of read into it:
+ * the page cache's pages, faulted in as first read, no copy (the file is read where that fails).
  *
  * A region's size is planned here from the engine's limits (`engineRegionBytes`) and is fixed: the
  * memory never grows (a grow by one thread while another runs would race with the plan). wasm32
@@ -22,13 +24,11 @@
  * a byte is read.
  */
 import { statSync } from "node:fs";
+import { loadNativeAddon } from "../kernels/kernel-backend.js";
 import type { KernelMemory, MemoryRegion } from "../kernels/wasm-kernels.js";
 import { type Matrix, matrixBytes, type WeightTensor, weightBytes } from "../kernels/weight-format.js";
-import { DEFAULT_KV_CACHE_DTYPE, type KvDtype, type KvLayout } from "../kvcache/kv-layout.js";
-import { PagePool } from "../kvcache/page-pool.js";
 import { type ByteRange, byteView } from "../lib/byte-range.js";
 import { KvfenceError } from "../lib/errors.js";
-import { ForwardPass } from "../model/forward.js";
 import {
   expectedTensors,
   type LoadProgress,
@@ -36,64 +36,29 @@ import {
   type ModelMeta,
   weightFilesOf,
 } from "../model/load-model.js";
-import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import type { ModelWeights } from "../model/model-config.js";
+import { aligned } from "./engine-sizing.js";
 
 const PAGE_BYTES = 65536;
 /** What wasm32 addresses, in 64 KiB pages. */
 const MAX_PAGES = 65536;
 /** The first 64 KiB stay unused (as in a kernel set's own memory). */
 const WEIGHTS_START = 65536;
+/** The page size `loadEngineMemory` aligns a mapped file to (4 KiB; a larger page just falls back to reading). */
+const MAP_PAGE_BYTES = 4096;
 
-const aligned = (bytes: number): number => Math.ceil(bytes / 64) * 64;
-
+export {
+  attentionStagingBytes,
+  ENGINE_DEFAULTS,
+  type EngineLimits,
+  type EngineSizing,
+  engineRegionBytes,
+  layoutOf,
+  matmulScratchBytes,
+  regionBytesOf,
+  servedConfig,
+} from "./engine-sizing.js";
 export type { KernelMemory, MemoryRegion };
-
-/** The step limits an engine gets by default (`maxBatchTokens`, `maxSequences`, `pageSize`). */
-export const ENGINE_DEFAULTS = { maxBatchTokens: 256, maxSequences: 16, pageSize: 16 } as const;
-
-/** The limits and pool an engine is built with (part of its build options, src/engine/build-engine.ts). */
-export interface EngineLimits {
-  /** Pages in the KV pool. */
-  readonly numPages: number;
-  /** Tokens per page. Default 16. */
-  readonly pageSize?: number;
-  /** The KV cache element type (`--kv-cache-dtype`). Default f16. */
-  readonly kvCacheDtype?: KvDtype;
-  /** Tokens per forward step. Default 256. */
-  readonly maxBatchTokens?: number;
-  /** Requests per forward step. Default 16. */
-  readonly maxSequences?: number;
-  /** Context length to serve. Default: the model's window. */
-  readonly maxModelLen?: number;
-}
-
-/**
- * The model's config as an engine serving at most `maxModelLen` tokens sees it: its window is the
- * served context, so the RoPE tables and the attention staging are sized by it, not by the model's
- * window (Llama-3.2-3B's 131,072 positions: 128 MiB of RoPE tables an engine).
- */
-export function servedConfig(config: ModelConfig, maxModelLen: number | undefined): ModelConfig {
-  if (maxModelLen === undefined || maxModelLen >= config.maxPositionEmbeddings) return config;
-  return { ...config, maxPositionEmbeddings: maxModelLen };
-}
-
-/** Bytes of an engine's region in a shared memory, from its build options' limits and pool. */
-export function regionBytesOf(model: ModelConfig, options: EngineLimits): number {
-  const config = servedConfig(model, options.maxModelLen);
-  return engineRegionBytes(config, layoutOf(config, options), {
-    maxBatchTokens: options.maxBatchTokens ?? ENGINE_DEFAULTS.maxBatchTokens,
-    maxSequences: options.maxSequences ?? ENGINE_DEFAULTS.maxSequences,
-    poolPages: [options.numPages],
-  });
-}
-
-/** What one engine is sized by. */
-export interface EngineSizing {
-  readonly maxBatchTokens: number;
-  readonly maxSequences: number;
-  /** Pages of each of its KV pools. */
-  readonly poolPages: readonly number[];
-}
 
 /** A shared memory holding the weights, with one region per engine. */
 export interface EngineMemory {
@@ -106,66 +71,16 @@ export interface EngineMemory {
   readonly weightBytes: number;
 }
 
-/** An engine's KV page layout: the model's shape, its page size and its KV cache dtype. */
-export function layoutOf(
-  config: ModelConfig,
-  options: { readonly pageSize?: number; readonly kvCacheDtype?: KvDtype },
-): KvLayout {
-  return {
-    numLayers: config.numLayers,
-    numKvHeads: config.numKvHeads,
-    headDim: config.headDim,
-    pageSize: options.pageSize ?? ENGINE_DEFAULTS.pageSize,
-    dtype: options.kvCacheDtype ?? DEFAULT_KV_CACHE_DTYPE,
-  };
-}
-
 /**
- * Bytes an engine's kernels allocate at most: the control block and small records, the forward
- * pass's buffers, its pools, the attention staging at the longest context (grown by doubling) and
- * the matmul's packed rows (likewise), plus 1 MiB of slack.
- */
-export function engineRegionBytes(config: ModelConfig, layout: KvLayout, sizing: EngineSizing): number {
-  const pools = sizing.poolPages.reduce((sum, n) => sum + aligned(PagePool.dataBytesFor(layout, n)), 0);
-  const totalPages = sizing.poolPages.reduce((a, b) => a + b, 0);
-  return aligned(
-    64 * 1024 +
-      ForwardPass.bufferBytes(config, sizing) +
-      pools +
-      attentionStagingBytes(config, totalPages) +
-      matmulScratchBytes(config, sizing.maxBatchTokens) +
-      (1 << 20),
-  );
-}
-
-/**
- * What a matmul's prepared x (packed rows, or quantised activations with their scales) takes at
- * most, twice over (it grows by doubling): the largest of rows·inDim·4 floats' worth, a generous
- * bound for both kernel sets' `prepare`.
- */
-export function matmulScratchBytes(config: ModelConfig, maxBatchTokens: number): number {
-  const maxIn = Math.max(config.hiddenSize, config.numHeads * config.headDim, config.intermediateSize);
-  return 2 * Math.ceil(maxBatchTokens / 8) * Math.ceil(maxIn / 4) * 128;
-}
-
-/**
- * What `WasmKernels.pagedAttentionBatch` stages on demand at the longest context: the block
- * tables, two score scratches and the split partials, twice over (they grow by doubling), plus 1 MiB
- * of slack for the control block, the per-sequence records and alignment.
- */
-export function attentionStagingBytes(config: ModelConfig, numPages: number): number {
-  const group = config.numHeads / config.numKvHeads;
-  const ctx = config.maxPositionEmbeddings;
-  const partials = config.numHeads * 8 * (config.headDim + 2);
-  return 2 * (4 * numPages + 2 * 4 * group * ctx + 4 * partials) + (1 << 20);
-}
-
-/**
- * Bytes the weights of `meta` take in the engines' memory: the weight files whole, and a tail for
- * what cannot be a view of them (the norms widened to f32, the matrices `quantize` converts).
+ * Bytes the weights of `meta` take in the engines' memory: the weight files whole (each with a page
+ * of slack, to start on a page boundary when mapped: `loadEngineMemory`), and a tail for what cannot be a
+ * view of them (the norms widened to f32, the matrices `quantize` converts).
  */
 export function weightMemoryBytes(meta: ModelMeta, quantize?: "q8_0" | "q4_0"): number {
-  const fileBytes = weightFilesOf(meta).reduce((sum, f) => sum + aligned(statSync(f).size), 0);
+  const fileBytes = weightFilesOf(meta).reduce(
+    (sum, f) => sum + MAP_PAGE_BYTES + aligned(statSync(f).size),
+    0,
+  );
   const tailBytes = [...expectedTensors(meta.config).values()].reduce((sum, shape) => {
     const n = shape.reduce((a, b) => a * b, 1);
     if (shape.length !== 2) return sum + aligned(4 * n);
@@ -220,8 +135,24 @@ export function loadEngineMemory(
     next += aligned(bytes);
     return range;
   };
+  // Native: each weight file is mapped copy-on-write over its window, on the next page boundary
+  // (the page of slack `weightMemoryBytes` plans), in place of reading it: no copy, its pages are
+  // the page cache's, faulted in as the first step reads them (on this VM, reading 143 MB into
+  // fresh memory and then touching it took about 1 s; mapping it and touching it 0.2 s). Where
+  // that fails (no addon, another page size, the system's refusal) the file is read as before.
+  const addon = native ? loadNativeAddon() : null;
+  const map = (fd: number, bytes: number): ByteRange | null => {
+    if (addon === null || "error" in addon) return null;
+    const view = new Uint8Array(buffer, 0, 16);
+    const at =
+      next + ((MAP_PAGE_BYTES - ((addon.addon.pageOffset(view) + next) % MAP_PAGE_BYTES)) % MAP_PAGE_BYTES);
+    if (!addon.addon.mapFile(view, buffer.byteLength, at, fd, bytes)) return null;
+    next = at + aligned(bytes);
+    return { buffer, byteOffset: at, byteLength: bytes };
+  };
   const loaded = loadModelWeights(meta, {
     into,
+    ...(native ? { map } : {}),
     ...(options?.onProgress === undefined ? {} : { onProgress: options.onProgress }),
     ...(options?.quantize === undefined ? {} : { quantize: options.quantize }),
   });

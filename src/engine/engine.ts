@@ -42,7 +42,7 @@ import { type OwnershipTable, PAGE_STATE_NAMES, PageState } from "../kvcache/own
 import type { PagePool } from "../kvcache/page-pool.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
-import { PHASE, PhaseRecorder } from "../lib/phase-histograms.js";
+import { PHASE, PhaseRecorder } from "../lib/phase-recorder.js";
 import type { StepSequence } from "../model/forward.js";
 import type { ModelConfig } from "../model/model-config.js";
 import type {

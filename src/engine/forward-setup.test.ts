@@ -67,6 +67,34 @@ describe("createForward()", () => {
     assert.ok(maxAbsDiff(logits[0] as Float32Array, logits[2] as Float32Array) < 1e-4);
   });
 
+  for (const kernels of ["wasm", "native"] as const)
+    it(`createForward() on ${kernels} zeroes a pool over a shared region an earlier engine used, not a fresh one`, async () => {
+      const regionBytes = 32 * 1024 ** 2;
+      const memory =
+        kernels === "native"
+          ? { buffer: new SharedArrayBuffer(65536 + regionBytes) }
+          : new WebAssembly.Memory({
+              initial: 1 + regionBytes / 65536,
+              maximum: 1 + regionBytes / 65536,
+              shared: true,
+            });
+      const shared = { memory, region: { start: 65536, end: 65536 + regionBytes } };
+      const options = { kernels, maxBatchTokens: 8, maxSequences: 1, poolPages: [4], shared };
+      const first = await createForward(config, weights, layout, options);
+      assert.equal((first.kernels as WasmKernels).freshArena, true);
+      first.pools[0]!.data.fill(0x3c00); // an earlier engine's KV (a worker that then exited)
+      await first.close();
+      // A restarted engine worker builds over the same region: its pool is zeroed, as fresh memory is.
+      const second = await createForward(config, weights, layout, options);
+      assert.equal((second.kernels as WasmKernels).freshArena, false);
+      assert.equal(second.pools[0]!.data.byteOffset, first.pools[0]!.data.byteOffset);
+      assert.ok(
+        second.pools[0]!.data.every((v) => v === 0),
+        "the earlier engine's KV is gone",
+      );
+      await second.close();
+    });
+
   it("createForward() refuses a wasm memory beyond 4 GiB, naming --kernels ts", async () => {
     await assert.rejects(
       createForward(config, weights, layout, {

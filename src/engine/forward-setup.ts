@@ -23,7 +23,7 @@ import { PagePool } from "../kvcache/page-pool.js";
 import { KvfenceError } from "../lib/errors.js";
 import { ForwardPass } from "../model/forward.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { attentionStagingBytes, matmulScratchBytes } from "./engine-memory.js";
+import { attentionStagingBytes, matmulScratchBytes } from "./engine-sizing.js";
 
 export { chooseKernels, type KernelsChoice, type KernelsRequest } from "../kernels/choose-kernels.js";
 
@@ -122,6 +122,7 @@ export async function createForward(
       scrubOnFree,
       dataBuffer: k.buffer(),
       dataByteOffset: at,
+      zeroed: k.freshArena,
     });
   });
   return { forward, pools, kernels: k, weights: placed, close: () => k.close() };

@@ -41,7 +41,7 @@ import type { PagePool } from "../kvcache/page-pool.js";
 import { Deque } from "../lib/deque.js";
 import type { WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
-import { PHASE, type PhaseRecorder } from "../lib/phase-histograms.js";
+import { PHASE, type PhaseRecorder } from "../lib/phase-recorder.js";
 import type { PrefixCache } from "../protocol/prefix-cache.js";
 import type { Sequence } from "./sequence.js";
 import type { StepCost } from "./step-cost.js";

@@ -176,6 +176,13 @@ export interface NativeAddon {
   bind(view: Uint8Array, byteLength: number, regionStart: number, regionEnd: number, level?: string): object;
   /** The best level this CPU runs, or (given a handle) the handle's level. */
   isa(handle?: object): string;
+  /** Where the memory's first byte (a Uint8Array at its offset 0) sits in its page. */
+  pageOffset(view: Uint8Array): number;
+  /**
+   * Maps the first `fileBytes` of the open file `fd` copy-on-write over the memory at `byteOffset`
+   * (page-aligned) in place of reading it; false (nothing changed) where it cannot.
+   */
+  mapFile(view: Uint8Array, byteLength: number, byteOffset: number, fd: number, fileBytes: number): boolean;
   [kernel: string]: unknown;
 }
 

@@ -266,6 +266,14 @@ export class WasmKernels implements Kernels {
    * Both give the same integer sums, so the same results.
    */
   readonly dotAdd: boolean;
+  /**
+   * Whether this set's arena is memory nothing wrote before: its own new memory, or the first kernel
+   * set over a shared region (claimed by a word at the region's start). What it allocates is then
+   * all zeros (the arena hands out each byte once), so a KV pool there needs no zeroing
+   * (`PagePool`'s `zeroed`). False for a set over a region an earlier set used (a restarted engine
+   * worker over the same shared memory).
+   */
+  readonly freshArena: boolean;
   /** Calls that ran the reference kernel because an operand was outside the memory. */
   fallbackCalls = 0;
   #x: KernelBackend;
@@ -346,6 +354,10 @@ export class WasmKernels implements Kernels {
     this.#buf0 = this.memory.buffer;
     this.#buffers.add(this.#buf0);
     if (options.shared !== undefined) this.#probe = this.allocBytes(64);
+    // The region's claim word sits beside the probe word, in the arena's first 64 bytes.
+    this.freshArena =
+      options.shared === undefined ||
+      Atomics.exchange(new Int32Array(this.memory.buffer, this.#probe + 4, 1), 0, 1) === 0;
     this.#ctlBase = this.allocBytes(CTL_BYTES);
     this.#ctl = new Int32Array(this.memory.buffer, this.#ctlBase, CTL_BYTES / 4);
     this.#args = new Float64Array(this.memory.buffer, this.#ctlBase + CTL_ARGS * 4, 24);

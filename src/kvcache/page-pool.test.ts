@@ -50,6 +50,27 @@ test("PagePool lays its data over a caller-supplied buffer at an offset", () => 
   assert.throws(() => new PagePool(LAYOUT, 4, { dataBuffer: buffer, dataByteOffset: 64 }), /needs \d+ bytes/);
 });
 
+test("PagePool zeroes a caller's buffer unless the caller vouches it is fresh (zeroed)", () => {
+  const bytes = PagePool.dataBytesFor(LAYOUT, 3);
+  const used = new SharedArrayBuffer(bytes);
+  new Float32Array(used).fill(7);
+  assert.ok(
+    new PagePool(LAYOUT, 3, { dataBuffer: used }).data.every((v) => v === 0),
+    "zeroed by the pool",
+  );
+  const fresh = new SharedArrayBuffer(bytes);
+  new Float32Array(fresh).fill(7); // a lie, to see that the pool writes nothing when told `zeroed`
+  const untouched = new PagePool(LAYOUT, 3, { dataBuffer: fresh, zeroed: true });
+  assert.ok(
+    untouched.data.every((v) => v === 7),
+    "a range the caller vouches for is not written",
+  );
+  assert.ok(
+    new PagePool(LAYOUT, 3).data.every((v) => v === 0),
+    "a pool's own buffer starts zero",
+  );
+});
+
 test("PagePool.allocate() is all-or-nothing and appends to the block table", () => {
   const pool = new PagePool(LAYOUT, 3);
   const bt = new BlockTable(4);

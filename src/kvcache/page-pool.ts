@@ -6,8 +6,11 @@
  * The array is a `Float32Array` for an f32 layout and a `Uint16Array` of raw half-float bits for
  * f16/bf16 (`KvData`); nothing here reads the values, so the pool is the same for every dtype.
  *
- * The data is allocated once and touched once here (first-touch faults cost ten times a copy), and
- * pages are **not zeroed** on free, as in real engines: stale KV stays in a freed page until it is
+ * The data is allocated once and starts all zeros: a fresh buffer is (the operating system hands out
+ * zeroed pages, faulted in only when first written, so an idle pool costs no resident memory and
+ * no start-up time), and a caller's buffer is zeroed here unless the caller vouches it is fresh
+ * (`zeroed`: a kernel arena's first use, src/kernels/wasm-kernels.ts `freshArena`). Pages are
+ * **not zeroed** on free, as in real engines: stale KV stays in a freed page until it is
  * overwritten, which is exactly why every read is checked. `scrubOnFree` zeroes a page as it is
  * freed, at a measured cost.
  *
@@ -67,6 +70,12 @@ export interface PagePoolOptions {
   readonly tableByteOffset?: number;
   /** Attach to a pool another thread already initialised in the given buffers (no reset, no touch). */
   readonly attach?: boolean;
+  /**
+   * The caller vouches that the data range of `dataBuffer` is all zeros and was never written (fresh
+   * memory), so the pool neither zeroes nor touches it. Default false: a caller's range is zeroed
+   * here. A pool's own fresh buffer (no `dataBuffer`) is never zeroed: it is zero.
+   */
+  readonly zeroed?: boolean;
 }
 
 /** A pool's KV data: f32 elements, or the raw bits of 2-byte f16/bf16 elements. */
@@ -144,8 +153,10 @@ export class PagePool {
       byteOffset: options.tableByteOffset ?? 0,
       attach,
     });
-    // Touch every page once now, so no request pays the first-touch fault in a step.
-    if (!attach) this.data.fill(0);
+    // A range not known fresh is zeroed; a fresh one is left untouched (a page is faulted in, as
+    // zeros, by the first step that writes it: ~90 faults a 16-token page of a 135M model, µs).
+    const fresh = options.dataBuffer === undefined || options.zeroed === true;
+    if (!attach && !fresh) this.data.fill(0);
     this.#outPages = new Int32Array(numPages);
     this.#outGenerations = new Uint32Array(numPages);
   }

@@ -93,6 +93,11 @@ export interface LoadModelOptions {
    * pass 4 GiB, more than one typed array holds. Absent: a fresh (Shared)ArrayBuffer per file.
    */
   readonly into?: (bytes: number) => ByteRange;
+  /**
+   * Maps a weight file into the memory in place of `into` and reading it (`ReadFileOptions.map`,
+   * src/model/safetensors.ts); null: it is read as usual.
+   */
+  readonly map?: (fd: number, bytes: number) => ByteRange | null;
 }
 
 /** The formats `--quantize` makes at load. */
@@ -269,6 +274,7 @@ export function loadGgufWeights(
   const bytes = readWholeFile(file, {
     shared: options?.shared ?? false,
     ...(options?.into === undefined ? {} : { into: options.into }),
+    ...(options?.map === undefined ? {} : { map: options.map }),
     onBytes: (bytesRead, totalBytes) =>
       options?.onProgress?.({ file, bytesRead, totalBytes, tensorsLoaded: 0, tensorsTotal: expected.size }),
   });
@@ -346,6 +352,7 @@ export function loadWeights(dir: string, config: ModelConfig, options?: LoadMode
       // What the config ignores is not read (a tied checkpoint's saved lm_head.weight: vocab × hidden).
       skip: (name) => isIgnorable(name, config),
       ...(options?.into === undefined ? {} : { into: options.into }),
+      ...(options?.map === undefined ? {} : { map: options.map }),
       onBytes: (done) => {
         bytesRead = bytesBefore + done;
         report();

@@ -86,6 +86,11 @@ export interface ReadFileOptions {
   readonly onBytes?: (bytesRead: number, totalBytes: number) => void;
   /** Where the bytes go (a window of the engines' shared memory); else a fresh buffer. */
   readonly into?: (bytes: number) => ByteRange;
+  /**
+   * Maps the open file (`fd`, `bytes` long) into the engines' memory in place of `into` and
+   * reading it, and returns its window (src/engine/engine-memory.ts); null: read as usual.
+   */
+  readonly map?: (fd: number, bytes: number) => ByteRange | null;
 }
 
 /** Opens `path`, hands its descriptor and size to `read`, closes it. */
@@ -143,6 +148,11 @@ function readRange(
  */
 export function readWholeFile(path: string, options?: ReadFileOptions): ByteRange {
   return withFile(path, (fd, size) => {
+    const mapped = options?.map?.(fd, size) ?? null;
+    if (mapped !== null) {
+      options?.onBytes?.(size, size);
+      return mapped;
+    }
     const bytes = destination(size, options);
     readRange(fd, { path, size, bytes }, 0, size, options?.onBytes);
     if (size === 0) options?.onBytes?.(0, 0);
@@ -183,6 +193,11 @@ export class SafetensorsFile {
     options?: ReadFileOptions & { readonly skip?: (name: string) => boolean },
   ): SafetensorsFile {
     return withFile(path, (fd, size) => {
+      const mapped = options?.map?.(fd, size) ?? null;
+      if (mapped !== null) {
+        options?.onBytes?.(size, size);
+        return SafetensorsFile.parse(mapped, path);
+      }
       const file = { path, size, bytes: destination(size, options) };
       readRange(fd, file, 0, Math.min(size, 8));
       if (size >= 8) {

@@ -34,7 +34,7 @@
  */
 
 import type { WireError } from "../lib/errors.js";
-import { PHASE } from "../lib/phase-histograms.js";
+import { PHASE } from "../lib/phase-recorder.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import { epochNow, epochOf, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
 import type { NodeStats, ToNode } from "../links/node-messages.js";

@@ -9,6 +9,11 @@
  *
  * A worker's exit is its fence: the main thread tells the peers (`prefill_lost`), and the
  * transfer port closes with it.
+ *
+ * Its options come as `workerData`, or, for a worker started before they are known (the server's
+ * first pair, started while the weights load: `prestartNodeWorkers` in
+ * src/topology/threaded-topology.ts), as the first message (`NodeWorkerOptions`): its modules load
+ * meanwhile.
  */
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
 import { KvfenceError } from "../lib/errors.js";
@@ -128,7 +133,19 @@ async function main(port: MessagePort, options: NodeHostOptions): Promise<void> 
   toRouter(built.hello);
 }
 
+/** The options of a worker started without them, its first message. */
+export interface NodeWorkerOptions {
+  readonly kind: "options";
+  readonly options: NodeHostOptions;
+}
+
 const data = workerData as { tag?: unknown; options?: NodeHostOptions } | null;
-if (!isMainThread && parentPort !== null && data?.tag === NODE_WORKER_TAG && data.options !== undefined) {
-  await main(parentPort, data.options);
+if (!isMainThread && parentPort !== null && data?.tag === NODE_WORKER_TAG) {
+  const port = parentPort;
+  const options =
+    data.options ??
+    (await new Promise<NodeHostOptions>((resolve) =>
+      port.once("message", (m: NodeWorkerOptions) => resolve(m.options)),
+    ));
+  await main(port, options);
 }

@@ -31,7 +31,7 @@
  */
 
 import type { WireError } from "../lib/errors.js";
-import { PHASE } from "../lib/phase-histograms.js";
+import { PHASE } from "../lib/phase-recorder.js";
 import { epochNow, type RequestTrace, traceSpan, tracing } from "../lib/tracing.js";
 import type { NodeStats, ToNode } from "../links/node-messages.js";
 import type { ComputeEffect, Effects, WriteEffect } from "../protocol/effects.js";

@@ -166,11 +166,18 @@ export class PreparePool implements RequestPreparer {
     });
   }
 
-  /** Starts `threads` workers and resolves once each has loaded the tokenizer. */
+  /**
+   * Starts `threads` workers and resolves once the first has loaded the tokenizer: the others (the
+   * large lane, at a lower priority) start beside it and take their bodies once ready (large
+   * bodies wait for them meanwhile). One that fails to start is reported, and the first then
+   * serves both lanes, as a pool of one does.
+   */
   static async start(options: PreparePoolOptions): Promise<PreparePool> {
     const pool = new PreparePool(options);
     try {
-      await Promise.all(Array.from({ length: pool.#size }, (_, i) => pool.#spawn(i)));
+      const first = pool.#spawn(0);
+      for (let i = 1; i < pool.#size; i++) pool.#spawn(i).catch((err: unknown) => pool.#startFailed(i, err));
+      await first;
     } catch (err) {
       await pool.close();
       throw err;
@@ -283,6 +290,14 @@ export class PreparePool implements RequestPreparer {
     }, GRAMMAR_COMPILE_MS);
   }
 
+  /** A worker of the large lane failed to start: the first worker takes its bodies too. */
+  #startFailed(index: number, err: unknown): void {
+    if (this.#closed) return;
+    this.#onWorkerError(`a preparation worker failed to start: ${String(err)}`);
+    delete this.#slots[index];
+    this.#dispatch();
+  }
+
   /** A worker died (or was retired): fail its body, replace it. */
   #lost(slot: Slot, index: number, detail: string): void {
     if (this.#slots[index] !== slot || this.#closed) return;
@@ -321,7 +336,8 @@ export class PreparePool implements RequestPreparer {
 
   /** Gives each idle worker the next body of a lane it serves. */
   #dispatch(): void {
-    const shared = this.#size === 1;
+    // One worker (or none of the large lane started): both lanes share the first.
+    const shared = this.#size === 1 || this.#slots.every((s, i) => i === 0 || s === undefined);
     for (let i = 0; i < this.#slots.length; i++) {
       const slot = this.#slots[i];
       if (slot === undefined || slot.job !== null || slot.retired) continue;

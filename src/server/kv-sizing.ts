@@ -9,9 +9,9 @@
  *
  * Why not all the memory there is, as vLLM gives its KV cache what a GPU has left after the weights
  * (90% of it)? A GPU's memory is the server's alone; a CPU's is shared with the system, the page
- * cache holding the weight files and other processes, and kvfence touches its pools as it starts
- * (no first-touch fault in a step), so a pool sized to the free memory would be resident from the
- * first second and starve the machine. What kvfence does take from vLLM is the refusal: before a
+ * cache holding the weight files and other processes, and a pool's pages become resident as
+ * requests first write them and stay so, so a pool sized to the free memory would starve the
+ * machine once busy. What kvfence does take from vLLM is the refusal: before a
  * byte of the weights is read, the weights and every engine's region (its pool, activations and
  * staging) must fit in the memory available (`process.availableMemory()`: MemAvailable, or a
  * cgroup's limit), or the server stops with the numbers and the largest `--max-model-len` that fits.

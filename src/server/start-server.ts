@@ -37,6 +37,7 @@ import { requestLimits } from "../router/request-limits.js";
 import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
 import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
+import { type PrestartedWorkers, prestartNodeWorkers } from "../topology/threaded-topology.js";
 import { availableMemoryBytes, checkMemoryFits, poolPagesOf } from "./kv-sizing.js";
 import {
   fairShareOf,
@@ -100,6 +101,22 @@ export async function startServer(
   config: ServeConfig,
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
 ): Promise<RunningServer> {
+  // The default topology's node threads start first and load their modules while this thread
+  // loads the model; they get their options (the weights' memory) once it is there.
+  const prestarted = config.role === "all" && config.disaggregation ? prestartNodeWorkers() : undefined;
+  try {
+    return await bootServer(config, options, prestarted);
+  } catch (err) {
+    await prestarted?.terminate();
+    throw err;
+  }
+}
+
+async function bootServer(
+  config: ServeConfig,
+  options: { logger: Logger; progress?: (line: string, done: boolean) => void },
+  prestarted: PrestartedWorkers | undefined,
+): Promise<RunningServer> {
   const log = options.logger;
   warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
   if (config.role !== "router") config = await withChosenKernels(config, log);
@@ -122,6 +139,7 @@ export async function startServer(
   const tenants = loadTenants(config, log);
   await startRouterTracing(config, log);
   const limits = limitsOf(config, contextLength);
+  const tokenizer = tokenizerOf(model, config);
   const { served, preparer } = await startEnginesAndPreparer(config, {
     model,
     tenants,
@@ -130,6 +148,10 @@ export async function startServer(
     contextLength,
     tls,
     log,
+    // The router's one walk of the vocabulary (its answer-size bounds), while the engine threads
+    // start and this thread would wait idle, not after.
+    meanwhile: () => void tokenizer.tokenBounds,
+    prestarted,
     ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
   const engine = served.engine;
@@ -148,7 +170,7 @@ export async function startServer(
   );
 
   const router = new RouterServer(
-    routerOptions(config, { engine, model, preparer, limits, tenants, tls, log }),
+    routerOptions(config, { engine, model, tokenizer, preparer, limits, tenants, tls, log }),
   );
   served.registerMetrics(router.metrics);
   const closeAll = async (): Promise<void> => {
@@ -192,6 +214,7 @@ function routerOptions(
   parts: {
     readonly engine: EngineHandle;
     readonly model: ModelMeta;
+    readonly tokenizer: ReturnType<typeof tokenizerOf>;
     readonly preparer: PreparePool;
     readonly limits: ReturnType<typeof limitsOf>;
     readonly tenants: TenantDirectory;
@@ -202,7 +225,7 @@ function routerOptions(
   const { model, tls } = parts;
   return {
     engine: parts.engine,
-    tokenizer: tokenizerOf(model, config),
+    tokenizer: parts.tokenizer,
     preparer: parts.preparer,
     limits: parts.limits,
     model: modelCard(model, config),
@@ -253,6 +276,10 @@ async function startEnginesAndPreparer(
     readonly tls: ReturnType<typeof serveTls>;
     readonly log: Logger;
     readonly progress?: (line: string, done: boolean) => void;
+    /** Work for this thread once the engines are starting (in their own threads or processes). */
+    readonly meanwhile?: () => void;
+    /** The default topology's node threads, started before the model loaded. */
+    readonly prestarted: PrestartedWorkers | undefined;
   },
 ): Promise<{ served: Awaited<ReturnType<typeof startServeEngine>>; preparer: PreparePool }> {
   const { model, tenants, engineOptions, log } = parts;
@@ -276,6 +303,7 @@ async function startEnginesAndPreparer(
   const engines =
     config.role === "router" ? [] : config.disaggregation ? [prefillOptions, engineOptions] : [engineOptions];
   let served: Awaited<ReturnType<typeof startServeEngine>>;
+  const { prestarted } = parts;
   try {
     const loaded =
       engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress, config.quantize);
@@ -283,7 +311,7 @@ async function startEnginesAndPreparer(
       `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
       true,
     );
-    served = await startServeEngine({
+    const starting = startServeEngine({
       role: config.role,
       disaggregation: config.disaggregation,
       model: loaded === null ? null : { config: model.config, ...loaded },
@@ -301,8 +329,11 @@ async function startEnginesAndPreparer(
       fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
       ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
       ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
+      ...(prestarted === undefined ? {} : { prestarted }),
       log,
     });
+    parts.meanwhile?.();
+    served = await starting;
   } catch (err) {
     await preparing.then((p) => p.close()).catch(() => {});
     throw err;

@@ -22,7 +22,7 @@ import { makeSafety } from "../protocol/safety.js";
 import { clusterSecretBytes } from "../transfer/control-auth.js";
 import type { LinkTls } from "../transfer/tls-config.js";
 import { EngineClient } from "./engine-client.js";
-import { startThreadedTopology } from "./threaded-topology.js";
+import { type PrestartedWorkers, startThreadedTopology } from "./threaded-topology.js";
 
 export type ServeRole = "all" | "router" | "prefill" | "decode";
 
@@ -57,6 +57,8 @@ export interface ServeEngineOptions {
   readonly prefillNumPages?: number;
   /** Per-tenant caps, queue bounds and the queue timeout (`--tenant-max-*`, `--max-queue`, `--queue-timeout`). */
   readonly fairShare?: FairShareConfig;
+  /** The default topology's node threads, started while the weights loaded (`prestartNodeWorkers`). */
+  readonly prestarted?: PrestartedWorkers;
   /** `--ready-timeout`: a node (or the engine) whose readiness ping takes longer is not ready. */
   readonly pingTimeoutMs?: number;
   /** `--router-slot`: this router's slot among the routers over the same nodes (default 0). */
@@ -147,6 +149,7 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
     faults: options.faults,
     ...shared(options),
     ...(options.log === undefined ? {} : { log: options.log }),
+    ...(options.prestarted === undefined ? {} : { prestarted: options.prestarted }),
   });
   return disaggregated(topo.engine, "threads", () => topo.close());
 }

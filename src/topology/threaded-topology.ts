@@ -26,7 +26,12 @@ import type { Logger } from "../lib/logger.js";
 import type { FromNode, NodeHello } from "../links/node-messages.js";
 import { WorkerLink } from "../links/worker-link.js";
 import type { NodeHostOptions } from "../node/node-host.js";
-import { NODE_WORKER_TAG, type NodeWorkerReply, type NodeWorkerSetup } from "../node/node-worker.js";
+import {
+  NODE_WORKER_TAG,
+  type NodeWorkerOptions,
+  type NodeWorkerReply,
+  type NodeWorkerSetup,
+} from "../node/node-worker.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
 import type { ShmChannel } from "../transfer/shm-transport.js";
 
@@ -49,6 +54,49 @@ export interface ThreadedTopologyOptions {
   readonly log?: Logger;
   /** The router's per-phase histograms (default on; `--no-phase-metrics`). */
   readonly phaseMetrics?: boolean;
+  /** The first pair's threads, started earlier (`prestartNodeWorkers`); restarts start their own. */
+  readonly prestarted?: PrestartedWorkers;
+}
+
+/** A prefill and a decode worker thread started before their options are known. */
+export interface PrestartedWorkers {
+  readonly prefill: EarlyWorker;
+  readonly decode: EarlyWorker;
+  /** Stops both (when the server fails to start before they are given their options). */
+  terminate(): Promise<void>;
+}
+
+interface EarlyWorker {
+  readonly worker: Worker;
+  /** Its exit code once it exited. */
+  exitCode: number | null;
+}
+
+/**
+ * Starts the node worker threads of the default topology before the weights are in memory, so their
+ * modules load while the main thread reads the weights; `startThreadedTopology` then gives them
+ * their options (src/node/node-worker.ts).
+ */
+export function prestartNodeWorkers(): PrestartedWorkers {
+  const early = (): EarlyWorker => {
+    const w: EarlyWorker = {
+      worker: new Worker(WORKER_URL, { workerData: { tag: NODE_WORKER_TAG } }),
+      exitCode: null,
+    };
+    w.worker.once("exit", (code) => {
+      w.exitCode = code;
+    });
+    return w;
+  };
+  const prefill = early();
+  const decode = early();
+  return {
+    prefill,
+    decode,
+    terminate: async () => {
+      await Promise.all([prefill.worker.terminate(), decode.worker.terminate()]);
+    },
+  };
 }
 
 export interface ThreadedTopology {
@@ -80,14 +128,17 @@ function routerNode(role: Role, w: NodeWorker): RouterNode {
   return { id: NODE_ID[role], url: `thread:${NODE_ID[role]}`, hello: w.hello, link: w.link };
 }
 
+/** Starts a node worker (or gives a prestarted one its options) and waits for its hello. */
 function startWorker(
   options: NodeHostOptions,
+  early?: EarlyWorker,
 ): Promise<{ worker: Worker; link: WorkerLink; hello: NodeHello }> {
   // Weights as numbers: a view past 4 GiB of the shared memory does not survive the structured clone.
-  const engine = portableOptions(options.engine);
-  const worker = new Worker(WORKER_URL, {
-    workerData: { tag: NODE_WORKER_TAG, options: { ...options, engine } },
-  });
+  const hostOptions = { ...options, engine: portableOptions(options.engine) };
+  const worker =
+    early?.worker ?? new Worker(WORKER_URL, { workerData: { tag: NODE_WORKER_TAG, options: hostOptions } });
+  if (early !== undefined)
+    worker.postMessage({ kind: "options", options: hostOptions } satisfies NodeWorkerOptions);
   const link = new WorkerLink(worker);
   return new Promise((resolve, reject) => {
     const onMessage = (m: FromNode | NodeWorkerReply): void => {
@@ -115,6 +166,7 @@ function startWorker(
     };
     worker.on("message", onMessage);
     worker.on("exit", onExit);
+    if (early?.exitCode != null) onExit(early.exitCode);
   });
 }
 
@@ -122,8 +174,8 @@ export async function startThreadedTopology(options: ThreadedTopologyOptions): P
   const faults = options.faults ?? [];
   const hostOptions = (role: Role): NodeHostOptions => ({ role, engine: options[role], faults });
   const started = await Promise.allSettled([
-    startWorker(hostOptions("prefill")),
-    startWorker(hostOptions("decode")),
+    startWorker(hostOptions("prefill"), options.prestarted?.prefill),
+    startWorker(hostOptions("decode"), options.prestarted?.decode),
   ]);
   const [p, d] = started;
   if (p.status === "rejected" || d.status === "rejected") {

@@ -4,13 +4,12 @@
  * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
  * their engines here, one way.
  */
-import { GrammarEngine } from "../grammar/grammar-engine.js";
-import { grammarVocab } from "../grammar/grammar-vocab.js";
+import type { GrammarSource } from "../grammar/grammar-engine.js";
+import { GrammarThread } from "../grammar/grammar-thread.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
-import { openTokenizer } from "../tokenizer/tokenizer.js";
 import { Engine } from "./engine.js";
 import type { EngineLimits, KernelMemory, MemoryRegion } from "./engine-memory.js";
 import { ENGINE_DEFAULTS, layoutOf, servedConfig } from "./engine-memory.js";
@@ -104,7 +103,7 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
   });
 }
 
-/** Structured output's grammar engine for the tokenizer at `path` (made when first called). */
-function grammarOf(path: string, vocabSize: number): () => Promise<GrammarEngine> {
-  return async () => GrammarEngine.create(grammarVocab((await openTokenizer(path)).tokenizer), vocabSize);
+/** Structured output's grammar thread for the tokenizer at `path` (started on the first constrained request). */
+function grammarOf(path: string, vocabSize: number): () => Promise<GrammarSource> {
+  return async () => new GrammarThread({ tokenizerPath: path, vocabSize });
 }

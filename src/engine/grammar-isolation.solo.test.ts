@@ -4,8 +4,8 @@
  * of many optional properties — a constraint xgrammar takes most of the router's compile deadline
  * (`GRAMMAR_COMPILE_MS`, 1 s) to compile, each time a new one (the engine caches compiled grammars
  * per tenant) — while tenant "bob" streams an unconstrained completion. Bob's largest gap between
- * two tokens while alice's request is in flight stays within 100 ms of his largest gap alone,
- * measured just before in the same test.
+ * two tokens while alice's request is in flight stays within 100 ms of his largest gap alone
+ * (the median of three streams of 1,000 tokens), measured just before in the same test.
  *
  * Real server on 127.0.0.1 (one engine), the official `openai` client, two API keys. Before the
  * engine's grammar thread (src/grammar/grammar-thread.ts), the engine compiled on its step thread
@@ -24,9 +24,11 @@ const ALICE = "sk-grammar-alice-0001";
 const BOB = "sk-grammar-bob-000001";
 /**
  * Optional properties in alice's first schema (0.4–2 s to compile on a loaded 2-core machine); each
- * one the router refuses for its compile deadline is followed by one of 0.8 times as many.
+ * one the router refuses for its compile deadline is followed by a smaller one, down to
+ * `MIN_PROPERTIES` (still a few hundred milliseconds: a step thread that compiled it stalled bob).
  */
-const PROPERTIES = 800;
+const PROPERTIES = 700;
+const MIN_PROPERTIES = 400;
 const ATTEMPTS = 3;
 
 let server: TestServer;
@@ -143,13 +145,15 @@ test("a tenant's schema that compiles for most of a second leaves another tenant
   let passed = false;
   let count = PROPERTIES;
   for (let attempt = 1; attempt <= ATTEMPTS && !passed; attempt++) {
-    const alone = await bobStream(bob);
-    const baseline = largestGap(alone);
+    // Alone: the median of three streams' largest gaps (one stream's may catch the machine's other load).
+    const gaps: number[] = [];
+    for (let i = 0; i < 3; i++) gaps.push(largestGap(await bobStream(bob)));
+    const baseline = gaps.sort((a, b) => a - b)[1] as number;
     let aliceMs = 0;
     let refused = 0;
     const { gapMs: during, streams } = await bobDuring(bob, async () => {
       // The router refuses a schema that compiled past its deadline there (a loaded core): a new one.
-      for (let tries = 0; tries < 8; tries++, count = Math.round(count * 0.8)) {
+      for (let tries = 0; tries < 10; tries++, count = Math.max(MIN_PROPERTIES, Math.round(count * 0.85))) {
         const sent = performance.now();
         try {
           const answer = await alice.chat.completions.create({
@@ -174,7 +178,7 @@ test("a tenant's schema that compiles for most of a second leaves another tenant
     });
     passed = during <= baseline + 100;
     reports.push(
-      `attempt ${attempt}: bob's largest gap alone ${baseline.toFixed(1)} ms (${alone.length} chunks in ${((alone.at(-1) as number) - (alone[0] as number)).toFixed(0)} ms), in ${streams} stream(s) while alice's schema compiled ${during.toFixed(1)} ms; alice's request took ${aliceMs.toFixed(0)} ms (${count} properties; ${refused} larger ones refused by the router's deadline first)`,
+      `attempt ${attempt}: bob's largest gaps alone ${gaps.map((g) => g.toFixed(1)).join(", ")} ms, in ${streams} stream(s) while alice's schema compiled ${during.toFixed(1)} ms; alice's request took ${aliceMs.toFixed(0)} ms (${count} properties; ${refused} larger ones refused by the router's deadline first)`,
     );
     t.diagnostic(reports.at(-1) as string);
   }

@@ -5,7 +5,7 @@
  * their engines here, one way.
  */
 import type { GrammarSource } from "../grammar/grammar-engine.js";
-import { GrammarThread } from "../grammar/grammar-thread.js";
+import { GrammarThreads } from "../grammar/grammar-thread.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import { loadModelWeights, openModelMeta } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
@@ -105,5 +105,5 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
 
 /** Structured output's grammar thread for the tokenizer at `path` (started on the first constrained request). */
 function grammarOf(path: string, vocabSize: number): () => Promise<GrammarSource> {
-  return async () => new GrammarThread({ tokenizerPath: path, vocabSize });
+  return async () => new GrammarThreads({ tokenizerPath: path, vocabSize });
 }

@@ -11,7 +11,7 @@ import { describe, it } from "node:test";
 import { Ajv } from "ajv";
 import { makeEngine, recorder, request, stepUntilIdle, withSampling } from "../../testing/engine-harness.js";
 import { randomModel } from "../../testing/random-model.js";
-import { GrammarThread } from "../grammar/grammar-thread.js";
+import { GrammarThreads } from "../grammar/grammar-thread.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 import { ModelTokenizer } from "../tokenizer/tokenizer.js";
 import type { Engine } from "./engine.js";
@@ -47,7 +47,7 @@ function engine(): Engine {
     numPages: 512,
     maxSequences: BATCH,
     maxBatchTokens: 512,
-    grammar: () => Promise.resolve(new GrammarThread({ tokenizerPath: TOKENIZER_DIR, vocabSize: VOCAB })),
+    grammar: () => Promise.resolve(new GrammarThreads({ tokenizerPath: TOKENIZER_DIR, vocabSize: VOCAB })),
   });
 }
 

@@ -64,7 +64,7 @@ export interface SequenceGrammar {
   dispose(): void;
 }
 
-/** Where an engine's sequences get their grammars: a `GrammarEngine` in its thread, or a `GrammarThread`. */
+/** Where an engine's sequences get their grammars: a `GrammarEngine` in its thread, or a `GrammarThreads`. */
 export interface GrammarSource {
   /**
    * A matcher of `constraint` for a sequence of `tenant`, ending on one of `stopTokenIds`, that

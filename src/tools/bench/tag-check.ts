@@ -41,7 +41,7 @@ import { join } from "node:path";
 import { Command, InvalidArgumentError } from "commander";
 import { Engine } from "../../engine/engine.js";
 import { createForward, type KernelsName } from "../../engine/forward-setup.js";
-import { GrammarThread } from "../../grammar/grammar-thread.js";
+import { GrammarThreads } from "../../grammar/grammar-thread.js";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, type KvDtype, type KvLayout } from "../../kvcache/kv-layout.js";
 import type { PagePool } from "../../kvcache/page-pool.js";
 import { pairedRatio, quantile, type RatioInterval } from "../../lib/stats.js";
@@ -230,7 +230,9 @@ async function prefilledEngines(
   log(`kernels ${run.kernels}, ${run.threads} thread${run.threads > 1 ? "s" : ""}`);
   const cacheArms = run.arms === "prefix-cache";
   const grammarArms = run.arms === "grammar" || run.arms === "grammar-idle";
-  const grammar = grammarArms ? new GrammarThread({ tokenizerPath: dir, vocabSize: config.vocabSize }) : null;
+  const grammar = grammarArms
+    ? new GrammarThreads({ tokenizerPath: dir, vocabSize: config.vocabSize })
+    : null;
   const engineOf = (on: boolean, pool: PagePool): Engine =>
     new Engine(setup.forward, pool, {
       safety: makeSafety({ disabledGuards: on || cacheArms || grammarArms ? [] : ["page-tags"] }),

@@ -11,7 +11,7 @@
  * engine draws from a copy of its first sample's logits (`copyOf`).
  *
  * Structured output (`SamplingParams.constraint`): a request waits outside the scheduler until its
- * grammar is compiled (`constrain`, per tenant, src/grammar/); then before each draw its matcher
+ * grammar is compiled (`constrain`, per tenant, on the engine's grammar threads: src/grammar/); then before each draw its matcher
  * masks the logits the grammar forbids — after the logit controls, while its log-probabilities stay
  * the raw logits' — and the drawn token advances it. A decode node's matcher first accepts the
  * tokens prefill sampled; a prefill node's siblings draw under the same first mask.

@@ -1,9 +1,10 @@
 /**
- * An engine's grammar thread: a worker thread, started on the engine's first constrained request,
- * that owns xgrammar, the per-tenant cache of compiled grammars and every matcher of that engine
+ * An engine's grammar threads: worker threads, the first started on the engine's first constrained
+ * request, each owning its own xgrammar, per-tenant cache of compiled grammars and matchers
  * (grammar-thread-worker.ts). Compiled grammars and matchers live in one wasm instance and cannot
  * move between threads, so everything grammatical happens there and the engine's step thread never
- * compiles: a schema that takes a second to compile delays no other request's step.
+ * compiles. A compile goes to a thread holding no matcher (`GrammarThreads`), so no running
+ * sequence's mask waits behind it.
  *
  * - Binding a sequence (`bind`) is a message: the thread compiles (or takes from the tenant's
  *   cache), makes the matcher, accepts the tokens the sequence already has and computes its first
@@ -13,10 +14,9 @@
  *   shared memory (a state word, then ceil(vocab / 32) words of bitmask). `accept(token)` clears the
  *   state and posts the token; the thread accepts it, writes the next mask and sets the state
  *   (`Atomics.notify`). `mask(logits)` waits for that state (a short spin, then `Atomics.wait`) and
- *   applies the mask with `maskLogits`: the mask is computed beside the next forward pass. A mask
- *   waits behind a compile in progress on the thread (docs/structured-output.md); an unconstrained
- *   sequence never touches the thread.
- * - `dispose` (the sequence's end) frees its matcher; `close` (the engine's end) terminates the thread.
+ *   applies the mask with `maskLogits`: the mask is computed beside the next forward pass. An
+ *   unconstrained sequence never touches the threads.
+ * - `dispose` (the sequence's end) frees its matcher; `close` (the engine's end) terminates the threads.
  */
 import { Worker } from "node:worker_threads";
 import { KvfenceError, type WireError } from "../lib/errors.js";

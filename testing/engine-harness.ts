@@ -122,3 +122,13 @@ export function runUntilIdle(engine: Engine, maxSteps = 100_000): number {
   }
   return steps;
 }
+
+/** Steps `engine` one step per event-loop turn until it is idle (as the step loop does: a grammar thread's answers arrive between steps). */
+export async function stepUntilIdle(engine: Engine, maxSteps = 1_000_000): Promise<number> {
+  let steps = 0;
+  while (engine.step()) {
+    if (++steps > maxSteps) throw new Error(`Engine still busy after ${maxSteps} steps`);
+    await new Promise((resolve) => setImmediate(resolve));
+  }
+  return steps;
+}

@@ -43,6 +43,8 @@ export interface TestServerOptions {
   readonly kernelThreads?: 1 | 2;
   /** `--max-prompt-bytes`. */
   readonly maxPromptBytes?: number;
+  /** `--tokenizer-threads` (1: the one preparation worker also compiles constraints, at normal priority). */
+  readonly tokenizerThreads?: number;
   /** `--max-response-bytes`. */
   readonly maxResponseBytes?: number;
   /** `--max-num-seqs`, `--tenant-max-concurrency` and `--tenant-max-pages` (0: no cap). */
@@ -97,6 +99,7 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     ...(options.kernelThreads === undefined ? {} : { kernelThreads: String(options.kernelThreads) }),
     ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
     ...(options.maxPromptBytes === undefined ? {} : { maxPromptBytes: String(options.maxPromptBytes) }),
+    ...(options.tokenizerThreads === undefined ? {} : { tokenizerThreads: String(options.tokenizerThreads) }),
     ...(options.maxResponseBytes === undefined ? {} : { maxResponseBytes: String(options.maxResponseBytes) }),
     ...(options.maxNumSeqs === undefined ? {} : { maxNumSeqs: String(options.maxNumSeqs) }),
     ...(options.tenantMaxConcurrency === undefined

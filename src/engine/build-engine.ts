@@ -4,7 +4,7 @@
  * (src/topology/engine-worker.ts) and the prefill and decode nodes (src/node/node-host.ts) build
  * their engines here, one way.
  */
-import type { GrammarEngine } from "../grammar/grammar-engine.js";
+import type { GrammarSource } from "../grammar/grammar-engine.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { makeSafety } from "../protocol/safety.js";
@@ -104,17 +104,13 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
 }
 
 /**
- * Structured output's grammar engine for the tokenizer at `path` (made when first called). Its
- * modules (xgrammar, the tokenizer) load then too: an engine thread that serves no constrained
- * request never loads them (src/node/node-worker-imports.test.ts).
+ * Structured output's grammar threads for the tokenizer at `path` (started on the first constrained
+ * request). Their module loads then too: an engine thread that serves no constrained request never
+ * loads it (src/node/node-worker-imports.test.ts).
  */
-function grammarOf(path: string, vocabSize: number): () => Promise<GrammarEngine> {
+function grammarOf(path: string, vocabSize: number): () => Promise<GrammarSource> {
   return async () => {
-    const [{ GrammarEngine }, { grammarVocab }, { openTokenizer }] = await Promise.all([
-      import("../grammar/grammar-engine.js"),
-      import("../grammar/grammar-vocab.js"),
-      import("../tokenizer/tokenizer.js"),
-    ]);
-    return GrammarEngine.create(grammarVocab((await openTokenizer(path)).tokenizer), vocabSize);
+    const { GrammarThreads } = await import("../grammar/grammar-thread.js");
+    return new GrammarThreads({ tokenizerPath: path, vocabSize });
   };
 }

@@ -36,7 +36,7 @@
  * computation is per row, and recompute reproduces the same positions.
  */
 
-import type { GrammarEngine } from "../grammar/grammar-engine.js";
+import type { GrammarSource } from "../grammar/grammar-engine.js";
 import type { BlockTable } from "../kvcache/block-table.js";
 import { type OwnershipTable, PAGE_STATE_NAMES, PageState } from "../kvcache/ownership-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
@@ -91,10 +91,11 @@ export interface EngineOptions {
    */
   readonly prefixCache?: boolean;
   /**
-   * Structured output's grammar engine for this model's vocabulary, made on the first request
-   * with a constraint (src/grammar/); absent: such requests are refused.
+   * Where structured output's matchers come from — the engine's grammar thread
+   * (src/grammar/grammar-thread.ts) — made on the first request with a constraint; absent: such
+   * requests are refused.
    */
-  readonly grammar?: () => Promise<GrammarEngine>;
+  readonly grammar?: () => Promise<GrammarSource>;
 }
 
 /**
@@ -362,6 +363,11 @@ export class Engine {
     }
     this.#counters.aborts++;
     this.#scheduler.end(seq);
+  }
+
+  /** Frees what outlives its requests: the grammar thread, terminated (the engine is done). */
+  close(): void {
+    this.#sampling.close();
   }
 
   /** Ends every request with `error` (shutdown). */

@@ -11,7 +11,7 @@
  * engine draws from a copy of its first sample's logits (`copyOf`).
  *
  * Structured output (`SamplingParams.constraint`): a request waits outside the scheduler until its
- * grammar is compiled (`constrain`, per tenant, src/grammar/); then before each draw its matcher
+ * grammar is compiled (`constrain`, per tenant, on the engine's grammar threads: src/grammar/); then before each draw its matcher
  * masks the logits the grammar forbids — after the logit controls, while its log-probabilities stay
  * the raw logits' — and the drawn token advances it. A decode node's matcher first accepts the
  * tokens prefill sampled; a prefill node's siblings draw under the same first mask.
@@ -22,7 +22,7 @@
  * Nothing here allocates per token: a token's log-probabilities go in the request's own reused
  * array, its raw logits in a buffer made on its first token.
  */
-import type { GrammarEngine } from "../grammar/grammar-engine.js";
+import { type GrammarSource, wireOf } from "../grammar/grammar-engine.js";
 import type { WireError } from "../lib/errors.js";
 import { KvfenceError } from "../lib/errors.js";
 import { Prng } from "../lib/prng.js";
@@ -43,13 +43,13 @@ export class SamplingStep {
   readonly #seeds: Prng;
   /** A copy of a step's logits: a sibling's or a forked sample's to draw from. */
   readonly #copy: Float32Array;
-  /** The grammar engine, made on first use (null: structured output refused). */
-  readonly #grammar: (() => Promise<GrammarEngine>) | null;
-  #grammarEngine: Promise<GrammarEngine> | null = null;
+  /** Where sequences get their grammars, made on first use (null: structured output refused). */
+  readonly #grammar: (() => Promise<GrammarSource>) | null;
+  #grammarSource: Promise<GrammarSource> | null = null;
   /** Sequences waiting for their grammar, by rid. */
   readonly #waiting = new Map<number, Sequence>();
 
-  constructor(vocabSize: number, seed: number, grammar: (() => Promise<GrammarEngine>) | null = null) {
+  constructor(vocabSize: number, seed: number, grammar: (() => Promise<GrammarSource>) | null = null) {
     this.#vocabSize = vocabSize;
     this.#grammar = grammar;
     this.#sampler = new Sampler(vocabSize);
@@ -107,22 +107,35 @@ export class SamplingStep {
       });
       return;
     }
-    this.#grammarEngine ??= grammar();
-    this.#grammarEngine.then(
-      (engine) => {
-        if (this.#waiting.get(seq.rid) !== seq) return;
-        try {
-          const matcher = engine.matcher(seq.tenant, constraint, seq.request.sampling.stopTokenIds);
-          for (let i = seq.promptLength; i < seq.length; i++) matcher.accept(seq.tokens[i] as number);
+    this.#grammarSource ??= grammar();
+    this.#grammarSource
+      .then((source) =>
+        source.bind(
+          seq.tenant,
+          constraint,
+          seq.request.sampling.stopTokenIds,
+          Array.from(seq.tokens.subarray(seq.promptLength, seq.length)),
+        ),
+      )
+      .then(
+        (matcher) => {
+          if (this.#waiting.get(seq.rid) !== seq) {
+            matcher.dispose();
+            return;
+          }
           seq.matcher = matcher;
-        } catch (err) {
-          this.#fail(seq, wireOf(err));
-          return;
-        }
-        this.#waiting.delete(seq.rid);
-        then();
-      },
-      (err: unknown) => this.#fail(seq, wireOf(err)),
+          this.#waiting.delete(seq.rid);
+          then();
+        },
+        (err: unknown) => this.#fail(seq, wireOf(err)),
+      );
+  }
+
+  /** Frees the grammar source's resources (a grammar thread: terminated); the engine is done. */
+  close(): void {
+    this.#grammarSource?.then(
+      (source) => source.close(),
+      () => {},
     );
   }
 
@@ -241,12 +254,6 @@ export function samplingRefusal(r: SamplingParams, vocabSize: number): WireError
 /** The forward pass's per-row callback for `seq`'s step when it asked for the prompt's log-probabilities and the step holds prompt rows, else null. */
 export function promptRows(seq: Sequence): RowLogits | null {
   return seq.rowLogits !== null && seq.stepStart < seq.promptLength - 1 ? seq.rowLogits : null;
-}
-
-/** A failure as the wire carries it (a KvfenceError's own; anything else internal). */
-function wireOf(err: unknown): WireError {
-  if (err instanceof KvfenceError) return err.toWire();
-  return { code: "internal", message: `Structured output failed: ${(err as Error)?.message ?? String(err)}` };
 }
 
 /** Keeps the step's raw logits of `seq` (the controls change them in place) for its log-probabilities. */

@@ -8,7 +8,7 @@
  * (`decodeInput`), its step view (`step`) and the array `onTokens` receives (`sampled`) are its
  * own, reused.
  */
-import type { ConstraintMatcher } from "../grammar/grammar-engine.js";
+import type { SequenceGrammar } from "../grammar/grammar-engine.js";
 import { BlockTable } from "../kvcache/block-table.js";
 import { Prng } from "../lib/prng.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
@@ -85,7 +85,7 @@ export class Sequence {
   /** Prompt tokens this attempt reused from the prefix cache. */
   cachedTokens = 0;
   /** Its output constraint's place in the grammar (structured output), or null: unconstrained. */
-  matcher: ConstraintMatcher | null = null;
+  matcher: SequenceGrammar | null = null;
   #pagesView: Int32Array;
 
   constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {

@@ -3,26 +3,24 @@
  * random-weight model with a real byte-level BPE tokenizer (models/kvfence-tiny), for a nested JSON
  * schema, a GBNF grammar, a regex and a choice list; every output parses and validates — the JSON with ajv, not with
  * the grammar engine. Also the decode node's path (its matcher first accepts prefill's token) and
- * a prefill node's n > 1 siblings.
+ * a prefill node's n > 1 siblings. Each engine's grammars live on its grammar thread
+ * (src/grammar/grammar-thread.ts), as in a server.
  */
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 import { Ajv } from "ajv";
-import { makeEngine, recorder, request, runUntilIdle, withSampling } from "../../testing/engine-harness.js";
+import { makeEngine, recorder, request, stepUntilIdle, withSampling } from "../../testing/engine-harness.js";
 import { randomModel } from "../../testing/random-model.js";
-import { GrammarEngine } from "../grammar/grammar-engine.js";
-import { grammarVocab } from "../grammar/grammar-vocab.js";
+import { GrammarThreads } from "../grammar/grammar-thread.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 import { ModelTokenizer } from "../tokenizer/tokenizer.js";
 import type { Engine } from "./engine.js";
 
-const tokenizer = ModelTokenizer.fromFolder(
-  new URL("../../../models/kvfence-tiny", import.meta.url).pathname,
-);
+const TOKENIZER_DIR = new URL("../../../models/kvfence-tiny", import.meta.url).pathname;
+const tokenizer = ModelTokenizer.fromFolder(TOKENIZER_DIR);
 const VOCAB = 264;
 const EOS = tokenizer.tokenId("<|im_end|>") ?? tokenizer.tokenId("<|endoftext|>")!;
 const model = randomModel({ seed: 5, vocabSize: VOCAB, maxPositionEmbeddings: 256 });
-const grammar = await GrammarEngine.create(grammarVocab(tokenizer), VOCAB);
 const SAMPLES = 1000;
 const BATCH = 50;
 
@@ -49,7 +47,7 @@ function engine(): Engine {
     numPages: 512,
     maxSequences: BATCH,
     maxBatchTokens: 512,
-    grammar: () => Promise.resolve(grammar),
+    grammar: () => Promise.resolve(new GrammarThreads({ tokenizerPath: TOKENIZER_DIR, vocabSize: VOCAB })),
   });
 }
 
@@ -65,15 +63,15 @@ async function samples(constraint: OutputConstraint, count: number, maxTokens: n
       e.submit(request(i + 1, [1 + (i % 50), 7, 9], maxTokens, { ...sampling, tenant: i % 3 }), events);
       outcomes.push(outcome);
     }
-    // The grammar is bound to each sequence asynchronously (between steps).
-    await new Promise((resolve) => setImmediate(resolve));
-    runUntilIdle(e);
+    // The grammar is bound to each sequence asynchronously, by its grammar thread (between steps).
+    await stepUntilIdle(e);
     for (const o of outcomes) {
       assert.equal(o.error, null);
       assert.equal(o.finish, "stop", `a sample ran out of tokens: ${tokenizer.decode(o.tokens)}`);
       texts.push(tokenizer.decode(o.tokens));
     }
   }
+  e.close();
   return texts;
 }
 
@@ -142,8 +140,8 @@ describe("structured output", () => {
     const leased = Array.from(pages, (page, i) => ({ page, generation: generations[i]! }));
     // The host checks each step's pages (the decode state machine's part; not under test here).
     e.submitDecode(r, { epoch: 1, pages: leased, checkStep: () => true }, b, events);
-    await new Promise((resolve) => setImmediate(resolve));
-    runUntilIdle(e);
+    await stepUntilIdle(e);
+    e.close();
     assert.equal(outcome.error, null);
     assert.match(tokenizer.decode([b, ...outcome.tokens]), /^b[0-9]!$/);
   });

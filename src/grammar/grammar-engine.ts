@@ -15,7 +15,7 @@
  *   (nothing cached) and refuses what xgrammar cannot compile with `invalid_request`, naming the
  *   field and the construct.
  */
-import { KvfenceError } from "../lib/errors.js";
+import { KvfenceError, type WireError } from "../lib/errors.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 import { TenantGrammarCache } from "./grammar-cache.js";
 import type { GrammarVocab } from "./grammar-vocab.js";
@@ -55,7 +55,34 @@ export const CONSTRAINT_NAME: Readonly<Record<OutputConstraint["kind"], string>>
   choice: "The choice list",
 };
 
-export class GrammarEngine {
+/** A sequence's place in its grammar, as the sampling step uses it (this thread's or a grammar thread's). */
+export interface SequenceGrammar {
+  /** Sets every logit the grammar forbids next to −∞ (in place; `logits` spans the vocabulary). */
+  mask(logits: Float32Array): void;
+  /** Advances past the token just drawn. */
+  accept(token: number): void;
+  /** Frees it (its sequence ended). */
+  dispose(): void;
+}
+
+/** Where an engine's sequences get their grammars: a `GrammarEngine` in its thread, or a `GrammarThreads`. */
+export interface GrammarSource {
+  /**
+   * A matcher of `constraint` for a sequence of `tenant`, ending on one of `stopTokenIds`, that
+   * has accepted `accepted` (a decode node's first token). Rejects with `invalid_request` when the
+   * constraint does not compile.
+   */
+  bind(
+    tenant: number,
+    constraint: OutputConstraint,
+    stopTokenIds: readonly number[],
+    accepted: readonly number[],
+  ): Promise<SequenceGrammar>;
+  /** Frees what it holds (its engine is done). */
+  close(): void;
+}
+
+export class GrammarEngine implements GrammarSource {
   readonly vocabSize: number;
   readonly #binding: XgrammarBinding;
   readonly #compiler: Handle;
@@ -172,6 +199,21 @@ export class GrammarEngine {
     return matcher;
   }
 
+  /** `matcher`, with `accepted` accepted, compiled in this thread (the caller's wait is the compile's). */
+  async bind(
+    tenant: number,
+    constraint: OutputConstraint,
+    stopTokenIds: readonly number[],
+    accepted: readonly number[],
+  ): Promise<ConstraintMatcher> {
+    const matcher = this.matcher(tenant, constraint, stopTokenIds);
+    for (const token of accepted) matcher.accept(token);
+    return matcher;
+  }
+
+  /** Nothing to free: its grammars live as long as its thread. */
+  close(): void {}
+
   /** Compiled grammars held for `tenant` (tests). */
   cached(tenant: number): number {
     return this.#cache.size(tenant);
@@ -179,7 +221,7 @@ export class GrammarEngine {
 }
 
 /** One sequence's place in its grammar: masks its next draw, accepts what it drew. */
-export class ConstraintMatcher {
+export class ConstraintMatcher implements SequenceGrammar {
   readonly #handle: Handle;
   readonly #binding: XgrammarBinding;
   readonly #vocabSize: number;
@@ -196,6 +238,16 @@ export class ConstraintMatcher {
     try {
       // A view of wasm memory: read before the vector is deleted.
       maskLogits(logits, this.#binding.vecIntToView(vector), this.#vocabSize);
+    } finally {
+      vector.delete();
+    }
+  }
+
+  /** Writes the grammar's next bitmask (32 ids a word, 1: allowed) into `target` (a grammar thread's shared slot). */
+  writeMask(target: Int32Array): void {
+    const vector = this.#handle.GetNextTokenBitmask(this.#vocabSize);
+    try {
+      target.set(this.#binding.vecIntToView(vector).subarray(0, target.length));
     } finally {
       vector.delete();
     }
@@ -227,6 +279,12 @@ export function maskLogits(logits: Float32Array, bitmask: Int32Array, vocabSize:
     const end = Math.min(32, vocabSize - base);
     for (let b = 0; b < end; b++) if ((bits & (1 << b)) === 0) logits[base + b] = Number.NEGATIVE_INFINITY;
   }
+}
+
+/** A structured-output failure as the wire carries it (a KvfenceError's own; anything else internal). */
+export function wireOf(err: unknown): WireError {
+  if (err instanceof KvfenceError) return err.toWire();
+  return { code: "internal", message: `Structured output failed: ${(err as Error)?.message ?? String(err)}` };
 }
 
 const released = new FinalizationRegistry<Handle>((handle) => handle.delete());

@@ -22,8 +22,10 @@ export class StepLoop {
     setImmediate(this.#tick);
   }
 
+  /** Stops stepping and closes the engine (its grammar thread ends). */
   stop(): void {
     this.#stopped = true;
+    this.#engine.close();
   }
 
   readonly #tick = (): void => {

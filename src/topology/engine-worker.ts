@@ -69,6 +69,7 @@ export function serveEngine(engine: Engine, port: MessagePort): void {
           code: "node_unavailable",
           message: "Engine is shutting down: request not finished; retry",
         });
+        engine.close();
         flush();
         port.postMessage({ type: "closed" } satisfies FromEngineWorker);
         port.close();

@@ -41,8 +41,7 @@ import { join } from "node:path";
 import { Command, InvalidArgumentError } from "commander";
 import { Engine } from "../../engine/engine.js";
 import { createForward, type KernelsName } from "../../engine/forward-setup.js";
-import { GrammarEngine } from "../../grammar/grammar-engine.js";
-import { grammarVocab } from "../../grammar/grammar-vocab.js";
+import { GrammarThreads } from "../../grammar/grammar-thread.js";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, type KvDtype, type KvLayout } from "../../kvcache/kv-layout.js";
 import type { PagePool } from "../../kvcache/page-pool.js";
 import { pairedRatio, quantile, type RatioInterval } from "../../lib/stats.js";
@@ -53,7 +52,6 @@ import type { GenerationEvents } from "../../protocol/engine-api.js";
 import type { OutputConstraint } from "../../protocol/output-constraint.js";
 import { makeSafety } from "../../protocol/safety.js";
 import { GREEDY_SAMPLING, type SamplingParams } from "../../protocol/sampling-params.js";
-import { ModelTokenizer } from "../../tokenizer/tokenizer.js";
 import { positiveInteger } from "./bench-cli.js";
 
 export interface TagCheckBenchOptions {
@@ -233,7 +231,7 @@ async function prefilledEngines(
   const cacheArms = run.arms === "prefix-cache";
   const grammarArms = run.arms === "grammar" || run.arms === "grammar-idle";
   const grammar = grammarArms
-    ? await GrammarEngine.create(grammarVocab(ModelTokenizer.fromFolder(dir)), config.vocabSize)
+    ? new GrammarThreads({ tokenizerPath: dir, vocabSize: config.vocabSize })
     : null;
   const engineOf = (on: boolean, pool: PagePool): Engine =>
     new Engine(setup.forward, pool, {
@@ -279,7 +277,11 @@ async function prefill(
       IGNORE,
     );
   }
-  await new Promise((resolve) => setImmediate(resolve));
+  // A constrained request waits for its grammar thread's matcher before it is queued.
+  for (let turns = 0; engine.stats().queue.waiting < batch; turns++) {
+    if (turns > 60_000) throw new Error("The grammar thread made no matchers within a minute");
+    await new Promise((resolve) => setTimeout(resolve, 1));
+  }
   engine.step(); // the whole batch's prefill in one step
   const s = engine.stats();
   if (s.queue.running !== batch || s.counters.completionTokens !== batch) {

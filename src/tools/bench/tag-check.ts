@@ -14,9 +14,10 @@
  * one rule set of every page-tag check (`OwnershipTable.checkStep`): a decode node runs the same
  * function once per token, from its decode state machine instead of the engine.
  *
- * The forward pass runs on the server's kernels (`--kernels wasm`, the default, with `--threads`
- * 1 or 2; or `--kernels ts`), built as the server builds it (`createForward`): on wasm both pools
- * live in the one WebAssembly memory beside the weights.
+ * The forward pass runs on the server's kernels (`--kernels auto`, the default: native where the
+ * addon runs, else wasm; `--threads` 1 or 2; or `--kernels native|wasm|ts`), built as the server
+ * builds it (`createForward`): on wasm both pools live in the one WebAssembly memory beside the
+ * weights.
  *
  * With `--arms prefix-cache` the two engines both check tags and differ in the prefix cache (on vs
  * off) instead: the batch's prompts are all different, so nothing hits, but with the cache on
@@ -42,6 +43,7 @@ import { Command, InvalidArgumentError } from "commander";
 import { Engine } from "../../engine/engine.js";
 import { createForward, type KernelsName } from "../../engine/forward-setup.js";
 import { GrammarThreads } from "../../grammar/grammar-thread.js";
+import { chooseKernels, type KernelsRequest } from "../../kernels/choose-kernels.js";
 import { DEFAULT_KV_CACHE_DTYPE, isKvDtype, type KvDtype, type KvLayout } from "../../kvcache/kv-layout.js";
 import type { PagePool } from "../../kvcache/page-pool.js";
 import { pairedRatio, quantile, type RatioInterval } from "../../lib/stats.js";
@@ -377,8 +379,12 @@ export function tagCheckCommand(): Command {
     )
     .option("--model <dir>", "model folder (default: a random model shaped like --like, generated once)")
     .option("--like <model>", "shape of the generated model: smollm2-135m or tiny", "smollm2-135m")
-    .option("--kernels <kind>", "forward-pass kernels: wasm (the server's default) or ts", "wasm")
-    .option("--threads <n>", "threads of the wasm kernels: 1 or 2", "2")
+    .option(
+      "--kernels <kind>",
+      "forward-pass kernels: auto (the server's default: native where it runs, else wasm), native, wasm or ts",
+      "auto",
+    )
+    .option("--threads <n>", "threads of the native or wasm kernels: 1 or 2", "2")
     .option("--pairs <n>", "interleaved on/off pairs", positiveInteger, 10)
     .option("--batch <n>", "concurrent decoding requests", positiveInteger, 8)
     .option("--prompt <n>", "prompt tokens per request", positiveInteger, 16)
@@ -407,17 +413,17 @@ export function tagCheckCommand(): Command {
         if (!isKvDtype(opts.kvCacheDtype))
           throw new InvalidArgumentError(`--kv-cache-dtype must be f32, f16 or bf16: ${opts.kvCacheDtype}`);
         if (
-          (opts.kernels !== "ts" && opts.kernels !== "wasm") ||
+          !["auto", "native", "wasm", "ts"].includes(opts.kernels) ||
           (opts.threads !== "1" && opts.threads !== "2") ||
           !ARMS_KINDS.includes(opts.arms)
         ) {
           throw new InvalidArgumentError(
-            `--kernels must be ts or wasm, --threads 1 or 2, --arms tags, prefix-cache, grammar or grammar-idle: ${opts.kernels}, ${opts.threads}, ${opts.arms}`,
+            `--kernels must be auto, native, wasm or ts, --threads 1 or 2, --arms tags, prefix-cache, grammar or grammar-idle: ${opts.kernels}, ${opts.threads}, ${opts.arms}`,
           );
         }
         const report = await runTagCheckBench({
           ...(opts.model === undefined ? {} : { model: opts.model }),
-          kernels: opts.kernels,
+          kernels: (await chooseKernels(opts.kernels as KernelsRequest)).kernels,
           threads: opts.threads === "1" ? 1 : 2,
           like: opts.like,
           pairs: opts.pairs,

@@ -153,6 +153,8 @@ export async function runTagCheckBench(options: TagCheckBenchOptions = {}): Prom
   const results = timePairs(engines, { pairs, steps, log });
   const check = timeCheckAlone(engines[0]);
   for (const engine of engines) for (const t of engine.liveBlockTables()) engine.abort(t.rid);
+  // Stops the grammar threads (--arms grammar): running workers keep the process alive.
+  for (const engine of engines) engine.close();
   await setup.close();
 
   const cpuRatio = pairedRatio(

@@ -92,27 +92,9 @@ export async function startTestServer(options: TestServerOptions): Promise<TestS
     scrubOnFree: false,
     disaggregation: options.disaggregation ?? false,
     logLevel: "silent",
-    ...(options.kvPages === undefined ? {} : { kvPages: String(options.kvPages) }),
-    ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
-    ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: String(options.maxPrefillTokens) }),
     ...(apiKeys === undefined ? {} : { apiKeys }),
-    ...(options.kernelThreads === undefined ? {} : { kernelThreads: String(options.kernelThreads) }),
-    ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
-    ...(options.maxPromptBytes === undefined ? {} : { maxPromptBytes: String(options.maxPromptBytes) }),
-    ...(options.tokenizerThreads === undefined ? {} : { tokenizerThreads: String(options.tokenizerThreads) }),
-    ...(options.maxResponseBytes === undefined ? {} : { maxResponseBytes: String(options.maxResponseBytes) }),
-    ...(options.maxNumSeqs === undefined ? {} : { maxNumSeqs: String(options.maxNumSeqs) }),
-    ...(options.tenantMaxConcurrency === undefined
-      ? {}
-      : { tenantMaxConcurrency: String(options.tenantMaxConcurrency) }),
-    ...(options.tenantMaxPages === undefined ? {} : { tenantMaxPages: String(options.tenantMaxPages) }),
-    ...(options.operatorKey === null ? {} : { operatorKey: options.operatorKey ?? TEST_OPERATOR_KEY }),
-    ...(options.metricsTenantNames === true ? { metricsTenantNames: true } : {}),
-    ...(options.prefixCache === undefined ? {} : { prefixCache: options.prefixCache }),
-    ...(options.prefixCacheScope === undefined ? {} : { prefixCacheScope: options.prefixCacheScope }),
-    ...(options.chatTemplate === undefined ? {} : { chatTemplate: options.chatTemplate }),
-    ...(options.toolCallParser === undefined ? {} : { toolCallParser: options.toolCallParser }),
-    ...(options.reasoningParser === undefined ? {} : { reasoningParser: options.reasoningParser }),
+    ...engineFlags(options),
+    ...routerFlags(options),
   });
   try {
     const server = await startServer(config, { logger: createLogger({ level: "silent" }) });
@@ -168,4 +150,36 @@ export async function assertPoolIdle(
     }
     await new Promise((r) => setTimeout(r, 25));
   }
+}
+
+/** The serve flags of a test server's engines and their limits (pool, batch, kernels, tenant caps). */
+function engineFlags(options: TestServerOptions): Record<string, unknown> {
+  return {
+    ...(options.kvPages === undefined ? {} : { kvPages: String(options.kvPages) }),
+    ...(options.maxModelLen === undefined ? {} : { maxModelLen: String(options.maxModelLen) }),
+    ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: String(options.maxPrefillTokens) }),
+    ...(options.kernelThreads === undefined ? {} : { kernelThreads: String(options.kernelThreads) }),
+    ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
+    ...(options.maxNumSeqs === undefined ? {} : { maxNumSeqs: String(options.maxNumSeqs) }),
+    ...(options.tenantMaxConcurrency === undefined
+      ? {}
+      : { tenantMaxConcurrency: String(options.tenantMaxConcurrency) }),
+    ...(options.tenantMaxPages === undefined ? {} : { tenantMaxPages: String(options.tenantMaxPages) }),
+  };
+}
+
+/** The serve flags of a test server's router: request limits, operator, prefix cache, templates, parsers. */
+function routerFlags(options: TestServerOptions): Record<string, unknown> {
+  return {
+    ...(options.maxPromptBytes === undefined ? {} : { maxPromptBytes: String(options.maxPromptBytes) }),
+    ...(options.tokenizerThreads === undefined ? {} : { tokenizerThreads: String(options.tokenizerThreads) }),
+    ...(options.maxResponseBytes === undefined ? {} : { maxResponseBytes: String(options.maxResponseBytes) }),
+    ...(options.operatorKey === null ? {} : { operatorKey: options.operatorKey ?? TEST_OPERATOR_KEY }),
+    ...(options.metricsTenantNames === true ? { metricsTenantNames: true } : {}),
+    ...(options.prefixCache === undefined ? {} : { prefixCache: options.prefixCache }),
+    ...(options.prefixCacheScope === undefined ? {} : { prefixCacheScope: options.prefixCacheScope }),
+    ...(options.chatTemplate === undefined ? {} : { chatTemplate: options.chatTemplate }),
+    ...(options.toolCallParser === undefined ? {} : { toolCallParser: options.toolCallParser }),
+    ...(options.reasoningParser === undefined ? {} : { reasoningParser: options.reasoningParser }),
+  };
 }

@@ -30,6 +30,24 @@ const WEATHER = {
 };
 const MESSAGES = [{ role: "user" as const, content: "Weather in Paris and Lyon?" }];
 
+/** A router over `engine` with the byte tokenizer and a template that renders tools in Qwen2.5's (hermes) format. */
+async function startRouter(engine: ScriptedEngine): Promise<{ server: RouterServer; client: OpenAI }> {
+  const server = new RouterServer({
+    engine,
+    tokenizer: { ...byteTokenizer, toolSupport: { usesTools: true, format: "hermes" } },
+    model: {
+      id: MODEL,
+      maxPositionEmbeddings: 2048,
+      eosTokenIds: [BYTE_EOS],
+      defaults: { temperature: 0 },
+    },
+    tenants: TenantDirectory.anonymous(),
+    logger: createLogger({ level: "silent" }),
+  });
+  const url = await server.listen(0, "127.0.0.1");
+  return { server, client: new OpenAI({ baseURL: `${url}/v1`, apiKey: "none", maxRetries: 0 }) };
+}
+
 describe("tool calls through the router (scripted engine, openai client)", () => {
   let server: RouterServer;
   let client: OpenAI;
@@ -40,21 +58,7 @@ describe("tool calls through the router (scripted engine, openai client)", () =>
     ],
   });
   before(async () => {
-    server = new RouterServer({
-      engine,
-      // The byte tokenizer with a template that renders tools and teaches Qwen2.5's format.
-      tokenizer: { ...byteTokenizer, toolSupport: { usesTools: true, format: "hermes" } },
-      model: {
-        id: MODEL,
-        maxPositionEmbeddings: 2048,
-        eosTokenIds: [BYTE_EOS],
-        defaults: { temperature: 0 },
-      },
-      tenants: TenantDirectory.anonymous(),
-      logger: createLogger({ level: "silent" }),
-    });
-    const url = await server.listen(0, "127.0.0.1");
-    client = new OpenAI({ baseURL: `${url}/v1`, apiKey: "none", maxRetries: 0 });
+    ({ server, client } = await startRouter(engine));
   });
   after(() => server.close());
 
@@ -154,20 +158,9 @@ describe("OpenAI's deprecated functions through the router (scripted engine, ope
   let server: RouterServer;
   let client: OpenAI;
   before(async () => {
-    server = new RouterServer({
-      engine: new ScriptedEngine({ script: () => [...Buffer.from(QWEN_OUTPUT), BYTE_EOS] }),
-      tokenizer: { ...byteTokenizer, toolSupport: { usesTools: true, format: "hermes" } },
-      model: {
-        id: MODEL,
-        maxPositionEmbeddings: 2048,
-        eosTokenIds: [BYTE_EOS],
-        defaults: { temperature: 0 },
-      },
-      tenants: TenantDirectory.anonymous(),
-      logger: createLogger({ level: "silent" }),
-    });
-    const url = await server.listen(0, "127.0.0.1");
-    client = new OpenAI({ baseURL: `${url}/v1`, apiKey: "none", maxRetries: 0 });
+    ({ server, client } = await startRouter(
+      new ScriptedEngine({ script: () => [...Buffer.from(QWEN_OUTPUT), BYTE_EOS] }),
+    ));
   });
   after(() => server.close());
 

@@ -63,6 +63,8 @@ async function spansOf(receiver: OtlpReceiver, requestId: string): Promise<Recei
   }
 }
 
+const ms = (ns: bigint): string => (Number(ns) / 1e6).toFixed(3);
+
 function assertTree(spans: readonly ReceivedSpan[], requestId: string, where: string): void {
   const root = spans.find((s) => s.name === "request");
   assert.ok(root !== undefined, `${where}: a request span`);
@@ -79,7 +81,7 @@ function assertTree(spans: readonly ReceivedSpan[], requestId: string, where: st
     // Phases lie within the request (1 ms of slack: clocks of other threads and processes).
     assert.ok(
       s.startNs >= root.startNs - 1_000_000n && s.endNs <= root.endNs + 1_000_000n,
-      `${where}: ${s.name} within`,
+      `${where}: ${s.name} within (starts ${ms(s.startNs - root.startNs)} ms after the request, ends ${ms(root.endNs - s.endNs)} ms before its end)`,
     );
     for (const [k, v] of Object.entries(s.attributes))
       assert.ok(!/tenant/.test(k) && v !== "alpha", `${where}: no tenant in ${s.name}`);

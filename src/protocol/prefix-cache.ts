@@ -16,6 +16,10 @@
  * - `evict` frees least recently used pages that no request references, leaves of the chain first,
  *   when the pool runs short (`OwnershipTable.evict`: SHARED with refcount 0 → FREE).
  *
+ * - `observer` (optional) hears of each page the cache gains (`stored`) and of each page it is about
+ *   to free (`evicting`, called while the page still holds the entry's KV): the KV tiers spill from
+ *   it (docs/design.md §3b) and the node publishes its cache events to the routers from it.
+ *
  * The read guard (page tags) is not here: `OwnershipTable.checkStep` accepts a shared page only
  * for a request of its tenant whose block table holds the reference (`checkShared`). Sans-IO: plain
  * data over the table, no clock (a use counter orders the LRU), so the model checker can drive it.
@@ -34,9 +38,34 @@ export interface CacheBlockTable {
   push(page: number, generation: number, shared?: boolean): void;
 }
 
+/** A cached page as the cache's observer sees it (read-only views; valid during the call). */
+export interface CachedPage {
+  /** The page's chain key (`prefixBlockKey`), opaque: salted with its tenant's namespace. */
+  readonly key: string;
+  /** The previous page's key, or the root key (`prefixRootKey(salt)`) for a chain's first page. */
+  readonly parentKey: string;
+  readonly tenant: number;
+  /** The page's token ids. */
+  readonly tokens: Int32Array;
+  /** Its place in the pool, and the generation it holds the entry's KV at. */
+  readonly page: number;
+  readonly generation: number;
+  /** 0 for a chain's first page. */
+  readonly depth: number;
+}
+
+/** Hears what a `PrefixCache` gains and loses; called synchronously, inside the cache's own calls. */
+export interface PrefixCacheObserver {
+  /** `page` became a cache entry. */
+  stored(page: CachedPage): void;
+  /** `page` is about to be freed by eviction: it still holds the entry's KV during this call. */
+  evicting(page: CachedPage): void;
+}
+
 interface Entry {
   readonly id: number;
   readonly key: string;
+  readonly parentKey: string;
   readonly page: number;
   readonly generation: number;
   readonly tenant: number;
@@ -66,6 +95,7 @@ export class PrefixCache {
   readonly #table: OwnershipTable;
   readonly #pageSize: number;
   readonly #safety: Safety;
+  readonly #observer: PrefixCacheObserver | null;
   readonly #byKey = new Map<string, Entry>();
   /** The entry owning each physical page, or undefined. */
   readonly #byPage: (Entry | undefined)[];
@@ -73,10 +103,11 @@ export class PrefixCache {
   #clock = 0;
   readonly counters: PrefixCacheCounters = { hits: 0, misses: 0, hitTokens: 0, evictions: 0, collisions: 0 };
 
-  constructor(table: OwnershipTable, pageSize: number, safety: Safety) {
+  constructor(table: OwnershipTable, pageSize: number, safety: Safety, observer?: PrefixCacheObserver) {
     this.#table = table;
     this.#pageSize = pageSize;
     this.#safety = safety;
+    this.#observer = observer ?? null;
     this.#byPage = new Array<Entry | undefined>(table.numPages).fill(undefined);
   }
 
@@ -163,6 +194,7 @@ export class PrefixCache {
       const entry: Entry = {
         id,
         key,
+        parentKey,
         page,
         generation,
         tenant: owner.tenant,
@@ -175,6 +207,7 @@ export class PrefixCache {
       if (parent !== null) parent.children++;
       this.#byKey.set(key, entry);
       this.#byPage[page] = entry;
+      this.#observer?.stored(entry);
       parentKey = key;
       parent = entry;
     }
@@ -229,6 +262,7 @@ export class PrefixCache {
   }
 
   #remove(entry: Entry): void {
+    this.#observer?.evicting(entry);
     this.#table.evict(entry.page, entry.generation);
     this.#byKey.delete(entry.key);
     this.#byPage[entry.page] = undefined;

@@ -194,19 +194,37 @@ function serve(
   });
 }
 
-/** A server of `topology` from the build whose CLI is `main`, with `routerArgs` on its front door (also bench observability's). */
+/** A cluster arm's nodes: how many of each role, and the arguments only the nodes take. */
+export interface ArmNodes {
+  readonly prefill: number;
+  readonly decode: number;
+  readonly nodeArgs: readonly string[];
+}
+
+/**
+ * A server of `topology` from the build whose CLI is `main`, with `routerArgs` on its front door
+ * (also bench observability's and bench prefix-cache's). A cluster has one prefill and one decode
+ * node process unless `nodes` says otherwise; `nodes.nodeArgs` go to the node processes (in the
+ * one-process topologies, to the server).
+ */
 export async function startArm(
   main: string,
   topology: FairBenchTopology,
   common: readonly string[],
   routerArgs: readonly string[],
+  nodes: ArmNodes = { prefill: 1, decode: 1, nodeArgs: [] },
 ): Promise<Server> {
   const children: ChildProcess[] = [];
   try {
     if (topology !== "cluster") {
       const s = await serve(
         main,
-        [...common, ...(topology === "single" ? ["--no-disaggregation"] : []), ...routerArgs],
+        [
+          ...common,
+          ...(topology === "single" ? ["--no-disaggregation"] : []),
+          ...nodes.nodeArgs,
+          ...routerArgs,
+        ],
         {},
       );
       children.push(s.child);
@@ -217,14 +235,26 @@ export async function startArm(
       };
     }
     const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
-    const [p, d] = await Promise.all([
-      serve(main, ["--role", "prefill", ...common], env),
-      serve(main, ["--role", "decode", ...common], env),
-    ]);
-    children.push(p.child, d.child);
+    const roles = [...Array(nodes.prefill).fill("prefill"), ...Array(nodes.decode).fill("decode")];
+    const settled = await Promise.allSettled(
+      roles.map((role) => serve(main, ["--role", role, ...common, ...nodes.nodeArgs], env)),
+    );
+    for (const s of settled) if (s.status === "fulfilled") children.push(s.value.child);
+    const failed = settled.find((s) => s.status === "rejected");
+    if (failed !== undefined) throw failed.reason;
+    const urls = settled.map((s) => (s as PromiseFulfilledResult<{ url: string }>).value.url);
     const r = await serve(
       main,
-      ["--role", "router", ...common, ...routerArgs, "--prefill", p.url, "--decode", d.url],
+      [
+        "--role",
+        "router",
+        ...common,
+        ...routerArgs,
+        "--prefill",
+        ...urls.slice(0, nodes.prefill),
+        "--decode",
+        ...urls.slice(nodes.prefill),
+      ],
       env,
     );
     children.push(r.child);

@@ -91,6 +91,11 @@ export interface PrefixArm {
   readonly pagesReused: number | null;
   /** Mean TTFT of turns 2..N against the `off` arm's, paired by round (null for `off` itself). */
   readonly ttftRatio: RatioInterval | null;
+  /**
+   * The `tiers` arm against the pool-only arm (`on`), paired by round, when both ran: mean TTFT of
+   * turn 1 (no conversation to hit: what the tiers cost while they spill) and of turns 2..N.
+   */
+  readonly vsPool: { readonly first: RatioInterval; readonly later: RatioInterval } | null;
 }
 
 export interface PrefixBenchResult {
@@ -354,6 +359,13 @@ export async function runPrefixCacheBench(options: PrefixBenchOptions = {}): Pro
       pagesSent: pages.get(name)?.sent ?? null,
       pagesReused: pages.get(name)?.reused ?? null,
       ttftRatio: name === "off" ? null : pairedRatio(tally.later.get(name)!, off),
+      vsPool:
+        name === "tiers" && tally.first.has("on")
+          ? {
+              first: pairedRatio(tally.first.get("tiers")!, tally.first.get("on")!),
+              later: pairedRatio(tally.later.get("tiers")!, tally.later.get("on")!),
+            }
+          : null,
     }),
   );
   return {
@@ -399,17 +411,27 @@ export function formatPrefixCacheReport(r: PrefixBenchResult): string {
   const line = (a: PrefixArm): string => {
     const moved =
       a.pagesSent === null ? "" : `; pages to decode: sent ${a.pagesSent}, already held ${a.pagesReused}`;
-    return `${a.label.padEnd(13)} TTFT turns 2-${r.turns}: mean ${ms(a.laterTtft)} (rounds ${ms(a.laterTtftRounds.min)}–${ms(a.laterTtftRounds.max)}), turn 1: ${ms(a.firstTtft)}; prompt tokens ${a.promptTokens}, computed ${a.computedTokens}${moved}`;
+    const later =
+      r.turns < 2
+        ? ""
+        : `TTFT turns 2-${r.turns}: mean ${ms(a.laterTtft)} (rounds ${ms(a.laterTtftRounds.min)}–${ms(a.laterTtftRounds.max)}), `;
+    return `${a.label.padEnd(13)} ${later}turn 1: ${ms(a.firstTtft)}; prompt tokens ${a.promptTokens}, computed ${a.computedTokens}${moved}`;
   };
+  const ci = (t: RatioInterval): string =>
+    Number.isNaN(t.low) ? "-" : `${t.low.toFixed(3)}–${t.high.toFixed(3)}`;
   const ratios = r.arms.flatMap((a) => {
     const t = a.ttftRatio;
-    if (t === null) return [];
-    const ci = Number.isNaN(t.low) ? "-" : `${t.low.toFixed(3)}–${t.high.toFixed(3)}`;
+    if (t === null || r.turns < 2) return [];
     const bar = TTFT_RATIO_TARGET[a.name as Exclude<PrefixArmName, "off">];
     return [
-      `mean TTFT of turns 2-${r.turns}, ${a.label} / cache off: ${t.ratio.toFixed(3)} [95% CI ${ci}] ${ttftVerdict(t, bar)}`,
+      `mean TTFT of turns 2-${r.turns}, ${a.label} / cache off: ${t.ratio.toFixed(3)} [95% CI ${ci(t)}] ${ttftVerdict(t, bar)}`,
     ];
   });
+  const tiers = r.arms.find((a) => a.vsPool !== null)?.vsPool;
+  if (tiers !== undefined && tiers !== null)
+    ratios.push(
+      `pool + tiers / pool only, mean TTFT: turn 1 ${tiers.first.ratio.toFixed(3)} [95% CI ${ci(tiers.first)}]${r.turns < 2 ? "" : `, turns 2-${r.turns} ${tiers.later.ratio.toFixed(3)} [95% CI ${ci(tiers.later)}]`}`,
+    );
   return [
     `kvfence ${r.topology}${nodes}, prefix cache arms ${r.arms.map((a) => a.name).join(", ")}: ${r.rounds} interleaved rounds of ${r.sessions} ${r.turns}-turn chat sessions (${r.concurrency} at once, turn by turn) over ${r.tenants} tenants (bench serve's multi-turn dataset, greedy)`,
     `working set ${r.workingSetTokens} tokens: ${(r.workingSetTokens / r.prefillPoolTokens).toFixed(2)}× the prefill pools (${r.prefillPoolTokens} tokens)`,

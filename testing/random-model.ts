@@ -22,6 +22,8 @@ export interface RandomModelOptions {
   seed?: number;
   /** Standard deviation of the random weights. */
   std?: number;
+  /** The config's EOS ids (none by default). */
+  eosTokenIds?: readonly number[];
 }
 
 export function randomModel(options: RandomModelOptions = {}): {
@@ -45,7 +47,7 @@ export function randomModel(options: RandomModelOptions = {}): {
     maxPositionEmbeddings: options.maxPositionEmbeddings ?? 256,
     vocabSize: options.vocabSize ?? 64,
     bosTokenId: null,
-    eosTokenIds: [],
+    eosTokenIds: options.eosTokenIds ?? [],
   });
   const rng = new Prng(options.seed ?? 1);
   const std = options.std ?? 0.2;

@@ -232,6 +232,7 @@ export class Engine {
       config.vocabSize,
       options.seed ?? Math.floor(Math.random() * 0x1_0000_0000),
       options.grammar ?? null,
+      config.eosTokenIds,
     );
     this.capacity = Object.freeze({
       poolTokens: pool.capacityTokens,

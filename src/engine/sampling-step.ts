@@ -48,10 +48,18 @@ export class SamplingStep {
   #grammarSource: Promise<GrammarSource> | null = null;
   /** Sequences waiting for their grammar, by rid. */
   readonly #waiting = new Map<number, Sequence>();
+  /** The model's EOS ids: a grammar's end when the request has no stop ids of its own (`ignore_eos`). */
+  readonly #eosTokenIds: readonly number[];
 
-  constructor(vocabSize: number, seed: number, grammar: (() => Promise<GrammarSource>) | null = null) {
+  constructor(
+    vocabSize: number,
+    seed: number,
+    grammar: (() => Promise<GrammarSource>) | null = null,
+    eosTokenIds: readonly number[] = [],
+  ) {
     this.#vocabSize = vocabSize;
     this.#grammar = grammar;
+    this.#eosTokenIds = eosTokenIds;
     this.#sampler = new Sampler(vocabSize);
     this.#seeds = new Prng(seed);
     this.#copy = new Float32Array(vocabSize);
@@ -113,7 +121,7 @@ export class SamplingStep {
         source.bind(
           seq.tenant,
           constraint,
-          seq.request.sampling.stopTokenIds,
+          this.#grammarStops(seq),
           Array.from(seq.tokens.subarray(seq.promptLength, seq.length)),
         ),
       )
@@ -219,9 +227,20 @@ export class SamplingStep {
     return seq.sampledLogprobs;
   }
 
-  /** True when `token` is one of the request's stop tokens (it ends the request with `stop`). */
+  /**
+   * True when `token` ends the request with `stop`: one of its stop tokens, or, for a constrained
+   * request, one of its grammar's end tokens (a grammar ends on EOS even under `ignore_eos`: past
+   * its end it allows no token, and a draw from nothing would be filler).
+   */
   stops(seq: Sequence, token: number): boolean {
-    return seq.request.sampling.stopTokenIds.includes(token);
+    if (seq.request.sampling.stopTokenIds.includes(token)) return true;
+    return seq.matcher !== null && this.#grammarStops(seq).includes(token);
+  }
+
+  /** The tokens a sequence's grammar ends on: its request's stop ids, else the model's EOS ids. */
+  #grammarStops(seq: Sequence): readonly number[] {
+    const own = seq.request.sampling.stopTokenIds;
+    return own.length > 0 ? own : this.#eosTokenIds;
   }
 }
 

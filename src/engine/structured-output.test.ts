@@ -20,7 +20,7 @@ const TOKENIZER_DIR = new URL("../../../models/kvfence-tiny", import.meta.url).p
 const tokenizer = ModelTokenizer.fromFolder(TOKENIZER_DIR);
 const VOCAB = 264;
 const EOS = tokenizer.tokenId("<|im_end|>") ?? tokenizer.tokenId("<|endoftext|>")!;
-const model = randomModel({ seed: 5, vocabSize: VOCAB, maxPositionEmbeddings: 256 });
+const model = randomModel({ seed: 5, vocabSize: VOCAB, maxPositionEmbeddings: 256, eosTokenIds: [EOS] });
 const SAMPLES = 1000;
 const BATCH = 50;
 
@@ -51,15 +51,23 @@ function engine(): Engine {
   });
 }
 
-/** `count` samples of `constraint` at temperature 1, batch by batch; each one's text and finish reason. */
-async function samples(constraint: OutputConstraint, count: number, maxTokens: number): Promise<string[]> {
+/**
+ * `count` samples of `constraint` at temperature 1, batch by batch, each one's text (every one must
+ * end on its grammar's end: finish `stop`); `stopTokenIds` the request's (none: `ignore_eos`).
+ */
+async function samples(
+  constraint: OutputConstraint,
+  count: number,
+  maxTokens: number,
+  stopTokenIds: readonly number[] = [EOS],
+): Promise<string[]> {
   const e = engine();
   const texts: string[] = [];
   for (let start = 0; start < count; start += BATCH) {
     const outcomes = [];
     for (let i = start; i < Math.min(count, start + BATCH); i++) {
       const { events, outcome } = recorder();
-      const sampling = withSampling({ temperature: 1, seed: i, stopTokenIds: [EOS], constraint });
+      const sampling = withSampling({ temperature: 1, seed: i, stopTokenIds, constraint });
       e.submit(request(i + 1, [1 + (i % 50), 7, 9], maxTokens, { ...sampling, tenant: i % 3 }), events);
       outcomes.push(outcome);
     }
@@ -102,6 +110,12 @@ describe("structured output", () => {
     const texts = await samples({ kind: "grammar", ebnf: GBNF }, SAMPLES, 16);
     const bad = texts.filter((t) => !/^[a-c][0-9](,[a-c][0-9]){0,3}$/.test(t));
     assert.deepEqual(bad.slice(0, 5), [], `${bad.length} of ${texts.length} outputs do not match`);
+  });
+
+  it("Engine.step() ends a constrained sample at its grammar's end under ignore_eos (no stop ids): no filler", async () => {
+    const texts = await samples({ kind: "grammar", ebnf: GBNF }, 200, 24, []);
+    const bad = texts.filter((t) => !/^[a-c][0-9](,[a-c][0-9]){0,3}$/.test(t));
+    assert.deepEqual(bad.slice(0, 5), [], `${bad.length} of ${texts.length} outputs run past the grammar`);
   });
 
   it("Engine.step() masks 1,000 samples of a regex: every one matches it", async () => {

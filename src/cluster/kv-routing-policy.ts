@@ -125,7 +125,7 @@ export class KvRoutingPolicy implements PairPolicy {
       chain === null || !this.index.knows(chain.tenant)
         ? null
         : this.index.matches(chain.tenant, chain.keys());
-    const choice = matched === null || matched.size === 0 ? null : this.#byCache(candidates, matched);
+    const choice = matched === null || matched.size === 0 ? null : byCache(candidates, matched);
     if (choice === null) {
       this.#decisions.fallback++;
       const pair = this.#affinity.pick(candidates, demand);
@@ -135,28 +135,28 @@ export class KvRoutingPolicy implements PairPolicy {
     this.#affinity.remember(demand, choice.pair);
     return choice.pair;
   }
+}
 
-  /** The pair by the nodes' matched prefixes and the ledger (null: no candidate holds a page of it). */
-  #byCache(
-    candidates: readonly NodePair[],
-    matched: ReadonlyMap<string, number>,
-  ): { pair: NodePair; reason: RoutingReason } | null {
-    let best: NodeSlot | null = null;
-    let bestScore = Number.NEGATIVE_INFINITY;
-    let longest = 0;
-    for (const { prefill } of candidates) {
-      const m = matched.get(prefill.id) ?? 0;
-      longest = Math.max(longest, m);
-      const score = m - LOAD_WEIGHT * prefill.usedPages;
-      if (score > bestScore) {
-        best = prefill;
-        bestScore = score;
-      }
+/** The pair by the nodes' matched prefixes and the ledger (null: no candidate holds a page of it). */
+function byCache(
+  candidates: readonly NodePair[],
+  matched: ReadonlyMap<string, number>,
+): { pair: NodePair; reason: RoutingReason } | null {
+  let best: NodeSlot | null = null;
+  let bestScore = Number.NEGATIVE_INFINITY;
+  let longest = 0;
+  for (const { prefill } of candidates) {
+    const m = matched.get(prefill.id) ?? 0;
+    longest = Math.max(longest, m);
+    const score = m - LOAD_WEIGHT * prefill.usedPages;
+    if (score > bestScore) {
+      best = prefill;
+      bestScore = score;
     }
-    if (best === null || longest === 0) return null;
-    const reason = (matched.get(best.id) ?? 0) === longest ? "cache_hit" : "load";
-    return { pair: withDecode(candidates, best, matched), reason };
   }
+  if (best === null || longest === 0) return null;
+  const reason = (matched.get(best.id) ?? 0) === longest ? "cache_hit" : "load";
+  return { pair: withDecode(candidates, best, matched), reason };
 }
 
 /**

@@ -8,13 +8,14 @@
  *   each to the other one. Another tenant's identical conversation is never routed by them.
  * - Two routers (router slots 0 and 1, in this process) over the same node processes: a prompt
  *   cached through one router is routed to its prefill node by the other, from the same events.
+ * - The threaded topology: the events ride the worker's MessagePort into the same index.
  */
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import { setTimeout as sleep } from "node:timers/promises";
 import OpenAI from "openai";
 import { assertPoolIdle, modelDir, operatorGet, scrape } from "../../testing/start-server.js";
-import { startCluster, type TopologyServer } from "../../testing/topology-servers.js";
+import { startCluster, startInProcess, type TopologyServer } from "../../testing/topology-servers.js";
 import type { NodesInfo } from "../admin-api/admin-wire.js";
 import { connectCluster } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
@@ -63,7 +64,10 @@ describe("routing by where the KV lives, TCP cluster (2 prefill + 1 decode)", { 
     for (const text of FIRST) {
       const r = await chat(alpha, [{ role: "user", content: text }]);
       const prompt = r.usage!.prompt_tokens;
-      assert.ok(prompt > 2 * PAGE && prompt <= 4 * PAGE, `a first turn of 3 or 4 pages: ${prompt} tokens`);
+      assert.ok(
+        prompt > 2 * PAGE && prompt <= 4 * PAGE,
+        `a first turn of 2 to 4 full pages: ${prompt} tokens`,
+      );
       first.push({ text, answer: r.choices[0]!.message.content!, pages: Math.floor(prompt / PAGE) });
     }
     // The nodes' events reach the router within one interval (50 ms): wait until it knows them all.
@@ -180,5 +184,32 @@ describe("routing by where the KV lives, two routers over the same nodes", { tim
     const cached = await run(r1, conversation);
     assert.equal(cached, 3 * PAGE, "router 1 sent turn 2 to the node holding turn 1's three pages");
     assert.equal(r1.routing()?.decisions.cache_hit, 1);
+  });
+});
+
+describe("routing by where the KV lives, threaded topology", { timeout: 120_000 }, () => {
+  test("the prefill worker's cache events reach the router's index over its MessagePort", async () => {
+    const server = await startInProcess("threads", { model: modelDir(MODEL), kvPages: 128, apiKeys: KEYS });
+    try {
+      const client = new OpenAI({ baseURL: server.baseURL, apiKey: "sk-route-alpha-0001", maxRetries: 0 });
+      const r = await client.chat.completions.create({
+        model: MODEL,
+        messages: [{ role: "user", content: FIRST[0]! }],
+        max_tokens: 4,
+        temperature: 0,
+      });
+      const pages = Math.floor(r.usage!.prompt_tokens / PAGE);
+      const deadline = Date.now() + 10_000;
+      let keys = 0;
+      while (keys < pages && Date.now() < deadline) {
+        const info = (await (await operatorGet(server.url, "/kvfence/nodes")).json()) as NodesInfo;
+        keys = info.nodes.find((n) => n.role === "prefill")?.indexed_keys ?? 0;
+        if (keys < pages) await sleep(20);
+      }
+      assert.equal(keys, pages, "every full page of the prompt is in the router's index");
+      assert.equal((await scrape(server.url)).get("kvfence_kv_index_keys"), pages);
+    } finally {
+      await server.close();
+    }
   });
 });

@@ -31,6 +31,8 @@ export const nodeInfoSchema = z.object({
   member: z.boolean().optional(),
   /** Pages its prefix cache holds (shared, referenced or not); absent without a cache. */
   cached_pages: positiveInt.optional(),
+  /** Chain keys of its caches this router's KV index holds (src/cluster/kv-index.ts); absent on one engine. */
+  indexed_keys: positiveInt.optional(),
 });
 
 export const nodesInfoSchema = z.object({

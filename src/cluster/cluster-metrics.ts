@@ -4,7 +4,7 @@
  * router's `MetricsScrape` after the engine's): bytes transferred and a GB/s histogram per transfer,
  * checksum and coverage failures, dropped stale and misaddressed writes, quarantined pages,
  * ABORT_ACK latency, and pages and queue gauges per node and role; and the router's own refusals of
- * nodes it dialled. The GB/s and ABORT_ACK observations come with the polls (one per transfer or
+ * nodes it dialled; and its KV index's size and routing decisions by reason. The GB/s and ABORT_ACK observations come with the polls (one per transfer or
  * abort, drained at the scrape), so they go to prom-client's `Histogram` as they are.
  */
 import { exponentialBuckets, Histogram } from "prom-client";
@@ -13,6 +13,7 @@ import type { PhaseMetrics, PhaseSource } from "../lib/phase-histograms.js";
 import type { NodeStats } from "../links/node-messages.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import { NodeTotals } from "./node-totals.js";
+import type { RoutingReport } from "./pair-pool.js";
 
 /** Where the cluster's metrics join the router's (`RouterMetrics`): its scrape's reads and per-phase families. */
 export interface ScrapeTarget {
@@ -54,7 +55,16 @@ export function registerClusterMetrics(router: ScrapeTarget, engine: Disaggregat
     metrics.transfers(transfers.total(TRANSFER_TOTALS));
     for (const [reason, n] of Object.entries(engine.dialRefusals))
       setCounter(metrics.dialRefusals, n, { reason });
+    collectRouting(metrics, engine.routing());
   });
+}
+
+/** The router's KV index size and its routing decisions by reason (kv-routing-policy.ts). */
+function collectRouting(metrics: ClusterMetrics, routing: RoutingReport | null): void {
+  if (routing === null) return;
+  metrics.indexKeys.set(routing.indexKeys);
+  for (const [reason, n] of Object.entries(routing.decisions))
+    setCounter(metrics.routingDecisions, n, { reason });
 }
 
 type Queues = Record<"prefill" | "decode", { waiting: number; running: number }>;
@@ -173,6 +183,15 @@ function nodeMetrics(scrape: MetricsScrape) {
       "kvfence_link_auth_failures_total",
       "Connections to a node's control or transfer port refused before admission, by reason (bad_hello, bad_proof: a replayed handshake, malformed, oversized, timeout, too_many_pending, peer_connected, layout_mismatch, address_mismatch: dialled through a relay)",
       ["node", "port", "reason"],
+    ),
+    indexKeys: scrape.gauge(
+      "kvfence_kv_index_keys",
+      "Chain keys of the nodes' caches this router's KV index holds, over every node (src/cluster/kv-index.ts)",
+    ),
+    routingDecisions: scrape.counter(
+      "kvfence_routing_decisions_total",
+      "Pairs picked by where the KV lives, by reason (cache_hit: the prefill node holding the longest prefix; load: another, its load weighed more; fallback: no candidate holds a page of it, prefix affinity picked)",
+      ["reason"],
     ),
     dialRefusals: scrape.counter(
       "kvfence_router_link_refusals_total",

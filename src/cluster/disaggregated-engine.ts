@@ -5,7 +5,8 @@
  * of processes. This file is the wiring; each part has its own module:
  *
  * - `PairPool` (pair-pool.ts): the nodes, their (prefill, decode) pairs and the router's page
- *   ledger; a `PairPolicy` picks the pair (prefix-affinity-policy.ts by default).
+ *   ledger; a `PairPolicy` picks the pair (kv-routing-policy.ts by default: by where the KV lives,
+ *   from the nodes' cache events).
  * - `FairShare` (src/fair-share/fair-share.ts): where requests wait, fairly between tenants.
  * - `SampleGroups` (sample-group.ts): n > 1 as one group riding on its first sample's attempt.
  * - `NodePings` (node-pings.ts) readiness, `NodeStatsPoller` (node-stats.ts) statistics,
@@ -60,6 +61,7 @@ import { faultOn, guardOn, type Safety } from "../protocol/safety.js";
 import type { ControlMessage } from "../protocol/wire.js";
 import type { LinkAuthFailures } from "../transfer/link-guard.js";
 import { AttemptRids } from "./attempt-rids.js";
+import { KvRoutingPolicy } from "./kv-routing-policy.js";
 import { NodePings } from "./node-pings.js";
 import { NodeStatsPoller, nodeView } from "./node-stats.js";
 import {
@@ -68,10 +70,10 @@ import {
   type PairPolicy,
   PairPool,
   type RouterNode,
+  type RoutingReport,
   sequenceSlots,
 } from "./pair-pool.js";
 import { type PendingRequest, pendingRequest } from "./pending-request.js";
-import { PrefixAffinityPolicy } from "./prefix-affinity-policy.js";
 import { isRider, SampleGroups, withRiders } from "./sample-group.js";
 
 export type { RouterNode } from "./pair-pool.js";
@@ -98,7 +100,7 @@ export interface DisaggregatedEngineOptions {
   readonly routerSlot?: number;
   /** The router's own refusals of nodes it dialled, by reason (cluster-router.ts); kept, not copied. */
   readonly dialRefusals?: LinkAuthFailures;
-  /** Which pair takes a request among those that can. Default: `PrefixAffinityPolicy`. */
+  /** Which pair takes a request among those that can. Default: `KvRoutingPolicy`. */
   readonly pairPolicy?: PairPolicy;
 }
 
@@ -170,7 +172,7 @@ export class DisaggregatedEngine implements EngineHandle {
       prefill: options.prefill,
       decode: options.decode,
       admitted: this.capacity,
-      policy: options.pairPolicy ?? new PrefixAffinityPolicy(),
+      policy: options.pairPolicy ?? new KvRoutingPolicy({ safety: options.safety }),
     });
     this.#share = new FairShare<PendingRequest>(
       resolveFairShare(options.fairShare ?? { tenants: 1 }, { pages: this.#pool.decodePages, slots }),
@@ -247,6 +249,11 @@ export class DisaggregatedEngine implements EngineHandle {
     this.#observers.push(listener);
   }
 
+  /** The pair policy's KV index size and decisions by reason (null: it routes by no cache). */
+  routing(): RoutingReport | null {
+    return this.#pool.routing();
+  }
+
   /** The nodes for `/kvfence/nodes`. */
   nodes(): NodeInfo[] {
     return this.#pool.nodes();
@@ -321,7 +328,8 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     const pageSize = this.capacity.pageSize;
     const affinityKey = this.#pool.affinityKey(request, pageSize);
-    const pending = pendingRequest(request, events, { pageSize, affinityKey });
+    const chain = this.#pool.chainOf(request, pageSize);
+    const pending = pendingRequest(request, events, { pageSize, affinityKey, chain });
     this.#open.set(request.rid, pending);
     // A later sample of a group being assembled rides on its first sample's attempt.
     const ready = this.#groups.add(pending);
@@ -497,6 +505,10 @@ export class DisaggregatedEngine implements EngineHandle {
         slot.full = false;
         this.#share.pump();
         return;
+      case "cache_events":
+      case "cache_snapshot":
+        this.#pool.cacheEvents(slot, message);
+        return;
       case "prefix_cached": {
         const pending = this.#requests.get(message.rid);
         if (pending !== undefined && pending.rid === message.rid) pending.cachedTokens = message.cachedTokens;
@@ -558,6 +570,7 @@ export class DisaggregatedEngine implements EngineHandle {
   #nodeLost(slot: NodeSlot): void {
     if (slot.lost) return;
     slot.lost = true;
+    this.#pool.cacheLost(slot);
     this.#pings.forget(slot);
     this.#stats.nodeLost(slot.id);
     const role = slot.role;

@@ -3,7 +3,7 @@
  * router's ledger, and which pair takes the next request. As undici's `PoolBase` owns membership
  * and dispatch while its pools override only the policy that picks, `PairPool` owns the nodes,
  * their pairs and the ledger, and a `PairPolicy` picks among the pairs that can take a request
- * (src/cluster/prefix-affinity-policy.ts is the default).
+ * (src/cluster/kv-routing-policy.ts is the default).
  *
  * Membership: every node has a slot, and each slot is paired with every slot of the other role;
  * each pair runs its own router state machine (`state`), so a node's loss reaches only the
@@ -19,11 +19,12 @@
  *
  * Choice (`take`): the pairs usable now (up, both nodes there, answering their readiness pings
  * and members) with room by the ledger, in round-robin order from the pair after the last one
- * taken, go to the policy; the pair it picks has the request's pages booked.
+ * taken, go to the policy; the pair it picks has the request's pages booked. The default policy
+ * routes by where the KV lives (kv-routing-policy.ts): the pool hands it the nodes' cache events.
  */
 
 import type { NodeInfo } from "../admin-api/admin-wire.js";
-import type { FromNode, Link, NodeHello, ToNode } from "../links/node-messages.js";
+import type { CacheEventsMessage, FromNode, Link, NodeHello, ToNode } from "../links/node-messages.js";
 import type { EngineCapacity, EngineHealth, GenerationRequest } from "../protocol/engine-api.js";
 import { initialRouterState, type RouterState } from "../protocol/router-machine.js";
 
@@ -78,6 +79,27 @@ export interface PairDemand {
   readonly prefillPages: number;
   /** The policy's key for it (`PairPolicy.affinityKey`), or null. */
   readonly affinityKey: string | null;
+  /** Its prompt's chain keys, for a policy that routes by the nodes' caches (`PairPolicy.chainOf`). */
+  readonly chain?: PromptChain | null;
+}
+
+/**
+ * A prompt's prefix-cache chain keys as its prefill node computes them (`prefixBlockKey` under the
+ * request's salt), computed on the first call (src/cluster/kv-routing-policy.ts).
+ */
+export interface PromptChain {
+  readonly tenant: number;
+  keys(): readonly string[];
+}
+
+/** Why a policy that routes by the nodes' caches picked a pair (`kvfence_routing_decisions_total`). */
+export type RoutingReason = "cache_hit" | "load" | "fallback";
+
+/** What such a policy reports for metrics and `/kvfence/nodes`. */
+export interface RoutingReport {
+  /** Keys its KV index holds, over every node. */
+  readonly indexKeys: number;
+  readonly decisions: Readonly<Record<RoutingReason, number>>;
 }
 
 /** Which pair takes a request, among those that can (undici's pools differ only in this). */
@@ -90,6 +112,15 @@ export interface PairPolicy {
   pick(candidates: readonly NodePair[], demand: PairDemand): NodePair | null;
   /** The key of `request` that `pick` sees as `demand.affinityKey`, computed once at submit. */
   affinityKey?(request: GenerationRequest, pageSize: number): string | null;
+  /** The chain of `request` that `pick` sees as `demand.chain` (made at submit, its keys computed when used). */
+  chainOf?(request: GenerationRequest, pageSize: number): PromptChain | null;
+  /** Node `node`'s cache events (src/node/cache-events.ts). */
+  cacheEvents?(node: string, message: CacheEventsMessage): void;
+  /** Node `node` is lost: what it cached is gone. */
+  nodeLost?(node: string): void;
+  /** Keys known for `node` (`/kvfence/nodes`), and the totals (metrics). */
+  indexedKeys?(node: string): number;
+  routing?(): RoutingReport;
 }
 
 /** Decode sequence slots of a node that does not say (an older hello). */
@@ -155,6 +186,26 @@ export class PairPool {
   /** The policy's key of `request` (null: the policy has none). */
   affinityKey(request: GenerationRequest, pageSize: number): string | null {
     return this.#policy.affinityKey?.(request, pageSize) ?? null;
+  }
+
+  /** The policy's chain of `request` (null: the policy routes by no cache). */
+  chainOf(request: GenerationRequest, pageSize: number): PromptChain | null {
+    return this.#policy.chainOf?.(request, pageSize) ?? null;
+  }
+
+  /** Node `slot`'s cache events, to the policy. */
+  cacheEvents(slot: NodeSlot, message: CacheEventsMessage): void {
+    this.#policy.cacheEvents?.(slot.id, message);
+  }
+
+  /** Node `slot` is lost: the policy forgets what it cached. */
+  cacheLost(slot: NodeSlot): void {
+    this.#policy.nodeLost?.(slot.id);
+  }
+
+  /** The policy's routing report (null: it routes by no cache). */
+  routing(): RoutingReport | null {
+    return this.#policy.routing?.() ?? null;
   }
 
   /**
@@ -310,6 +361,7 @@ export class PairPool {
       up: !s.lost,
       member: s.member,
       ...(s.cachedPages === null ? {} : { cached_pages: s.cachedPages }),
+      ...(this.#policy.indexedKeys === undefined ? {} : { indexed_keys: this.#policy.indexedKeys(s.id) }),
     }));
   }
 

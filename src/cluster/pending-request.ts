@@ -8,7 +8,7 @@
 import { decodeReservationPages } from "../protocol/decode-machine.js";
 import type { GenerationEvents, GenerationRequest } from "../protocol/engine-api.js";
 import type { SamplingParams } from "../protocol/sampling-params.js";
-import type { NodePair, NodeSlot, PairDemand } from "./pair-pool.js";
+import type { NodePair, NodeSlot, PairDemand, PromptChain } from "./pair-pool.js";
 import type { GroupSample, SampleGroup } from "./sample-group.js";
 
 export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> {
@@ -36,6 +36,8 @@ export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> 
   cachedTokens: number | null;
   /** The pair policy's key of its prompt (prefix affinity: its first full pages), or null. */
   readonly affinityKey: string | null;
+  /** Its prompt's chain keys for routing by the nodes' caches, or null. */
+  readonly chain: PromptChain | null;
   completionTokens: number;
   stopped: boolean;
   /** The stop token (EOS) that ended it, when known (SGLang's matched_stop). */
@@ -57,7 +59,11 @@ export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> 
 export function pendingRequest(
   request: GenerationRequest,
   events: GenerationEvents,
-  reservation: { readonly pageSize: number; readonly affinityKey: string | null },
+  reservation: {
+    readonly pageSize: number;
+    readonly affinityKey: string | null;
+    readonly chain?: PromptChain | null;
+  },
 ): PendingRequest {
   const { pageSize, affinityKey } = reservation;
   return {
@@ -73,6 +79,7 @@ export function pendingRequest(
     prefillHeld: false,
     cachedTokens: null,
     affinityKey,
+    chain: reservation.chain ?? null,
     completionTokens: 0,
     stopTokenId: null,
     stopped: false,

@@ -1,6 +1,7 @@
 /**
- * The router's default `PairPolicy` (src/cluster/pair-pool.ts): prefix affinity over the prefill
- * nodes that keep a prefix cache, round-robin over those that do not.
+ * The router's `PairPolicy` (src/cluster/pair-pool.ts) before its nodes' cache events are known:
+ * prefix affinity over the prefill nodes that keep a prefix cache, round-robin over those that do
+ * not. The default policy (src/cluster/kv-routing-policy.ts) falls back to it.
  *
  * A prompt's affinity key is its tenant, cache namespace and the token ids of its first full pages
  * (at most `AFFINITY_PAGES`, never the last prompt token, as a cache hit), hashed. Among the pairs
@@ -50,11 +51,15 @@ export class PrefixAffinityPolicy implements PairPolicy {
         break;
       }
     }
-    if (pair !== null && demand.affinityKey !== null && pair.prefill.node.hello.prefixCache === true) {
-      this.#affinity.delete(demand.affinityKey);
-      this.#affinity.set(demand.affinityKey, pair.prefill.id);
-      if (this.#affinity.size > AFFINITY_ENTRIES) this.#affinity.delete(this.#affinity.keys().next().value!);
-    }
+    if (pair !== null) this.remember(demand, pair);
     return pair;
+  }
+
+  /** `pair` took `demand`: a prompt with its key prefers its prefill node (when it caches). */
+  remember(demand: PairDemand, pair: NodePair): void {
+    if (demand.affinityKey === null || pair.prefill.node.hello.prefixCache !== true) return;
+    this.#affinity.delete(demand.affinityKey);
+    this.#affinity.set(demand.affinityKey, pair.prefill.id);
+    if (this.#affinity.size > AFFINITY_ENTRIES) this.#affinity.delete(this.#affinity.keys().next().value!);
   }
 }

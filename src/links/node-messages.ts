@@ -158,7 +158,43 @@ export type FromNode =
       readonly rid: number;
       readonly epoch: number;
       readonly cachedTokens: number;
-    };
+    }
+  | CacheEventsMessage;
+
+// ---- KV cache events (issue #35 item 3: routing by where the KV lives) -------------------------
+// A node with a prefix cache tells every router which chain keys it holds, so a router can route a
+// prompt to the node holding its longest prefix (src/node/cache-events.ts publishes them,
+// src/cluster/kv-index.ts keeps them). Keys only: never a token id.
+
+/** Where a node holds a cached page: its KV pool, its host-memory tier, its disk tier. */
+export type CacheTier = "pool" | "ram" | "disk";
+
+/**
+ * One tenant's changes in one tier: the chain keys it gained and lost there. A key is the first
+ * `CACHE_EVENT_KEY_CHARS` hex digits of the page's chain key (`prefixBlockKey`, salted with the
+ * tenant's namespace): opaque, a routing hint only (the node's cache compares the whole key and
+ * the tokens on every hit).
+ */
+export interface CacheEventBatch {
+  readonly tenant: number;
+  readonly tier: CacheTier;
+  readonly stored: readonly string[];
+  readonly removed: readonly string[];
+}
+
+/** Hex digits of a chain key a cache event carries (64 bits). */
+export const CACHE_EVENT_KEY_CHARS = 16;
+
+/**
+ * Node → every router: `cache_events`, the changes since the previous message (at most one per
+ * `CACHE_EVENT_INTERVAL_MS`, src/node/cache-events.ts); `cache_snapshot`, to a router whose link
+ * just opened, everything the node holds (it replaces what that router knew of the node; a large
+ * set continues in `cache_events` right after it).
+ */
+export interface CacheEventsMessage {
+  readonly kind: "cache_events" | "cache_snapshot";
+  readonly batches: readonly CacheEventBatch[];
+}
 
 /** A bidirectional message channel (a MessagePort or an authenticated TCP link). */
 export interface Link<Out, In> {

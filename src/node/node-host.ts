@@ -11,6 +11,7 @@ import { type ForwardedSpans, startForwardedTracing, startTracing } from "../lib
 import type { FromNode, NodeHello } from "../links/node-messages.js";
 import type { ModelConfig } from "../model/model-config.js";
 import { makeSafety, type Safety } from "../protocol/safety.js";
+import { CacheEventPublisher } from "./cache-events.js";
 import { DecodeNode } from "./decode-node.js";
 import { PrefillNode } from "./prefill-node.js";
 
@@ -27,6 +28,8 @@ interface Built<Role extends "prefill" | "decode", Node> {
   readonly node: Node;
   readonly hello: NodeHello;
   readonly layoutSignature: string;
+  /** Its prefix cache's events to every router (null: no cache). */
+  readonly cacheEvents: CacheEventPublisher | null;
 }
 
 export type BuiltNode = Built<"prefill", PrefillNode> | Built<"decode", DecodeNode>;
@@ -73,7 +76,10 @@ export async function buildNode(
     ...(engine.capacity.maxSequences === undefined ? {} : { maxSequences: engine.capacity.maxSequences }),
     ...(options.role === "prefill" && engine.prefixCache !== null ? { prefixCache: true } : {}),
   };
-  const parts = { engine, hello, layoutSignature: signature };
+  // What the node's caches hold, published to every router (src/node/cache-events.ts).
+  const cacheEvents = engine.prefixCache === null ? null : new CacheEventPublisher(toRouter);
+  if (cacheEvents !== null) engine.prefixCache!.observe(cacheEvents);
+  const parts = { engine, hello, layoutSignature: signature, cacheEvents };
   const nodeOptions = { engine, layoutSignature: signature, safety, incarnation, toRouter };
   return options.role === "prefill"
     ? { ...parts, role: "prefill", node: new PrefillNode(nodeOptions) }

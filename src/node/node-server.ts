@@ -89,7 +89,7 @@ class RouterLinks {
 
   /**
    * Sends to the router the message is for: a protocol message (or `prefix_cached`) to the router
-   * of its rid's slot, anything else (pages freed, a transfer channel up or down) to every router.
+   * of its rid's slot, anything else (pages freed, a transfer channel up or down, cache events) to every router.
    * Nothing when that router is gone (it fails its requests itself).
    */
   readonly send = (message: FromNode): void => {
@@ -125,6 +125,7 @@ class RouterLinks {
     slot: number,
     onMessage: (message: ToNode, reply: (message: FromNode) => void) => void,
     hello: FromNode,
+    after: () => readonly FromNode[],
   ): void {
     this.#links.set(slot, { link, incarnation });
     const reply = (message: FromNode): void => sendOn(link, message);
@@ -135,6 +136,8 @@ class RouterLinks {
       this.onLost(slot);
     });
     link.send(hello);
+    // Then what this router must know from the start (the cache events' snapshot).
+    for (const message of after()) sendOn(link, message);
   }
 }
 
@@ -348,10 +351,14 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     // The hello names the rid floor of the router's slot now: its rids go after every earlier
     // router's of that slot.
     onLink: (link, incarnation, slot = 0) =>
-      router.attach(link, incarnation, slot, onRouterMessage, {
-        ...hello,
-        ridFloor: built.node.ridFloor(slot),
-      }),
+      router.attach(
+        link,
+        incarnation,
+        slot,
+        onRouterMessage,
+        { ...hello, ridFloor: built.node.ridFloor(slot) },
+        () => built.cacheEvents?.snapshot() ?? [],
+      ),
   }).catch((err: Error) => {
     throw new KvfenceError(
       "config_invalid",
@@ -378,6 +385,7 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
     },
     async close() {
       prefill?.close();
+      built.cacheEvents?.close();
       built.node.close();
       await control.close();
       await transfer?.close();

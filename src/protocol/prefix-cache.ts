@@ -95,7 +95,7 @@ export class PrefixCache {
   readonly #table: OwnershipTable;
   readonly #pageSize: number;
   readonly #safety: Safety;
-  readonly #observer: PrefixCacheObserver | null;
+  #observer: PrefixCacheObserver | null;
   readonly #byKey = new Map<string, Entry>();
   /** The entry owning each physical page, or undefined. */
   readonly #byPage: (Entry | undefined)[];
@@ -109,6 +109,27 @@ export class PrefixCache {
     this.#safety = safety;
     this.#observer = observer ?? null;
     this.#byPage = new Array<Entry | undefined>(table.numPages).fill(undefined);
+  }
+
+  /**
+   * Adds `observer` beside the one given to the constructor (each hears every call, in the order
+   * added): the node's cache-event publisher joins the tiers' observer this way.
+   */
+  observe(observer: PrefixCacheObserver): void {
+    const first = this.#observer;
+    this.#observer =
+      first === null
+        ? observer
+        : {
+            stored: (page) => {
+              first.stored(page);
+              observer.stored(page);
+            },
+            evicting: (page) => {
+              first.evicting(page);
+              observer.evicting(page);
+            },
+          };
   }
 
   /** Pages the cache holds. */

@@ -42,6 +42,8 @@ export const GUARD_NAMES = [
   "lease-check",
   "tenant-salt",
   "prefix-tokens",
+  // The router's KV index is per tenant namespace (src/cluster/kv-index.ts).
+  "route-namespace",
 ] as const;
 export type GuardName = (typeof GUARD_NAMES)[number];
 
@@ -90,7 +92,7 @@ export const FAULT_TABLE: Readonly<
   "prefix-collision": {
     reproduces:
       "prefix-cache keys are cut to a few bits, so another prefix's cached page has the same key (weak block hashes)",
-    caughtBy: ["prefix-tokens", "page-tags"],
+    caughtBy: ["prefix-tokens", "page-tags", "route-namespace"],
   },
 });
 

@@ -12,6 +12,7 @@
  * model and pool flags (`--quantize`, `--kv-cache-dtype`, `--kv-pages`, `--kernels`, ...) to every
  * node (`nodeArgsOf`).
  */
+import { join } from "node:path";
 import { Command } from "commander";
 import { BUNDLED_MODEL_DIR } from "../server/serve-config.js";
 import { UNSAFE_OPT_IN_FLAG, unsafeArgs, unsafeSwitchesProblem } from "../server/unsafe-switches.js";
@@ -100,6 +101,13 @@ export function command(): Command {
     .option("--no-phase-metrics", "no per-phase histograms (only for measuring what they cost)")
     .option("--prefix-cache <on|off>", "the nodes' tenant-fenced prefix cache (default on)")
     .option("--prefix-cache-scope <tenant|key>", "the router's prefix-cache namespace (default tenant)")
+    .option("--cache-ram <size>", "each prefill node's KV tier in host memory (e.g. 2GiB)")
+    .option(
+      "--cache-disk <dir>",
+      "the prefill nodes' KV tier on disk: node i uses DIR/prefill-i (with --cache-disk-size, --cache-disk-key)",
+    )
+    .option("--cache-disk-size <size>", "bytes each prefill node's disk tier may hold")
+    .option("--cache-disk-key <file>", "the disk tiers' secret (made if absent; outside --cache-disk)")
     .option("--unsafe-fault <name>", "UNSAFE, tests and demos only: inject a fault (repeatable)", collect, [])
     .option(
       "--unsafe-disable-guard <name>",
@@ -177,6 +185,21 @@ export function nodeArgsOf(
   ];
 }
 
+/**
+ * The KV tier flags of prefill node `index`: `--cache-ram` as given, and its own directory
+ * `DIR/prefill-<index>` of `--cache-disk` (a tier directory belongs to one node).
+ */
+export function tierArgsOf(raw: RawOptions, index: number): string[] {
+  return [
+    ...passOn(raw, [["--cache-ram", "cacheRam"]]),
+    ...(raw.cacheDisk === undefined ? [] : ["--cache-disk", join(raw.cacheDisk, `prefill-${index}`)]),
+    ...passOn(raw, [
+      ["--cache-disk-size", "cacheDiskSize"],
+      ["--cache-disk-key", "cacheDiskKey"],
+    ]),
+  ];
+}
+
 async function runCluster(raw: RawOptions): Promise<void> {
   const opts = raw as unknown as {
     unsafeFault: string[];
@@ -197,6 +220,7 @@ async function runCluster(raw: RawOptions): Promise<void> {
     port: Number(raw.port ?? 8000),
     nodeArgs,
     ...(raw.prefillKvPages === undefined ? {} : { prefillArgs: ["--prefill-kv-pages", raw.prefillKvPages] }),
+    prefillArgsAt: (index) => tierArgsOf(raw, index),
     routerArgs,
     stderr: (line) => process.stderr.write(`${line}\n`),
   }).catch((err: Error) => {

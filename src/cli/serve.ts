@@ -49,7 +49,7 @@ export function command(): Command {
       "auto",
     )
     .option("--chat-template <file>", "a Jinja chat template file in place of the model folder's");
-  registryOptions(routerOptions(cmd))
+  tierOptions(registryOptions(routerOptions(cmd)))
     .option("--scrub-on-free", "zero KV pages when they are freed", false)
     .option("--prefix-cache <on|off>", "keep a tenant-fenced prefix cache of full KV pages", "on")
     .option(
@@ -174,6 +174,24 @@ function routerOptions(cmd: Command): Command {
     .option(
       "--otlp-endpoint <url>",
       "export OpenTelemetry spans of each request's phases over OTLP/HTTP (JSON) to this receiver, e.g. http://127.0.0.1:4318 (default: off, no SDK loaded)",
+    );
+}
+
+/** The KV tiers below the prefix cache (docs/api.md, "KV tiers"). */
+function tierOptions(cmd: Command): Command {
+  return cmd
+    .option(
+      "--cache-ram <size>",
+      "KV tier in host memory below the prefix cache, e.g. 2GiB: evicted cached pages spill here and load back on a hit",
+    )
+    .option(
+      "--cache-disk <dir>",
+      "KV tier on disk below --cache-ram (with --cache-disk-size and --cache-disk-key); survives a restart",
+    )
+    .option("--cache-disk-size <size>", "bytes the --cache-disk tier may hold, e.g. 20GiB")
+    .option(
+      "--cache-disk-key <file>",
+      "the secret the disk tier's pages are sealed under (HMAC); made (0600, 32 random bytes) if absent; not inside --cache-disk",
     );
 }
 

@@ -743,6 +743,9 @@ export class DisaggregatedEngine implements EngineHandle {
                 promptTokens: pending.request.promptTokens,
                 cacheSalt: pending.request.cacheSalt ?? null,
                 cacheScope: pending.request.cacheScope ?? "",
+                ...(pending.request.cacheEpoch === undefined
+                  ? {}
+                  : { cacheEpoch: pending.request.cacheEpoch }),
               },
         ...(pending === undefined ? {} : { sampling: pending.sampling }),
         ...(trace === undefined ? {} : { trace }),

@@ -12,6 +12,7 @@ import { Engine } from "./engine.js";
 import type { KernelMemory, MemoryRegion } from "./engine-memory.js";
 import { ENGINE_DEFAULTS, type EngineLimits, layoutOf, servedConfig } from "./engine-sizing.js";
 import { createForward, type KernelsName } from "./forward-setup.js";
+import { openTiers, type TierConfig } from "./open-tiers.js";
 import { fromPortable, type PortableWeights } from "./portable-weights.js";
 
 /**
@@ -35,6 +36,8 @@ export interface EngineBuildOptions extends EngineLimits {
   readonly faults?: readonly string[];
   /** Keep a tenant-fenced prefix cache (requests the engine serves end to end). Default false. */
   readonly prefixCache?: boolean;
+  /** KV tiers below the pool (with `prefixCache`): `--cache-ram`, `--cache-disk` (docs/design.md §3b). */
+  readonly tiers?: TierConfig;
   readonly seed?: number;
   /** Record the per-phase histograms (default true; off only for the overhead benchmark's baseline). */
   readonly phaseMetrics?: boolean;
@@ -92,11 +95,18 @@ export async function buildEngine(options: EngineBuildOptions): Promise<Engine> 
     scrubOnFree: options.scrubOnFree ?? false,
     ...(options.memory === undefined || options.kernels === "ts" ? {} : { shared: options.memory }),
   });
-  return new Engine(forward, pools[0] as PagePool, {
+  const pool = pools[0] as PagePool;
+  const safety = makeSafety({ disabledGuards: options.disabledGuards ?? [], faults: options.faults ?? [] });
+  const tiers =
+    options.tiers === undefined || options.prefixCache !== true
+      ? undefined
+      : await openTiers(options.tiers, pool, config, safety);
+  return new Engine(forward, pool, {
     ...(options.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: options.maxPrefillTokens }),
     ...(options.maxModelLen === undefined ? {} : { maxModelLen: options.maxModelLen }),
-    safety: makeSafety({ disabledGuards: options.disabledGuards ?? [], faults: options.faults ?? [] }),
+    safety,
     prefixCache: options.prefixCache ?? false,
+    ...(tiers === undefined ? {} : { tiers }),
     ...(options.seed === undefined ? {} : { seed: options.seed }),
     ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
     ...(tokenizerPath === undefined ? {} : { grammar: grammarOf(tokenizerPath, config.vocabSize) }),

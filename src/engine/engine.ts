@@ -38,6 +38,7 @@
 
 import type { GrammarSource } from "../grammar/grammar-engine.js";
 import type { BlockTable } from "../kvcache/block-table.js";
+import type { KvTiers } from "../kvcache/kv-tiers.js";
 import { type OwnershipTable, PAGE_STATE_NAMES, PageState } from "../kvcache/ownership-table.js";
 import type { PagePool } from "../kvcache/page-pool.js";
 import type { WireError } from "../lib/errors.js";
@@ -60,6 +61,7 @@ import { promptRows, SamplingStep } from "./sampling-step.js";
 import { Scheduler } from "./scheduler.js";
 import { type PageOwnership, Sequence } from "./sequence.js";
 import { StepCost } from "./step-cost.js";
+import { poolPageView, TierPrefetch } from "./tier-prefetch.js";
 
 /** What the engine needs from the forward pass (`ForwardPass` implements it). */
 export interface StepModel {
@@ -90,6 +92,12 @@ export interface EngineOptions {
    * `--prefix-cache` is on by default and sets it).
    */
   readonly prefixCache?: boolean;
+  /**
+   * The KV tiers below the pool (docs/design.md §3b), with the prefix cache on: its evicted pages
+   * spill there, and a request whose prompt continues below the pool waits outside the scheduler
+   * while they load back (`TierPrefetch`).
+   */
+  readonly tiers?: KvTiers;
   /**
    * Where structured output's matchers come from — the engine's grammar thread
    * (src/grammar/grammar-thread.ts) — made on the first request with a constraint; absent: such
@@ -142,6 +150,9 @@ export class Engine {
   readonly #safety: Safety;
   /** The prefix cache of this engine's pool (local requests only), or null when off. */
   readonly #cache: PrefixCache | null;
+  /** Loads from the KV tiers (null without tiers), and the requests waiting for theirs, by rid. */
+  readonly #prefetch: TierPrefetch | null;
+  readonly #loading = new Map<number, Sequence>();
   /** What runs in each step: the requests, their pages and each step's batch. */
   readonly #scheduler: Scheduler;
   /** Each step's logits into tokens. */
@@ -217,8 +228,22 @@ export class Engine {
     this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
     this.#safety = options.safety ?? SAFE;
     this.#tagCheck = guardOn(this.#safety, "page-tags");
+    const tiers = options.tiers;
     this.#cache =
-      options.prefixCache === true ? new PrefixCache(pool.table, pool.pageSize, this.#safety) : null;
+      options.prefixCache !== true
+        ? null
+        : new PrefixCache(
+            pool.table,
+            pool.pageSize,
+            this.#safety,
+            tiers === undefined
+              ? undefined
+              : { stored: () => {}, evicting: (page) => tiers.spill(page, poolPageView(pool, page.page)) },
+          );
+    this.#prefetch =
+      this.#cache === null || tiers === undefined
+        ? null
+        : new TierPrefetch(this.#cache, tiers, pool, this.#safety);
     this.#scheduler = new Scheduler(pool, {
       maxBatchTokens: model.maxBatchTokens,
       maxPrefillTokens,
@@ -252,7 +277,7 @@ export class Engine {
 
   /** True while any request is waiting for its grammar, waiting or running. */
   get busy(): boolean {
-    return this.#scheduler.requests.size > 0 || this.#sampling.constraining > 0;
+    return this.#scheduler.requests.size > 0 || this.#sampling.constraining > 0 || this.#loading.size > 0;
   }
 
   /**
@@ -264,9 +289,43 @@ export class Engine {
     const seq = this.#admit(request, events);
     if (seq === null) return;
     this.#sampling.prepare(seq);
-    this.#sampling.constrain(seq, () => {
+    this.#sampling.constrain(seq, () => this.#afterLoads(seq));
+  }
+
+  /**
+   * Queues `seq` once the pages of its prompt that the KV tiers hold are back in the pool (at once
+   * when there are none): it waits outside the scheduler, so no step waits on a tier.
+   */
+  #afterLoads(seq: Sequence): void {
+    const enqueue = () => {
       if (!this.#scheduler.awaitFork(seq)) this.#scheduler.enqueue(seq);
+    };
+    const P = this.pool.pageSize;
+    const loads =
+      this.#prefetch === null || seq.cacheSalt === null || seq.promptEntries !== null
+        ? null
+        : this.#prefetch.prefetch({
+            salt: seq.cacheSalt,
+            tokens: seq.tokens.subarray(0, seq.promptLength),
+            maxPages: Math.floor((seq.promptLength - 1) / P),
+            tenant: seq.tenant,
+            cacheEpoch: seq.cacheEpoch,
+          });
+    if (loads === null) {
+      enqueue();
+      return;
+    }
+    this.#loading.set(seq.rid, seq);
+    void loads.then(() => {
+      if (this.#loading.get(seq.rid) !== seq) return; // aborted or failed meanwhile
+      this.#loading.delete(seq.rid);
+      enqueue();
     });
+  }
+
+  /** The KV tiers' loader, or null without tiers. */
+  get tierPrefetch(): TierPrefetch | null {
+    return this.#prefetch;
   }
 
   /** The door check, then the request's sequence (its seed drawn if it has none); null when refused. */
@@ -277,12 +336,14 @@ export class Engine {
       return null;
     }
     const seq = new Sequence(request, events, this.pool.pageSize, this.#sampling.seedOf(request));
+    seq.cacheEpoch = request.cacheEpoch ?? 0;
     if (this.#cache !== null)
       seq.cacheSalt = prefixCacheSalt(
         this.#safety,
         request.tenant,
         request.cacheSalt ?? null,
         request.cacheScope ?? "",
+        seq.cacheEpoch,
       );
     return seq;
   }
@@ -359,7 +420,7 @@ export class Engine {
   abort(rid: number): void {
     const seq = this.#scheduler.requests.get(rid);
     if (seq === undefined) {
-      if (this.#sampling.dropConstraining(rid)) this.#counters.aborts++;
+      if (this.#sampling.dropConstraining(rid) || this.#loading.delete(rid)) this.#counters.aborts++;
       return;
     }
     this.#counters.aborts++;
@@ -374,6 +435,8 @@ export class Engine {
   /** Ends every request with `error` (shutdown). */
   failAll(error: WireError): void {
     this.#sampling.failConstraining(error);
+    for (const seq of this.#loading.values()) seq.events.onError(error);
+    this.#loading.clear();
     for (const seq of [...this.#scheduler.requests.values()]) {
       this.#scheduler.end(seq);
       seq.events.onError(error);
@@ -421,8 +484,8 @@ export class Engine {
    */
   step(): boolean {
     const scheduler = this.#scheduler;
-    // Waiting only for grammars: the loop keeps turning until they are compiled.
-    if (scheduler.requests.size === 0) return this.#sampling.constraining > 0;
+    // Waiting only for grammars or tier loads: the loop keeps turning until they are done.
+    if (scheduler.requests.size === 0) return this.busy;
     scheduler.schedule();
     this.#stepDecodeTokens = 0;
     if (this.#checkBatch() > 0) {

@@ -82,6 +82,8 @@ export class Sequence {
   rowLogits: ((index: number, logits: Float32Array, offset: number) => void) | null = null;
   /** The salt of its prefix-cache keys (null: the cache is off for it). */
   cacheSalt: string | null = null;
+  /** The tenant's cache epoch (keys file `cache_epoch`): part of the salt and of each cached page. */
+  cacheEpoch = 0;
   /** Prompt tokens this attempt reused from the prefix cache. */
   cachedTokens = 0;
   /** Its output constraint's place in the grammar (structured output), or null: unconstrained. */

@@ -6,7 +6,7 @@ import { randomInt } from "node:crypto";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import { buildEngine } from "../engine/build-engine.js";
 import type { Engine } from "../engine/engine.js";
-import { layoutSignature } from "../kvcache/kv-layout.js";
+import { engineLayoutSignature } from "../engine/open-tiers.js";
 import { type ForwardedSpans, startForwardedTracing, startTracing } from "../lib/tracing.js";
 import type { FromNode, NodeHello } from "../links/node-messages.js";
 import type { ModelConfig } from "../model/model-config.js";
@@ -36,10 +36,7 @@ export type BuiltNode = Built<"prefill", PrefillNode> | Built<"decode", DecodeNo
 
 /** The layout signature both ends of a transfer compare: the model's shape and the page layout. */
 export function nodeLayoutSignature(engine: Engine, config: ModelConfig): string {
-  return layoutSignature(
-    engine.pool.layout,
-    `${config.architecture}-h${config.hiddenSize}-v${config.vocabSize}-l${config.numLayers}`,
-  );
+  return engineLayoutSignature(engine.pool, config);
 }
 
 /**
@@ -51,7 +48,9 @@ export async function buildNode(
   toRouter: (message: FromNode) => void,
   forwardSpans?: (spans: ForwardedSpans) => void,
 ): Promise<BuiltNode> {
-  const engine = await buildEngine(options.engine);
+  // The KV tiers sit below a prefill node's prefix cache (a decode node keeps none of its own here).
+  const { tiers: _tiers, ...decodeEngine } = options.engine;
+  const engine = await buildEngine(options.role === "prefill" ? options.engine : decodeEngine);
   // This node's spans (src/lib/tracing.ts): only with --otlp-endpoint are they recorded, and only
   // a node process loads the SDK.
   if (options.engine.otlpEndpoint !== undefined) {

@@ -118,6 +118,7 @@ export class PrefillNode {
             core.safety,
             core.pool.pageSize,
             (key) => this.#inputs.get(key)?.sampling.promptLogprobs !== undefined,
+            options.engine.tierPrefetch,
           );
     this.#context = {
       pool: core.pool,
@@ -222,7 +223,10 @@ export class PrefillNode {
         sampling: message.sampling ?? GREEDY_SAMPLING,
         ...(message.trace === undefined ? {} : { trace: message.trace }),
       });
-    this.#step(peer, { type: "message", msg });
+    // Pages of the prompt below the pool (KV tiers) load first; the machine sees the request after.
+    const loads = this.#prefix?.prefetch(msg) ?? null;
+    if (loads === null) this.#step(peer, { type: "message", msg });
+    else void loads.then(() => this.#step(peer, { type: "message", msg }));
   }
 
   /**

@@ -6,7 +6,12 @@
  * the first source pages, and after the compute the attempt's full pages are offered to the cache.
  * Decode still receives every page of the request, so the transfer, its checksums, coverage and
  * page tags are unchanged; only the prefill compute shrinks to the uncached suffix.
+ *
+ * With KV tiers (`--cache-ram`, `--cache-disk`, docs/design.md §3b), `prefetch` loads the pages of a
+ * prompt that the tiers hold back into the cache first; the node feeds the `prefill` message to its
+ * machine only when they have settled, so the machine's lookup hits them and no step waits on a tier.
  */
+import type { TierPrefetch } from "../engine/tier-prefetch.js";
 import { BlockTable } from "../kvcache/block-table.js";
 import type { PrefillAttempt, PrefillPrefixCache } from "../protocol/prefill-machine.js";
 import type { PrefixCache } from "../protocol/prefix-cache.js";
@@ -18,6 +23,7 @@ import { attemptKey, type PrefillRequest } from "../protocol/wire.js";
 interface CacheInput {
   readonly tokens: Int32Array;
   readonly salt: string;
+  readonly cacheEpoch: number;
 }
 
 export class PrefillPrefix implements PrefillPrefixCache {
@@ -29,18 +35,56 @@ export class PrefillPrefix implements PrefillPrefixCache {
   /** Whether an attempt computes its whole prompt (it asked for the prompt's log-probabilities). */
   readonly #wholePrompt: (key: string) => boolean;
 
-  constructor(cache: PrefixCache, safety: Safety, pageSize: number, wholePrompt: (key: string) => boolean) {
+  /** The KV tiers' loader (null without tiers). */
+  readonly #tiers: TierPrefetch | null;
+
+  constructor(
+    cache: PrefixCache,
+    safety: Safety,
+    pageSize: number,
+    wholePrompt: (key: string) => boolean,
+    tiers: TierPrefetch | null = null,
+  ) {
     this.#cache = cache;
     this.#safety = safety;
     this.#pageSize = pageSize;
     this.#wholePrompt = wholePrompt;
+    this.#tiers = tiers;
+  }
+
+  /**
+   * Loads the pages of `msg`'s prompt that the KV tiers hold (after the pool's run) back into the
+   * cache; null when there are none (feed the message now), else settles when they are in (or at
+   * the deadline).
+   */
+  prefetch(msg: PrefillRequest): Promise<void> | null {
+    const tokens = msg.promptTokens;
+    if (this.#tiers === null || tokens === undefined || tokens.length !== msg.promptLen) return null;
+    if (this.#wholePrompt(attemptKey(msg.rid, msg.epoch))) return null;
+    return this.#tiers.prefetch({
+      salt: this.#saltOf(msg),
+      tokens,
+      maxPages: Math.floor((msg.promptLen - 1) / this.#pageSize),
+      tenant: msg.tenant,
+      cacheEpoch: msg.cacheEpoch ?? 0,
+    });
+  }
+
+  #saltOf(msg: PrefillRequest): string {
+    return prefixCacheSalt(
+      this.#safety,
+      msg.tenant,
+      msg.cacheSalt ?? null,
+      msg.cacheScope ?? "",
+      msg.cacheEpoch ?? 0,
+    );
   }
 
   lookup(msg: PrefillRequest, maxPages: number): { pages: number[]; generations: number[] } {
     const tokens = msg.promptTokens ?? new Int32Array(0);
-    const salt = prefixCacheSalt(this.#safety, msg.tenant, msg.cacheSalt ?? null, msg.cacheScope ?? "");
+    const salt = this.#saltOf(msg);
     const key = attemptKey(msg.rid, msg.epoch);
-    this.#inputs.set(key, { tokens, salt });
+    this.#inputs.set(key, { tokens, salt, cacheEpoch: msg.cacheEpoch ?? 0 });
     const table = new BlockTable(Math.max(1, maxPages));
     // A prompt whose log-probabilities were asked is computed whole (a hit would skip its rows).
     if (tokens.length === msg.promptLen && !this.#wholePrompt(key))
@@ -58,7 +102,12 @@ export class PrefillPrefix implements PrefillPrefixCache {
     if (input === undefined || input.tokens.length !== a.promptLen) return;
     const table = new BlockTable(a.pages.length);
     for (let i = 0; i < a.pages.length; i++) table.push(a.pages[i]!, a.generations[i]!, a.shared[i] === 1);
-    this.#cache.insert(input.salt, input.tokens, Math.floor(a.promptLen / this.#pageSize), table, a);
+    this.#cache.insert(input.salt, input.tokens, Math.floor(a.promptLen / this.#pageSize), table, {
+      rid: a.rid,
+      epoch: a.epoch,
+      tenant: a.tenant,
+      cacheEpoch: input.cacheEpoch,
+    });
     for (let i = 0; i < a.pages.length; i++) a.shared[i] = table.shared[i]!;
   }
 

@@ -54,6 +54,11 @@ export interface GenerationRequest {
    * key's; absent or "": the tenant's).
    */
   readonly cacheScope?: string;
+  /**
+   * The tenant's cache epoch (keys file `cache_epoch`; absent: 0): part of the prefix-cache salt,
+   * so raising it retires every page cached before, in the pool and in the KV tiers.
+   */
+  readonly cacheEpoch?: number;
 }
 
 /** Token counts of a finished request. */

@@ -19,6 +19,8 @@
  * - `observer` (optional) hears of each page the cache gains (`stored`) and of each page it is about
  *   to free (`evicting`, called while the page still holds the entry's KV): the KV tiers spill from
  *   it (docs/design.md §3b) and the node publishes its cache events to the routers from it.
+ * - `promote` brings a page loaded back from a KV tier (verified there) into the pool as an
+ *   unreferenced cached entry under its parent: a later `lookup` hits it like any other.
  *
  * The read guard (page tags) is not here: `OwnershipTable.checkStep` accepts a shared page only
  * for a request of its tenant whose block table holds the reference (`checkShared`). Sans-IO: plain
@@ -52,7 +54,23 @@ export interface CachedPage {
   readonly generation: number;
   /** 0 for a chain's first page. */
   readonly depth: number;
+  /** The tenant's cache epoch the page was computed under (keys file `cache_epoch`). */
+  readonly cacheEpoch: number;
 }
+
+/** A page a KV tier loaded back, to become a cache entry (`PrefixCache.promote`). */
+export interface PromotedPage {
+  readonly key: string;
+  readonly parentKey: string;
+  readonly tenant: number;
+  readonly tokens: Int32Array;
+  readonly cacheEpoch: number;
+  /** 0 for a chain's first page (its parent is the root key); else its parent must be cached. */
+  readonly depth: number;
+}
+
+/** The lease holder of a page being promoted (never a request's rid: rids stay below it). */
+export const PROMOTE_RID = 0xfffffffe;
 
 /** Hears what a `PrefixCache` gains and loses; called synchronously, inside the cache's own calls. */
 export interface PrefixCacheObserver {
@@ -73,6 +91,7 @@ interface Entry {
   readonly tokens: Int32Array;
   readonly parent: Entry | null;
   readonly depth: number;
+  readonly cacheEpoch: number;
   children: number;
   lastUse: number;
 }
@@ -101,6 +120,10 @@ export class PrefixCache {
   readonly #byPage: (Entry | undefined)[];
   #nextId = 1;
   #clock = 0;
+  /** The epoch of the next promotion's lease (`PROMOTE_RID`). */
+  #promotions = 0;
+  readonly #promotePage = new Int32Array(1);
+  readonly #promoteGeneration = new Uint32Array(1);
   readonly counters: PrefixCacheCounters = { hits: 0, misses: 0, hitTokens: 0, evictions: 0, collisions: 0 };
 
   constructor(table: OwnershipTable, pageSize: number, safety: Safety, observer?: PrefixCacheObserver) {
@@ -182,7 +205,12 @@ export class PrefixCache {
     tokens: Int32Array,
     fullPages: number,
     blockTable: CacheBlockTable,
-    owner: { readonly rid: number; readonly epoch: number; readonly tenant: number },
+    owner: {
+      readonly rid: number;
+      readonly epoch: number;
+      readonly tenant: number;
+      readonly cacheEpoch?: number;
+    },
   ): void {
     const P = this.#pageSize;
     let parentKey = prefixRootKey(salt);
@@ -222,16 +250,72 @@ export class PrefixCache {
         tokens: Int32Array.from(block),
         parent,
         depth: parent === null ? 0 : parent.depth + 1,
+        cacheEpoch: owner.cacheEpoch ?? 0,
         children: 0,
         lastUse: use,
       };
-      if (parent !== null) parent.children++;
-      this.#byKey.set(key, entry);
-      this.#byPage[page] = entry;
-      this.#observer?.stored(entry);
+      this.#add(entry);
       parentKey = key;
       parent = entry;
     }
+  }
+
+  /** True when `key` is cached in the pool. */
+  holds(key: string): boolean {
+    return this.#byKey.has(key);
+  }
+
+  /**
+   * Makes `loaded` a cache entry: a free page (evicting the least recently used if none is) is
+   * leased to `PROMOTE_RID`, filled by `write(page)` with the page's verified KV, stamped, marked
+   * READY and handed to the cache with no reference. True when it is cached (now or already); false
+   * when its parent is not (a chain never has a gap) or no page can be had.
+   */
+  promote(loaded: PromotedPage, write: (page: number) => void): boolean {
+    if (this.#byKey.has(loaded.key)) return true;
+    const parent = loaded.depth === 0 ? null : (this.#byKey.get(loaded.parentKey) ?? null);
+    if (loaded.depth > 0 && (parent === null || parent.depth !== loaded.depth - 1)) return false;
+    const use = ++this.#clock;
+    if (parent !== null) parent.lastUse = use; // never this promotion's victim
+    const table = this.#table;
+    const rid = PROMOTE_RID;
+    const epoch = this.#promotions++ >>> 0;
+    const pages = this.#promotePage;
+    const generations = this.#promoteGeneration;
+    if (!table.allocate(1, rid, epoch, loaded.tenant, pages, generations)) {
+      if (this.evict(1) === 0 || !table.allocate(1, rid, epoch, loaded.tenant, pages, generations))
+        return false;
+      if (parent !== null && this.#byKey.get(parent.key) !== parent) {
+        table.free(pages[0]!, generations[0]!, rid, epoch);
+        return false;
+      }
+    }
+    const page = pages[0]!;
+    const generation = generations[0]!;
+    const P = this.#pageSize;
+    write(page);
+    table.stampWriter(page, rid, epoch, P);
+    const id = this.#nextId++;
+    if (!table.markReady(page, generation, rid, epoch) || !table.share(page, generation, rid, epoch, id, P)) {
+      table.free(page, generation, rid, epoch);
+      return false;
+    }
+    table.unref(page, generation);
+    this.#add({
+      id,
+      key: loaded.key,
+      parentKey: loaded.parentKey,
+      page,
+      generation,
+      tenant: loaded.tenant,
+      tokens: Int32Array.from(loaded.tokens),
+      parent,
+      depth: loaded.depth,
+      cacheEpoch: loaded.cacheEpoch,
+      children: 0,
+      lastUse: use,
+    });
+    return true;
   }
 
   /**
@@ -280,6 +364,13 @@ export class PrefixCache {
         best = e;
     }
     return best;
+  }
+
+  #add(entry: Entry): void {
+    if (entry.parent !== null) entry.parent.children++;
+    this.#byKey.set(entry.key, entry);
+    this.#byPage[entry.page] = entry;
+    this.#observer?.stored(entry);
   }
 
   #remove(entry: Entry): void {

@@ -21,18 +21,21 @@ import { faultOn, guardOn, type Safety } from "./safety.js";
 export const COLLISION_KEY_BITS = 2;
 
 /**
- * The salt that seeds a request's block-hash chain: the authenticated tenant, then the server's
- * narrower namespace (`scope`: the API key's in the `key` scope, "" in the `tenant` scope), then
- * the client's `cache_salt`.
+ * The salt that seeds a request's block-hash chain: the authenticated tenant and its cache epoch
+ * (keys file `cache_epoch`; 0 adds nothing, so keys of before epochs existed stay valid), then the
+ * server's narrower namespace (`scope`: the API key's in the `key` scope, "" in the `tenant`
+ * scope), then the client's `cache_salt`.
  */
 export function prefixCacheSalt(
   safety: Safety,
   tenant: number,
   clientSalt: string | null,
   scope = "",
+  cacheEpoch = 0,
 ): string {
   if (guardOn(safety, "tenant-salt")) {
-    const server = scope === "" ? `tenant:${tenant}` : `tenant:${tenant}|${scope}`;
+    const owner = cacheEpoch === 0 ? `tenant:${tenant}` : `tenant:${tenant}|epoch:${cacheEpoch}`;
+    const server = scope === "" ? owner : `${owner}|${scope}`;
     return clientSalt === null ? server : `${server}|client:${clientSalt}`;
   }
   if (faultOn(safety, "shared-prefix")) return clientSalt ?? "";

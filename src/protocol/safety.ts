@@ -44,6 +44,12 @@ export const GUARD_NAMES = [
   "prefix-tokens",
   // The router's KV index is per tenant namespace (src/cluster/kv-index.ts).
   "route-namespace",
+  // The KV tiers (docs/design.md §3b): a page loaded back is refused unless its MAC verifies, it is
+  // the page looked up (owner) under the tenant's current cache epoch; a spill copies the page at once.
+  "tier-mac",
+  "tier-owner",
+  "tier-epoch",
+  "tier-spill-copy",
 ] as const;
 export type GuardName = (typeof GUARD_NAMES)[number];
 

@@ -80,6 +80,8 @@ export interface PrefillRequest {
   /** The client's `cache_salt` and the server's namespace within the tenant (the prefix cache). */
   readonly cacheSalt?: string | null;
   readonly cacheScope?: string;
+  /** The tenant's cache epoch (keys file `cache_epoch`; absent: 0): part of the salt (KV tiers, #35). */
+  readonly cacheEpoch?: number;
   readonly lease: TransferLease;
 }
 

@@ -107,3 +107,24 @@ test("TenantDirectory refuses bad limits and keys of one tenant that disagree", 
     /line 1 must be "key tenant"/,
   );
 });
+
+test("TenantDirectory reads a tenant's cache_epoch from JSON and lines, and refuses keys that disagree", () => {
+  const json = TenantDirectory.parse(
+    '{"sk-alpha-123": {"tenant": "alice", "cache_epoch": 2}, "sk-alpha-999": "alice", "sk-beta-4567": "bob"}',
+    "keys.json",
+  );
+  assert.equal(json.authenticate("Bearer sk-alpha-999")?.cacheEpoch, 2);
+  assert.equal(json.authenticate("Bearer sk-beta-4567")?.cacheEpoch, undefined);
+  const lines = TenantDirectory.parse("sk-alpha-123 alice cache_epoch=3 max_pages=10", "keys.txt");
+  assert.equal(lines.authenticate("Bearer sk-alpha-123")?.cacheEpoch, 3);
+  assert.equal(lines.limits.get(0)?.maxPages, 10);
+  assert.throws(
+    () =>
+      TenantDirectory.parse("sk-alpha-123 alice cache_epoch=1\nsk-alpha-999 alice cache_epoch=2", "keys.txt"),
+    /set different cache_epoch: 1 and 2; give the tenant's cache_epoch once/,
+  );
+  assert.throws(
+    () => TenantDirectory.parse('{"sk-alpha-123": {"tenant": "a", "cache_epoch": -1}}', "keys.json"),
+    /cache_epoch must be an integer from 0 to 2147483647: -1/,
+  );
+});

@@ -9,6 +9,10 @@
  * "weight": 2}}`, in lines as `key tenant max_concurrency=4 max_pages=2000`. Every field is
  * optional (the server's flags hold for the rest; 0: no cap); keys of one tenant must not disagree.
  *
+ * A key may also set its tenant's `cache_epoch` (an integer, default 0; `cache_epoch=N` in lines):
+ * part of the tenant's prefix-cache salt, so raising it retires every page cached for the tenant
+ * before, in the pool and in the KV tiers (docs/design.md §3b).
+ *
  * Keys are compared in constant time over their SHA-256 digests, so the time to reject a key does
  * not reveal how much of it matched.
  */
@@ -21,6 +25,8 @@ export interface Tenant {
   /** Index used on the engine side (page tags, metrics labels stay by name). */
   readonly index: number;
   readonly name: string;
+  /** The keys file's `cache_epoch` (absent: 0). */
+  readonly cacheEpoch?: number;
 }
 
 export const ANONYMOUS_TENANT: Tenant = Object.freeze({ index: 0, name: "anonymous" });
@@ -42,6 +48,7 @@ export interface KeyEntry {
   readonly key: string;
   readonly tenant: string;
   readonly limits?: TenantOverrides;
+  readonly cacheEpoch?: number;
 }
 
 function digest(key: string): Buffer {
@@ -61,10 +68,18 @@ export class TenantDirectory {
     const byName = new Map<string, Tenant>();
     const entries: Array<{ digest: Buffer; tenant: Tenant }> = [];
     const limits = new Map<number, TenantOverrides>();
+    const epochs = new Map<string, number>();
+    for (const k of keys)
+      if (k.cacheEpoch !== undefined && k.cacheEpoch !== 0) epochs.set(k.tenant, k.cacheEpoch);
     for (const { key, tenant: name, limits: set } of keys) {
       let tenant = byName.get(name);
       if (tenant === undefined) {
-        tenant = Object.freeze({ index: byName.size, name });
+        const cacheEpoch = epochs.get(name);
+        tenant = Object.freeze({
+          index: byName.size,
+          name,
+          ...(cacheEpoch === undefined ? {} : { cacheEpoch }),
+        });
         byName.set(name, tenant);
       }
       entries.push({ digest: digest(key), tenant });
@@ -118,7 +133,8 @@ export class TenantDirectory {
   static fromEntries(keys: readonly KeyEntry[], source = "API keys"): TenantDirectory {
     const seen = new Set<string>();
     const limitsOf = new Map<string, { key: string; limits: TenantOverrides }>();
-    for (const { key, tenant: name, limits } of keys) {
+    const epochOf = new Map<string, { key: string; cacheEpoch: number }>();
+    for (const { key, tenant: name, limits, cacheEpoch } of keys) {
       if (key.length < 8 || /\s/.test(key)) {
         throw new KvfenceError(
           "config_invalid",
@@ -134,6 +150,15 @@ export class TenantDirectory {
       if (seen.has(key))
         throw new KvfenceError("config_invalid", `${source}: duplicate API key: ${mask(key)}`);
       seen.add(key);
+      if (cacheEpoch !== undefined) {
+        const other = epochOf.get(name);
+        if (other !== undefined && other.cacheEpoch !== cacheEpoch)
+          throw new KvfenceError(
+            "config_invalid",
+            `${source}: keys ${mask(other.key)} and ${mask(key)} of tenant ${name} set different cache_epoch: ${other.cacheEpoch} and ${cacheEpoch}; give the tenant's cache_epoch once`,
+          );
+        epochOf.set(name, { key, cacheEpoch });
+      }
       if (limits === undefined) continue;
       const other = limitsOf.get(name);
       if (other !== undefined) {
@@ -181,7 +206,7 @@ export class TenantDirectory {
             `${source}: tenant for key ${mask(key)} ${shape}: "tenant" is ${JSON.stringify(tenant)}`,
           );
         }
-        keys.push({ key, tenant, limits: parseLimits(rest, `${source}: key ${mask(key)}`) });
+        keys.push({ key, tenant, ...limitsAndEpoch(rest, `${source}: key ${mask(key)}`) });
       }
       return TenantDirectory.fromEntries(keys, source);
     }
@@ -209,7 +234,7 @@ export class TenantDirectory {
       keys.push({
         key: parts[0]!,
         tenant: parts[1]!,
-        ...(extra.length === 0 ? {} : { limits: parseLimits(fields, `${source}: line ${i + 1}`) }),
+        ...(extra.length === 0 ? {} : limitsAndEpoch(fields, `${source}: line ${i + 1}`)),
       });
     }
     return TenantDirectory.fromEntries(keys, source);
@@ -256,6 +281,26 @@ export class TenantDirectory {
     }
     return text === null ? TenantDirectory.anonymous() : TenantDirectory.parse(text, source);
   }
+}
+
+/** A key's fields: its tenant's `cache_epoch` (an integer from 0), and the fair-share ones. */
+function limitsAndEpoch(
+  fields: Record<string, unknown>,
+  where: string,
+): { limits?: TenantOverrides; cacheEpoch?: number } {
+  const { cache_epoch: epoch, ...rest } = fields;
+  if (
+    epoch !== undefined &&
+    (typeof epoch !== "number" || !Number.isInteger(epoch) || epoch < 0 || epoch > 0x7fff_ffff)
+  )
+    throw new KvfenceError(
+      "config_invalid",
+      `${where}: cache_epoch must be an integer from 0 to ${0x7fff_ffff}: ${JSON.stringify(epoch)}`,
+    );
+  return {
+    ...(Object.keys(rest).length === 0 && epoch !== undefined ? {} : { limits: parseLimits(rest, where) }),
+    ...(epoch === undefined ? {} : { cacheEpoch: epoch as number }),
+  };
 }
 
 /** The fair-share fields of one key: integers from 0 (0: no cap), a weight from 1 to 100. */

@@ -147,6 +147,7 @@ export class GenerateHandler {
       trace: span === undefined ? { requestId } : { requestId, traceparent: span.traceparent },
       cacheSalt: parsed.cacheSalt,
       cacheScope: this.#prefixCacheScope === "key" && ctx.keyIndex >= 0 ? `key:${ctx.keyIndex}` : "",
+      ...(ctx.tenant!.cacheEpoch === undefined ? {} : { cacheEpoch: ctx.tenant!.cacheEpoch }),
     };
     return this.#reply(ctx, kind, parsed, planChoices(base, admitted, parsed, this.#rids), span);
   }

@@ -180,6 +180,10 @@ export const serveConfigSchema = z
       .optional(),
     prefixCache: z.enum(["on", "off"]).default("on"),
     prefixCacheScope: z.enum(["tenant", "key"]).default("tenant"),
+    cacheRam: byteSizeText.optional(),
+    cacheDisk: z.string().min(1).optional(),
+    cacheDiskSize: byteSizeText.optional(),
+    cacheDiskKey: z.string().min(1).optional(),
     scrubOnFree: z.boolean(),
     disaggregation: z.boolean(),
     role: z.enum(["all", "router", "prefill", "decode"]).default("all"),
@@ -248,6 +252,21 @@ export const serveConfigSchema = z
   .refine((c) => (c.httpsCert === undefined) === (c.httpsKey === undefined), {
     message: "give --https-cert and --https-key together (docs/tls.md)",
     path: ["httpsCert"],
+  })
+  .refine(
+    (c) =>
+      c.cacheDisk === undefined
+        ? c.cacheDiskSize === undefined && c.cacheDiskKey === undefined
+        : c.cacheDiskSize !== undefined && c.cacheDiskKey !== undefined,
+    {
+      message: "give --cache-disk, --cache-disk-size and --cache-disk-key together (docs/api.md, KV tiers)",
+      path: ["cacheDisk"],
+    },
+  )
+  .refine((c) => c.prefixCache === "on" || (c.cacheRam === undefined && c.cacheDisk === undefined), {
+    message:
+      "--cache-ram and --cache-disk hold the prefix cache's evicted pages: they need --prefix-cache on",
+    path: ["cacheRam"],
   });
 
 export type ServeConfig = Readonly<z.infer<typeof serveConfigSchema>>;
@@ -286,6 +305,10 @@ const FLAG: Record<string, string> = {
   otlpEndpoint: "--otlp-endpoint",
   prefixCache: "--prefix-cache",
   prefixCacheScope: "--prefix-cache-scope",
+  cacheRam: "--cache-ram",
+  cacheDisk: "--cache-disk",
+  cacheDiskSize: "--cache-disk-size",
+  cacheDiskKey: "--cache-disk-key",
   logLevel: "--log-level",
   role: "--role",
   prefill: "--prefill",

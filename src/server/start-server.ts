@@ -517,6 +517,7 @@ function engineOptionsOf(
     ...(config.phaseMetrics ? {} : { phaseMetrics: false }),
     ...(config.otlpEndpoint === undefined ? {} : { otlpEndpoint: config.otlpEndpoint }),
     prefixCache: config.prefixCache === "on",
+    ...tierOptionsOf(config),
     ...(config.unsafeFault.length === 0 ? {} : { faults: config.unsafeFault }),
     ...(config.maxPrefillTokens === undefined ? {} : { maxPrefillTokens: config.maxPrefillTokens }),
     ...(config.maxNumSeqs === undefined ? {} : { maxSequences: config.maxNumSeqs }),
@@ -524,6 +525,21 @@ function engineOptionsOf(
     ...(config.unsafeDisableGuard.length === 0 ? {} : { disabledGuards: config.unsafeDisableGuard }),
     // A router runs no engine: its --kernels (auto unresolved) is its nodes' business.
     ...(config.role === "router" ? {} : kernelOptions(config)),
+  };
+}
+
+/** `--cache-ram`, `--cache-disk …`: the KV tiers of the engine (or the prefill node) of this process. */
+function tierOptionsOf(config: ServeConfig): Pick<ServeEngineOptions["engine"], "tiers"> {
+  if (config.cacheRam === undefined && config.cacheDisk === undefined) return {};
+  return {
+    tiers: {
+      ramBytes: config.cacheRam ?? 0,
+      ...(config.cacheDisk === undefined
+        ? {}
+        : {
+            disk: { dir: config.cacheDisk, maxBytes: config.cacheDiskSize!, keyFile: config.cacheDiskKey! },
+          }),
+    },
   };
 }
 

@@ -558,6 +558,20 @@ const TOPOLOGY_LABEL = {
   single: "one engine",
 } as const;
 
+/** The KV tier guards' cells, run at the tier and engine level (their tests), rendered after the matrix. */
+const TIER_CELLS: readonly string[] = [
+  "## KV tier cells (docs/design.md \u00a73b)",
+  "",
+  "Each tier guard runs with the guard on and off in `node --test dist/src/kvcache/kv-tiers.test.js` and `dist/src/engine/tier-prefetch.test.js` (real files, a real engine); the end-to-end hits are `dist/src/topology/kv-tiers.e2e.test.js`.",
+  "",
+  "| cell | guard | guard on | guard off (the bug) |",
+  "|---|---|---|---|",
+  "| a page corrupted on disk (one byte flipped in the record file) | `tier-mac` | load refused, `rejected.mac` +1, the file deleted | the corrupt bytes load |",
+  "| another tenant's valid record planted under this key's file name | `tier-owner` | load refused, `rejected.owner` +1 | tenant 2's KV served to tenant 1 |",
+  "| a record from before the tenant's `cache_epoch` rotation | `tier-epoch` | load refused, `rejected.epoch` +1, the record dropped | the retired page served |",
+  "| spill racing a hit: the pool page read after it was freed and reused | `tier-spill-copy` | every spilled page holds turn 1's KV | every spilled page holds the next request's KV, under turn 1's keys with a valid MAC |",
+];
+
 /** The matrix as Markdown (docs/fault-matrix.md). */
 export function renderMatrix(cells: readonly CellOutcome[], command: string, when: string): string {
   const lines = [
@@ -588,6 +602,6 @@ export function renderMatrix(cells: readonly CellOutcome[], command: string, whe
   }
   lines.push("", "## Faults not run end to end here", "");
   for (const [fault, why] of Object.entries(NOT_IN_MATRIX)) lines.push(`- \`${fault}\`: ${why}.`);
-  lines.push("");
+  lines.push("", ...TIER_CELLS, "");
   return lines.join("\n");
 }

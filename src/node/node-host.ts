@@ -78,6 +78,10 @@ export async function buildNode(
   // What the node's caches hold, published to every router (src/node/cache-events.ts).
   const cacheEvents = engine.prefixCache === null ? null : new CacheEventPublisher(toRouter);
   if (cacheEvents !== null) engine.prefixCache!.observe(cacheEvents);
+  // The KV tiers' pages too (docs/design.md §3b): what they store and drop, per tier.
+  engine.tierPrefetch?.tiers.onTierChange((tenant, keys, tier, change) => {
+    for (const key of keys) cacheEvents?.record(tenant, key, tier, change === "stored");
+  });
   const parts = { engine, hello, layoutSignature: signature, cacheEvents };
   const nodeOptions = { engine, layoutSignature: signature, safety, incarnation, toRouter };
   return options.role === "prefill"

@@ -15,7 +15,7 @@ import { after, describe, test } from "node:test";
 import { setTimeout as sleep } from "node:timers/promises";
 import OpenAI from "openai";
 import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
-import { modelDir } from "../../testing/start-server.js";
+import { modelDir, scrape, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
 
 const MODEL = "kvfence-tiny";
 const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
@@ -94,12 +94,18 @@ describe("KV tiers on a prefill node process (TCP cluster)", { timeout: 240_000 
 
   async function routerOver(prefill: ServeProcess, decode: ServeProcess): Promise<ServeProcess> {
     const router = await spawnServe(
-      ["--role", "router", "--port", "0", "--model", modelDir(MODEL), "--max-model-len", "512"].concat([
-        "--prefill",
-        prefill.url,
-        "--decode",
-        decode.url,
-      ]),
+      [
+        "--role",
+        "router",
+        "--port",
+        "0",
+        "--model",
+        modelDir(MODEL),
+        "--max-model-len",
+        "512",
+        "--operator-key",
+        TEST_OPERATOR_KEY,
+      ].concat(["--prefill", prefill.url, "--decode", decode.url]),
       { env },
     );
     processes.push(router);
@@ -114,6 +120,11 @@ describe("KV tiers on a prefill node process (TCP cluster)", { timeout: 240_000 
     const router = await routerOver(prefill, decode);
     const { cached } = await evictedConversation(router.url, "ram");
     assert.ok(cached >= 10 * 16, `turn 2 hit its first turn's pages from RAM: cached_tokens ${cached}`);
+    // The router's KV index heard of the spill (the tiers' changes go out as cache events): turn 2,
+    // whose pages had left the pool, was routed by the pages in host memory.
+    const decisions = await scrape(router.url);
+    const hits = decisions.get('kvfence_routing_decisions_total{reason="cache_hit"}') ?? 0;
+    assert.equal(hits, 1, "turn 2 (and only it) was routed by the pages the node holds in RAM");
   });
 
   test("from --cache-disk alone, and again after the prefill node restarts on the same directory and key", async (t) => {

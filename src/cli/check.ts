@@ -6,6 +6,7 @@ import {
   type CheckOptions,
   type CheckReport,
   counterexampleToDot,
+  DECODE_CACHE_BOUND,
   DEFAULT_BOUND,
   DEFAULT_SUITE,
   formatReport,
@@ -30,6 +31,7 @@ interface CheckCliOptions {
   transport?: "shm" | "tcp";
   reorder?: boolean;
   routers?: number;
+  decodeCache?: boolean;
   maxStates?: number;
   maxDepth?: number;
   dot?: string;
@@ -100,6 +102,10 @@ export function command(): Command {
       nonNegativeInt,
     )
     .option(
+      "--decode-cache",
+      "decode keeps a prefix cache (decode-side reuse): a conversation's two turns and another tenant's copy of the second",
+    )
+    .option(
       "--max-states <n>",
       `stop after this many states (default ${DEFAULT_BOUND.maxStates})`,
       nonNegativeInt,
@@ -125,6 +131,7 @@ function boundOf(opts: CheckCliOptions): CheckOptions {
   };
   const given = Object.fromEntries(Object.entries(numbers).filter(([, v]) => v !== undefined));
   return {
+    ...(opts.decodeCache === true ? DECODE_CACHE_BOUND : {}),
     ...given,
     ...(opts.aborts ? {} : { clientAborts: false }),
     ...(opts.timeouts === true ? { timeouts: true } : {}),

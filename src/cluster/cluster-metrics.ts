@@ -110,6 +110,11 @@ const TRANSFER_COUNTERS = [
     total: "pages",
   },
   {
+    name: "kvfence_transfer_pages_reused_total",
+    help: "Prompt pages decode held in its own prefix cache instead of receiving them (decode-side reuse)",
+    total: "pagesReused",
+  },
+  {
     name: "kvfence_transfer_checksum_failures_total",
     help: "Transfers refused at commit: a page checksum differed",
     total: "checksumFailures",

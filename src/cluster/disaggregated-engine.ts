@@ -752,13 +752,14 @@ export class DisaggregatedEngine implements EngineHandle {
       };
     } else if (msg.type === "reserve" && pending !== undefined) {
       const sampling = pending.sampling;
-      // Decode's sampling reads the prompt's ids only for a repetition penalty.
-      const readsPrompt = (sampling.controls?.repetitionPenalty ?? 1) !== 1;
       pending.reserveSentAt = performance.now();
+      // Decode looks the prompt up in its prefix cache (decode-side reuse) under the same salt
+      // inputs as prefill; its sampling reads the ids for a repetition penalty.
+      const { promptTokens, cacheSalt, cacheScope } = pending.request;
       message = {
         kind: "protocol",
         prefill: pair.prefill.id,
-        msg: readsPrompt ? { ...msg, promptTokens: pending.request.promptTokens } : msg,
+        msg: { ...msg, promptTokens, cacheSalt: cacheSalt ?? null, cacheScope: cacheScope ?? "" },
         sampling,
         ...(trace === undefined ? {} : { trace }),
       };

@@ -113,6 +113,8 @@ export interface NodeStats {
     readonly coverageFailures: number;
     readonly droppedStaleWrites: number;
     readonly droppedMisaddressedWrites: number;
+    /** Decode: prompt pages it held in its prefix cache instead of receiving them (decode-side reuse). */
+    readonly pagesReused?: number;
   };
   /**
    * Page checksums off the transfer's critical path: pages hashed at production (prefill) or as

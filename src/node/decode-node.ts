@@ -54,6 +54,7 @@ import { GREEDY_SAMPLING, type SamplingParams } from "../protocol/sampling-param
 import { attemptKey, type ControlMessage, type FirstLogprobs } from "../protocol/wire.js";
 import type { TransferMetrics } from "../transfer/transfer-metrics.js";
 import type { TransferHandlers } from "../transfer/transport.js";
+import { DecodeNodePrefix, recordToken } from "./decode-prefix.js";
 import { addTransfer, NodeCore, type NodeOptions } from "./node-core.js";
 
 /** What the router sent for an attempt that its engine request needs. */
@@ -148,6 +149,8 @@ export class DecodeNode {
   #ackSeconds: number[] = [];
   /** Quarantine release timers (only with the quarantine guard off), by attempt key. */
   readonly #quarantineTimers = new Map<string, NodeJS.Timeout>();
+  /** Decode-side reuse (the engine's prefix cache on): each attempt's tokens, for the machine's cache. */
+  readonly #prefix: DecodeNodePrefix | null;
 
   constructor(options: DecodeNodeOptions) {
     this.#core = new NodeCore(options);
@@ -155,7 +158,9 @@ export class DecodeNode {
     this.#engine = options.engine;
     this.#safety = options.safety;
     const core = this.#core;
-    this.#context = decodeContext(core.pool, core.config, core.safety, this.#out);
+    const cache = options.engine.prefixCache;
+    this.#prefix = cache === null ? null : new DecodeNodePrefix(cache, core.safety);
+    this.#context = decodeContext(core.pool, core.config, core.safety, this.#out, this.#prefix?.prefix);
   }
 
   /**
@@ -290,6 +295,7 @@ export class DecodeNode {
         sampling: message.sampling ?? GREEDY_SAMPLING,
         prompt: msg.promptTokens,
       });
+      this.#prefix?.reserve(msg);
       // n > 1 as one group: its later samples decode with their own seeds once the commit forks them.
       if (msg.samples !== undefined && msg.samples.length > 0)
         this.#groups.set(attemptKey(msg.rid, msg.epoch), msg.samples);
@@ -327,7 +333,13 @@ export class DecodeNode {
         ...stats.transfer,
         checksumFailures: this.#checksumFailures,
         coverageFailures: this.#coverageFailures,
+        pagesReused: this.#prefix?.pagesReused ?? 0,
       },
+      // Decode's lookups save no compute (prefill's do: its hits are the prompt's cached tokens);
+      // they are counted as pages reused by the transfer instead. Its pages and evictions count.
+      ...(stats.prefixCache === undefined
+        ? {}
+        : { prefixCache: { ...stats.prefixCache, hits: 0, misses: 0, hitTokens: 0 } }),
       abortAckSeconds: ack,
     };
   }
@@ -367,10 +379,15 @@ export class DecodeNode {
     if (event.type === "message" && event.msg.type === "abort_ack") this.#ackReceived(event.msg);
     const out = this.#out;
     const start = out.length;
+    const table = this.#core.pool.table;
     const freeBefore = this.#core.freePages();
+    const sharedBefore = table.sharedPages();
     const stepStart = event.type === "message" ? performance.now() : 0;
     decodeStep(peer.state, event, this.#context);
     const freeAfter = this.#core.freePages();
+    // An attempt's end frees its pages or hands them to the cache (SHARED, evictable): both make
+    // room (O(1) counts: this runs per token).
+    const freed = freeAfter + Math.max(0, table.sharedPages() - sharedBefore);
     // Effects [start, end) are this event's; a call nested in their handling (a router message
     // handled synchronously) appends after `end` and truncates back to it.
     const end = out.length;
@@ -408,7 +425,7 @@ export class DecodeNode {
     out.length = start;
     // After the machine's own messages (a `finished` before its pages' news): requests the router
     // holds back for want of pages may try again.
-    this.#core.reportFreed(freeBefore, freeAfter);
+    this.#core.reportFreed(freeBefore, freed);
     if (commits === null) return;
     // The machine's commit check (coverage, checksums, tags) ran in that step: its time.
     this.#core.engine.phases.since(PHASE.commit, stepStart);
@@ -476,6 +493,7 @@ export class DecodeNode {
   #ended(msg: Extract<ControlMessage, { type: "finished" | "failed" | "rejected" }>): void {
     const key = attemptKey(msg.rid, msg.epoch);
     this.#inputs.delete(key);
+    this.#prefix?.forget(key);
     this.#groups.delete(key);
     this.#firstLogprobs.delete(key);
     const t = this.#traces.get(key);
@@ -504,6 +522,7 @@ export class DecodeNode {
       if (this.#checking !== rid) this.#engine.abort(rid);
     }
     this.#inputs.delete(attemptKey(rid, epoch));
+    this.#prefix?.forget(attemptKey(rid, epoch));
     this.#groups.delete(attemptKey(rid, epoch));
     this.#traces.delete(attemptKey(rid, epoch));
   }
@@ -548,6 +567,9 @@ export class DecodeNode {
     // max_tokens 1: the machine finished the request at commit.
     if (attempt === undefined || attempt.phase !== "decoding") return;
     if (attempt.group !== undefined && attempt.group !== rid) this.#forkedSamples++;
+    // Decode-side reuse: the pages it held, and its tokens from here on (for its cached pages).
+    const record = this.#prefix?.committed(key, effect.held ?? 0);
+    recordToken(record, firstToken);
     const { sampling, prompt } = this.#inputs.get(key) ??
       this.#sampleInput(attempt.group, rid, epoch) ?? { sampling: GREEDY_SAMPLING, prompt: undefined };
     if (sampling.stopTokenIds.includes(firstToken)) {
@@ -571,6 +593,7 @@ export class DecodeNode {
       onTokens: (ids, lp) => {
         for (let i = 0; i < ids.length; i++) {
           step.token = ids[i]!;
+          recordToken(record, step.token);
           this.#stepLogprobs = lp === undefined ? null : [lp[i]!];
           try {
             this.#step(peer, step);

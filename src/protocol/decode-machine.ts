@@ -36,6 +36,8 @@
  *   `checkSibling` for the request's group, so they pass for its samples and nobody else; its own
  *   pages under the usual rules. A sample that ends drops its references; the last one frees the
  *   shared pages.
+ * - **Decode-side reuse** (`DecodeContext.prefix`): the lease's first `held` pages are decode's own
+ *   cached pages, never written by prefill; an attempt ending after its commit caches its pages.
  * - **Nothing is released on a timer.** (`quarantine_timeout` is honoured only with the `quarantine`
  *   guard disabled, to reproduce the timeout release of SGLang #35049/#38961.)
  *
@@ -46,6 +48,7 @@
  * holds the attempts in flight and the records of rids at or above the watermark, nothing older.
  */
 import type { WireError } from "../lib/errors.js";
+import * as held from "./decode-held.js";
 import { type Effects, type KvPool, leasePages, poolExhausted, type SendEffect } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
@@ -84,6 +87,8 @@ export interface DecodeContext {
   readonly safety: Safety;
   readonly out: Effects;
   readonly tokenSend: TokenSend;
+  /** The node's prefix cache (decode-side reuse); absent: none, every page is transferred. */
+  readonly prefix?: held.DecodePrefixCache;
 }
 
 export function decodeContext(
@@ -91,13 +96,14 @@ export function decodeContext(
   config: DecodeConfig,
   safety: Safety,
   out: Effects = [],
+  prefix?: held.DecodePrefixCache,
 ): DecodeContext {
   const tokenSend: TokenSend = {
     kind: "send",
     to: "router",
     msg: { type: "tokens", rid: 0, epoch: 0, tokens: [0] },
   };
-  return { pool, config, safety, out, tokenSend };
+  return { pool, config, safety, out, tokenSend, ...(prefix === undefined ? {} : { prefix }) };
 }
 
 export type DecodePhase = "reserved" | "decoding" | "quarantined";
@@ -113,6 +119,8 @@ export interface DecodeAttempt {
   pages: number[];
   generations: number[];
   leaseCount: number;
+  /** The first `held` pages are decode's prefix-cache references, never written by prefill (absent: 0). */
+  held?: number;
   /** Tokens produced so far, the first token (from prefill) included. */
   generated: number;
   /** The prefill incarnation the lease was granted for: the only one that can write it. */
@@ -183,7 +191,7 @@ export type DecodeEvent =
  */
 export function leasedPage(state: DecodeState, rid: number, epoch: number, index: number): number {
   const a = state.attempts[attemptKey(rid, epoch)];
-  if (a === undefined || a.phase !== "reserved" || index < 0 || index >= a.leaseCount) return -1;
+  if (a === undefined || a.phase !== "reserved" || index < (a.held ?? 0) || index >= a.leaseCount) return -1;
   return a.pages[index]!;
 }
 
@@ -257,7 +265,7 @@ export function decodeStep(state: DecodeState, event: DecodeEvent, ctx: DecodeCo
         // The only writer of this lease is gone: no write to these pages can land any more.
         if (a.phase === "quarantined") releaseQuarantined(a, ctx.pool);
         else {
-          freeAll(a, ctx.pool);
+          freeAll(a, ctx);
           ctx.out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
         }
         end(state, key);
@@ -305,15 +313,16 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
     );
     return;
   }
-  const leased = leasePages(pool, count, msg);
+  // Decode's cached pages of the prompt first (held: never written by prefill), then its own.
+  const leased = held.leaseWithHeld(ctx.prefix, pool, safety, msg, count);
   const siblings = leased === null ? null : reserveSiblings(pool, msg, count - Math.floor(msg.promptLen / P));
   if (leased === null || siblings === null) {
-    if (leased !== null) freePages(pool, leased.pages, leased.generations, msg.rid, msg.epoch);
+    if (leased !== null) held.dropLease(pool, safety, leased, msg);
     const total = decodeGroupPages(msg.promptLen, msg.maxTokens, P, 1 + samples.length);
     reject(state, msg, poolExhausted("decode", msg.rid, total), out);
     return;
   }
-  const { pages, generations } = leased;
+  const { pages, generations, held: heldPages } = leased;
   state.attempts[key] = {
     rid: msg.rid,
     epoch: msg.epoch,
@@ -327,6 +336,7 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
     generated: 0,
     writer: state.prefillIncarnation,
     checked: false,
+    ...(heldPages === 0 ? {} : { held: heldPages }),
     ...(siblings.length === 0 ? {} : { siblings }),
   };
   const lease: LeasePage[] = [];
@@ -343,6 +353,7 @@ function reserve(state: DecodeState, msg: ReserveRequest, ctx: DecodeContext): v
       layoutSignature: config.layoutSignature,
       incarnation: state.incarnation,
       writerIncarnation: state.prefillIncarnation,
+      ...(heldPages === 0 ? {} : { held: heldPages }),
     },
   });
 }
@@ -374,7 +385,7 @@ function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
   const { pool, safety, out } = ctx;
   let key = attemptKey(msg.rid, msg.epoch);
   let a = state.attempts[key];
-  if (faultOn(safety, "stale-commit") && (a === undefined || a.phase !== "reserved")) {
+  if (faultOn(safety, "stale-commit") && a?.phase !== "reserved") {
     // The fault: match the manifest by request id alone, as a metadata slot keyed by rid would.
     for (const k in state.attempts) {
       const candidate = state.attempts[k]!;
@@ -395,7 +406,8 @@ function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
     fail(state, key, a, error, ctx);
     return;
   }
-  for (let i = 0; i < a.leaseCount; i++) pool.table.markReady(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
+  for (let i = a.held ?? 0; i < a.leaseCount; i++)
+    pool.table.markReady(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
   a.phase = "decoding";
   a.generated = 1;
   const siblings = a.siblings;
@@ -416,7 +428,8 @@ function manifest(state: DecodeState, msg: Manifest, ctx: DecodeContext): void {
 function commitSample(a: DecodeAttempt, coverage: number, firstToken: number, out: Effects): void {
   const pages: LeasePage[] = [];
   for (let i = 0; i < a.pages.length; i++) pages.push({ page: a.pages[i]!, generation: a.generations[i]! });
-  out.push({ kind: "commit", rid: a.rid, epoch: a.epoch, promptLen: a.promptLen, coverage, pages });
+  const h = a.held === undefined ? {} : { held: a.held };
+  out.push({ kind: "commit", rid: a.rid, epoch: a.epoch, promptLen: a.promptLen, coverage, pages, ...h });
   out.push({
     kind: "send",
     to: "router",
@@ -471,7 +484,7 @@ function fork(
       group: a.rid,
     };
     if (state.ended[key] !== undefined || state.attempts[key] !== undefined || below(state, s.rid)) {
-      freeAll(sample, pool);
+      freeAll(sample, ctx);
       return;
     }
     if (partial > 0) {
@@ -486,21 +499,25 @@ function fork(
   return forked;
 }
 
-/** The commit check: coverage equals the reservation exactly, and every checksum matches. */
+/** The commit check: coverage is the pages sent (all but the held), checksums match, held pages are decode's. */
 function verify(a: DecodeAttempt, msg: Manifest, { pool, safety }: DecodeContext): WireError | null {
+  const sent = a.leaseCount - (a.held ?? 0);
+  const start = (a.held ?? 0) * pool.pageSize;
   if (
     guardOn(safety, "coverage") &&
-    (msg.tokenStart !== 0 || msg.tokenEnd !== a.promptLen || msg.checksums.length !== a.leaseCount)
+    (msg.tokenStart !== start || msg.tokenEnd !== a.promptLen || msg.checksums.length !== sent)
   ) {
     return {
       code: "coverage_mismatch",
-      message: `The transfer of request ${a.rid} covered tokens [${msg.tokenStart}, ${msg.tokenEnd}) in ${msg.checksums.length} pages, decode reserved: [0, ${a.promptLen}) in ${a.leaseCount} pages`,
+      message: `The transfer of request ${a.rid} covered tokens [${msg.tokenStart}, ${msg.tokenEnd}) in ${msg.checksums.length} pages, decode reserved: [${start}, ${a.promptLen}) in ${sent} pages`,
     };
   }
+  const heldError = held.verifyHeld(a, pool, safety);
+  if (heldError !== null) return heldError;
   if (guardOn(safety, "checksum")) {
     // Every reserved page needs its checksum: a page the manifest has none for was never written.
-    for (let i = 0; i < a.leaseCount; i++) {
-      const expected = msg.checksums[i];
+    for (let i = a.leaseCount - sent; i < a.leaseCount; i++) {
+      const expected = msg.checksums[i - a.leaseCount + sent];
       if (expected === undefined || pool.pageChecksum(a.pages[i]!, a.rid, a.epoch, i) !== expected) {
         return {
           code: "checksum_mismatch",
@@ -514,7 +531,7 @@ function verify(a: DecodeAttempt, msg: Manifest, { pool, safety }: DecodeContext
     // reserved but never written still carries an earlier request's stamp), before any token of
     // it reaches the client.
     const table = pool.table;
-    for (let i = 0; i < a.leaseCount; i++) {
+    for (let i = a.leaseCount - sent; i < a.leaseCount; i++) {
       const page = a.pages[i]!;
       if (
         !table.checkWrite(page, a.generations[i]!, a.rid, a.epoch) ||
@@ -559,8 +576,8 @@ function check(state: DecodeState, key: string, ctx: DecodeContext): void {
       a.epoch,
       position,
       position + 1,
-      undefined,
-      undefined,
+      a.held === undefined ? undefined : held.heldMarks(a.held, a.pages.length),
+      a.tenant,
       a.shared ?? 0,
       a.group ?? -1,
     );
@@ -631,7 +648,7 @@ function finish(
   tokens: number[],
   ctx: DecodeContext,
 ): void {
-  freeAll(a, ctx.pool);
+  freeAll(a, ctx, held.cacheComputed(ctx.prefix, a, ctx.pool.pageSize));
   end(state, key);
   ctx.out.push({
     kind: "send",
@@ -649,14 +666,14 @@ function finish(
 
 /** Decode-side failure: tell the router, and abort prefill's side so it acknowledges the drain. */
 function fail(state: DecodeState, key: string, a: DecodeAttempt, error: WireError, ctx: DecodeContext): void {
-  const { pool, out } = ctx;
+  const { out } = ctx;
   out.push({ kind: "send", to: "router", msg: { type: "failed", rid: a.rid, epoch: a.epoch, error } });
   if (a.phase === "reserved") {
     out.push({ kind: "send", to: "prefill", msg: { type: "abort", rid: a.rid, epoch: a.epoch } });
-    quarantineOrFree(state, key, a, pool);
+    quarantineOrFree(state, key, a, ctx);
     return;
   }
-  freeAll(a, pool);
+  freeAll(a, ctx);
   end(state, key);
   out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
 }
@@ -671,30 +688,34 @@ function abort(state: DecodeState, key: string, ctx: DecodeContext): void {
   }
   if (a.phase === "quarantined") return;
   if (a.phase === "decoding") {
-    // Committed: prefill's writes all drained before its manifest.
-    freeAll(a, pool);
+    // Committed: prefill's writes all drained before its manifest. Its computed KV is verified:
+    // the full pages go to the cache (a stop token ends an attempt this way too).
+    freeAll(a, ctx, held.cacheComputed(ctx.prefix, a, pool.pageSize));
     end(state, key);
   } else {
     // Relay the abort: prefill stops writing and acknowledges once its writes drained.
     out.push({ kind: "send", to: "prefill", msg: { type: "abort", rid: a.rid, epoch: a.epoch } });
     if (faultOn(safety, "early-free")) {
       // The fault (SGLang #24527): free at once, without waiting for the ack.
-      freeAll(a, pool);
+      freeAll(a, ctx);
       end(state, key);
-    } else quarantineOrFree(state, key, a, pool);
+    } else quarantineOrFree(state, key, a, ctx);
   }
   out.push({ kind: "stop", rid: a.rid, epoch: a.epoch });
 }
 
-function quarantineOrFree(state: DecodeState, key: string, a: DecodeAttempt, pool: KvPool): void {
+function quarantineOrFree(state: DecodeState, key: string, a: DecodeAttempt, ctx: DecodeContext): void {
+  const { pool, safety } = ctx;
   if (state.acks[key] !== undefined || a.writer <= state.prefillLost) {
     // Prefill already acknowledged, or the only incarnation that could write the lease is gone.
-    freeAll(a, pool);
+    freeAll(a, ctx);
     end(state, key);
     return;
   }
   const table = pool.table;
-  for (let i = 0; i < a.pages.length; i++) {
+  // Held pages were never leased to prefill's writes: their references go at once.
+  held.releaseHeld(pool, safety, a.pages, a.generations, a.held ?? 0);
+  for (let i = a.held ?? 0; i < a.pages.length; i++) {
     if (i < a.leaseCount) table.quarantine(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
     else table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
   }
@@ -720,14 +741,20 @@ function abortAck(state: DecodeState, key: string, pool: KvPool): void {
 }
 
 function releaseQuarantined(a: DecodeAttempt, pool: KvPool): void {
-  for (let i = 0; i < a.leaseCount; i++) pool.table.releaseQuarantine(a.pages[i]!, a.generations[i]!);
+  for (let i = a.held ?? 0; i < a.leaseCount; i++)
+    pool.table.releaseQuarantine(a.pages[i]!, a.generations[i]!);
 }
 
-/** Frees an attempt's pages: its own ones, its references to sibling pages, its later samples' reservations. */
-function freeAll(a: DecodeAttempt, pool: KvPool): void {
+/**
+ * Frees an attempt's pages: its own ones, its references to sibling pages and to held cache pages
+ * (and to the pages `cached` marks: those the cache took at its end), its later samples' reservations.
+ */
+function freeAll(a: DecodeAttempt, { pool, safety }: DecodeContext, cached: number[] | null = null): void {
   const shared = a.shared ?? 0;
-  for (let i = 0; i < a.pages.length; i++) {
+  held.releaseHeld(pool, safety, a.pages, a.generations, a.held ?? 0);
+  for (let i = a.held ?? 0; i < a.pages.length; i++) {
     if (i < shared) pool.table.dropSibling(a.pages[i]!, a.generations[i]!, a.group!, a.epoch);
+    else if (cached?.[i] === 1) pool.table.unref(a.pages[i]!, a.generations[i]!);
     else pool.table.free(a.pages[i]!, a.generations[i]!, a.rid, a.epoch);
   }
   for (const s of a.siblings ?? []) freePages(pool, s.pages, s.generations, s.rid, a.epoch);

@@ -71,6 +71,24 @@ export function leasePages(
   };
 }
 
+/**
+ * `leasePages`, evicting unreferenced prefix-cache pages first when the pool is short (`cache`,
+ * the node's: prefill's and decode's machines both lease this way). Null when even that leaves
+ * too few free pages.
+ */
+export function leaseOrEvict(
+  pool: KvPool,
+  cache: { evict(count: number): number } | undefined,
+  count: number,
+  lease: { readonly rid: number; readonly epoch: number; readonly tenant: number },
+): { pages: number[]; generations: number[] } | null {
+  const leased = leasePages(pool, count, lease);
+  if (leased !== null || cache === undefined) return leased;
+  const free = pool.table.counts().free;
+  if (cache.evict(count - free) === 0) return null;
+  return leasePages(pool, count, lease);
+}
+
 /** Send a control message to another role. */
 export interface SendEffect {
   readonly kind: "send";
@@ -118,6 +136,8 @@ export interface CommitEffect {
   readonly promptLen: number;
   readonly coverage: number;
   readonly pages: readonly LeasePage[];
+  /** The first `held` pages are decode's prefix-cache references (decode-side reuse); absent: 0. */
+  readonly held?: number;
 }
 
 /**

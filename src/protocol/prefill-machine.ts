@@ -17,7 +17,10 @@
  *   with the cached full pages of the prompt — references, read-only, computed already — and only
  *   the rest is leased and computed (the `compute` effect says how many are cached); at `computed`
  *   the attempt's full pages are offered to the cache (they turn SHARED, the attempt keeps its
- *   reference). Decode still receives every page: the writes, checksums and coverage are the same.
+ *   reference).
+ * - **Decode-side reuse** (`TransferLease.held`): the lease's first `held` pages are decode's own
+ *   cached pages; prefill computes the whole prompt as before but writes only the pages after them,
+ *   and its manifest covers `[held·P, promptLen)` with a checksum per page sent.
  *   Freeing the source pages drops the references (`unref`) and frees the rest.
  * - **peer_lost** (a decode incarnation gone): its pool and connection are gone with it; free the
  *   attempts whose lease it granted. A lease from another decode incarnation than the one this
@@ -28,7 +31,7 @@
  *   flight and the tombstones of rids at or above the watermark, nothing older.
  */
 import type { WireError } from "../lib/errors.js";
-import { type Effects, type KvPool, leasePages, poolExhausted } from "./effects.js";
+import { type Effects, type KvPool, leaseOrEvict, poolExhausted } from "./effects.js";
 import { contextLengthError } from "./router-machine.js";
 import { faultOn, guardOn, type Safety } from "./safety.js";
 import {
@@ -67,6 +70,8 @@ export interface PrefillAttempt {
   checksums: string[];
   /** 1 where the source page is a prefix-cache reference (SHARED), 0 for the attempt's own page. */
   shared: number[];
+  /** The lease's first `held` pages are decode's cached pages: nothing is written into them (absent: 0). */
+  held?: number;
 }
 
 export interface PrefillState {
@@ -160,7 +165,7 @@ export function prefillStep(state: PrefillState, event: PrefillEvent, ctx: Prefi
             type: "manifest",
             rid: a.rid,
             epoch: a.epoch,
-            tokenStart: 0,
+            tokenStart: (a.held ?? 0) * pool.pageSize,
             tokenEnd: a.promptLen,
             firstToken: a.firstToken,
             checksums: a.checksums,
@@ -197,7 +202,7 @@ function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext):
     reject(state, msg, admitted, ctx.out);
     return;
   }
-  const { promptLen, count } = admitted;
+  const { promptLen, count, held } = admitted;
   const source = sourcePages(msg, promptLen, count, ctx);
   if (source === null) {
     reject(state, msg, poolExhausted("prefill", msg.rid, count), ctx.out);
@@ -218,6 +223,7 @@ function prefill(state: PrefillState, msg: PrefillRequest, ctx: PrefillContext):
     firstToken: 0,
     checksums: [],
     shared: pages.map((_, i) => (i < cached ? 1 : 0)),
+    ...(held === 0 ? {} : { held }),
   };
   const computePages: LeasePage[] = [];
   for (let i = 0; i < count; i++) computePages.push({ page: pages[i]!, generation: generations[i]! });
@@ -264,7 +270,10 @@ function leaseRefusal(state: PrefillState, msg: PrefillRequest, ctx: PrefillCont
  * `placeholder-reject` fault a one-token placeholder is computed instead), or the lease is too
  * short for those pages.
  */
-function admit(msg: PrefillRequest, ctx: PrefillContext): { promptLen: number; count: number } | WireError {
+function admit(
+  msg: PrefillRequest,
+  ctx: PrefillContext,
+): { promptLen: number; count: number; held: number } | WireError {
   const { pool, config, safety } = ctx;
   const P = pool.pageSize;
   let promptLen = msg.promptLen;
@@ -284,7 +293,15 @@ function admit(msg: PrefillRequest, ctx: PrefillContext): { promptLen: number; c
       message: `The lease of request ${msg.rid} has ${msg.lease.pages.length} pages, the prompt needs: ${count}`,
     };
   }
-  return { promptLen, count };
+  // Decode holds the first `held` pages (decode-side reuse): at least the last page is written.
+  const held = msg.lease.held ?? 0;
+  if (!Number.isInteger(held) || held < 0 || held >= count) {
+    return {
+      code: "transfer_failed",
+      message: `The lease of request ${msg.rid} marks ${held} of the prompt's ${count} pages as held by decode; it must leave the last page to write: ${held}`,
+    };
+  }
+  return { promptLen, count, held };
 }
 
 /**
@@ -303,7 +320,7 @@ function sourcePages(
       ? ctx.prefix.lookup(msg, Math.floor((promptLen - 1) / ctx.pool.pageSize))
       : { pages: [], generations: [] };
   const cached = hit.pages.length;
-  const leased = leaseOrEvict(ctx, count - cached, msg);
+  const leased = leaseOrEvict(ctx.pool, ctx.prefix, count - cached, msg);
   if (leased === null) {
     for (let i = 0; i < cached; i++) ctx.pool.table.unref(hit.pages[i]!, hit.generations[i]!);
     return null;
@@ -313,19 +330,6 @@ function sourcePages(
     generations: [...hit.generations, ...leased.generations],
     cached,
   };
-}
-
-/** Leases `count` pages, evicting unreferenced cached pages first when the pool is short. */
-function leaseOrEvict(
-  ctx: PrefillContext,
-  count: number,
-  msg: PrefillRequest,
-): { pages: number[]; generations: number[] } | null {
-  const leased = leasePages(ctx.pool, count, msg);
-  if (leased !== null || ctx.prefix === undefined) return leased;
-  const free = ctx.pool.table.counts().free;
-  if (ctx.prefix.evict(count - free) === 0) return null;
-  return leasePages(ctx.pool, count, msg);
 }
 
 function computed(
@@ -342,7 +346,9 @@ function computed(
   }
   a.firstToken = event.firstToken;
   const n = a.pages.length;
-  for (let i = 0; i < n; i++) a.checksums.push(pool.pageChecksum(a.pages[i]!, a.rid, a.epoch, i));
+  // The pages sent: all but the ones decode holds (their checksums and writes are not needed).
+  const held = a.held ?? 0;
+  for (let i = held; i < n; i++) a.checksums.push(pool.pageChecksum(a.pages[i]!, a.rid, a.epoch, i));
   if (a.phase === "aborting") {
     // Aborted while computing: nothing was written.
     finishAbort(state, key, a, ctx);
@@ -350,10 +356,10 @@ function computed(
   }
   ctx.prefix?.insert(a);
   a.phase = "writing";
-  a.outstanding = n;
+  a.outstanding = n - held;
   const misaddress = faultOn(safety, "misaddressed-write");
   const corrupt = faultOn(safety, "corrupt-transfer");
-  for (let i = 0; i < n; i++) {
+  for (let i = held; i < n; i++) {
     const target = a.lease[i]!;
     out.push({
       kind: "write",
@@ -362,14 +368,14 @@ function computed(
         rid: a.rid,
         epoch: a.epoch,
         index: i,
-        // The fault: the first page goes one page past its leased destination.
-        page: misaddress && i === 0 ? target.page + 1 : target.page,
+        // The fault: the first page sent goes one page past its leased destination.
+        page: misaddress && i === held ? target.page + 1 : target.page,
         generation: target.generation,
         filledTokens: Math.min(pool.pageSize, a.promptLen - i * pool.pageSize),
         incarnation: a.decodeIncarnation,
       },
       sourcePage: a.pages[i]!,
-      corrupt: corrupt && i === 0,
+      corrupt: corrupt && i === held,
     });
   }
 }

@@ -96,6 +96,30 @@ interface Entry {
   lastUse: number;
 }
 
+/** A cache's state as plain data (`PrefixCache.save`): entries parents first, each parent named by its key. */
+export interface SavedPrefixCache {
+  readonly nextId: number;
+  readonly clock: number;
+  readonly entries: readonly SavedEntry[];
+}
+
+/** One entry of a `SavedPrefixCache`. */
+export interface SavedEntry {
+  readonly id: number;
+  readonly key: string;
+  readonly parentKey: string;
+  readonly page: number;
+  readonly generation: number;
+  readonly tenant: number;
+  readonly cacheEpoch: number;
+  readonly tokens: readonly number[];
+  /** The parent entry's key, or null for a chain's first page. */
+  readonly parent: string | null;
+  readonly depth: number;
+  readonly children: number;
+  readonly lastUse: number;
+}
+
 /** Counters of one cache, for metrics. */
 export interface PrefixCacheCounters {
   /** Lookups that reused at least one page. */
@@ -153,6 +177,11 @@ export class PrefixCache {
               observer.evicting(page);
             },
           };
+  }
+
+  /** Tokens per page. */
+  get pageSize(): number {
+    return this.#pageSize;
   }
 
   /** Pages the cache holds. */
@@ -354,6 +383,31 @@ export class PrefixCache {
       .sort((a, b) => a.lastUse - b.lastUse || b.depth - a.depth)
       .map((e) => `${e.page}@${e.key.slice(0, 8)}`)
       .join(",");
+  }
+
+  /**
+   * The cache's entries and clocks as plain data (the model checker keeps them with each world it
+   * explores); `restore` puts exactly that state back, over the table the entries' pages are in.
+   */
+  save(): SavedPrefixCache {
+    const entries = [...this.#byKey.values()]
+      .sort((a, b) => a.depth - b.depth || a.id - b.id)
+      .map((e) => ({ ...e, parent: e.parent?.key ?? null, tokens: Array.from(e.tokens) }));
+    return { nextId: this.#nextId, clock: this.#clock, entries };
+  }
+
+  /** Replaces the cache's state with `saved` (from `save`; the table is restored by its owner). */
+  restore(saved: SavedPrefixCache): void {
+    this.#byKey.clear();
+    this.#byPage.fill(undefined);
+    this.#nextId = saved.nextId;
+    this.#clock = saved.clock;
+    for (const e of saved.entries) {
+      const parent = e.parent === null ? null : this.#byKey.get(e.parent)!;
+      const entry: Entry = { ...e, parent, tokens: Int32Array.from(e.tokens) };
+      this.#byKey.set(e.key, entry);
+      this.#byPage[e.page] = entry;
+    }
   }
 
   #victim(): Entry | null {

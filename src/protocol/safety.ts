@@ -21,6 +21,7 @@ export const FAULT_NAMES = [
   "stale-commit",
   "shared-prefix",
   "prefix-collision",
+  "held-unpinned",
 ] as const;
 export type FaultName = (typeof FAULT_NAMES)[number];
 
@@ -50,6 +51,7 @@ export const GUARD_NAMES = [
   "tier-owner",
   "tier-epoch",
   "tier-spill-copy",
+  "held-pages",
 ] as const;
 export type GuardName = (typeof GUARD_NAMES)[number];
 
@@ -99,6 +101,11 @@ export const FAULT_TABLE: Readonly<
     reproduces:
       "prefix-cache keys are cut to a few bits, so another prefix's cached page has the same key (weak block hashes)",
     caughtBy: ["prefix-tokens", "page-tags", "route-namespace"],
+  },
+  "held-unpinned": {
+    reproduces:
+      "decode leases its cached prefix pages as held without keeping a reference, so an eviction hands them to another request before the commit (a hit racing an eviction)",
+    caughtBy: ["held-pages", "page-tags"],
   },
 });
 

@@ -37,10 +37,15 @@ export interface ReserveRequest {
    */
   readonly samples?: readonly number[];
   /**
-   * The prompt's token ids (servers), only when decode's sampling reads them (a repetition
-   * penalty); otherwise decode knows only the prompt's length.
+   * The prompt's token ids (servers): decode looks them up in its prefix cache (and its sampling
+   * reads them for a repetition penalty). Absent (the model checker, or a router that sends none):
+   * decode knows only the prompt's length and holds no page.
    */
   readonly promptTokens?: Int32Array;
+  // --- #35 decode-side reuse: the salt inputs of decode's prefix-cache lookup (as `PrefillRequest`'s).
+  /** The client's `cache_salt` and the server's namespace within the tenant (`prefixCacheSalt`). */
+  readonly cacheSalt?: string | null;
+  readonly cacheScope?: string;
 }
 
 /** Decode → router: the reservation, forwarded by the router to prefill inside `PrefillRequest`. */
@@ -65,6 +70,13 @@ export interface TransferLease {
    * so hand-built leases (transport tests, benchmarks) need not name one.
    */
   readonly writerIncarnation?: number;
+  /**
+   * #35 decode-side reuse: the first `held` pages are decode's own prefix-cache pages of this
+   * tenant's prompt (full pages, references decode holds): prefill writes nothing into them, and
+   * its manifest covers tokens `[held * pageSize, promptLen)` with a checksum per page sent.
+   * Absent: 0, every page is written.
+   */
+  readonly held?: number;
 }
 
 /** Router → prefill: compute the prompt's KV and write it into the lease (step 3). */
@@ -114,7 +126,7 @@ export interface Manifest {
   readonly type: "manifest";
   readonly rid: number;
   readonly epoch: number;
-  /** Token coverage [tokenStart, tokenEnd) the written pages hold. */
+  /** Token coverage [tokenStart, tokenEnd) the written pages hold (tokenStart: the lease's held pages' tokens). */
   readonly tokenStart: number;
   readonly tokenEnd: number;
   readonly firstToken: number;
@@ -124,7 +136,7 @@ export interface Manifest {
    * without one here starts from `firstToken`.
    */
   readonly sampleFirstTokens?: readonly number[];
-  /** One checksum per written page keyed by (rid, epoch, logical page index), in logical order. */
+  /** One checksum per written page (the held ones have none) keyed by (rid, epoch, logical page index), in logical order. */
   readonly checksums: readonly string[];
   /**
    * Servers only, when the request asked: the first token's log-probabilities and the prompt's,

@@ -207,7 +207,12 @@ describe("routing by where the KV lives, threaded topology", { timeout: 120_000 
         if (keys < pages) await sleep(20);
       }
       assert.equal(keys, pages, "every full page of the prompt is in the router's index");
-      assert.equal((await scrape(server.url)).get("kvfence_kv_index_keys"), pages);
+      // The decode node caches the turn too (prompt and answer, decode-side reuse) and says so.
+      const total = (await scrape(server.url)).get("kvfence_kv_index_keys") ?? 0;
+      assert.ok(
+        total >= pages,
+        `the index holds the prefill node's ${pages} keys and the decode node's: ${total}`,
+      );
     } finally {
       await server.close();
     }

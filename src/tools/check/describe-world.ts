@@ -3,7 +3,7 @@
  * the world it applies to (`describeEvent`), and a one-line picture of a pool's pages — state,
  * owner and the ghost data each holds (`describeTable`).
  */
-import { PageState } from "../../kvcache/ownership-table.js";
+import { NO_WRITER, PageState } from "../../kvcache/ownership-table.js";
 import type { ControlMessage } from "../../protocol/wire.js";
 import { GHOST_WORDS, type GhostPool } from "./ghost-pool.js";
 import type {
@@ -71,9 +71,12 @@ export function describeTable(pool: GhostPool): string {
     const c = pool.content;
     const at = p * GHOST_WORDS;
     const data = c[at] === -1 ? "-" : `r${c[at]}#${c[at + 1]}.${c[at + 2]}${c[at + 3] === 1 ? "!" : ""}`;
-    parts.push(
-      s === PageState.FREE ? `F(${data})` : `${SHORT_STATE[s]}:r${t.owner(p)}#${t.ownerEpoch(p)}(${data})`,
-    );
+    // A prefix-cache page (decode-side reuse): its tenant and references, no owning attempt.
+    const owner =
+      s === PageState.SHARED && t.ownerEpoch(p) === NO_WRITER
+        ? `t${t.tenant(p)}x${t.refcount(p)}`
+        : `r${t.owner(p)}#${t.ownerEpoch(p)}`;
+    parts.push(s === PageState.FREE ? `F(${data})` : `${SHORT_STATE[s]}:${owner}(${data})`);
   }
   return parts.join(" ");
 }

@@ -14,16 +14,19 @@
  * protocol state (the machines hold nothing) (`checkQuiescent`). Each check pushes what it finds
  * onto the step's violations.
  */
-import { type OwnershipTable, type PageCounts, PageState } from "../../kvcache/ownership-table.js";
+import { NO_WRITER, type OwnershipTable, type PageCounts, PageState } from "../../kvcache/ownership-table.js";
 import type { CommitEffect, Effect, ReadingAttempt } from "../../protocol/effects.js";
 import { writeLands } from "../../protocol/page-write.js";
 import type { RouterEvent } from "../../protocol/router-machine.js";
 import { attemptKey, ROUTER_SLOTS } from "../../protocol/wire.js";
 import { GHOST_WORDS } from "./ghost-pool.js";
 import {
+  type CheckRequest,
+  FIRST_TOKEN,
   type InflightWrite,
   landingSite,
   type ModelConfig,
+  STEP_TOKEN,
   type Violation,
   type World,
 } from "./world-state.js";
@@ -37,21 +40,57 @@ export interface InvariantContext {
   readonly effectiveContext: number;
 }
 
-/** A commit is good when its prompt pages hold its request's transfer (a sample's: its group's). */
+/**
+ * A commit is good when its prompt pages hold its request's transfer (a sample's: its group's),
+ * and its first `held` pages (decode-side reuse) the KV of its own prefix (`heldOk`).
+ */
 export function goodCommit(
   content: readonly number[],
   { promptLen, coverage, pages, epoch }: CommitEffect,
   group: number,
   pageSize: number,
+  held = 0,
+  heldOk: (i: number) => boolean = () => false,
 ): boolean {
   const leaseCount = Math.ceil(promptLen / pageSize);
-  let good = coverage === promptLen;
-  for (let i = 0; i < leaseCount && good; i++) {
+  let good = coverage === promptLen - held * pageSize;
+  for (let i = 0; i < held && good; i++) good = heldOk(i);
+  for (let i = held; i < leaseCount && good; i++) {
     const at = pages[i]!.page * GHOST_WORDS;
     good =
       content[at] === group && content[at + 1] === epoch && content[at + 2] === i && content[at + 3] === 0;
   }
   return good;
+}
+
+/** The request rid `rid` went out as (see `World.order`). */
+export function requestOf(w: World, config: ModelConfig, rid: number): CheckRequest | undefined {
+  return config.requests[w.order[Math.floor(rid / ROUTER_SLOTS) - 1]!];
+}
+
+/**
+ * Decode-side reuse: decode page `page`, read as logical page `i` by request `rid`, holds the KV
+ * of exactly that request's tokens `[0, (i + 1)·P)` computed for its tenant — page `i` of a
+ * request of the same tenant whose tokens (prompt, then generated) start the same way.
+ */
+export function holdsPrefix(w: World, ctx: InvariantContext, page: number, rid: number, i: number): boolean {
+  const { config } = ctx;
+  const at = page * GHOST_WORDS;
+  const c = w.dContent;
+  if (c[at] === -1 || c[at + 2] !== i || c[at + 3] !== 0) return false;
+  const reader = requestOf(w, config, rid);
+  const writer = requestOf(w, config, c[at]!);
+  if (reader?.tokens === undefined || writer?.tokens === undefined || reader.tenant !== writer.tenant)
+    return false;
+  const n = (i + 1) * config.pageSize;
+  for (let k = 0; k < n; k++) if (tokenAt(reader, k) !== tokenAt(writer, k)) return false;
+  return true;
+}
+
+/** Token `k` of a request's sequence: its prompt, then the first token and the step tokens. */
+function tokenAt(r: CheckRequest, k: number): number {
+  const prompt = r.tokens!;
+  return k < prompt.length ? prompt[k]! : k === prompt.length ? FIRST_TOKEN : STEP_TOKEN;
 }
 
 /** Invariant 4 at the door: a submit the router answered at once must not have contacted a node. */
@@ -79,9 +118,27 @@ export function checkRead(
   const { rid, epoch, pages, generations } = attempt;
   // A sample of n > 1 reads its group's sibling pages (the first `shared`), and its group's data
   // in them and in its copy of the partial page; never another request's, nor another sample's.
-  const { group = rid, shared = 0 } = attempt as { group?: number; shared?: number };
+  const { group = rid, shared = 0, held = 0 } = attempt as { group?: number; shared?: number; held?: number };
   const table = ctx.decodeTable;
-  for (let i = 0; i < count; i++) {
+  const tenant = requestOf(w, ctx.config, rid)?.tenant ?? -1;
+  for (let i = 0; i < held && i < count; i++) {
+    // A held page (decode-side reuse): a cache page of the reader's tenant it references, never
+    // freed or rewritten since, holding the KV of the reader's own prefix.
+    const page = pages[i]!;
+    if (
+      table.checkShared(page, generations[i]!, tenant) &&
+      table.ownerEpoch(page) === NO_WRITER &&
+      holdsPrefix(w, ctx, page, rid, i)
+    )
+      continue;
+    const at = page * GHOST_WORDS;
+    violations.push({
+      invariant: "1",
+      message: `Decode step of request ${rid} (tenant ${tenant}) read held decode page ${page} (its page ${i}), which is ${describePage(table, page)} holding ${w.dContent[at] === -1 ? "never-written bytes" : `the KV of request ${w.dContent[at]} epoch ${w.dContent[at + 1]} page ${w.dContent[at + 2]}`}: a held page must be a cached page of the reader's tenant that it references, holding its own prefix's KV`,
+    });
+    return;
+  }
+  for (let i = held; i < count; i++) {
     const page = pages[i]!;
     const generation = generations[i]!;
     const at = page * GHOST_WORDS;
@@ -116,7 +173,7 @@ export function checkAnswer(
   { rid, epoch, status, code }: { rid: number; epoch: number; status: number; code: string | null },
   violations: Violation[],
 ): void {
-  const r = ctx.config.requests[w.order[Math.floor(rid / ROUTER_SLOTS) - 1]!]!;
+  const r = requestOf(w, ctx.config, rid)!;
   const oversized = r.promptLen + r.maxTokens > ctx.effectiveContext;
   if (status === 200 && !w.good.includes(attemptKey(rid, epoch))) {
     violations.push({
@@ -187,6 +244,7 @@ export function checkQuiescent(
   config: ModelConfig,
   d: PageCounts,
   p: PageCounts,
+  decodeCached = 0,
 ): Violation | null {
   if (w.lossy === 1) return null;
   const busy: string[] = [];
@@ -195,7 +253,9 @@ export function checkQuiescent(
       if (router.requests[key]!.phase !== "done") busy.push(`request ${key} never answered`);
     }
   }
-  if (d.free !== config.decodePages) busy.push(`decode pool not all FREE (${describeCounts(d)})`);
+  // Decode's cached pages that no request references (decode-side reuse) are idle too.
+  if (d.free + decodeCached !== config.decodePages)
+    busy.push(`decode pool not all FREE (${describeCounts(d)})`);
   if (p.free !== config.prefillPages) busy.push(`prefill pool not all FREE (${describeCounts(p)})`);
   if (busy.length === 0) return checkBound(w);
   return {
@@ -228,7 +288,9 @@ function checkBound(w: World): Violation | null {
 
 function describePage(table: OwnershipTable, page: number): string {
   const s = table.state(page);
-  const name = ["FREE", "RESERVED", "READY", "QUARANTINED"][s]!;
+  const name = ["FREE", "RESERVED", "READY", "QUARANTINED", "SHARED"][s]!;
+  if (s === PageState.SHARED && table.ownerEpoch(page) === NO_WRITER)
+    return `a cached page of tenant ${table.tenant(page)} with ${table.refcount(page)} references`;
   return s === PageState.FREE
     ? "FREE"
     : `${name} for request ${table.owner(page)} epoch ${table.ownerEpoch(page)}`;

@@ -12,6 +12,8 @@
  * the trace's words in describe-world.ts. A page write copies its source page's content *when it
  * lands*, so a source page freed too early shows up.
  */
+import { PageState } from "../../kvcache/ownership-table.js";
+import { DecodePrefix } from "../../protocol/decode-held.js";
 import {
   type DecodeConfig,
   type DecodeEvent,
@@ -27,6 +29,8 @@ import {
   type PrefillEvent,
   prefillStep,
 } from "../../protocol/prefill-machine.js";
+import { PrefixCache, type SavedPrefixCache } from "../../protocol/prefix-cache.js";
+import { prefixCacheSalt } from "../../protocol/prefix-key.js";
 import {
   initialRouterState,
   type RouterConfig,
@@ -44,13 +48,16 @@ import {
   checkRead,
   checkState,
   goodCommit,
+  holdsPrefix,
   type InvariantContext,
+  requestOf,
 } from "./invariants.js";
 import {
   CHANNELS,
   CHANNELS_2,
   cloneWorld,
   type EnvEvent,
+  FIRST_TOKEN,
   type InflightWrite,
   landingSite,
   type ModelConfig,
@@ -58,11 +65,12 @@ import {
   type Party,
   type PendingFence,
   routerParty,
+  STEP_TOKEN,
   type Violation,
   type World,
 } from "./world-state.js";
 
-const FIRST_TOKEN = 7;
+const EMPTY_CACHE = JSON.stringify({ nextId: 1, clock: 0, entries: [] });
 
 /** The composed system: applies environment events to worlds and checks the invariants. */
 export class ModelWorld {
@@ -72,6 +80,9 @@ export class ModelWorld {
   readonly #routerConfig: RouterConfig;
   readonly #nodeConfig: DecodeConfig & PrefillConfig;
   readonly #invariants: InvariantContext;
+  /** Decode's prefix cache over its table (`decodeCache`), and the machine's view of it. */
+  readonly #decodeCache: PrefixCache | null;
+  readonly #decodePrefix: DecodePrefix | undefined;
   #violations: Violation[] = [];
   #current: World | null = null;
   /** `CHANNELS`, or `CHANNELS_2` in a two-router world. */
@@ -99,6 +110,17 @@ export class ModelWorld {
       if (fresh >= 0) writeGhost(w.dContent, attempt.pages[fresh]!, attempt.rid, attempt.epoch, fresh);
       checkRead(w, this.#invariants, attempt, count, this.#violations);
     };
+    this.#decodeCache =
+      config.decodeCache === true
+        ? new PrefixCache(this.#decodePool.table, config.pageSize, config.safety)
+        : null;
+    this.#decodePrefix =
+      this.#decodeCache === null
+        ? undefined
+        : new DecodePrefix(this.#decodeCache, {
+            prompt: (msg) => this.#sequence(msg.rid, msg.tenant, msg.promptLen),
+            sequence: (a) => this.#sequence(a.rid, a.tenant, a.promptLen + a.generated),
+          });
     this.#invariants = {
       config,
       decodeTable: this.#decodePool.table,
@@ -133,6 +155,7 @@ export class ModelWorld {
       losses: this.config.losses,
       lossy: 0,
       good: [],
+      dCache: this.#decodeCache === null ? "" : EMPTY_CACHE,
     };
   }
 
@@ -235,7 +258,8 @@ export class ModelWorld {
         // pass and the machine's step. The engine runs both in one synchronous call.
         const key = attemptKey(event.rid, event.epoch);
         this.#decode(w, { type: "check", key });
-        if (w.decode.attempts[key]?.phase === "decoding") this.#decode(w, { type: "step", key, token: 100 });
+        if (w.decode.attempts[key]?.phase === "decoding")
+          this.#decode(w, { type: "step", key, token: STEP_TOKEN });
         break;
       }
       case "client_abort":
@@ -263,6 +287,7 @@ export class ModelWorld {
     }
     this.#decodePool.save(w.dTable);
     this.#prefillPool.save(w.pTable);
+    if (this.#decodeCache !== null) w.dCache = JSON.stringify(this.#decodeCache.save());
     normalizeWorld(w, this.config.reorder);
     checkState(w, this.#invariants, this.#violations);
     return this.#violations;
@@ -270,12 +295,13 @@ export class ModelWorld {
 
   /** Bounded liveness: a quiescent world must be idle (everything answered, every page FREE). */
   checkQuiescent(w: World): Violation | null {
-    return checkQuiescent(
-      w,
-      this.config,
-      this.#decodePool.countsOf(w.dTable),
-      this.#prefillPool.countsOf(w.pTable),
-    );
+    const decode = this.#decodePool.countsOf(w.dTable);
+    // Decode's cached pages no request references are idle too (decode-side reuse).
+    let cached = 0;
+    const table = this.#decodePool.table;
+    for (let p = 0; p < table.numPages; p++)
+      if (table.state(p) === PageState.SHARED && table.refcount(p) === 0) cached++;
+    return checkQuiescent(w, this.config, decode, this.#prefillPool.countsOf(w.pTable), cached);
   }
 
   /** A one-line summary of both pools, for traces. */
@@ -293,6 +319,20 @@ export class ModelWorld {
   #load(w: World): void {
     this.#decodePool.load(w.dTable, w.dContent);
     this.#prefillPool.load(w.pTable, w.pContent);
+    this.#decodeCache?.restore(JSON.parse(w.dCache) as SavedPrefixCache);
+  }
+
+  /**
+   * The first `length` token ids of request `rid` (its prompt, then `FIRST_TOKEN` and a
+   * `STEP_TOKEN` per decode step) and the salt of its tenant's keys; null without tokens.
+   */
+  #sequence(rid: number, tenant: number, length: number): { tokens: Int32Array; salt: string } | null {
+    const r = requestOf(this.#current!, this.config, rid);
+    if (r?.tokens === undefined) return null;
+    const tokens = new Int32Array(length);
+    for (let i = 0; i < length; i++)
+      tokens[i] = i < r.tokens.length ? r.tokens[i]! : i === r.tokens.length ? FIRST_TOKEN : STEP_TOKEN;
+    return { tokens, salt: prefixCacheSalt(this.config.safety, tenant, null) };
   }
 
   // --- dispatch -------------------------------------------------------------------------------
@@ -324,7 +364,11 @@ export class ModelWorld {
 
   #decode(w: World, event: DecodeEvent): void {
     const out: Effect[] = [];
-    decodeStep(w.decode, event, decodeContext(this.#decodePool, this.#nodeConfig, this.config.safety, out));
+    decodeStep(
+      w.decode,
+      event,
+      decodeContext(this.#decodePool, this.#nodeConfig, this.config.safety, out, this.#decodePrefix),
+    );
     this.#effects(w, "decode", out);
   }
 
@@ -400,6 +444,8 @@ export class ModelWorld {
       w.decode = initialDecodeState(w.dIncarnation, w.pIncarnation);
       this.#decodePool.table.reset();
       w.dContent.fill(-1);
+      // Decode's cache was in its memory: gone with it.
+      this.#decodeCache?.restore(JSON.parse(EMPTY_CACHE) as SavedPrefixCache);
     }
     const to = role === "prefill" ? "decode" : "prefill";
     const incarnation = role === "prefill" ? w.pIncarnation : w.dIncarnation;
@@ -448,7 +494,10 @@ export class ModelWorld {
         }
         case "commit": {
           const group = w.decode.attempts[attemptKey(e.rid, e.epoch)]?.group ?? e.rid;
-          if (goodCommit(w.dContent, e, group, this.config.pageSize)) w.good.push(attemptKey(e.rid, e.epoch));
+          const held = e.held ?? 0;
+          const heldOk = (i: number) => holdsPrefix(w, this.#invariants, e.pages[i]!.page, e.rid, i);
+          if (goodCommit(w.dContent, e, group, this.config.pageSize, held, heldOk))
+            w.good.push(attemptKey(e.rid, e.epoch));
           break;
         }
         case "tokens":

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { FAULT_NAMES, type FaultName } from "../../protocol/safety.js";
-import { counterexampleToDot, formatReport, runCheck } from "./run-check.js";
+import { counterexampleToDot, DECODE_CACHE_BOUND, formatReport, runCheck } from "./run-check.js";
 
 /** The invariant each fault variant breaks first (shortest trace) in its scenario. */
 const EXPECTED: Record<FaultName, string> = {
@@ -15,6 +15,7 @@ const EXPECTED: Record<FaultName, string> = {
   "stale-commit": "1",
   "shared-prefix": "P1",
   "prefix-collision": "P1",
+  "held-unpinned": "1",
 };
 
 for (const fault of FAULT_NAMES) {
@@ -81,6 +82,25 @@ test("runCheck() explores the prefix cache completely with its guards kept, and 
     disabledGuards: ["prefix-tokens"],
   });
   assert.equal(collision.result.counterexample?.violation.invariant, "P3");
+});
+
+test("runCheck() with decode-side reuse holds every invariant completely, and each guard alone catches held-unpinned", () => {
+  // A conversation's second turn holds decode's cached pages of its first; another tenant's copy
+  // of it never does (invariant 1 checks a held page is a referenced cache page of the reader's
+  // tenant holding its own prefix's KV; invariant 3 that no write lands in one).
+  const report = runCheck(DECODE_CACHE_BOUND);
+  assert.equal(report.result.counterexample, null);
+  assert.equal(report.result.complete, true);
+  assert.ok(report.result.states > 1000);
+  assert.match(formatReport(report), /decode keeps a prefix cache/);
+  const tcp = runCheck({ ...DECODE_CACHE_BOUND, transport: "tcp" });
+  assert.equal(tcp.result.counterexample, null);
+  for (const guard of ["held-pages", "page-tags"] as const) {
+    const other = guard === "held-pages" ? "page-tags" : "held-pages";
+    const caught = runCheck({ fault: "held-unpinned", keepGuards: true, disabledGuards: [other] });
+    assert.equal(caught.result.counterexample, null, `${guard} alone`);
+    assert.equal(caught.result.complete, true, `${guard} alone`);
+  }
 });
 
 test("counterexampleToDot() renders a trace as a Graphviz digraph", () => {

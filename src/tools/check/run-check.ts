@@ -19,7 +19,7 @@ import {
 import { type Counterexample, type ExploreResult, explore } from "./explore.js";
 import { ModelWorld } from "./model-world.js";
 import { explorePrefixCache } from "./prefix-model.js";
-import type { CheckRequest, ModelConfig } from "./world-state.js";
+import { type CheckRequest, FIRST_TOKEN, type ModelConfig } from "./world-state.js";
 
 /** The request pool the bound draws from; `--requests N` takes the first N. */
 export const CHECK_REQUESTS: readonly CheckRequest[] = [
@@ -27,6 +27,17 @@ export const CHECK_REQUESTS: readonly CheckRequest[] = [
   { rid: 2, tenant: 1, promptLen: 2, maxTokens: 1 },
   // Over the prefill pool (3 tokens), within the decode pool (4) and the model's window (8).
   { rid: 3, tenant: 1, promptLen: 3, maxTokens: 1 },
+];
+
+/**
+ * The decode-side reuse bound's requests (`decodeCache`): a conversation's two turns of tenant 0
+ * (turn 2's prompt is turn 1's prompt and its first generated token) and tenant 1's identical
+ * second turn. Decode caches turn 1's computed pages when it ends; turn 2 holds two of them.
+ */
+export const DECODE_CACHE_REQUESTS: readonly CheckRequest[] = [
+  { rid: 1, tenant: 0, promptLen: 2, maxTokens: 2, tokens: [1, 2] },
+  { rid: 2, tenant: 0, promptLen: 3, maxTokens: 1, tokens: [1, 2, FIRST_TOKEN] },
+  { rid: 3, tenant: 1, promptLen: 3, maxTokens: 1, tokens: [1, 2, FIRST_TOKEN] },
 ];
 
 export interface CheckOptions {
@@ -53,6 +64,11 @@ export interface CheckOptions {
    * between router slot 0 and router slot 1 (docs/protocol.md §3, item 13).
    */
   readonly routers?: number;
+  /**
+   * Decode-side reuse: decode keeps a prefix cache, over `DECODE_CACHE_REQUESTS` (the bound's
+   * `requests` take the first N of those instead).
+   */
+  readonly decodeCache?: boolean;
   readonly maxStates?: number;
   readonly maxDepth?: number;
   readonly timeLimitMs?: number;
@@ -74,8 +90,20 @@ export const DEFAULT_BOUND = {
   transport: "shm",
   reorder: false,
   routers: 1,
+  decodeCache: false,
   maxStates: 3_000_000,
 } as const;
+
+/** The decode-side reuse bound of `DEFAULT_SUITE` (and of the `held-unpinned` variant). */
+export const DECODE_CACHE_BOUND: Partial<CheckOptions> = {
+  decodeCache: true,
+  requests: 3,
+  // Prompt + max_tokens is 4 tokens: a prefill pool of 4 pages admits every request.
+  prefillPages: 4,
+  maxAttempts: 1,
+  duplicates: 0,
+  clientAborts: false,
+};
 
 /**
  * The default check: two bounds that together explore about 1,481,000 states in about 117 s of
@@ -88,6 +116,8 @@ export const DEFAULT_SUITE: readonly { readonly name: string; readonly options: 
   { name: "crashes", options: { maxAttempts: 1, crashes: 1, duplicates: 0 } },
   // Two routers over the pair (router slots 0 and 1): a small bound, under a second.
   { name: "two routers", options: { routers: 2, duplicates: 0, clientAborts: false } },
+  // Decode-side reuse: a conversation's second turn holds decode's cached pages of its first.
+  { name: "decode cache", options: DECODE_CACHE_BOUND },
 ];
 
 interface Scenario {
@@ -133,6 +163,11 @@ export const FAULT_SCENARIOS: Readonly<Record<FaultName, Scenario>> = {
     disabledGuards: ["prefix-tokens", "page-tags"],
     bound: {},
   },
+  "held-unpinned": {
+    faults: ["held-unpinned"],
+    disabledGuards: ["held-pages", "page-tags"],
+    bound: DECODE_CACHE_BOUND,
+  },
 };
 
 /** The faults the prefix cache's own model explores (src/tools/check/prefix-model.ts). */
@@ -156,10 +191,11 @@ export function resolveOptions(options: CheckOptions): {
   const merged = { ...DEFAULT_BOUND, ...(scenario?.bound ?? {}), ...stripUndefined(options) };
   const faults = scenario?.faults ?? [];
   const disabledGuards = disabledGuardsOf(options, scenario);
-  if (merged.requests < 1 || merged.requests > CHECK_REQUESTS.length) {
+  const requests = merged.decodeCache ? DECODE_CACHE_REQUESTS : CHECK_REQUESTS;
+  if (merged.requests < 1 || merged.requests > requests.length) {
     throw new KvfenceError(
       "invalid_request",
-      `The checker models 1 to ${CHECK_REQUESTS.length} requests: ${merged.requests}`,
+      `The checker models 1 to ${requests.length} requests: ${merged.requests}`,
       { param: "requests" },
     );
   }
@@ -183,7 +219,7 @@ export function resolveOptions(options: CheckOptions): {
     prefillPages: bound.prefillPages,
     pageSize: 1,
     maxModelLen: bound.maxModelLen,
-    requests: CHECK_REQUESTS.slice(0, bound.requests).map((r, i) => ({
+    requests: requests.slice(0, bound.requests).map((r, i) => ({
       ...r,
       ...(bound.routers === 1 ? {} : { router: i % 2 }),
       ...(i === 0 && bound.samples > 0 ? { samples: bound.samples } : {}),
@@ -197,6 +233,7 @@ export function resolveOptions(options: CheckOptions): {
     transport: bound.transport,
     reorder: bound.reorder,
     routers: bound.routers,
+    decodeCache: bound.decodeCache,
     safety: makeSafety({ faults, disabledGuards }),
   };
   return { config, report: { fault: options.fault ?? null, faults, disabledGuards, bound } };
@@ -275,7 +312,7 @@ export function formatReport(report: CheckReport): string {
     );
   else
     lines.push(
-      `bound: ${b.requests} requests${b.samples > 0 ? ` (the first with ${b.samples + 1} samples as one group)` : ""}, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}, routers ${b.routers}`,
+      `bound: ${b.requests} requests${b.samples > 0 ? ` (the first with ${b.samples + 1} samples as one group)` : ""}${b.decodeCache ? " (a conversation's two turns and another tenant's copy of the second; decode keeps a prefix cache)" : ""}, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}, routers ${b.routers}`,
     );
   lines.push(
     `explored ${r.states} states, ${r.transitions} transitions, depth ${r.depth}, in ${(r.elapsedMs / 1000).toFixed(1)} s${r.complete ? " (complete)" : r.counterexample === null ? " (stopped at the bound: incomplete)" : ""}`,

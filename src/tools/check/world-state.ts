@@ -23,6 +23,11 @@ export interface CheckRequest {
   readonly maxTokens: number;
   /** n > 1: samples after the first, as one group (docs/protocol.md §3, item 13); absent: none. */
   readonly samples?: number;
+  /**
+   * Its prompt's token ids (`promptLen` of them), for decode's prefix cache (`ModelConfig.decodeCache`);
+   * its generated tokens are the model's first token then one per decode step (`FIRST_TOKEN`, `STEP_TOKEN`).
+   */
+  readonly tokens?: readonly number[];
 }
 
 export interface ModelConfig {
@@ -50,7 +55,16 @@ export interface ModelConfig {
    * hands out rids of that slot (docs/protocol.md §3, item 13); each has its own FIFO channels.
    */
   readonly routers?: number;
+  /**
+   * Decode keeps a prefix cache on its pool (decode-side reuse, src/protocol/decode-held.ts): the
+   * real `PrefixCache`, its state kept with each world (`World.dCache`).
+   */
+  readonly decodeCache?: boolean;
 }
+
+/** The model's first token (prefill's) and the token of every decode step. */
+export const FIRST_TOKEN = 7;
+export const STEP_TOKEN = 100;
 
 /** A party of the world: a node role, or the second router (`router1`, router slot 1). */
 export type Party = NodeRole | "router1";
@@ -141,6 +155,8 @@ export interface World {
   lossy: number;
   /** Attempt keys whose commit was truly good: full coverage, every page holding its own data. */
   good: string[];
+  /** Decode's prefix cache (`PrefixCache.save`, as JSON; "" without `decodeCache`). */
+  dCache: string;
 }
 
 export type EnvEvent =
@@ -218,6 +234,7 @@ export function cloneWorld(w: World): World {
     losses: w.losses,
     lossy: w.lossy,
     good: w.good.slice(),
+    dCache: w.dCache,
   };
 }
 

@@ -118,6 +118,8 @@ export const NOT_IN_MATRIX: Readonly<Partial<Record<FaultName, string>>> = {
     "same window as early-free (plus the TCP receiver lease check); `kvfence check --fault late-write [--transport tcp]`",
   "stale-commit":
     "needs a retried attempt (a second epoch); the servers run one attempt per request; `kvfence check --fault stale-commit`",
+  "held-unpinned":
+    "needs another request's reservation to evict a held page between decode's reserve and its commit; over HTTP that race is not reachable deterministically — `kvfence check --fault held-unpinned` shows the trace, `src/protocol/decode-held.test.ts` runs it on the real decode machine with each guard",
 };
 
 export interface CellOutcome {

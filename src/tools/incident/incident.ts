@@ -113,6 +113,8 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
       scrubOnFree: false,
       ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
       disaggregation: options.topology !== "single",
+      // See `DISAGGREGATED_CACHE`.
+      ...(options.topology === "single" ? {} : { prefixCache: DISAGGREGATED_CACHE }),
       logLevel: "silent",
       apiKeys: keys,
       operatorKey,
@@ -127,6 +129,14 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
     throw err;
   }
 }
+
+/**
+ * The disaggregated incident runs without the prefix cache, as the incident's deployment did: with
+ * it, the decode node keeps a finished request's pages in its own cache (decode-side reuse) instead
+ * of freeing them, so tenant A's planted KV would sit in cached pages rather than in the freed,
+ * never-zeroed pages the incident's placeholder lease read. The prefix-cache rows run on one engine.
+ */
+const DISAGGREGATED_CACHE = "off";
 
 async function startIncidentCluster(
   options: IncidentServerOptions,
@@ -147,6 +157,8 @@ async function startIncidentCluster(
         ]),
     ...unsafeArgs(options.faults, options.disabledGuards),
     ...(options.linkTlsArgs ?? []),
+    "--prefix-cache",
+    DISAGGREGATED_CACHE,
   ];
   const cluster = await startLocalCluster({
     prefill: 1,

@@ -135,20 +135,7 @@ export class TenantDirectory {
     const limitsOf = new Map<string, { key: string; limits: TenantOverrides }>();
     const epochOf = new Map<string, { key: string; cacheEpoch: number }>();
     for (const { key, tenant: name, limits, cacheEpoch } of keys) {
-      if (key.length < 8 || /\s/.test(key)) {
-        throw new KvfenceError(
-          "config_invalid",
-          `${source}: an API key must be 8+ characters without spaces: ${mask(key)}`,
-        );
-      }
-      if (!TENANT_NAME_RE.test(name)) {
-        throw new KvfenceError(
-          "config_invalid",
-          `${source}: tenant names are 1-64 of [A-Za-z0-9_.@-]: ${JSON.stringify(name)}`,
-        );
-      }
-      if (seen.has(key))
-        throw new KvfenceError("config_invalid", `${source}: duplicate API key: ${mask(key)}`);
+      checkKeyEntry(key, name, seen, source);
       seen.add(key);
       if (cacheEpoch !== undefined) {
         const other = epochOf.get(name);
@@ -329,4 +316,21 @@ function parseLimits(fields: Record<string, unknown>, where: string): TenantOver
 /** Show a key without revealing it. */
 function mask(key: string): string {
   return key.length <= 6 ? "***" : `${key.slice(0, 3)}…${key.slice(-2)}`;
+}
+
+/** A key entry's own checks: the key's form, the tenant's name, no key twice. */
+function checkKeyEntry(key: string, name: string, seen: ReadonlySet<string>, source: string): void {
+  if (key.length < 8 || /\s/.test(key)) {
+    throw new KvfenceError(
+      "config_invalid",
+      `${source}: an API key must be 8+ characters without spaces: ${mask(key)}`,
+    );
+  }
+  if (!TENANT_NAME_RE.test(name)) {
+    throw new KvfenceError(
+      "config_invalid",
+      `${source}: tenant names are 1-64 of [A-Za-z0-9_.@-]: ${JSON.stringify(name)}`,
+    );
+  }
+  if (seen.has(key)) throw new KvfenceError("config_invalid", `${source}: duplicate API key: ${mask(key)}`);
 }

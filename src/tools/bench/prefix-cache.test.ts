@@ -31,6 +31,11 @@ test("runPrefixCacheBench() compares the arms turn by turn: the cache computes f
   assert.equal(off.ttftRatio, null);
   assert.ok(on.ttftRatio !== null && on.ttftRatio.ratio > 0);
   assert.equal(result.prefillPoolTokens, 2 * 64 * 16);
+  // Decode-side reuse: later turns hold their conversation's pages on decode with the cache on.
+  assert.ok(off.pagesSent !== null && off.pagesSent > 0, "the off arm's transfers counted");
+  assert.equal(off.pagesReused, 0, "nothing held on decode with the cache off");
+  assert.ok(on.pagesReused !== null && on.pagesReused > 0, `held on decode: ${on.pagesReused}`);
+  assert.ok(on.pagesSent! < off.pagesSent!, `fewer pages sent: ${on.pagesSent} < ${off.pagesSent}`);
   assert.ok(
     result.workingSetTokens > off.promptTokens / 9,
     "the working set is the conversations' last turns",

@@ -18,7 +18,8 @@
  * Reported per arm: the mean time to first token of turns 2..N (and of turn 1), with its spread
  * over rounds, the prompt tokens it computed (`usage.prompt_tokens` minus
  * `usage.prompt_tokens_details.cached_tokens`) and, where the server exports them, the KV pages
- * its transfers sent to decode and those decode already held (`kvfence_transfer_pages_total`);
+ * its transfers sent to decode and those decode already held (`kvfence_transfer_pages_total`,
+ * `kvfence_transfer_pages_reused_total`);
  * and each cached arm against `off`: the TTFT ratio as the geometric mean of the per-round ratios
  * with a 95% confidence interval. Greedy answers must be the same in every arm (a hit computes what
  * a miss does).
@@ -175,13 +176,14 @@ async function runRound(
   return outcomes;
 }
 
-/** The sum of a counter's samples in a Prometheus exposition, by its `kind` label (null: absent). */
-function transferPages(exposition: string): { sent: number; reused: number } | null {
-  const re = /^kvfence_transfer_pages_total\{[^}]*kind="(\w+)"[^}]*\}\s+(\S+)$/gm;
-  const sums = new Map<string, number>();
-  for (const m of exposition.matchAll(re)) sums.set(m[1]!, (sums.get(m[1]!) ?? 0) + Number(m[2]));
-  if (sums.size === 0) return null;
-  return { sent: sums.get("sent") ?? 0, reused: sums.get("reused") ?? 0 };
+/** The pages decode received and held (`kvfence_transfer_pages_total`, `…_reused_total`) in a Prometheus exposition (null: absent). */
+export function transferPages(exposition: string): { sent: number; reused: number } | null {
+  const total = (name: string): number | null => {
+    const m = new RegExp(`^${name}(?:\\{[^}]*\\})?\\s+(\\S+)$`, "m").exec(exposition);
+    return m === null ? null : Number(m[1]);
+  };
+  const sent = total("kvfence_transfer_pages_total");
+  return sent === null ? null : { sent, reused: total("kvfence_transfer_pages_reused_total") ?? 0 };
 }
 
 async function scrapeTransferPages(url: string): Promise<{ sent: number; reused: number } | null> {

@@ -55,6 +55,8 @@ export interface TestServerOptions {
   readonly kernels?: "ts" | "wasm" | "native" | "auto";
   /** true: the default topology (prefill and decode nodes in threads); default false (one engine). */
   readonly disaggregation?: boolean;
+  /** `--cache-ram` (e.g. "64MiB"): the KV tier in host memory below the prefix cache. */
+  readonly cacheRam?: string;
   /** `--operator-key` (default TEST_OPERATOR_KEY); null: none, so /metrics is on the operator listener. */
   readonly operatorKey?: string | null;
   /** `--metrics-tenant-names`. */
@@ -165,6 +167,7 @@ function engineFlags(options: TestServerOptions): Record<string, unknown> {
       ? {}
       : { tenantMaxConcurrency: String(options.tenantMaxConcurrency) }),
     ...(options.tenantMaxPages === undefined ? {} : { tenantMaxPages: String(options.tenantMaxPages) }),
+    ...(options.cacheRam === undefined ? {} : { cacheRam: options.cacheRam }),
   };
 }
 

@@ -29,8 +29,9 @@ interface ProbeCliOptions {
   timing?: boolean;
   trials: number;
   prefixChars: number;
-  timingCase: "prefix" | "grammar";
+  timingCase: "prefix" | "grammar" | "tiers";
   schemaProperties: number;
+  evictRequests: number;
 }
 
 export function command(): Command {
@@ -81,19 +82,25 @@ export function command(): Command {
     .option("--prefix-chars <n>", "--timing: characters of each planted prefix", int(16), 1500)
     .option(
       "--timing-case <case>",
-      "--timing: which cache to audit: prefix (the prefix cache) or grammar (compiled JSON schemas)",
+      "--timing: which cache to audit: prefix (the prefix cache), tiers (the same, each plant first pushed out of the KV pool into the server's host-memory or disk tiers) or grammar (compiled JSON schemas)",
       timingCase,
       "prefix",
     )
     .option("--schema-properties <n>", "--timing-case grammar: properties of each planted schema", int(1), 24)
+    .option(
+      "--evict-requests <n>",
+      "--timing-case tiers: fresh prompts of A after each plant, enough to fill the server's KV pool",
+      int(1),
+      8,
+    )
     .action((baseUrl: string, opts: ProbeCliOptions) =>
       opts.timing === true ? runTiming(baseUrl, opts) : runCanary(baseUrl, opts),
     );
 }
 
-function timingCase(value: string): "prefix" | "grammar" {
-  if (value !== "prefix" && value !== "grammar")
-    throw new InvalidArgumentError(`expected prefix or grammar: got ${JSON.stringify(value)}`);
+function timingCase(value: string): "prefix" | "grammar" | "tiers" {
+  if (value !== "prefix" && value !== "grammar" && value !== "tiers")
+    throw new InvalidArgumentError(`expected prefix, tiers or grammar: got ${JSON.stringify(value)}`);
   return value;
 }
 
@@ -128,9 +135,11 @@ async function runTiming(baseUrl: string, opts: ProbeCliOptions): Promise<void> 
         ? await runGrammarTimingProbe({ ...common, schemaProperties: opts.schemaProperties }).then(
             (r) => [r, renderGrammarTimingReport(r)] as const,
           )
-        : await runTimingProbe({ ...common, prefixChars: opts.prefixChars }).then(
-            (r) => [r, renderTimingReport(r)] as const,
-          );
+        : await runTimingProbe({
+            ...common,
+            prefixChars: opts.prefixChars,
+            evictRequests: opts.timingCase === "tiers" ? opts.evictRequests : 0,
+          }).then((r) => [r, renderTimingReport(r)] as const);
     if (opts.json !== undefined) await writeFile(opts.json, `${JSON.stringify(report, null, 2)}\n`);
     process.stdout.write(`${text}\n`);
     process.exitCode = report.verdict === "leak" ? 1 : 0;

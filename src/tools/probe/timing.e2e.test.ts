@@ -1,13 +1,14 @@
 /**
  * `kvfence probe --timing` against real kvfence servers: the prefix cache fenced per tenant passes
- * (no leak; the power check sees A's own hits) in the threaded topology and in the `key` scope,
+ * (no leak; the power check sees A's own hits) in the threaded topology, through the KV tiers (each
+ * plant pushed out of the pool into host memory first) and in the `key` scope,
  * and a server whose prefix keys ignore the tenant (`shared-prefix` with the `tenant-salt` and
  * `page-tags` guards off) is caught as a leak. The grammar-cache audit (`--timing-case grammar`)
  * finds no leak on kvfence's per-tenant cache of compiled schemas, while A's own repeat is faster.
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { modelDir, startTestServer } from "../../../testing/start-server.js";
+import { modelDir, scrape, startTestServer } from "../../../testing/start-server.js";
 import { startIncidentServer } from "../incident/incident.js";
 import { renderGrammarTimingReport, runGrammarTimingProbe } from "./grammar-timing.js";
 import { renderTimingReport, runTimingProbe, type TimingReport } from "./timing.js";
@@ -19,7 +20,7 @@ const TRIALS = 10;
  * 1% level, which makes the verdict "inconclusive", never "leak").
  */
 function assertNoLeak(
-  report: Omit<TimingReport, "prefixChars">,
+  report: Omit<TimingReport, "prefixChars" | "evictRequests">,
   text = renderTimingReport(report as TimingReport),
 ): void {
   assert.notEqual(report.verdict, "leak", text);
@@ -27,20 +28,65 @@ function assertNoLeak(
   assert.ok(report.sameTenant.medianPlantedMs < report.sameTenant.medianFreshMs, text);
 }
 
+const TENANTS = { "sk-timing-alpha-01": "alpha", "sk-timing-beta-002": "beta" };
+
 test("the timing probe finds no leak on kvfence (threaded, tenant scope); A's own repeat is faster", {
   timeout: 240_000,
 }, async () => {
-  const server = await startIncidentServer({ faults: [], disabledGuards: [], undersizedPrefill: false });
+  const server = await startTestServer({
+    model: modelDir("kvfence-tiny"),
+    kvPages: 256,
+    apiKeys: TENANTS,
+    disaggregation: true,
+  });
   try {
     const report = await runTimingProbe({
       baseUrl: server.url,
-      apiKeyA: server.keyA,
-      apiKeyB: server.keyB,
+      apiKeyA: "sk-timing-alpha-01",
+      apiKeyB: "sk-timing-beta-002",
       trials: TRIALS,
       prefixChars: 900,
     });
     assertNoLeak(report);
     assert.equal(report.failures, 0);
+  } finally {
+    await server.close();
+  }
+});
+
+test("the timing probe finds no leak through the KV tiers (--timing-case tiers): A's own repeat, loaded back from host memory, is faster", {
+  timeout: 240_000,
+}, async () => {
+  // 80 pages of 16 tokens: three fresh prompts of ~720 tokens (this tokenizer: about a token a
+  // character) push each plant out of the pool into --cache-ram.
+  const server = await startTestServer({
+    model: modelDir("kvfence-tiny"),
+    kvPages: 80,
+    maxModelLen: 1024,
+    apiKeys: TENANTS,
+    disaggregation: true,
+    cacheRam: "64MiB",
+  });
+  try {
+    const report = await runTimingProbe({
+      baseUrl: server.url,
+      apiKeyA: "sk-timing-alpha-01",
+      apiKeyB: "sk-timing-beta-002",
+      trials: TRIALS,
+      prefixChars: 700,
+      evictRequests: 3,
+    });
+    assertNoLeak(report);
+    assert.equal(report.failures, 0);
+    assert.match(renderTimingReport(report), /pushed out of the KV pool by 3 fresh prompts/);
+    const m = await scrape(server.url);
+    const ramLoads = [...m].filter(
+      ([k]) => k.startsWith("kvfence_kv_tier_") && /load/.test(k) && /ram/.test(k),
+    );
+    assert.ok(
+      ramLoads.length === 0 || ramLoads.some(([, v]) => v > 0),
+      `pages loaded back from RAM: ${JSON.stringify(ramLoads)}`,
+    );
   } finally {
     await server.close();
   }

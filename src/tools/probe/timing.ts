@@ -18,6 +18,11 @@
  * - `inconclusive`: neither is measurably faster — no prefix cache, or too few trials or too
  *   short a prefix to see one; the audit cannot tell.
  *
+ * With `evictRequests` (the KV tiers' case, `--timing-case tiers`), A follows each plant with that
+ * many fresh prompts of the same length, pushing the planted pages out of the server's KV pool into
+ * whatever keeps them below it (host memory, disk): B's pair then asks whether a page loaded back
+ * from a tier reaches another tenant, and A's pair (a hit from the tier) is the power check.
+ *
  * Trials run one request at a time (no load of our own). It imports only lib helpers and its own
  * client, so it works against any server. The same design audits the grammar cache
  * (grammar-timing.ts), over this module's `timingRun`, `Timer`, `compare` and `verdictOf`.
@@ -37,6 +42,8 @@ export interface TimingOptions {
   readonly trials?: number;
   /** Characters of each prefix (default 1500). */
   readonly prefixChars?: number;
+  /** Fresh prompts A sends after each plant, to push it out of the KV pool (default 0). */
+  readonly evictRequests?: number;
   /** Significance level of the one-sided test (default 0.01). */
   readonly alpha?: number;
   readonly seed?: number;
@@ -56,6 +63,8 @@ export interface TimingComparison {
 export interface TimingReport {
   readonly trials: number;
   readonly prefixChars: number;
+  /** Fresh prompts after each plant (0: the plant stays in the pool). */
+  readonly evictRequests: number;
   readonly alpha: number;
   /** Tenant B after tenant A's plant: the leak under test. */
   readonly crossTenant: TimingComparison;
@@ -111,6 +120,7 @@ export async function timingRun(
 
 export async function runTimingProbe(options: TimingOptions): Promise<TimingReport> {
   const chars = options.prefixChars ?? 1500;
+  const evict = options.evictRequests ?? 0;
   const { trials, alpha, rng, timer } = await timingRun(options);
   const cross = { planted: [] as number[], fresh: [] as number[] };
   const same = { planted: [] as number[], fresh: [] as number[] };
@@ -119,6 +129,8 @@ export async function runTimingProbe(options: TimingOptions): Promise<TimingRepo
   for (let i = 0; i < trials; i++) {
     const planted = randomPrefix(rng, chars);
     await timer.time(options.apiKeyA, `${planted}\nwhat comes first?`);
+    for (let e = 0; e < evict; e++)
+      await timer.time(options.apiKeyA, `${randomPrefix(rng, chars)}\nwhat comes first?`);
     await timer.pair(options.apiKeyB, planted, randomPrefix(rng, chars), "what comes next?", rng, cross);
     await timer.pair(options.apiKeyA, planted, randomPrefix(rng, chars), "what comes last?", rng, same);
     if ((i + 1) % 10 === 0) options.onProgress?.(`timing: ${i + 1}/${trials} trials`);
@@ -126,7 +138,16 @@ export async function runTimingProbe(options: TimingOptions): Promise<TimingRepo
   const crossTenant = compare(cross);
   const sameTenant = compare(same);
   const verdict = verdictOf(crossTenant, sameTenant, alpha);
-  return { trials, prefixChars: chars, alpha, crossTenant, sameTenant, failures: timer.failures, verdict };
+  return {
+    trials,
+    prefixChars: chars,
+    evictRequests: evict,
+    alpha,
+    crossTenant,
+    sameTenant,
+    failures: timer.failures,
+    verdict,
+  };
 }
 
 /** A leak when B is faster after A's plant; else no leak when A's own repeat is faster; else inconclusive. */
@@ -239,7 +260,7 @@ export function renderTimingReport(r: TimingReport): string {
     inconclusive: `inconclusive: neither tenant is measurably faster after the plant (no prefix cache, or too few trials or too short a prefix to see one)`,
   }[r.verdict];
   return [
-    `kvfence probe --timing: ${r.trials} paired trials, prefixes of ${r.prefixChars} characters, one-token requests one at a time${r.failures > 0 ? `, ${r.failures} failed requests` : ""}`,
+    `kvfence probe --timing: ${r.trials} paired trials, prefixes of ${r.prefixChars} characters, one-token requests one at a time${r.evictRequests > 0 ? `, each plant pushed out of the KV pool by ${r.evictRequests} fresh prompts of A (the tiers' case)` : ""}${r.failures > 0 ? `, ${r.failures} failed requests` : ""}`,
     line("tenant B after tenant A's plant (the leak)", r.crossTenant),
     line("tenant A after its own plant (power check)", r.sameTenant),
     verdict,

@@ -198,7 +198,8 @@ function serve(
 export interface ArmNodes {
   readonly prefill: number;
   readonly decode: number;
-  readonly nodeArgs: readonly string[];
+  /** Node `index` of `role`'s own arguments (in the one-process topologies: prefill node 0's). */
+  readonly nodeArgs: (role: "prefill" | "decode", index: number) => readonly string[];
 }
 
 /**
@@ -212,7 +213,7 @@ export async function startArm(
   topology: FairBenchTopology,
   common: readonly string[],
   routerArgs: readonly string[],
-  nodes: ArmNodes = { prefill: 1, decode: 1, nodeArgs: [] },
+  nodes: ArmNodes = { prefill: 1, decode: 1, nodeArgs: () => [] },
 ): Promise<Server> {
   const children: ChildProcess[] = [];
   try {
@@ -222,7 +223,7 @@ export async function startArm(
         [
           ...common,
           ...(topology === "single" ? ["--no-disaggregation"] : []),
-          ...nodes.nodeArgs,
+          ...nodes.nodeArgs("prefill", 0),
           ...routerArgs,
         ],
         {},
@@ -235,9 +236,12 @@ export async function startArm(
       };
     }
     const env = { KVFENCE_CLUSTER_SECRET: randomBytes(24).toString("hex") };
-    const roles = [...Array(nodes.prefill).fill("prefill"), ...Array(nodes.decode).fill("decode")];
+    const roles: ["prefill" | "decode", number][] = [
+      ...Array.from({ length: nodes.prefill }, (_, i): ["prefill", number] => ["prefill", i]),
+      ...Array.from({ length: nodes.decode }, (_, i): ["decode", number] => ["decode", i]),
+    ];
     const settled = await Promise.allSettled(
-      roles.map((role) => serve(main, ["--role", role, ...common, ...nodes.nodeArgs], env)),
+      roles.map(([role, i]) => serve(main, ["--role", role, ...common, ...nodes.nodeArgs(role, i)], env)),
     );
     for (const s of settled) if (s.status === "fulfilled") children.push(s.value.child);
     const failed = settled.find((s) => s.status === "rejected");

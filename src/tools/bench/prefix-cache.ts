@@ -54,6 +54,8 @@ export interface PrefixBenchOptions {
   readonly kvPages?: number;
   /** Longest request the servers take (`--max-model-len`; default: the model's context). */
   readonly maxModelLen?: number;
+  /** The decode nodes' KV pool in pages (`cluster` only; default: `kvPages`). */
+  readonly decodeKvPages?: number;
   /** Node processes of each role (`cluster` only). */
   readonly prefillNodes?: number;
   readonly decodeNodes?: number;
@@ -121,10 +123,21 @@ const PAGE_SIZE = 16;
 const keyOf = (t: number): string => `sk-bench-prefix-tenant-${t}`;
 const OPERATOR_KEY = "sk-bench-prefix-operator";
 
-/** The flags an arm's servers (nodes, in a cluster) get. */
-function armArgs(arm: PrefixArmName, tierArgs: readonly string[]): string[] {
+/**
+ * The flags of an arm's node `index` of `role` (in the one-process topologies, the server's): the
+ * cache on or off, and the tiers arm's tier flags on prefill nodes (each disk tier in a directory
+ * of its own, `DIR/prefill-i`, as `kvfence cluster` does).
+ */
+function armArgs(
+  arm: PrefixArmName,
+  tierArgs: readonly string[],
+  role: "prefill" | "decode",
+  index: number,
+): string[] {
   if (arm === "off") return ["--prefix-cache", "off"];
-  return ["--prefix-cache", "on", ...(arm === "tiers" ? tierArgs : [])];
+  if (arm === "on" || role === "decode") return ["--prefix-cache", "on"];
+  const own = tierArgs.map((a, i) => (tierArgs[i - 1] === "--cache-disk" ? join(a, `prefill-${index}`) : a));
+  return ["--prefix-cache", "on", ...own];
 }
 
 /** Runs `jobs` with at most `limit` at once. */
@@ -261,6 +274,7 @@ function settingsOf(options: PrefixBenchOptions) {
     outputLen: options.outputLen ?? 32,
     seed: options.seed ?? 1,
     kvPages: options.kvPages ?? 1024,
+    decodeKvPages: topology === "cluster" ? options.decodeKvPages : undefined,
     common: [
       ...serveArgsOf(options, 1024),
       ...(options.maxModelLen === undefined ? [] : ["--max-model-len", String(options.maxModelLen)]),
@@ -288,10 +302,18 @@ async function startArms(st: Settings, keys: string, dir: string): Promise<Map<P
     join(dir, "tier-disk.key"),
   ];
   for (const arm of st.arms) {
-    const args = armArgs(arm, tierArgs);
-    const nodes: ArmNodes = { prefill: st.prefillNodes, decode: st.decodeNodes, nodeArgs: args };
-    st.log(`starting the ${arm} arm (${st.topology}): ${args.join(" ")}`);
-    const routerArgs = ["--api-keys", keys, ...(st.topology === "cluster" ? args.slice(0, 2) : [])];
+    const decodePool = st.decodeKvPages === undefined ? [] : ["--kv-pages", String(st.decodeKvPages)];
+    const nodes: ArmNodes = {
+      prefill: st.prefillNodes,
+      decode: st.decodeNodes,
+      nodeArgs: (role, i) => [...armArgs(arm, tierArgs, role, i), ...(role === "decode" ? decodePool : [])],
+    };
+    st.log(`starting the ${arm} arm (${st.topology}): ${armArgs(arm, tierArgs, "prefill", 0).join(" ")}`);
+    const routerArgs = [
+      "--api-keys",
+      keys,
+      ...(st.topology === "cluster" ? armArgs(arm, [], "decode", 0) : []),
+    ];
     servers.set(arm, await startArm(THIS_MAIN, st.topology, st.common, routerArgs, nodes));
   }
   return servers;
@@ -448,6 +470,7 @@ interface PrefixCliOptions {
   topology: FairBenchTopology;
   model?: string;
   kvPages: number;
+  decodeKvPages?: number;
   maxModelLen?: number;
   prefillNodes: number;
   decodeNodes: number;
@@ -488,6 +511,11 @@ export function prefixCacheCommand(): Command {
     .option("--model <dir>", "model folder (default: the bundled kvfence-tiny)")
     .option("--kv-pages <n>", "KV pool of each engine or node in pages", positiveInt("--kv-pages"), 1024)
     .option("--max-model-len <tokens>", "longest request the servers take", positiveInt("--max-model-len"))
+    .option(
+      "--decode-kv-pages <n>",
+      "cluster: the decode nodes' KV pool in pages (default: --kv-pages)",
+      positiveInt("--decode-kv-pages"),
+    )
     .option("--prefill-nodes <n>", "cluster: prefill node processes", positiveInt("--prefill-nodes"), 1)
     .option("--decode-nodes <n>", "cluster: decode node processes", positiveInt("--decode-nodes"), 1)
     .option("--arms <list>", "arms to compare: off, on (or pool), tiers", armList, [

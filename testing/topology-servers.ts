@@ -38,6 +38,10 @@ export interface TopologyOptions {
   readonly prefixCache?: "on" | "off";
   /** `--kv-cache-dtype` (default f16, as `kvfence serve`). */
   readonly kvCacheDtype?: "f32" | "f16" | "bf16";
+  /** Cluster only: more flags for the router process (e.g. `--max-migrations 0`). */
+  readonly routerArgs?: readonly string[];
+  /** Cluster only: more flags for prefill node `index` (e.g. a node fault on one of them). */
+  readonly prefillArgsAt?: (index: number) => readonly string[];
 }
 
 function keysFile(keys: Readonly<Record<string, string>>): { path: string; dir: string } {
@@ -114,7 +118,14 @@ export async function startCluster(
       decode,
       model: options.model,
       nodeArgs,
-      routerArgs: ["--api-keys", keys.path, "--operator-key", TEST_OPERATOR_KEY],
+      routerArgs: [
+        "--api-keys",
+        keys.path,
+        "--operator-key",
+        TEST_OPERATOR_KEY,
+        ...(options.routerArgs ?? []),
+      ],
+      ...(options.prefillArgsAt === undefined ? {} : { prefillArgsAt: options.prefillArgsAt }),
     });
     return {
       url: cluster.url,

@@ -34,6 +34,7 @@ const FORWARDED: ReadonlyArray<[flag: string, value: string]> = [
   ["--queue-timeout", "5"],
   ["--scheduling-policy", "fcfs"],
   ["--ready-timeout", "0.25"],
+  ["--max-migrations", "0"],
   ["--chat-template", "tools.jinja"],
   ["--tool-call-parser", "llama3_json"],
 ];

@@ -7,8 +7,8 @@
  * and the tokenizer pool (`--max-body-bytes`, `--max-prompt-bytes`, `--max-response-bytes`,
  * `--max-messages`, `--max-json-depth`, `--tokenizer-threads`), the chat template and tool-call parser
  * (`--chat-template`, `--tool-call-parser`), and the fair-share and readiness flags
- * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--scheduling-policy`, `--ready-timeout`) to
- * the router; the
+ * (`--tenant-max-*`, `--max-queue`, `--queue-timeout`, `--scheduling-policy`, `--ready-timeout`),
+ * `--max-migrations` to the router; the
  * model and pool flags (`--quantize`, `--kv-cache-dtype`, `--kv-pages`, `--kernels`, ...) to every
  * node (`nodeArgsOf`).
  */
@@ -86,6 +86,10 @@ export function command(): Command {
       "router: a node that does not answer a ping within this is not ready (default 0.5)",
     )
     .option(
+      "--max-migrations <n>",
+      "router: times a request may migrate mid-stream to another pair when a node is lost (default 2)",
+    )
+    .option(
       "--operator-key <key>",
       "the router's operator key for /metrics and /kvfence/nodes (or env KVFENCE_OPERATOR_KEY)",
     )
@@ -153,6 +157,7 @@ export function routerArgsOf(raw: RawOptions): string[] {
     ["--queue-timeout", "queueTimeout"],
     ["--scheduling-policy", "schedulingPolicy"],
     ["--ready-timeout", "readyTimeout"],
+    ["--max-migrations", "maxMigrations"],
     ["--prefix-cache-scope", "prefixCacheScope"],
   ]);
   if (raw.metricsTenantNames !== undefined) args.push("--metrics-tenant-names");

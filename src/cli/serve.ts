@@ -242,6 +242,10 @@ function fairShareOptions(cmd: Command): Command {
       "/ready: a node (or the engine) that does not answer a ping within this is not ready (default 0.5)",
     )
     .option(
+      "--max-migrations <n>",
+      "router: times a request may migrate mid-stream to another prefill/decode pair when a node is lost (0: none, the stream ends with an error; default 2)",
+    )
+    .option(
       "--router-slot <n>",
       "router: this router's slot, 0-15; each router over the same nodes needs its own (default: with --registry the lowest free slot in etcd, else 0; docs/topologies.md)",
     );

@@ -4,7 +4,7 @@
  * router's `MetricsScrape` after the engine's): bytes transferred and a GB/s histogram per transfer,
  * checksum and coverage failures, dropped stale and misaddressed writes, quarantined pages,
  * ABORT_ACK latency, and pages and queue gauges per node and role; and the router's own refusals of
- * nodes it dialled; and its KV index's size and routing decisions by reason. The GB/s and ABORT_ACK observations come with the polls (one per transfer or
+ * nodes it dialled; its KV index's size and routing decisions by reason; its migrations mid-stream. The GB/s and ABORT_ACK observations come with the polls (one per transfer or
  * abort, drained at the scrape), so they go to prom-client's `Histogram` as they are.
  */
 import { exponentialBuckets, Histogram } from "prom-client";
@@ -56,7 +56,14 @@ export function registerClusterMetrics(router: ScrapeTarget, engine: Disaggregat
     for (const [reason, n] of Object.entries(engine.dialRefusals))
       setCounter(metrics.dialRefusals, n, { reason });
     collectRouting(metrics, engine.routing());
+    collectMigrations(metrics, engine);
   });
+}
+
+/** The router's moves and migrations by reason and result (migration.ts). */
+function collectMigrations(metrics: ClusterMetrics, engine: DisaggregatedEngine): void {
+  for (const { reason, result, count } of engine.migrations.counts())
+    setCounter(metrics.migrations, count, { reason, result });
 }
 
 /** The router's KV index size and its routing decisions by reason (kv-routing-policy.ts). */
@@ -202,6 +209,11 @@ function nodeMetrics(scrape: MetricsScrape) {
       "kvfence_router_link_refusals_total",
       "Nodes the router dialled and refused in the handshake, by reason (address_mismatch: the node answers to another address than the one dialled, i.e. a relay, e.g. at a registry entry copied to its address)",
       ["reason"],
+    ),
+    migrations: scrape.counter(
+      "kvfence_migrations_total",
+      "Requests whose attempt a node's loss or failure ended after tokens were sent, by reason (the error code: node_unavailable, transfer_failed, page_tag_mismatch, ...) and result (migrated: it went on on another pair; moved: the same before its first token; budget_spent: --max-migrations reached; no_pair: no other pair up; group: a sample of n > 1)",
+      ["reason", "result"],
     ),
   };
 }

@@ -55,6 +55,8 @@ export interface ClusterRouterOptions {
   readonly phaseMetrics?: boolean;
   /** This router's slot (`--router-slot`, default 0): each router over the same nodes needs its own. */
   readonly routerSlot?: number;
+  /** `--max-migrations`: times a request may migrate mid-stream to another pair (default 2). */
+  readonly maxMigrations?: number;
   /** Lost nodes, re-dials and refusals. */
   readonly log?: Logger;
 }
@@ -250,6 +252,7 @@ export async function connectCluster(options: ClusterRouterOptions): Promise<Dis
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
     ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
     ...(options.routerSlot === undefined ? {} : { routerSlot: options.routerSlot }),
+    ...(options.maxMigrations === undefined ? {} : { maxMigrations: options.maxMigrations }),
     dialRefusals: dial.refusals,
   });
   superviseNodes(engine, options);
@@ -477,6 +480,7 @@ class RegistryMembership {
       ...(o.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: o.pingTimeoutMs }),
       ...(o.phaseMetrics === undefined ? {} : { phaseMetrics: o.phaseMetrics }),
       ...(o.routerSlot === undefined ? {} : { routerSlot: o.routerSlot }),
+      ...(o.maxMigrations === undefined ? {} : { maxMigrations: o.maxMigrations }),
       dialRefusals: this.#refusals,
     });
     this.#engine = engine;

@@ -17,7 +17,8 @@
  * and context length; each node re-checks at its own door and its rejection reaches the client
  * unchanged. Effects become link messages (the prompt's token ids and the sampling parameters ride
  * along), `GenerationEvents` calls, and, on `respond`, the end of the request. A link's close is
- * the node's loss: every in-flight request on it fails with 503 `node_unavailable`; decode nodes
+ * the node's loss: every in-flight attempt on it ends with `node_unavailable` (its request runs
+ * again elsewhere, or fails with 503: migration.ts); decode nodes
  * hear of a lost prefill node and fence it. A lost node that comes back (`nodeBack`, the cluster
  * router re-dials it) is paired again once decode's transfer channel to it is up.
  *
@@ -29,7 +30,7 @@
  * its tenant's queue, to be submitted again as a fresh attempt under a new internal request id
  * (the refused one is tombstoned), and that node takes nothing more until it reports freed pages
  * (`pages_freed`). No timer frees or waits for pages. A request whose pair lost a node before its
- * first token runs again on another pair, once.
+ * first token runs again on another pair, once; after it, it migrates (migration.ts).
  *
  * Readiness (`health()`, `/ready`): a node whose readiness pong is late is not answering and gets
  * no new requests until it answers again; ready means a pair is up with both its nodes answering.
@@ -62,6 +63,7 @@ import type { ControlMessage } from "../protocol/wire.js";
 import type { LinkAuthFailures } from "../transfer/link-guard.js";
 import { AttemptRids } from "./attempt-rids.js";
 import { KvRoutingPolicy } from "./kv-routing-policy.js";
+import { Migrations, resumedTokens } from "./migration.js";
 import { NodePings } from "./node-pings.js";
 import { NodeStatsPoller, nodeView } from "./node-stats.js";
 import {
@@ -73,7 +75,7 @@ import {
   type RoutingReport,
   sequenceSlots,
 } from "./pair-pool.js";
-import { type PendingRequest, pendingRequest } from "./pending-request.js";
+import { type PendingRequest, pendingRequest, usageOf } from "./pending-request.js";
 import { isRider, SampleGroups, withRiders } from "./sample-group.js";
 
 export type { RouterNode } from "./pair-pool.js";
@@ -102,10 +104,9 @@ export interface DisaggregatedEngineOptions {
   readonly dialRefusals?: LinkAuthFailures;
   /** Which pair takes a request among those that can. Default: `KvRoutingPolicy`. */
   readonly pairPolicy?: PairPolicy;
+  /** `--max-migrations`: times a request may migrate mid-stream (migration.ts). Default 2. */
+  readonly maxMigrations?: number;
 }
-
-/** A request whose pair lost a node before its first token runs again on another pair, once. */
-const MAX_MOVES = 1;
 
 export class DisaggregatedEngine implements EngineHandle {
   readonly capacity: EngineCapacity;
@@ -133,6 +134,8 @@ export class DisaggregatedEngine implements EngineHandle {
   readonly #rids: AttemptRids;
   /** See `DisaggregatedEngineOptions.dialRefusals` (`kvfence_router_link_refusals_total`). */
   readonly dialRefusals: LinkAuthFailures;
+  /** Requests moved to another pair after a node's loss or failure (`kvfence_migrations_total`). */
+  readonly migrations: Migrations;
 
   constructor(options: DisaggregatedEngineOptions) {
     if (options.prefill.length === 0 || options.decode.length === 0) {
@@ -140,6 +143,7 @@ export class DisaggregatedEngine implements EngineHandle {
     }
     this.#rids = new AttemptRids(options.routerSlot ?? 0);
     this.dialRefusals = options.dialRefusals ?? {};
+    this.migrations = new Migrations(options.maxMigrations);
     this.phases = new PhaseRecorder(options.phaseMetrics ?? true);
     const nodes = [...options.prefill, ...options.decode];
     const min = (f: (n: RouterNode) => number, list: readonly RouterNode[]) => Math.min(...list.map(f));
@@ -457,8 +461,8 @@ export class DisaggregatedEngine implements EngineHandle {
       type: "submit",
       rid: p.rid,
       tenant: p.request.tenant,
-      promptLen: p.request.promptTokens.length,
-      maxTokens: p.request.maxTokens,
+      promptLen: p.prompt.length,
+      maxTokens: p.maxTokens,
       ...(group === null || group.riders.length === 0 ? {} : { samples: group.rids() }),
     });
     return true;
@@ -511,7 +515,9 @@ export class DisaggregatedEngine implements EngineHandle {
         return;
       case "prefix_cached": {
         const pending = this.#requests.get(message.rid);
-        if (pending !== undefined && pending.rid === message.rid) pending.cachedTokens = message.cachedTokens;
+        // A migrated request's prompt is its first attempt's.
+        if (pending?.rid === message.rid && pending.migrations === 0)
+          pending.cachedTokens = message.cachedTokens;
         return;
       }
       default:
@@ -526,7 +532,7 @@ export class DisaggregatedEngine implements EngineHandle {
     const pair = pending.pair;
     if (slot !== pair.prefill && slot !== pair.decode) return;
     if (msg.type === "finished") {
-      pending.completionTokens = msg.completionTokens;
+      pending.completionTokens = resumedTokens(pending) + msg.completionTokens;
       if (msg.stopTokenId !== undefined) pending.stopTokenId = msg.stopTokenId;
     }
     if (msg.type === "lease" && pending.reserveSentAt > 0) {
@@ -632,6 +638,7 @@ export class DisaggregatedEngine implements EngineHandle {
       pending.stopTokenId = effect.tokens[n]!;
     }
     if (n > 0) {
+      for (let i = 0; i < n; i++) pending.output.push(effect.tokens[i]!);
       this.#timeTokens(pending, n);
       const all = n === effect.tokens.length;
       pending.events.onTokens(
@@ -675,20 +682,17 @@ export class DisaggregatedEngine implements EngineHandle {
     const mayWait =
       !pending.silenced && effect.error?.code === "pool_exhausted" && pending.refusedForPages !== null;
     if (mayWait && this.#waitForPages(pending)) return;
-    if (effect.error?.code === "node_unavailable" && this.#moveToAnotherPair(pending)) return;
+    const error =
+      effect.error === null || this.#closed ? effect.error : this.#relocate(pending, effect.error);
+    if (error === "requeued") return;
     this.#open.delete(pending.request.rid);
     if (group === null) this.#share.finished(pending);
     if (pending.silenced) return;
-    if (effect.error === null) {
+    if (error === null) {
       // A stop token ends it with `stop` even as its last allowed token (max_tokens 1: decode
       // finished the request at commit, by its length).
-      pending.events.onFinish(pending.stopped ? "stop" : (effect.finishReason ?? "length"), {
-        promptTokens: pending.request.promptTokens.length,
-        completionTokens: pending.completionTokens,
-        ...(pending.cachedTokens === null ? {} : { cachedTokens: pending.cachedTokens }),
-        ...(pending.stopTokenId === null ? {} : { stopTokenId: pending.stopTokenId }),
-      });
-    } else pending.events.onError(effect.error);
+      pending.events.onFinish(pending.stopped ? "stop" : (effect.finishReason ?? "length"), usageOf(pending));
+    } else pending.events.onError(error);
   }
 
   /**
@@ -711,19 +715,19 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   /**
-   * Its pair lost a node before the request's first token: it goes back to the front of its
-   * tenant's queue, to run as a fresh attempt on a pair that is up (once; false when it cannot:
-   * a token already streamed, aborted, moved before, or no other pair is usable).
+   * A node's loss or failure ended the attempt of `pending` (migration.ts): it goes back to the
+   * front of its tenant's queue, to run as a fresh attempt on a pair that is up ("requeued"), or it
+   * ends — with the error returned, or finished (null: nothing was left to generate).
    */
-  #moveToAnotherPair(pending: PendingRequest): boolean {
-    if (pending.silenced || pending.firstToken || pending.moved >= MAX_MOVES || this.#closed) return false;
+  #relocate(pending: PendingRequest, error: WireError): WireError | null | "requeued" {
     const from = pending.pair;
-    if (!this.#pool.pairs.some((p) => p !== from && this.#pool.usable(p))) return false;
-    pending.moved++;
+    const other = this.#pool.pairs.some((p) => p !== from && this.#pool.usable(p));
+    const next = this.migrations.after(pending, error, other, this.capacity.pageSize);
+    if (next !== "requeue") return next === "finished" ? null : next;
     pending.pair = null;
-    if (!this.#share.returned(pending)) return false;
+    if (!this.#share.returned(pending)) return error;
     this.#share.pump();
-    return true;
+    return "requeued";
   }
 
   #send(pair: NodePair, slot: NodeSlot, msg: ControlMessage): void {
@@ -740,7 +744,7 @@ export class DisaggregatedEngine implements EngineHandle {
             ? msg
             : {
                 ...msg,
-                promptTokens: pending.request.promptTokens,
+                promptTokens: pending.prompt,
                 cacheSalt: pending.request.cacheSalt ?? null,
                 cacheScope: pending.request.cacheScope ?? "",
                 ...(pending.request.cacheEpoch === undefined
@@ -754,12 +758,18 @@ export class DisaggregatedEngine implements EngineHandle {
       const sampling = pending.sampling;
       pending.reserveSentAt = performance.now();
       // Decode looks the prompt up in its prefix cache (decode-side reuse) under the same salt
-      // inputs as prefill; its sampling reads the ids for a repetition penalty.
-      const { promptTokens, cacheSalt, cacheScope } = pending.request;
+      // inputs as prefill; its sampling reads the ids for a repetition penalty, or to resume (the
+      // attempt's prompt: after a migration, the request's followed by the output so far).
+      const { cacheSalt, cacheScope } = pending.request;
       message = {
         kind: "protocol",
         prefill: pair.prefill.id,
-        msg: { ...msg, promptTokens, cacheSalt: cacheSalt ?? null, cacheScope: cacheScope ?? "" },
+        msg: {
+          ...msg,
+          promptTokens: pending.prompt,
+          cacheSalt: cacheSalt ?? null,
+          cacheScope: cacheScope ?? "",
+        },
         sampling,
         ...(trace === undefined ? {} : { trace }),
       };

@@ -1,12 +1,12 @@
 /**
  * One request as the router holds it, from `submit` to its end (vLLM's `Request`): the client's
- * request and events, its current attempt (the rid it goes out under, its pair), what it reserves
+ * request and events, its current attempt (the rid it goes out under, its pair, its prompt), what it reserves
  * by the router's ledger (`PairDemand`), its n > 1 group (`GroupSample`), and what the router
  * times and counts of it.
  */
 
 import { decodeReservationPages } from "../protocol/decode-machine.js";
-import type { GenerationEvents, GenerationRequest } from "../protocol/engine-api.js";
+import type { GenerationEvents, GenerationRequest, GenerationUsage } from "../protocol/engine-api.js";
 import type { SamplingParams } from "../protocol/sampling-params.js";
 import type { NodePair, NodeSlot, PairDemand, PromptChain } from "./pair-pool.js";
 import type { GroupSample, SampleGroup } from "./sample-group.js";
@@ -22,6 +22,16 @@ export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> 
   refusedForPages: NodeSlot | null;
   readonly request: GenerationRequest;
   readonly events: GenerationEvents;
+  /**
+   * The prompt and `max_tokens` of its current attempt: its request's, or after a migration
+   * mid-stream (migration.ts) the prompt followed by the output so far and what is left.
+   */
+  prompt: Int32Array;
+  maxTokens: number;
+  /** The output token ids that reached its client (a migration re-runs from them). */
+  readonly output: number[];
+  /** Times it migrated mid-stream to another pair (migration.ts). */
+  migrations: number;
   /** Its request's sampling, as is; a group's first sample's: with its riders' seeds, set at each dispatch. */
   sampling: SamplingParams;
   /**
@@ -29,7 +39,7 @@ export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> 
    * prompt pages once) and on prefill (the prompt).
    */
   decodePages: number;
-  readonly prefillPages: number;
+  prefillPages: number;
   /** The prefill node's pages still count in the ledger (until the commit). */
   prefillHeld: boolean;
   /** Prompt tokens the prefill node served from its prefix cache (null: it has none, or not told). */
@@ -73,6 +83,10 @@ export function pendingRequest(
     refusedForPages: null,
     request,
     events,
+    prompt: request.promptTokens,
+    maxTokens: request.maxTokens,
+    output: [],
+    migrations: 0,
     sampling: request.sampling,
     decodePages: decodeReservationPages(request.promptTokens.length, request.maxTokens, pageSize),
     prefillPages: Math.ceil(request.promptTokens.length / pageSize),
@@ -90,5 +104,16 @@ export function pendingRequest(
     lastTokenAt: 0,
     moved: 0,
     group: null,
+  };
+}
+
+/** The usage its client learns at its finish: its prompt (its first attempt's), its output, its migrations. */
+export function usageOf(pending: PendingRequest): GenerationUsage {
+  return {
+    promptTokens: pending.request.promptTokens.length,
+    completionTokens: pending.completionTokens,
+    ...(pending.cachedTokens === null ? {} : { cachedTokens: pending.cachedTokens }),
+    ...(pending.stopTokenId === null ? {} : { stopTokenId: pending.stopTokenId }),
+    ...(pending.migrations === 0 ? {} : { migrations: pending.migrations }),
   };
 }

@@ -14,7 +14,9 @@
  * grammar is compiled (`constrain`, per tenant, on the engine's grammar threads: src/grammar/); then before each draw its matcher
  * masks the logits the grammar forbids — after the logit controls, while its log-probabilities stay
  * the raw logits' — and the drawn token advances it. A decode node's matcher first accepts the
- * tokens prefill sampled; a prefill node's siblings draw under the same first mask.
+ * tokens prefill sampled; a prefill node's siblings draw under the same first mask. A request
+ * migrated mid-stream (`resumedTokens`) resumes the lost attempt's sampler: its output so far
+ * counts as output for the controls and the grammar, and its generator skips their draws.
  *
  * This is the one place in the engine that reads a request's sampling parameters (temperature, top
  * p and k, seed, stop token ids, logit controls, log-probabilities, the group's seeds); the engine
@@ -76,6 +78,7 @@ export class SamplingStep {
    * the entries to fill and the forward pass's per-row callback that fills them (made once per request).
    */
   prepare(seq: Sequence): void {
+    this.#resume(seq);
     const k = seq.request.sampling.promptLogprobs;
     if (k === undefined || seq.ownership === "decode-external") return;
     const entries: (TokenLogprobs | null)[] = new Array(seq.promptLength).fill(null);
@@ -86,6 +89,27 @@ export class SamplingStep {
       const next = seq.stepStart + index + 1;
       if (next < seq.promptLength) entries[next] = tokenLogprobs(logits, seq.tokens[next]!, k, offset, vocab);
     };
+  }
+
+  /**
+   * A request migrated mid-stream (`SamplingParams.resumedTokens` = r): the last r prompt tokens
+   * are its output so far — the controls and the grammar read them as such (`seq.history`), and
+   * its generator skips the r draws they took — so it samples on as the lost attempt would have.
+   */
+  #resume(seq: Sequence): void {
+    const r = seq.request.sampling.resumedTokens ?? 0;
+    if (r <= 0) return;
+    seq.history = {
+      tokens: seq.tokens,
+      promptLength: seq.promptLength - r,
+      get length() {
+        return seq.length;
+      },
+      get generated() {
+        return seq.generated + r;
+      },
+    };
+    if (Sampler.draws(seq.request.sampling)) for (let i = 0; i < r; i++) seq.rng.next();
   }
 
   /** Sequences waiting for their grammar. */
@@ -122,7 +146,7 @@ export class SamplingStep {
           seq.tenant,
           constraint,
           this.#grammarStops(seq),
-          Array.from(seq.tokens.subarray(seq.promptLength, seq.length)),
+          Array.from(seq.tokens.subarray(seq.history.promptLength, seq.length)),
         ),
       )
       .then(
@@ -188,7 +212,7 @@ export class SamplingStep {
     for (const seed of seeds) {
       const copy = this.#copy;
       copy.set(logits);
-      if (r.controls !== undefined) this.#sampler.process(copy, r.controls, seq, r.stopTokenIds);
+      if (r.controls !== undefined) this.#sampler.process(copy, r.controls, seq.history, r.stopTokenIds);
       // Every sample starts at the grammar's start: the first sample's matcher has accepted nothing yet.
       seq.matcher?.mask(copy);
       tokens.push(this.#sampler.sample(copy, r, new Prng(seed ?? this.#seeds.nextUint32())));
@@ -204,7 +228,7 @@ export class SamplingStep {
   sample(seq: Sequence, logits: Float32Array): number {
     const r = seq.request.sampling;
     if (r.logprobs !== undefined) keepRaw(seq, logits);
-    if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq, r.stopTokenIds);
+    if (r.controls !== undefined) this.#sampler.process(logits, r.controls, seq.history, r.stopTokenIds);
     const matcher = seq.matcher;
     if (matcher === null) return this.#sampler.sample(logits, r, seq.rng);
     matcher.mask(logits);

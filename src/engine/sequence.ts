@@ -13,6 +13,7 @@ import { BlockTable } from "../kvcache/block-table.js";
 import { Prng } from "../lib/prng.js";
 import type { TokenLogprobs } from "../lib/token-logprobs.js";
 import type { StepSequence } from "../model/forward.js";
+import type { TokenHistory } from "../model/sampler.js";
 import type { GenerationEvents, GenerationRequest } from "../protocol/engine-api.js";
 import type { TenantService } from "./tenant-shares.js";
 
@@ -88,6 +89,12 @@ export class Sequence {
   cachedTokens = 0;
   /** Its output constraint's place in the grammar (structured output), or null: unconstrained. */
   matcher: SequenceGrammar | null = null;
+  /**
+   * Its tokens as the sampler's controls and the grammar read them: itself, or for a request
+   * migrated mid-stream (`SamplingParams.resumedTokens`) a view whose output starts that many
+   * tokens inside its prompt (set once, by `SamplingStep.prepare`).
+   */
+  history: TokenHistory = this;
   #pagesView: Int32Array;
 
   constructor(request: GenerationRequest, events: GenerationEvents, pageSize: number, seed: number) {

@@ -106,6 +106,41 @@ describe("structured output", () => {
     );
   });
 
+  it("Engine.submit() resumes a migrated request (resumedTokens): its grammar state, seeded draws and penalties' counts go on where they were", async () => {
+    const e = engine();
+    const constraint: OutputConstraint = {
+      kind: "json_schema",
+      schema: JSON.stringify(SCHEMA),
+      strict: true,
+    };
+    const base = { temperature: 1, stopTokenIds: [EOS], constraint, controls: { frequencyPenalty: 0.7 } };
+    const PROMPT = [3, 7, 9];
+    let compared = 0;
+    for (let seed = 1; seed <= 20; seed++) {
+      const whole = recorder();
+      e.submit(request(seed, PROMPT, 120, withSampling({ ...base, seed })), whole.events);
+      await stepUntilIdle(e);
+      const full = whole.outcome.tokens;
+      assert.equal(whole.outcome.finish, "stop");
+      // Lost after `k` tokens: the re-run's prompt is the prompt and those tokens, resumed.
+      const k = Math.floor(full.length / 2);
+      if (k === 0) continue;
+      const rest = recorder();
+      const resumed = withSampling({ ...base, seed, resumedTokens: k });
+      e.submit(request(1000 + seed, [...PROMPT, ...full.slice(0, k)], 120 - k, resumed), rest.events);
+      await stepUntilIdle(e);
+      assert.equal(rest.outcome.error, null);
+      assert.equal(
+        tokenizer.decode([...full.slice(0, k), ...rest.outcome.tokens]),
+        tokenizer.decode(full),
+        `seed ${seed}, resumed after ${k} tokens`,
+      );
+      compared++;
+    }
+    e.close();
+    assert.ok(compared >= 15, `resumed ${compared} samples`);
+  });
+
   it("Engine.step() masks 1,000 samples of a GBNF grammar: every one matches it", async () => {
     const texts = await samples({ kind: "grammar", ebnf: GBNF }, SAMPLES, 16);
     const bad = texts.filter((t) => !/^[a-c][0-9](,[a-c][0-9]){0,3}$/.test(t));

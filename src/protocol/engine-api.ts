@@ -69,6 +69,8 @@ export interface GenerationUsage {
   cachedTokens?: number;
   /** The stop token (EOS) that ended a `stop` finish, when the engine knows it (SGLang's matched_stop). */
   stopTokenId?: number;
+  /** Times it migrated mid-stream to another prefill/decode pair (src/cluster/migration.ts); absent: none. */
+  migrations?: number;
 }
 
 /** What the engine reports for one request. Exactly one of `onFinish`/`onError` ends it (none after `abort`). */

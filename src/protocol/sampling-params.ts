@@ -36,6 +36,14 @@ export interface SamplingParams {
   readonly sampleSeeds?: readonly (number | null)[] | undefined;
   /** What the output must match (structured output, tool_choice required or named); absent: anything. */
   readonly constraint?: OutputConstraint | undefined;
+  /**
+   * A request migrated mid-stream (src/cluster/migration.ts): the last this many of its prompt's
+   * tokens are output the client already has. They count as generated — for the penalties and
+   * `minTokens`, the grammar's state (its matcher accepts them first) and the seeded generator's
+   * position (one draw each is skipped) — so the new attempt samples as the lost one would have.
+   * Absent: 0.
+   */
+  readonly resumedTokens?: number | undefined;
 }
 
 /** The sampling of a request that names none (a node's attempt the router sent none for). */

@@ -225,6 +225,7 @@ export class GenerateHandler {
             "http.response.status_code": status,
             "kvfence.prompt_tokens": first.promptTokens.length,
             ...(usage === null ? {} : { "kvfence.completion_tokens": usage.completionTokens }),
+            ...(usage?.migrations === undefined ? {} : { "kvfence.migrations": usage.migrations }),
           });
           this.#logDone(ctx, first, endpoint, status, usage);
         },
@@ -288,6 +289,7 @@ export class GenerateHandler {
         status,
         promptTokens: request.promptTokens.length,
         completionTokens: usage?.completionTokens,
+        ...(usage?.migrations === undefined ? {} : { migrations: usage.migrations }),
       },
       "request done",
     );

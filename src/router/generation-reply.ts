@@ -456,8 +456,10 @@ function totalUsage(choices: readonly Choice[]): Usage {
   let promptTokens = 0;
   let completionTokens = 0;
   let cachedTokens: number | undefined;
+  let migrations = 0;
   for (const c of choices) {
     const usage = c.result!.usage;
+    migrations += usage.migrations ?? 0;
     if (c.firstOfPrompt) {
       promptTokens += usage.promptTokens;
       // The prompt's tokens served from the prefix cache (its first sample's; absent with the cache off).
@@ -465,9 +467,12 @@ function totalUsage(choices: readonly Choice[]): Usage {
     }
     completionTokens += usage.completionTokens;
   }
-  return cachedTokens === undefined
-    ? { promptTokens, completionTokens }
-    : { promptTokens, completionTokens, cachedTokens };
+  return {
+    promptTokens,
+    completionTokens,
+    ...(cachedTokens === undefined ? {} : { cachedTokens }),
+    ...(migrations === 0 ? {} : { migrations }),
+  };
 }
 
 /** The whole (non-streamed) answer of every choice. */

@@ -24,6 +24,8 @@ export interface Usage {
   readonly completionTokens: number;
   /** Prompt tokens served from the prefix cache (absent: the cache is off). */
   readonly cachedTokens?: number;
+  /** Times it migrated mid-stream to another prefill/decode pair (absent: none; the access log's). */
+  readonly migrations?: number;
 }
 
 /**
@@ -202,6 +204,7 @@ export class Generation {
         promptTokens: usage.promptTokens,
         completionTokens: Math.max(usage.completionTokens, this.#completionTokens),
         ...(usage.cachedTokens === undefined ? {} : { cachedTokens: usage.cachedTokens }),
+        ...(usage.migrations === undefined ? {} : { migrations: usage.migrations }),
       },
       step.stopped ? (step.matched ?? null) : eos,
     );

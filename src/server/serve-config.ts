@@ -225,6 +225,7 @@ export const serveConfigSchema = z
     schedulingPolicy: z.enum(SCHEDULING_POLICIES).default("fair"),
     readyTimeout: secondsText.optional(),
     routerSlot: intText(0, ROUTER_SLOTS - 1).optional(),
+    maxMigrations: intText(0).optional(),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   })
   .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
@@ -342,6 +343,7 @@ const FLAG: Record<string, string> = {
   schedulingPolicy: "--scheduling-policy",
   readyTimeout: "--ready-timeout",
   routerSlot: "--router-slot",
+  maxMigrations: "--max-migrations",
 };
 
 /** Parse raw options once; every problem is reported with its flag. */

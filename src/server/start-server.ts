@@ -329,6 +329,7 @@ async function startEnginesAndPreparer(
       fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
       ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
       ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
+      ...(config.maxMigrations === undefined ? {} : { maxMigrations: config.maxMigrations }),
       ...(prestarted === undefined ? {} : { prestarted }),
       log,
     });

@@ -63,6 +63,8 @@ export interface ServeEngineOptions {
   readonly pingTimeoutMs?: number;
   /** `--router-slot`: this router's slot among the routers over the same nodes (default 0). */
   readonly routerSlot?: number;
+  /** `--max-migrations`: times a request may migrate mid-stream to another pair (default 2). */
+  readonly maxMigrations?: number;
   /** The router process: lost nodes re-dialled, refused ones. */
   readonly log?: Logger;
 }
@@ -160,9 +162,11 @@ function shared(options: ServeEngineOptions): {
   pingTimeoutMs?: number;
   phaseMetrics?: boolean;
   routerSlot?: number;
+  maxMigrations?: number;
 } {
   return {
     ...(options.routerSlot === undefined ? {} : { routerSlot: options.routerSlot }),
+    ...(options.maxMigrations === undefined ? {} : { maxMigrations: options.maxMigrations }),
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
     ...(options.engine.phaseMetrics === undefined ? {} : { phaseMetrics: options.engine.phaseMetrics }),

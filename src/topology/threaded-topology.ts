@@ -54,6 +54,8 @@ export interface ThreadedTopologyOptions {
   readonly log?: Logger;
   /** The router's per-phase histograms (default on; `--no-phase-metrics`). */
   readonly phaseMetrics?: boolean;
+  /** `--max-migrations` (one pair here: a request can migrate only to the restarted node's pair, which is not waited for). */
+  readonly maxMigrations?: number;
   /** The first pair's threads, started earlier (`prestartNodeWorkers`); restarts start their own. */
   readonly prestarted?: PrestartedWorkers;
 }
@@ -190,6 +192,7 @@ export async function startThreadedTopology(options: ThreadedTopologyOptions): P
     ...(options.fairShare === undefined ? {} : { fairShare: options.fairShare }),
     ...(options.pingTimeoutMs === undefined ? {} : { pingTimeoutMs: options.pingTimeoutMs }),
     ...(options.phaseMetrics === undefined ? {} : { phaseMetrics: options.phaseMetrics }),
+    ...(options.maxMigrations === undefined ? {} : { maxMigrations: options.maxMigrations }),
   });
   const current: Record<Role, NodeWorker> = { prefill: p.value, decode: d.value };
   let closing = false;

@@ -104,6 +104,7 @@ export const RULES: Record<string, Rule> = {
       "lib",
     ],
   },
+  "tools/chaos": { src: ["tools/chaos", "tools/incident", "tools/probe", "admin-api"] },
   "tools/check": { src: ["tools/check", "protocol", "kvcache", "lib"] },
   "tools/incident": {
     src: ["tools/incident", "tools/probe", "server", "topology", "protocol", "lib"],

@@ -17,6 +17,7 @@ const program = new Command("kvfence")
 const commands: ReadonlyArray<readonly [string, () => Promise<{ command(): Command }>]> = [
   // cli-commands:begin
   ["bench", () => import("./bench.js")],
+  ["chaos", () => import("./chaos.js")],
   ["check", () => import("./check.js")],
   ["cluster", () => import("./cluster.js")],
   ["drain", () => import("./drain.js")],

@@ -57,6 +57,8 @@ export interface ChaosResult {
   readonly checks: ChaosCheck[];
   readonly ok: boolean;
   readonly records: RequestRecord[];
+  /** Each prompt's fault-free greedy answer. */
+  readonly references: Record<string, string>;
 }
 
 const KEYS = ["sk-chaos-tenant-alpha-0001", "sk-chaos-tenant-bravo-0002"] as const;
@@ -116,7 +118,17 @@ export async function runChaos(o: ChaosOptions): Promise<ChaosResult> {
     o.progress(`workload drained: ${records.length} requests; waiting for every node on every router`);
     const recovered = await cluster.allServing(60_000);
     const pages = await pagesWhenIdle(cluster, 30_000);
-    return judge(o, { startupMs, faults, planned, records, pages, recovered, nodes: cluster.nodes.length });
+    const references = Object.fromEntries(w.reference);
+    return judge(o, {
+      startupMs,
+      faults,
+      planned,
+      records,
+      pages,
+      recovered,
+      references,
+      nodes: cluster.nodes.length,
+    });
   } finally {
     await cluster.stop();
   }
@@ -148,6 +160,7 @@ function judge(
     records: RequestRecord[];
     pages: NodePages[][];
     recovered: boolean;
+    references: Record<string, string>;
     nodes: number;
   },
 ): ChaosResult {
@@ -198,7 +211,8 @@ function judge(
     },
   ];
   const { progress: _, ...options } = o;
-  return { options, ...run, requests, checks, ok: checks.every((c) => c.ok) };
+  const { nodes: _nodes, ...recorded } = run;
+  return { options, ...recorded, requests, checks, ok: checks.every((c) => c.ok) };
 }
 
 /** The human report: the faults (time, kind, target, hold), the requests, the checks. */

@@ -24,7 +24,11 @@ interface ChaosCliOptions {
   faultGap: number;
   minCompleted: number;
   json?: string;
+  nodeArg: string[];
+  routerArg: string[];
 }
+
+const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
 
 function num(min: number, integer = true): (value: string) => number {
   return (value: string) => {
@@ -50,9 +54,21 @@ export function command(): Command {
     .option("--model <dir|file.gguf>", "model of every process", BUNDLED_MODEL_DIR)
     .option("--kv-pages <n>", "KV pool of each node in pages", num(16), 256)
     .option("--concurrency <n>", "requests in flight at once", num(1), 4)
-    .option("--max-tokens <n>", "max_tokens of every request (greedy)", num(1), 16)
+    .option(
+      "--max-tokens <n>",
+      "max_tokens of every request (greedy; kvfence-tiny restates a record in 44)",
+      num(1),
+      48,
+    )
     .option("--fault-gap <seconds>", "mean time between one fault's end and the next", num(0.5, false), 6)
     .option("--min-completed <fraction>", "fraction of requests that must complete", num(0, false), 0.99)
+    .option("--node-arg <flag>", "one more `kvfence serve` argument for every node (repeatable)", collect, [])
+    .option(
+      "--router-arg <flag>",
+      "one more `kvfence serve` argument for every router (repeatable; e.g. --router-arg=--max-migrations --router-arg=0)",
+      collect,
+      [],
+    )
     .option("--json <file>", "write the full record (faults, every request, pages, checks) as JSON")
     .action(async (o: ChaosCliOptions) => {
       const why = netnsUnavailable();
@@ -69,6 +85,8 @@ export function command(): Command {
         decode: o.decode,
         model: o.model,
         kvPages: o.kvPages,
+        nodeArgs: o.nodeArg,
+        routerArgs: o.routerArg,
         concurrency: o.concurrency,
         maxTokens: o.maxTokens,
         faultGapS: o.faultGap,

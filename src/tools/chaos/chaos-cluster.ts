@@ -27,6 +27,9 @@ export interface ClusterShape {
   readonly kvPages: number;
   /** API key → tenant name. */
   readonly keys: Readonly<Record<string, string>>;
+  /** More `kvfence serve` flags for every node, and for every router (e.g. `--max-migrations 0`). */
+  readonly nodeArgs: readonly string[];
+  readonly routerArgs: readonly string[];
 }
 
 /** One node's KV pages by state, as a router's /metrics reports them. */
@@ -156,6 +159,7 @@ export class ChaosCluster {
       ],
       ...["--model", this.#shape.model, "--kv-pages", String(this.#shape.kvPages)],
       ...["--registry", this.#registry, "--insecure-plaintext-links", "--log-level", "warn"],
+      ...this.#shape.nodeArgs,
     ];
     const child = this.#hosts.run(host, process.execPath, args, { KVFENCE_CLUSTER_SECRET: this.#secret });
     this.#procs.set(name, child);
@@ -169,10 +173,32 @@ export class ChaosCluster {
       ...["--model", this.#shape.model, "--registry", this.#registry, "--router-slot", String(slot)],
       ...["--insecure-plaintext-links", "--operator-key", this.operatorKey],
       ...["--api-keys", path.join(this.#dir, "keys.json"), "--log-level", "warn"],
+      ...this.#shape.routerArgs,
     ];
     const child = this.#hosts.run(host, process.execPath, args, { KVFENCE_CLUSTER_SECRET: this.#secret });
     this.#procs.set(`router-${slot}`, child);
     return started(child, / at (http:\/\/\S+) /, `router-${slot}`);
+  }
+
+  /**
+   * One engine (`--no-disaggregation`) on etcd's host, apart from the cluster: the reference whose
+   * greedy answers every 200 of the cluster must equal. Returns its URL and its stop.
+   */
+  async startReferenceEngine(): Promise<{ url: string; stop: () => Promise<void> }> {
+    const host = this.#host.get("etcd")!;
+    const args = [
+      ...[MAIN, "serve", "--no-disaggregation", "--host", host.address, "--port", "8100"],
+      ...["--model", this.#shape.model, "--kv-pages", String(this.#shape.kvPages)],
+      ...["--api-keys", path.join(this.#dir, "keys.json"), "--log-level", "warn"],
+    ];
+    const child = this.#hosts.run(host, process.execPath, args);
+    const url = await started(child, / at (http:\/\/\S+) /, "the reference engine");
+    const stop = async () => {
+      const exited = new Promise((r) => child.once("exit", r));
+      if (child.exitCode === null && child.signalCode === null) child.kill("SIGTERM");
+      await exited;
+    };
+    return { url, stop };
   }
 
   /** kill -9 of `name`; resolves once it exited. */

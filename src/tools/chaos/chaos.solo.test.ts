@@ -46,6 +46,7 @@ test("kvfence chaos --seed 7 --duration 50: 0 leaks, 0 wrong 200, 0 pages lost, 
     console.log(out);
     assert.equal(code, 0, `kvfence chaos failed:\n${out}\n${err.slice(-4000)}`);
     const r = JSON.parse(readFileSync(json, "utf8")) as ChaosResult;
+    assert.ok(r.canaries.repeated * 2 >= r.canaries.canaries, "the canary answers restate their codes");
     assert.equal(r.requests.leaks, 0, "no output of one tenant holds a code the other planted");
     assert.equal(r.requests.wrong, 0, "every 200 is the fault-free greedy answer");
     for (const [i, nodes] of r.pages.entries()) {

@@ -1,7 +1,8 @@
 /**
  * `kvfence chaos`: a chaos campaign on network-namespace hosts (docs/topologies.md, "Chaos
  * campaign"). It starts etcd, the routers and the prefill and decode node processes each on a host
- * of its own (./chaos-cluster.ts), computes every prompt's fault-free greedy answer, then runs the
+ * of its own (./chaos-cluster.ts), computes every prompt's greedy answer on one engine apart from
+ * the cluster (`--no-disaggregation`, with no fault: the reference), then runs the
  * two tenants' canary workload (./workload.ts) for the duration while injecting the faults planned
  * from the seed (./faults.ts). Then the workload drains, every node must be back (up and a member
  * on every router), and the checks: no leak (no output of one tenant holds a code the other
@@ -12,7 +13,7 @@
 import type { NodePages } from "./chaos-cluster.js";
 import { ChaosCluster } from "./chaos-cluster.js";
 import { type InjectedFault, inject, type PlannedFault, planFaults } from "./faults.js";
-import { buildWorkload, drive, type RequestRecord, reference } from "./workload.js";
+import { buildWorkload, canariesRepeated, drive, type RequestRecord, reference } from "./workload.js";
 
 export interface ChaosOptions {
   readonly seed: number;
@@ -22,6 +23,9 @@ export interface ChaosOptions {
   readonly decode: number;
   readonly model: string;
   readonly kvPages: number;
+  /** More `kvfence serve` flags for every node and for every router. */
+  readonly nodeArgs: readonly string[];
+  readonly routerArgs: readonly string[];
   /** Requests in flight at once. */
   readonly concurrency: number;
   readonly maxTokens: number;
@@ -54,6 +58,8 @@ export interface ChaosResult {
   /** Per router, each node's pages by state at the end. */
   readonly pages: NodePages[][];
   readonly recovered: boolean;
+  /** Canary prompts whose fault-free answer restates the code asked for (the leak check can see). */
+  readonly canaries: { readonly repeated: number; readonly canaries: number };
   readonly checks: ChaosCheck[];
   readonly ok: boolean;
   readonly records: RequestRecord[];
@@ -72,11 +78,13 @@ export async function runChaos(o: ChaosOptions): Promise<ChaosResult> {
     decode: o.decode,
     model: o.model,
     kvPages: o.kvPages,
+    nodeArgs: o.nodeArgs,
+    routerArgs: o.routerArgs,
     keys: { [KEYS[0]]: "alpha", [KEYS[1]]: "bravo" },
   });
   try {
     const startupMs = Date.now() - t0;
-    o.progress(`cluster serving in ${(startupMs / 1000).toFixed(1)} s; fault-free reference answers`);
+    o.progress(`cluster serving in ${(startupMs / 1000).toFixed(1)} s; reference answers from one engine`);
     const model = await cluster.modelId();
     const w = buildWorkload({
       seed: o.seed,
@@ -86,7 +94,12 @@ export async function runChaos(o: ChaosOptions): Promise<ChaosResult> {
       maxTokens: o.maxTokens,
       model,
     });
-    await reference(w, cluster.routerUrls[0]!, o.concurrency);
+    const engine = await cluster.startReferenceEngine();
+    try {
+      await reference(w, engine.url, o.concurrency);
+    } finally {
+      await engine.stop();
+    }
     const durationMs = o.durationS * 1000;
     const planned = planFaults({
       seed: o.seed,
@@ -119,6 +132,7 @@ export async function runChaos(o: ChaosOptions): Promise<ChaosResult> {
     const recovered = await cluster.allServing(60_000);
     const pages = await pagesWhenIdle(cluster, 30_000);
     const references = Object.fromEntries(w.reference);
+    const canaries = canariesRepeated(w);
     return judge(o, {
       startupMs,
       faults,
@@ -127,6 +141,7 @@ export async function runChaos(o: ChaosOptions): Promise<ChaosResult> {
       pages,
       recovered,
       references,
+      canaries,
       nodes: cluster.nodes.length,
     });
   } finally {
@@ -161,6 +176,7 @@ function judge(
     pages: NodePages[][];
     recovered: boolean;
     references: Record<string, string>;
+    canaries: { repeated: number; canaries: number };
     nodes: number;
   },
 ): ChaosResult {
@@ -183,6 +199,11 @@ function judge(
   const fraction = requests.sent === 0 ? 0 : requests.completed / requests.sent;
   const failedFaults = run.faults.filter((f) => f.error !== undefined);
   const checks: ChaosCheck[] = [
+    {
+      name: "canaries visible",
+      ok: run.canaries.repeated * 2 >= run.canaries.canaries,
+      detail: `${run.canaries.repeated}/${run.canaries.canaries} canary answers restate their code (a leak would show)`,
+    },
     {
       name: "no leak",
       ok: requests.leaks === 0,

@@ -1,8 +1,8 @@
 /**
  * The chaos campaign's workload: the canary workload of two tenants — each plants records (unique
  * access codes, src/tools/probe/canary.ts) in prompts that ask one back — and plain prompts both
- * send, all greedy. `reference` runs every (tenant, prompt) once before any fault: those answers
- * are what every later 200 must equal. `drive` sends requests from a seeded generator (tenant,
+ * send, all greedy. `reference` runs every (tenant, prompt) once on a server with no fault (one
+ * engine apart from the cluster): those answers are what every 200 of the cluster must equal. `drive` sends requests from a seeded generator (tenant,
  * prompt, router, streamed or not) at a fixed concurrency until its deadline, and judges each:
  * completed (a 200 whose answer is the reference), wrong (a 200 with another answer, or a stream
  * ended by an error event whose text is not a prefix of the reference), failed (any other
@@ -22,6 +22,8 @@ export interface Prompt {
   readonly id: string;
   readonly tenant: number;
   readonly content: string;
+  /** The planted code a canary prompt asks back. */
+  readonly ask?: string;
 }
 
 export interface RequestRecord {
@@ -74,7 +76,7 @@ export function buildWorkload(input: {
       for (const r of records) planted[tenant]!.add(r);
       const ask = rng.pick(records);
       const content = buildPrompt({ records, askAccount: ask.account, targetChars: 400, templates, rng });
-      prompts.push({ id: `canary-${tenant}-${i}`, tenant, content });
+      prompts.push({ id: `canary-${tenant}-${i}`, tenant, content, ask: ask.code });
     }
     for (let i = 0; i < input.plain; i++) {
       const content = PLAIN[i % PLAIN.length]!.replace("{n}", String(7 * i + 3));
@@ -100,7 +102,7 @@ function leaks(w: Workload, tenant: number, out: ChatOutcome): string[] {
   return other.scan(`${out.text}\n${out.rawExcerpt}\n${out.error ?? ""}`).map((h) => h.code);
 }
 
-/** Every prompt once, before any fault, through router `url`: fills `w.reference`; throws on a failure or leak. */
+/** Every prompt once, on the fault-free server at `url`: fills `w.reference`; throws on a failure or leak. */
 export async function reference(w: Workload, url: string, concurrency: number): Promise<void> {
   let next = 0;
   const worker = async () => {
@@ -116,6 +118,27 @@ export async function reference(w: Workload, url: string, concurrency: number): 
     }
   };
   await Promise.all(Array.from({ length: concurrency }, worker));
+}
+
+/**
+ * A request against its fault-free answer `want`: completed (a 200 with exactly it), wrong (a 200
+ * with another answer, or a stream cut by an error event after text that is not a prefix of it) or
+ * failed (a non-200, no response, or a cut stream whose text so far is right).
+ */
+export function classify(out: ChatOutcome, want: string): RequestRecord["outcome"] {
+  if (out.status !== 200) return "failed";
+  if (!out.inBandError) return out.text === want ? "completed" : "wrong";
+  return want.startsWith(out.text) ? "failed" : "wrong";
+}
+
+/**
+ * Canary prompts whose fault-free answer restates the code they ask for, of all canary prompts:
+ * a model that repeats its context shows a leaked code in its output, so the leak check can see.
+ */
+export function canariesRepeated(w: Workload): { repeated: number; canaries: number } {
+  const canaries = w.prompts.filter((p) => p.ask !== undefined);
+  const repeated = canaries.filter((p) => w.reference.get(p.id)?.includes(p.ask!)).length;
+  return { repeated, canaries: canaries.length };
 }
 
 /** Requests from `seed` at `concurrency` in flight until `until()` is true; each judged and recorded. */
@@ -139,15 +162,7 @@ export async function drive(
       const stream = rng.next() < 0.5;
       const atMs = Date.now() - input.startMs;
       const out = await send(w, input.urls[router]!, p, stream, input.timeoutMs);
-      const want = w.reference.get(p.id)!;
-      const ok = out.status === 200 && !out.inBandError;
-      const outcome = ok
-        ? out.text === want
-          ? "completed"
-          : "wrong"
-        : out.status === 200 && !want.startsWith(out.text)
-          ? "wrong"
-          : "failed";
+      const outcome = classify(out, w.reference.get(p.id)!);
       const leaked = leaks(w, p.tenant, out);
       records.push({
         atMs,

@@ -21,6 +21,7 @@ interface ChaosCliOptions {
   kvPages: number;
   concurrency: number;
   maxTokens: number;
+  longTokens: number;
   faultGap: number;
   minCompleted: number;
   json?: string;
@@ -60,6 +61,7 @@ export function command(): Command {
       num(1),
       48,
     )
+    .option("--long-tokens <n>", "max_tokens of the long requests (a sixth of all, ignore_eos)", num(1), 256)
     .option("--fault-gap <seconds>", "mean time between one fault's end and the next", num(0.5, false), 6)
     .option("--min-completed <fraction>", "fraction of requests that must complete", num(0, false), 0.99)
     .option("--node-arg <flag>", "one more `kvfence serve` argument for every node (repeatable)", collect, [])
@@ -89,6 +91,7 @@ export function command(): Command {
         routerArgs: o.routerArg,
         concurrency: o.concurrency,
         maxTokens: o.maxTokens,
+        longTokens: o.longTokens,
         faultGapS: o.faultGap,
         minCompleted: o.minCompleted,
         progress: (line) => process.stderr.write(`chaos: ${line}\n`),

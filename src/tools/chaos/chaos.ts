@@ -29,6 +29,8 @@ export interface ChaosOptions {
   /** Requests in flight at once. */
   readonly concurrency: number;
   readonly maxTokens: number;
+  /** max_tokens of the long requests (a sixth of all, `ignore_eos`). */
+  readonly longTokens: number;
   /** Mean gap between faults (s). */
   readonly faultGapS: number;
   /** Fraction of requests that must complete (default 0.99). */
@@ -91,6 +93,8 @@ export async function runChaos(o: ChaosOptions): Promise<ChaosResult> {
       keys: KEYS,
       canaries: 6,
       plain: 4,
+      long: 2,
+      longTokens: o.longTokens,
       maxTokens: o.maxTokens,
       model,
     });

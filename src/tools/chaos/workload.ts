@@ -24,6 +24,8 @@ export interface Prompt {
   readonly content: string;
   /** The planted code a canary prompt asks back. */
   readonly ask?: string;
+  /** A long request: this many tokens with `ignore_eos` (a stream long enough for a fault to cut). */
+  readonly longTokens?: number;
 }
 
 export interface RequestRecord {
@@ -53,12 +55,17 @@ export interface Workload {
   readonly reference: Map<string, string>;
 }
 
-/** Two tenants' keys, `canaries` canary prompts each (3 records in about 400 characters) and `plain` plain prompts both send. */
+/**
+ * Two tenants' keys, `canaries` canary prompts each (3 records in about 400 characters), `plain`
+ * plain prompts each and `long` long ones (plain prompts run to `longTokens` with `ignore_eos`).
+ */
 export function buildWorkload(input: {
   seed: number;
   keys: readonly [string, string];
   canaries: number;
   plain: number;
+  long: number;
+  longTokens: number;
   maxTokens: number;
   model: string;
 }): Workload {
@@ -82,6 +89,10 @@ export function buildWorkload(input: {
       const content = PLAIN[i % PLAIN.length]!.replace("{n}", String(7 * i + 3));
       prompts.push({ id: `plain-${tenant}-${i}`, tenant, content });
     }
+    for (let i = 0; i < input.long; i++) {
+      const content = `Write a long story about item ${11 * i + 5}.`;
+      prompts.push({ id: `long-${tenant}-${i}`, tenant, content, longTokens: input.longTokens });
+    }
   }
   return { ...input, prompts, planted, reference: new Map() };
 }
@@ -91,7 +102,8 @@ function send(w: Workload, url: string, p: Prompt, stream: boolean, timeoutMs: n
     model: w.model,
     messages: [{ role: "user", content: p.content }],
     temperature: 0,
-    max_tokens: w.maxTokens,
+    max_tokens: p.longTokens ?? w.maxTokens,
+    ...(p.longTokens === undefined ? {} : { ignore_eos: true }),
     stream,
   });
 }

@@ -6,9 +6,11 @@
  *
  * - `spill` seals the page into a record (`kv-tier-record.ts`: owner, tenant's cache epoch, token
  *   ids, HMAC under the node's tier secret) at once, synchronously, while the pool page still holds
- *   the entry's KV (the prefix cache's `evicting`). The `tier-spill-copy` guard is that copy: with it
- *   off the spill reads the pool page on a later turn, after the page was freed and reused — the
- *   "spill racing a hit" bug, which stores another request's KV under this key with a valid MAC.
+ *   the entry's KV (the prefix cache's `evicting`). `spillLater` is the `spill-race` fault's spill:
+ *   the seal runs on a later turn, as an asynchronous offload worker's would; the `tier-spill-copy`
+ *   guard copies the bytes at once even then. Without the copy the seal reads the pool page after
+ *   it was freed and reused — the "spill racing a hit" bug, which stores another request's KV under
+ *   this key with a valid MAC.
  * - The RAM tier keeps records in memory, least recently used first out; what overflows goes to the
  *   disk tier (written asynchronously), or is dropped without one. With only a disk tier, a spill is
  *   written there directly.
@@ -58,7 +60,7 @@ export interface KvTiersOptions {
   readonly pageBytes: number;
   /** The load checks (`tier-mac`, `tier-owner`, `tier-epoch`); default all on. */
   readonly guards?: TierGuards;
-  /** The `tier-spill-copy` guard: copy the page at `spill` (default true). */
+  /** The `tier-spill-copy` guard: `spillLater` copies the page at once (default true). */
   readonly spillCopy?: boolean;
 }
 
@@ -143,9 +145,17 @@ export class KvTiers {
     this.#counters.spills++;
     // Already below (a page loaded back and evicted again): keep that record, just recently used.
     if (this.#ramRecord(page.key) !== null || this.#disk?.has(page.key) === true) return;
-    if (this.#spillCopy) this.#store(page, this.#seal(page, bytes));
-    // The guard off: the page is read on a later turn (it may hold another request's KV by then).
-    else setImmediate(() => this.#store(page, this.#seal(page, bytes)));
+    this.#store(page, this.#seal(page, bytes));
+  }
+
+  /**
+   * The `spill-race` fault's spill: sealed on a later turn (after the pool page was freed and, within
+   * the same step, reused). The `tier-spill-copy` guard copies `bytes` now, so the late seal reads
+   * the copy; without it the seal reads the pool page as it is then.
+   */
+  spillLater(page: TierPageIdentity, bytes: Uint8Array): void {
+    const read = this.#spillCopy ? bytes.slice() : bytes;
+    setImmediate(() => this.spill(page, read));
   }
 
   /** The tier holding `key`, or null. */

@@ -15,6 +15,10 @@ const EXPECTED: Record<FaultName, string> = {
   "stale-commit": "1",
   "shared-prefix": "P1",
   "prefix-collision": "P1",
+  "tier-corrupt": "P3",
+  "tier-planted": "P3",
+  "stale-epoch": "P3",
+  "spill-race": "P3",
 };
 
 for (const fault of FAULT_NAMES) {
@@ -81,6 +85,21 @@ test("runCheck() explores the prefix cache completely with its guards kept, and 
     disabledGuards: ["prefix-tokens"],
   });
   assert.equal(collision.result.counterexample?.violation.invariant, "P3");
+});
+
+test("runCheck() explores the KV tiers' spills and loads completely with their guards kept, and finds each tier fault's foreign page without its guard", () => {
+  for (const fault of ["tier-corrupt", "tier-planted", "stale-epoch", "spill-race"] as const) {
+    const kept = runCheck({ fault, keepGuards: true });
+    assert.equal(kept.result.counterexample, null, fault);
+    assert.equal(kept.result.complete, true, fault);
+    assert.match(formatReport(kept), /KV tier below it/);
+    const cex = runCheck({ fault }).result.counterexample;
+    assert.equal(cex?.violation.invariant, "P3", fault);
+    assert.ok(
+      cex.steps.some((s) => /load from the tier/.test(s.event)),
+      `${fault}: the foreign page came from a load`,
+    );
+  }
 });
 
 test("counterexampleToDot() renders a trace as a Graphviz digraph", () => {

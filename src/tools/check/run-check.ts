@@ -133,10 +133,17 @@ export const FAULT_SCENARIOS: Readonly<Record<FaultName, Scenario>> = {
     disabledGuards: ["prefix-tokens", "page-tags"],
     bound: {},
   },
+  "tier-corrupt": { faults: ["tier-corrupt"], disabledGuards: ["tier-mac"], bound: {} },
+  "tier-planted": { faults: ["tier-planted"], disabledGuards: ["tier-owner"], bound: {} },
+  "stale-epoch": { faults: ["stale-epoch"], disabledGuards: ["tier-epoch"], bound: {} },
+  "spill-race": { faults: ["spill-race"], disabledGuards: ["tier-spill-copy"], bound: {} },
 };
 
+/** The faults the KV tiers' model explores (the prefix cache's, with a tier: tier-model.ts). */
+const TIER_FAULTS: readonly FaultName[] = ["tier-corrupt", "tier-planted", "stale-epoch", "spill-race"];
+
 /** The faults the prefix cache's own model explores (src/tools/check/prefix-model.ts). */
-const PREFIX_FAULTS: readonly FaultName[] = ["shared-prefix", "prefix-collision"];
+const PREFIX_FAULTS: readonly FaultName[] = ["shared-prefix", "prefix-collision", ...TIER_FAULTS];
 
 export interface CheckReport {
   readonly fault: FaultName | null;
@@ -237,6 +244,7 @@ function prefixReport(options: CheckOptions, fault: FaultName): CheckReport {
     result: explorePrefixCache({
       faults: [fault],
       disabledGuards,
+      tiers: TIER_FAULTS.includes(fault),
       ...(options.maxStates === undefined ? {} : { maxStates: options.maxStates }),
     }),
   };
@@ -269,7 +277,11 @@ export function formatReport(report: CheckReport): string {
       ? "kvfence check: the real protocol, every guard on"
       : `kvfence check: fault ${report.faults.join(" + ")}, guards off: ${report.disabledGuards.length === 0 ? "none" : report.disabledGuards.join(", ")}`,
   );
-  if (prefixModel)
+  if (prefixModel && TIER_FAULTS.includes(report.fault!))
+    lines.push(
+      "model: the prefix cache over a 4-page pool (page size 2) with a KV tier below it (evictions spill, verified loads promote back), two tenants, every order of three prompts' arrivals, finishes, aborts, evictions and loads, with the adversary's write to the tier (tier-corrupt, tier-planted) or a restart raising tenant 1's cache_epoch (stale-epoch)",
+    );
+  else if (prefixModel)
     lines.push(
       "model: the prefix cache over a 5-page pool (page size 2), two tenants, every order of three prompts' arrivals, finishes, aborts and evictions",
     );

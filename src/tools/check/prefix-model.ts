@@ -203,7 +203,10 @@ class PrefixWorld {
         loaded.push("a record refused (deleted)");
         break;
       }
-      if (!this.cache.promote(page, (p) => void (this.content[p] = content))) break;
+      const write = (p: number): void => {
+        this.content[p] = content;
+      };
+      if (!this.cache.promote(page, write)) break;
       loaded.push(content);
     }
     return `tenant ${this.requests[r]!.tenant} request ${r}'s pages load from the tier: ${loaded.join(", ")}`;

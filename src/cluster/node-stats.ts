@@ -7,7 +7,7 @@
  */
 
 import type { NodeStats } from "../links/node-messages.js";
-import type { EngineStats, NodeView } from "../protocol/engine-api.js";
+import type { EngineStats, EngineTierStats, NodeView } from "../protocol/engine-api.js";
 import { NodeTotals } from "./node-totals.js";
 import type { NodeSlot, RouterNode } from "./pair-pool.js";
 
@@ -36,6 +36,35 @@ const COUNTED = [
   "hitTokens",
   "evictions",
   "collisions",
+] as const;
+
+/** A node's KV-tier counters as `NodeTotals` keys. */
+function tierCounts(t: EngineTierStats): Record<(typeof TIER_COUNTED)[number], number> {
+  return {
+    tierSpills: t.spills,
+    tierLoadsRam: t.loads.ram,
+    tierLoadsDisk: t.loads.disk,
+    tierHitTokensRam: t.hitTokens.ram,
+    tierHitTokensDisk: t.hitTokens.disk,
+    tierRejectedFormat: t.rejected.format,
+    tierRejectedMac: t.rejected.mac,
+    tierRejectedOwner: t.rejected.owner,
+    tierRejectedEpoch: t.rejected.epoch,
+    tierDropped: t.dropped,
+  };
+}
+
+const TIER_COUNTED = [
+  "tierSpills",
+  "tierLoadsRam",
+  "tierLoadsDisk",
+  "tierHitTokensRam",
+  "tierHitTokensDisk",
+  "tierRejectedFormat",
+  "tierRejectedMac",
+  "tierRejectedOwner",
+  "tierRejectedEpoch",
+  "tierDropped",
 ] as const;
 
 /** One node's answer to a poll (null: none). */
@@ -129,7 +158,23 @@ export class NodeStatsPoller {
         decodeSteps: stats.role === "decode" ? (stats.counters.decodeSteps ?? 0) : 0,
         ...(c === undefined ? {} : { hits: c.hits, misses: c.misses, hitTokens: c.hitTokens }),
         ...(c === undefined ? {} : { evictions: c.evictions, collisions: c.collisions }),
+        ...(stats.tiers === undefined ? {} : tierCounts(stats.tiers)),
       });
+      if (stats.tiers !== undefined) {
+        sum.tiers ??= {
+          pages: { ram: 0, disk: 0 },
+          bytes: { ram: 0, disk: 0 },
+          spills: 0,
+          loads: { ram: 0, disk: 0 },
+          hitTokens: { ram: 0, disk: 0 },
+          rejected: { format: 0, mac: 0, owner: 0, epoch: 0 },
+          dropped: 0,
+        };
+        for (const k of ["ram", "disk"] as const) {
+          sum.tiers.pages[k] += stats.tiers.pages[k];
+          sum.tiers.bytes[k] += stats.tiers.bytes[k];
+        }
+      }
       if (c === undefined) continue;
       prefixCache = true;
       sum.prefixCache ??= { ...NO_PREFIX_CACHE };
@@ -144,6 +189,21 @@ export class NodeStatsPoller {
     if (prefixCache && sum.prefixCache !== undefined) {
       for (const k of ["hits", "misses", "hitTokens", "evictions", "collisions"] as const)
         sum.prefixCache[k] = counted[k];
+    }
+    if (sum.tiers !== undefined) {
+      const t = this.#counted.total(TIER_COUNTED);
+      Object.assign(sum.tiers, {
+        spills: t.tierSpills,
+        loads: { ram: t.tierLoadsRam, disk: t.tierLoadsDisk },
+        hitTokens: { ram: t.tierHitTokensRam, disk: t.tierHitTokensDisk },
+        rejected: {
+          format: t.tierRejectedFormat,
+          mac: t.tierRejectedMac,
+          owner: t.tierRejectedOwner,
+          epoch: t.tierRejectedEpoch,
+        },
+        dropped: t.tierDropped,
+      });
     }
     // Aborts are the router's (a client gone, a stop string matched), as on one engine; the nodes'
     // own counts would miss a request aborted before decode ran it and count some twice.

@@ -242,7 +242,7 @@ export class Engine {
                   stored: () => {},
                   evicting: (page) =>
                     faultOn(this.#safety, "spill-race")
-                      ? tiers.spillLater(page, poolPageView(pool, page.page))
+                      ? tiers.spillLater(page, () => poolPageView(pool, page.page))
                       : tiers.spill(page, poolPageView(pool, page.page)),
                 },
           );
@@ -459,6 +459,7 @@ export class Engine {
       pageMap: pageMapOf(this.pool.table),
     };
     if (this.#cache !== null) stats.prefixCache = this.prefixCacheStats()!;
+    if (this.#prefetch !== null) stats.tiers = this.#prefetch.stats();
     return stats;
   }
 

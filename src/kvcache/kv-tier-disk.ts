@@ -17,7 +17,7 @@ import { constants as fsConstants } from "node:fs";
 import { mkdir, open, readdir, readFile, rename, rm, unlink, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { KvfenceError } from "../lib/errors.js";
-import { readRecordHeader, type TierSecret } from "./kv-tier-record.js";
+import { readRecordHeader, type TierRejectReason, type TierSecret } from "./kv-tier-record.js";
 
 export const MANIFEST_FILE = "kvfence-tiers.json";
 const LOCK_FILE = "kvfence-tiers.lock";
@@ -61,8 +61,12 @@ export class DiskTier {
   #bytes = 0;
   /** The chain of writes and deletes, one at a time. */
   #queue: Promise<void> = Promise.resolve();
-  /** Records found at start, and files deleted then. */
-  readonly startup = { records: 0, deleted: 0 };
+  /** Records found at start, and files deleted then (records refused, by reason, among them). */
+  readonly startup = {
+    records: 0,
+    deleted: 0,
+    rejected: { format: 0, mac: 0, owner: 0, epoch: 0 } as Record<TierRejectReason, number>,
+  };
   #closed = false;
 
   private constructor(options: DiskTierOptions) {
@@ -246,13 +250,17 @@ export class DiskTier {
         const head = Buffer.alloc(Math.min(HEAD_BYTES, stat.size));
         await handle.read(head, 0, head.length, 0);
         const read = readRecordHeader(secret, head, checkMac);
-        if (
-          read.ok &&
-          read.recordBytes === stat.size &&
-          read.header.layout === layout &&
-          (!checkOwner || read.header.key === key)
-        )
+        // A header under another key's file name (a record copied there) is the owner guard's refusal.
+        const reason: TierRejectReason | null = !read.ok
+          ? read.reason
+          : read.recordBytes !== stat.size || read.header.layout !== layout
+            ? "format"
+            : checkOwner && read.header.key !== key
+              ? "owner"
+              : null;
+        if (read.ok && reason === null)
           keep = { tenant: read.header.tenant, bytes: stat.size, mtimeMs: stat.mtimeMs };
+        else if (reason !== null) this.startup.rejected[reason]++;
       } finally {
         await handle.close();
       }

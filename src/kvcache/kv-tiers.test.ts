@@ -88,7 +88,7 @@ test("KvTiers.spillLater() (the spill-race fault) with the tier-spill-copy guard
     const tiers = await openTiers({ ramBytes: 64 * 1024, spillCopy });
     const p = page(1);
     const pool = p.bytes.slice();
-    tiers.spillLater(p.id, pool);
+    tiers.spillLater(p.id, () => pool);
     pool.fill(0xee); // freed and reused within the step, before the late seal
     await new Promise((r) => setImmediate(r));
     loaded.push(await loadedFrom(tiers, p.id));

@@ -72,7 +72,7 @@ export interface KvTierStats {
   spills: number;
   /** Pages loaded back (verified), by the tier they came from. */
   loads: Record<TierName, number>;
-  /** Loads refused, by reason (the record was deleted). */
+  /** Loads refused, by reason (the record was deleted), with the disk's start-up scan's refusals. */
   rejected: Record<TierRejectReason, number>;
   /** Pages dropped out of the last tier for room. */
   dropped: number;
@@ -150,12 +150,13 @@ export class KvTiers {
 
   /**
    * The `spill-race` fault's spill: sealed on a later turn (after the pool page was freed and, within
-   * the same step, reused). The `tier-spill-copy` guard copies `bytes` now, so the late seal reads
-   * the copy; without it the seal reads the pool page as it is then.
+   * the same step, reused). `read` gives the pool page's bytes when called (a fresh view: the pool's
+   * memory may have grown meanwhile). The `tier-spill-copy` guard reads and copies them now, so the
+   * late seal seals the copy; without it the seal reads the pool page as it is then.
    */
-  spillLater(page: TierPageIdentity, bytes: Uint8Array): void {
-    const read = this.#spillCopy ? bytes.slice() : bytes;
-    setImmediate(() => this.spill(page, read));
+  spillLater(page: TierPageIdentity, read: () => Uint8Array): void {
+    const copy = this.#spillCopy ? read().slice() : null;
+    setImmediate(() => this.spill(page, copy ?? read()));
   }
 
   /** The tier holding `key`, or null. */
@@ -196,7 +197,7 @@ export class KvTiers {
       disk: disk === null ? null : { pages: disk.pages, bytes: disk.bytes, capacityBytes: disk.maxBytes },
       spills: this.#counters.spills,
       loads: { ...this.#counters.loads },
-      rejected: { ...this.#counters.rejected },
+      rejected: rejectedWithStartup(this.#counters.rejected, disk?.startup.rejected),
       dropped: this.#counters.dropped,
     };
   }
@@ -293,6 +294,15 @@ export class KvTiers {
   #changed(tenant: number, key: string, tier: TierName, change: "stored" | "dropped"): void {
     for (const listener of this.#listeners) listener(tenant, [key], tier, change);
   }
+}
+
+function rejectedWithStartup(
+  loads: Record<TierRejectReason, number>,
+  startup: Record<TierRejectReason, number> | undefined,
+): Record<TierRejectReason, number> {
+  const out = { ...loads };
+  if (startup !== undefined) for (const k of Object.keys(out) as TierRejectReason[]) out[k] += startup[k];
+  return out;
 }
 
 /** Bytes of a tier key (`--cache-disk-key`). */

@@ -39,7 +39,8 @@ const COUNTED = [
 ] as const;
 
 /** A node's KV-tier counters as `NodeTotals` keys. */
-function tierCounts(t: EngineTierStats): Record<(typeof TIER_COUNTED)[number], number> {
+function tierCounts(t: EngineTierStats | undefined): Partial<Record<(typeof TIER_COUNTED)[number], number>> {
+  if (t === undefined) return {};
   return {
     tierSpills: t.spills,
     tierLoadsRam: t.loads.ram,
@@ -66,6 +67,42 @@ const TIER_COUNTED = [
   "tierRejectedEpoch",
   "tierDropped",
 ] as const;
+
+/** `sum` (absent: none yet) plus one node's tier pages and bytes. */
+function addTierGauges(sum: EngineTierStats | undefined, t: EngineTierStats): EngineTierStats {
+  const out = sum ?? {
+    pages: { ram: 0, disk: 0 },
+    bytes: { ram: 0, disk: 0 },
+    spills: 0,
+    loads: { ram: 0, disk: 0 },
+    hitTokens: { ram: 0, disk: 0 },
+    rejected: { format: 0, mac: 0, owner: 0, epoch: 0 },
+    dropped: 0,
+  };
+  for (const k of ["ram", "disk"] as const) {
+    out.pages[k] += t.pages[k];
+    out.bytes[k] += t.bytes[k];
+  }
+  return out;
+}
+
+/** The tier counters of every node that ever answered, from their `NodeTotals` keys. */
+function tierTotals(
+  t: Record<(typeof TIER_COUNTED)[number], number>,
+): Omit<EngineTierStats, "pages" | "bytes"> {
+  return {
+    spills: t.tierSpills,
+    loads: { ram: t.tierLoadsRam, disk: t.tierLoadsDisk },
+    hitTokens: { ram: t.tierHitTokensRam, disk: t.tierHitTokensDisk },
+    rejected: {
+      format: t.tierRejectedFormat,
+      mac: t.tierRejectedMac,
+      owner: t.tierRejectedOwner,
+      epoch: t.tierRejectedEpoch,
+    },
+    dropped: t.tierDropped,
+  };
+}
 
 /** One node's answer to a poll (null: none). */
 export interface NodeAnswer {
@@ -158,23 +195,8 @@ export class NodeStatsPoller {
         decodeSteps: stats.role === "decode" ? (stats.counters.decodeSteps ?? 0) : 0,
         ...(c === undefined ? {} : { hits: c.hits, misses: c.misses, hitTokens: c.hitTokens }),
         ...(c === undefined ? {} : { evictions: c.evictions, collisions: c.collisions }),
-        ...(stats.tiers === undefined ? {} : tierCounts(stats.tiers)),
+        ...tierCounts(stats.tiers),
       });
-      if (stats.tiers !== undefined) {
-        sum.tiers ??= {
-          pages: { ram: 0, disk: 0 },
-          bytes: { ram: 0, disk: 0 },
-          spills: 0,
-          loads: { ram: 0, disk: 0 },
-          hitTokens: { ram: 0, disk: 0 },
-          rejected: { format: 0, mac: 0, owner: 0, epoch: 0 },
-          dropped: 0,
-        };
-        for (const k of ["ram", "disk"] as const) {
-          sum.tiers.pages[k] += stats.tiers.pages[k];
-          sum.tiers.bytes[k] += stats.tiers.bytes[k];
-        }
-      }
       if (c === undefined) continue;
       prefixCache = true;
       sum.prefixCache ??= { ...NO_PREFIX_CACHE };
@@ -190,21 +212,8 @@ export class NodeStatsPoller {
       for (const k of ["hits", "misses", "hitTokens", "evictions", "collisions"] as const)
         sum.prefixCache[k] = counted[k];
     }
-    if (sum.tiers !== undefined) {
-      const t = this.#counted.total(TIER_COUNTED);
-      Object.assign(sum.tiers, {
-        spills: t.tierSpills,
-        loads: { ram: t.tierLoadsRam, disk: t.tierLoadsDisk },
-        hitTokens: { ram: t.tierHitTokensRam, disk: t.tierHitTokensDisk },
-        rejected: {
-          format: t.tierRejectedFormat,
-          mac: t.tierRejectedMac,
-          owner: t.tierRejectedOwner,
-          epoch: t.tierRejectedEpoch,
-        },
-        dropped: t.tierDropped,
-      });
-    }
+    const tiers = this.#sumTiers(all);
+    if (tiers !== undefined) sum.tiers = tiers;
     // Aborts are the router's (a client gone, a stop string matched), as on one engine; the nodes'
     // own counts would miss a request aborted before decode ran it and count some twice.
     sum.counters.aborts = router.aborts;
@@ -212,6 +221,13 @@ export class NodeStatsPoller {
     sum.counters.forkedSamples = counted.forkedSamples;
     sum.counters.decodeSteps = counted.decodeSteps;
     return sum;
+  }
+
+  /** The tiers' pages and bytes of the nodes that answered, their counters of every node that ever did. */
+  #sumTiers(all: readonly NodeAnswer[]): EngineTierStats | undefined {
+    let sum: EngineTierStats | undefined;
+    for (const { stats } of all) if (stats?.tiers !== undefined) sum = addTierGauges(sum, stats.tiers);
+    return sum === undefined ? undefined : Object.assign(sum, tierTotals(this.#counted.total(TIER_COUNTED)));
   }
 
   #pollOne(node: RouterNode): Promise<NodeStats | null> {

@@ -230,9 +230,26 @@ export class DiskTier {
     throw startupError(`--cache-disk's lock could not be taken: ${path}`);
   }
 
+  /**
+   * The tenant of the record file `key` of `size` bytes whose first bytes are `head`, or why it is
+   * refused: its header MAC (`tier-mac`), its size or layout, or a header under another key's file
+   * name — a record copied there (`tier-owner`).
+   */
+  #checkHeader(
+    head: Buffer,
+    size: number,
+    key: string,
+  ): { ok: true; tenant: number } | { ok: false; reason: TierRejectReason } {
+    const { secret, layout, checkMac, checkOwner } = this.#options;
+    const read = readRecordHeader(secret, head, checkMac);
+    if (!read.ok) return read;
+    if (read.recordBytes !== size || read.header.layout !== layout) return { ok: false, reason: "format" };
+    if (checkOwner && read.header.key !== key) return { ok: false, reason: "owner" };
+    return { ok: true, tenant: read.header.tenant };
+  }
+
   /** Rebuilds the index from the records' headers, oldest file first (the LRU order of before). */
   async #scan(): Promise<void> {
-    const { secret, layout, checkMac, checkOwner } = this.#options;
     const found: { key: string; tenant: number; bytes: number; mtimeMs: number }[] = [];
     for (const name of await readdir(this.dir)) {
       const path = join(this.dir, name);
@@ -249,18 +266,9 @@ export class DiskTier {
         const stat = await handle.stat();
         const head = Buffer.alloc(Math.min(HEAD_BYTES, stat.size));
         await handle.read(head, 0, head.length, 0);
-        const read = readRecordHeader(secret, head, checkMac);
-        // A header under another key's file name (a record copied there) is the owner guard's refusal.
-        const reason: TierRejectReason | null = !read.ok
-          ? read.reason
-          : read.recordBytes !== stat.size || read.header.layout !== layout
-            ? "format"
-            : checkOwner && read.header.key !== key
-              ? "owner"
-              : null;
-        if (read.ok && reason === null)
-          keep = { tenant: read.header.tenant, bytes: stat.size, mtimeMs: stat.mtimeMs };
-        else if (reason !== null) this.startup.rejected[reason]++;
+        const read = this.#checkHeader(head, stat.size, key);
+        if (read.ok) keep = { tenant: read.tenant, bytes: stat.size, mtimeMs: stat.mtimeMs };
+        else this.startup.rejected[read.reason]++;
       } finally {
         await handle.close();
       }

@@ -204,7 +204,10 @@ export class KvTiers {
 
   /** The disk tier's directory and start-up scan, or null without one. */
   get disk(): { dir: string; records: number; deleted: number } | null {
-    return this.#disk === null ? null : { dir: this.#disk.dir, ...this.#disk.startup };
+    const disk = this.#disk;
+    return disk === null
+      ? null
+      : { dir: disk.dir, records: disk.startup.records, deleted: disk.startup.deleted };
   }
 
   /** Resolves when every disk write queued so far is done (tests, shutdown). */

@@ -237,7 +237,10 @@ function prefixCacheMetrics(scrape: MetricsScrape): (cache: NonNullable<EngineSt
 function tierMetrics(scrape: MetricsScrape): (tiers: NonNullable<EngineStats["tiers"]>) => void {
   const pages = scrape.gauge("kvfence_kv_tier_pages", "Pages held in each KV tier below the pool", ["tier"]);
   const bytes = scrape.gauge("kvfence_kv_tier_bytes", "Bytes of records held in each KV tier", ["tier"]);
-  const spills = scrape.counter("kvfence_kv_tier_spills_total", "Cached pages spilled from the pool into the tiers");
+  const spills = scrape.counter(
+    "kvfence_kv_tier_spills_total",
+    "Cached pages spilled from the pool into the tiers",
+  );
   const loads = scrape.counter(
     "kvfence_kv_tier_loads_total",
     "Records loaded back from a tier and verified (MAC, owner, epoch), by tier",
@@ -253,7 +256,10 @@ function tierMetrics(scrape: MetricsScrape): (tiers: NonNullable<EngineStats["ti
     "Tier records refused at load and deleted, by reason (format, or the guard: mac, owner, epoch)",
     ["reason"],
   );
-  const dropped = scrape.counter("kvfence_kv_tier_dropped_total", "Records dropped out of the last tier for room");
+  const dropped = scrape.counter(
+    "kvfence_kv_tier_dropped_total",
+    "Records dropped out of the last tier for room",
+  );
   return (t) => {
     for (const tier of ["ram", "disk"] as const) {
       pages.set({ tier }, t.pages[tier]);

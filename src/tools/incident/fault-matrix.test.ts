@@ -29,10 +29,12 @@ test("MATRIX_SCENARIOS and NOT_IN_MATRIX together name every fault of docs/desig
  * `KVFENCE_FAULT_MATRIX_FAULTS=tier-corrupt,spill-race` runs only those rows (with
  * KVFENCE_WRITE_FAULT_MATRIX=1 and only tier rows, their section of the document is rewritten).
  */
-const ONLY: readonly FaultName[] | undefined = process.env.KVFENCE_FAULT_MATRIX_FAULTS?.split(",").map((f) => {
-  if (!isFaultName(f)) throw new Error(`KVFENCE_FAULT_MATRIX_FAULTS names an unknown fault: ${f}`);
-  return f;
-});
+const ONLY: readonly FaultName[] | undefined = process.env.KVFENCE_FAULT_MATRIX_FAULTS?.split(",").map(
+  (f) => {
+    if (!isFaultName(f)) throw new Error(`KVFENCE_FAULT_MATRIX_FAULTS names an unknown fault: ${f}`);
+    return f;
+  },
+);
 
 test("runMatrix() shows each fault's bug with its guards off and each guard alone catching it", {
   // The tier rows add 8 cells of two short server runs each (about 30 s).

@@ -125,12 +125,12 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
         : options.tiers !== undefined
           ? { maxModelLen: "512", kvPages: "40" }
           : {
-            maxModelLen: String(INCIDENT_SHAPE.maxModelLen),
-            kvPages: String(INCIDENT_SHAPE.decodeKvPages),
-            ...(options.undersizedPrefill === false
-              ? {}
-              : { prefillKvPages: String(INCIDENT_SHAPE.prefillKvPages) }),
-          }),
+              maxModelLen: String(INCIDENT_SHAPE.maxModelLen),
+              kvPages: String(INCIDENT_SHAPE.decodeKvPages),
+              ...(options.undersizedPrefill === false
+                ? {}
+                : { prefillKvPages: String(INCIDENT_SHAPE.prefillKvPages) }),
+            }),
       scrubOnFree: false,
       ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
       disaggregation: options.topology !== "single",

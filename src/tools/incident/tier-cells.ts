@@ -23,11 +23,21 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { recordHeaderOf } from "../../kvcache/kv-tier-record.js";
 import type { FaultName, GuardName } from "../../protocol/safety.js";
-import { A_CODES, type CellOutcome, chat, plantPrompt, victimPrompt } from "./fault-matrix.js";
-import { metricSum, startIncidentServer } from "./incident.js";
+import { type IncidentServer, metricSum, startIncidentServer } from "./incident.js";
+import {
+  A_CODES,
+  type CellOutcome,
+  type ChatResult,
+  chat,
+  plantPrompt,
+  victimPrompt,
+} from "./matrix-chat.js";
 
 /** What a tier cell found (the row's names are added by `runCell`). */
-export type TierCellOutcome = Omit<CellOutcome, "fault" | "faults" | "topology" | "guardOn" | "disabledGuards">;
+export type TierCellOutcome = Omit<
+  CellOutcome,
+  "fault" | "faults" | "topology" | "guardOn" | "disabledGuards"
+>;
 
 /** The tier guard's refusal reason in `kvfence_kv_tier_rejected_total`. */
 const REASON: Partial<Record<GuardName, string>> = {
@@ -68,10 +78,10 @@ export async function tierCell(
       fresh = b.content;
       // A's other prompts take the pool: every cached page spills to disk.
       for (let i = 1; i < 4; i++) await chat(first.url, first.keyA, plantPrompt(i, 400));
+      await settled(dir, first);
     } finally {
       await first.close();
     }
-    await settled(dir);
     const written = tamper(fault, dir);
     const second = await start(fault === "stale-epoch" ? 1 : 0);
     try {
@@ -81,42 +91,53 @@ export async function tierCell(
       const reason = guardOn === null ? undefined : REASON[guardOn];
       const refused =
         reason === undefined ? 0 : (m.get(`kvfence_kv_tier_rejected_total{reason="${reason}"}`) ?? 0);
-      const cached = b.cachedTokens ?? 0;
-      const differs = b.status === 200 ? b.content !== fresh : null;
-      const leakedCode = A_CODES.some((code) => b.content.includes(code));
-      const expect = guardOn === null ? "bug shows" : "caught";
-      let ok: boolean;
-      let symptom: string;
-      if (expect === "bug shows") {
-        ok = b.status === 200 && cached > 0 && rejected === 0 && (fault !== "spill-race" || differs === true);
-        symptom = `HTTP 200 with ${cached} prompt tokens served from ${WHAT[fault]}${written}${differs === true ? "; answer differs from B's fresh answer" : ""}${leakedCode ? "; tenant A's code in B's answer" : ""}`;
-      } else if (guardOn === "tier-spill-copy") {
-        ok = b.status === 200 && cached > 0 && differs === false && rejected === 0;
-        symptom = `a correct hit: HTTP 200, ${cached} prompt tokens from the disk tier, B's fresh answer (the spill copied the page)`;
-      } else {
-        ok = b.status === 200 && cached === 0 && refused > 0;
-        symptom = `a miss: HTTP 200, cached_tokens ${cached}, kvfence_kv_tier_rejected_total{reason="${reason}"} ${refused}${written}`;
-      }
-      return {
-        expect,
-        status: b.status,
-        errorCode: b.errorCode,
-        promptTokensReported: b.promptTokens,
-        leakedCode,
-        answer: b.status === 200 ? b.content.slice(0, 40) : "",
-        guardCounterDelta: refused,
-        differsFromBaseline: differs,
-        symptom,
-        caughtAsMiss: expect === "caught" && cached === 0,
-        caughtAsCorrectHit: guardOn === "tier-spill-copy" && cached > 0 && differs === false,
-        ok,
-      };
+      return classify(fault, guardOn, b, { fresh, written, rejected, refused, reason });
     } finally {
       await second.close();
     }
   } finally {
     rmSync(root, { recursive: true, force: true });
   }
+}
+
+/** The cell's verdict on B's second answer. */
+function classify(
+  fault: FaultName,
+  guardOn: GuardName | null,
+  b: ChatResult,
+  seen: { fresh: string; written: string; rejected: number; refused: number; reason: string | undefined },
+): TierCellOutcome {
+  const { fresh, written, rejected, refused, reason } = seen;
+  const cached = b.cachedTokens ?? 0;
+  const differs = b.status === 200 ? b.content !== fresh : null;
+  const leakedCode = A_CODES.some((code) => b.content.includes(code));
+  const expect = guardOn === null ? "bug shows" : "caught";
+  let ok: boolean;
+  let symptom: string;
+  if (expect === "bug shows") {
+    ok = b.status === 200 && cached > 0 && rejected === 0 && (fault !== "spill-race" || differs === true);
+    symptom = `HTTP 200 with ${cached} prompt tokens served from ${WHAT[fault]}${written}${differs === true ? "; answer differs from B's fresh answer" : ""}${leakedCode ? "; tenant A's code in B's answer" : ""}`;
+  } else if (guardOn === "tier-spill-copy") {
+    ok = b.status === 200 && cached > 0 && differs === false && rejected === 0;
+    symptom = `a correct hit: HTTP 200, ${cached} prompt tokens from the disk tier, B's fresh answer (the spill copied the page)`;
+  } else {
+    ok = b.status === 200 && cached === 0 && refused > 0;
+    symptom = `a miss: HTTP 200, cached_tokens ${cached}, kvfence_kv_tier_rejected_total{reason="${reason}"} ${refused}${written}`;
+  }
+  return {
+    expect,
+    status: b.status,
+    errorCode: b.errorCode,
+    promptTokensReported: b.promptTokens,
+    leakedCode,
+    answer: b.status === 200 ? b.content.slice(0, 40) : "",
+    guardCounterDelta: refused,
+    differsFromBaseline: differs,
+    symptom,
+    caughtAsMiss: expect === "caught" && cached === 0,
+    caughtAsCorrectHit: guardOn === "tier-spill-copy" && cached > 0 && differs === false,
+    ok,
+  };
 }
 
 const WHAT: Record<string, string> = {
@@ -126,17 +147,21 @@ const WHAT: Record<string, string> = {
   "spill-race": "records the late spill sealed from A's KV under B's keys",
 };
 
-/** Waits until the tier directory's record files stop changing (the disk tier writes asynchronously). */
-async function settled(dir: string): Promise<void> {
+/**
+ * Waits until the disk tier's asynchronous writes are on disk: as many record files as the node
+ * counts disk pages (`kvfence_kv_tier_pages{tier="disk"}`), unchanged between two looks (at most 20 s).
+ */
+async function settled(dir: string, server: IncidentServer): Promise<void> {
   let last = "";
-  for (let i = 0; i < 50; i++) {
-    const now = records(dir)
-      .map((f) => `${f}:${statSync(join(dir, f)).size}`)
-      .join(",");
-    if (now === last && now !== "") return;
+  for (let i = 0; i < 100; i++) {
+    const files = records(dir);
+    const now = files.map((f) => `${f}:${statSync(join(dir, f)).size}`).join(",");
+    const pages = (await server.metrics()).get('kvfence_kv_tier_pages{tier="disk"}') ?? -1;
+    if (now === last && files.length === pages && pages > 0) return;
     last = now;
     await new Promise((resolve) => setTimeout(resolve, 200));
   }
+  throw new Error(`The disk tier's writes did not settle in ${dir}`);
 }
 
 function records(dir: string): string[] {

@@ -106,7 +106,7 @@ export const RULES: Record<string, Rule> = {
   },
   "tools/check": { src: ["tools/check", "protocol", "kvcache", "lib"] },
   "tools/incident": {
-    src: ["tools/incident", "tools/probe", "server", "topology", "protocol", "lib"],
+    src: ["tools/incident", "tools/probe", "server", "topology", "protocol", "kvcache", "lib"],
   },
   "tools/preflight": { src: ["tools/preflight", "admin-api", "kvcache", "lib"], packages: [] },
   "tools/probe": { src: ["tools/probe", "admin-api", "lib"], packages: [] },

@@ -67,8 +67,11 @@ interface PoolData {
 }
 
 export interface PrepareWorkerData extends PoolData {
-  /** "large": a worker of the large lane, which runs at a lower CPU priority. */
-  readonly lane: "small" | "large";
+  /**
+   * The worker thread's nice value, set before it loads its modules (prepare-worker-start.ts): 0
+   * for the small lane, `LARGE_LANE_NICE` for the large lane, which yields the CPU.
+   */
+  readonly nice: number;
 }
 
 /** A job's kind: a body of an endpoint, or a prepared request's constraint to compile. */
@@ -94,7 +97,7 @@ export type FromPrepareWorker =
   /** `error` null: not a KvfenceError (a bug); `detail` is for the log only. */
   | { readonly id: number; readonly ok: false; readonly error: WireError | null; readonly detail?: string };
 
-const WORKER_URL = new URL("./prepare-worker.js", import.meta.url);
+const WORKER_URL = new URL("./prepare-worker-start.js", import.meta.url);
 
 interface Job {
   readonly id: number;
@@ -167,17 +170,17 @@ export class PreparePool implements RequestPreparer {
   }
 
   /**
-   * Starts `threads` workers and resolves once the first has loaded the tokenizer: the others (the
-   * large lane, at a lower priority) start beside it and take their bodies once ready (large
-   * bodies wait for them meanwhile). One that fails to start is reported, and the first then
-   * serves both lanes, as a pool of one does.
+   * Starts `threads` workers and resolves once the first has loaded the tokenizer. The others (the
+   * large lane, at a lower priority) start only then, so a server's start-up does not share the
+   * CPU with them, and take their bodies once ready (large bodies wait for them meanwhile, served
+   * by the first). One that fails to start is reported, and the first then serves both lanes, as
+   * a pool of one does.
    */
   static async start(options: PreparePoolOptions): Promise<PreparePool> {
     const pool = new PreparePool(options);
     try {
-      const first = pool.#spawn(0);
+      await pool.#spawn(0);
       for (let i = 1; i < pool.#size; i++) pool.#spawn(i).catch((err: unknown) => pool.#startFailed(i, err));
-      await first;
     } catch (err) {
       await pool.close();
       throw err;
@@ -240,8 +243,8 @@ export class PreparePool implements RequestPreparer {
 
   #spawn(index: number): Promise<void> {
     // With two or more workers the first serves small bodies only; the others are the large lane.
-    const lane = index === 0 || this.#size === 1 ? "small" : "large";
-    const workerData: PrepareWorkerData = { ...this.#data, lane };
+    const small = index === 0 || this.#size === 1;
+    const workerData: PrepareWorkerData = { ...this.#data, nice: small ? 0 : LARGE_LANE_NICE };
     const worker = new Worker(WORKER_URL, { workerData });
     const slot: Slot = { worker, job: null, compiling: null, retired: false };
     this.#slots[index] = slot;

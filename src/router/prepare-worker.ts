@@ -1,5 +1,6 @@
 /**
- * A preparation worker thread (prepare-pool.ts): loads the model folder's tokenizer and chat
+ * A preparation worker thread (prepare-pool.ts; its entry, prepare-worker-start.ts, sets the
+ * thread's priority first): loads the model folder's tokenizer and chat
  * template (never its weights), then turns each posted request body into its sampling fields and
  * prompt tokens with `prepareRequest`, one at a time, answering with the tokens (transferred) or
  * the refusal as plain error data. A request's output constraint (structured output) comes back as
@@ -8,28 +9,19 @@
  * router's event loop.
  */
 import { parentPort, workerData } from "node:worker_threads";
-import { CONSTRAINT_NAME, CONSTRAINT_PARAM, checkerFor, compileCheck } from "../grammar/grammar-engine.js";
 import { type GrammarVocab, grammarVocab } from "../grammar/grammar-vocab.js";
 import { KvfenceError } from "../lib/errors.js";
-import { lowerThreadPriority } from "../lib/thread-priority.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 
 const utf8 = new TextDecoder();
 
 import { loadChatTemplate, openTokenizer } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
-import {
-  type FromPrepareWorker,
-  LARGE_LANE_NICE,
-  type PrepareWorkerData,
-  type ToPrepareWorker,
-} from "./prepare-pool.js";
+import type { FromPrepareWorker, PrepareWorkerData, ToPrepareWorker } from "./prepare-pool.js";
 import { answerUtility, prepareRequest } from "./prepare-request.js";
 
 const data = workerData as PrepareWorkerData;
 const port = parentPort!;
-// The large lane's workers prepare big bodies: they yield the CPU to the threads serving requests.
-if (data.lane === "large") lowerThreadPriority(LARGE_LANE_NICE);
 const { tokenizer, chatTemplate } = await openTokenizer(data.modelDir);
 const context = {
   modelId: data.modelId,
@@ -45,6 +37,8 @@ const context = {
 };
 
 let vocab: GrammarVocab | null = null;
+// The grammar engine loads with this thread's first constraint, not before it serves (start-up).
+let grammarEngine: Promise<typeof import("../grammar/grammar-engine.js")> | undefined;
 
 port.on("message", async (job: ToPrepareWorker) => {
   let reply: FromPrepareWorker;
@@ -59,6 +53,8 @@ port.on("message", async (job: ToPrepareWorker) => {
         readonly constraint: OutputConstraint;
         readonly param?: string;
       };
+      grammarEngine ??= import("../grammar/grammar-engine.js");
+      const { CONSTRAINT_NAME, CONSTRAINT_PARAM, checkerFor, compileCheck } = await grammarEngine;
       vocab ??= grammarVocab(tokenizer);
       // This thread's first compilation loads xgrammar first: not the constraint's time.
       await checkerFor(vocab);

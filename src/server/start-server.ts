@@ -26,7 +26,15 @@ import type { Logger } from "../lib/logger.js";
 import { isLoopback } from "../lib/loopback.js";
 import { startTracing, tracing } from "../lib/tracing.js";
 import { type GenerationDefaults, loadGenerationDefaults } from "../model/config-loader.js";
-import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
+import {
+  delayedProgress,
+  loadModelWeights,
+  type ModelHeader,
+  type ModelMeta,
+  openModelHeader,
+  openModelMeta,
+  withTokenizer,
+} from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { startNodeServer } from "../node/node-server.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
@@ -102,12 +110,22 @@ export async function startServer(
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
 ): Promise<RunningServer> {
   // The default topology's node threads start first and load their modules while this thread
-  // loads the model; they get their options (the weights' memory) once it is there.
+  // loads the model; they get their options (the weights' memory) once it is there. So do the
+  // router's preparation workers, which load the tokenizer meanwhile: they need only the model's
+  // config (its window sizes the request limits).
   const prestarted = config.role === "all" && config.disaggregation ? prestartNodeWorkers() : undefined;
+  let preparing: Promise<PreparePool> | undefined;
   try {
-    return await bootServer(config, options, prestarted);
+    const header = await openModelHeader(config.model);
+    const limits = limitsOf(config, contextLengthOf(config, header.config));
+    preparing = startPreparer(config, header, limits, options.logger);
+    return await bootServer(config, options, { header, limits, prestarted, preparing });
   } catch (err) {
     await prestarted?.terminate();
+    await preparing?.then(
+      (p) => p.close(),
+      () => {},
+    );
     throw err;
   }
 }
@@ -115,16 +133,22 @@ export async function startServer(
 async function bootServer(
   config: ServeConfig,
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
-  prestarted: PrestartedWorkers | undefined,
+  early: {
+    readonly header: ModelHeader;
+    readonly limits: ReturnType<typeof limitsOf>;
+    readonly prestarted: PrestartedWorkers | undefined;
+    readonly preparing: Promise<PreparePool>;
+  },
 ): Promise<RunningServer> {
+  const { limits, prestarted, preparing } = early;
   const log = options.logger;
   warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
   if (config.role !== "router") config = await withChosenKernels(config, log);
   const tls = serveTls(config);
   if (tls.frontDoor === undefined) warnPlaintextFrontDoor(config.host, log);
 
-  // The config, tokenizer and chat template (of a folder or a GGUF file's header), not the weights.
-  const model = await openModelMeta(config.model);
+  // The tokenizer and chat template (of a folder or a GGUF file's header), not the weights.
+  const model = withTokenizer(early.header);
   const { numPages, bytesPerPage, contextLength, engineOptions } = sizeServerPools(config, model);
   const poolTokens = numPages * config.pageSize;
 
@@ -138,12 +162,11 @@ async function bootServer(
 
   const tenants = loadTenants(config, log);
   await startRouterTracing(config, log);
-  const limits = limitsOf(config, contextLength);
   const tokenizer = tokenizerOf(model, config);
   const { served, preparer } = await startEnginesAndPreparer(config, {
     model,
     tenants,
-    limits,
+    preparing,
     engineOptions,
     contextLength,
     tls,
@@ -259,18 +282,44 @@ function limitsOf(config: ServeConfig, contextLength: number) {
   });
 }
 
-/** What the router knows of the model: its id, window, end-of-sequence ids and sampling defaults. */
+/**
+ * The router's preparation workers: parsing, the chat template and tokenization run in worker
+ * threads, never on the event loop. Started before this thread parses the tokenizer (they load
+ * their own meanwhile); resolves once the first is ready.
+ */
+function startPreparer(
+  config: ServeConfig,
+  header: ModelHeader,
+  limits: ReturnType<typeof limitsOf>,
+  log: Logger,
+): Promise<PreparePool> {
+  const card = modelCard(header, config);
+  const preparing = PreparePool.start({
+    modelDir: header.dir,
+    modelId: [card.id, ...card.aliases],
+    limits,
+    ...(config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate }),
+    ...(config.toolCallParser === undefined ? {} : { toolCallParser: config.toolCallParser }),
+    threads: config.tokenizerThreads,
+    policy: config.schedulingPolicy,
+    onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
+  });
+  preparing.catch(() => {}); // awaited after the engines (no unhandled rejection meanwhile)
+  return preparing;
+}
+
 /**
  * The weights and the engines (none for a router process, which tokenizes and admits while the
- * nodes it connects to hold the weights), and the router's preparation workers, which load the
- * tokenizer while the weights load and the engines start.
+ * nodes it connects to hold the weights), then the router's preparation workers (`preparing`),
+ * which load the tokenizer while the weights load and the engines start. On a failure the caller
+ * closes the workers.
  */
 async function startEnginesAndPreparer(
   config: ServeConfig,
   parts: {
     readonly model: ModelMeta;
     readonly tenants: TenantDirectory;
-    readonly limits: ReturnType<typeof limitsOf>;
+    readonly preparing: Promise<PreparePool>;
     readonly engineOptions: ServeEngineOptions["engine"];
     readonly contextLength: number;
     readonly tls: ReturnType<typeof serveTls>;
@@ -282,62 +331,43 @@ async function startEnginesAndPreparer(
     readonly prestarted: PrestartedWorkers | undefined;
   },
 ): Promise<{ served: Awaited<ReturnType<typeof startServeEngine>>; preparer: PreparePool }> {
-  const { model, tenants, engineOptions, log } = parts;
-  // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
-  const card = modelCard(model, config);
-  const preparing = PreparePool.start({
-    modelDir: model.dir,
-    modelId: [card.id, ...card.aliases],
-    limits: parts.limits,
-    ...(config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate }),
-    ...(config.toolCallParser === undefined ? {} : { toolCallParser: config.toolCallParser }),
-    threads: config.tokenizerThreads,
-    policy: config.schedulingPolicy,
-    onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
-  });
-  preparing.catch(() => {}); // awaited below, after the engines (no unhandled rejection meanwhile)
+  const { model, tenants, engineOptions, log, preparing } = parts;
   const prefillOptions = {
     ...engineOptions,
     ...(config.prefillKvPages === undefined ? {} : { numPages: config.prefillKvPages }),
   };
   const engines =
     config.role === "router" ? [] : config.disaggregation ? [prefillOptions, engineOptions] : [engineOptions];
-  let served: Awaited<ReturnType<typeof startServeEngine>>;
   const { prestarted } = parts;
-  try {
-    const loaded =
-      engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress, config.quantize);
-    parts.progress?.(
-      `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
-      true,
-    );
-    const starting = startServeEngine({
-      role: config.role,
-      disaggregation: config.disaggregation,
-      model: loaded === null ? null : { config: model.config, ...loaded },
-      engine: engineOptions,
-      ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
-      disabledGuards: config.unsafeDisableGuard,
-      maxModelLen: parts.contextLength,
-      prefill: config.prefill,
-      decode: config.decode,
-      clusterSecret: config.clusterSecret,
-      ...(config.registry === undefined ? {} : { registry: registryOf(config) }),
-      insecurePlaintextLinks: config.insecurePlaintextLinks,
-      ...(parts.tls.links === undefined ? {} : { linkTls: parts.tls.links }),
-      faults: config.unsafeFault,
-      fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
-      ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
-      ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
-      ...(prestarted === undefined ? {} : { prestarted }),
-      log,
-    });
-    parts.meanwhile?.();
-    served = await starting;
-  } catch (err) {
-    await preparing.then((p) => p.close()).catch(() => {});
-    throw err;
-  }
+  const loaded =
+    engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress, config.quantize);
+  parts.progress?.(
+    `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
+    true,
+  );
+  const starting = startServeEngine({
+    role: config.role,
+    disaggregation: config.disaggregation,
+    model: loaded === null ? null : { config: model.config, ...loaded },
+    engine: engineOptions,
+    ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
+    disabledGuards: config.unsafeDisableGuard,
+    maxModelLen: parts.contextLength,
+    prefill: config.prefill,
+    decode: config.decode,
+    clusterSecret: config.clusterSecret,
+    ...(config.registry === undefined ? {} : { registry: registryOf(config) }),
+    insecurePlaintextLinks: config.insecurePlaintextLinks,
+    ...(parts.tls.links === undefined ? {} : { linkTls: parts.tls.links }),
+    faults: config.unsafeFault,
+    fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
+    ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+    ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
+    ...(prestarted === undefined ? {} : { prestarted }),
+    log,
+  });
+  parts.meanwhile?.();
+  const served = await starting;
   try {
     return { served, preparer: await preparing };
   } catch (err) {
@@ -356,7 +386,7 @@ function tokenizerOf(model: ModelMeta, config: ServeConfig) {
 }
 
 /** The served model as the router shows it: its names, window, EOS ids and sampling defaults. */
-function modelCard(model: ModelMeta, config: ServeConfig) {
+function modelCard(model: ModelHeader, config: ServeConfig) {
   // --generation-config: auto (the folder's), vllm (none, as vLLM's), or another folder's.
   const source = config.generationConfig;
   const d: Partial<GenerationDefaults> =

@@ -87,6 +87,7 @@ export class ModelTokenizer {
   readonly #addedIds: ReadonlySet<number>;
   readonly #tokenBytes: Array<Uint8Array | undefined> = [];
   readonly #encoder = new TextEncoder();
+  #numIds: number | undefined;
 
   /** Builds a tokenizer from parsed tokenizer.json and tokenizer_config.json; `label` names them in errors. */
   constructor(tokenizerJson: unknown, tokenizerConfig: unknown, options?: { label?: string }) {
@@ -140,11 +141,14 @@ export class ModelTokenizer {
     return this.#tokenizer.decode(list, { skip_special_tokens: options?.skipSpecialTokens ?? true });
   }
 
-  /** One more than the largest token id (model vocabulary plus added tokens). */
+  /** One more than the largest token id (model vocabulary plus added tokens); one walk, kept. */
   get numIds(): number {
-    let max = -1;
-    for (const id of this.#tokenizer.get_vocab(true).values()) if (id > max) max = id;
-    return max + 1;
+    if (this.#numIds === undefined) {
+      let max = -1;
+      for (const id of this.#tokenizer.get_vocab(true).values()) if (id > max) max = id;
+      this.#numIds = max + 1;
+    }
+    return this.#numIds;
   }
 
   /** Every token's string as the vocabulary spells it (byte-level or SentencePiece pieces), by id ("" for an unused id). */

@@ -39,6 +39,9 @@ const commands: ReadonlyArray<readonly [string, () => Promise<{ command(): Comma
   // cli-commands:end
 ];
 
+// `serve` starts its worker threads first, so that their modules load beside its own.
+if (process.argv[2] === "serve")
+  (await import("../server/early-threads.js")).startEarlyThreads(process.argv.slice(3));
 const named = commands.filter(([name]) => name === process.argv[2]);
 for (const [name, load] of named.length === 1 ? named : commands) {
   const cmd = (await load()).command();

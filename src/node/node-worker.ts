@@ -12,7 +12,7 @@
  *
  * Its options come as `workerData`, or, for a worker started before they are known (the server's
  * first pair, started while the weights load: `prestartNodeWorkers` in
- * src/topology/threaded-topology.ts), as the first message (`NodeWorkerOptions`): its modules load
+ * src/node/prestart-workers.ts), as the first message (`NodeWorkerOptions`): its modules load
  * meanwhile.
  */
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
@@ -27,8 +27,7 @@ import {
 } from "../transfer/shm-transport.js";
 import { buildNode, type NodeHostOptions, pong } from "./node-host.js";
 import { pageByteLength } from "./node-pool.js";
-
-export const NODE_WORKER_TAG = "kvfence-node-worker";
+import { NODE_WORKER_TAG } from "./prestart-workers.js";
 
 /** Thread-only setup messages, main thread → node worker. */
 export type NodeWorkerSetup =

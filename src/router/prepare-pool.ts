@@ -74,6 +74,11 @@ export interface PrepareWorkerData extends PoolData {
   readonly nice: number;
 }
 
+/** The first message of a worker started without its `workerData` (`PreparePoolOptions.first`). */
+export interface PrepareWorkerStart {
+  readonly data: PrepareWorkerData;
+}
+
 /** A job's kind: a body of an endpoint, or a prepared request's constraint to compile. */
 type JobKind = GenerateEndpointName | UtilityEndpointName | "compile";
 
@@ -130,6 +135,11 @@ export function inThreadPreparer(context: PrepareContext): RequestPreparer {
 export interface PreparePoolOptions extends PoolData {
   /** Worker threads (1 or more). */
   readonly threads: number;
+  /**
+   * The first worker, already started on prepare-worker-start.js without its data (which it gets
+   * as its first message; src/server/early-threads.ts); a fresh one in its place if it exited.
+   */
+  readonly first?: { readonly worker: Worker; readonly exitCode: number | null };
   /** `--scheduling-policy`: fcfs serves each lane in arrival order across tenants (default fair). */
   readonly policy?: SchedulingPolicy;
   /** Told about a worker that failed (its body got `internal`). */
@@ -143,6 +153,7 @@ export class PreparePool implements RequestPreparer {
   readonly #small: FairQueue<Job>;
   readonly #large: FairQueue<Job>;
   readonly #size: number;
+  #first: PreparePoolOptions["first"];
   #nextId = 1;
   #closed = false;
 
@@ -156,6 +167,7 @@ export class PreparePool implements RequestPreparer {
     };
     this.#onWorkerError = options.onWorkerError ?? (() => {});
     this.#size = Math.max(1, options.threads);
+    this.#first = options.first;
     this.#small = PreparePool.#lane(options.policy);
     this.#large = PreparePool.#lane(options.policy);
   }
@@ -245,7 +257,12 @@ export class PreparePool implements RequestPreparer {
     // With two or more workers the first serves small bodies only; the others are the large lane.
     const small = index === 0 || this.#size === 1;
     const workerData: PrepareWorkerData = { ...this.#data, nice: small ? 0 : LARGE_LANE_NICE };
-    const worker = new Worker(WORKER_URL, { workerData });
+    const early = index === 0 ? this.#first : undefined;
+    this.#first = undefined;
+    if (early !== undefined && early.exitCode !== null) void early.worker.terminate();
+    const started = early !== undefined && early.exitCode === null;
+    const worker = started ? early.worker : new Worker(WORKER_URL, { workerData });
+    if (started) worker.postMessage({ data: workerData } satisfies PrepareWorkerStart);
     const slot: Slot = { worker, job: null, compiling: null, retired: false };
     this.#slots[index] = slot;
     return new Promise((resolve, reject) => {

@@ -17,11 +17,22 @@ const utf8 = new TextDecoder();
 
 import { loadChatTemplate, openTokenizer } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
-import type { FromPrepareWorker, PrepareWorkerData, ToPrepareWorker } from "./prepare-pool.js";
+import type {
+  FromPrepareWorker,
+  PrepareWorkerData,
+  PrepareWorkerStart,
+  ToPrepareWorker,
+} from "./prepare-pool.js";
 import { answerUtility, prepareRequest } from "./prepare-request.js";
 
-const data = workerData as PrepareWorkerData;
 const port = parentPort!;
+// A worker started early (src/server/early-threads.ts) gets its data as its first message.
+const data =
+  (workerData as Partial<PrepareWorkerData>).modelDir === undefined
+    ? await new Promise<PrepareWorkerData>((resolve) =>
+        port.once("message", (m: PrepareWorkerStart) => resolve(m.data)),
+      )
+    : (workerData as PrepareWorkerData);
 const { tokenizer, chatTemplate } = await openTokenizer(data.modelDir);
 const context = {
   modelId: data.modelId,

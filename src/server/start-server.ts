@@ -37,15 +37,16 @@ import {
 } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { startNodeServer } from "../node/node-server.js";
+import { type PrestartedWorkers, prestartNodeWorkers } from "../node/prestart-workers.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
-import { PreparePool } from "../router/prepare-pool.js";
+import { PreparePool, type PreparePoolOptions } from "../router/prepare-pool.js";
 import { requestLimits } from "../router/request-limits.js";
 import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
 import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
-import { type PrestartedWorkers, prestartNodeWorkers } from "../topology/threaded-topology.js";
+import { takeEarlyThreads } from "./early-threads.js";
 import { availableMemoryBytes, checkMemoryFits, poolPagesOf } from "./kv-sizing.js";
 import {
   fairShareOf,
@@ -113,15 +114,20 @@ export async function startServer(
   // loads the model; they get their options (the weights' memory) once it is there. So do the
   // router's preparation workers, which load the tokenizer meanwhile: they need only the model's
   // config (its window sizes the request limits).
-  const prestarted = config.role === "all" && config.disaggregation ? prestartNodeWorkers() : undefined;
+  // Those `kvfence serve` started before its modules loaded are taken first (early-threads.ts).
+  const early = takeEarlyThreads();
+  const threaded = config.role === "all" && config.disaggregation;
+  if (!threaded) await early.nodes?.terminate();
+  const prestarted = threaded ? (early.nodes ?? prestartNodeWorkers()) : undefined;
   let preparing: Promise<PreparePool> | undefined;
   try {
     const header = await openModelHeader(config.model);
     const limits = limitsOf(config, contextLengthOf(config, header.config));
-    preparing = startPreparer(config, header, limits, options.logger);
+    preparing = startPreparer(config, header, limits, options.logger, early.preparer);
     return await bootServer(config, options, { header, limits, prestarted, preparing });
   } catch (err) {
     await prestarted?.terminate();
+    if (preparing === undefined) await early.preparer?.worker.terminate();
     await preparing?.then(
       (p) => p.close(),
       () => {},
@@ -292,9 +298,11 @@ function startPreparer(
   header: ModelHeader,
   limits: ReturnType<typeof limitsOf>,
   log: Logger,
+  first: PreparePoolOptions["first"],
 ): Promise<PreparePool> {
   const card = modelCard(header, config);
   const preparing = PreparePool.start({
+    ...(first === undefined ? {} : { first }),
     modelDir: header.dir,
     modelId: [card.id, ...card.aliases],
     limits,

@@ -74,6 +74,17 @@ export interface PrepareWorkerData extends PoolData {
   readonly nice: number;
 }
 
+/**
+ * The `workerData` of a worker started before its data is known (src/server/early-threads.ts):
+ * `modelGuess` is the model its command line names, whose tokenizer it reads while it waits (its
+ * data's `modelDir` is the one it serves: it reads that one if they differ).
+ */
+export interface EarlyPrepareWorkerData {
+  readonly nice: 0;
+  readonly early: true;
+  readonly modelGuess?: string;
+}
+
 /** The first message of a worker started without its `workerData` (`PreparePoolOptions.first`). */
 export interface PrepareWorkerStart {
   readonly data: PrepareWorkerData;

@@ -15,9 +15,10 @@ import type { OutputConstraint } from "../protocol/output-constraint.js";
 
 const utf8 = new TextDecoder();
 
-import { loadChatTemplate, openTokenizer } from "../tokenizer/tokenizer.js";
+import { loadChatTemplate, openTokenizer, type TokenizerAndTemplate } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
 import type {
+  EarlyPrepareWorkerData,
   FromPrepareWorker,
   PrepareWorkerData,
   PrepareWorkerStart,
@@ -26,14 +27,32 @@ import type {
 import { answerUtility, prepareRequest } from "./prepare-request.js";
 
 const port = parentPort!;
-// A worker started early (src/server/early-threads.ts) gets its data as its first message.
-const data =
-  (workerData as Partial<PrepareWorkerData>).modelDir === undefined
-    ? await new Promise<PrepareWorkerData>((resolve) =>
-        port.once("message", (m: PrepareWorkerStart) => resolve(m.data)),
-      )
-    : (workerData as PrepareWorkerData);
-const { tokenizer, chatTemplate } = await openTokenizer(data.modelDir);
+/**
+ * A worker started early (src/server/early-threads.ts) gets its data as its first message, and
+ * meanwhile reads the tokenizer of the model its command line names (`modelGuess`).
+ */
+let guessed: { readonly dir: string; readonly loaded: Promise<TokenizerAndTemplate | null> } | null = null;
+
+async function workerDataOrFirstMessage(): Promise<PrepareWorkerData> {
+  const early = workerData as Partial<EarlyPrepareWorkerData>;
+  if (early.early !== true) return workerData as PrepareWorkerData;
+  const message = new Promise<PrepareWorkerData>((resolve) =>
+    port.once("message", (m: PrepareWorkerStart) => resolve(m.data)),
+  );
+  if (early.modelGuess !== undefined)
+    guessed = { dir: early.modelGuess, loaded: openTokenizer(early.modelGuess).catch(() => null) };
+  return message;
+}
+
+/** The tokenizer of `dir`: the one read meanwhile when it is that folder's, else read now. */
+async function loadTokenizer(dir: string): Promise<TokenizerAndTemplate> {
+  const early = guessed?.dir === dir ? await guessed.loaded : null;
+  guessed = null;
+  return early ?? openTokenizer(dir);
+}
+
+const data = await workerDataOrFirstMessage();
+const { tokenizer, chatTemplate } = await loadTokenizer(data.modelDir);
 const context = {
   modelId: data.modelId,
   // `--chat-template FILE` replaces the model's own.

@@ -53,6 +53,12 @@ test("PreparePool prepares a chat and a completion exactly as this thread would"
   }
 });
 
+test("PreparePool.tokenBounds is the vocabulary's bounds as this thread walks them", () => {
+  const here = routerTokenizer(ModelTokenizer.fromFolder(dir), null).tokenBounds;
+  assert.ok(here.textBytes.length > 1 && (here.textBytes[1] ?? 0) > 0);
+  assert.deepEqual(pool.tokenBounds, here);
+});
+
 test("PreparePool sends a refusal back with its code and param", async () => {
   await assert.rejects(
     pool.prepare("chat", body({ model: MODEL, messages: [{ role: "user", content: 5 }] })),

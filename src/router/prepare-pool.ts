@@ -35,6 +35,7 @@ import {
   type UtilityEndpointName,
 } from "./prepare-request.js";
 import type { RequestLimits } from "./request-limits.js";
+import type { TokenBounds } from "./response-size.js";
 import type { ToolCallFormat } from "./tool-call-parser.js";
 
 /** Turns a generation body into a request ready for admission, off the caller's event loop or not. */
@@ -72,6 +73,8 @@ export interface PrepareWorkerData extends PoolData {
    * for the small lane, `LARGE_LANE_NICE` for the large lane, which yields the CPU.
    */
   readonly nice: number;
+  /** Whether its ready message carries the vocabulary's `TokenBounds` (the first worker's does). */
+  readonly bounds: boolean;
 }
 
 /**
@@ -100,7 +103,8 @@ export interface ToPrepareWorker {
 }
 
 export type FromPrepareWorker =
-  | { readonly ready: true }
+  /** Loaded; the first worker's ready carries the vocabulary's bounds (`PreparePool.tokenBounds`). */
+  | { readonly ready: true; readonly tokenBounds?: TokenBounds }
   | {
       readonly id: number;
       readonly ok: true;
@@ -165,6 +169,7 @@ export class PreparePool implements RequestPreparer {
   readonly #large: FairQueue<Job>;
   readonly #size: number;
   #first: PreparePoolOptions["first"];
+  #tokenBounds: TokenBounds | undefined;
   #nextId = 1;
   #closed = false;
 
@@ -209,6 +214,14 @@ export class PreparePool implements RequestPreparer {
       throw err;
     }
     return pool;
+  }
+
+  /**
+   * The vocabulary's `TokenBounds` (response-size.ts), walked by the first worker once it loaded
+   * the tokenizer (off the caller's thread, where it is the same walk of the same tokenizer).
+   */
+  get tokenBounds(): TokenBounds | undefined {
+    return this.#tokenBounds;
   }
 
   /** Bodies waiting for a worker (both lanes). */
@@ -267,7 +280,11 @@ export class PreparePool implements RequestPreparer {
   #spawn(index: number): Promise<void> {
     // With two or more workers the first serves small bodies only; the others are the large lane.
     const small = index === 0 || this.#size === 1;
-    const workerData: PrepareWorkerData = { ...this.#data, nice: small ? 0 : LARGE_LANE_NICE };
+    const workerData: PrepareWorkerData = {
+      ...this.#data,
+      nice: small ? 0 : LARGE_LANE_NICE,
+      bounds: index === 0,
+    };
     const early = index === 0 ? this.#first : undefined;
     this.#first = undefined;
     if (early !== undefined && early.exitCode !== null) void early.worker.terminate();
@@ -281,6 +298,7 @@ export class PreparePool implements RequestPreparer {
       worker.on("message", (message: FromPrepareWorker) => {
         if ("ready" in message) {
           ready = true;
+          this.#tokenBounds ??= message.tokenBounds;
           resolve();
           this.#dispatch();
           return;

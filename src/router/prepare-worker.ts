@@ -116,4 +116,8 @@ port.on("message", async (job: ToPrepareWorker) => {
   }
   port.postMessage(reply);
 });
-port.postMessage({ ready: true } satisfies FromPrepareWorker);
+port.postMessage({
+  ready: true,
+  // The first worker walks the vocabulary once for the router's answer-size bounds.
+  ...(data.bounds ? { tokenBounds: context.tokenizer.tokenBounds } : {}),
+} satisfies FromPrepareWorker);

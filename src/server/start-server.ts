@@ -36,13 +36,13 @@ import {
   withTokenizer,
 } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { startNodeServer } from "../node/node-server.js";
 import { type PrestartedWorkers, prestartNodeWorkers } from "../node/prestart-workers.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
 import { PreparePool, type PreparePoolOptions } from "../router/prepare-pool.js";
 import { requestLimits } from "../router/request-limits.js";
+import type { TokenBounds } from "../router/response-size.js";
 import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
 import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
@@ -168,7 +168,6 @@ async function bootServer(
 
   const tenants = loadTenants(config, log);
   await startRouterTracing(config, log);
-  const tokenizer = tokenizerOf(model, config);
   const { served, preparer } = await startEnginesAndPreparer(config, {
     model,
     tenants,
@@ -177,13 +176,12 @@ async function bootServer(
     contextLength,
     tls,
     log,
-    // The router's one walk of the vocabulary (its answer-size bounds), while the engine threads
-    // start and this thread would wait idle, not after.
-    meanwhile: () => void tokenizer.tokenBounds,
     prestarted,
     ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
   const engine = served.engine;
+  // The router's answer-size bounds come walked by the first preparation worker.
+  const tokenizer = tokenizerOf(model, config, preparer.tokenBounds);
   log.info(
     {
       numPages,
@@ -333,8 +331,6 @@ async function startEnginesAndPreparer(
     readonly tls: ReturnType<typeof serveTls>;
     readonly log: Logger;
     readonly progress?: (line: string, done: boolean) => void;
-    /** Work for this thread once the engines are starting (in their own threads or processes). */
-    readonly meanwhile?: () => void;
     /** The default topology's node threads, started before the model loaded. */
     readonly prestarted: PrestartedWorkers | undefined;
   },
@@ -374,7 +370,6 @@ async function startEnginesAndPreparer(
     ...(prestarted === undefined ? {} : { prestarted }),
     log,
   });
-  parts.meanwhile?.();
   const served = await starting;
   try {
     return { served, preparer: await preparing };
@@ -385,12 +380,12 @@ async function startEnginesAndPreparer(
 }
 
 /** The router's tokenizer, with `--chat-template FILE` in place of the folder's template when given. */
-function tokenizerOf(model: ModelMeta, config: ServeConfig) {
+function tokenizerOf(model: ModelMeta, config: ServeConfig, bounds: TokenBounds | undefined) {
   const template =
     config.chatTemplate === undefined
       ? model.chatTemplate
       : loadChatTemplate(model.dir, model.tokenizer, config.chatTemplate);
-  return routerTokenizer(model.tokenizer, template, config.toolCallParser);
+  return routerTokenizer(model.tokenizer, template, config.toolCallParser, bounds);
 }
 
 /** The served model as the router shows it: its names, window, EOS ids and sampling defaults. */
@@ -448,6 +443,9 @@ export async function startNode(
   const engine = engineOptionsOf(config, { numPages, contextLength });
   checkEnginesFit(meta, config, layout, contextLength, [engine]);
   const loaded = loadWeightsWithProgress(meta, [engine], undefined, config.quantize);
+  // The node's server and engine load here: the default topology's main thread never runs an
+  // engine (its node threads do), so `kvfence serve` does not load them at start-up.
+  const { startNodeServer } = await import("../node/node-server.js");
   const node = await startNodeServer({
     role,
     host: config.host,

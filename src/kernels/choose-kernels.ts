@@ -38,15 +38,25 @@ export interface KernelsChoice {
   readonly message: string;
 }
 
-let selfTest: Promise<{ isa: string } | { error: string }> | undefined;
+/** What `nativeSelfTest` found: the native ISA level, or why the native kernels cannot run. */
+export type SelfTestResult = { isa: string } | { error: string };
 
-/** The kernels for `requested`; throws (with the reason) when native was asked for and cannot run. */
-export async function chooseKernels(requested: KernelsRequest): Promise<KernelsChoice> {
+let selfTest: Promise<SelfTestResult> | undefined;
+
+/**
+ * The kernels for `requested`; throws (with the reason) when native was asked for and cannot run.
+ * `ranElsewhere`: this process's self-test, run by another of its threads (a prestarted node
+ * thread, src/node/prestart-workers.ts), or undefined if that thread could not: it runs here then.
+ */
+export async function chooseKernels(
+  requested: KernelsRequest,
+  ranElsewhere?: Promise<SelfTestResult | undefined>,
+): Promise<KernelsChoice> {
   if (requested === "ts")
     return { kernels: "ts", isa: null, message: "TypeScript reference kernels (--kernels ts)" };
   if (requested === "wasm")
     return { kernels: "wasm", isa: null, message: "WebAssembly kernels (--kernels wasm)" };
-  selfTest ??= nativeSelfTest();
+  selfTest ??= ranElsewhere?.then((r) => r ?? nativeSelfTest()) ?? nativeSelfTest();
   const native = await selfTest;
   if ("isa" in native)
     return { kernels: "native", isa: native.isa, message: `native kernels (${native.isa})` };
@@ -55,7 +65,7 @@ export async function chooseKernels(requested: KernelsRequest): Promise<KernelsC
 }
 
 /** The native ISA level where the addon loads and computes as the reference does, else why not. */
-export async function nativeSelfTest(isa?: string): Promise<{ isa: string } | { error: string }> {
+export async function nativeSelfTest(isa?: string): Promise<SelfTestResult> {
   const loaded = loadNativeAddon();
   if ("error" in loaded) return { error: loaded.error };
   let k: WasmKernels | undefined;

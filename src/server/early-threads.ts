@@ -34,7 +34,9 @@ let early: EarlyThreads = {};
 /** Starts the threads `kvfence serve ARGS` will use; `args` are the words after `serve`. */
 export function startEarlyThreads(args: readonly string[]): void {
   if (args.some((a) => a === "-h" || a === "--help" || a.startsWith("--role"))) return;
-  const nodes = args.includes("--no-disaggregation") ? undefined : prestartNodeWorkers();
+  const nodes = args.includes("--no-disaggregation")
+    ? undefined
+    : prestartNodeWorkers({ selfTest: !/^(wasm|ts)$/.test(flagValue(args, "--kernels") ?? "auto") });
   // The small lane's worker (nice 0), which reads the named model's tokenizer meanwhile.
   const guess = modelNamed(args);
   const data: EarlyPrepareWorkerData = {
@@ -52,14 +54,14 @@ export function startEarlyThreads(args: readonly string[]): void {
  * undefined for the bundled model or anything less plain (the worker then waits for its data).
  */
 export function modelNamed(args: readonly string[]): string | undefined {
-  const at = args.indexOf("--model");
-  const named =
-    args[0] !== undefined && !args[0].startsWith("-")
-      ? args[0]
-      : at >= 0
-        ? args[at + 1]
-        : args.find((a) => a.startsWith("--model="))?.slice("--model=".length);
+  const named = args[0] !== undefined && !args[0].startsWith("-") ? args[0] : flagValue(args, "--model");
   return named === undefined || named === "" ? undefined : resolve(named);
+}
+
+/** The value of `--flag VALUE` or `--flag=VALUE` in `args`, if given. */
+function flagValue(args: readonly string[], flag: string): string | undefined {
+  const at = args.indexOf(flag);
+  return at >= 0 ? args[at + 1] : args.find((a) => a.startsWith(`${flag}=`))?.slice(flag.length + 1);
 }
 
 /** The early threads, once (later calls get none), each keeping the process alive again. */

@@ -118,7 +118,10 @@ export async function startServer(
   const early = takeEarlyThreads();
   const threaded = config.role === "all" && config.disaggregation;
   if (!threaded) await early.nodes?.terminate();
-  const prestarted = threaded ? (early.nodes ?? prestartNodeWorkers()) : undefined;
+  const prestarted = threaded
+    ? (early.nodes ??
+      prestartNodeWorkers({ selfTest: config.kernels === "auto" || config.kernels === "native" }))
+    : undefined;
   let preparing: Promise<PreparePool> | undefined;
   try {
     const header = await openModelHeader(config.model);
@@ -149,7 +152,9 @@ async function bootServer(
   const { limits, prestarted, preparing } = early;
   const log = options.logger;
   warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
-  if (config.role !== "router") config = await withChosenKernels(config, log);
+  if (config.role !== "router") config = await withChosenKernels(config, log, prestarted?.selfTest);
+  // Its report is in before the prefill thread gets its options (whatever --kernels asked).
+  await prestarted?.selfTest;
   const tls = serveTls(config);
   if (tls.frontDoor === undefined) warnPlaintextFrontDoor(config.host, log);
 

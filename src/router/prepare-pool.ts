@@ -26,15 +26,9 @@ import { KvfenceError, type WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 import type { SamplingRequest } from "./openai-schemas.js";
-import {
-  answerUtility,
-  type GenerateEndpointName,
-  type PrepareContext,
-  type PreparedRequest,
-  prepareRequest,
-  type UtilityEndpointName,
-} from "./prepare-request.js";
+import type { PrepareContext, PreparedRequest } from "./prepare-request.js";
 import type { RequestLimits } from "./request-limits.js";
+import type { GenerateEndpointName, UtilityEndpointName } from "./request-names.js";
 import type { TokenBounds } from "./response-size.js";
 import type { ToolCallFormat } from "./tool-call-parser.js";
 
@@ -140,9 +134,11 @@ interface Slot {
 
 /** Prepares in the caller's thread: for routers over a tokenizer that cannot move to a worker (tests). */
 export function inThreadPreparer(context: PrepareContext): RequestPreparer {
+  // Loaded with the first body: the request schemas stay off a server's start-up path.
+  const preparing = () => import("./prepare-request.js");
   return {
-    prepare: async (endpoint, body) => prepareRequest(endpoint, body, context),
-    answer: async (endpoint, body) => answerUtility(endpoint, body, context),
+    prepare: async (endpoint, body) => (await preparing()).prepareRequest(endpoint, body, context),
+    answer: async (endpoint, body) => (await preparing()).answerUtility(endpoint, body, context),
     close: async () => {},
   };
 }

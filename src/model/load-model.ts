@@ -257,7 +257,7 @@ export function withTokenizer(header: ModelHeader): ModelMeta {
 }
 
 /** The weights of a model whose meta is loaded: its folder's safetensors or its GGUF tensors. */
-export function loadModelWeights(meta: ModelMeta, options?: LoadModelOptions): ModelWeights {
+export function loadModelWeights(meta: ModelHeader, options?: LoadModelOptions): ModelWeights {
   return meta.gguf === undefined
     ? loadWeights(meta.dir, meta.config, options)
     : loadGgufWeights(meta.gguf, meta.config, options);
@@ -495,6 +495,6 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Matri
 }
 
 /** The files `loadModelWeights` reads for `meta`: the GGUF file, or the folder's safetensors. */
-export function weightFilesOf(meta: ModelMeta): string[] {
+export function weightFilesOf(meta: ModelHeader): string[] {
   return meta.gguf === undefined ? weightFiles(meta.dir).files : [meta.gguf.path];
 }

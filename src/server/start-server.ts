@@ -158,9 +158,7 @@ async function bootServer(
   const tls = serveTls(config);
   if (tls.frontDoor === undefined) warnPlaintextFrontDoor(config.host, log);
 
-  // The tokenizer and chat template (of a folder or a GGUF file's header), not the weights.
-  const model = withTokenizer(early.header);
-  const { numPages, bytesPerPage, contextLength, engineOptions } = sizeServerPools(config, model);
+  const { numPages, bytesPerPage, contextLength, engineOptions } = sizeServerPools(config, early.header);
   const poolTokens = numPages * config.pageSize;
 
   // Before the weights load (minutes for a big model): a port already taken fails now.
@@ -173,8 +171,8 @@ async function bootServer(
 
   const tenants = loadTenants(config, log);
   await startRouterTracing(config, log);
-  const { served, preparer } = await startEnginesAndPreparer(config, {
-    model,
+  const starting = startEnginesAndPreparer(config, {
+    model: early.header,
     tenants,
     preparing,
     engineOptions,
@@ -184,6 +182,8 @@ async function bootServer(
     prestarted,
     ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
+  const model = await withTokenizerMeanwhile(early.header, starting);
+  const { served, preparer } = await starting;
   const engine = served.engine;
   // The router's answer-size bounds come walked by the first preparation worker.
   const tokenizer = tokenizerOf(model, config, preparer.tokenBounds);
@@ -328,7 +328,7 @@ function startPreparer(
 async function startEnginesAndPreparer(
   config: ServeConfig,
   parts: {
-    readonly model: ModelMeta;
+    readonly model: ModelHeader;
     readonly tenants: TenantDirectory;
     readonly preparing: Promise<PreparePool>;
     readonly engineOptions: ServeEngineOptions["engine"];
@@ -380,6 +380,26 @@ async function startEnginesAndPreparer(
     return { served, preparer: await preparing };
   } catch (err) {
     await served.close();
+    throw err;
+  }
+}
+
+/**
+ * This thread's tokenizer and chat template (a folder's or a GGUF file's), parsed while the engine
+ * threads build their engines over the weights (`starting`); their engines are closed on a throw
+ * (and the preparation workers by `startServer`).
+ */
+async function withTokenizerMeanwhile(
+  header: ModelHeader,
+  starting: ReturnType<typeof startEnginesAndPreparer>,
+): Promise<ModelMeta> {
+  try {
+    return withTokenizer(header);
+  } catch (err) {
+    await starting.then(
+      ({ served }) => served.close(),
+      () => {},
+    );
     throw err;
   }
 }
@@ -602,7 +622,7 @@ function checkServerPool(
  * The context and each engine's pool (src/server/kv-sizing.ts), checked before anything loads:
  * the pool holds one full-context request, and the weights and the engines fit the memory.
  */
-function sizeServerPools(config: ServeConfig, model: ModelMeta) {
+function sizeServerPools(config: ServeConfig, model: ModelHeader) {
   const layout = layoutOf(config, model.config);
   const bytesPerPage = pageBytes(layout);
   const contextLength = contextLengthOf(config, model.config);
@@ -622,7 +642,7 @@ function sizeServerPools(config: ServeConfig, model: ModelMeta) {
  * at another context, a context-sized pool follows it.
  */
 function checkEnginesFit(
-  model: ModelMeta,
+  model: ModelHeader,
   config: ServeConfig,
   layout: KvLayout,
   contextLength: number,
@@ -654,7 +674,7 @@ function checkEnginesFit(
  * region per engine of `engines` (src/engine/engine-memory.ts): one copy for the whole process.
  */
 function loadWeightsWithProgress(
-  model: ModelMeta,
+  model: ModelHeader,
   engines: readonly ServeEngineOptions["engine"][],
   progress: ((line: string, done: boolean) => void) | undefined,
   quantize: "q8_0" | "q4_0" | undefined,

@@ -285,6 +285,10 @@ int main(int argc, char **argv) {
     printf("  %-3s %5.1f GB/s (%.1f–%.1f), of the probe %.1f%% (%.1f–%.1f%%)\n", b ? "new" : "old",
            median(gb[b], rounds), vmin(gb[b], rounds), vmax(gb[b], rounds), 100 * median(ratio[b], rounds),
            100 * vmin(ratio[b], rounds), 100 * vmax(ratio[b], rounds));
+  double paired[256];
+  for (int r = 0; r < rounds; r++) paired[r] = gb[1][r] / gb[0][r];
+  printf("  new / old, paired by round: median %.3f (%.3f–%.3f)\n", median(paired, rounds), vmin(paired, rounds),
+         vmax(paired, rounds));
   printf("per kind, GB/s (median over rounds), old → new:");
   for (int k = 0; k < KINDS; k++) {
     double v[2][256];

@@ -636,7 +636,9 @@ KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const in
 #pragma GCC unroll 4
       for (int c = 0; c < NR; c++) {
         const uint8_t *bp = w + c * wsb + b * bs;
+        /* a group is 68 or 72 bytes: its first and last byte's lines, so no line goes unprefetched */
         _mm_prefetch((const char *)bp + pfd, _MM_HINT_T0);
+        _mm_prefetch((const char *)bp + pfd + QG(dt) * bs - 1, _MM_HINT_T0);
         const __m512i head = _mm512_loadu_si512((const void *)bp);
         const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(dsel, head)));
         __m512i u0, u1 = _mm512_setzero_si512();

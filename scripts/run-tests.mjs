@@ -17,6 +17,7 @@ import { join } from "node:path";
 const LONG = new Set([
   "dist/src/tools/check/run-check.test.js", // the model checker over the real machines
   "dist/src/tools/incident/fault-matrix.test.js", // every fault against every guard, real servers
+  "dist/src/tools/incident/fault-matrix-tiers.test.js", // the same for the KV tiers' faults
   "dist/src/tools/incident/incident.test.js", // the incident replayed on real servers
   "dist/src/model/recall.test.js", // the bundled model's recall of 200 held-out records
 ]);

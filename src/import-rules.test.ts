@@ -107,7 +107,7 @@ export const RULES: Record<string, Rule> = {
   "tools/chaos": { src: ["tools/chaos", "tools/incident", "tools/probe", "admin-api"] },
   "tools/check": { src: ["tools/check", "protocol", "kvcache", "lib"] },
   "tools/incident": {
-    src: ["tools/incident", "tools/probe", "server", "topology", "protocol", "lib"],
+    src: ["tools/incident", "tools/probe", "server", "topology", "protocol", "kvcache", "lib"],
   },
   "tools/preflight": { src: ["tools/preflight", "admin-api", "kvcache", "lib"], packages: [] },
   "tools/probe": { src: ["tools/probe", "admin-api", "lib"], packages: [] },

@@ -15,7 +15,10 @@
  * (decode) stream each weight row once, widening as they read; more rows widen (f32: copy) a block
  * of NR weight rows × KC values into an L1 scratch on the stack once and run every row group over
  * it. The streamed tiles prefetch the weights PF_BYTES ahead (the rows of a chunk are one stretch
- * of memory): without it decode read 19 GB/s of bf16 on one core, with it 28.
+ * of memory): without it decode read 19 GB/s of bf16 on one core, with it 28. One row on bf16
+ * weights (batch-1 decode) widens a pair of weights a 32-bit lane by an AND and a shift against x
+ * split into its even and odd values (bp_tile): from L2, one core, 115–123 GB/s of weights became
+ * 142–164 (native/test/decode-bench.sh, CACHED=1).
  *
  * Q8_0/Q4_0 weights are multiplied as integers against x quantised per 32-block as quantizeRowsQ8
  * in the WebAssembly kernels (d = amax/127, q = x·(1/d) rounded to nearest even), with vpdpbusd
@@ -118,6 +121,7 @@ typedef __m512i vi;
 #define vf_store(p, v) _mm512_storeu_ps(p, v)
 #define vf_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vf_mul(a, b) _mm512_mul_ps(a, b)
+#define vf_add(a, b) _mm512_add_ps(a, b)
 #define vf_set1(s) _mm512_set1_ps(s)
 #define vi_load(p) _mm512_loadu_si512((const void *)(p))
 #define vi_to_vf(v) _mm512_cvtepi32_ps(v)
@@ -157,6 +161,7 @@ typedef __m256i vi;
 #define vf_store(p, v) _mm256_storeu_ps(p, v)
 #define vf_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vf_mul(a, b) _mm256_mul_ps(a, b)
+#define vf_add(a, b) _mm256_add_ps(a, b)
 #define vf_set1(s) _mm256_set1_ps(s)
 #define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
 #define vi_to_vf(v) _mm256_cvtepi32_ps(v)
@@ -418,6 +423,90 @@ static void fcols_streamed_bf16(const float *x, int32_t rows, int32_t K, const u
   fcols_streamed(KF_BF16, x, rows, K, w, wsb, out, os, c0, c1);
 }
 
+/*
+ * bf16 weights, one row of x (decode): a pair of bf16 weights (w[2i], w[2i+1]) is one 32-bit lane,
+ * whose high half is w[2i+1] as an f32 once the low half is cleared, and whose low half shifted left
+ * by 16 is w[2i]: an AND and a shift a vector instead of vpmovzxwd (a shuffle) and a shift a half
+ * vector, so fewer instructions a cache line and more of the weight stream in flight. x is split
+ * once a call (bp_split: per 2·MM_W values the even ones, then the odd ones); even and odd products
+ * go to their own accumulators, summed at the end. Each weight widened exactly and each product
+ * fused-multiply-added in f32 as in ftile.
+ */
+#define BP_NR (MM_W == 16 ? 8 : 4)
+/* Largest in_dim split on the stack (floats); longer rows take fcols_streamed. */
+#define BP_MAX_K 8192
+
+#if MM_W == 16
+KF_INLINE vf bp_even(vi v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+KF_INLINE vf bp_odd(vi v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))); }
+#else
+KF_INLINE vf bp_even(vi v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+KF_INLINE vf bp_odd(vi v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
+#endif
+
+/* xd: x's whole blocks of 2·MM_W values, each as its even values then its odd ones; the rest as is. */
+static void bp_split(float *xd, const float *x, int32_t K) {
+  int32_t k = 0;
+  for (; k + 2 * MM_W <= K; k += 2 * MM_W)
+    for (int i = 0; i < MM_W; i++) {
+      xd[k + i] = x[k + 2 * i];
+      xd[k + MM_W + i] = x[k + 2 * i + 1];
+    }
+  for (; k < K; k++) xd[k] = x[k];
+}
+
+/* out[c] = Σ_k x[k]·w[c][k] for c < NR (xd: x split by bp_split). */
+KF_INLINE void bp_tile(const int NR, const float *xd, int32_t K, const uint8_t *w, int64_t wsb, float *out,
+                       int64_t pfd) {
+  vf ae[BP_NR], ao[BP_NR];
+#pragma GCC unroll 8
+  for (int c = 0; c < NR; c++) ae[c] = ao[c] = vf_zero();
+  int32_t k = 0;
+  for (; k + 2 * MM_W <= K; k += 2 * MM_W) {
+    const vf xe = vf_load(xd + k), xo = vf_load(xd + k + MM_W);
+#pragma GCC unroll 8
+    for (int c = 0; c < NR; c++) {
+      const uint8_t *p = w + c * wsb + 2 * (int64_t)k;
+      if (MM_W == 16 || (k & (2 * MM_W)) == 0) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
+      const vi v = vi_load(p);
+      ae[c] = vf_fma(xe, bp_even(v), ae[c]);
+      ao[c] = vf_fma(xo, bp_odd(v), ao[c]);
+    }
+  }
+  for (; k < K; k += MM_W) {
+    const int n = imin(MM_W, K - k);
+    const vf xv = vf_load_n(xd + k, n);
+#pragma GCC unroll 8
+    for (int c = 0; c < NR; c++) ae[c] = vf_fma(xv, wload_n(KF_BF16, w + c * wsb, k, n), ae[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NR; c++) ae[c] = vf_add(ae[c], ao[c]);
+  store_sums(out, ae, NR, 0);
+}
+
+/*
+ * matmul_par for one row of x on bf16 weights: x split once on this thread's stack, then the n work
+ * items (column chunks of the segments) claimed as in matmul_par, each weight row read once.
+ */
+static __attribute__((noinline)) void bf16_row1_par(const float *x, int32_t K, const kf_segment *segs,
+                                                    int32_t num_segs, int32_t *counter, int32_t col_chunk, int32_t n,
+                                                    int first) {
+  float xd[BP_MAX_K] __attribute__((aligned(64)));
+  bp_split(xd, x, K);
+  const int64_t wsb = kf_row_bytes(KF_BF16, K);
+  const int64_t pfd = prefetch_ahead(wsb);
+  for (;;) {
+    const int32_t c = kf_claim(counter, n, first);
+    if (c < 0) return;
+    const kf_segment *seg;
+    int32_t c0, c1;
+    if (!item_columns(segs, num_segs, c, col_chunk, &seg, &c0, &c1)) continue;
+    int32_t j = c0;
+    for (; j + BP_NR <= c1; j += BP_NR) bp_tile(BP_NR, xd, K, seg->w + j * wsb, wsb, seg->out + j, pfd);
+    for (; j < c1; j++) bp_tile(1, xd, K, seg->w + j * wsb, wsb, seg->out + j, pfd);
+  }
+}
+
 /* ============================================================================================= */
 /* Quantised weights                                                                             */
 
@@ -547,7 +636,9 @@ KF_INLINE void qtile_streamed(const int MR, const int NR, const int dt, const in
 #pragma GCC unroll 4
       for (int c = 0; c < NR; c++) {
         const uint8_t *bp = w + c * wsb + b * bs;
+        /* a group is 68 or 72 bytes: its first and last byte's lines, so no line goes unprefetched */
         _mm_prefetch((const char *)bp + pfd, _MM_HINT_T0);
+        _mm_prefetch((const char *)bp + pfd + QG(dt) * bs - 1, _MM_HINT_T0);
         const __m512i head = _mm512_loadu_si512((const void *)bp);
         const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(dsel, head)));
         __m512i u0, u1 = _mm512_setzero_si512();
@@ -986,6 +1077,12 @@ void KF_FN(matmul_par)(const float *x, const uint8_t *xp, int32_t rows, int32_t 
   const kf_segment *last = &segs[num_segs - 1];
   const int32_t per_block = last->first_chunk + (last->out_dim + col_chunk - 1) / col_chunk;
   const int32_t n = (rows + row_chunk - 1) / row_chunk * per_block;
+#if MM_W > 0
+  if (dtype == KF_BF16 && rows == 1 && in_dim <= BP_MAX_K) {
+    bf16_row1_par(x, in_dim, segs, num_segs, counter, col_chunk, n, first);
+    return;
+  }
+#endif
   for (;;) {
     const int32_t c = kf_claim(counter, n, first);
     if (c < 0) return;

@@ -7,7 +7,7 @@
  */
 
 import type { NodeStats } from "../links/node-messages.js";
-import type { EngineStats, NodeView } from "../protocol/engine-api.js";
+import type { EngineStats, EngineTierStats, NodeView } from "../protocol/engine-api.js";
 import { NodeTotals } from "./node-totals.js";
 import type { NodeSlot, RouterNode } from "./pair-pool.js";
 
@@ -37,6 +37,72 @@ const COUNTED = [
   "evictions",
   "collisions",
 ] as const;
+
+/** A node's KV-tier counters as `NodeTotals` keys. */
+function tierCounts(t: EngineTierStats | undefined): Partial<Record<(typeof TIER_COUNTED)[number], number>> {
+  if (t === undefined) return {};
+  return {
+    tierSpills: t.spills,
+    tierLoadsRam: t.loads.ram,
+    tierLoadsDisk: t.loads.disk,
+    tierHitTokensRam: t.hitTokens.ram,
+    tierHitTokensDisk: t.hitTokens.disk,
+    tierRejectedFormat: t.rejected.format,
+    tierRejectedMac: t.rejected.mac,
+    tierRejectedOwner: t.rejected.owner,
+    tierRejectedEpoch: t.rejected.epoch,
+    tierDropped: t.dropped,
+  };
+}
+
+const TIER_COUNTED = [
+  "tierSpills",
+  "tierLoadsRam",
+  "tierLoadsDisk",
+  "tierHitTokensRam",
+  "tierHitTokensDisk",
+  "tierRejectedFormat",
+  "tierRejectedMac",
+  "tierRejectedOwner",
+  "tierRejectedEpoch",
+  "tierDropped",
+] as const;
+
+/** `sum` (absent: none yet) plus one node's tier pages and bytes. */
+function addTierGauges(sum: EngineTierStats | undefined, t: EngineTierStats): EngineTierStats {
+  const out = sum ?? {
+    pages: { ram: 0, disk: 0 },
+    bytes: { ram: 0, disk: 0 },
+    spills: 0,
+    loads: { ram: 0, disk: 0 },
+    hitTokens: { ram: 0, disk: 0 },
+    rejected: { format: 0, mac: 0, owner: 0, epoch: 0 },
+    dropped: 0,
+  };
+  for (const k of ["ram", "disk"] as const) {
+    out.pages[k] += t.pages[k];
+    out.bytes[k] += t.bytes[k];
+  }
+  return out;
+}
+
+/** The tier counters of every node that ever answered, from their `NodeTotals` keys. */
+function tierTotals(
+  t: Record<(typeof TIER_COUNTED)[number], number>,
+): Omit<EngineTierStats, "pages" | "bytes"> {
+  return {
+    spills: t.tierSpills,
+    loads: { ram: t.tierLoadsRam, disk: t.tierLoadsDisk },
+    hitTokens: { ram: t.tierHitTokensRam, disk: t.tierHitTokensDisk },
+    rejected: {
+      format: t.tierRejectedFormat,
+      mac: t.tierRejectedMac,
+      owner: t.tierRejectedOwner,
+      epoch: t.tierRejectedEpoch,
+    },
+    dropped: t.tierDropped,
+  };
+}
 
 /** One node's answer to a poll (null: none). */
 export interface NodeAnswer {
@@ -129,6 +195,7 @@ export class NodeStatsPoller {
         decodeSteps: stats.role === "decode" ? (stats.counters.decodeSteps ?? 0) : 0,
         ...(c === undefined ? {} : { hits: c.hits, misses: c.misses, hitTokens: c.hitTokens }),
         ...(c === undefined ? {} : { evictions: c.evictions, collisions: c.collisions }),
+        ...tierCounts(stats.tiers),
       });
       if (c === undefined) continue;
       prefixCache = true;
@@ -145,6 +212,8 @@ export class NodeStatsPoller {
       for (const k of ["hits", "misses", "hitTokens", "evictions", "collisions"] as const)
         sum.prefixCache[k] = counted[k];
     }
+    const tiers = this.#sumTiers(all);
+    if (tiers !== undefined) sum.tiers = tiers;
     // Aborts are the router's (a client gone, a stop string matched), as on one engine; the nodes'
     // own counts would miss a request aborted before decode ran it and count some twice.
     sum.counters.aborts = router.aborts;
@@ -152,6 +221,13 @@ export class NodeStatsPoller {
     sum.counters.forkedSamples = counted.forkedSamples;
     sum.counters.decodeSteps = counted.decodeSteps;
     return sum;
+  }
+
+  /** The tiers' pages and bytes of the nodes that answered, their counters of every node that ever did. */
+  #sumTiers(all: readonly NodeAnswer[]): EngineTierStats | undefined {
+    let sum: EngineTierStats | undefined;
+    for (const { stats } of all) if (stats?.tiers !== undefined) sum = addTierGauges(sum, stats.tiers);
+    return sum === undefined ? undefined : Object.assign(sum, tierTotals(this.#counted.total(TIER_COUNTED)));
   }
 
   #pollOne(node: RouterNode): Promise<NodeStats | null> {

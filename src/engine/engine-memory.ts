@@ -33,7 +33,7 @@ import {
   expectedTensors,
   type LoadProgress,
   loadModelWeights,
-  type ModelMeta,
+  type ModelHeader,
   weightFilesOf,
 } from "../model/load-model.js";
 import type { ModelWeights } from "../model/model-config.js";
@@ -76,7 +76,7 @@ export interface EngineMemory {
  * of slack, to start on a page boundary when mapped: `loadEngineMemory`), and a tail for what cannot be a
  * view of them (the norms widened to f32, the matrices `quantize` converts).
  */
-export function weightMemoryBytes(meta: ModelMeta, quantize?: "q8_0" | "q4_0"): number {
+export function weightMemoryBytes(meta: ModelHeader, quantize?: "q8_0" | "q4_0"): number {
   const fileBytes = weightFilesOf(meta).reduce(
     (sum, f) => sum + MAP_PAGE_BYTES + aligned(statSync(f).size),
     0,
@@ -99,7 +99,7 @@ export function weightMemoryBytes(meta: ModelMeta, quantize?: "q8_0" | "q4_0"): 
  * reading anything.
  */
 export function loadEngineMemory(
-  meta: ModelMeta,
+  meta: ModelHeader,
   regionBytes: readonly number[],
   options?: {
     readonly onProgress?: (progress: LoadProgress) => void;

@@ -55,7 +55,7 @@ import type {
 } from "../protocol/engine-api.js";
 import { PrefixCache, type PrefixCacheCounters } from "../protocol/prefix-cache.js";
 import { prefixCacheSalt } from "../protocol/prefix-key.js";
-import { guardOn, SAFE, type Safety } from "../protocol/safety.js";
+import { faultOn, guardOn, SAFE, type Safety } from "../protocol/safety.js";
 import { type DoorLimits, doorCheck } from "./door-check.js";
 import { promptRows, SamplingStep } from "./sampling-step.js";
 import { Scheduler } from "./scheduler.js";
@@ -238,7 +238,13 @@ export class Engine {
             this.#safety,
             tiers === undefined
               ? undefined
-              : { stored: () => {}, evicting: (page) => tiers.spill(page, poolPageView(pool, page.page)) },
+              : {
+                  stored: () => {},
+                  evicting: (page) =>
+                    faultOn(this.#safety, "spill-race")
+                      ? tiers.spillLater(page, () => poolPageView(pool, page.page))
+                      : tiers.spill(page, poolPageView(pool, page.page)),
+                },
           );
     this.#prefetch =
       this.#cache === null || tiers === undefined
@@ -453,6 +459,7 @@ export class Engine {
       pageMap: pageMapOf(this.pool.table),
     };
     if (this.#cache !== null) stats.prefixCache = this.prefixCacheStats()!;
+    if (this.#prefetch !== null) stats.tiers = this.#prefetch.stats();
     return stats;
   }
 

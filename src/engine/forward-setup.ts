@@ -25,8 +25,6 @@ import { ForwardPass } from "../model/forward.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import { attentionStagingBytes, matmulScratchBytes } from "./engine-sizing.js";
 
-export { chooseKernels, type KernelsChoice, type KernelsRequest } from "../kernels/choose-kernels.js";
-
 /** Which kernels a forward pass runs on (`--kernels auto` resolved first: `chooseKernels`). */
 export type KernelsName = "ts" | "wasm" | "native";
 

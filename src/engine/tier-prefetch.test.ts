@@ -17,7 +17,7 @@ import { KvTiers, type KvTiersOptions } from "../kvcache/kv-tiers.js";
 import { PageState } from "../kvcache/ownership-table.js";
 import type { GenerationRequest } from "../protocol/engine-api.js";
 import { prefixBlockKey, prefixCacheSalt, prefixRootKey } from "../protocol/prefix-key.js";
-import { SAFE } from "../protocol/safety.js";
+import { type FaultName, makeSafety, SAFE } from "../protocol/safety.js";
 import type { Engine } from "./engine.js";
 
 const roots: string[] = [];
@@ -42,7 +42,10 @@ async function runAsync(engine: Engine, requests: readonly GenerationRequest[]):
 
 const cachedTokens = (o: Outcome) => (o.usage as { cachedTokens?: number }).cachedTokens ?? 0;
 
-async function tieredEngine(tiers: Partial<KvTiersOptions>): Promise<Engine> {
+async function tieredEngine(
+  tiers: Partial<KvTiersOptions>,
+  faults: readonly FaultName[] = [],
+): Promise<Engine> {
   const probe = makeEngine();
   const opened = await KvTiers.open({
     ramBytes: 0,
@@ -50,7 +53,7 @@ async function tieredEngine(tiers: Partial<KvTiersOptions>): Promise<Engine> {
     pageBytes: probe.pool.pageBytes,
     ...tiers,
   });
-  return makeEngine({ prefixCache: true, numPages: 24, tiers: opened });
+  return makeEngine({ prefixCache: true, numPages: 24, tiers: opened, safety: makeSafety({ faults }) });
 }
 
 /** Turn 1, then the fill (evicting turn 1's pages into the tiers), then turn 1 again: its outcome. */
@@ -109,12 +112,12 @@ async function turnInTiers(engine: Engine): Promise<Map<number, string>> {
   return out;
 }
 
-test("Engine with the tier-spill-copy guard off: a spill reads the pool page after its reuse, and the tier holds another request's KV under turn 1's keys", async () => {
+test("Engine under the spill-race fault with the tier-spill-copy guard off: a spill reads the pool page after its reuse, and the tier holds another request's KV under turn 1's keys", async () => {
   // One long prompt: each step that evicts a cached page writes it in the same step (its chunk).
   const fill = request(10, prompt(88, 10), 4);
   const spilled: Map<number, string>[] = [];
   for (const guardOn of [true, false]) {
-    const engine = await tieredEngine({ ramBytes: 1 << 20, spillCopy: guardOn });
+    const engine = await tieredEngine({ ramBytes: 1 << 20, spillCopy: guardOn }, ["spill-race"]);
     await runAsync(engine, [request(1, TURN, 6)]);
     const [o] = await runAsync(engine, [fill]);
     assert.equal(o!.error, null);

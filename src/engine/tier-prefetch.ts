@@ -14,6 +14,7 @@
 
 import type { KvTiers, TierName } from "../kvcache/kv-tiers.js";
 import type { PagePool } from "../kvcache/page-pool.js";
+import type { EngineTierStats } from "../protocol/engine-api.js";
 import type { PrefixCache, PromotedPage } from "../protocol/prefix-cache.js";
 import { prefixBlockKey, prefixRootKey } from "../protocol/prefix-key.js";
 import type { Safety } from "../protocol/safety.js";
@@ -53,6 +54,20 @@ export class TierPrefetch {
     this.tiers = tiers;
     this.#pool = pool;
     this.#safety = safety;
+  }
+
+  /** The tiers' pages, bytes and counters, with the tokens this loader's promotions served. */
+  stats(): EngineTierStats {
+    const t = this.tiers.stats();
+    return {
+      pages: { ram: t.ram.pages, disk: t.disk?.pages ?? 0 },
+      bytes: { ram: t.ram.bytes, disk: t.disk?.bytes ?? 0 },
+      spills: t.spills,
+      loads: { ...t.loads },
+      hitTokens: { ...this.counters.promotedTokens },
+      rejected: { ...t.rejected },
+      dropped: t.dropped,
+    };
   }
 
   /**

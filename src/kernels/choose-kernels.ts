@@ -15,6 +15,7 @@ import { loadNativeAddon } from "./kernel-backend.js";
 import * as ref from "./reference.js";
 import { WasmKernels } from "./wasm-kernels.js";
 import {
+  decodeMatrixRange,
   encodeWeight,
   f32ToF16Bits,
   isKQuant,
@@ -37,15 +38,25 @@ export interface KernelsChoice {
   readonly message: string;
 }
 
-let selfTest: Promise<{ isa: string } | { error: string }> | undefined;
+/** What `nativeSelfTest` found: the native ISA level, or why the native kernels cannot run. */
+export type SelfTestResult = { isa: string } | { error: string };
 
-/** The kernels for `requested`; throws (with the reason) when native was asked for and cannot run. */
-export async function chooseKernels(requested: KernelsRequest): Promise<KernelsChoice> {
+let selfTest: Promise<SelfTestResult> | undefined;
+
+/**
+ * The kernels for `requested`; throws (with the reason) when native was asked for and cannot run.
+ * `ranElsewhere`: this process's self-test, run by another of its threads (a prestarted node
+ * thread, src/node/prestart-workers.ts), or undefined if that thread could not: it runs here then.
+ */
+export async function chooseKernels(
+  requested: KernelsRequest,
+  ranElsewhere?: Promise<SelfTestResult | undefined>,
+): Promise<KernelsChoice> {
   if (requested === "ts")
     return { kernels: "ts", isa: null, message: "TypeScript reference kernels (--kernels ts)" };
   if (requested === "wasm")
     return { kernels: "wasm", isa: null, message: "WebAssembly kernels (--kernels wasm)" };
-  selfTest ??= nativeSelfTest();
+  selfTest ??= ranElsewhere?.then((r) => r ?? nativeSelfTest()) ?? nativeSelfTest();
   const native = await selfTest;
   if ("isa" in native)
     return { kernels: "native", isa: native.isa, message: `native kernels (${native.isa})` };
@@ -54,7 +65,7 @@ export async function chooseKernels(requested: KernelsRequest): Promise<KernelsC
 }
 
 /** The native ISA level where the addon loads and computes as the reference does, else why not. */
-export async function nativeSelfTest(isa?: string): Promise<{ isa: string } | { error: string }> {
+export async function nativeSelfTest(isa?: string): Promise<SelfTestResult> {
   const loaded = loadNativeAddon();
   if ("error" in loaded) return { error: loaded.error };
   let k: WasmKernels | undefined;
@@ -222,8 +233,8 @@ function checkMatmul(
   const what = `matmul on ${dtype} weights, ${dims.rows} row(s)`;
   if (dtype !== "q8_0" && dtype !== "q4_0" && !isKQuant(dtype)) return far(got, want, 1e-4, 1e-5, what);
   const block = isKQuant(dtype) ? QK_K : 32;
-  const wf = new Float32Array(dims.outDim * dims.inDim);
-  ref.matmul(wf, eye(dims.inDim), w, dims.inDim, dims.inDim, dims.outDim);
+  // The weights widened to f32, [outDim][inDim] (the reference's own decoding).
+  const wf = decodeMatrixRange(w, 0, dims.outDim * dims.inDim, new Float32Array(dims.outDim * dims.inDim));
   for (let r = 0; r < dims.rows; r++) {
     for (let j = 0; j < dims.outDim; j++) {
       let bound = 1e-6;
@@ -231,7 +242,7 @@ function checkMatmul(
         let amax = 0;
         for (let i = b; i < b + block; i++) amax = Math.max(amax, Math.abs(x[r * dims.inDim + i] as number));
         for (let i = b; i < b + block; i++) {
-          const wv = Math.abs(wf[i * dims.outDim + j] as number);
+          const wv = Math.abs(wf[j * dims.inDim + i] as number);
           bound += (wv * amax) / 254 + 1e-5 * wv * Math.abs(x[r * dims.inDim + i] as number);
         }
       }
@@ -241,11 +252,4 @@ function checkMatmul(
     }
   }
   return null;
-}
-
-/** The identity [n][n] (so x·wᵀ with x = I gives wᵀ: the dequantised weights, column j of row i). */
-function eye(n: number): Float32Array {
-  const a = new Float32Array(n * n);
-  for (let i = 0; i < n; i++) a[i * n + i] = 1;
-  return a;
 }

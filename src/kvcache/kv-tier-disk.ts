@@ -17,7 +17,7 @@ import { constants as fsConstants } from "node:fs";
 import { mkdir, open, readdir, readFile, rename, rm, unlink, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { KvfenceError } from "../lib/errors.js";
-import { readRecordHeader, type TierSecret } from "./kv-tier-record.js";
+import { readRecordHeader, type TierRejectReason, type TierSecret } from "./kv-tier-record.js";
 
 export const MANIFEST_FILE = "kvfence-tiers.json";
 const LOCK_FILE = "kvfence-tiers.lock";
@@ -61,8 +61,12 @@ export class DiskTier {
   #bytes = 0;
   /** The chain of writes and deletes, one at a time. */
   #queue: Promise<void> = Promise.resolve();
-  /** Records found at start, and files deleted then. */
-  readonly startup = { records: 0, deleted: 0 };
+  /** Records found at start, and files deleted then (records refused, by reason, among them). */
+  readonly startup = {
+    records: 0,
+    deleted: 0,
+    rejected: { format: 0, mac: 0, owner: 0, epoch: 0 } as Record<TierRejectReason, number>,
+  };
   #closed = false;
 
   private constructor(options: DiskTierOptions) {
@@ -226,9 +230,26 @@ export class DiskTier {
     throw startupError(`--cache-disk's lock could not be taken: ${path}`);
   }
 
+  /**
+   * The tenant of the record file `key` of `size` bytes whose first bytes are `head`, or why it is
+   * refused: its header MAC (`tier-mac`), its size or layout, or a header under another key's file
+   * name — a record copied there (`tier-owner`).
+   */
+  #checkHeader(
+    head: Buffer,
+    size: number,
+    key: string,
+  ): { ok: true; tenant: number } | { ok: false; reason: TierRejectReason } {
+    const { secret, layout, checkMac, checkOwner } = this.#options;
+    const read = readRecordHeader(secret, head, checkMac);
+    if (!read.ok) return read;
+    if (read.recordBytes !== size || read.header.layout !== layout) return { ok: false, reason: "format" };
+    if (checkOwner && read.header.key !== key) return { ok: false, reason: "owner" };
+    return { ok: true, tenant: read.header.tenant };
+  }
+
   /** Rebuilds the index from the records' headers, oldest file first (the LRU order of before). */
   async #scan(): Promise<void> {
-    const { secret, layout, checkMac, checkOwner } = this.#options;
     const found: { key: string; tenant: number; bytes: number; mtimeMs: number }[] = [];
     for (const name of await readdir(this.dir)) {
       const path = join(this.dir, name);
@@ -245,14 +266,9 @@ export class DiskTier {
         const stat = await handle.stat();
         const head = Buffer.alloc(Math.min(HEAD_BYTES, stat.size));
         await handle.read(head, 0, head.length, 0);
-        const read = readRecordHeader(secret, head, checkMac);
-        if (
-          read.ok &&
-          read.recordBytes === stat.size &&
-          read.header.layout === layout &&
-          (!checkOwner || read.header.key === key)
-        )
-          keep = { tenant: read.header.tenant, bytes: stat.size, mtimeMs: stat.mtimeMs };
+        const read = this.#checkHeader(head, stat.size, key);
+        if (read.ok) keep = { tenant: read.tenant, bytes: stat.size, mtimeMs: stat.mtimeMs };
+        else this.startup.rejected[read.reason]++;
       } finally {
         await handle.close();
       }

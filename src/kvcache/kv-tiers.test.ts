@@ -82,15 +82,22 @@ test("KvTiers.spill() copies the page at once: the RAM tier loads the bytes it h
   assert.equal(stats.ram.pages, 1);
 });
 
-test("KvTiers.spill() with the tier-spill-copy guard off reads the pool page after it was reused", async () => {
-  const tiers = await openTiers({ ramBytes: 64 * 1024, spillCopy: false });
-  const p = page(1);
-  const pool = p.bytes.slice();
-  tiers.spill(p.id, pool);
-  pool.fill(0xee);
-  await new Promise((r) => setImmediate(r));
-  // The bug: another request's KV under this page's key, with a valid MAC.
-  assert.deepEqual(await loadedFrom(tiers, p.id), { tier: "ram", bytes: [0xee, 0xee] });
+test("KvTiers.spillLater() (the spill-race fault) with the tier-spill-copy guard off reads the pool page after it was reused", async () => {
+  const loaded: ({ tier: TierName; bytes: number[] } | null)[] = [];
+  for (const spillCopy of [true, false]) {
+    const tiers = await openTiers({ ramBytes: 64 * 1024, spillCopy });
+    const p = page(1);
+    const pool = p.bytes.slice();
+    tiers.spillLater(p.id, () => pool);
+    pool.fill(0xee); // freed and reused within the step, before the late seal
+    await new Promise((r) => setImmediate(r));
+    loaded.push(await loadedFrom(tiers, p.id));
+  }
+  // The guard: the bytes copied at the spill. The bug: another request's KV under this page's key, with a valid MAC.
+  assert.deepEqual(loaded, [
+    { tier: "ram", bytes: [8, 8] },
+    { tier: "ram", bytes: [0xee, 0xee] },
+  ]);
 });
 
 test("KvTiers: the RAM tier's overflow goes to disk (least recently used first) and loads back from there", async () => {

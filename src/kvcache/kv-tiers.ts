@@ -6,9 +6,11 @@
  *
  * - `spill` seals the page into a record (`kv-tier-record.ts`: owner, tenant's cache epoch, token
  *   ids, HMAC under the node's tier secret) at once, synchronously, while the pool page still holds
- *   the entry's KV (the prefix cache's `evicting`). The `tier-spill-copy` guard is that copy: with it
- *   off the spill reads the pool page on a later turn, after the page was freed and reused — the
- *   "spill racing a hit" bug, which stores another request's KV under this key with a valid MAC.
+ *   the entry's KV (the prefix cache's `evicting`). `spillLater` is the `spill-race` fault's spill:
+ *   the seal runs on a later turn, as an asynchronous offload worker's would; the `tier-spill-copy`
+ *   guard copies the bytes at once even then. Without the copy the seal reads the pool page after
+ *   it was freed and reused — the "spill racing a hit" bug, which stores another request's KV under
+ *   this key with a valid MAC.
  * - The RAM tier keeps records in memory, least recently used first out; what overflows goes to the
  *   disk tier (written asynchronously), or is dropped without one. With only a disk tier, a spill is
  *   written there directly.
@@ -58,7 +60,7 @@ export interface KvTiersOptions {
   readonly pageBytes: number;
   /** The load checks (`tier-mac`, `tier-owner`, `tier-epoch`); default all on. */
   readonly guards?: TierGuards;
-  /** The `tier-spill-copy` guard: copy the page at `spill` (default true). */
+  /** The `tier-spill-copy` guard: `spillLater` copies the page at once (default true). */
   readonly spillCopy?: boolean;
 }
 
@@ -70,7 +72,7 @@ export interface KvTierStats {
   spills: number;
   /** Pages loaded back (verified), by the tier they came from. */
   loads: Record<TierName, number>;
-  /** Loads refused, by reason (the record was deleted). */
+  /** Loads refused, by reason (the record was deleted), with the disk's start-up scan's refusals. */
   rejected: Record<TierRejectReason, number>;
   /** Pages dropped out of the last tier for room. */
   dropped: number;
@@ -143,9 +145,18 @@ export class KvTiers {
     this.#counters.spills++;
     // Already below (a page loaded back and evicted again): keep that record, just recently used.
     if (this.#ramRecord(page.key) !== null || this.#disk?.has(page.key) === true) return;
-    if (this.#spillCopy) this.#store(page, this.#seal(page, bytes));
-    // The guard off: the page is read on a later turn (it may hold another request's KV by then).
-    else setImmediate(() => this.#store(page, this.#seal(page, bytes)));
+    this.#store(page, this.#seal(page, bytes));
+  }
+
+  /**
+   * The `spill-race` fault's spill: sealed on a later turn (after the pool page was freed and, within
+   * the same step, reused). `read` gives the pool page's bytes when called (a fresh view: the pool's
+   * memory may have grown meanwhile). The `tier-spill-copy` guard reads and copies them now, so the
+   * late seal seals the copy; without it the seal reads the pool page as it is then.
+   */
+  spillLater(page: TierPageIdentity, read: () => Uint8Array): void {
+    const copy = this.#spillCopy ? read().slice() : null;
+    setImmediate(() => this.spill(page, copy ?? read()));
   }
 
   /** The tier holding `key`, or null. */
@@ -186,14 +197,17 @@ export class KvTiers {
       disk: disk === null ? null : { pages: disk.pages, bytes: disk.bytes, capacityBytes: disk.maxBytes },
       spills: this.#counters.spills,
       loads: { ...this.#counters.loads },
-      rejected: { ...this.#counters.rejected },
+      rejected: rejectedWithStartup(this.#counters.rejected, disk?.startup.rejected),
       dropped: this.#counters.dropped,
     };
   }
 
   /** The disk tier's directory and start-up scan, or null without one. */
   get disk(): { dir: string; records: number; deleted: number } | null {
-    return this.#disk === null ? null : { dir: this.#disk.dir, ...this.#disk.startup };
+    const disk = this.#disk;
+    return disk === null
+      ? null
+      : { dir: disk.dir, records: disk.startup.records, deleted: disk.startup.deleted };
   }
 
   /** Resolves when every disk write queued so far is done (tests, shutdown). */
@@ -283,6 +297,15 @@ export class KvTiers {
   #changed(tenant: number, key: string, tier: TierName, change: "stored" | "dropped"): void {
     for (const listener of this.#listeners) listener(tenant, [key], tier, change);
   }
+}
+
+function rejectedWithStartup(
+  loads: Record<TierRejectReason, number>,
+  startup: Record<TierRejectReason, number> | undefined,
+): Record<TierRejectReason, number> {
+  const out = { ...loads };
+  if (startup !== undefined) for (const k of Object.keys(out) as TierRejectReason[]) out[k] += startup[k];
+  return out;
 }
 
 /** Bytes of a tier key (`--cache-disk-key`). */

@@ -96,6 +96,8 @@ export interface NodeStats {
   readonly attempts: number;
   /** Its prefix cache's counters and pages (absent without a cache). */
   readonly prefixCache?: NonNullable<EngineStats["prefixCache"]>;
+  /** Its KV tiers' pages, bytes and counters (absent without tiers). */
+  readonly tiers?: NonNullable<EngineStats["tiers"]>;
   /** Protocol messages ignored because their (rid, epoch) was not current. */
   readonly staleMessages: number;
   /**

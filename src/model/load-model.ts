@@ -103,8 +103,11 @@ export interface LoadModelOptions {
 /** The formats `--quantize` makes at load. */
 export const QUANTIZE_TYPES: readonly ("q8_0" | "q4_0")[] = ["q8_0", "q4_0"];
 
-/** Everything of a model folder but its weights: what a router needs to tokenize and admit. */
-export interface ModelMeta {
+/**
+ * A model's config, names and sampling defaults, without its tokenizer (`openModelHeader`): what
+ * sizing the KV pools and naming the model need, read before the tokenizer is parsed.
+ */
+export interface ModelHeader {
   /** The folder's base name (a GGUF file's without `.gguf`). */
   readonly name: string;
   /** The folder, or the GGUF file. */
@@ -112,10 +115,14 @@ export interface ModelMeta {
   /** A GGUF file's parsed header (its tensor table), absent for a folder. */
   readonly gguf?: GgufModel;
   readonly config: ModelConfig;
+  readonly generationDefaults: GenerationDefaults;
+}
+
+/** Everything of a model folder but its weights: what a router needs to tokenize and admit. */
+export interface ModelMeta extends ModelHeader {
   readonly tokenizer: ModelTokenizer;
   /** Null when the folder has no chat template. */
   readonly chatTemplate: ChatTemplate | null;
-  readonly generationDefaults: GenerationDefaults;
 }
 
 export interface LoadedModel extends ModelMeta {
@@ -220,24 +227,37 @@ export async function openModel(path: string, options?: LoadModelOptions): Promi
 
 /** `loadModelMeta` for a folder or a GGUF file. */
 export async function openModelMeta(path: string): Promise<ModelMeta> {
-  if (!isGgufPath(path)) return loadModelMeta(path);
+  return withTokenizer(await openModelHeader(path));
+}
+
+/** The config, names and sampling defaults of a folder or a GGUF file (`ModelHeader`). */
+export async function openModelHeader(path: string): Promise<ModelHeader> {
+  if (!isGgufPath(path)) return loadModelHeader(path);
   const gguf = await readGgufModel(resolve(path));
   const config = parseModelConfig(gguf.configJson, gguf.path, undefined);
-  const { tokenizer, chatTemplate } = ggufTokenizer(gguf);
-  checkVocabulary(gguf.path, tokenizer, config, "the token embedding");
   return Object.freeze({
     name: gguf.name,
     dir: gguf.path,
     gguf,
     config,
-    tokenizer,
-    chatTemplate,
     generationDefaults: Object.freeze({ eosTokenIds: config.eosTokenIds }),
   });
 }
 
+/** The header's model with its tokenizer and chat template, checked against its vocabulary size. */
+export function withTokenizer(header: ModelHeader): ModelMeta {
+  if (header.gguf !== undefined) {
+    const { tokenizer, chatTemplate } = ggufTokenizer(header.gguf);
+    checkVocabulary(header.gguf.path, tokenizer, header.config, "the token embedding");
+    return Object.freeze({ ...header, tokenizer, chatTemplate });
+  }
+  const tokenizer = ModelTokenizer.fromFolder(header.dir);
+  checkVocabulary(join(header.dir, "tokenizer.json"), tokenizer, header.config, "config.json");
+  return Object.freeze({ ...header, tokenizer, chatTemplate: loadChatTemplate(header.dir, tokenizer) });
+}
+
 /** The weights of a model whose meta is loaded: its folder's safetensors or its GGUF tensors. */
-export function loadModelWeights(meta: ModelMeta, options?: LoadModelOptions): ModelWeights {
+export function loadModelWeights(meta: ModelHeader, options?: LoadModelOptions): ModelWeights {
   return meta.gguf === undefined
     ? loadWeights(meta.dir, meta.config, options)
     : loadGgufWeights(meta.gguf, meta.config, options);
@@ -309,6 +329,11 @@ export function loadGgufWeights(
 
 /** Loads and validates a model folder's config, tokenizer, chat template and defaults, not its weights. */
 export function loadModelMeta(dir: string): ModelMeta {
+  return withTokenizer(loadModelHeader(dir));
+}
+
+/** A folder's `ModelHeader`: its config.json and generation_config.json, not its tokenizer. */
+function loadModelHeader(dir: string): ModelHeader {
   const root = resolve(dir);
   let isDir = false;
   try {
@@ -319,15 +344,10 @@ export function loadModelMeta(dir: string): ModelMeta {
   if (!isDir)
     throw badModelFolder(root, "folder does not exist; pass the path of a Hugging Face model folder");
 
-  const config = loadModelConfig(root);
-  const tokenizer = ModelTokenizer.fromFolder(root);
-  checkVocabulary(join(root, "tokenizer.json"), tokenizer, config, "config.json");
   return Object.freeze({
     name: basename(root),
     dir: root,
-    config,
-    tokenizer,
-    chatTemplate: loadChatTemplate(root, tokenizer),
+    config: loadModelConfig(root),
     generationDefaults: loadGenerationDefaults(root),
   });
 }
@@ -475,6 +495,6 @@ function assembleWeights(config: ModelConfig, tensors: ReadonlyMap<string, Matri
 }
 
 /** The files `loadModelWeights` reads for `meta`: the GGUF file, or the folder's safetensors. */
-export function weightFilesOf(meta: ModelMeta): string[] {
+export function weightFilesOf(meta: ModelHeader): string[] {
   return meta.gguf === undefined ? weightFiles(meta.dir).files : [meta.gguf.path];
 }

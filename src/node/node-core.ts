@@ -146,6 +146,7 @@ export class NodeCore {
       queue: engine.queue,
       counters: engine.counters,
       ...(engine.prefixCache === undefined ? {} : { prefixCache: engine.prefixCache }),
+      ...(engine.tiers === undefined ? {} : { tiers: engine.tiers }),
       attempts,
       staleMessages: stale,
       tombstones,

@@ -12,10 +12,11 @@
  *
  * Its options come as `workerData`, or, for a worker started before they are known (the server's
  * first pair, started while the weights load: `prestartNodeWorkers` in
- * src/topology/threaded-topology.ts), as the first message (`NodeWorkerOptions`): its modules load
+ * src/node/prestart-workers.ts), as the first message (`NodeWorkerOptions`): its modules load
  * meanwhile.
  */
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
+import type { SelfTestResult } from "../engine/kernels-choice.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ForwardedSpans } from "../lib/tracing.js";
 import type { FromNode, ToNode } from "../links/node-messages.js";
@@ -27,8 +28,7 @@ import {
 } from "../transfer/shm-transport.js";
 import { buildNode, type NodeHostOptions, pong } from "./node-host.js";
 import { pageByteLength } from "./node-pool.js";
-
-export const NODE_WORKER_TAG = "kvfence-node-worker";
+import { NODE_WORKER_TAG } from "./prestart-workers.js";
 
 /** Thread-only setup messages, main thread → node worker. */
 export type NodeWorkerSetup =
@@ -51,7 +51,9 @@ export type NodeWorkerReply =
   | { readonly kind: "shm_channel"; readonly prefill: string; readonly channel: ShmChannel }
   /** The node's finished spans, for the main thread's exporter (`WorkerLink` hands them on). */
   | ForwardedSpans
-  | { readonly kind: "failed"; readonly error: { code: string; message: string } };
+  | { readonly kind: "failed"; readonly error: { code: string; message: string } }
+  /** A prestarted prefill thread's run of the native kernels' self-test (prestart-workers.ts). */
+  | { readonly kind: "self_test"; readonly result: SelfTestResult };
 
 async function main(port: MessagePort, options: NodeHostOptions): Promise<void> {
   const toRouter = (message: FromNode | NodeWorkerReply): void => port.postMessage(message);
@@ -139,13 +141,20 @@ export interface NodeWorkerOptions {
   readonly options: NodeHostOptions;
 }
 
-const data = workerData as { tag?: unknown; options?: NodeHostOptions } | null;
+const data = workerData as { tag?: unknown; options?: NodeHostOptions; selfTest?: boolean } | null;
 if (!isMainThread && parentPort !== null && data?.tag === NODE_WORKER_TAG) {
   const port = parentPort;
-  const options =
-    data.options ??
-    (await new Promise<NodeHostOptions>((resolve) =>
+  let options = data.options;
+  if (options === undefined) {
+    const given = new Promise<NodeHostOptions>((resolve) =>
       port.once("message", (m: NodeWorkerOptions) => resolve(m.options)),
-    ));
+    );
+    // Asked to, it runs the process's kernel self-test while it waits, for the main thread.
+    if (data.selfTest === true) {
+      const { nativeSelfTest } = await import("../engine/kernels-choice.js");
+      port.postMessage({ kind: "self_test", result: await nativeSelfTest() } satisfies NodeWorkerReply);
+    }
+    options = await given;
+  }
   await main(port, options);
 }

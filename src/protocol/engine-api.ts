@@ -126,10 +126,28 @@ export interface EngineStats {
     sharedPages: number;
     evictablePages: number;
   };
+  /** The KV tiers below the pool (present when the engine has them, docs/design.md §3b). */
+  tiers?: EngineTierStats;
   /** The engine's per-phase histograms so far (absent from a handle that keeps none). */
   phases?: PhaseSnapshot;
   /** Every page's state and tenant (absent from a handle that sums several pools). */
   pageMap?: PageMap;
+}
+
+/**
+ * The KV tiers' pages and bytes now, and their counters: pages spilled from the pool, records loaded
+ * back verified (by the tier they came from), prompt tokens those loads served (pages promoted into
+ * the pool times the page size), loads refused by reason (the guard that refused them), records
+ * dropped out of the last tier for room.
+ */
+export interface EngineTierStats {
+  pages: { ram: number; disk: number };
+  bytes: { ram: number; disk: number };
+  spills: number;
+  loads: { ram: number; disk: number };
+  hitTokens: { ram: number; disk: number };
+  rejected: { format: number; mac: number; owner: number; epoch: number };
+  dropped: number;
 }
 
 /** A pool's pages for the operator's dashboard: one digit per page (an index in `stateNames`), and each page's tenant (0: free). */

@@ -12,7 +12,8 @@
  *
  * Faults: under `shared-prefix` (with the `tenant-salt` guard off) the salt is the client's field
  * alone, as in engines where the gateway must inject it; under `prefix-collision` every key is cut
- * to `COLLISION_KEY_BITS` bits, so different prefixes share keys.
+ * to `COLLISION_KEY_BITS` bits, so different prefixes share keys; under `stale-epoch` the salt omits the
+ * tenant's cache epoch, so a rotation retires no key.
  */
 import { createHash } from "node:crypto";
 import { faultOn, guardOn, type Safety } from "./safety.js";
@@ -34,7 +35,9 @@ export function prefixCacheSalt(
   cacheEpoch = 0,
 ): string {
   if (guardOn(safety, "tenant-salt")) {
-    const owner = cacheEpoch === 0 ? `tenant:${tenant}` : `tenant:${tenant}|epoch:${cacheEpoch}`;
+    // Under `stale-epoch` a rotation changes no key (the tiers' `tier-epoch` guard still refuses the record).
+    const epoch = faultOn(safety, "stale-epoch") ? 0 : cacheEpoch;
+    const owner = epoch === 0 ? `tenant:${tenant}` : `tenant:${tenant}|epoch:${epoch}`;
     const server = scope === "" ? owner : `${owner}|${scope}`;
     return clientSalt === null ? server : `${server}|client:${clientSalt}`;
   }

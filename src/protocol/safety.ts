@@ -22,6 +22,14 @@ export const FAULT_NAMES = [
   "shared-prefix",
   "prefix-collision",
   "held-unpinned",
+  // The KV tiers (docs/design.md §3b). `tier-corrupt` and `tier-planted` are faults of the tier
+  // directory, not of the code: whoever can write the directory does them (the fault matrix and the
+  // tests write the files; in a server the name switches nothing on). `stale-epoch` and `spill-race`
+  // are code faults.
+  "tier-corrupt",
+  "tier-planted",
+  "stale-epoch",
+  "spill-race",
 ] as const;
 export type FaultName = (typeof FAULT_NAMES)[number];
 
@@ -106,6 +114,26 @@ export const FAULT_TABLE: Readonly<
     reproduces:
       "decode leases its cached prefix pages as held without keeping a reference, so an eviction hands them to another request before the commit (a hit racing an eviction)",
     caughtBy: ["held-pages", "page-tags"],
+  },
+  "tier-corrupt": {
+    reproduces:
+      "a page's record is corrupted on disk (bytes of its KV flipped by the medium or a writer of the tier directory)",
+    caughtBy: ["tier-mac"],
+  },
+  "tier-planted": {
+    reproduces:
+      "another tenant's valid record is copied under the file name of this tenant's page (a tier that drops the tenant: LMCache #4825, SGLang #37160)",
+    caughtBy: ["tier-owner"],
+  },
+  "stale-epoch": {
+    reproduces:
+      "the prefix-cache salt omits the tenant's cache_epoch, so a page spilled before the tenant's key rotation is found again under the same key (vLLM #51640)",
+    caughtBy: ["tier-epoch"],
+  },
+  "spill-race": {
+    reproduces:
+      "the spill reads the pool page on a later turn, after it was freed and reused: another request's KV under this page's key, with a valid MAC (vLLM #45704, SGLang #36738)",
+    caughtBy: ["tier-spill-copy"],
   },
 });
 

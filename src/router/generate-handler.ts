@@ -21,9 +21,9 @@ import { GenerationReply, type PlannedChoice, type ReplyTokenizer } from "./gene
 import { CHAT_RESPONSES, RESPONSES_API, type ResponseStrategy, TEXT_RESPONSES } from "./openai-responses.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import type { RequestPreparer } from "./prepare-pool.js";
-import { type GenerateEndpointName, PROMPT_KINDS } from "./prepare-request.js";
 import { checkJsonContentType, readBody } from "./read-body.js";
 import type { ReasoningParserName } from "./reasoning-parser.js";
+import { type GenerateEndpointName, PROMPT_PARAM } from "./request-names.js";
 import { type SamplingModel, samplingParams } from "./request-sampling.js";
 import { responseSizeRefusal, type TokenBounds } from "./response-size.js";
 import type { Endpoint, RouterMetrics } from "./router-metrics.js";
@@ -39,19 +39,19 @@ export interface GenerateEndpoint {
 
 export const CHAT: GenerateEndpoint = {
   endpoint: "chat",
-  param: PROMPT_KINDS.chat.param,
+  param: PROMPT_PARAM.chat,
   responses: CHAT_RESPONSES,
 };
 export const COMPLETIONS: GenerateEndpoint = {
   endpoint: "completions",
-  param: PROMPT_KINDS.completions.param,
+  param: PROMPT_PARAM.completions,
   responses: TEXT_RESPONSES,
 };
 
 /** OpenAI's Responses API: a chat (its template), answered as a `response` object or its events. */
 export const RESPONSES: GenerateEndpoint = {
   endpoint: "responses",
-  param: PROMPT_KINDS.responses.param,
+  param: PROMPT_PARAM.responses,
   responses: RESPONSES_API,
 };
 

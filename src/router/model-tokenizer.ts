@@ -21,10 +21,12 @@ export function routerTokenizer(
   chatTemplate: ChatTemplate | null,
   /** `--tool-call-parser`: the format of tool calls in the output, in place of the template's. */
   toolCallParser?: ToolCallFormat,
+  /** The vocabulary's bounds when already walked (by a preparation worker: `PreparePool.tokenBounds`). */
+  knownBounds?: TokenBounds,
 ): RouterTokenizer {
   const vocabSize = tokenizer.numIds;
   const pieces = new Map<number, TokenPiece>();
-  let bounds: TokenBounds | null = null;
+  let bounds: TokenBounds | null = knownBounds ?? null;
   return {
     vocabSize,
     toolSupport: templateToolSupport(chatTemplate?.source ?? null, toolCallParser),

@@ -5,12 +5,16 @@
  * fairly.
  */
 import assert from "node:assert/strict";
+import { copyFileSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { after, before, test } from "node:test";
 import { modelDir } from "../../testing/start-server.js";
 import { KvfenceError } from "../lib/errors.js";
+import { earlyWorker } from "../node/prestart-workers.js";
 import { loadChatTemplate, ModelTokenizer } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
-import { LARGE_BODY_BYTES, PreparePool } from "./prepare-pool.js";
+import { type EarlyPrepareWorkerData, LARGE_BODY_BYTES, PreparePool } from "./prepare-pool.js";
 import { prepareRequest } from "./prepare-request.js";
 import { requestLimits } from "./request-limits.js";
 
@@ -47,6 +51,12 @@ test("PreparePool prepares a chat and a completion exactly as this thread would"
     assert.deepEqual([...there.prompts[0]!], [...local.prompts[0]!], endpoint);
     assert.deepEqual(there.parsed, local.parsed, endpoint);
   }
+});
+
+test("PreparePool.tokenBounds is the vocabulary's bounds as this thread walks them", () => {
+  const here = routerTokenizer(ModelTokenizer.fromFolder(dir), null).tokenBounds;
+  assert.ok(here.textBytes.length > 1 && (here.textBytes[1] ?? 0) > 0);
+  assert.deepEqual(pool.tokenBounds, here);
 });
 
 test("PreparePool sends a refusal back with its code and param", async () => {
@@ -165,4 +175,43 @@ test("PreparePool refuses a grammar xgrammar cannot compile, naming the construc
       err.code === "invalid_request" &&
       /^The grammar cannot be compiled: .*Rule "missing" is not defined/.test(err.message),
   );
+});
+
+/** A copy of the bundled model's tokenizer files whose byte tokens have other ids (b → 255 - b). */
+function otherTokenizerFolder(): string {
+  const other = mkdtempSync(join(tmpdir(), "kvfence-other-tokenizer-"));
+  const json = JSON.parse(readFileSync(join(dir, "tokenizer.json"), "utf8")) as {
+    model: { vocab: Record<string, number> };
+  };
+  for (const [token, id] of Object.entries(json.model.vocab))
+    if (id < 256) json.model.vocab[token] = 255 - id;
+  writeFileSync(join(other, "tokenizer.json"), JSON.stringify(json));
+  copyFileSync(join(dir, "tokenizer_config.json"), join(other, "tokenizer_config.json"));
+  return other;
+}
+
+test("PreparePool's early first worker serves its modelDir's tokenizer, not the one its command line named", async () => {
+  const other = otherTokenizerFolder();
+  const tokenize = async (p: PreparePool) =>
+    (await p.answer("tokenize", body({ model: MODEL, prompt: "Ab" }))) as { tokens: number[] };
+  const want = [...ModelTokenizer.fromFolder(dir).encode("Ab")];
+  assert.notDeepEqual([...ModelTokenizer.fromFolder(other).encode("Ab")], want, "the folders must differ");
+  try {
+    for (const guess of [other, dir, undefined]) {
+      const data: EarlyPrepareWorkerData = {
+        nice: 0,
+        early: true,
+        ...(guess === undefined ? {} : { modelGuess: guess }),
+      };
+      const first = earlyWorker(new URL("./prepare-worker-start.js", import.meta.url), data);
+      const early = await PreparePool.start({ first, modelDir: dir, modelId: MODEL, limits, threads: 1 });
+      try {
+        assert.deepEqual((await tokenize(early)).tokens, want, `named ${guess ?? "none"}`);
+      } finally {
+        await early.close();
+      }
+    }
+  } finally {
+    rmSync(other, { recursive: true, force: true });
+  }
 });

@@ -26,15 +26,10 @@ import { KvfenceError, type WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 import type { SamplingRequest } from "./openai-schemas.js";
-import {
-  answerUtility,
-  type GenerateEndpointName,
-  type PrepareContext,
-  type PreparedRequest,
-  prepareRequest,
-  type UtilityEndpointName,
-} from "./prepare-request.js";
+import type { PrepareContext, PreparedRequest } from "./prepare-request.js";
 import type { RequestLimits } from "./request-limits.js";
+import type { GenerateEndpointName, UtilityEndpointName } from "./request-names.js";
+import type { TokenBounds } from "./response-size.js";
 import type { ToolCallFormat } from "./tool-call-parser.js";
 
 /** Turns a generation body into a request ready for admission, off the caller's event loop or not. */
@@ -67,8 +62,29 @@ interface PoolData {
 }
 
 export interface PrepareWorkerData extends PoolData {
-  /** "large": a worker of the large lane, which runs at a lower CPU priority. */
-  readonly lane: "small" | "large";
+  /**
+   * The worker thread's nice value, set before it loads its modules (prepare-worker-start.ts): 0
+   * for the small lane, `LARGE_LANE_NICE` for the large lane, which yields the CPU.
+   */
+  readonly nice: number;
+  /** Whether its ready message carries the vocabulary's `TokenBounds` (the first worker's does). */
+  readonly bounds: boolean;
+}
+
+/**
+ * The `workerData` of a worker started before its data is known (src/server/early-threads.ts):
+ * `modelGuess` is the model its command line names, whose tokenizer it reads while it waits (its
+ * data's `modelDir` is the one it serves: it reads that one if they differ).
+ */
+export interface EarlyPrepareWorkerData {
+  readonly nice: 0;
+  readonly early: true;
+  readonly modelGuess?: string;
+}
+
+/** The first message of a worker started without its `workerData` (`PreparePoolOptions.first`). */
+export interface PrepareWorkerStart {
+  readonly data: PrepareWorkerData;
 }
 
 /** A job's kind: a body of an endpoint, or a prepared request's constraint to compile. */
@@ -81,7 +97,8 @@ export interface ToPrepareWorker {
 }
 
 export type FromPrepareWorker =
-  | { readonly ready: true }
+  /** Loaded; the first worker's ready carries the vocabulary's bounds (`PreparePool.tokenBounds`). */
+  | { readonly ready: true; readonly tokenBounds?: TokenBounds }
   | {
       readonly id: number;
       readonly ok: true;
@@ -94,7 +111,7 @@ export type FromPrepareWorker =
   /** `error` null: not a KvfenceError (a bug); `detail` is for the log only. */
   | { readonly id: number; readonly ok: false; readonly error: WireError | null; readonly detail?: string };
 
-const WORKER_URL = new URL("./prepare-worker.js", import.meta.url);
+const WORKER_URL = new URL("./prepare-worker-start.js", import.meta.url);
 
 interface Job {
   readonly id: number;
@@ -117,9 +134,11 @@ interface Slot {
 
 /** Prepares in the caller's thread: for routers over a tokenizer that cannot move to a worker (tests). */
 export function inThreadPreparer(context: PrepareContext): RequestPreparer {
+  // Loaded with the first body: the request schemas stay off a server's start-up path.
+  const preparing = () => import("./prepare-request.js");
   return {
-    prepare: async (endpoint, body) => prepareRequest(endpoint, body, context),
-    answer: async (endpoint, body) => answerUtility(endpoint, body, context),
+    prepare: async (endpoint, body) => (await preparing()).prepareRequest(endpoint, body, context),
+    answer: async (endpoint, body) => (await preparing()).answerUtility(endpoint, body, context),
     close: async () => {},
   };
 }
@@ -127,6 +146,11 @@ export function inThreadPreparer(context: PrepareContext): RequestPreparer {
 export interface PreparePoolOptions extends PoolData {
   /** Worker threads (1 or more). */
   readonly threads: number;
+  /**
+   * The first worker, already started on prepare-worker-start.js without its data (which it gets
+   * as its first message; src/server/early-threads.ts); a fresh one in its place if it exited.
+   */
+  readonly first?: { readonly worker: Worker; readonly exitCode: number | null };
   /** `--scheduling-policy`: fcfs serves each lane in arrival order across tenants (default fair). */
   readonly policy?: SchedulingPolicy;
   /** Told about a worker that failed (its body got `internal`). */
@@ -140,6 +164,8 @@ export class PreparePool implements RequestPreparer {
   readonly #small: FairQueue<Job>;
   readonly #large: FairQueue<Job>;
   readonly #size: number;
+  #first: PreparePoolOptions["first"];
+  #tokenBounds: TokenBounds | undefined;
   #nextId = 1;
   #closed = false;
 
@@ -153,6 +179,7 @@ export class PreparePool implements RequestPreparer {
     };
     this.#onWorkerError = options.onWorkerError ?? (() => {});
     this.#size = Math.max(1, options.threads);
+    this.#first = options.first;
     this.#small = PreparePool.#lane(options.policy);
     this.#large = PreparePool.#lane(options.policy);
   }
@@ -167,22 +194,30 @@ export class PreparePool implements RequestPreparer {
   }
 
   /**
-   * Starts `threads` workers and resolves once the first has loaded the tokenizer: the others (the
-   * large lane, at a lower priority) start beside it and take their bodies once ready (large
-   * bodies wait for them meanwhile). One that fails to start is reported, and the first then
-   * serves both lanes, as a pool of one does.
+   * Starts `threads` workers and resolves once the first has loaded the tokenizer. The others (the
+   * large lane, at a lower priority) start only then, so a server's start-up does not share the
+   * CPU with them, and take their bodies once ready (large bodies wait for them meanwhile, served
+   * by the first). One that fails to start is reported, and the first then serves both lanes, as
+   * a pool of one does.
    */
   static async start(options: PreparePoolOptions): Promise<PreparePool> {
     const pool = new PreparePool(options);
     try {
-      const first = pool.#spawn(0);
+      await pool.#spawn(0);
       for (let i = 1; i < pool.#size; i++) pool.#spawn(i).catch((err: unknown) => pool.#startFailed(i, err));
-      await first;
     } catch (err) {
       await pool.close();
       throw err;
     }
     return pool;
+  }
+
+  /**
+   * The vocabulary's `TokenBounds` (response-size.ts), walked by the first worker once it loaded
+   * the tokenizer (off the caller's thread, where it is the same walk of the same tokenizer).
+   */
+  get tokenBounds(): TokenBounds | undefined {
+    return this.#tokenBounds;
   }
 
   /** Bodies waiting for a worker (both lanes). */
@@ -240,9 +275,18 @@ export class PreparePool implements RequestPreparer {
 
   #spawn(index: number): Promise<void> {
     // With two or more workers the first serves small bodies only; the others are the large lane.
-    const lane = index === 0 || this.#size === 1 ? "small" : "large";
-    const workerData: PrepareWorkerData = { ...this.#data, lane };
-    const worker = new Worker(WORKER_URL, { workerData });
+    const small = index === 0 || this.#size === 1;
+    const workerData: PrepareWorkerData = {
+      ...this.#data,
+      nice: small ? 0 : LARGE_LANE_NICE,
+      bounds: index === 0,
+    };
+    const early = index === 0 ? this.#first : undefined;
+    this.#first = undefined;
+    if (early !== undefined && early.exitCode !== null) void early.worker.terminate();
+    const started = early !== undefined && early.exitCode === null;
+    const worker = started ? early.worker : new Worker(WORKER_URL, { workerData });
+    if (started) worker.postMessage({ data: workerData } satisfies PrepareWorkerStart);
     const slot: Slot = { worker, job: null, compiling: null, retired: false };
     this.#slots[index] = slot;
     return new Promise((resolve, reject) => {
@@ -250,6 +294,7 @@ export class PreparePool implements RequestPreparer {
       worker.on("message", (message: FromPrepareWorker) => {
         if ("ready" in message) {
           ready = true;
+          this.#tokenBounds ??= message.tokenBounds;
           resolve();
           this.#dispatch();
           return;

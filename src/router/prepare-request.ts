@@ -23,6 +23,12 @@ import {
 } from "./openai-schemas.js";
 import { parseJsonBody } from "./read-body.js";
 import { checkJsonDepth, checkMessageCount, checkPromptBytes, type RequestLimits } from "./request-limits.js";
+import {
+  checkModel,
+  type GenerateEndpointName,
+  PROMPT_PARAM,
+  type UtilityEndpointName,
+} from "./request-names.js";
 import { parseResponsesRequest } from "./responses-request.js";
 import { resolveToolParsing, type TemplateToolSupport } from "./tool-request.js";
 
@@ -40,11 +46,7 @@ export interface PromptTokenizer {
   readonly toolSupport?: TemplateToolSupport;
 }
 
-/** The generation endpoints: /v1/chat/completions, /v1/completions and /v1/responses (a chat, in OpenAI's newer shapes). */
-export type GenerateEndpointName = "chat" | "completions" | "responses";
-
-/** vLLM's /tokenize and /detokenize, answered by the same workers. */
-export type UtilityEndpointName = "tokenize" | "detokenize";
+export type { GenerateEndpointName, UtilityEndpointName } from "./request-names.js";
 
 /** A generation request ready for admission: its prompts (a chat has one), each its `n` choices. */
 export interface PreparedRequest {
@@ -80,7 +82,7 @@ interface PromptKind {
 
 export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = {
   chat: {
-    param: "messages",
+    param: PROMPT_PARAM.chat,
     emptyPrompt: "The chat template rendered the messages as no tokens: send a message with content",
     precheck: (body, limits) => checkMessageCount(body, limits.maxMessages),
     parse(body) {
@@ -94,7 +96,7 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
   },
   // The same chat template as chat: its input items (and instructions) are the messages.
   responses: {
-    param: "input",
+    param: PROMPT_PARAM.responses,
     emptyPrompt: "The chat template rendered the input as no tokens: send an input with text",
     precheck: (body, limits) => {
       checkMessageCount(body, limits.maxMessages, "input");
@@ -109,7 +111,7 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
     },
   },
   completions: {
-    param: "prompt",
+    param: PROMPT_PARAM.completions,
     emptyPrompt: "The prompt is empty: send at least one character",
     precheck: () => {},
     parse(body) {
@@ -131,18 +133,6 @@ export const PROMPT_KINDS: Readonly<Record<GenerateEndpointName, PromptKind>> = 
     },
   },
 };
-
-/** Refuses a `model` other than the served one (any of its names). */
-export function checkModel(model: string, served: string | readonly string[]): void {
-  const names = typeof served === "string" ? [served] : served;
-  if (!names.includes(model)) {
-    throw new KvfenceError(
-      "model_not_found",
-      `The model does not exist: ${model.length > 64 ? `${model.slice(0, 64)}…` : model}; this server serves: ${names.join(", ")}`,
-      { param: "model" },
-    );
-  }
-}
 
 /** A token-id prompt, each id inside the vocabulary (else `invalid_request` naming its place). */
 function checkedIds(

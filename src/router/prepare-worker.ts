@@ -1,5 +1,6 @@
 /**
- * A preparation worker thread (prepare-pool.ts): loads the model folder's tokenizer and chat
+ * A preparation worker thread (prepare-pool.ts; its entry, prepare-worker-start.ts, sets the
+ * thread's priority first): loads the model folder's tokenizer and chat
  * template (never its weights), then turns each posted request body into its sampling fields and
  * prompt tokens with `prepareRequest`, one at a time, answering with the tokens (transferred) or
  * the refusal as plain error data. A request's output constraint (structured output) comes back as
@@ -8,29 +9,50 @@
  * router's event loop.
  */
 import { parentPort, workerData } from "node:worker_threads";
-import { CONSTRAINT_NAME, CONSTRAINT_PARAM, checkerFor, compileCheck } from "../grammar/grammar-engine.js";
 import { type GrammarVocab, grammarVocab } from "../grammar/grammar-vocab.js";
 import { KvfenceError } from "../lib/errors.js";
-import { lowerThreadPriority } from "../lib/thread-priority.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
 
 const utf8 = new TextDecoder();
 
-import { loadChatTemplate, openTokenizer } from "../tokenizer/tokenizer.js";
+import { loadChatTemplate, openTokenizer, type TokenizerAndTemplate } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
-import {
-  type FromPrepareWorker,
-  LARGE_LANE_NICE,
-  type PrepareWorkerData,
-  type ToPrepareWorker,
+import type {
+  EarlyPrepareWorkerData,
+  FromPrepareWorker,
+  PrepareWorkerData,
+  PrepareWorkerStart,
+  ToPrepareWorker,
 } from "./prepare-pool.js";
 import { answerUtility, prepareRequest } from "./prepare-request.js";
 
-const data = workerData as PrepareWorkerData;
 const port = parentPort!;
-// The large lane's workers prepare big bodies: they yield the CPU to the threads serving requests.
-if (data.lane === "large") lowerThreadPriority(LARGE_LANE_NICE);
-const { tokenizer, chatTemplate } = await openTokenizer(data.modelDir);
+/**
+ * A worker started early (src/server/early-threads.ts) gets its data as its first message, and
+ * meanwhile reads the tokenizer of the model its command line names (`modelGuess`).
+ */
+let guessed: { readonly dir: string; readonly loaded: Promise<TokenizerAndTemplate | null> } | null = null;
+
+async function workerDataOrFirstMessage(): Promise<PrepareWorkerData> {
+  const early = workerData as Partial<EarlyPrepareWorkerData>;
+  if (early.early !== true) return workerData as PrepareWorkerData;
+  const message = new Promise<PrepareWorkerData>((resolve) =>
+    port.once("message", (m: PrepareWorkerStart) => resolve(m.data)),
+  );
+  if (early.modelGuess !== undefined)
+    guessed = { dir: early.modelGuess, loaded: openTokenizer(early.modelGuess).catch(() => null) };
+  return message;
+}
+
+/** The tokenizer of `dir`: the one read meanwhile when it is that folder's, else read now. */
+async function loadTokenizer(dir: string): Promise<TokenizerAndTemplate> {
+  const early = guessed?.dir === dir ? await guessed.loaded : null;
+  guessed = null;
+  return early ?? openTokenizer(dir);
+}
+
+const data = await workerDataOrFirstMessage();
+const { tokenizer, chatTemplate } = await loadTokenizer(data.modelDir);
 const context = {
   modelId: data.modelId,
   // `--chat-template FILE` replaces the model's own.
@@ -45,6 +67,8 @@ const context = {
 };
 
 let vocab: GrammarVocab | null = null;
+// The grammar engine loads with this thread's first constraint, not before it serves (start-up).
+let grammarEngine: Promise<typeof import("../grammar/grammar-engine.js")> | undefined;
 
 port.on("message", async (job: ToPrepareWorker) => {
   let reply: FromPrepareWorker;
@@ -59,6 +83,8 @@ port.on("message", async (job: ToPrepareWorker) => {
         readonly constraint: OutputConstraint;
         readonly param?: string;
       };
+      grammarEngine ??= import("../grammar/grammar-engine.js");
+      const { CONSTRAINT_NAME, CONSTRAINT_PARAM, checkerFor, compileCheck } = await grammarEngine;
       vocab ??= grammarVocab(tokenizer);
       // This thread's first compilation loads xgrammar first: not the constraint's time.
       await checkerFor(vocab);
@@ -90,4 +116,8 @@ port.on("message", async (job: ToPrepareWorker) => {
   }
   port.postMessage(reply);
 });
-port.postMessage({ ready: true } satisfies FromPrepareWorker);
+port.postMessage({
+  ready: true,
+  // The first worker walks the vocabulary once for the router's answer-size bounds.
+  ...(data.bounds ? { tokenBounds: context.tokenizer.tokenBounds } : {}),
+} satisfies FromPrepareWorker);

@@ -98,6 +98,7 @@ export class RouterMetrics {
 
     const engineMetrics = engineStatsMetrics(this.scrape);
     const prefixCache = prefixCacheMetrics(this.scrape);
+    const tiers = tierMetrics(this.scrape);
     // One engine's per-phase histograms (the disaggregated topology's come from its nodes: cluster-metrics.ts).
     let phases: PhaseSource[] = [];
     this.scrape.add(async () => {
@@ -105,6 +106,7 @@ export class RouterMetrics {
       phases = stats.phases === undefined ? [] : [{ node: "engine", role: "engine", snapshot: stats.phases }];
       engineMetrics(stats);
       if (stats.prefixCache !== undefined) prefixCache(stats.prefixCache);
+      if (stats.tiers !== undefined) tiers(stats.tiers);
     });
     this.phases = new PhaseMetrics(this.registry, this.scrape);
     this.phases.add(() => phases);
@@ -228,5 +230,46 @@ function prefixCacheMetrics(scrape: MetricsScrape): (cache: NonNullable<EngineSt
     counters(cache);
     pages.set({ state: "referenced" }, cache.sharedPages - cache.evictablePages);
     pages.set({ state: "unreferenced" }, cache.evictablePages);
+  };
+}
+
+/** The KV tiers' series (none until a scrape finds tiers on, docs/design.md §3b); returns their update. */
+function tierMetrics(scrape: MetricsScrape): (tiers: NonNullable<EngineStats["tiers"]>) => void {
+  const pages = scrape.gauge("kvfence_kv_tier_pages", "Pages held in each KV tier below the pool", ["tier"]);
+  const bytes = scrape.gauge("kvfence_kv_tier_bytes", "Bytes of records held in each KV tier", ["tier"]);
+  const spills = scrape.counter(
+    "kvfence_kv_tier_spills_total",
+    "Cached pages spilled from the pool into the tiers",
+  );
+  const loads = scrape.counter(
+    "kvfence_kv_tier_loads_total",
+    "Records loaded back from a tier and verified (MAC, owner, epoch), by tier",
+    ["tier"],
+  );
+  const hitTokens = scrape.counter(
+    "kvfence_kv_tier_hit_tokens_total",
+    "Prompt tokens of pages promoted from a tier into the pool, by tier",
+    ["tier"],
+  );
+  const rejected = scrape.counter(
+    "kvfence_kv_tier_rejected_total",
+    "Tier records refused at load and deleted, by reason (format, or the guard: mac, owner, epoch)",
+    ["reason"],
+  );
+  const dropped = scrape.counter(
+    "kvfence_kv_tier_dropped_total",
+    "Records dropped out of the last tier for room",
+  );
+  return (t) => {
+    for (const tier of ["ram", "disk"] as const) {
+      pages.set({ tier }, t.pages[tier]);
+      bytes.set({ tier }, t.bytes[tier]);
+      setCounter(loads, t.loads[tier], { tier });
+      setCounter(hitTokens, t.hitTokens[tier], { tier });
+    }
+    setCounter(spills, t.spills);
+    for (const reason of ["format", "mac", "owner", "epoch"] as const)
+      setCounter(rejected, t.rejected[reason], { reason });
+    setCounter(dropped, t.dropped);
   };
 }

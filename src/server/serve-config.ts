@@ -10,7 +10,8 @@ import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { z } from "zod";
 import { parseNodeUrl } from "../cluster/cluster-router.js";
-import { chooseKernels, type KernelsName } from "../engine/forward-setup.js";
+import type { KernelsName } from "../engine/forward-setup.js";
+import { chooseKernels, type SelfTestResult } from "../engine/kernels-choice.js";
 import { type FairShareConfig, SCHEDULING_POLICIES, type TenantOverrides } from "../fair-share/fair-share.js";
 import { DEFAULT_KV_CACHE_DTYPE, KV_DTYPES } from "../kvcache/kv-layout.js";
 import { KvfenceError } from "../lib/errors.js";
@@ -439,10 +440,12 @@ export function kernelOptions(config: ServeConfig): { kernels: KernelsName; kern
 export async function withChosenKernels(
   config: ServeConfig,
   log: { info(obj: object, msg: string): void },
+  /** The self-test as a prestarted node thread ran it (`PrestartedWorkers.selfTest`). */
+  selfTest?: Promise<SelfTestResult | undefined>,
 ): Promise<ServeConfig> {
   let choice: Awaited<ReturnType<typeof chooseKernels>>;
   try {
-    choice = await chooseKernels(config.kernels);
+    choice = await chooseKernels(config.kernels, selfTest);
   } catch (err) {
     throw new KvfenceError("config_invalid", `${(err as Error).message}; use --kernels wasm or auto`);
   }

@@ -26,18 +26,27 @@ import type { Logger } from "../lib/logger.js";
 import { isLoopback } from "../lib/loopback.js";
 import { startTracing, tracing } from "../lib/tracing.js";
 import { type GenerationDefaults, loadGenerationDefaults } from "../model/config-loader.js";
-import { delayedProgress, loadModelWeights, type ModelMeta, openModelMeta } from "../model/load-model.js";
+import {
+  delayedProgress,
+  loadModelWeights,
+  type ModelHeader,
+  type ModelMeta,
+  openModelHeader,
+  openModelMeta,
+  withTokenizer,
+} from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
-import { startNodeServer } from "../node/node-server.js";
+import { type PrestartedWorkers, prestartNodeWorkers } from "../node/prestart-workers.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
-import { PreparePool } from "../router/prepare-pool.js";
+import { PreparePool, type PreparePoolOptions } from "../router/prepare-pool.js";
 import { requestLimits } from "../router/request-limits.js";
+import type { TokenBounds } from "../router/response-size.js";
 import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
 import { loadChatTemplate } from "../tokenizer/tokenizer.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
-import { type PrestartedWorkers, prestartNodeWorkers } from "../topology/threaded-topology.js";
+import { takeEarlyThreads } from "./early-threads.js";
 import { availableMemoryBytes, checkMemoryFits, poolPagesOf } from "./kv-sizing.js";
 import {
   fairShareOf,
@@ -102,12 +111,30 @@ export async function startServer(
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
 ): Promise<RunningServer> {
   // The default topology's node threads start first and load their modules while this thread
-  // loads the model; they get their options (the weights' memory) once it is there.
-  const prestarted = config.role === "all" && config.disaggregation ? prestartNodeWorkers() : undefined;
+  // loads the model; they get their options (the weights' memory) once it is there. So do the
+  // router's preparation workers, which load the tokenizer meanwhile: they need only the model's
+  // config (its window sizes the request limits).
+  // Those `kvfence serve` started before its modules loaded are taken first (early-threads.ts).
+  const early = takeEarlyThreads();
+  const threaded = config.role === "all" && config.disaggregation;
+  if (!threaded) await early.nodes?.terminate();
+  const prestarted = threaded
+    ? (early.nodes ??
+      prestartNodeWorkers({ selfTest: config.kernels === "auto" || config.kernels === "native" }))
+    : undefined;
+  let preparing: Promise<PreparePool> | undefined;
   try {
-    return await bootServer(config, options, prestarted);
+    const header = await openModelHeader(config.model);
+    const limits = limitsOf(config, contextLengthOf(config, header.config));
+    preparing = startPreparer(config, header, limits, options.logger, early.preparer);
+    return await bootServer(config, options, { header, limits, prestarted, preparing });
   } catch (err) {
     await prestarted?.terminate();
+    if (preparing === undefined) await early.preparer?.worker.terminate();
+    await preparing?.then(
+      (p) => p.close(),
+      () => {},
+    );
     throw err;
   }
 }
@@ -115,17 +142,23 @@ export async function startServer(
 async function bootServer(
   config: ServeConfig,
   options: { logger: Logger; progress?: (line: string, done: boolean) => void },
-  prestarted: PrestartedWorkers | undefined,
+  early: {
+    readonly header: ModelHeader;
+    readonly limits: ReturnType<typeof limitsOf>;
+    readonly prestarted: PrestartedWorkers | undefined;
+    readonly preparing: Promise<PreparePool>;
+  },
 ): Promise<RunningServer> {
+  const { limits, prestarted, preparing } = early;
   const log = options.logger;
   warnUnsafe(config, config.role === "router" ? "router" : "serve", log);
-  if (config.role !== "router") config = await withChosenKernels(config, log);
+  if (config.role !== "router") config = await withChosenKernels(config, log, prestarted?.selfTest);
+  // Its report is in before the prefill thread gets its options (whatever --kernels asked).
+  await prestarted?.selfTest;
   const tls = serveTls(config);
   if (tls.frontDoor === undefined) warnPlaintextFrontDoor(config.host, log);
 
-  // The config, tokenizer and chat template (of a folder or a GGUF file's header), not the weights.
-  const model = await openModelMeta(config.model);
-  const { numPages, bytesPerPage, contextLength, engineOptions } = sizeServerPools(config, model);
+  const { numPages, bytesPerPage, contextLength, engineOptions } = sizeServerPools(config, early.header);
   const poolTokens = numPages * config.pageSize;
 
   // Before the weights load (minutes for a big model): a port already taken fails now.
@@ -138,23 +171,22 @@ async function bootServer(
 
   const tenants = loadTenants(config, log);
   await startRouterTracing(config, log);
-  const limits = limitsOf(config, contextLength);
-  const tokenizer = tokenizerOf(model, config);
-  const { served, preparer } = await startEnginesAndPreparer(config, {
-    model,
+  const starting = startEnginesAndPreparer(config, {
+    model: early.header,
     tenants,
-    limits,
+    preparing,
     engineOptions,
     contextLength,
     tls,
     log,
-    // The router's one walk of the vocabulary (its answer-size bounds), while the engine threads
-    // start and this thread would wait idle, not after.
-    meanwhile: () => void tokenizer.tokenBounds,
     prestarted,
     ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
+  const model = await withTokenizerMeanwhile(early.header, starting);
+  const { served, preparer } = await starting;
   const engine = served.engine;
+  // The router's answer-size bounds come walked by the first preparation worker.
+  const tokenizer = tokenizerOf(model, config, preparer.tokenBounds);
   log.info(
     {
       numPages,
@@ -259,86 +291,92 @@ function limitsOf(config: ServeConfig, contextLength: number) {
   });
 }
 
-/** What the router knows of the model: its id, window, end-of-sequence ids and sampling defaults. */
 /**
- * The weights and the engines (none for a router process, which tokenizes and admits while the
- * nodes it connects to hold the weights), and the router's preparation workers, which load the
- * tokenizer while the weights load and the engines start.
+ * The router's preparation workers: parsing, the chat template and tokenization run in worker
+ * threads, never on the event loop. Started before this thread parses the tokenizer (they load
+ * their own meanwhile); resolves once the first is ready.
  */
-async function startEnginesAndPreparer(
+function startPreparer(
   config: ServeConfig,
-  parts: {
-    readonly model: ModelMeta;
-    readonly tenants: TenantDirectory;
-    readonly limits: ReturnType<typeof limitsOf>;
-    readonly engineOptions: ServeEngineOptions["engine"];
-    readonly contextLength: number;
-    readonly tls: ReturnType<typeof serveTls>;
-    readonly log: Logger;
-    readonly progress?: (line: string, done: boolean) => void;
-    /** Work for this thread once the engines are starting (in their own threads or processes). */
-    readonly meanwhile?: () => void;
-    /** The default topology's node threads, started before the model loaded. */
-    readonly prestarted: PrestartedWorkers | undefined;
-  },
-): Promise<{ served: Awaited<ReturnType<typeof startServeEngine>>; preparer: PreparePool }> {
-  const { model, tenants, engineOptions, log } = parts;
-  // Parsing, the chat template and tokenization run in worker threads, never on the event loop.
-  const card = modelCard(model, config);
+  header: ModelHeader,
+  limits: ReturnType<typeof limitsOf>,
+  log: Logger,
+  first: PreparePoolOptions["first"],
+): Promise<PreparePool> {
+  const card = modelCard(header, config);
   const preparing = PreparePool.start({
-    modelDir: model.dir,
+    ...(first === undefined ? {} : { first }),
+    modelDir: header.dir,
     modelId: [card.id, ...card.aliases],
-    limits: parts.limits,
+    limits,
     ...(config.chatTemplate === undefined ? {} : { chatTemplateFile: config.chatTemplate }),
     ...(config.toolCallParser === undefined ? {} : { toolCallParser: config.toolCallParser }),
     threads: config.tokenizerThreads,
     policy: config.schedulingPolicy,
     onWorkerError: (detail) => log.error({ detail }, "a request preparation worker failed"),
   });
-  preparing.catch(() => {}); // awaited below, after the engines (no unhandled rejection meanwhile)
+  preparing.catch(() => {}); // awaited after the engines (no unhandled rejection meanwhile)
+  return preparing;
+}
+
+/**
+ * The weights and the engines (none for a router process, which tokenizes and admits while the
+ * nodes it connects to hold the weights), then the router's preparation workers (`preparing`),
+ * which load the tokenizer while the weights load and the engines start. On a failure the caller
+ * closes the workers.
+ */
+async function startEnginesAndPreparer(
+  config: ServeConfig,
+  parts: {
+    readonly model: ModelHeader;
+    readonly tenants: TenantDirectory;
+    readonly preparing: Promise<PreparePool>;
+    readonly engineOptions: ServeEngineOptions["engine"];
+    readonly contextLength: number;
+    readonly tls: ReturnType<typeof serveTls>;
+    readonly log: Logger;
+    readonly progress?: (line: string, done: boolean) => void;
+    /** The default topology's node threads, started before the model loaded. */
+    readonly prestarted: PrestartedWorkers | undefined;
+  },
+): Promise<{ served: Awaited<ReturnType<typeof startServeEngine>>; preparer: PreparePool }> {
+  const { model, tenants, engineOptions, log, preparing } = parts;
   const prefillOptions = {
     ...engineOptions,
     ...(config.prefillKvPages === undefined ? {} : { numPages: config.prefillKvPages }),
   };
   const engines =
     config.role === "router" ? [] : config.disaggregation ? [prefillOptions, engineOptions] : [engineOptions];
-  let served: Awaited<ReturnType<typeof startServeEngine>>;
   const { prestarted } = parts;
-  try {
-    const loaded =
-      engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress, config.quantize);
-    parts.progress?.(
-      `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
-      true,
-    );
-    const starting = startServeEngine({
-      role: config.role,
-      disaggregation: config.disaggregation,
-      model: loaded === null ? null : { config: model.config, ...loaded },
-      engine: engineOptions,
-      ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
-      disabledGuards: config.unsafeDisableGuard,
-      maxModelLen: parts.contextLength,
-      prefill: config.prefill,
-      decode: config.decode,
-      clusterSecret: config.clusterSecret,
-      ...(config.registry === undefined ? {} : { registry: registryOf(config) }),
-      insecurePlaintextLinks: config.insecurePlaintextLinks,
-      ...(parts.tls.links === undefined ? {} : { linkTls: parts.tls.links }),
-      faults: config.unsafeFault,
-      fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
-      ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
-      ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
-      ...(config.maxMigrations === undefined ? {} : { maxMigrations: config.maxMigrations }),
-      ...(prestarted === undefined ? {} : { prestarted }),
-      log,
-    });
-    parts.meanwhile?.();
-    served = await starting;
-  } catch (err) {
-    await preparing.then((p) => p.close()).catch(() => {});
-    throw err;
-  }
+  const loaded =
+    engines.length === 0 ? null : loadWeightsWithProgress(model, engines, parts.progress, config.quantize);
+  parts.progress?.(
+    `Loaded ${model.name}: ${model.config.numLayers} layers, vocab ${model.config.vocabSize}`,
+    true,
+  );
+  const starting = startServeEngine({
+    role: config.role,
+    disaggregation: config.disaggregation,
+    model: loaded === null ? null : { config: model.config, ...loaded },
+    engine: engineOptions,
+    ...(config.prefillKvPages === undefined ? {} : { prefillNumPages: config.prefillKvPages }),
+    disabledGuards: config.unsafeDisableGuard,
+    maxModelLen: parts.contextLength,
+    prefill: config.prefill,
+    decode: config.decode,
+    clusterSecret: config.clusterSecret,
+    ...(config.registry === undefined ? {} : { registry: registryOf(config) }),
+    insecurePlaintextLinks: config.insecurePlaintextLinks,
+    ...(parts.tls.links === undefined ? {} : { linkTls: parts.tls.links }),
+    faults: config.unsafeFault,
+    fairShare: fairShareOf(config, { count: tenants.tenants.length, limits: tenants.limits }),
+    ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
+    ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
+    ...(config.maxMigrations === undefined ? {} : { maxMigrations: config.maxMigrations }),
+    ...(prestarted === undefined ? {} : { prestarted }),
+    log,
+  });
+  const served = await starting;
   try {
     return { served, preparer: await preparing };
   } catch (err) {
@@ -347,17 +385,37 @@ async function startEnginesAndPreparer(
   }
 }
 
+/**
+ * This thread's tokenizer and chat template (a folder's or a GGUF file's), parsed while the engine
+ * threads build their engines over the weights (`starting`); their engines are closed on a throw
+ * (and the preparation workers by `startServer`).
+ */
+async function withTokenizerMeanwhile(
+  header: ModelHeader,
+  starting: ReturnType<typeof startEnginesAndPreparer>,
+): Promise<ModelMeta> {
+  try {
+    return withTokenizer(header);
+  } catch (err) {
+    await starting.then(
+      ({ served }) => served.close(),
+      () => {},
+    );
+    throw err;
+  }
+}
+
 /** The router's tokenizer, with `--chat-template FILE` in place of the folder's template when given. */
-function tokenizerOf(model: ModelMeta, config: ServeConfig) {
+function tokenizerOf(model: ModelMeta, config: ServeConfig, bounds: TokenBounds | undefined) {
   const template =
     config.chatTemplate === undefined
       ? model.chatTemplate
       : loadChatTemplate(model.dir, model.tokenizer, config.chatTemplate);
-  return routerTokenizer(model.tokenizer, template, config.toolCallParser);
+  return routerTokenizer(model.tokenizer, template, config.toolCallParser, bounds);
 }
 
 /** The served model as the router shows it: its names, window, EOS ids and sampling defaults. */
-function modelCard(model: ModelMeta, config: ServeConfig) {
+function modelCard(model: ModelHeader, config: ServeConfig) {
   // --generation-config: auto (the folder's), vllm (none, as vLLM's), or another folder's.
   const source = config.generationConfig;
   const d: Partial<GenerationDefaults> =
@@ -411,6 +469,9 @@ export async function startNode(
   const engine = engineOptionsOf(config, { numPages, contextLength });
   checkEnginesFit(meta, config, layout, contextLength, [engine]);
   const loaded = loadWeightsWithProgress(meta, [engine], undefined, config.quantize);
+  // The node's server and engine load here: the default topology's main thread never runs an
+  // engine (its node threads do), so `kvfence serve` does not load them at start-up.
+  const { startNodeServer } = await import("../node/node-server.js");
   const node = await startNodeServer({
     role,
     host: config.host,
@@ -578,7 +639,7 @@ function checkServerPool(
  * The context and each engine's pool (src/server/kv-sizing.ts), checked before anything loads:
  * the pool holds one full-context request, and the weights and the engines fit the memory.
  */
-function sizeServerPools(config: ServeConfig, model: ModelMeta) {
+function sizeServerPools(config: ServeConfig, model: ModelHeader) {
   const layout = layoutOf(config, model.config);
   const bytesPerPage = pageBytes(layout);
   const contextLength = contextLengthOf(config, model.config);
@@ -598,7 +659,7 @@ function sizeServerPools(config: ServeConfig, model: ModelMeta) {
  * at another context, a context-sized pool follows it.
  */
 function checkEnginesFit(
-  model: ModelMeta,
+  model: ModelHeader,
   config: ServeConfig,
   layout: KvLayout,
   contextLength: number,
@@ -630,7 +691,7 @@ function checkEnginesFit(
  * region per engine of `engines` (src/engine/engine-memory.ts): one copy for the whole process.
  */
 function loadWeightsWithProgress(
-  model: ModelMeta,
+  model: ModelHeader,
   engines: readonly ServeEngineOptions["engine"][],
   progress: ((line: string, done: boolean) => void) | undefined,
   quantize: "q8_0" | "q4_0" | undefined,

@@ -5,7 +5,14 @@ import { join } from "node:path";
 import { test } from "node:test";
 import { KvfenceError } from "../lib/errors.js";
 import { byteLevelTokenizerJson, CHATML_TEMPLATE, chatmlTokenizerConfig } from "../model/gen-model.js";
-import { ChatTemplate, loadChatTemplate, ModelTokenizer, type StreamDecoder } from "./tokenizer.js";
+import {
+  BYTE_TO_CHAR,
+  ChatTemplate,
+  loadChatTemplate,
+  ModelTokenizer,
+  type StreamDecoder,
+} from "./tokenizer.js";
+import { addedToken, bpeTokenizerJson, byteLevel as byteLevelJson } from "./tokenizer-json.js";
 
 const MULTIBYTE = "héllo 世界 🎉 ok";
 
@@ -117,6 +124,46 @@ test("ModelTokenizer.streamDecoder() holds a split multibyte character until it 
     JSON.stringify(pieces),
   );
   assert.equal(pieces.join(""), MULTIBYTE);
+});
+
+test("ModelTokenizer.tokenPiece() gives each token's own bytes, its characters mapped back by GPT-2's byte table", () => {
+  // Multi-character tokens (a space-led word, the three bytes of 世, an emoji's four) and an added one.
+  const spell = (bytes: Uint8Array): string => Array.from(bytes, (b) => BYTE_TO_CHAR[b]).join("");
+  const words = [" hello", "世", "🎉", "é!"].map((w) => spell(new TextEncoder().encode(w)));
+  const vocab: Record<string, number> = {};
+  for (let b = 0; b < 256; b++) vocab[BYTE_TO_CHAR[b] as string] = b;
+  words.forEach((w, i) => {
+    vocab[w] = 256 + i;
+  });
+  const tok = new ModelTokenizer(
+    bpeTokenizerJson({
+      vocab,
+      merges: [],
+      addedTokens: [addedToken(260, "<|im_end|>", true)],
+      preTokenizer: byteLevelJson(false),
+      postProcessor: null,
+      decoder: byteLevelJson(false),
+      ignoreMerges: false,
+    }),
+    {},
+  );
+  for (let id = 0; id <= 260; id++) {
+    const token = tok.vocabulary()[id] as string;
+    const want =
+      id === 260 ? new TextEncoder().encode(token) : Uint8Array.from(token, (c) => BYTE_TO_CHAR.indexOf(c));
+    const piece = tok.tokenPiece(id);
+    assert.deepEqual(piece.bytes, want, `token ${id}: ${JSON.stringify(token)}`);
+    assert.equal(piece.text, new TextDecoder().decode(want), `token ${id}`);
+  }
+  assert.deepEqual(
+    [256, 257, 258, 259].map((id) => tok.tokenPiece(id).text),
+    [" hello", "世", "🎉", "é!"],
+  );
+  // Each piece decodes alone: a lone lead byte and then a continuation byte are two U+FFFD.
+  assert.deepEqual(
+    [0xe4, 0xb8].map((b) => tok.tokenPiece(b).text),
+    ["\uFFFD", "\uFFFD"],
+  );
 });
 
 test("ModelTokenizer.streamDecoder() skips special tokens and decodes filler ids like decode()", () => {

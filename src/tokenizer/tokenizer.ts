@@ -34,8 +34,19 @@ export const BYTE_TO_CHAR: readonly string[] = (() => {
   return table;
 })();
 
-const CHAR_TO_BYTE: ReadonlyMap<string, number> = new Map(BYTE_TO_CHAR.map((c, b) => [c, b]));
+/** The inverse of BYTE_TO_CHAR by UTF-16 code unit (its characters are U+0000–U+0143); -1 for any other. */
+const CODE_TO_BYTE: Int16Array = (() => {
+  const table = new Int16Array(512).fill(-1);
+  BYTE_TO_CHAR.forEach((c, b) => {
+    table[c.charCodeAt(0)] = b;
+  });
+  return table;
+})();
+/** Scratch for one token's bytes (a token's string has at most one byte per code unit). */
+let tokenScratch = new Uint8Array(256);
 const EMPTY_BYTES = new Uint8Array(0);
+/** Decodes one token's bytes alone (never streaming, so it holds no state between calls). */
+const PIECE_DECODER = new TextDecoder("utf-8", { fatal: false, ignoreBOM: true });
 
 interface TokenizerJson {
   decoder?: { type?: string } | null;
@@ -76,6 +87,7 @@ export class ModelTokenizer {
   readonly #addedIds: ReadonlySet<number>;
   readonly #tokenBytes: Array<Uint8Array | undefined> = [];
   readonly #encoder = new TextEncoder();
+  #numIds: number | undefined;
 
   /** Builds a tokenizer from parsed tokenizer.json and tokenizer_config.json; `label` names them in errors. */
   constructor(tokenizerJson: unknown, tokenizerConfig: unknown, options?: { label?: string }) {
@@ -129,11 +141,14 @@ export class ModelTokenizer {
     return this.#tokenizer.decode(list, { skip_special_tokens: options?.skipSpecialTokens ?? true });
   }
 
-  /** One more than the largest token id (model vocabulary plus added tokens). */
+  /** One more than the largest token id (model vocabulary plus added tokens); one walk, kept. */
   get numIds(): number {
-    let max = -1;
-    for (const id of this.#tokenizer.get_vocab(true).values()) if (id > max) max = id;
-    return max + 1;
+    if (this.#numIds === undefined) {
+      let max = -1;
+      for (const id of this.#tokenizer.get_vocab(true).values()) if (id > max) max = id;
+      this.#numIds = max + 1;
+    }
+    return this.#numIds;
   }
 
   /** Every token's string as the vocabulary spells it (byte-level or SentencePiece pieces), by id ("" for an unused id). */
@@ -160,7 +175,7 @@ export class ModelTokenizer {
     const bytes = this.#byteLevel
       ? this.tokenBytes(id, false)
       : new TextEncoder().encode(this.decode([id], { skipSpecialTokens: false }));
-    return { text: new TextDecoder("utf-8", { fatal: false, ignoreBOM: true }).decode(bytes), bytes };
+    return { text: PIECE_DECODER.decode(bytes), bytes };
   }
 
   /** A fresh incremental detokenizer (one per generated sequence). */
@@ -178,13 +193,15 @@ export class ModelTokenizer {
     if (token === undefined) bytes = EMPTY_BYTES;
     else if (this.#addedIds.has(id)) bytes = this.#encoder.encode(token);
     else {
-      bytes = new Uint8Array(token.length);
+      // Characters outside the byte map (none in a byte-level vocabulary) are skipped.
+      if (tokenScratch.length < token.length) tokenScratch = new Uint8Array(token.length);
       let n = 0;
-      for (const ch of token) {
-        const b = CHAR_TO_BYTE.get(ch);
-        if (b !== undefined) bytes[n++] = b;
+      for (let i = 0; i < token.length; i++) {
+        const c = token.charCodeAt(i);
+        const b = c < CODE_TO_BYTE.length ? (CODE_TO_BYTE[c] as number) : -1;
+        if (b >= 0) tokenScratch[n++] = b;
       }
-      bytes = bytes.subarray(0, n);
+      bytes = tokenScratch.slice(0, n);
     }
     if (id >= 0 && id < 1 << 24) this.#tokenBytes[id] = bytes;
     return bytes;

@@ -17,12 +17,13 @@ import type { FairShareConfig } from "../fair-share/fair-share.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { Logger } from "../lib/logger.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import type { PrestartedWorkers } from "../node/prestart-workers.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { makeSafety } from "../protocol/safety.js";
 import { clusterSecretBytes } from "../transfer/control-auth.js";
 import type { LinkTls } from "../transfer/tls-config.js";
 import { EngineClient } from "./engine-client.js";
-import { type PrestartedWorkers, startThreadedTopology } from "./threaded-topology.js";
+import { startThreadedTopology } from "./threaded-topology.js";
 
 export type ServeRole = "all" | "router" | "prefill" | "decode";
 

@@ -26,12 +26,8 @@ import type { Logger } from "../lib/logger.js";
 import type { FromNode, NodeHello } from "../links/node-messages.js";
 import { WorkerLink } from "../links/worker-link.js";
 import type { NodeHostOptions } from "../node/node-host.js";
-import {
-  NODE_WORKER_TAG,
-  type NodeWorkerOptions,
-  type NodeWorkerReply,
-  type NodeWorkerSetup,
-} from "../node/node-worker.js";
+import type { NodeWorkerOptions, NodeWorkerReply, NodeWorkerSetup } from "../node/node-worker.js";
+import { type EarlyWorker, NODE_WORKER_TAG, type PrestartedWorkers } from "../node/prestart-workers.js";
 import { SAFE, type Safety } from "../protocol/safety.js";
 import type { ShmChannel } from "../transfer/shm-transport.js";
 
@@ -56,49 +52,8 @@ export interface ThreadedTopologyOptions {
   readonly phaseMetrics?: boolean;
   /** `--max-migrations` (one pair here: a request can migrate only to the restarted node's pair, which is not waited for). */
   readonly maxMigrations?: number;
-  /** The first pair's threads, started earlier (`prestartNodeWorkers`); restarts start their own. */
+  /** The first pair's threads, started earlier (src/node/prestart-workers.ts); restarts start their own. */
   readonly prestarted?: PrestartedWorkers;
-}
-
-/** A prefill and a decode worker thread started before their options are known. */
-export interface PrestartedWorkers {
-  readonly prefill: EarlyWorker;
-  readonly decode: EarlyWorker;
-  /** Stops both (when the server fails to start before they are given their options). */
-  terminate(): Promise<void>;
-}
-
-interface EarlyWorker {
-  readonly worker: Worker;
-  /** Its exit code once it exited. */
-  exitCode: number | null;
-}
-
-/**
- * Starts the node worker threads of the default topology before the weights are in memory, so their
- * modules load while the main thread reads the weights; `startThreadedTopology` then gives them
- * their options (src/node/node-worker.ts).
- */
-export function prestartNodeWorkers(): PrestartedWorkers {
-  const early = (): EarlyWorker => {
-    const w: EarlyWorker = {
-      worker: new Worker(WORKER_URL, { workerData: { tag: NODE_WORKER_TAG } }),
-      exitCode: null,
-    };
-    w.worker.once("exit", (code) => {
-      w.exitCode = code;
-    });
-    return w;
-  };
-  const prefill = early();
-  const decode = early();
-  return {
-    prefill,
-    decode,
-    terminate: async () => {
-      await Promise.all([prefill.worker.terminate(), decode.worker.terminate()]);
-    },
-  };
 }
 
 export interface ThreadedTopology {

@@ -32,12 +32,8 @@
 import { existsSync, readFileSync } from "node:fs";
 import { join, resolve } from "node:path";
 import { pathToFileURL } from "node:url";
-import {
-  chooseKernels,
-  createForward,
-  type ForwardSetup,
-  type KernelsName,
-} from "../../engine/forward-setup.js";
+import { createForward, type ForwardSetup, type KernelsName } from "../../engine/forward-setup.js";
+import { chooseKernels } from "../../kernels/choose-kernels.js";
 import { KernelProfile } from "../../kernels/kernel-profile.js";
 import { roundKv } from "../../kernels/reference.js";
 import { WasmKernels } from "../../kernels/wasm-kernels.js";

@@ -16,6 +16,10 @@ const EXPECTED: Record<FaultName, string> = {
   "shared-prefix": "P1",
   "prefix-collision": "P1",
   "held-unpinned": "1",
+  "tier-corrupt": "P3",
+  "tier-planted": "P3",
+  "stale-epoch": "P3",
+  "spill-race": "P3",
 };
 
 for (const fault of FAULT_NAMES) {
@@ -100,6 +104,21 @@ test("runCheck() with decode-side reuse holds every invariant completely, and ea
     const caught = runCheck({ fault: "held-unpinned", keepGuards: true, disabledGuards: [other] });
     assert.equal(caught.result.counterexample, null, `${guard} alone`);
     assert.equal(caught.result.complete, true, `${guard} alone`);
+  }
+});
+
+test("runCheck() explores the KV tiers' spills and loads completely with their guards kept, and finds each tier fault's foreign page without its guard", () => {
+  for (const fault of ["tier-corrupt", "tier-planted", "stale-epoch", "spill-race"] as const) {
+    const kept = runCheck({ fault, keepGuards: true });
+    assert.equal(kept.result.counterexample, null, fault);
+    assert.equal(kept.result.complete, true, fault);
+    assert.match(formatReport(kept), /KV tier below it/);
+    const cex = runCheck({ fault }).result.counterexample;
+    assert.equal(cex?.violation.invariant, "P3", fault);
+    assert.ok(
+      cex.steps.some((s) => /load from the tier/.test(s.event)),
+      `${fault}: the foreign page came from a load`,
+    );
   }
 });
 

@@ -168,10 +168,17 @@ export const FAULT_SCENARIOS: Readonly<Record<FaultName, Scenario>> = {
     disabledGuards: ["held-pages", "page-tags"],
     bound: DECODE_CACHE_BOUND,
   },
+  "tier-corrupt": { faults: ["tier-corrupt"], disabledGuards: ["tier-mac"], bound: {} },
+  "tier-planted": { faults: ["tier-planted"], disabledGuards: ["tier-owner"], bound: {} },
+  "stale-epoch": { faults: ["stale-epoch"], disabledGuards: ["tier-epoch"], bound: {} },
+  "spill-race": { faults: ["spill-race"], disabledGuards: ["tier-spill-copy"], bound: {} },
 };
 
+/** The faults the KV tiers' model explores (the prefix cache's, with a tier: tier-model.ts). */
+const TIER_FAULTS: readonly FaultName[] = ["tier-corrupt", "tier-planted", "stale-epoch", "spill-race"];
+
 /** The faults the prefix cache's own model explores (src/tools/check/prefix-model.ts). */
-const PREFIX_FAULTS: readonly FaultName[] = ["shared-prefix", "prefix-collision"];
+const PREFIX_FAULTS: readonly FaultName[] = ["shared-prefix", "prefix-collision", ...TIER_FAULTS];
 
 export interface CheckReport {
   readonly fault: FaultName | null;
@@ -274,6 +281,7 @@ function prefixReport(options: CheckOptions, fault: FaultName): CheckReport {
     result: explorePrefixCache({
       faults: [fault],
       disabledGuards,
+      tiers: TIER_FAULTS.includes(fault),
       ...(options.maxStates === undefined ? {} : { maxStates: options.maxStates }),
     }),
   };
@@ -295,10 +303,19 @@ function stripUndefined<T extends object>(o: T): Partial<T> {
   return out;
 }
 
+/** The report's line on what was explored: the prefix-cache model (with its tier) or the protocol's bound. */
+function modelLine(report: CheckReport, prefixModel: boolean): string {
+  const b = report.bound;
+  if (prefixModel && TIER_FAULTS.includes(report.fault!))
+    return "model: the prefix cache over a 4-page pool (page size 2) with a KV tier below it (evictions spill, verified loads promote back), two tenants, every order of three prompts' arrivals, finishes, aborts, evictions and loads, with the adversary's write to the tier (tier-corrupt, tier-planted) or a restart raising tenant 1's cache_epoch (stale-epoch)";
+  if (prefixModel)
+    return "model: the prefix cache over a 5-page pool (page size 2), two tenants, every order of three prompts' arrivals, finishes, aborts and evictions";
+  return `bound: ${b.requests} requests${b.samples > 0 ? ` (the first with ${b.samples + 1} samples as one group)` : ""}${b.decodeCache ? " (a conversation's two turns and another tenant's copy of the second; decode keeps a prefix cache)" : ""}, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}, routers ${b.routers}`;
+}
+
 /** The human-readable report. */
 export function formatReport(report: CheckReport): string {
   const r = report.result;
-  const b = report.bound;
   const lines: string[] = [];
   const prefixModel = report.fault !== null && PREFIX_FAULTS.includes(report.fault);
   lines.push(
@@ -306,14 +323,7 @@ export function formatReport(report: CheckReport): string {
       ? "kvfence check: the real protocol, every guard on"
       : `kvfence check: fault ${report.faults.join(" + ")}, guards off: ${report.disabledGuards.length === 0 ? "none" : report.disabledGuards.join(", ")}`,
   );
-  if (prefixModel)
-    lines.push(
-      "model: the prefix cache over a 5-page pool (page size 2), two tenants, every order of three prompts' arrivals, finishes, aborts and evictions",
-    );
-  else
-    lines.push(
-      `bound: ${b.requests} requests${b.samples > 0 ? ` (the first with ${b.samples + 1} samples as one group)` : ""}${b.decodeCache ? " (a conversation's two turns and another tenant's copy of the second; decode keeps a prefix cache)" : ""}, decode pool ${b.pages} pages, prefill pool ${b.prefillPages} pages, page size 1, window ${b.maxModelLen}, ${b.maxAttempts} attempts, crashes ${b.crashes}, duplicates ${b.duplicates}, losses ${b.losses}, client aborts ${b.clientAborts ? "on" : "off"}, transfer timeouts ${b.timeouts ? "on" : "off"}, transport ${b.transport}, channels ${b.reorder ? "reordering" : "FIFO"}, routers ${b.routers}`,
-    );
+  lines.push(modelLine(report, prefixModel));
   lines.push(
     `explored ${r.states} states, ${r.transitions} transitions, depth ${r.depth}, in ${(r.elapsedMs / 1000).toFixed(1)} s${r.complete ? " (complete)" : r.counterexample === null ? " (stopped at the bound: incomplete)" : ""}`,
   );

@@ -15,8 +15,21 @@
  * outcomes into `docs/fault-matrix.md`.
  */
 import { randomBytes } from "node:crypto";
-import type { FaultName, GuardName } from "../../protocol/safety.js";
+import { FAULT_TABLE, type FaultName, type GuardName } from "../../protocol/safety.js";
 import { GUARD_COUNTERS, metricSum, startIncidentServer } from "./incident.js";
+import {
+  A_ACCOUNTS,
+  A_CODES,
+  type CellOutcome,
+  type ChatResult,
+  chat,
+  plantPrompt,
+  recordText,
+  victimPrompt,
+} from "./matrix-chat.js";
+import { tierCell } from "./tier-cells.js";
+
+export type { CellOutcome } from "./matrix-chat.js";
 
 export interface MatrixScenario {
   /** The fault the row is about. */
@@ -31,7 +44,7 @@ export interface MatrixScenario {
    * B's prompt: over the prefill pool (under the window), an ordinary one, one aborted, or (the
    * prefix cache) A's own prompt (`shared-prefix`) or B's own after A's plants (`prefix-collision`).
    */
-  readonly victim: "over-pool" | "ordinary" | "aborted" | "prefix";
+  readonly victim: "over-pool" | "ordinary" | "aborted" | "prefix" | "tier";
   /** Worker threads + shared memory, node processes + TCP (where the guard is TCP-only), or one engine. */
   readonly topology: "threads" | "tcp" | "single";
 }
@@ -108,6 +121,16 @@ export const MATRIX_SCENARIOS: readonly MatrixScenario[] = [
     victim: "prefix",
     topology: "single",
   },
+  // The KV tier rows (tier-cells.ts): B's pages spilled to a disk tier, the directory written
+  // between two runs of the node (or, for spill-race, the spill itself wrong), B's prompt again.
+  ...(["tier-corrupt", "tier-planted", "stale-epoch", "spill-race"] as const).map((fault) => ({
+    fault,
+    faults: [fault],
+    guards: FAULT_TABLE[fault].caughtBy,
+    undersizedPrefill: false,
+    victim: "tier" as const,
+    topology: "single" as const,
+  })),
 ];
 
 /** Faults of docs/design.md §5 this matrix does not run end to end, and why (see `kvfence check`). */
@@ -121,101 +144,6 @@ export const NOT_IN_MATRIX: Readonly<Partial<Record<FaultName, string>>> = {
   "held-unpinned":
     "needs another request's reservation to evict a held page between decode's reserve and its commit; over HTTP that race is not reachable deterministically — `kvfence check --fault held-unpinned` shows the trace, `src/protocol/decode-held.test.ts` runs it on the real decode machine with each guard",
 };
-
-export interface CellOutcome {
-  readonly fault: FaultName;
-  readonly faults: readonly FaultName[];
-  readonly topology: "threads" | "tcp" | "single";
-  /** The guard switched on alone, or null for the all-off row. */
-  readonly guardOn: GuardName | null;
-  readonly disabledGuards: readonly GuardName[];
-  readonly expect: "bug shows" | "caught";
-  readonly status: number;
-  /** The error code of a non-200 answer. */
-  readonly errorCode: string | null;
-  /** Tokens B's prompt had (as the server counted them for A's same-size prompt) and usage said. */
-  readonly promptTokensReported: number | null;
-  readonly leakedCode: boolean;
-  /** The start of B's answer (200 only). */
-  readonly answer: string;
-  /** The guard counters of /metrics after B's request minus before. */
-  readonly guardCounterDelta: number;
-  /** B's greedy answer differs from the same prompt on a safe server (null: no baseline). */
-  readonly differsFromBaseline: boolean | null;
-  /** What shows the bug (or the catch), in words. */
-  readonly symptom: string;
-  /** The guard caught the fault by serving a correct miss (HTTP 200, nothing reused), not an error. */
-  readonly caughtAsMiss: boolean;
-  readonly ok: boolean;
-}
-
-const A_CODES = ["QX7-PL2", "ZK4-M9T", "RB2-W8N", "HJ5-T3V"];
-const A_ACCOUNTS = [4821, 7730, 1906, 5544];
-
-function recordText(account: number, code: string): string {
-  return `the access code of account ${account} is ${code}.`;
-}
-
-/** A's planted prompt: its records, then the question about the first one (~`chars` characters). */
-function plantPrompt(i: number, chars: number): string {
-  const records: string[] = [];
-  let text = "";
-  for (let k = 0; text.length < chars - 80; k++) {
-    const j = (i + k) % A_CODES.length;
-    records.push(recordText(A_ACCOUNTS[j]!, A_CODES[j]!));
-    text = records.join(" ");
-  }
-  return `${text} what is the access code of account ${A_ACCOUNTS[i % A_ACCOUNTS.length]}?`;
-}
-
-/** B's prompt: B's own filler records and a question about one of A's accounts. */
-function victimPrompt(chars: number): string {
-  const records: string[] = [];
-  let text = "";
-  for (let k = 0; text.length < chars - 80; k++) {
-    records.push(recordText(3000 + k, `B${(k % 10).toString()}B-${(k * 7) % 10}BB`));
-    text = records.join(" ");
-  }
-  // A first page of its own, unlike A's prompts (so a stale first page differs from B's own).
-  return `tenant b keeps these records: ${text} what is the access code of account ${A_ACCOUNTS[0]}?`;
-}
-
-interface ChatResult {
-  status: number;
-  content: string;
-  promptTokens: number | null;
-  /** `usage.prompt_tokens_details.cached_tokens` (null: absent). */
-  cachedTokens: number | null;
-  errorCode: string | null;
-}
-
-/** Every chat of the matrix: greedy, 8 tokens. */
-const MAX_TOKENS = 8;
-
-async function chat(url: string, key: string, content: string): Promise<ChatResult> {
-  const res = await fetch(`${url}/v1/chat/completions`, {
-    method: "POST",
-    headers: { "content-type": "application/json", authorization: `Bearer ${key}` },
-    body: JSON.stringify({
-      model: "kvfence-tiny",
-      messages: [{ role: "user", content }],
-      max_tokens: MAX_TOKENS,
-      temperature: 0,
-    }),
-  });
-  const body = (await res.json()) as {
-    choices?: { message?: { content?: string } }[];
-    usage?: { prompt_tokens?: number; prompt_tokens_details?: { cached_tokens?: number } };
-    error?: { code?: string };
-  };
-  return {
-    status: res.status,
-    content: body.choices?.[0]?.message?.content ?? "",
-    promptTokens: body.usage?.prompt_tokens ?? null,
-    cachedTokens: body.usage?.prompt_tokens_details?.cached_tokens ?? null,
-    errorCode: body.error?.code ?? null,
-  };
-}
 
 async function guardCounterSum(metrics: () => Promise<Map<string, number>>): Promise<number> {
   const m = await metrics();
@@ -396,6 +324,10 @@ export async function runCell(
   } = {},
 ): Promise<CellOutcome> {
   const disabledGuards = scenario.guards.filter((g) => g !== guardOn);
+  if (scenario.victim === "tier") {
+    const outcome = await tierCell(scenario.fault, guardOn, disabledGuards, options.model);
+    return { ...cellOf({ scenario, guardOn, disabledGuards }, outcome.expect), ...outcome };
+  }
   const server = await startIncidentServer({
     ...(options.model === undefined ? {} : { model: options.model }),
     faults: scenario.faults,
@@ -533,6 +465,8 @@ export async function runMatrix(
     readonly model?: string;
     /** Only the rows of this topology. */
     readonly topology?: "threads" | "tcp" | "single";
+    /** Only the rows of these faults. */
+    readonly faults?: readonly FaultName[];
     /** TLS flags for the processes of the TCP rows (docs/tls.md). */
     readonly linkTlsArgs?: readonly string[];
     readonly onCell?: (cell: CellOutcome) => void;
@@ -542,6 +476,7 @@ export async function runMatrix(
   const baseline = await isolatedBaseline(options);
   for (const scenario of MATRIX_SCENARIOS) {
     if (options.topology !== undefined && scenario.topology !== options.topology) continue;
+    if (options.faults !== undefined && !options.faults.includes(scenario.fault)) continue;
     for (const guard of [null, ...scenario.guards]) {
       const cell = await runCell(scenario, guard, {
         ...options,
@@ -560,19 +495,28 @@ const TOPOLOGY_LABEL = {
   single: "one engine",
 } as const;
 
-/** The KV tier guards' cells, run at the tier and engine level (their tests), rendered after the matrix. */
-const TIER_CELLS: readonly string[] = [
-  "## KV tier cells (docs/design.md \u00a73b)",
-  "",
-  "Each tier guard runs with the guard on and off in `node --test dist/src/kvcache/kv-tiers.test.js` and `dist/src/engine/tier-prefetch.test.js` (real files, a real engine); the end-to-end hits are `dist/src/topology/kv-tiers.e2e.test.js`.",
-  "",
-  "| cell | guard | guard on | guard off (the bug) |",
-  "|---|---|---|---|",
-  "| a page corrupted on disk (one byte flipped in the record file) | `tier-mac` | load refused, `rejected.mac` +1, the file deleted | the corrupt bytes load |",
-  "| another tenant's valid record planted under this key's file name | `tier-owner` | load refused, `rejected.owner` +1 | tenant 2's KV served to tenant 1 |",
-  "| a record from before the tenant's `cache_epoch` rotation | `tier-epoch` | load refused, `rejected.epoch` +1, the record dropped | the retired page served |",
-  "| spill racing a hit: the pool page read after it was freed and reused | `tier-spill-copy` | every spilled page holds turn 1's KV | every spilled page holds the next request's KV, under turn 1's keys with a valid MAC |",
-];
+/** The heading of the KV tier rows' section of docs/fault-matrix.md. */
+export const TIER_SECTION_HEADING = "## KV tier cells (docs/design.md \u00a73b)";
+
+/** The KV tier rows (`victim: "tier"`) as their section of docs/fault-matrix.md. */
+export function renderTierSection(cells: readonly CellOutcome[]): string[] {
+  return [
+    TIER_SECTION_HEADING,
+    "",
+    "One engine (`--no-disaggregation`) with a disk tier (`--cache-disk`, a 40-page pool; src/tools/incident/tier-cells.ts). Run 1: tenant A sends its access codes, tenant B its own prompt, A's other prompts crowd every cached page out to disk. The node stops, the harness writes the directory (`tier-corrupt`: every KV byte of B's records flipped; `tier-planted`: A's valid records copied over B's files, depth for depth; `stale-epoch`: B's `cache_epoch` raised in the keys file, the fault keeping B's keys), the node restarts on the same directory and key, and B sends its prompt again: what it reuses comes from disk. The bug: B served from those records (`cached_tokens` > 0, nothing refused). A load guard catches it as a miss (`cached_tokens` 0, `kvfence_kv_tier_rejected_total{reason}` up); `tier-spill-copy` as a correct hit (B's fresh answer). The guards' unit tests: `dist/src/kvcache/kv-tiers.test.js`, `dist/src/engine/tier-prefetch.test.js`.",
+    "",
+    "| fault (switched on) | topology | guard on | expected | HTTP | error code | symptom / catch | B's answer | pass |",
+    "|---|---|---|---|---|---|---|---|---|",
+    ...cells.map(matrixRow),
+  ];
+}
+
+function matrixRow(c: CellOutcome): string {
+  return `| ${c.faults.join(" + ")} | ${TOPOLOGY_LABEL[c.topology]} | ${c.guardOn ?? "none (all off)"} | ${c.expect} | ${c.status} | ${c.errorCode ?? "-"} | ${c.symptom} | ${c.answer === "" ? "-" : `\`${c.answer.replace(/[`|\n]/g, " ").replace(/\p{Cc}/gu, "\u00b7")}\``} | ${c.ok ? "yes" : "**NO**"} |`;
+}
+
+/** The tier rows' faults (their own section). */
+const TIER_FAULTS = new Set(MATRIX_SCENARIOS.filter((s) => s.victim === "tier").map((s) => s.fault));
 
 /** The matrix as Markdown (docs/fault-matrix.md). */
 export function renderMatrix(cells: readonly CellOutcome[], command: string, when: string): string {
@@ -597,13 +541,9 @@ export function renderMatrix(cells: readonly CellOutcome[], command: string, whe
     "| fault (switched on) | topology | guard on | expected | HTTP | error code | symptom / catch | B's answer | pass |",
     "|---|---|---|---|---|---|---|---|---|",
   ];
-  for (const c of cells) {
-    lines.push(
-      `| ${c.faults.join(" + ")} | ${TOPOLOGY_LABEL[c.topology]} | ${c.guardOn ?? "none (all off)"} | ${c.expect} | ${c.status} | ${c.errorCode ?? "-"} | ${c.symptom} | ${c.answer === "" ? "-" : `\`${c.answer.replace(/[`|\n]/g, " ")}\``} | ${c.ok ? "yes" : "**NO**"} |`,
-    );
-  }
+  for (const c of cells) if (!TIER_FAULTS.has(c.fault)) lines.push(matrixRow(c));
   lines.push("", "## Faults not run end to end here", "");
   for (const [fault, why] of Object.entries(NOT_IN_MATRIX)) lines.push(`- \`${fault}\`: ${why}.`);
-  lines.push("", ...TIER_CELLS, "");
+  lines.push("", ...renderTierSection(cells.filter((c) => TIER_FAULTS.has(c.fault))), "");
   return lines.join("\n");
 }

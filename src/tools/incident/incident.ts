@@ -67,6 +67,11 @@ export interface IncidentServerOptions {
   readonly kernels?: "ts" | "wasm";
   /** TCP only: `--tls-cert/--tls-key/--tls-ca` flags for every process (TLS links, docs/tls.md). */
   readonly linkTlsArgs?: readonly string[];
+  /**
+   * One engine only: a disk KV tier (`--cache-disk DIR`, 64 MiB, `--cache-disk-key FILE`) under a
+   * 40-page pool and a 512-token window, and tenant B's keys-file `cache_epoch`.
+   */
+  readonly tiers?: { readonly dir: string; readonly keyFile: string; readonly cacheEpochB?: number };
 }
 
 export interface IncidentServer {
@@ -84,7 +89,14 @@ export interface IncidentServer {
 export async function startIncidentServer(options: IncidentServerOptions): Promise<IncidentServer> {
   const dir = mkdtempSync(join(tmpdir(), "kvfence-incident-"));
   const keys = join(dir, "keys.json");
-  writeFileSync(keys, JSON.stringify({ [KEY_A]: "tenant-a", [KEY_B]: "tenant-b" }));
+  const epochB = options.tiers?.cacheEpochB ?? 0;
+  writeFileSync(
+    keys,
+    JSON.stringify({
+      [KEY_A]: "tenant-a",
+      [KEY_B]: epochB === 0 ? "tenant-b" : { tenant: "tenant-b", cache_epoch: epochB },
+    }),
+  );
   const unsafe = options.faults.length > 0 || options.disabledGuards.length > 0;
   const operatorKey = randomBytes(24).toString("hex");
   if (options.topology === "tcp") {
@@ -101,15 +113,24 @@ export async function startIncidentServer(options: IncidentServerOptions): Promi
       port: "0",
       model: options.model ?? BUNDLED_MODEL_DIR,
       pageSize: String(INCIDENT_SHAPE.pageSize),
-      ...(options.defaults === true
+      ...(options.tiers === undefined
         ? {}
         : {
-            maxModelLen: String(INCIDENT_SHAPE.maxModelLen),
-            kvPages: String(INCIDENT_SHAPE.decodeKvPages),
-            ...(options.undersizedPrefill === false
-              ? {}
-              : { prefillKvPages: String(INCIDENT_SHAPE.prefillKvPages) }),
+            cacheDisk: options.tiers.dir,
+            cacheDiskSize: "64MiB",
+            cacheDiskKey: options.tiers.keyFile,
           }),
+      ...(options.defaults === true
+        ? {}
+        : options.tiers !== undefined
+          ? { maxModelLen: "512", kvPages: "40" }
+          : {
+              maxModelLen: String(INCIDENT_SHAPE.maxModelLen),
+              kvPages: String(INCIDENT_SHAPE.decodeKvPages),
+              ...(options.undersizedPrefill === false
+                ? {}
+                : { prefillKvPages: String(INCIDENT_SHAPE.prefillKvPages) }),
+            }),
       scrubOnFree: false,
       ...(options.kernels === undefined ? {} : { kernels: options.kernels }),
       disaggregation: options.topology !== "single",

@@ -1,14 +1,15 @@
 /**
  * `kvfence chaos --seed S --duration SECONDS`: the chaos campaign (src/tools/chaos/chaos.ts,
  * docs/topologies.md "Chaos campaign"): etcd, routers and prefill and decode node processes on
- * network-namespace hosts, the two tenants' canary workload, kill -9 / restart, SIGSTOP/SIGCONT and
- * partitions of node hosts from the seed; prints every injected fault and the checks, exit code 1
+ * network-namespace hosts, the two tenants' canary workload, kill -9 / restart, SIGSTOP/SIGCONT,
+ * partitions of node hosts and role switches (`kvfence role`, and back) from the seed; prints every injected fault and the checks, exit code 1
  * when a check fails (2 when the campaign cannot run: not root, no `ip` or `etcd`). Needs root.
  */
 import { writeFile } from "node:fs/promises";
 import { Command, InvalidArgumentError } from "commander";
 import { BUNDLED_MODEL_DIR } from "../server/serve-config.js";
 import { formatChaos, runChaos } from "../tools/chaos/chaos.js";
+import { FAULT_KINDS, type FaultKind } from "../tools/chaos/faults.js";
 import { netnsUnavailable } from "../tools/chaos/netns.js";
 
 interface ChaosCliOptions {
@@ -23,6 +24,7 @@ interface ChaosCliOptions {
   maxTokens: number;
   longTokens: number;
   faultGap: number;
+  faults: FaultKind[];
   minCompleted: number;
   json?: string;
   nodeArg: string[];
@@ -30,6 +32,14 @@ interface ChaosCliOptions {
 }
 
 const collect = (value: string, previous: string[] = []): string[] => [...previous, value];
+
+function kinds(value: string): FaultKind[] {
+  const list = value.split(",").map((k) => k.trim());
+  const bad = list.find((k) => !(FAULT_KINDS as readonly string[]).includes(k));
+  if (bad !== undefined || list.length === 0)
+    throw new InvalidArgumentError(`Expected a list of ${FAULT_KINDS.join(", ")}: ${value}`);
+  return list as FaultKind[];
+}
 
 function num(min: number, integer = true): (value: string) => number {
   return (value: string) => {
@@ -45,7 +55,7 @@ function num(min: number, integer = true): (value: string) => number {
 export function command(): Command {
   return new Command("chaos")
     .description(
-      "Chaos campaign on network-namespace hosts (needs root): kill -9, SIGSTOP/SIGCONT and partitions of nodes under two tenants' canary workload; checks leaks, wrong 200s, lost pages and completion",
+      "Chaos campaign on network-namespace hosts (needs root): kill -9, SIGSTOP/SIGCONT, partitions and role switches of nodes under two tenants' canary workload; checks leaks, wrong 200s, lost pages and completion",
     )
     .option("--seed <n>", "seed of the fault plan and the workload", num(0), 1)
     .option("--duration <seconds>", "how long the workload runs under faults", num(10), 300)
@@ -62,6 +72,9 @@ export function command(): Command {
       48,
     )
     .option("--long-tokens <n>", "max_tokens of the long requests (a sixth of all, ignore_eos)", num(1), 256)
+    .option("--faults <kinds>", `the faults to inject, comma-separated: ${FAULT_KINDS.join(",")}`, kinds, [
+      ...FAULT_KINDS,
+    ])
     .option("--fault-gap <seconds>", "mean time between one fault's end and the next", num(0.5, false), 6)
     .option("--min-completed <fraction>", "fraction of requests that must complete", num(0, false), 0.99)
     .option("--node-arg <flag>", "one more `kvfence serve` argument for every node (repeatable)", collect, [])
@@ -93,6 +106,7 @@ export function command(): Command {
         maxTokens: o.maxTokens,
         longTokens: o.longTokens,
         faultGapS: o.faultGap,
+        faultKinds: o.faults,
         minCompleted: o.minCompleted,
         progress: (line) => process.stderr.write(`chaos: ${line}\n`),
       });

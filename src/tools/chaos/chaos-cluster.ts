@@ -3,11 +3,12 @@
  * ./netns.ts) — etcd, the routers and the prefill and decode node processes, membership in etcd
  * (`--registry`), plaintext links beyond loopback by the explicit `--insecure-plaintext-links`.
  * It starts them, and does to a node what a fault does: kill -9 and restart it on its address (a
- * new incarnation), SIGSTOP and SIGCONT it, cut its host off and heal it. It reads what the routers
+ * new incarnation), SIGSTOP and SIGCONT it, cut its host off and heal it, switch its role
+ * (`kvfence role`). It reads what the routers
  * say: the nodes each lists (up, member), `/ready`, and each node's KV pages by state from
  * `/metrics` (`kvfence_node_kv_pages{node,role,state}`).
  */
-import type { ChildProcess } from "node:child_process";
+import { type ChildProcess, execFile } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import os from "node:os";
@@ -73,6 +74,8 @@ export class ChaosCluster {
   readonly #dir = mkdtempSync(path.join(os.tmpdir(), "kvfence-chaos-"));
   readonly #host = new Map<string, Host>();
   readonly #procs = new Map<string, ChildProcess>();
+  /** Each node's role now (a role fault switches it and back). */
+  readonly #roles = new Map<string, "prefill" | "decode">();
   readonly routerUrls: string[] = [];
 
   private constructor(shape: ClusterShape) {
@@ -142,21 +145,49 @@ export class ChaosCluster {
     }
   }
 
+  roleOf(name: string): "prefill" | "decode" {
+    return this.#roles.get(name) ?? (name.startsWith("prefill") ? "prefill" : "decode");
+  }
+
+  /** The node's port: its first role's (a role switch keeps the process and its port). */
+  #port(name: string): string {
+    return name.startsWith("prefill") ? "9001" : "9002";
+  }
+
+  /**
+   * `kvfence role ROLE@ADDRESS:PORT NEW --registry …` for node `name`: resolves once the node is
+   * registered in its new role (the command waits for it); throws with its stderr when it fails.
+   */
+  async switchRole(name: string, role: "prefill" | "decode"): Promise<void> {
+    const node = `${this.roleOf(name)}@${this.address(name)}:${this.#port(name)}`;
+    const args = [
+      MAIN,
+      "role",
+      node,
+      role,
+      "--registry",
+      this.#registry,
+      "--drain-timeout",
+      "10",
+      "--timeout",
+      "60",
+    ];
+    await new Promise<void>((resolve, reject) =>
+      execFile(process.execPath, args, { timeout: 90_000 }, (err, _out, stderr) =>
+        err === null
+          ? resolve()
+          : reject(new Error(`kvfence role ${node} ${role}: ${stderr.trim() || err.message}`)),
+      ),
+    );
+    this.#roles.set(name, role);
+  }
+
   /** Starts (or restarts, on the same address) node `name`; resolves once it listens. */
   async startNode(name: string): Promise<void> {
-    const role = name.split("-")[0]!;
+    const role = this.roleOf(name);
     const host = this.#host.get(name)!;
     const args = [
-      ...[
-        MAIN,
-        "serve",
-        "--role",
-        role,
-        "--host",
-        host.address,
-        "--port",
-        role === "prefill" ? "9001" : "9002",
-      ],
+      ...[MAIN, "serve", "--role", role, "--host", host.address, "--port", this.#port(name)],
       ...["--model", this.#shape.model, "--kv-pages", String(this.#shape.kvPages)],
       ...["--registry", this.#registry, "--insecure-plaintext-links", "--log-level", "warn"],
       ...this.#shape.nodeArgs,

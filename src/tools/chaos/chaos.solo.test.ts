@@ -2,8 +2,8 @@
  * Acceptance (issue #36 item 3), shortened: `kvfence chaos` as a user runs it — etcd, two
  * routers, three prefill and three decode node processes, each on a network-namespace host of its
  * own, the two tenants' canary workload for 50 s while faults from the seed hit the nodes (kill -9
- * and restart, SIGSTOP/SIGCONT, a host partitioned and healed; a fault every 2 s on average, so
- * every kind comes at least once). Then: no leak, no wrong 200, no page lost, at least 99% of the
+ * and restart, SIGSTOP/SIGCONT, a host partitioned and healed, a role switched by `kvfence role`
+ * and back; a fault every 2 s on average, so every kind comes at least once). Then: no leak, no wrong 200, no page lost, at least 99% of the
  * requests completed, every node back, and the report and the JSON record list every injected fault
  * with its time and target. Solo (scripts/run-tests.mjs runs it alone): nine processes on the
  * machine's cores. Where namespaces cannot be made (not root, no iproute2) it says why and skips;
@@ -63,7 +63,7 @@ test("kvfence chaos --seed 7 --duration 50: 0 leaks, 0 wrong 200, 0 pages lost, 
     assert.ok(r.recovered, "every node back on every router");
     assert.deepEqual(
       [...new Set(r.faults.map((f) => f.kind))].sort(),
-      ["kill", "partition", "stop"],
+      ["kill", "partition", "role", "stop"],
       "every kind of fault injected",
     );
     for (const f of r.faults) {

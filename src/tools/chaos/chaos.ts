@@ -12,7 +12,7 @@
  */
 import type { NodePages } from "./chaos-cluster.js";
 import { ChaosCluster } from "./chaos-cluster.js";
-import { type InjectedFault, inject, type PlannedFault, planFaults } from "./faults.js";
+import { type FaultKind, type InjectedFault, inject, type PlannedFault, planFaults } from "./faults.js";
 import { buildWorkload, canariesRepeated, drive, type RequestRecord, reference } from "./workload.js";
 
 export interface ChaosOptions {
@@ -31,6 +31,8 @@ export interface ChaosOptions {
   readonly maxTokens: number;
   /** max_tokens of the long requests (a sixth of all, `ignore_eos`). */
   readonly longTokens: number;
+  /** The kinds of fault to inject. */
+  readonly faultKinds: readonly FaultKind[];
   /** Mean gap between faults (s). */
   readonly faultGapS: number;
   /** Fraction of requests that must complete (default 0.99). */
@@ -109,6 +111,7 @@ export async function runChaos(o: ChaosOptions): Promise<ChaosResult> {
       seed: o.seed,
       durationMs,
       gapMs: o.faultGapS * 1000,
+      kinds: o.faultKinds,
       targets: cluster.nodes,
     });
     o.progress(`${w.prompts.length} prompts; ${planned.length} faults over ${o.durationS} s`);

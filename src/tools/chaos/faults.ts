@@ -1,15 +1,16 @@
 /**
  * The chaos campaign's faults, planned from the seed before the run and injected one at a time:
  * `kill` (kill -9 of a node process, restarted on its address after `holdMs`), `stop` (SIGSTOP,
- * SIGCONT after `holdMs`) and `partition` (the node's host cut off from inside its namespace,
- * healed after `holdMs`). The kinds come round in a seeded order, so that every kind is injected
- * once in every few faults; the target is any node, prefill or decode; a fault starts `gapMs` after
+ * SIGCONT after `holdMs`), `partition` (the node's host cut off from inside its namespace, healed
+ * after `holdMs`) and `role` (`kvfence role`: the node drains, scrubs its pool and serves the other
+ * role; switched back after `holdMs`, so that the shape is whole again for the next fault). The
+ * kinds come round in a seeded order, so that every kind is injected once in every round; the target is any node, prefill or decode; a fault starts `gapMs` after
  * the previous one ended. The log says when each began and ended, relative to the workload's start.
  */
 import { Rng } from "../probe/canary.js";
 import type { ChaosCluster } from "./chaos-cluster.js";
 
-export const FAULT_KINDS = ["kill", "stop", "partition"] as const;
+export const FAULT_KINDS = ["kill", "stop", "partition", "role"] as const;
 export type FaultKind = (typeof FAULT_KINDS)[number];
 
 export interface PlannedFault {
@@ -31,6 +32,7 @@ const HOLD: Record<FaultKind, readonly [number, number]> = {
   kill: [500, 3000],
   stop: [1000, 4000],
   partition: [2000, 8000],
+  role: [2000, 6000],
 };
 
 /** Faults for `durationMs` from `seed`: gaps of `gapMs` ± half, holds from HOLD. */
@@ -39,6 +41,8 @@ export function planFaults(input: {
   durationMs: number;
   gapMs: number;
   targets: readonly string[];
+  /** The kinds to inject (default all). */
+  kinds?: readonly FaultKind[];
 }): PlannedFault[] {
   const rng = new Rng(input.seed ^ 0xfa17);
   const plan: PlannedFault[] = [];
@@ -46,7 +50,7 @@ export function planFaults(input: {
   let t = 0;
   for (;;) {
     if (round.length === 0) {
-      round = [...FAULT_KINDS];
+      round = [...(input.kinds ?? FAULT_KINDS)];
       for (let i = round.length - 1; i > 0; i--) {
         const j = rng.int(i + 1);
         [round[i], round[j]] = [round[j]!, round[i]!];
@@ -117,5 +121,12 @@ async function apply(cluster: ChaosCluster, { kind, target, holdMs }: PlannedFau
         cluster.heal(target);
       }
       return;
+    case "role": {
+      const role = cluster.roleOf(target);
+      await cluster.switchRole(target, role === "prefill" ? "decode" : "prefill");
+      await sleep(holdMs);
+      await cluster.switchRole(target, role);
+      return;
+    }
   }
 }

@@ -301,6 +301,11 @@ export class DisaggregatedEngine implements EngineHandle {
     return null;
   }
 
+  /** Lost node `id` serves in another role now (a role switch): it goes (`PairPool.remove`), or why not. */
+  removeNode(id: string): string | null {
+    return this.#pool.remove(id);
+  }
+
   /**
    * Node `id` is in the membership (a registry entry, not draining) or not: out of it, it takes no
    * new request; nothing in flight is touched.

@@ -338,6 +338,9 @@ async function startEnginesAndPreparer(
       ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
       ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
       ...(config.maxMigrations === undefined ? {} : { maxMigrations: config.maxMigrations }),
+      ...(config.rolePolicy === "off"
+        ? {}
+        : { rolePolicyIntervalMs: Math.round((config.rolePolicyInterval ?? 5) * 1000) }),
       ...(prestarted === undefined ? {} : { prestarted }),
       log,
     });

@@ -202,6 +202,14 @@ describe("a node that changes role under load", () => {
       assert.equal(r.text, reference.get(r.prompt), `the greedy answer to ${r.prompt}`);
     assert.ok(atScrub !== null, "the switch scrubbed the pool");
     assert.deepEqual(atScrub, { nonZero: 0, cachedPages: 0 }, "no byte of the prefill role's KV is left");
-    await assertPoolIdle(router.url, { key: TEST_OPERATOR_KEY });
+    const m = await assertPoolIdle(router.url, { key: TEST_OPERATOR_KEY });
+    // What an autoscaler reads per role (docs/api.md): the switched node counts as decode now.
+    assert.equal(m.get('kvfence_role_nodes{role="prefill"}'), 1);
+    assert.equal(m.get('kvfence_role_nodes{role="decode"}'), 2);
+    for (const r of ["prefill", "decode"]) {
+      assert.equal(m.get(`kvfence_role_queue_depth{role="${r}"}`), 0, `nothing waits on ${r} when idle`);
+      assert.ok(m.has(`kvfence_role_queue_wait_seconds{role="${r}"}`));
+      assert.ok((m.get(`kvfence_role_kv_pool_used_ratio{role="${r}"}`) ?? -1) >= 0);
+    }
   });
 });

@@ -119,9 +119,9 @@ test("the autoscaling example validates, and each role's autoscaler scales that 
   const deployments = objects(readFileSync(FILE, "utf8")).filter((o) => o.kind === "Deployment");
   const roleOf = (name: string): string | undefined => {
     const d = deployments.find((o) => (o.metadata as { name: string }).name === name);
-    const args = (d?.spec as { template: { spec: { containers: { args: string[] }[] } } } | undefined)
-      ?.template.spec.containers[0]!.args;
-    return args?.find((a) => a.startsWith("--role="))?.slice(7);
+    if (d === undefined) return undefined;
+    const spec = d.spec as { template: { spec: { containers: { args: string[] }[] } } };
+    return spec.template.spec.containers[0]?.args.find((a) => a.startsWith("--role="))?.slice(7);
   };
   const scaled: string[] = [];
   for (const hpa of all.slice(1) as unknown as Hpa[]) {

@@ -273,10 +273,9 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   /**
-   * A lost node answered again (the cluster router re-dialled it; possibly a new incarnation after
-   * a restart): it takes its place back. Its pairs come up when decode's transfer channel to the
-   * prefill node is up (`prefill_up`). Returns why it cannot, when the node no longer fits what
-   * the router admits (another role, layout or page size, a smaller pool or context).
+   * A lost node answered again (re-dialled; maybe a new incarnation): it takes its place back, its
+   * pairs up with decode's transfer channel to the prefill node (`prefill_up`). Returns why it
+   * cannot: it no longer fits what the router admits (role, layout, page size, pool, context).
    */
   nodeBack(node: RouterNode): string | null {
     const slot = this.#pool.back(node);
@@ -299,6 +298,11 @@ export class DisaggregatedEngine implements EngineHandle {
     this.#rids.raiseFloor(node.hello);
     this.#listen(slot, node);
     return null;
+  }
+
+  /** Lost node `id` serves in another role now (a role switch): it goes (`PairPool.remove`), or why not. */
+  removeNode(id: string): string | null {
+    return this.#pool.remove(id);
   }
 
   /**

@@ -287,10 +287,9 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   /**
-   * A node joins the running cluster (a registry entry whose node proved the cluster secret):
-   * it is paired with every node of the other role; its pairs come up with decode's transfer
-   * channel (`prefill_up`). The pre-flight of every join: returns why it cannot (an id already
-   * here, another KV layout or page size, a pool or context below what the router admits).
+   * A node joins the running cluster (a registry entry that proved the cluster secret), paired
+   * with every node of the other role, its pairs up with decode's transfer channel (`prefill_up`).
+   * Returns why it cannot (an id here already; layout, page size, pool or context not admitted).
    */
   addNode(node: RouterNode): string | null {
     const slot = this.#pool.add(node);

@@ -36,6 +36,7 @@ const commands: ReadonlyArray<readonly [string, () => Promise<{ command(): Comma
   ["preflight", () => import("./preflight.js")],
   ["probe", () => import("./probe.js")],
   ["quantize", () => import("./quantize.js")],
+  ["role", () => import("./role.js")],
   ["serve", () => import("./serve.js")],
   // cli-commands:end
 ];

@@ -246,6 +246,15 @@ function fairShareOptions(cmd: Command): Command {
       "router: times a request may migrate mid-stream to another prefill/decode pair when a node is lost (0: none, the stream ends with an error; default 2)",
     )
     .option(
+      "--role-policy <policy>",
+      "router with --registry: off, or queue (switch one node at a time to the role whose requests wait, from the roles' queue depth and wait; docs/topologies.md)",
+      "off",
+    )
+    .option(
+      "--role-policy-interval <seconds>",
+      "router: how often --role-policy reads the roles' load (default 5)",
+    )
+    .option(
       "--router-slot <n>",
       "router: this router's slot, 0-15; each router over the same nodes needs its own (default: with --registry the lowest free slot in etcd, else 0; docs/topologies.md)",
     );

@@ -14,6 +14,7 @@ import type { NodeStats } from "../links/node-messages.js";
 import type { DisaggregatedEngine } from "./disaggregated-engine.js";
 import { NodeTotals } from "./node-totals.js";
 import type { RoutingReport } from "./pair-pool.js";
+import { ROLES, RoleLoadMeter, type RolesLoad } from "./role-load.js";
 
 /** Where the cluster's metrics join the router's (`RouterMetrics`): its scrape's reads and per-phase families. */
 export interface ScrapeTarget {
@@ -28,13 +29,17 @@ export function registerClusterMetrics(router: ScrapeTarget, engine: Disaggregat
   // scrape, is lost or restarts, so no counter goes down.
   const transfers = new NodeTotals();
   const linkAuth = new NodeTotals();
+  // Each role's load (role-load.ts), its queue wait since the previous scrape.
+  const roles = new RoleLoadMeter();
   // The per-phase histograms of the router and of each node that answered this scrape.
   let phases: PhaseSource[] = [];
   router.phases.add(() => phases);
   router.scrape.add(async () => {
     phases = [{ node: "router", role: "router", snapshot: engine.phases.snapshot() }];
     const queue: Queues = { prefill: { waiting: 0, running: 0 }, decode: { waiting: 0, running: 0 } };
-    for (const { node, stats } of await engine.nodeStats()) {
+    const answers = await engine.nodeStats();
+    collectRoles(metrics, roles.read(answers));
+    for (const { node, stats } of answers) {
       const role = node.hello.role;
       metrics.nodeUp.set({ node: node.id, role }, stats === null ? 0 : 1);
       if (stats === null) continue;
@@ -58,6 +63,17 @@ export function registerClusterMetrics(router: ScrapeTarget, engine: Disaggregat
     collectRouting(metrics, engine.routing());
     collectMigrations(metrics, engine);
   });
+}
+
+/** What an autoscaler reads per role (docs/api.md, "Metrics per role"). */
+function collectRoles(metrics: ClusterMetrics, load: RolesLoad): void {
+  for (const role of ROLES) {
+    const l = load[role];
+    metrics.roleNodes.set({ role }, l.nodes);
+    metrics.roleQueueDepth.set({ role }, l.waiting);
+    metrics.roleQueueWait.set({ role }, l.waitSeconds);
+    metrics.rolePoolUsed.set({ role }, l.poolUsed);
+  }
 }
 
 /** The router's moves and migrations by reason and result (migration.ts). */
@@ -186,6 +202,22 @@ function nodeMetrics(scrape: MetricsScrape) {
       "role",
       "state",
     ]),
+    roleNodes: scrape.gauge("kvfence_role_nodes", "Nodes of each role that answered this scrape", ["role"]),
+    roleQueueDepth: scrape.gauge(
+      "kvfence_role_queue_depth",
+      "Requests waiting in the engine queues of each role's nodes",
+      ["role"],
+    ),
+    roleQueueWait: scrape.gauge(
+      "kvfence_role_queue_wait_seconds",
+      "Mean engine queue wait of the requests that left a queue of the role since the previous scrape (0: none did)",
+      ["role"],
+    ),
+    rolePoolUsed: scrape.gauge(
+      "kvfence_role_kv_pool_used_ratio",
+      "KV pool pages in use (neither free nor cached with no reference) over the role's pool pages",
+      ["role"],
+    ),
     nodeUp: scrape.gauge("kvfence_node_up", "1 while the node answers, 0 once it is lost", ["node", "role"]),
     attempts: scrape.gauge("kvfence_node_protocol_attempts", "Transfer-protocol attempts a node holds now", [
       "node",

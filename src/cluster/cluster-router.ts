@@ -64,6 +64,9 @@ export interface ClusterRouterOptions {
 /** Re-dial a lost node after this, doubling up to `REDIAL_MAX_MS`. */
 export const REDIAL_MS = 100;
 export const REDIAL_MAX_MS = 2000;
+/** A registered node that admitted no router yet (its slot busy) is dialled this many times, this far apart. */
+const JOIN_TRIES = 10;
+const JOIN_RETRY_MS = 200;
 
 /** "http://host:port", "tcp://host:port" or "host:port" → host and port. */
 export function parseNodeUrl(url: string): { host: string; port: number } {
@@ -145,12 +148,13 @@ function connectPrefill(decode: RouterNode, prefill: RouterNode): void {
 }
 
 /**
- * Re-dials every node whose link closes, and pairs it again when it answers. Returns `watch`, for
- * a node that joins later (the registry's).
+ * Re-dials every node whose link closes, and pairs it again when it answers, until `retired` says
+ * it serves in another role now. Returns `watch`, for a node that joins later (the registry's).
  */
 function superviseNodes(
   engine: DisaggregatedEngine,
   options: Pick<ClusterRouterOptions, "secret" | "tls" | "log" | "routerSlot">,
+  retired: (node: RouterNode) => boolean = () => false,
 ): (node: RouterNode) => void {
   const log = options.log;
   const watch = (node: RouterNode): void => {
@@ -162,7 +166,8 @@ function superviseNodes(
   };
   const redial = (lost: RouterNode, delayMs: number): void => {
     const timer = setTimeout(() => {
-      if (engine.closed) return;
+      // A node that serves in another role now is another node (a role switch): not re-dialled.
+      if (engine.closed || retired(lost)) return;
       connectNode(
         { id: lost.id, url: lost.url, role: lost.hello.role },
         { ...options, refusals: engine.dialRefusals },
@@ -389,6 +394,7 @@ class RegistryMembership {
   /** The entries now: dial the new ones, set every known node's membership. */
   reconcile(entries: ReadonlyMap<string, Registration>): void {
     this.#latest = new Map(entries);
+    for (const n of this.#engine?.nodes() ?? []) if (!n.up) this.#retired(n.id);
     const members = new Set<string>();
     for (const reg of entries.values()) {
       const id = registryNodeId(reg);
@@ -399,6 +405,28 @@ class RegistryMembership {
     const engine = this.#engine;
     if (engine !== null) for (const n of engine.nodes()) engine.setMember(n.id, members.has(n.id));
   }
+
+  /**
+   * Whether node `id` is lost and its address is registered in the other role now (a role switch,
+   * `kvfence role`): then it leaves the engine for good (`removeNode`) and is not re-dialled; the
+   * new role's entry joins as another node.
+   */
+  readonly #retired = (id: string): boolean => {
+    const engine = this.#engine;
+    const node = engine?.nodes().find((n) => n.id === id);
+    if (engine === null || node === undefined) return true;
+    if (node.up) return false;
+    const other = node.role === "prefill" ? "decode" : "prefill";
+    const address = id.slice(id.indexOf("@") + 1);
+    if (![...this.#latest.values()].some((r) => r.role === other && r.address === address)) return false;
+    const why = engine.removeNode(id);
+    if (why !== null) return false;
+    this.options.log?.warn(
+      { node: id, now: `${other}@${address}` },
+      "the node changed role; its old place goes",
+    );
+    return true;
+  };
 
   #known(id: string): boolean {
     return this.#engine?.nodes().some((n) => n.id === id) ?? this.#first.some((n) => n.id === id);
@@ -426,7 +454,8 @@ class RegistryMembership {
     return null;
   }
 
-  #join(reg: Registration): void {
+  /** Dials `reg`'s node; `tries`: a node that admitted no router in its slot yet is dialled again. */
+  #join(reg: Registration, tries = JOIN_TRIES): void {
     const id = registryNodeId(reg);
     const undialable = this.#undialable(reg);
     if (undialable !== null) {
@@ -440,6 +469,18 @@ class RegistryMembership {
         this.#admit(reg, node);
       },
       (err: Error) => {
+        // The node closed the link before its hello: its router slot was busy (this router's
+        // last dial of its old role, during a role switch). Dialled again, a few times.
+        const still = [...this.#latest.values()].some(
+          (r) => registryNodeId(r) === id && r.incarnation === reg.incarnation,
+        );
+        if (tries > 1 && still && /before its hello/.test(err.message)) {
+          setTimeout(() => {
+            this.#dialling.delete(id);
+            if (!(this.#engine?.closed ?? false)) this.#join(reg, tries - 1);
+          }, JOIN_RETRY_MS).unref();
+          return;
+        }
         this.#dialling.delete(id);
         // Not the node the entry says (no secret), or not there: never believed.
         this.#refuse(id, reg, `its control link failed: ${err.message}`);
@@ -484,7 +525,7 @@ class RegistryMembership {
       dialRefusals: this.#refusals,
     });
     this.#engine = engine;
-    this.#watchNode = superviseNodes(engine, o);
+    this.#watchNode = superviseNodes(engine, o, (node) => this.#retired(node.id));
     for (const d of decode) for (const p of prefill) connectPrefill(d, p);
     this.#ready(engine);
     this.reconcile(this.#latest);

@@ -273,10 +273,9 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   /**
-   * A lost node answered again (the cluster router re-dialled it; possibly a new incarnation after
-   * a restart): it takes its place back. Its pairs come up when decode's transfer channel to the
-   * prefill node is up (`prefill_up`). Returns why it cannot, when the node no longer fits what
-   * the router admits (another role, layout or page size, a smaller pool or context).
+   * A lost node answered again (re-dialled; maybe a new incarnation): it takes its place back, its
+   * pairs up with decode's transfer channel to the prefill node (`prefill_up`). Returns why it
+   * cannot: it no longer fits what the router admits (role, layout, page size, pool, context).
    */
   nodeBack(node: RouterNode): string | null {
     const slot = this.#pool.back(node);
@@ -288,10 +287,9 @@ export class DisaggregatedEngine implements EngineHandle {
   }
 
   /**
-   * A node joins the running cluster (a registry entry whose node proved the cluster secret):
-   * it is paired with every node of the other role; its pairs come up with decode's transfer
-   * channel (`prefill_up`). The pre-flight of every join: returns why it cannot (an id already
-   * here, another KV layout or page size, a pool or context below what the router admits).
+   * A node joins the running cluster (a registry entry that proved the cluster secret), paired
+   * with every node of the other role, its pairs up with decode's transfer channel (`prefill_up`).
+   * Returns why it cannot (an id here already; layout, page size, pool or context not admitted).
    */
   addNode(node: RouterNode): string | null {
     const slot = this.#pool.add(node);
@@ -299,6 +297,11 @@ export class DisaggregatedEngine implements EngineHandle {
     this.#rids.raiseFloor(node.hello);
     this.#listen(slot, node);
     return null;
+  }
+
+  /** Lost node `id` serves in another role now (a role switch): it goes (`PairPool.remove`), or why not. */
+  removeNode(id: string): string | null {
+    return this.#pool.remove(id);
   }
 
   /**

@@ -120,3 +120,29 @@ test("PrefixAffinityPolicy.pick() sends a prompt's prefix back to its prefill no
   // Without a remembered prefix: the prefill node with the fewest pages.
   assert.equal(pairs.take(demand(1, 1, null))!.prefill.id, "p1");
 });
+
+test("PairPool.remove() drops a lost node's slot and pairs (a role switch); refuses a node that is not lost or has requests in flight", () => {
+  const pairs = pool(new LastPolicy());
+  assert.equal(pairs.remove("p1"), "node p1 is not lost");
+  const p1 = pairs.slots.find((s) => s.id === "p1")!;
+  p1.lost = true;
+  pairs.pairs.find((p) => p.key === "p1|d0")!.state.requests["7"] = {} as never;
+  assert.equal(pairs.remove("p1"), "node p1 still has requests in flight");
+  delete pairs.pairs.find((p) => p.key === "p1|d0")!.state.requests["7"];
+  assert.equal(pairs.remove("p1"), null);
+  assert.deepEqual(
+    pairs.slots.map((s) => s.id),
+    ["p0", "d0"],
+  );
+  assert.deepEqual(
+    pairs.pairs.map((p) => p.key),
+    ["p0|d0"],
+  );
+  assert.equal(pairs.take(demand(2))?.key, "p0|d0", "the pairs left still serve");
+  // The same address back in the other role is a new node, paired anew.
+  assert.ok(typeof pairs.add(node("d1", "decode")) !== "string");
+  assert.deepEqual(
+    pairs.pairs.map((p) => p.key),
+    ["p0|d0", "p0|d1"],
+  );
+});

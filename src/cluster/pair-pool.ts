@@ -8,7 +8,8 @@
  * Membership: every node has a slot, and each slot is paired with every slot of the other role;
  * each pair runs its own router state machine (`state`), so a node's loss reaches only the
  * requests that use it. A node joins (`add`), is lost and comes back as a new incarnation
- * (`back`), or leaves and rejoins the registry's membership (`setMember`); a joining node must
+ * (`back`), leaves and rejoins the registry's membership (`setMember`), or goes for good once lost
+ * when it came back in another role (`remove`, a role switch); a joining node must
  * fit what the router admits (its KV layout, page size, pool and context: `admits`).
  *
  * The ledger: the KV pages the router's dispatched requests reserve on each node (decode: prompt
@@ -249,6 +250,24 @@ export class PairPool {
     slot.answering = true;
     slot.full = false;
     return slot;
+  }
+
+  /**
+   * Node `id` leaves the cluster for good (it came back in another role, under another id): its
+   * slot and its pairs go (its pings and stats were forgotten when it was lost). Only a lost node
+   * none of whose pairs has a request in flight; returns why it cannot go, else null.
+   */
+  remove(id: string): string | null {
+    const slot = this.#slots.find((s) => s.id === id);
+    if (slot === undefined) return `no node ${id} in this cluster`;
+    if (!slot.lost) return `node ${id} is not lost`;
+    const mine = (p: NodePair) => p.prefill === slot || p.decode === slot;
+    if (this.#pairs.some((p) => mine(p) && Object.keys(p.state.requests).length > 0))
+      return `node ${id} still has requests in flight`;
+    this.#slots.splice(this.#slots.indexOf(slot), 1);
+    for (let i = this.#pairs.length - 1; i >= 0; i--) if (mine(this.#pairs[i]!)) this.#pairs.splice(i, 1);
+    this.#next = 0;
+    return null;
   }
 
   /** Whether a node with `hello` fits what this router admits (null), or why not. */

@@ -399,19 +399,24 @@ export async function watchDrain(
   };
 }
 
-/**
- * `kvfence drain NODE`: asks node `id` (`role@host:port`, as `/kvfence/nodes` lists it) to drain,
- * then waits until its entry is gone (it finished its requests and left) or `timeoutMs` passed.
- * Returns the milliseconds it took; throws when there is no such node or it did not leave in time.
- */
-export async function requestDrain(options: RegistryOptions, id: string, timeoutMs: number): Promise<number> {
+/** `role@host:port` (as `/kvfence/nodes` names a node) → its role and address. */
+function parseNodeId(id: string): Pick<Registration, "role" | "address"> {
   const match = /^(prefill|decode)@(.+)$/.exec(id);
   if (match === null)
     throw new KvfenceError(
       "invalid_request",
       `A node is named role@host:port, e.g. decode@10.0.0.21:9002: ${id}`,
     );
-  const reg = { role: match[1] as "prefill" | "decode", address: match[2]! };
+  return { role: match[1] as "prefill" | "decode", address: match[2]! };
+}
+
+/**
+ * `kvfence drain NODE`: asks node `id` (`role@host:port`, as `/kvfence/nodes` lists it) to drain,
+ * then waits until its entry is gone (it finished its requests and left) or `timeoutMs` passed.
+ * Returns the milliseconds it took; throws when there is no such node or it did not leave in time.
+ */
+export async function requestDrain(options: RegistryOptions, id: string, timeoutMs: number): Promise<number> {
+  const reg = parseNodeId(id);
   const client = await etcdClient(options);
   const t0 = Date.now();
   try {
@@ -426,6 +431,106 @@ export async function requestDrain(options: RegistryOptions, id: string, timeout
     throw new KvfenceError(
       "node_unavailable",
       `Node ${id} is draining but still registered after ${timeoutMs} ms (requests still in flight?): timeout`,
+    );
+  } finally {
+    client.close();
+  }
+}
+
+/** A role switch asked of a node (`kvfence role`): the role it is to take, and its drain deadline. */
+export interface RoleRequest {
+  readonly role: "prefill" | "decode";
+  /** How long its requests in flight may run on before the rest are ended by its fence (and migrate). */
+  readonly drainTimeoutMs: number;
+}
+
+/** The key `kvfence role` puts to ask the node at `address` (whatever its role now) to change role. */
+export function roleKey(options: RegistryOptions, address: string): string {
+  return `${options.prefix ?? DEFAULT_REGISTRY_PREFIX}/role/${address}`;
+}
+
+function parseRoleRequest(value: string): RoleRequest | null {
+  try {
+    const v = JSON.parse(value) as Partial<RoleRequest>;
+    if ((v.role !== "prefill" && v.role !== "decode") || typeof v.drainTimeoutMs !== "number") return null;
+    return { role: v.role, drainTimeoutMs: v.drainTimeoutMs };
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * Calls `onRole` with each role switch asked of the node at `address` (`requestRole`), one at a
+ * time: the key is deleted once `onRole` settled (so a request put meanwhile is seen after).
+ */
+export async function watchRole(
+  options: RegistryOptions,
+  address: string,
+  onRole: (request: RoleRequest) => Promise<void>,
+  log: (message: string) => void = () => {},
+): Promise<RegistryWatch> {
+  const client = await etcdClient(options);
+  const key = roleKey(options, address);
+  let busy = false;
+  const fire = async (value: string | null): Promise<void> => {
+    if (value === null || busy) return;
+    const request = parseRoleRequest(value);
+    busy = true;
+    try {
+      await client.delete().key(key).exec();
+      if (request === null) log(`registry: ignoring a role request that is not one: ${value}`);
+      else await onRole(request);
+    } catch (err) {
+      log(`registry: role switch failed: ${(err as Error).message}`);
+    } finally {
+      busy = false;
+    }
+    // One put while switching: take it now.
+    void client
+      .get(key)
+      .string()
+      .then(fire, () => {});
+  };
+  const watcher = await client.watch().key(key).create();
+  watcher.on("put", (kv) => void fire(kv.value.toString()));
+  watcher.on("error", () => {});
+  void fire(await client.get(key).string());
+  return {
+    close() {
+      void watcher.cancel().catch(() => {});
+      client.close();
+    },
+  };
+}
+
+/**
+ * `kvfence role NODE ROLE`: asks node `id` (`role@host:port`) to take `role`, then waits until it
+ * is registered under it (drained, scrubbed, back as a new incarnation) or `timeoutMs` passed.
+ * Returns the milliseconds it took; throws when there is no such node or it did not switch in time.
+ */
+export async function requestRole(
+  options: RegistryOptions,
+  id: string,
+  request: RoleRequest,
+  timeoutMs: number,
+): Promise<number> {
+  const reg = parseNodeId(id);
+  const client = await etcdClient(options);
+  const t0 = Date.now();
+  try {
+    if ((await client.get(registrationKey(options, reg)).string()) === null)
+      throw new KvfenceError("invalid_request", `No node ${id} is registered under ${prefixOf(options)}`);
+    if (reg.role === request.role)
+      throw new KvfenceError("invalid_request", `Node ${id} is a ${reg.role} node already: ${request.role}`);
+    await client.put(roleKey(options, reg.address)).value(JSON.stringify(request));
+    const target = registrationKey(options, { role: request.role, address: reg.address });
+    while (Date.now() - t0 < timeoutMs) {
+      if ((await client.get(target).string()) !== null) return Date.now() - t0;
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    throw new KvfenceError(
+      "node_unavailable",
+      `Node ${id} is not registered as a ${request.role} node after ${timeoutMs} ms (its log says why): timeout`,
     );
   } finally {
     client.close();

@@ -344,8 +344,19 @@ export class DecodeNode {
     };
   }
 
-  close(): void {
-    this.#core.loop.stop();
+  /** Attempts in flight over every prefill peer (a role switch waits for none). */
+  inFlight(): number {
+    let n = 0;
+    for (const peer of this.#peers.values()) n += Object.keys(peer.state.attempts).length;
+    return n;
+  }
+
+  /** Stops the node; `keepEngine`: its engine and pool serve the node's next role (role-switch.ts). */
+  close(keepEngine = false): void {
+    // The engine goes on under the next role: each prefill peer is fenced as if lost (its channel
+    // closed first), so its attempts release their pages now.
+    if (keepEngine) for (const id of [...this.#peers.keys()]) this.prefillLost(id);
+    this.#core.loop.stop(keepEngine);
     for (const timer of this.#quarantineTimers.values()) clearTimeout(timer);
     this.#quarantineTimers.clear();
     for (const peer of this.#peers.values()) void peer.channel?.close();

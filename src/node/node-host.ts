@@ -30,6 +30,8 @@ interface Built<Role extends "prefill" | "decode", Node> {
   readonly layoutSignature: string;
   /** Its prefix cache's events to every router (null: no cache). */
   readonly cacheEvents: CacheEventPublisher | null;
+  /** Its guards and faults (kept across a role switch). */
+  readonly safety: Safety;
 }
 
 export type BuiltNode = Built<"prefill", PrefillNode> | Built<"decode", DecodeNode>;
@@ -62,19 +64,6 @@ export async function buildNode(
     faults: options.faults ?? [],
     disabledGuards: options.engine.disabledGuards ?? [],
   });
-  const signature = nodeLayoutSignature(engine, engine.modelConfig);
-  const incarnation = randomInt(1, 0x7fff_ffff);
-  const hello: NodeHello = {
-    kind: "hello",
-    role: options.role,
-    incarnation,
-    poolTokens: engine.capacity.poolTokens,
-    pageSize: engine.capacity.pageSize,
-    maxModelLen: engine.capacity.maxModelLen,
-    layoutSignature: signature,
-    ...(engine.capacity.maxSequences === undefined ? {} : { maxSequences: engine.capacity.maxSequences }),
-    ...(options.role === "prefill" && engine.prefixCache !== null ? { prefixCache: true } : {}),
-  };
   // What the node's caches hold, published to every router (src/node/cache-events.ts).
   const cacheEvents = engine.prefixCache === null ? null : new CacheEventPublisher(toRouter);
   if (cacheEvents !== null) engine.prefixCache!.observe(cacheEvents);
@@ -82,11 +71,37 @@ export async function buildNode(
   engine.tierPrefetch?.tiers.onTierChange((tenant, keys, tier, change) => {
     for (const key of keys) cacheEvents?.record(tenant, key, tier, change === "stored");
   });
-  const parts = { engine, hello, layoutSignature: signature, cacheEvents };
+  return roleNode(options.role, { engine, safety, cacheEvents }, toRouter);
+}
+
+/**
+ * The node object of `role` over an engine already built (its pool, caches and safety), as a new
+ * incarnation with its hello: at start, and again at each role switch (src/node/role-switch.ts).
+ */
+export function roleNode(
+  role: "prefill" | "decode",
+  parts: Pick<BuiltNode, "engine" | "cacheEvents"> & { readonly safety: Safety },
+  toRouter: (message: FromNode) => void,
+): BuiltNode {
+  const { engine, safety, cacheEvents } = parts;
+  const signature = nodeLayoutSignature(engine, engine.modelConfig);
+  const incarnation = randomInt(1, 0x7fff_ffff);
+  const hello: NodeHello = {
+    kind: "hello",
+    role,
+    incarnation,
+    poolTokens: engine.capacity.poolTokens,
+    pageSize: engine.capacity.pageSize,
+    maxModelLen: engine.capacity.maxModelLen,
+    layoutSignature: signature,
+    ...(engine.capacity.maxSequences === undefined ? {} : { maxSequences: engine.capacity.maxSequences }),
+    ...(role === "prefill" && engine.prefixCache !== null ? { prefixCache: true } : {}),
+  };
+  const common = { engine, hello, layoutSignature: signature, cacheEvents, safety };
   const nodeOptions = { engine, layoutSignature: signature, safety, incarnation, toRouter };
-  return options.role === "prefill"
-    ? { ...parts, role: "prefill", node: new PrefillNode(nodeOptions) }
-    : { ...parts, role: "decode", node: new DecodeNode(nodeOptions) };
+  return role === "prefill"
+    ? { ...common, role: "prefill", node: new PrefillNode(nodeOptions) }
+    : { ...common, role: "decode", node: new DecodeNode(nodeOptions) };
 }
 
 /** The answer to a readiness ping, with the pages the node's prefix cache holds. */

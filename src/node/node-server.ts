@@ -11,6 +11,7 @@
  */
 
 import type { EngineBuildOptions } from "../engine/build-engine.js";
+import type { Engine } from "../engine/engine.js";
 import { KvfenceError } from "../lib/errors.js";
 import { tracing } from "../lib/tracing.js";
 import { type ControlLink, listenControlLinks } from "../links/control-link.js";
@@ -20,8 +21,9 @@ import { parseLinkAddress } from "../transfer/link-address.js";
 import { connectTcpReceiver, TcpTransferServer } from "../transfer/tcp-transport.js";
 import type { LinkTls } from "../transfer/tls-config.js";
 import { DecodeNode } from "./decode-node.js";
-import { buildNode, pong } from "./node-host.js";
+import { type BuiltNode, buildNode, pong, roleNode } from "./node-host.js";
 import { pageByteLength } from "./node-pool.js";
+import { type ScrubReport, scrubPool, waitUntil } from "./role-switch.js";
 
 /** Decode's reconnect to a live prefill node: every RECONNECT_MS, for RECONNECT_WINDOW_MS. */
 const RECONNECT_MS = 500;
@@ -48,9 +50,12 @@ export interface NodeServerOptions {
   readonly log?: (message: string) => void;
   /** Refused connections on the node's ports (default: `log`). */
   readonly warn?: (message: string) => void;
+  /** Tests: called at a role switch once the pool is scrubbed, before the new role takes any work. */
+  readonly onScrubbed?: (engine: Engine) => void;
 }
 
 export interface NodeServer {
+  /** Its role now (a role switch changes it). */
   readonly role: "prefill" | "decode";
   readonly port: number;
   /** The address routers must dial (`--advertise`, or `host:port`), as the handshake compares it. */
@@ -61,8 +66,19 @@ export interface NodeServer {
     NodeHello,
     "role" | "incarnation" | "layoutSignature" | "poolTokens" | "pageSize" | "maxModelLen"
   >;
+  /** Its engine (for a test that reads the pool after a role switch). */
+  readonly engine: Engine;
   /** Nothing in flight: every page of the pool FREE (a drained node may leave). */
   idle(): boolean;
+  /** Protocol attempts in flight on this node (a draining node switches role at 0). */
+  inFlight(): number;
+  /**
+   * Changes role (src/node/role-switch.ts): closes every router link and transfer connection (the
+   * fence: what is still in flight there migrates, docs/topologies.md), waits for the pages to be
+   * released, scrubs the pool and serves as a new incarnation of `role` on the same ports (the
+   * transfer port anew). Routers are refused meanwhile. Null when it has that role already.
+   */
+  switchRole(role: "prefill" | "decode"): Promise<ScrubReport | null>;
   close(): Promise<void>;
 }
 
@@ -82,6 +98,8 @@ class RouterLinks {
   readonly #warn: (message: string) => void;
   /** Set once the node is built: the fence of the router of `slot`. */
   onLost: (slot: number) => void = () => {};
+  /** False during a role switch: no router is admitted. */
+  admitting = true;
 
   constructor(warn: (message: string) => void) {
     this.#warn = warn;
@@ -105,6 +123,7 @@ class RouterLinks {
 
   /** Whether a router that proved itself with `incarnation` in `slot` may have that slot's link. */
   readonly admit = (incarnation: number | undefined, slot = 0): boolean => {
+    if (!this.admitting) return false;
     const current = this.#links.get(slot);
     if (current === undefined || current.link.closed) return true;
     const known = current.incarnation;
@@ -117,6 +136,16 @@ class RouterLinks {
     this.onLost(slot);
     return true;
   };
+
+  /** Closes every router's link (a role switch): each router fences this node's attempts. */
+  closeAll(): void {
+    const links = [...this.#links.entries()];
+    this.#links.clear();
+    for (const [slot, { link }] of links) {
+      link.close();
+      this.onLost(slot);
+    }
+  }
 
   /** An admitted router's link: it gets the node's hello, its messages go to `onMessage`. */
   attach(
@@ -150,8 +179,15 @@ function sendOn(link: ControlLink<FromNode, ToNode>, message: FromNode): void {
   }
 }
 
-type BuiltNode = Awaited<ReturnType<typeof buildNode>>;
 type BuiltDecode = Extract<BuiltNode, { role: "decode" }>;
+
+/** A role's node object and its transport: prefill's transfer server, or decode's connector. */
+interface RoleServing {
+  readonly built: BuiltNode;
+  readonly transfer: TcpTransferServer | null;
+  readonly prefill: PrefillConnector | null;
+  readonly hello: NodeHello;
+}
 
 /** Prefill's transfer server: each decode node that proves itself gets a writer wired to its link. */
 function listenForDecode(
@@ -314,20 +350,25 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
       `--advertise must be host:port, e.g. 10.0.0.11:9001: ${JSON.stringify(options.advertise)}`,
     );
   const router = new RouterLinks(warn);
-  const built = await buildNode(
-    { role: options.role, engine: options.engine, faults: options.faults ?? [] },
-    router.send,
+  const withHost = { ...options, advertisedHost: advertise?.host };
+  /** The node of its current role with that role's transport (a role switch replaces it). */
+  const serve = async (built: BuiltNode): Promise<RoleServing> => {
+    const transfer = built.role === "prefill" ? await listenForDecode(withHost, built, log, warn) : null;
+    const prefill = built.role === "decode" ? new PrefillConnector(options, built, router.send, log) : null;
+    const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
+    const node = built.node;
+    router.onLost = node instanceof DecodeNode ? (slot) => node.routerLost(slot) : () => {};
+    return { built, transfer, prefill, hello };
+  };
+  let now = await serve(
+    await buildNode(
+      { role: options.role, engine: options.engine, faults: options.faults ?? [] },
+      router.send,
+    ),
   );
-  const transfer =
-    built.role === "prefill"
-      ? await listenForDecode({ ...options, advertisedHost: advertise?.host }, built, log, warn)
-      : null;
-  const prefill = built.role === "decode" ? new PrefillConnector(options, built, router.send, log) : null;
-  const hello = transfer === null ? built.hello : { ...built.hello, transferPort: transfer.port };
 
-  const node = built.node;
-  if (node instanceof DecodeNode) router.onLost = (slot) => node.routerLost(slot);
   const onRouterMessage = (message: ToNode, reply: (message: FromNode) => void): void => {
+    const { built, transfer, prefill } = now;
     if (message.kind === "ping") reply(pong(message.id, built.engine));
     else if (message.kind === "stats") {
       const linkAuthFailures = {
@@ -356,8 +397,8 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
         incarnation,
         slot,
         onRouterMessage,
-        { ...hello, ridFloor: built.node.ridFloor(slot) },
-        () => built.cacheEvents?.snapshot() ?? [],
+        { ...now.hello, ridFloor: now.built.node.ridFloor(slot) },
+        () => now.built.cacheEvents?.snapshot() ?? [],
       ),
   }).catch((err: Error) => {
     throw new KvfenceError(
@@ -367,30 +408,93 @@ export async function startNodeServer(options: NodeServerOptions): Promise<NodeS
   });
 
   return {
-    role: built.role,
+    get role() {
+      return now.built.role;
+    },
     port: control.port,
     advertised: control.advertised,
-    transferPort: transfer?.port,
-    registration: {
-      role: built.role,
-      incarnation: hello.incarnation,
-      layoutSignature: hello.layoutSignature,
-      poolTokens: hello.poolTokens,
-      pageSize: hello.pageSize,
-      maxModelLen: hello.maxModelLen,
+    get transferPort() {
+      return now.transfer?.port;
+    },
+    get registration() {
+      const hello = now.hello;
+      return {
+        role: hello.role,
+        incarnation: hello.incarnation,
+        layoutSignature: hello.layoutSignature,
+        poolTokens: hello.poolTokens,
+        pageSize: hello.pageSize,
+        maxModelLen: hello.maxModelLen,
+      };
+    },
+    get engine() {
+      return now.built.engine;
     },
     idle() {
-      const pages = built.engine.pool.table.counts();
+      const pages = now.built.engine.pool.table.counts();
       return pages.free === pages.total;
     },
+    inFlight() {
+      return now.built.node.inFlight();
+    },
+    async switchRole(role) {
+      if (role === now.built.role) return null;
+      router.admitting = false;
+      try {
+        const next = await changeRole(now, role, { router, serve, log, onScrubbed: options.onScrubbed });
+        now = next.serving;
+        return next.scrub;
+      } finally {
+        router.admitting = true;
+      }
+    },
     async close() {
-      prefill?.close();
-      built.cacheEvents?.close();
-      built.node.close();
+      now.prefill?.close();
+      now.built.cacheEvents?.close();
+      now.built.node.close();
       await control.close();
-      await transfer?.close();
+      await now.transfer?.close();
       // The spans still buffered (src/lib/tracing.ts) leave before the process does.
       await tracing()?.shutdown();
     },
   };
+}
+
+/**
+ * The role switch of `from` (see `NodeServer.switchRole`), with the routers refused meanwhile:
+ * every router link and transfer connection closed (the fence), the old node object stopped with
+ * its engine kept, the pool scrubbed once its pages are released, the new role served.
+ */
+async function changeRole(
+  from: RoleServing,
+  role: "prefill" | "decode",
+  how: {
+    readonly router: RouterLinks;
+    readonly serve: (built: BuiltNode) => Promise<RoleServing>;
+    readonly log: (message: string) => void;
+    readonly onScrubbed: ((engine: Engine) => void) | undefined;
+  },
+): Promise<{ serving: RoleServing; scrub: ScrubReport }> {
+  const { built, transfer, prefill } = from;
+  how.router.closeAll();
+  prefill?.close();
+  await transfer?.close();
+  // Stops the old node; a decode node fences its prefill peers (their channels closed first).
+  built.node.close(true);
+  // The fences release what the old role's attempts held (at once for a drained node).
+  await waitUntil(() => built.node.inFlight() === 0 && freeButCached(built.engine), 10_000);
+  const scrub = scrubPool(built.engine);
+  how.onScrubbed?.(built.engine);
+  const serving = await how.serve(roleNode(role, built, how.router.send));
+  how.log(
+    `role switch: ${built.role} → ${role} (incarnation ${serving.hello.incarnation}): ${scrub.cachedPages} cached pages evicted, ${scrub.pages} pages zeroed`,
+  );
+  return { serving, scrub };
+}
+
+/** Every page FREE but those the prefix cache holds with no reference (a scrub evicts them). */
+function freeButCached(engine: Engine): boolean {
+  const counts = engine.pool.table.counts();
+  const cached = engine.prefixCache?.evictable() ?? 0;
+  return counts.free + cached === counts.total;
 }

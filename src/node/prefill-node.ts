@@ -260,8 +260,16 @@ export class PrefillNode {
     return { ...stats, transfer: { ...stats.transfer, droppedStaleWrites: 0, droppedMisaddressedWrites: 0 } };
   }
 
-  close(): void {
-    this.#core.loop.stop();
+  /** Attempts in flight over every decode peer (a role switch waits for none). */
+  inFlight(): number {
+    let n = 0;
+    for (const peer of this.#peers.values()) n += Object.keys(peer.state.attempts).length;
+    return n;
+  }
+
+  /** Stops the node; `keepEngine`: its engine and pool serve the node's next role (role-switch.ts). */
+  close(keepEngine = false): void {
+    this.#core.loop.stop(keepEngine);
   }
 
   #fence(incarnation: number, peer: DecodePeer): void {

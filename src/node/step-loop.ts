@@ -22,10 +22,13 @@ export class StepLoop {
     setImmediate(this.#tick);
   }
 
-  /** Stops stepping and closes the engine (its grammar thread ends). */
-  stop(): void {
+  /**
+   * Stops stepping and closes the engine (its grammar thread ends); `keepEngine`: the engine stays
+   * open for the node object of another role built over it (src/node/role-switch.ts).
+   */
+  stop(keepEngine = false): void {
     this.#stopped = true;
-    this.#engine.close();
+    if (!keepEngine) this.#engine.close();
   }
 
   readonly #tick = (): void => {

@@ -227,6 +227,8 @@ export const serveConfigSchema = z
     readyTimeout: secondsText.optional(),
     routerSlot: intText(0, ROUTER_SLOTS - 1).optional(),
     maxMigrations: intText(0).optional(),
+    rolePolicy: z.enum(["off", "queue"]).default("off"),
+    rolePolicyInterval: secondsText.optional(),
     logLevel: z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"]),
   })
   .refine((c) => c.kvMemory === undefined || c.kvPages === undefined, {
@@ -345,6 +347,8 @@ const FLAG: Record<string, string> = {
   readyTimeout: "--ready-timeout",
   routerSlot: "--router-slot",
   maxMigrations: "--max-migrations",
+  rolePolicy: "--role-policy",
+  rolePolicyInterval: "--role-policy-interval",
 };
 
 /** Parse raw options once; every problem is reported with its flag. */

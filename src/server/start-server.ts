@@ -11,7 +11,14 @@
  */
 
 import net from "node:net";
-import { parseRegistryUrl, type RegistryOptions, registerNode, watchDrain } from "../cluster/registry.js";
+import {
+  parseRegistryUrl,
+  type RegistryOptions,
+  registerNode,
+  watchDrain,
+  watchRole,
+} from "../cluster/registry.js";
+import type { Engine } from "../engine/engine.js";
 import {
   type KernelMemory,
   loadEngineMemory,
@@ -36,7 +43,9 @@ import {
   withTokenizer,
 } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
+import type { NodeServer } from "../node/node-server.js";
 import { type PrestartedWorkers, prestartNodeWorkers } from "../node/prestart-workers.js";
+import { waitUntil } from "../node/role-switch.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
 import { routerTokenizer } from "../router/model-tokenizer.js";
@@ -373,6 +382,9 @@ async function startEnginesAndPreparer(
     ...(config.readyTimeout === undefined ? {} : { pingTimeoutMs: Math.round(config.readyTimeout * 1000) }),
     ...(config.routerSlot === undefined ? {} : { routerSlot: config.routerSlot }),
     ...(config.maxMigrations === undefined ? {} : { maxMigrations: config.maxMigrations }),
+    ...(config.rolePolicy === "off"
+      ? {}
+      : { rolePolicyIntervalMs: Math.round((config.rolePolicyInterval ?? 5) * 1000) }),
     ...(prestarted === undefined ? {} : { prestarted }),
     log,
   });
@@ -441,8 +453,8 @@ function modelCard(model: ModelHeader, config: ServeConfig) {
  */
 export async function startNode(
   config: ServeConfig,
-  options: { logger: Logger; onDrained?: () => void },
-): Promise<{ url: string; close(): Promise<void> }> {
+  options: { logger: Logger; onDrained?: () => void; onScrubbed?: (engine: Engine) => void },
+): Promise<{ url: string; node: NodeServer; close(): Promise<void> }> {
   const role = config.role === "prefill" ? "prefill" : "decode";
   warnUnsafe(config, role, options.logger);
   config = await withChosenKernels(config, options.logger);
@@ -489,32 +501,60 @@ export async function startNode(
     faults: config.unsafeFault,
     log: (line) => options.logger.info(line),
     warn: (line) => options.logger.warn(line),
+    ...(options.onScrubbed === undefined ? {} : { onScrubbed: options.onScrubbed }),
   });
   if (config.registry === undefined)
-    return { url: `http://${config.host}:${node.port}`, close: () => node.close() };
+    return { url: `http://${config.host}:${node.port}`, node, close: () => node.close() };
   // --registry: the node's entry (its lease kept alive) names where routers dial it: the address
   // its handshakes bind (--advertise, or --host:--port).
   const address = node.advertised;
-  const registration = await registerNode(registryOf(config), { ...node.registration, address }, (line) =>
-    options.logger.warn(line),
-  ).catch(async (err: unknown) => {
+  const registry = registryOf(config);
+  const register = () =>
+    registerNode(registry, { ...node.registration, address }, (line) => options.logger.warn(line));
+  let registration = await register().catch(async (err: unknown) => {
     await node.close();
     throw err;
   });
   // `kvfence drain`: draining in the registry (no new requests), then, once nothing is in flight,
   // out of it; the process ends by `onDrained`.
-  const drain = await watchDrain(registryOf(config), { role, address }, () => {
-    options.logger.warn("draining: no new requests; leaving once the requests in flight finished");
-    void registration.drain().then(async () => {
-      while (!node.idle()) await new Promise((r) => setTimeout(r, 100));
-      await registration.close();
-      options.logger.warn("drained: left the registry");
-      options.onDrained?.();
+  const watchDrainOfRole = () =>
+    watchDrain(registry, { role: node.role, address }, () => {
+      options.logger.warn("draining: no new requests; leaving once the requests in flight finished");
+      void registration.drain().then(async () => {
+        while (!node.idle()) await new Promise((r) => setTimeout(r, 100));
+        await registration.close();
+        options.logger.warn("drained: left the registry");
+        options.onDrained?.();
+      });
     });
-  });
+  let drain = await watchDrainOfRole();
+  // `kvfence role`: drained of the old role's work, scrubbed, registered under the new role.
+  const roles = await watchRole(
+    registry,
+    address,
+    async ({ role: next, drainTimeoutMs }) => {
+      if (next === node.role) return;
+      const was = node.role;
+      options.logger.warn(`role switch ${was} → ${next}: draining (no new requests)`);
+      await registration.drain();
+      if (!(await waitUntil(() => node.inFlight() === 0, drainTimeoutMs, 100)))
+        options.logger.warn(
+          `role switch: ${node.inFlight()} attempts still in flight after ${drainTimeoutMs} ms; ending them (their routers migrate them)`,
+        );
+      drain.close();
+      await node.switchRole(next);
+      await registration.close();
+      registration = await register();
+      drain = await watchDrainOfRole();
+      options.logger.warn(`role switch ${was} → ${next}: registered as ${node.role}@${address}`);
+    },
+    (line) => options.logger.warn(line),
+  );
   return {
     url: `http://${config.host}:${node.port}`,
+    node,
     close: async () => {
+      roles.close();
       drain.close();
       await registration.close();
       await node.close();

@@ -11,6 +11,7 @@ import { registerClusterMetrics, type ScrapeTarget } from "../cluster/cluster-me
 import { connectCluster, connectClusterFromRegistry } from "../cluster/cluster-router.js";
 import type { DisaggregatedEngine } from "../cluster/disaggregated-engine.js";
 import type { RegistryOptions } from "../cluster/registry.js";
+import { startRoleAutopilot } from "../cluster/role-autopilot.js";
 import type { EngineBuildOptions } from "../engine/build-engine.js";
 import type { KernelMemory, MemoryRegion } from "../engine/engine-memory.js";
 import type { FairShareConfig } from "../fair-share/fair-share.js";
@@ -29,6 +30,8 @@ export type ServeRole = "all" | "router" | "prefill" | "decode";
 
 export interface ServeEngineOptions {
   readonly role: ServeRole;
+  /** `--role-policy queue`: the router's role policy reads the roles' load this often (registry routers only). */
+  readonly rolePolicyIntervalMs?: number;
   readonly disaggregation: boolean;
   /**
    * The model; with `memory`, its weights live in that shared WebAssembly memory and each engine
@@ -107,8 +110,20 @@ export async function startServeEngine(options: ServeEngineOptions): Promise<Ser
       ...shared(options),
       ...(options.log === undefined ? {} : { log: options.log }),
     });
-    return disaggregated(engine, "processes", () => engine.close());
+    const policy =
+      options.rolePolicyIntervalMs === undefined
+        ? null
+        : startRoleAutopilot(engine, options.registry, options.rolePolicyIntervalMs, options.log);
+    return disaggregated(engine, "processes", async () => {
+      policy?.close();
+      await engine.close();
+    });
   }
+  if (options.rolePolicyIntervalMs !== undefined)
+    throw new KvfenceError(
+      "config_invalid",
+      "--role-policy switches node roles through etcd: it needs a router with --registry: --role-policy",
+    );
   if (options.role === "router") {
     if (options.prefill.length === 0 || options.decode.length === 0) {
       throw new KvfenceError(

@@ -25,7 +25,7 @@ test("planFaults() gives the same plan for the same seed, every kind in every ro
         .map((f) => f.kind)
         .sort(),
       [...FAULT_KINDS].sort(),
-      `round ${i / 3}`,
+      `round ${i / n}`,
     );
   const end = a.reduce((t, f) => t + f.gapMs + f.holdMs, 0);
   assert.ok(end + 5000 <= 300_000, `the last fault is over at ${end} ms`);

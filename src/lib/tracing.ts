@@ -96,19 +96,23 @@ function wallClockOrigin(): number {
   let best = performance.timeOrigin;
   let window = Number.POSITIVE_INFINITY;
   for (let i = 0; i < 5; i++) {
-    const before = Date.now();
-    let start = performance.now();
-    let now = start;
-    let wall = before;
-    while (wall === before) {
-      start = now;
-      now = performance.now();
-      wall = Date.now();
-    }
-    // The tick came between `start` and the read of `wall`, just after `now`.
-    if (now - start < window) {
-      window = now - start;
-      best = wall - now;
+    // Each read of the wall clock between two of performance.now(): the tick came after the
+    // previous read began and before this one ended, whatever was descheduled where.
+    let before = performance.now();
+    let wall = Date.now();
+    for (;;) {
+      const start = performance.now();
+      const now = Date.now();
+      const end = performance.now();
+      if (now !== wall) {
+        if (end - before < window) {
+          window = end - before;
+          best = now - (before + end) / 2;
+        }
+        break;
+      }
+      wall = now;
+      before = start;
     }
   }
   return best;

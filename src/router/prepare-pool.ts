@@ -125,6 +125,8 @@ interface Job {
 
 interface Slot {
   worker: Worker;
+  /** Loaded (its ready message came): until then it takes no small body, which would wait for its start. */
+  ready: boolean;
   job: Job | null;
   /** The deadline of its job's constraint compiling, if it is. */
   compiling: ReturnType<typeof setTimeout> | null;
@@ -287,13 +289,14 @@ export class PreparePool implements RequestPreparer {
     const started = early !== undefined && early.exitCode === null;
     const worker = started ? early.worker : new Worker(WORKER_URL, { workerData });
     if (started) worker.postMessage({ data: workerData } satisfies PrepareWorkerStart);
-    const slot: Slot = { worker, job: null, compiling: null, retired: false };
+    const slot: Slot = { worker, ready: false, job: null, compiling: null, retired: false };
     this.#slots[index] = slot;
     return new Promise((resolve, reject) => {
       let ready = false;
       worker.on("message", (message: FromPrepareWorker) => {
         if ("ready" in message) {
           ready = true;
+          slot.ready = true;
           this.#tokenBounds ??= message.tokenBounds;
           resolve();
           this.#dispatch();
@@ -386,11 +389,12 @@ export class PreparePool implements RequestPreparer {
     for (let i = 0; i < this.#slots.length; i++) {
       const slot = this.#slots[i];
       if (slot === undefined || slot.job !== null || slot.retired) continue;
-      // The first worker takes small bodies only (unless it is alone); the others large ones first.
+      // The first worker takes small bodies only (unless it is alone); the others large ones first,
+      // and small ones only once loaded (a small body would wait for the worker's start).
       const job =
         i === 0 && !shared
           ? PreparePool.#next(this.#small)
-          : (PreparePool.#next(this.#large) ?? PreparePool.#next(this.#small));
+          : (PreparePool.#next(this.#large) ?? (slot.ready ? PreparePool.#next(this.#small) : undefined));
       if (job === undefined) continue;
       slot.job = job;
       const { body } = job;

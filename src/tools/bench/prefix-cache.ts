@@ -228,7 +228,11 @@ class Tally {
     let workingSet = 0;
     for (const [s, turns] of outcomes.entries()) {
       for (const [t, o] of turns.entries()) {
-        if (!o.ok) this.#fail(`${arm} round ${r + 1} session ${s + 1} turn ${t + 1}: ${o.error}`);
+        if (!o.ok) {
+          // A refusal answers at once: its time is no time to a first token.
+          this.#fail(`${arm} round ${r + 1} session ${s + 1} turn ${t + 1}: ${o.error}`);
+          continue;
+        }
         const ttft = ((o.tokenTimes[0] ?? o.firstChoiceAt ?? o.endAt) - o.sentAt) / 1000;
         (t === 0 ? first : later).push(ttft);
         this.prompt.set(arm, (this.prompt.get(arm) ?? 0) + (o.promptTokens ?? 0));

@@ -318,7 +318,13 @@ async function startArms(st: Settings, keys: string, dir: string): Promise<Map<P
       keys,
       ...(st.topology === "cluster" ? armArgs(arm, [], "decode", 0) : []),
     ];
-    servers.set(arm, await startArm(THIS_MAIN, st.topology, st.common, routerArgs, nodes));
+    try {
+      servers.set(arm, await startArm(THIS_MAIN, st.topology, st.common, routerArgs, nodes));
+    } catch (err) {
+      // The arms started already stop with it (the caller never gets them to close).
+      await Promise.all([...servers.values()].map((s) => s.close()));
+      throw err;
+    }
   }
   return servers;
 }

@@ -80,20 +80,24 @@ export interface PrefixCacheObserver {
   evicting(page: CachedPage): void;
 }
 
-interface Entry {
+/** What an entry and its saved form (`SavedEntry`) hold alike. */
+export interface EntryFields {
   readonly id: number;
   readonly key: string;
   readonly parentKey: string;
   readonly page: number;
   readonly generation: number;
   readonly tenant: number;
+  readonly cacheEpoch: number;
+  readonly depth: number;
+  children: number;
+  lastUse: number;
+}
+
+interface Entry extends EntryFields {
   /** The page's token ids (compared on every hit). */
   readonly tokens: Int32Array;
   readonly parent: Entry | null;
-  readonly depth: number;
-  readonly cacheEpoch: number;
-  children: number;
-  lastUse: number;
 }
 
 /** A cache's state as plain data (`PrefixCache.save`): entries parents first, each parent named by its key. */
@@ -104,20 +108,10 @@ export interface SavedPrefixCache {
 }
 
 /** One entry of a `SavedPrefixCache`. */
-export interface SavedEntry {
-  readonly id: number;
-  readonly key: string;
-  readonly parentKey: string;
-  readonly page: number;
-  readonly generation: number;
-  readonly tenant: number;
-  readonly cacheEpoch: number;
+export interface SavedEntry extends Readonly<EntryFields> {
   readonly tokens: readonly number[];
   /** The parent entry's key, or null for a chain's first page. */
   readonly parent: string | null;
-  readonly depth: number;
-  readonly children: number;
-  readonly lastUse: number;
 }
 
 /** Counters of one cache, for metrics. */

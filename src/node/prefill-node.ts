@@ -94,6 +94,11 @@ export class PrefillNode {
     string,
     { peer: DecodePeer; tokens: Int32Array; sampling: SamplingParams; trace?: RequestTrace }
   >();
+  /**
+   * Attempts whose `prefill` message waits for its pages to load back from the KV tiers: the
+   * machine has not seen them yet, so the end-of-step sweep of `#inputs` must keep their inputs.
+   */
+  readonly #loading = new Set<string>();
   readonly #out: Effects = [];
   readonly #context: PrefillContext;
   /** n > 1 as one group: per attempt, its later samples' first tokens, for its manifest. */
@@ -225,8 +230,15 @@ export class PrefillNode {
       });
     // Pages of the prompt below the pool (KV tiers) load first; the machine sees the request after.
     const loads = this.#prefix?.prefetch(msg) ?? null;
-    if (loads === null) this.#step(peer, { type: "message", msg });
-    else void loads.then(() => this.#step(peer, { type: "message", msg }));
+    if (loads === null) {
+      this.#step(peer, { type: "message", msg });
+      return;
+    }
+    this.#loading.add(key);
+    void loads.then(() => {
+      this.#loading.delete(key);
+      this.#step(peer, { type: "message", msg });
+    });
   }
 
   /**
@@ -373,7 +385,7 @@ export class PrefillNode {
     // Attempts that ended here (released, acknowledged, fenced, refused as stale) need no inputs
     // any more.
     for (const [key, input] of this.#inputs) {
-      if (input.peer !== peer || peer.state.attempts[key] !== undefined) continue;
+      if (input.peer !== peer || peer.state.attempts[key] !== undefined || this.#loading.has(key)) continue;
       this.#inputs.delete(key);
       this.#logprobs.delete(key);
       this.#sampleFirst.delete(key);

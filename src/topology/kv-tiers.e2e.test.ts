@@ -86,6 +86,48 @@ describe("KV tiers on one engine (--no-disaggregation)", { timeout: 180_000 }, (
   });
 });
 
+describe("KV tiers in the default topology (prefill and decode threads)", { timeout: 180_000 }, () => {
+  test("turns loading from --cache-disk while other requests run all succeed, and hit", async () => {
+    const dir = join(root, "threads");
+    const tierArgs = ["--cache-disk", join(dir, "tier"), "--cache-disk-size", "64MiB"];
+    const server = await spawnServe([
+      "--port",
+      "0",
+      ...POOL,
+      ...tierArgs,
+      "--cache-disk-key",
+      join(dir, "key"),
+    ]);
+    try {
+      // Six conversations' first turns (13 pages each) and the crowd push every page to disk.
+      const topics = ["ash", "bay", "cedar", "delta", "elm", "fjord"];
+      const conversations: Message[][] = [];
+      for (const topic of topics) {
+        const messages: Message[] = [{ role: "user", content: text(topic, 6) }];
+        const first = await chat(server.url, messages);
+        messages.push({ role: "assistant", content: first.answer }, { role: "user", content: "and line 3?" });
+        conversations.push(messages);
+      }
+      await crowdOut(server.url);
+      // Their next turns wait for disk reads while fresh prompts step beside them: each waiting
+      // prompt must reach the prefill engine whole (it reached it empty, a 400, before the fix).
+      const fresh = ["gale", "heath", "inlet", "jade"].map((topic) => [
+        { role: "user", content: text(topic, 8) } as Message,
+      ]);
+      const replies = await Promise.all(
+        [...conversations, ...fresh].map((messages) => chat(server.url, messages)),
+      );
+      const hits = replies.slice(0, topics.length).filter((r) => r.cached >= 10 * 16).length;
+      assert.ok(
+        hits >= 1,
+        `a second turn hit its pages from disk: ${replies.map((r) => r.cached).join(", ")}`,
+      );
+    } finally {
+      await server.stop();
+    }
+  });
+});
+
 describe("KV tiers on a prefill node process (TCP cluster)", { timeout: 240_000 }, () => {
   const processes: ServeProcess[] = [];
   after(() => Promise.all(processes.map((p) => p.stop())));

@@ -10,7 +10,11 @@
  *   [THREADS=1] [BEST=1] sh native/test/decode-bench.sh [bf16|q8_0|q4_0|f16|f32] [rounds] [steps a round]
  *
  * THREADS=1 runs one thread (each matmul one chunk a segment, the probe on one thread); BEST=1
- * takes each round's fastest step rather than its median (on a loaded machine).
+ * takes each round's fastest step rather than its median (on a loaded machine). HUGE=1 (with BASE
+ * left at HEAD, so both builds are the same code) compares page sizes instead: the new build reads
+ * a copy of the weights advised MADV_HUGEPAGE (transparent huge pages, `madvise` mode here), the old
+ * one the 4 KiB-page original, and the probe is timed on both kinds of page. Every buffer is
+ * 2 MiB-aligned fresh anonymous memory (the weights, 269 MB in bf16, far past the 32 MB L3).
  *
  * Prints per round the probe's GB/s and each build's weight GB/s over the step (matmuls only), and
  * at the end the medians with their ranges and the per-kind GB/s (qkv, o, gate/up, down, LM head) of
@@ -22,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "kvfence-kernels.h"
@@ -111,6 +116,30 @@ static mm mms[NMM];
 static float xbuf[1536], obuf[3][49152];
 static uint8_t xpbuf[1 << 16];
 static int threads = 2;
+/* HUGE=1: the new build reads a copy of the weights on transparent huge pages (and a second probe
+   buffer on them is timed too), the old one the 4 KiB-page original */
+static ptrdiff_t wshift[2];
+
+/* size bytes of fresh anonymous memory, 2 MiB-aligned; huge: advised MADV_HUGEPAGE before touching */
+static uint8_t *alloc_pages(size_t size, int huge) {
+  const size_t align = (size_t)2 << 20;
+  uint8_t *p = mmap(NULL, size + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) abort();
+  p = (uint8_t *)(((uintptr_t)p + align - 1) & ~(uintptr_t)(align - 1));
+  if (huge) madvise(p, size, MADV_HUGEPAGE);
+  memset(p, 0, size);
+  return p;
+}
+
+static long anon_huge_kb(void) {
+  FILE *f = fopen("/proc/self/smaps_rollup", "r");
+  char line[256];
+  long kb = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "AnonHugePages: %ld", &kb) == 1) break;
+  if (f) fclose(f);
+  return kb;
+}
 
 static double run_mm(const build *b, const mm *m, int dtype) {
   const int64_t rb = kf_row_bytes(dtype, m->in_dim);
@@ -119,7 +148,7 @@ static double run_mm(const build *b, const mm *m, int dtype) {
   for (int s = 0; s < m->num_segs; s++) total += m->outs[s];
   const double t0 = now();
   b->matmul_chunks(1, m->in_dim, total, dtype, threads, &cc, &rc);
-  const uint8_t *w = m->w;
+  const uint8_t *w = m->w + wshift[b == &BUILDS[1]];
   for (int s = 0; s < m->num_segs; s++) {
     segs[s] = (kf_segment){obuf[s], w, m->outs[s], chunks};
     chunks += (m->outs[s] + cc - 1) / cc;
@@ -190,7 +219,8 @@ int main(int argc, char **argv) {
     kind_bytes[mms[i].kind] += bytes[i];
     total += bytes[i];
   }
-  uint8_t *wall = aligned_alloc(4096, (size_t)(total + 4095) / 4096 * 4096);
+  const int huge = getenv("HUGE") && atoi(getenv("HUGE"));
+  uint8_t *wall = alloc_pages((size_t)(total + 4095) / 4096 * 4096, 0);
   /* random but valid contents: bf16/f16/f32 small values; quantised blocks with a small f16 scale */
   uint32_t rng = 1;
   for (int64_t i = 0; i < total; i += 2) {
@@ -212,8 +242,13 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 1536; i++) xbuf[i] = (float)((i * 37) % 101) / 50.0f - 1.0f;
   /* the probe's buffer */
   const size_t probe_bytes = (size_t)1 << 30;
-  uint8_t *probe = aligned_alloc(4096, probe_bytes);
-  memset(probe, 0, probe_bytes);
+  uint8_t *probe = alloc_pages(probe_bytes, 0), *probe2 = huge ? alloc_pages(probe_bytes, 1) : NULL;
+  if (huge) {
+    uint8_t *w2 = alloc_pages((size_t)(total + 4095) / 4096 * 4096, 1);
+    memcpy(w2, wall, (size_t)total);
+    wshift[1] = w2 - wall;
+    printf("HUGE=1: old reads 4 KiB pages, new a THP copy; AnonHugePages %ld kB\n", anon_huge_kb());
+  }
   pthread_t worker;
   pthread_create(&worker, NULL, worker_main, NULL);
 
@@ -235,23 +270,26 @@ int main(int argc, char **argv) {
   }
   printf("decode-bench %s: weights %.1f MB a step, %d rounds of %d steps a build, probe 1 GiB on %d thread(s)%s\n", fmt,
          total / 1e6, rounds, steps, threads, getenv("BEST") ? "; the fastest step of each round" : "; median steps");
-  double pr[256], gb[2][256], kt[2][256][KINDS];
+  double pr[256], pr2[256], gb[2][256], kt[2][256][KINDS];
   for (int bi = 0; bi < 2; bi++) /* warm-up: every page and code path once */
     for (int i = 0; i < NMM; i++) run_mm(&BUILDS[bi], &mms[i], dtype);
   for (int r = 0; r < rounds; r++) {
-    /* probe: best of 3 */
+    /* probe: best of 3 (HUGE: then on the THP buffer) */
+    for (int pb = 0; pb < 1 + huge; pb++) {
+    uint8_t *probe_at = pb ? probe2 : probe;
     double best = 1e9;
     for (int i = 0; i < 3; i++) {
       const double t0 = now();
       job pj = {0}, mine = {0};
-      pj.probe = probe + probe_bytes / 2, pj.probe_len = probe_bytes / 2;
-      mine.probe = probe, mine.probe_len = probe_bytes / 2;
+      pj.probe = probe_at + probe_bytes / 2, pj.probe_len = probe_bytes / 2;
+      mine.probe = probe_at, mine.probe_len = probe_bytes / 2;
       if (threads == 1) mine.probe_len = probe_bytes, run_job(&mine, 0);
       else run_both(&pj, &mine);
       const double t = now() - t0;
       best = t < best ? t : best;
     }
-    pr[r] = probe_bytes / best / 1e9;
+    (pb ? pr2 : pr)[r] = probe_bytes / best / 1e9;
+    }
     for (int bi0 = 0; bi0 < 2; bi0++) {
       const int bi = r % 2 ? 1 - bi0 : bi0; /* alternate which build goes first */
       double st[64], kst[64][KINDS];
@@ -275,6 +313,7 @@ int main(int argc, char **argv) {
     }
     printf("round %2d: probe %5.1f GB/s | old %5.1f GB/s (%4.1f%%) | new %5.1f GB/s (%4.1f%%)\n", r, pr[r], gb[0][r],
            100 * gb[0][r] / pr[r], gb[1][r], 100 * gb[1][r] / pr[r]);
+    if (huge) printf("          probe on THP %5.1f GB/s: new %4.1f%% of it\n", pr2[r], 100 * gb[1][r] / pr2[r]);
     fflush(stdout);
   }
   double ratio[2][256];
@@ -299,6 +338,5 @@ int main(int argc, char **argv) {
   printf("\n");
   atomic_store(&job_seq, -1);
   pthread_join(worker, NULL);
-  free(wall), free(probe);
   return 0;
 }

@@ -43,11 +43,17 @@
  * are tested against the reference kernels and the golden logits.
  */
 import { Worker } from "node:worker_threads";
-import { type KernelBackend, type MemoryRegion, nativeBackend, wasmBackend } from "./kernel-backend.js";
+import {
+  cacheLineShift,
+  type KernelBackend,
+  type MemoryRegion,
+  nativeBackend,
+  wasmBackend,
+} from "./kernel-backend.js";
 import type { Kernels } from "./kernels.js";
 import type { AttentionSequence } from "./reference.js";
 import * as ref from "./reference.js";
-import { blockWeights, type Matrix, matrixDType, type WeightDType } from "./weight-format.js";
+import { blockWeights, type Matrix, matrixBytes, matrixDType, type WeightDType } from "./weight-format.js";
 
 // The WebAssembly JS API as far as this module uses it (lib "ES2023" and @types/node 20 omit it).
 declare global {
@@ -306,6 +312,8 @@ export class WasmKernels implements Kernels {
   // Matmul staging: x rows packed in groups of 8 for the 8-row tile (grown on demand).
   #packed = 0;
   #packedBytes = 0;
+  /** Bytes from a 64-byte-aligned offset to a cache line of the address (native; see cacheLineShift). */
+  #lineShift = 0;
 
   private constructor(module: WebAssembly.Module | null, fma: boolean, options: WasmKernelsOptions) {
     this.fma = fma;
@@ -339,6 +347,8 @@ export class WasmKernels implements Kernels {
       this.#top = this.#arenaStart = region.start;
       this.#arenaEnd = region.end;
     }
+    // Native: weights copied in start on a cache line of the address (`#weightBytes`).
+    this.#lineShift = native ? cacheLineShift(this.memory.buffer as SharedArrayBuffer) : 0;
     this.threads = options.threads ?? 2;
     this.#parallelMinWork = options.parallelMinWork ?? 32768;
     const spec: BackendSpec = native
@@ -483,14 +493,27 @@ export class WasmKernels implements Kernels {
     return dst;
   }
 
-  /** A weight matrix inside the memory, in its own format: itself when it is there already, else a copy. */
+  /**
+   * A weight matrix inside the memory, in its own format: itself when it is there already, else a
+   * copy starting on a cache line of the address (the arena's offsets are 64-byte aligned, but a
+   * native memory starts 16 bytes into a page: `cacheLineShift`).
+   */
   placeMatrix(src: Matrix): Matrix {
-    if (src instanceof Float32Array) return this.placeF32(src);
-    if (this.owns(src.bytes)) return src;
-    const at = this.allocBytes(src.bytes.byteLength);
+    if (this.owns(matrixBytes(src))) return src;
+    const at = this.#weightBytes(matrixBytes(src).byteLength); // first: it may grow the memory
+    if (src instanceof Float32Array) {
+      const dst = new Float32Array(this.buffer(), at, src.length);
+      dst.set(src);
+      return dst;
+    }
     const bytes = new Uint8Array(this.buffer(), at, src.bytes.byteLength);
     bytes.set(src.bytes);
     return { dtype: src.dtype, shape: src.shape, bytes };
+  }
+
+  /** Reserves `bytes` for a weight on a cache line of the address; returns the byte offset. */
+  #weightBytes(bytes: number): number {
+    return this.allocBytes(bytes + this.#lineShift) + this.#lineShift;
   }
 
   /** Copies every weight tensor into the memory (a tied lmHead stays the same array as embed). */

@@ -11,6 +11,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
 import { assertAllClose } from "./assert-all-close.js";
+import { nativeAddon } from "./kernel-backend.js";
 import { q8Activations } from "./q8-activations.js";
 import * as ref from "./reference.js";
 import { WasmKernels } from "./wasm-kernels.js";
@@ -263,6 +264,22 @@ for (const [threads, fma, backend] of [
           });
         }
         assert.equal(k.fallbackCalls, 0);
+      });
+    }
+
+    if (backend === "native") {
+      it("placeMatrix() puts each weight it copies on a cache line of the address, not only of the offset", () => {
+        // The memory starts 16 bytes into a page: at a 64-byte-aligned offset every 64-byte load of
+        // a weight row straddled two cache lines (bf16 decode read ~19% fewer bytes a second).
+        const base = nativeAddon().pageOffset(new Uint8Array(k.buffer(), 0, 16));
+        for (const dtype of ["f32", "bf16", "q8_0", "q4_0"] as const) {
+          for (const outDim of [1, 3, 5]) {
+            const t = encodeWeight(fill(new Float32Array(outDim * 32), outDim), [outDim, 32], dtype);
+            const placed = k.placeMatrix(t);
+            const at = placed instanceof Float32Array ? placed.byteOffset : placed.bytes.byteOffset;
+            assert.equal((base + at) % 64, 0, `${dtype} [${outDim}, 32] at offset ${at}, base ${base}`);
+          }
+        }
       });
     }
 

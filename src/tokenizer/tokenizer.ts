@@ -178,6 +178,11 @@ export class ModelTokenizer {
     return { text: PIECE_DECODER.decode(bytes), bytes };
   }
 
+  /** Whether ids decode to their tokens' raw bytes (tokenizer.json's decoder is `ByteLevel`). */
+  get byteLevel(): boolean {
+    return this.#byteLevel;
+  }
+
   /** A fresh incremental detokenizer (one per generated sequence). */
   streamDecoder(options?: { skipSpecialTokens?: boolean }): StreamDecoder {
     const skip = options?.skipSpecialTokens ?? true;
@@ -216,12 +221,13 @@ export interface StreamDecoder {
   flush(): string;
 }
 
-class ByteLevelStreamDecoder implements StreamDecoder {
-  readonly #tokenizer: ModelTokenizer;
+/** Streams a byte-level vocabulary's tokens: each token's raw bytes into one streaming `TextDecoder`. */
+export class ByteLevelStreamDecoder implements StreamDecoder {
+  readonly #tokenizer: Pick<ModelTokenizer, "tokenBytes">;
   readonly #skip: boolean;
   readonly #decoder = new TextDecoder("utf-8", { fatal: false, ignoreBOM: true });
 
-  constructor(tokenizer: ModelTokenizer, skip: boolean) {
+  constructor(tokenizer: Pick<ModelTokenizer, "tokenBytes">, skip: boolean) {
     this.#tokenizer = tokenizer;
     this.#skip = skip;
   }

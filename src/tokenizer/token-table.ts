@@ -29,16 +29,10 @@ const PIECE_DECODER = new TextDecoder("utf-8", { fatal: false, ignoreBOM: true }
 /** The table of `tokenizer`'s vocabulary; null unless it is byte-level. */
 export function packTokenTable(tokenizer: ModelTokenizer): TokenTable | null {
   if (!tokenizer.byteLevel) return null;
-  const numIds = tokenizer.numIds;
-  const offsets = new Uint32Array(numIds + 1);
+  const { bytes, offsets } = tokenizer.packedTokenBytes();
   const special: number[] = [];
-  for (let id = 0; id < numIds; id++) {
-    offsets[id + 1] = (offsets[id] as number) + tokenizer.tokenBytes(id, false).length;
-    if (tokenizer.isSpecial(id)) special.push(id);
-  }
-  const bytes = new Uint8Array(offsets[numIds] as number);
-  for (let id = 0; id < numIds; id++) bytes.set(tokenizer.tokenBytes(id, false), offsets[id]);
-  return { numIds, bytes, offsets, specialIds: Int32Array.from(special) };
+  for (let id = 0; id < tokenizer.numIds; id++) if (tokenizer.isSpecial(id)) special.push(id);
+  return { numIds: tokenizer.numIds, bytes, offsets, specialIds: Int32Array.from(special) };
 }
 
 /** The reply side of a byte-level `ModelTokenizer` (same pieces, same streamed text) over its table. */

@@ -309,8 +309,9 @@ export function rmsnorm(
 }
 
 /**
- * Builds RoPE tables for positions [0, maxPositions): cos[p][i] and sin[p][i] for
- * i < headDim/2, with inv_freq[i] = theta^(-2i/headDim) (Hugging Face Llama convention).
+ * Builds RoPE tables for positions [fromPosition, maxPositions): cos[p][i] and sin[p][i] for
+ * i < headDim/2, with inv_freq[i] = theta^(-2i/headDim) (Hugging Face Llama convention). Each
+ * position's entries depend on it alone, so a table may be filled in steps.
  */
 export function ropeTables(
   cos: Float64Array,
@@ -318,11 +319,12 @@ export function ropeTables(
   maxPositions: number,
   headDim: number,
   theta: number,
+  fromPosition = 0,
 ): void {
   const half = headDim >> 1;
   for (let i = 0; i < half; i++) {
     const invFreq = theta ** (-(2 * i) / headDim);
-    for (let p = 0; p < maxPositions; p++) {
+    for (let p = fromPosition; p < maxPositions; p++) {
       const angle = p * invFreq;
       cos[p * half + i] = Math.cos(angle);
       sin[p * half + i] = Math.sin(angle);

@@ -212,6 +212,26 @@ describe("ForwardPass", () => {
 });
 
 describe("ForwardPass.bufferBytes()", () => {
+  it("ForwardPass fills its RoPE tables as far as its steps reach, and matches a naive forward past the first fill", () => {
+    const { config, weights } = randomModel({ seed: 7, maxPositionEmbeddings: 4096 });
+    const layout = layoutFor(config, 16);
+    const fp = new ForwardPass(config, weights, layout, { maxBatchTokens: 512, maxSequences: 1 });
+    // Not the whole window at start-up (each engine thread's start paid for it).
+    assert.equal(fp.ropePositions, 1024);
+    const tokens = randomTokens(1100, config.vocabSize, 9);
+    const expected = naiveForward(config, weights, tokens);
+    const pool = makePool(layout, 69);
+    const table = blockTable(69, 69, true);
+    const last = new Float32Array(config.vocabSize);
+    for (let pos = 0; pos < tokens.length; pos += 512)
+      fp.step(pool, [
+        { tokens: tokens.slice(pos, pos + 512), startPos: pos, blockTable: table, logits: last },
+      ]);
+    assert.equal(fp.ropePositions, 2048);
+    const diff = maxAbsDiff(last, expected[tokens.length - 1] as Float64Array);
+    assert.ok(diff <= 1e-4, `max |Δlogit| at position 1099: ${diff}`);
+  });
+
   it("ForwardPass.bufferBytes() equals the 64-byte-aligned bytes the constructor allocates", () => {
     const { config, weights } = randomModel({
       architecture: "qwen2",

@@ -55,6 +55,9 @@ export interface ForwardPassOptions {
   kernels?: Kernels;
 }
 
+/** RoPE positions filled when a forward pass is made (more as its steps reach further). */
+const ROPE_FIRST_POSITIONS = 1024;
+
 export class ForwardPass {
   readonly config: ModelConfig;
   readonly layout: KvLayout;
@@ -67,6 +70,12 @@ export class ForwardPass {
   #kvDtype: number;
   #cos: Float64Array;
   #sin: Float64Array;
+  /**
+   * Positions [0, ropePositions) of the RoPE tables are filled: they grow with the positions steps
+   * reach (`#coverRope`), not all `maxPositionEmbeddings` at start-up (two engines × 0.5 M cos/sin
+   * for an 8k window, 16× that for a 128k one, on each engine thread's start).
+   */
+  #ropePositions = 0;
   // Activations, [maxBatchTokens][...].
   #x: Float32Array; // residual stream [T][hidden]
   #xn: Float32Array; // normed [T][hidden]
@@ -169,7 +178,7 @@ export class ForwardPass {
     const maxPos = config.maxPositionEmbeddings;
     this.#cos = kernels.allocF64(maxPos * (headDim >> 1));
     this.#sin = kernels.allocF64(maxPos * (headDim >> 1));
-    ropeTables(this.#cos, this.#sin, maxPos, headDim, config.ropeTheta);
+    this.#coverRope(ROPE_FIRST_POSITIONS);
     const t = maxBatchTokens;
     this.#x = kernels.allocF32(t * hidden);
     this.#xn = kernels.allocF32(t * hidden);
@@ -203,6 +212,19 @@ export class ForwardPass {
     }));
   }
 
+  /** Positions whose RoPE tables are filled (they grow as steps reach further; see `#coverRope`). */
+  get ropePositions(): number {
+    return this.#ropePositions;
+  }
+
+  /** Fills the RoPE tables up to `endPos` at least, doubling (at most the model's window). */
+  #coverRope(endPos: number): void {
+    const { maxPositionEmbeddings, headDim, ropeTheta } = this.config;
+    const to = Math.min(maxPositionEmbeddings, Math.max(endPos, 2 * this.#ropePositions));
+    ropeTables(this.#cos, this.#sin, to, headDim, ropeTheta, this.#ropePositions);
+    this.#ropePositions = to;
+  }
+
   /**
    * Runs one batched step. Writes the new tokens' K/V into `pool` (the whole KV pool, page-major as
    * in src/kvcache/kv-layout.ts: a Float32Array, or a Uint16Array of f16/bf16 bits as the layout's
@@ -223,6 +245,7 @@ export class ForwardPass {
     const x = this.#x;
     const positions = this.#positions;
     let row = 0;
+    let endPos = 0;
     const attention = this.#attention;
     for (let s = 0; s < numSeqs; s++) {
       const seq = sequences[s] as StepSequence;
@@ -232,6 +255,7 @@ export class ForwardPass {
       a.rowStart = row;
       a.rows = tokens.length;
       a.startPos = seq.startPos;
+      endPos = Math.max(endPos, seq.startPos + tokens.length);
       for (let i = 0; i < tokens.length; i++) {
         // One row of the table, widened or dequantised if it is stored so (as llama.cpp's get_rows).
         decodeMatrixRange(embed, (tokens[i] as number) * hidden, hidden, x, row * hidden);
@@ -239,6 +263,7 @@ export class ForwardPass {
         row++;
       }
     }
+    if (endPos > this.#ropePositions) this.#coverRope(endPos);
 
     const { numHeads, numKvHeads, headDim, intermediateSize: inter } = cfg;
     const eps = this.#epsBox[0];

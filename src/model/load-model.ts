@@ -248,12 +248,19 @@ export async function openModelHeader(path: string): Promise<ModelHeader> {
 export function withTokenizer(header: ModelHeader): ModelMeta {
   if (header.gguf !== undefined) {
     const { tokenizer, chatTemplate } = ggufTokenizer(header.gguf);
-    checkVocabulary(header.gguf.path, tokenizer, header.config, "the token embedding");
+    checkTokenizerFits(header, tokenizer.numIds);
     return Object.freeze({ ...header, tokenizer, chatTemplate });
   }
   const tokenizer = ModelTokenizer.fromFolder(header.dir);
-  checkVocabulary(join(header.dir, "tokenizer.json"), tokenizer, header.config, "config.json");
+  checkTokenizerFits(header, tokenizer.numIds);
   return Object.freeze({ ...header, tokenizer, chatTemplate: loadChatTemplate(header.dir, tokenizer) });
+}
+
+/** Refuses a tokenizer of `numIds` ids (`ModelTokenizer.numIds`) with ids past the model's vocabulary. */
+export function checkTokenizerFits(header: ModelHeader, numIds: number): void {
+  if (header.gguf !== undefined)
+    checkVocabulary(header.gguf.path, numIds, header.config, "the token embedding");
+  else checkVocabulary(join(header.dir, "tokenizer.json"), numIds, header.config, "config.json");
 }
 
 /** The weights of a model whose meta is loaded: its folder's safetensors or its GGUF tensors. */
@@ -263,13 +270,7 @@ export function loadModelWeights(meta: ModelHeader, options?: LoadModelOptions):
     : loadGgufWeights(meta.gguf, meta.config, options);
 }
 
-function checkVocabulary(
-  label: string,
-  tokenizer: ModelTokenizer,
-  config: ModelConfig,
-  source: string,
-): void {
-  const numIds = tokenizer.numIds;
+function checkVocabulary(label: string, numIds: number, config: ModelConfig, source: string): void {
   if (numIds > config.vocabSize) {
     throw badModelFolder(
       label,

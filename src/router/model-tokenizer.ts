@@ -16,8 +16,14 @@ import { templateToolSupport } from "./tool-request.js";
 /** Token pieces kept once made (log-probabilities name the same tokens over and over). */
 const MAX_CACHED_PIECES = 1 << 16;
 
+/** What the router reads of a tokenizer: a `ModelTokenizer`, or a `TableTokenizer` (token-table.ts). */
+export type TextTokenizer = Pick<
+  ModelTokenizer,
+  "numIds" | "tokenPiece" | "streamDecoder" | "encode" | "decode"
+>;
+
 export function routerTokenizer(
-  tokenizer: ModelTokenizer,
+  tokenizer: TextTokenizer,
   chatTemplate: ChatTemplate | null,
   /** `--tool-call-parser`: the format of tool calls in the output, in place of the template's. */
   toolCallParser?: ToolCallFormat,

@@ -25,6 +25,7 @@ import type { SchedulingPolicy } from "../fair-share/fair-share.js";
 import { KvfenceError, type WireError } from "../lib/errors.js";
 import { FairQueue } from "../lib/fair-queue.js";
 import type { OutputConstraint } from "../protocol/output-constraint.js";
+import type { TokenTable } from "../tokenizer/token-table.js";
 import type { SamplingRequest } from "./openai-schemas.js";
 import type { PrepareContext, PreparedRequest } from "./prepare-request.js";
 import type { RequestLimits } from "./request-limits.js";
@@ -96,9 +97,23 @@ export interface ToPrepareWorker {
   readonly body: Uint8Array;
 }
 
+/** What the first worker hands the router's thread of the tokenizer it loaded (start-server.ts). */
+export interface PreparedVocabulary {
+  readonly table: TokenTable | null;
+  /** The chat template's source (`--chat-template FILE`'s when given); null without one. */
+  readonly chatTemplate: string | null;
+  readonly bosToken: string | null;
+  readonly eosToken: string | null;
+}
+
 export type FromPrepareWorker =
   /** Loaded; the first worker's ready carries the vocabulary's bounds (`PreparePool.tokenBounds`). */
-  | { readonly ready: true; readonly tokenBounds?: TokenBounds }
+  | {
+      readonly ready: true;
+      readonly tokenBounds?: TokenBounds;
+      /** With the bounds: the byte-level vocabulary's bytes (null for another decoder) and the chat template. */
+      readonly vocabulary?: PreparedVocabulary;
+    }
   | {
       readonly id: number;
       readonly ok: true;
@@ -168,6 +183,7 @@ export class PreparePool implements RequestPreparer {
   readonly #size: number;
   #first: PreparePoolOptions["first"];
   #tokenBounds: TokenBounds | undefined;
+  #vocabulary: PreparedVocabulary | undefined;
   #nextId = 1;
   #closed = false;
 
@@ -220,6 +236,11 @@ export class PreparePool implements RequestPreparer {
    */
   get tokenBounds(): TokenBounds | undefined {
     return this.#tokenBounds;
+  }
+
+  /** The first worker's tokenizer as the router's thread can use it without loading its own. */
+  get vocabulary(): PreparedVocabulary | undefined {
+    return this.#vocabulary;
   }
 
   /** Bodies waiting for a worker (both lanes). */
@@ -298,6 +319,7 @@ export class PreparePool implements RequestPreparer {
           ready = true;
           slot.ready = true;
           this.#tokenBounds ??= message.tokenBounds;
+          this.#vocabulary ??= message.vocabulary;
           resolve();
           this.#dispatch();
           return;

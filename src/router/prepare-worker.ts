@@ -15,6 +15,7 @@ import type { OutputConstraint } from "../protocol/output-constraint.js";
 
 const utf8 = new TextDecoder();
 
+import { packTokenTable } from "../tokenizer/token-table.js";
 import { loadChatTemplate, openTokenizer, type TokenizerAndTemplate } from "../tokenizer/tokenizer.js";
 import { routerTokenizer } from "./model-tokenizer.js";
 import type {
@@ -52,17 +53,15 @@ async function loadTokenizer(dir: string): Promise<TokenizerAndTemplate> {
 }
 
 const data = await workerDataOrFirstMessage();
-const { tokenizer, chatTemplate } = await loadTokenizer(data.modelDir);
+const { tokenizer, chatTemplate: modelTemplate } = await loadTokenizer(data.modelDir);
+// `--chat-template FILE` replaces the model's own.
+const chatTemplate =
+  data.chatTemplateFile === undefined
+    ? modelTemplate
+    : loadChatTemplate(data.modelDir, tokenizer, data.chatTemplateFile);
 const context = {
   modelId: data.modelId,
-  // `--chat-template FILE` replaces the model's own.
-  tokenizer: routerTokenizer(
-    tokenizer,
-    data.chatTemplateFile === undefined
-      ? chatTemplate
-      : loadChatTemplate(data.modelDir, tokenizer, data.chatTemplateFile),
-    data.toolCallParser,
-  ),
+  tokenizer: routerTokenizer(tokenizer, chatTemplate, data.toolCallParser),
   limits: data.limits,
 };
 
@@ -118,6 +117,17 @@ port.on("message", async (job: ToPrepareWorker) => {
 });
 port.postMessage({
   ready: true,
-  // The first worker walks the vocabulary once for the router's answer-size bounds.
-  ...(data.bounds ? { tokenBounds: context.tokenizer.tokenBounds } : {}),
+  // The first worker walks the vocabulary once for the router's answer-size bounds, and hands
+  // the router's thread what it needs of the tokenizer (src/tokenizer/token-table.ts).
+  ...(data.bounds
+    ? {
+        tokenBounds: context.tokenizer.tokenBounds,
+        vocabulary: {
+          table: packTokenTable(tokenizer),
+          chatTemplate: chatTemplate?.source ?? null,
+          bosToken: tokenizer.bosToken,
+          eosToken: tokenizer.eosToken,
+        },
+      }
+    : {}),
 } satisfies FromPrepareWorker);

@@ -37,10 +37,8 @@ import {
   delayedProgress,
   loadModelWeights,
   type ModelHeader,
-  type ModelMeta,
   openModelHeader,
   openModelMeta,
-  withTokenizer,
 } from "../model/load-model.js";
 import type { ModelConfig, ModelWeights } from "../model/model-config.js";
 import type { NodeServer } from "../node/node-server.js";
@@ -48,12 +46,9 @@ import { type PrestartedWorkers, prestartNodeWorkers } from "../node/prestart-wo
 import { waitUntil } from "../node/role-switch.js";
 import type { EngineHandle } from "../protocol/engine-api.js";
 import { TenantDirectory } from "../router/api-keys.js";
-import { routerTokenizer } from "../router/model-tokenizer.js";
 import { PreparePool, type PreparePoolOptions } from "../router/prepare-pool.js";
 import { requestLimits } from "../router/request-limits.js";
-import type { TokenBounds } from "../router/response-size.js";
-import { RouterServer, type RouterServerOptions } from "../router/router-server.js";
-import { loadChatTemplate } from "../tokenizer/tokenizer.js";
+import { RouterServer, type RouterServerOptions, type RouterTokenizer } from "../router/router-server.js";
 import { clusterSecret, type ServeEngineOptions, startServeEngine } from "../topology/serve-topology.js";
 import { takeEarlyThreads } from "./early-threads.js";
 import { availableMemoryBytes, checkMemoryFits, poolPagesOf } from "./kv-sizing.js";
@@ -65,6 +60,7 @@ import {
   serveTls,
   withChosenKernels,
 } from "./serve-config.js";
+import { serveTokenizer } from "./serve-tokenizer.js";
 import { unsafeWarning } from "./unsafe-switches.js";
 
 export interface RunningServer {
@@ -191,11 +187,9 @@ async function bootServer(
     prestarted,
     ...(options.progress === undefined ? {} : { progress: options.progress }),
   });
-  const model = await withTokenizerMeanwhile(early.header, starting);
+  const tokenizer = await tokenizerMeanwhile(early.header, config, preparing, starting);
   const { served, preparer } = await starting;
   const engine = served.engine;
-  // The router's answer-size bounds come walked by the first preparation worker.
-  const tokenizer = tokenizerOf(model, config, preparer.tokenBounds);
   log.info(
     {
       numPages,
@@ -211,7 +205,7 @@ async function bootServer(
   );
 
   const router = new RouterServer(
-    routerOptions(config, { engine, model, tokenizer, preparer, limits, tenants, tls, log }),
+    routerOptions(config, { engine, model: early.header, tokenizer, preparer, limits, tenants, tls, log }),
   );
   served.registerMetrics(router.metrics);
   const closeAll = async (): Promise<void> => {
@@ -254,8 +248,8 @@ function routerOptions(
   config: ServeConfig,
   parts: {
     readonly engine: EngineHandle;
-    readonly model: ModelMeta;
-    readonly tokenizer: ReturnType<typeof tokenizerOf>;
+    readonly model: ModelHeader;
+    readonly tokenizer: RouterTokenizer;
     readonly preparer: PreparePool;
     readonly limits: ReturnType<typeof limitsOf>;
     readonly tenants: TenantDirectory;
@@ -398,16 +392,18 @@ async function startEnginesAndPreparer(
 }
 
 /**
- * This thread's tokenizer and chat template (a folder's or a GGUF file's), parsed while the engine
- * threads build their engines over the weights (`starting`); their engines are closed on a throw
- * (and the preparation workers by `startServer`).
+ * The router's tokenizer (serve-tokenizer.ts), made while the engine threads build their engines
+ * over the weights (`starting`); their engines are closed on a throw (and the preparation workers
+ * by `startServer`).
  */
-async function withTokenizerMeanwhile(
+async function tokenizerMeanwhile(
   header: ModelHeader,
+  config: ServeConfig,
+  preparing: Promise<PreparePool>,
   starting: ReturnType<typeof startEnginesAndPreparer>,
-): Promise<ModelMeta> {
+): Promise<RouterTokenizer> {
   try {
-    return withTokenizer(header);
+    return await serveTokenizer(header, config, preparing);
   } catch (err) {
     await starting.then(
       ({ served }) => served.close(),
@@ -415,15 +411,6 @@ async function withTokenizerMeanwhile(
     );
     throw err;
   }
-}
-
-/** The router's tokenizer, with `--chat-template FILE` in place of the folder's template when given. */
-function tokenizerOf(model: ModelMeta, config: ServeConfig, bounds: TokenBounds | undefined) {
-  const template =
-    config.chatTemplate === undefined
-      ? model.chatTemplate
-      : loadChatTemplate(model.dir, model.tokenizer, config.chatTemplate);
-  return routerTokenizer(model.tokenizer, template, config.toolCallParser, bounds);
 }
 
 /** The served model as the router shows it: its names, window, EOS ids and sampling defaults. */

@@ -42,8 +42,6 @@ const CODE_TO_BYTE: Int16Array = (() => {
   });
   return table;
 })();
-/** Scratch for one token's bytes (a token's string has at most one byte per code unit). */
-let tokenScratch = new Uint8Array(256);
 const EMPTY_BYTES = new Uint8Array(0);
 /** Decodes one token's bytes alone (never streaming, so it holds no state between calls). */
 const PIECE_DECODER = new TextDecoder("utf-8", { fatal: false, ignoreBOM: true });
@@ -85,9 +83,8 @@ export class ModelTokenizer {
   readonly #byteLevel: boolean;
   readonly #specialIds: ReadonlySet<number>;
   readonly #addedIds: ReadonlySet<number>;
-  readonly #tokenBytes: Array<Uint8Array | undefined> = [];
+  #packed: { readonly bytes: Uint8Array; readonly offsets: Uint32Array } | undefined;
   readonly #encoder = new TextEncoder();
-  #numIds: number | undefined;
 
   /** Builds a tokenizer from parsed tokenizer.json and tokenizer_config.json; `label` names them in errors. */
   constructor(tokenizerJson: unknown, tokenizerConfig: unknown, options?: { label?: string }) {
@@ -141,14 +138,13 @@ export class ModelTokenizer {
     return this.#tokenizer.decode(list, { skip_special_tokens: options?.skipSpecialTokens ?? true });
   }
 
-  /** One more than the largest token id (model vocabulary plus added tokens); one walk, kept. */
+  /**
+   * One more than the largest token id (model vocabulary plus added tokens): the length of the
+   * tokenizer's id → token array, which `get_vocab(true)` walks (its largest id is the last index;
+   * copying it into a map took ~40 ms of a worker's start for a 49k vocabulary).
+   */
   get numIds(): number {
-    if (this.#numIds === undefined) {
-      let max = -1;
-      for (const id of this.#tokenizer.get_vocab(true).values()) if (id > max) max = id;
-      this.#numIds = max + 1;
-    }
-    return this.#numIds;
+    return this.#tokenizer.model?.vocab.length ?? 0;
   }
 
   /** Every token's string as the vocabulary spells it (byte-level or SentencePiece pieces), by id ("" for an unused id). */
@@ -178,6 +174,11 @@ export class ModelTokenizer {
     return { text: PIECE_DECODER.decode(bytes), bytes };
   }
 
+  /** Whether ids decode to their tokens' raw bytes (tokenizer.json's decoder is `ByteLevel`). */
+  get byteLevel(): boolean {
+    return this.#byteLevel;
+  }
+
   /** A fresh incremental detokenizer (one per generated sequence). */
   streamDecoder(options?: { skipSpecialTokens?: boolean }): StreamDecoder {
     const skip = options?.skipSpecialTokens ?? true;
@@ -187,24 +188,45 @@ export class ModelTokenizer {
   /** Raw bytes of one byte-level token ("" for special tokens when skipped and unknown ids). */
   tokenBytes(id: number, skipSpecialTokens: boolean): Uint8Array {
     if (skipSpecialTokens && this.#specialIds.has(id)) return EMPTY_BYTES;
-    let bytes = this.#tokenBytes[id];
-    if (bytes !== undefined) return bytes;
-    const token = this.#tokenizer.id_to_token(id);
-    if (token === undefined) bytes = EMPTY_BYTES;
-    else if (this.#addedIds.has(id)) bytes = this.#encoder.encode(token);
-    else {
-      // Characters outside the byte map (none in a byte-level vocabulary) are skipped.
-      if (tokenScratch.length < token.length) tokenScratch = new Uint8Array(token.length);
-      let n = 0;
-      for (let i = 0; i < token.length; i++) {
-        const c = token.charCodeAt(i);
-        const b = c < CODE_TO_BYTE.length ? (CODE_TO_BYTE[c] as number) : -1;
-        if (b >= 0) tokenScratch[n++] = b;
-      }
-      bytes = tokenScratch.slice(0, n);
+    const { bytes, offsets } = this.packedTokenBytes();
+    if (!Number.isInteger(id) || id < 0 || id >= offsets.length - 1) return EMPTY_BYTES;
+    return bytes.subarray(offsets[id], offsets[id + 1]);
+  }
+
+  /**
+   * Every id's raw bytes back to back (an added token's as its UTF-8 text; id `i`'s from
+   * `offsets[i]` to `offsets[i + 1]`), made in one pass when first needed: a Uint8Array a token
+   * took ~80 ms for a 49k vocabulary on a preparation worker's path to ready (token-table.ts).
+   */
+  packedTokenBytes(): { readonly bytes: Uint8Array; readonly offsets: Uint32Array } {
+    if (this.#packed !== undefined) return this.#packed;
+    const numIds = this.numIds;
+    const tokens = new Array<string | undefined>(numIds);
+    let capacity = 0;
+    for (let id = 0; id < numIds; id++) {
+      const token = this.#tokenizer.id_to_token(id);
+      tokens[id] = token;
+      // UTF-8 takes at most 3 bytes a UTF-16 code unit; a byte-level character is one byte.
+      if (token !== undefined) capacity += this.#addedIds.has(id) ? 3 * token.length : token.length;
     }
-    if (id >= 0 && id < 1 << 24) this.#tokenBytes[id] = bytes;
-    return bytes;
+    const bytes = new Uint8Array(capacity);
+    const offsets = new Uint32Array(numIds + 1);
+    let at = 0;
+    for (let id = 0; id < numIds; id++) {
+      const token = tokens[id];
+      if (token !== undefined && this.#addedIds.has(id))
+        at += this.#encoder.encodeInto(token, bytes.subarray(at)).written;
+      else if (token !== undefined)
+        for (let i = 0; i < token.length; i++) {
+          // Characters outside the byte map (none in a byte-level vocabulary) are skipped.
+          const c = token.charCodeAt(i);
+          const b = c < CODE_TO_BYTE.length ? (CODE_TO_BYTE[c] as number) : -1;
+          if (b >= 0) bytes[at++] = b;
+        }
+      offsets[id + 1] = at;
+    }
+    this.#packed = { bytes: bytes.subarray(0, at), offsets };
+    return this.#packed;
   }
 }
 
@@ -216,12 +238,13 @@ export interface StreamDecoder {
   flush(): string;
 }
 
-class ByteLevelStreamDecoder implements StreamDecoder {
-  readonly #tokenizer: ModelTokenizer;
+/** Streams a byte-level vocabulary's tokens: each token's raw bytes into one streaming `TextDecoder`. */
+export class ByteLevelStreamDecoder implements StreamDecoder {
+  readonly #tokenizer: Pick<ModelTokenizer, "tokenBytes">;
   readonly #skip: boolean;
   readonly #decoder = new TextDecoder("utf-8", { fatal: false, ignoreBOM: true });
 
-  constructor(tokenizer: ModelTokenizer, skip: boolean) {
+  constructor(tokenizer: Pick<ModelTokenizer, "tokenBytes">, skip: boolean) {
     this.#tokenizer = tokenizer;
     this.#skip = skip;
   }

@@ -114,7 +114,10 @@ export interface PrefixBenchResult {
   readonly workingSetTokens: number;
   readonly prefillPoolTokens: number;
   readonly arms: readonly PrefixArm[];
+  /** The first five failures (refused turns, answers that differ between arms) … */
   readonly failures: readonly string[];
+  /** … and how many there were in all. */
+  readonly failureCount: number;
   readonly load: MachineLoad;
 }
 
@@ -211,6 +214,7 @@ async function scrapeTransferPages(url: string): Promise<{ sent: number; reused:
 /** What the measured rounds found, per arm. */
 class Tally {
   readonly failures: string[] = [];
+  failureCount = 0;
   readonly later = new Map<PrefixArmName, number[]>();
   readonly first = new Map<PrefixArmName, number[]>();
   readonly prompt = new Map<PrefixArmName, number>();
@@ -243,7 +247,8 @@ class Tally {
             `round ${r + 1} session ${s + 1} turn ${t + 1}: the answers of ${arm} and the first arm differ`,
           );
       }
-      const last = turns.at(-1);
+      // The session's KV at its last answered turn (a refused turn holds none).
+      const last = turns.findLast((o) => o.ok);
       workingSet += (last?.promptTokens ?? 0) + (last?.completionTokens ?? 0);
     }
     this.workingSet = Math.max(this.workingSet, workingSet);
@@ -252,6 +257,7 @@ class Tally {
   }
 
   #fail(line: string): void {
+    this.failureCount++;
     if (this.failures.length < 5) this.failures.push(line);
   }
 }
@@ -415,6 +421,7 @@ export async function runPrefixCacheBench(options: PrefixBenchOptions = {}): Pro
     prefillPoolTokens: st.kvPages * PAGE_SIZE * st.prefillNodes,
     arms,
     failures: tally.failures,
+    failureCount: tally.failureCount,
     load: machineLoad(loadStart),
   };
 }
@@ -472,7 +479,9 @@ export function formatPrefixCacheReport(r: PrefixBenchResult): string {
     describeLoad(r.load),
     ...r.arms.map(line),
     ...ratios,
-    ...(r.failures.length > 0 ? [`FAILURES: ${r.failures.join("; ")}`] : []),
+    ...(r.failures.length > 0
+      ? [`FAILURES (${r.failureCount}; the first ${r.failures.length}): ${r.failures.join("; ")}`]
+      : []),
   ].join("\n");
 }
 

@@ -378,7 +378,7 @@ export async function runPrefixCacheBench(options: PrefixBenchOptions = {}): Pro
         reference ??= outcomes;
       }
       st.log(
-        `round ${r + 1}/${st.rounds}: mean TTFT of turns 2-${st.turns}: ${st.arms.map((a) => `${a} ${(tally.later.get(a)!.at(-1)! * 1000).toFixed(1)} ms`).join(", ")}`,
+        `round ${r + 1}/${st.rounds}: mean TTFT of ${st.turns < 2 ? "turn 1" : `turns 2-${st.turns}`}: ${st.arms.map((a) => `${a} ${((st.turns < 2 ? tally.first : tally.later).get(a)!.at(-1)! * 1000).toFixed(1)} ms`).join(", ")}`,
       );
     }
     for (const [arm, server] of servers) pages.set(arm, await scrapeTransferPages(server.url));

@@ -14,9 +14,13 @@
  * cut to printable ASCII without `"` and `\\`: the value still matches the pattern), and the bounded
  * strings' class is cut the same way. So such strings are ASCII (docs/structured-output.md).
  * `propertyNames` and `patternProperties` patterns are left to xgrammar.
+ *
+ * xgrammar also writes a bounded `number` wrongly at its bounds (src/grammar/number-range-ebnf.ts):
+ * each such schema is swapped for a `const` placeholder and its grammar put back from there.
  */
 import { randomBytes } from "node:crypto";
 import { KvfenceError } from "../lib/errors.js";
+import { type NumberBounds, numberBounds, numberRangeEbnf } from "./number-range-ebnf.js";
 import { regexToEbnfExpression } from "./regex-to-ebnf.js";
 import type { XgrammarBinding } from "./xgrammar-binding.js";
 
@@ -52,10 +56,18 @@ export function jsonSchemaEbnf(
   }
   const nonce = randomBytes(6).toString("hex");
   const patterns: string[] = [];
+  const numbers: NumberBounds[] = [];
   const placeholder = (i: number): string => `kvfencepattern${nonce}n${i}x`;
-  const swapped = swapPatterns(parsed, (pattern) => {
-    patterns.push(pattern);
-    return `^${placeholder(patterns.length - 1)}$`;
+  const numberPlaceholder = (i: number): string => `kvfencenumber${nonce}n${i}x`;
+  const swapped = walkSchemas(parsed, (node) => {
+    const bounds = numberBounds(node);
+    if (bounds !== null) {
+      numbers.push(bounds);
+      return { const: numberPlaceholder(numbers.length - 1) };
+    }
+    if (typeof node.pattern !== "string") return node;
+    patterns.push(node.pattern);
+    return { ...node, pattern: `^${placeholder(patterns.length - 1)}$` };
   });
   let ebnf: string = binding._JSONSchemaToEBNF(
     JSON.stringify(swapped),
@@ -72,6 +84,10 @@ export function jsonSchemaEbnf(
     const written = `"\\"" ${[...placeholder(i)].map((c) => `"${c}"`).join(" ")} "\\""`;
     const grammar = `"\\"" (${patternEbnf(pattern, param)}) "\\""`;
     ebnf = ebnf.split(written).join(grammar);
+  });
+  numbers.forEach((bounds, i) => {
+    // A string `const` is written as one literal, quotes included.
+    ebnf = ebnf.split(`"\\"${numberPlaceholder(i)}\\""`).join(`(${numberRangeEbnf(bounds, param)})`);
   });
   return ebnf;
 }
@@ -93,15 +109,19 @@ function patternEbnf(pattern: string, param: string): string {
   }
 }
 
-/** `node` with every schema's string `pattern` replaced by `swap(pattern)` (data keywords untouched). */
-function swapPatterns(node: unknown, swap: (pattern: string) => string): unknown {
-  if (Array.isArray(node)) return node.map((item) => swapPatterns(item, swap));
+/**
+ * `node` with every schema object (every object outside the data keywords) replaced by
+ * `visit(it)`, children first.
+ */
+function walkSchemas(
+  node: unknown,
+  visit: (schema: Record<string, unknown>) => Record<string, unknown>,
+): unknown {
+  if (Array.isArray(node)) return node.map((item) => walkSchemas(item, visit));
   if (node === null || typeof node !== "object") return node;
   const out: Record<string, unknown> = {};
   for (const [key, value] of Object.entries(node)) {
-    if (key === "pattern" && typeof value === "string") out[key] = swap(value);
-    else if (DATA_KEYWORDS.has(key)) out[key] = value;
-    else out[key] = swapPatterns(value, swap);
+    out[key] = DATA_KEYWORDS.has(key) ? value : walkSchemas(value, visit);
   }
-  return out;
+  return visit(out);
 }

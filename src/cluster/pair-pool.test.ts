@@ -77,6 +77,25 @@ test("PairPool.take() offers the policy the usable pairs with room, round-robin 
   assert.equal(policy.offered.length, 5);
 });
 
+test("PairPool.take() offers a request whose attempt failed on a pair only the pairs sharing neither node, while there are any", () => {
+  const policy = new LastPolicy();
+  const pairs = new PairPool({
+    prefill: [node("p0", "prefill"), node("p1", "prefill")],
+    decode: [node("d0", "decode"), node("d1", "decode")],
+    admitted: { poolTokens: 160, maxModelLen: 160 },
+    policy,
+  });
+  for (const pair of pairs.pairs) pair.up = true;
+  const failed = pairs.pairs.find((p) => p.key === "p0|d0")!;
+  // p0 is dead but its link has not closed yet: every pair is still usable to the router.
+  assert.equal(pairs.take({ ...demand(2), avoid: failed })?.key, "p1|d1");
+  assert.deepEqual(policy.offered[0], ["p1|d1"]);
+  // No pair apart from it can take one: the usable ones are offered as before.
+  pairs.slots.find((s) => s.id === "d1")!.answering = false;
+  pairs.take({ ...demand(2), avoid: failed });
+  assert.deepEqual(policy.offered[1], ["p0|d0", "p1|d0"]);
+});
+
 test("PairPool.take() books a demand in the ledger and takes nothing the decode pool has no room for", () => {
   const pairs = pool(new LastPolicy());
   const decode = pairs.slots[2]!;

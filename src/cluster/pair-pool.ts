@@ -82,6 +82,12 @@ export interface PairDemand {
   readonly affinityKey: string | null;
   /** Its prompt's chain keys, for a policy that routes by the nodes' caches (`PairPolicy.chainOf`). */
   readonly chain?: PromptChain | null;
+  /**
+   * The pair its last attempt lost a node on or failed on (src/cluster/migration.ts): a pair
+   * sharing neither node is offered first. The router may not know yet which node is gone: a
+   * decode node can report a prefill node's loss before the prefill link closes.
+   */
+  readonly avoid?: NodePair | null;
 }
 
 /**
@@ -319,7 +325,13 @@ export class PairPool {
       const pair = this.#pairs[(this.#next + i) % n]!;
       if (this.usable(pair) && this.#fits(pair, demand)) candidates.push(pair);
     }
-    const pair = candidates.length === 0 ? null : this.#policy.pick(candidates, demand);
+    const avoid = demand.avoid;
+    const apart =
+      avoid == null
+        ? candidates
+        : candidates.filter((p) => p.prefill !== avoid.prefill && p.decode !== avoid.decode);
+    const offered = apart.length > 0 ? apart : candidates;
+    const pair = offered.length === 0 ? null : this.#policy.pick(offered, demand);
     if (pair === null) return null;
     this.#next = (this.#pairs.indexOf(pair) + 1) % n;
     pair.decode.usedPages += demand.decodePages;

@@ -32,6 +32,8 @@ export interface PendingRequest extends PairDemand, GroupSample<PendingRequest> 
   readonly output: number[];
   /** Times it migrated mid-stream to another pair (migration.ts). */
   migrations: number;
+  /** The pair its last attempt ended on by a node's loss or failure (`PairDemand.avoid`). */
+  avoid: NodePair | null;
   /** Its request's sampling, as is; a group's first sample's: with its riders' seeds, set at each dispatch. */
   sampling: SamplingParams;
   /**
@@ -87,6 +89,7 @@ export function pendingRequest(
     maxTokens: request.maxTokens,
     output: [],
     migrations: 0,
+    avoid: null,
     sampling: request.sampling,
     decodePages: decodeReservationPages(request.promptTokens.length, request.maxTokens, pageSize),
     prefillPages: Math.ceil(request.promptTokens.length / pageSize),

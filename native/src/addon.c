@@ -207,8 +207,15 @@ static int64_t kf_mul(int64_t a, int64_t b) {
   return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
 }
 
-/* [off, off + bytes) inside [lo, hi) and `off` a multiple of `align`, else a RangeError. */
+/* Whether [off, off + bytes) lies inside [lo, hi) with `off` a multiple of `align` (kf_range's test). */
+static bool kf_fits(const kf_handle *h, int64_t off, int64_t bytes, int64_t align, bool write_region) {
+  const int64_t lo = write_region ? h->region_start : 0, hi = write_region ? h->region_end : h->len;
+  return off >= lo && bytes >= 0 && bytes <= hi - off && off % align == 0;
+}
+
+/* kf_fits, else a RangeError. */
 static bool kf_range(kf_call *c, const char *what, int64_t off, int64_t bytes, int64_t align, bool write_region) {
+  if (kf_fits(c->h, off, bytes, align, write_region)) return true;
   const int64_t lo = write_region ? c->h->region_start : 0;
   const int64_t hi = write_region ? c->h->region_end : c->h->len;
   if (off < lo || bytes < 0 || bytes > hi - off) {
@@ -598,7 +605,6 @@ static napi_value kf_matmul_par(napi_env env, napi_callback_info info) {
   for (int64_t i = 0; i < num_segs; i++) {
     const double *r = rec + 4 * i;
     for (int k = 0; k < 4; k++) c.v[k] = r[k];
-    char what[48];
     ARG(0, "segment out", 0, KF_MAX_OFFSET, out);
     ARG(1, "segment w", 0, KF_MAX_OFFSET, w);
     ARG(2, "segment outDim", 1, KF_I32, out_dim);
@@ -610,10 +616,14 @@ static napi_value kf_matmul_par(napi_env env, napi_callback_info info) {
     }
     chunks += (out_dim + col_chunk - 1) / col_chunk;
     if (chunks > KF_I32) return (kf_throw(&c, "too many chunks: %lld", (long long)chunks), NULL);
-    snprintf(what, sizeof what, "segment %lld out", (long long)i);
-    WRITES(what, out, kf_mul(rows * 4, out_dim), 4);
-    snprintf(what, sizeof what, "segment %lld weight", (long long)i);
-    READS(what, w, kf_mul(out_dim, row_bytes), 1);
+    const int64_t out_bytes = kf_mul(rows * 4, out_dim), w_bytes = kf_mul(out_dim, row_bytes);
+    if (!kf_fits(c.h, out, out_bytes, 4, true) || !kf_fits(c.h, w, w_bytes, 1, false)) {
+      char what[48]; /* named only on failure: two snprintf a segment cost ~90 ns a call */
+      snprintf(what, sizeof what, "segment %lld out", (long long)i);
+      WRITES(what, out, out_bytes, 4);
+      snprintf(what, sizeof what, "segment %lld weight", (long long)i);
+      READS(what, w, w_bytes, 1);
+    }
     c.h->segs[i] = (kf_segment){(float *)(B + out), B + w, (int32_t)out_dim, (int32_t)first_chunk};
   }
   if (kf_mul((rows + row_chunk - 1) / row_chunk, chunks) > KF_I32) {

@@ -727,7 +727,6 @@ export class DisaggregatedEngine implements EngineHandle {
     const other = this.#pool.pairs.some((p) => p !== from && this.#pool.usable(p));
     const next = this.migrations.after(pending, error, other, this.capacity.pageSize);
     if (next !== "requeue") return next === "finished" ? null : next;
-    pending.avoid = from;
     pending.pair = null;
     if (!this.#share.returned(pending)) return error;
     this.#share.pump();

@@ -15,7 +15,8 @@
  *
  * The router keeps each request's output token ids for this (one array push per token it streams):
  * nothing else is added to a request that never migrates. A request migrates at most
- * `--max-migrations` times (default 2); a request of an n > 1 group does not migrate (its samples
+ * `--max-migrations` times (default 2), to a pair sharing neither node with the one it failed on
+ * when one can take it (`PairDemand.avoid`); a request of an n > 1 group does not migrate (its samples
  * share an attempt until the commit); nor does one when no other pair is usable. Those end with
  * their error, as before. Counted by reason (the error code that ended the attempt) and result.
  */
@@ -79,6 +80,7 @@ export class Migrations {
     if (!pending.firstToken) {
       if (error.code !== "node_unavailable" || pending.moved >= MAX_MOVES || !otherPair) return error;
       pending.moved++;
+      pending.avoid = pending.pair;
       this.#record(pending, error, "moved");
       return "requeue";
     }
@@ -99,7 +101,10 @@ export class Migrations {
           : WHY[result];
       return { ...error, message: `${error.message}; not migrated: ${why}` };
     }
-    if (resumeAttempt(pending, pageSize)) return "requeue";
+    if (resumeAttempt(pending, pageSize)) {
+      pending.avoid = pending.pair;
+      return "requeue";
+    }
     pending.completionTokens = pending.output.length + (pending.stopped ? 1 : 0);
     return "finished";
   }

@@ -17,6 +17,7 @@
  */
 import { isMainThread, type MessagePort, parentPort, workerData } from "node:worker_threads";
 import type { SelfTestResult } from "../engine/kernels-choice.js";
+import { faultInWeights } from "../engine/weight-pages.js";
 import { KvfenceError } from "../lib/errors.js";
 import type { ForwardedSpans } from "../lib/tracing.js";
 import type { FromNode, ToNode } from "../links/node-messages.js";
@@ -133,6 +134,10 @@ async function main(port: MessagePort, options: NodeHostOptions): Promise<void> 
     node.onRouter(message);
   });
   toRouter(built.hello);
+  // Idle until prefill's first transfer, the decode thread faults in the weights' pages meanwhile,
+  // so that the first prefill step does not (src/engine/weight-pages.ts).
+  const model = options.engine.model;
+  if (built.role === "decode" && "weights" in model) void faultInWeights(model.weights);
 }
 
 /** The options of a worker started without them, its first message. */

@@ -85,6 +85,21 @@ test("PreparePool serves a small body at once while large ones queue for the oth
   assert.equal(order[0], "small", order.join(", "));
 });
 
+test("PreparePool starts its other workers only once a body would wait for the first", async () => {
+  const fresh = await PreparePool.start({ modelDir: dir, modelId: MODEL, limits, threads: 2 });
+  try {
+    assert.equal(fresh.startedWorkers, 1);
+    await fresh.prepare("completions", body({ model: MODEL, prompt: "hi" }));
+    assert.equal(fresh.startedWorkers, 1, "a small body the first worker took at once starts none");
+    const large = body({ model: MODEL, prompt: "b".repeat(limits.maxPromptBytes - 100), max_tokens: 1 });
+    const prepared = fresh.prepare("completions", large);
+    assert.equal(fresh.startedWorkers, 2, "a large body starts the large lane's worker");
+    await prepared;
+  } finally {
+    await fresh.close();
+  }
+});
+
 test("PreparePool serves another tenant's body before a tenant's backlog of them", async () => {
   // One worker, so the order bodies finish in is the order they were served in (with two, a
   // worker descheduled on a busy machine finishes its body after the other worker's next ones).

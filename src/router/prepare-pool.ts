@@ -48,6 +48,13 @@ export const LARGE_BODY_BYTES = 16 * 1024;
 /** How long the check of a request's output constraint may compile before it is refused. */
 export const GRAMMAR_COMPILE_MS = 1000;
 
+/**
+ * How long after the first worker is ready the others start at the latest (sooner when a body
+ * would wait for the first): ~0.6 s of CPU each, which the first requests of a fresh server
+ * would otherwise share with them.
+ */
+export const LATER_WORKERS_MS = 2000;
+
 /** The nice value of the large lane's workers (Linux; lib/thread-priority.ts). */
 export const LARGE_LANE_NICE = 10;
 
@@ -186,6 +193,8 @@ export class PreparePool implements RequestPreparer {
   #vocabulary: PreparedVocabulary | undefined;
   #nextId = 1;
   #closed = false;
+  /** The timer that starts the workers after the first; null once they started (or with one). */
+  #later: ReturnType<typeof setTimeout> | null = null;
 
   private constructor(options: PreparePoolOptions) {
     this.#data = {
@@ -213,21 +222,39 @@ export class PreparePool implements RequestPreparer {
 
   /**
    * Starts `threads` workers and resolves once the first has loaded the tokenizer. The others (the
-   * large lane, at a lower priority) start only then, so a server's start-up does not share the
-   * CPU with them, and take their bodies once ready (large bodies wait for them meanwhile, served
-   * by the first). One that fails to start is reported, and the first then serves both lanes, as
-   * a pool of one does.
+   * large lane, at a lower priority) start later (`#startOthers`): when a body would wait for the
+   * first (a large body, a constraint to compile, or a small one while the first is busy), or
+   * `LATER_WORKERS_MS` after it, so neither a server's start-up nor its first requests share the
+   * CPU with their loading. They take their bodies once ready (large bodies wait for them
+   * meanwhile). One that fails to start is reported, and the first then serves both lanes, as a
+   * pool of one does.
    */
   static async start(options: PreparePoolOptions): Promise<PreparePool> {
     const pool = new PreparePool(options);
     try {
       await pool.#spawn(0);
-      for (let i = 1; i < pool.#size; i++) pool.#spawn(i).catch((err: unknown) => pool.#startFailed(i, err));
     } catch (err) {
       await pool.close();
       throw err;
     }
+    if (pool.#size > 1) {
+      pool.#later = setTimeout(() => pool.#startOthers(), LATER_WORKERS_MS);
+      pool.#later.unref();
+    }
     return pool;
+  }
+
+  /** The workers after the first, once (see `start`). */
+  #startOthers(): void {
+    if (this.#later === null || this.#closed) return;
+    clearTimeout(this.#later);
+    this.#later = null;
+    for (let i = 1; i < this.#size; i++) this.#spawn(i).catch((err: unknown) => this.#startFailed(i, err));
+  }
+
+  /** Workers started so far (the first, then all once `#startOthers` ran). */
+  get startedWorkers(): number {
+    return this.#slots.filter((s) => s !== undefined).length;
   }
 
   /**
@@ -271,6 +298,8 @@ export class PreparePool implements RequestPreparer {
         reject,
       };
       (job.large ? this.#large : this.#small).push(job);
+      // A body that would wait for the first worker starts the others now.
+      if (job.large || this.#slots[0]?.job != null) this.#startOthers();
       this.#dispatch();
     });
   }
@@ -284,6 +313,7 @@ export class PreparePool implements RequestPreparer {
 
   async close(): Promise<void> {
     this.#closed = true;
+    if (this.#later !== null) clearTimeout(this.#later);
     const gone = new KvfenceError("node_unavailable", "The server is shutting down");
     for (const lane of [this.#small, this.#large]) {
       for (const job of [...lane]) {

@@ -6,6 +6,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { Ajv } from "ajv";
+import { accepts, seededRandom as random } from "../../testing/grammar-judge.js";
 import { KvfenceError } from "../lib/errors.js";
 import { jsonSchemaEbnf } from "./json-schema-ebnf.js";
 import { decimal, FRACTION_DIGITS, numberBounds } from "./number-range-ebnf.js";
@@ -13,27 +14,6 @@ import { loadXgrammar } from "./xgrammar-binding.js";
 
 const xg = await loadXgrammar();
 const ajv = new Ajv({ strict: false });
-
-async function accepts(ebnf: string, text: string): Promise<boolean> {
-  const grammar = await xg.api.Grammar.fromEBNF(ebnf);
-  try {
-    return await xg.api.Testings.isGrammarAcceptString(grammar, text);
-  } finally {
-    grammar.dispose();
-  }
-}
-
-/** A deterministic generator (mulberry32), so a failure names a reproducible case. */
-function random(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 /** Number texts near the bounds and across the range, in xgrammar's number form. */
 function candidates(bounds: number[], next: () => number): string[] {

@@ -1,31 +1,8 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
+import { accepts, seededRandom as random } from "../../testing/grammar-judge.js";
 import { KvfenceError } from "../lib/errors.js";
 import { choiceToEbnf, ebnfString, MAX_REGEX_CHARS, regexToEbnf } from "./regex-to-ebnf.js";
-import { loadXgrammar } from "./xgrammar-binding.js";
-
-const xg = (await loadXgrammar()).api;
-
-async function accepts(ebnf: string, text: string): Promise<boolean> {
-  const grammar = await xg.Grammar.fromEBNF(ebnf);
-  try {
-    return await xg.Testings.isGrammarAcceptString(grammar, text);
-  } finally {
-    grammar.dispose();
-  }
-}
-
-/** A deterministic generator (mulberry32), so a failure names a reproducible string. */
-function random(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 const ALPHABET = [...'ab09xyzAZ_-.: "\\\n\t{}[],é😀'];
 

@@ -102,6 +102,23 @@ async function sampled(server: TopologyServer, requestId: string): Promise<Answe
   };
 }
 
+/**
+ * Waits until neither decode node reports an attempt: the nodes' figures reach the router by
+ * polling, so one could still show an earlier request's attempt when the next request starts.
+ */
+async function idleDecodes(server: TopologyServer): Promise<void> {
+  const deadline = Date.now() + 20_000;
+  for (;;) {
+    const m = await scrape(server.url);
+    const busy = [0, 1].some(
+      (i) => (m.get(`kvfence_node_protocol_attempts{node="decode-${i}",role="decode"}`) ?? 0) > 0,
+    );
+    if (!busy) return;
+    assert.ok(Date.now() < deadline, "the decode nodes hold no attempt between requests");
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
 /** The decode node holding an attempt now (the one under the one request in flight). */
 async function busyDecode(server: TopologyServer): Promise<number> {
   const deadline = Date.now() + 20_000;
@@ -277,6 +294,7 @@ async function killDecodeAfterTenth(
     tenth = r;
   });
   let chunks = 0;
+  await idleDecodes(server);
   const answer = streamed(server, requestId, (n) => {
     chunks = n;
     if (n === 10) tenth();

@@ -24,6 +24,7 @@ import { type Host, Hosts, netnsUnavailable } from "../../testing/netns.js";
 import { type ServeProcess, spawnServe } from "../../testing/serve-process.js";
 import { assertPoolIdle, modelDir, operatorGet, TEST_OPERATOR_KEY } from "../../testing/start-server.js";
 import type { NodesInfo } from "../admin-api/admin-wire.js";
+import { started } from "../tools/chaos/chaos-cluster.js";
 
 const MODEL = "tiny-qwen2";
 const MAIN = fileURLToPath(new URL("../cli/main.js", import.meta.url));
@@ -31,30 +32,6 @@ const SECRET = "netns-test-cluster-secret-7f3a9c";
 const KEYS = { "sk-netns-alpha-0001": "alpha", "sk-netns-beta-00002": "beta" };
 const PROMPTS = Array.from({ length: 8 }, (_, i) => `tell me about item number ${i * 7 + 3} please`);
 const unavailable = netnsUnavailable();
-
-/** Resolves on the first stdout line matching `pattern` (its first group), rejects if it exits first. */
-function started(child: ChildProcess, pattern: RegExp, what: string): Promise<string> {
-  return new Promise((resolve, reject) => {
-    let out = "";
-    let err = "";
-    const timer = setTimeout(() => reject(new Error(`${what} did not start:\n${err}`)), 60_000);
-    child.stderr!.on("data", (d: Buffer) => {
-      err = (err + d.toString()).slice(-3000);
-    });
-    child.stdout!.on("data", (d: Buffer) => {
-      out += d.toString();
-      const m = pattern.exec(out);
-      if (m !== null) {
-        clearTimeout(timer);
-        resolve(m[1] ?? m[0]);
-      }
-    });
-    child.once("exit", (code) => {
-      clearTimeout(timer);
-      reject(new Error(`${what} exited with ${code} during startup:\n${err}`));
-    });
-  });
-}
 
 describe("multi-host: router, etcd, two prefill and two decode nodes, each in its own network namespace", {
   skip: unavailable === null ? false : `network namespaces cannot be made here: ${unavailable}`,
@@ -121,7 +98,7 @@ describe("multi-host: router, etcd, two prefill and two decode nodes, each in it
       "warn",
     ];
     procs[name] = hosts.run(h[name]!, process.execPath, args, { KVFENCE_CLUSTER_SECRET: SECRET });
-    await started(procs[name]!, /listening at/, name);
+    await started(procs[name]!, /listening at/, name, 60_000);
   };
   const startRouter = async () => {
     const args = [
@@ -146,7 +123,7 @@ describe("multi-host: router, etcd, two prefill and two decode nodes, each in it
       "warn",
     ];
     procs.router = hosts.run(h.router!, process.execPath, args, { KVFENCE_CLUSTER_SECRET: SECRET });
-    routerUrl = await started(procs.router, / at (http:\/\/\S+) /, "router");
+    routerUrl = await started(procs.router, / at (http:\/\/\S+) /, "router", 60_000);
   };
   const kill = async (name: string, signal: NodeJS.Signals = "SIGKILL") => {
     const c = procs[name]!;

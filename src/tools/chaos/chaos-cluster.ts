@@ -40,12 +40,23 @@ export interface NodePages {
   readonly pages: Record<string, number>;
 }
 
-/** Resolves on the first stdout line matching `pattern` (its first group), rejects if it exits first. */
-function started(child: ChildProcess, pattern: RegExp, what: string): Promise<string> {
+/**
+ * Resolves on the first stdout line matching `pattern` (its first group), rejects if it exits first
+ * or after `timeoutMs`. (The netns e2e test starts its hosts' processes with it too.)
+ */
+export function started(
+  child: ChildProcess,
+  pattern: RegExp,
+  what: string,
+  timeoutMs = 120_000,
+): Promise<string> {
   return new Promise((resolve, reject) => {
     let out = "";
     let err = "";
-    const timer = setTimeout(() => reject(new Error(`${what} did not start in 120 s:\n${err}`)), 120_000);
+    const timer = setTimeout(
+      () => reject(new Error(`${what} did not start in ${timeoutMs / 1000} s:\n${err}`)),
+      timeoutMs,
+    );
     child.stderr!.on("data", (d: Buffer) => {
       err = (err + d.toString()).slice(-3000);
     });

@@ -14,6 +14,19 @@ test("allocationPerRound counts an object a step, even when a GC collects it, an
   // 20,000 objects of at least 16 bytes (a map word and two fields, compressed pointers).
   assert.ok(least.bytes > 20_000 * 12, `${least.bytes} bytes over 20,000 objects`);
   assert.match(least.sites, /allocatesOnePerStep/);
+  // Going on for a quiet round (`below`) does not hide a loop that allocates on every step.
+  const rounds = await allocationPerRound(allocatesOnePerStep, {
+    warmup: 0,
+    steps: 2000,
+    rounds: 2,
+    below: 1000,
+    withinMs: 200,
+  });
+  assert.ok(rounds.length > 2, `${rounds.length} rounds in 200 ms`);
+  assert.ok(
+    leastAllocation(rounds).bytes > 2000 * 12,
+    `${leastAllocation(rounds).bytes} bytes over 2,000 objects`,
+  );
 });
 
 test("allocationPerRound finds ~0 in a loop that allocates nothing, its own messages not counted", async () => {
@@ -23,7 +36,7 @@ test("allocationPerRound finds ~0 in a loop that allocates nothing, its own mess
       (i) => {
         buf[i & 15] = (buf[(i + 1) & 15] ?? 0) + 1;
       },
-      { warmup: 5000, steps: 2000, rounds: 3 },
+      { warmup: 5000, steps: 2000, rounds: 3, below: 256 },
     ),
   );
   assert.ok(least.bytes < 256, `${least.bytes} bytes: ${least.sites}`);

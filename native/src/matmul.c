@@ -18,7 +18,10 @@
  * of memory): without it decode read 19 GB/s of bf16 on one core, with it 28. One row on bf16
  * weights (batch-1 decode) widens a pair of weights a 32-bit lane by an AND and a shift against x
  * split into its even and odd values (bp_tile): from L2, one core, 115–123 GB/s of weights became
- * 142–164 (native/test/decode-bench.sh, CACHED=1).
+ * 142–164 (native/test/decode-bench.sh, CACHED=1). At batch 1 on AVX-512 a bf16 or Q8_0 tile is
+ * one weight row, so a thread reads its chunk in address order rather than 8 or 4 rows side by
+ * side: the step's matmuls read 1.12× as fast in decode-bench.sh (bf16 and Q8_0), and batch-1
+ * decode ran 1.12× (bf16) and 1.24× (Q8_0) in `kvfence bench model --baseline` (docs/benchmarks.md §17).
  *
  * Q8_0/Q4_0 weights are multiplied as integers against x quantised per 32-block as quantizeRowsQ8
  * in the WebAssembly kernels (d = amax/127, q = x·(1/d) rounded to nearest even), with vpdpbusd
@@ -432,7 +435,10 @@ static void fcols_streamed_bf16(const float *x, int32_t rows, int32_t K, const u
  * go to their own accumulators, summed at the end. Each weight widened exactly and each product
  * fused-multiply-added in f32 as in ftile.
  */
-#define BP_NR (MM_W == 16 ? 8 : 4)
+/* Weight rows a tile: on AVX-512 one, so a tile reads one stretch of memory in order, which the
+   prefetchers follow better than rows read side by side (native/test/decode-bench.sh, paired by
+   round: 1.14× the 8-row tile, 2-row 0.82×); the AVX2 level keeps 4 (not measured there). */
+#define BP_NR (MM_W == 16 ? 1 : 4)
 /* Largest in_dim split on the stack (floats); longer rows take fcols_streamed. */
 #define BP_MAX_K 8192
 
@@ -715,7 +721,11 @@ KF_INLINE void qcols_streamed(const int dt, const uint8_t *xp, int32_t rows, int
 #define QS_CASE(MR)                                                                                     \
   for (; j + QS_NR <= c1; j += QS_NR) qtile_streamed(MR, QS_NR, dt, xq, xl, xo, K, w + j * wsb, wsb, out + j, os); \
   for (; j < c1; j++) qtile_streamed(MR, 1, dt, xq, xl, xo, K, w + j * wsb, wsb, out + j, os);
-  if (rn == 1) {
+  if (rn == 1 && MM_W == 16 && dt == KF_Q8_0) {
+    /* one weight row a tile, read in order (as BP_NR): 1.25× the 4-row tile here; Q4_0, whose tile
+       does more work a byte, ran 0.79× so and keeps 4 */
+    for (; j < c1; j++) qtile_streamed(1, 1, dt, xq, xl, xo, K, w + j * wsb, wsb, out + j, os);
+  } else if (rn == 1) {
     QS_CASE(1)
   } else if (rn == 2) {
     QS_CASE(2)

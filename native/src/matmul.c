@@ -20,8 +20,9 @@
  * split into its even and odd values (bp_tile): from L2, one core, 115–123 GB/s of weights became
  * 142–164 (native/test/decode-bench.sh, CACHED=1). At batch 1 on AVX-512 a bf16 or Q8_0 tile is
  * one weight row, so a thread reads its chunk in address order rather than 8 or 4 rows side by
- * side: the step's matmuls read 1.12× as fast in decode-bench.sh (bf16 and Q8_0), and batch-1
- * decode ran 1.12× (bf16) and 1.24× (Q8_0) in `kvfence bench model --baseline` (docs/benchmarks.md §17).
+ * side: the step's matmuls read 1.11–1.14× (bf16) and 1.12–1.25× (Q8_0) as fast in
+ * decode-bench.sh, and batch-1 decode ran 1.12× (bf16, fast memory; 1.0× when the VM's memory was
+ * slow) and 1.16–1.24× (Q8_0) in `kvfence bench model --baseline` (docs/benchmarks.md §17).
  *
  * Q8_0/Q4_0 weights are multiplied as integers against x quantised per 32-block as quantizeRowsQ8
  * in the WebAssembly kernels (d = amax/127, q = x·(1/d) rounded to nearest even), with vpdpbusd

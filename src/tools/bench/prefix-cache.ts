@@ -30,6 +30,7 @@ import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { Command } from "commander";
 import { mean, pairedRatio, type RatioInterval, type Summary, summarize } from "../../lib/stats.js";
+import { runPool } from "../probe/probe-run.js";
 import { serveArgsOf } from "./arm-load.js";
 import { positiveInt } from "./bench-cli.js";
 import {
@@ -143,15 +144,6 @@ function armArgs(
   return ["--prefix-cache", "on", ...own];
 }
 
-/** Runs `jobs` with at most `limit` at once. */
-async function bounded(limit: number, jobs: readonly (() => Promise<void>)[]): Promise<void> {
-  let next = 0;
-  const worker = async (): Promise<void> => {
-    while (next < jobs.length) await jobs[next++]!();
-  };
-  await Promise.all(Array.from({ length: Math.min(limit, jobs.length) }, worker));
-}
-
 /** One arm's round: turn by turn, every session's turn t (at most `concurrency` at once) before any t + 1. */
 async function runRound(
   url: string,
@@ -187,7 +179,7 @@ async function runRound(
           ]
         : [],
     );
-    await bounded(concurrency, jobs);
+    await runPool(jobs, concurrency, (job) => job());
   }
   return outcomes;
 }

@@ -10,6 +10,7 @@
  */
 import { buildPrompt, CanaryFactory, CanaryIndex, checkTemplates, Rng } from "../probe/canary.js";
 import { type ChatOutcome, postChat } from "../probe/chat-client.js";
+import { runPool } from "../probe/probe-run.js";
 
 const PLAIN = [
   "Tell me about item number {n} please.",
@@ -116,20 +117,15 @@ function leaks(w: Workload, tenant: number, out: ChatOutcome): string[] {
 
 /** Every prompt once, on the fault-free server at `url`: fills `w.reference`; throws on a failure or leak. */
 export async function reference(w: Workload, url: string, concurrency: number): Promise<void> {
-  let next = 0;
-  const worker = async () => {
-    while (next < w.prompts.length) {
-      const p = w.prompts[next++]!;
-      const out = await send(w, url, p, false, 120_000);
-      if (out.status !== 200)
-        throw new Error(`The fault-free reference of ${p.id} failed: ${out.status} ${out.error}`);
-      const leaked = leaks(w, p.tenant, out);
-      if (leaked.length > 0)
-        throw new Error(`The fault-free reference of ${p.id} leaked: ${leaked.join(", ")}`);
-      w.reference.set(p.id, out.text);
-    }
-  };
-  await Promise.all(Array.from({ length: concurrency }, worker));
+  await runPool(w.prompts, concurrency, async (p) => {
+    const out = await send(w, url, p, false, 120_000);
+    if (out.status !== 200)
+      throw new Error(`The fault-free reference of ${p.id} failed: ${out.status} ${out.error}`);
+    const leaked = leaks(w, p.tenant, out);
+    if (leaked.length > 0)
+      throw new Error(`The fault-free reference of ${p.id} leaked: ${leaked.join(", ")}`);
+    w.reference.set(p.id, out.text);
+  });
 }
 
 /**

@@ -172,7 +172,11 @@ export async function getJson(
   }
 }
 
-/** Run `fn` over `items` with at most `limit` in flight; results in input order. */
+/**
+ * Run `fn` over `items` with at most `limit` in flight; results in input order. Also the bench's and
+ * chaos's work lists. Hand-written (eight lines) because the probe imports no npm package
+ * (src/import-rules.test.ts), so that it runs against any server from a bare checkout.
+ */
 export async function runPool<T, R>(
   items: readonly T[],
   limit: number,

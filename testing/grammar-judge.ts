@@ -1,7 +1,7 @@
 /**
  * For the grammar tests (src/grammar/): whether xgrammar accepts a text under an EBNF grammar
- * (xgrammar as the judge of grammars kvfence writes), and a seeded generator so that a failure
- * names a reproducible case.
+ * (xgrammar as the judge of grammars kvfence writes). Their random cases come from a seeded
+ * `Prng` (src/lib/prng.ts), so that a failure names a reproducible case.
  */
 import { loadXgrammar } from "../src/grammar/xgrammar-binding.js";
 
@@ -14,16 +14,4 @@ export async function accepts(ebnf: string, text: string): Promise<boolean> {
   } finally {
     grammar.dispose();
   }
-}
-
-/** A deterministic generator of numbers in [0, 1) (mulberry32). */
-export function seededRandom(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
 }

@@ -6,8 +6,9 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { Ajv } from "ajv";
-import { accepts, seededRandom as random } from "../../testing/grammar-judge.js";
+import { accepts } from "../../testing/grammar-judge.js";
 import { KvfenceError } from "../lib/errors.js";
+import { Prng } from "../lib/prng.js";
 import { jsonSchemaEbnf } from "./json-schema-ebnf.js";
 import { decimal, FRACTION_DIGITS, numberBounds } from "./number-range-ebnf.js";
 import { loadXgrammar } from "./xgrammar-binding.js";
@@ -58,7 +59,8 @@ const CASES: Record<string, unknown>[] = [
 ];
 
 test("numberBounds() with jsonSchemaEbnf(): a bounded number's grammar accepts exactly the values ajv finds within the bounds", async () => {
-  const next = random(7);
+  const rng = new Prng(7);
+  const next = (): number => rng.next();
   for (const bounds of CASES) {
     const schema = { type: "number", ...bounds };
     const valid = ajv.compile(schema);

@@ -11,7 +11,13 @@
  * Other decoders (SentencePiece byte fallback, Metaspace, …) need the Hugging Face decoder for
  * their text: no table (`packTokenTable` returns null) and the main thread builds the tokenizer.
  */
-import { ByteLevelStreamDecoder, type ModelTokenizer, type StreamDecoder } from "./tokenizer.js";
+import {
+  ByteLevelStreamDecoder,
+  type ModelTokenizer,
+  packedToken,
+  pieceOf,
+  type StreamDecoder,
+} from "./tokenizer.js";
 
 /** Every id's raw bytes (an added token's as its UTF-8 text) back to back, and which ids are special. */
 export interface TokenTable {
@@ -21,10 +27,6 @@ export interface TokenTable {
   readonly offsets: Uint32Array;
   readonly specialIds: Int32Array;
 }
-
-const EMPTY_BYTES = new Uint8Array(0);
-/** Decodes one token's bytes alone (never streaming, so it holds no state between calls). */
-const PIECE_DECODER = new TextDecoder("utf-8", { fatal: false, ignoreBOM: true });
 
 /** The table of `tokenizer`'s vocabulary; null unless it is byte-level. */
 export function packTokenTable(tokenizer: ModelTokenizer): TokenTable | null {
@@ -55,15 +57,11 @@ export class TableTokenizer {
 
   /** As `ModelTokenizer.tokenBytes`: "" for special tokens when skipped and for unknown ids. */
   tokenBytes(id: number, skipSpecialTokens: boolean): Uint8Array {
-    if (!Number.isInteger(id) || id < 0 || id >= this.#table.numIds) return EMPTY_BYTES;
-    if (skipSpecialTokens && this.#special.has(id)) return EMPTY_BYTES;
-    const { bytes, offsets } = this.#table;
-    return bytes.subarray(offsets[id], offsets[id + 1]);
+    return packedToken(this.#table, this.#special, id, skipSpecialTokens);
   }
 
   tokenPiece(id: number): { text: string; bytes: Uint8Array } {
-    const bytes = this.tokenBytes(id, false);
-    return { text: PIECE_DECODER.decode(bytes), bytes };
+    return pieceOf(this.tokenBytes(id, false));
   }
 
   streamDecoder(options?: { skipSpecialTokens?: boolean }): StreamDecoder {

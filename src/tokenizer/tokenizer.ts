@@ -171,7 +171,7 @@ export class ModelTokenizer {
     const bytes = this.#byteLevel
       ? this.tokenBytes(id, false)
       : new TextEncoder().encode(this.decode([id], { skipSpecialTokens: false }));
-    return { text: PIECE_DECODER.decode(bytes), bytes };
+    return pieceOf(bytes);
   }
 
   /** Whether ids decode to their tokens' raw bytes (tokenizer.json's decoder is `ByteLevel`). */
@@ -187,10 +187,7 @@ export class ModelTokenizer {
 
   /** Raw bytes of one byte-level token ("" for special tokens when skipped and unknown ids). */
   tokenBytes(id: number, skipSpecialTokens: boolean): Uint8Array {
-    if (skipSpecialTokens && this.#specialIds.has(id)) return EMPTY_BYTES;
-    const { bytes, offsets } = this.packedTokenBytes();
-    if (!Number.isInteger(id) || id < 0 || id >= offsets.length - 1) return EMPTY_BYTES;
-    return bytes.subarray(offsets[id], offsets[id + 1]);
+    return packedToken(this.packedTokenBytes(), this.#specialIds, id, skipSpecialTokens);
   }
 
   /**
@@ -236,6 +233,27 @@ export interface StreamDecoder {
   push(id: number): string;
   /** Whatever is still held at the end of the sequence (incomplete bytes become U+FFFD). */
   flush(): string;
+}
+
+/**
+ * Id `id`'s bytes in a vocabulary packed as `ModelTokenizer.packedTokenBytes` gives it ("" for an
+ * unknown id, and for a special one when skipped); the table's reader too (token-table.ts).
+ */
+export function packedToken(
+  packed: { readonly bytes: Uint8Array; readonly offsets: Uint32Array },
+  specialIds: ReadonlySet<number>,
+  id: number,
+  skipSpecialTokens: boolean,
+): Uint8Array {
+  const { bytes, offsets } = packed;
+  if (!Number.isInteger(id) || id < 0 || id >= offsets.length - 1) return EMPTY_BYTES;
+  if (skipSpecialTokens && specialIds.has(id)) return EMPTY_BYTES;
+  return bytes.subarray(offsets[id], offsets[id + 1]);
+}
+
+/** A token's piece for log-probabilities: its bytes and their text decoded alone. */
+export function pieceOf(bytes: Uint8Array): { text: string; bytes: Uint8Array } {
+  return { text: PIECE_DECODER.decode(bytes), bytes };
 }
 
 /** Streams a byte-level vocabulary's tokens: each token's raw bytes into one streaming `TextDecoder`. */

@@ -260,6 +260,15 @@ KF_INLINE float hsum8(__m256 a) {
 /* Bytes ahead (rounded up to whole weight rows) that the streamed tiles prefetch. */
 #define PF_BYTES 8192
 static inline int64_t prefetch_ahead(int64_t wsb) { return (PF_BYTES + wsb - 1) / wsb * wsb; }
+/*
+ * The hint of the float tiles' weight prefetch in decode: non-temporal, as a step reads each weight
+ * line once. Batch-1 decode against T0, `kvfence bench model --baseline` (12 paired repeats, 95%
+ * CIs; docs/benchmarks.md §18): bf16 1.116 (1.090–1.143), f16 1.006 (0.977–1.035). Not measured:
+ * why. On this Zen VM a line that leaves L2 is written into the L3 (a victim cache) whether it is
+ * needed again or not; a non-temporal line may skip that. The Q8_0/Q4_0 tiles keep T0: NTA ran
+ * 0.986 (0.926–1.049) and 0.969 (0.909–1.032) there.
+ */
+#define PF_STREAM _MM_HINT_NTA
 
 /* MM_W weights of row `row` from index k, widened to f32; wload_n: the first n (< MM_W), the rest 0. */
 KF_INLINE vf wload(const int dt, const uint8_t *row, int32_t k) {
@@ -306,7 +315,7 @@ KF_INLINE void ftile(const int MR, const int NR, const int dt, const int PF, con
     for (int r = 0; r < MR; r++) xv[r] = vf_load(x + r * xs + k);
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++) {
-      if (PF && (es == 4 || (k & MM_W) == 0)) _mm_prefetch((const char *)w + c * wsb + (int64_t)k * es + pfd, _MM_HINT_T0);
+      if (PF && (es == 4 || (k & MM_W) == 0)) _mm_prefetch((const char *)w + c * wsb + (int64_t)k * es + pfd, PF_STREAM);
       vf wv = wload(dt, w + c * wsb, k);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; r++) acc[r][c] = vf_fma(xv[r], wv, acc[r][c]);
@@ -474,7 +483,7 @@ KF_INLINE void bp_tile(const int NR, const float *xd, int32_t K, const uint8_t *
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++) {
       const uint8_t *p = w + c * wsb + 2 * (int64_t)k;
-      if (MM_W == 16 || (k & (2 * MM_W)) == 0) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
+      if (MM_W == 16 || (k & (2 * MM_W)) == 0) _mm_prefetch((const char *)p + pfd, PF_STREAM);
       const vi v = vi_load(p);
       ae[c] = vf_fma(xe, bp_even(v), ae[c]);
       ao[c] = vf_fma(xo, bp_odd(v), ao[c]);

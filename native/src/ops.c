@@ -11,6 +11,10 @@
 
 #include "kvfence-kernels.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 void KF_FN(add)(float *out, const float *a, const float *b, int32_t n) {
   for (int32_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
@@ -124,6 +128,34 @@ static inline uint16_t kf_f16_bits(uint32_t b) {
   return (uint16_t)(sign | h);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KV_W 16
+/* kf_f16_bits of 16 values: vcvtps2ph (nearest, ties to even, subnormals exact), then what it
+   writes as ±inf (an infinity, or past 65504) saturated to ±65504 and a NaN made sign | 0x7e00. */
+static inline __m256i kv_f16x16(const float *p) {
+  const __m512 v = _mm512_loadu_ps(p);
+  const __m512i b = _mm512_castps_si512(v);
+  const __m256i sign = _mm256_and_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)), _mm256_set1_epi16((short)0x8000));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 inf = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x7c00));
+  h = _mm256_mask_mov_epi16(h, inf, _mm256_or_si256(sign, _mm256_set1_epi16(0x7bff)));
+  return _mm256_mask_mov_epi16(h, nan, _mm256_or_si256(sign, _mm256_set1_epi16(0x7e00)));
+}
+/* kf_bf16_bits of 16 values, in 32-bit lanes, then narrowed. */
+static inline __m256i kv_bf16x16(const float *p) {
+  const __m512i b = _mm512_loadu_si512((const void *)p);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd), 16);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+/* The KV write: one row of n values rounded to the pool's dtype (kf_f16_bits, kf_bf16_bits; a
+   vector of them at a time on AVX-512: the scalar rounding was 1 µs a 192-value row, 8% of a
+   512-token prefill). */
 void KF_FN(kv_store)(uint8_t *dst, const float *src, int32_t n, int kv_dtype) {
   if (kv_dtype == KF_KV_F32) {
     memmove(dst, src, (size_t)n * 4);
@@ -131,9 +163,16 @@ void KF_FN(kv_store)(uint8_t *dst, const float *src, int32_t n, int kv_dtype) {
   }
   uint16_t *d = (uint16_t *)dst;
   const uint32_t *s = (const uint32_t *)src;
+  int32_t i = 0;
+#ifdef KV_W
+  for (; i + KV_W <= n; i += KV_W) {
+    const __m256i h = kv_dtype == KF_KV_F16 ? kv_f16x16(src + i) : kv_bf16x16(src + i);
+    _mm256_storeu_si256((__m256i *)(d + i), h);
+  }
+#endif
   if (kv_dtype == KF_KV_F16) {
-    for (int32_t i = 0; i < n; i++) d[i] = kf_f16_bits(s[i]);
+    for (; i < n; i++) d[i] = kf_f16_bits(s[i]);
   } else {
-    for (int32_t i = 0; i < n; i++) d[i] = kf_bf16_bits(s[i]);
+    for (; i < n; i++) d[i] = kf_bf16_bits(s[i]);
   }
 }

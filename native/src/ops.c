@@ -4,7 +4,9 @@
  * WebAssembly kernels of the same names (src/kernels/assembly/index.ts). Plain loops written so the
  * compiler vectorises them for each ISA level this file is built for (independent lanes in small
  * arrays rather than one serial sum; exp as the same Cephes polynomial the WebAssembly kernels use,
- * arithmetic only, so it vectorises too). The glue has checked every pointer and size.
+ * arithmetic only, so it vectorises too), except the KV write's rounding, whose branches the
+ * compiler cannot vectorise: intrinsics on AVX-512, the scalar rounding elsewhere and for a row's
+ * tail. The glue has checked every pointer and size.
  */
 #include <math.h>
 #include <string.h>
@@ -135,17 +137,21 @@ static inline uint16_t kf_f16_bits(uint32_t b) {
 static inline __m256i kv_f16x16(const float *p) {
   const __m512 v = _mm512_loadu_ps(p);
   const __m512i b = _mm512_castps_si512(v);
-  const __m256i sign = _mm256_and_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)), _mm256_set1_epi16((short)0x8000));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m256i sign =
+      _mm256_and_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)), _mm256_set1_epi16((short)0x8000));
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __mmask16 inf = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x7c00));
+  const __mmask16 inf =
+      _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x7c00));
   h = _mm256_mask_mov_epi16(h, inf, _mm256_or_si256(sign, _mm256_set1_epi16(0x7bff)));
   return _mm256_mask_mov_epi16(h, nan, _mm256_or_si256(sign, _mm256_set1_epi16(0x7e00)));
 }
 /* kf_bf16_bits of 16 values, in 32-bit lanes, then narrowed. */
 static inline __m256i kv_bf16x16(const float *p) {
   const __m512i b = _mm512_loadu_si512((const void *)p);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd), 16);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));

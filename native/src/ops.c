@@ -132,6 +132,10 @@ static inline uint16_t kf_f16_bits(uint32_t b) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KV_W 16
+/* The lanes of 16 f32 bit patterns that are NaN. */
+static inline __mmask16 kv_nan16(__m512i b) {
+  return _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+}
 /* kf_f16_bits of 16 values: vcvtps2ph (nearest, ties to even, subnormals exact), then what it
    writes as ±inf (an infinity, or past 65504) saturated to ±65504 and a NaN made sign | 0x7e00. */
 static inline __m256i kv_f16x16(const float *p) {
@@ -139,8 +143,7 @@ static inline __m256i kv_f16x16(const float *p) {
   const __m512i b = _mm512_castps_si512(v);
   const __m256i sign =
       _mm256_and_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)), _mm256_set1_epi16((short)0x8000));
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __mmask16 nan = kv_nan16(b);
   __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __mmask16 inf =
       _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x7c00));
@@ -150,8 +153,7 @@ static inline __m256i kv_f16x16(const float *p) {
 /* kf_bf16_bits of 16 values, in 32-bit lanes, then narrowed. */
 static inline __m256i kv_bf16x16(const float *p) {
   const __m512i b = _mm512_loadu_si512((const void *)p);
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __mmask16 nan = kv_nan16(b);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd), 16);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
